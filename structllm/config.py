@@ -1,0 +1,77 @@
+"""Engine configuration: what the CLI, the offline API and the engine process share."""
+
+from __future__ import annotations
+
+import msgspec
+
+GiB = 1 << 30
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Settings of one engine. ``None`` means "derive from the model and the device".
+
+    - ``model``: a GGUF file, a Hugging Face directory, or ``None`` for the default model.
+    - ``max_model_len``: longest prompt + output, in tokens; capped by the model's context
+      length and by what the KV cache can hold.
+    - ``max_num_batched_tokens``: the per-step token budget; prompts longer than it are
+      prefilled in chunks.
+    - ``kv_cache_memory``: bytes for the KV pool. On CUDA the default is
+      ``gpu_memory_utilization`` of the memory left after loading the weights.
+    - ``attention_backend``: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or
+      ``"triton"`` (on CPU only with ``TRITON_INTERPRET=1``; for tests).
+    """
+
+    model: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if bs < 1 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two, got {bs}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 * GiB
+
+
+def parse_size(text: str) -> int:
+    """``"512M"``, ``"2G"``, ``"2GiB"`` or plain bytes -> bytes."""
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(s[-1:], 1)
+    if mult != 1:
+        s = s[:-1]
+    try:
+        value = float(s)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 512M, 2G or a byte count)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * mult)

@@ -1,0 +1,172 @@
+"""The engine loop's body: drain inputs, schedule, execute, emit one ``OutputBatch``.
+
+``EngineCore`` is synchronous and owns the model, the KV cache and the scheduler. The
+offline ``LLM`` calls it directly; the engine process drives it from its rings.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, GiB, EngineConfig
+from structllm.engine.kv_cache import KVCacheManager
+from structllm.engine.request import Request
+from structllm.engine.runner import ModelRunner
+from structllm.engine.sampler import Sampler
+from structllm.engine.scheduler import Scheduler
+from structllm.kernels.attention import get_attention_impl
+from structllm.model.loader import ModelFiles, load_model, prepare_model
+from structllm.protocol import (
+    Abort,
+    AddRequest,
+    EngineStats,
+    GetStats,
+    OutputBatch,
+    SamplingParams,
+    Shutdown,
+    TokenDelta,
+    ToEngine,
+)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but this torch build sees no CUDA device")
+    return device
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # CPUs without AVX-512 bf16 are slow at half precision
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
+        self.config = config
+        self.files = files or prepare_model(config.model)
+        mcfg = self.files.config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+
+        self.model = load_model(self.files, self.dtype, self.device)
+        self.model.attn_impl = get_attention_impl(config.attention_backend, self.device)
+
+        bs = config.block_size
+        block_bytes = mcfg.kv_bytes_per_token * bs * self.dtype.itemsize
+        self.num_blocks = self._kv_budget() // block_bytes
+        capacity = self.num_blocks * bs
+        limit = min(mcfg.max_position_embeddings, mcfg.sliding_window or 1 << 62)
+        want = config.max_model_len
+        if want is not None and want > limit:
+            raise ValueError(f"max_model_len {want} exceeds the model's context length {limit}")
+        if want is not None and want > capacity:
+            raise ValueError(
+                f"max_model_len {want} does not fit in the KV cache, which holds {capacity} tokens "
+                f"({self.num_blocks} blocks); raise kv_cache_memory or lower max_model_len"
+            )
+        self.max_model_len = want or min(limit, capacity)
+        if self.max_model_len < 2:
+            raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
+
+        self.eos_token_ids = self.files.generation_eos_ids
+        self.kv = KVCacheManager(self.num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.num_blocks, bs, Sampler(self.eos_token_ids, config.seed))
+        self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_MEMORY
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = total * (1.0 - self.config.gpu_memory_utilization) + 1 * GiB  # activations, logits
+        return max(0, int(free - reserve))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.files.config.vocab_size
+
+    # -- inputs ----------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Raise ``ValueError`` if this request can never run here."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {n} tokens, but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
+
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue a request. One that can never run is answered with an ``error`` delta in
+        the next batch instead (never left to spin)."""
+        try:
+            self.check_request(msg.prompt_token_ids, msg.sampling)
+            room = self.max_model_len - len(msg.prompt_token_ids)
+            max_tokens = min(msg.sampling.max_tokens or room, room)
+            req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            self._pending.append(TokenDelta(msg.request_id, [], "error", error=str(e)))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._pending += self.scheduler.abort(request_ids)
+
+    def handle(self, msg: ToEngine) -> bool:
+        """Apply one inbound message; returns False on ``Shutdown``."""
+        if isinstance(msg, AddRequest):
+            self.add_request(msg)
+        elif isinstance(msg, Abort):
+            self.abort(msg.request_ids)
+        elif isinstance(msg, Shutdown):
+            return False
+        elif isinstance(msg, GetStats):
+            pass  # the next batch carries fresh stats
+        return True
+
+    # -- the step --------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> OutputBatch:
+        sched = self.scheduler.schedule()
+        deltas, self._pending = self._pending, []
+        if sched.scheduled:
+            sampled, logprobs = self.runner.execute(sched)
+            deltas += self.scheduler.update(sched, sampled, logprobs)
+        return OutputBatch(deltas, self.stats(), time.time())
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.num_queried_tokens,
+            prefix_cache_hits=self.kv.num_hit_tokens,
+            num_preemptions=s.num_preemptions,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_generation_tokens=s.num_generation_tokens,
+        )

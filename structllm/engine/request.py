@@ -1,0 +1,83 @@
+"""One sequence's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+
+from structllm.protocol import FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """``token_ids`` is prompt + output; the KV of ``token_ids[:num_computed_tokens]`` is in
+    the cache. After a step the newest sampled token is not computed yet, so a running
+    request in decode has ``num_computed_tokens == len(token_ids) - 1``.
+
+    ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``. ``chain_ids[i]`` is the prefix
+    cache's identity of full block ``i`` (see ``KVCacheManager``).
+    """
+
+    __slots__ = (
+        "arrival_time",
+        "block_ids",
+        "chain_ids",
+        "error",
+        "finish_reason",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "prompt_len",
+        "request_id",
+        "sampling",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.prompt_len = len(prompt_token_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until admitted
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.chain_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,149 @@
+"""Token selection from a step's logits, one row per sampling request.
+
+Order of operations per row: sanitise NaN/Inf -> logprobs of the raw logits (if asked)
+-> ``min_tokens`` masks EOS and stop ids -> penalties -> greedy argmax, or temperature,
+top-k, top-p, min-p and a draw.
+
+Draws use the exponential-race form of categorical sampling: ``argmax(p / E)`` with
+``E ~ Exp(1)`` i.i.d. picks index ``i`` with probability ``p_i``. The noise of a
+request with a ``seed`` comes from its own generator, reseeded from
+``(seed, output index)`` at every token, so its tokens do not depend on what else is
+in the batch, nor on preemption and recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from structllm.engine.request import Request
+from structllm.protocol import TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, step: int) -> int:
+    """A 63-bit seed for one draw of one request (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Iterable[int], seed: int = 0) -> None:
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self._row_gen = torch.Generator()
+
+    def __call__(self, logits: Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``logits: [N, V]`` float32, row ``i`` for ``reqs[i]``. Returns the chosen ids and,
+        for requests that asked, their logprobs. ``logits`` may be modified."""
+        n, vocab = logits.shape
+        if not bool(torch.isfinite(logits).all()):
+            logits = _sanitise(logits)
+        lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+
+        for i, r in enumerate(reqs):
+            sp = r.sampling
+            if r.num_output_tokens < sp.min_tokens:
+                eos = [] if sp.ignore_eos else self.eos_token_ids
+                banned = [t for t in (*eos, *sp.stop_token_ids) if t < vocab]
+                if banned:
+                    logits[i, banned] = float("-inf")
+            if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+                _apply_penalties(logits[i], r)
+
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+        tokens = torch.empty(n, dtype=torch.long)
+        if len(greedy) == n:
+            tokens = logits.argmax(dim=-1)
+        else:
+            if greedy:
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
+            rand = [i for i in range(n) if not reqs[i].sampling.greedy]
+            tokens[rand] = self._draw(logits[rand], [reqs[i] for i in rand])
+        token_list: list[int] = tokens.tolist()
+
+        out_lp: list[TokenLogprobs | None] = [None] * n
+        if raw_logprobs is not None:
+            for j, i in enumerate(lp_rows):
+                k = reqs[i].sampling.logprobs or 0
+                row = raw_logprobs[j]
+                top = torch.topk(row, k) if k else None
+                out_lp[i] = TokenLogprobs(
+                    float(row[token_list[i]]),
+                    top.indices.tolist() if top is not None else [],
+                    top.values.tolist() if top is not None else [],
+                )
+        return token_list, out_lp
+
+    def _draw(self, logits: Tensor, reqs: list[Request]) -> Tensor:
+        """Random rows: temperature, top-k, top-p, min-p, then the exponential race."""
+        m, vocab = logits.shape
+        temps = torch.tensor([r.sampling.temperature for r in reqs], dtype=logits.dtype)
+        x = logits.div_(temps[:, None])
+
+        k_rows = [i for i, r in enumerate(reqs) if 0 < r.sampling.top_k < vocab]
+        if k_rows:
+            ks = torch.tensor([reqs[i].sampling.top_k for i in k_rows])
+            top = torch.topk(x[k_rows], int(ks.max()), dim=-1).values
+            kth = top.gather(1, (ks - 1)[:, None])  # [K, 1]
+            sub = x[k_rows]
+            x[k_rows] = sub.masked_fill(sub < kth, float("-inf"))
+
+        p_rows = [i for i, r in enumerate(reqs) if r.sampling.top_p < 1.0]
+        if p_rows:
+            ps = torch.tensor([reqs[i].sampling.top_p for i in p_rows], dtype=x.dtype)
+            sub = x[p_rows]
+            sorted_x, order = sub.sort(dim=-1, descending=True)
+            cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+            # drop a token when the mass before it already reaches top_p (keeps >= 1)
+            drop_sorted = (cum - sorted_x.softmax(dim=-1)) >= ps[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            x[p_rows] = sub.masked_fill(drop, float("-inf"))
+
+        probs = x.softmax(dim=-1)
+        minp_rows = [i for i, r in enumerate(reqs) if r.sampling.min_p > 0.0]
+        if minp_rows:
+            mp = torch.tensor([reqs[i].sampling.min_p for i in minp_rows], dtype=probs.dtype)
+            sub = probs[minp_rows]
+            sub = sub.masked_fill(sub < mp[:, None] * sub.max(dim=-1, keepdim=True).values, 0.0)
+            probs[minp_rows] = sub
+
+        noise = torch.empty(m, vocab, dtype=probs.dtype)
+        for i, r in enumerate(reqs):
+            seed = r.sampling.seed
+            if seed is None:
+                noise[i].exponential_(generator=self.generator)
+            else:
+                self._row_gen.manual_seed(_mix(seed, r.num_output_tokens))
+                noise[i].exponential_(generator=self._row_gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _sanitise(logits: Tensor) -> Tensor:
+    """NaN -> -inf, +inf -> the largest float; a row left with no finite value becomes
+    uniform, so one broken row cannot take the batch down."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    dead = ~torch.isfinite(logits).any(dim=-1)
+    if bool(dead.any()):
+        logits[dead] = 0.0
+    return logits
+
+
+def _apply_penalties(row: Tensor, req: Request) -> None:
+    """In place on one row ``[V]``. Repetition: prompt and output tokens (divide positive
+    logits, multiply negative ones). Presence/frequency: output tokens only."""
+    sp, vocab = req.sampling, row.shape[0]
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+    if (sp.presence_penalty or sp.frequency_penalty) and req.num_output_tokens:
+        out = torch.tensor([t for t in req.output_token_ids if t < vocab], dtype=torch.long)
+        counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+        row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)

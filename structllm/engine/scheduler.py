@@ -1,0 +1,183 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and
+preemption by recompute. Pure Python and deterministic; no model, no tensors.
+
+Each step: running requests first, in admission order, each taking the tokens it still
+needs (one for a decode, the rest of its prompt, capped by what is left of the budget,
+for a prefill); then, if nobody had to be preempted, waiting requests in arrival order
+while the budget, ``max_num_seqs`` and the KV pool allow. When a running request cannot
+get a block, the newest running request is preempted: its blocks are freed, it keeps its
+generated tokens, and it goes back to the front of the queue to be recomputed later
+(largely from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from structllm.engine.kv_cache import KVCacheManager
+from structllm.engine.request import Request, Status
+from structllm.protocol import FinishReason, TokenDelta, TokenLogprobs
+
+
+@dataclass
+class SchedulerOutput:
+    """``scheduled``: ``(request, num_new_tokens)`` in scheduling order. A request whose
+    new tokens reach the end of its known tokens samples one token this step."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def sampling_requests(self) -> list[Request]:
+        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests, cumulative
+        self.num_generation_tokens = 0
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()  # the newest, never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.lookup(req)
+            cached = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate(req, n, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission (not a resumed preemption)
+                req.num_cached_tokens = cached
+                self.kv.record_admission(req, cached)
+                self.num_prompt_tokens += req.prompt_len
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free_blocks(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # -- after the model ran -----------------------------------------------------------
+
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprobs] | None = None,
+    ) -> list[TokenDelta]:
+        """Advance the scheduled requests by what the step computed, append the sampled
+        tokens, finish requests that hit a stop condition, and describe it all."""
+        deltas: list[TokenDelta] = []
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            token = sampled.get(req.request_id)
+            if token is None:  # a prefill chunk that does not reach the end yet
+                continue
+            req.token_ids.append(token)
+            self.num_generation_tokens += 1
+            reason = self._stop_reason(req, token)
+            lp = logprobs.get(req.request_id) if logprobs else None
+            if reason is not None:
+                self._finish(req, reason)
+            deltas.append(
+                TokenDelta(
+                    req.request_id,
+                    [token],
+                    reason,
+                    [lp] if lp is not None else None,
+                    req.num_cached_tokens,
+                    req.stop_reason,
+                )
+            )
+        return deltas
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if req.num_output_tokens > sp.min_tokens:
+            if token in self.eos_token_ids and not sp.ignore_eos:
+                return "stop"
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+        if req.num_output_tokens >= req.max_tokens:
+            return "length"
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> list[TokenDelta]:
+        """Abort the given requests at once, returning all their blocks. Unknown or
+        finished ids are ignored."""
+        deltas = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, "abort")
+            deltas.append(TokenDelta(rid, [], "abort", None, max(req.num_cached_tokens, 0)))
+        return deltas
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.kv.free_blocks(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]

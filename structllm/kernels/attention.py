@@ -1,0 +1,108 @@
+"""The attention step of one layer over the paged KV cache, with a choice of kernels.
+
+A step's flat batch puts the decode sequences first (one token each) and the prefill
+chunks after them, so decode attention runs as one batched call over the first
+``num_decodes`` rows and prefill attention over the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from structllm.kernels import reference
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go and what they attend to (see ``reference`` for the
+    layout). Tensors live on the model's device; the ``*_list`` twins are host copies
+    for loops that would otherwise synchronise."""
+
+    slot_mapping: Tensor  # [T] int64
+    block_tables: Tensor  # [B, MB] int32
+    seq_lens: Tensor  # [B] int32, context after this step
+    query_start_loc: Tensor  # [B+1] int32
+    seq_lens_list: list[int]
+    query_start_list: list[int]
+    num_decodes: int  # sequences 0..num_decodes-1 each have exactly one query token
+    max_seq_len: int
+
+
+class AttentionImpl(Protocol):
+    """The three operations a kernel family provides (``reference`` is one)."""
+
+    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None: ...
+
+    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor: ...
+
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor: ...
+
+
+class TorchAttention:
+    """The reference operations; what the engine uses on CPU."""
+
+    name = "torch"
+
+    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        nd = meta.num_decodes
+        max_len = max(meta.seq_lens_list[:nd])
+        return reference.decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, max_len
+        )
+
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        nd = meta.num_decodes
+        starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
+        return reference.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_list[nd:], scale, k, v
+        )
+
+
+def attention(
+    impl: AttentionImpl,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """Store this step's ``k, v: [T, Hkv, D]`` in the cache, then attend with
+    ``q: [T, H, D]``; returns ``[T, H, D]``."""
+    impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decodes
+    if nd == q.shape[0]:
+        return impl.decode(q, k_cache, v_cache, meta, scale)
+    if nd == 0:
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale)
+    out[nd:] = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+    return out
+
+
+def get_attention_impl(name: str, device: torch.device) -> AttentionImpl:
+    """``"auto"`` picks Triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        try:
+            from structllm.kernels.triton_attention import TritonAttention
+        except ImportError as e:
+            raise ValueError(f"attention backend 'triton' is not available: {e}") from e
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")

@@ -1,0 +1,126 @@
+"""Paged attention in plain torch: the CPU path and the oracle for the Triton kernels.
+
+Shapes (T tokens in the step, B sequences, H query heads, Hkv KV heads, D head size,
+NB blocks of BS token slots each, MB block-table columns):
+
+- ``k_cache``, ``v_cache``: ``[NB, BS, Hkv, D]``; slot ``s`` is ``[s // BS, s % BS]``.
+- ``block_tables``: ``[B, MB]`` int32; column ``j`` is the block holding positions
+  ``j*BS .. j*BS+BS-1`` of that sequence; columns past the sequence are padding.
+- ``seq_lens[i]``: the context length of sequence ``i`` after this step, i.e. tokens
+  already cached plus this step's query tokens (which are stored before attending).
+
+GQA: query head ``h`` reads KV head ``h // (H // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write ``k, v: [T, Hkv, D]`` into the cache slots ``slot_mapping: [T]`` (int64)."""
+    nb, bs, hkv, d = k_cache.shape
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
+    """The first ``length`` positions of one sequence as a contiguous ``[length, Hkv, D]``."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    return cache[block_table[:nblocks]].flatten(0, 1)[:length]
+
+
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    max_seq_len: int,
+) -> Tensor:
+    """One query token per sequence: ``q: [B, H, D]`` -> ``[B, H, D]``.
+
+    Gathers whole blocks (``[B, MB', BS, Hkv, D]``, ``MB' = ceil(max_seq_len / BS)``),
+    masks the slots past each sequence's length, and runs one batched GQA attention.
+    """
+    b, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    nblocks = (max_seq_len + bs - 1) // bs
+    table = block_tables[:, :nblocks]
+    k = k_cache[table].view(b, nblocks * bs, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[table].view(b, nblocks * bs, hkv, d).transpose(1, 2)
+    valid = torch.arange(nblocks * bs, device=q.device) < seq_lens[:, None].to(torch.long)  # [B, L]
+    g = h // hkv
+    qg = q.view(b, hkv, g, d)  # heads of one KV group are adjacent
+    scores = torch.matmul(qg, k.transpose(2, 3)).mul_(scale)  # [B, Hkv, G, L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+
+
+def prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    k_new: Tensor | None = None,
+    v_new: Tensor | None = None,
+) -> Tensor:
+    """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
+
+    Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; they are
+    its last ``q_len`` positions out of ``seq_lens[i]``, so query row ``r`` may see keys
+    ``0 .. seq_lens[i] - q_len + r``. When a sequence's whole context is this step's
+    tokens (no cached prefix), ``k_new``/``v_new: [T, Hkv, D]`` are used directly and
+    the gather from the cache is skipped.
+    """
+    out = torch.empty_like(q)
+    for i in range(len(seq_lens)):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len, ctx = end - start, seq_lens[i]
+        if k_new is not None and v_new is not None and ctx == q_len:
+            k, v = k_new[start:end], v_new[start:end]
+        else:
+            k = gather_kv(k_cache, block_tables[i], ctx)
+            v = gather_kv(v_cache, block_tables[i], ctx)
+        out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
+    return out
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """``q: [Q, H, D]`` against ``k, v: [L, Hkv, D]`` with ``Q <= L``, where the queries are
+    the last ``Q`` positions (bottom-right aligned causal mask)."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    if q_len == ctx:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [Q, L]
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Textbook attention for the tests: ``q: [Q, H, D]``, ``k, v: [L, Hkv, D]``, queries
+    are the last ``Q`` of ``L`` positions. Computed in float64 with explicit loops over
+    heads, sharing no code with the paths above."""
+    q_len, h, d = q.shape
+    ctx, hkv, _ = k.shape
+    g = h // hkv
+    out = torch.empty(q_len, h, d, dtype=torch.float64)
+    for head in range(h):
+        qh = q[:, head].double()
+        kh, vh = k[:, head // g].double(), v[:, head // g].double()
+        s = qh @ kh.T * scale
+        for r in range(q_len):
+            s[r, ctx - q_len + r + 1 :] = float("-inf")
+        out[:, head] = torch.softmax(s, dim=-1) @ vh
+    return out.to(q.dtype)

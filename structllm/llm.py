@@ -1,0 +1,192 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+Runs the same ``EngineCore`` that the server drives, in this process, and the same
+detokenizer and stop-string handling as the front end.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
+
+import msgspec
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.model.loader import prepare_model
+from structllm.protocol import AddRequest, SamplingParams, TokenLogprobs
+from structllm.tokenizer import Detokenizer, Message, Tokenizer
+
+Prompt: TypeAlias = str | Sequence[int] | Sequence[Message]
+"""A text prompt, a list of token ids, or a chat (a list of ``{"role", "content"}``)."""
+
+
+class CompletionOutput(msgspec.Struct):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+
+class RequestOutput(msgspec.Struct):
+    """One prompt's result. ``num_cached_tokens`` counts prompt tokens served from the
+    prefix cache. ``text``, ``token_ids``, ``finish_reason`` and ``logprobs`` are those of
+    the first (with ``n == 1``, the only) completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
+
+class _Sequence:
+    """Book-keeping of one engine request (one of the ``n`` completions of a prompt)."""
+
+    def __init__(self, out: CompletionOutput, detok: Detokenizer, owner: RequestOutput) -> None:
+        self.out, self.detok, self.owner = out, detok, owner
+        self.pieces: list[str] = []
+
+
+class LLM:
+    """Offline generation. Keyword arguments are ``EngineConfig`` fields, e.g.
+    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        files = prepare_model(model)
+        self.tokenizer = Tokenizer.from_files(files)
+        self.engine = EngineCore(self.config, files)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one or many prompts in one continuously batched run. Returns one
+        ``RequestOutput`` per prompt, in order. Raises ``ValueError`` naming the prompt
+        if one can never run (empty, too long, ids outside the vocabulary)."""
+        items = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(items))
+        encoded = [self._encode(p) for p in items]
+        for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
+            try:
+                self.engine.check_request(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        results: list[RequestOutput] = []
+        live: dict[str, _Sequence] = {}
+        for p, ids, sp in zip(items, encoded, params, strict=True):
+            res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
+            results.append(res)
+            for j in range(sp.n):
+                seq_sp = sp
+                if sp.n > 1:
+                    seed = None if sp.seed is None else sp.seed + j
+                    seq_sp = msgspec.structs.replace(sp, n=1, seed=seed)
+                rid = f"{res.request_id}-{j}"
+                out = CompletionOutput(j, "", [], None, logprobs=[] if sp.logprobs is not None else None)
+                res.outputs.append(out)
+                detok = Detokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
+                live[rid] = _Sequence(out, detok, res)
+                self.engine.add_request(AddRequest(rid, ids, seq_sp))
+        try:
+            while live:
+                for delta in self.engine.step().outputs:
+                    seq = live.get(delta.request_id)
+                    if seq is None:
+                        continue  # e.g. the abort echo of a stop-string finish
+                    if delta.error is not None:
+                        raise RuntimeError(f"engine refused request: {delta.error}")
+                    seq.owner.num_cached_tokens = delta.num_cached_tokens
+                    seq.out.token_ids += delta.new_token_ids
+                    if delta.logprobs and seq.out.logprobs is not None:
+                        seq.out.logprobs += delta.logprobs
+                    text, stopped = seq.detok.add(delta.new_token_ids)
+                    seq.pieces.append(text)
+                    if stopped:
+                        self.engine.abort([delta.request_id])
+                        self._close(seq, "stop", seq.detok.stop_str)
+                        del live[delta.request_id]
+                    elif delta.finish_reason is not None:
+                        self._close(seq, delta.finish_reason, delta.stop_reason)
+                        del live[delta.request_id]
+        finally:
+            if live:  # interrupted: leave nothing running in the engine
+                self.engine.abort(list(live))
+        return results
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` for one chat or a list of chats."""
+        if messages and isinstance(messages[0], Mapping):
+            return self.generate([messages], sampling_params)  # type: ignore[list-item]
+        return self.generate(list(messages), sampling_params)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _close(seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.pieces.append(seq.detok.finish())
+        seq.out.text = "".join(seq.pieces)
+        seq.out.finish_reason = reason
+        seq.out.stop_reason = stop_reason
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and isinstance(prompt[0], Mapping):
+            return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+        return [int(t) for t in prompt]  # type: ignore[arg-type]
+
+
+def _is_single(p: Any) -> bool:
+    if isinstance(p, str):
+        return True
+    if isinstance(p, Sequence) and p and (isinstance(p[0], Mapping) or isinstance(p[0], int)):
+        return True
+    return False
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if _is_single(prompts):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a string, token ids, chat messages or a list of them, got {type(prompts).__name__}")
+    out = list(prompts)
+    for i, p in enumerate(out):
+        if not _is_single(p):
+            raise TypeError(f"prompt {i} is not a string, a non-empty list of token ids or a chat: {p!r:.80}")
+    return out  # type: ignore[return-value]
+
+
+def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    out = list(sp)
+    if len(out) != n:
+        raise ValueError(f"got {len(out)} SamplingParams for {n} prompts")
+    return out

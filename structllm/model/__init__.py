@@ -1,0 +1,1 @@
+"""Model definitions and loading. Importing this package does not import torch."""

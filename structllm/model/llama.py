@@ -1,0 +1,143 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+The forward pass takes one flat batch of ``T`` tokens from many sequences (prefill
+chunks and decode tokens mixed, see ``kernels.attention``) and returns hidden states
+``[T, hidden]``; logits are computed only for the rows that will be sampled.
+
+Two layout choices cut the number of ops per layer, which dominates single-stream
+latency on a CPU:
+- q/k/v are one matmul (``qkv_proj``) and gate/up another (``gate_up_proj``).
+- Rotary pairs are interleaved within each q/k head (``(x0, x1), (x2, x3), ...``, the
+  GGUF layout), so rotation is one complex multiply. Hugging Face checkpoints store the
+  pairs as halves (``x_i`` with ``x_{i+D/2}``); the loader permutes their q/k rows.
+  Attention scores are unchanged, since q and k are permuted alike and v is not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from structllm.kernels.attention import AttentionImpl, AttentionMetadata, TorchAttention, attention
+from structllm.model.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies ``[D/2]`` (float64), with Llama 3 / linear scaling if set."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; expected default, linear or llama3")
+    return inv
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate interleaved pairs of ``x: [T, n, D]`` by ``rope: [T, 1, D/2]`` (complex64).
+    Rotation runs in float32 whatever the model's dtype (torch has no bf16 complex)."""
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, n, D/2]
+    return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.eps = cfg.rms_norm_eps
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_layernorm = p(h)
+        self.qkv_proj = p(qkv_out, h)
+        self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
+        self.o_proj = p(h, cfg.num_heads * hd)
+        self.post_attention_layernorm = p(h)
+        self.gate_up_proj = p(2 * cfg.intermediate_size, h)
+        self.down_proj = p(h, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+    ) -> Tensor:
+        t = x.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
+        qk = apply_rope(qkv[:, : nh + nkv], rope)  # q and k rotated together
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, nh + nkv :]
+        o = attention(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5)  # [T, nh, D]
+        x = x + F.linear(o.reshape(t, nh * hd), self.o_proj)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
+        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate).mul_(up), self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    """Weights and forward pass. Parameters are created empty; the loader fills them."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        self.attn_impl: AttentionImpl = TorchAttention()
+        self._rope_cache: Tensor | None = None
+
+    def rope_table(self, max_positions: int) -> Tensor:
+        """``[max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``."""
+        if self._rope_cache is None or self._rope_cache.shape[0] < max_positions:
+            inv = rope_inv_freq(self.cfg)
+            angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+            table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+            self._rope_cache = table.to(self.embed_tokens.device)
+        return self._rope_cache
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
+        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer)."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        table = self.rope_table(int(meta.max_seq_len))
+        rope = table[positions].unsqueeze(1)  # [T, 1, D/2]
+        for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kc, vc, meta, self.attn_impl)
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()

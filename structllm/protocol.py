@@ -1,0 +1,187 @@
+"""Every type that crosses the front end / engine process boundary.
+
+All are frozen ``msgspec.Struct``s. Messages on the rings are tagged unions (the tag is
+the class name), so one ``Decoder`` per direction decodes any of them; the per-step hot
+types are ``array_like`` (encoded as msgpack arrays, no field names on the wire) and
+``gc=False`` (they hold no reference cycles).
+
+``SamplingParams`` doubles as the user-facing type of the offline API
+(``structllm.SamplingParams``); its ``__post_init__`` rejects bad values with a
+``ValueError`` naming the field, which msgspec turns into a ``ValidationError`` when a
+frame is decoded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to sample one sequence. Defaults follow vLLM's ``SamplingParams``.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters. Presence and frequency penalties apply to generated tokens (OpenAI's
+    definition); the repetition penalty applies to prompt and generated tokens (the
+    Hugging Face / CTRL definition). ``logprobs=N`` returns the sampled token's logprob
+    and the N most likely alternatives, computed from the model's raw logits.
+    ``stop`` strings are handled by the detokenizing layer, the rest by the engine.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{field} {why}")
+
+        if self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not (-2.0 <= v <= 2.0):
+                raise bad(name, f"must be in [-2, 2], got {v}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative token ids")
+        if any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
+            raise bad("seed", "must fit in 64 bits")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+# ---------------------------------------------------------------------------------------
+# front end -> engine
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Idempotent: ids that are unknown or already finished are ignored."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class GetStats(msgspec.Struct, frozen=True, tag=True):
+    """Ask the engine to emit an ``OutputBatch`` with fresh stats even when idle."""
+
+
+ToEngine = AddRequest | Abort | Shutdown | GetStats
+
+
+# ---------------------------------------------------------------------------------------
+# engine -> front end
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Logprob of one sampled token and its ``top_ids``/``top_logprobs`` alternatives
+    (most likely first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What one engine step did for one request.
+
+    ``finish_reason`` is set on the request's last delta. ``stop_reason`` is the stop
+    token id that ended it, if any. ``error`` explains ``finish_reason == "error"``
+    (a request the engine refused, e.g. a prompt that can never fit).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    stop_reason: int | None = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Scheduler and KV cache state after a step; counters are cumulative."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    outputs: list[TokenDelta]
+    stats: EngineStats
+    timestamp: float = 0.0
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag=True):
+    """The engine's handshake once the model is loaded."""
+
+    protocol_version: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class EngineError(msgspec.Struct, frozen=True, tag=True):
+    """The engine hit a fault it cannot recover from; it exits after sending this."""
+
+    message: str
+
+
+FromEngine = OutputBatch | EngineReady | EngineError

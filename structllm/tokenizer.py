@@ -1,0 +1,195 @@
+"""Tokenizer, chat template, incremental detokenization and stop strings.
+
+These live on the front-end side of the process boundary (as in vLLM v1): the engine
+only sees token ids. Built on the ``tokenizers`` library (``tokenizer.json``) and a
+sandboxed Jinja environment for chat templates, so importing this module does not pull
+in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from structllm.model.loader import ModelFiles, TokenizerMeta
+
+REPLACEMENT_CHAR = "\ufffd"
+
+Message = Mapping[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template could not render these messages."""
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: str, meta: TokenizerMeta, eos_token_ids: Sequence[int] = ()) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_file(tokenizer_json)
+        self.meta = meta
+        ids = set(eos_token_ids)
+        if meta.eos_token is not None and (eid := self._tok.token_to_id(meta.eos_token)) is not None:
+            ids.add(eid)
+        self.eos_token_ids: list[int] = sorted(ids)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._template: Any = None
+
+    @classmethod
+    def from_files(cls, files: ModelFiles) -> Tokenizer:
+        return cls(str(files.tokenizer_json), files.tokenizer_meta, files.generation_eos_ids)
+
+    # -- text <-> ids ----------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.meta.bos_token
+        if add_special_tokens and self.meta.add_bos_token and bos is not None:
+            bos_id = self._tok.token_to_id(bos)
+            if bos_id is not None and (not ids or ids[0] != bos_id):
+                ids.insert(0, bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_to_str(self, token_id: int) -> str:
+        """The vocabulary entry of one id (raw, e.g. ``Ġthe``), or ``""`` if unknown."""
+        return self._tok.id_to_token(token_id) or ""
+
+    # -- chat ------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (dicts with ``role`` and ``content``) to the prompt text.
+        Raises ``ChatTemplateError`` if the model has no template or it fails."""
+        if self._template is None:
+            if not self.meta.chat_template:
+                raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
+            try:
+                self._template = _jinja_env().from_string(self.meta.chat_template)
+            except Exception as e:
+                raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+        try:
+            rendered: str = self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.meta.bos_token or "",
+                eos_token=self.meta.eos_token or "",
+            )
+        except Exception as e:
+            raise ChatTemplateError(f"the chat template failed to render these messages: {e}") from e
+        return rendered
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        # The template already writes the special tokens it wants (as Hugging Face does).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _jinja_env() -> Any:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+        return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class Detokenizer:
+    """Turns one request's output ids into text, incrementally, and applies stop strings.
+
+    ``add(ids)`` returns ``(text_delta, stopped)``. The concatenated deltas plus
+    ``finish()`` equal ``tokenizer.decode(all_ids)`` cut at the first stop string: text
+    is decoded over a window starting a few tokens back (``prefix``) so tokens whose
+    bytes combine into one character, or whose leading space depends on context, come
+    out as a one-shot decode would; a window that ends in an incomplete UTF-8 sequence
+    (U+FFFD at the end) is held until the next token completes it. When stop strings are
+    set, a tail that could be the start of one is held back until it is decided.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tok = tokenizer
+        self.stop = list(stop)
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (cut at a stop string once one matched)
+        self.emitted = 0  # len(text) already returned
+        self.prefix = 0  # ids[prefix:read] decode to the tail the window is measured from
+        self.read = 0
+        self.stopped = False
+        self.stop_str: str | None = None
+
+    def add(self, new_ids: Sequence[int]) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self.ids.extend(new_ids)
+        before = self.tok.decode(self.ids[self.prefix : self.read], self.skip_special)
+        window = self.tok.decode(self.ids[self.prefix :], self.skip_special)
+        if len(window) > len(before) and not window.endswith(REPLACEMENT_CHAR):
+            self._append(window[len(before) :])
+            self.prefix, self.read = self.read, len(self.ids)
+        return self._emit(final=False), self.stopped
+
+    def finish(self) -> str:
+        """Flush what is held back (an incomplete character decodes as U+FFFD, exactly as
+        a one-shot decode would). Returns the last delta."""
+        if not self.stopped:
+            before = self.tok.decode(self.ids[self.prefix : self.read], self.skip_special)
+            window = self.tok.decode(self.ids[self.prefix :], self.skip_special)
+            self._append(window[len(before) :])
+            self.prefix = self.read = len(self.ids)
+        return self._emit(final=True)
+
+    def _append(self, delta: str) -> None:
+        if not delta:
+            return
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += delta
+        if not self.stop:
+            return
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s) if self.include_stop else i]
+            self.stopped, self.stop_str = True, s
+
+    def _emit(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped and self.stop:
+            end -= self._held_back()
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
