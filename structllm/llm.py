@@ -142,9 +142,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """``generate`` for one chat or a list of chats."""
-        if messages and isinstance(messages[0], Mapping):
-            return self.generate([messages], sampling_params)  # type: ignore[list-item]
-        return self.generate(list(messages), sampling_params)  # type: ignore[arg-type]
+        chats: list[Any] = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        return self.generate(chats, sampling_params)
 
     @staticmethod
     def _close(seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
@@ -162,11 +161,8 @@ class LLM:
 
 
 def _is_single(p: Any) -> bool:
-    if isinstance(p, str):
-        return True
-    if isinstance(p, Sequence) and p and (isinstance(p[0], Mapping) or isinstance(p[0], int)):
-        return True
-    return False
+    """One prompt: text, or a non-empty list of token ids or of chat messages."""
+    return isinstance(p, str) or (isinstance(p, Sequence) and bool(p) and isinstance(p[0], Mapping | int))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -101,7 +101,7 @@ def get_attention_impl(name: str, device: torch.device) -> AttentionImpl:
         return TorchAttention()
     if name == "triton":
         try:
-            from structllm.kernels.triton_attention import TritonAttention
+            from structllm.kernels.triton_attention import TritonAttention  # type: ignore[import-not-found]
         except ImportError as e:
             raise ValueError(f"attention backend 'triton' is not available: {e}") from e
         return TritonAttention()

@@ -44,22 +44,26 @@ def decode_attention(
 ) -> Tensor:
     """One query token per sequence: ``q: [B, H, D]`` -> ``[B, H, D]``.
 
-    Gathers whole blocks (``[B, MB', BS, Hkv, D]``, ``MB' = ceil(max_seq_len / BS)``),
-    masks the slots past each sequence's length, and runs one batched GQA attention.
+    Gathers whole blocks (``[B, L, Hkv, D]`` with ``L = ceil(max_seq_len / BS) * BS``),
+    masks the slots past each sequence's length, and runs one batched GQA attention per
+    KV head (``[B, G, D] x [B, D, L]``: strided views, no transposed copies).
     """
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     nblocks = (max_seq_len + bs - 1) // bs
-    table = block_tables[:, :nblocks]
-    k = k_cache[table].view(b, nblocks * bs, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[table].view(b, nblocks * bs, hkv, d).transpose(1, 2)
-    valid = torch.arange(nblocks * bs, device=q.device) < seq_lens[:, None].to(torch.long)  # [B, L]
+    length = nblocks * bs
+    index = block_tables[:, :nblocks].reshape(-1).to(torch.long)
+    k = k_cache.index_select(0, index).view(b, length, hkv, d)
+    v = v_cache.index_select(0, index).view(b, length, hkv, d)
+    past_end = torch.arange(length, device=q.device) >= seq_lens[:, None].to(torch.long)  # [B, L]
+    bias = torch.zeros(b, 1, length, dtype=torch.float32, device=q.device).masked_fill_(past_end[:, None], float("-inf"))
     g = h // hkv
-    qg = q.view(b, hkv, g, d)  # heads of one KV group are adjacent
-    scores = torch.matmul(qg, k.transpose(2, 3)).mul_(scale)  # [B, Hkv, G, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).view(b, h, d)  # [B, Hkv, G, D] -> [B, H, D]
+    qg = q.view(b, hkv, g, d).float()  # heads of one KV group are adjacent
+    out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
+    for j in range(hkv):
+        scores = torch.baddbmm(bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale)  # [B, G, L]
+        out[:, j] = torch.bmm(scores.softmax(dim=-1), v[:, :, j].float()).to(q.dtype)
+    return out.view(b, h, d)
 
 
 def prefill_attention(

@@ -46,6 +46,23 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return inv
 
 
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x @ w.T + b``; ``w`` may be a oneDNN-packed weight (see ``pack_weights``)."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build can pack weights for oneDNN's CPU matmul."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4))
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), w, None, "none", [], "")
+        return bool(torch.allclose(y, torch.full((2, 4), 4.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate interleaved pairs of ``x: [T, n, D]`` by ``rope: [T, 1, D/2]`` (complex64).
     Rotation runs in float32 whatever the model's dtype (torch has no bf16 complex)."""
@@ -84,15 +101,15 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
+        qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
         qk = apply_rope(qkv[:, : nh + nkv], rope)  # q and k rotated together
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
         o = attention(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5)  # [T, nh, D]
-        x = x + F.linear(o.reshape(t, nh * hd), self.o_proj)
+        x = x + linear(o.reshape(t, nh * hd), self.o_proj)
         h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate).mul_(up), self.down_proj)
+        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + linear(F.silu(gate).mul_(up), self.down_proj)
 
 
 class LlamaModel(nn.Module):
@@ -111,6 +128,7 @@ class LlamaModel(nn.Module):
         )
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
+        self._packed_head: Tensor | None = None
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``."""
@@ -140,4 +158,24 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        return linear(hidden, self._packed_head if self._packed_head is not None else w).float()
+
+    def pack_weights(self) -> None:
+        """On CPU in float32, repack every matmul weight into oneDNN's blocked layout.
+
+        oneDNN picks its kernels by the CPU's actual ISA, and with weights packed ahead
+        of time its matmuls run about 3x faster here than the default sgemm path, from
+        one token (memory-bound) to thousands (compute-bound). The packed tensors are
+        opaque, so they replace the parameters; the tied embedding keeps its plain copy
+        for the lookup and gets a packed twin for the LM head.
+        """
+        dev, dtype = self.embed_tokens.device, self.embed_tokens.dtype
+        if dev.type != "cpu" or dtype != torch.float32 or not onednn_linear_available():
+            return
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                packed = torch.ops.mkldnn._reorder_linear_weight(getattr(layer, name).data)
+                del layer._parameters[name]
+                setattr(layer, name, packed)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        self._packed_head = torch.ops.mkldnn._reorder_linear_weight(head.data)

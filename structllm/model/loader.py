@@ -246,8 +246,8 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         tokens_eos = meta.get("tokenizer.ggml.eos_token_id")
         tok_meta = TokenizerMeta(
             chat_template=meta.get("tokenizer.chat_template"),
-            bos_token=hf_tok.convert_ids_to_tokens(int(tokens_bos)) if tokens_bos is not None else None,
-            eos_token=hf_tok.convert_ids_to_tokens(int(tokens_eos)) if tokens_eos is not None else None,
+            bos_token=str(hf_tok.convert_ids_to_tokens(int(tokens_bos))) if tokens_bos is not None else None,
+            eos_token=str(hf_tok.convert_ids_to_tokens(int(tokens_eos))) if tokens_eos is not None else None,
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
         info = {"config": msgspec.to_builtins(cfg), "tokenizer": msgspec.to_builtins(tok_meta)}
@@ -321,4 +321,5 @@ def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device) -> L
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.pack_weights()
     return model.eval()

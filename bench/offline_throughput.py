@@ -1,0 +1,268 @@
+"""Offline throughput and single-stream latency: structllm vs Hugging Face transformers.
+
+Same prompts, same weights (transformers loads the same GGUF file, float32), same
+machine, same run. Prints a table and one JSON line.
+
+    python bench/offline_throughput.py             # 64 prompts x 128 tokens -> 128 tokens
+    python bench/offline_throughput.py --quick     # 16 prompts, for a fast look
+
+Workload: ``--num-prompts`` windows of ``--input-len`` tokens cut from a fixed text,
+``--output-len`` new tokens each with EOS ignored. structllm gets all prompts at once
+(continuous batching); transformers runs static batches of ``--hf-batch`` with
+``generate()``. Single stream: one request at a time, time to first token and mean
+time per output token after the first.
+
+With ``--profile``, one decode step of the full batch is broken down into model
+(attention separately), sampling and Python overhead (scheduling, batch building).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+TEXT = (
+    "In the beginning the Universe was created. This has made a lot of people very angry "
+    "and been widely regarded as a bad move. Many were increasingly of the opinion that "
+    "they'd all made a big mistake in coming down from the trees in the first place. "
+    "Far out in the uncharted backwaters of the unfashionable end of the western spiral "
+    "arm of the Galaxy lies a small unregarded yellow sun. Orbiting this at a distance of "
+    "roughly ninety-two million miles is an utterly insignificant little blue green planet "
+    "whose ape-descended life forms are so amazingly primitive that they still think "
+    "digital watches are a pretty neat idea. "
+)
+
+
+def make_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT * 40)
+    step = max(1, (len(ids) - length) // n)
+    return [ids[i * step : i * step + length] for i in range(n)]
+
+
+def bench_structllm(llm: Any, prompts: list[list[int]], out_len: int) -> dict[str, float]:
+    from structllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
+    llm.engine.kv.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    return {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+
+
+def single_stream_structllm(llm: Any, prompts: list[list[int]], out_len: int, reps: int) -> dict[str, float]:
+    """TTFT and TPOT by driving the engine step by step (one request at a time)."""
+    from structllm.protocol import AddRequest, SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    ttfts, tpots = [], []
+    for i in range(reps + 1):
+        llm.engine.kv.reset_prefix_cache()
+        llm.engine.add_request(AddRequest(f"single-{i}", prompts[i], sp))
+        t0 = time.perf_counter()
+        stamps = []
+        while llm.engine.has_work:
+            if llm.engine.step().outputs:
+                stamps.append(time.perf_counter())
+        if i == 0:
+            continue  # warm-up
+        ttfts.append(stamps[0] - t0)
+        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {"ttft_ms": 1000 * statistics.median(ttfts), "tpot_ms": 1000 * statistics.median(tpots)}
+
+
+def load_hf() -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from structllm.model.loader import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def bench_hf(model: Any, prompts: list[list[int]], out_len: int, batch: int) -> dict[str, float]:
+    import torch
+
+    def gen(chunk: list[list[int]], n: int) -> int:
+        ids = torch.tensor(chunk)  # equal lengths: no padding needed
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
+        return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
+
+    gen(prompts[:2], 4)
+    t = time.perf_counter()
+    n = sum(gen(prompts[i : i + batch], out_len) for i in range(0, len(prompts), batch))
+    dt = time.perf_counter() - t
+    return {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
+
+
+def single_stream_hf(model: Any, prompts: list[list[int]], out_len: int, reps: int) -> dict[str, float]:
+    import torch
+    from transformers import TextStreamer
+
+    class Stamps(TextStreamer):  # put() is called once with the prompt, then per token
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    ttfts, tpots = [], []
+    for i in range(reps + 1):
+        s = Stamps()
+        ids = torch.tensor([prompts[i]])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
+                           do_sample=False, streamer=s)
+        if i == 0:
+            continue
+        tok = s.times[1:]
+        ttfts.append(tok[0] - t0)
+        tpots.append((tok[-1] - tok[0]) / (len(tok) - 1))
+    return {"ttft_ms": 1000 * statistics.median(ttfts), "tpot_ms": 1000 * statistics.median(tpots)}
+
+
+def profile_step(llm: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """Where one decode step of the whole batch goes (ms): attention, the rest of the
+    model, LM head, sampling, and Python (scheduling, batch building, bookkeeping)."""
+    import torch
+
+    import structllm.model.llama as llama
+    from structllm.protocol import AddRequest, SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(AddRequest(f"prof-{i}", p, sp))
+    while any(r.num_computed_tokens < r.prompt_len for r in [*eng.scheduler.running, *eng.scheduler.waiting]):
+        eng.step()  # finish all prefills
+    for _ in range(2):
+        eng.step()
+
+    acc = {"attention": 0.0, "sampler": 0.0, "lm_head": 0.0}
+    real_attn, real_sampler, real_logits = llama.attention, eng.runner.sampler, eng.model.compute_logits
+
+    def timed(key: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += time.perf_counter() - t
+
+        return wrapper
+
+    llama.attention = timed("attention", real_attn)  # type: ignore[assignment]
+    eng.runner.sampler = timed("sampler", real_sampler)
+    eng.model.compute_logits = timed("lm_head", real_logits)  # type: ignore[method-assign]
+    steps, model_s, total_s = 8, 0.0, 0.0
+    real_forward = eng.model.forward
+    try:
+        def fwd(*a: Any, **k: Any) -> Any:
+            nonlocal model_s
+            t = time.perf_counter()
+            try:
+                return real_forward(*a, **k)
+            finally:
+                model_s += time.perf_counter() - t
+
+        eng.model.forward = fwd  # type: ignore[method-assign]
+        for _ in range(steps):
+            t = time.perf_counter()
+            eng.step()
+            total_s += time.perf_counter() - t
+    finally:
+        llama.attention = real_attn  # type: ignore[assignment]
+        eng.runner.sampler = real_sampler
+        del eng.model.compute_logits
+        del eng.model.forward
+        eng.abort([f"prof-{i}" for i in range(len(prompts))])
+    ms = lambda s: round(1000 * s / steps, 2)  # noqa: E731
+    return {
+        "batch": len(prompts),
+        "step_ms": ms(total_s),
+        "attention_ms": ms(acc["attention"]),
+        "model_other_ms": ms(model_s - acc["attention"]),
+        "lm_head_ms": ms(acc["lm_head"]),
+        "sampler_ms": ms(acc["sampler"]),
+        "python_ms": ms(total_s - model_s - acc["lm_head"] - acc["sampler"]),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--single-reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="16 prompts, 64 output tokens")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--profile", action="store_true", help="break one decode step down")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.output_len, args.single_reps = 16, 64, 2
+
+    from structllm import LLM
+
+    t = time.perf_counter()
+    llm = LLM(max_num_seqs=max(64, args.num_prompts))
+    load_s = time.perf_counter() - t
+    prompts = make_prompts(llm.tokenizer, args.num_prompts, args.input_len)
+    ours = bench_structllm(llm, prompts, args.output_len)
+    ours_single = single_stream_structllm(llm, prompts, args.output_len, args.single_reps)
+    result: dict[str, Any] = {
+        "bench": "offline_throughput",
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "structllm_load_s": round(load_s, 2),
+        "structllm_tokens_per_s": round(ours["tokens_per_s"], 1),
+        "structllm_ttft_ms": round(ours_single["ttft_ms"], 1),
+        "structllm_tpot_ms": round(ours_single["tpot_ms"], 2),
+    }
+    if args.profile:
+        result["step_profile"] = profile_step(llm, prompts)
+    if not args.no_hf:
+        del llm
+        hf = load_hf()
+        theirs = bench_hf(hf, prompts, args.output_len, args.hf_batch)
+        theirs_single = single_stream_hf(hf, prompts, args.output_len, args.single_reps)
+        result.update(
+            hf_tokens_per_s=round(theirs["tokens_per_s"], 1),
+            hf_ttft_ms=round(theirs_single["ttft_ms"], 1),
+            hf_tpot_ms=round(theirs_single["tpot_ms"], 2),
+            throughput_ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
+            tpot_ratio=round(theirs_single["tpot_ms"] / ours_single["tpot_ms"], 2),
+        )
+    rows = [
+        ("output tokens/s (batch)", "structllm_tokens_per_s", "hf_tokens_per_s"),
+        ("single-stream TTFT ms", "structllm_ttft_ms", "hf_ttft_ms"),
+        ("single-stream ms/token", "structllm_tpot_ms", "hf_tpot_ms"),
+    ]
+    print(f"{'':28}{'structllm':>12}{'transformers':>14}", file=sys.stderr)
+    for label, a, b in rows:
+        print(f"{label:28}{result[a]:>12}{result.get(b, '-'):>14}", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Sampler: each parameter's effect, seeds, logprobs, broken logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from structllm.engine.request import Request
+from structllm.engine.sampler import Sampler
+from structllm.protocol import SamplingParams
+
+V = 32
+
+
+def r(prompt: list[int] | None = None, out: list[int] | None = None, **sp: object) -> Request:
+    req = Request("x", prompt or [1, 2, 3], SamplingParams(max_tokens=100, **sp), 100)  # type: ignore[arg-type]
+    req.token_ids += out or []
+    return req
+
+
+def logits_row(*pairs: tuple[int, float], base: float = 0.0) -> torch.Tensor:
+    row = torch.full((V,), float(base))
+    for i, v in pairs:
+        row[i] = v
+    return row
+
+
+def sample(reqs: list[Request], rows: list[torch.Tensor], seed: int = 0) -> list[int]:
+    return Sampler([0], seed)(torch.stack(rows), reqs)[0]
+
+
+def test_greedy_is_argmax() -> None:
+    assert sample([r(temperature=0)], [logits_row((5, 3.0), (7, 2.0))]) == [5]
+
+
+def test_top_k_one_is_greedy_even_when_hot() -> None:
+    toks = {sample([r(temperature=5.0, top_k=1)], [logits_row((9, 1.0))], seed=s)[0] for s in range(20)}
+    assert toks == {9}
+
+
+def test_temperature_spreads_choices() -> None:
+    row = logits_row((3, 1.0), (4, 1.0), (5, 1.0), base=-30.0)
+    toks = {sample([r(temperature=1.0)], [row.clone()], seed=s)[0] for s in range(40)}
+    assert toks == {3, 4, 5}
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    # probabilities ~ 0.5, 0.3, 0.2 (and ~0 elsewhere): top_p=0.6 keeps the first two
+    row = logits_row((1, math.log(0.5)), (2, math.log(0.3)), (3, math.log(0.2)), base=-50.0)
+    toks = {sample([r(top_p=0.6)], [row.clone()], seed=s)[0] for s in range(80)}
+    assert toks == {1, 2}
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    row = logits_row((1, math.log(0.6)), (2, math.log(0.35)), (3, math.log(0.05)), base=-50.0)
+    toks = {sample([r(min_p=0.1)], [row.clone()], seed=s)[0] for s in range(80)}
+    assert toks == {1, 2}
+
+
+def test_repetition_penalty_discourages_seen_tokens() -> None:
+    row = logits_row((4, 2.0), (6, 1.5))
+    assert sample([r(prompt=[4], temperature=0, repetition_penalty=2.0)], [row]) == [6]
+
+
+def test_presence_and_frequency_penalties_use_output_tokens_only() -> None:
+    row = logits_row((4, 2.0), (6, 1.5))
+    assert sample([r(prompt=[4], temperature=0, presence_penalty=1.0)], [row.clone()]) == [4]
+    assert sample([r(out=[4], temperature=0, presence_penalty=1.0)], [row.clone()]) == [6]
+    assert sample([r(out=[4], temperature=0, frequency_penalty=0.3)], [row.clone()]) == [4]
+    assert sample([r(out=[4, 4], temperature=0, frequency_penalty=0.3)], [row.clone()]) == [6]
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    row = logits_row((0, 9.0), (7, 8.0), (3, 1.0))
+    assert sample([r(temperature=0, min_tokens=1, stop_token_ids=[7])], [row.clone()]) == [3]
+    assert sample([r(out=[5], temperature=0, min_tokens=1, stop_token_ids=[7])], [row.clone()]) == [0]
+
+
+def test_seeded_request_ignores_batch_composition() -> None:
+    torch.manual_seed(1)
+    rows = [torch.randn(V) for _ in range(4)]
+    alone = [sample([r(seed=42)], [rows[0].clone()], seed=s)[0] for s in range(3)]
+    assert len(set(alone)) == 1  # engine seed does not matter
+    mixed = sample([r(), r(seed=42), r(temperature=0)], [rows[1].clone(), rows[0].clone(), rows[2].clone()], seed=9)
+    assert mixed[1] == alone[0]
+
+
+def test_seed_sequence_depends_on_the_output_position() -> None:
+    torch.manual_seed(2)
+    row = torch.randn(V) * 0.1
+    draws = [sample([r(out=[1] * k, seed=7)], [row.clone()])[0] for k in range(12)]
+    assert len(set(draws)) > 1
+
+
+def test_unseeded_draws_vary() -> None:
+    s = Sampler([0], 0)
+    row = torch.zeros(1, V)
+    toks = {s(row.clone(), [r()])[0][0] for _ in range(30)}
+    assert len(toks) > 5
+
+
+def test_logprobs_are_raw_log_softmax_with_top_n() -> None:
+    row = logits_row((1, 2.0), (2, 1.0))
+    req = r(temperature=0, logprobs=2, repetition_penalty=5.0, prompt=[1])
+    toks, lps = Sampler([0], 0)(row[None].clone(), [req])
+    expected = torch.log_softmax(row, -1)
+    lp = lps[0]
+    assert lp is not None
+    assert toks == [2]  # penalty moved the choice...
+    assert lp.logprob == pytest.approx(float(expected[2]))  # ...but logprobs are of the raw logits
+    assert lp.top_ids == [1, 2]
+    assert lp.top_logprobs == pytest.approx([float(expected[1]), float(expected[2])])
+
+
+def test_nan_row_does_not_take_the_batch_down() -> None:
+    good = logits_row((5, 3.0))
+    nan = torch.full((V,), float("nan"))
+    partial = logits_row((6, float("inf")), (8, float("nan")))
+    toks, _ = Sampler([0], 0)(torch.stack([good, nan, partial]), [r(temperature=0), r(), r(temperature=0)])
+    assert toks[0] == 5 and 0 <= toks[1] < V and toks[2] == 6
