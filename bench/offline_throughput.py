@@ -6,7 +6,7 @@ machine, same run. Prints a table and one JSON line.
     python bench/offline_throughput.py             # 64 prompts x 128 tokens -> 128 tokens
     python bench/offline_throughput.py --quick     # 16 prompts, for a fast look
 
-Workload: ``--num-prompts`` windows of ``--input-len`` tokens cut from a fixed text,
+Workload: ``--num-prompts`` prompts of ``--input-len`` random tokens (fixed seed),
 ``--output-len`` new tokens each with EOS ignored. structllm gets all prompts at once
 (continuous batching); transformers runs static batches of ``--hf-batch`` with
 ``generate()``. Single stream: one request at a time, time to first token and mean
@@ -22,27 +22,17 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
 from typing import Any
 
-TEXT = (
-    "In the beginning the Universe was created. This has made a lot of people very angry "
-    "and been widely regarded as a bad move. Many were increasingly of the opinion that "
-    "they'd all made a big mistake in coming down from the trees in the first place. "
-    "Far out in the uncharted backwaters of the unfashionable end of the western spiral "
-    "arm of the Galaxy lies a small unregarded yellow sun. Orbiting this at a distance of "
-    "roughly ninety-two million miles is an utterly insignificant little blue green planet "
-    "whose ape-descended life forms are so amazingly primitive that they still think "
-    "digital watches are a pretty neat idea. "
-)
-
-
-def make_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
-    ids = tokenizer.encode(TEXT * 40)
-    step = max(1, (len(ids) - length) // n)
-    return [ids[i * step : i * step + length] for i in range(n)]
+def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Fixed-seed random token ids (as ``vllm bench``'s random dataset): no two prompts
+    share a prefix, so the prefix cache cannot flatter the figures."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(n)]
 
 
 def bench_structllm(llm: Any, prompts: list[list[int]], out_len: int) -> dict[str, float]:
@@ -224,7 +214,7 @@ def main() -> None:
     t = time.perf_counter()
     llm = LLM(max_num_seqs=max(64, args.num_prompts))
     load_s = time.perf_counter() - t
-    prompts = make_prompts(llm.tokenizer, args.num_prompts, args.input_len)
+    prompts = make_prompts(llm.engine.vocab_size, args.num_prompts, args.input_len)
     ours = bench_structllm(llm, prompts, args.output_len)
     ours_single = single_stream_structllm(llm, prompts, args.output_len, args.single_reps)
     result: dict[str, Any] = {

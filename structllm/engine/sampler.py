@@ -42,7 +42,8 @@ class Sampler:
         """``logits: [N, V]`` float32, row ``i`` for ``reqs[i]``. Returns the chosen ids and,
         for requests that asked, their logprobs. ``logits`` may be modified."""
         n, vocab = logits.shape
-        if not bool(torch.isfinite(logits).all()):
+        # max propagates NaN and shows +inf or an all -inf row: one pass, no [N, V] temporary
+        if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
             logits = _sanitise(logits)
         lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None

@@ -94,7 +94,7 @@ def attention(
 
 
 def get_attention_impl(name: str, device: torch.device) -> AttentionImpl:
-    """``"auto"`` picks Triton on CUDA and torch elsewhere."""
+    """``"auto"`` picks Triton on CUDA and the torch reference elsewhere."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
