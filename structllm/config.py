@@ -19,6 +19,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``gpu_memory_utilization`` of the memory left after loading the weights.
     - ``attention_backend``: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or
       ``"triton"`` (on CPU only with ``TRITON_INTERPRET=1``; for tests).
+    - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
+      from a cheap deterministic function, ``null_step_time`` seconds per step. The
+      model's tokenizer and shape (for KV sizing) are still used.
     """
 
     model: str | None = None
@@ -34,6 +37,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     attention_backend: str = "auto"
     num_threads: int | None = None
+    null_model: bool = False
+    null_step_time: float = 0.0
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -107,11 +107,11 @@ class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     request_ids: list[str]
 
 
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
+class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     pass
 
 
-class GetStats(msgspec.Struct, frozen=True, tag=True):
+class GetStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Ask the engine to emit an ``OutputBatch`` with fresh stats even when idle."""
 
 
@@ -167,7 +167,7 @@ class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fal
     timestamp: float = 0.0
 
 
-class EngineReady(msgspec.Struct, frozen=True, tag=True):
+class EngineReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The engine's handshake once the model is loaded."""
 
     protocol_version: int
@@ -178,10 +178,34 @@ class EngineReady(msgspec.Struct, frozen=True, tag=True):
     block_size: int
 
 
-class EngineError(msgspec.Struct, frozen=True, tag=True):
+class EngineError(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The engine hit a fault it cannot recover from; it exits after sending this."""
 
     message: str
 
 
 FromEngine = OutputBatch | EngineReady | EngineError
+
+
+# ---------------------------------------------------------------------------------------
+# process start-up
+
+
+class EngineLaunch(msgspec.Struct, frozen=True):
+    """What the front end hands the engine process (JSON on its command line): where the
+    shared memory and doorbells are (inherited file descriptors) and how to run.
+
+    ``config`` is an ``EngineConfig`` as a plain dict (decoded by the engine). The rings
+    live back to back in one mapping of ``shm_size`` bytes: front -> engine first.
+    """
+
+    protocol_version: int
+    config: dict[str, object]
+    shm_fd: int
+    shm_size: int
+    ring_capacity: int
+    engine_bell_fd: int
+    front_bell_fd: int
+    parent_pipe_fd: int
+    parent_pid: int
+    spin_us: float = 50.0

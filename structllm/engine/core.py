@@ -15,6 +15,7 @@ import torch
 
 from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, GiB
 from structllm.engine.kv_cache import KVCacheManager
+from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
@@ -82,8 +83,11 @@ class EngineCore:
             keep_freed_memory_mapped()
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
 
-        self.model = load_model(self.files, self.dtype, self.device)
-        self.model.attn_impl = get_attention_impl(config.attention_backend, self.device)
+        if config.null_model:
+            self.model = None
+        else:
+            self.model = load_model(self.files, self.dtype, self.device)
+            self.model.attn_impl = get_attention_impl(config.attention_backend, self.device)
 
         bs = config.block_size
         block_bytes = mcfg.kv_bytes_per_token * bs * self.dtype.itemsize
@@ -105,7 +109,11 @@ class EngineCore:
         self.eos_token_ids = self.files.generation_eos_ids
         self.kv = KVCacheManager(self.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.num_blocks, bs, Sampler(self.eos_token_ids, config.seed))
+        self.runner: ModelRunner | NullRunner
+        if self.model is None:
+            self.runner = NullRunner(config.null_step_time)
+        else:
+            self.runner = ModelRunner(self.model, self.num_blocks, bs, Sampler(self.eos_token_ids, config.seed))
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
 
     def _kv_budget(self) -> int:

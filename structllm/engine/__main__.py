@@ -1,0 +1,5 @@
+import sys
+
+from structllm.engine.process import main
+
+sys.exit(main())

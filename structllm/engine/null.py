@@ -1,0 +1,44 @@
+"""A stand-in for the model runner that emits tokens without running a model.
+
+For measuring and testing the serving path alone: the scheduler, the KV cache manager,
+the rings and the front end are all real; only the forward pass is replaced by a cheap
+deterministic function of each request's tokens (and an optional sleep per step, to
+emulate a model's step time). The same inputs always give the same outputs, so
+"greedy references" can be computed offline.
+"""
+
+from __future__ import annotations
+
+import time
+
+from structllm.engine.scheduler import SchedulerOutput
+from structllm.protocol import TokenLogprobs
+
+# Ordinary vocabulary entries of the default tokenizer (no special tokens there).
+LOW, SPAN = 300, 4000
+
+
+class NullRunner:
+    def __init__(self, step_time: float = 0.0) -> None:
+        self.step_time = step_time
+
+    @staticmethod
+    def next_token(token_ids: list[int]) -> int:
+        """Depends on the last two tokens and the length: cheap, deterministic."""
+        a = token_ids[-1]
+        b = token_ids[-2] if len(token_ids) > 1 else 7
+        return LOW + (a * 2654435761 + b * 40503 + len(token_ids) * 97) % SPAN
+
+    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        if self.step_time:
+            time.sleep(self.step_time)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        for req in sched.sampling_requests():
+            tok = self.next_token(req.token_ids)
+            sampled[req.request_id] = tok
+            k = req.sampling.logprobs
+            if k is not None:
+                alts = [tok] + [LOW + (tok + i) % SPAN for i in range(1, k)]
+                logprobs[req.request_id] = TokenLogprobs(0.0, alts[:k], [0.0] + [-10.0 - i for i in range(1, k)][: max(0, k - 1)])
+        return sampled, logprobs

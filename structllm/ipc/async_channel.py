@@ -1,0 +1,73 @@
+"""The front end's end of a channel, awaiting inside the event loop (trio or asyncio).
+
+Exactly one task (the dispatcher) calls ``recv``; it is the only waiter on this
+process's doorbell, as trio allows one waiter per fd. Tasks that ``send`` while the
+outbound ring is full park on an event that the dispatcher sets when it sees space:
+the dispatcher also asks the peer to ring when it frees space (``writer_waiting``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Generic
+
+import anyio
+import anyio.lowlevel
+
+from structllm.ipc.channel import Endpoint, M, SpinBudget
+
+
+class AsyncEndpoint(Generic[M]):
+    def __init__(self, endpoint: Endpoint[M], spin_s: float = 50e-6) -> None:
+        self.ep = endpoint
+        self.spin = SpinBudget(spin_s)
+        self._want_space = 0  # largest frame a parked sender waits to write
+        self._space = anyio.Event()
+
+    def try_send(self, msg: object) -> bool:
+        """Non-blocking; for cleanup paths that must not await (aborts)."""
+        return self.ep.try_send(msg)
+
+    async def send(self, msg: object) -> None:
+        """Write ``msg``; while the ring is full, wait (back-pressure) until the engine
+        frees space. Needs the dispatcher running ``recv``. Raises ``FrameTooLarge`` if
+        the frame can never fit."""
+        frame = self.ep.encode(msg)
+        while not self.ep.try_send_bytes(frame):
+            self._want_space = max(self._want_space, len(frame))
+            await self._space.wait()
+
+    def _release_senders(self) -> None:
+        if self._want_space and self.ep.can_send(self._want_space):
+            self._want_space = 0
+            self._space.set()
+            self._space = anyio.Event()
+
+    async def recv(self) -> list[M]:
+        """The next batch of messages (at least one). Spins cooperatively (yielding to
+        other tasks) for the adaptive budget, then sleeps on the doorbell."""
+        while True:
+            msgs = self.ep.try_recv()
+            self._release_senders()
+            if msgs:
+                return msgs
+            if await self._spin():
+                continue
+            if self.ep.sleep_begin(want_read=True, want_space=self._want_space):
+                try:
+                    await anyio.wait_readable(self.ep.bell.fd)
+                finally:
+                    self.ep.sleep_end()
+
+    async def _spin(self) -> bool:
+        budget = self.spin.current
+        if budget <= 0:
+            return False
+        end = time.perf_counter() + budget
+        while time.perf_counter() < end:
+            await anyio.lowlevel.checkpoint()
+            if self.ep.inbound.readable() or (self._want_space and self.ep.can_send(self._want_space)):
+                self.spin.hit()
+                return True
+        self.spin.miss()
+        return False
