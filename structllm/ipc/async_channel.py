@@ -23,6 +23,7 @@ class AsyncEndpoint(Generic[M]):
         self.spin = SpinBudget(spin_s)
         self._want_space = 0  # largest frame a parked sender waits to write
         self._space = anyio.Event()
+        self.space_waits = 0  # times a sender found the ring full (back-pressure)
 
     def try_send(self, msg: object) -> bool:
         """Non-blocking; for cleanup paths that must not await (aborts)."""
@@ -34,6 +35,7 @@ class AsyncEndpoint(Generic[M]):
         the frame can never fit."""
         frame = self.ep.encode(msg)
         while not self.ep.try_send_bytes(frame):
+            self.space_waits += 1
             self._want_space = max(self._want_space, len(frame))
             await self._space.wait()
 

@@ -118,25 +118,30 @@ class Endpoint(Generic[M]):
 
     # -- receiving ---------------------------------------------------------------------
 
+    def try_recv_bytes(self, limit: int = 1 << 30) -> list[bytes]:
+        """Take up to ``limit`` waiting frames, undecoded; wakes a peer waiting for space."""
+        frames: list[bytes] = []
+        while len(frames) < limit:
+            frame = self.inbound.try_read()
+            if frame is None:
+                break
+            frames.append(frame)
+        if frames:
+            atomics.fence()  # publish (head) before reading the peer's flag
+            if atomics.load_acquire(self.inbound.writer_waiting_addr):
+                self.peer_bell.ring()
+        return frames
+
     def try_recv(self, limit: int = 1 << 30) -> list[M]:
         """Decode every waiting frame (up to ``limit``). A frame that does not decode is
         counted and reported through ``on_protocol_error``; reading goes on."""
         out: list[M] = []
-        freed = False
-        while len(out) < limit:
-            frame = self.inbound.try_read()
-            if frame is None:
-                break
-            freed = True
+        for frame in self.try_recv_bytes(limit):
             try:
                 out.append(self._decoder.decode(frame))
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.protocol_errors += 1
                 self.on_protocol_error(ProtocolError(f"malformed frame of {len(frame)} bytes: {e}"))
-        if freed:
-            atomics.fence()  # publish (head) before reading the peer's flag
-            if atomics.load_acquire(self.inbound.writer_waiting_addr):
-                self.peer_bell.ring()
         return out
 
     # -- sleeping ----------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""The front end's handle on the engine: request registration, the dispatcher, aborts.
+
+One ``EngineClient`` per engine process. Its dispatcher task is the only reader of the
+engine -> front ring; it hands each request its token deltas through a ``RequestStream``,
+a non-blocking collector that merges deltas while its consumer lags, so the dispatcher
+never waits for a slow client. A supervisor task watches the engine process; when it
+dies, every open stream fails with ``EngineDeadError`` and new requests are refused.
+
+``EngineClient.request`` is the one way in: an async context manager that registers the
+stream and sends ``AddRequest`` in one step, and on any exit (finished, error,
+cancellation) unregisters it and aborts the engine side with a non-blocking put (queued
+for the dispatcher to flush if the ring is momentarily full). So a cancellation at any
+point leaks nothing in either process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskStatus
+
+from structllm.ipc.process import EngineProcess
+from structllm.protocol import (
+    Abort,
+    AddRequest,
+    EngineError,
+    EngineReady,
+    EngineStats,
+    FinishReason,
+    GetStats,
+    OutputBatch,
+    SamplingParams,
+    TokenLogprobs,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; in-flight and new requests fail with this."""
+
+
+class EngineRequestError(ValueError):
+    """The engine refused a request (e.g. it can never fit)."""
+
+
+@dataclass
+class Delta:
+    """Everything that arrived for one request since the consumer last looked."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+
+class RequestStream:
+    """Collector between the dispatcher (``put``, never blocks) and one consumer
+    (``get``)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._pending = Delta()
+        self._has_data = anyio.Event()
+        self._error: BaseException | None = None
+        self.finished = False
+        self.first_token_time: float | None = None
+
+    def put(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish: FinishReason | None,
+            stop_reason: int | None, num_cached: int) -> None:
+        d = self._pending
+        if token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        d.token_ids += token_ids
+        if logprobs:
+            d.logprobs += logprobs
+        d.num_cached_tokens = num_cached
+        if finish is not None:
+            d.finish_reason, d.stop_reason = finish, stop_reason
+            self.finished = True
+        self._has_data.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self.finished = True
+        self._has_data.set()
+
+    async def get(self) -> Delta:
+        """Wait for and take everything pending. Raises the stream's error, if any."""
+        await self._has_data.wait()
+        if self._error is not None:
+            raise self._error
+        d, self._pending = self._pending, Delta()
+        self._has_data = anyio.Event()
+        return d
+
+
+class EngineClient:
+    def __init__(self, engine: EngineProcess) -> None:
+        self.engine = engine
+        self.ready: EngineReady = engine.ready
+        self.stats = EngineStats()
+        self.stats_time = 0.0
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_aborts: list[str] = []
+        self._ids = itertools.count()
+        self.dead: EngineDeadError | None = None
+        self.on_batch: Callable[[OutputBatch], None] | None = None
+        self._stats_waiters: list[anyio.Event] = []
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    # -- the tasks the owner runs --------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Dispatcher and supervisor; returns when the engine process exits (after
+        failing every open stream). Run it in the owner's task group."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._supervise, tg.cancel_scope)
+            for msg in self.engine.pending:
+                self._dispatch(msg)
+            task_status.started()
+            while True:
+                for msg in await self.engine.endpoint.recv():
+                    self._dispatch(msg)
+                self._flush_aborts()
+
+    async def _supervise(self, scope: anyio.CancelScope) -> None:
+        code = await self.engine.process.wait()
+        # Deliver whatever the engine wrote before it went (its last batch, its error).
+        for msg in self.engine.endpoint.ep.try_recv():
+            self._dispatch(msg)
+        self._die(EngineDeadError(self.dead.args[0] if self.dead else f"the engine process exited (code {code})"))
+        scope.cancel()
+
+    def _die(self, error: EngineDeadError) -> None:
+        self.dead = error
+        streams, self._streams = self._streams, {}
+        for s in streams.values():
+            s.fail(error)
+        for ev in self._stats_waiters:
+            ev.set()
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, OutputBatch):
+            self.stats, self.stats_time = msg.stats, time.monotonic()
+            for d in msg.outputs:
+                stream = self._streams.get(d.request_id)
+                if stream is None:
+                    continue  # aborted here already: drop
+                if d.finish_reason == "error":
+                    del self._streams[d.request_id]
+                    stream.fail(EngineRequestError(d.error or "the engine refused the request"))
+                    continue
+                stream.put(d.new_token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens)
+                if d.finish_reason is not None:
+                    del self._streams[d.request_id]
+            if self.on_batch is not None:
+                self.on_batch(msg)
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for ev in waiters:
+                ev.set()
+        elif isinstance(msg, EngineError):
+            self.dead = EngineDeadError(f"engine error: {msg.message}")
+
+    # -- requests ----------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> AsyncIterator[RequestStream]:
+        """Register, send, yield the stream; on exit unregister and abort if unfinished."""
+        if self.dead is not None:
+            raise self.dead
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        try:
+            await self.engine.endpoint.send(AddRequest(request_id, prompt_token_ids, sampling, time.time()))
+            yield stream
+        finally:
+            if self._streams.pop(request_id, None) is not None:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Non-blocking and idempotent. Queued for the dispatcher if the ring is full."""
+        if self.dead is not None:
+            return
+        self._pending_aborts.append(request_id)
+        self._flush_aborts()
+
+    def _flush_aborts(self) -> None:
+        if self._pending_aborts and self.engine.endpoint.try_send(Abort(self._pending_aborts)):
+            self._pending_aborts = []
+
+    async def fresh_stats(self, timeout: float = 1.0) -> EngineStats:
+        """Ask the engine for a batch with current stats and wait for it (bounded)."""
+        if self.dead is None and self.engine.endpoint.try_send(GetStats()):
+            ev = anyio.Event()
+            self._stats_waiters.append(ev)
+            with anyio.move_on_after(timeout):
+                await ev.wait()
+        return self.stats
+
+    def seconds_since_stats(self) -> float:
+        return time.monotonic() - self.stats_time if self.stats_time else math.inf

@@ -1,0 +1,173 @@
+"""The engine process over real rings: handshake, waiting on both anyio backends,
+back-pressure, and faults (kill -9 of either side). Uses the null-model engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from structllm.client import EngineClient, EngineDeadError
+from structllm.config import EngineConfig
+from structllm.ipc.process import EngineStartError, open_engine
+from structllm.protocol import AddRequest, OutputBatch, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+NULL = EngineConfig(null_model=True, kv_cache_memory=64 << 20)
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def shm_entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("structllm-")}
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leaks() -> Iterator[None]:
+    before = shm_entries()
+    yield
+    assert shm_entries() == before, "shared memory left in /dev/shm"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def collect(ep, request_id: str) -> list[int]:  # type: ignore[no-untyped-def]
+    tokens: list[int] = []
+    while True:
+        for msg in await ep.recv():
+            assert isinstance(msg, OutputBatch)
+            for d in msg.outputs:
+                if d.request_id == request_id:
+                    tokens += d.new_token_ids
+                    if d.finish_reason:
+                        return tokens
+
+
+async def test_handshake_then_a_request_round_trip() -> None:
+    async with open_engine(NULL) as eng:
+        assert eng.ready.protocol_version == 1 and eng.ready.vocab_size == 49152
+        assert shm_entries() == set()  # unlinked as soon as created
+        await eng.endpoint.send(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=7)))
+        assert len(await collect(eng.endpoint, "a")) == 7
+    assert not alive(eng.pid)
+
+
+async def test_front_end_sleeps_and_is_woken_by_the_doorbell() -> None:
+    cfg = EngineConfig(null_model=True, kv_cache_memory=64 << 20, null_step_time=0.02)
+    async with open_engine(cfg, front_spin_us=0, spin_us=0) as eng:
+        t = time.monotonic()
+        await eng.endpoint.send(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=5)))
+        assert len(await collect(eng.endpoint, "a")) == 5
+        assert 0.08 < time.monotonic() - t < 2.0  # five 20 ms steps, each a sleep and a wake-up
+
+
+async def test_full_ring_makes_senders_wait_and_nothing_is_lost() -> None:
+    async with open_engine(NULL, ring_capacity=1 << 12) as eng:
+        client = EngineClient(eng)
+        results: dict[str, list[int]] = {}
+
+        async def one(i: int) -> None:
+            prompt = list(range(1, 300))  # ~600 bytes a frame: a handful fill the ring
+            async with client.request(f"r{i}", prompt, SamplingParams(max_tokens=3)) as stream:
+                toks: list[int] = []
+                while not stream.finished:
+                    toks += (await stream.get()).token_ids
+                results[f"r{i}"] = toks
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.run)
+            async with anyio.create_task_group() as reqs:
+                for i in range(60):
+                    reqs.start_soon(one, i)
+            tg.cancel_scope.cancel()
+        assert eng.endpoint.space_waits > 0
+        assert sorted(results) == sorted(f"r{i}" for i in range(60))
+        assert all(len(t) == 3 for t in results.values())
+
+
+async def test_kill_9_of_the_engine_fails_streams_within_a_second() -> None:
+    cfg = EngineConfig(null_model=True, kv_cache_memory=64 << 20, null_step_time=0.01)
+    async with open_engine(cfg) as eng:
+        client = EngineClient(eng)
+        async with anyio.create_task_group() as tg:
+            await tg.start(client.run)
+            async with client.request("long", [1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True)) as stream:
+                await stream.get()
+                os.kill(eng.pid, signal.SIGKILL)
+                t = time.monotonic()
+                with pytest.raises(EngineDeadError):
+                    while True:
+                        await stream.get()
+                assert time.monotonic() - t < 1.0
+            with pytest.raises(EngineDeadError):
+                async with client.request("after", [1], SamplingParams()):
+                    pass
+
+
+async def test_engine_start_failure_is_reported() -> None:
+    with pytest.raises(EngineStartError, match="model not found"):
+        async with open_engine(EngineConfig(model="/nonexistent/model.gguf")):
+            pass
+
+
+async def test_garbage_from_the_front_end_does_not_stop_the_engine() -> None:
+    async with open_engine(NULL) as eng:
+        eng.endpoint.ep.try_send_bytes(b"\xc1\xc1 not msgpack")
+        await eng.endpoint.send(AddRequest("ok", [5, 6], SamplingParams(max_tokens=2)))
+        assert len(await collect(eng.endpoint, "ok")) == 2
+
+
+PARENT = textwrap.dedent(
+    """
+    import anyio, sys
+    from structllm.config import EngineConfig
+    from structllm.ipc.process import open_engine
+
+    async def main():
+        async with open_engine(EngineConfig(null_model=True, kv_cache_memory=64 << 20)) as eng:
+            print(eng.pid, flush=True)
+            await anyio.sleep(60)
+
+    anyio.run(main, backend=sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_kill_9_of_the_parent_takes_the_engine_down_within_a_second(backend: str) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, backend], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        engine_pid = int(parent.stdout.readline())
+        assert alive(engine_pid)
+        parent.kill()
+        parent.wait()
+        t = time.monotonic()
+        while alive(engine_pid) and time.monotonic() - t < 1.0:
+            time.sleep(0.01)
+        assert not alive(engine_pid), "engine outlived its parent by more than a second"
+    finally:
+        parent.kill()
+
+
+def test_engine_module_refuses_to_run_by_hand() -> None:
+    out = subprocess.run([sys.executable, "-m", "structllm.engine"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 2 and "started by the structllm front end" in out.stderr
