@@ -53,9 +53,59 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(a: argparse.Namespace) -> int:
+    from structllm.config import EngineConfig
+    from structllm.server.serve import ServerOptions, run
+
+    engine = EngineConfig(model=a.model, **_engine_kwargs(a))  # type: ignore[arg-type]
+    opts = ServerOptions(
+        engine=engine,
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key,
+        served_model_name=a.served_model_name,
+        backend=a.backend,
+        shutdown_timeout=a.shutdown_timeout,
+        log_level=a.log_level,
+    )
+    return run(opts)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from structllm.chat import chat
+
+    return chat(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="structllm", description="OpenAI-compatible LLM server and offline engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    r = sub.add_parser(
+        "run",
+        help="start the OpenAI-compatible server",
+        description="Start the OpenAI-compatible HTTP server (default: the default model on 127.0.0.1:8000).",
+    )
+    _engine_args(r)
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    r.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    r.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    r.add_argument("--served-model-name", default=None, help="model name clients use (default: the model file's name)")
+    r.add_argument("--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)")
+    r.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
+    r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r.set_defaults(func=cmd_run)
+    c = sub.add_parser(
+        "chat",
+        help="chat in the terminal, streaming",
+        description="A streaming terminal chat, against --url or a server started for the session.",
+    )
+    c.add_argument("model", nargs="?", default=None, help="model for the server started here (ignored with --url)")
+    c.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    c.add_argument("--api-key", default=None)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.set_defaults(func=cmd_chat)
     g = sub.add_parser("generate", help="generate a completion offline (no server)", description="Generate one completion in this process.")
     _engine_args(g)
     g.add_argument("-p", "--prompt", required=True, help="prompt text")

@@ -59,23 +59,36 @@ class Delta:
     num_cached_tokens: int = 0
 
 
+class Wakeup:
+    """A resettable signal with one waiter: ``set`` from anywhere, ``wait`` clears it."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()
+
+
 class RequestStream:
     """Collector between the dispatcher (``put``, never blocks) and one consumer
-    (``get``)."""
+    (``take`` / ``get``). Several streams may share one ``Wakeup`` (n > 1 completions of
+    one response), so their consumer waits on all of them at once."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, wakeup: Wakeup | None = None) -> None:
         self.request_id = request_id
+        self.wakeup = wakeup or Wakeup()
         self._pending = Delta()
-        self._has_data = anyio.Event()
+        self._dirty = False
         self._error: BaseException | None = None
         self.finished = False
-        self.first_token_time: float | None = None
 
     def put(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish: FinishReason | None,
             stop_reason: int | None, num_cached: int) -> None:
         d = self._pending
-        if token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
         d.token_ids += token_ids
         if logprobs:
             d.logprobs += logprobs
@@ -83,20 +96,27 @@ class RequestStream:
         if finish is not None:
             d.finish_reason, d.stop_reason = finish, stop_reason
             self.finished = True
-        self._has_data.set()
+        self._dirty = True
+        self.wakeup.set()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
         self.finished = True
-        self._has_data.set()
+        self.wakeup.set()
 
-    async def get(self) -> Delta:
-        """Wait for and take everything pending. Raises the stream's error, if any."""
-        await self._has_data.wait()
+    def take(self) -> Delta | None:
+        """Everything pending, or None if nothing arrived. Raises the stream's error."""
         if self._error is not None:
             raise self._error
-        d, self._pending = self._pending, Delta()
-        self._has_data = anyio.Event()
+        if not self._dirty:
+            return None
+        d, self._pending, self._dirty = self._pending, Delta(), False
+        return d
+
+    async def get(self) -> Delta:
+        """Wait for and take everything pending (for a stream with its own wakeup)."""
+        while (d := self.take()) is None:
+            await self.wakeup.wait()
         return d
 
 
@@ -176,13 +196,15 @@ class EngineClient:
     # -- requests ----------------------------------------------------------------------
 
     @asynccontextmanager
-    async def request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> AsyncIterator[RequestStream]:
+    async def request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, wakeup: Wakeup | None = None
+    ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished."""
         if self.dead is not None:
             raise self.dead
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, wakeup)
         self._streams[request_id] = stream
         try:
             await self.engine.endpoint.send(AddRequest(request_id, prompt_token_ids, sampling, time.time()))
@@ -190,6 +212,11 @@ class EngineClient:
         finally:
             if self._streams.pop(request_id, None) is not None:
                 self.abort(request_id)
+
+    def finish_early(self, request_id: str) -> None:
+        """The front end ended this request (a stop string): unregister and abort."""
+        if self._streams.pop(request_id, None) is not None:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Non-blocking and idempotent. Queued for the dispatcher if the ring is full."""

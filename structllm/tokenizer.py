@@ -20,6 +20,23 @@ REPLACEMENT_CHAR = "\ufffd"
 Message = Mapping[str, Any]
 
 
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to
+    code points from 256 up. Returned inverted: character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _bytes_to_unicode()
+
+
 class ChatTemplateError(ValueError):
     """The model's chat template could not render these messages."""
 
@@ -36,6 +53,9 @@ class Tokenizer:
         self.eos_token_ids: list[int] = sorted(ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
+        self._token_bytes: dict[int, bytes] = {}
+        self._byte_level = "ByteLevel" in str(self._tok.decoder)
+        self._special_ids = set(self._tok.get_added_tokens_decoder())  # ids of added tokens
 
     @classmethod
     def from_files(cls, files: ModelFiles) -> Tokenizer:
@@ -56,9 +76,25 @@ class Tokenizer:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
-    def token_to_str(self, token_id: int) -> str:
-        """The vocabulary entry of one id (raw, e.g. ``Ġthe``), or ``""`` if unknown."""
-        return self._tok.id_to_token(token_id) or ""
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: exact for byte-level BPE (GPT-2 style) and
+        byte-fallback tokens (``<0x0A>``), the UTF-8 of its text otherwise."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._tok.id_to_token(token_id) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out = bytes([int(piece[3:5], 16)])
+        elif self._byte_level and token_id not in self._special_ids and all(c in _BYTE_DECODER for c in piece):
+            out = bytes(_BYTE_DECODER[c] for c in piece)
+        else:
+            out = piece.replace("\u2581", " ").encode()
+        self._token_bytes[token_id] = out
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        """``token_bytes`` as text (an incomplete character shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     # -- chat ------------------------------------------------------------------------
 

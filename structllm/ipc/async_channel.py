@@ -17,6 +17,9 @@ import anyio.lowlevel
 from structllm.ipc.channel import Endpoint, M, SpinBudget
 
 
+TIGHT_SPIN_S = 5e-6  # longest stretch the event loop is held while polling
+
+
 class AsyncEndpoint(Generic[M]):
     def __init__(self, endpoint: Endpoint[M], spin_s: float = 50e-6) -> None:
         self.ep = endpoint
@@ -62,14 +65,22 @@ class AsyncEndpoint(Generic[M]):
                     self.ep.sleep_end()
 
     async def _spin(self) -> bool:
+        """Poll for the budget: a few microseconds without yielding (a reply that is
+        already on its way lands well within a scheduler round trip), then yielding to
+        other tasks between polls."""
         budget = self.spin.current
         if budget <= 0:
             return False
-        end = time.perf_counter() + budget
-        while time.perf_counter() < end:
-            await anyio.lowlevel.checkpoint()
+        now = time.perf_counter()
+        tight_end, end = now + min(budget, TIGHT_SPIN_S), now + budget
+        while True:
             if self.ep.inbound.readable() or (self._want_space and self.ep.can_send(self._want_space)):
                 self.spin.hit()
                 return True
+            now = time.perf_counter()
+            if now >= end:
+                break
+            if now >= tight_end:
+                await anyio.lowlevel.checkpoint()
         self.spin.miss()
         return False

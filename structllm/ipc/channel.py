@@ -120,12 +120,7 @@ class Endpoint(Generic[M]):
 
     def try_recv_bytes(self, limit: int = 1 << 30) -> list[bytes]:
         """Take up to ``limit`` waiting frames, undecoded; wakes a peer waiting for space."""
-        frames: list[bytes] = []
-        while len(frames) < limit:
-            frame = self.inbound.try_read()
-            if frame is None:
-                break
-            frames.append(frame)
+        frames = self.inbound.read_many(limit)
         if frames:
             atomics.fence()  # publish (head) before reading the peer's flag
             if atomics.load_acquire(self.inbound.writer_waiting_addr):

@@ -135,6 +135,22 @@ class Ring:
         atomics.store_release(self._head_addr, self._head)
         return frame
 
+    def read_many(self, limit: int) -> list[bytes]:
+        """Remove and return up to ``limit`` frames, publishing the head once."""
+        frames: list[bytes] = []
+        head = self._head
+        if head == self._tail:
+            self._tail = atomics.load_acquire(self._tail_addr)
+        tail = self._tail
+        while head != tail and len(frames) < limit:
+            (n,) = _LEN.unpack(self._get(head, LEN_SIZE))
+            frames.append(self._get(head + LEN_SIZE, n))
+            head += LEN_SIZE + n
+        if head != self._head:
+            self._head = head
+            atomics.store_release(self._head_addr, head)
+        return frames
+
     def readable(self) -> bool:
         """Whether a frame is waiting (refreshes the producer's counter)."""
         self._tail = atomics.load_acquire(self._tail_addr)

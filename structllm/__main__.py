@@ -1,0 +1,5 @@
+import sys
+
+from structllm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,165 @@
+"""``structllm run``: the supervisor task tree of a server.
+
+    serve
+    ├── signals        SIGINT/SIGTERM -> graceful stop (a second one: stop now)
+    ├── http           hypercorn on our socket (answers /health with 503 until ready)
+    └── engine         open_engine -> EngineClient.run (dispatcher + process watch)
+
+Shutdown, in order: stop accepting; in-flight requests get ``shutdown_timeout`` seconds
+to finish, then are cancelled (their engine requests aborted); the engine gets
+``Shutdown`` and, after a grace period, SIGKILL; exit 0. If the engine dies, /health
+turns 503, in-flight requests fail with 503, and the server stops with exit code 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from structllm.client import EngineClient
+from structllm.config import EngineConfig
+from structllm.ipc.process import EngineStartError, open_engine
+from structllm.model.loader import prepare_model
+from structllm.server.app import App, Settings
+from structllm.tokenizer import Tokenizer
+
+log = logging.getLogger("structllm.server")
+
+
+@dataclass
+class ServerOptions:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    backend: str = "trio"
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def say(msg: str) -> None:
+    print(f"structllm: {msg}", file=sys.stderr, flush=True)
+
+
+def run(opts: ServerOptions) -> int:
+    """Blocking entry point for the CLI; returns the exit code."""
+    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind(opts.host, opts.port)
+    except OSError as e:
+        say(f"error: cannot listen on {opts.host}:{opts.port}: {e.strerror}")
+        return 2
+    t0 = time.monotonic()
+    files = prepare_model(opts.engine.model)
+    tokenizer = Tokenizer.from_files(files)
+    settings = Settings(served_model_name=opts.served_model_name or files.name, api_key=opts.api_key)
+    app = App(settings, tokenizer)
+    result: dict[str, int] = {"code": 0}
+    try:
+        anyio.run(_serve, opts, app, sock, result, t0, backend=opts.backend)
+    except KeyboardInterrupt:
+        result["code"] = 130
+    finally:
+        sock.close()
+    return result["code"]
+
+
+async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dict[str, int], t0: float) -> None:
+    stop = anyio.Event()
+    http_done = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_signals, stop, tg.cancel_scope)
+        tg.start_soon(_http, opts, app, sock, stop, http_done)
+        try:
+            await _engine(opts, app, stop, http_done, result, t0, sock)
+        except EngineStartError as e:
+            say(f"error: {e}")
+            result["code"] = 1
+        stop.set()
+        with anyio.move_on_after(opts.shutdown_timeout + 5):
+            await http_done.wait()
+        tg.cancel_scope.cancel()
+
+
+async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event,
+                  result: dict[str, int], t0: float, sock: socket.socket) -> None:
+    say(f"loading {opts.engine.model or 'the default model'} ...")
+    async with open_engine(opts.engine, shutdown_timeout=5.0) as engine:
+        client = EngineClient(engine)
+        async with anyio.create_task_group() as tg:
+
+            async def dispatcher() -> None:
+                await client.run()
+                # client.run returns only when the engine process is gone
+                if not stop.is_set():
+                    say(f"error: {client.dead}")
+                    result["code"] = 1
+                    stop.set()
+
+            tg.start_soon(dispatcher)
+            app.settings.max_model_len = engine.ready.max_model_len
+            app.client = client
+            host, port = sock.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            say(f"serving {app.settings.served_model_name} at http://{shown}:{port}/v1 "
+                f"(ready in {time.monotonic() - t0:.1f}s; max_model_len {engine.ready.max_model_len}, "
+                f"{engine.ready.num_kv_blocks} KV blocks of {engine.ready.block_size})")
+            await stop.wait()
+            # Let the HTTP side drain (in-flight requests still need the engine), then stop.
+            with anyio.move_on_after(opts.shutdown_timeout + 2):
+                await http_done.wait()
+            tg.cancel_scope.cancel()
+    say("engine stopped")
+
+
+async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event) -> None:
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn owns (and closes) the duplicate
+    config.graceful_timeout = opts.shutdown_timeout
+    config.accesslog = "-" if opts.log_level.lower() == "debug" else None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.loglevel = opts.log_level.upper()
+    config.keep_alive_timeout = 5
+    config.h11_max_incomplete_size = 64 * 1024
+    try:
+        serve: Any
+        if opts.backend == "trio":
+            from hypercorn.trio import serve
+        else:
+            from hypercorn.asyncio import serve
+        await serve(app, config, shutdown_trigger=stop.wait)
+    finally:
+        done.set()
+
+
+async def _signals(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for sig in signals:
+            if stop.is_set():
+                say("stopping now")
+                scope.cancel()
+                return
+            say(f"{signal.Signals(sig).name}: finishing in-flight requests, then stopping (again to stop now)")
+            stop.set()
