@@ -20,6 +20,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--null-model", action="store_true",
+                   help="emit tokens without running the model (to measure the serving path alone)")
+    p.add_argument("--null-step-time", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
 
 
@@ -34,6 +37,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         seed=a.seed,
         device=a.device,
         dtype=a.dtype,
+        null_model=a.null_model,
+        null_step_time=a.null_step_time,
     )
 
 

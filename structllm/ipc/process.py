@@ -2,7 +2,8 @@
 
 ``open_engine`` is an async context manager that owns everything of one engine: the
 shared memory, both doorbells, the parent-death pipe and the child process. It spawns
-``python -m structllm.engine`` (fork+exec, never a bare fork of this threaded process),
+``python -m structllm.engine`` (fork+exec from the event-loop thread, never a bare fork of
+this threaded process),
 waits for the ``EngineReady`` handshake (or fails with the engine's error, or its exit
 code), and on exit shuts the engine down: ``Shutdown`` first, then SIGKILL after a grace
 period, always reaping the child and closing every descriptor, also when cancelled.
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 
 import anyio
 import msgspec
-from anyio.abc import Process
 
 from structllm.config import EngineConfig
 from structllm.ipc import shm
@@ -43,13 +43,45 @@ class EngineStartError(RuntimeError):
     """The engine process failed before it was ready."""
 
 
+class ChildProcess:
+    """A child started with ``subprocess.Popen`` from the calling (event-loop) thread.
+
+    Not ``anyio.open_process``: trio forks from a worker thread, and the child's
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked it exits, which trio's
+    thread cache does after a few idle seconds. Exit is awaited through a pidfd.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self._pidfd = os.pidfd_open(popen.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        while self.popen.poll() is None:
+            await anyio.wait_readable(self._pidfd)
+        return int(self.popen.returncode)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
 @dataclass
 class EngineProcess:
     """A running engine: its channel and process. ``pending`` holds output batches that
     arrived together with the handshake."""
 
     endpoint: AsyncEndpoint[FromEngine]
-    process: Process
+    process: ChildProcess
     ready: EngineReady
     pending: list[FromEngine]
 
@@ -74,7 +106,7 @@ async def open_engine(
     to_engine, to_front = shm.rings(mapping, ring_capacity, init=True)
     engine_bell, front_bell = Doorbell(), Doorbell()
     pipe_r, pipe_w = os.pipe()
-    process: Process | None = None
+    process: ChildProcess | None = None
     try:
         launch = EngineLaunch(
             protocol_version=PROTOCOL_VERSION,
@@ -88,12 +120,12 @@ async def open_engine(
             parent_pid=os.getpid(),
             spin_us=spin_us,
         )
-        process = await anyio.open_process(
-            [sys.executable, "-m", module, msgspec.json.encode(launch).decode()],
-            pass_fds=(shm_fd, engine_bell.fd, front_bell.fd, pipe_r),
-            stdin=subprocess.DEVNULL,
-            stdout=None,
-            stderr=None,
+        process = ChildProcess(
+            subprocess.Popen(
+                [sys.executable, "-m", module, msgspec.json.encode(launch).decode()],
+                pass_fds=(shm_fd, engine_bell.fd, front_bell.fd, pipe_r),
+                stdin=subprocess.DEVNULL,
+            )
         )
         # The child holds its copies now; ours are not needed.
         os.close(pipe_r)
@@ -109,6 +141,7 @@ async def open_engine(
         with anyio.CancelScope(shield=True):
             if process is not None:
                 await _stop(process, to_engine, engine_bell, shutdown_timeout)
+                process.close()
             for fd in (pipe_r, pipe_w, shm_fd):
                 if fd >= 0:
                     os.close(fd)
@@ -120,7 +153,7 @@ async def open_engine(
 
 
 async def _handshake(
-    endpoint: AsyncEndpoint[FromEngine], process: Process, timeout: float
+    endpoint: AsyncEndpoint[FromEngine], process: ChildProcess, timeout: float
 ) -> tuple[EngineReady, list[FromEngine]]:
     """The first message must be ``EngineReady``; an exit or an ``EngineError`` first is a
     start failure."""
@@ -153,7 +186,7 @@ async def _handshake(
     raise EngineStartError(f"engine exited with code {exit_code} before it was ready")
 
 
-async def _stop(process: Process, to_engine: Ring, bell: Doorbell, timeout: float) -> None:
+async def _stop(process: ChildProcess, to_engine: Ring, bell: Doorbell, timeout: float) -> None:
     """Ask the engine to stop, give it ``timeout`` seconds, then kill it; always reap."""
     if process.returncode is None:
         frame = msgspec.msgpack.encode(Shutdown())

@@ -1,0 +1,152 @@
+"""A real ``structllm run`` subprocess on a free port, and helpers to poke it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+ROOT = Path(__file__).parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def shm_entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("structllm-")}
+
+
+class Server:
+    def __init__(self, *args: str, backend: str = "trio", startup: float = 180.0, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        if api_key:
+            args = (*args, "--api-key", api_key)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), "--backend", backend, "--log-level", "warning", *args]
+        self.startup = startup
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.engine_pid = -1
+
+    def __enter__(self) -> Server:
+        self.proc = subprocess.Popen([sys.executable, "-m", "structllm", "run", *self.args], cwd=ROOT)
+        end = time.monotonic() + self.startup
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
+            try:
+                if self.get("/health")[0] == 200:
+                    kids = children(self.proc.pid)
+                    self.engine_pid = kids[0] if kids else -1
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError("server did not become healthy")
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+                raw: bytes | None = None, timeout: float = 120) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            conn.request(method, path, data, {"content-type": "application/json", **auth, **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str, **kw: Any) -> tuple[int, bytes]:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> tuple[int, Any]:
+        status, data = self.request("POST", path, body, **kw)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, data
+
+    def metric(self, name: str) -> float:
+        _, text = self.get("/metrics")
+        m = re.search(rf"^structllm:{name}{{[^}}]*}} (\S+)$", text.decode(), re.M)
+        assert m, f"metric {name} missing"
+        return float(m.group(1))
+
+    def wait_idle(self, timeout: float = 15.0) -> None:
+        """Until no request is running or waiting and the KV cache is empty."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if (self.metric("num_requests_running"), self.metric("num_requests_waiting"), self.metric("kv_cache_usage_perc")) == (0, 0, 0):
+                return
+            time.sleep(0.05)
+        raise AssertionError(
+            f"not idle: running={self.metric('num_requests_running')} waiting={self.metric('num_requests_waiting')} "
+            f"kv={self.metric('kv_cache_usage_perc')}"
+        )
+
+
+def open_stream(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    """Send a request on a raw socket (to disconnect at will); returns the socket."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return s
+
+
+def read_until(s: socket.socket, marker: bytes, limit: int = 1 << 20, timeout: float = 60) -> bytes:
+    s.settimeout(timeout)
+    buf = b""
+    while marker not in buf and len(buf) < limit:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    return buf
