@@ -1,0 +1,152 @@
+"""Client disconnects cancel the request's task tree and abort it in the engine, on
+both server backends: streaming or not, queued, in prefill, in decode, and racing the
+request's last step. Afterwards nothing is left running, waiting, cached in the KV pool
+or open in the front end."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import anyio
+import httpx
+import pytest
+
+from tests.server_utils import Server, open_stream, read_until
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"Write a short sentence about the number {i}." for i in range(10)]
+
+
+@pytest.fixture(scope="module", params=["trio", "asyncio"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def server(backend: str) -> Iterator[Server]:
+    with Server("--max-model-len", "2048", backend=backend) as s:
+        engine_pid = s.engine_pid
+        yield s
+        # the same engine served the whole module (it did not die and get replaced)
+        assert s.engine_pid == engine_pid and engine_pid > 0
+        assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def small(backend: str) -> Iterator[Server]:
+    """Two sequences at a time and a tiny token budget: easy to queue, slow to prefill."""
+    with Server("--max-model-len", "2048", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", backend=backend) as s:
+        yield s
+        assert s.stop() == 0
+
+
+def body(prompt: str, max_tokens: int, stream: bool = True) -> dict[str, object]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True}
+
+
+def sse_text(raw: bytes) -> str:
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            out += [c["text"] for c in chunk["choices"]]
+    return "".join(out)
+
+
+def test_hundred_streams_with_ten_disconnected_early(server: Server) -> None:
+    reference = {p: server.post("/v1/completions", body(p, 12, stream=False))[1]["choices"][0]["text"] for p in PROMPTS}
+    results: dict[int, str] = {}
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        prompt = PROMPTS[i % 10]
+        huge = i % 10 == 9
+        async with client.stream("POST", server.url + "/v1/completions", json=body(prompt, 2000 if huge else 12)) as r:
+            assert r.status_code == 200
+            raw, seen = b"", 0
+            async for chunk in r.aiter_bytes():
+                raw += chunk
+                seen = raw.count(b"data: {")
+                if huge and seen >= 3:
+                    return  # leaving the block closes the connection mid-stream
+            results[i] = sse_text(raw)
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client, anyio.create_task_group() as tg:
+            for i in range(100):
+                tg.start_soon(one, i, client)
+
+    anyio.run(main)
+    server.wait_idle()
+    assert server.metric("num_open_requests") == 0
+    assert len(results) == 90
+    for i, text in results.items():
+        assert text == reference[PROMPTS[i % 10]], f"request {i}"
+
+
+def test_disconnect_of_a_queued_request(small: Server) -> None:
+    long = [open_stream(small.port, "/v1/completions", body("Tell me a long story.", 1500)) for _ in range(2)]
+    for s in long:
+        read_until(s, b"data: {")
+    queued = open_stream(small.port, "/v1/completions", body("And another one.", 1500))
+    deadline = time.monotonic() + 10
+    while small.metric("num_requests_waiting") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    queued.close()
+    deadline = time.monotonic() + 5
+    while small.metric("num_requests_waiting") != 0:
+        assert time.monotonic() < deadline, "the queued request was not aborted"
+        time.sleep(0.02)
+    assert small.metric("num_requests_running") == 2
+    for s in long:
+        s.close()
+    small.wait_idle()
+    assert small.metric("num_open_requests") == 0
+
+
+def test_disconnect_during_a_long_prefill(small: Server) -> None:
+    prompt = "alpha beta gamma delta " * 400  # ~1600 tokens at 32 a step: seconds of prefill
+    s = open_stream(small.port, "/v1/completions", body(prompt, 5))
+    deadline = time.monotonic() + 10
+    while small.metric("num_requests_running") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert small.metric("kv_cache_usage_perc") > 0
+    s.settimeout(0.3)
+    got = b""
+    with pytest.raises(socket.timeout):
+        while True:
+            got += s.recv(65536)
+    assert b"data:" not in got  # headers only, no token yet: still prefilling
+    s.close()
+    small.wait_idle(timeout=3)
+
+
+def test_disconnect_of_a_non_streaming_request(server: Server) -> None:
+    s = open_stream(server.port, "/v1/completions", body("Count to a thousand:", 1900, stream=False))
+    deadline = time.monotonic() + 10
+    while server.metric("num_requests_running") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)
+    s.close()
+    server.wait_idle(timeout=5)
+    assert server.metric("num_open_requests") == 0
+
+
+def test_disconnect_racing_the_last_step(server: Server) -> None:
+    for i in range(30):
+        s = open_stream(server.port, "/v1/completions", body(PROMPTS[i % 10], 3))
+        read_until(s, b"data: {", timeout=30)
+        if i % 3:
+            time.sleep(0.005 * (i % 7))
+        s.close()
+    server.wait_idle()
+    assert server.metric("num_open_requests") == 0
+    code, data = server.post("/v1/completions", body(PROMPTS[0], 4, stream=False))
+    assert code == 200 and data["choices"][0]["finish_reason"] == "length"

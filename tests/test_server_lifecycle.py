@@ -1,0 +1,87 @@
+"""Start-up, shutdown and engine death of a real ``structllm run``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server_utils import ROOT, Server, alive, children, free_port, open_stream, read_until, shm_entries
+
+pytestmark = pytest.mark.slow
+
+
+def body(max_tokens: int) -> dict[str, object]:
+    return {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+def test_health_is_503_while_loading_then_200() -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning"], cwd=ROOT)
+    import http.client
+
+    seen: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and 200 not in seen:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                seen.append(conn.getresponse().status)
+                conn.close()
+            except OSError:
+                pass
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert 503 in seen and seen[-1] == 200
+    assert seen.index(200) > seen.index(503)
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
+    before = shm_entries()
+    with Server(backend=backend) as s:
+        engine = s.engine_pid
+        streams = [open_stream(s.port, "/v1/completions", body(20)) for _ in range(3)]
+        first = [read_until(st, b"data: {") for st in streams]
+        s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        for st, head in zip(streams, first, strict=True):
+            raw = head + read_until(st, b"data: [DONE]")
+            assert b'"finish_reason":"length"' in raw and b"[DONE]" in raw  # finished, not cut
+        assert s.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
+    assert not alive(engine)
+    assert shm_entries() == before
+
+
+def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
+    with Server("--shutdown-timeout", "1") as s:
+        engine = s.engine_pid
+        st = open_stream(s.port, "/v1/completions", body(5000))
+        read_until(st, b"data: {")
+        t = time.monotonic()
+        s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
+        assert s.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
+        assert time.monotonic() - t < 15
+    assert not alive(engine)
+
+
+def test_engine_death_fails_requests_and_turns_health_503() -> None:
+    with Server() as s:
+        st = open_stream(s.port, "/v1/completions", body(5000))
+        read_until(st, b"data: {")
+        os.kill(s.engine_pid, signal.SIGKILL)
+        t = time.monotonic()
+        raw = read_until(st, b"data: [DONE]", timeout=10)
+        assert time.monotonic() - t < 5
+        errors = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b'data: {"error"')]
+        assert errors and "engine" in errors[0]["error"]["message"]
+        code = s.proc.wait(timeout=60)  # type: ignore[union-attr]
+        assert code != 0  # no restart (yet): the server stops and says why
+    assert children(s.proc.pid) == []  # type: ignore[union-attr]
