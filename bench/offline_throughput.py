@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any
 
+
 def make_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """Fixed-seed random token ids (as ``vllm bench``'s random dataset): no two prompts
     share a prefix, so the prefix cache cannot flatter the figures."""

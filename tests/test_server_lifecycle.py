@@ -11,7 +11,16 @@ import time
 
 import pytest
 
-from tests.server_utils import ROOT, Server, alive, children, free_port, open_stream, read_until, shm_entries
+from tests.server_utils import (
+    ROOT,
+    Server,
+    alive,
+    children,
+    free_port,
+    open_stream,
+    read_until,
+    shm_entries,
+)
 
 pytestmark = pytest.mark.slow
 

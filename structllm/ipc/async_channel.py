@@ -16,7 +16,6 @@ import anyio.lowlevel
 
 from structllm.ipc.channel import Endpoint, M, SpinBudget
 
-
 TIGHT_SPIN_S = 5e-6  # longest stretch the event loop is held while polling
 
 

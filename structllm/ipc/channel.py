@@ -17,6 +17,7 @@ while the peer is awake.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -48,10 +49,8 @@ class Doorbell:
         os.eventfd_write(self.fd, 1)
 
     def drain(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.fd)
-        except BlockingIOError:
-            pass
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -65,7 +65,7 @@ class Ring:
         self._data = view[offset + HEADER_SIZE : offset + HEADER_SIZE + capacity]
         # A ctypes object pins the buffer (an mmap cannot be closed under it) and gives
         # the address of the counters for the C atomics.
-        self._pin = ctypes.c_char.from_buffer(view, offset)  # type: ignore[arg-type]
+        self._pin = ctypes.c_char.from_buffer(view, offset)
         base = ctypes.addressof(self._pin)
         if base % 8:  # the atomics need 8; a page-aligned mapping also gives each counter its own line
             raise ValueError("ring header must be 8-byte aligned")

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,13 @@ import anyio
 import msgspec
 
 from structllm import __version__
-from structllm.client import EngineClient, EngineDeadError, EngineRequestError, RequestStream, Wakeup
+from structllm.client import (
+    EngineClient,
+    EngineDeadError,
+    EngineRequestError,
+    RequestStream,
+    Wakeup,
+)
 from structllm.ipc.ring import FrameTooLarge
 from structllm.protocol import SamplingParams, TokenLogprobs
 from structllm.server import openai as oa
@@ -113,10 +119,8 @@ class App:
             log.exception("error in %s %s", scope["method"], path)
             err = oa.APIError(500, "internal error", type="internal_server_error")
             with anyio.move_on_after(1):
-                try:
+                with suppress(Exception):
                     await send_json(send, 500, err.body())
-                except Exception:
-                    pass
 
     def authorize(self, scope: Scope) -> None:
         key = self.settings.api_key
@@ -260,9 +264,7 @@ class App:
 
     def completion_prompts(self, prompt: str | list[str | int | list[int]]) -> list[list[int]]:
         items: list[Any]
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
             items = [prompt]
         elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
             items = list(prompt)
