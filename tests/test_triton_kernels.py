@@ -281,3 +281,64 @@ def test_engine_output_does_not_depend_on_the_backend(tiny_gqa3_dir: Path) -> No
     torch.testing.assert_close(
         prefill_logits(tri.engine, ids).cpu(), prefill_logits(ref.engine, ids), atol=1e-4, rtol=1e-4
     )
+
+
+def test_capture_sizes() -> None:
+    from structllm.engine.cuda_graphs import capture_sizes
+
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+class _EagerGraph:
+    """Stands in for a captured ``torch.cuda.CUDAGraph`` on CPU: ``replay`` runs the
+    captured step eagerly on the static buffers."""
+
+    def __init__(self, graphs, b: int) -> None:  # type: ignore[no-untyped-def]
+        self.graphs, self.b = graphs, b
+
+    def replay(self) -> None:
+        self.graphs.outputs[self.b] = self.graphs._forward(self.b)
+
+
+def test_decode_graph_padding_is_harmless(tiny_gqa3_dir: Path) -> None:
+    """The decode-graph staging (``cuda_graphs.DecodeGraphs.run``) with replay done
+    eagerly: a batch of 3 decodes padded to 4 rows, static buffers holding stale ids,
+    positions and block ids from "earlier steps", launches sized for max_model_len.
+    The live rows' hidden states equal the plain eager step's, and the padding row
+    writes nothing into the KV cache."""
+    from structllm import LLM, SamplingParams
+    from structllm.engine.cuda_graphs import DecodeGraphs
+    from structllm.protocol import AddRequest
+
+    llm = LLM(str(tiny_gqa3_dir), attention_backend="triton", device="cpu", dtype="float32",
+              kv_cache_memory=8 << 20, max_num_seqs=8)  # fmt: skip
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, n in enumerate([5, 20, 37]):
+        eng.add_request(AddRequest(f"r{i}", list(range(100, 100 + n)), sp))
+    eng.step()  # prefill all three; the next step decodes them
+    sched = eng.scheduler.schedule()
+    batch = eng.runner.prepare(sched)
+    assert batch.meta.num_decodes == 3 == len(batch.order)
+    caches = eng.runner.kv_caches
+    with torch.inference_mode():
+        want = eng.model(batch.input_ids, batch.positions, caches, batch.meta)
+        stored = [(k.clone(), v.clone()) for k, v in caches]
+
+        graphs = DecodeGraphs(eng.model, caches, eng.runner.block_size, 8, eng.max_model_len)
+        assert graphs.sizes == [1, 2, 4, 8]
+        for b in graphs.sizes:
+            graphs.graphs[b] = _EagerGraph(graphs, b)  # type: ignore[assignment]
+        g = torch.Generator().manual_seed(0)
+        graphs.input_ids.random_(0, 1000, generator=g)
+        graphs.positions.random_(0, eng.max_model_len, generator=g)
+        graphs.block_tables.random_(0, eng.num_blocks, generator=g)
+        got = graphs.run(batch.input_ids, batch.positions, batch.meta)
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for (k, v), (k0, v0) in zip(caches, stored, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    # Not all decodes, or more rows than the largest graph: eager.
+    assert graphs.run(batch.input_ids[:2], batch.positions[:2], batch.meta) is None
