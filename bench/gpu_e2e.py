@@ -13,9 +13,12 @@ default model's wheel). Runs, on the same prompts:
 - ``cuda-bf16``: CUDA, bfloat16, Triton, graphs (what ``auto`` picks on a GPU);
 - ``cuda-bf16-torch``: CUDA, bfloat16, the torch reference attention.
 
-Pass criteria: both CUDA float32 runs produce the CPU run's tokens exactly; bf16 runs
-agree with the CPU on every prompt's first token (bf16 rounding may change a later
-greedy choice, which is printed, not failed). Then decode throughput with and without
+Pass criteria, judged against the CPU run's tokens and its top-2 logprobs: a float32
+CUDA run may leave the CPU's greedy path only where the CPU's top two candidates were
+within 1e-3 (a near-tie that summation order can flip), and the first sampled token's
+logprob must agree within 1e-3; a bf16 run must pick the CPU's first token of every
+prompt unless that choice was within 0.1 of the runner-up (bf16 rounding may change
+later greedy choices: printed, not failed). Then decode throughput with and without
 graphs. Prints a report and one JSON line; exits 1 if a criterion fails.
 """
 
@@ -80,16 +83,25 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [*first, long, long[:500], *rest]
 
 
-def run(model: str | None, prompts: list[list[int]], n: int, **kw: Any) -> tuple[list[list[int]], float]:
-    from structllm import LLM, SamplingParams
+class Run:
+    """One configuration's greedy tokens, their top-2 logprobs, and the wall time."""
 
-    llm = LLM(model, max_num_batched_tokens=256, max_num_seqs=64, **kw)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    dt = time.perf_counter() - t
-    del llm
-    torch.cuda.empty_cache()
-    return [o.token_ids for o in outs], dt
+    def __init__(self, model: str | None, prompts: list[list[int]], n: int, **kw: Any) -> None:
+        from structllm import LLM, SamplingParams
+
+        llm = LLM(model, max_num_batched_tokens=256, max_num_seqs=64, **kw)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2))
+        self.seconds = time.perf_counter() - t
+        self.tokens = [o.token_ids for o in outs]
+        self.logprobs = [o.logprobs or [] for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+
+    def gap(self, i: int, pos: int) -> float:
+        """How far ahead of the runner-up the top candidate of prompt ``i`` was at ``pos``."""
+        top = self.logprobs[i][pos].top_logprobs
+        return top[0] - top[1]
 
 
 def throughput(model: str | None, vocab: int, enforce_eager: bool) -> float:
@@ -134,36 +146,44 @@ def main() -> int:
         prompts = prompts_for(vocab)
         n = args.max_tokens
         gib = 4 << 30
-        runs: dict[str, tuple[list[list[int]], float]] = {
-            "cpu-f32": run(model, prompts, n, device="cpu", dtype="float32", attention_backend="torch", kv_cache_memory=1 << 30),
-            "cuda-f32": run(model, prompts, n, device="cuda", dtype="float32", kv_cache_memory=gib),
-            "cuda-f32-eager": run(model, prompts, n, device="cuda", dtype="float32", kv_cache_memory=gib, enforce_eager=True),
-            "cuda-bf16": run(model, prompts, n, device="cuda", dtype="bfloat16", kv_cache_memory=gib),
-            "cuda-bf16-torch": run(model, prompts, n, device="cuda", dtype="bfloat16", attention_backend="torch", kv_cache_memory=gib, enforce_eager=True),
+        runs: dict[str, Run] = {
+            "cpu-f32": Run(model, prompts, n, device="cpu", dtype="float32", attention_backend="torch", kv_cache_memory=1 << 30),
+            "cuda-f32": Run(model, prompts, n, device="cuda", dtype="float32", kv_cache_memory=gib),
+            "cuda-f32-eager": Run(model, prompts, n, device="cuda", dtype="float32", kv_cache_memory=gib, enforce_eager=True),
+            "cuda-bf16": Run(model, prompts, n, device="cuda", dtype="bfloat16", kv_cache_memory=gib),
+            "cuda-bf16-torch": Run(model, prompts, n, device="cuda", dtype="bfloat16", attention_backend="torch", kv_cache_memory=gib, enforce_eager=True),
         }  # fmt: skip
         tps_graph = throughput(model, vocab, enforce_eager=False)
         tps_eager = throughput(model, vocab, enforce_eager=True)
 
-    base = runs["cpu-f32"][0]
+    cpu = runs["cpu-f32"]
     report: dict[str, Any] = {"model": label, "prompts": len(prompts), "max_tokens": n, "runs": {}}
     ok = True
     err = sys.stderr
     print(f"model: {label}; {len(prompts)} prompts x {n} greedy tokens", file=err)
-    for name, (toks, secs) in runs.items():
-        prefixes = [common_prefix(a, b) for a, b in zip(toks, base, strict=True)]
+    for name, r in runs.items():
+        prefixes = [common_prefix(a, b) for a, b in zip(r.tokens, cpu.tokens, strict=True)]
         exact = sum(p == n for p in prefixes)
-        first_ok = all(p >= 1 for p in prefixes)
-        must_be_exact = name.startswith("cuda-f32")
-        passed = exact == len(prompts) if must_be_exact else first_ok
+        # Where a run leaves the CPU's path: how close the CPU's own choice was there.
+        gaps = [cpu.gap(i, p) for i, p in enumerate(prefixes) if p < n]
+        lp_diff = max(abs(r.logprobs[i][0].logprob - cpu.logprobs[i][0].logprob) for i in range(len(prompts)))
+        if name.startswith("cuda-f32"):
+            passed = all(g < 1e-3 for g in gaps) and lp_diff < 1e-3
+        else:
+            passed = all(p >= 1 or cpu.gap(i, 0) < 0.1 for i, p in enumerate(prefixes))
         if name != "cpu-f32":
             ok &= passed
-        report["runs"][name] = {"seconds": secs, "identical_to_cpu": exact, "min_common_prefix": min(prefixes), "passed": passed}
-        print(f"  {name:16} {secs:6.1f}s  identical to cpu-f32: {exact}/{len(prompts)}  "
-              f"shortest common prefix: {min(prefixes)}/{n}  {'ok' if passed else 'FAIL'}", file=err)  # fmt: skip
+        report["runs"][name] = {
+            "seconds": r.seconds, "identical_to_cpu": exact, "min_common_prefix": min(prefixes),
+            "cpu_gaps_where_diverged": gaps, "first_logprob_max_diff": lp_diff, "passed": passed,
+        }  # fmt: skip
+        print(f"  {name:16} {r.seconds:6.1f}s  identical to cpu-f32: {exact}/{len(prompts)}  "
+              f"shortest common prefix: {min(prefixes)}/{n}  first-token logprob diff: {lp_diff:.1e}  "
+              f"cpu top-2 gaps where diverged: {[round(g, 4) for g in gaps]}  {'ok' if passed else 'FAIL'}", file=err)  # fmt: skip
     for i in range(4):
         print(f"  prompt {i} (len {len(prompts[i])}):", file=err)
-        for name, (toks, _) in runs.items():
-            print(f"    {name:16} {toks[i]}", file=err)
+        for name, r in runs.items():
+            print(f"    {name:16} {r.tokens[i]}", file=err)
     report["decode_tokens_per_s"] = {"graphs": tps_graph, "eager": tps_eager}
     report["passed"] = ok
     print(f"  bf16 throughput, 64 x 128 tokens: graphs {tps_graph:,.0f} tok/s, eager {tps_eager:,.0f} tok/s", file=err)

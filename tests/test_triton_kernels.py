@@ -225,10 +225,11 @@ def test_mixed_batch_matches_reference(device: str, dtype: torch.dtype, h: int, 
 
 def test_decode_split_count() -> None:
     # Enough programs for ~4 per SM, bounded by the context and MAX_SPLITS.
-    assert ta.decode_num_splits(1, 8, 32768, 64, 132) == 64
-    assert ta.decode_num_splits(1, 8, 512, 64, 132) == 2
-    assert ta.decode_num_splits(128, 8, 32768, 64, 132) == 1
-    assert ta.decode_num_splits(32, 3, 4096, 64, 132) == 6
+    assert ta.decode_num_splits(1, 8, 32768, 64, 132) == 64  # capped by MAX_SPLITS
+    assert ta.decode_num_splits(1, 8, 4096, 64, 132) == 8  # capped by the context: 8 tiles each
+    assert ta.decode_num_splits(1, 8, 512, 64, 132) == 1  # too short to split
+    assert ta.decode_num_splits(128, 8, 32768, 64, 132) == 1  # the batch alone fills the GPU
+    assert ta.decode_num_splits(32, 3, 4096, 64, 132) == 6  # ceil(4 * 132 / 96)
     assert ta.decode_num_splits(4, 1, 1, 64, 132) == 1
 
 

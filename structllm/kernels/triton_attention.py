@@ -28,7 +28,10 @@ INTERPRETED: bool = type(K.decode_kernel).__name__ == "InterpretedFunction"
 tensors; the flag is read when the ``@triton.jit`` decorators run, i.e. at import)."""
 
 MAX_SPLITS = 64
-MIN_TILES_PER_SPLIT = 4  # a split shorter than this spends more on setup than on reading
+# A split shorter than this many tiles (512 positions at the default tile) costs more in
+# its partial-result traffic and the second (reduce) launch than it gains in parallelism.
+# Unmeasured defaults: tune both on a GPU with bench/kernels.py.
+MIN_TILES_PER_SPLIT = 8
 
 
 def check_device(device: torch.device) -> None:
