@@ -313,8 +313,8 @@ def test_decode_graph_padding_is_harmless(tiny_gqa3_dir: Path) -> None:
     from structllm.engine.cuda_graphs import DecodeGraphs
     from structllm.protocol import AddRequest
 
-    llm = LLM(str(tiny_gqa3_dir), attention_backend="triton", device="cpu", dtype="float32",
-              kv_cache_memory=8 << 20, max_num_seqs=8)  # fmt: skip
+    llm = LLM(str(tiny_gqa3_dir), attention_backend="triton", device=ENGINE_DEVICE, dtype="float32",
+              kv_cache_memory=8 << 20, max_num_seqs=8, enforce_eager=True)  # fmt: skip
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for i, n in enumerate([5, 20, 37]):
@@ -332,10 +332,10 @@ def test_decode_graph_padding_is_harmless(tiny_gqa3_dir: Path) -> None:
         assert graphs.sizes == [1, 2, 4, 8]
         for b in graphs.sizes:
             graphs.graphs[b] = _EagerGraph(graphs, b)  # type: ignore[assignment]
-        g = torch.Generator().manual_seed(0)
-        graphs.input_ids.random_(0, 1000, generator=g)
-        graphs.positions.random_(0, eng.max_model_len, generator=g)
-        graphs.block_tables.random_(0, eng.num_blocks, generator=g)
+        torch.manual_seed(0)
+        graphs.input_ids.random_(0, 1000)
+        graphs.positions.random_(0, eng.max_model_len)
+        graphs.block_tables.random_(0, eng.num_blocks)
         got = graphs.run(batch.input_ids, batch.positions, batch.meta)
     assert got is not None and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
