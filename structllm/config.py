@@ -22,6 +22,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
       model's tokenizer and shape (for KV sizing) are still used.
+    - ``enforce_eager``: on CUDA, run every step eagerly instead of replaying CUDA graphs
+      captured for decode-only steps (as vLLM's option of that name).
     """
 
     model: str | None = None
@@ -36,6 +38,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     num_threads: int | None = None
     null_model: bool = False
     null_step_time: float = 0.0

@@ -79,6 +79,8 @@ class EngineCore:
         mcfg = self.files.config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
             torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
@@ -114,6 +116,12 @@ class EngineCore:
             self.runner = NullRunner(config.null_step_time)
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, bs, Sampler(self.eos_token_ids, config.seed))
+            if (
+                self.device.type == "cuda"
+                and not config.enforce_eager
+                and getattr(self.model.attn_impl, "supports_cuda_graphs", False)
+            ):
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
 
     def _kv_budget(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
@@ -45,6 +46,13 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     def prepare(self, sched: SchedulerOutput) -> Batch:
         """The flat batch of ``sched``: decodes (one new token) first, so attention can
@@ -99,7 +107,11 @@ class ModelRunner:
         their known tokens. Returns ``{request_id: token}`` and the requested logprobs."""
         batch = self.prepare(sched)
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            hidden = None
+            if self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is None:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             if not batch.sample_reqs:
                 return {}, {}
             logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()

@@ -101,8 +101,9 @@ def get_attention_impl(name: str, device: torch.device) -> AttentionImpl:
         return TorchAttention()
     if name == "triton":
         try:
-            from structllm.kernels.triton_attention import TritonAttention  # type: ignore[import-not-found]
+            from structllm.kernels.triton_attention import TritonAttention, check_device
         except ImportError as e:
             raise ValueError(f"attention backend 'triton' is not available: {e}") from e
+        check_device(device)
         return TritonAttention()
     raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")
