@@ -80,6 +80,8 @@ class App:
         self.tokenizer = tokenizer
         self.client: EngineClient | None = None
         self.metrics = Metrics(settings.served_model_name)
+        self.inflight = 0  # HTTP requests being handled
+        self._drained: anyio.Event | None = None
         self.created = oa.now()
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
@@ -100,6 +102,21 @@ class App:
             return
         if scope["type"] != "http":
             return
+        self.inflight += 1
+        try:
+            await self._handle(scope, receive, send)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0 and self._drained is not None:
+                self._drained.set()
+
+    async def drained(self) -> None:
+        """Return once no HTTP request is being handled."""
+        if self.inflight:
+            self._drained = anyio.Event()
+            await self._drained.wait()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"].rstrip("/") or "/"
         handler = self.routes.get((scope["method"], path))
         try:

@@ -143,21 +143,36 @@ async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.
     config.loglevel = opts.log_level.upper()
     config.keep_alive_timeout = 5
     config.h11_max_incomplete_size = 64 * 1024
-    try:
-        serve: Any
+    serve: Any
+    if opts.backend == "trio":
+        from hypercorn.trio import serve
+    else:
+        from hypercorn.asyncio import serve
+    async with anyio.create_task_group() as tg:
+
+        async def drain_then_close() -> None:
+            # hypercorn stops accepting at `stop`, but on trio it keeps idle keep-alive
+            # connections until graceful_timeout; close everything once the in-flight
+            # requests are done (or the timeout has passed: then they are cancelled).
+            # On asyncio hypercorn closes idle connections itself and enforces the timeout.
+            await stop.wait()
+            with anyio.move_on_after(opts.shutdown_timeout):
+                await app.drained()
+            tg.cancel_scope.cancel()
+
         if opts.backend == "trio":
-            from hypercorn.trio import serve
-        else:
-            from hypercorn.asyncio import serve
-        await serve(app, config, shutdown_trigger=stop.wait)
-    except Exception:
-        if not stop.is_set():
-            raise
-        # hypercorn's asyncio worker can trip over its own clean-up when a forced stop
-        # cancels it mid-drain (InvalidStateError); the server is going down anyway.
-        log.debug("http server raised while stopping", exc_info=True)
-    finally:
-        done.set()
+            tg.start_soon(drain_then_close)
+        try:
+            await serve(app, config, shutdown_trigger=stop.wait)
+        except Exception:
+            if not stop.is_set():
+                raise
+            # hypercorn's asyncio worker can trip over its own clean-up when it is
+            # cancelled mid-drain (InvalidStateError); the server is going down anyway.
+            log.debug("http server raised while stopping", exc_info=True)
+        finally:
+            tg.cancel_scope.cancel()
+            done.set()
 
 
 async def _signals(stop: anyio.Event, scope: anyio.CancelScope) -> None:
