@@ -1,12 +1,13 @@
 # Everything a fresh machine needs, in a virtual environment under .venv.
-#   make generate  a short offline generation on the default model (installs first if needed)
+#   make serve     start the server on the default model at 127.0.0.1:8000 (installs first if needed)
+#   make generate  a short offline generation on the default model
 #   make test      lint, type-check and run the test suite (installs first if needed)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install generate test lint pytest bench clean
+.PHONY: install serve generate test lint pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/structllm run
 
 generate: $(STAMP)
 	$(VENV)/bin/structllm generate --chat -p "Tell me about structured concurrency in one sentence."
@@ -34,6 +38,8 @@ test: lint pytest
 
 bench: $(STAMP)
 	$(PY) bench/offline_throughput.py
+	$(PY) bench/serve.py --launch --compare-offline
+	$(PY) bench/ipc_latency.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,238 @@
+"""Serving benchmark for any OpenAI-compatible server (like ``vllm bench serve``).
+
+    # against a running server
+    python bench/serve.py --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16
+    # start `structllm run` for the run, and compare with the offline engine in the same run
+    python bench/serve.py --launch --compare-offline
+
+Fixed-seed synthetic prompts of ``--input-len`` random token ids (sent as token-id
+prompts to /v1/completions, which vLLM and structllm accept; ``--text-prompts`` sends
+random words instead, for servers that only take text), ``--output-len`` tokens each with
+EOS ignored, streaming. Arrivals: all at once, or Poisson at ``--request-rate``;
+``--max-concurrency`` caps requests in flight. Prints TTFT, inter-token latency and
+end-to-end latency (p50/p90/p99), output tokens/s and requests/s as a table and one
+JSON line. ``--compare-offline`` also runs structllm's offline engine (in this process,
+after the server is gone) on the same prompts with ``max_num_seqs`` = the concurrency,
+and prints serving throughput as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact"]
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def prompts(n: int, length: int, vocab: int, seed: int, text: bool) -> list[Any]:
+    rng = random.Random(seed)
+    if text:
+        return [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(n)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str | None, prompt: Any, out_len: int, headers: dict[str, str]) -> Result:
+    body: dict[str, Any] = {
+        "prompt": prompt, "max_tokens": out_len, "temperature": 0, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    r = Result()
+    t0 = time.perf_counter()
+    last = t0
+    chunks = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    r.output_tokens = data["usage"]["completion_tokens"]
+                if any(c.get("text") for c in data.get("choices", [])):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        r.ttft = now - t0
+                    else:
+                        r.itls.append(now - last)
+                    last = now
+                    chunks += 1
+        r.e2e = time.perf_counter() - t0
+        r.output_tokens = r.output_tokens or chunks
+        r.ok = True
+    except (httpx.HTTPError, OSError) as e:
+        r.error = repr(e)
+    return r
+
+
+async def run_load(url: str, model: str | None, items: list[Any], out_len: int, rate: float, concurrency: int,
+                   api_key: str | None, seed: int) -> tuple[list[Result], float]:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    results: list[Result] = []
+    limiter = anyio.CapacityLimiter(concurrency)
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+
+        async def task(p: Any) -> None:
+            async with limiter:
+                results.append(await one(client, url, model, p, out_len, headers))
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for p in items:
+                tg.start_soon(task, p)
+                if math.isfinite(rate):
+                    await anyio.sleep(rng.expovariate(rate))
+        elapsed = time.perf_counter() - t0
+    return results, elapsed
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    itls = [x for r in ok for x in r.itls]
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": round(elapsed, 2),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "requests_per_s": round(len(ok) / elapsed, 2),
+    }
+    for name, values in (("ttft_ms", [r.ttft for r in ok]), ("itl_ms", itls), ("e2e_ms", [r.e2e for r in ok])):
+        for q in (0.5, 0.9, 0.99):
+            summary[f"{name}_p{int(q * 100)}"] = round(1000 * pct(values, q), 1)
+        summary[f"{name}_mean"] = round(1000 * statistics.fmean(values), 1) if values else float("nan")
+    if len(ok) < len(results):
+        summary["first_error"] = next(r.error for r in results if not r.ok)
+    return summary
+
+
+def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning",
+           "--max-num-seqs", str(max(args.max_concurrency, 1)), *args.server_args]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def offline(items: list[Any], out_len: int, concurrency: int) -> float:
+    from structllm import LLM, SamplingParams
+
+    llm = LLM(max_num_seqs=concurrency)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(items[:2], SamplingParams(temperature=0, max_tokens=2))
+    llm.engine.kv.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(items, sp)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default=None, help="server to load (default: --launch one)")
+    ap.add_argument("--launch", action="store_true", help="start `structllm run` for this run")
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `structllm run` arguments (last)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
+    ap.add_argument("--max-concurrency", type=int, default=16)
+    ap.add_argument("--vocab-size", type=int, default=49152)
+    ap.add_argument("--text-prompts", action="store_true", help="random words instead of token ids")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare-offline", action="store_true", help="also run the offline engine on the same prompts")
+    args = ap.parse_args()
+    if args.base_url is None and not args.launch:
+        args.launch = True
+    items = prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed, args.text_prompts)
+    proc = None
+    url = args.base_url
+    if args.launch:
+        proc, url = launch(args)
+    try:
+        warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
+        anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
+        results, elapsed = anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
+                                     args.max_concurrency, args.api_key, args.seed)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    summary = summarize(results, elapsed)
+    summary.update(bench="serve", url=url, num_prompts=args.num_prompts, input_len=args.input_len,
+                   output_len=args.output_len, max_concurrency=args.max_concurrency,
+                   request_rate=None if math.isinf(args.request_rate) else args.request_rate)
+    if args.compare_offline:
+        off = offline(items, args.output_len, args.max_concurrency)
+        summary["offline_output_tokens_per_s"] = round(off, 1)
+        summary["serving_vs_offline"] = round(summary["output_tokens_per_s"] / off, 3)
+    rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")]
+    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+        rows += [(f"{metric} p50/p90/p99", metric)]
+    for label, key in rows:
+        if key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            value = f"{summary[key + '_p50']} / {summary[key + '_p90']} / {summary[key + '_p99']}"
+        else:
+            value = summary[key]
+        print(f"{label:26}{value}", file=sys.stderr)
+    if "offline_output_tokens_per_s" in summary:
+        print(f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
+              f"(serving at {summary['serving_vs_offline']:.0%})", file=sys.stderr)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
