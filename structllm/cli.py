@@ -72,6 +72,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         backend=a.backend,
         shutdown_timeout=a.shutdown_timeout,
         log_level=a.log_level,
+        restart_engine=not a.no_restart_engine,
+        max_engine_restarts=a.max_engine_restarts,
+        max_queued_requests=a.max_queued_requests,
+        max_queued_tokens=a.max_queued_tokens,
+        write_timeout=a.write_timeout,
+        body_timeout=a.body_timeout,
+        allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
     )
     return run(opts)
 
@@ -98,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)")
     r.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
     r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r.add_argument("--no-restart-engine", action="store_true", help="exit (code 1) when the engine dies instead of restarting it")
+    r.add_argument("--max-engine-restarts", type=int, default=5, help="engine deaths in a row before giving up (default 5)")
+    r.add_argument("--max-queued-requests", type=int, default=512, help="requests waiting for their first token before new ones get 503")
+    r.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens waiting before new requests get 503")
+    r.add_argument("--write-timeout", type=float, default=60.0, help="abort a request whose client reads nothing for this long (s)")
+    r.add_argument("--body-timeout", type=float, default=30.0, help="answer 408 when a request body takes longer than this (s)")
+    r.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; default: CORS off)")
     r.set_defaults(func=cmd_run)
     c = sub.add_parser(
         "chat",

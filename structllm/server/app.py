@@ -48,9 +48,19 @@ SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
 
 @dataclass
 class Settings:
+    """Front-end limits. Requests waiting for their first token count as queued: past
+    ``max_queued_requests`` or ``max_queued_tokens`` (prompt tokens) new generation
+    requests get 503 with ``Retry-After`` at once. ``write_timeout``: a client that does
+    not take a chunk for that long has its engine requests aborted."""
+
     served_model_name: str
     api_key: str | None = None
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = 16 << 20
+    body_timeout: float = 30.0
+    max_queued_requests: int = 512
+    max_queued_tokens: int = 1 << 20
+    write_timeout: float = 60.0
+    allowed_origins: tuple[str, ...] = ()
     max_model_len: int = 0  # filled from the engine's handshake
 
 
@@ -82,6 +92,8 @@ class App:
         self.metrics = Metrics(settings.served_model_name)
         self.inflight = 0  # HTTP requests being handled
         self._drained: anyio.Event | None = None
+        self.queued_requests = 0  # engine requests without their first token yet
+        self.queued_tokens = 0  # their prompt tokens
         self.created = oa.now()
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
@@ -92,6 +104,7 @@ class App:
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
+            ("GET", "/openapi.json"): self.openapi,
         }
 
     # -- ASGI --------------------------------------------------------------------------
@@ -119,16 +132,24 @@ class App:
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"].rstrip("/") or "/"
         handler = self.routes.get((scope["method"], path))
+        cors = self.cors_headers(scope)
+        if cors is not None:
+            send = _with_headers(send, cors)
+            if scope["method"] == "OPTIONS":  # preflight
+                await send({"type": "http.response.start", "status": 204, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
         try:
             if handler is None:
                 if any(p == path for _, p in self.routes):
                     raise oa.APIError(405, f"method {scope['method']} is not allowed on {path}")
                 raise oa.APIError(404, f"no route for {path}", code="not_found")
-            if path != "/health":
+            if path not in ("/health", "/openapi.json"):
                 self.authorize(scope)
             await handler(scope, receive, send)
         except oa.APIError as e:
-            await send_json(send, e.status, e.body())
+            self.metrics.http_errors[e.status] = self.metrics.http_errors.get(e.status, 0) + 1
+            await send_json(send, e.status, e.body(), e.headers)
         except ResponseStarted:
             pass
         except Exception:
@@ -138,6 +159,21 @@ class App:
             with anyio.move_on_after(1):
                 with suppress(Exception):
                     await send_json(send, 500, err.body())
+
+    def cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]] | None:
+        """CORS is off unless origins were allowed (``--allowed-origins``)."""
+        origins = self.settings.allowed_origins
+        if not origins:
+            return None
+        origin = dict(scope["headers"]).get(b"origin")
+        if origin is None or ("*" not in origins and origin.decode("latin-1") not in origins):
+            return None
+        return [
+            (b"access-control-allow-origin", origin),
+            (b"vary", b"origin"),
+            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-headers", b"authorization, content-type"),
+        ]
 
     def authorize(self, scope: Scope) -> None:
         key = self.settings.api_key
@@ -160,6 +196,9 @@ class App:
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine()
         await send_json(send, 200, {"status": "ok"})
+
+    async def openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, oa.openapi_document(__version__))
 
     async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"version": __version__})
@@ -196,7 +235,7 @@ class App:
             ids = self.render_chat(fake)
         else:
             assert req.prompt is not None
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         await send_json(send, 200, {"tokens": ids, "count": len(ids), "max_model_len": self.settings.max_model_len})
 
     async def detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -208,6 +247,14 @@ class App:
     # -- request preparation -----------------------------------------------------------
 
     async def read_body(self, receive: Receive) -> bytes:
+        """The whole body, within ``max_body_bytes`` (else 413) and ``body_timeout``
+        (else 408: a client that sends slowly does not hold a request forever)."""
+        with anyio.move_on_after(self.settings.body_timeout) as scope:
+            return await self._read_body(receive)
+        assert scope.cancelled_caught
+        raise oa.APIError(408, f"the request body did not arrive within {self.settings.body_timeout:.0f}s")
+
+    async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -234,10 +281,18 @@ class App:
             raise oa.APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     def render_chat(self, req: oa.ChatCompletionRequest) -> list[int]:
+        messages = oa.chat_messages(req)
         try:
-            return self.tokenizer.encode_chat(oa.chat_messages(req), add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except ChatTemplateError as e:
             raise oa.APIError(400, str(e), param="messages") from None
+        return self.encode(text, add_special_tokens=False, param="messages")
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # e.g. lone surrogates from JSON escapes
+            raise oa.APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
 
     def budget(self, prompt_lens: list[int], requested: int | None, param: str) -> int:
         """max_tokens for these prompts: the request's, or what the context leaves."""
@@ -275,6 +330,8 @@ class App:
         if req.echo and req.logprobs is not None:
             raise oa.APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         prompts = self.completion_prompts(req.prompt)
+        if len(prompts) * req.n > oa.MAX_SEQUENCES:
+            raise oa.APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {oa.MAX_SEQUENCES} sequences per request", param="prompt")
         max_tokens = self.budget([len(p) for p in prompts], req.max_tokens, "max_tokens")
         sp = oa.sampling_params(req, max_tokens, client.ready.vocab_size)
         await self.generate(scope, receive, send, client, "text", req, prompts, sp)
@@ -292,7 +349,7 @@ class App:
             raise oa.APIError(400, "prompt must not be empty", param="prompt")
         out = []
         for p in items:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = self.encode(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise oa.APIError(400, "prompt must not be empty", param="prompt")
             self.check_ids(ids, "prompt")
@@ -310,7 +367,11 @@ class App:
         prompts: list[list[int]],
         sp: SamplingParams,
     ) -> None:
-        """Run the response in a task group beside the disconnect watcher."""
+        """Run the response in a task group beside the disconnect watcher and the write
+        watchdog. Errors that become a status are carried out of the group."""
+        self.admit(len(prompts) * req.n, sum(len(p) for p in prompts) * req.n)
+        writer = Writer(self, client, kind, req, prompts, sp, send)
+        error: oa.APIError | None = None
         async with anyio.create_task_group() as tg:
 
             async def watch_disconnect() -> None:
@@ -318,10 +379,39 @@ class App:
                     pass
                 tg.cancel_scope.cancel()  # the client is gone: stop writing, abort the requests
 
+            async def watch_writes() -> None:
+                # A client that stops reading blocks our send (on trio hypercorn shields
+                # it, so cancellation cannot interrupt it): abort the engine side anyway.
+                while True:
+                    await anyio.sleep(min(1.0, self.settings.write_timeout / 4))
+                    since = writer.sending_since
+                    if since is not None and time.monotonic() - since > self.settings.write_timeout:
+                        writer.abort_all()
+                        tg.cancel_scope.cancel()
+                        return
+
             tg.start_soon(watch_disconnect)
-            writer = Writer(self, client, kind, req, prompts, sp, send)
-            await writer.run()
+            tg.start_soon(watch_writes)
+            try:
+                await writer.run()
+            except oa.APIError as e:
+                error = e
             tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    def admit(self, sequences: int, prompt_tokens: int) -> None:
+        """Refuse at once (503 + Retry-After) when the queue bounds would be exceeded."""
+        s = self.settings
+        if self.queued_requests + sequences > s.max_queued_requests or self.queued_tokens + prompt_tokens > s.max_queued_tokens:
+            raise oa.APIError(
+                503,
+                f"the server is overloaded ({self.queued_requests} requests with {self.queued_tokens} prompt tokens "
+                f"are queued); retry later",
+                type="service_unavailable",
+                code="overloaded",
+                headers=[(b"retry-after", b"1")],
+            )
 
 
 class ResponseStarted(Exception):
@@ -342,11 +432,31 @@ class Writer:
         self.model = app.settings.served_model_name
         self.started = False
         self.want_logprobs = sp.logprobs is not None
+        self.sending_since: float | None = None
+        self.choices: list[Choice] = []
+        self._queued: set[str] = set()  # our requests still counted in app.queued_*
+
+    def _unqueue(self, c: Choice) -> None:
+        if c.request_id in self._queued:
+            self._queued.discard(c.request_id)
+            self.app.queued_requests -= 1
+            self.app.queued_tokens -= c.prompt_len
+
+    def abort_all(self) -> None:
+        for c in self.choices:
+            self.client.finish_early(c.request_id)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            for c in self.choices:
+                self._unqueue(c)
+
+    async def _run(self) -> None:
         tok = self.app.tokenizer
         wakeup = Wakeup()
-        choices: list[Choice] = []
+        choices = self.choices
         try:
             async with AsyncExitStack() as stack:
                 for pi, ids in enumerate(self.prompts):
@@ -358,6 +468,9 @@ class Writer:
                         stream = await stack.enter_async_context(self.client.request(rid, ids, sp, wakeup))
                         detok = Detokenizer(tok, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
                         choices.append(Choice(pi * self.n + j, rid, len(ids), stream, detok, time.monotonic()))
+                        self._queued.add(rid)
+                        self.app.queued_requests += 1
+                        self.app.queued_tokens += len(ids)
                 if self.stream:
                     await self.start_stream()
                     if self.kind == "chat":
@@ -375,9 +488,9 @@ class Writer:
         if self.stream:
             if self.include_usage:
                 await self.sse([], usage=self.usage(choices))
-            await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            await self.write({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         else:
-            await send_json(self.send, 200, self.full_response(choices))
+            await send_json(self.write, 200, self.full_response(choices))
 
     async def pump(self, choices: list[Choice], wakeup: Wakeup) -> None:
         live = list(choices)
@@ -389,6 +502,8 @@ class Writer:
                 if d is None:
                     continue
                 now = time.monotonic()
+                if d.token_ids or d.finish_reason is not None:
+                    self._unqueue(c)
                 if d.token_ids:
                     if c.first_token_at is None:
                         c.first_token_at = now
@@ -502,8 +617,15 @@ class Writer:
 
     # -- transport -------------------------------------------------------------------
 
+    async def write(self, message: Message) -> None:
+        self.sending_since = time.monotonic()
+        try:
+            await self.send(message)
+        finally:
+            self.sending_since = None
+
     async def start_stream(self) -> None:
-        await self.send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await self.write({"type": "http.response.start", "status": 200, "headers": SSE})
         self.started = True
 
     async def sse(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
@@ -516,7 +638,7 @@ class Writer:
         }
         if self.include_usage:
             chunk["usage"] = usage
-        await self.send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n", "more_body": True})
+        await self.write({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n", "more_body": True})
 
     async def fail(self, err: oa.APIError) -> None:
         if not self.started:
@@ -531,6 +653,15 @@ async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes
     await send({"type": "http.response.start", "status": status,
                 "headers": [*JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return wrapped
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -21,9 +21,11 @@ class APIError(Exception):
     """An error answered with OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or []
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -31,6 +33,8 @@ class APIError(Exception):
 
 MAX_N = 64
 MAX_STOP = 16
+MAX_STOP_LEN = 1024
+MAX_SEQUENCES = 256  # prompts x n in one request
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -64,8 +68,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: int | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Annotated[str, Meta(max_length=MAX_STOP_LEN)] | Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_LEN)]], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=1024)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     presence_penalty: Penalty | None = None
@@ -204,3 +208,37 @@ def error_status_type(status: int) -> str:
     return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "invalid_request_error")
 
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """OpenAPI 3.1 description of the server (request bodies from the Structs above)."""
+    bodies = {
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/completions": CompletionRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    }
+    schemas, components = msgspec.json.schema_components(list(bodies.values()), ref_template="#/components/schemas/{name}")
+    error = {"description": "OpenAI error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    components["Error"] = {
+        "type": "object",
+        "properties": {"error": {"type": "object", "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    }
+    ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+    paths: dict[str, Any] = {}
+    for (path, _), schema in zip(bodies.items(), schemas, strict=True):
+        paths[path] = {"post": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {"200": ok, "400": error, "401": error, "404": error, "413": error, "503": error},
+        }}
+    for path in ("/v1/models", "/health", "/version"):
+        paths[path] = {"get": {"responses": {"200": ok, "503": error}}}
+    paths["/metrics"] = {"get": {"responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {}}}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "structllm", "version": version},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

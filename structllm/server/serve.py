@@ -8,7 +8,8 @@
 Shutdown, in order: stop accepting; in-flight requests get ``shutdown_timeout`` seconds
 to finish, then are cancelled (their engine requests aborted); the engine gets
 ``Shutdown`` and, after a grace period, SIGKILL; exit 0. If the engine dies, /health
-turns 503, in-flight requests fail with 503, and the server stops with exit code 1.
+turns 503, in-flight requests fail with 503, and the engine is restarted (with backoff,
+a bounded number of times); if it cannot be, the server stops with exit code 1.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class ServerOptions:
     backend: str = "trio"
     shutdown_timeout: float = 10.0
     log_level: str = "info"
+    restart_engine: bool = True
+    max_engine_restarts: int = 5
+    max_queued_requests: int = 512
+    max_queued_tokens: int = 1 << 20
+    write_timeout: float = 60.0
+    body_timeout: float = 30.0
+    allowed_origins: tuple[str, ...] = ()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -72,7 +80,15 @@ def run(opts: ServerOptions) -> int:
     t0 = time.monotonic()
     files = prepare_model(opts.engine.model)
     tokenizer = Tokenizer.from_files(files)
-    settings = Settings(served_model_name=opts.served_model_name or files.name, api_key=opts.api_key)
+    settings = Settings(
+        served_model_name=opts.served_model_name or files.name,
+        api_key=opts.api_key,
+        max_queued_requests=opts.max_queued_requests,
+        max_queued_tokens=opts.max_queued_tokens,
+        write_timeout=opts.write_timeout,
+        body_timeout=opts.body_timeout,
+        allowed_origins=opts.allowed_origins,
+    )
     app = App(settings, tokenizer)
     result: dict[str, int] = {"code": 0}
     try:
@@ -90,31 +106,56 @@ async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dic
     async with anyio.create_task_group() as tg:
         tg.start_soon(_signals, stop, tg.cancel_scope)
         tg.start_soon(_http, opts, app, sock, stop, http_done)
-        try:
-            await _engine(opts, app, stop, http_done, result, t0, sock)
-        except EngineStartError as e:
-            say(f"error: {e}")
-            result["code"] = 1
+        result["code"] = await _engines(opts, app, stop, http_done, t0, sock)
         stop.set()
         with anyio.move_on_after(opts.shutdown_timeout + 5):
             await http_done.wait()
         tg.cancel_scope.cancel()
 
 
-async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event,
-                  result: dict[str, int], t0: float, sock: socket.socket) -> None:
+async def _engines(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event, t0: float,
+                   sock: socket.socket) -> int:
+    """Run engines until ``stop``: when one dies, in-flight requests have already failed
+    (503) and /health says 503; restart with exponential backoff, up to
+    ``max_engine_restarts`` deaths in a row (a run of 60 s resets the count). Returns
+    the exit code: 0 after a requested stop, 1 when the engine cannot be kept up."""
+    failures = 0
+    while True:
+        started = time.monotonic()
+        try:
+            await _engine(opts, app, stop, http_done, t0, sock)
+        except EngineStartError as e:
+            say(f"error: {e}")
+            if app.client is None:  # never came up: nothing to restart
+                return 1
+        if stop.is_set():
+            return 0
+        failures = 1 if time.monotonic() - started > 60 else failures + 1
+        if not opts.restart_engine or failures > opts.max_engine_restarts:
+            say("the engine is down and will not be restarted" + ("" if opts.restart_engine else " (--no-restart-engine)"))
+            return 1
+        delay = min(30.0, 0.5 * 2 ** (failures - 1))
+        say(f"restarting the engine in {delay:.1f}s (restart {failures} of {opts.max_engine_restarts})")
+        with anyio.move_on_after(delay):
+            await stop.wait()
+        if stop.is_set():
+            return 0
+        t0 = time.monotonic()
+
+
+async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event, t0: float,
+                  sock: socket.socket) -> None:
+    """One engine's life: returns after ``stop`` (engine shut down) or its death."""
     say(f"loading {opts.engine.model or 'the default model'} ...")
     async with open_engine(opts.engine, shutdown_timeout=5.0) as engine:
         client = EngineClient(engine)
         async with anyio.create_task_group() as tg:
 
             async def dispatcher() -> None:
-                await client.run()
-                # client.run returns only when the engine process is gone
+                await client.run()  # returns only when the engine process is gone
                 if not stop.is_set():
                     say(f"error: {client.dead}")
-                    result["code"] = 1
-                    stop.set()
+                tg.cancel_scope.cancel()
 
             tg.start_soon(dispatcher)
             app.settings.max_model_len = engine.ready.max_model_len
@@ -129,7 +170,8 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
             with anyio.move_on_after(opts.shutdown_timeout + 2):
                 await http_done.wait()
             tg.cancel_scope.cancel()
-    say("engine stopped")
+    if stop.is_set():
+        say("engine stopped")
 
 
 async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event) -> None:
