@@ -125,6 +125,8 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         raise APIError(400, f"invalid request: {e}", param=param or None) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid UTF-8: {e}") from None
     except RecursionError:
         raise APIError(400, "the body is nested too deeply") from None
 

@@ -106,6 +106,7 @@ async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dic
     async with anyio.create_task_group() as tg:
         tg.start_soon(_signals, stop, tg.cancel_scope)
         tg.start_soon(_http, opts, app, sock, stop, http_done)
+        tg.start_soon(app.collect_garbage_when_idle)
         result["code"] = await _engines(opts, app, stop, http_done, t0, sock)
         stop.set()
         with anyio.move_on_after(opts.shutdown_timeout + 5):
