@@ -121,8 +121,9 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, engine: EngineProcess) -> None:
+    def __init__(self, engine: EngineProcess, id_prefix: str = "") -> None:
         self.engine = engine
+        self.id_prefix = id_prefix  # unique per front-end process sharing one engine
         self.ready: EngineReady = engine.ready
         self.stats = EngineStats()
         self.stats_time = 0.0
@@ -138,7 +139,7 @@ class EngineClient:
         return len(self._streams)
 
     def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
+        return f"{self.id_prefix}{prefix}-{next(self._ids)}"
 
     # -- the tasks the owner runs --------------------------------------------------------
 

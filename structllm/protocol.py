@@ -195,8 +195,10 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     """What the front end hands the engine process (JSON on its command line): where the
     shared memory and doorbells are (inherited file descriptors) and how to run.
 
-    ``config`` is an ``EngineConfig`` as a plain dict (decoded by the engine). The rings
-    live back to back in one mapping of ``shm_size`` bytes: front -> engine first.
+    ``config`` is an ``EngineConfig`` as a plain dict (decoded by the engine). There is
+    one channel per front-end process (``front_bell_fds[i]`` wakes front end ``i``); each
+    is two rings, front -> engine first, and the channels lie back to back in one mapping
+    of ``shm_size`` bytes. All front ends wake the engine through ``engine_bell_fd``.
     """
 
     protocol_version: int
@@ -205,7 +207,7 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     shm_size: int
     ring_capacity: int
     engine_bell_fd: int
-    front_bell_fd: int
+    front_bell_fds: list[int]
     parent_pipe_fd: int
     parent_pid: int
     spin_us: float = 50.0

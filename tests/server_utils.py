@@ -35,6 +35,18 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def engine_of(pid: int) -> int:
+    """The engine child of a server process (-1 if none)."""
+    for kid in children(pid):
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if b"structllm.engine" in f.read():
+                    return kid
+        except FileNotFoundError:
+            pass
+    return -1
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -66,8 +78,7 @@ class Server:
             assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
             try:
                 if self.get("/health")[0] == 200:
-                    kids = children(self.proc.pid)
-                    self.engine_pid = kids[0] if kids else -1
+                    self.engine_pid = engine_of(self.proc.pid)
                     return self
             except OSError:
                 pass

@@ -21,14 +21,16 @@ pytestmark = pytest.mark.slow
 PROMPTS = [f"Write a short sentence about the number {i}." for i in range(10)]
 
 
-@pytest.fixture(scope="module", params=["trio", "asyncio"])
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(scope="module", params=[("trio", "1"), ("asyncio", "1"), ("trio", "2")],
+                ids=["trio", "asyncio", "trio-two-front-ends"])
+def config(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
-def server(backend: str) -> Iterator[Server]:
-    with Server("--max-model-len", "2048", backend=backend) as s:
+def server(config: tuple[str, str]) -> Iterator[Server]:
+    backend, front_ends = config
+    with Server("--max-model-len", "2048", "--api-server-count", front_ends, backend=backend) as s:
         engine_pid = s.engine_pid
         yield s
         # the same engine served the whole module (it did not die and get replaced)
@@ -37,9 +39,11 @@ def server(backend: str) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def small(backend: str) -> Iterator[Server]:
+def small(config: tuple[str, str]) -> Iterator[Server]:
     """Two sequences at a time and a tiny token budget: easy to queue, slow to prefill."""
-    with Server("--max-model-len", "2048", "--max-num-seqs", "2", "--max-num-batched-tokens", "32", backend=backend) as s:
+    backend, front_ends = config
+    with Server("--max-model-len", "2048", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+                "--api-server-count", front_ends, backend=backend) as s:
         yield s
         assert s.stop() == 0
 

@@ -15,9 +15,9 @@ KEY = "test-key"
 MESSAGES = [{"role": "user", "content": "List three fruits."}]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    with Server("--max-model-len", "1024", api_key=KEY) as s:
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-front-end", "two-front-ends"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with Server("--max-model-len", "1024", "--api-server-count", request.param, api_key=KEY) as s:
         yield s
         assert s.stop() == 0
 

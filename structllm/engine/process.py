@@ -10,7 +10,6 @@ and between steps, in case the signal was missed.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import select
@@ -23,57 +22,66 @@ import msgspec
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.ipc import shm
-from structllm.ipc.channel import Doorbell, Endpoint, SpinBudget
+from structllm.ipc.channel import Doorbell, Endpoint, SpinBudget, wait_any
+from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.protocol import (
     PROTOCOL_VERSION,
+    AddRequest,
     EngineError,
     EngineLaunch,
     EngineReady,
+    OutputBatch,
     ToEngine,
 )
 
 log = logging.getLogger("structllm.engine")
 
-PR_SET_PDEATHSIG = 1
 IDLE_POLL_S = 0.25
 
 
-class ParentGone(Exception):
-    pass
+def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, parent_pid: int, spin: SpinBudget) -> int:
+    """The loop over one channel per front end. Returns the exit code: 0 after
+    ``Shutdown`` (from any front end) or when the parent is gone.
 
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        raise ParentGone
-
-
-def serve(core: EngineCore, ep: Endpoint[ToEngine], parent_fd: int, parent_pid: int, spin: SpinBudget) -> int:
-    """The loop. Returns the exit code: 0 after ``Shutdown`` or when the parent is gone."""
+    Fairness: the channels are drained in turn, starting one further each pass. Routing:
+    each request's deltas go to the channel its ``AddRequest`` came from; every channel
+    gets an ``OutputBatch`` each step, so all front ends see current stats."""
 
     def check_parent() -> None:
         if os.getppid() != parent_pid or select.select([parent_fd], [], [], 0)[0]:
             raise ParentGone
 
+    owner: dict[str, int] = {}
+    first = 0
     while True:
         handled = False
-        for msg in ep.try_recv():  # in arrival order: an abort never overtakes its add
-            if not core.handle(msg):
-                return 0
-            handled = True
+        for k in range(len(eps)):
+            i = (first + k) % len(eps)
+            for msg in eps[i].try_recv():  # in arrival order: an abort never overtakes its add
+                if isinstance(msg, AddRequest):
+                    owner[msg.request_id] = i
+                if not core.handle(msg):
+                    return 0
+                handled = True
+        first = (first + 1) % len(eps)
         if core.has_work or handled:
             # After handling messages with nothing to schedule, this still emits the
             # aborts' deltas and fresh stats, so gauges stay true while idle.
             batch = core.step()
-            ep.send_blocking(batch, check=check_parent)
+            if len(eps) == 1:
+                outs = [batch.outputs]
+            else:
+                outs = [[] for _ in eps]
+                for d in batch.outputs:
+                    outs[owner.get(d.request_id, 0)].append(d)
+            for d in batch.outputs:
+                if d.finish_reason is not None:
+                    owner.pop(d.request_id, None)
+            for ep, deltas in zip(eps, outs, strict=True):
+                ep.send_blocking(OutputBatch(deltas, batch.stats, batch.timestamp), check=check_parent)
             check_parent()
             continue
-        if parent_fd in ep.wait(IDLE_POLL_S, spin, extra_fds=(parent_fd,)):
+        if parent_fd in wait_any(eps, IDLE_POLL_S, spin, extra_fds=(parent_fd,)):
             raise ParentGone
 
 
@@ -91,11 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mapping = shm.attach(launch.shm_fd, launch.shm_size)
     os.close(launch.shm_fd)
-    to_engine, to_front = shm.rings(mapping, launch.ring_capacity)
-    ep: Endpoint[ToEngine] = Endpoint(
-        to_engine, to_front, Doorbell(launch.engine_bell_fd), Doorbell(launch.front_bell_fd), ToEngine
-    )
-    check_gone = lambda: None  # noqa: E731
+    bell = Doorbell(launch.engine_bell_fd)
+    eps: list[Endpoint[ToEngine]] = []
+    for i, front_fd in enumerate(launch.front_bell_fds):
+        to_engine, to_front = shm.rings(mapping, launch.ring_capacity, channel=i)
+        eps.append(Endpoint(to_engine, to_front, bell, Doorbell(front_fd), ToEngine))
+
+    def tell_all(msg: EngineError | EngineReady) -> None:
+        for ep in eps:
+            ep.send_blocking(msg, check=lambda: None)
+
     try:
         if launch.protocol_version != PROTOCOL_VERSION:
             raise ValueError(f"protocol version {launch.protocol_version} != engine's {PROTOCOL_VERSION}")
@@ -103,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(config)
     except Exception as e:
         log.debug("start-up failed", exc_info=True)
-        ep.send_blocking(EngineError(f"engine failed to start: {e}"), check=check_gone)
+        tell_all(EngineError(f"engine failed to start: {e}"))
         return 1
-    ep.send_blocking(
+    tell_all(
         EngineReady(
             protocol_version=PROTOCOL_VERSION,
             model=core.files.name,
@@ -113,16 +126,16 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=core.vocab_size,
             num_kv_blocks=core.num_blocks,
             block_size=config.block_size,
-        ),
-        check=check_gone,
+        )
     )
     try:
-        return serve(core, ep, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(launch.spin_us * 1e-6))
+        return serve(core, eps, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(launch.spin_us * 1e-6))
     except ParentGone:
         return 0
     except Exception as e:
         # Tell the front end what broke (best effort: the ring may be full), then exit.
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         log.error("engine failed: %s", detail, exc_info=True)
-        ep.try_send(EngineError(f"engine failed: {detail}"))
+        for ep in eps:
+            ep.try_send(EngineError(f"engine failed: {detail}"))
         return 1

@@ -175,24 +175,7 @@ class Endpoint(Generic[M]):
         """Block until a frame arrives (``want_read``), ``want_space`` bytes are free, an
         ``extra_fds`` entry is readable, or ``timeout`` seconds pass. Spins first for
         ``spin``'s budget. Returns the ready ``extra_fds``."""
-        if spin is not None and spin.current > 0:
-            end = time.perf_counter() + spin.current
-            while time.perf_counter() < end:
-                if self.ready(want_read, want_space):
-                    spin.hit()
-                    return []
-            spin.miss()
-        if not self.sleep_begin(want_read, want_space):
-            return []
-        try:
-            poller = select.poll()
-            poller.register(self.bell.fd, select.POLLIN)
-            for fd in extra_fds:
-                poller.register(fd, select.POLLIN | select.POLLHUP)
-            events = poller.poll(max(0, int(timeout * 1000)))
-        finally:
-            self.sleep_end()
-        return [fd for fd, _ in events if fd != self.bell.fd]
+        return wait_any([self], timeout, spin, want_read, want_space, extra_fds)
 
     def send_blocking(self, msg: object, timeout: float = 0.1, check: Callable[[], None] | None = None) -> None:
         """Write ``msg``, waiting for space while the peer drains the ring (back-pressure).
@@ -202,3 +185,41 @@ class Endpoint(Generic[M]):
             if check is not None:
                 check()
             self.wait(timeout, want_read=False, want_space=len(frame))
+
+
+def wait_any(
+    endpoints: list[Endpoint[Any]],
+    timeout: float,
+    spin: SpinBudget | None = None,
+    want_read: bool = True,
+    want_space: int = 0,
+    extra_fds: tuple[int, ...] = (),
+) -> list[int]:
+    """``Endpoint.wait`` over several endpoints that share one doorbell (the engine
+    serving several front ends): wakes when any of them is ready."""
+
+    def ready() -> bool:
+        return any(ep.ready(want_read, want_space) for ep in endpoints)
+
+    if spin is not None and spin.current > 0:
+        end = time.perf_counter() + spin.current
+        while time.perf_counter() < end:
+            if ready():
+                spin.hit()
+                return []
+        spin.miss()
+    started = []
+    try:
+        for ep in endpoints:
+            if not ep.sleep_begin(want_read, want_space):
+                return []
+            started.append(ep)
+        poller = select.poll()
+        poller.register(endpoints[0].bell.fd, select.POLLIN)
+        for fd in extra_fds:
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+        events = poller.poll(max(0, int(timeout * 1000)))
+    finally:
+        for ep in started:
+            ep.sleep_end()
+    return [fd for fd, _ in events if fd != endpoints[0].bell.fd]

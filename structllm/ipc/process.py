@@ -11,7 +11,9 @@ period, always reaping the child and closing every descriptor, also when cancell
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -43,6 +45,56 @@ class EngineStartError(RuntimeError):
     """The engine process failed before it was ready."""
 
 
+class _ExitWatch:
+    """Waits for a pidfd to turn readable (the process exited), for any number of tasks:
+    trio allows one waiter per fd, so the first watches and the others wait on it."""
+
+    def __init__(self, pidfd: int) -> None:
+        self.pidfd = pidfd
+        self.done = False
+        self._event: anyio.Event | None = None
+
+    async def wait(self) -> None:
+        while not self.done:
+            if self._event is not None:
+                await self._event.wait()  # the watcher finished or was cancelled: look again
+                continue
+            self._event = event = anyio.Event()
+            try:
+                await anyio.wait_readable(self.pidfd)
+                self.done = True
+            finally:
+                self._event = None
+                event.set()
+
+
+class ForeignProcess:
+    """A process this one did not start (the engine, seen from another front end):
+    its exit is observed through a pidfd; there is no exit code to collect."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+        self._exit = _ExitWatch(self._pidfd)
+
+    @property
+    def returncode(self) -> int | None:
+        return -1 if self._exit.done else None
+
+    async def wait(self) -> int:
+        await self._exit.wait()
+        return -1
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
 class ChildProcess:
     """A child started with ``subprocess.Popen`` from the calling (event-loop) thread.
 
@@ -55,15 +107,16 @@ class ChildProcess:
         self.popen = popen
         self.pid = popen.pid
         self._pidfd = os.pidfd_open(popen.pid)
+        self._exit = _ExitWatch(self._pidfd)
 
     @property
     def returncode(self) -> int | None:
         return self.popen.poll()
 
     async def wait(self) -> int:
-        while self.popen.poll() is None:
-            await anyio.wait_readable(self._pidfd)
-        return int(self.popen.returncode)
+        if self.popen.poll() is None:
+            await self._exit.wait()
+        return int(self.popen.wait())
 
     def kill(self) -> None:
         if self.popen.poll() is None:
@@ -77,23 +130,44 @@ class ChildProcess:
 
 @dataclass
 class EngineProcess:
-    """A running engine: its channel and process. ``pending`` holds output batches that
-    arrived together with the handshake."""
+    """A running engine: this process's channel to it and its process. ``pending`` holds
+    output batches that arrived together with the handshake; ``handoffs`` describe the
+    channels of other front-end processes."""
 
     endpoint: AsyncEndpoint[FromEngine]
-    process: ChildProcess
+    process: ChildProcess | ForeignProcess
     ready: EngineReady
     pending: list[FromEngine]
+    handoffs: list[ChannelHandoff]
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
 
+class ChannelHandoff(msgspec.Struct, frozen=True):
+    """What another front-end process needs to speak on channel ``index`` of a running
+    engine: the (inheritable) descriptors and the layout. Sent as JSON on its command
+    line; the descriptors must be passed along (``pass_fds``)."""
+
+    index: int
+    shm_fd: int
+    shm_size: int
+    ring_capacity: int
+    engine_bell_fd: int
+    front_bell_fd: int
+    engine_pid: int
+
+    @property
+    def fds(self) -> tuple[int, int, int]:
+        return (self.shm_fd, self.engine_bell_fd, self.front_bell_fd)
+
+
 @asynccontextmanager
 async def open_engine(
     config: EngineConfig,
     *,
+    channels: int = 1,
     ring_capacity: int = DEFAULT_RING_CAPACITY,
     startup_timeout: float = 600.0,
     shutdown_timeout: float = 5.0,
@@ -101,10 +175,15 @@ async def open_engine(
     front_spin_us: float = 50.0,
     module: str = "structllm.engine",
 ) -> AsyncIterator[EngineProcess]:
-    size = shm.channel_size(ring_capacity)
+    """Start an engine serving ``channels`` front ends; this process speaks on channel 0
+    and ``EngineProcess.handoffs`` describe the others (their descriptors stay open here
+    until the engine stops, for the front-end processes to inherit)."""
+    size = channels * shm.channel_size(ring_capacity)
     mapping, shm_fd = shm.create(size)
-    to_engine, to_front = shm.rings(mapping, ring_capacity, init=True)
-    engine_bell, front_bell = Doorbell(), Doorbell()
+    chans = [shm.rings(mapping, ring_capacity, init=True, channel=i) for i in range(channels)]
+    to_engine, to_front = chans[0]
+    engine_bell = Doorbell()
+    front_bells = [Doorbell() for _ in range(channels)]
     pipe_r, pipe_w = os.pipe()
     process: ChildProcess | None = None
     try:
@@ -115,7 +194,7 @@ async def open_engine(
             shm_size=size,
             ring_capacity=ring_capacity,
             engine_bell_fd=engine_bell.fd,
-            front_bell_fd=front_bell.fd,
+            front_bell_fds=[b.fd for b in front_bells],
             parent_pipe_fd=pipe_r,
             parent_pid=os.getpid(),
             spin_us=spin_us,
@@ -123,20 +202,25 @@ async def open_engine(
         process = ChildProcess(
             subprocess.Popen(
                 [sys.executable, "-m", module, msgspec.json.encode(launch).decode()],
-                pass_fds=(shm_fd, engine_bell.fd, front_bell.fd, pipe_r),
+                pass_fds=(shm_fd, engine_bell.fd, pipe_r, *(b.fd for b in front_bells)),
                 stdin=subprocess.DEVNULL,
             )
         )
-        # The child holds its copies now; ours are not needed.
+        # The child holds its copies now; ours are not needed (but for handoffs).
         os.close(pipe_r)
         pipe_r = -1
-        os.close(shm_fd)
-        shm_fd = -1
+        if channels == 1:
+            os.close(shm_fd)
+            shm_fd = -1
         endpoint: AsyncEndpoint[FromEngine] = AsyncEndpoint(
-            Endpoint(to_front, to_engine, front_bell, engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
+            Endpoint(to_front, to_engine, front_bells[0], engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
         )
         ready, pending = await _handshake(endpoint, process, startup_timeout)
-        yield EngineProcess(endpoint, process, ready, pending)
+        handoffs = [
+            ChannelHandoff(i, shm_fd, size, ring_capacity, engine_bell.fd, front_bells[i].fd, process.pid)
+            for i in range(1, channels)
+        ]
+        yield EngineProcess(endpoint, process, ready, pending, handoffs)
     finally:
         with anyio.CancelScope(shield=True):
             if process is not None:
@@ -145,15 +229,42 @@ async def open_engine(
             for fd in (pipe_r, pipe_w, shm_fd):
                 if fd >= 0:
                     os.close(fd)
-            to_engine.close()
-            to_front.close()
+            for a, b_ in chans:
+                a.close()
+                b_.close()
             mapping.close()
             engine_bell.close()
-            front_bell.close()
+            for bell in front_bells:
+                bell.close()
+
+
+@asynccontextmanager
+async def attach_engine(handoff: ChannelHandoff, startup_timeout: float = 600.0,
+                        front_spin_us: float = 50.0) -> AsyncIterator[EngineProcess]:
+    """The other side of a ``ChannelHandoff``, in another front-end process: this
+    process does not own the engine (it cannot reap it), but sees it die (pidfd)."""
+    mapping = shm.attach(handoff.shm_fd, handoff.shm_size)
+    os.close(handoff.shm_fd)
+    to_engine, to_front = shm.rings(mapping, handoff.ring_capacity, channel=handoff.index)
+    engine_bell, front_bell = Doorbell(handoff.engine_bell_fd), Doorbell(handoff.front_bell_fd)
+    process = ForeignProcess(handoff.engine_pid)
+    try:
+        endpoint: AsyncEndpoint[FromEngine] = AsyncEndpoint(
+            Endpoint(to_front, to_engine, front_bell, engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
+        )
+        ready, pending = await _handshake(endpoint, process, startup_timeout)
+        yield EngineProcess(endpoint, process, ready, pending, [])
+    finally:
+        process.close()
+        to_engine.close()
+        to_front.close()
+        mapping.close()
+        engine_bell.close()
+        front_bell.close()
 
 
 async def _handshake(
-    endpoint: AsyncEndpoint[FromEngine], process: ChildProcess, timeout: float
+    endpoint: AsyncEndpoint[FromEngine], process: ChildProcess | ForeignProcess, timeout: float
 ) -> tuple[EngineReady, list[FromEngine]]:
     """The first message must be ``EngineReady``; an exit or an ``EngineError`` first is a
     start failure."""

@@ -47,6 +47,7 @@ def channel_size(capacity: int) -> int:
     return 2 * ring_size(capacity)
 
 
-def rings(mapping: mmap.mmap, capacity: int, init: bool = False) -> tuple[Ring, Ring]:
-    """``(to_engine, to_front)`` views of a channel mapping."""
-    return Ring(mapping, capacity, 0, init), Ring(mapping, capacity, ring_size(capacity), init)
+def rings(mapping: mmap.mmap, capacity: int, init: bool = False, channel: int = 0) -> tuple[Ring, Ring]:
+    """``(to_engine, to_front)`` views of channel ``channel`` of a mapping."""
+    base = channel * channel_size(capacity)
+    return Ring(mapping, capacity, base, init), Ring(mapping, capacity, base + ring_size(capacity), init)

@@ -86,11 +86,11 @@ class Choice:
 
 
 class App:
-    def __init__(self, settings: Settings, tokenizer: Tokenizer) -> None:
+    def __init__(self, settings: Settings, tokenizer: Tokenizer, metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.client: EngineClient | None = None
-        self.metrics = Metrics(settings.served_model_name)
+        self.metrics = metrics or Metrics(settings.served_model_name)
         self.inflight = 0  # HTTP requests being handled
         self._drained: anyio.Event | None = None
         self._idle = anyio.Event()
@@ -237,7 +237,7 @@ class App:
         stats = (await client.fresh_stats(0.5)) if client is not None and healthy else (client.stats if client else None)
         from structllm.protocol import EngineStats
 
-        text = self.metrics.render(stats or EngineStats(), client.num_open_requests if client else 0, healthy)
+        text = self.metrics.render(stats or EngineStats(), healthy)
         body = text.encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
@@ -470,6 +470,7 @@ class Writer:
         finally:
             for c in self.choices:
                 self._unqueue(c)
+            self.app.metrics.set_open_requests(self.client.num_open_requests)
 
     async def _run(self) -> None:
         tok = self.app.tokenizer
@@ -489,6 +490,7 @@ class Writer:
                         self._queued.add(rid)
                         self.app.queued_requests += 1
                         self.app.queued_tokens += len(ids)
+                self.app.metrics.set_open_requests(self.client.num_open_requests)
                 if self.stream:
                     await self.start_stream()
                     if self.kind == "chat":

@@ -1,85 +1,114 @@
 """Prometheus metrics, named like vLLM's (``structllm:`` instead of ``vllm:``), so
-dashboards built for vLLM adapt by a prefix swap. Text exposition format 0.0.4."""
+dashboards built for vLLM adapt by a prefix swap. Text exposition format 0.0.4.
+
+Front-end counters and histograms live in a flat float64 table with one slot per
+front-end process. With several front ends (``--api-server-count``) the table is in
+shared memory: each process writes only its own slot, and whichever process answers
+``/metrics`` reports the sum over all slots, so totals add up across processes. Engine
+gauges and counters come from the engine's ``EngineStats`` (the same for every front end).
+"""
 
 from __future__ import annotations
 
 import bisect
 import math
+from typing import Any
 
 from structllm.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+REASONS = ("stop", "length", "abort", "error")
+HISTOGRAMS = (
+    ("structllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
+    ("structllm:inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS),
+    ("structllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
+    ("structllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+    ("structllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+)
+# slot layout: prompt tokens, generation tokens, open requests, successes by reason, then
+# per histogram its bucket counts (+Inf last), sum and count
+_SCALARS = 3 + len(REASONS)
+SLOT_SIZE = _SCALARS + sum(len(b) + 3 for _, _, b in HISTOGRAMS)
 
 
 class Histogram:
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.doc, self.buckets = name, doc, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
-        self.sum = 0.0
-        self.count = 0
+    def __init__(self, table: Any, offset: int, buckets: tuple[float, ...]) -> None:
+        self.table, self.offset, self.buckets = table, offset, buckets
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, labels: str) -> list[str]:
-        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
-        cum = 0
-        for bound, c in zip((*self.buckets, math.inf), self.counts, strict=True):
-            cum += c
-            le = "+Inf" if bound == math.inf else repr(float(bound))
-            lines.append(f'{self.name}_bucket{{{labels},le="{le}"}} {cum}')
-        lines.append(f"{self.name}_sum{{{labels}}} {self.sum}")
-        lines.append(f"{self.name}_count{{{labels}}} {self.count}")
-        return lines
+        t, o = self.table, self.offset
+        t[o + bisect.bisect_left(self.buckets, value)] += 1
+        t[o + len(self.buckets) + 1] += value
+        t[o + len(self.buckets) + 2] += 1
 
 
 class Metrics:
-    """Front-end counters and histograms; engine gauges come from ``EngineStats``."""
+    """``table``: a float64 memoryview (format ``d``) of ``slots * SLOT_SIZE`` values, a
+    private one if not given; this process writes slot ``slot``."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, table: Any = None, slot: int = 0) -> None:
         self.labels = f'model_name="{model_name}"'
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.requests_success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
-        self.ttft = Histogram("structllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.itl = Histogram("structllm:inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS)
-        self.e2e = Histogram("structllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
-        self.prompt_hist = Histogram("structllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.gen_hist = Histogram("structllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
+        self.table = table if table is not None else memoryview(bytearray(8 * SLOT_SIZE)).cast("d")
+        self.slots = len(self.table) // SLOT_SIZE
+        self.base = slot * SLOT_SIZE
+        offset = self.base + _SCALARS
+        self.histograms: list[Histogram] = []
+        for _, _, buckets in HISTOGRAMS:
+            self.histograms.append(Histogram(self.table, offset, buckets))
+            offset += len(buckets) + 3
+        self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms
         self.http_errors: dict[int, int] = {}
 
+    def set_open_requests(self, n: int) -> None:
+        self.table[self.base + 2] = n
+
     def finished(self, reason: str, prompt_tokens: int, generated: int, e2e: float) -> None:
-        self.requests_success[reason] = self.requests_success.get(reason, 0) + 1
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += generated
+        t, b = self.table, self.base
+        t[b] += prompt_tokens
+        t[b + 1] += generated
+        t[b + 3 + REASONS.index(reason)] += 1
         self.prompt_hist.observe(prompt_tokens)
         self.gen_hist.observe(generated)
         self.e2e.observe(e2e)
 
-    def render(self, stats: EngineStats, open_requests: int, healthy: bool) -> str:
+    def _total(self, index: int) -> float:
+        return sum(self.table[s * SLOT_SIZE + index] for s in range(self.slots))
+
+    def render(self, stats: EngineStats, healthy: bool) -> str:
         lb = self.labels
         lines: list[str] = []
 
-        def metric(name: str, kind: str, doc: str, value: float, extra: str = "") -> None:
-            lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{{{lb}{extra}}} {value}"])
+        def metric(name: str, kind: str, doc: str, value: float) -> None:
+            lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{{{lb}}} {_num(value)}"])
 
         metric("structllm:num_requests_running", "gauge", "Requests in the engine's running batch.", stats.num_running)
         metric("structllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.num_waiting)
         metric("structllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full).", stats.kv_cache_usage)
-        metric("structllm:num_open_requests", "gauge", "Requests the front end is serving (any state).", open_requests)
+        metric("structllm:num_open_requests", "gauge", "Requests the front ends are serving (any state).", self._total(2))
         metric("structllm:engine_healthy", "gauge", "1 while the engine process serves.", 1 if healthy else 0)
         metric("structllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
         metric("structllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
         metric("structllm:num_preemptions_total", "counter", "Preemptions (requests recomputed after losing their blocks).", stats.num_preemptions)
-        metric("structllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
-        metric("structllm:generation_tokens_total", "counter", "Generated tokens of finished requests.", self.generation_tokens)
+        metric("structllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self._total(0))
+        metric("structllm:generation_tokens_total", "counter", "Generated tokens of finished requests.", self._total(1))
         name = "structllm:request_success_total"
         lines += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
-        for reason, n in sorted(self.requests_success.items()):
-            lines.append(f'{name}{{{lb},finished_reason="{reason}"}} {n}')
-        for h in (self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist):
-            lines += h.render(lb)
+        for i, reason in enumerate(REASONS):
+            lines.append(f'{name}{{{lb},finished_reason="{reason}"}} {_num(self._total(3 + i))}')
+        offset = _SCALARS
+        for (hname, doc, buckets), _ in zip(HISTOGRAMS, self.histograms, strict=True):
+            lines += [f"# HELP {hname} {doc}", f"# TYPE {hname} histogram"]
+            cum = 0.0
+            for i, bound in enumerate((*buckets, math.inf)):
+                cum += self._total(offset + i)
+                le = "+Inf" if bound == math.inf else repr(float(bound))
+                lines.append(f'{hname}_bucket{{{lb},le="{le}"}} {_num(cum)}')
+            lines.append(f"{hname}_sum{{{lb}}} {self._total(offset + len(buckets) + 1)}")
+            lines.append(f"{hname}_count{{{lb}}} {_num(self._total(offset + len(buckets) + 2))}")
+            offset += len(buckets) + 3
         return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))

@@ -18,18 +18,29 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgspec
 
-from structllm.client import EngineClient
+from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
-from structllm.ipc.process import EngineStartError, open_engine
+from structllm.ipc import shm
+from structllm.ipc.parent import die_with_parent
+from structllm.ipc.process import (
+    ChannelHandoff,
+    ChildProcess,
+    EngineStartError,
+    attach_engine,
+    open_engine,
+)
 from structllm.model.loader import prepare_model
 from structllm.server.app import App, Settings
+from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
 
 log = logging.getLogger("structllm.server")
@@ -52,6 +63,7 @@ class ServerOptions:
     write_timeout: float = 60.0
     body_timeout: float = 30.0
     allowed_origins: tuple[str, ...] = ()
+    api_server_count: int = 1
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -69,6 +81,33 @@ def say(msg: str) -> None:
     print(f"structllm: {msg}", file=sys.stderr, flush=True)
 
 
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """What a front-end worker process gets (JSON argument; the descriptors inherited)."""
+
+    options: ServerOptions
+    listen_fd: int
+    metrics_fd: int
+    metrics_size: int
+    handoff: ChannelHandoff
+    parent_pid: int
+
+
+def make_app(opts: ServerOptions, metrics_table: Any = None, slot: int = 0) -> App:
+    files = prepare_model(opts.engine.model)
+    tokenizer = Tokenizer.from_files(files)
+    name = opts.served_model_name or files.name
+    settings = Settings(
+        served_model_name=name,
+        api_key=opts.api_key,
+        max_queued_requests=opts.max_queued_requests,
+        max_queued_tokens=opts.max_queued_tokens,
+        write_timeout=opts.write_timeout,
+        body_timeout=opts.body_timeout,
+        allowed_origins=opts.allowed_origins,
+    )
+    return App(settings, tokenizer, Metrics(name, metrics_table, slot))
+
+
 def run(opts: ServerOptions) -> int:
     """Blocking entry point for the CLI; returns the exit code."""
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -78,36 +117,37 @@ def run(opts: ServerOptions) -> int:
         say(f"error: cannot listen on {opts.host}:{opts.port}: {e.strerror}")
         return 2
     t0 = time.monotonic()
-    files = prepare_model(opts.engine.model)
-    tokenizer = Tokenizer.from_files(files)
-    settings = Settings(
-        served_model_name=opts.served_model_name or files.name,
-        api_key=opts.api_key,
-        max_queued_requests=opts.max_queued_requests,
-        max_queued_tokens=opts.max_queued_tokens,
-        write_timeout=opts.write_timeout,
-        body_timeout=opts.body_timeout,
-        allowed_origins=opts.allowed_origins,
-    )
-    app = App(settings, tokenizer)
+    metrics_mem = None
+    metrics_fd = -1
+    table = None
+    if opts.api_server_count > 1:
+        # counters of all front ends, one slot each, summed by whoever answers /metrics
+        metrics_mem, metrics_fd = shm.create(opts.api_server_count * SLOT_SIZE * 8)
+        table = memoryview(metrics_mem).cast("d")
+    app = make_app(opts, table, 0)
     result: dict[str, int] = {"code": 0}
     try:
-        anyio.run(_serve, opts, app, sock, result, t0, backend=opts.backend)
+        anyio.run(_serve, opts, app, sock, result, t0, metrics_fd, backend=opts.backend)
     except KeyboardInterrupt:
         result["code"] = 130
     finally:
         sock.close()
+        if metrics_mem is not None:
+            app.metrics.table = None
+            del table
+            os.close(metrics_fd)
     return result["code"]
 
 
-async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dict[str, int], t0: float) -> None:
+async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dict[str, int], t0: float,
+                 metrics_fd: int) -> None:
     stop = anyio.Event()
     http_done = anyio.Event()
     async with anyio.create_task_group() as tg:
         tg.start_soon(_signals, stop, tg.cancel_scope)
         tg.start_soon(_http, opts, app, sock, stop, http_done)
         tg.start_soon(app.collect_garbage_when_idle)
-        result["code"] = await _engines(opts, app, stop, http_done, t0, sock)
+        result["code"] = await _engines(opts, app, stop, http_done, t0, sock, metrics_fd)
         stop.set()
         with anyio.move_on_after(opts.shutdown_timeout + 5):
             await http_done.wait()
@@ -115,7 +155,7 @@ async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dic
 
 
 async def _engines(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event, t0: float,
-                   sock: socket.socket) -> int:
+                   sock: socket.socket, metrics_fd: int) -> int:
     """Run engines until ``stop``: when one dies, in-flight requests have already failed
     (503) and /health says 503; restart with exponential backoff, up to
     ``max_engine_restarts`` deaths in a row (a run of 60 s resets the count). Returns
@@ -124,7 +164,7 @@ async def _engines(opts: ServerOptions, app: App, stop: anyio.Event, http_done: 
     while True:
         started = time.monotonic()
         try:
-            await _engine(opts, app, stop, http_done, t0, sock)
+            await _engine(opts, app, stop, http_done, t0, sock, metrics_fd)
         except EngineStartError as e:
             say(f"error: {e}")
             if app.client is None:  # never came up: nothing to restart
@@ -145,11 +185,12 @@ async def _engines(opts: ServerOptions, app: App, stop: anyio.Event, http_done: 
 
 
 async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event, t0: float,
-                  sock: socket.socket) -> None:
-    """One engine's life: returns after ``stop`` (engine shut down) or its death."""
+                  sock: socket.socket, metrics_fd: int) -> None:
+    """One engine's life (and with it the extra front-end processes'): returns after
+    ``stop`` (everything shut down) or a death, which the caller treats alike."""
     say(f"loading {opts.engine.model or 'the default model'} ...")
-    async with open_engine(opts.engine, shutdown_timeout=5.0) as engine:
-        client = EngineClient(engine)
+    async with open_engine(opts.engine, channels=opts.api_server_count, shutdown_timeout=5.0) as engine:
+        client = EngineClient(engine, id_prefix="c0-")
         async with anyio.create_task_group() as tg:
 
             async def dispatcher() -> None:
@@ -159,6 +200,9 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
                 tg.cancel_scope.cancel()
 
             tg.start_soon(dispatcher)
+            workers = [_spawn_worker(opts, sock, metrics_fd, h) for h in engine.handoffs]
+            for w in workers:
+                tg.start_soon(_supervise_worker, w, stop, tg.cancel_scope, client)
             app.settings.max_model_len = engine.ready.max_model_len
             app.client = client
             host, port = sock.getsockname()[:2]
@@ -166,13 +210,88 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
             say(f"serving {app.settings.served_model_name} at http://{shown}:{port}/v1 "
                 f"(ready in {time.monotonic() - t0:.1f}s; max_model_len {engine.ready.max_model_len}, "
                 f"{engine.ready.num_kv_blocks} KV blocks of {engine.ready.block_size})")
-            await stop.wait()
-            # Let the HTTP side drain (in-flight requests still need the engine), then stop.
-            with anyio.move_on_after(opts.shutdown_timeout + 2):
-                await http_done.wait()
-            tg.cancel_scope.cancel()
+            try:
+                await stop.wait()
+                # Let the HTTP sides drain (in-flight requests still need the engine), then stop.
+                for w in workers:
+                    w.popen.send_signal(signal.SIGTERM)
+                with anyio.move_on_after(opts.shutdown_timeout + 2):
+                    await http_done.wait()
+                    for w in workers:
+                        await w.wait()
+                tg.cancel_scope.cancel()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    for w in workers:
+                        w.kill()
+                        await w.wait()
+                        w.close()
     if stop.is_set():
         say("engine stopped")
+
+
+def _spawn_worker(opts: ServerOptions, sock: socket.socket, metrics_fd: int, handoff: ChannelHandoff) -> ChildProcess:
+    spec = WorkerSpec(opts, sock.fileno(), metrics_fd, opts.api_server_count * SLOT_SIZE * 8, handoff, os.getpid())
+    return ChildProcess(
+        subprocess.Popen(
+            [sys.executable, "-m", "structllm.server.worker", msgspec.json.encode(spec).decode()],
+            pass_fds=(sock.fileno(), metrics_fd, *handoff.fds),
+            stdin=subprocess.DEVNULL,
+        )
+    )
+
+
+async def _supervise_worker(worker: ChildProcess, stop: anyio.Event, scope: anyio.CancelScope, client: EngineClient) -> None:
+    """A front-end worker that dies is handled like the engine dying: everything of this
+    generation is torn down (its requests fail) and the restart loop brings it back."""
+    code = await worker.wait()
+    if not stop.is_set():
+        say(f"error: front-end process {worker.pid} exited (code {code})")
+        client._die(EngineDeadError(f"front-end process {worker.pid} exited"))
+        scope.cancel()
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """A front-end process besides the main one (``--api-server-count``): same app, its
+    own channel to the shared engine, the same listening socket."""
+    opts = spec.options
+    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    die_with_parent(spec.parent_pid)
+    sock = socket.socket(fileno=spec.listen_fd)
+    mapping = shm.attach(spec.metrics_fd, spec.metrics_size)
+    os.close(spec.metrics_fd)
+    table = memoryview(mapping).cast("d")
+    app = make_app(opts, table, spec.handoff.index)
+    code = {"code": 0}
+
+    async def main() -> None:
+        stop, http_done = anyio.Event(), anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_signals, stop, tg.cancel_scope)
+            tg.start_soon(app.collect_garbage_when_idle)
+            async with attach_engine(spec.handoff) as engine:
+                client = EngineClient(engine, id_prefix=f"c{spec.handoff.index}-")
+                app.settings.max_model_len = engine.ready.max_model_len
+                app.client = client
+                # Accept only once ready: until then the main process takes every connection.
+                tg.start_soon(_http, opts, app, sock, stop, http_done)
+                await client.run()  # until the engine is gone
+            if not stop.is_set():
+                code["code"] = 1
+                stop.set()
+            with anyio.move_on_after(opts.shutdown_timeout + 5):
+                await http_done.wait()
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main, backend=opts.backend)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.metrics.table = None
+        table.release()
+        mapping.close()
+    return code["code"]
 
 
 async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event) -> None:
