@@ -94,3 +94,23 @@ def test_engine_death_without_restarts_fails_requests_and_exits_non_zero() -> No
         code = s.proc.wait(timeout=60)  # type: ignore[union-attr]
         assert code != 0  # restarts disabled: the server stops and says why
     assert children(s.proc.pid) == []  # type: ignore[union-attr]
+
+
+def test_chat_cli_streams_answers_from_a_server() -> None:
+    with Server("--null-model") as s:
+        out = subprocess.run(
+            [sys.executable, "-m", "structllm", "chat", "--url", s.url, "--max-tokens", "5"],
+            input="hello there\n/bye\n", capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr
+        answer = out.stdout.split(">>> ")[1].strip()
+        code, data = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}],
+                                                     "max_tokens": 5, "temperature": 0.7})
+        assert code == 200 and answer == data["choices"][0]["message"]["content"].strip()
+
+
+def test_cli_help_lists_the_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "structllm", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and all(c in out.stdout for c in ("run", "chat", "generate"))
+    out = subprocess.run([sys.executable, "-m", "structllm", "run", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert "--api-key" in out.stdout and "--max-num-seqs" in out.stdout and "--backend" in out.stdout
