@@ -149,7 +149,7 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning",
-           "--max-num-seqs", str(max(args.max_concurrency, 1)), *args.server_args]
+           "--max-num-seqs", str(min(max(args.max_concurrency, 1), 256)), *args.server_args]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -164,6 +164,28 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.2)
     proc.kill()
     raise SystemExit("server did not start")
+
+
+def front_end_pids(server_pid: int) -> list[int]:
+    """The server process and its front-end workers (not the engine)."""
+    pids = [server_pid]
+    for tid in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{tid}/children") as f:
+            for kid in f.read().split():
+                with open(f"/proc/{kid}/cmdline", "rb") as c:
+                    if b"structllm.server.worker" in c.read():
+                        pids.append(int(kid))
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / ticks
 
 
 def offline(items: list[Any], out_len: int, concurrency: int) -> float:
@@ -202,11 +224,16 @@ def main() -> None:
     url = args.base_url
     if args.launch:
         proc, url = launch(args)
+    cpu = None
     try:
         warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
         anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
+        pids = front_end_pids(proc.pid) if proc is not None else []
+        cpu0 = cpu_seconds(pids) if pids else 0.0
         results, elapsed = anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
                                      args.max_concurrency, args.api_key, args.seed)
+        if pids:
+            cpu = cpu_seconds(pids) - cpu0
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -215,6 +242,10 @@ def main() -> None:
     summary.update(bench="serve", url=url, num_prompts=args.num_prompts, input_len=args.input_len,
                    output_len=args.output_len, max_concurrency=args.max_concurrency,
                    request_rate=None if math.isinf(args.request_rate) else args.request_rate)
+    if cpu is not None:
+        summary["front_end_processes"] = len(pids)
+        summary["front_end_cpu_s"] = round(cpu, 2)
+        summary["front_end_cpu_us_per_token"] = round(1e6 * cpu / max(1, summary["output_tokens"]), 1)
     if args.compare_offline:
         off = offline(items, args.output_len, args.max_concurrency)
         summary["offline_output_tokens_per_s"] = round(off, 1)
@@ -228,6 +259,9 @@ def main() -> None:
         else:
             value = summary[key]
         print(f"{label:26}{value}", file=sys.stderr)
+    if "front_end_cpu_us_per_token" in summary:
+        print(f"{'front-end CPU us/token':26}{summary['front_end_cpu_us_per_token']} "
+              f"({summary['front_end_processes']} processes)", file=sys.stderr)
     if "offline_output_tokens_per_s" in summary:
         print(f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
               f"(serving at {summary['serving_vs_offline']:.0%})", file=sys.stderr)

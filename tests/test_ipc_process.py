@@ -19,6 +19,7 @@ from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
 from structllm.ipc.process import EngineStartError, open_engine
 from structllm.protocol import AddRequest, OutputBatch, SamplingParams
+from tests.server_utils import alive, shm_entries
 
 pytestmark = pytest.mark.anyio
 
@@ -30,23 +31,11 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def shm_entries() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("structllm-")}
-
-
 @pytest.fixture(autouse=True)
 def no_shm_leaks() -> Iterator[None]:
     before = shm_entries()
     yield
     assert shm_entries() == before, "shared memory left in /dev/shm"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def collect(ep, request_id: str) -> list[int]:  # type: ignore[no-untyped-def]
