@@ -45,7 +45,53 @@ def ring_size(capacity: int) -> int:
     return HEADER_SIZE + capacity
 
 
-class Ring:
+class FrameArea:
+    """The data area of a ring in ``buf`` at ``offset``: a header of ``header_size`` bytes
+    (counters, owned by the subclass), then ``capacity`` data bytes. Byte ``n`` of the
+    stream lives at ``data[n % capacity]``; ``_put``/``_get`` copy across the wrap.
+    Shared by ``Ring`` and ``broadcast.BroadcastRing``."""
+
+    def __init__(self, buf: object, capacity: int, offset: int, header_size: int) -> None:
+        if capacity < 8 or capacity & (capacity - 1):
+            raise ValueError(f"ring capacity must be a power of two >= 8, got {capacity}")
+        view = memoryview(buf).cast("B")  # type: ignore[arg-type]
+        total = header_size + capacity
+        if view.readonly or len(view) < offset + total:
+            raise ValueError(f"ring needs {total} writable bytes at offset {offset}")
+        self.capacity = capacity
+        self._mask = capacity - 1
+        self._view = view
+        self._data = view[offset + header_size : offset + total]
+        # A ctypes object pins the buffer (an mmap cannot be closed under it) and gives
+        # the address of the counters for the C atomics.
+        self._pin = ctypes.c_char.from_buffer(view, offset)
+        self._base = ctypes.addressof(self._pin)
+        if self._base % 8:  # the atomics need 8; a page-aligned mapping also gives each counter its own line
+            raise ValueError("ring header must be 8-byte aligned")
+
+    def close(self) -> None:
+        """Release the views so the underlying buffer can be closed."""
+        del self._pin
+        self._data.release()
+        self._view.release()
+
+    def _put(self, pos: int, data: bytes | bytearray | memoryview) -> None:
+        start = pos & self._mask
+        n = len(data)
+        first = min(n, self.capacity - start)
+        self._data[start : start + first] = data[:first] if first < n else data
+        if first < n:
+            self._data[: n - first] = data[first:]
+
+    def _get(self, pos: int, n: int) -> bytes:
+        start = pos & self._mask
+        end = start + n
+        if end <= self.capacity:
+            return self._data[start:end].tobytes()
+        return self._data[start:].tobytes() + self._data[: end - self.capacity].tobytes()
+
+
+class Ring(FrameArea):
     """One end's view of a ring in ``buf`` (a writable buffer such as an ``mmap``, or a
     ``bytearray`` in tests) starting at ``offset``.
 
@@ -54,36 +100,17 @@ class Ring:
     """
 
     def __init__(self, buf: object, capacity: int, offset: int = 0, init: bool = False) -> None:
-        if capacity < 8 or capacity & (capacity - 1):
-            raise ValueError(f"ring capacity must be a power of two >= 8, got {capacity}")
-        view = memoryview(buf).cast("B")  # type: ignore[arg-type]
-        if view.readonly or len(view) < offset + ring_size(capacity):
-            raise ValueError(f"ring needs {ring_size(capacity)} writable bytes at offset {offset}")
-        self.capacity = capacity
-        self._mask = capacity - 1
-        self._view = view
-        self._data = view[offset + HEADER_SIZE : offset + HEADER_SIZE + capacity]
-        # A ctypes object pins the buffer (an mmap cannot be closed under it) and gives
-        # the address of the counters for the C atomics.
-        self._pin = ctypes.c_char.from_buffer(view, offset)
-        base = ctypes.addressof(self._pin)
-        if base % 8:  # the atomics need 8; a page-aligned mapping also gives each counter its own line
-            raise ValueError("ring header must be 8-byte aligned")
+        super().__init__(buf, capacity, offset, HEADER_SIZE)
+        base = self._base
         self._head_addr = base + HEAD
         self._tail_addr = base + TAIL
         self.reader_waiting_addr = base + READER_WAITING
         self.writer_waiting_addr = base + WRITER_WAITING
         if init:
-            view[offset : offset + HEADER_SIZE] = bytes(HEADER_SIZE)
+            self._view[offset : offset + HEADER_SIZE] = bytes(HEADER_SIZE)
         # private copies: what this end knows about the counters
         self._head = atomics.load_acquire(self._head_addr)
         self._tail = atomics.load_acquire(self._tail_addr)
-
-    def close(self) -> None:
-        """Release the views so the underlying buffer can be closed."""
-        del self._pin
-        self._data.release()
-        self._view.release()
 
     # -- producer ----------------------------------------------------------------------
 
@@ -111,14 +138,6 @@ class Ring:
         """Space for frames right now (refreshes the consumer's counter)."""
         self._head = atomics.load_acquire(self._head_addr)
         return self.capacity - (self._tail - self._head)
-
-    def _put(self, pos: int, data: bytes | bytearray | memoryview) -> None:
-        start = pos & self._mask
-        n = len(data)
-        first = min(n, self.capacity - start)
-        self._data[start : start + first] = data[:first] if first < n else data
-        if first < n:
-            self._data[: n - first] = data[first:]
 
     # -- consumer ----------------------------------------------------------------------
 
@@ -155,10 +174,3 @@ class Ring:
         """Whether a frame is waiting (refreshes the producer's counter)."""
         self._tail = atomics.load_acquire(self._tail_addr)
         return self._tail != self._head
-
-    def _get(self, pos: int, n: int) -> bytes:
-        start = pos & self._mask
-        end = start + n
-        if end <= self.capacity:
-            return self._data[start:end].tobytes()
-        return self._data[start:].tobytes() + self._data[: end - self.capacity].tobytes()
