@@ -24,6 +24,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       model's tokenizer and shape (for KV sizing) are still used.
     - ``enforce_eager``: on CUDA, run every step eagerly instead of replaying CUDA graphs
       captured for decode-only steps (as vLLM's option of that name).
+    - ``tensor_parallel_size``: split the model over this many processes (this one and
+      N-1 workers; gloo on CPU, NCCL on CUDA devices ``cuda:0..N-1``), Megatron-style
+      (see ``model.sharding``). Attention heads are split by KV-head group: with fewer KV
+      heads than N the KV heads are replicated, which needs N to be a multiple of the KV
+      heads; when N does not divide the KV heads the ranks hold one group more or less.
+      A model that cannot be split is refused with a ``ValueError`` naming the numbers.
+      ``kv_cache_memory`` is per rank. Ignored with ``null_model`` (no model to split).
     """
 
     model: str | None = None
@@ -42,6 +49,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_threads: int | None = None
     null_model: bool = False
     null_step_time: float = 0.0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -61,6 +69,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"

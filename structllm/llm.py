@@ -69,7 +69,12 @@ class _Sequence:
 
 class LLM:
     """Offline generation. Keyword arguments are ``EngineConfig`` fields, e.g.
-    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``."""
+    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``.
+
+    With ``tensor_parallel_size=N`` this process is rank 0 and N-1 worker processes run
+    beside it until ``close()`` (or the end of a ``with`` block); an ``LLM`` that is
+    never closed stops them when it is garbage collected or at interpreter exit.
+    """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
@@ -77,6 +82,16 @@ class LLM:
         self.tokenizer = Tokenizer.from_files(files)
         self.engine = EngineCore(self.config, files)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's worker processes, if any. Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -211,3 +211,57 @@ class EngineLaunch(msgspec.Struct, frozen=True):
     parent_pipe_fd: int
     parent_pid: int
     spin_us: float = 50.0
+
+
+# ---------------------------------------------------------------------------------------
+# engine (rank 0) -> tensor-parallel workers, over the broadcast ring
+
+
+class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """One model step's inputs (the flat batch of ``engine.runner``), as every rank
+    needs them. Integer arrays travel as raw little-endian bytes (a ``bytearray`` on
+    decoding, so that ``torch.frombuffer`` can wrap it without a copy); the short per-
+    sequence lists as msgpack integers.
+
+    ``logit_rows`` are the rows whose logits are computed (and gathered to rank 0) after
+    the forward pass; empty when no sequence samples in this step.
+    """
+
+    input_ids: bytearray  # int64 [T]
+    positions: bytearray  # int64 [T]
+    slot_mapping: bytearray  # int64 [T]
+    block_tables: bytearray  # int32 [B, MB], row-major
+    seq_lens: list[int]  # [B]
+    query_start: list[int]  # [B+1]
+    num_decodes: int
+    logit_rows: list[int]
+
+
+class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Rank 0 is shutting down: exit the step loop."""
+
+
+ToWorker = StepInput | StopWorker
+
+
+class WorkerLaunch(msgspec.Struct, frozen=True):
+    """What rank 0 hands a tensor-parallel worker (JSON on its command line): its rank,
+    where the process group's store listens, and where the broadcast ring and doorbells
+    are (inherited file descriptors). ``config`` is an ``EngineConfig`` as a plain dict.
+    ``die_with_parent``: whether to set ``PR_SET_PDEATHSIG`` (only when the spawning
+    thread is the main thread, since the signal follows the thread, see ``ipc.process``)."""
+
+    protocol_version: int
+    config: dict[str, object]
+    rank: int
+    world_size: int
+    store_port: int
+    shm_fd: int
+    shm_size: int
+    ring_capacity: int
+    bell_fd: int
+    writer_bell_fd: int
+    parent_pipe_fd: int
+    parent_pid: int
+    die_with_parent: bool = True
+    spin_us: float = 50.0

@@ -5,25 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from structllm.engine.core import EngineCore
 from structllm.engine.request import Request
+from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.protocol import SamplingParams
 
 
 def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
     """Logits ``[len(ids), V]`` of every prompt position, through the engine's own batch
-    building, paged KV cache and model (blocks are freed afterwards)."""
+    building, paged KV cache and model, on every tensor-parallel rank if it has several
+    (blocks are freed afterwards)."""
     req = Request("prefill-probe", ids, SamplingParams(max_tokens=1), 1)
     assert engine.kv.allocate(req, len(ids))
     try:
+        assert isinstance(engine.runner, ModelRunner)
         batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
-        with torch.inference_mode():
-            hidden = engine.model(batch.input_ids, batch.positions, engine.runner.kv_caches, batch.meta)
-            return engine.model.compute_logits(hidden)
+        every_row = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
+        logits = engine.runner.run(batch_from_step(every_row, engine.device))
+        assert logits is not None
+        return logits
     finally:
         engine.kv.free_blocks(req)
 

@@ -2,6 +2,10 @@
 
 ``EngineCore`` is synchronous and owns the model, the KV cache and the scheduler. The
 offline ``LLM`` calls it directly; the engine process drives it from its rings.
+
+With ``tensor_parallel_size`` N > 1 this process is rank 0: it keeps the scheduler, the
+KV cache manager and the sampler, holds its own shard of the model and of the KV cache,
+and owns the N-1 worker processes (``workers.WorkerPool``); ``close`` stops them.
 """
 
 from __future__ import annotations
@@ -20,8 +24,13 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler
+from structllm.engine.workers import WorkerPool, ring_capacity_for
 from structllm.kernels.attention import get_attention_impl
+from structllm.model.collectives import TensorParallelGroup
+from structllm.model.config import ModelConfig
+from structllm.model.llama import LlamaModel
 from structllm.model.loader import ModelFiles, load_model, prepare_model
+from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.protocol import (
     Abort,
     AddRequest,
@@ -72,28 +81,104 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the configured one on CPU; on CUDA the ``rank``-th device
+    counted from the configured one (``cuda:K`` puts rank 0 on K)."""
+    device = resolve_device(config)
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"tensor-parallel rank {rank} needs device cuda:{index}, "
+            f"but only {torch.cuda.device_count()} CUDA devices are visible"
+        )
+    return torch.device("cuda", index)
+
+
+def setup_device(config: EngineConfig, device: torch.device, world_size: int) -> torch.dtype:
+    """Per-process settings for running on ``device``; returns the dtype. On CPU the
+    ``world_size`` ranks of one engine share the cores."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # Triton launches on the current device
+    if device.type == "cpu":
+        keep_freed_memory_mapped()
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(config.num_threads or max(1, cores // world_size))
+    return resolve_dtype(config, device)
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for this process's KV cache (each tensor-parallel rank has its own)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = total * (1.0 - config.gpu_memory_utilization) + 1 * GiB  # activations, logits
+    return max(0, int(free - reserve))
+
+
+def local_num_blocks(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, mcfg: ModelConfig, num_kv_heads: int
+) -> int:
+    """KV blocks that fit this process's budget with ``num_kv_heads`` heads cached."""
+    block_bytes = 2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * dtype.itemsize
+    return kv_budget(config, device) // block_bytes
+
+
+def load_rank_model(
+    files: ModelFiles,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    plan: ShardPlan | None,
+    group: TensorParallelGroup | None,
+) -> LlamaModel:
+    """The model (with ``plan``: this rank's shard, joined to ``group``) with its
+    attention kernels."""
+    model = load_model(files, dtype, device, plan)
+    model.tp = group
+    model.attn_impl = get_attention_impl(config.attention_backend, device)
+    return model
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         self.config = config
         self.files = files or prepare_model(config.model)
         mcfg = self.files.config
-        self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, self.device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # Triton launches on the current device
-        if self.device.type == "cpu":
-            keep_freed_memory_mapped()
-            torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
+        # The null model runs no forward pass, so there is nothing to split.
+        world = 1 if config.null_model else config.tensor_parallel_size
+        plan = plan_shards(mcfg, world)[0] if world > 1 else None  # a model that cannot be split fails here
+        self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
+        self.dtype = setup_device(config, self.device, world)
+        self.workers: WorkerPool | None = None
+        try:
+            self._start(plan)
+        except BaseException:
+            self.close()
+            raise
+        self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
 
+    def _start(self, plan: ShardPlan | None) -> None:
+        config, mcfg = self.config, self.files.config
+        group: TensorParallelGroup | None = None
+        if plan is not None:
+            positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
+            self.workers = WorkerPool(config, plan.world_size, ring_capacity_for(config, positions))
+            group = self.workers.connect(self.device)
         if config.null_model:
             self.model = None
         else:
-            self.model = load_model(self.files, self.dtype, self.device)
-            self.model.attn_impl = get_attention_impl(config.attention_backend, self.device)
+            self.model = load_rank_model(self.files, config, self.device, self.dtype, plan, group)
+        if self.workers is not None:
+            self.workers.wait_loaded()
 
         bs = config.block_size
-        block_bytes = mcfg.kv_bytes_per_token * bs * self.dtype.itemsize
-        self.num_blocks = self._kv_budget() // block_bytes
+        self.num_blocks = local_num_blocks(config, self.device, self.dtype, mcfg, plan.num_kv_heads if plan else mcfg.num_kv_heads)
+        if group is not None:
+            self.num_blocks = group.all_reduce_min(self.num_blocks)  # every rank caches the same blocks
         capacity = self.num_blocks * bs
         limit = min(mcfg.max_position_embeddings, mcfg.sliding_window or 1 << 62)
         want = config.max_model_len
@@ -115,23 +200,31 @@ class EngineCore:
         if self.model is None:
             self.runner = NullRunner(config.null_step_time)
         else:
-            self.runner = ModelRunner(self.model, self.num_blocks, bs, Sampler(self.eos_token_ids, config.seed))
+            broadcast = self.workers.publish if self.workers is not None else None
+            sampler = Sampler(self.eos_token_ids, config.seed)
+            self.runner = ModelRunner(self.model, self.num_blocks, bs, sampler, broadcast)
             if (
                 self.device.type == "cuda"
                 and not config.enforce_eager
+                and plan is None  # collectives are not captured in the decode graphs
                 and getattr(self.model.attn_impl, "supports_cuda_graphs", False)
             ):
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
-        self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
 
-    def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            return self.config.kv_cache_memory
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_MEMORY
-        free, total = torch.cuda.mem_get_info(self.device)
-        reserve = total * (1.0 - self.config.gpu_memory_utilization) + 1 * GiB  # activations, logits
-        return max(0, int(free - reserve))
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; a no-op otherwise)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    @property
+    def watch_fds(self) -> tuple[int, ...]:
+        """Descriptors that become readable when a worker dies (for the idle wait)."""
+        return self.workers.watch_fds if self.workers is not None else ()
+
+    def check_workers(self) -> None:
+        """Raise ``WorkerDied`` if a tensor-parallel worker has exited."""
+        if self.workers is not None:
+            self.workers.check()
 
     @property
     def vocab_size(self) -> int:
@@ -190,9 +283,26 @@ class EngineCore:
         sched = self.scheduler.schedule()
         deltas, self._pending = self._pending, []
         if sched.scheduled:
-            sampled, logprobs = self.runner.execute(sched)
+            try:
+                sampled, logprobs = self.runner.execute(sched)
+            except BaseException as e:
+                if self.workers is not None:
+                    self._abandon_step(self.workers, e)
+                raise
             deltas += self.scheduler.update(sched, sampled, logprobs)
         return OutputBatch(deltas, self.stats(), time.time())
+
+    @staticmethod
+    def _abandon_step(workers: WorkerPool, error: BaseException) -> None:
+        """A tensor-parallel step failed or was interrupted part-way (a worker died, or
+        Ctrl-C between two collectives): the ranks are at different collectives and can
+        never pair up again, so the workers are stopped. Raises ``WorkerDied`` naming
+        the worker if one died (a failed collective says only "connection reset")."""
+        try:
+            if isinstance(error, RuntimeError):
+                workers.raise_if_dead(error)
+        finally:
+            workers.close()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -81,8 +81,11 @@ def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, paren
                 ep.send_blocking(OutputBatch(deltas, batch.stats, batch.timestamp), check=check_parent)
             check_parent()
             continue
-        if parent_fd in wait_any(eps, IDLE_POLL_S, spin, extra_fds=(parent_fd,)):
+        ready = wait_any(eps, IDLE_POLL_S, spin, extra_fds=(parent_fd, *core.watch_fds))
+        if parent_fd in ready:
             raise ParentGone
+        if ready:
+            core.check_workers()  # a tensor-parallel worker died: raises
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,3 +142,5 @@ def main(argv: list[str] | None = None) -> int:
         for ep in eps:
             ep.try_send(EngineError(f"engine failed: {detail}"))
         return 1
+    finally:
+        core.close()  # stops tensor-parallel workers

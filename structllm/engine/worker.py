@@ -1,0 +1,141 @@
+"""A tensor-parallel worker: ``python -m structllm.engine.worker LAUNCH_JSON``.
+
+Started by rank 0 (``workers.WorkerPool``), it joins the process group, loads its shard
+of the model, allocates the KV cache of its own KV heads, then runs every ``StepInput``
+that arrives on the broadcast ring through its ``ModelRunner`` (the forward pass, whose
+collectives pair with rank 0's) until ``StopWorker``.
+
+It dies with rank 0: ``PR_SET_PDEATHSIG`` when rank 0 spawned it from its main thread,
+and in any case a thread blocked on the parent-death pipe, which exits the process at
+EOF (rank 0 gone), whatever the main thread is doing (loading, a collective, sleeping).
+A failed collective (rank 0 or another worker died) raises out of the loop: exit 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+
+import msgspec
+import torch.distributed as dist
+
+from structllm.config import EngineConfig
+from structllm.engine.core import load_rank_model, local_num_blocks, setup_device, worker_device
+from structllm.engine.runner import ModelRunner, batch_from_step
+from structllm.ipc import shm
+from structllm.ipc.broadcast import BroadcastRing
+from structllm.ipc.broadcast_channel import Subscriber
+from structllm.ipc.channel import Doorbell, SpinBudget
+from structllm.ipc.parent import ParentGone, die_with_parent
+from structllm.model.collectives import TensorParallelGroup, connect_group
+from structllm.model.loader import prepare_model
+from structllm.model.sharding import plan_shards
+from structllm.protocol import PROTOCOL_VERSION, StepInput, StopWorker, ToWorker, WorkerLaunch
+
+log = logging.getLogger("structllm.worker")
+
+STORE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def exit_when_parent_goes(pipe_fd: int) -> None:
+    """Block on the parent-death pipe in a daemon thread; at EOF, exit at once."""
+
+    def watch() -> None:
+        while os.read(pipe_fd, 1):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget, parent_pid: int) -> int:
+    """The step loop. Returns the exit code: 0 after ``StopWorker``."""
+
+    def check_parent() -> None:
+        if os.getppid() != parent_pid:
+            raise ParentGone
+
+    while True:
+        msg = sub.recv(spin, idle=check_parent)
+        if isinstance(msg, StopWorker):
+            return 0
+        assert isinstance(msg, StepInput)
+        runner.forward(batch_from_step(msg, runner.device))
+
+
+def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, TensorParallelGroup]:
+    """Join the group, load this rank's shard, size the KV cache with the other ranks.
+    A load error is also left in the store for rank 0 to report."""
+    config = msgspec.convert(launch.config, EngineConfig)
+    device = worker_device(config, launch.rank)
+    files = prepare_model(config.model)
+    plan = plan_shards(files.config, launch.world_size)[launch.rank]
+    dtype = setup_device(config, device, launch.world_size)
+    store.set(f"joined/{launch.rank}", "")
+    group = connect_group(store, launch.rank, launch.world_size, device)
+    try:
+        try:
+            model = load_rank_model(files, config, device, dtype, plan, group)
+        except Exception as e:
+            store.set(f"failed/{launch.rank}", "".join(traceback.format_exception_only(type(e), e)).strip())
+            raise
+        store.set(f"loaded/{launch.rank}", "")
+        num_blocks = group.all_reduce_min(local_num_blocks(config, device, dtype, files.config, plan.num_kv_heads))
+        return ModelRunner(model, num_blocks, config.block_size, None), group
+    except BaseException:
+        group.close()
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("STRUCTLLM_LOG_LEVEL", "WARNING"), format="worker: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 decides
+    if len(argv) != 1:
+        print("usage: python -m structllm.engine.worker LAUNCH_JSON (started by the engine)", file=sys.stderr)
+        return 2
+    launch = msgspec.json.decode(argv[0], type=WorkerLaunch)
+    if launch.protocol_version != PROTOCOL_VERSION:
+        print(f"worker: protocol version {launch.protocol_version} != {PROTOCOL_VERSION}", file=sys.stderr)
+        return 2
+    try:
+        if launch.die_with_parent:
+            die_with_parent(launch.parent_pid)
+        elif os.getppid() != launch.parent_pid:
+            raise ParentGone
+    except ParentGone:
+        return 0
+    exit_when_parent_goes(launch.parent_pipe_fd)
+    mapping = shm.attach(launch.shm_fd, launch.shm_size)
+    os.close(launch.shm_fd)
+    ring = BroadcastRing(mapping, launch.ring_capacity, launch.world_size - 1)
+    bell, writer_bell = Doorbell(launch.bell_fd), Doorbell(launch.writer_bell_fd)
+    sub: Subscriber[ToWorker] = Subscriber(ring, launch.rank - 1, bell, writer_bell, ToWorker)
+    store = dist.TCPStore("127.0.0.1", launch.store_port, launch.world_size, is_master=False, timeout=STORE_TIMEOUT)
+    group: TensorParallelGroup | None = None
+    try:
+        runner, group = start(launch, store)
+        return serve(runner, sub, SpinBudget(launch.spin_us * 1e-6), launch.parent_pid)
+    except ParentGone:
+        return 0
+    except Exception as e:
+        # Usually a collective that failed because another rank died: rank 0 reports that.
+        log.error("worker %d failed: %s", launch.rank, "".join(traceback.format_exception_only(type(e), e)).strip())
+        log.debug("traceback", exc_info=True)
+        return 1
+    finally:
+        if group is not None:
+            group.close()  # before interpreter teardown, see TensorParallelGroup.close
+        ring.close()
+        mapping.close()
+        bell.close()
+        writer_bell.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Rank 0's side of tensor parallelism: the worker processes (ranks 1..N-1), the store
+they meet at, and the broadcast ring that carries each step to them.
+
+``WorkerPool`` owns every resource of the workers and releases all of them in
+``close`` (also run by a ``weakref.finalize`` when the pool is collected and at
+interpreter exit, so an offline ``LLM`` that is never closed still leaves no process
+behind):
+
+- a ``TCPStore`` listening on 127.0.0.1 (a free port picked by the kernel, so no race
+  for it), where the ranks rendezvous; the process group is built on it;
+- one shared-memory broadcast ring (private, unlinked at once, see ``ipc.shm``) with one
+  reader per worker, a doorbell per worker and one for rank 0;
+- a pipe whose write end only rank 0 holds: its EOF tells a worker that rank 0 is gone;
+- the worker processes (``python -m structllm.engine.worker``, fork+exec) and a pidfd
+  each, which is how rank 0 notices a worker's death: while it waits for ring space,
+  when a collective fails, and (through ``watch_fds``) while the engine sleeps.
+
+Start-up: ``start`` spawns the workers; ``connect`` waits until each has reached the
+store, then joins the group; after loading its own shard, rank 0 calls
+``wait_loaded``, in which a worker's load error arrives as the worker's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+import structllm
+from structllm.config import EngineConfig
+from structllm.ipc import shm
+from structllm.ipc.broadcast import BroadcastRing, broadcast_ring_size
+from structllm.ipc.broadcast_channel import Publisher
+from structllm.ipc.channel import Doorbell
+from structllm.model.collectives import TensorParallelGroup, connect_group
+from structllm.protocol import PROTOCOL_VERSION, StepInput, StopWorker, WorkerLaunch
+
+STARTUP_TIMEOUT = datetime.timedelta(minutes=10)
+SHUTDOWN_GRACE_S = 5.0
+MIN_RING_CAPACITY = 1 << 20
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker exited while the engine needed it."""
+
+
+class WorkerStartError(RuntimeError):
+    """A tensor-parallel worker failed before it was ready."""
+
+
+def ring_capacity_for(config: EngineConfig, max_positions: int) -> int:
+    """A power of two that holds two of the largest possible ``StepInput`` frames:
+    three int64 arrays per token, a block table of int32 per sequence, a few ints per
+    sequence and msgpack overhead."""
+    blocks = -(-max_positions // config.block_size)
+    worst = 24 * config.max_num_batched_tokens + config.max_num_seqs * (4 * blocks + 3 * 9) + 1024
+    cap = MIN_RING_CAPACITY
+    while cap < 2 * worst:
+        cap *= 2
+    return cap
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a worker: this one, with the directory that this process's
+    ``structllm`` was imported from first on the path, so that both ends run the same
+    code (a checkout may shadow an installed copy)."""
+    root = str(Path(structllm.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def describe_exit(proc: subprocess.Popen[bytes]) -> str:
+    rc = proc.returncode
+    if rc is None:
+        return "is still running"
+    if rc < 0:
+        return f"was killed by signal {signal.Signals(-rc).name}"
+    return f"exited with code {rc}"
+
+
+class _Resources:
+    """Everything a pool must release; ``release`` is idempotent and never raises."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pidfds: list[int] = []
+        self.fds: list[int] = []  # pipe ends and the shm descriptor, until handed over
+        self.bells: list[Doorbell] = []
+        self.mapping: Any = None
+        self.ring: BroadcastRing | None = None
+        self.publisher: Publisher | None = None
+        self.group: TensorParallelGroup | None = None
+        self.store: dist.TCPStore | None = None
+
+    def release(self) -> None:
+        try:
+            self._stop_workers()
+        finally:
+            for fd in self.pidfds + self.fds:
+                os.close(fd)
+            self.pidfds, self.fds = [], []
+            for bell in self.bells:
+                bell.close()
+            if self.ring is not None:
+                self.ring.close()
+                self.ring = None
+            self.publisher = None
+            if self.mapping is not None:
+                self.mapping.close()
+                self.mapping = None
+            self.store = None
+
+    def _stop_workers(self) -> None:
+        """Ask the workers to stop, leave the group, wait a grace period, kill what is
+        left; always reap. Leaving the group fails the collective of a worker stuck
+        mid-step (rank 0 abandoned that step), so it exits at once too."""
+        if self.publisher is not None and any(p.poll() is None for p in self.procs):
+            with contextlib.suppress(OSError):  # a doorbell of a worker that is gone
+                self.publisher.try_publish_bytes(msgspec.msgpack.encode(StopWorker()))
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        self.procs = []
+
+
+class WorkerPool:
+    """Ranks 1..``world_size``-1 of an engine whose rank 0 is this process."""
+
+    def __init__(self, config: EngineConfig, world_size: int, ring_capacity: int, spin_us: float = 50.0) -> None:
+        self.world_size = world_size
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.release)
+        try:
+            self._start(config, ring_capacity, spin_us)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: EngineConfig, capacity: int, spin_us: float) -> None:
+        res = self._res
+        n = self.world_size - 1
+        res.store = dist.TCPStore(
+            "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False, timeout=STARTUP_TIMEOUT
+        )
+        size = broadcast_ring_size(capacity, n)
+        res.mapping, shm_fd = shm.create(size)
+        res.fds.append(shm_fd)
+        res.ring = BroadcastRing(res.mapping, capacity, n, init=True)
+        bells = [Doorbell() for _ in range(n)]
+        writer_bell = Doorbell()
+        res.bells += [*bells, writer_bell]
+        res.publisher = Publisher(res.ring, bells, writer_bell)
+        pipe_r, pipe_w = os.pipe()
+        res.fds += [pipe_r, pipe_w]
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        env = worker_env()
+        for rank in range(1, self.world_size):
+            launch = WorkerLaunch(
+                protocol_version=PROTOCOL_VERSION,
+                config=msgspec.to_builtins(config),
+                rank=rank,
+                world_size=self.world_size,
+                store_port=res.store.port,
+                shm_fd=shm_fd,
+                shm_size=size,
+                ring_capacity=capacity,
+                bell_fd=bells[rank - 1].fd,
+                writer_bell_fd=writer_bell.fd,
+                parent_pipe_fd=pipe_r,
+                parent_pid=os.getpid(),
+                die_with_parent=on_main_thread,
+                spin_us=spin_us,
+            )
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "structllm.engine.worker", msgspec.json.encode(launch).decode()],
+                pass_fds=(shm_fd, bells[rank - 1].fd, writer_bell.fd, pipe_r),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+            res.procs.append(proc)
+            res.pidfds.append(os.pidfd_open(proc.pid))
+        # The workers hold their copies now; rank 0 keeps only the pipe's write end.
+        for fd in (shm_fd, pipe_r):
+            res.fds.remove(fd)
+            os.close(fd)
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def connect(self, device: torch.device) -> TensorParallelGroup:
+        """Join the process group as rank 0, once every worker has reached the store (so
+        a worker that dies early fails the start instead of stalling it)."""
+        store = self._store()
+        self._wait_for_keys([f"joined/{r}" for r in range(1, self.world_size)], "join the process group")
+        group = connect_group(store, 0, self.world_size, device)
+        self._res.group = group
+        return group
+
+    def wait_loaded(self) -> None:
+        """Wait until every worker has loaded its shard; raises ``WorkerStartError`` with
+        a worker's own error message if one failed."""
+        store = self._store()
+        for r in range(1, self.world_size):
+            key = self._wait_for_keys([f"loaded/{r}", f"failed/{r}"], "load the model", any_of=True)
+            if key.startswith("failed/"):
+                raise WorkerStartError(f"tensor-parallel worker {r} failed to start: {store.get(key).decode()}")
+
+    def _store(self) -> dist.TCPStore:
+        assert self._res.store is not None, "the pool is closed"
+        return self._res.store
+
+    def _wait_for_keys(self, keys: list[str], what: str, any_of: bool = False) -> str:
+        """Poll the store for ``keys`` (all, or the first of ``any_of``), failing fast
+        when a worker exits. Returns the key found (the last one when waiting for all)."""
+        store = self._store()
+        deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+        pending = list(keys)
+        while True:
+            for key in list(pending):
+                if store.check([key]):
+                    if any_of:
+                        return key
+                    pending.remove(key)
+            if not pending:
+                return keys[-1]
+            self.check(WorkerStartError, f"before it could {what}")
+            if time.monotonic() > deadline:
+                raise WorkerStartError(f"tensor-parallel workers did not {what} within {STARTUP_TIMEOUT}")
+            select.select(self._res.pidfds, [], [], 0.01)
+
+    # -- steps -------------------------------------------------------------------------
+
+    def publish(self, step: StepInput) -> None:
+        """Send one step to every worker (waits while the slowest one catches up)."""
+        publisher = self._res.publisher
+        if publisher is None:
+            raise WorkerDied("the tensor-parallel workers were stopped after a failed step; start a new engine")
+        publisher.publish(step, check=self.check, extra_fds=tuple(self._res.pidfds))
+
+    @property
+    def watch_fds(self) -> tuple[int, ...]:
+        """File descriptors that become readable when a worker exits (pidfds)."""
+        return tuple(self._res.pidfds)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._res.procs]
+
+    def check(self, error: type[RuntimeError] = WorkerDied, when: str = "") -> None:
+        """Raise ``error`` naming the first worker that has exited, if any."""
+        for rank, proc in enumerate(self._res.procs, start=1):
+            if proc.poll() is not None:
+                suffix = f" {when}" if when else ""
+                raise error(f"tensor-parallel worker {rank} (pid {proc.pid}) {describe_exit(proc)}{suffix}")
+
+    def raise_if_dead(self, cause: BaseException, wait_s: float = 1.0) -> None:
+        """After a failed collective: if a worker has died (or dies within ``wait_s``:
+        its sockets close a moment before it can be reaped), raise ``WorkerDied`` from
+        ``cause``."""
+        if self._res.pidfds:
+            select.select(self._res.pidfds, [], [], wait_s)
+        try:
+            self.check()
+        except WorkerDied as e:
+            raise e from cause
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop and reap the workers and release everything (idempotent)."""
+        self._finalizer()

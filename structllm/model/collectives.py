@@ -1,0 +1,87 @@
+"""This rank's handle on the tensor-parallel process group: the collectives the model runs.
+
+The group is a ``torch.distributed`` backend object of its own (gloo on CPU, NCCL on
+CUDA) built on a ``Store`` the engine provides, not the global default group: the
+offline ``LLM`` runs rank 0 inside the user's process, which may own a default group of
+its own or hold several engines. Collectives are that backend's own (``allreduce``,
+``gather``); nothing here reimplements one.
+
+Gloo binds its sockets to 127.0.0.1: every rank is on this machine, and nothing off it
+should be able to connect.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class TensorParallelGroup:
+    """Rank ``rank`` of ``world_size``; collectives run on ``device``'s tensors."""
+
+    def __init__(self, backend: Any, rank: int, world_size: int, device: torch.device) -> None:
+        # ``Any``: torch's stubs declare the collectives on ``ProcessGroup`` only, while the
+        # backend objects (which have them at run time) are typed as bare ``Backend``s.
+        self._pg: Any = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+
+    def all_reduce(self, t: Tensor) -> None:
+        """Sum ``t`` over all ranks, in place (``t`` must be contiguous)."""
+        self._pg.allreduce([t]).wait()
+
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest ``value`` of any rank (for agreeing on sizes at start-up)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+        self._pg.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def gather_to_first(self, t: Tensor) -> list[Tensor] | None:
+        """Every rank's ``t`` (same shape on all ranks), in rank order, on rank 0; None
+        elsewhere."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            out = [torch.empty_like(t) for _ in range(self.world_size)]
+            self._pg.gather([out], [t], opts).wait()
+            return out
+        self._pg.gather([], [t], opts).wait()
+        return None
+
+    def close(self) -> None:
+        """Drop the backend. Explicitly, not at interpreter teardown: a gloo group whose
+        peer died aborts the process (``std::terminate``) if it is destroyed that late."""
+        self._pg = None
+
+
+def connect_group(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> TensorParallelGroup:
+    """Join the group (blocks until every rank has joined through ``store``)."""
+    prefixed = dist.PrefixStore("tp", store)
+    backend: Any
+    if device.type == "cuda":
+        nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch
+        opts = nccl.Options()
+        opts._timeout = timeout
+        backend = nccl(prefixed, rank, world_size, opts)
+    else:
+        gloo: Any = dist.ProcessGroupGloo
+        opts = gloo._Options()  # the run-time name; the stubs call it ``Options``
+        opts._timeout = timeout
+        opts._devices = [gloo.create_device(hostname="127.0.0.1")]
+        backend = gloo(prefixed, rank, world_size, opts)
+    return TensorParallelGroup(backend, rank, world_size, device)

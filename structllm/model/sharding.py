@@ -1,0 +1,145 @@
+"""Which slice of the model each tensor-parallel rank holds, and cutting the weights.
+
+Megatron-style: the column-parallel matmuls (``qkv_proj``, ``gate_up_proj``) keep a
+slice of their output rows, the row-parallel ones (``o_proj``, ``down_proj``) the
+matching slice of their input columns, so a layer needs one all-reduce after each
+row-parallel matmul. The embedding and the LM head keep a slice of the vocabulary.
+Norms are replicated.
+
+Attention heads are split by KV-head group (the query heads that read one KV head), so
+that each rank's attention is ordinary GQA over its own KV heads:
+
+- ``num_kv_heads >= N``: rank ``r`` gets the groups ``[r*Hkv//N, (r+1)*Hkv//N)``. Each
+  group lives on exactly one rank. When ``N`` does not divide ``Hkv`` the ranks differ
+  by one group (SmolLM2-135M, 9 query / 3 KV heads, on 2 ranks: 1 group on rank 0 and
+  2 on rank 1). The KV cache is sized for the largest shard.
+- ``num_kv_heads < N``: the KV heads are replicated: ``N / Hkv`` consecutive ranks share
+  one KV head (each computes and caches its own copy) and split its group's query heads.
+  This needs ``N`` to be a multiple of ``Hkv`` and the group size a multiple of
+  ``N / Hkv``; otherwise ``plan_shards`` raises ``ValueError`` naming the numbers.
+
+The MLP's intermediate dimension and the vocabulary are split into contiguous ranges
+that differ in length by at most one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from structllm.model.config import ModelConfig
+
+
+def _even_range(n: int, rank: int, world: int) -> range:
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """What rank ``rank`` of ``world_size`` holds (global indices)."""
+
+    rank: int
+    world_size: int
+    heads: range  # query heads
+    kv_heads: range  # the KV heads those query heads read
+    ffn: range  # intermediate (MLP) columns
+    vocab: range  # vocabulary rows of the embedding and the LM head
+    vocab_sizes: tuple[int, ...]  # every rank's vocabulary slice length, in rank order
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+    @property
+    def vocab_stride(self) -> int:
+        """The longest vocabulary slice of any rank: the width logits are gathered at."""
+        return max(self.vocab_sizes)
+
+
+def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
+    """The plan of every rank, or ``ValueError`` if ``cfg`` cannot be split that way."""
+    n, h, hkv = world_size, cfg.num_heads, cfg.num_kv_heads
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
+    if n > h:
+        raise ValueError(f"tensor_parallel_size {n} exceeds the model's {h} attention heads")
+    group = h // hkv
+    if n > hkv:
+        if n % hkv:
+            raise ValueError(
+                f"the model's {hkv} KV heads cannot be split over tensor_parallel_size {n}: "
+                f"above {hkv}, the size must be a multiple of it (KV heads are then replicated)"
+            )
+        if group % (n // hkv):
+            raise ValueError(
+                f"tensor_parallel_size {n} would split each KV head's {group} query heads over "
+                f"{n // hkv} ranks, which does not divide evenly"
+            )
+    if n > cfg.intermediate_size or n > cfg.vocab_size:
+        raise ValueError(f"tensor_parallel_size {n} exceeds the model's MLP or vocabulary size")
+    vocab_sizes = tuple(len(_even_range(cfg.vocab_size, r, n)) for r in range(n))
+    plans = []
+    for r in range(n):
+        if n <= hkv:
+            kv = _even_range(hkv, r, n)
+            heads = range(kv.start * group, kv.stop * group)
+        else:
+            share = n // hkv  # ranks per KV head
+            kv_head = r // share
+            per = group // share
+            start = kv_head * group + (r % share) * per
+            kv, heads = range(kv_head, kv_head + 1), range(start, start + per)
+        plans.append(
+            ShardPlan(
+                rank=r,
+                world_size=n,
+                heads=heads,
+                kv_heads=kv,
+                ffn=_even_range(cfg.intermediate_size, r, n),
+                vocab=_even_range(cfg.vocab_size, r, n),
+                vocab_sizes=vocab_sizes,
+            )
+        )
+    return plans
+
+
+def _rows(w: Tensor, r: range, width: int = 1) -> Tensor:
+    """Rows ``r.start*width .. r.stop*width`` of ``w`` (dim 0), a view."""
+    return w[r.start * width : r.stop * width]
+
+
+def _own(view: Tensor) -> Tensor:
+    """A contiguous copy of ``view``, so that the full tensor behind it can be freed."""
+    return view.clone(memory_format=torch.contiguous_format)
+
+
+def shard_weights(weights: dict[str, Tensor], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Tensor]:
+    """``weights`` (full, under our fused names) -> this rank's slices, each a tensor of
+    its own (not a view of the full one)."""
+    d, h, hkv, ffn = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    out: dict[str, Tensor] = {}
+    for name, w in weights.items():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("qkv_proj", "qkv_bias"):
+            # rows (and bias entries): [q heads (H*D) | k heads (Hkv*D) | v heads (Hkv*D)]
+            q, k, v = w.split([h * d, hkv * d, hkv * d])
+            part = torch.cat([_rows(q, plan.heads, d), _rows(k, plan.kv_heads, d), _rows(v, plan.kv_heads, d)])
+        elif kind == "o_proj":  # [hidden, H*D]: input columns of this rank's heads
+            part = _own(w[:, plan.heads.start * d : plan.heads.stop * d])
+        elif kind == "gate_up_proj":  # rows: [gate (I) | up (I)]
+            gate, up = w.split([ffn, ffn])
+            part = torch.cat([_rows(gate, plan.ffn), _rows(up, plan.ffn)])
+        elif kind == "down_proj":  # [hidden, I]
+            part = _own(w[:, plan.ffn.start : plan.ffn.stop])
+        elif kind in ("embed_tokens", "lm_head"):  # [V, hidden]
+            part = _own(_rows(w, plan.vocab))
+        else:  # norms: replicated
+            part = _own(w)
+        out[name] = part
+    return out
