@@ -188,28 +188,31 @@ def assert_same_greedy(ref: LLM, tp: LLM, prompts: list[object], logprob_atol: f
         assert g.token_ids == w.token_ids
 
 
-TINY_SHAPES = {
+TINY_SHAPES: dict[str, tuple[int, dict[str, object]]] = {
     # 4 query heads over 2 KV heads: one group per rank.
-    "gqa": dict(),
+    "gqa": (2, {}),
     # Qwen2 (qkv bias), 3 KV groups on 2 ranks, odd MLP width and vocabulary, tied head.
-    "uneven": dict(arch="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-                   intermediate_size=101, vocab_size=49153, tie_word_embeddings=True),
+    "uneven": (2, dict(arch="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                       intermediate_size=101, vocab_size=49153, tie_word_embeddings=True)),
     # one KV head replicated on both ranks
-    "replicated": dict(num_attention_heads=4, num_key_value_heads=1),
+    "replicated": (2, dict(num_attention_heads=4, num_key_value_heads=1)),
+    # 4 ranks (3 readers of the broadcast ring), each KV head on two of them
+    "4-ranks": (4, dict(num_attention_heads=8, num_key_value_heads=2, intermediate_size=130)),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("shape", sorted(TINY_SHAPES))
-def test_tiny_model_tp2_matches_one_process(tmp_path: Path, default_files, shape: str) -> None:  # type: ignore[no-untyped-def]
-    kw = dict(TINY_SHAPES[shape])
+@pytest.mark.parametrize("shape", list(TINY_SHAPES))
+def test_tiny_model_tp_matches_one_process(tmp_path: Path, default_files, shape: str) -> None:  # type: ignore[no-untyped-def]
+    world, overrides = TINY_SHAPES[shape]
+    kw = dict(overrides)
     arch = str(kw.pop("arch", "llama"))
     path = str(make_tiny_hf_dir(tmp_path, default_files, arch, **kw))
     engine_kw = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48)  # chunked prefill, mixed steps
     ref = LLM(path, **engine_kw)
-    with LLM(path, tensor_parallel_size=2, **engine_kw) as tp:
+    with LLM(path, tensor_parallel_size=world, **engine_kw) as tp:
         # The budget is per rank, and the rank with the most KV heads sets the block count.
         mcfg = tp.engine.files.config
-        heads = max(p.num_kv_heads for p in plan_shards(mcfg, 2))
+        heads = max(p.num_kv_heads for p in plan_shards(mcfg, world))
         assert tp.engine.num_blocks == (8 << 20) // (2 * mcfg.num_layers * heads * mcfg.head_dim * 16 * 4)
         for ids in PROMPTS[1:3]:
             torch.testing.assert_close(prefill_logits(tp.engine, ids), prefill_logits(ref.engine, ids), atol=1e-5, rtol=1e-5)
