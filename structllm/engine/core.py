@@ -162,6 +162,18 @@ class EngineCore:
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
 
     def _start(self, plan: ShardPlan | None) -> None:
+        group = self._load(plan)
+        self._size_kv_cache(plan, group)
+        self.eos_token_ids = self.files.generation_eos_ids
+        self.kv = KVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_token_ids
+        )
+        self.runner: ModelRunner | NullRunner = self._make_runner(plan)
+
+    def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
+        """Load the model (with ``plan``: start the workers, join their group and load
+        this rank's shard while they load theirs). Returns the group, if any."""
         config, mcfg = self.config, self.files.config
         group: TensorParallelGroup | None = None
         if plan is not None:
@@ -174,12 +186,16 @@ class EngineCore:
             self.model = load_rank_model(self.files, config, self.device, self.dtype, plan, group)
         if self.workers is not None:
             self.workers.wait_loaded()
+        return group
 
-        bs = config.block_size
-        self.num_blocks = local_num_blocks(config, self.device, self.dtype, mcfg, plan.num_kv_heads if plan else mcfg.num_kv_heads)
+    def _size_kv_cache(self, plan: ShardPlan | None, group: TensorParallelGroup | None) -> None:
+        """``num_blocks`` (the same on every rank) and ``max_model_len``."""
+        config, mcfg = self.config, self.files.config
+        heads = plan.num_kv_heads if plan else mcfg.num_kv_heads
+        self.num_blocks = local_num_blocks(config, self.device, self.dtype, mcfg, heads)
         if group is not None:
-            self.num_blocks = group.all_reduce_min(self.num_blocks)  # every rank caches the same blocks
-        capacity = self.num_blocks * bs
+            self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
+        capacity = self.num_blocks * config.block_size
         limit = min(mcfg.max_position_embeddings, mcfg.sliding_window or 1 << 62)
         want = config.max_model_len
         if want is not None and want > limit:
@@ -193,23 +209,21 @@ class EngineCore:
         if self.max_model_len < 2:
             raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
 
-        self.eos_token_ids = self.files.generation_eos_ids
-        self.kv = KVCacheManager(self.num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.eos_token_ids)
-        self.runner: ModelRunner | NullRunner
+    def _make_runner(self, plan: ShardPlan | None) -> ModelRunner | NullRunner:
+        config = self.config
         if self.model is None:
-            self.runner = NullRunner(config.null_step_time)
-        else:
-            broadcast = self.workers.publish if self.workers is not None else None
-            sampler = Sampler(self.eos_token_ids, config.seed)
-            self.runner = ModelRunner(self.model, self.num_blocks, bs, sampler, broadcast)
-            if (
-                self.device.type == "cuda"
-                and not config.enforce_eager
-                and plan is None  # collectives are not captured in the decode graphs
-                and getattr(self.model.attn_impl, "supports_cuda_graphs", False)
-            ):
-                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+            return NullRunner(config.null_step_time)
+        broadcast = self.workers.publish if self.workers is not None else None
+        sampler = Sampler(self.eos_token_ids, config.seed)
+        runner = ModelRunner(self.model, self.num_blocks, config.block_size, sampler, broadcast)
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and plan is None  # collectives are not captured in the decode graphs
+            and getattr(self.model.attn_impl, "supports_cuda_graphs", False)
+        ):
+            runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
+        return runner
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; a no-op otherwise)."""
