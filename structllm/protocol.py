@@ -219,9 +219,9 @@ class EngineLaunch(msgspec.Struct, frozen=True):
 
 class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     """One model step's inputs (the flat batch of ``engine.runner``), as every rank
-    needs them. Integer arrays travel as raw little-endian bytes (a ``bytearray`` on
-    decoding, so that ``torch.frombuffer`` can wrap it without a copy); the short per-
-    sequence lists as msgpack integers.
+    needs them. Integer arrays travel as raw bytes in native order (every rank is on
+    this machine; a ``bytearray`` on decoding, so that ``torch.frombuffer`` can wrap it
+    without a copy); the short per-sequence lists as msgpack integers.
 
     ``logit_rows`` are the rows whose logits are computed (and gathered to rank 0) after
     the forward pass; empty when no sequence samples in this step.
