@@ -269,18 +269,24 @@ def run_worker(spec: WorkerSpec) -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_signals, stop, tg.cancel_scope)
             tg.start_soon(app.collect_garbage_when_idle)
-            async with attach_engine(spec.handoff) as engine:
+            async with attach_engine(spec.handoff) as engine, anyio.create_task_group() as etg:
                 client = EngineClient(engine, id_prefix=f"c{spec.handoff.index}-")
+
+                async def dispatcher() -> None:
+                    await client.run()  # returns only when the engine is gone
+                    if not stop.is_set():
+                        code["code"] = 1
+                        stop.set()
+
+                etg.start_soon(dispatcher)
                 app.settings.max_model_len = engine.ready.max_model_len
                 app.client = client
                 # Accept only once ready: until then the main process takes every connection.
                 tg.start_soon(_http, opts, app, sock, stop, http_done)
-                await client.run()  # until the engine is gone
-            if not stop.is_set():
-                code["code"] = 1
-                stop.set()
-            with anyio.move_on_after(opts.shutdown_timeout + 5):
-                await http_done.wait()
+                await stop.wait()
+                with anyio.move_on_after(opts.shutdown_timeout + 2):
+                    await http_done.wait()  # in-flight requests still need the engine
+                etg.cancel_scope.cancel()
             tg.cancel_scope.cancel()
 
     try:
