@@ -50,11 +50,16 @@ class AsyncEndpoint(Generic[M]):
     async def recv(self) -> list[M]:
         """The next batch of messages (at least one). Spins cooperatively (yielding to
         other tasks) for the adaptive budget, then sleeps on the doorbell."""
+        start: float | None = None
         while True:
             msgs = self.ep.try_recv()
             self._release_senders()
             if msgs:
+                if start is not None:
+                    self.spin.observe(time.perf_counter() - start)
                 return msgs
+            if start is None:
+                start = time.perf_counter()
             if await self._spin():
                 continue
             if self.ep.sleep_begin(want_read=True, want_space=self._want_space):
@@ -74,12 +79,9 @@ class AsyncEndpoint(Generic[M]):
         tight_end, end = now + min(budget, TIGHT_SPIN_S), now + budget
         while True:
             if self.ep.inbound.readable() or (self._want_space and self.ep.can_send(self._want_space)):
-                self.spin.hit()
                 return True
             now = time.perf_counter()
             if now >= end:
-                break
+                return False
             if now >= tight_end:
                 await anyio.lowlevel.checkpoint()
-        self.spin.miss()
-        return False

@@ -114,15 +114,17 @@ class Subscriber(Generic[M]):
         msg = self.try_recv()
         if msg is not None:
             return msg
+        start = time.perf_counter()
         if spin is not None and spin.current > 0:
-            end = time.perf_counter() + spin.current
+            end = start + spin.current
             while time.perf_counter() < end:
                 if self.ring.readable(self.index):
-                    spin.hit()
+                    spin.observe(time.perf_counter() - start)
                     return self._take()
-            spin.miss()
         while True:
             if self._sleep(timeout):
+                if spin is not None:
+                    spin.observe(time.perf_counter() - start)
                 return self._take()
             if idle is not None:
                 idle()

@@ -59,20 +59,24 @@ class Doorbell:
 
 
 class SpinBudget:
-    """How long to poll before sleeping, adapted to recent traffic: it doubles after a
-    wait that polling satisfied and halves after one that needed the doorbell, within
-    ``[max_s / 64, max_s]``. ``max_s == 0`` never spins."""
+    """How long to poll before sleeping, adapted to recent traffic. After each wait the
+    caller reports how long it lasted in all (spinning and sleeping): a wait short
+    enough that a full spin would have caught it doubles the budget, a longer one halves
+    it, within ``[max_s / 64, max_s]``. Judging by the whole wait, not by whether the
+    spin caught it, lets the budget recover after a slow patch (otherwise both sides of
+    a ping-pong fall asleep, every wake-up takes the slow path, and no spin ever wins
+    again). ``max_s == 0`` never spins."""
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s
         self.min_s = max_s / 64
         self.current = max_s
 
-    def hit(self) -> None:
-        self.current = min(self.max_s, self.current * 2)
-
-    def miss(self) -> None:
-        self.current = max(self.min_s, self.current / 2)
+    def observe(self, waited_s: float) -> None:
+        if waited_s <= self.max_s:
+            self.current = min(self.max_s, self.current * 2)
+        else:
+            self.current = max(self.min_s, self.current / 2)
 
 
 class Endpoint(Generic[M]):
@@ -201,13 +205,13 @@ def wait_any(
     def ready() -> bool:
         return any(ep.ready(want_read, want_space) for ep in endpoints)
 
+    start = time.perf_counter()
     if spin is not None and spin.current > 0:
-        end = time.perf_counter() + spin.current
+        end = start + spin.current
         while time.perf_counter() < end:
             if ready():
-                spin.hit()
+                spin.observe(time.perf_counter() - start)
                 return []
-        spin.miss()
     started = []
     try:
         for ep in endpoints:
@@ -222,4 +226,6 @@ def wait_any(
     finally:
         for ep in started:
             ep.sleep_end()
+        if spin is not None:
+            spin.observe(time.perf_counter() - start)
     return [fd for fd, _ in events if fd != endpoints[0].bell.fd]
