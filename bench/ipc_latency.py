@@ -86,14 +86,14 @@ def worker(kind: str, args: dict[str, Any]) -> None:
                     continue
                 for f in frames:
                     while not ep.try_send_bytes(f):
-                        ep.wait(1.0, want_read=False, want_space=len(f))
+                        ep.wait(1.0, ep.space_spin, want_read=False, want_space=len(f))
                     done += 1
         else:
             ep.wait(5.0)  # start signal
             ep.try_recv_bytes()
             for _ in range(n):
                 while not ep.try_send_bytes(frame):
-                    ep.wait(1.0, want_read=False, want_space=len(frame))
+                    ep.wait(1.0, ep.space_spin, want_read=False, want_space=len(frame))
     elif kind in ("zmq", "zmq_sync"):
         import zmq
 

@@ -98,6 +98,7 @@ class Endpoint(Generic[M]):
         self._decoder: msgspec.msgpack.Decoder[M] = msgspec.msgpack.Decoder(recv_type)
         self.on_protocol_error = on_protocol_error or (lambda e: log.error("%s", e))
         self.protocol_errors = 0
+        self.space_spin = SpinBudget(50e-6)  # for send_blocking: space usually frees fast
 
     # -- sending -----------------------------------------------------------------------
 
@@ -188,7 +189,7 @@ class Endpoint(Generic[M]):
         while not self.try_send_bytes(frame):
             if check is not None:
                 check()
-            self.wait(timeout, want_read=False, want_space=len(frame))
+            self.wait(timeout, self.space_spin, want_read=False, want_space=len(frame))
 
 
 def wait_any(
