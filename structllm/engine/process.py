@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -32,11 +33,13 @@ from structllm.protocol import (
     EngineReady,
     OutputBatch,
     ToEngine,
+    TokenDelta,
 )
 
 log = logging.getLogger("structllm.engine")
 
 IDLE_POLL_S = 0.25
+STATS_INTERVAL_S = 0.1
 
 
 def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, parent_pid: int, spin: SpinBudget) -> int:
@@ -44,8 +47,10 @@ def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, paren
     ``Shutdown`` (from any front end) or when the parent is gone.
 
     Fairness: the channels are drained in turn, starting one further each pass. Routing:
-    each request's deltas go to the channel its ``AddRequest`` came from; every channel
-    gets an ``OutputBatch`` each step, so all front ends see current stats."""
+    each request's deltas go to the channel its ``AddRequest`` came from. A channel gets
+    an ``OutputBatch`` in a step that has deltas for it or after it sent anything (so a
+    ``GetStats`` or an abort is answered with fresh stats), and at least every
+    ``STATS_INTERVAL_S`` while the engine works, so every front end's gauges stay true."""
 
     def check_parent() -> None:
         if os.getppid() != parent_pid or select.select([parent_fd], [], [], 0)[0]:
@@ -53,8 +58,9 @@ def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, paren
 
     owner: dict[str, int] = {}
     first = 0
+    last_sent = [0.0] * len(eps)
     while True:
-        handled = False
+        asked = [False] * len(eps)  # channels that sent something: they get a batch
         for k in range(len(eps)):
             i = (first + k) % len(eps)
             for msg in eps[i].try_recv():  # in arrival order: an abort never overtakes its add
@@ -62,23 +68,24 @@ def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, paren
                     owner[msg.request_id] = i
                 if not core.handle(msg):
                     return 0
-                handled = True
+                asked[i] = True
         first = (first + 1) % len(eps)
-        if core.has_work or handled:
+        if core.has_work or any(asked):
             # After handling messages with nothing to schedule, this still emits the
             # aborts' deltas and fresh stats, so gauges stay true while idle.
             batch = core.step()
-            if len(eps) == 1:
-                outs = [batch.outputs]
-            else:
-                outs = [[] for _ in eps]
-                for d in batch.outputs:
-                    outs[owner.get(d.request_id, 0)].append(d)
+            outs: list[list[TokenDelta]] = [[] for _ in eps]
             for d in batch.outputs:
+                outs[owner.get(d.request_id, 0)].append(d)
                 if d.finish_reason is not None:
                     owner.pop(d.request_id, None)
-            for ep, deltas in zip(eps, outs, strict=True):
-                ep.send_blocking(OutputBatch(deltas, batch.stats, batch.timestamp), check=check_parent)
+            now = time.monotonic()
+            for i, ep in enumerate(eps):
+                # A channel with nothing in this step still hears the stats now and then
+                # (and whenever it asked), rather than at every step of others' work.
+                if outs[i] or asked[i] or now - last_sent[i] > STATS_INTERVAL_S:
+                    ep.send_blocking(OutputBatch(outs[i], batch.stats, batch.timestamp), check=check_parent)
+                    last_sent[i] = now
             check_parent()
             continue
         ready = wait_any(eps, IDLE_POLL_S, spin, extra_fds=(parent_fd, *core.watch_fds))
