@@ -83,6 +83,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         body_timeout=a.body_timeout,
         allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
         api_server_count=a.api_server_count,
+        max_connections=a.max_connections,
     )
     return run(opts)
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens waiting before new requests get 503")
     r.add_argument("--write-timeout", type=float, default=60.0, help="abort a request whose client reads nothing for this long (s)")
     r.add_argument("--body-timeout", type=float, default=30.0, help="answer 408 when a request body takes longer than this (s)")
+    r.add_argument("--max-connections", type=int, default=4096, help="open connections per front-end process (default 4096)")
     r.add_argument("--api-server-count", type=int, default=1, help="front-end processes sharing the port and the engine (default 1)")
     r.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; default: CORS off)")
     r.set_defaults(func=cmd_run)

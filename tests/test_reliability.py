@@ -398,3 +398,27 @@ def test_kill_9_of_the_engine_under_load_restarts_and_serves_correctly() -> None
         assert again == want
         assert s.stop() == 0
     assert shm_entries() == before_shm
+
+
+def test_connections_are_capped_and_the_server_recovers() -> None:
+    with Server(*NULL, "--max-connections", "40") as s:
+        pid = s.proc.pid  # type: ignore[union-attr]
+        hogs = []
+        for _ in range(300):  # far more than allowed, each holding a half-sent request
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            hogs.append(c)
+        time.sleep(1.0)
+        assert fd_count(pid) <= 40 + 128, "connections beyond the cap were accepted"
+        for c in hogs:
+            c.close()
+        deadline = time.monotonic() + 30
+        while True:  # the backlog drains (idle connections close after the keep-alive timeout)
+            try:
+                code, _ = s.post("/v1/completions", completion("after the flood", 3), timeout=10)
+                if code == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not recover"
+        s.wait_idle()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
 
 log = logging.getLogger("structllm.server")
+FD_HEADROOM = 128  # descriptors beyond connections: model files, rings, doorbells, pipes
 
 
 @dataclass
@@ -64,6 +66,7 @@ class ServerOptions:
     body_timeout: float = 30.0
     allowed_origins: tuple[str, ...] = ()
     api_server_count: int = 1
+    max_connections: int = 4096
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -108,9 +111,22 @@ def make_app(opts: ServerOptions, metrics_table: Any = None, slot: int = 0) -> A
     return App(settings, tokenizer, Metrics(name, metrics_table, slot))
 
 
+def limit_connections(max_connections: int) -> None:
+    """Cap open connections through the descriptor limit: every connection is a
+    descriptor, and when none is left the servers' accept loops pause and retry (trio
+    and asyncio both do), leaving further clients in the kernel's backlog. The
+    headroom covers this process's own files, rings and pipes."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def run(opts: ServerOptions) -> int:
     """Blocking entry point for the CLI; returns the exit code."""
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limit_connections(opts.max_connections)
     try:
         sock = bind(opts.host, opts.port)
     except OSError as e:
@@ -257,6 +273,7 @@ def run_worker(spec: WorkerSpec) -> int:
     opts = spec.options
     logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     die_with_parent(spec.parent_pid)
+    limit_connections(opts.max_connections)
     sock = socket.socket(fileno=spec.listen_fd)
     mapping = shm.attach(spec.metrics_fd, spec.metrics_size)
     os.close(spec.metrics_fd)
