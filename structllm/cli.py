@@ -24,6 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="emit tokens without running the model (to measure the serving path alone)")
     p.add_argument("--null-step-time", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
 
@@ -42,6 +44,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         null_model=a.null_model,
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,
+        attention_backend=a.attention_backend,
     )
 
 

@@ -17,7 +17,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       prefilled in chunks.
     - ``kv_cache_memory``: bytes for the KV pool. On CUDA the default is
       ``gpu_memory_utilization`` of the memory left after loading the weights.
-    - ``attention_backend``: ``"auto"`` (Triton on CUDA, torch on CPU), ``"torch"`` or
+    - ``attention_backend``: ``"auto"`` (Triton on CUDA; on CPU the C++ decode kernel,
+      built on first use, else torch), ``"torch"`` (the reference), ``"cpu"`` or
       ``"triton"`` (on CPU only with ``TRITON_INTERPRET=1``; for tests).
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
@@ -71,9 +72,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
             )
 
 

@@ -139,7 +139,9 @@ def load_rank_model(
     attention kernels."""
     model = load_model(files, dtype, device, plan)
     model.tp = group
-    model.attn_impl = get_attention_impl(config.attention_backend, device)
+    model.attn_impl = get_attention_impl(
+        config.attention_backend, device, dtype, (config.block_size, model.num_heads, model.num_kv_heads, files.config.head_dim)
+    )
     return model
 
 

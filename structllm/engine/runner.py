@@ -94,8 +94,11 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         dtype = model.embed_tokens.dtype
         shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
+        # an attention backend may keep K in a layout of its own (the CPU kernel's)
+        k_layout = getattr(model.attn_impl, "k_cache_shape", None)
+        k_shape = k_layout(*shape) if k_layout is not None else shape
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (torch.zeros(k_shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs

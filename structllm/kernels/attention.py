@@ -8,7 +8,7 @@ chunks after them, so decode attention runs as one batched call over the first
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -69,6 +69,46 @@ class TorchAttention:
         )
 
 
+class CpuAttention(TorchAttention):
+    """Decode through the C++ kernel (``cpu_attention.cpp``: K/V read in place, on torch's
+    thread pool). Its K cache is block-transposed, ``[NB, Hkv, D, BS]``, so that a
+    block's scores are plain vector FMAs; V keeps the reference layout. Stores and
+    prefill are the reference operations adapted to that layout. CPU, float32."""
+
+    name = "cpu"
+
+    def __init__(self, module: Any) -> None:
+        self._decode = module.paged_decode
+
+    @staticmethod
+    def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """The shapes the kernel was written for (see ``cpu_attention.cpp``)."""
+        return block_size in (16, 32, 64) and num_heads // num_kv_heads <= 16 and head_dim <= 256
+
+    @staticmethod
+    def k_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, head_dim, block_size)
+
+    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+        reference.store_k_transposed(k, k_cache, slot_mapping)
+        nb, bs, hkv, d = v_cache.shape
+        v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v)
+
+    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows
+        self._decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return out
+
+    def prefill(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        nd = meta.num_decodes
+        starts = [s - nd for s in meta.query_start_list[nd:]]
+        return reference.prefill_attention(
+            q, k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_list[nd:], scale, k, v, k_transposed=True
+        )
+
+
 def attention(
     impl: AttentionImpl,
     q: Tensor,
@@ -93,12 +133,34 @@ def attention(
     return out
 
 
-def get_attention_impl(name: str, device: torch.device) -> AttentionImpl:
-    """``"auto"`` picks Triton on CUDA and the torch reference elsewhere."""
+def get_attention_impl(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32, shape: tuple[int, int, int, int] | None = None
+) -> AttentionImpl:
+    """``"auto"``: Triton on CUDA; on CPU the C++ decode kernel for float32 when it builds
+    and supports ``shape`` (block size, query heads, KV heads, head size), else the torch
+    reference."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif dtype == torch.float32 and (shape is None or CpuAttention.supports(*shape)):
+            from structllm.kernels import cpu_ext
+
+            name = "cpu" if cpu_ext.load() is not None else "torch"
+        else:
+            name = "torch"
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        from structllm.kernels import cpu_ext
+
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError("attention backend 'cpu' needs float32 on the CPU")
+        if shape is not None and not CpuAttention.supports(*shape):
+            raise ValueError(f"attention backend 'cpu' does not support (block size, heads, KV heads, head size) {shape}")
+        module = cpu_ext.load()
+        if module is None:
+            raise ValueError("attention backend 'cpu' is not available: the C++ kernel did not build (see the log)")
+        return CpuAttention(module)
     if name == "triton":
         try:
             from structllm.kernels.triton_attention import TritonAttention, check_device
@@ -106,4 +168,4 @@ def get_attention_impl(name: str, device: torch.device) -> AttentionImpl:
             raise ValueError(f"attention backend 'triton' is not available: {e}") from e
         check_device(device)
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch, cpu or triton")

@@ -33,6 +33,19 @@ def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache[block_table[:nblocks]].flatten(0, 1)[:length]
 
 
+def gather_kv_transposed(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
+    """``gather_kv`` for a block-transposed cache ``[NB, Hkv, D, BS]``."""
+    bs = cache.shape[3]
+    nblocks = (length + bs - 1) // bs
+    return cache[block_table[:nblocks]].permute(0, 3, 1, 2).flatten(0, 1)[:length]
+
+
+def store_k_transposed(k: Tensor, k_cache: Tensor, slot_mapping: Tensor) -> None:
+    """``store_kv``'s K half for a block-transposed cache ``[NB, Hkv, D, BS]``."""
+    bs = k_cache.shape[3]
+    k_cache.permute(0, 3, 1, 2)[slot_mapping // bs, slot_mapping % bs] = k  # writes through the view
+
+
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -76,6 +89,7 @@ def prefill_attention(
     scale: float,
     k_new: Tensor | None = None,
     v_new: Tensor | None = None,
+    k_transposed: bool = False,
 ) -> Tensor:
     """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
 
@@ -83,18 +97,34 @@ def prefill_attention(
     its last ``q_len`` positions out of ``seq_lens[i]``, so query row ``r`` may see keys
     ``0 .. seq_lens[i] - q_len + r``. When a sequence's whole context is this step's
     tokens (no cached prefix), ``k_new``/``v_new: [T, Hkv, D]`` are used directly and
-    the gather from the cache is skipped.
+    the gather from the cache is skipped. ``k_transposed``: ``k_cache`` is in the
+    block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's).
     """
     out = torch.empty_like(q)
+    fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len, ctx = end - start, seq_lens[i]
         if k_new is not None and v_new is not None and ctx == q_len:
-            k, v = k_new[start:end], v_new[start:end]
-        else:
-            k = gather_kv(k_cache, block_tables[i], ctx)
-            v = gather_kv(v_cache, block_tables[i], ctx)
+            fresh.setdefault(q_len, []).append(i)
+            continue
+        k = gather_kv_transposed(k_cache, block_tables[i], ctx) if k_transposed else gather_kv(k_cache, block_tables[i], ctx)
+        v = gather_kv(v_cache, block_tables[i], ctx)
         out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
+    for seqs in fresh.values():
+        assert k_new is not None and v_new is not None
+        rows = [slice(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]
+        if len(seqs) == 1:
+            out[rows[0]] = _causal_sdpa(q[rows[0]], k_new[rows[0]], v_new[rows[0]], scale)
+            continue
+        # Equal-length fresh prompts (a burst of similar requests) in one batched call:
+        # [S, Hq|Hkv, L, D], plain causal mask.
+        qs = torch.stack([q[r] for r in rows]).transpose(1, 2)
+        ks = torch.stack([k_new[r] for r in rows]).transpose(1, 2)
+        vs = torch.stack([v_new[r] for r in rows]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+        for j, r in enumerate(rows):
+            out[r] = o[j]
     return out
 
 

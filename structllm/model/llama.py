@@ -184,6 +184,11 @@ class LlamaModel(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
     @property
+    def num_heads(self) -> int:
+        """Query heads held here (this rank's, with tensor parallelism)."""
+        return self.plan.num_heads if self.plan else self.cfg.num_heads
+
+    @property
     def num_kv_heads(self) -> int:
         """KV heads held (and cached) by this model: all of them, or its shard's."""
         return self.plan.num_kv_heads if self.plan else self.cfg.num_kv_heads

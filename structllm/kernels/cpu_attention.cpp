@@ -1,0 +1,163 @@
+// Paged decode attention for the CPU engine (float32), reading K/V blocks in place.
+//
+// The torch reference gathers every sequence's blocks into a padded copy and then runs
+// small batched matmuls, so K and V cross memory three times per layer. Here each K/V
+// element is read once, straight from its block, with an online softmax; decode
+// attention is bound by memory traffic, so that is the win. Work is split with
+// at::parallel_for, i.e. on torch's own thread pool: a kernel with threads of its own
+// fights torch's OpenMP workers, which spin between ops.
+//
+// Layouts (this backend's own, see CpuAttention in attention.py):
+//   q        [B, H, D]          row stride q.stride(0), heads adjacent
+//   kt       [NB, Hkv, D, BS]   K transposed within each block: the BS positions of
+//                               one (head, dim) are contiguous, so the scores of a whole
+//                               block are plain vector FMAs, with no horizontal sums
+//   v        [NB, BS, Hkv, D]   as the reference
+//   tables   [B, MB] int32      block ids
+//   lens     [B] int32          context length of each sequence (>= 1)
+//   out      [B, H, D]          contiguous
+// Query head h reads KV head h / G with G = H / Hkv; the G heads of one KV head are
+// processed together, so each K/V element is loaded once for all of them.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int kMaxG = 16;
+constexpr int kMaxD = 256;
+
+// exp(x) for x <= 0 (x = -inf gives ~0), as 2^n * 2^f with n = round(x / ln 2) and
+// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1e-7 there).
+// Written without branches or library calls so that GCC vectorises the loops that call
+// it: libm's expf is scalar.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);  // exp underflows below this; -inf lands here too
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::nearbyint(t);
+  const float f = t - fi;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6184910e-3f;
+  p = p * f + 5.5503406e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One (sequence, KV head): the G query heads of that KV head, over all its blocks.
+template <int BS>
+void decode_item(const float* q, const float* kt, const float* v, const int32_t* table, int len, float* out, int G,
+                 int Hkv, int kvh, int D, float scale) {
+  alignas(64) float qs[kMaxG][kMaxD];
+  alignas(64) float acc[kMaxG][kMaxD];
+  alignas(64) float s[kMaxG][BS];
+  float m[kMaxG], l[kMaxG];
+  for (int g = 0; g < G; g++) {
+    for (int d = 0; d < D; d++) {
+      qs[g][d] = q[g * D + d] * scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // floats between V positions
+  for (int start = 0; start < len; start += BS) {
+    const int n = std::min(BS, len - start);
+    const int64_t block = table[start / BS];
+    const float* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
+    const float* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
+    // scores: s[g][p] = sum_d q[g][d] * K[p][d], BS lanes at a time
+    for (int g = 0; g < G; g++)
+      for (int p = 0; p < BS; p++) s[g][p] = 0.f;
+    for (int d = 0; d < D; d++) {
+      const float* kd = kb + d * BS;
+      for (int g = 0; g < G; g++) {
+        const float qv = qs[g][d];
+        for (int p = 0; p < BS; p++) s[g][p] += qv * kd[p];
+      }
+    }
+    // one online-softmax rescale per block; slots past the end weigh nothing
+    for (int g = 0; g < G; g++) {
+      float mx = m[g];
+      for (int p = 0; p < n; p++) mx = std::max(mx, s[g][p]);
+      const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
+      float sum = 0.f;
+      for (int p = 0; p < BS; p++) {
+        const float w = p < n ? exp_neg(s[g][p] - mx) : 0.f;
+        s[g][p] = w;
+        sum += w;
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      for (int d = 0; d < D; d++) acc[g][d] *= corr;
+    }
+    for (int p = 0; p < n; p++) {
+      const float* vr = vb + p * vrow;
+      for (int g = 0; g < G; g++) {
+        const float w = s[g][p];
+        for (int d = 0; d < D; d++) acc[g][d] += w * vr[d];
+      }
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    const float inv = 1.f / l[g];
+    for (int d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
+  }
+}
+
+template <int BS>
+void run(const float* q, int64_t q_stride, const float* kt, const float* v, const int32_t* tables, int64_t mb,
+         const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale) {
+  const int G = H / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; item++) {
+      const int64_t b = item / Hkv;
+      const int kvh = static_cast<int>(item % Hkv);
+      const int64_t head = static_cast<int64_t>(kvh) * G;
+      decode_item<BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
+                      Hkv, kvh, D, scale);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
+                  torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && kt.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "paged_decode: float32 only");
+  TORCH_CHECK(kt.is_contiguous() && v.is_contiguous() && out.is_contiguous(), "paged_decode: contiguous caches/out");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode: q must be [B, H, D], heads adjacent");
+  TORCH_CHECK(tables.dtype() == torch::kInt32 && lens.dtype() == torch::kInt32 && tables.is_contiguous(),
+              "paged_decode: int32 tables and lens");
+  const int64_t B = q.size(0);
+  const int H = q.size(1), D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  TORCH_CHECK(kt.size(2) == D && v.size(1) == BS && v.size(2) == Hkv && v.size(3) == D, "paged_decode: cache shapes");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_decode: unsupported head shape");
+  TORCH_CHECK(tables.size(0) >= B && lens.size(0) >= B, "paged_decode: tables/lens too short");
+  const float sc = static_cast<float>(scale);
+  auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<float>(), v.data_ptr<float>(),
+                              tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
+                              out.data_ptr<float>(), B, H, Hkv, D, sc);
+  switch (BS) {
+    case 16: std::apply(run<16>, args); break;
+    case 32: std::apply(run<32>, args); break;
+    case 64: std::apply(run<64>, args); break;
+    default: TORCH_CHECK(false, "paged_decode: block size must be 16, 32 or 64, got ", BS);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU, K transposed per block)");
+}
