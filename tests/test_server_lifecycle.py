@@ -114,3 +114,17 @@ def test_cli_help_lists_the_commands() -> None:
     assert out.returncode == 0 and all(c in out.stdout for c in ("run", "chat", "generate"))
     out = subprocess.run([sys.executable, "-m", "structllm", "run", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert "--api-key" in out.stdout and "--max-num-seqs" in out.stdout and "--backend" in out.stdout
+
+
+def test_cli_attention_backends_give_the_same_greedy_text() -> None:
+    def generate(*extra: str) -> str:
+        cmd = [sys.executable, "-m", "structllm", "generate", "-p", "The capital of France is", "--max-tokens", "16",
+               *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert generate("--attention-backend", "torch") == generate("--attention-backend", "cpu") != ""
+    bad = subprocess.run([sys.executable, "-m", "structllm", "generate", "-p", "x", "--attention-backend", "flash"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "invalid choice: 'flash'" in bad.stderr
