@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/offline_throughput.py
 	$(PY) bench/serve.py --launch --compare-offline
 	$(PY) bench/ipc_latency.py
+	$(PY) bench/cpu_attention.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
