@@ -18,6 +18,7 @@ from structllm.kernels.attention import (
     attention,
     get_attention_impl,
 )
+from tests.test_reference_attention import paged_setup
 
 module = cpu_ext.load()
 
@@ -42,28 +43,16 @@ def test_a_build_killed_midway_does_not_hang_later_starts() -> None:
 def setup(lens: list[int], q_lens: list[int], h: int, hkv: int, d: int, bs: int, seed: int = 0):  # type: ignore[no-untyped-def]
     """Random K/V for sequences of ``lens`` tokens in shuffled blocks, stored through
     CpuAttention (its own K layout); the last ``q_lens[i]`` tokens are this step's."""
-    g = torch.Generator().manual_seed(seed)
     impl = CpuAttention(module)
     nb = sum(-(-n // bs) for n in lens) + 5
-    k_cache = torch.zeros(impl.k_cache_shape(nb, bs, hkv, d))
-    v_cache = torch.zeros(nb, bs, hkv, d)
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, dense = [], []
-    for n in lens:
-        nblk = -(-n // bs)
-        blocks, perm = perm[:nblk], perm[nblk:]
-        k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
-        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
-        impl.store_kv(k, v, k_cache, v_cache, slots)
-        tables.append(blocks)
-        dense.append((k, v))
-    width = max(len(t) for t in tables)
+    k_cache, v_cache, bt, dense = paged_setup(lens, hkv, d, bs, nb=nb, seed=seed, impl=impl)
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
+    new = [(i, p) for i in range(len(lens)) for p in range(lens[i] - q_lens[i], lens[i])]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([tables[i][p // bs] * bs + p % bs for i in range(len(lens)) for p in range(lens[i] - q_lens[i], lens[i])]),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor([int(bt[i, p // bs]) * bs + p % bs for i, p in new]),
+        block_tables=bt,
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens_list=lens,
@@ -71,7 +60,7 @@ def setup(lens: list[int], q_lens: list[int], h: int, hkv: int, d: int, bs: int,
         num_decodes=sum(1 for n in q_lens if n == 1),
         max_seq_len=max(lens),
     )
-    q = torch.randn(starts[-1], h, d, generator=g)
+    q = torch.randn(starts[-1], h, d, generator=torch.Generator().manual_seed(seed + 1))
     return impl, k_cache, v_cache, meta, dense, q, starts
 
 
