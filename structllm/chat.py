@@ -38,13 +38,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> No
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode}")
+        conn, base = _connect(url)
         try:
-            conn, base = _connect(url)
             conn.request("GET", base + "/health")
             if conn.getresponse().status == 200:
                 return
         except OSError:
             pass
+        finally:
+            conn.close()
         time.sleep(0.2)
     raise RuntimeError("the server did not become ready in time")
 

@@ -16,9 +16,8 @@ point leaks nothing in either process.
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -126,12 +125,10 @@ class EngineClient:
         self.id_prefix = id_prefix  # unique per front-end process sharing one engine
         self.ready: EngineReady = engine.ready
         self.stats = EngineStats()
-        self.stats_time = 0.0
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: list[str] = []
         self._ids = itertools.count()
         self.dead: EngineDeadError | None = None
-        self.on_batch: Callable[[OutputBatch], None] | None = None
         self._stats_waiters: list[anyio.Event] = []
 
     @property
@@ -174,7 +171,7 @@ class EngineClient:
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, OutputBatch):
-            self.stats, self.stats_time = msg.stats, time.monotonic()
+            self.stats = msg.stats
             for d in msg.outputs:
                 stream = self._streams.get(d.request_id)
                 if stream is None:
@@ -186,11 +183,10 @@ class EngineClient:
                 stream.put(d.new_token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens)
                 if d.finish_reason is not None:
                     del self._streams[d.request_id]
-            if self.on_batch is not None:
-                self.on_batch(msg)
-            waiters, self._stats_waiters = self._stats_waiters, []
-            for ev in waiters:
-                ev.set()
+            if self._stats_waiters:
+                waiters, self._stats_waiters = self._stats_waiters, []
+                for ev in waiters:
+                    ev.set()
         elif isinstance(msg, EngineError):
             self.dead = EngineDeadError(f"engine error: {msg.message}")
 
@@ -238,6 +234,3 @@ class EngineClient:
             with anyio.move_on_after(timeout):
                 await ev.wait()
         return self.stats
-
-    def seconds_since_stats(self) -> float:
-        return time.monotonic() - self.stats_time if self.stats_time else math.inf

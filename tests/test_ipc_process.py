@@ -117,6 +117,21 @@ async def test_engine_start_failure_is_reported() -> None:
             pass
 
 
+@pytest.mark.parametrize("fails", ["os.pipe", "subprocess.Popen"])
+async def test_a_failed_start_closes_what_it_opened(fails: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # e.g. the descriptor limit reached midway while the server restarts an engine
+    def no_more(*args: object, **kwargs: object) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(fails, no_more)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="Too many open files"):
+        async with open_engine(NULL):
+            pass
+    monkeypatch.undo()
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
 async def test_garbage_from_the_front_end_does_not_stop_the_engine() -> None:
     async with open_engine(NULL) as eng:
         eng.endpoint.ep.try_send_bytes(b"\xc1\xc1 not msgpack")

@@ -47,6 +47,17 @@ def test_hf_checkpoint_greedy_generation_matches_transformers(tiny_llama_dir: Pa
         assert out.token_ids[: len(want)] == want
 
 
+def test_rope_table_is_not_rebuilt_as_contexts_grow(tiny_llama_dir: Path) -> None:
+    # every decode step asks for one more position than the last; a rebuild per step
+    # costs milliseconds at long contexts
+    model = engine_for(tiny_llama_dir).runner.model
+    first = model.rope_table(300)
+    assert all(model.rope_table(n) is first for n in range(300, first.shape[0] + 1))
+    grown = model.rope_table(first.shape[0] + 1)
+    assert grown.shape[0] >= 2 * first.shape[0]
+    torch.testing.assert_close(grown[: first.shape[0]], first, atol=0, rtol=0)  # same rows
+
+
 def test_llama3_rope_scaling_matches_transformers(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
     scaling = {
         "rope_type": "llama3",

@@ -105,6 +105,16 @@ def test_oversized_frame_names_both_sizes() -> None:
         ring.try_write(bytes(CAP))
 
 
+def test_oversized_frame_raises_even_when_the_ring_is_partly_full() -> None:
+    # too large is an error, not "no space yet" (a writer would wait for it forever)
+    ring = new_ring()
+    assert ring.try_write(b"abc")
+    with pytest.raises(FrameTooLarge):
+        ring.try_write(bytes(CAP - LEN_SIZE + 1))
+    assert ring.try_read() == b"abc" and ring.try_write(bytes(CAP - LEN_SIZE))  # exact fit
+    assert ring.try_read() == bytes(CAP - LEN_SIZE)
+
+
 def test_capacity_must_be_a_power_of_two() -> None:
     with pytest.raises(ValueError, match="power of two"):
         Ring(mmap.mmap(-1, ring_size(100)), 100)

@@ -131,6 +131,18 @@ def test_echo_returns_the_prompt_first(client: openai.OpenAI, model: str) -> Non
     assert r.choices[0].text.startswith("Roses are red,")
 
 
+def test_streamed_echo_survives_a_held_back_first_token(client: openai.OpenAI, model: str) -> None:
+    # A stop string that starts with the first generated text makes the detokenizer hold
+    # that text back, so the first delta sends nothing; the prompt must still go first.
+    args = dict(model=model, prompt="Roses are red,", temperature=0, max_tokens=6)
+    plain = client.completions.create(**args)  # type: ignore[call-overload]
+    first_text = client.completions.create(**{**args, "max_tokens": 1}).choices[0].text  # type: ignore[call-overload]
+    assert first_text and plain.choices[0].text.startswith(first_text)
+    stream = client.completions.create(**args, echo=True, stream=True, stop=[first_text + "\u2603"])  # type: ignore[call-overload]
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text == "Roses are red," + plain.choices[0].text
+
+
 def test_async_client_streams(server: Server, model: str) -> None:
     async def main() -> str:
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)

@@ -35,13 +35,10 @@ from structllm.model.config import ModelConfig
 from structllm.model.sharding import plan_shards, shard_weights
 from tests.conftest import make_tiny_hf_dir
 from tests.helpers import prefill_logits
+from tests.server_utils import alive, shm_entries
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7], list(range(500, 900, 7))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-
-
-def shm_entries() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("structllm-")}
 
 
 @pytest.fixture(autouse=True)
@@ -49,14 +46,6 @@ def no_shm_leaks() -> Iterator[None]:
     before = shm_entries()
     yield
     assert shm_entries() == before, "shared memory left in /dev/shm"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_gone(pids: list[int], timeout: float) -> None:

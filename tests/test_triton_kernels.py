@@ -322,7 +322,7 @@ def test_decode_graph_padding_is_harmless(tiny_gqa3_dir: Path) -> None:
     eng.step()  # prefill all three; the next step decodes them
     sched = eng.scheduler.schedule()
     batch = eng.runner.prepare(sched)
-    assert batch.meta.num_decodes == 3 == len(batch.order)
+    assert batch.meta.num_decodes == 3 == len(sched.scheduled)
     caches = eng.runner.kv_caches
     with torch.inference_mode():
         want = eng.model(batch.input_ids, batch.positions, caches, batch.meta)

@@ -26,7 +26,6 @@ class Request:
         "arrival_time",
         "block_ids",
         "chain_ids",
-        "error",
         "finish_reason",
         "max_tokens",
         "num_cached_tokens",
@@ -62,7 +61,6 @@ class Request:
         self.chain_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
-        self.error: str | None = None
 
     @property
     def num_tokens(self) -> int:

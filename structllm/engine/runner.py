@@ -28,14 +28,12 @@ from structllm.protocol import StepInput, TokenLogprobs
 @dataclass
 class Batch:
     """One step's model inputs: ``step`` and its tensors on the model's device. On rank
-    0, ``order`` lists the requests as laid out in the batch and ``sample_reqs[i]``
-    samples from row ``sample_rows[i]``; workers leave both empty."""
+    0, ``sample_reqs[i]`` samples from row ``sample_rows[i]``; workers leave it empty."""
 
     step: StepInput
     input_ids: Tensor  # [T] int64
     positions: Tensor  # [T] int64
     meta: AttentionMetadata
-    order: list[Request] = field(default_factory=list)
     sample_reqs: list[Request] = field(default_factory=list)
 
     @property
@@ -44,7 +42,7 @@ class Batch:
 
 
 def batch_from_step(
-    step: StepInput, device: torch.device, order: list[Request] | None = None, sample_reqs: list[Request] | None = None
+    step: StepInput, device: torch.device, sample_reqs: list[Request] | None = None
 ) -> Batch:
     """The tensors of ``step`` on ``device`` (the byte arrays are wrapped, not copied, on
     the host)."""
@@ -68,7 +66,6 @@ def batch_from_step(
         ints(step.input_ids, torch.long),
         ints(step.positions, torch.long),
         meta,
-        order or [],
         sample_reqs or [],
     )
 
@@ -151,7 +148,7 @@ class ModelRunner:
             num_decodes=sum(1 for _, n in ordered if n == 1),
             logit_rows=sample_rows,
         )
-        return batch_from_step(step, self.device, [r for r, _ in ordered], sample_reqs)
+        return batch_from_step(step, self.device, sample_reqs)
 
     def run(self, batch: Batch) -> Tensor | None:
         """Hand ``batch`` to the other ranks (if any), run the model over it here and

@@ -91,9 +91,9 @@ class Sampler:
         k_rows = [i for i, r in enumerate(reqs) if 0 < r.sampling.top_k < vocab]
         if k_rows:
             ks = torch.tensor([reqs[i].sampling.top_k for i in k_rows])
-            top = torch.topk(x[k_rows], int(ks.max()), dim=-1).values
+            sub = x[k_rows]  # [K, V] (a copy: advanced indexing)
+            top = torch.topk(sub, int(ks.max()), dim=-1).values
             kth = top.gather(1, (ks - 1)[:, None])  # [K, 1]
-            sub = x[k_rows]
             x[k_rows] = sub.masked_fill(sub < kth, float("-inf"))
 
         p_rows = [i for i, r in enumerate(reqs) if r.sampling.top_p < 1.0]
@@ -101,9 +101,9 @@ class Sampler:
             ps = torch.tensor([reqs[i].sampling.top_p for i in p_rows], dtype=x.dtype)
             sub = x[p_rows]
             sorted_x, order = sub.sort(dim=-1, descending=True)
-            cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+            p_sorted = sorted_x.softmax(dim=-1)
             # drop a token when the mass before it already reaches top_p (keeps >= 1)
-            drop_sorted = (cum - sorted_x.softmax(dim=-1)) >= ps[:, None]
+            drop_sorted = (p_sorted.cumsum(dim=-1) - p_sorted) >= ps[:, None]
             drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
             x[p_rows] = sub.masked_fill(drop, float("-inf"))
 

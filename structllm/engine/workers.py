@@ -168,9 +168,9 @@ class WorkerPool:
         res.mapping, shm_fd = shm.create(size)
         res.fds.append(shm_fd)
         res.ring = BroadcastRing(res.mapping, capacity, n, init=True)
-        bells = [Doorbell() for _ in range(n)]
-        writer_bell = Doorbell()
-        res.bells += [*bells, writer_bell]
+        for _ in range(n + 1):  # one per worker, then the writer's; owned by res as each opens
+            res.bells.append(Doorbell())
+        *bells, writer_bell = res.bells
         res.publisher = Publisher(res.ring, bells, writer_bell)
         pipe_r, pipe_w = os.pipe()
         res.fds += [pipe_r, pipe_w]

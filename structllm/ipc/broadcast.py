@@ -24,7 +24,7 @@ and the writer loads every head with ``load_acquire`` before reusing space.
 from __future__ import annotations
 
 from structllm.ipc import atomics
-from structllm.ipc.ring import _LEN, LEN_SIZE, FrameArea, FrameTooLarge
+from structllm.ipc.ring import _LEN, LEN_SIZE, FrameArea
 
 TAIL, WRITER_WAITING = 0, 64
 READER_BASE, READER_STRIDE, READER_WAITING = 128, 128, 64
@@ -74,21 +74,14 @@ class BroadcastRing(FrameArea):
         """Append one frame for every reader, or return False (writing nothing) if the
         slowest reader has not freed enough space yet. Raises ``FrameTooLarge`` if the
         frame could never fit."""
-        n = len(payload)
-        need = LEN_SIZE + n
-        if need > self.capacity:
-            raise FrameTooLarge(
-                f"frame of {n} bytes (+{LEN_SIZE} length) exceeds the ring capacity of {self.capacity} bytes"
-            )
+        need = LEN_SIZE + len(payload)
         tail = self._tail
-        if tail + need - self._slowest > self.capacity:
+        if tail + need - self._slowest > self.capacity:  # taken by any frame larger than the ring
+            self._check_fits(need)
             self._refresh_heads()
             if tail + need - self._slowest > self.capacity:
                 return False
-        self._put(tail, _LEN.pack(n))
-        self._put(tail + LEN_SIZE, payload)
-        self._tail = tail + need
-        atomics.store_release(self._tail_addr, self._tail)
+        self._tail = self._publish(tail, payload)
         return True
 
     def free_bytes(self) -> int:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -77,17 +76,9 @@ class ForeignProcess:
         self._pidfd = os.pidfd_open(pid)
         self._exit = _ExitWatch(self._pidfd)
 
-    @property
-    def returncode(self) -> int | None:
-        return -1 if self._exit.done else None
-
     async def wait(self) -> int:
         await self._exit.wait()
         return -1
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
         if self._pidfd >= 0:
@@ -106,7 +97,12 @@ class ChildProcess:
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
         self.pid = popen.pid
-        self._pidfd = os.pidfd_open(popen.pid)
+        try:
+            self._pidfd = os.pidfd_open(popen.pid)
+        except BaseException:  # (EMFILE, ...) nobody else would stop and reap the child
+            popen.kill()
+            popen.wait()
+            raise
         self._exit = _ExitWatch(self._pidfd)
 
     @property
@@ -179,14 +175,35 @@ async def open_engine(
     and ``EngineProcess.handoffs`` describe the others (their descriptors stay open here
     until the engine stops, for the front-end processes to inherit)."""
     size = channels * shm.channel_size(ring_capacity)
-    mapping, shm_fd = shm.create(size)
-    chans = [shm.rings(mapping, ring_capacity, init=True, channel=i) for i in range(channels)]
-    to_engine, to_front = chans[0]
-    engine_bell = Doorbell()
-    front_bells = [Doorbell() for _ in range(channels)]
-    pipe_r, pipe_w = os.pipe()
+    own = ExitStack()  # everything opened here, closed in reverse once the engine is stopped
+    fds: set[int] = set()  # descriptors still open here (some are closed early)
+
+    def close_fd(fd: int) -> None:
+        if fd in fds:
+            fds.remove(fd)
+            os.close(fd)
+
+    def close_fds() -> None:
+        for fd in list(fds):
+            close_fd(fd)
+
+    own.callback(close_fds)
     process: ChildProcess | None = None
     try:
+        mapping, shm_fd = shm.create(size)
+        fds.add(shm_fd)
+        own.callback(mapping.close)
+        chans = []
+        for i in range(channels):
+            pair = shm.rings(mapping, ring_capacity, init=True, channel=i)
+            own.callback(pair[0].close)  # views of the mapping: released before it closes
+            own.callback(pair[1].close)
+            chans.append(pair)
+        to_engine, to_front = chans[0]
+        engine_bell = own.enter_context(contextlib.closing(Doorbell()))
+        front_bells = [own.enter_context(contextlib.closing(Doorbell())) for _ in range(channels)]
+        pipe_r, pipe_w = os.pipe()
+        fds.update((pipe_r, pipe_w))
         launch = EngineLaunch(
             protocol_version=PROTOCOL_VERSION,
             config=msgspec.to_builtins(config),
@@ -207,11 +224,9 @@ async def open_engine(
             )
         )
         # The child holds its copies now; ours are not needed (but for handoffs).
-        os.close(pipe_r)
-        pipe_r = -1
+        close_fd(pipe_r)
         if channels == 1:
-            os.close(shm_fd)
-            shm_fd = -1
+            close_fd(shm_fd)
         endpoint: AsyncEndpoint[FromEngine] = AsyncEndpoint(
             Endpoint(to_front, to_engine, front_bells[0], engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
         )
@@ -226,16 +241,7 @@ async def open_engine(
             if process is not None:
                 await _stop(process, to_engine, engine_bell, shutdown_timeout)
                 process.close()
-            for fd in (pipe_r, pipe_w, shm_fd):
-                if fd >= 0:
-                    os.close(fd)
-            for a, b_ in chans:
-                a.close()
-                b_.close()
-            mapping.close()
-            engine_bell.close()
-            for bell in front_bells:
-                bell.close()
+            own.close()
 
 
 @asynccontextmanager
@@ -243,24 +249,26 @@ async def attach_engine(handoff: ChannelHandoff, startup_timeout: float = 600.0,
                         front_spin_us: float = 50.0) -> AsyncIterator[EngineProcess]:
     """The other side of a ``ChannelHandoff``, in another front-end process: this
     process does not own the engine (it cannot reap it), but sees it die (pidfd)."""
-    mapping = shm.attach(handoff.shm_fd, handoff.shm_size)
-    os.close(handoff.shm_fd)
-    to_engine, to_front = shm.rings(mapping, handoff.ring_capacity, channel=handoff.index)
-    engine_bell, front_bell = Doorbell(handoff.engine_bell_fd), Doorbell(handoff.front_bell_fd)
-    process = ForeignProcess(handoff.engine_pid)
+    own = ExitStack()  # the handed-over descriptors and what is opened here, closed in reverse
     try:
+        engine_bell = own.enter_context(contextlib.closing(Doorbell(handoff.engine_bell_fd)))
+        front_bell = own.enter_context(contextlib.closing(Doorbell(handoff.front_bell_fd)))
+        try:
+            mapping = shm.attach(handoff.shm_fd, handoff.shm_size)
+        finally:
+            os.close(handoff.shm_fd)
+        own.callback(mapping.close)
+        to_engine, to_front = shm.rings(mapping, handoff.ring_capacity, channel=handoff.index)
+        own.callback(to_engine.close)  # views of the mapping: released before it closes
+        own.callback(to_front.close)
+        process = own.enter_context(contextlib.closing(ForeignProcess(handoff.engine_pid)))
         endpoint: AsyncEndpoint[FromEngine] = AsyncEndpoint(
             Endpoint(to_front, to_engine, front_bell, engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
         )
         ready, pending = await _handshake(endpoint, process, startup_timeout)
         yield EngineProcess(endpoint, process, ready, pending, [])
     finally:
-        process.close()
-        to_engine.close()
-        to_front.close()
-        mapping.close()
-        engine_bell.close()
-        front_bell.close()
+        own.close()
 
 
 async def _handshake(

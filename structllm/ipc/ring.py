@@ -75,6 +75,27 @@ class FrameArea:
         self._data.release()
         self._view.release()
 
+    _tail_addr: int  # the subclass's tail counter
+
+    def _check_fits(self, need: int) -> None:
+        """Raise ``FrameTooLarge`` if a frame of ``need`` bytes could never fit. Writers
+        call it only on their ring-looks-full path: such a frame always lands there."""
+        if need > self.capacity:
+            n = need - LEN_SIZE
+            raise FrameTooLarge(
+                f"frame of {n} bytes (+{LEN_SIZE} length) exceeds the ring capacity of {self.capacity} bytes"
+            )
+
+    def _publish(self, tail: int, payload: bytes | bytearray | memoryview) -> int:
+        """Copy one frame in at ``tail`` (the caller has checked the space), then publish
+        the new tail with a release store, so a reader that acquires it sees the bytes.
+        Returns the new tail."""
+        self._put(tail, _LEN.pack(len(payload)))
+        self._put(tail + LEN_SIZE, payload)
+        tail += LEN_SIZE + len(payload)
+        atomics.store_release(self._tail_addr, tail)
+        return tail
+
     def _put(self, pos: int, data: bytes | bytearray | memoryview) -> None:
         start = pos & self._mask
         n = len(data)
@@ -117,21 +138,14 @@ class Ring(FrameArea):
     def try_write(self, payload: bytes | bytearray | memoryview) -> bool:
         """Append one frame, or return False (writing nothing) if it does not fit now.
         Raises ``FrameTooLarge`` if it could never fit."""
-        n = len(payload)
-        need = LEN_SIZE + n
-        if need > self.capacity:
-            raise FrameTooLarge(
-                f"frame of {n} bytes (+{LEN_SIZE} length) exceeds the ring capacity of {self.capacity} bytes"
-            )
+        need = LEN_SIZE + len(payload)
         tail = self._tail
-        if tail + need - self._head > self.capacity:
+        if tail + need - self._head > self.capacity:  # taken by any frame larger than the ring
+            self._check_fits(need)
             self._head = atomics.load_acquire(self._head_addr)
             if tail + need - self._head > self.capacity:
                 return False
-        self._put(tail, _LEN.pack(n))
-        self._put(tail + LEN_SIZE, payload)
-        self._tail = tail + need
-        atomics.store_release(self._tail_addr, self._tail)
+        self._tail = self._publish(tail, payload)
         return True
 
     def free_bytes(self) -> int:

@@ -48,6 +48,7 @@ class TorchAttention:
     """The reference operations; what the engine uses on CPU."""
 
     name = "torch"
+    k_transposed = False  # K cache layout: [NB, BS, Hkv, D], or [NB, Hkv, D, BS] if True
 
     def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -65,7 +66,8 @@ class TorchAttention:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
         return reference.prefill_attention(
-            q, k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_list[nd:], scale, k, v
+            q, k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_list[nd:], scale, k, v,
+            k_transposed=self.k_transposed,
         )
 
 
@@ -73,9 +75,11 @@ class CpuAttention(TorchAttention):
     """Decode through the C++ kernel (``cpu_attention.cpp``: K/V read in place, on torch's
     thread pool). Its K cache is block-transposed, ``[NB, Hkv, D, BS]``, so that a
     block's scores are plain vector FMAs; V keeps the reference layout. Stores and
-    prefill are the reference operations adapted to that layout. CPU, float32."""
+    prefill (inherited, ``k_transposed``) are the reference operations adapted to that
+    layout. CPU, float32."""
 
     name = "cpu"
+    k_transposed = True
 
     def __init__(self, module: Any) -> None:
         self._decode = module.paged_decode
@@ -99,14 +103,6 @@ class CpuAttention(TorchAttention):
         self._decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return out
 
-    def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
-    ) -> Tensor:
-        nd = meta.num_decodes
-        starts = [s - nd for s in meta.query_start_list[nd:]]
-        return reference.prefill_attention(
-            q, k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_list[nd:], scale, k, v, k_transposed=True
-        )
 
 
 def attention(

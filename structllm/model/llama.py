@@ -158,10 +158,15 @@ class LlamaModel(nn.Module):
         self._packed_head: Tensor | None = None
 
     def rope_table(self, max_positions: int) -> Tensor:
-        """``[max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``."""
+        """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``.
+
+        Called every step with the longest context, which grows by one per decode step:
+        the table grows geometrically so that it is rebuilt O(log n) times, not per step
+        (each row depends only on its position, so the size does not change values)."""
         if self._rope_cache is None or self._rope_cache.shape[0] < max_positions:
+            size = max(max_positions, 2 * (0 if self._rope_cache is None else self._rope_cache.shape[0]), 256)
             inv = rope_inv_freq(self.cfg)
-            angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv)
+            angles = torch.outer(torch.arange(size, dtype=torch.float64), inv)
             table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
             self._rope_cache = table.to(self.embed_tokens.device)
         return self._rope_cache

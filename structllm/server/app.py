@@ -76,8 +76,10 @@ class Choice:
     detok: Detokenizer
     start: float
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # kept for non-streamed responses
+    pieces: list[str] = field(default_factory=list)  # kept for non-streamed responses
+    streamed_chars: int = 0  # text sent so far in a stream (echoed prompt included)
+    echoed: bool = False  # the prompt has gone out (streamed completions with echo)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached: int = 0
@@ -545,9 +547,10 @@ class Writer:
                     live.remove(c)
                     self.app.metrics.finished(c.finish_reason, c.prompt_len, len(c.tokens) + len(new_tokens), now - c.start)
                 c.tokens += new_tokens
-                c.logprobs += new_lps
-                c.pieces.append(text)
-                if self.stream and (text or c.finish_reason or new_lps):
+                if not self.stream:
+                    c.logprobs += new_lps
+                    c.pieces.append(text)
+                elif text or c.finish_reason or new_lps:
                     updates.append(self.stream_update(c, text, new_tokens, new_lps))
             if updates:
                 await self.sse(updates)
@@ -629,11 +632,15 @@ class Writer:
         if self.kind == "chat":
             lp = self.chat_logprobs(tokens, lps) if self.want_logprobs and lps else None
             return self.chunk_choice(c, {"content": text} if text else {}, None, lp)
-        if self.req.echo and len(c.pieces) == 1:
-            text = self.app.tokenizer.decode(self.prompts[c.index // self.n]) + text
-        offset = sum(len(p) for p in c.pieces[:-1])
+        # the first chunk sent carries the prompt (the first delta may have been held
+        # back whole by the detokenizer, so it is not "the first delta")
+        prefix = ""
+        if self.req.echo and not c.echoed:
+            prefix, c.echoed = self.app.tokenizer.decode(self.prompts[c.index // self.n]), True
+        offset = c.streamed_chars + len(prefix)
+        c.streamed_chars = offset + len(text)
         lp = self.text_logprobs(tokens, lps, offset) if self.want_logprobs and lps else None
-        return self.chunk_choice(c, None, text, lp)
+        return self.chunk_choice(c, None, prefix + text, lp)
 
     # -- transport -------------------------------------------------------------------
 
@@ -663,9 +670,10 @@ class Writer:
     async def fail(self, err: oa.APIError) -> None:
         if not self.started:
             raise err
-        # Headers are out: report in the stream, then end it.
-        await self.send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(err.body()) + b"\n\n", "more_body": True})
-        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        # Headers are out: report in the stream, then end it (through write, so the
+        # watchdog also covers a client that stopped reading)
+        await self.write({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(err.body()) + b"\n\n", "more_body": True})
+        await self.write({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:

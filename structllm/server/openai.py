@@ -206,11 +206,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[s
     return out
 
 
-def error_status_type(status: int) -> str:
-    return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable"}.get(status, "invalid_request_error")
-
-
 
 def openapi_document(version: str) -> dict[str, Any]:
     """OpenAPI 3.1 description of the server (request bodies from the Structs above)."""

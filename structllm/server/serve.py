@@ -140,17 +140,18 @@ def run(opts: ServerOptions) -> int:
         # counters of all front ends, one slot each, summed by whoever answers /metrics
         metrics_mem, metrics_fd = shm.create(opts.api_server_count * SLOT_SIZE * 8)
         table = memoryview(metrics_mem).cast("d")
-    app = make_app(opts, table, 0)
     result: dict[str, int] = {"code": 0}
     try:
+        app = make_app(opts, table, 0)
         anyio.run(_serve, opts, app, sock, result, t0, metrics_fd, backend=opts.backend)
     except KeyboardInterrupt:
         result["code"] = 130
     finally:
         sock.close()
         if metrics_mem is not None:
-            app.metrics.table = None
-            del table
+            assert table is not None
+            table.release()  # the one view the metrics hold; then the mapping can close
+            metrics_mem.close()
             os.close(metrics_fd)
     return result["code"]
 
@@ -216,17 +217,18 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
                 tg.cancel_scope.cancel()
 
             tg.start_soon(dispatcher)
-            workers = [_spawn_worker(opts, sock, metrics_fd, h) for h in engine.handoffs]
-            for w in workers:
-                tg.start_soon(_supervise_worker, w, stop, tg.cancel_scope, client)
-            app.settings.max_model_len = engine.ready.max_model_len
-            app.client = client
-            host, port = sock.getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
-            say(f"serving {app.settings.served_model_name} at http://{shown}:{port}/v1 "
-                f"(ready in {time.monotonic() - t0:.1f}s; max_model_len {engine.ready.max_model_len}, "
-                f"{engine.ready.num_kv_blocks} KV blocks of {engine.ready.block_size})")
+            workers: list[ChildProcess] = []  # each owned (stopped, reaped) from its spawn on
             try:
+                for h in engine.handoffs:
+                    workers.append(_spawn_worker(opts, sock, metrics_fd, h))
+                    tg.start_soon(_supervise_worker, workers[-1], stop, tg.cancel_scope, client)
+                app.settings.max_model_len = engine.ready.max_model_len
+                app.client = client
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                say(f"serving {app.settings.served_model_name} at http://{shown}:{port}/v1 "
+                    f"(ready in {time.monotonic() - t0:.1f}s; max_model_len {engine.ready.max_model_len}, "
+                    f"{engine.ready.num_kv_blocks} KV blocks of {engine.ready.block_size})")
                 await stop.wait()
                 # Let the HTTP sides drain (in-flight requests still need the engine), then stop.
                 for w in workers:
