@@ -222,8 +222,7 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
                 for h in engine.handoffs:
                     workers.append(_spawn_worker(opts, sock, metrics_fd, h))
                     tg.start_soon(_supervise_worker, workers[-1], stop, tg.cancel_scope, client)
-                app.settings.max_model_len = engine.ready.max_model_len
-                app.client = client
+                app.attach(client)
                 host, port = sock.getsockname()[:2]
                 shown = f"[{host}]" if ":" in host else host
                 say(f"serving {app.settings.served_model_name} at http://{shown}:{port}/v1 "
@@ -265,7 +264,7 @@ async def _supervise_worker(worker: ChildProcess, stop: anyio.Event, scope: anyi
     code = await worker.wait()
     if not stop.is_set():
         say(f"error: front-end process {worker.pid} exited (code {code})")
-        client._die(EngineDeadError(f"front-end process {worker.pid} exited"))
+        client.fail(EngineDeadError(f"front-end process {worker.pid} exited"))
         scope.cancel()
 
 
@@ -298,8 +297,7 @@ def run_worker(spec: WorkerSpec) -> int:
                         stop.set()
 
                 etg.start_soon(dispatcher)
-                app.settings.max_model_len = engine.ready.max_model_len
-                app.client = client
+                app.attach(client)
                 # Accept only once ready: until then the main process takes every connection.
                 tg.start_soon(_http, opts, app, sock, stop, http_done)
                 await stop.wait()
