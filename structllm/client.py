@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from structllm.ipc.process import EngineProcess
+from structllm.launch import EngineProcess
 from structllm.protocol import (
     Abort,
     AddRequest,

@@ -159,12 +159,12 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_steps: int = 0  # model steps run
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     outputs: list[TokenDelta]
     stats: EngineStats
-    timestamp: float = 0.0
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -249,7 +249,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     where the process group's store listens, and where the broadcast ring and doorbells
     are (inherited file descriptors). ``config`` is an ``EngineConfig`` as a plain dict.
     ``die_with_parent``: whether to set ``PR_SET_PDEATHSIG`` (only when the spawning
-    thread is the main thread, since the signal follows the thread, see ``ipc.process``)."""
+    thread is the main thread, since the signal follows the thread, see ``ipc.spawn``)."""
 
     protocol_version: int
     config: dict[str, object]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -24,7 +23,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler
-from structllm.engine.workers import WorkerPool, ring_capacity_for
+from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.attention import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
@@ -162,6 +161,7 @@ class EngineCore:
             self.close()
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
+        self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
 
     def _start(self, plan: ShardPlan | None) -> None:
         group = self._load(plan)
@@ -305,8 +305,9 @@ class EngineCore:
                 if self.workers is not None:
                     self._abandon_step(self.workers, e)
                 raise
+            self.num_steps += 1
             deltas += self.scheduler.update(sched, sampled, logprobs)
-        return OutputBatch(deltas, self.stats(), time.time())
+        return OutputBatch(deltas, self.stats())
 
     @staticmethod
     def _abandon_step(workers: WorkerPool, error: BaseException) -> None:
@@ -331,4 +332,5 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens,
+            num_steps=self.num_steps,
         )

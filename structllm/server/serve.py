@@ -31,15 +31,11 @@ import msgspec
 from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
 from structllm.ipc import shm
+from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
-from structllm.ipc.process import (
-    ChannelHandoff,
-    ChildProcess,
-    EngineStartError,
-    attach_engine,
-    open_engine,
-)
-from structllm.model.loader import prepare_model
+from structllm.ipc.spawn import spawn
+from structllm.launch import ChannelHandoff, EngineStartError, attach_engine, open_engine
+from structllm.model.loader import ModelFiles, prepare_model
 from structllm.server.app import App, Settings
 from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
@@ -95,8 +91,31 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int
 
 
-def make_app(opts: ServerOptions, metrics_table: Any = None, slot: int = 0) -> App:
-    files = prepare_model(opts.engine.model)
+_PREPARE = """
+import sys
+from structllm.model.loader import ModelFiles, prepare_model
+try:
+    prepare_model(sys.argv[1] or None)
+except (ValueError, FileNotFoundError) as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def front_end_files(model: str | None) -> ModelFiles:
+    """The model's files, for a process that must never import torch or transformers
+    (they would stay resident for its whole life): a short-lived child converts what a
+    cold cache lacks (GGUF weights, a tokenizer without ``tokenizer.json``), then the
+    lookup here finds everything cached. Raises ``ValueError`` with the child's message
+    if the model cannot be prepared."""
+    child = subprocess.run([sys.executable, "-c", _PREPARE, model or ""], stdout=subprocess.PIPE, text=True,
+                           stdin=subprocess.DEVNULL)
+    if child.returncode != 0:
+        raise ValueError(child.stdout.strip() or f"preparing the model failed (exit code {child.returncode})")
+    return prepare_model(model)
+
+
+def make_app(opts: ServerOptions, files: ModelFiles, metrics_table: Any = None, slot: int = 0) -> App:
     tokenizer = Tokenizer.from_files(files)
     name = opts.served_model_name or files.name
     settings = Settings(
@@ -142,7 +161,7 @@ def run(opts: ServerOptions) -> int:
         table = memoryview(metrics_mem).cast("d")
     result: dict[str, int] = {"code": 0}
     try:
-        app = make_app(opts, table, 0)
+        app = make_app(opts, front_end_files(opts.engine.model), table, 0)
         anyio.run(_serve, opts, app, sock, result, t0, metrics_fd, backend=opts.backend)
     except KeyboardInterrupt:
         result["code"] = 130
@@ -231,7 +250,7 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
                 await stop.wait()
                 # Let the HTTP sides drain (in-flight requests still need the engine), then stop.
                 for w in workers:
-                    w.popen.send_signal(signal.SIGTERM)
+                    w.terminate()
                 with anyio.move_on_after(opts.shutdown_timeout + 2):
                     await http_done.wait()
                     for w in workers:
@@ -249,13 +268,7 @@ async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: a
 
 def _spawn_worker(opts: ServerOptions, sock: socket.socket, metrics_fd: int, handoff: ChannelHandoff) -> ChildProcess:
     spec = WorkerSpec(opts, sock.fileno(), metrics_fd, opts.api_server_count * SLOT_SIZE * 8, handoff, os.getpid())
-    return ChildProcess(
-        subprocess.Popen(
-            [sys.executable, "-m", "structllm.server.worker", msgspec.json.encode(spec).decode()],
-            pass_fds=(sock.fileno(), metrics_fd, *handoff.fds),
-            stdin=subprocess.DEVNULL,
-        )
-    )
+    return ChildProcess(spawn("structllm.server.api_server", spec, (sock.fileno(), metrics_fd, *handoff.fds)))
 
 
 async def _supervise_worker(worker: ChildProcess, stop: anyio.Event, scope: anyio.CancelScope, client: EngineClient) -> None:
@@ -279,7 +292,8 @@ def run_worker(spec: WorkerSpec) -> int:
     mapping = shm.attach(spec.metrics_fd, spec.metrics_size)
     os.close(spec.metrics_fd)
     table = memoryview(mapping).cast("d")
-    app = make_app(opts, table, spec.handoff.index)
+    # the main process prepared the files before it started the engine: all cached now
+    app = make_app(opts, prepare_model(opts.engine.model), table, spec.handoff.index)
     code = {"code": 0}
 
     async def main() -> None:
