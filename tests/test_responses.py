@@ -196,10 +196,11 @@ def test_bad_prompt_shapes_are_400(tokenizer: Tokenizer, prompt: Any) -> None:
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_app_tokenizes_off_the_event_loop_thread(tokenizer: Tokenizer, backend: str) -> None:
-    from structllm.server.app import App, Settings
+    from structllm.server.app import App
+    from structllm.server.config import ServerConfig
 
     tok = CountingTokenizer(tokenizer)
-    app = App(Settings(served_model_name="m"), tok)
+    app = App(ServerConfig(), "m", tok)
 
     async def main() -> int:
         await app.in_worker(app.pre.completion, CompletionRequest(prompt="hello"))

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -27,6 +26,7 @@ from structllm.client import EngineClient
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats
 from structllm.server import requests as rq
+from structllm.server.config import ServerConfig
 from structllm.server.errors import APIError, ClientGone
 from structllm.server.generation import Admission, Generation, Transport
 from structllm.server.metrics import Metrics
@@ -47,33 +47,20 @@ R = TypeVar("R")
 TOKENIZER_THREADS = 2  # concurrent chat-template renders and tokenizations per process
 
 
-@dataclass
-class Settings:
-    """Front-end limits. Requests waiting for their first token count as queued: past
-    ``max_queued_requests`` or ``max_queued_tokens`` (prompt tokens) new generation
-    requests get 503 with ``Retry-After`` at once. ``write_timeout``: a client that does
-    not take a chunk for that long has its engine requests aborted."""
-
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 16 << 20
-    body_timeout: float = 30.0
-    max_queued_requests: int = 512
-    max_queued_tokens: int = 1 << 20
-    write_timeout: float = 60.0
-    allowed_origins: tuple[str, ...] = ()
-
-
 class App:
-    def __init__(self, settings: Settings, tokenizer: Tokenizer, metrics: Metrics | None = None) -> None:
-        self.settings = settings
+    """The ASGI application of one front-end process, serving ``model_name``."""
+
+    def __init__(self, config: ServerConfig, model_name: str, tokenizer: Tokenizer,
+                 metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.model_name = model_name
         self.tokenizer = tokenizer
         self.client: EngineClient | None = None
-        self.metrics = metrics or Metrics(settings.served_model_name)
+        self.metrics = metrics or Metrics(model_name)
         self.inflight = 0  # HTTP requests being handled
         self._drained: anyio.Event | None = None
         self._idle = anyio.Event()
-        self.admission = Admission(settings.max_queued_requests, settings.max_queued_tokens)
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         self.pre = Preprocessor(tokenizer, None, tokenizer.vocab_size)  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self.created = int(time.time())
@@ -159,7 +146,7 @@ class App:
 
     def cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]] | None:
         """CORS is off unless origins were allowed (``--allowed-origins``)."""
-        origins = self.settings.allowed_origins
+        origins = self.config.allowed_origins
         if not origins:
             return None
         origin = dict(scope["headers"]).get(b"origin")
@@ -173,7 +160,7 @@ class App:
         ]
 
     def authorize(self, scope: Scope) -> None:
-        key = self.settings.api_key
+        key = self.config.api_key
         if key is None:
             return
         auth = dict(scope["headers"]).get(b"authorization", b"")
@@ -207,7 +194,7 @@ class App:
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         card = {
-            "id": self.settings.served_model_name,
+            "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "structllm",
@@ -247,7 +234,7 @@ class App:
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size)
         seqs = fan_out([ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"))
-        builder = ChatBuilder(seqs, self.tokenizer, model=self.settings.served_model_name, stream=req.stream,
+        builder = ChatBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
         await self.generate(receive, send, client, seqs, builder)
 
@@ -267,7 +254,7 @@ class App:
                                        client.ready.max_model_len)
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size)
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
-        builder = TextBuilder(seqs, self.tokenizer, model=self.settings.served_model_name, stream=req.stream,
+        builder = TextBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
                               echo=req.echo)
         await self.generate(receive, send, client, seqs, builder)
@@ -276,7 +263,7 @@ class App:
                        builder: ResponseBuilder) -> None:
         with self.admission.admit([len(s.prompt_ids) for s in seqs]) as ticket:
             generation = Generation(client, seqs, builder, self.metrics)
-            await generation.run(receive, Transport(send), ticket, self.settings.write_timeout)
+            await generation.run(receive, Transport(send), ticket, self.config.write_timeout)
 
     # -- request preparation -----------------------------------------------------------
 
@@ -289,10 +276,10 @@ class App:
     async def read_body(self, receive: Receive) -> bytes:
         """The whole body, within ``max_body_bytes`` (else 413) and ``body_timeout``
         (else 408: a client that sends slowly does not hold a request forever)."""
-        with anyio.move_on_after(self.settings.body_timeout) as scope:
+        with anyio.move_on_after(self.config.body_timeout) as scope:
             return await self._read_body(receive)
         assert scope.cancelled_caught
-        raise APIError(408, f"the request body did not arrive within {self.settings.body_timeout:.0f}s")
+        raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:.0f}s")
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -303,16 +290,16 @@ class App:
                 raise ClientGone
             chunk = msg.get("body", b"")
             size += len(chunk)
-            if size > self.settings.max_body_bytes:
-                raise APIError(413, f"request body exceeds {self.settings.max_body_bytes} bytes")
+            if size > self.config.max_body_bytes:
+                raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes")
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(chunks)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
+        if model is not None and model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                           f"`{self.settings.served_model_name}`", param="model", code="model_not_found")
+                           f"`{self.model_name}`", param="model", code="model_not_found")
 
 
 async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
