@@ -208,3 +208,31 @@ def test_app_tokenizes_off_the_event_loop_thread(tokenizer: Tokenizer, backend: 
 
     loop_thread = anyio.run(main, backend=backend)
     assert tok.threads and loop_thread not in tok.threads
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ],
+)
+def test_chat_fields_that_cannot_be_honoured_are_400(body: dict[str, Any], param: str) -> None:
+    import msgspec
+
+    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest)
+    with pytest.raises(APIError) as e:
+        sampling_params(req, 5, 100)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_completion_fields_that_cannot_be_honoured_are_400() -> None:
+    for body, param in (({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")):
+        with pytest.raises(APIError) as e:
+            sampling_params(CompletionRequest(prompt="x", **body), 5, 100)  # type: ignore[arg-type]
+        assert e.value.param == param
+    assert sampling_params(CompletionRequest(prompt="x", best_of=1), 5, 100).n == 1  # best_of == n is fine

@@ -117,6 +117,8 @@ class App:
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"].rstrip("/") or "/"
         handler = self.routes.get((scope["method"], path))
+        if handler is None and scope["method"] == "GET" and path.startswith("/v1/models/"):
+            handler = self.model  # GET /v1/models/{model}: the id may itself hold slashes
         cors = self.cors_headers(scope)
         if cors is not None:
             send = _with_headers(send, cors)
@@ -192,15 +194,24 @@ class App:
     async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"version": __version__})
 
-    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        card = {
+    def model_card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "structllm",
             "max_model_len": self.pre.max_model_len or 0,
         }
-        await send_json(send, 200, {"object": "list", "data": [card]})
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"object": "list", "data": [self.model_card()]})
+
+    async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        name = scope["path"].rstrip("/").removeprefix("/v1/models/")
+        if name != self.model_name:
+            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+        await send_json(send, 200, self.model_card())
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
@@ -242,8 +253,6 @@ class App:
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
         self.check_model(req.model)
         client = self.engine()
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         prompts = await self.in_worker(self.pre.completion, req)

@@ -39,6 +39,9 @@ def openapi_document(version: str) -> dict[str, Any]:
         }}
     for path in ("/v1/models", "/health", "/version"):
         paths[path] = {"get": {"responses": {"200": ok, "503": error}}}
+    paths["/v1/models/{model}"] = {"get": {
+        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {"200": ok, "404": error}}}
     paths["/metrics"] = {"get": {"responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {}}}}}}
     return {
         "openapi": "3.1.0",

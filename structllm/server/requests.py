@@ -70,6 +70,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI fields this server cannot honour: a 400 when set (see ``check_supported``)
+    # rather than silently ignored.
+    store: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -78,6 +81,13 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -87,6 +97,7 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,9 +183,33 @@ def max_tokens_for(prompt_lens: list[int], requested: int | None, param: str, ma
     return requested
 
 
+def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """400 naming the first field the client set that this server cannot honour."""
+
+    def unsupported(param: str, what: str) -> APIError:
+        return APIError(400, f"{param} is not supported by this server ({what})", param=param)
+
+    if req.store:
+        raise unsupported("store", "completions are not stored")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise unsupported("suffix", "no fill-in-the-middle")
+        if req.best_of is not None and req.best_of != req.n:
+            raise unsupported("best_of", "use n; every completion is returned")
+        return
+    for name, what in (("audio", "text only"), ("prediction", "no predicted outputs"),
+                       ("web_search_options", "no web search"), ("functions", "use tools"),
+                       ("function_call", "use tool_choice"), ("reasoning_effort", "not a reasoning model")):
+        if getattr(req, name) is not None:
+            raise unsupported(name, what)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise unsupported("modalities", "text only")
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int) -> SamplingParams:
     """The request's ``SamplingParams`` (with its ``n``). A rule it breaks is a 400
     naming the request's own field."""
+    check_supported(req)
     check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
     renamed = {"max_tokens": requested_max_tokens(req)[1]}
     if isinstance(req, ChatCompletionRequest):
