@@ -34,13 +34,18 @@ class CompletionOutput(msgspec.Struct):
 class RequestOutput(msgspec.Struct):
     """One prompt's result. ``num_cached_tokens`` counts prompt tokens served from the
     prefix cache. ``text``, ``token_ids``, ``finish_reason`` and ``logprobs`` are those of
-    the first (with ``n == 1``, the only) completion."""
+    the first (with ``n == 1``, the only) completion.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one entry per prompt
+    token, aligned with ``prompt_token_ids``: ``None`` for the first, then the token's
+    logprob given those before it and the top alternatives there."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     num_cached_tokens: int
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -113,12 +118,16 @@ class LLM:
         live: dict[str, _Sequence] = {}
         for p, ids, sp in zip(items, encoded, params, strict=True):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
+            if sp.prompt_logprobs is not None:
+                res.prompt_logprobs = [None]
             results.append(res)
             for j in range(sp.n):
                 seq_sp = sp
                 if sp.n > 1:
                     seed = None if sp.seed is None else sp.seed + j
-                    seq_sp = msgspec.structs.replace(sp, n=1, seed=seed)
+                    # the prompt is scored once, by the first sequence
+                    plp = sp.prompt_logprobs if j == 0 else None
+                    seq_sp = msgspec.structs.replace(sp, n=1, seed=seed, prompt_logprobs=plp)
                 rid = f"{res.request_id}-{j}"
                 out = CompletionOutput(j, "", [], None, logprobs=[] if sp.logprobs is not None else None)
                 res.outputs.append(out)
@@ -134,6 +143,8 @@ class LLM:
                     if delta.error is not None:
                         raise RuntimeError(f"engine refused request: {delta.error}")
                     seq.owner.num_cached_tokens = delta.num_cached_tokens
+                    if delta.prompt_logprobs and seq.owner.prompt_logprobs is not None:
+                        seq.owner.prompt_logprobs += delta.prompt_logprobs
                     seq.out.token_ids += delta.new_token_ids
                     if delta.logprobs and seq.out.logprobs is not None:
                         seq.out.logprobs += delta.logprobs

@@ -249,18 +249,29 @@ class EngineCore:
     # -- inputs ----------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        """Raise ``ValueError`` if this request can never run here."""
+        """Raise ``ValueError`` if this request can never run here. Every token id a
+        request names (prompt, ``logit_bias`` keys) is checked against the vocabulary
+        here, the one place that knows its size."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; it needs at least one token")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
+        self._check_ids("prompt token id", prompt_token_ids)
+        self._check_ids("SamplingParams.logit_bias token id", sampling.logit_bias or ())
+        if sampling.max_tokens == 0:  # prompt only: nothing is generated
+            if n > self.max_model_len:
+                raise ValueError(
+                    f"the prompt is {n} tokens, but max_model_len is {self.max_model_len}"
+                )
+        elif n >= self.max_model_len:
             raise ValueError(
                 f"the prompt is {n} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
+
+    def _check_ids(self, what: str, ids: Iterable[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in
@@ -268,7 +279,8 @@ class EngineCore:
         try:
             self.check_request(msg.prompt_token_ids, msg.sampling)
             room = self.max_model_len - len(msg.prompt_token_ids)
-            max_tokens = min(msg.sampling.max_tokens or room, room)
+            want = msg.sampling.max_tokens
+            max_tokens = room if want is None else min(want, room)
             req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
             self.scheduler.add_request(req)
         except ValueError as e:
@@ -300,12 +312,12 @@ class EngineCore:
         deltas, self._pending = self._pending, []
         if sched.scheduled:
             try:
-                sampled, logprobs = self.runner.execute(sched)
+                sampled, logprobs, prompt_logprobs = self.runner.execute(sched)
             except BaseException as e:
                 if self.workers is not None:
                     self._abandon_step(self.workers, e)
                 raise
-            deltas += self.scheduler.update(sched, sampled, logprobs)
+            deltas += self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
         return OutputBatch(deltas, self.stats(), time.time())
 
     @staticmethod
