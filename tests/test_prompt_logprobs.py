@@ -238,3 +238,59 @@ def test_right_continuation_scores_higher(llm: LLM) -> None:
             e.logprob for e in out.prompt_logprobs[len(context) :] if e is not None
         )
     assert scores[" Paris"] > scores[" Banana"]
+
+
+# -- a tiny random model: logit slices, tensor parallelism ------------------------------
+
+TINY_PROMPTS = [list(range(100, 400)), [7, 8, 9, 10, 11], list(range(500, 900, 7)), [3]]
+SCORE = SamplingParams(prompt_logprobs=3, temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def assert_same_scores(a: list[Any], b: list[Any], atol: float) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert len(x.prompt_logprobs) == len(y.prompt_logprobs)
+        for e, f in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True):
+            assert abs(e.logprob - f.logprob) < atol
+            assert torch.allclose(
+                torch.tensor(e.top_logprobs), torch.tensor(f.top_logprobs), atol=atol
+            )
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_files):  # type: ignore[no-untyped-def]
+    from tests.conftest import make_tiny_hf_dir
+
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("scoring"), default_files)
+
+
+def test_tiny_model_logit_slices_and_transformers(
+    tiny_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 300-token prompt scored in one step spans two logit slices; slices of 3 rows
+    split the sampling rows from the scored ones mid-slice. All agree with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_dir), kv_cache_memory=8 << 20, dtype="float32")
+    whole = llm.generate(TINY_PROMPTS, SCORE)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    for out, prompt in zip(whole, TINY_PROMPTS, strict=True):
+        ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
+        got = [e.logprob for e in out.prompt_logprobs[1:]]
+        want = [ref[k, prompt[k + 1]].item() for k in range(len(prompt) - 1)]
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)
+    import structllm.engine.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "LOGIT_SLICE", 3)
+    llm.engine.kv.reset_prefix_cache()
+    assert_same_scores(whole, llm.generate(TINY_PROMPTS, SCORE), atol=1e-5)
+
+
+def test_tiny_model_tp_scores_like_one_process(tiny_dir: Any) -> None:
+    kw: dict[str, Any] = dict(kv_cache_memory=8 << 20, dtype="float32")
+    ref = LLM(str(tiny_dir), **kw).generate(TINY_PROMPTS, SCORE)
+    with LLM(str(tiny_dir), tensor_parallel_size=2, **kw) as tp:
+        assert_same_scores(ref, tp.generate(TINY_PROMPTS, SCORE), atol=1e-4)
+        with engine_limits(tp, budget=48):  # chunked: scores sent over several steps
+            tp.engine.kv.reset_prefix_cache()
+            assert_same_scores(ref, tp.generate(TINY_PROMPTS, SCORE), atol=1e-4)
