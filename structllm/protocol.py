@@ -94,6 +94,20 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise bad("seed", "must fit in 64 bits")
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the field if a token id it names (``stop_token_ids``,
+        ``logit_bias`` keys) lies outside ``[0, vocab_size)``: the checks that need the
+        model. The engine applies them to every request; a front end may call this early
+        to answer 400 (the message starts with ``SamplingParams.<field>``)."""
+        named = (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()))
+        for name, ids in named:
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"SamplingParams.{name} contains token id {bad}, "
+                    f"outside the vocabulary [0, {vocab_size})"
+                )
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -241,7 +255,9 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     without a copy); the short per-sequence lists as msgpack integers.
 
     ``logit_rows`` are the rows whose logits are computed (and gathered to rank 0) after
-    the forward pass; empty when no sequence samples in this step.
+    the forward pass, ``LOGIT_SLICE`` rows at a time (see ``engine.runner``): one per
+    sampling sequence, then one per prompt position scored for ``prompt_logprobs``;
+    empty when no sequence samples or scores in this step.
     """
 
     input_ids: bytearray  # int64 [T]

@@ -29,6 +29,14 @@ def test_bad_bias_is_refused_naming_the_field(bias: dict[int, float]) -> None:
         SamplingParams(logit_bias=bias)
 
 
+def test_check_vocab_names_the_field() -> None:
+    SamplingParams(logit_bias={31: 1.0}, stop_token_ids=[31]).check_vocab(32)
+    with pytest.raises(ValueError, match=r"^SamplingParams\.logit_bias contains token id 32"):
+        SamplingParams(logit_bias={32: 1.0}).check_vocab(32)
+    with pytest.raises(ValueError, match=r"^SamplingParams\.stop_token_ids contains token id 40"):
+        SamplingParams(stop_token_ids=[40]).check_vocab(32)
+
+
 def test_bias_bounds_are_accepted() -> None:
     assert SamplingParams(logit_bias={0: -100.0, 5: 100}).logit_bias == {0: -100.0, 5: 100}
 

@@ -249,14 +249,16 @@ class EngineCore:
     # -- inputs ----------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        """Raise ``ValueError`` if this request can never run here. Every token id a
-        request names (prompt, ``logit_bias`` keys) is checked against the vocabulary
-        here, the one place that knows its size."""
+        """Raise ``ValueError`` if this request can never run here: among others, a
+        token id it names (prompt, ``stop_token_ids``, ``logit_bias``) outside the
+        vocabulary."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; it needs at least one token")
-        self._check_ids("prompt token id", prompt_token_ids)
-        self._check_ids("SamplingParams.logit_bias token id", sampling.logit_bias or ())
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        sampling.check_vocab(self.vocab_size)
         if sampling.max_tokens == 0:  # prompt only: nothing is generated
             if n > self.max_model_len:
                 raise ValueError(
@@ -267,11 +269,6 @@ class EngineCore:
                 f"the prompt is {n} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
-
-    def _check_ids(self, what: str, ids: Iterable[int]) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in

@@ -96,7 +96,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.lookup(req)
-            if req.sampling.prompt_logprobs is not None:  # only positions already scored
+            if req.wants_prompt_logprobs:  # hits only over positions already scored
                 hits = hits[: req.num_prompt_logprobs // self.kv.block_size]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
