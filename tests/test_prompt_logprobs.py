@@ -294,3 +294,21 @@ def test_tiny_model_tp_scores_like_one_process(tiny_dir: Any) -> None:
         with engine_limits(tp, budget=48):  # chunked: scores sent over several steps
             tp.engine.kv.reset_prefix_cache()
             assert_same_scores(ref, tp.generate(TINY_PROMPTS, SCORE), atol=1e-4)
+
+
+def test_engine_core_max_tokens_zero_fits_a_prompt_of_max_model_len() -> None:
+    """A prompt-only request needs no room for a generated token; others do."""
+    from structllm.config import EngineConfig
+    from structllm.engine.core import EngineCore
+    from structllm.protocol import AddRequest
+
+    core = EngineCore(EngineConfig(null_model=True, kv_cache_memory=64 << 20, max_model_len=32))
+    prompt = list(range(300, 332))
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.check_request(prompt, SamplingParams(max_tokens=1))
+    core.add_request(AddRequest("a", prompt, SamplingParams(max_tokens=0, prompt_logprobs=1)))
+    deltas: list[TokenDelta] = []
+    while core.has_work:
+        deltas += core.step().outputs
+    assert [d.finish_reason for d in deltas][-1] == "length"
+    assert not any(d.new_token_ids for d in deltas) and len(scored(deltas)) == 31
