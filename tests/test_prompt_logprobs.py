@@ -312,3 +312,13 @@ def test_engine_core_max_tokens_zero_fits_a_prompt_of_max_model_len() -> None:
         deltas += core.step().outputs
     assert [d.finish_reason for d in deltas][-1] == "length"
     assert not any(d.new_token_ids for d in deltas) and len(scored(deltas)) == 31
+
+
+def test_offline_n_2_scores_the_prompt_once() -> None:
+    """With ``n > 1`` the first sequence scores the prompt; the list is not doubled."""
+    llm = LLM(null_model=True, kv_cache_memory=16 << 20, max_num_batched_tokens=8)
+    prompt = list(range(300, 320))
+    out = llm.generate([prompt], SamplingParams(n=2, prompt_logprobs=2, max_tokens=3))[0]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert [e.top_ids[0] for e in out.prompt_logprobs[1:] if e is not None] == prompt[1:]
+    assert [len(o.token_ids) for o in out.outputs] == [3, 3]
