@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/serve.py --launch --compare-offline
 	$(PY) bench/ipc_latency.py
 	$(PY) bench/cpu_attention.py
+	$(PY) bench/scoring.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

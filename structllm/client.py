@@ -56,6 +56,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Wakeup:
@@ -86,11 +87,13 @@ class RequestStream:
         self.finished = False
 
     def put(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish: FinishReason | None,
-            stop_reason: int | None, num_cached: int) -> None:
+            stop_reason: int | None, num_cached: int, prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
         d = self._pending
         d.token_ids += token_ids
         if logprobs:
             d.logprobs += logprobs
+        if prompt_logprobs:
+            d.prompt_logprobs += prompt_logprobs
         d.num_cached_tokens = num_cached
         if finish is not None:
             d.finish_reason, d.stop_reason = finish, stop_reason
@@ -182,7 +185,8 @@ class EngineClient:
                     del self._streams[d.request_id]
                     stream.fail(EngineRequestError(d.error or "the engine refused the request"))
                     continue
-                stream.put(d.new_token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens)
+                stream.put(d.new_token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens,
+                           d.prompt_logprobs)
                 if d.finish_reason is not None:
                     del self._streams[d.request_id]
             if self._stats_waiters:

@@ -35,13 +35,18 @@ class CompletionOutput(msgspec.Struct):
 class RequestOutput(msgspec.Struct):
     """One prompt's result. ``num_cached_tokens`` counts prompt tokens served from the
     prefix cache. ``text``, ``token_ids``, ``finish_reason`` and ``logprobs`` are those of
-    the first (with ``n == 1``, the only) completion."""
+    the first (with ``n == 1``, the only) completion.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): one entry per prompt
+    token, aligned with ``prompt_token_ids``: ``None`` for the first, then the token's
+    logprob given those before it and the top alternatives there."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     num_cached_tokens: int
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def text(self) -> str:
@@ -106,6 +111,8 @@ class LLM:
         live: dict[str, tuple[SequenceState, RequestOutput]] = {}
         for p, ids, sp in zip(items, encoded, params, strict=True):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
+            if sp.prompt_logprobs is not None:
+                res.prompt_logprobs = [None]
             results.append(res)
             name = res.request_id
             for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}"):  # noqa: B023
@@ -121,8 +128,10 @@ class LLM:
                         raise RuntimeError(f"engine refused request: {delta.error}")
                     seq, res = live[delta.request_id]
                     update = seq.process(delta.new_token_ids, delta.logprobs, delta.finish_reason,
-                                         delta.stop_reason, delta.num_cached_tokens)
+                                         delta.stop_reason, delta.num_cached_tokens, delta.prompt_logprobs)
                     res.num_cached_tokens = seq.num_cached_tokens
+                    if res.prompt_logprobs is not None:
+                        res.prompt_logprobs += update.prompt_logprobs
                     out = res.outputs[seq.index]
                     out.text += update.text
                     out.token_ids += update.token_ids

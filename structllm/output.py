@@ -36,6 +36,7 @@ class SequenceUpdate:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     abort: bool = False
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1, 2, ...
 
 
 @dataclass
@@ -67,13 +68,15 @@ class SequenceState:
         finish_reason: str | None,
         stop_reason: int | None,
         num_cached_tokens: int,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> SequenceUpdate:
         """Apply one engine delta (or several merged) and say what changed."""
         assert self.finish_reason is None, f"{self.request_id} already finished"
         self.num_cached_tokens = num_cached_tokens
         self.token_ids += token_ids
         text, stopped = self.detok.add(token_ids)
-        update = SequenceUpdate(self.index, text, token_ids, list(logprobs or ()))
+        update = SequenceUpdate(self.index, text, token_ids, list(logprobs or ()),
+                                prompt_logprobs=list(prompt_logprobs or ()))
         if stopped:
             update.abort = finish_reason is None  # the engine has not ended it itself
             self.finish_reason, self.stop_reason = "stop", self.detok.stop_str
@@ -93,8 +96,9 @@ def fan_out(
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
-    reproducible); every engine request gets ``n = 1``. ``new_request_id(prompt_index,
-    j)`` names the engine requests."""
+    reproducible); every engine request gets ``n = 1``, and only the first of a prompt
+    scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
+    the engine requests."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -102,7 +106,8 @@ def fan_out(
             sp = sampling
             if n > 1:
                 seed = None if sampling.seed is None else sampling.seed + j
-                sp = msgspec.structs.replace(sampling, n=1, seed=seed)
+                scored = sampling.prompt_logprobs if j == 0 else None
+                sp = msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=scored)
             detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
             out.append(SequenceState(pi * n + j, pi, new_request_id(pi, j), ids, sp, detok))
     return out

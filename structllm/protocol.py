@@ -49,6 +49,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -70,20 +72,41 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise bad(name, f"must be in [-2, 2], got {v}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise bad("max_tokens", f"must be >= 0, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        for t, b in (self.logit_bias or {}).items():
+            if t < 0:
+                raise bad("logit_bias", f"keys must be non-negative token ids, got {t}")
+            if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise bad("logit_bias", f"values must be in [-100, 100], got {b} for token {t}")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative token ids")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**64):
             raise bad("seed", "must fit in 64 bits")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the field if a token id it names (``stop_token_ids``,
+        ``logit_bias`` keys) lies outside ``[0, vocab_size)``: the checks that need the
+        model. The engine applies them to every request; a front end may call this early
+        to answer 400 (the message starts with ``SamplingParams.<field>``)."""
+        named = (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()))
+        for name, ids in named:
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"SamplingParams.{name} contains token id {bad}, "
+                    f"outside the vocabulary [0, {vocab_size})"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -123,8 +146,8 @@ ToEngine = AddRequest | Abort | Shutdown | GetStats
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """Logprob of one sampled token and its ``top_ids``/``top_logprobs`` alternatives
-    (most likely first)."""
+    """Logprob of one sampled (or prompt) token and its ``top_ids``/``top_logprobs``
+    alternatives (most likely first)."""
 
     logprob: float
     top_ids: list[int]
@@ -137,6 +160,13 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     ``finish_reason`` is set on the request's last delta. ``stop_reason`` is the stop
     token id that ended it, if any. ``error`` explains ``finish_reason == "error"``
     (a request the engine refused, e.g. a prompt that can never fit).
+
+    ``prompt_logprobs`` (requests with ``SamplingParams.prompt_logprobs``): the scores
+    of the prompt positions this step's prefill chunk computed, in order. Concatenated
+    over a request's deltas they are exactly ``prompt_len - 1`` entries, entry ``k``
+    scoring prompt token ``k + 1`` (``logprob`` is that token's; the first prompt token
+    has no score), each sent once, even across preemption. A chunk that samples nothing
+    gets a delta of its own with no ``new_token_ids``.
     """
 
     request_id: str
@@ -146,6 +176,7 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_cached_tokens: int = 0
     stop_reason: int | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -224,7 +255,9 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     without a copy); the short per-sequence lists as msgpack integers.
 
     ``logit_rows`` are the rows whose logits are computed (and gathered to rank 0) after
-    the forward pass; empty when no sequence samples in this step.
+    the forward pass, ``LOGIT_SLICE`` rows at a time (see ``engine.runner``): one per
+    sampling sequence, then one per prompt position scored for ``prompt_logprobs``;
+    empty when no sequence samples or scores in this step.
     """
 
     input_ids: bytearray  # int64 [T]

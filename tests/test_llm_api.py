@@ -86,7 +86,7 @@ def test_wrong_prompt_types_raise_type_error(tiny: LLM) -> None:
     [
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"logprobs": 50}, "logprobs"),
         ({"presence_penalty": 3.0}, "presence_penalty"),

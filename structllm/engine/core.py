@@ -249,14 +249,22 @@ class EngineCore:
     # -- inputs ----------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        """Raise ``ValueError`` if this request can never run here."""
+        """Raise ``ValueError`` if this request can never run here: among others, a
+        token id it names (prompt, ``stop_token_ids``, ``logit_bias``) outside the
+        vocabulary."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; it needs at least one token")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
+        sampling.check_vocab(self.vocab_size)
+        if sampling.max_tokens == 0:  # prompt only: nothing is generated
+            if n > self.max_model_len:
+                raise ValueError(
+                    f"the prompt is {n} tokens, but max_model_len is {self.max_model_len}"
+                )
+        elif n >= self.max_model_len:
             raise ValueError(
                 f"the prompt is {n} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
@@ -268,7 +276,8 @@ class EngineCore:
         try:
             self.check_request(msg.prompt_token_ids, msg.sampling)
             room = self.max_model_len - len(msg.prompt_token_ids)
-            max_tokens = min(msg.sampling.max_tokens or room, room)
+            want = msg.sampling.max_tokens
+            max_tokens = room if want is None else min(want, room)
             req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
             self.scheduler.add_request(req)
         except ValueError as e:
@@ -300,13 +309,13 @@ class EngineCore:
         deltas, self._pending = self._pending, []
         if sched.scheduled:
             try:
-                sampled, logprobs = self.runner.execute(sched)
+                sampled, logprobs, prompt_logprobs = self.runner.execute(sched)
             except BaseException as e:
                 if self.workers is not None:
                     self._abandon_step(self.workers, e)
                 raise
             self.num_steps += 1
-            deltas += self.scheduler.update(sched, sampled, logprobs)
+            deltas += self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
         return OutputBatch(deltas, self.stats())
 
     @staticmethod

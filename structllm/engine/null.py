@@ -18,6 +18,10 @@ from structllm.protocol import TokenLogprobs
 LOW, SPAN = 300, 4000
 
 
+def _null_alternatives(token: int, k: int) -> list[int]:
+    return [token, *(LOW + (token + i) % SPAN for i in range(1, k))][:k]
+
+
 class NullRunner:
     def __init__(self, step_time: float = 0.0) -> None:
         self.step_time = step_time
@@ -29,11 +33,24 @@ class NullRunner:
         b = token_ids[-2] if len(token_ids) > 1 else 7
         return LOW + (a * 2654435761 + b * 40503 + len(token_ids) * 97) % SPAN
 
-    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+    def execute(
+        self, sched: SchedulerOutput
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
+        """As ``ModelRunner.execute``; prompt logprobs are ``-1.0`` per token, with the
+        scored token and then ``NullRunner``-style ids as alternatives."""
         if self.step_time:
             time.sleep(self.step_time)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        prompt_lps: dict[str, list[TokenLogprobs]] = {}
+        for req, n in sched.scheduled:
+            first, count = req.prompt_logprob_span(n)
+            top = req.sampling.prompt_logprobs or 0
+            if count:
+                prompt_lps[req.request_id] = [
+                    TokenLogprobs(-1.0, _null_alternatives(t, top), [-1.0] * top)
+                    for t in req.token_ids[first + 1 : first + 1 + count]
+                ]
         for req in sched.sampling_requests():
             tok = self.next_token(req.token_ids)
             sampled[req.request_id] = tok
@@ -41,4 +58,4 @@ class NullRunner:
             if k is not None:
                 alts = [tok] + [LOW + (tok + i) % SPAN for i in range(1, k)]
                 logprobs[req.request_id] = TokenLogprobs(0.0, alts[:k], [0.0] + [-10.0 - i for i in range(1, k)][: max(0, k - 1)])
-        return sampled, logprobs
+        return sampled, logprobs, prompt_lps

@@ -20,6 +20,10 @@ class Request:
 
     ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``. ``chain_ids[i]`` is the prefix
     cache's identity of full block ``i`` (see ``KVCacheManager``).
+
+    ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
+    ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
+    so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
     """
 
     __slots__ = (
@@ -31,6 +35,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
+        "num_prompt_logprobs",
         "prompt_len",
         "request_id",
         "sampling",
@@ -57,6 +62,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until admitted
         self.num_preemptions = 0
+        self.num_prompt_logprobs = 0
         self.block_ids: list[int] = []
         self.chain_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -73,6 +79,26 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions remain to be scored."""
+        asked = self.sampling.prompt_logprobs is not None
+        return asked and self.num_prompt_logprobs < self.prompt_len - 1
+
+    def prompt_logprob_span(self, num_new_tokens: int) -> tuple[int, int]:
+        """``(first, count)``: the prompt positions a chunk of ``num_new_tokens`` from
+        ``num_computed_tokens`` scores that were not sent before (``count`` may be 0)."""
+        if not self.wants_prompt_logprobs:
+            return 0, 0
+        first = max(self.num_computed_tokens, self.num_prompt_logprobs)
+        end = min(self.num_computed_tokens + num_new_tokens, self.prompt_len - 1)
+        return first, max(0, end - first)
+
+    def samples_after(self, num_new_tokens: int) -> bool:
+        """Whether a chunk of ``num_new_tokens`` ends with a token to sample (it reaches
+        the end of the known tokens, and the request may generate)."""
+        return self.num_computed_tokens + num_new_tokens == self.num_tokens and self.max_tokens > 0
 
     def __repr__(self) -> str:
         return (

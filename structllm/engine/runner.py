@@ -5,6 +5,11 @@ masked padding slots never hold NaN; with tensor parallelism, ``Hkv`` is this ra
 heads). A step is described once, on rank 0, as a ``StepInput`` (the wire form, see
 ``protocol``); every rank builds its tensors from that same description, so all ranks
 run the model on identical inputs.
+
+The logits of a step's ``logit_rows`` (the sampling rows, then the rows of prompt
+positions to score, see ``prompt_logprobs``) are computed ``LOGIT_SLICE`` rows at a
+time on every rank alike (with tensor parallelism each slice is one gather to rank 0),
+which bounds the ``[rows, V]`` float32 logits a long scored prompt chunk would need.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from torch import Tensor
 
 from structllm.engine.cuda_graphs import DecodeGraphs
+from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
@@ -24,25 +30,31 @@ from structllm.kernels.attention import AttentionMetadata
 from structllm.model.llama import LlamaModel
 from structllm.protocol import StepInput, TokenLogprobs
 
+LOGIT_SLICE = 256  # logit rows computed at once: [256, V] float32 (50 MB at V = 49152)
+
+LogitSink = Callable[[int, Tensor], None]
+"""Receives ``(index of the first row in logit_rows, float32 logits [S, V])``."""
+
 
 @dataclass
 class Batch:
     """One step's model inputs: ``step`` and its tensors on the model's device. On rank
-    0, ``sample_reqs[i]`` samples from row ``sample_rows[i]``; workers leave it empty."""
+    0, ``sample_reqs[i]`` samples from row ``step.logit_rows[i]``, and the logit rows
+    after those score ``prompt_spans``, in order; workers leave both empty."""
 
     step: StepInput
     input_ids: Tensor  # [T] int64
     positions: Tensor  # [T] int64
     meta: AttentionMetadata
     sample_reqs: list[Request] = field(default_factory=list)
-
-    @property
-    def sample_rows(self) -> list[int]:
-        return self.step.logit_rows
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 def batch_from_step(
-    step: StepInput, device: torch.device, sample_reqs: list[Request] | None = None
+    step: StepInput,
+    device: torch.device,
+    sample_reqs: list[Request] | None = None,
+    prompt_spans: list[PromptSpan] | None = None,
 ) -> Batch:
     """The tensors of ``step`` on ``device`` (the byte arrays are wrapped, not copied, on
     the host)."""
@@ -67,6 +79,7 @@ def batch_from_step(
         ints(step.positions, torch.long),
         meta,
         sample_reqs or [],
+        prompt_spans or [],
     )
 
 
@@ -108,7 +121,8 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> Batch:
         """The flat batch of ``sched``: decodes (one new token) first, so attention can
-        batch them, then prefill chunks."""
+        batch them, then prefill chunks. Logit rows: one per sampling request, then one
+        per prompt position to score."""
         ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
         bs = self.block_size
         input_ids: list[int] = []
@@ -119,6 +133,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        prompt_rows: list[int] = []
+        spans: list[PromptSpan] = []
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
@@ -129,9 +145,14 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
             tables.append(blocks)
-            if end == req.num_tokens:
+            if req.samples_after(n):
                 sample_rows.append(query_start[-1] - 1)
                 sample_reqs.append(req)
+            first, count = req.prompt_logprob_span(n)
+            if count:  # the rows of positions first .. first + count - 1
+                row0 = query_start[-2] + first - start
+                prompt_rows += range(row0, row0 + count)
+                spans.append(PromptSpan(req, first, count))
 
         width = max(len(t) for t in tables)
         flat_tables = array("i")
@@ -146,19 +167,20 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_start=query_start,
             num_decodes=sum(1 for _, n in ordered if n == 1),
-            logit_rows=sample_rows,
+            logit_rows=sample_rows + prompt_rows,
         )
-        return batch_from_step(step, self.device, sample_reqs)
+        return batch_from_step(step, self.device, sample_reqs, spans)
 
-    def run(self, batch: Batch) -> Tensor | None:
+    def run(self, batch: Batch, sink: LogitSink | None = None) -> Tensor | None:
         """Hand ``batch`` to the other ranks (if any), run the model over it here and
-        return the float32 logits of its ``sample_rows`` (``[N, V]`` on rank 0), or None
-        when no row samples."""
+        return the float32 logits of its ``logit_rows`` (``[N, V]`` on rank 0), or None
+        when there are none. With ``sink``, each slice of logits goes there instead
+        (in order) and None is returned."""
         if self.broadcast is not None:
             self.broadcast(batch.step)
-        return self.forward(batch)
+        return self.forward(batch, sink)
 
-    def forward(self, batch: Batch) -> Tensor | None:
+    def forward(self, batch: Batch, sink: LogitSink | None = None) -> Tensor | None:
         """The forward pass of ``batch`` on this rank, as ``run`` (on a worker the logits
         are its vocabulary slice, already gathered to rank 0)."""
         with torch.inference_mode():
@@ -167,21 +189,52 @@ class ModelRunner:
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            if not batch.sample_rows:
+            rows = batch.step.logit_rows
+            parts: list[Tensor] = []
+            for a in range(0, len(rows), LOGIT_SLICE):  # the same slices on every rank
+                logits = self.model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
+                if sink is None:
+                    parts.append(logits)
+                else:
+                    sink(a, logits)
+            if not parts:
                 return None
-            return self.model.compute_logits(hidden[batch.sample_rows])
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run the model over ``sched`` and sample for the requests that reach the end of
-        their known tokens. Returns ``{request_id: token}`` and the requested logprobs."""
+    def execute(
+        self, sched: SchedulerOutput
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
+        """Run the model over ``sched``, sample for the requests that reach the end of
+        their known tokens and score the prompt positions asked for. Returns
+        ``{request_id: token}``, the requested logprobs and the prompt logprobs (of each
+        request's ``prompt_logprob_span``)."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
-        logits = self.run(batch)
-        if logits is None:
-            return {}, {}
-        with torch.inference_mode():
-            tokens, logprobs = self.sampler(logits.cpu(), batch.sample_reqs)
         reqs = batch.sample_reqs
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
-        lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}
-        return sampled, lps
+        scorer = PromptScorer(batch.prompt_spans) if batch.prompt_spans else None
+        logits = self.run(batch) if scorer is None else self._run_scoring(batch, scorer)
+        sampled: dict[str, int] = {}
+        lps: dict[str, TokenLogprobs] = {}
+        if logits is not None:
+            with torch.inference_mode():
+                tokens, logprobs = self.sampler(logits.cpu(), reqs)
+            sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+            lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}
+        return sampled, lps, scorer.results() if scorer is not None else {}
+
+    def _run_scoring(self, batch: Batch, scorer: PromptScorer) -> Tensor | None:
+        """``run`` for a batch with prompt rows: those go to ``scorer`` slice by slice;
+        returns the logits ``[N, V]`` of the N sampling rows (None if N is 0)."""
+        n = len(batch.sample_reqs)
+        parts: list[Tensor] = []
+
+        def sink(a: int, logits: Tensor) -> None:  # logits: [S, V], rows a .. a+S-1
+            if a < n:
+                parts.append(logits[: n - a])
+            if a + logits.shape[0] > n:
+                scorer.add(logits[max(0, n - a) :])
+
+        self.run(batch, sink)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

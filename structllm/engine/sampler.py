@@ -1,8 +1,11 @@
 """Token selection from a step's logits, one row per sampling request.
 
 Order of operations per row: sanitise NaN/Inf -> logprobs of the raw logits (if asked)
--> ``min_tokens`` masks EOS and stop ids -> penalties -> greedy argmax, or temperature,
-top-k, top-p, min-p and a draw.
+-> ``logit_bias`` -> ``min_tokens`` masks EOS and stop ids -> penalties -> greedy
+argmax, or temperature, top-k, top-p, min-p and a draw.
+
+Reported logprobs are those of the raw model (before the bias and every other step),
+so a biased or penalised request still sees what the model thinks of its tokens.
 
 Draws use the exponential-race form of categorical sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. picks index ``i`` with probability ``p_i``. The noise of a
@@ -47,6 +50,9 @@ class Sampler:
             logits = _sanitise(logits)
         lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        biased = [i for i, r in enumerate(reqs) if r.sampling.logit_bias]
+        if biased:  # unbiased batches build nothing
+            _apply_logit_bias(logits, biased, reqs)
 
         for i, r in enumerate(reqs):
             sp = r.sampling
@@ -134,6 +140,24 @@ def _sanitise(logits: Tensor) -> Tensor:
     if bool(dead.any()):
         logits[dead] = 0.0
     return logits
+
+
+def _apply_logit_bias(logits: Tensor, rows: list[int], reqs: Sequence[Request]) -> None:
+    """In place on ``logits [N, V]``: ``logits[i, t] += bias`` for each ``(t, bias)`` in
+    the ``logit_bias`` of ``reqs[i]``, ``i`` in ``rows``, in one indexed add. Ids beyond
+    the vocabulary are skipped (the engine refuses them before they get here)."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    col_idx: list[int] = []
+    vals: list[float] = []
+    for i in rows:
+        for t, b in (reqs[i].sampling.logit_bias or {}).items():
+            if t < vocab:
+                row_idx.append(i)
+                col_idx.append(t)
+                vals.append(b)
+    index = (torch.tensor(row_idx, dtype=torch.long), torch.tensor(col_idx, dtype=torch.long))
+    logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype), accumulate=True)
 
 
 def _apply_penalties(row: Tensor, req: Request) -> None:

@@ -8,6 +8,10 @@ while the budget, ``max_num_seqs`` and the KV pool allow. When a running request
 get a block, the newest running request is preempted: its blocks are freed, it keeps its
 generated tokens, and it goes back to the front of the queue to be recomputed later
 (largely from the prefix cache).
+
+A request that asks for prompt logprobs takes no prefix-cache hits over prompt
+positions it has not scored yet (a cached block has K/V but no logits); its own blocks
+still enter the cache for others.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from structllm.protocol import FinishReason, TokenDelta, TokenLogprobs
 @dataclass
 class SchedulerOutput:
     """``scheduled``: ``(request, num_new_tokens)`` in scheduling order. A request whose
-    new tokens reach the end of its known tokens samples one token this step."""
+    new tokens reach the end of its known tokens samples one token this step (unless
+    it has ``max_tokens == 0``: then it finishes)."""
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -34,7 +39,7 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
     def sampling_requests(self) -> list[Request]:
-        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        return [r for r, n in self.scheduled if r.samples_after(n)]
 
 
 class Scheduler:
@@ -91,6 +96,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.lookup(req)
+            if req.wants_prompt_logprobs:  # hits only over positions already scored
+                hits = hits[: req.num_prompt_logprobs // self.kv.block_size]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
             if not self.kv.allocate(req, n, hits):
@@ -121,14 +128,30 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: dict[str, int],
         logprobs: dict[str, TokenLogprobs] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[TokenDelta]:
         """Advance the scheduled requests by what the step computed, append the sampled
-        tokens, finish requests that hit a stop condition, and describe it all."""
+        tokens, finish requests that hit a stop condition, and describe it all.
+        ``prompt_logprobs[id]`` holds the scores of ``req.prompt_logprob_span(n)``."""
         deltas: list[TokenDelta] = []
         for req, n in out.scheduled:
+            first, count = req.prompt_logprob_span(n)
+            plp = prompt_logprobs.get(req.request_id) if prompt_logprobs else None
+            if count:
+                assert plp is not None and len(plp) == count, "prompt logprobs missing"
+                req.num_prompt_logprobs = first + count
             req.num_computed_tokens += n
             token = sampled.get(req.request_id)
-            if token is None:  # a prefill chunk that does not reach the end yet
+            if token is None:  # a prefill chunk that does not sample
+                done = req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens
+                if done:  # prompt only: finished once it is computed
+                    self._finish(req, "length")
+                if done or plp:
+                    reason: FinishReason | None = "length" if done else None
+                    cached = req.num_cached_tokens
+                    deltas.append(
+                        TokenDelta(req.request_id, [], reason, None, cached, prompt_logprobs=plp)
+                    )
                 continue
             req.token_ids.append(token)
             self.num_generation_tokens += 1
@@ -144,6 +167,7 @@ class Scheduler:
                     [lp] if lp is not None else None,
                     req.num_cached_tokens,
                     req.stop_reason,
+                    prompt_logprobs=plp,
                 )
             )
         return deltas

@@ -53,6 +53,10 @@ def exit_when_parent_goes(pipe_fd: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _discard(first_row: int, logits: object) -> None:
+    pass
+
+
 def worker_loop(runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget, parent_pid: int) -> int:
     """The step loop. Returns the exit code: 0 after ``StopWorker``."""
 
@@ -65,7 +69,8 @@ def worker_loop(runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget
         if isinstance(msg, StopWorker):
             return 0
         assert isinstance(msg, StepInput)
-        runner.forward(batch_from_step(msg, runner.device))
+        # the gathered logits stay on rank 0; a sink keeps this rank from collecting its slices
+        runner.forward(batch_from_step(msg, runner.device), sink=_discard)
 
 
 def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, TensorParallelGroup]:

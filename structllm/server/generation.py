@@ -222,7 +222,8 @@ class Generation:
                 if d.token_ids or d.finish_reason is not None:
                     ticket.release(seq.index)
                 self.observe(timing[seq.index], len(d.token_ids))
-                update = seq.process(d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens)
+                update = seq.process(d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens,
+                                     d.prompt_logprobs)
                 if update.abort:
                     self.client.finish_early(seq.request_id)
                 if seq.finished:
