@@ -86,7 +86,7 @@ def test_streamed_echo_goes_out_with_the_first_chunk_even_if_it_has_no_text(toke
     lps = [TokenLogprobs(-1.0, [], []) for _ in emoji]
     first = b.feed([seqs[0].process(emoji[:1], lps[:1], None, None, 0)])
     assert first is not None and first["choices"][0]["text"] == "Say:"
-    assert first["choices"][0]["logprobs"]["text_offset"] == [len("Say:")]
+    assert first["choices"][0]["logprobs"]["text_offset"][-1] == len("Say:")
     last = b.feed([seqs[0].process(emoji[1:], lps[1:], "length", None, 0)])
     assert last is not None and last["choices"][0]["text"] == "🙂"
     assert last["object"] == "text_completion"
@@ -102,10 +102,11 @@ def test_text_body_echo_and_logprob_offsets(tokenizer: Tokenizer) -> None:
     [choice] = b.body()["choices"]
     assert choice["text"] == "A B C D"
     lp = choice["logprobs"]
-    assert "".join(lp["tokens"]) == " C D"
-    assert lp["text_offset"][0] == len("A B")
-    assert lp["token_logprobs"] == [x.logprob for x in lps]
-    assert [list(d.values()) for d in lp["top_logprobs"]] == [[x.logprob] for x in lps]
+    k = len(prompt)  # the echoed prompt's entries come first (unscored here)
+    assert "".join(lp["tokens"]) == "A B C D"
+    assert lp["text_offset"][k] == len("A B")
+    assert lp["token_logprobs"][k:] == [x.logprob for x in lps]
+    assert [list(d.values()) for d in lp["top_logprobs"][k:]] == [[x.logprob] for x in lps]
 
 
 def test_stop_reason_is_reported_with_the_finish(tokenizer: Tokenizer) -> None:
@@ -236,3 +237,71 @@ def test_completion_fields_that_cannot_be_honoured_are_400() -> None:
             sampling_params(CompletionRequest(prompt="x", **body), 5, 100)  # type: ignore[arg-type]
         assert e.value.param == param
     assert sampling_params(CompletionRequest(prompt="x", best_of=1), 5, 100).n == 1  # best_of == n is fine
+
+
+# -- prompt logprobs -------------------------------------------------------------------
+
+
+def scores(ids: list[int]) -> list[TokenLogprobs]:
+    """Fake scores of prompt tokens 1.. (top-1 is always token 7)."""
+    return [TokenLogprobs(-float(k + 1), [7], [-0.5]) for k in range(len(ids) - 1)]
+
+
+def test_echo_with_logprobs_scores_the_prompt_first(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("The sky is", add_special_tokens=False)
+    seqs = sequences(tokenizer, [prompt], logprobs=1, prompt_logprobs=1, max_tokens=0)
+    b = TextBuilder(seqs, tokenizer, model="m", stream=False, echo=True)
+    b.feed([seqs[0].process([], None, None, None, 0, scores(prompt)[:1])])  # a prefill chunk
+    b.feed([seqs[0].process([], None, "length", None, 0, scores(prompt)[1:])])
+    [choice] = b.body()["choices"]
+    assert choice["text"] == "The sky is" and "prompt_logprobs" not in choice
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tokenizer.token_text(t) for t in prompt]
+    assert lp["token_logprobs"] == [None, *(s.logprob for s in scores(prompt))]
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {tokenizer.token_text(7): -0.5, tokenizer.token_text(prompt[1]): -1.0}
+    assert lp["text_offset"] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
+
+
+def test_streamed_echo_waits_for_the_prompt_scores(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("One two three", add_special_tokens=False)
+    seqs = sequences(tokenizer, [prompt], logprobs=0, prompt_logprobs=0)
+    b = TextBuilder(seqs, tokenizer, model="m", stream=True, echo=True)
+    assert b.feed([seqs[0].process([], None, None, None, 0, scores(prompt)[:1])]) is None
+    four = tokenizer.encode(" four", add_special_tokens=False)
+    chunk = b.feed([seqs[0].process(four, [TokenLogprobs(-0.1, [], [])] * len(four), "length", None, 0,
+                                    scores(prompt)[1:])])
+    assert chunk is not None
+    [choice] = chunk["choices"]
+    assert choice["text"] == "One two three four"
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -2.0, *[-0.1] * len(four)]
+
+
+def test_vllm_prompt_logprobs_per_choice_and_top_level_for_chat(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("a b c", add_special_tokens=False)
+    seqs = sequences(tokenizer, [prompt], n=2, prompt_logprobs=1)
+    assert [s.sampling.prompt_logprobs for s in seqs] == [1, None]  # scored once
+    text = TextBuilder(seqs, tokenizer, model="m", stream=False, prompt_logprobs=True)
+    text.feed([seqs[0].process([5], None, "length", None, 0, scores(prompt)), seqs[1].process([5], None, "length", None, 0)])
+    body = text.body()
+    expected = [None, *({"7": {"logprob": -0.5, "rank": 1, "decoded_token": tokenizer.token_text(7)},
+                         str(t): {"logprob": s.logprob, "decoded_token": tokenizer.token_text(t)}}
+                        for t, s in zip(prompt[1:], scores(prompt), strict=True))]
+    assert [c["prompt_logprobs"] for c in body["choices"]] == [expected, expected]
+    chat_seqs = sequences(tokenizer, [prompt], prompt_logprobs=1)
+    chat = ChatBuilder(chat_seqs, tokenizer, model="m", stream=False, prompt_logprobs=True)
+    chat.feed([chat_seqs[0].process([5], None, "length", None, 0, scores(prompt))])
+    assert chat.body()["prompt_logprobs"] == expected
+
+
+def test_logit_bias_keys_must_be_token_ids_in_the_vocabulary() -> None:
+    with pytest.raises(APIError) as e:
+        sampling_params(CompletionRequest(prompt="x", logit_bias={"abc": 1.0}), 5, 100)
+    assert e.value.param == "logit_bias"
+    with pytest.raises(APIError) as e:
+        sampling_params(CompletionRequest(prompt="x", logit_bias={"100": 1.0}), 5, 100)
+    assert e.value.param == "logit_bias" and "100" in e.value.message
+    with pytest.raises(APIError) as e:
+        sampling_params(CompletionRequest(prompt="x", logit_bias={"5": 101.0}), 5, 100)
+    assert e.value.param == "logit_bias"
+    assert sampling_params(CompletionRequest(prompt="x", logit_bias={"5": -100}), 5, 100).logit_bias == {5: -100.0}

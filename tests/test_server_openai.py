@@ -243,3 +243,65 @@ def test_tokenize_detokenize_version(server: Server) -> None:
     code, body = server.get("/version")
     assert code == 200 and b"version" in body
     assert server.post("/detokenize", {"tokens": [-5]})[0] == 400
+
+
+# -- scoring and logits control (#14) --------------------------------------------------
+
+
+def test_echo_logprobs_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, model: str) -> None:
+    prompt = "The capital city of France is Paris"
+    out = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    [choice] = out.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert "".join(lp.tokens) == prompt and len(lp.token_logprobs) == out.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(t is not None and len(t) >= 2 for t in lp.top_logprobs[1:])
+
+
+def test_a_right_continuation_scores_above_a_wrong_one(client: openai.OpenAI, model: str) -> None:
+    def score(text: str) -> float:
+        out = client.completions.create(model=model, prompt=text, echo=True, logprobs=0, max_tokens=0)
+        lps = out.choices[0].logprobs
+        assert lps is not None and lps.token_logprobs is not None
+        return float(lps.token_logprobs[-1] or 0.0)  # the last token: " Paris" or " Banana"
+
+    assert score("The capital city of France is Paris") > score("The capital city of France is Banana")
+
+
+def test_vllm_prompt_logprobs_on_chat(client: openai.OpenAI, model: str) -> None:
+    out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
+                                         extra_body={"prompt_logprobs": 1})
+    plp = out.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert out.usage is not None and len(plp) == out.usage.prompt_tokens
+    assert plp[0] is None and all(isinstance(e, dict) and e for e in plp[1:])
+
+
+def token_ids(client: openai.OpenAI, text: str) -> list[int]:
+    out = client.post("/../tokenize", body={"prompt": text, "add_special_tokens": False}, cast_to=object)
+    return list(out["tokens"])  # type: ignore[index]
+
+
+def first_token(client: openai.OpenAI, model: str, **kw: object) -> str:
+    out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, temperature=0,
+                                    **kw)  # type: ignore[call-overload]
+    return str(out.choices[0].text)
+
+
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, model: str) -> None:
+    greedy = first_token(client, model)
+    [greedy_id] = token_ids(client, greedy)
+    assert first_token(client, model, logit_bias={str(greedy_id): -100}) != greedy
+    zebra = token_ids(client, " zebra")[0]  # not what the model would say here
+    forced = first_token(client, model, logit_bias={str(zebra): 100})
+    assert forced != greedy and token_ids(client, forced) == [zebra]
+
+
+@pytest.mark.parametrize("bias", [{"49152000": 1}, {"5": 101}, {"five": 1}])
+def test_bad_logit_bias_is_400_and_the_server_goes_on(client: openai.OpenAI, model: str, bias: dict[str, float]) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="Hi", max_tokens=1, logit_bias=bias)  # type: ignore[arg-type]
+    assert e.value.body["param"] == "logit_bias"  # type: ignore[index]
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=1).choices[0].finish_reason

@@ -246,15 +246,14 @@ class App:
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size)
         seqs = fan_out([ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"))
         builder = ChatBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
-                              include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                              prompt_logprobs=req.prompt_logprobs is not None)
         await self.generate(receive, send, client, seqs, builder)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
         self.check_model(req.model)
         client = self.engine()
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         prompts = await self.in_worker(self.pre.completion, req)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
@@ -265,7 +264,7 @@ class App:
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
         builder = TextBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                              echo=req.echo)
+                              echo=req.echo, prompt_logprobs=req.prompt_logprobs is not None)
         await self.generate(receive, send, client, seqs, builder)
 
     async def generate(self, receive: Receive, send: Send, client: EngineClient, seqs: list[SequenceState],

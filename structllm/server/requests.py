@@ -9,7 +9,8 @@ own server and vLLM do, so newer clients keep working. Who checks what:
 - ``SamplingParams.__post_init__``: every sampling rule (ranges, min_tokens vs
   max_tokens, empty stop strings), turned into a 400 naming the request's field by
   ``sampling_params``;
-- ``check_token_ids``: any token id against the vocabulary;
+- ``check_token_ids``: prompt token ids against the vocabulary (``SamplingParams.check_vocab``
+  the ids the sampling fields name);
 - ``max_tokens_for``: the context length.
 """
 
@@ -70,6 +71,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are strings) -> bias
+    prompt_logprobs: int | None = None  # vLLM's extension: score the prompt
     # OpenAI fields this server cannot honour: a 400 when set (see ``check_supported``)
     # rather than silently ignored.
     store: bool | None = None
@@ -152,6 +155,18 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
+def _logit_bias(req: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        try:
+            out[int(key)] = bias
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """400 naming ``param`` if any id is outside ``[0, vocab_size)``."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -171,7 +186,7 @@ def max_tokens_for(prompt_lens: list[int], requested: int | None, param: str, ma
     (``context_length_exceeded``) when a prompt and its output cannot fit."""
     longest = max(prompt_lens)
     prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
-    if longest >= max_model_len:
+    if longest > max_model_len or (longest == max_model_len and requested != 0):  # 0: score the prompt only
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
                        f"{longest} tokens", param=prompt_param, code="context_length_exceeded")
     if requested is None:
@@ -210,8 +225,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
     """The request's ``SamplingParams`` (with its ``n``). A rule it breaks is a 400
     naming the request's own field."""
     check_supported(req)
-    check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
     renamed = {"max_tokens": requested_max_tokens(req)[1]}
+    prompt_logprobs = req.prompt_logprobs
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -219,8 +234,10 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         renamed["logprobs"] = "top_logprobs"
     else:
         logprobs = req.logprobs
+        if req.echo and logprobs is not None:  # the legacy shape scores the echoed prompt
+            prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     try:
-        return SamplingParams(
+        sp = SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -238,7 +255,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(req),
         )
+        sp.check_vocab(vocab_size)
+        return sp
     except ValueError as e:
         field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
         raise APIError(400, str(e).removeprefix("SamplingParams."), param=renamed.get(field, field)) from None

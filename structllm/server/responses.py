@@ -8,7 +8,11 @@ then one chunk per ``feed`` that has something to say, then ``closing()`` chunks
 
 ``ChatBuilder`` makes ``chat.completion`` objects (deltas with ``role``/``content``,
 logprobs as ``content`` entries with bytes); ``TextBuilder`` makes ``text_completion``
-objects (legacy logprobs with ``text_offset``, the prompt echoed first with ``echo``).
+objects (legacy logprobs with ``text_offset``, the prompt echoed first with ``echo``,
+scored when logprobs are asked for). With vLLM's ``prompt_logprobs`` both add a
+``prompt_logprobs`` list (``null`` for the first prompt token, then a map of token id
+to ``{logprob, rank, decoded_token}``): top-level in a chat body, per choice in a
+completion body, and in a stream on the first chunk of each prompt's first choice.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class _Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     streamed_chars: int = 0  # text sent so far, echoed prompt included
     echoed: bool = False  # the prompt has gone out (streamed completions with echo)
+    opened: bool = False  # a chunk of this choice has gone out (streams)
 
 
 class ResponseBuilder:
@@ -54,13 +59,15 @@ class ResponseBuilder:
     id_prefix = ""
 
     def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, prompt_logprobs: bool = False) -> None:
         self.choices = [_Choice(s) for s in sequences]
         self.tokenizer = tokenizer
         self.model = model
         self.stream = stream
         self.include_usage = include_usage and stream
         self.want_logprobs = bool(sequences) and sequences[0].sampling.logprobs is not None
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's field in the response
+        self.prompt_scores: dict[int, list[TokenLogprobs]] = {}  # prompt index -> scores of tokens 1..
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -76,12 +83,22 @@ class ResponseBuilder:
         out = []
         for u in updates:
             c = self.choices[u.index]
+            if u.prompt_logprobs:
+                self.prompt_scores.setdefault(c.seq.prompt_index, []).extend(u.prompt_logprobs)
             if not self.stream:
                 c.pieces.append(u.text)
                 c.logprobs += u.logprobs
-            elif u.text or u.finish_reason is not None or u.logprobs:
-                out.append(self.stream_choice(c, u))
+            elif u.text or u.finish_reason is not None or u.logprobs or (self.echo_pending(c) and u.token_ids):
+                item = self.stream_choice(c, u)
+                if not c.opened and self.want_prompt_logprobs and c.seq.sampling.prompt_logprobs is not None:
+                    item["prompt_logprobs"] = self.prompt_logprobs(c)
+                c.opened = True
+                out.append(item)
         return self.chunk(out) if out else None
+
+    def echo_pending(self, c: _Choice) -> bool:
+        """Whether this choice's prompt is still to be echoed (streamed completions)."""
+        return False
 
     def closing(self) -> list[dict[str, Any]]:
         """Chunks that end a stream (before ``[DONE]``)."""
@@ -97,6 +114,11 @@ class ResponseBuilder:
             "choices": [self.body_choice(c) for c in self.choices],
             "usage": self.usage(),
         }
+
+    def with_prompt_logprobs(self, c: _Choice, item: dict[str, Any]) -> dict[str, Any]:
+        if self.want_prompt_logprobs:
+            item["prompt_logprobs"] = self.prompt_logprobs(c)
+        return item
 
     # -- shared pieces -----------------------------------------------------------------
 
@@ -114,6 +136,17 @@ class ResponseBuilder:
         return usage(sum(len(s.prompt_ids) for s in firsts.values()),
                      sum(len(c.seq.token_ids) for c in self.choices),
                      sum(s.num_cached_tokens for s in firsts.values()))
+
+    def prompt_logprobs(self, c: _Choice) -> list[dict[str, Any] | None]:
+        """vLLM's shape: ``None``, then per prompt token a map of token id to its entry."""
+        tok = self.tokenizer
+        out: list[dict[str, Any] | None] = [None]
+        for token, e in zip(c.seq.prompt_ids[1:], self.prompt_scores.get(c.seq.prompt_index, []), strict=False):
+            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": tok.token_text(t)}
+                     for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs, strict=True), start=1)}
+            entry.setdefault(str(token), {"logprob": e.logprob, "decoded_token": tok.token_text(token)})
+            out.append(entry)
+        return out
 
     @staticmethod
     def finish(c: _Choice, item: dict[str, Any]) -> dict[str, Any]:
@@ -134,6 +167,12 @@ class ChatBuilder(ResponseBuilder):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        if self.want_prompt_logprobs and self.choices:  # one chat, one prompt: top-level as vLLM
+            out["prompt_logprobs"] = self.prompt_logprobs(self.choices[0])
+        return out
+
     def opening(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
         return [self.chunk([{"index": c.seq.index, "delta": role, "logprobs": None, "finish_reason": None}
@@ -141,7 +180,7 @@ class ChatBuilder(ResponseBuilder):
 
     def stream_choice(self, c: _Choice, u: SequenceUpdate) -> dict[str, Any]:
         lp = self.logprobs(u.token_ids, u.logprobs) if self.want_logprobs and u.logprobs else None
-        item = {"index": c.seq.index, "delta": {"content": u.text} if u.text else {}, "logprobs": lp}
+        item: dict[str, Any] = {"index": c.seq.index, "delta": {"content": u.text} if u.text else {}, "logprobs": lp}
         return self.finish(c, item)
 
     def body_choice(self, c: _Choice) -> dict[str, Any]:
@@ -173,28 +212,66 @@ class TextBuilder(ResponseBuilder):
     id_prefix = "cmpl-"
 
     def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, echo: bool = False) -> None:
-        super().__init__(sequences, tokenizer, model=model, stream=stream, include_usage=include_usage)
+                 include_usage: bool = False, echo: bool = False, prompt_logprobs: bool = False) -> None:
+        super().__init__(sequences, tokenizer, model=model, stream=stream, include_usage=include_usage,
+                         prompt_logprobs=prompt_logprobs)
         self.echo = echo
 
     def prompt_text(self, c: _Choice) -> str:
         return self.tokenizer.decode(c.seq.prompt_ids) if self.echo else ""
 
+    def echo_pending(self, c: _Choice) -> bool:
+        return self.echo and not c.echoed
+
     def stream_choice(self, c: _Choice, u: SequenceUpdate) -> dict[str, Any]:
-        # the first chunk sent carries the prompt (the first update may have no text:
-        # the detokenizer can hold a whole delta back)
-        prefix = ""
+        # The first chunk sent carries the prompt (the first update may have no text: the
+        # detokenizer can hold a whole delta back), and its scores, complete by then: the
+        # engine scores the whole prompt before it samples.
+        prefix, lp = "", None
         if not c.echoed:
             prefix, c.echoed = self.prompt_text(c), True
+            if self.echo and self.want_logprobs:
+                lp = self.echo_logprobs(c)
         offset = c.streamed_chars + len(prefix)
         c.streamed_chars = offset + len(u.text)
-        lp = self.logprobs(u.token_ids, u.logprobs, offset) if self.want_logprobs and u.logprobs else None
+        if self.want_logprobs and u.logprobs:
+            lp = self.join(lp, self.logprobs(u.token_ids, u.logprobs, offset))
         return self.finish(c, {"index": c.seq.index, "text": prefix + u.text, "logprobs": lp})
 
     def body_choice(self, c: _Choice) -> dict[str, Any]:
         prefix = self.prompt_text(c)
-        lp = self.logprobs(c.seq.token_ids, c.logprobs, len(prefix)) if self.want_logprobs else None
-        return self.finish(c, {"index": c.seq.index, "text": prefix + "".join(c.pieces), "logprobs": lp})
+        lp = None
+        if self.want_logprobs:
+            lp = self.logprobs(c.seq.token_ids, c.logprobs, len(prefix))
+            if self.echo:
+                lp = self.join(self.echo_logprobs(c), lp)
+        item = {"index": c.seq.index, "text": prefix + "".join(c.pieces), "logprobs": lp}
+        return self.with_prompt_logprobs(c, self.finish(c, item))
+
+    def echo_logprobs(self, c: _Choice) -> dict[str, Any]:
+        """The legacy logprobs of the echoed prompt: the first token has none; each other
+        token its own logprob, and its alternatives with it."""
+        tok = self.tokenizer
+        ids = c.seq.prompt_ids
+        scores = self.prompt_scores.get(c.seq.prompt_index, [])
+        texts = [tok.token_text(t) for t in ids]
+        logprobs: list[float | None] = [None] * len(ids)
+        top: list[dict[str, float] | None] = [None] * len(ids)
+        for k, (t, e) in enumerate(zip(ids[1:], scores, strict=False), start=1):
+            logprobs[k] = e.logprob
+            alts = {tok.token_text(i): v for i, v in zip(e.top_ids, e.top_logprobs, strict=True)}
+            alts.setdefault(tok.token_text(t), e.logprob)
+            top[k] = alts
+        return {
+            "tokens": texts,
+            "token_logprobs": logprobs,
+            "top_logprobs": top,
+            "text_offset": [sum(len(x) for x in texts[:k]) for k in range(len(texts))],
+        }
+
+    @staticmethod
+    def join(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+        return b if a is None else {k: a[k] + b[k] for k in b}
 
     def logprobs(self, tokens: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         tok = self.tokenizer
