@@ -26,7 +26,7 @@ class CompletionOutput(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (a constrained request's grammar failed)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
 
@@ -62,9 +62,10 @@ class RequestOutput(msgspec.Struct):
 class _Sequence:
     """Book-keeping of one engine request (one of the ``n`` completions of a prompt)."""
 
-    def __init__(self, out: CompletionOutput, detok: Detokenizer, owner: RequestOutput) -> None:
+    def __init__(self, out: CompletionOutput, detok: Detokenizer, owner: RequestOutput, constrained: bool = False) -> None:
         self.out, self.detok, self.owner = out, detok, owner
         self.pieces: list[str] = []
+        self.constrained = constrained  # has structured_outputs: an engine error ends it alone
 
 
 class LLM:
@@ -100,13 +101,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one or many prompts in one continuously batched run. Returns one
         ``RequestOutput`` per prompt, in order. Raises ``ValueError`` naming the prompt
-        if one can never run (empty, too long, ids outside the vocabulary)."""
+        if one can never run (empty, too long, ids outside the vocabulary) or its
+        ``structured_outputs`` does not compile. A constrained request whose grammar
+        fails in the engine ends alone with ``finish_reason == "error"``."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
         encoded = [self._encode(p) for p in items]
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
                 self.engine.check_request(ids, sp)
+                self._check_structured(sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
@@ -123,7 +127,7 @@ class LLM:
                 out = CompletionOutput(j, "", [], None, logprobs=[] if sp.logprobs is not None else None)
                 res.outputs.append(out)
                 detok = Detokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
-                live[rid] = _Sequence(out, detok, res)
+                live[rid] = _Sequence(out, detok, res, sp.structured_outputs is not None)
                 self.engine.add_request(AddRequest(rid, ids, seq_sp))
         try:
             while live:
@@ -131,6 +135,10 @@ class LLM:
                     seq = live.get(delta.request_id)
                     if seq is None:
                         continue  # e.g. the abort echo of a stop-string finish
+                    if delta.error is not None and seq.constrained:
+                        self._close(seq, "error", None)
+                        del live[delta.request_id]
+                        continue
                     if delta.error is not None:
                         raise RuntimeError(f"engine refused request: {delta.error}")
                     seq.owner.num_cached_tokens = delta.num_cached_tokens
@@ -159,6 +167,16 @@ class LLM:
         """``generate`` for one chat or a list of chats."""
         chats: list[Any] = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         return self.generate(chats, sampling_params)
+
+    def _check_structured(self, sp: SamplingParams) -> None:
+        """Raise ``ValueError`` if ``sp.structured_outputs`` does not compile."""
+        if sp.structured_outputs is None:
+            return
+        from structllm.structured import validate
+
+        error = validate(sp.structured_outputs, self.engine.grammar.tokenizer)
+        if error is not None:
+            raise ValueError(error)
 
     @staticmethod
     def _close(seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:

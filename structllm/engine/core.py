@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, GiB
+from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
@@ -172,6 +173,12 @@ class EngineCore:
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_token_ids
         )
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
+        self.grammar = GrammarManager(
+            str(self.files.tokenizer_json), self.eos_token_ids, self.vocab_size, self.config.grammar_fast_forward
+        )
+        self.scheduler.grammar = self.grammar
+        if isinstance(self.runner, ModelRunner):
+            self.runner.grammar = self.grammar
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load
@@ -231,6 +238,9 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (idempotent; a no-op otherwise)."""
         if self.workers is not None:
             self.workers.close()
+        grammar: GrammarManager | None = getattr(self, "grammar", None)
+        if grammar is not None:
+            grammar.close()
 
     @property
     def watch_fds(self) -> tuple[int, ...]:
@@ -270,6 +280,12 @@ class EngineCore:
             room = self.max_model_len - len(msg.prompt_token_ids)
             max_tokens = min(msg.sampling.max_tokens or room, room)
             req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
+            if msg.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {msg.request_id!r} is already in use")
+            if msg.sampling.structured_outputs is not None:
+                error = self.grammar.add(req)  # a grammar that fails ends this request alone
+                if error is not None:
+                    raise ValueError(error)
             self.scheduler.add_request(req)
         except ValueError as e:
             self._pending.append(TokenDelta(msg.request_id, [], "error", error=str(e)))
@@ -320,6 +336,11 @@ class EngineCore:
         finally:
             workers.close()
 
+    @property
+    def num_live_matchers(self) -> int:
+        """Grammar matchers held for live constrained requests (0 once all ended)."""
+        return len(self.grammar.matchers)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
@@ -331,4 +352,6 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens,
+            num_grammar_matchers=len(self.grammar.matchers),
+            num_grammar_ff_tokens=self.grammar.num_ff_tokens,
         )

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from structllm.engine.cuda_graphs import DecodeGraphs
+from structllm.engine.grammar import GrammarManager
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
@@ -99,6 +100,7 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
+        self.grammar: GrammarManager | None = None  # rank 0, set by the engine
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
@@ -176,11 +178,16 @@ class ModelRunner:
         their known tokens. Returns ``{request_id: token}`` and the requested logprobs."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
+        # the constrained rows' bitmask is computed while the model runs
+        pending = self.grammar.start_fill(batch.sample_reqs) if self.grammar is not None else None
         logits = self.run(batch)
+        mask = pending.result() if pending is not None else None
         if logits is None:
             return {}, {}
         with torch.inference_mode():
-            tokens, logprobs = self.sampler(logits.cpu(), batch.sample_reqs)
+            tokens, logprobs = self.sampler(logits.cpu(), batch.sample_reqs, mask)
+        if mask is not None and self.grammar is not None:
+            self.grammar.record(mask)
         reqs = batch.sample_reqs
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}

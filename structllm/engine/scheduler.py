@@ -8,6 +8,10 @@ while the budget, ``max_num_seqs`` and the KV pool allow. When a running request
 get a block, the newest running request is preempted: its blocks are freed, it keeps its
 generated tokens, and it goes back to the front of the queue to be recomputed later
 (largely from the prefix cache).
+
+Constrained requests (``Request.grammar`` set) hand each sampled token to the
+``GrammarHook`` (``engine.grammar.GrammarManager``), which may end them or append the
+tokens the grammar forces next; those are then scheduled like a chunk of prompt.
 """
 
 from __future__ import annotations
@@ -15,10 +19,28 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request, Status
 from structllm.protocol import FinishReason, TokenDelta, TokenLogprobs
+
+
+def forced_logprobs(tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of fast-forwarded tokens: each was the only token its mask allowed, so
+    its (masked) logprob is 0 and every alternative's is -inf (not listed)."""
+    return [TokenLogprobs(0.0, [t] if k else [], [0.0] if k else []) for t in tokens]
+
+
+class GrammarHook(Protocol):
+    def advance(
+        self, req: Request, token: int, reason: FinishReason | None
+    ) -> tuple[list[int], FinishReason | None, str | None]: ...
+
+    def free(self, req: Request) -> None: ...
+
+
+NO_TOKEN_ALLOWED = "the grammar allows no token here (every candidate was masked)"
 
 
 @dataclass
@@ -55,6 +77,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests, cumulative
         self.num_generation_tokens = 0
+        self.grammar: GrammarHook | None = None  # set by the engine
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -123,29 +146,36 @@ class Scheduler:
         logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[TokenDelta]:
         """Advance the scheduled requests by what the step computed, append the sampled
-        tokens, finish requests that hit a stop condition, and describe it all."""
+        tokens (and, for constrained requests, the tokens their grammar forces next),
+        finish requests that hit a stop condition, and describe it all. A sampled token
+        of ``-1`` (a constrained row with nothing allowed) ends its request with an
+        error."""
         deltas: list[TokenDelta] = []
         for req, n in out.scheduled:
             req.num_computed_tokens += n
             token = sampled.get(req.request_id)
             if token is None:  # a prefill chunk that does not reach the end yet
                 continue
+            lp = logprobs.get(req.request_id) if logprobs else None
+            if token < 0:
+                self._finish(req, "error")
+                deltas.append(TokenDelta(req.request_id, [], "error", None, req.num_cached_tokens, error=NO_TOKEN_ALLOWED))
+                continue
             req.token_ids.append(token)
             self.num_generation_tokens += 1
             reason = self._stop_reason(req, token)
-            lp = logprobs.get(req.request_id) if logprobs else None
+            new, lps, error = [token], [lp] if lp is not None else None, None
+            if req.grammar is not None and self.grammar is not None:
+                forced, reason, error = self.grammar.advance(req, token, reason)
+                if forced:
+                    req.token_ids += forced
+                    self.num_generation_tokens += len(forced)
+                    new += forced
+                    if lps is not None:
+                        lps += forced_logprobs(forced, req.sampling.logprobs or 0)
             if reason is not None:
                 self._finish(req, reason)
-            deltas.append(
-                TokenDelta(
-                    req.request_id,
-                    [token],
-                    reason,
-                    [lp] if lp is not None else None,
-                    req.num_cached_tokens,
-                    req.stop_reason,
-                )
-            )
+            deltas.append(TokenDelta(req.request_id, new, reason, lps, req.num_cached_tokens, req.stop_reason, error))
         return deltas
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -178,6 +208,8 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.kv.free_blocks(req)
+        if self.grammar is not None:
+            self.grammar.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
