@@ -17,12 +17,15 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
 import numpy as np
 
 from structllm.protocol import StructuredOutputs
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 MAX_SPEC_CHARS = 256 * 1024
 """Longest schema (as JSON text), regex, grammar or joined choices accepted."""
@@ -70,13 +73,12 @@ def grammar_of(spec: StructuredOutputs, field: str | None = None) -> str:
     return llg.LLMatcher.grammar_from_lark(spec.grammar)
 
 
-def _json_options(spec: StructuredOutputs) -> dict[str, Any]:
+def _json_options(spec: StructuredOutputs) -> JsonCompileOptions:
     # oneOf is compiled as anyOf (llguidance cannot enforce "exactly one"): pydantic
     # emits oneOf for discriminated unions, whose branches exclude each other anyway
-    opts: dict[str, Any] = {"coerce_one_of": True}
     if spec.whitespace_flexible:
-        return {**opts, "whitespace_flexible": True}
-    return {**opts, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return {"coerce_one_of": True, "whitespace_flexible": True}
+    return {"coerce_one_of": True, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _schema(value: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
