@@ -257,3 +257,12 @@ def test_json_document_walk_matches_jsonschema(lltok: Any) -> None:
     jsonschema.validate(json.loads(doc), schema)
     bad = Matcher(lltok, grammar_of(StructuredOutputs(json=schema)))
     assert not bad.llmatcher.consume_tokens(lltok.tokenize_str('{"n": 12}'))
+
+
+def test_fast_forward_switch_reaches_the_engine() -> None:
+    from structllm.config import EngineConfig
+    from structllm.engine.core import EngineCore
+
+    engine = EngineCore(EngineConfig(null_model=True, grammar_fast_forward=False, kv_cache_memory=16 << 20))
+    assert engine.grammar.fast_forward is False
+    assert EngineCore(EngineConfig(null_model=True, kv_cache_memory=16 << 20)).grammar.fast_forward is True
