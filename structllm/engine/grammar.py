@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance as llg
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,16 +52,21 @@ def apply_bitmask(logits: Tensor, mask: GrammarMask) -> None:
     ids past the mask's width (a model vocabulary padded beyond the tokenizer's). Other
     rows are untouched. ``logits``: ``[N, V]`` float on the CPU."""
     t0 = time.perf_counter()
-    v = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    # [R, W, 32] -> [R, 32W]: one bool per token id, bit order as llguidance writes it
-    allowed = ((mask.bits[:, :, None] >> shifts) & 1).view(len(mask.rows), -1).bool()
-    if allowed.shape[1] >= v:
-        allowed = allowed[:, :v]
+    n, v = logits.shape
+    r = len(mask.rows)
+    # [R, W] int32 -> [R, 32W] one byte per token id: on a little-endian host, byte b of
+    # word w holds ids 32w+8b .. 32w+8b+7, lowest bit first, as llguidance writes them
+    unpacked = np.unpackbits(mask.bits.numpy().view(np.uint8), axis=1, bitorder="little")
+    banned = ~torch.from_numpy(unpacked.view(np.bool_))
+    if banned.shape[1] >= v:
+        banned = banned[:, :v]
     else:
-        allowed = torch.cat([allowed, allowed.new_zeros(len(mask.rows), v - allowed.shape[1])], dim=1)
-    rows = torch.tensor(mask.rows, dtype=torch.long)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        banned = torch.cat([banned, banned.new_ones(r, v - banned.shape[1])], dim=1)
+    if mask.rows == list(range(n)):
+        logits.masked_fill_(banned, float("-inf"))
+    else:  # row views, in place: no gather/scatter copies of [R, V]
+        for j, i in enumerate(mask.rows):
+            logits[i].masked_fill_(banned[j], float("-inf"))
     mask.apply_s = time.perf_counter() - t0
 
 

@@ -142,7 +142,7 @@ def _dead_rows(logits: Tensor, grammar: GrammarMask) -> list[int]:
     """Constrained rows with no finite logit left (the grammar and ``min_tokens`` banned
     everything). They are zeroed so the draw stays NaN-free; their token is discarded."""
     rows = torch.tensor(grammar.rows, dtype=torch.long)
-    alive = torch.isfinite(logits[rows].amax(dim=-1))
+    alive = torch.isfinite(logits.amax(dim=-1)[rows])  # a max per row, no [R, V] copy
     if bool(alive.all()):
         return []
     dead = rows[~alive].tolist()
