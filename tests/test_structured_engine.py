@@ -174,16 +174,24 @@ def _run(engine: EngineCore, steps: int) -> list[TokenDelta]:
 def test_aborting_constrained_requests_frees_their_matchers(llm: LLM) -> None:
     engine = llm.engine
     ids = llm.tokenizer.encode_chat(ASK)
-    for i in range(4):
+    for i in range(5):
         engine.add_request(AddRequest(f"abort-{i}", ids, sp(StructuredOutputs(json=PERSON), max_tokens=200)))
+    engine.abort(["abort-4"])  # while its matcher is still being built: never attached
+    deltas = []
+    for _ in range(50):  # matchers are built off the engine thread, then attached
+        deltas += engine.step().outputs
+        if engine.num_live_matchers == 4:
+            break
     assert engine.num_live_matchers == 4
-    _run(engine, 3)  # two are running, mid-JSON
+    deltas += _run(engine, 2)  # running, mid-JSON
     engine.abort(["abort-0", "abort-1"])
     assert engine.num_live_matchers == 2
     engine.abort(["abort-2", "abort-3", "abort-3"])
     assert engine.num_live_matchers == 0 and engine.stats().num_grammar_matchers == 0
-    _run(engine, 2)
-    assert not engine.has_work
+    assert not engine.has_work and engine.num_live_matchers == 0
+    deltas += engine.step().outputs  # the aborts' deltas
+    finals = {d.request_id: d.finish_reason for d in deltas if d.finish_reason is not None}
+    assert finals == {f"abort-{i}": "abort" for i in range(5)}
 
 
 def test_a_grammar_that_fails_in_the_engine_ends_alone(llm: LLM) -> None:

@@ -1,6 +1,10 @@
 """Constrained decoding in the engine: one ``structured.Matcher`` per constrained
 sequence, the per-step token bitmask, and grammar fast-forward.
 
+A constrained request's matcher is built off the engine thread (``compile``; from about
+a millisecond up to ~0.1 s for the largest specs the limits admit), so a big grammar
+never stalls the step of the others; the engine admits the request once it is ready.
+
 A step, for the rows whose request has a matcher (nothing at all happens when no row
 has one):
 
@@ -94,6 +98,7 @@ class GrammarManager:
         self._tokenizer: llg.LLTokenizer | None = None
         self._executor: llg.LLExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self._compiler: ThreadPoolExecutor | None = None
 
     @property
     def tokenizer(self) -> llg.LLTokenizer:
@@ -106,9 +111,16 @@ class GrammarManager:
 
     # -- lifetime ----------------------------------------------------------------------
 
-    def add(self, req: Request) -> str | None:
-        """Give ``req`` its matcher; returns an error message (and gives none) if its
-        grammar does not compile or exceeds the limits."""
+    def compile(self, req: Request) -> Future[Matcher | str]:
+        """Start building ``req``'s matcher on a helper thread. The future's result is
+        the matcher, or an error message if the grammar does not compile or exceeds the
+        limits; ``attach`` it once done (only then is it counted as live)."""
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+        return self._compiler.submit(self.build, req)
+
+    def build(self, req: Request) -> Matcher | str:
+        """``req``'s matcher, or an error message naming the spec's field."""
         spec = req.sampling.structured_outputs
         assert spec is not None
         try:
@@ -117,9 +129,11 @@ class GrammarManager:
             return str(e)
         if matcher.error is not None:
             return f"structured_outputs.{spec.kind}: {matcher.error}"
+        return matcher
+
+    def attach(self, req: Request, matcher: Matcher) -> None:
         self.matchers[req.request_id] = matcher
         req.grammar = matcher
-        return None
 
     def free(self, req: Request) -> None:
         """Drop ``req``'s matcher (idempotent)."""
@@ -128,9 +142,10 @@ class GrammarManager:
             req.grammar = None
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        for pool in (self._thread, self._compiler):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._thread = self._compiler = None
 
     # -- the bitmask -------------------------------------------------------------------
 
