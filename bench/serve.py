@@ -173,7 +173,7 @@ def front_end_pids(server_pid: int) -> list[int]:
         with open(f"/proc/{server_pid}/task/{tid}/children") as f:
             for kid in f.read().split():
                 with open(f"/proc/{kid}/cmdline", "rb") as c:
-                    if b"structllm.server.worker" in c.read():
+                    if b"structllm.server.api_server" in c.read():
                         pids.append(int(kid))
     return pids
 

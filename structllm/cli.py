@@ -9,24 +9,26 @@ from collections.abc import Sequence
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from structllm.config import engine_default as d
     from structllm.config import parse_size
 
     p.add_argument("model", nargs="?", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"), help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
+                   help="token budget of one step")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 1G (default: 1G on CPU)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--block-size", type=int, default=d("block_size"), help="tokens per KV cache block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--seed", type=int, default=d("seed"), help="seed for requests without their own")
+    p.add_argument("--device", default=d("device"), help="auto, cpu or cuda")
     p.add_argument("--null-model", action="store_true",
                    help="emit tokens without running the model (to measure the serving path alone)")
-    p.add_argument("--null-step-time", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+    p.add_argument("--null-step-time", type=float, default=d("null_step_time"), help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default=d("dtype"), help="auto, float32, float16 or bfloat16")
+    p.add_argument("--attention-backend", default=d("attention_backend"), choices=["auto", "torch", "cpu", "triton"],
                    help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--no-grammar-fast-forward", action="store_true",
                    help="decode tokens a grammar forces one step each (default: append them in one step)")
@@ -69,10 +71,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from structllm.config import EngineConfig
-    from structllm.server.serve import ServerOptions, run
+    from structllm.server.config import ServerConfig
+    from structllm.server.serve import run
 
     engine = EngineConfig(model=a.model, **_engine_kwargs(a))  # type: ignore[arg-type]
-    opts = ServerOptions(
+    config = ServerConfig(
         engine=engine,
         host=a.host,
         port=a.port,
@@ -91,7 +94,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         api_server_count=a.api_server_count,
         max_connections=a.max_connections,
     )
-    return run(opts)
+    return run(config)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -101,6 +104,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from structllm.server.config import default as d
     parser = argparse.ArgumentParser(prog="structllm", description="OpenAI-compatible LLM server and offline engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     r = sub.add_parser(
@@ -109,21 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the OpenAI-compatible HTTP server (default: the default model on 127.0.0.1:8000).",
     )
     _engine_args(r)
-    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    r.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    r.add_argument("--host", default=d("host"), help="address to listen on (default %(default)s)")
+    r.add_argument("--port", type=int, default=d("port"), help="port to listen on (default %(default)s; 0 picks a free one)")
     r.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     r.add_argument("--served-model-name", default=None, help="model name clients use (default: the model file's name)")
-    r.add_argument("--backend", choices=["trio", "asyncio"], default="trio", help="event loop (default trio)")
-    r.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on shutdown")
-    r.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r.add_argument("--backend", choices=["trio", "asyncio"], default=d("backend"), help="event loop (default %(default)s)")
+    r.add_argument("--shutdown-timeout", type=float, default=d("shutdown_timeout"), help="seconds in-flight requests get on shutdown")
+    r.add_argument("--log-level", default=d("log_level"), choices=["debug", "info", "warning", "error"])
     r.add_argument("--no-restart-engine", action="store_true", help="exit (code 1) when the engine dies instead of restarting it")
-    r.add_argument("--max-engine-restarts", type=int, default=5, help="engine deaths in a row before giving up (default 5)")
-    r.add_argument("--max-queued-requests", type=int, default=512, help="requests waiting for their first token before new ones get 503")
-    r.add_argument("--max-queued-tokens", type=int, default=1 << 20, help="prompt tokens waiting before new requests get 503")
-    r.add_argument("--write-timeout", type=float, default=60.0, help="abort a request whose client reads nothing for this long (s)")
-    r.add_argument("--body-timeout", type=float, default=30.0, help="answer 408 when a request body takes longer than this (s)")
-    r.add_argument("--max-connections", type=int, default=4096, help="open connections per front-end process (default 4096)")
-    r.add_argument("--api-server-count", type=int, default=1, help="front-end processes sharing the port and the engine (default 1)")
+    r.add_argument("--max-engine-restarts", type=int, default=d("max_engine_restarts"), help="engine deaths in a row before giving up (default %(default)s)")
+    r.add_argument("--max-queued-requests", type=int, default=d("max_queued_requests"), help="requests waiting for their first token before new ones get 503")
+    r.add_argument("--max-queued-tokens", type=int, default=d("max_queued_tokens"), help="prompt tokens waiting before new requests get 503")
+    r.add_argument("--write-timeout", type=float, default=d("write_timeout"), help="abort a request whose client reads nothing for this long (s)")
+    r.add_argument("--body-timeout", type=float, default=d("body_timeout"), help="answer 408 when a request body takes longer than this (s)")
+    r.add_argument("--max-connections", type=int, default=d("max_connections"), help="open connections per front-end process (default %(default)s)")
+    r.add_argument("--api-server-count", type=int, default=d("api_server_count"), help="front-end processes sharing the port and the engine (default %(default)s)")
     r.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; default: CORS off)")
     r.set_defaults(func=cmd_run)
     c = sub.add_parser(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.abc import TaskStatus
 
-from structllm.ipc.process import EngineProcess
+from structllm.launch import EngineProcess
 from structllm.protocol import (
     Abort,
     AddRequest,
@@ -158,10 +158,12 @@ class EngineClient:
         # Deliver whatever the engine wrote before it went (its last batch, its error).
         for msg in self.engine.endpoint.ep.try_recv():
             self._dispatch(msg)
-        self._die(EngineDeadError(self.dead.args[0] if self.dead else f"the engine process exited (code {code})"))
+        self.fail(EngineDeadError(self.dead.args[0] if self.dead else f"the engine process exited (code {code})"))
         scope.cancel()
 
-    def _die(self, error: EngineDeadError) -> None:
+    def fail(self, error: EngineDeadError) -> None:
+        """Fail every open stream and refuse new requests (the engine, or a process this
+        client depends on, is gone). Idempotent."""
         self.dead = error
         streams, self._streams = self._streams, {}
         for s in streams.values():

@@ -82,6 +82,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
 
+def engine_default(name: str) -> object:
+    """The default of ``EngineConfig.<name>`` (for the CLI's defaults)."""
+    return next(f.default for f in msgspec.structs.fields(EngineConfig) if f.name == name)
+
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 * GiB
 
 

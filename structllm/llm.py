@@ -15,8 +15,9 @@ import msgspec
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.model.loader import prepare_model
+from structllm.output import SequenceState, fan_out
 from structllm.protocol import AddRequest, SamplingParams, TokenLogprobs
-from structllm.tokenizer import Detokenizer, Message, Tokenizer
+from structllm.tokenizer import Message, Tokenizer
 
 Prompt: TypeAlias = str | Sequence[int] | Sequence[Message]
 """A text prompt, a list of token ids, or a chat (a list of ``{"role", "content"}``)."""
@@ -26,7 +27,7 @@ class CompletionOutput(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or "error" (a constrained request's grammar failed)
+    finish_reason: str | None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
 
@@ -57,15 +58,6 @@ class RequestOutput(msgspec.Struct):
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
-
-
-class _Sequence:
-    """Book-keeping of one engine request (one of the ``n`` completions of a prompt)."""
-
-    def __init__(self, out: CompletionOutput, detok: Detokenizer, owner: RequestOutput, constrained: bool = False) -> None:
-        self.out, self.detok, self.owner = out, detok, owner
-        self.pieces: list[str] = []
-        self.constrained = constrained  # has structured_outputs: an engine error ends it alone
 
 
 class LLM:
@@ -114,46 +106,36 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
-        live: dict[str, _Sequence] = {}
+        live: dict[str, tuple[SequenceState, RequestOutput]] = {}
         for p, ids, sp in zip(items, encoded, params, strict=True):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
             results.append(res)
-            for j in range(sp.n):
-                seq_sp = sp
-                if sp.n > 1:
-                    seed = None if sp.seed is None else sp.seed + j
-                    seq_sp = msgspec.structs.replace(sp, n=1, seed=seed)
-                rid = f"{res.request_id}-{j}"
-                out = CompletionOutput(j, "", [], None, logprobs=[] if sp.logprobs is not None else None)
-                res.outputs.append(out)
-                detok = Detokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
-                live[rid] = _Sequence(out, detok, res, sp.structured_outputs is not None)
-                self.engine.add_request(AddRequest(rid, ids, seq_sp))
+            name = res.request_id
+            for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}"):  # noqa: B023
+                res.outputs.append(CompletionOutput(seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None))
+                live[seq.request_id] = (seq, res)
+                self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling))
         try:
             while live:
                 for delta in self.engine.step().outputs:
-                    seq = live.get(delta.request_id)
-                    if seq is None:
+                    if delta.request_id not in live:
                         continue  # e.g. the abort echo of a stop-string finish
-                    if delta.error is not None and seq.constrained:
-                        self._close(seq, "error", None)
-                        del live[delta.request_id]
-                        continue
-                    if delta.error is not None:
+                    seq, res = live[delta.request_id]
+                    if delta.error is not None and seq.sampling.structured_outputs is None:
                         raise RuntimeError(f"engine refused request: {delta.error}")
-                    seq.owner.num_cached_tokens = delta.num_cached_tokens
-                    seq.out.token_ids += delta.new_token_ids
-                    if delta.logprobs and seq.out.logprobs is not None:
-                        seq.out.logprobs += delta.logprobs
-                    text, stopped = seq.detok.add(delta.new_token_ids)
-                    seq.pieces.append(text)
-                    if stopped:
-                        self.engine.abort([delta.request_id])
-                        self._close(seq, "stop", seq.detok.stop_str)
-                        del live[delta.request_id]
-                    elif delta.finish_reason is not None:
-                        self._close(seq, delta.finish_reason, delta.stop_reason)
-                        del live[delta.request_id]
+                    update = seq.process(delta.new_token_ids, delta.logprobs, delta.finish_reason,
+                                         delta.stop_reason, delta.num_cached_tokens)
+                    res.num_cached_tokens = seq.num_cached_tokens
+                    out = res.outputs[seq.index]
+                    out.text += update.text
+                    out.token_ids += update.token_ids
+                    if out.logprobs is not None:
+                        out.logprobs += update.logprobs
+                    if update.abort:
+                        self.engine.abort([seq.request_id])
+                    if seq.finished:
+                        out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+                        del live[seq.request_id]
         finally:
             if live:  # interrupted: leave nothing running in the engine
                 self.engine.abort(list(live))
@@ -177,13 +159,6 @@ class LLM:
         error = validate(sp.structured_outputs, self.engine.grammar.tokenizer)
         if error is not None:
             raise ValueError(error)
-
-    @staticmethod
-    def _close(seq: _Sequence, reason: str, stop_reason: int | str | None) -> None:
-        seq.pieces.append(seq.detok.finish())
-        seq.out.text = "".join(seq.pieces)
-        seq.out.finish_reason = reason
-        seq.out.stop_reason = stop_reason
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -212,6 +212,7 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_steps: int = 0  # model steps run
     num_grammar_matchers: int = 0  # live matchers of constrained requests
     num_grammar_ff_tokens: int = 0  # tokens appended by grammar fast-forward (decode steps saved)
 
@@ -219,7 +220,6 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     outputs: list[TokenDelta]
     stats: EngineStats
-    timestamp: float = 0.0
 
 
 class EngineReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -304,7 +304,7 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     where the process group's store listens, and where the broadcast ring and doorbells
     are (inherited file descriptors). ``config`` is an ``EngineConfig`` as a plain dict.
     ``die_with_parent``: whether to set ``PR_SET_PDEATHSIG`` (only when the spawning
-    thread is the main thread, since the signal follows the thread, see ``ipc.process``)."""
+    thread is the main thread, since the signal follows the thread, see ``ipc.spawn``)."""
 
     protocol_version: int
     config: dict[str, object]

@@ -54,6 +54,7 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template: Any = None
         self._token_bytes: dict[int, bytes] = {}
+        self._max_token_bytes = 0  # see min_tokens_for
         self._byte_level = "ByteLevel" in str(self._tok.decoder)
         self._special_ids = set(self._tok.get_added_tokens_decoder())  # ids of added tokens
 
@@ -64,7 +65,9 @@ class Tokenizer:
     # -- text <-> ids ----------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt
+        # tokenized in a worker thread must not freeze the event loop's thread.
+        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.meta.bos_token
         if add_special_tokens and self.meta.add_bos_token and bos is not None:
             bos_id = self._tok.token_to_id(bos)
@@ -91,6 +94,15 @@ class Tokenizer:
             out = piece.replace("\u2581", " ").encode()
         self._token_bytes[token_id] = out
         return out
+
+    def min_tokens_for(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, in O(1) after the first call: no token
+        stands for more bytes than the vocabulary's longest one. (A normalizer may
+        shorten the text first, so then the bound is loosened by a factor of 4.)"""
+        if self._max_token_bytes == 0:
+            longest = max((len(self.token_bytes(t)) for t in range(self.vocab_size)), default=1)
+            self._max_token_bytes = max(1, longest) * (1 if self._tok.normalizer is None else 4)
+        return len(text.encode("utf-8", errors="surrogatepass")) // self._max_token_bytes
 
     def token_text(self, token_id: int) -> str:
         """``token_bytes`` as text (an incomplete character shows as U+FFFD)."""

@@ -60,8 +60,10 @@ def shm_entries() -> set[str]:
 
 
 class Server:
-    def __init__(self, *args: str, backend: str = "trio", startup: float = 180.0, api_key: str | None = None) -> None:
+    def __init__(self, *args: str, backend: str = "trio", startup: float = 180.0, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.api_key = api_key
+        self.env = None if env is None else {**os.environ, **env}
         if api_key:
             args = (*args, "--api-key", api_key)
         self.port = free_port()
@@ -72,7 +74,7 @@ class Server:
         self.engine_pid = -1
 
     def __enter__(self) -> Server:
-        self.proc = subprocess.Popen([sys.executable, "-m", "structllm", "run", *self.args], cwd=ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-m", "structllm", "run", *self.args], cwd=ROOT, env=self.env)
         end = time.monotonic() + self.startup
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"

@@ -17,7 +17,7 @@ import pytest
 
 from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
-from structllm.ipc.process import EngineStartError, open_engine
+from structllm.launch import EngineStartError, open_engine
 from structllm.protocol import AddRequest, OutputBatch, SamplingParams
 from tests.server_utils import alive, shm_entries
 
@@ -143,7 +143,7 @@ PARENT = textwrap.dedent(
     """
     import anyio, sys
     from structllm.config import EngineConfig
-    from structllm.ipc.process import open_engine
+    from structllm.launch import open_engine
 
     async def main():
         async with open_engine(EngineConfig(null_model=True, kv_cache_memory=64 << 20)) as eng:

@@ -17,7 +17,7 @@ def workers_of(pid: int) -> list[int]:
     out = []
     for kid in children(pid):
         with open(f"/proc/{kid}/cmdline", "rb") as f:
-            if b"structllm.server.worker" in f.read():
+            if b"structllm.server.api_server" in f.read():
                 out.append(kid)
     return out
 

@@ -114,8 +114,8 @@ def test_disconnect_of_a_queued_request(small: Server) -> None:
 
 
 def test_disconnect_during_a_long_prefill(small: Server) -> None:
-    prompt = "alpha beta gamma delta " * 400  # ~1600 tokens at 32 a step: seconds of prefill
-    s = open_stream(small.port, "/v1/completions", body(prompt, 5))
+    prompt = "alpha beta gamma delta " * 400  # ~1600 tokens at 32 a step: 50 steps of prefill
+    s = open_stream(small.port, "/v1/completions", body(prompt, 300))
     deadline = time.monotonic() + 10
     while small.metric("num_requests_running") != 1:
         assert time.monotonic() < deadline
@@ -127,8 +127,12 @@ def test_disconnect_during_a_long_prefill(small: Server) -> None:
         while True:
             got += s.recv(65536)
     assert b"data:" not in got  # headers only, no token yet: still prefilling
+    steps = small.metric("engine_steps_total")
     s.close()
-    small.wait_idle(timeout=3)
+    small.wait_idle(timeout=120)
+    # Unaborted, the request would take 300 more steps at least (its decode alone); the
+    # abort lands within a few steps of the disconnect, however slow each step is.
+    assert small.metric("engine_steps_total") - steps < 100
 
 
 def test_disconnect_of_a_non_streaming_request(server: Server) -> None:

@@ -128,3 +128,19 @@ def test_cli_attention_backends_give_the_same_greedy_text() -> None:
     bad = subprocess.run([sys.executable, "-m", "structllm", "generate", "-p", "x", "--attention-backend", "flash"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "invalid choice: 'flash'" in bad.stderr
+
+
+def test_front_end_never_loads_torch_even_on_a_cold_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A fresh cache: the GGUF file must be converted (torch, transformers) before serving;
+    # that happens in a short-lived child, and the front end stays free of torch.
+    # (The torch attention backend spares this test a build of the C++ kernel.)
+    with Server("--attention-backend", "torch", env={"STRUCTLLM_CACHE_DIR": str(tmp_path)}) as s:
+        assert s.proc is not None
+        with open(f"/proc/{s.proc.pid}/maps") as f:
+            maps = f.read()
+        assert "libtorch" not in maps
+        with open(f"/proc/{s.engine_pid}/maps") as f:
+            assert "libtorch" in f.read()  # the check can see torch where it is loaded
+        status, out = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+    assert any(tmp_path.iterdir())  # the conversion went to the cache given

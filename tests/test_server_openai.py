@@ -36,6 +36,14 @@ def test_models_lists_the_served_model(client: openai.OpenAI, model: str) -> Non
     assert model == "SmolLM2-135M-Instruct.Q4_1"
 
 
+def test_models_retrieve_and_unknown_model(client: openai.OpenAI, model: str) -> None:
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
 def test_chat_completion_with_exact_usage(server: Server, client: openai.OpenAI, model: str) -> None:
     r = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24, logprobs=True)
     choice = r.choices[0]

@@ -29,8 +29,8 @@ from structllm.cli import _engine_kwargs, build_parser
 from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
-from structllm.engine.workers import WorkerDied
-from structllm.ipc.process import open_engine
+from structllm.engine.worker_pool import WorkerDied
+from structllm.launch import open_engine
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import plan_shards, shard_weights
 from tests.conftest import make_tiny_hf_dir

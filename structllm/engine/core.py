@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -26,7 +25,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler
-from structllm.engine.workers import WorkerPool, ring_capacity_for
+from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.attention import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
@@ -167,6 +166,7 @@ class EngineCore:
             self.close()
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
+        self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
 
@@ -352,8 +352,9 @@ class EngineCore:
                 if self.workers is not None:
                     self._abandon_step(self.workers, e)
                 raise
+            self.num_steps += 1
             deltas += self.scheduler.update(sched, sampled, logprobs)
-        return OutputBatch(deltas, self.stats(), time.time())
+        return OutputBatch(deltas, self.stats())
 
     @staticmethod
     def _abandon_step(workers: WorkerPool, error: BaseException) -> None:
@@ -383,6 +384,7 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens,
+            num_steps=self.num_steps,
             num_grammar_matchers=len(self.grammar.matchers),
             num_grammar_ff_tokens=self.grammar.num_ff_tokens,
         )

@@ -42,7 +42,7 @@ IDLE_POLL_S = 0.25
 STATS_INTERVAL_S = 0.1
 
 
-def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, parent_pid: int, spin: SpinBudget) -> int:
+def engine_loop(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, parent_pid: int, spin: SpinBudget) -> int:
     """The loop over one channel per front end. Returns the exit code: 0 after
     ``Shutdown`` (from any front end) or when the parent is gone.
 
@@ -84,7 +84,7 @@ def serve(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, paren
                 # A channel with nothing in this step still hears the stats now and then
                 # (and whenever it asked), rather than at every step of others' work.
                 if outs[i] or asked[i] or now - last_sent[i] > STATS_INTERVAL_S:
-                    ep.send_blocking(OutputBatch(outs[i], batch.stats, batch.timestamp), check=check_parent)
+                    ep.send_blocking(OutputBatch(outs[i], batch.stats), check=check_parent)
                     last_sent[i] = now
             check_parent()
             continue
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     try:
-        return serve(core, eps, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(launch.spin_us * 1e-6))
+        return engine_loop(core, eps, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(launch.spin_us * 1e-6))
     except ParentGone:
         return 0
     except Exception as e:

@@ -53,7 +53,7 @@ def exit_when_parent_goes(pipe_fd: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def serve(runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget, parent_pid: int) -> int:
+def worker_loop(runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget, parent_pid: int) -> int:
     """The step loop. Returns the exit code: 0 after ``StopWorker``."""
 
     def check_parent() -> None:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     group: TensorParallelGroup | None = None
     try:
         runner, group = start(launch, store)
-        return serve(runner, sub, SpinBudget(launch.spin_us * 1e-6), launch.parent_pid)
+        return worker_loop(runner, sub, SpinBudget(launch.spin_us * 1e-6), launch.parent_pid)
     except ParentGone:
         return 0
     except Exception as e:

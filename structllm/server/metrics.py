@@ -90,6 +90,7 @@ class Metrics:
         metric("structllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
         metric("structllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
         metric("structllm:num_preemptions_total", "counter", "Preemptions (requests recomputed after losing their blocks).", stats.num_preemptions)
+        metric("structllm:engine_steps_total", "counter", "Model steps the engine has run.", stats.num_steps)
         metric("structllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self._total(0))
         metric("structllm:generation_tokens_total", "counter", "Generated tokens of finished requests.", self._total(1))
         name = "structllm:request_success_total"

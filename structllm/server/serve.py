@@ -1,6 +1,6 @@
 """``structllm run``: the supervisor task tree of a server.
 
-    serve
+    Supervisor.run
     ├── signals        SIGINT/SIGTERM -> graceful stop (a second one: stop now)
     ├── http           hypercorn on our socket (answers /health with 503 until ready)
     └── engine         open_engine -> EngineClient.run (dispatcher + process watch)
@@ -22,51 +22,25 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import msgspec
 
 from structllm.client import EngineClient, EngineDeadError
-from structllm.config import EngineConfig
 from structllm.ipc import shm
+from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
-from structllm.ipc.process import (
-    ChannelHandoff,
-    ChildProcess,
-    EngineStartError,
-    attach_engine,
-    open_engine,
-)
-from structllm.model.loader import prepare_model
-from structllm.server.app import App, Settings
+from structllm.ipc.spawn import spawn
+from structllm.launch import ChannelHandoff, EngineStartError, attach_engine, open_engine
+from structllm.model.loader import ModelFiles, prepare_model
+from structllm.server.app import App
+from structllm.server.config import ServerConfig
 from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
 
 log = logging.getLogger("structllm.server")
 FD_HEADROOM = 128  # descriptors beyond connections: model files, rings, doorbells, pipes
-
-
-@dataclass
-class ServerOptions:
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    backend: str = "trio"
-    shutdown_timeout: float = 10.0
-    log_level: str = "info"
-    restart_engine: bool = True
-    max_engine_restarts: int = 5
-    max_queued_requests: int = 512
-    max_queued_tokens: int = 1 << 20
-    write_timeout: float = 60.0
-    body_timeout: float = 30.0
-    allowed_origins: tuple[str, ...] = ()
-    api_server_count: int = 1
-    max_connections: int = 4096
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -84,10 +58,10 @@ def say(msg: str) -> None:
     print(f"structllm: {msg}", file=sys.stderr, flush=True)
 
 
-class WorkerSpec(msgspec.Struct, frozen=True):
-    """What a front-end worker process gets (JSON argument; the descriptors inherited)."""
+class ApiServerSpec(msgspec.Struct, frozen=True):
+    """What an extra front-end process gets (JSON argument; the descriptors inherited)."""
 
-    options: ServerOptions
+    config: ServerConfig
     listen_fd: int
     metrics_fd: int
     metrics_size: int
@@ -95,20 +69,33 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int
 
 
-def make_app(opts: ServerOptions, metrics_table: Any = None, slot: int = 0) -> App:
-    files = prepare_model(opts.engine.model)
-    tokenizer = Tokenizer.from_files(files)
-    name = opts.served_model_name or files.name
-    settings = Settings(
-        served_model_name=name,
-        api_key=opts.api_key,
-        max_queued_requests=opts.max_queued_requests,
-        max_queued_tokens=opts.max_queued_tokens,
-        write_timeout=opts.write_timeout,
-        body_timeout=opts.body_timeout,
-        allowed_origins=opts.allowed_origins,
-    )
-    return App(settings, tokenizer, Metrics(name, metrics_table, slot))
+_PREPARE = """
+import sys
+from structllm.model.loader import ModelFiles, prepare_model
+try:
+    prepare_model(sys.argv[1] or None)
+except (ValueError, FileNotFoundError) as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def front_end_files(model: str | None) -> ModelFiles:
+    """The model's files, for a process that must never import torch or transformers
+    (they would stay resident for its whole life): a short-lived child converts what a
+    cold cache lacks (GGUF weights, a tokenizer without ``tokenizer.json``), then the
+    lookup here finds everything cached. Raises ``ValueError`` with the child's message
+    if the model cannot be prepared."""
+    child = subprocess.run([sys.executable, "-c", _PREPARE, model or ""], stdout=subprocess.PIPE, text=True,
+                           stdin=subprocess.DEVNULL)
+    if child.returncode != 0:
+        raise ValueError(child.stdout.strip() or f"preparing the model failed (exit code {child.returncode})")
+    return prepare_model(model)
+
+
+def make_app(config: ServerConfig, files: ModelFiles, metrics_table: Any = None, slot: int = 0) -> App:
+    name = config.served_model_name or files.name
+    return App(config, name, Tokenizer.from_files(files), Metrics(name, metrics_table, slot))
 
 
 def limit_connections(max_connections: int) -> None:
@@ -123,29 +110,28 @@ def limit_connections(max_connections: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def run(opts: ServerOptions) -> int:
+def run(config: ServerConfig) -> int:
     """Blocking entry point for the CLI; returns the exit code."""
-    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    limit_connections(opts.max_connections)
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limit_connections(config.max_connections)
     try:
-        sock = bind(opts.host, opts.port)
+        sock = bind(config.host, config.port)
     except OSError as e:
-        say(f"error: cannot listen on {opts.host}:{opts.port}: {e.strerror}")
+        say(f"error: cannot listen on {config.host}:{config.port}: {e.strerror}")
         return 2
     t0 = time.monotonic()
     metrics_mem = None
     metrics_fd = -1
     table = None
-    if opts.api_server_count > 1:
+    if config.api_server_count > 1:
         # counters of all front ends, one slot each, summed by whoever answers /metrics
-        metrics_mem, metrics_fd = shm.create(opts.api_server_count * SLOT_SIZE * 8)
+        metrics_mem, metrics_fd = shm.create(config.api_server_count * SLOT_SIZE * 8)
         table = memoryview(metrics_mem).cast("d")
-    result: dict[str, int] = {"code": 0}
     try:
-        app = make_app(opts, table, 0)
-        anyio.run(_serve, opts, app, sock, result, t0, metrics_fd, backend=opts.backend)
+        app = make_app(config, front_end_files(config.engine.model), table, 0)
+        return int(anyio.run(Supervisor(config, app, sock, metrics_fd, t0).run, backend=config.backend))
     except KeyboardInterrupt:
-        result["code"] = 130
+        return 130
     finally:
         sock.close()
         if metrics_mem is not None:
@@ -153,185 +139,187 @@ def run(opts: ServerOptions) -> int:
             table.release()  # the one view the metrics hold; then the mapping can close
             metrics_mem.close()
             os.close(metrics_fd)
-    return result["code"]
 
 
-async def _serve(opts: ServerOptions, app: App, sock: socket.socket, result: dict[str, int], t0: float,
-                 metrics_fd: int) -> None:
-    stop = anyio.Event()
-    http_done = anyio.Event()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_signals, stop, tg.cancel_scope)
-        tg.start_soon(_http, opts, app, sock, stop, http_done)
-        tg.start_soon(app.collect_garbage_when_idle)
-        result["code"] = await _engines(opts, app, stop, http_done, t0, sock, metrics_fd)
-        stop.set()
-        with anyio.move_on_after(opts.shutdown_timeout + 5):
-            await http_done.wait()
-        tg.cancel_scope.cancel()
+class Supervisor:
+    """The task tree of the main server process (see the module docstring). It owns
+    the engine of each generation and the extra front-end processes started with it;
+    the listening socket and the metrics table belong to ``run``. ``run`` returns the
+    exit code: 0 after a requested stop, 1 when the engine cannot be kept up."""
 
+    def __init__(self, config: ServerConfig, app: App, sock: socket.socket, metrics_fd: int, t0: float) -> None:
+        self.config, self.app, self.sock, self.metrics_fd, self.t0 = config, app, sock, metrics_fd, t0
 
-async def _engines(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event, t0: float,
-                   sock: socket.socket, metrics_fd: int) -> int:
-    """Run engines until ``stop``: when one dies, in-flight requests have already failed
-    (503) and /health says 503; restart with exponential backoff, up to
-    ``max_engine_restarts`` deaths in a row (a run of 60 s resets the count). Returns
-    the exit code: 0 after a requested stop, 1 when the engine cannot be kept up."""
-    failures = 0
-    while True:
-        started = time.monotonic()
-        try:
-            await _engine(opts, app, stop, http_done, t0, sock, metrics_fd)
-        except EngineStartError as e:
-            say(f"error: {e}")
-            if app.client is None:  # never came up: nothing to restart
-                return 1
-        if stop.is_set():
-            return 0
-        failures = 1 if time.monotonic() - started > 60 else failures + 1
-        if not opts.restart_engine or failures > opts.max_engine_restarts:
-            say("the engine is down and will not be restarted" + ("" if opts.restart_engine else " (--no-restart-engine)"))
-            return 1
-        delay = min(30.0, 0.5 * 2 ** (failures - 1))
-        say(f"restarting the engine in {delay:.1f}s (restart {failures} of {opts.max_engine_restarts})")
-        with anyio.move_on_after(delay):
-            await stop.wait()
-        if stop.is_set():
-            return 0
-        t0 = time.monotonic()
-
-
-async def _engine(opts: ServerOptions, app: App, stop: anyio.Event, http_done: anyio.Event, t0: float,
-                  sock: socket.socket, metrics_fd: int) -> None:
-    """One engine's life (and with it the extra front-end processes'): returns after
-    ``stop`` (everything shut down) or a death, which the caller treats alike."""
-    say(f"loading {opts.engine.model or 'the default model'} ...")
-    async with open_engine(opts.engine, channels=opts.api_server_count, shutdown_timeout=5.0) as engine:
-        client = EngineClient(engine, id_prefix="c0-")
+    async def run(self) -> int:
+        self.stop = anyio.Event()  # a stop was requested (signal) or the engine is given up
+        self.http_done = anyio.Event()
         async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_signals, self.stop, tg.cancel_scope)
+            tg.start_soon(serve_http, self.config, self.app, self.sock, self.stop, self.http_done)
+            tg.start_soon(self.app.collect_garbage_when_idle)
+            code = await self.keep_engine_up()
+            self.stop.set()
+            with anyio.move_on_after(self.config.shutdown_timeout + 5):
+                await self.http_done.wait()
+            tg.cancel_scope.cancel()
+        return code
 
-            async def dispatcher() -> None:
-                await client.run()  # returns only when the engine process is gone
-                if not stop.is_set():
-                    say(f"error: {client.dead}")
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(dispatcher)
-            workers: list[ChildProcess] = []  # each owned (stopped, reaped) from its spawn on
+    async def keep_engine_up(self) -> int:
+        """Run engines until ``stop``: when one dies, in-flight requests have already
+        failed (503) and /health says 503; restart with exponential backoff, up to
+        ``max_engine_restarts`` deaths in a row (a run of 60 s resets the count)."""
+        cfg = self.config
+        failures = 0
+        while True:
+            started = time.monotonic()
             try:
-                for h in engine.handoffs:
-                    workers.append(_spawn_worker(opts, sock, metrics_fd, h))
-                    tg.start_soon(_supervise_worker, workers[-1], stop, tg.cancel_scope, client)
-                app.settings.max_model_len = engine.ready.max_model_len
-                app.client = client
-                host, port = sock.getsockname()[:2]
-                shown = f"[{host}]" if ":" in host else host
-                say(f"serving {app.settings.served_model_name} at http://{shown}:{port}/v1 "
-                    f"(ready in {time.monotonic() - t0:.1f}s; max_model_len {engine.ready.max_model_len}, "
-                    f"{engine.ready.num_kv_blocks} KV blocks of {engine.ready.block_size})")
-                await stop.wait()
-                # Let the HTTP sides drain (in-flight requests still need the engine), then stop.
-                for w in workers:
-                    w.popen.send_signal(signal.SIGTERM)
-                with anyio.move_on_after(opts.shutdown_timeout + 2):
-                    await http_done.wait()
-                    for w in workers:
-                        await w.wait()
-                tg.cancel_scope.cancel()
-            finally:
-                with anyio.CancelScope(shield=True):
-                    for w in workers:
-                        w.kill()
-                        await w.wait()
-                        w.close()
-    if stop.is_set():
-        say("engine stopped")
+                await self.run_engine()
+            except EngineStartError as e:
+                say(f"error: {e}")
+                if self.app.client is None:  # never came up: nothing to restart
+                    return 1
+            if self.stop.is_set():
+                return 0
+            failures = 1 if time.monotonic() - started > 60 else failures + 1
+            if not cfg.restart_engine or failures > cfg.max_engine_restarts:
+                say("the engine is down and will not be restarted" + ("" if cfg.restart_engine else " (--no-restart-engine)"))
+                return 1
+            delay = min(30.0, 0.5 * 2 ** (failures - 1))
+            say(f"restarting the engine in {delay:.1f}s (restart {failures} of {cfg.max_engine_restarts})")
+            with anyio.move_on_after(delay):
+                await self.stop.wait()
+            if self.stop.is_set():
+                return 0
+            self.t0 = time.monotonic()
+
+    async def run_engine(self) -> None:
+        """One engine's life (and with it the extra front-end processes'): returns after
+        ``stop`` (everything shut down) or a death, which the caller treats alike."""
+        cfg = self.config
+        say(f"loading {cfg.engine.model or 'the default model'} ...")
+        async with open_engine(cfg.engine, channels=cfg.api_server_count, shutdown_timeout=5.0) as engine:
+            client = EngineClient(engine, id_prefix="c0-")
+            async with anyio.create_task_group() as tg:
+
+                async def dispatcher() -> None:
+                    await client.run()  # returns only when the engine process is gone
+                    if not self.stop.is_set():
+                        say(f"error: {client.dead}")
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(dispatcher)
+                api_servers: list[ChildProcess] = []  # each owned (stopped, reaped) from its spawn on
+                try:
+                    for h in engine.handoffs:
+                        api_servers.append(self.spawn_api_server(h))
+                        tg.start_soon(self.watch_api_server, api_servers[-1], tg.cancel_scope, client)
+                    self.app.attach(client)
+                    self.say_ready(engine.ready.max_model_len, engine.ready.num_kv_blocks, engine.ready.block_size)
+                    await self.stop.wait()
+                    # Let the HTTP sides drain (in-flight requests still need the engine), then stop.
+                    for w in api_servers:
+                        w.terminate()
+                    with anyio.move_on_after(cfg.shutdown_timeout + 2):
+                        await self.http_done.wait()
+                        for w in api_servers:
+                            await w.wait()
+                    tg.cancel_scope.cancel()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        for w in api_servers:
+                            w.kill()
+                            await w.wait()
+                            w.close()
+        if self.stop.is_set():
+            say("engine stopped")
+
+    def say_ready(self, max_model_len: int, blocks: int, block_size: int) -> None:
+        host, port = self.sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        say(f"serving {self.app.model_name} at http://{shown}:{port}/v1 (ready in {time.monotonic() - self.t0:.1f}s; "
+            f"max_model_len {max_model_len}, {blocks} KV blocks of {block_size})")
+
+    def spawn_api_server(self, handoff: ChannelHandoff) -> ChildProcess:
+        cfg = self.config
+        spec = ApiServerSpec(cfg, self.sock.fileno(), self.metrics_fd, cfg.api_server_count * SLOT_SIZE * 8, handoff,
+                             os.getpid())
+        return ChildProcess(spawn("structllm.server.api_server", spec, (self.sock.fileno(), self.metrics_fd, *handoff.fds)))
+
+    async def watch_api_server(self, child: ChildProcess, scope: anyio.CancelScope, client: EngineClient) -> None:
+        """A front-end process that dies is handled like the engine dying: everything of
+        this generation is torn down (its requests fail) and the restart loop brings it
+        back."""
+        code = await child.wait()
+        if not self.stop.is_set():
+            say(f"error: front-end process {child.pid} exited (code {code})")
+            client.fail(EngineDeadError(f"front-end process {child.pid} exited"))
+            scope.cancel()
 
 
-def _spawn_worker(opts: ServerOptions, sock: socket.socket, metrics_fd: int, handoff: ChannelHandoff) -> ChildProcess:
-    spec = WorkerSpec(opts, sock.fileno(), metrics_fd, opts.api_server_count * SLOT_SIZE * 8, handoff, os.getpid())
-    return ChildProcess(
-        subprocess.Popen(
-            [sys.executable, "-m", "structllm.server.worker", msgspec.json.encode(spec).decode()],
-            pass_fds=(sock.fileno(), metrics_fd, *handoff.fds),
-            stdin=subprocess.DEVNULL,
-        )
-    )
-
-
-async def _supervise_worker(worker: ChildProcess, stop: anyio.Event, scope: anyio.CancelScope, client: EngineClient) -> None:
-    """A front-end worker that dies is handled like the engine dying: everything of this
-    generation is torn down (its requests fail) and the restart loop brings it back."""
-    code = await worker.wait()
-    if not stop.is_set():
-        say(f"error: front-end process {worker.pid} exited (code {code})")
-        client._die(EngineDeadError(f"front-end process {worker.pid} exited"))
-        scope.cancel()
-
-
-def run_worker(spec: WorkerSpec) -> int:
+def run_api_server(spec: ApiServerSpec) -> int:
     """A front-end process besides the main one (``--api-server-count``): same app, its
     own channel to the shared engine, the same listening socket."""
-    opts = spec.options
-    logging.basicConfig(level=opts.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    cfg = spec.config
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     die_with_parent(spec.parent_pid)
-    limit_connections(opts.max_connections)
+    limit_connections(cfg.max_connections)
     sock = socket.socket(fileno=spec.listen_fd)
     mapping = shm.attach(spec.metrics_fd, spec.metrics_size)
     os.close(spec.metrics_fd)
     table = memoryview(mapping).cast("d")
-    app = make_app(opts, table, spec.handoff.index)
-    code = {"code": 0}
+    # the main process prepared the files before it started the engine: all cached now
+    app = make_app(cfg, prepare_model(cfg.engine.model), table, spec.handoff.index)
 
-    async def main() -> None:
+    async def main() -> int:
+        code = 0
         stop, http_done = anyio.Event(), anyio.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_signals, stop, tg.cancel_scope)
+            tg.start_soon(watch_signals, stop, tg.cancel_scope)
             tg.start_soon(app.collect_garbage_when_idle)
             async with attach_engine(spec.handoff) as engine, anyio.create_task_group() as etg:
                 client = EngineClient(engine, id_prefix=f"c{spec.handoff.index}-")
 
                 async def dispatcher() -> None:
+                    nonlocal code
                     await client.run()  # returns only when the engine is gone
                     if not stop.is_set():
-                        code["code"] = 1
+                        code = 1
                         stop.set()
 
                 etg.start_soon(dispatcher)
-                app.settings.max_model_len = engine.ready.max_model_len
-                app.client = client
+                app.attach(client)
                 # Accept only once ready: until then the main process takes every connection.
-                tg.start_soon(_http, opts, app, sock, stop, http_done)
+                tg.start_soon(serve_http, cfg, app, sock, stop, http_done)
                 await stop.wait()
-                with anyio.move_on_after(opts.shutdown_timeout + 2):
+                with anyio.move_on_after(cfg.shutdown_timeout + 2):
                     await http_done.wait()  # in-flight requests still need the engine
                 etg.cancel_scope.cancel()
             tg.cancel_scope.cancel()
+        return code
 
     try:
-        anyio.run(main, backend=opts.backend)
+        return int(anyio.run(main, backend=cfg.backend))
     except KeyboardInterrupt:
-        pass
+        return 0
     finally:
         app.metrics.table = None
         table.release()
         mapping.close()
-    return code["code"]
 
 
-async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event) -> None:
+async def serve_http(config: ServerConfig, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event) -> None:
     from hypercorn.config import Config
 
-    config = Config()
-    config.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn owns (and closes) the duplicate
-    config.graceful_timeout = opts.shutdown_timeout
-    config.accesslog = "-" if opts.log_level.lower() == "debug" else None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.loglevel = opts.log_level.upper()
-    config.keep_alive_timeout = 5
-    config.h11_max_incomplete_size = 64 * 1024
+    hc = Config()
+    hc.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn owns (and closes) the duplicate
+    hc.graceful_timeout = config.shutdown_timeout
+    hc.accesslog = "-" if config.log_level.lower() == "debug" else None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.loglevel = config.log_level.upper()
+    hc.keep_alive_timeout = 5
+    hc.h11_max_incomplete_size = 64 * 1024
     serve: Any
-    if opts.backend == "trio":
+    if config.backend == "trio":
         from hypercorn.trio import serve
     else:
         from hypercorn.asyncio import serve
@@ -343,14 +331,14 @@ async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.
             # requests are done (or the timeout has passed: then they are cancelled).
             # On asyncio hypercorn closes idle connections itself and enforces the timeout.
             await stop.wait()
-            with anyio.move_on_after(opts.shutdown_timeout):
+            with anyio.move_on_after(config.shutdown_timeout):
                 await app.drained()
             tg.cancel_scope.cancel()
 
-        if opts.backend == "trio":
+        if config.backend == "trio":
             tg.start_soon(drain_then_close)
         try:
-            await serve(app, config, shutdown_trigger=stop.wait)
+            await serve(app, hc, shutdown_trigger=stop.wait)
         except Exception:
             if not stop.is_set():
                 raise
@@ -362,7 +350,7 @@ async def _http(opts: ServerOptions, app: App, sock: socket.socket, stop: anyio.
             done.set()
 
 
-async def _signals(stop: anyio.Event, scope: anyio.CancelScope) -> None:
+async def watch_signals(stop: anyio.Event, scope: anyio.CancelScope) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for sig in signals:
             if stop.is_set():

@@ -1,20 +1,19 @@
-"""Starting and stopping the engine process from the front end (anyio).
+"""Starting, attaching to and stopping the engine process, from the front end (anyio).
 
 ``open_engine`` is an async context manager that owns everything of one engine: the
 shared memory, both doorbells, the parent-death pipe and the child process. It spawns
-``python -m structllm.engine`` (fork+exec from the event-loop thread, never a bare fork of
-this threaded process),
+``python -m structllm.engine`` (``ipc.spawn``: fork+exec from the event-loop thread),
 waits for the ``EngineReady`` handshake (or fails with the engine's error, or its exit
 code), and on exit shuts the engine down: ``Shutdown`` first, then SIGKILL after a grace
 period, always reaping the child and closing every descriptor, also when cancelled.
+``attach_engine`` is the same for another front-end process (``--api-server-count``),
+which speaks to a running engine over a channel handed to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -25,8 +24,10 @@ import msgspec
 from structllm.config import EngineConfig
 from structllm.ipc import shm
 from structllm.ipc.async_channel import AsyncEndpoint
+from structllm.ipc.async_process import ChildProcess, ForeignProcess
 from structllm.ipc.channel import Doorbell, Endpoint
 from structllm.ipc.ring import Ring
+from structllm.ipc.spawn import spawn
 from structllm.protocol import (
     PROTOCOL_VERSION,
     EngineError,
@@ -42,86 +43,6 @@ DEFAULT_RING_CAPACITY = 8 << 20
 
 class EngineStartError(RuntimeError):
     """The engine process failed before it was ready."""
-
-
-class _ExitWatch:
-    """Waits for a pidfd to turn readable (the process exited), for any number of tasks:
-    trio allows one waiter per fd, so the first watches and the others wait on it."""
-
-    def __init__(self, pidfd: int) -> None:
-        self.pidfd = pidfd
-        self.done = False
-        self._event: anyio.Event | None = None
-
-    async def wait(self) -> None:
-        while not self.done:
-            if self._event is not None:
-                await self._event.wait()  # the watcher finished or was cancelled: look again
-                continue
-            self._event = event = anyio.Event()
-            try:
-                await anyio.wait_readable(self.pidfd)
-                self.done = True
-            finally:
-                self._event = None
-                event.set()
-
-
-class ForeignProcess:
-    """A process this one did not start (the engine, seen from another front end):
-    its exit is observed through a pidfd; there is no exit code to collect."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._pidfd = os.pidfd_open(pid)
-        self._exit = _ExitWatch(self._pidfd)
-
-    async def wait(self) -> int:
-        await self._exit.wait()
-        return -1
-
-    def close(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
-
-
-class ChildProcess:
-    """A child started with ``subprocess.Popen`` from the calling (event-loop) thread.
-
-    Not ``anyio.open_process``: trio forks from a worker thread, and the child's
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked it exits, which trio's
-    thread cache does after a few idle seconds. Exit is awaited through a pidfd.
-    """
-
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self.popen = popen
-        self.pid = popen.pid
-        try:
-            self._pidfd = os.pidfd_open(popen.pid)
-        except BaseException:  # (EMFILE, ...) nobody else would stop and reap the child
-            popen.kill()
-            popen.wait()
-            raise
-        self._exit = _ExitWatch(self._pidfd)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    async def wait(self) -> int:
-        if self.popen.poll() is None:
-            await self._exit.wait()
-        return int(self.popen.wait())
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-
-    def close(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
 
 
 @dataclass
@@ -216,13 +137,7 @@ async def open_engine(
             parent_pid=os.getpid(),
             spin_us=spin_us,
         )
-        process = ChildProcess(
-            subprocess.Popen(
-                [sys.executable, "-m", module, msgspec.json.encode(launch).decode()],
-                pass_fds=(shm_fd, engine_bell.fd, pipe_r, *(b.fd for b in front_bells)),
-                stdin=subprocess.DEVNULL,
-            )
-        )
+        process = ChildProcess(spawn(module, launch, (shm_fd, engine_bell.fd, pipe_r, *(b.fd for b in front_bells))))
         # The child holds its copies now; ours are not needed (but for handoffs).
         close_fd(pipe_r)
         if channels == 1:

@@ -11,7 +11,7 @@ behind):
 - one shared-memory broadcast ring (private, unlinked at once, see ``ipc.shm``) with one
   reader per worker, a doorbell per worker and one for rank 0;
 - a pipe whose write end only rank 0 holds: its EOF tells a worker that rank 0 is gone;
-- the worker processes (``python -m structllm.engine.worker``, fork+exec) and a pidfd
+- the worker processes (``python -m structllm.engine.worker``, ``ipc.spawn``) and a pidfd
   each, which is how rank 0 notices a worker's death: while it waits for ring space,
   when a collective fails, and (through ``watch_fds``) while the engine sleeps.
 
@@ -26,25 +26,22 @@ import contextlib
 import datetime
 import os
 import select
-import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-import structllm
 from structllm.config import EngineConfig
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing, broadcast_ring_size
 from structllm.ipc.broadcast_channel import Publisher
 from structllm.ipc.channel import Doorbell
+from structllm.ipc.spawn import Child, spawn
 from structllm.model.collectives import TensorParallelGroup, connect_group
 from structllm.protocol import PROTOCOL_VERSION, StepInput, StopWorker, WorkerLaunch
 
@@ -73,31 +70,11 @@ def ring_capacity_for(config: EngineConfig, max_positions: int) -> int:
     return cap
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a worker: this one, with the directory that this process's
-    ``structllm`` was imported from first on the path, so that both ends run the same
-    code (a checkout may shadow an installed copy)."""
-    root = str(Path(structllm.__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def describe_exit(proc: subprocess.Popen[bytes]) -> str:
-    rc = proc.returncode
-    if rc is None:
-        return "is still running"
-    if rc < 0:
-        return f"was killed by signal {signal.Signals(-rc).name}"
-    return f"exited with code {rc}"
-
-
 class _Resources:
     """Everything a pool must release; ``release`` is idempotent and never raises."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.pidfds: list[int] = []
+        self.children: list[Child] = []
         self.fds: list[int] = []  # pipe ends and the shm descriptor, until handed over
         self.bells: list[Doorbell] = []
         self.mapping: Any = None
@@ -110,9 +87,11 @@ class _Resources:
         try:
             self._stop_workers()
         finally:
-            for fd in self.pidfds + self.fds:
+            for child in self.children:
+                child.close()
+            for fd in self.fds:
                 os.close(fd)
-            self.pidfds, self.fds = [], []
+            self.children, self.fds = [], []
             for bell in self.bells:
                 bell.close()
             if self.ring is not None:
@@ -128,21 +107,20 @@ class _Resources:
         """Ask the workers to stop, leave the group, wait a grace period, kill what is
         left; always reap. Leaving the group fails the collective of a worker stuck
         mid-step (rank 0 abandoned that step), so it exits at once too."""
-        if self.publisher is not None and any(p.poll() is None for p in self.procs):
+        if self.publisher is not None and any(c.returncode is None for c in self.children):
             with contextlib.suppress(OSError):  # a doorbell of a worker that is gone
                 self.publisher.try_publish_bytes(msgspec.msgpack.encode(StopWorker()))
         if self.group is not None:
             self.group.close()
             self.group = None
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for proc in self.procs:
+        for child in self.children:
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
+                child.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-        for proc in self.procs:
-            proc.wait()
-        self.procs = []
+                child.kill()
+        for child in self.children:
+            child.wait()
 
 
 class WorkerPool:
@@ -175,7 +153,6 @@ class WorkerPool:
         pipe_r, pipe_w = os.pipe()
         res.fds += [pipe_r, pipe_w]
         on_main_thread = threading.current_thread() is threading.main_thread()
-        env = worker_env()
         for rank in range(1, self.world_size):
             launch = WorkerLaunch(
                 protocol_version=PROTOCOL_VERSION,
@@ -193,14 +170,7 @@ class WorkerPool:
                 die_with_parent=on_main_thread,
                 spin_us=spin_us,
             )
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "structllm.engine.worker", msgspec.json.encode(launch).decode()],
-                pass_fds=(shm_fd, bells[rank - 1].fd, writer_bell.fd, pipe_r),
-                stdin=subprocess.DEVNULL,
-                env=env,
-            )
-            res.procs.append(proc)
-            res.pidfds.append(os.pidfd_open(proc.pid))
+            res.children.append(spawn("structllm.engine.worker", launch, (shm_fd, bells[rank - 1].fd, writer_bell.fd, pipe_r)))
         # The workers hold their copies now; rank 0 keeps only the pipe's write end.
         for fd in (shm_fd, pipe_r):
             res.fds.remove(fd)
@@ -247,7 +217,7 @@ class WorkerPool:
             self.check(WorkerStartError, f"before it could {what}")
             if time.monotonic() > deadline:
                 raise WorkerStartError(f"tensor-parallel workers did not {what} within {STARTUP_TIMEOUT}")
-            select.select(self._res.pidfds, [], [], 0.01)
+            select.select([c.pidfd for c in self._res.children], [], [], 0.01)
 
     # -- steps -------------------------------------------------------------------------
 
@@ -256,30 +226,30 @@ class WorkerPool:
         publisher = self._res.publisher
         if publisher is None:
             raise WorkerDied("the tensor-parallel workers were stopped after a failed step; start a new engine")
-        publisher.publish(step, check=self.check, extra_fds=tuple(self._res.pidfds))
+        publisher.publish(step, check=self.check, extra_fds=tuple([c.pidfd for c in self._res.children]))
 
     @property
     def watch_fds(self) -> tuple[int, ...]:
         """File descriptors that become readable when a worker exits (pidfds)."""
-        return tuple(self._res.pidfds)
+        return tuple([c.pidfd for c in self._res.children])
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._res.procs]
+        return [c.pid for c in self._res.children]
 
     def check(self, error: type[RuntimeError] = WorkerDied, when: str = "") -> None:
         """Raise ``error`` naming the first worker that has exited, if any."""
-        for rank, proc in enumerate(self._res.procs, start=1):
-            if proc.poll() is not None:
+        for rank, child in enumerate(self._res.children, start=1):
+            if child.returncode is not None:
                 suffix = f" {when}" if when else ""
-                raise error(f"tensor-parallel worker {rank} (pid {proc.pid}) {describe_exit(proc)}{suffix}")
+                raise error(f"tensor-parallel worker {rank} (pid {child.pid}) {child.describe_exit()}{suffix}")
 
     def raise_if_dead(self, cause: BaseException, wait_s: float = 1.0) -> None:
         """After a failed collective: if a worker has died (or dies within ``wait_s``:
         its sockets close a moment before it can be reaped), raise ``WorkerDied`` from
         ``cause``."""
-        if self._res.pidfds:
-            select.select(self._res.pidfds, [], [], wait_s)
+        if [c.pidfd for c in self._res.children]:
+            select.select([c.pidfd for c in self._res.children], [], [], wait_s)
         try:
             self.check()
         except WorkerDied as e:

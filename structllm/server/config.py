@@ -1,0 +1,45 @@
+"""Server configuration: the one place the front end's defaults are written (the CLI
+reads them from here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from structllm.config import EngineConfig
+
+
+@dataclass
+class ServerConfig:
+    """Everything ``structllm run`` is told, but the engine's own ``EngineConfig``.
+
+    Limits: requests waiting for their first token count as queued; past
+    ``max_queued_requests`` or ``max_queued_tokens`` (prompt tokens) new generation
+    requests get 503 with ``Retry-After`` at once. A client that does not take a chunk
+    for ``write_timeout`` seconds has its engine requests aborted; a body larger than
+    ``max_body_bytes`` gets 413, one slower than ``body_timeout`` seconds 408.
+    ``max_connections`` is per front-end process (``api_server_count`` of them)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    backend: str = "trio"
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
+    restart_engine: bool = True
+    max_engine_restarts: int = 5
+    max_queued_requests: int = 512
+    max_queued_tokens: int = 1 << 20
+    write_timeout: float = 60.0
+    body_timeout: float = 30.0
+    max_body_bytes: int = 16 << 20
+    allowed_origins: tuple[str, ...] = ()
+    api_server_count: int = 1
+    max_connections: int = 4096
+
+
+def default(name: str) -> Any:
+    """The default of ``ServerConfig.<name>`` (for the CLI's help and defaults)."""
+    return next(f.default for f in fields(ServerConfig) if f.name == name)

@@ -1,0 +1,247 @@
+"""One generation response: admission, its engine requests, and writing it out.
+
+``generate`` owns a task group of three tasks, and everything a response holds has
+that group as its owner:
+
+    generate
+    ├── respond            engine requests (EngineClient.request contexts) -> output
+    │                      processor -> response builder -> Transport
+    ├── watch_disconnect   hypercorn does not cancel the app when the client goes, and a
+    │                      send to a closed connection does not raise: wait for
+    │                      http.disconnect instead
+    └── watch_writes       a client that stops reading blocks our send (on trio hypercorn
+                           shields it): abort the engine side after ``write_timeout``
+
+Whichever ends first cancels the others; leaving a ``request`` context aborts its engine
+request, so a disconnect at any point leaks nothing. Errors become the response right
+where they are caught (``Transport.error``: a status before the response began, an
+error event after), so nothing is carried out of the group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+
+from structllm.client import (
+    EngineClient,
+    EngineDeadError,
+    EngineRequestError,
+    RequestStream,
+    Wakeup,
+)
+from structllm.ipc.ring import FrameTooLarge
+from structllm.output import SequenceState, SequenceUpdate
+from structllm.server.errors import APIError, overloaded
+from structllm.server.metrics import Metrics
+from structllm.server.responses import ResponseBuilder
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = [(b"content-type", b"application/json")]
+SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+class Admission:
+    """The queue bounds of one front-end process: engine requests that have not yet had
+    their first token, and their prompt tokens. ``admit`` refuses at once (503 with
+    ``Retry-After``) past either bound; what it admits stays counted until the ticket
+    releases it (first token or end) or the ``with`` block ends."""
+
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.requests = 0
+        self.tokens = 0
+
+    @contextmanager
+    def admit(self, prompt_lens: list[int]) -> Iterator[Ticket]:
+        if self.requests + len(prompt_lens) > self.max_requests or self.tokens + sum(prompt_lens) > self.max_tokens:
+            raise overloaded(self.requests, self.tokens)
+        ticket = Ticket(self, prompt_lens)
+        try:
+            yield ticket
+        finally:
+            for i in list(ticket.waiting):
+                ticket.release(i)
+
+
+class Ticket:
+    """The admitted sequences (by index) that are still counted as queued."""
+
+    def __init__(self, admission: Admission, prompt_lens: list[int]) -> None:
+        self.admission = admission
+        self.waiting = dict(enumerate(prompt_lens))
+        admission.requests += len(prompt_lens)
+        admission.tokens += sum(prompt_lens)
+
+    def release(self, index: int) -> None:
+        """Idempotent."""
+        n = self.waiting.pop(index, None)
+        if n is not None:
+            self.admission.requests -= 1
+            self.admission.tokens -= n
+
+
+class Transport:
+    """One response's side of the ASGI connection: JSON or server-sent events.
+    ``sending_since`` is when the send in progress began (None when none is), for the
+    write watchdog."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+        self.sending_since: float | None = None
+
+    async def write(self, message: Message) -> None:
+        self.sending_since = time.monotonic()
+        try:
+            await self.send(message)
+        finally:
+            self.sending_since = None
+
+    async def json(self, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        body = msgspec.json.encode(obj)
+        self.started = True
+        await self.write({"type": "http.response.start", "status": status,
+                          "headers": [*JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+        await self.write({"type": "http.response.body", "body": body})
+
+    async def start_events(self) -> None:
+        self.started = True
+        await self.write({"type": "http.response.start", "status": 200, "headers": SSE})
+
+    async def event(self, obj: Any) -> None:
+        await self.write({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(obj) + b"\n\n",
+                          "more_body": True})
+
+    async def end_events(self) -> None:
+        await self.write({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def error(self, err: APIError) -> None:
+        """The error as OpenAI's JSON with its status, or, once the headers are out, as
+        an error event followed by ``[DONE]``."""
+        if not self.started:
+            await self.json(err.status, err.body(), err.headers)
+        else:
+            await self.event(err.body())
+            await self.end_events()
+
+
+@dataclass
+class _Timing:
+    start: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class Generation:
+    """One response to produce: its sequences (from ``output.fan_out``) and builder."""
+
+    client: EngineClient
+    sequences: list[SequenceState]
+    builder: ResponseBuilder
+    metrics: Metrics
+
+    async def run(self, receive: Receive, transport: Transport, ticket: Ticket, write_timeout: float) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()  # the client is gone: stop writing, abort the requests
+
+            async def watch_writes() -> None:
+                while True:
+                    await anyio.sleep(min(1.0, write_timeout / 4))
+                    since = transport.sending_since
+                    if since is not None and time.monotonic() - since > write_timeout:
+                        for seq in self.sequences:
+                            self.client.finish_early(seq.request_id)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            tg.start_soon(watch_writes)
+            try:
+                await self.respond(transport, ticket)
+            except EngineRequestError as e:
+                await transport.error(APIError(400, str(e)))
+            except EngineDeadError as e:
+                await transport.error(APIError(503, f"the engine failed while serving this request: {e}",
+                                               type="service_unavailable"))
+            except FrameTooLarge as e:
+                await transport.error(APIError(413, f"the request is too large for the engine channel: {e}"))
+            finally:
+                self.metrics.set_open_requests(self.client.num_open_requests)
+            tg.cancel_scope.cancel()
+
+    async def respond(self, transport: Transport, ticket: Ticket) -> None:
+        builder = self.builder
+        start = time.monotonic()
+        async with AsyncExitStack() as stack:
+            wakeup = Wakeup()  # one for all sequences: the pump waits on them together
+            streams = []
+            for seq in self.sequences:
+                streams.append(await stack.enter_async_context(
+                    self.client.request(seq.request_id, seq.prompt_ids, seq.sampling, wakeup)))
+            self.metrics.set_open_requests(self.client.num_open_requests)
+            if builder.stream:
+                await transport.start_events()
+                for chunk in builder.opening():
+                    await transport.event(chunk)
+            await self.pump(streams, wakeup, transport, ticket, start)
+        if builder.stream:
+            for chunk in builder.closing():
+                await transport.event(chunk)
+            await transport.end_events()
+        else:
+            await transport.json(200, builder.body())
+
+    async def pump(self, streams: list[RequestStream], wakeup: Wakeup, transport: Transport, ticket: Ticket,
+                   start: float) -> None:
+        """Until every sequence has finished: take what arrived, run it through the
+        output processor, and write what the builder makes of it."""
+        timing = [_Timing(start) for _ in streams]
+        live = list(zip(self.sequences, streams, strict=True))
+        while live:
+            await wakeup.wait()
+            updates: list[SequenceUpdate] = []
+            for seq, stream in list(live):
+                d = stream.take()
+                if d is None:
+                    continue
+                if d.token_ids or d.finish_reason is not None:
+                    ticket.release(seq.index)
+                self.observe(timing[seq.index], len(d.token_ids))
+                update = seq.process(d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens)
+                if update.abort:
+                    self.client.finish_early(seq.request_id)
+                if seq.finished:
+                    live.remove((seq, stream))
+                    assert seq.finish_reason is not None
+                    self.metrics.finished(seq.finish_reason, len(seq.prompt_ids), len(seq.token_ids),
+                                          time.monotonic() - timing[seq.index].start)
+                updates.append(update)
+            chunk = self.builder.feed(updates)
+            if chunk is not None:
+                await transport.event(chunk)
+
+    def observe(self, t: _Timing, new_tokens: int) -> None:
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if t.first_token is None:
+            t.first_token = now
+            self.metrics.ttft.observe(now - t.start)
+        elif t.last_token is not None:
+            self.metrics.itl.observe((now - t.last_token) / new_tokens)
+        t.last_token = now

@@ -1,0 +1,89 @@
+"""Requests -> prompt token ids: chat template, tokenization and the prompt checks.
+
+Synchronous and CPU-bound (a 2 MB prompt takes seconds to tokenize), so the app runs
+every call here in a bounded worker pool, never on the event loop. Text that could not
+fit in the context even if every token were the vocabulary's longest is refused before
+it is tokenized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from structllm.server.errors import APIError
+from structllm.server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    chat_messages,
+    check_token_ids,
+)
+from structllm.tokenizer import ChatTemplateError, Tokenizer
+
+
+class Preprocessor:
+    """Bound to one tokenizer and the engine's limits (``max_model_len``, None before an
+    engine is ready; ``vocab_size``, which may exceed the tokenizer's). Each method
+    raises ``APIError`` (400) naming the field on bad input."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        tokenizer.min_tokens_for("")  # measure the vocabulary now, not in a request
+
+    def chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        assert req.messages is not None
+        messages = chat_messages(req.messages)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return self.encode(text, add_special_tokens=False, param="messages")
+
+    def completion(self, req: CompletionRequest) -> list[list[int]]:
+        """The request's prompts (``prompt`` is a string, a list of strings, a list of
+        token ids or a list of token-id lists), each non-empty and in the vocabulary."""
+        out = []
+        for p in _prompt_items(req.prompt):
+            ids = self.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            check_token_ids(ids, self.vocab_size, "prompt")
+            out.append(ids)
+        return out
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            return self.chat(req)
+        assert req.prompt is not None
+        return self.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    def detokenize(self, ids: list[int]) -> str:
+        check_token_ids(ids, self.vocab_size, "tokens")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        least = self.tokenizer.min_tokens_for(text)
+        if self.max_model_len is not None and least >= self.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                           f"{param} has at least {least} tokens", param=param, code="context_length_exceeded")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # e.g. lone surrogates from JSON escapes
+            raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
+
+
+def _prompt_items(prompt: str | list[Any]) -> list[Any]:
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        items: list[Any] = [prompt]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        items = list(prompt)
+    else:
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                       "token-id lists", param="prompt")
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return items

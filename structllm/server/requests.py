@@ -1,0 +1,244 @@
+"""OpenAI request bodies and their validation, one place per rule.
+
+Bodies decode into frozen Structs; a decode or type failure becomes an ``APIError``
+(400) whose ``param`` names the offending field. Unknown fields are ignored, as OpenAI's
+own server and vLLM do, so newer clients keep working. Who checks what:
+
+- the Structs below: types, and the limits this server sets on top of the sampling
+  rules (``n``, temperature up to 2, the size of stop lists and strings);
+- ``SamplingParams.__post_init__``: every sampling rule (ranges, min_tokens vs
+  max_tokens, empty stop strings), turned into a 400 naming the request's field by
+  ``sampling_params``;
+- ``check_token_ids``: any token id against the vocabulary;
+- ``max_tokens_for``: the context length.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from structllm.protocol import SamplingParams
+from structllm.server.errors import APIError
+
+MAX_N = 64
+MAX_STOP = 16
+MAX_STOP_LEN = 1024
+MAX_SEQUENCES = 256  # prompts x n in one request
+
+Temperature = Annotated[float, Meta(le=2.0)]
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """Fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: Temperature | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    min_p: float | None = None
+    seed: int | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    stop: Annotated[str, Meta(max_length=MAX_STOP_LEN)] | Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_LEN)]], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[int], Meta(max_length=1024)] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: Annotated[float, Meta(le=10.0)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI fields this server cannot honour: a 400 when set (see ``check_supported``)
+    # rather than silently ignored.
+    store: bool | None = None
+
+
+class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+    # str, list[str], list[int] or list[list[int]] (msgspec unions allow one list type,
+    # so the shape is checked by the app)
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: bytes, kind: type[Any]) -> Any:
+    """JSON bytes -> ``kind``; any failure is a 400 naming the field when possible."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        m = _PATH.search(str(e))
+        param = m.group(1).split("[")[0].split(".")[0] if m else None
+        raise APIError(400, f"invalid request: {e}", param=param or None) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid UTF-8: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply") from None
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them; text parts are joined."""
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        if role not in ("system", "user", "assistant"):
+            raise APIError(400, f"messages[{i}].role must be system, user or assistant, got {m.role!r}", param="messages")
+        if isinstance(m.content, list):
+            parts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}", param="messages")
+                parts.append(part.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        out.append({"role": role, "content": content})
+    return out
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """400 naming ``param`` if any id is outside ``[0, vocab_size)``."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
+    """The output length the client asked for, and the field it used."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def max_tokens_for(prompt_lens: list[int], requested: int | None, param: str, max_model_len: int) -> int:
+    """max_tokens for these prompts: the request's, or what the context leaves. 400
+    (``context_length_exceeded``) when a prompt and its output cannot fit."""
+    longest = max(prompt_lens)
+    prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
+    if longest >= max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+                       f"{longest} tokens", param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return max_model_len - longest
+    if longest + requested > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but you requested "
+                       f"{longest + requested} tokens ({longest} in the prompt, {requested} to generate)",
+                       param=param, code="context_length_exceeded")
+    return requested
+
+
+def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """400 naming the first field the client set that this server cannot honour."""
+
+    def unsupported(param: str, what: str) -> APIError:
+        return APIError(400, f"{param} is not supported by this server ({what})", param=param)
+
+    if req.store:
+        raise unsupported("store", "completions are not stored")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise unsupported("suffix", "no fill-in-the-middle")
+        if req.best_of is not None and req.best_of != req.n:
+            raise unsupported("best_of", "use n; every completion is returned")
+        return
+    for name, what in (("audio", "text only"), ("prediction", "no predicted outputs"),
+                       ("web_search_options", "no web search"), ("functions", "use tools"),
+                       ("function_call", "use tool_choice"), ("reasoning_effort", "not a reasoning model")):
+        if getattr(req, name) is not None:
+            raise unsupported(name, what)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise unsupported("modalities", "text only")
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int) -> SamplingParams:
+    """The request's ``SamplingParams`` (with its ``n``). A rule it breaks is a 400
+    naming the request's own field."""
+    check_supported(req)
+    check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
+    renamed = {"max_tokens": requested_max_tokens(req)[1]}
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        renamed["logprobs"] = "top_logprobs"
+    else:
+        logprobs = req.logprobs
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise APIError(400, str(e).removeprefix("SamplingParams."), param=renamed.get(field, field)) from None

@@ -1,0 +1,238 @@
+"""Response builders, admission and the preprocessor, driven directly (sans-IO): no
+engine, no server, no socket. Uses the default model's tokenizer."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+from structllm.output import SequenceState, fan_out
+from structllm.protocol import SamplingParams, TokenLogprobs
+from structllm.server.errors import APIError
+from structllm.server.generation import Admission
+from structllm.server.preprocess import Preprocessor
+from structllm.server.requests import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    sampling_params,
+)
+from structllm.server.responses import ChatBuilder, TextBuilder
+from structllm.tokenizer import Tokenizer
+
+
+def sequences(tokenizer: Tokenizer, prompts: list[list[int]], **sampling: Any) -> list[SequenceState]:
+    return fan_out(prompts, SamplingParams(**sampling), tokenizer, lambda pi, j: f"r{pi}-{j}")
+
+
+def run(builder: Any, seqs: list[SequenceState], script: list[tuple[int, list[int], str | None]]) -> list[Any]:
+    """Feed (sequence index, token ids, finish reason) deltas one at a time; the chunks."""
+    out = []
+    for i, ids, finish in script:
+        chunk = builder.feed([seqs[i].process(ids, None, finish, None, 0)])
+        if chunk is not None:
+            out.append(chunk)
+    return out
+
+
+def test_chat_body_joins_text_and_counts_prompt_tokens_once(tokenizer: Tokenizer) -> None:
+    seqs = sequences(tokenizer, [[1, 2, 3]], n=2)
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=False)
+    hello, world = tokenizer.encode("Hello", add_special_tokens=False), tokenizer.encode(" world", add_special_tokens=False)
+    assert run(b, seqs, [(0, hello, None), (1, world, "length"), (0, world, "stop")]) == []
+    body = b.body()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hello world", " world"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(hello + world) + len(world),
+                             "total_tokens": 3 + len(hello + world) + len(world)}
+
+
+def test_chat_stream_opens_with_roles_and_ends_with_usage(tokenizer: Tokenizer) -> None:
+    seqs = sequences(tokenizer, [[1, 2]], n=2)
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=True, include_usage=True)
+    [opening] = b.opening()
+    assert [c["delta"] for c in opening["choices"]] == [{"role": "assistant", "content": ""}] * 2
+    hi = tokenizer.encode("Hi", add_special_tokens=False)
+    chunks = run(b, seqs, [(0, hi, None), (1, [], "length"), (0, [], "stop")])
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"content": "Hi"}, {}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length", "stop"]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    [closing] = b.closing()
+    assert closing["choices"] == [] and closing["usage"]["completion_tokens"] == len(hi)
+
+
+def test_stream_without_usage_has_no_closing_chunk(tokenizer: Tokenizer) -> None:
+    seqs = sequences(tokenizer, [[1]])
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=True)
+    assert b.closing() == [] and "usage" not in b.opening()[0]
+
+
+def test_nothing_to_say_sends_no_chunk(tokenizer: Tokenizer) -> None:
+    seqs = sequences(tokenizer, [[1]])
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=True)
+    partial = tokenizer.encode("🙂", add_special_tokens=False)[:1]  # decodes to nothing yet
+    assert b.feed([seqs[0].process(partial, None, None, None, 0)]) is None
+
+
+def test_streamed_echo_goes_out_with_the_first_chunk_even_if_it_has_no_text(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    seqs = sequences(tokenizer, [prompt], logprobs=0)
+    b = TextBuilder(seqs, tokenizer, model="m", stream=True, echo=True)
+    emoji = tokenizer.encode("🙂", add_special_tokens=False)
+    lps = [TokenLogprobs(-1.0, [], []) for _ in emoji]
+    first = b.feed([seqs[0].process(emoji[:1], lps[:1], None, None, 0)])
+    assert first is not None and first["choices"][0]["text"] == "Say:"
+    assert first["choices"][0]["logprobs"]["text_offset"] == [len("Say:")]
+    last = b.feed([seqs[0].process(emoji[1:], lps[1:], "length", None, 0)])
+    assert last is not None and last["choices"][0]["text"] == "🙂"
+    assert last["object"] == "text_completion"
+
+
+def test_text_body_echo_and_logprob_offsets(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("A B", add_special_tokens=False)
+    seqs = sequences(tokenizer, [prompt], logprobs=1)
+    b = TextBuilder(seqs, tokenizer, model="m", stream=False, echo=True)
+    ids = tokenizer.encode(" C D", add_special_tokens=False)
+    lps = [TokenLogprobs(-0.1 * (k + 1), [t], [-0.1 * (k + 1)]) for k, t in enumerate(ids)]
+    b.feed([seqs[0].process(ids, lps, "length", None, 0)])
+    [choice] = b.body()["choices"]
+    assert choice["text"] == "A B C D"
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == " C D"
+    assert lp["text_offset"][0] == len("A B")
+    assert lp["token_logprobs"] == [x.logprob for x in lps]
+    assert [list(d.values()) for d in lp["top_logprobs"]] == [[x.logprob] for x in lps]
+
+
+def test_stop_reason_is_reported_with_the_finish(tokenizer: Tokenizer) -> None:
+    seqs = sequences(tokenizer, [[1]], stop=["b"])
+    b = TextBuilder(seqs, tokenizer, model="m", stream=False)
+    b.feed([seqs[0].process(tokenizer.encode("a b c", add_special_tokens=False), None, None, None, 0)])
+    [choice] = b.body()["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("a ", "stop", "b")
+
+
+# -- admission -------------------------------------------------------------------------
+
+
+def test_admission_refuses_past_either_bound_and_releases_everything() -> None:
+    adm = Admission(max_requests=3, max_tokens=100)
+    with adm.admit([10, 20]) as ticket:
+        with pytest.raises(APIError) as e:
+            adm.admit([1, 1]).__enter__()
+        assert e.value.status == 503 and (b"retry-after", b"1") in e.value.headers
+        with pytest.raises(APIError):
+            adm.admit([71]).__enter__()
+        ticket.release(0)
+        ticket.release(0)  # idempotent
+        assert (adm.requests, adm.tokens) == (1, 20)
+        with adm.admit([1, 1]):
+            assert (adm.requests, adm.tokens) == (3, 22)
+    assert (adm.requests, adm.tokens) == (0, 0)
+
+
+def test_admission_releases_on_error() -> None:
+    adm = Admission(max_requests=2, max_tokens=10)
+    with pytest.raises(RuntimeError), adm.admit([5]):
+        raise RuntimeError
+    assert (adm.requests, adm.tokens) == (0, 0)
+
+
+# -- request rules and the preprocessor --------------------------------------------------
+
+
+def test_sampling_rules_name_the_requests_own_field() -> None:
+    chat = ChatCompletionRequest(messages=[ChatMessage("user", "hi")], logprobs=True, top_logprobs=21)
+    with pytest.raises(APIError) as e:
+        sampling_params(chat, 5, 100)
+    assert e.value.param == "top_logprobs"
+    with pytest.raises(APIError) as e:
+        sampling_params(ChatCompletionRequest(messages=[ChatMessage("user", "hi")], min_tokens=9), 5, 100)
+    assert e.value.param == "min_tokens"
+    with pytest.raises(APIError) as e:
+        sampling_params(CompletionRequest(prompt="x", stop_token_ids=[100]), 5, 100)
+    assert e.value.param == "stop_token_ids" and "100" in e.value.message
+
+
+class CountingTokenizer(Tokenizer):
+    """The real tokenizer, recording which threads encode."""
+
+    def __init__(self, base: Tokenizer) -> None:
+        self.__dict__.update(base.__dict__)
+        self.threads: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.get_ident())
+        return super().encode(text, add_special_tokens)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(tokenizer: Tokenizer) -> None:
+    tok = CountingTokenizer(tokenizer)
+    pre = Preprocessor(tok, max_model_len=2048, vocab_size=tok.vocab_size)
+    huge = "word " * 400_000  # 2 MB
+    with pytest.raises(APIError) as e:
+        pre.completion(CompletionRequest(prompt=huge))
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    with pytest.raises(APIError):
+        pre.chat(ChatCompletionRequest(messages=[ChatMessage("user", huge)]))
+    assert tok.threads == []
+    assert pre.completion(CompletionRequest(prompt="word " * 100))  # what can fit is tokenized
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[], [[1], "x"], [1, [2]], [[]], ""],
+)
+def test_bad_prompt_shapes_are_400(tokenizer: Tokenizer, prompt: Any) -> None:
+    pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
+    with pytest.raises(APIError) as e:
+        pre.completion(CompletionRequest(prompt=prompt))
+    assert e.value.status == 400 and e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_app_tokenizes_off_the_event_loop_thread(tokenizer: Tokenizer, backend: str) -> None:
+    from structllm.server.app import App
+    from structllm.server.config import ServerConfig
+
+    tok = CountingTokenizer(tokenizer)
+    app = App(ServerConfig(), "m", tok)
+
+    async def main() -> int:
+        await app.in_worker(app.pre.completion, CompletionRequest(prompt="hello"))
+        return threading.get_ident()
+
+    loop_thread = anyio.run(main, backend=backend)
+    assert tok.threads and loop_thread not in tok.threads
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"store": True}, "store"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ],
+)
+def test_chat_fields_that_cannot_be_honoured_are_400(body: dict[str, Any], param: str) -> None:
+    import msgspec
+
+    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest)
+    with pytest.raises(APIError) as e:
+        sampling_params(req, 5, 100)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_completion_fields_that_cannot_be_honoured_are_400() -> None:
+    for body, param in (({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")):
+        with pytest.raises(APIError) as e:
+            sampling_params(CompletionRequest(prompt="x", **body), 5, 100)  # type: ignore[arg-type]
+        assert e.value.param == param
+    assert sampling_params(CompletionRequest(prompt="x", best_of=1), 5, 100).n == 1  # best_of == n is fine
