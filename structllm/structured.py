@@ -205,6 +205,63 @@ def tool_calls_schema(tools: Sequence[Mapping[str, Any]], name: str | None = Non
     }
 
 
+def tool_choice_spec(
+    tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None = None, parallel: bool = True
+) -> StructuredOutputs | None:
+    """The constraint for OpenAI ``tools``/``tool_choice``/``parallel_tool_calls`` in the
+    generic envelope format (``tool_calls_schema``), for chat templates that know no
+    tools: ``none`` (or no tools with ``auto``/unset): no constraint; ``required``: the
+    envelope; a named function: the envelope restricted to it; ``auto`` (the default
+    with tools): either the envelope or free text that does not start with ``{``.
+    Raises ``GrammarError`` naming ``tool_choice`` for an unknown choice or function,
+    or ``required`` without tools."""
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none" or (choice == "auto" and not tools):
+        return None
+    if choice == "required":
+        if not tools:
+            raise GrammarError("tool_choice 'required' needs at least one entry in tools")
+        return StructuredOutputs(json=tool_calls_schema(tools, parallel=parallel))
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise GrammarError('tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}')
+        return StructuredOutputs(json=tool_calls_schema(tools or [], name=name, parallel=parallel))
+    if choice != "auto":
+        raise GrammarError(f"tool_choice must be none, auto, required or a named function, got {choice!r}")
+    assert tools
+    envelope = {**tool_calls_schema(tools, parallel=parallel), "x-guidance": _json_options(StructuredOutputs(json_object=True))}
+    # llguidance's Lark embeds a JSON schema as a rule; the text branch cannot open with
+    # "{", so whichever the model starts with decides the branch
+    return StructuredOutputs(grammar="start: calls | TEXT\ncalls: %json " + json.dumps(envelope) + "\nTEXT: /[^{](.|\\n)*/\n")
+
+
+def validate_tools(tools: Sequence[Mapping[str, Any]], tokenizer: llg.LLTokenizer | None = None) -> str | None:
+    """``None`` if every OpenAI tool is usable, else a message naming the entry
+    (``tools[i].function.parameters: ...``): type ``function``, a unique non-empty
+    name, and parameters that compile as a JSON schema. Blocking, like ``validate``."""
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if t.get("type") != "function" or not isinstance(fn, Mapping):
+            return f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}"
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            return f"tools[{i}].function.name must be a non-empty string"
+        if name in seen:
+            return f"tools[{i}].function.name {name!r} is used by an earlier tool"
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            return f"tools[{i}].function.parameters must be a JSON schema object"
+        error = validate(StructuredOutputs(json=dict(params)), tokenizer, field=f"tools[{i}].function.parameters")
+        if error is not None:
+            return error
+    return None
+
+
 # -- the engine's per-sequence matcher ----------------------------------------------------
 
 
