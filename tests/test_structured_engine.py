@@ -81,9 +81,12 @@ def test_json_object_regex_choice_grammar(llm: LLM) -> None:
 
 def test_sampled_and_n2_outputs_are_valid(llm: LLM) -> None:
     spec = StructuredOutputs(json=WEATHER)
-    outs = llm.generate([ASK, "Weather:"], [sp(spec, temperature=1.0, top_p=0.95, n=2), sp(spec, temperature=0.8, seed=3)])
+    penalised = sp(spec, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
+    outs = llm.generate(
+        [ASK, "Weather:", ASK], [sp(spec, temperature=1.0, top_p=0.95, n=2), sp(spec, temperature=0.8, seed=3), penalised]
+    )
     texts = [c.text for o in outs for c in o.outputs]
-    assert len(texts) == 3
+    assert len(texts) == 4
     for t in texts:
         assert_valid_json(t, WEATHER)
     again = llm.generate(["Weather:"], sp(spec, temperature=0.8, seed=3))[0]

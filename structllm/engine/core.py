@@ -185,6 +185,7 @@ class EngineCore:
         self.scheduler.grammar = self.grammar
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
+            self.runner.max_rows = self.config.max_num_seqs
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load

@@ -101,6 +101,9 @@ class ModelRunner:
         ]
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
+        # attention rows a step may have when short chunks of generated tokens are laid
+        # out as decode rows (see prepare); 0: never. Set by the engine to max_num_seqs.
+        self.max_rows = 0
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
@@ -108,10 +111,26 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
+    def _decode_chunks(self, sched: SchedulerOutput) -> set[str]:
+        """Requests whose chunk of several *generated* tokens (a sampled token and the
+        ones grammar fast-forward appended) is laid out as one decode row per token: row
+        ``i`` attends to the cache up to its own position, which the step's K/V store has
+        already written, so it is causal attention, computed by the batched decode
+        kernel (as step-by-step decoding would compute those tokens) instead of a
+        per-sequence prefill. Total rows stay within ``max_rows``."""
+        spare = self.max_rows - len(sched.scheduled)
+        chosen: set[str] = set()
+        for req, n in sched.scheduled:
+            if 1 < n <= spare + 1 and req.num_computed_tokens >= req.prompt_len:
+                chosen.add(req.request_id)
+                spare -= n - 1
+        return chosen
+
     def prepare(self, sched: SchedulerOutput) -> Batch:
-        """The flat batch of ``sched``: decodes (one new token) first, so attention can
-        batch them, then prefill chunks."""
-        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
+        """The flat batch of ``sched``: decode rows (one new token each; see
+        ``_decode_chunks``) first, so attention can batch them, then prefill chunks."""
+        as_decodes = self._decode_chunks(sched) if self.max_rows else set()
+        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -128,9 +147,14 @@ class ModelRunner:
             input_ids += req.token_ids[start:end]
             positions += range(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + n)
-            tables.append(blocks)
+            if req.request_id in as_decodes:  # row per token; ends within the sequence
+                seq_lens += range(start + 1, end + 1)
+                query_start += range(query_start[-1] + 1, query_start[-1] + n + 1)
+                tables += [blocks] * n
+            else:
+                seq_lens.append(end)
+                query_start.append(query_start[-1] + n)
+                tables.append(blocks)
             if end == req.num_tokens:
                 sample_rows.append(query_start[-1] - 1)
                 sample_reqs.append(req)
@@ -147,7 +171,7 @@ class ModelRunner:
             block_tables=bytearray(flat_tables),
             seq_lens=seq_lens,
             query_start=query_start,
-            num_decodes=sum(1 for _, n in ordered if n == 1),
+            num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows,
         )
         return batch_from_step(step, self.device, sample_reqs)
