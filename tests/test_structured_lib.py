@@ -294,3 +294,33 @@ def test_tool_choice_specs(lltok: Any) -> None:
     assert (validate_tools(broken, lltok) or "").startswith("tools[1].function.parameters: ")
     assert "earlier tool" in (validate_tools([TOOLS[0], TOOLS[0]]) or "")
     assert "tools[0].function.name" in (validate_tools([{"type": "function", "function": {}}]) or "")
+
+
+def test_generated_chunks_are_laid_out_as_decode_rows() -> None:
+    """A sampled token plus fast-forwarded ones: one decode row per token (causal over
+    the cache), within max_rows; prompt chunks stay prefill rows."""
+    from types import SimpleNamespace
+
+    from structllm.engine.runner import ModelRunner
+    from structllm.engine.scheduler import SchedulerOutput
+
+    ff = Request("ff", [1, 2, 3], SamplingParams(), 10)
+    ff.token_ids += [5, 6, 7]  # sampled 5, forced 6 and 7; the prompt is computed
+    ff.num_computed_tokens, ff.block_ids = 3, [0]
+    prompt = Request("prompt", [1, 2, 3, 4], SamplingParams(), 10)
+    prompt.block_ids = [1]
+    dec = Request("dec", [1, 2], SamplingParams(), 10)
+    dec.token_ids.append(9)
+    dec.num_computed_tokens, dec.block_ids = 2, [2]
+    sched = SchedulerOutput([(prompt, 4), (ff, 3), (dec, 1)])
+
+    def layout(max_rows: int) -> Any:
+        fake = SimpleNamespace(block_size=16, max_rows=max_rows, device=torch.device("cpu"))
+        fake._decode_chunks = lambda s: ModelRunner._decode_chunks(fake, s)  # type: ignore[arg-type]
+        return ModelRunner.prepare(fake, sched).step  # type: ignore[arg-type]
+
+    step = layout(8)
+    assert step.num_decodes == 4 and step.seq_lens == [4, 5, 6, 3, 4]
+    assert step.query_start == [0, 1, 2, 3, 4, 8] and step.logit_rows == [2, 3, 7]
+    step = layout(4)  # no room for two extra rows: the chunk stays a prefill row
+    assert step.num_decodes == 1 and step.seq_lens == [3, 4, 6] and step.logit_rows == [0, 4, 7]
