@@ -30,6 +30,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--no-grammar-fast-forward", action="store_true",
+                   help="decode tokens a grammar forces one step each (default: append them in one step)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -47,6 +49,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,
         attention_backend=a.attention_backend,
+        grammar_fast_forward=not a.no_grammar_fast_forward,
     )
 
 

@@ -32,6 +32,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       heads; when N does not divide the KV heads the ranks hold one group more or less.
       A model that cannot be split is refused with a ``ValueError`` naming the numbers.
       ``kv_cache_memory`` is per rank. Ignored with ``null_model`` (no model to split).
+    - ``grammar_fast_forward``: when a constrained request's grammar forces its next
+      tokens, append them in one step (computed like a prompt chunk) instead of one
+      decode step each; the output is the same either way (see ``engine.grammar``).
     """
 
     model: str | None = None
@@ -51,6 +54,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     null_model: bool = False
     null_step_time: float = 0.0
     tensor_parallel_size: int = 1
+    grammar_fast_forward: bool = True
 
     def __post_init__(self) -> None:
         bs = self.block_size

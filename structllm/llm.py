@@ -98,13 +98,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one or many prompts in one continuously batched run. Returns one
         ``RequestOutput`` per prompt, in order. Raises ``ValueError`` naming the prompt
-        if one can never run (empty, too long, ids outside the vocabulary)."""
+        if one can never run (empty, too long, ids outside the vocabulary) or its
+        ``structured_outputs`` does not compile. A constrained request whose grammar
+        fails in the engine ends alone with ``finish_reason == "error"``."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
         encoded = [self._encode(p) for p in items]
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
                 self.engine.check_request(ids, sp)
+                self._check_structured(sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
@@ -124,9 +127,9 @@ class LLM:
                 for delta in self.engine.step().outputs:
                     if delta.request_id not in live:
                         continue  # e.g. the abort echo of a stop-string finish
-                    if delta.error is not None:
-                        raise RuntimeError(f"engine refused request: {delta.error}")
                     seq, res = live[delta.request_id]
+                    if delta.error is not None and seq.sampling.structured_outputs is None:
+                        raise RuntimeError(f"engine refused request: {delta.error}")
                     update = seq.process(delta.new_token_ids, delta.logprobs, delta.finish_reason,
                                          delta.stop_reason, delta.num_cached_tokens, delta.prompt_logprobs)
                     res.num_cached_tokens = seq.num_cached_tokens
@@ -155,6 +158,16 @@ class LLM:
         """``generate`` for one chat or a list of chats."""
         chats: list[Any] = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         return self.generate(chats, sampling_params)
+
+    def _check_structured(self, sp: SamplingParams) -> None:
+        """Raise ``ValueError`` if ``sp.structured_outputs`` does not compile."""
+        if sp.structured_outputs is None:
+            return
+        from structllm.structured import validate
+
+        error = validate(sp.structured_outputs, self.engine.grammar.tokenizer)
+        if error is not None:
+            raise ValueError(error)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

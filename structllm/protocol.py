@@ -14,13 +14,61 @@ frame is decoded.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 PROTOCOL_VERSION = 1
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A constraint on a sequence's output (the shape of vLLM's
+    ``StructuredOutputsParams``). Exactly one of the constraint fields is set:
+
+    - ``json``: a JSON schema, as a dict or as JSON text; the output is a JSON value valid
+      against it (unsupported keywords are an error, not ignored);
+    - ``json_object``: ``True``: any JSON object (``False`` counts as not set);
+    - ``regex``: the whole output matches this regular expression (Rust ``regex`` syntax);
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a Lark grammar in llguidance's dialect (``start:`` is the root; it may
+      embed ``%json {...}`` schemas).
+
+    ``whitespace_flexible`` (JSON only): allow any whitespace between JSON tokens. Off by
+    default (unlike vLLM): JSON is then written with fixed ``", "`` and ``": "``
+    separators and no other whitespace, so a small model cannot ramble in whitespace,
+    and the text between values is forced, which grammar fast-forward exploits.
+
+    Checked here only for shape; whether the schema, regex or grammar compiles is
+    ``structllm.structured.validate``'s job (the front end calls it before the engine).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            got = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "StructuredOutputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar (got {got})"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("StructuredOutputs.choice must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        """The name of the constraint field that is set (``"json"``, ``"regex"``, ...)."""
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -30,8 +78,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     filters. Presence and frequency penalties apply to generated tokens (OpenAI's
     definition); the repetition penalty applies to prompt and generated tokens (the
     Hugging Face / CTRL definition). ``logprobs=N`` returns the sampled token's logprob
-    and the N most likely alternatives, computed from the model's raw logits.
-    ``stop`` strings are handled by the detokenizing layer, the rest by the engine.
+    and the N most likely alternatives, computed from the model's raw logits (for a
+    constrained request, as in vLLM, after the grammar's mask: disallowed tokens have
+    logprob -inf). ``stop`` strings are handled by the detokenizing layer, the rest by
+    the engine. ``structured_outputs`` constrains the output to a grammar (see
+    ``StructuredOutputs``); the grammar ending wins over ``min_tokens`` and
+    ``ignore_eos`` (the request then finishes with ``"stop"``).
     """
 
     n: int = 1
@@ -53,6 +105,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -191,6 +244,8 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0  # model steps run
+    num_grammar_matchers: int = 0  # live matchers of constrained requests
+    num_grammar_ff_tokens: int = 0  # tokens appended by grammar fast-forward (decode steps saved)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

@@ -13,10 +13,12 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
 from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, GiB
+from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
@@ -41,6 +43,9 @@ from structllm.protocol import (
     ToEngine,
     TokenDelta,
 )
+from structllm.structured import Matcher
+
+COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -162,6 +167,8 @@ class EngineCore:
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
         self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
+        # constrained requests whose matcher is being built, in arrival order
+        self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
 
     def _start(self, plan: ShardPlan | None) -> None:
         group = self._load(plan)
@@ -172,6 +179,13 @@ class EngineCore:
             self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_token_ids
         )
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
+        self.grammar = GrammarManager(
+            str(self.files.tokenizer_json), self.eos_token_ids, self.vocab_size, self.config.grammar_fast_forward
+        )
+        self.scheduler.grammar = self.grammar
+        if isinstance(self.runner, ModelRunner):
+            self.runner.grammar = self.grammar
+            self.runner.max_rows = self.config.max_num_seqs
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load
@@ -231,6 +245,9 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (idempotent; a no-op otherwise)."""
         if self.workers is not None:
             self.workers.close()
+        grammar: GrammarManager | None = getattr(self, "grammar", None)
+        if grammar is not None:
+            grammar.close()
 
     @property
     def watch_fds(self) -> tuple[int, ...]:
@@ -279,12 +296,41 @@ class EngineCore:
             want = msg.sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
             req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
+            if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
+                raise ValueError(f"request id {msg.request_id!r} is already in use")
+            if msg.sampling.structured_outputs is not None:
+                # scheduled once its matcher is built (off this thread; see _admit_compiled)
+                self._compiling[msg.request_id] = (req, self.grammar.compile(req))
+                return
             self.scheduler.add_request(req)
         except ValueError as e:
             self._pending.append(TokenDelta(msg.request_id, [], "error", error=str(e)))
 
+    def _admit_compiled(self, wait_s: float = 0.0) -> None:
+        """Schedule the constrained requests whose matcher is ready; one whose grammar
+        failed ends alone with an ``error`` delta. With ``wait_s``, wait that long for
+        the first one to finish (when the step has nothing else to do)."""
+        if wait_s > 0 and self._compiling:
+            wait([f for _, f in self._compiling.values()], wait_s, return_when=FIRST_COMPLETED)
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            result = future.result()
+            if isinstance(result, str):
+                self._pending.append(TokenDelta(rid, [], "error", error=result))
+                continue
+            self.grammar.attach(req, result)
+            self.scheduler.add_request(req)
+
     def abort(self, request_ids: Iterable[str]) -> None:
-        self._pending += self.scheduler.abort(request_ids)
+        ids = list(request_ids)
+        for rid in ids:
+            entry = self._compiling.pop(rid, None)
+            if entry is not None:  # its matcher, when built, is dropped unattached
+                entry[1].cancel()
+                self._pending.append(TokenDelta(rid, [], "abort", None, 0))
+        self._pending += self.scheduler.abort(ids)
 
     def handle(self, msg: ToEngine) -> bool:
         """Apply one inbound message; returns False on ``Shutdown``."""
@@ -302,9 +348,11 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling)
 
     def step(self) -> OutputBatch:
+        if self._compiling:
+            self._admit_compiled(0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
         sched = self.scheduler.schedule()
         deltas, self._pending = self._pending, []
         if sched.scheduled:
@@ -330,11 +378,16 @@ class EngineCore:
         finally:
             workers.close()
 
+    @property
+    def num_live_matchers(self) -> int:
+        """Grammar matchers held for live constrained requests (0 once all ended)."""
+        return len(self.grammar.matchers)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(self._compiling),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.num_queried_tokens,
             prefix_cache_hits=self.kv.num_hit_tokens,
@@ -342,4 +395,6 @@ class EngineCore:
             num_prompt_tokens=s.num_prompt_tokens,
             num_generation_tokens=s.num_generation_tokens,
             num_steps=self.num_steps,
+            num_grammar_matchers=len(self.grammar.matchers),
+            num_grammar_ff_tokens=self.grammar.num_ff_tokens,
         )

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from structllm.protocol import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from structllm.structured import Matcher
 
 
 class Status(enum.Enum):
@@ -19,7 +23,8 @@ class Request:
     request in decode has ``num_computed_tokens == len(token_ids) - 1``.
 
     ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``. ``chain_ids[i]`` is the prefix
-    cache's identity of full block ``i`` (see ``KVCacheManager``).
+    cache's identity of full block ``i`` (see ``KVCacheManager``). ``grammar``: the
+    matcher of a constrained request while it lives (see ``engine.grammar``).
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -31,6 +36,7 @@ class Request:
         "block_ids",
         "chain_ids",
         "finish_reason",
+        "grammar",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -67,6 +73,7 @@ class Request:
         self.chain_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
+        self.grammar: Matcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from structllm.engine.cuda_graphs import DecodeGraphs
+from structllm.engine.grammar import GrammarManager
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
@@ -112,6 +113,10 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
+        self.grammar: GrammarManager | None = None  # rank 0, set by the engine
+        # attention rows a step may have when short chunks of generated tokens are laid
+        # out as decode rows (see prepare); 0: never. Set by the engine to max_num_seqs.
+        self.max_rows = 0
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
@@ -119,11 +124,27 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
+    def _decode_chunks(self, sched: SchedulerOutput) -> set[str]:
+        """Requests whose chunk of several *generated* tokens (a sampled token and the
+        ones grammar fast-forward appended) is laid out as one decode row per token: row
+        ``i`` attends to the cache up to its own position, which the step's K/V store has
+        already written, so it is causal attention, computed by the batched decode
+        kernel (as step-by-step decoding would compute those tokens) instead of a
+        per-sequence prefill. Total rows stay within ``max_rows``."""
+        spare = self.max_rows - len(sched.scheduled)
+        chosen: set[str] = set()
+        for req, n in sched.scheduled:
+            if 1 < n <= spare + 1 and req.num_computed_tokens >= req.prompt_len:
+                chosen.add(req.request_id)
+                spare -= n - 1
+        return chosen
+
     def prepare(self, sched: SchedulerOutput) -> Batch:
-        """The flat batch of ``sched``: decodes (one new token) first, so attention can
-        batch them, then prefill chunks. Logit rows: one per sampling request, then one
-        per prompt position to score."""
-        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
+        """The flat batch of ``sched``: decode rows (one new token each; see
+        ``_decode_chunks``) first, so attention can batch them, then prefill chunks.
+        Logit rows: one per sampling request, then one per prompt position to score."""
+        as_decodes = self._decode_chunks(sched) if self.max_rows else set()
+        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -142,9 +163,14 @@ class ModelRunner:
             input_ids += req.token_ids[start:end]
             positions += range(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + n)
-            tables.append(blocks)
+            if req.request_id in as_decodes:  # row per token; ends within the sequence
+                seq_lens += range(start + 1, end + 1)
+                query_start += range(query_start[-1] + 1, query_start[-1] + n + 1)
+                tables += [blocks] * n
+            else:
+                seq_lens.append(end)
+                query_start.append(query_start[-1] + n)
+                tables.append(blocks)
             if req.samples_after(n):
                 sample_rows.append(query_start[-1] - 1)
                 sample_reqs.append(req)
@@ -166,7 +192,7 @@ class ModelRunner:
             block_tables=bytearray(flat_tables),
             seq_lens=seq_lens,
             query_start=query_start,
-            num_decodes=sum(1 for _, n in ordered if n == 1),
+            num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
         )
         return batch_from_step(step, self.device, sample_reqs, spans)
@@ -211,13 +237,18 @@ class ModelRunner:
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
         reqs = batch.sample_reqs
+        # the constrained rows' bitmask is computed while the model runs
+        pending = self.grammar.start_fill(reqs) if self.grammar is not None else None
         scorer = PromptScorer(batch.prompt_spans) if batch.prompt_spans else None
         logits = self.run(batch) if scorer is None else self._run_scoring(batch, scorer)
+        mask = pending.result() if pending is not None else None
         sampled: dict[str, int] = {}
         lps: dict[str, TokenLogprobs] = {}
         if logits is not None:
             with torch.inference_mode():
-                tokens, logprobs = self.sampler(logits.cpu(), reqs)
+                tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
+            if mask is not None and self.grammar is not None:
+                self.grammar.record(mask)
             sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
             lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}
         return sampled, lps, scorer.results() if scorer is not None else {}

@@ -1,11 +1,15 @@
 """Token selection from a step's logits, one row per sampling request.
 
-Order of operations per row: sanitise NaN/Inf -> logprobs of the raw logits (if asked)
--> ``logit_bias`` -> ``min_tokens`` masks EOS and stop ids -> penalties -> greedy
-argmax, or temperature, top-k, top-p, min-p and a draw.
+Order of operations per row: sanitise NaN/Inf -> the grammar's token mask (constrained
+rows only, see ``engine.grammar``) -> logprobs (if asked) -> ``logit_bias`` ->
+``min_tokens`` masks EOS and stop ids -> penalties -> greedy argmax, or temperature,
+top-k, top-p, min-p and a draw. A constrained row left with no allowed token gets token
+``-1`` (never an illegal token); the caller ends that request with an error.
 
-Reported logprobs are those of the raw model (before the bias and every other step),
-so a biased or penalised request still sees what the model thinks of its tokens.
+Reported logprobs are the model's before the bias and every sampling step (vLLM's
+default "raw" logprobs); for a constrained row, as in vLLM, they are of the logits the
+grammar allows (the mask comes first). Bias and mask commute: a banned token stays
+banned whatever its bias.
 
 Draws use the exponential-race form of categorical sampling: ``argmax(p / E)`` with
 ``E ~ Exp(1)`` i.i.d. picks index ``i`` with probability ``p_i``. The noise of a
@@ -21,6 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from structllm.engine.grammar import GrammarMask, apply_bitmask
 from structllm.engine.request import Request
 from structllm.protocol import TokenLogprobs
 
@@ -41,13 +46,19 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
         self._row_gen = torch.Generator()
 
-    def __call__(self, logits: Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """``logits: [N, V]`` float32, row ``i`` for ``reqs[i]``. Returns the chosen ids and,
-        for requests that asked, their logprobs. ``logits`` may be modified."""
+    def __call__(
+        self, logits: Tensor, reqs: Sequence[Request], grammar: GrammarMask | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``logits: [N, V]`` float32, row ``i`` for ``reqs[i]``; ``grammar``: the allowed
+        tokens of the constrained rows. Returns the chosen ids (``-1`` for a constrained
+        row with nothing allowed) and, for requests that asked, their logprobs.
+        ``logits`` may be modified."""
         n, vocab = logits.shape
         # max propagates NaN and shows +inf or an all -inf row: one pass, no [N, V] temporary
         if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
             logits = _sanitise(logits)
+        if grammar is not None:
+            apply_bitmask(logits, grammar)
         lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         biased = [i for i, r in enumerate(reqs) if r.sampling.logit_bias]
@@ -64,6 +75,7 @@ class Sampler:
             if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
                 _apply_penalties(logits[i], r)
 
+        dead = _dead_rows(logits, grammar) if grammar is not None else []
         greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
         tokens = torch.empty(n, dtype=torch.long)
         if len(greedy) == n:
@@ -74,6 +86,8 @@ class Sampler:
             rand = [i for i in range(n) if not reqs[i].sampling.greedy]
             tokens[rand] = self._draw(logits[rand], [reqs[i] for i in rand])
         token_list: list[int] = tokens.tolist()
+        for i in dead:
+            token_list[i] = -1
 
         out_lp: list[TokenLogprobs | None] = [None] * n
         if raw_logprobs is not None:
@@ -130,6 +144,18 @@ class Sampler:
                 self._row_gen.manual_seed(_mix(seed, r.num_output_tokens))
                 noise[i].exponential_(generator=self._row_gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def _dead_rows(logits: Tensor, grammar: GrammarMask) -> list[int]:
+    """Constrained rows with no finite logit left (the grammar and ``min_tokens`` banned
+    everything). They are zeroed so the draw stays NaN-free; their token is discarded."""
+    rows = torch.tensor(grammar.rows, dtype=torch.long)
+    alive = torch.isfinite(logits.amax(dim=-1)[rows])  # a max per row, no [R, V] copy
+    if bool(alive.all()):
+        return []
+    dead = rows[~alive].tolist()
+    logits[dead] = 0.0
+    return dead
 
 
 def _sanitise(logits: Tensor) -> Tensor:

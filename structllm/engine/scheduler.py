@@ -12,6 +12,10 @@ generated tokens, and it goes back to the front of the queue to be recomputed la
 A request that asks for prompt logprobs takes no prefix-cache hits over prompt
 positions it has not scored yet (a cached block has K/V but no logits); its own blocks
 still enter the cache for others.
+
+Constrained requests (``Request.grammar`` set) hand each sampled token to the
+``GrammarHook`` (``engine.grammar.GrammarManager``), which may end them or append the
+tokens the grammar forces next; those are then scheduled like a chunk of prompt.
 """
 
 from __future__ import annotations
@@ -19,10 +23,28 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request, Status
 from structllm.protocol import FinishReason, TokenDelta, TokenLogprobs
+
+
+def forced_logprobs(tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of fast-forwarded tokens: each was the only token its mask allowed, so
+    its (masked) logprob is 0 and every alternative's is -inf (not listed)."""
+    return [TokenLogprobs(0.0, [t] if k else [], [0.0] if k else []) for t in tokens]
+
+
+class GrammarHook(Protocol):
+    def advance(
+        self, req: Request, token: int, reason: FinishReason | None
+    ) -> tuple[list[int], FinishReason | None, str | None]: ...
+
+    def free(self, req: Request) -> None: ...
+
+
+NO_TOKEN_ALLOWED = "the grammar allows no token here (every candidate was masked)"
 
 
 @dataclass
@@ -60,6 +82,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests, cumulative
         self.num_generation_tokens = 0
+        self.grammar: GrammarHook | None = None  # set by the engine
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -131,8 +154,10 @@ class Scheduler:
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[TokenDelta]:
         """Advance the scheduled requests by what the step computed, append the sampled
-        tokens, finish requests that hit a stop condition, and describe it all.
-        ``prompt_logprobs[id]`` holds the scores of ``req.prompt_logprob_span(n)``."""
+        tokens (and, for constrained requests, the tokens their grammar forces next),
+        finish requests that hit a stop condition, and describe it all. A sampled token
+        of ``-1`` (a constrained row with nothing allowed) ends its request with an
+        error. ``prompt_logprobs[id]`` holds the scores of ``req.prompt_logprob_span(n)``."""
         deltas: list[TokenDelta] = []
         for req, n in out.scheduled:
             first, count = req.prompt_logprob_span(n)
@@ -153,22 +178,28 @@ class Scheduler:
                         TokenDelta(req.request_id, [], reason, None, cached, prompt_logprobs=plp)
                     )
                 continue
+            lp = logprobs.get(req.request_id) if logprobs else None
+            if token < 0:
+                self._finish(req, "error")
+                deltas.append(TokenDelta(req.request_id, [], "error", None, req.num_cached_tokens, error=NO_TOKEN_ALLOWED))
+                continue
             req.token_ids.append(token)
             self.num_generation_tokens += 1
             reason = self._stop_reason(req, token)
-            lp = logprobs.get(req.request_id) if logprobs else None
+            new, lps, error = [token], [lp] if lp is not None else None, None
+            if req.grammar is not None and self.grammar is not None:
+                forced, reason, error = self.grammar.advance(req, token, reason)
+                if forced:
+                    req.token_ids += forced
+                    self.num_generation_tokens += len(forced)
+                    new += forced
+                    if lps is not None:
+                        lps += forced_logprobs(forced, req.sampling.logprobs or 0)
             if reason is not None:
                 self._finish(req, reason)
             deltas.append(
-                TokenDelta(
-                    req.request_id,
-                    [token],
-                    reason,
-                    [lp] if lp is not None else None,
-                    req.num_cached_tokens,
-                    req.stop_reason,
-                    prompt_logprobs=plp,
-                )
+                TokenDelta(req.request_id, new, reason, lps, req.num_cached_tokens, req.stop_reason, error,
+                           prompt_logprobs=plp)
             )
         return deltas
 
@@ -202,6 +233,8 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.kv.free_blocks(req)
+        if self.grammar is not None:
+            self.grammar.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
