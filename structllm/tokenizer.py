@@ -46,6 +46,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(tokenizer_json)
+        self.path = tokenizer_json
         self.meta = meta
         ids = set(eos_token_ids)
         if meta.eos_token is not None and (eid := self._tok.token_to_id(meta.eos_token)) is not None:

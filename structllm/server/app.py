@@ -24,7 +24,7 @@ import anyio
 from structllm import __version__
 from structllm.client import EngineClient
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import EngineStats
+from structllm.protocol import EngineStats, StructuredOutputs
 from structllm.server import requests as rq
 from structllm.server.config import ServerConfig
 from structllm.server.errors import APIError, ClientGone
@@ -241,9 +241,10 @@ class App:
         self.check_model(req.model)
         client = self.engine()
         ids = await self.in_worker(self.pre.chat, req)
+        constraint = await self.constraint(req)
         requested, param = rq.requested_max_tokens(req)
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
-        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size)
+        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
         seqs = fan_out([ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"))
         builder = ChatBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -255,12 +256,13 @@ class App:
         self.check_model(req.model)
         client = self.engine()
         prompts = await self.in_worker(self.pre.completion, req)
+        constraint = await self.constraint(req)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
                            "request", param="prompt")
         max_tokens = rq.max_tokens_for([len(p) for p in prompts], req.max_tokens, "max_tokens",
                                        client.ready.max_model_len)
-        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size)
+        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
         builder = TextBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -274,6 +276,12 @@ class App:
             await generation.run(receive, Transport(send), ticket, self.config.write_timeout)
 
     # -- request preparation -----------------------------------------------------------
+
+    async def constraint(self, req: rq.ChatCompletionRequest | rq.CompletionRequest) -> StructuredOutputs | None:
+        """The request's output constraint, compiled once in the worker pool to check it."""
+        if req.response_format is None and req.structured_outputs is None:
+            return None
+        return await self.in_worker(self.pre.constraint, req)
 
     async def in_worker(self, fn: Callable[[T], R], arg: T) -> R:
         """``fn(arg)`` in the bounded tokenizer pool (CPU-bound work off the event loop)."""

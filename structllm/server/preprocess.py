@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
+from structllm import structured
+from structllm.protocol import StructuredOutputs
 from structllm.server.errors import APIError
 from structllm.server.requests import (
     ChatCompletionRequest,
@@ -32,6 +36,13 @@ class Preprocessor:
         self.vocab_size = vocab_size
         tokenizer.min_tokens_for("")  # measure the vocabulary now, not in a request
 
+    @property
+    def grammar_tokenizer(self) -> structured.llg.LLTokenizer:
+        """llguidance's view of the tokenizer, as the engine builds it (so a grammar that
+        validates here builds there); made on first use, in a worker thread, and cached."""
+        tok = self.tokenizer
+        return structured.load_tokenizer(tok.path, tuple(tok.eos_token_ids), max(self.vocab_size, tok.vocab_size))
+
     def chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         assert req.messages is not None
         messages = chat_messages(req.messages)
@@ -52,6 +63,33 @@ class Preprocessor:
             check_token_ids(ids, self.vocab_size, "prompt")
             out.append(ids)
         return out
+
+    def constraint(self, req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
+        """The output constraint of ``response_format`` or vLLM's ``structured_outputs``
+        (at most one), compiled once to check it (bounded by ``structured.LIMITS``): a
+        400 naming the field if it is unknown, malformed or does not compile."""
+        spec, field = None, None
+        if req.structured_outputs is not None:
+            try:
+                spec = msgspec.convert(req.structured_outputs, StructuredOutputs)
+            except (msgspec.ValidationError, ValueError) as e:
+                raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
+        try:
+            from_format = structured.response_format_spec(req.response_format)
+        except structured.GrammarError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        if from_format is not None:
+            if spec is not None:
+                raise APIError(400, "give response_format or structured_outputs, not both", param="response_format")
+            spec, field = from_format, f"response_format.{from_format.kind}"
+            if from_format.kind == "json":
+                field = "response_format.json_schema.schema"
+        if spec is None:
+            return None
+        error = structured.validate(spec, self.grammar_tokenizer, field=field)
+        if error is not None:
+            raise APIError(400, error, param=(field or "structured_outputs").split(".")[0])
+        return spec
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         if (req.prompt is None) == (req.messages is None):

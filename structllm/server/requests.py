@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from structllm.protocol import SamplingParams
+from structllm.protocol import SamplingParams, StructuredOutputs
 from structllm.server.errors import APIError
 
 MAX_N = 64
@@ -73,6 +73,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are strings) -> bias
     prompt_logprobs: int | None = None  # vLLM's extension: score the prompt
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: a StructuredOutputs
     # OpenAI fields this server cannot honour: a 400 when set (see ``check_supported``)
     # rather than silently ignored.
     store: bool | None = None
@@ -221,9 +223,11 @@ def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise unsupported("modalities", "text only")
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int) -> SamplingParams:
-    """The request's ``SamplingParams`` (with its ``n``). A rule it breaks is a 400
-    naming the request's own field."""
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int,
+                    structured: StructuredOutputs | None = None) -> SamplingParams:
+    """The request's ``SamplingParams`` (with its ``n``, and the constraint
+    ``Preprocessor.constraint`` made of it). A rule it breaks is a 400 naming the
+    request's own field."""
     check_supported(req)
     renamed = {"max_tokens": requested_max_tokens(req)[1]}
     prompt_logprobs = req.prompt_logprobs
@@ -257,6 +261,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
             include_stop_str_in_output=req.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(req),
+            structured_outputs=structured,
         )
         sp.check_vocab(vocab_size)
         return sp
