@@ -54,7 +54,7 @@ ORDER_SCHEMA: dict[str, Any] = {
                 "additionalProperties": False,
             },
             "minItems": 1,
-            "maxItems": 2,
+            "maxItems": 1,
         },
         "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
         "gift": {"type": "boolean"},
