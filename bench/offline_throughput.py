@@ -5,6 +5,12 @@ machine, same run. Prints a table and one JSON line.
 
     python bench/offline_throughput.py             # 64 prompts x 128 tokens -> 128 tokens
     python bench/offline_throughput.py --quick     # 16 prompts, for a fast look
+    python bench/offline_throughput.py --formats float32:none,auto:gguf,float16:none
+
+``--formats`` (``DTYPE:QUANTIZATION`` pairs, default ``float32:none,auto:auto``) runs
+the structllm workloads once per weight format, each in a fresh process so that its
+resident memory (``VmRSS`` after loading and ``VmHWM`` at the end) is its own; the
+first format is the baseline of the speed-up column.
 
 Workload: ``--num-prompts`` prompts of ``--input-len`` random tokens (fixed seed),
 ``--output-len`` new tokens each with EOS ignored. structllm gets all prompts at once
@@ -68,6 +74,58 @@ def single_stream_structllm(llm: Any, prompts: list[list[int]], out_len: int, re
         ttfts.append(stamps[0] - t0)
         tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     return {"ttft_ms": 1000 * statistics.median(ttfts), "tpot_ms": 1000 * statistics.median(tpots)}
+
+
+def resident_mb() -> dict[str, float]:
+    """This process's resident memory now and at its peak (Linux), MB."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = round(int(rest.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Load the default model in weight format ``fmt`` (``DTYPE:QUANT``) in this process
+    and run the batch and single-stream workloads."""
+    from structllm import LLM
+
+    dtype, _, quant = fmt.partition(":")
+    t = time.perf_counter()
+    llm = LLM(max_num_seqs=max(64, args.num_prompts), dtype=dtype, quantization=quant or "auto")
+    load_s = time.perf_counter() - t
+    mem_loaded = resident_mb()
+    prompts = make_prompts(llm.engine.vocab_size, args.num_prompts, args.input_len)
+    ours = bench_structllm(llm, prompts, args.output_len)
+    single = single_stream_structllm(llm, prompts, args.output_len, args.single_reps)
+    result = {
+        "format": fmt,
+        "weights": llm.engine.weight_format.describe(),
+        "load_s": round(load_s, 2),
+        "tokens_per_s": round(ours["tokens_per_s"], 1),
+        "ttft_ms": round(single["ttft_ms"], 1),
+        "tpot_ms": round(single["tpot_ms"], 2),
+        "weight_mb": round(llm.engine.model.weight_bytes() / 1e6, 1),
+        "rss_loaded_mb": mem_loaded.get("VmRSS"),
+        "kv_cache_mb": round(sum(t.numel() * t.element_size() for kv in llm.engine.runner.kv_caches for t in kv) / 1e6, 1),
+        "rss_peak_mb": resident_mb().get("VmHWM"),
+    }
+    if args.profile:
+        result["step_profile"] = profile_step(llm, prompts)
+    return result
+
+
+def run_format_subprocess(fmt: str, argv: list[str]) -> dict[str, Any]:
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, *argv, "--worker-format", fmt], check=True,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def load_hf() -> Any:
@@ -206,18 +264,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 prompts, 64 output tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--profile", action="store_true", help="break one decode step down")
+    ap.add_argument("--formats", default="float32:none,auto:auto",
+                    help="comma-separated DTYPE:QUANTIZATION weight formats to run (first = baseline)")
+    ap.add_argument("--worker-format", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.output_len, args.single_reps = 16, 64, 2
+    if args.worker_format:
+        print(json.dumps(run_format(args.worker_format, args)))
+        return
 
-    from structllm import LLM
-
-    t = time.perf_counter()
-    llm = LLM(max_num_seqs=max(64, args.num_prompts))
-    load_s = time.perf_counter() - t
-    prompts = make_prompts(llm.engine.vocab_size, args.num_prompts, args.input_len)
-    ours = bench_structllm(llm, prompts, args.output_len)
-    ours_single = single_stream_structllm(llm, prompts, args.output_len, args.single_reps)
+    argv = [a for a in sys.argv[1:] if a != "--quick"] + (
+        ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
+         "--single-reps", str(args.single_reps)] if args.quick else [])
+    formats = [run_format_subprocess(f.strip(), argv) for f in args.formats.split(",") if f.strip()]
     result: dict[str, Any] = {
         "bench": "offline_throughput",
         "num_prompts": args.num_prompts,
@@ -225,33 +285,30 @@ def main() -> None:
         "output_len": args.output_len,
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
-        "structllm_load_s": round(load_s, 2),
-        "structllm_tokens_per_s": round(ours["tokens_per_s"], 1),
-        "structllm_ttft_ms": round(ours_single["ttft_ms"], 1),
-        "structllm_tpot_ms": round(ours_single["tpot_ms"], 2),
+        "formats": formats,
     }
-    if args.profile:
-        result["step_profile"] = profile_step(llm, prompts)
     if not args.no_hf:
-        del llm
         hf = load_hf()
+        prompts = make_prompts(hf.config.vocab_size, args.num_prompts, args.input_len)
         theirs = bench_hf(hf, prompts, args.output_len, args.hf_batch)
         theirs_single = single_stream_hf(hf, prompts, args.output_len, args.single_reps)
         result.update(
             hf_tokens_per_s=round(theirs["tokens_per_s"], 1),
             hf_ttft_ms=round(theirs_single["ttft_ms"], 1),
             hf_tpot_ms=round(theirs_single["tpot_ms"], 2),
-            throughput_ratio=round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2),
-            tpot_ratio=round(theirs_single["tpot_ms"] / ours_single["tpot_ms"], 2),
         )
-    rows = [
-        ("output tokens/s (batch)", "structllm_tokens_per_s", "hf_tokens_per_s"),
-        ("single-stream TTFT ms", "structllm_ttft_ms", "hf_ttft_ms"),
-        ("single-stream ms/token", "structllm_tpot_ms", "hf_tpot_ms"),
-    ]
-    print(f"{'':28}{'structllm':>12}{'transformers':>14}", file=sys.stderr)
-    for label, a, b in rows:
-        print(f"{label:28}{result[a]:>12}{result.get(b, '-'):>14}", file=sys.stderr)
+    base = formats[0]
+    head = (f"{'format':16}{'tokens/s':>10}{'TTFT ms':>9}{'ms/token':>10}{'x base':>8}{'weights MB':>12}"
+            f"{'RSS MB':>8}{'RSS-KV MB':>11}")
+    print(head, file=sys.stderr)
+    for f in formats:
+        print(f"{f['format']:16}{f['tokens_per_s']:>10}{f['ttft_ms']:>9}{f['tpot_ms']:>10}"
+              f"{base['tpot_ms'] / f['tpot_ms']:>8.2f}{f['weight_mb']:>12}{f['rss_loaded_mb']!s:>8}"
+              f"{(f['rss_loaded_mb'] or 0) - f['kv_cache_mb']:>11.0f}", file=sys.stderr)
+        print(f"{'':16}({f['weights']})", file=sys.stderr)
+    if "hf_tokens_per_s" in result:
+        print(f"{'transformers':16}{result['hf_tokens_per_s']:>10}{result['hf_ttft_ms']:>9}{result['hf_tpot_ms']:>10}",
+              file=sys.stderr)
     print(json.dumps(result))
 
 

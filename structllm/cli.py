@@ -25,7 +25,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--null-model", action="store_true",
                    help="emit tokens without running the model (to measure the serving path alone)")
     p.add_argument("--null-step-time", type=float, default=d("null_step_time"), help=argparse.SUPPRESS)
-    p.add_argument("--dtype", default=d("dtype"), help="auto, float32, float16 or bfloat16")
+    p.add_argument("--dtype", default=d("dtype"), choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weight dtype (on CPU activations stay float32; auto: float16 weights for float "
+                   "checkpoints, a GGUF file's own types); float32 with --quantization none is exact")
+    p.add_argument("--quantization", default=d("quantization"), choices=["auto", "none", "gguf"],
+                   help="gguf: run a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored (CPU); none: dequantise; "
+                   "auto: gguf for a GGUF file on CPU")
     p.add_argument("--attention-backend", default=d("attention_backend"), choices=["auto", "torch", "cpu", "triton"],
                    help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
@@ -45,6 +50,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         seed=a.seed,
         device=a.device,
         dtype=a.dtype,
+        quantization=a.quantization,
         null_model=a.null_model,
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -20,6 +20,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``attention_backend``: ``"auto"`` (Triton on CUDA; on CPU the C++ decode kernel,
       built on first use, else torch), ``"torch"`` (the reference), ``"cpu"`` or
       ``"triton"`` (on CPU only with ``TRITON_INTERPRET=1``; for tests).
+    - ``dtype``, ``quantization``: the weights' format (see ``model.formats``). On CPU,
+      ``auto``/``auto`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (C++ kernels) and runs
+      float checkpoints with float16 matmul weights; ``float32``/``none`` is the exact
+      float32 path. Activations are float32 on CPU either way.
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
       model's tokenizer and shape (for KV sizing) are still used.
@@ -47,6 +51,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -74,6 +79,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "gguf"):
+            raise ValueError(f"quantization must be auto, none or gguf, got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):

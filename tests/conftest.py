@@ -14,6 +14,10 @@ from structllm.model.loader import ModelFiles
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The exact float32 path (today's, token for token equal to transformers); the default
+# formats (--dtype/--quantization auto) run GGUF blocks or float16 weights on CPU.
+EXACT = {"dtype": "float32", "quantization": "none"}
+
 
 @pytest.fixture(scope="session")
 def default_files():  # type: ignore[no-untyped-def]
@@ -33,7 +37,7 @@ def tokenizer(default_files):  # type: ignore[no-untyped-def]
 def llm():  # type: ignore[no-untyped-def]
     from structllm import LLM
 
-    return LLM(kv_cache_memory=256 << 20)
+    return LLM(kv_cache_memory=256 << 20, **EXACT)
 
 
 @pytest.fixture(scope="session")

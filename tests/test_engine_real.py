@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from structllm import LLM, SamplingParams
+from tests.conftest import EXACT
 from tests.helpers import hf_greedy, hf_logits, prefill_logits
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def test_prefill_logits_match_transformers(llm: LLM, hf_model: Any, prompt_ids: 
 
 
 def test_chunked_prefill_gives_the_same_tokens(prompt_ids: list[list[int]], batched: list[list[int]]) -> None:
-    small = LLM(max_num_batched_tokens=16, kv_cache_memory=128 << 20)
+    small = LLM(max_num_batched_tokens=16, kv_cache_memory=128 << 20, **EXACT)
     outs = small.generate(prompt_ids, GREEDY)
     assert [o.token_ids for o in outs] == batched
 
@@ -74,7 +75,7 @@ def test_preemption_gives_the_same_tokens(prompt_ids: list[list[int]], batched: 
     longest = max(len(i) for i in prompt_ids) + N_NEW
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4  # tokens x (K,V) x layers x kv heads x head dim x f32
     blocks = -(-longest // 16) + 4  # the longest request alone fits; all eight together cannot
-    tight = LLM(kv_cache_memory=blocks * block_bytes, enable_prefix_caching=False)
+    tight = LLM(kv_cache_memory=blocks * block_bytes, enable_prefix_caching=False, **EXACT)
     outs = tight.generate(prompt_ids, GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == batched
@@ -91,7 +92,7 @@ def test_shared_prefix_is_served_from_the_cache(llm: LLM) -> None:
     prefix_len = len(llm.tokenizer.encode_chat(chats[0][:1], add_generation_prompt=False))
     for out in rest:
         assert out.num_cached_tokens >= (prefix_len // 16) * 16 > 100
-    uncached = LLM(enable_prefix_caching=False, kv_cache_memory=64 << 20).generate(chats[1:], GREEDY)
+    uncached = LLM(enable_prefix_caching=False, kv_cache_memory=64 << 20, **EXACT).generate(chats[1:], GREEDY)
     assert [o.token_ids for o in rest] == [o.token_ids for o in uncached]
     assert all(o.num_cached_tokens == 0 for o in uncached)
 

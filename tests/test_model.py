@@ -12,14 +12,14 @@ from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.model import gguf as our_gguf
 from structllm.model.loader import prepare_model
-from tests.conftest import make_tiny_hf_dir
+from tests.conftest import EXACT, make_tiny_hf_dir
 from tests.helpers import hf_greedy, hf_logits, prefill_logits, write_tiny_gguf
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
 
 def engine_for(path: Path, **kw: object) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20, **kw))  # type: ignore[arg-type]
+    return EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20, **EXACT, **kw))  # type: ignore[arg-type]
 
 
 def hf_from_dir(path: Path):  # type: ignore[no-untyped-def]
@@ -39,7 +39,7 @@ def test_hf_checkpoint_logits_match_transformers(tmp_path: Path, default_files, 
 def test_hf_checkpoint_greedy_generation_matches_transformers(tiny_llama_dir: Path) -> None:
     from structllm import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), kv_cache_memory=32 << 20)
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=32 << 20, **EXACT)
     ref = hf_from_dir(tiny_llama_dir)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for ids, out in zip(PROMPTS, outs, strict=True):

@@ -29,6 +29,7 @@ from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.attention import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
+from structllm.model.formats import resolve_dtype, resolve_format
 from structllm.model.llama import LlamaModel
 from structllm.model.loader import ModelFiles, load_model, prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
@@ -47,8 +48,6 @@ from structllm.structured import Matcher
 
 COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
@@ -57,14 +56,6 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but this torch build sees no CUDA device")
     return device
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32  # CPUs without AVX-512 bf16 are slow at half precision
 
 
 def keep_freed_memory_mapped() -> None:
@@ -141,7 +132,8 @@ def load_rank_model(
 ) -> LlamaModel:
     """The model (with ``plan``: this rank's shard, joined to ``group``) with its
     attention kernels."""
-    model = load_model(files, dtype, device, plan)
+    fmt = resolve_format(config, device, files, plan.world_size if plan else 1)
+    model = load_model(files, dtype, device, plan, fmt)
     model.tp = group
     model.attn_impl = get_attention_impl(
         config.attention_backend, device, dtype, (config.block_size, model.num_heads, model.num_kv_heads, files.config.head_dim)
@@ -159,6 +151,8 @@ class EngineCore:
         plan = plan_shards(mcfg, world)[0] if world > 1 else None  # a model that cannot be split fails here
         self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
         self.dtype = setup_device(config, self.device, world)
+        if not config.null_model:  # a bad --dtype/--quantization combination fails here, before any worker
+            self.weight_format = resolve_format(config, self.device, self.files, world)
         self.workers: WorkerPool | None = None
         try:
             self._start(plan)

@@ -62,7 +62,7 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
-        dev = model.embed_tokens.device
+        dev = model.norm.device
         n = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
         # Static inputs (rows past the live batch are padding, see the module docstring).

@@ -102,8 +102,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.broadcast = broadcast
-        self.device = model.embed_tokens.device
-        dtype = model.embed_tokens.dtype
+        self.device = model.norm.device
+        dtype = model.norm.dtype
         shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         # an attention backend may keep K in a layout of its own (the CPU kernel's)
         k_layout = getattr(model.attn_impl, "k_cache_shape", None)

@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU attention kernel (``cpu_attention.cpp``).
+"""Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``).
 
 Compiled on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja) for this machine's CPU (``-march=native``), into the structllm cache, keyed by
@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from structllm.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,51 @@ def _cpu_flags() -> str:
 
 @cache
 def load() -> Any | None:
-    """The compiled module (with ``paged_decode``), or None if it cannot be built."""
+    """The compiled attention module (with ``paged_decode``), or None if it cannot be built."""
+    return build("structllm_cpu_attention", SOURCE, FLAGS, "the CPU attention kernel (once, ~20 s)")
+
+
+QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+# -ffp-contract=off: the float path's dequantisation (mul, then add the Q4_1 minimum) must
+# round like the float32 reference, so the compiler may not fuse it into one FMA.
+QUANT_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+ISAS = ("avx2", "avx512")
+
+
+def best_isa() -> str | None:
+    """The widest ISA that ``load_quant`` can build for on this CPU (None: no AVX2).
+    ``STRUCTLLM_CPU_ISA=avx2`` forces the AVX2 build on an AVX-512 machine."""
+    flags = set(_cpu_flags().split())
+    have = [i for i, need in zip(ISAS, _ISA_NEEDS, strict=True) if need <= flags]
+    forced = os.environ.get("STRUCTLLM_CPU_ISA")
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"STRUCTLLM_CPU_ISA must be one of {ISAS}, got {forced!r}")
+        return forced if forced in have else None
+    return have[-1] if have else None
+
+
+_ISA_NEEDS = ({"avx2", "fma", "f16c"}, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})
+_ISA_MARCH = {"avx2": "-march=haswell", "avx512": "-march=native"}
+
+
+@cache
+def load_quant(isa: str | None = None) -> Any | None:
+    """The GGUF block-matmul module built for ``isa`` (default ``best_isa()``), with
+    ``linear``, ``dequantize`` and ``isa``; None if the CPU lacks it or the build fails."""
+    isa = isa or best_isa()
+    if isa is None:
+        log.warning("GGUF block kernels need AVX2/FMA/F16C; this CPU lacks them")
+        return None
+    flags = [*QUANT_FLAGS, _ISA_MARCH[isa]]
+    return build(f"structllm_quant_{isa}", QUANT_SOURCE, flags, f"the {isa} GGUF matmul kernels (once, ~30 s)")
+
+
+def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
+    """Compile ``source`` (or load the cached build) as a torch extension; None on failure.
+
+    Cached under ``<cache>/extensions``, keyed by the source, torch's version, the CPU's
+    flags and the compiler flags, so that a later start only loads the ``.so``."""
     import torch
     import torch.utils.cpp_extension as ext
 
@@ -51,23 +97,21 @@ def load() -> Any | None:
     if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-    from structllm.model.loader import cache_root
-
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(FLAGS + LDFLAGS).encode()
+        source.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(flags + LDFLAGS).encode()
     )
-    name = f"structllm_cpu_attention_{key.hexdigest()[:12]}"
-    build = cache_root() / "extensions" / name
-    fresh = not any(build.glob(f"{name}*.so"))
+    name = f"{stem}_{key.hexdigest()[:12]}"
+    build_dir = cache_root() / "extensions" / name
+    fresh = not any(build_dir.glob(f"{name}*.so"))
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        with _build_lock(build):
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _build_lock(build_dir):
             if fresh:
-                sys.stderr.write("structllm: building the CPU attention kernel (once, ~20 s)\n")
-            return ext.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-                            build_directory=str(build), verbose=False)
+                sys.stderr.write(f"structllm: building {what}\n")
+            return ext.load(name, [str(source)], extra_cflags=flags, extra_ldflags=LDFLAGS,
+                            build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly once
-        log.warning("CPU attention kernel unavailable, using the torch reference: %s", e)
+        log.warning("%s unavailable: %s", what.split(" (")[0], e)
         return None
 
 

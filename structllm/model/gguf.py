@@ -1,4 +1,5 @@
-"""Reading a GGUF file: metadata, tensors dequantised to float32, our tensor names.
+"""Reading a GGUF file: metadata, tensors (dequantised to float32, or kept as GGUF
+blocks for the block kernels), our tensor names.
 
 The common quantisations (F32, F16, BF16, Q8_0, Q4_0, Q4_1) are dequantised here with
 vectorised torch ops; any other type the ``gguf`` package knows goes through its
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from structllm.kernels.packed import BLOCK, BLOCK_TYPES, BlockWeight
 from structllm.model.config import ModelConfig
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -156,20 +158,62 @@ _LAYER_NAMES = {
 }
 
 
+_KEEPABLE = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+             "ffn_up.weight", "ffn_down.weight")
+
+
+def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | BlockWeight:
+    """One reader tensor: kept as GGUF blocks (``keep_blocks``, a block type and a 2-D
+    matmul or embedding weight), float16 (``keep_blocks`` and an F16/BF16 matrix), or
+    dequantised to float32."""
+    kind = t.tensor_type.name
+    matrix = len(shape) == 2 and (t.name.endswith(_KEEPABLE) or t.name in ("token_embd.weight", "output.weight"))
+    if keep_blocks and matrix and kind in BLOCK_TYPES and shape[1] % BLOCK == 0:
+        raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # copies out of the memory map
+        return BlockWeight.from_raw(raw, kind, shape[1])
+    w = dequantize(t.data, kind, shape)
+    if keep_blocks and matrix and kind in ("F16", "BF16"):
+        return w.half()  # runs as float16 (fbgemm) unless --dtype float32
+    return w
+
+
+def _cat(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
+    """Row concatenation; parts of different kinds meet in float32."""
+    if all(isinstance(p, BlockWeight) for p in parts):
+        blocks = [p for p in parts if isinstance(p, BlockWeight)]
+        if len({b.type_name for b in blocks}) == 1:
+            return BlockWeight.cat(blocks)
+    floats = [p.dequantize() if isinstance(p, BlockWeight) else p for p in parts]
+    if len({f.dtype for f in floats}) > 1:
+        floats = [f.float() for f in floats]
+    return torch.cat(floats)
+
+
+def _interleave(w: Tensor | BlockWeight, num_heads: int) -> Tensor | BlockWeight:
+    if isinstance(w, BlockWeight):  # a permutation of whole rows: permute the block rows
+        return BlockWeight(interleave_rope_rows(w.raw, num_heads).contiguous(), w.type_name, w.shape)
+    return interleave_rope_rows(w, num_heads)
+
+
 def load_tensors(
-    reader: Any, cfg: ModelConfig, progress: Callable[[int, int], None] | None = None
-) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(our_name, float32 tensor)``, fusing q/k/v and gate/up per layer.
+    reader: Any,
+    cfg: ModelConfig,
+    progress: Callable[[int, int], None] | None = None,
+    keep_blocks: bool = False,
+) -> Iterator[tuple[str, Tensor | BlockWeight]]:
+    """Yield ``(our_name, tensor)``, fusing q/k/v and gate/up per layer: float32 tensors,
+    or with ``keep_blocks`` Q4_0/Q4_1/Q8_0 matrices as ``BlockWeight`` and F16/BF16 ones
+    as float16 (see ``read_tensor``).
 
     llama.cpp stores llama-architecture q/k rows already interleaved; qwen2's are in
     Hugging Face order and get permuted here.
     """
-    pending: dict[str, Tensor] = {}
+    pending: dict[str, Tensor | BlockWeight] = {}
     total = len(reader.tensors)
     permute = cfg.architecture == "qwen2"
     for i, t in enumerate(reader.tensors):
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists the fastest dim first
-        w = dequantize(t.data, t.tensor_type.name, shape)
+        w = read_tensor(t, shape, keep_blocks)
         name = t.name
         if progress is not None:
             progress(i + 1, total)
@@ -186,15 +230,15 @@ def load_tensors(
                 yield prefix + _LAYER_NAMES[rest], w
                 continue
             if permute and rest.startswith(("attn_q.", "attn_k.")):
-                w = interleave_rope_rows(w, cfg.num_heads if rest.startswith("attn_q") else cfg.num_kv_heads)
+                w = _interleave(w, cfg.num_heads if rest.startswith("attn_q") else cfg.num_kv_heads)
             pending[prefix + rest] = w
             kind = rest.rsplit(".", 1)[1]  # weight or bias
             qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]
             if all(n in pending for n in qkv):
-                yield prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"), torch.cat([pending.pop(n) for n in qkv])
+                yield prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"), _cat([pending.pop(n) for n in qkv])
             gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
             if all(n in pending for n in gu):
-                yield prefix + "gate_up_proj", torch.cat([pending.pop(n) for n in gu])
+                yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
         # other tensors (e.g. rope_freqs) are not used
     if pending:
         raise ValueError(f"GGUF file has unpaired tensors: {sorted(pending)[:4]}")

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata, TorchAttention, attention
+from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import ShardPlan
@@ -52,13 +53,6 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     elif kind not in ("default", None):
         raise ValueError(f"unsupported rope_scaling type {kind!r}; expected default, linear or llama3")
     return inv
-
-
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """``x @ w.T + b``; ``w`` may be a oneDNN-packed weight (see ``pack_weights``)."""
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
 
 
 def onednn_linear_available() -> bool:
@@ -155,7 +149,7 @@ class LlamaModel(nn.Module):
         )
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
-        self._packed_head: Tensor | None = None
+        self._packed_head: Weight | None = None
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``.
@@ -168,7 +162,7 @@ class LlamaModel(nn.Module):
             inv = rope_inv_freq(self.cfg)
             angles = torch.outer(torch.arange(size, dtype=torch.float64), inv)
             table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-            self._rope_cache = table.to(self.embed_tokens.device)
+            self._rope_cache = table.to(self.norm.device)
         return self._rope_cache
 
     def forward(
@@ -181,7 +175,12 @@ class LlamaModel(nn.Module):
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
         applied). Writes this step's K/V into ``kv_caches`` (one pair per layer)."""
         tp = self.tp
-        x = F.embedding(input_ids, self.embed_tokens) if tp is None else self._embed_slice(input_ids, tp)
+        if tp is not None:
+            x = self._embed_slice(input_ids, tp)
+        elif isinstance(self.embed_tokens, BlockWeight):
+            x = self.embed_tokens.rows(input_ids)  # only the looked-up rows are dequantised
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
         table = self.rope_table(int(meta.max_seq_len))
         rope = table[positions].unsqueeze(1)  # [T, 1, D/2]
         for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
@@ -214,8 +213,12 @@ class LlamaModel(nn.Module):
         """``[N, hidden]`` -> float32 logits ``[N, vocab]``. Sharded, every rank must call
         it with the same rows: rank 0 gets the full logits, any other rank its own slice
         ``[N, len(plan.vocab)]`` (which it has sent to rank 0)."""
-        w = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = linear(hidden, self._packed_head if self._packed_head is not None else w).float()
+        w: Weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        # GGUF blocks: the float path (float32 activations) even when the int8 path is on
+        # for many rows: on SmolLM2-135M about half of the int8 path's top-1
+        # disagreement came from the head alone, and the head only sees sampled rows.
+        head = self._packed_head if self._packed_head is not None else w
+        logits = linear(hidden, head, float_path=True).float()
         if self.tp is None:
             return logits
         return self._gather_vocab(logits, self.tp)
@@ -231,22 +234,71 @@ class LlamaModel(nn.Module):
             return logits
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
 
-    def pack_weights(self) -> None:
-        """On CPU in float32, repack every matmul weight into oneDNN's blocked layout.
+    LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-        oneDNN picks its kernels by the CPU's actual ISA, and with weights packed ahead
-        of time its matmuls run about 3x faster here than the default sgemm path, from
-        one token (memory-bound) to thousands (compute-bound). The packed tensors are
-        opaque, so they replace the parameters; the tied embedding keeps its plain copy
-        for the lookup and gets a packed twin for the LM head.
+    def assign_weights(self, weights: dict[str, Tensor | BlockWeight]) -> None:
+        """Put the loaded weights in place of the empty parameters (names must match).
+        A ``BlockWeight`` replaces its parameter as a plain attribute."""
+        expected = {name for name, _ in self.named_parameters()}
+        missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        for name, w in weights.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = self.get_submodule(owner_name) if owner_name else self
+            del owner._parameters[attr]
+            value = w if isinstance(w, BlockWeight) else nn.Parameter(w, requires_grad=False)
+            setattr(owner, attr, value)
+
+    def pack_weights(self, half: str = "none") -> None:
+        """Repack the matmul weights for the CPU kernels that run them.
+
+        ``half``: which float weights run as fbgemm float16 (``HalfWeight``): ``"all"``,
+        ``"file"`` (the float16 ones, from F16/BF16 GGUF tensors) or ``"none"``. The other
+        float32 ones are packed into oneDNN's blocked layout: oneDNN picks its kernels by
+        the CPU's actual ISA, and with weights packed ahead of time its matmuls run about
+        3x faster here than the default sgemm path, from one token (memory-bound) to
+        thousands (compute-bound). Packed tensors are opaque, so they replace the
+        parameters; a tied float embedding keeps its plain float32 copy for the lookup
+        and gets a packed twin for the LM head. ``BlockWeight``s are left as they are.
         """
-        dev, dtype = self.embed_tokens.device, self.embed_tokens.dtype
-        if dev.type != "cpu" or dtype != torch.float32 or not onednn_linear_available():
+        if self.norm.device.type != "cpu":
             return
+        onednn = onednn_linear_available()
+
+        def pack(w: Weight) -> Weight | None:  # None: leave as is
+            if isinstance(w, BlockWeight | HalfWeight):
+                return None
+            if half == "all" or (half == "file" and w.dtype == torch.float16):
+                return HalfWeight(w)
+            if w.dtype == torch.float16 and self.norm.dtype == torch.float32:
+                w = w.float()  # a float16 tensor not run as float16: compute in float32
+            if w.dtype == torch.float32 and onednn:
+                return torch.ops.mkldnn._reorder_linear_weight(w.data)
+            return w
+
         for layer in self.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                packed = torch.ops.mkldnn._reorder_linear_weight(getattr(layer, name).data)
-                del layer._parameters[name]
-                setattr(layer, name, packed)
+            for name in self.LINEARS:
+                packed = pack(getattr(layer, name))
+                if packed is not None:
+                    if name in layer._parameters:
+                        del layer._parameters[name]
+                    setattr(layer, name, packed)
+        if isinstance(self.embed_tokens, Tensor) and self.embed_tokens.dtype != self.norm.dtype:
+            self.embed_tokens = nn.Parameter(self.embed_tokens.to(self.norm.dtype), requires_grad=False)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        self._packed_head = torch.ops.mkldnn._reorder_linear_weight(head.data)
+        self._packed_head = pack(head)
+        if self.lm_head is not None and self._packed_head is not None:
+            self.lm_head = None  # the packed head replaces it: keep one copy
+
+    def weight_bytes(self) -> int:
+        """Bytes held by weights (packed forms counted as what they hold)."""
+        from structllm.kernels.packed import weight_bytes
+
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for layer in self.layers:
+            total += sum(weight_bytes(getattr(layer, n)) for n in self.LINEARS if n not in layer._parameters)
+        for w in (self.embed_tokens, self._packed_head):
+            if isinstance(w, BlockWeight | HalfWeight):
+                total += w.nbytes
+        return total

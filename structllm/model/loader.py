@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from structllm.model.config import ModelConfig
+from structllm.paths import cache_root
 
 if TYPE_CHECKING:  # torch is imported lazily: the front end uses this module without it
     import torch
 
+    from structllm.kernels.packed import BlockWeight
+    from structllm.model.formats import WeightFormat
     from structllm.model.llama import LlamaModel
     from structllm.model.sharding import ShardPlan
 
@@ -55,6 +58,7 @@ class ModelFiles:
     tokenizer_json: Path
     tokenizer_meta: TokenizerMeta
     generation_eos_ids: list[int]
+    source: Path | None = None  # the GGUF file, whose blocks a quantized engine reads
 
 
 class Progress:
@@ -75,13 +79,6 @@ class Progress:
         elif done >= total or done * 4 // total != (done - 1) * 4 // total:
             sys.stderr.write(f"{self.what}: {done}/{total}\n")
         sys.stderr.flush()
-
-
-def cache_root() -> Path:
-    env = os.environ.get("STRUCTLLM_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "structllm"
 
 
 def default_model_path() -> Path:
@@ -212,6 +209,7 @@ def _gguf_files(path: Path) -> ModelFiles:
         tokenizer_json=cache / "tokenizer.json",
         tokenizer_meta=msgspec.convert(info["tokenizer"], TokenizerMeta),
         generation_eos_ids=info["config"]["eos_token_ids"],
+        source=path,
     )
 
 
@@ -225,7 +223,7 @@ def _convert_gguf(path: Path, cache: Path) -> None:
     reader = gguf.open_gguf(path)
     meta = gguf.metadata(reader)
     cfg = gguf.model_config(meta)
-    tensors = dict(gguf.load_tensors(reader, cfg, Progress("  dequantising tensors", delay=0.0)))
+    tensors: dict[str, Any] = dict(gguf.load_tensors(reader, cfg, Progress("  dequantising tensors", delay=0.0)))
     if "embed_tokens" not in tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor")
     cfg = msgspec.structs.replace(
@@ -317,20 +315,44 @@ def load_weights(
     return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
 
 
+def load_block_weights(files: ModelFiles, dtype: torch.dtype) -> dict[str, torch.Tensor | BlockWeight]:
+    """The GGUF file's weights under our names, block matrices kept as ``BlockWeight``
+    (read from the file itself, not the dequantised cache); plain tensors in ``dtype``
+    except float16 matrices, kept for ``pack_weights`` to run as float16."""
+    import torch
+
+    from structllm.model import gguf
+
+    assert files.source is not None
+    out: dict[str, torch.Tensor | BlockWeight] = {}
+    for name, w in gguf.load_tensors(gguf.open_gguf(files.source), files.config, keep_blocks=True):
+        keep_half = isinstance(w, torch.Tensor) and w.dtype == torch.float16 and w.dim() == 2
+        out[name] = w if not isinstance(w, torch.Tensor) or keep_half else w.to(dtype)
+    return out
+
+
 def load_model(
-    files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
+    files: ModelFiles,
+    dtype: torch.dtype,
+    device: torch.device,
+    plan: ShardPlan | None = None,
+    fmt: WeightFormat | None = None,
 ) -> LlamaModel:
     """A ``LlamaModel`` with its weights (one rank's shard with ``plan``), ready for
-    inference; a sharded model still needs its ``tp`` group set."""
+    inference, its matmul weights held as ``fmt`` says (default: plain ``dtype``); a
+    sharded model still needs its ``tp`` group set."""
     import torch
 
     from structllm.model.llama import LlamaModel
 
-    weights = load_weights(files, dtype, device, plan)
+    if fmt is not None and fmt.blocks:
+        assert plan is None, "GGUF block weights are not sharded"
+        weights: dict[str, torch.Tensor | BlockWeight] = dict(load_block_weights(files, dtype))
+    else:
+        weights = dict(load_weights(files, dtype, device, plan))
     with torch.device("meta"):
         model = LlamaModel(files.config, dtype, plan)
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    model.pack_weights()
+    model.assign_weights(weights)
+    del weights
+    model.pack_weights(fmt.half if fmt is not None else "none")
     return model.eval()

@@ -1,0 +1,110 @@
+"""The format the weights run in, from ``--dtype`` and ``--quantization`` (vLLM's names).
+
+On CPU, activations, norms and the KV cache are float32 (bfloat16 only if asked for);
+what varies is how the matmul weights are held:
+
+- ``--quantization gguf`` (``auto`` picks it for a GGUF file on CPU): Q4_0/Q4_1/Q8_0
+  matrices (and the embedding table, which is also the tied LM head) stay as the file's
+  blocks and run through the C++ block kernels; other matrices are dequantised, F16/BF16
+  ones run as float16 unless ``--dtype float32`` (``--dtype float16``: all of them).
+- ``--quantization none``: weights dequantised to ``--dtype``. On CPU ``float32`` packs
+  them for oneDNN (today's exact path); ``float16`` packs them for fbgemm's float16
+  matmul (float32 activations, half the bytes read), which ``auto`` picks for float
+  checkpoints (Hugging Face directories) because it was measured faster at decode sizes.
+
+On CUDA, ``--dtype`` is the model's dtype as before and GGUF blocks are refused.
+Tensor parallelism runs GGUF files dequantised (block weights are not sharded yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from structllm.config import EngineConfig
+from structllm.model.loader import ModelFiles
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """``dtype``: activations, norms, KV cache and plain weights. ``blocks``: keep GGUF
+    block matrices. ``half``: which float matmul weights run as fbgemm float16:
+    ``"none"``, ``"all"``, or ``"file"`` (those stored as F16/BF16 in a GGUF file)."""
+
+    dtype: torch.dtype
+    blocks: bool = False
+    half: str = "none"
+
+    def describe(self) -> str:
+        if self.blocks:
+            return f"GGUF blocks (other matrices: {'float16' if self.half == 'all' else 'as stored'})"
+        return "float16 matmul weights" if self.half == "all" else str(self.dtype).removeprefix("torch.")
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """The activation (and KV cache) dtype."""
+    if device.type == "cpu":
+        # float16 on CPU means float16 *weights* (fbgemm); activations stay float32
+        return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def resolve_format(config: EngineConfig, device: torch.device, files: ModelFiles, world_size: int = 1) -> WeightFormat:
+    """The format for ``files`` on ``device``; ``ValueError`` for a bad combination."""
+    dtype = resolve_dtype(config, device)
+    q, is_gguf, cpu = config.quantization, files.source is not None, device.type == "cpu"
+    if q == "gguf":
+        if not is_gguf:
+            raise ValueError(
+                f"--quantization gguf needs a GGUF file, but {files.name} is a Hugging Face checkpoint; "
+                "use --quantization none or auto"
+            )
+        if not cpu:
+            raise ValueError(
+                "--quantization gguf runs on CPU only (C++ block kernels); on CUDA use --quantization "
+                "none, which dequantises the file to --dtype"
+            )
+        if dtype != torch.float32:
+            raise ValueError("--quantization gguf computes in float32 on CPU; use --dtype auto, float32 or float16")
+    blocks = q == "gguf" or (q == "auto" and is_gguf and cpu and dtype == torch.float32)
+    if blocks and not _block_kernels_available():
+        if q == "gguf":
+            raise ValueError("--quantization gguf needs the C++ block kernels (an AVX2/FMA/F16C CPU and a compiler)")
+        blocks = False
+    if blocks and world_size > 1:
+        log.warning("tensor parallelism runs the GGUF file's weights dequantised (block weights are not sharded)")
+        blocks = False
+    if not cpu or dtype != torch.float32:
+        return WeightFormat(dtype)
+    if blocks:
+        half = {"float16": "all", "float32": "none"}.get(config.dtype, "file")
+        return WeightFormat(dtype, blocks=True, half=_checked_half(half))
+    if config.dtype == "float16" or (config.dtype == "auto" and not is_gguf and _half_available()):
+        return WeightFormat(dtype, half=_checked_half("all"))
+    return WeightFormat(dtype)
+
+
+def _checked_half(half: str) -> str:
+    if half == "all" and not _half_available():
+        raise ValueError("--dtype float16 on CPU needs fbgemm's float16 matmul (an x86 torch build)")
+    return half
+
+
+def _block_kernels_available() -> bool:
+    from structllm.kernels import cpu_ext
+
+    return cpu_ext.load_quant() is not None
+
+
+def _half_available() -> bool:
+    from structllm.kernels.packed import half_linear_available
+
+    return half_linear_available()
