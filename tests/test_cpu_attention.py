@@ -16,8 +16,8 @@ from structllm.kernels.attention import (
     CpuAttention,
     TorchAttention,
     attention,
-    get_attention_impl,
 )
+from structllm.kernels.backends import get_attention_impl
 from tests.test_reference_attention import paged_setup
 
 module = cpu_ext.load()

@@ -26,8 +26,8 @@ from structllm.kernels.attention import (  # noqa: E402
     AttentionMetadata,
     TorchAttention,
     attention,
-    get_attention_impl,
 )
+from structllm.kernels.backends import get_attention_impl  # noqa: E402
 from structllm.kernels.triton_attention import TritonAttention  # noqa: E402
 from tests.test_reference_attention import paged_setup  # noqa: E402
 

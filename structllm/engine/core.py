@@ -26,7 +26,7 @@ from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
-from structllm.kernels.attention import get_attention_impl
+from structllm.kernels.backends import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.formats import resolve_dtype, resolve_format
@@ -230,7 +230,7 @@ class EngineCore:
             self.device.type == "cuda"
             and not config.enforce_eager
             and plan is None  # collectives are not captured in the decode graphs
-            and getattr(self.model.attn_impl, "supports_cuda_graphs", False)
+            and self.model.attn_impl.supports_cuda_graphs
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner

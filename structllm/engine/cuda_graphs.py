@@ -15,7 +15,7 @@ A graph bakes in its kernels' launch configuration and buffer addresses, so:
 - inputs live in static buffers, refilled before each replay;
 - the graphs are captured with ``max_seq_len = max_model_len`` (the attention backend
   must size its launches from that bound and read lengths from device memory, i.e.
-  declare ``supports_cuda_graphs``);
+  declare ``supports_cuda_graphs`` on ``AttentionImpl``);
 - the model's rotary table is built for ``max_model_len`` before capture, so it is never
   reallocated under a graph.
 
@@ -56,7 +56,7 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
     ) -> None:
-        if not getattr(model.attn_impl, "supports_cuda_graphs", False):
+        if not model.attn_impl.supports_cuda_graphs:
             raise ValueError(f"attention backend {type(model.attn_impl).__name__} cannot run in a CUDA graph")
         self.model = model
         self.kv_caches = kv_caches

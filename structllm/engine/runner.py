@@ -106,8 +106,7 @@ class ModelRunner:
         dtype = model.norm.dtype
         shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         # an attention backend may keep K in a layout of its own (the CPU kernel's)
-        k_layout = getattr(model.attn_impl, "k_cache_shape", None)
-        k_shape = k_layout(*shape) if k_layout is not None else shape
+        k_shape = model.attn_impl.k_cache_shape(*shape)
         self.kv_caches = [
             (torch.zeros(k_shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)

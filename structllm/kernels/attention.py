@@ -33,7 +33,13 @@ class AttentionMetadata:
 
 
 class AttentionImpl(Protocol):
-    """The three operations a kernel family provides (``reference`` is one)."""
+    """What a kernel family provides (``reference`` is one): three operations, the K
+    cache layout it reads, and whether its decode can be captured in a CUDA graph."""
+
+    name: str
+    supports_cuda_graphs: bool
+
+    def k_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]: ...
 
     def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None: ...
 
@@ -48,7 +54,12 @@ class TorchAttention:
     """The reference operations; what the engine uses on CPU."""
 
     name = "torch"
+    supports_cuda_graphs = False
     k_transposed = False  # K cache layout: [NB, BS, Hkv, D], or [NB, Hkv, D, BS] if True
+
+    @staticmethod
+    def k_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -127,41 +138,3 @@ def attention(
     out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale)
     out[nd:] = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
     return out
-
-
-def get_attention_impl(
-    name: str, device: torch.device, dtype: torch.dtype = torch.float32, shape: tuple[int, int, int, int] | None = None
-) -> AttentionImpl:
-    """``"auto"``: Triton on CUDA; on CPU the C++ decode kernel for float32 when it builds
-    and supports ``shape`` (block size, query heads, KV heads, head size), else the torch
-    reference."""
-    if name == "auto":
-        if device.type == "cuda":
-            name = "triton"
-        elif dtype == torch.float32 and (shape is None or CpuAttention.supports(*shape)):
-            from structllm.kernels import cpu_ext
-
-            name = "cpu" if cpu_ext.load() is not None else "torch"
-        else:
-            name = "torch"
-    if name == "torch":
-        return TorchAttention()
-    if name == "cpu":
-        from structllm.kernels import cpu_ext
-
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError("attention backend 'cpu' needs float32 on the CPU")
-        if shape is not None and not CpuAttention.supports(*shape):
-            raise ValueError(f"attention backend 'cpu' does not support (block size, heads, KV heads, head size) {shape}")
-        module = cpu_ext.load()
-        if module is None:
-            raise ValueError("attention backend 'cpu' is not available: the C++ kernel did not build (see the log)")
-        return CpuAttention(module)
-    if name == "triton":
-        try:
-            from structllm.kernels.triton_attention import TritonAttention, check_device
-        except ImportError as e:
-            raise ValueError(f"attention backend 'triton' is not available: {e}") from e
-        check_device(device)
-        return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}; expected auto, torch, cpu or triton")

@@ -81,6 +81,10 @@ class TritonAttention:
     name = "triton"
     supports_cuda_graphs = True
 
+    @staticmethod
+    def k_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
     def __init__(
         self,
         *,
