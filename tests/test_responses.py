@@ -220,6 +220,7 @@ def test_app_tokenizes_off_the_event_loop_thread(tokenizer: Tokenizer, backend: 
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
 )
 def test_chat_fields_that_cannot_be_honoured_are_400(body: dict[str, Any], param: str) -> None:

@@ -93,6 +93,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     functions: Any = None
     function_call: Any = None
     reasoning_effort: str | None = None
+    tools: list[Any] | None = None  # not served yet: a 400 unless tool_choice is "none"
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -221,6 +224,8 @@ def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise unsupported(name, what)
     if req.modalities is not None and req.modalities != ["text"]:
         raise unsupported("modalities", "text only")
+    if req.tools and req.tool_choice != "none":
+        raise unsupported("tools", "tool calling is not served yet")
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int,
