@@ -256,12 +256,12 @@ class App:
         self.check_model(req.model)
         client = self.engine()
         prompts = await self.in_worker(self.pre.completion, req)
-        constraint = await self.constraint(req)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
                            "request", param="prompt")
-        max_tokens = rq.max_tokens_for([len(p) for p in prompts], req.max_tokens, "max_tokens",
-                                       client.ready.max_model_len)
+        constraint = await self.constraint(req)
+        requested, param = rq.requested_max_tokens(req)
+        max_tokens = rq.max_tokens_for([len(p) for p in prompts], requested, param, client.ready.max_model_len)
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
         builder = TextBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
