@@ -37,6 +37,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--no-grammar-fast-forward", action="store_true",
                    help="decode tokens a grammar forces one step each (default: append them in one step)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -56,6 +58,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         tensor_parallel_size=a.tensor_parallel_size,
         attention_backend=a.attention_backend,
         grammar_fast_forward=not a.no_grammar_fast_forward,
+        trace=a.trace,
     )
 
 

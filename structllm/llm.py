@@ -75,9 +75,13 @@ class RequestOutput(msgspec.Struct):
         return self.outputs[0].logprobs
 
 
+TRACE_FILE = "structllm-trace.jsonl"
+
+
 class LLM:
     """Offline generation. Keyword arguments are ``EngineConfig`` fields, e.g.
-    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``.
+    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``; ``trace=True`` (or a path)
+    records every request's lifecycle (``structllm.trace``) in ``structllm-trace.jsonl``.
 
     With ``tensor_parallel_size=N`` this process is rank 0 and N-1 worker processes run
     beside it until ``close()`` (or the end of a ``with`` block); an ``LLM`` that is
@@ -85,6 +89,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        if engine_kwargs.get("trace") is True:  # trace=True: the default file, in the working directory
+            engine_kwargs["trace"] = TRACE_FILE
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
         self.tokenizer = Tokenizer.from_files(files)
@@ -134,6 +140,7 @@ class LLM:
             for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools):  # noqa: B023
                 res.outputs.append(CompletionOutput(seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None))
                 live[seq.request_id] = (seq, res)
+                self.engine.tracer.event("sent", seq.request_id)
                 self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling))
         try:
             while live:
@@ -153,9 +160,14 @@ class LLM:
                     out.token_ids += update.token_ids
                     if out.logprobs is not None:
                         out.logprobs += update.logprobs
+                    tracer = self.engine.tracer
+                    if tracer.enabled and update.text:
+                        tracer.event("detokenized", seq.request_id, chars=len(update.text))
                     if update.abort:
+                        tracer.event("aborted", seq.request_id, why="a stop string ended it")
                         self.engine.abort([seq.request_id])
                     if seq.finished:
+                        tracer.event("finished", seq.request_id, reason=seq.finish_reason)
                         out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
                         if seq.tools is not None:
                             out.text, out.tool_calls = seq.tools.content or "", seq.tools.calls

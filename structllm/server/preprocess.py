@@ -23,6 +23,7 @@ from structllm.server.requests import (
     check_token_ids,
 )
 from structllm.tokenizer import ChatTemplateError, Tokenizer
+from structllm.trace import OFF, Tracer
 
 
 class Preprocessor:
@@ -31,8 +32,9 @@ class Preprocessor:
     raises ``APIError`` (400) naming the field on bad input."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int | None, vocab_size: int,
-                 tool_format: tools.Format | None = None) -> None:
+                 tool_format: tools.Format | None = None, tracer: Tracer = OFF) -> None:
         self.tokenizer = tokenizer
+        self.tracer = tracer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # how tool calls are prompted and parsed: from the chat template unless given
@@ -54,7 +56,10 @@ class Preprocessor:
         except tools.ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def chat(self, req: ChatCompletionRequest | TokenizeRequest, tool_req: tools.ToolRequest | None = None) -> list[int]:
+    def chat(self, req: ChatCompletionRequest | TokenizeRequest, tool_req: tools.ToolRequest | None = None,
+             trace_id: str = "") -> list[int]:
+        """The prompt's token ids; with ``trace_id``, ``rendered`` and ``tokenized``
+        are traced under it."""
         assert req.messages is not None
         messages, variables = tools.prompt_messages(chat_messages(req.messages), tool_req, self.tool_format)
         try:
@@ -62,9 +67,12 @@ class Preprocessor:
                                                       **variables)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self.encode(text, add_special_tokens=False, param="messages")
+        self.tracer.event("rendered", trace_id, chars=len(text))
+        ids = self.encode(text, add_special_tokens=False, param="messages")
+        self.tracer.event("tokenized", trace_id, tokens=len(ids))
+        return ids
 
-    def completion(self, req: CompletionRequest) -> list[list[int]]:
+    def completion(self, req: CompletionRequest, trace_id: str = "") -> list[list[int]]:
         """The request's prompts (``prompt`` is a string, a list of strings, a list of
         token ids or a list of token-id lists), each non-empty and in the vocabulary."""
         out = []
@@ -74,6 +82,7 @@ class Preprocessor:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             check_token_ids(ids, self.vocab_size, "prompt")
             out.append(ids)
+        self.tracer.event("tokenized", trace_id, tokens=sum(len(ids) for ids in out))
         return out
 
     def constraint(self, req: ChatCompletionRequest | CompletionRequest,

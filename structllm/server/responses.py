@@ -59,7 +59,7 @@ class ResponseBuilder:
     id_prefix = ""
 
     def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, prompt_logprobs: bool = False) -> None:
+                 include_usage: bool = False, prompt_logprobs: bool = False, response_id: str | None = None) -> None:
         self.choices = [_Choice(s) for s in sequences]
         self.tokenizer = tokenizer
         self.model = model
@@ -68,8 +68,12 @@ class ResponseBuilder:
         self.want_logprobs = bool(sequences) and sequences[0].sampling.logprobs is not None
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's field in the response
         self.prompt_scores: dict[int, list[TokenLogprobs]] = {}  # prompt index -> scores of tokens 1..
-        self.id = self.id_prefix + uuid.uuid4().hex
+        self.id = response_id or self.new_id()
         self.created = int(time.time())
+
+    @classmethod
+    def new_id(cls) -> str:
+        return cls.id_prefix + uuid.uuid4().hex
 
     # -- the protocol ------------------------------------------------------------------
 
@@ -223,9 +227,10 @@ class TextBuilder(ResponseBuilder):
     id_prefix = "cmpl-"
 
     def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, echo: bool = False, prompt_logprobs: bool = False) -> None:
+                 include_usage: bool = False, echo: bool = False, prompt_logprobs: bool = False,
+                 response_id: str | None = None) -> None:
         super().__init__(sequences, tokenizer, model=model, stream=stream, include_usage=include_usage,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, response_id=response_id)
         self.echo = echo
 
     def prompt_text(self, c: _Choice) -> str:
