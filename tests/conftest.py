@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from structllm.model.loader import ModelFiles
+from structllm.model.files import ModelFiles
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -46,7 +46,7 @@ def hf_model():  # type: ignore[no-untyped-def]
     import torch
     from transformers import AutoModelForCausalLM
 
-    from structllm.model.loader import default_model_path
+    from structllm.model.files import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

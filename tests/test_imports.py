@@ -1,5 +1,5 @@
 """The import graph of ``structllm``: no cycles, and the front end's modules never pull in
-torch (the front-end process must not hold it)."""
+torch (the front-end process must not hold it) nor the engine's weight loader."""
 
 from __future__ import annotations
 
@@ -71,10 +71,31 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_structllm_has_no_import_cycle() -> None:
+def import_graph() -> dict[str, set[str]]:
     known = modules()
-    graph = {name: imports(path, known) - {name} for name, path in known.items()}
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_structllm_has_no_import_cycle() -> None:
+    graph = import_graph()
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_tokenizer_finds_model_files_without_the_weight_loader() -> None:
+    graph = import_graph()
+    for module in ("structllm.tokenizer", "structllm.model.files"):
+        assert "structllm.model.loader" not in reachable(graph, module), module
+    assert "structllm.model.loader" not in graph["structllm.server.serve"]
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -86,8 +107,8 @@ def test_front_end_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import structllm.cli, structllm.chat, structllm.server.serve, structllm.server.api_server\n"
-        "import structllm.structured, structllm.output\n"
-        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "import structllm.structured, structllm.output, structllm.tokenizer, structllm.model.files\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'structllm.model.loader') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -75,7 +75,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path, default_files)
 def test_gguf_file_with_mixed_quantisations_matches_transformers(tmp_path: Path, tiny_llama_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from structllm.model.loader import default_model_path
+    from structllm.model.files import default_model_path
 
     src = hf_from_dir(tiny_llama_dir)
     gguf_path = tmp_path / "tiny.gguf"

@@ -44,7 +44,7 @@ def real_weights() -> dict[str, np.ndarray]:
     """Float32 matrices from the default model (its q/k/v of layer 0 and ffn_down of layer
     3, dequantised), to be re-quantised into each block type."""
     from structllm.model import gguf as our_gguf
-    from structllm.model.loader import default_model_path
+    from structllm.model.files import default_model_path
 
     reader = our_gguf.open_gguf(default_model_path())
     out = {}

@@ -18,8 +18,8 @@ from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.kernels import packed
 from structllm.kernels.packed import BlockWeight, HalfWeight
+from structllm.model.files import default_model_path
 from structllm.model.llama import LlamaModel
-from structllm.model.loader import default_model_path
 from tests.conftest import EXACT
 from tests.helpers import prefill_logits, write_tiny_gguf
 

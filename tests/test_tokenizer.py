@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from structllm.model.loader import TokenizerMeta
+from structllm.model.files import TokenizerMeta
 from structllm.tokenizer import ChatTemplateError, Detokenizer, Tokenizer
 
 TEXTS = [

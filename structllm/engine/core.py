@@ -30,8 +30,9 @@ from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.model.collectives import TensorParallelGroup
+from structllm.model.files import ModelFiles
 from structllm.model.formats import resolve_format
-from structllm.model.loader import ModelFiles, prepare_model
+from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.protocol import (
     Abort,

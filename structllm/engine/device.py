@@ -14,9 +14,10 @@ from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, GiB
 from structllm.kernels.backends import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
+from structllm.model.files import ModelFiles
 from structllm.model.formats import resolve_dtype, resolve_format
 from structllm.model.llama import LlamaModel
-from structllm.model.loader import ModelFiles, load_model
+from structllm.model.loader import load_model
 from structllm.model.sharding import ShardPlan
 
 
