@@ -18,7 +18,7 @@ import pytest
 from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
 from structllm.launch import EngineStartError, open_engine
-from structllm.protocol import AddRequest, OutputBatch, SamplingParams
+from structllm.protocol import PROTOCOL_VERSION, AddRequest, OutputBatch, SamplingParams
 from tests.server_utils import alive, shm_entries
 
 pytestmark = pytest.mark.anyio
@@ -52,7 +52,7 @@ async def collect(ep, request_id: str) -> list[int]:  # type: ignore[no-untyped-
 
 async def test_handshake_then_a_request_round_trip() -> None:
     async with open_engine(NULL) as eng:
-        assert eng.ready.protocol_version == 1 and eng.ready.vocab_size == 49152
+        assert eng.ready.protocol_version == PROTOCOL_VERSION and eng.ready.vocab_size == 49152
         assert shm_entries() == set()  # unlinked as soon as created
         await eng.endpoint.send(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=7)))
         assert len(await collect(eng.endpoint, "a")) == 7

@@ -8,6 +8,7 @@ import pytest
 
 from structllm import LLM, SamplingParams
 from structllm.config import EngineConfig
+from structllm.protocol import AddRequest
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,15 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(tiny: LLM, prompt: object,
         tiny.generate(["fine", prompt], GREEDY)  # type: ignore[list-item]
     assert not tiny.engine.has_work
     assert tiny.generate("still works", GREEDY)[0].finish_reason == "length"
+
+
+def test_n_is_fanned_out_before_the_engine_which_refuses_n_above_one(tiny: LLM) -> None:
+    sp = SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True)
+    assert len(tiny.generate("hello", sp)[0].outputs) == 2
+    tiny.engine.add_request(AddRequest("n2", [1, 2], sp))
+    (delta,) = tiny.engine.step().outputs
+    assert delta.finish_reason == "error" and "SamplingParams.n is 2" in (delta.error or "")
+    assert not tiny.engine.has_work
 
 
 def test_wrong_prompt_types_raise_type_error(tiny: LLM) -> None:

@@ -113,7 +113,7 @@ def test_newest_running_request_is_preempted_first() -> None:
         s.add_request(request(str(i), 7, max_tokens=20))
     step(s)
     order = [r.request_id for r in s.running]
-    while not any(r.num_preemptions for r in (*s.running, *s.waiting)):
+    while not s.num_preemptions:
         out, _ = step(s)
     assert out.preempted[0].request_id == order[-1]
     assert s.waiting[0].request_id == order[-1]

@@ -192,13 +192,17 @@ class EngineCore:
 
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in
-        the next batch instead (never left to spin)."""
+        the next batch instead (never left to spin). An engine request is one sequence:
+        ``sampling.n`` must be 1 (the output processor, ``output.fan_out``, turns ``n``
+        into ``n`` requests)."""
         try:
+            if msg.sampling.n != 1:
+                raise ValueError(f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence")
             self.check_request(msg.prompt_token_ids, msg.sampling)
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = msg.sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
-            req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
+            req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             if msg.sampling.structured_outputs is not None:
