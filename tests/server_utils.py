@@ -11,11 +11,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 ROOT = Path(__file__).parents[1]
+# How long a test waits for something that must happen before calling it a hang. Not a
+# speed requirement: on a loaded machine every step may be several times slower.
+HANG_S = 60.0
 
 
 def free_port() -> int:
@@ -130,8 +134,9 @@ class Server:
         assert m, f"metric {name} missing"
         return float(m.group(1))
 
-    def wait_idle(self, timeout: float = 15.0) -> None:
-        """Until no request is running or waiting and the KV cache is empty."""
+    def wait_idle(self, timeout: float = HANG_S) -> None:
+        """Until no request is running or waiting and the KV cache is empty (``timeout``
+        only guards against a hang: how fast it gets there is not asserted)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if (self.metric("num_requests_running"), self.metric("num_requests_waiting"), self.metric("kv_cache_usage_perc")) == (0, 0, 0):
@@ -141,6 +146,15 @@ class Server:
             f"not idle: running={self.metric('num_requests_running')} waiting={self.metric('num_requests_waiting')} "
             f"kv={self.metric('kv_cache_usage_perc')}"
         )
+
+
+def wait_for(condition: Callable[[], bool], message: str = "condition never held", timeout: float = HANG_S) -> None:
+    """Poll ``condition`` until it holds. ``timeout`` only guards against a hang: tests
+    assert what happens (counted in engine steps or events), not how fast."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, message
+        time.sleep(0.02)
 
 
 def open_stream(port: int, path: str, body: dict[str, Any]) -> socket.socket:

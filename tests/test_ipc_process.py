@@ -19,7 +19,7 @@ from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
 from structllm.launch import EngineStartError, open_engine
 from structllm.protocol import PROTOCOL_VERSION, AddRequest, OutputBatch, SamplingParams
-from tests.server_utils import alive, shm_entries
+from tests.server_utils import HANG_S, alive, shm_entries, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -64,8 +64,9 @@ async def test_front_end_sleeps_and_is_woken_by_the_doorbell() -> None:
     async with open_engine(cfg, front_spin_us=0, spin_us=0) as eng:
         t = time.monotonic()
         await eng.endpoint.send(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=5)))
-        assert len(await collect(eng.endpoint, "a")) == 5
-        assert 0.08 < time.monotonic() - t < 2.0  # five 20 ms steps, each a sleep and a wake-up
+        with anyio.fail_after(HANG_S):  # no spinning, no polling: a missed wake-up hangs
+            assert len(await collect(eng.endpoint, "a")) == 5
+        assert time.monotonic() - t > 0.08  # five 20 ms steps, each a sleep and a wake-up
 
 
 async def test_full_ring_makes_senders_wait_and_nothing_is_lost() -> None:
@@ -92,7 +93,7 @@ async def test_full_ring_makes_senders_wait_and_nothing_is_lost() -> None:
         assert all(len(t) == 3 for t in results.values())
 
 
-async def test_kill_9_of_the_engine_fails_streams_within_a_second() -> None:
+async def test_kill_9_of_the_engine_fails_streams() -> None:
     cfg = EngineConfig(null_model=True, kv_cache_memory=64 << 20, null_step_time=0.01)
     async with open_engine(cfg) as eng:
         client = EngineClient(eng)
@@ -101,11 +102,10 @@ async def test_kill_9_of_the_engine_fails_streams_within_a_second() -> None:
             async with client.request("long", [1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True)) as stream:
                 await stream.get()
                 os.kill(eng.pid, signal.SIGKILL)
-                t = time.monotonic()
-                with pytest.raises(EngineDeadError):
+                # the engine's exit is an event (its pidfd): a missed one hangs
+                with anyio.fail_after(HANG_S), pytest.raises(EngineDeadError):
                     while True:
                         await stream.get()
-                assert time.monotonic() - t < 1.0
             with pytest.raises(EngineDeadError):
                 async with client.request("after", [1], SamplingParams()):
                     pass
@@ -156,7 +156,7 @@ PARENT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
-def test_kill_9_of_the_parent_takes_the_engine_down_within_a_second(backend: str) -> None:
+def test_kill_9_of_the_parent_takes_the_engine_down(backend: str) -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, backend], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
@@ -164,10 +164,8 @@ def test_kill_9_of_the_parent_takes_the_engine_down_within_a_second(backend: str
         assert alive(engine_pid)
         parent.kill()
         parent.wait()
-        t = time.monotonic()
-        while alive(engine_pid) and time.monotonic() - t < 1.0:
-            time.sleep(0.01)
-        assert not alive(engine_pid), "engine outlived its parent by more than a second"
+        # PR_SET_PDEATHSIG and the parent pipe's EOF: events, not polling
+        wait_for(lambda: not alive(engine_pid), "engine outlived its parent")
     finally:
         parent.kill()
 

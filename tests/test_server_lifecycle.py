@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.server_utils import (
+    HANG_S,
     ROOT,
     Server,
     alive,
@@ -74,10 +75,10 @@ def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
         engine = s.engine_pid
         st = open_stream(s.port, "/v1/completions", body(5000))
         read_until(st, b"data: {")
-        t = time.monotonic()
         s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
-        assert s.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
-        assert time.monotonic() - t < 15
+        assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
+        raw = read_until(st, b"data: [DONE]")
+        assert b'"finish_reason":"length"' not in raw  # cut after the 1 s timeout, not finished
     assert not alive(engine)
 
 
@@ -86,9 +87,7 @@ def test_engine_death_without_restarts_fails_requests_and_exits_non_zero() -> No
         st = open_stream(s.port, "/v1/completions", body(5000))
         read_until(st, b"data: {")
         os.kill(s.engine_pid, signal.SIGKILL)
-        t = time.monotonic()
-        raw = read_until(st, b"data: [DONE]", timeout=10)
-        assert time.monotonic() - t < 5
+        raw = read_until(st, b"data: [DONE]")  # the engine's exit is an event (its pidfd)
         errors = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b'data: {"error"')]
         assert errors and "engine" in errors[0]["error"]["message"]
         code = s.proc.wait(timeout=60)  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ from structllm import LLM, SamplingParams
 from structllm.cli import _engine_kwargs, build_parser
 from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
+from structllm.engine import worker_pool
 from structllm.engine.core import EngineCore
 from structllm.engine.worker_pool import WorkerDied
 from structllm.launch import open_engine
@@ -35,7 +36,7 @@ from structllm.model.config import ModelConfig
 from structllm.model.sharding import plan_shards, shard_weights
 from tests.conftest import make_tiny_hf_dir
 from tests.helpers import prefill_logits
-from tests.server_utils import alive, shm_entries
+from tests.server_utils import HANG_S, alive, shm_entries
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7], list(range(500, 900, 7))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -48,7 +49,9 @@ def no_shm_leaks() -> Iterator[None]:
     assert shm_entries() == before, "shared memory left in /dev/shm"
 
 
-def wait_gone(pids: list[int], timeout: float) -> None:
+def wait_gone(pids: list[int], timeout: float = HANG_S) -> None:
+    """Until ``pids`` are gone (``timeout`` guards against a hang; their exits are
+    events: parent-death signal, pipe EOF, failed collectives)."""
     end = time.monotonic() + timeout
     while any(alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.02)
@@ -239,10 +242,8 @@ def test_offline_kill_9_of_a_worker_fails_generate_then_close_reaps(tiny_dir: Pa
         (pid,) = llm.engine.workers.pids
         assert llm.generate([1, 2, 3], GREEDY)[0].token_ids
         os.kill(pid, signal.SIGKILL)
-        t = time.monotonic()
         with pytest.raises(WorkerDied, match=rf"worker 1 \(pid {pid}\) was killed by signal SIGKILL"):
             llm.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
-        assert time.monotonic() - t < 5.0
     finally:
         llm.close()
     assert children(os.getpid()) == []
@@ -268,11 +269,13 @@ def test_a_step_interrupted_between_collectives_stops_the_workers(tiny_dir: Path
             real(t)
 
         monkeypatch.setattr(group, "all_reduce", interrupted)
+        # a grace period no loaded machine comes near: closing must not wait it out
+        monkeypatch.setattr(worker_pool, "SHUTDOWN_GRACE_S", 2 * HANG_S)
         t = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             llm.generate([1, 2, 3], GREEDY)
-        wait_gone([pid], 2.0)
-        assert time.monotonic() - t < 3.0  # not the shutdown grace period
+        wait_gone([pid])
+        assert time.monotonic() - t < 2 * HANG_S, "closing waited out the shutdown grace period"
         with pytest.raises(WorkerDied, match="stopped after a failed step"):
             llm.generate([1, 2, 3], GREEDY)
     finally:
@@ -292,7 +295,7 @@ def test_unclosed_llm_stops_its_workers_when_collected(tiny_dir: Path) -> None:
     pids = llm.engine.workers.pids
     del llm
     gc.collect()
-    wait_gone(pids, 1.0)
+    wait_gone(pids)
 
 
 EXITING = textwrap.dedent(
@@ -326,7 +329,7 @@ def run_script(script: str, *args: str) -> tuple[list[int], int]:
 def test_workers_stop_at_interpreter_exit(tiny_dir: Path) -> None:
     pids, code = run_script(EXITING, str(tiny_dir))
     assert code == 0 and pids
-    wait_gone(pids, 1.0)
+    wait_gone(pids)
 
 
 FROM_A_THREAD = textwrap.dedent(
@@ -359,7 +362,7 @@ async def test_kill_9_of_the_engine_process_takes_its_workers_down(tiny_dir: Pat
     async with open_engine(cfg) as eng:
         (worker,) = children(eng.pid)
         os.kill(eng.pid, signal.SIGKILL)
-        wait_gone([worker], 1.0)
+        wait_gone([worker])
 
 
 @pytest.mark.anyio
@@ -379,12 +382,12 @@ async def test_kill_9_of_a_worker_ends_the_engine_process(tiny_dir: Path, when: 
                 async with client.request("long", [1, 2, 3], long) as stream:
                     await stream.get()
                     os.kill(worker, signal.SIGKILL)
-                    with anyio.fail_after(5), pytest.raises(EngineDeadError, match="worker 1"):
+                    with anyio.fail_after(HANG_S), pytest.raises(EngineDeadError, match="worker 1"):
                         while True:
                             await stream.get()
             else:
                 os.kill(worker, signal.SIGKILL)
-                with anyio.fail_after(5):
+                with anyio.fail_after(HANG_S):
                     while client.dead is None:  # the client's supervisor saw the engine exit
                         await anyio.sleep(0.02)
                 assert "worker 1" in str(client.dead)
@@ -393,4 +396,4 @@ async def test_kill_9_of_a_worker_ends_the_engine_process(tiny_dir: Path, when: 
                     pass
             tg.cancel_scope.cancel()
     assert eng.process.returncode == 1
-    wait_gone([worker, eng.pid], 1.0)
+    wait_gone([worker, eng.pid])
