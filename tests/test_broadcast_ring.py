@@ -11,7 +11,6 @@ import textwrap
 import threading
 import time
 from collections import deque
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -23,17 +22,14 @@ from structllm.ipc.broadcast_channel import Publisher, Subscriber
 from structllm.ipc.channel import Doorbell, ProtocolError, SpinBudget
 from structllm.ipc.ring import LEN_SIZE, FrameTooLarge
 from structllm.protocol import StepInput, StopWorker, ToWorker
-from tests.server_utils import HANG_S
+from tests.support.procs import HANG_S, python_env
+from tests.support.rings import frame
 
 CAP = 256
 
 
 def new_ring(readers: int, capacity: int = CAP) -> BroadcastRing:
     return BroadcastRing(mmap.mmap(-1, broadcast_ring_size(capacity, readers)), capacity, readers, init=True)
-
-
-def frame(i: int, n: int) -> bytes:
-    return bytes((i * 31 + k) % 251 for k in range(n))
 
 
 ops = st.lists(
@@ -206,8 +202,7 @@ def test_two_reader_processes_receive_everything_under_back_pressure() -> None:
     ring = BroadcastRing(mapping, cap, readers, init=True)
     bells, writer_bell = [Doorbell() for _ in range(readers)], Doorbell()
     pub = Publisher(ring, bells, writer_bell)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = python_env()
     def argv(i: int) -> list[str]:  # reader 1 stalls now and then
         args = [fd, size, cap, readers, i, bells[i].fd, writer_bell.fd, i]
         return [sys.executable, "-c", READER, *map(str, args)]

@@ -18,7 +18,7 @@ from structllm.kernels.attention import (
     attention,
 )
 from structllm.kernels.backends import get_attention_impl
-from tests.test_reference_attention import paged_setup
+from tests.support.attention import paged_setup
 
 module = cpu_ext.load()
 

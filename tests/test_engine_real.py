@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from structllm import LLM, SamplingParams
-from tests.conftest import EXACT
-from tests.helpers import hf_greedy, hf_logits, prefill_logits
+from tests.support.models import EXACT, hf_greedy, hf_logits, prefill_logits
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).parents[1] / "structllm"
+from tests.support.procs import ROOT
+
+PACKAGE = ROOT / "structllm"
 
 
 def modules() -> dict[str, Path]:

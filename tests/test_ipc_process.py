@@ -9,8 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import anyio
 import pytest
@@ -19,9 +17,9 @@ from structllm.client import EngineClient, EngineDeadError
 from structllm.config import EngineConfig
 from structllm.launch import EngineStartError, open_engine
 from structllm.protocol import PROTOCOL_VERSION, AddRequest, OutputBatch, SamplingParams
-from tests.server_utils import HANG_S, alive, shm_entries, wait_for
+from tests.support.procs import HANG_S, ROOT, alive, shm_entries, wait_for
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("no_shm_leaks")]
 
 NULL = EngineConfig(null_model=True, kv_cache_memory=64 << 20)
 
@@ -29,13 +27,6 @@ NULL = EngineConfig(null_model=True, kv_cache_memory=64 << 20)
 @pytest.fixture(params=["trio", "asyncio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leaks() -> Iterator[None]:
-    before = shm_entries()
-    yield
-    assert shm_entries() == before, "shared memory left in /dev/shm"
 
 
 async def collect(ep, request_id: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -171,5 +162,5 @@ def test_kill_9_of_the_parent_takes_the_engine_down(backend: str) -> None:
 
 
 def test_engine_module_refuses_to_run_by_hand() -> None:
-    out = subprocess.run([sys.executable, "-m", "structllm.engine"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    out = subprocess.run([sys.executable, "-m", "structllm.engine"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and "started by the structllm front end" in out.stderr

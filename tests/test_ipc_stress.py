@@ -6,13 +6,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from structllm.ipc import shm
 from structllm.ipc.channel import Doorbell, Endpoint
-from tests.ipc_peer import pump
+from tests.support.ipc_peer import pump
+from tests.support.procs import ROOT, python_env
 
 N = int(os.environ.get("STRUCTLLM_STRESS_FRAMES", 1_000_000))
 
@@ -31,10 +31,10 @@ def test_million_frames_each_way_no_loss_no_reorder_no_corruption() -> None:
         "slow": [N // 10, N // 10 + 4000],  # the child reads slowly here: the parent's sends back up
     }
     child = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("ipc_peer.py")), json.dumps(args)],
+        [sys.executable, str(ROOT / "tests" / "support" / "ipc_peer.py"), json.dumps(args)],
         pass_fds=(fd, parent_bell.fd, child_bell.fd),
         stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        env=python_env(),
     )
     os.close(fd)
     try:

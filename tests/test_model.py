@@ -12,8 +12,14 @@ from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.model import gguf as our_gguf
 from structllm.model.loader import prepare_model
-from tests.conftest import EXACT, make_tiny_hf_dir
-from tests.helpers import hf_greedy, hf_logits, prefill_logits, write_tiny_gguf
+from tests.support.models import (
+    EXACT,
+    hf_greedy,
+    hf_logits,
+    make_tiny_hf_dir,
+    prefill_logits,
+    write_tiny_gguf,
+)
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 

@@ -22,7 +22,7 @@ from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
 from structllm.engine.scheduler import Scheduler
 from structllm.protocol import TokenDelta, TokenLogprobs
-from tests.helpers import hf_logits
+from tests.support.models import hf_logits
 
 # -- scheduling, with the null runner ---------------------------------------------------
 
@@ -258,23 +258,16 @@ def assert_same_scores(a: list[Any], b: list[Any], atol: float) -> None:
             )
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_files):  # type: ignore[no-untyped-def]
-    from tests.conftest import make_tiny_hf_dir
-
-    return make_tiny_hf_dir(tmp_path_factory.mktemp("scoring"), default_files)
-
-
 def test_tiny_model_logit_slices_and_transformers(
-    tiny_dir: Any, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 300-token prompt scored in one step spans two logit slices; slices of 3 rows
     split the sampling rows from the scored ones mid-slice. All agree with transformers."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(tiny_dir), kv_cache_memory=8 << 20, dtype="float32")
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, dtype="float32")
     whole = llm.generate(TINY_PROMPTS, SCORE)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     for out, prompt in zip(whole, TINY_PROMPTS, strict=True):
         ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
         assert out.prompt_logprobs is not None
@@ -286,10 +279,10 @@ def test_tiny_model_logit_slices_and_transformers(
     assert_same_scores(whole, llm.generate(TINY_PROMPTS, SCORE), atol=1e-5)
 
 
-def test_tiny_model_tp_scores_like_one_process(tiny_dir: Any) -> None:
+def test_tiny_model_tp_scores_like_one_process(tiny_llama_dir: Any) -> None:
     kw: dict[str, Any] = dict(kv_cache_memory=8 << 20, dtype="float32")
-    ref = LLM(str(tiny_dir), **kw).generate(TINY_PROMPTS, SCORE)
-    with LLM(str(tiny_dir), tensor_parallel_size=2, **kw) as tp:
+    ref = LLM(str(tiny_llama_dir), **kw).generate(TINY_PROMPTS, SCORE)
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw) as tp:
         assert_same_scores(ref, tp.generate(TINY_PROMPTS, SCORE), atol=1e-4)
         with engine_limits(tp, budget=48):  # chunked: scores sent over several steps
             tp.engine.kv.reset_prefix_cache()

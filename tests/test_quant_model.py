@@ -20,8 +20,7 @@ from structllm.kernels import packed
 from structllm.kernels.packed import BlockWeight, HalfWeight
 from structllm.model.files import default_model_path
 from structllm.model.llama import LlamaModel
-from tests.conftest import EXACT
-from tests.helpers import prefill_logits, write_tiny_gguf
+from tests.support.models import EXACT, prefill_logits, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf")
 needs_kernels = pytest.mark.skipif(

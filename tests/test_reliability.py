@@ -25,16 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_utils import (
-    HANG_S,
-    Server,
-    alive,
-    engine_of,
-    open_stream,
-    read_until,
-    shm_entries,
-    wait_for,
-)
+from tests.support.procs import HANG_S, alive, engine_of, shm_entries, wait_for
+from tests.support.server import Server, completion, open_stream, read_until, sse_text
 
 pytestmark = pytest.mark.slow
 
@@ -55,19 +47,6 @@ def server() -> Iterator[Server]:
     with Server(*NULL, "--body-timeout", "1", "--write-timeout", "1") as s:
         yield s
         assert s.stop() == 0
-
-
-def completion(prompt: str, max_tokens: int, stream: bool = False, **kw: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True, **kw}
-
-
-def sse_text(raw: bytes) -> str:
-    out = []
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: {"):
-            chunk = json.loads(line[6:])
-            out += [c.get("text") or c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
-    return "".join(out)
 
 
 # -- hostile input ------------------------------------------------------------------------

@@ -14,16 +14,13 @@ from structllm.ipc import atomics
 from structllm.ipc.channel import Doorbell, Endpoint, ProtocolError
 from structllm.ipc.ring import LEN_SIZE, FrameTooLarge, Ring, ring_size
 from structllm.protocol import AddRequest, SamplingParams, ToEngine
+from tests.support.rings import frame
 
 CAP = 256
 
 
 def new_ring(capacity: int = CAP) -> Ring:
     return Ring(mmap.mmap(-1, ring_size(capacity)), capacity, init=True)
-
-
-def frame(i: int, n: int) -> bytes:
-    return bytes((i * 31 + k) % 251 for k in range(n))
 
 
 @settings(max_examples=300, deadline=None)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.server_utils import Server, alive, children, engine_of, shm_entries, wait_for
+from tests.support.procs import alive, children, engine_of, shm_entries, wait_for
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ or open in the front end."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 
@@ -13,7 +12,8 @@ import anyio
 import httpx
 import pytest
 
-from tests.server_utils import Server, open_stream, read_until, wait_for
+from tests.support.procs import wait_for
+from tests.support.server import Server, completion, open_stream, read_until, sse_text
 
 pytestmark = pytest.mark.slow
 
@@ -47,27 +47,14 @@ def small(config: tuple[str, str]) -> Iterator[Server]:
         assert s.stop() == 0
 
 
-def body(prompt: str, max_tokens: int, stream: bool = True) -> dict[str, object]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True}
-
-
-def sse_text(raw: bytes) -> str:
-    out = []
-    for line in raw.split(b"\n"):
-        if line.startswith(b"data: {"):
-            chunk = json.loads(line[6:])
-            out += [c["text"] for c in chunk["choices"]]
-    return "".join(out)
-
-
 def test_hundred_streams_with_ten_disconnected_early(server: Server) -> None:
-    reference = {p: server.post("/v1/completions", body(p, 12, stream=False))[1]["choices"][0]["text"] for p in PROMPTS}
+    reference = {p: server.post("/v1/completions", completion(p, 12))[1]["choices"][0]["text"] for p in PROMPTS}
     results: dict[int, str] = {}
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         prompt = PROMPTS[i % 10]
         huge = i % 10 == 9
-        async with client.stream("POST", server.url + "/v1/completions", json=body(prompt, 2000 if huge else 12)) as r:
+        async with client.stream("POST", server.url + "/v1/completions", json=completion(prompt, 2000 if huge else 12, stream=True)) as r:
             assert r.status_code == 200
             raw, seen = b"", 0
             async for chunk in r.aiter_bytes():
@@ -92,10 +79,10 @@ def test_hundred_streams_with_ten_disconnected_early(server: Server) -> None:
 
 
 def test_disconnect_of_a_queued_request(small: Server) -> None:
-    long = [open_stream(small.port, "/v1/completions", body("Tell me a long story.", 1500)) for _ in range(2)]
+    long = [open_stream(small.port, "/v1/completions", completion("Tell me a long story.", 1500, stream=True)) for _ in range(2)]
     for s in long:
         read_until(s, b"data: {")
-    queued = open_stream(small.port, "/v1/completions", body("And another one.", 1500))
+    queued = open_stream(small.port, "/v1/completions", completion("And another one.", 1500, stream=True))
     wait_for(lambda: small.metric("num_requests_waiting") == 1)
     steps = small.metric("engine_steps_total")
     queued.close()
@@ -111,7 +98,7 @@ def test_disconnect_of_a_queued_request(small: Server) -> None:
 
 def test_disconnect_during_a_long_prefill(small: Server) -> None:
     prompt = "alpha beta gamma delta " * 400  # ~1600 tokens at 32 a step: 50 steps of prefill
-    s = open_stream(small.port, "/v1/completions", body(prompt, 300))
+    s = open_stream(small.port, "/v1/completions", completion(prompt, 300, stream=True))
     wait_for(lambda: small.metric("num_requests_running") == 1)
     assert small.metric("kv_cache_usage_perc") > 0
     got = read_until(s, b"\r\n\r\n")  # the headers: sent once the request is in the engine
@@ -125,7 +112,7 @@ def test_disconnect_during_a_long_prefill(small: Server) -> None:
 
 
 def test_disconnect_of_a_non_streaming_request(server: Server) -> None:
-    s = open_stream(server.port, "/v1/completions", body("Count to a thousand:", 1900, stream=False))
+    s = open_stream(server.port, "/v1/completions", completion("Count to a thousand:", 1900))
     wait_for(lambda: server.metric("num_requests_running") == 1)
     steps = server.metric("engine_steps_total")
     s.close()
@@ -137,12 +124,12 @@ def test_disconnect_of_a_non_streaming_request(server: Server) -> None:
 
 def test_disconnect_racing_the_last_step(server: Server) -> None:
     for i in range(30):
-        s = open_stream(server.port, "/v1/completions", body(PROMPTS[i % 10], 3))
+        s = open_stream(server.port, "/v1/completions", completion(PROMPTS[i % 10], 3, stream=True))
         read_until(s, b"data: {", timeout=30)
         if i % 3:
             time.sleep(0.005 * (i % 7))
         s.close()
     server.wait_idle()
     assert server.metric("num_open_requests") == 0
-    code, data = server.post("/v1/completions", body(PROMPTS[0], 4, stream=False))
+    code, data = server.post("/v1/completions", completion(PROMPTS[0], 4))
     assert code == 200 and data["choices"][0]["finish_reason"] == "length"

@@ -11,23 +11,10 @@ import time
 
 import pytest
 
-from tests.server_utils import (
-    HANG_S,
-    ROOT,
-    Server,
-    alive,
-    children,
-    free_port,
-    open_stream,
-    read_until,
-    shm_entries,
-)
+from tests.support.procs import HANG_S, ROOT, alive, children, shm_entries
+from tests.support.server import Server, completion, free_port, open_stream, read_until
 
 pytestmark = pytest.mark.slow
-
-
-def body(max_tokens: int) -> dict[str, object]:
-    return {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
 
 
 def test_health_is_503_while_loading_then_200() -> None:
@@ -59,7 +46,7 @@ def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
     before = shm_entries()
     with Server(backend=backend) as s:
         engine = s.engine_pid
-        streams = [open_stream(s.port, "/v1/completions", body(20)) for _ in range(3)]
+        streams = [open_stream(s.port, "/v1/completions", completion("Once upon a time", 20, stream=True)) for _ in range(3)]
         first = [read_until(st, b"data: {") for st in streams]
         s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         for st, head in zip(streams, first, strict=True):
@@ -73,7 +60,7 @@ def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
 def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
     with Server("--shutdown-timeout", "1") as s:
         engine = s.engine_pid
-        st = open_stream(s.port, "/v1/completions", body(5000))
+        st = open_stream(s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True))
         read_until(st, b"data: {")
         s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
         assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
@@ -84,7 +71,7 @@ def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
 
 def test_engine_death_without_restarts_fails_requests_and_exits_non_zero() -> None:
     with Server("--no-restart-engine") as s:
-        st = open_stream(s.port, "/v1/completions", body(5000))
+        st = open_stream(s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True))
         read_until(st, b"data: {")
         os.kill(s.engine_pid, signal.SIGKILL)
         raw = read_until(st, b"data: [DONE]")  # the engine's exit is an event (its pidfd)

@@ -8,7 +8,7 @@ import anyio
 import openai
 import pytest
 
-from tests.server_utils import Server
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"

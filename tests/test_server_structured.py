@@ -15,7 +15,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.server_utils import Server
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import Server
+from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -20,16 +20,9 @@ from structllm.structured import (
     GrammarError,
     Matcher,
     grammar_of,
-    load_tokenizer,
     response_format_spec,
     validate,
 )
-
-
-@pytest.fixture(scope="module")
-def lltok(default_files):  # type: ignore[no-untyped-def]
-    return load_tokenizer(str(default_files.tokenizer_json), tuple(default_files.generation_eos_ids))
-
 
 # -- the spec type ------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 
 from structllm import LLM, SamplingParams
 from structllm.protocol import StructuredOutputs
-from tests.conftest import make_tiny_hf_dir
+from tests.support.models import make_tiny_hf_dir
 
 WEATHER = {
     "type": "object",

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -34,19 +33,13 @@ from structllm.engine.worker_pool import WorkerDied
 from structllm.launch import open_engine
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import plan_shards, shard_weights
-from tests.conftest import make_tiny_hf_dir
-from tests.helpers import prefill_logits
-from tests.server_utils import HANG_S, alive, shm_entries
+from tests.support.models import make_tiny_hf_dir, prefill_logits
+from tests.support.procs import HANG_S, alive, children, python_env
+
+pytestmark = pytest.mark.usefixtures("no_shm_leaks")
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7], list(range(500, 900, 7))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leaks() -> Iterator[None]:
-    before = shm_entries()
-    yield
-    assert shm_entries() == before, "shared memory left in /dev/shm"
 
 
 def wait_gone(pids: list[int], timeout: float = HANG_S) -> None:
@@ -56,21 +49,6 @@ def wait_gone(pids: list[int], timeout: float = HANG_S) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.02)
     assert not any(alive(p) for p in pids), f"processes {pids} outlived their engine"
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(name))
-    return out
 
 
 # -- the plan -------------------------------------------------------------------------
@@ -230,13 +208,8 @@ def test_default_model_tp2_matches_one_process(llm: LLM) -> None:
 # -- worker death and clean-up ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_files) -> Path:  # type: ignore[no-untyped-def]
-    return make_tiny_hf_dir(tmp_path_factory.mktemp("tp"), default_files)
-
-
-def test_offline_kill_9_of_a_worker_fails_generate_then_close_reaps(tiny_dir: Path) -> None:
-    llm = LLM(str(tiny_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+def test_offline_kill_9_of_a_worker_fails_generate_then_close_reaps(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
     try:
         assert llm.engine.workers is not None
         (pid,) = llm.engine.workers.pids
@@ -249,11 +222,11 @@ def test_offline_kill_9_of_a_worker_fails_generate_then_close_reaps(tiny_dir: Pa
     assert children(os.getpid()) == []
 
 
-def test_a_step_interrupted_between_collectives_stops_the_workers(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_interrupted_between_collectives_stops_the_workers(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C on rank 0 after the first all-reduce of a step: the worker waits in the
     second, which rank 0 will never join. Closing must not wait for it, and the engine
     must refuse further steps instead of pairing the next step's collectives with it."""
-    llm = LLM(str(tiny_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
     try:
         group = llm.engine.model.tp if llm.engine.model is not None else None
         assert group is not None and llm.engine.workers is not None
@@ -282,15 +255,15 @@ def test_a_step_interrupted_between_collectives_stops_the_workers(tiny_dir: Path
         llm.close()
 
 
-def test_a_start_failure_after_the_workers_started_stops_them(tiny_dir: Path) -> None:
+def test_a_start_failure_after_the_workers_started_stops_them(tiny_llama_dir: Path) -> None:
     """max_model_len is checked once the ranks agree on the KV cache size."""
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's context length 512"):
-        LLM(str(tiny_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2, max_model_len=100_000)
+        LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2, max_model_len=100_000)
     assert children(os.getpid()) == []
 
 
-def test_unclosed_llm_stops_its_workers_when_collected(tiny_dir: Path) -> None:
-    llm = LLM(str(tiny_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+def test_unclosed_llm_stops_its_workers_when_collected(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
     assert llm.engine.workers is not None
     pids = llm.engine.workers.pids
     del llm
@@ -312,9 +285,7 @@ EXITING = textwrap.dedent(
 def run_script(script: str, *args: str) -> tuple[list[int], int]:
     """Run ``script``; returns the pids it prints on its first line and its exit code.
     Waits for the process only, not for EOF on its output (workers share that pipe)."""
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=python_env())
     try:
         assert proc.stdout is not None
         pids = [int(p) for p in proc.stdout.readline().split()]
@@ -326,8 +297,8 @@ def run_script(script: str, *args: str) -> tuple[list[int], int]:
             proc.stdout.close()
 
 
-def test_workers_stop_at_interpreter_exit(tiny_dir: Path) -> None:
-    pids, code = run_script(EXITING, str(tiny_dir))
+def test_workers_stop_at_interpreter_exit(tiny_llama_dir: Path) -> None:
+    pids, code = run_script(EXITING, str(tiny_llama_dir))
     assert code == 0 and pids
     wait_gone(pids)
 
@@ -349,16 +320,16 @@ FROM_A_THREAD = textwrap.dedent(
 )
 
 
-def test_workers_spawned_from_a_thread_outlive_it_but_not_the_process(tiny_dir: Path) -> None:
-    pids, code = run_script(FROM_A_THREAD, str(tiny_dir))
+def test_workers_spawned_from_a_thread_outlive_it_but_not_the_process(tiny_llama_dir: Path) -> None:
+    pids, code = run_script(FROM_A_THREAD, str(tiny_llama_dir))
     assert code == -signal.SIGKILL and pids
     wait_gone(pids, 0.5)  # at once: not at its next idle check (1 s later)
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_kill_9_of_the_engine_process_takes_its_workers_down(tiny_dir: Path) -> None:
-    cfg = EngineConfig(model=str(tiny_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+async def test_kill_9_of_the_engine_process_takes_its_workers_down(tiny_llama_dir: Path) -> None:
+    cfg = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
     async with open_engine(cfg) as eng:
         (worker,) = children(eng.pid)
         os.kill(eng.pid, signal.SIGKILL)
@@ -368,10 +339,10 @@ async def test_kill_9_of_the_engine_process_takes_its_workers_down(tiny_dir: Pat
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 @pytest.mark.parametrize("when", ["streaming", "idle"])
-async def test_kill_9_of_a_worker_ends_the_engine_process(tiny_dir: Path, when: str) -> None:
+async def test_kill_9_of_a_worker_ends_the_engine_process(tiny_llama_dir: Path, when: str) -> None:
     """The server's engine process: a worker's death ends it like an engine death, while
     it streams (a collective fails) or while it sleeps (it watches the workers' pidfds)."""
-    cfg = EngineConfig(model=str(tiny_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
+    cfg = EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2)
     async with open_engine(cfg) as eng:
         (worker,) = children(eng.pid)
         client = EngineClient(eng)

@@ -12,7 +12,7 @@ import pytest
 
 from structllm.output import SequenceState
 from structllm.protocol import SamplingParams
-from structllm.structured import Matcher, grammar_of, load_tokenizer, validate
+from structllm.structured import Matcher, grammar_of, validate
 from structllm.tokenizer import Detokenizer
 from structllm.tools import (
     JsonScanner,
@@ -35,11 +35,6 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 TOOLS = [WEATHER, ADD]
 CALLS = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo \\"N\\" {x}", "unit": "c"}}, ' \
         '{"name": "add", "arguments": {"a": 1, "b": -25}}]}'
-
-
-@pytest.fixture(scope="module")
-def lltok(default_files):  # type: ignore[no-untyped-def]
-    return load_tokenizer(str(default_files.tokenizer_json), tuple(default_files.generation_eos_ids))
 
 
 def req(choice: Any = "auto", fmt: str = "generic", tools: list[Any] = TOOLS, parallel: bool | None = None) -> ToolRequest:

@@ -29,7 +29,7 @@ from structllm.kernels.attention import (  # noqa: E402
 )
 from structllm.kernels.backends import get_attention_impl  # noqa: E402
 from structllm.kernels.triton_attention import TritonAttention  # noqa: E402
-from tests.test_reference_attention import paged_setup  # noqa: E402
+from tests.support.attention import paged_setup  # noqa: E402
 
 if not ta.INTERPRETED and not CUDA:  # fail loudly: skipping would hide every test below
     raise RuntimeError(
@@ -250,7 +250,7 @@ def test_backend_selection_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def tiny_gqa3_dir(tmp_path_factory, default_files) -> Path:  # type: ignore[no-untyped-def]
     """A tiny random model with the default model's head shape: D = 64, 3 query heads per
     KV head."""
-    from tests.conftest import make_tiny_hf_dir
+    from tests.support.models import make_tiny_hf_dir
 
     return make_tiny_hf_dir(
         tmp_path_factory.mktemp("tiny-gqa3"), default_files,
@@ -267,7 +267,7 @@ def test_engine_output_does_not_depend_on_the_backend(tiny_gqa3_dir: Path) -> No
     A token budget of 32 chunks the 71-token prompt (chunked prefill over a cached part),
     the repeated prompt hits the prefix cache, and decode contexts cross block ends."""
     from structllm import LLM, SamplingParams
-    from tests.helpers import prefill_logits
+    from tests.support.models import prefill_logits
 
     prompts = [list(range(100, 171)), [7], list(range(100, 171)), [5, 9, 200, 31, 4000, 77]]
     kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=32, dtype="float32", max_num_seqs=4)

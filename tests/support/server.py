@@ -1,4 +1,5 @@
-"""A real ``structllm run`` subprocess on a free port, and helpers to poke it."""
+"""A real ``structllm run`` subprocess on a free port, and helpers to poke it: request
+bodies, raw-socket streams (to disconnect at will) and their server-sent events."""
 
 from __future__ import annotations
 
@@ -11,56 +12,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-ROOT = Path(__file__).parents[1]
-# How long a test waits for something that must happen before calling it a hang. Not a
-# speed requirement: on a loaded machine every step may be several times slower.
-HANG_S = 60.0
+from tests.support.procs import HANG_S, ROOT, engine_of
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def engine_of(pid: int) -> int:
-    """The engine child of a server process (-1 if none)."""
-    for kid in children(pid):
-        try:
-            with open(f"/proc/{kid}/cmdline", "rb") as f:
-                if b"structllm.engine" in f.read():
-                    return kid
-        except FileNotFoundError:
-            pass
-    return -1
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def shm_entries() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("structllm-")}
 
 
 class Server:
@@ -148,15 +109,6 @@ class Server:
         )
 
 
-def wait_for(condition: Callable[[], bool], message: str = "condition never held", timeout: float = HANG_S) -> None:
-    """Poll ``condition`` until it holds. ``timeout`` only guards against a hang: tests
-    assert what happens (counted in engine steps or events), not how fast."""
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, message
-        time.sleep(0.02)
-
-
 def open_stream(port: int, path: str, body: dict[str, Any]) -> socket.socket:
     """Send a request on a raw socket (to disconnect at will); returns the socket."""
     data = json.dumps(body).encode()
@@ -177,3 +129,18 @@ def read_until(s: socket.socket, marker: bytes, limit: int = 1 << 20, timeout: f
             break
         buf += chunk
     return buf
+
+
+def completion(prompt: str, max_tokens: int, stream: bool = False, **kw: Any) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body that generates exactly ``max_tokens`` tokens."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True, **kw}
+
+
+def sse_text(raw: bytes) -> str:
+    """The text of a streamed completion or chat completion (all choices, in order)."""
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            out += [c.get("text") or c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
+    return "".join(out)

@@ -1,7 +1,11 @@
-"""Test helpers shared by several modules."""
+"""Models for the tests: the exact float32 settings, tiny random-weight checkpoints
+(Hugging Face directories and GGUF files), logits through the engine, and
+transformers as the reference."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,53 @@ from structllm.engine.core import EngineCore
 from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.engine.scheduler import SchedulerOutput
+from structllm.model.files import ModelFiles
 from structllm.protocol import SamplingParams
+
+# The exact float32 path (today's, token for token equal to transformers); the default
+# formats (--dtype/--quantization auto) run GGUF blocks or float16 weights on CPU.
+EXACT = {"dtype": "float32", "quantization": "none"}
+
+
+def make_tiny_hf_dir(root: Path, files: ModelFiles, arch: str = "llama", **overrides: object) -> Path:
+    """A random-weight Hugging Face checkpoint of a tiny model, saved by transformers,
+    with the default model's tokenizer and chat template."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    kw: dict[str, object] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kw.update(overrides)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**kw)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # random biases, so a missing bias would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    out = root / f"tiny-{arch}"
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copyfile(files.tokenizer_json, out / "tokenizer.json")
+    meta = files.tokenizer_meta
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token, "chat_template": meta.chat_template})
+    )
+    return out
 
 
 def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
