@@ -94,7 +94,7 @@ fi
 sleep 0.2
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee -a "$OUT/summary.txt"
 
-if $PY -c 'from structllm.model.loader import default_model_path; default_model_path()' 2> /dev/null; then
+if $PY -c 'from structllm.model.files import default_model_path; default_model_path()' 2> /dev/null; then
     select=()
 else
     echo "(default model not installed: the engine tests, which take its tokenizer, are deselected)" | tee -a "$OUT/summary.txt"
