@@ -57,7 +57,7 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = HANG_S) -> int:
         assert self.proc is not None
         self.proc.send_signal(sig)
         try:
