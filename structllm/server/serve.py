@@ -157,6 +157,7 @@ class Supervisor:
     async def run(self) -> int:
         self.stop = anyio.Event()  # a stop was requested (signal) or the engine is given up
         self.http_done = anyio.Event()
+        code = 0  # what a second signal (stop now, cancelling everything) leaves
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_signals, self.stop, tg.cancel_scope)
             tg.start_soon(serve_http, self.config, self.app, self.sock, self.stop, self.http_done)

@@ -44,7 +44,8 @@ def test_health_is_503_while_loading_then_200() -> None:
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
     before = shm_entries()
-    with Server(backend=backend) as s:
+    # a shutdown timeout no loaded machine comes near: the drain is what is tested
+    with Server("--shutdown-timeout", str(HANG_S), backend=backend) as s:
         engine = s.engine_pid
         streams = [open_stream(s.port, "/v1/completions", completion("Once upon a time", 20, stream=True)) for _ in range(3)]
         first = [read_until(st, b"data: {") for st in streams]
@@ -52,9 +53,22 @@ def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
         for st, head in zip(streams, first, strict=True):
             raw = head + read_until(st, b"data: [DONE]")
             assert b'"finish_reason":"length"' in raw and b"[DONE]" in raw  # finished, not cut
-        assert s.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
+        assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
     assert not alive(engine)
     assert shm_entries() == before
+
+
+def test_a_second_signal_stops_at_once_with_code_0() -> None:
+    with Server("--shutdown-timeout", str(HANG_S)) as s:
+        engine = s.engine_pid
+        st = open_stream(s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True))
+        read_until(st, b"data: {")
+        s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]  # distinct: never coalesced with the first
+        assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
+        raw = read_until(st, b"data: [DONE]")
+        assert b'"finish_reason":"length"' not in raw  # cut at once, not drained
+    assert not alive(engine)
 
 
 def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
