@@ -7,8 +7,8 @@
 # which reuse Triton's compile cache):
 #   deps          install what is missing: wheels from $WHEELS (default .whl/) if that
 #                 folder exists, else pip from the network; then the repo itself
-#   kernel_tests  tests/test_triton_kernels.py compiled on CUDA, bf16 and float32, and
-#                 tests/test_reference_attention.py
+#   kernel_tests  tests/kernels/test_triton_kernels.py compiled on CUDA, bf16 and float32, and
+#                 tests/kernels/test_reference_attention.py
 #   e2e           bench/gpu_e2e.py: greedy generation on CUDA (f32 and bf16, graphs and
 #                 eager) against the CPU float32 engine, plus decode throughput
 #   kernels       bench/kernels.py: decode GB/s and prefill TFLOP/s vs SDPA and copy
@@ -94,14 +94,14 @@ fi
 sleep 0.2
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee -a "$OUT/summary.txt"
 
-if $PY -c 'from structllm.model.loader import default_model_path; default_model_path()' 2> /dev/null; then
+if $PY -c 'from structllm.model.files import default_model_path; default_model_path()' 2> /dev/null; then
     select=()
 else
     echo "(default model not installed: the engine tests, which take its tokenizer, are deselected)" | tee -a "$OUT/summary.txt"
     select=(-k "not engine and not graph_padding")
 fi
 stage kernel_tests 330 $PY -m pytest -q -p no:cacheprovider -o timeout=300 \
-    tests/test_triton_kernels.py tests/test_reference_attention.py "${select[@]}"
+    tests/kernels/test_triton_kernels.py tests/kernels/test_reference_attention.py "${select[@]}"
 stage e2e 300 $PY bench/gpu_e2e.py
 stage kernels 240 $PY bench/kernels.py
 stage kernels_default_shape 120 $PY bench/kernels.py --heads 9 --kv-heads 3 --head-dim 64

@@ -63,7 +63,7 @@ def pick_model(arg: str | None, tmp: Path) -> tuple[str | None, str]:
     if arg:
         return arg, arg
     try:
-        from structllm.model.loader import default_model_path
+        from structllm.model.files import default_model_path
 
         default_model_path()
         return None, "default model"

@@ -132,7 +132,7 @@ def load_hf() -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from structllm.model.loader import default_model_path
+    from structllm.model.files import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

@@ -16,7 +16,6 @@ point leaks nothing in either process.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -210,7 +209,7 @@ class EngineClient:
         stream = RequestStream(request_id, wakeup)
         self._streams[request_id] = stream
         try:
-            await self.engine.endpoint.send(AddRequest(request_id, prompt_token_ids, sampling, time.time()))
+            await self.engine.endpoint.send(AddRequest(request_id, prompt_token_ids, sampling))
             yield stream
         finally:
             if self._streams.pop(request_id, None) is not None:

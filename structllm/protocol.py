@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -174,7 +174,6 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fals
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    arrival_time: float = 0.0
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from structllm.model.loader import ModelFiles, TokenizerMeta
+from structllm.model.files import ModelFiles, TokenizerMeta
 
 REPLACEMENT_CHAR = "\ufffd"
 

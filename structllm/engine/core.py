@@ -5,19 +5,22 @@ offline ``LLM`` calls it directly; the engine process drives it from its rings.
 
 With ``tensor_parallel_size`` N > 1 this process is rank 0: it keeps the scheduler, the
 KV cache manager and the sampler, holds its own shard of the model and of the KV cache,
-and owns the N-1 worker processes (``workers.WorkerPool``); ``close`` stops them.
+and owns the N-1 worker processes (``worker_pool.WorkerPool``); ``close`` stops them.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-import torch
-
-from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, GiB
+from structllm.config import EngineConfig
+from structllm.engine.device import (
+    load_rank_model,
+    local_num_blocks,
+    resolve_device,
+    setup_device,
+    worker_device,
+)
 from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
@@ -26,12 +29,10 @@ from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
-from structllm.kernels.backends import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
-from structllm.model.config import ModelConfig
-from structllm.model.formats import resolve_dtype, resolve_format
-from structllm.model.llama import LlamaModel
-from structllm.model.loader import ModelFiles, load_model, prepare_model
+from structllm.model.files import ModelFiles
+from structllm.model.formats import resolve_format
+from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.protocol import (
     Abort,
@@ -48,98 +49,6 @@ from structllm.structured import Matcher
 from structllm.trace import Tracer, now_us
 
 COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
-
-
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but this torch build sees no CUDA device")
-    return device
-
-
-def keep_freed_memory_mapped() -> None:
-    """Stop glibc from unmapping every large temporary as soon as it is freed.
-
-    By default an allocation over 128 KiB gets fresh pages from mmap and gives them back
-    on free, so each step's activations and gathered K/V (megabytes per layer) are
-    page-faulted in again, layer after layer: on this CPU that was over half of a
-    batch-64 decode step. Raising the mmap threshold to its maximum (32 MiB) and the trim
-    threshold keeps those pages in the heap for reuse. No-op where glibc is absent.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 << 20)
-    libc.mallopt(m_trim_threshold, 1 << 30)
-
-
-def worker_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank ``rank``'s device: the configured one on CPU; on CUDA the ``rank``-th device
-    counted from the configured one (``cuda:K`` puts rank 0 on K)."""
-    device = resolve_device(config)
-    if device.type != "cuda":
-        return device
-    index = (device.index or 0) + rank
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"tensor-parallel rank {rank} needs device cuda:{index}, "
-            f"but only {torch.cuda.device_count()} CUDA devices are visible"
-        )
-    return torch.device("cuda", index)
-
-
-def setup_device(config: EngineConfig, device: torch.device, world_size: int) -> torch.dtype:
-    """Per-process settings for running on ``device``; returns the dtype. On CPU the
-    ``world_size`` ranks of one engine share the cores."""
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # Triton launches on the current device
-    if device.type == "cpu":
-        keep_freed_memory_mapped()
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(config.num_threads or max(1, cores // world_size))
-    return resolve_dtype(config, device)
-
-
-def kv_budget(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for this process's KV cache (each tensor-parallel rank has its own)."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if device.type != "cuda":
-        return DEFAULT_CPU_KV_CACHE_MEMORY
-    free, total = torch.cuda.mem_get_info(device)
-    reserve = total * (1.0 - config.gpu_memory_utilization) + 1 * GiB  # activations, logits
-    return max(0, int(free - reserve))
-
-
-def local_num_blocks(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, mcfg: ModelConfig, num_kv_heads: int
-) -> int:
-    """KV blocks that fit this process's budget with ``num_kv_heads`` heads cached."""
-    block_bytes = 2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * dtype.itemsize
-    return kv_budget(config, device) // block_bytes
-
-
-def load_rank_model(
-    files: ModelFiles,
-    config: EngineConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    plan: ShardPlan | None,
-    group: TensorParallelGroup | None,
-) -> LlamaModel:
-    """The model (with ``plan``: this rank's shard, joined to ``group``) with its
-    attention kernels."""
-    fmt = resolve_format(config, device, files, plan.world_size if plan else 1)
-    model = load_model(files, dtype, device, plan, fmt)
-    model.tp = group
-    model.attn_impl = get_attention_impl(
-        config.attention_backend, device, dtype, (config.block_size, model.num_heads, model.num_kv_heads, files.config.head_dim)
-    )
-    return model
 
 
 class EngineCore:
@@ -287,13 +196,17 @@ class EngineCore:
 
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in
-        the next batch instead (never left to spin)."""
+        the next batch instead (never left to spin). An engine request is one sequence:
+        ``sampling.n`` must be 1 (the output processor, ``output.fan_out``, turns ``n``
+        into ``n`` requests)."""
         try:
+            if msg.sampling.n != 1:
+                raise ValueError(f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence")
             self.check_request(msg.prompt_token_ids, msg.sampling)
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = msg.sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
-            req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, msg.arrival_time)
+            req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             if msg.sampling.structured_outputs is not None:

@@ -32,7 +32,6 @@ class Request:
     """
 
     __slots__ = (
-        "arrival_time",
         "block_ids",
         "chain_ids",
         "finish_reason",
@@ -40,7 +39,6 @@ class Request:
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
-        "num_preemptions",
         "num_prompt_logprobs",
         "prompt_len",
         "request_id",
@@ -56,18 +54,15 @@ class Request:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int,
-        arrival_time: float = 0.0,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
         self.max_tokens = max_tokens
-        self.arrival_time = arrival_time
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; -1 until admitted
-        self.num_preemptions = 0
         self.num_prompt_logprobs = 0
         self.block_ids: list[int] = []
         self.chain_ids: list[int] = []

@@ -139,7 +139,6 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free_blocks(req)
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1

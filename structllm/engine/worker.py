@@ -1,6 +1,6 @@
 """A tensor-parallel worker: ``python -m structllm.engine.worker LAUNCH_JSON``.
 
-Started by rank 0 (``workers.WorkerPool``), it joins the process group, loads its shard
+Started by rank 0 (``worker_pool.WorkerPool``), it joins the process group, loads its shard
 of the model, allocates the KV cache of its own KV heads, then runs every ``StepInput``
 that arrives on the broadcast ring through its ``ModelRunner`` (the forward pass, whose
 collectives pair with rank 0's) until ``StopWorker``.
@@ -25,7 +25,7 @@ import msgspec
 import torch.distributed as dist
 
 from structllm.config import EngineConfig
-from structllm.engine.core import load_rank_model, local_num_blocks, setup_device, worker_device
+from structllm.engine.device import load_rank_model, local_num_blocks, setup_device, worker_device
 from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing

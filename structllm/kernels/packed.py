@@ -29,7 +29,7 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
 BLOCK = 32
 
 # Rows of x from which the int8 path runs (0: never). Measured on a 2-vCPU AVX-512 EPYC
-# (shared, noisy; bench/offline_throughput.py and tests/test_quant_model.py): the int8
+# (shared, noisy; bench/offline_throughput.py and tests/engine/test_quant_model.py): the int8
 # path was within noise of the float path up to 16 rows and only 10-20% faster at
 # 32-256, while rounding activations to int8 cost SmolLM2-135M 1-3% top-1 agreement
 # (Q8_0: 96.9% against the same weights in float32, below the 99% bar). So by default

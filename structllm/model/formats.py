@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from structllm.config import EngineConfig
-from structllm.model.loader import ModelFiles
+from structllm.model.files import ModelFiles
 
 log = logging.getLogger(__name__)
 

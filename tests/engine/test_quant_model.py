@@ -1,0 +1,356 @@
+"""Weight formats at model level: GGUF blocks and float16 matmul weights against float32.
+
+Tiny GGUF files (random weights) check loading and the choice of format; the default
+model (slow) checks teacher-forced greedy agreement and perplexity against the exact
+float32 path, and memory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.kernels import packed
+from structllm.kernels.packed import BlockWeight, HalfWeight
+from structllm.model.files import default_model_path
+from structllm.model.llama import LlamaModel
+from tests.support.models import EXACT, prefill_logits, write_tiny_gguf
+
+gguf = pytest.importorskip("gguf")
+needs_kernels = pytest.mark.skipif(
+    __import__("structllm.kernels.cpu_ext", fromlist=["x"]).best_isa() is None, reason="no AVX2 block kernels"
+)
+
+# one block type per fused matmul, so that every matmul stays in blocks
+UNIFORM_QTYPES = {  # first matching suffix wins: attn_output before output
+    "attn_output.weight": "F16",
+    "token_embd.weight": "Q4_1",
+    "output.weight": "Q8_0",
+    "attn_q.weight": "Q4_0",
+    "attn_k.weight": "Q4_0",
+    "attn_v.weight": "Q4_0",
+    "ffn_gate.weight": "Q8_0",
+    "ffn_up.weight": "Q8_0",
+    "ffn_down.weight": "Q4_1",
+}
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
+
+
+def engine(model: Path | None, **kw: object) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model) if model else None, kv_cache_memory=32 << 20, **kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("qgguf") / "tiny-blocks.gguf"
+    write_tiny_gguf(path, src, default_model_path(), UNIFORM_QTYPES)
+    return path
+
+
+def linear_kinds(model: LlamaModel) -> set[str]:
+    return {type(getattr(layer, n)).__name__ for layer in model.layers for n in LlamaModel.LINEARS}
+
+
+@needs_kernels
+def test_gguf_blocks_are_kept_and_match_the_dequantised_model(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exact, blocks = engine(tiny_gguf, **EXACT), engine(tiny_gguf, quantization="gguf")
+    model = blocks.runner.model
+    assert isinstance(model, LlamaModel)
+    # q/k/v, gate/up and down in blocks; attn_output (F16 in the file) as float16
+    kinds = [{type(getattr(layer, n)).__name__ for layer in model.layers} for n in LlamaModel.LINEARS]
+    assert kinds == [{"BlockWeight"}, {"HalfWeight"}, {"BlockWeight"}, {"BlockWeight"}]
+    assert isinstance(model.embed_tokens, BlockWeight) and isinstance(model.lm_head, BlockWeight)
+    # float path everywhere: the same weights as the dequantised model, float32 math
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)
+    for ids in PROMPTS:
+        torch.testing.assert_close(prefill_logits(blocks, ids), prefill_logits(exact, ids), atol=2e-4, rtol=2e-4)
+    # int8 path from 5 rows on: activations rounded to 8 bits
+    monkeypatch.setattr(packed, "INT8_MIN_M", 5)
+    for ids in PROMPTS:
+        ours, ref = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert ((ours - ref).norm() / ref.norm()).item() < 0.05
+
+
+@needs_kernels
+def test_dtype_float32_runs_file_float16_matrices_in_float32(tiny_gguf: Path) -> None:
+    model = engine(tiny_gguf, dtype="float32", quantization="gguf").runner.model
+    assert isinstance(model, LlamaModel)
+    assert linear_kinds(model) == {"BlockWeight", "Tensor"}  # o_proj: oneDNN-packed float32
+    model16 = engine(tiny_gguf, dtype="float16", quantization="gguf").runner.model
+    assert isinstance(model16, LlamaModel)
+    assert linear_kinds(model16) == {"BlockWeight", "HalfWeight"}
+
+
+def test_float16_weights_for_float_checkpoints(tiny_llama_dir: Path) -> None:
+    if not packed.half_linear_available():
+        pytest.skip("no fbgemm float16 matmul in this torch build")
+    auto, exact = engine(tiny_llama_dir), engine(tiny_llama_dir, **EXACT)
+    assert isinstance(auto.runner.model, LlamaModel)
+    assert linear_kinds(auto.runner.model) == {"HalfWeight"}
+    assert isinstance(auto.runner.model._packed_head, HalfWeight)
+    for ids in PROMPTS:
+        ours, ref = prefill_logits(auto, ids), prefill_logits(exact, ids)
+        assert ((ours - ref).norm() / ref.norm()).item() < 5e-3
+
+
+def test_bad_combinations_fail_at_start(tiny_llama_dir: Path, tiny_gguf: Path) -> None:
+    with pytest.raises(ValueError, match="quantization gguf needs a GGUF file"):
+        engine(tiny_llama_dir, quantization="gguf")
+    with pytest.raises(ValueError, match="computes in float32 on CPU"):
+        engine(tiny_gguf, quantization="gguf", dtype="bfloat16")
+    with pytest.raises(ValueError, match="quantization must be auto, none or gguf"):
+        EngineConfig(quantization="awq")
+    from structllm.model.formats import resolve_format
+    from structllm.model.loader import prepare_model
+
+    files = prepare_model(str(tiny_gguf))
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_format(EngineConfig(quantization="gguf", dtype="float16"), torch.device("cuda"), files)
+    auto_cuda = resolve_format(EngineConfig(), torch.device("cuda"), files)
+    assert not auto_cuda.blocks  # auto dequantises on CUDA
+    tp = resolve_format(EngineConfig(), torch.device("cpu"), files, world_size=2)
+    assert not tp.blocks  # tensor parallelism runs GGUF files dequantised
+
+
+def test_cli_takes_the_format_flags() -> None:
+    from structllm.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(["generate", "-p", "x", "--dtype", "float16", "--quantization", "none"])
+    kw = _engine_kwargs(args)
+    assert (kw["dtype"], kw["quantization"]) == ("float16", "none")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--quantization", "awq"])
+
+
+# ---------------------------------------------------------------------------------------
+# the default model (SmolLM2-135M, Q4_1 file)
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
+    "those used for wine. Books became cheaper, literacy spread across Europe, and ideas "
+    "travelled faster than ever before. Scientists could share their results, reformers "
+    "their arguments, and merchants their prices. Within fifty years, presses were working "
+    "in more than two hundred cities."
+)
+CHATS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis to a ten year old.",
+    "How do I boil an egg?",
+]
+
+
+def requantised(model: LlamaModel, type_name: str) -> None:
+    """Replace every block weight of ``model`` by its float32 values quantised (numpy,
+    the gguf package) into ``type_name``: a Q8_0 / Q4_0 model made from the float one."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+
+    def convert(w: BlockWeight) -> BlockWeight:
+        raw = gguf.quants.quantize(w.dequantize().numpy(), qtype)
+        return BlockWeight.from_raw(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1])
+
+    for layer in model.layers:
+        for n in LlamaModel.LINEARS:
+            setattr(layer, n, convert(getattr(layer, n)))
+    assert isinstance(model.embed_tokens, BlockWeight)
+    model.embed_tokens = convert(model.embed_tokens)  # type: ignore[assignment]
+
+
+N_GREEDY = 40
+
+
+@pytest.fixture(scope="module")
+def sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
+    """``(ids, start)``: the fixed text, then each chat prompt followed by float32's
+    greedy continuation, which starts at ``start`` (teacher forcing: every format is
+    scored on the tokens the float32 model chose)."""
+    from structllm import SamplingParams
+
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True))
+    text = tokenizer.encode(TEXT)
+    return [(text, 0)] + [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def float32_logits(llm, sequences: list[tuple[list[int], int]]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    return [prefill_logits(llm.engine, ids) for ids, _ in sequences]
+
+
+def agreement_and_ppl(
+    logits: list[torch.Tensor], sequences: list[tuple[list[int], int]], ref: list[torch.Tensor]
+) -> tuple[float, float, float]:
+    """Top-1 agreement of ``logits`` with ``ref`` at the positions that predict float32's
+    greedy tokens, and the perplexity of the fixed text (sequence 0) under both."""
+    same = total = 0
+    for (ids, start), ours, r in zip(sequences, logits, ref, strict=True):
+        if start == 0:
+            continue
+        rows = slice(start - 1, len(ids) - 1)  # logits at row i predict token i + 1
+        same += int((ours[rows].argmax(-1) == r[rows].argmax(-1)).sum())
+        total += len(ids) - start
+    text = torch.tensor(sequences[0][0][1:])
+
+    def ppl(logits: torch.Tensor) -> float:
+        return math.exp(torch.nn.functional.cross_entropy(logits[:-1].float(), text).item())
+
+    return same / total, ppl(logits[0]), ppl(ref[0])
+
+
+def dequantised(model: LlamaModel) -> None:
+    """Replace every block weight by its float32 dequantisation (plain tensors, F.linear):
+    the float32 model with exactly the same weights."""
+    for layer in model.layers:
+        for n in LlamaModel.LINEARS:
+            w = getattr(layer, n)
+            setattr(layer, n, w.dequantize() if isinstance(w, BlockWeight) else w)
+    assert isinstance(model.embed_tokens, BlockWeight)
+    model.embed_tokens = torch.nn.Parameter(model.embed_tokens.dequantize(), requires_grad=False)
+
+
+# float path (the default at every size): weights exact, so only summation order
+# differs from float32; the issue's bars: >= 99% agreement for Q8_0, >= 97% for Q4,
+# perplexity within 1% / 3%. int8 path (opt-in, INT8_MIN_M): activations rounded to 8
+# bits per block of 32; measured 98.1% (Q4_1), 96.9% (Q8_0), 96.3% (Q4_0), so it is held
+# to looser bars (which catch a broken kernel, not the rounding).
+PATHS = {"float-path": 0, "int8-path": 1}
+BARS = {"Q4_1": (0.97, 0.03), "Q8_0": (0.99, 0.01), "Q4_0": (0.97, 0.03)}
+INT8_BARS = (0.95, 0.03)
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("fmt", list(BARS))
+def test_block_kernels_agree_with_float32_of_the_same_weights(
+    fmt: str, sequences: list[tuple[list[int], int]], float32_logits: list[torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Teacher-forced greedy top-1 agreement and perplexity of the block kernels against
+    the float32 model with the very same (dequantised) weights, on each kernel path.
+
+    Q8_0 and Q4_0 are made by quantising the file's float32 values (numpy, gguf); also
+    printed: each against the file's float32 model, i.e. what the format itself costs.
+    Q4_0 made from Q4_1 values is quantised twice, onto a different 4-bit grid, so it
+    loses far more than a Q4_0 file made from the original weights would; the loose
+    bounds on those figures only catch a broken format."""
+    eng = EngineCore(EngineConfig(kv_cache_memory=64 << 20, quantization="gguf"))
+    model = eng.runner.model
+    assert isinstance(model, LlamaModel)
+    if fmt != "Q4_1":
+        requantised(model, fmt)
+    min_agree, max_ppl = BARS[fmt]
+    results = {}
+    for path, int8_min_m in PATHS.items():
+        monkeypatch.setattr(packed, "INT8_MIN_M", int8_min_m)
+        results[path] = [prefill_logits(eng, ids) for ids, _ in sequences]
+    cost = agreement_and_ppl(results["int8-path"], sequences, float32_logits)
+    print(f"\n{fmt} (int8 path) vs the file's float32: top-1 agreement {cost[0]:.4f}, ppl {cost[1]:.3f} vs {cost[2]:.3f}")
+    dequantised(model)
+    ref = [prefill_logits(eng, ids) for ids, _ in sequences]
+    for path, logits in results.items():
+        agree, ppl, ppl32 = agreement_and_ppl(logits, sequences, ref)
+        print(f"{fmt} {path} vs float32 of the same weights: top-1 agreement {agree:.4f}, ppl {ppl:.3f} vs {ppl32:.3f}")
+        bar_agree, bar_ppl = (min_agree, max_ppl) if path == "float-path" else INT8_BARS
+        assert agree >= bar_agree, path
+        assert abs(ppl / ppl32 - 1) <= bar_ppl, path
+    assert cost[0] >= (0.95 if fmt != "Q4_0" else 0.7)
+    assert abs(cost[1] / cost[2] - 1) <= (0.03 if fmt != "Q4_0" else 0.5)
+
+
+@pytest.mark.slow
+def test_float16_weights_agree_with_float32(
+    sequences: list[tuple[list[int], int]], float32_logits: list[torch.Tensor]
+) -> None:
+    if not packed.half_linear_available():
+        pytest.skip("no fbgemm float16 matmul in this torch build")
+    eng = EngineCore(EngineConfig(kv_cache_memory=64 << 20, dtype="float16", quantization="none"))
+    logits = [prefill_logits(eng, ids) for ids, _ in sequences]
+    agree, ppl, ppl32 = agreement_and_ppl(logits, sequences, float32_logits)
+    print(f"\nfloat16: top-1 agreement {agree:.4f}, perplexity {ppl:.3f} vs float32 {ppl32:.3f}")
+    assert agree >= 0.99
+    assert abs(ppl / ppl32 - 1) <= 0.01
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_default_model_holds_no_float32_copies_of_block_weights() -> None:
+    eng = EngineCore(EngineConfig(kv_cache_memory=16 << 20))
+    model = eng.runner.model
+    assert isinstance(model, LlamaModel) and eng.weight_format.blocks
+    assert linear_kinds(model) == {"BlockWeight"}
+    assert isinstance(model.embed_tokens, BlockWeight) and model._packed_head is None  # tied head = the blocks
+    floats = [p for p in model.parameters() if p.dim() > 1]
+    assert floats == []  # only norms remain as float tensors
+    assert model.weight_bytes() < 110e6  # the file is 98 MB; float32 would be 540 MB
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"quantization": "gguf"}, {"dtype": "float16", "quantization": "none"}, {"dtype": "float16"},
+     {"dtype": "float32", "quantization": "gguf"}],
+    ids=["auto", "gguf", "float16", "float16-gguf", "float32-gguf"],
+)
+def test_each_format_serves_generation(kw: dict[str, str]) -> None:
+    from structllm import LLM, SamplingParams
+
+    llm = LLM(kv_cache_memory=32 << 20, **kw)
+    outs = llm.generate(["The capital of France is", [{"role": "user", "content": "Say hi."}]],
+                        SamplingParams(temperature=0, max_tokens=8))
+    assert "Paris" in outs[0].text
+    assert all(len(o.token_ids) > 0 for o in outs)
+
+
+# -- tensor parallelism over blocks ----------------------------------------------------------
+
+
+@needs_kernels
+def test_block_shards_are_the_float_shards(tiny_gguf: Path) -> None:
+    """Cutting blocks (rows, and columns on block boundaries) gives exactly the cut of
+    the dequantised weights; a column range off the boundaries falls back to floats."""
+    from structllm.model.loader import load_block_weights, prepare_model
+    from structllm.model.sharding import _columns, plan_shards, shard_weights
+
+    files = prepare_model(str(tiny_gguf))
+    full = load_block_weights(files, torch.float32)
+    floats = {k: w.dequantize() if isinstance(w, BlockWeight) else w.float() for k, w in full.items()}
+    for plan in plan_shards(files.config, 2):
+        blocks, ref = shard_weights(dict(full), files.config, plan), shard_weights(floats, files.config, plan)
+        assert {k for k, w in blocks.items() if isinstance(w, BlockWeight)} == {
+            k for k, w in full.items() if isinstance(w, BlockWeight)}  # nothing dequantised on the way
+        for name, w in blocks.items():
+            got = w.dequantize() if isinstance(w, BlockWeight) else w.float()
+            torch.testing.assert_close(got, ref[name], atol=0, rtol=0)
+    down = full["layers.0.down_proj"]
+    assert isinstance(down, BlockWeight)
+    off = _columns(down, 16, 48)
+    assert not isinstance(off, BlockWeight)
+    torch.testing.assert_close(off, down.dequantize()[:, 16:48], atol=0, rtol=0)
+
+
+@needs_kernels
+def test_tensor_parallel_runs_blocks_and_matches_one_process(tiny_gguf: Path) -> None:
+    from structllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(quantization="gguf", kv_cache_memory=16 << 20)
+    ref = LLM(str(tiny_gguf), **kw)
+    with LLM(str(tiny_gguf), tensor_parallel_size=2, **kw) as tp:
+        model = tp.engine.runner.model
+        assert isinstance(model, LlamaModel) and isinstance(model.layers[0].qkv_proj, BlockWeight)
+        assert isinstance(model.layers[0].down_proj, BlockWeight) and isinstance(model.embed_tokens, BlockWeight)
+        for ids in PROMPTS:
+            torch.testing.assert_close(prefill_logits(tp.engine, ids), prefill_logits(ref.engine, ids), atol=1e-4, rtol=1e-4)
+        want = [o.token_ids for o in ref.generate(PROMPTS, greedy)]
+        assert [o.token_ids for o in tp.generate(PROMPTS, greedy)] == want

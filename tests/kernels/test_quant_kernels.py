@@ -1,0 +1,136 @@
+"""The GGUF block kernels (``quant_linear.cpp``) against the float32 dequantisation.
+
+Every block type, both ISA builds (the AVX2 one is forced on an AVX-512 machine by
+loading it explicitly), both paths (float: weights dequantised in registers; int8:
+activations quantised per block), on random and on the default model's weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from structllm.kernels import cpu_ext, packed
+from structllm.kernels.packed import BLOCK_TYPES, BlockWeight
+
+gguf = pytest.importorskip("gguf")
+
+def _available_isas() -> list[str]:
+    flags = set(cpu_ext._cpu_flags().split())
+    return [isa for isa, need in zip(cpu_ext.ISAS, cpu_ext._ISA_NEEDS, strict=True) if need <= flags]
+
+
+ISAS = _available_isas()
+pytestmark = pytest.mark.skipif(not ISAS, reason="the block kernels need an AVX2/FMA/F16C CPU")
+M_SIZES = [1, 3, 16, 64, 257]
+
+
+def quantize(w: np.ndarray, type_name: str) -> tuple[BlockWeight, torch.Tensor]:
+    """``w [N, K]`` float32 -> its blocks and their float32 dequantisation by ``gguf``."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(w, qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(w.shape))
+    return BlockWeight.from_raw(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1]), ref
+
+
+def random_weight(n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, k)) * rng.uniform(0.1, 2.0, (n, 1))).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def real_weights() -> dict[str, np.ndarray]:
+    """Float32 matrices from the default model (its q/k/v of layer 0 and ffn_down of layer
+    3, dequantised), to be re-quantised into each block type."""
+    from structllm.model import gguf as our_gguf
+    from structllm.model.files import default_model_path
+
+    reader = our_gguf.open_gguf(default_model_path())
+    out = {}
+    for t in reader.tensors:
+        if t.name in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight"):
+            shape = tuple(int(s) for s in reversed(t.shape))
+            out[t.name] = our_gguf.dequantize(t.data, t.tensor_type.name, shape).numpy()
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_float_path_weights_are_bit_exact(isa: str, type_name: str) -> None:
+    """The float path's in-register dequantisation equals gguf's float32 dequantisation
+    bit for bit: checked on the kernel's dequantiser and on the matmul itself, whose
+    product with the identity is each weight times 1 plus zeros."""
+    module = cpu_ext.load_quant(isa)
+    w, ref = quantize(random_weight(40, 160), type_name)
+    assert torch.equal(module.dequantize(w.raw, w.code), ref)
+    k = w.shape[1]
+    for rows in (torch.eye(k)[:1], torch.eye(k)[:3], torch.eye(k)):  # tile and remainder loops
+        got = module.linear(rows, w.raw, w.code, False)
+        assert torch.equal(got, (rows @ ref.T) if rows.shape[0] < k else ref.T.contiguous())
+
+
+def check_against_reference(module: object, w: BlockWeight, ref: torch.Tensor, seed: int) -> None:
+    torch.manual_seed(seed)
+    for m in M_SIZES:
+        x = torch.randn(m, w.shape[1])
+        want = (x.double() @ ref.double().T).float()
+        for int8, tol in ((False, 1e-5), (True, 2e-2)):
+            got = module.linear(x, w.raw, w.code, int8)  # type: ignore[attr-defined]
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < tol, (m, int8, rel)
+            # each row on its own: no row is much worse than the average
+            row_rel = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
+            assert row_rel < 4 * tol, (m, int8, row_rel)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_random_weights_match_the_float_reference(isa: str, type_name: str) -> None:
+    w, ref = quantize(random_weight(72, 224, seed=1), type_name)
+    check_against_reference(cpu_ext.load_quant(isa), w, ref, seed=2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+def test_default_model_weights_match_the_float_reference(
+    isa: str, type_name: str, real_weights: dict[str, np.ndarray]
+) -> None:
+    for name, full in real_weights.items():
+        w, ref = quantize(np.ascontiguousarray(full[:96]), type_name)  # 96 rows keep it quick
+        check_against_reference(cpu_ext.load_quant(isa), w, ref, seed=len(name))
+
+
+def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, ref = quantize(random_weight(64, 128, seed=3), "Q4_1")
+    module = cpu_ext.load_quant()
+    small, big = torch.randn(8, 128), torch.randn(9, 128)
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: float path at every size
+    assert torch.equal(packed.linear(big, w), module.linear(big, w.raw, w.code, False))
+    monkeypatch.setattr(packed, "INT8_MIN_M", 9)
+    assert torch.equal(packed.linear(small, w), module.linear(small, w.raw, w.code, False))
+    assert torch.equal(packed.linear(big, w), module.linear(big, w.raw, w.code, True))
+    assert torch.equal(packed.linear(big, w, float_path=True), module.linear(big, w.raw, w.code, False))
+    bias = torch.randn(64)
+    torch.testing.assert_close(packed.linear(small, w, bias), small @ ref.T + bias, atol=1e-4, rtol=1e-4)
+
+
+def test_isa_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRUCTLLM_CPU_ISA", "avx2")
+    assert cpu_ext.best_isa() == "avx2"
+    assert cpu_ext.load_quant("avx2").isa() == "avx2"
+    if "avx512" in ISAS:
+        assert cpu_ext.load_quant("avx512").isa().startswith("avx512")
+    monkeypatch.setenv("STRUCTLLM_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="STRUCTLLM_CPU_ISA"):
+        cpu_ext.best_isa()
+
+
+def test_rows_and_concatenation_keep_blocks_valid() -> None:
+    a, ra = quantize(random_weight(8, 64, seed=4), "Q8_0")
+    b, rb = quantize(random_weight(5, 64, seed=5), "Q8_0")
+    both = BlockWeight.cat([a, b])
+    assert both.shape == (13, 64)
+    assert torch.equal(both.dequantize(), torch.cat([ra, rb]))
+    ids = torch.tensor([12, 0, 3, 3])
+    assert torch.equal(both.rows(ids), torch.cat([ra, rb])[ids])

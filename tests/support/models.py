@@ -1,0 +1,170 @@
+"""Models for the tests: the exact float32 settings, tiny random-weight checkpoints
+(Hugging Face directories and GGUF files), logits through the engine, and
+transformers as the reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from structllm.engine.core import EngineCore
+from structllm.engine.request import Request
+from structllm.engine.runner import ModelRunner, batch_from_step
+from structllm.engine.scheduler import SchedulerOutput
+from structllm.model.files import ModelFiles
+from structllm.protocol import SamplingParams
+
+# The exact float32 path (today's, token for token equal to transformers); the default
+# formats (--dtype/--quantization auto) run GGUF blocks or float16 weights on CPU.
+EXACT = {"dtype": "float32", "quantization": "none"}
+
+
+def make_tiny_hf_dir(root: Path, files: ModelFiles, arch: str = "llama", **overrides: object) -> Path:
+    """A random-weight Hugging Face checkpoint of a tiny model, saved by transformers,
+    with the default model's tokenizer and chat template."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    kw: dict[str, object] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kw.update(overrides)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**kw)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # random biases, so a missing bias would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    out = root / f"tiny-{arch}"
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copyfile(files.tokenizer_json, out / "tokenizer.json")
+    meta = files.tokenizer_meta
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token, "chat_template": meta.chat_template})
+    )
+    return out
+
+
+def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
+    """Logits ``[len(ids), V]`` of every prompt position, through the engine's own batch
+    building, paged KV cache and model, on every tensor-parallel rank if it has several
+    (blocks are freed afterwards)."""
+    req = Request("prefill-probe", ids, SamplingParams(max_tokens=1), 1)
+    assert engine.kv.allocate(req, len(ids))
+    try:
+        assert isinstance(engine.runner, ModelRunner)
+        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
+        every_row = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
+        logits = engine.runner.run(batch_from_step(every_row, engine.device))
+        assert logits is not None
+        return logits
+    finally:
+        engine.kv.free_blocks(req)
+
+
+def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` on one unpadded prompt; stops at EOS like we do."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[str, str]) -> None:
+    """Write ``hf_model`` (a tiny transformers Llama) as a llama.cpp-style GGUF file,
+    quantising tensors whose GGUF name ends with a key of ``qtypes`` to that type and
+    copying tokenizer metadata from ``source_gguf``."""
+    import gguf
+
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_name("tiny")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    src = gguf.GGUFReader(str(source_gguf))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        field = src.fields[key]
+        values = field.contents()
+        vtype = field.types[-1]
+        w.add_array(key, values) if vtype != gguf.GGUFValueType.STRING else w.add_array(key, list(values))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
+
+    def permute(t: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's rope row order
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+    }
+    for name, tensor in hf_model.state_dict().items():
+        arr = tensor.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{per_layer[rest]}"
+        else:
+            gname = names[name]
+        if gname.endswith("attn_q.weight"):
+            arr = permute(arr, cfg.num_attention_heads)
+        elif gname.endswith("attn_k.weight"):
+            arr = permute(arr, cfg.num_key_value_heads)
+        qname = next((q for suffix, q in qtypes.items() if gname.endswith(suffix)), "F32")
+        qtype = gguf.GGMLQuantizationType[qname]
+        if qname == "F32":
+            w.add_tensor(gname, arr)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
