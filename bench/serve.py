@@ -13,7 +13,11 @@ EOS ignored, streaming. Arrivals: all at once, or Poisson at ``--request-rate``;
 end-to-end latency (p50/p90/p99), output tokens/s and requests/s as a table and one
 JSON line. ``--compare-offline`` also runs structllm's offline engine (in this process,
 after the server is gone) on the same prompts with ``max_num_seqs`` = the concurrency,
-and prints serving throughput as a fraction of it.
+and prints serving throughput as a fraction of it. ``--storm 16`` adds the short-steps
+probe after the load: time to first token of an 8-token request on the idle server and
+right after 16 streams that the client closed 3 s after sending, and their ratio.
+
+    python bench/serve.py --launch --storm 16 --skip-load
 """
 
 from __future__ import annotations
@@ -116,6 +120,34 @@ async def run_load(url: str, model: str | None, items: list[Any], out_len: int, 
     return results, elapsed
 
 
+async def storm_probe(url: str, model: str | None, storm: list[Any], fresh: list[Any], close_after: float,
+                      api_key: str | None) -> dict[str, Any]:
+    """Time to first token of an 8-token request on the idle server, then after a storm:
+    ``len(storm)`` streams sent at once, each closed by the client ``close_after``
+    seconds after sending (before or during its prefill), then one more 8-token request
+    at once. The probes' prompts all differ (no prefix-cache hit flatters either)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=len(storm) + 8, max_keepalive_connections=len(storm) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+        idle = [await one(client, url, model, p, 8, headers) for p in fresh[:-1]]
+
+        async def closed_early(p: Any) -> None:
+            with anyio.move_on_after(close_after):  # leaving the stream closes the connection
+                await one(client, url, model, p, 4096, headers)
+
+        async with anyio.create_task_group() as tg:
+            for p in storm:
+                tg.start_soon(closed_early, p)
+        after = await one(client, url, model, fresh[-1], 8, headers)
+    bad = next((r.error for r in [*idle, after] if not r.ok), None)
+    if bad:
+        raise SystemExit(f"storm probe: a request failed: {bad}")
+    idle_ttft = statistics.median(r.ttft for r in idle)
+    return {"storm_idle_ttft_ms": round(1000 * idle_ttft, 1), "storm_after_ttft_ms": round(1000 * after.ttft, 1),
+            "storm_ttft_ratio": round(after.ttft / idle_ttft, 2), "storm_streams": len(storm),
+            "storm_close_after_s": close_after}
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -216,6 +248,12 @@ def main() -> None:
     ap.add_argument("--text-prompts", action="store_true", help="random words instead of token ids")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-offline", action="store_true", help="also run the offline engine on the same prompts")
+    ap.add_argument("--storm", type=int, default=0, metavar="N",
+                    help="after the load: idle time to first token of an 8-token request, then N streams each "
+                    "closed by the client --storm-close-after seconds after sending, then one more 8-token "
+                    "request (the issue's probe: 16)")
+    ap.add_argument("--storm-close-after", type=float, default=3.0)
+    ap.add_argument("--skip-load", action="store_true", help="run only the probes (--storm), not the load")
     args = ap.parse_args()
     if args.base_url is None and not args.launch:
         args.launch = True
@@ -230,28 +268,37 @@ def main() -> None:
         anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
         pids = front_end_pids(proc.pid) if proc is not None else []
         cpu0 = cpu_seconds(pids) if pids else 0.0
-        results, elapsed = anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
-                                     args.max_concurrency, args.api_key, args.seed)
+        results: list[Result] = []
+        elapsed = float("nan")
+        if not args.skip_load:
+            results, elapsed = anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
+                                         args.max_concurrency, args.api_key, args.seed)
         if pids:
             cpu = cpu_seconds(pids) - cpu0
+        if args.storm:
+            storm_items = prompts(args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts)
+            fresh = prompts(4, args.input_len, args.vocab_size, args.seed + 3, args.text_prompts)
+            probe = anyio.run(storm_probe, url, args.model, storm_items, fresh, args.storm_close_after, args.api_key)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-    summary = summarize(results, elapsed)
+    summary = summarize(results, elapsed) if results else {}
+    if args.storm:
+        summary.update(probe)
     summary.update(bench="serve", url=url, num_prompts=args.num_prompts, input_len=args.input_len,
                    output_len=args.output_len, max_concurrency=args.max_concurrency,
                    request_rate=None if math.isinf(args.request_rate) else args.request_rate)
-    if cpu is not None:
+    if cpu is not None and results:
         summary["front_end_processes"] = len(pids)
         summary["front_end_cpu_s"] = round(cpu, 2)
         summary["front_end_cpu_us_per_token"] = round(1e6 * cpu / max(1, summary["output_tokens"]), 1)
-    if args.compare_offline:
+    if args.compare_offline and results:
         off = offline(items, args.output_len, args.max_concurrency)
         summary["offline_output_tokens_per_s"] = round(off, 1)
         summary["serving_vs_offline"] = round(summary["output_tokens_per_s"] / off, 3)
-    rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")]
-    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+    rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")] if results else []
+    for metric in ("ttft_ms", "itl_ms", "e2e_ms") if results else ():
         rows += [(f"{metric} p50/p90/p99", metric)]
     for label, key in rows:
         if key in ("ttft_ms", "itl_ms", "e2e_ms"):
@@ -262,6 +309,10 @@ def main() -> None:
     if "front_end_cpu_us_per_token" in summary:
         print(f"{'front-end CPU us/token':26}{summary['front_end_cpu_us_per_token']} "
               f"({summary['front_end_processes']} processes)", file=sys.stderr)
+    if args.storm:
+        print(f"{'TTFT idle / after storm':26}{summary['storm_idle_ttft_ms']} / {summary['storm_after_ttft_ms']} ms "
+              f"({summary['storm_ttft_ratio']}x; {args.storm} streams closed after {args.storm_close_after} s)",
+              file=sys.stderr)
     if "offline_output_tokens_per_s" in summary:
         print(f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
               f"(serving at {summary['serving_vs_offline']:.0%})", file=sys.stderr)

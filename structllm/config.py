@@ -14,7 +14,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``max_model_len``: longest prompt + output, in tokens; capped by the model's context
       length and by what the KV cache can hold.
     - ``max_num_batched_tokens``: the per-step token budget; prompts longer than it are
-      prefilled in chunks.
+      prefilled in chunks. ``None``: 2048 on CUDA; on CPU, what keeps a step near 200 ms
+      as measured at start-up (``engine.step_budget``), since a request that arrives
+      during a step, and an abort, wait for the step to end.
     - ``kv_cache_memory``: bytes for the KV pool. On CUDA the default is
       ``gpu_memory_utilization`` of the memory left after loading the weights.
     - ``attention_backend``: ``"auto"`` (Triton on CUDA; on CPU the C++ decode kernel,
@@ -45,7 +47,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -67,7 +69,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"block_size must be a power of two, got {bs}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
