@@ -110,6 +110,17 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return chat(a)
 
 
+def cmd_build_kernels(a: argparse.Namespace) -> int:
+    from structllm.kernels import cpu_ext
+
+    t = time.perf_counter()
+    results = cpu_ext.build_all()
+    for name, ok in results:
+        print(f"{name}: {'ready' if ok else 'unavailable (the engine falls back to torch)'}", file=sys.stderr)
+    print(f"kernels ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return 0 if all(ok for _, ok in results) or a.allow_missing else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     from structllm.server.config import default as d
     parser = argparse.ArgumentParser(prog="structllm", description="OpenAI-compatible LLM server and offline engine")
@@ -157,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
+    k = sub.add_parser(
+        "build-kernels",
+        help="build the C++ CPU kernels for this machine now (make install does)",
+        description="Build (or find in the cache) the C++ CPU kernels this machine's engine loads, once per "
+        "machine and torch version, so that no start has to.",
+    )
+    k.add_argument("--allow-missing", action="store_true",
+                   help="exit 0 even if a kernel cannot be built (no compiler): the engine falls back to torch")
+    k.set_defaults(func=cmd_build_kernels)
     return parser
 
 

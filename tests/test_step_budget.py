@@ -20,6 +20,7 @@ from structllm.engine.scheduler import SchedulerOutput
 from structllm.engine.step_budget import (
     GRANULE,
     MAX_AUTO_TOKENS,
+    MIN_AUTO_TOKENS,
     TARGET_STEP_S,
     auto_token_budget,
     budget_upper_bound,
@@ -47,7 +48,7 @@ from structllm.protocol import (
         (1.6, 128, 128),  # never below max_num_seqs: every running decode fits one step
         (0.05, 16, MAX_AUTO_TOKENS),  # a fast machine: the cap (4000 would fit)
         (0.1, 16, 2000 // GRANULE * GRANULE),
-        (50.0, 1, GRANULE),  # a very slow one: one granule, not 4 tokens
+        (50.0, 1, MIN_AUTO_TOKENS),  # a very slow one (or a noisy start): the floor, not 4 tokens
         (0.05, 4096, 4096),  # max_num_seqs above the cap wins
         (0.0, 16, MAX_AUTO_TOKENS),  # nothing measured
     ],
@@ -60,8 +61,8 @@ def test_auto_budget_keeps_a_step_near_the_target() -> None:
     for us in range(5, 5000, 7):  # seconds per token from 5 us to 5 ms
         spt = us * 1e-6
         b = auto_token_budget(spt, 1)
-        assert b % GRANULE == 0 and GRANULE <= b <= MAX_AUTO_TOKENS
-        if GRANULE < b < MAX_AUTO_TOKENS:  # not clamped: within one granule under the target
+        assert b % GRANULE == 0 and MIN_AUTO_TOKENS <= b <= MAX_AUTO_TOKENS
+        if MIN_AUTO_TOKENS < b < MAX_AUTO_TOKENS:  # not clamped: within one granule under the target
             assert TARGET_STEP_S - GRANULE * spt < b * spt <= TARGET_STEP_S
         assert auto_token_budget(spt, 1) == b  # deterministic
 
@@ -93,7 +94,7 @@ def test_cpu_engine_measures_its_budget_and_leaves_no_trace(tiny_llama_dir: Path
     try:
         b = core.scheduler.max_num_batched_tokens
         assert b == core.max_num_batched_tokens
-        assert b % GRANULE == 0 and max(GRANULE, 8) <= b <= MAX_AUTO_TOKENS
+        assert b % GRANULE == 0 and MIN_AUTO_TOKENS <= b <= MAX_AUTO_TOKENS
         # the probe forward passes are not steps, requests, cache entries or statistics
         s = core.stats()
         assert (s.num_steps, s.num_prompt_tokens, s.prefix_cache_queries, s.kv_cache_usage) == (0, 0, 0, 0.0)

@@ -7,7 +7,8 @@ model here), so a storm of prompts held every newcomer for the whole of one huge
 prefill. With ``EngineConfig.max_num_batched_tokens`` left unset, the CPU engine times
 one prefill chunk at start-up (``PROBE_TOKENS``, after an untimed warm-up forward) and
 ``auto_token_budget`` turns that into the budget: the most tokens that fit
-``TARGET_STEP_S``, on a ``GRANULE`` grid, within ``[max_num_seqs, MAX_AUTO_TOKENS]``.
+``TARGET_STEP_S``, on a ``GRANULE`` grid, within ``[MIN_AUTO_TOKENS, MAX_AUTO_TOKENS]``
+and never below ``max_num_seqs``.
 
 The rule is pure and deterministic (unit-tested); only its input is measured.
 """
@@ -19,6 +20,10 @@ MAX_AUTO_TOKENS = 2048  # the budget when steps are cheap (GPU, or a fast CPU); 
 DEFAULT_TOKEN_BUDGET = MAX_AUTO_TOKENS  # where nothing is measured (CUDA, the null model)
 GRANULE = 16  # budgets on a grid: a noisy measurement moves the budget in coarse steps only
 PROBE_TOKENS = 128  # a prefill chunk long enough that per-token cost dominates the step
+# Never fewer tokens than this: a start-up measurement slowed by other work on the
+# machine (a parallel build took it from 200 to 900 ms here) must not leave the engine
+# with steps so small that their fixed cost dominates for its whole life.
+MIN_AUTO_TOKENS = 64
 
 
 def auto_token_budget(
@@ -30,7 +35,7 @@ def auto_token_budget(
     """The per-step token budget for a prefill cost of ``seconds_per_token``.
 
     ``floor(target_s / seconds_per_token)`` rounded down to a multiple of ``GRANULE``,
-    then clamped to ``[max(GRANULE, max_num_seqs), max(cap, max_num_seqs)]``: never
+    then clamped to ``[max(MIN_AUTO_TOKENS, max_num_seqs), max(cap, max_num_seqs)]``: never
     below ``max_num_seqs``, so that one step can always carry a decode token for every
     running sequence (a smaller budget would leave some out of each step and stretch
     their inter-token latency), and never above ``cap``. A cost of 0 or less (nothing
@@ -38,7 +43,7 @@ def auto_token_budget(
     """
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-    lo = max(GRANULE, max_num_seqs)
+    lo = max(MIN_AUTO_TOKENS, max_num_seqs)
     hi = max(cap, max_num_seqs)
     if seconds_per_token <= 0:
         return hi
