@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 STREAM_N = 100_000
+OLD_SPIN = False  # --old-spin
 WAKE_DELAY_US = 0.0  # --wake-delay-us: simulated cost of each wake-up (ring cases only)
 
 
@@ -116,18 +117,44 @@ def slow_wakeups(delay_s: float) -> None:
     anyio.wait_readable = slow_wait_readable  # type: ignore[assignment]
 
 
+SLEEPS = [0]  # times this process went to sleep on its doorbell
+
+
+def count_sleeps(ep: Any) -> None:
+    begin = ep.sleep_begin
+
+    def counted(*a: Any, **k: Any) -> bool:
+        slept = bool(begin(*a, **k))
+        SLEEPS[0] += slept
+        return slept
+
+    ep.sleep_begin = counted
+
+
+def old_spin_policy() -> None:
+    """The spin policy before issue 13 (for A/B runs, ``--old-spin``): the window as
+    configured whatever a wake-up costs, and halved by any wait over one window."""
+    from structllm.ipc import channel
+
+    channel.IDLE_WAIT_WINDOWS = 1
+    channel.WAKE_SPIN_FACTOR = 0
+
+
 def worker(kind: str, args: dict[str, Any]) -> None:
     n, mode = args["n"], args["mode"]
     slow_wakeups(args.get("wake_delay_us", 0.0) * 1e-6)
+    if args.get("old_spin"):
+        old_spin_policy()
     frame = msgspec.msgpack.encode(payload(args["size"]))
     if kind == "ring":
         from structllm.ipc import shm
-        from structllm.ipc.channel import Doorbell, Endpoint, SpinBudget
+        from structllm.ipc.channel import Doorbell, Endpoint, SpinBudget, spin_window, wake_latency
 
         mapping = shm.attach(args["fd"], args["shm_size"])
         to_engine, to_front = shm.rings(mapping, args["capacity"])
         ep: Endpoint[object] = Endpoint(to_engine, to_front, Doorbell(args["engine_bell"]), Doorbell(args["front_bell"]), object)
-        spin = SpinBudget(args["spin_us"] * 1e-6)
+        spin = SpinBudget(spin_window(args["spin_us"] * 1e-6, wake_latency()) if args["spin_us"] else 0.0)
+        count_sleeps(ep)
         if mode == "pingpong":
             done = 0
             while done < n:
@@ -172,7 +199,7 @@ def worker(kind: str, args: dict[str, Any]) -> None:
             conn.recv_bytes()
             for _ in range(n):
                 conn.send_bytes(frame)
-    print(json.dumps({"cpu": self_cpu()}), flush=True)
+    print(json.dumps({"cpu": self_cpu(), "sleeps": SLEEPS[0]}), flush=True)
 
 
 def spawn(kind: str, args: dict[str, Any], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[str]:
@@ -184,9 +211,13 @@ def spawn(kind: str, args: dict[str, Any], pass_fds: tuple[int, ...] = ()) -> su
     )
 
 
-def finish(proc: subprocess.Popen[str]) -> float:
-    out, _ = proc.communicate(timeout=120)
-    return float(json.loads(out.strip().splitlines()[-1])["cpu"])
+def finish(proc: subprocess.Popen[str], out: dict[str, float] | None = None) -> float:
+    """The worker's CPU seconds; with ``out``, its sleeps go there too."""
+    text, _ = proc.communicate(timeout=120)
+    report = json.loads(text.strip().splitlines()[-1])
+    if out is not None and "sleeps" in report:
+        out["engine_sleeps"] = report["sleeps"]
+    return float(report["cpu"])
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,10 +238,12 @@ def run_ring(backend: str, spin_us: float, size: int, n: int, mode: str) -> dict
     front_bell, engine_bell = Doorbell(), Doorbell()
     args = {"n": n, "mode": mode, "size": size, "fd": fd, "shm_size": shm_size, "capacity": capacity,
             "engine_bell": engine_bell.fd, "front_bell": front_bell.fd, "spin_us": spin_us,
-            "wake_delay_us": WAKE_DELAY_US}
+            "wake_delay_us": WAKE_DELAY_US, "old_spin": OLD_SPIN}
     proc = spawn("ring", args, (fd, engine_bell.fd, front_bell.fd))
     os.close(fd)
     ep = AsyncEndpoint(Endpoint(to_front, to_engine, front_bell, engine_bell, Delta), spin_s=spin_us * 1e-6)
+    SLEEPS[0] = 0
+    count_sleeps(ep.ep)
     msg = payload(size)
     out: dict[str, float] = {}
 
@@ -232,7 +265,8 @@ def run_ring(backend: str, spin_us: float, size: int, n: int, mode: str) -> dict
 
     cpu0 = self_cpu()
     anyio.run(pingpong if mode == "pingpong" else stream, backend=backend)
-    out["cpu_s"] = self_cpu() - cpu0 + finish(proc)
+    out["cpu_s"] = self_cpu() - cpu0 + finish(proc, out)
+    out["front_sleeps"] = SLEEPS[0]
     to_engine.close()
     to_front.close()
     mapping.close()
@@ -367,10 +401,13 @@ def main() -> None:
     ap.add_argument("--wake-delay-us", type=float, default=0.0,
                     help="ring cases: every sleep on a doorbell comes back this much later (both processes), "
                     "to mimic a machine with slow wake-ups (a VM: ~78 us)")
+    ap.add_argument("--old-spin", action="store_true", help="the spin policy before issue 13 (for A/B runs)")
     args = ap.parse_args()
-    global WAKE_DELAY_US
-    WAKE_DELAY_US = args.wake_delay_us
+    global WAKE_DELAY_US, OLD_SPIN
+    WAKE_DELAY_US, OLD_SPIN = args.wake_delay_us, args.old_spin
     slow_wakeups(WAKE_DELAY_US * 1e-6)
+    if OLD_SPIN:
+        old_spin_policy()
     cases = [c for c in args.cases.split(",") if c]
     sizes = [int(x) for x in args.sizes.split(",")]
     if args.quick:
@@ -384,11 +421,15 @@ def main() -> None:
             results[f"{name}_{size}"] = {
                 **{k: v for k, v in pp.items() if k != "cpu_s"},
                 "cpu_us_per_rt": round(pp["cpu_s"] / args.n * 1e6, 1),
+                **({"sleeps_per_rt": round((pp["front_sleeps"] + pp["engine_sleeps"]) / args.n, 2)}
+                   if "front_sleeps" in pp else {}),
                 "msgs_per_s": round(st["msgs_per_s"]),
             }
-    print(f"{'case':26}{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}{'cpu us/rt':>11}{'msgs/s':>11}", file=sys.stderr)
+    print(f"{'case':26}{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}{'cpu us/rt':>11}{'msgs/s':>11}{'sleeps/rt':>10}",
+          file=sys.stderr)
     for name, r in results.items():
-        print(f"{name:26}{r['p50_us']:>9}{r['p99_us']:>9}{r['p999_us']:>10}{r['cpu_us_per_rt']:>11}{r['msgs_per_s']:>11}", file=sys.stderr)
+        print(f"{name:26}{r['p50_us']:>9}{r['p99_us']:>9}{r['p999_us']:>10}{r['cpu_us_per_rt']:>11}{r['msgs_per_s']:>11}"
+              f"{r.get('sleeps_per_rt', ''):>10}", file=sys.stderr)
     ratios = {}
     for size in sizes:
         for name in ("ring_trio_spin", "ring_trio_nospin", "ring_asyncio_spin", "ring_asyncio_nospin"):

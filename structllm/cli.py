@@ -34,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "auto: gguf for a GGUF file on CPU")
     p.add_argument("--attention-backend", default=d("attention_backend"), choices=["auto", "torch", "cpu", "triton"],
                    help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="torch threads of the engine (default: the cores it may run on, split over the "
+                   "tensor-parallel ranks)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--no-grammar-fast-forward", action="store_true",
@@ -55,6 +58,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         null_model=a.null_model,
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,
+        num_threads=a.engine_threads,
         attention_backend=a.attention_backend,
         grammar_fast_forward=not a.no_grammar_fast_forward,
     )

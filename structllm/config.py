@@ -26,6 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``auto``/``auto`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (C++ kernels) and runs
       float checkpoints with float16 matmul weights; ``float32``/``none`` is the exact
       float32 path. Activations are float32 on CPU either way.
+    - ``num_threads``: torch's threads on CPU (``--engine-threads``); default: the cores
+      this process may run on, divided among the tensor-parallel ranks.
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
       model's tokenizer and shape (for KV sizing) are still used.
@@ -83,6 +85,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "gguf"):
             raise ValueError(f"quantization must be auto, none or gguf, got {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
