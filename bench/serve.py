@@ -120,32 +120,40 @@ async def run_load(url: str, model: str | None, items: list[Any], out_len: int, 
     return results, elapsed
 
 
-async def storm_probe(url: str, model: str | None, storm: list[Any], fresh: list[Any], close_after: float,
+async def storm_probe(url: str, model: str | None, storms: list[list[Any]], fresh: list[Any], close_after: float,
                       api_key: str | None) -> dict[str, Any]:
-    """Time to first token of an 8-token request on the idle server, then after a storm:
-    ``len(storm)`` streams sent at once, each closed by the client ``close_after``
-    seconds after sending (before or during its prefill), then one more 8-token request
-    at once. The probes' prompts all differ (no prefix-cache hit flatters either)."""
+    """Per storm: the time to first token of an 8-token request on the idle server, then
+    the storm (its streams sent at once, each closed by the client ``close_after``
+    seconds after sending, before or during its prefill), then one more 8-token request
+    at once. Medians over the storms; idle and after-storm figures are taken back to
+    back, so a change in the machine's load between them counts once, not per run. All
+    prompts differ (no prefix-cache hit flatters either figure)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=len(storm) + 8, max_keepalive_connections=len(storm) + 8)
+    width = max(len(s) for s in storms) + 8
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    idle: list[Result] = []
+    after: list[Result] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
-        idle = [await one(client, url, model, p, 8, headers) for p in fresh[:-1]]
 
         async def closed_early(p: Any) -> None:
             with anyio.move_on_after(close_after):  # leaving the stream closes the connection
                 await one(client, url, model, p, 4096, headers)
 
-        async with anyio.create_task_group() as tg:
-            for p in storm:
-                tg.start_soon(closed_early, p)
-        after = await one(client, url, model, fresh[-1], 8, headers)
-    bad = next((r.error for r in [*idle, after] if not r.ok), None)
+        for k, storm in enumerate(storms):
+            idle.append(await one(client, url, model, fresh[2 * k], 8, headers))
+            async with anyio.create_task_group() as tg:
+                for p in storm:
+                    tg.start_soon(closed_early, p)
+            after.append(await one(client, url, model, fresh[2 * k + 1], 8, headers))
+    bad = next((r.error for r in [*idle, *after] if not r.ok), None)
     if bad:
         raise SystemExit(f"storm probe: a request failed: {bad}")
     idle_ttft = statistics.median(r.ttft for r in idle)
-    return {"storm_idle_ttft_ms": round(1000 * idle_ttft, 1), "storm_after_ttft_ms": round(1000 * after.ttft, 1),
-            "storm_ttft_ratio": round(after.ttft / idle_ttft, 2), "storm_streams": len(storm),
-            "storm_close_after_s": close_after}
+    after_ttft = statistics.median(r.ttft for r in after)
+    return {"storm_idle_ttft_ms": round(1000 * idle_ttft, 1), "storm_after_ttft_ms": round(1000 * after_ttft, 1),
+            "storm_ttft_ratio": round(after_ttft / idle_ttft, 2),
+            "storm_ratios": [round(a.ttft / i.ttft, 2) for i, a in zip(idle, after, strict=True)],
+            "storm_streams": len(storms[0]), "storm_close_after_s": close_after, "storm_reps": len(storms)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -253,6 +261,7 @@ def main() -> None:
                     "closed by the client --storm-close-after seconds after sending, then one more 8-token "
                     "request (the issue's probe: 16)")
     ap.add_argument("--storm-close-after", type=float, default=3.0)
+    ap.add_argument("--storm-reps", type=int, default=3, help="storms (medians are reported)")
     ap.add_argument("--skip-load", action="store_true", help="run only the probes (--storm), not the load")
     args = ap.parse_args()
     if args.base_url is None and not args.launch:
@@ -276,9 +285,11 @@ def main() -> None:
         if pids:
             cpu = cpu_seconds(pids) - cpu0
         if args.storm:
-            storm_items = prompts(args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts)
-            fresh = prompts(4, args.input_len, args.vocab_size, args.seed + 3, args.text_prompts)
-            probe = anyio.run(storm_probe, url, args.model, storm_items, fresh, args.storm_close_after, args.api_key)
+            n = args.storm_reps
+            flat = prompts(n * args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts)
+            storms = [flat[k * args.storm : (k + 1) * args.storm] for k in range(n)]
+            fresh = prompts(2 * n, args.input_len, args.vocab_size, args.seed + 3, args.text_prompts)
+            probe = anyio.run(storm_probe, url, args.model, storms, fresh, args.storm_close_after, args.api_key)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -311,7 +322,8 @@ def main() -> None:
               f"({summary['front_end_processes']} processes)", file=sys.stderr)
     if args.storm:
         print(f"{'TTFT idle / after storm':26}{summary['storm_idle_ttft_ms']} / {summary['storm_after_ttft_ms']} ms "
-              f"({summary['storm_ttft_ratio']}x; {args.storm} streams closed after {args.storm_close_after} s)",
+              f"({summary['storm_ttft_ratio']}x, medians of {args.storm_reps}: {summary['storm_ratios']}; "
+              f"{args.storm} streams closed after {args.storm_close_after} s)",
               file=sys.stderr)
     if "offline_output_tokens_per_s" in summary:
         print(f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
