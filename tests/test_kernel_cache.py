@@ -44,3 +44,22 @@ def test_a_cached_build_is_imported_without_compiling(tmp_path: Path, monkeypatc
     monkeypatch.setattr(cpu_ext, "_compile", no_compiler)
     module = cpu_ext.build("structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, "the CPU attention kernel")
     assert module is not None and hasattr(module, "paged_decode")
+
+
+def test_a_build_says_what_it_builds_and_when_it_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STRUCTLLM_CACHE_DIR", str(tmp_path))
+    built = object()
+    monkeypatch.setattr(cpu_ext, "_compile", lambda *args: built)
+    assert cpu_ext.build("structllm_cpu_attention", cpu_ext.SOURCE, ["-O1"], "the CPU attention kernel (about 20 s)") is built
+    err = capsys.readouterr().err
+    assert "building the CPU attention kernel (about 20 s) for this machine; once per machine" in err
+    assert "built the CPU attention kernel in" in err
+
+
+def test_build_kernels_command() -> None:
+    from structllm.cli import build_parser, cmd_build_kernels
+
+    args = build_parser().parse_args(["build-kernels", "--allow-missing"])
+    assert args.func is cmd_build_kernels and args.allow_missing
