@@ -13,9 +13,21 @@ EOS ignored, streaming. Arrivals: all at once, or Poisson at ``--request-rate``;
 end-to-end latency (p50/p90/p99), output tokens/s and requests/s as a table and one
 JSON line. ``--compare-offline`` also runs structllm's offline engine (in this process,
 after the server is gone) on the same prompts with ``max_num_seqs`` = the concurrency,
-and prints serving throughput as a fraction of it. ``--storm 16`` adds the short-steps
-probe after the load: time to first token of an 8-token request on the idle server and
-right after 16 streams that the client closed 3 s after sending, and their ratio.
+and prints serving throughput as a fraction of it.
+
+``--llama-server PATH`` runs the same workload, in the same run, against llama.cpp's
+``llama-server`` started on the same GGUF file (``--llama-model``, default: structllm's
+default model), with ``--max-concurrency`` slots and all cores, and prints both side by
+side with structllm's ratios; both servers' resident memory is reported after the load
+(structllm's engine process: ``engine_rss_mb``).
+
+    # the issue's two workloads
+    python bench/serve.py --launch --llama-server ~/llama-server --num-prompts 8 --max-concurrency 1
+    python bench/serve.py --launch --llama-server ~/llama-server --num-prompts 64 --max-concurrency 16
+
+``--storm 16`` adds the short-steps probe after the load: time to first token of an
+8-token request on the idle server and right after 16 streams that the client closed
+3 s after sending, back to back, ``--storm-reps`` times (medians and their ratio).
 
     python bench/serve.py --launch --storm 16 --skip-load
 """
@@ -192,18 +204,76 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
            "--max-num-seqs", str(min(max(args.max_concurrency, 1), 256)), *args.server_args]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    wait_healthy(proc, url)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
     raise SystemExit("server did not start")
+
+
+def default_gguf() -> str:
+    from structllm.model.loader import prepare_model
+
+    source = prepare_model(None).source
+    if source is None:
+        raise SystemExit("the default model has no GGUF file; give --llama-model")
+    return str(source)
+
+
+def launch_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    """llama-server on the same GGUF file: one slot per concurrent request, each with
+    room for a prompt and its output, threads = all cores (as a user would start it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slots = max(args.max_concurrency, 1)
+    ctx = slots * (args.input_len + args.output_len + 64)
+    threads = str(os.cpu_count() or 1)
+    cmd = [args.llama_server, "-m", args.llama_model or default_gguf(), "--port", str(port), "--host", "127.0.0.1",
+           "-np", str(slots), "-c", str(ctx), "-t", threads, "-tb", threads, "--log-disable"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url)
+    return proc, url
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def engine_pid(server_pid: int) -> int | None:
+    """The engine process among the server's children (not a front end)."""
+    for tid in os.listdir(f"/proc/{server_pid}/task"):
+        with open(f"/proc/{server_pid}/task/{tid}/children") as f:
+            for kid in f.read().split():
+                with open(f"/proc/{kid}/cmdline", "rb") as c:
+                    if b"structllm.engine" in c.read():
+                        return int(kid)
+    return None
+
+
+def load(url: str, items: list[Any], args: argparse.Namespace) -> tuple[list[Result], float]:
+    """A short warm-up (not measured), then the workload."""
+    warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
+    anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
+    return anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
+                     args.max_concurrency, args.api_key, args.seed)
 
 
 def front_end_pids(server_pid: int) -> list[int]:
@@ -256,6 +326,8 @@ def main() -> None:
     ap.add_argument("--text-prompts", action="store_true", help="random words instead of token ids")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare-offline", action="store_true", help="also run the offline engine on the same prompts")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: run the same workload on it")
+    ap.add_argument("--llama-model", default=None, help="GGUF file for llama-server (default: structllm's default model)")
     ap.add_argument("--storm", type=int, default=0, metavar="N",
                     help="after the load: idle time to first token of an 8-token request, then N streams each "
                     "closed by the client --storm-close-after seconds after sending, then one more 8-token "
@@ -272,18 +344,21 @@ def main() -> None:
     if args.launch:
         proc, url = launch(args)
     cpu = None
+    engine_rss = None
     try:
-        warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
-        anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
         pids = front_end_pids(proc.pid) if proc is not None else []
         cpu0 = cpu_seconds(pids) if pids else 0.0
         results: list[Result] = []
         elapsed = float("nan")
         if not args.skip_load:
-            results, elapsed = anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
-                                         args.max_concurrency, args.api_key, args.seed)
+            results, elapsed = load(url, items, args)
+        else:  # the probes alone, after the same warm-up
+            warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
+            anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
         if pids:
             cpu = cpu_seconds(pids) - cpu0
+        engine = engine_pid(proc.pid) if proc is not None else None
+        engine_rss = rss_mb(engine) if engine is not None else None
         if args.storm:
             n = args.storm_reps
             flat = prompts(n * args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts)
@@ -300,6 +375,8 @@ def main() -> None:
     summary.update(bench="serve", url=url, num_prompts=args.num_prompts, input_len=args.input_len,
                    output_len=args.output_len, max_concurrency=args.max_concurrency,
                    request_rate=None if math.isinf(args.request_rate) else args.request_rate)
+    if engine_rss is not None:
+        summary["engine_rss_mb"] = round(engine_rss, 1)
     if cpu is not None and results:
         summary["front_end_processes"] = len(pids)
         summary["front_end_cpu_s"] = round(cpu, 2)
@@ -308,6 +385,22 @@ def main() -> None:
         off = offline(items, args.output_len, args.max_concurrency)
         summary["offline_output_tokens_per_s"] = round(off, 1)
         summary["serving_vs_offline"] = round(summary["output_tokens_per_s"] / off, 3)
+    if args.llama_server and results:
+        llama, llama_url = launch_llama(args)
+        try:
+            llama_results, llama_elapsed = load(llama_url, items, args)
+            llama_rss = rss_mb(llama.pid)
+        finally:
+            llama.send_signal(signal.SIGTERM)
+            llama.wait(timeout=60)
+        theirs = summarize(llama_results, llama_elapsed)
+        theirs["rss_mb"] = round(llama_rss, 1)
+        summary["llama_cpp"] = theirs
+        summary["vs_llama_cpp"] = {
+            "output_tokens_per_s": round(summary["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2),
+            "itl_p50": round(summary["itl_ms_p50"] / theirs["itl_ms_p50"], 2),
+            "ttft_p50": round(summary["ttft_ms_p50"] / theirs["ttft_ms_p50"], 2),
+        }
     rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")] if results else []
     for metric in ("ttft_ms", "itl_ms", "e2e_ms") if results else ():
         rows += [(f"{metric} p50/p90/p99", metric)]
@@ -320,6 +413,14 @@ def main() -> None:
     if "front_end_cpu_us_per_token" in summary:
         print(f"{'front-end CPU us/token':26}{summary['front_end_cpu_us_per_token']} "
               f"({summary['front_end_processes']} processes)", file=sys.stderr)
+    if "llama_cpp" in summary:
+        theirs, ratio = summary["llama_cpp"], summary["vs_llama_cpp"]
+        print(f"{'llama.cpp tokens/s':26}{theirs['output_tokens_per_s']}  (structllm x{ratio['output_tokens_per_s']})",
+              file=sys.stderr)
+        for metric, key in (("ttft_ms", "ttft_p50"), ("itl_ms", "itl_p50")):
+            print(f"{'llama.cpp ' + metric + ' p50':26}{theirs[metric + '_p50']}  (structllm x{ratio[key]})",
+                  file=sys.stderr)
+        print(f"{'RSS MB (engine / llama)':26}{summary.get('engine_rss_mb')} / {theirs['rss_mb']}", file=sys.stderr)
     if args.storm:
         print(f"{'TTFT idle / after storm':26}{summary['storm_idle_ttft_ms']} / {summary['storm_after_ttft_ms']} ms "
               f"({summary['storm_ttft_ratio']}x, medians of {args.storm_reps}: {summary['storm_ratios']}; "

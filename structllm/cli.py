@@ -41,6 +41,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--no-grammar-fast-forward", action="store_true",
                    help="decode tokens a grammar forces one step each (default: append them in one step)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -61,6 +63,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         num_threads=a.engine_threads,
         attention_backend=a.attention_backend,
         grammar_fast_forward=not a.no_grammar_fast_forward,
+        trace=a.trace,
     )
 
 
@@ -104,7 +107,16 @@ def cmd_run(a: argparse.Namespace) -> int:
         allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
         api_server_count=a.api_server_count,
         max_connections=a.max_connections,
+        tool_call_parser=a.tool_call_parser,
     )
+    if a.chat_template is not None:
+        from structllm.tokenizer import ChatTemplateError, load_chat_template
+
+        try:
+            config.chat_template = load_chat_template(a.chat_template)
+        except ChatTemplateError as e:
+            print(f"structllm run: --chat-template: {e}", file=sys.stderr)
+            return 2
     return run(config)
 
 
@@ -150,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--body-timeout", type=float, default=d("body_timeout"), help="answer 408 when a request body takes longer than this (s)")
     r.add_argument("--max-connections", type=int, default=d("max_connections"), help="open connections per front-end process (default %(default)s)")
     r.add_argument("--api-server-count", type=int, default=d("api_server_count"), help="front-end processes sharing the port and the engine (default %(default)s)")
+    r.add_argument("--chat-template", default=None, help="chat template to use instead of the model's: a file, or the template itself")
+    r.add_argument("--tool-call-parser", choices=["auto", "hermes", "generic"], default=d("tool_call_parser"),
+                   help="how tools are prompted and calls parsed (default %(default)s: hermes if the chat template "
+                        "renders tools with <tool_call> tags, else a generic JSON envelope)")
     r.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; default: CORS off)")
     r.set_defaults(func=cmd_run)
     c = sub.add_parser(

@@ -43,6 +43,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``grammar_fast_forward``: when a constrained request's grammar forces its next
       tokens, append them in one step (computed like a prompt chunk) instead of one
       decode step each; the output is the same either way (see ``engine.grammar``).
+    - ``trace``: a file to append the lifecycle events of every request to (see
+      ``structllm.trace``); ``None``: off.
     """
 
     model: str | None = None
@@ -64,6 +66,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     null_step_time: float = 0.0
     tensor_parallel_size: int = 1
     grammar_fast_forward: bool = True
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -18,6 +18,15 @@ from structllm.model.loader import prepare_model
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import AddRequest, SamplingParams, TokenLogprobs
 from structllm.tokenizer import Message, Tokenizer
+from structllm.tools import (
+    ToolCall,
+    ToolError,
+    ToolRequest,
+    constraint,
+    detect_format,
+    prompt_messages,
+    tool_request,
+)
 
 Prompt: TypeAlias = str | Sequence[int] | Sequence[Message]
 """A text prompt, a list of token ids, or a chat (a list of ``{"role", "content"}``)."""
@@ -30,6 +39,7 @@ class CompletionOutput(msgspec.Struct):
     finish_reason: str | None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
+    tool_calls: list[ToolCall] | None = None  # ``LLM.chat`` with tools: the calls the text holds
 
 
 class RequestOutput(msgspec.Struct):
@@ -65,9 +75,13 @@ class RequestOutput(msgspec.Struct):
         return self.outputs[0].logprobs
 
 
+TRACE_FILE = "structllm-trace.jsonl"
+
+
 class LLM:
     """Offline generation. Keyword arguments are ``EngineConfig`` fields, e.g.
-    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``.
+    ``LLM(max_num_seqs=64, kv_cache_memory=512 << 20)``; ``trace=True`` (or a path)
+    records every request's lifecycle (``structllm.trace``) in ``structllm-trace.jsonl``.
 
     With ``tensor_parallel_size=N`` this process is rank 0 and N-1 worker processes run
     beside it until ``close()`` (or the end of a ``with`` block); an ``LLM`` that is
@@ -75,6 +89,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        if engine_kwargs.get("trace") is True:  # trace=True: the default file, in the working directory
+            engine_kwargs["trace"] = TRACE_FILE
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
         self.tokenizer = Tokenizer.from_files(files)
@@ -103,7 +119,10 @@ class LLM:
         fails in the engine ends alone with ``finish_reason == "error"``."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
-        encoded = [self._encode(p) for p in items]
+        return self._run(items, [self._encode(p) for p in items], params)
+
+    def _run(self, items: list[Prompt], encoded: list[list[int]], params: list[SamplingParams],
+             tools: ToolRequest | None = None) -> list[RequestOutput]:
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
                 self.engine.check_request(ids, sp)
@@ -118,9 +137,10 @@ class LLM:
                 res.prompt_logprobs = [None]
             results.append(res)
             name = res.request_id
-            for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}"):  # noqa: B023
+            for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools):  # noqa: B023
                 res.outputs.append(CompletionOutput(seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None))
                 live[seq.request_id] = (seq, res)
+                self.engine.tracer.event("sent", seq.request_id)
                 self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling))
         try:
             while live:
@@ -140,10 +160,17 @@ class LLM:
                     out.token_ids += update.token_ids
                     if out.logprobs is not None:
                         out.logprobs += update.logprobs
+                    tracer = self.engine.tracer
+                    if tracer.enabled and update.text:
+                        tracer.event("detokenized", seq.request_id, chars=len(update.text))
                     if update.abort:
+                        tracer.event("aborted", seq.request_id, why="a stop string ended it")
                         self.engine.abort([seq.request_id])
                     if seq.finished:
+                        tracer.event("finished", seq.request_id, reason=seq.finish_reason)
                         out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+                        if seq.tools is not None:
+                            out.text, out.tool_calls = seq.tools.content or "", seq.tools.calls
                         del live[seq.request_id]
         finally:
             if live:  # interrupted: leave nothing running in the engine
@@ -154,10 +181,40 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """``generate`` for one chat or a list of chats."""
+        """``generate`` for one chat or a list of chats. With OpenAI-style ``tools`` (and
+        ``tool_choice``, ``parallel_tool_calls``), as the server serves them: the tools go
+        into the prompt, the output is constrained where the choice demands it, and each
+        completion's ``tool_calls`` holds the calls it made (its ``text`` the rest, and
+        ``finish_reason`` is ``tool_calls``). Raises ``ValueError`` for bad tools."""
         chats: list[Any] = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        return self.generate(chats, sampling_params)
+        fmt = detect_format(self.tokenizer.meta.chat_template)
+        try:
+            req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
+        except ToolError as e:
+            raise ValueError(str(e)) from None
+        if req is None:
+            return self.generate(chats, sampling_params)
+        from structllm.tools import validate_tools
+
+        error = validate_tools(req.tools, self.engine.grammar.tokenizer)
+        if error is not None:
+            raise ValueError(error)
+        params = _as_params_list(sampling_params, len(chats))
+        spec = constraint(req)
+        if spec is not None:
+            if any(sp.structured_outputs is not None for sp in params):
+                raise ValueError("structured_outputs cannot be combined with tools that may be called")
+            params = [msgspec.structs.replace(sp, structured_outputs=spec) for sp in params]
+        encoded = []
+        for chat in chats:
+            msgs, variables = prompt_messages([dict(m) for m in chat], req, fmt)
+            text = self.tokenizer.apply_chat_template(msgs, **variables)
+            encoded.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._run(chats, encoded, params, req)
 
     def _check_structured(self, sp: SamplingParams) -> None:
         """Raise ``ValueError`` if ``sp.structured_outputs`` does not compile."""

@@ -6,7 +6,9 @@ loop. One user request (a prompt, or several prompts for ``/v1/completions``, ti
 turns the deltas of its engine request into ``SequenceUpdate``s: new text (incremental
 detokenization), stop strings (the engine knows only stop *tokens*, so a stop string
 ends the sequence here and the caller must abort the engine side), and the final flush
-of the detokenizer. Structured-output and tool-call parsing hook in here.
+of the detokenizer. With tools, a ``ToolCallParser`` splits each sequence's text into
+content and tool calls (``structllm.tools``), and a reply that ends with calls finishes
+with ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgspec
 
 from structllm.protocol import SamplingParams, TokenLogprobs
 from structllm.tokenizer import Detokenizer, Tokenizer
+from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
 
 
 @dataclass
@@ -25,7 +28,8 @@ class SequenceUpdate:
     """What one sequence gained from one engine delta.
 
     ``text`` is new output text (possibly empty: the detokenizer may hold back an
-    incomplete character or the start of a stop string). ``abort`` is set when the
+    incomplete character or the start of a stop string); with tools, only the content
+    part of it, and ``tool_calls`` the calls' new pieces. ``abort`` is set when the
     sequence ended here (a stop string) while the engine request still runs: the caller
     must abort it."""
 
@@ -37,6 +41,7 @@ class SequenceUpdate:
     stop_reason: int | str | None = None
     abort: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1, 2, ...
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    tools: ToolCallParser | None = None
 
     @property
     def finished(self) -> bool:
@@ -84,7 +90,11 @@ class SequenceState:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
         if self.finish_reason is not None:
             update.text += self.detok.finish()
-            update.finish_reason, update.stop_reason = self.finish_reason, self.stop_reason
+        if self.tools is not None:
+            update.text, update.tool_calls = self.tools.feed(update.text, final=self.finish_reason is not None)
+            if self.finish_reason == "stop" and self.tools.calls:
+                self.finish_reason = "tool_calls"
+        update.finish_reason, update.stop_reason = self.finish_reason, self.stop_reason
         return update
 
 
@@ -93,12 +103,14 @@ def fan_out(
     sampling: SamplingParams,
     tokenizer: Tokenizer,
     new_request_id: Callable[[int, int], str],
+    tools: ToolRequest | None = None,
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
     reproducible); every engine request gets ``n = 1``, and only the first of a prompt
     scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
-    the engine requests."""
+    the engine requests. With ``tools`` that allow calls, each sequence parses its
+    calls."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -109,5 +121,6 @@ def fan_out(
                 scored = sampling.prompt_logprobs if j == 0 else None
                 sp = msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=scored)
             detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
-            out.append(SequenceState(pi * n + j, pi, new_request_id(pi, j), ids, sp, detok))
+            parser = ToolCallParser(tools) if tools is not None and tools.calls_allowed else None
+            out.append(SequenceState(pi * n + j, pi, new_request_id(pi, j), ids, sp, detok, tools=parser))
     return out

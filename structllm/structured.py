@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
@@ -56,9 +56,9 @@ def grammar_of(spec: StructuredOutputs, field: str | None = None) -> str:
     kind = spec.kind
     where = field or f"structured_outputs.{kind}"
     if kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(_schema(spec.json, where), overrides=_json_options(spec))
+        return llg.LLMatcher.grammar_from_json_schema(_schema(spec.json, where), overrides=json_options(spec))
     if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_json_options(spec))
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=json_options(spec))
     if kind == "regex":
         assert spec.regex is not None
         _check_size(spec.regex, where)
@@ -73,7 +73,7 @@ def grammar_of(spec: StructuredOutputs, field: str | None = None) -> str:
     return llg.LLMatcher.grammar_from_lark(spec.grammar)
 
 
-def _json_options(spec: StructuredOutputs) -> JsonCompileOptions:
+def json_options(spec: StructuredOutputs) -> JsonCompileOptions:
     # oneOf is compiled as anyOf (llguidance cannot enforce "exactly one"): pydantic
     # emits oneOf for discriminated unions, whose branches exclude each other anyway
     if spec.whitespace_flexible:
@@ -168,98 +168,6 @@ def response_format_spec(response_format: Mapping[str, Any] | None) -> Structure
             raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
         return StructuredOutputs(json=dict(schema))
     raise GrammarError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
-
-
-def tool_calls_schema(tools: Sequence[Mapping[str, Any]], name: str | None = None, parallel: bool = True) -> dict[str, Any]:
-    """The JSON schema of the generic tool-call envelope,
-    ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``, for models whose chat
-    template knows no tools: each call names one of ``tools`` (OpenAI ``tools`` entries,
-    ``{"type": "function", "function": {"name", "parameters"}}``) and has arguments valid
-    against that tool's ``parameters``; ``name`` restricts the calls to that tool (a
-    named ``tool_choice``); without ``parallel`` there is exactly one call."""
-    calls = []
-    for t in tools:
-        fn = t.get("function", {})
-        if name is not None and fn.get("name") != name:
-            continue
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        calls.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn.get("name")}, "arguments": params},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
-    if not calls:
-        raise GrammarError(f"tool_choice names an unknown function {name!r}" if name else "tools is empty")
-    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    array: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
-    if not parallel:
-        array["maxItems"] = 1
-    return {
-        "type": "object",
-        "properties": {"tool_calls": array},
-        "required": ["tool_calls"],
-        "additionalProperties": False,
-    }
-
-
-def tool_choice_spec(
-    tools: Sequence[Mapping[str, Any]] | None, tool_choice: str | Mapping[str, Any] | None = None, parallel: bool = True
-) -> StructuredOutputs | None:
-    """The constraint for OpenAI ``tools``/``tool_choice``/``parallel_tool_calls`` in the
-    generic envelope format (``tool_calls_schema``), for chat templates that know no
-    tools: ``none`` (or no tools with ``auto``/unset): no constraint; ``required``: the
-    envelope; a named function: the envelope restricted to it; ``auto`` (the default
-    with tools): either the envelope or free text that does not start with ``{``.
-    Raises ``GrammarError`` naming ``tool_choice`` for an unknown choice or function,
-    or ``required`` without tools."""
-    choice = "auto" if tool_choice is None else tool_choice
-    if choice == "none" or (choice == "auto" and not tools):
-        return None
-    if choice == "required":
-        if not tools:
-            raise GrammarError("tool_choice 'required' needs at least one entry in tools")
-        return StructuredOutputs(json=tool_calls_schema(tools, parallel=parallel))
-    if isinstance(choice, Mapping):
-        name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise GrammarError('tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}')
-        return StructuredOutputs(json=tool_calls_schema(tools or [], name=name, parallel=parallel))
-    if choice != "auto":
-        raise GrammarError(f"tool_choice must be none, auto, required or a named function, got {choice!r}")
-    assert tools
-    envelope = {**tool_calls_schema(tools, parallel=parallel), "x-guidance": _json_options(StructuredOutputs(json_object=True))}
-    # llguidance's Lark embeds a JSON schema as a rule; the text branch cannot open with
-    # "{", so whichever the model starts with decides the branch
-    return StructuredOutputs(grammar="start: calls | TEXT\ncalls: %json " + json.dumps(envelope) + "\nTEXT: /[^{](.|\\n)*/\n")
-
-
-def validate_tools(tools: Sequence[Mapping[str, Any]], tokenizer: llg.LLTokenizer | None = None) -> str | None:
-    """``None`` if every OpenAI tool is usable, else a message naming the entry
-    (``tools[i].function.parameters: ...``): type ``function``, a unique non-empty
-    name, and parameters that compile as a JSON schema. Blocking, like ``validate``."""
-    seen: set[str] = set()
-    for i, t in enumerate(tools):
-        fn = t.get("function")
-        if t.get("type") != "function" or not isinstance(fn, Mapping):
-            return f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}"
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            return f"tools[{i}].function.name must be a non-empty string"
-        if name in seen:
-            return f"tools[{i}].function.name {name!r} is used by an earlier tool"
-        seen.add(name)
-        params = fn.get("parameters")
-        if params is None:
-            continue
-        if not isinstance(params, Mapping):
-            return f"tools[{i}].function.parameters must be a JSON schema object"
-        error = validate(StructuredOutputs(json=dict(params)), tokenizer, field=f"tools[{i}].function.parameters")
-        if error is not None:
-            return error
-    return None
 
 
 # -- the engine's per-sequence matcher ----------------------------------------------------

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from structllm.model.loader import ModelFiles, TokenizerMeta
 
@@ -111,22 +114,29 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (dicts with ``role`` and ``content``) to the prompt text.
-        Raises ``ChatTemplateError`` if the model has no template or it fails."""
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` instead of the model's. Raises ``ChatTemplateError`` if it
+        does not compile."""
+        self._template = compile_chat_template(template)
+        self.meta = msgspec.structs.replace(self.meta, chat_template=template)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            **variables: Any) -> str:
+        """Render ``messages`` (dicts with ``role`` and ``content``, and whatever else the
+        template reads, e.g. ``tool_calls``) to the prompt text; ``variables`` are extra
+        template variables (``tools``). Raises ``ChatTemplateError`` if the model has no
+        template or it fails."""
         if self._template is None:
             if not self.meta.chat_template:
                 raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
-            try:
-                self._template = _jinja_env().from_string(self.meta.chat_template)
-            except Exception as e:
-                raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+            self._template = compile_chat_template(self.meta.chat_template)
         try:
             rendered: str = self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.meta.bos_token or "",
                 eos_token=self.meta.eos_token or "",
+                **variables,
             )
         except Exception as e:
             raise ChatTemplateError(f"the chat template failed to render these messages: {e}") from e
@@ -135,6 +145,26 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         # The template already writes the special tokens it wants (as Hugging Face does).
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def compile_chat_template(template: str) -> Any:
+    """The compiled Jinja template; ``ChatTemplateError`` if it does not compile."""
+    try:
+        return _jinja_env().from_string(template)
+    except Exception as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as the template itself (like vLLM's
+    ``--chat-template``), checked to compile. Raises ``ChatTemplateError``."""
+    if "{" not in value:
+        try:
+            value = Path(value).read_text()
+        except OSError as e:
+            raise ChatTemplateError(f"cannot read the chat template file {value!r}: {e.strerror}") from None
+    compile_chat_template(value)
+    return value
 
 
 def _jinja_env() -> Any:

@@ -120,3 +120,28 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected(tiny_llama_dir: Path) -> 
         LLM(str(tiny_llama_dir), kv_cache_memory=1 << 16, max_model_len=512)
     with pytest.raises(ValueError, match="exceeds the model's context length"):
         LLM(str(tiny_llama_dir), max_model_len=100_000)
+
+
+UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+
+
+def test_chat_with_tools_returns_calls(tiny: LLM) -> None:
+    import json
+
+    chat = [{"role": "user", "content": "Use Celsius."}]
+    [out] = tiny.chat(chat, SamplingParams(temperature=0, max_tokens=60), tools=[UNIT_TOOL],
+                      tool_choice="required", parallel_tool_calls=False)
+    assert out.finish_reason == "tool_calls" and out.text == ""
+    [call] = out.outputs[0].tool_calls or []
+    assert call.name == "set_unit" and json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert "set_unit" in tiny.tokenizer.decode(out.prompt_token_ids)  # described in the prompt
+
+
+def test_chat_with_bad_tools_raises(tiny: LLM) -> None:
+    chat = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="not in tools"):
+        tiny.chat(chat, GREEDY, tools=[UNIT_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}})
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
+        tiny.chat(chat, GREEDY, tools=[bad])

@@ -311,3 +311,47 @@ def test_each_format_serves_generation(kw: dict[str, str]) -> None:
                         SamplingParams(temperature=0, max_tokens=8))
     assert "Paris" in outs[0].text
     assert all(len(o.token_ids) > 0 for o in outs)
+
+
+# -- tensor parallelism over blocks ----------------------------------------------------------
+
+
+@needs_kernels
+def test_block_shards_are_the_float_shards(tiny_gguf: Path) -> None:
+    """Cutting blocks (rows, and columns on block boundaries) gives exactly the cut of
+    the dequantised weights; a column range off the boundaries falls back to floats."""
+    from structllm.model.loader import load_block_weights, prepare_model
+    from structllm.model.sharding import _columns, plan_shards, shard_weights
+
+    files = prepare_model(str(tiny_gguf))
+    full = load_block_weights(files, torch.float32)
+    floats = {k: w.dequantize() if isinstance(w, BlockWeight) else w.float() for k, w in full.items()}
+    for plan in plan_shards(files.config, 2):
+        blocks, ref = shard_weights(dict(full), files.config, plan), shard_weights(floats, files.config, plan)
+        assert {k for k, w in blocks.items() if isinstance(w, BlockWeight)} == {
+            k for k, w in full.items() if isinstance(w, BlockWeight)}  # nothing dequantised on the way
+        for name, w in blocks.items():
+            got = w.dequantize() if isinstance(w, BlockWeight) else w.float()
+            torch.testing.assert_close(got, ref[name], atol=0, rtol=0)
+    down = full["layers.0.down_proj"]
+    assert isinstance(down, BlockWeight)
+    off = _columns(down, 16, 48)
+    assert not isinstance(off, BlockWeight)
+    torch.testing.assert_close(off, down.dequantize()[:, 16:48], atol=0, rtol=0)
+
+
+@needs_kernels
+def test_tensor_parallel_runs_blocks_and_matches_one_process(tiny_gguf: Path) -> None:
+    from structllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(quantization="gguf", kv_cache_memory=16 << 20)
+    ref = LLM(str(tiny_gguf), **kw)
+    with LLM(str(tiny_gguf), tensor_parallel_size=2, **kw) as tp:
+        model = tp.engine.runner.model
+        assert isinstance(model, LlamaModel) and isinstance(model.layers[0].qkv_proj, BlockWeight)
+        assert isinstance(model.layers[0].down_proj, BlockWeight) and isinstance(model.embed_tokens, BlockWeight)
+        for ids in PROMPTS:
+            torch.testing.assert_close(prefill_logits(tp.engine, ids), prefill_logits(ref.engine, ids), atol=1e-4, rtol=1e-4)
+        want = [o.token_ids for o in ref.generate(PROMPTS, greedy)]
+        assert [o.token_ids for o in tp.generate(PROMPTS, greedy)] == want

@@ -123,11 +123,24 @@ JSON_LEAF = st.one_of(
 JSON_VALUE = st.recursive(JSON_LEAF, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4), max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "seed", "n", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "logprobs", "top_logprobs", "echo", "stream", "stream_options", "user", "tokens", "suffix"]
+          "repetition_penalty", "logprobs", "top_logprobs", "echo", "stream", "stream_options", "user", "tokens", "suffix",
+          "tools", "tool_choice", "parallel_tool_calls", "response_format", "logit_bias"]
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "retrieval"]), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "get_weather", "bad name", ""]),
+     "parameters": st.one_of(st.none(), JSON_VALUE, st.just({"type": "object", "properties": {"x": {"type": "integer"}}}))})})
 GOOD_VALUES: dict[str, Any] = {
     "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(0, 60000), max_size=8)),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
-                                                "content": st.one_of(st.text(max_size=20), st.none())}), max_size=3),
+    "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "robot", "tool"]),
+         "content": st.one_of(st.text(max_size=20), st.none())},
+        optional={"tool_call_id": st.text(max_size=8), "tool_calls": st.lists(st.fixed_dictionaries(
+            {"id": st.text(max_size=6), "type": st.just("function"), "function": st.fixed_dictionaries(
+                {"name": st.text(max_size=6), "arguments": st.one_of(st.just('{"x": 1}'), st.text(max_size=10))})}),
+            max_size=2)}), max_size=3),
+    "tools": st.lists(TOOL, max_size=3),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "sometimes"]),
+                             st.fixed_dictionaries({"type": st.just("function"),
+                                                    "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])})})),
     "max_tokens": st.integers(-5, 3000),
     "n": st.integers(-1, 70),
     "temperature": st.floats(-1, 3),

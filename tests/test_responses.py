@@ -220,7 +220,6 @@ def test_app_tokenizes_off_the_event_loop_thread(tokenizer: Tokenizer, backend: 
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
 )
 def test_chat_fields_that_cannot_be_honoured_are_400(body: dict[str, Any], param: str) -> None:
@@ -306,3 +305,111 @@ def test_logit_bias_keys_must_be_token_ids_in_the_vocabulary() -> None:
         sampling_params(CompletionRequest(prompt="x", logit_bias={"5": 101.0}), 5, 100)
     assert e.value.param == "logit_bias"
     assert sampling_params(CompletionRequest(prompt="x", logit_bias={"5": -100}), 5, 100).logit_bias == {5: -100.0}
+
+
+# -- tool calls ------------------------------------------------------------------------------
+
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+ENVELOPE = '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}'
+
+
+def tool_sequences(tokenizer: Tokenizer, choice: Any = "required", n: int = 1) -> list[SequenceState]:
+    from structllm.tools import tool_request
+
+    tools = tool_request([ADD_TOOL], choice, None, "generic")
+    return fan_out([[1]], SamplingParams(n=n), tokenizer, lambda pi, j: f"r{pi}-{j}", tools)
+
+
+def test_chat_body_with_tool_calls(tokenizer: Tokenizer) -> None:
+    seqs = tool_sequences(tokenizer)
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=False)
+    run(b, seqs, [(0, tokenizer.encode(ENVELOPE, add_special_tokens=False), "stop")])
+    [choice] = b.body()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+
+
+def test_chat_stream_with_tool_calls(tokenizer: Tokenizer) -> None:
+    seqs = tool_sequences(tokenizer)
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=True)
+    ids = tokenizer.encode(ENVELOPE, add_special_tokens=False)
+    chunks = run(b, seqs, [(0, [t], None) for t in ids[:-1]] + [(0, ids[-1:], "stop")])
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert all("content" not in d for d in deltas)
+    pieces = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    first = pieces[0]
+    assert first["index"] == 0 and first["type"] == "function" and first["function"]["name"] == "add"
+    assert all("id" not in p and p["index"] == 0 for p in pieces[1:])
+    assert "".join(p["function"]["arguments"] for p in pieces) == '{"a": 1, "b": 2}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_auto_text_stays_content(tokenizer: Tokenizer) -> None:
+    seqs = tool_sequences(tokenizer, "auto")
+    b = ChatBuilder(seqs, tokenizer, model="m", stream=False)
+    run(b, seqs, [(0, tokenizer.encode("It is 3.", add_special_tokens=False), "stop")])
+    [choice] = b.body()["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"] == {"role": "assistant", "content": "It is 3."}
+
+
+def chat_request(**body: Any) -> ChatCompletionRequest:
+    import msgspec
+
+    return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest)
+
+
+@pytest.mark.parametrize(("body", "param", "match"), [
+    ({"tool_choice": "required"}, "tool_choice", "needs at least one entry in tools"),
+    ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice", "'mul'"),
+    ({"tools": [{"type": "function"}]}, "tools", r"tools\[0\] must be"),
+    ({"tools": [ADD_TOOL], "tool_choice": 7}, "tool_choice", "tool_choice must be"),
+])
+def test_bad_tool_requests_are_400(tokenizer: Tokenizer, body: dict[str, Any], param: str, match: str) -> None:
+    pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
+    with pytest.raises(APIError, match=match) as e:
+        pre.tool_request(chat_request(**body))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_tool_schema_that_does_not_compile_is_400(tokenizer: Tokenizer) -> None:
+    pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/missing"}}}
+    req = chat_request(tools=[ADD_TOOL, bad])
+    with pytest.raises(APIError, match=r"tools\[1\]\.function\.parameters") as e:
+        pre.constraint(req, pre.tool_request(req))
+    assert e.value.param == "tools"
+    fmt = chat_request(tools=[ADD_TOOL], response_format={"type": "json_object"})
+    with pytest.raises(APIError, match="cannot be combined with tools"):
+        pre.constraint(fmt, pre.tool_request(fmt))
+
+
+@pytest.mark.parametrize(("message", "match"), [
+    ({"role": "tool", "content": "4"}, "needs tool_call_id"),
+    ({"role": "user", "content": "x", "tool_calls": []}, "only assistant messages carry tool_calls"),
+    ({"role": "robot", "content": "x"}, "role must be"),
+])
+def test_bad_tool_messages_are_400(tokenizer: Tokenizer, message: dict[str, Any], match: str) -> None:
+    import msgspec
+
+    pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
+    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}, message]}, ChatCompletionRequest)
+    with pytest.raises(APIError, match=match) as e:
+        pre.chat(req)
+    assert e.value.param == "messages"
+
+
+def test_tool_round_trip_renders(tokenizer: Tokenizer) -> None:
+    import msgspec
+
+    pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
+    req = msgspec.convert({"tools": [ADD_TOOL], "messages": [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "3"}]}, ChatCompletionRequest)
+    text = tokenizer.decode(pre.chat(req, pre.tool_request(req)), skip_special_tokens=False)
+    assert '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}' in text
+    assert '"tool_call_id": "call_9"' in text and text.rstrip().endswith("assistant")

@@ -22,7 +22,6 @@ from structllm.structured import (
     grammar_of,
     load_tokenizer,
     response_format_spec,
-    tool_calls_schema,
     validate,
 )
 
@@ -131,29 +130,6 @@ def test_response_format_specs() -> None:
         response_format_spec({"type": "yaml"})
     with pytest.raises(GrammarError, match=r"response_format\.json_schema"):
         response_format_spec({"type": "json_schema"})
-
-
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
-]
-
-
-def test_tool_call_envelope_schema(lltok: Any) -> None:
-    schema = tool_calls_schema(TOOLS)
-    good = {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}
-    jsonschema.validate(good, schema)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"tool_calls": [{"name": "add", "arguments": {"city": "Oslo"}}]}, schema)
-    assert validate(StructuredOutputs(json=schema), lltok) is None
-    named = tool_calls_schema(TOOLS, name="add", parallel=False)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(good, named)  # two calls, and one is not "add"
-    with pytest.raises(GrammarError, match="unknown function 'nope'"):
-        tool_calls_schema(TOOLS, name="nope")
 
 
 # -- the matcher ----------------------------------------------------------------------------------
@@ -266,34 +242,6 @@ def test_fast_forward_switch_reaches_the_engine() -> None:
     engine = EngineCore(EngineConfig(null_model=True, grammar_fast_forward=False, kv_cache_memory=16 << 20))
     assert engine.grammar.fast_forward is False
     assert EngineCore(EngineConfig(null_model=True, kv_cache_memory=16 << 20)).grammar.fast_forward is True
-
-
-def test_tool_choice_specs(lltok: Any) -> None:
-    from structllm.structured import tool_choice_spec, validate_tools
-
-    assert tool_choice_spec(TOOLS, "none") is None and tool_choice_spec(None) is None
-    required = tool_choice_spec(TOOLS, "required")
-    assert required is not None and required.json == tool_calls_schema(TOOLS)
-    named = tool_choice_spec(TOOLS, {"type": "function", "function": {"name": "add"}}, parallel=False)
-    assert named is not None and named.json == tool_calls_schema(TOOLS, name="add", parallel=False)
-    auto = tool_choice_spec(TOOLS, "auto")
-    assert auto is not None and auto.grammar is not None and validate(auto, lltok) is None
-    m = Matcher(lltok, grammar_of(auto))
-    assert m.llmatcher.consume_tokens(lltok.tokenize_str('{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}'))
-    assert m.llmatcher.is_accepting()
-    m = Matcher(lltok, grammar_of(auto))
-    assert m.llmatcher.consume_tokens(lltok.tokenize_str("No tool needed: it is 4.")) and m.llmatcher.is_accepting()
-    assert not Matcher(lltok, grammar_of(auto)).llmatcher.consume_tokens(lltok.tokenize_str('{"answer": 4}'))
-    for bad, what in [("sometimes", "tool_choice"), ({"type": "function", "function": {"name": "nope"}}, "unknown function")]:
-        with pytest.raises(GrammarError, match=what):
-            tool_choice_spec(TOOLS, bad)
-    with pytest.raises(GrammarError, match="required"):
-        tool_choice_spec([], "required")
-    assert validate_tools(TOOLS, lltok) is None
-    broken = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
-    assert (validate_tools(broken, lltok) or "").startswith("tools[1].function.parameters: ")
-    assert "earlier tool" in (validate_tools([TOOLS[0], TOOLS[0]]) or "")
-    assert "tools[0].function.name" in (validate_tools([{"type": "function", "function": {}}]) or "")
 
 
 def test_generated_chunks_are_laid_out_as_decode_rows() -> None:

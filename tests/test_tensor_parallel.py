@@ -33,7 +33,7 @@ from structllm.engine.worker_pool import WorkerDied
 from structllm.launch import open_engine
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import plan_shards, shard_weights
-from tests.conftest import make_tiny_hf_dir
+from tests.conftest import EXACT, make_tiny_hf_dir
 from tests.helpers import prefill_logits
 from tests.server_utils import alive, shm_entries
 
@@ -211,7 +211,7 @@ def test_tiny_model_tp_matches_one_process(tmp_path: Path, default_files, shape:
 @pytest.mark.slow
 def test_default_model_tp2_matches_one_process(llm: LLM) -> None:
     """SmolLM2-135M: 9 query heads in 3 KV groups, split 1 + 2 over the ranks."""
-    with LLM(kv_cache_memory=64 << 20, tensor_parallel_size=2) as tp:
+    with LLM(kv_cache_memory=64 << 20, tensor_parallel_size=2, **EXACT) as tp:
         text = "The quick brown fox jumps over the lazy dog. " * 6
         ids = llm.tokenizer.encode(text)
         ref_logits, tp_logits = prefill_logits(llm.engine, ids), prefill_logits(tp.engine, ids)

@@ -48,6 +48,7 @@ from structllm.protocol import (
     TokenDelta,
 )
 from structllm.structured import Matcher
+from structllm.trace import Tracer, now_us
 
 log = logging.getLogger("structllm.engine")
 
@@ -149,6 +150,7 @@ def load_rank_model(
 class EngineCore:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         self.config = config
+        self.tracer = Tracer(config.trace, "structllm engine")
         self.files = files or prepare_model(config.model)
         mcfg = self.files.config
         # The null model runs no forward pass, so there is nothing to split.
@@ -165,6 +167,7 @@ class EngineCore:
             self.close()
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
+        self._traced_blocks: dict[str, int] = {}  # request id -> KV blocks it held at the last trace
         self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
@@ -285,6 +288,7 @@ class EngineCore:
         grammar: GrammarManager | None = getattr(self, "grammar", None)
         if grammar is not None:
             grammar.close()
+        self.tracer.close()
 
     @property
     def watch_fds(self) -> tuple[int, ...]:
@@ -342,6 +346,9 @@ class EngineCore:
             self.scheduler.add_request(req)
         except ValueError as e:
             self._pending.append(TokenDelta(msg.request_id, [], "error", error=str(e)))
+            self.tracer.event("finished", msg.request_id, reason="error", error=str(e))
+            return
+        self.tracer.event("queued", msg.request_id, prompt_tokens=len(msg.prompt_token_ids))
 
     def _admit_compiled(self, wait_s: float = 0.0) -> None:
         """Schedule the constrained requests whose matcher is ready; one whose grammar
@@ -368,6 +375,10 @@ class EngineCore:
                 entry[1].cancel()
                 self._pending.append(TokenDelta(rid, [], "abort", None, 0))
         self._pending += self.scheduler.abort(ids)
+        if self.tracer.enabled:
+            for rid in ids:
+                self.tracer.event("aborted", rid)
+                self._traced_blocks.pop(rid, None)
 
     def handle(self, msg: ToEngine) -> bool:
         """Apply one inbound message; returns False on ``Shutdown``."""
@@ -393,6 +404,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         deltas, self._pending = self._pending, []
         if sched.scheduled:
+            start = now_us()
+            if self.tracer.enabled:
+                self._trace_scheduled(sched)
             try:
                 sampled, logprobs, prompt_logprobs = self.runner.execute(sched)
             except BaseException as e:
@@ -400,8 +414,31 @@ class EngineCore:
                     self._abandon_step(self.workers, e)
                 raise
             self.num_steps += 1
-            deltas += self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
+            new = self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
+            if self.tracer.enabled:
+                self._trace_step(sched, new, start)
+            deltas += new
         return OutputBatch(deltas, self.stats())
+
+    def _trace_scheduled(self, sched: SchedulerOutput) -> None:
+        for req, n in sched.scheduled:
+            self.tracer.event("scheduled", req.request_id, tokens=n)
+            held, before = len(req.block_ids), self._traced_blocks.get(req.request_id, 0)
+            if held > before:
+                self.tracer.event("blocks_allocated", req.request_id, blocks=held - before, total=held)
+            self._traced_blocks[req.request_id] = held
+
+    def _trace_step(self, sched: SchedulerOutput, deltas: list[TokenDelta], start: int) -> None:
+        self.tracer.span("step", start, step=self.num_steps, tokens=sched.num_tokens,
+                         requests=len(sched.scheduled))
+        for req, _ in sched.scheduled:
+            self.tracer.event("forward", req.request_id, step=self.num_steps)
+        for d in deltas:
+            if d.new_token_ids:
+                self.tracer.event("sampled", d.request_id, tokens=len(d.new_token_ids))
+            if d.finish_reason is not None:
+                self.tracer.event("finished", d.request_id, reason=d.finish_reason)
+                self._traced_blocks.pop(d.request_id, None)
 
     @staticmethod
     def _abandon_step(workers: WorkerPool, error: BaseException) -> None:

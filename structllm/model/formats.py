@@ -79,9 +79,6 @@ def resolve_format(config: EngineConfig, device: torch.device, files: ModelFiles
         if q == "gguf":
             raise ValueError("--quantization gguf needs the C++ block kernels (an AVX2/FMA/F16C CPU and a compiler)")
         blocks = False
-    if blocks and world_size > 1:
-        log.warning("tensor parallelism runs the GGUF file's weights dequantised (block weights are not sharded)")
-        blocks = False
     if not cpu or dtype != torch.float32:
         return WeightFormat(dtype)
     if blocks:

@@ -204,7 +204,11 @@ class LlamaModel(nn.Module):
         assert self.plan is not None
         local = input_ids - self.plan.vocab.start  # [T]
         outside = (local < 0) | (local >= len(self.plan.vocab))
-        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # [T, hidden]
+        local = local.masked_fill(outside, 0)
+        if isinstance(self.embed_tokens, BlockWeight):
+            x = self.embed_tokens.rows(local)  # [T, hidden]
+        else:
+            x = F.embedding(local, self.embed_tokens)  # [T, hidden]
         x.masked_fill_(outside.unsqueeze(1), 0.0)
         tp.all_reduce(x)
         return x

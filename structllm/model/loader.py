@@ -346,8 +346,11 @@ def load_model(
     from structllm.model.llama import LlamaModel
 
     if fmt is not None and fmt.blocks:
-        assert plan is None, "GGUF block weights are not sharded"
         weights: dict[str, torch.Tensor | BlockWeight] = dict(load_block_weights(files, dtype))
+        if plan is not None:
+            from structllm.model.sharding import shard_weights
+
+            weights = shard_weights(weights, files.config, plan)
     else:
         weights = dict(load_weights(files, dtype, device, plan))
     with torch.device("meta"):

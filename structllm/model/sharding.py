@@ -20,16 +20,27 @@ that each rank's attention is ordinary GQA over its own KV heads:
 
 The MLP's intermediate dimension and the vocabulary are split into contiguous ranges
 that differ in length by at most one.
+
+GGUF block weights (``BlockWeight``) are cut the same way without dequantising: a row
+slice is a slice of whole block rows, and a column slice (the row-parallel matmuls'
+inputs) is a slice of whole blocks of 32 when its bounds fall on block boundaries
+(SmolLM2-135M on 2 ranks: heads of 64 columns, an MLP split at 768). Where they do not,
+that one matrix is dequantised and cut as floats.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 from torch import Tensor
 
+from structllm.kernels.packed import BLOCK, BLOCK_BYTES, BlockWeight
 from structllm.model.config import ModelConfig
+
+Matrix = Tensor | BlockWeight
 
 
 def _even_range(n: int, rank: int, world: int) -> range:
@@ -109,34 +120,73 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
     return plans
 
 
-def _rows(w: Tensor, r: range, width: int = 1) -> Tensor:
-    """Rows ``r.start*width .. r.stop*width`` of ``w`` (dim 0), a view."""
-    return w[r.start * width : r.stop * width]
+def _rows(w: Matrix, r: range, width: int = 1) -> Matrix:
+    """Rows ``r.start*width .. r.stop*width`` of ``w`` (dim 0); a view of a tensor."""
+    a, b = r.start * width, r.stop * width
+    if isinstance(w, BlockWeight):
+        return BlockWeight(w.raw[a:b], w.type_name, (b - a, w.shape[1]))
+    return w[a:b]
 
 
-def _own(view: Tensor) -> Tensor:
+def _split(w: Matrix, sizes: list[int]) -> list[Matrix]:
+    """``w`` cut into consecutive row ranges of ``sizes``."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(_rows(w, range(start, start + n)))
+        start += n
+    return out
+
+
+def _cat(parts: list[Matrix]) -> Matrix:
+    """Rows of ``parts`` stacked, in a new tensor."""
+    if all(isinstance(p, BlockWeight) for p in parts):
+        return BlockWeight.cat([p for p in parts if isinstance(p, BlockWeight)])
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
+
+
+def _columns(w: Matrix, a: int, b: int) -> Matrix:
+    """Columns ``a .. b`` of ``w``, a tensor of its own: whole blocks of a
+    ``BlockWeight`` when ``a`` and ``b`` fall on block boundaries, else floats."""
+    if isinstance(w, BlockWeight):
+        if a % BLOCK or b % BLOCK:
+            w = w.dequantize()
+        else:
+            size = BLOCK_BYTES[w.type_name]
+            raw = w.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
+            return BlockWeight(raw, w.type_name, (w.shape[0], b - a))
+    return _own(w[:, a:b])
+
+
+def _own(view: Matrix) -> Matrix:
     """A contiguous copy of ``view``, so that the full tensor behind it can be freed."""
+    if isinstance(view, BlockWeight):
+        return BlockWeight(view.raw.clone(), view.type_name, view.shape)
     return view.clone(memory_format=torch.contiguous_format)
 
 
-def shard_weights(weights: dict[str, Tensor], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Tensor]:
-    """``weights`` (full, under our fused names) -> this rank's slices, each a tensor of
-    its own (not a view of the full one)."""
+@overload
+def shard_weights(weights: dict[str, Tensor], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Tensor]: ...
+@overload
+def shard_weights(weights: dict[str, Matrix], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Matrix]: ...
+def shard_weights(weights: Mapping[str, Matrix], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Any]:
+    """``weights`` (full, under our fused names; tensors or GGUF blocks) -> this rank's
+    slices, each of its own (not a view of the full one)."""
     d, h, hkv, ffn = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    out: dict[str, Tensor] = {}
+    out: dict[str, Matrix] = {}
     for name, w in weights.items():
         kind = name.rsplit(".", 1)[-1]
+        part: Matrix
         if kind in ("qkv_proj", "qkv_bias"):
             # rows (and bias entries): [q heads (H*D) | k heads (Hkv*D) | v heads (Hkv*D)]
-            q, k, v = w.split([h * d, hkv * d, hkv * d])
-            part = torch.cat([_rows(q, plan.heads, d), _rows(k, plan.kv_heads, d), _rows(v, plan.kv_heads, d)])
+            q, k, v = _split(w, [h * d, hkv * d, hkv * d])
+            part = _cat([_rows(q, plan.heads, d), _rows(k, plan.kv_heads, d), _rows(v, plan.kv_heads, d)])
         elif kind == "o_proj":  # [hidden, H*D]: input columns of this rank's heads
-            part = _own(w[:, plan.heads.start * d : plan.heads.stop * d])
+            part = _columns(w, plan.heads.start * d, plan.heads.stop * d)
         elif kind == "gate_up_proj":  # rows: [gate (I) | up (I)]
-            gate, up = w.split([ffn, ffn])
-            part = torch.cat([_rows(gate, plan.ffn), _rows(up, plan.ffn)])
+            gate, up = _split(w, [ffn, ffn])
+            part = _cat([_rows(gate, plan.ffn), _rows(up, plan.ffn)])
         elif kind == "down_proj":  # [hidden, I]
-            part = _own(w[:, plan.ffn.start : plan.ffn.stop])
+            part = _columns(w, plan.ffn.start, plan.ffn.stop)
         elif kind in ("embed_tokens", "lm_head"):  # [V, hidden]
             part = _own(_rows(w, plan.vocab))
         else:  # norms: replicated

@@ -14,10 +14,11 @@ from __future__ import annotations
 import gc
 import hmac
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
 
@@ -34,6 +35,8 @@ from structllm.server.openapi import openapi_document
 from structllm.server.preprocess import Preprocessor
 from structllm.server.responses import ChatBuilder, ResponseBuilder, TextBuilder
 from structllm.tokenizer import Tokenizer
+from structllm.tools import Format, ToolRequest
+from structllm.trace import Tracer
 
 log = logging.getLogger("structllm.server")
 
@@ -42,7 +45,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 R = TypeVar("R")
 TOKENIZER_THREADS = 2  # concurrent chat-template renders and tokenizations per process
 
@@ -61,7 +64,10 @@ class App:
         self._drained: anyio.Event | None = None
         self._idle = anyio.Event()
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
-        self.pre = Preprocessor(tokenizer, None, tokenizer.vocab_size)  # until an engine is attached
+        self.tracer = Tracer(config.engine.trace, f"structllm front end {os.getpid()}")
+        parser = config.tool_call_parser
+        self.tool_format: Format | None = None if parser == "auto" else parser  # type: ignore[assignment]
+        self.pre = Preprocessor(tokenizer, None, tokenizer.vocab_size, self.tool_format, self.tracer)  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self.created = int(time.time())
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
@@ -172,7 +178,8 @@ class App:
 
     def attach(self, client: EngineClient) -> None:
         """Serve generation requests through ``client`` (an engine that is ready)."""
-        self.pre = Preprocessor(self.tokenizer, client.ready.max_model_len, client.ready.vocab_size)
+        self.pre = Preprocessor(self.tokenizer, client.ready.max_model_len, client.ready.vocab_size,
+                                self.tool_format, self.tracer)
         self.client = client
 
     def engine(self) -> EngineClient:
@@ -237,25 +244,30 @@ class App:
     # -- generation --------------------------------------------------------------------
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response_id = ChatBuilder.new_id()
+        self.tracer.event("received", response_id, path="/v1/chat/completions")
         req = rq.decode_body(await self.read_body(receive), rq.ChatCompletionRequest)
         self.check_model(req.model)
         client = self.engine()
-        ids = await self.in_worker(self.pre.chat, req)
-        constraint = await self.constraint(req)
+        tools = self.pre.tool_request(req)
+        ids = await self.in_worker(self.pre.chat, req, tools, response_id)
+        constraint = await self.constraint(req, tools)
         requested, param = rq.requested_max_tokens(req)
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
-        seqs = fan_out([ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"))
+        seqs = fan_out([ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools)
         builder = ChatBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                              prompt_logprobs=req.prompt_logprobs is not None)
+                              prompt_logprobs=req.prompt_logprobs is not None, response_id=response_id)
         await self.generate(receive, send, client, seqs, builder)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response_id = TextBuilder.new_id()
+        self.tracer.event("received", response_id, path="/v1/completions")
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
         self.check_model(req.model)
         client = self.engine()
-        prompts = await self.in_worker(self.pre.completion, req)
+        prompts = await self.in_worker(self.pre.completion, req, response_id)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
                            "request", param="prompt")
@@ -266,28 +278,30 @@ class App:
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
         builder = TextBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                              echo=req.echo, prompt_logprobs=req.prompt_logprobs is not None)
+                              echo=req.echo, prompt_logprobs=req.prompt_logprobs is not None,
+                              response_id=response_id)
         await self.generate(receive, send, client, seqs, builder)
 
     async def generate(self, receive: Receive, send: Send, client: EngineClient, seqs: list[SequenceState],
                        builder: ResponseBuilder) -> None:
         with self.admission.admit([len(s.prompt_ids) for s in seqs]) as ticket:
-            generation = Generation(client, seqs, builder, self.metrics)
+            generation = Generation(client, seqs, builder, self.metrics, self.tracer)
             await generation.run(receive, Transport(send), ticket, self.config.write_timeout)
 
     # -- request preparation -----------------------------------------------------------
 
-    async def constraint(self, req: rq.ChatCompletionRequest | rq.CompletionRequest) -> StructuredOutputs | None:
+    async def constraint(self, req: rq.ChatCompletionRequest | rq.CompletionRequest,
+                         tools: ToolRequest | None = None) -> StructuredOutputs | None:
         """The request's output constraint, compiled once in the worker pool to check it."""
-        if req.response_format is None and req.structured_outputs is None:
+        if req.response_format is None and req.structured_outputs is None and tools is None:
             return None
-        return await self.in_worker(self.pre.constraint, req)
+        return await self.in_worker(self.pre.constraint, req, tools)
 
-    async def in_worker(self, fn: Callable[[T], R], arg: T) -> R:
-        """``fn(arg)`` in the bounded tokenizer pool (CPU-bound work off the event loop)."""
+    async def in_worker(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
+        """``fn(*args)`` in the bounded tokenizer pool (CPU-bound work off the event loop)."""
         if self._pool is None:
             self._pool = anyio.CapacityLimiter(TOKENIZER_THREADS)
-        return await anyio.to_thread.run_sync(fn, arg, limiter=self._pool)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._pool)
 
     async def read_body(self, receive: Receive) -> bytes:
         """The whole body, within ``max_body_bytes`` (else 413) and ``body_timeout``

@@ -18,7 +18,11 @@ class ServerConfig:
     requests get 503 with ``Retry-After`` at once. A client that does not take a chunk
     for ``write_timeout`` seconds has its engine requests aborted; a body larger than
     ``max_body_bytes`` gets 413, one slower than ``body_timeout`` seconds 408.
-    ``max_connections`` is per front-end process (``api_server_count`` of them)."""
+    ``max_connections`` is per front-end process (``api_server_count`` of them).
+
+    ``chat_template`` replaces the model's (a file's path, or the template itself);
+    ``tool_call_parser`` is how tool calls are prompted and parsed (``auto``: ``hermes``
+    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -38,6 +42,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     api_server_count: int = 1
     max_connections: int = 4096
+    chat_template: str | None = None
+    tool_call_parser: str = "auto"
 
 
 def default(name: str) -> Any:

@@ -41,6 +41,7 @@ from structllm.output import SequenceState, SequenceUpdate
 from structllm.server.errors import APIError, overloaded
 from structllm.server.metrics import Metrics
 from structllm.server.responses import ResponseBuilder
+from structllm.trace import OFF, Tracer
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -150,6 +151,12 @@ class Generation:
     sequences: list[SequenceState]
     builder: ResponseBuilder
     metrics: Metrics
+    tracer: Tracer = OFF
+
+    def trace_aborted(self, why: str) -> None:
+        for seq in self.sequences:
+            if not seq.finished:
+                self.tracer.event("aborted", seq.request_id, why=why)
 
     async def run(self, receive: Receive, transport: Transport, ticket: Ticket, write_timeout: float) -> None:
         async with anyio.create_task_group() as tg:
@@ -157,6 +164,7 @@ class Generation:
             async def watch_disconnect() -> None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
+                self.trace_aborted("the client disconnected")
                 tg.cancel_scope.cancel()  # the client is gone: stop writing, abort the requests
 
             async def watch_writes() -> None:
@@ -164,6 +172,7 @@ class Generation:
                     await anyio.sleep(min(1.0, write_timeout / 4))
                     since = transport.sending_since
                     if since is not None and time.monotonic() - since > write_timeout:
+                        self.trace_aborted("the client stopped reading")
                         for seq in self.sequences:
                             self.client.finish_early(seq.request_id)
                         tg.cancel_scope.cancel()
@@ -191,6 +200,7 @@ class Generation:
             wakeup = Wakeup()  # one for all sequences: the pump waits on them together
             streams = []
             for seq in self.sequences:
+                self.tracer.event("sent", seq.request_id, response_id=builder.id)  # before the engine can see it
                 streams.append(await stack.enter_async_context(
                     self.client.request(seq.request_id, seq.prompt_ids, seq.sampling, wakeup)))
             self.metrics.set_open_requests(self.client.num_open_requests)
@@ -205,6 +215,8 @@ class Generation:
             await transport.end_events()
         else:
             await transport.json(200, builder.body())
+            for seq in self.sequences:
+                self.tracer.event("streamed", seq.request_id, body=True)
 
     async def pump(self, streams: list[RequestStream], wakeup: Wakeup, transport: Transport, ticket: Ticket,
                    start: float) -> None:
@@ -226,7 +238,11 @@ class Generation:
                                      d.prompt_logprobs)
                 if update.abort:
                     self.client.finish_early(seq.request_id)
+                    self.tracer.event("aborted", seq.request_id, why="a stop string ended it")
+                if self.tracer.enabled and update.text:
+                    self.tracer.event("detokenized", seq.request_id, chars=len(update.text))
                 if seq.finished:
+                    self.tracer.event("finished", seq.request_id, reason=seq.finish_reason)
                     live.remove((seq, stream))
                     assert seq.finish_reason is not None
                     self.metrics.finished(seq.finish_reason, len(seq.prompt_ids), len(seq.token_ids),
@@ -235,6 +251,9 @@ class Generation:
             chunk = self.builder.feed(updates)
             if chunk is not None:
                 await transport.event(chunk)
+                if self.tracer.enabled:
+                    for u in updates:
+                        self.tracer.event("streamed", self.sequences[u.index].request_id)
 
     def observe(self, t: _Timing, new_tokens: int) -> None:
         if not new_tokens:

@@ -18,7 +18,7 @@ from structllm.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
-REASONS = ("stop", "length", "abort", "error")
+REASONS = ("stop", "length", "abort", "error", "tool_calls")
 HISTOGRAMS = (
     ("structllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
     ("structllm:inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS),

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from structllm import structured
+from structllm import structured, tools
 from structllm.protocol import StructuredOutputs
 from structllm.server.errors import APIError
 from structllm.server.requests import (
@@ -23,6 +23,7 @@ from structllm.server.requests import (
     check_token_ids,
 )
 from structllm.tokenizer import ChatTemplateError, Tokenizer
+from structllm.trace import OFF, Tracer
 
 
 class Preprocessor:
@@ -30,10 +31,14 @@ class Preprocessor:
     engine is ready; ``vocab_size``, which may exceed the tokenizer's). Each method
     raises ``APIError`` (400) naming the field on bad input."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None, vocab_size: int,
+                 tool_format: tools.Format | None = None, tracer: Tracer = OFF) -> None:
         self.tokenizer = tokenizer
+        self.tracer = tracer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # how tool calls are prompted and parsed: from the chat template unless given
+        self.tool_format = tool_format or tools.detect_format(tokenizer.meta.chat_template)
         tokenizer.min_tokens_for("")  # measure the vocabulary now, not in a request
 
     @property
@@ -43,16 +48,31 @@ class Preprocessor:
         tok = self.tokenizer
         return structured.load_tokenizer(tok.path, tuple(tok.eos_token_ids), max(self.vocab_size, tok.vocab_size))
 
-    def chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        assert req.messages is not None
-        messages = chat_messages(req.messages)
+    def tool_request(self, req: ChatCompletionRequest) -> tools.ToolRequest | None:
+        """The request's tools, checked for shape (cheap; ``constraint`` compiles their
+        schemas). ``None`` without tools."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            return tools.tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
+        except tools.ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def chat(self, req: ChatCompletionRequest | TokenizeRequest, tool_req: tools.ToolRequest | None = None,
+             trace_id: str = "") -> list[int]:
+        """The prompt's token ids; with ``trace_id``, ``rendered`` and ``tokenized``
+        are traced under it."""
+        assert req.messages is not None
+        messages, variables = tools.prompt_messages(chat_messages(req.messages), tool_req, self.tool_format)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      **variables)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self.encode(text, add_special_tokens=False, param="messages")
+        self.tracer.event("rendered", trace_id, chars=len(text))
+        ids = self.encode(text, add_special_tokens=False, param="messages")
+        self.tracer.event("tokenized", trace_id, tokens=len(ids))
+        return ids
 
-    def completion(self, req: CompletionRequest) -> list[list[int]]:
+    def completion(self, req: CompletionRequest, trace_id: str = "") -> list[list[int]]:
         """The request's prompts (``prompt`` is a string, a list of strings, a list of
         token ids or a list of token-id lists), each non-empty and in the vocabulary."""
         out = []
@@ -62,12 +82,17 @@ class Preprocessor:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             check_token_ids(ids, self.vocab_size, "prompt")
             out.append(ids)
+        self.tracer.event("tokenized", trace_id, tokens=sum(len(ids) for ids in out))
         return out
 
-    def constraint(self, req: ChatCompletionRequest | CompletionRequest) -> StructuredOutputs | None:
-        """The output constraint of ``response_format`` or vLLM's ``structured_outputs``
-        (at most one), compiled once to check it (bounded by ``structured.LIMITS``): a
-        400 naming the field if it is unknown, malformed or does not compile."""
+    def constraint(self, req: ChatCompletionRequest | CompletionRequest,
+                   tool_req: tools.ToolRequest | None = None) -> StructuredOutputs | None:
+        """The output constraint of ``response_format``, vLLM's ``structured_outputs``
+        or the tools (at most one of them), compiled once to check it (bounded by
+        ``structured.LIMITS``): a 400 naming the field if it is unknown, malformed or
+        does not compile."""
+        if tool_req is not None:
+            return self.tool_constraint(req, tool_req)
         spec, field = None, None
         if req.structured_outputs is not None:
             try:
@@ -90,6 +115,23 @@ class Preprocessor:
         if error is not None:
             raise APIError(400, error, param=(field or "structured_outputs").split(".")[0])
         return spec
+
+    def tool_constraint(self, req: ChatCompletionRequest | CompletionRequest,
+                        tool_req: tools.ToolRequest) -> StructuredOutputs | None:
+        error = tools.validate_tools(tool_req.tools, self.grammar_tokenizer)
+        if error is not None:
+            raise APIError(400, error, param="tools")
+        spec = tools.constraint(tool_req)
+        if tool_req.calls_allowed and (req.response_format is not None or req.structured_outputs is not None):
+            fmt = req.response_format or {}
+            if spec is not None or fmt.get("type") != "text":
+                raise APIError(400, "response_format and structured_outputs cannot be combined with tools unless "
+                               'tool_choice is "none"', param="response_format")
+        if not tool_req.calls_allowed:
+            return self.constraint(req)
+        if spec is not None and (error := structured.validate(spec, self.grammar_tokenizer, field="tools")):
+            raise APIError(400, error, param="tools")
+        return spec  # tool_choice none: the reply may still be constrained
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         if (req.prompt is None) == (req.messages is None):

@@ -42,10 +42,25 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(msgspec.Struct, frozen=True):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,7 +108,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     functions: Any = None
     function_call: Any = None
     reasoning_effort: str | None = None
-    tools: list[Any] | None = None  # not served yet: a 400 unless tool_choice is "none"
+    tools: list[Any] | None = None  # checked by structllm.tools.tool_request
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
@@ -140,13 +155,16 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
         raise APIError(400, "the body is nested too deeply") from None
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects them; text parts are joined."""
-    out = []
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: text parts joined, ``developer`` as
+    ``system``; an assistant message may carry ``tool_calls`` (its content may then be
+    null), and a ``tool`` message must name the call it answers (``tool_call_id``)."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        if role not in ("system", "user", "assistant"):
-            raise APIError(400, f"messages[{i}].role must be system, user or assistant, got {m.role!r}", param="messages")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, got "
+                           f"{m.role!r}", param="messages")
         if isinstance(m.content, list):
             parts = []
             for part in m.content:
@@ -156,7 +174,24 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "".join(parts)
         else:
             content = m.content or ""
-        out.append({"role": role, "content": content})
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls is not None:
+            if role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls", param="messages")
+            for k, call in enumerate(m.tool_calls):
+                if call.type != "function":
+                    raise APIError(400, f"messages[{i}].tool_calls[{k}].type must be function", param="messages")
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        if role == "tool":
+            if not m.tool_call_id:
+                raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id (the id of the call it "
+                               "answers)", param="messages")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
     return out
 
 
@@ -224,8 +259,6 @@ def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
             raise unsupported(name, what)
     if req.modalities is not None and req.modalities != ["text"]:
         raise unsupported("modalities", "text only")
-    if req.tools and req.tool_choice != "none":
-        raise unsupported("tools", "tool calling is not served yet")
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int,

@@ -6,8 +6,8 @@ one response and writes what it returns: ``opening()`` chunks first (streams onl
 then one chunk per ``feed`` that has something to say, then ``closing()`` chunks and
 ``[DONE]``; or, not streaming, ``body()`` once every sequence has finished.
 
-``ChatBuilder`` makes ``chat.completion`` objects (deltas with ``role``/``content``,
-logprobs as ``content`` entries with bytes); ``TextBuilder`` makes ``text_completion``
+``ChatBuilder`` makes ``chat.completion`` objects (deltas with ``role``/``content``
+and ``tool_calls`` pieces, logprobs as ``content`` entries with bytes); ``TextBuilder`` makes ``text_completion``
 objects (legacy logprobs with ``text_offset``, the prompt echoed first with ``echo``,
 scored when logprobs are asked for). With vLLM's ``prompt_logprobs`` both add a
 ``prompt_logprobs`` list (``null`` for the first prompt token, then a map of token id
@@ -59,7 +59,7 @@ class ResponseBuilder:
     id_prefix = ""
 
     def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, prompt_logprobs: bool = False) -> None:
+                 include_usage: bool = False, prompt_logprobs: bool = False, response_id: str | None = None) -> None:
         self.choices = [_Choice(s) for s in sequences]
         self.tokenizer = tokenizer
         self.model = model
@@ -68,8 +68,12 @@ class ResponseBuilder:
         self.want_logprobs = bool(sequences) and sequences[0].sampling.logprobs is not None
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's field in the response
         self.prompt_scores: dict[int, list[TokenLogprobs]] = {}  # prompt index -> scores of tokens 1..
-        self.id = self.id_prefix + uuid.uuid4().hex
+        self.id = response_id or self.new_id()
         self.created = int(time.time())
+
+    @classmethod
+    def new_id(cls) -> str:
+        return cls.id_prefix + uuid.uuid4().hex
 
     # -- the protocol ------------------------------------------------------------------
 
@@ -88,7 +92,8 @@ class ResponseBuilder:
             if not self.stream:
                 c.pieces.append(u.text)
                 c.logprobs += u.logprobs
-            elif u.text or u.finish_reason is not None or u.logprobs or (self.echo_pending(c) and u.token_ids):
+            elif (u.text or u.finish_reason is not None or u.logprobs or u.tool_calls
+                  or (self.echo_pending(c) and u.token_ids)):
                 item = self.stream_choice(c, u)
                 if not c.opened and self.want_prompt_logprobs and c.seq.sampling.prompt_logprobs is not None:
                     item["prompt_logprobs"] = self.prompt_logprobs(c)
@@ -180,13 +185,23 @@ class ChatBuilder(ResponseBuilder):
 
     def stream_choice(self, c: _Choice, u: SequenceUpdate) -> dict[str, Any]:
         lp = self.logprobs(u.token_ids, u.logprobs) if self.want_logprobs and u.logprobs else None
-        item: dict[str, Any] = {"index": c.seq.index, "delta": {"content": u.text} if u.text else {}, "logprobs": lp}
+        delta: dict[str, Any] = {"content": u.text} if u.text else {}
+        if u.tool_calls:
+            delta["tool_calls"] = [d.as_openai() for d in u.tool_calls]
+        item: dict[str, Any] = {"index": c.seq.index, "delta": delta, "logprobs": lp}
         return self.finish(c, item)
 
     def body_choice(self, c: _Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.pieces)}
+        tools = c.seq.tools
+        if tools is not None:
+            calls = tools.calls
+            message["content"] = tools.content
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
         item = {
             "index": c.seq.index,
-            "message": {"role": "assistant", "content": "".join(c.pieces)},
+            "message": message,
             "logprobs": self.logprobs(c.seq.token_ids, c.logprobs) if self.want_logprobs else None,
         }
         return self.finish(c, item)
@@ -212,9 +227,10 @@ class TextBuilder(ResponseBuilder):
     id_prefix = "cmpl-"
 
     def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, echo: bool = False, prompt_logprobs: bool = False) -> None:
+                 include_usage: bool = False, echo: bool = False, prompt_logprobs: bool = False,
+                 response_id: str | None = None) -> None:
         super().__init__(sequences, tokenizer, model=model, stream=stream, include_usage=include_usage,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, response_id=response_id)
         self.echo = echo
 
     def prompt_text(self, c: _Choice) -> str:

@@ -95,7 +95,11 @@ def front_end_files(model: str | None) -> ModelFiles:
 
 def make_app(config: ServerConfig, files: ModelFiles, metrics_table: Any = None, slot: int = 0) -> App:
     name = config.served_model_name or files.name
-    return App(config, name, Tokenizer.from_files(files), Metrics(name, metrics_table, slot))
+    tokenizer = Tokenizer.from_files(files)
+    if config.chat_template is not None:
+        tokenizer.set_chat_template(config.chat_template)
+    return App(config, name, tokenizer, Metrics(name, metrics_table, slot))
+
 
 
 def limit_connections(max_connections: int) -> None:
