@@ -17,7 +17,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"), help="most sequences in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
                    help="token budget of one step (default: 2048 on CUDA; on CPU, what keeps a step "
-                   "near 200 ms, measured at start-up)")
+                   "near 100 ms, measured at start-up)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 1G (default: 1G on CPU)")
     p.add_argument("--block-size", type=int, default=d("block_size"), help="tokens per KV cache block")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")

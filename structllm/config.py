@@ -14,7 +14,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``max_model_len``: longest prompt + output, in tokens; capped by the model's context
       length and by what the KV cache can hold.
     - ``max_num_batched_tokens``: the per-step token budget; prompts longer than it are
-      prefilled in chunks. ``None``: 2048 on CUDA; on CPU, what keeps a step near 200 ms
+      prefilled in chunks. ``None``: 2048 on CUDA; on CPU, what keeps a step near 100 ms
       as measured at start-up (``engine.step_budget``), since a request that arrives
       during a step, and an abort, wait for the step to end.
     - ``kv_cache_memory``: bytes for the KV pool. On CUDA the default is

@@ -15,7 +15,10 @@ The rule is pure and deterministic (unit-tested); only its input is measured.
 
 from __future__ import annotations
 
-TARGET_STEP_S = 0.2  # a newcomer waits at most about this long for the running step
+# A newcomer waits at most about this long for the running step. With 0.2 s, time to
+# first token right after a storm of aborted prompts was 1.71x the idle one here (the
+# newcomer waits for part of a step as long as its own prefill); the issue asks 1.5x.
+TARGET_STEP_S = 0.1
 MAX_AUTO_TOKENS = 2048  # the budget when steps are cheap (GPU, or a fast CPU); vLLM's default
 DEFAULT_TOKEN_BUDGET = MAX_AUTO_TOKENS  # where nothing is measured (CUDA, the null model)
 GRANULE = 16  # budgets on a grid: a noisy measurement moves the budget in coarse steps only
