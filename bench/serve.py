@@ -24,6 +24,12 @@ side with structllm's ratios; both servers' resident memory is reported after th
     # the issue's two workloads
     python bench/serve.py --launch --llama-server ~/llama-server --num-prompts 8 --max-concurrency 1
     python bench/serve.py --launch --llama-server ~/llama-server --num-prompts 64 --max-concurrency 16
+
+``--storm 16`` adds the short-steps probe after the load: time to first token of an
+8-token request on the idle server and right after 16 streams that the client closed
+3 s after sending, back to back, ``--storm-reps`` times (medians and their ratio).
+
+    python bench/serve.py --launch --storm 16 --skip-load
 """
 
 from __future__ import annotations
@@ -124,6 +130,42 @@ async def run_load(url: str, model: str | None, items: list[Any], out_len: int, 
                     await anyio.sleep(rng.expovariate(rate))
         elapsed = time.perf_counter() - t0
     return results, elapsed
+
+
+async def storm_probe(url: str, model: str | None, storms: list[list[Any]], fresh: list[Any], close_after: float,
+                      api_key: str | None) -> dict[str, Any]:
+    """Per storm: the time to first token of an 8-token request on the idle server, then
+    the storm (its streams sent at once, each closed by the client ``close_after``
+    seconds after sending, before or during its prefill), then one more 8-token request
+    at once. Medians over the storms; idle and after-storm figures are taken back to
+    back, so a change in the machine's load between them counts once, not per run. All
+    prompts differ (no prefix-cache hit flatters either figure)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    width = max(len(s) for s in storms) + 8
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    idle: list[Result] = []
+    after: list[Result] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
+
+        async def closed_early(p: Any) -> None:
+            with anyio.move_on_after(close_after):  # leaving the stream closes the connection
+                await one(client, url, model, p, 4096, headers)
+
+        for k, storm in enumerate(storms):
+            idle.append(await one(client, url, model, fresh[2 * k], 8, headers))
+            async with anyio.create_task_group() as tg:
+                for p in storm:
+                    tg.start_soon(closed_early, p)
+            after.append(await one(client, url, model, fresh[2 * k + 1], 8, headers))
+    bad = next((r.error for r in [*idle, *after] if not r.ok), None)
+    if bad:
+        raise SystemExit(f"storm probe: a request failed: {bad}")
+    idle_ttft = statistics.median(r.ttft for r in idle)
+    after_ttft = statistics.median(r.ttft for r in after)
+    return {"storm_idle_ttft_ms": round(1000 * idle_ttft, 1), "storm_after_ttft_ms": round(1000 * after_ttft, 1),
+            "storm_ttft_ratio": round(after_ttft / idle_ttft, 2),
+            "storm_ratios": [round(a.ttft / i.ttft, 2) for i, a in zip(idle, after, strict=True)],
+            "storm_streams": len(storms[0]), "storm_close_after_s": close_after, "storm_reps": len(storms)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -286,6 +328,13 @@ def main() -> None:
     ap.add_argument("--compare-offline", action="store_true", help="also run the offline engine on the same prompts")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: run the same workload on it")
     ap.add_argument("--llama-model", default=None, help="GGUF file for llama-server (default: structllm's default model)")
+    ap.add_argument("--storm", type=int, default=0, metavar="N",
+                    help="after the load: idle time to first token of an 8-token request, then N streams each "
+                    "closed by the client --storm-close-after seconds after sending, then one more 8-token "
+                    "request (the issue's probe: 16)")
+    ap.add_argument("--storm-close-after", type=float, default=3.0)
+    ap.add_argument("--storm-reps", type=int, default=3, help="storms (medians are reported)")
+    ap.add_argument("--skip-load", action="store_true", help="run only the probes (--storm), not the load")
     args = ap.parse_args()
     if args.base_url is None and not args.launch:
         args.launch = True
@@ -299,30 +348,44 @@ def main() -> None:
     try:
         pids = front_end_pids(proc.pid) if proc is not None else []
         cpu0 = cpu_seconds(pids) if pids else 0.0
-        results, elapsed = load(url, items, args)
+        results: list[Result] = []
+        elapsed = float("nan")
+        if not args.skip_load:
+            results, elapsed = load(url, items, args)
+        else:  # the probes alone, after the same warm-up
+            warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
+            anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
         if pids:
             cpu = cpu_seconds(pids) - cpu0
         engine = engine_pid(proc.pid) if proc is not None else None
         engine_rss = rss_mb(engine) if engine is not None else None
+        if args.storm:
+            n = args.storm_reps
+            flat = prompts(n * args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts)
+            storms = [flat[k * args.storm : (k + 1) * args.storm] for k in range(n)]
+            fresh = prompts(2 * n, args.input_len, args.vocab_size, args.seed + 3, args.text_prompts)
+            probe = anyio.run(storm_probe, url, args.model, storms, fresh, args.storm_close_after, args.api_key)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-    summary = summarize(results, elapsed)
+    summary = summarize(results, elapsed) if results else {}
+    if args.storm:
+        summary.update(probe)
     summary.update(bench="serve", url=url, num_prompts=args.num_prompts, input_len=args.input_len,
                    output_len=args.output_len, max_concurrency=args.max_concurrency,
                    request_rate=None if math.isinf(args.request_rate) else args.request_rate)
     if engine_rss is not None:
         summary["engine_rss_mb"] = round(engine_rss, 1)
-    if cpu is not None:
+    if cpu is not None and results:
         summary["front_end_processes"] = len(pids)
         summary["front_end_cpu_s"] = round(cpu, 2)
         summary["front_end_cpu_us_per_token"] = round(1e6 * cpu / max(1, summary["output_tokens"]), 1)
-    if args.compare_offline:
+    if args.compare_offline and results:
         off = offline(items, args.output_len, args.max_concurrency)
         summary["offline_output_tokens_per_s"] = round(off, 1)
         summary["serving_vs_offline"] = round(summary["output_tokens_per_s"] / off, 3)
-    if args.llama_server:
+    if args.llama_server and results:
         llama, llama_url = launch_llama(args)
         try:
             llama_results, llama_elapsed = load(llama_url, items, args)
@@ -338,8 +401,8 @@ def main() -> None:
             "itl_p50": round(summary["itl_ms_p50"] / theirs["itl_ms_p50"], 2),
             "ttft_p50": round(summary["ttft_ms_p50"] / theirs["ttft_ms_p50"], 2),
         }
-    rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")]
-    for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+    rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")] if results else []
+    for metric in ("ttft_ms", "itl_ms", "e2e_ms") if results else ():
         rows += [(f"{metric} p50/p90/p99", metric)]
     for label, key in rows:
         if key in ("ttft_ms", "itl_ms", "e2e_ms"):
@@ -358,6 +421,11 @@ def main() -> None:
             print(f"{'llama.cpp ' + metric + ' p50':26}{theirs[metric + '_p50']}  (structllm x{ratio[key]})",
                   file=sys.stderr)
         print(f"{'RSS MB (engine / llama)':26}{summary.get('engine_rss_mb')} / {theirs['rss_mb']}", file=sys.stderr)
+    if args.storm:
+        print(f"{'TTFT idle / after storm':26}{summary['storm_idle_ttft_ms']} / {summary['storm_after_ttft_ms']} ms "
+              f"({summary['storm_ttft_ratio']}x, medians of {args.storm_reps}: {summary['storm_ratios']}; "
+              f"{args.storm} streams closed after {args.storm_close_after} s)",
+              file=sys.stderr)
     if "offline_output_tokens_per_s" in summary:
         print(f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
               f"(serving at {summary['serving_vs_offline']:.0%})", file=sys.stderr)

@@ -20,6 +20,9 @@ __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "Sampling
 
 def __getattr__(name: str) -> Any:
     if name in ("LLM", "CompletionOutput", "RequestOutput"):
+        from structllm.threads import apply_to_this_process
+
+        apply_to_this_process()  # before torch loads (see structllm.threads)
         from structllm import llm
 
         return getattr(llm, name)

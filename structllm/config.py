@@ -14,7 +14,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``max_model_len``: longest prompt + output, in tokens; capped by the model's context
       length and by what the KV cache can hold.
     - ``max_num_batched_tokens``: the per-step token budget; prompts longer than it are
-      prefilled in chunks.
+      prefilled in chunks. ``None``: 2048 on CUDA; on CPU, what keeps a step near 100 ms
+      as measured at start-up (``engine.step_budget``), since a request that arrives
+      during a step, and an abort, wait for the step to end.
     - ``kv_cache_memory``: bytes for the KV pool. On CUDA the default is
       ``gpu_memory_utilization`` of the memory left after loading the weights.
     - ``attention_backend``: ``"auto"`` (Triton on CUDA; on CPU the C++ decode kernel,
@@ -24,6 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``auto``/``auto`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (C++ kernels) and runs
       float checkpoints with float16 matmul weights; ``float32``/``none`` is the exact
       float32 path. Activations are float32 on CPU either way.
+    - ``num_threads``: torch's threads on CPU (``--engine-threads``); default: the cores
+      this process may run on, divided among the tensor-parallel ranks.
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
       model's tokenizer and shape (for KV sizing) are still used.
@@ -47,7 +51,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_model_len: int | None = None
     block_size: int = 16
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -70,7 +74,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"block_size must be a power of two, got {bs}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
@@ -84,6 +88,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "gguf"):
             raise ValueError(f"quantization must be auto, none or gguf, got {self.quantization!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):

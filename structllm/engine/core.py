@@ -10,8 +10,12 @@ and owns the N-1 worker processes (``worker_pool.WorkerPool``); ``close`` stops 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import torch
 
 from structllm.config import EngineConfig
 from structllm.engine.device import (
@@ -28,6 +32,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
+from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles
@@ -47,6 +52,8 @@ from structllm.protocol import (
 )
 from structllm.structured import Matcher
 from structllm.trace import Tracer, now_us
+
+log = logging.getLogger("structllm.engine")
 
 COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
 
@@ -81,10 +88,9 @@ class EngineCore:
         self._size_kv_cache(plan, group)
         self.eos_token_ids = self.files.generation_eos_ids
         self.kv = KVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.eos_token_ids
-        )
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
+        self.max_num_batched_tokens = self._token_budget()
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens, self.eos_token_ids)
         self.grammar = GrammarManager(
             str(self.files.tokenizer_json), self.eos_token_ids, self.vocab_size, self.config.grammar_fast_forward
         )
@@ -146,6 +152,45 @@ class EngineCore:
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner
+
+    def _token_budget(self) -> int:
+        """The per-step token budget: the configured one, else (on CPU, with a model) the
+        one that keeps a measured prefill chunk near ``step_budget.TARGET_STEP_S``."""
+        config = self.config
+        if config.max_num_batched_tokens is not None:
+            return config.max_num_batched_tokens
+        if self.device.type != "cpu" or not isinstance(self.runner, ModelRunner):
+            return max(DEFAULT_TOKEN_BUDGET, config.max_num_seqs)
+        n = min(PROBE_TOKENS, self.max_model_len - 1)
+        self._time_prefill(n)  # untimed: the first forward pays one-time costs (page faults, kernel set-up)
+        seconds = min(self._time_prefill(n) for _ in range(3))  # the least disturbed of three
+        budget = auto_token_budget(seconds / n, config.max_num_seqs)
+        log.info("step token budget %d (a %d-token prefill chunk took %.0f ms)", budget, n, 1000 * seconds)
+        return budget
+
+    def _time_prefill(self, n: int) -> float:
+        """Seconds of one forward pass over an ``n``-token prompt chunk, as if this
+        process had its threads' cores to itself. Leaves nothing
+        behind: its blocks are freed and forgotten by the prefix cache, nothing is
+        sampled (so no generator advances), no statistic counts it."""
+        assert isinstance(self.runner, ModelRunner)
+        vocab = self.vocab_size
+        tokens = [(1 + 7919 * i) % vocab for i in range(n)]  # any ids; the cost does not depend on them
+        req = Request("\x00probe", tokens, SamplingParams(temperature=0.0, max_tokens=1), 1)
+        if not self.kv.allocate(req, n):
+            return 0.0  # a KV cache smaller than one chunk: nothing to measure
+        try:
+            batch = self.runner.prepare(SchedulerOutput([(req, n)]))
+            wall, cpu = time.perf_counter(), time.process_time()
+            self.runner.run(batch)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            # Other processes busy on the cores at start-up (a parallel build, a test
+            # run) stretch the wall time, not the CPU time our threads need: CPU time
+            # over the thread count is the step's length on a machine of our own.
+            return min(wall, cpu / torch.get_num_threads())
+        finally:
+            self.kv.free_blocks(req)
+            self.kv.reset_prefix_cache()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; a no-op otherwise)."""

@@ -23,7 +23,14 @@ import msgspec
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.ipc import shm
-from structllm.ipc.channel import Doorbell, Endpoint, SpinBudget, wait_any
+from structllm.ipc.channel import (
+    Doorbell,
+    Endpoint,
+    SpinBudget,
+    spin_window,
+    wait_any,
+    wake_latency,
+)
 from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.protocol import (
     PROTOCOL_VERSION,
@@ -95,6 +102,11 @@ def engine_loop(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int,
             core.check_workers()  # a tensor-parallel worker died: raises
 
 
+def process_spin(spin_us: float) -> float:
+    """The engine's spin window: ``spin_us``, widened where wake-ups are slow."""
+    return spin_window(spin_us * 1e-6, wake_latency()) if spin_us > 0 else 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("STRUCTLLM_LOG_LEVEL", "WARNING"), format="engine: %(message)s")
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     try:
-        return engine_loop(core, eps, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(launch.spin_us * 1e-6))
+        return engine_loop(core, eps, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(process_spin(launch.spin_us)))
     except ParentGone:
         return 0
     except Exception as e:

@@ -30,7 +30,7 @@ from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing
 from structllm.ipc.broadcast_channel import Subscriber
-from structllm.ipc.channel import Doorbell, SpinBudget
+from structllm.ipc.channel import Doorbell, SpinBudget, spin_window, wake_latency
 from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.model.collectives import TensorParallelGroup, connect_group
 from structllm.model.loader import prepare_model
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     group: TensorParallelGroup | None = None
     try:
         runner, group = start(launch, store)
-        return worker_loop(runner, sub, SpinBudget(launch.spin_us * 1e-6), launch.parent_pid)
+        return worker_loop(runner, sub, SpinBudget(spin_window(launch.spin_us * 1e-6, wake_latency()) if launch.spin_us > 0 else 0.0), launch.parent_pid)
     except ParentGone:
         return 0
     except Exception as e:

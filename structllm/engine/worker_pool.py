@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from structllm.config import EngineConfig
+from structllm.engine.step_budget import budget_upper_bound
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing, broadcast_ring_size
 from structllm.ipc.broadcast_channel import Publisher
@@ -63,7 +64,8 @@ def ring_capacity_for(config: EngineConfig, max_positions: int) -> int:
     three int64 arrays per token, a block table of int32 per sequence, a few ints per
     sequence and msgpack overhead."""
     blocks = -(-max_positions // config.block_size)
-    worst = 24 * config.max_num_batched_tokens + config.max_num_seqs * (4 * blocks + 3 * 9) + 1024
+    tokens = budget_upper_bound(config.max_num_batched_tokens, config.max_num_seqs)
+    worst = 24 * tokens + config.max_num_seqs * (4 * blocks + 3 * 9) + 1024
     cap = MIN_RING_CAPACITY
     while cap < 2 * worst:
         cap *= 2

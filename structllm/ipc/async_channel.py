@@ -8,21 +8,22 @@ the dispatcher also asks the peer to ring when it frees space (``writer_waiting`
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Generic
 
 import anyio
 import anyio.lowlevel
 
-from structllm.ipc.channel import Endpoint, M, SpinBudget
-
-TIGHT_SPIN_S = 5e-6  # longest stretch the event loop is held while polling
+from structllm.ipc.channel import TIGHT_SPIN_S, Endpoint, M, SpinBudget, spin_window, wake_latency
 
 
 class AsyncEndpoint(Generic[M]):
     def __init__(self, endpoint: Endpoint[M], spin_s: float = 50e-6) -> None:
+        """``spin_s``: the spin window, widened on a machine with slow wake-ups (see
+        ``channel.spin_window``); 0 never spins."""
         self.ep = endpoint
-        self.spin = SpinBudget(spin_s)
+        self.spin = SpinBudget(spin_window(spin_s, wake_latency()) if spin_s > 0 else 0.0)
         self._want_space = 0  # largest frame a parked sender waits to write
         self._space = anyio.Event()
         self.space_waits = 0  # times a sender found the ring full (back-pressure)
@@ -71,7 +72,8 @@ class AsyncEndpoint(Generic[M]):
     async def _spin(self) -> bool:
         """Poll for the budget: a few microseconds without yielding (a reply that is
         already on its way lands well within a scheduler round trip), then yielding to
-        other tasks between polls."""
+        other tasks between polls, and the CPU to other processes (the engine may be
+        runnable on this very CPU: see ``channel``'s notes on spinning)."""
         budget = self.spin.current
         if budget <= 0:
             return False
@@ -84,4 +86,5 @@ class AsyncEndpoint(Generic[M]):
             if now >= end:
                 return False
             if now >= tight_end:
+                os.sched_yield()
                 await anyio.lowlevel.checkpoint()

@@ -11,6 +11,7 @@ With a fence on both sides of each handshake no wake-up is missed.
 
 from __future__ import annotations
 
+import os
 import select
 import time
 from collections.abc import Callable
@@ -121,6 +122,7 @@ class Subscriber(Generic[M]):
                 if self.ring.readable(self.index):
                     spin.observe(time.perf_counter() - start)
                     return self._take()
+                os.sched_yield()  # the writer may need this CPU (see channel's spin notes)
         while True:
             if self._sleep(timeout):
                 if spin is not None:

@@ -21,8 +21,11 @@ import contextlib
 import logging
 import os
 import select
+import statistics
+import threading
 import time
 from collections.abc import Callable
+from functools import cache
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -58,14 +61,31 @@ class Doorbell:
             self.fd = -1
 
 
+# A wait longer than this many spin windows is the peer being idle, not busy: only
+# such waits shrink the budget (see SpinBudget).
+IDLE_WAIT_WINDOWS = 4
+TIGHT_SPIN_S = 5e-6  # the front end's spin polls this long before yielding to its event loop
+SPIN_CAP_S = 500e-6  # no machine gets a longer spin window than this, whatever a wake-up costs
+WAKE_SPIN_FACTOR = 2  # the window covers a peer's wake-up and its turnaround
+
+
 class SpinBudget:
-    """How long to poll before sleeping, adapted to recent traffic. After each wait the
-    caller reports how long it lasted in all (spinning and sleeping): a wait short
-    enough that a full spin would have caught it doubles the budget, a longer one halves
-    it, within ``[max_s / 64, max_s]``. Judging by the whole wait, not by whether the
-    spin caught it, lets the budget recover after a slow patch (otherwise both sides of
-    a ping-pong fall asleep, every wake-up takes the slow path, and no spin ever wins
-    again). ``max_s == 0`` never spins."""
+    """How long to poll before sleeping, adapted to recent traffic. Sans-IO: the caller
+    reports how long each wait lasted in all (spinning and sleeping).
+
+    A wait of up to ``IDLE_WAIT_WINDOWS`` windows (``max_s``) means the peer is busy
+    answering: the budget doubles, up to ``max_s``. A longer one means the peer was
+    idle, and a spin would not have caught it: the budget halves, down to ``max_s /
+    64``, so an idle channel costs next to no CPU.
+
+    Why not halve on every wait longer than one window. Where a wake-up costs about as
+    much as the window (a VM: 78 us against 50 us), a single late reply makes the other
+    side sleep; each side's wait then holds the other's wake-up and exceeds the window,
+    so both budgets fell to the floor, every round trip took two slow wake-ups, and no
+    spin ever caught a message again: spinning lost to not spinning at all (512 against
+    198 us). A busy peer's waits now keep the budget up, so one side's spin outlasts the
+    other's wake-up (the window is at least ``WAKE_SPIN_FACTOR`` wake-ups, see
+    ``spin_window``) and the next round trip is caught. ``max_s == 0`` never spins."""
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s
@@ -73,10 +93,67 @@ class SpinBudget:
         self.current = max_s
 
     def observe(self, waited_s: float) -> None:
-        if waited_s <= self.max_s:
+        if waited_s <= IDLE_WAIT_WINDOWS * self.max_s:
             self.current = min(self.max_s, self.current * 2)
         else:
             self.current = max(self.min_s, self.current / 2)
+
+
+def spin_window(configured_s: float, wake_s: float) -> float:
+    """The spin window for a machine whose wake-ups take ``wake_s``: the configured
+    one, widened to ``WAKE_SPIN_FACTOR`` wake-ups (the classic rule: spinning about as
+    long as blocking costs is never much worse than either) and capped at
+    ``SPIN_CAP_S``. A spin shorter than a wake-up can never outlast the peer's, so two
+    sleepy sides never catch each other again. ``configured_s == 0`` (spinning off)
+    stays 0."""
+    if configured_s <= 0:
+        return 0.0
+    return min(max(configured_s, WAKE_SPIN_FACTOR * wake_s), max(configured_s, SPIN_CAP_S))
+
+
+# Spin loops give the CPU away between polls (``os.sched_yield``, about a microsecond
+# when nobody else wants the CPU). The peer we wait for may be runnable on this very
+# CPU (two cores, other load, wake-affine placement): a spin that kept the CPU held the
+# peer off for the whole window, each hop of a round trip cost a full window, and
+# spinning lost to sleeping (125 against 14 us on a loaded 2-core VM here, 512 against
+# 198 us on issue 13's). The engine side yields from its first poll: a tight start
+# (TIGHT_SPIN_S, as the front end has, whose event loop must not be held) measured
+# 22-25 us where yielding at once gave 17-20 us, the peers sharing a CPU.
+
+
+@cache
+def wake_latency(samples: int = 15) -> float:
+    """This machine's wake-up cost: the median time from an eventfd write to a thread
+    asleep on it running again (each sample ~1 ms of sleep; measured once per process).
+    About 10-20 us on bare metal, 78 us on the VM of issue 13."""
+    fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    sent: list[float] = []
+    lags: list[float] = []
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        for _ in range(samples):
+            poller.poll(1000)
+            lags.append(time.perf_counter() - sent[-1])
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(fd)
+            woke.set()
+
+    thread = threading.Thread(target=sleeper, name="structllm-wake-probe", daemon=True)
+    thread.start()
+    try:
+        for _ in range(samples):
+            time.sleep(0.001)  # long enough for the sleeper to be asleep (its CPU idle)
+            woke.clear()
+            sent.append(time.perf_counter())
+            os.eventfd_write(fd, 1)
+            woke.wait(1.0)  # blocks: the sleeper has the GIL to itself when it wakes
+        thread.join(1.0)
+    finally:
+        os.close(fd)
+    return statistics.median(lags) if lags else 0.0
 
 
 class Endpoint(Generic[M]):
@@ -213,6 +290,7 @@ def wait_any(
             if ready():
                 spin.observe(time.perf_counter() - start)
                 return []
+            os.sched_yield()  # see the notes on spinning above wake_latency
     started = []
     try:
         for ep in endpoints:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import msgspec
 
+from structllm.threads import omp_wait_defaults
+
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding this structllm
 
 
@@ -74,6 +76,7 @@ class Child:
 def spawn(module: str, launch: msgspec.Struct, pass_fds: Sequence[int] = ()) -> Child:
     """Start ``python -m module`` with ``launch`` as JSON, its one argument."""
     env = dict(os.environ)
+    omp_wait_defaults(env)  # the engine and its workers run torch's OpenMP pool
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     popen = subprocess.Popen(
         [sys.executable, "-m", module, msgspec.json.encode(launch).decode()],

@@ -1,8 +1,10 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``).
 
-Compiled on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler and
-ninja) for this machine's CPU (``-march=native``), into the structllm cache, keyed by
-the source, torch's version and the CPU's flags, so later starts just load it. If the
+Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
+machine's CPU (``-march=native``) into the structllm cache, keyed by the source, torch's
+version, the Python ABI and the CPU's flags, so later starts (from any virtual
+environment with that torch) just load it. ``make install`` builds them
+(``structllm build-kernels``); otherwise the first start does, and says so. If the
 build fails the engine falls back to the torch reference and says so once.
 """
 
@@ -10,10 +12,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import sys
+import sysconfig
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -44,7 +49,7 @@ def _cpu_flags() -> str:
 @cache
 def load() -> Any | None:
     """The compiled attention module (with ``paged_decode``), or None if it cannot be built."""
-    return build("structllm_cpu_attention", SOURCE, FLAGS, "the CPU attention kernel (once, ~20 s)")
+    return build("structllm_cpu_attention", SOURCE, FLAGS, "the CPU attention kernel (about 20 s)")
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
@@ -80,15 +85,71 @@ def load_quant(isa: str | None = None) -> Any | None:
         log.warning("GGUF block kernels need AVX2/FMA/F16C; this CPU lacks them")
         return None
     flags = [*QUANT_FLAGS, _ISA_MARCH[isa]]
-    return build(f"structllm_quant_{isa}", QUANT_SOURCE, flags, f"the {isa} GGUF matmul kernels (once, ~30 s)")
+    return build(f"structllm_quant_{isa}", QUANT_SOURCE, flags, f"the {isa} GGUF matmul kernels (about a minute)")
 
 
 def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
     """Compile ``source`` (or load the cached build) as a torch extension; None on failure.
 
-    Cached under ``<cache>/extensions``, keyed by the source, torch's version, the CPU's
-    flags and the compiler flags, so that a later start only loads the ``.so``."""
+    Cached under ``<cache>/extensions``, keyed by the source, torch's version, the
+    Python ABI, the CPU's flags and the compiler flags: once per machine and torch
+    version. The key holds no path, and a build that is there is imported directly
+    rather than handed to torch's loader again: torch's ninja file names the include
+    directories of the environment that runs it, so a second virtual environment with
+    the same torch would otherwise rebuild (and then keep rebuilding, each environment
+    in turn). A build that has to run says so on stderr, with how long it takes, and
+    when it is done: otherwise a first start looks hung for a minute."""
     import torch
+
+    name = build_name(stem, source, flags, torch.__version__)
+    build_dir = cache_root() / "extensions" / name
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _build_lock(build_dir):
+            built = build_dir / f"{name}{_abi()}"
+            if built.exists():
+                return _import(name, built)
+            sys.stderr.write(
+                f"structllm: building {what} for this machine; once per machine and torch version, "
+                f"kept in {build_dir.parent}\n"
+            )
+            sys.stderr.flush()
+            start = time.monotonic()
+            module = _compile(name, source, flags, build_dir)
+            sys.stderr.write(f"structllm: built {what.split(' (')[0]} in {time.monotonic() - start:.0f} s\n")
+            return module
+    except Exception as e:  # no compiler, no ninja, ...: fall back, loudly once
+        log.warning("%s unavailable: %s", what.split(" (")[0], e)
+        return None
+
+
+def build_name(stem: str, source: Path, flags: list[str], torch_version: str) -> str:
+    """``<stem>_<key>``: the key hashes what the build depends on and nothing else (no
+    path: every environment with this torch and Python shares the build)."""
+    key = hashlib.sha256(
+        source.read_bytes() + torch_version.encode() + _abi().encode() + _cpu_flags().encode()
+        + " ".join(flags + LDFLAGS).encode()
+    )
+    return f"{stem}_{key.hexdigest()[:12]}"
+
+
+def _abi() -> str:
+    """The extension-module suffix of this Python (``.cpython-311-x86_64-linux-gnu.so``):
+    a build is only good for the interpreter ABI it was compiled against."""
+    return str(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+
+
+def _import(name: str, path: Path) -> Any:
+    """Import a built extension (torch is already imported, so its libraries resolve)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(name: str, source: Path, flags: list[str], build_dir: Path) -> Any:
     import torch.utils.cpp_extension as ext
 
     # ninja may come from the virtual environment (the `ninja` package), whose bin/ is
@@ -96,23 +157,25 @@ def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
     bindir = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    module = ext.load(name, [str(source)], extra_cflags=flags, extra_ldflags=LDFLAGS,
+                      build_directory=str(build_dir), verbose=False)
+    # torch names the library "<name>.so"; keep it under the ABI's suffix, which is what
+    # later starts (any environment with this Python and torch) import directly
+    plain = build_dir / f"{name}.so"
+    if plain.exists():
+        os.replace(plain, build_dir / f"{name}{_abi()}")
+    return module
 
-    key = hashlib.sha256(
-        source.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(flags + LDFLAGS).encode()
-    )
-    name = f"{stem}_{key.hexdigest()[:12]}"
-    build_dir = cache_root() / "extensions" / name
-    fresh = not any(build_dir.glob(f"{name}*.so"))
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with _build_lock(build_dir):
-            if fresh:
-                sys.stderr.write(f"structllm: building {what}\n")
-            return ext.load(name, [str(source)], extra_cflags=flags, extra_ldflags=LDFLAGS,
-                            build_directory=str(build_dir), verbose=False)
-    except Exception as e:  # no compiler, no ninja, ...: fall back, loudly once
-        log.warning("%s unavailable: %s", what.split(" (")[0], e)
-        return None
+
+def build_all() -> list[tuple[str, bool]]:
+    """Build (or find) every kernel this machine's engine would load on CPU: the
+    attention kernel and the GGUF block kernels for the best ISA. Returns
+    ``(module, ok)`` per kernel. For ``structllm build-kernels`` (``make install``)."""
+    isa = best_isa()
+    out = [("cpu_attention", load() is not None)]
+    if isa is not None:
+        out.append((f"quant_{isa}", load_quant(isa) is not None))
+    return out
 
 
 @contextmanager
