@@ -29,7 +29,7 @@ from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.backends import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
-from structllm.model.formats import resolve_dtype, resolve_format
+from structllm.model.formats import resolve_dtype, resolve_format, resolve_kv_cache_dtype
 from structllm.model.llama import LlamaModel
 from structllm.model.loader import ModelFiles, load_model, prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
@@ -115,10 +115,11 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
 
 
 def local_num_blocks(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, mcfg: ModelConfig, num_kv_heads: int
+    config: EngineConfig, device: torch.device, kv_dtype: torch.dtype, mcfg: ModelConfig, num_kv_heads: int
 ) -> int:
-    """KV blocks that fit this process's budget with ``num_kv_heads`` heads cached."""
-    block_bytes = 2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * dtype.itemsize
+    """KV blocks that fit this process's budget with ``num_kv_heads`` heads cached in
+    ``kv_dtype`` (a float16 cache holds twice the blocks of a float32 one)."""
+    block_bytes = 2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * kv_dtype.itemsize
     return kv_budget(config, device) // block_bytes
 
 
@@ -151,8 +152,10 @@ class EngineCore:
         plan = plan_shards(mcfg, world)[0] if world > 1 else None  # a model that cannot be split fails here
         self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
         self.dtype = setup_device(config, self.device, world)
+        fmt = None
         if not config.null_model:  # a bad --dtype/--quantization combination fails here, before any worker
-            self.weight_format = resolve_format(config, self.device, self.files, world)
+            fmt = self.weight_format = resolve_format(config, self.device, self.files, world)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.device, fmt)  # as is a bad --kv-cache-dtype
         self.workers: WorkerPool | None = None
         try:
             self._start(plan)
@@ -202,7 +205,7 @@ class EngineCore:
         """``num_blocks`` (the same on every rank) and ``max_model_len``."""
         config, mcfg = self.config, self.files.config
         heads = plan.num_kv_heads if plan else mcfg.num_kv_heads
-        self.num_blocks = local_num_blocks(config, self.device, self.dtype, mcfg, heads)
+        self.num_blocks = local_num_blocks(config, self.device, self.kv_dtype, mcfg, heads)
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
         capacity = self.num_blocks * config.block_size
@@ -225,7 +228,7 @@ class EngineCore:
             return NullRunner(config.null_step_time)
         broadcast = self.workers.publish if self.workers is not None else None
         sampler = Sampler(self.eos_token_ids, config.seed)
-        runner = ModelRunner(self.model, self.num_blocks, config.block_size, sampler, broadcast)
+        runner = ModelRunner(self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager

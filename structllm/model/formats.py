@@ -108,3 +108,35 @@ def _half_available() -> bool:
     from structllm.kernels.packed import half_linear_available
 
     return half_linear_available()
+
+
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, fmt: WeightFormat | None) -> torch.dtype:
+    """The paged KV cache's dtype from ``--kv-cache-dtype`` (``fmt``: the weights' format,
+    None for the null model, which has none); ``ValueError`` for a bad combination.
+
+    ``auto`` on CPU with float32 activations: float32 when the weights run in the exact
+    float32 format (no GGUF blocks, no float16 matmul weights), so that path keeps its
+    token-for-token equality with transformers; float16 otherwise, which halves what
+    decode attention reads per step (and the bytes per block) at a rounding far below
+    the weights' own (measured: see tests/test_kv_cache_dtype.py). With bfloat16
+    activations (CPU or CUDA) or float16 ones (CUDA) ``auto`` is the model's dtype.
+    """
+    dtype = resolve_dtype(config, device)
+    if config.kv_cache_dtype != "auto":
+        kv = _KV_DTYPES[config.kv_cache_dtype]
+        if device.type == "cuda" and kv.itemsize > dtype.itemsize:
+            raise ValueError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} on CUDA needs --dtype float32: the Triton kernels "
+                f"compute attention in the model's dtype ({str(dtype).removeprefix('torch.')}), so a wider "
+                "cache would only cost memory"
+            )
+        return kv
+    if device.type != "cpu" or dtype != torch.float32:
+        return dtype
+    exact = fmt == WeightFormat(torch.float32) if fmt is not None else (
+        config.dtype == "float32" and config.quantization == "none"
+    )
+    return torch.float32 if exact else torch.float16
