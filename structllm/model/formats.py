@@ -1,7 +1,7 @@
 """The format the weights run in, from ``--dtype`` and ``--quantization`` (vLLM's names).
 
-On CPU, activations, norms and the KV cache are float32 (bfloat16 only if asked for);
-what varies is how the matmul weights are held:
+On CPU, activations and norms are float32 (bfloat16 only if asked for; the KV cache's
+dtype is ``resolve_kv_cache_dtype``'s); what varies is how the matmul weights are held:
 
 - ``--quantization gguf`` (``auto`` picks it for a GGUF file on CPU): Q4_0/Q4_1/Q8_0
   matrices (and the embedding table, which is also the tied LM head) stay as the file's
@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """``dtype``: activations, norms, KV cache and plain weights. ``blocks``: keep GGUF
+    """``dtype``: activations, norms and plain weights. ``blocks``: keep GGUF
     block matrices. ``half``: which float matmul weights run as fbgemm float16:
     ``"none"``, ``"all"``, or ``"file"`` (those stored as F16/BF16 in a GGUF file)."""
 
@@ -48,7 +48,7 @@ class WeightFormat:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """The activation (and KV cache) dtype."""
+    """The activation dtype (the KV cache's: ``resolve_kv_cache_dtype``)."""
     if device.type == "cpu":
         # float16 on CPU means float16 *weights* (fbgemm); activations stay float32
         return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
