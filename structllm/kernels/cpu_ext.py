@@ -114,7 +114,9 @@ def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
         with _build_lock(build_dir):
             if fresh:
                 sys.stderr.write(f"structllm: building {what}\n")
-            return ext.load(name, [str(source)], extra_cflags=flags, extra_ldflags=LDFLAGS,
+            # copies: torch appends its libraries to extra_ldflags in place, which changed the
+            # key (so rebuilt) of every later build in the same process
+            return ext.load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
                             build_directory=str(build_dir), verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly once
         log.warning("%s unavailable: %s", what.split(" (")[0], e)
