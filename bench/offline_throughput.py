@@ -6,11 +6,13 @@ machine, same run. Prints a table and one JSON line.
     python bench/offline_throughput.py             # 64 prompts x 128 tokens -> 128 tokens
     python bench/offline_throughput.py --quick     # 16 prompts, for a fast look
     python bench/offline_throughput.py --formats float32:none,auto:gguf,float16:none
+    python bench/offline_throughput.py --no-hf --profile --formats auto:auto:float32,auto:auto:float16
 
-``--formats`` (``DTYPE:QUANTIZATION`` pairs, default ``float32:none,auto:auto``) runs
-the structllm workloads once per weight format, each in a fresh process so that its
-resident memory (``VmRSS`` after loading and ``VmHWM`` at the end) is its own; the
-first format is the baseline of the speed-up column.
+``--formats`` (``DTYPE:QUANTIZATION[:KV_CACHE_DTYPE]``, default ``float32:none,auto:auto``)
+runs the structllm workloads once per weight format (and KV cache dtype, default
+``auto``), each in a fresh process so that its resident memory (``VmRSS`` after loading
+and ``VmHWM`` at the end) is its own; the first format is the baseline of the speed-up
+column.
 
 Workload: ``--num-prompts`` prompts of ``--input-len`` random tokens (fixed seed),
 ``--output-len`` new tokens each with EOS ignored. structllm gets all prompts at once
@@ -91,13 +93,14 @@ def resident_mb() -> dict[str, float]:
 
 
 def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Load the default model in weight format ``fmt`` (``DTYPE:QUANT``) in this process
-    and run the batch and single-stream workloads."""
+    """Load the default model in weight format ``fmt`` (``DTYPE:QUANT[:KV]``) in this
+    process and run the batch and single-stream workloads."""
     from structllm import LLM
 
-    dtype, _, quant = fmt.partition(":")
+    dtype, quant, kv = (fmt.split(":") + ["auto", "auto"])[:3]
     t = time.perf_counter()
-    llm = LLM(max_num_seqs=max(64, args.num_prompts), dtype=dtype, quantization=quant or "auto")
+    llm = LLM(max_num_seqs=max(64, args.num_prompts), dtype=dtype, quantization=quant or "auto",
+              kv_cache_dtype=kv or "auto")
     load_s = time.perf_counter() - t
     mem_loaded = resident_mb()
     prompts = make_prompts(llm.engine.vocab_size, args.num_prompts, args.input_len)
@@ -106,6 +109,7 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "format": fmt,
         "weights": llm.engine.weight_format.describe(),
+        "kv_cache_dtype": str(llm.engine.kv_dtype).removeprefix("torch."),
         "load_s": round(load_s, 2),
         "tokens_per_s": round(ours["tokens_per_s"], 1),
         "ttft_ms": round(single["ttft_ms"], 1),
@@ -265,7 +269,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--profile", action="store_true", help="break one decode step down")
     ap.add_argument("--formats", default="float32:none,auto:auto",
-                    help="comma-separated DTYPE:QUANTIZATION weight formats to run (first = baseline)")
+                    help="comma-separated DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] formats to run (first = baseline)")
     ap.add_argument("--worker-format", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -298,16 +302,20 @@ def main() -> None:
             hf_tpot_ms=round(theirs_single["tpot_ms"], 2),
         )
     base = formats[0]
-    head = (f"{'format':16}{'tokens/s':>10}{'TTFT ms':>9}{'ms/token':>10}{'x base':>8}{'weights MB':>12}"
+    head = (f"{'format':22}{'tokens/s':>10}{'TTFT ms':>9}{'ms/token':>10}{'x base':>8}{'weights MB':>12}"
             f"{'RSS MB':>8}{'RSS-KV MB':>11}")
     print(head, file=sys.stderr)
     for f in formats:
-        print(f"{f['format']:16}{f['tokens_per_s']:>10}{f['ttft_ms']:>9}{f['tpot_ms']:>10}"
+        print(f"{f['format']:22}{f['tokens_per_s']:>10}{f['ttft_ms']:>9}{f['tpot_ms']:>10}"
               f"{base['tpot_ms'] / f['tpot_ms']:>8.2f}{f['weight_mb']:>12}{f['rss_loaded_mb']!s:>8}"
               f"{(f['rss_loaded_mb'] or 0) - f['kv_cache_mb']:>11.0f}", file=sys.stderr)
-        print(f"{'':16}({f['weights']})", file=sys.stderr)
+        print(f"{'':22}({f['weights']}, {f['kv_cache_dtype']} KV cache)", file=sys.stderr)
+        if "step_profile" in f:
+            p = f["step_profile"]
+            print(f"{'':22}decode step at batch {p['batch']}: {p['step_ms']} ms ({p['step_ms'] / p['batch']:.2f} "
+                  f"ms/token), attention {p['attention_ms']} ms", file=sys.stderr)
     if "hf_tokens_per_s" in result:
-        print(f"{'transformers':16}{result['hf_tokens_per_s']:>10}{result['hf_ttft_ms']:>9}{result['hf_tpot_ms']:>10}",
+        print(f"{'transformers':22}{result['hf_tokens_per_s']:>10}{result['hf_ttft_ms']:>9}{result['hf_tpot_ms']:>10}",
               file=sys.stderr)
     print(json.dumps(result))
 

@@ -32,6 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d("quantization"), choices=["auto", "none", "gguf"],
                    help="gguf: run a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored (CPU); none: dequantise; "
                    "auto: gguf for a GGUF file on CPU")
+    p.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=["auto", "float32", "float16"],
+                   help="what the KV cache stores (auto: float16 on CPU unless the weights run exact float32, "
+                   "the model's dtype on CUDA); float16 halves what decode attention reads")
     p.add_argument("--attention-backend", default=d("attention_backend"), choices=["auto", "torch", "cpu", "triton"],
                    help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
     p.add_argument("--engine-threads", type=int, default=None,
@@ -57,6 +60,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         device=a.device,
         dtype=a.dtype,
         quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
         null_model=a.null_model,
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -28,6 +28,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       float32 path. Activations are float32 on CPU either way.
     - ``num_threads``: torch's threads on CPU (``--engine-threads``); default: the cores
       this process may run on, divided among the tensor-parallel ranks.
+    - ``kv_cache_dtype``: what the paged KV cache stores, ``"auto"``, ``"float32"`` or
+      ``"float16"`` (vLLM's flag name). Attention converts on the store and reads it back
+      in float32 (the C++ kernel with F16C). ``auto``: on CPU float16 unless the weights
+      run in the exact float32 format (``--dtype float32 --quantization none``, or a float
+      checkpoint that resolves to it), which keeps float32 so that path stays equal to
+      transformers; with bfloat16 activations, bfloat16; on CUDA the model's dtype.
+      float16 halves the bytes per block, so ``kv_cache_memory`` holds twice the tokens.
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
       model's tokenizer and shape (for KV sizing) are still used.
@@ -58,6 +65,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str = "auto"
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -90,6 +98,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"quantization must be auto, none or gguf, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or float16, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):

@@ -36,7 +36,7 @@ from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, aut
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles
-from structllm.model.formats import resolve_format
+from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.protocol import (
@@ -69,8 +69,10 @@ class EngineCore:
         plan = plan_shards(mcfg, world)[0] if world > 1 else None  # a model that cannot be split fails here
         self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
         self.dtype = setup_device(config, self.device, world)
+        fmt = None
         if not config.null_model:  # a bad --dtype/--quantization combination fails here, before any worker
-            self.weight_format = resolve_format(config, self.device, self.files, world)
+            fmt = self.weight_format = resolve_format(config, self.device, self.files, world)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.device, fmt)  # as is a bad --kv-cache-dtype
         self.workers: WorkerPool | None = None
         try:
             self._start(plan)
@@ -120,7 +122,7 @@ class EngineCore:
         """``num_blocks`` (the same on every rank) and ``max_model_len``."""
         config, mcfg = self.config, self.files.config
         heads = plan.num_kv_heads if plan else mcfg.num_kv_heads
-        self.num_blocks = local_num_blocks(config, self.device, self.dtype, mcfg, heads)
+        self.num_blocks = local_num_blocks(config, self.device, self.kv_dtype, mcfg, heads)
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
         capacity = self.num_blocks * config.block_size
@@ -143,7 +145,7 @@ class EngineCore:
             return NullRunner(config.null_step_time)
         broadcast = self.workers.publish if self.workers is not None else None
         sampler = Sampler(self.eos_token_ids, config.seed)
-        runner = ModelRunner(self.model, self.num_blocks, config.block_size, sampler, broadcast)
+        runner = ModelRunner(self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager

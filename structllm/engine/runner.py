@@ -1,10 +1,10 @@
 """Executes one scheduled step: builds the flat batch, runs the model, samples.
 
-Owns the KV cache tensors (one ``[NB, BS, Hkv, D]`` pair per layer, zeroed so that
-masked padding slots never hold NaN; with tensor parallelism, ``Hkv`` is this rank's KV
-heads). A step is described once, on rank 0, as a ``StepInput`` (the wire form, see
-``protocol``); every rank builds its tensors from that same description, so all ranks
-run the model on identical inputs.
+Owns the KV cache tensors (one ``[NB, BS, Hkv, D]`` pair per layer, in the KV cache
+dtype, zeroed so that masked padding slots never hold NaN; with tensor parallelism,
+``Hkv`` is this rank's KV heads). A step is described once, on rank 0, as a
+``StepInput`` (the wire form, see ``protocol``); every rank builds its tensors from
+that same description, so all ranks run the model on identical inputs.
 
 The logits of a step's ``logit_rows`` (the sampling rows, then the rows of prompt
 positions to score, see ``prompt_logprobs``) are computed ``LOGIT_SLICE`` rows at a
@@ -96,6 +96,7 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler | None,
         broadcast: Callable[[StepInput], None] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -103,7 +104,9 @@ class ModelRunner:
         self.sampler = sampler
         self.broadcast = broadcast
         self.device = model.norm.device
-        dtype = model.norm.dtype
+        # the cache's own dtype (--kv-cache-dtype; default: the model's): attention
+        # converts on the store and reads it back in float32
+        dtype = kv_dtype or model.norm.dtype
         shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         # an attention backend may keep K in a layout of its own (the CPU kernel's)
         k_shape = model.attn_impl.k_cache_shape(*shape)

@@ -33,6 +33,7 @@ from structllm.ipc.broadcast_channel import Subscriber
 from structllm.ipc.channel import Doorbell, SpinBudget, spin_window, wake_latency
 from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.model.collectives import TensorParallelGroup, connect_group
+from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import plan_shards
 from structllm.protocol import PROTOCOL_VERSION, StepInput, StopWorker, ToWorker, WorkerLaunch
@@ -90,8 +91,9 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
             store.set(f"failed/{launch.rank}", "".join(traceback.format_exception_only(type(e), e)).strip())
             raise
         store.set(f"loaded/{launch.rank}", "")
-        num_blocks = group.all_reduce_min(local_num_blocks(config, device, dtype, files.config, plan.num_kv_heads))
-        return ModelRunner(model, num_blocks, config.block_size, None), group
+        kv_dtype = resolve_kv_cache_dtype(config, device, resolve_format(config, device, files, launch.world_size))
+        num_blocks = group.all_reduce_min(local_num_blocks(config, device, kv_dtype, files.config, plan.num_kv_heads))
+        return ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype), group
     except BaseException:
         group.close()
         raise

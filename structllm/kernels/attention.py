@@ -87,7 +87,8 @@ class CpuAttention(TorchAttention):
     thread pool). Its K cache is block-transposed, ``[NB, Hkv, D, BS]``, so that a
     block's scores are plain vector FMAs; V keeps the reference layout. Stores and
     prefill (inherited, ``k_transposed``) are the reference operations adapted to that
-    layout. CPU, float32."""
+    layout. CPU, float32 queries; the cache float32 or float16 (``--kv-cache-dtype``:
+    converted on the store, widened to float32 in registers by the kernel)."""
 
     name = "cpu"
     k_transposed = True
@@ -107,7 +108,7 @@ class CpuAttention(TorchAttention):
     def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
         reference.store_k_transposed(k, k_cache, slot_mapping)
         nb, bs, hkv, d = v_cache.shape
-        v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v)
+        v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows

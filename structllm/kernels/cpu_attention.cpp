@@ -1,4 +1,5 @@
-// Paged decode attention for the CPU engine (float32), reading K/V blocks in place.
+// Paged decode attention for the CPU engine (float32 queries and arithmetic), reading
+// K/V blocks in place from a float32 or float16 cache (--kv-cache-dtype).
 //
 // The torch reference gathers every sequence's blocks into a padded copy and then runs
 // small batched matmuls, so K and V cross memory three times per layer. Here each K/V
@@ -18,15 +19,24 @@
 //   out      [B, H, D]          contiguous
 // Query head h reads KV head h / G with G = H / Hkv; the G heads of one KV head are
 // processed together, so each K/V element is loaded once for all of them.
+//
+// A float16 cache halves the bytes decode reads. Each row of a block (the BS positions
+// of one K dimension, the D values of one V position) is widened to float32 into a small
+// buffer as it is reached, and the float32 loops below run unchanged on it: 16 values per
+// instruction with AVX-512F (_mm512_cvtph_ps), 8 with F16C (_mm256_cvtph_ps, on every
+// AVX2 CPU). Which one is compiled depends on -march (cpu_ext.py builds -march=native, or
+// -march=haswell with STRUCTLLM_CPU_ISA=avx2, so both paths can be tested on one machine).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 namespace {
 
@@ -55,10 +65,36 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
+// dst[0..n) = src[0..n) widened from float16; widest instructions first, then one value at
+// a time (c10's conversion: the tail, and CPUs without F16C).
+inline void widen(const at::Half* src, float* dst, int n) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; i++) dst[i] = static_cast<float>(src[i]);
+}
+
+// n values of a cache row as float32: a float32 row is read in place, a float16 one is
+// widened into buf (at least n floats).
+inline const float* row(const float* src, float*, int) { return src; }
+inline const float* row(const at::Half* src, float* buf, int n) {
+  widen(src, buf, n);
+  return buf;
+}
+
 // One (sequence, KV head): the G query heads of that KV head, over all its blocks.
-template <int BS>
-void decode_item(const float* q, const float* kt, const float* v, const int32_t* table, int len, float* out, int G,
+// T: the cache's element type (float or at::Half).
+template <typename T, int BS>
+void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
                  int Hkv, int kvh, int D, float scale) {
+  alignas(64) float kbuf[BS];     // one widened K row: the BS positions of one dimension
+  alignas(64) float vbuf[kMaxD];  // one widened V row: the D values of one position
   alignas(64) float qs[kMaxG][kMaxD];
   alignas(64) float acc[kMaxG][kMaxD];
   alignas(64) float s[kMaxG][BS];
@@ -75,13 +111,13 @@ void decode_item(const float* q, const float* kt, const float* v, const int32_t*
   for (int start = 0; start < len; start += BS) {
     const int n = std::min(BS, len - start);
     const int64_t block = table[start / BS];
-    const float* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
-    const float* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
+    const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
+    const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
     // scores: s[g][p] = sum_d q[g][d] * K[p][d], BS lanes at a time
     for (int g = 0; g < G; g++)
       for (int p = 0; p < BS; p++) s[g][p] = 0.f;
     for (int d = 0; d < D; d++) {
-      const float* kd = kb + d * BS;
+      const float* kd = row(kb + d * BS, kbuf, BS);
       for (int g = 0; g < G; g++) {
         const float qv = qs[g][d];
         for (int p = 0; p < BS; p++) s[g][p] += qv * kd[p];
@@ -103,7 +139,7 @@ void decode_item(const float* q, const float* kt, const float* v, const int32_t*
       for (int d = 0; d < D; d++) acc[g][d] *= corr;
     }
     for (int p = 0; p < n; p++) {
-      const float* vr = vb + p * vrow;
+      const float* vr = row(vb + p * vrow, vbuf, D);
       for (int g = 0; g < G; g++) {
         const float w = s[g][p];
         for (int d = 0; d < D; d++) acc[g][d] += w * vr[d];
@@ -116,8 +152,8 @@ void decode_item(const float* q, const float* kt, const float* v, const int32_t*
   }
 }
 
-template <int BS>
-void run(const float* q, int64_t q_stride, const float* kt, const float* v, const int32_t* tables, int64_t mb,
+template <typename T, int BS>
+void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
          const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale) {
   const int G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -125,18 +161,35 @@ void run(const float* q, int64_t q_stride, const float* kt, const float* v, cons
       const int64_t b = item / Hkv;
       const int kvh = static_cast<int>(item % Hkv);
       const int64_t head = static_cast<int64_t>(kvh) * G;
-      decode_item<BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
+      decode_item<T, BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
                       Hkv, kvh, D, scale);
     }
   });
+}
+
+template <typename T>
+void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
+              torch::Tensor lens, float scale) {
+  const int64_t B = q.size(0);
+  const int H = q.size(1), D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
+                              tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
+                              out.data_ptr<float>(), B, H, Hkv, D, scale);
+  switch (BS) {
+    case 16: std::apply(run<T, 16>, args); break;
+    case 32: std::apply(run<T, 32>, args); break;
+    case 64: std::apply(run<T, 64>, args); break;
+    default: TORCH_CHECK(false, "paged_decode: block size must be 16, 32 or 64, got ", BS);
+  }
 }
 
 }  // namespace
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
                   torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && kt.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
-              "paged_decode: float32 only");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_decode: float32 queries only");
+  TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
+              "paged_decode: K and V caches must both be float32 or both float16");
   TORCH_CHECK(kt.is_contiguous() && v.is_contiguous() && out.is_contiguous(), "paged_decode: contiguous caches/out");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_decode: q must be [B, H, D], heads adjacent");
   TORCH_CHECK(tables.dtype() == torch::kInt32 && lens.dtype() == torch::kInt32 && tables.is_contiguous(),
@@ -147,17 +200,25 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_decode: unsupported head shape");
   TORCH_CHECK(tables.size(0) >= B && lens.size(0) >= B, "paged_decode: tables/lens too short");
   const float sc = static_cast<float>(scale);
-  auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<float>(), v.data_ptr<float>(),
-                              tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
-                              out.data_ptr<float>(), B, H, Hkv, D, sc);
-  switch (BS) {
-    case 16: std::apply(run<16>, args); break;
-    case 32: std::apply(run<32>, args); break;
-    case 64: std::apply(run<64>, args); break;
-    default: TORCH_CHECK(false, "paged_decode: block size must be 16, 32 or 64, got ", BS);
-  }
+  if (kt.dtype() == torch::kFloat16)
+    dispatch<at::Half>(out, q, kt, v, tables, lens, sc);
+  else
+    dispatch<float>(out, q, kt, v, tables, lens, sc);
+}
+
+// The float16 widening this build compiled in (see widen).
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__F16C__) && defined(__AVX2__)
+  return "avx2";
+#else
+  return "generic";
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU, K transposed per block)");
+  m.def("paged_decode", &paged_decode,
+        "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)");
+  m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
 }

@@ -1,10 +1,11 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
-machine's CPU (``-march=native``) into the structllm cache, keyed by the source, torch's
-version, the Python ABI and the CPU's flags, so later starts (from any virtual
-environment with that torch) just load it. ``make install`` builds them
-(``structllm build-kernels``); otherwise the first start does, and says so. If the
+machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
+instead, to run the AVX2 code paths on an AVX-512 machine) into the structllm cache,
+keyed by the source, torch's version, the Python ABI and the CPU's flags, so later
+starts (from any virtual environment with that torch) just load it. ``make install``
+builds them (``structllm build-kernels``); otherwise the first start does, and says so. If the
 build fails the engine falls back to the torch reference and says so once.
 """
 
@@ -30,7 +31,7 @@ from structllm.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
          "-fopenmp"]
 # at::parallel_for is an inline "#pragma omp parallel": without -fopenmp it runs on one
 # thread. The extension then needs libgomp.so.1, which resolves to the copy torch has
@@ -47,9 +48,14 @@ def _cpu_flags() -> str:
 
 
 @cache
-def load() -> Any | None:
-    """The compiled attention module (with ``paged_decode``), or None if it cannot be built."""
-    return build("structllm_cpu_attention", SOURCE, FLAGS, "the CPU attention kernel (about 20 s)")
+def load(isa: str | None = None) -> Any | None:
+    """The compiled attention module (``paged_decode``; ``isa()``: the float16 widening
+    compiled in) for ``isa`` (default ``best_isa()``; a CPU without AVX2 gets a plain
+    ``-march=native`` build), or None if it cannot be built."""
+    isa = isa or best_isa()
+    march = _ISA_MARCH[isa] if isa else "-march=native"
+    return build(f"structllm_cpu_attention_{isa or 'native'}", SOURCE, [*FLAGS, march],
+                 "the CPU attention kernel (about 20 s)")
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
@@ -157,7 +163,9 @@ def _compile(name: str, source: Path, flags: list[str], build_dir: Path) -> Any:
     bindir = str(Path(sys.executable).parent)
     if shutil.which("ninja") is None and bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    module = ext.load(name, [str(source)], extra_cflags=flags, extra_ldflags=LDFLAGS,
+    # copies: torch appends its libraries to extra_ldflags in place, which changed the
+    # key (so rebuilt) of every later build in the same process
+    module = ext.load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
                       build_directory=str(build_dir), verbose=False)
     # torch names the library "<name>.so"; keep it under the ABI's suffix, which is what
     # later starts (any environment with this Python and torch) import directly

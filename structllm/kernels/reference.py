@@ -10,6 +10,10 @@ NB blocks of BS token slots each, MB block-table columns):
   already cached plus this step's query tokens (which are stored before attending).
 
 GQA: query head ``h`` reads KV head ``h // (H // Hkv)``.
+
+The cache may be narrower than the activations (``--kv-cache-dtype float16`` with
+float32 ones): stores round to the cache's dtype, reads widen back (decode computes in
+float32, prefill in the query's dtype).
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from torch import Tensor
 
 
 def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write ``k, v: [T, Hkv, D]`` into the cache slots ``slot_mapping: [T]`` (int64)."""
+    """Write ``k, v: [T, Hkv, D]`` into the cache slots ``slot_mapping: [T]`` (int64),
+    converted to the cache's dtype (index_copy_ wants equal dtypes)."""
     nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v)
+    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
@@ -43,7 +48,8 @@ def gather_kv_transposed(cache: Tensor, block_table: Tensor, length: int) -> Ten
 def store_k_transposed(k: Tensor, k_cache: Tensor, slot_mapping: Tensor) -> None:
     """``store_kv``'s K half for a block-transposed cache ``[NB, Hkv, D, BS]``."""
     bs = k_cache.shape[3]
-    k_cache.permute(0, 3, 1, 2)[slot_mapping // bs, slot_mapping % bs] = k  # writes through the view
+    # writes through the view; index_put_ wants equal dtypes
+    k_cache.permute(0, 3, 1, 2)[slot_mapping // bs, slot_mapping % bs] = k.to(k_cache.dtype)
 
 
 def decode_attention(
@@ -98,7 +104,9 @@ def prefill_attention(
     ``0 .. seq_lens[i] - q_len + r``. When a sequence's whole context is this step's
     tokens (no cached prefix), ``k_new``/``v_new: [T, Hkv, D]`` are used directly and
     the gather from the cache is skipped. ``k_transposed``: ``k_cache`` is in the
-    block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's).
+    block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's). Context read from
+    a narrower cache is widened to ``q``'s dtype (SDPA wants equal dtypes); fresh
+    sequences attend to ``k_new``/``v_new`` as computed, as every backend's prefill does.
     """
     out = torch.empty_like(q)
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
@@ -110,6 +118,7 @@ def prefill_attention(
             continue
         k = gather_kv_transposed(k_cache, block_tables[i], ctx) if k_transposed else gather_kv(k_cache, block_tables[i], ctx)
         v = gather_kv(v_cache, block_tables[i], ctx)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
         out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
     for seqs in fresh.values():
         assert k_new is not None and v_new is not None

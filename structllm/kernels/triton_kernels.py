@@ -7,6 +7,9 @@ G = H // Hkv query heads per KV head, D head size, BS slots per cache block):
 - ``k_cache``, ``v_cache``: ``[NB, BS, Hkv, D]``; slot ``s`` lives at ``[s // BS, s % BS]``.
 - ``block_tables``: ``[B, MB]`` int32, ``seq_lens``: ``[B]`` int32 (context after the step).
 
+The cache's dtype may differ from the queries' (``--kv-cache-dtype``): the store
+converts to the cache's, the attention kernels convert each loaded tile to the query's.
+
 Every kernel reads K/V straight out of the cache through the block table: a tile of
 ``BLOCK_N`` consecutive positions ``n`` is gathered as ``block_table[n // BS]`` and
 ``n % BS``, so the tile size is independent of the block size (any power of two works,
@@ -153,7 +156,9 @@ def decode_kernel(
         n_mask = n < seq_len
         offs = _kv_tile_offsets(bt_row, n, n_mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        # A cache in another dtype (--kv-cache-dtype) is converted to the query's in
+        # registers, so tl.dot sees equal types: float16 K/V with float32 queries widen.
+        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one real position, so m_new is finite and
@@ -162,7 +167,7 @@ def decode_kernel(
         alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_G, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -243,7 +248,7 @@ def _prefill_tile(
     n_mask = n < ctx
     offs = _kv_tile_offsets(bt_row, n, n_mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D], as decode
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((n[None, :] <= rows[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -251,7 +256,7 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

@@ -1,7 +1,7 @@
 """The format the weights run in, from ``--dtype`` and ``--quantization`` (vLLM's names).
 
-On CPU, activations, norms and the KV cache are float32 (bfloat16 only if asked for);
-what varies is how the matmul weights are held:
+On CPU, activations and norms are float32 (bfloat16 only if asked for; the KV cache's
+dtype is ``resolve_kv_cache_dtype``'s); what varies is how the matmul weights are held:
 
 - ``--quantization gguf`` (``auto`` picks it for a GGUF file on CPU): Q4_0/Q4_1/Q8_0
   matrices (and the embedding table, which is also the tied LM head) stay as the file's
@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """``dtype``: activations, norms, KV cache and plain weights. ``blocks``: keep GGUF
+    """``dtype``: activations, norms and plain weights. ``blocks``: keep GGUF
     block matrices. ``half``: which float matmul weights run as fbgemm float16:
     ``"none"``, ``"all"``, or ``"file"`` (those stored as F16/BF16 in a GGUF file)."""
 
@@ -48,7 +48,7 @@ class WeightFormat:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """The activation (and KV cache) dtype."""
+    """The activation dtype (the KV cache's: ``resolve_kv_cache_dtype``)."""
     if device.type == "cpu":
         # float16 on CPU means float16 *weights* (fbgemm); activations stay float32
         return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
@@ -105,3 +105,35 @@ def _half_available() -> bool:
     from structllm.kernels.packed import half_linear_available
 
     return half_linear_available()
+
+
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, fmt: WeightFormat | None) -> torch.dtype:
+    """The paged KV cache's dtype from ``--kv-cache-dtype`` (``fmt``: the weights' format,
+    None for the null model, which has none); ``ValueError`` for a bad combination.
+
+    ``auto`` on CPU with float32 activations: float32 when the weights run in the exact
+    float32 format (no GGUF blocks, no float16 matmul weights), so that path keeps its
+    token-for-token equality with transformers; float16 otherwise, which halves what
+    decode attention reads per step (and the bytes per block) at a rounding far below
+    the weights' own (measured: see tests/test_kv_cache_dtype.py). With bfloat16
+    activations (CPU or CUDA) or float16 ones (CUDA) ``auto`` is the model's dtype.
+    """
+    dtype = resolve_dtype(config, device)
+    if config.kv_cache_dtype != "auto":
+        kv = _KV_DTYPES[config.kv_cache_dtype]
+        if device.type == "cuda" and kv.itemsize > dtype.itemsize:
+            raise ValueError(
+                f"--kv-cache-dtype {config.kv_cache_dtype} on CUDA needs --dtype float32: the Triton kernels "
+                f"compute attention in the model's dtype ({str(dtype).removeprefix('torch.')}), so a wider "
+                "cache would only cost memory"
+            )
+        return kv
+    if device.type != "cpu" or dtype != torch.float32:
+        return dtype
+    exact = fmt == WeightFormat(torch.float32) if fmt is not None else (
+        config.dtype == "float32" and config.quantization == "none"
+    )
+    return torch.float32 if exact else torch.float16

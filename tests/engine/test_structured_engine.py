@@ -145,7 +145,8 @@ def test_preempted_constrained_requests_end_valid(llm: LLM) -> None:
     """Preempted mid-JSON and recomputed (its forced tokens too): the matcher is not fed
     the kept tokens again, and the output is what it is without preemption."""
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4  # tokens x (K,V) x layers x kv heads x head dim x f32
-    tight = LLM(kv_cache_memory=6 * block_bytes, enable_prefix_caching=False)  # 96 tokens: two prompts fit, not two outputs
+    # 96 tokens: two prompts fit, not two outputs (a float16 cache, auto here, would hold twice that)
+    tight = LLM(kv_cache_memory=6 * block_bytes, enable_prefix_caching=False, kv_cache_dtype="float32")
     params = sp(StructuredOutputs(json=WEATHER), max_tokens=60)
     outs = tight.generate([ASK] * 3, params)
     assert tight.engine.scheduler.num_preemptions > 0

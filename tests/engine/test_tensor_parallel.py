@@ -180,10 +180,12 @@ def test_tiny_model_tp_matches_one_process(tmp_path: Path, default_files, shape:
     engine_kw = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48)  # chunked prefill, mixed steps
     ref = LLM(path, **engine_kw)
     with LLM(path, tensor_parallel_size=world, **engine_kw) as tp:
-        # The budget is per rank, and the rank with the most KV heads sets the block count.
+        # The budget is per rank, and the rank with the most KV heads sets the block count
+        # (in the KV cache's dtype: float16 where auto runs the weights as float16).
         mcfg = tp.engine.files.config
         heads = max(p.num_kv_heads for p in plan_shards(mcfg, world))
-        assert tp.engine.num_blocks == (8 << 20) // (2 * mcfg.num_layers * heads * mcfg.head_dim * 16 * 4)
+        itemsize = tp.engine.kv_dtype.itemsize
+        assert tp.engine.num_blocks == (8 << 20) // (2 * mcfg.num_layers * heads * mcfg.head_dim * 16 * itemsize)
         for ids in PROMPTS[1:3]:
             torch.testing.assert_close(prefill_logits(tp.engine, ids), prefill_logits(ref.engine, ids), atol=1e-5, rtol=1e-5)
         assert_same_greedy(ref, tp, PROMPTS + [PROMPTS[1]], logprob_atol=1e-4)  # the repeat hits the prefix cache

@@ -223,6 +223,29 @@ def test_mixed_batch_matches_reference(device: str, dtype: torch.dtype, h: int, 
         check_close(b.run(impl), b.oracle(), dtype)
 
 
+@pytest.mark.parametrize(("device", "dtype"), CASES)
+@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32)], ids=["g3-bs16", "g8-bs32"])
+def test_float16_cache_matches_reference(device: str, dtype: torch.dtype, h: int, hkv: int, d: int, bs: int) -> None:
+    """``--kv-cache-dtype float16`` under queries in ``dtype``: the store rounds this
+    step's K/V into float16 caches, decode and prefill convert each tile to the query's
+    dtype. The oracle is the reference over the same rounded values (prefill here reads
+    every context from the cache, fresh prompts too), so the float32 tolerance holds."""
+    ctx = [9, 70, 1, 20, 45, 33]
+    q_lens = [1, 1, 1, 20, 12, 33]
+    b = Batch(ctx, q_lens, h, hkv, d, bs, device, dtype, seed=5)
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:  # float32 values as the kernels see them
+        return x.to(torch.float16).to(dtype).float()
+
+    b.kc_cpu, b.vc_cpu, b.k_new, b.v_new = (rounded(x) for x in (b.kc_cpu, b.vc_cpu, b.k_new, b.v_new))
+    want = b.oracle()
+    for impl in (small_tiles(num_splits=2), TritonAttention()):
+        kc, vc = b.k_cache.to(torch.float16), b.v_cache.to(torch.float16)
+        check_close(attention(impl, b.q, b.k, b.v, kc, vc, b.meta, b.scale), want, dtype)
+        assert kc.dtype == vc.dtype == torch.float16
+        assert torch.equal(kc.float().cpu(), rounded(b.full_k)) and torch.equal(vc.float().cpu(), rounded(b.full_v))
+
+
 def test_decode_split_count() -> None:
     # Enough programs for ~4 per SM, bounded by the context and MAX_SPLITS.
     assert ta.decode_num_splits(1, 8, 32768, 64, 132) == 64  # capped by MAX_SPLITS
