@@ -153,68 +153,139 @@ inline void row_float(const uint8_t* wrow, int nb, const float* x, int64_t K, fl
   }
 }
 
-// Many activation rows: NT weight rows are dequantised once into wf [NT][K], then an
-// MT x NT register tile of dot products runs over them (each loaded vector feeds
-// several FMAs, unlike a plain row-by-row product).
-constexpr int NT_F = 4;
+// Many activation rows (M > MT_F): a GEMM blocked for registers and caches.
+//
+// The float32 FMA rate is the limit here (oneDNN's packed float32 runs near it), so the
+// FMA units must be fed from registers, with no horizontal sums in the inner loop:
+//   - x is transposed once per call into xt [Mp/VW][K][VW] (Mp = M rounded up to VW,
+//     zero rows) so that one vector load holds VW rows m at one k;
+//   - a panel of NP weight rows is dequantised, a K chunk of KC at a time, into an
+//     L1-resident float buffer wb [NP][KC] (exactly dequant_block's values; the buffer
+//     is NP * KC floats per thread, never a copy of the whole weight);
+//   - the microkernel keeps an NR x MV tile of accumulators (NR weight rows x MV vectors
+//     of VW activation rows, NR * MV = NP): per k it loads MV activation vectors and
+//     broadcasts NR weights from wb (a memory operand: no shuffle unit), NR * MV FMAs;
+//   - partial sums across K chunks live in a per-thread tile acc [NP][MC], written to
+//     out transposed once the panel is done; M is walked in blocks of MC rows so that
+//     the block's xt (MC * K floats) stays in L2 while the panels stream by.
+// Summation order differs from F.linear (within float32 rounding); the products use
+// the same float32 weights.
 #ifdef SL_AVX512
-constexpr int MT_B = 4;  // 16 accumulators + 4 weight vectors of 32 registers
+constexpr int NP = 24;     // 24 accumulators + up to 4 activation vectors of 32 registers
+constexpr int MV_MAX = 4;  // NR = NP / MV = 24, 12, 8, 6
 #else
-constexpr int MT_B = 2;  // 8 accumulators + 4 weight vectors of 16 registers
+constexpr int NP = 12;     // 12 accumulators + up to 3 activation vectors + 1 broadcast of 16
+constexpr int MV_MAX = 3;  // NR = 12, 6, 4
 #endif
+constexpr int KC_MAX = 8192 / NP / QK * QK;  // wb = NP * KC floats <= 32 KB of the 48 KB L1
+constexpr int64_t MC = 256;                   // rows per M block: xt slice 256 * K floats
 
-template <int MT, int NT>
-inline void tile_float(const float* wf, int64_t K, const float* x, float* out, int64_t N) {
-  vf acc[MT][NT];
-  for (auto& a : acc)
-    for (auto& v : a) v = vzero();
-  for (int64_t k = 0; k < K; k += VW) {
-    vf w[NT];
-    for (int j = 0; j < NT; j++) w[j] = vload(wf + j * K + k);
-    for (int m = 0; m < MT; m++) {
-      const vf xv = vload(x + m * K + k);
-      for (int j = 0; j < NT; j++) acc[m][j] = vfma(w[j], xv, acc[m][j]);
+// acc[i][m] (+)= sum_k wb[i][k] * xt[m][k] for NR rows i and MV * VW rows m, k < kc.
+// wb's row stride is the constant KC_MAX, so that the NR broadcasts of one k address
+// one pointer plus immediate offsets; the loops are unrolled so that c stays in registers.
+#define SL_UNROLL _Pragma("GCC unroll 32")
+template <int MV, int NR>
+inline void micro_float(const float* wb, int kc, const float* xt, int64_t xstride, float* acc, int64_t ldc, bool first) {
+  vf c[NR][MV];
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  for (int k = 0; k < kc; k++) {
+    vf xv[MV];
+    SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = vload(xt + j * xstride + k * VW);
+    SL_UNROLL for (int i = 0; i < NR; i++) {
+      const vf w = vset1(wb[i * KC_MAX + k]);
+      SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = vfma(w, xv[j], c[i][j]);
     }
   }
-  for (int m = 0; m < MT; m++)
-    for (int j = 0; j < NT; j++) out[m * N + j] = vsum(acc[m][j]);
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, c[i][j]);
 }
 
-template <int NT>
-inline void rows_float(const float* wf, int64_t K, const float* x, int64_t M, float* out, int64_t N) {
-  int64_t m = 0;
-  for (; m + MT_B <= M; m += MT_B) tile_float<MT_B, NT>(wf, K, x + m * K, out + m * N, N);
-  for (; m < M; m++) tile_float<1, NT>(wf, K, x + m * K, out + m * N, N);
+// rows [0, nr) of the panel against activation vectors [0, nv) of the M block
+template <int MV>
+inline void panel_tiles(const float* wb, int nr, int kc, const float* xt, int64_t xstride, int nv, float* acc,
+                        int64_t ldc, bool first) {
+  constexpr int NR = NP / MV;
+  for (int v = 0; v + MV <= nv; v += MV) {
+    const float* xv = xt + v * xstride;
+    int i = 0;
+    for (; i + NR <= nr; i += NR) micro_float<MV, NR>(wb + i * KC_MAX, kc, xv, xstride, acc + i * ldc + v * VW, ldc, first);
+    for (; i < nr; i++) micro_float<MV, 1>(wb + i * KC_MAX, kc, xv, xstride, acc + i * ldc + v * VW, ldc, first);
+  }
+}
+
+template <int T>
+void linear_float_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int nb = static_cast<int>(K / QK);
+  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t Mp = (M + VW - 1) / VW * VW;
+  // xt [Mp/VW][K][VW]: activation rows interleaved by VW, zero padded
+  std::vector<float> xt(Mp * K);
+  at::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; v++)
+      for (int64_t k = 0; k < K; k++)
+        for (int l = 0; l < VW; l++) {
+          const int64_t m = v * VW + l;
+          xt[(v * K + k) * VW + l] = m < M ? x[m * K + k] : 0.f;
+        }
+  });
+  const int nchunks = static_cast<int>((K + KC_MAX - 1) / KC_MAX);
+  const int kc_step = (nb + nchunks - 1) / nchunks * QK;  // equal chunks, whole blocks
+  const int64_t npanels = (N + NP - 1) / NP;
+  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> wb(NP * KC_MAX);
+    std::vector<float> acc(NP * std::min(Mp, MC));
+    for (int64_t m0 = 0; m0 < Mp; m0 += MC) {
+      const int64_t mc = std::min(MC, Mp - m0);
+      const int nv = static_cast<int>(mc / VW);
+      for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * NP;
+        const int nr = static_cast<int>(std::min<int64_t>(NP, N - n0));
+        for (int k0 = 0; k0 < K; k0 += kc_step) {
+          const int kc = static_cast<int>(std::min<int64_t>(kc_step, K - k0));
+          for (int i = 0; i < nr; i++) {
+            const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(k0 / QK) * block_bytes(T);
+            for (int b = 0; b < kc / QK; b++) {
+              vf v[VN];
+              dequant_block<T>(blk + static_cast<int64_t>(b) * block_bytes(T), v);
+              for (int j = 0; j < VN; j++) vstore(wb.data() + i * KC_MAX + b * QK + j * VW, v[j]);
+            }
+          }
+          const float* xs = xt.data() + (m0 / VW * K + k0) * VW;
+          const int64_t xstride = K * VW;
+          const bool first = k0 == 0;
+          int v = 0;
+          for (; v + MV_MAX <= nv; v += MV_MAX) {
+            panel_tiles<MV_MAX>(wb.data(), nr, kc, xs + v * xstride, xstride, MV_MAX, acc.data() + v * VW, mc, first);
+          }
+          switch (nv - v) {  // the M block's last vectors
+            case 3: if constexpr (MV_MAX > 3) panel_tiles<3>(wb.data(), nr, kc, xs + v * xstride, xstride, 3, acc.data() + v * VW, mc, first); break;
+            case 2: panel_tiles<2>(wb.data(), nr, kc, xs + v * xstride, xstride, 2, acc.data() + v * VW, mc, first); break;
+            case 1: panel_tiles<1>(wb.data(), nr, kc, xs + v * xstride, xstride, 1, acc.data() + v * VW, mc, first); break;
+            default: break;
+          }
+        }
+        // acc [nr][mc] -> out [m0 + m][n0 + i]
+        const int64_t mrows = std::min(mc, M - m0);
+        for (int64_t m = 0; m < mrows; m++)
+          for (int i = 0; i < nr; i++) out[(m0 + m) * N + n0 + i] = acc[i * mc + m];
+      }
+    }
+  });
 }
 
 template <int T>
 void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  if (M > MT_F) return linear_float_blocked<T>(x, w, out, M, N, K);
+  // decode sizes: dequantise in registers, nothing stored
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  at::parallel_for(0, N, NT_F, [&](int64_t n0, int64_t n1) {
-    if (M <= MT_F) {  // decode sizes: dequantise in registers, nothing stored
-      for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* wrow = w + n * row_bytes;
-        int64_t m = 0;
-        for (; m + MT_F <= M; m += MT_F) row_float<T, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
-        for (; m < M; m++) row_float<T, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
-      }
-      return;
-    }
-    std::vector<float> buf(NT_F * K);
-    for (int64_t n = n0; n < n1; n += NT_F) {
-      const int nt = static_cast<int>(std::min<int64_t>(NT_F, n1 - n));
-      for (int j = 0; j < nt; j++)
-        for (int b = 0; b < nb; b++) {
-          vf v[VN];
-          dequant_block<T>(w + (n + j) * row_bytes + static_cast<int64_t>(b) * block_bytes(T), v);
-          for (int i = 0; i < VN; i++) vstore(buf.data() + j * K + b * QK + i * VW, v[i]);
-        }
-      if (nt == NT_F) {
-        rows_float<NT_F>(buf.data(), K, x, M, out + n, N);
-      } else {
-        for (int j = 0; j < nt; j++) rows_float<1>(buf.data() + j * K, K, x, M, out + n + j, N);
-      }
+  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* wrow = w + n * row_bytes;
+      int64_t m = 0;
+      for (; m + MT_F <= M; m += MT_F) row_float<T, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
+      for (; m < M; m++) row_float<T, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
     }
   });
 }
