@@ -38,7 +38,7 @@ FLOAT, INT8, INT16 = 0, 1, 2
 # the rate oneDNN's packed float32 already runs at (0.85-0.95x of it at M = 16-256 on a
 # 2-vCPU AVX-512 EPYC, bench/quant_linear.py). The int16 path does 32 multiply-adds per
 # instruction (vpdpwssd; vpmaddwd + vpaddd on AVX2) against the FMA's 16: 1.1-1.6x
-# oneDNN's speed at M = 16-256 on AVX-512, 1.15-1.35x on the AVX2 build against oneDNN
+# oneDNN's speed at M = 16-256 on AVX-512, 1.2-1.4x on the AVX2 build against oneDNN
 # held to AVX2. Activations rounded to 16 bits per block of 32 (relative error <= 2^-16
 # of the block's largest value) leave greedy top-1 agreement with float32 where the
 # float path's is (tests/test_quant_model.py). Below 5 rows the float path decodes in
