@@ -9,9 +9,11 @@ A weight ``W [N, K]`` is one of:
   kernels of ``quant_linear.cpp`` (CPU, AVX2 or AVX-512).
 
 Activations are float32 for the last two. ``BlockWeight`` picks the kernel path by the
-number of rows ``M`` of ``x``: the float path (weights dequantised in registers,
-bit-exact to the float32 dequantisation), or from ``INT8_MIN_M`` rows on, if set, the
-int8 path (activations quantised per block of 32, integer dot products).
+number of rows ``M`` of ``x`` (see ``block_mode``): the float path (weights dequantised
+in registers, bit-exact to the float32 dequantisation, float32 math), from
+``INT16_MIN_M`` rows on the int16 path (activations rounded to 16 bits per block of 32,
+integer dot products of pairs), and from ``INT8_MIN_M`` rows on, if set, the int8 path
+(8 bits per block).
 """
 
 from __future__ import annotations
@@ -28,13 +30,36 @@ BLOCK_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's type codes
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
 BLOCK = 32
 
-# Rows of x from which the int8 path runs (0: never). Measured on a 2-vCPU AVX-512 EPYC
-# (shared, noisy; bench/offline_throughput.py and tests/engine/test_quant_model.py): the int8
-# path was within noise of the float path up to 16 rows and only 10-20% faster at
-# 32-256, while rounding activations to int8 cost SmolLM2-135M 1-3% top-1 agreement
-# (Q8_0: 96.9% against the same weights in float32, below the 99% bar). So by default
-# every size runs the float path; STRUCTLLM_QUANT_INT8_MIN_M=64 (say) turns it on.
+# Kernel paths (the C++ ``linear``'s mode codes).
+FLOAT, INT8, INT16 = 0, 1, 2
+
+# Rows of x from which the int16 path runs (0: never). Many rows make the matmul bound by
+# arithmetic, and the float path, however blocked, is then held to the float32 FMA rate,
+# the rate oneDNN's packed float32 already runs at (0.85-0.95x of it at M = 16-256 on a
+# 2-vCPU AVX-512 EPYC, bench/quant_linear.py). The int16 path does 32 multiply-adds per
+# instruction (vpdpwssd; vpmaddwd + vpaddd on AVX2) against the FMA's 16: 1.1-1.6x
+# oneDNN's speed at M = 16-256 on AVX-512, 1.2-1.4x on the AVX2 build against oneDNN
+# held to AVX2. Activations rounded to 16 bits per block of 32 (relative error <= 2^-16
+# of the block's largest value) leave greedy top-1 agreement with float32 where the
+# float path's is (tests/engine/test_quant_model.py). Below 5 rows the float path decodes in
+# registers (no tile to fill), which is faster than either blocked path.
+INT16_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT16_MIN_M", "5"))
+
+# Rows of x from which the int8 path runs (0: never, the default). It was written for
+# speed at many rows, but rounding activations to 8 bits cost SmolLM2-135M 1-3% top-1
+# agreement (Q8_0: 96.9% against the same weights in float32, below the 99% bar), and
+# in its present form (no register blocking) it is slower than the int16 path. Opt in
+# with STRUCTLLM_QUANT_INT8_MIN_M=64 (say); it takes precedence over int16 where set.
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "0"))
+
+
+def block_mode(rows: int, int8_ok: bool = True) -> int:
+    """The kernel path for ``rows`` rows of activations (``int8_ok=False``: never int8)."""
+    if int8_ok and 0 < INT8_MIN_M <= rows:
+        return INT8
+    if 0 < INT16_MIN_M <= rows:
+        return INT16
+    return FLOAT
 
 
 def _kernels() -> Any:
@@ -116,13 +141,13 @@ def half_linear_available() -> bool:
 Weight = Tensor | HalfWeight | BlockWeight
 
 
-def linear(x: Tensor, w: Weight, b: Tensor | None = None, float_path: bool = False) -> Tensor:
-    """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``float_path``: a ``BlockWeight`` runs
-    the float path whatever the rows (the LM head: see ``LlamaModel.compute_logits``)."""
+def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = True) -> Tensor:
+    """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=False``: a ``BlockWeight``
+    never takes the int8 path (the LM head: see ``LlamaModel.compute_logits``)."""
     if isinstance(w, BlockWeight):
         x2 = x.reshape(-1, x.shape[-1]).float()
-        int8 = 0 < INT8_MIN_M <= x2.shape[0] and not float_path
-        y = _kernels().linear(x2, w.raw, w.code, int8).view(*x.shape[:-1], w.shape[0])
+        mode = block_mode(x2.shape[0], int8_ok)
+        y = _kernels().linear(x2, w.raw, w.code, mode).view(*x.shape[:-1], w.shape[0])
         return y if b is None else y.add_(b)
     if isinstance(w, HalfWeight):
         y = torch.ops.quantized.linear_dynamic_fp16(x.float(), w.packed)

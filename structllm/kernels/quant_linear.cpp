@@ -10,14 +10,20 @@
 //   Q8_0  [d | 32 int8]         w = q * d
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one.
 //
-// Two paths:
-//   float: each block is dequantised in registers and FMA'd with float32 activations.
-//          The dequantised values are bit-identical to the float32 dequantisation
-//          (mul then add, built with -ffp-contract=off so nothing fuses them).
-//   int8:  activations are quantised per block of 32 to int8 with a float scale dx and
+// Three paths (mode 0, 1, 2):
+//   float: weights dequantised exactly and FMA'd with float32 activations. The
+//          dequantised values are bit-identical to the float32 dequantisation (mul then
+//          add, built with -ffp-contract=off so nothing fuses them). Up to 4 rows, each
+//          block is dequantised in registers and used for every row (decode); from 5 rows
+//          on, a register/cache-blocked GEMM over an L1 tile of dequantised weights.
+//   int8:  activations quantised per block of 32 to int8 with a float scale dx and
 //          the block sum dx * sum(q) (so Q4_0's -8 offset and Q4_1's min become one
 //          scalar per block); blocks are then integer dot products (maddubs + madd, or
-//          dpbusd with VNNI). Faster for many rows, less exact (activations rounded).
+//          dpbusd with VNNI). Less exact (activations rounded to 8 bits); not blocked.
+//   int16: activations quantised per block of 32 to int16 (15 bits against the block's
+//          largest value), integer dot products of pairs (vpdpwssd, or vpmaddwd +
+//          vpaddd), blocked like the float GEMM. Twice the multiply-adds per
+//          instruction of a float32 FMA, which the float path cannot get past.
 //
 // Shapes: x [M, K] float32 contiguous, w [N, K/32 * block_bytes] uint8, out [M, N].
 // Work is split over N on torch's OpenMP pool (at::parallel_for).
@@ -30,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -153,68 +160,186 @@ inline void row_float(const uint8_t* wrow, int nb, const float* x, int64_t K, fl
   }
 }
 
-// Many activation rows: NT weight rows are dequantised once into wf [NT][K], then an
-// MT x NT register tile of dot products runs over them (each loaded vector feeds
-// several FMAs, unlike a plain row-by-row product).
-constexpr int NT_F = 4;
-#ifdef SL_AVX512
-constexpr int MT_B = 4;  // 16 accumulators + 4 weight vectors of 32 registers
-#else
-constexpr int MT_B = 2;  // 8 accumulators + 4 weight vectors of 16 registers
-#endif
-
-template <int MT, int NT>
-inline void tile_float(const float* wf, int64_t K, const float* x, float* out, int64_t N) {
-  vf acc[MT][NT];
-  for (auto& a : acc)
-    for (auto& v : a) v = vzero();
-  for (int64_t k = 0; k < K; k += VW) {
-    vf w[NT];
-    for (int j = 0; j < NT; j++) w[j] = vload(wf + j * K + k);
-    for (int m = 0; m < MT; m++) {
-      const vf xv = vload(x + m * K + k);
-      for (int j = 0; j < NT; j++) acc[m][j] = vfma(w[j], xv, acc[m][j]);
-    }
+// 8 rows of 8 floats (src, row stride ss) -> 8 rows of 8 (dst, row stride ds), transposed:
+// dst[c][r] = src[r][c]. Also moves 32-bit words of any kind (int16 pairs).
+inline void transpose8x8(const float* src, int64_t ss, float* dst, int64_t ds) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ss);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
   }
-  for (int m = 0; m < MT; m++)
-    for (int j = 0; j < NT; j++) out[m * N + j] = vsum(acc[m][j]);
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; i++) {
+    _mm256_storeu_ps(dst + i * ds, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ds, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
 }
 
-template <int NT>
-inline void rows_float(const float* wf, int64_t K, const float* x, int64_t M, float* out, int64_t N) {
-  int64_t m = 0;
-  for (; m + MT_B <= M; m += MT_B) tile_float<MT_B, NT>(wf, K, x + m * K, out + m * N, N);
-  for (; m < M; m++) tile_float<1, NT>(wf, K, x + m * K, out + m * N, N);
+// rows [VW v, VW v + VW) of x [M, K] -> dst [K][VW] (rows past M as zeros); K % 8 == 0.
+// Goes through 8x8 transposes (a row of x is read once, a line of dst written whole).
+inline void interleave_rows(const float* x, int64_t M, int64_t K, int64_t v, float* dst) {
+  alignas(64) float pad[8 * 8];
+  for (int h = 0; h < VW / 8; h++) {
+    const int64_t m0 = v * VW + 8 * h;
+    const int64_t rows = std::clamp<int64_t>(M - m0, 0, 8);
+    for (int64_t k = 0; k < K; k += 8) {
+      const float* src = x + m0 * K + k;
+      int64_t ss = K;
+      if (rows < 8) {  // the last rows: copy what exists, zeros for the rest
+        for (int r = 0; r < 8; r++)
+          for (int c = 0; c < 8; c++) pad[r * 8 + c] = r < rows ? x[(m0 + r) * K + k + c] : 0.f;
+        src = pad, ss = 8;
+      }
+      transpose8x8(src, ss, dst + k * VW + 8 * h, VW);
+    }
+  }
+}
+
+// Many activation rows (M > MT_F): a GEMM blocked for registers and caches.
+//
+// The float32 FMA rate is the limit here (oneDNN's packed float32 runs near it), so the
+// FMA units must be fed from registers, with no horizontal sums in the inner loop:
+//   - x is transposed once per call into xt [Mp/VW][K][VW] (Mp = M rounded up to VW,
+//     zero rows) so that one vector load holds VW rows m at one k;
+//   - a panel of NP weight rows is dequantised, a K chunk of KC at a time, into an
+//     L1-resident float buffer wb [NP][KC] (exactly dequant_block's values; the buffer
+//     is NP * KC floats per thread, never a copy of the whole weight);
+//   - the microkernel keeps an NR x MV tile of accumulators (NR weight rows x MV vectors
+//     of VW activation rows, NR * MV = NP): per k it loads MV activation vectors and
+//     broadcasts NR weights from wb (a memory operand: no shuffle unit), NR * MV FMAs;
+//   - partial sums across K chunks live in a per-thread tile acc [NP][mc], written to
+//     out transposed once the panel is done; M is walked in blocks of mc rows so that
+//     the block's xt (mc * K floats, <= 512 KB) stays in the 1-2 MB L2 while the
+//     panels stream by.
+// Summation order differs from F.linear (within float32 rounding); the products use
+// the same float32 weights.
+#ifdef SL_AVX512
+constexpr int NP = 24;     // 24 accumulators + up to 4 activation vectors of 32 registers
+constexpr int MV_MAX = 4;  // NR = NP / MV = 24, 12, 8, 6
+#else
+constexpr int NP = 12;     // 12 accumulators + up to 3 activation vectors + 1 broadcast of 16
+constexpr int MV_MAX = 3;  // NR = 12, 6, 4
+#endif
+constexpr int KC_MAX = 8192 / NP / QK * QK;  // wb = NP * KC floats <= 32 KB of the 48 KB L1
+
+// rows per M block: its activations (K values of `bytes` each) in 512 KB, 256 rows at most
+inline int64_t m_block(int64_t K, int64_t bytes) {
+  return std::clamp<int64_t>((512 << 10) / (K * bytes) / VW * VW, VW, 256);
+}
+
+template <typename T>
+std::unique_ptr<T[]> scratch(int64_t n) {  // uninitialised (every element is written before use)
+  return std::unique_ptr<T[]>(new T[n]);
+}
+
+// acc[i][m] (+)= sum_k wb[i][k] * xt[m][k] for NR rows i and MV * VW rows m, k < kc.
+// wb's row stride is the constant KC_MAX, so that the NR broadcasts of one k address
+// one pointer plus immediate offsets; the loops are unrolled so that c stays in registers.
+#define SL_UNROLL _Pragma("GCC unroll 32")
+template <int MV, int NR>
+inline void micro_float(const float* wb, int kc, const float* xt, int64_t xstride, float* acc, int64_t ldc, bool first) {
+  vf c[NR][MV];
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  for (int k = 0; k < kc; k++) {
+    vf xv[MV];
+    SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = vload(xt + j * xstride + k * VW);
+    SL_UNROLL for (int i = 0; i < NR; i++) {
+      const vf w = vset1(wb[i * KC_MAX + k]);
+      SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = vfma(w, xv[j], c[i][j]);
+    }
+  }
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, c[i][j]);
+}
+
+// rows [0, nr) of the panel against activation vectors [0, nv) of the M block
+template <int MV>
+inline void panel_tiles(const float* wb, int nr, int kc, const float* xt, int64_t xstride, int nv, float* acc,
+                        int64_t ldc, bool first) {
+  constexpr int NR = NP / MV;
+  for (int v = 0; v + MV <= nv; v += MV) {
+    const float* xv = xt + v * xstride;
+    int i = 0;
+    for (; i + NR <= nr; i += NR) micro_float<MV, NR>(wb + i * KC_MAX, kc, xv, xstride, acc + i * ldc + v * VW, ldc, first);
+    for (; i < nr; i++) micro_float<MV, 1>(wb + i * KC_MAX, kc, xv, xstride, acc + i * ldc + v * VW, ldc, first);
+  }
+}
+
+template <int T>
+void linear_float_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int nb = static_cast<int>(K / QK);
+  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t Mp = (M + VW - 1) / VW * VW;
+  // xt [Mp/VW][K][VW]: activation rows interleaved by VW, zero padded
+  auto xt = scratch<float>(Mp * K);
+  at::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; v++) interleave_rows(x, M, K, v, xt.get() + v * K * VW);
+  });
+  const int nchunks = static_cast<int>((K + KC_MAX - 1) / KC_MAX);
+  const int kc_step = (nb + nchunks - 1) / nchunks * QK;  // equal chunks, whole blocks
+  const int64_t npanels = (N + NP - 1) / NP;
+  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t MC = m_block(K, sizeof(float));
+    std::vector<float> wb(NP * KC_MAX);
+    std::vector<float> acc(NP * std::min(Mp, MC));
+    for (int64_t m0 = 0; m0 < Mp; m0 += MC) {
+      const int64_t mc = std::min(MC, Mp - m0);
+      const int nv = static_cast<int>(mc / VW);
+      for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * NP;
+        const int nr = static_cast<int>(std::min<int64_t>(NP, N - n0));
+        for (int k0 = 0; k0 < K; k0 += kc_step) {
+          const int kc = static_cast<int>(std::min<int64_t>(kc_step, K - k0));
+          for (int i = 0; i < nr; i++) {
+            const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(k0 / QK) * block_bytes(T);
+            for (int b = 0; b < kc / QK; b++) {
+              vf v[VN];
+              dequant_block<T>(blk + static_cast<int64_t>(b) * block_bytes(T), v);
+              for (int j = 0; j < VN; j++) vstore(wb.data() + i * KC_MAX + b * QK + j * VW, v[j]);
+            }
+          }
+          const float* xs = xt.get() + (m0 / VW * K + k0) * VW;
+          const int64_t xstride = K * VW;
+          const bool first = k0 == 0;
+          int v = 0;
+          for (; v + MV_MAX <= nv; v += MV_MAX) {
+            panel_tiles<MV_MAX>(wb.data(), nr, kc, xs + v * xstride, xstride, MV_MAX, acc.data() + v * VW, mc, first);
+          }
+          switch (nv - v) {  // the M block's last vectors
+            case 3: if constexpr (MV_MAX > 3) panel_tiles<3>(wb.data(), nr, kc, xs + v * xstride, xstride, 3, acc.data() + v * VW, mc, first); break;
+            case 2: panel_tiles<2>(wb.data(), nr, kc, xs + v * xstride, xstride, 2, acc.data() + v * VW, mc, first); break;
+            case 1: panel_tiles<1>(wb.data(), nr, kc, xs + v * xstride, xstride, 1, acc.data() + v * VW, mc, first); break;
+            default: break;
+          }
+        }
+        // acc [nr][mc] -> out [m0 + m][n0 + i]
+        const int64_t mrows = std::min(mc, M - m0);
+        for (int64_t m = 0; m < mrows; m++)
+          for (int i = 0; i < nr; i++) out[(m0 + m) * N + n0 + i] = acc[i * mc + m];
+      }
+    }
+  });
 }
 
 template <int T>
 void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  if (M > MT_F) return linear_float_blocked<T>(x, w, out, M, N, K);
+  // decode sizes: dequantise in registers, nothing stored
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  at::parallel_for(0, N, NT_F, [&](int64_t n0, int64_t n1) {
-    if (M <= MT_F) {  // decode sizes: dequantise in registers, nothing stored
-      for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* wrow = w + n * row_bytes;
-        int64_t m = 0;
-        for (; m + MT_F <= M; m += MT_F) row_float<T, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
-        for (; m < M; m++) row_float<T, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
-      }
-      return;
-    }
-    std::vector<float> buf(NT_F * K);
-    for (int64_t n = n0; n < n1; n += NT_F) {
-      const int nt = static_cast<int>(std::min<int64_t>(NT_F, n1 - n));
-      for (int j = 0; j < nt; j++)
-        for (int b = 0; b < nb; b++) {
-          vf v[VN];
-          dequant_block<T>(w + (n + j) * row_bytes + static_cast<int64_t>(b) * block_bytes(T), v);
-          for (int i = 0; i < VN; i++) vstore(buf.data() + j * K + b * QK + i * VW, v[i]);
-        }
-      if (nt == NT_F) {
-        rows_float<NT_F>(buf.data(), K, x, M, out + n, N);
-      } else {
-        for (int j = 0; j < nt; j++) rows_float<1>(buf.data() + j * K, K, x, M, out + n + j, N);
-      }
+  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* wrow = w + n * row_bytes;
+      int64_t m = 0;
+      for (; m + MT_F <= M; m += MT_F) row_float<T, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
+      for (; m < M; m++) row_float<T, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
     }
   });
 }
@@ -321,6 +446,247 @@ void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   });
 }
 
+// ---- int16 path: activations quantised per row and block of 32 to int16 (15 bits
+// against the block's largest value, against 7 for the int8 path), weights as the
+// integers of their blocks, integer dot products of pairs (vpdpwssd with AVX-512 VNNI,
+// vpmaddwd + vpaddd otherwise), then per block one float FMA with the two scales:
+//   sum_k w x = sum_b dw_b dx_b (sum_k qw qx) [+ m_b dx_b sum_k qx  (Q4_1's minimum)]
+// Each vpdpwssd is 32 multiply-adds against 16 for a float32 FMA, which is how this path
+// beats the float32 FMA limit that oneDNN's packed float32 already runs at.
+// Blocking as the float path: x quantised once per call into xq [Mp/VW][K/2][VW][2]
+// (pairs of k for VW rows m per vector), weight panels of NQ rows unpacked a chunk at a
+// time to int16 wq [NQ][KQ_MAX] with their scales, an NR x MV tile of int32 block sums
+// plus the float accumulators they are folded into, both in registers.
+#ifdef SL_AVX512
+using vi = __m512i;
+inline vi iload(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline vi iset1(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline vi izero() { return _mm512_setzero_si512(); }
+inline vf icvt(vi a) { return _mm512_cvtepi32_ps(a); }
+#if defined(__AVX512VNNI__)
+inline vi idot(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+inline vi idot(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
+constexpr int NQ = 12;     // 12 int32 + 12 float accumulators + 2 activation vectors
+constexpr int MQ_MAX = 2;  // NR = 12, 6
+#else
+using vi = __m256i;
+inline vi iload(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi iset1(const int16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline vi izero() { return _mm256_setzero_si256(); }
+inline vf icvt(vi a) { return _mm256_cvtepi32_ps(a); }
+inline vi idot(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+constexpr int NQ = 6;      // 6 int32 + 6 float accumulators + 2 activation vectors of 16
+constexpr int MQ_MAX = 1;  // NR = 6 (two vectors of x would spill: 16 registers)
+#endif
+constexpr int KQ_MAX = 16384 / NQ / QK * QK;  // wq = NQ * KQ int16 <= 32 KB
+constexpr int BQ_MAX = KQ_MAX / QK;           // blocks per chunk
+
+// One block of 32 activations -> 32 int16 q = round(x / d), d = max|x| / 32767; returns
+// d and sets sum = sum of q.
+inline float quant_block16(const float* x, int16_t* q, int& sum) {
+#ifdef SL_AVX512
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));  // nearest, ties even
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(qa));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(qb));
+#else
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 4; j++) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
+  __m256i qi[4];
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < 4; j++) {
+    qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));  // nearest, ties even
+    s = _mm256_add_epi32(s, qi[j]);
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  sum = _mm_cvtsi128_si32(s4);
+  for (int j = 0; j < 4; j += 2)  // packs works within 128-bit lanes: put the quarters back in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[j], qi[j + 1]), 0xD8));
+#endif
+  return d;
+}
+
+// Activations x [M, K] -> xq [Mp/VW][K/2][VW][2] int16, dx, xs [Mp/VW][nb][VW] float
+// (scale, and scale * sum of the block's quants), rows past M zero. Per VW rows: each
+// row quantised into a [VW][K] tile, whose int16 pairs are then moved into place as
+// 32-bit words by 8x8 transposes.
+void quantize_rows16(const float* x, int64_t M, int64_t K, int64_t Mp, int16_t* xq, float* dx, float* xs) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
+    std::vector<int16_t> tile(VW * K);
+    for (int64_t v = v0; v < v1; v++) {
+      for (int l = 0; l < VW; l++) {
+        const int64_t m = v * VW + l;
+        for (int64_t b = 0; b < nb; b++) {
+          int sum = 0;
+          float d = 0.f;
+          if (m < M)
+            d = quant_block16(x + m * K + b * QK, tile.data() + l * K + b * QK, sum);
+          else
+            std::fill_n(tile.data() + l * K + b * QK, QK, int16_t{0});
+          dx[(v * nb + b) * VW + l] = d;
+          xs[(v * nb + b) * VW + l] = d * static_cast<float>(sum);
+        }
+      }
+      const float* words = reinterpret_cast<const float*>(tile.data());  // [VW][K/2] pairs
+      float* dst = reinterpret_cast<float*>(xq + v * K * VW);           // [K/2][VW] pairs
+      for (int h = 0; h < VW / 8; h++)
+        for (int64_t p = 0; p < K / 2; p += 8) transpose8x8(words + 8 * h * (K / 2) + p, K / 2, dst + p * VW + 8 * h, VW);
+    }
+  });
+}
+
+// one weight block's 32 quants as int16 in k order (Q4_0: minus 8) at dst
+template <int T>
+inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
+  const uint8_t* qs = blk + quants_offset(T);
+  __m256i a, b;
+  if constexpr (T == Q8_0) {
+    a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    a = _mm256_cvtepu8_epi16(_mm_and_si128(q, m4));                     // weights 0..15
+    b = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4));  // weights 16..31
+    if constexpr (T == Q4_0) {
+      a = _mm256_sub_epi16(a, _mm256_set1_epi16(8));
+      b = _mm256_sub_epi16(b, _mm256_set1_epi16(8));
+    }
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), a);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), b);
+}
+
+// acc[i][m] (+)= sum over nbc blocks for NR weight rows i and MV * VW activation rows m.
+// wq row stride KQ_MAX, dw/mw row stride BQ_MAX; xq vector stride xstride (int16),
+// dx/xs vector stride sstride (floats).
+template <int T, int MV, int NR>
+inline void micro_int16(const int16_t* wq, const float* dw, const float* mw, int nbc, const int16_t* xq,
+                        int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
+                        bool first) {
+  vf cf[NR][MV];
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  for (int b = 0; b < nbc; b++) {
+    vi ci[NR][MV];
+    SL_UNROLL for (int i = 0; i < NR; i++)
+      SL_UNROLL for (int j = 0; j < MV; j++) ci[i][j] = izero();
+    SL_UNROLL for (int p = 0; p < QK / 2; p++) {
+      vi xv[MV];
+      SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload(xq + j * xstride + (b * (QK / 2) + p) * 2 * VW);
+      SL_UNROLL for (int i = 0; i < NR; i++) {
+        const vi wv = iset1(wq + i * KQ_MAX + b * QK + 2 * p);
+        SL_UNROLL for (int j = 0; j < MV; j++) ci[i][j] = idot(ci[i][j], wv, xv[j]);
+      }
+    }
+    vf d[MV];
+    SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
+    SL_UNROLL for (int i = 0; i < NR; i++) {
+      const vf dwi = vset1(dw[i * BQ_MAX + b]);
+      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(ci[i][j]), vmul(d[j], dwi), cf[i][j]);
+    }
+    if constexpr (T == Q4_1) {
+      SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(xs + j * sstride + b * VW);
+      SL_UNROLL for (int i = 0; i < NR; i++) {
+        const vf mi = vset1(mw[i * BQ_MAX + b]);
+        SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(mi, d[j], cf[i][j]);
+      }
+    }
+  }
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, cf[i][j]);
+}
+
+template <int T, int MV>
+inline void panel_tiles16(const int16_t* wq, const float* dw, const float* mw, int nr, int nbc, const int16_t* xq,
+                          int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
+                          int64_t ldc, bool first) {
+  constexpr int NR = NQ / MV;
+  for (int v = 0; v + MV <= nv; v += MV) {
+    const int16_t* xv = xq + v * xstride;
+    const float *dv = dx + v * sstride, *sv = xs + v * sstride;
+    float* a = acc + v * VW;
+    int i = 0;
+    for (; i + NR <= nr; i += NR)
+      micro_int16<T, MV, NR>(wq + i * KQ_MAX, dw + i * BQ_MAX, mw + i * BQ_MAX, nbc, xv, xstride, dv, sv, sstride,
+                             a + i * ldc, ldc, first);
+    for (; i < nr; i++)
+      micro_int16<T, MV, 1>(wq + i * KQ_MAX, dw + i * BQ_MAX, mw + i * BQ_MAX, nbc, xv, xstride, dv, sv, sstride,
+                            a + i * ldc, ldc, first);
+  }
+}
+
+template <int T>
+void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int nb = static_cast<int>(K / QK);
+  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t Mp = (M + VW - 1) / VW * VW;
+  auto xq = scratch<int16_t>(Mp * K);
+  auto dx = scratch<float>(Mp * nb), xs = scratch<float>(Mp * nb);
+  quantize_rows16(x, M, K, Mp, xq.get(), dx.get(), xs.get());
+  const int nchunks = (nb + BQ_MAX - 1) / BQ_MAX;
+  const int bc_step = (nb + nchunks - 1) / nchunks;  // blocks per chunk, chunks equal
+  const int64_t npanels = (N + NQ - 1) / NQ;
+  const int64_t xstride = K * VW, sstride = static_cast<int64_t>(nb) * VW;
+  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t MC = m_block(K, sizeof(int16_t));
+    std::vector<int16_t> wq(NQ * KQ_MAX);
+    std::vector<float> dw(NQ * BQ_MAX), mw(NQ * BQ_MAX);
+    std::vector<float> acc(NQ * std::min(Mp, MC));
+    for (int64_t m0 = 0; m0 < Mp; m0 += MC) {
+      const int64_t mc = std::min(MC, Mp - m0);
+      const int nv = static_cast<int>(mc / VW);
+      for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * NQ;
+        const int nr = static_cast<int>(std::min<int64_t>(NQ, N - n0));
+        for (int b0 = 0; b0 < nb; b0 += bc_step) {
+          const int nbc = std::min(bc_step, nb - b0);
+          for (int i = 0; i < nr; i++)
+            for (int b = 0; b < nbc; b++) {
+              const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(b0 + b) * block_bytes(T);
+              unpack_block16<T>(blk, wq.data() + i * KQ_MAX + b * QK);
+              dw[i * BQ_MAX + b] = half(blk);
+              if constexpr (T == Q4_1) mw[i * BQ_MAX + b] = half(blk + 2);
+            }
+          const int16_t* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
+          const float* db = dx.get() + m0 / VW * sstride + b0 * VW;
+          const float* sb = xs.get() + m0 / VW * sstride + b0 * VW;
+          const bool first = b0 == 0;
+          int v = 0;
+          for (; v + MQ_MAX <= nv; v += MQ_MAX)
+            panel_tiles16<T, MQ_MAX>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
+                                     db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first);
+          if (v < nv)
+            panel_tiles16<T, 1>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
+                                db + v * sstride, sb + v * sstride, sstride, 1, acc.data() + v * VW, mc, first);
+        }
+        const int64_t mrows = std::min(mc, M - m0);
+        for (int64_t m = 0; m < mrows; m++)
+          for (int i = 0; i < nr; i++) out[(m0 + m) * N + n0 + i] = acc[i * mc + m];
+      }
+    }
+  });
+}
+
 template <int T>
 void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK);
@@ -345,8 +711,10 @@ int64_t checked_k(const torch::Tensor& w, int64_t type) {
 
 }  // namespace
 
-// x [M, K] float32, w [N, K/32 * block_bytes] uint8 -> [M, N] float32. int8: quantise x.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, bool int8) {
+// x [M, K] float32, w [N, K/32 * block_bytes] uint8 -> [M, N] float32.
+// mode: 0 float path, 1 int8 path, 2 int16 path (x quantised to 8 / 16 bits per block).
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 2, "quant_linear: mode must be 0 (float), 1 (int8) or 2 (int16)");
   const int64_t K = checked_k(w, type);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "quant_linear: x must be [M, K] float32");
   x = x.contiguous();
@@ -356,11 +724,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, bool int8) 
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (type) {
-    case Q4_0: (int8 ? linear_int8<Q4_0> : linear_float<Q4_0>)(xp, wp, op, M, N, K); break;
-    case Q4_1: (int8 ? linear_int8<Q4_1> : linear_float<Q4_1>)(xp, wp, op, M, N, K); break;
-    default: (int8 ? linear_int8<Q8_0> : linear_float<Q8_0>)(xp, wp, op, M, N, K); break;
-  }
+  using Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+  static constexpr Fn fns[3][3] = {{linear_float<Q4_0>, linear_int8<Q4_0>, linear_int16<Q4_0>},
+                                   {linear_float<Q4_1>, linear_int8<Q4_1>, linear_int16<Q4_1>},
+                                   {linear_float<Q8_0>, linear_int8<Q8_0>, linear_int16<Q8_0>}};
+  fns[type][mode](xp, wp, op, M, N, K);
   return out;
 }
 
@@ -391,7 +759,7 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x @ W^T with W in GGUF blocks (Q4_0=0, Q4_1=1, Q8_0=2)");
+  m.def("linear", &linear, "x @ W^T with W in GGUF blocks (Q4_0=0, Q4_1=1, Q8_0=2); mode 0 float, 1 int8, 2 int16");
   m.def("dequantize", &dequantize, "GGUF blocks -> float32 rows");
   m.def("isa", &isa, "the instruction set this build targets");
 }

@@ -1,7 +1,8 @@
 """The GGUF block kernels (``quant_linear.cpp``) against the float32 dequantisation.
 
 Every block type, both ISA builds (the AVX2 one is forced on an AVX-512 machine by
-loading it explicitly), both paths (float: weights dequantised in registers; int8:
+loading it explicitly), every path (float: weights dequantised exactly, float32 math,
+in registers for a few rows and through a blocked GEMM for more; int16 and int8:
 activations quantised per block), on random and on the default model's weights.
 """
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from structllm.kernels import cpu_ext, packed
-from structllm.kernels.packed import BLOCK_TYPES, BlockWeight
+from structllm.kernels.packed import BLOCK_TYPES, FLOAT, INT8, INT16, BlockWeight
 
 gguf = pytest.importorskip("gguf")
 
@@ -65,8 +66,10 @@ def test_float_path_weights_are_bit_exact(isa: str, type_name: str) -> None:
     w, ref = quantize(random_weight(40, 160), type_name)
     assert torch.equal(module.dequantize(w.raw, w.code), ref)
     k = w.shape[1]
-    for rows in (torch.eye(k)[:1], torch.eye(k)[:3], torch.eye(k)):  # tile and remainder loops
-        got = module.linear(rows, w.raw, w.code, False)
+    # the in-register path (1, 3 rows) and the blocked one (17 rows: a padded vector;
+    # 160: whole vectors and tiles), each with its remainder loops
+    for rows in (torch.eye(k)[:1], torch.eye(k)[:3], torch.eye(k)[:17], torch.eye(k)):
+        got = module.linear(rows, w.raw, w.code, FLOAT)
         assert torch.equal(got, (rows @ ref.T) if rows.shape[0] < k else ref.T.contiguous())
 
 
@@ -75,13 +78,15 @@ def check_against_reference(module: object, w: BlockWeight, ref: torch.Tensor, s
     for m in M_SIZES:
         x = torch.randn(m, w.shape[1])
         want = (x.double() @ ref.double().T).float()
-        for int8, tol in ((False, 1e-5), (True, 2e-2)):
-            got = module.linear(x, w.raw, w.code, int8)  # type: ignore[attr-defined]
+        # float: float32 rounding only; int16: activations to 16 bits (measured 2.3e-5);
+        # int8: to 8 bits
+        for mode, tol in ((FLOAT, 1e-5), (INT16, 1e-4), (INT8, 2e-2)):
+            got = module.linear(x, w.raw, w.code, mode)  # type: ignore[attr-defined]
             rel = ((got - want).norm() / want.norm()).item()
-            assert rel < tol, (m, int8, rel)
+            assert rel < tol, (m, mode, rel)
             # each row on its own: no row is much worse than the average
             row_rel = ((got - want).norm(dim=1) / want.norm(dim=1)).max().item()
-            assert row_rel < 4 * tol, (m, int8, row_rel)
+            assert row_rel < 4 * tol, (m, mode, row_rel)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -105,14 +110,28 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
     w, ref = quantize(random_weight(64, 128, seed=3), "Q4_1")
     module = cpu_ext.load_quant()
     small, big = torch.randn(8, 128), torch.randn(9, 128)
-    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: float path at every size
-    assert torch.equal(packed.linear(big, w), module.linear(big, w.raw, w.code, False))
-    monkeypatch.setattr(packed, "INT8_MIN_M", 9)
-    assert torch.equal(packed.linear(small, w), module.linear(small, w.raw, w.code, False))
-    assert torch.equal(packed.linear(big, w), module.linear(big, w.raw, w.code, True))
-    assert torch.equal(packed.linear(big, w, float_path=True), module.linear(big, w.raw, w.code, False))
+
+    def path(x: torch.Tensor, mode: int) -> torch.Tensor:
+        return module.linear(x, w.raw, w.code, mode)
+
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: int8 never, int16 from 5 rows
+    assert packed.INT16_MIN_M == 5
+    assert torch.equal(packed.linear(small[:4], w), path(small[:4], FLOAT))
+    assert torch.equal(packed.linear(big, w), path(big, INT16))
+    monkeypatch.setattr(packed, "INT16_MIN_M", 0)
+    assert torch.equal(packed.linear(big, w), path(big, FLOAT))
+    monkeypatch.setattr(packed, "INT16_MIN_M", 5)
+    monkeypatch.setattr(packed, "INT8_MIN_M", 9)  # int8 where set, before int16
+    assert torch.equal(packed.linear(small, w), path(small, INT16))
+    assert torch.equal(packed.linear(big, w), path(big, INT8))
+    assert torch.equal(packed.linear(big, w, int8_ok=False), path(big, INT16))
     bias = torch.randn(64)
-    torch.testing.assert_close(packed.linear(small, w, bias), small @ ref.T + bias, atol=1e-4, rtol=1e-4)
+    few = small[:4]  # float path: float32 rounding only
+    torch.testing.assert_close(packed.linear(few, w, bias), few @ ref.T + bias, atol=1e-4, rtol=1e-4)
+    # int16 path: activations to 16 bits (outputs here are ~10, their errors ~1e-3)
+    torch.testing.assert_close(packed.linear(small, w, bias), small @ ref.T + bias, atol=1e-2, rtol=1e-3)
+    with pytest.raises(RuntimeError, match="mode"):
+        module.linear(big, w.raw, w.code, 3)
 
 
 def test_isa_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
