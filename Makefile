@@ -32,6 +32,7 @@ generate: $(STAMP)
 	$(VENV)/bin/structllm generate --chat -p "Tell me about structured concurrency in one sentence."
 
 lint: $(STAMP)
+	$(VENV)/bin/ruff format --check structllm tests bench
 	$(VENV)/bin/ruff check structllm tests bench
 	$(VENV)/bin/mypy
 

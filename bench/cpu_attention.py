@@ -40,9 +40,17 @@ def bench_ms(fn: Callable[[], object], reps: int) -> float:
     return best * 1e3
 
 
-def paged_step(impl: CpuAttention | TorchAttention, b: int, ctx: int, h: int, hkv: int, d: int, bs: int,
-               g: torch.Generator, dtype: torch.dtype = torch.float32,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+def paged_step(
+    impl: CpuAttention | TorchAttention,
+    b: int,
+    ctx: int,
+    h: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    g: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A cache in ``dtype`` holding ``b`` sequences of ``ctx`` tokens in shuffled blocks,
     stored through ``impl`` (each backend keeps K in its own layout), and one float32
     query token per sequence."""
@@ -50,7 +58,9 @@ def paged_step(impl: CpuAttention | TorchAttention, b: int, ctx: int, h: int, hk
     nb = b * per_seq
     perm = torch.randperm(nb, generator=g)
     tables = perm.view(b, per_seq).to(torch.int32)  # [B, MB]
-    k_shape = impl.k_cache_shape(nb, bs, hkv, d) if isinstance(impl, CpuAttention) else (nb, bs, hkv, d)
+    k_shape = (
+        impl.k_cache_shape(nb, bs, hkv, d) if isinstance(impl, CpuAttention) else (nb, bs, hkv, d)
+    )
     k_cache = torch.zeros(k_shape, dtype=dtype)
     v_cache = torch.zeros(nb, bs, hkv, d, dtype=dtype)
     pos = torch.arange(ctx)
@@ -73,18 +83,39 @@ def paged_step(impl: CpuAttention | TorchAttention, b: int, ctx: int, h: int, hk
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=208, help="tokens of context per sequence (128 + 80 generated)")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=208,
+        help="tokens of context per sequence (128 + 80 generated)",
+    )
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--kv-cache-dtype", default="float32,float16", help="cache dtypes to time, comma-separated")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds over the dtypes (best kept)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's); 1 keeps a loaded machine's preemptions from stalling a barrier")
+    ap.add_argument(
+        "--kv-cache-dtype", default="float32,float16", help="cache dtypes to time, comma-separated"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved timing rounds over the dtypes (best kept)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=(
+            "torch threads (default: torch's); 1 keeps a loaded machine's preemptions from "
+            "stalling a barrier"
+        ),
+    )
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -100,9 +131,13 @@ def main() -> int:
     dst = torch.empty_like(src)
     t_copy = bench_ms(lambda: dst.copy_(src), a.reps)  # reads and writes the float32 bytes
     copy_gb_s = round(2 * elems * 4 / t_copy / 1e6, 1)
-    print(f"decode B={a.batch} L={a.context} (H={a.heads}, Hkv={a.kv_heads}, D={a.head_dim}, BS={a.block_size}), "
-          f"{torch.get_num_threads()} threads, kernel built for {module.isa()}; a float32 copy runs at {copy_gb_s} GB/s",
-          file=sys.stderr)
+    print(
+        f"decode B={a.batch} L={a.context} "
+        f"(H={a.heads}, Hkv={a.kv_heads}, D={a.head_dim}, BS={a.block_size}), "
+        f"{torch.get_num_threads()} threads, kernel built for {module.isa()}; "
+        f"a float32 copy runs at {copy_gb_s} GB/s",
+        file=sys.stderr,
+    )
     names = [n.strip() for n in a.kv_cache_dtype.split(",") if n.strip()]
     setups = {}
     worst = 0.0
@@ -111,7 +146,12 @@ def main() -> int:
         step = paged_step(kernel, *shape, torch.Generator().manual_seed(0), dtype)
         step_ref = paged_step(ref, *shape, torch.Generator().manual_seed(0), dtype)
         out, want = kernel.decode(*step, scale), ref.decode(*step_ref, scale)
-        setups[name] = (dtype, step, step_ref, (out - want).abs().max().item())  # both read the same cache values
+        setups[name] = (
+            dtype,
+            step,
+            step_ref,
+            (out - want).abs().max().item(),
+        )  # both read the same cache values
         worst = max(worst, setups[name][3])
     # Interleaved rounds, best of each: on a shared machine a one-off burst of load then
     # hits every dtype alike instead of whichever happened to run first.
@@ -119,28 +159,52 @@ def main() -> int:
     for _ in range(a.rounds):
         for name in names:
             _, step, step_ref, _ = setups[name]
-            best[name][0] = min(best[name][0], bench_ms(lambda: kernel.decode(*step, scale), a.reps))  # noqa: B023
-            best[name][1] = min(best[name][1], bench_ms(lambda: ref.decode(*step_ref, scale), a.reps))  # noqa: B023
+            best[name][0] = min(
+                best[name][0],
+                bench_ms(lambda: kernel.decode(*step, scale), a.reps),  # noqa: B023
+            )
+            best[name][1] = min(
+                best[name][1],
+                bench_ms(lambda: ref.decode(*step_ref, scale), a.reps),  # noqa: B023
+            )
     runs: dict[str, dict[str, float]] = {}
     for name in names:
         dtype, _, _, err = setups[name]
         t_kernel, t_ref = best[name]
         kv_bytes = elems * dtype.itemsize
         runs[name] = {
-            "kernel_ms": round(t_kernel, 3), "reference_ms": round(t_ref, 3), "speedup": round(t_ref / t_kernel, 2),
-            "kv_mb": round(kv_bytes / 1e6, 1), "kernel_read_gb_s": round(kv_bytes / t_kernel / 1e6, 1),
+            "kernel_ms": round(t_kernel, 3),
+            "reference_ms": round(t_ref, 3),
+            "speedup": round(t_ref / t_kernel, 2),
+            "kv_mb": round(kv_bytes / 1e6, 1),
+            "kernel_read_gb_s": round(kv_bytes / t_kernel / 1e6, 1),
             "max_abs_err": err,
         }
         print(f"  {name} cache ({runs[name]['kv_mb']} MB of K/V)", file=sys.stderr)
-        print(f"    C++ kernel      {t_kernel:8.3f} ms  ({runs[name]['kernel_read_gb_s']} GB/s read)", file=sys.stderr)
-        print(f"    torch reference {t_ref:8.3f} ms  -> kernel {runs[name]['speedup']}x faster, max |diff| {err:.1e}",
-              file=sys.stderr)
+        print(
+            f"    C++ kernel      {t_kernel:8.3f} ms  ({runs[name]['kernel_read_gb_s']} GB/s read)",
+            file=sys.stderr,
+        )
+        print(
+            f"    torch reference {t_ref:8.3f} ms  -> kernel {runs[name]['speedup']}x faster, "
+            f"max |diff| {err:.1e}",
+            file=sys.stderr,
+        )
     if "float32" in runs and "float16" in runs:
-        print(f"  float16 cache: kernel {runs['float32']['kernel_ms'] / runs['float16']['kernel_ms']:.2f}x the float32 "
-              "cache's speed", file=sys.stderr)
+        print(
+            "  float16 cache: kernel "
+            f"{runs['float32']['kernel_ms'] / runs['float16']['kernel_ms']:.2f}x the float32 "
+            "cache's speed",
+            file=sys.stderr,
+        )
     res = {
-        "bench": "cpu_attention", "batch": a.batch, "context": a.context, "threads": torch.get_num_threads(),
-        "isa": module.isa(), "copy_gb_s": copy_gb_s, "kv_cache_dtypes": runs,
+        "bench": "cpu_attention",
+        "batch": a.batch,
+        "context": a.context,
+        "threads": torch.get_num_threads(),
+        "isa": module.isa(),
+        "copy_gb_s": copy_gb_s,
+        "kv_cache_dtypes": runs,
     }
     print(json.dumps(res))
     return 0 if worst < 1e-4 else 1

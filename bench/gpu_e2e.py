@@ -68,8 +68,13 @@ def pick_model(arg: str | None, tmp: Path) -> tuple[str | None, str]:
         default_model_path()
         return None, "default model"
     except FileNotFoundError as e:
-        print(f"(default model unavailable: {e}; using a random model of its attention shape)", file=sys.stderr)
-        return str(build_fallback_model(tmp)), "random SmolLM2-shaped model (default model not installed)"
+        print(
+            f"(default model unavailable: {e}; using a random model of its attention shape)",
+            file=sys.stderr,
+        )
+        return str(
+            build_fallback_model(tmp)
+        ), "random SmolLM2-shaped model (default model not installed)"
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
@@ -79,7 +84,9 @@ def prompts_for(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     long = [rng.randrange(100, vocab - 100) for _ in range(700)]
     first = [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in (5, 37, 300)]
-    rest = [[rng.randrange(100, vocab - 100) for _ in range(rng.randrange(3, 60))] for _ in range(40)]
+    rest = [
+        [rng.randrange(100, vocab - 100) for _ in range(rng.randrange(3, 60))] for _ in range(40)
+    ]
     return [*first, long, long[:500], *rest]
 
 
@@ -91,7 +98,9 @@ class Run:
 
         llm = LLM(model, max_num_batched_tokens=256, max_num_seqs=64, **kw)
         t = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2))
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+        )
         self.seconds = time.perf_counter() - t
         self.tokens = [o.token_ids for o in outs]
         self.logprobs = [o.logprobs or [] for o in outs]
@@ -110,7 +119,9 @@ def throughput(model: str | None, vocab: int, enforce_eager: bool) -> float:
 
     rng = random.Random(1)
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(32)] for _ in range(64)]
-    llm = LLM(model, device="cuda", kv_cache_memory=4 << 30, max_num_seqs=64, enforce_eager=enforce_eager)
+    llm = LLM(
+        model, device="cuda", kv_cache_memory=4 << 30, max_num_seqs=64, enforce_eager=enforce_eager
+    )
     sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
@@ -147,11 +158,16 @@ def main() -> int:
         n = args.max_tokens
         gib = 4 << 30
         runs: dict[str, Run] = {
-            "cpu-f32": Run(model, prompts, n, device="cpu", dtype="float32", attention_backend="torch", kv_cache_memory=1 << 30),
+            "cpu-f32": Run(model, prompts, n, device="cpu", dtype="float32",
+                           attention_backend="torch", kv_cache_memory=1 << 30),
             "cuda-f32": Run(model, prompts, n, device="cuda", dtype="float32", kv_cache_memory=gib),
-            "cuda-f32-eager": Run(model, prompts, n, device="cuda", dtype="float32", kv_cache_memory=gib, enforce_eager=True),
-            "cuda-bf16": Run(model, prompts, n, device="cuda", dtype="bfloat16", kv_cache_memory=gib),
-            "cuda-bf16-torch": Run(model, prompts, n, device="cuda", dtype="bfloat16", attention_backend="torch", kv_cache_memory=gib, enforce_eager=True),
+            "cuda-f32-eager": Run(model, prompts, n, device="cuda", dtype="float32",
+                                  kv_cache_memory=gib, enforce_eager=True),
+            "cuda-bf16": Run(model, prompts, n, device="cuda", dtype="bfloat16",
+                             kv_cache_memory=gib),
+            "cuda-bf16-torch": Run(model, prompts, n, device="cuda", dtype="bfloat16",
+                                   attention_backend="torch", kv_cache_memory=gib,
+                                   enforce_eager=True),
         }  # fmt: skip
         tps_graph = throughput(model, vocab, enforce_eager=False)
         tps_eager = throughput(model, vocab, enforce_eager=True)
@@ -166,7 +182,9 @@ def main() -> int:
         exact = sum(p == n for p in prefixes)
         # Where a run leaves the CPU's path: how close the CPU's own choice was there.
         gaps = [cpu.gap(i, p) for i, p in enumerate(prefixes) if p < n]
-        lp_diff = max(abs(r.logprobs[i][0].logprob - cpu.logprobs[i][0].logprob) for i in range(len(prompts)))
+        lp_diff = max(
+            abs(r.logprobs[i][0].logprob - cpu.logprobs[i][0].logprob) for i in range(len(prompts))
+        )
         if name.startswith("cuda-f32"):
             passed = all(g < 1e-3 for g in gaps) and lp_diff < 1e-3
         else:
@@ -178,15 +196,21 @@ def main() -> int:
             "cpu_gaps_where_diverged": gaps, "first_logprob_max_diff": lp_diff, "passed": passed,
         }  # fmt: skip
         print(f"  {name:16} {r.seconds:6.1f}s  identical to cpu-f32: {exact}/{len(prompts)}  "
-              f"shortest common prefix: {min(prefixes)}/{n}  first-token logprob diff: {lp_diff:.1e}  "
-              f"cpu top-2 gaps where diverged: {[round(g, 4) for g in gaps]}  {'ok' if passed else 'FAIL'}", file=err)  # fmt: skip
+              f"shortest common prefix: {min(prefixes)}/{n}  "
+              f"first-token logprob diff: {lp_diff:.1e}  "
+              f"cpu top-2 gaps where diverged: {[round(g, 4) for g in gaps]}  "
+              f"{'ok' if passed else 'FAIL'}", file=err)  # fmt: skip
     for i in range(4):
         print(f"  prompt {i} (len {len(prompts[i])}):", file=err)
         for name, r in runs.items():
             print(f"    {name:16} {r.tokens[i]}", file=err)
     report["decode_tokens_per_s"] = {"graphs": tps_graph, "eager": tps_eager}
     report["passed"] = ok
-    print(f"  bf16 throughput, 64 x 128 tokens: graphs {tps_graph:,.0f} tok/s, eager {tps_eager:,.0f} tok/s", file=err)
+    print(
+        f"  bf16 throughput, 64 x 128 tokens: graphs {tps_graph:,.0f} tok/s, "
+        f"eager {tps_eager:,.0f} tok/s",
+        file=err,
+    )
     print(json.dumps(report))
     return 0 if ok else 1
 

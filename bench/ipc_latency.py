@@ -152,8 +152,12 @@ def worker(kind: str, args: dict[str, Any]) -> None:
 
         mapping = shm.attach(args["fd"], args["shm_size"])
         to_engine, to_front = shm.rings(mapping, args["capacity"])
-        ep: Endpoint[object] = Endpoint(to_engine, to_front, Doorbell(args["engine_bell"]), Doorbell(args["front_bell"]), object)
-        spin = SpinBudget(spin_window(args["spin_us"] * 1e-6, wake_latency()) if args["spin_us"] else 0.0)
+        ep: Endpoint[object] = Endpoint(
+            to_engine, to_front, Doorbell(args["engine_bell"]), Doorbell(args["front_bell"]), object
+        )
+        spin = SpinBudget(
+            spin_window(args["spin_us"] * 1e-6, wake_latency()) if args["spin_us"] else 0.0
+        )
         count_sleeps(ep)
         if mode == "pingpong":
             done = 0
@@ -236,12 +240,24 @@ def run_ring(backend: str, spin_us: float, size: int, n: int, mode: str) -> dict
     mapping, fd = shm.create(shm_size)
     to_engine, to_front = shm.rings(mapping, capacity, init=True)
     front_bell, engine_bell = Doorbell(), Doorbell()
-    args = {"n": n, "mode": mode, "size": size, "fd": fd, "shm_size": shm_size, "capacity": capacity,
-            "engine_bell": engine_bell.fd, "front_bell": front_bell.fd, "spin_us": spin_us,
-            "wake_delay_us": WAKE_DELAY_US, "old_spin": OLD_SPIN}
+    args = {
+        "n": n,
+        "mode": mode,
+        "size": size,
+        "fd": fd,
+        "shm_size": shm_size,
+        "capacity": capacity,
+        "engine_bell": engine_bell.fd,
+        "front_bell": front_bell.fd,
+        "spin_us": spin_us,
+        "wake_delay_us": WAKE_DELAY_US,
+        "old_spin": OLD_SPIN,
+    }
     proc = spawn("ring", args, (fd, engine_bell.fd, front_bell.fd))
     os.close(fd)
-    ep = AsyncEndpoint(Endpoint(to_front, to_engine, front_bell, engine_bell, Delta), spin_s=spin_us * 1e-6)
+    ep = AsyncEndpoint(
+        Endpoint(to_front, to_engine, front_bell, engine_bell, Delta), spin_s=spin_us * 1e-6
+    )
     SLEEPS[0] = 0
     count_sleeps(ep.ep)
     msg = payload(size)
@@ -281,7 +297,9 @@ def run_zmq_async(size: int, n: int, mode: str) -> dict[str, float]:
 
     d = tempfile.mkdtemp()
     to_engine, to_front = f"ipc://{d}/e", f"ipc://{d}/f"
-    proc = spawn("zmq", {"n": n, "mode": mode, "size": size, "to_engine": to_engine, "to_front": to_front})
+    proc = spawn(
+        "zmq", {"n": n, "mode": mode, "size": size, "to_engine": to_engine, "to_front": to_front}
+    )
     dec = msgspec.msgpack.Decoder(Delta)
     enc = msgspec.msgpack.Encoder()
     msg = payload(size)
@@ -319,7 +337,10 @@ def run_zmq_sync(size: int, n: int, mode: str) -> dict[str, float]:
 
     d = tempfile.mkdtemp()
     to_engine, to_front = f"ipc://{d}/e", f"ipc://{d}/f"
-    proc = spawn("zmq_sync", {"n": n, "mode": mode, "size": size, "to_engine": to_engine, "to_front": to_front})
+    proc = spawn(
+        "zmq_sync",
+        {"n": n, "mode": mode, "size": size, "to_engine": to_engine, "to_front": to_front},
+    )
     dec = msgspec.msgpack.Decoder(Delta)
     enc = msgspec.msgpack.Encoder()
     msg = payload(size)
@@ -392,16 +413,26 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], json.loads(sys.argv[3]))
         return
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("-n", type=int, default=20_000, help="round trips per case")
     ap.add_argument("--stream", type=int, default=STREAM_N, help="messages for the one-way rate")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
+    ap.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
+    )
     ap.add_argument("--sizes", default="64,4096", help="frame sizes in bytes")
-    ap.add_argument("--wake-delay-us", type=float, default=0.0,
-                    help="ring cases: every sleep on a doorbell comes back this much later (both processes), "
-                    "to mimic a machine with slow wake-ups (a VM: ~78 us)")
-    ap.add_argument("--old-spin", action="store_true", help="the spin policy before issue 13 (for A/B runs)")
+    ap.add_argument(
+        "--wake-delay-us",
+        type=float,
+        default=0.0,
+        help="ring cases: every sleep on a doorbell comes back this much later (both processes), "
+        "to mimic a machine with slow wake-ups (a VM: ~78 us)",
+    )
+    ap.add_argument(
+        "--old-spin", action="store_true", help="the spin policy before issue 13 (for A/B runs)"
+    )
     args = ap.parse_args()
     global WAKE_DELAY_US, OLD_SPIN
     WAKE_DELAY_US, OLD_SPIN = args.wake_delay_us, args.old_spin
@@ -421,28 +452,50 @@ def main() -> None:
             results[f"{name}_{size}"] = {
                 **{k: v for k, v in pp.items() if k != "cpu_s"},
                 "cpu_us_per_rt": round(pp["cpu_s"] / args.n * 1e6, 1),
-                **({"sleeps_per_rt": round((pp["front_sleeps"] + pp["engine_sleeps"]) / args.n, 2)}
-                   if "front_sleeps" in pp else {}),
+                **(
+                    {"sleeps_per_rt": round((pp["front_sleeps"] + pp["engine_sleeps"]) / args.n, 2)}
+                    if "front_sleeps" in pp
+                    else {}
+                ),
                 "msgs_per_s": round(st["msgs_per_s"]),
             }
-    print(f"{'case':26}{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}{'cpu us/rt':>11}{'msgs/s':>11}{'sleeps/rt':>10}",
-          file=sys.stderr)
+    print(
+        f"{'case':26}{'p50 us':>9}{'p99 us':>9}{'p99.9 us':>10}"
+        f"{'cpu us/rt':>11}{'msgs/s':>11}{'sleeps/rt':>10}",
+        file=sys.stderr,
+    )
     for name, r in results.items():
-        print(f"{name:26}{r['p50_us']:>9}{r['p99_us']:>9}{r['p999_us']:>10}{r['cpu_us_per_rt']:>11}{r['msgs_per_s']:>11}"
-              f"{r.get('sleeps_per_rt', ''):>10}", file=sys.stderr)
+        print(
+            f"{name:26}{r['p50_us']:>9}{r['p99_us']:>9}{r['p999_us']:>10}{r['cpu_us_per_rt']:>11}{r['msgs_per_s']:>11}"
+            f"{r.get('sleeps_per_rt', ''):>10}",
+            file=sys.stderr,
+        )
     ratios = {}
     for size in sizes:
-        for name in ("ring_trio_spin", "ring_trio_nospin", "ring_asyncio_spin", "ring_asyncio_nospin"):
+        for name in (
+            "ring_trio_spin",
+            "ring_trio_nospin",
+            "ring_asyncio_spin",
+            "ring_asyncio_nospin",
+        ):
             r = results.get(f"{name}_{size}")
             base, sync = results.get(f"zmq_asyncio_{size}"), results.get(f"zmq_sync_{size}")
             if r is None:
                 continue
             if base is not None:
                 ratios[f"{name}_{size}_p50_vs_zmq_asyncio"] = round(r["p50_us"] / base["p50_us"], 3)
-                ratios[f"{name}_{size}_rate_vs_zmq_asyncio"] = round(r["msgs_per_s"] / base["msgs_per_s"], 2)
+                ratios[f"{name}_{size}_rate_vs_zmq_asyncio"] = round(
+                    r["msgs_per_s"] / base["msgs_per_s"], 2
+                )
             if sync is not None:
-                ratios[f"{name}_{size}_rate_vs_zmq_sync"] = round(r["msgs_per_s"] / sync["msgs_per_s"], 2)
-    print(json.dumps({"bench": "ipc_latency", "round_trips": args.n, "results": results, "ratios": ratios}))
+                ratios[f"{name}_{size}_rate_vs_zmq_sync"] = round(
+                    r["msgs_per_s"] / sync["msgs_per_s"], 2
+                )
+    print(
+        json.dumps(
+            {"bench": "ipc_latency", "round_trips": args.n, "results": results, "ratios": ratios}
+        )
+    )
 
 
 if __name__ == "__main__":

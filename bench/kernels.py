@@ -69,7 +69,13 @@ def decode_case(args: argparse.Namespace, b: int, ctx: int, gen: torch.Generator
     from structllm.kernels.attention import AttentionMetadata
     from structllm.kernels.triton_attention import TritonAttention
 
-    h, hkv, d, bs, dtype = args.heads, args.kv_heads, args.head_dim, args.block_size, args.torch_dtype
+    h, hkv, d, bs, dtype = (
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        args.torch_dtype,
+    )
     k_cache, v_cache, tables = paged_kv(b, ctx, hkv, d, bs, dtype, gen)
     q = torch.randn(b, h, d, dtype=dtype, device="cuda", generator=gen)
     meta = AttentionMetadata(
@@ -91,7 +97,9 @@ def decode_case(args: argparse.Namespace, b: int, ctx: int, gen: torch.Generator
     k, v = gather(k_cache, tables, ctx), gather(v_cache, tables, ctx)
     want = F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True).squeeze(2)
     err = (out.float() - want.float()).abs().max().item()
-    t_sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True))
+    t_sdpa = bench_ms(
+        lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, enable_gqa=True)
+    )
 
     def gathered() -> torch.Tensor:
         kg, vg = gather(k_cache, tables, ctx), gather(v_cache, tables, ctx)
@@ -112,13 +120,21 @@ def decode_case(args: argparse.Namespace, b: int, ctx: int, gen: torch.Generator
     }
 
 
-def prefill_case(args: argparse.Namespace, b: int, q_len: int, cached: int, gen: torch.Generator) -> dict[str, Any]:
+def prefill_case(
+    args: argparse.Namespace, b: int, q_len: int, cached: int, gen: torch.Generator
+) -> dict[str, Any]:
     from torch.nn.attention.bias import causal_lower_right
 
     from structllm.kernels.attention import AttentionMetadata
     from structllm.kernels.triton_attention import TritonAttention
 
-    h, hkv, d, bs, dtype = args.heads, args.kv_heads, args.head_dim, args.block_size, args.torch_dtype
+    h, hkv, d, bs, dtype = (
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.block_size,
+        args.torch_dtype,
+    )
     ctx = cached + q_len
     k_cache, v_cache, tables = paged_kv(b, ctx, hkv, d, bs, dtype, gen)
     q = torch.randn(b * q_len, h, d, dtype=dtype, device="cuda", generator=gen)
@@ -143,9 +159,13 @@ def prefill_case(args: argparse.Namespace, b: int, q_len: int, cached: int, gen:
 
     def sdpa(kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
         if cached == 0:
-            return F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                qs, kk, vv, is_causal=True, scale=scale, enable_gqa=True
+            )
         mask = causal_lower_right(q_len, ctx)  # queries are the last q_len positions
-        return F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            qs, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+        )
 
     want = sdpa(k, v).transpose(1, 2).reshape(b * q_len, h, d)
     err = (out.float() - want.float()).abs().max().item()
@@ -178,7 +198,10 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 32768])
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs CUDA: no CUDA device is visible to this torch build", file=sys.stderr)
+        print(
+            "bench/kernels.py needs CUDA: no CUDA device is visible to this torch build",
+            file=sys.stderr,
+        )
         return 2
     args.torch_dtype = getattr(torch, args.dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -209,15 +232,24 @@ def main() -> int:
 
     err = sys.stderr
     print(f"{result['device']}  {result['shape']}  copy {copy:,.0f} GB/s", file=err)
-    print(f"{'decode':>16}{'triton GB/s':>13}{'% copy':>8}{'sdpa GB/s':>11}{'gather+sdpa':>13}{'vs sdpa':>9}{'err':>9}", file=err)
+    print(
+        f"{'decode':>16}{'triton GB/s':>13}{'% copy':>8}{'sdpa GB/s':>11}"
+        f"{'gather+sdpa':>13}{'vs sdpa':>9}{'err':>9}",
+        file=err,
+    )
     for r in decode:
         label = f"B={r['batch']} ctx={r['ctx']}"
         print(
             f"{label:>16}{r['triton_GBps']:>13,.0f}{100 * r['triton_frac_of_copy']:>7.0f}%"
-            f"{r['sdpa_GBps']:>11,.0f}{r['gather_sdpa_GBps']:>13,.0f}{r['sdpa_ms'] / r['triton_ms']:>8.2f}x{r['max_abs_err']:>9.1e}",
+            f"{r['sdpa_GBps']:>11,.0f}{r['gather_sdpa_GBps']:>13,.0f}"
+            f"{r['sdpa_ms'] / r['triton_ms']:>8.2f}x{r['max_abs_err']:>9.1e}",
             file=err,
         )  # fmt: skip
-    print(f"{'prefill':>22}{'triton TFLOP/s':>16}{'sdpa':>8}{'gather+sdpa':>13}{'vs sdpa':>9}{'err':>9}", file=err)
+    print(
+        f"{'prefill':>22}{'triton TFLOP/s':>16}{'sdpa':>8}"
+        f"{'gather+sdpa':>13}{'vs sdpa':>9}{'err':>9}",
+        file=err,
+    )
     for r in prefill:
         label = f"B={r['batch']} q={r['q_len']} cached={r['cached']}"
         print(

@@ -1,4 +1,4 @@
-"""Offline throughput and single-stream latency: structllm vs Hugging Face transformers.
+r"""Offline throughput and single-stream latency: structllm vs Hugging Face transformers.
 
 Same prompts, same weights (transformers loads the same GGUF file, float32), same
 machine, same run. Prints a table and one JSON line.
@@ -6,7 +6,8 @@ machine, same run. Prints a table and one JSON line.
     python bench/offline_throughput.py             # 64 prompts x 128 tokens -> 128 tokens
     python bench/offline_throughput.py --quick     # 16 prompts, for a fast look
     python bench/offline_throughput.py --formats float32:none,auto:gguf,float16:none
-    python bench/offline_throughput.py --no-hf --profile --formats auto:auto:float32,auto:auto:float16
+    python bench/offline_throughput.py --no-hf --profile \
+        --formats auto:auto:float32,auto:auto:float16
 
 ``--formats`` (``DTYPE:QUANTIZATION[:KV_CACHE_DTYPE]``, default ``float32:none,auto:auto``)
 runs the structllm workloads once per weight format (and KV cache dtype, default
@@ -48,7 +49,9 @@ def bench_structllm(llm: Any, prompts: list[list[int]], out_len: int) -> dict[st
     from structllm import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
+    llm.generate(
+        prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )  # warm up
     llm.engine.kv.reset_prefix_cache()
     t = time.perf_counter()
     outs = llm.generate(prompts, sp)
@@ -57,7 +60,9 @@ def bench_structllm(llm: Any, prompts: list[list[int]], out_len: int) -> dict[st
     return {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
 
 
-def single_stream_structllm(llm: Any, prompts: list[list[int]], out_len: int, reps: int) -> dict[str, float]:
+def single_stream_structllm(
+    llm: Any, prompts: list[list[int]], out_len: int, reps: int
+) -> dict[str, float]:
     """TTFT and TPOT by driving the engine step by step (one request at a time)."""
     from structllm.protocol import AddRequest, SamplingParams
 
@@ -99,8 +104,12 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
 
     dtype, quant, kv = (fmt.split(":") + ["auto", "auto"])[:3]
     t = time.perf_counter()
-    llm = LLM(max_num_seqs=max(64, args.num_prompts), dtype=dtype, quantization=quant or "auto",
-              kv_cache_dtype=kv or "auto")
+    llm = LLM(
+        max_num_seqs=max(64, args.num_prompts),
+        dtype=dtype,
+        quantization=quant or "auto",
+        kv_cache_dtype=kv or "auto",
+    )
     load_s = time.perf_counter() - t
     mem_loaded = resident_mb()
     prompts = make_prompts(llm.engine.vocab_size, args.num_prompts, args.input_len)
@@ -116,7 +125,11 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
         "tpot_ms": round(single["tpot_ms"], 2),
         "weight_mb": round(llm.engine.model.weight_bytes() / 1e6, 1),
         "rss_loaded_mb": mem_loaded.get("VmRSS"),
-        "kv_cache_mb": round(sum(t.numel() * t.element_size() for kv in llm.engine.runner.kv_caches for t in kv) / 1e6, 1),
+        "kv_cache_mb": round(
+            sum(t.numel() * t.element_size() for kv in llm.engine.runner.kv_caches for t in kv)
+            / 1e6,
+            1,
+        ),
         "rss_peak_mb": resident_mb().get("VmHWM"),
     }
     if args.profile:
@@ -127,8 +140,12 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
 def run_format_subprocess(fmt: str, argv: list[str]) -> dict[str, Any]:
     import subprocess
 
-    out = subprocess.run([sys.executable, __file__, *argv, "--worker-format", fmt], check=True,
-                         stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, *argv, "--worker-format", fmt],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
@@ -139,7 +156,9 @@ def load_hf() -> Any:
     from structllm.model.files import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def bench_hf(model: Any, prompts: list[list[int]], out_len: int, batch: int) -> dict[str, float]:
@@ -149,7 +168,11 @@ def bench_hf(model: Any, prompts: list[list[int]], out_len: int, batch: int) -> 
         ids = torch.tensor(chunk)  # equal lengths: no padding needed
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
             )
         return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
 
@@ -160,7 +183,9 @@ def bench_hf(model: Any, prompts: list[list[int]], out_len: int, batch: int) -> 
     return {"output_tokens": n, "seconds": dt, "tokens_per_s": n / dt}
 
 
-def single_stream_hf(model: Any, prompts: list[list[int]], out_len: int, reps: int) -> dict[str, float]:
+def single_stream_hf(
+    model: Any, prompts: list[list[int]], out_len: int, reps: int
+) -> dict[str, float]:
     import torch
     from transformers import TextStreamer
 
@@ -180,8 +205,14 @@ def single_stream_hf(model: Any, prompts: list[list[int]], out_len: int, reps: i
         ids = torch.tensor([prompts[i]])
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
-                           do_sample=False, streamer=s)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=out_len,
+                min_new_tokens=out_len,
+                do_sample=False,
+                streamer=s,
+            )
         if i == 0:
             continue
         tok = s.times[1:]
@@ -202,13 +233,20 @@ def profile_step(llm: Any, prompts: list[list[int]]) -> dict[str, float]:
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(AddRequest(f"prof-{i}", p, sp))
-    while any(r.num_computed_tokens < r.prompt_len for r in [*eng.scheduler.running, *eng.scheduler.waiting]):
+    while any(
+        r.num_computed_tokens < r.prompt_len
+        for r in [*eng.scheduler.running, *eng.scheduler.waiting]
+    ):
         eng.step()  # finish all prefills
     for _ in range(2):
         eng.step()
 
     acc = {"attention": 0.0, "sampler": 0.0, "lm_head": 0.0}
-    real_attn, real_sampler, real_logits = llama.attention, eng.runner.sampler, eng.model.compute_logits
+    real_attn, real_sampler, real_logits = (
+        llama.attention,
+        eng.runner.sampler,
+        eng.model.compute_logits,
+    )
 
     def timed(key: str, fn: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
@@ -226,6 +264,7 @@ def profile_step(llm: Any, prompts: list[list[int]]) -> dict[str, float]:
     steps, model_s, total_s = 8, 0.0, 0.0
     real_forward = eng.model.forward
     try:
+
         def fwd(*a: Any, **k: Any) -> Any:
             nonlocal model_s
             t = time.perf_counter()
@@ -259,7 +298,9 @@ def profile_step(llm: Any, prompts: list[list[int]]) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -268,8 +309,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="16 prompts, 64 output tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--profile", action="store_true", help="break one decode step down")
-    ap.add_argument("--formats", default="float32:none,auto:auto",
-                    help="comma-separated DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] formats to run (first = baseline)")
+    ap.add_argument(
+        "--formats",
+        default="float32:none,auto:auto",
+        help=(
+            "comma-separated DTYPE:QUANTIZATION[:KV_CACHE_DTYPE] formats to run (first = baseline)"
+        ),
+    )
     ap.add_argument("--worker-format", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -279,8 +325,17 @@ def main() -> None:
         return
 
     argv = [a for a in sys.argv[1:] if a != "--quick"] + (
-        ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
-         "--single-reps", str(args.single_reps)] if args.quick else [])
+        [
+            "--num-prompts",
+            str(args.num_prompts),
+            "--output-len",
+            str(args.output_len),
+            "--single-reps",
+            str(args.single_reps),
+        ]
+        if args.quick
+        else []
+    )
     formats = [run_format_subprocess(f.strip(), argv) for f in args.formats.split(",") if f.strip()]
     result: dict[str, Any] = {
         "bench": "offline_throughput",
@@ -302,21 +357,33 @@ def main() -> None:
             hf_tpot_ms=round(theirs_single["tpot_ms"], 2),
         )
     base = formats[0]
-    head = (f"{'format':22}{'tokens/s':>10}{'TTFT ms':>9}{'ms/token':>10}{'x base':>8}{'weights MB':>12}"
-            f"{'RSS MB':>8}{'RSS-KV MB':>11}")
+    head = (
+        f"{'format':22}{'tokens/s':>10}{'TTFT ms':>9}{'ms/token':>10}{'x base':>8}"
+        f"{'weights MB':>12}"
+        f"{'RSS MB':>8}{'RSS-KV MB':>11}"
+    )
     print(head, file=sys.stderr)
     for f in formats:
-        print(f"{f['format']:22}{f['tokens_per_s']:>10}{f['ttft_ms']:>9}{f['tpot_ms']:>10}"
-              f"{base['tpot_ms'] / f['tpot_ms']:>8.2f}{f['weight_mb']:>12}{f['rss_loaded_mb']!s:>8}"
-              f"{(f['rss_loaded_mb'] or 0) - f['kv_cache_mb']:>11.0f}", file=sys.stderr)
+        print(
+            f"{f['format']:22}{f['tokens_per_s']:>10}{f['ttft_ms']:>9}{f['tpot_ms']:>10}"
+            f"{base['tpot_ms'] / f['tpot_ms']:>8.2f}{f['weight_mb']:>12}{f['rss_loaded_mb']!s:>8}"
+            f"{(f['rss_loaded_mb'] or 0) - f['kv_cache_mb']:>11.0f}",
+            file=sys.stderr,
+        )
         print(f"{'':22}({f['weights']}, {f['kv_cache_dtype']} KV cache)", file=sys.stderr)
         if "step_profile" in f:
             p = f["step_profile"]
-            print(f"{'':22}decode step at batch {p['batch']}: {p['step_ms']} ms ({p['step_ms'] / p['batch']:.2f} "
-                  f"ms/token), attention {p['attention_ms']} ms", file=sys.stderr)
+            print(
+                f"{'':22}decode step at batch {p['batch']}: {p['step_ms']} ms "
+                f"({p['step_ms'] / p['batch']:.2f} "
+                f"ms/token), attention {p['attention_ms']} ms",
+                file=sys.stderr,
+            )
     if "hf_tokens_per_s" in result:
-        print(f"{'transformers':22}{result['hf_tokens_per_s']:>10}{result['hf_ttft_ms']:>9}{result['hf_tpot_ms']:>10}",
-              file=sys.stderr)
+        print(
+            f"{'transformers':22}{result['hf_tokens_per_s']:>10}{result['hf_ttft_ms']:>9}{result['hf_tpot_ms']:>10}",
+            file=sys.stderr,
+        )
     print(json.dumps(result))
 
 

@@ -52,7 +52,9 @@ def block_weight(n: int, k: int, type_name: str, seed: int) -> BlockWeight:
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
-    return BlockWeight.from_raw(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, k)
+    return BlockWeight.from_raw(
+        torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, k
+    )
 
 
 def time_us(fn: Callable[[], object], min_s: float) -> float:
@@ -72,7 +74,9 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=None, help="name prefixes to run (default: all)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds per case")
     ap.add_argument("--min-s", type=float, default=0.05, help="seconds per timing")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="kernel paths to time")
+    ap.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="kernel paths to time"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -81,23 +85,37 @@ def main() -> int:
     if module is None:
         print("the block kernels are unavailable on this CPU", file=sys.stderr)
         return 2
-    shapes = [s for s in SHAPES if args.shapes is None or any(s[0].startswith(p) for p in args.shapes)]
+    shapes = [
+        s for s in SHAPES if args.shapes is None or any(s[0].startswith(p) for p in args.shapes)
+    ]
     results = []
-    print(f"{module.isa()}, {torch.get_num_threads()} threads; us per call, median of {args.reps}", file=sys.stderr)
+    print(
+        f"{module.isa()}, {torch.get_num_threads()} threads; us per call, median of {args.reps}",
+        file=sys.stderr,
+    )
     modes = {mode: code for mode, code in MODES.items() if mode in args.modes}
-    print(f"{'shape':>18}{'M':>5}{'oneDNN':>10}" + "".join(f"{mode:>10}{'speed':>7}" for mode in modes), file=sys.stderr)
+    print(
+        f"{'shape':>18}{'M':>5}{'oneDNN':>10}"
+        + "".join(f"{mode:>10}{'speed':>7}" for mode in modes),
+        file=sys.stderr,
+    )
     for i, (name, n, k, t) in enumerate(shapes):
         w = block_weight(n, k, t, seed=i)
         packed = torch.ops.mkldnn._reorder_linear_weight(w.dequantize())
         for m in args.rows:
             x = torch.randn(m, k)
             onednn = partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
-            fns: dict[str, Callable[[], object]] = {mode: partial(module.linear, x, w.raw, w.code, code)
-                                                    for mode, code in modes.items()}
+            fns: dict[str, Callable[[], object]] = {
+                mode: partial(module.linear, x, w.raw, w.code, code) for mode, code in modes.items()
+            }
             fns["onednn"] = onednn
             ref = onednn()
-            errs = {f"{mode}_rel_err": ((module.linear(x, w.raw, w.code, code) - ref).norm() / ref.norm()).item()
-                    for mode, code in modes.items()}
+            errs = {
+                f"{mode}_rel_err": (
+                    (module.linear(x, w.raw, w.code, code) - ref).norm() / ref.norm()
+                ).item()
+                for mode, code in modes.items()
+            }
             times: dict[str, list[float]] = {key: [] for key in fns}
             for _ in range(args.reps):
                 for key, fn in fns.items():
@@ -111,8 +129,8 @@ def main() -> int:
             for mode in modes:
                 line += f"{med[mode]:>10.1f}{med['onednn'] / med[mode]:>6.2f}x"
             print(line, file=sys.stderr)
-    print(json.dumps({"bench": "quant_linear", "isa": module.isa(), "threads": torch.get_num_threads(),
-                      "results": results}))  # fmt: skip
+    print(json.dumps({"bench": "quant_linear", "isa": module.isa(),
+                      "threads": torch.get_num_threads(), "results": results}))  # fmt: skip
     return 0
 
 

@@ -116,18 +116,22 @@ def main() -> None:
         b = bench_bias(llm, args)
     print(f"device {device}")
     print(
-        f"scoring: {args.num_prompts} prompts x {args.input_len} tokens, prefill only, prompt_logprobs={args.top}"
+        f"scoring: {args.num_prompts} prompts x {args.input_len} tokens, prefill only, "
+        f"prompt_logprobs={args.top}"
     )
     print(f"  without prompt logprobs  {s['plain_prompt_tok_s']:10.0f} prompt tok/s")
     print(
-        f"  with prompt logprobs     {s['scored_prompt_tok_s']:10.0f} prompt tok/s  (x{s['scoring_slowdown']:.2f} time)"
+        f"  with prompt logprobs     {s['scored_prompt_tok_s']:10.0f} prompt tok/s  "
+        f"(x{s['scoring_slowdown']:.2f} time)"
     )
     print(
-        f"logit_bias: batch {args.batch} x {args.output_len} tokens, {args.bias_size} biased ids each"
+        f"logit_bias: batch {args.batch} x {args.output_len} tokens, "
+        f"{args.bias_size} biased ids each"
     )
     print(f"  without logit_bias       {b['plain_decode_tok_s']:10.0f} tok/s")
     print(
-        f"  with logit_bias          {b['biased_decode_tok_s']:10.0f} tok/s  (x{b['bias_slowdown']:.2f} time)"
+        f"  with logit_bias          {b['biased_decode_tok_s']:10.0f} tok/s  "
+        f"(x{b['bias_slowdown']:.2f} time)"
     )
     print(json.dumps({"device": device, **s, **b}))
 

@@ -1,4 +1,4 @@
-"""Serving benchmark for any OpenAI-compatible server (like ``vllm bench serve``).
+r"""Serving benchmark for any OpenAI-compatible server (like ``vllm bench serve``).
 
     # against a running server
     python bench/serve.py --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 16
@@ -22,8 +22,10 @@ side with structllm's ratios; both servers' resident memory is reported after th
 (structllm's engine process: ``engine_rss_mb``).
 
     # the issue's two workloads
-    python bench/serve.py --launch --llama-server ~/llama-server --num-prompts 8 --max-concurrency 1
-    python bench/serve.py --launch --llama-server ~/llama-server --num-prompts 64 --max-concurrency 16
+    python bench/serve.py --launch --llama-server ~/llama-server \
+        --num-prompts 8 --max-concurrency 1
+    python bench/serve.py --launch --llama-server ~/llama-server \
+        --num-prompts 64 --max-concurrency 16
 
 ``--storm 16`` adds the short-steps probe after the load: time to first token of an
 8-token request on the idle server and right after 16 streams that the client closed
@@ -51,7 +53,33 @@ from typing import Any
 import anyio
 import httpx
 
-WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact"]
+WORDS = [
+    "time",
+    "person",
+    "year",
+    "way",
+    "day",
+    "thing",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "government",
+    "company",
+    "number",
+    "group",
+    "problem",
+    "fact",
+]
 
 
 @dataclass
@@ -71,9 +99,20 @@ def prompts(n: int, length: int, vocab: int, seed: int, text: bool) -> list[Any]
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str | None, prompt: Any, out_len: int, headers: dict[str, str]) -> Result:
+async def one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str | None,
+    prompt: Any,
+    out_len: int,
+    headers: dict[str, str],
+) -> Result:
     body: dict[str, Any] = {
-        "prompt": prompt, "max_tokens": out_len, "temperature": 0, "stream": True, "ignore_eos": True,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
     if model:
@@ -83,7 +122,9 @@ async def one(client: httpx.AsyncClient, url: str, model: str | None, prompt: An
     last = t0
     chunks = 0
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as resp:
+        async with client.stream(
+            "POST", url + "/v1/completions", json=body, headers=headers
+        ) as resp:
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return r
@@ -109,13 +150,23 @@ async def one(client: httpx.AsyncClient, url: str, model: str | None, prompt: An
     return r
 
 
-async def run_load(url: str, model: str | None, items: list[Any], out_len: int, rate: float, concurrency: int,
-                   api_key: str | None, seed: int) -> tuple[list[Result], float]:
+async def run_load(
+    url: str,
+    model: str | None,
+    items: list[Any],
+    out_len: int,
+    rate: float,
+    concurrency: int,
+    api_key: str | None,
+    seed: int,
+) -> tuple[list[Result], float]:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[Result] = []
     limiter = anyio.CapacityLimiter(concurrency)
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    limits = httpx.Limits(
+        max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600), limits=limits) as client:
 
         async def task(p: Any) -> None:
@@ -132,8 +183,14 @@ async def run_load(url: str, model: str | None, items: list[Any], out_len: int, 
     return results, elapsed
 
 
-async def storm_probe(url: str, model: str | None, storms: list[list[Any]], fresh: list[Any], close_after: float,
-                      api_key: str | None) -> dict[str, Any]:
+async def storm_probe(
+    url: str,
+    model: str | None,
+    storms: list[list[Any]],
+    fresh: list[Any],
+    close_after: float,
+    api_key: str | None,
+) -> dict[str, Any]:
     """Per storm: the time to first token of an 8-token request on the idle server, then
     the storm (its streams sent at once, each closed by the client ``close_after``
     seconds after sending, before or during its prefill), then one more 8-token request
@@ -162,10 +219,15 @@ async def storm_probe(url: str, model: str | None, storms: list[list[Any]], fres
         raise SystemExit(f"storm probe: a request failed: {bad}")
     idle_ttft = statistics.median(r.ttft for r in idle)
     after_ttft = statistics.median(r.ttft for r in after)
-    return {"storm_idle_ttft_ms": round(1000 * idle_ttft, 1), "storm_after_ttft_ms": round(1000 * after_ttft, 1),
-            "storm_ttft_ratio": round(after_ttft / idle_ttft, 2),
-            "storm_ratios": [round(a.ttft / i.ttft, 2) for i, a in zip(idle, after, strict=True)],
-            "storm_streams": len(storms[0]), "storm_close_after_s": close_after, "storm_reps": len(storms)}
+    return {
+        "storm_idle_ttft_ms": round(1000 * idle_ttft, 1),
+        "storm_after_ttft_ms": round(1000 * after_ttft, 1),
+        "storm_ttft_ratio": round(after_ttft / idle_ttft, 2),
+        "storm_ratios": [round(a.ttft / i.ttft, 2) for i, a in zip(idle, after, strict=True)],
+        "storm_streams": len(storms[0]),
+        "storm_close_after_s": close_after,
+        "storm_reps": len(storms),
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -187,10 +249,16 @@ def summarize(results: list[Result], elapsed: float) -> dict[str, Any]:
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
         "requests_per_s": round(len(ok) / elapsed, 2),
     }
-    for name, values in (("ttft_ms", [r.ttft for r in ok]), ("itl_ms", itls), ("e2e_ms", [r.e2e for r in ok])):
+    for name, values in (
+        ("ttft_ms", [r.ttft for r in ok]),
+        ("itl_ms", itls),
+        ("e2e_ms", [r.e2e for r in ok]),
+    ):
         for q in (0.5, 0.9, 0.99):
             summary[f"{name}_p{int(q * 100)}"] = round(1000 * pct(values, q), 1)
-        summary[f"{name}_mean"] = round(1000 * statistics.fmean(values), 1) if values else float("nan")
+        summary[f"{name}_mean"] = (
+            round(1000 * statistics.fmean(values), 1) if values else float("nan")
+        )
     if len(ok) < len(results):
         summary["first_error"] = next(r.error for r in results if not r.ok)
     return summary
@@ -200,8 +268,19 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning",
-           "--max-num-seqs", str(min(max(args.max_concurrency, 1), 256)), *args.server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "structllm",
+        "run",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-num-seqs",
+        str(min(max(args.max_concurrency, 1), 256)),
+        *args.server_args,
+    ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
@@ -241,8 +320,24 @@ def launch_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     slots = max(args.max_concurrency, 1)
     ctx = slots * (args.input_len + args.output_len + 64)
     threads = str(os.cpu_count() or 1)
-    cmd = [args.llama_server, "-m", args.llama_model or default_gguf(), "--port", str(port), "--host", "127.0.0.1",
-           "-np", str(slots), "-c", str(ctx), "-t", threads, "-tb", threads, "--log-disable"]
+    cmd = [
+        args.llama_server,
+        "-m",
+        args.llama_model or default_gguf(),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "-np",
+        str(slots),
+        "-c",
+        str(ctx),
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "--log-disable",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
@@ -272,8 +367,17 @@ def load(url: str, items: list[Any], args: argparse.Namespace) -> tuple[list[Res
     """A short warm-up (not measured), then the workload."""
     warm = prompts(2, 16, args.vocab_size, args.seed + 1, args.text_prompts)
     anyio.run(run_load, url, args.model, warm, 4, math.inf, 2, args.api_key, args.seed)
-    return anyio.run(run_load, url, args.model, items, args.output_len, args.request_rate,
-                     args.max_concurrency, args.api_key, args.seed)
+    return anyio.run(
+        run_load,
+        url,
+        args.model,
+        items,
+        args.output_len,
+        args.request_rate,
+        args.max_concurrency,
+        args.api_key,
+        args.seed,
+    )
 
 
 def front_end_pids(server_pid: int) -> list[int]:
@@ -311,30 +415,61 @@ def offline(items: list[Any], out_len: int, concurrency: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--base-url", default=None, help="server to load (default: --launch one)")
     ap.add_argument("--launch", action="store_true", help="start `structllm run` for this run")
-    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `structllm run` arguments (last)")
+    ap.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `structllm run` arguments (last)",
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
+    ap.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (Poisson); inf = all at once",
+    )
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--text-prompts", action="store_true", help="random words instead of token ids")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compare-offline", action="store_true", help="also run the offline engine on the same prompts")
-    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary: run the same workload on it")
-    ap.add_argument("--llama-model", default=None, help="GGUF file for llama-server (default: structllm's default model)")
-    ap.add_argument("--storm", type=int, default=0, metavar="N",
-                    help="after the load: idle time to first token of an 8-token request, then N streams each "
-                    "closed by the client --storm-close-after seconds after sending, then one more 8-token "
-                    "request (the issue's probe: 16)")
+    ap.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="also run the offline engine on the same prompts",
+    )
+    ap.add_argument(
+        "--llama-server",
+        default=None,
+        help="llama.cpp's llama-server binary: run the same workload on it",
+    )
+    ap.add_argument(
+        "--llama-model",
+        default=None,
+        help="GGUF file for llama-server (default: structllm's default model)",
+    )
+    ap.add_argument(
+        "--storm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the load: idle time to first token of an 8-token request, then N streams each "
+        "closed by the client --storm-close-after seconds after sending, then one more 8-token "
+        "request (the issue's probe: 16)",
+    )
     ap.add_argument("--storm-close-after", type=float, default=3.0)
     ap.add_argument("--storm-reps", type=int, default=3, help="storms (medians are reported)")
-    ap.add_argument("--skip-load", action="store_true", help="run only the probes (--storm), not the load")
+    ap.add_argument(
+        "--skip-load", action="store_true", help="run only the probes (--storm), not the load"
+    )
     args = ap.parse_args()
     if args.base_url is None and not args.launch:
         args.launch = True
@@ -361,10 +496,16 @@ def main() -> None:
         engine_rss = rss_mb(engine) if engine is not None else None
         if args.storm:
             n = args.storm_reps
-            flat = prompts(n * args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts)
+            flat = prompts(
+                n * args.storm, args.input_len, args.vocab_size, args.seed + 2, args.text_prompts
+            )
             storms = [flat[k * args.storm : (k + 1) * args.storm] for k in range(n)]
-            fresh = prompts(2 * n, args.input_len, args.vocab_size, args.seed + 3, args.text_prompts)
-            probe = anyio.run(storm_probe, url, args.model, storms, fresh, args.storm_close_after, args.api_key)
+            fresh = prompts(
+                2 * n, args.input_len, args.vocab_size, args.seed + 3, args.text_prompts
+            )
+            probe = anyio.run(
+                storm_probe, url, args.model, storms, fresh, args.storm_close_after, args.api_key
+            )
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -372,15 +513,23 @@ def main() -> None:
     summary = summarize(results, elapsed) if results else {}
     if args.storm:
         summary.update(probe)
-    summary.update(bench="serve", url=url, num_prompts=args.num_prompts, input_len=args.input_len,
-                   output_len=args.output_len, max_concurrency=args.max_concurrency,
-                   request_rate=None if math.isinf(args.request_rate) else args.request_rate)
+    summary.update(
+        bench="serve",
+        url=url,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        max_concurrency=args.max_concurrency,
+        request_rate=None if math.isinf(args.request_rate) else args.request_rate,
+    )
     if engine_rss is not None:
         summary["engine_rss_mb"] = round(engine_rss, 1)
     if cpu is not None and results:
         summary["front_end_processes"] = len(pids)
         summary["front_end_cpu_s"] = round(cpu, 2)
-        summary["front_end_cpu_us_per_token"] = round(1e6 * cpu / max(1, summary["output_tokens"]), 1)
+        summary["front_end_cpu_us_per_token"] = round(
+            1e6 * cpu / max(1, summary["output_tokens"]), 1
+        )
     if args.compare_offline and results:
         off = offline(items, args.output_len, args.max_concurrency)
         summary["offline_output_tokens_per_s"] = round(off, 1)
@@ -397,11 +546,17 @@ def main() -> None:
         theirs["rss_mb"] = round(llama_rss, 1)
         summary["llama_cpp"] = theirs
         summary["vs_llama_cpp"] = {
-            "output_tokens_per_s": round(summary["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2),
+            "output_tokens_per_s": round(
+                summary["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2
+            ),
             "itl_p50": round(summary["itl_ms_p50"] / theirs["itl_ms_p50"], 2),
             "ttft_p50": round(summary["ttft_ms_p50"] / theirs["ttft_ms_p50"], 2),
         }
-    rows = [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")] if results else []
+    rows = (
+        [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")]
+        if results
+        else []
+    )
     for metric in ("ttft_ms", "itl_ms", "e2e_ms") if results else ():
         rows += [(f"{metric} p50/p90/p99", metric)]
     for label, key in rows:
@@ -411,24 +566,43 @@ def main() -> None:
             value = summary[key]
         print(f"{label:26}{value}", file=sys.stderr)
     if "front_end_cpu_us_per_token" in summary:
-        print(f"{'front-end CPU us/token':26}{summary['front_end_cpu_us_per_token']} "
-              f"({summary['front_end_processes']} processes)", file=sys.stderr)
+        print(
+            f"{'front-end CPU us/token':26}{summary['front_end_cpu_us_per_token']} "
+            f"({summary['front_end_processes']} processes)",
+            file=sys.stderr,
+        )
     if "llama_cpp" in summary:
         theirs, ratio = summary["llama_cpp"], summary["vs_llama_cpp"]
-        print(f"{'llama.cpp tokens/s':26}{theirs['output_tokens_per_s']}  (structllm x{ratio['output_tokens_per_s']})",
-              file=sys.stderr)
+        print(
+            f"{'llama.cpp tokens/s':26}{theirs['output_tokens_per_s']}  "
+            f"(structllm x{ratio['output_tokens_per_s']})",
+            file=sys.stderr,
+        )
         for metric, key in (("ttft_ms", "ttft_p50"), ("itl_ms", "itl_p50")):
-            print(f"{'llama.cpp ' + metric + ' p50':26}{theirs[metric + '_p50']}  (structllm x{ratio[key]})",
-                  file=sys.stderr)
-        print(f"{'RSS MB (engine / llama)':26}{summary.get('engine_rss_mb')} / {theirs['rss_mb']}", file=sys.stderr)
+            print(
+                f"{'llama.cpp ' + metric + ' p50':26}{theirs[metric + '_p50']}  "
+                f"(structllm x{ratio[key]})",
+                file=sys.stderr,
+            )
+        print(
+            f"{'RSS MB (engine / llama)':26}{summary.get('engine_rss_mb')} / {theirs['rss_mb']}",
+            file=sys.stderr,
+        )
     if args.storm:
-        print(f"{'TTFT idle / after storm':26}{summary['storm_idle_ttft_ms']} / {summary['storm_after_ttft_ms']} ms "
-              f"({summary['storm_ttft_ratio']}x, medians of {args.storm_reps}: {summary['storm_ratios']}; "
-              f"{args.storm} streams closed after {args.storm_close_after} s)",
-              file=sys.stderr)
+        print(
+            f"{'TTFT idle / after storm':26}{summary['storm_idle_ttft_ms']} / "
+            f"{summary['storm_after_ttft_ms']} ms "
+            f"({summary['storm_ttft_ratio']}x, medians of {args.storm_reps}: "
+            f"{summary['storm_ratios']}; "
+            f"{args.storm} streams closed after {args.storm_close_after} s)",
+            file=sys.stderr,
+        )
     if "offline_output_tokens_per_s" in summary:
-        print(f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
-              f"(serving at {summary['serving_vs_offline']:.0%})", file=sys.stderr)
+        print(
+            f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "
+            f"(serving at {summary['serving_vs_offline']:.0%})",
+            file=sys.stderr,
+        )
     print(json.dumps(summary))
 
 

@@ -64,13 +64,36 @@ ORDER_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 
-TOPICS = ["a coffee shop", "a bookstore", "an electronics store", "a bakery", "a florist", "a toy shop",
-          "a pharmacy", "a hardware store", "a pet shop", "a music store", "a shoe shop", "a tea house",
-          "a sports shop", "a bike shop", "a garden centre", "a stationery shop"]
+TOPICS = [
+    "a coffee shop",
+    "a bookstore",
+    "an electronics store",
+    "a bakery",
+    "a florist",
+    "a toy shop",
+    "a pharmacy",
+    "a hardware store",
+    "a pet shop",
+    "a music store",
+    "a shoe shop",
+    "a tea house",
+    "a sports shop",
+    "a bike shop",
+    "a garden centre",
+    "a stationery shop",
+]
 
 
 def prompts(n: int) -> list[Any]:
-    return [[{"role": "user", "content": f"Write one example order from {TOPICS[i % len(TOPICS)]} as JSON."}] for i in range(n)]
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Write one example order from {TOPICS[i % len(TOPICS)]} as JSON.",
+            }
+        ]
+        for i in range(n)
+    ]
 
 
 def run(llm: Any, batch: list[Any], params: Any, fast_forward: bool) -> dict[str, float]:
@@ -78,7 +101,12 @@ def run(llm: Any, batch: list[Any], params: Any, fast_forward: bool) -> dict[str
     engine, grammar = llm.engine, llm.engine.grammar
     grammar.fast_forward = fast_forward
     engine.kv.reset_prefix_cache()
-    ff0, fill0, apply0, masks0 = grammar.num_ff_tokens, grammar.fill_s, grammar.apply_s, grammar.num_mask_steps
+    ff0, fill0, apply0, masks0 = (
+        grammar.num_ff_tokens,
+        grammar.fill_s,
+        grammar.apply_s,
+        grammar.num_mask_steps,
+    )
     steps = 0
     step = engine.step
 
@@ -96,7 +124,10 @@ def run(llm: Any, batch: list[Any], params: Any, fast_forward: bool) -> dict[str
         del engine.step
     n = sum(len(o.token_ids) for o in outs)
     if params.structured_outputs is not None:
-        print(f"  sample ({len(outs[0].token_ids)} tokens, {outs[0].finish_reason}): {outs[0].text}", file=sys.stderr)
+        print(
+            f"  sample ({len(outs[0].token_ids)} tokens, {outs[0].finish_reason}): {outs[0].text}",
+            file=sys.stderr,
+        )
     masks = grammar.num_mask_steps - masks0
     return {
         "output_tokens": n,
@@ -124,7 +155,10 @@ def validation_times(tok: Any, reps: int) -> dict[str, dict[str, float]]:
     from structllm.protocol import StructuredOutputs
     from structllm.structured import tool_calls_schema, validate
 
-    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": ORDER_SCHEMA}} for i in range(4)]
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": ORDER_SCHEMA}}
+        for i in range(4)
+    ]
     specs = {
         "order_schema": StructuredOutputs(json=ORDER_SCHEMA),
         "json_object": StructuredOutputs(json_object=True),
@@ -139,12 +173,17 @@ def validation_times(tok: Any, reps: int) -> dict[str, dict[str, float]]:
             assert validate(spec, tok) is None
             times.append(1000 * (time.perf_counter() - t))
         times.sort()
-        out[name] = {"p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))]}
+        out[name] = {
+            "p50_ms": statistics.median(times),
+            "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))],
+        }
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
@@ -161,11 +200,24 @@ def main() -> int:
     llm = LLM(kv_cache_memory=a.kv_cache_memory, max_num_seqs=max(16, a.batch))
     batch = prompts(a.batch)
     free = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=a.max_tokens, structured_outputs=StructuredOutputs(json=ORDER_SCHEMA))
-    llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputs(json_object=True)))  # warm up
+    constrained = SamplingParams(
+        temperature=0,
+        max_tokens=a.max_tokens,
+        structured_outputs=StructuredOutputs(json=ORDER_SCHEMA),
+    )
+    llm.generate(
+        batch[:2],
+        SamplingParams(
+            temperature=0, max_tokens=4, structured_outputs=StructuredOutputs(json_object=True)
+        ),
+    )  # warm up
     best: dict[str, dict[str, float]] = {}
     for _ in range(a.reps):
-        for name, params, ff in (("free", free, False), ("json", constrained, False), ("json+ff", constrained, True)):
+        for name, params, ff in (
+            ("free", free, False),
+            ("json", constrained, False),
+            ("json+ff", constrained, True),
+        ):
             r = run(llm, batch, params, ff)
             if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = r
@@ -175,14 +227,24 @@ def main() -> int:
     val = validation_times(llm.engine.grammar.tokenizer, a.validate_reps)
 
     print(f"batch {a.batch}, max_tokens {a.max_tokens}, best of {a.reps}")
-    print(f"{'run':8} {'tokens':>7} {'s':>7} {'tok/s':>8} {'steps':>6} {'ff tok':>7} {'fill ms/step':>12} {'apply ms/step':>13} {'valid':>6}")
+    print(
+        f"{'run':8} {'tokens':>7} {'s':>7} {'tok/s':>8} {'steps':>6} {'ff tok':>7} "
+        f"{'fill ms/step':>12} {'apply ms/step':>13} {'valid':>6}"
+    )
     for name, r in best.items():
-        print(f"{name:8} {r['output_tokens']:7d} {r['seconds']:7.2f} {r['tokens_per_s']:8.1f} {r['steps']:6d} "
-              f"{r['ff_tokens']:7d} {r['fill_ms_per_step']:12.3f} {r['apply_ms_per_step']:13.3f} {r['valid']:6.0%}")
-    print(f"constrained/free tokens/s: json {ff_off['tokens_per_s'] / best['free']['tokens_per_s']:.1%}, "
-          f"json+ff {ff_on['tokens_per_s'] / best['free']['tokens_per_s']:.1%}; fast-forward: "
-          f"{ff_on['ff_tokens']} decode steps saved ({ff_off['steps']} -> {ff_on['steps']} engine steps), "
-          f"tokens/s x{ff_on['tokens_per_s'] / ff_off['tokens_per_s']:.2f}")
+        print(
+            f"{name:8} {r['output_tokens']:7d} {r['seconds']:7.2f} {r['tokens_per_s']:8.1f} "
+            f"{r['steps']:6d} {r['ff_tokens']:7d} {r['fill_ms_per_step']:12.3f} "
+            f"{r['apply_ms_per_step']:13.3f} {r['valid']:6.0%}"
+        )
+    print(
+        "constrained/free tokens/s: "
+        f"json {ff_off['tokens_per_s'] / best['free']['tokens_per_s']:.1%}, "
+        f"json+ff {ff_on['tokens_per_s'] / best['free']['tokens_per_s']:.1%}; fast-forward: "
+        f"{ff_on['ff_tokens']} decode steps saved "
+        f"({ff_off['steps']} -> {ff_on['steps']} engine steps), "
+        f"tokens/s x{ff_on['tokens_per_s'] / ff_off['tokens_per_s']:.2f}"
+    )
     for name, v in val.items():
         print(f"validate {name:18} p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms")
     print(json.dumps({"batch": a.batch, "max_tokens": a.max_tokens, "runs": best, "validate": val}))

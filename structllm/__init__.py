@@ -15,7 +15,14 @@ if TYPE_CHECKING:
     from structllm.llm import LLM, CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

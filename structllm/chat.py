@@ -85,14 +85,25 @@ def chat(a: argparse.Namespace) -> int:
     try:
         if url is None:
             port = _free_port()
-            cmd = [sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "structllm",
+                "run",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ]
             if a.model:
                 cmd.insert(4, a.model)
             print("starting a local server ...", file=sys.stderr)
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, proc, 600)
-        messages: list[dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
+        messages: list[dict[str, str]] = (
+            [{"role": "system", "content": a.system}] if a.system else []
+        )
         print("chat with the model (Ctrl-C stops an answer, Ctrl-D or /bye quits)", file=sys.stderr)
         while True:
             try:
@@ -105,7 +116,12 @@ def chat(a: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            body = {"messages": messages, "stream": True, "temperature": a.temperature, "max_tokens": a.max_tokens}
+            body = {
+                "messages": messages,
+                "stream": True,
+                "temperature": a.temperature,
+                "max_tokens": a.max_tokens,
+            }
             answer = []
             try:
                 for piece in _stream(url, a.api_key, body):

@@ -12,40 +12,99 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from structllm.config import engine_default as d
     from structllm.config import parse_size
 
-    p.add_argument("model", nargs="?", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"), help="most sequences in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
-                   help="token budget of one step (default: 2048 on CUDA; on CPU, what keeps a step "
-                   "near 100 ms, measured at start-up)")
-    p.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 1G (default: 1G on CPU)")
-    p.add_argument("--block-size", type=int, default=d("block_size"), help="tokens per KV cache block")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output in tokens"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=d("max_num_seqs"), help="most sequences in one step"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d("max_num_batched_tokens"),
+        help="token budget of one step (default: 2048 on CUDA; on CPU, what keeps a step "
+        "near 100 ms, measured at start-up)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV cache size, e.g. 1G (default: 1G on CPU)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=d("block_size"), help="tokens per KV cache block"
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--seed", type=int, default=d("seed"), help="seed for requests without their own")
+    p.add_argument(
+        "--seed", type=int, default=d("seed"), help="seed for requests without their own"
+    )
     p.add_argument("--device", default=d("device"), help="auto, cpu or cuda")
-    p.add_argument("--null-model", action="store_true",
-                   help="emit tokens without running the model (to measure the serving path alone)")
-    p.add_argument("--null-step-time", type=float, default=d("null_step_time"), help=argparse.SUPPRESS)
-    p.add_argument("--dtype", default=d("dtype"), choices=["auto", "float32", "float16", "bfloat16"],
-                   help="weight dtype (on CPU activations stay float32; auto: float16 weights for float "
-                   "checkpoints, a GGUF file's own types); float32 with --quantization none is exact")
-    p.add_argument("--quantization", default=d("quantization"), choices=["auto", "none", "gguf"],
-                   help="gguf: run a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored (CPU); none: dequantise; "
-                   "auto: gguf for a GGUF file on CPU")
-    p.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=["auto", "float32", "float16"],
-                   help="what the KV cache stores (auto: float16 on CPU unless the weights run exact float32, "
-                   "the model's dtype on CUDA); float16 halves what decode attention reads")
-    p.add_argument("--attention-backend", default=d("attention_backend"), choices=["auto", "torch", "cpu", "triton"],
-                   help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton")
-    p.add_argument("--engine-threads", type=int, default=None,
-                   help="torch threads of the engine (default: the cores it may run on, split over the "
-                   "tensor-parallel ranks)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
-                   help="split the model over this many processes (gloo on CPU, NCCL on CUDA)")
-    p.add_argument("--no-grammar-fast-forward", action="store_true",
-                   help="decode tokens a grammar forces one step each (default: append them in one step)")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE")
+    p.add_argument(
+        "--null-model",
+        action="store_true",
+        help="emit tokens without running the model (to measure the serving path alone)",
+    )
+    p.add_argument(
+        "--null-step-time", type=float, default=d("null_step_time"), help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--dtype",
+        default=d("dtype"),
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weight dtype (on CPU activations stay float32; auto: float16 weights for float "
+        "checkpoints, a GGUF file's own types); float32 with --quantization none is exact",
+    )
+    p.add_argument(
+        "--quantization",
+        default=d("quantization"),
+        choices=["auto", "none", "gguf"],
+        help="gguf: run a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored (CPU); none: dequantise; "
+        "auto: gguf for a GGUF file on CPU",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=d("kv_cache_dtype"),
+        choices=["auto", "float32", "float16"],
+        help="what the KV cache stores (auto: float16 on CPU unless the weights run exact float32, "
+        "the model's dtype on CUDA); float16 halves what decode attention reads",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=d("attention_backend"),
+        choices=["auto", "torch", "cpu", "triton"],
+        help="auto (Triton on CUDA, the C++ kernel on CPU), torch (reference), cpu or triton",
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="torch threads of the engine (default: the cores it may run on, split over the "
+        "tensor-parallel ranks)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d("tensor_parallel_size"),
+        help="split the model over this many processes (gloo on CPU, NCCL on CUDA)",
+    )
+    p.add_argument(
+        "--no-grammar-fast-forward",
+        action="store_true",
+        help="decode tokens a grammar forces one step each (default: append them in one step)",
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE",
+    )
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -83,7 +142,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     out = llm.generate(prompt, sp)[0]  # type: ignore[arg-type]
     dt = time.perf_counter() - t
     print(out.text)
-    print(f"[{len(out.token_ids)} tokens in {dt:.2f}s, finish_reason={out.finish_reason}]", file=sys.stderr)
+    print(
+        f"[{len(out.token_ids)} tokens in {dt:.2f}s, finish_reason={out.finish_reason}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -136,55 +198,151 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
     t = time.perf_counter()
     results = cpu_ext.build_all()
     for name, ok in results:
-        print(f"{name}: {'ready' if ok else 'unavailable (the engine falls back to torch)'}", file=sys.stderr)
+        print(
+            f"{name}: {'ready' if ok else 'unavailable (the engine falls back to torch)'}",
+            file=sys.stderr,
+        )
     print(f"kernels ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     return 0 if all(ok for _, ok in results) or a.allow_missing else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     from structllm.server.config import default as d
-    parser = argparse.ArgumentParser(prog="structllm", description="OpenAI-compatible LLM server and offline engine")
+
+    parser = argparse.ArgumentParser(
+        prog="structllm", description="OpenAI-compatible LLM server and offline engine"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     r = sub.add_parser(
         "run",
         help="start the OpenAI-compatible server",
-        description="Start the OpenAI-compatible HTTP server (default: the default model on 127.0.0.1:8000).",
+        description=(
+            "Start the OpenAI-compatible HTTP server "
+            "(default: the default model on 127.0.0.1:8000)."
+        ),
     )
     _engine_args(r)
     r.add_argument("--host", default=d("host"), help="address to listen on (default %(default)s)")
-    r.add_argument("--port", type=int, default=d("port"), help="port to listen on (default %(default)s; 0 picks a free one)")
-    r.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    r.add_argument("--served-model-name", default=None, help="model name clients use (default: the model file's name)")
-    r.add_argument("--backend", choices=["trio", "asyncio"], default=d("backend"), help="event loop (default %(default)s)")
-    r.add_argument("--shutdown-timeout", type=float, default=d("shutdown_timeout"), help="seconds in-flight requests get on shutdown")
-    r.add_argument("--log-level", default=d("log_level"), choices=["debug", "info", "warning", "error"])
-    r.add_argument("--no-restart-engine", action="store_true", help="exit (code 1) when the engine dies instead of restarting it")
-    r.add_argument("--max-engine-restarts", type=int, default=d("max_engine_restarts"), help="engine deaths in a row before giving up (default %(default)s)")
-    r.add_argument("--max-queued-requests", type=int, default=d("max_queued_requests"), help="requests waiting for their first token before new ones get 503")
-    r.add_argument("--max-queued-tokens", type=int, default=d("max_queued_tokens"), help="prompt tokens waiting before new requests get 503")
-    r.add_argument("--write-timeout", type=float, default=d("write_timeout"), help="abort a request whose client reads nothing for this long (s)")
-    r.add_argument("--body-timeout", type=float, default=d("body_timeout"), help="answer 408 when a request body takes longer than this (s)")
-    r.add_argument("--max-connections", type=int, default=d("max_connections"), help="open connections per front-end process (default %(default)s)")
-    r.add_argument("--api-server-count", type=int, default=d("api_server_count"), help="front-end processes sharing the port and the engine (default %(default)s)")
-    r.add_argument("--chat-template", default=None, help="chat template to use instead of the model's: a file, or the template itself")
-    r.add_argument("--tool-call-parser", choices=["auto", "hermes", "generic"], default=d("tool_call_parser"),
-                   help="how tools are prompted and calls parsed (default %(default)s: hermes if the chat template "
-                        "renders tools with <tool_call> tags, else a generic JSON envelope)")
-    r.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any; default: CORS off)")
+    r.add_argument(
+        "--port",
+        type=int,
+        default=d("port"),
+        help="port to listen on (default %(default)s; 0 picks a free one)",
+    )
+    r.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health",
+    )
+    r.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: the model file's name)",
+    )
+    r.add_argument(
+        "--backend",
+        choices=["trio", "asyncio"],
+        default=d("backend"),
+        help="event loop (default %(default)s)",
+    )
+    r.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d("shutdown_timeout"),
+        help="seconds in-flight requests get on shutdown",
+    )
+    r.add_argument(
+        "--log-level", default=d("log_level"), choices=["debug", "info", "warning", "error"]
+    )
+    r.add_argument(
+        "--no-restart-engine",
+        action="store_true",
+        help="exit (code 1) when the engine dies instead of restarting it",
+    )
+    r.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=d("max_engine_restarts"),
+        help="engine deaths in a row before giving up (default %(default)s)",
+    )
+    r.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d("max_queued_requests"),
+        help="requests waiting for their first token before new ones get 503",
+    )
+    r.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=d("max_queued_tokens"),
+        help="prompt tokens waiting before new requests get 503",
+    )
+    r.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d("write_timeout"),
+        help="abort a request whose client reads nothing for this long (s)",
+    )
+    r.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d("body_timeout"),
+        help="answer 408 when a request body takes longer than this (s)",
+    )
+    r.add_argument(
+        "--max-connections",
+        type=int,
+        default=d("max_connections"),
+        help="open connections per front-end process (default %(default)s)",
+    )
+    r.add_argument(
+        "--api-server-count",
+        type=int,
+        default=d("api_server_count"),
+        help="front-end processes sharing the port and the engine (default %(default)s)",
+    )
+    r.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template to use instead of the model's: a file, or the template itself",
+    )
+    r.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "generic"],
+        default=d("tool_call_parser"),
+        help="how tools are prompted and calls parsed (default %(default)s: hermes if the chat "
+        "template renders tools with <tool_call> tags, else a generic JSON envelope)",
+    )
+    r.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated CORS origins ('*' for any; default: CORS off)",
+    )
     r.set_defaults(func=cmd_run)
     c = sub.add_parser(
         "chat",
         help="chat in the terminal, streaming",
         description="A streaming terminal chat, against --url or a server started for the session.",
     )
-    c.add_argument("model", nargs="?", default=None, help="model for the server started here (ignored with --url)")
-    c.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    c.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model for the server started here (ignored with --url)",
+    )
+    c.add_argument(
+        "--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
     c.add_argument("--api-key", default=None)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--max-tokens", type=int, default=512)
     c.set_defaults(func=cmd_chat)
-    g = sub.add_parser("generate", help="generate a completion offline (no server)", description="Generate one completion in this process.")
+    g = sub.add_parser(
+        "generate",
+        help="generate a completion offline (no server)",
+        description="Generate one completion in this process.",
+    )
     _engine_args(g)
     g.add_argument("-p", "--prompt", required=True, help="prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
@@ -195,11 +353,16 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser(
         "build-kernels",
         help="build the C++ CPU kernels for this machine now (make install does)",
-        description="Build (or find in the cache) the C++ CPU kernels this machine's engine loads, once per "
-        "machine and torch version, so that no start has to.",
+        description="Build (or find in the cache) the C++ CPU kernels this machine's engine loads, "
+        "once per machine and torch version, so that no start has to.",
     )
-    k.add_argument("--allow-missing", action="store_true",
-                   help="exit 0 even if a kernel cannot be built (no compiler): the engine falls back to torch")
+    k.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help=(
+            "exit 0 even if a kernel cannot be built (no compiler): the engine falls back to torch"
+        ),
+    )
     k.set_defaults(func=cmd_build_kernels)
     return parser
 

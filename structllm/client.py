@@ -85,8 +85,15 @@ class RequestStream:
         self._error: BaseException | None = None
         self.finished = False
 
-    def put(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish: FinishReason | None,
-            stop_reason: int | None, num_cached: int, prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
+    def put(
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None,
+        finish: FinishReason | None,
+        stop_reason: int | None,
+        num_cached: int,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
         d = self._pending
         d.token_ids += token_ids
         if logprobs:
@@ -160,7 +167,11 @@ class EngineClient:
         # Deliver whatever the engine wrote before it went (its last batch, its error).
         for msg in self.engine.endpoint.ep.try_recv():
             self._dispatch(msg)
-        self.fail(EngineDeadError(self.dead.args[0] if self.dead else f"the engine process exited (code {code})"))
+        self.fail(
+            EngineDeadError(
+                self.dead.args[0] if self.dead else f"the engine process exited (code {code})"
+            )
+        )
         scope.cancel()
 
     def fail(self, error: EngineDeadError) -> None:
@@ -184,8 +195,14 @@ class EngineClient:
                     del self._streams[d.request_id]
                     stream.fail(EngineRequestError(d.error or "the engine refused the request"))
                     continue
-                stream.put(d.new_token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens,
-                           d.prompt_logprobs)
+                stream.put(
+                    d.new_token_ids,
+                    d.logprobs,
+                    d.finish_reason,
+                    d.stop_reason,
+                    d.num_cached_tokens,
+                    d.prompt_logprobs,
+                )
                 if d.finish_reason is not None:
                     del self._streams[d.request_id]
             if self._stats_waiters:
@@ -199,7 +216,11 @@ class EngineClient:
 
     @asynccontextmanager
     async def request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, wakeup: Wakeup | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        wakeup: Wakeup | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished."""
         if self.dead is not None:

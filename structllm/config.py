@@ -93,18 +93,25 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
         if self.quantization not in ("auto", "none", "gguf"):
             raise ValueError(f"quantization must be auto, none or gguf, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.kv_cache_dtype not in ("auto", "float32", "float16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32 or float16, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32 or float16, got {self.kv_cache_dtype!r}"
+            )
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, cpu or triton, "
+                f"got {self.attention_backend!r}"
             )
 
 

@@ -137,17 +137,22 @@ async def open_engine(
             parent_pid=os.getpid(),
             spin_us=spin_us,
         )
-        process = ChildProcess(spawn(module, launch, (shm_fd, engine_bell.fd, pipe_r, *(b.fd for b in front_bells))))
+        process = ChildProcess(
+            spawn(module, launch, (shm_fd, engine_bell.fd, pipe_r, *(b.fd for b in front_bells)))
+        )
         # The child holds its copies now; ours are not needed (but for handoffs).
         close_fd(pipe_r)
         if channels == 1:
             close_fd(shm_fd)
         endpoint: AsyncEndpoint[FromEngine] = AsyncEndpoint(
-            Endpoint(to_front, to_engine, front_bells[0], engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
+            Endpoint(to_front, to_engine, front_bells[0], engine_bell, FromEngine),
+            spin_s=front_spin_us * 1e-6,
         )
         ready, pending = await _handshake(endpoint, process, startup_timeout)
         handoffs = [
-            ChannelHandoff(i, shm_fd, size, ring_capacity, engine_bell.fd, front_bells[i].fd, process.pid)
+            ChannelHandoff(
+                i, shm_fd, size, ring_capacity, engine_bell.fd, front_bells[i].fd, process.pid
+            )
             for i in range(1, channels)
         ]
         yield EngineProcess(endpoint, process, ready, pending, handoffs)
@@ -160,8 +165,9 @@ async def open_engine(
 
 
 @asynccontextmanager
-async def attach_engine(handoff: ChannelHandoff, startup_timeout: float = 600.0,
-                        front_spin_us: float = 50.0) -> AsyncIterator[EngineProcess]:
+async def attach_engine(
+    handoff: ChannelHandoff, startup_timeout: float = 600.0, front_spin_us: float = 50.0
+) -> AsyncIterator[EngineProcess]:
     """The other side of a ``ChannelHandoff``, in another front-end process: this
     process does not own the engine (it cannot reap it), but sees it die (pidfd)."""
     own = ExitStack()  # the handed-over descriptors and what is opened here, closed in reverse
@@ -178,7 +184,8 @@ async def attach_engine(handoff: ChannelHandoff, startup_timeout: float = 600.0,
         own.callback(to_front.close)
         process = own.enter_context(contextlib.closing(ForeignProcess(handoff.engine_pid)))
         endpoint: AsyncEndpoint[FromEngine] = AsyncEndpoint(
-            Endpoint(to_front, to_engine, front_bell, engine_bell, FromEngine), spin_s=front_spin_us * 1e-6
+            Endpoint(to_front, to_engine, front_bell, engine_bell, FromEngine),
+            spin_s=front_spin_us * 1e-6,
         )
         ready, pending = await _handshake(endpoint, process, startup_timeout)
         yield EngineProcess(endpoint, process, ready, pending, [])
@@ -209,7 +216,9 @@ async def _handshake(
         result = endpoint.ep.try_recv()
     if result and isinstance(result[0], EngineReady):
         if result[0].protocol_version != PROTOCOL_VERSION:
-            raise EngineStartError(f"engine speaks protocol {result[0].protocol_version}, expected {PROTOCOL_VERSION}")
+            raise EngineStartError(
+                f"engine speaks protocol {result[0].protocol_version}, expected {PROTOCOL_VERSION}"
+            )
         rest = result[1:]
         assert all(isinstance(m, OutputBatch) for m in rest)
         return result[0], rest

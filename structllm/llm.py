@@ -89,7 +89,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        if engine_kwargs.get("trace") is True:  # trace=True: the default file, in the working directory
+        if (
+            engine_kwargs.get("trace") is True
+        ):  # trace=True: the default file, in the working directory
             engine_kwargs["trace"] = TRACE_FILE
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
@@ -121,8 +123,13 @@ class LLM:
         params = _as_params_list(sampling_params, len(items))
         return self._run(items, [self._encode(p) for p in items], params)
 
-    def _run(self, items: list[Prompt], encoded: list[list[int]], params: list[SamplingParams],
-             tools: ToolRequest | None = None) -> list[RequestOutput]:
+    def _run(
+        self,
+        items: list[Prompt],
+        encoded: list[list[int]],
+        params: list[SamplingParams],
+        tools: ToolRequest | None = None,
+    ) -> list[RequestOutput]:
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
                 self.engine.check_request(ids, sp)
@@ -138,7 +145,11 @@ class LLM:
             results.append(res)
             name = res.request_id
             for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools):  # noqa: B023
-                res.outputs.append(CompletionOutput(seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None))
+                res.outputs.append(
+                    CompletionOutput(
+                        seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None
+                    )
+                )
                 live[seq.request_id] = (seq, res)
                 self.engine.tracer.event("sent", seq.request_id)
                 self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling))
@@ -150,8 +161,14 @@ class LLM:
                     seq, res = live[delta.request_id]
                     if delta.error is not None and seq.sampling.structured_outputs is None:
                         raise RuntimeError(f"engine refused request: {delta.error}")
-                    update = seq.process(delta.new_token_ids, delta.logprobs, delta.finish_reason,
-                                         delta.stop_reason, delta.num_cached_tokens, delta.prompt_logprobs)
+                    update = seq.process(
+                        delta.new_token_ids,
+                        delta.logprobs,
+                        delta.finish_reason,
+                        delta.stop_reason,
+                        delta.num_cached_tokens,
+                        delta.prompt_logprobs,
+                    )
                     res.num_cached_tokens = seq.num_cached_tokens
                     if res.prompt_logprobs is not None:
                         res.prompt_logprobs += update.prompt_logprobs
@@ -190,7 +207,9 @@ class LLM:
         into the prompt, the output is constrained where the choice demands it, and each
         completion's ``tool_calls`` holds the calls it made (its ``text`` the rest, and
         ``finish_reason`` is ``tool_calls``). Raises ``ValueError`` for bad tools."""
-        chats: list[Any] = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        chats: list[Any] = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
         fmt = detect_format(self.tokenizer.meta.chat_template)
         try:
             req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
@@ -207,7 +226,9 @@ class LLM:
         spec = constraint(req)
         if spec is not None:
             if any(sp.structured_outputs is not None for sp in params):
-                raise ValueError("structured_outputs cannot be combined with tools that may be called")
+                raise ValueError(
+                    "structured_outputs cannot be combined with tools that may be called"
+                )
             params = [msgspec.structs.replace(sp, structured_outputs=spec) for sp in params]
         encoded = []
         for chat in chats:
@@ -236,22 +257,31 @@ class LLM:
 
 def _is_single(p: Any) -> bool:
     """One prompt: text, or a non-empty list of token ids or of chat messages."""
-    return isinstance(p, str) or (isinstance(p, Sequence) and bool(p) and isinstance(p[0], Mapping | int))
+    return isinstance(p, str) or (
+        isinstance(p, Sequence) and bool(p) and isinstance(p[0], Mapping | int)
+    )
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if _is_single(prompts):
         return [prompts]  # type: ignore[list-item]
     if not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a string, token ids, chat messages or a list of them, got {type(prompts).__name__}")
+        raise TypeError(
+            "prompts must be a string, token ids, chat messages or a list of them, "
+            f"got {type(prompts).__name__}"
+        )
     out = list(prompts)
     for i, p in enumerate(out):
         if not _is_single(p):
-            raise TypeError(f"prompt {i} is not a string, a non-empty list of token ids or a chat: {p!r:.80}")
+            raise TypeError(
+                f"prompt {i} is not a string, a non-empty list of token ids or a chat: {p!r:.80}"
+            )
     return out  # type: ignore[return-value]
 
 
-def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _as_params_list(
+    sp: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if sp is None:
         return [SamplingParams()] * n
     if isinstance(sp, SamplingParams):

@@ -81,8 +81,13 @@ class SequenceState:
         self.num_cached_tokens = num_cached_tokens
         self.token_ids += token_ids
         text, stopped = self.detok.add(token_ids)
-        update = SequenceUpdate(self.index, text, token_ids, list(logprobs or ()),
-                                prompt_logprobs=list(prompt_logprobs or ()))
+        update = SequenceUpdate(
+            self.index,
+            text,
+            token_ids,
+            list(logprobs or ()),
+            prompt_logprobs=list(prompt_logprobs or ()),
+        )
         if stopped:
             update.abort = finish_reason is None  # the engine has not ended it itself
             self.finish_reason, self.stop_reason = "stop", self.detok.stop_str
@@ -91,7 +96,9 @@ class SequenceState:
         if self.finish_reason is not None:
             update.text += self.detok.finish()
         if self.tools is not None:
-            update.text, update.tool_calls = self.tools.feed(update.text, final=self.finish_reason is not None)
+            update.text, update.tool_calls = self.tools.feed(
+                update.text, final=self.finish_reason is not None
+            )
             if self.finish_reason == "stop" and self.tools.calls:
                 self.finish_reason = "tool_calls"
         update.finish_reason, update.stop_reason = self.finish_reason, self.stop_reason
@@ -120,7 +127,11 @@ def fan_out(
                 seed = None if sampling.seed is None else sampling.seed + j
                 scored = sampling.prompt_logprobs if j == 0 else None
                 sp = msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=scored)
-            detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens)
+            detok = Detokenizer(
+                tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens
+            )
             parser = ToolCallParser(tools) if tools is not None and tools.calls_allowed else None
-            out.append(SequenceState(pi * n + j, pi, new_request_id(pi, j), ids, sp, detok, tools=parser))
+            out.append(
+                SequenceState(pi * n + j, pi, new_request_id(pi, j), ids, sp, detok, tools=parser)
+            )
     return out

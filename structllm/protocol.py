@@ -23,7 +23,9 @@ PROTOCOL_VERSION = 2
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+class StructuredOutputs(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """A constraint on a sequence's output (the shape of vLLM's
     ``StructuredOutputsParams``). Exactly one of the constraint fields is set:
 
@@ -130,7 +132,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise bad(
+                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):

@@ -56,9 +56,13 @@ def grammar_of(spec: StructuredOutputs, field: str | None = None) -> str:
     kind = spec.kind
     where = field or f"structured_outputs.{kind}"
     if kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(_schema(spec.json, where), overrides=json_options(spec))
+        return llg.LLMatcher.grammar_from_json_schema(
+            _schema(spec.json, where), overrides=json_options(spec)
+        )
     if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=json_options(spec))
+        return llg.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, overrides=json_options(spec)
+        )
     if kind == "regex":
         assert spec.regex is not None
         _check_size(spec.regex, where)
@@ -67,7 +71,9 @@ def grammar_of(spec: StructuredOutputs, field: str | None = None) -> str:
         assert spec.choice is not None
         _check_size("".join(spec.choice), where)
         # a Lark alternative of JSON-quoted literals: exactly one of the strings
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return llg.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+        )
     assert spec.grammar is not None
     _check_size(spec.grammar, where)
     return llg.LLMatcher.grammar_from_lark(spec.grammar)
@@ -78,7 +84,12 @@ def json_options(spec: StructuredOutputs) -> JsonCompileOptions:
     # emits oneOf for discriminated unions, whose branches exclude each other anyway
     if spec.whitespace_flexible:
         return {"coerce_one_of": True, "whitespace_flexible": True}
-    return {"coerce_one_of": True, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {
+        "coerce_one_of": True,
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    }
 
 
 def _schema(value: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
@@ -103,10 +114,14 @@ def _schema(value: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
 
 def _check_size(text: str, where: str) -> None:
     if len(text) > MAX_SPEC_CHARS:
-        raise GrammarError(f"{where} is too large ({len(text)} characters; at most {MAX_SPEC_CHARS})")
+        raise GrammarError(
+            f"{where} is too large ({len(text)} characters; at most {MAX_SPEC_CHARS})"
+        )
 
 
-def validate(spec: StructuredOutputs, tokenizer: llg.LLTokenizer | None = None, field: str | None = None) -> str | None:
+def validate(
+    spec: StructuredOutputs, tokenizer: llg.LLTokenizer | None = None, field: str | None = None
+) -> str | None:
     """``None`` if ``spec`` compiles under ``LIMITS``, else a message naming ``field``
     (default ``"structured_outputs.<kind>"``) and what is wrong. Blocking (it drops the
     GIL while compiling): call it in a worker thread, never on the event loop. With the
@@ -131,7 +146,9 @@ def _first_line(message: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(tokenizer_json: str, eos_token_ids: tuple[int, ...], vocab_size: int | None = None) -> llg.LLTokenizer:
+def load_tokenizer(
+    tokenizer_json: str, eos_token_ids: tuple[int, ...], vocab_size: int | None = None
+) -> llg.LLTokenizer:
     """The llguidance view of the model's ``tokenizer.json`` (about 0.2 s to build;
     cached per arguments). ``eos_token_ids``: the ids that end generation, which the
     grammar allows once it is complete. ``vocab_size``: the model's vocabulary when it
@@ -167,7 +184,9 @@ def response_format_spec(response_format: Mapping[str, Any] | None) -> Structure
         if not isinstance(schema, Mapping):
             raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
         return StructuredOutputs(json=dict(schema))
-    raise GrammarError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    raise GrammarError(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+    )
 
 
 # -- the engine's per-sequence matcher ----------------------------------------------------

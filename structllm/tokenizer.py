@@ -26,7 +26,11 @@ Message = Mapping[str, Any]
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to
     code points from 256 up. Returned inverted: character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -45,14 +49,19 @@ class ChatTemplateError(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, tokenizer_json: str, meta: TokenizerMeta, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer_json: str, meta: TokenizerMeta, eos_token_ids: Sequence[int] = ()
+    ) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(tokenizer_json)
         self.path = tokenizer_json
         self.meta = meta
         ids = set(eos_token_ids)
-        if meta.eos_token is not None and (eid := self._tok.token_to_id(meta.eos_token)) is not None:
+        if (
+            meta.eos_token is not None
+            and (eid := self._tok.token_to_id(meta.eos_token)) is not None
+        ):
             ids.add(eid)
         self.eos_token_ids: list[int] = sorted(ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -71,7 +80,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a long prompt
         # tokenized in a worker thread must not freeze the event loop's thread.
-        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[
+            0
+        ].ids
         bos = self.meta.bos_token
         if add_special_tokens and self.meta.add_bos_token and bos is not None:
             bos_id = self._tok.token_to_id(bos)
@@ -92,7 +103,11 @@ class Tokenizer:
         piece = self._tok.id_to_token(token_id) or ""
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             out = bytes([int(piece[3:5], 16)])
-        elif self._byte_level and token_id not in self._special_ids and all(c in _BYTE_DECODER for c in piece):
+        elif (
+            self._byte_level
+            and token_id not in self._special_ids
+            and all(c in _BYTE_DECODER for c in piece)
+        ):
             out = bytes(_BYTE_DECODER[c] for c in piece)
         else:
             out = piece.replace("\u2581", " ").encode()
@@ -120,15 +135,18 @@ class Tokenizer:
         self._template = compile_chat_template(template)
         self.meta = msgspec.structs.replace(self.meta, chat_template=template)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                            **variables: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
         """Render ``messages`` (dicts with ``role`` and ``content``, and whatever else the
         template reads, e.g. ``tool_calls``) to the prompt text; ``variables`` are extra
         template variables (``tools``). Raises ``ChatTemplateError`` if the model has no
         template or it fails."""
         if self._template is None:
             if not self.meta.chat_template:
-                raise ChatTemplateError("this model has no chat template; use a plain prompt instead")
+                raise ChatTemplateError(
+                    "this model has no chat template; use a plain prompt instead"
+                )
             self._template = compile_chat_template(self.meta.chat_template)
         try:
             rendered: str = self._template.render(
@@ -139,12 +157,18 @@ class Tokenizer:
                 **variables,
             )
         except Exception as e:
-            raise ChatTemplateError(f"the chat template failed to render these messages: {e}") from e
+            raise ChatTemplateError(
+                f"the chat template failed to render these messages: {e}"
+            ) from e
         return rendered
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
         # The template already writes the special tokens it wants (as Hugging Face does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
 
 def compile_chat_template(template: str) -> Any:
@@ -162,7 +186,9 @@ def load_chat_template(value: str) -> str:
         try:
             value = Path(value).read_text()
         except OSError as e:
-            raise ChatTemplateError(f"cannot read the chat template file {value!r}: {e.strerror}") from None
+            raise ChatTemplateError(
+                f"cannot read the chat template file {value!r}: {e.strerror}"
+            ) from None
     compile_chat_template(value)
     return value
 
@@ -174,10 +200,14 @@ def _jinja_env() -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(x: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -81,8 +81,9 @@ class ToolRequest:
         return self.named or self.choice == "required"
 
 
-def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool | None,
-                 fmt: Format) -> ToolRequest | None:
+def tool_request(
+    tools: Sequence[Any] | None, tool_choice: Any, parallel: bool | None, fmt: Format
+) -> ToolRequest | None:
     """The checked request (``None`` without tools). Raises ``ToolError`` for a
     malformed ``tools`` entry (not its schema: ``validate_tools`` compiles those), a
     ``tool_choice`` that is not one of OpenAI's forms or names an unknown function, and
@@ -91,21 +92,31 @@ def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel: bool |
         choice = "auto"
     elif tool_choice in ("none", "auto", "required"):
         choice = tool_choice
-    elif (isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
-          and isinstance(tool_choice.get("function"), Mapping)
-          and isinstance(tool_choice["function"].get("name"), str)):
+    elif (
+        isinstance(tool_choice, Mapping)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), Mapping)
+        and isinstance(tool_choice["function"].get("name"), str)
+    ):
         choice = tool_choice["function"]["name"]
     else:
-        raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                        '{"name": ...}}', "tool_choice")
+        raise ToolError(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+            '{"name": ...}}',
+            "tool_choice",
+        )
     named = choice not in ("none", "auto", "required")
     if not tools:
         if named or choice == "required":
-            raise ToolError(f"tool_choice {choice!r} needs at least one entry in tools", "tool_choice")
+            raise ToolError(
+                f"tool_choice {choice!r} needs at least one entry in tools", "tool_choice"
+            )
         return None
     checked = _check_shapes(tools)
     if named and choice not in {t["function"]["name"] for t in checked}:
-        raise ToolError(f"tool_choice names the function {choice!r}, which is not in tools", "tool_choice")
+        raise ToolError(
+            f"tool_choice names the function {choice!r}, which is not in tools", "tool_choice"
+        )
     return ToolRequest(checked, choice, named, True if parallel is None else parallel, fmt)
 
 
@@ -113,15 +124,26 @@ def _check_shapes(tools: Sequence[Any]) -> list[dict[str, Any]]:
     seen: set[str] = set()
     out = []
     for i, t in enumerate(tools):
-        if not isinstance(t, Mapping) or t.get("type") != "function" or not isinstance(t.get("function"), Mapping):
-            raise ToolError(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
+        if (
+            not isinstance(t, Mapping)
+            or t.get("type") != "function"
+            or not isinstance(t.get("function"), Mapping)
+        ):
+            raise ToolError(
+                f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools"
+            )
         fn = t["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-            raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', "
-                            f"got {name!r}", "tools")
+            raise ToolError(
+                f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', "
+                f"got {name!r}",
+                "tools",
+            )
         if name in seen:
-            raise ToolError(f"tools[{i}].function.name {name!r} is used by an earlier tool", "tools")
+            raise ToolError(
+                f"tools[{i}].function.name {name!r} is used by an earlier tool", "tools"
+            )
         seen.add(name)
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ToolError(f"tools[{i}].function.description must be a string", "tools")
@@ -176,14 +198,18 @@ def _call_schemas(tools: Sequence[Mapping[str, Any]], name: str | None) -> list[
         if name is not None and fn["name"] != name:
             continue
         params = closed(dict(fn.get("parameters") or {"type": "object", "properties": {}}))
-        calls.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     if not calls:
-        raise GrammarError(f"tool_choice names an unknown function {name!r}" if name else "tools is empty")
+        raise GrammarError(
+            f"tool_choice names an unknown function {name!r}" if name else "tools is empty"
+        )
     return calls
 
 
@@ -191,16 +217,26 @@ def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
-def tool_calls_schema(tools: Sequence[Mapping[str, Any]], name: str | None = None, parallel: bool = True) -> dict[str, Any]:
+def tool_calls_schema(
+    tools: Sequence[Mapping[str, Any]], name: str | None = None, parallel: bool = True
+) -> dict[str, Any]:
     """The JSON schema of the generic envelope, ``{"tool_calls": [{"name", "arguments"}, ...]}``:
     each call names one of ``tools`` (restricted to ``name`` if given) with arguments
     valid against its ``parameters``; one call at least, and exactly one without
     ``parallel``."""
-    array: dict[str, Any] = {"type": "array", "items": _one_of(_call_schemas(tools, name)), "minItems": 1}
+    array: dict[str, Any] = {
+        "type": "array",
+        "items": _one_of(_call_schemas(tools, name)),
+        "minItems": 1,
+    }
     if not parallel:
         array["maxItems"] = 1
-    return {"type": "object", "properties": {"tool_calls": array}, "required": ["tool_calls"],
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"tool_calls": array},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
@@ -224,7 +260,9 @@ def constraint(req: ToolRequest) -> StructuredOutputs | None:
         envelope = tool_calls_schema(req.tools, name, req.parallel)
         if req.forced:
             return StructuredOutputs(json=envelope)
-        return StructuredOutputs(grammar=f"start: calls | TEXT\ncalls: {_json_rule(envelope)}\nTEXT: /[^{{](.|\\n)*/\n")
+        return StructuredOutputs(
+            grammar=f"start: calls | TEXT\ncalls: {_json_rule(envelope)}\nTEXT: /[^{{](.|\\n)*/\n"
+        )
     if not req.forced:
         return None
     more = ' ("\\n" call)*' if req.parallel else ""
@@ -242,8 +280,9 @@ def _arguments_value(text: str) -> Any:
         return text
 
 
-def prompt_messages(messages: list[dict[str, Any]], req: ToolRequest | None,
-                    fmt: Format) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def prompt_messages(
+    messages: list[dict[str, Any]], req: ToolRequest | None, fmt: Format
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Messages (``chat_messages``' dicts, which may carry assistant ``tool_calls`` and
     ``tool`` messages) and extra template variables, for the chat template.
 
@@ -257,20 +296,36 @@ def prompt_messages(messages: list[dict[str, Any]], req: ToolRequest | None,
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
-                m["tool_calls"] = [{**c, "function": {**c["function"],
-                                                      "arguments": _arguments_value(c["function"]["arguments"])}}
-                                   for c in m["tool_calls"]]
+                m["tool_calls"] = [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": _arguments_value(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ]
             out.append(m)
         return out, ({"tools": req.tools} if req is not None else {})
     out = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": _arguments_value(c["function"]["arguments"])}
-                     for c in m["tool_calls"]]
-            text = ((m.get("content") or "") + "\n" if m.get("content") else "") + json.dumps({"tool_calls": calls})
+            calls = [
+                {
+                    "name": c["function"]["name"],
+                    "arguments": _arguments_value(c["function"]["arguments"]),
+                }
+                for c in m["tool_calls"]
+            ]
+            text = ((m.get("content") or "") + "\n" if m.get("content") else "") + json.dumps(
+                {"tool_calls": calls}
+            )
             out.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
-            result = json.dumps({"tool_result": {"tool_call_id": m.get("tool_call_id"), "content": m["content"]}})
+            result = json.dumps(
+                {"tool_result": {"tool_call_id": m.get("tool_call_id"), "content": m["content"]}}
+            )
             if out and out[-1]["role"] == "user" and out[-1].get("tool_results"):
                 out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + result}
             else:
@@ -289,18 +344,28 @@ def prompt_messages(messages: list[dict[str, Any]], req: ToolRequest | None,
 
 
 def _describe(req: ToolRequest) -> str:
-    tools = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
-              "parameters": t["function"].get("parameters") or {"type": "object", "properties": {}}}
-             for t in req.tools]
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"].get("description", ""),
+            "parameters": t["function"].get("parameters") or {"type": "object", "properties": {}},
+        }
+        for t in req.tools
+    ]
     example = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
-    lines = ["You can call these tools; each takes arguments that match its JSON schema:", json.dumps(tools)]
+    lines = [
+        "You can call these tools; each takes arguments that match its JSON schema:",
+        json.dumps(tools),
+    ]
     if req.named:
         lines.append(f"Call the tool {req.choice!r} now. Answer with only a JSON object: {example}")
     elif req.choice == "required":
         lines.append(f"Call one or more tools now. Answer with only a JSON object: {example}")
     else:
-        lines.append(f"To call tools, answer with only a JSON object: {example}. "
-                     "Otherwise, answer in plain text.")
+        lines.append(
+            f"To call tools, answer with only a JSON object: {example}. "
+            "Otherwise, answer in plain text."
+        )
     return "\n".join(lines)
 
 
@@ -319,7 +384,9 @@ class JsonScanner:
 
     def __init__(self) -> None:
         self.text = ""  # everything taken so far
-        self.spans: dict[tuple[str | int, ...], list[int]] = {}  # path -> [start, end) (end -1: open)
+        self.spans: dict[
+            tuple[str | int, ...], list[int]
+        ] = {}  # path -> [start, end) (end -1: open)
         # per open container: [kind "{" or "[", current key or index, what comes next:
         # "key", "colon", "value" or "comma"]
         self._stack: list[list[Any]] = []
@@ -357,7 +424,7 @@ class JsonScanner:
                 elif ch == '"':
                     start, self._string = self._string, None
                     if self._string_is_key:
-                        key = json.loads((self.text + piece[:k + 1])[start:pos + 1])
+                        key = json.loads((self.text + piece[: k + 1])[start : pos + 1])
                         self._stack[-1][1:] = [key, "colon"]
                     else:
                         self._end(pos + 1)
@@ -400,7 +467,7 @@ class JsonScanner:
     def value(self, path: tuple[str | int, ...]) -> str | None:
         """The complete text of the value at ``path``, or None if it is not complete."""
         span = self.spans.get(path)
-        return None if span is None or span[1] < 0 else self.text[span[0]:span[1]]
+        return None if span is None or span[1] < 0 else self.text[span[0] : span[1]]
 
     def partial(self, path: tuple[str | int, ...], start: int) -> tuple[str, int]:
         """The text of the value at ``path`` from offset ``start`` on, as far as it is
@@ -422,7 +489,11 @@ class ToolCall:
     arguments: str
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -465,8 +536,11 @@ class _Call:
 
     def arguments_path(self) -> tuple[str | int, ...]:
         params = (*self.path, "parameters")  # some hermes models write "parameters"
-        return params if params in self.scanner.spans and (*self.path, "arguments") not in self.scanner.spans \
+        return (
+            params
+            if params in self.scanner.spans and (*self.path, "arguments") not in self.scanner.spans
             else (*self.path, "arguments")
+        )
 
     def complete(self) -> ToolCall | None:
         name, args = self.name(), self.scanner.value(self.arguments_path())
@@ -541,21 +615,21 @@ class ToolCallParser:
             elif self._after_call:
                 i = rest.find(CLOSE)
                 if i < 0:
-                    self._pending = rest[-(len(CLOSE) - 1):]  # wait for the closing tag
+                    self._pending = rest[-(len(CLOSE) - 1) :]  # wait for the closing tag
                     return
-                rest, self._after_call = rest[i + len(CLOSE):], False
+                rest, self._after_call = rest[i + len(CLOSE) :], False
             else:
                 i = rest.find(OPEN)
                 if i < 0:
                     keep = _partial_tag(rest)
-                    self._text(rest[:len(rest) - keep], out)
-                    self._pending = rest[len(rest) - keep:]
+                    self._text(rest[: len(rest) - keep], out)
+                    self._pending = rest[len(rest) - keep :]
                     return
                 self._text(rest[:i], out)
                 self._held_space = ""  # whitespace before a call is not content
                 self._in_call = _Call(JsonScanner(), ())
                 self._calls.append(self._in_call)
-                rest = rest[i + len(OPEN):]
+                rest = rest[i + len(OPEN) :]
 
     def _text(self, text: str, out: list[str]) -> None:
         """Content outside calls; whitespace is held until something that is not
@@ -567,7 +641,7 @@ class ToolCallParser:
             return
         stripped = text.rstrip()
         out.append(self._held_space + stripped)
-        self._held_space = text[len(stripped):]
+        self._held_space = text[len(stripped) :]
 
     def _deltas(self) -> list[ToolCallDelta]:
         out = []

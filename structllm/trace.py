@@ -45,19 +45,45 @@ class Tracer:
         self._pid = os.getpid()
         if path is not None:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            self._write({"name": "process_name", "ph": "M", "pid": self._pid, "tid": 0, "args": {"name": process}})
+            self._write(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": self._pid,
+                    "tid": 0,
+                    "args": {"name": process},
+                }
+            )
 
     def event(self, name: str, request_id: str, **args: Any) -> None:
         """An instant event of one request."""
         if self.enabled:
-            self._write({"name": name, "ph": "i", "s": "p", "ts": now_us(), "pid": self._pid, "tid": 0,
-                         "args": {"request_id": request_id, **args}})
+            self._write(
+                {
+                    "name": name,
+                    "ph": "i",
+                    "s": "p",
+                    "ts": now_us(),
+                    "pid": self._pid,
+                    "tid": 0,
+                    "args": {"request_id": request_id, **args},
+                }
+            )
 
     def span(self, name: str, start_us: int, **args: Any) -> None:
         """A span from ``start_us`` (``now_us()``) to now."""
         if self.enabled:
-            self._write({"name": name, "ph": "X", "ts": start_us, "dur": now_us() - start_us, "pid": self._pid,
-                         "tid": 0, "args": args})
+            self._write(
+                {
+                    "name": name,
+                    "ph": "X",
+                    "ts": start_us,
+                    "dur": now_us() - start_us,
+                    "pid": self._pid,
+                    "tid": 0,
+                    "args": args,
+                }
+            )
 
     def _write(self, event: dict[str, Any]) -> None:
         os.write(self._fd, (json.dumps(event, separators=(",", ":")) + "\n").encode())

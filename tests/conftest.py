@@ -43,7 +43,9 @@ def hf_model():  # type: ignore[no-untyped-def]
     from structllm.model.files import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -59,7 +61,9 @@ def lltok(default_files):  # type: ignore[no-untyped-def]
     """The default model's tokenizer as llguidance sees it."""
     from structllm.structured import load_tokenizer
 
-    return load_tokenizer(str(default_files.tokenizer_json), tuple(default_files.generation_eos_ids))
+    return load_tokenizer(
+        str(default_files.tokenizer_json), tuple(default_files.generation_eos_ids)
+    )
 
 
 @pytest.fixture

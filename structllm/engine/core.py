@@ -66,13 +66,19 @@ class EngineCore:
         mcfg = self.files.config
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
-        plan = plan_shards(mcfg, world)[0] if world > 1 else None  # a model that cannot be split fails here
+        plan = (
+            plan_shards(mcfg, world)[0] if world > 1 else None
+        )  # a model that cannot be split fails here
         self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
         self.dtype = setup_device(config, self.device, world)
         fmt = None
-        if not config.null_model:  # a bad --dtype/--quantization combination fails here, before any worker
+        if (
+            not config.null_model
+        ):  # a bad --dtype/--quantization combination fails here, before any worker
             fmt = self.weight_format = resolve_format(config, self.device, self.files, world)
-        self.kv_dtype = resolve_kv_cache_dtype(config, self.device, fmt)  # as is a bad --kv-cache-dtype
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config, self.device, fmt
+        )  # as is a bad --kv-cache-dtype
         self.workers: WorkerPool | None = None
         try:
             self._start(plan)
@@ -80,7 +86,9 @@ class EngineCore:
             self.close()
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
-        self._traced_blocks: dict[str, int] = {}  # request id -> KV blocks it held at the last trace
+        self._traced_blocks: dict[
+            str, int
+        ] = {}  # request id -> KV blocks it held at the last trace
         self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
@@ -89,12 +97,19 @@ class EngineCore:
         group = self._load(plan)
         self._size_kv_cache(plan, group)
         self.eos_token_ids = self.files.generation_eos_ids
-        self.kv = KVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
         self.max_num_batched_tokens = self._token_budget()
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.max_num_batched_tokens, self.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_seqs, self.max_num_batched_tokens, self.eos_token_ids
+        )
         self.grammar = GrammarManager(
-            str(self.files.tokenizer_json), self.eos_token_ids, self.vocab_size, self.config.grammar_fast_forward
+            str(self.files.tokenizer_json),
+            self.eos_token_ids,
+            self.vocab_size,
+            self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
         if isinstance(self.runner, ModelRunner):
@@ -145,7 +160,9 @@ class EngineCore:
             return NullRunner(config.null_step_time)
         broadcast = self.workers.publish if self.workers is not None else None
         sampler = Sampler(self.eos_token_ids, config.seed)
-        runner = ModelRunner(self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype)
+        runner = ModelRunner(
+            self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype
+        )
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -164,10 +181,17 @@ class EngineCore:
         if self.device.type != "cpu" or not isinstance(self.runner, ModelRunner):
             return max(DEFAULT_TOKEN_BUDGET, config.max_num_seqs)
         n = min(PROBE_TOKENS, self.max_model_len - 1)
-        self._time_prefill(n)  # untimed: the first forward pays one-time costs (page faults, kernel set-up)
+        self._time_prefill(
+            n
+        )  # untimed: the first forward pays one-time costs (page faults, kernel set-up)
         seconds = min(self._time_prefill(n) for _ in range(3))  # the least disturbed of three
         budget = auto_token_budget(seconds / n, config.max_num_seqs)
-        log.info("step token budget %d (a %d-token prefill chunk took %.0f ms)", budget, n, 1000 * seconds)
+        log.info(
+            "step token budget %d (a %d-token prefill chunk took %.0f ms)",
+            budget,
+            n,
+            1000 * seconds,
+        )
         return budget
 
     def _time_prefill(self, n: int) -> float:
@@ -177,7 +201,9 @@ class EngineCore:
         sampled (so no generator advances), no statistic counts it."""
         assert isinstance(self.runner, ModelRunner)
         vocab = self.vocab_size
-        tokens = [(1 + 7919 * i) % vocab for i in range(n)]  # any ids; the cost does not depend on them
+        tokens = [
+            (1 + 7919 * i) % vocab for i in range(n)
+        ]  # any ids; the cost does not depend on them
         req = Request("\x00probe", tokens, SamplingParams(temperature=0.0, max_tokens=1), 1)
         if not self.kv.allocate(req, n):
             return 0.0  # a KV cache smaller than one chunk: nothing to measure
@@ -228,7 +254,9 @@ class EngineCore:
             raise ValueError("the prompt is empty; it needs at least one token")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
         sampling.check_vocab(self.vocab_size)
         if sampling.max_tokens == 0:  # prompt only: nothing is generated
             if n > self.max_model_len:
@@ -248,7 +276,9 @@ class EngineCore:
         into ``n`` requests)."""
         try:
             if msg.sampling.n != 1:
-                raise ValueError(f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence")
+                raise ValueError(
+                    f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence"
+                )
             self.check_request(msg.prompt_token_ids, msg.sampling)
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = msg.sampling.max_tokens
@@ -342,12 +372,19 @@ class EngineCore:
             self.tracer.event("scheduled", req.request_id, tokens=n)
             held, before = len(req.block_ids), self._traced_blocks.get(req.request_id, 0)
             if held > before:
-                self.tracer.event("blocks_allocated", req.request_id, blocks=held - before, total=held)
+                self.tracer.event(
+                    "blocks_allocated", req.request_id, blocks=held - before, total=held
+                )
             self._traced_blocks[req.request_id] = held
 
     def _trace_step(self, sched: SchedulerOutput, deltas: list[TokenDelta], start: int) -> None:
-        self.tracer.span("step", start, step=self.num_steps, tokens=sched.num_tokens,
-                         requests=len(sched.scheduled))
+        self.tracer.span(
+            "step",
+            start,
+            step=self.num_steps,
+            tokens=sched.num_tokens,
+            requests=len(sched.scheduled),
+        )
         for req, _ in sched.scheduled:
             self.tracer.event("forward", req.request_id, step=self.num_steps)
         for d in deltas:

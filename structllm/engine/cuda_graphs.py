@@ -57,7 +57,9 @@ class DecodeGraphs:
         max_model_len: int,
     ) -> None:
         if not model.attn_impl.supports_cuda_graphs:
-            raise ValueError(f"attention backend {type(model.attn_impl).__name__} cannot run in a CUDA graph")
+            raise ValueError(
+                f"attention backend {type(model.attn_impl).__name__} cannot run in a CUDA graph"
+            )
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -71,7 +73,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # one token per row
+        self.query_start_loc = torch.arange(
+            n + 1, dtype=torch.int32, device=dev
+        )  # one token per row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         # Held so that it provably outlives the graphs that read it.
@@ -90,7 +94,9 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int) -> Tensor:
-        out: Tensor = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        out: Tensor = self.model(
+            self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b)
+        )
         return out
 
     @torch.inference_mode()

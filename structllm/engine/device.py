@@ -87,11 +87,17 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
 
 
 def local_num_blocks(
-    config: EngineConfig, device: torch.device, kv_dtype: torch.dtype, mcfg: ModelConfig, num_kv_heads: int
+    config: EngineConfig,
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    mcfg: ModelConfig,
+    num_kv_heads: int,
 ) -> int:
     """KV blocks that fit this process's budget with ``num_kv_heads`` heads cached in
     ``kv_dtype`` (a float16 cache holds twice the blocks of a float32 one)."""
-    block_bytes = 2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * kv_dtype.itemsize
+    block_bytes = (
+        2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * kv_dtype.itemsize
+    )
     return kv_budget(config, device) // block_bytes
 
 
@@ -109,6 +115,9 @@ def load_rank_model(
     model = load_model(files, dtype, device, plan, fmt)
     model.tp = group
     model.attn_impl = get_attention_impl(
-        config.attention_backend, device, dtype, (config.block_size, model.num_heads, model.num_kv_heads, files.config.head_dim)
+        config.attention_backend,
+        device,
+        dtype,
+        (config.block_size, model.num_heads, model.num_kv_heads, files.config.head_dim),
     )
     return model

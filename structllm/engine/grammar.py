@@ -180,7 +180,9 @@ class GrammarManager:
 
     # -- after sampling ----------------------------------------------------------------
 
-    def advance(self, req: Request, token: int, reason: FinishReason | None) -> tuple[list[int], FinishReason | None, str | None]:
+    def advance(
+        self, req: Request, token: int, reason: FinishReason | None
+    ) -> tuple[list[int], FinishReason | None, str | None]:
         """Feed ``req``'s sampled ``token`` (already appended) to its matcher. ``reason``:
         what the scheduler's own stop checks decided. Returns the forced tokens to
         append after it (fast-forward; already consumed by the matcher), the finish
@@ -204,4 +206,3 @@ class GrammarManager:
         if req.num_output_tokens + len(forced) >= req.max_tokens:
             return forced, "length", None
         return forced, None, None
-

@@ -29,7 +29,9 @@ ChainKey = tuple[int, tuple[int, ...]]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -168,7 +170,9 @@ class KVCacheManager:
         assert counts == self.ref_cnt, "ref counts differ from the blocks requests hold"
         for b in range(self.num_blocks):
             assert self.ref_cnt[b] >= 0, f"block {b} has a negative ref count"
-            assert (b in self.free) == (self.ref_cnt[b] == 0), f"block {b} is both free and referenced"
+            assert (b in self.free) == (self.ref_cnt[b] == 0), (
+                f"block {b} is both free and referenced"
+            )
         for key, b in self.cached.items():
             assert self.block_key[b] == key, f"cached key of block {b} out of sync"
         assert sum(k is not None for k in self.block_key) == len(self.cached)

@@ -57,5 +57,7 @@ class NullRunner:
             k = req.sampling.logprobs
             if k is not None:
                 alts = [tok] + [LOW + (tok + i) % SPAN for i in range(1, k)]
-                logprobs[req.request_id] = TokenLogprobs(0.0, alts[:k], [0.0] + [-10.0 - i for i in range(1, k)][: max(0, k - 1)])
+                logprobs[req.request_id] = TokenLogprobs(
+                    0.0, alts[:k], [0.0] + [-10.0 - i for i in range(1, k)][: max(0, k - 1)]
+                )
         return sampled, logprobs, prompt_lps

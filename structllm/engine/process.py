@@ -49,7 +49,13 @@ IDLE_POLL_S = 0.25
 STATS_INTERVAL_S = 0.1
 
 
-def engine_loop(core: EngineCore, eps: list[Endpoint[ToEngine]], parent_fd: int, parent_pid: int, spin: SpinBudget) -> int:
+def engine_loop(
+    core: EngineCore,
+    eps: list[Endpoint[ToEngine]],
+    parent_fd: int,
+    parent_pid: int,
+    spin: SpinBudget,
+) -> int:
     """The loop over one channel per front end. Returns the exit code: 0 after
     ``Shutdown`` (from any front end) or when the parent is gone.
 
@@ -109,10 +115,17 @@ def process_spin(spin_us: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("STRUCTLLM_LOG_LEVEL", "WARNING"), format="engine: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the front end decides
+    logging.basicConfig(
+        level=os.environ.get("STRUCTLLM_LOG_LEVEL", "WARNING"), format="engine: %(message)s"
+    )
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C reaches the process group: the front end decides
     if len(argv) != 1:
-        print("usage: python -m structllm.engine LAUNCH_JSON (started by the structllm front end)", file=sys.stderr)
+        print(
+            "usage: python -m structllm.engine LAUNCH_JSON (started by the structllm front end)",
+            file=sys.stderr,
+        )
         return 2
     launch = msgspec.json.decode(argv[0], type=EngineLaunch)
     try:
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if launch.protocol_version != PROTOCOL_VERSION:
-            raise ValueError(f"protocol version {launch.protocol_version} != engine's {PROTOCOL_VERSION}")
+            raise ValueError(
+                f"protocol version {launch.protocol_version} != engine's {PROTOCOL_VERSION}"
+            )
         config = msgspec.convert(launch.config, EngineConfig)
         core = EngineCore(config)
     except Exception as e:
@@ -151,7 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     try:
-        return engine_loop(core, eps, launch.parent_pipe_fd, launch.parent_pid, SpinBudget(process_spin(launch.spin_us)))
+        return engine_loop(
+            core,
+            eps,
+            launch.parent_pipe_fd,
+            launch.parent_pid,
+            SpinBudget(process_spin(launch.spin_us)),
+        )
     except ParentGone:
         return 0
     except Exception as e:

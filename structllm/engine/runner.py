@@ -111,7 +111,10 @@ class ModelRunner:
         # an attention backend may keep K in a layout of its own (the CPU kernel's)
         k_shape = model.attn_impl.k_cache_shape(*shape)
         self.kv_caches = [
-            (torch.zeros(k_shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(k_shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
@@ -122,7 +125,9 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len)
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.block_size, max_num_seqs, max_model_len
+        )
         graphs.capture()
         self.decode_graphs = graphs
 
@@ -146,7 +151,9 @@ class ModelRunner:
         ``_decode_chunks``) first, so attention can batch them, then prefill chunks.
         Logit rows: one per sampling request, then one per prompt position to score."""
         as_decodes = self._decode_chunks(sched) if self.max_rows else set()
-        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes)
+        ordered = sorted(
+            sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes
+        )
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -193,7 +193,9 @@ def _apply_penalties(row: Tensor, req: Request) -> None:
     if sp.repetition_penalty != 1.0:
         seen = torch.tensor(sorted({t for t in req.token_ids if t < vocab}), dtype=torch.long)
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        row[seen] = torch.where(
+            vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty
+        )
     if (sp.presence_penalty or sp.frequency_penalty) and req.num_output_tokens:
         out = torch.tensor([t for t in req.output_token_ids if t < vocab], dtype=torch.long)
         counts = torch.bincount(out, minlength=vocab).to(row.dtype)

@@ -180,7 +180,16 @@ class Scheduler:
             lp = logprobs.get(req.request_id) if logprobs else None
             if token < 0:
                 self._finish(req, "error")
-                deltas.append(TokenDelta(req.request_id, [], "error", None, req.num_cached_tokens, error=NO_TOKEN_ALLOWED))
+                deltas.append(
+                    TokenDelta(
+                        req.request_id,
+                        [],
+                        "error",
+                        None,
+                        req.num_cached_tokens,
+                        error=NO_TOKEN_ALLOWED,
+                    )
+                )
                 continue
             req.token_ids.append(token)
             self.num_generation_tokens += 1
@@ -197,8 +206,16 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             deltas.append(
-                TokenDelta(req.request_id, new, reason, lps, req.num_cached_tokens, req.stop_reason, error,
-                           prompt_logprobs=plp)
+                TokenDelta(
+                    req.request_id,
+                    new,
+                    reason,
+                    lps,
+                    req.num_cached_tokens,
+                    req.stop_reason,
+                    error,
+                    prompt_logprobs=plp,
+                )
             )
         return deltas
 

@@ -58,7 +58,9 @@ def _discard(first_row: int, logits: object) -> None:
     pass
 
 
-def worker_loop(runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget, parent_pid: int) -> int:
+def worker_loop(
+    runner: ModelRunner, sub: Subscriber[ToWorker], spin: SpinBudget, parent_pid: int
+) -> int:
     """The step loop. Returns the exit code: 0 after ``StopWorker``."""
 
     def check_parent() -> None:
@@ -88,11 +90,18 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
         try:
             model = load_rank_model(files, config, device, dtype, plan, group)
         except Exception as e:
-            store.set(f"failed/{launch.rank}", "".join(traceback.format_exception_only(type(e), e)).strip())
+            store.set(
+                f"failed/{launch.rank}",
+                "".join(traceback.format_exception_only(type(e), e)).strip(),
+            )
             raise
         store.set(f"loaded/{launch.rank}", "")
-        kv_dtype = resolve_kv_cache_dtype(config, device, resolve_format(config, device, files, launch.world_size))
-        num_blocks = group.all_reduce_min(local_num_blocks(config, device, kv_dtype, files.config, plan.num_kv_heads))
+        kv_dtype = resolve_kv_cache_dtype(
+            config, device, resolve_format(config, device, files, launch.world_size)
+        )
+        num_blocks = group.all_reduce_min(
+            local_num_blocks(config, device, kv_dtype, files.config, plan.num_kv_heads)
+        )
         return ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype), group
     except BaseException:
         group.close()
@@ -101,14 +110,22 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("STRUCTLLM_LOG_LEVEL", "WARNING"), format="worker: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("STRUCTLLM_LOG_LEVEL", "WARNING"), format="worker: %(message)s"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 decides
     if len(argv) != 1:
-        print("usage: python -m structllm.engine.worker LAUNCH_JSON (started by the engine)", file=sys.stderr)
+        print(
+            "usage: python -m structllm.engine.worker LAUNCH_JSON (started by the engine)",
+            file=sys.stderr,
+        )
         return 2
     launch = msgspec.json.decode(argv[0], type=WorkerLaunch)
     if launch.protocol_version != PROTOCOL_VERSION:
-        print(f"worker: protocol version {launch.protocol_version} != {PROTOCOL_VERSION}", file=sys.stderr)
+        print(
+            f"worker: protocol version {launch.protocol_version} != {PROTOCOL_VERSION}",
+            file=sys.stderr,
+        )
         return 2
     try:
         if launch.die_with_parent:
@@ -123,16 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     ring = BroadcastRing(mapping, launch.ring_capacity, launch.world_size - 1)
     bell, writer_bell = Doorbell(launch.bell_fd), Doorbell(launch.writer_bell_fd)
     sub: Subscriber[ToWorker] = Subscriber(ring, launch.rank - 1, bell, writer_bell, ToWorker)
-    store = dist.TCPStore("127.0.0.1", launch.store_port, launch.world_size, is_master=False, timeout=STORE_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", launch.store_port, launch.world_size, is_master=False, timeout=STORE_TIMEOUT
+    )
     group: TensorParallelGroup | None = None
     try:
         runner, group = start(launch, store)
-        return worker_loop(runner, sub, SpinBudget(spin_window(launch.spin_us * 1e-6, wake_latency()) if launch.spin_us > 0 else 0.0), launch.parent_pid)
+        return worker_loop(
+            runner,
+            sub,
+            SpinBudget(
+                spin_window(launch.spin_us * 1e-6, wake_latency()) if launch.spin_us > 0 else 0.0
+            ),
+            launch.parent_pid,
+        )
     except ParentGone:
         return 0
     except Exception as e:
         # Usually a collective that failed because another rank died: rank 0 reports that.
-        log.error("worker %d failed: %s", launch.rank, "".join(traceback.format_exception_only(type(e), e)).strip())
+        log.error(
+            "worker %d failed: %s",
+            launch.rank,
+            "".join(traceback.format_exception_only(type(e), e)).strip(),
+        )
         log.debug("traceback", exc_info=True)
         return 1
     finally:

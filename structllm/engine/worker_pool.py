@@ -128,7 +128,9 @@ class _Resources:
 class WorkerPool:
     """Ranks 1..``world_size``-1 of an engine whose rank 0 is this process."""
 
-    def __init__(self, config: EngineConfig, world_size: int, ring_capacity: int, spin_us: float = 50.0) -> None:
+    def __init__(
+        self, config: EngineConfig, world_size: int, ring_capacity: int, spin_us: float = 50.0
+    ) -> None:
         self.world_size = world_size
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
@@ -142,7 +144,12 @@ class WorkerPool:
         res = self._res
         n = self.world_size - 1
         res.store = dist.TCPStore(
-            "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False, timeout=STARTUP_TIMEOUT
+            "127.0.0.1",
+            0,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=STARTUP_TIMEOUT,
         )
         size = broadcast_ring_size(capacity, n)
         res.mapping, shm_fd = shm.create(size)
@@ -172,7 +179,13 @@ class WorkerPool:
                 die_with_parent=on_main_thread,
                 spin_us=spin_us,
             )
-            res.children.append(spawn("structllm.engine.worker", launch, (shm_fd, bells[rank - 1].fd, writer_bell.fd, pipe_r)))
+            res.children.append(
+                spawn(
+                    "structllm.engine.worker",
+                    launch,
+                    (shm_fd, bells[rank - 1].fd, writer_bell.fd, pipe_r),
+                )
+            )
         # The workers hold their copies now; rank 0 keeps only the pipe's write end.
         for fd in (shm_fd, pipe_r):
             res.fds.remove(fd)
@@ -184,7 +197,9 @@ class WorkerPool:
         """Join the process group as rank 0, once every worker has reached the store (so
         a worker that dies early fails the start instead of stalling it)."""
         store = self._store()
-        self._wait_for_keys([f"joined/{r}" for r in range(1, self.world_size)], "join the process group")
+        self._wait_for_keys(
+            [f"joined/{r}" for r in range(1, self.world_size)], "join the process group"
+        )
         group = connect_group(store, 0, self.world_size, device)
         self._res.group = group
         return group
@@ -196,7 +211,9 @@ class WorkerPool:
         for r in range(1, self.world_size):
             key = self._wait_for_keys([f"loaded/{r}", f"failed/{r}"], "load the model", any_of=True)
             if key.startswith("failed/"):
-                raise WorkerStartError(f"tensor-parallel worker {r} failed to start: {store.get(key).decode()}")
+                raise WorkerStartError(
+                    f"tensor-parallel worker {r} failed to start: {store.get(key).decode()}"
+                )
 
     def _store(self) -> dist.TCPStore:
         assert self._res.store is not None, "the pool is closed"
@@ -218,7 +235,9 @@ class WorkerPool:
                 return keys[-1]
             self.check(WorkerStartError, f"before it could {what}")
             if time.monotonic() > deadline:
-                raise WorkerStartError(f"tensor-parallel workers did not {what} within {STARTUP_TIMEOUT}")
+                raise WorkerStartError(
+                    f"tensor-parallel workers did not {what} within {STARTUP_TIMEOUT}"
+                )
             select.select([c.pidfd for c in self._res.children], [], [], 0.01)
 
     # -- steps -------------------------------------------------------------------------
@@ -227,8 +246,12 @@ class WorkerPool:
         """Send one step to every worker (waits while the slowest one catches up)."""
         publisher = self._res.publisher
         if publisher is None:
-            raise WorkerDied("the tensor-parallel workers were stopped after a failed step; start a new engine")
-        publisher.publish(step, check=self.check, extra_fds=tuple([c.pidfd for c in self._res.children]))
+            raise WorkerDied(
+                "the tensor-parallel workers were stopped after a failed step; start a new engine"
+            )
+        publisher.publish(
+            step, check=self.check, extra_fds=tuple([c.pidfd for c in self._res.children])
+        )
 
     @property
     def watch_fds(self) -> tuple[int, ...]:
@@ -244,7 +267,10 @@ class WorkerPool:
         for rank, child in enumerate(self._res.children, start=1):
             if child.returncode is not None:
                 suffix = f" {when}" if when else ""
-                raise error(f"tensor-parallel worker {rank} (pid {child.pid}) {child.describe_exit()}{suffix}")
+                raise error(
+                    f"tensor-parallel worker {rank} (pid {child.pid}) "
+                    f"{child.describe_exit()}{suffix}"
+                )
 
     def raise_if_dead(self, cause: BaseException, wait_s: float = 1.0) -> None:
         """After a failed collective: if a worker has died (or dies within ``wait_s``:

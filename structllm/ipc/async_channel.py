@@ -80,7 +80,9 @@ class AsyncEndpoint(Generic[M]):
         now = time.perf_counter()
         tight_end, end = now + min(budget, TIGHT_SPIN_S), now + budget
         while True:
-            if self.ep.inbound.readable() or (self._want_space and self.ep.can_send(self._want_space)):
+            if self.ep.inbound.readable() or (
+                self._want_space and self.ep.can_send(self._want_space)
+            ):
                 return True
             now = time.perf_counter()
             if now >= end:

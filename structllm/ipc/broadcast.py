@@ -48,7 +48,9 @@ class BroadcastRing(FrameArea):
     its own view and uses only its own role.
     """
 
-    def __init__(self, buf: object, capacity: int, num_readers: int, offset: int = 0, init: bool = False) -> None:
+    def __init__(
+        self, buf: object, capacity: int, num_readers: int, offset: int = 0, init: bool = False
+    ) -> None:
         if num_readers < 1:
             raise ValueError(f"a broadcast ring needs at least one reader, got {num_readers}")
         header = broadcast_header_size(num_readers)

@@ -49,7 +49,11 @@ class Publisher:
         return True
 
     def publish(
-        self, msg: object, timeout: float = 0.1, check: Callable[[], None] | None = None, extra_fds: tuple[int, ...] = ()
+        self,
+        msg: object,
+        timeout: float = 0.1,
+        check: Callable[[], None] | None = None,
+        extra_fds: tuple[int, ...] = (),
     ) -> None:
         """Write ``msg``, waiting while the slowest reader frees space (back-pressure).
         Between waits, ``check`` runs (e.g. to raise if a reader died); the waits also end
@@ -83,7 +87,12 @@ class Subscriber(Generic[M]):
     rings the writer's ``writer_bell`` when it frees space the writer waits for."""
 
     def __init__(
-        self, ring: BroadcastRing, index: int, bell: Doorbell, writer_bell: Doorbell, recv_type: object
+        self,
+        ring: BroadcastRing,
+        index: int,
+        bell: Doorbell,
+        writer_bell: Doorbell,
+        recv_type: object,
     ) -> None:
         if not 0 <= index < ring.num_readers:
             raise ValueError(f"reader index {index} out of range for {ring.num_readers} readers")
@@ -108,7 +117,12 @@ class Subscriber(Generic[M]):
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProtocolError(f"malformed broadcast frame of {len(frame)} bytes: {e}") from None
 
-    def recv(self, spin: SpinBudget | None = None, timeout: float = 1.0, idle: Callable[[], None] | None = None) -> M:
+    def recv(
+        self,
+        spin: SpinBudget | None = None,
+        timeout: float = 1.0,
+        idle: Callable[[], None] | None = None,
+    ) -> M:
         """Block until a message arrives: spin for ``spin``'s budget, then sleep on the
         doorbell, waking at least every ``timeout`` seconds to run ``idle`` (which may
         raise, e.g. when the writer's process is gone)."""

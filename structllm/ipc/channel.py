@@ -223,7 +223,9 @@ class Endpoint(Generic[M]):
     # -- sleeping ----------------------------------------------------------------------
 
     def ready(self, want_read: bool, want_space: int) -> bool:
-        return (want_read and self.inbound.readable()) or bool(want_space and self.can_send(want_space))
+        return (want_read and self.inbound.readable()) or bool(
+            want_space and self.can_send(want_space)
+        )
 
     def sleep_begin(self, want_read: bool = True, want_space: int = 0) -> bool:
         """Announce that this side is going to sleep until a frame arrives (``want_read``)
@@ -259,7 +261,9 @@ class Endpoint(Generic[M]):
         ``spin``'s budget. Returns the ready ``extra_fds``."""
         return wait_any([self], timeout, spin, want_read, want_space, extra_fds)
 
-    def send_blocking(self, msg: object, timeout: float = 0.1, check: Callable[[], None] | None = None) -> None:
+    def send_blocking(
+        self, msg: object, timeout: float = 0.1, check: Callable[[], None] | None = None
+    ) -> None:
         """Write ``msg``, waiting for space while the peer drains the ring (back-pressure).
         ``check`` runs between waits (e.g. to raise if the peer is gone)."""
         frame = self._encoder.encode(msg)

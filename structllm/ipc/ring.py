@@ -66,7 +66,9 @@ class FrameArea:
         # the address of the counters for the C atomics.
         self._pin = ctypes.c_char.from_buffer(view, offset)
         self._base = ctypes.addressof(self._pin)
-        if self._base % 8:  # the atomics need 8; a page-aligned mapping also gives each counter its own line
+        if (
+            self._base % 8
+        ):  # the atomics need 8; a page-aligned mapping also gives each counter its own line
             raise ValueError("ring header must be 8-byte aligned")
 
     def close(self) -> None:
@@ -83,7 +85,8 @@ class FrameArea:
         if need > self.capacity:
             n = need - LEN_SIZE
             raise FrameTooLarge(
-                f"frame of {n} bytes (+{LEN_SIZE} length) exceeds the ring capacity of {self.capacity} bytes"
+                f"frame of {n} bytes (+{LEN_SIZE} length) exceeds the ring capacity "
+                f"of {self.capacity} bytes"
             )
 
     def _publish(self, tail: int, payload: bytes | bytearray | memoryview) -> int:

@@ -47,7 +47,11 @@ def channel_size(capacity: int) -> int:
     return 2 * ring_size(capacity)
 
 
-def rings(mapping: mmap.mmap, capacity: int, init: bool = False, channel: int = 0) -> tuple[Ring, Ring]:
+def rings(
+    mapping: mmap.mmap, capacity: int, init: bool = False, channel: int = 0
+) -> tuple[Ring, Ring]:
     """``(to_engine, to_front)`` views of channel ``channel`` of a mapping."""
     base = channel * channel_size(capacity)
-    return Ring(mapping, capacity, base, init), Ring(mapping, capacity, base + ring_size(capacity), init)
+    return Ring(mapping, capacity, base, init), Ring(
+        mapping, capacity, base + ring_size(capacity), init
+    )

@@ -39,14 +39,27 @@ class AttentionImpl(Protocol):
     name: str
     supports_cuda_graphs: bool
 
-    def k_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]: ...
+    def k_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]: ...
 
-    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None: ...
+    def store_kv(
+        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None: ...
 
-    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor: ...
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor: ...
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> Tensor: ...
 
 
@@ -58,13 +71,19 @@ class TorchAttention:
     k_transposed = False  # K cache layout: [NB, BS, Hkv, D], or [NB, Hkv, D, BS] if True
 
     @staticmethod
-    def k_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def k_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
-    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    def store_kv(
+        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
         nd = meta.num_decodes
         max_len = max(meta.seq_lens_list[:nd])
         return reference.decode_attention(
@@ -72,12 +91,27 @@ class TorchAttention:
         )
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
         return reference.prefill_attention(
-            q, k_cache, v_cache, meta.block_tables[nd:], starts, meta.seq_lens_list[nd:], scale, k, v,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables[nd:],
+            starts,
+            meta.seq_lens_list[nd:],
+            scale,
+            k,
+            v,
             k_transposed=self.k_transposed,
         )
 
@@ -102,19 +136,24 @@ class CpuAttention(TorchAttention):
         return block_size in (16, 32, 64) and num_heads // num_kv_heads <= 16 and head_dim <= 256
 
     @staticmethod
-    def k_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def k_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, head_dim, block_size)
 
-    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    def store_kv(
+        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
         reference.store_k_transposed(k, k_cache, slot_mapping)
         nb, bs, hkv, d = v_cache.shape
         v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows
         self._decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return out
-
 
 
 def attention(

@@ -8,7 +8,10 @@ from structllm.kernels.attention import AttentionImpl, CpuAttention, TorchAttent
 
 
 def get_attention_impl(
-    name: str, device: torch.device, dtype: torch.dtype = torch.float32, shape: tuple[int, int, int, int] | None = None
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    shape: tuple[int, int, int, int] | None = None,
 ) -> AttentionImpl:
     """``"auto"``: Triton on CUDA; on CPU the C++ decode kernel for float32 when it builds
     and supports ``shape`` (block size, query heads, KV heads, head size), else the torch
@@ -30,10 +33,16 @@ def get_attention_impl(
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError("attention backend 'cpu' needs float32 on the CPU")
         if shape is not None and not CpuAttention.supports(*shape):
-            raise ValueError(f"attention backend 'cpu' does not support (block size, heads, KV heads, head size) {shape}")
+            raise ValueError(
+                "attention backend 'cpu' does not support "
+                f"(block size, heads, KV heads, head size) {shape}"
+            )
         module = cpu_ext.load()
         if module is None:
-            raise ValueError("attention backend 'cpu' is not available: the C++ kernel did not build (see the log)")
+            raise ValueError(
+                "attention backend 'cpu' is not available: "
+                "the C++ kernel did not build (see the log)"
+            )
         return CpuAttention(module)
     if name == "triton":
         try:

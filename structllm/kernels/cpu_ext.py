@@ -31,8 +31,14 @@ from structllm.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-         "-fopenmp"]
+FLAGS = [
+    "-O3",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fopenmp",
+]
 # at::parallel_for is an inline "#pragma omp parallel": without -fopenmp it runs on one
 # thread. The extension then needs libgomp.so.1, which resolves to the copy torch has
 # already loaded (same soname), so it shares torch's thread pool rather than adding one.
@@ -54,8 +60,12 @@ def load(isa: str | None = None) -> Any | None:
     ``-march=native`` build), or None if it cannot be built."""
     isa = isa or best_isa()
     march = _ISA_MARCH[isa] if isa else "-march=native"
-    return build(f"structllm_cpu_attention_{isa or 'native'}", SOURCE, [*FLAGS, march],
-                 "the CPU attention kernel (about 20 s)")
+    return build(
+        f"structllm_cpu_attention_{isa or 'native'}",
+        SOURCE,
+        [*FLAGS, march],
+        "the CPU attention kernel (about 20 s)",
+    )
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
@@ -91,7 +101,12 @@ def load_quant(isa: str | None = None) -> Any | None:
         log.warning("GGUF block kernels need AVX2/FMA/F16C; this CPU lacks them")
         return None
     flags = [*QUANT_FLAGS, _ISA_MARCH[isa]]
-    return build(f"structllm_quant_{isa}", QUANT_SOURCE, flags, f"the {isa} GGUF matmul kernels (about a minute)")
+    return build(
+        f"structllm_quant_{isa}",
+        QUANT_SOURCE,
+        flags,
+        f"the {isa} GGUF matmul kernels (about a minute)",
+    )
 
 
 def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
@@ -122,7 +137,9 @@ def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
             sys.stderr.flush()
             start = time.monotonic()
             module = _compile(name, source, flags, build_dir)
-            sys.stderr.write(f"structllm: built {what.split(' (')[0]} in {time.monotonic() - start:.0f} s\n")
+            sys.stderr.write(
+                f"structllm: built {what.split(' (')[0]} in {time.monotonic() - start:.0f} s\n"
+            )
             return module
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly once
         log.warning("%s unavailable: %s", what.split(" (")[0], e)
@@ -133,7 +150,10 @@ def build_name(stem: str, source: Path, flags: list[str], torch_version: str) ->
     """``<stem>_<key>``: the key hashes what the build depends on and nothing else (no
     path: every environment with this torch and Python shares the build)."""
     key = hashlib.sha256(
-        source.read_bytes() + torch_version.encode() + _abi().encode() + _cpu_flags().encode()
+        source.read_bytes()
+        + torch_version.encode()
+        + _abi().encode()
+        + _cpu_flags().encode()
         + " ".join(flags + LDFLAGS).encode()
     )
     return f"{stem}_{key.hexdigest()[:12]}"
@@ -165,8 +185,14 @@ def _compile(name: str, source: Path, flags: list[str], build_dir: Path) -> Any:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     # copies: torch appends its libraries to extra_ldflags in place, which changed the
     # key (so rebuilt) of every later build in the same process
-    module = ext.load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
-                      build_directory=str(build_dir), verbose=False)
+    module = ext.load(
+        name,
+        [str(source)],
+        extra_cflags=list(flags),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+        verbose=False,
+    )
     # torch names the library "<name>.so"; keep it under the ABI's suffix, which is what
     # later starts (any environment with this Python and torch) import directly
     plain = build_dir / f"{name}.so"

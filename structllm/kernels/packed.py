@@ -105,7 +105,9 @@ class BlockWeight:
 
     def select_rows(self, rows: Tensor) -> BlockWeight:
         """Rows ``rows`` (in that order) as a new ``BlockWeight``."""
-        return BlockWeight(self.raw.index_select(0, rows).contiguous(), self.type_name, (len(rows), self.shape[1]))
+        return BlockWeight(
+            self.raw.index_select(0, rows).contiguous(), self.type_name, (len(rows), self.shape[1])
+        )
 
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight:

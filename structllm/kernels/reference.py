@@ -75,12 +75,16 @@ def decode_attention(
     k = k_cache.index_select(0, index).view(b, length, hkv, d)
     v = v_cache.index_select(0, index).view(b, length, hkv, d)
     past_end = torch.arange(length, device=q.device) >= seq_lens[:, None].to(torch.long)  # [B, L]
-    bias = torch.zeros(b, 1, length, dtype=torch.float32, device=q.device).masked_fill_(past_end[:, None], float("-inf"))
+    bias = torch.zeros(b, 1, length, dtype=torch.float32, device=q.device).masked_fill_(
+        past_end[:, None], float("-inf")
+    )
     g = h // hkv
     qg = q.view(b, hkv, g, d).float()  # heads of one KV group are adjacent
     out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
     for j in range(hkv):
-        scores = torch.baddbmm(bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale)  # [B, G, L]
+        scores = torch.baddbmm(
+            bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale
+        )  # [B, G, L]
         out[:, j] = torch.bmm(scores.softmax(dim=-1), v[:, :, j].float()).to(q.dtype)
     return out.view(b, h, d)
 
@@ -116,7 +120,11 @@ def prefill_attention(
         if k_new is not None and v_new is not None and ctx == q_len:
             fresh.setdefault(q_len, []).append(i)
             continue
-        k = gather_kv_transposed(k_cache, block_tables[i], ctx) if k_transposed else gather_kv(k_cache, block_tables[i], ctx)
+        k = (
+            gather_kv_transposed(k_cache, block_tables[i], ctx)
+            if k_transposed
+            else gather_kv(k_cache, block_tables[i], ctx)
+        )
         v = gather_kv(v_cache, block_tables[i], ctx)
         k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
         out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
@@ -131,7 +139,9 @@ def prefill_attention(
         qs = torch.stack([q[r] for r in rows]).transpose(1, 2)
         ks = torch.stack([k_new[r] for r in rows]).transpose(1, 2)
         vs = torch.stack([v_new[r] for r in rows]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(1, 2)
         for j, r in enumerate(rows):
             out[r] = o[j]
     return out

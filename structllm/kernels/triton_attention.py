@@ -44,7 +44,9 @@ def check_device(device: torch.device) -> None:
     )
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+def decode_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int
+) -> int:
     """How many runs to cut each context into: enough programs (``batch * Hkv * splits``)
     for about four per SM, but no split shorter than ``MIN_TILES_PER_SPLIT`` tiles of the
     longest context, and never more than ``MAX_SPLITS``."""
@@ -82,7 +84,9 @@ class TritonAttention:
     supports_cuda_graphs = True
 
     @staticmethod
-    def k_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def k_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def __init__(
@@ -107,14 +111,18 @@ class TritonAttention:
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
             if device.type == "cuda":
-                self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+                self._num_sms[device] = torch.cuda.get_device_properties(
+                    device
+                ).multi_processor_count
             else:
                 self._num_sms[device] = 4  # the interpreter: only decides how many splits tests see
         return self._num_sms[device]
 
     # -- store -------------------------------------------------------------------------
 
-    def store_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    def store_kv(
+        self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
         """``k, v: [T, Hkv, D]`` into the cache at ``slot_mapping: [T]``; slot -1 is skipped."""
         t, hkv, d = k.shape
         if t == 0:
@@ -125,12 +133,15 @@ class TritonAttention:
             k, v, k_cache, v_cache, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d), BLOCK_SIZE=k_cache.shape[1],
+            NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d),
+            BLOCK_SIZE=k_cache.shape[1],
         )  # fmt: skip
 
     # -- decode ------------------------------------------------------------------------
 
-    def decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def decode(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
         """One query token for each of the first ``q.shape[0]`` sequences of ``meta``:
         ``q: [B, H, D]`` -> ``[B, H, D]``."""
         b, h, d = q.shape
@@ -141,7 +152,9 @@ class TritonAttention:
         if b == 0:
             return out
         bn = self.decode_block_n
-        splits = self.num_splits or decode_num_splits(b, hkv, meta.max_seq_len, bn, self._sm_count(q.device))
+        splits = self.num_splits or decode_num_splits(
+            b, hkv, meta.max_seq_len, bn, self._sm_count(q.device)
+        )
         group = h // hkv
         block_tables = meta.block_tables[:b]
         if splits > 1:
@@ -171,7 +184,14 @@ class TritonAttention:
     # -- prefill -----------------------------------------------------------------------
 
     def prefill(
-        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> Tensor:
         """The prefill chunks of ``meta`` (sequences ``num_decodes..``), whose rows are
         ``q: [Tp, H, D]`` -> ``[Tp, H, D]``. K/V are read from the cache (``store_kv`` has

@@ -62,7 +62,12 @@ def store_kv_kernel(
     slots = slot + tl.zeros([BLOCK_H], dtype=tl.int64)
     mask = ((h < NUM_KV_HEADS) & (slots >= 0))[:, None] & (d[None, :] < HEAD_DIM)
     # For slot -1 every lane is masked off, so the (meaningless) address is never used.
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h[:, None] * stride_ch + d[None, :]
+    dst = (
+        (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + h[:, None] * stride_ch
+        + d[None, :]
+    )
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -116,7 +121,8 @@ def decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # positions per tile
     NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32 rounding), else "tf32" (unused for 16-bit)
+    # "ieee" for float32 inputs (no TF32 rounding), else "tf32" (unused for 16-bit)
+    DOT_PRECISION: tl.constexpr,
 ):
     # Grid (B, Hkv, NUM_SPLITS). Flash-decoding: the context of a sequence is cut into
     # NUM_SPLITS contiguous runs of whole tiles so that even one long sequence spreads
@@ -154,7 +160,9 @@ def decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < seq_len
-        offs = _kv_tile_offsets(bt_row, n, n_mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        offs = _kv_tile_offsets(
+            bt_row, n, n_mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+        )
         kv_mask = n_mask[:, None] & d_mask[None, :]
         # A cache in another dtype (--kv-cache-dtype) is converted to the query's in
         # registers, so tl.dot sees equal types: float16 K/V with float32 queries widen.
@@ -214,9 +222,15 @@ def decode_reduce_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # [BLOCK_S], 0 for empty splits
     denom = tl.sum(w * l_s, 0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)  # [BLOCK_D]
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 @triton.jit
@@ -246,9 +260,13 @@ def _prefill_tile(
     """One step of online softmax over the keys ``start .. start + BLOCK_N - 1``."""
     n = start + tl.arange(0, BLOCK_N)
     n_mask = n < ctx
-    offs = _kv_tile_offsets(bt_row, n, n_mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+    offs = _kv_tile_offsets(
+        bt_row, n, n_mask, kv_head, d, stride_cb, stride_cs, stride_ch, BLOCK_SIZE
+    )
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D], as decode
+    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(
+        q.dtype
+    )  # [BLOCK_N, BLOCK_D], as decode
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL:
         s = tl.where((n[None, :] <= rows[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -326,16 +344,54 @@ def prefill_kernel(
     unmasked_end = (offset + m0 + 1) // BLOCK_N * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head, rows, start, ctx, d, d_mask,
-            qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            kv_head,
+            rows,
+            start,
+            ctx,
+            d,
+            d_mask,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            DOT_PRECISION,
         )
     # The diagonal band: keys up to the last row's position (rows past q_len are clipped
     # by ctx and never stored).
     hi = tl.minimum(ctx, offset + m0 + BLOCK_M)
     for start in range(unmasked_end, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row, kv_head, rows, start, ctx, d, d_mask,
-            qk_scale, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt_row,
+            kv_head,
+            rows,
+            start,
+            ctx,
+            d,
+            d_mask,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            DOT_PRECISION,
         )
 
     out = acc / l_i[:, None]

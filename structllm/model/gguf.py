@@ -35,7 +35,9 @@ def metadata(reader: Any) -> dict[str, Any]:
     """Scalar and string fields (arrays other than short ones are skipped)."""
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+        if key.startswith("tokenizer.ggml.") and key.endswith(
+            ("tokens", "merges", "token_type", "scores")
+        ):
             continue
         try:
             out[key] = field.contents()
@@ -158,8 +160,15 @@ _LAYER_NAMES = {
 }
 
 
-_KEEPABLE = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-             "ffn_up.weight", "ffn_down.weight")
+_KEEPABLE = (
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
 
 
 def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | BlockWeight:
@@ -167,7 +176,9 @@ def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | B
     matmul or embedding weight), float16 (``keep_blocks`` and an F16/BF16 matrix), or
     dequantised to float32."""
     kind = t.tensor_type.name
-    matrix = len(shape) == 2 and (t.name.endswith(_KEEPABLE) or t.name in ("token_embd.weight", "output.weight"))
+    matrix = len(shape) == 2 and (
+        t.name.endswith(_KEEPABLE) or t.name in ("token_embd.weight", "output.weight")
+    )
     if keep_blocks and matrix and kind in BLOCK_TYPES and shape[1] % BLOCK == 0:
         raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # copies out of the memory map
         return BlockWeight.from_raw(raw, kind, shape[1])
@@ -191,7 +202,9 @@ def _cat(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
 
 def _interleave(w: Tensor | BlockWeight, num_heads: int) -> Tensor | BlockWeight:
     if isinstance(w, BlockWeight):  # a permutation of whole rows: permute the block rows
-        return BlockWeight(interleave_rope_rows(w.raw, num_heads).contiguous(), w.type_name, w.shape)
+        return BlockWeight(
+            interleave_rope_rows(w.raw, num_heads).contiguous(), w.type_name, w.shape
+        )
     return interleave_rope_rows(w, num_heads)
 
 
@@ -235,7 +248,10 @@ def load_tensors(
             kind = rest.rsplit(".", 1)[1]  # weight or bias
             qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]
             if all(n in pending for n in qkv):
-                yield prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"), _cat([pending.pop(n) for n in qkv])
+                yield (
+                    prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"),
+                    _cat([pending.pop(n) for n in qkv]),
+                )
             gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
             if all(n in pending for n in gu):
                 yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])

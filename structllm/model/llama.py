@@ -43,7 +43,11 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     if kind == "linear":
         inv = inv / float(sc["factor"])
     elif kind == "llama3":
-        factor, lo, hi = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        factor, lo, hi = (
+            float(sc["factor"]),
+            float(sc["low_freq_factor"]),
+            float(sc["high_freq_factor"]),
+        )
         old_ctx = float(sc["original_max_position_embeddings"])
         wavelen = 2 * math.pi / inv
         smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
@@ -51,7 +55,9 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; expected default, linear or llama3")
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; expected default, linear or llama3"
+        )
     return inv
 
 
@@ -133,13 +139,17 @@ class LlamaModel(nn.Module):
     """Weights and forward pass. Parameters are created empty; the loader fills them.
     With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, plan: ShardPlan | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, plan: ShardPlan | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.plan = plan
         self.tp: TensorParallelGroup | None = None
         vocab = len(plan.vocab) if plan else cfg.vocab_size
-        self.embed_tokens = nn.Parameter(torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
@@ -158,7 +168,11 @@ class LlamaModel(nn.Module):
         the table grows geometrically so that it is rebuilt O(log n) times, not per step
         (each row depends only on its position, so the size does not change values)."""
         if self._rope_cache is None or self._rope_cache.shape[0] < max_positions:
-            size = max(max_positions, 2 * (0 if self._rope_cache is None else self._rope_cache.shape[0]), 256)
+            size = max(
+                max_positions,
+                2 * (0 if self._rope_cache is None else self._rope_cache.shape[0]),
+                256,
+            )
             inv = rope_inv_freq(self.cfg)
             angles = torch.outer(torch.arange(size, dtype=torch.float64), inv)
             table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
@@ -232,7 +246,11 @@ class LlamaModel(nn.Module):
         shapes, so shorter slices are padded to the longest and trimmed after."""
         assert self.plan is not None
         sizes, stride = self.plan.vocab_sizes, self.plan.vocab_stride
-        padded = F.pad(logits, (0, stride - logits.shape[1])) if logits.shape[1] < stride else logits.contiguous()
+        padded = (
+            F.pad(logits, (0, stride - logits.shape[1]))
+            if logits.shape[1] < stride
+            else logits.contiguous()
+        )
         parts = tp.gather_to_first(padded)
         if parts is None:
             return logits
@@ -246,7 +264,10 @@ class LlamaModel(nn.Module):
         expected = {name for name, _ in self.named_parameters()}
         missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
         if missing or unexpected:
-            raise ValueError(f"weights do not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+            raise ValueError(
+                f"weights do not match the model: missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
         for name, w in weights.items():
             owner_name, _, attr = name.rpartition(".")
             owner = self.get_submodule(owner_name) if owner_name else self
@@ -289,7 +310,9 @@ class LlamaModel(nn.Module):
                         del layer._parameters[name]
                     setattr(layer, name, packed)
         if isinstance(self.embed_tokens, Tensor) and self.embed_tokens.dtype != self.norm.dtype:
-            self.embed_tokens = nn.Parameter(self.embed_tokens.to(self.norm.dtype), requires_grad=False)
+            self.embed_tokens = nn.Parameter(
+                self.embed_tokens.to(self.norm.dtype), requires_grad=False
+            )
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         self._packed_head = pack(head)
         if self.lm_head is not None and self._packed_head is not None:
@@ -301,7 +324,9 @@ class LlamaModel(nn.Module):
 
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         for layer in self.layers:
-            total += sum(weight_bytes(getattr(layer, n)) for n in self.LINEARS if n not in layer._parameters)
+            total += sum(
+                weight_bytes(getattr(layer, n)) for n in self.LINEARS if n not in layer._parameters
+            )
         for w in (self.embed_tokens, self._packed_head):
             if isinstance(w, BlockWeight | HalfWeight):
                 total += w.nbytes

@@ -88,7 +88,9 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ValueError(f"{path} has no tokenizer.json, and transformers is needed to build one: {e}") from e
+        raise ValueError(
+            f"{path} has no tokenizer.json, and transformers is needed to build one: {e}"
+        ) from e
     tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
@@ -107,11 +109,15 @@ def _convert_gguf(path: Path, cache: Path) -> None:
     reader = gguf.open_gguf(path)
     meta = gguf.metadata(reader)
     cfg = gguf.model_config(meta)
-    tensors: dict[str, Any] = dict(gguf.load_tensors(reader, cfg, Progress("  dequantising tensors", delay=0.0)))
+    tensors: dict[str, Any] = dict(
+        gguf.load_tensors(reader, cfg, Progress("  dequantising tensors", delay=0.0))
+    )
     if "embed_tokens" not in tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor")
     cfg = msgspec.structs.replace(
-        cfg, vocab_size=tensors["embed_tokens"].shape[0], tie_word_embeddings="lm_head" not in tensors
+        cfg,
+        vocab_size=tensors["embed_tokens"].shape[0],
+        tie_word_embeddings="lm_head" not in tensors,
     )
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -129,8 +135,12 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         tokens_eos = meta.get("tokenizer.ggml.eos_token_id")
         tok_meta = TokenizerMeta(
             chat_template=meta.get("tokenizer.chat_template"),
-            bos_token=str(hf_tok.convert_ids_to_tokens(int(tokens_bos))) if tokens_bos is not None else None,
-            eos_token=str(hf_tok.convert_ids_to_tokens(int(tokens_eos))) if tokens_eos is not None else None,
+            bos_token=str(hf_tok.convert_ids_to_tokens(int(tokens_bos)))
+            if tokens_bos is not None
+            else None,
+            eos_token=str(hf_tok.convert_ids_to_tokens(int(tokens_eos)))
+            if tokens_eos is not None
+            else None,
             add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
         info = {"config": msgspec.to_builtins(cfg), "tokenizer": msgspec.to_builtins(tok_meta)}
@@ -170,7 +180,9 @@ def _hf_to_native(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             kb = interleave_rope_rows(take(a + "k_proj.bias"), cfg.num_kv_heads)
             out[f"layers.{i}.qkv_bias"] = torch.cat([qb, kb, take(a + "v_proj.bias")])
         out[f"layers.{i}.o_proj"] = take(a + "o_proj.weight")
-        out[f"layers.{i}.gate_up_proj"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[f"layers.{i}.gate_up_proj"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+        )
         out[f"layers.{i}.down_proj"] = take(p + "mlp.down_proj.weight")
         out[f"layers.{i}.input_layernorm"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
@@ -199,7 +211,9 @@ def load_weights(
     return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
 
 
-def load_block_weights(files: ModelFiles, dtype: torch.dtype) -> dict[str, torch.Tensor | BlockWeight]:
+def load_block_weights(
+    files: ModelFiles, dtype: torch.dtype
+) -> dict[str, torch.Tensor | BlockWeight]:
     """The GGUF file's weights under our names, block matrices kept as ``BlockWeight``
     (read from the file itself, not the dequantised cache); plain tensors in ``dtype``
     except float16 matrices, kept for ``pack_weights`` to run as float16."""

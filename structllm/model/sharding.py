@@ -165,10 +165,16 @@ def _own(view: Matrix) -> Matrix:
 
 
 @overload
-def shard_weights(weights: dict[str, Tensor], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Tensor]: ...
+def shard_weights(
+    weights: dict[str, Tensor], cfg: ModelConfig, plan: ShardPlan
+) -> dict[str, Tensor]: ...
 @overload
-def shard_weights(weights: dict[str, Matrix], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Matrix]: ...
-def shard_weights(weights: Mapping[str, Matrix], cfg: ModelConfig, plan: ShardPlan) -> dict[str, Any]:
+def shard_weights(
+    weights: dict[str, Matrix], cfg: ModelConfig, plan: ShardPlan
+) -> dict[str, Matrix]: ...
+def shard_weights(
+    weights: Mapping[str, Matrix], cfg: ModelConfig, plan: ShardPlan
+) -> dict[str, Any]:
     """``weights`` (full, under our fused names; tensors or GGUF blocks) -> this rank's
     slices, each of its own (not a view of the full one)."""
     d, h, hkv, ffn = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -179,7 +185,9 @@ def shard_weights(weights: Mapping[str, Matrix], cfg: ModelConfig, plan: ShardPl
         if kind in ("qkv_proj", "qkv_bias"):
             # rows (and bias entries): [q heads (H*D) | k heads (Hkv*D) | v heads (Hkv*D)]
             q, k, v = _split(w, [h * d, hkv * d, hkv * d])
-            part = _cat([_rows(q, plan.heads, d), _rows(k, plan.kv_heads, d), _rows(v, plan.kv_heads, d)])
+            part = _cat(
+                [_rows(q, plan.heads, d), _rows(k, plan.kv_heads, d), _rows(v, plan.kv_heads, d)]
+            )
         elif kind == "o_proj":  # [hidden, H*D]: input columns of this rank's heads
             part = _columns(w, plan.heads.start * d, plan.heads.stop * d)
         elif kind == "gate_up_proj":  # rows: [gate (I) | up (I)]

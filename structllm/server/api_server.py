@@ -12,7 +12,10 @@ from structllm.server.serve import ApiServerSpec, run_api_server
 
 def main() -> int:
     if len(sys.argv) != 2:
-        print("usage: python -m structllm.server.api_server SPEC_JSON (started by structllm run)", file=sys.stderr)
+        print(
+            "usage: python -m structllm.server.api_server SPEC_JSON (started by structllm run)",
+            file=sys.stderr,
+        )
         return 2
     return run_api_server(msgspec.json.decode(sys.argv[1], type=ApiServerSpec))
 

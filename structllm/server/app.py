@@ -53,8 +53,13 @@ TOKENIZER_THREADS = 2  # concurrent chat-template renders and tokenizations per 
 class App:
     """The ASGI application of one front-end process, serving ``model_name``."""
 
-    def __init__(self, config: ServerConfig, model_name: str, tokenizer: Tokenizer,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        model_name: str,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.config = config
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -67,7 +72,9 @@ class App:
         self.tracer = Tracer(config.engine.trace, f"structllm front end {os.getpid()}")
         parser = config.tool_call_parser
         self.tool_format: Format | None = None if parser == "auto" else parser  # type: ignore[assignment]
-        self.pre = Preprocessor(tokenizer, None, tokenizer.vocab_size, self.tool_format, self.tracer)  # until an engine is attached
+        self.pre = Preprocessor(
+            tokenizer, None, tokenizer.vocab_size, self.tool_format, self.tracer
+        )  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self.created = int(time.time())
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
@@ -174,19 +181,31 @@ class App:
         auth = dict(scope["headers"]).get(b"authorization", b"")
         token = auth[7:] if auth[:7].lower() == b"bearer " else b""
         if not hmac.compare_digest(token, key.encode()):
-            raise APIError(401, "missing or incorrect API key", type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing or incorrect API key",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     def attach(self, client: EngineClient) -> None:
         """Serve generation requests through ``client`` (an engine that is ready)."""
-        self.pre = Preprocessor(self.tokenizer, client.ready.max_model_len, client.ready.vocab_size,
-                                self.tool_format, self.tracer)
+        self.pre = Preprocessor(
+            self.tokenizer,
+            client.ready.max_model_len,
+            client.ready.vocab_size,
+            self.tool_format,
+            self.tracer,
+        )
         self.client = client
 
     def engine(self) -> EngineClient:
         if self.client is None:
             raise APIError(503, "the engine is starting", type="service_unavailable")
         if self.client.dead is not None:
-            raise APIError(503, f"the engine is not available: {self.client.dead}", type="service_unavailable")
+            raise APIError(
+                503, f"the engine is not available: {self.client.dead}", type="service_unavailable"
+            )
         return self.client
 
     # -- small endpoints ---------------------------------------------------------------
@@ -216,30 +235,52 @@ class App:
     async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
         name = scope["path"].rstrip("/").removeprefix("/v1/models/")
         if name != self.model_name:
-            raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
         await send_json(send, 200, self.model_card())
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
         healthy = client is not None and client.dead is None
-        stats = (await client.fresh_stats(0.5)) if client is not None and healthy else (client.stats if client else None)
+        stats = (
+            (await client.fresh_stats(0.5))
+            if client is not None and healthy
+            else (client.stats if client else None)
+        )
         text = self.metrics.render(stats or EngineStats(), healthy)
         body = text.encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = rq.decode_body(await self.read_body(receive), rq.TokenizeRequest)
         self.check_model(req.model)
         ids = await self.in_worker(self.pre.tokenize, req)
-        await send_json(send, 200, {"tokens": ids, "count": len(ids), "max_model_len": self.pre.max_model_len or 0})
+        await send_json(
+            send,
+            200,
+            {"tokens": ids, "count": len(ids), "max_model_len": self.pre.max_model_len or 0},
+        )
 
     async def detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = rq.decode_body(await self.read_body(receive), rq.DetokenizeRequest)
         self.check_model(req.model)
-        await send_json(send, 200, {"prompt": await self.in_worker(self.pre.detokenize, req.tokens)})
+        await send_json(
+            send, 200, {"prompt": await self.in_worker(self.pre.detokenize, req.tokens)}
+        )
 
     # -- generation --------------------------------------------------------------------
 
@@ -255,10 +296,18 @@ class App:
         requested, param = rq.requested_max_tokens(req)
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
-        seqs = fan_out([ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools)
-        builder = ChatBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
-                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                              prompt_logprobs=req.prompt_logprobs is not None, response_id=response_id)
+        seqs = fan_out(
+            [ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools
+        )
+        builder = ChatBuilder(
+            seqs,
+            self.tokenizer,
+            model=self.model_name,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            prompt_logprobs=req.prompt_logprobs is not None,
+            response_id=response_id,
+        )
         await self.generate(receive, send, client, seqs, builder)
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -269,29 +318,48 @@ class App:
         client = self.engine()
         prompts = await self.in_worker(self.pre.completion, req, response_id)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
-            raise APIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
-                           "request", param="prompt")
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
+                "request",
+                param="prompt",
+            )
         constraint = await self.constraint(req)
         requested, param = rq.requested_max_tokens(req)
-        max_tokens = rq.max_tokens_for([len(p) for p in prompts], requested, param, client.ready.max_model_len)
+        max_tokens = rq.max_tokens_for(
+            [len(p) for p in prompts], requested, param, client.ready.max_model_len
+        )
         sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
-        builder = TextBuilder(seqs, self.tokenizer, model=self.model_name, stream=req.stream,
-                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                              echo=req.echo, prompt_logprobs=req.prompt_logprobs is not None,
-                              response_id=response_id)
+        builder = TextBuilder(
+            seqs,
+            self.tokenizer,
+            model=self.model_name,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            echo=req.echo,
+            prompt_logprobs=req.prompt_logprobs is not None,
+            response_id=response_id,
+        )
         await self.generate(receive, send, client, seqs, builder)
 
-    async def generate(self, receive: Receive, send: Send, client: EngineClient, seqs: list[SequenceState],
-                       builder: ResponseBuilder) -> None:
+    async def generate(
+        self,
+        receive: Receive,
+        send: Send,
+        client: EngineClient,
+        seqs: list[SequenceState],
+        builder: ResponseBuilder,
+    ) -> None:
         with self.admission.admit([len(s.prompt_ids) for s in seqs]) as ticket:
             generation = Generation(client, seqs, builder, self.metrics, self.tracer)
             await generation.run(receive, Transport(send), ticket, self.config.write_timeout)
 
     # -- request preparation -----------------------------------------------------------
 
-    async def constraint(self, req: rq.ChatCompletionRequest | rq.CompletionRequest,
-                         tools: ToolRequest | None = None) -> StructuredOutputs | None:
+    async def constraint(
+        self, req: rq.ChatCompletionRequest | rq.CompletionRequest, tools: ToolRequest | None = None
+    ) -> StructuredOutputs | None:
         """The request's output constraint, compiled once in the worker pool to check it."""
         if req.response_format is None and req.structured_outputs is None and tools is None:
             return None
@@ -309,7 +377,9 @@ class App:
         with anyio.move_on_after(self.config.body_timeout) as scope:
             return await self._read_body(receive)
         assert scope.cancelled_caught
-        raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:.0f}s")
+        raise APIError(
+            408, f"the request body did not arrive within {self.config.body_timeout:.0f}s"
+        )
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -328,11 +398,17 @@ class App:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                           f"`{self.model_name}`", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
 
-async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(
+    send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     await Transport(send).json(status, obj, headers)
 
 

@@ -9,15 +9,34 @@ class APIError(Exception):
     """An error answered with OpenAI's error JSON and ``status`` (before the response
     has begun) or as an error event in the stream (after)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
         self.headers = headers or []
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class ClientGone(Exception):
@@ -25,5 +44,11 @@ class ClientGone(Exception):
 
 
 def overloaded(requests: int, tokens: int) -> APIError:
-    return APIError(503, f"the server is overloaded ({requests} requests with {tokens} prompt tokens are queued); "
-                    "retry later", type="service_unavailable", code="overloaded", headers=[(b"retry-after", b"1")])
+    return APIError(
+        503,
+        f"the server is overloaded ({requests} requests with {tokens} prompt tokens are queued); "
+        "retry later",
+        type="service_unavailable",
+        code="overloaded",
+        headers=[(b"retry-after", b"1")],
+    )

@@ -48,7 +48,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 JSON = [(b"content-type", b"application/json")]
-SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+SSE = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 class Admission:
@@ -64,7 +68,10 @@ class Admission:
 
     @contextmanager
     def admit(self, prompt_lens: list[int]) -> Iterator[Ticket]:
-        if self.requests + len(prompt_lens) > self.max_requests or self.tokens + sum(prompt_lens) > self.max_tokens:
+        if (
+            self.requests + len(prompt_lens) > self.max_requests
+            or self.tokens + sum(prompt_lens) > self.max_tokens
+        ):
             raise overloaded(self.requests, self.tokens)
         ticket = Ticket(self, prompt_lens)
         try:
@@ -108,11 +115,18 @@ class Transport:
         finally:
             self.sending_since = None
 
-    async def json(self, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    async def json(
+        self, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         body = msgspec.json.encode(obj)
         self.started = True
-        await self.write({"type": "http.response.start", "status": status,
-                          "headers": [*JSON, (b"content-length", str(len(body)).encode()), *(headers or [])]})
+        await self.write(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*JSON, (b"content-length", str(len(body)).encode()), *(headers or [])],
+            }
+        )
         await self.write({"type": "http.response.body", "body": body})
 
     async def start_events(self) -> None:
@@ -120,11 +134,18 @@ class Transport:
         await self.write({"type": "http.response.start", "status": 200, "headers": SSE})
 
     async def event(self, obj: Any) -> None:
-        await self.write({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(obj) + b"\n\n",
-                          "more_body": True})
+        await self.write(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + msgspec.json.encode(obj) + b"\n\n",
+                "more_body": True,
+            }
+        )
 
     async def end_events(self) -> None:
-        await self.write({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        await self.write(
+            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+        )
 
     async def error(self, err: APIError) -> None:
         """The error as OpenAI's JSON with its status, or, once the headers are out, as
@@ -158,7 +179,9 @@ class Generation:
             if not seq.finished:
                 self.tracer.event("aborted", seq.request_id, why=why)
 
-    async def run(self, receive: Receive, transport: Transport, ticket: Ticket, write_timeout: float) -> None:
+    async def run(
+        self, receive: Receive, transport: Transport, ticket: Ticket, write_timeout: float
+    ) -> None:
         async with anyio.create_task_group() as tg:
 
             async def watch_disconnect() -> None:
@@ -185,10 +208,17 @@ class Generation:
             except EngineRequestError as e:
                 await transport.error(APIError(400, str(e)))
             except EngineDeadError as e:
-                await transport.error(APIError(503, f"the engine failed while serving this request: {e}",
-                                               type="service_unavailable"))
+                await transport.error(
+                    APIError(
+                        503,
+                        f"the engine failed while serving this request: {e}",
+                        type="service_unavailable",
+                    )
+                )
             except FrameTooLarge as e:
-                await transport.error(APIError(413, f"the request is too large for the engine channel: {e}"))
+                await transport.error(
+                    APIError(413, f"the request is too large for the engine channel: {e}")
+                )
             finally:
                 self.metrics.set_open_requests(self.client.num_open_requests)
             tg.cancel_scope.cancel()
@@ -200,9 +230,14 @@ class Generation:
             wakeup = Wakeup()  # one for all sequences: the pump waits on them together
             streams = []
             for seq in self.sequences:
-                self.tracer.event("sent", seq.request_id, response_id=builder.id)  # before the engine can see it
-                streams.append(await stack.enter_async_context(
-                    self.client.request(seq.request_id, seq.prompt_ids, seq.sampling, wakeup)))
+                self.tracer.event(
+                    "sent", seq.request_id, response_id=builder.id
+                )  # before the engine can see it
+                streams.append(
+                    await stack.enter_async_context(
+                        self.client.request(seq.request_id, seq.prompt_ids, seq.sampling, wakeup)
+                    )
+                )
             self.metrics.set_open_requests(self.client.num_open_requests)
             if builder.stream:
                 await transport.start_events()
@@ -218,8 +253,14 @@ class Generation:
             for seq in self.sequences:
                 self.tracer.event("streamed", seq.request_id, body=True)
 
-    async def pump(self, streams: list[RequestStream], wakeup: Wakeup, transport: Transport, ticket: Ticket,
-                   start: float) -> None:
+    async def pump(
+        self,
+        streams: list[RequestStream],
+        wakeup: Wakeup,
+        transport: Transport,
+        ticket: Ticket,
+        start: float,
+    ) -> None:
         """Until every sequence has finished: take what arrived, run it through the
         output processor, and write what the builder makes of it."""
         timing = [_Timing(start) for _ in streams]
@@ -234,8 +275,14 @@ class Generation:
                 if d.token_ids or d.finish_reason is not None:
                     ticket.release(seq.index)
                 self.observe(timing[seq.index], len(d.token_ids))
-                update = seq.process(d.token_ids, d.logprobs, d.finish_reason, d.stop_reason, d.num_cached_tokens,
-                                     d.prompt_logprobs)
+                update = seq.process(
+                    d.token_ids,
+                    d.logprobs,
+                    d.finish_reason,
+                    d.stop_reason,
+                    d.num_cached_tokens,
+                    d.prompt_logprobs,
+                )
                 if update.abort:
                     self.client.finish_early(seq.request_id)
                     self.tracer.event("aborted", seq.request_id, why="a stop string ended it")
@@ -245,8 +292,12 @@ class Generation:
                     self.tracer.event("finished", seq.request_id, reason=seq.finish_reason)
                     live.remove((seq, stream))
                     assert seq.finish_reason is not None
-                    self.metrics.finished(seq.finish_reason, len(seq.prompt_ids), len(seq.token_ids),
-                                          time.monotonic() - timing[seq.index].start)
+                    self.metrics.finished(
+                        seq.finish_reason,
+                        len(seq.prompt_ids),
+                        len(seq.token_ids),
+                        time.monotonic() - timing[seq.index].start,
+                    )
                 updates.append(update)
             chunk = self.builder.feed(updates)
             if chunk is not None:

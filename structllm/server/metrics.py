@@ -16,12 +16,36 @@ from typing import Any
 
 from structllm.protocol import EngineStats
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 REASONS = ("stop", "length", "abort", "error", "tool_calls")
 HISTOGRAMS = (
     ("structllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
-    ("structllm:inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS),
+    (
+        "structllm:inter_token_latency_seconds",
+        "Time between consecutive output tokens.",
+        LATENCY_BUCKETS,
+    ),
     ("structllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
     ("structllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
     ("structllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
@@ -80,19 +104,76 @@ class Metrics:
         lines: list[str] = []
 
         def metric(name: str, kind: str, doc: str, value: float) -> None:
-            lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{{{lb}}} {_num(value)}"])
+            lines.extend(
+                [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{{{lb}}} {_num(value)}"]
+            )
 
-        metric("structllm:num_requests_running", "gauge", "Requests in the engine's running batch.", stats.num_running)
-        metric("structllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.num_waiting)
-        metric("structllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full).", stats.kv_cache_usage)
-        metric("structllm:num_open_requests", "gauge", "Requests the front ends are serving (any state).", self._total(2))
-        metric("structllm:engine_healthy", "gauge", "1 while the engine process serves.", 1 if healthy else 0)
-        metric("structllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
-        metric("structllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
-        metric("structllm:num_preemptions_total", "counter", "Preemptions (requests recomputed after losing their blocks).", stats.num_preemptions)
-        metric("structllm:engine_steps_total", "counter", "Model steps the engine has run.", stats.num_steps)
-        metric("structllm:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self._total(0))
-        metric("structllm:generation_tokens_total", "counter", "Generated tokens of finished requests.", self._total(1))
+        metric(
+            "structllm:num_requests_running",
+            "gauge",
+            "Requests in the engine's running batch.",
+            stats.num_running,
+        )
+        metric(
+            "structllm:num_requests_waiting",
+            "gauge",
+            "Requests waiting to be scheduled.",
+            stats.num_waiting,
+        )
+        metric(
+            "structllm:kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV cache blocks in use (1 = full).",
+            stats.kv_cache_usage,
+        )
+        metric(
+            "structllm:num_open_requests",
+            "gauge",
+            "Requests the front ends are serving (any state).",
+            self._total(2),
+        )
+        metric(
+            "structllm:engine_healthy",
+            "gauge",
+            "1 while the engine process serves.",
+            1 if healthy else 0,
+        )
+        metric(
+            "structllm:prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        )
+        metric(
+            "structllm:prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            stats.prefix_cache_hits,
+        )
+        metric(
+            "structllm:num_preemptions_total",
+            "counter",
+            "Preemptions (requests recomputed after losing their blocks).",
+            stats.num_preemptions,
+        )
+        metric(
+            "structllm:engine_steps_total",
+            "counter",
+            "Model steps the engine has run.",
+            stats.num_steps,
+        )
+        metric(
+            "structllm:prompt_tokens_total",
+            "counter",
+            "Prompt tokens of finished requests.",
+            self._total(0),
+        )
+        metric(
+            "structllm:generation_tokens_total",
+            "counter",
+            "Generated tokens of finished requests.",
+            self._total(1),
+        )
         name = "structllm:request_success_total"
         lines += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
         for i, reason in enumerate(REASONS):

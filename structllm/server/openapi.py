@@ -22,27 +22,61 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     }
-    schemas, components = msgspec.json.schema_components(list(bodies.values()), ref_template="#/components/schemas/{name}")
-    error = {"description": "OpenAI error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    schemas, components = msgspec.json.schema_components(
+        list(bodies.values()), ref_template="#/components/schemas/{name}"
+    )
+    error = {
+        "description": "OpenAI error",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
     components["Error"] = {
         "type": "object",
-        "properties": {"error": {"type": "object", "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
     }
     ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
     paths: dict[str, Any] = {}
     for (path, _), schema in zip(bodies.items(), schemas, strict=True):
-        paths[path] = {"post": {
-            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-            "responses": {"200": ok, "400": error, "401": error, "404": error, "413": error, "503": error},
-        }}
+        paths[path] = {
+            "post": {
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": schema}},
+                },
+                "responses": {
+                    "200": ok,
+                    "400": error,
+                    "401": error,
+                    "404": error,
+                    "413": error,
+                    "503": error,
+                },
+            }
+        }
     for path in ("/v1/models", "/health", "/version"):
         paths[path] = {"get": {"responses": {"200": ok, "503": error}}}
-    paths["/v1/models/{model}"] = {"get": {
-        "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-        "responses": {"200": ok, "404": error}}}
-    paths["/metrics"] = {"get": {"responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {}}}}}}
+    paths["/v1/models/{model}"] = {
+        "get": {
+            "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {"200": ok, "404": error},
+        }
+    }
+    paths["/metrics"] = {
+        "get": {
+            "responses": {"200": {"description": "Prometheus text", "content": {"text/plain": {}}}}
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "structllm", "version": version},

@@ -31,8 +31,14 @@ class Preprocessor:
     engine is ready; ``vocab_size``, which may exceed the tokenizer's). Each method
     raises ``APIError`` (400) naming the field on bad input."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None, vocab_size: int,
-                 tool_format: tools.Format | None = None, tracer: Tracer = OFF) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int | None,
+        vocab_size: int,
+        tool_format: tools.Format | None = None,
+        tracer: Tracer = OFF,
+    ) -> None:
         self.tokenizer = tokenizer
         self.tracer = tracer
         self.max_model_len = max_model_len
@@ -46,25 +52,36 @@ class Preprocessor:
         """llguidance's view of the tokenizer, as the engine builds it (so a grammar that
         validates here builds there); made on first use, in a worker thread, and cached."""
         tok = self.tokenizer
-        return structured.load_tokenizer(tok.path, tuple(tok.eos_token_ids), max(self.vocab_size, tok.vocab_size))
+        return structured.load_tokenizer(
+            tok.path, tuple(tok.eos_token_ids), max(self.vocab_size, tok.vocab_size)
+        )
 
     def tool_request(self, req: ChatCompletionRequest) -> tools.ToolRequest | None:
         """The request's tools, checked for shape (cheap; ``constraint`` compiles their
         schemas). ``None`` without tools."""
         try:
-            return tools.tool_request(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
+            return tools.tool_request(
+                req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format
+            )
         except tools.ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def chat(self, req: ChatCompletionRequest | TokenizeRequest, tool_req: tools.ToolRequest | None = None,
-             trace_id: str = "") -> list[int]:
+    def chat(
+        self,
+        req: ChatCompletionRequest | TokenizeRequest,
+        tool_req: tools.ToolRequest | None = None,
+        trace_id: str = "",
+    ) -> list[int]:
         """The prompt's token ids; with ``trace_id``, ``rendered`` and ``tokenized``
         are traced under it."""
         assert req.messages is not None
-        messages, variables = tools.prompt_messages(chat_messages(req.messages), tool_req, self.tool_format)
+        messages, variables = tools.prompt_messages(
+            chat_messages(req.messages), tool_req, self.tool_format
+        )
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      **variables)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, **variables
+            )
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         self.tracer.event("rendered", trace_id, chars=len(text))
@@ -85,8 +102,11 @@ class Preprocessor:
         self.tracer.event("tokenized", trace_id, tokens=sum(len(ids) for ids in out))
         return out
 
-    def constraint(self, req: ChatCompletionRequest | CompletionRequest,
-                   tool_req: tools.ToolRequest | None = None) -> StructuredOutputs | None:
+    def constraint(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        tool_req: tools.ToolRequest | None = None,
+    ) -> StructuredOutputs | None:
         """The output constraint of ``response_format``, vLLM's ``structured_outputs``
         or the tools (at most one of them), compiled once to check it (bounded by
         ``structured.LIMITS``): a 400 naming the field if it is unknown, malformed or
@@ -98,14 +118,20 @@ class Preprocessor:
             try:
                 spec = msgspec.convert(req.structured_outputs, StructuredOutputs)
             except (msgspec.ValidationError, ValueError) as e:
-                raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
+                raise APIError(
+                    400, f"structured_outputs: {e}", param="structured_outputs"
+                ) from None
         try:
             from_format = structured.response_format_spec(req.response_format)
         except structured.GrammarError as e:
             raise APIError(400, str(e), param="response_format") from None
         if from_format is not None:
             if spec is not None:
-                raise APIError(400, "give response_format or structured_outputs, not both", param="response_format")
+                raise APIError(
+                    400,
+                    "give response_format or structured_outputs, not both",
+                    param="response_format",
+                )
             spec, field = from_format, f"response_format.{from_format.kind}"
             if from_format.kind == "json":
                 field = "response_format.json_schema.schema"
@@ -116,20 +142,29 @@ class Preprocessor:
             raise APIError(400, error, param=(field or "structured_outputs").split(".")[0])
         return spec
 
-    def tool_constraint(self, req: ChatCompletionRequest | CompletionRequest,
-                        tool_req: tools.ToolRequest) -> StructuredOutputs | None:
+    def tool_constraint(
+        self, req: ChatCompletionRequest | CompletionRequest, tool_req: tools.ToolRequest
+    ) -> StructuredOutputs | None:
         error = tools.validate_tools(tool_req.tools, self.grammar_tokenizer)
         if error is not None:
             raise APIError(400, error, param="tools")
         spec = tools.constraint(tool_req)
-        if tool_req.calls_allowed and (req.response_format is not None or req.structured_outputs is not None):
+        if tool_req.calls_allowed and (
+            req.response_format is not None or req.structured_outputs is not None
+        ):
             fmt = req.response_format or {}
             if spec is not None or fmt.get("type") != "text":
-                raise APIError(400, "response_format and structured_outputs cannot be combined with tools unless "
-                               'tool_choice is "none"', param="response_format")
+                raise APIError(
+                    400,
+                    "response_format and structured_outputs cannot be combined with tools unless "
+                    'tool_choice is "none"',
+                    param="response_format",
+                )
         if not tool_req.calls_allowed:
             return self.constraint(req)
-        if spec is not None and (error := structured.validate(spec, self.grammar_tokenizer, field="tools")):
+        if spec is not None and (
+            error := structured.validate(spec, self.grammar_tokenizer, field="tools")
+        ):
             raise APIError(400, error, param="tools")
         return spec  # tool_choice none: the reply may still be constrained
 
@@ -145,11 +180,18 @@ class Preprocessor:
         check_token_ids(ids, self.vocab_size, "tokens")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
         least = self.tokenizer.min_tokens_for(text)
         if self.max_model_len is not None and least >= self.max_model_len:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                           f"{param} has at least {least} tokens", param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"{param} has at least {least} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # e.g. lone surrogates from JSON escapes
@@ -162,8 +204,12 @@ def _prompt_items(prompt: str | list[Any]) -> list[Any]:
     elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
         items = list(prompt)
     else:
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
-                       "token-id lists", param="prompt")
+        raise APIError(
+            400,
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists",
+            param="prompt",
+        )
     if not items:
         raise APIError(400, "prompt must not be empty", param="prompt")
     return items

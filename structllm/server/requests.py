@@ -74,7 +74,11 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float | None = None
     seed: int | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    stop: Annotated[str, Meta(max_length=MAX_STOP_LEN)] | Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_LEN)]], Meta(max_length=MAX_STOP)] | None = None
+    stop: (
+        Annotated[str, Meta(max_length=MAX_STOP_LEN)]
+        | Annotated[list[Annotated[str, Meta(max_length=MAX_STOP_LEN)]], Meta(max_length=MAX_STOP)]
+        | None
+    ) = None
     stop_token_ids: Annotated[list[int], Meta(max_length=1024)] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -88,7 +92,9 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are strings) -> bias
     prompt_logprobs: int | None = None  # vLLM's extension: score the prompt
-    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    response_format: dict[str, Any] | None = (
+        None  # {"type": "text" | "json_object" | "json_schema", ...}
+    )
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension: a StructuredOutputs
     # OpenAI fields this server cannot honour: a 400 when set (see ``check_supported``)
     # rather than silently ignored.
@@ -163,13 +169,21 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
         if role not in ("system", "user", "assistant", "tool"):
-            raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or tool, got "
-                           f"{m.role!r}", param="messages")
+            raise APIError(
+                400,
+                f"messages[{i}].role must be system, developer, user, assistant or tool, got "
+                f"{m.role!r}",
+                param="messages",
+            )
         if isinstance(m.content, list):
             parts = []
             for part in m.content:
                 if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}", param="messages")
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        param="messages",
+                    )
                 parts.append(part.text)
             content = "".join(parts)
         else:
@@ -177,17 +191,34 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls is not None:
             if role != "assistant":
-                raise APIError(400, f"messages[{i}]: only assistant messages carry tool_calls", param="messages")
+                raise APIError(
+                    400,
+                    f"messages[{i}]: only assistant messages carry tool_calls",
+                    param="messages",
+                )
             for k, call in enumerate(m.tool_calls):
                 if call.type != "function":
-                    raise APIError(400, f"messages[{i}].tool_calls[{k}].type must be function", param="messages")
-            msg["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in m.tool_calls]
+                    raise APIError(
+                        400,
+                        f"messages[{i}].tool_calls[{k}].type must be function",
+                        param="messages",
+                    )
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in m.tool_calls
+            ]
         if role == "tool":
             if not m.tool_call_id:
-                raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id (the id of the call it "
-                               "answers)", param="messages")
+                raise APIError(
+                    400,
+                    f"messages[{i}]: a tool message needs tool_call_id (the id of the call it "
+                    "answers)",
+                    param="messages",
+                )
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             msg["name"] = m.name
@@ -203,7 +234,9 @@ def _logit_bias(req: ChatCompletionRequest | CompletionRequest) -> dict[int, flo
         try:
             out[int(key)] = bias
         except ValueError:
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
     return out
 
 
@@ -211,7 +244,11 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """400 naming ``param`` if any id is outside ``[0, vocab_size)``."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})", param=param)
+        raise APIError(
+            400,
+            f"token id {bad} in {param} is outside the vocabulary [0, {vocab_size})",
+            param=param,
+        )
 
 
 def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
@@ -221,20 +258,33 @@ def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest) -> tupl
     return req.max_tokens, "max_tokens"
 
 
-def max_tokens_for(prompt_lens: list[int], requested: int | None, param: str, max_model_len: int) -> int:
+def max_tokens_for(
+    prompt_lens: list[int], requested: int | None, param: str, max_model_len: int
+) -> int:
     """max_tokens for these prompts: the request's, or what the context leaves. 400
     (``context_length_exceeded``) when a prompt and its output cannot fit."""
     longest = max(prompt_lens)
     prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
-    if longest > max_model_len or (longest == max_model_len and requested != 0):  # 0: score the prompt only
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-                       f"{longest} tokens", param=prompt_param, code="context_length_exceeded")
+    if longest > max_model_len or (
+        longest == max_model_len and requested != 0
+    ):  # 0: score the prompt only
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{longest} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if requested is None:
         return max_model_len - longest
     if longest + requested > max_model_len:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but you requested "
-                       f"{longest + requested} tokens ({longest} in the prompt, {requested} to generate)",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens, but you requested "
+            f"{longest + requested} tokens ({longest} in the prompt, {requested} to generate)",
+            param=param,
+            code="context_length_exceeded",
+        )
     return requested
 
 
@@ -252,17 +302,26 @@ def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise unsupported("best_of", "use n; every completion is returned")
         return
-    for name, what in (("audio", "text only"), ("prediction", "no predicted outputs"),
-                       ("web_search_options", "no web search"), ("functions", "use tools"),
-                       ("function_call", "use tool_choice"), ("reasoning_effort", "not a reasoning model")):
+    for name, what in (
+        ("audio", "text only"),
+        ("prediction", "no predicted outputs"),
+        ("web_search_options", "no web search"),
+        ("functions", "use tools"),
+        ("function_call", "use tool_choice"),
+        ("reasoning_effort", "not a reasoning model"),
+    ):
         if getattr(req, name) is not None:
             raise unsupported(name, what)
     if req.modalities is not None and req.modalities != ["text"]:
         raise unsupported("modalities", "text only")
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, vocab_size: int,
-                    structured: StructuredOutputs | None = None) -> SamplingParams:
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    vocab_size: int,
+    structured: StructuredOutputs | None = None,
+) -> SamplingParams:
     """The request's ``SamplingParams`` (with its ``n``, and the constraint
     ``Preprocessor.constraint`` made of it). A rule it breaks is a 400 naming the
     request's own field."""
@@ -305,4 +364,6 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: 
         return sp
     except ValueError as e:
         field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
-        raise APIError(400, str(e).removeprefix("SamplingParams."), param=renamed.get(field, field)) from None
+        raise APIError(
+            400, str(e).removeprefix("SamplingParams."), param=renamed.get(field, field)
+        ) from None

@@ -7,12 +7,13 @@ then one chunk per ``feed`` that has something to say, then ``closing()`` chunks
 ``[DONE]``; or, not streaming, ``body()`` once every sequence has finished.
 
 ``ChatBuilder`` makes ``chat.completion`` objects (deltas with ``role``/``content``
-and ``tool_calls`` pieces, logprobs as ``content`` entries with bytes); ``TextBuilder`` makes ``text_completion``
-objects (legacy logprobs with ``text_offset``, the prompt echoed first with ``echo``,
-scored when logprobs are asked for). With vLLM's ``prompt_logprobs`` both add a
-``prompt_logprobs`` list (``null`` for the first prompt token, then a map of token id
-to ``{logprob, rank, decoded_token}``): top-level in a chat body, per choice in a
-completion body, and in a stream on the first chunk of each prompt's first choice.
+and ``tool_calls`` pieces, logprobs as ``content`` entries with bytes); ``TextBuilder``
+makes ``text_completion`` objects (legacy logprobs with ``text_offset``, the prompt
+echoed first with ``echo``, scored when logprobs are asked for). With vLLM's
+``prompt_logprobs`` both add a ``prompt_logprobs`` list (``null`` for the first prompt
+token, then a map of token id to ``{logprob, rank, decoded_token}``): top-level in a
+chat body, per choice in a completion body, and in a stream on the first chunk of each
+prompt's first choice.
 """
 
 from __future__ import annotations
@@ -58,8 +59,17 @@ class ResponseBuilder:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, prompt_logprobs: bool = False, response_id: str | None = None) -> None:
+    def __init__(
+        self,
+        sequences: list[SequenceState],
+        tokenizer: Tokenizer,
+        *,
+        model: str,
+        stream: bool,
+        include_usage: bool = False,
+        prompt_logprobs: bool = False,
+        response_id: str | None = None,
+    ) -> None:
         self.choices = [_Choice(s) for s in sequences]
         self.tokenizer = tokenizer
         self.model = model
@@ -67,7 +77,9 @@ class ResponseBuilder:
         self.include_usage = include_usage and stream
         self.want_logprobs = bool(sequences) and sequences[0].sampling.logprobs is not None
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's field in the response
-        self.prompt_scores: dict[int, list[TokenLogprobs]] = {}  # prompt index -> scores of tokens 1..
+        self.prompt_scores: dict[
+            int, list[TokenLogprobs]
+        ] = {}  # prompt index -> scores of tokens 1..
         self.id = response_id or self.new_id()
         self.created = int(time.time())
 
@@ -92,10 +104,19 @@ class ResponseBuilder:
             if not self.stream:
                 c.pieces.append(u.text)
                 c.logprobs += u.logprobs
-            elif (u.text or u.finish_reason is not None or u.logprobs or u.tool_calls
-                  or (self.echo_pending(c) and u.token_ids)):
+            elif (
+                u.text
+                or u.finish_reason is not None
+                or u.logprobs
+                or u.tool_calls
+                or (self.echo_pending(c) and u.token_ids)
+            ):
                 item = self.stream_choice(c, u)
-                if not c.opened and self.want_prompt_logprobs and c.seq.sampling.prompt_logprobs is not None:
+                if (
+                    not c.opened
+                    and self.want_prompt_logprobs
+                    and c.seq.sampling.prompt_logprobs is not None
+                ):
                     item["prompt_logprobs"] = self.prompt_logprobs(c)
                 c.opened = True
                 out.append(item)
@@ -127,9 +148,16 @@ class ResponseBuilder:
 
     # -- shared pieces -----------------------------------------------------------------
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                               "model": self.model, "choices": choices}
+    def chunk(
+        self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             out["usage"] = usage
         return out
@@ -138,18 +166,26 @@ class ResponseBuilder:
         firsts: dict[int, SequenceState] = {}  # prompt index -> its first sequence
         for c in self.choices:
             firsts.setdefault(c.seq.prompt_index, c.seq)
-        return usage(sum(len(s.prompt_ids) for s in firsts.values()),
-                     sum(len(c.seq.token_ids) for c in self.choices),
-                     sum(s.num_cached_tokens for s in firsts.values()))
+        return usage(
+            sum(len(s.prompt_ids) for s in firsts.values()),
+            sum(len(c.seq.token_ids) for c in self.choices),
+            sum(s.num_cached_tokens for s in firsts.values()),
+        )
 
     def prompt_logprobs(self, c: _Choice) -> list[dict[str, Any] | None]:
         """vLLM's shape: ``None``, then per prompt token a map of token id to its entry."""
         tok = self.tokenizer
         out: list[dict[str, Any] | None] = [None]
-        for token, e in zip(c.seq.prompt_ids[1:], self.prompt_scores.get(c.seq.prompt_index, []), strict=False):
-            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": tok.token_text(t)}
-                     for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs, strict=True), start=1)}
-            entry.setdefault(str(token), {"logprob": e.logprob, "decoded_token": tok.token_text(token)})
+        for token, e in zip(
+            c.seq.prompt_ids[1:], self.prompt_scores.get(c.seq.prompt_index, []), strict=False
+        ):
+            entry = {
+                str(t): {"logprob": v, "rank": r, "decoded_token": tok.token_text(t)}
+                for r, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs, strict=True), start=1)
+            }
+            entry.setdefault(
+                str(token), {"logprob": e.logprob, "decoded_token": tok.token_text(token)}
+            )
             out.append(entry)
         return out
 
@@ -180,8 +216,14 @@ class ChatBuilder(ResponseBuilder):
 
     def opening(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
-        return [self.chunk([{"index": c.seq.index, "delta": role, "logprobs": None, "finish_reason": None}
-                            for c in self.choices])]
+        return [
+            self.chunk(
+                [
+                    {"index": c.seq.index, "delta": role, "logprobs": None, "finish_reason": None}
+                    for c in self.choices
+                ]
+            )
+        ]
 
     def stream_choice(self, c: _Choice, u: SequenceUpdate) -> dict[str, Any]:
         lp = self.logprobs(u.token_ids, u.logprobs) if self.want_logprobs and u.logprobs else None
@@ -216,7 +258,9 @@ class ChatBuilder(ResponseBuilder):
         content = []
         for t, lp in zip(tokens, lps, strict=False):
             e = entry(t, lp.logprob)
-            e["top_logprobs"] = [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+            e["top_logprobs"] = [
+                entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ]
             content.append(e)
         return {"content": content}
 
@@ -226,11 +270,27 @@ class TextBuilder(ResponseBuilder):
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, sequences: list[SequenceState], tokenizer: Tokenizer, *, model: str, stream: bool,
-                 include_usage: bool = False, echo: bool = False, prompt_logprobs: bool = False,
-                 response_id: str | None = None) -> None:
-        super().__init__(sequences, tokenizer, model=model, stream=stream, include_usage=include_usage,
-                         prompt_logprobs=prompt_logprobs, response_id=response_id)
+    def __init__(
+        self,
+        sequences: list[SequenceState],
+        tokenizer: Tokenizer,
+        *,
+        model: str,
+        stream: bool,
+        include_usage: bool = False,
+        echo: bool = False,
+        prompt_logprobs: bool = False,
+        response_id: str | None = None,
+    ) -> None:
+        super().__init__(
+            sequences,
+            tokenizer,
+            model=model,
+            stream=stream,
+            include_usage=include_usage,
+            prompt_logprobs=prompt_logprobs,
+            response_id=response_id,
+        )
         self.echo = echo
 
     def prompt_text(self, c: _Choice) -> str:
@@ -299,7 +359,9 @@ class TextBuilder(ResponseBuilder):
         return {
             "tokens": texts,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{tok.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-                             for lp in lps],
+            "top_logprobs": [
+                {tok.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+                for lp in lps
+            ],
             "text_offset": offsets,
         }

@@ -86,20 +86,27 @@ def front_end_files(model: str | None) -> ModelFiles:
     cold cache lacks (GGUF weights, a tokenizer without ``tokenizer.json``), then the
     lookup here finds everything cached. Raises ``ValueError`` with the child's message
     if the model cannot be prepared."""
-    child = subprocess.run([sys.executable, "-c", _PREPARE, model or ""], stdout=subprocess.PIPE, text=True,
-                           stdin=subprocess.DEVNULL)
+    child = subprocess.run(
+        [sys.executable, "-c", _PREPARE, model or ""],
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     if child.returncode != 0:
-        raise ValueError(child.stdout.strip() or f"preparing the model failed (exit code {child.returncode})")
+        raise ValueError(
+            child.stdout.strip() or f"preparing the model failed (exit code {child.returncode})"
+        )
     return find_model_files(model)
 
 
-def make_app(config: ServerConfig, files: ModelFiles, metrics_table: Any = None, slot: int = 0) -> App:
+def make_app(
+    config: ServerConfig, files: ModelFiles, metrics_table: Any = None, slot: int = 0
+) -> App:
     name = config.served_model_name or files.name
     tokenizer = Tokenizer.from_files(files)
     if config.chat_template is not None:
         tokenizer.set_chat_template(config.chat_template)
     return App(config, name, tokenizer, Metrics(name, metrics_table, slot))
-
 
 
 def limit_connections(max_connections: int) -> None:
@@ -116,7 +123,9 @@ def limit_connections(max_connections: int) -> None:
 
 def run(config: ServerConfig) -> int:
     """Blocking entry point for the CLI; returns the exit code."""
-    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
     limit_connections(config.max_connections)
     try:
         sock = bind(config.host, config.port)
@@ -133,7 +142,9 @@ def run(config: ServerConfig) -> int:
         table = memoryview(metrics_mem).cast("d")
     try:
         app = make_app(config, front_end_files(config.engine.model), table, 0)
-        return int(anyio.run(Supervisor(config, app, sock, metrics_fd, t0).run, backend=config.backend))
+        return int(
+            anyio.run(Supervisor(config, app, sock, metrics_fd, t0).run, backend=config.backend)
+        )
     except KeyboardInterrupt:
         return 130
     finally:
@@ -151,8 +162,16 @@ class Supervisor:
     the listening socket and the metrics table belong to ``run``. ``run`` returns the
     exit code: 0 after a requested stop, 1 when the engine cannot be kept up."""
 
-    def __init__(self, config: ServerConfig, app: App, sock: socket.socket, metrics_fd: int, t0: float) -> None:
-        self.config, self.app, self.sock, self.metrics_fd, self.t0 = config, app, sock, metrics_fd, t0
+    def __init__(
+        self, config: ServerConfig, app: App, sock: socket.socket, metrics_fd: int, t0: float
+    ) -> None:
+        self.config, self.app, self.sock, self.metrics_fd, self.t0 = (
+            config,
+            app,
+            sock,
+            metrics_fd,
+            t0,
+        )
 
     async def run(self) -> int:
         self.stop = anyio.Event()  # a stop was requested (signal) or the engine is given up
@@ -187,10 +206,16 @@ class Supervisor:
                 return 0
             failures = 1 if time.monotonic() - started > 60 else failures + 1
             if not cfg.restart_engine or failures > cfg.max_engine_restarts:
-                say("the engine is down and will not be restarted" + ("" if cfg.restart_engine else " (--no-restart-engine)"))
+                say(
+                    "the engine is down and will not be restarted"
+                    + ("" if cfg.restart_engine else " (--no-restart-engine)")
+                )
                 return 1
             delay = min(30.0, 0.5 * 2 ** (failures - 1))
-            say(f"restarting the engine in {delay:.1f}s (restart {failures} of {cfg.max_engine_restarts})")
+            say(
+                f"restarting the engine in {delay:.1f}s "
+                f"(restart {failures} of {cfg.max_engine_restarts})"
+            )
             with anyio.move_on_after(delay):
                 await self.stop.wait()
             if self.stop.is_set():
@@ -202,7 +227,9 @@ class Supervisor:
         ``stop`` (everything shut down) or a death, which the caller treats alike."""
         cfg = self.config
         say(f"loading {cfg.engine.model or 'the default model'} ...")
-        async with open_engine(cfg.engine, channels=cfg.api_server_count, shutdown_timeout=5.0) as engine:
+        async with open_engine(
+            cfg.engine, channels=cfg.api_server_count, shutdown_timeout=5.0
+        ) as engine:
             client = EngineClient(engine, id_prefix="c0-")
             async with anyio.create_task_group() as tg:
 
@@ -213,15 +240,24 @@ class Supervisor:
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(dispatcher)
-                api_servers: list[ChildProcess] = []  # each owned (stopped, reaped) from its spawn on
+                api_servers: list[
+                    ChildProcess
+                ] = []  # each owned (stopped, reaped) from its spawn on
                 try:
                     for h in engine.handoffs:
                         api_servers.append(self.spawn_api_server(h))
-                        tg.start_soon(self.watch_api_server, api_servers[-1], tg.cancel_scope, client)
+                        tg.start_soon(
+                            self.watch_api_server, api_servers[-1], tg.cancel_scope, client
+                        )
                     self.app.attach(client)
-                    self.say_ready(engine.ready.max_model_len, engine.ready.num_kv_blocks, engine.ready.block_size)
+                    self.say_ready(
+                        engine.ready.max_model_len,
+                        engine.ready.num_kv_blocks,
+                        engine.ready.block_size,
+                    )
                     await self.stop.wait()
-                    # Let the HTTP sides drain (in-flight requests still need the engine), then stop.
+                    # Let the HTTP sides drain (in-flight requests still need the engine),
+                    # then stop.
                     for w in api_servers:
                         w.terminate()
                     with anyio.move_on_after(cfg.shutdown_timeout + 2):
@@ -241,16 +277,33 @@ class Supervisor:
     def say_ready(self, max_model_len: int, blocks: int, block_size: int) -> None:
         host, port = self.sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        say(f"serving {self.app.model_name} at http://{shown}:{port}/v1 (ready in {time.monotonic() - self.t0:.1f}s; "
-            f"max_model_len {max_model_len}, {blocks} KV blocks of {block_size})")
+        say(
+            f"serving {self.app.model_name} at http://{shown}:{port}/v1 "
+            f"(ready in {time.monotonic() - self.t0:.1f}s; "
+            f"max_model_len {max_model_len}, {blocks} KV blocks of {block_size})"
+        )
 
     def spawn_api_server(self, handoff: ChannelHandoff) -> ChildProcess:
         cfg = self.config
-        spec = ApiServerSpec(cfg, self.sock.fileno(), self.metrics_fd, cfg.api_server_count * SLOT_SIZE * 8, handoff,
-                             os.getpid())
-        return ChildProcess(spawn("structllm.server.api_server", spec, (self.sock.fileno(), self.metrics_fd, *handoff.fds)))
+        spec = ApiServerSpec(
+            cfg,
+            self.sock.fileno(),
+            self.metrics_fd,
+            cfg.api_server_count * SLOT_SIZE * 8,
+            handoff,
+            os.getpid(),
+        )
+        return ChildProcess(
+            spawn(
+                "structllm.server.api_server",
+                spec,
+                (self.sock.fileno(), self.metrics_fd, *handoff.fds),
+            )
+        )
 
-    async def watch_api_server(self, child: ChildProcess, scope: anyio.CancelScope, client: EngineClient) -> None:
+    async def watch_api_server(
+        self, child: ChildProcess, scope: anyio.CancelScope, client: EngineClient
+    ) -> None:
         """A front-end process that dies is handled like the engine dying: everything of
         this generation is torn down (its requests fail) and the restart loop brings it
         back."""
@@ -312,7 +365,9 @@ def run_api_server(spec: ApiServerSpec) -> int:
         mapping.close()
 
 
-async def serve_http(config: ServerConfig, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event) -> None:
+async def serve_http(
+    config: ServerConfig, app: App, sock: socket.socket, stop: anyio.Event, done: anyio.Event
+) -> None:
     from hypercorn.config import Config
 
     hc = Config()
@@ -362,5 +417,8 @@ async def watch_signals(stop: anyio.Event, scope: anyio.CancelScope) -> None:
                 say("stopping now")
                 scope.cancel()
                 return
-            say(f"{signal.Signals(sig).name}: finishing in-flight requests, then stopping (again to stop now)")
+            say(
+                f"{signal.Signals(sig).name}: finishing in-flight requests, then stopping "
+                "(again to stop now)"
+            )
             stop.set()

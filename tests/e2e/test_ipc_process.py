@@ -90,7 +90,9 @@ async def test_kill_9_of_the_engine_fails_streams() -> None:
         client = EngineClient(eng)
         async with anyio.create_task_group() as tg:
             await tg.start(client.run)
-            async with client.request("long", [1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True)) as stream:
+            async with client.request(
+                "long", [1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True)
+            ) as stream:
                 await stream.get()
                 os.kill(eng.pid, signal.SIGKILL)
                 # the engine's exit is an event (its pidfd): a missed one hangs
@@ -109,7 +111,9 @@ async def test_engine_start_failure_is_reported() -> None:
 
 
 @pytest.mark.parametrize("fails", ["os.pipe", "subprocess.Popen"])
-async def test_a_failed_start_closes_what_it_opened(fails: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failed_start_closes_what_it_opened(
+    fails: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # e.g. the descriptor limit reached midway while the server restarts an engine
     def no_more(*args: object, **kwargs: object) -> None:
         raise OSError(24, "Too many open files")
@@ -148,7 +152,9 @@ PARENT = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 def test_kill_9_of_the_parent_takes_the_engine_down(backend: str) -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, backend], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, backend], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert parent.stdout is not None
         engine_pid = int(parent.stdout.readline())
@@ -162,5 +168,7 @@ def test_kill_9_of_the_parent_takes_the_engine_down(backend: str) -> None:
 
 
 def test_engine_module_refuses_to_run_by_hand() -> None:
-    out = subprocess.run([sys.executable, "-m", "structllm.engine"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "structllm.engine"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 2 and "started by the structllm front end" in out.stderr

@@ -25,10 +25,18 @@ def test_million_frames_each_way_no_loss_no_reorder_no_corruption() -> None:
     to_child, to_parent = shm.rings(mapping, capacity, init=True)
     parent_bell, child_bell = Doorbell(), Doorbell()
     args = {
-        "shm_fd": fd, "size": size, "capacity": capacity, "n": N,
-        "child_bell": child_bell.fd, "parent_bell": parent_bell.fd,
-        "child_seed": 1, "parent_seed": 2,
-        "slow": [N // 10, N // 10 + 4000],  # the child reads slowly here: the parent's sends back up
+        "shm_fd": fd,
+        "size": size,
+        "capacity": capacity,
+        "n": N,
+        "child_bell": child_bell.fd,
+        "parent_bell": parent_bell.fd,
+        "child_seed": 1,
+        "parent_seed": 2,
+        "slow": [
+            N // 10,
+            N // 10 + 4000,
+        ],  # the child reads slowly here: the parent's sends back up
     }
     child = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "support" / "ipc_peer.py"), json.dumps(args)],

@@ -69,12 +69,18 @@ HOSTILE: list[tuple[str, bytes, int]] = [
     ("float for int", b'{"prompt": "x", "max_tokens": 2.5}', 400),
     ("null body", b"null", 400),
     ("huge number", b'{"prompt": "x", "seed": 1' + b"0" * 400 + b"}", 400),
-    ("control characters", json.dumps({"prompt": "a\x00b\x07c\x1b[31m", "max_tokens": 2}).encode(), 200),
+    (
+        "control characters",
+        json.dumps({"prompt": "a\x00b\x07c\x1b[31m", "max_tokens": 2}).encode(),
+        200,
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "body", "status"), HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_hostile_bodies_get_a_4xx_that_names_the_problem(server: Server, name: str, body: bytes, status: int) -> None:
+def test_hostile_bodies_get_a_4xx_that_names_the_problem(
+    server: Server, name: str, body: bytes, status: int
+) -> None:
     code, data = server.request("POST", "/v1/completions", raw=body)
     assert code == status, data[:300]
     if status >= 400:
@@ -91,7 +97,10 @@ def test_oversized_body_is_413(server: Server) -> None:
 
 def test_body_that_never_arrives_is_408(server: Server) -> None:
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{"
+    )
     reply = read_until(s, b"\r\n\r\n", timeout=10)
     s.close()
     assert reply.startswith(b"HTTP/1.1 408")
@@ -101,34 +110,127 @@ def test_openapi_document_is_served(server: Server) -> None:
     code, data = server.get("/openapi.json")
     doc = json.loads(data)
     assert code == 200 and doc["openapi"].startswith("3.")
-    assert "/v1/chat/completions" in doc["paths"] and "ChatCompletionRequest" in doc["components"]["schemas"]
+    assert (
+        "/v1/chat/completions" in doc["paths"]
+        and "ChatCompletionRequest" in doc["components"]["schemas"]
+    )
 
 
 JSON_LEAF = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=40),
-    st.sampled_from(["", "\x00", "\ud7ff", "😀" * 50, "user", "system", "assistant", "tool", "text", "image_url"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+    st.sampled_from(
+        [
+            "",
+            "\x00",
+            "\ud7ff",
+            "😀" * 50,
+            "user",
+            "system",
+            "assistant",
+            "tool",
+            "text",
+            "image_url",
+        ]
+    ),
 )
-JSON_VALUE = st.recursive(JSON_LEAF, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4), max_leaves=12)
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-          "seed", "n", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "logprobs", "top_logprobs", "echo", "stream", "stream_options", "user", "tokens", "suffix",
-          "tools", "tool_choice", "parallel_tool_calls", "response_format", "logit_bias"]
-TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "retrieval"]), "function": st.fixed_dictionaries(
-    {"name": st.sampled_from(["f", "get_weather", "bad name", ""]),
-     "parameters": st.one_of(st.none(), JSON_VALUE, st.just({"type": "object", "properties": {"x": {"type": "integer"}}}))})})
+JSON_VALUE = st.recursive(
+    JSON_LEAF,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "stream",
+    "stream_options",
+    "user",
+    "tokens",
+    "suffix",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "logit_bias",
+]
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(["function", "retrieval"]),
+        "function": st.fixed_dictionaries(
+            {
+                "name": st.sampled_from(["f", "get_weather", "bad name", ""]),
+                "parameters": st.one_of(
+                    st.none(),
+                    JSON_VALUE,
+                    st.just({"type": "object", "properties": {"x": {"type": "integer"}}}),
+                ),
+            }
+        ),
+    }
+)
 GOOD_VALUES: dict[str, Any] = {
     "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(0, 60000), max_size=8)),
-    "messages": st.lists(st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "system", "assistant", "robot", "tool"]),
-         "content": st.one_of(st.text(max_size=20), st.none())},
-        optional={"tool_call_id": st.text(max_size=8), "tool_calls": st.lists(st.fixed_dictionaries(
-            {"id": st.text(max_size=6), "type": st.just("function"), "function": st.fixed_dictionaries(
-                {"name": st.text(max_size=6), "arguments": st.one_of(st.just('{"x": 1}'), st.text(max_size=10))})}),
-            max_size=2)}), max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "robot", "tool"]),
+                "content": st.one_of(st.text(max_size=20), st.none()),
+            },
+            optional={
+                "tool_call_id": st.text(max_size=8),
+                "tool_calls": st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "id": st.text(max_size=6),
+                            "type": st.just("function"),
+                            "function": st.fixed_dictionaries(
+                                {
+                                    "name": st.text(max_size=6),
+                                    "arguments": st.one_of(
+                                        st.just('{"x": 1}'), st.text(max_size=10)
+                                    ),
+                                }
+                            ),
+                        }
+                    ),
+                    max_size=2,
+                ),
+            },
+        ),
+        max_size=3,
+    ),
     "tools": st.lists(TOOL, max_size=3),
-    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "sometimes"]),
-                             st.fixed_dictionaries({"type": st.just("function"),
-                                                    "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])})})),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", "sometimes"]),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])}),
+            }
+        ),
+    ),
     "max_tokens": st.integers(-5, 3000),
     "n": st.integers(-1, 70),
     "temperature": st.floats(-1, 3),
@@ -140,11 +242,23 @@ GOOD_VALUES: dict[str, Any] = {
 
 @st.composite
 def odd_request(draw: st.DrawFn) -> tuple[str, str, bytes]:
-    method, path = draw(st.sampled_from([
-        ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-        ("GET", "/v1/models"), ("GET", "/metrics"), ("PUT", "/v1/completions"), ("DELETE", "/v1/models"),
-        ("POST", "/v1/embeddings"), ("GET", "/../../etc/passwd"), ("POST", "/v1/chat/completions/"),
-    ]))
+    method, path = draw(
+        st.sampled_from(
+            [
+                ("POST", "/v1/chat/completions"),
+                ("POST", "/v1/completions"),
+                ("POST", "/tokenize"),
+                ("POST", "/detokenize"),
+                ("GET", "/v1/models"),
+                ("GET", "/metrics"),
+                ("PUT", "/v1/completions"),
+                ("DELETE", "/v1/models"),
+                ("POST", "/v1/embeddings"),
+                ("GET", "/../../etc/passwd"),
+                ("POST", "/v1/chat/completions/"),
+            ]
+        )
+    )
     kind = draw(st.sampled_from(["fields", "fields", "fields", "json", "bytes"]))
     if kind == "bytes":
         return method, path, draw(st.binary(max_size=200))
@@ -160,11 +274,15 @@ def odd_request(draw: st.DrawFn) -> tuple[str, str, bytes]:
 
 
 def test_fuzz_two_thousand_odd_requests_no_5xx(server: Server) -> None:
-    before = server.post("/v1/completions", completion("reference prompt", 12))[1]["choices"][0]["text"]
+    before = server.post("/v1/completions", completion("reference prompt", 12))[1]["choices"][0][
+        "text"
+    ]
     statuses: dict[int, int] = {}
     client = httpx.Client(base_url=server.url, timeout=60)
 
-    @settings(max_examples=2000, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=2000, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(odd_request())
     def one(req: tuple[str, str, bytes]) -> None:
         method, path, body = req
@@ -178,7 +296,9 @@ def test_fuzz_two_thousand_odd_requests_no_5xx(server: Server) -> None:
     print("\nfuzz statuses:", dict(sorted(statuses.items())))
     assert sum(statuses.values()) >= 2000
     assert server.get("/health")[0] == 200
-    after = server.post("/v1/completions", completion("reference prompt", 12))[1]["choices"][0]["text"]
+    after = server.post("/v1/completions", completion("reference prompt", 12))[1]["choices"][0][
+        "text"
+    ]
     assert after == before
     server.wait_idle()
 
@@ -191,7 +311,9 @@ def vanish(server: Server, count: int) -> None:
     mid-stream, or right after connecting; in waves of 100 (so peak concurrency, and with
     it the heap's high-water mark, stays the same from wave to wave)."""
     body = json.dumps(completion("vanish", 50, stream=True)).encode()
-    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
     port = server.port
     for i in range(count):
         if i % 100 == 99:
@@ -222,8 +344,13 @@ def test_thousands_of_vanishing_clients_leak_nothing(server: Server) -> None:
     wait_for(lambda: fd_count(pid) <= fds0 + 5, "connections left open")
     assert server.metric("num_open_requests") == 0
     # the front end collects garbage once idle, however long that takes to come round
-    wait_for(lambda: rss_kib(pid) <= rss1 * 1.10, "memory grows with the number of vanished clients")
-    print(f"\nfront-end RSS after 5000 vanishing clients {rss1} KiB, after 3000 more {rss_kib(pid)} KiB")
+    wait_for(
+        lambda: rss_kib(pid) <= rss1 * 1.10, "memory grows with the number of vanished clients"
+    )
+    print(
+        f"\nfront-end RSS after 5000 vanishing clients {rss1} KiB, "
+        f"after 3000 more {rss_kib(pid)} KiB"
+    )
 
 
 def test_client_that_stops_reading_is_aborted_after_the_write_timeout() -> None:
@@ -231,12 +358,22 @@ def test_client_that_stops_reading_is_aborted_after_the_write_timeout() -> None:
     # logprobs) fill the socket buffers within seconds; then the write timeout (1 s)
     # must abort the request while the client is still connected.
     with Server(*NULL, "--null-step-time", "0.01", "--write-timeout", "1") as server:
-        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1900, "stream": True,
-                "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1900,
+            "stream": True,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
         s = socket.create_connection(("127.0.0.1", server.port))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         data = json.dumps(body).encode()
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+            % len(data)
+            + data
+        )
         try:
             wait_for(lambda: server.metric("num_requests_running") == 1)
             # Aborted though the client is still connected: unaborted, the request would
@@ -254,7 +391,9 @@ def test_slow_reader_does_not_slow_other_streams() -> None:
             gaps: list[float] = []
 
             async def one(client: httpx.AsyncClient) -> None:
-                async with client.stream("POST", s.url + "/v1/completions", json=completion("measure", 40, stream=True)) as r:
+                async with client.stream(
+                    "POST", s.url + "/v1/completions", json=completion("measure", 40, stream=True)
+                ) as r:
                     last = None
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):
@@ -272,13 +411,22 @@ def test_slow_reader_does_not_slow_other_streams() -> None:
             return statistics.median(gaps)
 
         baseline = itl_p50()
-        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1900, "stream": True, "ignore_eos": True,
-                "logprobs": True, "top_logprobs": 20}
+        body = {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1900,
+            "stream": True,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
         slow = open_stream(s.port, "/v1/chat/completions", body)  # never read
         time.sleep(1.0)
         with_slow = itl_p50()
         slow.close()
-        print(f"\nITL p50 without a slow reader {baseline * 1000:.1f} ms, with one {with_slow * 1000:.1f} ms")
+        print(
+            f"\nITL p50 without a slow reader {baseline * 1000:.1f} ms, "
+            f"with one {with_slow * 1000:.1f} ms"
+        )
         assert with_slow <= baseline * 1.2
         s.wait_idle()
 
@@ -287,7 +435,9 @@ def test_slow_reader_does_not_slow_other_streams() -> None:
 
 
 def test_overload_gets_prompt_503s_while_admitted_requests_complete() -> None:
-    with Server(*NULL, "--null-step-time", "0.05", "--max-num-seqs", "4", "--max-queued-requests", "8") as s:
+    with Server(
+        *NULL, "--null-step-time", "0.05", "--max-num-seqs", "4", "--max-queued-requests", "8"
+    ) as s:
         results: list[tuple[int, float, str | None]] = []
         lock = threading.Lock()
 
@@ -307,7 +457,9 @@ def test_overload_gets_prompt_503s_while_admitted_requests_complete() -> None:
         refused = [r for r in results if r[0] == 503]
         assert len(ok) + len(refused) == 40
         assert len(ok) >= 8 and len(refused) >= 10
-        assert all(r[2] is not None and r[1] < 2.0 for r in refused), "503s must be immediate, with Retry-After"
+        assert all(r[2] is not None and r[1] < 2.0 for r in refused), (
+            "503s must be immediate, with Retry-After"
+        )
         s.wait_idle()
 
 
@@ -318,7 +470,12 @@ def test_soak_two_thousand_streams_a_third_disconnected() -> None:
     with Server(*NULL, "--max-num-seqs", "16", "--null-step-time", "0.002") as s:
         prompts = [f"soak prompt number {i}" for i in range(20)]
         lengths = [5 + (i * 7) % 40 for i in range(20)]
-        reference = {i: s.post("/v1/completions", completion(prompts[i], lengths[i]))[1]["choices"][0]["text"] for i in range(20)}
+        reference = {
+            i: s.post("/v1/completions", completion(prompts[i], lengths[i]))[1]["choices"][0][
+                "text"
+            ]
+            for i in range(20)
+        }
         pid = s.proc.pid  # type: ignore[union-attr]
         rng = random.Random(7)
         completed: dict[int, str] = {}
@@ -333,7 +490,14 @@ def test_soak_two_thousand_streams_a_third_disconnected() -> None:
             cut_after = rng.randint(1, 4)  # data chunks (the first is often several tokens)
             if cut:
                 meant_to_cut[k] = cut_after
-            async with limiter, client.stream("POST", s.url + "/v1/completions", json=completion(prompts[i], lengths[i], stream=True)) as r:
+            async with (
+                limiter,
+                client.stream(
+                    "POST",
+                    s.url + "/v1/completions",
+                    json=completion(prompts[i], lengths[i], stream=True),
+                ) as r,
+            ):
                 assert r.status_code == 200
                 raw = b""
                 async for chunk in r.aiter_bytes():
@@ -349,7 +513,10 @@ def test_soak_two_thousand_streams_a_third_disconnected() -> None:
         async def main() -> None:
             limiter = anyio.CapacityLimiter(48)  # above max_num_seqs: some always queue
             limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=120, limits=limits) as client, anyio.create_task_group() as tg:
+            async with (
+                httpx.AsyncClient(timeout=120, limits=limits) as client,
+                anyio.create_task_group() as tg,
+            ):
                 for k in range(2000):
                     tg.start_soon(one, k, client, limiter)
 
@@ -366,7 +533,10 @@ def test_soak_two_thousand_streams_a_third_disconnected() -> None:
         assert rss_after_warmup
         # the front end collects garbage once idle, however long that takes to come round
         wait_for(lambda: rss_kib(pid) <= rss_after_warmup[0] * 1.10, "front-end memory grew")
-        print(f"\nsoak: {len(completed)} completed, {len(cut_off)} cut; RSS {rss_after_warmup[0]} -> {rss_kib(pid)} KiB")
+        print(
+            f"\nsoak: {len(completed)} completed, {len(cut_off)} cut; "
+            f"RSS {rss_after_warmup[0]} -> {rss_kib(pid)} KiB"
+        )
 
 
 # -- chaos ---------------------------------------------------------------------------------
@@ -375,9 +545,14 @@ def test_soak_two_thousand_streams_a_third_disconnected() -> None:
 def test_kill_9_of_the_engine_under_load_restarts_and_serves_correctly() -> None:
     before_shm = shm_entries()
     with Server("--max-model-len", "1024") as s:
-        want = s.post("/v1/completions", completion("The capital of France is", 8))[1]["choices"][0]["text"]
+        want = s.post("/v1/completions", completion("The capital of France is", 8))[1]["choices"][
+            0
+        ]["text"]
         old_engine = s.engine_pid
-        streams = [open_stream(s.port, "/v1/completions", completion(f"story {i}", 900, stream=True)) for i in range(6)]
+        streams = [
+            open_stream(s.port, "/v1/completions", completion(f"story {i}", 900, stream=True))
+            for i in range(6)
+        ]
         for st_ in streams:
             read_until(st_, b"data: {")
         os.kill(old_engine, signal.SIGKILL)
@@ -392,7 +567,9 @@ def test_kill_9_of_the_engine_under_load_restarts_and_serves_correctly() -> None
         assert not alive(old_engine)
         new = engine_of(s.proc.pid)  # type: ignore[union-attr]
         assert new > 0 and new != old_engine
-        again = s.post("/v1/completions", completion("The capital of France is", 8))[1]["choices"][0]["text"]
+        again = s.post("/v1/completions", completion("The capital of France is", 8))[1]["choices"][
+            0
+        ]["text"]
         assert again == want
         assert s.stop() == 0
     assert shm_entries() == before_shm

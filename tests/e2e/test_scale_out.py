@@ -27,10 +27,16 @@ def test_metrics_add_up_across_front_ends() -> None:
     with Server("--null-model", "--api-server-count", "3") as s:
         assert len(workers_of(s.proc.pid)) == 2  # type: ignore[union-attr]
         for i in range(30):
-            code, _ = s.post("/v1/completions", {"prompt": f"count me {i}", "max_tokens": 7, "ignore_eos": True})
+            code, _ = s.post(
+                "/v1/completions", {"prompt": f"count me {i}", "max_tokens": 7, "ignore_eos": True}
+            )
             assert code == 200
         _, text = s.get("/metrics")
-        lines = [ln for ln in text.decode().splitlines() if ln.startswith("structllm:request_success_total")]
+        lines = [
+            ln
+            for ln in text.decode().splitlines()
+            if ln.startswith("structllm:request_success_total")
+        ]
         finished = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
         assert finished == 30
         assert s.metric("generation_tokens_total") == 30 * 7
@@ -48,7 +54,12 @@ def test_killing_a_front_end_process_is_handled_like_an_engine_death() -> None:
         deadline = time.monotonic() + 60
         while True:  # everything of that generation is replaced, then serves again
             new_workers, new_engine = workers_of(main), engine_of(main)
-            if new_workers and new_workers[0] != worker and new_engine not in (-1, engine) and s.get("/health")[0] == 200:
+            if (
+                new_workers
+                and new_workers[0] != worker
+                and new_engine not in (-1, engine)
+                and s.get("/health")[0] == 200
+            ):
                 break
             assert time.monotonic() < deadline, "not restarted"
             time.sleep(0.1)

@@ -20,8 +20,11 @@ pytestmark = pytest.mark.slow
 PROMPTS = [f"Write a short sentence about the number {i}." for i in range(10)]
 
 
-@pytest.fixture(scope="module", params=[("trio", "1"), ("asyncio", "1"), ("trio", "2")],
-                ids=["trio", "asyncio", "trio-two-front-ends"])
+@pytest.fixture(
+    scope="module",
+    params=[("trio", "1"), ("asyncio", "1"), ("trio", "2")],
+    ids=["trio", "asyncio", "trio-two-front-ends"],
+)
 def config(request: pytest.FixtureRequest) -> tuple[str, str]:
     return request.param  # type: ignore[no-any-return]
 
@@ -41,20 +44,36 @@ def server(config: tuple[str, str]) -> Iterator[Server]:
 def small(config: tuple[str, str]) -> Iterator[Server]:
     """Two sequences at a time and a tiny token budget: easy to queue, slow to prefill."""
     backend, front_ends = config
-    with Server("--max-model-len", "2048", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
-                "--api-server-count", front_ends, backend=backend) as s:
+    with Server(
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "2",
+        "--max-num-batched-tokens",
+        "32",
+        "--api-server-count",
+        front_ends,
+        backend=backend,
+    ) as s:
         yield s
         assert s.stop() == 0
 
 
 def test_hundred_streams_with_ten_disconnected_early(server: Server) -> None:
-    reference = {p: server.post("/v1/completions", completion(p, 12))[1]["choices"][0]["text"] for p in PROMPTS}
+    reference = {
+        p: server.post("/v1/completions", completion(p, 12))[1]["choices"][0]["text"]
+        for p in PROMPTS
+    }
     results: dict[int, str] = {}
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         prompt = PROMPTS[i % 10]
         huge = i % 10 == 9
-        async with client.stream("POST", server.url + "/v1/completions", json=completion(prompt, 2000 if huge else 12, stream=True)) as r:
+        async with client.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json=completion(prompt, 2000 if huge else 12, stream=True),
+        ) as r:
             assert r.status_code == 200
             raw, seen = b"", 0
             async for chunk in r.aiter_bytes():
@@ -66,7 +85,10 @@ def test_hundred_streams_with_ten_disconnected_early(server: Server) -> None:
 
     async def main() -> None:
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=300, limits=limits) as client, anyio.create_task_group() as tg:
+        async with (
+            httpx.AsyncClient(timeout=300, limits=limits) as client,
+            anyio.create_task_group() as tg,
+        ):
             for i in range(100):
                 tg.start_soon(one, i, client)
 
@@ -79,14 +101,23 @@ def test_hundred_streams_with_ten_disconnected_early(server: Server) -> None:
 
 
 def test_disconnect_of_a_queued_request(small: Server) -> None:
-    long = [open_stream(small.port, "/v1/completions", completion("Tell me a long story.", 1500, stream=True)) for _ in range(2)]
+    long = [
+        open_stream(
+            small.port, "/v1/completions", completion("Tell me a long story.", 1500, stream=True)
+        )
+        for _ in range(2)
+    ]
     for s in long:
         read_until(s, b"data: {")
-    queued = open_stream(small.port, "/v1/completions", completion("And another one.", 1500, stream=True))
+    queued = open_stream(
+        small.port, "/v1/completions", completion("And another one.", 1500, stream=True)
+    )
     wait_for(lambda: small.metric("num_requests_waiting") == 1)
     steps = small.metric("engine_steps_total")
     queued.close()
-    wait_for(lambda: small.metric("num_requests_waiting") == 0, "the queued request was not aborted")
+    wait_for(
+        lambda: small.metric("num_requests_waiting") == 0, "the queued request was not aborted"
+    )
     # the abort lands within a few engine steps of the disconnect, however slow each is
     assert small.metric("engine_steps_total") - steps < 100
     assert small.metric("num_requests_running") == 2

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow
 
 def test_health_is_503_while_loading_then_200() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning"], cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "structllm", "run", "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT,
+    )
     import http.client
 
     seen: list[int] = []
@@ -47,7 +50,10 @@ def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
     # a shutdown timeout no loaded machine comes near: the drain is what is tested
     with Server("--shutdown-timeout", str(HANG_S), backend=backend) as s:
         engine = s.engine_pid
-        streams = [open_stream(s.port, "/v1/completions", completion("Once upon a time", 20, stream=True)) for _ in range(3)]
+        streams = [
+            open_stream(s.port, "/v1/completions", completion("Once upon a time", 20, stream=True))
+            for _ in range(3)
+        ]
         first = [read_until(st, b"data: {") for st in streams]
         s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         for st, head in zip(streams, first, strict=True):
@@ -61,7 +67,9 @@ def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
 def test_a_second_signal_stops_at_once_with_code_0() -> None:
     with Server("--shutdown-timeout", str(HANG_S)) as s:
         engine = s.engine_pid
-        st = open_stream(s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True))
+        st = open_stream(
+            s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True)
+        )
         read_until(st, b"data: {")
         s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]  # distinct: never coalesced with the first
@@ -74,7 +82,9 @@ def test_a_second_signal_stops_at_once_with_code_0() -> None:
 def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
     with Server("--shutdown-timeout", "1") as s:
         engine = s.engine_pid
-        st = open_stream(s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True))
+        st = open_stream(
+            s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True)
+        )
         read_until(st, b"data: {")
         s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
         assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
@@ -85,11 +95,15 @@ def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
 
 def test_engine_death_without_restarts_fails_requests_and_exits_non_zero() -> None:
     with Server("--no-restart-engine") as s:
-        st = open_stream(s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True))
+        st = open_stream(
+            s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True)
+        )
         read_until(st, b"data: {")
         os.kill(s.engine_pid, signal.SIGKILL)
         raw = read_until(st, b"data: [DONE]")  # the engine's exit is an event (its pidfd)
-        errors = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b'data: {"error"')]
+        errors = [
+            json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b'data: {"error"')
+        ]
         assert errors and "engine" in errors[0]["error"]["message"]
         code = s.proc.wait(timeout=60)  # type: ignore[union-attr]
         assert code != 0  # restarts disabled: the server stops and says why
@@ -100,33 +114,66 @@ def test_chat_cli_streams_answers_from_a_server() -> None:
     with Server("--null-model") as s:
         out = subprocess.run(
             [sys.executable, "-m", "structllm", "chat", "--url", s.url, "--max-tokens", "5"],
-            input="hello there\n/bye\n", capture_output=True, text=True, timeout=60, cwd=ROOT,
+            input="hello there\n/bye\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
         )
         assert out.returncode == 0, out.stderr
         answer = out.stdout.split(">>> ")[1].strip()
-        code, data = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}],
-                                                     "max_tokens": 5, "temperature": 0.7})
+        code, data = s.post(
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hello there"}],
+                "max_tokens": 5,
+                "temperature": 0.7,
+            },
+        )
         assert code == 200 and answer == data["choices"][0]["message"]["content"].strip()
 
 
 def test_cli_help_lists_the_commands() -> None:
-    out = subprocess.run([sys.executable, "-m", "structllm", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "structllm", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0 and all(c in out.stdout for c in ("run", "chat", "generate"))
-    out = subprocess.run([sys.executable, "-m", "structllm", "run", "--help"], capture_output=True, text=True, cwd=ROOT)
-    assert "--api-key" in out.stdout and "--max-num-seqs" in out.stdout and "--backend" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "structllm", "run", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert (
+        "--api-key" in out.stdout and "--max-num-seqs" in out.stdout and "--backend" in out.stdout
+    )
 
 
 def test_cli_attention_backends_give_the_same_greedy_text() -> None:
     def generate(*extra: str) -> str:
-        cmd = [sys.executable, "-m", "structllm", "generate", "-p", "The capital of France is", "--max-tokens", "16",
-               *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "structllm",
+            "generate",
+            "-p",
+            "The capital of France is",
+            "--max-tokens",
+            "16",
+            *extra,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
     assert generate("--attention-backend", "torch") == generate("--attention-backend", "cpu") != ""
-    bad = subprocess.run([sys.executable, "-m", "structllm", "generate", "-p", "x", "--attention-backend", "flash"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "structllm", "generate", "-p", "x", "--attention-backend", "flash"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and "invalid choice: 'flash'" in bad.stderr
 
 

@@ -44,8 +44,12 @@ def test_models_retrieve_and_unknown_model(client: openai.OpenAI, model: str) ->
     assert e.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
-def test_chat_completion_with_exact_usage(server: Server, client: openai.OpenAI, model: str) -> None:
-    r = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24, logprobs=True)
+def test_chat_completion_with_exact_usage(
+    server: Server, client: openai.OpenAI, model: str
+) -> None:
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=24, logprobs=True
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
@@ -58,38 +62,66 @@ def test_chat_completion_with_exact_usage(server: Server, client: openai.OpenAI,
 
 
 def test_streamed_chat_equals_non_streamed_greedy(client: openai.OpenAI, model: str) -> None:
-    full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=40)
-    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=40, stream=True))
+    full = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=40
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, temperature=0, max_tokens=40, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
-def test_streamed_completion_equals_non_streamed_with_usage_chunk(client: openai.OpenAI, model: str) -> None:
+def test_streamed_completion_equals_non_streamed_with_usage_chunk(
+    client: openai.OpenAI, model: str
+) -> None:
     prompt = "The three primary colors are"
     full = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=20)
-    chunks = list(client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=20, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=prompt,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert full.usage is not None
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (full.usage.prompt_tokens, full.usage.completion_tokens)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
     assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_n_completions_have_distinct_indices(client: openai.OpenAI, model: str) -> None:
-    r = client.chat.completions.create(model=model, messages=MESSAGES, n=3, temperature=1.0, seed=3, max_tokens=16)
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, n=3, temperature=1.0, seed=3, max_tokens=16
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1
     assert r.usage is not None and r.usage.completion_tokens >= 3
 
 
 def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
-    r = client.completions.create(model=model, prompt="Paris is the capital of", temperature=0, max_tokens=5, logprobs=2)
+    r = client.completions.create(
+        model=model, prompt="Paris is the capital of", temperature=0, max_tokens=5, logprobs=2
+    )
     lp = r.choices[0].logprobs
-    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert (
+        lp is not None
+        and lp.tokens is not None
+        and lp.token_logprobs is not None
+        and lp.top_logprobs is not None
+    )
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == r.choices[0].text
     assert all(len(t) <= 2 for t in lp.top_logprobs)
@@ -97,7 +129,9 @@ def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
 
 
 def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
-    r = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     for item in content:
@@ -108,16 +142,22 @@ def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
 
 def test_stop_string_cuts_the_text(client: openai.OpenAI, model: str) -> None:
     prompt = "1, 2, 3, 4,"
-    full = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=20).choices[0]
+    full = client.completions.create(
+        model=model, prompt=prompt, temperature=0, max_tokens=20
+    ).choices[0]
     assert " 7," in full.text
-    cut = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=20, stop=[" 7"]).choices[0]
+    cut = client.completions.create(
+        model=model, prompt=prompt, temperature=0, max_tokens=20, stop=[" 7"]
+    ).choices[0]
     assert cut.text == full.text[: full.text.index(" 7")]
     assert cut.finish_reason == "stop"
 
 
 def test_seed_reproducibility(client: openai.OpenAI, model: str) -> None:
     def run(seed: int) -> str:
-        r = client.completions.create(model=model, prompt="Once upon a time", temperature=1.0, max_tokens=20, seed=seed)
+        r = client.completions.create(
+            model=model, prompt="Once upon a time", temperature=1.0, max_tokens=20, seed=seed
+        )
         return r.choices[0].text
 
     assert run(11) == run(11)
@@ -126,16 +166,24 @@ def test_seed_reproducibility(client: openai.OpenAI, model: str) -> None:
 
 def test_token_id_and_batched_prompts(client: openai.OpenAI, model: str, server: Server) -> None:
     _, tok = server.post("/tokenize", {"prompt": "Hello there"})
-    by_text = client.completions.create(model=model, prompt="Hello there", temperature=0, max_tokens=6)
-    by_ids = client.completions.create(model=model, prompt=tok["tokens"], temperature=0, max_tokens=6)
+    by_text = client.completions.create(
+        model=model, prompt="Hello there", temperature=0, max_tokens=6
+    )
+    by_ids = client.completions.create(
+        model=model, prompt=tok["tokens"], temperature=0, max_tokens=6
+    )
     assert by_text.choices[0].text == by_ids.choices[0].text
-    batch = client.completions.create(model=model, prompt=["Hello there", "Good morning"], temperature=0, max_tokens=6)
+    batch = client.completions.create(
+        model=model, prompt=["Hello there", "Good morning"], temperature=0, max_tokens=6
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == by_text.choices[0].text
 
 
 def test_echo_returns_the_prompt_first(client: openai.OpenAI, model: str) -> None:
-    r = client.completions.create(model=model, prompt="Roses are red,", temperature=0, max_tokens=5, echo=True)
+    r = client.completions.create(
+        model=model, prompt="Roses are red,", temperature=0, max_tokens=5, echo=True
+    )
     assert r.choices[0].text.startswith("Roses are red,")
 
 
@@ -155,7 +203,9 @@ def test_async_client_streams(server: Server, model: str) -> None:
     async def main() -> str:
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
         parts = []
-        stream = await aclient.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=20, stream=True)
+        stream = await aclient.chat.completions.create(
+            model=model, messages=MESSAGES, temperature=0, max_tokens=20, stream=True
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 parts.append(chunk.choices[0].delta.content)
@@ -163,7 +213,11 @@ def test_async_client_streams(server: Server, model: str) -> None:
         return "".join(parts)
 
     sync = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    want = sync.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=20).choices[0].message.content
+    want = (
+        sync.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=20)
+        .choices[0]
+        .message.content
+    )
     assert anyio.run(main) == want
 
 
@@ -185,7 +239,11 @@ def ok(client: openai.OpenAI, model: str) -> None:
         ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', 400, "max_tokens"),
         ('{"messages": [{"role": "user", "content": "x"}], "top_p": 0}', 400, "top_p"),
         ('{"messages": [{"role": "user", "content": "x"}], "n": 1000}', 400, "n"),
-        ('{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', 400, "top_logprobs"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}',
+            400,
+            "top_logprobs",
+        ),
         ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}', 400, "max_tokens"),
         ('{"messages": []}', 400, "messages"),
         ('{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
@@ -193,7 +251,9 @@ def ok(client: openai.OpenAI, model: str) -> None:
         ("[]", 400, None),
     ],
 )
-def test_bad_chat_requests_get_openai_errors(server: Server, client: openai.OpenAI, model: str, body: str, status: int, param: str | None) -> None:
+def test_bad_chat_requests_get_openai_errors(
+    server: Server, client: openai.OpenAI, model: str, body: str, status: int, param: str | None
+) -> None:
     code, data = server.request("POST", "/v1/chat/completions", raw=body.encode())
     import json
 
@@ -204,7 +264,9 @@ def test_bad_chat_requests_get_openai_errors(server: Server, client: openai.Open
     ok(client, model)
 
 
-def test_prompt_longer_than_max_model_len(server: Server, client: openai.OpenAI, model: str) -> None:
+def test_prompt_longer_than_max_model_len(
+    server: Server, client: openai.OpenAI, model: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="word " * 1100, max_tokens=5)
     assert e.value.status_code == 400 and "maximum context length" in str(e.value)
@@ -248,45 +310,67 @@ def test_tokenize_detokenize_version(server: Server) -> None:
 # -- scoring and logits control (#14) --------------------------------------------------
 
 
-def test_echo_logprobs_with_max_tokens_zero_scores_the_prompt(client: openai.OpenAI, model: str) -> None:
+def test_echo_logprobs_with_max_tokens_zero_scores_the_prompt(
+    client: openai.OpenAI, model: str
+) -> None:
     prompt = "The capital city of France is Paris"
     out = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
     [choice] = out.choices
     assert choice.text == prompt and choice.finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 0
     lp = choice.logprobs
-    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert (
+        lp is not None
+        and lp.token_logprobs is not None
+        and lp.tokens is not None
+        and lp.top_logprobs is not None
+    )
     assert "".join(lp.tokens) == prompt and len(lp.token_logprobs) == out.usage.prompt_tokens
-    assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
-    assert lp.top_logprobs[0] is None and all(t is not None and len(t) >= 2 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[0] is None and all(
+        x is not None and x <= 0 for x in lp.token_logprobs[1:]
+    )
+    assert lp.top_logprobs[0] is None and all(
+        t is not None and len(t) >= 2 for t in lp.top_logprobs[1:]
+    )
 
 
 def test_a_right_continuation_scores_above_a_wrong_one(client: openai.OpenAI, model: str) -> None:
     def score(text: str) -> float:
-        out = client.completions.create(model=model, prompt=text, echo=True, logprobs=0, max_tokens=0)
+        out = client.completions.create(
+            model=model, prompt=text, echo=True, logprobs=0, max_tokens=0
+        )
         lps = out.choices[0].logprobs
         assert lps is not None and lps.token_logprobs is not None
         return float(lps.token_logprobs[-1] or 0.0)  # the last token: " Paris" or " Banana"
 
-    assert score("The capital city of France is Paris") > score("The capital city of France is Banana")
+    assert score("The capital city of France is Paris") > score(
+        "The capital city of France is Banana"
+    )
 
 
 def test_vllm_prompt_logprobs_on_chat(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
-                                         extra_body={"prompt_logprobs": 1})
+    out = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=1,  # type: ignore[arg-type]
+        extra_body={"prompt_logprobs": 1},
+    )
     plp = out.model_extra["prompt_logprobs"]  # type: ignore[index]
     assert out.usage is not None and len(plp) == out.usage.prompt_tokens
     assert plp[0] is None and all(isinstance(e, dict) and e for e in plp[1:])
 
 
 def token_ids(client: openai.OpenAI, text: str) -> list[int]:
-    out = client.post("/../tokenize", body={"prompt": text, "add_special_tokens": False}, cast_to=object)
+    out = client.post(
+        "/../tokenize", body={"prompt": text, "add_special_tokens": False}, cast_to=object
+    )
     return list(out["tokens"])  # type: ignore[index]
 
 
 def first_token(client: openai.OpenAI, model: str, **kw: object) -> str:
-    out = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1, temperature=0,
-                                    **kw)  # type: ignore[call-overload]
+    out = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=1, temperature=0, **kw
+    )  # type: ignore[call-overload]
     return str(out.choices[0].text)
 
 
@@ -300,8 +384,12 @@ def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, model: str) ->
 
 
 @pytest.mark.parametrize("bias", [{"49152000": 1}, {"5": 101}, {"five": 1}])
-def test_bad_logit_bias_is_400_and_the_server_goes_on(client: openai.OpenAI, model: str, bias: dict[str, float]) -> None:
+def test_bad_logit_bias_is_400_and_the_server_goes_on(
+    client: openai.OpenAI, model: str, bias: dict[str, float]
+) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="Hi", max_tokens=1, logit_bias=bias)  # type: ignore[arg-type]
     assert e.value.body["param"] == "logit_bias"  # type: ignore[index]
-    assert client.completions.create(model=model, prompt="Hi", max_tokens=1).choices[0].finish_reason
+    assert (
+        client.completions.create(model=model, prompt="Hi", max_tokens=1).choices[0].finish_reason
+    )

@@ -56,7 +56,10 @@ def chat(client: openai.OpenAI, model: str, **kw: Any) -> Any:
 
 def test_json_schema_strict_and_not(client: openai.OpenAI, model: str) -> None:
     for strict in (True, False):
-        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}}
+        fmt = {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": strict},
+        }
         out = chat(client, model, response_format=fmt)
         assert out.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
@@ -87,8 +90,13 @@ class Owner(pydantic.BaseModel):
 
 
 def test_parse_with_nested_pydantic_models(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "An owner and pets."}],
-                                        response_format=Owner, max_tokens=200, temperature=0)
+    out = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "An owner and pets."}],
+        response_format=Owner,
+        max_tokens=200,
+        temperature=0,
+    )
     owner = out.choices[0].message.parsed
     assert isinstance(owner, Owner) and len(owner.pets) <= 2
     assert all(0 <= p.legs <= 8 for p in owner.pets)
@@ -96,8 +104,14 @@ def test_parse_with_nested_pydantic_models(client: openai.OpenAI, model: str) ->
 
 def test_streamed_sampled_and_n2_outputs_are_valid(client: openai.OpenAI, model: str) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    stream = client.chat.completions.create(model=model, messages=ASK, max_tokens=120, temperature=0,  # type: ignore[call-overload]
-                                            response_format=fmt, stream=True)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        max_tokens=120,
+        temperature=0,  # type: ignore[call-overload]
+        response_format=fmt,
+        stream=True,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     jsonschema.validate(json.loads(text), PERSON)
     out = chat(client, model, response_format=fmt, temperature=1.0, n=2, seed=3)
@@ -115,26 +129,52 @@ def test_structured_outputs_choice_and_regex(client: openai.OpenAI, model: str) 
 
 def test_structured_completion(client: openai.OpenAI, model: str) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    out = client.completions.create(model=model, prompt="A person: ", max_tokens=120, temperature=0,
-                                    extra_body={"response_format": fmt})
+    out = client.completions.create(
+        model=model,
+        prompt="A person: ",
+        max_tokens=120,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
     jsonschema.validate(json.loads(out.choices[0].text), PERSON)
 
 
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
-         "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nosuch"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": {"$ref": "#/$defs/missing"}},
+                        },
+                    },
+                }
+            },
+            "response_format",
+        ),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {"grammar": "start: nosuchrule"}}, "structured_outputs"),
     ],
 )
-def test_bad_constraints_are_400_and_the_server_goes_on(client: openai.OpenAI, model: str,
-                                                        body: dict[str, Any], param: str) -> None:
+def test_bad_constraints_are_400_and_the_server_goes_on(
+    client: openai.OpenAI, model: str, body: dict[str, Any], param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, model, extra_body=body)
     assert e.value.body["param"] == param  # type: ignore[index]
@@ -144,8 +184,13 @@ def test_bad_constraints_are_400_and_the_server_goes_on(client: openai.OpenAI, m
 def test_pathological_schema_is_answered(client: openai.OpenAI, model: str) -> None:
     schema: dict[str, Any] = {"type": "integer"}
     for depth in range(60):  # deeply nested oneOf (one reference per level: linear in size)
-        schema = {"oneOf": [{"type": "array", "items": schema}, {"type": "array", "maxItems": depth},
-                            {"type": "integer", "maximum": depth}]}
+        schema = {
+            "oneOf": [
+                {"type": "array", "items": schema},
+                {"type": "array", "maxItems": depth},
+                {"type": "integer", "maximum": depth},
+            ]
+        }
     fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
     try:
         out = chat(client, model, response_format=fmt, max_tokens=8)

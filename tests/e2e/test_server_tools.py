@@ -21,14 +21,30 @@ pytestmark = pytest.mark.slow
 
 WEATHER_PARAMS = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
     "required": ["city", "unit"],
 }
-ADD_PARAMS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+ADD_PARAMS = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
 TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
-                                      "parameters": WEATHER_PARAMS}},
-    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD_PARAMS}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": WEATHER_PARAMS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "add", "description": "Add two integers", "parameters": ADD_PARAMS},
+    },
 ]
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
@@ -85,12 +101,20 @@ def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
 
 
 def create(client: openai.OpenAI, **kw: Any) -> Any:
-    kw = {"model": client.models.list().data[0].id, "messages": ASK, "tools": TOOLS, "max_tokens": 100,
-          "temperature": 0, **kw}
+    kw = {
+        "model": client.models.list().data[0].id,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 100,
+        "temperature": 0,
+        **kw,
+    }
     return client.chat.completions.create(**kw)
 
 
-def check_calls(calls: list[Any], names: frozenset[str] = frozenset(SCHEMAS)) -> list[tuple[str, dict[str, Any]]]:
+def check_calls(
+    calls: list[Any], names: frozenset[str] = frozenset(SCHEMAS)
+) -> list[tuple[str, dict[str, Any]]]:
     """Each call well-formed, of one of ``names``, with arguments valid for its tool."""
     assert calls, "no tool calls"
     out = []
@@ -132,8 +156,12 @@ def test_required_gives_valid_calls(generic: openai.OpenAI) -> None:
 
 
 def test_named_function_single_call(generic: openai.OpenAI) -> None:
-    out = create(generic, tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False,
-                 messages=[{"role": "user", "content": "What is 2 plus 40?"}])
+    out = create(
+        generic,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What is 2 plus 40?"}],
+    )
     assert len(check_calls(out.choices[0].message.tool_calls, frozenset({"add"}))) == 1
     assert out.choices[0].finish_reason == "tool_calls"
 
@@ -159,7 +187,8 @@ def test_streamed_calls_match_the_response(generic: openai.OpenAI) -> None:
     content, calls, finish = assemble(create(generic, tool_choice="required", stream=True))
     assert content == "" and finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
 
 
 def test_sampled_calls_with_n_are_valid(generic: openai.OpenAI) -> None:
@@ -173,25 +202,56 @@ def test_sampled_calls_with_n_are_valid(generic: openai.OpenAI) -> None:
 
 
 def test_tool_round_trip(generic: openai.OpenAI) -> None:
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
     out = create(generic, messages=history, tool_choice="none", max_tokens=30)
     assert out.choices[0].message.content
 
 
-@pytest.mark.parametrize(("kw", "param"), [
-    ({"tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
-    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}, "tools"),
-    ({"messages": [*ASK, {"role": "tool", "content": "18"}]}, "messages"),
-])
-def test_bad_tool_requests_are_400_and_the_server_goes_on(generic: openai.OpenAI, kw: dict[str, Any], param: str) -> None:
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "objekt"}},
+                    }
+                ]
+            },
+            "tools",
+        ),
+        ({"messages": [*ASK, {"role": "tool", "content": "18"}]}, "messages"),
+    ],
+)
+def test_bad_tool_requests_are_400_and_the_server_goes_on(
+    generic: openai.OpenAI, kw: dict[str, Any], param: str
+) -> None:
     if kw.get("tools", TOOLS) is None:
         kw = {k: v for k, v in kw.items() if k != "tools"}
         with pytest.raises(openai.BadRequestError) as e:
-            generic.chat.completions.create(model=generic.models.list().data[0].id, messages=ASK, max_tokens=5, **kw)
+            generic.chat.completions.create(
+                model=generic.models.list().data[0].id, messages=ASK, max_tokens=5, **kw
+            )
     else:
         with pytest.raises(openai.BadRequestError) as e:
             create(generic, **kw)
@@ -203,22 +263,29 @@ def test_bad_tool_requests_are_400_and_the_server_goes_on(generic: openai.OpenAI
 
 
 def test_hermes_required_calls(hermes: openai.OpenAI) -> None:
-    out = create(hermes, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                 parallel_tool_calls=False)
+    out = create(
+        hermes,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+    )
     choice = out.choices[0]
     assert len(check_calls(choice.message.tool_calls, frozenset({"get_weather"}))) == 1
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
 
 
 def test_hermes_stream_assembles_across_many_deltas(hermes: openai.OpenAI) -> None:
-    kw = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False}
+    kw = {
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    }
     whole = create(hermes, **kw).choices[0]
     chunks = list(create(hermes, stream=True, **kw))
     pieces = sum(len(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices)
     content, calls, finish = assemble(iter(chunks))
     assert pieces > 3 and content == "" and finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
 
 
 def test_hermes_auto_and_round_trip(hermes: openai.OpenAI) -> None:
@@ -227,10 +294,24 @@ def test_hermes_auto_and_round_trip(hermes: openai.OpenAI) -> None:
         check_calls(out.choices[0].message.tool_calls)
     else:
         assert out.choices[0].message.content
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
     again = create(hermes, messages=history, max_tokens=30)
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
@@ -241,6 +322,14 @@ def test_bad_chat_template_is_refused_at_start(tmp_path: Path) -> None:
 
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
-    done = subprocess.run([sys.executable, "-m", "structllm", "run", "--chat-template", str(bad), "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--chat-template" in done.stderr and "does not compile" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "structllm", "run", "--chat-template", str(bad), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        done.returncode == 2
+        and "--chat-template" in done.stderr
+        and "does not compile" in done.stderr
+    )

@@ -20,13 +20,17 @@ N_NEW = 32
 LONG = (
     "The history of computing is a story of abstraction layered on abstraction. "
     "Early machines were programmed by rewiring, then by punched cards, then by assembly, "
-    "and finally by high-level languages that let people think about problems rather than circuits. "
+    "and finally by high-level languages that let people think about problems "
+    "rather than circuits. "
 ) * 4
 MESSAGES: list[Any] = [
     "Hello, my name is",
     "The capital city of France is",
     [{"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three colors."},
+    ],
     "def fibonacci(n):\n    ",
     LONG + "In summary,",
     [{"role": "user", "content": "Write a haiku about the sea. " * 3}],
@@ -53,24 +57,32 @@ def batched(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompt_ids, GREEDY)]
 
 
-def test_batched_greedy_matches_transformers(batched: list[list[int]], reference: list[list[int]]) -> None:
+def test_batched_greedy_matches_transformers(
+    batched: list[list[int]], reference: list[list[int]]
+) -> None:
     for got, want in zip(batched, reference, strict=True):
         assert got == want
 
 
-def test_prefill_logits_match_transformers(llm: LLM, hf_model: Any, prompt_ids: list[list[int]]) -> None:
+def test_prefill_logits_match_transformers(
+    llm: LLM, hf_model: Any, prompt_ids: list[list[int]]
+) -> None:
     for ids in prompt_ids:
         ours, theirs = prefill_logits(llm.engine, ids), hf_logits(hf_model, ids)
         assert (ours - theirs).abs().max().item() < 1e-3
 
 
-def test_chunked_prefill_gives_the_same_tokens(prompt_ids: list[list[int]], batched: list[list[int]]) -> None:
+def test_chunked_prefill_gives_the_same_tokens(
+    prompt_ids: list[list[int]], batched: list[list[int]]
+) -> None:
     small = LLM(max_num_batched_tokens=16, kv_cache_memory=128 << 20, **EXACT)
     outs = small.generate(prompt_ids, GREEDY)
     assert [o.token_ids for o in outs] == batched
 
 
-def test_preemption_gives_the_same_tokens(prompt_ids: list[list[int]], batched: list[list[int]]) -> None:
+def test_preemption_gives_the_same_tokens(
+    prompt_ids: list[list[int]], batched: list[list[int]]
+) -> None:
     longest = max(len(i) for i in prompt_ids) + N_NEW
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4  # tokens x (K,V) x layers x kv heads x head dim x f32
     blocks = -(-longest // 16) + 4  # the longest request alone fits; all eight together cannot
@@ -84,26 +96,46 @@ def test_preemption_gives_the_same_tokens(prompt_ids: list[list[int]], batched: 
 def test_shared_prefix_is_served_from_the_cache(llm: LLM) -> None:
     llm.engine.kv.reset_prefix_cache()
     questions = ["What is computing?", "Who invented assembly?", "Why abstraction?"]
-    chats = [[{"role": "system", "content": LONG}, {"role": "user", "content": q}] for q in questions]
+    chats = [
+        [{"role": "system", "content": LONG}, {"role": "user", "content": q}] for q in questions
+    ]
     first = llm.generate(chats[:1], GREEDY)[0]
     rest = llm.generate(chats[1:], GREEDY)
     assert first.num_cached_tokens == 0
     prefix_len = len(llm.tokenizer.encode_chat(chats[0][:1], add_generation_prompt=False))
     for out in rest:
         assert out.num_cached_tokens >= (prefix_len // 16) * 16 > 100
-    uncached = LLM(enable_prefix_caching=False, kv_cache_memory=64 << 20, **EXACT).generate(chats[1:], GREEDY)
+    uncached = LLM(enable_prefix_caching=False, kv_cache_memory=64 << 20, **EXACT).generate(
+        chats[1:], GREEDY
+    )
     assert [o.token_ids for o in rest] == [o.token_ids for o in uncached]
     assert all(o.num_cached_tokens == 0 for o in uncached)
 
 
-def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(llm: LLM, prompt_ids: list[list[int]]) -> None:
+def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(
+    llm: LLM, prompt_ids: list[list[int]]
+) -> None:
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
     alone = llm.generate([prompt_ids[0]], seeded)[0].token_ids
     again = llm.generate([prompt_ids[0]], seeded)[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=30), GREEDY, SamplingParams(temperature=0.7, seed=9, max_tokens=8)]
-    mixed = llm.generate([prompt_ids[3], prompt_ids[0], prompt_ids[5], prompt_ids[1]], [others[0], seeded, others[1], others[2]])
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=30),
+        GREEDY,
+        SamplingParams(temperature=0.7, seed=9, max_tokens=8),
+    ]
+    mixed = llm.generate(
+        [prompt_ids[3], prompt_ids[0], prompt_ids[5], prompt_ids[1]],
+        [others[0], seeded, others[1], others[2]],
+    )
     assert alone == again == mixed[1].token_ids
-    unseeded = {tuple(llm.generate([prompt_ids[0]], SamplingParams(temperature=0.9, max_tokens=24))[0].token_ids) for _ in range(3)}
+    unseeded = {
+        tuple(
+            llm.generate([prompt_ids[0]], SamplingParams(temperature=0.9, max_tokens=24))[
+                0
+            ].token_ids
+        )
+        for _ in range(3)
+    }
     assert len(unseeded) > 1
 
 
@@ -117,7 +149,9 @@ def test_stop_string_ends_the_request_in_the_engine(llm: LLM) -> None:
 
 
 def test_logprobs_are_returned_per_token(llm: LLM) -> None:
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=5, logprobs=3)
+    )[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
     for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.top_ids[0] == tok  # greedy picks the most likely token

@@ -27,7 +27,9 @@ CPU = torch.device("cpu")
 
 
 def test_a_bad_value_is_refused_naming_the_option() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32 or float16, got 'int8'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be auto, float32 or float16, got 'int8'"
+    ):
         EngineConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="bfloat16")
@@ -41,7 +43,10 @@ def test_the_cli_flag_reaches_the_config(capsys: pytest.CaptureFixture[str]) -> 
     p = argparse.ArgumentParser()
     _engine_args(p)
     assert p.parse_args([]).kv_cache_dtype == "auto"  # the default is EngineConfig's
-    assert EngineConfig(**_engine_kwargs(p.parse_args(["--kv-cache-dtype", "float16"]))).kv_cache_dtype == "float16"  # type: ignore[arg-type]
+    assert (
+        EngineConfig(**_engine_kwargs(p.parse_args(["--kv-cache-dtype", "float16"]))).kv_cache_dtype
+        == "float16"
+    )  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "fp8"])
     assert "--kv-cache-dtype" in capsys.readouterr().err
@@ -70,21 +75,40 @@ def test_auto_without_weights_follows_the_flags() -> None:
 
 def test_explicit_values_and_cuda_rules() -> None:
     exact = WeightFormat(torch.float32)
-    assert resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype="float16", **EXACT), CPU, exact) == torch.float16
+    assert (
+        resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype="float16", **EXACT), CPU, exact)
+        == torch.float16
+    )
     blocks = WeightFormat(torch.float32, blocks=True)
-    assert resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype="float32"), CPU, blocks) == torch.float32
-    cuda = torch.device("cuda")  # resolve_* only looks at the type (and bf16 support, for --dtype auto)
-    assert resolve_kv_cache_dtype(EngineConfig(dtype="float16"), cuda, WeightFormat(torch.float16)) == torch.float16
-    assert resolve_kv_cache_dtype(EngineConfig(dtype="float32"), cuda, WeightFormat(torch.float32)) == torch.float32
+    assert (
+        resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype="float32"), CPU, blocks) == torch.float32
+    )
+    cuda = torch.device(
+        "cuda"
+    )  # resolve_* only looks at the type (and bf16 support, for --dtype auto)
+    assert (
+        resolve_kv_cache_dtype(EngineConfig(dtype="float16"), cuda, WeightFormat(torch.float16))
+        == torch.float16
+    )
+    assert (
+        resolve_kv_cache_dtype(EngineConfig(dtype="float32"), cuda, WeightFormat(torch.float32))
+        == torch.float32
+    )
     with pytest.raises(ValueError, match="--kv-cache-dtype float32 on CUDA needs --dtype float32"):
-        resolve_kv_cache_dtype(EngineConfig(dtype="float16", kv_cache_dtype="float32"), cuda, WeightFormat(torch.float16))
+        resolve_kv_cache_dtype(
+            EngineConfig(dtype="float16", kv_cache_dtype="float32"),
+            cuda,
+            WeightFormat(torch.float16),
+        )
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])
 def test_cache_is_allocated_and_sized_in_the_kv_dtype(tiny_llama_dir: Path, kv: str) -> None:
     """The same bytes hold twice the blocks in float16; the tensors are that dtype."""
     budget = 4 << 20
-    eng = EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=budget, kv_cache_dtype=kv, **EXACT))
+    eng = EngineCore(
+        EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=budget, kv_cache_dtype=kv, **EXACT)
+    )
     assert isinstance(eng.runner, ModelRunner)
     caches = [t for pair in eng.runner.kv_caches for t in pair]
     assert {t.dtype for t in caches} == {getattr(torch, kv)}
@@ -109,7 +133,12 @@ def test_an_engine_with_a_float16_cache_serves_requests(tiny_llama_dir: Path) ->
     ends, on the C++ kernel (the CPU default), all with a float16 cache."""
     from structllm import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), kv_cache_memory=4 << 20, kv_cache_dtype="float16", max_num_batched_tokens=64)
+    llm = LLM(
+        str(tiny_llama_dir),
+        kv_cache_memory=4 << 20,
+        kv_cache_dtype="float16",
+        max_num_batched_tokens=64,
+    )
     assert llm.engine.kv_dtype == torch.float16
     prompts = [list(range(100, 230)), list(range(100, 230)), [7], "Hello, my name is"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -131,12 +160,18 @@ def teacher_forced_top1(eng: EngineCore, seqs: list[tuple[list[int], int]]) -> l
     assert all(len(ids) - start == n for ids, start in seqs)
     assert isinstance(eng.runner, ModelRunner)
     runner = eng.runner
-    reqs = [Request(f"tf-{i}", ids, SamplingParams(max_tokens=1), 1) for i, (ids, _) in enumerate(seqs)]
+    reqs = [
+        Request(f"tf-{i}", ids, SamplingParams(max_tokens=1), 1) for i, (ids, _) in enumerate(seqs)
+    ]
 
     def step(scheduled: list[tuple[Request, int]]) -> list[int]:
         batch = runner.prepare(SchedulerOutput(scheduled))
-        rows = [end - 1 for end in batch.step.query_start[1:]]  # each sequence's last token predicts the next
-        logits = runner.run(batch_from_step(msgspec.structs.replace(batch.step, logit_rows=rows), eng.device))
+        rows = [
+            end - 1 for end in batch.step.query_start[1:]
+        ]  # each sequence's last token predicts the next
+        logits = runner.run(
+            batch_from_step(msgspec.structs.replace(batch.step, logit_rows=rows), eng.device)
+        )
         assert logits is not None
         for r, k in scheduled:
             r.num_computed_tokens += k
@@ -195,5 +230,8 @@ def test_float16_kv_agrees_with_float32_kv_on_the_default_model(tokenizer) -> No
     got = teacher_forced_top1(engines["float16"], seqs)
     same = sum(a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
     total = sum(len(r) for r in ref)
-    print(f"\nfloat16 vs float32 KV: teacher-forced top-1 agreement {same}/{total} = {same / total:.4f}")
+    print(
+        f"\nfloat16 vs float32 KV: teacher-forced top-1 agreement "
+        f"{same}/{total} = {same / total:.4f}"
+    )
     assert same / total >= 0.99

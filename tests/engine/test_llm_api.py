@@ -41,13 +41,21 @@ def test_output_fields(tiny: LLM) -> None:
 
 
 def test_n_returns_n_completions(tiny: LLM) -> None:
-    out = tiny.generate("hello", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
+    out = tiny.generate(
+        "hello", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
 def test_per_prompt_sampling_params(tiny: LLM) -> None:
-    outs = tiny.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)])
+    outs = tiny.generate(
+        ["a", "b"],
+        [
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            SamplingParams(max_tokens=4, ignore_eos=True),
+        ],
+    )
     assert [len(o.token_ids) for o in outs] == [2, 4]
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         tiny.generate(["a"], [GREEDY, GREEDY])
@@ -68,7 +76,9 @@ def test_max_tokens_is_capped_by_max_model_len(tiny: LLM) -> None:
         ("", "prompt is empty"),
     ],
 )
-def test_bad_prompts_raise_and_leave_the_engine_clean(tiny: LLM, prompt: object, message: str) -> None:
+def test_bad_prompts_raise_and_leave_the_engine_clean(
+    tiny: LLM, prompt: object, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         tiny.generate(["fine", prompt], GREEDY)  # type: ignore[list-item]
     assert not tiny.engine.has_work
@@ -132,26 +142,48 @@ def test_max_model_len_beyond_the_kv_cache_is_rejected(tiny_llama_dir: Path) -> 
         LLM(str(tiny_llama_dir), max_model_len=100_000)
 
 
-UNIT_TOOL = {"type": "function", "function": {"name": "set_unit", "parameters": {
-    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"]}}}
+UNIT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+        },
+    },
+}
 
 
 def test_chat_with_tools_returns_calls(tiny: LLM) -> None:
     import json
 
     chat = [{"role": "user", "content": "Use Celsius."}]
-    [out] = tiny.chat(chat, SamplingParams(temperature=0, max_tokens=60), tools=[UNIT_TOOL],
-                      tool_choice="required", parallel_tool_calls=False)
+    [out] = tiny.chat(
+        chat,
+        SamplingParams(temperature=0, max_tokens=60),
+        tools=[UNIT_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     assert out.finish_reason == "tool_calls" and out.text == ""
     [call] = out.outputs[0].tool_calls or []
-    assert call.name == "set_unit" and json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert call.name == "set_unit" and json.loads(call.arguments)["unit"] in (
+        "celsius",
+        "fahrenheit",
+    )
     assert "set_unit" in tiny.tokenizer.decode(out.prompt_token_ids)  # described in the prompt
 
 
 def test_chat_with_bad_tools_raises(tiny: LLM) -> None:
     chat = [{"role": "user", "content": "hi"}]
     with pytest.raises(ValueError, match="not in tools"):
-        tiny.chat(chat, GREEDY, tools=[UNIT_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}})
+        tiny.chat(
+            chat,
+            GREEDY,
+            tools=[UNIT_TOOL],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
     with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
         tiny.chat(chat, GREEDY, tools=[bad])

@@ -39,7 +39,9 @@ def test_hf_checkpoint_logits_match_transformers(tmp_path: Path, default_files, 
     path = make_tiny_hf_dir(tmp_path, default_files, arch)
     engine, ref = engine_for(path), hf_from_dir(path)
     for ids in PROMPTS:
-        torch.testing.assert_close(prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
 
 
 def test_hf_checkpoint_greedy_generation_matches_transformers(tiny_llama_dir: Path) -> None:
@@ -75,10 +77,14 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path, default_files)
     path = make_tiny_hf_dir(tmp_path, default_files, rope_scaling=scaling, rope_theta=500000.0)
     engine, ref = engine_for(path), hf_from_dir(path)
     ids = list(range(300, 500))
-    torch.testing.assert_close(prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+    )
 
 
-def test_gguf_file_with_mixed_quantisations_matches_transformers(tmp_path: Path, tiny_llama_dir: Path) -> None:
+def test_gguf_file_with_mixed_quantisations_matches_transformers(
+    tmp_path: Path, tiny_llama_dir: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from structllm.model.files import default_model_path
@@ -97,10 +103,14 @@ def test_gguf_file_with_mixed_quantisations_matches_transformers(tmp_path: Path,
         "attn_output.weight": "F16",
     }
     write_tiny_gguf(gguf_path, src, default_model_path(), qtypes)
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
     engine = engine_for(gguf_path)
     for ids in PROMPTS:
-        torch.testing.assert_close(prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "Q5_0"])
@@ -117,7 +127,9 @@ def test_dequantize_matches_the_gguf_package(qname: str) -> None:
 
 
 def test_missing_model_says_what_was_expected(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="expected a .gguf file or a Hugging Face model directory"):
+    with pytest.raises(
+        FileNotFoundError, match="expected a .gguf file or a Hugging Face model directory"
+    ):
         prepare_model(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         prepare_model(str(tmp_path))
@@ -128,7 +140,9 @@ def test_missing_model_says_what_was_expected(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    )
     with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
         prepare_model(str(tmp_path))
 

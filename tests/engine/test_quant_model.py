@@ -24,7 +24,8 @@ from tests.support.models import EXACT, prefill_logits, write_tiny_gguf
 
 gguf = pytest.importorskip("gguf")
 needs_kernels = pytest.mark.skipif(
-    __import__("structllm.kernels.cpu_ext", fromlist=["x"]).best_isa() is None, reason="no AVX2 block kernels"
+    __import__("structllm.kernels.cpu_ext", fromlist=["x"]).best_isa() is None,
+    reason="no AVX2 block kernels",
 )
 
 # one block type per fused matmul, so that every matmul stays in blocks
@@ -43,7 +44,9 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))
 
 
 def engine(model: Path | None, **kw: object) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model) if model else None, kv_cache_memory=32 << 20, **kw))  # type: ignore[arg-type]
+    return EngineCore(
+        EngineConfig(model=str(model) if model else None, kv_cache_memory=32 << 20, **kw)
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +64,25 @@ def linear_kinds(model: LlamaModel) -> set[str]:
 
 
 @needs_kernels
-def test_gguf_blocks_are_kept_and_match_the_dequantised_model(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_blocks_are_kept_and_match_the_dequantised_model(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     exact, blocks = engine(tiny_gguf, **EXACT), engine(tiny_gguf, quantization="gguf")
     model = blocks.runner.model
     assert isinstance(model, LlamaModel)
     # q/k/v, gate/up and down in blocks; attn_output (F16 in the file) as float16
-    kinds = [{type(getattr(layer, n)).__name__ for layer in model.layers} for n in LlamaModel.LINEARS]
+    kinds = [
+        {type(getattr(layer, n)).__name__ for layer in model.layers} for n in LlamaModel.LINEARS
+    ]
     assert kinds == [{"BlockWeight"}, {"HalfWeight"}, {"BlockWeight"}, {"BlockWeight"}]
     assert isinstance(model.embed_tokens, BlockWeight) and isinstance(model.lm_head, BlockWeight)
     # float path everywhere: the same weights as the dequantised model, float32 math
     monkeypatch.setattr(packed, "INT8_MIN_M", 0)
     monkeypatch.setattr(packed, "INT16_MIN_M", 0)
     for ids in PROMPTS:
-        torch.testing.assert_close(prefill_logits(blocks, ids), prefill_logits(exact, ids), atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(
+            prefill_logits(blocks, ids), prefill_logits(exact, ids), atol=2e-4, rtol=2e-4
+        )
     # int16 path from 5 rows on (the default): activations rounded to 16 bits
     monkeypatch.setattr(packed, "INT16_MIN_M", 5)
     for ids in PROMPTS:
@@ -120,7 +129,9 @@ def test_bad_combinations_fail_at_start(tiny_llama_dir: Path, tiny_gguf: Path) -
 
     files = prepare_model(str(tiny_gguf))
     with pytest.raises(ValueError, match="CPU only"):
-        resolve_format(EngineConfig(quantization="gguf", dtype="float16"), torch.device("cuda"), files)
+        resolve_format(
+            EngineConfig(quantization="gguf", dtype="float16"), torch.device("cuda"), files
+        )
     auto_cuda = resolve_format(EngineConfig(), torch.device("cuda"), files)
     assert not auto_cuda.blocks  # auto dequantises on CUDA
     tp = resolve_format(EngineConfig(), torch.device("cpu"), files, world_size=2)
@@ -130,7 +141,9 @@ def test_bad_combinations_fail_at_start(tiny_llama_dir: Path, tiny_gguf: Path) -
 def test_cli_takes_the_format_flags() -> None:
     from structllm.cli import _engine_kwargs, build_parser
 
-    args = build_parser().parse_args(["generate", "-p", "x", "--dtype", "float16", "--quantization", "none"])
+    args = build_parser().parse_args(
+        ["generate", "-p", "x", "--dtype", "float16", "--quantization", "none"]
+    )
     kw = _engine_kwargs(args)
     assert (kw["dtype"], kw["quantization"]) == ("float16", "none")
     with pytest.raises(SystemExit):
@@ -163,7 +176,9 @@ def requantised(model: LlamaModel, type_name: str) -> None:
 
     def convert(w: BlockWeight) -> BlockWeight:
         raw = gguf.quants.quantize(w.dequantize().numpy(), qtype)
-        return BlockWeight.from_raw(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1])
+        return BlockWeight.from_raw(
+            torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1]
+        )
 
     for layer in model.layers:
         for n in LlamaModel.LINEARS:
@@ -183,7 +198,9 @@ def sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no
     from structllm import SamplingParams
 
     prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True)
+    )
     text = tokenizer.encode(TEXT)
     return [(text, 0)] + [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
 
@@ -230,7 +247,11 @@ def dequantised(model: LlamaModel) -> None:
 # Q4, perplexity within 1% / 3%. int8 path (opt-in, INT8_MIN_M): activations rounded to
 # 8 bits per block of 32; measured 98.1% (Q4_1), 96.9% (Q8_0), 96.3% (Q4_0), so it is
 # held to looser bars (which catch a broken kernel, not the rounding).
-PATHS = {"float-path": (0, 0), "int16-path": (1, 0), "int8-path": (0, 1)}  # (INT16_MIN_M, INT8_MIN_M)
+PATHS = {
+    "float-path": (0, 0),
+    "int16-path": (1, 0),
+    "int8-path": (0, 1),
+}  # (INT16_MIN_M, INT8_MIN_M)
 BARS = {"Q4_1": (0.97, 0.03), "Q8_0": (0.99, 0.01), "Q4_0": (0.97, 0.03)}
 INT8_BARS = (0.95, 0.03)
 
@@ -239,7 +260,9 @@ INT8_BARS = (0.95, 0.03)
 @needs_kernels
 @pytest.mark.parametrize("fmt", list(BARS))
 def test_block_kernels_agree_with_float32_of_the_same_weights(
-    fmt: str, sequences: list[tuple[list[int], int]], float32_logits: list[torch.Tensor],
+    fmt: str,
+    sequences: list[tuple[list[int], int]],
+    float32_logits: list[torch.Tensor],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Teacher-forced greedy top-1 agreement and perplexity of the block kernels against
@@ -262,12 +285,18 @@ def test_block_kernels_agree_with_float32_of_the_same_weights(
         monkeypatch.setattr(packed, "INT8_MIN_M", int8_min_m)
         results[path] = [prefill_logits(eng, ids) for ids, _ in sequences]
     cost = agreement_and_ppl(results["int8-path"], sequences, float32_logits)
-    print(f"\n{fmt} (int8 path) vs the file's float32: top-1 agreement {cost[0]:.4f}, ppl {cost[1]:.3f} vs {cost[2]:.3f}")
+    print(
+        f"\n{fmt} (int8 path) vs the file's float32: top-1 agreement {cost[0]:.4f}, "
+        f"ppl {cost[1]:.3f} vs {cost[2]:.3f}"
+    )
     dequantised(model)
     ref = [prefill_logits(eng, ids) for ids, _ in sequences]
     for path, logits in results.items():
         agree, ppl, ppl32 = agreement_and_ppl(logits, sequences, ref)
-        print(f"{fmt} {path} vs float32 of the same weights: top-1 agreement {agree:.4f}, ppl {ppl:.3f} vs {ppl32:.3f}")
+        print(
+            f"{fmt} {path} vs float32 of the same weights: top-1 agreement {agree:.4f}, "
+            f"ppl {ppl:.3f} vs {ppl32:.3f}"
+        )
         bar_agree, bar_ppl = INT8_BARS if path == "int8-path" else (min_agree, max_ppl)
         assert agree >= bar_agree, path
         assert abs(ppl / ppl32 - 1) <= bar_ppl, path
@@ -296,7 +325,9 @@ def test_default_model_holds_no_float32_copies_of_block_weights() -> None:
     model = eng.runner.model
     assert isinstance(model, LlamaModel) and eng.weight_format.blocks
     assert linear_kinds(model) == {"BlockWeight"}
-    assert isinstance(model.embed_tokens, BlockWeight) and model._packed_head is None  # tied head = the blocks
+    assert (
+        isinstance(model.embed_tokens, BlockWeight) and model._packed_head is None
+    )  # tied head = the blocks
     floats = [p for p in model.parameters() if p.dim() > 1]
     assert floats == []  # only norms remain as float tensors
     assert model.weight_bytes() < 110e6  # the file is 98 MB; float32 would be 540 MB
@@ -306,16 +337,23 @@ def test_default_model_holds_no_float32_copies_of_block_weights() -> None:
 @needs_kernels
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"quantization": "gguf"}, {"dtype": "float16", "quantization": "none"}, {"dtype": "float16"},
-     {"dtype": "float32", "quantization": "gguf"}],
+    [
+        {},
+        {"quantization": "gguf"},
+        {"dtype": "float16", "quantization": "none"},
+        {"dtype": "float16"},
+        {"dtype": "float32", "quantization": "gguf"},
+    ],
     ids=["auto", "gguf", "float16", "float16-gguf", "float32-gguf"],
 )
 def test_each_format_serves_generation(kw: dict[str, str]) -> None:
     from structllm import LLM, SamplingParams
 
     llm = LLM(kv_cache_memory=32 << 20, **kw)
-    outs = llm.generate(["The capital of France is", [{"role": "user", "content": "Say hi."}]],
-                        SamplingParams(temperature=0, max_tokens=8))
+    outs = llm.generate(
+        ["The capital of France is", [{"role": "user", "content": "Say hi."}]],
+        SamplingParams(temperature=0, max_tokens=8),
+    )
     assert "Paris" in outs[0].text
     assert all(len(o.token_ids) > 0 for o in outs)
 
@@ -332,11 +370,17 @@ def test_block_shards_are_the_float_shards(tiny_gguf: Path) -> None:
 
     files = prepare_model(str(tiny_gguf))
     full = load_block_weights(files, torch.float32)
-    floats = {k: w.dequantize() if isinstance(w, BlockWeight) else w.float() for k, w in full.items()}
+    floats = {
+        k: w.dequantize() if isinstance(w, BlockWeight) else w.float() for k, w in full.items()
+    }
     for plan in plan_shards(files.config, 2):
-        blocks, ref = shard_weights(dict(full), files.config, plan), shard_weights(floats, files.config, plan)
+        blocks, ref = (
+            shard_weights(dict(full), files.config, plan),
+            shard_weights(floats, files.config, plan),
+        )
         assert {k for k, w in blocks.items() if isinstance(w, BlockWeight)} == {
-            k for k, w in full.items() if isinstance(w, BlockWeight)}  # nothing dequantised on the way
+            k for k, w in full.items() if isinstance(w, BlockWeight)
+        }  # nothing dequantised on the way
         for name, w in blocks.items():
             got = w.dequantize() if isinstance(w, BlockWeight) else w.float()
             torch.testing.assert_close(got, ref[name], atol=0, rtol=0)
@@ -357,8 +401,15 @@ def test_tensor_parallel_runs_blocks_and_matches_one_process(tiny_gguf: Path) ->
     with LLM(str(tiny_gguf), tensor_parallel_size=2, **kw) as tp:
         model = tp.engine.runner.model
         assert isinstance(model, LlamaModel) and isinstance(model.layers[0].qkv_proj, BlockWeight)
-        assert isinstance(model.layers[0].down_proj, BlockWeight) and isinstance(model.embed_tokens, BlockWeight)
+        assert isinstance(model.layers[0].down_proj, BlockWeight) and isinstance(
+            model.embed_tokens, BlockWeight
+        )
         for ids in PROMPTS:
-            torch.testing.assert_close(prefill_logits(tp.engine, ids), prefill_logits(ref.engine, ids), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                prefill_logits(tp.engine, ids),
+                prefill_logits(ref.engine, ids),
+                atol=1e-4,
+                rtol=1e-4,
+            )
         want = [o.token_ids for o in ref.generate(PROMPTS, greedy)]
         assert [o.token_ids for o in tp.generate(PROMPTS, greedy)] == want

@@ -63,7 +63,9 @@ def test_auto_budget_keeps_a_step_near_the_target() -> None:
         spt = us * 1e-6
         b = auto_token_budget(spt, 1)
         assert b % GRANULE == 0 and MIN_AUTO_TOKENS <= b <= MAX_AUTO_TOKENS
-        if MIN_AUTO_TOKENS < b < MAX_AUTO_TOKENS:  # not clamped: within one granule under the target
+        if (
+            MIN_AUTO_TOKENS < b < MAX_AUTO_TOKENS
+        ):  # not clamped: within one granule under the target
             assert TARGET_STEP_S - GRANULE * spt < b * spt <= TARGET_STEP_S
         assert auto_token_budget(spt, 1) == b  # deterministic
 
@@ -84,21 +86,32 @@ def test_budget_bounds() -> None:
 
 
 def test_configured_budget_is_kept_and_null_model_gets_the_default() -> None:
-    core = EngineCore(EngineConfig(null_model=True, kv_cache_memory=16 << 20, max_num_batched_tokens=48))
+    core = EngineCore(
+        EngineConfig(null_model=True, kv_cache_memory=16 << 20, max_num_batched_tokens=48)
+    )
     assert core.scheduler.max_num_batched_tokens == 48
     core = EngineCore(EngineConfig(null_model=True, kv_cache_memory=16 << 20, max_num_seqs=4))
     assert core.scheduler.max_num_batched_tokens == MAX_AUTO_TOKENS
 
 
 def test_cpu_engine_measures_its_budget_and_leaves_no_trace(tiny_llama_dir: Path) -> None:
-    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=16 << 20, max_num_seqs=8, device="cpu"))
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_llama_dir), kv_cache_memory=16 << 20, max_num_seqs=8, device="cpu"
+        )
+    )
     try:
         b = core.scheduler.max_num_batched_tokens
         assert b == core.max_num_batched_tokens
         assert b % GRANULE == 0 and MIN_AUTO_TOKENS <= b <= MAX_AUTO_TOKENS
         # the probe forward passes are not steps, requests, cache entries or statistics
         s = core.stats()
-        assert (s.num_steps, s.num_prompt_tokens, s.prefix_cache_queries, s.kv_cache_usage) == (0, 0, 0, 0.0)
+        assert (s.num_steps, s.num_prompt_tokens, s.prefix_cache_queries, s.kv_cache_usage) == (
+            0,
+            0,
+            0,
+            0.0,
+        )
         assert core.kv.num_free_blocks == core.num_blocks
         assert not core.kv.cached and all(k is None for k in core.kv.block_key)
     finally:
@@ -127,7 +140,9 @@ class GatedRunner(NullRunner):
 
 def channel(mapping: mmap.mmap, capacity: int, i: int) -> tuple[Ring, Ring]:
     base = 2 * i * ring_size(capacity)
-    return Ring(mapping, capacity, base, True), Ring(mapping, capacity, base + ring_size(capacity), True)
+    return Ring(mapping, capacity, base, True), Ring(
+        mapping, capacity, base + ring_size(capacity), True
+    )
 
 
 @pytest.fixture
@@ -149,7 +164,9 @@ def gated_engine() -> Iterator[tuple[GatedRunner, list[Endpoint[FromEngine]]]]:
     parent_r, parent_w = os.pipe()  # never written: the "parent" stays
     exit_code: list[int] = []
     loop = threading.Thread(
-        target=lambda: exit_code.append(engine_loop(core, engines, parent_r, os.getppid(), SpinBudget(0.0)))
+        target=lambda: exit_code.append(
+            engine_loop(core, engines, parent_r, os.getppid(), SpinBudget(0.0))
+        )
     )
     loop.start()
     try:
@@ -198,7 +215,9 @@ def test_an_abort_sent_during_a_step_lands_before_the_next_step(
     fronts[1].send_blocking(Abort(["a", "d"]))
     runner.release.release()
     after = wait_step()
-    assert "a" not in after and "d" not in after, "an abort that arrived during a step was not applied before the next"
+    assert "a" not in after and "d" not in after, (
+        "an abort that arrived during a step was not applied before the next"
+    )
     assert after == {"b", "c"}  # everything else that arrived was taken in, too
     runner.release.release()
     # "a" had its token from the step the abort arrived in, and its abort is reported

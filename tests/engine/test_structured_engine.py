@@ -25,7 +25,10 @@ PERSON = {
         "role": {"enum": ["admin", "user", "guest"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -36,11 +39,24 @@ PERSON = {
 }
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "unit", "days"],
     "additionalProperties": False,
 }
-POINTS = {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}, "maxItems": 2, "minItems": 1}
+POINTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"],
+    },
+    "maxItems": 2,
+    "minItems": 1,
+}
 SCHEMAS = [PERSON, WEATHER, POINTS]
 ASK = [{"role": "user", "content": "Give me an example record as JSON."}]
 
@@ -71,7 +87,9 @@ def test_json_object_regex_choice_grammar(llm: LLM) -> None:
         StructuredOutputs(grammar='start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,4}/'),
     ]
     cat: Any = [{"role": "user", "content": "Describe a cat as a JSON object with name and age."}]
-    outs = llm.generate([cat] + ["What is the capital of France?"] * 3, [sp(s, max_tokens=60) for s in specs])
+    outs = llm.generate(
+        [cat] + ["What is the capital of France?"] * 3, [sp(s, max_tokens=60) for s in specs]
+    )
     assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
     assert isinstance(json.loads(outs[0].text), dict)
     assert re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}", outs[1].text)
@@ -83,7 +101,8 @@ def test_sampled_and_n2_outputs_are_valid(llm: LLM) -> None:
     spec = StructuredOutputs(json=WEATHER)
     penalised = sp(spec, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)
     outs = llm.generate(
-        [ASK, "Weather:", ASK], [sp(spec, temperature=1.0, top_p=0.95, n=2), sp(spec, temperature=0.8, seed=3), penalised]
+        [ASK, "Weather:", ASK],
+        [sp(spec, temperature=1.0, top_p=0.95, n=2), sp(spec, temperature=0.8, seed=3), penalised],
     )
     texts = [c.text for o in outs for c in o.outputs]
     assert len(texts) == 4
@@ -95,7 +114,9 @@ def test_sampled_and_n2_outputs_are_valid(llm: LLM) -> None:
 
 def test_grammar_end_wins_over_min_tokens_and_ignore_eos(llm: LLM) -> None:
     spec = StructuredOutputs(choice=["yes", "no"])
-    outs = llm.generate(["Is water wet?"] * 2, [sp(spec, min_tokens=8), sp(spec, ignore_eos=True, max_tokens=50)])
+    outs = llm.generate(
+        ["Is water wet?"] * 2, [sp(spec, min_tokens=8), sp(spec, ignore_eos=True, max_tokens=50)]
+    )
     for o in outs:
         assert o.finish_reason == "stop" and o.text in ("yes", "no")
         assert len(o.token_ids) < 8
@@ -115,7 +136,13 @@ def test_mixed_batch_leaves_unconstrained_requests_untouched(llm: LLM) -> None:
     alone = [o.text for o in llm.generate(prompts, plain)]
     mixed = llm.generate(
         [ASK, prompts[0], ASK, prompts[1], prompts[2]],
-        [sp(StructuredOutputs(json=PERSON)), plain, sp(StructuredOutputs(regex="[a-z]+")), plain, plain],
+        [
+            sp(StructuredOutputs(json=PERSON)),
+            plain,
+            sp(StructuredOutputs(regex="[a-z]+")),
+            plain,
+            plain,
+        ],
     )
     assert [mixed[1].text, mixed[3].text, mixed[4].text] == alone
     assert_valid_json(mixed[0].text, PERSON)
@@ -124,7 +151,9 @@ def test_mixed_batch_leaves_unconstrained_requests_untouched(llm: LLM) -> None:
 def test_fast_forward_is_exact(llm: LLM) -> None:
     """Same ids and text with and without fast-forward (greedy), and it saved steps."""
     prompts: list[Any] = [ASK, "JSON:", [{"role": "user", "content": "Two points please."}]]
-    params = [sp(StructuredOutputs(json=s)) for s in SCHEMAS] + [sp(StructuredOutputs(grammar='start: "Answer: " /[a-z]+/ " (final)"'))]
+    params = [sp(StructuredOutputs(json=s)) for s in SCHEMAS] + [
+        sp(StructuredOutputs(grammar='start: "Answer: " /[a-z]+/ " (final)"'))
+    ]
     grammar = llm.engine.grammar
     try:
         grammar.fast_forward = False
@@ -145,8 +174,11 @@ def test_preempted_constrained_requests_end_valid(llm: LLM) -> None:
     """Preempted mid-JSON and recomputed (its forced tokens too): the matcher is not fed
     the kept tokens again, and the output is what it is without preemption."""
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4  # tokens x (K,V) x layers x kv heads x head dim x f32
-    # 96 tokens: two prompts fit, not two outputs (a float16 cache, auto here, would hold twice that)
-    tight = LLM(kv_cache_memory=6 * block_bytes, enable_prefix_caching=False, kv_cache_dtype="float32")
+    # 96 tokens: two prompts fit, not two outputs (a float16 cache, auto here, would hold
+    # twice that)
+    tight = LLM(
+        kv_cache_memory=6 * block_bytes, enable_prefix_caching=False, kv_cache_dtype="float32"
+    )
     params = sp(StructuredOutputs(json=WEATHER), max_tokens=60)
     outs = tight.generate([ASK] * 3, params)
     assert tight.engine.scheduler.num_preemptions > 0
@@ -179,7 +211,9 @@ def test_aborting_constrained_requests_frees_their_matchers(llm: LLM) -> None:
     engine = llm.engine
     ids = llm.tokenizer.encode_chat(ASK)
     for i in range(5):
-        engine.add_request(AddRequest(f"abort-{i}", ids, sp(StructuredOutputs(json=PERSON), max_tokens=200)))
+        engine.add_request(
+            AddRequest(f"abort-{i}", ids, sp(StructuredOutputs(json=PERSON), max_tokens=200))
+        )
     engine.abort(["abort-4"])  # while its matcher is still being built: never attached
     deltas = []
     for _ in range(50):  # matchers are built off the engine thread, then attached
@@ -217,4 +251,6 @@ def test_a_grammar_that_fails_in_the_engine_ends_alone(llm: LLM) -> None:
 
 def test_offline_api_refuses_a_bad_spec_naming_the_prompt(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"prompt 1: structured_outputs\.regex"):
-        llm.generate(["a", "b"], [sp(StructuredOutputs(regex="x")), sp(StructuredOutputs(regex="("))])
+        llm.generate(
+            ["a", "b"], [sp(StructuredOutputs(regex="x")), sp(StructuredOutputs(regex="("))]
+        )

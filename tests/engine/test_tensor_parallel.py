@@ -85,7 +85,9 @@ def test_fewer_kv_heads_than_ranks_are_replicated() -> None:
         (6, 2, 4, "would split each KV head's 3 query heads over 2 ranks"),
     ],
 )
-def test_unsplittable_models_are_refused_naming_the_numbers(heads: int, kv: int, n: int, message: str) -> None:
+def test_unsplittable_models_are_refused_naming_the_numbers(
+    heads: int, kv: int, n: int, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         plan_shards(cfg(heads, kv), n)
 
@@ -111,18 +113,28 @@ def test_shards_put_back_together_give_the_full_weights(heads: int, kv: int, n: 
     for p, s in zip(plans, shards, strict=True):
         for name in ("layers.0.qkv_proj", "layers.0.qkv_bias"):
             assert s[name].shape[0] == (p.num_heads + 2 * p.num_kv_heads) * d
-        sq, sk, sv = s["layers.0.qkv_proj"].split([p.num_heads * d, p.num_kv_heads * d, p.num_kv_heads * d])
+        sq, sk, sv = s["layers.0.qkv_proj"].split(
+            [p.num_heads * d, p.num_kv_heads * d, p.num_kv_heads * d]
+        )
         q.append(sq)
         for j, head in enumerate(p.kv_heads):  # a replicated KV head must be the same copy
             k.setdefault(head, sk[j * d : (j + 1) * d])
             v.setdefault(head, sv[j * d : (j + 1) * d])
-            assert torch.equal(k[head], sk[j * d : (j + 1) * d]) and torch.equal(v[head], sv[j * d : (j + 1) * d])
-        assert s["layers.0.input_layernorm"].data_ptr() != full["layers.0.input_layernorm"].data_ptr()
+            assert torch.equal(k[head], sk[j * d : (j + 1) * d]) and torch.equal(
+                v[head], sv[j * d : (j + 1) * d]
+            )
+        assert (
+            s["layers.0.input_layernorm"].data_ptr() != full["layers.0.input_layernorm"].data_ptr()
+        )
     assert torch.equal(torch.cat(q), q_full)
     assert torch.equal(torch.cat([k[i] for i in range(kv)]), k_full)
     assert torch.equal(torch.cat([v[i] for i in range(kv)]), v_full)
-    assert torch.equal(torch.cat([s["layers.0.o_proj"] for s in shards], dim=1), full["layers.0.o_proj"])
-    assert torch.equal(torch.cat([s["layers.0.down_proj"] for s in shards], dim=1), full["layers.0.down_proj"])
+    assert torch.equal(
+        torch.cat([s["layers.0.o_proj"] for s in shards], dim=1), full["layers.0.o_proj"]
+    )
+    assert torch.equal(
+        torch.cat([s["layers.0.down_proj"] for s in shards], dim=1), full["layers.0.down_proj"]
+    )
     gates, ups = zip(*(s["layers.0.gate_up_proj"].chunk(2) for s in shards), strict=True)
     assert torch.equal(torch.cat([*gates, *ups]), full["layers.0.gate_up_proj"])
     assert torch.equal(torch.cat([s["embed_tokens"] for s in shards]), full["embed_tokens"])
@@ -133,13 +145,22 @@ def test_config_and_cli() -> None:
         EngineConfig(tensor_parallel_size=0)
     args = build_parser().parse_args(["run", "--tensor-parallel-size", "2"])
     assert _engine_kwargs(args)["tensor_parallel_size"] == 2
-    assert _engine_kwargs(build_parser().parse_args(["generate", "-p", "x", "-tp", "3"]))["tensor_parallel_size"] == 3
+    assert (
+        _engine_kwargs(build_parser().parse_args(["generate", "-p", "x", "-tp", "3"]))[
+            "tensor_parallel_size"
+        ]
+        == 3
+    )
 
 
 def test_an_unsplittable_model_fails_before_any_worker_starts(tiny_llama_dir: Path) -> None:
     before = children(os.getpid())
-    with pytest.raises(ValueError, match="the model's 2 KV heads cannot be split over tensor_parallel_size 3"):
-        EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=3))
+    with pytest.raises(
+        ValueError, match="the model's 2 KV heads cannot be split over tensor_parallel_size 3"
+    ):
+        EngineCore(
+            EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=3)
+        )
     assert children(os.getpid()) == before
 
 
@@ -151,7 +172,9 @@ def assert_same_greedy(ref: LLM, tp: LLM, prompts: list[object], logprob_atol: f
     got = tp.generate(prompts, GREEDY)  # type: ignore[arg-type]
     for w, g in zip(want, got, strict=True):
         assert w.logprobs is not None and g.logprobs is not None
-        gaps = [lp.top_logprobs[0] - lp.top_logprobs[1] for lp in w.logprobs if len(lp.top_logprobs) > 1]
+        gaps = [
+            lp.top_logprobs[0] - lp.top_logprobs[1] for lp in w.logprobs if len(lp.top_logprobs) > 1
+        ]
         diff = max(abs(a.logprob - b.logprob) for a, b in zip(w.logprobs, g.logprobs, strict=False))
         assert diff < logprob_atol
         assert not gaps or min(gaps) > 10 * logprob_atol, "a near-tie: choose another prompt"
@@ -177,7 +200,9 @@ def test_tiny_model_tp_matches_one_process(tmp_path: Path, default_files, shape:
     kw = dict(overrides)
     arch = str(kw.pop("arch", "llama"))
     path = str(make_tiny_hf_dir(tmp_path, default_files, arch, **kw))
-    engine_kw = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48)  # chunked prefill, mixed steps
+    engine_kw = dict(
+        kv_cache_memory=8 << 20, max_num_batched_tokens=48
+    )  # chunked prefill, mixed steps
     ref = LLM(path, **engine_kw)
     with LLM(path, tensor_parallel_size=world, **engine_kw) as tp:
         # The budget is per rank, and the rank with the most KV heads sets the block count
@@ -185,10 +210,19 @@ def test_tiny_model_tp_matches_one_process(tmp_path: Path, default_files, shape:
         mcfg = tp.engine.files.config
         heads = max(p.num_kv_heads for p in plan_shards(mcfg, world))
         itemsize = tp.engine.kv_dtype.itemsize
-        assert tp.engine.num_blocks == (8 << 20) // (2 * mcfg.num_layers * heads * mcfg.head_dim * 16 * itemsize)
+        assert tp.engine.num_blocks == (8 << 20) // (
+            2 * mcfg.num_layers * heads * mcfg.head_dim * 16 * itemsize
+        )
         for ids in PROMPTS[1:3]:
-            torch.testing.assert_close(prefill_logits(tp.engine, ids), prefill_logits(ref.engine, ids), atol=1e-5, rtol=1e-5)
-        assert_same_greedy(ref, tp, PROMPTS + [PROMPTS[1]], logprob_atol=1e-4)  # the repeat hits the prefix cache
+            torch.testing.assert_close(
+                prefill_logits(tp.engine, ids),
+                prefill_logits(ref.engine, ids),
+                atol=1e-5,
+                rtol=1e-5,
+            )
+        assert_same_greedy(
+            ref, tp, PROMPTS + [PROMPTS[1]], logprob_atol=1e-4
+        )  # the repeat hits the prefix cache
 
 
 @pytest.mark.slow
@@ -217,14 +251,18 @@ def test_offline_kill_9_of_a_worker_fails_generate_then_close_reaps(tiny_llama_d
         (pid,) = llm.engine.workers.pids
         assert llm.generate([1, 2, 3], GREEDY)[0].token_ids
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(WorkerDied, match=rf"worker 1 \(pid {pid}\) was killed by signal SIGKILL"):
+        with pytest.raises(
+            WorkerDied, match=rf"worker 1 \(pid {pid}\) was killed by signal SIGKILL"
+        ):
             llm.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     finally:
         llm.close()
     assert children(os.getpid()) == []
 
 
-def test_a_step_interrupted_between_collectives_stops_the_workers(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_interrupted_between_collectives_stops_the_workers(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ctrl-C on rank 0 after the first all-reduce of a step: the worker waits in the
     second, which rank 0 will never join. Closing must not wait for it, and the engine
     must refuse further steps instead of pairing the next step's collectives with it."""
@@ -259,8 +297,15 @@ def test_a_step_interrupted_between_collectives_stops_the_workers(tiny_llama_dir
 
 def test_a_start_failure_after_the_workers_started_stops_them(tiny_llama_dir: Path) -> None:
     """max_model_len is checked once the ranks agree on the KV cache size."""
-    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's context length 512"):
-        LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2, max_model_len=100_000)
+    with pytest.raises(
+        ValueError, match="max_model_len 100000 exceeds the model's context length 512"
+    ):
+        LLM(
+            str(tiny_llama_dir),
+            kv_cache_memory=8 << 20,
+            tensor_parallel_size=2,
+            max_model_len=100_000,
+        )
     assert children(os.getpid()) == []
 
 
@@ -287,7 +332,9 @@ EXITING = textwrap.dedent(
 def run_script(script: str, *args: str) -> tuple[list[int], int]:
     """Run ``script``; returns the pids it prints on its first line and its exit code.
     Waits for the process only, not for EOF on its output (workers share that pipe)."""
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=python_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, env=python_env()
+    )
     try:
         assert proc.stdout is not None
         pids = [int(p) for p in proc.stdout.readline().split()]
@@ -310,10 +357,15 @@ FROM_A_THREAD = textwrap.dedent(
     import os, signal, sys, threading, time
     from structllm import LLM, SamplingParams
     box = {}
-    t = threading.Thread(target=lambda: box.update(llm=LLM(sys.argv[1], kv_cache_memory=8 << 20, tensor_parallel_size=2)))
+    t = threading.Thread(
+        target=lambda: box.update(
+            llm=LLM(sys.argv[1], kv_cache_memory=8 << 20, tensor_parallel_size=2)
+        )
+    )
     t.start()
     t.join()
-    time.sleep(0.3)  # the thread that spawned the workers is gone: no parent-death signal may fire for it
+    # the thread that spawned the workers is gone: no parent-death signal may fire for it
+    time.sleep(0.3)
     llm = box["llm"]
     assert llm.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
     print(*llm.engine.workers.pids, flush=True)

@@ -24,11 +24,15 @@ from structllm.server.responses import ChatBuilder, TextBuilder
 from structllm.tokenizer import Tokenizer
 
 
-def sequences(tokenizer: Tokenizer, prompts: list[list[int]], **sampling: Any) -> list[SequenceState]:
+def sequences(
+    tokenizer: Tokenizer, prompts: list[list[int]], **sampling: Any
+) -> list[SequenceState]:
     return fan_out(prompts, SamplingParams(**sampling), tokenizer, lambda pi, j: f"r{pi}-{j}")
 
 
-def run(builder: Any, seqs: list[SequenceState], script: list[tuple[int, list[int], str | None]]) -> list[Any]:
+def run(
+    builder: Any, seqs: list[SequenceState], script: list[tuple[int, list[int], str | None]]
+) -> list[Any]:
     """Feed (sequence index, token ids, finish reason) deltas one at a time; the chunks."""
     out = []
     for i, ids, finish in script:
@@ -41,14 +45,20 @@ def run(builder: Any, seqs: list[SequenceState], script: list[tuple[int, list[in
 def test_chat_body_joins_text_and_counts_prompt_tokens_once(tokenizer: Tokenizer) -> None:
     seqs = sequences(tokenizer, [[1, 2, 3]], n=2)
     b = ChatBuilder(seqs, tokenizer, model="m", stream=False)
-    hello, world = tokenizer.encode("Hello", add_special_tokens=False), tokenizer.encode(" world", add_special_tokens=False)
+    hello, world = (
+        tokenizer.encode("Hello", add_special_tokens=False),
+        tokenizer.encode(" world", add_special_tokens=False),
+    )
     assert run(b, seqs, [(0, hello, None), (1, world, "length"), (0, world, "stop")]) == []
     body = b.body()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert [c["message"]["content"] for c in body["choices"]] == ["Hello world", " world"]
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": len(hello + world) + len(world),
-                             "total_tokens": 3 + len(hello + world) + len(world)}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": len(hello + world) + len(world),
+        "total_tokens": 3 + len(hello + world) + len(world),
+    }
 
 
 def test_chat_stream_opens_with_roles_and_ends_with_usage(tokenizer: Tokenizer) -> None:
@@ -78,7 +88,9 @@ def test_nothing_to_say_sends_no_chunk(tokenizer: Tokenizer) -> None:
     assert b.feed([seqs[0].process(partial, None, None, None, 0)]) is None
 
 
-def test_streamed_echo_goes_out_with_the_first_chunk_even_if_it_has_no_text(tokenizer: Tokenizer) -> None:
+def test_streamed_echo_goes_out_with_the_first_chunk_even_if_it_has_no_text(
+    tokenizer: Tokenizer,
+) -> None:
     prompt = tokenizer.encode("Say:", add_special_tokens=False)
     seqs = sequences(tokenizer, [prompt], logprobs=0)
     b = TextBuilder(seqs, tokenizer, model="m", stream=True, echo=True)
@@ -112,7 +124,9 @@ def test_text_body_echo_and_logprob_offsets(tokenizer: Tokenizer) -> None:
 def test_stop_reason_is_reported_with_the_finish(tokenizer: Tokenizer) -> None:
     seqs = sequences(tokenizer, [[1]], stop=["b"])
     b = TextBuilder(seqs, tokenizer, model="m", stream=False)
-    b.feed([seqs[0].process(tokenizer.encode("a b c", add_special_tokens=False), None, None, None, 0)])
+    b.feed(
+        [seqs[0].process(tokenizer.encode("a b c", add_special_tokens=False), None, None, None, 0)]
+    )
     [choice] = b.body()["choices"]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("a ", "stop", "b")
 
@@ -147,12 +161,16 @@ def test_admission_releases_on_error() -> None:
 
 
 def test_sampling_rules_name_the_requests_own_field() -> None:
-    chat = ChatCompletionRequest(messages=[ChatMessage("user", "hi")], logprobs=True, top_logprobs=21)
+    chat = ChatCompletionRequest(
+        messages=[ChatMessage("user", "hi")], logprobs=True, top_logprobs=21
+    )
     with pytest.raises(APIError) as e:
         sampling_params(chat, 5, 100)
     assert e.value.param == "top_logprobs"
     with pytest.raises(APIError) as e:
-        sampling_params(ChatCompletionRequest(messages=[ChatMessage("user", "hi")], min_tokens=9), 5, 100)
+        sampling_params(
+            ChatCompletionRequest(messages=[ChatMessage("user", "hi")], min_tokens=9), 5, 100
+        )
     assert e.value.param == "min_tokens"
     with pytest.raises(APIError) as e:
         sampling_params(CompletionRequest(prompt="x", stop_token_ids=[100]), 5, 100)
@@ -225,7 +243,9 @@ def test_app_tokenizes_off_the_event_loop_thread(tokenizer: Tokenizer, backend: 
 def test_chat_fields_that_cannot_be_honoured_are_400(body: dict[str, Any], param: str) -> None:
     import msgspec
 
-    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest)
+    req = msgspec.convert(
+        {"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest
+    )
     with pytest.raises(APIError) as e:
         sampling_params(req, 5, 100)
     assert e.value.status == 400 and e.value.param == param
@@ -236,7 +256,9 @@ def test_completion_fields_that_cannot_be_honoured_are_400() -> None:
         with pytest.raises(APIError) as e:
             sampling_params(CompletionRequest(prompt="x", **body), 5, 100)  # type: ignore[arg-type]
         assert e.value.param == param
-    assert sampling_params(CompletionRequest(prompt="x", best_of=1), 5, 100).n == 1  # best_of == n is fine
+    assert (
+        sampling_params(CompletionRequest(prompt="x", best_of=1), 5, 100).n == 1
+    )  # best_of == n is fine
 
 
 # -- prompt logprobs -------------------------------------------------------------------
@@ -259,8 +281,15 @@ def test_echo_with_logprobs_scores_the_prompt_first(tokenizer: Tokenizer) -> Non
     assert lp["tokens"] == [tokenizer.token_text(t) for t in prompt]
     assert lp["token_logprobs"] == [None, *(s.logprob for s in scores(prompt))]
     assert lp["top_logprobs"][0] is None
-    assert lp["top_logprobs"][1] == {tokenizer.token_text(7): -0.5, tokenizer.token_text(prompt[1]): -1.0}
-    assert lp["text_offset"] == [0, len(lp["tokens"][0]), len(lp["tokens"][0]) + len(lp["tokens"][1])]
+    assert lp["top_logprobs"][1] == {
+        tokenizer.token_text(7): -0.5,
+        tokenizer.token_text(prompt[1]): -1.0,
+    }
+    assert lp["text_offset"] == [
+        0,
+        len(lp["tokens"][0]),
+        len(lp["tokens"][0]) + len(lp["tokens"][1]),
+    ]
 
 
 def test_streamed_echo_waits_for_the_prompt_scores(tokenizer: Tokenizer) -> None:
@@ -269,8 +298,18 @@ def test_streamed_echo_waits_for_the_prompt_scores(tokenizer: Tokenizer) -> None
     b = TextBuilder(seqs, tokenizer, model="m", stream=True, echo=True)
     assert b.feed([seqs[0].process([], None, None, None, 0, scores(prompt)[:1])]) is None
     four = tokenizer.encode(" four", add_special_tokens=False)
-    chunk = b.feed([seqs[0].process(four, [TokenLogprobs(-0.1, [], [])] * len(four), "length", None, 0,
-                                    scores(prompt)[1:])])
+    chunk = b.feed(
+        [
+            seqs[0].process(
+                four,
+                [TokenLogprobs(-0.1, [], [])] * len(four),
+                "length",
+                None,
+                0,
+                scores(prompt)[1:],
+            )
+        ]
+    )
     assert chunk is not None
     [choice] = chunk["choices"]
     assert choice["text"] == "One two three four"
@@ -282,11 +321,23 @@ def test_vllm_prompt_logprobs_per_choice_and_top_level_for_chat(tokenizer: Token
     seqs = sequences(tokenizer, [prompt], n=2, prompt_logprobs=1)
     assert [s.sampling.prompt_logprobs for s in seqs] == [1, None]  # scored once
     text = TextBuilder(seqs, tokenizer, model="m", stream=False, prompt_logprobs=True)
-    text.feed([seqs[0].process([5], None, "length", None, 0, scores(prompt)), seqs[1].process([5], None, "length", None, 0)])
+    text.feed(
+        [
+            seqs[0].process([5], None, "length", None, 0, scores(prompt)),
+            seqs[1].process([5], None, "length", None, 0),
+        ]
+    )
     body = text.body()
-    expected = [None, *({"7": {"logprob": -0.5, "rank": 1, "decoded_token": tokenizer.token_text(7)},
-                         str(t): {"logprob": s.logprob, "decoded_token": tokenizer.token_text(t)}}
-                        for t, s in zip(prompt[1:], scores(prompt), strict=True))]
+    expected = [
+        None,
+        *(
+            {
+                "7": {"logprob": -0.5, "rank": 1, "decoded_token": tokenizer.token_text(7)},
+                str(t): {"logprob": s.logprob, "decoded_token": tokenizer.token_text(t)},
+            }
+            for t, s in zip(prompt[1:], scores(prompt), strict=True)
+        ),
+    ]
     assert [c["prompt_logprobs"] for c in body["choices"]] == [expected, expected]
     chat_seqs = sequences(tokenizer, [prompt], prompt_logprobs=1)
     chat = ChatBuilder(chat_seqs, tokenizer, model="m", stream=False, prompt_logprobs=True)
@@ -304,17 +355,29 @@ def test_logit_bias_keys_must_be_token_ids_in_the_vocabulary() -> None:
     with pytest.raises(APIError) as e:
         sampling_params(CompletionRequest(prompt="x", logit_bias={"5": 101.0}), 5, 100)
     assert e.value.param == "logit_bias"
-    assert sampling_params(CompletionRequest(prompt="x", logit_bias={"5": -100}), 5, 100).logit_bias == {5: -100.0}
+    assert sampling_params(
+        CompletionRequest(prompt="x", logit_bias={"5": -100}), 5, 100
+    ).logit_bias == {5: -100.0}
 
 
 # -- tool calls ------------------------------------------------------------------------------
 
-ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        },
+    },
+}
 ENVELOPE = '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}'
 
 
-def tool_sequences(tokenizer: Tokenizer, choice: Any = "required", n: int = 1) -> list[SequenceState]:
+def tool_sequences(
+    tokenizer: Tokenizer, choice: Any = "required", n: int = 1
+) -> list[SequenceState]:
     from structllm.tools import tool_request
 
     tools = tool_request([ADD_TOOL], choice, None, "generic")
@@ -341,7 +404,9 @@ def test_chat_stream_with_tool_calls(tokenizer: Tokenizer) -> None:
     assert all("content" not in d for d in deltas)
     pieces = [tc for d in deltas for tc in d.get("tool_calls", [])]
     first = pieces[0]
-    assert first["index"] == 0 and first["type"] == "function" and first["function"]["name"] == "add"
+    assert (
+        first["index"] == 0 and first["type"] == "function" and first["function"]["name"] == "add"
+    )
     assert all("id" not in p and p["index"] == 0 for p in pieces[1:])
     assert "".join(p["function"]["arguments"] for p in pieces) == '{"a": 1, "b": 2}'
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -352,22 +417,36 @@ def test_tool_choice_auto_text_stays_content(tokenizer: Tokenizer) -> None:
     b = ChatBuilder(seqs, tokenizer, model="m", stream=False)
     run(b, seqs, [(0, tokenizer.encode("It is 3.", add_special_tokens=False), "stop")])
     [choice] = b.body()["choices"]
-    assert choice["finish_reason"] == "stop" and choice["message"] == {"role": "assistant", "content": "It is 3."}
+    assert choice["finish_reason"] == "stop" and choice["message"] == {
+        "role": "assistant",
+        "content": "It is 3.",
+    }
 
 
 def chat_request(**body: Any) -> ChatCompletionRequest:
     import msgspec
 
-    return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest)
+    return msgspec.convert(
+        {"messages": [{"role": "user", "content": "hi"}], **body}, ChatCompletionRequest
+    )
 
 
-@pytest.mark.parametrize(("body", "param", "match"), [
-    ({"tool_choice": "required"}, "tool_choice", "needs at least one entry in tools"),
-    ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice", "'mul'"),
-    ({"tools": [{"type": "function"}]}, "tools", r"tools\[0\] must be"),
-    ({"tools": [ADD_TOOL], "tool_choice": 7}, "tool_choice", "tool_choice must be"),
-])
-def test_bad_tool_requests_are_400(tokenizer: Tokenizer, body: dict[str, Any], param: str, match: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs at least one entry in tools"),
+        (
+            {"tools": [ADD_TOOL], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+            "tool_choice",
+            "'mul'",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools", r"tools\[0\] must be"),
+        ({"tools": [ADD_TOOL], "tool_choice": 7}, "tool_choice", "tool_choice must be"),
+    ],
+)
+def test_bad_tool_requests_are_400(
+    tokenizer: Tokenizer, body: dict[str, Any], param: str, match: str
+) -> None:
     pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
     with pytest.raises(APIError, match=match) as e:
         pre.tool_request(chat_request(**body))
@@ -386,16 +465,26 @@ def test_tool_schema_that_does_not_compile_is_400(tokenizer: Tokenizer) -> None:
         pre.constraint(fmt, pre.tool_request(fmt))
 
 
-@pytest.mark.parametrize(("message", "match"), [
-    ({"role": "tool", "content": "4"}, "needs tool_call_id"),
-    ({"role": "user", "content": "x", "tool_calls": []}, "only assistant messages carry tool_calls"),
-    ({"role": "robot", "content": "x"}, "role must be"),
-])
-def test_bad_tool_messages_are_400(tokenizer: Tokenizer, message: dict[str, Any], match: str) -> None:
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        ({"role": "tool", "content": "4"}, "needs tool_call_id"),
+        (
+            {"role": "user", "content": "x", "tool_calls": []},
+            "only assistant messages carry tool_calls",
+        ),
+        ({"role": "robot", "content": "x"}, "role must be"),
+    ],
+)
+def test_bad_tool_messages_are_400(
+    tokenizer: Tokenizer, message: dict[str, Any], match: str
+) -> None:
     import msgspec
 
     pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
-    req = msgspec.convert({"messages": [{"role": "user", "content": "hi"}, message]}, ChatCompletionRequest)
+    req = msgspec.convert(
+        {"messages": [{"role": "user", "content": "hi"}, message]}, ChatCompletionRequest
+    )
     with pytest.raises(APIError, match=match) as e:
         pre.chat(req)
     assert e.value.param == "messages"
@@ -405,11 +494,27 @@ def test_tool_round_trip_renders(tokenizer: Tokenizer) -> None:
     import msgspec
 
     pre = Preprocessor(tokenizer, 2048, tokenizer.vocab_size)
-    req = msgspec.convert({"tools": [ADD_TOOL], "messages": [
-        {"role": "user", "content": "1+2?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_9", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
-        {"role": "tool", "tool_call_id": "call_9", "content": "3"}]}, ChatCompletionRequest)
+    req = msgspec.convert(
+        {
+            "tools": [ADD_TOOL],
+            "messages": [
+                {"role": "user", "content": "1+2?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_9", "content": "3"},
+            ],
+        },
+        ChatCompletionRequest,
+    )
     text = tokenizer.decode(pre.chat(req, pre.tool_request(req)), skip_special_tokens=False)
     assert '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}' in text
     assert '"tool_call_id": "call_9"' in text and text.rstrip().endswith("assistant")

@@ -121,14 +121,24 @@ def test_engine_tokens_do_not_depend_on_the_cpu_backend(tiny_llama_dir: Path) ->
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20, attention_backend=backend, max_num_batched_tokens=64)
+        llm = LLM(
+            str(tiny_llama_dir),
+            kv_cache_memory=16 << 20,
+            attention_backend=backend,
+            max_num_batched_tokens=64,
+        )
         outs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs["cpu"] == outs["torch"]
 
 
 # -- float16 cache (--kv-cache-dtype float16) ---------------------------------------------
 
-ISAS = ["native", pytest.param("avx2", marks=pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2/F16C"))]
+ISAS = [
+    "native",
+    pytest.param(
+        "avx2", marks=pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2/F16C")
+    ),
+]
 
 
 def build_for(isa: str):  # type: ignore[no-untyped-def]
@@ -143,8 +153,12 @@ def build_for(isa: str):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bs", [16, 32, 64])
-@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (16, 2, 128), (4, 2, 36)], ids=["g3-d64", "g8-d128", "d36"])
-def test_decode_with_a_float16_cache_matches_dense(isa: str, bs: int, h: int, hkv: int, d: int) -> None:
+@pytest.mark.parametrize(
+    ("h", "hkv", "d"), [(9, 3, 64), (16, 2, 128), (4, 2, 36)], ids=["g3-d64", "g8-d128", "d36"]
+)
+def test_decode_with_a_float16_cache_matches_dense(
+    isa: str, bs: int, h: int, hkv: int, d: int
+) -> None:
     """K/V stored as float16 and widened by the kernel; arithmetic stays float32, so it
     matches dense attention over the same rounded values as tightly as the float32
     cache does, and the unrounded values within float16's storage error. D = 36 leaves
@@ -155,13 +169,22 @@ def test_decode_with_a_float16_cache_matches_dense(isa: str, bs: int, h: int, hk
     kc16, vc16 = kc.half(), vc.half()
     out = impl.decode(q, kc16, vc16, meta, d**-0.5)
     for i, (k, v) in enumerate(dense):
-        rounded = reference.dense_causal_attention(q[i : i + 1], k.half().float(), v.half().float(), d**-0.5)
+        rounded = reference.dense_causal_attention(
+            q[i : i + 1], k.half().float(), v.half().float(), d**-0.5
+        )
         torch.testing.assert_close(out[i : i + 1], rounded, atol=2e-5, rtol=2e-5)
         exact = reference.dense_causal_attention(q[i : i + 1], k, v, d**-0.5)
         torch.testing.assert_close(out[i : i + 1], exact, atol=3e-3, rtol=3e-3)
     # and the torch reference reading the same float16 cache (its K layout: untransposed)
-    ref = reference.decode_attention(q, kc16.permute(0, 3, 1, 2), vc16, meta.block_tables, meta.seq_lens, d**-0.5,
-                                     meta.max_seq_len)
+    ref = reference.decode_attention(
+        q,
+        kc16.permute(0, 3, 1, 2),
+        vc16,
+        meta.block_tables,
+        meta.seq_lens,
+        d**-0.5,
+        meta.max_seq_len,
+    )
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -174,7 +197,9 @@ def test_mixed_batch_with_a_float16_cache(isa: str) -> None:
     lens, q_lens = [9, 30, 20, 45], [1, 1, 20, 12]
     _, kc, vc, meta, dense, q, starts = setup(lens, q_lens, 6, 2, 64, 16)
     kc16, vc16 = kc.half(), vc.half()
-    for i, (n, m) in enumerate(zip(lens, q_lens, strict=True)):  # this step's slots: garbage until stored
+    for i, (n, m) in enumerate(
+        zip(lens, q_lens, strict=True)
+    ):  # this step's slots: garbage until stored
         for p in range(n - m, n):
             blk, off = int(meta.block_tables[i, p // 16]), p % 16
             kc16[blk, :, :, off], vc16[blk, off] = 7.0, 7.0
@@ -197,7 +222,9 @@ def test_the_kernel_refuses_mixed_cache_dtypes() -> None:
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])
-def test_engine_tokens_do_not_depend_on_the_cpu_backend_per_kv_dtype(tiny_llama_dir: Path, kv: str) -> None:
+def test_engine_tokens_do_not_depend_on_the_cpu_backend_per_kv_dtype(
+    tiny_llama_dir: Path, kv: str
+) -> None:
     """As above, with each KV cache dtype: the C++ kernel reads what the reference reads."""
     from structllm import LLM, SamplingParams
 
@@ -205,8 +232,15 @@ def test_engine_tokens_do_not_depend_on_the_cpu_backend_per_kv_dtype(tiny_llama_
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(str(tiny_llama_dir), kv_cache_memory=16 << 20, attention_backend=backend, max_num_batched_tokens=64,
-                  kv_cache_dtype=kv)
-        assert all(t.dtype == getattr(torch, kv) for pair in llm.engine.runner.kv_caches for t in pair)
+        llm = LLM(
+            str(tiny_llama_dir),
+            kv_cache_memory=16 << 20,
+            attention_backend=backend,
+            max_num_batched_tokens=64,
+            kv_cache_dtype=kv,
+        )
+        assert all(
+            t.dtype == getattr(torch, kv) for pair in llm.engine.runner.kv_caches for t in pair
+        )
         outs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs["cpu"] == outs["torch"]

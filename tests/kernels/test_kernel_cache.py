@@ -23,13 +23,17 @@ def test_the_key_holds_no_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_ext.build_name(args[0], args[1], [*args[2], "-O2"], args[3]) != here
 
 
-def test_a_cached_build_is_imported_without_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cached_build_is_imported_without_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
     real = cpu_ext.load()  # the machine's own build (compiled once, or already cached)
     if real is None:
         pytest.skip("no C++ toolchain here: the CPU kernel cannot be built")
-    name = cpu_ext.build_name("structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, torch.__version__)
+    name = cpu_ext.build_name(
+        "structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, torch.__version__
+    )
     built = cpu_ext.cache_root() / "extensions" / name / f"{name}{cpu_ext._abi()}"
     assert built.exists(), "a build is kept under the interpreter's extension suffix"
     # a cache holding only the built library, as another environment would have left it
@@ -42,7 +46,9 @@ def test_a_cached_build_is_imported_without_compiling(tmp_path: Path, monkeypatc
         raise AssertionError("compiled again although the cache holds the build")
 
     monkeypatch.setattr(cpu_ext, "_compile", no_compiler)
-    module = cpu_ext.build("structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, "the CPU attention kernel")
+    module = cpu_ext.build(
+        "structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, "the CPU attention kernel"
+    )
     assert module is not None and hasattr(module, "paged_decode")
 
 
@@ -52,9 +58,19 @@ def test_a_build_says_what_it_builds_and_when_it_is_done(
     monkeypatch.setenv("STRUCTLLM_CACHE_DIR", str(tmp_path))
     built = object()
     monkeypatch.setattr(cpu_ext, "_compile", lambda *args: built)
-    assert cpu_ext.build("structllm_cpu_attention", cpu_ext.SOURCE, ["-O1"], "the CPU attention kernel (about 20 s)") is built
+    assert (
+        cpu_ext.build(
+            "structllm_cpu_attention",
+            cpu_ext.SOURCE,
+            ["-O1"],
+            "the CPU attention kernel (about 20 s)",
+        )
+        is built
+    )
     err = capsys.readouterr().err
-    assert "building the CPU attention kernel (about 20 s) for this machine; once per machine" in err
+    assert (
+        "building the CPU attention kernel (about 20 s) for this machine; once per machine" in err
+    )
     assert "built the CPU attention kernel in" in err
 
 

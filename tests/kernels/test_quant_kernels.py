@@ -17,9 +17,12 @@ from structllm.kernels.packed import BLOCK_TYPES, FLOAT, INT8, INT16, BlockWeigh
 
 gguf = pytest.importorskip("gguf")
 
+
 def _available_isas() -> list[str]:
     flags = set(cpu_ext._cpu_flags().split())
-    return [isa for isa, need in zip(cpu_ext.ISAS, cpu_ext._ISA_NEEDS, strict=True) if need <= flags]
+    return [
+        isa for isa, need in zip(cpu_ext.ISAS, cpu_ext._ISA_NEEDS, strict=True) if need <= flags
+    ]
 
 
 ISAS = _available_isas()
@@ -32,7 +35,9 @@ def quantize(w: np.ndarray, type_name: str) -> tuple[BlockWeight, torch.Tensor]:
     qtype = gguf.GGMLQuantizationType[type_name]
     raw = gguf.quants.quantize(w, qtype)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(w.shape))
-    return BlockWeight.from_raw(torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1]), ref
+    return BlockWeight.from_raw(
+        torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1]
+    ), ref
 
 
 def random_weight(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -127,9 +132,13 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(packed.linear(big, w, int8_ok=False), path(big, INT16))
     bias = torch.randn(64)
     few = small[:4]  # float path: float32 rounding only
-    torch.testing.assert_close(packed.linear(few, w, bias), few @ ref.T + bias, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        packed.linear(few, w, bias), few @ ref.T + bias, atol=1e-4, rtol=1e-4
+    )
     # int16 path: activations to 16 bits (outputs here are ~10, their errors ~1e-3)
-    torch.testing.assert_close(packed.linear(small, w, bias), small @ ref.T + bias, atol=1e-2, rtol=1e-3)
+    torch.testing.assert_close(
+        packed.linear(small, w, bias), small @ ref.T + bias, atol=1e-2, rtol=1e-3
+    )
     with pytest.raises(RuntimeError, match="mode"):
         module.linear(big, w.raw, w.code, 3)
 

@@ -69,7 +69,11 @@ def test_mixed_batch_through_the_backend() -> None:
     k_new = torch.cat([dense[i][0][ctx[i] - q_lens[i] :] for i in range(4)])
     v_new = torch.cat([dense[i][1][ctx[i] - q_lens[i] :] for i in range(4)])
     slots = torch.tensor(
-        [bt[i, p // bs].item() * bs + p % bs for i in range(4) for p in range(ctx[i] - q_lens[i], ctx[i])]
+        [
+            bt[i, p // bs].item() * bs + p % bs
+            for i in range(4)
+            for p in range(ctx[i] - q_lens[i], ctx[i])
+        ]
     )
     meta = AttentionMetadata(
         slot_mapping=slots,

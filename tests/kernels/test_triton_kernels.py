@@ -18,7 +18,9 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]' on linux x86_64)")
+pytest.importorskip(
+    "triton", reason="triton is not installed (pip install -e '.[test]' on linux x86_64)"
+)
 
 from structllm.kernels import reference  # noqa: E402
 from structllm.kernels import triton_attention as ta  # noqa: E402
@@ -33,7 +35,8 @@ from tests.support.attention import paged_setup  # noqa: E402
 
 if not ta.INTERPRETED and not CUDA:  # fail loudly: skipping would hide every test below
     raise RuntimeError(
-        "structllm.kernels.triton_attention was imported before this module set TRITON_INTERPRET=1, "
+        "structllm.kernels.triton_attention was imported before this module set "
+        "TRITON_INTERPRET=1, "
         "and there is no CUDA device: the kernels cannot run"
     )
 
@@ -42,18 +45,25 @@ if not ta.INTERPRETED and not CUDA:  # fail loudly: skipping would hide every te
 CASES = (
     [pytest.param("cpu", torch.float32, id="cpu-f32")]
     if ta.INTERPRETED
-    else [pytest.param("cuda", torch.bfloat16, id="cuda-bf16"), pytest.param("cuda", torch.float32, id="cuda-f32")]
+    else [
+        pytest.param("cuda", torch.bfloat16, id="cuda-bf16"),
+        pytest.param("cuda", torch.float32, id="cuda-f32"),
+    ]
 )
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def small_tiles(num_splits: int | None = None) -> TritonAttention:
     """Tiles of 16, so that the short test contexts span several tiles and splits."""
-    return TritonAttention(decode_block_n=16, prefill_block_m=16, prefill_block_n=16, num_splits=num_splits)
+    return TritonAttention(
+        decode_block_n=16, prefill_block_m=16, prefill_block_n=16, num_splits=num_splits
+    )
 
 
 def check_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(got.float().cpu(), want.float().cpu(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        got.float().cpu(), want.float().cpu(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 class Batch:
@@ -89,8 +99,12 @@ class Batch:
         kc, vc = kc.to(dtype).float(), vc.to(dtype).float()
         # This step's tokens: the last q_len positions of each context.
         new = [range(c - n, c) for c, n in zip(ctx, q_lens, strict=True)]
-        self.k_new = torch.cat([dense[i][0][r.start :] for i, r in enumerate(new)]).to(dtype).float()
-        self.v_new = torch.cat([dense[i][1][r.start :] for i, r in enumerate(new)]).to(dtype).float()
+        self.k_new = (
+            torch.cat([dense[i][0][r.start :] for i, r in enumerate(new)]).to(dtype).float()
+        )
+        self.v_new = (
+            torch.cat([dense[i][1][r.start :] for i, r in enumerate(new)]).to(dtype).float()
+        )
         slots = [int(bt[i, p // bs]) * bs + p % bs for i, r in enumerate(new) for p in r]
         self.slots = torch.tensor(slots, dtype=torch.long)
         self.meta_cpu = AttentionMetadata(
@@ -112,7 +126,8 @@ class Batch:
         dev = torch.device(device)
         m = self.meta_cpu
         self.meta = AttentionMetadata(
-            m.slot_mapping.to(dev), m.block_tables.to(dev), m.seq_lens.to(dev), m.query_start_loc.to(dev),
+            m.slot_mapping.to(dev), m.block_tables.to(dev), m.seq_lens.to(dev),
+            m.query_start_loc.to(dev),
             m.seq_lens_list, m.query_start_list, m.num_decodes, m.max_seq_len,
         )  # fmt: skip
         self.q = q.to(dev, dtype)
@@ -122,10 +137,14 @@ class Batch:
 
     def oracle(self) -> torch.Tensor:
         kc, vc = self.kc_cpu.clone(), self.vc_cpu.clone()
-        return attention(TorchAttention(), self.q_cpu, self.k_new, self.v_new, kc, vc, self.meta_cpu, self.scale)
+        return attention(
+            TorchAttention(), self.q_cpu, self.k_new, self.v_new, kc, vc, self.meta_cpu, self.scale
+        )
 
     def run(self, impl: TritonAttention) -> torch.Tensor:
-        return attention(impl, self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, self.scale)
+        return attention(
+            impl, self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, self.scale
+        )
 
 
 HEADS = [(4, 4, 64), (9, 3, 64), (16, 2, 128)]  # GQA ratios 1, 3 (the default model), 8
@@ -154,14 +173,18 @@ def test_store_kv_writes_only_live_slots(device: str, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize(("h", "hkv", "d"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("splits", [1, 3, None], ids=["1split", "3splits", "auto"])
-def test_decode_matches_reference(device: str, dtype: torch.dtype, bs: int, h: int, hkv: int, d: int, splits: int | None) -> None:  # fmt: skip
+def test_decode_matches_reference(
+    device: str, dtype: torch.dtype, bs: int, h: int, hkv: int, d: int, splits: int | None
+) -> None:
     """A lone decode batch: one token of context, one mid-block, one exactly a block, and
     a multi-block one; more splits than a short context has tiles (empty splits)."""
     ctx = [1, 21, bs, 3 * bs + 5]
     b = Batch(ctx, [1] * len(ctx), h, hkv, d, bs, device, dtype)
     out = b.run(small_tiles(splits))
     check_close(out, b.oracle(), dtype)
-    assert torch.equal(b.k_cache.float().cpu(), b.full_k) and torch.equal(b.v_cache.float().cpu(), b.full_v)
+    assert torch.equal(b.k_cache.float().cpu(), b.full_k) and torch.equal(
+        b.v_cache.float().cpu(), b.full_v
+    )
 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)
@@ -176,7 +199,12 @@ def test_decode_padding_rows_are_zero_and_harmless(device: str, dtype: torch.dty
     m = b.meta
     meta = AttentionMetadata(
         slot_mapping=torch.cat([m.slot_mapping, torch.full((pad,), -1, device=dev)]),
-        block_tables=torch.cat([m.block_tables, torch.zeros(pad, m.block_tables.shape[1], dtype=torch.int32, device=dev)]),
+        block_tables=torch.cat(
+            [
+                m.block_tables,
+                torch.zeros(pad, m.block_tables.shape[1], dtype=torch.int32, device=dev),
+            ]
+        ),
         seq_lens=torch.cat([m.seq_lens, torch.zeros(pad, dtype=torch.int32, device=dev)]),
         query_start_loc=torch.arange(2 + pad + 1, dtype=torch.int32, device=dev),
         seq_lens_list=[*m.seq_lens_list, 0, 0, 0],
@@ -199,7 +227,9 @@ def test_decode_padding_rows_are_zero_and_harmless(device: str, dtype: torch.dty
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize(("h", "hkv", "d"), HEADS, ids=HEAD_IDS)
 @pytest.mark.parametrize("tiles", ["small", "default"])
-def test_prefill_matches_reference(device: str, dtype: torch.dtype, bs: int, h: int, hkv: int, d: int, tiles: str) -> None:  # fmt: skip
+def test_prefill_matches_reference(
+    device: str, dtype: torch.dtype, bs: int, h: int, hkv: int, d: int, tiles: str
+) -> None:
     """A lone prefill batch: a whole prompt ending mid-block, a chunk after a cached
     prefix of 33 tokens (mask offset not a multiple of any tile), a one-token chunk after
     a multi-block prefix, and a prompt longer than one query tile."""
@@ -208,12 +238,18 @@ def test_prefill_matches_reference(device: str, dtype: torch.dtype, bs: int, h: 
     b = Batch(ctx, q_lens, h, hkv, d, bs, device, dtype)
     impl = small_tiles() if tiles == "small" else TritonAttention()
     check_close(b.run(impl), b.oracle(), dtype)
-    assert torch.equal(b.k_cache.float().cpu(), b.full_k) and torch.equal(b.v_cache.float().cpu(), b.full_v)
+    assert torch.equal(b.k_cache.float().cpu(), b.full_k) and torch.equal(
+        b.v_cache.float().cpu(), b.full_v
+    )
 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)
-@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32)], ids=["g3-bs16", "g8-bs32"])
-def test_mixed_batch_matches_reference(device: str, dtype: torch.dtype, h: int, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32)], ids=["g3-bs16", "g8-bs32"]
+)
+def test_mixed_batch_matches_reference(
+    device: str, dtype: torch.dtype, h: int, hkv: int, d: int, bs: int
+) -> None:
     """Decodes and prefill chunks in one step, through ``attention()`` as the model calls it."""
     ctx = [9, 70, 1, 20, 45, 33]
     q_lens = [1, 1, 1, 20, 12, 33]
@@ -224,8 +260,12 @@ def test_mixed_batch_matches_reference(device: str, dtype: torch.dtype, h: int, 
 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)
-@pytest.mark.parametrize(("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32)], ids=["g3-bs16", "g8-bs32"])
-def test_float16_cache_matches_reference(device: str, dtype: torch.dtype, h: int, hkv: int, d: int, bs: int) -> None:
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "bs"), [(9, 3, 64, 16), (8, 1, 128, 32)], ids=["g3-bs16", "g8-bs32"]
+)
+def test_float16_cache_matches_reference(
+    device: str, dtype: torch.dtype, h: int, hkv: int, d: int, bs: int
+) -> None:
     """``--kv-cache-dtype float16`` under queries in ``dtype``: the store rounds this
     step's K/V into float16 caches, decode and prefill convert each tile to the query's
     dtype. The oracle is the reference over the same rounded values (prefill here reads
@@ -237,13 +277,17 @@ def test_float16_cache_matches_reference(device: str, dtype: torch.dtype, h: int
     def rounded(x: torch.Tensor) -> torch.Tensor:  # float32 values as the kernels see them
         return x.to(torch.float16).to(dtype).float()
 
-    b.kc_cpu, b.vc_cpu, b.k_new, b.v_new = (rounded(x) for x in (b.kc_cpu, b.vc_cpu, b.k_new, b.v_new))
+    b.kc_cpu, b.vc_cpu, b.k_new, b.v_new = (
+        rounded(x) for x in (b.kc_cpu, b.vc_cpu, b.k_new, b.v_new)
+    )
     want = b.oracle()
     for impl in (small_tiles(num_splits=2), TritonAttention()):
         kc, vc = b.k_cache.to(torch.float16), b.v_cache.to(torch.float16)
         check_close(attention(impl, b.q, b.k, b.v, kc, vc, b.meta, b.scale), want, dtype)
         assert kc.dtype == vc.dtype == torch.float16
-        assert torch.equal(kc.float().cpu(), rounded(b.full_k)) and torch.equal(vc.float().cpu(), rounded(b.full_v))
+        assert torch.equal(kc.float().cpu(), rounded(b.full_k)) and torch.equal(
+            vc.float().cpu(), rounded(b.full_v)
+        )
 
 
 def test_decode_split_count() -> None:
@@ -293,7 +337,9 @@ def test_engine_output_does_not_depend_on_the_backend(tiny_gqa3_dir: Path) -> No
     from tests.support.models import prefill_logits
 
     prompts = [list(range(100, 171)), [7], list(range(100, 171)), [5, 9, 200, 31, 4000, 77]]
-    kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=32, dtype="float32", max_num_seqs=4)
+    kw: dict[str, object] = dict(
+        kv_cache_memory=8 << 20, max_num_batched_tokens=32, dtype="float32", max_num_seqs=4
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = LLM(str(tiny_gqa3_dir), attention_backend="torch", device="cpu", **kw)
     tri = LLM(str(tiny_gqa3_dir), attention_backend="triton", device=ENGINE_DEVICE, **kw)

@@ -9,11 +9,15 @@ import torch
 from structllm.kernels import reference
 
 
-def paged_setup(lens: list[int], hkv: int, d: int, bs: int, nb: int = 64, seed: int = 0, impl: Any = None):  # type: ignore[no-untyped-def]
+def paged_setup(
+    lens: list[int], hkv: int, d: int, bs: int, nb: int = 64, seed: int = 0, impl: Any = None
+):  # type: ignore[no-untyped-def]
     """Random K/V for sequences of ``lens`` tokens, scattered over shuffled blocks and
     stored by ``impl`` (a backend with its own K layout) or the reference."""
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.zeros(impl.k_cache_shape(nb, bs, hkv, d) if impl is not None else (nb, bs, hkv, d))
+    k_cache = torch.zeros(
+        impl.k_cache_shape(nb, bs, hkv, d) if impl is not None else (nb, bs, hkv, d)
+    )
     v_cache = torch.zeros(nb, bs, hkv, d)
     perm = torch.randperm(nb, generator=g).tolist()
     tables, dense = [], []

@@ -29,10 +29,16 @@ def sizes(seed: int, n: int) -> list[int]:
 def frame(i: int, size: int) -> bytes:
     head = i.to_bytes(4, "little")
     start = (i * 7919) % MAX
-    return (head + PATTERN[start : start + size - 4])[:size] if size >= 4 else PATTERN[start : start + size]
+    return (
+        (head + PATTERN[start : start + size - 4])[:size]
+        if size >= 4
+        else PATTERN[start : start + size]
+    )
 
 
-def pump(ep: Endpoint[object], n: int, send_seed: int, recv_seed: int, slow: range = range(0)) -> dict[str, int]:
+def pump(
+    ep: Endpoint[object], n: int, send_seed: int, recv_seed: int, slow: range = range(0)
+) -> dict[str, int]:
     out_sizes, in_sizes = sizes(send_seed, n), sizes(recv_seed, n)
     sent = received = errors = full = waits = 0
     nbytes = 0
@@ -54,8 +60,19 @@ def pump(ep: Endpoint[object], n: int, send_seed: int, recv_seed: int, slow: ran
                 time.sleep(0.0002)
         if not progressed:
             waits += 1
-            ep.wait(0.2, want_read=received < n, want_space=len(frame(sent, out_sizes[sent])) if sent < n else 0)
-    return {"sent": sent, "received": received, "errors": errors, "full": full, "waits": waits, "bytes": nbytes}
+            ep.wait(
+                0.2,
+                want_read=received < n,
+                want_space=len(frame(sent, out_sizes[sent])) if sent < n else 0,
+            )
+    return {
+        "sent": sent,
+        "received": received,
+        "errors": errors,
+        "full": full,
+        "waits": waits,
+        "bytes": nbytes,
+    }
 
 
 def main() -> None:
@@ -65,7 +82,9 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     mapping = shm.attach(args["shm_fd"], args["size"])
     to_child, to_parent = shm.rings(mapping, args["capacity"])
-    ep: Endpoint[object] = Endpoint(to_child, to_parent, Doorbell(args["child_bell"]), Doorbell(args["parent_bell"]), object)
+    ep: Endpoint[object] = Endpoint(
+        to_child, to_parent, Doorbell(args["child_bell"]), Doorbell(args["parent_bell"]), object
+    )
     stats = pump(ep, args["n"], args["child_seed"], args["parent_seed"], range(*args["slow"]))
     print(json.dumps(stats))
 

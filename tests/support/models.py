@@ -25,7 +25,9 @@ from structllm.protocol import SamplingParams
 EXACT = {"dtype": "float32", "quantization": "none"}
 
 
-def make_tiny_hf_dir(root: Path, files: ModelFiles, arch: str = "llama", **overrides: object) -> Path:
+def make_tiny_hf_dir(
+    root: Path, files: ModelFiles, arch: str = "llama", **overrides: object
+) -> Path:
     """A random-weight Hugging Face checkpoint of a tiny model, saved by transformers,
     with the default model's tokenizer and chat template."""
     import torch
@@ -61,7 +63,13 @@ def make_tiny_hf_dir(root: Path, files: ModelFiles, arch: str = "llama", **overr
     shutil.copyfile(files.tokenizer_json, out / "tokenizer.json")
     meta = files.tokenizer_meta
     (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token, "chat_template": meta.chat_template})
+        json.dumps(
+            {
+                "bos_token": meta.bos_token,
+                "eos_token": meta.eos_token,
+                "chat_template": meta.chat_template,
+            }
+        )
     )
     return out
 
@@ -87,7 +95,10 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     """transformers' greedy ``generate`` on one unpadded prompt; stops at EOS like we do."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=n, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )
     return out[0, len(ids) :].tolist()
 
@@ -112,7 +123,9 @@ def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[s
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_rope_freq_base(
+        float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    )
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     src = gguf.GGUFReader(str(source_gguf))
@@ -120,7 +133,9 @@ def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[s
         field = src.fields[key]
         values = field.contents()
         vtype = field.types[-1]
-        w.add_array(key, values) if vtype != gguf.GGUFValueType.STRING else w.add_array(key, list(values))
+        w.add_array(key, values) if vtype != gguf.GGUFValueType.STRING else w.add_array(
+            key, list(values)
+        )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_bos_token_id(1)
@@ -129,7 +144,11 @@ def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[s
     w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
 
     def permute(t: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's rope row order
-        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        return (
+            t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(t.shape)
+        )
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight",

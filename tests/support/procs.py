@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 HANG_S = 180.0
 
 
-def wait_for(condition: Callable[[], bool], message: str = "condition never held", timeout: float = HANG_S) -> None:
+def wait_for(
+    condition: Callable[[], bool], message: str = "condition never held", timeout: float = HANG_S
+) -> None:
     """Poll ``condition`` until it holds. ``timeout`` only guards against a hang: tests
     assert what happens (counted in engine steps or events), not how fast."""
     end = time.monotonic() + timeout
@@ -27,7 +29,10 @@ def wait_for(condition: Callable[[], bool], message: str = "condition never held
 def python_env() -> dict[str, str]:
     """The environment of a child process that imports ``tests`` and ``structllm`` from
     this checkout."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def children(pid: int) -> list[int]:

@@ -25,21 +25,37 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, backend: str = "trio", startup: float = 180.0, api_key: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        backend: str = "trio",
+        startup: float = 180.0,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.api_key = api_key
         self.env = None if env is None else {**os.environ, **env}
         if api_key:
             args = (*args, "--api-key", api_key)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--port", str(self.port), "--backend", backend, "--log-level", "warning", *args]
+        self.args = [
+            "--port",
+            str(self.port),
+            "--backend",
+            backend,
+            "--log-level",
+            "warning",
+            *args,
+        ]
         self.startup = startup
         self.proc: subprocess.Popen[bytes] | None = None
         self.engine_pid = -1
 
     def __enter__(self) -> Server:
-        self.proc = subprocess.Popen([sys.executable, "-m", "structllm", "run", *self.args], cwd=ROOT, env=self.env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "structllm", "run", *self.args], cwd=ROOT, env=self.env
+        )
         end = time.monotonic() + self.startup
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
@@ -53,7 +69,9 @@ class Server:
         self.proc.kill()
         raise RuntimeError("server did not become healthy")
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
 
@@ -67,13 +85,26 @@ class Server:
             self.proc.wait()
             raise
 
-    def request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-                raw: bytes | None = None, timeout: float = 120) -> tuple[int, bytes]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+        timeout: float = 120,
+    ) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            data = (
+                raw
+                if raw is not None
+                else (json.dumps(body).encode() if body is not None else None)
+            )
             auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            conn.request(method, path, data, {"content-type": "application/json", **auth, **(headers or {})})
+            conn.request(
+                method, path, data, {"content-type": "application/json", **auth, **(headers or {})}
+            )
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -100,11 +131,16 @@ class Server:
         only guards against a hang: how fast it gets there is not asserted)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if (self.metric("num_requests_running"), self.metric("num_requests_waiting"), self.metric("kv_cache_usage_perc")) == (0, 0, 0):
+            if (
+                self.metric("num_requests_running"),
+                self.metric("num_requests_waiting"),
+                self.metric("kv_cache_usage_perc"),
+            ) == (0, 0, 0):
                 return
             time.sleep(0.05)
         raise AssertionError(
-            f"not idle: running={self.metric('num_requests_running')} waiting={self.metric('num_requests_waiting')} "
+            f"not idle: running={self.metric('num_requests_running')} "
+            f"waiting={self.metric('num_requests_waiting')} "
             f"kv={self.metric('kv_cache_usage_perc')}"
         )
 
@@ -114,7 +150,10 @@ def open_stream(port: int, path: str, body: dict[str, Any]) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        ).encode()
         + data
     )
     return s
@@ -133,7 +172,14 @@ def read_until(s: socket.socket, marker: bytes, limit: int = 1 << 20, timeout: f
 
 def completion(prompt: str, max_tokens: int, stream: bool = False, **kw: Any) -> dict[str, Any]:
     """A greedy ``/v1/completions`` body that generates exactly ``max_tokens`` tokens."""
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "ignore_eos": True, **kw}
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+        **kw,
+    }
 
 
 def sse_text(raw: bytes) -> str:
@@ -142,5 +188,8 @@ def sse_text(raw: bytes) -> str:
     for line in raw.split(b"\n"):
         if line.startswith(b"data: {"):
             chunk = json.loads(line[6:])
-            out += [c.get("text") or c.get("delta", {}).get("content") or "" for c in chunk.get("choices", [])]
+            out += [
+                c.get("text") or c.get("delta", {}).get("content") or ""
+                for c in chunk.get("choices", [])
+            ]
     return "".join(out)

@@ -29,7 +29,9 @@ CAP = 256
 
 
 def new_ring(readers: int, capacity: int = CAP) -> BroadcastRing:
-    return BroadcastRing(mmap.mmap(-1, broadcast_ring_size(capacity, readers)), capacity, readers, init=True)
+    return BroadcastRing(
+        mmap.mmap(-1, broadcast_ring_size(capacity, readers)), capacity, readers, init=True
+    )
 
 
 ops = st.lists(
@@ -114,7 +116,12 @@ def test_views_in_separate_objects_share_the_counters() -> None:
 
 def test_counters_have_cache_lines_of_their_own() -> None:
     ring = new_ring(4)
-    addrs = [ring._tail_addr, ring.writer_waiting_addr, *ring._head_addrs, *ring.reader_waiting_addrs]
+    addrs = [
+        ring._tail_addr,
+        ring.writer_waiting_addr,
+        *ring._head_addrs,
+        *ring.reader_waiting_addrs,
+    ]
     lines = {a // 64 for a in addrs}
     assert len(lines) == len(addrs)
     assert broadcast_header_size(4) % 64 == 0
@@ -141,7 +148,9 @@ def channel(readers: int, capacity: int = 1 << 12) -> tuple[Publisher, list[Subs
     ring = new_ring(readers, capacity)
     bells, writer_bell = [Doorbell() for _ in range(readers)], Doorbell()
     pub = Publisher(ring, bells, writer_bell)
-    subs: list[Subscriber[ToWorker]] = [Subscriber(ring, i, bells[i], writer_bell, ToWorker) for i in range(readers)]
+    subs: list[Subscriber[ToWorker]] = [
+        Subscriber(ring, i, bells[i], writer_bell, ToWorker) for i in range(readers)
+    ]
     return pub, subs
 
 
@@ -149,7 +158,9 @@ def test_a_sleeping_subscriber_is_woken_by_the_doorbell() -> None:
     pub, (sub,) = channel(1)
     got: list[ToWorker] = []
     # its periodic wake-up is an hour away: only the doorbell can wake it in time
-    t = threading.Thread(target=lambda: got.append(sub.recv(SpinBudget(0), timeout=3600.0)), daemon=True)
+    t = threading.Thread(
+        target=lambda: got.append(sub.recv(SpinBudget(0), timeout=3600.0)), daemon=True
+    )
     t.start()
     time.sleep(0.2)  # the reader is most likely asleep on its doorbell by now
     pub.publish(step(3))
@@ -203,6 +214,7 @@ def test_two_reader_processes_receive_everything_under_back_pressure() -> None:
     bells, writer_bell = [Doorbell() for _ in range(readers)], Doorbell()
     pub = Publisher(ring, bells, writer_bell)
     env = python_env()
+
     def argv(i: int) -> list[str]:  # reader 1 stalls now and then
         args = [fd, size, cap, readers, i, bells[i].fd, writer_bell.fd, i]
         return [sys.executable, "-c", READER, *map(str, args)]
@@ -227,7 +239,9 @@ def test_two_reader_processes_receive_everything_under_back_pressure() -> None:
         crc = 0
         for i in range(5000):
             n = 1 + (i * 7919) % 60
-            msg = StepInput(bytearray(frame(i, 8 * n)), bytearray(), bytearray(), bytearray(), [], [0], 0, [])
+            msg = StepInput(
+                bytearray(frame(i, 8 * n)), bytearray(), bytearray(), bytearray(), [], [0], 0, []
+            )
             crc = zlib.crc32(bytes(msg.input_ids), crc)
             pub.publish(msg, timeout=0.05, check=readers_alive)
         pub.publish(StopWorker())

@@ -60,7 +60,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -108,9 +108,12 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_front_end_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import structllm.cli, structllm.chat, structllm.server.serve, structllm.server.api_server\n"
-        "import structllm.structured, structllm.output, structllm.tokenizer, structllm.model.files\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'structllm.model.loader') if m in sys.modules)\n"
+        "import structllm.cli, structllm.chat, structllm.server.serve, "
+        "structllm.server.api_server\n"
+        "import structllm.structured, structllm.output, structllm.tokenizer, "
+        "structllm.model.files\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'structllm.model.loader') "
+        "if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

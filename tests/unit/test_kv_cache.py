@@ -107,7 +107,12 @@ def test_disabled_prefix_caching_never_hits() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 7), st.integers(1, 20)), max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 7), st.integers(1, 20)),
+        max_size=60,
+    )
+)
 def test_random_operations_keep_invariants(ops: list[tuple[str, int, int]]) -> None:
     kv = KVCacheManager(12, BS)
     live: dict[int, Request] = {}

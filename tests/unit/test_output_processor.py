@@ -14,7 +14,9 @@ def one(tokenizer: Tokenizer, **sampling: object) -> SequenceState:
 
 
 def test_fan_out_gives_each_choice_its_seed_and_index(tokenizer: Tokenizer) -> None:
-    seqs = fan_out([[1, 2], [3]], SamplingParams(n=3, seed=10), tokenizer, lambda pi, j: f"p{pi}c{j}")
+    seqs = fan_out(
+        [[1, 2], [3]], SamplingParams(n=3, seed=10), tokenizer, lambda pi, j: f"p{pi}c{j}"
+    )
     assert [s.index for s in seqs] == [0, 1, 2, 3, 4, 5]
     assert [s.prompt_index for s in seqs] == [0, 0, 0, 1, 1, 1]
     assert [s.request_id for s in seqs] == ["p0c0", "p0c1", "p0c2", "p1c0", "p1c1", "p1c2"]

@@ -189,6 +189,8 @@ def test_garbage_frame_is_a_protocol_error_and_reading_goes_on() -> None:
 def test_out_of_range_sampling_in_a_frame_is_a_protocol_error() -> None:
     ep, inbound = endpoints()
     ep.on_protocol_error = lambda e: None
-    bad = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams())).replace(b"\xcb?\xf0\x00\x00\x00\x00\x00\x00", b"\xcb\xbf\xf0\x00\x00\x00\x00\x00\x00")
+    bad = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams())).replace(
+        b"\xcb?\xf0\x00\x00\x00\x00\x00\x00", b"\xcb\xbf\xf0\x00\x00\x00\x00\x00\x00"
+    )
     inbound.try_write(bad)  # temperature 1.0 -> -1.0
     assert ep.try_recv() == [] and ep.protocol_errors == 1

@@ -36,7 +36,9 @@ def test_greedy_is_argmax() -> None:
 
 
 def test_top_k_one_is_greedy_even_when_hot() -> None:
-    toks = {sample([r(temperature=5.0, top_k=1)], [logits_row((9, 1.0))], seed=s)[0] for s in range(20)}
+    toks = {
+        sample([r(temperature=5.0, top_k=1)], [logits_row((9, 1.0))], seed=s)[0] for s in range(20)
+    }
     assert toks == {9}
 
 
@@ -75,7 +77,9 @@ def test_presence_and_frequency_penalties_use_output_tokens_only() -> None:
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
     row = logits_row((0, 9.0), (7, 8.0), (3, 1.0))
     assert sample([r(temperature=0, min_tokens=1, stop_token_ids=[7])], [row.clone()]) == [3]
-    assert sample([r(out=[5], temperature=0, min_tokens=1, stop_token_ids=[7])], [row.clone()]) == [0]
+    assert sample([r(out=[5], temperature=0, min_tokens=1, stop_token_ids=[7])], [row.clone()]) == [
+        0
+    ]
 
 
 def test_seeded_request_ignores_batch_composition() -> None:
@@ -83,7 +87,11 @@ def test_seeded_request_ignores_batch_composition() -> None:
     rows = [torch.randn(V) for _ in range(4)]
     alone = [sample([r(seed=42)], [rows[0].clone()], seed=s)[0] for s in range(3)]
     assert len(set(alone)) == 1  # engine seed does not matter
-    mixed = sample([r(), r(seed=42), r(temperature=0)], [rows[1].clone(), rows[0].clone(), rows[2].clone()], seed=9)
+    mixed = sample(
+        [r(), r(seed=42), r(temperature=0)],
+        [rows[1].clone(), rows[0].clone(), rows[2].clone()],
+        seed=9,
+    )
     assert mixed[1] == alone[0]
 
 
@@ -118,5 +126,7 @@ def test_nan_row_does_not_take_the_batch_down() -> None:
     good = logits_row((5, 3.0))
     nan = torch.full((V,), float("nan"))
     partial = logits_row((6, float("inf")), (8, float("nan")))
-    toks, _ = Sampler([0], 0)(torch.stack([good, nan, partial]), [r(temperature=0), r(), r(temperature=0)])
+    toks, _ = Sampler([0], 0)(
+        torch.stack([good, nan, partial]), [r(temperature=0), r(), r(temperature=0)]
+    )
     assert toks[0] == 5 and 0 <= toks[1] < V and toks[2] == 6

@@ -23,7 +23,9 @@ def fake_token(r: Request) -> int:
     return 1 + (sum(t * (i + 1) for i, t in enumerate(r.token_ids)) % (VOCAB - 1))
 
 
-def make(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: int = 8) -> Scheduler:
+def make(
+    num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: int = 8
+) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, block_size), max_seqs, budget, [EOS])
 
 
@@ -170,11 +172,18 @@ def test_min_tokens_defers_eos_and_stop_token_ids() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 9), st.integers(1, 30)), max_size=80),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 9), st.integers(1, 30)
+        ),
+        max_size=80,
+    ),
     st.integers(4, 40),
     st.integers(1, 64),
 )
-def test_random_add_step_abort_keep_invariants(ops: list[tuple[str, int, int]], num_blocks: int, budget: int) -> None:
+def test_random_add_step_abort_keep_invariants(
+    ops: list[tuple[str, int, int]], num_blocks: int, budget: int
+) -> None:
     s = make(num_blocks=num_blocks, block_size=4, budget=budget, max_seqs=4)
     seen: set[str] = set()
     for op, i, n in ops:
@@ -184,7 +193,9 @@ def test_random_add_step_abort_keep_invariants(ops: list[tuple[str, int, int]], 
             prompt_len = min(n, num_blocks * 4 - 8)
             if prompt_len >= 1:
                 seen.add(rid)
-                s.add_request(request(rid, prompt_len, max_tokens=min(6, num_blocks * 4 - prompt_len)))
+                s.add_request(
+                    request(rid, prompt_len, max_tokens=min(6, num_blocks * 4 - prompt_len))
+                )
         elif op == "abort":
             s.abort([rid])
         elif op == "step":

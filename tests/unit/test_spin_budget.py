@@ -30,8 +30,13 @@ class Side:
         return ready, not caught
 
 
-def ping_pong(window: float, wake: float, rounds: int, front_turnaround: float = 10 * US,
-              engine_turnaround: float = 3 * US) -> tuple[list[float], list[int]]:
+def ping_pong(
+    window: float,
+    wake: float,
+    rounds: int,
+    front_turnaround: float = 10 * US,
+    engine_turnaround: float = 3 * US,
+) -> tuple[list[float], list[int]]:
     """Round-trip times and sleeps per round, starting from the state a hiccup leaves:
     both budgets at their floor."""
     front, engine = Side(SpinBudget(window)), Side(SpinBudget(window))

@@ -53,12 +53,24 @@ def test_spec_crosses_the_wire_in_sampling_params() -> None:
 
 BAD = [
     (StructuredOutputs(json={"type": "strung"}), "structured_outputs.json", "strung"),
-    (StructuredOutputs(json={"properties": {"a": {"$ref": "#/$defs/missing"}}}), "structured_outputs.json", "missing"),
-    (StructuredOutputs(json={"type": "string", "format": "no-such-format"}), "structured_outputs.json", "format"),
+    (
+        StructuredOutputs(json={"properties": {"a": {"$ref": "#/$defs/missing"}}}),
+        "structured_outputs.json",
+        "missing",
+    ),
+    (
+        StructuredOutputs(json={"type": "string", "format": "no-such-format"}),
+        "structured_outputs.json",
+        "format",
+    ),
     (StructuredOutputs(json='{"type": '), "structured_outputs.json", "not valid JSON"),
     (StructuredOutputs(json="[1, 2]"), "structured_outputs.json", "schema object"),
     (StructuredOutputs(regex="a(b"), "structured_outputs.regex", "unclosed group"),
-    (StructuredOutputs(grammar="start: undefined_rule"), "structured_outputs.grammar", "undefined_rule"),
+    (
+        StructuredOutputs(grammar="start: undefined_rule"),
+        "structured_outputs.grammar",
+        "undefined_rule",
+    ),
     (StructuredOutputs(regex="a" * 300_000), "structured_outputs.regex", "too large"),
 ]
 
@@ -69,11 +81,15 @@ def test_bad_specs_are_named(lltok: Any, spec: StructuredOutputs, field: str, wh
         error = validate(spec, tok)
         assert error is not None and error.startswith(field) and what in error, error
         assert "\n" not in error
-    assert validate(spec, lltok, field="response_format.json_schema.schema").startswith("response_format")  # type: ignore[union-attr]
+    assert validate(spec, lltok, field="response_format.json_schema.schema").startswith(
+        "response_format"
+    )  # type: ignore[union-attr]
 
 
 GOOD = [
-    StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}),
+    StructuredOutputs(
+        json={"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}
+    ),
     StructuredOutputs(json='{"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}'),
     StructuredOutputs(json_object=True),
     StructuredOutputs(regex=r"[0-9]{3}-[a-z]+"),
@@ -93,7 +109,13 @@ def test_good_specs_validate(lltok: Any, spec: StructuredOutputs) -> None:
 def _nested_one_of(depth: int) -> str:
     s = '{"type": "string"}'
     for _ in range(depth):
-        s = '{"oneOf": [{"type": "object", "properties": {"a": ' + s + '}, "required": ["a"]}, {"type": "array", "items": ' + s + "}]}"
+        s = (
+            '{"oneOf": [{"type": "object", "properties": {"a": '
+            + s
+            + '}, "required": ["a"]}, {"type": "array", "items": '
+            + s
+            + "}]}"
+        )
         if len(s) > 200_000:
             break
     return s
@@ -117,7 +139,9 @@ def test_response_format_specs() -> None:
     assert response_format_spec(None) is None and response_format_spec({"type": "text"}) is None
     assert response_format_spec({"type": "json_object"}) == StructuredOutputs(json_object=True)
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
-    got = response_format_spec({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    got = response_format_spec(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    )
     assert got == StructuredOutputs(json=schema)
     with pytest.raises(GrammarError, match=r"response_format\.type"):
         response_format_spec({"type": "yaml"})
@@ -138,7 +162,12 @@ def _allowed(m: Matcher, n_vocab: int) -> list[int]:
 
 
 def test_forced_tokens_are_each_the_only_allowed_token(lltok: Any) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     m = Matcher(lltok, grammar_of(StructuredOutputs(json=schema)))
     probe = Matcher(lltok, grammar_of(StructuredOutputs(json=schema)))
     forced = m.forced_tokens(100)
@@ -183,7 +212,14 @@ def test_apply_bitmask_masks_only_constrained_rows_and_padded_ids() -> None:
     assert torch.isfinite(narrow[0]).nonzero().flatten().tolist() == [5, 39]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=1.5, top_k=5, top_p=0.9), dict(temperature=0.8, seed=7, min_p=0.1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.0),
+        dict(temperature=1.5, top_k=5, top_p=0.9),
+        dict(temperature=0.8, seed=7, min_p=0.1),
+    ],
+)
 def test_sampler_picks_only_allowed_tokens(kw: dict[str, Any]) -> None:
     sampler = Sampler([2], seed=0)
     allowed = [7, 40, 41]
@@ -199,7 +235,9 @@ def test_sampler_picks_only_allowed_tokens(kw: dict[str, Any]) -> None:
 
 def test_sampler_logprobs_are_of_masked_logits() -> None:
     logits = torch.randn(1, 64)
-    tokens, lps = Sampler([2])(logits, [_req(0, temperature=0.0, logprobs=3)], _mask([0], [[4, 9]], 64))
+    tokens, lps = Sampler([2])(
+        logits, [_req(0, temperature=0.0, logprobs=3)], _mask([0], [[4, 9]], 64)
+    )
     lp = lps[0]
     assert lp is not None and tokens[0] in (4, 9) and set(lp.top_ids[:2]) == {4, 9}
     assert lp.top_logprobs[2] == float("-inf")
@@ -208,7 +246,11 @@ def test_sampler_logprobs_are_of_masked_logits() -> None:
 
 def test_all_masked_row_yields_no_token() -> None:
     # only EOS (2) allowed while min_tokens bans it: nothing is left
-    reqs = [_req(0, temperature=0.0, min_tokens=5), _req(1, temperature=1.0, min_tokens=5), _req(2, temperature=0.0)]
+    reqs = [
+        _req(0, temperature=0.0, min_tokens=5),
+        _req(1, temperature=1.0, min_tokens=5),
+        _req(2, temperature=0.0),
+    ]
     logits = torch.randn(3, 64)
     tokens, _ = Sampler([2])(logits, reqs, _mask([0, 1], [[2], [2]], 64))
     assert tokens[:2] == [-1, -1] and 0 <= tokens[2] < 64
@@ -219,7 +261,11 @@ def test_all_masked_row_yields_no_token() -> None:
 
 def test_json_document_walk_matches_jsonschema(lltok: Any) -> None:
     """A document the grammar accepts token by token is valid for jsonschema too."""
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"],
+    }
     m = Matcher(lltok, grammar_of(StructuredOutputs(json=schema)))
     doc = '{"n": 7}'
     assert m.llmatcher.consume_tokens(lltok.tokenize_str(doc)) and m.llmatcher.is_accepting()
@@ -232,9 +278,14 @@ def test_fast_forward_switch_reaches_the_engine() -> None:
     from structllm.config import EngineConfig
     from structllm.engine.core import EngineCore
 
-    engine = EngineCore(EngineConfig(null_model=True, grammar_fast_forward=False, kv_cache_memory=16 << 20))
+    engine = EngineCore(
+        EngineConfig(null_model=True, grammar_fast_forward=False, kv_cache_memory=16 << 20)
+    )
     assert engine.grammar.fast_forward is False
-    assert EngineCore(EngineConfig(null_model=True, kv_cache_memory=16 << 20)).grammar.fast_forward is True
+    assert (
+        EngineCore(EngineConfig(null_model=True, kv_cache_memory=16 << 20)).grammar.fast_forward
+        is True
+    )
 
 
 def test_generated_chunks_are_laid_out_as_decode_rows() -> None:

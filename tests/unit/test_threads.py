@@ -21,6 +21,11 @@ def test_a_short_barrier_spin_unless_the_user_chose() -> None:
 
 def test_the_offline_llm_sets_it_before_torch_loads() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    code = "import os, sys, structllm; structllm.LLM; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    code = (
+        "import os, sys, structllm; structllm.LLM; "
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert out.split() == [GOMP_SPINCOUNT, "True"]

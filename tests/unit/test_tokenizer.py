@@ -44,10 +44,16 @@ def test_token_by_token_equals_one_shot_decode(tokenizer: Tokenizer, text: str) 
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_random_ids_and_chunking_equal_one_shot_decode(tokenizer: Tokenizer, data: st.DataObject) -> None:
+def test_random_ids_and_chunking_equal_one_shot_decode(
+    tokenizer: Tokenizer, data: st.DataObject
+) -> None:
     # ids drawn from byte-fragment-heavy text plus arbitrary vocabulary entries
     pool = tokenizer.encode("".join(TEXTS))
-    ids = data.draw(st.lists(st.one_of(st.sampled_from(pool), st.integers(0, tokenizer.vocab_size - 1)), max_size=40))
+    ids = data.draw(
+        st.lists(
+            st.one_of(st.sampled_from(pool), st.integers(0, tokenizer.vocab_size - 1)), max_size=40
+        )
+    )
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=10))
     full, _ = stream(Detokenizer(tokenizer), ids, cuts)
     assert full == tokenizer.decode(ids)
@@ -63,7 +69,9 @@ def test_stop_string_cuts_text_before_it(tokenizer: Tokenizer) -> None:
 
 def test_stop_string_can_be_kept(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("one two three four")
-    full, _ = stream(Detokenizer(tokenizer, stop=["three"], include_stop_str_in_output=True), ids, [1, 2, 3])
+    full, _ = stream(
+        Detokenizer(tokenizer, stop=["three"], include_stop_str_in_output=True), ids, [1, 2, 3]
+    )
     assert full == "one two three"
 
 
@@ -84,7 +92,8 @@ def test_earliest_of_several_stop_strings_wins(tokenizer: Tokenizer) -> None:
 def test_chat_template_renders_like_the_model_card(tokenizer: Tokenizer) -> None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+        "trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
@@ -100,7 +109,9 @@ def test_broken_chat_template_gives_a_clear_error(default_files) -> None:  # typ
     tok = Tokenizer(str(default_files.tokenizer_json), meta)
     with pytest.raises(ChatTemplateError, match="no system role"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
-    bad_syntax = Tokenizer(str(default_files.tokenizer_json), TokenizerMeta(chat_template="{% for %}"))
+    bad_syntax = Tokenizer(
+        str(default_files.tokenizer_json), TokenizerMeta(chat_template="{% for %}")
+    )
     with pytest.raises(ChatTemplateError, match="does not compile"):
         bad_syntax.apply_chat_template([])
     no_template = Tokenizer(str(default_files.tokenizer_json), TokenizerMeta())

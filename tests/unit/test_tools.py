@@ -27,17 +27,44 @@ from structllm.tools import (
     validate_tools,
 )
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
-CALLS = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo \\"N\\" {x}", "unit": "c"}}, ' \
-        '{"name": "add", "arguments": {"a": 1, "b": -25}}]}'
+CALLS = (
+    '{"tool_calls": [{"name": "get_weather", '
+    '"arguments": {"city": "Oslo \\"N\\" {x}", "unit": "c"}}, '
+    '{"name": "add", "arguments": {"a": 1, "b": -25}}]}'
+)
 
 
-def req(choice: Any = "auto", fmt: str = "generic", tools: list[Any] = TOOLS, parallel: bool | None = None) -> ToolRequest:
+def req(
+    choice: Any = "auto",
+    fmt: str = "generic",
+    tools: list[Any] = TOOLS,
+    parallel: bool | None = None,
+) -> ToolRequest:
     out = tool_request(tools, choice, parallel, fmt)  # type: ignore[arg-type]
     assert out is not None
     return out
@@ -45,7 +72,9 @@ def req(choice: Any = "auto", fmt: str = "generic", tools: list[Any] = TOOLS, pa
 
 def accepts(lltok: Any, spec: Any, text: str) -> bool:
     m = Matcher(lltok, grammar_of(spec))
-    return bool(m.llmatcher.consume_tokens(lltok.tokenize_str(text))) and bool(m.llmatcher.is_accepting())
+    return bool(m.llmatcher.consume_tokens(lltok.tokenize_str(text))) and bool(
+        m.llmatcher.is_accepting()
+    )
 
 
 def run_parser(parser: ToolCallParser, pieces: list[str]) -> tuple[str, dict[int, dict[str, Any]]]:
@@ -65,17 +94,32 @@ def run_parser(parser: ToolCallParser, pieces: list[str]) -> tuple[str, dict[int
 # -- the request ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tools", "choice", "match"), [
-    (TOOLS, "sometimes", "tool_choice must be"),
-    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "'nope', which is not in tools"),
-    (TOOLS, {"type": "function"}, "tool_choice must be"),
-    (None, "required", "needs at least one entry in tools"),
-    ([], {"type": "function", "function": {"name": "add"}}, "needs at least one entry"),
-    ([{"type": "retrieval"}], "auto", r"tools\[0\] must be"),
-    ([WEATHER, WEATHER], "auto", "used by an earlier tool"),
-    ([{"type": "function", "function": {"name": "has space"}}], "auto", r"tools\[0\]\.function\.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "auto", "parameters must be"),
-])
+@pytest.mark.parametrize(
+    ("tools", "choice", "match"),
+    [
+        (TOOLS, "sometimes", "tool_choice must be"),
+        (
+            TOOLS,
+            {"type": "function", "function": {"name": "nope"}},
+            "'nope', which is not in tools",
+        ),
+        (TOOLS, {"type": "function"}, "tool_choice must be"),
+        (None, "required", "needs at least one entry in tools"),
+        ([], {"type": "function", "function": {"name": "add"}}, "needs at least one entry"),
+        ([{"type": "retrieval"}], "auto", r"tools\[0\] must be"),
+        ([WEATHER, WEATHER], "auto", "used by an earlier tool"),
+        (
+            [{"type": "function", "function": {"name": "has space"}}],
+            "auto",
+            r"tools\[0\]\.function\.name",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": []}}],
+            "auto",
+            "parameters must be",
+        ),
+    ],
+)
 def test_bad_tool_fields_are_named(tools: Any, choice: Any, match: str) -> None:
     with pytest.raises(ToolError, match=match) as e:
         tool_request(tools, choice, None, "generic")
@@ -93,14 +137,22 @@ def test_no_tools_is_no_request_and_none_allows_no_calls() -> None:
 
 def test_tool_schemas_are_compiled_and_errors_name_the_tool(lltok: Any) -> None:
     assert validate_tools(TOOLS, lltok) is None
-    broken = [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
+    broken = [
+        WEATHER,
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}},
+    ]
     assert (validate_tools(broken, lltok) or "").startswith("tools[1].function.parameters: ")
 
 
 def test_detect_format() -> None:
     assert detect_format(None) == "generic"
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "generic"
-    assert detect_format("{% if tools %}{{ tools | tojson }} reply in <tool_call></tool_call>{% endif %}") == "hermes"
+    assert (
+        detect_format(
+            "{% if tools %}{{ tools | tojson }} reply in <tool_call></tool_call>{% endif %}"
+        )
+        == "hermes"
+    )
 
 
 # -- constraints ---------------------------------------------------------------------------
@@ -110,7 +162,9 @@ def test_envelope_schema_enforces_the_tools() -> None:
     schema = tool_calls_schema(TOOLS)
     jsonschema.validate(json.loads(CALLS), schema)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"tool_calls": [{"name": "add", "arguments": {"city": "Oslo"}}]}, schema)
+        jsonschema.validate(
+            {"tool_calls": [{"name": "add", "arguments": {"city": "Oslo"}}]}, schema
+        )
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"tool_calls": []}, schema)
     with pytest.raises(jsonschema.ValidationError):  # two calls, and one is not "add"
@@ -137,10 +191,15 @@ def test_hermes_constraints(lltok: Any) -> None:
     assert required is not None and validate(required, lltok) is None
     assert accepts(lltok, required, call) and accepts(lltok, required, call + "\n" + call)
     assert not accepts(lltok, required, "Sure! " + call)
-    single = constraint(req({"type": "function", "function": {"name": "get_weather"}}, "hermes", parallel=False))
+    single = constraint(
+        req({"type": "function", "function": {"name": "get_weather"}}, "hermes", parallel=False)
+    )
     assert single is not None
     assert not accepts(lltok, single, call)  # not the named function
-    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f"}}\n</tool_call>'
+    weather = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f"}}\n'
+        "</tool_call>"
+    )
     assert accepts(lltok, single, weather) and not accepts(lltok, single, weather + "\n" + weather)
 
 
@@ -148,8 +207,17 @@ def test_hermes_constraints(lltok: Any) -> None:
 
 HISTORY = [
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+            }
+        ],
+    },
     {"role": "tool", "content": "-3 C, snow", "tool_call_id": "call_1"},
     {"role": "tool", "content": "wind 20 km/h", "tool_call_id": "call_1"},
 ]
@@ -158,12 +226,27 @@ HISTORY = [
 def test_generic_prompt_describes_tools_and_rewrites_history() -> None:
     msgs, variables = prompt_messages(HISTORY, req("auto"), "generic")
     assert variables == {}
-    assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and '"tool_calls"' in msgs[0]["content"]
-    assert msgs[2] == {"role": "assistant", "content": json.dumps(
-        {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]})}
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]  # results joined in one
+    assert (
+        msgs[0]["role"] == "system"
+        and "get_weather" in msgs[0]["content"]
+        and '"tool_calls"' in msgs[0]["content"]
+    )
+    assert msgs[2] == {
+        "role": "assistant",
+        "content": json.dumps(
+            {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}
+        ),
+    }
+    assert [m["role"] for m in msgs] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+    ]  # results joined in one
     assert "-3 C, snow" in msgs[3]["content"] and "wind 20 km/h" in msgs[3]["content"]
-    own, _ = prompt_messages([{"role": "system", "content": "Be brief."}, *HISTORY[:1]], req("auto"), "generic")
+    own, _ = prompt_messages(
+        [{"role": "system", "content": "Be brief."}, *HISTORY[:1]], req("auto"), "generic"
+    )
     assert own[0]["content"].startswith("Be brief.\n\n") and len(own) == 2
     quiet, _ = prompt_messages(HISTORY[:1], req("none"), "generic")
     assert quiet == HISTORY[:1]  # tool_choice none: no description
@@ -172,8 +255,13 @@ def test_generic_prompt_describes_tools_and_rewrites_history() -> None:
 def test_hermes_prompt_passes_tools_to_the_template() -> None:
     msgs, variables = prompt_messages(HISTORY, req("auto", "hermes"), "hermes")
     assert variables == {"tools": TOOLS}
-    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "unit": "c"}  # an object
-    assert HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo", "unit": "c"}'  # untouched
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Oslo",
+        "unit": "c",
+    }  # an object
+    assert (
+        HISTORY[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo", "unit": "c"}'
+    )  # untouched
     assert msgs[2] == HISTORY[2]
 
 
@@ -209,35 +297,51 @@ def test_scanner_partial_values_grow() -> None:
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
 def test_generic_calls_stream_into_the_final_calls(size: int) -> None:
     parser = ToolCallParser(req("required"))
-    content, streamed = run_parser(parser, [CALLS[i:i + size] for i in range(0, len(CALLS), size)])
+    content, streamed = run_parser(
+        parser, [CALLS[i : i + size] for i in range(0, len(CALLS), size)]
+    )
     assert content == "" and parser.content is None
     final = [c.as_openai() for c in parser.calls]
     assert [c["function"]["name"] for c in final] == ["get_weather", "add"]
     assert [json.loads(c["function"]["arguments"]) for c in final] == [
-        {"city": 'Oslo "N" {x}', "unit": "c"}, {"a": 1, "b": -25}]
+        {"city": 'Oslo "N" {x}', "unit": "c"},
+        {"a": 1, "b": -25},
+    ]
     assert [(v["id"], v["name"], v["arguments"]) for _, v in sorted(streamed.items())] == [
-        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in final]
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in final
+    ]
 
 
 def test_generic_auto_text_is_content() -> None:
     parser = ToolCallParser(req("auto"))
     content, calls = run_parser(parser, ["The answer", " is {4}.\n"])
-    assert content == "The answer is {4}.\n" == parser.content and calls == {} and parser.calls == []
+    assert (
+        content == "The answer is {4}.\n" == parser.content and calls == {} and parser.calls == []
+    )
 
 
-HERMES = ('I will check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
-          '</tool_call>\n<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>\n')
+HERMES = (
+    "I will check.\n\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+    '</tool_call>\n<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call>\n'
+)
 
 
 @pytest.mark.parametrize("size", [1, 2, 5, 11, 1000])
 def test_hermes_calls_and_content_split_anywhere(size: int) -> None:
     parser = ToolCallParser(req("auto", "hermes"))
-    content, streamed = run_parser(parser, [HERMES[i:i + size] for i in range(0, len(HERMES), size)])
+    content, streamed = run_parser(
+        parser, [HERMES[i : i + size] for i in range(0, len(HERMES), size)]
+    )
     assert content == "I will check." == parser.content
     final = [c.as_openai()["function"] for c in parser.calls]
-    assert final == [{"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
-                     {"name": "add", "arguments": '{"a": 1, "b": 2}'}]  # arguments before name: still whole
-    assert [{"name": v["name"], "arguments": v["arguments"]} for _, v in sorted(streamed.items())] == final
+    assert final == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+        {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+    ]  # arguments before name: still whole
+    assert [
+        {"name": v["name"], "arguments": v["arguments"]} for _, v in sorted(streamed.items())
+    ] == final
 
 
 def test_hermes_text_only_keeps_every_character() -> None:
@@ -256,15 +360,29 @@ def test_hermes_broken_call_falls_back_to_text() -> None:
 
 def test_sequence_finishes_with_tool_calls(tokenizer) -> None:  # type: ignore[no-untyped-def]
     ids = tokenizer.encode(CALLS, add_special_tokens=False)
-    seq = SequenceState(0, 0, "r", [1], SamplingParams(), Detokenizer(tokenizer, []),
-                        tools=ToolCallParser(req("required")))
+    seq = SequenceState(
+        0,
+        0,
+        "r",
+        [1],
+        SamplingParams(),
+        Detokenizer(tokenizer, []),
+        tools=ToolCallParser(req("required")),
+    )
     updates = [seq.process([t], None, None, None, 0) for t in ids[:-1]]
     updates.append(seq.process(ids[-1:], None, "stop", None, 0))
     assert seq.finish_reason == "tool_calls" == updates[-1].finish_reason
     assert all(u.text == "" for u in updates)
     assert sum(len(u.tool_calls) for u in updates) > 2  # announced, then argument pieces
-    cut = SequenceState(0, 0, "r", [1], SamplingParams(), Detokenizer(tokenizer, []),
-                        tools=ToolCallParser(req("required")))
+    cut = SequenceState(
+        0,
+        0,
+        "r",
+        [1],
+        SamplingParams(),
+        Detokenizer(tokenizer, []),
+        tools=ToolCallParser(req("required")),
+    )
     cut.process(ids[:10], None, "length", None, 0)
     assert cut.finish_reason == "length" and cut.tools is not None and cut.tools.calls == []
 
@@ -272,16 +390,29 @@ def test_sequence_finishes_with_tool_calls(tokenizer) -> None:  # type: ignore[n
 def test_tool_arguments_are_closed_objects() -> None:
     from structllm.tools import closed
 
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
-                                               "c": {"type": "object", "properties": {}, "additionalProperties": True}},
-              "anyOf": [{"properties": {"d": {}}}]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {}}},
+            "c": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "anyOf": [{"properties": {"d": {}}}],
+    }
     out = closed(schema)
-    assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
-    assert out["properties"]["c"]["additionalProperties"] is True and out["anyOf"][0]["additionalProperties"] is False
+    assert (
+        out["additionalProperties"] is False
+        and out["properties"]["a"]["additionalProperties"] is False
+    )
+    assert (
+        out["properties"]["c"]["additionalProperties"] is True
+        and out["anyOf"][0]["additionalProperties"] is False
+    )
     assert "additionalProperties" not in schema  # a copy
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}]},
-                            tool_calls_schema([ADD]))
+        jsonschema.validate(
+            {"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}]},
+            tool_calls_schema([ADD]),
+        )
 
 
 def test_hermes_cut_off_tag_after_calls_is_not_content() -> None:
