@@ -49,6 +49,26 @@ TOOLS: list[Any] = [
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
+# a call carried back: the assistant's call (null content), then the tool's result
+HISTORY = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris", "unit": "celsius"}',
+                },
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+]
+
 # A ChatML template that knows tools, in the hermes family's format (written for this test).
 HERMES_TEMPLATE = """
 {%- if tools %}<|im_start|>system
@@ -202,25 +222,7 @@ def test_sampled_calls_with_n_are_valid(generic: openai.OpenAI) -> None:
 
 
 def test_tool_round_trip(generic: openai.OpenAI) -> None:
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {
-                        "name": "get_weather",
-                        "arguments": '{"city": "Paris", "unit": "celsius"}',
-                    },
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
-    ]
-    out = create(generic, messages=history, tool_choice="none", max_tokens=30)
+    out = create(generic, messages=HISTORY, tool_choice="none", max_tokens=30)
     assert out.choices[0].message.content
 
 
@@ -294,25 +296,7 @@ def test_hermes_auto_and_round_trip(hermes: openai.OpenAI) -> None:
         check_calls(out.choices[0].message.tool_calls)
     else:
         assert out.choices[0].message.content
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {
-                        "name": "get_weather",
-                        "arguments": '{"city": "Paris", "unit": "celsius"}',
-                    },
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
-    ]
-    again = create(hermes, messages=history, max_tokens=30)
+    again = create(hermes, messages=HISTORY, max_tokens=30)
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
