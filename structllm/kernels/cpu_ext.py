@@ -54,18 +54,19 @@ def _cpu_flags() -> str:
 
 
 @cache
-def load(isa: str | None = None) -> Any | None:
-    """The compiled attention module (``paged_decode``; ``isa()``: the float16 widening
-    compiled in) for ``isa`` (default ``best_isa()``; a CPU without AVX2 gets a plain
-    ``-march=native`` build), or None if it cannot be built."""
+def attention_build(isa: str | None = None) -> tuple[str, list[str]]:
+    """The attention kernel's module stem and compiler flags for ``isa`` (default
+    ``best_isa()``; a CPU without AVX2 gets a plain ``-march=native`` build)."""
     isa = isa or best_isa()
     march = _ISA_MARCH[isa] if isa else "-march=native"
-    return build(
-        f"structllm_cpu_attention_{isa or 'native'}",
-        SOURCE,
-        [*FLAGS, march],
-        "the CPU attention kernel (about 20 s)",
-    )
+    return f"structllm_cpu_attention_{isa or 'native'}", [*FLAGS, march]
+
+
+def load(isa: str | None = None) -> Any | None:
+    """The compiled attention module (``paged_decode``; ``isa()``: the float16 widening
+    compiled in) for ``isa`` (see ``attention_build``), or None if it cannot be built."""
+    stem, flags = attention_build(isa)
+    return build(stem, SOURCE, flags, "the CPU attention kernel (about 20 s)")
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")

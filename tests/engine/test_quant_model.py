@@ -135,7 +135,7 @@ def test_bad_combinations_fail_at_start(tiny_llama_dir: Path, tiny_gguf: Path) -
     auto_cuda = resolve_format(EngineConfig(), torch.device("cuda"), files)
     assert not auto_cuda.blocks  # auto dequantises on CUDA
     tp = resolve_format(EngineConfig(), torch.device("cpu"), files, world_size=2)
-    assert not tp.blocks  # tensor parallelism runs GGUF files dequantised
+    assert tp.blocks  # tensor parallelism shards the blocks (see test_block_shards_...)
 
 
 def test_cli_takes_the_format_flags() -> None:

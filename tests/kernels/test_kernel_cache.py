@@ -31,9 +31,8 @@ def test_a_cached_build_is_imported_without_compiling(
     real = cpu_ext.load()  # the machine's own build (compiled once, or already cached)
     if real is None:
         pytest.skip("no C++ toolchain here: the CPU kernel cannot be built")
-    name = cpu_ext.build_name(
-        "structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, torch.__version__
-    )
+    stem, flags = cpu_ext.attention_build()
+    name = cpu_ext.build_name(stem, cpu_ext.SOURCE, flags, torch.__version__)
     built = cpu_ext.cache_root() / "extensions" / name / f"{name}{cpu_ext._abi()}"
     assert built.exists(), "a build is kept under the interpreter's extension suffix"
     # a cache holding only the built library, as another environment would have left it
@@ -46,9 +45,7 @@ def test_a_cached_build_is_imported_without_compiling(
         raise AssertionError("compiled again although the cache holds the build")
 
     monkeypatch.setattr(cpu_ext, "_compile", no_compiler)
-    module = cpu_ext.build(
-        "structllm_cpu_attention", cpu_ext.SOURCE, cpu_ext.FLAGS, "the CPU attention kernel"
-    )
+    module = cpu_ext.build(stem, cpu_ext.SOURCE, flags, "the CPU attention kernel")
     assert module is not None and hasattr(module, "paged_decode")
 
 
