@@ -351,8 +351,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         deltas, self._pending = self._pending, []
         if sched.scheduled:
-            start = now_us()
+            start = 0
             if self.tracer.enabled:
+                start = now_us()
                 self._trace_scheduled(sched)
             try:
                 sampled, logprobs, prompt_logprobs = self.runner.execute(sched)

@@ -188,6 +188,10 @@ class App:
                 code="invalid_api_key",
             )
 
+    def close(self) -> None:
+        """Release what the app holds beyond its requests (the trace file). Idempotent."""
+        self.tracer.close()
+
     def attach(self, client: EngineClient) -> None:
         """Serve generation requests through ``client`` (an engine that is ready)."""
         self.pre = Preprocessor(

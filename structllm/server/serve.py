@@ -140,6 +140,7 @@ def run(config: ServerConfig) -> int:
         # counters of all front ends, one slot each, summed by whoever answers /metrics
         metrics_mem, metrics_fd = shm.create(config.api_server_count * SLOT_SIZE * 8)
         table = memoryview(metrics_mem).cast("d")
+    app: App | None = None
     try:
         app = make_app(config, front_end_files(config.engine.model), table, 0)
         return int(
@@ -148,6 +149,8 @@ def run(config: ServerConfig) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        if app is not None:
+            app.close()
         sock.close()
         if metrics_mem is not None:
             assert table is not None
@@ -360,6 +363,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        app.close()
         app.metrics.table = None
         table.release()
         mapping.close()
