@@ -169,6 +169,20 @@ def attention(
     """Store this step's ``k, v: [T, Hkv, D]`` in the cache, then attend with
     ``q: [T, H, D]``; returns ``[T, H, D]``."""
     impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend(impl, q, k, v, k_cache, v_cache, meta, scale)
+
+
+def attend(
+    impl: AttentionImpl,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """``attention`` once this step's K/V are in the cache (prefill reads ``k, v`` too)."""
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return impl.decode(q, k_cache, v_cache, meta, scale)

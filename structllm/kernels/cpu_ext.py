@@ -1,4 +1,5 @@
-"""Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``).
+"""Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``,
+``cpu_layer.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
 machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
@@ -67,6 +68,24 @@ def load(isa: str | None = None) -> Any | None:
     compiled in) for ``isa`` (see ``attention_build``), or None if it cannot be built."""
     stem, flags = attention_build(isa)
     return build(stem, SOURCE, flags, "the CPU attention kernel (about 20 s)")
+
+
+LAYER_SOURCE = Path(__file__).with_name("cpu_layer.cpp")
+
+
+@cache
+def load_layer(isa: str | None = None) -> Any | None:
+    """The fused layer ops (``rms_norm``, ``silu_mul``, ``rope_store``) built for ``isa``
+    (default ``best_isa()``), or None if the CPU lacks AVX2 or the build fails."""
+    isa = isa or best_isa()
+    if isa is None:
+        return None
+    return build(
+        f"structllm_cpu_layer_{isa}",
+        LAYER_SOURCE,
+        [*FLAGS, _ISA_MARCH[isa]],
+        "the fused CPU layer ops (about 20 s)",
+    )
 
 
 QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
@@ -210,6 +229,7 @@ def build_all() -> list[tuple[str, bool]]:
     out = [("cpu_attention", load() is not None)]
     if isa is not None:
         out.append((f"quant_{isa}", load_quant(isa) is not None))
+        out.append((f"cpu_layer_{isa}", load_layer(isa) is not None))
     return out
 
 

@@ -41,6 +41,12 @@ class WeightFormat:
     blocks: bool = False
     half: str = "none"
 
+    @property
+    def exact(self) -> bool:
+        """Plain float32 weights on CPU: the path that matches transformers token for
+        token, so it runs torch's own element-wise ops too."""
+        return self == WeightFormat(torch.float32)
+
     def describe(self) -> str:
         if self.blocks:
             return (

@@ -256,4 +256,6 @@ def load_model(
     model.assign_weights(weights)
     del weights
     model.pack_weights(fmt.half if fmt is not None else "none")
+    if fmt is not None and not fmt.exact:
+        model.use_cpu_ops()
     return model.eval()

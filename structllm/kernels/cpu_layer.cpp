@@ -1,0 +1,197 @@
+// The element-wise glue of a decoder layer, fused, for the CPU engine's non-exact
+// formats (GGUF blocks, float16 weights; see LlamaModel.use_cpu_ops).
+//
+// At one decode token a layer's matmuls take microseconds, and the ops between them
+// cost as much: torch's rms_norm is ~7 composite ops (~13 us), rotary embedding and the
+// KV store another ~12 ops, SiLU * up three more, each a dispatch, an allocation and,
+// where it parallelises, an OpenMP fork and join. Here each is one call, and at decode
+// sizes it runs on the calling thread (a few rows are less work than waking a peer).
+// Rounding differs from torch's ops (the order of a row's sum of squares, a polynomial
+// exp for SiLU: relative error < 2e-7), which is why the exact float32 path keeps them.
+//
+// Shapes (all float32 and contiguous unless said):
+//   rms_norm(x [T, H], delta [T, H] or None, w [H], eps) -> [T, H]
+//       x += delta in place (the residual stream), then returns x / rms(x) * w
+//   silu_mul(gu [T, 2F]) -> [T, F]        silu(gu[:, :F]) * gu[:, F:]
+//   rope_store(qkv [T, H + 2 Hkv, D], rope [T, D/2, 2] (cos, sin), H, Hkv,
+//              kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D], slots [T] int64)
+//       rotates the interleaved pairs of q and k in place, then writes k and v into the
+//       cache slots (float32 or float16 cache; CpuAttention's layout)
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+// Rows per parallel chunk: up to this many rows run on the calling thread.
+constexpr int64_t kGrain = 8;
+
+// exp(x), x clamped to [-87, 88] (no overflow to inf, no denormals): 2^n * 2^f with
+// n = round(x / ln 2), |f| <= 1/2 and 2^f by its degree-6 Taylor polynomial (relative
+// error < 2e-7). Branch-free so that GCC vectorises the loops that call it.
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.4426950408889634f;
+  const float fi = std::nearbyint(t);
+  const float f = t - fi;
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6184910e-3f;
+  p = p * f + 5.5503406e-2f;
+  p = p * f + 2.4022652e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous(), what,
+              ": float32 [T, N] contiguous expected");
+}
+
+// n values from float32 to the cache's type (float16: F16C, 8 at a time, round to nearest)
+inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, at::Half* dst, int n) {
+  int i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; i++) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+template <typename C>
+void store_kv(const float* qkv, int64_t T, int H, int Hkv, int D, C* kt, C* v, int64_t BS,
+              const int64_t* slots) {
+  const int64_t row = static_cast<int64_t>(H + 2 * Hkv) * D;
+  for (int64_t t = 0; t < T; t++) {
+    const int64_t s = slots[t], blk = s / BS, off = s % BS;
+    const float* k = qkv + t * row + static_cast<int64_t>(H) * D;
+    // K, block-transposed: kt[blk, h, d, off]
+    for (int h = 0; h < Hkv; h++) {
+      C* dst = kt + ((blk * Hkv + h) * D) * BS + off;
+      for (int d = 0; d < D; d++) {
+        float val = k[h * D + d];
+        store_row(&val, dst + d * BS, 1);
+      }
+    }
+    // V: one contiguous [Hkv, D] row at slot s
+    store_row(k + static_cast<int64_t>(Hkv) * D, v + s * Hkv * D, Hkv * D);
+  }
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.numel() == N, "rms_norm: weight [H] float32");
+  const float* dp = nullptr;
+  if (delta.has_value()) {
+    check_rows(*delta, "rms_norm delta");
+    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N, "rms_norm: delta shape differs from x");
+    dp = delta->data_ptr<float>();
+  }
+  auto out = torch::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float* xr = xp + t * N;
+      if (dp != nullptr) {
+        const float* dr = dp + t * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; i++) xr[i] += dr[i];
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; i++) ss += xr[i] * xr[i];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
+      float* orow = op + t * N;
+#pragma omp simd
+      for (int64_t i = 0; i < N; i++) orow[i] = xr[i] * r * wp[i];
+    }
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_rows(gu, "silu_mul");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: odd width");
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  auto out = torch::empty({T, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* g = gp + t * 2 * F;
+      const float* u = g + F;
+      float* o = op + t * F;
+#pragma omp simd
+      for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + exp_clamped(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, torch::Tensor kt, torch::Tensor v,
+                torch::Tensor slots) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 3 && qkv.is_contiguous(),
+              "rope_store: qkv must be float32 [T, H + 2 Hkv, D] contiguous");
+  const int64_t T = qkv.size(0), D = qkv.size(2);
+  TORCH_CHECK(qkv.size(1) == H + 2 * Hkv && D % 2 == 0, "rope_store: qkv heads != H + 2 Hkv (or odd head size)");
+  TORCH_CHECK(rope.dtype() == torch::kFloat32 && rope.is_contiguous() && rope.numel() == T * D,
+              "rope_store: rope must be float32 [T, D/2, 2] contiguous");
+  TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16) &&
+                  kt.is_contiguous() && v.is_contiguous(),
+              "rope_store: K and V caches must be contiguous, both float32 or both float16");
+  TORCH_CHECK(kt.dim() == 4 && kt.size(1) == Hkv && kt.size(2) == D && v.dim() == 4 && v.size(0) == kt.size(0) &&
+                  v.size(1) == kt.size(3) && v.size(2) == Hkv && v.size(3) == D,
+              "rope_store: cache shapes must be [NB, Hkv, D, BS] and [NB, BS, Hkv, D]");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
+              "rope_store: slots must be int64 [T]");
+  const int64_t BS = kt.size(3), capacity = kt.size(0) * BS;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++)  // never write outside the cache
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "rope_store: slot ", sp[t], " outside the cache");
+  float* qp = qkv.data_ptr<float>();
+  const float* rp = rope.data_ptr<float>();
+  const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
+  at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* cs = rp + t * D;  // (cos, sin) pairs
+      for (int64_t h = 0; h < H + Hkv; h++) {
+        float* x = qp + t * row + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {  // (x0 + i x1)(c + i s)
+          const float x0 = x[2 * i], x1 = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+          x[2 * i] = x0 * c - x1 * s;
+          x[2 * i + 1] = x0 * s + x1 * c;
+        }
+      }
+    }
+  });
+  if (kt.dtype() == torch::kFloat16)
+    store_kv(qp, T, H, Hkv, D, kt.data_ptr<at::Half>(), v.data_ptr<at::Half>(), BS, sp);
+  else
+    store_kv(qp, T, H, Hkv, D, kt.data_ptr<float>(), v.data_ptr<float>(), BS, sp);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "x += delta (if given), then RMSNorm(x) * w, as a new tensor");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of gu = [gate | up]");
+  m.def("rope_store", &rope_store, "rotate q and k in place, store k and v in the paged cache");
+}

@@ -1,0 +1,130 @@
+"""The fused layer ops (``cpu_layer.cpp``) against torch's own ops, on both ISA builds,
+and a model run through them against the same model run through torch's ops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.kernels import cpu_ext
+from structllm.kernels.attention import CpuAttention
+from structllm.model.llama import LlamaModel, apply_rope
+from structllm.protocol import AddRequest, SamplingParams
+from tests.support.models import EXACT
+
+pytestmark = pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2 on this CPU")
+ISAS = [i for i in cpu_ext.ISAS if cpu_ext.best_isa() in (i, "avx512")]
+ROWS = [1, 3, 17]  # one row (decode, inline), a few, more than one parallel chunk
+
+
+@pytest.fixture(params=ISAS)
+def ops(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    module = cpu_ext.load_layer(request.param)
+    assert module is not None  # the project's machines have a compiler
+    return module
+
+
+@pytest.mark.parametrize("t", ROWS)
+def test_rms_norm_matches_torch(ops, t: int) -> None:  # type: ignore[no-untyped-def]
+    x, w = torch.randn(t, 576) * 3, torch.randn(576)
+    out = ops.rms_norm(x, None, w, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", ROWS)
+def test_rms_norm_adds_delta_to_the_residual_in_place(ops, t: int) -> None:  # type: ignore[no-untyped-def]
+    x, delta, w = torch.randn(t, 200), torch.randn(t, 200), torch.randn(200)
+    residual = x + delta  # the addition must round exactly like torch's
+    out = ops.rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(x, residual)
+    torch.testing.assert_close(out, F.rms_norm(residual, (200,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", ROWS)
+def test_silu_mul_matches_torch(ops, t: int) -> None:  # type: ignore[no-untyped-def]
+    gu = torch.randn(t, 2 * 1536) * 8
+    gu[0, :6] = torch.tensor([-200.0, -88.0, 0.0, 30.0, 90.0, 1e4])  # far tails, no NaN/inf
+    ref = F.silu(gu[:, :1536]) * gu[:, 1536:]
+    out = ops.silu_mul(gu)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t", ROWS)
+def test_rope_store_matches_rotation_and_store(ops, t: int, cache_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    h, hkv, d, bs, nb = 9, 3, 64, 16, 8
+    qkv = torch.randn(t, h + 2 * hkv, d)
+    angles = torch.rand(t, d // 2, dtype=torch.float64) * 40
+    rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)  # [T, D/2]
+    slots = torch.randperm(nb * bs)[:t]
+    impl = CpuAttention(cpu_ext.load())
+    shape = impl.k_cache_shape(nb, bs, hkv, d)
+    k_ref, v_ref = (
+        torch.zeros(shape, dtype=cache_dtype),
+        torch.zeros(nb, bs, hkv, d, dtype=cache_dtype),
+    )
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+
+    qk = apply_rope(qkv[:, : h + hkv], rope.unsqueeze(1))  # the torch path
+    impl.store_kv(qk[:, h:], qkv[:, h + hkv :], k_ref, v_ref, slots)
+    ops.rope_store(qkv, torch.view_as_real(rope), h, hkv, k_out, v_out, slots)
+
+    torch.testing.assert_close(qkv[:, : h + hkv], qk, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_out, v_ref)  # v is only copied (and converted)
+    touched = torch.zeros(nb * bs, dtype=torch.bool)
+    touched[slots] = True  # nothing else was written
+    assert not v_out.view(nb * bs, -1)[~touched].any()
+
+
+def test_rope_store_refuses_a_slot_outside_the_cache(ops) -> None:  # type: ignore[no-untyped-def]
+    k, v = torch.zeros(2, 1, 8, 16), torch.zeros(2, 16, 1, 8)
+    rope = torch.zeros(1, 4, 2)
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
+        ops.rope_store(torch.zeros(1, 3, 8), rope, 1, 1, k, v, torch.tensor([32]))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rope_store(
+            torch.zeros(1, 3, 8, dtype=torch.float64), rope, 1, 1, k, v, torch.tensor([0])
+        )
+
+
+def greedy(engine: EngineCore, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens and their logprobs through the engine's step loop."""
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
+    engine.add_request(AddRequest("g", ids, sp))
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while engine.has_work:
+        for d in engine.step().outputs:
+            tokens += d.new_token_ids
+            logprobs += [lp.logprob for lp in d.logprobs or []]
+    return tokens, logprobs
+
+
+def test_a_model_through_the_fused_ops_decodes_like_torchs_ops(tiny_llama_dir: Path) -> None:
+    # float16 weights (not exact): the fused ops are on; the same engine with them
+    # switched off must decode the same tokens with the same scores
+    engine = EngineCore(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float16", kv_cache_memory=8 << 20)
+    )
+    model = engine.runner.model
+    assert isinstance(model, LlamaModel) and isinstance(model.attn_impl, CpuAttention)
+    assert model.cpu_ops is not None
+    prompt = list(range(5, 40))
+    fused = greedy(engine, prompt, 24)
+    model.cpu_ops = None
+    plain = greedy(engine, prompt, 24)
+    assert fused[0] == plain[0]
+    torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]), rtol=1e-4, atol=1e-4)
+
+
+def test_the_exact_path_keeps_torchs_ops(tiny_llama_dir: Path) -> None:
+    engine = EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, **EXACT))  # type: ignore[arg-type]
+    assert isinstance(engine.runner.model, LlamaModel)
+    assert engine.runner.model.cpu_ops is None
