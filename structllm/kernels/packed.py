@@ -62,13 +62,21 @@ def block_mode(rows: int, int8_ok: bool = True) -> int:
     return FLOAT
 
 
-def _kernels() -> Any:
-    from structllm.kernels import cpu_ext
+_KERNELS: Any = None  # the loaded module, once found (linear runs ~150 times a step)
 
-    module = cpu_ext.load_quant()
-    if module is None:
-        raise RuntimeError("the GGUF block kernels are unavailable on this machine (see the log)")
-    return module
+
+def _kernels() -> Any:
+    global _KERNELS
+    if _KERNELS is None:
+        from structllm.kernels import cpu_ext
+
+        module = cpu_ext.load_quant()
+        if module is None:
+            raise RuntimeError(
+                "the GGUF block kernels are unavailable on this machine (see the log)"
+            )
+        _KERNELS = module
+    return _KERNELS
 
 
 @dataclass
@@ -147,9 +155,11 @@ def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = True) 
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=False``: a ``BlockWeight``
     never takes the int8 path (the LM head: see ``LlamaModel.compute_logits``)."""
     if isinstance(w, BlockWeight):
-        x2 = x.reshape(-1, x.shape[-1]).float()
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         mode = block_mode(x2.shape[0], int8_ok)
-        y = _kernels().linear(x2, w.raw, w.code, mode).view(*x.shape[:-1], w.shape[0])
+        y = (_KERNELS or _kernels()).linear(x2.float(), w.raw, BLOCK_TYPES[w.type_name], mode)
+        if x.dim() != 2:
+            y = y.view(*x.shape[:-1], w.shape[0])
         return y if b is None else y.add_(b)
     if isinstance(w, HalfWeight):
         y = torch.ops.quantized.linear_dynamic_fp16(x.float(), w.packed)
