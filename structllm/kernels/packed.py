@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -33,17 +34,36 @@ BLOCK = 32
 # Kernel paths (the C++ ``linear``'s mode codes).
 FLOAT, INT8, INT16 = 0, 1, 2
 
-# Rows of x from which the int16 path runs (0: never). Many rows make the matmul bound by
-# arithmetic, and the float path, however blocked, is then held to the float32 FMA rate,
-# the rate oneDNN's packed float32 already runs at (0.85-0.95x of it at M = 16-256 on a
-# 2-vCPU AVX-512 EPYC, bench/quant_linear.py). The int16 path does 32 multiply-adds per
-# instruction (vpdpwssd; vpmaddwd + vpaddd on AVX2) against the FMA's 16: 1.1-1.6x
-# oneDNN's speed at M = 16-256 on AVX-512, 1.2-1.4x on the AVX2 build against oneDNN
-# held to AVX2. Activations rounded to 16 bits per block of 32 (relative error <= 2^-16
-# of the block's largest value) leave greedy top-1 agreement with float32 where the
-# float path's is (tests/engine/test_quant_model.py). Below 5 rows the float path decodes in
-# registers (no tile to fill), which is faster than either blocked path.
-INT16_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT16_MIN_M", "5"))
+# Rows of x from which the int16 path runs (0: never; unset: by ISA, see int16_min_m).
+# Many rows make the matmul bound by arithmetic, and the float path, however blocked, is
+# then held to the float32 FMA rate, the rate oneDNN's packed float32 already runs at
+# (0.85-0.95x of it at M = 16-256 on a 2-vCPU AVX-512 EPYC, bench/quant_linear.py). The
+# int16 path does 32 multiply-adds per instruction (vpdpwssd; vpmaddwd + vpaddd on AVX2)
+# against the FMA's 16: 1.1-1.6x oneDNN's speed at M = 16-256 on AVX-512, 1.2-1.4x on
+# the AVX2 build against oneDNN held to AVX2. Activations rounded to 16 bits per block of
+# 32 (relative error <= 2^-16 of the block's largest value) leave greedy top-1 agreement
+# with float32 where the float path's is (tests/engine/test_quant_model.py).
+_INT16_ENV = os.environ.get("STRUCTLLM_QUANT_INT16_MIN_M")
+INT16_MIN_M: int | None = int(_INT16_ENV) if _INT16_ENV else None
+
+
+def int16_min_m() -> int:
+    """``INT16_MIN_M`` if set, else by the kernels' ISA. Decode sizes (1-4 rows) run
+    without tiles on either path. With AVX-512 the float path dequantises a 4-bit block
+    through a 16-entry table (one vpermps per 16 weights) and is about as fast as the
+    int16 row kernel (0.7-1.1x its time: bench/quant_linear.py --rows 1 2 3 4), so decode keeps
+    the float path's exact weights: int16 from 5 rows. AVX2 has no 16-entry permute, and
+    there the float path's conversions make it 1.4-2.3x slower than the int16 row kernel
+    at 1-4 rows: int16 from 1 row."""
+    if INT16_MIN_M is not None:
+        return INT16_MIN_M
+    return _isa_int16_min_m()
+
+
+@cache
+def _isa_int16_min_m() -> int:
+    return 1 if _kernels().isa() == "avx2" else 5
+
 
 # Rows of x from which the int8 path runs (0: never, the default). It was written for
 # speed at many rows, but rounding activations to 8 bits cost SmolLM2-135M 1-3% top-1
@@ -57,7 +77,7 @@ def block_mode(rows: int, int8_ok: bool = True) -> int:
     """The kernel path for ``rows`` rows of activations (``int8_ok=False``: never int8)."""
     if int8_ok and 0 < INT8_MIN_M <= rows:
         return INT8
-    if 0 < INT16_MIN_M <= rows:
+    if 0 < int16_min_m() <= rows:
         return INT16
     return FLOAT
 

@@ -356,6 +356,8 @@ void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64
       const uint8_t* wrow = w + n * row_bytes;
       int64_t m = 0;
       for (; m + MT_F <= M; m += MT_F) row_float<T, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
+      if constexpr (MT_F > 2)
+        for (; m + 2 <= M; m += 2) row_float<T, 2>(wrow, nb, x + m * K, K, out + m * N + n, N);
       for (; m < M; m++) row_float<T, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
     }
   });
@@ -652,8 +654,91 @@ inline void panel_tiles16(const int16_t* wq, const float* dw, const float* mw, i
   }
 }
 
+// ---- int16 path, decode sizes (M <= MT_Q rows): no tiles. Each weight block is widened
+// to int16 in registers and dotted with the (plainly laid out) int16 activations of every
+// row: per block of 32, 2 vpmaddwd (AVX2) or 1 vpdpwssd (AVX-512 VNNI) against the float
+// path's 4 int->float conversions, multiplies, adds and FMAs. Up to MT_Q rows.
+
+// one block's 32 quants as int16 (Q4_0: minus 8) in k order: lo = 0..15, hi = 16..31
+template <int T>
+inline void block16(const uint8_t* blk, __m256i& lo, __m256i& hi) {
+  const uint8_t* qs = blk + quants_offset(T);
+  if constexpr (T == Q8_0) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, m4));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    if constexpr (T == Q4_0) {
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+    }
+  }
+}
+
+// out[m * N] = row n of W against MT rows of xq [MT][K] (int16, k order), scales dx,
+// sums xs [MT][nb]
+template <int T, int MT>
+inline void row_int16(const uint8_t* wrow, int nb, const int16_t* xq, const float* dx, const float* xs, int64_t K,
+                      float* out, int64_t N) {
+  vf acc[MT];
+  float accm[MT] = {};
+  for (auto& a : acc) a = vzero();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* blk = wrow + static_cast<int64_t>(b) * block_bytes(T);
+    __m256i lo, hi;
+    block16<T>(blk, lo, hi);
+    const float dw = half(blk);
+#ifdef SL_AVX512
+    const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+#endif
+    for (int m = 0; m < MT; m++) {
+      const int16_t* xb = xq + m * K + b * QK;
+#ifdef SL_AVX512
+      const vi s = idot(izero(), wv, _mm512_loadu_si512(xb));
+#else
+      const vi s = _mm256_add_epi32(_mm256_madd_epi16(lo, iload(xb)), _mm256_madd_epi16(hi, iload(xb + 16)));
+#endif
+      acc[m] = vfma(icvt(s), vset1(dw * dx[m * nb + b]), acc[m]);
+      if constexpr (T == Q4_1) accm[m] += half(blk + 2) * xs[m * nb + b];
+    }
+  }
+  for (int m = 0; m < MT; m++) out[m * N] = vsum(acc[m]) + accm[m];
+}
+
+template <int T>
+void linear_int16_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int nb = static_cast<int>(K / QK);
+  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  auto xq = scratch<int16_t>(M * K);
+  auto dx = scratch<float>(M * nb), xs = scratch<float>(M * nb);
+  for (int64_t m = 0; m < M; m++)
+    for (int b = 0; b < nb; b++) {
+      int sum = 0;
+      dx[m * nb + b] = quant_block16(x + m * K + b * QK, xq.get() + m * K + b * QK, sum);
+      xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
+    }
+  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* wrow = w + n * row_bytes;
+      float* o = out + n;
+      const int16_t* q = xq.get();
+      const float *d = dx.get(), *s = xs.get();
+      switch (M) {
+        case 1: row_int16<T, 1>(wrow, nb, q, d, s, K, o, N); break;
+        case 2: row_int16<T, 2>(wrow, nb, q, d, s, K, o, N); break;
+        case 3: row_int16<T, 3>(wrow, nb, q, d, s, K, o, N); break;
+        default: row_int16<T, 4>(wrow, nb, q, d, s, K, o, N); break;
+      }
+    }
+  });
+}
+
 template <int T>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  if (M <= MT_Q) return linear_int16_rows<T>(x, w, out, M, N, K);
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
   const int64_t Mp = (M + VW - 1) / VW * VW;

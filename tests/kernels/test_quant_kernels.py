@@ -119,8 +119,8 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
     def path(x: torch.Tensor, mode: int) -> torch.Tensor:
         return module.linear(x, w.raw, w.code, mode)
 
-    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: int8 never, int16 from 5 rows
-    assert packed.INT16_MIN_M == 5
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: int8 never
+    monkeypatch.setattr(packed, "INT16_MIN_M", 5)  # int16 from 5 rows (AVX-512's default)
     assert torch.equal(packed.linear(small[:4], w), path(small[:4], FLOAT))
     assert torch.equal(packed.linear(big, w), path(big, INT16))
     monkeypatch.setattr(packed, "INT16_MIN_M", 0)
@@ -141,6 +141,25 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
     )
     with pytest.raises(RuntimeError, match="mode"):
         module.linear(big, w.raw, w.code, 3)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_runs_the_float_path_with_avx512_and_int16_with_avx2(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # with AVX-512 the float path's table lookup makes it as fast as the int16 row
+    # kernel at 1-4 rows, so decode keeps its exact weights; AVX2 lacks the 16-entry
+    # permute and decodes faster through int16
+    monkeypatch.setattr(packed, "INT16_MIN_M", None)
+    monkeypatch.setattr(packed, "_KERNELS", cpu_ext.load_quant(isa))
+    packed._isa_int16_min_m.cache_clear()
+    try:
+        expected = 1 if isa == "avx2" else 5
+        assert packed.int16_min_m() == expected
+        assert packed.block_mode(1) == (INT16 if isa == "avx2" else FLOAT)
+        assert packed.block_mode(5) == INT16
+    finally:
+        packed._isa_int16_min_m.cache_clear()
 
 
 def test_isa_can_be_forced(monkeypatch: pytest.MonkeyPatch) -> None:
