@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -152,6 +153,122 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// ---- decode_item for a head size known at compile time (64, 128: nearly every model),
+// with explicit vectors. The generic loops above keep the scores and accumulators in
+// memory (G and D are run-time values) and go through each K/V row once per query head
+// with a load and a store around every FMA. Here a block's K and V are widened once into
+// L1-resident buffers, and for each query head the BS scores (in 4 independent sums
+// over d, so that the FMAs do not wait on each other's latency) and its D accumulators
+// live in registers across the block.
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int VL = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+#else
+using vec = __m256;
+constexpr int VL = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vld(const float* p) { return _mm256_loadu_ps(p); }
+inline void vst(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+#endif
+
+template <typename T, int BS, int D>
+void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
+                       int Hkv, int kvh, float scale) {
+  constexpr int PV = BS / VL;  // vectors per block of scores
+  constexpr int NV = D / VL;   // vectors per head row
+  constexpr int DU = 4;        // independent partial sums over d
+  static_assert(BS % VL == 0 && D % (VL * 1) == 0 && D % DU == 0, "shapes");
+  alignas(64) float kf[std::is_same_v<T, float> ? 1 : D * BS];  // widened K block [D][BS]
+  alignas(64) float vf[std::is_same_v<T, float> ? 1 : BS * D];  // widened V block [BS][D]
+  alignas(64) float qs[kMaxG][D];
+  alignas(64) float acc[kMaxG][D];
+  alignas(64) float s[BS];
+  float m[kMaxG], l[kMaxG];
+  for (int g = 0; g < G; g++) {
+    for (int d = 0; d < D; d++) {
+      qs[g][d] = q[g * D + d] * scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // elements between V positions
+  for (int start = 0; start < len; start += BS) {
+    const int n = std::min(BS, len - start);
+    const int64_t block = table[start / BS];
+    const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
+    const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
+    const float* kp;  // [D][BS] float32
+    const float* vp;  // row p at vp + p * vstride
+    int64_t vstride;
+    if constexpr (std::is_same_v<T, float>) {
+      kp = kb, vp = vb, vstride = vrow;
+    } else {
+      widen(kb, kf, D * BS);
+      for (int p = 0; p < n; p++) widen(vb + p * vrow, vf + p * D, D);
+      kp = kf, vp = vf, vstride = D;
+    }
+    for (int g = 0; g < G; g++) {
+      vec sc[DU][PV];
+      for (auto& u : sc)
+        for (auto& x : u) x = vzero();
+      for (int d = 0; d < D; d += DU)
+        for (int u = 0; u < DU; u++) {
+          const vec qv = vset1(qs[g][d + u]);
+          for (int j = 0; j < PV; j++) sc[u][j] = vfma(qv, vld(kp + (d + u) * BS + j * VL), sc[u][j]);
+        }
+      for (int j = 0; j < PV; j++) vst(s + j * VL, vadd(vadd(sc[0][j], sc[1][j]), vadd(sc[2][j], sc[3][j])));
+      float mx = m[g];
+      for (int p = 0; p < n; p++) mx = std::max(mx, s[p]);
+      const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
+      float sum = 0.f;
+      for (int p = 0; p < n; p++) {
+        s[p] = exp_neg(s[p] - mx);
+        sum += s[p];
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = mx;
+      vec a[NV];
+      const vec c = vset1(corr);
+      for (int j = 0; j < NV; j++) a[j] = vmul(vld(acc[g] + j * VL), c);
+      for (int p = 0; p < n; p++) {
+        const vec w = vset1(s[p]);
+        const float* vr = vp + p * vstride;
+        for (int j = 0; j < NV; j++) a[j] = vfma(w, vld(vr + j * VL), a[j]);
+      }
+      for (int j = 0; j < NV; j++) vst(acc[g] + j * VL, a[j]);
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    const float inv = 1.f / l[g];
+    for (int d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
+  }
+}
+#endif
+
+// one (sequence, KV head): the fixed-size kernel where there is one for D
+template <typename T, int BS>
+inline void decode_one(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
+                       int Hkv, int kvh, int D, float scale) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D == 64) return decode_item_fixed<T, BS, 64>(q, kt, v, table, len, out, G, Hkv, kvh, scale);
+  if (D == 128) return decode_item_fixed<T, BS, 128>(q, kt, v, table, len, out, G, Hkv, kvh, scale);
+#endif
+  decode_item<T, BS>(q, kt, v, table, len, out, G, Hkv, kvh, D, scale);
+}
+
 template <typename T, int BS>
 void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
          const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale) {
@@ -161,8 +278,8 @@ void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_
       const int64_t b = item / Hkv;
       const int kvh = static_cast<int>(item % Hkv);
       const int64_t head = static_cast<int64_t>(kvh) * G;
-      decode_item<T, BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
-                      Hkv, kvh, D, scale);
+      decode_one<T, BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
+                        Hkv, kvh, D, scale);
     }
   });
 }
