@@ -142,7 +142,7 @@ def resolve_kv_cache_dtype(
     float32 format (no GGUF blocks, no float16 matmul weights), so that path keeps its
     token-for-token equality with transformers; float16 otherwise, which halves what
     decode attention reads per step (and the bytes per block) at a rounding far below
-    the weights' own (measured: see tests/test_kv_cache_dtype.py). With bfloat16
+    the weights' own (measured: see tests/engine/test_kv_cache_dtype.py). With bfloat16
     activations (CPU or CUDA) or float16 ones (CUDA) ``auto`` is the model's dtype.
     """
     dtype = resolve_dtype(config, device)
