@@ -39,32 +39,14 @@
 #include <string>
 #include <type_traits>
 
+#include "cpu_simd.h"
+
 namespace {
 
 constexpr int kMaxG = 16;
 constexpr int kMaxD = 256;
 
-// exp(x) for x <= 0 (x = -inf gives ~0), as 2^n * 2^f with n = round(x / ln 2) and
-// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error < 1e-7 there).
-// Written without branches or library calls so that GCC vectorises the loops that call
-// it: libm's expf is scalar.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);  // exp underflows below this; -inf lands here too
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::nearbyint(t);
-  const float f = t - fi;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6184910e-3f;
-  p = p * f + 5.5503406e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+inline float exp_neg(float x) { return sl::exp_approx(x); }  // x <= 0; -inf gives ~0
 
 // dst[0..n) = src[0..n) widened from float16; widest instructions first, then one value at
 // a time (c10's conversion: the tail, and CPUs without F16C).
@@ -89,6 +71,21 @@ inline const float* row(const at::Half* src, float* buf, int n) {
   return buf;
 }
 
+// The G query heads' start: scaled queries, zero accumulators, running max -inf and sum 0
+// (rows of S floats, D used).
+template <int S>
+inline void init_heads(const float* q, float scale, int G, int D, float (*qs)[S], float (*acc)[S], float* m,
+                       float* l) {
+  for (int g = 0; g < G; g++) {
+    for (int d = 0; d < D; d++) {
+      qs[g][d] = q[g * D + d] * scale;
+      acc[g][d] = 0.f;
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+}
+
 // One (sequence, KV head): the G query heads of that KV head, over all its blocks.
 // T: the cache's element type (float or at::Half).
 template <typename T, int BS>
@@ -100,14 +97,7 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
   alignas(64) float acc[kMaxG][kMaxD];
   alignas(64) float s[kMaxG][BS];
   float m[kMaxG], l[kMaxG];
-  for (int g = 0; g < G; g++) {
-    for (int d = 0; d < D; d++) {
-      qs[g][d] = q[g * D + d] * scale;
-      acc[g][d] = 0.f;
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-  }
+  init_heads(q, scale, G, D, qs, acc, m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // floats between V positions
   for (int start = 0; start < len; start += BS) {
     const int n = std::min(BS, len - start);
@@ -153,7 +143,7 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef SL_VECTORS
 // ---- decode_item for a head size known at compile time (64, 128: nearly every model),
 // with explicit vectors. The generic loops above keep the scores and accumulators in
 // memory (G and D are run-time values) and go through each K/V row once per query head
@@ -161,49 +151,22 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
 // L1-resident buffers, and for each query head the BS scores (in 4 independent sums
 // over d, so that the FMAs do not wait on each other's latency) and its D accumulators
 // live in registers across the block.
-#if defined(__AVX512F__)
-using vec = __m512;
-constexpr int VL = 16;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset1(float a) { return _mm512_set1_ps(a); }
-inline vec vld(const float* p) { return _mm512_loadu_ps(p); }
-inline void vst(float* p, vec a) { _mm512_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-#else
-using vec = __m256;
-constexpr int VL = 8;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset1(float a) { return _mm256_set1_ps(a); }
-inline vec vld(const float* p) { return _mm256_loadu_ps(p); }
-inline void vst(float* p, vec a) { _mm256_storeu_ps(p, a); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-#endif
+using namespace sl;  // vf, VW, ... (cpu_simd.h)
 
 template <typename T, int BS, int D>
 void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
                        int Hkv, int kvh, float scale) {
-  constexpr int PV = BS / VL;  // vectors per block of scores
-  constexpr int NV = D / VL;   // vectors per head row
+  constexpr int PV = BS / VW;  // vectors per block of scores
+  constexpr int NV = D / VW;   // vectors per head row
   constexpr int DU = 4;        // independent partial sums over d
-  static_assert(BS % VL == 0 && D % (VL * 1) == 0 && D % DU == 0, "shapes");
-  alignas(64) float kf[std::is_same_v<T, float> ? 1 : D * BS];  // widened K block [D][BS]
-  alignas(64) float vf[std::is_same_v<T, float> ? 1 : BS * D];  // widened V block [BS][D]
+  static_assert(BS % VW == 0 && D % (VW * 1) == 0 && D % DU == 0, "shapes");
+  alignas(64) float kwide[std::is_same_v<T, float> ? 1 : D * BS];  // widened K block [D][BS]
+  alignas(64) float vwide[std::is_same_v<T, float> ? 1 : BS * D];  // widened V block [BS][D]
   alignas(64) float qs[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
   alignas(64) float s[BS];
   float m[kMaxG], l[kMaxG];
-  for (int g = 0; g < G; g++) {
-    for (int d = 0; d < D; d++) {
-      qs[g][d] = q[g * D + d] * scale;
-      acc[g][d] = 0.f;
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-  }
+  init_heads(q, scale, G, D, qs, acc, m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // elements between V positions
   for (int start = 0; start < len; start += BS) {
     const int n = std::min(BS, len - start);
@@ -216,20 +179,20 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
     if constexpr (std::is_same_v<T, float>) {
       kp = kb, vp = vb, vstride = vrow;
     } else {
-      widen(kb, kf, D * BS);
-      for (int p = 0; p < n; p++) widen(vb + p * vrow, vf + p * D, D);
-      kp = kf, vp = vf, vstride = D;
+      widen(kb, kwide, D * BS);
+      for (int p = 0; p < n; p++) widen(vb + p * vrow, vwide + p * D, D);
+      kp = kwide, vp = vwide, vstride = D;
     }
     for (int g = 0; g < G; g++) {
-      vec sc[DU][PV];
+      vf sc[DU][PV];
       for (auto& u : sc)
         for (auto& x : u) x = vzero();
       for (int d = 0; d < D; d += DU)
         for (int u = 0; u < DU; u++) {
-          const vec qv = vset1(qs[g][d + u]);
-          for (int j = 0; j < PV; j++) sc[u][j] = vfma(qv, vld(kp + (d + u) * BS + j * VL), sc[u][j]);
+          const vf qv = vset1(qs[g][d + u]);
+          for (int j = 0; j < PV; j++) sc[u][j] = vfma(qv, vload(kp + (d + u) * BS + j * VW), sc[u][j]);
         }
-      for (int j = 0; j < PV; j++) vst(s + j * VL, vadd(vadd(sc[0][j], sc[1][j]), vadd(sc[2][j], sc[3][j])));
+      for (int j = 0; j < PV; j++) vstore(s + j * VW, vadd(vadd(sc[0][j], sc[1][j]), vadd(sc[2][j], sc[3][j])));
       float mx = m[g];
       for (int p = 0; p < n; p++) mx = std::max(mx, s[p]);
       const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
@@ -240,15 +203,15 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
       }
       l[g] = l[g] * corr + sum;
       m[g] = mx;
-      vec a[NV];
-      const vec c = vset1(corr);
-      for (int j = 0; j < NV; j++) a[j] = vmul(vld(acc[g] + j * VL), c);
+      vf a[NV];
+      const vf c = vset1(corr);
+      for (int j = 0; j < NV; j++) a[j] = vmul(vload(acc[g] + j * VW), c);
       for (int p = 0; p < n; p++) {
-        const vec w = vset1(s[p]);
+        const vf w = vset1(s[p]);
         const float* vr = vp + p * vstride;
-        for (int j = 0; j < NV; j++) a[j] = vfma(w, vld(vr + j * VL), a[j]);
+        for (int j = 0; j < NV; j++) a[j] = vfma(w, vload(vr + j * VW), a[j]);
       }
-      for (int j = 0; j < NV; j++) vst(acc[g] + j * VL, a[j]);
+      for (int j = 0; j < NV; j++) vstore(acc[g] + j * VW, a[j]);
     }
   }
   for (int g = 0; g < G; g++) {
@@ -262,7 +225,7 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
 template <typename T, int BS>
 inline void decode_one(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
                        int Hkv, int kvh, int D, float scale) {
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef SL_VECTORS
   if (D == 64) return decode_item_fixed<T, BS, 64>(q, kt, v, table, len, out, G, Hkv, kvh, scale);
   if (D == 128) return decode_item_fixed<T, BS, 128>(q, kt, v, table, len, out, G, Hkv, kvh, scale);
 #endif

@@ -32,6 +32,7 @@ from structllm.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+HEADER = Path(__file__).with_name("cpu_simd.h")  # shared by the kernels, part of each key
 FLAGS = [
     "-O3",
     "-fno-math-errno",
@@ -171,6 +172,7 @@ def build_name(stem: str, source: Path, flags: list[str], torch_version: str) ->
     path: every environment with this torch and Python shares the build)."""
     key = hashlib.sha256(
         source.read_bytes()
+        + HEADER.read_bytes()  # every kernel includes it
         + torch_version.encode()
         + _abi().encode()
         + _cpu_flags().encode()

@@ -28,31 +28,12 @@
 #include <cstring>
 #include <optional>
 
+#include "cpu_simd.h"
+
 namespace {
 
 // Rows per parallel chunk: up to this many rows run on the calling thread.
 constexpr int64_t kGrain = 8;
-
-// exp(x), x clamped to [-87, 88] (no overflow to inf, no denormals): 2^n * 2^f with
-// n = round(x / ln 2), |f| <= 1/2 and 2^f by its degree-6 Taylor polynomial (relative
-// error < 2e-7). Branch-free so that GCC vectorises the loops that call it.
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::nearbyint(t);
-  const float f = t - fi;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6184910e-3f;
-  p = p * f + 5.5503406e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 void check_rows(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous(), what,
@@ -141,7 +122,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
       const float* u = g + F;
       float* o = op + t * F;
 #pragma omp simd
-      for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + exp_clamped(-g[i])) * u[i];
+      for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + sl::exp_approx(-g[i])) * u[i];
     }
   });
   return out;

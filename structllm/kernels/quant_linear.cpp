@@ -39,11 +39,10 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SL_AVX512 1
-#endif
+#include "cpu_simd.h"
 
 namespace {
+using namespace sl;
 
 constexpr int QK = 32;
 enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
@@ -57,35 +56,7 @@ inline float half(const uint8_t* p) {  // an unaligned IEEE half -> float (exact
   return _cvtsh_ss(h);
 }
 
-// ---- float vectors: one block (32 floats) is VN vectors of VW lanes
-#ifdef SL_AVX512
-using vf = __m512;
-constexpr int VW = 16;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset1(float a) { return _mm512_set1_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-#else
-using vf = __m256;
-constexpr int VW = 8;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset1(float a) { return _mm256_set1_ps(a); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+// ---- float vectors (cpu_simd.h): one block (32 floats) is VN vectors of VW lanes
 constexpr int VN = QK / VW;
 
 // int32 lanes -> float32 vectors of one block's weights, as integers (exact)
