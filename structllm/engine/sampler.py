@@ -79,10 +79,10 @@ class Sampler:
         greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
         tokens = torch.empty(n, dtype=torch.long)
         if len(greedy) == n:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             if greedy:
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
+                tokens[greedy] = argmax_rows(logits[greedy])
             rand = [i for i in range(n) if not reqs[i].sampling.greedy]
             tokens[rand] = self._draw(logits[rand], [reqs[i] for i in rand])
         token_list: list[int] = tokens.tolist()
@@ -143,7 +143,34 @@ class Sampler:
             else:
                 self._row_gen.manual_seed(_mix(seed, r.num_output_tokens))
                 noise[i].exponential_(generator=self._row_gen)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs.div_(noise))
+
+
+# Chunk widths for argmax_rows, widest first: the first that divides the vocabulary.
+_ARGMAX_CHUNKS = (256, 128, 64, 32)
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """``x.argmax(dim=-1)`` for ``x: [N, V]``: each row's first index of its maximum (a
+    NaN counts as the maximum, as in torch), ``[N]`` int64.
+
+    On CPU, torch's argmax is a scalar loop: 2.1 ms for ``[16, 49152]`` float32 on a
+    2-vCPU Zen 3, against 0.12 ms for ``amax``, which is vectorised (per decode step of
+    16 sequences that was 3% of the step). So a row is cut into ``C`` chunks of ``W``:
+    ``amax`` per chunk ``[N, C]``, the first chunk holding the row's maximum (a small
+    argmax), then the first position of it within that chunk ``[N, W]``. ``amax``
+    propagates NaN, so the first chunk with a NaN wins, as in torch. Exact: same
+    indices as ``x.argmax(dim=-1)``. Other devices, short rows and vocabularies no
+    chunk width divides go to torch."""
+    n, v = x.shape
+    width = next((w for w in _ARGMAX_CHUNKS if v % w == 0), 0)
+    if x.device.type != "cpu" or not width or v < 4 * width or n == 0:
+        return x.argmax(dim=-1)
+    chunks = x.unflatten(1, (v // width, width))  # [N, C, W], a view
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # [N]: the first chunk holding the max
+    rows = torch.arange(n)
+    within = chunks[rows, best].argmax(dim=-1)  # [N, W] -> [N]
+    return best * width + within
 
 
 def _dead_rows(logits: Tensor, grammar: GrammarMask) -> list[int]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from structllm.engine.request import Request
-from structllm.engine.sampler import Sampler
+from structllm.engine.sampler import Sampler, argmax_rows
 from structllm.protocol import SamplingParams
 
 V = 32
@@ -130,3 +130,21 @@ def test_nan_row_does_not_take_the_batch_down() -> None:
         torch.stack([good, nan, partial]), [r(temperature=0), r(), r(temperature=0)]
     )
     assert toks[0] == 5 and 0 <= toks[1] < V and toks[2] == 6
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 96, 37])
+def test_argmax_rows_matches_torch_argmax(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g)
+    x[1] = 3.0  # a constant row: every position ties, the first wins
+    x[2, vocab // 2] = x[2, vocab - 1] = 100.0  # ties in different chunks
+    x[3] = float("-inf")
+    x[4, vocab // 3] = float("nan")  # NaN counts as the maximum, as in torch
+    x[4, vocab - 2] = float("nan")
+    x[5, -1] = float("inf")
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert argmax_rows(x[2:5]).tolist() == x[2:5].argmax(dim=-1).tolist()  # a row slice
+
+
+def test_argmax_rows_of_no_rows() -> None:
+    assert argmax_rows(torch.empty(0, 49152)).shape == (0,)
