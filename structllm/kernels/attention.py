@@ -155,6 +155,24 @@ class CpuAttention(TorchAttention):
         self._decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         return out
 
+    def decode_rows(
+        self,
+        qkv: Tensor,
+        num_heads: int,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
+        """``decode`` of a decode-only step straight from the fused projection's rows
+        ``qkv: [T, H + 2 Hkv, D]`` (its K/V already stored): the kernel reads the first
+        ``num_heads`` heads of each row as the queries and writes ``[T, H * D]``, the
+        ``o_proj`` input, so no slice or reshape is dispatched (each costs microseconds,
+        30 times a step)."""
+        out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
+        self._decode(out, qkv, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return out
+
 
 def attention(
     impl: AttentionImpl,

@@ -16,7 +16,7 @@
 //   v        [NB, BS, Hkv, D]   as the reference
 //   tables   [B, MB] int32      block ids
 //   lens     [B] int32          context length of each sequence (>= 1)
-//   out      [B, H, D]          contiguous
+//   out      [B, H, D]          contiguous (or [B, H * D]); q may hold more than H heads
 // Query head h reads KV head h / G with G = H / Hkv; the G heads of one KV head are
 // processed together, so each K/V element is loaded once for all of them.
 //
@@ -44,6 +44,7 @@
 namespace {
 
 constexpr int kMaxG = 16;
+constexpr int64_t kSerialBlockHeads = 128;  // (block, query head) pairs run without peers
 constexpr int kMaxD = 256;
 
 inline float exp_neg(float x) { return sl::exp_approx(x); }  // x <= 0; -inf gives ~0
@@ -143,6 +144,23 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
   }
 }
 
+// Asks for the next block's K and V lines while this one is computed. A sequence's
+// blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one,
+// and at decode sizes the kernel otherwise waits on one cache miss after another (a
+// layer's K/V of one sequence took ~45 us in the engine against ~15 us from cache).
+template <typename T>
+inline void prefetch_block(const T* kt, const T* v, int64_t block, int Hkv, int kvh, int D, int BS, int64_t vrow) {
+  const char* k = reinterpret_cast<const char*>(kt + (block * Hkv + kvh) * D * BS);
+  const int64_t kbytes = static_cast<int64_t>(D) * BS * sizeof(T);
+  for (int64_t o = 0; o < kbytes; o += 64) _mm_prefetch(k + o, _MM_HINT_T0);
+  const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
+  const int64_t vbytes = static_cast<int64_t>(D) * sizeof(T);
+  for (int p = 0; p < BS; p++) {
+    const char* r = reinterpret_cast<const char*>(vb + p * vrow);
+    for (int64_t o = 0; o < vbytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+  }
+}
+
 #ifdef SL_VECTORS
 // ---- decode_item for a head size known at compile time (64, 128: nearly every model),
 // with explicit vectors. The generic loops above keep the scores and accumulators in
@@ -173,6 +191,7 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
     const int64_t block = table[start / BS];
     const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
     const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
+    if (start + BS < len) prefetch_block(kt, v, table[start / BS + 1], Hkv, kvh, D, BS, vrow);
     const float* kp;  // [D][BS] float32
     const float* vp;  // row p at vp + p * vstride
     int64_t vstride;
@@ -192,15 +211,26 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
           const vf qv = vset1(qs[g][d + u]);
           for (int j = 0; j < PV; j++) sc[u][j] = vfma(qv, vload(kp + (d + u) * BS + j * VW), sc[u][j]);
         }
-      for (int j = 0; j < PV; j++) vstore(s + j * VW, vadd(vadd(sc[0][j], sc[1][j]), vadd(sc[2][j], sc[3][j])));
-      float mx = m[g];
-      for (int p = 0; p < n; p++) mx = std::max(mx, s[p]);
-      const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
-      float sum = 0.f;
-      for (int p = 0; p < n; p++) {
-        s[p] = exp_neg(s[p] - mx);
-        sum += s[p];
+      // the block's softmax in vectors (a scalar exp per score cost about as much as
+      // both FMA loops together): slots past the end are -inf for the max, 0 after exp
+      vf sv[PV];
+      vf mv = vset1(-std::numeric_limits<float>::infinity());
+      for (int j = 0; j < PV; j++) {
+        sv[j] = vadd(vadd(sc[0][j], sc[1][j]), vadd(sc[2][j], sc[3][j]));
+        if (n < BS) sv[j] = vkeep_below(sv[j], n - j * VW, -std::numeric_limits<float>::infinity());
+        mv = vmax(mv, sv[j]);
       }
+      const float mx = std::max(m[g], vhmax(mv));
+      const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
+      const vf mxv = vset1(mx);
+      vf sumv = vzero();
+      for (int j = 0; j < PV; j++) {
+        vf w = vexp(vsub(sv[j], mxv));
+        if (n < BS) w = vkeep_below(w, n - j * VW, 0.f);
+        sumv = vadd(sumv, w);
+        vstore(s + j * VW, w);
+      }
+      const float sum = vsum(sumv);
       l[g] = l[g] * corr + sum;
       m[g] = mx;
       vf a[NV];
@@ -236,7 +266,13 @@ template <typename T, int BS>
 void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
          const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale) {
   const int G = H / Hkv;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // A step this small (one sequence of a few hundred tokens: ~20 us of work) runs on
+  // the calling thread: handing half of it to a peer costs about as much when the peer
+  // is spinning, and a wake-up (up to ~150 us on a VM) when it is not.
+  int64_t block_heads = 0;
+  for (int64_t b = 0; b < B; b++) block_heads += (lens[b] + BS - 1) / BS * H;
+  const int64_t grain = block_heads <= kSerialBlockHeads ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; item++) {
       const int64_t b = item / Hkv;
       const int kvh = static_cast<int>(item % Hkv);
@@ -249,9 +285,9 @@ void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_
 
 template <typename T>
 void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-              torch::Tensor lens, float scale) {
+              torch::Tensor lens, float scale, int H) {
   const int64_t B = q.size(0);
-  const int H = q.size(1), D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
   auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
                               tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
                               out.data_ptr<float>(), B, H, Hkv, D, scale);
@@ -275,15 +311,20 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
   TORCH_CHECK(tables.dtype() == torch::kInt32 && lens.dtype() == torch::kInt32 && tables.is_contiguous(),
               "paged_decode: int32 tables and lens");
   const int64_t B = q.size(0);
-  const int H = q.size(1), D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  // out [B, H, D] or [B, H * D]; q's first H heads are the queries (it may hold more:
+  // the rows of the fused q/k/v projection, whose k and v the store has already cached)
+  TORCH_CHECK(B > 0 && D > 0 && out.numel() % (B * D) == 0 && out.size(0) == B, "paged_decode: out must be [B, H, D]");
+  const int H = static_cast<int>(out.numel() / (B * D));
+  TORCH_CHECK(H <= q.size(1), "paged_decode: q has fewer heads than out");
   TORCH_CHECK(kt.size(2) == D && v.size(1) == BS && v.size(2) == Hkv && v.size(3) == D, "paged_decode: cache shapes");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_decode: unsupported head shape");
   TORCH_CHECK(tables.size(0) >= B && lens.size(0) >= B, "paged_decode: tables/lens too short");
   const float sc = static_cast<float>(scale);
   if (kt.dtype() == torch::kFloat16)
-    dispatch<at::Half>(out, q, kt, v, tables, lens, sc);
+    dispatch<at::Half>(out, q, kt, v, tables, lens, sc, H);
   else
-    dispatch<float>(out, q, kt, v, tables, lens, sc);
+    dispatch<float>(out, q, kt, v, tables, lens, sc, H);
 }
 
 // The float16 widening this build compiled in (see widen).

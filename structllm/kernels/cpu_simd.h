@@ -54,6 +54,19 @@ inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// lanes i < n keep a, the others are `fill`
+inline vf vkeep_below(vf a, int n, float fill) {
+  const __mmask16 keep = n >= VW ? __mmask16(0xFFFF) : __mmask16((1u << std::max(n, 0)) - 1);
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(fill), a);
+}
 #else
 using vf = __m256;
 constexpr int VW = 8;
@@ -70,6 +83,40 @@ inline float vsum(vf a) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline float vhmax(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {  // 2^n for integral n in [-126, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+// lanes i < n keep a, the others are `fill`
+inline vf vkeep_below(vf a, int n, float fill) {
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), a, keep);
+}
 #endif
+// exp_approx on every lane (the same clamp, reduction and polynomial)
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  const vf t = vmul(x, vset1(1.4426950408889634f));
+  const vf fi = vround(t);
+  const vf f = vsub(t, fi);
+  vf p = vset1(1.5353362e-4f);
+  p = vfma(p, f, vset1(1.3398874e-3f));
+  p = vfma(p, f, vset1(9.6184910e-3f));
+  p = vfma(p, f, vset1(5.5503406e-2f));
+  p = vfma(p, f, vset1(2.4022652e-1f));
+  p = vfma(p, f, vset1(6.9314718e-1f));
+  p = vfma(p, f, vset1(1.0f));
+  return vmul(p, vpow2i(fi));
+}
 }  // namespace sl
 #endif

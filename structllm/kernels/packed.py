@@ -19,7 +19,7 @@ integer dot products of pairs), and from ``INT8_MIN_M`` rows on, if set, the int
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -77,7 +77,8 @@ def block_mode(rows: int, int8_ok: bool = True) -> int:
     """The kernel path for ``rows`` rows of activations (``int8_ok=False``: never int8)."""
     if int8_ok and 0 < INT8_MIN_M <= rows:
         return INT8
-    if 0 < int16_min_m() <= rows:
+    from16 = INT16_MIN_M if INT16_MIN_M is not None else _isa_int16_min_m()
+    if 0 < from16 <= rows:
         return INT16
     return FLOAT
 
@@ -107,6 +108,10 @@ class BlockWeight:
     raw: Tensor
     type_name: str
     shape: tuple[int, int]
+    code: int = field(init=False)  # the kernel's type code (BLOCK_TYPES)
+
+    def __post_init__(self) -> None:
+        self.code = BLOCK_TYPES[self.type_name]
 
     @classmethod
     def from_raw(cls, raw: Tensor, type_name: str, k: int) -> BlockWeight:
@@ -114,10 +119,6 @@ class BlockWeight:
             raise ValueError(f"not a supported block weight: {type_name} with {k} columns")
         raw = raw.reshape(-1, k // BLOCK * BLOCK_BYTES[type_name]).contiguous()
         return cls(raw, type_name, (raw.shape[0], k))
-
-    @property
-    def code(self) -> int:
-        return BLOCK_TYPES[self.type_name]
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +178,9 @@ def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = True) 
     if isinstance(w, BlockWeight):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         mode = block_mode(x2.shape[0], int8_ok)
-        y = (_KERNELS or _kernels()).linear(x2.float(), w.raw, BLOCK_TYPES[w.type_name], mode)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        y = (_KERNELS or _kernels()).linear(x2, w.raw, w.code, mode)
         if x.dim() != 2:
             y = y.view(*x.shape[:-1], w.shape[0])
         return y if b is None else y.add_(b)

@@ -164,9 +164,12 @@ class DecoderLayer(nn.Module):
         h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
         ops.rope_store(qkv, rope, nh, nkv, k_cache, v_cache, meta.slot_mapping)
-        q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-        o = attend(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5)  # [T, nh, D]
-        attn_out = linear(o.reshape(t, nh * hd), self.o_proj)
+        if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
+            o = cast(CpuAttention, impl).decode_rows(qkv, nh, k_cache, v_cache, meta, hd**-0.5)
+        else:
+            q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
+            o = attend(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5).view(t, nh * hd)
+        attn_out = linear(o, self.o_proj)
         if tp is not None:
             tp.all_reduce(attn_out)
         h = ops.rms_norm(x, attn_out, self.post_attention_layernorm, self.eps)

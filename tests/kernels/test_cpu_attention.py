@@ -84,6 +84,26 @@ def test_decode_reads_query_rows_with_a_stride() -> None:
     torch.testing.assert_close(out, impl.decode(q, kc, vc, meta, 0.125))
 
 
+def test_decode_rows_reads_the_queries_from_the_fused_rows() -> None:
+    """decode_rows takes the whole qkv rows and writes [T, H * D] (o_proj's input)."""
+    impl, kc, vc, meta, _, q, _ = setup([20, 33, 5], [1, 1, 1], 9, 3, 64, 16)
+    qkv = torch.randn(3, 15, 64)
+    qkv[:, :9] = q
+    out = impl.decode_rows(qkv, 9, kc, vc, meta, 0.125)
+    assert out.shape == (3, 9 * 64)
+    torch.testing.assert_close(out.view(3, 9, 64), impl.decode(q, kc, vc, meta, 0.125))
+
+
+@pytest.mark.parametrize("batch", [1, 24])  # on the calling thread, and over the pool
+def test_decode_of_a_small_and_a_large_step_matches_dense(batch: int) -> None:
+    lens = [7 + 13 * i for i in range(batch)]
+    impl, kc, vc, meta, dense, q, _ = setup(lens, [1] * batch, 9, 3, 64, 16)
+    out = impl.decode(q, kc, vc, meta, 0.125)
+    for i, (k, v) in enumerate(dense):
+        want = reference.dense_causal_attention(q[i : i + 1], k, v, 0.125)
+        torch.testing.assert_close(out[i : i + 1], want, atol=2e-5, rtol=2e-5)
+
+
 def test_mixed_batch_with_cached_prefix_matches_dense() -> None:
     """Decodes and prefill chunks (one fresh, one after a cached prefix) in one step."""
     lens, q_lens = [9, 30, 20, 45], [1, 1, 20, 12]
