@@ -103,6 +103,19 @@ def test_random_weights_match_the_float_reference(isa: str, type_name: str) -> N
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("blocks", [8, 9, 16, 19])  # whole groups of 8 blocks, and a tail
+def test_one_row_int16_matches_the_float_reference(isa: str, type_name: str, blocks: int) -> None:
+    """The one-row int16 kernel (single-stream decode) takes 8 blocks' scales at a time
+    on AVX2 and the rest one by one."""
+    w, ref = quantize(random_weight(40, 32 * blocks, seed=blocks), type_name)
+    x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(blocks))
+    want = (x.double() @ ref.double().T).float()
+    got = cpu_ext.load_quant(isa).linear(x, w.raw, w.code, INT16)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 def test_default_model_weights_match_the_float_reference(
     isa: str, type_name: str, real_weights: dict[str, np.ndarray]
 ) -> None:
