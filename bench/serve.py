@@ -117,36 +117,47 @@ async def one(
     }
     if model:
         body["model"] = model
-    r = Result()
-    t0 = time.perf_counter()
-    last = t0
-    chunks = 0
-    try:
-        async with client.stream(
-            "POST", url + "/v1/completions", json=body, headers=headers
-        ) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if data.get("usage"):
-                    r.output_tokens = data["usage"]["completion_tokens"]
-                if any(c.get("text") for c in data.get("choices", [])):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        r.ttft = now - t0
-                    else:
-                        r.itls.append(now - last)
-                    last = now
-                    chunks += 1
-        r.e2e = time.perf_counter() - t0
-        r.output_tokens = r.output_tokens or chunks
-        r.ok = True
-    except (httpx.HTTPError, OSError) as e:
-        r.error = repr(e)
+    # A keep-alive connection the server has closed meanwhile fails before any response
+    # (llama-server closes each connection after a few requests); httpx does not retry a
+    # POST, so the request is sent once more on a fresh connection, timed from then.
+    for attempt in range(2):
+        r = Result()
+        answered = False
+        t0 = time.perf_counter()
+        last = t0
+        chunks = 0
+        try:
+            async with client.stream(
+                "POST", url + "/v1/completions", json=body, headers=headers
+            ) as resp:
+                answered = True
+                if resp.status_code != 200:
+                    r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                    return r
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if data.get("usage"):
+                        r.output_tokens = data["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in data.get("choices", [])):
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            r.ttft = now - t0
+                        else:
+                            r.itls.append(now - last)
+                        last = now
+                        chunks += 1
+            r.e2e = time.perf_counter() - t0
+            r.output_tokens = r.output_tokens or chunks
+            r.ok = True
+        except httpx.RemoteProtocolError as e:
+            r.error = repr(e)
+            if attempt == 0 and not answered:
+                continue
+        except (httpx.HTTPError, OSError) as e:
+            r.error = repr(e)
+        return r
     return r
 
 
