@@ -168,7 +168,7 @@ class DecoderLayer(nn.Module):
             o = cast(CpuAttention, impl).decode_rows(qkv, nh, k_cache, v_cache, meta, hd**-0.5)
         else:
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-            o = attend(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5).view(t, nh * hd)
+            o = attend(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5).reshape(t, nh * hd)
         attn_out = linear(o, self.o_proj)
         if tp is not None:
             tp.all_reduce(attn_out)
