@@ -258,7 +258,14 @@ def profile_step(llm: Any, prompts: list[list[int]]) -> dict[str, float]:
 
         return wrapper
 
+    # attention as each layer path calls it: the plain one (attention), the fused CPU
+    # one (attend for steps with prefill rows, the backend's decode_rows for decode-only)
+    real_attend = llama.attend
+    impl = eng.model.attn_impl
     llama.attention = timed("attention", real_attn)  # type: ignore[assignment]
+    llama.attend = timed("attention", real_attend)  # type: ignore[assignment]
+    if hasattr(impl, "decode_rows"):
+        impl.decode_rows = timed("attention", impl.decode_rows)  # type: ignore[attr-defined]
     eng.runner.sampler = timed("sampler", real_sampler)
     eng.model.compute_logits = timed("lm_head", real_logits)  # type: ignore[method-assign]
     steps, model_s, total_s = 8, 0.0, 0.0
@@ -280,6 +287,9 @@ def profile_step(llm: Any, prompts: list[list[int]]) -> dict[str, float]:
             total_s += time.perf_counter() - t
     finally:
         llama.attention = real_attn  # type: ignore[assignment]
+        llama.attend = real_attend  # type: ignore[assignment]
+        if "decode_rows" in vars(impl):
+            del impl.decode_rows
         eng.runner.sampler = real_sampler
         del eng.model.compute_logits
         del eng.model.forward

@@ -77,8 +77,7 @@ def block_mode(rows: int, int8_ok: bool = True) -> int:
     """The kernel path for ``rows`` rows of activations (``int8_ok=False``: never int8)."""
     if int8_ok and 0 < INT8_MIN_M <= rows:
         return INT8
-    from16 = INT16_MIN_M if INT16_MIN_M is not None else _isa_int16_min_m()
-    if 0 < from16 <= rows:
+    if 0 < int16_min_m() <= rows:
         return INT16
     return FLOAT
 
