@@ -32,7 +32,7 @@ from structllm.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-HEADER = Path(__file__).with_name("cpu_simd.h")  # shared by the kernels, part of each key
+HEADERS = [Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_pool.h")]  # part of each key
 FLAGS = [
     "-O3",
     "-fno-math-errno",
@@ -172,7 +172,7 @@ def build_name(stem: str, source: Path, flags: list[str], torch_version: str) ->
     path: every environment with this torch and Python shares the build)."""
     key = hashlib.sha256(
         source.read_bytes()
-        + HEADER.read_bytes()  # every kernel includes it
+        + b"".join(h.read_bytes() for h in HEADERS)  # the kernels include them
         + torch_version.encode()
         + _abi().encode()
         + _cpu_flags().encode()

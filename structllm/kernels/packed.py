@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ BLOCK = 32
 # Kernel paths (the C++ ``linear``'s mode codes).
 FLOAT, INT8, INT16 = 0, 1, 2
 
-# Rows of x from which the int16 path runs (0: never; unset: by ISA, see int16_min_m).
+# Rows of x from which the int16 path runs (0: never; unset: 1, see int16_min_m).
 # Many rows make the matmul bound by arithmetic, and the float path, however blocked, is
 # then held to the float32 FMA rate, the rate oneDNN's packed float32 already runs at
 # (0.85-0.95x of it at M = 16-256 on a 2-vCPU AVX-512 EPYC, bench/quant_linear.py). The
@@ -48,21 +47,17 @@ INT16_MIN_M: int | None = int(_INT16_ENV) if _INT16_ENV else None
 
 
 def int16_min_m() -> int:
-    """``INT16_MIN_M`` if set, else by the kernels' ISA. Decode sizes (1-4 rows) run
-    without tiles on either path. With AVX-512 the float path dequantises a 4-bit block
-    through a 16-entry table (one vpermps per 16 weights) and is about as fast as the
-    int16 row kernel (0.7-1.1x its time: bench/quant_linear.py --rows 1 2 3 4), so decode keeps
-    the float path's exact weights: int16 from 5 rows. AVX2 has no 16-entry permute, and
-    there the float path's conversions make it 1.4-2.3x slower than the int16 row kernel
-    at 1-4 rows: int16 from 1 row."""
+    """``INT16_MIN_M`` if set, else 1: the int16 path at every size. Decode sizes (1-4
+    rows) run its row kernel, which reads each weight block once for all rows and folds
+    8 blocks' scales at a time; at one row it ran the default model's Q4_1 matmuls
+    1.4-1.6x faster than the float path on a 2-vCPU AVX-512 EPYC (weights cold in
+    cache, bench/quant_linear.py --rows 1 --cold), where the float path, though it
+    dequantises a 4-bit block through a 16-entry table, converts each block's scales
+    one by one. ``STRUCTLLM_QUANT_INT16_MIN_M=0`` keeps the float path (float32
+    activations, weights exactly the float32 dequantisation) at every size."""
     if INT16_MIN_M is not None:
         return INT16_MIN_M
-    return _isa_int16_min_m()
-
-
-@cache
-def _isa_int16_min_m() -> int:
-    return 1 if _kernels().isa() == "avx2" else 5
+    return 1
 
 
 # Rows of x from which the int8 path runs (0: never, the default). It was written for

@@ -26,7 +26,8 @@
 //          instruction of a float32 FMA, which the float path cannot get past.
 //
 // Shapes: x [M, K] float32 contiguous, w [N, K/32 * block_bytes] uint8, out [M, N].
-// Work is split over N on torch's OpenMP pool (at::parallel_for).
+// Work is split over N on the kernels' pool (cpu_pool.h: torch's thread count, but a
+// caller that never waits for a sleeping thread).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,6 +40,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -267,13 +269,13 @@ void linear_float_blocked(const float* x, const uint8_t* w, float* out, int64_t 
   const int64_t Mp = (M + VW - 1) / VW * VW;
   // xt [Mp/VW][K][VW]: activation rows interleaved by VW, zero padded
   auto xt = scratch<float>(Mp * K);
-  at::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
+  sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; v++) interleave_rows(x, M, K, v, xt.get() + v * K * VW);
   });
   const int nchunks = static_cast<int>((K + KC_MAX - 1) / KC_MAX);
   const int kc_step = (nb + nchunks - 1) / nchunks * QK;  // equal chunks, whole blocks
   const int64_t npanels = (N + NP - 1) / NP;
-  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+  sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t MC = m_block(K, sizeof(float));
     std::vector<float> wb(NP * KC_MAX);
     std::vector<float> acc(NP * std::min(Mp, MC));
@@ -322,7 +324,7 @@ void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64
   // decode sizes: dequantise in registers, nothing stored
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* wrow = w + n * row_bytes;
       int64_t m = 0;
@@ -338,7 +340,7 @@ void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64
 // Activations: xq [M, K] int8, xd [M, nb] scales, xs [M, nb] = xd * sum(block's xq).
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
   const int64_t nb = K / QK;
-  at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
+  sl::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const float* v = x + i * QK;  // blocks of consecutive rows are consecutive
       float amax = 0.f;
@@ -419,7 +421,7 @@ void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   std::vector<float> xd(M * nb), xs(M * nb);
   quantize_rows(x, M, K, xq.data(), xd.data(), xs.data());
   constexpr int64_t kRowsPerPass = 64;  // activation rows kept hot while a weight slice streams by
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+  sl::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
       const int64_t m1 = std::min(M, m0 + kRowsPerPass);
       for (int64_t n = n0; n < n1; n++) {
@@ -520,7 +522,7 @@ inline float quant_block16(const float* x, int16_t* q, int& sum) {
 // 32-bit words by 8x8 transposes.
 void quantize_rows16(const float* x, int64_t M, int64_t K, int64_t Mp, int16_t* xq, float* dx, float* xs) {
   const int64_t nb = K / QK;
-  at::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
+  sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
     std::vector<int16_t> tile(VW * K);
     for (int64_t v = v0; v < v1; v++) {
       for (int l = 0; l < VW; l++) {
@@ -625,130 +627,155 @@ inline void panel_tiles16(const int16_t* wq, const float* dw, const float* mw, i
   }
 }
 
-// ---- int16 path, decode sizes (M <= MT_Q rows): no tiles. Each weight block is widened
-// to int16 in registers and dotted with the (plainly laid out) int16 activations of every
-// row: per block of 32, 2 vpmaddwd (AVX2) or 1 vpdpwssd (AVX-512 VNNI) against the float
-// path's 4 int->float conversions, multiplies, adds and FMAs. Up to MT_Q rows.
+// ---- int16 path, decode sizes (M <= MT_Q rows): no tiles, weights read once as they lie.
+// At a few rows the matmul streams the weights, and what limits it is the work per block
+// around its dot product: converting two float16 scales one by one, a scalar multiply
+// and a broadcast cost as much as the dot product itself. So blocks go in groups of 8:
+// the group's int32 block sums are gathered into the lanes of one vector (lane j: block
+// j; pairs of vectors interleaved and added, 32-bit lanes, then 64-bit, then the 128-bit
+// halves), the 8 blocks' scales (and Q4_1's minima) taken with 8 inserts and converted
+// together, and one FMA per group folds the sums in:
+//   y = sum_b dw_b dx_b (qw_b . qx_b)  [+ m_b xs_b (Q4_1)]  [- 8 dw_b xs_b (Q4_0)]
+// with xs_b = dx_b sum(qx_b): Q4_0's -8 offset and Q4_1's minimum are one FMA per group.
+// A Q4 block is widened without masking first: each byte zero-extended to 16 bits gives
+// the low nibble by an AND and the high one by a shift.
+//
+// 256-bit vectors in both builds: on the AMD CPUs measured, 512-bit integer ops run at
+// half rate, and a 512-bit variant (two blocks per vector) was no faster. Measured in
+// isolation (one thread, Q4_1, 48 blocks per row, hot), ns per block: scales by 16 word
+// inserts 1.13-1.34, by a vpgatherdd 1.35-1.61, by 8 dword inserts 1.08-1.24, constant
+// scales (a bound) 0.93-1.11. AVX-512 VNNI's vpdpwssd (ymm) replaces vpmaddwd + vpaddd.
+namespace d8 {
+using v8f = __m256;
+using v8i = __m256i;
 
-// one block's 32 quants as int16 (Q4_0: minus 8) in k order: lo = 0..15, hi = 16..31
-template <int T>
-inline void block16(const uint8_t* blk, __m256i& lo, __m256i& hi) {
-  const uint8_t* qs = blk + quants_offset(T);
-  if constexpr (T == Q8_0) {
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-  } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, m4));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
-    if constexpr (T == Q4_0) {
-      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
-      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
-    }
-  }
-}
-
-// out[m * N] = row n of W against MT rows of xq [MT][K] (int16, k order), scales dx,
-// sums xs [MT][nb]
-template <int T, int MT>
-inline void row_int16(const uint8_t* wrow, int nb, const int16_t* xq, const float* dx, const float* xs, int64_t K,
-                      float* out, int64_t N) {
-  vf acc[MT];
-  float accm[MT] = {};
-  for (auto& a : acc) a = vzero();
-  for (int b = 0; b < nb; b++) {
-    const uint8_t* blk = wrow + static_cast<int64_t>(b) * block_bytes(T);
-    __m256i lo, hi;
-    block16<T>(blk, lo, hi);
-    const float dw = half(blk);
-#ifdef SL_AVX512
-    const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-#endif
-    for (int m = 0; m < MT; m++) {
-      const int16_t* xb = xq + m * K + b * QK;
-#ifdef SL_AVX512
-      const vi s = idot(izero(), wv, _mm512_loadu_si512(xb));
+inline v8i load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// acc + the pairwise products of a and b (int16 -> int32)
+inline v8i dot(v8i acc, v8i a, v8i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
 #else
-      const vi s = _mm256_add_epi32(_mm256_madd_epi16(lo, iload(xb)), _mm256_madd_epi16(hi, iload(xb + 16)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
-      acc[m] = vfma(icvt(s), vset1(dw * dx[m * nb + b]), acc[m]);
-      if constexpr (T == Q4_1) accm[m] += half(blk + 2) * xs[m * nb + b];
-    }
+}
+inline float hsum(v8f a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// int32 partial sums (8 lanes) of one block against MT activation rows (x: row stride K)
+template <int T, int MT>
+inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s) {
+  v8i lo, hi;
+  if constexpr (T == Q8_0) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else {  // nibbles unsigned: Q4_0's -8 is folded in through xs
+    const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
+    lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(z, 4);
   }
-  for (int m = 0; m < MT; m++) out[m * N] = vsum(acc[m]) + accm[m];
+  for (int m = 0; m < MT; m++)
+    s[m] = dot(dot(_mm256_setzero_si256(), lo, load(x + m * K)), hi, load(x + m * K + 16));
 }
 
-#ifndef SL_AVX512
-// 8 vectors of 8 int32 -> one vector whose lane j is the sum of v[j]'s 8 lanes: pairs of
-// rows interleaved and added (32-bit, then 64-bit), then the two 128-bit halves added.
-inline __m256i sum_lanes8(const __m256i v[8]) {
-  __m256i a[4], b[2];
-  for (int i = 0; i < 4; i++)  // per half: [v2i(0+2), v2i+1(0+2), v2i(1+3), v2i+1(1+3)]
-    a[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                            _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 2; i++)  // per half: the half-sums of v4i .. v4i+3
-    b[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[2 * i], a[2 * i + 1]),
-                            _mm256_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(b[0], b[1], 0x20), _mm256_permute2x128_si256(b[0], b[1], 0x31));
-}
-
-// the float16 words at byte offset `off` of 8 consecutive blocks (stride block_bytes) as floats
+// the float16 scales (dw) and, for Q4_1, minima (mw) of 8 consecutive blocks at g
 template <int T>
-inline __m256 halves8(const uint8_t* blk, int off) {
-  auto h = [&](int j) {
-    uint16_t v;
-    std::memcpy(&v, blk + j * block_bytes(T) + off, 2);
-    return static_cast<int>(v);
-  };
-  __m128i w = _mm_cvtsi32_si128(h(0));
-  w = _mm_insert_epi16(w, h(1), 1);
-  w = _mm_insert_epi16(w, h(2), 2);
-  w = _mm_insert_epi16(w, h(3), 3);
-  w = _mm_insert_epi16(w, h(4), 4);
-  w = _mm_insert_epi16(w, h(5), 5);
-  w = _mm_insert_epi16(w, h(6), 6);
-  w = _mm_insert_epi16(w, h(7), 7);
-  return _mm256_cvtph_ps(w);
+inline void scales8(const uint8_t* g, v8f& dw, v8f& mw) {
+  constexpr int BB = block_bytes(T);
+  if constexpr (T == Q4_1) {  // [d | m] is the first 32-bit word of a block (never split: 20 j % 4 == 0)
+    auto word = [&](int j) {
+      int32_t v;
+      std::memcpy(&v, g + j * BB, 4);
+      return v;
+    };
+    __m128i a = _mm_cvtsi32_si128(word(0)), c = _mm_cvtsi32_si128(word(4));
+    a = _mm_insert_epi32(a, word(1), 1), c = _mm_insert_epi32(c, word(5), 1);
+    a = _mm_insert_epi32(a, word(2), 2), c = _mm_insert_epi32(c, word(6), 2);
+    a = _mm_insert_epi32(a, word(3), 3), c = _mm_insert_epi32(c, word(7), 3);
+    // per 32-bit word [d | m] -> the 4 d's, then the 4 m's
+    const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    a = _mm_shuffle_epi8(a, split), c = _mm_shuffle_epi8(c, split);
+    dw = _mm256_cvtph_ps(_mm_unpacklo_epi64(a, c));
+    mw = _mm256_cvtph_ps(_mm_unpackhi_epi64(a, c));
+  } else {  // d alone, as 16-bit words (a 32-bit load at 18 j or 34 j may split a cache line)
+    auto word = [&](int j) {
+      uint16_t v;
+      std::memcpy(&v, g + j * BB, 2);
+      return static_cast<int>(v);
+    };
+    __m128i a = _mm_cvtsi32_si128(word(0));
+    a = _mm_insert_epi16(a, word(1), 1);
+    a = _mm_insert_epi16(a, word(2), 2);
+    a = _mm_insert_epi16(a, word(3), 3);
+    a = _mm_insert_epi16(a, word(4), 4);
+    a = _mm_insert_epi16(a, word(5), 5);
+    a = _mm_insert_epi16(a, word(6), 6);
+    a = _mm_insert_epi16(a, word(7), 7);
+    dw = _mm256_cvtph_ps(a);
+  }
 }
 
-// row_int16 for one activation row (single-stream decode), AVX2: the scales of 8 blocks
-// at a time. Per block, the scalar work around the dot product (two float16 scales
-// converted one by one, a scalar multiply and broadcast, Q4_1's scalar multiply-add)
-// cost as much as the dot product itself: without it, matmuls of one row ran 1.3-1.7x
-// faster. Here the 8 blocks' integer sums are gathered into the lanes of one vector,
-// and their scales (and Q4_1's minima) are converted 8 at a time, then one FMA each.
+// acc += sums * dw dx [+ mw xs (Q4_1) | - 8 dw xs (Q4_0)], per block lane
 template <int T>
-inline void row_int16_one(const uint8_t* wrow, int nb, const int16_t* xq, const float* dx, const float* xs,
-                          float* out) {
-  vf acc = vzero(), accm = vzero();
+inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, const float* dx, const float* xs) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(dx)), acc);
+  if constexpr (T == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs), acc);
+  if constexpr (T == Q4_0) acc = _mm256_fnmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(8.f)), _mm256_loadu_ps(xs), acc);
+  return acc;
+}
+
+// out[m * N] = weight row wrow against MT rows of xq [MT][K] (int16), dx, xs [MT][nb]
+template <int T, int MT>
+inline void rows(const uint8_t* wrow, int nb, const int16_t* xq, int64_t K, const float* dx, const float* xs,
+                 float* out, int64_t N) {
+  constexpr int BB = block_bytes(T);
+  v8f acc[MT];
+  for (auto& a : acc) a = _mm256_setzero_ps();
   int b = 0;
   for (; b + 8 <= nb; b += 8) {
-    const uint8_t* blk = wrow + static_cast<int64_t>(b) * block_bytes(T);
-    __m256i s[8];
-    for (int j = 0; j < 8; j++) {
-      __m256i lo, hi;
-      block16<T>(blk + j * block_bytes(T), lo, hi);
-      const int16_t* xb = xq + (b + j) * QK;
-      s[j] = _mm256_add_epi32(_mm256_madd_epi16(lo, iload(xb)), _mm256_madd_epi16(hi, iload(xb + 16)));
+    const uint8_t* g = wrow + static_cast<int64_t>(b) * BB;
+    // the lane reduction, done as the block sums arrive (fewer live registers: about
+    // 4 MT + 2, so that AVX2's 16 hold up to 3 rows)
+    v8i half_sums[MT][2];
+    for (int q = 0; q < 2; q++) {
+      v8i a[MT][2];
+      for (int j = 0; j < 2; j++) {
+        const int blk = 4 * q + 2 * j;
+        v8i s0[MT], s1[MT];
+        block_dot<T, MT>(g + blk * BB, xq + static_cast<int64_t>(b + blk) * QK, K, s0);
+        block_dot<T, MT>(g + (blk + 1) * BB, xq + static_cast<int64_t>(b + blk + 1) * QK, K, s1);
+        for (int m = 0; m < MT; m++)
+          a[m][j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s0[m], s1[m]), _mm256_unpackhi_epi32(s0[m], s1[m]));
+      }
+      for (int m = 0; m < MT; m++)
+        half_sums[m][q] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[m][0], a[m][1]), _mm256_unpackhi_epi64(a[m][0], a[m][1]));
     }
-    const vf d = vmul(halves8<T>(blk, 0), vload(dx + b));  // dw * dx, per block
-    acc = vfma(icvt(sum_lanes8(s)), d, acc);
-    if constexpr (T == Q4_1) accm = vfma(halves8<T>(blk, 2), vload(xs + b), accm);
+    v8f dw, mw = _mm256_setzero_ps();
+    scales8<T>(g, dw, mw);
+    for (int m = 0; m < MT; m++) {
+      const v8i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x20),
+                                        _mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x31));
+      acc[m] = fold<T>(acc[m], sums, dw, mw, dx + m * nb + b, xs + m * nb + b);
+    }
   }
-  float tail = 0.f;
+  float rest[MT] = {};
   for (; b < nb; b++) {  // the last nb % 8 blocks one by one
-    const uint8_t* blk = wrow + static_cast<int64_t>(b) * block_bytes(T);
-    __m256i lo, hi;
-    block16<T>(blk, lo, hi);
-    const int16_t* xb = xq + b * QK;
-    const vi s = _mm256_add_epi32(_mm256_madd_epi16(lo, iload(xb)), _mm256_madd_epi16(hi, iload(xb + 16)));
-    tail += vsum(icvt(s)) * (half(blk) * dx[b]);
-    if constexpr (T == Q4_1) tail += half(blk + 2) * xs[b];
+    const uint8_t* blk = wrow + static_cast<int64_t>(b) * BB;
+    v8i s[MT];
+    block_dot<T, MT>(blk, xq + static_cast<int64_t>(b) * QK, K, s);
+    const float d = half(blk);
+    for (int m = 0; m < MT; m++) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]), _mm256_set1_ps(d * dx[m * nb + b]), acc[m]);
+      if constexpr (T == Q4_1) rest[m] += half(blk + 2) * xs[m * nb + b];
+      if constexpr (T == Q4_0) rest[m] -= 8.f * d * xs[m * nb + b];
+    }
   }
-  *out = vsum(vadd(acc, accm)) + tail;
+  for (int m = 0; m < MT; m++) out[m * N] = hsum(acc[m]) + rest[m];
 }
-#endif
+}  // namespace d8
 
 template <int T>
 void linear_int16_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
@@ -762,21 +789,17 @@ void linear_int16_rows(const float* x, const uint8_t* w, float* out, int64_t M, 
       dx[m * nb + b] = quant_block16(x + m * K + b * QK, xq.get() + m * K + b * QK, sum);
       xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
     }
-  at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    const int16_t* q = xq.get();
+    const float *d = dx.get(), *s = xs.get();
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* wrow = w + n * row_bytes;
       float* o = out + n;
-      const int16_t* q = xq.get();
-      const float *d = dx.get(), *s = xs.get();
       switch (M) {
-#ifndef SL_AVX512
-        case 1: row_int16_one<T>(wrow, nb, q, d, s, o); break;
-#else
-        case 1: row_int16<T, 1>(wrow, nb, q, d, s, K, o, N); break;
-#endif
-        case 2: row_int16<T, 2>(wrow, nb, q, d, s, K, o, N); break;
-        case 3: row_int16<T, 3>(wrow, nb, q, d, s, K, o, N); break;
-        default: row_int16<T, 4>(wrow, nb, q, d, s, K, o, N); break;
+        case 1: d8::rows<T, 1>(wrow, nb, q, K, d, s, o, N); break;
+        case 2: d8::rows<T, 2>(wrow, nb, q, K, d, s, o, N); break;
+        case 3: d8::rows<T, 3>(wrow, nb, q, K, d, s, o, N); break;
+        default: d8::rows<T, 4>(wrow, nb, q, K, d, s, o, N); break;
       }
     }
   });
@@ -795,7 +818,7 @@ void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64
   const int bc_step = (nb + nchunks - 1) / nchunks;  // blocks per chunk, chunks equal
   const int64_t npanels = (N + NQ - 1) / NQ;
   const int64_t xstride = K * VW, sstride = static_cast<int64_t>(nb) * VW;
-  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+  sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t MC = m_block(K, sizeof(int16_t));
     std::vector<int16_t> wq(NQ * KQ_MAX);
     std::vector<float> dw(NQ * BQ_MAX), mw(NQ * BQ_MAX);
@@ -839,7 +862,7 @@ template <int T>
 void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  sl::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
       for (int b = 0; b < nb; b++) {
         vf v[VN];

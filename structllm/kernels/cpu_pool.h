@@ -1,0 +1,183 @@
+// A thread pool for the CPU kernels whose caller never waits for a sleeping thread.
+//
+// at::parallel_for (OpenMP) splits a loop into one range per thread and joins them all:
+// a thread that has gone to sleep since the last parallel region must be woken, and the
+// region lasts until it has run its share. A single-stream decode step of the default
+// model runs ~120 such regions, 10-50 us apart (the Python between two matmuls), and a
+// woken thread takes 20-150 us to run on a 2-vCPU VM: with OpenMP's short spin (see
+// threads.py) a step took 10-13 ms on a 2-vCPU EPYC, against 6-7 ms with threads
+// spinning through the gaps, which on shared cores starves the front end instead.
+//
+// Here the loop is cut into more chunks than threads, and every thread, the caller
+// included, claims chunks from one atomic counter until none are left: a worker that is
+// asleep or descheduled when a loop starts leaves its chunks to the others, and one that
+// wakes late finds nothing to do. The caller waits only for chunks already claimed.
+// Workers spin for a short while after their last chunk (the next loop of a step is
+// usually microseconds away), yielding the CPU between polls, then sleep on a futex.
+//
+// One pool per extension module that includes this header (its workers start on first
+// use); the thread count follows torch's (at::get_num_threads), read at every loop.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace sl {
+
+class Pool {
+ public:
+  using Body = void (*)(const void* ctx, int64_t begin, int64_t end);
+
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: workers may outlive static destructors
+    return *pool;
+  }
+
+  // fn(begin, end) over [0, n) in chunks of at least `grain` items; returns when every
+  // chunk has run. fn must not throw. A nested call (from inside a chunk), or one made
+  // while another thread's loop runs, runs inline on its caller.
+  template <class F>
+  void run(int64_t n, int64_t grain, const F& fn) {
+    if (n <= 0) return;
+    const int threads = std::max(1, at::get_num_threads());
+    grain = std::max<int64_t>(grain, 1);
+    bool idle = false;
+    if (threads == 1 || n <= grain || in_chunk_ || !busy_.compare_exchange_strong(idle, true)) {
+      fn(int64_t{0}, n);  // one thread, little work, nested, or another thread's loop running
+      return;
+    }
+    ensure_workers(threads - 1);
+    // a few chunks per thread: a thread that starts late (or is preempted) leaves the
+    // rest of the loop to the others
+    const int64_t chunk = std::max(grain, (n + kChunksPerThread * threads - 1) / (kChunksPerThread * threads));
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    gen_++;
+    Job& job = jobs_[gen_ & 1];  // not the last job's slot: a late reader of that one is safe
+    job.body.store(&trampoline<F>, std::memory_order_relaxed);
+    job.ctx.store(&fn, std::memory_order_relaxed);
+    job.n.store(n, std::memory_order_relaxed);
+    job.chunk.store(chunk, std::memory_order_relaxed);
+    job.nchunks.store(nchunks, std::memory_order_relaxed);
+    job.workers.store(threads - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    state_.store(static_cast<uint64_t>(gen_) << 32, std::memory_order_seq_cst);  // publishes the job
+    epoch_.store(gen_, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(&epoch_, FUTEX_WAKE_PRIVATE, INT_MAX);
+    in_chunk_ = true;
+    work(gen_, -1);
+    in_chunk_ = false;
+    for (int spins = 0; done_.load(std::memory_order_acquire) < nchunks; spins++) {  // chunks others hold
+      _mm_pause();
+      if (spins % 64 == 63) sched_yield();
+    }
+    busy_.store(false, std::memory_order_release);
+  }
+
+ private:
+  static constexpr int kChunksPerThread = 4;
+  static constexpr auto kSpin = std::chrono::microseconds(100);  // a worker's spin before it sleeps
+
+  struct Job {  // written only while no chunk of it can be claimed (see run)
+    std::atomic<Body> body{nullptr};
+    std::atomic<const void*> ctx{nullptr};
+    std::atomic<int64_t> n{0}, chunk{0}, nchunks{0};
+    std::atomic<int> workers{0};  // workers that may take part (torch's threads - 1)
+  };
+
+  template <class F>
+  static void trampoline(const void* ctx, int64_t begin, int64_t end) {
+    (*static_cast<const F*>(ctx))(begin, end);
+  }
+
+  static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val) {
+    return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, nullptr, nullptr, 0);
+  }
+
+  // claims and runs chunks of job `gen` (as worker `index`, -1: the caller) until none is
+  // left or the job is no longer current. A claim is a CAS on state_ = gen << 32 | next
+  // chunk, so it succeeds only while `gen` is current; the job's slot, read after state_
+  // showed `gen`, is rewritten only for job gen + 2, after gen + 1 has replaced it there
+  // (values read then are never used: the claim fails).
+  void work(uint32_t gen, int index) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    if (static_cast<uint32_t>(s >> 32) != gen) return;
+    const Job& job = jobs_[gen & 1];
+    if (index >= job.workers.load(std::memory_order_relaxed)) return;  // more workers than torch's threads now
+    const Body body = job.body.load(std::memory_order_relaxed);
+    const void* ctx = job.ctx.load(std::memory_order_relaxed);
+    const int64_t n = job.n.load(std::memory_order_relaxed);
+    const int64_t chunk = job.chunk.load(std::memory_order_relaxed);
+    const int64_t nchunks = job.nchunks.load(std::memory_order_relaxed);
+    while (static_cast<uint32_t>(s >> 32) == gen && static_cast<int64_t>(s & 0xFFFFFFFFu) < nchunks) {
+      if (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) continue;
+      const int64_t c = static_cast<int64_t>(s & 0xFFFFFFFFu);
+      body(ctx, c * chunk, std::min(n, (c + 1) * chunk));
+      done_.fetch_add(1, std::memory_order_release);
+      s = state_.load(std::memory_order_acquire);
+    }
+  }
+
+  void worker_loop(int index) {
+    uint32_t seen = epoch_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + kSpin;
+      uint32_t now = seen;
+      for (int spins = 0; (now = epoch_.load(std::memory_order_acquire)) == seen; spins++) {
+        _mm_pause();
+        if (spins % 64 == 63) {
+          if (std::chrono::steady_clock::now() > until) break;
+          sched_yield();  // the thread we wait for may need this very CPU
+        }
+      }
+      if (now == seen) {  // nothing within the spin: sleep until the next loop
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if (epoch_.load(std::memory_order_seq_cst) == seen) futex(&epoch_, FUTEX_WAIT_PRIVATE, seen);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        continue;
+      }
+      seen = now;
+      in_chunk_ = true;
+      work(now, index);
+      in_chunk_ = false;
+    }
+  }
+
+  void ensure_workers(int count) {
+    // grows only: extra workers of a smaller setting just find fewer chunks
+    while (static_cast<int>(workers_.size()) < count) {
+      const int index = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, index] { worker_loop(index); });
+      workers_.back().detach();
+    }
+  }
+
+  Job jobs_[2];
+  alignas(64) std::atomic<uint64_t> state_{0};
+  alignas(64) std::atomic<int64_t> done_{0};
+  alignas(64) std::atomic<uint32_t> epoch_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> busy_{false};  // a loop is running (one caller at a time)
+  uint32_t gen_ = 0;  // the caller's
+  std::vector<std::thread> workers_;
+  static inline thread_local bool in_chunk_ = false;
+};
+
+// at::parallel_for's contract (fn(begin, end) over [begin, end), chunks >= grain) on the pool
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  Pool::get().run(end - begin, grain, [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
+}
+
+}  // namespace sl
