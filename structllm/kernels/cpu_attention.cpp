@@ -4,9 +4,9 @@
 // The torch reference gathers every sequence's blocks into a padded copy and then runs
 // small batched matmuls, so K and V cross memory three times per layer. Here each K/V
 // element is read once, straight from its block, with an online softmax; decode
-// attention is bound by memory traffic, so that is the win. Work is split with
-// at::parallel_for, i.e. on torch's own thread pool: a kernel with threads of its own
-// fights torch's OpenMP workers, which spin between ops.
+// attention is bound by memory traffic, so that is the win. Work is split over (sequence,
+// KV head) items on the kernels' pool (cpu_pool.h), whose caller never waits for a
+// sleeping thread: even one sequence's 2-8 items are shared with a worker that is awake.
 //
 // Layouts (this backend's own, see CpuAttention in attention.py):
 //   q        [B, H, D]          row stride q.stride(0), heads adjacent
@@ -39,12 +39,12 @@
 #include <string>
 #include <type_traits>
 
+#include "cpu_pool.h"
 #include "cpu_simd.h"
 
 namespace {
 
 constexpr int kMaxG = 16;
-constexpr int64_t kSerialBlockHeads = 128;  // (block, query head) pairs run without peers
 constexpr int kMaxD = 256;
 
 inline float exp_neg(float x) { return sl::exp_approx(x); }  // x <= 0; -inf gives ~0
@@ -166,23 +166,94 @@ inline void prefetch_block(const T* kt, const T* v, int64_t block, int Hkv, int 
 // with explicit vectors. The generic loops above keep the scores and accumulators in
 // memory (G and D are run-time values) and go through each K/V row once per query head
 // with a load and a store around every FMA. Here a block's K and V are widened once into
-// L1-resident buffers, and for each query head the BS scores (in 4 independent sums
-// over d, so that the FMAs do not wait on each other's latency) and its D accumulators
-// live in registers across the block.
+// L1-resident buffers, and the query heads of the KV head go through the block together,
+// up to 4 at a time: one head alone is a few short dependency chains (its scores, then
+// its D accumulators, each an FMA after FMA), so the CPU mostly waited on FMA latency;
+// GG heads interleaved are GG times the independent chains for the same loads.
 using namespace sl;  // vf, VW, ... (cpu_simd.h)
+
+// GG query heads (from g0) through one block: their scores, the block's online-softmax
+// step, and their accumulators. kp [D][BS], V row p at vp + p * vstride (float32).
+template <int GG, int BS, int D>
+inline void heads_block(const float* kp, const float* vp, int64_t vstride, int n, int g0, float (*qs)[D],
+                        float (*acc)[D], float* m, float* l) {
+  constexpr int PV = BS / VW;  // vectors per block of scores
+  constexpr int NV = D / VW;   // vectors per head row
+  // independent partial sums over d per score vector: about 8 chains in all
+  constexpr int DU = GG * PV >= 8 ? 1 : GG * PV >= 4 ? 2 : 4;
+  static_assert(D % DU == 0, "shapes");
+  alignas(64) float s[GG][BS];
+  {
+    vf sc[GG][DU][PV];
+    for (auto& h : sc)
+      for (auto& u : h)
+        for (auto& x : u) x = vzero();
+    for (int d = 0; d < D; d += DU)
+      for (int u = 0; u < DU; u++) {
+        vf kv[PV];
+        for (int j = 0; j < PV; j++) kv[j] = vload(kp + (d + u) * BS + j * VW);
+        for (int g = 0; g < GG; g++) {
+          const vf qv = vset1(qs[g0 + g][d + u]);
+          for (int j = 0; j < PV; j++) sc[g][u][j] = vfma(qv, kv[j], sc[g][u][j]);
+        }
+      }
+    // the block's softmax in vectors (a scalar exp per score cost about as much as both
+    // FMA loops together): slots past the end are -inf for the max, 0 after exp
+    for (int g = 0; g < GG; g++) {
+      vf sv[PV];
+      vf mv = vset1(-std::numeric_limits<float>::infinity());
+      for (int j = 0; j < PV; j++) {
+        sv[j] = sc[g][0][j];
+        for (int u = 1; u < DU; u++) sv[j] = vadd(sv[j], sc[g][u][j]);
+        if (n < BS) sv[j] = vkeep_below(sv[j], n - j * VW, -std::numeric_limits<float>::infinity());
+        mv = vmax(mv, sv[j]);
+      }
+      const int h = g0 + g;
+      const float mx = std::max(m[h], vhmax(mv));
+      const float corr = exp_neg(m[h] - mx);  // m = -inf on the first block: 0
+      const vf mxv = vset1(mx);
+      vf sumv = vzero();
+      for (int j = 0; j < PV; j++) {
+        vf w = vexp(vsub(sv[j], mxv));
+        if (n < BS) w = vkeep_below(w, n - j * VW, 0.f);
+        sumv = vadd(sumv, w);
+        vstore(s[g] + j * VW, w);
+      }
+      l[h] = l[h] * corr + vsum(sumv);
+      m[h] = mx;
+      const vf c = vset1(corr);
+      for (int j = 0; j < NV; j++) vstore(acc[h] + j * VW, vmul(vload(acc[h] + j * VW), c));
+    }
+  }
+  // acc[h] += sum_p s[g][p] V[p]: GG heads x JC vectors of D in registers (at most ~12)
+  constexpr int JC = std::max(1, std::min(NV, 12 / GG));
+  for (int j0 = 0; j0 < NV; j0 += JC) {
+    const int jn = std::min(JC, NV - j0);
+    vf a[GG][JC];
+    for (int g = 0; g < GG; g++)
+      for (int j = 0; j < JC; j++) a[g][j] = j < jn ? vload(acc[g0 + g] + (j0 + j) * VW) : vzero();
+    for (int p = 0; p < n; p++) {
+      const float* vr = vp + p * vstride + j0 * VW;
+      vf vv[JC];
+      for (int j = 0; j < JC; j++) vv[j] = j < jn ? vload(vr + j * VW) : vzero();
+      for (int g = 0; g < GG; g++) {
+        const vf w = vset1(s[g][p]);
+        for (int j = 0; j < JC; j++) a[g][j] = vfma(w, vv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < GG; g++)
+      for (int j = 0; j < jn; j++) vstore(acc[g0 + g] + (j0 + j) * VW, a[g][j]);
+  }
+}
 
 template <typename T, int BS, int D>
 void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
                        int Hkv, int kvh, float scale) {
-  constexpr int PV = BS / VW;  // vectors per block of scores
-  constexpr int NV = D / VW;   // vectors per head row
-  constexpr int DU = 4;        // independent partial sums over d
-  static_assert(BS % VW == 0 && D % (VW * 1) == 0 && D % DU == 0, "shapes");
+  static_assert(BS % VW == 0 && D % VW == 0, "shapes");
   alignas(64) float kwide[std::is_same_v<T, float> ? 1 : D * BS];  // widened K block [D][BS]
   alignas(64) float vwide[std::is_same_v<T, float> ? 1 : BS * D];  // widened V block [BS][D]
   alignas(64) float qs[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
-  alignas(64) float s[BS];
   float m[kMaxG], l[kMaxG];
   init_heads(q, scale, G, D, qs, acc, m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // elements between V positions
@@ -202,46 +273,13 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
       for (int p = 0; p < n; p++) widen(vb + p * vrow, vwide + p * D, D);
       kp = kwide, vp = vwide, vstride = D;
     }
-    for (int g = 0; g < G; g++) {
-      vf sc[DU][PV];
-      for (auto& u : sc)
-        for (auto& x : u) x = vzero();
-      for (int d = 0; d < D; d += DU)
-        for (int u = 0; u < DU; u++) {
-          const vf qv = vset1(qs[g][d + u]);
-          for (int j = 0; j < PV; j++) sc[u][j] = vfma(qv, vload(kp + (d + u) * BS + j * VW), sc[u][j]);
-        }
-      // the block's softmax in vectors (a scalar exp per score cost about as much as
-      // both FMA loops together): slots past the end are -inf for the max, 0 after exp
-      vf sv[PV];
-      vf mv = vset1(-std::numeric_limits<float>::infinity());
-      for (int j = 0; j < PV; j++) {
-        sv[j] = vadd(vadd(sc[0][j], sc[1][j]), vadd(sc[2][j], sc[3][j]));
-        if (n < BS) sv[j] = vkeep_below(sv[j], n - j * VW, -std::numeric_limits<float>::infinity());
-        mv = vmax(mv, sv[j]);
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min(4, G - g0)) {
+        case 1: heads_block<1, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
+        case 2: heads_block<2, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
+        case 3: heads_block<3, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
+        default: heads_block<4, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
       }
-      const float mx = std::max(m[g], vhmax(mv));
-      const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
-      const vf mxv = vset1(mx);
-      vf sumv = vzero();
-      for (int j = 0; j < PV; j++) {
-        vf w = vexp(vsub(sv[j], mxv));
-        if (n < BS) w = vkeep_below(w, n - j * VW, 0.f);
-        sumv = vadd(sumv, w);
-        vstore(s + j * VW, w);
-      }
-      const float sum = vsum(sumv);
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
-      vf a[NV];
-      const vf c = vset1(corr);
-      for (int j = 0; j < NV; j++) a[j] = vmul(vload(acc[g] + j * VW), c);
-      for (int p = 0; p < n; p++) {
-        const vf w = vset1(s[p]);
-        const float* vr = vp + p * vstride;
-        for (int j = 0; j < NV; j++) a[j] = vfma(w, vload(vr + j * VW), a[j]);
-      }
-      for (int j = 0; j < NV; j++) vstore(acc[g] + j * VW, a[j]);
     }
   }
   for (int g = 0; g < G; g++) {
@@ -266,13 +304,7 @@ template <typename T, int BS>
 void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
          const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale) {
   const int G = H / Hkv;
-  // A step this small (one sequence of a few hundred tokens: ~20 us of work) runs on
-  // the calling thread: handing half of it to a peer costs about as much when the peer
-  // is spinning, and a wake-up (up to ~150 us on a VM) when it is not.
-  int64_t block_heads = 0;
-  for (int64_t b = 0; b < B; b++) block_heads += (lens[b] + BS - 1) / BS * H;
-  const int64_t grain = block_heads <= kSerialBlockHeads ? B * Hkv : 1;
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+  sl::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; item++) {
       const int64_t b = item / Hkv;
       const int kvh = static_cast<int>(item % Hkv);
@@ -339,6 +371,8 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
+  m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("paged_decode", &paged_decode,
         "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)");
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");

@@ -68,7 +68,7 @@ def load(isa: str | None = None) -> Any | None:
     """The compiled attention module (``paged_decode``; ``isa()``: the float16 widening
     compiled in) for ``isa`` (see ``attention_build``), or None if it cannot be built."""
     stem, flags = attention_build(isa)
-    return build(stem, SOURCE, flags, "the CPU attention kernel (about 20 s)")
+    return _share_pool(build(stem, SOURCE, flags, "the CPU attention kernel (about 20 s)"))
 
 
 LAYER_SOURCE = Path(__file__).with_name("cpu_layer.cpp")
@@ -81,11 +81,13 @@ def load_layer(isa: str | None = None) -> Any | None:
     isa = isa or best_isa()
     if isa is None:
         return None
-    return build(
-        f"structllm_cpu_layer_{isa}",
-        LAYER_SOURCE,
-        [*FLAGS, _ISA_MARCH[isa]],
-        "the fused CPU layer ops (about 20 s)",
+    return _share_pool(
+        build(
+            f"structllm_cpu_layer_{isa}",
+            LAYER_SOURCE,
+            [*FLAGS, _ISA_MARCH[isa]],
+            "the fused CPU layer ops (about 20 s)",
+        )
     )
 
 
@@ -122,11 +124,13 @@ def load_quant(isa: str | None = None) -> Any | None:
         log.warning("GGUF block kernels need AVX2/FMA/F16C; this CPU lacks them")
         return None
     flags = [*QUANT_FLAGS, _ISA_MARCH[isa]]
-    return build(
-        f"structllm_quant_{isa}",
-        QUANT_SOURCE,
-        flags,
-        f"the {isa} GGUF matmul kernels (about a minute)",
+    return _share_pool(
+        build(
+            f"structllm_quant_{isa}",
+            QUANT_SOURCE,
+            flags,
+            f"the {isa} GGUF matmul kernels (about a minute)",
+        )
     )
 
 
@@ -165,6 +169,23 @@ def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
     except Exception as e:  # no compiler, no ninja, ...: fall back, loudly once
         log.warning("%s unavailable: %s", what.split(" (")[0], e)
         return None
+
+
+_POOL: Any = None  # the first loaded kernel module's thread pool (cpu_pool.h), shared
+
+
+def _share_pool(module: Any) -> Any:
+    """Run ``module``'s loops on the process's one kernel pool: the first module loaded
+    lends its own to every later one, so no two sets of workers spin against each other.
+    Returns ``module`` (None: nothing was built)."""
+    global _POOL
+    if module is None:
+        return None
+    if _POOL is None:
+        _POOL = module.pool_handle()
+    else:
+        module.use_pool(_POOL)
+    return module
 
 
 def build_name(stem: str, source: Path, flags: list[str], torch_version: str) -> str:

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <optional>
 
+#include "cpu_pool.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -89,7 +90,7 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torc
   float* op = out.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       float* xr = xp + t * N;
       if (dp != nullptr) {
@@ -116,7 +117,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto out = torch::empty({T, F}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       const float* g = gp + t * 2 * F;
       const float* u = g + F;
@@ -151,7 +152,7 @@ void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, t
   float* qp = qkv.data_ptr<float>();
   const float* rp = rope.data_ptr<float>();
   const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
-  at::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       const float* cs = rp + t * D;  // (cos, sin) pairs
       for (int64_t h = 0; h < H + Hkv; h++) {
@@ -172,6 +173,8 @@ void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, t
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
+  m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("rms_norm", &rms_norm, "x += delta (if given), then RMSNorm(x) * w, as a new tensor");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gu = [gate | up]");
   m.def("rope_store", &rope_store, "rotate q and k in place, store k and v in the paged cache");

@@ -13,14 +13,17 @@
 // asleep or descheduled when a loop starts leaves its chunks to the others, and one that
 // wakes late finds nothing to do. The caller waits only for chunks already claimed.
 // Workers spin for a short while after their last chunk (the next loop of a step is
-// usually microseconds away), yielding the CPU between polls, then sleep on a futex.
+// usually microseconds away), yielding the CPU now and then, then sleep on a futex.
 //
-// One pool per extension module that includes this header (its workers start on first
-// use); the thread count follows torch's (at::get_num_threads), read at every loop.
+// One pool per process: each extension module that includes this header can make one
+// (its workers start on first use), and cpu_ext.py hands the first module's to the
+// others at load (pool_handle / use_pool), so that no two sets of workers spin against
+// each other. The thread count follows torch's (at::get_num_threads), read every loop.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <pybind11/pybind11.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
@@ -30,6 +33,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <string>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -39,11 +43,6 @@ namespace sl {
 class Pool {
  public:
   using Body = void (*)(const void* ctx, int64_t begin, int64_t end);
-
-  static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: workers may outlive static destructors
-    return *pool;
-  }
 
   // fn(begin, end) over [0, n) in chunks of at least `grain` items; returns when every
   // chunk has run. fn must not throw. A nested call (from inside a chunk), or one made
@@ -138,7 +137,12 @@ class Pool {
         _mm_pause();
         if (spins % 64 == 63) {
           if (std::chrono::steady_clock::now() > until) break;
-          sched_yield();  // the thread we wait for may need this very CPU
+          // now and then the CPU goes to whoever else wants it (the front end, or the
+          // thread we wait for, placed on this CPU). Not at every poll: a yield per
+          // microsecond kept the caller and the worker on one CPU, and a matmul of one
+          // row ran no faster on two threads than on one (66 against 67 us, against 35
+          // us with this rarer yield)
+          if (spins % 1024 == 1023) sched_yield();
         }
       }
       if (now == seen) {  // nothing within the spin: sleep until the next loop
@@ -174,10 +178,29 @@ class Pool {
   static inline thread_local bool in_chunk_ = false;
 };
 
+namespace {  // this module's own (internal linkage: not merged with other modules')
+Pool* g_pool = nullptr;
+}  // namespace
+
+// the pool this module runs on: the one handed over by use_pool, else its own (never
+// destroyed: workers may outlive static destructors)
+inline Pool& pool() {
+  if (g_pool == nullptr) g_pool = new Pool();
+  return *g_pool;
+}
+
+// For the module's Python side: its pool as a capsule, and running on another module's.
+// use_pool must come before this module's first loop (cpu_ext.py calls it at load).
+inline pybind11::capsule pool_handle() { return pybind11::capsule(static_cast<void*>(&pool()), "structllm.pool"); }
+inline void use_pool(const pybind11::capsule& handle) {
+  TORCH_CHECK(std::string(handle.name()) == "structllm.pool", "use_pool: not a structllm pool handle");
+  g_pool = static_cast<Pool*>(handle.get_pointer());
+}
+
 // at::parallel_for's contract (fn(begin, end) over [begin, end), chunks >= grain) on the pool
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
-  Pool::get().run(end - begin, grain, [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
+  pool().run(end - begin, grain, [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
 }
 
 }  // namespace sl

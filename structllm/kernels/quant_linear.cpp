@@ -930,6 +930,8 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
+  m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("linear", &linear, "x @ W^T with W in GGUF blocks (Q4_0=0, Q4_1=1, Q8_0=2); mode 0 float, 1 int8, 2 int16");
   m.def("dequantize", &dequantize, "GGUF blocks -> float32 rows");
   m.def("isa", &isa, "the instruction set this build targets");
