@@ -12,6 +12,10 @@ Timings are interleaved (float, int8, oneDNN, float, ...) for ``--reps`` rounds 
 median per call is reported, so that a neighbour's load on a shared machine hits all
 three alike. Prints a table (microseconds per call, and oneDNN / float) and one JSON line.
 
+By default every call reads the same weights, which then sit in the CPU's caches. In the
+engine a decode step streams ~100 MB of weights, each matrix read once: ``--cold`` cycles
+each variant through copies of its weights (at least 256 MB of them), as the engine does.
+
     python bench/quant_linear.py                          # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/quant_linear.py   # the AVX2 build
 """
@@ -25,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,6 +62,37 @@ def block_weight(n: int, k: int, type_name: str, seed: int) -> BlockWeight:
     )
 
 
+COLD_BYTES = 256 << 20  # copies of a weight that --cold cycles through: past any L3
+
+
+def copies(t: torch.Tensor, cold: bool, nbytes: int | None = None) -> list[torch.Tensor]:
+    """``t`` alone, or (cold) enough clones of it to fill ``COLD_BYTES``. ``nbytes``: the
+    size of a tensor that cannot tell its own (a oneDNN-packed one)."""
+    if not cold:
+        return [t]
+    size = nbytes if nbytes is not None else t.numel() * t.element_size()
+    return [t.clone() for _ in range(max(2, COLD_BYTES // size))]
+
+
+def cycling(fn: Callable[[torch.Tensor], object], ts: list[torch.Tensor]) -> Callable[[], object]:
+    """A call of ``fn`` on the next of ``ts`` each time."""
+    state = {"i": 0}
+
+    def call() -> object:
+        state["i"] += 1
+        return fn(ts[state["i"] % len(ts)])
+
+    return call
+
+
+def block_linear(module: Any, x: torch.Tensor, code: int, mode: int, raw: torch.Tensor) -> object:
+    return module.linear(x, raw, code, mode)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> object:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def time_us(fn: Callable[[], object], min_s: float) -> float:
     """Microseconds per call, over at least ``min_s`` seconds of calls."""
     n, t0 = 0, time.perf_counter()
@@ -78,6 +114,9 @@ def main() -> int:
         "--modes", nargs="+", default=list(MODES), choices=list(MODES), help="kernel paths to time"
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--cold", action="store_true", help="weights read from memory, not from the caches"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,13 +141,15 @@ def main() -> int:
     for i, (name, n, k, t) in enumerate(shapes):
         w = block_weight(n, k, t, seed=i)
         packed = torch.ops.mkldnn._reorder_linear_weight(w.dequantize())
+        raws, packs = copies(w.raw, args.cold), copies(packed, args.cold, 4 * n * k)
         for m in args.rows:
             x = torch.randn(m, k)
             onednn = partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
             fns: dict[str, Callable[[], object]] = {
-                mode: partial(module.linear, x, w.raw, w.code, code) for mode, code in modes.items()
+                mode: cycling(partial(block_linear, module, x, w.code, code), raws)
+                for mode, code in modes.items()
             }
-            fns["onednn"] = onednn
+            fns["onednn"] = cycling(partial(onednn_linear, x), packs)
             ref = onednn()
             errs = {
                 f"{mode}_rel_err": (
@@ -129,7 +170,7 @@ def main() -> int:
             for mode in modes:
                 line += f"{med[mode]:>10.1f}{med['onednn'] / med[mode]:>6.2f}x"
             print(line, file=sys.stderr)
-    print(json.dumps({"bench": "quant_linear", "isa": module.isa(),
+    print(json.dumps({"bench": "quant_linear", "isa": module.isa(), "cold": args.cold,
                       "threads": torch.get_num_threads(), "results": results}))  # fmt: skip
     return 0
 

@@ -546,7 +546,8 @@ void quantize_rows16(const float* x, int64_t M, int64_t K, int64_t Mp, int16_t* 
   });
 }
 
-// one weight block's 32 quants as int16 in k order (Q4_0: minus 8) at dst
+// one weight block's 32 quants as int16 in k order (Q4_0: minus 8) at dst. A Q4 byte
+// zero-extended to 16 bits gives its low nibble by an AND and its high one by a shift.
 template <int T>
 inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
   const uint8_t* qs = blk + quants_offset(T);
@@ -555,10 +556,9 @@ inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
   } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    a = _mm256_cvtepu8_epi16(_mm_and_si128(q, m4));                     // weights 0..15
-    b = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), m4));  // weights 16..31
+    const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    a = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));  // weights 0..15
+    b = _mm256_srli_epi16(z, 4);                        // weights 16..31
     if constexpr (T == Q4_0) {
       a = _mm256_sub_epi16(a, _mm256_set1_epi16(8));
       b = _mm256_sub_epi16(b, _mm256_set1_epi16(8));
@@ -777,6 +777,28 @@ inline void rows(const uint8_t* wrow, int nb, const int16_t* xq, int64_t K, cons
 }
 }  // namespace d8
 
+// nb blocks of one weight row (from blk) -> their quants as int16 (wq, k order), scales
+// (dw) and Q4_1 minima (mw) as floats, 8 blocks' scales at a time: converting them one
+// by one cost as much as widening the quants, which at 16 activation rows (batch decode)
+// left the unpacking a quarter of the matmul.
+template <int T>
+inline void unpack_row16(const uint8_t* blk, int nb, int16_t* wq, float* dw, float* mw) {
+  constexpr int BB = block_bytes(T);
+  int b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    for (int j = 0; j < 8; j++) unpack_block16<T>(blk + (b + j) * BB, wq + (b + j) * QK);
+    d8::v8f d, m = _mm256_setzero_ps();
+    d8::scales8<T>(blk + b * BB, d, m);
+    _mm256_storeu_ps(dw + b, d);
+    if constexpr (T == Q4_1) _mm256_storeu_ps(mw + b, m);
+  }
+  for (; b < nb; b++) {
+    unpack_block16<T>(blk + b * BB, wq + b * QK);
+    dw[b] = half(blk + b * BB);
+    if constexpr (T == Q4_1) mw[b] = half(blk + b * BB + 2);
+  }
+}
+
 template <int T>
 void linear_int16_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK);
@@ -832,12 +854,8 @@ void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64
         for (int b0 = 0; b0 < nb; b0 += bc_step) {
           const int nbc = std::min(bc_step, nb - b0);
           for (int i = 0; i < nr; i++)
-            for (int b = 0; b < nbc; b++) {
-              const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(b0 + b) * block_bytes(T);
-              unpack_block16<T>(blk, wq.data() + i * KQ_MAX + b * QK);
-              dw[i * BQ_MAX + b] = half(blk);
-              if constexpr (T == Q4_1) mw[i * BQ_MAX + b] = half(blk + 2);
-            }
+            unpack_row16<T>(w + (n0 + i) * row_bytes + static_cast<int64_t>(b0) * block_bytes(T), nbc,
+                            wq.data() + i * KQ_MAX, dw.data() + i * BQ_MAX, mw.data() + i * BQ_MAX);
           const int16_t* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
           const float* db = dx.get() + m0 / VW * sstride + b0 * VW;
           const float* sb = xs.get() + m0 / VW * sstride + b0 * VW;
