@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
@@ -58,6 +58,10 @@ log = logging.getLogger("structllm.engine")
 COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
 
 
+class StepCutShort(Exception):
+    """Raised between layers when every request of the running step has been aborted."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         self.config = config
@@ -90,6 +94,7 @@ class EngineCore:
             str, int
         ] = {}  # request id -> KV blocks it held at the last trace
         self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
+        self.num_steps_cut = 0  # steps cut short: every request in them was aborted
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
 
@@ -345,7 +350,18 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._compiling)
 
-    def step(self) -> OutputBatch:
+    def step(self, aborts_pending: Callable[[], Collection[str]] | None = None) -> OutputBatch:
+        """Schedule and run one step; its outputs (and any refusals and aborts since the
+        last step) as one batch.
+
+        ``aborts_pending``: the ids of requests whose abort has arrived but is held by the
+        caller until the step ends (the engine loop peeks at its rings while the model
+        runs). When it covers every request of the running step, the step is cut short
+        between layers (``llama.CHECK_EVERY``): nothing is sampled, no request
+        advances, and the K/V blocks registered for its uncomputed tokens leave the
+        prefix cache. The caller must then apply those aborts before the next step. So
+        a storm of requests dropped by their clients costs a newcomer a few layers of
+        waiting, not the rest of a long prefill step. Not with tensor parallelism."""
         if self._compiling:
             self._admit_compiled(0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
         sched = self.scheduler.schedule()
@@ -355,8 +371,23 @@ class EngineCore:
             if self.tracer.enabled:
                 start = now_us()
                 self._trace_scheduled(sched)
+            check = None
+            if aborts_pending is not None and self.workers is None:
+                ids = {req.request_id for req, _ in sched.scheduled}
+
+                def check() -> None:
+                    if ids.issubset(aborts_pending()):
+                        raise StepCutShort
+
             try:
-                sampled, logprobs, prompt_logprobs = self.runner.execute(sched)
+                sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
+            except StepCutShort:
+                for req, _ in sched.scheduled:
+                    self.kv.forget_uncomputed(req)
+                self.num_steps_cut += 1
+                if self.tracer.enabled:
+                    self.tracer.span("step", start, step=self.num_steps, cut_short=True)
+                return OutputBatch(deltas, self.stats())
             except BaseException as e:
                 if self.workers is not None:
                     self._abandon_step(self.workers, e)
@@ -426,4 +457,5 @@ class EngineCore:
             num_steps=self.num_steps,
             num_grammar_matchers=len(self.grammar.matchers),
             num_grammar_ff_tokens=self.grammar.num_ff_tokens,
+            num_steps_cut=self.num_steps_cut,
         )

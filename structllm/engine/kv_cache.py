@@ -123,6 +123,25 @@ class KVCacheManager:
         req.block_ids = []
         req.chain_ids = []
 
+    def forget_uncomputed(self, req: Request) -> None:
+        """Unregister the blocks ``allocate`` registered for tokens of ``req`` that were
+        never computed (a step abandoned part-way: their K/V holds only some layers), so
+        that no later request hits them. Blocks ``req`` took from the cache, or that were
+        computed in an earlier step, stay cached."""
+        done = req.num_computed_tokens // self.block_size  # blocks whose K/V is whole
+        for i in range(done, len(req.chain_ids)):
+            b = req.block_ids[i]
+            key = self.block_key[b]
+            # b in the cache under req's chain id: registered for req's own tokens (a
+            # block of the same prefix registered by another request is left to it)
+            if (
+                key is not None
+                and self.cached.get(key) == b
+                and self.block_chain_id[b] == req.chain_ids[i]
+            ):
+                self._evict(b)
+        del req.chain_ids[done:]
+
     def record_admission(self, req: Request, num_hit_tokens: int) -> None:
         """Count one admission's prompt lookup in the prefix-cache stats."""
         self.num_queried_tokens += req.prompt_len

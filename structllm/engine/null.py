@@ -10,12 +10,14 @@ emulate a model's step time). The same inputs always give the same outputs, so
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.protocol import TokenLogprobs
 
 # Ordinary vocabulary entries of the default tokenizer (no special tokens there).
 LOW, SPAN = 300, 4000
+LAYERS = 8  # slices of a step's sleep, between which an abandoned step can stop
 
 
 def _null_alternatives(token: int, k: int) -> list[int]:
@@ -34,12 +36,17 @@ class NullRunner:
         return LOW + (a * 2654435761 + b * 40503 + len(token_ids) * 97) % SPAN
 
     def execute(
-        self, sched: SchedulerOutput
+        self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
         """As ``ModelRunner.execute``; prompt logprobs are ``-1.0`` per token, with the
-        scored token and then ``NullRunner``-style ids as alternatives."""
+        scored token and then ``NullRunner``-style ids as alternatives. The step's sleep
+        is cut into ``LAYERS`` slices with ``between_layers`` called between them, as a
+        model calls it between its layers."""
         if self.step_time:
-            time.sleep(self.step_time)
+            for i in range(LAYERS):
+                if between_layers is not None and i:
+                    between_layers()
+                time.sleep(self.step_time / LAYERS)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}

@@ -3,7 +3,9 @@
 Started by the front end (fork+exec), it maps the inherited shared memory, builds the
 ``EngineCore``, answers with ``EngineReady`` (or ``EngineError``), then loops: drain the
 inbound ring, step while there is work, emit one ``OutputBatch`` per step, and sleep on
-its doorbell when idle. It dies with its parent: ``PR_SET_PDEATHSIG`` kills it at once,
+its doorbell when idle. While a step runs it peeks at the rings between layers (what it
+reads waits for the next drain), so that a step whose requests were all aborted is cut
+short (``EngineCore.step``). It dies with its parent: ``PR_SET_PDEATHSIG`` kills it at once,
 and the parent-death pipe (whose EOF means the parent is gone) is watched while idle
 and between steps, in case the signal was missed.
 """
@@ -34,6 +36,7 @@ from structllm.ipc.channel import (
 from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.protocol import (
     PROTOCOL_VERSION,
+    Abort,
     AddRequest,
     EngineError,
     EngineLaunch,
@@ -72,21 +75,38 @@ def engine_loop(
     owner: dict[str, int] = {}
     first = 0
     last_sent = [0.0] * len(eps)
+    # Messages read while a step runs, held until it ends (applied first next pass), and
+    # the ids their aborts name: the step is cut short once they cover all of its
+    # requests (EngineCore.step).
+    held: list[list[ToEngine]] = [[] for _ in eps]
+    held_aborts: set[str] = set()
+
+    def aborts_pending() -> set[str]:
+        for i, ep in enumerate(eps):
+            msgs = ep.try_recv()
+            held[i] += msgs
+            for msg in msgs:
+                if isinstance(msg, Abort):
+                    held_aborts.update(msg.request_ids)
+        return held_aborts
+
     while True:
         asked = [False] * len(eps)  # channels that sent something: they get a batch
         for k in range(len(eps)):
             i = (first + k) % len(eps)
-            for msg in eps[i].try_recv():  # in arrival order: an abort never overtakes its add
+            msgs, held[i] = [*held[i], *eps[i].try_recv()], []
+            for msg in msgs:  # in arrival order: an abort never overtakes its add
                 if isinstance(msg, AddRequest):
                     owner[msg.request_id] = i
                 if not core.handle(msg):
                     return 0
                 asked[i] = True
+        held_aborts.clear()  # every held message is applied now
         first = (first + 1) % len(eps)
         if core.has_work or any(asked):
             # After handling messages with nothing to schedule, this still emits the
             # aborts' deltas and fresh stats, so gauges stay true while idle.
-            batch = core.step()
+            batch = core.step(aborts_pending)
             outs: list[list[TokenDelta]] = [[] for _ in eps]
             for d in batch.outputs:
                 outs[owner.get(d.request_id, 0)].append(d)

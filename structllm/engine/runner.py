@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import torch
@@ -206,16 +207,28 @@ class ModelRunner:
         )
         return batch_from_step(step, self.device, sample_reqs, spans)
 
-    def run(self, batch: Batch, sink: LogitSink | None = None) -> Tensor | None:
+    def run(
+        self,
+        batch: Batch,
+        sink: LogitSink | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> Tensor | None:
         """Hand ``batch`` to the other ranks (if any), run the model over it here and
         return the float32 logits of its ``logit_rows`` (``[N, V]`` on rank 0), or None
         when there are none. With ``sink``, each slice of logits goes there instead
-        (in order) and None is returned."""
+        (in order) and None is returned. ``between_layers``: see ``LlamaModel.forward``;
+        never called with tensor parallelism (every rank must run every layer)."""
         if self.broadcast is not None:
             self.broadcast(batch.step)
-        return self.forward(batch, sink)
+            between_layers = None
+        return self.forward(batch, sink, between_layers)
 
-    def forward(self, batch: Batch, sink: LogitSink | None = None) -> Tensor | None:
+    def forward(
+        self,
+        batch: Batch,
+        sink: LogitSink | None = None,
+        between_layers: Callable[[], None] | None = None,
+    ) -> Tensor | None:
         """The forward pass of ``batch`` on this rank, as ``run`` (on a worker the logits
         are its vocabulary slice, already gathered to rank 0)."""
         with torch.inference_mode():
@@ -223,7 +236,9 @@ class ModelRunner:
             if self.decode_graphs is not None:
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+                hidden = self.model(
+                    batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
+                )
             rows = batch.step.logit_rows
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):  # the same slices on every rank
@@ -237,19 +252,29 @@ class ModelRunner:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def execute(
-        self, sched: SchedulerOutput
+        self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
         """Run the model over ``sched``, sample for the requests that reach the end of
         their known tokens and score the prompt positions asked for. Returns
         ``{request_id: token}``, the requested logprobs and the prompt logprobs (of each
-        request's ``prompt_logprob_span``)."""
+        request's ``prompt_logprob_span``). ``between_layers`` may raise to abandon the
+        step (see ``LlamaModel.forward``); nothing is sampled then."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
         reqs = batch.sample_reqs
         # the constrained rows' bitmask is computed while the model runs
         pending = self.grammar.start_fill(reqs) if self.grammar is not None else None
         scorer = PromptScorer(batch.prompt_spans) if batch.prompt_spans else None
-        logits = self.run(batch) if scorer is None else self._run_scoring(batch, scorer)
+        try:
+            logits = (
+                self.run(batch, None, between_layers)
+                if scorer is None
+                else self._run_scoring(batch, scorer, between_layers)
+            )
+        except BaseException:
+            if pending is not None:  # its matchers may be freed next: let it finish first
+                wait([pending])
+            raise
         mask = pending.result() if pending is not None else None
         sampled: dict[str, int] = {}
         lps: dict[str, TokenLogprobs] = {}
@@ -262,7 +287,12 @@ class ModelRunner:
             lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}
         return sampled, lps, scorer.results() if scorer is not None else {}
 
-    def _run_scoring(self, batch: Batch, scorer: PromptScorer) -> Tensor | None:
+    def _run_scoring(
+        self,
+        batch: Batch,
+        scorer: PromptScorer,
+        between_layers: Callable[[], None] | None = None,
+    ) -> Tensor | None:
         """``run`` for a batch with prompt rows: those go to ``scorer`` slice by slice;
         returns the logits ``[N, V]`` of the N sampling rows (None if N is 0)."""
         n = len(batch.sample_reqs)
@@ -274,7 +304,7 @@ class ModelRunner:
             if a + logits.shape[0] > n:
                 scorer.add(logits[max(0, n - a) :])
 
-        self.run(batch, sink)
+        self.run(batch, sink, between_layers)
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -22,6 +22,7 @@ no plan (one process) the forward pass is the plain one, without a single extra 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -40,6 +41,11 @@ from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import ShardPlan
+
+# Layers between two calls of forward's ``between_layers`` (the engine's check for
+# aborts that make the running step pointless): a step is abandoned at most this many
+# layers after the check would say so.
+CHECK_EVERY = 4
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -230,9 +236,13 @@ class LlamaModel(nn.Module):
         positions: Tensor,
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
     ) -> Tensor:
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
-        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer)."""
+        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer).
+
+        ``between_layers`` is called after every ``CHECK_EVERY`` layers; it may raise to
+        abandon the step, whose K/V writes then cover only the layers run so far."""
         tp = self.tp
         if tp is not None:
             x = self._embed_slice(input_ids, tp)
@@ -245,12 +255,16 @@ class LlamaModel(nn.Module):
         if ops is not None and isinstance(self.attn_impl, CpuAttention):
             rope_pairs = torch.view_as_real(table[positions])  # [T, D/2, 2] (cos, sin)
             delta: Tensor | None = None
-            for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+            for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                if between_layers is not None and i and i % CHECK_EVERY == 0:
+                    between_layers()
                 fused = cast(DecoderLayer, layer).forward_fused
                 delta = fused(x, delta, rope_pairs, kc, vc, meta, self.attn_impl, tp, ops)
             return ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)
         rope = table[positions].unsqueeze(1)  # [T, 1, D/2]
-        for layer, (kc, vc) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if between_layers is not None and i and i % CHECK_EVERY == 0:
+                between_layers()
             x = layer(x, rope, kc, vc, meta, self.attn_impl, tp)
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 

@@ -163,6 +163,12 @@ class Metrics:
             stats.num_steps,
         )
         metric(
+            "structllm:engine_steps_cut_total",
+            "counter",
+            "Steps cut short between layers because every request in them was aborted.",
+            stats.num_steps_cut,
+        )
+        metric(
             "structllm:prompt_tokens_total",
             "counter",
             "Prompt tokens of finished requests.",

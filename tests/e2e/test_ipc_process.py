@@ -84,6 +84,33 @@ async def test_full_ring_makes_senders_wait_and_nothing_is_lost() -> None:
         assert all(len(t) == 3 for t in results.values())
 
 
+async def test_aborting_every_request_of_a_running_step_cuts_it_short() -> None:
+    # null steps of 2 s, in 8 slices with a look for aborts between them (as between a
+    # model's layers): a request aborted during its step ends that step at the next look
+    cfg = EngineConfig(null_model=True, kv_cache_memory=64 << 20, null_step_time=2.0)
+    async with open_engine(cfg) as eng:
+        client = EngineClient(eng)
+        async with anyio.create_task_group() as tg:
+            await tg.start(client.run)
+            stats = client.stats
+            # The abort must land after the next step has begun; one that lands before
+            # (between the step that sent the token and the next) ends the request
+            # without a step to cut, so try again: a step that is never cut fails.
+            for attempt in range(3):
+                rid = f"r{attempt}"
+                async with client.request(rid, [1, 2, 3], SamplingParams(max_tokens=50)) as s:
+                    await s.get()  # the first step's token: the next step starts now
+                # leaving the request aborted it; wait until the engine has let it go
+                with anyio.fail_after(HANG_S):
+                    while (stats := await client.fresh_stats(HANG_S)).num_running:
+                        await anyio.sleep(0.05)
+                if stats.num_steps_cut:
+                    break
+            assert stats.num_steps_cut == 1
+            assert stats.num_steps == attempt + 1  # one full step per attempt: the first
+            tg.cancel_scope.cancel()
+
+
 async def test_kill_9_of_the_engine_fails_streams() -> None:
     cfg = EngineConfig(null_model=True, kv_cache_memory=64 << 20, null_step_time=0.01)
     async with open_engine(cfg) as eng:
