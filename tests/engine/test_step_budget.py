@@ -7,7 +7,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -131,11 +131,13 @@ class GatedRunner(NullRunner):
         self.release = threading.Semaphore(0)
 
     def execute(
-        self, sched: SchedulerOutput
+        self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
     ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
         self.entered.put({r.request_id for r, _ in sched.scheduled})
         assert self.release.acquire(timeout=60), "the test never released the step"
-        return super().execute(sched)
+        if between_layers is not None:
+            between_layers()  # one look for aborts, after the test acted
+        return super().execute(sched, between_layers)
 
 
 def channel(mapping: mmap.mmap, capacity: int, i: int) -> tuple[Ring, Ring]:
