@@ -13,7 +13,7 @@ number of rows ``M`` of ``x`` (see ``block_mode``): the float path (weights dequ
 in registers, bit-exact to the float32 dequantisation, float32 math), from
 ``INT16_MIN_M`` rows on the int16 path (activations rounded to 16 bits per block of 32,
 integer dot products of pairs), and from ``INT8_MIN_M`` rows on, if set, the int8 path
-(8 bits per block).
+(8 bits per block: faster, less exact; off by default).
 """
 
 from __future__ import annotations
@@ -60,11 +60,16 @@ def int16_min_m() -> int:
     return 1
 
 
-# Rows of x from which the int8 path runs (0: never, the default). It was written for
-# speed at many rows, but rounding activations to 8 bits cost SmolLM2-135M 1-3% top-1
-# agreement (Q8_0: 96.9% against the same weights in float32, below the 99% bar), and
-# in its present form (no register blocking) it is slower than the int16 path. Opt in
-# with STRUCTLLM_QUANT_INT8_MIN_M=64 (say); it takes precedence over int16 where set.
+# Rows of x from which the int8 path runs (0: never, the default). Activations rounded
+# to 8 bits per block of 32, as llama.cpp does for every quantised matmul. For Q4 weights
+# from 5 rows it is a blocked GEMM of u8 x s8 products (vpmaddubsw, or VNNI's vpdpbusd):
+# 1.5-1.7x the int16 GEMM's speed with AVX2 and 1.35-1.6x with AVX-512 VNNI at 16-128
+# rows (the default model's matmuls, one thread, bench/quant_linear.py). It is not the
+# default because of what the 8 bits cost: teacher-forced top-1 agreement with float32
+# of the same weights fell to 96.3% for Q4_1 and 95.6% for Q8_0 (the int16 path: 100%),
+# below the 97% / 99% bars (tests/engine/test_quant_model.py); perplexity moved 0.3-2.8%.
+# Opt in with STRUCTLLM_QUANT_INT8_MIN_M=16 (say) where throughput matters more, on AVX2
+# CPUs above all; it takes precedence over int16 where set, but never for the LM head.
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "0"))
 
 
