@@ -165,17 +165,30 @@ inline void prefetch_block(const T* kt, const T* v, int64_t block, int Hkv, int 
 // ---- decode_item for a head size known at compile time (64, 128: nearly every model),
 // with explicit vectors. The generic loops above keep the scores and accumulators in
 // memory (G and D are run-time values) and go through each K/V row once per query head
-// with a load and a store around every FMA. Here a block's K and V are widened once into
-// L1-resident buffers, and the query heads of the KV head go through the block together,
+// with a load and a store around every FMA. Here each vector of K and V is loaded (and,
+// from a float16 cache, widened) once, straight from the block, and the query heads of
+// the KV head go through the block together,
 // up to 4 at a time: one head alone is a few short dependency chains (its scores, then
 // its D accumulators, each an FMA after FMA), so the CPU mostly waited on FMA latency;
 // GG heads interleaved are GG times the independent chains for the same loads.
 using namespace sl;  // vf, VW, ... (cpu_simd.h)
 
+// VW cache values at p as float32: a float16 cache is widened as it is loaded (F16C, or
+// AVX-512F's 16 at a time), so that its rows never go through a float32 copy
+inline vf vload_row(const float* p) { return vload(p); }
+inline vf vload_row(const at::Half* p) {
+#ifdef SL_AVX512
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+
 // GG query heads (from g0) through one block: their scores, the block's online-softmax
-// step, and their accumulators. kp [D][BS], V row p at vp + p * vstride (float32).
-template <int GG, int BS, int D>
-inline void heads_block(const float* kp, const float* vp, int64_t vstride, int n, int g0, float (*qs)[D],
+// step, and their accumulators. kp [D][BS], V row p at vp + p * vstride, in the cache's
+// own type T (each K vector and V vector is loaded once for all GG heads).
+template <int GG, int BS, int D, typename T>
+inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int g0, float (*qs)[D],
                         float (*acc)[D], float* m, float* l) {
   constexpr int PV = BS / VW;  // vectors per block of scores
   constexpr int NV = D / VW;   // vectors per head row
@@ -191,7 +204,7 @@ inline void heads_block(const float* kp, const float* vp, int64_t vstride, int n
     for (int d = 0; d < D; d += DU)
       for (int u = 0; u < DU; u++) {
         vf kv[PV];
-        for (int j = 0; j < PV; j++) kv[j] = vload(kp + (d + u) * BS + j * VW);
+        for (int j = 0; j < PV; j++) kv[j] = vload_row(kp + (d + u) * BS + j * VW);
         for (int g = 0; g < GG; g++) {
           const vf qv = vset1(qs[g0 + g][d + u]);
           for (int j = 0; j < PV; j++) sc[g][u][j] = vfma(qv, kv[j], sc[g][u][j]);
@@ -233,9 +246,9 @@ inline void heads_block(const float* kp, const float* vp, int64_t vstride, int n
     for (int g = 0; g < GG; g++)
       for (int j = 0; j < JC; j++) a[g][j] = j < jn ? vload(acc[g0 + g] + (j0 + j) * VW) : vzero();
     for (int p = 0; p < n; p++) {
-      const float* vr = vp + p * vstride + j0 * VW;
+      const T* vr = vp + p * vstride + j0 * VW;
       vf vv[JC];
-      for (int j = 0; j < JC; j++) vv[j] = j < jn ? vload(vr + j * VW) : vzero();
+      for (int j = 0; j < JC; j++) vv[j] = j < jn ? vload_row(vr + j * VW) : vzero();
       for (int g = 0; g < GG; g++) {
         const vf w = vset1(s[g][p]);
         for (int j = 0; j < JC; j++) a[g][j] = vfma(w, vv[j], a[g][j]);
@@ -250,8 +263,6 @@ template <typename T, int BS, int D>
 void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
                        int Hkv, int kvh, float scale) {
   static_assert(BS % VW == 0 && D % VW == 0, "shapes");
-  alignas(64) float kwide[std::is_same_v<T, float> ? 1 : D * BS];  // widened K block [D][BS]
-  alignas(64) float vwide[std::is_same_v<T, float> ? 1 : BS * D];  // widened V block [BS][D]
   alignas(64) float qs[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
   float m[kMaxG], l[kMaxG];
@@ -263,22 +274,12 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
     const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
     const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
     if (start + BS < len) prefetch_block(kt, v, table[start / BS + 1], Hkv, kvh, D, BS, vrow);
-    const float* kp;  // [D][BS] float32
-    const float* vp;  // row p at vp + p * vstride
-    int64_t vstride;
-    if constexpr (std::is_same_v<T, float>) {
-      kp = kb, vp = vb, vstride = vrow;
-    } else {
-      widen(kb, kwide, D * BS);
-      for (int p = 0; p < n; p++) widen(vb + p * vrow, vwide + p * D, D);
-      kp = kwide, vp = vwide, vstride = D;
-    }
     for (int g0 = 0; g0 < G; g0 += 4) {
       switch (std::min(4, G - g0)) {
-        case 1: heads_block<1, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
-        case 2: heads_block<2, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
-        case 3: heads_block<3, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
-        default: heads_block<4, BS, D>(kp, vp, vstride, n, g0, qs, acc, m, l); break;
+        case 1: heads_block<1, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
+        case 2: heads_block<2, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
+        case 3: heads_block<3, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
+        default: heads_block<4, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
       }
     }
   }
