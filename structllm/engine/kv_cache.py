@@ -125,7 +125,7 @@ class KVCacheManager:
 
     def forget_uncomputed(self, req: Request) -> None:
         """Unregister the blocks ``allocate`` registered for tokens of ``req`` that were
-        never computed (a step abandoned part-way: their K/V holds only some layers), so
+        never computed (a step cut short: their K/V holds only some layers), so
         that no later request hits them. Blocks ``req`` took from the cache, or that were
         computed in an earlier step, stay cached."""
         done = req.num_computed_tokens // self.block_size  # blocks whose K/V is whole

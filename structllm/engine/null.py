@@ -17,7 +17,7 @@ from structllm.protocol import TokenLogprobs
 
 # Ordinary vocabulary entries of the default tokenizer (no special tokens there).
 LOW, SPAN = 300, 4000
-LAYERS = 8  # slices of a step's sleep, between which an abandoned step can stop
+LAYERS = 8  # slices of a step's sleep, between which a step can be cut short
 
 
 def _null_alternatives(token: int, k: int) -> list[int]:

@@ -257,8 +257,8 @@ class ModelRunner:
         """Run the model over ``sched``, sample for the requests that reach the end of
         their known tokens and score the prompt positions asked for. Returns
         ``{request_id: token}``, the requested logprobs and the prompt logprobs (of each
-        request's ``prompt_logprob_span``). ``between_layers`` may raise to abandon the
-        step (see ``LlamaModel.forward``); nothing is sampled then."""
+        request's ``prompt_logprob_span``). ``between_layers`` may raise to cut the
+        step short (see ``LlamaModel.forward``); nothing is sampled then."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
         reqs = batch.sample_reqs

@@ -43,7 +43,7 @@ from structllm.model.config import ModelConfig
 from structllm.model.sharding import ShardPlan
 
 # Layers between two calls of forward's ``between_layers`` (the engine's check for
-# aborts that make the running step pointless): a step is abandoned at most this many
+# aborts that make the running step pointless): a step is cut short at most this many
 # layers after the check would say so.
 CHECK_EVERY = 4
 
@@ -241,8 +241,8 @@ class LlamaModel(nn.Module):
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
         applied). Writes this step's K/V into ``kv_caches`` (one pair per layer).
 
-        ``between_layers`` is called after every ``CHECK_EVERY`` layers; it may raise to
-        abandon the step, whose K/V writes then cover only the layers run so far."""
+        ``between_layers`` is called after every ``CHECK_EVERY`` layers; it may raise to cut
+        the step short, whose K/V writes then cover only the layers run so far."""
         tp = self.tp
         if tp is not None:
             x = self._embed_slice(input_ids, tp)
