@@ -44,11 +44,12 @@ from structllm.protocol import (
 @pytest.mark.parametrize(
     ("ms_per_token", "max_num_seqs", "expected"),
     [
-        (1.6, 16, 64),  # this 2-core machine, the default model: 62 tokens fit; the floor
-        (0.6, 16, 160),  # 166 fit, on the grid
-        (1.6, 128, 128),  # never below max_num_seqs: every running decode fits one step
-        (0.02, 16, MAX_AUTO_TOKENS),  # a fast machine: the cap (5000 would fit)
-        (0.1, 16, 1000 // GRANULE * GRANULE),
+        (1.6, 16, 112),  # a 2-core AVX2 machine, the default model: 125 fit, on the grid
+        (3.6, 16, 64),  # a slower one: 55 fit; the floor
+        (1.2, 16, 160),  # 166 fit, on the grid
+        (3.6, 128, 128),  # never below max_num_seqs: every running decode fits one step
+        (0.02, 16, MAX_AUTO_TOKENS),  # a fast machine: the cap (10000 would fit)
+        (0.1, 16, 2000 // GRANULE * GRANULE),
         (50.0, 1, MIN_AUTO_TOKENS),  # a very slow one (or a noisy start): the floor, not 4 tokens
         (0.05, 4096, 4096),  # max_num_seqs above the cap wins
         (0.0, 16, MAX_AUTO_TOKENS),  # nothing measured
