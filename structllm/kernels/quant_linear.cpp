@@ -19,8 +19,12 @@
 //   int8:  activations quantised per block of 32 to int8 with a float scale dx and
 //          the block sum dx * sum(q) (so Q4_0's -8 offset and Q4_1's min become one
 //          scalar per block); blocks are then integer dot products (maddubs + madd, or
-//          dpbusd with VNNI). Less exact (activations rounded to 8 bits), so opt-in;
-//          for Q4 weights from 5 rows a blocked GEMM, 1.5-1.7x the int16 path's speed.
+//          dpbusd with VNNI). Less exact (activations rounded to 8 bits): the model
+//          asks for it only in its MLP (packed.py). Up to 4 rows (and for Q8_0 at every
+//          size) the int16 path's row kernel over int8 activations; for Q4 weights from
+//          5 rows a blocked GEMM, 1.3-1.7x the int16 path's speed. Activations are
+//          quantised alike in both, so a row's result depends on its batch only
+//          through the order of float sums.
 //   int16: activations quantised per block of 32 to int16 (15 bits against the block's
 //          largest value), integer dot products of pairs (vpdpwssd, or vpmaddwd +
 //          vpaddd), blocked like the float GEMM. Twice the multiply-adds per
@@ -337,29 +341,7 @@ void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64
   });
 }
 
-// ---- int8 path
-// Activations: xq [M, K] int8, xd [M, nb] scales, xs [M, nb] = xd * sum(block's xq).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
-  const int64_t nb = K / QK;
-  sl::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-      const float* v = x + i * QK;  // blocks of consecutive rows are consecutive
-      float amax = 0.f;
-      for (int j = 0; j < QK; j++) amax = std::max(amax, std::fabs(v[j]));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int sum = 0;
-      for (int j = 0; j < QK; j++) {
-        const int q = static_cast<int>(std::nearbyint(v[j] * id));
-        xq[i * QK + j] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      xd[i] = d;
-      xs[i] = d * static_cast<float>(sum);
-    }
-  });
-}
-
+// ---- int8 path (the blocked GEMM is further down)
 // sum over groups of 4 adjacent bytes of u (unsigned) * s (signed), as 8 int32 lanes
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -382,67 +364,19 @@ inline __m256i block_bytes_vec(const uint8_t* blk) {
   }
 }
 
-constexpr int MT_Q = 4;
-
-template <int T, int MT>
-inline void row_int8(const uint8_t* wrow, int nb, const int8_t* xq, const float* xd, const float* xs, int64_t K,
-                     float* out, int64_t N) {
-  __m256 acc[MT];
-  float corr[MT];
-  for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps(), corr[m] = 0.f;
-  for (int b = 0; b < nb; b++) {
-    const uint8_t* blk = wrow + static_cast<int64_t>(b) * block_bytes(T);
-    const float dw = half(blk);
-    const __m256i wq = block_bytes_vec<T>(blk);
-    // Q8_0 is signed x signed: |w| (unsigned) times x with w's sign
-    const __m256i u = T == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
-    // Q4_0: sum (q - 8) d x = d (q.x) - 8 d sum(x);  Q4_1: d (q.x) + m sum(x)
-    const float off = T == Q4_0 ? -8.f * dw : T == Q4_1 ? half(blk + 2) : 0.f;
-    for (int m = 0; m < MT; m++) {
-      const int64_t i = m * (K / QK) + b;
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * QK));
-      const __m256i s = T == Q8_0 ? _mm256_sign_epi8(xv, wq) : xv;
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, s)), _mm256_set1_ps(dw * xd[i]), acc[m]);
-      if constexpr (T != Q8_0) corr[m] += off * xs[i];
-    }
-  }
-  for (int m = 0; m < MT; m++) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    out[m * N] = _mm_cvtss_f32(s) + corr[m];
-  }
-}
+constexpr int MT_Q = 4;  // rows a weight block is used for at once at decode sizes
 
 template <int T>
 void linear_int8_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
+template <int T, typename XT>
+void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 
 template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if constexpr (T != Q8_0) {
     if (M > MT_Q) return linear_int8_blocked<T>(x, w, out, M, N, K);
   }
-  const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * nb), xs(M * nb);
-  quantize_rows(x, M, K, xq.data(), xd.data(), xs.data());
-  constexpr int64_t kRowsPerPass = 64;  // activation rows kept hot while a weight slice streams by
-  sl::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-      const int64_t m1 = std::min(M, m0 + kRowsPerPass);
-      for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* wrow = w + n * row_bytes;
-        int64_t m = m0;
-        auto args = [&](int64_t r) {
-          return std::make_tuple(wrow, nb, xq.data() + r * K, xd.data() + r * nb, xs.data() + r * nb, K,
-                                 out + r * N + n, N);
-        };
-        for (; m + MT_Q <= m1; m += MT_Q) std::apply(row_int8<T, MT_Q>, args(m));
-        for (; m < m1; m++) std::apply(row_int8<T, 1>, args(m));
-      }
-    }
-  });
+  linear_rows<T, int8_t>(x, w, out, M, N, K);
 }
 
 // ---- int16 path: activations quantised per row and block of 32 to int16 (15 bits
@@ -688,6 +622,18 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s) {
     s[m] = dot(dot(_mm256_setzero_si256(), lo, load(x + m * K)), hi, load(x + m * K + 16));
 }
 
+// the same for int8 activations: (u8 weight, s8 x) quads; Q8_0 is signed x signed, so
+// |w| times x with w's sign
+template <int T, int MT>
+inline void block_dot(const uint8_t* blk, const int8_t* x, int64_t K, v8i* s) {
+  const v8i wq = block_bytes_vec<T>(blk);
+  const v8i u = T == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
+  for (int m = 0; m < MT; m++) {
+    const v8i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K));
+    s[m] = dot_u8s8(u, T == Q8_0 ? _mm256_sign_epi8(xv, wq) : xv);
+  }
+}
+
 // the float16 scales (dw) and, for Q4_1, minima (mw) of 8 consecutive blocks at g
 template <int T>
 inline void scales8(const uint8_t* g, v8f& dw, v8f& mw) {
@@ -734,9 +680,9 @@ inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, const float* dx, const float*
   return acc;
 }
 
-// out[m * N] = weight row wrow against MT rows of xq [MT][K] (int16), dx, xs [MT][nb]
-template <int T, int MT>
-inline void rows(const uint8_t* wrow, int nb, const int16_t* xq, int64_t K, const float* dx, const float* xs,
+// out[m * N] = weight row wrow against MT rows of xq [MT][K] (int16 or int8), dx, xs [MT][nb]
+template <int T, int MT, typename XT>
+inline void rows(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const float* dx, const float* xs,
                  float* out, int64_t N) {
   constexpr int BB = block_bytes(T);
   v8f acc[MT];
@@ -807,36 +753,8 @@ inline void unpack_row16(const uint8_t* blk, int nb, int16_t* wq, float* dw, flo
 }
 
 template <int T>
-void linear_int16_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  auto xq = scratch<int16_t>(M * K);
-  auto dx = scratch<float>(M * nb), xs = scratch<float>(M * nb);
-  for (int64_t m = 0; m < M; m++)
-    for (int b = 0; b < nb; b++) {
-      int sum = 0;
-      dx[m * nb + b] = quant_block16(x + m * K + b * QK, xq.get() + m * K + b * QK, sum);
-      xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
-    }
-  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-    const int16_t* q = xq.get();
-    const float *d = dx.get(), *s = xs.get();
-    for (int64_t n = n0; n < n1; n++) {
-      const uint8_t* wrow = w + n * row_bytes;
-      float* o = out + n;
-      switch (M) {
-        case 1: d8::rows<T, 1>(wrow, nb, q, K, d, s, o, N); break;
-        case 2: d8::rows<T, 2>(wrow, nb, q, K, d, s, o, N); break;
-        case 3: d8::rows<T, 3>(wrow, nb, q, K, d, s, o, N); break;
-        default: d8::rows<T, 4>(wrow, nb, q, K, d, s, o, N); break;
-      }
-    }
-  });
-}
-
-template <int T>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if (M <= MT_Q) return linear_int16_rows<T>(x, w, out, M, N, K);
+  if (M <= MT_Q) return linear_rows<T, int16_t>(x, w, out, M, N, K);
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
   const int64_t Mp = (M + VW - 1) / VW * VW;
@@ -933,6 +851,45 @@ inline float quant_block8(const float* x, int8_t* q, int& sum) {
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #endif
   return d;
+}
+
+// Decode sizes: each weight row against up to MT_Q activation rows at a time (d8::rows),
+// activations quantised per block of 32 to XT (int16_t: the int16 path, int8_t: the
+// int8 path, by the same quant_block as the blocked GEMMs). More rows (Q8_0's int8 path)
+// go MT_Q at a time, each group re-reading the weights.
+template <int T, typename XT>
+void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int nb = static_cast<int>(K / QK);
+  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  auto xq = scratch<XT>(M * K);
+  auto dx = scratch<float>(M * nb), xs = scratch<float>(M * nb);
+  for (int64_t m = 0; m < M; m++)
+    for (int b = 0; b < nb; b++) {
+      int sum = 0;
+      const float* xb = x + m * K + b * QK;
+      XT* qb = xq.get() + m * K + b * QK;
+      if constexpr (sizeof(XT) == 1)
+        dx[m * nb + b] = quant_block8(xb, qb, sum);
+      else
+        dx[m * nb + b] = quant_block16(xb, qb, sum);
+      xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
+    }
+  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += MT_Q) {
+      const XT* q = xq.get() + m0 * K;
+      const float *d = dx.get() + m0 * nb, *s = xs.get() + m0 * nb;
+      for (int64_t n = n0; n < n1; n++) {
+        const uint8_t* wrow = w + n * row_bytes;
+        float* o = out + m0 * N + n;
+        switch (std::min<int64_t>(M - m0, MT_Q)) {
+          case 1: d8::rows<T, 1>(wrow, nb, q, K, d, s, o, N); break;
+          case 2: d8::rows<T, 2>(wrow, nb, q, K, d, s, o, N); break;
+          case 3: d8::rows<T, 3>(wrow, nb, q, K, d, s, o, N); break;
+          default: d8::rows<T, 4>(wrow, nb, q, K, d, s, o, N); break;
+        }
+      }
+    }
+  });
 }
 
 // x [M, K] -> xq [Mp/VW][K/4][VW][4] int8 (a quad of k per 32-bit lane, VW rows a

@@ -142,8 +142,9 @@ class DecoderLayer(nn.Module):
             tp.all_reduce(attn_out)
         x = x + attn_out
         h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        mlp_out = linear(F.silu(gate).mul_(up), self.down_proj)
+        # the MLP's matmuls may run 8-bit activations (packed.INT8_MIN_M), the rest not
+        gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
+        mlp_out = linear(F.silu(gate).mul_(up), self.down_proj, int8_ok=True)
         if tp is not None:
             tp.all_reduce(mlp_out)
         return x + mlp_out
@@ -179,7 +180,8 @@ class DecoderLayer(nn.Module):
         if tp is not None:
             tp.all_reduce(attn_out)
         h = ops.rms_norm(x, attn_out, self.post_attention_layernorm, self.eps)
-        mlp_out = linear(ops.silu_mul(linear(h, self.gate_up_proj)), self.down_proj)
+        gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
+        mlp_out = linear(ops.silu_mul(gate_up), self.down_proj, int8_ok=True)
         if tp is not None:
             tp.all_reduce(mlp_out)
         return mlp_out
@@ -314,11 +316,11 @@ class LlamaModel(nn.Module):
         it with the same rows: rank 0 gets the full logits, any other rank its own slice
         ``[N, len(plan.vocab)]`` (which it has sent to rank 0)."""
         w: Weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        # GGUF blocks: never the int8 path, even when it is on for many rows: on
-        # SmolLM2-135M about half of its top-1 disagreement came from the head alone, and
+        # GGUF blocks: never the int8 path (linear's default): when every matmul ran it,
+        # about half of SmolLM2-135M's top-1 disagreement came from the head alone, and
         # the head only sees sampled rows. The int16 path (16-bit activations) is fine.
         head = self._packed_head if self._packed_head is not None else w
-        logits = linear(hidden, head, int8_ok=False).float()
+        logits = linear(hidden, head).float()
         if self.tp is None:
             return logits
         return self._gather_vocab(logits, self.tp)

@@ -121,6 +121,25 @@ def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, b
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("blocks", [7, 9, 18])
+def test_int8_rows_round_activations_as_the_blocked_path(
+    isa: str, type_name: str, blocks: int
+) -> None:
+    """A row's int8 result does not depend on the rows that came with it beyond the order
+    of float sums: at 1-4 rows (the row kernel) as within 9 (the blocked GEMM for Q4;
+    Q8_0's rows go 4 at a time), activations are rounded to the same 8 bits. (Rounded
+    any other way, to 16 bits say, the rows would differ by ~1e-2 of their norm.)"""
+    w, _ = quantize(random_weight(40, 32 * blocks, seed=blocks), type_name)
+    module = cpu_ext.load_quant(isa)
+    x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(blocks))
+    many = module.linear(x, w.raw, w.code, INT8)
+    for m in (1, 2, 3, 4):
+        few = module.linear(x[:m], w.raw, w.code, INT8)
+        torch.testing.assert_close(few, many[:m], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 def test_default_model_weights_match_the_float_reference(
     isa: str, type_name: str, real_weights: dict[str, np.ndarray]
 ) -> None:
@@ -137,17 +156,22 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
     def path(x: torch.Tensor, mode: int) -> torch.Tensor:
         return module.linear(x, w.raw, w.code, mode)
 
-    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: int8 never
-    monkeypatch.setattr(packed, "INT16_MIN_M", 5)  # int16 from 5 rows (AVX-512's default)
-    assert torch.equal(packed.linear(small[:4], w), path(small[:4], FLOAT))
-    assert torch.equal(packed.linear(big, w), path(big, INT16))
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # int8 never
+    monkeypatch.setattr(packed, "INT16_MIN_M", 5)  # int16 from 5 rows
+    assert torch.equal(packed.linear(small[:4], w, int8_ok=True), path(small[:4], FLOAT))
+    assert torch.equal(packed.linear(big, w, int8_ok=True), path(big, INT16))
     monkeypatch.setattr(packed, "INT16_MIN_M", 0)
     assert torch.equal(packed.linear(big, w), path(big, FLOAT))
     monkeypatch.setattr(packed, "INT16_MIN_M", 5)
-    monkeypatch.setattr(packed, "INT8_MIN_M", 9)  # int8 where set, before int16
-    assert torch.equal(packed.linear(small, w), path(small, INT16))
-    assert torch.equal(packed.linear(big, w), path(big, INT8))
-    assert torch.equal(packed.linear(big, w, int8_ok=False), path(big, INT16))
+    monkeypatch.setattr(packed, "INT8_MIN_M", 9)  # int8 from 9 rows, before int16 ...
+    assert torch.equal(packed.linear(small, w, int8_ok=True), path(small, INT16))
+    assert torch.equal(packed.linear(big, w, int8_ok=True), path(big, INT8))
+    # ... only where the caller allows it (the default: not) and the weights are 4-bit
+    assert torch.equal(packed.linear(big, w), path(big, INT16))
+    w8, _ = quantize(random_weight(64, 128, seed=4), "Q8_0")
+    assert torch.equal(
+        packed.linear(big, w8, int8_ok=True), module.linear(big, w8.raw, w8.code, INT16)
+    )
     bias = torch.randn(64)
     few = small[:4]  # float path: float32 rounding only
     torch.testing.assert_close(
@@ -166,9 +190,14 @@ def test_decode_runs_the_int16_path_unless_told_otherwise(monkeypatch: pytest.Mo
     # (bench/quant_linear.py --rows 1 --cold); STRUCTLLM_QUANT_INT16_MIN_M=0 keeps the
     # float path's exact weights everywhere
     monkeypatch.setattr(packed, "INT16_MIN_M", None)
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: no int8 even where allowed
     assert packed.int16_min_m() == 1
     assert packed.block_mode(1) == INT16
-    assert packed.block_mode(5) == INT16
+    assert packed.block_mode(5, int8_ok=True) == INT16
+    monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # opted in: where allowed, every size
+    assert packed.block_mode(1) == INT16
+    assert packed.block_mode(1, int8_ok=True) == INT8
+    assert packed.block_mode(300, int8_ok=True) == INT8
     monkeypatch.setattr(packed, "INT16_MIN_M", 0)
     assert packed.block_mode(1) == FLOAT
     assert packed.block_mode(300) == FLOAT
