@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -366,15 +367,15 @@ inline __m256i block_bytes_vec(const uint8_t* blk) {
 
 constexpr int MT_Q = 4;  // rows a weight block is used for at once at decode sizes
 
-template <int T>
-void linear_int8_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
+template <int T, typename XT>
+void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 template <int T, typename XT>
 void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 
 template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if constexpr (T != Q8_0) {
-    if (M > MT_Q) return linear_int8_blocked<T>(x, w, out, M, N, K);
+    if (M > MT_Q) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
   }
   linear_rows<T, int8_t>(x, w, out, M, N, K);
 }
@@ -550,7 +551,7 @@ inline void micro_int16(const int16_t* wq, const float* dw, const float* mw, int
 }
 
 template <int T, int MV>
-inline void panel_tiles16(const int16_t* wq, const float* dw, const float* mw, int nr, int nbc, const int16_t* xq,
+inline void panel_tiles(const int16_t* wq, const float* dw, const float* mw, int nr, int nbc, const int16_t* xq,
                           int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
                           int64_t ldc, bool first) {
   constexpr int NR = NQ / MV;
@@ -755,50 +756,7 @@ inline void unpack_row16(const uint8_t* blk, int nb, int16_t* wq, float* dw, flo
 template <int T>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if (M <= MT_Q) return linear_rows<T, int16_t>(x, w, out, M, N, K);
-  const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
-  const int64_t Mp = (M + VW - 1) / VW * VW;
-  auto xq = scratch<int16_t>(Mp * K);
-  auto dx = scratch<float>(Mp * nb), xs = scratch<float>(Mp * nb);
-  quantize_rows16(x, M, K, Mp, xq.get(), dx.get(), xs.get());
-  const int nchunks = (nb + BQ_MAX - 1) / BQ_MAX;
-  const int bc_step = (nb + nchunks - 1) / nchunks;  // blocks per chunk, chunks equal
-  const int64_t npanels = (N + NQ - 1) / NQ;
-  const int64_t xstride = K * VW, sstride = static_cast<int64_t>(nb) * VW;
-  sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t MC = m_block(K, sizeof(int16_t));
-    std::vector<int16_t> wq(NQ * KQ_MAX);
-    std::vector<float> dw(NQ * BQ_MAX), mw(NQ * BQ_MAX);
-    std::vector<float> acc(NQ * std::min(Mp, MC));
-    for (int64_t m0 = 0; m0 < Mp; m0 += MC) {
-      const int64_t mc = std::min(MC, Mp - m0);
-      const int nv = static_cast<int>(mc / VW);
-      for (int64_t p = p0; p < p1; p++) {
-        const int64_t n0 = p * NQ;
-        const int nr = static_cast<int>(std::min<int64_t>(NQ, N - n0));
-        for (int b0 = 0; b0 < nb; b0 += bc_step) {
-          const int nbc = std::min(bc_step, nb - b0);
-          for (int i = 0; i < nr; i++)
-            unpack_row16<T>(w + (n0 + i) * row_bytes + static_cast<int64_t>(b0) * block_bytes(T), nbc,
-                            wq.data() + i * KQ_MAX, dw.data() + i * BQ_MAX, mw.data() + i * BQ_MAX);
-          const int16_t* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
-          const float* db = dx.get() + m0 / VW * sstride + b0 * VW;
-          const float* sb = xs.get() + m0 / VW * sstride + b0 * VW;
-          const bool first = b0 == 0;
-          int v = 0;
-          for (; v + MQ_MAX <= nv; v += MQ_MAX)
-            panel_tiles16<T, MQ_MAX>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
-                                     db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first);
-          if (v < nv)
-            panel_tiles16<T, 1>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
-                                db + v * sstride, sb + v * sstride, sstride, 1, acc.data() + v * VW, mc, first);
-        }
-        const int64_t mrows = std::min(mc, M - m0);
-        for (int64_t m = 0; m < mrows; m++)
-          for (int i = 0; i < nr; i++) out[(m0 + m) * N + n0 + i] = acc[i * mc + m];
-      }
-    }
-  });
+  linear_blocked<T, int16_t>(x, w, out, M, N, K);
 }
 
 // ---- int8 path, blocked (Q4_0, Q4_1; more than MT_Q rows). Activations quantised per
@@ -1014,7 +972,7 @@ inline void micro_int8(const uint8_t* wq, const float* dw, const float* mw, int 
 }
 
 template <int T, int MV>
-inline void panel_tiles8(const uint8_t* wq, const float* dw, const float* mw, int nr, int nbc, const int8_t* xq,
+inline void panel_tiles(const uint8_t* wq, const float* dw, const float* mw, int nr, int nbc, const int8_t* xq,
                          int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
                          int64_t ldc, bool first) {
   constexpr int NR = NQ / MV;
@@ -1032,22 +990,34 @@ inline void panel_tiles8(const uint8_t* wq, const float* dw, const float* mw, in
   }
 }
 
-template <int T>
-void linear_int8_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+// The blocked GEMM of both integer paths (XT = int16_t: int16, more than MT_Q rows;
+// int8_t: int8, Q4 weights, more than MT_Q rows): activations quantised into vector-
+// interleaved tiles once; then per panel of NQ weight rows and chunk of blocks, the
+// panel's weights unpacked into an L1 tile (int16 quants, or Q4 nibbles as bytes) with
+// their scales, and register tiles of MV vectors of VW rows by NR weight rows
+// accumulated into acc [NQ][mc] (float), which holds the panel's output for mc rows.
+template <int T, typename XT>
+void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  constexpr bool I8 = sizeof(XT) == 1;
+  using WQ = std::conditional_t<I8, uint8_t, int16_t>;  // the unpacked weight tile's type
+  constexpr int KQ = I8 ? KQ8_MAX : KQ_MAX, BQ = I8 ? BQ8_MAX : BQ_MAX;
   const int nb = static_cast<int>(K / QK);
   const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
   const int64_t Mp = (M + VW - 1) / VW * VW;
-  auto xq = scratch<int8_t>(Mp * K);
+  auto xq = scratch<XT>(Mp * K);
   auto dx = scratch<float>(Mp * nb), xs = scratch<float>(Mp * nb);
-  quantize_rows8(x, M, K, Mp, xq.get(), dx.get(), xs.get());
-  const int nchunks = (nb + BQ8_MAX - 1) / BQ8_MAX;
+  if constexpr (I8)
+    quantize_rows8(x, M, K, Mp, xq.get(), dx.get(), xs.get());
+  else
+    quantize_rows16(x, M, K, Mp, xq.get(), dx.get(), xs.get());
+  const int nchunks = (nb + BQ - 1) / BQ;
   const int bc_step = (nb + nchunks - 1) / nchunks;  // blocks per chunk, chunks equal
   const int64_t npanels = (N + NQ - 1) / NQ;
   const int64_t xstride = K * VW, sstride = static_cast<int64_t>(nb) * VW;
   sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t MC = m_block(K, sizeof(int8_t));
-    std::vector<uint8_t> wq(NQ * KQ8_MAX);
-    std::vector<float> dw(NQ * BQ8_MAX), mw(NQ * BQ8_MAX);
+    const int64_t MC = m_block(K, sizeof(XT));
+    std::vector<WQ> wq(NQ * KQ);
+    std::vector<float> dw(NQ * BQ), mw(NQ * BQ);
     std::vector<float> acc(NQ * std::min(Mp, MC));
     for (int64_t m0 = 0; m0 < Mp; m0 += MC) {
       const int64_t mc = std::min(MC, Mp - m0);
@@ -1057,20 +1027,24 @@ void linear_int8_blocked(const float* x, const uint8_t* w, float* out, int64_t M
         const int nr = static_cast<int>(std::min<int64_t>(NQ, N - n0));
         for (int b0 = 0; b0 < nb; b0 += bc_step) {
           const int nbc = std::min(bc_step, nb - b0);
-          for (int i = 0; i < nr; i++)
-            unpack_row8<T>(w + (n0 + i) * row_bytes + static_cast<int64_t>(b0) * block_bytes(T), nbc,
-                           wq.data() + i * KQ8_MAX, dw.data() + i * BQ8_MAX, mw.data() + i * BQ8_MAX);
-          const int8_t* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
+          for (int i = 0; i < nr; i++) {
+            const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(b0) * block_bytes(T);
+            if constexpr (I8)
+              unpack_row8<T>(blk, nbc, wq.data() + i * KQ, dw.data() + i * BQ, mw.data() + i * BQ);
+            else
+              unpack_row16<T>(blk, nbc, wq.data() + i * KQ, dw.data() + i * BQ, mw.data() + i * BQ);
+          }
+          const XT* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
           const float* db = dx.get() + m0 / VW * sstride + b0 * VW;
           const float* sb = xs.get() + m0 / VW * sstride + b0 * VW;
           const bool first = b0 == 0;
           int v = 0;
-          for (; v + MQ_MAX <= nv; v += MQ_MAX)
-            panel_tiles8<T, MQ_MAX>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
-                                    db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first);
+          for (; v + MQ_MAX <= nv; v += MQ_MAX)  // panel_tiles: the int16 or the int8 one, by XT
+            panel_tiles<T, MQ_MAX>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
+                                   db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first);
           if (v < nv)
-            panel_tiles8<T, 1>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride, db + v * sstride,
-                               sb + v * sstride, sstride, 1, acc.data() + v * VW, mc, first);
+            panel_tiles<T, 1>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride, db + v * sstride,
+                              sb + v * sstride, sstride, 1, acc.data() + v * VW, mc, first);
         }
         const int64_t mrows = std::min(mc, M - m0);
         for (int64_t m = 0; m < mrows; m++)
