@@ -19,9 +19,9 @@ from __future__ import annotations
 # cut short (all of its requests aborted: see ``EngineCore.step``), 0.2 s had left time to
 # first token after a storm of aborted prompts at 1.71x the idle one, so the target was
 # 0.1 s; now the storm's steps end at the next layer boundary, and at 0.2 s that ratio was
-# 0.89-1.01x here. The longer step carries a 128-token prompt in one chunk (idle time to
-# first token on AVX2: 242 -> 185 ms) and larger GEMMs (concurrency 16: 1.7 -> 1.73-1.96x
-# llama.cpp's tokens/s over runs).
+# 0.88-1.03x here. The longer step carries a 128-token prompt in one chunk (idle time to
+# first token on AVX2: 242 -> 185-225 ms) and larger GEMMs (concurrency 16 on AVX2: 1.7x
+# -> 1.73-1.86x llama.cpp's tokens/s over runs).
 TARGET_STEP_S = 0.2
 MAX_AUTO_TOKENS = 2048  # the budget when steps are cheap (GPU, or a fast CPU); vLLM's default
 DEFAULT_TOKEN_BUDGET = MAX_AUTO_TOKENS  # where nothing is measured (CUDA, the null model)
