@@ -372,7 +372,7 @@ class EngineCore:
                 start = now_us()
                 self._trace_scheduled(sched)
             check = None
-            if aborts_pending is not None and self.workers is None:
+            if aborts_pending is not None:  # ModelRunner.run drops it with tensor parallelism
                 ids = {req.request_id for req, _ in sched.scheduled}
 
                 def check() -> None:

@@ -37,7 +37,6 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#include <type_traits>
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"

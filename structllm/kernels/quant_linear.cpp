@@ -419,7 +419,7 @@ constexpr int BQ_MAX = KQ_MAX / QK;           // blocks per chunk
 
 // One block of 32 activations -> 32 int16 q = round(x / d), d = max|x| / 32767; returns
 // d and sets sum = sum of q.
-inline float quant_block16(const float* x, int16_t* q, int& sum) {
+inline float quant_block(const float* x, int16_t* q, int& sum) {
 #ifdef SL_AVX512
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -456,36 +456,6 @@ inline float quant_block16(const float* x, int16_t* q, int& sum) {
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(qi[j], qi[j + 1]), 0xD8));
 #endif
   return d;
-}
-
-// Activations x [M, K] -> xq [Mp/VW][K/2][VW][2] int16, dx, xs [Mp/VW][nb][VW] float
-// (scale, and scale * sum of the block's quants), rows past M zero. Per VW rows: each
-// row quantised into a [VW][K] tile, whose int16 pairs are then moved into place as
-// 32-bit words by 8x8 transposes.
-void quantize_rows16(const float* x, int64_t M, int64_t K, int64_t Mp, int16_t* xq, float* dx, float* xs) {
-  const int64_t nb = K / QK;
-  sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
-    std::vector<int16_t> tile(VW * K);
-    for (int64_t v = v0; v < v1; v++) {
-      for (int l = 0; l < VW; l++) {
-        const int64_t m = v * VW + l;
-        for (int64_t b = 0; b < nb; b++) {
-          int sum = 0;
-          float d = 0.f;
-          if (m < M)
-            d = quant_block16(x + m * K + b * QK, tile.data() + l * K + b * QK, sum);
-          else
-            std::fill_n(tile.data() + l * K + b * QK, QK, int16_t{0});
-          dx[(v * nb + b) * VW + l] = d;
-          xs[(v * nb + b) * VW + l] = d * static_cast<float>(sum);
-        }
-      }
-      const float* words = reinterpret_cast<const float*>(tile.data());  // [VW][K/2] pairs
-      float* dst = reinterpret_cast<float*>(xq + v * K * VW);           // [K/2][VW] pairs
-      for (int h = 0; h < VW / 8; h++)
-        for (int64_t p = 0; p < K / 2; p += 8) transpose8x8(words + 8 * h * (K / 2) + p, K / 2, dst + p * VW + 8 * h, VW);
-    }
-  });
 }
 
 // one weight block's 32 quants as int16 in k order (Q4_0: minus 8) at dst. A Q4 byte
@@ -773,7 +743,7 @@ constexpr int BQ8_MAX = KQ8_MAX / QK;           // blocks per chunk
 
 // one block of 32 activations -> 32 int8 q = round(x / d), d = max|x| / 127; returns d
 // and sets sum = sum of q
-inline float quant_block8(const float* x, int8_t* q, int& sum) {
+inline float quant_block(const float* x, int8_t* q, int& sum) {
 #ifdef SL_AVX512
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -811,6 +781,38 @@ inline float quant_block8(const float* x, int8_t* q, int& sum) {
   return d;
 }
 
+// Activations x [M, K] -> xq [Mp/VW][K/E][VW][E] of XT (E = 4 / sizeof(XT): int16 pairs
+// or int8 quads, one 32-bit lane each), dx, xs [Mp/VW][nb][VW] float (scale, and scale *
+// sum of the block's quants), rows past M zero. Per VW rows: each row quantised into a
+// [VW][K] tile, whose 32-bit words are then moved into place by 8x8 transposes.
+template <typename XT>
+void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, float* dx, float* xs) {
+  const int64_t nb = K / QK, words_per_row = K * static_cast<int64_t>(sizeof(XT)) / 4;
+  sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
+    std::vector<XT> tile(VW * K);
+    for (int64_t v = v0; v < v1; v++) {
+      for (int l = 0; l < VW; l++) {
+        const int64_t m = v * VW + l;
+        for (int64_t b = 0; b < nb; b++) {
+          int sum = 0;
+          float d = 0.f;
+          if (m < M)
+            d = quant_block(x + m * K + b * QK, tile.data() + l * K + b * QK, sum);
+          else
+            std::fill_n(tile.data() + l * K + b * QK, QK, XT{0});
+          dx[(v * nb + b) * VW + l] = d;
+          xs[(v * nb + b) * VW + l] = d * static_cast<float>(sum);
+        }
+      }
+      const float* words = reinterpret_cast<const float*>(tile.data());  // [VW][words_per_row]
+      float* dst = reinterpret_cast<float*>(xq + v * K * VW);            // [words_per_row][VW]
+      for (int h = 0; h < VW / 8; h++)
+        for (int64_t p = 0; p < words_per_row; p += 8)
+          transpose8x8(words + 8 * h * words_per_row + p, words_per_row, dst + p * VW + 8 * h, VW);
+    }
+  });
+}
+
 // Decode sizes: each weight row against up to MT_Q activation rows at a time (d8::rows),
 // activations quantised per block of 32 to XT (int16_t: the int16 path, int8_t: the
 // int8 path, by the same quant_block as the blocked GEMMs). More rows (Q8_0's int8 path)
@@ -826,10 +828,7 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
       int sum = 0;
       const float* xb = x + m * K + b * QK;
       XT* qb = xq.get() + m * K + b * QK;
-      if constexpr (sizeof(XT) == 1)
-        dx[m * nb + b] = quant_block8(xb, qb, sum);
-      else
-        dx[m * nb + b] = quant_block16(xb, qb, sum);
+      dx[m * nb + b] = quant_block(xb, qb, sum);
       xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
     }
   sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
@@ -846,34 +845,6 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
           default: d8::rows<T, 4>(wrow, nb, q, K, d, s, o, N); break;
         }
       }
-    }
-  });
-}
-
-// x [M, K] -> xq [Mp/VW][K/4][VW][4] int8 (a quad of k per 32-bit lane, VW rows a
-// vector), dx, xs [Mp/VW][nb][VW] as quantize_rows16, rows past M zero
-void quantize_rows8(const float* x, int64_t M, int64_t K, int64_t Mp, int8_t* xq, float* dx, float* xs) {
-  const int64_t nb = K / QK;
-  sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
-    std::vector<int8_t> tile(VW * K);
-    for (int64_t v = v0; v < v1; v++) {
-      for (int l = 0; l < VW; l++) {
-        const int64_t m = v * VW + l;
-        for (int64_t b = 0; b < nb; b++) {
-          int sum = 0;
-          float d = 0.f;
-          if (m < M)
-            d = quant_block8(x + m * K + b * QK, tile.data() + l * K + b * QK, sum);
-          else
-            std::fill_n(tile.data() + l * K + b * QK, QK, int8_t{0});
-          dx[(v * nb + b) * VW + l] = d;
-          xs[(v * nb + b) * VW + l] = d * static_cast<float>(sum);
-        }
-      }
-      const float* words = reinterpret_cast<const float*>(tile.data());  // [VW][K/4] quads
-      float* dst = reinterpret_cast<float*>(xq + v * K * VW);            // [K/4][VW] quads
-      for (int h = 0; h < VW / 8; h++)
-        for (int64_t p = 0; p < K / 4; p += 8) transpose8x8(words + 8 * h * (K / 4) + p, K / 4, dst + p * VW + 8 * h, VW);
     }
   });
 }
@@ -1006,10 +977,7 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
   const int64_t Mp = (M + VW - 1) / VW * VW;
   auto xq = scratch<XT>(Mp * K);
   auto dx = scratch<float>(Mp * nb), xs = scratch<float>(Mp * nb);
-  if constexpr (I8)
-    quantize_rows8(x, M, K, Mp, xq.get(), dx.get(), xs.get());
-  else
-    quantize_rows16(x, M, K, Mp, xq.get(), dx.get(), xs.get());
+  quantize_tiles(x, M, K, Mp, xq.get(), dx.get(), xs.get());
   const int nchunks = (nb + BQ - 1) / BQ;
   const int bc_step = (nb + nchunks - 1) / nchunks;  // blocks per chunk, chunks equal
   const int64_t npanels = (N + NQ - 1) / NQ;
