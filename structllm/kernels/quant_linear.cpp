@@ -484,9 +484,9 @@ inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
 // wq row stride KQ_MAX, dw/mw row stride BQ_MAX; xq vector stride xstride (int16),
 // dx/xs vector stride sstride (floats).
 template <int T, int MV, int NR>
-inline void micro_int16(const int16_t* wq, const float* dw, const float* mw, int nbc, const int16_t* xq,
-                        int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
-                        bool first) {
+inline void micro(const int16_t* wq, const float* dw, const float* mw, int nbc, const int16_t* xq,
+                  int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
+                  bool first) {
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
@@ -518,25 +518,6 @@ inline void micro_int16(const int16_t* wq, const float* dw, const float* mw, int
   }
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, cf[i][j]);
-}
-
-template <int T, int MV>
-inline void panel_tiles(const int16_t* wq, const float* dw, const float* mw, int nr, int nbc, const int16_t* xq,
-                          int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
-                          int64_t ldc, bool first) {
-  constexpr int NR = NQ / MV;
-  for (int v = 0; v + MV <= nv; v += MV) {
-    const int16_t* xv = xq + v * xstride;
-    const float *dv = dx + v * sstride, *sv = xs + v * sstride;
-    float* a = acc + v * VW;
-    int i = 0;
-    for (; i + NR <= nr; i += NR)
-      micro_int16<T, MV, NR>(wq + i * KQ_MAX, dw + i * BQ_MAX, mw + i * BQ_MAX, nbc, xv, xstride, dv, sv, sstride,
-                             a + i * ldc, ldc, first);
-    for (; i < nr; i++)
-      micro_int16<T, MV, 1>(wq + i * KQ_MAX, dw + i * BQ_MAX, mw + i * BQ_MAX, nbc, xv, xstride, dv, sv, sstride,
-                            a + i * ldc, ldc, first);
-  }
 }
 
 // ---- int16 path, decode sizes (M <= MT_Q rows): no tiles, weights read once as they lie.
@@ -904,12 +885,12 @@ inline vi iset1_8(const uint8_t* p) {
 }
 
 // acc[i][m] (+)= sum over nbc blocks for NR weight rows i and MV * VW activation rows m
-// (as micro_int16; wq8 row stride KQ8_MAX bytes, dw/mw row stride BQ8_MAX, xq vector
+// (as the int16 micro; wq8 row stride KQ8_MAX bytes, dw/mw row stride BQ8_MAX, xq vector
 // stride xstride bytes)
 template <int T, int MV, int NR>
-inline void micro_int8(const uint8_t* wq, const float* dw, const float* mw, int nbc, const int8_t* xq,
-                       int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
-                       bool first) {
+inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, const int8_t* xq,
+                  int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
+                  bool first) {
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
@@ -942,22 +923,26 @@ inline void micro_int8(const uint8_t* wq, const float* dw, const float* mw, int 
     SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, cf[i][j]);
 }
 
-template <int T, int MV>
-inline void panel_tiles(const uint8_t* wq, const float* dw, const float* mw, int nr, int nbc, const int8_t* xq,
-                         int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
-                         int64_t ldc, bool first) {
+// A panel of nr weight rows (unpacked: WQ = int16_t for the int16 path, uint8_t for the
+// int8 one) against nv vectors of activation rows: register tiles of MV vectors by NR
+// rows, the remainder rows one by one (micro: the kernel for those tile types).
+template <int T, int MV, typename WQ, typename XT>
+inline void panel_tiles(const WQ* wq, const float* dw, const float* mw, int nr, int nbc, const XT* xq,
+                        int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
+                        int64_t ldc, bool first) {
   constexpr int NR = NQ / MV;
+  constexpr int KQ = sizeof(XT) == 1 ? KQ8_MAX : KQ_MAX, BQ = sizeof(XT) == 1 ? BQ8_MAX : BQ_MAX;
   for (int v = 0; v + MV <= nv; v += MV) {
-    const int8_t* xv = xq + v * xstride;
+    const XT* xv = xq + v * xstride;
     const float *dv = dx + v * sstride, *sv = xs + v * sstride;
     float* a = acc + v * VW;
     int i = 0;
     for (; i + NR <= nr; i += NR)
-      micro_int8<T, MV, NR>(wq + i * KQ8_MAX, dw + i * BQ8_MAX, mw + i * BQ8_MAX, nbc, xv, xstride, dv, sv, sstride,
-                            a + i * ldc, ldc, first);
+      micro<T, MV, NR>(wq + i * KQ, dw + i * BQ, mw + i * BQ, nbc, xv, xstride, dv, sv, sstride, a + i * ldc, ldc,
+                       first);
     for (; i < nr; i++)
-      micro_int8<T, MV, 1>(wq + i * KQ8_MAX, dw + i * BQ8_MAX, mw + i * BQ8_MAX, nbc, xv, xstride, dv, sv, sstride,
-                           a + i * ldc, ldc, first);
+      micro<T, MV, 1>(wq + i * KQ, dw + i * BQ, mw + i * BQ, nbc, xv, xstride, dv, sv, sstride, a + i * ldc, ldc,
+                      first);
   }
 }
 
@@ -1007,7 +992,7 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
           const float* sb = xs.get() + m0 / VW * sstride + b0 * VW;
           const bool first = b0 == 0;
           int v = 0;
-          for (; v + MQ_MAX <= nv; v += MQ_MAX)  // panel_tiles: the int16 or the int8 one, by XT
+          for (; v + MQ_MAX <= nv; v += MQ_MAX)
             panel_tiles<T, MQ_MAX>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
                                    db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first);
           if (v < nv)
