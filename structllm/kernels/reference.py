@@ -110,7 +110,8 @@ def prefill_attention(
     the gather from the cache is skipped. ``k_transposed``: ``k_cache`` is in the
     block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's). Context read from
     a narrower cache is widened to ``q``'s dtype (SDPA wants equal dtypes); fresh
-    sequences attend to ``k_new``/``v_new`` as computed, as every backend's prefill does.
+    sequences attend to ``k_new``/``v_new`` as computed (the C++ backend's prefill
+    reads the cache instead, ``CpuAttention.prefill``).
     """
     out = torch.empty_like(q)
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new

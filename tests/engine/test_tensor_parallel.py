@@ -213,12 +213,15 @@ def test_tiny_model_tp_matches_one_process(tmp_path: Path, default_files, shape:
         assert tp.engine.num_blocks == (8 << 20) // (
             2 * mcfg.num_layers * heads * mcfg.head_dim * 16 * itemsize
         )
+        # Prompts attend to the float16 cache as decode steps do (the CPU attention kernel
+        # reads prefill rows from the cache too): a last-bit difference in K/V from the
+        # ranks' sums in another order can flip a float16 rounding, hence decode's bound.
         for ids in PROMPTS[1:3]:
             torch.testing.assert_close(
                 prefill_logits(tp.engine, ids),
                 prefill_logits(ref.engine, ids),
-                atol=1e-5,
-                rtol=1e-5,
+                atol=1e-4,
+                rtol=1e-4,
             )
         assert_same_greedy(
             ref, tp, PROMPTS + [PROMPTS[1]], logprob_atol=1e-4

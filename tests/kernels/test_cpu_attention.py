@@ -116,6 +116,27 @@ def test_mixed_batch_with_cached_prefix_matches_dense() -> None:
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("q_len", [45, 12, 3])  # a whole prompt, a chunk after a prefix
+def test_a_prefill_row_equals_the_same_token_as_a_decode(q_len: int) -> None:
+    """Prefill rows go through the decode kernel: a token's attention output does not
+    depend on whether it came in a prompt chunk or alone, bit for bit."""
+    impl, kc, vc, meta, _, q, _ = setup([45], [q_len], 9, 3, 64, 16)
+    out = impl.prefill(q, q, q, kc, vc, meta, 0.125)  # k, v: unused (read from the cache)
+    for r in range(q_len):
+        pos = 45 - q_len + r
+        one = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[r : r + 1],
+            block_tables=meta.block_tables,
+            seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens_list=[pos + 1],
+            query_start_list=[0, 1],
+            num_decodes=1,
+            max_seq_len=pos + 1,
+        )
+        assert torch.equal(out[r : r + 1], impl.decode(q[r : r + 1], kc, vc, one, 0.125)), r
+
+
 def test_store_writes_k_transposed_within_blocks() -> None:
     impl = CpuAttention(module)
     kc, vc = torch.zeros(impl.k_cache_shape(4, 16, 2, 8)), torch.zeros(4, 16, 2, 8)
@@ -211,8 +232,8 @@ def test_decode_with_a_float16_cache_matches_dense(
 @pytest.mark.parametrize("isa", ISAS)
 def test_mixed_batch_with_a_float16_cache(isa: str) -> None:
     """A step through ``attention()`` as the model calls it, into float16 caches: the
-    store rounds this step's K/V, decodes and the prefill chunk after a cached prefix
-    read the rounded values, a fresh prompt attends to its K/V as computed."""
+    store rounds this step's K/V, and every row, decode or prefill, fresh prompt or
+    after a cached prefix, reads the rounded values."""
     impl = CpuAttention(build_for(isa))
     lens, q_lens = [9, 30, 20, 45], [1, 1, 20, 12]
     _, kc, vc, meta, dense, q, starts = setup(lens, q_lens, 6, 2, 64, 16)
@@ -228,8 +249,7 @@ def test_mixed_batch_with_a_float16_cache(isa: str) -> None:
     out = attention(impl, q, k_new, v_new, kc16, vc16, meta, 0.125)
     assert torch.equal(kc16, kc.half()) and torch.equal(vc16, vc.half())
     for i, (k, v) in enumerate(dense):
-        fresh = i == 2  # its whole context is this step's: attends to k_new/v_new unrounded
-        kk, vv = (k, v) if fresh else (k.half().float(), v.half().float())
+        kk, vv = k.half().float(), v.half().float()
         want = reference.dense_causal_attention(q[starts[i] : starts[i + 1]], kk, vv, 0.125)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], want, atol=2e-5, rtol=2e-5)
 
