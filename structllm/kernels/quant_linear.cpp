@@ -540,15 +540,23 @@ inline void micro(const int16_t* wq, const float* dw, const float* mw, int nbc, 
 // ---- int16 path, decode sizes (M <= MT_Q rows): no tiles, weights read once as they lie.
 // At a few rows the matmul streams the weights, and what limits it is the work per block
 // around its dot product: converting two float16 scales one by one, a scalar multiply
-// and a broadcast cost as much as the dot product itself. So blocks go in groups of 8:
-// the group's int32 block sums are gathered into the lanes of one vector (lane j: block
-// j; pairs of vectors interleaved and added, 32-bit lanes, then 64-bit, then the 128-bit
-// halves), the 8 blocks' scales (and Q4_1's minima) taken with 8 inserts and converted
-// together, and one FMA per group folds the sums in:
-//   y = sum_b dw_b dx_b (qw_b . qx_b)  [+ m_b xs_b (Q4_1)]  [- 8 dw_b xs_b (Q4_0)]
-// with xs_b = dx_b sum(qx_b): Q4_0's -8 offset and Q4_1's minimum are one FMA per group.
-// A Q4 block is widened without masking first: each byte zero-extended to 16 bits gives
-// the low nibble by an AND and the high one by a shift.
+// and a broadcast cost as much as the dot product itself. So weight rows go in groups of
+// 8, one per lane: per block, the 8 rows' int32 block sums are gathered into the lanes of
+// one vector (pairs of vectors interleaved and added, 32-bit lanes, then 64-bit, then the
+// 128-bit halves), the 8 rows' scales (and Q4_1's minima) taken with 8 inserts and
+// converted together, and one FMA per block folds the sums in; the group's 8 outputs of
+// an activation row are then one store.
+//
+// Batch invariance: each output is folded exactly as the blocked GEMM folds it, block by
+// block in k order, y = fma(float(S_b), dx_b * dw_b, y), then + m_b xs_b (Q4_1) or
+// - 8 dw_b xs_b (Q4_0 on the int8 path, whose nibbles are unsigned); Q4_0 on the int16
+// path takes its -8 in the integers, as the GEMM's unpacked weights do. The integer sums
+// are exact and the activations are quantised by the same quant_block, so a row's
+// result is bit for bit the same at 1 row as in a 16-row batch or a 128-row prefill:
+// a request's tokens do not depend on what else runs in its step. (An earlier version
+// put 8 blocks of one row in the lanes and added them up at the end: as fast, but its
+// sums came out in another order than the GEMM's, and with 8-bit activations that
+// difference flipped greedy tokens under load.)
 //
 // 256-bit vectors in both builds: on the AMD CPUs measured, 512-bit integer ops run at
 // half rate, and a 512-bit variant (two blocks per vector) was no faster. Measured in
@@ -582,10 +590,14 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s) {
   if constexpr (T == Q8_0) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-  } else {  // nibbles unsigned: Q4_0's -8 is folded in through xs
+  } else {
     const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
     lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
     hi = _mm256_srli_epi16(z, 4);
+    if constexpr (T == Q4_0) {  // signed, as unpack_block16 gives the GEMM
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(8));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(8));
+    }
   }
   for (int m = 0; m < MT; m++)
     s[m] = dot(dot(_mm256_setzero_si256(), lo, load(x + m * K)), hi, load(x + m * K + 16));
@@ -603,14 +615,14 @@ inline void block_dot(const uint8_t* blk, const int8_t* x, int64_t K, v8i* s) {
   }
 }
 
-// the float16 scales (dw) and, for Q4_1, minima (mw) of 8 consecutive blocks at g
+// the float16 scales (dw) and, for Q4_1, minima (mw) of 8 blocks at g + j * stride
+// (consecutive blocks of a row: stride = block_bytes; a block of 8 rows: the row bytes)
 template <int T>
-inline void scales8(const uint8_t* g, v8f& dw, v8f& mw) {
-  constexpr int BB = block_bytes(T);
-  if constexpr (T == Q4_1) {  // [d | m] is the first 32-bit word of a block (never split: 20 j % 4 == 0)
+inline void scales8(const uint8_t* g, int64_t stride, v8f& dw, v8f& mw) {
+  if constexpr (T == Q4_1) {  // [d | m] is the first 32-bit word of a block
     auto word = [&](int j) {
       int32_t v;
-      std::memcpy(&v, g + j * BB, 4);
+      std::memcpy(&v, g + j * stride, 4);
       return v;
     };
     __m128i a = _mm_cvtsi32_si128(word(0)), c = _mm_cvtsi32_si128(word(4));
@@ -625,7 +637,7 @@ inline void scales8(const uint8_t* g, v8f& dw, v8f& mw) {
   } else {  // d alone, as 16-bit words (a 32-bit load at 18 j or 34 j may split a cache line)
     auto word = [&](int j) {
       uint16_t v;
-      std::memcpy(&v, g + j * BB, 2);
+      std::memcpy(&v, g + j * stride, 2);
       return static_cast<int>(v);
     };
     __m128i a = _mm_cvtsi32_si128(word(0));
@@ -640,35 +652,59 @@ inline void scales8(const uint8_t* g, v8f& dw, v8f& mw) {
   }
 }
 
-// acc += sums * dw dx [+ mw xs (Q4_1) | - 8 dw xs (Q4_0)], per block lane
-template <int T>
-inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, const float* dx, const float* xs) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_loadu_ps(dx)), acc);
-  if constexpr (T == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs), acc);
-  if constexpr (T == Q4_0) acc = _mm256_fnmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(8.f)), _mm256_loadu_ps(xs), acc);
+// one block's fold for 8 weight rows (lanes) and one activation row: the blocked GEMM's
+// operations in its order (see above); dx, xs: this block's activation scale and sum
+template <int T, typename XT>
+inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, float dx, float xs) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
+  if constexpr (T == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs), acc);
+  if constexpr (T == Q4_0 && sizeof(XT) == 1)
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-8.f)), _mm256_set1_ps(xs), acc);
   return acc;
 }
 
-// out[m * N] = weight row wrow against MT rows of xq [MT][K] (int16 or int8), dx, xs [MT][nb]
+// the same for one weight row, in scalars (rows past the last group of 8)
+template <int T, typename XT>
+inline float fold1(float acc, int32_t sum, float dw, float mw, float dx, float xs) {
+  acc = std::fma(static_cast<float>(sum), dw * dx, acc);
+  if constexpr (T == Q4_1) acc = std::fma(mw, xs, acc);
+  if constexpr (T == Q4_0 && sizeof(XT) == 1) acc = std::fma(-8.f * dw, xs, acc);
+  return acc;
+}
+
+inline int32_t hsum_i32(v8i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// out[m * N + r] = weight rows w + r * row_bytes (r < 8) against MT rows of xq [MT][K]
+// (int16 or int8), dx, xs [MT][nb]
 template <int T, int MT, typename XT>
-inline void rows(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const float* dx, const float* xs,
-                 float* out, int64_t N) {
+inline void rows8(const uint8_t* w, int64_t row_bytes, int nb, const XT* xq, int64_t K, const float* dx,
+                  const float* xs, float* out, int64_t N, const uint8_t* next) {
   constexpr int BB = block_bytes(T);
+  // the next group's 8 rows (next: null if none) are asked for in L2 a few lines per
+  // block, spread over this group's run
+  const int64_t lines = next ? 8 * row_bytes / 64 + 1 : 0, per_block = (lines + nb - 1) / nb;
   v8f acc[MT];
   for (auto& a : acc) a = _mm256_setzero_ps();
-  int b = 0;
-  for (; b + 8 <= nb; b += 8) {
-    const uint8_t* g = wrow + static_cast<int64_t>(b) * BB;
-    // the lane reduction, done as the block sums arrive (fewer live registers: about
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* g = w + static_cast<int64_t>(b) * BB;
+    const XT* xb = xq + static_cast<int64_t>(b) * QK;
+    for (int64_t l = b * per_block; l < std::min(lines, (b + 1) * per_block); l++)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+    // the lane reduction, done as the rows' sums arrive (fewer live registers: about
     // 4 MT + 2, so that AVX2's 16 hold up to 3 rows)
     v8i half_sums[MT][2];
     for (int q = 0; q < 2; q++) {
       v8i a[MT][2];
       for (int j = 0; j < 2; j++) {
-        const int blk = 4 * q + 2 * j;
+        const int r = 4 * q + 2 * j;
         v8i s0[MT], s1[MT];
-        block_dot<T, MT>(g + blk * BB, xq + static_cast<int64_t>(b + blk) * QK, K, s0);
-        block_dot<T, MT>(g + (blk + 1) * BB, xq + static_cast<int64_t>(b + blk + 1) * QK, K, s1);
+        block_dot<T, MT>(g + r * row_bytes, xb, K, s0);
+        block_dot<T, MT>(g + (r + 1) * row_bytes, xb, K, s1);
         for (int m = 0; m < MT; m++)
           a[m][j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s0[m], s1[m]), _mm256_unpackhi_epi32(s0[m], s1[m]));
       }
@@ -676,26 +712,30 @@ inline void rows(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const flo
         half_sums[m][q] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[m][0], a[m][1]), _mm256_unpackhi_epi64(a[m][0], a[m][1]));
     }
     v8f dw, mw = _mm256_setzero_ps();
-    scales8<T>(g, dw, mw);
+    scales8<T>(g, row_bytes, dw, mw);
     for (int m = 0; m < MT; m++) {
       const v8i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x20),
                                         _mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x31));
-      acc[m] = fold<T>(acc[m], sums, dw, mw, dx + m * nb + b, xs + m * nb + b);
+      acc[m] = fold<T, XT>(acc[m], sums, dw, mw, dx[m * nb + b], xs[m * nb + b]);
     }
   }
-  float rest[MT] = {};
-  for (; b < nb; b++) {  // the last nb % 8 blocks one by one
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
+}
+
+// one weight row (after the last group of 8), the same operations one lane wide
+template <int T, int MT, typename XT>
+inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const float* dx, const float* xs, float* out,
+                 int64_t N) {
+  constexpr int BB = block_bytes(T);
+  float acc[MT] = {};
+  for (int b = 0; b < nb; b++) {
     const uint8_t* blk = wrow + static_cast<int64_t>(b) * BB;
     v8i s[MT];
     block_dot<T, MT>(blk, xq + static_cast<int64_t>(b) * QK, K, s);
-    const float d = half(blk);
-    for (int m = 0; m < MT; m++) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]), _mm256_set1_ps(d * dx[m * nb + b]), acc[m]);
-      if constexpr (T == Q4_1) rest[m] += half(blk + 2) * xs[m * nb + b];
-      if constexpr (T == Q4_0) rest[m] -= 8.f * d * xs[m * nb + b];
-    }
+    const float dw = half(blk), mw = T == Q4_1 ? half(blk + 2) : 0.f;
+    for (int m = 0; m < MT; m++) acc[m] = fold1<T, XT>(acc[m], hsum_i32(s[m]), dw, mw, dx[m * nb + b], xs[m * nb + b]);
   }
-  for (int m = 0; m < MT; m++) out[m * N] = hsum(acc[m]) + rest[m];
+  for (int m = 0; m < MT; m++) out[m * N] = acc[m];
 }
 }  // namespace d8
 
@@ -710,7 +750,7 @@ inline void unpack_row16(const uint8_t* blk, int nb, int16_t* wq, float* dw, flo
   for (; b + 8 <= nb; b += 8) {
     for (int j = 0; j < 8; j++) unpack_block16<T>(blk + (b + j) * BB, wq + (b + j) * QK);
     d8::v8f d, m = _mm256_setzero_ps();
-    d8::scales8<T>(blk + b * BB, d, m);
+    d8::scales8<T>(blk + b * BB, BB, d, m);
     _mm256_storeu_ps(dw + b, d);
     if constexpr (T == Q4_1) _mm256_storeu_ps(mw + b, m);
   }
@@ -811,10 +851,27 @@ void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, fl
   });
 }
 
-// Decode sizes: each weight row against up to MT_Q activation rows at a time (d8::rows),
-// activations quantised per block of 32 to XT (int16_t: the int16 path, int8_t: the
-// int8 path, by the same quant_block as the blocked GEMMs). More rows (Q8_0's int8 path)
-// go MT_Q at a time, each group re-reading the weights.
+// Decode sizes: groups of 8 weight rows against up to MT_Q activation rows at a time
+// (d8::rows8; the last N % 8 rows by d8::row1), activations quantised per block of 32 to
+// XT (int16_t: the int16 path, int8_t: the int8 path, by the same quant_block as the
+// blocked GEMMs). More rows (Q8_0's int8 path) go MT_Q at a time, each group re-reading
+// the weights.
+template <int T, int MT, typename XT>
+inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t N8, int nb, const XT* q,
+                    int64_t K, const float* d, const float* s, float* o, int64_t N) {
+  for (int64_t n = n0; n < n1; n++) {
+    // A group reads its 8 rows side by side, 8 streams a block at a time, which the
+    // hardware prefetcher did not follow: with weights from memory it ran 1.9x slower at
+    // one row than reading row after row. So each group prefetches the next (rows8).
+    const uint8_t* next = n + 1 < std::min(n1, N8) ? w + 8 * (n + 1) * row_bytes : nullptr;
+    if (n == n0 && n < N8) prefetch_l2(w + 8 * n * row_bytes, 8 * row_bytes);
+    if (n < N8)
+      d8::rows8<T, MT>(w + 8 * n * row_bytes, row_bytes, nb, q, K, d, s, o + 8 * n, N, next);
+    else
+      for (int64_t r = N8 * 8; r < N; r++) d8::row1<T, MT>(w + r * row_bytes, nb, q, K, d, s, o + r, N);
+  }
+}
+
 template <int T, typename XT>
 void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK);
@@ -829,19 +886,17 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
       dx[m * nb + b] = quant_block(xb, qb, sum);
       xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
     }
-  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+  const int64_t N8 = N / 8, items = N8 + (N % 8 != 0);  // groups of 8 rows, then the rest as one item
+  sl::parallel_for(0, items, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += MT_Q) {
       const XT* q = xq.get() + m0 * K;
       const float *d = dx.get() + m0 * nb, *s = xs.get() + m0 * nb;
-      for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* wrow = w + n * row_bytes;
-        float* o = out + m0 * N + n;
-        switch (std::min<int64_t>(M - m0, MT_Q)) {
-          case 1: d8::rows<T, 1>(wrow, nb, q, K, d, s, o, N); break;
-          case 2: d8::rows<T, 2>(wrow, nb, q, K, d, s, o, N); break;
-          case 3: d8::rows<T, 3>(wrow, nb, q, K, d, s, o, N); break;
-          default: d8::rows<T, 4>(wrow, nb, q, K, d, s, o, N); break;
-        }
+      float* o = out + m0 * N;
+      switch (std::min<int64_t>(M - m0, MT_Q)) {
+        case 1: rows_of<T, 1>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 2: rows_of<T, 2>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 3: rows_of<T, 3>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        default: rows_of<T, 4>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
       }
     }
   });
@@ -862,7 +917,7 @@ inline void unpack_row8(const uint8_t* blk, int nb, uint8_t* wq, float* dw, floa
   int b = 0;
   for (; b + 8 <= nb; b += 8) {
     d8::v8f d, m = _mm256_setzero_ps();
-    d8::scales8<T>(blk + b * BB, d, m);
+    d8::scales8<T>(blk + b * BB, BB, d, m);
     _mm256_storeu_ps(dw + b, d);
     if constexpr (T == Q4_1) _mm256_storeu_ps(mw + b, m);
   }

@@ -121,21 +121,22 @@ def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, b
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("mode", [INT16, INT8])
 @pytest.mark.parametrize("blocks", [7, 9, 18])
-def test_int8_rows_round_activations_as_the_blocked_path(
-    isa: str, type_name: str, blocks: int
+def test_a_rows_result_does_not_depend_on_the_batch(
+    isa: str, type_name: str, mode: int, blocks: int
 ) -> None:
-    """A row's int8 result does not depend on the rows that came with it beyond the order
-    of float sums: at 1-4 rows (the row kernel) as within 9 (the blocked GEMM for Q4;
-    Q8_0's rows go 4 at a time), activations are rounded to the same 8 bits. (Rounded
-    any other way, to 16 bits say, the rows would differ by ~1e-2 of their norm.)"""
-    w, _ = quantize(random_weight(40, 32 * blocks, seed=blocks), type_name)
+    """Bit for bit: a row's output is the same alone (the row kernel), with up to 3
+    others, or in a batch of 9 or 17 (the blocked GEMM), on both integer paths and for
+    the rows past the last group of 8 (43 = 5 x 8 + 3). The activations are rounded by
+    one quantiser and every output folds its blocks in one order, so a request's tokens
+    do not depend on what else runs in its step."""
+    w, _ = quantize(random_weight(43, 32 * blocks, seed=blocks), type_name)
     module = cpu_ext.load_quant(isa)
-    x = torch.randn(9, w.shape[1], generator=torch.Generator().manual_seed(blocks))
-    many = module.linear(x, w.raw, w.code, INT8)
-    for m in (1, 2, 3, 4):
-        few = module.linear(x[:m], w.raw, w.code, INT8)
-        torch.testing.assert_close(few, many[:m], atol=1e-4, rtol=1e-5)
+    x = torch.randn(17, w.shape[1], generator=torch.Generator().manual_seed(blocks))
+    alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(17)])
+    for m in (2, 3, 4, 5, 9, 17):
+        assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
 
 
 @pytest.mark.parametrize("isa", ISAS)
