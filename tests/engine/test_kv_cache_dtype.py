@@ -206,14 +206,24 @@ N_TOKENS = 64
 
 
 @pytest.mark.slow
-def test_float16_kv_agrees_with_float32_kv_on_the_default_model(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_float16_kv_agrees_with_float32_kv_on_the_default_model(  # type: ignore[no-untyped-def]
+    tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default weights, float16 vs float32 KV: teacher-forced greedy top-1 agreement
     on float32-KV's own greedy continuations of 8 chat prompts x 64 tokens (each
     prediction after the first reads the cache). Measured when written: 100% here, and
     100% with 96 tokens each for these and for the exact float32 weights, whose
-    free-running greedy outputs were also identical (768/768 tokens both)."""
+    free-running greedy outputs were also identical (768/768 tokens both).
+
+    The cache's dtype in isolation: activations on the int16 path. With the default int8
+    MLP, whose 8-bit rounding turns the cache's small differences into visible ones now
+    and then, the same comparison gave 503/512 (98.2%); what the int8 MLP itself costs
+    is measured in test_quant_model.py."""
     from structllm import LLM
     from structllm import SamplingParams as Sampling
+    from structllm.kernels import packed
+
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)
 
     prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     greedy = Sampling(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)

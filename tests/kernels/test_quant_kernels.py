@@ -186,16 +186,18 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
         module.linear(big, w.raw, w.code, 3)
 
 
-def test_decode_runs_the_int16_path_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_runs_the_integer_paths_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # the int16 row kernel is faster than the float path at decode sizes on both ISAs
     # (bench/quant_linear.py --rows 1 --cold); STRUCTLLM_QUANT_INT16_MIN_M=0 keeps the
     # float path's exact weights everywhere
     monkeypatch.setattr(packed, "INT16_MIN_M", None)
-    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # the default: no int8 even where allowed
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # opted out: no int8 even where allowed
     assert packed.int16_min_m() == 1
     assert packed.block_mode(1) == INT16
     assert packed.block_mode(5, int8_ok=True) == INT16
-    monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # opted in: where allowed, every size
+    monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # the default: where allowed, every size
     assert packed.block_mode(1) == INT16
     assert packed.block_mode(1, int8_ok=True) == INT8
     assert packed.block_mode(300, int8_ok=True) == INT8
