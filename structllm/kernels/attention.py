@@ -130,6 +130,9 @@ class CpuAttention(TorchAttention):
 
     def __init__(self, module: Any) -> None:
         self._decode = module.paged_decode
+        # prefill's per-row lengths and block tables, for the step whose metadata this is:
+        # every layer of a step calls prefill with the same ``meta``
+        self._rows: tuple[AttentionMetadata, Tensor, Tensor] | None = None
 
     @staticmethod
     def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -173,11 +176,23 @@ class CpuAttention(TorchAttention):
         into steps or whether it came as a prefill or a decode row: every query reads
         the cache (as stored, float16 included) through the same kernel, block by block
         in one order."""
+        if self._rows is None or self._rows[0] is not meta:
+            self._rows = (meta, *self._prefill_rows(meta))
+        _, lens, row_tables = self._rows
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self._decode(out, q, k_cache, v_cache, row_tables, lens, scale)
+        return out
+
+    @staticmethod
+    def _prefill_rows(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """``[T]`` int32 keys visible to each prefill row and ``[T, MB]`` its sequence's
+        block table (contiguous), for the prefill sequences of ``meta``."""
         nd = meta.num_decodes
         starts = meta.query_start_list[nd:]
         q_lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
         ctxs = meta.seq_lens_list[nd:]
-        # [T] keys visible to each row; [T, MB] its sequence's block table
         lens = torch.cat(
             [
                 torch.arange(c - n + 1, c + 1, dtype=torch.int32)
@@ -186,14 +201,8 @@ class CpuAttention(TorchAttention):
         )
         tables = meta.block_tables[nd : nd + len(q_lens)]
         if len(q_lens) == 1:
-            row_tables = tables.expand(q_lens[0], -1)
-        else:
-            row_tables = tables.repeat_interleave(torch.tensor(q_lens), dim=0)
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
-            q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype)
-        self._decode(out, q, k_cache, v_cache, row_tables.contiguous(), lens, scale)
-        return out
+            return lens, tables.expand(q_lens[0], -1).contiguous()
+        return lens, tables.repeat_interleave(torch.tensor(q_lens), dim=0)
 
     def decode(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float

@@ -76,8 +76,8 @@ def int16_min_m() -> int:
 # earlier row kernel summed in another order; the last-bit differences it left were
 # absorbed by 16-bit rounding but not by 8-bit, and greedy tokens under load then
 # differed from those of the same request alone, which kept this path off by default.
-# Now it is on by default (AVX2 build, concurrency 16: 2.24x llama.cpp's tokens/s against
-# 2.0x with 16 bits, same day); STRUCTLLM_QUANT_INT8_MIN_M=0 keeps the int16 path, the
+# Now it is on by default (AVX2 build, concurrency 16: 2.24-2.50x llama.cpp's tokens/s
+# against 2.0x with 16 bits, same day); STRUCTLLM_QUANT_INT8_MIN_M=0 keeps the int16 path, the
 # closer to float32 of the two.
 # What the 8 bits cost, teacher-forced top-1 agreement with float32 of the same weights
 # over 32 chats x 40 tokens (tests/engine/test_quant_model.py): int8 in the MLP only,

@@ -576,12 +576,6 @@ inline v8i dot(v8i acc, v8i a, v8i b) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
-inline float hsum(v8f a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // int32 partial sums (8 lanes) of one block against MT activation rows (x: row stride K)
 template <int T, int MT>

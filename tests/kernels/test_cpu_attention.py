@@ -137,6 +137,22 @@ def test_a_prefill_row_equals_the_same_token_as_a_decode(q_len: int) -> None:
         assert torch.equal(out[r : r + 1], impl.decode(q[r : r + 1], kc, vc, one, 0.125)), r
 
 
+def test_prefill_rows_follow_each_steps_metadata() -> None:
+    """One backend serves every step (its per-step row tables are kept for the layers of
+    a step): a second step's metadata gets its own rows, and the first's again after."""
+    impl, kc, vc, meta, dense, q, starts = setup([45, 20], [12, 20], 9, 3, 64, 16)
+    _, kc2, vc2, meta2, dense2, q2, starts2 = setup([33], [7], 9, 3, 64, 16, seed=5)
+    for _ in range(2):
+        for k_cache, v_cache, m, d, qq, st in (
+            (kc, vc, meta, dense, q, starts),
+            (kc2, vc2, meta2, dense2, q2, starts2),
+        ):
+            out = impl.prefill(qq, qq, qq, k_cache, v_cache, m, 0.125)
+            for i, (k, v) in enumerate(d):
+                want = reference.dense_causal_attention(qq[st[i] : st[i + 1]], k, v, 0.125)
+                torch.testing.assert_close(out[st[i] : st[i + 1]], want, atol=2e-5, rtol=2e-5)
+
+
 def test_store_writes_k_transposed_within_blocks() -> None:
     impl = CpuAttention(module)
     kc, vc = torch.zeros(impl.k_cache_shape(4, 16, 2, 8)), torch.zeros(4, 16, 2, 8)
