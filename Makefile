@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test lint pytest bench clean
+.PHONY: install serve generate test lint pytest llamacpp bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check structllm tests bench
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+# llama.cpp's llama-quantize, built once into the structllm cache from the sources in the
+# llama-cpp-python sdist (tests that make GGUF files with it skip, with the reason, if
+# it cannot be built)
+llamacpp: $(STAMP)
+	$(PY) -m tests.support.llamacpp llama-quantize
+
+pytest: $(STAMP) llamacpp
 	$(PY) -m pytest -q
 
 test: lint pytest

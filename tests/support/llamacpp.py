@@ -1,0 +1,147 @@
+"""llama.cpp's own tools for the tests and benchmarks: the converter
+(``convert_hf_to_gguf.py`` with its ``gguf-py``) and ``llama-quantize`` /
+``llama-server`` built from the sources that the ``llama-cpp-python`` sdist carries.
+
+Everything lives under ``<structllm cache>/llamacpp`` and is made once: the sdist is
+fetched from the package registry with pip, the tools are built with cmake, one target
+each. ``python -m tests.support.llamacpp [llama-quantize|llama-server ...]`` builds them
+ahead of a test run (``make test`` does so for ``llama-quantize``); a test that needs a
+tool and finds it impossible to build skips with the reason.
+
+GGUF files made from tiny test models are cached by the content of what made them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from structllm.paths import cache_root
+
+SDIST = "llama-cpp-python==0.3.36"
+SDIST_DIR = "llama_cpp_python-0.3.36"
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
+
+
+class ToolMissing(RuntimeError):
+    """A llama.cpp tool cannot be had here; the message says why."""
+
+
+def root() -> Path:
+    return cache_root() / "llamacpp"
+
+
+def source_tree() -> Path:
+    """llama.cpp's source tree from the sdist, unpacked once."""
+    tree = root() / SDIST_DIR / "vendor" / "llama.cpp"
+    if (tree / "convert_hf_to_gguf.py").exists():
+        return tree
+    sdist = root() / "sdist"
+    sdist.mkdir(parents=True, exist_ok=True)
+    tarballs = list(sdist.glob("llama_cpp_python-*.tar.gz"))
+    if not tarballs:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+        cmd += ["--no-binary", ":all:", SDIST, "-d", str(sdist)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        tarballs = list(sdist.glob("llama_cpp_python-*.tar.gz"))
+        if done.returncode != 0 or not tarballs:
+            raise ToolMissing(f"cannot fetch the {SDIST} sdist: {done.stderr.strip()[-400:]}")
+    with tarfile.open(tarballs[0]) as tar:
+        tar.extractall(root(), filter="data")
+    if not (tree / "convert_hf_to_gguf.py").exists():
+        raise ToolMissing(f"{tarballs[0].name} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+    return tree
+
+
+def tool(name: str) -> Path:
+    """The path of a built llama.cpp binary (``llama-quantize``, ``llama-server``),
+    building it on first use (minutes: run ``python -m tests.support.llamacpp`` ahead)."""
+    binary = root() / "build" / "bin" / name
+    if binary.exists():
+        return binary
+    if shutil.which("cmake") is None:
+        raise ToolMissing("cmake is not installed, so llama.cpp's tools cannot be built")
+    tree = source_tree()
+    build = root() / "build"
+    steps = [
+        ["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS],
+        ["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
+    ]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ToolMissing(f"building {name} failed: {done.stderr.strip()[-600:]}")
+    if not binary.exists():
+        raise ToolMissing(f"building {name} left no {binary}")
+    return binary
+
+
+def _fingerprint(paths: list[Path], *extra: str) -> str:
+    h = hashlib.sha256("\0".join(extra).encode())
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def convert_hf(hf_dir: Path, outtype: str = "f32") -> Path:
+    """``hf_dir`` (a Hugging Face directory) as a GGUF file of ``outtype`` (f32, f16,
+    bf16, q8_0) written by llama.cpp's converter; cached by the directory's content."""
+    files = [p for p in hf_dir.iterdir() if p.is_file()]
+    out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, outtype)}.{outtype}.gguf"
+    if out.exists():
+        return out
+    tree = source_tree()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"), NO_LOCAL_GGUF="")
+    cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir)]
+    cmd += ["--outfile", str(tmp), "--outtype", outtype]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
+    tmp.rename(out)
+    return out
+
+
+def quantize(gguf_file: Path, qtype: str, *extra: str) -> Path:
+    """``gguf_file`` requantised by ``llama-quantize`` to ``qtype`` (``Q4_K_M``,
+    ``Q8_0``, ...); cached next to it. ``extra`` are llama-quantize options
+    (e.g. ``--allow-requantize``, ``--pure``)."""
+    out = gguf_file.with_name(f"{gguf_file.stem}.{qtype}{''.join(extra)}.gguf")
+    if out.exists():
+        return out
+    tmp = out.with_suffix(".tmp")
+    cmd = [str(tool("llama-quantize")), *extra, str(gguf_file), str(tmp), qtype]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ToolMissing(f"llama-quantize {qtype} failed: {done.stderr.strip()[-600:]}")
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """Build the named tools (default: llama-quantize); never fails the caller's run:
+    a tool that cannot be built is reported, and its tests skip with the reason."""
+    for name in argv or ["llama-quantize"]:
+        try:
+            print(f"llama.cpp: {name} at {tool(name)}")
+        except ToolMissing as e:
+            print(f"llama.cpp: {name} unavailable ({e}); tests that need it will skip")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
