@@ -145,6 +145,7 @@ def test_a_reply_streams_in_with_logprobs_and_the_panel_counts_it(
     )
     wait_until(browser, lambda d: by_id(d, "m-ttft").text.startswith("p50"), "no TTFT")
     assert by_id(browser, "m-itl").text.startswith("p50")
+    screenshot(browser, "web_ui_logprobs.png")
 
 
 def test_stop_closes_the_stream_and_the_engine_aborts(browser: Any, server: Server) -> None:
