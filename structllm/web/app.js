@@ -291,8 +291,12 @@ async function generate() {
       reply.note("stopped", "bad");
     } else {
       state = e instanceof AuthError ? "key" : "error";
-      showError(e.message);
-      reply.note("failed", "bad");
+      if (state === "key") {
+        unsend(); // sent again once there is a key
+      } else {
+        showError(e.message);
+        reply.note("failed", "bad");
+      }
     }
   } finally {
     controller = null;
@@ -303,6 +307,17 @@ async function generate() {
   else if (state !== "done") reply.box.remove();
   if (state === "done") finishReply(reply, body, performance.now() - started);
   if (state !== "key") setState(state, state === "done" ? "done" : state);
+}
+
+// Take the last user message back into the input box (its request was refused for
+// want of a key).
+function unsend() {
+  const last = history[history.length - 1];
+  if (!last || last.role !== "user") return;
+  history.pop();
+  const boxes = document.querySelectorAll("#messages .msg.user");
+  if (boxes.length) boxes[boxes.length - 1].remove();
+  $("input").value = last.content;
 }
 
 function finishReply(reply, body, ms) {
