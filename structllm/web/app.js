@@ -126,9 +126,12 @@ function requestBody() {
     messages: messages.concat(history),
     stream: true,
     stream_options: { include_usage: true },
-    temperature: Number($("temperature").value),
-    max_tokens: Number($("max-tokens").value),
   };
+  // an empty field leaves the server's default
+  const temperature = $("temperature").value.trim();
+  if (temperature) body.temperature = Number(temperature);
+  const maxTokens = $("max-tokens").value.trim();
+  if (maxTokens) body.max_tokens = Number(maxTokens);
   if ($("logprobs").checked) {
     body.logprobs = true;
     body.top_logprobs = 5;
