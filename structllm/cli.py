@@ -174,6 +174,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         api_server_count=a.api_server_count,
         max_connections=a.max_connections,
         tool_call_parser=a.tool_call_parser,
+        web_ui=not a.no_web_ui,
     )
     if a.chat_template is not None:
         from structllm.tokenizer import ChatTemplateError, load_chat_template
@@ -317,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-origins",
         default="",
         help="comma-separated CORS origins ('*' for any; default: CORS off)",
+    )
+    r.add_argument(
+        "--no-web-ui",
+        action="store_true",
+        help="do not serve the chat page at / (it needs no engine and no API key to load)",
     )
     r.set_defaults(func=cmd_run)
     c = sub.add_parser(

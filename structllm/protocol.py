@@ -250,6 +250,7 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_grammar_matchers: int = 0  # live matchers of constrained requests
     num_grammar_ff_tokens: int = 0  # tokens appended by grammar fast-forward (decode steps saved)
     num_steps_cut: int = 0  # steps cut short: every request in them was aborted
+    num_aborted: int = 0  # live requests aborted (client gone, stop string, write timeout)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

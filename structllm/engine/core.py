@@ -95,6 +95,7 @@ class EngineCore:
         ] = {}  # request id -> KV blocks it held at the last trace
         self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
         self.num_steps_cut = 0  # steps cut short: every request in them was aborted
+        self.num_aborted = 0  # live requests aborted (unknown or finished ids not counted)
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
 
@@ -321,12 +322,14 @@ class EngineCore:
 
     def abort(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
+        before = len(self._pending)
         for rid in ids:
             entry = self._compiling.pop(rid, None)
             if entry is not None:  # its matcher, when built, is dropped unattached
                 entry[1].cancel()
                 self._pending.append(TokenDelta(rid, [], "abort", None, 0))
         self._pending += self.scheduler.abort(ids)
+        self.num_aborted += len(self._pending) - before
         if self.tracer.enabled:
             for rid in ids:
                 self.tracer.event("aborted", rid)
@@ -458,4 +461,5 @@ class EngineCore:
             num_grammar_matchers=len(self.grammar.matchers),
             num_grammar_ff_tokens=self.grammar.num_ff_tokens,
             num_steps_cut=self.num_steps_cut,
+            num_aborted=self.num_aborted,
         )

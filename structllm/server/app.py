@@ -34,6 +34,7 @@ from structllm.server.metrics import Metrics
 from structllm.server.openapi import openapi_document
 from structllm.server.preprocess import Preprocessor
 from structllm.server.responses import ChatBuilder, ResponseBuilder, TextBuilder
+from structllm.server.webui import StaticFile, load_files
 from structllm.tokenizer import Tokenizer
 from structllm.tools import Format, ToolRequest
 from structllm.trace import Tracer
@@ -88,6 +89,10 @@ class App:
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
         }
+        # the chat page (server/webui.py): public files, served from memory
+        self.static: dict[str, StaticFile] = load_files() if config.web_ui else {}
+        for route in self.static:
+            self.routes["GET", route] = self.static_file
 
     # -- ASGI --------------------------------------------------------------------------
 
@@ -144,7 +149,7 @@ class App:
                 if any(p == path for _, p in self.routes):
                     raise APIError(405, f"method {scope['method']} is not allowed on {path}")
                 raise APIError(404, f"no route for {path}", code="not_found")
-            if path not in ("/health", "/openapi.json"):
+            if path not in ("/health", "/openapi.json") and path not in self.static:
                 self.authorize(scope)
             await handler(scope, receive, send)
         except APIError as e:
@@ -217,6 +222,12 @@ class App:
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine()
         await send_json(send, 200, {"status": "ok"})
+
+    async def static_file(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A file of the chat page; touches neither the engine nor the API's state."""
+        f = self.static[scope["path"].rstrip("/") or "/"]
+        await send({"type": "http.response.start", "status": 200, "headers": f.headers})
+        await send({"type": "http.response.body", "body": f.body})
 
     async def openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, openapi_document(__version__))

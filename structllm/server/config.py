@@ -22,7 +22,8 @@ class ServerConfig:
 
     ``chat_template`` replaces the model's (a file's path, or the template itself);
     ``tool_call_parser`` is how tool calls are prompted and parsed (``auto``: ``hermes``
-    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``)."""
+    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``).
+    ``web_ui``: serve the chat page at ``/`` (``--no-web-ui``: 404)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -44,6 +45,7 @@ class ServerConfig:
     max_connections: int = 4096
     chat_template: str | None = None
     tool_call_parser: str = "auto"
+    web_ui: bool = True  # the chat page at / (server/webui.py)
 
 
 def default(name: str) -> Any:

@@ -169,6 +169,19 @@ class Metrics:
             stats.num_steps_cut,
         )
         metric(
+            "structllm:engine_requests_aborted_total",
+            "counter",
+            "Requests the engine aborted before they finished (client gone, stop string, "
+            "write timeout).",
+            stats.num_aborted,
+        )
+        metric(
+            "structllm:engine_generation_tokens_total",
+            "counter",
+            "Tokens the engine has generated, counted as they are sampled.",
+            stats.num_generation_tokens,
+        )
+        metric(
             "structllm:prompt_tokens_total",
             "counter",
             "Prompt tokens of finished requests.",

@@ -285,6 +285,8 @@ class Supervisor:
             f"(ready in {time.monotonic() - self.t0:.1f}s; "
             f"max_model_len {max_model_len}, {blocks} KV blocks of {block_size})"
         )
+        if self.config.web_ui:
+            say(f"chat page at http://{shown}:{port}/")
 
     def spawn_api_server(self, handoff: ChannelHandoff) -> ChildProcess:
         cfg = self.config

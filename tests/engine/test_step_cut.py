@@ -55,8 +55,11 @@ def test_a_step_whose_requests_are_all_aborted_is_cut_short(tiny_llama_dir: Path
     assert req.num_computed_tokens == 0  # no request advanced
     # the caller applies the aborts it held: both end, their blocks go back
     core.abort(["a", "b"])
-    finished = {d.request_id: d.finish_reason for d in core.step().outputs}
+    core.abort(["a", "unknown"])  # gone or never there: not counted again
+    batch = core.step()
+    finished = {d.request_id: d.finish_reason for d in batch.outputs}
     assert finished == {"a": "abort", "b": "abort"}
+    assert batch.stats.num_aborted == 2
     assert core.kv.usage == 0.0
 
 
