@@ -14,11 +14,11 @@ Two parsers, with vLLM's names (``--reasoning-parser``):
 - ``qwen3``: reasoning only when the output starts with ``<think>`` (after optional
   whitespace); otherwise it is all content (Qwen3 with ``enable_thinking: false``).
 
-Both read the prompt too (``Mode``): a prompt whose last think tag is an open ``<think>``
-(a template that starts the reasoning for the model) means the output begins inside
-the reasoning; one whose last tag is ``</think>`` (Qwen3's template with thinking
-switched off writes an empty ``<think></think>``) means reasoning only if the output
-opens it. Whitespace between ``</think>`` and the answer is dropped; the reasoning text
+Both read the end of the prompt too (``Mode``): a prompt that ends with an open
+``<think>`` (a template that starts the reasoning for the model) means the output
+begins inside the reasoning; one that ends with ``</think>`` (Qwen3's template with
+thinking switched off writes an empty ``<think></think>``) means reasoning only if the
+output opens it. Whitespace between ``</think>`` and the answer is dropped; the reasoning text
 is kept as written.
 
 ``Reasoning`` (``protocol``) carries the end tag's token ids to the engine, which then
@@ -59,12 +59,17 @@ def check_parser(name: str) -> str:
 
 
 def prompt_state(prompt: str) -> bool | None:
-    """Whether ``prompt`` ends inside a think block: ``True`` if its last think tag is an
-    open ``<think>``, ``False`` if it is ``</think>``, ``None`` if it has neither."""
-    start, end = prompt.rfind(START_TAG), prompt.rfind(END_TAG)
-    if start < 0 and end < 0:
-        return None
-    return start > end
+    """Whether the chat template left ``prompt`` inside a think block: ``True`` if it
+    ends with an open ``<think>``, ``False`` if it ends with ``</think>`` (an empty
+    ``<think></think>``: thinking switched off), ``None`` otherwise (whitespace after the
+    tag does not count). Tags earlier in the prompt, in the conversation's history, do
+    not matter."""
+    tail = prompt.rstrip()
+    if tail.endswith(START_TAG):
+        return True
+    if tail.endswith(END_TAG):
+        return False
+    return None
 
 
 def mode_for(parser: str, prompt: str) -> Mode:
@@ -77,9 +82,9 @@ def mode_for(parser: str, prompt: str) -> Mode:
 
 def engine_spec(prompt: str, end_token_ids: Sequence[int]) -> Reasoning | None:
     """What the engine is told of the reasoning of ``prompt``'s output: the end tag's
-    token ids, after which a constraint applies; ``None`` when the prompt has closed
-    its think block (``</think>`` is its last tag: the output is the answer). As vLLM,
-    a reasoning part is otherwise expected, with either parser."""
+    token ids, after which a constraint applies; ``None`` when the prompt ends with a
+    closed think block (the output is the answer). As in vLLM, a reasoning part is
+    otherwise expected, with either parser."""
     if prompt_state(prompt) is False or not end_token_ids:
         return None
     return Reasoning(end_token_ids=list(end_token_ids))

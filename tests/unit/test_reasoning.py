@@ -90,6 +90,7 @@ def test_prompt_decides_where_the_output_starts() -> None:
     assert prompt_state("<|assistant|><think>\n") is True
     assert prompt_state("<|assistant|><think>\n\n</think>\n\n") is False
     assert prompt_state("old <think>a</think> turn, then <think>") is True
+    assert prompt_state("<think>a</think>4<|im_end|><|im_start|>assistant\n") is None  # history
     assert mode_for("deepseek_r1", "<|assistant|>") is Mode.INSIDE
     assert mode_for("qwen3", "<|assistant|>") is Mode.MAYBE
     assert mode_for("qwen3", "<|assistant|><think>\n") is Mode.INSIDE
