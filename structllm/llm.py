@@ -158,8 +158,8 @@ class LLM:
                 res.prompt_logprobs = [None]
             results.append(res)
             name = res.request_id
-            named = lambda _, j: f"{name}-{j}"  # noqa: B023, E731
-            for seq in fan_out([ids], sp, self.tokenizer, named, tools, mode):
+            seqs = fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools, mode)  # noqa: B023
+            for seq in seqs:
                 res.outputs.append(
                     CompletionOutput(
                         seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None
