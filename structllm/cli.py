@@ -175,6 +175,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         max_connections=a.max_connections,
         tool_call_parser=a.tool_call_parser,
         web_ui=not a.no_web_ui,
+        reasoning_parser=a.reasoning_parser,
     )
     if a.chat_template is not None:
         from structllm.tokenizer import ChatTemplateError, load_chat_template
@@ -208,6 +209,7 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from structllm.reasoning import PARSERS
     from structllm.server.config import default as d
 
     parser = argparse.ArgumentParser(
@@ -313,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d("tool_call_parser"),
         help="how tools are prompted and calls parsed (default %(default)s: hermes if the chat "
         "template renders tools with <tool_call> tags, else a generic JSON envelope)",
+    )
+    r.add_argument(
+        "--reasoning-parser",
+        choices=list(PARSERS),
+        default=None,
+        help="split the model's <think>...</think> part of a chat reply into "
+        "reasoning_content (default: off)",
     )
     r.add_argument(
         "--allowed-origins",

@@ -17,7 +17,8 @@ from structllm.engine.core import EngineCore
 from structllm.model.loader import prepare_model
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import AddRequest, SamplingParams, TokenLogprobs
-from structllm.tokenizer import Message, Tokenizer
+from structllm.reasoning import END_TAG, Mode, check_parser, engine_spec, mode_for
+from structllm.tokenizer import Message, Tokenizer, check_template_kwargs
 from structllm.tools import (
     ToolCall,
     ToolError,
@@ -40,6 +41,10 @@ class CompletionOutput(msgspec.Struct):
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None = None
     tool_calls: list[ToolCall] | None = None  # ``LLM.chat`` with tools: the calls the text holds
+    # ``LLM.chat`` with a reasoning parser: the reasoning part (``text`` is the answer);
+    # None when the output has none
+    reasoning_content: str | None = None
+    num_reasoning_tokens: int = 0
 
 
 class RequestOutput(msgspec.Struct):
@@ -86,9 +91,15 @@ class LLM:
     With ``tensor_parallel_size=N`` this process is rank 0 and N-1 worker processes run
     beside it until ``close()`` (or the end of a ``with`` block); an ``LLM`` that is
     never closed stops them when it is garbage collected or at interpreter exit.
+
+    ``reasoning_parser="deepseek_r1"`` or ``"qwen3"`` (``structllm.reasoning``): ``chat``
+    splits each reply's ``<think>`` part into ``CompletionOutput.reasoning_content``, and
+    a constraint applies to the answer after it.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        parser = engine_kwargs.pop("reasoning_parser", None)
+        self.reasoning_parser = None if parser is None else check_parser(parser)
         if (
             engine_kwargs.get("trace") is True
         ):  # trace=True: the default file, in the working directory
@@ -129,6 +140,7 @@ class LLM:
         encoded: list[list[int]],
         params: list[SamplingParams],
         tools: ToolRequest | None = None,
+        modes: Sequence[Mode | None] | None = None,
     ) -> list[RequestOutput]:
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
@@ -138,13 +150,16 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
         live: dict[str, tuple[SequenceState, RequestOutput]] = {}
-        for p, ids, sp in zip(items, encoded, params, strict=True):
+        for p, ids, sp, mode in zip(
+            items, encoded, params, modes or [None] * len(items), strict=True
+        ):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
             if sp.prompt_logprobs is not None:
                 res.prompt_logprobs = [None]
             results.append(res)
             name = res.request_id
-            for seq in fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools):  # noqa: B023
+            seqs = fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools, mode)  # noqa: B023
+            for seq in seqs:
                 res.outputs.append(
                     CompletionOutput(
                         seq.index, "", [], None, logprobs=[] if sp.logprobs is not None else None
@@ -188,6 +203,9 @@ class LLM:
                         out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
                         if seq.tools is not None:
                             out.text, out.tool_calls = seq.tools.content or "", seq.tools.calls
+                        if seq.reasoning is not None and seq.reasoning.has_reasoning:
+                            out.reasoning_content = seq.reasoning.reasoning
+                            out.num_reasoning_tokens = seq.num_reasoning_tokens
                         del live[seq.request_id]
         finally:
             if live:  # interrupted: leave nothing running in the engine
@@ -201,41 +219,51 @@ class LLM:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """``generate`` for one chat or a list of chats. With OpenAI-style ``tools`` (and
         ``tool_choice``, ``parallel_tool_calls``), as the server serves them: the tools go
         into the prompt, the output is constrained where the choice demands it, and each
         completion's ``tool_calls`` holds the calls it made (its ``text`` the rest, and
-        ``finish_reason`` is ``tool_calls``). Raises ``ValueError`` for bad tools."""
+        ``finish_reason`` is ``tool_calls``). ``chat_template_kwargs`` are extra variables
+        for the chat template (e.g. ``{"enable_thinking": False}``). Raises ``ValueError``
+        for bad tools or template variables."""
         chats: list[Any] = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
+        kwargs = check_template_kwargs(chat_template_kwargs)
         fmt = detect_format(self.tokenizer.meta.chat_template)
         try:
             req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
         except ToolError as e:
             raise ValueError(str(e)) from None
-        if req is None:
-            return self.generate(chats, sampling_params)
-        from structllm.tools import validate_tools
-
-        error = validate_tools(req.tools, self.engine.grammar.tokenizer)
-        if error is not None:
-            raise ValueError(error)
         params = _as_params_list(sampling_params, len(chats))
-        spec = constraint(req)
-        if spec is not None:
-            if any(sp.structured_outputs is not None for sp in params):
-                raise ValueError(
-                    "structured_outputs cannot be combined with tools that may be called"
-                )
-            params = [msgspec.structs.replace(sp, structured_outputs=spec) for sp in params]
-        encoded = []
-        for chat in chats:
+        if req is not None:
+            from structllm.tools import validate_tools
+
+            error = validate_tools(req.tools, self.engine.grammar.tokenizer)
+            if error is not None:
+                raise ValueError(error)
+            spec = constraint(req)
+            if spec is not None:
+                if any(sp.structured_outputs is not None for sp in params):
+                    raise ValueError(
+                        "structured_outputs cannot be combined with tools that may be called"
+                    )
+                params = [msgspec.structs.replace(sp, structured_outputs=spec) for sp in params]
+        encoded: list[list[int]] = []
+        modes: list[Mode | None] = []
+        end_ids = self.tokenizer.encode(END_TAG, add_special_tokens=False)
+        for i, chat in enumerate(chats):
             msgs, variables = prompt_messages([dict(m) for m in chat], req, fmt)
-            text = self.tokenizer.apply_chat_template(msgs, **variables)
+            text = self.tokenizer.apply_chat_template(msgs, **kwargs, **variables)
             encoded.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._run(chats, encoded, params, req)
+            if self.reasoning_parser is None:
+                modes.append(None)
+                continue
+            modes.append(mode_for(self.reasoning_parser, text))
+            params[i] = msgspec.structs.replace(params[i], reasoning=engine_spec(text, end_ids))
+        return self._run(chats, encoded, params, req, modes)
 
     def _check_structured(self, sp: SamplingParams) -> None:
         """Raise ``ValueError`` if ``sp.structured_outputs`` does not compile."""

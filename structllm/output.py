@@ -8,7 +8,8 @@ detokenization), stop strings (the engine knows only stop *tokens*, so a stop st
 ends the sequence here and the caller must abort the engine side), and the final flush
 of the detokenizer. With tools, a ``ToolCallParser`` splits each sequence's text into
 content and tool calls (``structllm.tools``), and a reply that ends with calls finishes
-with ``tool_calls``.
+with ``tool_calls``. With a reasoning parser (``structllm.reasoning``) the text is first
+split into the reasoning part and the answer; tool calls are parsed from the answer only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from structllm.protocol import SamplingParams, TokenLogprobs
+from structllm.reasoning import Mode, ReasoningParser
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
 
@@ -29,7 +31,8 @@ class SequenceUpdate:
 
     ``text`` is new output text (possibly empty: the detokenizer may hold back an
     incomplete character or the start of a stop string); with tools, only the content
-    part of it, and ``tool_calls`` the calls' new pieces. ``abort`` is set when the
+    part of it, and ``tool_calls`` the calls' new pieces; with a reasoning parser, only
+    the answer, and ``reasoning`` the new reasoning text. ``abort`` is set when the
     sequence ended here (a stop string) while the engine request still runs: the caller
     must abort it."""
 
@@ -42,6 +45,7 @@ class SequenceUpdate:
     abort: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of prompt tokens 1, 2, ...
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
@@ -49,7 +53,9 @@ class SequenceState:
     """One engine request: the ``j``-th of ``n`` completions of prompt ``prompt_index``.
 
     ``index`` is the choice index in the response (``prompt_index * n + j``).
-    Invariant: once ``finish_reason`` is set, ``process`` is not called again."""
+    Invariant: once ``finish_reason`` is set, ``process`` is not called again.
+    ``num_reasoning_tokens``: the output tokens of the reasoning part (its tags
+    included), with a reasoning parser."""
 
     index: int
     prompt_index: int
@@ -62,6 +68,9 @@ class SequenceState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     tools: ToolCallParser | None = None
+    reasoning: ReasoningParser | None = None
+    num_reasoning_tokens: int = 0
+    _undecided_tokens: int = 0  # fed before the parser knew whether they are reasoning
 
     @property
     def finished(self) -> bool:
@@ -80,13 +89,14 @@ class SequenceState:
         assert self.finish_reason is None, f"{self.request_id} already finished"
         self.num_cached_tokens = num_cached_tokens
         self.token_ids += token_ids
-        text, stopped = self.detok.add(token_ids)
+        reasoning, text, stopped = self._detokenize(token_ids)
         update = SequenceUpdate(
             self.index,
             text,
             token_ids,
             list(logprobs or ()),
             prompt_logprobs=list(prompt_logprobs or ()),
+            reasoning=reasoning,
         )
         if stopped:
             update.abort = finish_reason is None  # the engine has not ended it itself
@@ -94,7 +104,11 @@ class SequenceState:
         elif finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
         if self.finish_reason is not None:
-            update.text += self.detok.finish()
+            tail = self.detok.finish()
+            if self.reasoning is not None:
+                r, tail = self.reasoning.feed(tail, final=True)
+                update.reasoning += r
+            update.text += tail
         if self.tools is not None:
             update.text, update.tool_calls = self.tools.feed(
                 update.text, final=self.finish_reason is not None
@@ -104,6 +118,34 @@ class SequenceState:
         update.finish_reason, update.stop_reason = self.finish_reason, self.stop_reason
         return update
 
+    def _detokenize(self, token_ids: list[int]) -> tuple[str, str, bool]:
+        """New text as ``(reasoning, answer, stopped)``. While the reasoning part may
+        still be running, tokens go through the detokenizer one at a time, so that each
+        is counted in ``num_reasoning_tokens`` or not."""
+        parser = self.reasoning
+        if parser is None:
+            text, stopped = self.detok.add(token_ids)
+            return "", text, stopped
+        reasoning, content, stopped = [], [], False
+        for k, t in enumerate(token_ids):
+            if parser.ended:  # the rest is answer
+                text, stopped = self.detok.add(token_ids[k:])
+                content.append(parser.feed(text)[1])
+                break
+            text, stopped = self.detok.add([t])
+            r, c = parser.feed(text)
+            reasoning.append(r)
+            content.append(c)
+            self._undecided_tokens += 1
+            if parser.has_reasoning:
+                self.num_reasoning_tokens += self._undecided_tokens
+                self._undecided_tokens = 0
+            elif parser.ended:
+                self._undecided_tokens = 0
+            if stopped:
+                break
+        return "".join(reasoning), "".join(content), stopped
+
 
 def fan_out(
     prompts: Sequence[list[int]],
@@ -111,13 +153,15 @@ def fan_out(
     tokenizer: Tokenizer,
     new_request_id: Callable[[int, int], str],
     tools: ToolRequest | None = None,
+    reasoning: Mode | None = None,
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
     reproducible); every engine request gets ``n = 1``, and only the first of a prompt
     scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
     the engine requests. With ``tools`` that allow calls, each sequence parses its
-    calls."""
+    calls; with ``reasoning`` (where its output starts), each splits off its reasoning
+    part."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -132,6 +176,15 @@ def fan_out(
             )
             parser = ToolCallParser(tools) if tools is not None and tools.calls_allowed else None
             out.append(
-                SequenceState(pi * n + j, pi, new_request_id(pi, j), ids, sp, detok, tools=parser)
+                SequenceState(
+                    pi * n + j,
+                    pi,
+                    new_request_id(pi, j),
+                    ids,
+                    sp,
+                    detok,
+                    tools=parser,
+                    reasoning=None if reasoning is None else ReasoningParser(reasoning),
+                )
             )
     return out

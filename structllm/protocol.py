@@ -73,6 +73,22 @@ class StructuredOutputs(
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+class Reasoning(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The output opens with a reasoning part that ends with the token sequence
+    ``end_token_ids`` (a reasoning parser's end tag, e.g. ``</think>``, as the front end
+    tokenized it). A constraint (``structured_outputs``) applies only to the tokens after
+    it: the reasoning is sampled unconstrained, and the grammar starts once the output's
+    last tokens are exactly these (``structllm.reasoning``; the engine knows no tags)."""
+
+    end_token_ids: list[int]
+
+    def __post_init__(self) -> None:
+        if not self.end_token_ids or any(t < 0 for t in self.end_token_ids):
+            raise ValueError(
+                "SamplingParams.reasoning.end_token_ids must be a non-empty list of token ids"
+            )
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to sample one sequence. Defaults follow vLLM's ``SamplingParams``.
 
@@ -85,7 +101,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     logprob -inf). ``stop`` strings are handled by the detokenizing layer, the rest by
     the engine. ``structured_outputs`` constrains the output to a grammar (see
     ``StructuredOutputs``); the grammar ending wins over ``min_tokens`` and
-    ``ignore_eos`` (the request then finishes with ``"stop"``).
+    ``ignore_eos`` (the request then finishes with ``"stop"``). With ``reasoning`` the
+    constraint starts after the output's reasoning part (see ``Reasoning``).
     """
 
     n: int = 1
@@ -108,6 +125,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    reasoning: Reasoning | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -156,7 +174,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``logit_bias`` keys) lies outside ``[0, vocab_size)``: the checks that need the
         model. The engine applies them to every request; a front end may call this early
         to answer 400 (the message starts with ``SamplingParams.<field>``)."""
-        named = (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()))
+        named = (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias or ()),
+            ("reasoning", self.reasoning.end_token_ids if self.reasoning else ()),
+        )
         for name, ids in named:
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:

@@ -48,6 +48,40 @@ class ChatTemplateError(ValueError):
     """The model's chat template could not render these messages."""
 
 
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+"""The chat template's variables that structllm sets itself."""
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``kwargs`` as extra chat-template variables (vLLM's ``chat_template_kwargs``, e.g.
+    ``{"enable_thinking": False}``). Raises ``ValueError`` naming the field if it is not a
+    mapping of strings or sets a variable structllm sets itself."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(
+            f"chat_template_kwargs must be an object (a mapping of variable names to values), "
+            f"got {type(kwargs).__name__}"
+        )
+    clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs))
+    if clash:
+        raise ValueError(
+            f"chat_template_kwargs must not set {', '.join(clash)}: "
+            f"{', '.join(sorted(RESERVED_TEMPLATE_VARIABLES))} are set by structllm itself"
+        )
+    return dict(kwargs)
+
+
 class Tokenizer:
     def __init__(
         self, tokenizer_json: str, meta: TokenizerMeta, eos_token_ids: Sequence[int] = ()

@@ -21,6 +21,11 @@ has one):
 
 Only rank 0 (which samples) has matchers; tensor-parallel workers see the forced tokens
 as ordinary input ids.
+
+A request with ``sampling.reasoning`` starts in its reasoning part
+(``Request.in_reasoning``): its row gets no mask and its tokens are not fed to the
+matcher until the output's last tokens are the reasoning's end tokens; from the next
+token on the grammar constrains it as any other (the answer after the reasoning).
 """
 
 from __future__ import annotations
@@ -152,7 +157,7 @@ class GrammarManager:
     def start_fill(self, reqs: Sequence[Request]) -> Future[GrammarMask] | None:
         """Start computing the bitmask of the constrained ones among ``reqs`` (row ``i``
         is ``reqs[i]``) on the helper thread; ``None`` when none is constrained."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.in_reasoning]
         if not rows:
             return None
         matchers = [reqs[i].grammar for i in rows]
@@ -189,9 +194,13 @@ class GrammarManager:
         reason, and an error message when the grammar broke."""
         m = req.grammar
         assert m is not None
-        if not m.consume(token):
+        if req.in_reasoning:
+            if not _ends_reasoning(req):
+                return [], reason, None  # still reasoning: unconstrained
+            req.in_reasoning = False  # the grammar starts with the next token
+        elif not m.consume(token):
             return [], "error", f"the grammar refused token {token}: {m.error}"
-        if m.stopped:
+        elif m.stopped:
             return [], "stop", None  # complete: wins over min_tokens and ignore_eos
         if reason is not None or not self.fast_forward:
             return [], reason, None
@@ -206,3 +215,11 @@ class GrammarManager:
         if req.num_output_tokens + len(forced) >= req.max_tokens:
             return forced, "length", None
         return forced, None, None
+
+
+def _ends_reasoning(req: Request) -> bool:
+    """Whether ``req``'s output (its newest token included) ends with the end tokens of
+    its reasoning part."""
+    assert req.sampling.reasoning is not None
+    end = req.sampling.reasoning.end_token_ids
+    return req.num_output_tokens >= len(end) and req.token_ids[-len(end) :] == end

@@ -24,7 +24,9 @@ class Request:
 
     ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``. ``chain_ids[i]`` is the prefix
     cache's identity of full block ``i`` (see ``KVCacheManager``). ``grammar``: the
-    matcher of a constrained request while it lives (see ``engine.grammar``).
+    matcher of a constrained request while it lives (see ``engine.grammar``);
+    ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
+    which the grammar does not constrain.
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -36,6 +38,7 @@ class Request:
         "chain_ids",
         "finish_reason",
         "grammar",
+        "in_reasoning",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -69,6 +72,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None
+        self.in_reasoning = sampling.reasoning is not None
 
     @property
     def num_tokens(self) -> int:

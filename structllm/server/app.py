@@ -74,7 +74,12 @@ class App:
         parser = config.tool_call_parser
         self.tool_format: Format | None = None if parser == "auto" else parser  # type: ignore[assignment]
         self.pre = Preprocessor(
-            tokenizer, None, tokenizer.vocab_size, self.tool_format, self.tracer
+            tokenizer,
+            None,
+            tokenizer.vocab_size,
+            self.tool_format,
+            self.tracer,
+            config.reasoning_parser,
         )  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self.created = int(time.time())
@@ -205,6 +210,7 @@ class App:
             client.ready.vocab_size,
             self.tool_format,
             self.tracer,
+            self.config.reasoning_parser,
         )
         self.client = client
 
@@ -306,13 +312,14 @@ class App:
         self.check_model(req.model)
         client = self.engine()
         tools = self.pre.tool_request(req)
-        ids = await self.in_worker(self.pre.chat, req, tools, response_id)
+        text, ids = await self.in_worker(self.pre.chat_prompt, req, tools, response_id)
         constraint = await self.constraint(req, tools)
         requested, param = rq.requested_max_tokens(req)
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
-        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
+        mode, reasoning = self.pre.reasoning(text) or (None, None)
+        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint, reasoning)
         seqs = fan_out(
-            [ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools
+            [ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools, mode
         )
         builder = ChatBuilder(
             seqs,

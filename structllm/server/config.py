@@ -22,7 +22,9 @@ class ServerConfig:
 
     ``chat_template`` replaces the model's (a file's path, or the template itself);
     ``tool_call_parser`` is how tool calls are prompted and parsed (``auto``: ``hermes``
-    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``).
+    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``);
+    ``reasoning_parser`` (``deepseek_r1``, ``qwen3`` or None) splits a chat reply's
+    ``<think>`` part into ``reasoning_content`` (``structllm.reasoning``).
     ``web_ui``: serve the chat page at ``/`` (``--no-web-ui``: 404)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -46,6 +48,7 @@ class ServerConfig:
     chat_template: str | None = None
     tool_call_parser: str = "auto"
     web_ui: bool = True  # the chat page at / (server/webui.py)
+    reasoning_parser: str | None = None
 
 
 def default(name: str) -> Any:

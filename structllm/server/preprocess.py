@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from structllm import structured, tools
-from structllm.protocol import StructuredOutputs
+from structllm import reasoning, structured, tools
+from structllm.protocol import Reasoning, StructuredOutputs
 from structllm.server.errors import APIError
 from structllm.server.requests import (
     ChatCompletionRequest,
@@ -21,6 +21,7 @@ from structllm.server.requests import (
     TokenizeRequest,
     chat_messages,
     check_token_ids,
+    template_kwargs,
 )
 from structllm.tokenizer import ChatTemplateError, Tokenizer
 from structllm.trace import OFF, Tracer
@@ -38,6 +39,7 @@ class Preprocessor:
         vocab_size: int,
         tool_format: tools.Format | None = None,
         tracer: Tracer = OFF,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.tracer = tracer
@@ -45,6 +47,13 @@ class Preprocessor:
         self.vocab_size = vocab_size
         # how tool calls are prompted and parsed: from the chat template unless given
         self.tool_format = tool_format or tools.detect_format(tokenizer.meta.chat_template)
+        self.reasoning_parser = reasoning_parser
+        # the reasoning's end tag as the engine will see it generated
+        self.reasoning_end = (
+            tokenizer.encode(reasoning.END_TAG, add_special_tokens=False)
+            if reasoning_parser
+            else []
+        )
         tokenizer.min_tokens_for("")  # measure the vocabulary now, not in a request
 
     @property
@@ -74,20 +83,40 @@ class Preprocessor:
     ) -> list[int]:
         """The prompt's token ids; with ``trace_id``, ``rendered`` and ``tokenized``
         are traced under it."""
+        return self.chat_prompt(req, tool_req, trace_id)[1]
+
+    def chat_prompt(
+        self,
+        req: ChatCompletionRequest | TokenizeRequest,
+        tool_req: tools.ToolRequest | None = None,
+        trace_id: str = "",
+    ) -> tuple[str, list[int]]:
+        """``chat``, with the rendered prompt's text."""
         assert req.messages is not None
         messages, variables = tools.prompt_messages(
             chat_messages(req.messages), tool_req, self.tool_format
         )
+        kwargs = template_kwargs(req)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **variables
+                messages, add_generation_prompt=req.add_generation_prompt, **kwargs, **variables
             )
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         self.tracer.event("rendered", trace_id, chars=len(text))
         ids = self.encode(text, add_special_tokens=False, param="messages")
         self.tracer.event("tokenized", trace_id, tokens=len(ids))
-        return ids
+        return text, ids
+
+    def reasoning(self, prompt: str) -> tuple[reasoning.Mode, Reasoning | None] | None:
+        """With a reasoning parser: where the output of the chat ``prompt`` (its text)
+        starts, and what the engine is told of it; ``None`` without a parser."""
+        if self.reasoning_parser is None:
+            return None
+        return (
+            reasoning.mode_for(self.reasoning_parser, prompt),
+            reasoning.engine_spec(prompt, self.reasoning_end),
+        )
 
     def completion(self, req: CompletionRequest, trace_id: str = "") -> list[list[int]]:
         """The request's prompts (``prompt`` is a string, a list of strings, a list of

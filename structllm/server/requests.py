@@ -22,8 +22,9 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from structllm.protocol import SamplingParams, StructuredOutputs
+from structllm.protocol import Reasoning, SamplingParams, StructuredOutputs
 from structllm.server.errors import APIError
+from structllm.tokenizer import check_template_kwargs
 
 MAX_N = 64
 MAX_STOP = 16
@@ -117,6 +118,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     tools: list[Any] | None = None  # checked by structllm.tools.tool_request
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -135,6 +137,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -224,6 +227,16 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["name"] = m.name
         out.append(msg)
     return out
+
+
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` (vLLM's field: extra variables for the chat
+    template, e.g. ``{"enable_thinking": false}``); 400 naming the field for a key the
+    server sets itself (``messages``, ``tools``, ``add_generation_prompt``, ...)."""
+    try:
+        return check_template_kwargs(req.chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from None
 
 
 def _logit_bias(req: ChatCompletionRequest | CompletionRequest) -> dict[int, float] | None:
@@ -321,10 +334,12 @@ def sampling_params(
     max_tokens: int,
     vocab_size: int,
     structured: StructuredOutputs | None = None,
+    reasoning: Reasoning | None = None,
 ) -> SamplingParams:
     """The request's ``SamplingParams`` (with its ``n``, and the constraint
-    ``Preprocessor.constraint`` made of it). A rule it breaks is a 400 naming the
-    request's own field."""
+    ``Preprocessor.constraint`` made of it, and where its reasoning ends,
+    ``Preprocessor.reasoning``). A rule it breaks is a 400 naming the request's own
+    field."""
     check_supported(req)
     renamed = {"max_tokens": requested_max_tokens(req)[1]}
     prompt_logprobs = req.prompt_logprobs
@@ -359,6 +374,7 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(req),
             structured_outputs=structured,
+            reasoning=reasoning,
         )
         sp.check_vocab(vocab_size)
         return sp

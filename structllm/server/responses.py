@@ -14,6 +14,11 @@ echoed first with ``echo``, scored when logprobs are asked for). With vLLM's
 token, then a map of token id to ``{logprob, rank, decoded_token}``): top-level in a
 chat body, per choice in a completion body, and in a stream on the first chunk of each
 prompt's first choice.
+
+With a reasoning parser a chat message carries ``reasoning_content`` beside ``content``
+(``null`` when the output had no such part), streamed as ``delta.reasoning_content``
+before the ``content`` deltas, and the usage counts
+``completion_tokens_details.reasoning_tokens`` (vLLM's and OpenAI's names).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from structllm.protocol import TokenLogprobs
 from structllm.tokenizer import Tokenizer
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached: int = 0, reasoning: int | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -36,6 +43,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[s
     }
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return out
 
 
@@ -46,6 +55,7 @@ class _Choice:
 
     seq: SequenceState
     pieces: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # reasoning pieces, for the body
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     streamed_chars: int = 0  # text sent so far, echoed prompt included
     echoed: bool = False  # the prompt has gone out (streamed completions with echo)
@@ -103,9 +113,11 @@ class ResponseBuilder:
                 self.prompt_scores.setdefault(c.seq.prompt_index, []).extend(u.prompt_logprobs)
             if not self.stream:
                 c.pieces.append(u.text)
+                c.reasoning.append(u.reasoning)
                 c.logprobs += u.logprobs
             elif (
                 u.text
+                or u.reasoning
                 or u.finish_reason is not None
                 or u.logprobs
                 or u.tool_calls
@@ -166,10 +178,12 @@ class ResponseBuilder:
         firsts: dict[int, SequenceState] = {}  # prompt index -> its first sequence
         for c in self.choices:
             firsts.setdefault(c.seq.prompt_index, c.seq)
+        reasoning = any(c.seq.reasoning is not None for c in self.choices)
         return usage(
             sum(len(s.prompt_ids) for s in firsts.values()),
             sum(len(c.seq.token_ids) for c in self.choices),
             sum(s.num_cached_tokens for s in firsts.values()),
+            sum(c.seq.num_reasoning_tokens for c in self.choices) if reasoning else None,
         )
 
     def prompt_logprobs(self, c: _Choice) -> list[dict[str, Any] | None]:
@@ -227,7 +241,9 @@ class ChatBuilder(ResponseBuilder):
 
     def stream_choice(self, c: _Choice, u: SequenceUpdate) -> dict[str, Any]:
         lp = self.logprobs(u.token_ids, u.logprobs) if self.want_logprobs and u.logprobs else None
-        delta: dict[str, Any] = {"content": u.text} if u.text else {}
+        delta: dict[str, Any] = {"reasoning_content": u.reasoning} if u.reasoning else {}
+        if u.text:
+            delta["content"] = u.text
         if u.tool_calls:
             delta["tool_calls"] = [d.as_openai() for d in u.tool_calls]
         item: dict[str, Any] = {"index": c.seq.index, "delta": delta, "logprobs": lp}
@@ -235,6 +251,11 @@ class ChatBuilder(ResponseBuilder):
 
     def body_choice(self, c: _Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(c.pieces)}
+        if c.seq.reasoning is not None:
+            message["reasoning_content"] = (
+                "".join(c.reasoning) if c.seq.reasoning.has_reasoning else None
+            )
+            message["content"] = message["content"] or None
         tools = c.seq.tools
         if tools is not None:
             calls = tools.calls

@@ -1,0 +1,165 @@
+"""Reasoning output: a model's ``<think>...</think>`` part, split from its answer.
+
+Sans-IO and synchronous, shared by the server, the offline API and any response format.
+``ReasoningParser`` is one sequence's splitter: ``feed`` takes the sequence's text deltas
+in order and returns ``(reasoning_delta, content_delta)`` for each; a tag cut across
+deltas is held back until it is decided, so the concatenated deltas are the same however
+the text was cut (a stream and a one-shot body agree).
+
+Two parsers, with vLLM's names (``--reasoning-parser``):
+
+- ``deepseek_r1``: the output is reasoning until ``</think>``; the opening ``<think>`` is
+  optional (DeepSeek-R1's template writes it into the prompt). Without ``</think>``
+  (``max_tokens`` cut the reasoning) all of the output is reasoning.
+- ``qwen3``: reasoning only when the output starts with ``<think>`` (after optional
+  whitespace); otherwise it is all content (Qwen3 with ``enable_thinking: false``).
+
+Both read the end of the prompt too (``Mode``): a prompt that ends with an open
+``<think>`` (a template that starts the reasoning for the model) means the output
+begins inside the reasoning; one that ends with ``</think>`` (Qwen3's template with
+thinking switched off writes an empty ``<think></think>``) means reasoning only if the
+output opens it. Whitespace between ``</think>`` and the answer is dropped; the reasoning text
+is kept as written.
+
+``Reasoning`` (``protocol``) carries the end tag's token ids to the engine, which then
+applies a request's grammar only after them (``engine.grammar``): see ``engine_spec``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from structllm.protocol import Reasoning
+
+PARSERS = ("deepseek_r1", "qwen3")
+START_TAG = "<think>"
+END_TAG = "</think>"
+
+
+class Mode(enum.Enum):
+    """Where a sequence's output starts."""
+
+    INSIDE = "inside"  # in the reasoning (an opening tag in the output is skipped)
+    MAYBE = "maybe"  # reasoning only if the output opens it with <think>
+
+
+class _State(enum.Enum):
+    OPENING = 0  # waiting to see whether the output starts with <think>
+    REASONING = 1
+    AFTER = 2  # just after </think>: dropping whitespace before the answer
+    CONTENT = 3
+
+
+def check_parser(name: str) -> str:
+    """``name`` if it is a known parser; ``ValueError`` naming the choices otherwise."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; expected one of {list(PARSERS)}")
+    return name
+
+
+def prompt_state(prompt: str) -> bool | None:
+    """Whether the chat template left ``prompt`` inside a think block: ``True`` if it
+    ends with an open ``<think>``, ``False`` if it ends with ``</think>`` (an empty
+    ``<think></think>``: thinking switched off), ``None`` otherwise (whitespace after the
+    tag does not count). Tags earlier in the prompt, in the conversation's history, do
+    not matter."""
+    tail = prompt.rstrip()
+    if tail.endswith(START_TAG):
+        return True
+    if tail.endswith(END_TAG):
+        return False
+    return None
+
+
+def mode_for(parser: str, prompt: str) -> Mode:
+    """How ``parser`` reads the output of ``prompt`` (see the module's docstring)."""
+    state = prompt_state(prompt)
+    if state is True or (state is None and parser == "deepseek_r1"):
+        return Mode.INSIDE
+    return Mode.MAYBE
+
+
+def engine_spec(prompt: str, end_token_ids: Sequence[int]) -> Reasoning | None:
+    """What the engine is told of the reasoning of ``prompt``'s output: the end tag's
+    token ids, after which a constraint applies; ``None`` when the prompt ends with a
+    closed think block (the output is the answer). As in vLLM, a reasoning part is
+    otherwise expected, with either parser."""
+    if prompt_state(prompt) is False or not end_token_ids:
+        return None
+    return Reasoning(end_token_ids=list(end_token_ids))
+
+
+class ReasoningParser:
+    """One sequence's split of its output text into reasoning and content.
+
+    ``reasoning`` and ``content`` hold everything returned so far; ``has_reasoning`` is
+    whether the output has a reasoning part (known once the start is decided); ``ended``
+    is whether the reasoning part is over (or was never there): later text is content.
+    """
+
+    __slots__ = ("_buf", "_state", "content", "has_reasoning", "mode", "reasoning")
+
+    def __init__(self, mode: Mode = Mode.INSIDE) -> None:
+        self.mode = mode
+        self._state = _State.OPENING
+        self._buf = ""  # text held back: a possible tag, or whitespace after </think>
+        self.reasoning = ""
+        self.content = ""
+        self.has_reasoning = False
+
+    @property
+    def ended(self) -> bool:
+        return self._state in (_State.AFTER, _State.CONTENT)
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The next text delta of the output (``final``: the last one; held text is then
+        flushed). Returns ``(reasoning_delta, content_delta)``."""
+        reasoning, content = "", ""
+        buf = self._buf + text
+        self._buf = ""
+        if self._state is _State.OPENING:
+            head = buf.lstrip()
+            if head.startswith(START_TAG):
+                self._state, self.has_reasoning = _State.REASONING, True
+                buf = head[len(START_TAG) :]
+            elif START_TAG.startswith(head) and not final:
+                self._buf = buf  # empty, whitespace or a prefix of <think>: undecided
+                return "", ""
+            elif self.mode is Mode.INSIDE:
+                self._state, self.has_reasoning = _State.REASONING, True
+            else:
+                self._state = _State.CONTENT
+        if self._state is _State.REASONING:
+            i = buf.find(END_TAG)
+            if i >= 0:
+                reasoning, buf = buf[:i], buf[i + len(END_TAG) :]
+                self._state = _State.AFTER
+            else:
+                keep = 0 if final else _partial_tag(buf, END_TAG)
+                reasoning, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
+                buf = ""
+        if self._state is _State.AFTER:
+            buf = buf.lstrip()
+            if buf:
+                self._state = _State.CONTENT
+        if self._state is _State.CONTENT:
+            content = buf
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def split(text: str, mode: Mode = Mode.INSIDE) -> tuple[str, str]:
+    """A whole output's ``(reasoning, content)``."""
+    parser = ReasoningParser(mode)
+    parser.feed(text, final=True)
+    return parser.reasoning, parser.content
