@@ -44,6 +44,11 @@ class ServerConfig:
     max_connections: int = 4096
     chat_template: str | None = None
     tool_call_parser: str = "auto"
+    # /v1/responses: the SQLite file ("" = responses.sqlite3 in the cache, "none" = off),
+    # its size bound (oldest evicted first) and the time a response is kept (s)
+    responses_store: str = ""
+    responses_store_max_bytes: int = 256 << 20
+    responses_store_ttl: float = 30 * 24 * 3600.0
 
 
 def default(name: str) -> Any:

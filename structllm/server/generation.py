@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -157,6 +157,19 @@ class Transport:
             await self.end_events()
 
 
+class Builder(Protocol):
+    """What ``Generation`` needs of a response builder (``server.responses``'s, or the
+    Responses API's): ``feed`` returns one chunk, a list of events, or None."""
+
+    id: str
+    stream: bool
+
+    def opening(self) -> list[Any]: ...
+    def feed(self, updates: list[SequenceUpdate]) -> Any: ...
+    def closing(self) -> list[Any]: ...
+    def body(self) -> Any: ...
+
+
 @dataclass
 class _Timing:
     start: float
@@ -170,9 +183,12 @@ class Generation:
 
     client: EngineClient
     sequences: list[SequenceState]
-    builder: ResponseBuilder
+    builder: ResponseBuilder | Builder
     metrics: Metrics
     tracer: Tracer = OFF
+    # awaited once every sequence has finished, before the body or the closing events
+    # go out (the Responses API stores the response there)
+    before_end: Callable[[], Awaitable[None]] | None = None
 
     def trace_aborted(self, why: str) -> None:
         for seq in self.sequences:
@@ -244,6 +260,8 @@ class Generation:
                 for chunk in builder.opening():
                     await transport.event(chunk)
             await self.pump(streams, wakeup, transport, ticket, start)
+        if self.before_end is not None:
+            await self.before_end()
         if builder.stream:
             for chunk in builder.closing():
                 await transport.event(chunk)
@@ -300,11 +318,11 @@ class Generation:
                     )
                 updates.append(update)
             chunk = self.builder.feed(updates)
-            if chunk is not None:
-                await transport.event(chunk)
-                if self.tracer.enabled:
-                    for u in updates:
-                        self.tracer.event("streamed", self.sequences[u.index].request_id)
+            for c in chunk if isinstance(chunk, list) else () if chunk is None else (chunk,):
+                await transport.event(c)
+            if chunk and self.tracer.enabled:
+                for u in updates:
+                    self.tracer.event("streamed", self.sequences[u.index].request_id)
 
     def observe(self, t: _Timing, new_tokens: int) -> None:
         if not new_tokens:
