@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.support.server import Server
@@ -225,3 +227,161 @@ def test_stream_helper_final_response(client: openai.OpenAI, model: str) -> None
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "".join(deltas)
     assert final.output_text == client.responses.create(**kw, max_output_tokens=400).output_text
+
+
+# -- structured output and tools -----------------------------------------------------------
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+    },
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+
+
+class City(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+
+
+def test_text_format_json_schema(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.create(
+        model=model,
+        input=ASK,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+        max_output_tokens=100,
+        temperature=0,
+    )
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), CITY)
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: str) -> None:
+    r = client.responses.parse(
+        model=model, input=ASK, text_format=City, max_output_tokens=100, temperature=0
+    )
+    assert isinstance(r.output_parsed, City)
+    assert City.model_validate_json(r.output_text) == r.output_parsed
+
+
+def calls_of(r: Any) -> list[Any]:
+    calls = [i for i in r.output if i.type == "function_call"]
+    for c in calls:
+        assert c.call_id.startswith("call_") and c.id.startswith("fc_")
+        tool = {"get_weather": WEATHER, "add": ADD}[c.name]
+        jsonschema.validate(json.loads(c.arguments), tool["parameters"])
+    return calls
+
+
+def test_tool_choice_required_named_and_auto(client: openai.OpenAI, model: str) -> None:
+    kw: dict[str, Any] = {
+        "model": model,
+        "tools": [WEATHER, ADD],
+        "max_output_tokens": 100,
+        "temperature": 0,
+    }
+    required = client.responses.create(
+        **kw, input="What is the weather like in Paris?", tool_choice="required"
+    )
+    assert required.status == "completed" and calls_of(required)
+    named = client.responses.create(
+        **kw, input="What is 2 plus 40?", tool_choice={"type": "function", "name": "add"}
+    )
+    [call] = calls_of(named)  # a named choice is exactly one call, parallel calls allowed or not
+    assert call.name == "add" and len(named.output) == 1
+    for text in ("What is the weather like in Paris?", "Say hello."):
+        auto = client.responses.create(**kw, input=text, tool_choice="auto")
+        assert calls_of(auto) or auto.output_text
+
+
+def test_tool_round_trip(client: openai.OpenAI, model: str) -> None:
+    kw: dict[str, Any] = {"model": model, "tools": [WEATHER], "temperature": 0}
+    first = client.responses.create(
+        **kw,
+        input="What is the weather like in Paris?",
+        tool_choice="required",
+        max_output_tokens=100,
+    )
+    [call] = calls_of(first)
+    follow: list[Any] = [
+        {"role": "user", "content": "What is the weather like in Paris?"},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"},
+    ]
+    answer = client.responses.create(**kw, input=follow, tool_choice="none", max_output_tokens=60)
+    assert answer.output[0].type == "message" and answer.output_text
+    # the same conversation as chat messages gives the same greedy text
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            follow[0],
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, sunny"},
+        ],
+        tools=[
+            {
+                "type": "function",
+                "function": {k: WEATHER[k] for k in ("name", "description", "parameters")},
+            }
+        ],
+        tool_choice="none",
+        max_tokens=60,
+        temperature=0,
+    )
+    assert answer.output_text == chat.choices[0].message.content
+
+
+def test_streamed_call_arguments_join(server: Server, client: openai.OpenAI, model: str) -> None:
+    body = {
+        "model": model,
+        "input": "What is the weather like in Paris?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_output_tokens": 100,
+        "temperature": 0,
+    }
+    events = events_of(server, {**body, "stream": True})
+    names = [n for n, _ in events]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    assert names[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert names[-1] == "response.completed"
+    final = events[-1][1]["response"]
+    calls = [i for i in final["output"] if i["type"] == "function_call"]
+    assert calls
+    for call in calls:
+        index = final["output"].index(call)
+        deltas = [
+            e["delta"]
+            for n, e in events
+            if n == "response.function_call_arguments.delta" and e["output_index"] == index
+        ]
+        assert "".join(deltas) == call["arguments"]
+        [done] = [
+            e
+            for n, e in events
+            if n == "response.function_call_arguments.done" and e["output_index"] == index
+        ]
+        assert done["arguments"] == call["arguments"] and done["item_id"] == call["id"]
+    plain = client.responses.create(**body)
+    assert [(c.name, c.arguments) for c in calls_of(plain)] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
+    with client.responses.stream(**body) as stream:  # the helper assembles the same calls
+        got = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in calls_of(got)] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
