@@ -6,7 +6,9 @@ ends and restarts, eviction, background runs), where only the serving path matte
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -385,3 +387,116 @@ def test_streamed_call_arguments_join(server: Server, client: openai.OpenAI, mod
     assert [(c.name, c.arguments) for c in calls_of(got)] == [
         (c["name"], c["arguments"]) for c in calls
     ]
+
+
+# -- state: the store, across front ends and restarts (null-model engine) ------------------
+
+NULL = ("--null-model", "--max-model-len", "2048")
+
+
+def oai(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chained_responses_across_front_ends_and_a_restart(tmp_path: Path) -> None:
+    store = str(tmp_path / "responses.sqlite3")
+    kw: dict[str, Any] = {"max_output_tokens": 8, "temperature": 0}
+    with (
+        Server(*NULL, "--api-server-count", "2", "--responses-store", store) as a,
+        Server(*NULL, "--responses-store", store) as b,
+    ):
+        ca, cb = oai(a), oai(b)
+        model = ca.models.list().data[0].id
+        first = ca.responses.create(model=model, input="My name is Ana.", **kw)
+        assert first.store and first.usage is not None
+        second = ca.responses.create(
+            model=model, input="What is my name?", previous_response_id=first.id, **kw
+        )
+        assert second.previous_response_id == first.id and second.usage is not None
+        # the history is in the prompt, and its cached blocks were reused
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        assert second.usage.input_tokens_details.cached_tokens > 0
+        # every front end of server a (fresh connections land on either) and server b,
+        # another process on the same database, read the same rows
+        for _ in range(4):
+            for c in (oai(a), cb):
+                assert c.responses.retrieve(second.id).model_dump() == second.model_dump()
+        items = cb.responses.input_items.list(second.id, order="asc").data
+        assert [i.type for i in items] == ["message", "message", "message"]
+        assert items[0].content[0].text == "My name is Ana."  # type: ignore[union-attr]
+        assert items[1].id == first.output[0].id  # first's output, as stored
+        assert items[2].content[0].text == "What is my name?"  # type: ignore[union-attr]
+        assert [i.id for i in ca.responses.input_items.list(second.id).data] == [
+            i.id for i in reversed(items)
+        ]
+        # chaining through the other server continues the same conversation
+        third = cb.responses.create(
+            model=model, input="Thanks.", previous_response_id=second.id, **kw
+        )
+        assert third.usage is not None
+        assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+        # store false: not kept
+        unstored = ca.responses.create(model=model, input="Hi", store=False, **kw)
+        assert unstored.store is False
+        with pytest.raises(openai.NotFoundError):
+            cb.responses.retrieve(unstored.id)
+        with pytest.raises(openai.NotFoundError):
+            ca.responses.create(model=model, input="x", previous_response_id=unstored.id, **kw)
+        # delete: gone everywhere, and a 404 the second time
+        deleted = cb.responses.delete(first.id)
+        assert deleted is None or getattr(deleted, "deleted", True)
+        for c in (ca, cb):
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve(first.id)
+        status, err = a.request("DELETE", f"/v1/responses/{first.id}")
+        assert status == 404 and json.loads(err)["error"]["code"] == "not_found"
+        # a response chained from a deleted one still has its own copy of the history
+        assert ca.responses.retrieve(second.id).id == second.id
+        assert a.stop() == 0 and b.stop() == 0
+    with Server(*NULL, "--responses-store", store) as again:  # a restart
+        c = oai(again)
+        assert c.responses.retrieve(third.id).model_dump() == third.model_dump()
+        fourth = c.responses.create(model=model, input="Bye.", previous_response_id=third.id, **kw)
+        assert fourth.usage is not None
+        assert fourth.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(first.id)
+
+
+def test_store_none_keeps_nothing() -> None:
+    with Server(*NULL, "--responses-store", "none") as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        r = c.responses.create(model=model, input="Hi", max_output_tokens=4)
+        assert r.store is False  # store=true is a no-op, and says so
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError):
+            c.responses.create(model=model, input="Hi", background=True)
+
+
+def test_eviction_at_the_size_bound(tmp_path: Path) -> None:
+    store = tmp_path / "responses.sqlite3"
+    with Server(
+        *NULL, "--responses-store", str(store), "--responses-store-max-bytes", "30000"
+    ) as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        ids = [
+            c.responses.create(model=model, input=f"{i} " + "word " * 600, max_output_tokens=4).id
+            for i in range(16)
+        ]
+        kept = []
+        for i in ids:
+            try:
+                c.responses.retrieve(i)
+                kept.append(True)
+            except openai.NotFoundError:
+                kept.append(False)
+        # each row holds its 3 KB input and its response: 16 cannot fit in 30 KB; the
+        # newest fit, the oldest went first
+        assert kept[-1] and not kept[0]
+        assert kept == sorted(kept)  # oldest first: no gap
+        db = sqlite3.connect(store)
+        assert db.execute("SELECT SUM(size) FROM responses").fetchone()[0] <= 30000
+        db.close()
