@@ -20,9 +20,10 @@ result lands in the store. On stop, runs get ``shutdown_timeout`` to finish, the
 cancelled and recorded as ``cancelled``. A cancel reaching the front end that owns the
 run cancels its task (leaving its engine request aborts it); one reaching another front
 end marks the row and aborts the engine request by id (the engine's aborts are global;
-the owner then sees the request end as aborted). The owner looks at the mark once after
-its request's first output (when the engine surely has it), which closes the window in
-which an abort could reach the engine before the request does.
+the owner then sees the request end as aborted). From its request's first output on
+(when the engine surely has it: an abort that reached the engine earlier was lost) the
+owner also reads the mark every ``CANCEL_POLL_S``, which covers that window and a
+server that shares the database but not the engine.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+CANCEL_POLL_S = 0.25  # how often a run looks for a cancel marked by another server
 CANCEL_WAIT_S = 30.0  # how long a cancel waits for another front end to record the run
 SAVE_BOUND_S = 10.0  # a shielded store write after cancellation
 
@@ -377,9 +379,14 @@ class ResponsesEndpoints:
 
                         async def watch_cancel() -> None:
                             await started.wait()
-                            found = await store.get(builder.id)
-                            if found is not None and found.cancel_requested:
-                                scope.cancel()
+                            while True:
+                                found = await store.get(builder.id)
+                                if found is None or found.cancel_requested:
+                                    nonlocal saved
+                                    saved = saved or found is None  # deleted: record nothing
+                                    scope.cancel()
+                                    return
+                                await anyio.sleep(CANCEL_POLL_S)
 
                         tg.start_soon(watch_cancel)
                         await store.put(

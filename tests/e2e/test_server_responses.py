@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import openai
 import pydantic
 import pytest
 
+from tests.support.procs import HANG_S, wait_for
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -500,3 +502,79 @@ def test_eviction_at_the_size_bound(tmp_path: Path) -> None:
         db = sqlite3.connect(store)
         assert db.execute("SELECT SUM(size) FROM responses").fetchone()[0] <= 30000
         db.close()
+
+
+# -- background runs ------------------------------------------------------------------------
+
+
+def poll(c: openai.OpenAI, response_id: str, until: tuple[str, ...]) -> Any:
+    """GET until the status is one of ``until`` (HANG_S guards a hang; no speed asserted)."""
+    end = time.monotonic() + HANG_S
+    while time.monotonic() < end:
+        r = c.responses.retrieve(response_id)
+        if r.status in until:
+            return r
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} stayed {r.status}")
+
+
+def test_background_run_completes_by_polling(tmp_path: Path) -> None:
+    with Server(*NULL, "--responses-store", str(tmp_path / "r.sqlite3")) as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=16)
+        assert r.status == "queued" and r.background and r.output == []
+        done = poll(c, r.id, ("completed", "incomplete", "failed", "cancelled"))
+        # the null model never ends a reply itself: it runs to max_output_tokens
+        assert done.status == "incomplete" and done.usage.output_tokens == 16
+        assert done.output_text  # the text landed in the store
+        plain = c.responses.create(model=model, input="Hi", max_output_tokens=16)
+        assert done.output_text == plain.output_text  # the same generation as in the foreground
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("front_ends", "backend"), [("1", "trio"), ("2", "trio"), ("1", "asyncio")]
+)
+def test_cancel_a_background_run(tmp_path: Path, front_ends: str, backend: str) -> None:
+    args = ("--null-step-time", "0.02", "--api-server-count", front_ends)
+    store = ("--responses-store", str(tmp_path / "r.sqlite3"))
+    with Server(*NULL, *args, *store, backend=backend) as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
+        poll(c, r.id, ("in_progress",))
+        wait_for(lambda: s.metric("num_requests_running") == 1)  # generating in the engine
+        # on a fresh connection: with two front ends, either may take it (the owner cancels
+        # its task; the other marks the row and aborts the engine request by id)
+        cancelled = oai(s).responses.cancel(r.id)
+        assert cancelled.status == "cancelled" and cancelled.id == r.id
+        s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
+        stored = c.responses.retrieve(r.id)
+        assert stored.status == "cancelled" and stored.usage is not None
+        assert stored.usage.output_tokens < 1500
+        assert s.metric("generation_tokens_total") < 1500
+        again = c.responses.cancel(r.id)  # cancelling what has ended returns it as it is
+        assert again.status == "cancelled"
+        with pytest.raises(openai.BadRequestError):  # only background responses
+            c.responses.cancel(c.responses.create(model=model, input="x", max_output_tokens=2).id)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.cancel("resp_unknown")
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_shutdown_records_a_background_run_in_flight(tmp_path: Path, backend: str) -> None:
+    store = str(tmp_path / "r.sqlite3")
+    args = ("--null-step-time", "0.02", "--shutdown-timeout", "1", "--responses-store", store)
+    with Server(*NULL, *args, backend=backend) as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1900)
+        poll(c, r.id, ("in_progress",))
+        wait_for(lambda: s.metric("num_requests_running") == 1)
+        assert s.stop() == 0  # within --shutdown-timeout the run cannot finish: cancelled
+    with Server(*NULL, "--responses-store", store) as s:
+        stored = oai(s).responses.retrieve(r.id)
+        assert stored.status == "cancelled" and stored.usage is not None
+        assert stored.usage.output_tokens < 1900
