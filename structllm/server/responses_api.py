@@ -137,7 +137,9 @@ def _bad(i: int, what: str) -> APIError:
     return APIError(400, f"input[{i}]: {what}", param="input")
 
 
-def _normalize_item(i: int, item: Mapping[str, Any]) -> Item:
+def _normalize_item(i: int, item: Any) -> Item:
+    if not isinstance(item, Mapping):
+        raise _bad(i, f"an item must be an object, got {type(item).__name__}")
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
         role = item.get("role")

@@ -19,7 +19,7 @@ import pydantic
 import pytest
 
 from tests.support.procs import HANG_S, wait_for
-from tests.support.server import Server
+from tests.support.server import Server, open_stream, read_until
 
 pytestmark = pytest.mark.slow
 
@@ -553,7 +553,7 @@ def test_cancel_a_background_run(tmp_path: Path, front_ends: str, backend: str) 
         stored = c.responses.retrieve(r.id)
         assert stored.status == "cancelled" and stored.usage is not None
         assert stored.usage.output_tokens < 1500
-        assert s.metric("generation_tokens_total") < 1500
+        assert s.metric("engine_steps_total") < 1500  # aborted long before its last token
         again = c.responses.cancel(r.id)  # cancelling what has ended returns it as it is
         assert again.status == "cancelled"
         with pytest.raises(openai.BadRequestError):  # only background responses
@@ -578,3 +578,20 @@ def test_shutdown_records_a_background_run_in_flight(tmp_path: Path, backend: st
         stored = oai(s).responses.retrieve(r.id)
         assert stored.status == "cancelled" and stored.usage is not None
         assert stored.usage.output_tokens < 1900
+
+
+def test_a_client_that_goes_away_aborts_the_stream(tmp_path: Path) -> None:
+    args = ("--null-step-time", "0.02", "--responses-store", str(tmp_path / "r.sqlite3"))
+    with Server(*NULL, *args) as s:
+        body = {"input": "Hi", "stream": True, "max_output_tokens": 1500}
+        sock = open_stream(s.port, "/v1/responses", body)
+        assert b"event: response.output_text.delta" in read_until(
+            sock, b"event: response.output_text.delta"
+        )
+        sock.close()
+        s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
+        assert s.metric("engine_steps_total") < 1500  # long before its last token
+        c = oai(s)
+        r = c.responses.create(model=c.models.list().data[0].id, input="x", max_output_tokens=2)
+        assert r.status == "incomplete"  # and the server serves on
+        assert s.stop() == 0
