@@ -85,6 +85,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     context_management: Any = None
     # vLLM-style extensions, as on chat
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -296,6 +297,7 @@ def chat_request(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
         "tools": chat_tools(req.tools),
         "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
