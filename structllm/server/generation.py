@@ -142,6 +142,11 @@ class Transport:
             }
         )
 
+    async def events(self, objs: list[Any]) -> None:
+        """Several events, in order (a transport may write them at once)."""
+        for obj in objs:
+            await self.event(obj)
+
     async def end_events(self) -> None:
         await self.write(
             {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
@@ -257,14 +262,12 @@ class Generation:
             self.metrics.set_open_requests(self.client.num_open_requests)
             if builder.stream:
                 await transport.start_events()
-                for chunk in builder.opening():
-                    await transport.event(chunk)
+                await transport.events(builder.opening())
             await self.pump(streams, wakeup, transport, ticket, start)
         if self.before_end is not None:
             await self.before_end()
         if builder.stream:
-            for chunk in builder.closing():
-                await transport.event(chunk)
+            await transport.events(builder.closing())
             await transport.end_events()
         else:
             await transport.json(200, builder.body())
@@ -318,8 +321,9 @@ class Generation:
                     )
                 updates.append(update)
             chunk = self.builder.feed(updates)
-            for c in chunk if isinstance(chunk, list) else () if chunk is None else (chunk,):
-                await transport.event(c)
+            await transport.events(
+                chunk if isinstance(chunk, list) else [] if chunk is None else [chunk]
+            )
             if chunk and self.tracer.enabled:
                 for u in updates:
                     self.tracer.event("streamed", self.sequences[u.index].request_id)

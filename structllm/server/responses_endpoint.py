@@ -80,17 +80,17 @@ class EventTransport(Transport):
         self.builder = builder
 
     async def event(self, obj: Any) -> None:
-        await self.write(
-            {
-                "type": "http.response.body",
-                "body": b"event: "
-                + obj["type"].encode()
-                + b"\ndata: "
-                + msgspec.json.encode(obj)
-                + b"\n\n",
-                "more_body": True,
-            }
+        await self.events([obj])
+
+    async def events(self, objs: list[Any]) -> None:
+        """One write for all of them (a response opens and closes with several)."""
+        if not objs:
+            return
+        body = b"".join(
+            b"event: %s\ndata: %s\n\n" % (obj["type"].encode(), msgspec.json.encode(obj))
+            for obj in objs
         )
+        await self.write({"type": "http.response.body", "body": body, "more_body": True})
 
     async def end_events(self) -> None:
         await self.write({"type": "http.response.body", "body": b"", "more_body": False})
