@@ -181,29 +181,25 @@ async def probe(
 
         await _many(run_first, texts[: max(4, concurrency // 2)], concurrency)
         chained, full = [], []
-        for r in firsts:  # one at a time: time to first token without queueing
-            turn = "Tell me more."
-            body = {
-                **extra,
-                "input": turn,
-                "previous_response_id": r["id"],
-                "max_output_tokens": 8,
-                "temperature": 0,
-                "stream": True,
-            }
-            chained.append(
-                (await _stream(client, url, "/v1/responses", body, "output_text.delta"))[0]
-            )
+        for k, r in enumerate(firsts):  # one at a time: time to first token without queueing
+            # two different next turns, so that neither finds the other's in the cache (both
+            # find the history, from the first turn), in alternating order
+            turns = ("Tell me more.", "Go on, please.")[:: 1 if k % 2 else -1]
             history = await client.get(url + f"/v1/responses/{r['id']}/input_items?order=asc")
-            items = [*history.json()["data"], *r["output"], {"role": "user", "content": turn}]
-            body = {**body, "input": items, "store": False}
-            del body["previous_response_id"]
-            full.append((await _stream(client, url, "/v1/responses", body, "output_text.delta"))[0])
+            base = {**extra, "max_output_tokens": 8, "temperature": 0, "stream": True}
+            chained_body = {**base, "input": turns[0], "previous_response_id": r["id"]}
+            items = [*history.json()["data"], *r["output"], {"role": "user", "content": turns[1]}]
+            full_body = {**base, "input": items, "store": False}
+            for kind in ("chained", "full")[:: 1 if k % 2 else -1]:
+                body = chained_body if kind == "chained" else full_body
+                ttft = (await _stream(client, url, "/v1/responses", body, "output_text.delta"))[0]
+                (chained if kind == "chained" else full).append(ttft)
 
     chat_e2e = statistics.fmean(e for e, _ in phases["chat"])
     chat_cpu = statistics.fmean(c for _, c in phases["chat"])
     resp_e2e, resp_cpu = phases["responses"][0]
     out: dict[str, Any] = {
+        "phases_e2e_ms": [round(1000 * e, 1) for e, _ in (*phases["chat"], *phases["responses"])],
         "chat_e2e_ms_mean": round(1000 * chat_e2e, 1),
         "responses_e2e_ms_mean": round(1000 * resp_e2e, 1),
         "responses_vs_chat_e2e": round(resp_e2e / chat_e2e, 3),
