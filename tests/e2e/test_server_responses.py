@@ -6,6 +6,8 @@ ends and restarts, eviction, background runs), where only the serving path matte
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -594,4 +596,31 @@ def test_a_client_that_goes_away_aborts_the_stream(tmp_path: Path) -> None:
         c = oai(s)
         r = c.responses.create(model=c.models.list().data[0].id, input="x", max_output_tokens=2)
         assert r.status == "incomplete"  # and the server serves on
+        assert s.stop() == 0
+
+
+def test_an_engine_death_fails_streams_and_background_runs(tmp_path: Path) -> None:
+    args = ("--null-step-time", "0.02", "--responses-store", str(tmp_path / "r.sqlite3"))
+    with Server(*NULL, *args) as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        run = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
+        poll(c, run.id, ("in_progress",))
+        body = {"input": "Hi", "stream": True, "max_output_tokens": 1500}
+        sock = open_stream(s.port, "/v1/responses", body)
+        read_until(sock, b"event: response.output_text.delta")
+        os.kill(s.engine_pid, signal.SIGKILL)
+        raw = read_until(sock, b"event: response.failed")
+        sock.close()
+        # the stream ends with response.failed, its response failed with an error
+        failed = json.loads(raw.split(b"event: response.failed\ndata: ")[1].split(b"\n\n")[0])
+        assert failed["response"]["status"] == "failed"
+        assert failed["response"]["error"]["code"] == "server_error"
+        assert failed["response"]["error"]["message"]
+        # the background run records its failure in the store
+        done = poll(c, run.id, ("completed", "incomplete", "failed", "cancelled"))
+        assert done.status == "failed" and done.error is not None and done.error.message
+        wait_for(lambda: s.get("/health")[0] == 200, "engine was not restarted")
+        r = c.responses.create(model=model, input="x", max_output_tokens=2)
+        assert r.status == "incomplete"  # served again
         assert s.stop() == 0
