@@ -4,7 +4,7 @@ One file, shared by every front-end process of a server (``--api-server-count``)
 kept across restarts. Each row is one response: its object (JSON, as ``GET`` returns
 it), its input conversation (the items it was generated from: the stored history of
 ``previous_response_id``, then its own ``input``), and for a background run still going,
-the engine request id and whether a cancel was asked for.
+the engine request id, the process that runs it, and whether a cancel was asked for.
 
 Bounded two ways, oldest first: rows past their time to live are gone (never read, and
 deleted on the next write), and after each write the oldest rows are deleted until the
@@ -37,6 +37,7 @@ CREATE TABLE IF NOT EXISTS responses (
     response TEXT NOT NULL,
     conversation TEXT NOT NULL,
     engine_request_id TEXT,
+    owner_pid INTEGER,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     size INTEGER NOT NULL
 );
@@ -66,6 +67,7 @@ class Stored:
     conversation: list[dict[str, Any]]
     engine_request_id: str | None
     cancel_requested: bool
+    owner_pid: int | None = None  # the process running it (a background run not ended)
 
 
 class ResponseStore:
@@ -82,6 +84,9 @@ class ResponseStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         with self._db:
             self._db.executescript(SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+            if "owner_pid" not in columns:  # a file from before background owners were kept
+                self._db.execute("ALTER TABLE responses ADD COLUMN owner_pid INTEGER")
 
     def close(self) -> None:
         with self._lock:
@@ -94,6 +99,7 @@ class ResponseStore:
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
         engine_request_id: str | None = None,
+        owner_pid: int | None = None,
     ) -> None:
         """Insert or replace the response (by its ``id``), then evict."""
         body, conv = json.dumps(response), json.dumps(conversation)
@@ -101,10 +107,12 @@ class ResponseStore:
         with self._lock, self._db:
             self._db.execute(
                 "INSERT INTO responses (id, created_at, expires_at, status, response, "
-                "conversation, engine_request_id, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "conversation, engine_request_id, owner_pid, size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (id) DO UPDATE SET status = excluded.status, "
                 "response = excluded.response, conversation = excluded.conversation, "
-                "engine_request_id = excluded.engine_request_id, size = excluded.size",
+                "engine_request_id = excluded.engine_request_id, "
+                "owner_pid = excluded.owner_pid, size = excluded.size",
                 (
                     response["id"],
                     now,
@@ -113,6 +121,7 @@ class ResponseStore:
                     body,
                     conv,
                     engine_request_id,
+                    owner_pid,
                     len(body) + len(conv),
                 ),
             )
@@ -159,13 +168,13 @@ class ResponseStore:
 
     def _get(self, response_id: str) -> Stored | None:
         row = self._db.execute(
-            "SELECT response, conversation, engine_request_id, cancel_requested "
+            "SELECT response, conversation, engine_request_id, cancel_requested, owner_pid "
             "FROM responses WHERE id = ? AND expires_at > ?",
             (response_id, time.time()),
         ).fetchone()
         if row is None:
             return None
-        return Stored(json.loads(row[0]), json.loads(row[1]), row[2], bool(row[3]))
+        return Stored(json.loads(row[0]), json.loads(row[1]), row[2], bool(row[3]), row[4])
 
     def total_size(self) -> int:
         with self._lock:
@@ -188,7 +197,6 @@ class AsyncResponseStore:
         self.path, self.max_bytes, self.ttl = Path(path), max_bytes, ttl
         self._store: ResponseStore | None = None
         self._limiter: Any = None
-        self.write_seconds: list[float] = []  # recent call durations (for the benchmark)
 
     def _open(self) -> ResponseStore:
         if self._store is None:
@@ -211,8 +219,9 @@ class AsyncResponseStore:
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
         engine_request_id: str | None = None,
+        owner_pid: int | None = None,
     ) -> None:
-        await self.call(ResponseStore.put, response, conversation, engine_request_id)
+        await self.call(ResponseStore.put, response, conversation, engine_request_id, owner_pid)
 
     async def get(self, response_id: str) -> Stored | None:
         return await self.call(ResponseStore.get, response_id)

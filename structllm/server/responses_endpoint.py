@@ -28,6 +28,7 @@ server that shares the database but not the engine.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -113,6 +114,19 @@ class NullTransport(Transport):
 
     async def error(self, err: APIError) -> None:
         self.failure = err
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether process ``pid`` exists (None: no owner recorded, taken as alive)."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _discard(message: Message) -> None:
@@ -264,7 +278,22 @@ class ResponsesEndpoints:
                 param=param,
                 code="not_found",
             )
+        if found.response["status"] not in TERMINAL and not _alive(found.owner_pid):
+            found = await self.orphaned(found)
         return found
+
+    async def orphaned(self, found: Stored) -> Stored:
+        """A background run whose process is gone (killed, or the machine restarted)
+        without recording its end: recorded now as failed, so that no poll waits forever."""
+        assert self.store is not None
+        error = {
+            "code": "server_error",
+            "message": "the server process running this background response exited before "
+            "it finished",
+        }
+        response = {**found.response, "status": "failed", "error": error}
+        await self.store.put(response, found.conversation)
+        return Stored(response, found.conversation, None, found.cancel_requested)
 
     # -- stored responses --------------------------------------------------------------
 
@@ -343,7 +372,7 @@ class ResponsesEndpoints:
                 503, "background runs are not being accepted", type="service_unavailable"
             )
         queued = builder.response("queued")
-        await self.store.put(queued, conversation, seq.request_id)
+        await self.store.put(queued, conversation, seq.request_id, os.getpid())
         scope, done = anyio.CancelScope(), anyio.Event()
         self.runs[builder.id] = (scope, done)
         self._runs_tg.start_soon(
@@ -390,7 +419,10 @@ class ResponsesEndpoints:
 
                         tg.start_soon(watch_cancel)
                         await store.put(
-                            builder.response("in_progress"), conversation, seq.request_id
+                            builder.response("in_progress"),
+                            conversation,
+                            seq.request_id,
+                            os.getpid(),
                         )
                         try:
                             await self.app.generate(
@@ -432,6 +464,8 @@ class ResponsesEndpoints:
         if found is None:
             await self.stored(response_id)  # the 404
         assert found is not None
+        if found.response["status"] not in TERMINAL and not _alive(found.owner_pid):
+            found = await self.orphaned(found)
         if not found.response.get("background"):
             raise APIError(400, "only background responses can be cancelled", param="response_id")
         if found.response["status"] not in TERMINAL:

@@ -624,3 +624,21 @@ def test_an_engine_death_fails_streams_and_background_runs(tmp_path: Path) -> No
         r = c.responses.create(model=model, input="x", max_output_tokens=2)
         assert r.status == "incomplete"  # served again
         assert s.stop() == 0
+
+
+def test_a_run_whose_server_was_killed_reads_as_failed(tmp_path: Path) -> None:
+    store = str(tmp_path / "r.sqlite3")
+    with Server(*NULL, "--null-step-time", "0.02", "--responses-store", store) as s:
+        c = oai(s)
+        model = c.models.list().data[0].id
+        run = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
+        poll(c, run.id, ("in_progress",))
+        s.stop(signal.SIGKILL)  # no chance to record anything (the engine dies with it)
+    with Server(*NULL, "--responses-store", store) as s:
+        c = oai(s)
+        # its row still says in_progress, but its process is gone: failed, not a poll forever
+        done = c.responses.retrieve(run.id)
+        assert done.status == "failed" and done.error is not None
+        assert "exited" in done.error.message
+        assert c.responses.cancel(run.id).status == "failed"
+        assert s.stop() == 0

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from structllm.server.response_store import AsyncResponseStore, ResponseStore
+from structllm.server.response_store import SCHEMA, AsyncResponseStore, ResponseStore
 
 
 def response(i: int, pad: int = 0) -> dict[str, Any]:
@@ -112,3 +112,16 @@ def test_async_store_runs_in_a_worker_thread(tmp_path: Path, backend: str) -> No
 
     anyio.run(main, backend=backend)
     assert seen and seen[0] != loop_thread
+
+
+def test_a_file_without_owner_pids_is_upgraded(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    db = sqlite3.connect(path)
+    old = "\n".join(line for line in SCHEMA.split("\n") if "owner_pid" not in line)
+    db.executescript(old)
+    db.close()
+    store = ResponseStore(path, max_bytes=1 << 20, ttl=3600)
+    store.put(response(1), conversation(1), "req-1", 1234)
+    got = store.get("resp_1")
+    assert got is not None and got.owner_pid == 1234
+    store.close()
