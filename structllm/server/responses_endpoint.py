@@ -211,7 +211,7 @@ class ResponsesEndpoints:
         builder = builder_type(
             seq,
             model=app.model_name,
-            stream=req.stream and not req.background,
+            stream=req.stream,
             params=echo(req, store),
             response_id=response_id,
         )

@@ -172,6 +172,7 @@ def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str)
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text"),
         ({"input": "x", "include": ["file_search_call.results"]}, "include"),
         ({"input": "x", "background": True, "store": False}, "background"),
+        ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ],
