@@ -32,6 +32,13 @@ side with structllm's ratios; both servers' resident memory is reported after th
 3 s after sending, back to back, ``--storm-reps`` times (medians and their ratio).
 
     python bench/serve.py --launch --storm 16 --skip-load
+
+``--responses`` adds the Responses workload (``bench/responses.py``): its overhead over
+chat completions on the same prompts, a chained turn's time to first token against the
+full history, and the response store's write/read p99 under that load.
+
+    python bench/serve.py --launch --responses --skip-load --num-prompts 64 \
+        --max-concurrency 16 --server-args --responses-store /tmp/bench-responses.sqlite3
 """
 
 from __future__ import annotations
@@ -481,6 +488,11 @@ def main() -> None:
     ap.add_argument(
         "--skip-load", action="store_true", help="run only the probes (--storm), not the load"
     )
+    ap.add_argument(
+        "--responses",
+        action="store_true",
+        help="the Responses workload: overhead over chat, chained-turn TTFT, store p99",
+    )
     args = ap.parse_args()
     if args.base_url is None and not args.launch:
         args.launch = True
@@ -517,6 +529,29 @@ def main() -> None:
             probe = anyio.run(
                 storm_probe, url, args.model, storms, fresh, args.storm_close_after, args.api_key
             )
+        if args.responses:
+            import responses as responses_bench  # bench/responses.py, beside this file
+
+            texts = prompts(args.num_prompts, args.input_len, 0, args.seed + 4, True)
+            store = next(
+                (
+                    b
+                    for a, b in zip(args.server_args, args.server_args[1:], strict=False)
+                    if a == "--responses-store"
+                ),
+                None,
+            )
+            front_ends = front_end_pids(proc.pid) if proc is not None else []
+            responses_probe = anyio.run(
+                responses_bench.probe,
+                url,
+                args.model,
+                texts,
+                args.output_len,
+                args.max_concurrency,
+                store,
+                lambda: cpu_seconds(front_ends) if front_ends else float("nan"),
+            )
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -524,6 +559,8 @@ def main() -> None:
     summary = summarize(results, elapsed) if results else {}
     if args.storm:
         summary.update(probe)
+    if args.responses:
+        summary.update(responses_probe)
     summary.update(
         bench="serve",
         url=url,
@@ -608,6 +645,8 @@ def main() -> None:
             f"{args.storm} streams closed after {args.storm_close_after} s)",
             file=sys.stderr,
         )
+    if args.responses:
+        responses_bench.report(summary, lambda line: print(line, file=sys.stderr))
     if "offline_output_tokens_per_s" in summary:
         print(
             f"{'offline tokens/s':26}{summary['offline_output_tokens_per_s']}  "

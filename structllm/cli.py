@@ -176,6 +176,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         tool_call_parser=a.tool_call_parser,
         web_ui=not a.no_web_ui,
         reasoning_parser=a.reasoning_parser,
+        responses_store=a.responses_store,
+        responses_store_max_bytes=a.responses_store_max_bytes,
+        responses_store_ttl=a.responses_store_ttl,
     )
     if a.chat_template is not None:
         from structllm.tokenizer import ChatTemplateError, load_chat_template
@@ -322,6 +325,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split the model's <think>...</think> part of a chat reply into "
         "reasoning_content (default: off)",
+    )
+    r.add_argument(
+        "--responses-store",
+        default=d("responses_store"),
+        help="SQLite file of stored /v1/responses (default: responses.sqlite3 in the structllm "
+        "cache; 'none': nothing is stored and store=true is a no-op)",
+    )
+    r.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=d("responses_store_max_bytes"),
+        help="bound on stored responses; the oldest are evicted first (default %(default)s)",
+    )
+    r.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=d("responses_store_ttl"),
+        help="seconds a stored response is kept (default %(default)s: 30 days)",
     )
     r.add_argument(
         "--allowed-origins",

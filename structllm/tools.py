@@ -256,8 +256,11 @@ def constraint(req: ToolRequest) -> StructuredOutputs | None:
     if not req.calls_allowed:
         return None
     name = req.choice if req.named else None
+    # a named function is exactly one call of it (as OpenAI and vLLM); only required and
+    # auto may make several, and only with parallel_tool_calls
+    parallel = req.parallel and not req.named
     if req.format == "generic":
-        envelope = tool_calls_schema(req.tools, name, req.parallel)
+        envelope = tool_calls_schema(req.tools, name, parallel)
         if req.forced:
             return StructuredOutputs(json=envelope)
         return StructuredOutputs(
@@ -265,7 +268,7 @@ def constraint(req: ToolRequest) -> StructuredOutputs | None:
         )
     if not req.forced:
         return None
-    more = ' ("\\n" call)*' if req.parallel else ""
+    more = ' ("\\n" call)*' if parallel else ""
     call = f'call: "{OPEN}\\n" {_json_rule(_one_of(_call_schemas(req.tools, name)))} "\\n{CLOSE}"'
     return StructuredOutputs(grammar=f"start: call{more}\n{call}\n")
 

@@ -16,8 +16,8 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from contextlib import suppress
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
@@ -29,11 +29,12 @@ from structllm.protocol import EngineStats, StructuredOutputs
 from structllm.server import requests as rq
 from structllm.server.config import ServerConfig
 from structllm.server.errors import APIError, ClientGone
-from structllm.server.generation import Admission, Generation, Transport
+from structllm.server.generation import Admission, Builder, Generation, Transport
 from structllm.server.metrics import Metrics
 from structllm.server.openapi import openapi_document
 from structllm.server.preprocess import Preprocessor
 from structllm.server.responses import ChatBuilder, ResponseBuilder, TextBuilder
+from structllm.server.responses_endpoint import ResponsesEndpoints
 from structllm.server.webui import StaticFile, load_files
 from structllm.tokenizer import Tokenizer
 from structllm.tools import Format, ToolRequest
@@ -83,6 +84,7 @@ class App:
         )  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self.created = int(time.time())
+        self.responses = ResponsesEndpoints(self)  # /v1/responses and its store
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/version"): self.version,
@@ -90,6 +92,7 @@ class App:
             ("GET", "/metrics"): self.metrics_endpoint,
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/responses"): self.responses.create,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
@@ -107,9 +110,15 @@ class App:
             return
         if scope["type"] != "http":
             return
+        with self.busy():
+            await self._handle(scope, receive, send)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Count work in flight (an HTTP request, a background response) for ``drained``."""
         self.inflight += 1
         try:
-            await self._handle(scope, receive, send)
+            yield
         finally:
             self.inflight -= 1
             if self.inflight == 0:
@@ -142,6 +151,12 @@ class App:
         handler = self.routes.get((scope["method"], path))
         if handler is None and scope["method"] == "GET" and path.startswith("/v1/models/"):
             handler = self.model  # GET /v1/models/{model}: the id may itself hold slashes
+        route_error = None
+        if handler is None and path.startswith("/v1/responses/"):
+            try:
+                handler = self.responses.route(scope["method"], path)
+            except APIError as e:
+                route_error = e
         cors = self.cors_headers(scope)
         if cors is not None:
             send = _with_headers(send, cors)
@@ -151,6 +166,8 @@ class App:
                 return
         try:
             if handler is None:
+                if route_error is not None:
+                    raise route_error
                 if any(p == path for _, p in self.routes):
                     raise APIError(405, f"method {scope['method']} is not allowed on {path}")
                 raise APIError(404, f"no route for {path}", code="not_found")
@@ -201,6 +218,7 @@ class App:
     def close(self) -> None:
         """Release what the app holds beyond its requests (the trace file). Idempotent."""
         self.tracer.close()
+        self.responses.close()
 
     def attach(self, client: EngineClient) -> None:
         """Serve generation requests through ``client`` (an engine that is ready)."""
@@ -371,11 +389,15 @@ class App:
         send: Send,
         client: EngineClient,
         seqs: list[SequenceState],
-        builder: ResponseBuilder,
+        builder: ResponseBuilder | Builder,
+        transport: Transport | None = None,
+        before_end: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         with self.admission.admit([len(s.prompt_ids) for s in seqs]) as ticket:
-            generation = Generation(client, seqs, builder, self.metrics, self.tracer)
-            await generation.run(receive, Transport(send), ticket, self.config.write_timeout)
+            generation = Generation(client, seqs, builder, self.metrics, self.tracer, before_end)
+            await generation.run(
+                receive, transport or Transport(send), ticket, self.config.write_timeout
+            )
 
     # -- request preparation -----------------------------------------------------------
 

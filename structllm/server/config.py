@@ -49,6 +49,11 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     web_ui: bool = True  # the chat page at / (server/webui.py)
     reasoning_parser: str | None = None
+    # /v1/responses: the SQLite file ("" = responses.sqlite3 in the cache, "none" = off),
+    # its size bound (oldest evicted first) and the time a response is kept (s)
+    responses_store: str = ""
+    responses_store_max_bytes: int = 256 << 20
+    responses_store_ttl: float = 30 * 24 * 3600.0
 
 
 def default(name: str) -> Any:

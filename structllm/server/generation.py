@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -142,6 +142,11 @@ class Transport:
             }
         )
 
+    async def events(self, objs: list[Any]) -> None:
+        """Several events, in order (a transport may write them at once)."""
+        for obj in objs:
+            await self.event(obj)
+
     async def end_events(self) -> None:
         await self.write(
             {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
@@ -157,6 +162,19 @@ class Transport:
             await self.end_events()
 
 
+class Builder(Protocol):
+    """What ``Generation`` needs of a response builder (``server.responses``'s, or the
+    Responses API's): ``feed`` returns one chunk, a list of events, or None."""
+
+    id: str
+    stream: bool
+
+    def opening(self) -> list[Any]: ...
+    def feed(self, updates: list[SequenceUpdate]) -> Any: ...
+    def closing(self) -> list[Any]: ...
+    def body(self) -> Any: ...
+
+
 @dataclass
 class _Timing:
     start: float
@@ -170,9 +188,12 @@ class Generation:
 
     client: EngineClient
     sequences: list[SequenceState]
-    builder: ResponseBuilder
+    builder: ResponseBuilder | Builder
     metrics: Metrics
     tracer: Tracer = OFF
+    # awaited once every sequence has finished, before the body or the closing events
+    # go out (the Responses API stores the response there)
+    before_end: Callable[[], Awaitable[None]] | None = None
 
     def trace_aborted(self, why: str) -> None:
         for seq in self.sequences:
@@ -241,12 +262,12 @@ class Generation:
             self.metrics.set_open_requests(self.client.num_open_requests)
             if builder.stream:
                 await transport.start_events()
-                for chunk in builder.opening():
-                    await transport.event(chunk)
+                await transport.events(builder.opening())
             await self.pump(streams, wakeup, transport, ticket, start)
+        if self.before_end is not None:
+            await self.before_end()
         if builder.stream:
-            for chunk in builder.closing():
-                await transport.event(chunk)
+            await transport.events(builder.closing())
             await transport.end_events()
         else:
             await transport.json(200, builder.body())
@@ -300,11 +321,12 @@ class Generation:
                     )
                 updates.append(update)
             chunk = self.builder.feed(updates)
-            if chunk is not None:
-                await transport.event(chunk)
-                if self.tracer.enabled:
-                    for u in updates:
-                        self.tracer.event("streamed", self.sequences[u.index].request_id)
+            await transport.events(
+                chunk if isinstance(chunk, list) else [] if chunk is None else [chunk]
+            )
+            if chunk and self.tracer.enabled:
+                for u in updates:
+                    self.tracer.event("streamed", self.sequences[u.index].request_id)
 
     def observe(self, t: _Timing, new_tokens: int) -> None:
         if not new_tokens:

@@ -12,6 +12,7 @@ from structllm.server.requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from structllm.server.responses_api import ResponsesRequest
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -19,6 +20,7 @@ def openapi_document(version: str) -> dict[str, Any]:
     bodies = {
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/completions": CompletionRequest,
+        "/v1/responses": ResponsesRequest,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     }
@@ -71,6 +73,15 @@ def openapi_document(version: str) -> dict[str, Any]:
             ],
             "responses": {"200": ok, "404": error},
         }
+    }
+    response_id = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    stored = {"parameters": response_id, "responses": {"200": ok, "404": error}}
+    paths["/v1/responses/{response_id}"] = {"get": stored, "delete": stored}
+    paths["/v1/responses/{response_id}/input_items"] = {"get": stored}
+    paths["/v1/responses/{response_id}/cancel"] = {
+        "post": {"parameters": response_id, "responses": {"200": ok, "400": error, "404": error}}
     }
     paths["/metrics"] = {
         "get": {

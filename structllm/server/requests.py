@@ -146,6 +146,7 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`$")  # at the top level
 
 
 def decode_body(body: bytes, kind: type[Any]) -> Any:
@@ -153,7 +154,7 @@ def decode_body(body: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        m = _PATH.search(str(e))
+        m = _PATH.search(str(e)) or _MISSING.search(str(e))
         param = m.group(1).split("[")[0].split(".")[0] if m else None
         raise APIError(400, f"invalid request: {e}", param=param or None) from None
     except msgspec.DecodeError as e:

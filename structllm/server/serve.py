@@ -184,6 +184,9 @@ class Supervisor:
             tg.start_soon(watch_signals, self.stop, tg.cancel_scope)
             tg.start_soon(serve_http, self.config, self.app, self.sock, self.stop, self.http_done)
             tg.start_soon(self.app.collect_garbage_when_idle)
+            tg.start_soon(
+                self.app.responses.serve_background, self.stop, self.config.shutdown_timeout
+            )
             code = await self.keep_engine_up()
             self.stop.set()
             with anyio.move_on_after(self.config.shutdown_timeout + 5):
@@ -339,6 +342,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_signals, stop, tg.cancel_scope)
             tg.start_soon(app.collect_garbage_when_idle)
+            tg.start_soon(app.responses.serve_background, stop, cfg.shutdown_timeout)
             async with attach_engine(spec.handoff) as engine, anyio.create_task_group() as etg:
                 client = EngineClient(engine, id_prefix=f"c{spec.handoff.index}-")
 

@@ -186,6 +186,38 @@ def test_named_function_single_call(generic: openai.OpenAI) -> None:
     assert out.choices[0].finish_reason == "tool_calls"
 
 
+def test_named_function_is_one_call_with_parallel_calls_allowed(generic: openai.OpenAI) -> None:
+    """A named choice is exactly one call even when parallel_tool_calls is left on (the
+    default): before, this request got two identical calls of get_time."""
+    get_time = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The current time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 30}},
+                "required": ["city"],
+            },
+        },
+    }
+    for stream in (False, True):
+        kw: dict[str, Any] = {
+            "tools": [get_time],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "messages": [{"role": "user", "content": "What time is it in Tokyo?"}],
+        }
+        if stream:
+            _, calls, finish = assemble(create(generic, **kw, stream=True))
+            assert len(calls) == 1 and calls[0]["name"] == "get_time"
+        else:
+            out = create(generic, **kw)
+            [call] = out.choices[0].message.tool_calls
+            assert call.function.name == "get_time"
+            finish = out.choices[0].finish_reason
+        assert finish == "tool_calls"
+
+
 def test_none_gives_text(generic: openai.OpenAI) -> None:
     out = create(generic, tool_choice="none", max_tokens=20)
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content

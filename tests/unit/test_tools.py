@@ -203,6 +203,24 @@ def test_hermes_constraints(lltok: Any) -> None:
     assert accepts(lltok, single, weather) and not accepts(lltok, single, weather + "\n" + weather)
 
 
+def test_named_choice_is_exactly_one_call(lltok: Any) -> None:
+    """A named tool_choice means one call of that function, even with parallel_tool_calls
+    left at its default (true): two identical calls came out of the generic format before."""
+    named = {"type": "function", "function": {"name": "add"}}
+    one = '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}'
+    add = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    two = '{"tool_calls": [' + add + ", " + add + "]}"
+    generic = constraint(req(named))
+    assert generic is not None and generic.json is not None
+    assert generic.json["properties"]["tool_calls"]["maxItems"] == 1
+    assert accepts(lltok, generic, one) and not accepts(lltok, generic, two)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    hermes = constraint(req(named, "hermes"))
+    assert accepts(lltok, hermes, call) and not accepts(lltok, hermes, call + "\n" + call)
+    required = constraint(req("required"))  # several calls stay allowed where asked for
+    assert required is not None and accepts(lltok, required, two)
+
+
 # -- prompts -------------------------------------------------------------------------------
 
 HISTORY = [

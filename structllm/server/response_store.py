@@ -1,0 +1,238 @@
+"""Stored responses (``store: true``): a SQLite database through the standard library.
+
+One file, shared by every front-end process of a server (``--api-server-count``) and
+kept across restarts. Each row is one response: its object (JSON, as ``GET`` returns
+it), its input conversation (the items it was generated from: the stored history of
+``previous_response_id``, then its own ``input``), and for a background run still going,
+the engine request id, the process that runs it, and whether a cancel was asked for.
+
+Bounded two ways, oldest first: rows past their time to live are gone (never read, and
+deleted on the next write), and after each write the oldest rows are deleted until the
+rows' total size fits ``max_bytes`` (the total is kept by triggers in one ``meta`` row,
+so the bound holds across processes without a scan).
+
+``ResponseStore`` is synchronous (one connection, one lock; SQLite in WAL mode with a
+busy timeout, so the processes wait for each other's writes rather than fail);
+``AsyncResponseStore`` runs each call in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, TypeVarTuple
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    response TEXT NOT NULL,
+    conversation TEXT NOT NULL,
+    engine_request_id TEXT,
+    owner_pid INTEGER,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    size INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('total_size', 0);
+CREATE TRIGGER IF NOT EXISTS responses_ins AFTER INSERT ON responses BEGIN
+    UPDATE meta SET value = value + NEW.size WHERE key = 'total_size';
+END;
+CREATE TRIGGER IF NOT EXISTS responses_del AFTER DELETE ON responses BEGIN
+    UPDATE meta SET value = value - OLD.size WHERE key = 'total_size';
+END;
+CREATE TRIGGER IF NOT EXISTS responses_upd AFTER UPDATE OF size ON responses BEGIN
+    UPDATE meta SET value = value + NEW.size - OLD.size WHERE key = 'total_size';
+END;
+"""
+
+EVICT_BATCH = 64  # rows read per round while evicting
+
+Ts = TypeVarTuple("Ts")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Stored:
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    engine_request_id: str | None
+    cancel_requested: bool
+    owner_pid: int | None = None  # the process running it (a background run not ended)
+
+
+class ResponseStore:
+    """The database at ``path`` (created with its directory if missing). Thread-safe."""
+
+    def __init__(self, path: str | Path, max_bytes: int, ttl: float) -> None:
+        self.path = Path(path)
+        self.max_bytes, self.ttl = max_bytes, ttl
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # autocommit off: each method is one transaction (``with self._db``)
+        self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self._db:
+            self._db.executescript(SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+            if "owner_pid" not in columns:  # a file from before background owners were kept
+                self._db.execute("ALTER TABLE responses ADD COLUMN owner_pid INTEGER")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- writes ------------------------------------------------------------------------
+
+    def put(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        engine_request_id: str | None = None,
+        owner_pid: int | None = None,
+    ) -> None:
+        """Insert or replace the response (by its ``id``), then evict."""
+        body, conv = json.dumps(response), json.dumps(conversation)
+        now = time.time()
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT INTO responses (id, created_at, expires_at, status, response, "
+                "conversation, engine_request_id, owner_pid, size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET status = excluded.status, "
+                "response = excluded.response, conversation = excluded.conversation, "
+                "engine_request_id = excluded.engine_request_id, "
+                "owner_pid = excluded.owner_pid, size = excluded.size",
+                (
+                    response["id"],
+                    now,
+                    now + self.ttl,
+                    response["status"],
+                    body,
+                    conv,
+                    engine_request_id,
+                    owner_pid,
+                    len(body) + len(conv),
+                ),
+            )
+            self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        self._db.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
+        total = self.total_size_locked()
+        while total > self.max_bytes:
+            rows = self._db.execute(
+                "SELECT seq, size FROM responses ORDER BY seq LIMIT ?", (EVICT_BATCH,)
+            ).fetchall()
+            if not rows:
+                return
+            gone = []
+            for seq, size in rows:
+                if total <= self.max_bytes:
+                    break
+                gone.append((seq,))
+                total -= size
+            self._db.executemany("DELETE FROM responses WHERE seq = ?", gone)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock, self._db:
+            cur = self._db.execute(
+                "DELETE FROM responses WHERE id = ? AND expires_at > ?", (response_id, time.time())
+            )
+            return cur.rowcount > 0
+
+    def request_cancel(self, response_id: str) -> Stored | None:
+        """Mark a background run as to be cancelled; the row as it is then (None if
+        there is none)."""
+        with self._lock, self._db:
+            self._db.execute(
+                "UPDATE responses SET cancel_requested = 1 WHERE id = ?", (response_id,)
+            )
+            return self._get(response_id)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get(self, response_id: str) -> Stored | None:
+        with self._lock:
+            return self._get(response_id)
+
+    def _get(self, response_id: str) -> Stored | None:
+        row = self._db.execute(
+            "SELECT response, conversation, engine_request_id, cancel_requested, owner_pid "
+            "FROM responses WHERE id = ? AND expires_at > ?",
+            (response_id, time.time()),
+        ).fetchone()
+        if row is None:
+            return None
+        return Stored(json.loads(row[0]), json.loads(row[1]), row[2], bool(row[3]), row[4])
+
+    def total_size(self) -> int:
+        with self._lock:
+            return self.total_size_locked()
+
+    def total_size_locked(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'total_size'").fetchone()
+        return int(row[0])
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+
+
+class AsyncResponseStore:
+    """``ResponseStore``'s calls in worker threads (one at a time per process: SQLite
+    serializes writers anyway). Opened on first use, in a thread."""
+
+    def __init__(self, path: str | Path, max_bytes: int, ttl: float) -> None:
+        self.path, self.max_bytes, self.ttl = Path(path), max_bytes, ttl
+        self._store: ResponseStore | None = None
+        self._limiter: Any = None
+
+    def _open(self) -> ResponseStore:
+        if self._store is None:
+            self._store = ResponseStore(self.path, self.max_bytes, self.ttl)
+        return self._store
+
+    async def call(self, fn: Callable[[ResponseStore, *Ts], R], *args: *Ts) -> R:
+        import anyio  # the front end's loop (this module is also used synchronously)
+
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+
+        def run() -> R:
+            return fn(self._open(), *args)
+
+        return await anyio.to_thread.run_sync(run, limiter=self._limiter)
+
+    async def put(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        engine_request_id: str | None = None,
+        owner_pid: int | None = None,
+    ) -> None:
+        await self.call(ResponseStore.put, response, conversation, engine_request_id, owner_pid)
+
+    async def get(self, response_id: str) -> Stored | None:
+        return await self.call(ResponseStore.get, response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return await self.call(ResponseStore.delete, response_id)
+
+    async def request_cancel(self, response_id: str) -> Stored | None:
+        return await self.call(ResponseStore.request_cancel, response_id)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
