@@ -26,6 +26,11 @@ class Request:
     cache's identity of full block ``i`` (see ``KVCacheManager``). ``grammar``: the
     matcher of a constrained request while it lives (see ``engine.grammar``).
 
+    ``draft_token_ids``: speculative drafts to follow ``token_ids`` in the step being
+    scheduled (see ``engine.speculative``); never part of ``token_ids``, dropped after
+    the step that verifies them and on preemption. ``spec_drafted``/``spec_accepted``:
+    this request's recent drafted and accepted counts (the drafting policy's).
+
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
     so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
@@ -34,6 +39,7 @@ class Request:
     __slots__ = (
         "block_ids",
         "chain_ids",
+        "draft_token_ids",
         "finish_reason",
         "grammar",
         "max_tokens",
@@ -43,6 +49,9 @@ class Request:
         "prompt_len",
         "request_id",
         "sampling",
+        "spec_accepted",
+        "spec_drafted",
+        "spec_resume_at",
         "status",
         "stop_reason",
         "token_ids",
@@ -69,6 +78,10 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None
+        self.draft_token_ids: list[int] = []
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_resume_at = 0  # output tokens before drafting (again)
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +113,8 @@ class Request:
     def samples_after(self, num_new_tokens: int) -> bool:
         """Whether a chunk of ``num_new_tokens`` ends with a token to sample (it reaches
         the end of the known tokens, and the request may generate)."""
-        return self.num_computed_tokens + num_new_tokens == self.num_tokens and self.max_tokens > 0
+        known = self.num_tokens + len(self.draft_token_ids)
+        return self.num_computed_tokens + num_new_tokens == known and self.max_tokens > 0
 
     def __repr__(self) -> str:
         return (
