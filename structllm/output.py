@@ -79,8 +79,21 @@ class SequenceState:
         """Apply one engine delta (or several merged) and say what changed."""
         assert self.finish_reason is None, f"{self.request_id} already finished"
         self.num_cached_tokens = num_cached_tokens
+        if len(token_ids) > 1 and self.detok.stop:
+            # several tokens at once (speculative decoding, grammar fast-forward): a stop
+            # string ends the sequence at the token that completes it, as one token per
+            # step would, so the ids and logprobs after it are dropped
+            text, stopped = "", False
+            for i, t in enumerate(token_ids):
+                piece, stopped = self.detok.add([t])
+                text += piece
+                if stopped:
+                    token_ids = token_ids[: i + 1]
+                    logprobs = logprobs[: i + 1] if logprobs else logprobs
+                    break
+        else:
+            text, stopped = self.detok.add(token_ids)
         self.token_ids += token_ids
-        text, stopped = self.detok.add(token_ids)
         update = SequenceUpdate(
             self.index,
             text,

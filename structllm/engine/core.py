@@ -32,6 +32,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
+from structllm.engine.speculative import Drafter
 from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.model.collectives import TensorParallelGroup
@@ -117,6 +118,8 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
+        if self.config.speculative_config is not None:
+            self.scheduler.drafter = Drafter(self.config.speculative_config)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             self.runner.max_rows = self.config.max_num_seqs
@@ -383,6 +386,7 @@ class EngineCore:
                 sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
             except StepCutShort:
                 for req, _ in sched.scheduled:
+                    req.draft_token_ids = []
                     self.kv.forget_uncomputed(req)
                 self.num_steps_cut += 1
                 if self.tracer.enabled:

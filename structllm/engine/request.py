@@ -96,6 +96,11 @@ class Request:
         return self.token_ids[self.prompt_len :]
 
     @property
+    def drafts_before(self) -> list[int]:
+        """As ``speculative.DraftRow``'s: a request's own sampling row follows no draft."""
+        return []
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         """Prompt positions remain to be scored."""
         asked = self.sampling.prompt_logprobs is not None

@@ -36,10 +36,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from structllm.config import SpeculativeConfig
 from structllm.engine.request import Request
+from structllm.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    from structllm.structured import Matcher
 
 MAX_CANDIDATES = 8  # latest occurrences of the key n-gram tried per proposal
 
@@ -173,6 +177,57 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
             config.suffix_decoding_max_cached_requests,
         )
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class SampleRow(Protocol):
+    """What the sampler and the grammar's mask read of a row's request: a ``Request``,
+    or a ``DraftRow``."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def grammar(self) -> Matcher | None: ...
+    @property
+    def drafts_before(self) -> Sequence[int]: ...
+
+
+class DraftRow:
+    """Row ``j`` of a drafted request's verified chunk: the request as it would be had
+    ``drafts_before`` (its first ``j`` drafts) been emitted, so the sampler applies
+    penalties over that history and ``min_tokens`` and the seeded draw of that output
+    index, and the grammar's mask comes after those drafts."""
+
+    __slots__ = ("drafts_before", "req")
+
+    def __init__(self, req: Request, drafts_before: Sequence[int]) -> None:
+        self.req = req
+        self.drafts_before = drafts_before
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.req.sampling
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.req.token_ids + list(self.drafts_before)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.req.num_output_tokens + len(self.drafts_before)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.req.output_token_ids + list(self.drafts_before)
+
+    @property
+    def grammar(self) -> Matcher | None:
+        return self.req.grammar
 
 
 def accept(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
