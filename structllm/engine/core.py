@@ -32,7 +32,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
-from structllm.engine.speculative import Drafter
+from structllm.engine.speculative import Drafter, SpecStats
 from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.model.collectives import TensorParallelGroup
@@ -449,6 +449,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        spec = s.drafter.stats if s.drafter is not None else SpecStats(0)
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self._compiling),
@@ -462,4 +463,9 @@ class EngineCore:
             num_grammar_matchers=len(self.grammar.matchers),
             num_grammar_ff_tokens=self.grammar.num_ff_tokens,
             num_steps_cut=self.num_steps_cut,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
+            spec_propose_s=spec.propose_s,
         )

@@ -302,6 +302,9 @@ class Scheduler:
         self.kv.free_blocks(req)
         if self.grammar is not None:
             self.grammar.free(req)
+        if self.drafter is not None:
+            req.draft_token_ids = []
+            self.drafter.finish(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]

@@ -15,6 +15,7 @@ import torch
 from structllm import LLM, SamplingParams
 from structllm.config import SpeculativeConfig
 from structllm.engine.request import Request
+from structllm.engine.speculative import Drafter
 from structllm.model.files import default_model_path
 from structllm.protocol import StructuredOutputs
 from tests.support.models import write_tiny_gguf
@@ -83,10 +84,17 @@ def make(model: Path, spec: SpeculativeConfig | None = None, **kw: object) -> LL
     return LLM(
         str(model),
         quantization="gguf",
-        kv_cache_memory=kw.pop("kv_cache_memory", 32 << 20),
+        max_num_batched_tokens=256,  # (no start-up measurement)
         speculative_config=spec,
-        **kw,
+        **{"kv_cache_memory": 32 << 20, **kw},
     )
+
+
+def drafting(llm: LLM, k: int, proposer: object = None) -> Drafter:
+    """Give ``llm``'s engine a fresh drafter of ``k`` tokens (``proposer``: its own)."""
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=k), proposer)  # type: ignore[arg-type]
+    llm.engine.scheduler.drafter = drafter
+    return drafter
 
 
 def outputs(llm: LLM, prompts: list[list[int]], sps: list[SamplingParams]) -> list[tuple]:  # type: ignore[type-arg]
@@ -105,7 +113,7 @@ SAMPLINGS = {
         top_k=40,
         top_p=0.95,
         seed=11,
-        max_tokens=24,
+        max_tokens=16,
         logprobs=2,
         repetition_penalty=1.3,
         presence_penalty=0.4,
@@ -121,21 +129,32 @@ def plain_llm(tiny_gguf: Path) -> LLM:
     return make(tiny_gguf)
 
 
-@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.fixture(scope="module")
+def spec_llm(tiny_gguf: Path) -> LLM:
+    return make(tiny_gguf, SpeculativeConfig())
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_llm: LLM) -> dict[str, list[tuple]]:  # type: ignore[type-arg]
+    return {
+        name: outputs(plain_llm, PROMPTS, [sp] * len(PROMPTS)) for name, sp in SAMPLINGS.items()
+    }
+
+
+@pytest.mark.parametrize(("sampling", "k"), [("greedy", 1), ("greedy", 4), ("seeded", 3)])
 @pytest.mark.parametrize("mode", ["all", "none", "partial"])
-@pytest.mark.parametrize("k", [1, 3, 6])
 def test_same_output_for_every_acceptance(
-    tiny_gguf: Path, plain_llm: LLM, sampling: str, mode: str, k: int
+    spec_llm: LLM,
+    plain_outputs: dict[str, list[tuple]],  # type: ignore[type-arg]
+    sampling: str,
+    mode: str,
+    k: int,
 ) -> None:
     sp = SAMPLINGS[sampling]
-    want = outputs(plain_llm, PROMPTS, [sp] * len(PROMPTS))
+    want = plain_outputs[sampling]
     plain = {tuple(p): w[0] for p, w in zip(PROMPTS, want, strict=True)}
-    with make(tiny_gguf, SpeculativeConfig(num_speculative_tokens=k)) as llm:
-        drafter = llm.engine.scheduler.drafter
-        assert drafter is not None
-        drafter.proposer = Oracle(plain, mode)
-        got = outputs(llm, PROMPTS, [sp] * len(PROMPTS))
-        stats = drafter.stats
+    stats = drafting(spec_llm, k, Oracle(plain, mode)).stats
+    got = outputs(spec_llm, PROMPTS, [sp] * len(PROMPTS))
     assert got == want
     assert stats.num_drafts > 0
     if mode == "all":
@@ -146,7 +165,7 @@ def test_same_output_for_every_acceptance(
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_ngram_drafts_with_stops_inside_accepted_runs(tiny_gguf: Path, plain_llm: LLM) -> None:
+def test_ngram_drafts_with_stops_inside_accepted_runs(spec_llm: LLM, plain_llm: LLM) -> None:
     """The n-gram proposer on its own; stop strings, stop ids and max_tokens cut where
     plain decoding stops."""
     base = SamplingParams(temperature=0.0, max_tokens=40, logprobs=1)
@@ -162,14 +181,13 @@ def test_ngram_drafts_with_stops_inside_accepted_runs(tiny_gguf: Path, plain_llm
     prompts = [PROMPTS[-1]] * len(sps)
     want = outputs(plain_llm, prompts, sps)
     assert {w[2] for w in want} >= {"stop", "length"}
-    with make(tiny_gguf, SpeculativeConfig(num_speculative_tokens=5)) as llm:
-        got = outputs(llm, prompts, sps)
-        assert llm.engine.scheduler.drafter is not None
-        assert llm.engine.scheduler.drafter.stats.num_accepted_tokens > 0
+    drafter = drafting(spec_llm, 5)
+    got = outputs(spec_llm, prompts, sps)
+    assert drafter.stats.num_accepted_tokens > 0
     assert got == want
 
 
-def test_structured_output_equal(tiny_gguf: Path, plain_llm: LLM) -> None:
+def test_structured_output_equal(spec_llm: LLM, plain_llm: LLM) -> None:
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
@@ -189,12 +207,9 @@ def test_structured_output_equal(tiny_gguf: Path, plain_llm: LLM) -> None:
     want = outputs(plain_llm, prompts, sps)
     plain = {tuple(p): w[0] for p, w in zip(prompts, want, strict=True)}
     for mode in ("all", "partial"):
-        with make(tiny_gguf, SpeculativeConfig(num_speculative_tokens=4)) as llm:
-            drafter = llm.engine.scheduler.drafter
-            assert drafter is not None
-            drafter.proposer = Oracle(plain, mode)
-            got = outputs(llm, prompts, sps)
-            assert drafter.stats.num_accepted_tokens > 0
+        drafter = drafting(spec_llm, 4, Oracle(plain, mode))
+        got = outputs(spec_llm, prompts, sps)
+        assert drafter.stats.num_accepted_tokens > 0
         assert got == want, mode
 
 
@@ -211,19 +226,19 @@ def test_prefix_cache_never_holds_a_rejected_draft(tiny_gguf: Path, plain_llm: L
     with make(
         tiny_gguf,
         SpeculativeConfig(num_speculative_tokens=4),
-        max_model_len=256,
+        max_model_len=128,
         block_size=4,
+        # 36 blocks of 4 tokens (2 layers x K,V x 2 heads x 16 x float16 = 1 KiB a block)
+        # cannot hold the five requests at once: preemption
+        kv_cache_memory=36 << 10,
     ) as llm:
-        drafter = llm.engine.scheduler.drafter
-        assert drafter is not None
-        drafter.proposer = Oracle(plain, "partial")
-        # a pool of 36 blocks of 4 tokens cannot hold the five requests: preemption
-        llm.engine.kv.__init__(36, 4)  # type: ignore[misc]
-        llm.engine.scheduler.kv = llm.engine.kv
+        assert llm.engine.num_blocks == 36
+        drafter = drafting(llm, 4, Oracle(plain, "partial"))
+        assert drafter.stats.num_drafts == 0
         got = outputs(llm, PROMPTS, [sp] * len(PROMPTS))
         assert llm.engine.scheduler.num_preemptions > 0
+        assert 0 < drafter.stats.num_accepted_tokens < drafter.stats.num_draft_tokens
         assert got == want
-        drafter.proposer = Oracle({}, "none")
         llm.engine.scheduler.drafter = None  # plain decoding over the cached prefixes
         again = outputs(llm, follow, [sp] * len(follow))
         assert llm.engine.kv.num_hit_tokens > 0

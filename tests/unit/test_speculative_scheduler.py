@@ -195,3 +195,12 @@ def test_no_drafts_above_the_batch_size_limit() -> None:
         if n > 2:
             assert drafter.stats.num_drafts == before
     assert drafter.stats.num_drafts > 0
+
+
+def test_ngram_proposer_through_the_scheduler_forgets_finished_requests() -> None:
+    want = plain(20)
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    got, *_ = run(make_requests(20), drafter)
+    assert got == want
+    assert drafter.stats.num_drafts > 0
+    assert drafter.proposer.indexes == {}  # type: ignore[attr-defined]
