@@ -175,7 +175,9 @@ def step_cost(llm: Any, k: int, rounds: int = 15) -> tuple[float, float]:
     runner = engine.runner
     vocab = engine.vocab_size
     ids = [(17 + 7919 * i) % vocab for i in range(400)]
-    req = Request("\x00cost", ids, SamplingParams(temperature=0.0, max_tokens=64), 64)
+    # 300 prompt tokens and 100 generated: a decode, laid out as the engine lays it out
+    req = Request("\x00cost", ids[:300], SamplingParams(temperature=0.0, max_tokens=164), 164)
+    req.token_ids += ids[300:]
     assert engine.kv.allocate(req, 400 + k)
     try:
         runner.run(runner.prepare(SchedulerOutput([(req, 399)])))  # the context's K/V
@@ -209,7 +211,6 @@ def main() -> None:
 
     from structllm import LLM
     from structllm.config import speculative_config
-    from structllm.engine.speculative import Drafter
 
     cfg = speculative_config(a.spec)
     assert cfg is not None
@@ -238,7 +239,7 @@ def main() -> None:
             for c in concs:
                 arms = ["off", "on"] if (r + c) % 2 == 0 else ["on", "off"]
                 for arm in arms:
-                    sched.drafter = Drafter(cfg) if arm == "on" else None
+                    llm.engine.set_speculative(cfg if arm == "on" else None)
                     res = run_arm(llm, prompts, n_out, c)
                     if sched.drafter is not None:
                         st = sched.drafter.stats
@@ -249,7 +250,7 @@ def main() -> None:
                         res["drafts"] = st.num_drafts
                         res["propose_ms"] = 1000 * st.propose_s
                     results.setdefault((name, c, arm), []).append(res)
-    sched.drafter = None
+    llm.engine.set_speculative(None)
     one, many = step_cost(llm, cfg.num_speculative_tokens)
 
     print(f"speculative config: {a.spec}")

@@ -21,6 +21,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     - ``num_speculative_tokens``: most drafts per request and step.
     - ``disable_by_batch_size``: no drafts in a step with more running requests than
       this (verifying costs rows that a large batch already fills); ``None``: always.
+    - ``max_step_tokens``: drafts only while the running requests' tokens in the step
+      (drafts included; prompts admitted after them do not count) stay within this.
+      ``None``: on CPU with GGUF block weights, the block kernels' decode size
+      (``packed.ROW_KERNEL_ROWS``, 4 rows: a 5-row step runs the blocked GEMMs and
+      took ~3x a 1-row step on the default model, 2-4 rows ~1.4x), elsewhere no limit.
     - ``min_acceptance``: a request whose drafts were accepted at a lower rate, over at
       least ``acceptance_window`` drafted tokens, stops drafting.
     - ``suffix_decoding_max_tree_depth``: the longest suffix matched (suffix method).
@@ -33,6 +38,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
+    max_step_tokens: int | None = None
     min_acceptance: float = 0.1
     acceptance_window: int = 32
     suffix_decoding_max_tree_depth: int = 24
@@ -58,6 +64,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             raise ValueError(
                 "speculative_config.disable_by_batch_size must be at least 1, "
                 f"got {self.disable_by_batch_size}"
+            )
+        if self.max_step_tokens is not None and self.max_step_tokens < 2:
+            raise ValueError(
+                f"speculative_config.max_step_tokens must be at least 2, got {self.max_step_tokens}"
             )
         if not 0.0 <= self.min_acceptance <= 1.0 or self.acceptance_window < 1:
             raise ValueError(

@@ -19,8 +19,9 @@ tokens the grammar forces next; those are then scheduled like a chunk of prompt.
 
 Speculative decoding (``drafter`` set, see ``engine.speculative``): a running request in
 decode may carry drafts (``Request.draft_token_ids``) and then asks the budget for
-``1 + drafts`` tokens. Drafts are trimmed to what the budget leaves once every running
-request after it has its one token, never the real token; when the KV pool cannot hold
+``1 + drafts`` tokens. Drafts are trimmed to what the budget (and
+``max_draft_step_tokens``, where verifying more rows stops being cheap) leaves once
+every running request after it has its one token, never the real token; when the KV pool cannot hold
 them they are dropped before anyone is preempted. ``update`` takes the tokens the walk
 over the verified rows emitted (``speculative.accept``), cuts them at the first stop,
 counts as computed only the newest token and the accepted drafts, and gives back the
@@ -96,6 +97,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.grammar: GrammarHook | None = None  # set by the engine
         self.drafter: Drafter | None = None  # speculative decoding, set by the engine
+        self.max_draft_step_tokens: int | None = None  # drafts only within (engine sets)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -117,7 +119,12 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # every running request after this one keeps room for its own token
-            drafts = self._drafts(req, n, budget - n - (len(self.running) - i - 1))
+            rest = len(self.running) - i - 1
+            room = budget - n - rest
+            if self.max_draft_step_tokens is not None:
+                used = self.max_num_batched_tokens - budget
+                room = min(room, self.max_draft_step_tokens - used - n - rest)
+            drafts = self._drafts(req, n, room)
             if drafts and self.kv.allocate(req, n + len(drafts)):
                 req.draft_token_ids = drafts
                 n += len(drafts)

@@ -94,6 +94,7 @@ def drafting(llm: LLM, k: int, proposer: object = None) -> Drafter:
     """Give ``llm``'s engine a fresh drafter of ``k`` tokens (``proposer``: its own)."""
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=k), proposer)  # type: ignore[arg-type]
     llm.engine.scheduler.drafter = drafter
+    llm.engine.scheduler.max_draft_step_tokens = None  # drafts in batches too
     return drafter
 
 

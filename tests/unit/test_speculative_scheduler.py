@@ -20,8 +20,10 @@ VOCAB = 40
 
 
 def fake_next(tokens: list[int]) -> int:
-    """A function of the whole history; EOS (0) now and then."""
-    return sum(t * (i + 3) for i, t in enumerate(tokens)) % VOCAB
+    """A function of the whole history; EOS (0) now and then (1 in ~160)."""
+    h = sum(t * (i + 3) for i, t in enumerate(tokens))
+    t = h % VOCAB
+    return t if t or (h // VOCAB) % 4 == 0 else 1 + (h // VOCAB) % (VOCAB - 1)
 
 
 class Oracle:
@@ -61,14 +63,21 @@ class SlotModel:
         self.s = s
         bs = s.kv.block_size
         self.slots: list[int | None] = [None] * (s.kv.num_blocks * bs)
+        self.drafted_steps = 0
 
     def step(self) -> list[str]:
         s, bs = self.s, self.s.kv.block_size
         decoding = {r.request_id for r in s.running if r.num_tokens - r.num_computed_tokens == 1}
+        running = {r.request_id for r in s.running}
         out = s.schedule()
         assert out.num_tokens <= s.max_num_batched_tokens
         if not out.preempted:  # drafts never take a decoding request's own token
             assert decoding <= {r.request_id for r, _ in out.scheduled}
+        cap = s.max_draft_step_tokens
+        if cap is not None and any(r.draft_token_ids for r, _ in out.scheduled):
+            # the running requests' tokens (a prompt admitted after them does not count)
+            assert sum(n for r, n in out.scheduled if r.request_id in running) <= cap
+        self.drafted_steps += any(r.draft_token_ids for r, _ in out.scheduled)
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         for req, n in out.scheduled:
@@ -105,9 +114,11 @@ def run(
     budget: int = 64,
     num_blocks: int = 64,
     max_seqs: int = 8,
+    step_cap: int | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, str | None], Scheduler]:
     s = Scheduler(KVCacheManager(num_blocks, 4), max_seqs, budget, [EOS])
     s.drafter = drafter
+    s.max_draft_step_tokens = step_cap
     model = SlotModel(s)
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     lps: dict[str, list[TokenLogprobs]] = {r.request_id: [] for r in reqs}
@@ -204,3 +215,15 @@ def test_ngram_proposer_through_the_scheduler_forgets_finished_requests() -> Non
     assert got == want
     assert drafter.stats.num_drafts > 0
     assert drafter.proposer.indexes == {}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("cap", [2, 4, 7])
+def test_drafts_keep_the_step_within_max_draft_step_tokens(cap: int) -> None:
+    """The step-token cap (where verifying more rows stops being cheap): the running
+    requests' tokens in a step with drafts never exceed it (SlotModel.step checks);
+    output unchanged."""
+    want = plain(20)
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=6), Oracle(want, "all"))
+    got, *_ = run(make_requests(20), drafter, max_seqs=2, step_cap=cap)
+    assert got == want
+    assert drafter.stats.num_drafts > 0  # once few requests are left
