@@ -199,7 +199,7 @@ def step_cost(llm: Any, k: int, rounds: int = 15) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 3}')
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--concurrency-grounded", default="1,4")
     ap.add_argument("--concurrency-chat", default="1,8,16")

@@ -18,7 +18,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
       earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
       ``prompt_lookup_max`` tokens) or ``"suffix"`` (a suffix index over this request's
       tokens and the outputs of recent requests, as vLLM's suffix decoding).
-    - ``num_speculative_tokens``: most drafts per request and step.
+    - ``num_speculative_tokens``: most drafts per request and step (default 3: with the
+      newest token, 4 rows, the CPU block kernels' cheap decode size; see below).
     - ``disable_by_batch_size``: no drafts in a step with more running requests than
       this (verifying costs rows that a large batch already fills); ``None``: always.
     - ``max_step_tokens``: drafts only while the running requests' tokens in the step
@@ -34,7 +35,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None

@@ -244,3 +244,17 @@ def test_prefix_cache_never_holds_a_rejected_draft(tiny_gguf: Path, plain_llm: L
         again = outputs(llm, follow, [sp] * len(follow))
         assert llm.engine.kv.num_hit_tokens > 0
     assert again == follow_want
+
+
+@pytest.mark.usefixtures("no_shm_leaks")
+def test_tensor_parallel_same_output(tiny_gguf: Path) -> None:
+    """With two ranks the drafted chunk reaches the worker as ordinary input ids; the
+    output with drafts equals the same two-rank engine's without them."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+    with make(tiny_gguf, tensor_parallel_size=2) as tp:
+        want = outputs(tp, PROMPTS, [sp] * len(PROMPTS))
+        plain = {tuple(p): w[0] for p, w in zip(PROMPTS, want, strict=True)}
+        drafter = drafting(tp, 3, Oracle(plain, "partial"))
+        got = outputs(tp, PROMPTS, [sp] * len(PROMPTS))
+        assert drafter.stats.num_accepted_tokens > 0
+    assert got == want
