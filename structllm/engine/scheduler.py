@@ -21,13 +21,14 @@ Speculative decoding (``drafter`` set, see ``engine.speculative``): a running re
 decode may carry drafts (``Request.draft_token_ids``) and then asks the budget for
 ``1 + drafts`` tokens. Drafts are trimmed to what the budget (and
 ``max_draft_step_tokens``, where verifying more rows stops being cheap) leaves once
-every running request after it has its one token, never the real token; when the KV pool cannot hold
-them they are dropped before anyone is preempted. ``update`` takes the tokens the walk
-over the verified rows emitted (``speculative.accept``), cuts them at the first stop,
-counts as computed only the newest token and the accepted drafts, and gives back the
-blocks that held only rejected drafts. The prefix cache registers a block only when all
-its tokens are committed (``KVCacheManager`` caps at ``num_tokens``), so it never holds
-a draft.
+every running request after it has its one token, never the real token; when the KV
+pool cannot hold them they are dropped, and before anyone is preempted the drafts
+already scheduled in the step give their blocks back. ``update`` takes the tokens the
+walk over the verified rows emitted (``speculative.accept``), cuts them at the first
+stop, counts as computed only the newest token and the accepted drafts, and gives back
+the blocks that held only rejected drafts. The prefix cache registers a block only when
+all its tokens are committed (``KVCacheManager`` caps at ``num_tokens``), so it never
+holds a draft.
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ class Scheduler:
                 req.draft_token_ids = drafts
                 n += len(drafts)
             while not req.draft_token_ids and not self.kv.allocate(req, n):
+                if self._drop_drafts(out):  # drafts give their blocks up first
+                    budget = self.max_num_batched_tokens - out.num_tokens
+                    continue
                 victim = self.running.pop()  # the newest, never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -160,6 +164,18 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         return out
+
+    def _drop_drafts(self, out: SchedulerOutput) -> bool:
+        """Take back the drafts (and the blocks only they used) of the requests already
+        scheduled in ``out``; whether there were any."""
+        dropped = False
+        for j, (req, n) in enumerate(out.scheduled):
+            if req.draft_token_ids:
+                out.scheduled[j] = (req, n - len(req.draft_token_ids))
+                req.draft_token_ids = []
+                self.kv.trim(req)
+                dropped = True
+        return dropped
 
     def _drafts(self, req: Request, n: int, room: int) -> list[int]:
         """Drafts for ``req`` if it is a decode (one new token, no prompt positions left

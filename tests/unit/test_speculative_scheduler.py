@@ -227,3 +227,35 @@ def test_drafts_keep_the_step_within_max_draft_step_tokens(cap: int) -> None:
     got, *_ = run(make_requests(20), drafter, max_seqs=2, step_cap=cap)
     assert got == want
     assert drafter.stats.num_drafts > 0  # once few requests are left
+
+
+class Fixed:
+    """Always drafts the same tokens."""
+
+    def __init__(self, drafts: list[int]) -> None:
+        self.drafts = drafts
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.drafts[:k]
+
+    def finish(self, req: Request) -> None:
+        pass
+
+
+def test_drafts_give_their_blocks_back_before_anyone_is_preempted() -> None:
+    """Four blocks of 4: two 4-token prompts take one each; at the next step A's decode
+    with 4 drafts takes two more, leaving B none. A's drafts are dropped (and their
+    block returned), not B preempted."""
+    s = Scheduler(KVCacheManager(4, 4), 8, 64, [EOS])
+    s.drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), Fixed([9, 9, 9, 9]))
+    a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=10), 10)
+    b = Request("b", [5, 6, 7, 8], SamplingParams(max_tokens=10), 10)
+    s.add_request(a)
+    s.add_request(b)
+    model = SlotModel(s)
+    model.step()  # both prompts
+    out = s.schedule()
+    assert out.preempted == []
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 1)]
+    assert a.draft_token_ids == [] and len(a.block_ids) == 2
+    s.kv.check_invariants(s.running)
