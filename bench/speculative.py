@@ -7,21 +7,23 @@ same run, arms interleaved.
     python bench/speculative.py --workloads grounded --concurrency-grounded 1
 
 One engine (the default model, default format, greedy) serves every arm: the drafter is
-switched on and off between runs (``Scheduler.drafter``), so weights, caches, threads
-and the step budget are the same. Each round runs every (workload, concurrency) with
-the arms in alternating order, and the prefix cache is emptied before each run.
+switched on and off between runs (``EngineCore.set_speculative``), so weights, caches,
+threads and the step budget are the same. Each round runs every (workload,
+concurrency) with the arms in alternating order (at concurrency 1 prompt by prompt, so
+each pair of runs is close in time), and the prefix cache is emptied before each run.
 
 - **A, input-grounded**: re-emit a code file, fix one word of a text and return it,
   extract lines from a document, return a JSON object with one field changed; 300-600
   prompt tokens, ``--grounded-tokens`` output tokens.
 - **B, open chat**: short open questions, ``--chat-tokens`` output tokens.
 
-Per arm: output tokens/s over the run's wall time (all requests, the figure the issue
-targets), each request's decode rate after its first token (mean), the gaps between a
-request's deliveries p50/p99 (one delivery may carry several tokens with drafts),
-acceptance (accepted / drafted tokens), tokens per verified chunk, and whether the
-outputs are token-for-token the plain arm's. Then the cost of one decode step of
-``1 + k`` rows against one row, on one request with a 400-token context. Prints a
+Per arm: output tokens/s over the runs' wall time (all requests, the figure the issue
+targets), tokens per CPU-second of this process (steadier on a shared machine), each
+request's decode rate after its first token (mean), the gaps between a request's
+deliveries p50/p99 (one delivery may carry several tokens with drafts), acceptance
+(accepted / drafted tokens), tokens per verified chunk, and whether the outputs are
+token-for-token the plain arm's. Then the cost of one decode step of ``1 + k`` rows
+against one row, on one request with a 400-token context. Prints a
 table and one JSON line.
 """
 
@@ -108,7 +110,7 @@ def run_arm(
     llm: Any, prompts: list[list[int]], max_tokens: int, concurrency: int
 ) -> dict[str, Any]:
     """Serve ``prompts`` keeping ``concurrency`` requests in flight (greedy); per request:
-    its tokens and the time of each delivery."""
+    its tokens and the time and size of each delivery; the run's wall and CPU time."""
     from structllm.protocol import AddRequest, SamplingParams
 
     engine = llm.engine
@@ -118,7 +120,7 @@ def run_arm(
     live: dict[str, int] = {}
     tokens: list[list[int]] = [[] for _ in prompts]
     times: list[list[tuple[float, int]]] = [[] for _ in prompts]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while pending or live:
         while pending and len(live) < concurrency:
             i, ids = pending.pop(0)
@@ -138,22 +140,34 @@ def run_arm(
                 if d.error:
                     raise RuntimeError(d.error)
                 del live[d.request_id]
-    wall = time.perf_counter() - start
-    gaps: list[float] = []
-    rates: list[float] = []
-    for t in times:
-        gaps += [b[0] - a[0] for a, b in itertools.pairwise(t)]
-        after_first = sum(n for _, n in t[1:])
-        if len(t) > 1 and t[-1][0] > t[0][0]:
-            rates.append(after_first / (t[-1][0] - t[0][0]))
-    n = sum(len(t) for t in tokens)
     return {
         "tokens": tokens,
+        "times": times,
+        "wall_s": time.perf_counter() - start,
+        "cpu_s": time.process_time() - cpu,
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's figures over its runs (each run: ``run_arm``'s result)."""
+    gaps: list[float] = []
+    rates: list[float] = []
+    n = 0
+    for run in runs:
+        for t in run["times"]:
+            gaps += [b[0] - a[0] for a, b in itertools.pairwise(t)]
+            if len(t) > 1 and t[-1][0] > t[0][0]:
+                rates.append(sum(k for _, k in t[1:]) / (t[-1][0] - t[0][0]))
+        n += sum(len(t) for t in run["tokens"])
+    wall = sum(r["wall_s"] for r in runs)
+    cpu = sum(r["cpu_s"] for r in runs)
+    return {
         "tok_s": n / wall,
+        "tok_cpu_s": n / cpu,
         "decode_tok_s": statistics.fmean(rates) if rates else 0.0,
         "gap_p50_ms": 1000 * _pct(gaps, 0.5),
         "gap_p99_ms": 1000 * _pct(gaps, 0.99),
-        "wall_s": wall,
+        "tokens": [r["tokens"] for r in runs],
     }
 
 
@@ -230,63 +244,67 @@ def main() -> None:
         chats = CHAT[:8] if a.quick else CHAT
         prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in chats]
         work["chat"] = (prompts, a.chat_tokens, [int(c) for c in a.concurrency_chat.split(",")])
-    sched = llm.engine.scheduler
     run_arm(llm, [tok.encode("warm up")], 8, 1)  # one-time costs off the clock
 
-    results: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    spec: dict[tuple[str, int], list[int]] = {}  # drafts, draft tokens, accepted
     for r in range(a.rounds):
         for name, (prompts, n_out, concs) in work.items():
             for c in concs:
-                arms = ["off", "on"] if (r + c) % 2 == 0 else ["on", "off"]
-                for arm in arms:
-                    llm.engine.set_speculative(cfg if arm == "on" else None)
-                    res = run_arm(llm, prompts, n_out, c)
-                    if sched.drafter is not None:
-                        st = sched.drafter.stats
-                        res["accept"] = st.num_accepted_tokens / max(1, st.num_draft_tokens)
-                        res["per_chunk"] = (st.num_accepted_tokens + st.num_drafts) / max(
-                            1, st.num_drafts
-                        )
-                        res["drafts"] = st.num_drafts
-                        res["propose_ms"] = 1000 * st.propose_s
-                    results.setdefault((name, c, arm), []).append(res)
+                # at concurrency 1 the arms alternate prompt by prompt (pairs close in
+                # time: this machine's load drifts); above, run by run
+                units = [[p] for p in prompts] if c == 1 else [prompts]
+                for u, unit in enumerate(units):
+                    arms = ["off", "on"] if (r + u) % 2 == 0 else ["on", "off"]
+                    for arm in arms:
+                        llm.engine.set_speculative(cfg if arm == "on" else None)
+                        runs.setdefault((name, c, arm), []).append(run_arm(llm, unit, n_out, c))
+                        drafter = llm.engine.scheduler.drafter
+                        if drafter is not None:
+                            st, acc = drafter.stats, spec.setdefault((name, c), [0, 0, 0])
+                            acc[0] += st.num_drafts
+                            acc[1] += st.num_draft_tokens
+                            acc[2] += st.num_accepted_tokens
     llm.engine.set_speculative(None)
     one, many = step_cost(llm, cfg.num_speculative_tokens)
 
     print(f"speculative config: {a.spec}")
     hdr = (
-        f"{'workload':9} {'conc':>4} {'arm':>3} {'tok/s':>7} {'x':>5} {'decode/s':>8} "
-        f"{'gap p50':>8} {'gap p99':>8} {'accept':>6} {'tok/chunk':>9} {'same':>5}"
+        f"{'workload':9} {'conc':>4} {'arm':>3} {'tok/s':>7} {'x':>5} {'tok/cpu-s':>9} "
+        f"{'decode/s':>8} {'gap p50':>8} {'gap p99':>8} {'accept':>6} {'tok/chunk':>9} "
+        f"{'same':>5}"
     )
     print(hdr)
     summary: dict[str, Any] = {"spec": json.loads(a.spec), "rows": []}
     for name, (_, _, concs) in work.items():
         for c in concs:
-            base = results[(name, c, "off")]
+            base = summarise(runs[(name, c, "off")])
+            drafts, draft_tokens, accepted = spec.get((name, c), [0, 0, 0])
             for arm in ("off", "on"):
-                rs = results[(name, c, arm)]
-                tok_s = statistics.median(x["tok_s"] for x in rs)
-                speed = tok_s / statistics.median(x["tok_s"] for x in base)
-                same = all(x["tokens"] == b["tokens"] for x, b in zip(rs, base, strict=True))
+                f = summarise(runs[(name, c, arm)])
+                on = arm == "on"
                 row = {
                     "workload": name,
                     "concurrency": c,
                     "arm": arm,
-                    "tok_s": round(tok_s, 2),
-                    "speedup": round(speed, 3),
-                    "decode_tok_s": round(statistics.median(x["decode_tok_s"] for x in rs), 2),
-                    "gap_p50_ms": round(statistics.median(x["gap_p50_ms"] for x in rs), 1),
-                    "gap_p99_ms": round(statistics.median(x["gap_p99_ms"] for x in rs), 1),
-                    "accept": round(rs[-1].get("accept", 0.0), 3),
-                    "tokens_per_chunk": round(rs[-1].get("per_chunk", 0.0), 2),
-                    "same_output": same,
+                    "tok_s": round(f["tok_s"], 2),
+                    "speedup": round(f["tok_s"] / base["tok_s"], 3),
+                    "tok_cpu_s": round(f["tok_cpu_s"], 2),
+                    "decode_tok_s": round(f["decode_tok_s"], 2),
+                    "gap_p50_ms": round(f["gap_p50_ms"], 1),
+                    "gap_p99_ms": round(f["gap_p99_ms"], 1),
+                    "accept": round(accepted / max(1, draft_tokens), 3) if on else 0.0,
+                    "tokens_per_chunk": round((accepted + drafts) / max(1, drafts), 2)
+                    if on
+                    else 0.0,
+                    "same_output": f["tokens"] == base["tokens"],
                 }
                 summary["rows"].append(row)
                 print(
-                    f"{name:9} {c:>4} {arm:>3} {row['tok_s']:>7.1f} {speed:>5.2f} "
-                    f"{row['decode_tok_s']:>8.1f} {row['gap_p50_ms']:>8.1f} "
-                    f"{row['gap_p99_ms']:>8.1f} {row['accept']:>6.2f} "
-                    f"{row['tokens_per_chunk']:>9.2f} {'yes' if same else 'NO':>5}"
+                    f"{name:9} {c:>4} {arm:>3} {row['tok_s']:>7.1f} {row['speedup']:>5.2f} "
+                    f"{row['tok_cpu_s']:>9.1f} {row['decode_tok_s']:>8.1f} "
+                    f"{row['gap_p50_ms']:>8.1f} {row['gap_p99_ms']:>8.1f} {row['accept']:>6.2f} "
+                    f"{row['tokens_per_chunk']:>9.2f} {'yes' if row['same_output'] else 'NO':>5}"
                 )
     k = cfg.num_speculative_tokens
     print(
