@@ -211,6 +211,65 @@ def step_cost(llm: Any, k: int, rounds: int = 15) -> tuple[float, float]:
         engine.kv.reset_prefix_cache()
 
 
+LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+
+
+def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
+    """llama.cpp's ``llama-server`` on structllm's default GGUF file with ``--spec-type``
+    (one slot, all cores), the prompts' token ids one at a time, greedy, through its
+    ``/completion`` endpoint; tokens/s over the wall time as ``run_arm``'s."""
+    import os
+    import socket
+    import subprocess
+    import urllib.request
+
+    from structllm.model.loader import prepare_model
+
+    gguf = prepare_model(None).source
+    assert gguf is not None, "the default model has no GGUF file"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    threads = str(os.cpu_count() or 1)
+    cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "1"]
+    cmd += ["-c", "4096", "-t", threads, "-tb", threads, "--log-disable"]
+    cmd += ["--spec-type", spec_type]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise SystemExit("llama-server did not start")
+        n = 0
+        drafted = accepted = 0
+        wall = 0.0
+        for ids in prompts:
+            body = {"prompt": ids, "n_predict": n_out, "temperature": 0.0, "cache_prompt": False}
+            req = urllib.request.Request(
+                url + "/completion",
+                json.dumps(body).encode(),
+                {"content-type": "application/json"},
+            )
+            t = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+            wall += time.perf_counter() - t
+            timings = out.get("timings", {})
+            n += int(timings.get("predicted_n", out.get("tokens_predicted", 0)))
+            drafted += int(timings.get("draft_n", 0))
+            accepted += int(timings.get("draft_n_accepted", 0))
+        return {"tok_s": n / wall, "accept": accepted / max(1, drafted)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 3}')
@@ -221,6 +280,13 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="8 chats, 96 and 64 tokens")
+    ap.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="also run the input-grounded prompts at concurrency 1 on llama.cpp's "
+        f"llama-server with each --spec-type of {', '.join(LLAMA_SPEC_TYPES)}",
+    )
     a = ap.parse_args()
 
     from structllm import LLM
@@ -313,6 +379,18 @@ def main() -> None:
     )
     summary["step_ms_1_row"] = round(1000 * one, 2)
     summary[f"step_ms_{1 + k}_rows"] = round(1000 * many, 2)
+    if a.llama_server and "grounded" in work:
+        prompts, n_out, _ = work["grounded"]
+        ours = summarise(runs[("grounded", 1, "on")])["tok_s"] if 1 in work["grounded"][2] else 0
+        summary["llama_cpp"] = {}
+        for spec_type in LLAMA_SPEC_TYPES:
+            res = llama_arm(a.llama_server, spec_type, prompts, n_out)
+            summary["llama_cpp"][spec_type] = res
+            print(
+                f"llama-server --spec-type {spec_type:13} grounded, concurrency 1: "
+                f"{res['tok_s']:.1f} tok/s (accept {res['accept']:.2f}); structllm with "
+                f"drafts {ours:.1f} ({ours / res['tok_s']:.2f}x)"
+            )
     print(json.dumps(summary))
     llm.close()
 
