@@ -66,7 +66,8 @@ class NullRunner:
                 ]
         for req in sched.sampling_requests():
             drafts = req.draft_token_ids
-            rows = [self.next_token(req.token_ids + drafts[:j]) for j in range(len(drafts) + 1)]
+            rows = [self.next_token(req.token_ids)]  # (no copy of the history without drafts)
+            rows += [self.next_token(req.token_ids + drafts[:j]) for j in range(1, len(drafts) + 1)]
             emitted = accept(rows, drafts) if drafts else rows
             sampled[req.request_id] = emitted if drafts else emitted[0]
             k = req.sampling.logprobs
