@@ -13,7 +13,6 @@ import pytest
 
 from structllm import LLM, SamplingParams
 from structllm.config import SpeculativeConfig
-from structllm.engine.speculative import Drafter
 from structllm.protocol import StructuredOutputs
 
 pytestmark = pytest.mark.slow
@@ -40,14 +39,16 @@ def both(llm: LLM, prompts: list, sps: list[SamplingParams], k: int = 4) -> tupl
         res = llm.chat(prompts, sps)
         return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for r in res for o in r.outputs]
 
-    llm.engine.scheduler.drafter = None
+    llm.engine.set_speculative(None)
     plain = run()
-    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=k))
-    llm.engine.scheduler.drafter = drafter
+    # drafts in batches too (no max_step_tokens cap): every row count is exercised
+    llm.engine.set_speculative(SpeculativeConfig(num_speculative_tokens=k, max_step_tokens=256))
+    drafter = llm.engine.scheduler.drafter
+    assert drafter is not None
     try:
         spec = run()
     finally:
-        llm.engine.scheduler.drafter = None
+        llm.engine.set_speculative(None)
     return plain, spec, drafter.stats
 
 
@@ -90,3 +91,43 @@ def test_structured_output_equal(default_llm: LLM) -> None:
     for _tokens, text, reason, _ in spec:
         assert reason == "stop"
         assert set(json.loads(text)) >= {"name", "born"}
+
+
+def test_tool_calls_and_n_2_equal(default_llm: LLM) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    chat = [{"role": "user", "content": "What is the weather in Paris? Paris, Paris."}]
+    sp = SamplingParams(temperature=0.0, max_tokens=48)
+
+    def run() -> list[tuple]:  # type: ignore[type-arg]
+        res = default_llm.chat(chat, sp, tools=tools, tool_choice="required")
+        return [  # (a call's id is random)
+            (o.token_ids, o.text, o.finish_reason, [(c.name, c.arguments) for c in o.tool_calls])
+            for o in res[0].outputs
+        ]
+
+    default_llm.engine.set_speculative(None)
+    plain = run()
+    default_llm.engine.set_speculative(SpeculativeConfig(max_step_tokens=256))
+    try:
+        spec = run()
+    finally:
+        default_llm.engine.set_speculative(None)
+    assert spec == plain
+    assert plain[0][2] == "tool_calls" and plain[0][3]
+    # n = 2, seeded: each choice as without drafts
+    sp2 = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=24)
+    plain2, spec2, stats = both(default_llm, CHATS[:1], [sp2])
+    assert spec2 == plain2 and len(spec2) == 2
+    assert stats.num_drafts > 0
