@@ -100,11 +100,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="decode tokens a grammar forces one step each (default: append them in one step)",
     )
     p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help="speculative decoding without a draft model, as vLLM's flag: e.g. '{\"method\": "
+        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+        'or \'{"method": "suffix"}\'; drafts are verified by each request\'s own sampler, so '
+        "the output does not change (default: off)",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
         help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE",
     )
+
+
+def _speculative_config(text: str) -> object:
+    from structllm.config import speculative_config
+
+    try:
+        return speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -126,6 +145,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         num_threads=a.engine_threads,
         attention_backend=a.attention_backend,
         grammar_fast_forward=not a.no_grammar_fast_forward,
+        speculative_config=a.speculative_config,
         trace=a.trace,
     )
 

@@ -6,6 +6,95 @@ import msgspec
 
 GiB = 1 << 30
 
+SPEC_METHODS = ("ngram", "suffix")
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding without a draft model (``--speculative-config``, vLLM's
+    JSON keys). Drafts are verified by each request's own sampler, so the output is the
+    same as without them (see ``engine.speculative``).
+
+    - ``method``: ``"ngram"`` (prompt lookup: the tokens that followed the latest
+      earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
+      ``prompt_lookup_max`` tokens) or ``"suffix"`` (a suffix index over this request's
+      tokens and the outputs of recent requests, as vLLM's suffix decoding).
+    - ``num_speculative_tokens``: most drafts per request and step (default 3: with the
+      newest token, 4 rows, the CPU block kernels' cheap decode size; see below).
+    - ``disable_by_batch_size``: no drafts in a step with more running requests than
+      this (verifying costs rows that a large batch already fills); ``None``: always.
+    - ``max_step_tokens``: drafts only while the running requests' tokens in the step
+      (drafts included; prompts admitted after them do not count) stay within this.
+      ``None``: on CPU with GGUF block weights, the block kernels' decode size
+      (``packed.ROW_KERNEL_ROWS``, 4 rows: a 5-row step runs the blocked GEMMs and
+      took ~3x a 1-row step on the default model, 2-4 rows ~1.4x), elsewhere no limit.
+    - ``min_acceptance``: a request whose drafts were accepted at a lower rate, over at
+      least ``acceptance_window`` drafted tokens, stops drafting.
+    - ``suffix_decoding_max_tree_depth``: the longest suffix matched (suffix method).
+    - ``suffix_decoding_max_cached_requests``: finished requests whose outputs the
+      suffix method keeps indexed.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+    max_step_tokens: int | None = None
+    min_acceptance: float = 0.1
+    acceptance_window: int = 32
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be in [1, 64], "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                "speculative_config.disable_by_batch_size must be at least 1, "
+                f"got {self.disable_by_batch_size}"
+            )
+        if self.max_step_tokens is not None and self.max_step_tokens < 2:
+            raise ValueError(
+                f"speculative_config.max_step_tokens must be at least 2, got {self.max_step_tokens}"
+            )
+        if not 0.0 <= self.min_acceptance <= 1.0 or self.acceptance_window < 1:
+            raise ValueError(
+                "speculative_config needs 0 <= min_acceptance <= 1 and acceptance_window >= 1"
+            )
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError(
+                "speculative_config needs suffix_decoding_max_tree_depth >= 1 and "
+                "suffix_decoding_max_cached_requests >= 0"
+            )
+
+
+def speculative_config(value: object) -> SpeculativeConfig | None:
+    """``--speculative-config``'s JSON text, a dict of its keys, a ``SpeculativeConfig``
+    or ``None`` -> the config (``None``: off). Raises ``ValueError`` naming the problem."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    try:
+        if isinstance(value, str | bytes):
+            return msgspec.json.decode(value, type=SpeculativeConfig)
+        return msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"speculative_config: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings of one engine. ``None`` means "derive from the model and the device".
@@ -50,6 +139,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``grammar_fast_forward``: when a constrained request's grammar forces its next
       tokens, append them in one step (computed like a prompt chunk) instead of one
       decode step each; the output is the same either way (see ``engine.grammar``).
+    - ``speculative_config``: speculative decoding (``SpeculativeConfig``); ``None``: off.
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
     """
@@ -74,6 +164,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     null_step_time: float = 0.0
     tensor_parallel_size: int = 1
     grammar_fast_forward: bool = True
+    speculative_config: SpeculativeConfig | None = None
     trace: str | None = None
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from structllm.config import EngineConfig
+from structllm.config import EngineConfig, speculative_config
 from structllm.engine.core import EngineCore
 from structllm.model.loader import prepare_model
 from structllm.output import SequenceState, fan_out
@@ -104,6 +104,10 @@ class LLM:
             engine_kwargs.get("trace") is True
         ):  # trace=True: the default file, in the working directory
             engine_kwargs["trace"] = TRACE_FILE
+        if "speculative_config" in engine_kwargs:  # JSON text or a dict of vLLM's keys
+            engine_kwargs["speculative_config"] = speculative_config(
+                engine_kwargs["speculative_config"]
+            )
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
         self.tokenizer = Tokenizer.from_files(files)

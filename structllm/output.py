@@ -88,8 +88,11 @@ class SequenceState:
         """Apply one engine delta (or several merged) and say what changed."""
         assert self.finish_reason is None, f"{self.request_id} already finished"
         self.num_cached_tokens = num_cached_tokens
+        reasoning, text, stopped, used = self._detokenize(token_ids)
+        if used < len(token_ids):  # a stop string ended it inside a multi-token delta
+            token_ids = token_ids[:used]
+            logprobs = logprobs[:used] if logprobs else logprobs
         self.token_ids += token_ids
-        reasoning, text, stopped = self._detokenize(token_ids)
         update = SequenceUpdate(
             self.index,
             text,
@@ -118,21 +121,38 @@ class SequenceState:
         update.finish_reason, update.stop_reason = self.finish_reason, self.stop_reason
         return update
 
-    def _detokenize(self, token_ids: list[int]) -> tuple[str, str, bool]:
-        """New text as ``(reasoning, answer, stopped)``. While the reasoning part may
-        still be running, tokens go through the detokenizer one at a time, so that each
-        is counted in ``num_reasoning_tokens`` or not."""
+    def _add(self, token_ids: list[int]) -> tuple[str, bool, int]:
+        """The detokenizer's ``(text, stopped)`` for ``token_ids`` and how many of them
+        it took. Several tokens at once (speculative decoding, grammar fast-forward) go
+        one at a time when there are stop strings: a stop string ends the sequence at
+        the token that completes it, as one token per step would."""
+        if len(token_ids) <= 1 or not self.detok.stop:
+            return (*self.detok.add(token_ids), len(token_ids))
+        text = ""
+        for i, t in enumerate(token_ids):
+            piece, stopped = self.detok.add([t])
+            text += piece
+            if stopped:
+                return text, True, i + 1
+        return text, False, len(token_ids)
+
+    def _detokenize(self, token_ids: list[int]) -> tuple[str, str, bool, int]:
+        """New text as ``(reasoning, answer, stopped, tokens used)``. While the reasoning
+        part may still be running, tokens go through the detokenizer one at a time, so
+        that each is counted in ``num_reasoning_tokens`` or not."""
         parser = self.reasoning
         if parser is None:
-            text, stopped = self.detok.add(token_ids)
-            return "", text, stopped
-        reasoning, content, stopped = [], [], False
+            text, stopped, used = self._add(token_ids)
+            return "", text, stopped, used
+        reasoning, content, stopped, used = [], [], False, 0
         for k, t in enumerate(token_ids):
             if parser.ended:  # the rest is answer
-                text, stopped = self.detok.add(token_ids[k:])
+                text, stopped, n = self._add(token_ids[k:])
                 content.append(parser.feed(text)[1])
+                used += n
                 break
             text, stopped = self.detok.add([t])
+            used += 1
             r, c = parser.feed(text)
             reasoning.append(r)
             content.append(c)
@@ -144,7 +164,7 @@ class SequenceState:
                 self._undecided_tokens = 0
             if stopped:
                 break
-        return "".join(reasoning), "".join(content), stopped
+        return "".join(reasoning), "".join(content), stopped, used
 
 
 def fan_out(

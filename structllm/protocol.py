@@ -273,6 +273,13 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_grammar_ff_tokens: int = 0  # tokens appended by grammar fast-forward (decode steps saved)
     num_steps_cut: int = 0  # steps cut short: every request in them was aborted
     num_aborted: int = 0  # live requests aborted (client gone, stop string, write timeout)
+    # speculative decoding (engine.speculative): drafted chunks verified, drafted and
+    # accepted tokens, accepted drafts by position, seconds in the proposer
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    spec_propose_s: float = 0.0
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
@@ -224,6 +224,11 @@ class Matcher:
     def consume(self, token: int) -> bool:
         """Advance by one sampled token; ``False`` (and ``error`` set) if it is refused."""
         return bool(self._m.consume_token(token))
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar would accept in turn (the
+        state does not change)."""
+        return int(self._m.validate_tokens(list(tokens)))
 
     def forced_tokens(self, limit: int, never: frozenset[int] = frozenset()) -> list[int]:
         """Consume and return up to ``limit`` tokens that the grammar forces: tokens each

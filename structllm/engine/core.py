@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
-from structllm.config import EngineConfig
+from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.engine.device import (
     load_rank_model,
     local_num_blocks,
@@ -32,8 +32,10 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
+from structllm.engine.speculative import Drafter, SpecStats
 from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
+from structllm.kernels.packed import ROW_KERNEL_ROWS
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
@@ -118,9 +120,26 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
+        self.set_speculative(self.config.speculative_config)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             self.runner.max_rows = self.config.max_num_seqs
+
+    def set_speculative(self, spec: SpeculativeConfig | None) -> None:
+        """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``),
+        between steps."""
+        sched = self.scheduler
+        for req in sched.running:  # (none carry drafts between steps)
+            req.draft_token_ids = []
+        sched.drafter = Drafter(spec) if spec is not None else None
+        sched.max_draft_step_tokens = spec.max_step_tokens if spec is not None else None
+        cpu_blocks = (
+            self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
+        )
+        if spec is not None and spec.max_step_tokens is None and cpu_blocks:
+            # from ROW_KERNEL_ROWS + 1 rows the block matmuls are GEMMs: a step of 5 rows
+            # took ~3x a 1-row step on the default model (bench/speculative.py)
+            sched.max_draft_step_tokens = ROW_KERNEL_ROWS
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load
@@ -386,6 +405,7 @@ class EngineCore:
                 sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
             except StepCutShort:
                 for req, _ in sched.scheduled:
+                    req.draft_token_ids = []
                     self.kv.forget_uncomputed(req)
                 self.num_steps_cut += 1
                 if self.tracer.enabled:
@@ -448,6 +468,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        spec = s.drafter.stats if s.drafter is not None else SpecStats(0)
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self._compiling),
@@ -462,4 +483,9 @@ class EngineCore:
             num_grammar_ff_tokens=self.grammar.num_ff_tokens,
             num_steps_cut=self.num_steps_cut,
             num_aborted=self.num_aborted,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
+            spec_propose_s=spec.propose_s,
         )

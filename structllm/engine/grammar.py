@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from structllm.engine.request import Request
+from structllm.engine.speculative import SampleRow
 from structllm.protocol import FinishReason
 from structllm.structured import Matcher, grammar_of, load_tokenizer
 
@@ -154,27 +155,43 @@ class GrammarManager:
 
     # -- the bitmask -------------------------------------------------------------------
 
-    def start_fill(self, reqs: Sequence[Request]) -> Future[GrammarMask] | None:
+    def start_fill(self, reqs: Sequence[SampleRow]) -> Future[GrammarMask] | None:
         """Start computing the bitmask of the constrained ones among ``reqs`` (row ``i``
-        is ``reqs[i]``) on the helper thread; ``None`` when none is constrained."""
+        is ``reqs[i]``; a draft row's mask is the one after its ``drafts_before``) on
+        the helper thread; ``None`` when none is constrained."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.in_reasoning]
         if not rows:
             return None
         matchers = [reqs[i].grammar for i in rows]
+        drafts = [list(reqs[i].drafts_before) for i in rows]
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._thread.submit(self._fill, rows, matchers)
+        return self._thread.submit(self._fill, rows, matchers, drafts)
 
-    def _fill(self, rows: list[int], matchers: list[Matcher | None]) -> GrammarMask:
+    def _fill(
+        self, rows: list[int], matchers: list[Matcher | None], drafts: list[list[int]]
+    ) -> GrammarMask:
         t0 = time.perf_counter()
         tok = self.tokenizer
         bits = torch.empty(len(rows), (tok.vocab_size + 31) // 32, dtype=torch.int32)
         if self._executor is None:
             self._executor = llg.LLExecutor()
-        pairs = [(m.llmatcher, j) for j, m in enumerate(matchers) if m is not None]
+        row_bytes = bits.shape[1] * 4
+        pairs = [
+            (m.llmatcher, j) for j, m in enumerate(matchers) if m is not None and not drafts[j]
+        ]
         # llguidance.torch's wrapper of this call imports torch.compile; the call itself
         # writes row j at bits.data_ptr() + j * row bytes, with the GIL released
-        self._executor.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), bits.shape[1] * 4, len(rows))
+        if pairs:
+            self._executor.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), row_bytes, len(rows))
+        for j, m in enumerate(matchers):  # draft rows: the mask after their drafts
+            if m is None or not drafts[j]:
+                continue
+            # the scheduler kept only drafts the grammar accepts (Matcher.valid_prefix)
+            lm = m.llmatcher
+            consumed = lm.consume_tokens(drafts[j])
+            lm.unsafe_compute_mask_ptr(bits.data_ptr() + j * row_bytes, row_bytes)
+            lm.rollback(len(drafts[j]) if consumed else 0)
         return GrammarMask(rows, bits, fill_s=time.perf_counter() - t0)
 
     def record(self, mask: GrammarMask) -> None:

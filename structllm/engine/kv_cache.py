@@ -123,6 +123,19 @@ class KVCacheManager:
         req.block_ids = []
         req.chain_ids = []
 
+    def trim(self, req: Request) -> None:
+        """Release ``req``'s blocks past those its tokens need (blocks taken for drafts
+        that were rejected). They hold no committed full block, so none is cached."""
+        keep = -(-req.num_tokens // self.block_size)
+        while len(req.block_ids) > keep:
+            b = req.block_ids.pop()
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free[b] = None
+                if self.block_key[b] is None:
+                    self.free.move_to_end(b, last=False)
+        del req.chain_ids[keep:]
+
     def forget_uncomputed(self, req: Request) -> None:
         """Unregister the blocks ``allocate`` registered for tokens of ``req`` that were
         never computed (a step cut short: their K/V holds only some layers), so

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from structllm.engine.scheduler import SchedulerOutput
+from structllm.engine.speculative import accept
 from structllm.protocol import TokenLogprobs
 
 # Ordinary vocabulary entries of the default tokenizer (no special tokens there).
@@ -37,8 +38,13 @@ class NullRunner:
 
     def execute(
         self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
-        """As ``ModelRunner.execute``; prompt logprobs are ``-1.0`` per token, with the
+    ) -> tuple[
+        dict[str, int | list[int]],
+        dict[str, TokenLogprobs | list[TokenLogprobs]],
+        dict[str, list[TokenLogprobs]],
+    ]:
+        """As ``ModelRunner.execute`` (a request's drafts are verified against the tokens
+        ``next_token`` gives after each of them); prompt logprobs are ``-1.0`` per token, with the
         scored token and then ``NullRunner``-style ids as alternatives. The step's sleep
         is cut into ``LAYERS`` slices with ``between_layers`` called between them, as a
         model calls it between its layers."""
@@ -47,8 +53,8 @@ class NullRunner:
                 if between_layers is not None and i:
                     between_layers()
                 time.sleep(self.step_time / LAYERS)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        sampled: dict[str, int | list[int]] = {}
+        logprobs: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         prompt_lps: dict[str, list[TokenLogprobs]] = {}
         for req, n in sched.scheduled:
             first, count = req.prompt_logprob_span(n)
@@ -59,12 +65,18 @@ class NullRunner:
                     for t in req.token_ids[first + 1 : first + 1 + count]
                 ]
         for req in sched.sampling_requests():
-            tok = self.next_token(req.token_ids)
-            sampled[req.request_id] = tok
+            drafts = req.draft_token_ids
+            rows = [self.next_token(req.token_ids)]  # (no copy of the history without drafts)
+            rows += [self.next_token(req.token_ids + drafts[:j]) for j in range(1, len(drafts) + 1)]
+            emitted = accept(rows, drafts) if drafts else rows
+            sampled[req.request_id] = emitted if drafts else emitted[0]
             k = req.sampling.logprobs
             if k is not None:
-                alts = [tok] + [LOW + (tok + i) % SPAN for i in range(1, k)]
-                logprobs[req.request_id] = TokenLogprobs(
-                    0.0, alts[:k], [0.0] + [-10.0 - i for i in range(1, k)][: max(0, k - 1)]
-                )
+                lps = [_null_logprobs(tok, k) for tok in emitted]
+                logprobs[req.request_id] = lps if drafts else lps[0]
         return sampled, logprobs, prompt_lps
+
+
+def _null_logprobs(tok: int, k: int) -> TokenLogprobs:
+    alts = [tok] + [LOW + (tok + i) % SPAN for i in range(1, k)]
+    return TokenLogprobs(0.0, alts[:k], [0.0] + [-10.0 - i for i in range(1, k)][: max(0, k - 1)])

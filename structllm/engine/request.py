@@ -28,6 +28,11 @@ class Request:
     ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
     which the grammar does not constrain.
 
+    ``draft_token_ids``: speculative drafts to follow ``token_ids`` in the step being
+    scheduled (see ``engine.speculative``); never part of ``token_ids``, dropped after
+    the step that verifies them and on preemption. ``spec_drafted``/``spec_accepted``:
+    this request's recent drafted and accepted counts (the drafting policy's).
+
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
     so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
@@ -36,6 +41,7 @@ class Request:
     __slots__ = (
         "block_ids",
         "chain_ids",
+        "draft_token_ids",
         "finish_reason",
         "grammar",
         "in_reasoning",
@@ -46,6 +52,9 @@ class Request:
         "prompt_len",
         "request_id",
         "sampling",
+        "spec_accepted",
+        "spec_drafted",
+        "spec_resume_at",
         "status",
         "stop_reason",
         "token_ids",
@@ -73,6 +82,10 @@ class Request:
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None
         self.in_reasoning = sampling.reasoning is not None
+        self.draft_token_ids: list[int] = []
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_resume_at = 0  # output tokens before drafting (again)
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +98,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def drafts_before(self) -> list[int]:
+        """As ``speculative.DraftRow``'s: a request's own sampling row follows no draft."""
+        return []
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -104,7 +122,8 @@ class Request:
     def samples_after(self, num_new_tokens: int) -> bool:
         """Whether a chunk of ``num_new_tokens`` ends with a token to sample (it reaches
         the end of the known tokens, and the request may generate)."""
-        return self.num_computed_tokens + num_new_tokens == self.num_tokens and self.max_tokens > 0
+        known = self.num_tokens + len(self.draft_token_ids)
+        return self.num_computed_tokens + num_new_tokens == known and self.max_tokens > 0
 
     def __repr__(self) -> str:
         return (

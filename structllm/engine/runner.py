@@ -28,6 +28,7 @@ from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
+from structllm.engine.speculative import DraftRow, SampleRow, accept
 from structllm.kernels.attention import AttentionMetadata
 from structllm.model.llama import LlamaModel
 from structllm.protocol import StepInput, TokenLogprobs
@@ -42,21 +43,25 @@ LogitSink = Callable[[int, Tensor], None]
 class Batch:
     """One step's model inputs: ``step`` and its tensors on the model's device. On rank
     0, ``sample_reqs[i]`` samples from row ``step.logit_rows[i]``, and the logit rows
-    after those score ``prompt_spans``, in order; workers leave both empty."""
+    after those score ``prompt_spans``, in order; workers leave both empty. A request
+    with ``k`` drafts has ``k + 1`` consecutive sampling rows (``DraftRow``s);
+    ``sample_counts`` gives each sampling request's number of rows, in order."""
 
     step: StepInput
     input_ids: Tensor  # [T] int64
     positions: Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_reqs: list[Request] = field(default_factory=list)
+    sample_reqs: list[SampleRow] = field(default_factory=list)
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    sample_counts: list[tuple[Request, int]] = field(default_factory=list)
 
 
 def batch_from_step(
     step: StepInput,
     device: torch.device,
-    sample_reqs: list[Request] | None = None,
+    sample_reqs: list[SampleRow] | None = None,
     prompt_spans: list[PromptSpan] | None = None,
+    sample_counts: list[tuple[Request, int]] | None = None,
 ) -> Batch:
     """The tensors of ``step`` on ``device`` (the byte arrays are wrapped, not copied, on
     the host)."""
@@ -82,6 +87,7 @@ def batch_from_step(
         meta,
         sample_reqs or [],
         prompt_spans or [],
+        sample_counts or [],
     )
 
 
@@ -150,7 +156,9 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> Batch:
         """The flat batch of ``sched``: decode rows (one new token each; see
         ``_decode_chunks``) first, so attention can batch them, then prefill chunks.
-        Logit rows: one per sampling request, then one per prompt position to score."""
+        Logit rows: one per sampling request (``1 + k`` for one with ``k`` drafts: its
+        newest token and the drafts are one chunk, verified together), then one per
+        prompt position to score."""
         as_decodes = self._decode_chunks(sched) if self.max_rows else set()
         ordered = sorted(
             sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes
@@ -163,7 +171,8 @@ class ModelRunner:
         query_start = [0]
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
+        sample_reqs: list[SampleRow] = []
+        sample_counts: list[tuple[Request, int]] = []
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
         for req, n in ordered:
@@ -171,6 +180,8 @@ class ModelRunner:
             end = start + n
             blocks = req.block_ids
             input_ids += req.token_ids[start:end]
+            drafts = req.draft_token_ids
+            input_ids += drafts  # (a drafted chunk's slice ends at the last known token)
             positions += range(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if req.request_id in as_decodes:  # row per token; ends within the sequence
@@ -182,8 +193,12 @@ class ModelRunner:
                 query_start.append(query_start[-1] + n)
                 tables.append(blocks)
             if req.samples_after(n):
-                sample_rows.append(query_start[-1] - 1)
-                sample_reqs.append(req)
+                last = query_start[-1] - 1
+                k = len(drafts)
+                sample_rows += range(last - k, last + 1)
+                sample_reqs += [DraftRow(req, drafts[:j]) for j in range(k)] if k else []
+                sample_reqs.append(DraftRow(req, drafts) if k else req)
+                sample_counts.append((req, k + 1))
             first, count = req.prompt_logprob_span(n)
             if count:  # the rows of positions first .. first + count - 1
                 row0 = query_start[-2] + first - start
@@ -205,7 +220,7 @@ class ModelRunner:
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
         )
-        return batch_from_step(step, self.device, sample_reqs, spans)
+        return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
 
     def run(
         self,
@@ -253,12 +268,18 @@ class ModelRunner:
 
     def execute(
         self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs], dict[str, list[TokenLogprobs]]]:
+    ) -> tuple[
+        dict[str, int | list[int]],
+        dict[str, TokenLogprobs | list[TokenLogprobs]],
+        dict[str, list[TokenLogprobs]],
+    ]:
         """Run the model over ``sched``, sample for the requests that reach the end of
         their known tokens and score the prompt positions asked for. Returns
         ``{request_id: token}``, the requested logprobs and the prompt logprobs (of each
-        request's ``prompt_logprob_span``). ``between_layers`` may raise to cut the
-        step short (see ``LlamaModel.forward``); nothing is sampled then."""
+        request's ``prompt_logprob_span``); for a request with drafts, the list of tokens
+        its rows emit (``speculative.accept``) and a list of their logprobs.
+        ``between_layers`` may raise to cut the step short (see
+        ``LlamaModel.forward``); nothing is sampled then."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
         reqs = batch.sample_reqs
@@ -276,15 +297,26 @@ class ModelRunner:
                 wait([pending])
             raise
         mask = pending.result() if pending is not None else None
-        sampled: dict[str, int] = {}
-        lps: dict[str, TokenLogprobs] = {}
+        sampled: dict[str, int | list[int]] = {}
+        lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         if logits is not None:
             with torch.inference_mode():
                 tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
             if mask is not None and self.grammar is not None:
                 self.grammar.record(mask)
-            sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
-            lps = {r.request_id: lp for r, lp in zip(reqs, logprobs, strict=True) if lp is not None}
+            i = 0
+            for req, rows in batch.sample_counts:
+                rid, lp = req.request_id, logprobs[i]
+                if rows == 1:
+                    sampled[rid] = tokens[i]
+                    if lp is not None:
+                        lps[rid] = lp
+                else:
+                    emitted = accept(tokens[i : i + rows], req.draft_token_ids)
+                    sampled[rid] = emitted
+                    if lp is not None:
+                        lps[rid] = [x for x in logprobs[i : i + len(emitted)] if x is not None]
+                i += rows
         return sampled, lps, scorer.results() if scorer is not None else {}
 
     def _run_scoring(

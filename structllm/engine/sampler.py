@@ -15,7 +15,9 @@ Draws use the exponential-race form of categorical sampling: ``argmax(p / E)`` w
 ``E ~ Exp(1)`` i.i.d. picks index ``i`` with probability ``p_i``. The noise of a
 request with a ``seed`` comes from its own generator, reseeded from
 ``(seed, output index)`` at every token, so its tokens do not depend on what else is
-in the batch, nor on preemption and recompute.
+in the batch, nor on preemption and recompute, nor on speculative decoding: a verified
+draft row (``speculative.DraftRow``) is sampled as the request after the drafts before
+it, with that output index.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch import Tensor
 
 from structllm.engine.grammar import GrammarMask, apply_bitmask
-from structllm.engine.request import Request
+from structllm.engine.speculative import SampleRow
 from structllm.protocol import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -47,7 +49,7 @@ class Sampler:
         self._row_gen = torch.Generator()
 
     def __call__(
-        self, logits: Tensor, reqs: Sequence[Request], grammar: GrammarMask | None = None
+        self, logits: Tensor, reqs: Sequence[SampleRow], grammar: GrammarMask | None = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``logits: [N, V]`` float32, row ``i`` for ``reqs[i]``; ``grammar``: the allowed
         tokens of the constrained rows. Returns the chosen ids (``-1`` for a constrained
@@ -102,7 +104,7 @@ class Sampler:
                 )
         return token_list, out_lp
 
-    def _draw(self, logits: Tensor, reqs: list[Request]) -> Tensor:
+    def _draw(self, logits: Tensor, reqs: list[SampleRow]) -> Tensor:
         """Random rows: temperature, top-k, top-p, min-p, then the exponential race."""
         m, vocab = logits.shape
         temps = torch.tensor([r.sampling.temperature for r in reqs], dtype=logits.dtype)
@@ -195,7 +197,7 @@ def _sanitise(logits: Tensor) -> Tensor:
     return logits
 
 
-def _apply_logit_bias(logits: Tensor, rows: list[int], reqs: Sequence[Request]) -> None:
+def _apply_logit_bias(logits: Tensor, rows: list[int], reqs: Sequence[SampleRow]) -> None:
     """In place on ``logits [N, V]``: ``logits[i, t] += bias`` for each ``(t, bias)`` in
     the ``logit_bias`` of ``reqs[i]``, ``i`` in ``rows``, in one indexed add. Ids beyond
     the vocabulary are skipped (the engine refuses them before they get here)."""
@@ -213,7 +215,7 @@ def _apply_logit_bias(logits: Tensor, rows: list[int], reqs: Sequence[Request]) 
     logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype), accumulate=True)
 
 
-def _apply_penalties(row: Tensor, req: Request) -> None:
+def _apply_penalties(row: Tensor, req: SampleRow) -> None:
     """In place on one row ``[V]``. Repetition: prompt and output tokens (divide positive
     logits, multiply negative ones). Presence/frequency: output tokens only."""
     sp, vocab = req.sampling, row.shape[0]

@@ -16,17 +16,31 @@ still enter the cache for others.
 Constrained requests (``Request.grammar`` set) hand each sampled token to the
 ``GrammarHook`` (``engine.grammar.GrammarManager``), which may end them or append the
 tokens the grammar forces next; those are then scheduled like a chunk of prompt.
+
+Speculative decoding (``drafter`` set, see ``engine.speculative``): a running request in
+decode may carry drafts (``Request.draft_token_ids``) and then asks the budget for
+``1 + drafts`` tokens. Drafts are trimmed to what the budget (and
+``max_draft_step_tokens``, where verifying more rows stops being cheap) leaves once
+every running request after it has its one token, never the real token; when the KV
+pool cannot hold them they are dropped, and before anyone is preempted the drafts
+already scheduled in the step give their blocks back. ``update`` takes the tokens the
+walk over the verified rows emitted (``speculative.accept``), cuts them at the first
+stop, counts as computed only the newest token and the accepted drafts, and gives back
+the blocks that held only rejected drafts. The prefix cache registers a block only when
+all its tokens are committed (``KVCacheManager`` caps at ``num_tokens``), so it never
+holds a draft.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request, Status
+from structllm.engine.speculative import Drafter
 from structllm.protocol import FinishReason, TokenDelta, TokenLogprobs
 
 
@@ -83,6 +97,8 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests, cumulative
         self.num_generation_tokens = 0
         self.grammar: GrammarHook | None = None  # set by the engine
+        self.drafter: Drafter | None = None  # speculative decoding, set by the engine
+        self.max_draft_step_tokens: int | None = None  # drafts only within (engine sets)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -103,7 +119,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
+            # every running request after this one keeps room for its own token
+            rest = len(self.running) - i - 1
+            room = budget - n - rest
+            if self.max_draft_step_tokens is not None:
+                used = self.max_num_batched_tokens - budget
+                room = min(room, self.max_draft_step_tokens - used - n - rest)
+            drafts = self._drafts(req, n, room)
+            if drafts and self.kv.allocate(req, n + len(drafts)):
+                req.draft_token_ids = drafts
+                n += len(drafts)
+            while not req.draft_token_ids and not self.kv.allocate(req, n):
+                if self._drop_drafts(out):  # drafts give their blocks up first
+                    budget = self.max_num_batched_tokens - out.num_tokens
+                    continue
                 victim = self.running.pop()  # the newest, never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -136,7 +165,31 @@ class Scheduler:
             budget -= n
         return out
 
+    def _drop_drafts(self, out: SchedulerOutput) -> bool:
+        """Take back the drafts (and the blocks only they used) of the requests already
+        scheduled in ``out``; whether there were any."""
+        dropped = False
+        for j, (req, n) in enumerate(out.scheduled):
+            if req.draft_token_ids:
+                out.scheduled[j] = (req, n - len(req.draft_token_ids))
+                req.draft_token_ids = []
+                self.kv.trim(req)
+                dropped = True
+        return dropped
+
+    def _drafts(self, req: Request, n: int, room: int) -> list[int]:
+        """Drafts for ``req`` if it is a decode (one new token, no prompt positions left
+        to score) and drafting is on, within ``room`` extra tokens."""
+        if self.drafter is None or room <= 0 or n != 1:
+            return []
+        if req.num_tokens - req.num_computed_tokens != 1 or req.wants_prompt_logprobs:
+            return []
+        if req.grammar is not None and req.in_reasoning:
+            return []  # the grammar's masks change where the reasoning ends: no drafts
+        return self.drafter.drafts(req, room, len(self.running))
+
     def _preempt(self, req: Request) -> None:
+        req.draft_token_ids = []
         self.kv.free_blocks(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -148,15 +201,17 @@ class Scheduler:
     def update(
         self,
         out: SchedulerOutput,
-        sampled: dict[str, int],
-        logprobs: dict[str, TokenLogprobs] | None = None,
+        sampled: Mapping[str, int | Sequence[int]],
+        logprobs: Mapping[str, TokenLogprobs | Sequence[TokenLogprobs]] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[TokenDelta]:
         """Advance the scheduled requests by what the step computed, append the sampled
         tokens (and, for constrained requests, the tokens their grammar forces next),
         finish requests that hit a stop condition, and describe it all. A sampled token
         of ``-1`` (a constrained row with nothing allowed) ends its request with an
-        error. ``prompt_logprobs[id]`` holds the scores of ``req.prompt_logprob_span(n)``."""
+        error. ``prompt_logprobs[id]`` holds the scores of ``req.prompt_logprob_span(n)``.
+        A request that carried drafts gets the list of tokens its verified rows emitted
+        (``speculative.accept``), and a list of logprobs, one per token."""
         deltas: list[TokenDelta] = []
         for req, n in out.scheduled:
             first, count = req.prompt_logprob_span(n)
@@ -164,7 +219,9 @@ class Scheduler:
             if count:
                 assert plp is not None and len(plp) == count, "prompt logprobs missing"
                 req.num_prompt_logprobs = first + count
-            req.num_computed_tokens += n
+            drafts, req.draft_token_ids = req.draft_token_ids, []
+            # with drafts, what was computed depends on how many are accepted (below)
+            req.num_computed_tokens += n - len(drafts) - 1 if drafts else n
             token = sampled.get(req.request_id)
             if token is None:  # a prefill chunk that does not sample
                 done = req.max_tokens == 0 and req.num_computed_tokens == req.num_tokens
@@ -178,23 +235,54 @@ class Scheduler:
                     )
                 continue
             lp = logprobs.get(req.request_id) if logprobs else None
-            if token < 0:
-                self._finish(req, "error")
-                deltas.append(
-                    TokenDelta(
-                        req.request_id,
-                        [],
-                        "error",
-                        None,
-                        req.num_cached_tokens,
-                        error=NO_TOKEN_ALLOWED,
-                    )
+            tokens = [token] if isinstance(token, int) else token
+            lp_rows = [lp] if isinstance(lp, TokenLogprobs) else lp
+            new, lps, reason, error, kept = self._append(req, tokens, lp_rows)
+            if drafts:  # the newest token and the accepted drafts are now computed
+                req.num_computed_tokens += kept
+                if self.drafter is not None:
+                    self.drafter.record(req, drafts, tokens[:kept])
+                if reason is None:  # blocks that held only rejected drafts go back
+                    self.kv.trim(req)
+            if reason is not None:
+                self._finish(req, reason)
+            deltas.append(
+                TokenDelta(
+                    req.request_id,
+                    new,
+                    reason,
+                    lps if new else None,
+                    req.num_cached_tokens,
+                    req.stop_reason,
+                    error,
+                    prompt_logprobs=plp,
                 )
-                continue
+            )
+        return deltas
+
+    def _append(
+        self, req: Request, tokens: Sequence[int], lp_rows: Sequence[TokenLogprobs] | None
+    ) -> tuple[list[int], list[TokenLogprobs] | None, FinishReason | None, str | None, int]:
+        """Append sampled ``tokens`` in turn, as that many decode steps would: stop at the
+        first that ends the request, or after the first whose grammar forces tokens
+        (appended too; the next step computes them). Returns the new tokens, their
+        logprobs, the finish reason, an error and how many of ``tokens`` were kept."""
+        new: list[int] = []
+        lps: list[TokenLogprobs] | None = [] if lp_rows is not None else None
+        reason: FinishReason | None = None
+        error: str | None = None
+        kept = 0
+        for j, token in enumerate(tokens):
+            if token < 0:
+                return new, lps, "error", NO_TOKEN_ALLOWED, kept
             req.token_ids.append(token)
             self.num_generation_tokens += 1
+            new.append(token)
+            kept += 1
+            if lps is not None and lp_rows is not None:
+                lps.append(lp_rows[j])
             reason = self._stop_reason(req, token)
-            new, lps, error = [token], [lp] if lp is not None else None, None
+            forced: list[int] = []
             if req.grammar is not None and self.grammar is not None:
                 forced, reason, error = self.grammar.advance(req, token, reason)
                 if forced:
@@ -203,21 +291,9 @@ class Scheduler:
                     new += forced
                     if lps is not None:
                         lps += forced_logprobs(forced, req.sampling.logprobs or 0)
-            if reason is not None:
-                self._finish(req, reason)
-            deltas.append(
-                TokenDelta(
-                    req.request_id,
-                    new,
-                    reason,
-                    lps,
-                    req.num_cached_tokens,
-                    req.stop_reason,
-                    error,
-                    prompt_logprobs=plp,
-                )
-            )
-        return deltas
+            if reason is not None or forced:
+                break
+        return new, lps, reason, error, kept
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
@@ -251,6 +327,9 @@ class Scheduler:
         self.kv.free_blocks(req)
         if self.grammar is not None:
             self.grammar.free(req)
+        if self.drafter is not None:
+            req.draft_token_ids = []
+            self.drafter.finish(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]

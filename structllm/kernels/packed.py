@@ -91,6 +91,9 @@ INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
 INT8_TYPES = frozenset({"Q4_0", "Q4_1"})
 
 
+ROW_KERNEL_ROWS = 4  # quant_linear.cpp's MT_Q: up to this many rows read each block once
+
+
 def block_mode(rows: int, int8_ok: bool = False) -> int:
     """The kernel path for ``rows`` rows of activations (``int8_ok``: the caller allows
     the int8 path, and the weights are of an ``INT8_TYPES`` type)."""

@@ -168,6 +168,24 @@ class Metrics:
             "Steps cut short between layers because every request in them was aborted.",
             stats.num_steps_cut,
         )
+        for name, doc, value in (
+            (
+                "num_drafts",
+                "Drafted chunks verified (speculative decoding).",
+                stats.spec_num_drafts,
+            ),
+            ("num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+            ("proposer_seconds", "Seconds spent proposing drafts.", stats.spec_propose_s),
+        ):
+            metric(f"structllm:spec_decode_{name}_total", "counter", doc, value)
+        name = "structllm:spec_decode_num_accepted_tokens_per_pos_total"
+        lines += [
+            f"# HELP {name} Draft tokens accepted, by position in the draft (0 first).",
+            f"# TYPE {name} counter",
+        ]
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            lines.append(f'{name}{{{lb},position="{pos}"}} {_num(n)}')
         metric(
             "structllm:engine_requests_aborted_total",
             "counter",

@@ -88,3 +88,44 @@ def test_a_cut_step_leaves_no_half_computed_block_in_the_prefix_cache(
     core.add_request(AddRequest("again", PROMPT, GREEDY))
     assert run_to_end(core, "again") == want
     assert core.kv.num_hit_tokens == 0
+
+
+def test_a_cut_step_with_drafts_drops_them_and_caches_nothing_of_it(tiny_llama_dir: Path) -> None:
+    """Speculative decoding: a decode step carrying drafts, cut short, drops the drafts;
+    the aborts then free everything, and no block of the cut step stays cached."""
+    from structllm.config import SpeculativeConfig
+
+    core = engine(tiny_llama_dir)
+    core.set_speculative(SpeculativeConfig(num_speculative_tokens=3, max_step_tokens=64))
+    drafter = core.scheduler.drafter
+    assert drafter is not None
+
+    class Fixed:
+        def propose(self, req: object, k: int) -> list[int]:
+            return [5, 6, 7][:k]
+
+        def finish(self, req: object) -> None:
+            pass
+
+    drafter.proposer = Fixed()
+    core.add_request(AddRequest("a", PROMPT, GREEDY))
+    core.step()  # the prompt; "a" now decodes
+    cached = dict(core.kv.cached)
+    scheduled: list[int] = []
+    execute = core.runner.execute
+
+    def recording(sched, between_layers=None):  # type: ignore[no-untyped-def]
+        scheduled.extend(n for _, n in sched.scheduled)
+        return execute(sched, between_layers)
+
+    core.runner.execute = recording  # type: ignore[method-assign]
+    batch = core.step(lambda: {"a"})
+    assert scheduled == [4]  # the newest token and 3 drafts
+    assert batch.outputs == [] and batch.stats.num_steps_cut == 1
+    req = core.scheduler.requests["a"]
+    assert req.draft_token_ids == []
+    core.abort(["a"])
+    assert {d.request_id: d.finish_reason for d in core.step().outputs} == {"a": "abort"}
+    assert core.kv.usage == 0.0
+    assert core.kv.cached == cached  # the cut step registered nothing that stayed
+    assert drafter.stats.num_drafts == 0  # nothing was verified

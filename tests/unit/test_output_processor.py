@@ -76,3 +76,26 @@ def test_engine_stop_token_and_cached_count_pass_through(tokenizer: Tokenizer) -
     u = seq.process([5], [lp], "stop", 2, 7)
     assert (u.finish_reason, u.stop_reason, u.logprobs) == ("stop", 2, [lp])
     assert seq.num_cached_tokens == 7 and seq.stop_reason == 2
+
+
+def test_stop_string_cuts_a_multi_token_delta_where_one_token_at_a_time_stops(
+    tokenizer: Tokenizer,
+) -> None:
+    """Several tokens in one delta (speculative decoding, grammar fast-forward): the
+    token ids, logprobs and text end at the token that completes the stop string, as
+    when the tokens come one per step."""
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    lps = [TokenLogprobs(-float(i), [], []) for i in range(len(ids))]
+    one_by_one = one(tokenizer, stop=[" three"], logprobs=0)
+    want = [
+        one_by_one.process([t], [lp], None, None, 0)
+        for t, lp in zip(ids, lps, strict=False)
+        if not one_by_one.finished
+    ]
+    seq = one(tokenizer, stop=[" three"], logprobs=0)
+    u = seq.process(ids, lps, None, None, 0)
+    assert u.finish_reason == "stop" and u.abort
+    assert u.text == "".join(w.text for w in want) == "one two"
+    assert u.token_ids == [t for w in want for t in w.token_ids] == ids[:3]
+    assert u.logprobs == lps[:3]
+    assert seq.token_ids == one_by_one.token_ids

@@ -1,0 +1,144 @@
+"""Speculative decoding's pure parts: the proposers, the acceptance walk, the drafting
+policy and the config."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from structllm.config import SpeculativeConfig, speculative_config
+from structllm.engine import speculative
+from structllm.engine.request import Request
+from structllm.engine.speculative import (
+    Drafter,
+    NgramIndex,
+    NgramProposer,
+    SuffixProposer,
+    accept,
+    ngram_draft,
+)
+from structllm.protocol import SamplingParams
+
+
+def req(
+    rid: str, tokens: list[int], prompt_len: int | None = None, max_tokens: int = 100
+) -> Request:
+    r = Request(rid, tokens[: prompt_len or len(tokens)], SamplingParams(), max_tokens)
+    r.token_ids += tokens[prompt_len or len(tokens) :]
+    return r
+
+
+def test_ngram_drafts_what_followed_the_latest_longest_match() -> None:
+    p = NgramProposer(2, 4)
+    # "5 6 7" occurs twice before the tail; the tail "9 5 6 7" matches the later one longer
+    tokens = [5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 8, 9, 5, 6, 7]
+    assert p.propose(req("a", tokens), 3) == [3, 4, 8]
+    assert ngram_draft(tokens, 3, 2, 4) == [3, 4, 8]
+    assert p.propose(req("b", [1, 2, 3, 4]), 3) == []  # no earlier occurrence
+
+
+def test_ngram_index_is_incremental() -> None:
+    p = NgramProposer(2, 3)
+    r = req("a", [1, 2, 3, 1, 2])
+    assert p.propose(r, 2) == [3, 1]
+    r.token_ids += [3, 7, 1, 2]  # "3 1 2" ... now "1 2" last followed by 3 at position 6? no:
+    # the tail "7 1 2" does not occur; "1 2" latest occurrence at 4..5 is followed by 3
+    assert p.propose(r, 2) == ngram_draft(r.token_ids, 2, 2, 3) == [3, 7]
+    p.finish(r)
+    assert p.indexes == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    k=st.integers(1, 6),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+)
+def test_ngram_index_equals_the_brute_force_search(
+    tokens: list[int], k: int, min_n: int, extra: int
+) -> None:
+    """With every candidate tried, the index finds what a scan finds; built in pieces,
+    the same as built at once."""
+    max_n = min_n + extra
+    index = NgramIndex(min_n, max_candidates=1 << 30)
+    for cut in (len(tokens) // 3, len(tokens)):
+        index.extend(tokens, cut)
+    m, i = index.match(tokens, tokens, max_n)
+    got = tokens[i : i + k] if m else []
+    assert got == ngram_draft(tokens, k, min_n, max_n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=80), k=st.integers(1, 5))
+def test_ngram_draft_continues_a_real_match(tokens: list[int], k: int) -> None:
+    """With the default candidate bound: a draft always follows an earlier occurrence of
+    at least the ``min_n`` tail."""
+    d = NgramProposer(2, 5).propose(req("a", tokens), k)
+    if d:
+        tail = tokens[-2:]
+        assert any(
+            tokens[i - 2 : i] == tail and tokens[i : i + len(d)] == d for i in range(2, len(tokens))
+        )
+
+
+def test_suffix_drafts_from_an_earlier_request() -> None:
+    p = SuffixProposer(2, 8, max_cached=2)
+    first = req("1", [1, 2, 3] + [10, 11, 12, 13, 14, 15, 16], prompt_len=3)
+    p.finish(first)
+    now = req("2", [4, 5, 6, 12, 13])  # 12 13 occurred in request 1's output
+    assert p.propose(now, 3) == [14, 15, 16]
+    # its own tokens win on an equal match: "12 13" in its own history, followed by 99
+    own = req("3", [12, 13, 99, 7, 12, 13])
+    assert p.propose(own, 2) == [99, 7]
+    for rid in ("4", "5"):  # two newer outputs push request 1 out
+        p.finish(req(rid, [0, 0, 0, 30, 31, 32], prompt_len=3))
+    assert p.propose(req("6", [4, 5, 6, 12, 13]), 3) == []
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_accept_walks_to_the_first_difference(k: int) -> None:
+    drafts = list(range(10, 10 + k))
+    assert accept([*drafts, 99], drafts) == [*drafts, 99]  # all accepted, plus one
+    assert accept([77, *drafts], drafts) == [77]  # none
+    for j in range(k):  # accepted up to j, the sampled token at j differs
+        rows = drafts[:j] + [50] + drafts[j + 1 :] + [99]
+        assert accept(rows, drafts) == [*drafts[:j], 50]
+    assert accept([5], []) == [5]
+
+
+def test_drafter_policy() -> None:
+    cfg = SpeculativeConfig(
+        num_speculative_tokens=4, disable_by_batch_size=2, min_acceptance=0.5, acceptance_window=4
+    )
+    d = Drafter(cfg)
+    r = req("a", [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=6, max_tokens=6)
+    assert d.drafts(r, room=10, num_running=1) == [3, 4, 5]  # max_tokens 6, 2 out: 3 drafts + 1
+    assert d.drafts(r, room=1, num_running=1) == [3]  # the step's budget
+    assert d.drafts(r, room=10, num_running=3) == []  # above disable_by_batch_size
+    d.record(r, [3, 4, 5], [3, 9])
+    assert (d.stats.num_drafts, d.stats.num_draft_tokens, d.stats.num_accepted_tokens) == (1, 3, 1)
+    assert d.stats.accepted_per_pos == [1, 0, 0, 0]
+    d.record(r, [3, 4, 5], [8])  # 1 of 6 accepted: below 0.5 over the window
+    assert d.drafts(r, room=10, num_running=1) == []
+    assert r.spec_resume_at == r.num_output_tokens + 16
+
+
+def test_config_from_json_and_errors() -> None:
+    c = speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
+    assert c == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
+    assert speculative_config({"method": "suffix"}) == SpeculativeConfig(method="suffix")
+    assert speculative_config(None) is None
+    for bad, words in [
+        ('{"method": "eagle"}', "method"),
+        ("{nope", "JSON"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"lookahead": 1}, "lookahead"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            speculative_config(bad)
+    assert speculative.make_proposer(SpeculativeConfig(method="suffix")).__class__ is SuffixProposer
