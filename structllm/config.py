@@ -52,6 +52,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       decode step each; the output is the same either way (see ``engine.grammar``).
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
+    - ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` (torchrun's names):
+      the tensor-parallel ranks spread over ``nnodes`` hosts, ``tensor_parallel_size //
+      nnodes`` on each. This engine is node 0: it hosts the process group's ``TCPStore``
+      at ``master_addr:master_port`` (which must be this host's address as the others
+      reach it) and rank 0; the other nodes run ``structllm run --node-rank R`` with the
+      same four settings (``engine.node``). ``node_addr``: the address this node's
+      collectives bind to (default ``master_addr`` on node 0). ``distributed_timeout``:
+      seconds any collective or step send may wait for another rank before the step
+      fails and the engine ends (a dead rank is usually noticed at once, by its closed
+      connections; the bound is for a host that vanishes).
     """
 
     model: str | None = None
@@ -75,6 +85,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tensor_parallel_size: int = 1
     grammar_fast_forward: bool = True
     trace: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    node_addr: str | None = None
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -107,6 +123,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
+                f"nnodes {self.nnodes} (the same number of ranks on every node)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError("several nodes need --master-port (the store's port on node 0)")
+        if self.distributed_timeout <= 0:
+            raise ValueError(
+                f"distributed_timeout must be positive, got {self.distributed_timeout}"
             )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(

@@ -6,8 +6,9 @@ offline ``LLM`` runs rank 0 inside the user's process, which may own a default g
 its own or hold several engines. Collectives are that backend's own (``allreduce``,
 ``gather``); nothing here reimplements one.
 
-Gloo binds its sockets to 127.0.0.1: every rank is on this machine, and nothing off it
-should be able to connect.
+Gloo binds its sockets to ``hostname``: 127.0.0.1 when every rank is on this machine
+(nothing off it should be able to connect), the node's own address when the ranks span
+several hosts.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def connect_group(
     world_size: int,
     device: torch.device,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    hostname: str = "127.0.0.1",
 ) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined through ``store``)."""
     prefixed = dist.PrefixStore("tp", store)
@@ -82,6 +84,6 @@ def connect_group(
         gloo: Any = dist.ProcessGroupGloo
         opts = gloo._Options()  # the run-time name; the stubs call it ``Options``
         opts._timeout = timeout
-        opts._devices = [gloo.create_device(hostname="127.0.0.1")]
+        opts._devices = [gloo.create_device(hostname=hostname)]
         backend = gloo(prefixed, rank, world_size, opts)
     return TensorParallelGroup(backend, rank, world_size, device)

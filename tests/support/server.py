@@ -149,10 +149,12 @@ class Server:
         )
 
 
-def open_stream(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+def open_stream(
+    port: int, path: str, body: dict[str, Any], host: str = "127.0.0.1"
+) -> socket.socket:
     """Send a request on a raw socket (to disconnect at will); returns the socket."""
     data = json.dumps(body).encode()
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection((host, port))
     s.sendall(
         (
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
