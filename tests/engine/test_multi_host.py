@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from structllm import LLM
-from tests.engine.test_tensor_parallel import PROMPTS, assert_same_greedy
-from tests.support.models import EXACT, make_tiny_hf_dir
+from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as, make_tiny_hf_dir
 from tests.support.procs import HANG_S, ROOT, alive, children, python_env, wait_for
 from tests.support.server import Server, free_port, open_stream, read_until
 
@@ -71,7 +70,7 @@ def test_tp2_across_two_hosts_matches_one_process(tiny: str) -> None:
             **engine_kw,  # type: ignore[arg-type]
         ) as tp:
             assert tp.engine.workers is not None and tp.engine.workers.pids == []  # no local worker
-            assert_same_greedy(ref, tp, PROMPTS + [PROMPTS[1]], logprob_atol=1e-4)
+            assert_same_greedy_as(ref, tp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
         # the engine closed: node 1's rank exits and the node waits for the next engine
         wait_for(lambda: not children(proc.pid), "node 1's rank outlived the engine")
         assert proc.poll() is None
