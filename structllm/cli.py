@@ -95,6 +95,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="split the model over this many processes (gloo on CPU, NCCL on CUDA)",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d("pipeline_parallel_size"),
+        help="split the model's layers into this many stages, one process each",
+    )
+    p.add_argument(
         "--nnodes",
         type=int,
         default=d("nnodes"),
@@ -158,6 +165,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         attention_backend=a.attention_backend,
         grammar_fast_forward=not a.no_grammar_fast_forward,
         trace=a.trace,
+        pipeline_parallel_size=a.pipeline_parallel_size,
         nnodes=a.nnodes,
         node_rank=a.node_rank,
         master_addr=a.master_addr,

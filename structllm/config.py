@@ -52,9 +52,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       decode step each; the output is the same either way (see ``engine.grammar``).
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
+    - ``pipeline_parallel_size``: split the decoder layers into this many stages, one
+      process each (``model.stages``); each step's residual stream goes from stage to
+      stage, the last sends the logits to rank 0, which samples. Not combined with
+      ``tensor_parallel_size`` yet, and one batch in flight at a time.
     - ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` (torchrun's names):
-      the tensor-parallel ranks spread over ``nnodes`` hosts, ``tensor_parallel_size //
-      nnodes`` on each. This engine is node 0: it hosts the process group's ``TCPStore``
+      the ranks (tensor-parallel or pipeline stages) spread over ``nnodes`` hosts,
+      ``ranks // nnodes`` on each. This engine is node 0: it hosts the process group's ``TCPStore``
       at ``master_addr:master_port`` (which must be this host's address as the others
       reach it) and rank 0; the other nodes run ``structllm run --node-rank R`` with the
       same four settings (``engine.node``). ``node_addr``: the address this node's
@@ -85,6 +89,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tensor_parallel_size: int = 1
     grammar_fast_forward: bool = True
     trace: str | None = None
+    pipeline_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -124,10 +129,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+        if self.pipeline_parallel_size < 1:
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of "
-                f"nnodes {self.nnodes} (the same number of ranks on every node)"
+                f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}"
+            )
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet"
+            )
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes < 1 or ranks % self.nnodes:
+            raise ValueError(
+                f"the ranks (tensor_parallel_size x pipeline_parallel_size = {ranks}) must be "
+                f"a multiple of nnodes {self.nnodes} (the same number of ranks on every node)"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")

@@ -29,7 +29,7 @@ from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
-from structllm.engine.runner import ModelRunner
+from structllm.engine.runner import ModelRunner, PipelineLinks
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
 from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
@@ -39,6 +39,7 @@ from structllm.model.files import ModelFiles
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
+from structllm.model.stages import stage_layers
 from structllm.protocol import (
     Abort,
     AddRequest,
@@ -73,8 +74,12 @@ class EngineCore:
         plan = (
             plan_shards(mcfg, world)[0] if world > 1 else None
         )  # a model that cannot be split fails here
-        self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
-        self.dtype = setup_device(config, self.device, world)
+        # pipeline stages (rank 0 is stage 0): as early, a model with too few layers
+        self.stages = 1 if config.null_model else config.pipeline_parallel_size
+        self.layers = stage_layers(mcfg.num_layers, self.stages, 0) if self.stages > 1 else None
+        ranks = world * self.stages
+        self.device = resolve_device(config) if ranks == 1 else worker_device(config, 0)
+        self.dtype = setup_device(config, self.device, ranks)
         fmt = None
         if (
             not config.null_model
@@ -126,14 +131,24 @@ class EngineCore:
         this rank's shard while they load theirs). Returns the group, if any."""
         config, mcfg = self.config, self.files.config
         group: TensorParallelGroup | None = None
-        if plan is not None:
+        ranks = (plan.world_size if plan is not None else 1) * self.stages
+        if ranks > 1:
             positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
-            self.workers = WorkerPool(config, plan.world_size, ring_capacity_for(config, positions))
+            self.workers = WorkerPool(config, ranks, ring_capacity_for(config, positions))
             group = self.workers.connect(self.device)
+        self._group = group
         if config.null_model:
             self.model = None
         else:
-            self.model = load_rank_model(self.files, config, self.device, self.dtype, plan, group)
+            self.model = load_rank_model(
+                self.files,
+                config,
+                self.device,
+                self.dtype,
+                plan,
+                group if plan is not None else None,  # the layers' all-reduces: TP only
+                self.layers,
+            )
         if self.workers is not None:
             self.workers.wait_loaded()
         return group
@@ -142,7 +157,9 @@ class EngineCore:
         """``num_blocks`` (the same on every rank) and ``max_model_len``."""
         config, mcfg = self.config, self.files.config
         heads = plan.num_kv_heads if plan else mcfg.num_kv_heads
-        self.num_blocks = local_num_blocks(config, self.device, self.kv_dtype, mcfg, heads)
+        self.num_blocks = local_num_blocks(
+            config, self.device, self.kv_dtype, mcfg, heads, len(self.layers or ())
+        )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
         capacity = self.num_blocks * config.block_size
@@ -168,10 +185,13 @@ class EngineCore:
         runner = ModelRunner(
             self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype
         )
+        if self.stages > 1:
+            assert self._group is not None
+            runner.pp = PipelineLinks(self._group, 0, self.stages)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
-            and plan is None  # collectives are not captured in the decode graphs
+            and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)

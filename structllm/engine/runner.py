@@ -29,6 +29,7 @@ from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.kernels.attention import AttentionMetadata
+from structllm.model.collectives import TensorParallelGroup
 from structllm.model.llama import LlamaModel
 from structllm.protocol import StepInput, TokenLogprobs
 
@@ -85,6 +86,17 @@ def batch_from_step(
     )
 
 
+@dataclass(frozen=True)
+class PipelineLinks:
+    """This rank's place in the pipeline: stage ``stage`` of ``num_stages`` (rank ==
+    stage: pipeline parallelism runs without tensor parallelism for now), and the group
+    the stages send to each other on."""
+
+    group: TensorParallelGroup
+    stage: int
+    num_stages: int
+
+
 class ModelRunner:
     """Runs the model on one rank. Rank 0 (``sampler`` set) also lays out and samples
     each step; ``broadcast``, when set, hands each step's ``StepInput`` to the other
@@ -116,8 +128,9 @@ class ModelRunner:
                 torch.zeros(k_shape, dtype=dtype, device=self.device),
                 torch.zeros(shape, dtype=dtype, device=self.device),
             )
-            for _ in range(cfg.num_layers)
+            for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
         ]
+        self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
         # attention rows a step may have when short chunks of generated tokens are laid
@@ -231,6 +244,8 @@ class ModelRunner:
     ) -> Tensor | None:
         """The forward pass of ``batch`` on this rank, as ``run`` (on a worker the logits
         are its vocabulary slice, already gathered to rank 0)."""
+        if self.pp is not None:
+            return self._forward_stage(self.pp, batch, sink)
         with torch.inference_mode():
             hidden = None
             if self.decode_graphs is not None:
@@ -243,6 +258,46 @@ class ModelRunner:
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):  # the same slices on every rank
                 logits = self.model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
+                if sink is None:
+                    parts.append(logits)
+                else:
+                    sink(a, logits)
+            if not parts:
+                return None
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _forward_stage(
+        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None
+    ) -> Tensor | None:
+        """One pipeline stage's share of ``forward``: receive the residual stream from
+        the stage before (``[T, hidden]``, one message), run this stage's layers, send it
+        on; the last stage computes the logits slices and sends them to rank 0, which
+        takes them as ``forward`` would have computed them."""
+        model, rows = self.model, batch.step.logit_rows
+        with torch.inference_mode():
+            hidden_in = None
+            if pp.stage > 0:
+                hidden_in = torch.empty(
+                    (len(batch.input_ids), model.cfg.hidden_size),
+                    dtype=model.norm.dtype,
+                    device=self.device,
+                )
+                pp.group.recv(hidden_in, pp.stage - 1)
+            hidden = model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, None, hidden_in
+            )
+            if pp.stage < pp.num_stages - 1:
+                pp.group.send(hidden, pp.stage + 1)
+            parts: list[Tensor] = []
+            for a in range(0, len(rows), LOGIT_SLICE):
+                n = len(rows[a : a + LOGIT_SLICE])
+                if pp.stage == pp.num_stages - 1:  # the last stage (never rank 0 here)
+                    pp.group.send(model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]]), 0)
+                    continue
+                if pp.stage != 0:
+                    continue
+                logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
+                pp.group.recv(logits, pp.num_stages - 1)
                 if sink is None:
                     parts.append(logits)
                 else:

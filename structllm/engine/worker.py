@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from structllm.config import EngineConfig
 from structllm.engine.device import load_rank_model, local_num_blocks, setup_device, worker_device
-from structllm.engine.runner import ModelRunner, batch_from_step
+from structllm.engine.runner import ModelRunner, PipelineLinks, batch_from_step
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing
 from structllm.ipc.broadcast_channel import Subscriber
@@ -43,6 +43,7 @@ from structllm.model.collectives import TensorParallelGroup, connect_group
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import plan_shards
+from structllm.model.stages import stage_layers
 from structllm.protocol import PROTOCOL_VERSION, StepInput, StopWorker, ToWorker, WorkerLaunch
 
 log = logging.getLogger("structllm.worker")
@@ -103,7 +104,10 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
     device = worker_device(config, launch.rank)
     files = prepare_model(config.model)
-    plan = plan_shards(files.config, launch.world_size)[launch.rank]
+    stages = config.pipeline_parallel_size  # > 1: this rank is a stage, with no TP shard
+    tp = launch.world_size // stages
+    plan = plan_shards(files.config, tp)[launch.rank] if tp > 1 else None
+    layers = stage_layers(files.config.num_layers, stages, launch.rank) if stages > 1 else None
     dtype = setup_device(config, device, launch.world_size)
     store.set(f"joined/{launch.rank}", "")
     group = connect_group(
@@ -111,7 +115,9 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     )
     try:
         try:
-            model = load_rank_model(files, config, device, dtype, plan, group)
+            model = load_rank_model(
+                files, config, device, dtype, plan, group if plan else None, layers
+            )
         except Exception as e:
             store.set(
                 f"failed/{launch.rank}",
@@ -119,13 +125,15 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
             )
             raise
         store.set(f"loaded/{launch.rank}", "")
-        kv_dtype = resolve_kv_cache_dtype(
-            config, device, resolve_format(config, device, files, launch.world_size)
-        )
+        kv_dtype = resolve_kv_cache_dtype(config, device, resolve_format(config, device, files, tp))
+        heads = plan.num_kv_heads if plan else files.config.num_kv_heads
         num_blocks = group.all_reduce_min(
-            local_num_blocks(config, device, kv_dtype, files.config, plan.num_kv_heads)
+            local_num_blocks(config, device, kv_dtype, files.config, heads, len(layers or ()))
         )
-        return ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype), group
+        runner = ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype)
+        if layers is not None:
+            runner.pp = PipelineLinks(group, launch.rank, stages)
+        return runner, group
     except BaseException:
         group.close()
         raise

@@ -58,6 +58,14 @@ class TensorParallelGroup:
         self._pg.gather([], [t], opts).wait()
         return None
 
+    def send(self, t: Tensor, dst: int) -> None:
+        """``t`` to rank ``dst`` (a pipeline stage's hidden states or logits)."""
+        self._pg.send([t.contiguous()], dst, 0).wait()
+
+    def recv(self, t: Tensor, src: int) -> None:
+        """Fill ``t`` from rank ``src`` (bounded by the group's timeout)."""
+        self._pg.recv([t], src, 0).wait()
+
     def close(self) -> None:
         """Drop the backend. Explicitly, not at interpreter teardown: a gloo group whose
         peer died aborts the process (``std::terminate``) if it is destroyed that late."""

@@ -108,3 +108,32 @@ def test_a_killed_rank_ends_the_engine_and_the_server_restarts_it(tiny: str) -> 
             assert code == 200, data
     finally:
         stop(proc)
+
+
+def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    with LLM(tiny, pipeline_parallel_size=2, **engine_kw) as pp:  # type: ignore[arg-type]
+        assert pp.engine.layers is not None and len(pp.engine.runner.kv_caches) == len(  # type: ignore[union-attr]
+            pp.engine.layers
+        )
+        assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
+
+
+def test_pp2_across_two_hosts_matches_one_process(tiny: str) -> None:
+    port = free_port(MASTER)
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    proc = node(port)
+    try:
+        with LLM(
+            tiny,
+            pipeline_parallel_size=2,
+            nnodes=2,
+            master_addr=MASTER,
+            master_port=port,
+            **engine_kw,  # type: ignore[arg-type]
+        ) as pp:
+            assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
+    finally:
+        stop(proc)
