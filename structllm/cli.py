@@ -127,6 +127,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="the address this node's collectives bind to (default: --master-addr on node 0)",
     )
     p.add_argument(
+        "--distributed-executor-backend",
+        default=d("distributed_executor_backend"),
+        choices=["mp", "ray"],
+        help="mp: the engine spawns its ranks (and --nnodes); ray: ranks 1..N-1 are actors on "
+        "the Ray cluster this host is part of (pip install 'structllm[ray]')",
+    )
+    p.add_argument(
         "--distributed-timeout",
         type=float,
         default=d("distributed_timeout"),
@@ -172,6 +179,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         master_port=a.master_port,
         node_addr=a.node_addr,
         distributed_timeout=a.distributed_timeout,
+        distributed_executor_backend=a.distributed_executor_backend,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import msgspec
 
 GiB = 1 << 30
@@ -66,6 +68,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       seconds any collective or step send may wait for another rank before the step
       fails and the engine ends (a dead rank is usually noticed at once, by its closed
       connections; the bound is for a host that vanishes).
+    - ``distributed_executor_backend``: ``"mp"`` (the engine spawns its ranks, and other
+      nodes run ``engine.node``) or ``"ray"`` (ranks 1..N-1 are Ray actors in a placement
+      group of an existing Ray cluster, ``engine.ray_executor``; needs ``pip install
+      'structllm[ray]'``).
     """
 
     model: str | None = None
@@ -96,6 +102,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     master_port: int = 0
     node_addr: str | None = None
     distributed_timeout: float = 60.0
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -147,6 +154,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             raise ValueError("several nodes need --master-port (the store's port on node 0)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be mp or ray, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "ray":
+            if not module_available("ray"):
+                raise ValueError(
+                    "distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                    "pip install 'structllm[ray]'"
+                )
+            if self.nnodes > 1:
+                raise ValueError("with the ray backend Ray places the ranks: drop --nnodes")
         if self.distributed_timeout <= 0:
             raise ValueError(
                 f"distributed_timeout must be positive, got {self.distributed_timeout}"
@@ -156,6 +176,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "attention_backend must be auto, torch, cpu or triton, "
                 f"got {self.attention_backend!r}"
             )
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
 
 
 def engine_default(name: str) -> object:

@@ -94,6 +94,7 @@ class _Resources:
         self.store: dist.TCPStore | None = None
         self.listener: socket.socket | None = None  # rank 0's step listener (several nodes)
         self.remotes: list[StepSender] = []  # one per rank on another node
+        self.ray: Any = None  # ray_executor.RayRanks, with the ray backend
 
     def release(self) -> None:
         try:
@@ -116,6 +117,9 @@ class _Resources:
             for remote in self.remotes:
                 remote.close()
             self.remotes = []
+            if self.ray is not None:
+                self.ray.close()
+                self.ray = None
             if self.listener is not None:
                 self.listener.close()
                 self.listener = None
@@ -153,11 +157,20 @@ class WorkerPool:
     ) -> None:
         self.world_size = world_size
         self.config = config
-        # ranks on this host: all of them, or the first of ``nnodes`` equal parts
-        self.local_size = world_size // config.nnodes
-        self.node_addr = (
-            "127.0.0.1" if config.nnodes == 1 else (config.node_addr or config.master_addr)
-        )
+        self.publish_s = 0.0  # seconds spent handing steps to the workers (benchmarks)
+        # ranks on this host: all of them, or the first of ``nnodes`` equal parts; with
+        # Ray, only rank 0 (the others are actors wherever Ray places them)
+        self.ray = config.distributed_executor_backend == "ray"
+        self.local_size = 1 if self.ray else world_size // config.nnodes
+        self.distributed = self.ray or config.nnodes > 1
+        if self.ray:
+            from structllm.engine.ray_executor import node_ip
+
+            self.node_addr = node_ip()
+        elif config.nnodes > 1:
+            self.node_addr = config.node_addr or config.master_addr
+        else:
+            self.node_addr = "127.0.0.1"
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
         try:
@@ -170,15 +183,21 @@ class WorkerPool:
         res = self._res
         n = self.local_size - 1  # workers on this host
         res.store = dist.TCPStore(
-            config.master_addr if config.nnodes > 1 else "127.0.0.1",
+            self.node_addr
+            if self.ray
+            else config.master_addr
+            if config.nnodes > 1
+            else "127.0.0.1",
             config.master_port if config.nnodes > 1 else 0,
             self.world_size,
             is_master=True,
             wait_for_workers=False,
             timeout=STARTUP_TIMEOUT,
         )
-        if config.nnodes > 1:
+        if self.distributed:
             self._listen(config)
+        if self.ray:
+            self._start_actors(config, res.store.port)
         if n == 0:
             return
         size = broadcast_ring_size(capacity, n)
@@ -222,6 +241,31 @@ class WorkerPool:
         for fd in (shm_fd, pipe_r):
             res.fds.remove(fd)
             os.close(fd)
+
+    def _start_actors(self, config: EngineConfig, store_port: int) -> None:
+        from structllm.engine.ray_executor import RayRanks
+
+        launches = [
+            WorkerLaunch(
+                protocol_version=PROTOCOL_VERSION,
+                config=msgspec.to_builtins(config),
+                rank=rank,
+                world_size=self.world_size,
+                store_port=store_port,
+                shm_fd=-1,
+                shm_size=0,
+                ring_capacity=0,
+                bell_fd=-1,
+                writer_bell_fd=-1,
+                parent_pipe_fd=-1,
+                parent_pid=os.getpid(),
+                die_with_parent=False,
+                remote=True,
+                master_addr=self.node_addr,
+            )
+            for rank in range(1, self.world_size)
+        ]
+        self._res.ray = RayRanks(launches)
 
     def _listen(self, config: EngineConfig) -> None:
         """Several nodes: rank 0's step listener, and what the other nodes' ranks read
@@ -331,6 +375,13 @@ class WorkerPool:
 
     def publish(self, step: StepInput) -> None:
         """Send one step to every worker (waits while the slowest one catches up)."""
+        t0 = time.perf_counter()
+        try:
+            self._publish(step)
+        finally:
+            self.publish_s += time.perf_counter() - t0
+
+    def _publish(self, step: StepInput) -> None:
         res = self._res
         if res.store is None:
             raise WorkerDied(

@@ -14,6 +14,7 @@ several hosts.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -30,13 +31,16 @@ class TensorParallelGroup:
         # ``Any``: torch's stubs declare the collectives on ``ProcessGroup`` only, while the
         # backend objects (which have them at run time) are typed as bare ``Backend``s.
         self._pg: Any = backend
+        self.comm_s = 0.0  # seconds spent in collectives, sends and receives (benchmarks)
         self.rank = rank
         self.world_size = world_size
         self.device = device
 
     def all_reduce(self, t: Tensor) -> None:
         """Sum ``t`` over all ranks, in place (``t`` must be contiguous)."""
+        t0 = time.perf_counter()
         self._pg.allreduce([t]).wait()
+        self.comm_s += time.perf_counter() - t0
 
     def all_reduce_min(self, value: int) -> int:
         """The smallest ``value`` of any rank (for agreeing on sizes at start-up)."""
@@ -51,20 +55,28 @@ class TensorParallelGroup:
         elsewhere."""
         opts = dist.GatherOptions()
         opts.rootRank = 0
-        if self.rank == 0:
-            out = [torch.empty_like(t) for _ in range(self.world_size)]
-            self._pg.gather([out], [t], opts).wait()
-            return out
-        self._pg.gather([], [t], opts).wait()
-        return None
+        t0 = time.perf_counter()
+        try:
+            if self.rank == 0:
+                out = [torch.empty_like(t) for _ in range(self.world_size)]
+                self._pg.gather([out], [t], opts).wait()
+                return out
+            self._pg.gather([], [t], opts).wait()
+            return None
+        finally:
+            self.comm_s += time.perf_counter() - t0
 
     def send(self, t: Tensor, dst: int) -> None:
         """``t`` to rank ``dst`` (a pipeline stage's hidden states or logits)."""
+        t0 = time.perf_counter()
         self._pg.send([t.contiguous()], dst, 0).wait()
+        self.comm_s += time.perf_counter() - t0
 
     def recv(self, t: Tensor, src: int) -> None:
         """Fill ``t`` from rank ``src`` (bounded by the group's timeout)."""
+        t0 = time.perf_counter()
         self._pg.recv([t], src, 0).wait()
+        self.comm_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Drop the backend. Explicitly, not at interpreter teardown: a gloo group whose
