@@ -56,8 +56,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``structllm.trace``); ``None``: off.
     - ``pipeline_parallel_size``: split the decoder layers into this many stages, one
       process each (``model.stages``); each step's residual stream goes from stage to
-      stage, the last sends the logits to rank 0, which samples. Not combined with
-      ``tensor_parallel_size`` yet, and one batch in flight at a time.
+      stage, the last sends the logits to rank 0, which samples; one batch in flight at a
+      time. With ``tensor_parallel_size`` T too, each stage is T ranks (rank = stage * T
+      + TP rank), tensor-parallel among themselves.
     - ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` (torchrun's names):
       the ranks (tensor-parallel or pipeline stages) spread over ``nnodes`` hosts,
       ``ranks // nnodes`` on each. This engine is node 0: it hosts the process group's ``TCPStore``
@@ -139,10 +140,6 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}"
-            )
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "pipeline_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet"
             )
         ranks = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.nnodes < 1 or ranks % self.nnodes:

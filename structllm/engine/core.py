@@ -137,6 +137,10 @@ class EngineCore:
             self.workers = WorkerPool(config, ranks, ring_capacity_for(config, positions))
             group = self.workers.connect(self.device)
         self._group = group
+        tp_group = group if plan is not None else None  # the layers' all-reduces: TP only
+        if plan is not None and self.stages > 1:  # TP inside each stage: a group per stage
+            assert self.workers is not None
+            tp_group = self.workers.connect_stage(self.device, 0, 0, plan.world_size)
         if config.null_model:
             self.model = None
         else:
@@ -146,7 +150,7 @@ class EngineCore:
                 self.device,
                 self.dtype,
                 plan,
-                group if plan is not None else None,  # the layers' all-reduces: TP only
+                tp_group,
                 self.layers,
             )
         if self.workers is not None:
@@ -187,7 +191,8 @@ class EngineCore:
         )
         if self.stages > 1:
             assert self._group is not None
-            runner.pp = PipelineLinks(self._group, 0, self.stages)
+            tp = config.tensor_parallel_size
+            runner.pp = PipelineLinks(self._group, 0, self.stages, 0, tp)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager

@@ -88,13 +88,25 @@ def batch_from_step(
 
 @dataclass(frozen=True)
 class PipelineLinks:
-    """This rank's place in the pipeline: stage ``stage`` of ``num_stages`` (rank ==
-    stage: pipeline parallelism runs without tensor parallelism for now), and the group
-    the stages send to each other on."""
+    """This rank's place in the pipeline: stage ``stage`` of ``num_stages``, tensor-parallel
+    rank ``tp_rank`` of the stage's ``tp_size`` (global rank ``stage * tp_size +
+    tp_rank``), and the group of all ranks the stages send to each other on. Each rank
+    sends its (all-reduced, so full) residual stream to the same TP rank of the next
+    stage; the last stage's TP rank 0 holds the gathered logits and sends them to rank 0."""
 
     group: TensorParallelGroup
     stage: int
     num_stages: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def rank_of(self, stage: int) -> int:
+        """This rank's counterpart (same TP rank) in ``stage``."""
+        return stage * self.tp_size + self.tp_rank
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
 
 
 class ModelRunner:
@@ -282,22 +294,24 @@ class ModelRunner:
                     dtype=model.norm.dtype,
                     device=self.device,
                 )
-                pp.group.recv(hidden_in, pp.stage - 1)
+                pp.group.recv(hidden_in, pp.rank_of(pp.stage - 1))
             hidden = model(
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta, None, hidden_in
             )
-            if pp.stage < pp.num_stages - 1:
-                pp.group.send(hidden, pp.stage + 1)
+            if not pp.last:
+                pp.group.send(hidden, pp.rank_of(pp.stage + 1))
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
                 n = len(rows[a : a + LOGIT_SLICE])
-                if pp.stage == pp.num_stages - 1:  # the last stage (never rank 0 here)
-                    pp.group.send(model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]]), 0)
+                if pp.last:  # (never rank 0 here) every TP rank computes, TP rank 0 sends
+                    logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
+                    if pp.tp_rank == 0:
+                        pp.group.send(logits, 0)
                     continue
-                if pp.stage != 0:
+                if pp.stage != 0 or pp.tp_rank != 0:
                     continue
                 logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
-                pp.group.recv(logits, pp.num_stages - 1)
+                pp.group.recv(logits, (pp.num_stages - 1) * pp.tp_size)
                 if sink is None:
                     parts.append(logits)
                 else:

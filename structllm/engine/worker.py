@@ -104,20 +104,31 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
     device = worker_device(config, launch.rank)
     files = prepare_model(config.model)
-    stages = config.pipeline_parallel_size  # > 1: this rank is a stage, with no TP shard
+    stages = config.pipeline_parallel_size  # > 1: rank = stage * tp + tp_rank
     tp = launch.world_size // stages
-    plan = plan_shards(files.config, tp)[launch.rank] if tp > 1 else None
-    layers = stage_layers(files.config.num_layers, stages, launch.rank) if stages > 1 else None
+    stage, tp_rank = divmod(launch.rank, tp)
+    plan = plan_shards(files.config, tp)[tp_rank] if tp > 1 else None
+    layers = stage_layers(files.config.num_layers, stages, stage) if stages > 1 else None
     dtype = setup_device(config, device, launch.world_size)
     store.set(f"joined/{launch.rank}", "")
     group = connect_group(
         store, launch.rank, launch.world_size, device, timeout=timeout, hostname=launch.node_addr
     )
+    stage_group: TensorParallelGroup | None = None
     try:
-        try:
-            model = load_rank_model(
-                files, config, device, dtype, plan, group if plan else None, layers
+        tp_group = group if plan else None
+        if plan is not None and stages > 1:  # TP inside each stage: a group per stage
+            tp_group = stage_group = connect_group(
+                store,
+                tp_rank,
+                tp,
+                device,
+                timeout=timeout,
+                hostname=launch.node_addr,
+                prefix=f"stage{stage}",
             )
+        try:
+            model = load_rank_model(files, config, device, dtype, plan, tp_group, layers)
         except Exception as e:
             store.set(
                 f"failed/{launch.rank}",
@@ -132,10 +143,13 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
         )
         runner = ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype)
         if layers is not None:
-            runner.pp = PipelineLinks(group, launch.rank, stages)
+            runner.pp = PipelineLinks(group, stage, stages, tp_rank, tp)
+        group.also_close = stage_group  # closed with the group, see TensorParallelGroup.close
         return runner, group
     except BaseException:
         group.close()
+        if stage_group is not None:
+            stage_group.close()
         raise
 
 

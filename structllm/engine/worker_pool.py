@@ -91,6 +91,7 @@ class _Resources:
         self.ring: BroadcastRing | None = None
         self.publisher: Publisher | None = None
         self.group: TensorParallelGroup | None = None
+        self.stage_group: TensorParallelGroup | None = None  # TP inside rank 0's stage
         self.store: dist.TCPStore | None = None
         self.listener: socket.socket | None = None  # rank 0's step listener (several nodes)
         self.remotes: list[StepSender] = []  # one per rank on another node
@@ -136,9 +137,10 @@ class _Resources:
         for remote in self.remotes:
             with contextlib.suppress(OSError):  # a rank that is gone
                 remote.send(stop)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        for g in (self.group, self.stage_group):
+            if g is not None:
+                g.close()
+        self.group = self.stage_group = None
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for child in self.children:
             try:
@@ -297,6 +299,22 @@ class WorkerPool:
             hostname=self.node_addr,
         )
         self._res.group = group
+        return group
+
+    def connect_stage(
+        self, device: torch.device, stage: int, tp_rank: int, tp_size: int
+    ) -> TensorParallelGroup:
+        """The tensor-parallel group of pipeline stage ``stage`` (after ``connect``)."""
+        group = connect_group(
+            self._store(),
+            tp_rank,
+            tp_size,
+            device,
+            timeout=datetime.timedelta(seconds=self.config.distributed_timeout),
+            hostname=self.node_addr,
+            prefix=f"stage{stage}",
+        )
+        self._res.stage_group = group
         return group
 
     def _accept_remotes(self) -> None:

@@ -32,6 +32,7 @@ class TensorParallelGroup:
         # backend objects (which have them at run time) are typed as bare ``Backend``s.
         self._pg: Any = backend
         self.comm_s = 0.0  # seconds spent in collectives, sends and receives (benchmarks)
+        self.also_close: TensorParallelGroup | None = None  # a stage's TP group, on a worker
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -82,6 +83,9 @@ class TensorParallelGroup:
         """Drop the backend. Explicitly, not at interpreter teardown: a gloo group whose
         peer died aborts the process (``std::terminate``) if it is destroyed that late."""
         self._pg = None
+        if self.also_close is not None:
+            self.also_close.close()
+            self.also_close = None
 
 
 def connect_group(
@@ -91,9 +95,10 @@ def connect_group(
     device: torch.device,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     hostname: str = "127.0.0.1",
+    prefix: str = "tp",
 ) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined through ``store``)."""
-    prefixed = dist.PrefixStore("tp", store)
+    prefixed = dist.PrefixStore(prefix, store)  # several groups may share one store
     backend: Any
     if device.type == "cuda":
         nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch

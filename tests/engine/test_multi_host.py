@@ -137,3 +137,17 @@ def test_pp2_across_two_hosts_matches_one_process(tiny: str) -> None:
             assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
     finally:
         stop(proc)
+
+
+def test_tp2_x_pp2_matches_one_process(tiny: str) -> None:
+    """4 ranks: two stages of two tensor-parallel ranks (rank = stage * 2 + TP rank)."""
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    with LLM(
+        tiny,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        **engine_kw,  # type: ignore[arg-type]
+    ) as split:
+        assert split.engine.workers is not None and len(split.engine.workers.pids) == 3
+        assert_same_greedy_as(ref, split, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
