@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -231,6 +232,8 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
         ("PP=2 two hosts", {"pipeline_parallel_size": 2}, True),
     ]
     for name, extra, two_hosts in runs:
+        if extra:  # two ranks share this machine's cores, wherever "hosts" they are on
+            extra = {**extra, "num_threads": max(1, len(os.sched_getaffinity(0)) // 2)}
         node = None
         if two_hosts:
             port = free_port("127.0.0.2")

@@ -79,7 +79,7 @@ class EngineCore:
         self.layers = stage_layers(mcfg.num_layers, self.stages, 0) if self.stages > 1 else None
         ranks = world * self.stages
         self.device = resolve_device(config) if ranks == 1 else worker_device(config, 0)
-        self.dtype = setup_device(config, self.device, ranks)
+        self.dtype = setup_device(config, self.device, ranks // config.nnodes)  # this host's
         fmt = None
         if (
             not config.null_model

@@ -109,7 +109,7 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     stage, tp_rank = divmod(launch.rank, tp)
     plan = plan_shards(files.config, tp)[tp_rank] if tp > 1 else None
     layers = stage_layers(files.config.num_layers, stages, stage) if stages > 1 else None
-    dtype = setup_device(config, device, launch.world_size)
+    dtype = setup_device(config, device, launch.world_size // config.nnodes)  # this host's
     store.set(f"joined/{launch.rank}", "")
     group = connect_group(
         store, launch.rank, launch.world_size, device, timeout=timeout, hostname=launch.node_addr
