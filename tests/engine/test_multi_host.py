@@ -78,12 +78,15 @@ def test_tp2_across_two_hosts_matches_one_process(tiny: str) -> None:
         stop(proc)
 
 
-def test_a_killed_rank_ends_the_engine_and_the_server_restarts_it(tiny: str) -> None:
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_a_killed_rank_ends_the_engine_and_the_server_restarts_it(tiny: str, split: str) -> None:
+    """TP: rank 0 waits in an all-reduce with rank 1; PP: in the receive of the logits
+    from rank 1, the last stage. Either way the wait ends when rank 1's connections close."""
     port = free_port(MASTER)
     proc = node(port)
     try:
         with Server(
-            tiny, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", MASTER,
+            tiny, split, "2", "--nnodes", "2", "--master-addr", MASTER,
             "--master-port", str(port), "--kv-cache-memory", "8M", host=MASTER,
         ) as s:  # fmt: skip
             code, _ = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
