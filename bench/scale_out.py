@@ -192,7 +192,7 @@ def step_times(llm: LLM, batch: int, steps: int) -> dict[str, float]:
     sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm
     eng = llm.engine
-    group, workers = eng._group, eng.workers
+    group, workers = eng.group, eng.workers
     comm0 = group.comm_s if group else 0.0
     pub0 = workers.publish_s if workers else 0.0
     s0 = eng.num_steps

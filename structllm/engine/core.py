@@ -136,7 +136,7 @@ class EngineCore:
             positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
             self.workers = WorkerPool(config, ranks, ring_capacity_for(config, positions))
             group = self.workers.connect(self.device)
-        self._group = group
+        self.group = group  # all ranks (pipeline sends, start-up agreement); None alone
         tp_group = group if plan is not None else None  # the layers' all-reduces: TP only
         if plan is not None and self.stages > 1:  # TP inside each stage: a group per stage
             assert self.workers is not None
@@ -190,9 +190,9 @@ class EngineCore:
             self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype
         )
         if self.stages > 1:
-            assert self._group is not None
+            assert self.group is not None
             tp = config.tensor_parallel_size
-            runner.pp = PipelineLinks(self._group, 0, self.stages, 0, tp)
+            runner.pp = PipelineLinks(self.group, 0, self.stages, 0, tp)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager

@@ -427,6 +427,12 @@ class WorkerPool:
             [c.pidfd for c in self._res.children] + [r.fileno() for r in self._res.remotes]
         )
 
+    def ray_bundle_nodes(self) -> list[str]:
+        """With the ray backend: the Ray node id of each rank's bundle, in rank order."""
+        assert self._res.ray is not None, "not the ray backend"
+        nodes: list[str] = self._res.ray.bundle_nodes()
+        return nodes
+
     @property
     def pids(self) -> list[int]:
         return [c.pid for c in self._res.children]

@@ -60,6 +60,6 @@ def test_tp2_over_ray_actors_on_two_nodes_matches_one_process(
     with LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **engine_kw) as tp:
         workers = tp.engine.workers
         assert workers is not None and workers.pids == []  # no process of ours: an actor
-        nodes = workers._res.ray.bundle_nodes()
+        nodes = workers.ray_bundle_nodes()
         assert len(set(nodes)) == 2  # one bundle per rank, on the cluster's two nodes
         assert_same_greedy_as(ref, tp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
