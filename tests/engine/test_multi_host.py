@@ -13,13 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from structllm import LLM
-from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as, make_tiny_hf_dir
+from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as
 from tests.support.procs import HANG_S, ROOT, alive, children, python_env, wait_for
 from tests.support.server import Server, free_port, open_stream, read_until
 
@@ -51,8 +50,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture
-def tiny(tmp_path: Path, default_files) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    yield str(make_tiny_hf_dir(tmp_path, default_files, "llama"))
+def tiny(tiny_llama_dir: Path) -> str:
+    return str(tiny_llama_dir)
 
 
 def test_tp2_across_two_hosts_matches_one_process(tiny: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from structllm import LLM
-from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as, make_tiny_hf_dir
+from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as
 from tests.support.procs import ROOT, python_env
 
 
@@ -52,9 +52,9 @@ def ray_cluster() -> Iterator[Any]:
 
 
 def test_tp2_over_ray_actors_on_two_nodes_matches_one_process(
-    ray_cluster: Any, tmp_path: Path, default_files: Any
+    ray_cluster: Any, tiny_llama_dir: Path
 ) -> None:
-    tiny = str(make_tiny_hf_dir(tmp_path, default_files, "llama"))
+    tiny = str(tiny_llama_dir)
     engine_kw: dict[str, Any] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
     ref = LLM(tiny, **engine_kw)
     with LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **engine_kw) as tp:
