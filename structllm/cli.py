@@ -95,6 +95,51 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="split the model over this many processes (gloo on CPU, NCCL on CUDA)",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=d("pipeline_parallel_size"),
+        help="split the model's layers into this many stages, one process each",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=d("nnodes"),
+        help="hosts the tensor-parallel ranks span (torchrun's name; docs/deploy.md)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=d("node_rank"),
+        help="this host's index: 0 serves HTTP and runs rank 0, the others only ranks",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=d("master_addr"),
+        help="node 0's address, where the process group's store listens",
+    )
+    p.add_argument(
+        "--master-port", type=int, default=d("master_port"), help="the store's port on node 0"
+    )
+    p.add_argument(
+        "--node-addr",
+        default=None,
+        help="the address this node's collectives bind to (default: --master-addr on node 0)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        default=d("distributed_executor_backend"),
+        choices=["mp", "ray"],
+        help="mp: the engine spawns its ranks (and --nnodes); ray: ranks 1..N-1 are actors on "
+        "the Ray cluster this host is part of (pip install 'structllm[ray]')",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=d("distributed_timeout"),
+        help="seconds a collective or step send may wait for another rank",
+    )
+    p.add_argument(
         "--no-grammar-fast-forward",
         action="store_true",
         help="decode tokens a grammar forces one step each (default: append them in one step)",
@@ -147,6 +192,14 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         grammar_fast_forward=not a.no_grammar_fast_forward,
         speculative_config=a.speculative_config,
         trace=a.trace,
+        pipeline_parallel_size=a.pipeline_parallel_size,
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        node_addr=a.node_addr,
+        distributed_timeout=a.distributed_timeout,
+        distributed_executor_backend=a.distributed_executor_backend,
     )
 
 
@@ -170,6 +223,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    if a.node_rank > 0:  # a node that only runs ranks (no HTTP): engine/node.py
+        from structllm.engine.node import run_node
+
+        return run_node(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.node_addr)
     from structllm.config import EngineConfig
     from structllm.server.config import ServerConfig
     from structllm.server.serve import run

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import msgspec
 
 GiB = 1 << 30
@@ -142,6 +144,25 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``speculative_config``: speculative decoding (``SpeculativeConfig``); ``None``: off.
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
+    - ``pipeline_parallel_size``: split the decoder layers into this many stages, one
+      process each (``model.stages``); each step's residual stream goes from stage to
+      stage, the last sends the logits to rank 0, which samples; one batch in flight at a
+      time. With ``tensor_parallel_size`` T too, each stage is T ranks (rank = stage * T
+      + TP rank), tensor-parallel among themselves.
+    - ``nnodes``, ``node_rank``, ``master_addr``, ``master_port`` (torchrun's names):
+      the ranks (tensor-parallel or pipeline stages) spread over ``nnodes`` hosts,
+      ``ranks // nnodes`` on each. This engine is node 0: it hosts the process group's ``TCPStore``
+      at ``master_addr:master_port`` (which must be this host's address as the others
+      reach it) and rank 0; the other nodes run ``structllm run --node-rank R`` with the
+      same four settings (``engine.node``). ``node_addr``: the address this node's
+      collectives bind to (default ``master_addr`` on node 0). ``distributed_timeout``:
+      seconds any collective or step send may wait for another rank before the step
+      fails and the engine ends (a dead rank is usually noticed at once, by its closed
+      connections; the bound is for a host that vanishes).
+    - ``distributed_executor_backend``: ``"mp"`` (the engine spawns its ranks, and other
+      nodes run ``engine.node``) or ``"ray"`` (ranks 1..N-1 are Ray actors in a placement
+      group of an existing Ray cluster, ``engine.ray_executor``; needs ``pip install
+      'structllm[ray]'``).
     """
 
     model: str | None = None
@@ -166,6 +187,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     grammar_fast_forward: bool = True
     speculative_config: SpeculativeConfig | None = None
     trace: str | None = None
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    node_addr: str | None = None
+    distributed_timeout: float = 60.0
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -199,11 +228,50 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}"
+            )
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes < 1 or ranks % self.nnodes:
+            raise ValueError(
+                f"the ranks (tensor_parallel_size x pipeline_parallel_size = {ranks}) must be "
+                f"a multiple of nnodes {self.nnodes} (the same number of ranks on every node)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError("several nodes need --master-port (the store's port on node 0)")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be mp or ray, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "ray":
+            if not module_available("ray"):
+                raise ValueError(
+                    "distributed_executor_backend 'ray' needs Ray, which is not installed: "
+                    "pip install 'structllm[ray]'"
+                )
+            if self.nnodes > 1:
+                raise ValueError("with the ray backend Ray places the ranks: drop --nnodes")
+        if self.distributed_timeout <= 0:
+            raise ValueError(
+                f"distributed_timeout must be positive, got {self.distributed_timeout}"
+            )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
                 "attention_backend must be auto, torch, cpu or triton, "
                 f"got {self.attention_backend!r}"
             )
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
 
 
 def engine_default(name: str) -> object:

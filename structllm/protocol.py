@@ -387,3 +387,9 @@ class WorkerLaunch(msgspec.Struct, frozen=True):
     parent_pid: int
     die_with_parent: bool = True
     spin_us: float = 50.0
+    # A rank on another host than rank 0 (``engine.node``): no ring (``shm_fd`` and the
+    # doorbells are -1); it meets the store at ``master_addr`` and gets its steps over
+    # TCP; its collectives bind to ``node_addr``.
+    remote: bool = False
+    master_addr: str = "127.0.0.1"
+    node_addr: str = "127.0.0.1"

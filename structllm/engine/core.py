@@ -29,7 +29,7 @@ from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
-from structllm.engine.runner import ModelRunner
+from structllm.engine.runner import ModelRunner, PipelineLinks
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
 from structllm.engine.speculative import Drafter, SpecStats
@@ -41,6 +41,7 @@ from structllm.model.files import ModelFiles
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
+from structllm.model.stages import stage_layers
 from structllm.protocol import (
     Abort,
     AddRequest,
@@ -75,8 +76,12 @@ class EngineCore:
         plan = (
             plan_shards(mcfg, world)[0] if world > 1 else None
         )  # a model that cannot be split fails here
-        self.device = resolve_device(config) if world == 1 else worker_device(config, 0)
-        self.dtype = setup_device(config, self.device, world)
+        # pipeline stages (rank 0 is stage 0): as early, a model with too few layers
+        self.stages = 1 if config.null_model else config.pipeline_parallel_size
+        self.layers = stage_layers(mcfg.num_layers, self.stages, 0) if self.stages > 1 else None
+        ranks = world * self.stages
+        self.device = resolve_device(config) if ranks == 1 else worker_device(config, 0)
+        self.dtype = setup_device(config, self.device, ranks // config.nnodes)  # this host's
         fmt = None
         if (
             not config.null_model
@@ -146,14 +151,28 @@ class EngineCore:
         this rank's shard while they load theirs). Returns the group, if any."""
         config, mcfg = self.config, self.files.config
         group: TensorParallelGroup | None = None
-        if plan is not None:
+        ranks = (plan.world_size if plan is not None else 1) * self.stages
+        if ranks > 1:
             positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
-            self.workers = WorkerPool(config, plan.world_size, ring_capacity_for(config, positions))
+            self.workers = WorkerPool(config, ranks, ring_capacity_for(config, positions))
             group = self.workers.connect(self.device)
+        self.group = group  # all ranks (pipeline sends, start-up agreement); None alone
+        tp_group = group if plan is not None else None  # the layers' all-reduces: TP only
+        if plan is not None and self.stages > 1:  # TP inside each stage: a group per stage
+            assert self.workers is not None
+            tp_group = self.workers.connect_stage(self.device, 0, 0, plan.world_size)
         if config.null_model:
             self.model = None
         else:
-            self.model = load_rank_model(self.files, config, self.device, self.dtype, plan, group)
+            self.model = load_rank_model(
+                self.files,
+                config,
+                self.device,
+                self.dtype,
+                plan,
+                tp_group,
+                self.layers,
+            )
         if self.workers is not None:
             self.workers.wait_loaded()
         return group
@@ -162,7 +181,9 @@ class EngineCore:
         """``num_blocks`` (the same on every rank) and ``max_model_len``."""
         config, mcfg = self.config, self.files.config
         heads = plan.num_kv_heads if plan else mcfg.num_kv_heads
-        self.num_blocks = local_num_blocks(config, self.device, self.kv_dtype, mcfg, heads)
+        self.num_blocks = local_num_blocks(
+            config, self.device, self.kv_dtype, mcfg, heads, len(self.layers or ())
+        )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
         capacity = self.num_blocks * config.block_size
@@ -188,10 +209,14 @@ class EngineCore:
         runner = ModelRunner(
             self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype
         )
+        if self.stages > 1:
+            assert self.group is not None
+            tp = config.tensor_parallel_size
+            runner.pp = PipelineLinks(self.group, 0, self.stages, 0, tp)
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
-            and plan is None  # collectives are not captured in the decode graphs
+            and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)

@@ -92,11 +92,18 @@ def local_num_blocks(
     kv_dtype: torch.dtype,
     mcfg: ModelConfig,
     num_kv_heads: int,
+    num_layers: int | None = None,
 ) -> int:
-    """KV blocks that fit this process's budget with ``num_kv_heads`` heads cached in
+    """KV blocks that fit this process's budget with ``num_kv_heads`` heads of
+    ``num_layers`` layers (default: all; a pipeline stage caches its own) cached in
     ``kv_dtype`` (a float16 cache holds twice the blocks of a float32 one)."""
     block_bytes = (
-        2 * mcfg.num_layers * num_kv_heads * mcfg.head_dim * config.block_size * kv_dtype.itemsize
+        2
+        * (num_layers or mcfg.num_layers)
+        * num_kv_heads
+        * mcfg.head_dim
+        * config.block_size
+        * kv_dtype.itemsize
     )
     return kv_budget(config, device) // block_bytes
 
@@ -108,11 +115,12 @@ def load_rank_model(
     dtype: torch.dtype,
     plan: ShardPlan | None,
     group: TensorParallelGroup | None,
+    layers: range | None = None,
 ) -> LlamaModel:
-    """The model (with ``plan``: this rank's shard, joined to ``group``) with its
-    attention kernels."""
+    """The model (with ``plan``: this rank's shard, joined to ``group``; with ``layers``:
+    a pipeline stage's layers) with its attention kernels."""
     fmt = resolve_format(config, device, files, plan.world_size if plan else 1)
-    model = load_model(files, dtype, device, plan, fmt)
+    model = load_model(files, dtype, device, plan, fmt, layers)
     model.tp = group
     model.attn_impl = get_attention_impl(
         config.attention_backend,

@@ -30,6 +30,7 @@ from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.engine.speculative import DraftRow, SampleRow, accept
 from structllm.kernels.attention import AttentionMetadata
+from structllm.model.collectives import TensorParallelGroup
 from structllm.model.llama import LlamaModel
 from structllm.protocol import StepInput, TokenLogprobs
 
@@ -91,6 +92,29 @@ def batch_from_step(
     )
 
 
+@dataclass(frozen=True)
+class PipelineLinks:
+    """This rank's place in the pipeline: stage ``stage`` of ``num_stages``, tensor-parallel
+    rank ``tp_rank`` of the stage's ``tp_size`` (global rank ``stage * tp_size +
+    tp_rank``), and the group of all ranks the stages send to each other on. Each rank
+    sends its (all-reduced, so full) residual stream to the same TP rank of the next
+    stage; the last stage's TP rank 0 holds the gathered logits and sends them to rank 0."""
+
+    group: TensorParallelGroup
+    stage: int
+    num_stages: int
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def rank_of(self, stage: int) -> int:
+        """This rank's counterpart (same TP rank) in ``stage``."""
+        return stage * self.tp_size + self.tp_rank
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
 class ModelRunner:
     """Runs the model on one rank. Rank 0 (``sampler`` set) also lays out and samples
     each step; ``broadcast``, when set, hands each step's ``StepInput`` to the other
@@ -122,8 +146,9 @@ class ModelRunner:
                 torch.zeros(k_shape, dtype=dtype, device=self.device),
                 torch.zeros(shape, dtype=dtype, device=self.device),
             )
-            for _ in range(cfg.num_layers)
+            for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
         ]
+        self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
         # attention rows a step may have when short chunks of generated tokens are laid
@@ -246,6 +271,8 @@ class ModelRunner:
     ) -> Tensor | None:
         """The forward pass of ``batch`` on this rank, as ``run`` (on a worker the logits
         are its vocabulary slice, already gathered to rank 0)."""
+        if self.pp is not None:
+            return self._forward_stage(self.pp, batch, sink)
         with torch.inference_mode():
             hidden = None
             if self.decode_graphs is not None:
@@ -258,6 +285,48 @@ class ModelRunner:
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):  # the same slices on every rank
                 logits = self.model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
+                if sink is None:
+                    parts.append(logits)
+                else:
+                    sink(a, logits)
+            if not parts:
+                return None
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _forward_stage(
+        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None
+    ) -> Tensor | None:
+        """One pipeline stage's share of ``forward``: receive the residual stream from
+        the stage before (``[T, hidden]``, one message), run this stage's layers, send it
+        on; the last stage computes the logits slices and sends them to rank 0, which
+        takes them as ``forward`` would have computed them."""
+        model, rows = self.model, batch.step.logit_rows
+        with torch.inference_mode():
+            hidden_in = None
+            if pp.stage > 0:
+                hidden_in = torch.empty(
+                    (len(batch.input_ids), model.cfg.hidden_size),
+                    dtype=model.norm.dtype,
+                    device=self.device,
+                )
+                pp.group.recv(hidden_in, pp.rank_of(pp.stage - 1))
+            hidden = model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, None, hidden_in
+            )
+            if not pp.last:
+                pp.group.send(hidden, pp.rank_of(pp.stage + 1))
+            parts: list[Tensor] = []
+            for a in range(0, len(rows), LOGIT_SLICE):
+                n = len(rows[a : a + LOGIT_SLICE])
+                if pp.last:  # (never rank 0 here) every TP rank computes, TP rank 0 sends
+                    logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
+                    if pp.tp_rank == 0:
+                        pp.group.send(logits, 0)
+                    continue
+                if pp.stage != 0 or pp.tp_rank != 0:
+                    continue
+                logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
+                pp.group.recv(logits, (pp.num_stages - 1) * pp.tp_size)
                 if sink is None:
                     parts.append(logits)
                 else:

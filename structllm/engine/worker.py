@@ -9,6 +9,11 @@ It dies with rank 0: ``PR_SET_PDEATHSIG`` when rank 0 spawned it from its main t
 and in any case a thread blocked on the parent-death pipe, which exits the process at
 EOF (rank 0 gone), whatever the main thread is doing (loading, a collective, sleeping).
 A failed collective (rank 0 or another worker died) raises out of the loop: exit 1.
+
+A rank on another host than rank 0 (``launch.remote``, started by ``engine.node``) has
+no ring: it reads the configuration from the store at ``master_addr``, connects to rank
+0's step listener and gets its steps as frames over that connection
+(``ipc.step_stream``); the connection's EOF means rank 0 is gone or stopped it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -26,16 +32,18 @@ import torch.distributed as dist
 
 from structllm.config import EngineConfig
 from structllm.engine.device import load_rank_model, local_num_blocks, setup_device, worker_device
-from structllm.engine.runner import ModelRunner, batch_from_step
+from structllm.engine.runner import ModelRunner, PipelineLinks, batch_from_step
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing
 from structllm.ipc.broadcast_channel import Subscriber
 from structllm.ipc.channel import Doorbell, SpinBudget, spin_window, wake_latency
 from structllm.ipc.parent import ParentGone, die_with_parent
+from structllm.ipc.step_stream import StreamClosed, connect, recv_frame
 from structllm.model.collectives import TensorParallelGroup, connect_group
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import plan_shards
+from structllm.model.stages import stage_layers
 from structllm.protocol import PROTOCOL_VERSION, StepInput, StopWorker, ToWorker, WorkerLaunch
 
 log = logging.getLogger("structllm.worker")
@@ -76,19 +84,51 @@ def worker_loop(
         runner.forward(batch_from_step(msg, runner.device), sink=_discard)
 
 
+def remote_loop(runner: ModelRunner, sock: socket.socket, timeout: float) -> int:
+    """The step loop of a rank on another host. Returns 0 at ``StopWorker`` or EOF."""
+    decoder = msgspec.msgpack.Decoder(ToWorker)
+    while True:
+        try:
+            msg = decoder.decode(recv_frame(sock, lambda: None, timeout))
+        except StreamClosed:
+            return 0
+        if isinstance(msg, StopWorker):
+            return 0
+        runner.forward(batch_from_step(msg, runner.device), sink=_discard)
+
+
 def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, TensorParallelGroup]:
     """Join the group, load this rank's shard, size the KV cache with the other ranks.
     A load error is also left in the store for rank 0 to report."""
     config = msgspec.convert(launch.config, EngineConfig)
+    timeout = datetime.timedelta(seconds=config.distributed_timeout)
     device = worker_device(config, launch.rank)
     files = prepare_model(config.model)
-    plan = plan_shards(files.config, launch.world_size)[launch.rank]
-    dtype = setup_device(config, device, launch.world_size)
+    stages = config.pipeline_parallel_size  # > 1: rank = stage * tp + tp_rank
+    tp = launch.world_size // stages
+    stage, tp_rank = divmod(launch.rank, tp)
+    plan = plan_shards(files.config, tp)[tp_rank] if tp > 1 else None
+    layers = stage_layers(files.config.num_layers, stages, stage) if stages > 1 else None
+    dtype = setup_device(config, device, launch.world_size // config.nnodes)  # this host's
     store.set(f"joined/{launch.rank}", "")
-    group = connect_group(store, launch.rank, launch.world_size, device)
+    group = connect_group(
+        store, launch.rank, launch.world_size, device, timeout=timeout, hostname=launch.node_addr
+    )
+    stage_group: TensorParallelGroup | None = None
     try:
+        tp_group = group if plan else None
+        if plan is not None and stages > 1:  # TP inside each stage: a group per stage
+            tp_group = stage_group = connect_group(
+                store,
+                tp_rank,
+                tp,
+                device,
+                timeout=timeout,
+                hostname=launch.node_addr,
+                prefix=f"stage{stage}",
+            )
         try:
-            model = load_rank_model(files, config, device, dtype, plan, group)
+            model = load_rank_model(files, config, device, dtype, plan, tp_group, layers)
         except Exception as e:
             store.set(
                 f"failed/{launch.rank}",
@@ -96,15 +136,20 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
             )
             raise
         store.set(f"loaded/{launch.rank}", "")
-        kv_dtype = resolve_kv_cache_dtype(
-            config, device, resolve_format(config, device, files, launch.world_size)
-        )
+        kv_dtype = resolve_kv_cache_dtype(config, device, resolve_format(config, device, files, tp))
+        heads = plan.num_kv_heads if plan else files.config.num_kv_heads
         num_blocks = group.all_reduce_min(
-            local_num_blocks(config, device, kv_dtype, files.config, plan.num_kv_heads)
+            local_num_blocks(config, device, kv_dtype, files.config, heads, len(layers or ()))
         )
-        return ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype), group
+        runner = ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype)
+        if layers is not None:
+            runner.pp = PipelineLinks(group, stage, stages, tp_rank, tp)
+        group.also_close = stage_group  # closed with the group, see TensorParallelGroup.close
+        return runner, group
     except BaseException:
         group.close()
+        if stage_group is not None:
+            stage_group.close()
         raise
 
 
@@ -135,13 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     except ParentGone:
         return 0
     exit_when_parent_goes(launch.parent_pipe_fd)
+    if launch.remote:
+        return run_remote(launch)
     mapping = shm.attach(launch.shm_fd, launch.shm_size)
     os.close(launch.shm_fd)
-    ring = BroadcastRing(mapping, launch.ring_capacity, launch.world_size - 1)
+    ring = BroadcastRing(mapping, launch.ring_capacity, launch.world_size // _nnodes(launch) - 1)
     bell, writer_bell = Doorbell(launch.bell_fd), Doorbell(launch.writer_bell_fd)
     sub: Subscriber[ToWorker] = Subscriber(ring, launch.rank - 1, bell, writer_bell, ToWorker)
     store = dist.TCPStore(
-        "127.0.0.1", launch.store_port, launch.world_size, is_master=False, timeout=STORE_TIMEOUT
+        launch.master_addr,
+        launch.store_port,
+        launch.world_size,
+        is_master=False,
+        timeout=STORE_TIMEOUT,
     )
     group: TensorParallelGroup | None = None
     try:
@@ -157,14 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParentGone:
         return 0
     except Exception as e:
-        # Usually a collective that failed because another rank died: rank 0 reports that.
-        log.error(
-            "worker %d failed: %s",
-            launch.rank,
-            "".join(traceback.format_exception_only(type(e), e)).strip(),
-        )
-        log.debug("traceback", exc_info=True)
-        return 1
+        return _failed(launch, e)
     finally:
         if group is not None:
             group.close()  # before interpreter teardown, see TensorParallelGroup.close
@@ -172,6 +216,46 @@ def main(argv: list[str] | None = None) -> int:
         mapping.close()
         bell.close()
         writer_bell.close()
+
+
+def _nnodes(launch: WorkerLaunch) -> int:
+    return int(launch.config.get("nnodes", 1))  # type: ignore[call-overload]
+
+
+def _failed(launch: WorkerLaunch, e: Exception) -> int:
+    # Usually a collective that failed because another rank died: rank 0 reports that.
+    log.error(
+        "worker %d failed: %s",
+        launch.rank,
+        "".join(traceback.format_exception_only(type(e), e)).strip(),
+    )
+    log.debug("traceback", exc_info=True)
+    return 1
+
+
+def run_remote(launch: WorkerLaunch) -> int:
+    """A rank on another host: the store and the steps over TCP (no ring)."""
+    store = dist.TCPStore(
+        launch.master_addr,
+        launch.store_port,
+        launch.world_size,
+        is_master=False,
+        timeout=STORE_TIMEOUT,
+    )
+    config = msgspec.convert(launch.config, EngineConfig)
+    group: TensorParallelGroup | None = None
+    sock: socket.socket | None = None
+    try:
+        sock = connect(store.get("structllm/step_addr").decode(), launch.rank, 60.0)
+        runner, group = start(launch, store)
+        return remote_loop(runner, sock, config.distributed_timeout)
+    except Exception as e:
+        return _failed(launch, e)
+    finally:
+        if group is not None:
+            group.close()
+        if sock is not None:
+            sock.close()
 
 
 if __name__ == "__main__":

@@ -192,17 +192,24 @@ class LlamaModel(nn.Module):
     With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""
 
     def __init__(
-        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, plan: ShardPlan | None = None
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        plan: ShardPlan | None = None,
+        layers: range | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.plan = plan
+        # the decoder layers held here: all, or a pipeline stage's (``model.stages``);
+        # ``self.layers[i]`` is the model's layer ``layer_range[i]``
+        self.layer_range = layers if layers is not None else range(cfg.num_layers)
         self.tp: TensorParallelGroup | None = None
         vocab = len(plan.vocab) if plan else cfg.vocab_size
         self.embed_tokens = nn.Parameter(
             torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan) for _ in self.layer_range)
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
@@ -239,14 +246,22 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None = None,
+        hidden: Tensor | None = None,
     ) -> Tensor:
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
-        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer).
+        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer held).
+
+        A pipeline stage after the first starts from ``hidden`` (the previous stage's
+        residual stream ``[T, hidden]``) instead of the embedding; a stage before the last
+        returns its residual stream, without the final norm.
 
         ``between_layers`` is called after every ``CHECK_EVERY`` layers; it may raise to cut
         the step short, whose K/V writes then cover only the layers run so far."""
         tp = self.tp
-        if tp is not None:
+        last = self.layer_range.stop == self.cfg.num_layers
+        if hidden is not None:
+            x = hidden
+        elif tp is not None:
             x = self._embed_slice(input_ids, tp)
         elif isinstance(self.embed_tokens, BlockWeight):
             x = self.embed_tokens.rows(input_ids)  # only the looked-up rows are dequantised
@@ -262,12 +277,16 @@ class LlamaModel(nn.Module):
                     between_layers()
                 fused = cast(DecoderLayer, layer).forward_fused
                 delta = fused(x, delta, rope_pairs, kc, vc, meta, self.attn_impl, tp, ops)
+            if not last:
+                return x if delta is None else x + delta
             return ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)
         rope = table[positions].unsqueeze(1)  # [T, 1, D/2]
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
             x = layer(x, rope, kc, vc, meta, self.attn_impl, tp)
+        if not last:
+            return x
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
     def use_cpu_ops(self) -> bool:

@@ -235,9 +235,11 @@ def load_model(
     device: torch.device,
     plan: ShardPlan | None = None,
     fmt: WeightFormat | None = None,
+    layers: range | None = None,
 ) -> LlamaModel:
-    """A ``LlamaModel`` with its weights (one rank's shard with ``plan``), ready for
-    inference, its matmul weights held as ``fmt`` says (default: plain ``dtype``); a
+    """A ``LlamaModel`` with its weights (one rank's shard with ``plan``; only the
+    decoder ``layers`` of a pipeline stage, renumbered from 0, with ``layers``), ready
+    for inference, its matmul weights held as ``fmt`` says (default: plain ``dtype``); a
     sharded model still needs its ``tp`` group set."""
     import torch
 
@@ -251,11 +253,27 @@ def load_model(
             weights = shard_weights(weights, files.config, plan)
     else:
         weights = dict(load_weights(files, dtype, device, plan))
+    if layers is not None:
+        weights = stage_weights(weights, layers)
     with torch.device("meta"):
-        model = LlamaModel(files.config, dtype, plan)
+        model = LlamaModel(files.config, dtype, plan, layers)
     model.assign_weights(weights)
     del weights
     model.pack_weights(fmt.half if fmt is not None else "none")
     if fmt is not None and not fmt.exact:
         model.use_cpu_ops()
     return model.eval()
+
+
+def stage_weights(weights: dict[str, Any], layers: range) -> dict[str, Any]:
+    """The weights a pipeline stage holds: its decoder layers' (``layers.{i}.*`` for i in
+    ``layers``, renamed ``layers.{i - layers.start}.*``) and every non-layer weight."""
+    out: dict[str, Any] = {}
+    for name, w in weights.items():
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            if int(index) not in layers:
+                continue
+            name = f"layers.{int(index) - layers.start}.{rest}"
+        out[name] = w
+    return out

@@ -23,9 +23,9 @@ from typing import Any, TypeVar, TypeVarTuple
 import anyio
 
 from structllm import __version__
-from structllm.client import EngineClient
+from structllm.client import EngineClient, EngineDeadError
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import EngineStats, StructuredOutputs
+from structllm.protocol import EngineStats, SamplingParams, StructuredOutputs
 from structllm.server import requests as rq
 from structllm.server.config import ServerConfig
 from structllm.server.errors import APIError, ClientGone
@@ -50,6 +50,7 @@ Send = Callable[[Message], Awaitable[None]]
 Ts = TypeVarTuple("Ts")
 R = TypeVar("R")
 TOKENIZER_THREADS = 2  # concurrent chat-template renders and tokenizations per process
+HEALTH_GENERATE_TIMEOUT_S = 60.0  # a generous bound: the token queues behind running steps
 
 
 class App:
@@ -96,11 +97,19 @@ class App:
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
+            # what routers in front of replicas probe (vllm-router, sglang-router)
+            ("GET", "/health_generate"): self.health_generate,
+            ("GET", "/get_load"): self.get_load,
+            ("GET", "/get_model_info"): self.get_model_info,
+            ("GET", "/get_server_info"): self.get_server_info,
         }
         # the chat page (server/webui.py): public files, served from memory
         self.static: dict[str, StaticFile] = load_files() if config.web_ui else {}
         for route in self.static:
             self.routes["GET", route] = self.static_file
+        # Set on SIGTERM: /health answers 503 so a router stops sending new requests
+        # here, while the requests in flight (and any that still arrive) are served.
+        self.draining = False
 
     # -- ASGI --------------------------------------------------------------------------
 
@@ -245,6 +254,8 @@ class App:
 
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine()
+        if self.draining:
+            raise APIError(503, "the server is stopping", type="service_unavailable")
         await send_json(send, 200, {"status": "ok"})
 
     async def static_file(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -252,6 +263,75 @@ class App:
         f = self.static[scope["path"].rstrip("/") or "/"]
         await send({"type": "http.response.start", "status": 200, "headers": f.headers})
         await send({"type": "http.response.body", "body": f.body})
+
+    async def health_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Healthy only if the engine generates: one greedy token of a one-token prompt
+        (SGLang's ``/health_generate``, which its router forwards to a worker)."""
+        client = self.engine()
+        if self.draining:
+            raise APIError(503, "the server is stopping", type="service_unavailable")
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            with anyio.move_on_after(HEALTH_GENERATE_TIMEOUT_S) as scope_:
+                async with client.request(client.new_request_id("health"), [0], sp) as stream:
+                    while not stream.finished:
+                        await stream.get()
+        except EngineDeadError as e:
+            raise APIError(
+                503, f"the engine is not available: {e}", type="service_unavailable"
+            ) from e
+        if scope_.cancelled_caught:
+            raise APIError(
+                503,
+                f"the engine did not generate a token within {HEALTH_GENERATE_TIMEOUT_S:.0f}s",
+                type="service_unavailable",
+            )
+        await send_json(send, 200, {"status": "ok"})
+
+    async def get_load(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The load a router balances by (its ``/get_loads``, ``power_of_two``): requests
+        running or waiting in the engine, as of its last step."""
+        stats = self.engine().stats
+        await send_json(
+            send,
+            200,
+            {
+                "load": stats.num_running + stats.num_waiting,
+                "num_running_reqs": stats.num_running,
+                "num_waiting_reqs": stats.num_waiting,
+            },
+        )
+
+    async def get_model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(
+            send,
+            200,
+            {
+                "model_path": self.model_name,
+                "tokenizer_path": self.model_name,
+                "is_generation": True,
+            },
+        )
+
+    async def get_server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The settings a router or an operator may want to see (SGLang's
+        ``/get_server_info`` carries its server arguments; these are ours)."""
+        client = self.engine()
+        engine = self.config.engine
+        await send_json(
+            send,
+            200,
+            {
+                "version": __version__,
+                "model_path": self.model_name,
+                "served_model_name": self.model_name,
+                "max_model_len": client.ready.max_model_len,
+                "block_size": engine.block_size,
+                "enable_prefix_caching": engine.enable_prefix_caching,
+                "tensor_parallel_size": engine.tensor_parallel_size,
+                "api_server_count": self.config.api_server_count,
+            },
+        )
 
     async def openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, openapi_document(__version__))

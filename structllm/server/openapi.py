@@ -64,7 +64,16 @@ def openapi_document(version: str) -> dict[str, Any]:
                 },
             }
         }
-    for path in ("/v1/models", "/health", "/version"):
+    # the last four: what routers in front of replicas read (SGLang's names)
+    for path in (
+        "/v1/models",
+        "/health",
+        "/version",
+        "/health_generate",
+        "/get_load",
+        "/get_model_info",
+        "/get_server_info",
+    ):
         paths[path] = {"get": {"responses": {"200": ok, "503": error}}}
     paths["/v1/models/{model}"] = {
         "get": {

@@ -405,6 +405,11 @@ async def serve_http(
                 await app.drained()
             tg.cancel_scope.cancel()
 
+        async def mark_draining() -> None:
+            await stop.wait()
+            app.draining = True  # /health: 503 while the requests in flight finish
+
+        tg.start_soon(mark_draining)
         if config.backend == "trio":
             tg.start_soon(drain_then_close)
         try:

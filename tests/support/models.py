@@ -187,3 +187,25 @@ def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[s
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# Prompts and greedy settings for comparing a split engine (tensor- or pipeline-parallel,
+# on one host or several) with one process: a short prompt, a chunked one, one token.
+SPLIT_PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7], list(range(500, 900, 7))]
+SPLIT_GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+def assert_same_greedy_as(ref: Any, split: Any, prompts: list[Any], logprob_atol: float) -> None:
+    """``split`` (an ``LLM``) generates ``ref``'s greedy tokens, logprobs within
+    ``logprob_atol`` (a split model sums partial products in another order); also checks
+    the premise that makes exact tokens meaningful: no near-tie at any step."""
+    want = ref.generate(prompts, SPLIT_GREEDY)
+    got = split.generate(prompts, SPLIT_GREEDY)
+    for w, g in zip(want, got, strict=True):
+        gaps = [
+            lp.top_logprobs[0] - lp.top_logprobs[1] for lp in w.logprobs if len(lp.top_logprobs) > 1
+        ]
+        diff = max(abs(a.logprob - b.logprob) for a, b in zip(w.logprobs, g.logprobs, strict=False))
+        assert diff < logprob_atol
+        assert not gaps or min(gaps) > 10 * logprob_atol, "a near-tie: choose another prompt"
+        assert g.token_ids == w.token_ids

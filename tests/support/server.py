@@ -18,9 +18,9 @@ from typing import Any
 from tests.support.procs import HANG_S, ROOT, engine_of
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -32,14 +32,18 @@ class Server:
         startup: float = 180.0,
         api_key: str | None = None,
         env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.api_key = api_key
+        self.host = host
         self.env = None if env is None else {**os.environ, **env}
         if api_key:
             args = (*args, "--api-key", api_key)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.args = [
+            "--host",
+            host,
             "--port",
             str(self.port),
             "--backend",
@@ -94,7 +98,7 @@ class Server:
         raw: bytes | None = None,
         timeout: float = 120,
     ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             data = (
                 raw
@@ -145,10 +149,12 @@ class Server:
         )
 
 
-def open_stream(port: int, path: str, body: dict[str, Any]) -> socket.socket:
+def open_stream(
+    port: int, path: str, body: dict[str, Any], host: str = "127.0.0.1"
+) -> socket.socket:
     """Send a request on a raw socket (to disconnect at will); returns the socket."""
     data = json.dumps(body).encode()
-    s = socket.create_connection(("127.0.0.1", port))
+    s = socket.create_connection((host, port))
     s.sendall(
         (
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -1,0 +1,155 @@
+"""Tensor parallelism across hosts on torch.distributed (``--nnodes``): node 0 on
+127.0.0.2 (the store, rank 0 and the engine), node 1 on 127.0.0.3 (``structllm run
+--node-rank 1``: a rank that gets its steps over TCP, not the shared-memory ring).
+
+Greedy tokens equal one process on the exact float32 path; a rank killed mid-run ends
+the engine (its connection closes: no collective waits for it), the server reports 503
+and restarts the engine, and node 1 joins the new one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from structllm import LLM
+from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as
+from tests.support.procs import HANG_S, ROOT, alive, children, python_env, wait_for
+from tests.support.server import Server, free_port, open_stream, read_until
+
+pytestmark = pytest.mark.usefixtures("no_shm_leaks")
+MASTER, NODE1 = "127.0.0.2", "127.0.0.3"
+STREAM = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def node(port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """``structllm run --node-rank 1``: waits for node 0's store, then runs rank 1."""
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "structllm", "run", "--nnodes", "2", "--node-rank", "1",
+            "--master-addr", MASTER, "--master-port", str(port), "--node-addr", NODE1, *extra,
+        ],
+        cwd=ROOT,
+        env=python_env(),
+    )  # fmt: skip
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(HANG_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def tiny(tiny_llama_dir: Path) -> str:
+    return str(tiny_llama_dir)
+
+
+def test_tp2_across_two_hosts_matches_one_process(tiny: str) -> None:
+    port = free_port(MASTER)
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    proc = node(port)
+    try:
+        with LLM(
+            tiny,
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_addr=MASTER,
+            master_port=port,
+            **engine_kw,  # type: ignore[arg-type]
+        ) as tp:
+            assert tp.engine.workers is not None and tp.engine.workers.pids == []  # no local worker
+            assert_same_greedy_as(ref, tp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
+        # the engine closed: node 1's rank exits and the node waits for the next engine
+        wait_for(lambda: not children(proc.pid), "node 1's rank outlived the engine")
+        assert proc.poll() is None
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_a_killed_rank_ends_the_engine_and_the_server_restarts_it(tiny: str, split: str) -> None:
+    """TP: rank 0 waits in an all-reduce with rank 1; PP: in the receive of the logits
+    from rank 1, the last stage. Either way the wait ends when rank 1's connections close."""
+    port = free_port(MASTER)
+    proc = node(port)
+    try:
+        with Server(
+            tiny, split, "2", "--nnodes", "2", "--master-addr", MASTER,
+            "--master-port", str(port), "--kv-cache-memory", "8M", host=MASTER,
+        ) as s:  # fmt: skip
+            code, _ = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
+            assert code == 200
+            (rank1,) = children(proc.pid)
+            engine = s.engine_pid
+            # a stream in flight on both ranks when rank 1 dies: stopped first, so the
+            # engine is inside a step's collective, waiting for it, when it is killed
+            stream = open_stream(s.port, "/v1/completions", STREAM, host=MASTER)
+            assert b"data: {" in read_until(stream, b"data: {")
+            os.kill(rank1, signal.SIGSTOP)
+            os.kill(rank1, signal.SIGKILL)
+            raw = read_until(stream, b"data: [DONE]", timeout=HANG_S)
+            stream.close()
+            assert b'"error"' in raw and b'"finish_reason":"length"' not in raw
+            wait_for(lambda: not alive(engine), "the engine outlived its rank")
+            assert s.get("/health")[0] in (200, 503)
+            # the front end restarts the engine; node 1 joins it with a new rank
+            wait_for(lambda: s.get("/health")[0] == 200, "the engine was not restarted")
+            assert children(proc.pid) and children(proc.pid)[0] != rank1
+            code, data = s.post("/v1/completions", {"prompt": "again", "max_tokens": 3})
+            assert code == 200, data
+    finally:
+        stop(proc)
+
+
+def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    with LLM(tiny, pipeline_parallel_size=2, **engine_kw) as pp:  # type: ignore[arg-type]
+        assert pp.engine.layers is not None and len(pp.engine.runner.kv_caches) == len(  # type: ignore[union-attr]
+            pp.engine.layers
+        )
+        assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
+
+
+def test_pp2_across_two_hosts_matches_one_process(tiny: str) -> None:
+    port = free_port(MASTER)
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    proc = node(port)
+    try:
+        with LLM(
+            tiny,
+            pipeline_parallel_size=2,
+            nnodes=2,
+            master_addr=MASTER,
+            master_port=port,
+            **engine_kw,  # type: ignore[arg-type]
+        ) as pp:
+            assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
+    finally:
+        stop(proc)
+
+
+def test_tp2_x_pp2_matches_one_process(tiny: str) -> None:
+    """4 ranks: two stages of two tensor-parallel ranks (rank = stage * 2 + TP rank)."""
+    engine_kw: dict[str, object] = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)
+    ref = LLM(tiny, **engine_kw)  # type: ignore[arg-type]
+    with LLM(
+        tiny,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        **engine_kw,  # type: ignore[arg-type]
+    ) as split:
+        assert split.engine.workers is not None and len(split.engine.workers.pids) == 3
+        assert_same_greedy_as(ref, split, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
