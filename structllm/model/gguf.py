@@ -180,8 +180,7 @@ def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | B
         t.name.endswith(_KEEPABLE) or t.name in ("token_embd.weight", "output.weight")
     )
     if keep_blocks and matrix and kind in BLOCK_TYPES and shape[1] % BLOCK == 0:
-        raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # copies out of the memory map
-        return BlockWeight.from_raw(raw, kind, shape[1])
+        return BlockWeight.from_raw(t.data, kind, shape[1])  # copied (or repacked) out of the map
     w = dequantize(t.data, kind, shape)
     if keep_blocks and matrix and kind in ("F16", "BF16"):
         return w.half()  # runs as float16 (fbgemm) unless --dtype float32
@@ -189,11 +188,10 @@ def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | B
 
 
 def _cat(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
-    """Row concatenation; parts of different kinds meet in float32."""
+    """Row concatenation: block parts stay blocks, each in its own type (a
+    ``MixedWeight`` where they differ); blocks and floats meet in float32."""
     if all(isinstance(p, BlockWeight) for p in parts):
-        blocks = [p for p in parts if isinstance(p, BlockWeight)]
-        if len({b.type_name for b in blocks}) == 1:
-            return BlockWeight.cat(blocks)
+        return BlockWeight.cat([p for p in parts if isinstance(p, BlockWeight)])
     floats = [p.dequantize() if isinstance(p, BlockWeight) else p for p in parts]
     if len({f.dtype for f in floats}) > 1:
         floats = [f.float() for f in floats]

@@ -37,7 +37,7 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
-from structllm.kernels.packed import BLOCK, BLOCK_BYTES, BlockWeight
+from structllm.kernels.packed import BlockWeight
 from structllm.model.config import ModelConfig
 
 Matrix = Tensor | BlockWeight
@@ -124,7 +124,7 @@ def _rows(w: Matrix, r: range, width: int = 1) -> Matrix:
     """Rows ``r.start*width .. r.stop*width`` of ``w`` (dim 0); a view of a tensor."""
     a, b = r.start * width, r.stop * width
     if isinstance(w, BlockWeight):
-        return BlockWeight(w.raw[a:b], w.type_name, (b - a, w.shape[1]))
+        return w.row_range(a, b)
     return w[a:b]
 
 
@@ -146,21 +146,21 @@ def _cat(parts: list[Matrix]) -> Matrix:
 
 def _columns(w: Matrix, a: int, b: int) -> Matrix:
     """Columns ``a .. b`` of ``w``, a tensor of its own: whole blocks of a
-    ``BlockWeight`` when ``a`` and ``b`` fall on block boundaries, else floats."""
+    ``BlockWeight`` when ``a`` and ``b`` fall on block boundaries (32 columns; the
+    k-quants' are their 256-weight super-blocks cut into the kernels' blocks of 32 at
+    load), else floats."""
     if isinstance(w, BlockWeight):
-        if a % BLOCK or b % BLOCK:
-            w = w.dequantize()
-        else:
-            size = BLOCK_BYTES[w.type_name]
-            raw = w.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
-            return BlockWeight(raw, w.type_name, (w.shape[0], b - a))
+        cut = w.columns(a, b)
+        if cut is not None:
+            return cut
+        w = w.dequantize()
     return _own(w[:, a:b])
 
 
 def _own(view: Matrix) -> Matrix:
     """A contiguous copy of ``view``, so that the full tensor behind it can be freed."""
     if isinstance(view, BlockWeight):
-        return BlockWeight(view.raw.clone(), view.type_name, view.shape)
+        return view.owned()
     return view.clone(memory_format=torch.contiguous_format)
 
 
