@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -372,6 +373,47 @@ class HalfWeight:
         return 2 * self.shape[0] * self.shape[1]
 
 
+class HalfRows(BlockWeight):
+    """A float16 ``[N, K]`` table: an F16/BF16 file's token embedding, which may also be
+    the (tied) LM head. Rows are looked up straight into float32; as a matmul weight it
+    is packed for fbgemm's float16 kernel on first use. No float32 copy is ever made
+    (a float32 table for the lookup beside the packed head held 3x the file's bytes)."""
+
+    def __init__(self, w: Tensor) -> None:
+        super().__init__(w.contiguous(), "F16", (int(w.shape[0]), int(w.shape[1])))
+        self.half: HalfWeight | None = None  # the packed matmul weight, once used as one
+
+    def matmul_weight(self) -> Weight:
+        if self.half is None:
+            if not half_linear_available():
+                return self.raw.float()  # no fbgemm here: a float32 copy per call
+            self.half = HalfWeight(self.raw)
+        return self.half
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel() * 2 + (self.half.nbytes if self.half is not None else 0)
+
+    def dequantize(self) -> Tensor:
+        return self.raw.float()
+
+    def rows(self, ids: Tensor) -> Tensor:
+        return self.raw.index_select(0, ids).float()
+
+    def select_rows(self, rows: Tensor) -> BlockWeight:
+        return HalfRows(self.raw.index_select(0, rows))
+
+    def row_range(self, a: int, b: int) -> BlockWeight:
+        return HalfRows(self.raw[a:b])
+
+    def columns(self, a: int, b: int) -> BlockWeight | None:
+        return HalfRows(self.raw[:, a:b])
+
+    def owned(self) -> BlockWeight:
+        return HalfRows(self.raw.clone())
+
+
+@cache
 def half_linear_available() -> bool:
     """Whether this torch build has fbgemm's float16 linear (x86 CPU builds do)."""
     try:
@@ -389,6 +431,8 @@ def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False)
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=True``: a 4-bit ``BlockWeight``
     may take the int8 path (see ``INT8_MIN_M``); the caller vouches that 8-bit
     activations per block of 32 are precise enough for this matmul."""
+    if isinstance(w, HalfRows):
+        return linear(x, w.matmul_weight(), b)
     if isinstance(w, MixedWeight):  # each part in its own type, into its own columns
         y = torch.cat([linear(x, p, None, int8_ok) for p in w.parts], dim=-1)
         return y if b is None else y.add_(b)
