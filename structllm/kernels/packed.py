@@ -117,9 +117,9 @@ def int16_min_m() -> int:
 # Q8_0 weights stay on the int16 path (MLP in int8: 98.6%, under Q8_0's 99% bar), and so
 # does the LM head (see ``LlamaModel.compute_logits``).
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
-# Q4_K (unsigned nibbles with a minimum, as Q4_1) too. Not the 5-bit types: a block's
-# int16 sums in vpmaddubsw could overflow; nor Q6_K (8-bit quants, as Q8_0).
-INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# So do Q4_K (unsigned nibbles with a minimum, as Q4_1) and the 5-bit types (Q5_0 is
+# most matrices of a small model's Q4_K_M file); not Q6_K (8-bit quants, as Q8_0).
+INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
 
 
 def block_mode(rows: int, int8_ok: bool = False) -> int:

@@ -83,8 +83,8 @@ constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t 
 constexpr bool f32_scales(int t) { return t >= Q4_K; }                      // the repacked k-quants
 constexpr int subs(int t) { return t == Q6_K ? 2 : 1; }                     // scales per block
 constexpr int zero_point(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }  // subtracted from quants
-// the int8 path's types: unsigned 4-bit quants (blocked GEMM) and Q8_0 (row kernel)
-constexpr bool int8_path(int t) { return t == Q4_0 || t == Q4_1 || t == Q4_K || t == Q8_0; }
+// the int8 path's types: unsigned 4- and 5-bit quants (blocked GEMM) and Q8_0 (row kernel)
+constexpr bool int8_path(int t) { return t != Q6_K; }
 
 inline float half(const uint8_t* p) {  // an unaligned IEEE half -> float (exact)
   uint16_t h;
@@ -472,8 +472,7 @@ void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64
 template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if constexpr (!int8_path(T)) {
-    // 5-bit and Q6_K weights: vpmaddubsw's int16 sums of a 5-bit block could overflow,
-    // and packed.py never asks for them (INT8_TYPES); the int16 path serves
+    // Q6_K (8-bit quants with two scales): packed.py never asks (INT8_TYPES); int16 serves
     return linear_int16<T>(x, w, out, M, N, K);
   } else {
     if constexpr (T != Q8_0) {
@@ -767,8 +766,8 @@ template <int T, typename XT>
 inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, float dx, float xs) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
   if constexpr (has_min(T)) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs), acc);
-  if constexpr (T == Q4_0 && sizeof(XT) == 1)
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-8.f)), _mm256_set1_ps(xs), acc);
+  if constexpr (zero_point(T) != 0 && sizeof(XT) == 1)  // int8: quants taken unsigned
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-float(zero_point(T)))), _mm256_set1_ps(xs), acc);
   return acc;
 }
 
@@ -777,7 +776,7 @@ template <int T, typename XT>
 inline float fold1(float acc, int32_t sum, float dw, float mw, float dx, float xs) {
   acc = std::fma(static_cast<float>(sum), dw * dx, acc);
   if constexpr (has_min(T)) acc = std::fma(mw, xs, acc);
-  if constexpr (T == Q4_0 && sizeof(XT) == 1) acc = std::fma(-8.f * dw, xs, acc);
+  if constexpr (zero_point(T) != 0 && sizeof(XT) == 1) acc = std::fma(-float(zero_point(T)) * dw, xs, acc);
   return acc;
 }
 
@@ -1020,18 +1019,14 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   });
 }
 
-// nb Q4 blocks of one weight row -> their nibbles as bytes in k order (wq), scales (dw)
-// and Q4_1 minima (mw)
+// nb 4- or 5-bit blocks of one weight row -> their unsigned quants as bytes in k order
+// (wq), scales (dw) and minima (mw)
 template <int T>
 inline void unpack_row8(const uint8_t* blk, int nb, uint8_t* wq, float* dw, float* mw) {
-  static_assert(T == Q4_0 || T == Q4_1 || T == Q4_K, "the blocked int8 path takes unsigned 4-bit weights");
+  static_assert(int8_path(T) && !is8(T), "the blocked int8 path takes unsigned 4- or 5-bit weights");
   constexpr int BB = block_bytes(T);
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  for (int b = 0; b < nb; b++) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + b * BB + quants_offset(T)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + b * QK), _mm_and_si128(q, m4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + b * QK + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
-  }
+  for (int b = 0; b < nb; b++)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * QK), block_bytes_vec<T>(blk + b * BB));
   int b = 0;
   for (; b + 8 <= nb; b += 8) {
     d8::v8f d, m = _mm256_setzero_ps();
@@ -1048,14 +1043,22 @@ inline void unpack_row8(const uint8_t* blk, int nb, uint8_t* wq, float* dw, floa
 // c += the products of a quad of k: weights w (u8, broadcast) by activations x (s8); c
 // holds int32 sums (vpdpbusd) or a block's int16 sums, widened at its end (widen8)
 #if defined(SL_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kDot8Int32 = true;  // dot8 sums straight into int32
 inline vi dot8(vi c, vi w, vi x) { return _mm512_dpbusd_epi32(c, w, x); }
 inline vi widen8(vi c) { return c; }
 #elif defined(SL_AVX512)
+constexpr bool kDot8Int32 = false;
 inline vi dot8(vi c, vi w, vi x) { return _mm512_add_epi16(c, _mm512_maddubs_epi16(w, x)); }
 inline vi widen8(vi c) { return _mm512_madd_epi16(c, _mm512_set1_epi16(1)); }
 #else
+constexpr bool kDot8Int32 = false;
 inline vi dot8(vi c, vi w, vi x) { return _mm256_add_epi16(c, _mm256_maddubs_epi16(w, x)); }
 inline vi widen8(vi c) { return _mm256_madd_epi16(c, _mm256_set1_epi16(1)); }
+#endif
+#ifdef SL_AVX512
+inline vi iadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+#else
+inline vi iadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 #endif
 inline vi iload8(const int8_t* p) {
 #ifdef SL_AVX512
@@ -1084,28 +1087,37 @@ inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, 
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  // 5-bit weights without VNNI: a block's int16 lane sums (2 products of up to 31 * 127
+  // per quad) overflow past 4 quads, so they are widened per half block; the int32 sum
+  // is the same integer, so the fold stays the row kernel's
+  constexpr int HALVES = is5(T) && !kDot8Int32 ? 2 : 1;
   for (int b = 0; b < nbc; b++) {
-    vi c[NR][MV];
-    SL_UNROLL for (int i = 0; i < NR; i++)
-      SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = izero();
-    SL_UNROLL for (int q = 0; q < QK / 4; q++) {
-      vi xv[MV];
-      SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload8(xq + j * xstride + (b * (QK / 4) + q) * 4 * VW);
-      SL_UNROLL for (int i = 0; i < NR; i++) {
-        const vi wv = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q);
-        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = dot8(c[i][j], wv, xv[j]);
+    vi s[NR][MV];
+    SL_UNROLL for (int h = 0; h < HALVES; h++) {
+      vi c[NR][MV];
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = izero();
+      SL_UNROLL for (int q = h * QK / 4 / HALVES; q < (h + 1) * QK / 4 / HALVES; q++) {
+        vi xv[MV];
+        SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload8(xq + j * xstride + (b * (QK / 4) + q) * 4 * VW);
+        SL_UNROLL for (int i = 0; i < NR; i++) {
+          const vi wv = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q);
+          SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = dot8(c[i][j], wv, xv[j]);
+        }
       }
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) s[i][j] = h ? iadd32(s[i][j], widen8(c[i][j])) : widen8(c[i][j]);
     }
     vf d[MV];
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
     SL_UNROLL for (int i = 0; i < NR; i++) {
       const vf dwi = vset1(dw[i * BQ8_MAX + b]);
-      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(widen8(c[i][j])), vmul(d[j], dwi), cf[i][j]);
+      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(s[i][j]), vmul(d[j], dwi), cf[i][j]);
     }
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(xs + j * sstride + b * VW);
     SL_UNROLL for (int i = 0; i < NR; i++) {
       // Q4_1: + m xs; Q4_0: - 8 dw xs (the nibbles were taken unsigned)
-      const vf o = has_min(T) ? vset1(mw[i * BQ8_MAX + b]) : vset1(-8.f * dw[i * BQ8_MAX + b]);
+      const vf o = has_min(T) ? vset1(mw[i * BQ8_MAX + b]) : vset1(-float(zero_point(T)) * dw[i * BQ8_MAX + b]);
       SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(o, d[j], cf[i][j]);
     }
   }

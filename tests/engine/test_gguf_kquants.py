@@ -217,3 +217,58 @@ def test_default_model_k_files_hold_no_float_matrices(qtype: str) -> None:
     print(f"\n{qtype}: matmul weights {held >> 20} MB, file {size >> 20} MB")
     assert held < 1.3 * size  # repacked k-quants hold float32 scales per 32 weights
     eng.close()
+
+
+# Teacher-forced top-1 agreement with the float32 model of the same weights (the file's
+# matrices dequantised, in the same engine) over the fixed chat set of
+# test_quant_model.py, and perplexity of its fixed text: >= 97% / 3% for 4- and 5-bit
+# files, >= 99% / 1% for Q6_K and Q8_0 ones; on the int16 path (16-bit activations)
+# and the default (int8 activations in the MLP's Q4_0/Q4_1/Q4_K matmuls).
+K_BARS = {
+    "Q4_K_M": (0.97, 0.03),
+    "Q5_K_M": (0.97, 0.03),
+    "Q5_0": (0.97, 0.03),
+    "Q6_K": (0.99, 0.01),
+    "Q8_0": (0.99, 0.01),
+}
+
+
+@pytest.fixture(scope="module")
+def sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
+    """test_quant_model.py's: the fixed text, then each chat prompt with the float32
+    default model's greedy continuation (``start``: where it begins)."""
+    from structllm import SamplingParams
+    from tests.engine.test_quant_model import CHATS, N_GREEDY, TEXT
+
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True)
+    )
+    text = tokenizer.encode(TEXT)
+    return [(text, 0)] + [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("qtype", list(K_BARS))
+def test_default_model_k_files_agree_with_float32_of_the_same_weights(
+    qtype: str, sequences: list[tuple[list[int], int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.engine.test_quant_model import agreement_and_ppl, dequantised
+
+    eng = engine(default_requantised(qtype))
+    model = eng.runner.model
+    assert isinstance(model, LlamaModel)
+    results = {}
+    for path, int8_min_m in (("int16-path", 0), ("default", 1)):
+        monkeypatch.setattr(packed, "INT8_MIN_M", int8_min_m)
+        results[path] = [prefill_logits(eng, ids) for ids, _ in sequences]
+    dequantised(model)
+    ref = [prefill_logits(eng, ids) for ids, _ in sequences]
+    eng.close()
+    min_agree, max_ppl = K_BARS[qtype]
+    for path, logits in results.items():
+        agree, ppl, ppl32 = agreement_and_ppl(logits, sequences, ref)
+        print(f"\n{qtype} {path}: top-1 agreement {agree:.4f}, ppl {ppl:.3f} vs {ppl32:.3f}")
+        assert agree >= min_agree, path
+        assert abs(ppl / ppl32 - 1) <= max_ppl, path

@@ -301,3 +301,32 @@ def test_k_quant_repacking_keeps_rows_and_needs_whole_super_blocks() -> None:
     assert torch.equal(w.row_range(1, 2).dequantize(), ref[1:2])
     with pytest.raises(ValueError, match="Q4_K with 288 columns"):
         BlockWeight.from_raw(torch.zeros(144, dtype=torch.uint8), "Q4_K", 288)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_int8_sums_of_5_bit_blocks_do_not_overflow(isa: str, type_name: str) -> None:
+    """The largest 5-bit quants against the largest 8-bit activations: 32 * 31 * 127 per
+    block, past int16, which vpmaddubsw's sums would wrap without the per-half widening
+    (AVX2, AVX-512 without VNNI). The result must be the float reference's."""
+    n, k = 24, 512
+    if type_name == "Q5_K":
+        raw = np.full((n * k // 256, packed.FILE_BYTES[type_name]), 0xFF, dtype=np.uint8)
+        raw[:, 0:2] = np.array([1 / 64], dtype=np.float16).view(np.uint8)  # d, scales 63
+        raw[:, 2:4] = 0  # dmin: no minimum
+        ref = torch.full((n, k), 31 * 63 / 64)
+    else:
+        size = 22 if type_name == "Q5_0" else 24
+        raw = np.full((n * k // 32, size), 0xFF, dtype=np.uint8)
+        raw[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        if type_name == "Q5_1":
+            raw[:, 2:4] = 0  # m
+        ref = torch.full((n, k), 15.0 if type_name == "Q5_0" else 31.0)  # Q5_0: q - 16
+    w = BlockWeight.from_raw(raw, type_name, k)
+    module = cpu_ext.load_quant(isa)
+    assert torch.equal(module.dequantize(w.raw, w.code), ref)
+    for m in (1, 16):
+        x = torch.ones(m, k)
+        for mode in (INT8, INT16):
+            got = module.linear(x, w.raw, w.code, mode)
+            torch.testing.assert_close(got, x @ ref.T, rtol=1e-5, atol=0)
