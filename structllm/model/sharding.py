@@ -25,11 +25,15 @@ GGUF block weights (``BlockWeight``) are cut the same way without dequantising: 
 slice is a slice of whole block rows, and a column slice (the row-parallel matmuls'
 inputs) is a slice of whole blocks of 32 when its bounds fall on block boundaries
 (SmolLM2-135M on 2 ranks: heads of 64 columns, an MLP split at 768). Where they do not,
-that one matrix is dequantised and cut as floats.
+that one matrix is dequantised and cut as floats, and the load says which. The
+k-quants are held as blocks of 32 (repacked at load), so they shard at 32 columns too,
+inside their super-blocks of 256. A ``MixedWeight`` (a fused matrix whose parts differ
+in type) is cut part by part.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
@@ -179,6 +183,7 @@ def shard_weights(
     slices, each of its own (not a view of the full one)."""
     d, h, hkv, ffn = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     out: dict[str, Matrix] = {}
+    dequantised: list[str] = []  # block matrices that had to become floats
     for name, w in weights.items():
         kind = name.rsplit(".", 1)[-1]
         part: Matrix
@@ -199,5 +204,13 @@ def shard_weights(
             part = _own(_rows(w, plan.vocab))
         else:  # norms: replicated
             part = _own(w)
+        if isinstance(w, BlockWeight) and not isinstance(part, BlockWeight):
+            dequantised.append(name)
         out[name] = part
+    if dequantised:
+        sys.stderr.write(
+            f"structllm: tensor parallelism rank {plan.rank}: {len(dequantised)} block matrices "
+            f"dequantised to float32, their shard's columns not on blocks of 32: "
+            f"{', '.join(dequantised[:4])}{' ...' if len(dequantised) > 4 else ''}\n"
+        )
     return out

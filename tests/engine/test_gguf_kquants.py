@@ -272,3 +272,50 @@ def test_default_model_k_files_agree_with_float32_of_the_same_weights(
         print(f"\n{qtype} {path}: top-1 agreement {agree:.4f}, ppl {ppl:.3f} vs {ppl32:.3f}")
         assert agree >= min_agree, path
         assert abs(ppl / ppl32 - 1) <= max_ppl, path
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q6_K"])
+def test_k_files_serve_chat_completions(qtype: str) -> None:
+    """A real server on a real socket serves the requantised default model: a greedy
+    chat completion and a streamed one give the same text."""
+    from tests.support.server import Server, sse_text
+
+    path = default_requantised(qtype)
+    body = {
+        "model": path.stem,
+        "messages": [{"role": "user", "content": "Name the planets of the solar system."}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    with Server(str(path), "--kv-cache-memory", "64M") as server:
+        status, out = server.post("/v1/chat/completions", body)
+        assert status == 200, out
+        text = out["choices"][0]["message"]["content"]
+        assert out["usage"]["completion_tokens"] == 24 and text.strip()
+        status, raw = server.request("POST", "/v1/chat/completions", {**body, "stream": True})
+        assert status == 200
+        assert sse_text(raw) == text
+
+
+@needs_kernels
+def test_k_quant_blocks_shard_as_blocks(tiny_k_file: Path) -> None:
+    """Tensor parallelism over 2 ranks cuts the Q4_K_M file's blocks (mixed q/k/v
+    included) without dequantising, and each shard is the float shard of the same
+    weights."""
+    from structllm.model.loader import load_block_weights
+    from structllm.model.sharding import plan_shards, shard_weights
+
+    files = prepare_model(str(tiny_k_file))
+    blocks = load_block_weights(files, torch.float32)
+    full = {k: w.dequantize() if isinstance(w, BlockWeight) else w for k, w in blocks.items()}
+    for plan in plan_shards(files.config, 2):
+        got = shard_weights(blocks, files.config, plan)
+        want = shard_weights(full, files.config, plan)
+        for name, w in got.items():
+            if isinstance(blocks[name], BlockWeight):
+                assert isinstance(w, BlockWeight), name  # never dequantised
+            value = w.dequantize() if isinstance(w, BlockWeight) else w
+            assert torch.equal(value, want[name]), name
+    assert any(isinstance(w, MixedWeight) for w in got.values())
