@@ -305,6 +305,11 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
+def div(a: float, b: float) -> float:
+    """``a / b`` to 2 places; NaN where b is 0 (every llama.cpp request failed)."""
+    return round(a / b, 2) if b else math.nan
+
+
 def kv_args(args: argparse.Namespace) -> list[str]:
     """``--kv-tokens N``: structllm's KV cache sized to N tokens in float16 (what
     llama-server's ``-c N`` holds), from the served model's shape; else nothing."""
@@ -584,11 +589,11 @@ def main() -> None:
         theirs["rss_mb"] = round(llama_rss, 1)
         summary["llama_cpp"] = theirs
         summary["vs_llama_cpp"] = {
-            "output_tokens_per_s": round(
-                summary["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2
+            "output_tokens_per_s": div(
+                summary["output_tokens_per_s"], theirs["output_tokens_per_s"]
             ),
-            "itl_p50": round(summary["itl_ms_p50"] / theirs["itl_ms_p50"], 2),
-            "ttft_p50": round(summary["ttft_ms_p50"] / theirs["ttft_ms_p50"], 2),
+            "itl_p50": div(summary["itl_ms_p50"], theirs["itl_ms_p50"]),
+            "ttft_p50": div(summary["ttft_ms_p50"], theirs["ttft_ms_p50"]),
         }
     rows = (
         [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")]
