@@ -113,6 +113,9 @@ inline float second_of(const uint8_t* blk) {
 inline __m256i high_bits(const uint8_t* p) {
   uint32_t qh;
   std::memcpy(&qh, p, 4);
+#ifdef SL_AVX512
+  return _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));  // AVX-512 BW/VL: qh is a byte mask
+#endif
   // byte j takes byte j / 8 of qh (shuffles stay in 128-bit lanes: set1 put qh in both),
   // then tests its bit j % 8
   const __m256i spread = _mm256_shuffle_epi8(
