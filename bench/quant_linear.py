@@ -18,6 +18,10 @@ each variant through copies of its weights (at least 256 MB of them), as the eng
 
     python bench/quant_linear.py                          # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/quant_linear.py   # the AVX2 build
+
+``--types Q5_0 Q4_K Q6_K ...`` runs every shape in each of those block types instead
+(a k-quant's K rounded up to whole super-blocks of 256: 576 -> 768; its blocks are
+random super-blocks with sane scales, repacked as the loader does).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 
 from structllm.kernels import cpu_ext
-from structllm.kernels.packed import BlockWeight
+from structllm.kernels.packed import BLOCK_TYPES, FILE_BYTES, SUPER, BlockWeight
 
 # (name, N, K, block type): SmolLM2-135M, as the model runs them (q/k/v and gate/up fused)
 SHAPES = [
@@ -55,6 +59,13 @@ def block_weight(n: int, k: int, type_name: str, seed: int) -> BlockWeight:
     import gguf
 
     rng = np.random.default_rng(seed)
+    if type_name in FILE_BYTES:  # gguf cannot quantise k-quants: random super-blocks
+        raw = rng.integers(0, 256, (n * k // 256, FILE_BYTES[type_name]), dtype=np.uint8)
+        for at in (208,) if type_name == "Q6_K" else (0, 2):  # float16 d (and dmin)
+            raw[:, at : at + 2] = (
+                rng.uniform(1e-4, 1e-3, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            )
+        return BlockWeight.from_raw(raw, type_name, k)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
     return BlockWeight.from_raw(
@@ -115,6 +126,9 @@ def main() -> int:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument(
+        "--types", nargs="+", default=None, choices=list(BLOCK_TYPES), help="block types to run"
+    )
+    ap.add_argument(
         "--cold", action="store_true", help="weights read from memory, not from the caches"
     )
     args = ap.parse_args()
@@ -127,6 +141,12 @@ def main() -> int:
     shapes = [
         s for s in SHAPES if args.shapes is None or any(s[0].startswith(p) for p in args.shapes)
     ]
+    if args.types:
+        shapes = [
+            (name, n, -(-k // SUPER) * SUPER if t in FILE_BYTES else k, t)
+            for t in args.types
+            for name, n, k, _ in shapes
+        ]
     results = []
     print(
         f"{module.isa()}, {torch.get_num_threads()} threads; us per call, median of {args.reps}",
@@ -134,7 +154,7 @@ def main() -> int:
     )
     modes = {mode: code for mode, code in MODES.items() if mode in args.modes}
     print(
-        f"{'shape':>18}{'M':>5}{'oneDNN':>10}"
+        f"{'shape':>18}{'type':>6}{'M':>5}{'oneDNN':>10}"
         + "".join(f"{mode:>10}{'speed':>7}" for mode in modes),
         file=sys.stderr,
     )
@@ -166,7 +186,7 @@ def main() -> int:
             row = {"shape": name, "n": n, "k": k, "type": t, "m": m,
                    **{f"{key}_us": round(v, 1) for key, v in med.items()}, **errs}  # fmt: skip
             results.append(row)
-            line = f"{name:>18}{m:>5}{med['onednn']:>10.1f}"
+            line = f"{name:>18}{t:>6}{m:>5}{med['onednn']:>10.1f}"
             for mode in modes:
                 line += f"{med[mode]:>10.1f}{med['onednn'] / med[mode]:>6.2f}x"
             print(line, file=sys.stderr)

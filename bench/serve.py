@@ -19,7 +19,13 @@ and prints serving throughput as a fraction of it.
 ``llama-server`` started on the same GGUF file (``--llama-model``, default: structllm's
 default model), with ``--max-concurrency`` slots and all cores, and prints both side by
 side with structllm's ratios; both servers' resident memory is reported after the load
-(structllm's engine process: ``engine_rss_mb``).
+(structllm's engine process: ``engine_rss_mb``). ``--kv-tokens N`` gives both the same
+KV cache (llama-server ``-c N``; structllm N float16 tokens of the model given first in
+``--server-args``), for memory comparisons. Another GGUF file (a k-quant one):
+
+    python bench/serve.py --launch --llama-server ~/llama-server --llama-model F.gguf \
+        --num-prompts 3 --max-concurrency 1 --input-len 2048 --output-len 4 \
+        --kv-tokens 4096 --server-args F.gguf
 
     # the issue's two workloads
     python bench/serve.py --launch --llama-server ~/llama-server \
@@ -297,12 +303,31 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
         "warning",
         "--max-num-seqs",
         str(min(max(args.max_concurrency, 1), 256)),
+        *kv_args(args),
         *args.server_args,
     ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
     return proc, url
+
+
+def div(a: float, b: float) -> float:
+    """``a / b`` to 2 places; NaN where b is 0 (every llama.cpp request failed)."""
+    return round(a / b, 2) if b else math.nan
+
+
+def kv_args(args: argparse.Namespace) -> list[str]:
+    """``--kv-tokens N``: structllm's KV cache sized to N tokens in float16 (what
+    llama-server's ``-c N`` holds), from the served model's shape; else nothing."""
+    if not args.kv_tokens:
+        return []
+    from structllm.model.loader import prepare_model
+
+    model = next((a for a in args.server_args if not a.startswith("-")), None)
+    cfg = prepare_model(model).config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, float16
+    return ["--kv-cache-memory", str(args.kv_tokens * per_token)]
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float = 600) -> None:
@@ -336,7 +361,7 @@ def launch_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     slots = max(args.max_concurrency, 1)
-    ctx = slots * (args.input_len + args.output_len + 64)
+    ctx = args.kv_tokens or slots * (args.input_len + args.output_len + 64)
     threads = str(os.cpu_count() or 1)
     cmd = [
         args.llama_server,
@@ -456,6 +481,13 @@ def main() -> None:
         help="requests/s (Poisson); inf = all at once",
     )
     ap.add_argument("--max-concurrency", type=int, default=16)
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=0,
+        help="both servers' KV cache in tokens (llama-server -c; structllm in float16 bytes), "
+        "for memory comparisons (default: structllm's own, llama.cpp's per-slot need)",
+    )
     ap.add_argument("--vocab-size", type=int, default=49152)
     ap.add_argument("--text-prompts", action="store_true", help="random words instead of token ids")
     ap.add_argument("--seed", type=int, default=0)
@@ -594,11 +626,11 @@ def main() -> None:
         theirs["rss_mb"] = round(llama_rss, 1)
         summary["llama_cpp"] = theirs
         summary["vs_llama_cpp"] = {
-            "output_tokens_per_s": round(
-                summary["output_tokens_per_s"] / theirs["output_tokens_per_s"], 2
+            "output_tokens_per_s": div(
+                summary["output_tokens_per_s"], theirs["output_tokens_per_s"]
             ),
-            "itl_p50": round(summary["itl_ms_p50"] / theirs["itl_ms_p50"], 2),
-            "ttft_p50": round(summary["ttft_ms_p50"] / theirs["ttft_ms_p50"], 2),
+            "itl_p50": div(summary["itl_ms_p50"], theirs["itl_ms_p50"]),
+            "ttft_p50": div(summary["ttft_ms_p50"], theirs["ttft_ms_p50"]),
         }
     rows = (
         [("output tokens/s", "output_tokens_per_s"), ("requests/s", "requests_per_s")]

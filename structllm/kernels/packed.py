@@ -5,8 +5,12 @@ A weight ``W [N, K]`` is one of:
 - a oneDNN-packed float32 tensor (``is_mkldnn``, see ``LlamaModel.pack_weights``);
 - ``HalfWeight``: float16 packed for fbgemm's ``linear_dynamic_fp16`` (CPU): half the
   bytes of float32, float32 activations and accumulation;
-- ``BlockWeight``: GGUF blocks (Q4_0, Q4_1, Q8_0) as laid in the file, run by the C++
-  kernels of ``quant_linear.cpp`` (CPU, AVX2 or AVX-512).
+- ``BlockWeight``: GGUF blocks run by the C++ kernels of ``quant_linear.cpp`` (CPU,
+  AVX2 or AVX-512): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 as laid in the file; the k-quants
+  Q4_K, Q5_K, Q6_K repacked once at load (``repack``) into blocks of 32 with float32
+  scales, bit-exact to ggml's dequantisation;
+- ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
+  different block types: each part runs in its own type, into its own output columns.
 
 Activations are float32 for the last two. ``BlockWeight`` picks the kernel path by the
 number of rows ``M`` of ``x`` (see ``block_mode``): the float path (weights dequantised
@@ -22,15 +26,40 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # the kernel's type codes
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per 32 weights
+# the kernel's type codes
+BLOCK_TYPES = {
+    "Q4_0": 0,
+    "Q4_1": 1,
+    "Q8_0": 2,
+    "Q5_0": 3,
+    "Q5_1": 4,
+    "Q4_K": 5,
+    "Q5_K": 6,
+    "Q6_K": 7,
+}
+# bytes per 32 weights as the kernels hold them (the k-quants: after ``repack``)
+BLOCK_BYTES = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q8_0": 34,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q4_K": 24,
+    "Q5_K": 28,
+    "Q6_K": 40,
+}
 BLOCK = 32
+# the k-quants: super-blocks of SUPER weights, FILE_BYTES bytes each in the file
+SUPER = 256
+FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 # Kernel paths (the C++ ``linear``'s mode codes).
 FLOAT, INT8, INT16 = 0, 1, 2
@@ -88,7 +117,9 @@ def int16_min_m() -> int:
 # Q8_0 weights stay on the int16 path (MLP in int8: 98.6%, under Q8_0's 99% bar), and so
 # does the LM head (see ``LlamaModel.compute_logits``).
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
-INT8_TYPES = frozenset({"Q4_0", "Q4_1"})
+# So do Q4_K (unsigned nibbles with a minimum, as Q4_1) and the 5-bit types (Q5_0 is
+# most matrices of a small model's Q4_K_M file); not Q6_K (8-bit quants, as Q8_0).
+INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
 
 
 ROW_KERNEL_ROWS = 4  # quant_linear.cpp's MT_Q: up to this many rows read each block once
@@ -121,6 +152,77 @@ def _kernels() -> Any:
     return _KERNELS
 
 
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Byte pairs ``[..., 2]`` as float16 -> float32 ``[...]``."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks ``[n, bytes]`` -> the 8 sub-blocks' float32 scales
+    ``d * scale`` and minima ``-(dmin * min)`` ``[n, 8]``, as ggml computes them (exact:
+    a float16 times a 6-bit integer). The 12 scale bytes hold 6-bit scales and mins."""
+    d, dmin = _f16(sb[:, 0:2]), _f16(sb[:, 2:4])
+    s = sb[:, 4:16].reshape(-1, 3, 4)
+    lo, hi, both = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=1)
+    return d[:, None] * sc.astype(np.float32), -(dmin[:, None] * mn.astype(np.float32))
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Quants ``[..., 32]`` (< 16) -> 16 bytes, weight j low and weight j + 16 high."""
+    return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """A k-quant's 128 nibble bytes ``[n, 128]`` -> 8 sub-blocks' low 4 bits ``[n, 8,
+    32]``: bytes 32j..32j+31 hold sub-block 2j in their low nibbles, 2j+1 in the high."""
+    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(-1, 8, 32)
+
+
+def _bytes(a: np.ndarray, n: int) -> np.ndarray:
+    """``[n_super, 8, ...]`` of any dtype -> its bytes ``[n_super, 8, w]``."""
+    return np.ascontiguousarray(a).view(np.uint8).reshape(n, 8, -1)
+
+
+def repack(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """A k-quant tensor's file bytes (super-blocks of 256 weights, ggml-common.h) ->
+    blocks of 32 as the kernels hold them, ``[n_super * 8, BLOCK_BYTES]`` uint8, in the
+    same order (so rows of the matrix stay rows):
+
+    - Q4_K ``[d f32 | m f32 | 16 nibble bytes]``: w = q * d + m;
+    - Q5_K ``[d f32 | m f32 | qh u32 | 16 nibble bytes]``: w = (q | h << 4) * d + m;
+    - Q6_K ``[d0 f32 | d1 f32 | 32 int8]``: w = q * d0 (first 16), q * d1 (last 16);
+
+    with d = d_super * scale and m = -(dmin * min) in float32 (exact), so the kernels'
+    ``q * d + m`` rounds as ggml's ``d * q - dm``. 24/28/40 bytes per 32 weights
+    against the file's 18/22/26.25: the price of scales the kernels read per block."""
+    sb = raw.reshape(-1, FILE_BYTES[type_name])
+    n = sb.shape[0]
+    if type_name == "Q6_K":
+        shift4 = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        shift2 = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        ql = ((sb[:, :128].reshape(-1, 2, 1, 64) >> shift4) & 0x0F).reshape(-1, 8, 32)
+        qh = ((sb[:, 128:192].reshape(-1, 2, 1, 32) >> shift2) & 0x03).reshape(-1, 8, 32)
+        q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+        scales = _f16(sb[:, 208:210])[:, None] * sb[:, 192:208].view(np.int8).astype(np.float32)
+        out = [_bytes(scales.reshape(n, 8, 2), n), _bytes(q, n)]
+    else:
+        d, m = _k_scales(sb)
+        head = _bytes(np.stack([d, m], axis=2), n)  # [n, 8, 8]
+        if type_name == "Q4_K":
+            out = [head, _bytes(_nibble_pairs(_k_nibbles(sb[:, 16:144])), n)]
+        else:  # Q5_K: fifth bits in qh[32] (bit s of byte l: sub-block s, weight l)
+            hb = (sb[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            qh32 = (hb.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(
+                axis=2, dtype=np.uint32
+            )
+            nib = _nibble_pairs(_k_nibbles(sb[:, 48:176]))
+            out = [head, _bytes(qh32, n), _bytes(nib, n)]
+    return np.concatenate(out, axis=2).reshape(n * 8, BLOCK_BYTES[type_name])
+
+
 @dataclass
 class BlockWeight:
     """``[N, K]`` weight as GGUF blocks: ``raw [N, K/32 * block_bytes]`` uint8 (rows are
@@ -132,12 +234,18 @@ class BlockWeight:
     code: int = field(init=False)  # the kernel's type code (BLOCK_TYPES)
 
     def __post_init__(self) -> None:
-        self.code = BLOCK_TYPES[self.type_name]
+        self.code = BLOCK_TYPES.get(self.type_name, -1)
 
     @classmethod
-    def from_raw(cls, raw: Tensor, type_name: str, k: int) -> BlockWeight:
-        if type_name not in BLOCK_TYPES or k % BLOCK:
+    def from_raw(cls, raw: Tensor | np.ndarray, type_name: str, k: int) -> BlockWeight:
+        """From a tensor's bytes as stored in a GGUF file (k-quants are repacked)."""
+        if type_name not in BLOCK_TYPES or k % (SUPER if type_name in FILE_BYTES else BLOCK):
             raise ValueError(f"not a supported block weight: {type_name} with {k} columns")
+        if type_name in FILE_BYTES:
+            data = raw.numpy() if isinstance(raw, Tensor) else np.asarray(raw)
+            raw = torch.from_numpy(repack(data.view(np.uint8), type_name))
+        elif not isinstance(raw, Tensor):
+            raw = torch.from_numpy(np.array(raw).view(np.uint8))  # a copy: writable, owned
         raw = raw.reshape(-1, k // BLOCK * BLOCK_BYTES[type_name]).contiguous()
         return cls(raw, type_name, (raw.shape[0], k))
 
@@ -159,13 +267,101 @@ class BlockWeight:
             self.raw.index_select(0, rows).contiguous(), self.type_name, (len(rows), self.shape[1])
         )
 
+    def row_range(self, a: int, b: int) -> BlockWeight:
+        """Rows ``a .. b`` (a view)."""
+        return BlockWeight(self.raw[a:b], self.type_name, (b - a, self.shape[1]))
+
+    def columns(self, a: int, b: int) -> BlockWeight | None:
+        """Columns ``a .. b`` as a weight of its own (whole blocks of 32), or None when
+        a bound falls inside a block."""
+        if a % BLOCK or b % BLOCK:
+            return None
+        size = BLOCK_BYTES[self.type_name]
+        raw = self.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
+        return BlockWeight(raw, self.type_name, (self.shape[0], b - a))
+
+    def owned(self) -> BlockWeight:
+        """A copy that holds its own bytes (not a view of a larger weight's)."""
+        return BlockWeight(self.raw.clone(), self.type_name, self.shape)
+
+    def formats(self) -> list[tuple[str, int]]:
+        """``(type, rows)`` of its parts (one part: itself), for the start-up report."""
+        return [(self.type_name, self.shape[0])]
+
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight:
-        """Row concatenation (all parts of one type and width)."""
-        t, k = parts[0].type_name, parts[0].shape[1]
-        assert all(p.type_name == t and p.shape[1] == k for p in parts)
-        raw = torch.cat([p.raw for p in parts])
-        return BlockWeight(raw, t, (raw.shape[0], k))
+        """Row concatenation: a ``BlockWeight`` when all parts are of one type, else a
+        ``MixedWeight`` of runs of one type (never dequantised)."""
+        k = parts[0].shape[1]
+        assert all(p.shape[1] == k for p in parts)
+        flat = [q for p in parts for q in (p.parts if isinstance(p, MixedWeight) else [p])]
+        runs: list[list[BlockWeight]] = []
+        for p in flat:
+            if runs and runs[-1][0].type_name == p.type_name:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        joined = []
+        for run in runs:
+            raw = torch.cat([p.raw for p in run]) if len(run) > 1 else run[0].raw
+            joined.append(BlockWeight(raw, run[0].type_name, (raw.shape[0], k)))
+        return joined[0] if len(joined) == 1 else MixedWeight(joined)
+
+
+class MixedWeight(BlockWeight):
+    """``[N, K]`` as consecutive row parts in different block types: a fused q/k/v or
+    gate/up whose parts a file stores in different types (a Q4_K_M file: q/k Q4_K, v
+    Q6_K). ``linear`` runs each part in its own type and kernels, into its own output
+    columns; nothing is dequantised."""
+
+    def __init__(self, parts: list[BlockWeight]) -> None:
+        self.parts = parts
+        k = parts[0].shape[1]
+        super().__init__(
+            torch.empty(0, dtype=torch.uint8),
+            "+".join(p.type_name for p in parts),
+            (sum(p.shape[0] for p in parts), k),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def rows(self, ids: Tensor) -> Tensor:
+        return self.dequantize().index_select(0, ids)
+
+    def _split_at(self) -> list[int]:
+        starts, n = [], 0
+        for p in self.parts:
+            starts.append(n)
+            n += p.shape[0]
+        return starts
+
+    def select_rows(self, rows: Tensor) -> BlockWeight:
+        return BlockWeight.cat([self.row_range(int(r), int(r) + 1) for r in rows])
+
+    def row_range(self, a: int, b: int) -> BlockWeight:
+        pieces = []
+        for start, p in zip(self._split_at(), self.parts, strict=True):
+            lo, hi = max(a, start), min(b, start + p.shape[0])
+            if lo < hi:
+                pieces.append(p.row_range(lo - start, hi - start))
+        return BlockWeight.cat(pieces)
+
+    def columns(self, a: int, b: int) -> BlockWeight | None:
+        cols = [p.columns(a, b) for p in self.parts]
+        if any(c is None for c in cols):
+            return None
+        return BlockWeight.cat([c for c in cols if c is not None])
+
+    def owned(self) -> BlockWeight:
+        return MixedWeight([p.owned() for p in self.parts])
+
+    def formats(self) -> list[tuple[str, int]]:
+        return [(p.type_name, p.shape[0]) for p in self.parts]
 
 
 class HalfWeight:
@@ -180,6 +376,47 @@ class HalfWeight:
         return 2 * self.shape[0] * self.shape[1]
 
 
+class HalfRows(BlockWeight):
+    """A float16 ``[N, K]`` table: an F16/BF16 file's token embedding, which may also be
+    the (tied) LM head. Rows are looked up straight into float32; as a matmul weight it
+    is packed for fbgemm's float16 kernel on first use. No float32 copy is ever made
+    (a float32 table for the lookup beside the packed head held 3x the file's bytes)."""
+
+    def __init__(self, w: Tensor) -> None:
+        super().__init__(w.contiguous(), "F16", (int(w.shape[0]), int(w.shape[1])))
+        self.half: HalfWeight | None = None  # the packed matmul weight, once used as one
+
+    def matmul_weight(self) -> Weight:
+        if self.half is None:
+            if not half_linear_available():
+                return self.raw.float()  # no fbgemm here: a float32 copy per call
+            self.half = HalfWeight(self.raw)
+        return self.half
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel() * 2 + (self.half.nbytes if self.half is not None else 0)
+
+    def dequantize(self) -> Tensor:
+        return self.raw.float()
+
+    def rows(self, ids: Tensor) -> Tensor:
+        return self.raw.index_select(0, ids).float()
+
+    def select_rows(self, rows: Tensor) -> BlockWeight:
+        return HalfRows(self.raw.index_select(0, rows))
+
+    def row_range(self, a: int, b: int) -> BlockWeight:
+        return HalfRows(self.raw[a:b])
+
+    def columns(self, a: int, b: int) -> BlockWeight | None:
+        return HalfRows(self.raw[:, a:b])
+
+    def owned(self) -> BlockWeight:
+        return HalfRows(self.raw.clone())
+
+
+@cache
 def half_linear_available() -> bool:
     """Whether this torch build has fbgemm's float16 linear (x86 CPU builds do)."""
     try:
@@ -197,6 +434,11 @@ def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False)
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=True``: a 4-bit ``BlockWeight``
     may take the int8 path (see ``INT8_MIN_M``); the caller vouches that 8-bit
     activations per block of 32 are precise enough for this matmul."""
+    if isinstance(w, HalfRows):
+        return linear(x, w.matmul_weight(), b)
+    if isinstance(w, MixedWeight):  # each part in its own type, into its own columns
+        y = torch.cat([linear(x, p, None, int8_ok) for p in w.parts], dim=-1)
+        return y if b is None else y.add_(b)
     if isinstance(w, BlockWeight):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         mode = block_mode(x2.shape[0], int8_ok and w.type_name in INT8_TYPES)

@@ -1,4 +1,5 @@
-// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0), read as laid in the file.
+// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 read as laid in
+// the file; Q4_K, Q5_K, Q6_K repacked once at load into blocks of 32, see below).
 //
 // Built once per ISA (see quant_ext.py): with -march=haswell (AVX2, FMA, F16C) and, where
 // the CPU has AVX-512 BW/VL, with -march=native (512-bit float path, VNNI if present).
@@ -8,7 +9,18 @@
 //   Q4_0  [d | 16 bytes]        w = (nibble - 8) * d
 //   Q4_1  [d | m | 16 bytes]    w = nibble * d + m
 //   Q8_0  [d | 32 int8]         w = q * d
-// Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one.
+//   Q5_0  [d | qh | 16 bytes]   w = (nibble | bit << 4 - 16) * d
+//   Q5_1  [d | m | qh | 16 bytes]  w = (nibble | bit << 4) * d + m
+// Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
+// bit j of the 32-bit qh is weight j's fifth bit.
+// The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into blocks
+// of 32 with float32 scales, which hold ggml's products d * scale and -dmin * min exactly
+// (a float16 times a 6- or 8-bit integer fits float32's 24 bits), so the float path
+// stays bit-exact to the float32 dequantisation:
+//   Q4_K  [d f32 | m f32 | 16 bytes]          w = nibble * d + m      (m = -dmin * min)
+//   Q5_K  [d f32 | m f32 | qh | 16 bytes]     w = (nibble | bit << 4) * d + m
+//   Q6_K  [d0 f32 | d1 f32 | 32 int8]         w = q * d0 (weights 0..15), q * d1 (16..31)
+// (Q6_K's sub-blocks are 16 wide: its blocks fold two integer sums, one per scale.)
 //
 // Three paths (mode 0, 1, 2):
 //   float: weights dequantised exactly and FMA'd with float32 activations. The
@@ -53,15 +65,80 @@ namespace {
 using namespace sl;
 
 constexpr int QK = 32;
-enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+constexpr int NTYPES = 8;
 
-constexpr int block_bytes(int t) { return t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34; }
-constexpr int quants_offset(int t) { return t == Q4_1 ? 4 : 2; }
+constexpr int block_bytes(int t) {
+  constexpr int bytes[NTYPES] = {18, 20, 34, 22, 24, 24, 28, 40};
+  return bytes[t];
+}
+constexpr int quants_offset(int t) {
+  constexpr int offset[NTYPES] = {2, 4, 2, 6, 8, 8, 12, 8};
+  return offset[t];
+}
+constexpr int qh_offset(int t) { return t == Q5_0 ? 2 : t == Q5_1 ? 4 : 8; }  // 5-bit types
+constexpr bool is8(int t) { return t == Q8_0 || t == Q6_K; }                // signed 8-bit quants
+constexpr bool is5(int t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }   // 5-bit quants
+constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
+constexpr bool f32_scales(int t) { return t >= Q4_K; }                      // the repacked k-quants
+constexpr int subs(int t) { return t == Q6_K ? 2 : 1; }                     // scales per block
+constexpr int zero_point(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }  // subtracted from quants
+// the int8 path's types: unsigned 4- and 5-bit quants (blocked GEMM) and Q8_0 (row kernel)
+constexpr bool int8_path(int t) { return t != Q6_K; }
 
 inline float half(const uint8_t* p) {  // an unaligned IEEE half -> float (exact)
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
+}
+inline float f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+// a block's scale (Q6_K: of its first 16 weights), and its second number: the minimum
+// of a type with one, Q6_K's second scale, else 0
+template <int T>
+inline float scale_of(const uint8_t* blk) {
+  return f32_scales(T) ? f32(blk) : half(blk);
+}
+template <int T>
+inline float second_of(const uint8_t* blk) {
+  if constexpr (f32_scales(T)) return f32(blk + 4);
+  if constexpr (has_min(T)) return half(blk + 2);
+  return 0.f;
+}
+
+// the fifth bits of a 5-bit block (qh, bit j: weight j) as bytes 0x10 or 0, weight order
+inline __m256i high_bits(const uint8_t* p) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+#ifdef SL_AVX512
+  return _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10));  // AVX-512 BW/VL: qh is a byte mask
+#endif
+  // byte j takes byte j / 8 of qh (shuffles stay in 128-bit lanes: set1 put qh in both),
+  // then tests its bit j % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(qh)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// the 32 quants of one weight block as bytes in weight order: unsigned for the 4- and
+// 5-bit types (zero point not subtracted), signed for the 8-bit ones
+template <int T>
+inline __m256i block_bytes_vec(const uint8_t* blk) {
+  const uint8_t* qs = blk + quants_offset(T);
+  if constexpr (is8(T)) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    if constexpr (is5(T)) return _mm256_or_si256(nib, high_bits(blk + qh_offset(T)));
+    return nib;
+  }
 }
 
 // ---- float vectors (cpu_simd.h): one block (32 floats) is VN vectors of VW lanes
@@ -71,7 +148,18 @@ constexpr int VN = QK / VW;
 template <int T>
 inline void block_ints(const uint8_t* blk, vf w[VN]) {
   const uint8_t* qs = blk + quants_offset(T);
-  if constexpr (T == Q8_0) {
+  if constexpr (is5(T)) {
+    const __m256i q = block_bytes_vec<T>(blk);
+    const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+#ifdef SL_AVX512
+    for (int j = 0; j < VN; j++)
+      w[j] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(h[j]), _mm512_set1_epi32(zero_point(T))));
+#else
+    for (int j = 0; j < VN; j++)
+      w[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2]),
+                                                 _mm256_set1_epi32(zero_point(T))));
+#endif
+  } else if constexpr (is8(T)) {
 #ifdef SL_AVX512
     for (int j = 0; j < VN; j++)
       w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * j))));
@@ -103,7 +191,7 @@ inline void block_ints(const uint8_t* blk, vf w[VN]) {
 template <int T>
 inline void dequant_block(const uint8_t* blk, vf w[VN]) {
 #ifdef SL_AVX512
-  if constexpr (T != Q8_0) {
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K) {
     // A 4-bit block has only 16 distinct values: compute them (same mul, then add, so
     // the same roundings) and look each weight up with vpermps, which reads only the low
     // 4 bits of each index. The 16 bytes zero-extended to 32-bit lanes then index the
@@ -111,8 +199,8 @@ inline void dequant_block(const uint8_t* blk, vf w[VN]) {
     // of 2 masks, 2 int->float conversions, 2 multiplies and 2 adds per block.
     const __m512 iota = T == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(half(blk)));
-    if constexpr (T == Q4_1) table = _mm512_add_ps(table, _mm512_set1_ps(half(blk + 2)));
+    __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(scale_of<T>(blk)));
+    if constexpr (has_min(T)) table = _mm512_add_ps(table, _mm512_set1_ps(second_of<T>(blk)));
     const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
     w[0] = _mm512_permutexvar_ps(raw, table);
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), table);
@@ -120,10 +208,15 @@ inline void dequant_block(const uint8_t* blk, vf w[VN]) {
   }
 #endif
   block_ints<T>(blk, w);
-  const vf d = vset1(half(blk));
-  for (int j = 0; j < VN; j++) w[j] = vmul(w[j], d);
-  if constexpr (T == Q4_1) {
-    const vf m = vset1(half(blk + 2));
+  const vf d = vset1(scale_of<T>(blk));
+  if constexpr (subs(T) == 2) {  // Q6_K: the second half of the block has its own scale
+    const vf d1 = vset1(second_of<T>(blk));
+    for (int j = 0; j < VN; j++) w[j] = vmul(w[j], j < VN / 2 ? d : d1);
+  } else {
+    for (int j = 0; j < VN; j++) w[j] = vmul(w[j], d);
+  }
+  if constexpr (has_min(T)) {
+    const vf m = vset1(second_of<T>(blk));
     for (int j = 0; j < VN; j++) w[j] = vadd(w[j], m);
   }
 }
@@ -369,19 +462,6 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-// the 32 quants of one weight block as bytes in weight order (unsigned nibbles for Q4)
-template <int T>
-inline __m256i block_bytes_vec(const uint8_t* blk) {
-  const uint8_t* qs = blk + quants_offset(T);
-  if constexpr (T == Q8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-  } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-  }
-}
-
 constexpr int MT_Q = 4;  // rows a weight block is used for at once at decode sizes
 
 template <int T, typename XT>
@@ -390,11 +470,19 @@ template <int T, typename XT>
 void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 
 template <int T>
+void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
+
+template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if constexpr (T != Q8_0) {
-    if (M > MT_Q) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
+  if constexpr (!int8_path(T)) {
+    // Q6_K (8-bit quants with two scales): packed.py never asks (INT8_TYPES); int16 serves
+    return linear_int16<T>(x, w, out, M, N, K);
+  } else {
+    if constexpr (T != Q8_0) {
+      if (M > MT_Q) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
+    }
+    linear_rows<T, int8_t>(x, w, out, M, N, K);
   }
-  linear_rows<T, int8_t>(x, w, out, M, N, K);
 }
 
 // ---- int16 path: activations quantised per row and block of 32 to int16 (15 bits
@@ -481,9 +569,17 @@ template <int T>
 inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
   const uint8_t* qs = blk + quants_offset(T);
   __m256i a, b;
-  if constexpr (T == Q8_0) {
+  if constexpr (is8(T)) {
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  } else if constexpr (is5(T)) {
+    const __m256i q = block_bytes_vec<T>(blk);
+    a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+    b = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+    if constexpr (zero_point(T) != 0) {
+      a = _mm256_sub_epi16(a, _mm256_set1_epi16(zero_point(T)));
+      b = _mm256_sub_epi16(b, _mm256_set1_epi16(zero_point(T)));
+    }
   } else {
     const __m256i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     a = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));  // weights 0..15
@@ -508,24 +604,28 @@ inline void micro(const int16_t* wq, const float* dw, const float* mw, int nbc, 
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
   for (int b = 0; b < nbc; b++) {
-    vi ci[NR][MV];
-    SL_UNROLL for (int i = 0; i < NR; i++)
-      SL_UNROLL for (int j = 0; j < MV; j++) ci[i][j] = izero();
-    SL_UNROLL for (int p = 0; p < QK / 2; p++) {
-      vi xv[MV];
-      SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload(xq + j * xstride + (b * (QK / 2) + p) * 2 * VW);
-      SL_UNROLL for (int i = 0; i < NR; i++) {
-        const vi wv = iset1(wq + i * KQ_MAX + b * QK + 2 * p);
-        SL_UNROLL for (int j = 0; j < MV; j++) ci[i][j] = idot(ci[i][j], wv, xv[j]);
-      }
-    }
     vf d[MV];
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
-    SL_UNROLL for (int i = 0; i < NR; i++) {
-      const vf dwi = vset1(dw[i * BQ_MAX + b]);
-      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(ci[i][j]), vmul(d[j], dwi), cf[i][j]);
+    // one integer sum per scale (Q6_K: two, over 16 weights each, its second scale in mw)
+    SL_UNROLL for (int sub = 0; sub < subs(T); sub++) {
+      constexpr int PAIRS = QK / 2 / subs(T);
+      vi ci[NR][MV];
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) ci[i][j] = izero();
+      SL_UNROLL for (int p = sub * PAIRS; p < (sub + 1) * PAIRS; p++) {
+        vi xv[MV];
+        SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload(xq + j * xstride + (b * (QK / 2) + p) * 2 * VW);
+        SL_UNROLL for (int i = 0; i < NR; i++) {
+          const vi wv = iset1(wq + i * KQ_MAX + b * QK + 2 * p);
+          SL_UNROLL for (int j = 0; j < MV; j++) ci[i][j] = idot(ci[i][j], wv, xv[j]);
+        }
+      }
+      SL_UNROLL for (int i = 0; i < NR; i++) {
+        const vf dwi = vset1((sub ? mw : dw)[i * BQ_MAX + b]);
+        SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(ci[i][j]), vmul(d[j], dwi), cf[i][j]);
+      }
     }
-    if constexpr (T == Q4_1) {
+    if constexpr (has_min(T)) {
       SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(xs + j * sstride + b * VW);
       SL_UNROLL for (int i = 0; i < NR; i++) {
         const vf mi = vset1(mw[i * BQ_MAX + b]);
@@ -578,12 +678,25 @@ inline v8i dot(v8i acc, v8i a, v8i b) {
 }
 
 // int32 partial sums (8 lanes) of one block against MT activation rows (x: row stride K)
+// (Q6_K: over the weights of scale sub only, 0..15 or 16..31)
 template <int T, int MT>
-inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s) {
+inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, int sub = 0) {
   v8i lo, hi;
-  if constexpr (T == Q8_0) {
+  if constexpr (T == Q6_K) {
+    const v8i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T) + 16 * sub)));
+    for (int m = 0; m < MT; m++) s[m] = dot(_mm256_setzero_si256(), q, load(x + m * K + 16 * sub));
+    return;
+  } else if constexpr (is8(T)) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else if constexpr (is5(T)) {
+    const v8i q = block_bytes_vec<T>(blk);
+    lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
+    hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
+    if constexpr (zero_point(T) != 0) {
+      lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(zero_point(T)));
+      hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(zero_point(T)));
+    }
   } else {
     const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
     lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
@@ -600,7 +713,7 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s) {
 // the same for int8 activations: (u8 weight, s8 x) quads; Q8_0 is signed x signed, so
 // |w| times x with w's sign
 template <int T, int MT>
-inline void block_dot(const uint8_t* blk, const int8_t* x, int64_t K, v8i* s) {
+inline void block_dot(const uint8_t* blk, const int8_t* x, int64_t K, v8i* s, int = 0) {
   const v8i wq = block_bytes_vec<T>(blk);
   const v8i u = T == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
   for (int m = 0; m < MT; m++) {
@@ -613,7 +726,11 @@ inline void block_dot(const uint8_t* blk, const int8_t* x, int64_t K, v8i* s) {
 // (consecutive blocks of a row: stride = block_bytes; a block of 8 rows: the row bytes)
 template <int T>
 inline void scales8(const uint8_t* g, int64_t stride, v8f& dw, v8f& mw) {
-  if constexpr (T == Q4_1) {  // [d | m] is the first 32-bit word of a block
+  if constexpr (f32_scales(T)) {  // [d f32 | m (or Q6_K's second scale) f32]
+    auto at = [&](int j, int o) { return f32(g + j * stride + o); };
+    dw = _mm256_setr_ps(at(0, 0), at(1, 0), at(2, 0), at(3, 0), at(4, 0), at(5, 0), at(6, 0), at(7, 0));
+    mw = _mm256_setr_ps(at(0, 4), at(1, 4), at(2, 4), at(3, 4), at(4, 4), at(5, 4), at(6, 4), at(7, 4));
+  } else if constexpr (T == Q4_1 || T == Q5_1) {  // [d | m] is the first 32-bit word of a block
     auto word = [&](int j) {
       int32_t v;
       std::memcpy(&v, g + j * stride, 4);
@@ -651,9 +768,9 @@ inline void scales8(const uint8_t* g, int64_t stride, v8f& dw, v8f& mw) {
 template <int T, typename XT>
 inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, float dx, float xs) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
-  if constexpr (T == Q4_1) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs), acc);
-  if constexpr (T == Q4_0 && sizeof(XT) == 1)
-    acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-8.f)), _mm256_set1_ps(xs), acc);
+  if constexpr (has_min(T)) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs), acc);
+  if constexpr (zero_point(T) != 0 && sizeof(XT) == 1)  // int8: quants taken unsigned
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(-float(zero_point(T)))), _mm256_set1_ps(xs), acc);
   return acc;
 }
 
@@ -661,8 +778,8 @@ inline v8f fold(v8f acc, v8i sums, v8f dw, v8f mw, float dx, float xs) {
 template <int T, typename XT>
 inline float fold1(float acc, int32_t sum, float dw, float mw, float dx, float xs) {
   acc = std::fma(static_cast<float>(sum), dw * dx, acc);
-  if constexpr (T == Q4_1) acc = std::fma(mw, xs, acc);
-  if constexpr (T == Q4_0 && sizeof(XT) == 1) acc = std::fma(-8.f * dw, xs, acc);
+  if constexpr (has_min(T)) acc = std::fma(mw, xs, acc);
+  if constexpr (zero_point(T) != 0 && sizeof(XT) == 1) acc = std::fma(-float(zero_point(T)) * dw, xs, acc);
   return acc;
 }
 
@@ -689,27 +806,30 @@ inline void rows8(const uint8_t* w, int64_t row_bytes, int nb, const XT* xq, int
     for (int64_t o = 8 * BB * b; o < 8 * BB * (b + 1); o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
     // the lane reduction, done as the rows' sums arrive (fewer live registers: about
-    // 4 MT + 2, so that AVX2's 16 hold up to 3 rows)
-    v8i half_sums[MT][2];
-    for (int q = 0; q < 2; q++) {
-      v8i a[MT][2];
-      for (int j = 0; j < 2; j++) {
-        const int r = 4 * q + 2 * j;
-        v8i s0[MT], s1[MT];
-        block_dot<T, MT>(g + r * row_bytes, xb, K, s0);
-        block_dot<T, MT>(g + (r + 1) * row_bytes, xb, K, s1);
+    // 4 MT + 2, so that AVX2's 16 hold up to 3 rows); once per scale of the block (Q6_K:
+    // two, the second in mw, folded in the GEMM's order)
+    for (int sub = 0; sub < subs(T); sub++) {
+      v8i half_sums[MT][2];
+      for (int q = 0; q < 2; q++) {
+        v8i a[MT][2];
+        for (int j = 0; j < 2; j++) {
+          const int r = 4 * q + 2 * j;
+          v8i s0[MT], s1[MT];
+          block_dot<T, MT>(g + r * row_bytes, xb, K, s0, sub);
+          block_dot<T, MT>(g + (r + 1) * row_bytes, xb, K, s1, sub);
+          for (int m = 0; m < MT; m++)
+            a[m][j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s0[m], s1[m]), _mm256_unpackhi_epi32(s0[m], s1[m]));
+        }
         for (int m = 0; m < MT; m++)
-          a[m][j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s0[m], s1[m]), _mm256_unpackhi_epi32(s0[m], s1[m]));
+          half_sums[m][q] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[m][0], a[m][1]), _mm256_unpackhi_epi64(a[m][0], a[m][1]));
       }
-      for (int m = 0; m < MT; m++)
-        half_sums[m][q] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[m][0], a[m][1]), _mm256_unpackhi_epi64(a[m][0], a[m][1]));
-    }
-    v8f dw, mw = _mm256_setzero_ps();
-    scales8<T>(g, row_bytes, dw, mw);
-    for (int m = 0; m < MT; m++) {
-      const v8i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x20),
-                                        _mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x31));
-      acc[m] = fold<T, XT>(acc[m], sums, dw, mw, dx[m * nb + b], xs[m * nb + b]);
+      v8f dw, mw = _mm256_setzero_ps();
+      scales8<T>(g, row_bytes, dw, mw);
+      for (int m = 0; m < MT; m++) {
+        const v8i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x20),
+                                          _mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x31));
+        acc[m] = fold<T, XT>(acc[m], sums, sub ? mw : dw, mw, dx[m * nb + b], xs[m * nb + b]);
+      }
     }
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
@@ -723,10 +843,13 @@ inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const flo
   float acc[MT] = {};
   for (int b = 0; b < nb; b++) {
     const uint8_t* blk = wrow + static_cast<int64_t>(b) * BB;
-    v8i s[MT];
-    block_dot<T, MT>(blk, xq + static_cast<int64_t>(b) * QK, K, s);
-    const float dw = half(blk), mw = T == Q4_1 ? half(blk + 2) : 0.f;
-    for (int m = 0; m < MT; m++) acc[m] = fold1<T, XT>(acc[m], hsum_i32(s[m]), dw, mw, dx[m * nb + b], xs[m * nb + b]);
+    const float dw = scale_of<T>(blk), mw = second_of<T>(blk);
+    for (int sub = 0; sub < subs(T); sub++) {
+      v8i s[MT];
+      block_dot<T, MT>(blk, xq + static_cast<int64_t>(b) * QK, K, s, sub);
+      for (int m = 0; m < MT; m++)
+        acc[m] = fold1<T, XT>(acc[m], hsum_i32(s[m]), sub ? mw : dw, mw, dx[m * nb + b], xs[m * nb + b]);
+    }
   }
   for (int m = 0; m < MT; m++) out[m * N] = acc[m];
 }
@@ -745,12 +868,12 @@ inline void unpack_row16(const uint8_t* blk, int nb, int16_t* wq, float* dw, flo
     d8::v8f d, m = _mm256_setzero_ps();
     d8::scales8<T>(blk + b * BB, BB, d, m);
     _mm256_storeu_ps(dw + b, d);
-    if constexpr (T == Q4_1) _mm256_storeu_ps(mw + b, m);
+    if constexpr (has_min(T) || subs(T) == 2) _mm256_storeu_ps(mw + b, m);
   }
   for (; b < nb; b++) {
     unpack_block16<T>(blk + b * BB, wq + b * QK);
-    dw[b] = half(blk + b * BB);
-    if constexpr (T == Q4_1) mw[b] = half(blk + b * BB + 2);
+    dw[b] = scale_of<T>(blk + b * BB);
+    if constexpr (has_min(T) || subs(T) == 2) mw[b] = second_of<T>(blk + b * BB);
   }
 }
 
@@ -899,42 +1022,46 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   });
 }
 
-// nb Q4 blocks of one weight row -> their nibbles as bytes in k order (wq), scales (dw)
-// and Q4_1 minima (mw)
+// nb 4- or 5-bit blocks of one weight row -> their unsigned quants as bytes in k order
+// (wq), scales (dw) and minima (mw)
 template <int T>
 inline void unpack_row8(const uint8_t* blk, int nb, uint8_t* wq, float* dw, float* mw) {
-  static_assert(T != Q8_0, "the blocked int8 path takes unsigned 4-bit weights");
+  static_assert(int8_path(T) && !is8(T), "the blocked int8 path takes unsigned 4- or 5-bit weights");
   constexpr int BB = block_bytes(T);
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  for (int b = 0; b < nb; b++) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + b * BB + quants_offset(T)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + b * QK), _mm_and_si128(q, m4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + b * QK + 16), _mm_and_si128(_mm_srli_epi16(q, 4), m4));
-  }
+  for (int b = 0; b < nb; b++)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * QK), block_bytes_vec<T>(blk + b * BB));
   int b = 0;
   for (; b + 8 <= nb; b += 8) {
     d8::v8f d, m = _mm256_setzero_ps();
     d8::scales8<T>(blk + b * BB, BB, d, m);
     _mm256_storeu_ps(dw + b, d);
-    if constexpr (T == Q4_1) _mm256_storeu_ps(mw + b, m);
+    if constexpr (has_min(T)) _mm256_storeu_ps(mw + b, m);
   }
   for (; b < nb; b++) {
-    dw[b] = half(blk + b * BB);
-    if constexpr (T == Q4_1) mw[b] = half(blk + b * BB + 2);
+    dw[b] = scale_of<T>(blk + b * BB);
+    if constexpr (has_min(T)) mw[b] = second_of<T>(blk + b * BB);
   }
 }
 
 // c += the products of a quad of k: weights w (u8, broadcast) by activations x (s8); c
 // holds int32 sums (vpdpbusd) or a block's int16 sums, widened at its end (widen8)
 #if defined(SL_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kDot8Int32 = true;  // dot8 sums straight into int32
 inline vi dot8(vi c, vi w, vi x) { return _mm512_dpbusd_epi32(c, w, x); }
 inline vi widen8(vi c) { return c; }
 #elif defined(SL_AVX512)
+constexpr bool kDot8Int32 = false;
 inline vi dot8(vi c, vi w, vi x) { return _mm512_add_epi16(c, _mm512_maddubs_epi16(w, x)); }
 inline vi widen8(vi c) { return _mm512_madd_epi16(c, _mm512_set1_epi16(1)); }
 #else
+constexpr bool kDot8Int32 = false;
 inline vi dot8(vi c, vi w, vi x) { return _mm256_add_epi16(c, _mm256_maddubs_epi16(w, x)); }
 inline vi widen8(vi c) { return _mm256_madd_epi16(c, _mm256_set1_epi16(1)); }
+#endif
+#ifdef SL_AVX512
+inline vi iadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+#else
+inline vi iadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 #endif
 inline vi iload8(const int8_t* p) {
 #ifdef SL_AVX512
@@ -963,28 +1090,37 @@ inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, 
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  // 5-bit weights without VNNI: a block's int16 lane sums (2 products of up to 31 * 127
+  // per quad) overflow past 4 quads, so they are widened per half block; the int32 sum
+  // is the same integer, so the fold stays the row kernel's
+  constexpr int HALVES = is5(T) && !kDot8Int32 ? 2 : 1;
   for (int b = 0; b < nbc; b++) {
-    vi c[NR][MV];
-    SL_UNROLL for (int i = 0; i < NR; i++)
-      SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = izero();
-    SL_UNROLL for (int q = 0; q < QK / 4; q++) {
-      vi xv[MV];
-      SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload8(xq + j * xstride + (b * (QK / 4) + q) * 4 * VW);
-      SL_UNROLL for (int i = 0; i < NR; i++) {
-        const vi wv = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q);
-        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = dot8(c[i][j], wv, xv[j]);
+    vi s[NR][MV];
+    SL_UNROLL for (int h = 0; h < HALVES; h++) {
+      vi c[NR][MV];
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = izero();
+      SL_UNROLL for (int q = h * QK / 4 / HALVES; q < (h + 1) * QK / 4 / HALVES; q++) {
+        vi xv[MV];
+        SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload8(xq + j * xstride + (b * (QK / 4) + q) * 4 * VW);
+        SL_UNROLL for (int i = 0; i < NR; i++) {
+          const vi wv = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q);
+          SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = dot8(c[i][j], wv, xv[j]);
+        }
       }
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) s[i][j] = h ? iadd32(s[i][j], widen8(c[i][j])) : widen8(c[i][j]);
     }
     vf d[MV];
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
     SL_UNROLL for (int i = 0; i < NR; i++) {
       const vf dwi = vset1(dw[i * BQ8_MAX + b]);
-      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(widen8(c[i][j])), vmul(d[j], dwi), cf[i][j]);
+      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(s[i][j]), vmul(d[j], dwi), cf[i][j]);
     }
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(xs + j * sstride + b * VW);
     SL_UNROLL for (int i = 0; i < NR; i++) {
       // Q4_1: + m xs; Q4_0: - 8 dw xs (the nibbles were taken unsigned)
-      const vf o = T == Q4_1 ? vset1(mw[i * BQ8_MAX + b]) : vset1(-8.f * dw[i * BQ8_MAX + b]);
+      const vf o = has_min(T) ? vset1(mw[i * BQ8_MAX + b]) : vset1(-float(zero_point(T)) * dw[i * BQ8_MAX + b]);
       SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(o, d[j], cf[i][j]);
     }
   }
@@ -1090,7 +1226,9 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
 }
 
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
-  TORCH_CHECK(type >= 0 && type <= 2, "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  TORCH_CHECK(type >= 0 && type < NTYPES,
+              "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
+              "5 (Q4_K), 6 (Q5_K) or 7 (Q6_K, the last three repacked)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   const int bb = block_bytes(static_cast<int>(type));
   TORCH_CHECK(w.size(1) % bb == 0, "quant_linear: row bytes not a whole number of blocks");
@@ -1113,9 +1251,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mod
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   using Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
-  static constexpr Fn fns[3][3] = {{linear_float<Q4_0>, linear_int8<Q4_0>, linear_int16<Q4_0>},
-                                   {linear_float<Q4_1>, linear_int8<Q4_1>, linear_int16<Q4_1>},
-                                   {linear_float<Q8_0>, linear_int8<Q8_0>, linear_int16<Q8_0>}};
+#define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
+  static constexpr Fn fns[NTYPES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0), SL_PATHS(Q5_0),
+                                        SL_PATHS(Q5_1), SL_PATHS(Q4_K), SL_PATHS(Q5_K), SL_PATHS(Q6_K)};
+#undef SL_PATHS
   fns[type][mode](xp, wp, op, M, N, K);
   return out;
 }
@@ -1126,11 +1265,11 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   auto out = torch::empty({w.size(0), K}, torch::kFloat32);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (type) {
-    case Q4_0: dequantize_rows<Q4_0>(wp, op, w.size(0), K); break;
-    case Q4_1: dequantize_rows<Q4_1>(wp, op, w.size(0), K); break;
-    default: dequantize_rows<Q8_0>(wp, op, w.size(0), K); break;
-  }
+  using Fn = void (*)(const uint8_t*, float*, int64_t, int64_t);
+  static constexpr Fn fns[NTYPES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
+                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, dequantize_rows<Q4_K>,
+                                     dequantize_rows<Q5_K>, dequantize_rows<Q6_K>};
+  fns[type](wp, op, w.size(0), K);
   return out;
 }
 
@@ -1149,7 +1288,7 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
-  m.def("linear", &linear, "x @ W^T with W in GGUF blocks (Q4_0=0, Q4_1=1, Q8_0=2); mode 0 float, 1 int8, 2 int16");
+  m.def("linear", &linear, "x @ W^T with W in GGUF blocks (type codes: packed.BLOCK_TYPES); mode 0 float, 1 int8, 2 int16");
   m.def("dequantize", &dequantize, "GGUF blocks -> float32 rows");
   m.def("isa", &isa, "the instruction set this build targets");
 }

@@ -3,17 +3,19 @@
 On CPU, activations and norms are float32 (bfloat16 only if asked for; the KV cache's
 dtype is ``resolve_kv_cache_dtype``'s); what varies is how the matmul weights are held:
 
-- ``--quantization gguf`` (``auto`` picks it for a GGUF file on CPU): Q4_0/Q4_1/Q8_0
-  matrices (and the embedding table, which is also the tied LM head) stay as the file's
-  blocks and run through the C++ block kernels; other matrices are dequantised, F16/BF16
-  ones run as float16 unless ``--dtype float32`` (``--dtype float16``: all of them).
+- ``--quantization gguf`` (``auto`` picks it for a GGUF file on CPU): Q4_0/Q4_1/Q5_0/
+  Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K matrices (and the embedding table, which is also the
+  tied LM head) stay as the file's blocks (the k-quants repacked at load) and run
+  through the C++ block kernels, each matrix in its own type; other matrices are
+  dequantised (and named at start-up), F16/BF16 ones run as float16 unless ``--dtype
+  float32`` (``--dtype float16``: all of them).
 - ``--quantization none``: weights dequantised to ``--dtype``. On CPU ``float32`` packs
   them for oneDNN (today's exact path); ``float16`` packs them for fbgemm's float16
   matmul (float32 activations, half the bytes read), which ``auto`` picks for float
   checkpoints (Hugging Face directories) because it was measured faster at decode sizes.
 
 On CUDA, ``--dtype`` is the model's dtype as before and GGUF blocks are refused.
-Tensor parallelism runs GGUF files dequantised (block weights are not sharded yet).
+Tensor parallelism shards GGUF blocks as blocks (``model/sharding.py``).
 """
 
 from __future__ import annotations

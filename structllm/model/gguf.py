@@ -171,29 +171,76 @@ _KEEPABLE = (
 )
 
 
+def tensor_format(name: str, kind: str, shape: tuple[int, ...], keep_blocks: bool) -> str:
+    """How ``read_tensor`` holds a tensor of GGUF type ``kind``: ``"blocks"`` (the
+    block kernels run it), ``"float16"`` (an F16/BF16 matrix), ``"float32"`` as stored
+    (F32), or ``"dequantised"`` (a type no kernel runs, or a tensor that is not a
+    matmul weight: dequantised to float32, bit-exact to ``gguf``'s dequantisation)."""
+    matrix = len(shape) == 2 and (
+        name.endswith(_KEEPABLE) or name in ("token_embd.weight", "output.weight")
+    )
+    if keep_blocks and matrix and kind in BLOCK_TYPES and shape[1] % BLOCK == 0:
+        return "blocks"
+    if keep_blocks and matrix and kind in ("F16", "BF16"):
+        return "float16"
+    return "float32" if kind == "F32" else "dequantised"
+
+
 def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | BlockWeight:
     """One reader tensor: kept as GGUF blocks (``keep_blocks``, a block type and a 2-D
     matmul or embedding weight), float16 (``keep_blocks`` and an F16/BF16 matrix), or
-    dequantised to float32."""
+    dequantised to float32 (see ``tensor_format``)."""
     kind = t.tensor_type.name
-    matrix = len(shape) == 2 and (
-        t.name.endswith(_KEEPABLE) or t.name in ("token_embd.weight", "output.weight")
-    )
-    if keep_blocks and matrix and kind in BLOCK_TYPES and shape[1] % BLOCK == 0:
-        raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # copies out of the memory map
-        return BlockWeight.from_raw(raw, kind, shape[1])
+    how = tensor_format(t.name, kind, shape, keep_blocks)
+    if how == "blocks":
+        return BlockWeight.from_raw(t.data, kind, shape[1])  # copied (or repacked) out of the map
     w = dequantize(t.data, kind, shape)
-    if keep_blocks and matrix and kind in ("F16", "BF16"):
+    if how == "float16":
         return w.half()  # runs as float16 (fbgemm) unless --dtype float32
     return w
 
 
+def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[str]:
+    """Start-up lines saying which format each kind of matrix runs in (and what was
+    dequantised, and why), from the file's tensors and ``read_tensor``'s rules;
+    ``half``: ``WeightFormat.half`` (``"none"``: float16 matrices run as float32)."""
+    blocks: dict[str, int] = {}
+    deq: dict[str, int] = {}
+    half16 = f32 = vectors = 0
+    for t in reader.tensors:
+        kind, shape = t.tensor_type.name, tuple(int(s) for s in reversed(t.shape))
+        how = tensor_format(t.name, kind, shape, keep_blocks)
+        if len(shape) < 2:
+            vectors += 1
+        elif how == "blocks":
+            blocks[kind] = blocks.get(kind, 0) + 1
+        elif how == "float16":
+            half16, f32 = (half16 + 1, f32) if half != "none" else (half16, f32 + 1)
+        elif how == "float32":
+            f32 += 1
+        else:
+            deq[kind] = deq.get(kind, 0) + 1
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(blocks.items(), key=lambda kv: -kv[1]))
+    lines = [
+        f"weights: blocks: {counts or 'none'}; float16: {half16}; "
+        f"float32: {f32} matrices stored as F32/F16, {vectors} norms and biases"
+    ]
+    if deq:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(deq.items(), key=lambda kv: -kv[1]))
+        why = (
+            "no block kernel runs these types"
+            if keep_blocks
+            else "the weights run as floats (--quantization none, or not on CPU)"
+        )
+        lines.append(f"{sum(deq.values())} matrices dequantised to float32 ({kinds}): {why}")
+    return lines
+
+
 def _cat(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
-    """Row concatenation; parts of different kinds meet in float32."""
+    """Row concatenation: block parts stay blocks, each in its own type (a
+    ``MixedWeight`` where they differ); blocks and floats meet in float32."""
     if all(isinstance(p, BlockWeight) for p in parts):
-        blocks = [p for p in parts if isinstance(p, BlockWeight)]
-        if len({b.type_name for b in blocks}) == 1:
-            return BlockWeight.cat(blocks)
+        return BlockWeight.cat([p for p in parts if isinstance(p, BlockWeight)])
     floats = [p.dequantize() if isinstance(p, BlockWeight) else p for p in parts]
     if len({f.dtype for f in floats}) > 1:
         floats = [f.float() for f in floats]

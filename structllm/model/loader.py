@@ -2,9 +2,11 @@
 transformers are imported only where needed).
 
 ``prepare_model`` is ``model.files.find_model_files`` after converting what the cache
-lacks: a GGUF file is converted once (dequantised weights, the tokenizer rebuilt by
-transformers, the chat template) into a cache directory keyed by the file's path, size
-and mtime, so later starts only map safetensors; a Hugging Face directory without a
+lacks: a GGUF file's first use writes its config and tokenizer (rebuilt by
+transformers, with the chat template) into a cache directory keyed by the file's path,
+size and mtime; its weights are read from the file itself when they run as blocks, and
+dequantised into a float32 safetensors copy there only the first time a float path
+(``--quantization none``, CUDA) needs them. A Hugging Face directory without a
 ``tokenizer.json`` gets one built by transformers. Nothing here downloads.
 """
 
@@ -100,31 +102,28 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:
-    from safetensors.torch import save_file
-
+    """The config and tokenizer of GGUF file ``path`` into ``cache`` (no weights: see
+    ``load_weights`` for the float32 copy a float path writes on first use)."""
     from structllm.model import gguf
 
     t0 = time.monotonic()
-    sys.stderr.write(f"Converting {path.name} (first use; cached in {cache})\n")
+    sys.stderr.write(f"Reading {path.name} (first use; config and tokenizer cached in {cache})\n")
     reader = gguf.open_gguf(path)
     meta = gguf.metadata(reader)
     cfg = gguf.model_config(meta)
-    tensors: dict[str, Any] = dict(
-        gguf.load_tensors(reader, cfg, Progress("  dequantising tensors", delay=0.0))
-    )
-    if "embed_tokens" not in tensors:
+    shapes = {t.name: [int(s) for s in reversed(t.shape)] for t in reader.tensors}
+    if "token_embd.weight" not in shapes:
         raise ValueError(f"{path} has no token_embd.weight tensor")
     cfg = msgspec.structs.replace(
         cfg,
-        vocab_size=tensors["embed_tokens"].shape[0],
-        tie_word_embeddings="lm_head" not in tensors,
+        vocab_size=shapes["token_embd.weight"][0],
+        tie_word_embeddings="output.weight" not in shapes,
     )
+    del reader
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        save_file(tensors, str(tmp / "model.safetensors"))
-        del tensors
         sys.stderr.write("  building the tokenizer\n")
         tok_json = build_tokenizer_json(path.parent, path.name)
         shutil.copyfile(tok_json, tmp / "tokenizer.json")
@@ -150,7 +149,40 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         os.replace(tmp, cache)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    sys.stderr.write(f"  converted in {time.monotonic() - t0:.1f}s\n")
+    sys.stderr.write(f"  done in {time.monotonic() - t0:.1f}s\n")
+
+
+def _dequantised_copy(files: ModelFiles) -> Path:
+    """The float32 safetensors copy of GGUF file ``files.source``'s weights (our names),
+    written into its cache directory the first time a float path asks for it."""
+    from safetensors.torch import save_file
+
+    from structllm.model import gguf
+
+    out = files.weights[0]
+    if out.is_file():
+        return out
+    assert files.source is not None
+    t0 = time.monotonic()
+    sys.stderr.write(
+        f"Dequantising {files.source.name} to float32 for a float path (once; cached in "
+        f"{out.parent})\n"
+    )
+    tensors: dict[str, Any] = dict(
+        gguf.load_tensors(
+            gguf.open_gguf(files.source),
+            files.config,
+            Progress("  dequantising tensors", delay=0.0),
+        )
+    )
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    sys.stderr.write(f"  dequantised in {time.monotonic() - t0:.1f}s\n")
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -198,6 +230,8 @@ def load_weights(
 
     from structllm.model.sharding import shard_weights
 
+    if files.source is not None:
+        _dequantised_copy(files)
     state: dict[str, torch.Tensor] = {}
     for f in files.weights:
         state.update(load_file(str(f)))
@@ -212,20 +246,31 @@ def load_weights(
 
 
 def load_block_weights(
-    files: ModelFiles, dtype: torch.dtype
+    files: ModelFiles, dtype: torch.dtype, half: str = "file"
 ) -> dict[str, torch.Tensor | BlockWeight]:
     """The GGUF file's weights under our names, block matrices kept as ``BlockWeight``
-    (read from the file itself, not the dequantised cache); plain tensors in ``dtype``
-    except float16 matrices, kept for ``pack_weights`` to run as float16."""
+    (read from the file itself); plain tensors in ``dtype`` except float16 matrices,
+    kept for ``pack_weights`` to run as float16 (``half``: ``WeightFormat.half``). A
+    float16 embedding stays float16 (``HalfRows``: looked up into float32, and packed
+    for fbgemm if it is also the LM head). Says on stderr which format each kind of
+    matrix runs in, and what was dequantised."""
     import torch
 
+    from structllm.kernels.packed import HalfRows
     from structllm.model import gguf
 
     assert files.source is not None
+    reader = gguf.open_gguf(files.source)
+    for line in gguf.format_report(reader, keep_blocks=True, half=half):
+        sys.stderr.write(f"structllm: {files.source.name}: {line}\n")
     out: dict[str, torch.Tensor | BlockWeight] = {}
-    for name, w in gguf.load_tensors(gguf.open_gguf(files.source), files.config, keep_blocks=True):
-        keep_half = isinstance(w, torch.Tensor) and w.dtype == torch.float16 and w.dim() == 2
-        out[name] = w if not isinstance(w, torch.Tensor) or keep_half else w.to(dtype)
+    for name, w in gguf.load_tensors(reader, files.config, keep_blocks=True):
+        if not isinstance(w, torch.Tensor):
+            out[name] = w
+        elif w.dtype == torch.float16 and w.dim() == 2:
+            out[name] = HalfRows(w) if name == "embed_tokens" and half != "none" else w
+        else:
+            out[name] = w.to(dtype)
     return out
 
 
@@ -246,7 +291,9 @@ def load_model(
     from structllm.model.llama import LlamaModel
 
     if fmt is not None and fmt.blocks:
-        weights: dict[str, torch.Tensor | BlockWeight] = dict(load_block_weights(files, dtype))
+        weights: dict[str, torch.Tensor | BlockWeight] = dict(
+            load_block_weights(files, dtype, fmt.half)
+        )
         if plan is not None:
             from structllm.model.sharding import shard_weights
 

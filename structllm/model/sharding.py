@@ -25,11 +25,15 @@ GGUF block weights (``BlockWeight``) are cut the same way without dequantising: 
 slice is a slice of whole block rows, and a column slice (the row-parallel matmuls'
 inputs) is a slice of whole blocks of 32 when its bounds fall on block boundaries
 (SmolLM2-135M on 2 ranks: heads of 64 columns, an MLP split at 768). Where they do not,
-that one matrix is dequantised and cut as floats.
+that one matrix is dequantised and cut as floats, and the load says which. The
+k-quants are held as blocks of 32 (repacked at load), so they shard at 32 columns too,
+inside their super-blocks of 256. A ``MixedWeight`` (a fused matrix whose parts differ
+in type) is cut part by part.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
@@ -37,7 +41,7 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
-from structllm.kernels.packed import BLOCK, BLOCK_BYTES, BlockWeight
+from structllm.kernels.packed import BlockWeight
 from structllm.model.config import ModelConfig
 
 Matrix = Tensor | BlockWeight
@@ -124,7 +128,7 @@ def _rows(w: Matrix, r: range, width: int = 1) -> Matrix:
     """Rows ``r.start*width .. r.stop*width`` of ``w`` (dim 0); a view of a tensor."""
     a, b = r.start * width, r.stop * width
     if isinstance(w, BlockWeight):
-        return BlockWeight(w.raw[a:b], w.type_name, (b - a, w.shape[1]))
+        return w.row_range(a, b)
     return w[a:b]
 
 
@@ -146,21 +150,21 @@ def _cat(parts: list[Matrix]) -> Matrix:
 
 def _columns(w: Matrix, a: int, b: int) -> Matrix:
     """Columns ``a .. b`` of ``w``, a tensor of its own: whole blocks of a
-    ``BlockWeight`` when ``a`` and ``b`` fall on block boundaries, else floats."""
+    ``BlockWeight`` when ``a`` and ``b`` fall on block boundaries (32 columns; the
+    k-quants' are their 256-weight super-blocks cut into the kernels' blocks of 32 at
+    load), else floats."""
     if isinstance(w, BlockWeight):
-        if a % BLOCK or b % BLOCK:
-            w = w.dequantize()
-        else:
-            size = BLOCK_BYTES[w.type_name]
-            raw = w.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
-            return BlockWeight(raw, w.type_name, (w.shape[0], b - a))
+        cut = w.columns(a, b)
+        if cut is not None:
+            return cut
+        w = w.dequantize()
     return _own(w[:, a:b])
 
 
 def _own(view: Matrix) -> Matrix:
     """A contiguous copy of ``view``, so that the full tensor behind it can be freed."""
     if isinstance(view, BlockWeight):
-        return BlockWeight(view.raw.clone(), view.type_name, view.shape)
+        return view.owned()
     return view.clone(memory_format=torch.contiguous_format)
 
 
@@ -179,6 +183,7 @@ def shard_weights(
     slices, each of its own (not a view of the full one)."""
     d, h, hkv, ffn = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     out: dict[str, Matrix] = {}
+    dequantised: list[str] = []  # block matrices that had to become floats
     for name, w in weights.items():
         kind = name.rsplit(".", 1)[-1]
         part: Matrix
@@ -199,5 +204,13 @@ def shard_weights(
             part = _own(_rows(w, plan.vocab))
         else:  # norms: replicated
             part = _own(w)
+        if isinstance(w, BlockWeight) and not isinstance(part, BlockWeight):
+            dequantised.append(name)
         out[name] = part
+    if dequantised:
+        sys.stderr.write(
+            f"structllm: tensor parallelism rank {plan.rank}: {len(dequantised)} block matrices "
+            f"dequantised to float32, their shard's columns not on blocks of 32: "
+            f"{', '.join(dequantised[:4])}{' ...' if len(dequantised) > 4 else ''}\n"
+        )
     return out

@@ -1,9 +1,11 @@
 """The GGUF block kernels (``quant_linear.cpp``) against the float32 dequantisation.
 
-Every block type, both ISA builds (the AVX2 one is forced on an AVX-512 machine by
-loading it explicitly), every path (float: weights dequantised exactly, float32 math,
-in registers for a few rows and through a blocked GEMM for more; int16 and int8:
-activations quantised per block), on random and on the default model's weights.
+Every block type (the k-quants as random super-blocks, repacked at load as the loader
+does, against ``gguf``'s dequantisation of the file bytes), both ISA builds (the AVX2
+one is forced on an AVX-512 machine by loading it explicitly), every path (float:
+weights dequantised exactly, float32 math, in registers for a few rows and through a
+blocked GEMM for more; int16 and int8: activations quantised per block), on random and
+on the default model's weights.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from structllm.kernels import cpu_ext, packed
-from structllm.kernels.packed import BLOCK_TYPES, FLOAT, INT8, INT16, BlockWeight
+from structllm.kernels.packed import BLOCK_TYPES, FLOAT, INT8, INT16, BlockWeight, MixedWeight
 
 gguf = pytest.importorskip("gguf")
 
@@ -30,14 +32,46 @@ pytestmark = pytest.mark.skipif(not ISAS, reason="the block kernels need an AVX2
 M_SIZES = [1, 3, 16, 64, 257]
 
 
-def quantize(w: np.ndarray, type_name: str) -> tuple[BlockWeight, torch.Tensor]:
-    """``w [N, K]`` float32 -> its blocks and their float32 dequantisation by ``gguf``."""
+K_QUANTS = list(packed.FILE_BYTES)  # gguf cannot quantise these: random super-blocks
+QUANTISABLE = [t for t in BLOCK_TYPES if t not in K_QUANTS]
+
+
+def quantize(w: np.ndarray, type_name: str, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
+    """``w [N, K]`` float32 -> its blocks and their float32 dequantisation by ``gguf``.
+    For a k-quant (which gguf only dequantises) random super-blocks of ``w``'s shape
+    whose float16 scales are set to sizes like ``w``'s rows (every other byte random:
+    all of it is valid quants and 6-bit scales)."""
     qtype = gguf.GGMLQuantizationType[type_name]
-    raw = gguf.quants.quantize(w, qtype)
+    if type_name in K_QUANTS:
+        raw = random_super_blocks(w, type_name, seed)
+    else:
+        raw = gguf.quants.quantize(w, qtype)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(w.shape))
     return BlockWeight.from_raw(
         torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), type_name, w.shape[1]
     ), ref
+
+
+def random_super_blocks(w: np.ndarray, type_name: str, seed: int) -> np.ndarray:
+    n, k = w.shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, packed.FILE_BYTES[type_name]), dtype=np.uint8)
+    size = np.abs(w).reshape(n, k // 256, 256).max(axis=2)  # [n, super-blocks]
+
+    def f16(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float16).view(np.uint8).reshape(n, k // 256, 2)
+
+    if type_name == "Q6_K":  # q in [-32, 31] times int8 scales: |w| up to ~4000 d
+        raw[..., 208:210] = f16(size / 4000)
+    else:  # q in [0, 31] times 6-bit scales, minus 6-bit mins times dmin
+        raw[..., 0:2] = f16(size / 1000)
+        raw[..., 2:4] = f16(size / 2000)
+    return raw.reshape(n, -1)
+
+
+def width(type_name: str, blocks: int) -> int:
+    """Columns for about ``blocks`` blocks of 32 (a k-quant: whole super-blocks)."""
+    return 32 * blocks if type_name not in K_QUANTS else 256 * -(-blocks // 8)
 
 
 def random_weight(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -68,7 +102,7 @@ def test_float_path_weights_are_bit_exact(isa: str, type_name: str) -> None:
     bit for bit: checked on the kernel's dequantiser and on the matmul itself, whose
     product with the identity is each weight times 1 plus zeros."""
     module = cpu_ext.load_quant(isa)
-    w, ref = quantize(random_weight(40, 160), type_name)
+    w, ref = quantize(random_weight(40, width(type_name, 5)), type_name)
     assert torch.equal(module.dequantize(w.raw, w.code), ref)
     k = w.shape[1]
     # the in-register path (1, 3 rows) and the blocked one (17 rows: a padded vector;
@@ -97,7 +131,7 @@ def check_against_reference(module: object, w: BlockWeight, ref: torch.Tensor, s
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 def test_random_weights_match_the_float_reference(isa: str, type_name: str) -> None:
-    w, ref = quantize(random_weight(72, 224, seed=1), type_name)
+    w, ref = quantize(random_weight(72, width(type_name, 7), seed=1), type_name, seed=1)
     check_against_reference(cpu_ext.load_quant(isa), w, ref, seed=2)
 
 
@@ -108,7 +142,7 @@ def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, b
     """The int16 row kernel (decode sizes, 1-4 rows) folds the scales of 8 blocks at a
     time and the last blocks of a row one by one: whole groups, tails, and rows shorter
     than a group, for every row count it serves."""
-    w, ref = quantize(random_weight(40, 32 * blocks, seed=blocks), type_name)
+    w, ref = quantize(random_weight(40, width(type_name, blocks), seed=blocks), type_name, blocks)
     gen = torch.Generator().manual_seed(blocks)
     for m in (1, 2, 3, 4):
         x = torch.randn(m, w.shape[1], generator=gen)
@@ -131,7 +165,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(
     the rows past the last group of 8 (43 = 5 x 8 + 3). The activations are rounded by
     one quantiser and every output folds its blocks in one order, so a request's tokens
     do not depend on what else runs in its step."""
-    w, _ = quantize(random_weight(43, 32 * blocks, seed=blocks), type_name)
+    w, _ = quantize(random_weight(43, width(type_name, blocks), seed=blocks), type_name, blocks)
     module = cpu_ext.load_quant(isa)
     x = torch.randn(17, w.shape[1], generator=torch.Generator().manual_seed(blocks))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(17)])
@@ -140,7 +174,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", QUANTISABLE)
 def test_default_model_weights_match_the_float_reference(
     isa: str, type_name: str, real_weights: dict[str, np.ndarray]
 ) -> None:
@@ -225,3 +259,74 @@ def test_rows_and_concatenation_keep_blocks_valid() -> None:
     assert torch.equal(both.dequantize(), torch.cat([ra, rb]))
     ids = torch.tensor([12, 0, 3, 3])
     assert torch.equal(both.rows(ids), torch.cat([ra, rb])[ids])
+
+
+def test_fused_parts_of_different_types_run_each_in_its_own_type() -> None:
+    """A fused q/k/v whose v is Q6_K and q/k Q4_K (as a Q4_K_M file has them) stays in
+    blocks: one part per run of a type, each through its own kernels into its own
+    output columns; row ranges (tensor parallelism) and column ranges cut across parts."""
+    q, rq = quantize(random_weight(64, 512, seed=6), "Q4_K", seed=6)
+    k, rk = quantize(random_weight(32, 512, seed=7), "Q4_K", seed=7)
+    v, rv = quantize(random_weight(32, 512, seed=8), "Q6_K", seed=8)
+    fused = BlockWeight.cat([q, k, v])
+    assert isinstance(fused, MixedWeight)
+    assert [(p.type_name, p.shape[0]) for p in fused.parts] == [("Q4_K", 96), ("Q6_K", 32)]
+    assert fused.shape == (128, 512)
+    assert packed.weight_bytes(fused) == q.nbytes + k.nbytes + v.nbytes
+    ref = torch.cat([rq, rk, rv])
+    assert torch.equal(fused.dequantize(), ref)
+    x = torch.randn(5, 512)
+    for int8_ok in (False, True):
+        want = torch.cat([packed.linear(x, p, int8_ok=int8_ok) for p in fused.parts], dim=1)
+        assert torch.equal(packed.linear(x, fused, int8_ok=int8_ok), want)
+    want = x.double() @ ref.double().T  # int16 path: activations to 16 bits
+    assert ((packed.linear(x, fused) - want).norm() / want.norm()).item() < 1e-4
+    part = fused.row_range(48, 112)
+    assert isinstance(part, MixedWeight) and torch.equal(part.dequantize(), ref[48:112])
+    assert isinstance(fused.row_range(0, 90), BlockWeight) and not isinstance(
+        fused.row_range(0, 90), MixedWeight
+    )
+    cols = fused.columns(32, 96)
+    assert cols is not None and torch.equal(cols.dequantize(), ref[:, 32:96])
+    assert fused.columns(16, 96) is None  # inside a block
+    assert torch.equal(
+        BlockWeight.cat([part, fused.row_range(0, 48)]).dequantize(),
+        torch.cat([ref[48:112], ref[:48]]),
+    )
+
+
+def test_k_quant_repacking_keeps_rows_and_needs_whole_super_blocks() -> None:
+    w, ref = quantize(random_weight(3, 768, seed=9), "Q5_K", seed=9)
+    assert w.raw.shape == (3, 768 // 32 * packed.BLOCK_BYTES["Q5_K"])
+    assert torch.equal(w.row_range(1, 2).dequantize(), ref[1:2])
+    with pytest.raises(ValueError, match="Q4_K with 288 columns"):
+        BlockWeight.from_raw(torch.zeros(144, dtype=torch.uint8), "Q4_K", 288)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_int8_sums_of_5_bit_blocks_do_not_overflow(isa: str, type_name: str) -> None:
+    """The largest 5-bit quants against the largest 8-bit activations: 32 * 31 * 127 per
+    block, past int16, which vpmaddubsw's sums would wrap without the per-half widening
+    (AVX2, AVX-512 without VNNI). The result must be the float reference's."""
+    n, k = 24, 512
+    if type_name == "Q5_K":
+        raw = np.full((n * k // 256, packed.FILE_BYTES[type_name]), 0xFF, dtype=np.uint8)
+        raw[:, 0:2] = np.array([1 / 64], dtype=np.float16).view(np.uint8)  # d, scales 63
+        raw[:, 2:4] = 0  # dmin: no minimum
+        ref = torch.full((n, k), 31 * 63 / 64)
+    else:
+        size = 22 if type_name == "Q5_0" else 24
+        raw = np.full((n * k // 32, size), 0xFF, dtype=np.uint8)
+        raw[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        if type_name == "Q5_1":
+            raw[:, 2:4] = 0  # m
+        ref = torch.full((n, k), 15.0 if type_name == "Q5_0" else 31.0)  # Q5_0: q - 16
+    w = BlockWeight.from_raw(raw, type_name, k)
+    module = cpu_ext.load_quant(isa)
+    assert torch.equal(module.dequantize(w.raw, w.code), ref)
+    for m in (1, 16):
+        x = torch.ones(m, k)
+        for mode in (INT8, INT16):
+            got = module.linear(x, w.raw, w.code, mode)
+            torch.testing.assert_close(got, x @ ref.T, rtol=1e-5, atol=0)
