@@ -18,6 +18,7 @@ from torch import Tensor
 
 from structllm.kernels.packed import BLOCK, BLOCK_TYPES, BlockWeight
 from structllm.model.config import ModelConfig
+from structllm.model.layers import interleave_rope_rows
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
@@ -142,14 +143,6 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tens
 
 # ---------------------------------------------------------------------------------------
 # tensor names
-
-
-def interleave_rope_rows(w: Tensor, num_heads: int) -> Tensor:
-    """Rows of a q/k projection from "halves" to "interleaved" rotary layout (see
-    ``model.llama``): per head, ``[x0..x_{D/2-1}, x_{D/2}..]`` -> ``[x0, x_{D/2}, x1, ...]``.
-    Works for weights ``[H*D, in]`` and biases ``[H*D]``."""
-    rest = w.shape[1:]
-    return w.reshape(num_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
 
 
 _LAYER_NAMES = {

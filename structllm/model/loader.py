@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from structllm.model.config import ModelConfig
 from structllm.model.files import (
     ModelFiles,
     NotConverted,
@@ -157,38 +156,6 @@ def _convert_gguf(path: Path, cache: Path) -> None:
 # weights
 
 
-def _hf_to_native(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor names -> ours: fuse q/k/v and gate/up, interleave rope rows."""
-    import torch
-
-    from structllm.model.gguf import interleave_rope_rows
-
-    def take(name: str) -> torch.Tensor:
-        return state.pop(name)
-
-    out = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
-        out["lm_head"] = take("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        q = interleave_rope_rows(take(a + "q_proj.weight"), cfg.num_heads)
-        k = interleave_rope_rows(take(a + "k_proj.weight"), cfg.num_kv_heads)
-        out[f"layers.{i}.qkv_proj"] = torch.cat([q, k, take(a + "v_proj.weight")])
-        if cfg.qkv_bias:
-            qb = interleave_rope_rows(take(a + "q_proj.bias"), cfg.num_heads)
-            kb = interleave_rope_rows(take(a + "k_proj.bias"), cfg.num_kv_heads)
-            out[f"layers.{i}.qkv_bias"] = torch.cat([qb, kb, take(a + "v_proj.bias")])
-        out[f"layers.{i}.o_proj"] = take(a + "o_proj.weight")
-        out[f"layers.{i}.gate_up_proj"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
-        out[f"layers.{i}.down_proj"] = take(p + "mlp.down_proj.weight")
-        out[f"layers.{i}.input_layernorm"] = take(p + "input_layernorm.weight")
-        out[f"layers.{i}.post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
-    return out
-
-
 def load_weights(
     files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
 ) -> dict[str, torch.Tensor]:
@@ -202,8 +169,10 @@ def load_weights(
     for f in files.weights:
         state.update(load_file(str(f)))
     if not files.native_names:
+        from structllm.model.registry import hf_to_native
+
         try:
-            state = _hf_to_native(state, files.config)
+            state = hf_to_native(files.config.architecture)(state, files.config)
         except KeyError as e:
             raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
     if plan is not None:
@@ -241,7 +210,7 @@ def load_model(
     sharded model still needs its ``tp`` group set."""
     import torch
 
-    from structllm.model.llama import LlamaModel
+    from structllm.model.registry import model_class
 
     if fmt is not None and fmt.blocks:
         weights: dict[str, torch.Tensor | BlockWeight] = dict(load_block_weights(files, dtype))
@@ -252,7 +221,7 @@ def load_model(
     else:
         weights = dict(load_weights(files, dtype, device, plan))
     with torch.device("meta"):
-        model = LlamaModel(files.config, dtype, plan)
+        model = model_class(files.config.architecture)(files.config, dtype, plan)
     model.assign_weights(weights)
     del weights
     model.pack_weights(fmt.half if fmt is not None else "none")

@@ -1,0 +1,104 @@
+"""Every model family against transformers, on tiny random-weight checkpoints built from
+transformers' own config classes (``tests.support.models.FAMILY_CONFIGS``): logits of
+the exact float32 path within 1e-4, greedy generation token for token, past the
+sliding windows (prompt and generation longer than the window), through chunked
+prefill and prefix-cache hits; the fused CPU ops on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.model.config import ModelConfig
+from structllm.model.loader import prepare_model
+from tests.support.models import (
+    EXACT,
+    FAMILY_CONFIGS,
+    WINDOW,
+    hf_greedy,
+    hf_logits,
+    prefill_logits,
+    tiny_family_dir,
+)
+
+FAMILIES = sorted(FAMILY_CONFIGS)
+# longer than WINDOW, GQA groups of 2; the last one ~7 windows long
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
+
+
+def engine_for(path: Path, **kw: object) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20, **EXACT, **kw))  # type: ignore[arg-type]
+
+
+def hf_from_dir(path: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, default_files) -> tuple[str, Path]:  # type: ignore[no-untyped-def]
+    return request.param, tiny_family_dir(request.param, default_files)
+
+
+def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
+    name, path = family
+    cfg = prepare_model(str(path)).config
+    assert cfg.architecture == name
+    if name in ("mistral", "gemma2", "gemma3"):
+        assert WINDOW in cfg.layer_windows and cfg.sliding_window == WINDOW
+    if name == "gemma2":
+        assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.attn_softcap == 5.0
+    if name == "gemma3":
+        assert cfg.layer_windows == [WINDOW, WINDOW, 0] and cfg.rope_local_theta == 10000.0
+    if name == "smollm3":
+        assert cfg.rope_layers == [True, True, True, False]
+    if name == "phi3":
+        assert cfg.rotary_dim == 8 and cfg.rope_scaling is not None
+
+
+def test_logits_match_transformers(family: tuple[str, Path]) -> None:
+    _, path = family
+    engine, ref = engine_for(path), hf_from_dir(path)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_fused_cpu_ops_match_transformers(family: tuple[str, Path]) -> None:
+    # the fused element-wise ops (cpu_layer.cpp) of the quantized paths, on the same
+    # float32 weights: what they add to the error is rounding
+    _, path = family
+    engine, ref = engine_for(path), hf_from_dir(path)
+    model = engine.runner.model
+    if not model.use_cpu_ops():
+        pytest.skip("the fused CPU ops do not build here")
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_greedy_generation_matches_transformers(family: tuple[str, Path]) -> None:
+    from structllm import LLM, SamplingParams
+
+    _, path = family
+    ref = hf_from_dir(path)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # chunked prefill (9-token steps) and, on the second pass, prefix-cache hits
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=9, **EXACT)
+    want = [hf_greedy(ref, ids, 24) for ids in PROMPTS]
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, params)
+        for w, out in zip(want, outs, strict=True):
+            assert out.token_ids[: len(w)] == w
+
+
+def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*Qwen3"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
