@@ -90,12 +90,32 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
         raise ValueError(
             f"{path} has no tokenizer.json, and transformers is needed to build one: {e}"
         ) from e
+    if gguf_file is not None:
+        _let_transformers_read_the_tokenizer(path / gguf_file)
     tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tok.backend_tokenizer.save(str(tmp))
     os.replace(tmp, out)
     return out
+
+
+def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
+    """transformers reads a GGUF file's tokenizer only for the architectures whose
+    weights it can load too, though the tokenizer fields (``tokenizer.ggml.*``) are the
+    same for all: a family it lacks (e.g. ``granite``, ``smollm3``) is registered, for
+    this process, with llama's config keys, which the tokenizer does not use."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    from transformers.integrations import ggml
+
+    from structllm.model import gguf
+
+    arch = gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture")
+    if not isinstance(arch, str) or arch in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
+        return
+    ggml.GGUF_CONFIG_MAPPING.setdefault(arch, ggml.GGUF_CONFIG_MAPPING["llama"])
+    hf_gguf.GGUF_TO_TRANSFORMERS_MAPPING["config"].setdefault(arch, ggml.GGUF_CONFIG_MAPPING[arch])
+    hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:

@@ -224,11 +224,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "gemma3": (
         "Gemma3TextConfig",
-        dict(
+        dict(  # llama.cpp's own layer pattern and scale (not in its GGUF metadata)
+            num_hidden_layers=6,
             head_dim=64,
             sliding_window=WINDOW,
-            query_pre_attn_scalar=48,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=64,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
@@ -281,7 +281,7 @@ def tiny_family_dir(family: str, files: ModelFiles) -> Path:
     cls_name, extra = FAMILY_CONFIGS[family]
     kw = {**_SMALL, **extra}
     key = hashlib.sha256(
-        json.dumps([family, cls_name, kw, transformers.__version__], sort_keys=True).encode()
+        json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
     ).hexdigest()[:16]
@@ -306,6 +306,9 @@ def tiny_family_dir(family: str, files: ModelFiles) -> Path:
                 "bos_token": meta.bos_token,
                 "eos_token": meta.eos_token,
                 "chat_template": meta.chat_template,
+                # the BPE tokenizer as it is (llama.cpp's converter loads it through
+                # AutoTokenizer, which would otherwise pick the family's own class)
+                "tokenizer_class": "GPT2Tokenizer",
             }
         )
     )
