@@ -113,9 +113,10 @@ def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
     arch = gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture")
     if not isinstance(arch, str) or arch in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
         return
-    ggml.GGUF_CONFIG_MAPPING.setdefault(arch, ggml.GGUF_CONFIG_MAPPING["llama"])
-    hf_gguf.GGUF_TO_TRANSFORMERS_MAPPING["config"].setdefault(arch, ggml.GGUF_CONFIG_MAPPING[arch])
-    hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
+    ggml.GGUF_CONFIG_MAPPING.setdefault(arch, ggml.GGUF_CONFIG_MAPPING["llama"])  # the same dict
+    hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(
+        arch
+    )  # as transformers' GGUF_TO_TRANSFORMERS_MAPPING
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:

@@ -150,18 +150,32 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     assert outs[0] == outs[1]
 
 
+# (type, top-1 agreement, largest logit difference in standard deviations of the logits)
+QUANTIZED = [("Q8_0", 0.98, 0.05), ("Q4_0", 0.9, 0.75)]
+
+
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
-def test_q8_0_gguf_loads_and_agrees(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
-    # the default format: Q8_0 blocks through the block kernels and the fused ops,
-    # teacher-forced top-1 against the F32 file's exact path
-    q8 = EngineCore(
-        EngineConfig(model=str(gguf_file(name, default_files, "Q8_0")), kv_cache_memory=32 << 20)
-    )
-    f32 = engine_for(gguf_file(name, default_files))
-    assert q8.runner.model.cpu_ops is not None  # the fused path, not a fallback
+@pytest.mark.parametrize(("qtype", "bar", "spread"), QUANTIZED, ids=[q[0] for q in QUANTIZED])
+def test_quantized_gguf_runs_its_blocks(
+    name: str, qtype: str, bar: float, spread: float, default_files
+) -> None:  # type: ignore[no-untyped-def]
+    """The default format on a file from llama-quantize: its blocks through the block
+    kernels and the fused CPU ops, against the same file dequantised on the exact path.
+    What differs is the kernels' rounding of activations (16 bits per block, 8 for the
+    MLP with 4-bit weights) and the float16 KV cache. (Against the F32 file, the
+    quantisation error of these random tiny models is no bar: Gemma 3's post-norms
+    amplify it to a third of the logits' spread at Q8_0.) Gemma 3 at Q4_0 is the
+    noisiest: 93% top-1, its largest difference half a standard deviation."""
+    path = gguf_file(name, default_files, qtype)
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    model = blocks.runner.model
+    assert model.cpu_ops is not None  # the fused path, not a fallback
+    assert type(model.layers[0].qkv_proj).__name__ == "BlockWeight"
     agree = total = 0
     for ids in PROMPTS:
-        a, b = prefill_logits(q8, ids).argmax(-1), prefill_logits(f32, ids).argmax(-1)
-        agree += int((a == b).sum())
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= spread * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += len(ids)
-    assert agree / total >= 0.99, (agree, total)
+    assert agree / total >= bar, (agree, total)
