@@ -52,6 +52,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden))
     residual_scale: float = 1.0  # each layer's attention and MLP output (Granite)
     logits_scaling: float = 1.0  # logits divided by it (Granite)
+    num_experts: int = 0  # mixture of experts: experts per MoE layer (0: dense MLPs)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # an expert's MLP width (0: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -61,7 +66,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.head_dim % 2 or self.rope_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        for name in ("layer_windows", "rope_layers"):
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok}"
+            )
+        for name in ("layer_windows", "rope_layers", "moe_layers"):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
                 raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
@@ -81,6 +91,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def rotates(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and (self.moe_layers[layer] if self.moe_layers else True)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -151,7 +165,9 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
     """Per layer, the keys a query sees (0: all), from ``layer_types`` where the config
     has it, else each family's rule; [] when no layer has a window."""
     window = cfg.get("sliding_window")
-    if not window or (family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
+    if not window or (
+        family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window")
+    ):
         return []
     types = cfg.get("layer_types")
     if types:
@@ -161,10 +177,10 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
     elif family == "gemma3":
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(cfg.get("max_window_layers", 0))
         sliding = [i >= first for i in range(layers)]
-    elif family in ("mistral", "phi3"):
+    elif family in ("mistral", "phi3", "mixtral"):
         sliding = [True] * layers
     else:
         return []
@@ -236,6 +252,28 @@ def _granite(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mixtral(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "num_experts": int(cfg["num_local_experts"]),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+    }
+
+
+def _qwen3_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    layers = [i not in dense and (i + 1) % step == 0 for i in range(base["num_layers"])]
+    return {
+        "qk_norm": "head",
+        "num_experts": n,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": layers if not all(layers) else [],
+    }
+
+
 def _smollm3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     flags = cfg.get("no_rope_layers")  # 1: the layer uses rope (the name says the opposite)
     if flags is None:
@@ -253,4 +291,6 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "olmo2": _olmo2,
     "granite": _granite,
     "smollm3": _smollm3,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
 }

@@ -303,6 +303,11 @@ def load_tensors(
         name = t.name
         if name in _ROPE_FACTOR_TENSORS:  # read by metadata() into the config
             continue
+        if "_exps." in name or "ffn_gate_inp." in name:
+            raise ValueError(
+                "mixture-of-experts GGUF files are not supported yet "
+                "(Mixtral and Qwen3-MoE run from Hugging Face directories)"
+            )
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists the fastest dim first
         w = read_tensor(t, shape, keep_blocks)
         if progress is not None:

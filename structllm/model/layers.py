@@ -1,5 +1,6 @@
 """Layers shared by the model families: rotary embeddings (plain, linear, Llama 3,
-LongRoPE; partial), the gated MLP's activations, soft-capping.
+LongRoPE; partial), the gated MLP's activations, soft-capping, the mixture-of-experts
+MLP (``SparseMoe``: router and experts, run grouped by expert).
 
 Norms are torch's ``F.rms_norm`` throughout: Gemma's ``(1 + w)`` RMSNorm is the plain
 one with ``1 + w`` stored as its weight (the loader adds the 1, as llama.cpp's
@@ -10,11 +11,14 @@ float32 too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
+from structllm.kernels.packed import Weight, linear
 from structllm.model.config import ModelConfig
 
 
@@ -126,3 +130,65 @@ def interleave_rope_rows(w: Tensor, num_heads: int, rope_dim: int | None = None)
     if r == d:
         return rot.reshape(w.shape)
     return torch.cat([rot, heads[:, r:]], dim=1).reshape(w.shape)
+
+
+class Expert(nn.Module):
+    PACKED = ("gate_up_proj", "down_proj")  # matmul weights, for LlamaModel.pack_weights
+    gate_up_proj: Weight  # [2F, hidden], gate rows then up rows
+    down_proj: Weight  # [hidden, F]
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(2 * ffn, hidden, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(torch.empty(hidden, ffn, dtype=dtype), requires_grad=False)
+
+
+class SparseMoe(nn.Module):
+    """The router (``router: [E, hidden]``) and the experts of one layer."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        ffn = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = nn.Parameter(
+            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, ffn, dtype) for _ in range(cfg.num_experts)
+        )
+
+    def forward(
+        self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
+        ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
+        logits = F.linear(h, self.router)  # [T, E]
+        probs = logits.softmax(-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(h.dtype).flatten()  # [T * k]
+        # (token, choice) slots sorted by expert; each expert's run of slots at once
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):  # experts in order, as transformers adds them
+            if n == 0:
+                continue
+            slots = order[start : start + n]
+            start += n
+            rows = slots // self.top_k  # the tokens (distinct: a token picks an expert once)
+            expert = cast(Expert, self.experts[e])
+            gate_up = linear(h[rows], expert.gate_up_proj, int8_ok=True)  # [n, 2F]
+            if fused_act is not None:
+                mid = fused_act(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                mid = gated_act(gate, up, act)
+            y = linear(mid, expert.down_proj, int8_ok=True)  # [n, hidden]
+            out.index_add_(0, rows, y * weights[slots, None])
+        return out

@@ -40,6 +40,7 @@ from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.layers import (
+    SparseMoe,
     apply_rope,
     gated_act,
     interleave_rope_rows,
@@ -65,6 +66,8 @@ def onednn_linear_available() -> bool:
 
 
 class DecoderLayer(nn.Module):
+    LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
     """One layer, or one rank's slice of it: its query heads and their KV heads, and its
     columns of the MLP (see ``sharding``). The family options of ``ModelConfig`` decide
     which norms it has (pre-norms, output norms, q/k norms), its MLP's activation, its
@@ -107,8 +110,11 @@ class DecoderLayer(nn.Module):
         self.o_proj = p(h, nh * hd)
         self.attn_out_norm = p(h) if cfg.post_norms else None
         self.post_attention_layernorm = p(h) if cfg.pre_norms else None
-        self.gate_up_proj = p(2 * ffn, h)
-        self.down_proj = p(h, ffn)
+        self.moe = SparseMoe(cfg, dtype) if cfg.moe_layer(index) else None
+        if self.moe is None:
+            self.gate_up_proj = p(2 * ffn, h)
+            self.down_proj = p(h, ffn)
+        self.PACKED = ("qkv_proj", "o_proj") if self.moe else self.LINEARS
         self.mlp_out_norm = p(h) if cfg.post_norms else None
 
     def _norm(self, x: Tensor, w: Tensor) -> Tensor:
@@ -169,8 +175,11 @@ class DecoderLayer(nn.Module):
             else x
         )
         # the MLP's matmuls may run 8-bit activations (packed.INT8_MIN_M), the rest not
-        gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        mlp_out = linear(gated_act(gate, up, self.act), self.down_proj, int8_ok=True)
+        if self.moe is not None:
+            mlp_out = self.moe(h, self.act)
+        else:
+            gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
+            mlp_out = linear(gated_act(gate, up, self.act), self.down_proj, int8_ok=True)
         if tp is not None:
             tp.all_reduce(mlp_out)
         return x + self._residual_out(mlp_out, self.mlp_out_norm)
@@ -213,9 +222,12 @@ class DecoderLayer(nn.Module):
             o = o.reshape(t, nh * hd)
         attn_out = self._fused_out(ops, linear(o, self.o_proj), tp, self.attn_out_norm)
         h = self._fused_norm(ops, x, attn_out, self.post_attention_layernorm)
-        gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
-        act = ops.gelu_tanh_mul(gate_up) if self.act == "gelu_tanh" else ops.silu_mul(gate_up)
-        mlp_out = linear(act, self.down_proj, int8_ok=True)
+        fused_act = ops.gelu_tanh_mul if self.act == "gelu_tanh" else ops.silu_mul
+        if self.moe is not None:
+            mlp_out = self.moe(h, self.act, fused_act)
+        else:
+            gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
+            mlp_out = linear(fused_act(gate_up), self.down_proj, int8_ok=True)
         return self._fused_out(ops, mlp_out, tp, self.mlp_out_norm)
 
     def _fused_norm(self, ops: Any, x: Tensor, delta: Tensor | None, w: Tensor | None) -> Tensor:
@@ -415,7 +427,13 @@ class LlamaModel(nn.Module):
             return logits
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
 
-    LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    LINEARS = DecoderLayer.LINEARS  # a dense layer's matmul weights
+
+    def _packed_owners(self) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        """Every module holding matmul weights, with their names (layers, experts)."""
+        return [
+            (m, cast(tuple[str, ...], m.PACKED)) for m in self.modules() if hasattr(m, "PACKED")
+        ]
 
     def assign_weights(self, weights: dict[str, Tensor | BlockWeight]) -> None:
         """Put the loaded weights in place of the empty parameters (names must match).
@@ -461,13 +479,13 @@ class LlamaModel(nn.Module):
                 return torch.ops.mkldnn._reorder_linear_weight(w.data)
             return w
 
-        for layer in self.layers:
-            for name in self.LINEARS:
-                packed = pack(getattr(layer, name))
+        for owner, names in self._packed_owners():
+            for name in names:
+                packed = pack(getattr(owner, name))
                 if packed is not None:
-                    if name in layer._parameters:
-                        del layer._parameters[name]
-                    setattr(layer, name, packed)
+                    if name in owner._parameters:
+                        del owner._parameters[name]
+                    setattr(owner, name, packed)
         if isinstance(self.embed_tokens, Tensor) and self.embed_tokens.dtype != self.norm.dtype:
             self.embed_tokens = nn.Parameter(
                 self.embed_tokens.to(self.norm.dtype), requires_grad=False
@@ -482,9 +500,9 @@ class LlamaModel(nn.Module):
         from structllm.kernels.packed import weight_bytes
 
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        for layer in self.layers:
+        for owner, names in self._packed_owners():
             total += sum(
-                weight_bytes(getattr(layer, n)) for n in self.LINEARS if n not in layer._parameters
+                weight_bytes(getattr(owner, n)) for n in names if n not in owner._parameters
             )
         for w in (self.embed_tokens, self._packed_head):
             if isinstance(w, BlockWeight | HalfWeight):
@@ -547,12 +565,15 @@ def hf_to_native(
                 [rot(q, nh), rot(k, nkv), v]
             )
         out[o + "o_proj"] = take(f"{p}{names.o}.weight")
-        if names.gate_up is not None:
+        if cfg.moe_layer(i):
+            pass  # router and experts: the family's own mapping (model.moe)
+        elif names.gate_up is not None:
             out[o + "gate_up_proj"] = take(f"{p}{names.gate_up}.weight")
+            out[o + "down_proj"] = take(f"{p}{names.down}.weight")
         else:
             gate, up = take(f"{p}{names.gate}.weight"), take(f"{p}{names.up}.weight")
             out[o + "gate_up_proj"] = torch.cat([gate, up])
-        out[o + "down_proj"] = take(f"{p}{names.down}.weight")
+            out[o + "down_proj"] = take(f"{p}{names.down}.weight")
         if cfg.qk_norm != "none":
             heads = (1, 1) if cfg.qk_norm == "head" else (nh, nkv)
             out[o + "q_norm"] = rot(norm(f"{p}{names.q_norm}.weight"), heads[0])

@@ -38,6 +38,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
+    # mixtures of experts: Hugging Face directories only so far (GGUF's 3-D expert
+    # tensors are not read yet)
+    Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
+    Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ()),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -59,6 +59,10 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.rope_layers == [True, True, True, False]
     if name == "phi3":
         assert cfg.rotary_dim == 8 and cfg.rope_scaling is not None
+    if name == "mixtral":
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
+    if name == "qwen3_moe":
+        assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:
@@ -97,6 +101,25 @@ def test_greedy_generation_matches_transformers(family: tuple[str, Path]) -> Non
         outs = llm.generate(PROMPTS, params)
         for w, out in zip(want, outs, strict=True):
             assert out.token_ids[: len(w)] == w
+
+
+def test_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch, default_files) -> None:  # type: ignore[no-untyped-def]
+    # a 58-token prompt picks 116 (token, expert) pairs per layer: each expert used runs
+    # its two matmuls once for all its tokens, not once per token
+    from structllm.model import layers
+
+    engine = engine_for(tiny_family_dir("mixtral", default_files))
+    calls: list[int] = []
+    real = layers.linear
+
+    def counting(x, w, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return real(x, w, *a, **kw)
+
+    monkeypatch.setattr(layers, "linear", counting)
+    prefill_logits(engine, PROMPTS[3])
+    assert 0 < len(calls) <= 3 * 4 * 2  # layers x experts x (gate_up, down)
+    assert sum(calls) == 3 * len(PROMPTS[3]) * 2 * 2  # every (token, choice) once per matmul
 
 
 def test_unsupported_architecture_lists_the_supported_ones() -> None:

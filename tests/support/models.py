@@ -261,6 +261,22 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "mixtral": (  # more experts than top-k, a window
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "qwen3_moe": (  # a dense layer among the MoE ones, top-k weights not renormalised
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
