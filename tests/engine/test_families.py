@@ -202,3 +202,31 @@ def test_quantized_gguf_runs_its_blocks(
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += len(ids)
     assert agree / total >= bar, (agree, total)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3"])
+def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
+    # partial rotary on each rank's heads
+    from structllm import LLM, SamplingParams
+
+    path = str(tiny_family_dir(name, default_files))
+    one = engine_for(Path(path))
+    with LLM(path, tensor_parallel_size=2, kv_cache_memory=32 << 20, **EXACT) as tp:
+        for ids in PROMPTS[1:]:
+            torch.testing.assert_close(
+                prefill_logits(tp.engine, ids), prefill_logits(one, ids), atol=1e-4, rtol=1e-4
+            )
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        want = [hf_greedy(hf_from_dir(Path(path)), ids, 16) for ids in PROMPTS[1:]]
+        got = [o.token_ids for o in tp.generate(PROMPTS[1:], params)]
+        assert got == want
+
+
+def test_tensor_parallel_is_refused_where_it_would_split_a_norm(default_files) -> None:  # type: ignore[no-untyped-def]
+    from structllm.model.sharding import plan_shards
+
+    for name, what in (("olmo2", "q/k norms span all heads"), ("mixtral", "experts")):
+        cfg = prepare_model(str(tiny_family_dir(name, default_files))).config
+        with pytest.raises(ValueError, match=what):
+            plan_shards(cfg, 2)
