@@ -16,7 +16,7 @@
 //   gelu_tanh_mul(gu [T, 2F]) -> [T, F]   gelu_tanh(gu[:, :F]) * gu[:, F:] (GeGLU)
 //   head_rms_norm(qkv [T, H + 2 Hkv, D], H, Hkv, wq [D], wk [D], eps)
 //       RMSNorm of each q head (weight wq) and each k head (wk), in place (Qwen 3,
-//       Gemma 3)
+//       Gemma 3); with wq [H * D], wk [Hkv * D]: of all of q and all of k (OLMo 2)
 //   rope_store(qkv [T, H + 2 Hkv, D], rope [T, D/2, 2] (cos, sin), H, Hkv,
 //              kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D], slots [T] int64)
 //       rotates the interleaved pairs of q and k in place, then writes k and v into the
@@ -157,30 +157,40 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
   return out;
 }
 
+// One RMSNorm of n floats at x with weight w, in place.
+inline void rms_norm_inplace(float* x, const float* w, int64_t n, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+}
+
 void head_rms_norm(torch::Tensor qkv, int64_t H, int64_t Hkv, torch::Tensor wq, torch::Tensor wk, double eps) {
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(1) == H + 2 * Hkv,
               "head_rms_norm: qkv must be float32 [T, H + 2 Hkv, D] contiguous");
   const int64_t T = qkv.size(0), D = qkv.size(2);
-  TORCH_CHECK(wq.dtype() == torch::kFloat32 && wk.dtype() == torch::kFloat32 && wq.numel() == D && wk.numel() == D &&
-                  wq.is_contiguous() && wk.is_contiguous(),
-              "head_rms_norm: weights must be float32 [D]");
+  // weights [D]: each head on its own; [H * D] / [Hkv * D]: q and k each as one row (OLMo 2)
+  const bool per_head = wq.numel() == D && wk.numel() == D;
+  TORCH_CHECK(wq.dtype() == torch::kFloat32 && wk.dtype() == torch::kFloat32 && wq.is_contiguous() &&
+                  wk.is_contiguous() && (per_head || (wq.numel() == H * D && wk.numel() == Hkv * D)),
+              "head_rms_norm: weights must be float32 [D], or [H * D] and [Hkv * D]");
   float* qp = qkv.data_ptr<float>();
   const float* wqp = wq.data_ptr<float>();
   const float* wkp = wk.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const int64_t row = (H + 2 * Hkv) * D;
   sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t h = 0; h < H + Hkv; h++) {
-        float* x = qp + t * row + h * D;
-        const float* w = h < H ? wqp : wkp;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
-        const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + e);
-#pragma omp simd
-        for (int64_t i = 0; i < D; i++) x[i] = x[i] * r * w[i];
+    for (int64_t t = t0; t < t1; t++) {
+      float* x = qp + t * row;
+      if (!per_head) {
+        rms_norm_inplace(x, wqp, H * D, e);
+        rms_norm_inplace(x + H * D, wkp, Hkv * D, e);
+        continue;
       }
+      for (int64_t h = 0; h < H + Hkv; h++) rms_norm_inplace(x + h * D, h < H ? wqp : wkp, D, e);
+    }
   });
 }
 

@@ -206,10 +206,8 @@ class DecoderLayer(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = self._fused_norm(ops, x, delta, self.input_layernorm)
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
-        if self.qk_norm == "head":
+        if self.qk_norm != "none":  # per head, or over the whole projection (OLMo 2)
             ops.head_rms_norm(qkv, nh, nkv, self.q_norm, self.k_norm, self.eps)
-        elif self.qk_norm == "full":
-            qkv = self._norm_qk(qkv)
         ops.rope_store(qkv, rope, nh, nkv, k_cache, v_cache, meta.slot_mapping)
         window, cap = self.window, self.softcap
         if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
