@@ -11,12 +11,16 @@ from collections.abc import Sequence
 def _engine_args(p: argparse.ArgumentParser) -> None:
     from structllm.config import engine_default as d
     from structllm.config import parse_size
+    from structllm.model.registry import supported_gguf, supported_hf
 
     p.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
+        help=(
+            "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); "
+            f"architectures: {', '.join(supported_hf())}; GGUF: {', '.join(supported_gguf())}"
+        ),
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output in tokens"

@@ -187,7 +187,7 @@ class EngineCore:
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
         capacity = self.num_blocks * config.block_size
-        limit = min(mcfg.max_position_embeddings, mcfg.sliding_window or 1 << 62)
+        limit = mcfg.max_position_embeddings
         want = config.max_model_len
         if want is not None and want > limit:
             raise ValueError(f"max_model_len {want} exceeds the model's context length {limit}")

@@ -34,7 +34,13 @@ class AttentionMetadata:
 
 class AttentionImpl(Protocol):
     """What a kernel family provides (``reference`` is one): three operations, the K
-    cache layout it reads, and whether its decode can be captured in a CUDA graph."""
+    cache layout it reads, and whether its decode can be captured in a CUDA graph.
+
+    Every attention takes the layer's softmax ``scale``, its ``window`` (a query sees
+    only the last ``window`` keys up to itself, its own included; 0: all of them) and
+    its ``softcap`` (scores become ``softcap * tanh(score / softcap)`` before the
+    softmax, Gemma 2's; 0: none). The cache holds every position of every layer; a
+    window only limits what is read."""
 
     name: str
     supports_cuda_graphs: bool
@@ -48,7 +54,14 @@ class AttentionImpl(Protocol):
     ) -> None: ...
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor: ...
 
     def prefill(
@@ -60,6 +73,8 @@ class AttentionImpl(Protocol):
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor: ...
 
 
@@ -82,12 +97,27 @@ class TorchAttention:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         nd = meta.num_decodes
         max_len = max(meta.seq_lens_list[:nd])
         return reference.decode_attention(
-            q, k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, max_len
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            scale,
+            max_len,
+            window,
+            softcap,
         )
 
     def prefill(
@@ -99,6 +129,8 @@ class TorchAttention:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
@@ -113,6 +145,8 @@ class TorchAttention:
             k,
             v,
             k_transposed=self.k_transposed,
+            window=window,
+            softcap=softcap,
         )
 
 
@@ -161,6 +195,8 @@ class CpuAttention(TorchAttention):
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         """Prefill rows through the decode kernel, one query row at a time: row ``r`` of a
         sequence's chunk is a decode over its first ``ctx - q_len + r + 1`` cached
@@ -182,7 +218,7 @@ class CpuAttention(TorchAttention):
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._decode(out, q, k_cache, v_cache, row_tables, lens, scale)
+        self._decode(out, q, k_cache, v_cache, row_tables, lens, scale, window, softcap)
         return out
 
     @staticmethod
@@ -205,10 +241,18 @@ class CpuAttention(TorchAttention):
         return lens, tables.repeat_interleave(torch.tensor(q_lens), dim=0)
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows
-        self._decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        tables, lens = meta.block_tables, meta.seq_lens
+        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap)
         return out
 
     def decode_rows(
@@ -219,6 +263,8 @@ class CpuAttention(TorchAttention):
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         """``decode`` of a decode-only step straight from the fused projection's rows
         ``qkv: [T, H + 2 Hkv, D]`` (its K/V already stored): the kernel reads the first
@@ -226,7 +272,8 @@ class CpuAttention(TorchAttention):
         ``o_proj`` input, so no slice or reshape is dispatched (each costs microseconds,
         30 times a step)."""
         out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
-        self._decode(out, qkv, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        tables, lens = meta.block_tables, meta.seq_lens
+        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap)
         return out
 
 
@@ -239,11 +286,14 @@ def attention(
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Store this step's ``k, v: [T, Hkv, D]`` in the cache, then attend with
-    ``q: [T, H, D]``; returns ``[T, H, D]``."""
+    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``: see
+    ``AttentionImpl``."""
     impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend(impl, q, k, v, k_cache, v_cache, meta, scale)
+    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def attend(
@@ -255,14 +305,17 @@ def attend(
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """``attention`` once this step's K/V are in the cache (prefill reads ``k, v`` too)."""
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return impl.decode(q, k_cache, v_cache, meta, scale)
+        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap)
     if nd == 0:
-        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
-    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale)
-    out[nd:] = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+    pre = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap)
+    out[nd:] = pre
     return out

@@ -17,6 +17,10 @@
 //   tables   [B, MB] int32      block ids
 //   lens     [B] int32          context length of each sequence (>= 1)
 //   out      [B, H, D]          contiguous (or [B, H * D]); q may hold more than H heads
+// window > 0: a query sees only the last `window` keys of its context (sliding-window
+// layers): the loop starts at the block holding key len - window and the slots before
+// it in that block weigh nothing. softcap > 0: scores become softcap * tanh(s / softcap)
+// before the softmax (Gemma 2), applied in scalar code (tanhf) on the block's scores.
 // Query head h reads KV head h / G with G = H / Hkv; the G heads of one KV head are
 // processed together, so each K/V element is loaded once for all of them.
 //
@@ -86,11 +90,22 @@ inline void init_heads(const float* q, float scale, int G, int D, float (*qs)[S]
   }
 }
 
+// Scores s[0..n) of one block: soft-capped (cap > 0), the first `skip` slots (before the
+// window) set to -inf.
+inline void adjust_scores(float* s, int n, int skip, float cap) {
+  if (cap > 0.f)
+    for (int p = 0; p < n; p++) s[p] = cap * std::tanh(s[p] / cap);
+  for (int p = 0; p < std::min(skip, n); p++) s[p] = -std::numeric_limits<float>::infinity();
+}
+
+// The first key a query of a len-long context sees: len - window (clamped), or 0.
+inline int first_key(int len, int window) { return window > 0 ? std::max(0, len - window) : 0; }
+
 // One (sequence, KV head): the G query heads of that KV head, over all its blocks.
 // T: the cache's element type (float or at::Half).
 template <typename T, int BS>
 void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
-                 int Hkv, int kvh, int D, float scale) {
+                 int Hkv, int kvh, int D, float scale, int window, float cap) {
   alignas(64) float kbuf[BS];     // one widened K row: the BS positions of one dimension
   alignas(64) float vbuf[kMaxD];  // one widened V row: the D values of one position
   alignas(64) float qs[kMaxG][kMaxD];
@@ -99,8 +114,10 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
   float m[kMaxG], l[kMaxG];
   init_heads(q, scale, G, D, qs, acc, m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // floats between V positions
-  for (int start = 0; start < len; start += BS) {
+  const int lo = first_key(len, window);
+  for (int start = lo / BS * BS; start < len; start += BS) {
     const int n = std::min(BS, len - start);
+    const int skip = lo - start;  // > 0 in the window's first block only
     const int64_t block = table[start / BS];
     const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
     const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
@@ -116,12 +133,13 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
     }
     // one online-softmax rescale per block; slots past the end weigh nothing
     for (int g = 0; g < G; g++) {
+      if (skip > 0 || cap > 0.f) adjust_scores(s[g], n, skip, cap);
       float mx = m[g];
       for (int p = 0; p < n; p++) mx = std::max(mx, s[g][p]);
       const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
       float sum = 0.f;
       for (int p = 0; p < BS; p++) {
-        const float w = p < n ? exp_neg(s[g][p] - mx) : 0.f;
+        const float w = p < n && p >= skip ? exp_neg(s[g][p] - mx) : 0.f;
         s[g][p] = w;
         sum += w;
       }
@@ -187,8 +205,8 @@ inline vf vload_row(const at::Half* p) {
 // step, and their accumulators. kp [D][BS], V row p at vp + p * vstride, in the cache's
 // own type T (each K vector and V vector is loaded once for all GG heads).
 template <int GG, int BS, int D, typename T>
-inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int g0, float (*qs)[D],
-                        float (*acc)[D], float* m, float* l) {
+inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int skip, float cap, int g0,
+                        float (*qs)[D], float (*acc)[D], float* m, float* l) {
   constexpr int PV = BS / VW;  // vectors per block of scores
   constexpr int NV = D / VW;   // vectors per head row
   // independent partial sums over d per score vector: about 8 chains in all
@@ -217,6 +235,13 @@ inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int g0
       for (int j = 0; j < PV; j++) {
         sv[j] = sc[g][0][j];
         for (int u = 1; u < DU; u++) sv[j] = vadd(sv[j], sc[g][u][j]);
+      }
+      if (skip > 0 || cap > 0.f) {  // the window's first block, or soft-capping: scalar
+        for (int j = 0; j < PV; j++) vstore(s[g] + j * VW, sv[j]);
+        adjust_scores(s[g], n, skip, cap);
+        for (int j = 0; j < PV; j++) sv[j] = vload(s[g] + j * VW);
+      }
+      for (int j = 0; j < PV; j++) {
         if (n < BS) sv[j] = vkeep_below(sv[j], n - j * VW, -std::numeric_limits<float>::infinity());
         mv = vmax(mv, sv[j]);
       }
@@ -228,9 +253,10 @@ inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int g0
       for (int j = 0; j < PV; j++) {
         vf w = vexp(vsub(sv[j], mxv));
         if (n < BS) w = vkeep_below(w, n - j * VW, 0.f);
-        sumv = vadd(sumv, w);
         vstore(s[g] + j * VW, w);
       }
+      for (int p = 0; p < std::min(skip, BS); p++) s[g][p] = 0.f;  // before the window: nothing
+      for (int j = 0; j < PV; j++) sumv = vadd(sumv, vload(s[g] + j * VW));
       l[h] = l[h] * corr + vsum(sumv);
       m[h] = mx;
       const vf c = vset1(corr);
@@ -260,25 +286,27 @@ inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int g0
 
 template <typename T, int BS, int D>
 void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
-                       int Hkv, int kvh, float scale) {
+                       int Hkv, int kvh, float scale, int window, float cap) {
   static_assert(BS % VW == 0 && D % VW == 0, "shapes");
   alignas(64) float qs[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
   float m[kMaxG], l[kMaxG];
   init_heads(q, scale, G, D, qs, acc, m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // elements between V positions
-  for (int start = 0; start < len; start += BS) {
+  const int lo = first_key(len, window);
+  for (int start = lo / BS * BS; start < len; start += BS) {
     const int n = std::min(BS, len - start);
+    const int skip = lo - start;  // > 0 in the window's first block only
     const int64_t block = table[start / BS];
     const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
     const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
     if (start + BS < len) prefetch_block(kt, v, table[start / BS + 1], Hkv, kvh, D, BS, vrow);
     for (int g0 = 0; g0 < G; g0 += 4) {
       switch (std::min(4, G - g0)) {
-        case 1: heads_block<1, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
-        case 2: heads_block<2, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
-        case 3: heads_block<3, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
-        default: heads_block<4, BS, D>(kb, vb, vrow, n, g0, qs, acc, m, l); break;
+        case 1: heads_block<1, BS, D>(kb, vb, vrow, n, skip, cap, g0, qs, acc, m, l); break;
+        case 2: heads_block<2, BS, D>(kb, vb, vrow, n, skip, cap, g0, qs, acc, m, l); break;
+        case 3: heads_block<3, BS, D>(kb, vb, vrow, n, skip, cap, g0, qs, acc, m, l); break;
+        default: heads_block<4, BS, D>(kb, vb, vrow, n, skip, cap, g0, qs, acc, m, l); break;
       }
     }
   }
@@ -292,17 +320,17 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
 // one (sequence, KV head): the fixed-size kernel where there is one for D
 template <typename T, int BS>
 inline void decode_one(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
-                       int Hkv, int kvh, int D, float scale) {
+                       int Hkv, int kvh, int D, float scale, int window, float cap) {
 #ifdef SL_VECTORS
-  if (D == 64) return decode_item_fixed<T, BS, 64>(q, kt, v, table, len, out, G, Hkv, kvh, scale);
-  if (D == 128) return decode_item_fixed<T, BS, 128>(q, kt, v, table, len, out, G, Hkv, kvh, scale);
+  if (D == 64) return decode_item_fixed<T, BS, 64>(q, kt, v, table, len, out, G, Hkv, kvh, scale, window, cap);
+  if (D == 128) return decode_item_fixed<T, BS, 128>(q, kt, v, table, len, out, G, Hkv, kvh, scale, window, cap);
 #endif
-  decode_item<T, BS>(q, kt, v, table, len, out, G, Hkv, kvh, D, scale);
+  decode_item<T, BS>(q, kt, v, table, len, out, G, Hkv, kvh, D, scale, window, cap);
 }
 
 template <typename T, int BS>
 void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
-         const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale) {
+         const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale, int window, float cap) {
   const int G = H / Hkv;
   sl::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; item++) {
@@ -310,19 +338,19 @@ void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_
       const int kvh = static_cast<int>(item % Hkv);
       const int64_t head = static_cast<int64_t>(kvh) * G;
       decode_one<T, BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
-                        Hkv, kvh, D, scale);
+                        Hkv, kvh, D, scale, window, cap);
     }
   });
 }
 
 template <typename T>
 void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-              torch::Tensor lens, float scale, int H) {
+              torch::Tensor lens, float scale, int H, int window, float cap) {
   const int64_t B = q.size(0);
   const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
   auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
                               tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
-                              out.data_ptr<float>(), B, H, Hkv, D, scale);
+                              out.data_ptr<float>(), B, H, Hkv, D, scale, window, cap);
   switch (BS) {
     case 16: std::apply(run<T, 16>, args); break;
     case 32: std::apply(run<T, 32>, args); break;
@@ -334,7 +362,7 @@ void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tenso
 }  // namespace
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-                  torch::Tensor lens, double scale) {
+                  torch::Tensor lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_decode: float32 queries only");
   TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
               "paged_decode: K and V caches must both be float32 or both float16");
@@ -352,11 +380,13 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
   TORCH_CHECK(kt.size(2) == D && v.size(1) == BS && v.size(2) == Hkv && v.size(3) == D, "paged_decode: cache shapes");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_decode: unsupported head shape");
   TORCH_CHECK(tables.size(0) >= B && lens.size(0) >= B, "paged_decode: tables/lens too short");
-  const float sc = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0, "paged_decode: bad window or softcap");
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int w = static_cast<int>(window);
   if (kt.dtype() == torch::kFloat16)
-    dispatch<at::Half>(out, q, kt, v, tables, lens, sc, H);
+    dispatch<at::Half>(out, q, kt, v, tables, lens, sc, H, w, cap);
   else
-    dispatch<float>(out, q, kt, v, tables, lens, sc, H);
+    dispatch<float>(out, q, kt, v, tables, lens, sc, H, w, cap);
 }
 
 // The float16 widening this build compiled in (see widen).
@@ -374,6 +404,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("paged_decode", &paged_decode,
-        "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)");
+        "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
+        py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("lens"),
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
 }

@@ -13,6 +13,10 @@
 //   rms_norm(x [T, H], delta [T, H] or None, w [H], eps) -> [T, H]
 //       x += delta in place (the residual stream), then returns x / rms(x) * w
 //   silu_mul(gu [T, 2F]) -> [T, F]        silu(gu[:, :F]) * gu[:, F:]
+//   gelu_tanh_mul(gu [T, 2F]) -> [T, F]   gelu_tanh(gu[:, :F]) * gu[:, F:] (GeGLU)
+//   head_rms_norm(qkv [T, H + 2 Hkv, D], H, Hkv, wq [D], wk [D], eps)
+//       RMSNorm of each q head (weight wq) and each k head (wk), in place (Qwen 3,
+//       Gemma 3); with wq [H * D], wk [Hkv * D]: of all of q and all of k (OLMo 2)
 //   rope_store(qkv [T, H + 2 Hkv, D], rope [T, D/2, 2] (cos, sin), H, Hkv,
 //              kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D], slots [T] int64)
 //       rotates the interleaved pairs of q and k in place, then writes k and v into the
@@ -129,6 +133,67 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return out;
 }
 
+torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
+  check_rows(gu, "gelu_tanh_mul");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gelu_tanh_mul: odd width");
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  auto out = torch::empty({T, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* g = gp + t * 2 * F;
+      const float* u = g + F;
+      float* o = op + t * F;
+      // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)): one exp, no cancellation
+#pragma omp simd
+      for (int64_t i = 0; i < F; i++) {
+        const float x = g[i], y = k0 * (x + k1 * x * x * x);
+        o[i] = x / (1.0f + sl::exp_approx(-2.0f * y)) * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+// One RMSNorm of n floats at x with weight w, in place.
+inline void rms_norm_inplace(float* x, const float* w, int64_t n, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
+}
+
+void head_rms_norm(torch::Tensor qkv, int64_t H, int64_t Hkv, torch::Tensor wq, torch::Tensor wk, double eps) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(1) == H + 2 * Hkv,
+              "head_rms_norm: qkv must be float32 [T, H + 2 Hkv, D] contiguous");
+  const int64_t T = qkv.size(0), D = qkv.size(2);
+  // weights [D]: each head on its own; [H * D] / [Hkv * D]: q and k each as one row (OLMo 2)
+  const bool per_head = wq.numel() == D && wk.numel() == D;
+  TORCH_CHECK(wq.dtype() == torch::kFloat32 && wk.dtype() == torch::kFloat32 && wq.is_contiguous() &&
+                  wk.is_contiguous() && (per_head || (wq.numel() == H * D && wk.numel() == Hkv * D)),
+              "head_rms_norm: weights must be float32 [D], or [H * D] and [Hkv * D]");
+  float* qp = qkv.data_ptr<float>();
+  const float* wqp = wq.data_ptr<float>();
+  const float* wkp = wk.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  const int64_t row = (H + 2 * Hkv) * D;
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float* x = qp + t * row;
+      if (!per_head) {
+        rms_norm_inplace(x, wqp, H * D, e);
+        rms_norm_inplace(x + H * D, wkp, Hkv * D, e);
+        continue;
+      }
+      for (int64_t h = 0; h < H + Hkv; h++) rms_norm_inplace(x + h * D, h < H ? wqp : wkp, D, e);
+    }
+  });
+}
+
 void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, torch::Tensor kt, torch::Tensor v,
                 torch::Tensor slots) {
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 3 && qkv.is_contiguous(),
@@ -177,5 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("rms_norm", &rms_norm, "x += delta (if given), then RMSNorm(x) * w, as a new tensor");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of gu = [gate | up]");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up of gu = [gate | up]");
+  m.def("head_rms_norm", &head_rms_norm, "RMSNorm of each q and k head of qkv, in place");
   m.def("rope_store", &rope_store, "rotate q and k in place, store k and v in the paged cache");
 }

@@ -60,12 +60,16 @@ def decode_attention(
     seq_lens: Tensor,
     scale: float,
     max_seq_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """One query token per sequence: ``q: [B, H, D]`` -> ``[B, H, D]``.
 
     Gathers whole blocks (``[B, L, Hkv, D]`` with ``L = ceil(max_seq_len / BS) * BS``),
-    masks the slots past each sequence's length, and runs one batched GQA attention per
-    KV head (``[B, G, D] x [B, D, L]``: strided views, no transposed copies).
+    masks the slots past each sequence's length (and, with a ``window``, those before
+    its last ``window``), and runs one batched GQA attention per KV head
+    (``[B, G, D] x [B, D, L]``: strided views, no transposed copies). ``softcap``: scores
+    become ``softcap * tanh(score / softcap)`` before the mask.
     """
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -74,7 +78,10 @@ def decode_attention(
     index = block_tables[:, :nblocks].reshape(-1).to(torch.long)
     k = k_cache.index_select(0, index).view(b, length, hkv, d)
     v = v_cache.index_select(0, index).view(b, length, hkv, d)
-    past_end = torch.arange(length, device=q.device) >= seq_lens[:, None].to(torch.long)  # [B, L]
+    pos = torch.arange(length, device=q.device)
+    past_end = pos >= seq_lens[:, None].to(torch.long)  # [B, L]
+    if window:
+        past_end |= pos < seq_lens[:, None].to(torch.long) - window
     bias = torch.zeros(b, 1, length, dtype=torch.float32, device=q.device).masked_fill_(
         past_end[:, None], float("-inf")
     )
@@ -82,9 +89,13 @@ def decode_attention(
     qg = q.view(b, hkv, g, d).float()  # heads of one KV group are adjacent
     out = torch.empty(b, hkv, g, d, dtype=q.dtype, device=q.device)
     for j in range(hkv):
-        scores = torch.baddbmm(
-            bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale
-        )  # [B, G, L]
+        if softcap:
+            scores = torch.bmm(qg[:, j], k[:, :, j].transpose(1, 2).float()) * scale
+            scores = torch.tanh(scores / softcap) * softcap + bias
+        else:
+            scores = torch.baddbmm(
+                bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale
+            )  # [B, G, L]
         out[:, j] = torch.bmm(scores.softmax(dim=-1), v[:, :, j].float()).to(q.dtype)
     return out.view(b, h, d)
 
@@ -100,6 +111,8 @@ def prefill_attention(
     k_new: Tensor | None = None,
     v_new: Tensor | None = None,
     k_transposed: bool = False,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
 
@@ -111,14 +124,15 @@ def prefill_attention(
     block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's). Context read from
     a narrower cache is widened to ``q``'s dtype (SDPA wants equal dtypes); fresh
     sequences attend to ``k_new``/``v_new`` as computed (the C++ backend's prefill
-    reads the cache instead, ``CpuAttention.prefill``).
+    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``: see
+    ``decode_attention``; with either, each sequence goes through ``_masked_attention``.
     """
     out = torch.empty_like(q)
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len, ctx = end - start, seq_lens[i]
-        if k_new is not None and v_new is not None and ctx == q_len:
+        if k_new is not None and v_new is not None and ctx == q_len and not (window or softcap):
             fresh.setdefault(q_len, []).append(i)
             continue
         k = (
@@ -128,7 +142,10 @@ def prefill_attention(
         )
         v = gather_kv(v_cache, block_tables[i], ctx)
         k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
-        out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
+        if window or softcap:
+            out[start:end] = _masked_attention(q[start:end], k, v, scale, window, softcap)
+        else:
+            out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
     for seqs in fresh.values():
         assert k_new is not None and v_new is not None
         rows = [slice(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]
@@ -165,10 +182,36 @@ def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return o[0].transpose(0, 1)
 
 
-def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int, softcap: float
+) -> Tensor:
+    """``_causal_sdpa`` with a sliding ``window`` and soft-capped scores, in explicit
+    ops (SDPA has no soft-cap): ``[Q, H, D]`` against ``[L, Hkv, D]``."""
+    q_len, h, _ = q.shape
+    ctx, hkv, _ = k.shape
+    g = h // hkv
+    qh = q.transpose(0, 1).float()  # [H, Q, D]
+    kh = k.transpose(0, 1).float().repeat_interleave(g, 0)  # [H, L, D]
+    vh = v.transpose(0, 1).float().repeat_interleave(g, 0)
+    scores = torch.bmm(qh, kh.transpose(1, 2)) * scale  # [H, Q, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
+    cols = torch.arange(ctx, device=q.device)[None, :]
+    visible = cols <= rows
+    if window:
+        visible &= cols > rows - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.bmm(scores.softmax(-1), vh).transpose(0, 1).to(q.dtype)
+
+
+def dense_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0, softcap: float = 0.0
+) -> Tensor:
     """Textbook attention for the tests: ``q: [Q, H, D]``, ``k, v: [L, Hkv, D]``, queries
-    are the last ``Q`` of ``L`` positions. Computed in float64 with explicit loops over
-    heads, sharing no code with the paths above."""
+    are the last ``Q`` of ``L`` positions (each seeing its last ``window`` keys, if set;
+    scores soft-capped by ``softcap``, if set). Computed in float64 with explicit loops
+    over heads, sharing no code with the paths above."""
     q_len, h, d = q.shape
     ctx, hkv, _ = k.shape
     g = h // hkv
@@ -177,7 +220,11 @@ def dense_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Ten
         qh = q[:, head].double()
         kh, vh = k[:, head // g].double(), v[:, head // g].double()
         s = qh @ kh.T * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         for r in range(q_len):
             s[r, ctx - q_len + r + 1 :] = float("-inf")
+            if window:
+                s[r, : max(0, ctx - q_len + r + 1 - window)] = float("-inf")
         out[:, head] = torch.softmax(s, dim=-1) @ vh
     return out.to(q.dtype)

@@ -140,7 +140,14 @@ class TritonAttention:
     # -- decode ------------------------------------------------------------------------
 
     def decode(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         """One query token for each of the first ``q.shape[0]`` sequences of ``meta``:
         ``q: [B, H, D]`` -> ``[B, H, D]``."""
@@ -165,12 +172,12 @@ class TritonAttention:
             part_m = part_l = part_acc = out
         K.decode_kernel[(b, hkv, splits)](
             q, k_cache, v_cache, block_tables, meta.seq_lens, out, part_m, part_l, part_acc,
-            scale * _LOG2E,
+            scale * _LOG2E, window, softcap * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=d, BLOCK_D=_pow2(d, 16),
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N=bn, NUM_SPLITS=splits,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=_dot_precision(q.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
             num_warps=4,
         )  # fmt: skip
         if splits > 1:
@@ -192,6 +199,8 @@ class TritonAttention:
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> Tensor:
         """The prefill chunks of ``meta`` (sequences ``num_decodes..``), whose rows are
         ``q: [Tp, H, D]`` -> ``[Tp, H, D]``. K/V are read from the cache (``store_kv`` has
@@ -216,11 +225,12 @@ class TritonAttention:
         grid = (math.ceil(max_q_len / bm), h, bp)
         K.prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, meta.seq_lens[nd:], meta.query_start_loc[nd:],
-            scale * _LOG2E,
+            scale * _LOG2E, window, softcap * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
             BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_dot_precision(q.dtype),
+            WINDOWED=window > 0, SOFTCAP=softcap > 0,
             num_warps=8 if big else 4,
         )  # fmt: skip
         return out

@@ -95,6 +95,12 @@ def _kv_tile_offsets(
 
 
 @triton.jit
+def _soft_cap(s, c):
+    """``c * tanh(s / c)``, tanh as ``2 / (1 + exp(-2x)) - 1`` (saturates to +-1)."""
+    return c * (2.0 / (1.0 + tl.exp(-2.0 * s / c)) - 1.0)
+
+
+@triton.jit
 def decode_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [NB, BS, Hkv, D]
@@ -106,6 +112,8 @@ def decode_kernel(
     part_l_ptr,  # [B, H, NUM_SPLITS] f32: softmax denominator of each split
     part_acc_ptr,  # [B, H, NUM_SPLITS, D] f32: unnormalised output of each split
     qk_scale,  # softmax scale * log2(e)
+    window,  # keys a query sees (its last ones), used when WINDOWED
+    softcap,  # soft-cap * log2(e), used when SOFTCAP: s -> c * tanh(s / c) in log2 units
     stride_qb,
     stride_qh,
     stride_ob,
@@ -123,6 +131,8 @@ def decode_kernel(
     NUM_SPLITS: tl.constexpr,
     # "ieee" for float32 inputs (no TF32 rounding), else "tf32" (unused for 16-bit)
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     # Grid (B, Hkv, NUM_SPLITS). Flash-decoding: the context of a sequence is cut into
     # NUM_SPLITS contiguous runs of whole tiles so that even one long sequence spreads
@@ -148,9 +158,14 @@ def decode_kernel(
     # The split's run of tiles is derived from this sequence's own length, so the grid
     # does not depend on the lengths (a CUDA graph can be replayed with new ones) and a
     # short sequence simply leaves its later splits empty.
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # With a window the run starts at the tile of the first visible key.
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    base = first // BLOCK_N * BLOCK_N
+    num_tiles = tl.cdiv(seq_len - base, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    lo = split * tiles_per_split * BLOCK_N
+    lo = base + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -168,6 +183,10 @@ def decode_kernel(
         # registers, so tl.dot sees equal types: float16 K/V with float32 queries widen.
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
+        if WINDOWED:
+            n_mask = n_mask & (n >= first)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one real position, so m_new is finite and
         # exp2(m_i - m_new) is 0 on the first tile (m_i = -inf), never NaN.
@@ -249,6 +268,8 @@ def _prefill_tile(
     d,
     d_mask,
     qk_scale,
+    window,
+    softcap,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -256,8 +277,11 @@ def _prefill_tile(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,  # False when every row of the tile sees every key of this tile
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """One step of online softmax over the keys ``start .. start + BLOCK_N - 1``."""
+    """One step of online softmax over the keys ``start .. start + BLOCK_N - 1``. With a
+    window a row may see none of a tile's keys (max -inf): it then adds nothing."""
     n = start + tl.arange(0, BLOCK_N)
     n_mask = n < ctx
     offs = _kv_tile_offsets(
@@ -268,9 +292,16 @@ def _prefill_tile(
         q.dtype
     )  # [BLOCK_N, BLOCK_D], as decode
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-    if CAUSAL:
+    if SOFTCAP:
+        s = _soft_cap(s, softcap)
+    if WINDOWED:
+        seen = (n[None, :] <= rows[:, None]) & (n[None, :] > rows[:, None] - window)
+        s = tl.where(seen & n_mask[None, :], s, float("-inf"))
+    elif CAUSAL:
         s = tl.where((n[None, :] <= rows[:, None]) & n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if WINDOWED:  # a row with nothing visible yet: exp2(-inf - -inf) would be NaN
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -289,6 +320,8 @@ def prefill_kernel(
     seq_lens_ptr,  # [Bp] int32, context after the step (cached + this chunk)
     query_start_ptr,  # [Bp + 1] int32, may start at an offset (rows after the decodes)
     qk_scale,
+    window,  # as decode_kernel's
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -304,6 +337,8 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per step
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     # Grid (cdiv(max chunk length, BLOCK_M), H, Bp): one tile of BLOCK_M query rows of
     # one head of one sequence. The chunk's rows are the last q_len positions of a
@@ -341,7 +376,12 @@ def prefill_kernel(
     # Keys 0 .. offset + m0 are visible to every row of the tile: the whole tiles among
     # them need no mask (the bulk of the work for a chunk after a long cached prefix).
     # Key 0 is visible to every row, so each row's max is finite after its first tile.
+    # With a window every tile is masked, from the tile of the first row's first key.
     unmasked_end = (offset + m0 + 1) // BLOCK_N * BLOCK_N
+    band_start = unmasked_end
+    if WINDOWED:
+        band_start = tl.maximum(offset + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        unmasked_end = 0
     for start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
             q,
@@ -358,6 +398,8 @@ def prefill_kernel(
             d,
             d_mask,
             qk_scale,
+            window,
+            softcap,
             stride_cb,
             stride_cs,
             stride_ch,
@@ -365,11 +407,13 @@ def prefill_kernel(
             BLOCK_N,
             False,
             DOT_PRECISION,
+            WINDOWED,
+            SOFTCAP,
         )
     # The diagonal band: keys up to the last row's position (rows past q_len are clipped
     # by ctx and never stored).
     hi = tl.minimum(ctx, offset + m0 + BLOCK_M)
-    for start in range(unmasked_end, hi, BLOCK_N):
+    for start in range(band_start, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
             q,
             m_i,
@@ -385,6 +429,8 @@ def prefill_kernel(
             d,
             d_mask,
             qk_scale,
+            window,
+            softcap,
             stride_cb,
             stride_cs,
             stride_ch,
@@ -392,6 +438,8 @@ def prefill_kernel(
             BLOCK_N,
             True,
             DOT_PRECISION,
+            WINDOWED,
+            SOFTCAP,
         )
 
     out = acc / l_i[:, None]

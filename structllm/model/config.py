@@ -1,22 +1,26 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face ``config.json``."""
+"""The shape of a decoder and its family's options, read from a Hugging Face
+``config.json`` (``ModelConfig.from_hf``; GGUF metadata: ``gguf.model_config``).
+
+One ``ModelConfig`` describes every family (``registry``): the Llama shape plus the
+options the other families switch on (norm placement, q/k norms, multipliers,
+soft-capping, sliding windows per layer, partial or absent rotary embeddings). Each
+family's reading of its config is one small function in ``FAMILY_OPTIONS``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from structllm.model.registry import family_for_hf
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything the forward pass needs to know. ``qkv_bias`` is Qwen2's."""
+    """Everything the forward pass needs to know. Options default to Llama's."""
 
-    architecture: str = "llama"
+    architecture: str = "llama"  # the family (registry.FAMILIES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,10 +33,30 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    sliding_window: int | None = None
+    qkv_bias: bool = False  # Qwen2's
+    sliding_window: int | None = None  # the window of the layers that have one
     bos_token_id: int | None = None
     eos_token_ids: list[int] = []
+    # --- family options ---
+    layer_windows: list[int] = []  # per layer: keys visible to a query (0: all); [] none
+    rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
+    rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
+    rotary_dim: int | None = None  # partial rotary: the first rotary_dim of each head
+    qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
+    pre_norms: bool = True  # RMSNorm before attention and MLP (OLMo 2: none)
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs (Gemma, OLMo 2)
+    mlp_act: str = "silu"  # gated MLP activation: silu or gelu_tanh (GeGLU)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax (Gemma 2)
+    final_softcap: float = 0.0  # the same on the logits
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    residual_scale: float = 1.0  # each layer's attention and MLP output (Granite)
+    logits_scaling: float = 1.0  # logits divided by it (Granite)
+    num_experts: int = 0  # mixture of experts: experts per MoE layer (0: dense MLPs)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # an expert's MLP width (0: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -40,62 +64,233 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 or self.rope_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok}"
+            )
+        for name in ("layer_windows", "rope_layers", "moe_layers"):
+            n = len(getattr(self, name))
+            if n and n != self.num_layers:
+                raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that rotate (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        """Keys visible to a query of ``layer`` (the query's own included); 0: all."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def rotates(self, layer: int) -> bool:
+        return self.rope_layers[layer] if self.rope_layers else True
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return bool(self.num_experts) and (self.moe_layers[layer] if self.moe_layers else True)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises ``ValueError`` naming what is
         unsupported."""
-        archs = cfg.get("architectures") or []
-        arch = next(
-            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
-        )
-        if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(
-                cfg.get("model_type", "")
-            )
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        fam = family_for_hf(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        rope_params = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (
-            rope_params if rope_params.get("rope_type", "default") != "default" else None
-        )
+        layers = int(cfg["num_hidden_layers"])
+        rope = _rope_params(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = (
             [int(e) for e in eos]
             if isinstance(eos, list)
             else ([int(eos)] if eos is not None else [])
         )
-        sliding = (
-            cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
-        )
-        return cls(
-            architecture=arch,
+        base: dict[str, Any] = dict(
+            architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-            rope_scaling=rope_scaling,
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
+            qkv_bias=bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        if partial is not None and float(partial) != 1.0:
+            base["rotary_dim"] = int(base["head_dim"] * float(partial))
+        base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
+        windows = _layer_windows(cfg, fam.name, layers)
+        if windows:
+            base["layer_windows"] = windows
+            base["sliding_window"] = max(windows)
+        return cls(**base)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The (global layers') rope settings: ``rope_theta`` and the scaling, whether the
+    config has them flat (``rope_theta``, ``rope_scaling``) or as transformers 5 writes
+    them (``rope_parameters``, per layer type for Gemma 3)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if "full_attention" in params:  # per layer type
+        params = dict(params["full_attention"])
+    out = dict(cfg.get("rope_scaling") or {})
+    out.update(params)
+    if cfg.get("rope_theta") is not None:
+        out["rope_theta"] = cfg["rope_theta"]
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out["type"]
+    return out
+
+
+def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
+    """Per layer, the keys a query sees (0: all), from ``layer_types`` where the config
+    has it, else each family's rule; [] when no layer has a window."""
+    window = cfg.get("sliding_window")
+    if not window or (
+        family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window")
+    ):
+        return []
+    types = cfg.get("layer_types")
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    elif family == "gemma2":
+        sliding = [i % 2 == 0 for i in range(layers)]
+    elif family == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
+        first = int(cfg.get("max_window_layers", 0))
+        sliding = [i >= first for i in range(layers)]
+    elif family in ("mistral", "phi3", "mixtral"):
+        sliding = [True] * layers
+    else:
+        return []
+    if cfg.get("use_sliding_window") is False and family not in ("gemma2", "gemma3"):
+        return []
+    if not any(sliding):
+        return []
+    return [int(window) if s else 0 for s in sliding]
+
+
+def _no_options(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _qwen2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {"qkv_bias": True}
+
+
+def _qwen3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {"qk_norm": "head"}
+
+
+def _gemma(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 and 3: ``(1 + w)`` norms (the loader adds the 1), pre- and post-norms,
+    GeGLU, embeddings scaled by sqrt(hidden), ``query_pre_attn_scalar``; Gemma 2's
+    soft-capping; Gemma 3's q/k norms and local rope base."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma activation {act!r}; expected gelu_pytorch_tanh")
+    out: dict[str, Any] = dict(
+        post_norms=True,
+        mlp_act="gelu_tanh",
+        embed_scale=float(base["hidden_size"]) ** 0.5,
+        attn_scale=float(cfg.get("query_pre_attn_scalar") or base["head_dim"]) ** -0.5,
+        attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+    if base["architecture"] == "gemma3":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        out["rope_local_theta"] = float(local or cfg.get("rope_local_base_freq") or 10000.0)
+        out["qk_norm"] = "head"
+    return out
+
+
+def _phi3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    sc = base["rope_scaling"]
+    if sc is not None and sc.get("rope_type") == "longrope":
+        sc = dict(sc)
+        sc.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings") or base["max_position_embeddings"],
+        )
+        sc["max_position_embeddings"] = base["max_position_embeddings"]
+        return {"rope_scaling": sc}
+    return {}
+
+
+def _olmo2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {"qk_norm": "full", "pre_norms": False, "post_norms": True}
+
+
+def _granite(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "embed_scale": float(cfg.get("embedding_multiplier", 1.0)),
+        "residual_scale": float(cfg.get("residual_multiplier", 1.0)),
+        "attn_scale": float(cfg.get("attention_multiplier", base["head_dim"] ** -0.5)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }
+
+
+def _mixtral(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "num_experts": int(cfg["num_local_experts"]),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+    }
+
+
+def _qwen3_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    layers = [i not in dense and (i + 1) % step == 0 for i in range(base["num_layers"])]
+    return {
+        "qk_norm": "head",
+        "num_experts": n,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": layers if not all(layers) else [],
+    }
+
+
+def _smollm3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    flags = cfg.get("no_rope_layers")  # 1: the layer uses rope (the name says the opposite)
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(base["num_layers"])]
+    return {"rope_layers": [bool(f) for f in flags]}
+
+
+FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma2": _gemma,
+    "gemma3": _gemma,
+    "phi3": _phi3,
+    "olmo2": _olmo2,
+    "granite": _granite,
+    "smollm3": _smollm3,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+}

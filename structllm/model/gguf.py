@@ -18,8 +18,8 @@ from torch import Tensor
 
 from structllm.kernels.packed import BLOCK, BLOCK_TYPES, BlockWeight
 from structllm.model.config import ModelConfig
-
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+from structllm.model.layers import interleave_rope_rows
+from structllm.model.registry import family_for_gguf
 
 
 def open_gguf(path: Path) -> Any:
@@ -43,44 +43,104 @@ def metadata(reader: Any) -> dict[str, Any]:
             out[key] = field.contents()
         except Exception:
             continue
+    arch = out.get("general.architecture")
+    for t in reader.tensors:  # small per-model tensors that are settings, not weights
+        if t.name in _ROPE_FACTOR_TENSORS:
+            key = f"{arch}.{t.name.removesuffix('.weight')}"
+            out[key] = [float(x) for x in np.asarray(t.data, dtype=np.float32)]
     return out
 
 
+# LongRoPE's factors, which llama.cpp's converter stores as tensors (Phi-3)
+_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
 def model_config(meta: dict[str, Any]) -> ModelConfig:
+    """The model's shape and family options from GGUF metadata (the keys llama.cpp's
+    converter writes, ``{arch}.*``); ``ValueError`` naming an unsupported architecture."""
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; expected one of {sorted(GGUF_ARCHITECTURES)}"
-        )
+    fam = family_for_gguf(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     vocab = get("vocab_size")
     scaling = None
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+    rope_dim = get("rope.dimension_count")
+    kw: dict[str, Any] = dict(
+        architecture=fam.name,
         vocab_size=int(vocab) if vocab is not None else -1,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings=True,  # fixed up by the loader if output.weight exists
-        qkv_bias=arch == "qwen2",
+        qkv_bias=fam.name == "qwen2",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
     )
+    if rope_dim is not None and int(rope_dim) < head_dim:
+        kw["rotary_dim"] = int(rope_dim)
+    window = int(get("attention.sliding_window") or 0)
+    if fam.name == "qwen3":
+        kw["qk_norm"] = "head"
+    elif fam.name in ("gemma2", "gemma3"):
+        # llama.cpp's own rules (not in the metadata): Gemma 2 alternates local and
+        # global layers, Gemma 3 has five local layers to one global; the softmax scale
+        # is head_dim ** -0.5 (query_pre_attn_scalar = head_dim, as all but Gemma 2/3 27B)
+        kw.update(post_norms=True, mlp_act="gelu_tanh", embed_scale=float(hidden) ** 0.5)
+        if fam.name == "gemma2":
+            kw["attn_softcap"] = float(get("attn_logit_softcapping") or 0.0)
+            kw["final_softcap"] = float(get("final_logit_softcapping") or 0.0)
+            local = [i % 2 == 0 for i in range(layers)]
+        else:
+            kw["qk_norm"] = "head"
+            kw["rope_local_theta"] = float(get("rope.freq_base_swa", 10000.0))
+            local = [(i + 1) % 6 != 0 for i in range(layers)]
+        if window:
+            kw["layer_windows"] = [window if s else 0 for s in local]
+    elif fam.name == "phi3":
+        long, short = get("rope_factors_long"), get("rope_factors_short")
+        if long is not None and short is not None:
+            kw["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": long,
+                "short_factor": short,
+                "original_max_position_embeddings": int(
+                    get("rope.scaling.original_context_length")
+                ),
+                "max_position_embeddings": kw["max_position_embeddings"],
+                "attention_factor": float(get("rope.scaling.attn_factor", 1.0)),
+            }
+        if window:
+            kw["layer_windows"] = [window] * layers
+    elif fam.name == "olmo2":
+        kw.update(qk_norm="full", pre_norms=False, post_norms=True)
+    elif fam.name == "granite":
+        kw.update(
+            embed_scale=float(get("embedding_scale", 1.0)),
+            residual_scale=float(get("residual_scale", 1.0)),
+            attn_scale=float(get("attention.scale") or head_dim**-0.5),
+            logits_scaling=float(get("logit_scale", 1.0)),
+        )
+    elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
+        kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
+    if kw.get("layer_windows"):
+        kw["sliding_window"] = window
+    return ModelConfig(**kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,23 +204,22 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tens
 # tensor names
 
 
-def interleave_rope_rows(w: Tensor, num_heads: int) -> Tensor:
-    """Rows of a q/k projection from "halves" to "interleaved" rotary layout (see
-    ``model.llama``): per head, ``[x0..x_{D/2-1}, x_{D/2}..]`` -> ``[x0, x_{D/2}, x1, ...]``.
-    Works for weights ``[H*D, in]`` and biases ``[H*D]``."""
-    rest = w.shape[1:]
-    return w.reshape(num_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
-
-
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm",
     "attn_output.weight": "o_proj",
-    "ffn_norm.weight": "post_attention_layernorm",
+    "ffn_norm.weight": "post_attention_layernorm",  # the MLP's input norm
     "ffn_down.weight": "down_proj",
+    "post_attention_norm.weight": "attn_out_norm",  # Gemma, OLMo 2
+    "post_ffw_norm.weight": "mlp_out_norm",
 }
+
+# Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
+# rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
+_HF_ROPE_ORDER = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
 
 
 _KEEPABLE = (
+    "attn_qkv.weight",
     "attn_q.weight",
     "attn_k.weight",
     "attn_v.weight",
@@ -247,12 +306,22 @@ def _cat(parts: list[Tensor | BlockWeight]) -> Tensor | BlockWeight:
     return torch.cat(floats)
 
 
-def _interleave(w: Tensor | BlockWeight, num_heads: int) -> Tensor | BlockWeight:
-    if isinstance(w, BlockWeight):  # a permutation of whole rows: permute the block rows
-        return BlockWeight(
-            interleave_rope_rows(w.raw, num_heads).contiguous(), w.type_name, w.shape
-        )
-    return interleave_rope_rows(w, num_heads)
+def _permute_rows(w: Tensor | BlockWeight, perm: Tensor) -> Tensor | BlockWeight:
+    """Rows of ``w`` in the order ``perm`` (a block matrix: its rows of blocks)."""
+    if isinstance(w, BlockWeight):
+        return BlockWeight(w.raw[perm].contiguous(), w.type_name, w.shape)
+    return w[perm].contiguous()
+
+
+def _rope_perm(cfg: ModelConfig, parts: list[tuple[int, bool]]) -> Tensor:
+    """Row order from Hugging Face's to ours for consecutive ``parts`` of a projection,
+    each ``(heads, rotated)``: the rotated ones' rotary rows interleaved per head."""
+    out, start = [], 0
+    for heads, rotated in parts:
+        rows = torch.arange(start, start + heads * cfg.head_dim)
+        out.append(interleave_rope_rows(rows, heads, cfg.rope_dim) if rotated else rows)
+        start += heads * cfg.head_dim
+    return torch.cat(out)
 
 
 def load_tensors(
@@ -265,16 +334,29 @@ def load_tensors(
     or with ``keep_blocks`` Q4_0/Q4_1/Q8_0 matrices as ``BlockWeight`` and F16/BF16 ones
     as float16 (see ``read_tensor``).
 
-    llama.cpp stores llama-architecture q/k rows already interleaved; qwen2's are in
-    Hugging Face order and get permuted here.
+    Names are llama.cpp's converter's (``blk.N.attn_q.weight``, ...; Phi-3's fused
+    ``attn_qkv`` and ``ffn_up`` = [gate | up]; q/k norms; Gemma's and OLMo 2's output
+    norms). llama.cpp stores the llama-style families' q/k rows already interleaved;
+    the others (``_HF_ROPE_ORDER``) keep Hugging Face's order, permuted here, q/k norm
+    weights included. Gemma's norm weights arrive as ``1 + w`` (the converter adds 1).
     """
     pending: dict[str, Tensor | BlockWeight] = {}
     total = len(reader.tensors)
-    permute = cfg.architecture == "qwen2"
+    permute = cfg.architecture in _HF_ROPE_ORDER
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    # q/k norms: one head's [D] per head, or OLMo 2's whole projection
+    norm_heads = {"q": 1, "k": 1} if cfg.qk_norm == "head" else {"q": nh, "k": nkv}
     for i, t in enumerate(reader.tensors):
+        name = t.name
+        if name in _ROPE_FACTOR_TENSORS:  # read by metadata() into the config
+            continue
+        if "_exps." in name or "ffn_gate_inp." in name:
+            raise ValueError(
+                "mixture-of-experts GGUF files are not supported yet "
+                "(Mixtral and Qwen3-MoE run from Hugging Face directories)"
+            )
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists the fastest dim first
         w = read_tensor(t, shape, keep_blocks)
-        name = t.name
         if progress is not None:
             progress(i + 1, total)
         if name == "token_embd.weight":
@@ -289,8 +371,23 @@ def load_tensors(
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
                 continue
+            if rest in ("attn_q_norm.weight", "attn_k_norm.weight"):
+                heads = norm_heads[rest[5]]
+                if permute:
+                    w = _permute_rows(w, _rope_perm(cfg, [(heads, True)]))
+                yield prefix + rest[5] + "_norm", w
+                continue
+            if rest.startswith("attn_qkv."):  # Phi-3: fused as ours
+                if permute:
+                    w = _permute_rows(w, _rope_perm(cfg, [(nh, True), (nkv, True), (nkv, False)]))
+                yield prefix + ("qkv_proj" if rest.endswith("weight") else "qkv_bias"), w
+                continue
+            if rest == "ffn_up.weight" and cfg.architecture == "phi3":  # [gate | up] fused
+                yield prefix + "gate_up_proj", w
+                continue
             if permute and rest.startswith(("attn_q.", "attn_k.")):
-                w = _interleave(w, cfg.num_heads if rest.startswith("attn_q") else cfg.num_kv_heads)
+                heads = nh if rest.startswith("attn_q") else nkv
+                w = _permute_rows(w, _rope_perm(cfg, [(heads, True)]))
             pending[prefix + rest] = w
             kind = rest.rsplit(".", 1)[1]  # weight or bias
             qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]

@@ -21,7 +21,6 @@ no plan (one process) the forward pass is the plain one, without a single extra 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -40,39 +39,20 @@ from structllm.kernels.attention import (
 from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
+from structllm.model.layers import (
+    SparseMoe,
+    apply_rope,
+    gated_act,
+    interleave_rope_rows,
+    rope_rows,
+    soft_cap,
+)
 from structllm.model.sharding import ShardPlan
 
 # Layers between two calls of forward's ``between_layers`` (the engine's check for
 # aborts that make the running step pointless): a step is cut short at most this many
 # layers after the check would say so.
 CHECK_EVERY = 4
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies ``[D/2]`` (float64), with Llama 3 / linear scaling if set."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "linear":
-        inv = inv / float(sc["factor"])
-    elif kind == "llama3":
-        factor, lo, hi = (
-            float(sc["factor"]),
-            float(sc["low_freq_factor"]),
-            float(sc["high_freq_factor"]),
-        )
-        old_ctx = float(sc["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
-        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    elif kind not in ("default", None):
-        raise ValueError(
-            f"unsupported rope_scaling type {kind!r}; expected default, linear or llama3"
-        )
-    return inv
 
 
 def onednn_linear_available() -> bool:
@@ -85,18 +65,23 @@ def onednn_linear_available() -> bool:
         return False
 
 
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate interleaved pairs of ``x: [T, n, D]`` by ``rope: [T, 1, D/2]`` (complex64).
-    Rotation runs in float32 whatever the model's dtype (torch has no bf16 complex)."""
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, n, D/2]
-    return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
-    """One layer, or one rank's slice of it: its query heads and their KV heads, and its
-    columns of the MLP (see ``sharding``)."""
+    LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None = None) -> None:
+    """One layer, or one rank's slice of it: its query heads and their KV heads, and its
+    columns of the MLP (see ``sharding``). The family options of ``ModelConfig`` decide
+    which norms it has (pre-norms, output norms, q/k norms), its MLP's activation, its
+    attention window, scale and soft-cap, and whether it rotates q and k.
+
+    Norm weights, by our names: ``input_layernorm`` before attention,
+    ``post_attention_layernorm`` before the MLP (Llama's names), ``attn_out_norm`` and
+    ``mlp_out_norm`` on the attention and MLP outputs, ``q_norm``/``k_norm`` on q and k
+    before rotation (``[D]`` per head, or over the whole projection with ``qk_norm ==
+    "full"``; their entries permuted like the q/k rows)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None = None, index: int = 0
+    ) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         nh = plan.num_heads if plan else cfg.num_heads
@@ -104,50 +89,100 @@ class DecoderLayer(nn.Module):
         ffn = len(plan.ffn) if plan else cfg.intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.eps = cfg.rms_norm_eps
+        self.window = cfg.window(index)
+        self.rotates = cfg.rotates(index)
+        self.local_rope = bool(self.window) and cfg.rope_local_theta is not None
+        self.scale, self.softcap = cfg.scale, cfg.attn_softcap
+        self.qk_norm, self.act, self.residual_scale = cfg.qk_norm, cfg.mlp_act, cfg.residual_scale
+        self.pre_norms, self.post_norms = cfg.pre_norms, cfg.post_norms
         qkv_out = (nh + 2 * nkv) * hd
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        self.input_layernorm = p(h)
+        self.input_layernorm = p(h) if cfg.pre_norms else None
         self.qkv_proj = p(qkv_out, h)
         self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = p(hd), p(hd)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = p(nh * hd), p(nkv * hd)
         self.o_proj = p(h, nh * hd)
-        self.post_attention_layernorm = p(h)
-        self.gate_up_proj = p(2 * ffn, h)
-        self.down_proj = p(h, ffn)
+        self.attn_out_norm = p(h) if cfg.post_norms else None
+        self.post_attention_layernorm = p(h) if cfg.pre_norms else None
+        self.moe = SparseMoe(cfg, dtype) if cfg.moe_layer(index) else None
+        if self.moe is None:
+            self.gate_up_proj = p(2 * ffn, h)
+            self.down_proj = p(h, ffn)
+        self.PACKED = ("qkv_proj", "o_proj") if self.moe else self.LINEARS
+        self.mlp_out_norm = p(h) if cfg.post_norms else None
+
+    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _norm_qk(self, qkv: Tensor) -> Tensor:
+        """q and k of ``qkv: [T, H + 2 Hkv, D]`` through their norms (in place)."""
+        t, nh, nkv = qkv.shape[0], self.num_heads, self.num_kv_heads
+        q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
+        if self.qk_norm == "head":
+            q.copy_(self._norm(q, self.q_norm))
+            k.copy_(self._norm(k, self.k_norm))
+        else:  # over the whole projection
+            q.copy_(self._norm(q.reshape(t, -1), self.q_norm).view_as(q))
+            k.copy_(self._norm(k.reshape(t, -1), self.k_norm).view_as(k))
+        return qkv
+
+    def _residual_out(self, out: Tensor, norm: Tensor | None) -> Tensor:
+        """A sublayer's output as added to the residual stream: output norm, multiplier."""
+        if norm is not None:
+            out = self._norm(out, norm)
+        if self.residual_scale != 1.0:
+            out = out * self.residual_scale
+        return out
 
     def forward(
         self,
         x: Tensor,
-        rope: Tensor,
+        rope: Tensor | None,
         k_cache: Tensor,
         v_cache: Tensor,
         meta: AttentionMetadata,
         impl: AttentionImpl,
         tp: TensorParallelGroup | None = None,
     ) -> Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``. With ``tp``, ``o_proj`` and
-        ``down_proj`` each yield this rank's partial sum, completed by an all-reduce."""
+        """``x: [T, hidden]`` -> ``[T, hidden]``; ``rope: [T, 1, D/2]`` complex64 or None
+        (a layer without rotary embedding). With ``tp``, ``o_proj`` and ``down_proj``
+        each yield this rank's partial sum, completed by an all-reduce."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
+        h = self._norm(x, self.input_layernorm) if self.input_layernorm is not None else x
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
-        qk = apply_rope(qkv[:, : nh + nkv], rope)  # q and k rotated together
+        if self.qk_norm != "none":
+            qkv = self._norm_qk(qkv)
+        qk = qkv[:, : nh + nkv] if rope is None else apply_rope(qkv[:, : nh + nkv], rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
-        o = attention(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5)  # [T, nh, D]
+        o = attention(
+            impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap
+        )  # [T, nh, D]
         attn_out = linear(o.reshape(t, nh * hd), self.o_proj)
         if tp is not None:
             tp.all_reduce(attn_out)
-        x = x + attn_out
-        h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
+        x = x + self._residual_out(attn_out, self.attn_out_norm)
+        h = (
+            self._norm(x, self.post_attention_layernorm)
+            if self.post_attention_layernorm is not None
+            else x
+        )
         # the MLP's matmuls may run 8-bit activations (packed.INT8_MIN_M), the rest not
-        gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        mlp_out = linear(F.silu(gate).mul_(up), self.down_proj, int8_ok=True)
+        if self.moe is not None:
+            mlp_out = self.moe(h, self.act)
+        else:
+            gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
+            mlp_out = linear(gated_act(gate, up, self.act), self.down_proj, int8_ok=True)
         if tp is not None:
             tp.all_reduce(mlp_out)
-        return x + mlp_out
+        return x + self._residual_out(mlp_out, self.mlp_out_norm)
 
     def forward_fused(
         self,
@@ -165,26 +200,52 @@ class DecoderLayer(nn.Module):
         for the residual: ``x: [T, hidden]`` is the residual stream before the previous
         layer's output ``delta`` (None for the first layer) was added; both additions
         happen in place in ``x``, and this layer's output is returned as the next delta.
-        ``rope: [T, D/2, 2]`` float32 (cos, sin)."""
+        ``rope: [T, D/2, 2]`` float32 (cos, sin); a layer without rotary embedding gets
+        cos 1, sin 0 (the store still runs)."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)
+        h = self._fused_norm(ops, x, delta, self.input_layernorm)
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
+        if self.qk_norm != "none":  # per head, or over the whole projection (OLMo 2)
+            ops.head_rms_norm(qkv, nh, nkv, self.q_norm, self.k_norm, self.eps)
         ops.rope_store(qkv, rope, nh, nkv, k_cache, v_cache, meta.slot_mapping)
+        window, cap = self.window, self.softcap
         if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
-            o = cast(CpuAttention, impl).decode_rows(qkv, nh, k_cache, v_cache, meta, hd**-0.5)
+            o = cast(CpuAttention, impl).decode_rows(
+                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap
+            )
         else:
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-            o = attend(impl, q, k, v, k_cache, v_cache, meta, hd**-0.5).reshape(t, nh * hd)
-        attn_out = linear(o, self.o_proj)
+            o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap)
+            o = o.reshape(t, nh * hd)
+        attn_out = self._fused_out(ops, linear(o, self.o_proj), tp, self.attn_out_norm)
+        h = self._fused_norm(ops, x, attn_out, self.post_attention_layernorm)
+        fused_act = ops.gelu_tanh_mul if self.act == "gelu_tanh" else ops.silu_mul
+        if self.moe is not None:
+            mlp_out = self.moe(h, self.act, fused_act)
+        else:
+            gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
+            mlp_out = linear(fused_act(gate_up), self.down_proj, int8_ok=True)
+        return self._fused_out(ops, mlp_out, tp, self.mlp_out_norm)
+
+    def _fused_norm(self, ops: Any, x: Tensor, delta: Tensor | None, w: Tensor | None) -> Tensor:
+        """``x += delta``, then the pre-norm (or ``x`` itself, without one)."""
+        if w is not None:
+            return cast(Tensor, ops.rms_norm(x, delta, w, self.eps))
+        if delta is not None:
+            x.add_(delta)
+        return x
+
+    def _fused_out(
+        self, ops: Any, out: Tensor, tp: TensorParallelGroup | None, norm: Tensor | None
+    ) -> Tensor:
         if tp is not None:
-            tp.all_reduce(attn_out)
-        h = ops.rms_norm(x, attn_out, self.post_attention_layernorm, self.eps)
-        gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
-        mlp_out = linear(ops.silu_mul(gate_up), self.down_proj, int8_ok=True)
-        if tp is not None:
-            tp.all_reduce(mlp_out)
-        return mlp_out
+            tp.all_reduce(out)
+        if norm is not None:
+            out = ops.rms_norm(out, None, norm, self.eps)
+        if self.residual_scale != 1.0:
+            out.mul_(self.residual_scale)
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -209,7 +270,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan) for _ in self.layer_range)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan, i) for i in self.layer_range)
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
@@ -218,11 +279,14 @@ class LlamaModel(nn.Module):
         )
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
+        self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
         self._packed_head: Weight | None = None
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
 
     def rope_table(self, max_positions: int) -> Tensor:
-        """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``.
+        """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
+        (``layers.rope_rows``; the windowed layers' own table, if the family has one,
+        grows alongside, ``_rope_local``).
 
         Called every step with the longest context, which grows by one per decode step:
         the table grows geometrically so that it is rebuilt O(log n) times, not per step
@@ -233,10 +297,10 @@ class LlamaModel(nn.Module):
                 2 * (0 if self._rope_cache is None else self._rope_cache.shape[0]),
                 256,
             )
-            inv = rope_inv_freq(self.cfg)
-            angles = torch.outer(torch.arange(size, dtype=torch.float64), inv)
-            table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-            self._rope_cache = table.to(self.norm.device)
+            self._rope_cache = rope_rows(self.cfg, 0, size).to(self.norm.device)
+            if self.cfg.rope_local_theta is not None:
+                local = rope_rows(self.cfg, 0, size, self.cfg.rope_local_theta)
+                self._rope_local = local.to(self.norm.device)
         return self._rope_cache
 
     def forward(
@@ -267,24 +331,38 @@ class LlamaModel(nn.Module):
             x = self.embed_tokens.rows(input_ids)  # only the looked-up rows are dequantised
         else:
             x = F.embedding(input_ids, self.embed_tokens)
+        if hidden is None and self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         table = self.rope_table(int(meta.max_seq_len))
+        ropes = [table[positions]]  # [T, D/2] per table: global, local, none
+        if self._rope_local is not None:
+            ropes.append(self._rope_local[positions])
         ops = self.cpu_ops
         if ops is not None and isinstance(self.attn_impl, CpuAttention):
-            rope_pairs = torch.view_as_real(table[positions])  # [T, D/2, 2] (cos, sin)
+            pairs = [torch.view_as_real(r) for r in ropes]  # [T, D/2, 2] (cos, sin)
+            if not all(cast(DecoderLayer, layer).rotates for layer in self.layers):
+                pairs.append(
+                    torch.stack(
+                        [torch.ones_like(pairs[0][..., 0]), torch.zeros_like(pairs[0][..., 0])], -1
+                    )
+                )
             delta: Tensor | None = None
             for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 if between_layers is not None and i and i % CHECK_EVERY == 0:
                     between_layers()
-                fused = cast(DecoderLayer, layer).forward_fused
-                delta = fused(x, delta, rope_pairs, kc, vc, meta, self.attn_impl, tp, ops)
+                dl = cast(DecoderLayer, layer)
+                rope = pairs[-1] if not dl.rotates else pairs[1 if dl.local_rope else 0]
+                delta = dl.forward_fused(x, delta, rope, kc, vc, meta, self.attn_impl, tp, ops)
             if not last:
                 return x if delta is None else x + delta
-            return ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps)
-        rope = table[positions].unsqueeze(1)  # [T, 1, D/2]
+            return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
+        ropes = [r.unsqueeze(1) for r in ropes]  # [T, 1, D/2]
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
-            x = layer(x, rope, kc, vc, meta, self.attn_impl, tp)
+            dl = cast(DecoderLayer, layer)
+            layer_rope = ropes[1 if dl.local_rope else 0] if dl.rotates else None
+            x = layer(x, layer_rope, kc, vc, meta, self.attn_impl, tp)
         if not last:
             return x
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
@@ -340,6 +418,11 @@ class LlamaModel(nn.Module):
         # the head only sees sampled rows. The int16 path (16-bit activations) is fine.
         head = self._packed_head if self._packed_head is not None else w
         logits = linear(hidden, head).float()
+        cfg = self.cfg
+        if cfg.final_softcap:
+            logits = soft_cap(logits, cfg.final_softcap)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
         if self.tp is None:
             return logits
         return self._gather_vocab(logits, self.tp)
@@ -359,7 +442,13 @@ class LlamaModel(nn.Module):
             return logits
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
 
-    LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    LINEARS = DecoderLayer.LINEARS  # a dense layer's matmul weights
+
+    def _packed_owners(self) -> list[tuple[nn.Module, tuple[str, ...]]]:
+        """Every module holding matmul weights, with their names (layers, experts)."""
+        return [
+            (m, cast(tuple[str, ...], m.PACKED)) for m in self.modules() if hasattr(m, "PACKED")
+        ]
 
     def assign_weights(self, weights: dict[str, Tensor | BlockWeight]) -> None:
         """Put the loaded weights in place of the empty parameters (names must match).
@@ -405,13 +494,13 @@ class LlamaModel(nn.Module):
                 return torch.ops.mkldnn._reorder_linear_weight(w.data)
             return w
 
-        for layer in self.layers:
-            for name in self.LINEARS:
-                packed = pack(getattr(layer, name))
+        for owner, names in self._packed_owners():
+            for name in names:
+                packed = pack(getattr(owner, name))
                 if packed is not None:
-                    if name in layer._parameters:
-                        del layer._parameters[name]
-                    setattr(layer, name, packed)
+                    if name in owner._parameters:
+                        del owner._parameters[name]
+                    setattr(owner, name, packed)
         if isinstance(self.embed_tokens, Tensor) and self.embed_tokens.dtype != self.norm.dtype:
             self.embed_tokens = nn.Parameter(
                 self.embed_tokens.to(self.norm.dtype), requires_grad=False
@@ -426,11 +515,94 @@ class LlamaModel(nn.Module):
         from structllm.kernels.packed import weight_bytes
 
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        for layer in self.layers:
+        for owner, names in self._packed_owners():
             total += sum(
-                weight_bytes(getattr(layer, n)) for n in self.LINEARS if n not in layer._parameters
+                weight_bytes(getattr(owner, n)) for n in names if n not in owner._parameters
             )
         for w in (self.embed_tokens, self._packed_head):
             if isinstance(w, BlockWeight | HalfWeight):
                 total += w.nbytes
         return total
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face tensor names
+
+
+class HFNames:
+    """Where a family's Hugging Face checkpoint keeps each of our tensors (suffixes after
+    ``model.layers.{i}.``); None: the family has no such tensor. ``qkv``/``gate_up``:
+    one fused tensor (Phi-3) instead of ``q``, ``k``, ``v`` / ``gate``, ``up``.
+    ``norm_plus_one``: the checkpoint stores Gemma's ``w`` of ``(1 + w)``."""
+
+    q, k, v = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
+    qkv: str | None = None
+    o = "self_attn.o_proj"
+    gate, up, down = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
+    gate_up: str | None = None
+    q_norm, k_norm = "self_attn.q_norm", "self_attn.k_norm"
+    input_layernorm: str | None = "input_layernorm"
+    post_attention_layernorm: str | None = "post_attention_layernorm"
+    attn_out_norm: str | None = None
+    mlp_out_norm: str | None = None
+    norm_plus_one = False
+
+
+def hf_to_native(
+    state: dict[str, Tensor], cfg: ModelConfig, names: type[HFNames] = HFNames
+) -> dict[str, Tensor]:
+    """Hugging Face tensor names -> ours: fuse q/k/v and gate/up, interleave the rotary
+    rows of q and k (and of their norms' weights), add Gemma's 1 to norm weights."""
+
+    def take(name: str) -> Tensor:
+        return state.pop(name)
+
+    def norm(name: str) -> Tensor:
+        w = take(name)
+        return w.float() + 1.0 if names.norm_plus_one else w  # transformers adds in float32
+
+    nh, nkv, hd, rd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim
+
+    def rot(w: Tensor, heads: int) -> Tensor:
+        return interleave_rope_rows(w, heads, rd)
+
+    out = {"embed_tokens": take("model.embed_tokens.weight"), "norm": norm("model.norm.weight")}
+    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            if names.qkv is not None:
+                q, k, v = take(f"{p}{names.qkv}.{kind}").split([nh * hd, nkv * hd, nkv * hd])
+            else:
+                q, k, v = (take(f"{p}{n}.{kind}") for n in (names.q, names.k, names.v))
+            out[o + ("qkv_proj" if kind == "weight" else "qkv_bias")] = torch.cat(
+                [rot(q, nh), rot(k, nkv), v]
+            )
+        out[o + "o_proj"] = take(f"{p}{names.o}.weight")
+        if cfg.moe_layer(i):
+            pass  # router and experts: the family's own mapping (model.moe)
+        elif names.gate_up is not None:
+            out[o + "gate_up_proj"] = take(f"{p}{names.gate_up}.weight")
+            out[o + "down_proj"] = take(f"{p}{names.down}.weight")
+        else:
+            gate, up = take(f"{p}{names.gate}.weight"), take(f"{p}{names.up}.weight")
+            out[o + "gate_up_proj"] = torch.cat([gate, up])
+            out[o + "down_proj"] = take(f"{p}{names.down}.weight")
+        if cfg.qk_norm != "none":
+            heads = (1, 1) if cfg.qk_norm == "head" else (nh, nkv)
+            out[o + "q_norm"] = rot(norm(f"{p}{names.q_norm}.weight"), heads[0])
+            out[o + "k_norm"] = rot(norm(f"{p}{names.k_norm}.weight"), heads[1])
+        for ours in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "attn_out_norm",
+            "mlp_out_norm",
+        ):
+            theirs = getattr(names, ours)
+            if theirs is not None:
+                out[o + ours] = norm(f"{p}{theirs}.weight")
+    return out
+
+
+MODEL = LlamaModel

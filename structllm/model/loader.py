@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from structllm.model.config import ModelConfig
 from structllm.model.files import (
     ModelFiles,
     NotConverted,
@@ -93,12 +92,33 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
         raise ValueError(
             f"{path} has no tokenizer.json, and transformers is needed to build one: {e}"
         ) from e
+    if gguf_file is not None:
+        _let_transformers_read_the_tokenizer(path / gguf_file)
     tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tok.backend_tokenizer.save(str(tmp))
     os.replace(tmp, out)
     return out
+
+
+def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
+    """transformers reads a GGUF file's tokenizer only for the architectures whose
+    weights it can load too, though the tokenizer fields (``tokenizer.ggml.*``) are the
+    same for all: a family it lacks (e.g. ``granite``, ``smollm3``) is registered, for
+    this process, with llama's config keys, which the tokenizer does not use."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    from transformers.integrations import ggml
+
+    from structllm.model import gguf
+
+    arch = gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture")
+    if not isinstance(arch, str) or arch in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
+        return
+    ggml.GGUF_CONFIG_MAPPING.setdefault(arch, ggml.GGUF_CONFIG_MAPPING["llama"])  # the same dict
+    hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(
+        arch
+    )  # as transformers' GGUF_TO_TRANSFORMERS_MAPPING
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:
@@ -189,38 +209,6 @@ def _dequantised_copy(files: ModelFiles) -> Path:
 # weights
 
 
-def _hf_to_native(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensor names -> ours: fuse q/k/v and gate/up, interleave rope rows."""
-    import torch
-
-    from structllm.model.gguf import interleave_rope_rows
-
-    def take(name: str) -> torch.Tensor:
-        return state.pop(name)
-
-    out = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
-        out["lm_head"] = take("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        q = interleave_rope_rows(take(a + "q_proj.weight"), cfg.num_heads)
-        k = interleave_rope_rows(take(a + "k_proj.weight"), cfg.num_kv_heads)
-        out[f"layers.{i}.qkv_proj"] = torch.cat([q, k, take(a + "v_proj.weight")])
-        if cfg.qkv_bias:
-            qb = interleave_rope_rows(take(a + "q_proj.bias"), cfg.num_heads)
-            kb = interleave_rope_rows(take(a + "k_proj.bias"), cfg.num_kv_heads)
-            out[f"layers.{i}.qkv_bias"] = torch.cat([qb, kb, take(a + "v_proj.bias")])
-        out[f"layers.{i}.o_proj"] = take(a + "o_proj.weight")
-        out[f"layers.{i}.gate_up_proj"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
-        out[f"layers.{i}.down_proj"] = take(p + "mlp.down_proj.weight")
-        out[f"layers.{i}.input_layernorm"] = take(p + "input_layernorm.weight")
-        out[f"layers.{i}.post_attention_layernorm"] = take(p + "post_attention_layernorm.weight")
-    return out
-
-
 def load_weights(
     files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
 ) -> dict[str, torch.Tensor]:
@@ -236,8 +224,10 @@ def load_weights(
     for f in files.weights:
         state.update(load_file(str(f)))
     if not files.native_names:
+        from structllm.model.registry import hf_to_native
+
         try:
-            state = _hf_to_native(state, files.config)
+            state = hf_to_native(files.config.architecture)(state, files.config)
         except KeyError as e:
             raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
     if plan is not None:
@@ -288,7 +278,7 @@ def load_model(
     sharded model still needs its ``tp`` group set."""
     import torch
 
-    from structllm.model.llama import LlamaModel
+    from structllm.model.registry import model_class
 
     if fmt is not None and fmt.blocks:
         weights: dict[str, torch.Tensor | BlockWeight] = dict(
@@ -303,7 +293,7 @@ def load_model(
     if layers is not None:
         weights = stage_weights(weights, layers)
     with torch.device("meta"):
-        model = LlamaModel(files.config, dtype, plan, layers)
+        model = model_class(files.config.architecture)(files.config, dtype, plan, layers)
     model.assign_weights(weights)
     del weights
     model.pack_weights(fmt.half if fmt is not None else "none")

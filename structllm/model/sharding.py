@@ -84,6 +84,14 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
     if n > h:
         raise ValueError(f"tensor_parallel_size {n} exceeds the model's {h} attention heads")
+    if n > 1 and cfg.num_experts:
+        raise ValueError(
+            f"tensor parallelism is not supported for {cfg.architecture}'s experts yet"
+        )
+    if n > 1 and cfg.qk_norm == "full":  # an RMSNorm over every head would span the ranks
+        raise ValueError(
+            f"{cfg.architecture}'s q/k norms span all heads: tensor parallelism is not supported"
+        )
     group = h // hkv
     if n > hkv:
         if n % hkv:

@@ -300,3 +300,37 @@ def test_engine_tokens_do_not_depend_on_the_cpu_backend_per_kv_dtype(
         )
         outs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
     assert outs["cpu"] == outs["torch"]
+
+
+@pytest.mark.parametrize("d", [64, 48])  # the fixed-size kernel and the generic loops
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(5, 0.0), (16, 0.0), (33, 0.0), (0, 2.0), (7, 3.0)]
+)
+def test_window_and_softcap_match_dense(d: int, window: int, softcap: float) -> None:
+    """Sliding windows (inside a block, exactly a block, across blocks) and soft-capped
+    scores, for decodes and prefill rows (fresh, after a cached prefix), bit for bit the
+    same whether a token came as a prefill row or a decode."""
+    lens, q_lens = [9, 70, 20, 45], [1, 1, 20, 12]
+    impl, kc, vc, meta, dense, q, starts = setup(lens, q_lens, 6, 2, d, 16)
+    out = torch.cat(
+        [
+            impl.decode(q[:2], kc, vc, meta, 0.125, window, softcap),
+            impl.prefill(q[2:], q[2:], q[2:], kc, vc, meta, 0.125, window, softcap),
+        ]
+    )
+    for i, (k, v) in enumerate(dense):
+        rows = slice(starts[i], starts[i + 1])
+        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap)
+        torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=2e-5)
+    last = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[-1:],
+        block_tables=meta.block_tables[3:],
+        seq_lens=torch.tensor([45], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens_list=[45],
+        query_start_list=[0, 1],
+        num_decodes=1,
+        max_seq_len=45,
+    )
+    alone = impl.decode(q[-1:], kc, vc, last, 0.125, window, softcap)
+    assert torch.equal(out[-1:], alone)

@@ -132,3 +132,31 @@ def test_the_exact_path_keeps_torchs_ops(tiny_llama_dir: Path) -> None:
     engine = EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=8 << 20, **EXACT))  # type: ignore[arg-type]
     assert isinstance(engine.runner.model, LlamaModel)
     assert engine.runner.model.cpu_ops is None
+
+
+@pytest.mark.parametrize("t", ROWS)
+def test_gelu_tanh_mul_matches_torch(ops, t: int) -> None:  # type: ignore[no-untyped-def]
+    gu = torch.randn(t, 2 * 320) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(ops.gelu_tanh_mul(gu), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", ROWS)
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "whole-projection"])
+def test_head_rms_norm_matches_torch(ops, t: int, per_head: bool) -> None:  # type: ignore[no-untyped-def]
+    h, hkv, d = 6, 2, 64
+    qkv = torch.randn(t, h + 2 * hkv, d) * 3
+    wq, wk = (
+        (torch.randn(d), torch.randn(d)) if per_head else (torch.randn(h * d), torch.randn(hkv * d))
+    )
+    want = qkv.clone()
+    if per_head:
+        want[:, :h] = F.rms_norm(qkv[:, :h], (d,), wq, 1e-6)
+        want[:, h : h + hkv] = F.rms_norm(qkv[:, h : h + hkv], (d,), wk, 1e-6)
+    else:
+        want[:, :h] = F.rms_norm(qkv[:, :h].reshape(t, -1), (h * d,), wq, 1e-6).view(t, h, d)
+        k = qkv[:, h : h + hkv].reshape(t, -1)
+        want[:, h : h + hkv] = F.rms_norm(k, (hkv * d,), wk, 1e-6).view(t, hkv, d)
+    ops.head_rms_norm(qkv, h, hkv, wq, wk, 1e-6)
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-5)  # v untouched, norms in place

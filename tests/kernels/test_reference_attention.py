@@ -89,3 +89,39 @@ def test_mixed_batch_through_the_backend() -> None:
     for i, (k, v) in enumerate(dense):
         want = reference.dense_causal_attention(q[starts[i] : starts[i + 1]], k, v, d**-0.5)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (16, 0.0), (0, 2.0), (7, 3.0)])
+def test_window_and_softcap_match_dense(window: int, softcap: float) -> None:
+    """Sliding windows shorter and longer than a block, soft-capped scores: decodes and
+    prefill chunks (fresh, after a cached prefix) through the backend."""
+    bs, h, hkv, d = 16, 6, 2, 64
+    lens, q_lens = [9, 50, 20, 45], [1, 1, 20, 12]
+    kc, vc, bt, dense = paged_setup(lens, hkv, d, bs)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_tables=bt,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_list=lens,
+        query_start_list=starts,
+        num_decodes=2,
+        max_seq_len=max(lens),
+    )
+    q = torch.randn(starts[-1], h, d)
+    k_new = torch.cat([dense[i][0][lens[i] - q_lens[i] :] for i in range(4)])
+    v_new = torch.cat([dense[i][1][lens[i] - q_lens[i] :] for i in range(4)])
+    impl = TorchAttention()
+    out = torch.cat(
+        [
+            impl.decode(q[:2], kc, vc, meta, 0.125, window, softcap),
+            impl.prefill(q[2:], k_new[2:], v_new[2:], kc, vc, meta, 0.125, window, softcap),
+        ]
+    )
+    for i, (k, v) in enumerate(dense):
+        rows = slice(starts[i], starts[i + 1])
+        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap)
+        torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)

@@ -135,16 +135,14 @@ class Batch:
         self.k_cache, self.v_cache = kc.to(dev, dtype), vc.to(dev, dtype)
         self.dtype = dtype
 
-    def oracle(self) -> torch.Tensor:
+    def oracle(self, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         kc, vc = self.kc_cpu.clone(), self.vc_cpu.clone()
-        return attention(
-            TorchAttention(), self.q_cpu, self.k_new, self.v_new, kc, vc, self.meta_cpu, self.scale
-        )
+        q, k, v, m = self.q_cpu, self.k_new, self.v_new, self.meta_cpu
+        return attention(TorchAttention(), q, k, v, kc, vc, m, self.scale, window, softcap)
 
-    def run(self, impl: TritonAttention) -> torch.Tensor:
-        return attention(
-            impl, self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, self.scale
-        )
+    def run(self, impl: TritonAttention, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        q, k, v, m = self.q, self.k, self.v, self.meta
+        return attention(impl, q, k, v, self.k_cache, self.v_cache, m, self.scale, window, softcap)
 
 
 HEADS = [(4, 4, 64), (9, 3, 64), (16, 2, 128)]  # GQA ratios 1, 3 (the default model), 8
@@ -185,6 +183,22 @@ def test_decode_matches_reference(
     assert torch.equal(b.k_cache.float().cpu(), b.full_k) and torch.equal(
         b.v_cache.float().cpu(), b.full_v
     )
+
+
+@pytest.mark.parametrize(("device", "dtype"), CASES)
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (20, 0.0), (0, 2.0), (7, 3.0)])
+def test_window_and_softcap_match_reference(
+    device: str, dtype: torch.dtype, window: int, softcap: float
+) -> None:
+    """Sliding windows (inside a tile, across tiles and splits) and soft-capped scores:
+    decodes and prefill chunks (fresh, after a cached prefix, longer than a query tile)."""
+    ctx = [9, 70, 1, 20, 45, 70]
+    q_lens = [1, 1, 1, 20, 12, 70]
+    b = Batch(ctx, q_lens, 9, 3, 64, 16, device, dtype, seed=5)
+    want = b.oracle(window, softcap)
+    for impl in (small_tiles(num_splits=3), TritonAttention()):
+        b.k_cache, b.v_cache = b.k_cache.clone(), b.v_cache.clone()
+        check_close(b.run(impl, window, softcap), want, dtype)
 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)

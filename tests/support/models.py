@@ -209,3 +209,148 @@ def assert_same_greedy_as(ref: Any, split: Any, prompts: list[Any], logprob_atol
         assert diff < logprob_atol
         assert not gaps or min(gaps) > 10 * logprob_atol, "a near-tie: choose another prompt"
         assert g.token_ids == w.token_ids
+
+
+# ---------------------------------------------------------------------------------------
+# one tiny model per family, built from transformers' own config classes
+
+WINDOW = 8  # sliding windows in the family configs: shorter than the test prompts
+
+# Each family's real options at tiny sizes: GQA everywhere, tied and untied heads,
+# head sizes other than hidden / heads, windows shorter than the prompts.
+_SMALL: dict[str, object] = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=32,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(  # llama.cpp's own layer pattern and scale (not in its GGUF metadata)
+            num_hidden_layers=6,
+            head_dim=64,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=64,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            max_position_embeddings=512,
+            original_max_position_embeddings=128,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.7],
+                "long_factor": [1.5, 2.0, 3.0, 4.0],
+            },
+        ),
+    ),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=6.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=4.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mixtral": (  # more experts than top-k, a window
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "qwen3_moe": (  # a dense layer among the MoE ones, top-k weights not renormalised
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=32,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
+    ),
+}
+
+
+def tiny_family_dir(family: str, files: ModelFiles) -> Path:
+    """The tiny random-weight checkpoint of ``family`` (``FAMILY_CONFIGS``), saved by
+    transformers with the default model's tokenizer, built once and cached under the
+    structllm cache, keyed by its config, the tokenizer and transformers' version."""
+    import hashlib
+
+    import transformers
+
+    from structllm.paths import cache_root
+
+    cls_name, extra = FAMILY_CONFIGS[family]
+    kw = {**_SMALL, **extra}
+    key = hashlib.sha256(
+        json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
+        + files.tokenizer_json.read_bytes()
+        + (files.tokenizer_meta.chat_template or "").encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"tiny-{family}-{key}"
+    if (out / "complete").exists():
+        return out
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls_name)(**kw)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
+    meta = files.tokenizer_meta
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": meta.bos_token,
+                "eos_token": meta.eos_token,
+                "chat_template": meta.chat_template,
+                # the BPE tokenizer as it is (llama.cpp's converter loads it through
+                # AutoTokenizer, which would otherwise pick the family's own class)
+                "tokenizer_class": "GPT2Tokenizer",
+            }
+        )
+    )
+    (tmp / "complete").write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,183 @@
+r"""Every model family: load time, single-stream decode and batch-16 throughput.
+
+For each family's tiny test model (``tests/support/models.py``: the Hugging Face
+directory, and its Q8_0 GGUF file from llama.cpp's converter and llama-quantize) and
+for the default model, on the exact path (``float32:none``) and the default one
+(``auto``: float16 weights for a directory, the file's blocks for GGUF), in one run:
+
+- load: seconds to construct ``LLM`` (a converted GGUF's cache already built);
+- single: one request, ``--output-len`` tokens, median time per output token after the
+  first, as tokens/s;
+- batch16: 16 requests at once, output tokens/s.
+
+With ``--llama-server PATH`` the GGUF files also run the same single and 16-concurrent
+workloads on llama.cpp's ``llama-server`` in the same run (``/completion`` with token-id
+prompts, ``n_predict`` tokens, EOS ignored), and the table shows the ratios.
+Mixture-of-experts families have no GGUF file yet (structllm refuses them).
+
+    python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
+
+
+def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
+    from structllm import LLM, SamplingParams
+    from structllm.protocol import AddRequest
+
+    dtype, quant = fmt.split(":")
+    t = time.perf_counter()
+    llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_memory=256 << 20, max_num_seqs=32)
+    load = time.perf_counter() - t
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    ps = prompts(17, args.input_len)
+    llm.generate(ps[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm up
+    tpots = []
+    for i in range(2):  # single stream, driven step by step
+        llm.engine.kv.reset_prefix_cache()
+        llm.engine.add_request(AddRequest(f"single-{i}", ps[16 - i], sp))
+        stamps = []
+        while llm.engine.has_work:
+            if llm.engine.step().outputs:
+                stamps.append(time.perf_counter())
+        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    llm.engine.kv.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(ps[:16], sp)
+    dt = time.perf_counter() - t
+    return {
+        "load_s": load,
+        "single_tok_s": 1 / statistics.median(tpots),
+        "batch16_tok_s": sum(len(o.token_ids) for o in outs) / dt,
+    }
+
+
+def run_llama_server(binary: str, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The same workloads on llama-server (16 slots), over its native /completion."""
+    port = random.randrange(20000, 60000)
+    proc = subprocess.Popen(
+        [binary, "-m", str(gguf), "--port", str(port), "-np", "16", "-c", str(16 * 512)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        ps = prompts(17, args.input_len)
+
+        def complete(p: list[int]) -> dict[str, Any]:
+            body = {"prompt": p, "n_predict": args.output_len, "ignore_eos": True}
+            body |= {"temperature": 0, "cache_prompt": False}
+            req = urllib.request.Request(
+                url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return dict(json.loads(r.read()))
+
+        complete(ps[0])  # warm up
+        timings = [complete(ps[16 - i])["timings"] for i in range(2)]
+        single = statistics.median(t["predicted_per_second"] for t in timings)
+        done: list[int] = []
+
+        def worker(p: list[int]) -> None:
+            done.append(int(complete(p)["tokens_predicted"]))
+
+        threads = [threading.Thread(target=worker, args=(p,)) for p in ps[:16]]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return {"single_tok_s": single, "batch16_tok_s": sum(done) / (time.perf_counter() - t)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    from structllm.model.files import default_model_path, find_model_files
+    from tests.support import llamacpp
+    from tests.support.models import FAMILY_CONFIGS, tiny_family_dir
+
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--families", default=",".join(sorted(FAMILY_CONFIGS)))
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--no-default-model", action="store_true")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    args = ap.parse_args()
+    files = find_model_files(None)
+    models: list[tuple[str, str, Path]] = []  # (label, kind, path)
+    if not args.no_default_model:
+        models.append(("default (SmolLM2-135M Q4_1)", "gguf", default_model_path()))
+    for fam in args.families.split(","):
+        d = tiny_family_dir(fam, files)
+        models.append((fam, "hf", d))
+        if fam not in ("mixtral", "qwen3_moe", "gemma2", "mistral"):
+            try:
+                models.append(
+                    (
+                        fam + " Q8_0",
+                        "gguf",
+                        llamacpp.quantize(llamacpp.convert_hf(d, "f32"), "Q8_0"),
+                    )
+                )
+            except llamacpp.ToolMissing as e:
+                print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
+    print(f"# {cpu}, {platform.machine()}, input {args.input_len}, output {args.output_len} tokens")
+    hdr = f"{'model':<30} {'format':<14} {'load s':>7} {'single tok/s':>13} {'batch16 tok/s':>14}"
+    print(hdr)
+    rows = []
+    for label, kind, path in models:
+        for fmt in ("float32:none", "auto:auto"):
+            r = run_structllm(str(path), fmt, args)
+            rows.append({"model": label, "format": fmt, **r})
+            figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+            print(f"{label:<30} {fmt:<14} {figures}", flush=True)
+        if kind == "gguf" and args.llama_server:
+            ll = run_llama_server(args.llama_server, path, args)
+            ours = rows[-1]
+            rows.append({"model": label, "format": "llama-server", **ll})
+            single = ours["single_tok_s"] / ll["single_tok_s"]
+            batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
+            figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
+            print(
+                f"{label:<30} {'llama-server':<14} {figures}"
+                f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
+                flush=True,
+            )
+    print(json.dumps({"cpu": cpu, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Layers shared by the model families: rotary embeddings (plain, linear, Llama 3,
+LongRoPE; partial), the gated MLP's activations, soft-capping, the mixture-of-experts
+MLP (``SparseMoe``: router and experts, run grouped by expert).
+
+Norms are torch's ``F.rms_norm`` throughout: Gemma's ``(1 + w)`` RMSNorm is the plain
+one with ``1 + w`` stored as its weight (the loader adds the 1, as llama.cpp's
+converter does), which rounds the same, since transformers computes ``1 + w`` in
+float32 too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from structllm.kernels.packed import Weight, linear
+from structllm.model.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -> Tensor:
+    """Inverse frequencies ``[D/2]`` (float64) of each rotated pair, with the config's
+    scaling (linear, Llama 3, LongRoPE's short or ``long`` factors). Partial rotary: the
+    pairs past ``rope_dim / 2`` get 0, a rotation by nothing (cos 1, sin 0), so every
+    head's pairs go through one table and the rotation leaves them exactly as they are.
+    ``theta``: another base (Gemma 3's local layers, which are never scaled)."""
+    d = cfg.rope_dim
+    base = cfg.rope_theta if theta is None else theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = (cfg.rope_scaling or {}) if theta is None else {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = (
+            float(sc["factor"]),
+            float(sc["low_freq_factor"]),
+            float(sc["high_freq_factor"]),
+        )
+        old_ctx = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "longrope":
+        ext = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float64)
+        inv = inv / ext
+    elif kind not in ("default", None):
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; expected default, linear, llama3 or longrope"
+        )
+    return F.pad(inv, (0, (cfg.head_dim - d) // 2))
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """LongRoPE's scale of cos and sin (1 otherwise)."""
+    sc = cfg.rope_scaling or {}
+    if sc.get("rope_type") != "longrope":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    orig = float(sc["original_max_position_embeddings"])
+    factor = float(sc.get("factor") or sc.get("max_position_embeddings", orig) / orig)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+
+
+def rope_rows(cfg: ModelConfig, start: int, stop: int, theta: float | None = None) -> Tensor:
+    """Rotations ``exp(i * pos * inv_freq)`` of positions ``start..stop-1``,
+    ``[stop - start, D/2]`` complex64. LongRoPE: positions before the original context
+    rotate by the short factors, later ones by the long factors (transformers switches a
+    whole sequence once it passes that length, which a KV cache of rotated keys cannot
+    follow; within it the two agree), both scaled by the attention factor."""
+    pos = torch.arange(start, stop, dtype=torch.float64)
+    sc = (cfg.rope_scaling or {}) if theta is None else {}
+    mag = rope_attention_factor(cfg) if theta is None else 1.0
+    if sc.get("rope_type") == "longrope":
+        orig = int(sc["original_max_position_embeddings"])
+        short = torch.outer(pos, rope_inv_freq(cfg))
+        long = torch.outer(pos, rope_inv_freq(cfg, long=True))
+        angles = torch.where((pos >= orig)[:, None], long, short)
+    else:
+        angles = torch.outer(pos, rope_inv_freq(cfg, theta))
+    mags = torch.ones_like(angles)
+    mags[:, : cfg.rope_dim // 2] = mag  # pairs past a partial rotary stay as they are
+    return torch.polar(mags, angles).to(torch.complex64)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate interleaved pairs of ``x: [T, n, D]`` by ``rope: [T, 1, D/2]`` (complex64).
+    Rotation runs in float32 whatever the model's dtype (torch has no bf16 complex)."""
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, n, D/2]
+    return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
+
+
+def gated_act(gate: Tensor, up: Tensor, act: str) -> Tensor:
+    """``act(gate) * up`` (in place in ``gate``'s result): SiLU, or GELU with the tanh
+    approximation (Gemma's GeGLU)."""
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh").mul_(up)
+    return F.silu(gate).mul_(up)
+
+
+def soft_cap(x: Tensor, cap: float) -> Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's logits), or ``x`` when ``cap`` is 0."""
+    if not cap:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def interleave_rope_rows(w: Tensor, num_heads: int, rope_dim: int | None = None) -> Tensor:
+    """Rows of a q/k projection from "halves" to "interleaved" rotary layout (see
+    ``model.llama``): per head, ``[x0..x_{R/2-1}, x_{R/2}..x_{R-1}, rest]`` ->
+    ``[x0, x_{R/2}, x1, ..., rest]`` with ``R = rope_dim`` (default: the whole head).
+    Works for weights ``[H*D, in]`` and biases or norm weights ``[H*D]``."""
+    rest = w.shape[1:]
+    heads = w.reshape(num_heads, -1, *rest)
+    d = heads.shape[1]
+    r = rope_dim or d
+    rot = (
+        heads[:, :r]
+        .reshape(num_heads, 2, r // 2, *rest)
+        .transpose(1, 2)
+        .reshape(num_heads, r, *rest)
+    )
+    if r == d:
+        return rot.reshape(w.shape)
+    return torch.cat([rot, heads[:, r:]], dim=1).reshape(w.shape)
+
+
+class Expert(nn.Module):
+    PACKED = ("gate_up_proj", "down_proj")  # matmul weights, for LlamaModel.pack_weights
+    gate_up_proj: Weight  # [2F, hidden], gate rows then up rows
+    down_proj: Weight  # [hidden, F]
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(2 * ffn, hidden, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(torch.empty(hidden, ffn, dtype=dtype), requires_grad=False)
+
+
+class SparseMoe(nn.Module):
+    """The router (``router: [E, hidden]``) and the experts of one layer."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        ffn = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router = nn.Parameter(
+            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, ffn, dtype) for _ in range(cfg.num_experts)
+        )
+
+    def forward(
+        self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
+    ) -> Tensor:
+        """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
+        ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
+        logits = F.linear(h, self.router)  # [T, E]
+        probs = logits.softmax(-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(h.dtype).flatten()  # [T * k]
+        # (token, choice) slots sorted by expert; each expert's run of slots at once
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):  # experts in order, as transformers adds them
+            if n == 0:
+                continue
+            slots = order[start : start + n]
+            start += n
+            rows = slots // self.top_k  # the tokens (distinct: a token picks an expert once)
+            expert = cast(Expert, self.experts[e])
+            gate_up = linear(h[rows], expert.gate_up_proj, int8_ok=True)  # [n, 2F]
+            if fused_act is not None:
+                mid = fused_act(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                mid = gated_act(gate, up, act)
+            y = linear(mid, expert.down_proj, int8_ok=True)  # [n, hidden]
+            out.index_add_(0, rows, y * weights[slots, None])
+        return out

@@ -1,0 +1,58 @@
+"""Mixture-of-experts decoders, Mixtral and Qwen3-MoE: the Llama decoder (Qwen3's q/k
+norms for Qwen3-MoE) whose MLP is a router and ``num_experts`` gated MLPs, of which
+each token runs its top ``num_experts_per_tok``, weighted by the router's softmax
+(renormalised over the chosen ones: always for Mixtral, ``norm_topk_prob`` for
+Qwen3-MoE).
+
+The experts run grouped by expert (``layers.SparseMoe.forward``): the step's (token, choice)
+pairs are sorted by expert, and each expert's tokens go through its two matmuls at once,
+so a step costs its active parameters and one matmul per expert used, not a loop over
+tokens. Each expert's matrices are ordinary weights (``linear``: oneDNN, float16 or GGUF
+blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from structllm.model.config import ModelConfig
+from structllm.model.llama import HFNames, LlamaModel
+from structllm.model.llama import hf_to_native as _hf_to_native
+
+
+class MoeModel(LlamaModel):
+    """``LlamaModel`` whose MoE layers (``ModelConfig.moe_layer``) hold a ``SparseMoe``."""
+
+
+class MixtralNames(HFNames):
+    router = "block_sparse_moe.gate"
+    expert = "block_sparse_moe.experts.{e}"
+    expert_gate, expert_up, expert_down = "w1", "w3", "w2"
+
+
+class Qwen3MoeNames(HFNames):
+    router = "mlp.gate"
+    expert = "mlp.experts.{e}"
+    expert_gate, expert_up, expert_down = "gate_proj", "up_proj", "down_proj"
+
+
+def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """The dense tensors as Llama's, then each MoE layer's router and experts."""
+    names = MixtralNames if cfg.architecture == "mixtral" else Qwen3MoeNames
+    moe_state: dict[str, Tensor] = {}
+    for i in range(cfg.num_layers):  # take the MoE tensors out before the dense mapping
+        if not cfg.moe_layer(i):
+            continue
+        p, o = f"model.layers.{i}.", f"layers.{i}.moe."
+        moe_state[o + "router"] = state.pop(f"{p}{names.router}.weight")
+        for e in range(cfg.num_experts):
+            x = p + names.expert.format(e=e) + "."
+            gate = state.pop(f"{x}{names.expert_gate}.weight")
+            up = state.pop(f"{x}{names.expert_up}.weight")
+            moe_state[f"{o}experts.{e}.gate_up_proj"] = torch.cat([gate, up])
+            moe_state[f"{o}experts.{e}.down_proj"] = state.pop(f"{x}{names.expert_down}.weight")
+    return {**_hf_to_native(state, cfg, names), **moe_state}
+
+
+MODEL = MoeModel

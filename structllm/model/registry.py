@@ -1,0 +1,91 @@
+"""Which model families structllm runs, and by what names a checkpoint asks for them
+(vLLM's registry, in small): a Hugging Face ``config.json``'s ``architectures`` (or its
+``model_type``), a GGUF file's ``general.architecture``. No torch here: the front end
+and the CLI read this to refuse an unsupported model at start and to list what is
+supported.
+
+A family is a ``ModelConfig`` reading of its config (``config.FAMILY_OPTIONS``), its
+GGUF metadata and tensor names (``gguf``), and a module ``structllm.model.<module>`` that
+holds its model class (``MODEL``) and its Hugging Face tensor names (``hf_to_native``),
+imported only by the engine (``model_class``). Adding one is a module, an entry here and
+its tests; see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # ModelConfig.architecture
+    module: str  # structllm.model.<module>
+    hf_architectures: tuple[str, ...]
+    model_types: tuple[str, ...]  # config.json's model_type, when architectures is absent
+    gguf_architectures: tuple[str, ...]
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", "llama", ("LlamaForCausalLM",), ("llama",), ("llama",)),
+    Family("mistral", "llama", ("MistralForCausalLM",), ("mistral",), ("mistral",)),
+    Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
+    Family("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
+    Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+    Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
+    Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
+    Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
+    # mixtures of experts: Hugging Face directories only so far (GGUF's 3-D expert
+    # tensors are not read yet)
+    Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
+    Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ()),
+)
+
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def supported_hf() -> list[str]:
+    """Every Hugging Face architecture name we run, sorted (for error messages, --help)."""
+    return sorted(a for f in FAMILIES for a in f.hf_architectures)
+
+
+def supported_gguf() -> list[str]:
+    return sorted(a for f in FAMILIES for a in f.gguf_architectures)
+
+
+def family_for_hf(cfg: dict[str, Any]) -> Family:
+    """The family a parsed ``config.json`` asks for; ``ValueError`` naming the
+    architecture and listing the supported ones otherwise."""
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        for f in FAMILIES:
+            if a in f.hf_architectures:
+                return f
+    if not archs:
+        for f in FAMILIES:
+            if cfg.get("model_type") in f.model_types:
+                return f
+    raise ValueError(
+        f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+        f"expected one of {supported_hf()}"
+    )
+
+
+def family_for_gguf(arch: object) -> Family:
+    for f in FAMILIES:
+        if arch in f.gguf_architectures:
+            return f
+    raise ValueError(f"unsupported GGUF architecture {arch!r}; expected one of {supported_gguf()}")
+
+
+def model_class(name: str) -> Any:
+    """The model class of family ``name`` (imports torch: the engine's side only)."""
+    return import_module(f"structllm.model.{BY_NAME[name].module}").MODEL
+
+
+def hf_to_native(name: str) -> Any:
+    """The family's ``hf_to_native(state, cfg)``: Hugging Face tensor names -> ours."""
+    return import_module(f"structllm.model.{BY_NAME[name].module}").hf_to_native
