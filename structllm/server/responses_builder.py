@@ -18,9 +18,9 @@ events (dicts with ``type`` and ``sequence_number``, counting up by one from 0):
 
 Not streaming, ``body()`` is the final response object. The same bookkeeping makes
 both, so a streamed response's final object equals the non-streamed one. Output items
-are ``message`` (one ``output_text`` part) and ``function_call``; a ``reasoning``
-item would come first, from a reasoning parser's part of the update (not yet: the seam
-is ``ResponsesBuilder.feed``, where an update's reasoning text would open that item).
+are ``message`` (one ``output_text`` part) and ``function_call``; with a reasoning
+parser (``--reasoning-parser``) a ``reasoning`` item (one ``reasoning_text`` part, its
+``response.reasoning_text.delta`` events) comes first, from the update's reasoning text.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def usage(seq: SequenceState) -> dict[str, Any]:
         "input_tokens": n_in,
         "input_tokens_details": {"cached_tokens": seq.num_cached_tokens},
         "output_tokens": n_out,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": seq.num_reasoning_tokens},
         "total_tokens": n_in + n_out,
     }
 
@@ -132,6 +132,7 @@ class ResponsesBuilder:
         self.sequence_number = 0
         self.output: list[Item] = []
         self.message: _Open | None = None
+        self.thought: _Open | None = None  # the reasoning item while it is written
         self.calls: dict[int, _Open] = {}  # the parser's call index -> its item
         self.close_events: list[dict[str, Any]] | None = None  # made once, by finish()
         self.completed_at: float | None = None
@@ -193,6 +194,8 @@ class ResponsesBuilder:
     def feed(self, updates: list[SequenceUpdate]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for u in updates:
+            if u.reasoning:
+                events += self.reasoning_text(u.reasoning)
             if u.text:
                 events += self.text(u.text)
             for d in u.tool_calls:
@@ -231,10 +234,57 @@ class ResponsesBuilder:
 
     # -- items -------------------------------------------------------------------------
 
-    def text(self, text: str) -> list[dict[str, Any]]:
+    def reasoning_text(self, text: str) -> list[dict[str, Any]]:
         events = []
+        if self.thought is None:
+            item = {
+                "id": new_id("rs"),
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [],
+            }
+            self.thought = _Open(len(self.output), item)
+            self.output.append(item)
+            events.append(
+                self.event("response.output_item.added", output_index=self.thought.index, item=item)
+            )
+        self.thought.pieces.append(text)
+        events.append(
+            self.event(
+                "response.reasoning_text.delta",
+                item_id=self.thought.item["id"],
+                output_index=self.thought.index,
+                content_index=0,
+                delta=text,
+            )
+        )
+        return events
+
+    def close_reasoning(self) -> list[dict[str, Any]]:
+        r = self.thought
+        if r is None:
+            return []
+        self.thought = None
+        text = "".join(r.pieces)
+        part = {"type": "reasoning_text", "text": text}
+        done = {**r.item, "status": self.item_status(), "content": [part]}
+        self.output[r.index] = done
+        return [
+            self.event(
+                "response.reasoning_text.done",
+                item_id=done["id"],
+                output_index=r.index,
+                content_index=0,
+                text=text,
+            ),
+            self.event("response.output_item.done", output_index=r.index, item=done),
+        ]
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        events = self.close_reasoning()  # the answer ends the reasoning before it
         if self.message is None:
-            events = self.open_message()
+            events += self.open_message()
         assert self.message is not None
         self.message.pieces.append(text)
         events.append(
@@ -289,7 +339,7 @@ class ResponsesBuilder:
         ]
 
     def open_call(self, k: int, call_id: str, name: str) -> list[dict[str, Any]]:
-        events = self.close_message()  # a call ends the text before it
+        events = self.close_reasoning() + self.close_message()  # a call ends what was before
         item = {
             "id": new_id("fc"),
             "type": "function_call",
@@ -309,9 +359,11 @@ class ResponsesBuilder:
         return "incomplete" if self.seq.finish_reason == "length" else "completed"
 
     def close_items(self) -> list[dict[str, Any]]:
-        """Close what is open: the message, then the calls in order; a reply with no
-        item at all gets an empty message, as OpenAI's."""
-        events = self.open_message() if not self.output else []
+        """Close what is open: the reasoning, the message, then the calls in order; a
+        reply with no message or call gets an empty message, as OpenAI's."""
+        events = self.close_reasoning()
+        if not any(item["type"] != "reasoning" for item in self.output):
+            events += self.open_message()
         events += self.close_message()
         for call in self.calls.values():
             args = "".join(call.pieces)

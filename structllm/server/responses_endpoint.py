@@ -248,15 +248,18 @@ class ResponsesEndpoints:
         try:
             chat = chat_request(req, history, items)
             tools = app.pre.tool_request(chat)
-            ids = await app.in_worker(app.pre.chat, chat, tools, response_id)
+            text, ids = await app.in_worker(app.pre.chat_prompt, chat, tools, response_id)
             constraint = await app.constraint(chat, tools)
             requested, param = rq.requested_max_tokens(chat)
             max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
-            sp = rq.sampling_params(chat, max_tokens, client.ready.vocab_size, constraint)
+            mode, reasoning = app.pre.reasoning(text) or (None, None)
+            sp = rq.sampling_params(
+                chat, max_tokens, client.ready.vocab_size, constraint, reasoning
+            )
         except APIError as e:
             raise rename_param(e) from None
         [seq] = fan_out(
-            [ids], sp, app.tokenizer, lambda _p, _j: client.new_request_id("resp"), tools
+            [ids], sp, app.tokenizer, lambda _p, _j: client.new_request_id("resp"), tools, mode
         )
         return seq
 

@@ -104,6 +104,35 @@ def test_reasoning_is_split_and_streamed_equal(client: openai.OpenAI) -> None:
     assert s_usage.completion_tokens_details.reasoning_tokens == details.reasoning_tokens
 
 
+def test_responses_api_has_a_reasoning_item_before_the_message(client: openai.OpenAI) -> None:
+    """/v1/responses: the reasoning is a ``reasoning`` item before the message, streamed
+    as ``response.reasoning_text`` events, counted in ``reasoning_tokens``; the stream's
+    final response equals the body, and the chat path splits the same text."""
+    chat = create(client)
+    model = client.models.list().data[0].id
+    kw: dict[str, Any] = {"model": model, "input": FEW_SHOT, "max_output_tokens": 40}
+    body = client.responses.create(temperature=0, store=False, **kw)
+    kinds = [item.type for item in body.output]
+    assert kinds == ["reasoning", "message"]
+    assert body.output[0].content[0].text == reasoning_of(chat.choices[0].message)
+    assert body.output_text == chat.choices[0].message.content
+    assert body.usage.output_tokens_details.reasoning_tokens == (
+        chat.usage.completion_tokens_details.reasoning_tokens
+    )
+    assert 0 < body.usage.output_tokens_details.reasoning_tokens < body.usage.output_tokens
+    deltas: list[str] = []
+    with client.responses.stream(temperature=0, store=False, **kw) as stream:
+        for event in stream:
+            if event.type == "response.reasoning_text.delta":
+                deltas.append(event.delta)
+            if event.type == "response.output_text.delta":
+                assert deltas, "the reasoning comes before the answer"
+        final = stream.get_final_response()
+    assert "".join(deltas) == body.output[0].content[0].text
+    assert [item.type for item in final.output] == kinds
+    assert final.output_text == body.output_text
+
+
 def test_response_format_applies_after_the_reasoning(client: openai.OpenAI) -> None:
     out = create(client, response_format=JSON_FORMAT)
     message = out.choices[0].message
