@@ -151,16 +151,23 @@ class EngineClient:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Dispatcher and supervisor; returns when the engine process exits (after
-        failing every open stream). Run it in the owner's task group."""
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._supervise, tg.cancel_scope)
-            for msg in self.engine.pending:
-                self._dispatch(msg)
-            task_status.started()
-            while True:
-                for msg in await self.engine.endpoint.recv():
+        failing every open stream). Run it in the owner's task group; when its owner
+        cancels it (the engine is being stopped), the client is failed too, so that a
+        request still open then, or an abort sent after (a background run cancelled
+        while the server stops), never touches the rings being released."""
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._supervise, tg.cancel_scope)
+                for msg in self.engine.pending:
                     self._dispatch(msg)
-                self._flush_aborts()
+                task_status.started()
+                while True:
+                    for msg in await self.engine.endpoint.recv():
+                        self._dispatch(msg)
+                    self._flush_aborts()
+        finally:
+            if self.dead is None:
+                self.fail(EngineDeadError("the engine has stopped"))
 
     async def _supervise(self, scope: anyio.CancelScope) -> None:
         code = await self.engine.process.wait()

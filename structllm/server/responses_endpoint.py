@@ -165,6 +165,7 @@ class ResponsesEndpoints:
         )
         self._runs_tg: anyio.abc.TaskGroup | None = None
         self.runs: dict[str, tuple[anyio.CancelScope, anyio.Event]] = {}  # id -> scope, done
+        self.background_closed: anyio.Event | None = None  # see serve_background
 
     def close(self) -> None:
         if self.store is not None:
@@ -349,7 +350,10 @@ class ResponsesEndpoints:
 
     async def serve_background(self, stop: anyio.Event, shutdown_timeout: float) -> None:
         """Own the background runs of this process until ``stop``; then give them
-        ``shutdown_timeout`` to finish and cancel the rest (each records itself)."""
+        ``shutdown_timeout`` to finish and cancel the rest (each records itself);
+        ``background_closed`` is set once they have all ended, so the engine they use
+        is stopped only after that."""
+        self.background_closed = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
                 self._runs_tg = tg
@@ -360,6 +364,7 @@ class ResponsesEndpoints:
                 tg.cancel_scope.cancel()
         finally:
             self._runs_tg = None
+            self.background_closed.set()
 
     async def start_background(
         self,

@@ -268,6 +268,9 @@ class Supervisor:
                         w.terminate()
                     with anyio.move_on_after(cfg.shutdown_timeout + 2):
                         await self.http_done.wait()
+                        closed = self.app.responses.background_closed
+                        if closed is not None:  # background runs, cancelled and recorded
+                            await closed.wait()
                         for w in api_servers:
                             await w.wait()
                     tg.cancel_scope.cancel()
@@ -360,6 +363,9 @@ def run_api_server(spec: ApiServerSpec) -> int:
                 await stop.wait()
                 with anyio.move_on_after(cfg.shutdown_timeout + 2):
                     await http_done.wait()  # in-flight requests still need the engine
+                    closed = app.responses.background_closed
+                    if closed is not None:  # so do background runs, until recorded
+                        await closed.wait()
                 etg.cancel_scope.cancel()
             tg.cancel_scope.cancel()
         return code
