@@ -5,6 +5,7 @@ transformers as the reference."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -108,10 +109,17 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[str, str]) -> None:
+def write_tiny_gguf(
+    path: Path,
+    hf_model: Any,
+    source_gguf: Path,
+    qtypes: dict[str, str],
+    vocab: int | None = None,
+) -> None:
     """Write ``hf_model`` (a tiny transformers Llama) as a llama.cpp-style GGUF file,
     quantising tensors whose GGUF name ends with a key of ``qtypes`` to that type and
-    copying tokenizer metadata from ``source_gguf``."""
+    copying tokenizer metadata from ``source_gguf`` (with ``vocab``: only its first
+    ``vocab`` tokens and the merges among them, a BPE tokenizer in its own right)."""
     import gguf
 
     cfg = hf_model.config
@@ -129,9 +137,16 @@ def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[s
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     src = gguf.GGUFReader(str(source_gguf))
+    kept = set(src.fields["tokenizer.ggml.tokens"].contents()[:vocab])
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
         field = src.fields[key]
         values = field.contents()
+        if vocab is not None and key == "tokenizer.ggml.merges":
+            values = [
+                m for m in values if {*m.split(" "), m.replace(" ", "")} <= kept
+            ]  # a merge is "left right"; keep those whose parts and result are kept
+        elif vocab is not None:
+            values = values[:vocab]
         vtype = field.types[-1]
         w.add_array(key, values) if vtype != gguf.GGUFValueType.STRING else w.add_array(
             key, list(values)
@@ -187,6 +202,45 @@ def write_tiny_gguf(path: Path, hf_model: Any, source_gguf: Path, qtypes: dict[s
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def tiny_vocab_gguf(source_gguf: Path) -> Path:
+    """A tiny random-weight Llama GGUF file (float32) whose tokenizer is the first 1000
+    tokens of ``source_gguf``'s (its specials, bytes and first merges; the chat template
+    too): cheap to convert on a cold cache, where the default model's 49k-token
+    tokenizer takes transformers a minute. Built once, cached under the structllm cache,
+    keyed by the source file and transformers' version."""
+    import hashlib
+
+    import transformers
+
+    from structllm.model.files import cache_key
+    from structllm.paths import cache_root
+
+    key = hashlib.sha256(
+        f"{cache_key(source_gguf)}:{transformers.__version__}:1".encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"tiny-vocab-{key}.gguf"
+    if out.is_file():
+        return out
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    write_tiny_gguf(tmp, transformers.LlamaForCausalLM(cfg), source_gguf, {}, vocab=1000)
+    os.replace(tmp, out)
+    return out
 
 
 # Prompts and greedy settings for comparing a split engine (tensor- or pipeline-parallel,
