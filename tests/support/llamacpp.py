@@ -22,6 +22,7 @@ import tarfile
 from pathlib import Path
 
 from structllm.paths import cache_root
+from tests.support.tokenizers import seed_tokenizer
 
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_DIR = "llama_cpp_python-0.3.36"
@@ -102,6 +103,7 @@ def convert_hf(hf_dir: Path, outtype: str = "f32") -> Path:
     files = [p for p in hf_dir.iterdir() if p.is_file()]
     out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, outtype)}.{outtype}.gguf"
     if out.exists():
+        seed_tokenizer(out)
         return out
     tree = source_tree()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +115,7 @@ def convert_hf(hf_dir: Path, outtype: str = "f32") -> Path:
     if done.returncode != 0:
         raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
     tmp.rename(out)
+    seed_tokenizer(out)
     return out
 
 
@@ -122,6 +125,7 @@ def quantize(gguf_file: Path, qtype: str, *extra: str) -> Path:
     (e.g. ``--allow-requantize``, ``--pure``)."""
     out = gguf_file.with_name(f"{gguf_file.stem}.{qtype}{''.join(extra)}.gguf")
     if out.exists():
+        seed_tokenizer(out)
         return out
     tmp = out.with_suffix(".tmp")
     cmd = [str(tool("llama-quantize")), *extra, str(gguf_file), str(tmp), qtype]
@@ -129,6 +133,7 @@ def quantize(gguf_file: Path, qtype: str, *extra: str) -> Path:
     if done.returncode != 0:
         raise ToolMissing(f"llama-quantize {qtype} failed: {done.stderr.strip()[-600:]}")
     tmp.rename(out)
+    seed_tokenizer(out)
     return out
 
 

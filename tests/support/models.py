@@ -202,6 +202,10 @@ def write_tiny_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if vocab is None:  # the source's tokenizer: converted once, not once per file
+        from tests.support.tokenizers import seed_tokenizer
+
+        seed_tokenizer(path)
 
 
 def tiny_vocab_gguf(source_gguf: Path) -> Path:
