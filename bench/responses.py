@@ -189,7 +189,7 @@ async def probe(
             # find the history, from the first turn), in alternating order
             turns = ("Tell me more.", "Go on, please.")[:: 1 if k % 2 else -1]
             history = await client.get(url + f"/v1/responses/{r['id']}/input_items?order=asc")
-            base = {**extra, "max_output_tokens": 8, "temperature": 0, "stream": True}
+            base = {**extra, "max_output_tokens": 16, "temperature": 0, "stream": True}
             chained_body = {**base, "input": turns[0], "previous_response_id": r["id"]}
             items = [*history.json()["data"], *r["output"], {"role": "user", "content": turns[1]}]
             full_body = {**base, "input": items, "store": False}

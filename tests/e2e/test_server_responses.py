@@ -144,10 +144,11 @@ def test_items_and_instructions_equal_greedy_chat(
 
 
 def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str) -> None:
-    r = client.responses.create(model=model, input=ASK, max_output_tokens=3, temperature=0)
+    story = "Write a long story about a dragon."  # far longer than OpenAI's minimum, 16
+    r = client.responses.create(model=model, input=story, max_output_tokens=16, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage is not None and r.usage.output_tokens == 3
+    assert r.usage is not None and r.usage.output_tokens == 16
     assert r.output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
@@ -162,6 +163,7 @@ def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str)
         ({"input": "x", "temperature": 5}, "temperature"),
         ({"input": "x", "top_p": 2}, "top_p"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": 15}, "max_output_tokens"),
         ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
@@ -186,8 +188,8 @@ def test_bad_input_is_a_400_naming_the_field(
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param, err
-    r = client.responses.create(model=model, input="Hi", max_output_tokens=2)
-    assert r.status == "incomplete"  # and the next request works
+    r = client.responses.create(model=model, input="Hi", max_output_tokens=16)
+    assert r.status in ("completed", "incomplete") and r.output_text  # the next one works
 
 
 # -- streaming -----------------------------------------------------------------------------
@@ -405,7 +407,7 @@ def oai(server: Server) -> openai.OpenAI:
 
 def test_chained_responses_across_front_ends_and_a_restart(tmp_path: Path) -> None:
     store = str(tmp_path / "responses.sqlite3")
-    kw: dict[str, Any] = {"max_output_tokens": 8, "temperature": 0}
+    kw: dict[str, Any] = {"max_output_tokens": 16, "temperature": 0}
     with (
         Server(*NULL, "--api-server-count", "2", "--responses-store", store) as a,
         Server(*NULL, "--responses-store", store) as b,
@@ -472,7 +474,7 @@ def test_store_none_keeps_nothing() -> None:
     with Server(*NULL, "--responses-store", "none") as s:
         c = oai(s)
         model = c.models.list().data[0].id
-        r = c.responses.create(model=model, input="Hi", max_output_tokens=4)
+        r = c.responses.create(model=model, input="Hi", max_output_tokens=16)
         assert r.store is False  # store=true is a no-op, and says so
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(r.id)
@@ -488,7 +490,7 @@ def test_eviction_at_the_size_bound(tmp_path: Path) -> None:
         c = oai(s)
         model = c.models.list().data[0].id
         ids = [
-            c.responses.create(model=model, input=f"{i} " + "word " * 600, max_output_tokens=4).id
+            c.responses.create(model=model, input=f"{i} " + "word " * 600, max_output_tokens=16).id
             for i in range(16)
         ]
         kept = []
@@ -560,7 +562,7 @@ def test_cancel_a_background_run(tmp_path: Path, front_ends: str, backend: str) 
         again = c.responses.cancel(r.id)  # cancelling what has ended returns it as it is
         assert again.status == "cancelled"
         with pytest.raises(openai.BadRequestError):  # only background responses
-            c.responses.cancel(c.responses.create(model=model, input="x", max_output_tokens=2).id)
+            c.responses.cancel(c.responses.create(model=model, input="x", max_output_tokens=16).id)
         with pytest.raises(openai.NotFoundError):
             c.responses.cancel("resp_unknown")
         assert s.stop() == 0
@@ -595,7 +597,7 @@ def test_a_client_that_goes_away_aborts_the_stream(tmp_path: Path) -> None:
         s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
         assert s.metric("engine_steps_total") < 1500  # long before its last token
         c = oai(s)
-        r = c.responses.create(model=c.models.list().data[0].id, input="x", max_output_tokens=2)
+        r = c.responses.create(model=c.models.list().data[0].id, input="x", max_output_tokens=16)
         assert r.status == "incomplete"  # and the server serves on
         assert s.stop() == 0
 
@@ -622,7 +624,7 @@ def test_an_engine_death_fails_streams_and_background_runs(tmp_path: Path) -> No
         done = poll(c, run.id, ("completed", "incomplete", "failed", "cancelled"))
         assert done.status == "failed" and done.error is not None and done.error.message
         wait_for(lambda: s.get("/health")[0] == 200, "engine was not restarted")
-        r = c.responses.create(model=model, input="x", max_output_tokens=2)
+        r = c.responses.create(model=model, input="x", max_output_tokens=16)
         assert r.status == "incomplete"  # served again
         assert s.stop() == 0
 
