@@ -3,7 +3,8 @@
 One file, shared by every front-end process of a server (``--api-server-count``) and
 kept across restarts. Each row is one response: its object (JSON, as ``GET`` returns
 it), its input conversation (the items it was generated from: the stored history of
-``previous_response_id``, then its own ``input``), and for a background run still going,
+``previous_response_id``, then its own ``input``), for a background run its events once
+it has ended (what ``GET ?stream=true`` replays), and for a background run still going,
 the engine request id, the process that runs it, and whether a cancel was asked for.
 
 Bounded two ways, oldest first: rows past their time to live are gone (never read, and
@@ -18,7 +19,6 @@ busy timeout, so the processes wait for each other's writes rather than fail);
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple
+
+import msgspec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -39,7 +41,8 @@ CREATE TABLE IF NOT EXISTS responses (
     engine_request_id TEXT,
     owner_pid INTEGER,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    size INTEGER NOT NULL
+    size INTEGER NOT NULL,
+    events TEXT
 );
 CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires_at);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -68,6 +71,11 @@ class Stored:
     engine_request_id: str | None
     cancel_requested: bool
     owner_pid: int | None = None  # the process running it (a background run not ended)
+    events: list[dict[str, Any]] | None = None  # a background run's, once it has ended
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
 
 
 class ResponseStore:
@@ -87,6 +95,8 @@ class ResponseStore:
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
             if "owner_pid" not in columns:  # a file from before background owners were kept
                 self._db.execute("ALTER TABLE responses ADD COLUMN owner_pid INTEGER")
+            if "events" not in columns:  # a file from before background events were kept
+                self._db.execute("ALTER TABLE responses ADD COLUMN events TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -100,19 +110,24 @@ class ResponseStore:
         conversation: list[dict[str, Any]],
         engine_request_id: str | None = None,
         owner_pid: int | None = None,
+        events: list[dict[str, Any]] | None = None,
     ) -> None:
         """Insert or replace the response (by its ``id``), then evict."""
-        body, conv = json.dumps(response), json.dumps(conversation)
+        # JSON bytes (msgspec: several times json's speed, and this thread holds the GIL
+        # while it encodes); SQLite keeps them as they are
+        body, conv = encode(response), encode(conversation)
+        evs = None if events is None else encode(events)
         now = time.time()
         with self._lock, self._db:
             self._db.execute(
                 "INSERT INTO responses (id, created_at, expires_at, status, response, "
-                "conversation, engine_request_id, owner_pid, size) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "conversation, engine_request_id, owner_pid, size, events) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (id) DO UPDATE SET status = excluded.status, "
                 "response = excluded.response, conversation = excluded.conversation, "
                 "engine_request_id = excluded.engine_request_id, "
-                "owner_pid = excluded.owner_pid, size = excluded.size",
+                "owner_pid = excluded.owner_pid, size = excluded.size, "
+                "events = excluded.events",
                 (
                     response["id"],
                     now,
@@ -122,7 +137,8 @@ class ResponseStore:
                     conv,
                     engine_request_id,
                     owner_pid,
-                    len(body) + len(conv),
+                    len(body) + len(conv) + len(evs or b""),
+                    evs,
                 ),
             )
             self._evict(now)
@@ -168,13 +184,21 @@ class ResponseStore:
 
     def _get(self, response_id: str) -> Stored | None:
         row = self._db.execute(
-            "SELECT response, conversation, engine_request_id, cancel_requested, owner_pid "
-            "FROM responses WHERE id = ? AND expires_at > ?",
+            "SELECT response, conversation, engine_request_id, cancel_requested, owner_pid, "
+            "events FROM responses WHERE id = ? AND expires_at > ?",
             (response_id, time.time()),
         ).fetchone()
         if row is None:
             return None
-        return Stored(json.loads(row[0]), json.loads(row[1]), row[2], bool(row[3]), row[4])
+        events = None if row[5] is None else msgspec.json.decode(row[5])
+        return Stored(
+            msgspec.json.decode(row[0]),
+            msgspec.json.decode(row[1]),
+            row[2],
+            bool(row[3]),
+            row[4],
+            events,
+        )
 
     def total_size(self) -> int:
         with self._lock:
@@ -220,8 +244,11 @@ class AsyncResponseStore:
         conversation: list[dict[str, Any]],
         engine_request_id: str | None = None,
         owner_pid: int | None = None,
+        events: list[dict[str, Any]] | None = None,
     ) -> None:
-        await self.call(ResponseStore.put, response, conversation, engine_request_id, owner_pid)
+        await self.call(
+            ResponseStore.put, response, conversation, engine_request_id, owner_pid, events
+        )
 
     async def get(self, response_id: str) -> Stored | None:
         return await self.call(ResponseStore.get, response_id)

@@ -122,8 +122,6 @@ def check_supported(req: ResponsesRequest) -> None:
             raise APIError(400, f"include: {entry!r} is not supported", param="include")
     if req.background and not req.store:
         raise APIError(400, "background requires store to be true", param="background")
-    if req.background and req.stream:
-        raise unsupported("stream", "a background run is polled with GET, not streamed")
 
 
 # -- input items -> chat messages ---------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -174,7 +175,6 @@ def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str)
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text"),
         ({"input": "x", "include": ["file_search_call.results"]}, "include"),
         ({"input": "x", "background": True, "store": False}, "background"),
-        ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ],
@@ -523,7 +523,7 @@ def poll(c: openai.OpenAI, response_id: str, until: tuple[str, ...]) -> Any:
     raise AssertionError(f"{response_id} stayed {r.status}")
 
 
-def test_background_run_completes_by_polling(tmp_path: Path) -> None:
+def test_background_run_completes_by_polling_and_streams(tmp_path: Path) -> None:
     with Server(*NULL, "--responses-store", str(tmp_path / "r.sqlite3")) as s:
         c = oai(s)
         model = c.models.list().data[0].id
@@ -535,6 +535,49 @@ def test_background_run_completes_by_polling(tmp_path: Path) -> None:
         assert done.output_text  # the text landed in the store
         plain = c.responses.create(model=model, input="Hi", max_output_tokens=16)
         assert done.output_text == plain.output_text  # the same generation as in the foreground
+
+        # background with stream: the run's events as it runs (followed live)
+        body = {"input": "Hi", "background": True, "stream": True, "max_output_tokens": 16}
+        live = events_of(s, body)
+        names = [n for n, _ in live]
+        assert [e["sequence_number"] for _, e in live] == list(range(len(live)))
+        deltas = names.count("response.output_text.delta")
+        assert deltas >= 1 and names == [
+            "response.created",
+            "response.queued",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            *["response.output_text.delta"] * deltas,
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+        final = live[-1][1]["response"]
+        rid = final["id"]
+        assert live[0][1]["response"]["status"] == "queued" and final["background"]
+        text = "".join(e["delta"] for n, e in live if n == "response.output_text.delta")
+        assert text == final["output"][0]["content"][0]["text"] == plain.output_text
+        assert json.loads(s.get(f"/v1/responses/{rid}")[1]) == final  # stored before the end
+        # GET ?stream=true replays them, after starting_after, from the row
+        url = s.url + f"/v1/responses/{rid}"
+        for after in (None, 4, len(live) - 2):
+            query = {"stream": "true", **({} if after is None else {"starting_after": after})}
+            with httpx.stream("GET", url, params=query, timeout=HANG_S) as g:
+                assert g.headers["content-type"] == "text/event-stream"
+                again = [json.loads(x[6:]) for x in g.iter_lines() if x.startswith("data: ")]
+            assert again == [e for _, e in live][0 if after is None else after + 1 :]
+        # the official client reads them as its stream events
+        got = list(c.responses.retrieve(rid, stream=True, starting_after=len(live) - 3))
+        assert [e.type for e in got] == names[-2:]
+        # only a background response streams again; starting_after is an integer
+        for path, param in (
+            (f"/v1/responses/{plain.id}?stream=true", "stream"),
+            (f"/v1/responses/{rid}?stream=true&starting_after=x", "starting_after"),
+        ):
+            status, raw = s.get(path)
+            assert status == 400 and json.loads(raw)["error"]["param"] == param
         assert s.stop() == 0
 
 
@@ -550,10 +593,19 @@ def test_cancel_a_background_run(tmp_path: Path, front_ends: str, backend: str) 
         r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
         poll(c, r.id, ("in_progress",))
         wait_for(lambda: s.metric("num_requests_running") == 1)  # generating in the engine
+        # a stream of its events (live from the owner, or from the row through the other
+        # front end) ends with the cancel
+        follower = socket.create_connection(("127.0.0.1", s.port))
+        get = f"GET /v1/responses/{r.id}?stream=true&starting_after=2 HTTP/1.1\r\nHost: x\r\n\r\n"
+        follower.sendall(get.encode())
         # on a fresh connection: with two front ends, either may take it (the owner cancels
         # its task; the other marks the row and aborts the engine request by id)
         cancelled = oai(s).responses.cancel(r.id)
         assert cancelled.status == "cancelled" and cancelled.id == r.id
+        raw = read_until(follower, b"event: response.cancelled")
+        follower.close()
+        assert b"event: response.cancelled" in raw and b"event: response.in_progress" not in raw
+        assert b"event: response.output_item.done" in raw  # the message closed first
         s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
         stored = c.responses.retrieve(r.id)
         assert stored.status == "cancelled" and stored.usage is not None
