@@ -234,7 +234,12 @@ class ResponsesEndpoints:
         self.store: AsyncResponseStore | None = (
             None
             if path == "none"
-            else AsyncResponseStore(path, cfg.responses_store_max_bytes, cfg.responses_store_ttl)
+            else AsyncResponseStore(
+                path,
+                cfg.responses_store_max_bytes,
+                cfg.responses_store_ttl,
+                app.metrics.store_call,
+            )
         )
         self._runs_tg: anyio.abc.TaskGroup | None = None
         self.runs: dict[str, _Run] = {}  # by response id

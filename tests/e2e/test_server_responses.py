@@ -459,6 +459,10 @@ def test_chained_responses_across_front_ends_and_a_restart(tmp_path: Path) -> No
         assert status == 404 and json.loads(err)["error"]["code"] == "not_found"
         # a response chained from a deleted one still has its own copy of the history
         assert ca.responses.retrieve(second.id).id == second.id
+        # the store's calls are timed as requests waited for them (summed over front ends)
+        assert b.metric("responses_store_write_seconds_count") >= 1  # third
+        assert a.metric("responses_store_write_seconds_count") >= 2  # first, second
+        assert a.metric("responses_store_read_seconds_count") >= 1
         assert a.stop() == 0 and b.stop() == 0
     with Server(*NULL, "--responses-store", store) as again:  # a restart
         c = oai(again)
