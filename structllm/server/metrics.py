@@ -52,12 +52,22 @@ HISTOGRAMS = (
     ("structllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
     (
         "structllm:responses_store_write_seconds",
-        "Response store writes as a request waits for them (queue, thread, commit).",
+        "Response store commits (a group of rows), timed in the worker thread.",
         STORE_BUCKETS,
     ),
     (
         "structllm:responses_store_read_seconds",
-        "Response store reads as a request waits for them (queue, thread, query).",
+        "Response store reads, timed in the worker thread.",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_write_wait_seconds",
+        "Response store writes as a request waits for them (its group, the thread hops).",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_read_wait_seconds",
+        "Response store reads as a request waits for them (the thread hops).",
         STORE_BUCKETS,
     ),
 )
@@ -93,7 +103,8 @@ class Metrics:
             self.histograms.append(Histogram(self.table, offset, buckets))
             offset += len(buckets) + 3
         self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms[:5]
-        self.store_write, self.store_read = self.histograms[5:]
+        kinds = ("write", "read", "write_wait", "read_wait")
+        self.store = dict(zip(kinds, self.histograms[5:], strict=True))
         self.http_errors: dict[int, int] = {}
 
     def set_open_requests(self, n: int) -> None:
@@ -109,8 +120,9 @@ class Metrics:
         self.e2e.observe(e2e)
 
     def store_call(self, kind: str, seconds: float) -> None:
-        """A response store call (``kind``: write or read) took ``seconds``."""
-        (self.store_write if kind == "write" else self.store_read).observe(seconds)
+        """A response store call took ``seconds`` (``kind``: write or read in the thread,
+        write_wait or read_wait as its request waited)."""
+        self.store[kind].observe(seconds)
 
     def _total(self, index: int) -> float:
         return sum(self.table[s * SLOT_SIZE + index] for s in range(self.slots))

@@ -59,6 +59,7 @@ END;
 """
 
 EVICT_BATCH = 64  # rows read per round while evicting
+EXPIRY_SWEEP_S = 10.0  # expired rows are deleted at most this often (per connection)
 
 # one ``put``: response, conversation, engine request id, owner pid, events
 Row = tuple[
@@ -91,6 +92,7 @@ class ResponseStore:
         self.max_bytes, self.ttl = max_bytes, ttl
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._swept = 0.0  # when expired rows were last deleted
         # autocommit off: each method is one transaction (``with self._db``)
         self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -158,7 +160,11 @@ class ResponseStore:
             self._evict(now)
 
     def _evict(self, now: float) -> None:
-        self._db.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
+        # expired rows are never read; deleting them can wait (one statement less per
+        # commit: each takes the GIL again, a wait when the event loop's thread is busy)
+        if now - self._swept >= EXPIRY_SWEEP_S:
+            self._db.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
+            self._swept = now
         total = self.total_size_locked()
         while total > self.max_bytes:
             rows = self._db.execute(
@@ -227,6 +233,13 @@ class ResponseStore:
             return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
 
+def _timed_put_many(store: ResponseStore, rows: list[Row]) -> float:
+    """``store.put_many(rows)``; the seconds it took (in its thread)."""
+    t = time.perf_counter()
+    store.put_many(rows)
+    return time.perf_counter() - t
+
+
 @dataclass(eq=False)
 class _Put:
     """One ``AsyncResponseStore.put`` waiting for its commit. ``wake`` is set when it is
@@ -249,7 +262,8 @@ class AsyncResponseStore:
     row came meanwhile (the rows of tasks cancelled while waiting are written all the
     same); the others wait for their group's commit. So N responses ending in the same
     engine step cost one or two commits, not N in a queue. ``observe(kind, seconds)``
-    gets each call's time as its request waited for it (``kind``: write or read).
+    gets each commit's and read's time in its thread (``kind`` write, read) and each
+    call's time as its request waited for it (write_wait, read_wait).
     Opened on first use, in a thread."""
 
     def __init__(
@@ -317,7 +331,7 @@ class AsyncResponseStore:
                 w.gone = True
         if w.error is not None:
             raise w.error
-        self.observe("write", time.perf_counter() - start)
+        self.observe("write_wait", time.perf_counter() - start)
 
     async def _write_groups(self) -> None:
         """Commit the pending rows, group after group, until a waiting task can take the
@@ -327,7 +341,8 @@ class AsyncResponseStore:
             while self._pending and not handed:
                 group, self._pending = self._pending, []
                 try:
-                    await self.call(ResponseStore.put_many, [w.row for w in group])
+                    took = await self.call(_timed_put_many, [w.row for w in group])
+                    self.observe("write", took)
                 except Exception as e:  # each waiter raises it
                     for w in group:
                         w.error = e
@@ -349,11 +364,14 @@ class AsyncResponseStore:
             self._read_limiter = anyio.CapacityLimiter(1)
         start = time.perf_counter()
 
-        def run() -> Stored | None:
-            return self._open_reader().get(response_id)
+        def run() -> tuple[Stored | None, float]:
+            store = self._open_reader()
+            t = time.perf_counter()
+            return store.get(response_id), time.perf_counter() - t
 
-        found = await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
-        self.observe("read", time.perf_counter() - start)
+        found, took = await anyio.to_thread.run_sync(run, limiter=self._read_limiter)
+        self.observe("read", took)
+        self.observe("read_wait", time.perf_counter() - start)
         return found
 
     async def delete(self, response_id: str) -> bool:
