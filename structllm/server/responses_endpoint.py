@@ -21,10 +21,13 @@ result lands in the store. On stop, runs get ``shutdown_timeout`` to finish, the
 cancelled and recorded as ``cancelled``. A cancel reaching the front end that owns the
 run cancels its task (leaving its engine request aborts it); one reaching another front
 end marks the row and aborts the engine request by id (the engine's aborts are global;
-the owner then sees the request end as aborted). From its request's first output on
-(when the engine surely has it: an abort that reached the engine earlier was lost) the
-owner also reads the mark every ``CANCEL_POLL_S``, which covers that window and a
-server that shares the database but not the engine.
+the owner then sees the request end as aborted), and tells the owner at once through
+the owner's cancel bell: an abstract Unix datagram socket named after the store file
+and the owner's pid (``cancel_bell``; no file, gone with its process), on which
+``serve_background`` hears response ids and cancels those runs. So a server that shares
+only the database, not the engine, cancels a run at once too. From its request's first
+output on the owner also reads the mark every ``CANCEL_POLL_S``: a fallback for a
+datagram that was lost (a full socket buffer).
 
 A background run's events (``_Run.events``, ``sequence_number`` == index) are kept in
 memory by the process that runs it while it runs, and with its row once it has ended.
@@ -35,7 +38,10 @@ end (or server) than the run's, the events come from the row once the run has en
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -158,6 +164,13 @@ class RunTransport(Transport):
 
     async def error(self, err: APIError) -> None:
         self.failure = err
+
+
+def cancel_bell(store_path: str, pid: int) -> bytes:
+    """The address on which process ``pid`` hears of cancels of its background runs
+    (Linux's abstract namespace: the leading NUL)."""
+    key = hashlib.sha256(os.path.realpath(store_path).encode()).hexdigest()[:16]
+    return b"\0structllm-responses-%s-%d" % (key.encode(), pid)
 
 
 def _alive(pid: int | None) -> bool:
@@ -514,9 +527,12 @@ class ResponsesEndpoints:
         ``background_closed`` is set once they have all ended, so the engine they use
         is stopped only after that."""
         self.background_closed = anyio.Event()
+        bell = self.open_bell()
         try:
             async with anyio.create_task_group() as tg:
                 self._runs_tg = tg
+                if bell is not None:
+                    tg.start_soon(self.hear_cancels, bell)
                 await stop.wait()
                 with anyio.move_on_after(shutdown_timeout):
                     for run in list(self.runs.values()):
@@ -524,7 +540,43 @@ class ResponsesEndpoints:
                 tg.cancel_scope.cancel()
         finally:
             self._runs_tg = None
+            if bell is not None:
+                bell.close()
             self.background_closed.set()
+
+    def open_bell(self) -> socket.socket | None:
+        """This process's cancel bell (None without a store, or if its name is taken)."""
+        if self.store is None:
+            return None
+        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            bell.bind(cancel_bell(str(self.store.path), os.getpid()))
+        except OSError:  # the poll of the row still cancels
+            bell.close()
+            return None
+        bell.setblocking(False)
+        return bell
+
+    async def hear_cancels(self, bell: socket.socket) -> None:
+        """Cancel the runs whose ids other processes send (after marking their rows)."""
+        while True:
+            await anyio.wait_readable(bell)
+            try:
+                data = bell.recv(256)
+            except BlockingIOError:
+                continue
+            run = self.runs.get(data.decode("ascii", "replace"))
+            if run is not None:
+                run.scope.cancel()
+
+    def ring(self, owner_pid: int, response_id: str) -> None:
+        """Tell process ``owner_pid`` to cancel its run ``response_id`` (non-blocking; a
+        bell that is gone or full is ignored: the owner's poll of the row covers it)."""
+        assert self.store is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.sendto(response_id.encode(), cancel_bell(str(self.store.path), owner_pid))
 
     async def start_background(
         self,
@@ -648,6 +700,8 @@ class ResponsesEndpoints:
             else:
                 if found.engine_request_id is not None and self.app.client is not None:
                     self.app.client.abort(found.engine_request_id)
+                if found.owner_pid is not None:
+                    self.ring(found.owner_pid, response_id)
                 found = await self.wait_terminal(response_id)
             found = await self.stored(response_id)
         await Transport(send).json(200, found.response)
