@@ -38,6 +38,7 @@ LATENCY_BUCKETS = (
     80.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+STORE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0)
 REASONS = ("stop", "length", "abort", "error", "tool_calls")
 HISTOGRAMS = (
     ("structllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
@@ -49,6 +50,26 @@ HISTOGRAMS = (
     ("structllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS),
     ("structllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
     ("structllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+    (
+        "structllm:responses_store_write_seconds",
+        "Response store commits (a group of rows), timed in the worker thread.",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_read_seconds",
+        "Response store reads, timed in the worker thread.",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_write_wait_seconds",
+        "Response store writes as a request waits for them (its group, the thread hops).",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_read_wait_seconds",
+        "Response store reads as a request waits for them (the thread hops).",
+        STORE_BUCKETS,
+    ),
 )
 # slot layout: prompt tokens, generation tokens, open requests, successes by reason, then
 # per histogram its bucket counts (+Inf last), sum and count
@@ -81,7 +102,9 @@ class Metrics:
         for _, _, buckets in HISTOGRAMS:
             self.histograms.append(Histogram(self.table, offset, buckets))
             offset += len(buckets) + 3
-        self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms
+        self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms[:5]
+        kinds = ("write", "read", "write_wait", "read_wait")
+        self.store = dict(zip(kinds, self.histograms[5:], strict=True))
         self.http_errors: dict[int, int] = {}
 
     def set_open_requests(self, n: int) -> None:
@@ -95,6 +118,11 @@ class Metrics:
         self.prompt_hist.observe(prompt_tokens)
         self.gen_hist.observe(generated)
         self.e2e.observe(e2e)
+
+    def store_call(self, kind: str, seconds: float) -> None:
+        """A response store call took ``seconds`` (``kind``: write or read in the thread,
+        write_wait or read_wait as its request waited)."""
+        self.store[kind].observe(seconds)
 
     def _total(self, index: int) -> float:
         return sum(self.table[s * SLOT_SIZE + index] for s in range(self.slots))

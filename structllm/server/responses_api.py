@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta
 
 from structllm.server.errors import APIError
 from structllm.server.requests import ChatCompletionRequest, Temperature
@@ -44,6 +43,9 @@ CHAT_TO_RESPONSES = {
 # kept; the Agents SDK asks for it with store off).
 ACCEPTED_INCLUDES = frozenset({"reasoning.encrypted_content"})
 
+# OpenAI refuses a smaller ``max_output_tokens`` (400, ``integer_below_min_value``).
+MIN_OUTPUT_TOKENS = 16
+
 
 class TextConfig(msgspec.Struct, frozen=True, kw_only=True):
     format: dict[str, Any] | None = None
@@ -57,7 +59,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_output_tokens: int | None = None  # >= MIN_OUTPUT_TOKENS (check_supported)
     temperature: Temperature | None = None
     top_p: float | None = None
     stream: bool = False
@@ -94,6 +96,15 @@ def check_supported(req: ResponsesRequest) -> None:
     def unsupported(param: str, what: str) -> APIError:
         return APIError(400, f"{param} is not supported by this server ({what})", param=param)
 
+    n = req.max_output_tokens
+    if n is not None and n < MIN_OUTPUT_TOKENS:  # OpenAI's message and code
+        raise APIError(
+            400,
+            "Invalid 'max_output_tokens': integer below minimum value. "
+            f"Expected a value >= {MIN_OUTPUT_TOKENS}, but got {n} instead.",
+            param="max_output_tokens",
+            code="integer_below_min_value",
+        )
     if req.truncation not in (None, "disabled"):
         raise unsupported("truncation", 'only "disabled": a prompt that does not fit is a 400')
     if req.conversation is not None:
@@ -111,8 +122,6 @@ def check_supported(req: ResponsesRequest) -> None:
             raise APIError(400, f"include: {entry!r} is not supported", param="include")
     if req.background and not req.store:
         raise APIError(400, "background requires store to be true", param="background")
-    if req.background and req.stream:
-        raise unsupported("stream", "a background run is polled with GET, not streamed")
 
 
 # -- input items -> chat messages ---------------------------------------------------------

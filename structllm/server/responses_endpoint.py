@@ -1,7 +1,8 @@
 """The Responses API's endpoints and background runs, over the app's chat pipeline.
 
     POST   /v1/responses                    create (JSON, events, or a background run)
-    GET    /v1/responses/{id}               a stored response
+    GET    /v1/responses/{id}               a stored response (``?stream=true``: a
+                                            background run's events, ``starting_after``)
     DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items   the items it was generated from
     POST   /v1/responses/{id}/cancel        a background run
@@ -20,16 +21,29 @@ result lands in the store. On stop, runs get ``shutdown_timeout`` to finish, the
 cancelled and recorded as ``cancelled``. A cancel reaching the front end that owns the
 run cancels its task (leaving its engine request aborts it); one reaching another front
 end marks the row and aborts the engine request by id (the engine's aborts are global;
-the owner then sees the request end as aborted). From its request's first output on
-(when the engine surely has it: an abort that reached the engine earlier was lost) the
-owner also reads the mark every ``CANCEL_POLL_S``, which covers that window and a
-server that shares the database but not the engine.
+the owner then sees the request end as aborted), and tells the owner at once through
+the owner's cancel bell: an abstract Unix datagram socket named after the store file
+and the owner's pid (``cancel_bell``; no file, gone with its process), on which
+``serve_background`` hears response ids and cancels those runs. So a server that shares
+only the database, not the engine, cancels a run at once too. From its request's first
+output on the owner also reads the mark every ``CANCEL_POLL_S``: a fallback for a
+datagram that was lost (a full socket buffer).
+
+A background run's events (``_Run.events``, ``sequence_number`` == index) are kept in
+memory by the process that runs it while it runs, and with its row once it has ended.
+``GET ?stream=true`` (and ``POST`` with ``background`` and ``stream``) replays those after
+``starting_after`` and follows the live ones, woken by each batch; through another front
+end (or server) than the run's, the events come from the row once the run has ended.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -63,6 +77,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
+TERMINAL_EVENTS = frozenset(f"response.{s}" for s in TERMINAL)
 CANCEL_POLL_S = 0.25  # how often a run looks for a cancel marked by another server
 CANCEL_WAIT_S = 30.0  # how long a cancel waits for another front end to record the run
 SAVE_BOUND_S = 10.0  # a shielded store write after cancellation
@@ -70,6 +85,14 @@ SAVE_BOUND_S = 10.0  # a shielded store write after cancellation
 
 def default_store_path() -> str:
     return str(cache_root() / "responses.sqlite3")
+
+
+def sse(objs: list[Any]) -> bytes:
+    """Server-sent events with ``event:`` lines (their ``type``)."""
+    return b"".join(
+        b"event: %s\ndata: %s\n\n" % (obj["type"].encode(), msgspec.json.encode(obj))
+        for obj in objs
+    )
 
 
 class EventTransport(Transport):
@@ -87,11 +110,7 @@ class EventTransport(Transport):
         """One write for all of them (a response opens and closes with several)."""
         if not objs:
             return
-        body = b"".join(
-            b"event: %s\ndata: %s\n\n" % (obj["type"].encode(), msgspec.json.encode(obj))
-            for obj in objs
-        )
-        await self.write({"type": "http.response.body", "body": body, "more_body": True})
+        await self.write({"type": "http.response.body", "body": sse(objs), "more_body": True})
 
     async def end_events(self) -> None:
         await self.write({"type": "http.response.body", "body": b"", "more_body": False})
@@ -105,15 +124,53 @@ class EventTransport(Transport):
         await self.end_events()
 
 
-class NullTransport(Transport):
-    """Where a background run's generation writes: nowhere; an error is kept."""
+@dataclass(eq=False)
+class _Run:
+    """A background run of this process: its scope, its events so far (each event's
+    ``sequence_number`` is its index), and an event set on every change."""
 
-    def __init__(self) -> None:
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def add(self, events: list[dict[str, Any]]) -> None:
+        if events:
+            self.events += events
+            self.wake()
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+class RunTransport(Transport):
+    """Where a background run's generation writes: its ``_Run``'s events; an error is
+    kept."""
+
+    def __init__(self, run: _Run) -> None:
         super().__init__(_discard)
+        self.run = run
         self.failure: APIError | None = None
+
+    async def events(self, objs: list[Any]) -> None:
+        self.run.add(objs)
+
+    async def event(self, obj: Any) -> None:
+        self.run.add([obj])
+
+    async def end_events(self) -> None:
+        pass
 
     async def error(self, err: APIError) -> None:
         self.failure = err
+
+
+def cancel_bell(store_path: str, pid: int) -> bytes:
+    """The address on which process ``pid`` hears of cancels of its background runs
+    (Linux's abstract namespace: the leading NUL)."""
+    key = hashlib.sha256(os.path.realpath(store_path).encode()).hexdigest()[:16]
+    return b"\0structllm-responses-%s-%d" % (key.encode(), pid)
 
 
 def _alive(pid: int | None) -> bool:
@@ -139,16 +196,45 @@ async def _never_disconnects() -> Message:
 
 
 class _WatchedBuilder(ResponsesBuilder):
-    """A background run's builder: tells its run when the first output arrived."""
+    """A background run's builder (always making events): tells its run when the first
+    output arrived; its last events are made once (``last_events``), by whichever of the
+    store write and the generation's closing asks first."""
 
     first_output: Callable[[], None] = staticmethod(lambda: None)
     fed = False
+    final: list[dict[str, Any]] | None = None
+
+    def opening(self) -> list[dict[str, Any]]:
+        queued = self.response("queued")
+        return [
+            self.event("response.created", response=queued),
+            self.event("response.queued", response=queued),
+            self.event("response.in_progress", response=self.response("in_progress")),
+        ]
 
     def feed(self, updates: list[SequenceUpdate]) -> list[dict[str, Any]]:
         if not self.fed:
             self.fed = True
             self.first_output()
         return super().feed(updates)
+
+    def closing(self) -> list[dict[str, Any]]:
+        return [] if self.final is not None else self.last_events()
+
+    def last_events(
+        self, status: str | None = None, error: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """The items' closing events and the terminal one (its own status, or ``status``
+        for a run that did not finish), made on the first call."""
+        if self.final is None:
+            if status is None:
+                self.final = super().closing()
+            else:
+                self.finish()
+                assert self.close_events is not None
+                final = self.response(status, error)
+                self.final = [*self.close_events, self.event(f"response.{status}", response=final)]
+        return self.final
 
 
 class ResponsesEndpoints:
@@ -161,10 +247,15 @@ class ResponsesEndpoints:
         self.store: AsyncResponseStore | None = (
             None
             if path == "none"
-            else AsyncResponseStore(path, cfg.responses_store_max_bytes, cfg.responses_store_ttl)
+            else AsyncResponseStore(
+                path,
+                cfg.responses_store_max_bytes,
+                cfg.responses_store_ttl,
+                app.metrics.store_call,
+            )
         )
         self._runs_tg: anyio.abc.TaskGroup | None = None
-        self.runs: dict[str, tuple[anyio.CancelScope, anyio.Event]] = {}  # id -> scope, done
+        self.runs: dict[str, _Run] = {}  # by response id
         self.background_closed: anyio.Event | None = None  # see serve_background
 
     def close(self) -> None:
@@ -212,12 +303,17 @@ class ResponsesEndpoints:
         builder = builder_type(
             seq,
             model=app.model_name,
-            stream=req.stream,
+            stream=req.stream or req.background,  # a background run keeps its events
             params=echo(req, store),
             response_id=response_id,
         )
         if req.background:
-            await self.start_background(builder, seq, client, conversation, send)
+            assert isinstance(builder, _WatchedBuilder)
+            queued = await self.start_background(builder, seq, client, conversation)
+            if req.stream:  # the run's events as they come; leaving does not cancel it
+                await self.follow(builder.id, -1, receive, send)
+            else:
+                await Transport(send).json(200, queued)
             return
 
         async def save() -> None:
@@ -306,8 +402,85 @@ class ResponsesEndpoints:
         return str(scope["path"].removeprefix("/v1/responses/").split("/")[0])
 
     async def retrieve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stored = await self.stored(self.response_id(scope))
-        await Transport(send).json(200, stored.response)
+        response_id = self.response_id(scope)
+        stored = await self.stored(response_id)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if query.get("stream", ["false"])[-1].lower() not in ("true", "1"):
+            await Transport(send).json(200, stored.response)
+            return
+        if not stored.response.get("background"):
+            raise APIError(
+                400, "stream: only a background response can be streamed again", param="stream"
+            )
+        try:
+            starting_after = int(query.get("starting_after", ["-1"])[-1])
+        except ValueError:
+            raise APIError(
+                400, "starting_after must be an integer", param="starting_after"
+            ) from None
+        await self.follow(response_id, starting_after, receive, send)
+
+    async def follow(
+        self, response_id: str, starting_after: int, receive: Receive, send: Send
+    ) -> None:
+        """A background run's events after ``starting_after``, then the live ones until
+        its terminal event; a client that goes away ends only this stream."""
+        transport = Transport(send)
+        await transport.start_events()
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            try:
+                await self.replay(response_id, starting_after + 1, transport)
+            except APIError as e:  # its row was deleted meanwhile: the stream says so
+                error = {"type": "error", "sequence_number": -1, **e.body()["error"]}
+                await transport.write(
+                    {"type": "http.response.body", "body": sse([error]), "more_body": True}
+                )
+            tg.cancel_scope.cancel()
+        await transport.write({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def replay(self, response_id: str, n: int, transport: Transport) -> None:
+        """Write the run's events from index ``n`` through the terminal one: live from
+        this process's run while it has it, else from the row once the run has ended."""
+        n = max(n, 0)
+        run = self.runs.get(response_id)
+        if run is not None:
+            while True:
+                changed, batch = run.changed, run.events[n:]
+                if batch:
+                    n += len(batch)
+                    await transport.write(
+                        {"type": "http.response.body", "body": sse(batch), "more_body": True}
+                    )
+                    if batch[-1]["type"] in TERMINAL_EVENTS:
+                        return
+                if run.done.is_set():
+                    break  # ended without its last events in memory: the row has them
+                await changed.wait()
+        found = await self.stored(response_id)
+        while found.response["status"] not in TERMINAL:  # run by another process
+            await anyio.sleep(CANCEL_POLL_S)
+            found = await self.stored(response_id)
+        events = list(found.events or [])
+        if not events or events[-1]["type"] not in TERMINAL_EVENTS:  # ended unrecorded
+            status = found.response["status"]
+            events.append(
+                {
+                    "type": f"response.{status}",
+                    "sequence_number": len(events),
+                    "response": found.response,
+                }
+            )
+        if events[n:]:
+            await transport.write(
+                {"type": "http.response.body", "body": sse(events[n:]), "more_body": True}
+            )
 
     async def delete(self, scope: Scope, receive: Receive, send: Send) -> None:
         response_id = self.response_id(scope)
@@ -354,26 +527,65 @@ class ResponsesEndpoints:
         ``background_closed`` is set once they have all ended, so the engine they use
         is stopped only after that."""
         self.background_closed = anyio.Event()
+        bell = self.open_bell()
         try:
             async with anyio.create_task_group() as tg:
                 self._runs_tg = tg
+                if bell is not None:
+                    tg.start_soon(self.hear_cancels, bell)
                 await stop.wait()
                 with anyio.move_on_after(shutdown_timeout):
-                    for _, done in list(self.runs.values()):
-                        await done.wait()
+                    for run in list(self.runs.values()):
+                        await run.done.wait()
                 tg.cancel_scope.cancel()
         finally:
             self._runs_tg = None
+            if bell is not None:
+                bell.close()
             self.background_closed.set()
+
+    def open_bell(self) -> socket.socket | None:
+        """This process's cancel bell (None without a store, or if its name is taken)."""
+        if self.store is None:
+            return None
+        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            bell.bind(cancel_bell(str(self.store.path), os.getpid()))
+        except OSError:  # the poll of the row still cancels
+            bell.close()
+            return None
+        bell.setblocking(False)
+        return bell
+
+    async def hear_cancels(self, bell: socket.socket) -> None:
+        """Cancel the runs whose ids other processes send (after marking their rows)."""
+        while True:
+            await anyio.wait_readable(bell)
+            try:
+                data = bell.recv(256)
+            except BlockingIOError:
+                continue
+            run = self.runs.get(data.decode("ascii", "replace"))
+            if run is not None:
+                run.scope.cancel()
+
+    def ring(self, owner_pid: int, response_id: str) -> None:
+        """Tell process ``owner_pid`` to cancel its run ``response_id`` (non-blocking; a
+        bell that is gone or full is ignored: the owner's poll of the row covers it)."""
+        assert self.store is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            with contextlib.suppress(OSError):
+                s.sendto(response_id.encode(), cancel_bell(str(self.store.path), owner_pid))
 
     async def start_background(
         self,
-        builder: ResponsesBuilder,
+        builder: _WatchedBuilder,
         seq: SequenceState,
         client: EngineClient,
         conversation: list[Item],
-        send: Send,
-    ) -> None:
+    ) -> dict[str, Any]:
+        """Record the run as queued and start it; the queued response."""
         assert self.store is not None
         if self._runs_tg is None:
             raise APIError(
@@ -381,35 +593,33 @@ class ResponsesEndpoints:
             )
         queued = builder.response("queued")
         await self.store.put(queued, conversation, seq.request_id, os.getpid())
-        scope, done = anyio.CancelScope(), anyio.Event()
-        self.runs[builder.id] = (scope, done)
-        self._runs_tg.start_soon(
-            self.run_background, builder, seq, client, conversation, scope, done
-        )
-        await Transport(send).json(200, queued)
+        run = self.runs[builder.id] = _Run()
+        self._runs_tg.start_soon(self.run_background, builder, seq, client, conversation, run)
+        return queued
 
     async def run_background(
         self,
-        builder: ResponsesBuilder,
+        builder: _WatchedBuilder,
         seq: SequenceState,
         client: EngineClient,
         conversation: list[Item],
-        scope: anyio.CancelScope,
-        done: anyio.Event,
+        run: _Run,
     ) -> None:
-        assert self.store is not None and isinstance(builder, _WatchedBuilder)
+        assert self.store is not None
         store = self.store
         saved = False
-        transport = NullTransport()
+        transport = RunTransport(run)
 
         async def save() -> None:
             nonlocal saved
-            await store.put(builder.body(), conversation)
+            last = builder.last_events()
+            await store.put(builder.body(), conversation, events=[*run.events, *last])
+            run.add(last)  # after the write: whoever reads the end finds it stored
             saved = True
 
         with self.app.busy():
             try:
-                with scope:
+                with run.scope:
                     async with anyio.create_task_group() as tg:
                         started = anyio.Event()
                         builder.first_output = started.set
@@ -421,7 +631,7 @@ class ResponsesEndpoints:
                                 if found is None or found.cancel_requested:
                                     nonlocal saved
                                     saved = saved or found is None  # deleted: record nothing
-                                    scope.cancel()
+                                    run.scope.cancel()
                                     return
                                 await anyio.sleep(CANCEL_POLL_S)
 
@@ -448,20 +658,26 @@ class ResponsesEndpoints:
             finally:
                 if not saved:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(SAVE_BOUND_S):
-                        await self.record_unfinished(builder, conversation, transport.failure)
+                        await self.record_unfinished(builder, conversation, run, transport.failure)
                 self.runs.pop(builder.id, None)
-                done.set()
+                run.done.set()
+                run.wake()
 
     async def record_unfinished(
-        self, builder: ResponsesBuilder, conversation: list[Item], failure: APIError | None
+        self,
+        builder: _WatchedBuilder,
+        conversation: list[Item],
+        run: _Run,
+        failure: APIError | None,
     ) -> None:
         assert self.store is not None
-        builder.finish()
         if failure is not None:
             error = {"code": "server_error", "message": failure.message}
-            await self.store.put(builder.response("failed", error), conversation)
+            last = builder.last_events("failed", error)
         else:
-            await self.store.put(builder.response("cancelled"), conversation)
+            last = builder.last_events("cancelled")
+        await self.store.put(last[-1]["response"], conversation, events=[*run.events, *last])
+        run.add(last)
 
     async def cancel(self, scope: Scope, receive: Receive, send: Send) -> None:
         response_id = self.response_id(scope)
@@ -479,11 +695,13 @@ class ResponsesEndpoints:
         if found.response["status"] not in TERMINAL:
             local = self.runs.get(response_id)
             if local is not None:
-                local[0].cancel()
-                await local[1].wait()
+                local.scope.cancel()
+                await local.done.wait()
             else:
                 if found.engine_request_id is not None and self.app.client is not None:
                     self.app.client.abort(found.engine_request_id)
+                if found.owner_pid is not None:
+                    self.ring(found.owner_pid, response_id)
                 found = await self.wait_terminal(response_id)
             found = await self.stored(response_id)
         await Transport(send).json(200, found.response)

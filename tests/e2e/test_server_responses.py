@@ -5,9 +5,11 @@ ends and restarts, eviction, background runs), where only the serving path matte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -144,10 +146,11 @@ def test_items_and_instructions_equal_greedy_chat(
 
 
 def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str) -> None:
-    r = client.responses.create(model=model, input=ASK, max_output_tokens=3, temperature=0)
+    story = "Write a long story about a dragon."  # far longer than OpenAI's minimum, 16
+    r = client.responses.create(model=model, input=story, max_output_tokens=16, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage is not None and r.usage.output_tokens == 3
+    assert r.usage is not None and r.usage.output_tokens == 16
     assert r.output[0].status == "incomplete"  # type: ignore[union-attr]
 
 
@@ -162,6 +165,7 @@ def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str)
         ({"input": "x", "temperature": 5}, "temperature"),
         ({"input": "x", "top_p": 2}, "top_p"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "max_output_tokens": 15}, "max_output_tokens"),
         ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
@@ -172,7 +176,6 @@ def test_tiny_max_output_tokens_is_incomplete(client: openai.OpenAI, model: str)
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text"),
         ({"input": "x", "include": ["file_search_call.results"]}, "include"),
         ({"input": "x", "background": True, "store": False}, "background"),
-        ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ],
@@ -186,8 +189,8 @@ def test_bad_input_is_a_400_naming_the_field(
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param, err
-    r = client.responses.create(model=model, input="Hi", max_output_tokens=2)
-    assert r.status == "incomplete"  # and the next request works
+    r = client.responses.create(model=model, input=ASK, max_output_tokens=16)
+    assert r.status in ("completed", "incomplete") and r.output_text  # the next one works
 
 
 # -- streaming -----------------------------------------------------------------------------
@@ -403,13 +406,28 @@ def oai(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_chained_responses_across_front_ends_and_a_restart(tmp_path: Path) -> None:
-    store = str(tmp_path / "responses.sqlite3")
-    kw: dict[str, Any] = {"max_output_tokens": 8, "temperature": 0}
-    with (
-        Server(*NULL, "--api-server-count", "2", "--responses-store", store) as a,
-        Server(*NULL, "--responses-store", store) as b,
-    ):
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("null-store") / "responses.sqlite3")
+
+
+@pytest.fixture(scope="module")
+def null_server(store_path: str) -> Iterator[Server]:
+    """One null-model server (trio, one front end, 20 ms steps) on ``store_path``, for the
+    tests that need no server of their own; each leaves it idle. It also reads what
+    servers that have exited left in ``store_path`` (as a restarted server would)."""
+    with Server(*NULL, "--null-step-time", "0.02", "--responses-store", store_path) as s:
+        yield s
+        assert s.stop() == 0
+
+
+def test_chained_responses_across_front_ends_and_a_restart(
+    store_path: str, null_server: Server
+) -> None:
+    store = store_path
+    kw: dict[str, Any] = {"max_output_tokens": 16, "temperature": 0}
+    b = null_server  # another server on the same file
+    with Server(*NULL, "--api-server-count", "2", "--responses-store", store) as a:
         ca, cb = oai(a), oai(b)
         model = ca.models.list().data[0].id
         first = ca.responses.create(model=model, input="My name is Ana.", **kw)
@@ -457,22 +475,28 @@ def test_chained_responses_across_front_ends_and_a_restart(tmp_path: Path) -> No
         assert status == 404 and json.loads(err)["error"]["code"] == "not_found"
         # a response chained from a deleted one still has its own copy of the history
         assert ca.responses.retrieve(second.id).id == second.id
-        assert a.stop() == 0 and b.stop() == 0
-    with Server(*NULL, "--responses-store", store) as again:  # a restart
-        c = oai(again)
-        assert c.responses.retrieve(third.id).model_dump() == third.model_dump()
-        fourth = c.responses.create(model=model, input="Bye.", previous_response_id=third.id, **kw)
-        assert fourth.usage is not None
-        assert fourth.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
-        with pytest.raises(openai.NotFoundError):
-            c.responses.retrieve(first.id)
+        # the store's commits and reads are timed (summed over front ends)
+        assert b.metric("responses_store_write_seconds_count") >= 1  # third
+        assert a.metric("responses_store_write_seconds_count") >= 2  # first, second
+        assert a.metric("responses_store_read_seconds_count") >= 1
+        assert a.metric("responses_store_write_wait_seconds_count") >= 2
+        assert a.stop() == 0
+    # a has exited: another process reads what it left, as after a restart
+    c = oai(null_server)
+    assert c.responses.retrieve(second.id).model_dump() == second.model_dump()
+    assert c.responses.retrieve(third.id).model_dump() == third.model_dump()
+    fourth = c.responses.create(model=model, input="Bye.", previous_response_id=third.id, **kw)
+    assert fourth.usage is not None
+    assert fourth.usage.input_tokens > third.usage.input_tokens + third.usage.output_tokens
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
 
 
 def test_store_none_keeps_nothing() -> None:
     with Server(*NULL, "--responses-store", "none") as s:
         c = oai(s)
         model = c.models.list().data[0].id
-        r = c.responses.create(model=model, input="Hi", max_output_tokens=4)
+        r = c.responses.create(model=model, input="Hi", max_output_tokens=16)
         assert r.store is False  # store=true is a no-op, and says so
         with pytest.raises(openai.NotFoundError):
             c.responses.retrieve(r.id)
@@ -488,7 +512,7 @@ def test_eviction_at_the_size_bound(tmp_path: Path) -> None:
         c = oai(s)
         model = c.models.list().data[0].id
         ids = [
-            c.responses.create(model=model, input=f"{i} " + "word " * 600, max_output_tokens=4).id
+            c.responses.create(model=model, input=f"{i} " + "word " * 600, max_output_tokens=16).id
             for i in range(16)
         ]
         kept = []
@@ -521,125 +545,192 @@ def poll(c: openai.OpenAI, response_id: str, until: tuple[str, ...]) -> Any:
     raise AssertionError(f"{response_id} stayed {r.status}")
 
 
-def test_background_run_completes_by_polling(tmp_path: Path) -> None:
-    with Server(*NULL, "--responses-store", str(tmp_path / "r.sqlite3")) as s:
-        c = oai(s)
-        model = c.models.list().data[0].id
-        r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=16)
-        assert r.status == "queued" and r.background and r.output == []
-        done = poll(c, r.id, ("completed", "incomplete", "failed", "cancelled"))
-        # the null model never ends a reply itself: it runs to max_output_tokens
-        assert done.status == "incomplete" and done.usage.output_tokens == 16
-        assert done.output_text  # the text landed in the store
-        plain = c.responses.create(model=model, input="Hi", max_output_tokens=16)
-        assert done.output_text == plain.output_text  # the same generation as in the foreground
-        assert s.stop() == 0
+def test_background_run_completes_by_polling_and_streams(null_server: Server) -> None:
+    s = null_server
+    c = oai(s)
+    model = c.models.list().data[0].id
+    r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=16)
+    assert r.status == "queued" and r.background and r.output == []
+    done = poll(c, r.id, ("completed", "incomplete", "failed", "cancelled"))
+    # the null model never ends a reply itself: it runs to max_output_tokens
+    assert done.status == "incomplete" and done.usage.output_tokens == 16
+    assert done.output_text  # the text landed in the store
+    plain = c.responses.create(model=model, input="Hi", max_output_tokens=16)
+    assert done.output_text == plain.output_text  # the same generation as in the foreground
+
+    # background with stream: the run's events as it runs (followed live)
+    body = {"input": "Hi", "background": True, "stream": True, "max_output_tokens": 16}
+    live = events_of(s, body)
+    names = [n for n, _ in live]
+    assert [e["sequence_number"] for _, e in live] == list(range(len(live)))
+    deltas = names.count("response.output_text.delta")
+    assert deltas >= 1 and names == [
+        "response.created",
+        "response.queued",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    final = live[-1][1]["response"]
+    rid = final["id"]
+    assert live[0][1]["response"]["status"] == "queued" and final["background"]
+    text = "".join(e["delta"] for n, e in live if n == "response.output_text.delta")
+    assert text == final["output"][0]["content"][0]["text"] == plain.output_text
+    assert json.loads(s.get(f"/v1/responses/{rid}")[1]) == final  # stored before the end
+    # GET ?stream=true replays them, after starting_after, from the row
+    url = s.url + f"/v1/responses/{rid}"
+    for after in (None, 4, len(live) - 2):
+        query = {"stream": "true", **({} if after is None else {"starting_after": after})}
+        with httpx.stream("GET", url, params=query, timeout=HANG_S) as g:
+            assert g.headers["content-type"] == "text/event-stream"
+            again = [json.loads(x[6:]) for x in g.iter_lines() if x.startswith("data: ")]
+        assert again == [e for _, e in live][0 if after is None else after + 1 :]
+    # the official client reads them as its stream events
+    got = list(c.responses.retrieve(rid, stream=True, starting_after=len(live) - 3))
+    assert [e.type for e in got] == names[-2:]
+    # only a background response streams again; starting_after is an integer
+    for path, param in (
+        (f"/v1/responses/{plain.id}?stream=true", "stream"),
+        (f"/v1/responses/{rid}?stream=true&starting_after=x", "starting_after"),
+    ):
+        status, raw = s.get(path)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param
 
 
 @pytest.mark.parametrize(
     ("front_ends", "backend"), [("1", "trio"), ("2", "trio"), ("1", "asyncio")]
 )
-def test_cancel_a_background_run(tmp_path: Path, front_ends: str, backend: str) -> None:
+def test_cancel_a_background_run_and_shutdown(
+    store_path: str, request: pytest.FixtureRequest, front_ends: str, backend: str
+) -> None:
+    """Cancel a run; then (on the servers of this test's own) stop the server with a run
+    in flight: it is recorded as cancelled."""
     args = ("--null-step-time", "0.02", "--api-server-count", front_ends)
-    store = ("--responses-store", str(tmp_path / "r.sqlite3"))
-    with Server(*NULL, *args, *store, backend=backend) as s:
+    store = ("--responses-store", store_path, "--shutdown-timeout", "1")
+    shared = (front_ends, backend) == ("1", "trio")  # the shared server is that one
+    with contextlib.ExitStack() as stack:
+        s: Server = (
+            request.getfixturevalue("null_server")
+            if shared
+            else stack.enter_context(Server(*NULL, *args, *store, backend=backend))
+        )
+        steps = s.metric("engine_steps_total")
         c = oai(s)
         model = c.models.list().data[0].id
         r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
         poll(c, r.id, ("in_progress",))
         wait_for(lambda: s.metric("num_requests_running") == 1)  # generating in the engine
+        # a stream of its events (live from the owner, or from the row through the other
+        # front end) ends with the cancel
+        follower = socket.create_connection(("127.0.0.1", s.port))
+        get = f"GET /v1/responses/{r.id}?stream=true&starting_after=2 HTTP/1.1\r\nHost: x\r\n\r\n"
+        follower.sendall(get.encode())
         # on a fresh connection: with two front ends, either may take it (the owner cancels
         # its task; the other marks the row and aborts the engine request by id)
         cancelled = oai(s).responses.cancel(r.id)
         assert cancelled.status == "cancelled" and cancelled.id == r.id
+        raw = read_until(follower, b"event: response.cancelled")
+        follower.close()
+        assert b"event: response.cancelled" in raw and b"event: response.in_progress" not in raw
+        assert b"event: response.output_item.done" in raw  # the message closed first
         s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
         stored = c.responses.retrieve(r.id)
         assert stored.status == "cancelled" and stored.usage is not None
         assert stored.usage.output_tokens < 1500
-        assert s.metric("engine_steps_total") < 1500  # aborted long before its last token
+        assert s.metric("engine_steps_total") - steps < 1500  # aborted long before its end
         again = c.responses.cancel(r.id)  # cancelling what has ended returns it as it is
         assert again.status == "cancelled"
         with pytest.raises(openai.BadRequestError):  # only background responses
-            c.responses.cancel(c.responses.create(model=model, input="x", max_output_tokens=2).id)
+            c.responses.cancel(c.responses.create(model=model, input="x", max_output_tokens=16).id)
         with pytest.raises(openai.NotFoundError):
             c.responses.cancel("resp_unknown")
-        assert s.stop() == 0
-
-
-@pytest.mark.parametrize("backend", ["trio", "asyncio"])
-def test_shutdown_records_a_background_run_in_flight(tmp_path: Path, backend: str) -> None:
-    store = str(tmp_path / "r.sqlite3")
-    args = ("--null-step-time", "0.02", "--shutdown-timeout", "1", "--responses-store", store)
-    with Server(*NULL, *args, backend=backend) as s:
-        c = oai(s)
-        model = c.models.list().data[0].id
+        if shared:
+            return
+        # shutdown with a run in flight
         r = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1900)
         poll(c, r.id, ("in_progress",))
         wait_for(lambda: s.metric("num_requests_running") == 1)
         assert s.stop() == 0  # within --shutdown-timeout the run cannot finish: cancelled
-    with Server(*NULL, "--responses-store", store) as s:
-        stored = oai(s).responses.retrieve(r.id)
-        assert stored.status == "cancelled" and stored.usage is not None
-        assert stored.usage.output_tokens < 1900
+    # read back by another server on the same file
+    stored = oai(request.getfixturevalue("null_server")).responses.retrieve(r.id)
+    assert stored.status == "cancelled" and stored.usage is not None
+    assert stored.usage.output_tokens < 1900
 
 
-def test_a_client_that_goes_away_aborts_the_stream(tmp_path: Path) -> None:
-    args = ("--null-step-time", "0.02", "--responses-store", str(tmp_path / "r.sqlite3"))
-    with Server(*NULL, *args) as s:
-        body = {"input": "Hi", "stream": True, "max_output_tokens": 1500}
-        sock = open_stream(s.port, "/v1/responses", body)
-        assert b"event: response.output_text.delta" in read_until(
-            sock, b"event: response.output_text.delta"
-        )
-        sock.close()
-        s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
-        assert s.metric("engine_steps_total") < 1500  # long before its last token
-        c = oai(s)
-        r = c.responses.create(model=c.models.list().data[0].id, input="x", max_output_tokens=2)
-        assert r.status == "incomplete"  # and the server serves on
-        assert s.stop() == 0
+def test_a_client_that_goes_away_aborts_the_stream(null_server: Server) -> None:
+    s = null_server
+    steps = s.metric("engine_steps_total")
+    body = {"input": "Hi", "stream": True, "max_output_tokens": 1500}
+    sock = open_stream(s.port, "/v1/responses", body)
+    assert b"event: response.output_text.delta" in read_until(
+        sock, b"event: response.output_text.delta"
+    )
+    sock.close()
+    s.wait_idle()  # the engine request was aborted: nothing runs, no KV block held
+    assert s.metric("engine_steps_total") - steps < 1500  # long before its last token
+    c = oai(s)
+    r = c.responses.create(model=c.models.list().data[0].id, input="x", max_output_tokens=16)
+    assert r.status == "incomplete"  # and the server serves on
 
 
-def test_an_engine_death_fails_streams_and_background_runs(tmp_path: Path) -> None:
-    args = ("--null-step-time", "0.02", "--responses-store", str(tmp_path / "r.sqlite3"))
-    with Server(*NULL, *args) as s:
-        c = oai(s)
-        model = c.models.list().data[0].id
-        run = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
-        poll(c, run.id, ("in_progress",))
-        body = {"input": "Hi", "stream": True, "max_output_tokens": 1500}
-        sock = open_stream(s.port, "/v1/responses", body)
-        read_until(sock, b"event: response.output_text.delta")
-        os.kill(s.engine_pid, signal.SIGKILL)
-        raw = read_until(sock, b"event: response.failed")
-        sock.close()
-        # the stream ends with response.failed, its response failed with an error
-        failed = json.loads(raw.split(b"event: response.failed\ndata: ")[1].split(b"\n\n")[0])
-        assert failed["response"]["status"] == "failed"
-        assert failed["response"]["error"]["code"] == "server_error"
-        assert failed["response"]["error"]["message"]
-        # the background run records its failure in the store
-        done = poll(c, run.id, ("completed", "incomplete", "failed", "cancelled"))
-        assert done.status == "failed" and done.error is not None and done.error.message
-        wait_for(lambda: s.get("/health")[0] == 200, "engine was not restarted")
-        r = c.responses.create(model=model, input="x", max_output_tokens=2)
-        assert r.status == "incomplete"  # served again
-        assert s.stop() == 0
+def test_an_engine_death_fails_streams_and_background_runs(null_server: Server) -> None:
+    s = null_server  # its engine is restarted: the next test finds it serving
+    c = oai(s)
+    model = c.models.list().data[0].id
+    run = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
+    poll(c, run.id, ("in_progress",))
+    body = {"input": "Hi", "stream": True, "max_output_tokens": 1500}
+    sock = open_stream(s.port, "/v1/responses", body)
+    read_until(sock, b"event: response.output_text.delta")
+    os.kill(s.engine_pid, signal.SIGKILL)
+    raw = read_until(sock, b"event: response.failed")
+    sock.close()
+    # the stream ends with response.failed, its response failed with an error
+    failed = json.loads(raw.split(b"event: response.failed\ndata: ")[1].split(b"\n\n")[0])
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert failed["response"]["error"]["message"]
+    # the background run records its failure in the store
+    done = poll(c, run.id, ("completed", "incomplete", "failed", "cancelled"))
+    assert done.status == "failed" and done.error is not None and done.error.message
+    wait_for(lambda: s.get("/health")[0] == 200, "engine was not restarted")
+    r = c.responses.create(model=model, input="x", max_output_tokens=16)
+    assert r.status == "incomplete"  # served again
 
 
-def test_a_run_whose_server_was_killed_reads_as_failed(tmp_path: Path) -> None:
-    store = str(tmp_path / "r.sqlite3")
+def test_other_servers_on_the_file_cancel_a_run_and_see_a_killed_ones_fail(
+    store_path: str, null_server: Server
+) -> None:
+    store = store_path
     with Server(*NULL, "--null-step-time", "0.02", "--responses-store", store) as s:
         c = oai(s)
         model = c.models.list().data[0].id
+        # a cancel through a server that shares only the file (not the engine) reaches
+        # the run's process (its cancel bell), which aborts it in its engine
+        steps = null_server.metric("engine_steps_total")
+        other = oai(null_server).responses.create(
+            model=model, input="Hi", background=True, max_output_tokens=1500
+        )
+        poll(c, other.id, ("in_progress",))
+        wait_for(lambda: null_server.metric("num_requests_running") == 1)
+        cancelled = c.responses.cancel(other.id)
+        assert cancelled.status == "cancelled" and cancelled.usage is not None
+        assert cancelled.usage.output_tokens < 1500
+        null_server.wait_idle()
+        assert null_server.metric("engine_steps_total") - steps < 1500
+        # a run whose server is killed
         run = c.responses.create(model=model, input="Hi", background=True, max_output_tokens=1500)
         poll(c, run.id, ("in_progress",))
         s.stop(signal.SIGKILL)  # no chance to record anything (the engine dies with it)
-    with Server(*NULL, "--responses-store", store) as s:
-        c = oai(s)
-        # its row still says in_progress, but its process is gone: failed, not a poll forever
-        done = c.responses.retrieve(run.id)
-        assert done.status == "failed" and done.error is not None
-        assert "exited" in done.error.message
-        assert c.responses.cancel(run.id).status == "failed"
-        assert s.stop() == 0
+    # another server on the same file
+    c = oai(null_server)
+    # its row still says in_progress, but its process is gone: failed, not a poll forever
+    done = c.responses.retrieve(run.id)
+    assert done.status == "failed" and done.error is not None
+    assert "exited" in done.error.message
+    assert c.responses.cancel(run.id).status == "failed"

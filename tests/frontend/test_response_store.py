@@ -125,3 +125,54 @@ def test_a_file_without_owner_pids_is_upgraded(tmp_path: Path) -> None:
     got = store.get("resp_1")
     assert got is not None and got.owner_pid == 1234
     store.close()
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+@pytest.mark.parametrize("cancelled", [0, 4, 8])
+def test_puts_commit_in_groups_and_survive_cancelled_waiters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, cancelled: int
+) -> None:
+    """While one group commits (held at a gate), 8 more puts wait; they commit as one
+    group, led by a waiter still there, or by the first leader if every waiter was
+    cancelled: no row is lost and nothing hangs."""
+    import threading
+
+    from anyio import wait_all_tasks_blocked
+    from anyio.lowlevel import checkpoint
+
+    gate = threading.Event()
+    groups: list[int] = []
+    real = ResponseStore.put_many
+
+    def gated(self: ResponseStore, rows: Any) -> None:
+        gate.wait()
+        groups.append(len(rows))
+        real(self, rows)
+
+    monkeypatch.setattr(ResponseStore, "put_many", gated)
+    seen: list[float] = []
+    store = AsyncResponseStore(tmp_path / "r.sqlite3", 1 << 20, 3600, lambda _k, s: seen.append(s))
+
+    async def main() -> None:
+        try:
+            with anyio.fail_after(60):  # a hang guard, not a speed bound
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(store.put, response(0), conversation(0))
+                    await wait_all_tasks_blocked()  # the first leads, at the gate
+                    async with anyio.create_task_group() as doomed:
+                        for i in range(1, 9):
+                            group = doomed if i <= cancelled else tg
+                            group.start_soon(store.put, response(i), conversation(i))
+                        await wait_all_tasks_blocked()
+                        doomed.cancel_scope.cancel()
+                    await checkpoint()
+                    gate.set()
+                await store.put(response(9), conversation(9))  # and the store goes on
+                for i in range(10):
+                    assert await store.get(f"resp_{i}") is not None
+        finally:
+            store.close()
+
+    anyio.run(main, backend=backend)
+    assert groups == [1, 8, 1]
+    assert len(seen) >= 10 - cancelled  # every put that returned was timed (and each commit)

@@ -18,6 +18,7 @@ from structllm.server.responses_api import (
     chat_messages,
     chat_request,
     chat_tools,
+    check_supported,
     normalize_input,
     response_format,
 )
@@ -108,6 +109,20 @@ def test_tools_and_text_format_map_to_chat() -> None:
     chat = chat_request(req, [], normalize_input(req.input))
     assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
     assert chat.max_completion_tokens == 7
+
+
+@pytest.mark.parametrize("n", [-1, 0, 1, 15])
+def test_max_output_tokens_below_16_is_openais_400(n: int) -> None:
+    with pytest.raises(APIError) as e:
+        check_supported(ResponsesRequest(input="x", max_output_tokens=n))
+    assert e.value.status == 400 and e.value.param == "max_output_tokens"
+    assert e.value.code == "integer_below_min_value"
+    assert e.value.message == (
+        "Invalid 'max_output_tokens': integer below minimum value. "
+        f"Expected a value >= 16, but got {n} instead."
+    )
+    check_supported(ResponsesRequest(input="x", max_output_tokens=16))
+    check_supported(ResponsesRequest(input="x"))
 
 
 def sequence(finish: str | None = None) -> SequenceState:
