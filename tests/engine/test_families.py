@@ -133,14 +133,25 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # not here: Gemma 2 (llama.cpp's converter reads only a SentencePiece tokenizer.model
 # for it, and the test tokenizer is BPE); Mistral (the converter writes it as "llama"
 # without its sliding window, so the file is another model past the window)
-GGUF_FAMILIES = ["gemma3", "granite", "olmo2", "phi3", "qwen3", "smollm3"]
+GGUF_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe", "smollm3"]
+# what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
+# is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
+# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them
+GGUF_VARIANTS: dict[str, dict[str, object]] = {
+    "mixtral": dict(sliding_window=None),
+    "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+}
+
+
+def gguf_source_dir(family: str, default_files) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_family_dir(family, default_files, **GGUF_VARIANTS.get(family, {}))
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
     from tests.support import llamacpp
 
     try:
-        f32 = llamacpp.convert_hf(tiny_family_dir(family, default_files), "f32")
+        f32 = llamacpp.convert_hf(gguf_source_dir(family, default_files), "f32")
         return f32 if qtype == "F32" else llamacpp.quantize(f32, qtype)
     except llamacpp.ToolMissing as e:
         pytest.skip(str(e))
@@ -150,14 +161,13 @@ def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: 
 def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     from structllm import LLM, SamplingParams
 
-    path = gguf_file(name, default_files)
-    cfg, want = (
-        prepare_model(str(path)).config,
-        prepare_model(str(tiny_family_dir(name, default_files))).config,
-    )
-    for field in ("layer_windows", "rope_layers", "qk_norm", "rotary_dim", "attn_softcap"):
+    path, source = gguf_file(name, default_files), gguf_source_dir(name, default_files)
+    cfg, want = prepare_model(str(path)).config, prepare_model(str(source)).config
+    fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
+    fields += ("attn_softcap", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    for field in (*fields, "norm_topk_prob", "moe_layers"):
         assert getattr(cfg, field) == getattr(want, field), field
-    engine, ref = engine_for(path), engine_for(tiny_family_dir(name, default_files))
+    engine, ref = engine_for(path), engine_for(source)
     for ids in PROMPTS:
         torch.testing.assert_close(
             prefill_logits(engine, ids), prefill_logits(ref, ids), atol=1e-4, rtol=1e-4
@@ -168,7 +178,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
             o.token_ids
             for o in LLM(str(p), kv_cache_memory=32 << 20, **EXACT).generate(PROMPTS, params)
         ]
-        for p in (path, tiny_family_dir(name, default_files))
+        for p in (path, source)
     ]
     assert outs[0] == outs[1]
 
@@ -195,6 +205,12 @@ def test_quantized_gguf_runs_its_blocks(
     model = blocks.runner.model
     assert model.cpu_ops is not None  # the fused path, not a fallback
     assert type(model.layers[0].qkv_proj).__name__ == "BlockWeight"
+    if model.layers[0].moe is not None:  # each expert's matrices, sliced out of 3-D tensors
+        expert = model.layers[0].moe.experts[1]
+        assert {type(expert.gate_up_proj).__name__, type(expert.down_proj).__name__} <= {
+            "BlockWeight",
+            "MixedWeight",
+        }
     agree = total = 0
     for ids in PROMPTS:
         got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)

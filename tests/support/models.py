@@ -306,10 +306,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def tiny_family_dir(family: str, files: ModelFiles) -> Path:
-    """The tiny random-weight checkpoint of ``family`` (``FAMILY_CONFIGS``), saved by
-    transformers with the default model's tokenizer, built once and cached under the
-    structllm cache, keyed by its config, the tokenizer and transformers' version."""
+def tiny_family_dir(family: str, files: ModelFiles, **overrides: object) -> Path:
+    """The tiny random-weight checkpoint of ``family`` (``FAMILY_CONFIGS``, with
+    ``overrides`` of its config), saved by transformers with the default model's
+    tokenizer, built once and cached under the structllm cache, keyed by its config,
+    the tokenizer and transformers' version."""
     import hashlib
 
     import transformers
@@ -317,7 +318,7 @@ def tiny_family_dir(family: str, files: ModelFiles) -> Path:
     from structllm.paths import cache_root
 
     cls_name, extra = FAMILY_CONFIGS[family]
-    kw = {**_SMALL, **extra}
+    kw = {**_SMALL, **extra, **overrides}
     key = hashlib.sha256(
         json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
