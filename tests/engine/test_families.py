@@ -130,21 +130,31 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # ---------------------------------------------------------------------------------------
 # the same models as GGUF files, made by llama.cpp's converter and llama-quantize
 
-# not here: Gemma 2 (llama.cpp's converter reads only a SentencePiece tokenizer.model
-# for it, and the test tokenizer is BPE); Mistral (the converter writes it as "llama"
-# without its sliding window, so the file is another model past the window)
-GGUF_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe", "smollm3"]
+# not here: Mistral (the converter writes it as "llama" without its sliding window, so
+# the file is another model past the window)
+QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
+QUANTIZED_FAMILIES += ["smollm3"]
+GGUF_FAMILIES = ["gemma2", *QUANTIZED_FAMILIES]
 # what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
 # is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
-# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them
+# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them;
+# llama.cpp's Gemma 2 scales the softmax by head_dim ** -0.5 (all sizes but 27B)
 GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "mixtral": dict(sliding_window=None),
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+    "gemma2": dict(query_pre_attn_scalar=32),
 }
 
 
 def gguf_source_dir(family: str, default_files) -> Path:  # type: ignore[no-untyped-def]
-    return tiny_family_dir(family, default_files, **GGUF_VARIANTS.get(family, {}))
+    """The directory a family's GGUF file is made from: Gemma 2's converter reads only a
+    SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
+    vocabulary is then that model's pieces, padded to the config's size, and the token
+    ids the tests feed are the same ids either way)."""
+    from tests.support.models import sentencepiece_model
+
+    extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
+    return tiny_family_dir(family, default_files, extra, **GGUF_VARIANTS.get(family, {}))
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
@@ -164,7 +174,8 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     path, source = gguf_file(name, default_files), gguf_source_dir(name, default_files)
     cfg, want = prepare_model(str(path)).config, prepare_model(str(source)).config
     fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
-    fields += ("attn_softcap", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    fields += ("attn_softcap", "final_softcap", "scale", "embed_scale", "post_norms")
+    fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         assert getattr(cfg, field) == getattr(want, field), field
     engine, ref = engine_for(path), engine_for(source)
@@ -187,7 +198,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
 QUANTIZED = [("Q8_0", 0.98, 0.05), ("Q4_0", 0.9, 0.75)]
 
 
-@pytest.mark.parametrize("name", GGUF_FAMILIES)
+@pytest.mark.parametrize("name", QUANTIZED_FAMILIES)
 @pytest.mark.parametrize(("qtype", "bar", "spread"), QUANTIZED, ids=[q[0] for q in QUANTIZED])
 def test_quantized_gguf_runs_its_blocks(
     name: str, qtype: str, bar: float, spread: float, default_files

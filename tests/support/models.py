@@ -306,11 +306,47 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def tiny_family_dir(family: str, files: ModelFiles, **overrides: object) -> Path:
+def sentencepiece_model() -> Path:
+    """A small SentencePiece ``tokenizer.model`` (BPE, 512 pieces, byte fallback) trained
+    by sentencepiece on generated text, for llama.cpp's converter of the families it
+    reads only through one (Gemma 2); made once, cached under the structllm cache by
+    what made it."""
+    import hashlib
+    import io
+    import random
+
+    import sentencepiece as spm
+
+    from structllm.paths import cache_root
+
+    rng = random.Random(0)
+    syllables = [a + b for a in "bdfgklmnprstvz" for b in "aeiou"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(400)]
+    lines = [" ".join(rng.choices(words, k=12)) for _ in range(2000)]
+    opts = dict(vocab_size=512, model_type="bpe", byte_fallback=True, num_threads=1)
+    opts.update(pad_id=0, eos_id=1, bos_id=2, unk_id=3)  # Gemma's special ids
+    key = hashlib.sha256(
+        json.dumps([lines, opts, spm.__version__], sort_keys=True).encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"spm-{key}.model"
+    if out.exists():
+        return out
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, **opts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.rename(out)
+    return out
+
+
+def tiny_family_dir(
+    family: str, files: ModelFiles, extra_files: dict[str, Path] | None = None, **overrides: object
+) -> Path:
     """The tiny random-weight checkpoint of ``family`` (``FAMILY_CONFIGS``, with
     ``overrides`` of its config), saved by transformers with the default model's
-    tokenizer, built once and cached under the structllm cache, keyed by its config,
-    the tokenizer and transformers' version."""
+    tokenizer (and ``extra_files``, name -> source, copied in), built once and cached
+    under the structllm cache, keyed by its config, the files and transformers' version."""
     import hashlib
 
     import transformers
@@ -319,10 +355,12 @@ def tiny_family_dir(family: str, files: ModelFiles, **overrides: object) -> Path
 
     cls_name, extra = FAMILY_CONFIGS[family]
     kw = {**_SMALL, **extra, **overrides}
+    extra_files = extra_files or {}
     key = hashlib.sha256(
         json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
+        + b"".join(n.encode() + p.read_bytes() for n, p in sorted(extra_files.items()))
     ).hexdigest()[:16]
     out = cache_root() / "test-models" / f"tiny-{family}-{key}"
     if (out / "complete").exists():
@@ -338,6 +376,8 @@ def tiny_family_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
+    for name, src in extra_files.items():
+        shutil.copyfile(src, tmp / name)
     meta = files.tokenizer_meta
     (tmp / "tokenizer_config.json").write_text(
         json.dumps(
