@@ -250,3 +250,28 @@ def test_tensor_parallel_matches_one_process(name: str, default_files) -> None: 
         want = [hf_greedy(hf_from_dir(Path(path)), ids, 16) for ids in PROMPTS[1:]]
         got = [o.token_ids for o in tp.generate(PROMPTS[1:], params)]
         assert got == want
+
+
+def test_blocks_behind_every_window_are_given_back(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Mistral (every layer windowed, 8 keys; blocks of 4): during chunked prefill and
+    # decode a sequence holds only the blocks its window reads, and still generates
+    # transformers' tokens; Gemma 2 (a global layer) holds every block
+    from structllm.protocol import AddRequest, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for name, window in (("mistral", WINDOW), ("gemma2", 0)):
+        path = tiny_family_dir(name, default_files)
+        engine = engine_for(path, block_size=4, max_num_batched_tokens=9)
+        assert engine.kv.window == window
+        engine.add_request(AddRequest("w", PROMPTS[3], params))
+        tokens: list[int] = []
+        released = 0
+        while engine.has_work:
+            for req in engine.scheduler.running:  # a window and a 9-token chunk: <= 6 blocks
+                live = len(req.block_ids) - req.num_released_blocks
+                assert live <= (-(-(WINDOW + 9) // 4) + 1 if window else len(req.block_ids))
+                released = max(released, req.num_released_blocks)
+            tokens += [t for d in engine.step().outputs for t in d.new_token_ids]
+        assert bool(released) == bool(window) and engine.kv.num_free_blocks == engine.num_blocks
+        if window:
+            assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)
