@@ -395,3 +395,23 @@ def tiny_family_dir(
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+# what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
+# is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
+# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them;
+# llama.cpp's Gemma 2 scales the softmax by head_dim ** -0.5 (all sizes but 27B)
+GGUF_VARIANTS: dict[str, dict[str, object]] = {
+    "mixtral": dict(sliding_window=None),
+    "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+    "gemma2": dict(query_pre_attn_scalar=32),
+}
+
+
+def gguf_source_dir(family: str, files: ModelFiles) -> Path:
+    """The directory a family's GGUF file is made from: Gemma 2's converter reads only a
+    SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
+    vocabulary is then that model's pieces, padded to the config's size, and the token
+    ids the tests feed are the same ids either way)."""
+    extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
+    return tiny_family_dir(family, files, extra, **GGUF_VARIANTS.get(family, {}))
