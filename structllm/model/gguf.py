@@ -19,7 +19,7 @@ from torch import Tensor
 from structllm.kernels.packed import BLOCK, BLOCK_TYPES, BlockWeight
 from structllm.model.config import ModelConfig
 from structllm.model.layers import interleave_rope_rows
-from structllm.model.registry import BY_NAME, family_for_gguf
+from structllm.model.registry import family_for_gguf
 
 
 def open_gguf(path: Path) -> Any:
@@ -158,7 +158,7 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
     if family not in ("mixtral", "qwen3_moe"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
     return dict(
-        architecture=BY_NAME[family].name,
+        architecture=family,
         num_experts=experts,
         num_experts_per_tok=int(get("expert_used_count") or 0),
         moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
