@@ -13,7 +13,9 @@ for the default model, on the exact path (``float32:none``) and the default one
 With ``--llama-server PATH`` the GGUF files also run the same single and 16-concurrent
 workloads on llama.cpp's ``llama-server`` in the same run (``/completion`` with token-id
 prompts, ``n_predict`` tokens, EOS ignored), and the table shows the ratios.
-Mixture-of-experts families have no GGUF file yet (structllm refuses them).
+A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cannot say
+taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
+Mistral has none (the converter drops its window).
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
 """
@@ -123,7 +125,7 @@ def run_llama_server(binary: str, gguf: Path, args: argparse.Namespace) -> dict[
 def main() -> None:
     from structllm.model.files import default_model_path, find_model_files
     from tests.support import llamacpp
-    from tests.support.models import FAMILY_CONFIGS, tiny_family_dir
+    from tests.support.models import FAMILY_CONFIGS, gguf_source_dir, tiny_family_dir
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -141,15 +143,10 @@ def main() -> None:
     for fam in args.families.split(","):
         d = tiny_family_dir(fam, files)
         models.append((fam, "hf", d))
-        if fam not in ("mixtral", "qwen3_moe", "gemma2", "mistral"):
+        if fam != "mistral":
             try:
-                models.append(
-                    (
-                        fam + " Q8_0",
-                        "gguf",
-                        llamacpp.quantize(llamacpp.convert_hf(d, "f32"), "Q8_0"),
-                    )
-                )
+                f32 = llamacpp.convert_hf(gguf_source_dir(fam, files), "f32")
+                models.append((fam + " Q8_0", "gguf", llamacpp.quantize(f32, "Q8_0")))
             except llamacpp.ToolMissing as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()

@@ -110,8 +110,12 @@ class EngineCore:
         group = self._load(plan)
         self._size_kv_cache(plan, group)
         self.eos_token_ids = self.files.generation_eos_ids
+        windows = self.files.config.layer_windows  # every layer windowed: blocks can go
         self.kv = KVCacheManager(
-            self.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            window=max(windows) if windows and min(windows) > 0 else 0,
         )
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
         self.max_num_batched_tokens = self._token_budget()

@@ -16,6 +16,15 @@ reference goes keeps its key and goes to the back, so it can still be hit until 
 pool needs it (least recently used first); a block with no key goes to the front.
 Requests release their blocks last-to-first, so a sequence's tail is evicted before
 its head.
+
+Sliding windows (``window``: set only when every layer has one, e.g. Mistral; a model
+with any global layer, Gemma 2/3, reads every position, so nothing can go): a block
+whose positions are all behind the window of the next query to run is never read
+again, and ``release_behind_window`` gives it back (vLLM's sliding-window manager). It
+stays in the prefix cache like any freed block, so another request with the same
+prefix can still hit it until it is evicted. Its entry in ``block_ids`` then names the
+first block the request still holds: block tables keep their positions, and an
+attention backend that loads a whole tile and masks it still reads finite K/V.
 """
 
 from __future__ import annotations
@@ -30,12 +39,17 @@ ChainKey = tuple[int, tuple[int, ...]]
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window  # keys a query of any layer sees (0: some layer sees all)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
         self.block_key: list[ChainKey | None] = [None] * num_blocks
@@ -89,9 +103,12 @@ class KVCacheManager:
         ``hits`` (from ``lookup``, only when ``req`` holds no blocks yet). Returns False,
         changing nothing, if the pool cannot supply them. Registers every block that
         this step fills, so requests admitted later in the same step can hit it: the
-        runner stores a layer's K/V before any token of that layer attends."""
+        runner stores a layer's K/V before any token of that layer attends. First gives
+        back the blocks behind the window (even if it then returns False: no query reads
+        them again)."""
         if hits and req.block_ids:
             raise ValueError("prefix hits can only be taken by a request without blocks")
+        self.release_behind_window(req)
         need = self.blocks_needed(req, num_new_tokens, hits)
         reclaimed = sum(1 for b in hits if self.ref_cnt[b] == 0)  # hits now in the free list
         if need > len(self.free) - reclaimed:
@@ -114,26 +131,32 @@ class KVCacheManager:
 
     def free_blocks(self, req: Request) -> None:
         """Release all of ``req``'s blocks (finish, abort or preemption)."""
-        for b in reversed(req.block_ids):
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self.free[b] = None
-                if self.block_key[b] is None:
-                    self.free.move_to_end(b, last=False)
+        for b in reversed(req.block_ids[req.num_released_blocks :]):
+            self._release(b)
         req.block_ids = []
         req.chain_ids = []
+        req.num_released_blocks = 0
+
+    def release_behind_window(self, req: Request) -> None:
+        """Give back ``req``'s blocks whose positions all lie behind the window of its
+        next query (position ``num_computed_tokens``, which sees keys from
+        ``num_computed_tokens - window + 1`` on); nothing without ``window``."""
+        if not self.window or not req.block_ids:
+            return
+        first_seen = max(0, req.num_computed_tokens - self.window + 1)
+        dead = min(first_seen // self.block_size, len(req.block_ids) - 1)
+        held = req.block_ids[dead]  # what the released entries name from now on
+        for i in range(req.num_released_blocks, dead):
+            self._release(req.block_ids[i])
+            req.block_ids[i] = held
+        req.num_released_blocks = max(req.num_released_blocks, dead)
 
     def trim(self, req: Request) -> None:
         """Release ``req``'s blocks past those its tokens need (blocks taken for drafts
         that were rejected). They hold no committed full block, so none is cached."""
         keep = -(-req.num_tokens // self.block_size)
         while len(req.block_ids) > keep:
-            b = req.block_ids.pop()
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self.free[b] = None
-                if self.block_key[b] is None:
-                    self.free.move_to_end(b, last=False)
+            self._release(req.block_ids.pop())
         del req.chain_ids[keep:]
 
     def forget_uncomputed(self, req: Request) -> None:
@@ -167,6 +190,15 @@ class KVCacheManager:
 
     # -- internals -------------------------------------------------------------------
 
+    def _release(self, b: int) -> None:
+        """Drop one reference to block ``b``; a block no one holds becomes free (at the
+        back of the eviction order if cached, else at the front)."""
+        self.ref_cnt[b] -= 1
+        if self.ref_cnt[b] == 0:
+            self.free[b] = None
+            if self.block_key[b] is None:
+                self.free.move_to_end(b, last=False)
+
     def _evict(self, block: int) -> None:
         key = self.block_key[block]
         if key is not None:
@@ -197,7 +229,7 @@ class KVCacheManager:
         """Assert the bookkeeping is consistent with the live (block-holding) requests."""
         counts = [0] * self.num_blocks
         for r in live:
-            for b in r.block_ids:
+            for b in r.block_ids[r.num_released_blocks :]:
                 counts[b] += 1
         assert counts == self.ref_cnt, "ref counts differ from the blocks requests hold"
         for b in range(self.num_blocks):

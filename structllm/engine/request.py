@@ -22,8 +22,11 @@ class Request:
     the cache. After a step the newest sampled token is not computed yet, so a running
     request in decode has ``num_computed_tokens == len(token_ids) - 1``.
 
-    ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``. ``chain_ids[i]`` is the prefix
-    cache's identity of full block ``i`` (see ``KVCacheManager``). ``grammar``: the
+    ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``, except the first
+    ``num_released_blocks``, given back once behind every layer's window (each then
+    names the first block still held; see ``KVCacheManager.release_behind_window``).
+    ``chain_ids[i]`` is the prefix cache's identity of full block ``i`` (see
+    ``KVCacheManager``). ``grammar``: the
     matcher of a constrained request while it lives (see ``engine.grammar``);
     ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
     which the grammar does not constrain.
@@ -49,6 +52,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_logprobs",
+        "num_released_blocks",
         "prompt_len",
         "request_id",
         "sampling",
@@ -78,6 +82,7 @@ class Request:
         self.num_prompt_logprobs = 0
         self.block_ids: list[int] = []
         self.chain_ids: list[int] = []
+        self.num_released_blocks = 0  # leading blocks given back behind the window
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None

@@ -95,7 +95,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     if rope_dim is not None and int(rope_dim) < head_dim:
         kw["rotary_dim"] = int(rope_dim)
     window = int(get("attention.sliding_window") or 0)
-    if fam.name == "qwen3":
+    if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"
     elif fam.name in ("gemma2", "gemma3"):
         # llama.cpp's own rules (not in the metadata): Gemma 2 alternates local and
@@ -140,7 +140,30 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
         kw["sliding_window"] = window
+    experts = int(get("expert_count") or 0)
+    if experts:
+        kw.update(_experts(fam.name, experts, get))
+    elif fam.name == "qwen3_moe":
+        raise ValueError("qwen3moe GGUF file without qwen3moe.expert_count")
     return ModelConfig(**kw)
+
+
+def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """A mixture of experts' options: Mixtral is written as ``llama`` with
+    ``expert_count``; Qwen3-MoE as ``qwen3moe``. llama.cpp renormalises the top-k
+    router weights of both (its ``norm_w``), unless ``expert_weights_norm`` says
+    otherwise; every layer is a MoE layer (its converter writes no dense ones)."""
+    if family in ("llama", "mistral"):
+        family = "mixtral"
+    if family not in ("mixtral", "qwen3_moe"):
+        raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
+    return dict(
+        architecture=family,
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count") or 0),
+        moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
+        norm_topk_prob=bool(get("expert_weights_norm", True)),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,7 +238,7 @@ _LAYER_NAMES = {
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
-_HF_ROPE_ORDER = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+_HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2")
 
 
 _KEEPABLE = (
@@ -228,6 +251,8 @@ _KEEPABLE = (
     "ffn_up.weight",
     "ffn_down.weight",
 )
+# a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
+_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def tensor_format(name: str, kind: str, shape: tuple[int, ...], keep_blocks: bool) -> str:
@@ -235,10 +260,11 @@ def tensor_format(name: str, kind: str, shape: tuple[int, ...], keep_blocks: boo
     block kernels run it), ``"float16"`` (an F16/BF16 matrix), ``"float32"`` as stored
     (F32), or ``"dequantised"`` (a type no kernel runs, or a tensor that is not a
     matmul weight: dequantised to float32, bit-exact to ``gguf``'s dequantisation)."""
-    matrix = len(shape) == 2 and (
-        name.endswith(_KEEPABLE) or name in ("token_embd.weight", "output.weight")
-    )
-    if keep_blocks and matrix and kind in BLOCK_TYPES and shape[1] % BLOCK == 0:
+    matrix = (
+        len(shape) == 2
+        and (name.endswith(_KEEPABLE) or name in ("token_embd.weight", "output.weight"))
+    ) or (len(shape) == 3 and name.endswith(_EXPERTS))  # each expert's [N, K] slice
+    if keep_blocks and matrix and kind in BLOCK_TYPES and shape[-1] % BLOCK == 0:
         return "blocks"
     if keep_blocks and matrix and kind in ("F16", "BF16"):
         return "float16"
@@ -259,6 +285,21 @@ def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | B
     return w
 
 
+def read_experts(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> list[Tensor | BlockWeight]:
+    """A 3-D expert tensor ``[E, N, K]`` as one ``[N, K]`` matrix per expert, each held
+    as ``read_tensor`` holds a matrix (an expert's rows of blocks are a contiguous run of
+    the tensor's bytes, so a slice is a block matrix as it stands)."""
+    kind = t.tensor_type.name
+    how = tensor_format(t.name, kind, shape, keep_blocks)
+    if how == "blocks":
+        raw = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)  # [E, N * row bytes]
+        return [BlockWeight.from_raw(raw[e], kind, shape[2]) for e in range(shape[0])]
+    w = dequantize(t.data, kind, shape)
+    if how == "float16":
+        w = w.half()
+    return [x.clone() for x in w]  # own storage each (safetensors refuses shared views)
+
+
 def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[str]:
     """Start-up lines saying which format each kind of matrix runs in (and what was
     dequantised, and why), from the file's tensors and ``read_tensor``'s rules;
@@ -266,19 +307,24 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
     blocks: dict[str, int] = {}
     deq: dict[str, int] = {}
     half16 = f32 = vectors = 0
+    experts: dict[str, int] = {}  # expert matrices by how they run
     for t in reader.tensors:
         kind, shape = t.tensor_type.name, tuple(int(s) for s in reversed(t.shape))
         how = tensor_format(t.name, kind, shape, keep_blocks)
+        n = shape[0] if len(shape) == 3 else 1  # a 3-D expert tensor: one matrix per expert
+        if len(shape) == 3:
+            key = f"{kind} blocks" if how == "blocks" else how
+            experts[key] = experts.get(key, 0) + n
         if len(shape) < 2:
             vectors += 1
         elif how == "blocks":
-            blocks[kind] = blocks.get(kind, 0) + 1
+            blocks[kind] = blocks.get(kind, 0) + n
         elif how == "float16":
-            half16, f32 = (half16 + 1, f32) if half != "none" else (half16, f32 + 1)
+            half16, f32 = (half16 + n, f32) if half != "none" else (half16, f32 + n)
         elif how == "float32":
-            f32 += 1
+            f32 += n
         else:
-            deq[kind] = deq.get(kind, 0) + 1
+            deq[kind] = deq.get(kind, 0) + n
     counts = ", ".join(f"{k} {n}" for k, n in sorted(blocks.items(), key=lambda kv: -kv[1]))
     lines = [
         f"weights: blocks: {counts or 'none'}; float16: {half16}; "
@@ -292,6 +338,9 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
             else "the weights run as floats (--quantization none, or not on CPU)"
         )
         lines.append(f"{sum(deq.values())} matrices dequantised to float32 ({kinds}): {why}")
+    if experts:
+        each = ", ".join(f"{k} {n}" for k, n in sorted(experts.items(), key=lambda kv: -kv[1]))
+        lines.append(f"experts: {sum(experts.values())} expert matrices (counted above): {each}")
     return lines
 
 
@@ -341,6 +390,7 @@ def load_tensors(
     weights included. Gemma's norm weights arrive as ``1 + w`` (the converter adds 1).
     """
     pending: dict[str, Tensor | BlockWeight] = {}
+    pending_experts: dict[str, list[Tensor | BlockWeight]] = {}
     total = len(reader.tensors)
     permute = cfg.architecture in _HF_ROPE_ORDER
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
@@ -350,12 +400,24 @@ def load_tensors(
         name = t.name
         if name in _ROPE_FACTOR_TENSORS:  # read by metadata() into the config
             continue
-        if "_exps." in name or "ffn_gate_inp." in name:
-            raise ValueError(
-                "mixture-of-experts GGUF files are not supported yet "
-                "(Mixtral and Qwen3-MoE run from Hugging Face directories)"
-            )
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists the fastest dim first
+        if name.endswith(_EXPERTS):
+            if not cfg.num_experts:
+                raise ValueError(f"GGUF tensor {name} in a model without experts")
+            prefix = "layers.{}.moe.experts.".format(name.split(".")[1])
+            kind = name.split(".")[2]  # ffn_gate_exps, ...
+            pending_experts[prefix + kind] = read_experts(t, shape, keep_blocks)
+            if kind == "ffn_down_exps":
+                for e, w in enumerate(pending_experts.pop(prefix + kind)):
+                    yield f"{prefix}{e}.down_proj", w
+            gu = [prefix + "ffn_gate_exps", prefix + "ffn_up_exps"]
+            if all(n in pending_experts for n in gu):
+                gates, ups = (pending_experts.pop(n) for n in gu)
+                for e, (g, u) in enumerate(zip(gates, ups, strict=True)):
+                    yield f"{prefix}{e}.gate_up_proj", _cat([g, u])
+            if progress is not None:
+                progress(i + 1, total)
+            continue
         w = read_tensor(t, shape, keep_blocks)
         if progress is not None:
             progress(i + 1, total)
@@ -370,6 +432,9 @@ def load_tensors(
             prefix = f"layers.{idx}."
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
+                continue
+            if rest == "ffn_gate_inp.weight":  # the router, [E, hidden]
+                yield prefix + "moe.router", w
                 continue
             if rest in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 heads = norm_heads[rest[5]]
@@ -400,5 +465,6 @@ def load_tensors(
             if all(n in pending for n in gu):
                 yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
         # other tensors (e.g. rope_freqs) are not used
-    if pending:
-        raise ValueError(f"GGUF file has unpaired tensors: {sorted(pending)[:4]}")
+    if pending or pending_experts:
+        unpaired = sorted([*pending, *pending_experts])
+        raise ValueError(f"GGUF file has unpaired tensors: {unpaired[:4]}")

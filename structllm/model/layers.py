@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from structllm.kernels.packed import Weight, linear
 from structllm.model.config import ModelConfig
+from structllm.model.sharding import ShardPlan
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -> Tensor:
@@ -146,11 +147,13 @@ class Expert(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """The router (``router: [E, hidden]``) and the experts of one layer."""
+    """The router (``router: [E, hidden]``) and the experts of one layer; with ``plan``,
+    every expert's slice of its intermediate dimension (the output is then this rank's
+    partial sum, completed by the layer's all-reduce)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None = None) -> None:
         super().__init__()
-        ffn = cfg.moe_intermediate_size or cfg.intermediate_size
+        ffn = len(plan.expert_ffn) if plan else cfg.moe_intermediate_size or cfg.intermediate_size
         self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router = nn.Parameter(
             torch.empty(cfg.num_experts, cfg.hidden_size, dtype=dtype), requires_grad=False

@@ -95,6 +95,14 @@ class DecoderLayer(nn.Module):
         self.scale, self.softcap = cfg.scale, cfg.attn_softcap
         self.qk_norm, self.act, self.residual_scale = cfg.qk_norm, cfg.mlp_act, cfg.residual_scale
         self.pre_norms, self.post_norms = cfg.pre_norms, cfg.post_norms
+        # q/k norms over the whole projection, sharded: its widths over all ranks, each
+        # KV head counted once per rank holding a copy (replicated KV heads, sharding)
+        share = (
+            plan.world_size // cfg.num_kv_heads
+            if plan and plan.world_size > cfg.num_kv_heads
+            else 1
+        )
+        self.qk_widths = (cfg.num_heads * hd, cfg.num_kv_heads * hd * share)
         qkv_out = (nh + 2 * nkv) * hd
 
         def p(*shape: int) -> nn.Parameter:
@@ -110,7 +118,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = p(h, nh * hd)
         self.attn_out_norm = p(h) if cfg.post_norms else None
         self.post_attention_layernorm = p(h) if cfg.pre_norms else None
-        self.moe = SparseMoe(cfg, dtype) if cfg.moe_layer(index) else None
+        self.moe = SparseMoe(cfg, dtype, plan) if cfg.moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = p(2 * ffn, h)
             self.down_proj = p(h, ffn)
@@ -120,16 +128,26 @@ class DecoderLayer(nn.Module):
     def _norm(self, x: Tensor, w: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def _norm_qk(self, qkv: Tensor) -> Tensor:
-        """q and k of ``qkv: [T, H + 2 Hkv, D]`` through their norms (in place)."""
+    def _norm_qk(self, qkv: Tensor, tp: TensorParallelGroup | None = None) -> Tensor:
+        """q and k of ``qkv: [T, H + 2 Hkv, D]`` through their norms (in place). Over the
+        whole projection with ``tp``: this rank's slice, by the mean square of the whole
+        (its sums of squares all-reduced, ``[T, 2]``)."""
         t, nh, nkv = qkv.shape[0], self.num_heads, self.num_kv_heads
         q, k = qkv[:, :nh], qkv[:, nh : nh + nkv]
         if self.qk_norm == "head":
             q.copy_(self._norm(q, self.q_norm))
             k.copy_(self._norm(k, self.k_norm))
-        else:  # over the whole projection
+        elif tp is None:  # over the whole projection
             q.copy_(self._norm(q.reshape(t, -1), self.q_norm).view_as(q))
             k.copy_(self._norm(k.reshape(t, -1), self.k_norm).view_as(k))
+        else:
+            qf, kf = q.reshape(t, -1).float(), k.reshape(t, -1).float()
+            squares = torch.stack([qf.square().sum(-1), kf.square().sum(-1)], dim=1)  # [T, 2]
+            tp.all_reduce(squares)
+            widths = torch.tensor(self.qk_widths, dtype=torch.float32, device=qkv.device)
+            inv = torch.rsqrt(squares / widths + self.eps)  # [T, 2]
+            q.copy_((qf * inv[:, :1] * self.q_norm.float()).view_as(q))
+            k.copy_((kf * inv[:, 1:] * self.k_norm.float()).view_as(k))
         return qkv
 
     def _residual_out(self, out: Tensor, norm: Tensor | None) -> Tensor:
@@ -158,7 +176,7 @@ class DecoderLayer(nn.Module):
         h = self._norm(x, self.input_layernorm) if self.input_layernorm is not None else x
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
         if self.qk_norm != "none":
-            qkv = self._norm_qk(qkv)
+            qkv = self._norm_qk(qkv, tp)
         qk = qkv[:, : nh + nkv] if rope is None else apply_rope(qkv[:, : nh + nkv], rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
@@ -206,7 +224,9 @@ class DecoderLayer(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = self._fused_norm(ops, x, delta, self.input_layernorm)
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
-        if self.qk_norm != "none":  # per head, or over the whole projection (OLMo 2)
+        if self.qk_norm == "full" and tp is not None:  # over all ranks' slices
+            self._norm_qk(qkv, tp)
+        elif self.qk_norm != "none":  # per head, or over the whole projection (OLMo 2)
             ops.head_rms_norm(qkv, nh, nkv, self.q_norm, self.k_norm, self.eps)
         ops.rope_store(qkv, rope, nh, nkv, k_cache, v_cache, meta.slot_mapping)
         window, cap = self.window, self.softcap

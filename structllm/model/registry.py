@@ -38,10 +38,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
-    # mixtures of experts: Hugging Face directories only so far (GGUF's 3-D expert
-    # tensors are not read yet)
+    # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
+    # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
-    Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ()),
+    Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

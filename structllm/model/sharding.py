@@ -19,7 +19,14 @@ that each rank's attention is ordinary GQA over its own KV heads:
   ``N / Hkv``; otherwise ``plan_shards`` raises ``ValueError`` naming the numbers.
 
 The MLP's intermediate dimension and the vocabulary are split into contiguous ranges
-that differ in length by at most one.
+that differ in length by at most one. A mixture of experts is split the same way inside
+every expert (vLLM's tensor parallelism for MoE): each rank holds every expert's slice
+of its intermediate dimension (``expert_ffn``) and the whole router, routes every token
+as the others do, and its experts' partial sums meet in the layer's one all-reduce.
+
+OLMo 2's q/k norms run over the whole projection, which the ranks hold in slices: each
+rank keeps its slice of the norm weights and the layer all-reduces the sums of squares
+(``DecoderLayer._norm_qk``: two numbers per token, not the projection).
 
 GGUF block weights (``BlockWeight``) are cut the same way without dequantising: a row
 slice is a slice of whole block rows, and a column slice (the row-parallel matmuls'
@@ -60,6 +67,7 @@ class ShardPlan:
     heads: range  # query heads
     kv_heads: range  # the KV heads those query heads read
     ffn: range  # intermediate (MLP) columns
+    expert_ffn: range  # each expert's intermediate columns (mixture of experts)
     vocab: range  # vocabulary rows of the embedding and the LM head
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary slice length, in rank order
 
@@ -84,14 +92,6 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
     if n > h:
         raise ValueError(f"tensor_parallel_size {n} exceeds the model's {h} attention heads")
-    if n > 1 and cfg.num_experts:
-        raise ValueError(
-            f"tensor parallelism is not supported for {cfg.architecture}'s experts yet"
-        )
-    if n > 1 and cfg.qk_norm == "full":  # an RMSNorm over every head would span the ranks
-        raise ValueError(
-            f"{cfg.architecture}'s q/k norms span all heads: tensor parallelism is not supported"
-        )
     group = h // hkv
     if n > hkv:
         if n % hkv:
@@ -104,7 +104,8 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
                 f"tensor_parallel_size {n} would split each KV head's {group} query heads over "
                 f"{n // hkv} ranks, which does not divide evenly"
             )
-    if n > cfg.intermediate_size or n > cfg.vocab_size:
+    expert_ffn = cfg.moe_intermediate_size or cfg.intermediate_size
+    if n > cfg.intermediate_size or n > cfg.vocab_size or n > expert_ffn:
         raise ValueError(f"tensor_parallel_size {n} exceeds the model's MLP or vocabulary size")
     vocab_sizes = tuple(len(_even_range(cfg.vocab_size, r, n)) for r in range(n))
     plans = []
@@ -125,6 +126,7 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
                 heads=heads,
                 kv_heads=kv,
                 ffn=_even_range(cfg.intermediate_size, r, n),
+                expert_ffn=_even_range(expert_ffn, r, n),
                 vocab=_even_range(cfg.vocab_size, r, n),
                 vocab_sizes=vocab_sizes,
             )
@@ -189,13 +191,24 @@ def shard_weights(
 ) -> dict[str, Any]:
     """``weights`` (full, under our fused names; tensors or GGUF blocks) -> this rank's
     slices, each of its own (not a view of the full one)."""
-    d, h, hkv, ffn = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    d, h, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     out: dict[str, Matrix] = {}
     dequantised: list[str] = []  # block matrices that had to become floats
     for name, w in weights.items():
         kind = name.rsplit(".", 1)[-1]
+        expert = ".moe.experts." in name
+        ffn = (
+            (cfg.moe_intermediate_size or cfg.intermediate_size)
+            if expert
+            else cfg.intermediate_size
+        )
+        cols = plan.expert_ffn if expert else plan.ffn
         part: Matrix
-        if kind in ("qkv_proj", "qkv_bias"):
+        if kind == "q_norm" and cfg.qk_norm == "full":  # [H*D]: this rank's heads
+            part = _own(_rows(w, plan.heads, d))
+        elif kind == "k_norm" and cfg.qk_norm == "full":
+            part = _own(_rows(w, plan.kv_heads, d))
+        elif kind in ("qkv_proj", "qkv_bias"):
             # rows (and bias entries): [q heads (H*D) | k heads (Hkv*D) | v heads (Hkv*D)]
             q, k, v = _split(w, [h * d, hkv * d, hkv * d])
             part = _cat(
@@ -205,12 +218,12 @@ def shard_weights(
             part = _columns(w, plan.heads.start * d, plan.heads.stop * d)
         elif kind == "gate_up_proj":  # rows: [gate (I) | up (I)]
             gate, up = _split(w, [ffn, ffn])
-            part = _cat([_rows(gate, plan.ffn), _rows(up, plan.ffn)])
+            part = _cat([_rows(gate, cols), _rows(up, cols)])
         elif kind == "down_proj":  # [hidden, I]
-            part = _columns(w, plan.ffn.start, plan.ffn.stop)
+            part = _columns(w, cols.start, cols.stop)
         elif kind in ("embed_tokens", "lm_head"):  # [V, hidden]
             part = _own(_rows(w, plan.vocab))
-        else:  # norms: replicated
+        else:  # norms (per head), routers: replicated
             part = _own(w)
         if isinstance(w, BlockWeight) and not isinstance(part, BlockWeight):
             dequantised.append(name)

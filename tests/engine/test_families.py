@@ -19,6 +19,7 @@ from tests.support.models import (
     EXACT,
     FAMILY_CONFIGS,
     WINDOW,
+    gguf_source_dir,
     hf_greedy,
     hf_logits,
     prefill_logits,
@@ -130,17 +131,18 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # ---------------------------------------------------------------------------------------
 # the same models as GGUF files, made by llama.cpp's converter and llama-quantize
 
-# not here: Gemma 2 (llama.cpp's converter reads only a SentencePiece tokenizer.model
-# for it, and the test tokenizer is BPE); Mistral (the converter writes it as "llama"
-# without its sliding window, so the file is another model past the window)
-GGUF_FAMILIES = ["gemma3", "granite", "olmo2", "phi3", "qwen3", "smollm3"]
+# not here: Mistral (the converter writes it as "llama" without its sliding window, so
+# the file is another model past the window)
+QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
+QUANTIZED_FAMILIES += ["smollm3"]
+GGUF_FAMILIES = ["gemma2", *QUANTIZED_FAMILIES]
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
     from tests.support import llamacpp
 
     try:
-        f32 = llamacpp.convert_hf(tiny_family_dir(family, default_files), "f32")
+        f32 = llamacpp.convert_hf(gguf_source_dir(family, default_files), "f32")
         return f32 if qtype == "F32" else llamacpp.quantize(f32, qtype)
     except llamacpp.ToolMissing as e:
         pytest.skip(str(e))
@@ -150,14 +152,14 @@ def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: 
 def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     from structllm import LLM, SamplingParams
 
-    path = gguf_file(name, default_files)
-    cfg, want = (
-        prepare_model(str(path)).config,
-        prepare_model(str(tiny_family_dir(name, default_files))).config,
-    )
-    for field in ("layer_windows", "rope_layers", "qk_norm", "rotary_dim", "attn_softcap"):
+    path, source = gguf_file(name, default_files), gguf_source_dir(name, default_files)
+    cfg, want = prepare_model(str(path)).config, prepare_model(str(source)).config
+    fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
+    fields += ("attn_softcap", "final_softcap", "scale", "embed_scale", "post_norms")
+    fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    for field in (*fields, "norm_topk_prob", "moe_layers"):
         assert getattr(cfg, field) == getattr(want, field), field
-    engine, ref = engine_for(path), engine_for(tiny_family_dir(name, default_files))
+    engine, ref = engine_for(path), engine_for(source)
     for ids in PROMPTS:
         torch.testing.assert_close(
             prefill_logits(engine, ids), prefill_logits(ref, ids), atol=1e-4, rtol=1e-4
@@ -168,7 +170,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
             o.token_ids
             for o in LLM(str(p), kv_cache_memory=32 << 20, **EXACT).generate(PROMPTS, params)
         ]
-        for p in (path, tiny_family_dir(name, default_files))
+        for p in (path, source)
     ]
     assert outs[0] == outs[1]
 
@@ -177,7 +179,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
 QUANTIZED = [("Q8_0", 0.98, 0.05), ("Q4_0", 0.9, 0.75)]
 
 
-@pytest.mark.parametrize("name", GGUF_FAMILIES)
+@pytest.mark.parametrize("name", QUANTIZED_FAMILIES)
 @pytest.mark.parametrize(("qtype", "bar", "spread"), QUANTIZED, ids=[q[0] for q in QUANTIZED])
 def test_quantized_gguf_runs_its_blocks(
     name: str, qtype: str, bar: float, spread: float, default_files
@@ -195,6 +197,12 @@ def test_quantized_gguf_runs_its_blocks(
     model = blocks.runner.model
     assert model.cpu_ops is not None  # the fused path, not a fallback
     assert type(model.layers[0].qkv_proj).__name__ == "BlockWeight"
+    if model.layers[0].moe is not None:  # each expert's matrices, sliced out of 3-D tensors
+        expert = model.layers[0].moe.experts[1]
+        assert {type(expert.gate_up_proj).__name__, type(expert.down_proj).__name__} <= {
+            "BlockWeight",
+            "MixedWeight",
+        }
     agree = total = 0
     for ids in PROMPTS:
         got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
@@ -204,10 +212,12 @@ def test_quantized_gguf_runs_its_blocks(
     assert agree / total >= bar, (agree, total)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe"])
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
-    # partial rotary on each rank's heads
+    # partial rotary on each rank's heads; OLMo 2's q/k norms over the whole projection
+    # (sums of squares all-reduced); Qwen3-MoE's experts cut along their intermediate
+    # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide)
     from structllm import LLM, SamplingParams
 
     path = str(tiny_family_dir(name, default_files))
@@ -223,10 +233,27 @@ def test_tensor_parallel_matches_one_process(name: str, default_files) -> None: 
         assert got == want
 
 
-def test_tensor_parallel_is_refused_where_it_would_split_a_norm(default_files) -> None:  # type: ignore[no-untyped-def]
-    from structllm.model.sharding import plan_shards
+def test_blocks_behind_every_window_are_given_back(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Mistral (every layer windowed, 8 keys; blocks of 4): during chunked prefill and
+    # decode a sequence holds only the blocks its window reads, and still generates
+    # transformers' tokens; Gemma 2 (a global layer) gives none back
+    from structllm.protocol import AddRequest, SamplingParams
 
-    for name, what in (("olmo2", "q/k norms span all heads"), ("mixtral", "experts")):
-        cfg = prepare_model(str(tiny_family_dir(name, default_files))).config
-        with pytest.raises(ValueError, match=what):
-            plan_shards(cfg, 2)
+    gemma2 = engine_for(tiny_family_dir("gemma2", default_files), block_size=4)
+    assert gemma2.kv.window == 0
+    del gemma2
+    path = tiny_family_dir("mistral", default_files)
+    engine = engine_for(path, block_size=4, max_num_batched_tokens=9)
+    assert engine.kv.window == WINDOW
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request(AddRequest("w", PROMPTS[3], params))
+    tokens: list[int] = []
+    released = 0
+    while engine.has_work:
+        for req in engine.scheduler.running:  # the window and a 9-token chunk: <= 6 blocks
+            assert len(req.block_ids) - req.num_released_blocks <= -(-(WINDOW + 9) // 4) + 1
+            released = max(released, req.num_released_blocks)
+        tokens += [t for d in engine.step().outputs for t in d.new_token_ids]
+    assert released >= (len(PROMPTS[3]) + 24 - WINDOW - 9) // 4 - 1  # most of 21 blocks
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)

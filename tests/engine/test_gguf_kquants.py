@@ -199,6 +199,39 @@ def test_dequantisation_of_other_types_is_gguf_s(tmp_path: Path) -> None:
         assert torch.equal(got, torch.from_numpy(want.astype(np.float32))), name
 
 
+def test_expert_slices_of_3d_block_tensors_are_their_blocks() -> None:
+    """A mixture of experts' 3-D tensor ``[E, N, K]`` (llama.cpp's ``ffn_*_exps``) in a
+    k-quant or Q8_0: each expert's ``BlockWeight`` holds exactly that expert's weights
+    (random blocks with sane float16 scales, against the gguf package's dequantisation
+    of the whole tensor)."""
+    from types import SimpleNamespace
+
+    import gguf as gg
+    import numpy as np
+
+    from structllm.model import gguf as ours
+
+    rng = np.random.default_rng(0)
+    e, n, k = 3, 4, 512
+    for name, d_at in (("Q4_K", [0, 2]), ("Q6_K", [208]), ("Q8_0", [0])):
+        qtype = gg.GGMLQuantizationType[name]
+        block, size = gg.constants.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (e * n * k // block, size), dtype=np.uint8)
+        for at in d_at:
+            half = rng.uniform(0.001, 0.01, len(raw)).astype(np.float16).view(np.uint8)
+            raw[:, at : at + 2] = half.reshape(-1, 2)
+        t = SimpleNamespace(
+            name="blk.0.ffn_up_exps.weight",
+            tensor_type=SimpleNamespace(name=name),
+            data=raw.reshape(e, n, -1),
+        )
+        experts = ours.read_experts(t, (e, n, k), keep_blocks=True)
+        want = gg.quants.dequantize(raw.reshape(e * n, -1), qtype).reshape(e, n, k)
+        for x, w in zip(experts, want, strict=True):
+            assert isinstance(x, BlockWeight) and x.type_name == name and x.shape == (n, k)
+            assert torch.equal(x.dequantize(), torch.from_numpy(w.astype(np.float32))), name
+
+
 # ---------------------------------------------------------------------------------------
 # the default model's files, as llama-quantize writes them
 

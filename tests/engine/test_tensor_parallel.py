@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -425,3 +426,39 @@ async def test_kill_9_of_a_worker_ends_the_engine_process(tiny_llama_dir: Path, 
             tg.cancel_scope.cancel()
     assert eng.process.returncode == 1
     wait_gone([worker, eng.pid])
+
+
+def test_experts_and_whole_projection_norms_are_cut_per_rank() -> None:
+    # every expert keeps its slice of its own intermediate width (not the dense MLP's),
+    # the router is whole on every rank; q/k norms over the whole projection keep their
+    # heads' entries (the layer all-reduces their sums of squares)
+    c = msgspec.structs.replace(
+        cfg(4, 2, ffn=128),
+        num_experts=3,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        qk_norm="full",
+    )
+    d, h = c.head_dim, c.hidden_size
+    full = {
+        "layers.0.moe.router": torch.randn(3, h),
+        "layers.0.moe.experts.2.gate_up_proj": torch.randn(2 * 48, h),
+        "layers.0.moe.experts.2.down_proj": torch.randn(h, 48),
+        "layers.0.q_norm": torch.randn(4 * d),
+        "layers.0.k_norm": torch.randn(2 * d),
+    }
+    plans = plan_shards(c, 2)
+    assert [p.expert_ffn for p in plans] == [range(0, 24), range(24, 48)]
+    shards = [shard_weights(full, c, p) for p in plans]
+    gate, up = full["layers.0.moe.experts.2.gate_up_proj"].chunk(2)
+    for p, s in zip(plans, shards, strict=True):
+        cols = slice(p.expert_ffn.start, p.expert_ffn.stop)
+        assert torch.equal(
+            s["layers.0.moe.experts.2.gate_up_proj"], torch.cat([gate[cols], up[cols]])
+        )
+        assert torch.equal(
+            s["layers.0.moe.experts.2.down_proj"], full["layers.0.moe.experts.2.down_proj"][:, cols]
+        )
+        assert torch.equal(s["layers.0.moe.router"], full["layers.0.moe.router"])
+    for name in ("layers.0.q_norm", "layers.0.k_norm"):
+        assert torch.equal(torch.cat([s[name] for s in shards]), full[name])

@@ -364,10 +364,47 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
-def tiny_family_dir(family: str, files: ModelFiles) -> Path:
-    """The tiny random-weight checkpoint of ``family`` (``FAMILY_CONFIGS``), saved by
-    transformers with the default model's tokenizer, built once and cached under the
-    structllm cache, keyed by its config, the tokenizer and transformers' version."""
+def sentencepiece_model() -> Path:
+    """A small SentencePiece ``tokenizer.model`` (BPE, 512 pieces, byte fallback) trained
+    by sentencepiece on generated text, for llama.cpp's converter of the families it
+    reads only through one (Gemma 2); made once, cached under the structllm cache by
+    what made it."""
+    import hashlib
+    import io
+    import random
+
+    import sentencepiece as spm
+
+    from structllm.paths import cache_root
+
+    rng = random.Random(0)
+    syllables = [a + b for a in "bdfgklmnprstvz" for b in "aeiou"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(400)]
+    lines = [" ".join(rng.choices(words, k=12)) for _ in range(2000)]
+    opts = dict(vocab_size=512, model_type="bpe", byte_fallback=True, num_threads=1)
+    opts.update(pad_id=0, eos_id=1, bos_id=2, unk_id=3)  # Gemma's special ids
+    key = hashlib.sha256(
+        json.dumps([lines, opts, spm.__version__], sort_keys=True).encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"spm-{key}.model"
+    if out.exists():
+        return out
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, **opts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.rename(out)
+    return out
+
+
+def tiny_family_dir(
+    family: str, files: ModelFiles, extra_files: dict[str, Path] | None = None, **overrides: object
+) -> Path:
+    """The tiny random-weight checkpoint of ``family`` (``FAMILY_CONFIGS``, with
+    ``overrides`` of its config), saved by transformers with the default model's
+    tokenizer (and ``extra_files``, name -> source, copied in), built once and cached
+    under the structllm cache, keyed by its config, the files and transformers' version."""
     import hashlib
 
     import transformers
@@ -375,11 +412,13 @@ def tiny_family_dir(family: str, files: ModelFiles) -> Path:
     from structllm.paths import cache_root
 
     cls_name, extra = FAMILY_CONFIGS[family]
-    kw = {**_SMALL, **extra}
+    kw = {**_SMALL, **extra, **overrides}
+    extra_files = extra_files or {}
     key = hashlib.sha256(
         json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
+        + b"".join(n.encode() + p.read_bytes() for n, p in sorted(extra_files.items()))
     ).hexdigest()[:16]
     out = cache_root() / "test-models" / f"tiny-{family}-{key}"
     if (out / "complete").exists():
@@ -395,6 +434,8 @@ def tiny_family_dir(family: str, files: ModelFiles) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
+    for name, src in extra_files.items():
+        shutil.copyfile(src, tmp / name)
     meta = files.tokenizer_meta
     (tmp / "tokenizer_config.json").write_text(
         json.dumps(
@@ -412,3 +453,23 @@ def tiny_family_dir(family: str, files: ModelFiles) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+# what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
+# is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
+# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them;
+# llama.cpp's Gemma 2 scales the softmax by head_dim ** -0.5 (all sizes but 27B)
+GGUF_VARIANTS: dict[str, dict[str, object]] = {
+    "mixtral": dict(sliding_window=None),
+    "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+    "gemma2": dict(query_pre_attn_scalar=32),
+}
+
+
+def gguf_source_dir(family: str, files: ModelFiles) -> Path:
+    """The directory a family's GGUF file is made from: Gemma 2's converter reads only a
+    SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
+    vocabulary is then that model's pieces, padded to the config's size, and the token
+    ids the tests feed are the same ids either way)."""
+    extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
+    return tiny_family_dir(family, files, extra, **GGUF_VARIANTS.get(family, {}))

@@ -137,3 +137,41 @@ def test_random_operations_keep_invariants(ops: list[tuple[str, int, int]]) -> N
         kv.free_blocks(r)
     kv.check_invariants([])
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def decode(kv: KVCacheManager, r: Request, steps: int) -> None:
+    """``steps`` decode steps: the newest token computed, one more allocated."""
+    for _ in range(steps):
+        r.num_computed_tokens = r.num_tokens
+        r.token_ids.append(100 + r.num_tokens)
+        assert kv.allocate(r, 1)
+
+
+def test_blocks_behind_every_window_are_given_back_and_stay_cached() -> None:
+    kv = KVCacheManager(8, BS, window=6)
+    r = req(list(range(10)))
+    assert admit(kv, r) and kv.num_free_blocks == 5
+    first = list(r.block_ids)
+    decode(kv, r, 1)  # the query at 10 sees 5..10: block 0 (0..3) is behind it
+    assert r.num_released_blocks == 1 and kv.num_free_blocks == 6
+    assert r.block_ids[0] == r.block_ids[1] == first[1]  # positions kept, a held block named
+    kv.check_invariants([r])
+    # a released block keeps its key: the same prefix still hits it (until evicted)
+    assert kv.lookup(req(list(range(10)), "b")) == first[:2]
+    decode(kv, r, 30)  # 41 tokens: without the window 11 blocks, more than the pool
+    live = r.block_ids[r.num_released_blocks :]
+    assert len(r.block_ids) == 11 and len(live) <= -(-6 // BS) + 1
+    assert r.num_tokens - 6 < (r.num_released_blocks + 1) * BS  # all it reads is held
+    kv.check_invariants([r])
+    kv.free_blocks(r)
+    assert kv.num_free_blocks == 8 and r.num_released_blocks == 0
+    kv.check_invariants([])
+
+
+def test_without_a_window_every_block_is_kept() -> None:
+    kv = KVCacheManager(16, BS)
+    r = req(list(range(10)))
+    assert admit(kv, r)
+    decode(kv, r, 20)
+    assert r.num_released_blocks == 0 and kv.num_free_blocks == 16 - 8
+    kv.check_invariants([r])
