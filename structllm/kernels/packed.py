@@ -8,7 +8,8 @@ A weight ``W [N, K]`` is one of:
 - ``BlockWeight``: GGUF blocks run by the C++ kernels of ``quant_linear.cpp`` (CPU,
   AVX2 or AVX-512): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 as laid in the file; the k-quants
   Q4_K, Q5_K, Q6_K repacked once at load (``repack``) into blocks of 32 with float32
-  scales, bit-exact to ggml's dequantisation;
+  scales, bit-exact to ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
+  layout, each nibble an index into ggml's 16 non-linear levels);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
   different block types: each part runs in its own type, into its own output columns.
 
@@ -44,6 +45,7 @@ BLOCK_TYPES = {
     "Q4_K": 5,
     "Q5_K": 6,
     "Q6_K": 7,
+    "IQ4_NL": 8,
 }
 # bytes per 32 weights as the kernels hold them (the k-quants: after ``repack``)
 BLOCK_BYTES = {
@@ -55,6 +57,7 @@ BLOCK_BYTES = {
     "Q4_K": 24,
     "Q5_K": 28,
     "Q6_K": 40,
+    "IQ4_NL": 18,
 }
 BLOCK = 32
 # the k-quants: super-blocks of SUPER weights, FILE_BYTES bytes each in the file

@@ -11,6 +11,7 @@
 //   Q8_0  [d | 32 int8]         w = q * d
 //   Q5_0  [d | qh | 16 bytes]   w = (nibble | bit << 4 - 16) * d
 //   Q5_1  [d | m | qh | 16 bytes]  w = (nibble | bit << 4) * d + m
+//   IQ4_NL [d | 16 bytes]       w = kvalues[nibble] * d   (ggml's non-linear 4-bit grid)
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
 // bit j of the 32-bit qh is weight j's fifth bit.
 // The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into blocks
@@ -65,26 +66,31 @@ namespace {
 using namespace sl;
 
 constexpr int QK = 32;
-enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
-constexpr int NTYPES = 8;
+enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8 };
+constexpr int NTYPES = 9;
 
 constexpr int block_bytes(int t) {
-  constexpr int bytes[NTYPES] = {18, 20, 34, 22, 24, 24, 28, 40};
+  constexpr int bytes[NTYPES] = {18, 20, 34, 22, 24, 24, 28, 40, 18};
   return bytes[t];
 }
 constexpr int quants_offset(int t) {
-  constexpr int offset[NTYPES] = {2, 4, 2, 6, 8, 8, 12, 8};
+  constexpr int offset[NTYPES] = {2, 4, 2, 6, 8, 8, 12, 8, 2};
   return offset[t];
 }
 constexpr int qh_offset(int t) { return t == Q5_0 ? 2 : t == Q5_1 ? 4 : 8; }  // 5-bit types
 constexpr bool is8(int t) { return t == Q8_0 || t == Q6_K; }                // signed 8-bit quants
 constexpr bool is5(int t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }   // 5-bit quants
+constexpr bool lut4(int t) { return t == IQ4_NL; }                          // nibbles index a table
+constexpr bool signed8(int t) { return is8(t) || lut4(t); }                 // quants as signed bytes
 constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
-constexpr bool f32_scales(int t) { return t >= Q4_K; }                      // the repacked k-quants
+constexpr bool f32_scales(int t) { return t >= Q4_K && t <= Q6_K; }         // the repacked k-quants
 constexpr int subs(int t) { return t == Q6_K ? 2 : 1; }                     // scales per block
 constexpr int zero_point(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }  // subtracted from quants
 // the int8 path's types: unsigned 4- and 5-bit quants (blocked GEMM) and Q8_0 (row kernel)
-constexpr bool int8_path(int t) { return t != Q6_K; }
+constexpr bool int8_path(int t) { return t != Q6_K && t != IQ4_NL; }
+
+// IQ4_NL's 16 levels (ggml-common.h, kvalues_iq4nl): a nibble indexes this table
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 inline float half(const uint8_t* p) {  // an unaligned IEEE half -> float (exact)
   uint16_t h;
@@ -126,7 +132,8 @@ inline __m256i high_bits(const uint8_t* p) {
 }
 
 // the 32 quants of one weight block as bytes in weight order: unsigned for the 4- and
-// 5-bit types (zero point not subtracted), signed for the 8-bit ones
+// 5-bit types (zero point not subtracted), signed for the 8-bit ones and IQ4_NL (its
+// table's values: one vpshufb looks up 32 nibbles in the 16-byte table, both lanes)
 template <int T>
 inline __m256i block_bytes_vec(const uint8_t* blk) {
   const uint8_t* qs = blk + quants_offset(T);
@@ -137,6 +144,11 @@ inline __m256i block_bytes_vec(const uint8_t* blk) {
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
     if constexpr (is5(T)) return _mm256_or_si256(nib, high_bits(blk + qh_offset(T)));
+    if constexpr (lut4(T)) {
+      __m128i table;
+      std::memcpy(&table, kIQ4NL, 16);
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nib);
+    }
     return nib;
   }
 }
@@ -158,6 +170,15 @@ inline void block_ints(const uint8_t* blk, vf w[VN]) {
     for (int j = 0; j < VN; j++)
       w[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2]),
                                                  _mm256_set1_epi32(zero_point(T))));
+#endif
+  } else if constexpr (lut4(T)) {
+    const __m256i q = block_bytes_vec<T>(blk);  // signed table values, weight order
+    const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+#ifdef SL_AVX512
+    for (int j = 0; j < VN; j++) w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h[j]));
+#else
+    for (int j = 0; j < VN; j++)
+      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2]));
 #endif
   } else if constexpr (is8(T)) {
 #ifdef SL_AVX512
@@ -191,13 +212,15 @@ inline void block_ints(const uint8_t* blk, vf w[VN]) {
 template <int T>
 inline void dequant_block(const uint8_t* blk, vf w[VN]) {
 #ifdef SL_AVX512
-  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K) {
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K || T == IQ4_NL) {
     // A 4-bit block has only 16 distinct values: compute them (same mul, then add, so
     // the same roundings) and look each weight up with vpermps, which reads only the low
     // 4 bits of each index. The 16 bytes zero-extended to 32-bit lanes then index the
     // low nibbles as they are and the high ones after a shift by 4: 2 permutes instead
     // of 2 masks, 2 int->float conversions, 2 multiplies and 2 adds per block.
-    const __m512 iota = T == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+    // (IQ4_NL: the table is its 16 levels times d, ggml's d * kvalues[q])
+    const __m512 iota = T == Q4_0   ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                        : lut4(T) ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL))))
                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(scale_of<T>(blk)));
     if constexpr (has_min(T)) table = _mm512_add_ps(table, _mm512_set1_ps(second_of<T>(blk)));
@@ -475,7 +498,8 @@ void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64
 template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if constexpr (!int8_path(T)) {
-    // Q6_K (8-bit quants with two scales): packed.py never asks (INT8_TYPES); int16 serves
+    // Q6_K (8-bit quants with two scales), IQ4_NL (signed table values): packed.py never
+    // asks (INT8_TYPES); int16 serves
     return linear_int16<T>(x, w, out, M, N, K);
   } else {
     if constexpr (T != Q8_0) {
@@ -572,6 +596,10 @@ inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
   if constexpr (is8(T)) {
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  } else if constexpr (lut4(T)) {
+    const __m256i q = block_bytes_vec<T>(blk);
+    a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
   } else if constexpr (is5(T)) {
     const __m256i q = block_bytes_vec<T>(blk);
     a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
@@ -689,6 +717,10 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, i
   } else if constexpr (is8(T)) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else if constexpr (lut4(T)) {
+    const v8i q = block_bytes_vec<T>(blk);
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
   } else if constexpr (is5(T)) {
     const v8i q = block_bytes_vec<T>(blk);
     lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
@@ -1228,7 +1260,7 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NTYPES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K), 6 (Q5_K) or 7 (Q6_K, the last three repacked)");
+              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K, these three repacked) or 8 (IQ4_NL)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   const int bb = block_bytes(static_cast<int>(type));
   TORCH_CHECK(w.size(1) % bb == 0, "quant_linear: row bytes not a whole number of blocks");
@@ -1253,7 +1285,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mod
   using Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
   static constexpr Fn fns[NTYPES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0), SL_PATHS(Q5_0),
-                                        SL_PATHS(Q5_1), SL_PATHS(Q4_K), SL_PATHS(Q5_K), SL_PATHS(Q6_K)};
+                                        SL_PATHS(Q5_1), SL_PATHS(Q4_K), SL_PATHS(Q5_K), SL_PATHS(Q6_K),
+                                        SL_PATHS(IQ4_NL)};
 #undef SL_PATHS
   fns[type][mode](xp, wp, op, M, N, K);
   return out;
@@ -1268,7 +1301,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   using Fn = void (*)(const uint8_t*, float*, int64_t, int64_t);
   static constexpr Fn fns[NTYPES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
                                      dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, dequantize_rows<Q4_K>,
-                                     dequantize_rows<Q5_K>, dequantize_rows<Q6_K>};
+                                     dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>};
   fns[type](wp, op, w.size(0), K);
   return out;
 }
