@@ -312,6 +312,11 @@ def test_fused_parts_of_different_types_run_each_in_its_own_type() -> None:
 def test_k_quant_repacking_keeps_rows_and_needs_whole_super_blocks() -> None:
     w, ref = quantize(random_weight(3, 768, seed=9), "Q5_K", seed=9)
     assert w.raw.shape == (3, 768 // 32 * packed.BLOCK_BYTES["Q5_K"])
+    # self-contained blocks of 32 stay near the file's size (float16 super-block scales
+    # repeated, integer sub-scales): Q4_K 22 / 18, Q5_K 26 / 22, Q6_K 28 / 26.25 bytes
+    for name, most in (("Q4_K", 1.23), ("Q5_K", 1.19), ("Q6_K", 1.07)):
+        k_w, _ = quantize(random_weight(2, 512, seed=9), name, seed=9)
+        assert k_w.nbytes <= most * 2 * 2 * packed.FILE_BYTES[name], name
     assert torch.equal(w.row_range(1, 2).dequantize(), ref[1:2])
     with pytest.raises(ValueError, match="Q4_K with 288 columns"):
         BlockWeight.from_raw(torch.zeros(144, dtype=torch.uint8), "Q4_K", 288)
