@@ -724,9 +724,16 @@ template <int T, int MT>
 inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, int sub = 0) {
   v8i lo, hi;
   if constexpr (T == Q6_K) {
-    const v8i b = block_bytes_vec<T>(blk);
-    const v8i q = _mm256_cvtepi8_epi16(sub ? _mm256_extracti128_si256(b, 1) : _mm256_castsi256_si128(b));
-    for (int m = 0; m < MT; m++) s[m] = dot(_mm256_setzero_si256(), q, load(x + m * K + 16 * sub));
+    // only the 16 weights of scale sub: their nibbles, and their high bits from lanes
+    // 2 sub and 2 sub + 1 of block_bytes_vec's shifted qh2 (shifts 4 sub and 4 sub + 2)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T)));
+    const __m128i nib = _mm_and_si128(sub ? _mm_srli_epi16(q, 4) : q, _mm_set1_epi8(0x0F));
+    int64_t qh;
+    std::memcpy(&qh, blk + qh_offset(T), 8);
+    const __m128i h = _mm_srlv_epi64(_mm_set1_epi64x(qh), sub ? _mm_set_epi64x(6, 4) : _mm_set_epi64x(2, 0));
+    const __m128i six = _mm_or_si128(nib, _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x03)), 4));
+    const v8i w = _mm256_cvtepi8_epi16(_mm_sub_epi8(six, _mm_set1_epi8(32)));
+    for (int m = 0; m < MT; m++) s[m] = dot(_mm256_setzero_si256(), w, load(x + m * K + 16 * sub));
     return;
   } else if constexpr (T == Q8_0) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
@@ -736,6 +743,24 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, i
     lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
     hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
   } else if constexpr (is5(T)) {
+#ifdef SL_AVX512
+    // AVX-512 BW/VL: the nibbles as Q4's, then qh as two 16-lane masks: + 16 where the
+    // fifth bit is set (Q5_1, Q5_K), or - 16 where it is not (Q5_0: q - 16)
+    const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
+    uint32_t qh;
+    std::memcpy(&qh, blk + qh_offset(T), 4);
+    const __mmask16 mlo = static_cast<__mmask16>(qh), mhi = static_cast<__mmask16>(qh >> 16);
+    const v8i sixteen = _mm256_set1_epi16(16);
+    lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(z, 4);
+    if constexpr (zero_point(T) != 0) {
+      lo = _mm256_mask_sub_epi16(lo, static_cast<__mmask16>(~mlo), lo, sixteen);
+      hi = _mm256_mask_sub_epi16(hi, static_cast<__mmask16>(~mhi), hi, sixteen);
+    } else {
+      lo = _mm256_mask_add_epi16(lo, mlo, lo, sixteen);
+      hi = _mm256_mask_add_epi16(hi, mhi, hi, sixteen);
+    }
+#else
     const v8i q = block_bytes_vec<T>(blk);
     lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
     hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
@@ -743,6 +768,7 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, i
       lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(zero_point(T)));
       hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(zero_point(T)));
     }
+#endif
   } else {
     const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
     lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
