@@ -738,10 +738,13 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, i
   } else if constexpr (T == Q8_0) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-  } else if constexpr (lut4(T)) {
-    const v8i q = block_bytes_vec<T>(blk);
-    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+  } else if constexpr (lut4(T)) {  // each half looked up in 128 bits (no lane crossing)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T)));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i table;
+    std::memcpy(&table, kIQ4NL, 16);
+    lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(q, m4)));
+    hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4)));
   } else if constexpr (is5(T)) {
 #ifdef SL_AVX512
     // AVX-512 BW/VL: the nibbles as Q4's, then qh as two 16-lane masks: + 16 where the
