@@ -66,6 +66,12 @@ def block_weight(n: int, k: int, type_name: str, seed: int) -> BlockWeight:
                 rng.uniform(1e-4, 1e-3, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
             )
         return BlockWeight.from_raw(raw, type_name, k)
+    if type_name == "IQ4_NL":  # nor IQ4_NL: random indices under sane float16 scales
+        raw = rng.integers(0, 256, (n * k // 32, 18), dtype=np.uint8)
+        raw[:, 0:2] = (
+            rng.uniform(1e-4, 1e-3, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        )
+        return BlockWeight.from_raw(raw, type_name, k)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
     return BlockWeight.from_raw(

@@ -7,8 +7,10 @@ A weight ``W [N, K]`` is one of:
   bytes of float32, float32 activations and accumulation;
 - ``BlockWeight``: GGUF blocks run by the C++ kernels of ``quant_linear.cpp`` (CPU,
   AVX2 or AVX-512): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 as laid in the file; the k-quants
-  Q4_K, Q5_K, Q6_K repacked once at load (``repack``) into blocks of 32 with float32
-  scales, bit-exact to ggml's dequantisation;
+  Q4_K, Q5_K, Q6_K repacked once at load (``repack``) into self-contained blocks of 32
+  (their super-block's float16 scales and their own integer sub-scales), bit-exact to
+  ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
+  layout, each nibble an index into ggml's 16 non-linear levels);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
   different block types: each part runs in its own type, into its own output columns.
 
@@ -44,6 +46,7 @@ BLOCK_TYPES = {
     "Q4_K": 5,
     "Q5_K": 6,
     "Q6_K": 7,
+    "IQ4_NL": 8,
 }
 # bytes per 32 weights as the kernels hold them (the k-quants: after ``repack``)
 BLOCK_BYTES = {
@@ -52,9 +55,10 @@ BLOCK_BYTES = {
     "Q8_0": 34,
     "Q5_0": 22,
     "Q5_1": 24,
-    "Q4_K": 24,
-    "Q5_K": 28,
-    "Q6_K": 40,
+    "Q4_K": 22,
+    "Q5_K": 26,
+    "Q6_K": 28,
+    "IQ4_NL": 18,
 }
 BLOCK = 32
 # the k-quants: super-blocks of SUPER weights, FILE_BYTES bytes each in the file
@@ -152,21 +156,14 @@ def _kernels() -> Any:
     return _KERNELS
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """Byte pairs ``[..., 2]`` as float16 -> float32 ``[...]``."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
-
-
 def _k_scales(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K super-blocks ``[n, bytes]`` -> the 8 sub-blocks' float32 scales
-    ``d * scale`` and minima ``-(dmin * min)`` ``[n, 8]``, as ggml computes them (exact:
-    a float16 times a 6-bit integer). The 12 scale bytes hold 6-bit scales and mins."""
-    d, dmin = _f16(sb[:, 0:2]), _f16(sb[:, 2:4])
+    """Q4_K/Q5_K super-blocks ``[n, bytes]`` -> the 8 sub-blocks' 6-bit scales and
+    minima ``[n, 8]`` uint8, unpacked from the 12 scale bytes (ggml's get_scale_min_k4)."""
     s = sb[:, 4:16].reshape(-1, 3, 4)
     lo, hi, both = s[:, 0], s[:, 1], s[:, 2]
     sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
     mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=1)
-    return d[:, None] * sc.astype(np.float32), -(dmin[:, None] * mn.astype(np.float32))
+    return sc, mn
 
 
 def _nibble_pairs(q: np.ndarray) -> np.ndarray:
@@ -186,18 +183,27 @@ def _bytes(a: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8).reshape(n, 8, -1)
 
 
+def _per_block(b: np.ndarray) -> np.ndarray:
+    """A super-block's bytes ``[n, w]`` repeated for its 8 blocks: ``[n, 8, w]``."""
+    return np.repeat(b[:, None, :], 8, axis=1)
+
+
 def repack(raw: np.ndarray, type_name: str) -> np.ndarray:
     """A k-quant tensor's file bytes (super-blocks of 256 weights, ggml-common.h) ->
-    blocks of 32 as the kernels hold them, ``[n_super * 8, BLOCK_BYTES]`` uint8, in the
-    same order (so rows of the matrix stay rows):
+    self-contained blocks of 32 as the kernels hold them, ``[n_super * 8, BLOCK_BYTES]``
+    uint8, in the same order (so rows of the matrix stay rows, and columns cut at any
+    32):
 
-    - Q4_K ``[d f32 | m f32 | 16 nibble bytes]``: w = q * d + m;
-    - Q5_K ``[d f32 | m f32 | qh u32 | 16 nibble bytes]``: w = (q | h << 4) * d + m;
-    - Q6_K ``[d0 f32 | d1 f32 | 32 int8]``: w = q * d0 (first 16), q * d1 (last 16);
+    - Q4_K ``[D | DMIN | sc u8 | mn u8 | 16 nibble bytes]``: w = q * d + m;
+    - Q5_K ``[D | DMIN | sc u8 | mn u8 | qh u32 | 16 nibble bytes]``: w = (q | h << 4) *
+      d + m;
+    - Q6_K ``[D | sc0 i8 | sc1 i8 | 16 nibble bytes | 8 bytes of high bits]``: w = (q -
+      32) * d0 (first 16), (q - 32) * d1 (last 16), q = nibble | high two bits << 4;
 
-    with d = d_super * scale and m = -(dmin * min) in float32 (exact), so the kernels'
-    ``q * d + m`` rounds as ggml's ``d * q - dm``. 24/28/40 bytes per 32 weights
-    against the file's 18/22/26.25: the price of scales the kernels read per block."""
+    D, DMIN: the super-block's float16 scales, repeated; the kernels form d = D * sc,
+    m = -(DMIN * mn), d0 = D * sc0 in float32 (exact: a float16 times a 6- or 8-bit
+    integer), as ggml's dequantisation does, so ``q * d + m`` rounds as its ``d * q -
+    dm``. 22/26/28 bytes per 32 weights against the file's 18/22/26.25."""
     sb = raw.reshape(-1, FILE_BYTES[type_name])
     n = sb.shape[0]
     if type_name == "Q6_K":
@@ -205,21 +211,27 @@ def repack(raw: np.ndarray, type_name: str) -> np.ndarray:
         shift2 = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         ql = ((sb[:, :128].reshape(-1, 2, 1, 64) >> shift4) & 0x0F).reshape(-1, 8, 32)
         qh = ((sb[:, 128:192].reshape(-1, 2, 1, 32) >> shift2) & 0x03).reshape(-1, 8, 32)
-        q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
-        scales = _f16(sb[:, 208:210])[:, None] * sb[:, 192:208].view(np.int8).astype(np.float32)
-        out = [_bytes(scales.reshape(n, 8, 2), n), _bytes(q, n)]
+        # high bits of weight 8i + j -> bits 2i, 2i + 1 of byte j
+        hi = qh.reshape(n, 8, 4, 8) << np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        qh2 = np.bitwise_or.reduce(hi, axis=2).astype(np.uint8)  # [n, 8, 8]
+        out = [
+            _per_block(sb[:, 208:210]),
+            _bytes(sb[:, 192:208].reshape(n, 8, 2), n),
+            _nibble_pairs(ql),
+            qh2,
+        ]
     else:
-        d, m = _k_scales(sb)
-        head = _bytes(np.stack([d, m], axis=2), n)  # [n, 8, 8]
+        sc, mn = _k_scales(sb)
+        head = [_per_block(sb[:, 0:4]), _bytes(np.stack([sc, mn], axis=2), n)]
         if type_name == "Q4_K":
-            out = [head, _bytes(_nibble_pairs(_k_nibbles(sb[:, 16:144])), n)]
+            out = [*head, _bytes(_nibble_pairs(_k_nibbles(sb[:, 16:144])), n)]
         else:  # Q5_K: fifth bits in qh[32] (bit s of byte l: sub-block s, weight l)
             hb = (sb[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
             qh32 = (hb.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(
                 axis=2, dtype=np.uint32
             )
             nib = _nibble_pairs(_k_nibbles(sb[:, 48:176]))
-            out = [head, _bytes(qh32, n), _bytes(nib, n)]
+            out = [*head, _bytes(qh32, n), _bytes(nib, n)]
     return np.concatenate(out, axis=2).reshape(n * 8, BLOCK_BYTES[type_name])
 
 

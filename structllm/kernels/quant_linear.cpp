@@ -11,16 +11,23 @@
 //   Q8_0  [d | 32 int8]         w = q * d
 //   Q5_0  [d | qh | 16 bytes]   w = (nibble | bit << 4 - 16) * d
 //   Q5_1  [d | m | qh | 16 bytes]  w = (nibble | bit << 4) * d + m
+//   IQ4_NL [d | 16 bytes]       w = kvalues[nibble] * d   (ggml's non-linear 4-bit grid)
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
 // bit j of the 32-bit qh is weight j's fifth bit.
-// The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into blocks
-// of 32 with float32 scales, which hold ggml's products d * scale and -dmin * min exactly
-// (a float16 times a 6- or 8-bit integer fits float32's 24 bits), so the float path
-// stays bit-exact to the float32 dequantisation:
-//   Q4_K  [d f32 | m f32 | 16 bytes]          w = nibble * d + m      (m = -dmin * min)
-//   Q5_K  [d f32 | m f32 | qh | 16 bytes]     w = (nibble | bit << 4) * d + m
-//   Q6_K  [d0 f32 | d1 f32 | 32 int8]         w = q * d0 (weights 0..15), q * d1 (16..31)
-// (Q6_K's sub-blocks are 16 wide: its blocks fold two integer sums, one per scale.)
+// The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into
+// self-contained blocks of 32, each with its super-block's float16 scale(s) and its own
+// integer sub-scale(s); the kernels form ggml's products D * scale and -(DMIN * min) in
+// float32, exactly (a float16 times a 6- or 8-bit integer fits float32's 24 bits), so
+// the float path stays bit-exact to the float32 dequantisation:
+//   Q4_K  [D | DMIN | sc u8 | mn u8 | 16 bytes]        w = nibble * d + m
+//   Q5_K  [D | DMIN | sc u8 | mn u8 | qh | 16 bytes]   w = (nibble | bit << 4) * d + m
+//   Q6_K  [D | sc0 i8 | sc1 i8 | 16 bytes | qh2 8 bytes]  w = (q - 32) * d0 (weights
+//         0..15), (q - 32) * d1 (16..31), q = nibble | two high bits << 4
+// with d = D * sc, m = -(DMIN * mn), d0 = D * sc0, d1 = D * sc1: 22, 26 and 28 bytes per
+// 32 weights against the file's 18, 22 and 26.25 (float32 scales held 24, 28 and 40).
+// Q6_K's qh2 byte j holds the high bits of weights j, j + 8, j + 16, j + 24 at bits 0-1,
+// 2-3, 4-5, 6-7. (Q6_K's sub-blocks are 16 wide: its blocks fold two integer sums, one
+// per scale.)
 //
 // Three paths (mode 0, 1, 2):
 //   float: weights dequantised exactly and FMA'd with float32 activations. The
@@ -65,46 +72,49 @@ namespace {
 using namespace sl;
 
 constexpr int QK = 32;
-enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
-constexpr int NTYPES = 8;
+enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8 };
+constexpr int NTYPES = 9;
 
 constexpr int block_bytes(int t) {
-  constexpr int bytes[NTYPES] = {18, 20, 34, 22, 24, 24, 28, 40};
+  constexpr int bytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18};
   return bytes[t];
 }
 constexpr int quants_offset(int t) {
-  constexpr int offset[NTYPES] = {2, 4, 2, 6, 8, 8, 12, 8};
+  constexpr int offset[NTYPES] = {2, 4, 2, 6, 8, 6, 10, 4, 2};
   return offset[t];
 }
-constexpr int qh_offset(int t) { return t == Q5_0 ? 2 : t == Q5_1 ? 4 : 8; }  // 5-bit types
+constexpr int qh_offset(int t) { return t == Q5_0 ? 2 : t == Q5_1 ? 4 : t == Q5_K ? 6 : 20; }  // 5-bit, Q6_K
 constexpr bool is8(int t) { return t == Q8_0 || t == Q6_K; }                // signed 8-bit quants
 constexpr bool is5(int t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }   // 5-bit quants
+constexpr bool lut4(int t) { return t == IQ4_NL; }                          // nibbles index a table
+constexpr bool unpacked8(int t) { return lut4(t) || t == Q6_K; }  // signed bytes made by block_bytes_vec
 constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
-constexpr bool f32_scales(int t) { return t >= Q4_K; }                      // the repacked k-quants
+constexpr bool repacked(int t) { return t >= Q4_K && t <= Q6_K; }           // the repacked k-quants
 constexpr int subs(int t) { return t == Q6_K ? 2 : 1; }                     // scales per block
 constexpr int zero_point(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }  // subtracted from quants
 // the int8 path's types: unsigned 4- and 5-bit quants (blocked GEMM) and Q8_0 (row kernel)
-constexpr bool int8_path(int t) { return t != Q6_K; }
+constexpr bool int8_path(int t) { return t != Q6_K && t != IQ4_NL; }
+
+// IQ4_NL's 16 levels (ggml-common.h, kvalues_iq4nl): a nibble indexes this table
+constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 inline float half(const uint8_t* p) {  // an unaligned IEEE half -> float (exact)
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
-inline float f32(const uint8_t* p) {
-  float v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 // a block's scale (Q6_K: of its first 16 weights), and its second number: the minimum
 // of a type with one, Q6_K's second scale, else 0
 template <int T>
 inline float scale_of(const uint8_t* blk) {
-  return f32_scales(T) ? f32(blk) : half(blk);
+  if constexpr (T == Q6_K) return half(blk) * static_cast<float>(static_cast<int8_t>(blk[2]));
+  if constexpr (repacked(T)) return half(blk) * static_cast<float>(blk[4]);
+  return half(blk);
 }
 template <int T>
 inline float second_of(const uint8_t* blk) {
-  if constexpr (f32_scales(T)) return f32(blk + 4);
+  if constexpr (T == Q6_K) return half(blk) * static_cast<float>(static_cast<int8_t>(blk[3]));
+  if constexpr (repacked(T)) return -(half(blk + 2) * static_cast<float>(blk[5]));
   if constexpr (has_min(T)) return half(blk + 2);
   return 0.f;
 }
@@ -126,17 +136,32 @@ inline __m256i high_bits(const uint8_t* p) {
 }
 
 // the 32 quants of one weight block as bytes in weight order: unsigned for the 4- and
-// 5-bit types (zero point not subtracted), signed for the 8-bit ones
+// 5-bit types (zero point not subtracted), signed for the 8-bit ones and IQ4_NL (its
+// table's values: one vpshufb looks up 32 nibbles in the 16-byte table, both lanes)
 template <int T>
 inline __m256i block_bytes_vec(const uint8_t* blk) {
   const uint8_t* qs = blk + quants_offset(T);
-  if constexpr (is8(T)) {
+  if constexpr (T == Q8_0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
   } else {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
     if constexpr (is5(T)) return _mm256_or_si256(nib, high_bits(blk + qh_offset(T)));
+    if constexpr (T == Q6_K) {
+      // 64-bit lane i takes qh2 >> 2i: its byte j then holds weight 8i + j's high bits
+      // at bits 0-1, moved to 4-5 (a 16-bit shift of bytes <= 3 stays in its byte)
+      int64_t qh;
+      std::memcpy(&qh, blk + qh_offset(T), 8);
+      const __m256i h = _mm256_srlv_epi64(_mm256_set1_epi64x(qh), _mm256_setr_epi64x(0, 2, 4, 6));
+      const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4);
+      return _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(32));
+    }
+    if constexpr (lut4(T)) {
+      __m128i table;
+      std::memcpy(&table, kIQ4NL, 16);
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nib);
+    }
     return nib;
   }
 }
@@ -158,6 +183,15 @@ inline void block_ints(const uint8_t* blk, vf w[VN]) {
     for (int j = 0; j < VN; j++)
       w[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2]),
                                                  _mm256_set1_epi32(zero_point(T))));
+#endif
+  } else if constexpr (unpacked8(T)) {
+    const __m256i q = block_bytes_vec<T>(blk);  // signed values, weight order
+    const __m128i h[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+#ifdef SL_AVX512
+    for (int j = 0; j < VN; j++) w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h[j]));
+#else
+    for (int j = 0; j < VN; j++)
+      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(j % 2 ? _mm_srli_si128(h[j / 2], 8) : h[j / 2]));
 #endif
   } else if constexpr (is8(T)) {
 #ifdef SL_AVX512
@@ -191,13 +225,15 @@ inline void block_ints(const uint8_t* blk, vf w[VN]) {
 template <int T>
 inline void dequant_block(const uint8_t* blk, vf w[VN]) {
 #ifdef SL_AVX512
-  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K) {
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K || T == IQ4_NL) {
     // A 4-bit block has only 16 distinct values: compute them (same mul, then add, so
     // the same roundings) and look each weight up with vpermps, which reads only the low
     // 4 bits of each index. The 16 bytes zero-extended to 32-bit lanes then index the
     // low nibbles as they are and the high ones after a shift by 4: 2 permutes instead
     // of 2 masks, 2 int->float conversions, 2 multiplies and 2 adds per block.
-    const __m512 iota = T == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+    // (IQ4_NL: the table is its 16 levels times d, ggml's d * kvalues[q])
+    const __m512 iota = T == Q4_0   ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                        : lut4(T) ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL))))
                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(scale_of<T>(blk)));
     if constexpr (has_min(T)) table = _mm512_add_ps(table, _mm512_set1_ps(second_of<T>(blk)));
@@ -475,7 +511,8 @@ void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64
 template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if constexpr (!int8_path(T)) {
-    // Q6_K (8-bit quants with two scales): packed.py never asks (INT8_TYPES); int16 serves
+    // Q6_K (8-bit quants with two scales), IQ4_NL (signed table values): packed.py never
+    // asks (INT8_TYPES); int16 serves
     return linear_int16<T>(x, w, out, M, N, K);
   } else {
     if constexpr (T != Q8_0) {
@@ -569,9 +606,13 @@ template <int T>
 inline void unpack_block16(const uint8_t* blk, int16_t* dst) {
   const uint8_t* qs = blk + quants_offset(T);
   __m256i a, b;
-  if constexpr (is8(T)) {
+  if constexpr (T == Q8_0) {
     a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
     b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  } else if constexpr (unpacked8(T)) {
+    const __m256i q = block_bytes_vec<T>(blk);
+    a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+    b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
   } else if constexpr (is5(T)) {
     const __m256i q = block_bytes_vec<T>(blk);
     a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
@@ -683,13 +724,46 @@ template <int T, int MT>
 inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, int sub = 0) {
   v8i lo, hi;
   if constexpr (T == Q6_K) {
-    const v8i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T) + 16 * sub)));
-    for (int m = 0; m < MT; m++) s[m] = dot(_mm256_setzero_si256(), q, load(x + m * K + 16 * sub));
+    // only the 16 weights of scale sub: their nibbles, and their high bits from lanes
+    // 2 sub and 2 sub + 1 of block_bytes_vec's shifted qh2 (shifts 4 sub and 4 sub + 2)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T)));
+    const __m128i nib = _mm_and_si128(sub ? _mm_srli_epi16(q, 4) : q, _mm_set1_epi8(0x0F));
+    int64_t qh;
+    std::memcpy(&qh, blk + qh_offset(T), 8);
+    const __m128i h = _mm_srlv_epi64(_mm_set1_epi64x(qh), sub ? _mm_set_epi64x(6, 4) : _mm_set_epi64x(2, 0));
+    const __m128i six = _mm_or_si128(nib, _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x03)), 4));
+    const v8i w = _mm256_cvtepi8_epi16(_mm_sub_epi8(six, _mm_set1_epi8(32)));
+    for (int m = 0; m < MT; m++) s[m] = dot(_mm256_setzero_si256(), w, load(x + m * K + 16 * sub));
     return;
-  } else if constexpr (is8(T)) {
+  } else if constexpr (T == Q8_0) {
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
+  } else if constexpr (lut4(T)) {  // each half looked up in 128 bits (no lane crossing)
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T)));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i table;
+    std::memcpy(&table, kIQ4NL, 16);
+    lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(q, m4)));
+    hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4)));
   } else if constexpr (is5(T)) {
+#ifdef SL_AVX512
+    // AVX-512 BW/VL: the nibbles as Q4's, then qh as two 16-lane masks: + 16 where the
+    // fifth bit is set (Q5_1, Q5_K), or - 16 where it is not (Q5_0: q - 16)
+    const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
+    uint32_t qh;
+    std::memcpy(&qh, blk + qh_offset(T), 4);
+    const __mmask16 mlo = static_cast<__mmask16>(qh), mhi = static_cast<__mmask16>(qh >> 16);
+    const v8i sixteen = _mm256_set1_epi16(16);
+    lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(z, 4);
+    if constexpr (zero_point(T) != 0) {
+      lo = _mm256_mask_sub_epi16(lo, static_cast<__mmask16>(~mlo), lo, sixteen);
+      hi = _mm256_mask_sub_epi16(hi, static_cast<__mmask16>(~mhi), hi, sixteen);
+    } else {
+      lo = _mm256_mask_add_epi16(lo, mlo, lo, sixteen);
+      hi = _mm256_mask_add_epi16(hi, mhi, hi, sixteen);
+    }
+#else
     const v8i q = block_bytes_vec<T>(blk);
     lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));
     hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));
@@ -697,6 +771,7 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, i
       lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(zero_point(T)));
       hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(zero_point(T)));
     }
+#endif
   } else {
     const v8i z = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T))));
     lo = _mm256_and_si256(z, _mm256_set1_epi16(0x0F));
@@ -724,27 +799,58 @@ inline void block_dot(const uint8_t* blk, const int8_t* x, int64_t K, v8i* s, in
 
 // the float16 scales (dw) and, for Q4_1, minima (mw) of 8 blocks at g + j * stride
 // (consecutive blocks of a row: stride = block_bytes; a block of 8 rows: the row bytes)
+// the 16-bit halves of the first 32-bit words of 8 blocks at g + j * stride: low halves
+// in lo, high halves in hi (8 words each)
+inline void halves8(const uint8_t* g, int64_t stride, __m128i& lo, __m128i& hi) {
+  auto word = [&](int j) {
+    int32_t v;
+    std::memcpy(&v, g + j * stride, 4);
+    return v;
+  };
+  __m128i a = _mm_cvtsi32_si128(word(0)), c = _mm_cvtsi32_si128(word(4));
+  a = _mm_insert_epi32(a, word(1), 1), c = _mm_insert_epi32(c, word(5), 1);
+  a = _mm_insert_epi32(a, word(2), 2), c = _mm_insert_epi32(c, word(6), 2);
+  a = _mm_insert_epi32(a, word(3), 3), c = _mm_insert_epi32(c, word(7), 3);
+  // per 32-bit word [lo | hi] -> the 4 lo's, then the 4 hi's
+  const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  a = _mm_shuffle_epi8(a, split), c = _mm_shuffle_epi8(c, split);
+  lo = _mm_unpacklo_epi64(a, c), hi = _mm_unpackhi_epi64(a, c);
+}
+
 template <int T>
 inline void scales8(const uint8_t* g, int64_t stride, v8f& dw, v8f& mw) {
-  if constexpr (f32_scales(T)) {  // [d f32 | m (or Q6_K's second scale) f32]
-    auto at = [&](int j, int o) { return f32(g + j * stride + o); };
-    dw = _mm256_setr_ps(at(0, 0), at(1, 0), at(2, 0), at(3, 0), at(4, 0), at(5, 0), at(6, 0), at(7, 0));
-    mw = _mm256_setr_ps(at(0, 4), at(1, 4), at(2, 4), at(3, 4), at(4, 4), at(5, 4), at(6, 4), at(7, 4));
-  } else if constexpr (T == Q4_1 || T == Q5_1) {  // [d | m] is the first 32-bit word of a block
+  if constexpr (T == Q6_K) {  // [D | sc0 i8 | sc1 i8]: d0 = D sc0, d1 = D sc1 (in mw)
+    __m128i d, s;
+    halves8(g, stride, d, s);
+    const v8f dv = _mm256_cvtph_ps(d);
+    const __m128i s0 = _mm_srai_epi16(_mm_slli_epi16(s, 8), 8), s1 = _mm_srai_epi16(s, 8);
+    dw = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s0)));
+    mw = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(s1)));
+  } else if constexpr (repacked(T)) {  // [D | DMIN | sc u8 | mn u8]: d = D sc, m = -(DMIN mn)
+    __m128i d, dmin;
+    halves8(g, stride, d, dmin);
     auto word = [&](int j) {
-      int32_t v;
-      std::memcpy(&v, g + j * stride, 4);
-      return v;
+      uint16_t v;
+      std::memcpy(&v, g + j * stride + 4, 2);
+      return static_cast<int>(v);
     };
-    __m128i a = _mm_cvtsi32_si128(word(0)), c = _mm_cvtsi32_si128(word(4));
-    a = _mm_insert_epi32(a, word(1), 1), c = _mm_insert_epi32(c, word(5), 1);
-    a = _mm_insert_epi32(a, word(2), 2), c = _mm_insert_epi32(c, word(6), 2);
-    a = _mm_insert_epi32(a, word(3), 3), c = _mm_insert_epi32(c, word(7), 3);
-    // per 32-bit word [d | m] -> the 4 d's, then the 4 m's
-    const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    a = _mm_shuffle_epi8(a, split), c = _mm_shuffle_epi8(c, split);
-    dw = _mm256_cvtph_ps(_mm_unpacklo_epi64(a, c));
-    mw = _mm256_cvtph_ps(_mm_unpackhi_epi64(a, c));
+    __m128i s = _mm_cvtsi32_si128(word(0));
+    s = _mm_insert_epi16(s, word(1), 1);
+    s = _mm_insert_epi16(s, word(2), 2);
+    s = _mm_insert_epi16(s, word(3), 3);
+    s = _mm_insert_epi16(s, word(4), 4);
+    s = _mm_insert_epi16(s, word(5), 5);
+    s = _mm_insert_epi16(s, word(6), 6);
+    s = _mm_insert_epi16(s, word(7), 7);
+    const __m128i sc = _mm_and_si128(s, _mm_set1_epi16(0xFF)), mn = _mm_srli_epi16(s, 8);
+    dw = _mm256_mul_ps(_mm256_cvtph_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(sc)));
+    mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(mn))),
+                       _mm256_set1_ps(-0.f));
+  } else if constexpr (T == Q4_1 || T == Q5_1) {  // [d | m] is the first 32-bit word of a block
+    __m128i d, m;
+    halves8(g, stride, d, m);
+    dw = _mm256_cvtph_ps(d);
+    mw = _mm256_cvtph_ps(m);
   } else {  // d alone, as 16-bit words (a 32-bit load at 18 j or 34 j may split a cache line)
     auto word = [&](int j) {
       uint16_t v;
@@ -1228,7 +1334,7 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NTYPES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K), 6 (Q5_K) or 7 (Q6_K, the last three repacked)");
+              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K, these three repacked) or 8 (IQ4_NL)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   const int bb = block_bytes(static_cast<int>(type));
   TORCH_CHECK(w.size(1) % bb == 0, "quant_linear: row bytes not a whole number of blocks");
@@ -1253,7 +1359,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mod
   using Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
   static constexpr Fn fns[NTYPES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0), SL_PATHS(Q5_0),
-                                        SL_PATHS(Q5_1), SL_PATHS(Q4_K), SL_PATHS(Q5_K), SL_PATHS(Q6_K)};
+                                        SL_PATHS(Q5_1), SL_PATHS(Q4_K), SL_PATHS(Q5_K), SL_PATHS(Q6_K),
+                                        SL_PATHS(IQ4_NL)};
 #undef SL_PATHS
   fns[type][mode](xp, wp, op, M, N, K);
   return out;
@@ -1268,7 +1375,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   using Fn = void (*)(const uint8_t*, float*, int64_t, int64_t);
   static constexpr Fn fns[NTYPES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
                                      dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, dequantize_rows<Q4_K>,
-                                     dequantize_rows<Q5_K>, dequantize_rows<Q6_K>};
+                                     dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>};
   fns[type](wp, op, w.size(0), K);
   return out;
 }

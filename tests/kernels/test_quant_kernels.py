@@ -33,7 +33,8 @@ M_SIZES = [1, 3, 16, 64, 257]
 
 
 K_QUANTS = list(packed.FILE_BYTES)  # gguf cannot quantise these: random super-blocks
-QUANTISABLE = [t for t in BLOCK_TYPES if t not in K_QUANTS]
+RANDOM = [*K_QUANTS, "IQ4_NL"]  # nor these: random blocks
+QUANTISABLE = [t for t in BLOCK_TYPES if t not in RANDOM]
 
 
 def quantize(w: np.ndarray, type_name: str, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
@@ -42,7 +43,9 @@ def quantize(w: np.ndarray, type_name: str, seed: int = 0) -> tuple[BlockWeight,
     whose float16 scales are set to sizes like ``w``'s rows (every other byte random:
     all of it is valid quants and 6-bit scales)."""
     qtype = gguf.GGMLQuantizationType[type_name]
-    if type_name in K_QUANTS:
+    if type_name == "IQ4_NL":
+        raw = random_iq4nl_blocks(w, seed)
+    elif type_name in K_QUANTS:
         raw = random_super_blocks(w, type_name, seed)
     else:
         raw = gguf.quants.quantize(w, qtype)
@@ -66,6 +69,17 @@ def random_super_blocks(w: np.ndarray, type_name: str, seed: int) -> np.ndarray:
     else:  # q in [0, 31] times 6-bit scales, minus 6-bit mins times dmin
         raw[..., 0:2] = f16(size / 1000)
         raw[..., 2:4] = f16(size / 2000)
+    return raw.reshape(n, -1)
+
+
+def random_iq4nl_blocks(w: np.ndarray, seed: int) -> np.ndarray:
+    """IQ4_NL blocks of ``w``'s shape: random nibbles (indices into the 16 levels, up to
+    127 in size) under float16 scales sized like each block of ``w``."""
+    n, k = w.shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+    size = np.abs(w).reshape(n, k // 32, 32).max(axis=2)
+    raw[..., 0:2] = (size / 127).astype(np.float16).view(np.uint8).reshape(n, k // 32, 2)
     return raw.reshape(n, -1)
 
 
@@ -298,6 +312,11 @@ def test_fused_parts_of_different_types_run_each_in_its_own_type() -> None:
 def test_k_quant_repacking_keeps_rows_and_needs_whole_super_blocks() -> None:
     w, ref = quantize(random_weight(3, 768, seed=9), "Q5_K", seed=9)
     assert w.raw.shape == (3, 768 // 32 * packed.BLOCK_BYTES["Q5_K"])
+    # self-contained blocks of 32 stay near the file's size (float16 super-block scales
+    # repeated, integer sub-scales): Q4_K 22 / 18, Q5_K 26 / 22, Q6_K 28 / 26.25 bytes
+    for name, most in (("Q4_K", 1.23), ("Q5_K", 1.19), ("Q6_K", 1.07)):
+        k_w, _ = quantize(random_weight(2, 512, seed=9), name, seed=9)
+        assert k_w.nbytes <= most * 2 * 2 * packed.FILE_BYTES[name], name
     assert torch.equal(w.row_range(1, 2).dequantize(), ref[1:2])
     with pytest.raises(ValueError, match="Q4_K with 288 columns"):
         BlockWeight.from_raw(torch.zeros(144, dtype=torch.uint8), "Q4_K", 288)
