@@ -835,6 +835,72 @@ inline void rows8(const uint8_t* w, int64_t row_bytes, int nb, const XT* xq, int
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
 }
 
+// rows8 for Q4_0 / Q4_1 on the int8 path with several activation rows (verifying
+// speculative drafts, small batches): the lane reduction above costs about as much as
+// the dot products it follows (21 shuffles and adds per activation row and group of 8
+// weight rows per block), and it is paid once per activation row. Here the group's
+// blocks are transposed once instead, so that lane j holds weight row j: its 16 quant
+// bytes (rows r and r + 4 in the two 128-bit halves), a 4 x 4 transpose of 32-bit words
+// per half, and each word split into its low nibbles (weights 4q..4q+3) and high ones
+// (16+4q..16+4q+3). Each activation row is then 8 dot products against a broadcast quad
+// of its own bytes, whose lanes already are the 8 rows' block sums: no reduction at all.
+// The block sums are integers and so exact in any order, and the fold is rows8's, so
+// the outputs are bit for bit rows8's (and the blocked GEMM's).
+inline v8i dot_acc(v8i acc, v8i u, v8i s) {  // acc + products of u8 x s8 quads
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
+
+inline v8i bcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int T, int MT>
+inline void rows8_nibbles(const uint8_t* w, int64_t row_bytes, int nb, const int8_t* xq, int64_t K, const float* dx,
+                          const float* xs, float* out, int64_t N, const uint8_t* ahead) {
+  static_assert(T == Q4_0 || T == Q4_1, "4-bit blocks as laid in the file");
+  constexpr int BB = block_bytes(T), QO = quants_offset(T);
+  const v8i low4 = _mm256_set1_epi8(0x0F);
+  v8f acc[MT];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* g = w + static_cast<int64_t>(b) * BB;
+    const int8_t* xb = xq + static_cast<int64_t>(b) * QK;
+    for (int64_t o = 8 * BB * b; o < 8 * BB * (b + 1); o += 64)  // as rows8
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+    v8i y[4];
+    for (int r = 0; r < 4; r++) {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + r * row_bytes + QO));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (r + 4) * row_bytes + QO));
+      y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    // t[q], lane j: row j's quant bytes 4q..4q+3
+    const v8i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
+    const v8i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
+    const v8i t[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
+                      _mm256_unpackhi_epi64(a1, a3)};
+    v8i s_lo[MT], s_hi[MT];  // two chains per activation row
+    for (int m = 0; m < MT; m++) s_lo[m] = s_hi[m] = _mm256_setzero_si256();
+    for (int q = 0; q < 4; q++) {
+      const v8i wl = _mm256_and_si256(t[q], low4), wh = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), low4);
+      for (int m = 0; m < MT; m++) {
+        s_lo[m] = dot_acc(s_lo[m], wl, bcast_quad(xb + m * K + 4 * q));
+        s_hi[m] = dot_acc(s_hi[m], wh, bcast_quad(xb + m * K + 16 + 4 * q));
+      }
+    }
+    v8f dw, mw = _mm256_setzero_ps();
+    scales8<T>(g, row_bytes, dw, mw);
+    for (int m = 0; m < MT; m++)
+      acc[m] = fold<T, int8_t>(acc[m], _mm256_add_epi32(s_lo[m], s_hi[m]), dw, mw, dx[m * nb + b], xs[m * nb + b]);
+  }
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
+}
+
 // one weight row (after the last group of 8), the same operations one lane wide
 template <int T, int MT, typename XT>
 inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const float* dx, const float* xs, float* out,
@@ -973,6 +1039,9 @@ void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, fl
 // blocked GEMMs). More rows (Q8_0's int8 path) go MT_Q at a time, each group re-reading
 // the weights.
 constexpr int64_t kPrefetchAhead = 8192;
+// activation rows from which Q4_0/Q4_1's int8 groups run d8::rows8_nibbles (one row
+// streams the weights from memory, where the transposes would only add work)
+constexpr int kNibbleRowsMinMT = 2;
 
 template <int T, int MT, typename XT>
 inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t N8, int nb, const XT* q,
@@ -985,8 +1054,12 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   const int64_t group = 8 * row_bytes, dist = std::max<int64_t>(group, kPrefetchAhead);
   if (n0 < N8) prefetch_l2(w + n0 * group, dist);
   for (int64_t n = n0; n < n1; n++) {
-    if (n < N8)
-      d8::rows8<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+    if (n < N8) {
+      if constexpr ((T == Q4_0 || T == Q4_1) && sizeof(XT) == 1 && MT >= kNibbleRowsMinMT)
+        d8::rows8_nibbles<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+      else
+        d8::rows8<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+    }
     else
       for (int64_t r = N8 * 8; r < N; r++) d8::row1<T, MT>(w + r * row_bytes, nb, q, K, d, s, o + r, N);
   }
