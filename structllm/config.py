@@ -28,7 +28,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
       (drafts included; prompts admitted after them do not count) stay within this.
       ``None``: on CPU with GGUF block weights, the block kernels' decode size
       (``packed.ROW_KERNEL_ROWS``, 4 rows: a 5-row step runs the blocked GEMMs and
-      took ~3x a 1-row step on the default model, 2-4 rows ~1.4x), elsewhere no limit.
+      took ~3x a 1-row step on the default model, 2-4 rows 1.2-1.7x), elsewhere no
+      limit.
     - ``min_acceptance``: a request whose drafts were accepted at a lower rate, over at
       least ``acceptance_window`` drafted tokens, stops drafting.
     - ``suffix_decoding_max_tree_depth``: the longest suffix matched (suffix method).

@@ -22,7 +22,8 @@ it, with that output index.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -32,6 +33,30 @@ from structllm.engine.speculative import SampleRow
 from structllm.protocol import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
+
+# Up to this many rows the sampler's torch ops run on the calling thread alone. Each of
+# them is microseconds of work ([4, 49152] float32: amax 12 us, log_softmax 0.12 ms on
+# one thread), but over 32k elements torch splits it across its OpenMP threads and
+# joins them, and on a shared 2-core machine the other thread is often descheduled:
+# with two threads, load average 5-8, one amax took 1 ms (8 ms with libgomp's default
+# spin), 2 ms of a single-stream decode step of the default model (~2 amax calls a step,
+# more with logprobs or sampling). Larger batches keep torch's threads.
+SINGLE_THREAD_ROWS = 16
+
+
+@contextmanager
+def _one_thread(rows: int, device: torch.device) -> Iterator[None]:
+    """torch's CPU ops on this thread alone while ``rows`` is small (see
+    ``SINGLE_THREAD_ROWS``); the thread count is put back on exit."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or rows > SINGLE_THREAD_ROWS or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _mix(seed: int, step: int) -> int:
@@ -55,6 +80,12 @@ class Sampler:
         tokens of the constrained rows. Returns the chosen ids (``-1`` for a constrained
         row with nothing allowed) and, for requests that asked, their logprobs.
         ``logits`` may be modified."""
+        with _one_thread(logits.shape[0], logits.device):
+            return self._sample(logits, reqs, grammar)
+
+    def _sample(
+        self, logits: Tensor, reqs: Sequence[SampleRow], grammar: GrammarMask | None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         n, vocab = logits.shape
         # max propagates NaN and shows +inf or an all -inf row: one pass, no [N, V] temporary
         if not bool(torch.isfinite(logits.amax(dim=-1)).all()):

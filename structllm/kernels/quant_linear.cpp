@@ -941,6 +941,163 @@ inline void rows8(const uint8_t* w, int64_t row_bytes, int nb, const XT* xq, int
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
 }
 
+// rows8 for Q4_0 / Q4_1 on the int8 path with several activation rows (verifying
+// speculative drafts, small batches): the lane reduction above costs about as much as
+// the dot products it follows (21 shuffles and adds per activation row and group of 8
+// weight rows per block), and it is paid once per activation row. Here the group's
+// blocks are transposed once instead, so that lane j holds weight row j: its 16 quant
+// bytes (rows r and r + 4 in the two 128-bit halves), a 4 x 4 transpose of 32-bit words
+// per half, and each word split into its low nibbles (weights 4q..4q+3) and high ones
+// (16+4q..16+4q+3). Each activation row is then 8 dot products against a broadcast quad
+// of its own bytes, whose lanes already are the 8 rows' block sums: no reduction at all.
+// The block sums are integers and so exact in any order, and the fold is rows8's, so
+// the outputs are bit for bit rows8's (and the blocked GEMM's).
+inline v8i dot_acc(v8i acc, v8i u, v8i s) {  // acc + products of u8 x s8 quads
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
+
+inline v8i bcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int T, int MT>
+inline void rows8_nibbles(const uint8_t* w, int64_t row_bytes, int nb, const int8_t* xq, int64_t K, const float* dx,
+                          const float* xs, float* out, int64_t N, const uint8_t* ahead) {
+  static_assert(T == Q4_0 || T == Q4_1, "4-bit blocks as laid in the file");
+  constexpr int BB = block_bytes(T), QO = quants_offset(T);
+  const v8i low4 = _mm256_set1_epi8(0x0F);
+  v8f acc[MT];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* g = w + static_cast<int64_t>(b) * BB;
+    const int8_t* xb = xq + static_cast<int64_t>(b) * QK;
+    for (int64_t o = 8 * BB * b; o < 8 * BB * (b + 1); o += 64)  // as rows8
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+    v8i y[4];
+    for (int r = 0; r < 4; r++) {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + r * row_bytes + QO));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (r + 4) * row_bytes + QO));
+      y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    }
+    // t[q], lane j: row j's quant bytes 4q..4q+3
+    const v8i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
+    const v8i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
+    const v8i t[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
+                      _mm256_unpackhi_epi64(a1, a3)};
+    v8i s_lo[MT], s_hi[MT];  // two chains per activation row
+    for (int m = 0; m < MT; m++) s_lo[m] = s_hi[m] = _mm256_setzero_si256();
+    for (int q = 0; q < 4; q++) {
+      const v8i wl = _mm256_and_si256(t[q], low4), wh = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), low4);
+      for (int m = 0; m < MT; m++) {
+        s_lo[m] = dot_acc(s_lo[m], wl, bcast_quad(xb + m * K + 4 * q));
+        s_hi[m] = dot_acc(s_hi[m], wh, bcast_quad(xb + m * K + 16 + 4 * q));
+      }
+    }
+    v8f dw, mw = _mm256_setzero_ps();
+    scales8<T>(g, row_bytes, dw, mw);
+    for (int m = 0; m < MT; m++)
+      acc[m] = fold<T, int8_t>(acc[m], _mm256_add_epi32(s_lo[m], s_hi[m]), dw, mw, dx[m * nb + b], xs[m * nb + b]);
+  }
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
+}
+
+// The same for the int16 path (Q4_0, Q4_1, Q8_0): lane j holds a pair of row j's
+// weights as int16 (k, k + 1), the activation row's pair at k is broadcast, and 16
+// vpdpwssd (or vpmaddwd + vpaddd) per activation row give the 8 rows' block sums in
+// their lanes. Q4 words come out of the transposed quant bytes by one byte shuffle
+// (zero-extended) and the nibble masks (Q4_0: minus 8, as block_dot takes it); Q8_0's 32
+// bytes per row go through an 8 x 8 transpose of 32-bit words, then a shuffle into the
+// words' high bytes and an arithmetic shift (sign-extended).
+inline v8i bcast_pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int T, int MT>
+inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16_t* xq, int64_t K, const float* dx,
+                        const float* xs, float* out, int64_t N, const uint8_t* ahead) {
+  static_assert(T == Q4_0 || T == Q4_1 || T == Q8_0, "blocks of 32 as laid in the file");
+  constexpr int BB = block_bytes(T), QO = quants_offset(T);
+  // per 32-bit lane: bytes 0, 1 (first) or 2, 3 (second) into 16-bit words, zero-extended
+  // (Q4), or into the words' high bytes (Q8_0, shifted back with its sign)
+  const v8i first = is8(T) ? _mm256_setr_epi8(-1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1,
+                                               -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13)
+                           : _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1,
+                                               4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+  const v8i second = _mm256_add_epi8(first, _mm256_and_si256(_mm256_set1_epi16(is8(T) ? 0x0200 : 0x0002),
+                                                              _mm256_cmpgt_epi8(first, _mm256_set1_epi8(-1))));
+  const v8i low4 = _mm256_set1_epi16(0x0F);
+  v8f acc[MT];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* g = w + static_cast<int64_t>(b) * BB;
+    const int16_t* xb = xq + static_cast<int64_t>(b) * QK;
+    for (int64_t o = 8 * BB * b; o < 8 * BB * (b + 1); o += 64)  // as rows8
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+    v8i s0[MT], s1[MT];  // two chains per activation row
+    for (int m = 0; m < MT; m++) s0[m] = s1[m] = _mm256_setzero_si256();
+    // weight pair vector wp (pairs at k, k + 1 in every lane) against each row's pair at k
+    auto dots = [&](v8i wp, int k, v8i* sv) {
+      for (int m = 0; m < MT; m++) sv[m] = d8::dot(sv[m], wp, bcast_pair(xb + m * K + k));
+    };
+    if constexpr (is8(T)) {
+      v8i y[8];
+      for (int r = 0; r < 8; r++) y[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + r * row_bytes + QO));
+      v8i a[8], c[8];
+      for (int r = 0; r < 8; r += 2) {
+        a[r] = _mm256_unpacklo_epi32(y[r], y[r + 1]);
+        a[r + 1] = _mm256_unpackhi_epi32(y[r], y[r + 1]);
+      }
+      for (int h = 0; h < 2; h++) {  // rows 4h .. 4h + 3
+        c[4 * h + 0] = _mm256_unpacklo_epi64(a[4 * h + 0], a[4 * h + 2]);
+        c[4 * h + 1] = _mm256_unpackhi_epi64(a[4 * h + 0], a[4 * h + 2]);
+        c[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
+        c[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
+      }
+      for (int i = 0; i < 4; i++) {  // t[h], lane j: row j's bytes 4q .. 4q + 3 for q = i + 4h
+        const v8i t[2] = {_mm256_permute2x128_si256(c[i], c[i + 4], 0x20),
+                          _mm256_permute2x128_si256(c[i], c[i + 4], 0x31)};
+        for (int h = 0; h < 2; h++) {
+          const int q = i + 4 * h;
+          dots(_mm256_srai_epi16(_mm256_shuffle_epi8(t[h], first), 8), 4 * q, s0);
+          dots(_mm256_srai_epi16(_mm256_shuffle_epi8(t[h], second), 8), 4 * q + 2, s1);
+        }
+      }
+    } else {
+      v8i y[4];
+      for (int r = 0; r < 4; r++) {
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + r * row_bytes + QO));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (r + 4) * row_bytes + QO));
+        y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+      }
+      const v8i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
+      const v8i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
+      const v8i t[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
+                        _mm256_unpackhi_epi64(a1, a3)};
+      const v8i zp = _mm256_set1_epi16(zero_point(T));
+      for (int q = 0; q < 4; q++) {  // bytes 4q .. 4q + 3: low nibbles k = 4q.., high k = 16 + 4q..
+        const v8i f = _mm256_shuffle_epi8(t[q], first), e = _mm256_shuffle_epi8(t[q], second);
+        dots(_mm256_sub_epi16(_mm256_and_si256(f, low4), zp), 4 * q, s0);
+        dots(_mm256_sub_epi16(_mm256_and_si256(e, low4), zp), 4 * q + 2, s1);
+        dots(_mm256_sub_epi16(_mm256_srli_epi16(f, 4), zp), 16 + 4 * q, s0);
+        dots(_mm256_sub_epi16(_mm256_srli_epi16(e, 4), zp), 16 + 4 * q + 2, s1);
+      }
+    }
+    v8f dw, mw = _mm256_setzero_ps();
+    scales8<T>(g, row_bytes, dw, mw);
+    for (int m = 0; m < MT; m++)
+      acc[m] = fold<T, int16_t>(acc[m], _mm256_add_epi32(s0[m], s1[m]), dw, mw, dx[m * nb + b], xs[m * nb + b]);
+  }
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
+}
+
 // one weight row (after the last group of 8), the same operations one lane wide
 template <int T, int MT, typename XT>
 inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const float* dx, const float* xs, float* out,
@@ -1079,6 +1236,10 @@ void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, fl
 // blocked GEMMs). More rows (Q8_0's int8 path) go MT_Q at a time, each group re-reading
 // the weights.
 constexpr int64_t kPrefetchAhead = 8192;
+// activation rows from which groups run d8::rows8_nibbles (Q4_0/Q4_1, int8) or
+// d8::rows8_pairs (Q4_0/Q4_1/Q8_0, int16); one row streams the weights from memory,
+// where the transposes would only add work
+constexpr int kNibbleRowsMinMT = 2;
 
 template <int T, int MT, typename XT>
 inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t N8, int nb, const XT* q,
@@ -1091,8 +1252,14 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   const int64_t group = 8 * row_bytes, dist = std::max<int64_t>(group, kPrefetchAhead);
   if (n0 < N8) prefetch_l2(w + n0 * group, dist);
   for (int64_t n = n0; n < n1; n++) {
-    if (n < N8)
-      d8::rows8<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+    if (n < N8) {
+      if constexpr ((T == Q4_0 || T == Q4_1) && sizeof(XT) == 1 && MT >= kNibbleRowsMinMT)
+        d8::rows8_nibbles<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+      else if constexpr ((T == Q4_0 || T == Q4_1 || T == Q8_0) && sizeof(XT) == 2 && MT >= kNibbleRowsMinMT)
+        d8::rows8_pairs<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+      else
+        d8::rows8<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+    }
     else
       for (int64_t r = N8 * 8; r < N; r++) d8::row1<T, MT>(w + r * row_bytes, nb, q, K, d, s, o + r, N);
   }

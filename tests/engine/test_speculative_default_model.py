@@ -1,7 +1,8 @@
 """Speculative decoding on the real default model, default format (GGUF blocks, whose
 kernels are batch-invariant): with n-gram drafts the output is token for token the
-plain output, greedy and seeded with penalties, logprobs included, structured output
-too, and an input-grounded prompt really accepts drafts. One engine serves both arms
+plain output, greedy over 30 prompts (input-grounded and open) at concurrency 1 and 4 and
+seeded with penalties, logprobs included, structured output too, and the input-grounded
+prompts really accept drafts. One engine serves both arms
 (the drafter is switched on and off), so nothing but the drafts differs."""
 
 from __future__ import annotations
@@ -52,12 +53,95 @@ def both(llm: LLM, prompts: list, sps: list[SamplingParams], k: int = 4) -> tupl
     return plain, spec, drafter.stats
 
 
-def test_greedy_equal_and_grounded_prompt_accepts(default_llm: LLM) -> None:
-    sp = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2)
-    plain, spec, stats = both(default_llm, CHATS, [sp] * len(CHATS))
-    assert spec == plain
-    assert stats.num_accepted_tokens >= 10, "the JSON echo should accept drafts"
-    # fewer model rows were sampled one by one: accepted drafts are tokens for free
+CODE = """def merge(a, b):
+    out = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    return out + a[i:] + b[j:]
+"""
+DOC = (
+    "Shipping policy. Orders placed before 2 pm ship the same day. Orders over 50 euros "
+    "ship free within the EU. Returns are accepted within 30 days if the item is unused. "
+    "Refunds go back to the original payment method within 5 business days. Gift cards "
+    "cannot be returned. Contact support at help@example.com for damaged items."
+)
+GROUNDED = [  # the output repeats, edits or extracts from the input: drafts get accepted
+    f"Repeat this JSON exactly:\n{RECORD}",
+    f"Repeat this code exactly:\n{CODE}",
+    f"Rename the function merge to merge_sorted and return the whole code:\n{CODE}",
+    f"Copy the first two sentences of this text word for word:\n{DOC}",
+    f"From the text below, quote the sentence about refunds.\n\n{DOC}",
+    f"Rewrite this text with 'euros' replaced by 'EUR':\n{DOC}",
+    f"Return this JSON with the id changed to B-42:\n{RECORD}",
+    "Repeat after me: the quick brown fox jumps over the lazy dog, "
+    "the quick brown fox jumps over the lazy dog.",
+    "List the words of this sentence one per line: red green blue yellow orange purple.",
+    "Count from one to ten in words, separated by commas.",
+]
+OPEN = [  # open chat: few drafts, mostly rejected
+    "Name three colours.",
+    "Write one sentence about the moon.",
+    "What is the capital of France?",
+    "Give me a haiku about rain.",
+    "Why do cats purr?",
+    "Suggest a name for a small bakery.",
+    "What is 12 times 7?",
+    "Explain photosynthesis in one sentence.",
+    "Tell me a fun fact about octopuses.",
+    "What should I eat for breakfast?",
+    "Describe the colour blue to a child.",
+    "How do I boil an egg?",
+    "Write a two-line poem about winter.",
+    "What is a prime number?",
+    "Give one tip for learning a language.",
+    "Who wrote Romeo and Juliet?",
+    "What does a compiler do?",
+    "Name a planet with rings.",
+    "Say hello in three languages.",
+    "Why is the sea salty?",
+]
+PROMPTS = GROUNDED + OPEN  # 30
+
+
+def test_greedy_equal_on_30_prompts_at_concurrency_1_and_4(default_llm: LLM) -> None:
+    """Greedy, logprobs on: token for token and logprob for logprob the plain output,
+    each prompt at concurrency 4 (in groups of 4) and three grounded ones at concurrency 1;
+    grounded prompts really accept drafts."""
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
+
+    def run() -> list[tuple]:  # type: ignore[type-arg]
+        outs = []
+        fours = [chats[i : i + 4] for i in range(0, len(chats), 4)]  # concurrency 4
+        ones = [[c] for c in chats[:3]]  # concurrency 1
+        for groups in (fours, ones):
+            for group in groups:
+                res = default_llm.chat(group, [sp] * len(group))
+                outs += [(o.token_ids, o.finish_reason, o.logprobs) for r in res for o in r.outputs]
+        return outs
+
+    default_llm.engine.set_speculative(None)
+    plain = run()
+    default_llm.engine.set_speculative(
+        SpeculativeConfig(num_speculative_tokens=4, max_step_tokens=256)
+    )
+    drafter = default_llm.engine.scheduler.drafter
+    assert drafter is not None
+    try:
+        spec = run()
+    finally:
+        default_llm.engine.set_speculative(None)
+    assert len(plain) == len(PROMPTS) + 3
+    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert b == a, f"output {i} differs with drafts"
+    stats = drafter.stats
+    assert stats.num_accepted_tokens >= 40, "the grounded prompts should accept drafts"
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
 
 

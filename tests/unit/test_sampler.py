@@ -148,3 +148,27 @@ def test_argmax_rows_matches_torch_argmax(vocab: int) -> None:
 
 def test_argmax_rows_of_no_rows() -> None:
     assert argmax_rows(torch.empty(0, 49152)).shape == (0,)
+
+
+def test_small_batches_sample_on_one_thread_and_restore_the_count() -> None:
+    """Up to SINGLE_THREAD_ROWS rows the sampler's torch ops run on one thread (no
+    OpenMP join on a shared machine); the thread count is put back, also on error, and
+    larger batches keep torch's threads."""
+    from structllm.engine import sampler as sm
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+        with sm._one_thread(sm.SINGLE_THREAD_ROWS, torch.device("cpu")):
+            seen.append(torch.get_num_threads())
+        with sm._one_thread(sm.SINGLE_THREAD_ROWS + 1, torch.device("cpu")):
+            seen.append(torch.get_num_threads())
+        assert seen == [1, 2]
+        with pytest.raises(RuntimeError), sm._one_thread(1, torch.device("cpu")):
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+        assert sample([r(temperature=0)] * 2, [logits_row((5, 3.0))] * 2) == [5, 5]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
