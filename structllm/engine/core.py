@@ -21,6 +21,7 @@ from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.engine.device import (
     load_rank_model,
     local_num_blocks,
+    release_free_heap,
     resolve_device,
     setup_device,
     worker_device,
@@ -133,6 +134,8 @@ class EngineCore:
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             self.runner.max_rows = self.config.max_num_seqs
+        if self.device.type == "cpu":
+            release_free_heap()  # what loading and the start-up prefill left free
 
     def set_speculative(self, spec: SpeculativeConfig | None) -> None:
         """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``),

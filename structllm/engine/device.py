@@ -48,6 +48,22 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system once, after start-up.
+
+    Loading leaves holes in the heap (a GGUF file's parsed metadata, k-quant repacking,
+    the start-up prefill's activations, freed in between the weights that stay), and with
+    the trim threshold raised above (``keep_freed_memory_mapped``) glibc never returns
+    them: 12-15 MB of the default model's engine. ``malloc_trim`` releases every free
+    page of the heap; the steps that follow fault in only what they use again.
+    No-op where glibc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
     """Rank ``rank``'s device: the configured one on CPU; on CUDA the ``rank``-th device
     counted from the configured one (``cuda:K`` puts rank 0 on K)."""

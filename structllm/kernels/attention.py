@@ -151,22 +151,23 @@ class TorchAttention:
 
 
 class CpuAttention(TorchAttention):
-    """Decode through the C++ kernel (``cpu_attention.cpp``: K/V read in place, on torch's
-    thread pool). Its K cache is block-transposed, ``[NB, Hkv, D, BS]``, so that a
-    block's scores are plain vector FMAs; V keeps the reference layout. Stores are the
-    reference operations adapted to that layout; prefill rows go through the decode
-    kernel too (``prefill``). CPU, float32 queries; the cache float32 or float16
-    (``--kv-cache-dtype``: converted on the store, widened to float32 in registers by
-    the kernel)."""
+    """Decode through the C++ kernel (``cpu_attention.cpp``: K/V read in place, on the
+    kernels' thread pool). Its K cache is block-transposed, ``[NB, Hkv, D, BS]``, so that
+    a block's scores are plain vector FMAs; V keeps the reference layout. Stores are the
+    reference operations adapted to that layout; prefill rows go through the tiled
+    prefill kernel of the same file (``prefill``). CPU, float32 queries; the cache
+    float32 or float16 (``--kv-cache-dtype``: converted on the store, widened to float32
+    in registers by the kernel)."""
 
     name = "cpu"
     k_transposed = True
 
     def __init__(self, module: Any) -> None:
         self._decode = module.paged_decode
-        # prefill's per-row lengths and block tables, for the step whose metadata this is:
-        # every layer of a step calls prefill with the same ``meta``
-        self._rows: tuple[AttentionMetadata, Tensor, Tensor] | None = None
+        self._prefill = module.paged_prefill
+        # prefill's block tables, row starts and contexts, for the step whose metadata
+        # this is: every layer of a step calls prefill with the same ``meta``
+        self._rows: tuple[AttentionMetadata, Tensor, Tensor, Tensor] | None = None
 
     @staticmethod
     def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -198,47 +199,41 @@ class CpuAttention(TorchAttention):
         window: int = 0,
         softcap: float = 0.0,
     ) -> Tensor:
-        """Prefill rows through the decode kernel, one query row at a time: row ``r`` of a
-        sequence's chunk is a decode over its first ``ctx - q_len + r + 1`` cached
-        tokens. This step's K/V must already be in the cache (``attend``'s contract);
-        ``k, v`` are not read.
+        """Prefill rows through the tiled kernel (``paged_prefill``): row ``r`` of a
+        sequence's chunk attends to its first ``ctx - q_len + r + 1`` cached tokens. This
+        step's K/V must already be in the cache (``attend``'s contract); ``k, v`` are not
+        read.
 
-        Two reasons. Speed: for a 128-token prompt of SmolLM2-135M in the engine (AVX2
-        build, 2 threads), 15-18 ms for the 30 layers against 36-48 ms through torch's
-        SDPA, and the whole prefill 30% faster, since SDPA ran on torch's OpenMP pool,
-        whose threads and the kernel pool's then held each other off the cores (the
-        matmuls after it slowed down too). Each row re-reads its context, from L2 at
-        prompt sizes. And a token's attention does not depend on how its prompt was cut
-        into steps or whether it came as a prefill or a decode row: every query reads
-        the cache (as stored, float16 included) through the same kernel, block by block
-        in one order."""
+        Tiles of query rows walk the KV blocks together, so a long prompt's K/V cross
+        from memory once per tile rather than once per row (the decode kernel row by row
+        re-read each row's whole context: 2048 to 8000 tokens lost 3.6x of prompt
+        tokens/s). Every row still runs its blocks in the decode kernel's order through
+        its per-block code, so a token's attention does not depend on how its prompt was
+        cut into steps or whether it came as a prefill or a decode row, bit for bit; and
+        the kernel runs on the kernels' pool, not torch's OpenMP one (SDPA there held the
+        pool's threads off the cores, and the matmuls after it slowed down)."""
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, *self._prefill_rows(meta))
-        _, lens, row_tables = self._rows
+        _, tables, starts, ctxs = self._rows
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._decode(out, q, k_cache, v_cache, row_tables, lens, scale, window, softcap)
+        self._prefill(out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap)
         return out
 
     @staticmethod
-    def _prefill_rows(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """``[T]`` int32 keys visible to each prefill row and ``[T, MB]`` its sequence's
-        block table (contiguous), for the prefill sequences of ``meta``."""
+    def _prefill_rows(meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+        """The prefill sequences of ``meta``: ``[Bp, MB]`` block tables (contiguous),
+        ``[Bp + 1]`` int32 row starts (from the first prefill row) and ``[Bp]`` int32
+        contexts after this step."""
         nd = meta.num_decodes
-        starts = meta.query_start_list[nd:]
-        q_lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-        ctxs = meta.seq_lens_list[nd:]
-        lens = torch.cat(
-            [
-                torch.arange(c - n + 1, c + 1, dtype=torch.int32)
-                for c, n in zip(ctxs, q_lens, strict=True)
-            ]
+        starts = [s - meta.query_start_list[nd] for s in meta.query_start_list[nd:]]
+        bp = len(starts) - 1
+        return (
+            meta.block_tables[nd : nd + bp].contiguous(),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(meta.seq_lens_list[nd : nd + bp], dtype=torch.int32),
         )
-        tables = meta.block_tables[nd : nd + len(q_lens)]
-        if len(q_lens) == 1:
-            return lens, tables.expand(q_lens[0], -1).contiguous()
-        return lens, tables.repeat_interleave(torch.tensor(q_lens), dim=0)
 
     def decode(
         self,

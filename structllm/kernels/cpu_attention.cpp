@@ -41,6 +41,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"
@@ -75,15 +76,13 @@ inline const float* row(const at::Half* src, float* buf, int n) {
   return buf;
 }
 
-// The G query heads' start: scaled queries, zero accumulators, running max -inf and sum 0
-// (rows of S floats, D used).
-template <int S>
-inline void init_heads(const float* q, float scale, int G, int D, float (*qs)[S], float (*acc)[S], float* m,
-                       float* l) {
+// The G query heads' start: scaled queries, zero accumulators (rows of D floats), running
+// max -inf and sum 0.
+inline void init_heads(const float* q, float scale, int G, int D, float* qs, float* acc, float* m, float* l) {
   for (int g = 0; g < G; g++) {
     for (int d = 0; d < D; d++) {
-      qs[g][d] = q[g * D + d] * scale;
-      acc[g][d] = 0.f;
+      qs[g * D + d] = q[g * D + d] * scale;
+      acc[g * D + d] = 0.f;
     }
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.f;
@@ -101,16 +100,57 @@ inline void adjust_scores(float* s, int n, int skip, float cap) {
 // The first key a query of a len-long context sees: len - window (clamped), or 0.
 inline int first_key(int len, int window) { return window > 0 ? std::max(0, len - window) : 0; }
 
+// The G query heads of one query row through one block of one KV head (the generic
+// loops: any D, any G): scores, the block's online-softmax step, accumulators. kb [D][BS],
+// V position p at vb + p * vrow; qs, acc: the row's [G][D] scaled queries and sums.
+template <typename T, int BS>
+inline void generic_block(const T* kb, const T* vb, int64_t vrow, int n, int skip, float cap, int G, int D,
+                          const float* qs, float* acc, float* m, float* l) {
+  alignas(64) float kbuf[BS];     // one widened K row: the BS positions of one dimension
+  alignas(64) float vbuf[kMaxD];  // one widened V row: the D values of one position
+  alignas(64) float s[kMaxG][BS];
+  // scores: s[g][p] = sum_d q[g][d] * K[p][d], BS lanes at a time
+  for (int g = 0; g < G; g++)
+    for (int p = 0; p < BS; p++) s[g][p] = 0.f;
+  for (int d = 0; d < D; d++) {
+    const float* kd = row(kb + d * BS, kbuf, BS);
+    for (int g = 0; g < G; g++) {
+      const float qv = qs[g * D + d];
+      for (int p = 0; p < BS; p++) s[g][p] += qv * kd[p];
+    }
+  }
+  // one online-softmax rescale per block; slots past the end weigh nothing
+  for (int g = 0; g < G; g++) {
+    if (skip > 0 || cap > 0.f) adjust_scores(s[g], n, skip, cap);
+    float mx = m[g];
+    for (int p = 0; p < n; p++) mx = std::max(mx, s[g][p]);
+    const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
+    float sum = 0.f;
+    for (int p = 0; p < BS; p++) {
+      const float w = p < n && p >= skip ? exp_neg(s[g][p] - mx) : 0.f;
+      s[g][p] = w;
+      sum += w;
+    }
+    l[g] = l[g] * corr + sum;
+    m[g] = mx;
+    for (int d = 0; d < D; d++) acc[g * D + d] *= corr;
+  }
+  for (int p = 0; p < n; p++) {
+    const float* vr = row(vb + p * vrow, vbuf, D);
+    for (int g = 0; g < G; g++) {
+      const float w = s[g][p];
+      for (int d = 0; d < D; d++) acc[g * D + d] += w * vr[d];
+    }
+  }
+}
+
 // One (sequence, KV head): the G query heads of that KV head, over all its blocks.
 // T: the cache's element type (float or at::Half).
 template <typename T, int BS>
 void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
                  int Hkv, int kvh, int D, float scale, int window, float cap) {
-  alignas(64) float kbuf[BS];     // one widened K row: the BS positions of one dimension
-  alignas(64) float vbuf[kMaxD];  // one widened V row: the D values of one position
-  alignas(64) float qs[kMaxG][kMaxD];
-  alignas(64) float acc[kMaxG][kMaxD];
-  alignas(64) float s[kMaxG][BS];
+  alignas(64) float qs[kMaxG * kMaxD];
+  alignas(64) float acc[kMaxG * kMaxD];
   float m[kMaxG], l[kMaxG];
   init_heads(q, scale, G, D, qs, acc, m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // floats between V positions
@@ -121,43 +161,11 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
     const int64_t block = table[start / BS];
     const T* kb = kt + (block * Hkv + kvh) * D * BS;  // [D][BS]
     const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
-    // scores: s[g][p] = sum_d q[g][d] * K[p][d], BS lanes at a time
-    for (int g = 0; g < G; g++)
-      for (int p = 0; p < BS; p++) s[g][p] = 0.f;
-    for (int d = 0; d < D; d++) {
-      const float* kd = row(kb + d * BS, kbuf, BS);
-      for (int g = 0; g < G; g++) {
-        const float qv = qs[g][d];
-        for (int p = 0; p < BS; p++) s[g][p] += qv * kd[p];
-      }
-    }
-    // one online-softmax rescale per block; slots past the end weigh nothing
-    for (int g = 0; g < G; g++) {
-      if (skip > 0 || cap > 0.f) adjust_scores(s[g], n, skip, cap);
-      float mx = m[g];
-      for (int p = 0; p < n; p++) mx = std::max(mx, s[g][p]);
-      const float corr = exp_neg(m[g] - mx);  // m = -inf on the first block: 0
-      float sum = 0.f;
-      for (int p = 0; p < BS; p++) {
-        const float w = p < n && p >= skip ? exp_neg(s[g][p] - mx) : 0.f;
-        s[g][p] = w;
-        sum += w;
-      }
-      l[g] = l[g] * corr + sum;
-      m[g] = mx;
-      for (int d = 0; d < D; d++) acc[g][d] *= corr;
-    }
-    for (int p = 0; p < n; p++) {
-      const float* vr = row(vb + p * vrow, vbuf, D);
-      for (int g = 0; g < G; g++) {
-        const float w = s[g][p];
-        for (int d = 0; d < D; d++) acc[g][d] += w * vr[d];
-      }
-    }
+    generic_block<T, BS>(kb, vb, vrow, n, skip, cap, G, D, qs, acc, m, l);
   }
   for (int g = 0; g < G; g++) {
     const float inv = 1.f / l[g];
-    for (int d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
+    for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
   }
 }
 
@@ -291,7 +299,7 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
   alignas(64) float qs[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
   float m[kMaxG], l[kMaxG];
-  init_heads(q, scale, G, D, qs, acc, m, l);
+  init_heads(q, scale, G, D, qs[0], acc[0], m, l);
   const int64_t vrow = static_cast<int64_t>(Hkv) * D;  // elements between V positions
   const int lo = first_key(len, window);
   for (int start = lo / BS * BS; start < len; start += BS) {
@@ -359,6 +367,157 @@ void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tenso
   }
 }
 
+// ---- Prefill: tiles of query rows x groups of KV blocks.
+//
+// Row r of a sequence's chunk (q_len rows after ctx - q_len cached keys) sees its first
+// ctx - q_len + r + 1 keys. Through the decode kernel, one row at a time, each row read
+// its whole context: at 8000 tokens a KV head's K/V (2 MB in float16) is out of L2, and
+// the rows' reads of it made the quadratic part memory-bound (prompt tokens/s fell 3.6x
+// from 2048 to 8000 tokens in the engine). Here an item is (sequence, KV head, tile of up
+// to R rows): the tile walks the KV blocks its last row sees in groups of KG blocks (a
+// group's K/V stay in L1), and every row of the tile that sees a block of the group runs
+// it, so each K/V element crosses from memory once per tile instead of once per row.
+//
+// Each row keeps its own online-softmax state (scaled queries, accumulators, max, sum;
+// [G][D] floats each, in a per-thread buffer) and goes through its blocks in the decode
+// kernel's order with the decode kernel's per-block code (heads_block, generic_block), so
+// a prefill row equals the same token as a decode bit for bit (causal mask, window and
+// soft-cap: per row, as in decode). Items are claimed on the pool (cpu_pool.h), the
+// heaviest (last rows) first.
+
+// one row's G heads through one block: the decode kernel's code for this D (0: generic)
+template <typename T, int BS, int D>
+inline void row_block(const T* kb, const T* vb, int64_t vrow, int n, int skip, float cap, int G, int rt_d, float* qs,
+                      float* acc, float* m, float* l) {
+#ifdef SL_VECTORS
+  if constexpr (D != 0) {
+    auto* q2 = reinterpret_cast<float (*)[D]>(qs);
+    auto* a2 = reinterpret_cast<float (*)[D]>(acc);
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min(4, G - g0)) {
+        case 1: heads_block<1, BS, D>(kb, vb, vrow, n, skip, cap, g0, q2, a2, m, l); break;
+        case 2: heads_block<2, BS, D>(kb, vb, vrow, n, skip, cap, g0, q2, a2, m, l); break;
+        case 3: heads_block<3, BS, D>(kb, vb, vrow, n, skip, cap, g0, q2, a2, m, l); break;
+        default: heads_block<4, BS, D>(kb, vb, vrow, n, skip, cap, g0, q2, a2, m, l); break;
+      }
+    }
+    return;
+  }
+#endif
+  generic_block<T, BS>(kb, vb, vrow, n, skip, cap, G, rt_d, qs, acc, m, l);
+}
+
+// one tile: rows [r0, r1) of a chunk of q_len rows after ctx - q_len cached keys, the G
+// heads of KV head kvh. q, out: the chunk's row 0 (row stride q_stride, out_stride).
+template <typename T, int BS, int D>
+void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* table, int ctx,
+                  int q_len, int r0, int r1, float* out, int64_t out_stride, int G, int Hkv, int kvh, int rt_d,
+                  float scale, int window, float cap) {
+  const int R = r1 - r0, GD = G * rt_d;
+  thread_local std::vector<float> buf;  // [R][G][D] queries, [R][G][D] sums, [R][G] max, sum
+  buf.resize(static_cast<size_t>(R) * (2 * GD + 2 * G));
+  float* qs = buf.data();
+  float* acc = qs + static_cast<int64_t>(R) * GD;
+  float* mm = acc + static_cast<int64_t>(R) * GD;
+  float* ll = mm + static_cast<int64_t>(R) * G;
+  const int head = kvh * G;
+  for (int r = 0; r < R; r++)
+    init_heads(q + (r0 + r) * q_stride + head * rt_d, scale, G, rt_d, qs + r * GD, acc + r * GD, mm + r * G,
+               ll + r * G);
+  const int base = ctx - q_len + 1;  // row r sees keys [first_key(base + r), base + r)
+  const int64_t vrow = static_cast<int64_t>(Hkv) * rt_d;
+  // blocks per group: the group's K and V in about 16 KB (L1)
+  const int kg = std::max(1, static_cast<int>(16384 / (2 * BS * rt_d * sizeof(T))));
+  const int end = base + r1 - 1;  // keys the tile's last row sees
+  for (int g0 = first_key(base + r0, window) / BS * BS; g0 < end; g0 += kg * BS) {
+    const int g1 = std::min(end, g0 + kg * BS);  // keys [g0, g1) in this group
+    if (g1 < end) {
+      for (int s = g1; s < std::min(end, g1 + kg * BS); s += BS)
+        prefetch_block(kt, v, table[s / BS], Hkv, kvh, rt_d, BS, vrow);
+    }
+    for (int r = 0; r < R; r++) {
+      const int len = base + r0 + r;
+      const int lo = first_key(len, window);
+      for (int start = std::max(g0, lo / BS * BS); start < std::min(g1, len); start += BS) {
+        const int64_t block = table[start / BS];
+        const T* kb = kt + (block * Hkv + kvh) * rt_d * BS;
+        const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * rt_d;
+        row_block<T, BS, D>(kb, vb, vrow, std::min(BS, len - start), lo - start, cap, G, rt_d, qs + r * GD,
+                            acc + r * GD, mm + r * G, ll + r * G);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float* o = out + (r0 + r) * out_stride + head * rt_d;
+    for (int g = 0; g < G; g++) {
+      const float inv = 1.f / ll[r * G + g];
+      for (int d = 0; d < rt_d; d++) o[g * rt_d + d] = acc[r * GD + g * rt_d + d] * inv;
+    }
+  }
+}
+
+struct TileItem {
+  int seq, r0, r1, kvh;
+};
+
+template <typename T, int BS, int D>
+void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
+                 const int32_t* starts, const int32_t* ctxs, int64_t B, float* out, int H, int Hkv, int rt_d,
+                 float scale, int window, float cap) {
+  const int G = H / Hkv;
+  // rows per tile: their state ([G][D] queries and sums) in about 256 KB (L2)
+  const int R = std::clamp(static_cast<int>(262144 / (G * rt_d * 8)), 1, 64);
+  std::vector<TileItem> items;
+  for (int b = 0; b < B; b++) {
+    const int q_len = starts[b + 1] - starts[b];
+    for (int r0 = 0; r0 < q_len; r0 += R)
+      for (int h = 0; h < Hkv; h++) items.push_back({b, r0, std::min(q_len, r0 + R), h});
+  }
+  // heaviest first (a tile's work grows with its last row's context): a late thread's
+  // last chunk is then a light one
+  std::stable_sort(items.begin(), items.end(), [&](const TileItem& a, const TileItem& c) {
+    return ctxs[a.seq] - (starts[a.seq + 1] - starts[a.seq]) + a.r1 > ctxs[c.seq] - (starts[c.seq + 1] - starts[c.seq]) + c.r1;
+  });
+  sl::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const TileItem& it = items[i];
+      const int64_t row0 = starts[it.seq];
+      prefill_tile<T, BS, D>(q + row0 * q_stride, q_stride, kt, v, tables + it.seq * mb, ctxs[it.seq],
+                             starts[it.seq + 1] - starts[it.seq], it.r0, it.r1, out + row0 * H * rt_d,
+                             static_cast<int64_t>(H) * rt_d, G, Hkv, it.kvh, rt_d, scale, window, cap);
+    }
+  });
+}
+
+template <typename T, int BS>
+void prefill_d(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
+               const int32_t* starts, const int32_t* ctxs, int64_t B, float* out, int H, int Hkv, int D, float scale,
+               int window, float cap) {
+#ifdef SL_VECTORS
+  if (D == 64)
+    return run_prefill<T, BS, 64>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap);
+  if (D == 128)
+    return run_prefill<T, BS, 128>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap);
+#endif
+  run_prefill<T, BS, 0>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap);
+}
+
+template <typename T>
+void prefill_dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
+                      torch::Tensor starts, torch::Tensor ctxs, float scale, int H, int window, float cap) {
+  const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
+                              tables.data_ptr<int32_t>(), tables.size(1), starts.data_ptr<int32_t>(),
+                              ctxs.data_ptr<int32_t>(), ctxs.size(0), out.data_ptr<float>(), H, Hkv, D, scale, window,
+                              cap);
+  switch (BS) {
+    case 16: std::apply(prefill_d<T, 16>, args); break;
+    case 32: std::apply(prefill_d<T, 32>, args); break;
+    case 64: std::apply(prefill_d<T, 64>, args); break;
+    default: TORCH_CHECK(false, "paged_prefill: block size must be 16, 32 or 64, got ", BS);
+  }
+}
+
 }  // namespace
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
@@ -389,6 +548,46 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
     dispatch<float>(out, q, kt, v, tables, lens, sc, H, w, cap);
 }
 
+// Prefill attention of B sequences' chunks, tiled (see prefill_tile). q [T, H, D] (heads
+// adjacent; row stride free), out [T, H, D] contiguous, starts [B+1] int32 (rows of q;
+// starts[0] = 0, non-decreasing, starts[B] = T), ctxs [B] int32 (each sequence's context
+// after this step, >= its chunk's rows), tables [B, MB]. This step's K/V must be in the
+// cache already.
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
+                   torch::Tensor starts, torch::Tensor ctxs, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_prefill: float32 queries only");
+  TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
+              "paged_prefill: K and V caches must both be float32 or both float16");
+  TORCH_CHECK(kt.is_contiguous() && v.is_contiguous() && out.is_contiguous(), "paged_prefill: contiguous caches/out");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: q must be [T, H, D], heads adjacent");
+  TORCH_CHECK(tables.dtype() == torch::kInt32 && starts.dtype() == torch::kInt32 && ctxs.dtype() == torch::kInt32 &&
+                  tables.is_contiguous() && starts.is_contiguous() && ctxs.is_contiguous(),
+              "paged_prefill: int32 contiguous tables, starts and ctxs");
+  const int64_t T = q.size(0), B = ctxs.size(0);
+  const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == T && out.size(2) == D && out.size(1) <= q.size(1),
+              "paged_prefill: out must be [T, H, D]");
+  const int H = static_cast<int>(out.size(1));
+  TORCH_CHECK(kt.size(2) == D && v.size(1) == BS && v.size(2) == Hkv && v.size(3) == D, "paged_prefill: cache shapes");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_prefill: unsupported head shape");
+  TORCH_CHECK(starts.size(0) == B + 1 && tables.size(0) >= B, "paged_prefill: starts must be [B+1], tables [B, MB]");
+  TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0, "paged_prefill: bad window or softcap");
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const int32_t* cx = ctxs.data_ptr<int32_t>();
+  TORCH_CHECK(st[0] == 0 && st[B] == T, "paged_prefill: starts must run from 0 to T");
+  for (int64_t b = 0; b < B; b++) {
+    const int q_len = st[b + 1] - st[b];
+    TORCH_CHECK(q_len >= 0 && cx[b] >= q_len && static_cast<int64_t>(cx[b]) <= tables.size(1) * BS,
+                "paged_prefill: sequence ", b, " has ", q_len, " rows, context ", cx[b]);
+  }
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int w = static_cast<int>(window);
+  if (kt.dtype() == torch::kFloat16)
+    prefill_dispatch<at::Half>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap);
+  else
+    prefill_dispatch<float>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap);
+}
+
 // The float16 widening this build compiled in (see widen).
 std::string isa() {
 #if defined(__AVX512F__)
@@ -407,5 +606,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("lens"),
         py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("paged_prefill", &paged_prefill,
+        "tiled paged prefill attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
+        py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("starts"),
+        py::arg("ctxs"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
 }
