@@ -15,9 +15,12 @@ and the prefix-cache hit rate over all replicas (hit tokens / prompt tokens look
 Each run uses fresh conversation texts, so no run finds another's prefixes cached.
 
 (b) **One model over two hosts.** The offline engine, decode steps of a batch of
-``--batch`` sequences: one process, TP=2 and PP=2 on one host, and TP=2 and PP=2 with
-rank 1 on another "host" (``structllm run --node-rank 1``, steps over TCP). Per step:
-the wall time, and rank 0's time in communication (handing the step to the other ranks,
+``--batch`` sequences: one process, TP=2 and PP=2 on one host (PP=2 also with one batch
+in flight, the baseline for the pipeline's several batches), and TP=2 and PP=2 with
+rank 1 on another "host" (``structllm run --node-rank 1``, steps over TCP). Throughput
+(generated tokens/s over the batch), the most batches in flight, and per step (with
+PP=2 a step is one of the batches in flight, about half the sequences): the wall
+time, and rank 0's time in communication (handing the step to the other ranks,
 collectives, pipeline sends and receives; a receive also waits for the other rank's
 compute). Then what a real network would add per step, from the bytes each step moves
 and an assumed link (``--link-gbps``, ``--link-latency-us``): TP sends two all-reduces of
@@ -201,6 +204,7 @@ def step_times(llm: LLM, batch: int, steps: int) -> dict[str, float]:
     wall = time.perf_counter() - t0
     n = eng.num_steps - s0
     return {
+        "tokens_per_s": batch * steps / wall,
         "step_ms": 1000 * wall / n,
         "publish_ms": 1000 * ((workers.publish_s if workers else 0.0) - pub0) / n,
         "collective_ms": 1000 * ((group.comm_s if group else 0.0) - comm0) / n,
@@ -227,6 +231,7 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
     runs: list[tuple[str, dict[str, Any], bool]] = [
         ("one process", {}, False),
         ("TP=2 one host", {"tensor_parallel_size": 2}, False),
+        ("PP=2 1 in flight", {"pipeline_parallel_size": 2}, False),
         ("PP=2 one host", {"pipeline_parallel_size": 2}, False),
         ("TP=2 two hosts", {"tensor_parallel_size": 2}, True),
         ("PP=2 two hosts", {"pipeline_parallel_size": 2}, True),
@@ -248,7 +253,10 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
             )  # fmt: skip
         try:
             with LLM(model, **kw, **extra) as llm:
+                if "1 in flight" in name:  # the baseline: stages take turns on one batch
+                    llm.engine.pipeline_depth = 1
                 r = step_times(llm, a.batch, a.steps)
+                r["max_in_flight"] = llm.engine.max_in_flight
         finally:
             if node is not None:
                 node.terminate()
@@ -257,7 +265,8 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
         net = network_estimate(kind, a, SHAPE) if kind else 0.0
         rows.append({"run": name, **r, "network_ms_assumed": net})
         print(
-            f"{name:15s} step {r['step_ms']:7.2f} ms  hand-off {r['publish_ms']:6.2f} ms  "
+            f"{name:16s} {r['tokens_per_s']:7.1f} tok/s  {r['max_in_flight']} in flight  "
+            f"step {r['step_ms']:7.2f} ms  hand-off {r['publish_ms']:6.2f} ms  "
             f"collectives/sends {r['collective_ms']:6.2f} ms  "
             f"+{net:5.2f} ms on a {a.link_gbps:g} Gb/s, {a.link_latency_us:g} us link",
             flush=True,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from structllm.engine.cuda_graphs import DecodeGraphs
-from structllm.engine.grammar import GrammarManager
+from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
@@ -38,6 +38,13 @@ LOGIT_SLICE = 256  # logit rows computed at once: [256, V] float32 (50 MB at V =
 
 LogitSink = Callable[[int, Tensor], None]
 """Receives ``(index of the first row in logit_rows, float32 logits [S, V])``."""
+
+StepResults = tuple[
+    dict[str, int | list[int]],
+    dict[str, TokenLogprobs | list[TokenLogprobs]],
+    dict[str, list[TokenLogprobs]],
+]
+"""What ``ModelRunner.execute`` returns: sampled tokens, their logprobs, prompt logprobs."""
 
 
 @dataclass
@@ -90,6 +97,19 @@ def batch_from_step(
         prompt_spans or [],
         sample_counts or [],
     )
+
+
+@dataclass
+class InFlight:
+    """A batch ``ModelRunner.submit`` started and ``complete`` finishes: its grammar mask
+    (taken at submission), and its logits when they are already here (no pipeline:
+    ``staged`` False)."""
+
+    batch: Batch
+    scorer: PromptScorer | None
+    mask: GrammarMask | None
+    logits: Tensor | None
+    staged: bool
 
 
 @dataclass(frozen=True)
@@ -300,7 +320,13 @@ class ModelRunner:
         the stage before (``[T, hidden]``, one message), run this stage's layers, send it
         on; the last stage computes the logits slices and sends them to rank 0, which
         takes them as ``forward`` would have computed them."""
-        model, rows = self.model, batch.step.logit_rows
+        hidden = self._stage_layers(pp, batch)
+        return self._stage_logits(pp, batch, sink, hidden)
+
+    def _stage_layers(self, pp: PipelineLinks, batch: Batch) -> Tensor:
+        """Receive, run this stage's layers, send on (not waiting for the send to be
+        taken: rank 0 may start the next batch meanwhile). Returns the hidden states."""
+        model = self.model
         with torch.inference_mode():
             hidden_in = None
             if pp.stage > 0:
@@ -314,11 +340,21 @@ class ModelRunner:
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta, None, hidden_in
             )
             if not pp.last:
-                pp.group.send(hidden, pp.rank_of(pp.stage + 1))
+                pp.group.send_async(hidden, pp.rank_of(pp.stage + 1))
+            return hidden
+
+    def _stage_logits(
+        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None, hidden: Tensor | None = None
+    ) -> Tensor | None:
+        """The last stage computes the logits slices of ``hidden`` (its own layers'
+        output) and sends them to rank 0; rank 0 receives them, in order."""
+        model, rows = self.model, batch.step.logit_rows
+        with torch.inference_mode():
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
                 n = len(rows[a : a + LOGIT_SLICE])
                 if pp.last:  # (never rank 0 here) every TP rank computes, TP rank 0 sends
+                    assert hidden is not None
                     logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
                     if pp.tp_rank == 0:
                         pp.group.send(logits, 0)
@@ -337,11 +373,7 @@ class ModelRunner:
 
     def execute(
         self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> tuple[
-        dict[str, int | list[int]],
-        dict[str, TokenLogprobs | list[TokenLogprobs]],
-        dict[str, list[TokenLogprobs]],
-    ]:
+    ) -> StepResults:
         """Run the model over ``sched``, sample for the requests that reach the end of
         their known tokens and score the prompt positions asked for. Returns
         ``{request_id: token}``, the requested logprobs and the prompt logprobs (of each
@@ -349,23 +381,57 @@ class ModelRunner:
         its rows emit (``speculative.accept``) and a list of their logprobs.
         ``between_layers`` may raise to cut the step short (see
         ``LlamaModel.forward``); nothing is sampled then."""
+        return self.complete(self.submit(sched, between_layers))
+
+    def submit(
+        self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> InFlight:
+        """The first half of ``execute``: lay out ``sched`` and run it. With pipeline
+        parallelism this runs stage 0 only and returns once its hidden states are on
+        their way, so rank 0 can submit the next batch while the later stages work on
+        this one; ``complete`` takes the logits from the last stage (in submission
+        order) and samples."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
-        reqs = batch.sample_reqs
         # the constrained rows' bitmask is computed while the model runs
-        pending = self.grammar.start_fill(reqs) if self.grammar is not None else None
+        pending = self.grammar.start_fill(batch.sample_reqs) if self.grammar is not None else None
         scorer = PromptScorer(batch.prompt_spans) if batch.prompt_spans else None
+        pp = self.pp
         try:
-            logits = (
-                self.run(batch, None, between_layers)
-                if scorer is None
-                else self._run_scoring(batch, scorer, between_layers)
-            )
+            if pp is not None:  # rank 0 is stage 0; the logits come later (complete)
+                if self.broadcast is not None:
+                    self.broadcast(batch.step)
+                self._stage_layers(pp, batch)
+                logits = None
+            else:
+                logits = (
+                    self.run(batch, None, between_layers)
+                    if scorer is None
+                    else self._run_scoring(
+                        batch, scorer, lambda s: self.run(batch, s, between_layers)
+                    )
+                )
         except BaseException:
             if pending is not None:  # its matchers may be freed next: let it finish first
                 wait([pending])
             raise
+        # taken now: an abort before ``complete`` may free a matcher
         mask = pending.result() if pending is not None else None
+        return InFlight(batch, scorer, mask, logits, pp is not None)
+
+    def complete(self, job: InFlight) -> StepResults:
+        """The second half of ``execute``: the logits (from the last stage, with pipeline
+        parallelism), sampling and the prompt scores."""
+        assert self.sampler is not None, "only rank 0 samples"
+        batch, scorer, mask, logits = job.batch, job.scorer, job.mask, job.logits
+        pp = self.pp
+        if job.staged and pp is not None:
+            logits = (
+                self._stage_logits(pp, batch, None)
+                if scorer is None
+                else self._run_scoring(batch, scorer, lambda s: self._stage_logits(pp, batch, s))
+            )
+        reqs = batch.sample_reqs
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         if logits is not None:
@@ -392,10 +458,11 @@ class ModelRunner:
         self,
         batch: Batch,
         scorer: PromptScorer,
-        between_layers: Callable[[], None] | None = None,
+        run: Callable[[LogitSink], object],
     ) -> Tensor | None:
-        """``run`` for a batch with prompt rows: those go to ``scorer`` slice by slice;
-        returns the logits ``[N, V]`` of the N sampling rows (None if N is 0)."""
+        """``run`` (a forward pass, or the receipt of the last stage's logits) for a batch
+        with prompt rows: those go to ``scorer`` slice by slice; returns the logits
+        ``[N, V]`` of the N sampling rows (None if N is 0)."""
         n = len(batch.sample_reqs)
         parts: list[Tensor] = []
 
@@ -405,7 +472,7 @@ class ModelRunner:
             if a + logits.shape[0] > n:
                 scorer.add(logits[max(0, n - a) :])
 
-        self.run(batch, sink, between_layers)
+        run(sink)
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -120,6 +120,7 @@ def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
             pp.engine.layers
         )
         assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
+        assert pp.engine.max_in_flight == 2  # both stages had a batch: the prompts were split
 
 
 def test_pp2_across_two_hosts_matches_one_process(tiny: str) -> None:
