@@ -26,7 +26,9 @@ compute). Then what a real network would add per step, from the bytes each step 
 and an assumed link (``--link-gbps``, ``--link-latency-us``): TP sends two all-reduces of
 ``[batch, hidden]`` per layer (a 2-rank all-reduce moves the tensor once each way) and
 gathers the logits' vocabulary halves; PP sends ``[batch, hidden]`` once per stage
-boundary and the logits ``[batch, vocab]`` back to rank 0.
+boundary and the sampled token ids ``[batch]`` back to rank 0 (greedy rows are sampled
+on the last stage; rows needing logprobs, a grammar or penalties bring their logits
+``[rows, vocab]`` back instead).
 
 On this machine every "host" shares the same cores, so the split runs measure the
 communication path's overhead, not a speed-up.
@@ -219,7 +221,8 @@ def network_estimate(kind: str, a: argparse.Namespace, cfg: dict[str, int]) -> f
         # 2 all-reduces of [b, h] float32 per layer + the embedding's, and the logits gather
         msgs = [(b * h * 4)] * (2 * layers + 1) + [b * v // 2 * 4]
     else:
-        msgs = [b * h * 4, b * v * 4]  # one boundary's hidden states, the logits back
+        # one boundary's hidden states, the sampled ids back (greedy: the last stage samples)
+        msgs = [b * h * 4, b * 8]
     step = 2000  # the step's description, about 2 KB at this batch
     return 1000 * sum(lat + m / bw for m in [step, *msgs])
 

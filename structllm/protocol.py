@@ -347,6 +347,11 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     the forward pass, ``LOGIT_SLICE`` rows at a time (see ``engine.runner``): one per
     sampling sequence, then one per prompt position scored for ``prompt_logprobs``;
     empty when no sequence samples or scores in this step.
+
+    ``greedy_ids`` (pipeline parallelism): every logit row is a greedy sampling row that
+    needs nothing but its argmax (no logprobs, grammar, bias, penalties or pending
+    ``min_tokens``), so the last stage samples them itself and sends rank 0 the token
+    ids (int64 ``[N]``) instead of the float32 logits ``[N, V]``.
     """
 
     input_ids: bytearray  # int64 [T]
@@ -357,6 +362,7 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     query_start: list[int]  # [B+1]
     num_decodes: int
     logit_rows: list[int]
+    greedy_ids: bool = False
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -26,7 +26,7 @@ from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
-from structllm.engine.sampler import Sampler
+from structllm.engine.sampler import Sampler, greedy_tokens, plain_greedy
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.engine.speculative import DraftRow, SampleRow, accept
 from structllm.kernels.attention import AttentionMetadata
@@ -169,6 +169,7 @@ class ModelRunner:
             for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
         ]
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
+        self.num_sampled_by_last_stage = 0  # rank 0: batches whose tokens came as ids
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
         # attention rows a step may have when short chunks of generated tokens are laid
@@ -264,6 +265,11 @@ class ModelRunner:
             query_start=query_start,
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
+            # the last pipeline stage samples a batch of plain greedy rows itself
+            greedy_ids=self.pp is not None
+            and not spans
+            and bool(sample_reqs)
+            and all(plain_greedy(r) for r in sample_reqs),
         )
         return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
 
@@ -347,8 +353,11 @@ class ModelRunner:
         self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None, hidden: Tensor | None = None
     ) -> Tensor | None:
         """The last stage computes the logits slices of ``hidden`` (its own layers'
-        output) and sends them to rank 0; rank 0 receives them, in order."""
+        output) and sends them to rank 0; rank 0 receives them, in order. With
+        ``step.greedy_ids`` the last stage sends each slice's argmax instead (int64
+        ``[S]``, not float32 ``[S, V]``), and rank 0 gets the token ids ``[N]``."""
         model, rows = self.model, batch.step.logit_rows
+        ids = batch.step.greedy_ids
         with torch.inference_mode():
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
@@ -357,11 +366,14 @@ class ModelRunner:
                     assert hidden is not None
                     logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
                     if pp.tp_rank == 0:
-                        pp.group.send(logits, 0)
+                        pp.group.send(greedy_tokens(logits) if ids else logits, 0)
                     continue
                 if pp.stage != 0 or pp.tp_rank != 0:
                     continue
-                logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
+                if ids:
+                    logits = torch.empty(n, dtype=torch.long, device=self.device)
+                else:
+                    logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
                 pp.group.recv(logits, (pp.num_stages - 1) * pp.tp_size)
                 if sink is None:
                     parts.append(logits)
@@ -435,8 +447,13 @@ class ModelRunner:
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         if logits is not None:
-            with torch.inference_mode():
-                tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
+            if batch.step.greedy_ids:  # the last stage sampled: ``logits`` are the ids [N]
+                self.num_sampled_by_last_stage += 1
+                tokens: list[int] = logits.tolist()
+                logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+            else:
+                with torch.inference_mode():
+                    tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
             if mask is not None and self.grammar is not None:
                 self.grammar.record(mask)
             i = 0

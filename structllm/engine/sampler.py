@@ -148,6 +148,31 @@ class Sampler:
         return argmax_rows(probs.div_(noise))
 
 
+def plain_greedy(r: SampleRow) -> bool:
+    """Whether row ``r``'s token is the argmax of its raw logits and nothing else is
+    asked of them: greedy, no logprobs, grammar, logit bias, penalties, nor a
+    ``min_tokens`` that still bans tokens. (The last pipeline stage samples those rows.)"""
+    sp = r.sampling
+    return (
+        sp.greedy
+        and sp.logprobs is None
+        and r.grammar is None
+        and not sp.logit_bias
+        and sp.repetition_penalty == 1.0
+        and not sp.presence_penalty
+        and not sp.frequency_penalty
+        and r.num_output_tokens >= sp.min_tokens
+    )
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """The tokens ``Sampler`` picks for ``plain_greedy`` rows of ``logits [N, V]``:
+    the argmax after the same repair of non-finite rows, ``[N]`` int64."""
+    if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        logits = _sanitise(logits)
+    return argmax_rows(logits)
+
+
 # Chunk widths for argmax_rows, widest first: the first that divides the vocabulary.
 _ARGMAX_CHUNKS = (256, 128, 64, 32)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from structllm import LLM
+from structllm import LLM, SamplingParams
+from structllm.engine.runner import ModelRunner
 from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as
 from tests.support.procs import HANG_S, ROOT, alive, children, python_env, wait_for
 from tests.support.server import Server, free_port, open_stream, read_until
@@ -121,6 +122,13 @@ def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
         )
         assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
         assert pp.engine.max_in_flight == 2  # both stages had a batch: the prompts were split
+        # without logprobs the last stage samples and sends token ids, not logits
+        runner = pp.engine.runner
+        assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage == 0
+        plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, plain)]
+        assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, plain)] == want
+        assert runner.num_sampled_by_last_stage > 0
 
 
 def test_pp2_across_two_hosts_matches_one_process(tiny: str) -> None:
@@ -154,3 +162,9 @@ def test_tp2_x_pp2_matches_one_process(tiny: str) -> None:
     ) as split:
         assert split.engine.workers is not None and len(split.engine.workers.pids) == 3
         assert_same_greedy_as(ref, split, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
+        # the last stage's TP rank 0 samples from the gathered logits and sends the ids
+        plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, plain)]
+        assert [o.token_ids for o in split.generate(SPLIT_PROMPTS, plain)] == want
+        runner = split.engine.runner
+        assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage > 0
