@@ -102,7 +102,8 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     A load error is also left in the store for rank 0 to report."""
     config = msgspec.convert(launch.config, EngineConfig)
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
-    device = worker_device(config, launch.rank)
+    # on CUDA, the rank's device on its own host: ranks are numbered across the hosts
+    device = worker_device(config, launch.rank % (launch.world_size // config.nnodes))
     files = prepare_model(config.model)
     stages = config.pipeline_parallel_size  # > 1: rank = stage * tp + tp_rank
     tp = launch.world_size // stages

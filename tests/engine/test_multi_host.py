@@ -9,17 +9,21 @@ and restarts the engine, and node 1 joins the new one.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from structllm import LLM, SamplingParams
 from structllm.engine.runner import ModelRunner
-from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as
+from tests.support.models import EXACT, SPLIT_GREEDY, SPLIT_PROMPTS, assert_same_greedy_as
 from tests.support.procs import HANG_S, ROOT, alive, children, python_env, wait_for
 from tests.support.server import Server, free_port, open_stream, read_until
 
@@ -168,3 +172,94 @@ def test_tp2_x_pp2_matches_one_process(tiny: str) -> None:
         assert [o.token_ids for o in split.generate(SPLIT_PROMPTS, plain)] == want
         runner = split.engine.runner
         assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage > 0
+
+
+# -- real isolation: two network namespaces ----------------------------------------------
+
+NODE0 = """
+import json, sys
+from structllm import LLM
+from tests.support.models import EXACT, SPLIT_GREEDY, SPLIT_PROMPTS
+tiny, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with LLM(tiny, tensor_parallel_size=2, nnodes=2, master_addr=addr, master_port=port,
+         kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT) as tp:
+    outs = tp.generate(SPLIT_PROMPTS, SPLIT_GREEDY)
+print(json.dumps([[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in outs]))
+"""
+
+
+def ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@contextmanager
+def two_namespaced_hosts() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair, each end with an address in
+    10.254.x.0/24: ``((ns0, addr0), (ns1, addr1))``. Neither sees this machine's
+    loopback or any other interface. Removed on exit, whatever happened (deleting a
+    namespace deletes the veth end in it, and the pair with it)."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2)")
+    tag = f"sl{os.getpid() % 100000}"
+    net = f"10.254.{os.getpid() % 250}"
+    hosts = ((f"{tag}a", f"{net}.1"), (f"{tag}b", f"{net}.2"))
+    made: list[str] = []
+    try:
+        for ns, _ in hosts:
+            r = ip("netns", "add", ns)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create a network namespace (CAP_NET_ADMIN?): {r.stderr}")
+            made.append(ns)
+        steps = [("link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y")]
+        for (ns, addr), dev in zip(hosts, (f"{tag}x", f"{tag}y"), strict=True):
+            steps += [
+                ("link", "set", dev, "netns", ns),
+                ("-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                ("-n", ns, "link", "set", dev, "up"),
+                ("-n", ns, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            r = ip(*step)
+            assert r.returncode == 0, f"ip {' '.join(step)}: {r.stderr}"
+        yield hosts
+    finally:
+        for ns in made:
+            ip("netns", "del", ns)
+        ip("link", "del", f"{tag}x")  # (only if the pair never left this namespace)
+
+
+def test_tp2_across_two_network_namespaces_matches_one_process(tiny: str) -> None:
+    """Node 0 (store, rank 0, engine) and node 1 each in their own network namespace:
+    the ranks can reach each other only over the veth pair, so nothing can pass through
+    a loopback shortcut. Greedy tokens equal one process."""
+    ref = LLM(tiny, kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)  # type: ignore[arg-type]
+    want = ref.generate(SPLIT_PROMPTS, SPLIT_GREEDY)
+    with two_namespaced_hosts() as ((ns0, addr0), (ns1, addr1)):
+        port = "29500"  # the namespaces are new: nothing else listens in them
+        node1 = subprocess.Popen(
+            [
+                "ip", "netns", "exec", ns1, sys.executable, "-m", "structllm", "run",
+                "--nnodes", "2", "--node-rank", "1", "--master-addr", addr0,
+                "--master-port", port, "--node-addr", addr1,
+            ],
+            cwd=ROOT,
+            env=python_env(),
+        )  # fmt: skip
+        try:
+            node0 = subprocess.run(
+                ["ip", "netns", "exec", ns0, sys.executable, "-c", NODE0, tiny, addr0, port],
+                cwd=ROOT,
+                env=python_env(),
+                capture_output=True,
+                text=True,
+                timeout=2 * HANG_S,
+            )
+            assert node0.returncode == 0, node0.stderr[-3000:]
+        finally:
+            stop(node1)
+    got = json.loads(node0.stdout.strip().splitlines()[-1])
+    for w, (tokens, logprobs) in zip(want, got, strict=True):
+        assert tokens == w.token_ids
+        assert max(abs(a.logprob - b) for a, b in zip(w.logprobs, logprobs, strict=True)) < 1e-4
