@@ -217,12 +217,10 @@ def network_estimate(kind: str, a: argparse.Namespace, cfg: dict[str, int]) -> f
     """Milliseconds a decode step's messages take on the assumed link."""
     lat, bw = a.link_latency_us * 1e-6, a.link_gbps * 1e9 / 8
     b, h, v, layers = a.batch, cfg["hidden_size"], 49152, cfg["num_hidden_layers"]
-    if kind == "tp":
-        # 2 all-reduces of [b, h] float32 per layer + the embedding's, and the logits gather
-        msgs = [(b * h * 4)] * (2 * layers + 1) + [b * v // 2 * 4]
-    else:
-        # one boundary's hidden states, the sampled ids back (greedy: the last stage samples)
-        msgs = [b * h * 4, b * 8]
+    # TP: 2 all-reduces of [b, h] float32 per layer + the embedding's, the logits gather;
+    # PP: one boundary's hidden states, the sampled ids back (the last stage samples)
+    tp = [(b * h * 4)] * (2 * layers + 1) + [b * v // 2 * 4]
+    msgs = tp if kind == "tp" else [b * h * 4, b * 8]
     step = 2000  # the step's description, about 2 KB at this batch
     return 1000 * sum(lat + m / bw for m in [step, *msgs])
 
@@ -240,6 +238,8 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
         ("PP=2 two hosts", {"pipeline_parallel_size": 2}, True),
     ]
     for name, extra, two_hosts in runs:
+        if a.only and not any(o in name for o in a.only):
+            continue
         if extra:  # two ranks share this machine's cores, wherever "hosts" they are on
             extra = {**extra, "num_threads": max(1, len(os.sched_getaffinity(0)) // 2)}
         node = None
@@ -284,6 +284,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument(
+        "--only", nargs="*", default=[], help="(b): only the runs whose name contains one"
+    )
     p.add_argument("--link-gbps", type=float, default=10.0)
     p.add_argument("--link-latency-us", type=float, default=50.0)
     a = p.parse_args()
