@@ -1,9 +1,10 @@
 r"""Past one machine, measured on one: replicas behind ``vllm-router``, and one model split
 over two loopback "hosts" (127.0.0.2, 127.0.0.3).
 
-    python bench/scale_out.py                 # both parts
-    python bench/scale_out.py --part router   # (a) only
-    python bench/scale_out.py --part split    # (b) only
+    python bench/scale_out.py                   # all parts
+    python bench/scale_out.py --part router     # (a) only
+    python bench/scale_out.py --part split      # (b) only
+    python bench/scale_out.py --part pipeline   # (c) only
 
 (a) **Replicas.** 1, 2 and 3 ``structllm run`` replicas (on 127.0.0.2-4) of a small
 random-weight model (exact float32, so prefill work is real: prefix-cache hits save it)
@@ -15,8 +16,7 @@ and the prefix-cache hit rate over all replicas (hit tokens / prompt tokens look
 Each run uses fresh conversation texts, so no run finds another's prefixes cached.
 
 (b) **One model over two hosts.** The offline engine, decode steps of a batch of
-``--batch`` sequences: one process, TP=2 and PP=2 on one host (PP=2 also with one batch
-in flight, the baseline for the pipeline's several batches), and TP=2 and PP=2 with
+``--batch`` sequences: one process, TP=2 and PP=2 on one host, and TP=2 and PP=2 with
 rank 1 on another "host" (``structllm run --node-rank 1``, steps over TCP). Throughput
 (generated tokens/s over the batch), the most batches in flight, and per step (with
 PP=2 a step is one of the batches in flight, about half the sequences): the wall
@@ -29,6 +29,11 @@ gathers the logits' vocabulary halves; PP sends ``[batch, hidden]`` once per sta
 boundary and the sampled token ids ``[batch]`` back to rank 0 (greedy rows are sampled
 on the last stage; rows needing logprobs, a grammar or penalties bring their logits
 ``[rows, vocab]`` back instead).
+
+(c) **Batches in flight through the pipeline.** Generated tokens/s of a batch of
+``--batch`` greedy sequences: one process (PP=1), and PP=2 on this host with one batch in
+flight (the stages take turns) and with two (vLLM's virtual engines: each batch about
+half the sequences); the three measured in turn, ``--rounds`` times, medians.
 
 On this machine every "host" shares the same cores, so the split runs measure the
 communication path's overhead, not a speed-up.
@@ -232,7 +237,6 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
     runs: list[tuple[str, dict[str, Any], bool]] = [
         ("one process", {}, False),
         ("TP=2 one host", {"tensor_parallel_size": 2}, False),
-        ("PP=2 1 in flight", {"pipeline_parallel_size": 2}, False),
         ("PP=2 one host", {"pipeline_parallel_size": 2}, False),
         ("TP=2 two hosts", {"tensor_parallel_size": 2}, True),
         ("PP=2 two hosts", {"pipeline_parallel_size": 2}, True),
@@ -256,8 +260,6 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
             )  # fmt: skip
         try:
             with LLM(model, **kw, **extra) as llm:
-                if "1 in flight" in name:  # the baseline: stages take turns on one batch
-                    llm.engine.pipeline_depth = 1
                 r = step_times(llm, a.batch, a.steps)
                 r["max_in_flight"] = llm.engine.max_in_flight
         finally:
@@ -277,9 +279,40 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def part_pipeline(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """(c) Throughput of PP=1 (one process) against PP=2 on this host with one batch in
+    flight (stages take turns) and with two (``EngineCore.pipeline_depth``), all three
+    engines loaded at once and measured in turn, ``--rounds`` times, so a change in the
+    machine's load hits all three alike. Medians."""
+    model = bench_model()
+    kw: dict[str, Any] = dict(kv_cache_memory=256 << 20, **EXACT)
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    results: dict[str, list[float]] = {"PP=1": [], "PP=2, 1 in flight": [], "PP=2, 2 in flight": []}
+    with (
+        LLM(model, **kw) as one,
+        LLM(model, pipeline_parallel_size=2, num_threads=half, **kw) as pp,
+    ):
+        for _ in range(a.rounds):
+            results["PP=1"].append(step_times(one, a.batch, a.steps)["tokens_per_s"])
+            for depth in (1, 2):
+                pp.engine.pipeline_depth = depth
+                r = step_times(pp, a.batch, a.steps)
+                results[f"PP=2, {depth} in flight"].append(r["tokens_per_s"])
+        assert pp.engine.max_in_flight == 2
+    rows = []
+    base = statistics.median(results["PP=1"])
+    for name, tps in results.items():
+        med = statistics.median(tps)
+        rows.append({"run": name, "tokens_per_s": med, "all": tps, "vs_pp1": med / base})
+        runs = " ".join(f"{t:.1f}" for t in tps)
+        print(f"{name:18s} {med:7.1f} tok/s (x{med / base:.2f} of PP=1; runs {runs})", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["router", "split", "all"], default="all")
+    p.add_argument("--part", choices=["router", "split", "pipeline", "all"], default="all")
+    p.add_argument("--rounds", type=int, default=3, help="(c): measurements of each")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -299,6 +332,8 @@ def main() -> None:
     out: dict[str, Any] = {}
     if a.part in ("split", "all"):
         out["split"] = part_split(a)
+    if a.part in ("pipeline", "all"):
+        out["pipeline"] = part_pipeline(a)
     if a.part in ("router", "all"):
         out["router"] = part_router(a)
     print(json.dumps(out))

@@ -451,6 +451,7 @@ class EngineCore:
                     self._abandon_step(self.workers, e)
                 raise
             self.num_steps += 1
+            self.max_in_flight = max(self.max_in_flight, 1)
             new = self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
             if self.tracer.enabled:
                 self._trace_step(sched, new, start)
