@@ -401,6 +401,11 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------
 
     @property
+    def requests_in_flight(self) -> frozenset[str]:
+        """Ids of the requests in batches submitted and not completed (pipeline)."""
+        return frozenset(self._busy)
+
+    @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._compiling) or bool(self._in_flight)
 
