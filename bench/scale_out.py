@@ -30,10 +30,12 @@ boundary and the sampled token ids ``[batch]`` back to rank 0 (greedy rows are s
 on the last stage; rows needing logprobs, a grammar or penalties bring their logits
 ``[rows, vocab]`` back instead).
 
-(c) **Batches in flight through the pipeline.** Generated tokens/s of a batch of
-``--batch`` greedy sequences: one process (PP=1), and PP=2 on this host with one batch in
-flight (the stages take turns) and with two (vLLM's virtual engines: each batch about
-half the sequences); the three measured in turn, ``--rounds`` times, medians.
+(c) **Batches in flight through the pipeline.** One process (PP=1), and PP=2 on this
+host with one batch in flight (the stages take turns) and with two (vLLM's virtual
+engines: each batch about half the requests): generated tokens/s of a batch of
+``--batch`` greedy sequences (decode), and prompt tokens/s of ``--batch`` fresh prompts
+of ``--prompt-len`` tokens (prefill); the three measured in turn, ``--rounds`` times,
+medians.
 
 On this machine every "host" shares the same cores, so the split runs measure the
 communication path's overhead, not a speed-up.
@@ -279,6 +281,22 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+_salt = iter(range(1, 1 << 30))
+
+
+def prefill_rate(llm: LLM, prompts: int, length: int) -> float:
+    """Prompt tokens/s over ``prompts`` fresh prompts of ``length`` tokens, one token
+    generated each (prompts never seen before, so the prefix cache saves nothing)."""
+    salt = next(_salt)
+    batch = [
+        [(salt * 7919 + 104729 * i + j) % 40000 + 100 for j in range(length)]
+        for i in range(prompts)
+    ]
+    t0 = time.perf_counter()
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=1))
+    return prompts * length / (time.perf_counter() - t0)
+
+
 def part_pipeline(a: argparse.Namespace) -> list[dict[str, Any]]:
     """(c) Throughput of PP=1 (one process) against PP=2 on this host with one batch in
     flight (stages take turns) and with two (``EngineCore.pipeline_depth``), all three
@@ -287,25 +305,32 @@ def part_pipeline(a: argparse.Namespace) -> list[dict[str, Any]]:
     model = bench_model()
     kw: dict[str, Any] = dict(kv_cache_memory=256 << 20, **EXACT)
     half = max(1, len(os.sched_getaffinity(0)) // 2)
-    results: dict[str, list[float]] = {"PP=1": [], "PP=2, 1 in flight": [], "PP=2, 2 in flight": []}
+    names = ("PP=1", "PP=2, 1 in flight", "PP=2, 2 in flight")
+    decode: dict[str, list[float]] = {n: [] for n in names}
+    prefill: dict[str, list[float]] = {n: [] for n in names}
     with (
         LLM(model, **kw) as one,
         LLM(model, pipeline_parallel_size=2, num_threads=half, **kw) as pp,
     ):
         for _ in range(a.rounds):
-            results["PP=1"].append(step_times(one, a.batch, a.steps)["tokens_per_s"])
-            for depth in (1, 2):
-                pp.engine.pipeline_depth = depth
-                r = step_times(pp, a.batch, a.steps)
-                results[f"PP=2, {depth} in flight"].append(r["tokens_per_s"])
+            for name in names:
+                llm = one if name == "PP=1" else pp
+                if llm is pp:
+                    pp.engine.pipeline_depth = 1 if "1 in flight" in name else 2
+                decode[name].append(step_times(llm, a.batch, a.steps)["tokens_per_s"])
+                prefill[name].append(prefill_rate(llm, a.batch, a.prompt_len))
         assert pp.engine.max_in_flight == 2
     rows = []
-    base = statistics.median(results["PP=1"])
-    for name, tps in results.items():
-        med = statistics.median(tps)
-        rows.append({"run": name, "tokens_per_s": med, "all": tps, "vs_pp1": med / base})
-        runs = " ".join(f"{t:.1f}" for t in tps)
-        print(f"{name:18s} {med:7.1f} tok/s (x{med / base:.2f} of PP=1; runs {runs})", flush=True)
+    for kind, results in (("decode", decode), ("prefill", prefill)):
+        base = statistics.median(results["PP=1"])
+        for name, tps in results.items():
+            med = statistics.median(tps)
+            rows.append({"run": name, "kind": kind, "tokens_per_s": med, "all": tps})
+            runs = " ".join(f"{t:.1f}" for t in tps)
+            print(
+                f"{kind:7s} {name:18s} {med:8.1f} tok/s (x{med / base:.2f} of PP=1; runs {runs})",
+                flush=True,
+            )
     return rows
 
 
@@ -313,6 +338,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["router", "split", "pipeline", "all"], default="all")
     p.add_argument("--rounds", type=int, default=3, help="(c): measurements of each")
+    p.add_argument("--prompt-len", type=int, default=256, help="(c): prefill prompts' length")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
