@@ -26,7 +26,7 @@ from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
-from structllm.engine.sampler import Sampler, greedy_tokens, plain_greedy
+from structllm.engine.sampler import Sampler, row_sampling, sample_rows, stateless
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.engine.speculative import DraftRow, SampleRow, accept
 from structllm.kernels.attention import AttentionMetadata
@@ -170,6 +170,8 @@ class ModelRunner:
         ]
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
         self.num_sampled_by_last_stage = 0  # rank 0: batches whose tokens came as ids
+        # the last pipeline stage's TP rank 0: samples stateless batches (set by the worker)
+        self.stage_sampler: Sampler | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
         # attention rows a step may have when short chunks of generated tokens are laid
@@ -265,11 +267,13 @@ class ModelRunner:
             query_start=query_start,
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
-            # the last pipeline stage samples a batch of plain greedy rows itself
-            greedy_ids=self.pp is not None
+            # the last pipeline stage samples a batch of stateless rows itself
+            last_stage_rows=[row_sampling(r) for r in sample_reqs]
+            if self.pp is not None
             and not spans
-            and bool(sample_reqs)
-            and all(plain_greedy(r) for r in sample_reqs),
+            and sample_reqs
+            and all(stateless(r) for r in sample_reqs)
+            else None,
         )
         return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
 
@@ -354,10 +358,11 @@ class ModelRunner:
     ) -> Tensor | None:
         """The last stage computes the logits slices of ``hidden`` (its own layers'
         output) and sends them to rank 0; rank 0 receives them, in order. With
-        ``step.greedy_ids`` the last stage sends each slice's argmax instead (int64
-        ``[S]``, not float32 ``[S, V]``), and rank 0 gets the token ids ``[N]``."""
+        ``step.last_stage_rows`` the last stage samples each slice and sends the token
+        ids instead (int64 ``[S]``, not float32 ``[S, V]``), and rank 0 gets the ids
+        ``[N]``."""
         model, rows = self.model, batch.step.logit_rows
-        ids = batch.step.greedy_ids
+        ids = batch.step.last_stage_rows
         with torch.inference_mode():
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
@@ -365,12 +370,19 @@ class ModelRunner:
                 if pp.last:  # (never rank 0 here) every TP rank computes, TP rank 0 sends
                     assert hidden is not None
                     logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
-                    if pp.tp_rank == 0:
-                        pp.group.send(greedy_tokens(logits) if ids else logits, 0)
+                    if pp.tp_rank != 0:
+                        continue
+                    if ids is None:
+                        pp.group.send(logits, 0)
+                    else:
+                        sampler = self.stage_sampler
+                        assert sampler is not None, "the last stage's TP rank 0 samples"
+                        tokens = sample_rows(sampler, logits.cpu(), ids[a : a + n])
+                        pp.group.send(torch.tensor(tokens, device=self.device), 0)
                     continue
                 if pp.stage != 0 or pp.tp_rank != 0:
                     continue
-                if ids:
+                if ids is not None:
                     logits = torch.empty(n, dtype=torch.long, device=self.device)
                 else:
                     logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
@@ -447,7 +459,7 @@ class ModelRunner:
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         if logits is not None:
-            if batch.step.greedy_ids:  # the last stage sampled: ``logits`` are the ids [N]
+            if batch.step.last_stage_rows is not None:  # ``logits`` are the sampled ids [N]
                 self.num_sampled_by_last_stage += 1
                 tokens: list[int] = logits.tolist()
                 logprobs: list[TokenLogprobs | None] = [None] * len(tokens)

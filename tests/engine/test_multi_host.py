@@ -127,13 +127,21 @@ def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
         )
         assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
         assert pp.engine.max_in_flight == 2  # both stages had a batch: the prompts were split
-        # without logprobs the last stage samples and sends token ids, not logits
+        # without logprobs (etc.) the last stage samples and sends token ids, not logits
         runner = pp.engine.runner
         assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage == 0
         plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         want = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, plain)]
         assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, plain)] == want
         assert runner.num_sampled_by_last_stage > 0
+        # seeded random rows too: the same draws as rank 0 would make
+        seeded = SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=7, max_tokens=12
+        )
+        want_seeded = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, seeded)]
+        before_seeded = runner.num_sampled_by_last_stage
+        assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, seeded)] == want_seeded
+        assert runner.num_sampled_by_last_stage > before_seeded
         # an abort while the request's batch is in flight: no token of it after the abort,
         # the others unaffected, every block back
         eng = pp.engine
