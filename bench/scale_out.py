@@ -1,9 +1,10 @@
 r"""Past one machine, measured on one: replicas behind ``vllm-router``, and one model split
 over two loopback "hosts" (127.0.0.2, 127.0.0.3).
 
-    python bench/scale_out.py                 # both parts
-    python bench/scale_out.py --part router   # (a) only
-    python bench/scale_out.py --part split    # (b) only
+    python bench/scale_out.py                   # all parts
+    python bench/scale_out.py --part router     # (a) only
+    python bench/scale_out.py --part split      # (b) only
+    python bench/scale_out.py --part pipeline   # (c) only
 
 (a) **Replicas.** 1, 2 and 3 ``structllm run`` replicas (on 127.0.0.2-4) of a small
 random-weight model (exact float32, so prefill work is real: prefix-cache hits save it)
@@ -16,14 +17,25 @@ Each run uses fresh conversation texts, so no run finds another's prefixes cache
 
 (b) **One model over two hosts.** The offline engine, decode steps of a batch of
 ``--batch`` sequences: one process, TP=2 and PP=2 on one host, and TP=2 and PP=2 with
-rank 1 on another "host" (``structllm run --node-rank 1``, steps over TCP). Per step:
-the wall time, and rank 0's time in communication (handing the step to the other ranks,
+rank 1 on another "host" (``structllm run --node-rank 1``, steps over TCP). Throughput
+(generated tokens/s over the batch), the most batches in flight, and per step (with
+PP=2 a step is one of the batches in flight, about half the sequences): the wall
+time, and rank 0's time in communication (handing the step to the other ranks,
 collectives, pipeline sends and receives; a receive also waits for the other rank's
 compute). Then what a real network would add per step, from the bytes each step moves
 and an assumed link (``--link-gbps``, ``--link-latency-us``): TP sends two all-reduces of
 ``[batch, hidden]`` per layer (a 2-rank all-reduce moves the tensor once each way) and
 gathers the logits' vocabulary halves; PP sends ``[batch, hidden]`` once per stage
-boundary and the logits ``[batch, vocab]`` back to rank 0.
+boundary and the sampled token ids ``[batch]`` back to rank 0 (greedy rows are sampled
+on the last stage; rows needing logprobs, a grammar or penalties bring their logits
+``[rows, vocab]`` back instead).
+
+(c) **Batches in flight through the pipeline.** One process (PP=1), and PP=2 on this
+host with one batch in flight (the stages take turns) and with two (vLLM's virtual
+engines: each batch about half the requests): generated tokens/s of a batch of
+``--batch`` greedy sequences (decode), and prompt tokens/s of ``--batch`` fresh prompts
+of ``--prompt-len`` tokens (prefill); the three measured in turn, ``--rounds`` times,
+medians.
 
 On this machine every "host" shares the same cores, so the split runs measure the
 communication path's overhead, not a speed-up.
@@ -201,6 +213,7 @@ def step_times(llm: LLM, batch: int, steps: int) -> dict[str, float]:
     wall = time.perf_counter() - t0
     n = eng.num_steps - s0
     return {
+        "tokens_per_s": batch * steps / wall,
         "step_ms": 1000 * wall / n,
         "publish_ms": 1000 * ((workers.publish_s if workers else 0.0) - pub0) / n,
         "collective_ms": 1000 * ((group.comm_s if group else 0.0) - comm0) / n,
@@ -211,11 +224,10 @@ def network_estimate(kind: str, a: argparse.Namespace, cfg: dict[str, int]) -> f
     """Milliseconds a decode step's messages take on the assumed link."""
     lat, bw = a.link_latency_us * 1e-6, a.link_gbps * 1e9 / 8
     b, h, v, layers = a.batch, cfg["hidden_size"], 49152, cfg["num_hidden_layers"]
-    if kind == "tp":
-        # 2 all-reduces of [b, h] float32 per layer + the embedding's, and the logits gather
-        msgs = [(b * h * 4)] * (2 * layers + 1) + [b * v // 2 * 4]
-    else:
-        msgs = [b * h * 4, b * v * 4]  # one boundary's hidden states, the logits back
+    # TP: 2 all-reduces of [b, h] float32 per layer + the embedding's, the logits gather;
+    # PP: one boundary's hidden states, the sampled ids back (the last stage samples)
+    tp = [(b * h * 4)] * (2 * layers + 1) + [b * v // 2 * 4]
+    msgs = tp if kind == "tp" else [b * h * 4, b * 8]
     step = 2000  # the step's description, about 2 KB at this batch
     return 1000 * sum(lat + m / bw for m in [step, *msgs])
 
@@ -232,6 +244,8 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
         ("PP=2 two hosts", {"pipeline_parallel_size": 2}, True),
     ]
     for name, extra, two_hosts in runs:
+        if a.only and not any(o in name for o in a.only):
+            continue
         if extra:  # two ranks share this machine's cores, wherever "hosts" they are on
             extra = {**extra, "num_threads": max(1, len(os.sched_getaffinity(0)) // 2)}
         node = None
@@ -249,6 +263,7 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             with LLM(model, **kw, **extra) as llm:
                 r = step_times(llm, a.batch, a.steps)
+                r["max_in_flight"] = llm.engine.max_in_flight
         finally:
             if node is not None:
                 node.terminate()
@@ -257,7 +272,8 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
         net = network_estimate(kind, a, SHAPE) if kind else 0.0
         rows.append({"run": name, **r, "network_ms_assumed": net})
         print(
-            f"{name:15s} step {r['step_ms']:7.2f} ms  hand-off {r['publish_ms']:6.2f} ms  "
+            f"{name:16s} {r['tokens_per_s']:7.1f} tok/s  {r['max_in_flight']} in flight  "
+            f"step {r['step_ms']:7.2f} ms  hand-off {r['publish_ms']:6.2f} ms  "
             f"collectives/sends {r['collective_ms']:6.2f} ms  "
             f"+{net:5.2f} ms on a {a.link_gbps:g} Gb/s, {a.link_latency_us:g} us link",
             flush=True,
@@ -265,13 +281,71 @@ def part_split(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+_salt = iter(range(1, 1 << 30))
+
+
+def prefill_rate(llm: LLM, prompts: int, length: int) -> float:
+    """Prompt tokens/s over ``prompts`` fresh prompts of ``length`` tokens, one token
+    generated each (prompts never seen before, so the prefix cache saves nothing)."""
+    salt = next(_salt)
+    batch = [
+        [(salt * 7919 + 104729 * i + j) % 40000 + 100 for j in range(length)]
+        for i in range(prompts)
+    ]
+    t0 = time.perf_counter()
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=1))
+    return prompts * length / (time.perf_counter() - t0)
+
+
+def part_pipeline(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """(c) Throughput of PP=1 (one process) against PP=2 on this host with one batch in
+    flight (stages take turns) and with two (``EngineCore.pipeline_depth``), all three
+    engines loaded at once and measured in turn, ``--rounds`` times, so a change in the
+    machine's load hits all three alike. Medians."""
+    model = bench_model()
+    kw: dict[str, Any] = dict(kv_cache_memory=256 << 20, **EXACT)
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    names = ("PP=1", "PP=2, 1 in flight", "PP=2, 2 in flight")
+    decode: dict[str, list[float]] = {n: [] for n in names}
+    prefill: dict[str, list[float]] = {n: [] for n in names}
+    with (
+        LLM(model, **kw) as one,
+        LLM(model, pipeline_parallel_size=2, num_threads=half, **kw) as pp,
+    ):
+        for _ in range(a.rounds):
+            for name in names:
+                llm = one if name == "PP=1" else pp
+                if llm is pp:
+                    pp.engine.pipeline_depth = 1 if "1 in flight" in name else 2
+                decode[name].append(step_times(llm, a.batch, a.steps)["tokens_per_s"])
+                prefill[name].append(prefill_rate(llm, a.batch, a.prompt_len))
+        assert pp.engine.max_in_flight == 2
+    rows = []
+    for kind, results in (("decode", decode), ("prefill", prefill)):
+        base = statistics.median(results["PP=1"])
+        for name, tps in results.items():
+            med = statistics.median(tps)
+            rows.append({"run": name, "kind": kind, "tokens_per_s": med, "all": tps})
+            runs = " ".join(f"{t:.1f}" for t in tps)
+            print(
+                f"{kind:7s} {name:18s} {med:8.1f} tok/s (x{med / base:.2f} of PP=1; runs {runs})",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["router", "split", "all"], default="all")
+    p.add_argument("--part", choices=["router", "split", "pipeline", "all"], default="all")
+    p.add_argument("--rounds", type=int, default=3, help="(c): measurements of each")
+    p.add_argument("--prompt-len", type=int, default=256, help="(c): prefill prompts' length")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument(
+        "--only", nargs="*", default=[], help="(b): only the runs whose name contains one"
+    )
     p.add_argument("--link-gbps", type=float, default=10.0)
     p.add_argument("--link-latency-us", type=float, default=50.0)
     a = p.parse_args()
@@ -284,6 +358,8 @@ def main() -> None:
     out: dict[str, Any] = {}
     if a.part in ("split", "all"):
         out["split"] = part_split(a)
+    if a.part in ("pipeline", "all"):
+        out["pipeline"] = part_pipeline(a)
     if a.part in ("router", "all"):
         out["router"] = part_router(a)
     print(json.dumps(out))

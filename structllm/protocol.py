@@ -337,6 +337,19 @@ class EngineLaunch(msgspec.Struct, frozen=True):
 # engine (rank 0) -> tensor-parallel workers, over the broadcast ring
 
 
+class RowSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """How the last pipeline stage samples one row (``StepInput.last_stage_rows``): the
+    request's sampling settings, and ``step``, the row's output index (a seeded draw's
+    counter, ``engine.sampler``)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    step: int
+
+
 class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     """One model step's inputs (the flat batch of ``engine.runner``), as every rank
     needs them. Integer arrays travel as raw bytes in native order (every rank is on
@@ -347,6 +360,11 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     the forward pass, ``LOGIT_SLICE`` rows at a time (see ``engine.runner``): one per
     sampling sequence, then one per prompt position scored for ``prompt_logprobs``;
     empty when no sequence samples or scores in this step.
+
+    ``last_stage_rows`` (pipeline parallelism): set when every logit row is a sampling
+    row that needs only its own logits and these settings (no logprobs, grammar, bias,
+    penalties or pending ``min_tokens``): the last stage samples them itself and sends
+    rank 0 the token ids (int64 ``[N]``) instead of the float32 logits ``[N, V]``.
     """
 
     input_ids: bytearray  # int64 [T]
@@ -357,6 +375,7 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     query_start: list[int]  # [B+1]
     num_decodes: int
     logit_rows: list[int]
+    last_stage_rows: list[RowSampling] | None = None
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -30,7 +31,7 @@ from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
-from structllm.engine.runner import ModelRunner, PipelineLinks
+from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
 from structllm.engine.speculative import Drafter, SpecStats
@@ -106,6 +107,12 @@ class EngineCore:
         self.num_aborted = 0  # live requests aborted (unknown or finished ids not counted)
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
+        # pipeline parallelism: batches submitted and not yet completed, oldest first,
+        # and the ids of their requests (see _pipelined_step)
+        self.pipeline_depth = self.stages if isinstance(self.runner, ModelRunner) else 1
+        self._in_flight: deque[tuple[SchedulerOutput, InFlight, int]] = deque()
+        self._busy: set[str] = set()
+        self.max_in_flight = 0  # the most batches in flight at once so far (tests, benchmarks)
 
     def _start(self, plan: ShardPlan | None) -> None:
         group = self._load(plan)
@@ -401,8 +408,13 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------
 
     @property
+    def requests_in_flight(self) -> frozenset[str]:
+        """Ids of the requests in batches submitted and not completed (pipeline)."""
+        return frozenset(self._busy)
+
+    @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._compiling)
+        return self.scheduler.has_work or bool(self._compiling) or bool(self._in_flight)
 
     def step(self, aborts_pending: Callable[[], Collection[str]] | None = None) -> OutputBatch:
         """Schedule and run one step; its outputs (and any refusals and aborts since the
@@ -415,9 +427,12 @@ class EngineCore:
         advances, and the K/V blocks registered for its uncomputed tokens leave the
         prefix cache. The caller must then apply those aborts before the next step. So
         a storm of requests dropped by their clients costs a newcomer a few layers of
-        waiting, not the rest of a long prefill step. Not with tensor parallelism."""
+        waiting, not the rest of a long prefill step. Not with tensor or pipeline
+        parallelism (a pipeline's step is ``_pipelined_step``)."""
         if self._compiling:
             self._admit_compiled(0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
+        if self.pipeline_depth > 1:
+            return self._pipelined_step()
         sched = self.scheduler.schedule()
         deltas, self._pending = self._pending, []
         if sched.scheduled:
@@ -448,10 +463,54 @@ class EngineCore:
                     self._abandon_step(self.workers, e)
                 raise
             self.num_steps += 1
+            self.max_in_flight = max(self.max_in_flight, 1)
             new = self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
             if self.tracer.enabled:
                 self._trace_step(sched, new, start)
             deltas += new
+        return OutputBatch(deltas, self.stats())
+
+    def _pipelined_step(self) -> OutputBatch:
+        """A step with pipeline parallelism (vLLM's virtual engines): submit batches of
+        requests not in flight until ``pipeline_depth`` are (each runs stage 0 here and
+        goes on to the next stage, which works on it while this rank runs the next),
+        then complete the oldest: its logits arrive from the last stage, in order, and
+        are sampled. Each batch takes at most its share of the live requests, so they
+        spread over the batches in flight instead of all riding in the first. A request
+        aborted while its batch is in flight is skipped when the batch completes; one in
+        flight is never preempted (``Scheduler.schedule``'s ``busy``). Not cut short."""
+        runner = self.runner
+        assert isinstance(runner, ModelRunner)
+        sched_ = self.scheduler
+        deltas, self._pending = self._pending, []
+        try:
+            while len(self._in_flight) < self.pipeline_depth:
+                live = len(sched_.running) + len(sched_.waiting)
+                share = max(1, -(-live // self.pipeline_depth))
+                sched = sched_.schedule(self._busy, share)
+                if not sched.scheduled:
+                    break
+                start = now_us() if self.tracer.enabled else 0
+                if self.tracer.enabled:
+                    self._trace_scheduled(sched)
+                self._in_flight.append((sched, runner.submit(sched), start))
+                self._busy.update(req.request_id for req, _ in sched.scheduled)
+                self.max_in_flight = max(self.max_in_flight, len(self._in_flight))
+            if self._in_flight:
+                sched, job, start = self._in_flight.popleft()
+                self._busy.difference_update(req.request_id for req, _ in sched.scheduled)
+                sampled, logprobs, prompt_logprobs = runner.complete(job)
+                self.num_steps += 1
+                new = sched_.update(sched, sampled, logprobs, prompt_logprobs)
+                if self.tracer.enabled:
+                    self._trace_step(sched, new, start)
+                deltas += new
+        except BaseException as e:
+            self._in_flight.clear()
+            self._busy.clear()
+            if self.workers is not None:
+                self._abandon_step(self.workers, e)
+            raise
         return OutputBatch(deltas, self.stats())
 
     def _trace_scheduled(self, sched: SchedulerOutput) -> None:

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from structllm.engine.cuda_graphs import DecodeGraphs
-from structllm.engine.grammar import GrammarManager
+from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
-from structllm.engine.sampler import Sampler
+from structllm.engine.sampler import Sampler, row_sampling, sample_rows, stateless
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.engine.speculative import DraftRow, SampleRow, accept
 from structllm.kernels.attention import AttentionMetadata
@@ -38,6 +38,13 @@ LOGIT_SLICE = 256  # logit rows computed at once: [256, V] float32 (50 MB at V =
 
 LogitSink = Callable[[int, Tensor], None]
 """Receives ``(index of the first row in logit_rows, float32 logits [S, V])``."""
+
+StepResults = tuple[
+    dict[str, int | list[int]],
+    dict[str, TokenLogprobs | list[TokenLogprobs]],
+    dict[str, list[TokenLogprobs]],
+]
+"""What ``ModelRunner.execute`` returns: sampled tokens, their logprobs, prompt logprobs."""
 
 
 @dataclass
@@ -90,6 +97,19 @@ def batch_from_step(
         prompt_spans or [],
         sample_counts or [],
     )
+
+
+@dataclass
+class InFlight:
+    """A batch ``ModelRunner.submit`` started and ``complete`` finishes: its grammar mask
+    (taken at submission), and its logits when they are already here (no pipeline:
+    ``staged`` False)."""
+
+    batch: Batch
+    scorer: PromptScorer | None
+    mask: GrammarMask | None
+    logits: Tensor | None
+    staged: bool
 
 
 @dataclass(frozen=True)
@@ -149,6 +169,9 @@ class ModelRunner:
             for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
         ]
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
+        self.num_sampled_by_last_stage = 0  # rank 0: batches whose tokens came as ids
+        # the last pipeline stage's TP rank 0: samples stateless batches (set by the worker)
+        self.stage_sampler: Sampler | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
         # attention rows a step may have when short chunks of generated tokens are laid
@@ -244,6 +267,13 @@ class ModelRunner:
             query_start=query_start,
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
+            # the last pipeline stage samples a batch of stateless rows itself
+            last_stage_rows=[row_sampling(r) for r in sample_reqs]
+            if self.pp is not None
+            and not spans
+            and sample_reqs
+            and all(stateless(r) for r in sample_reqs)
+            else None,
         )
         return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
 
@@ -300,7 +330,13 @@ class ModelRunner:
         the stage before (``[T, hidden]``, one message), run this stage's layers, send it
         on; the last stage computes the logits slices and sends them to rank 0, which
         takes them as ``forward`` would have computed them."""
-        model, rows = self.model, batch.step.logit_rows
+        hidden = self._stage_layers(pp, batch)
+        return self._stage_logits(pp, batch, sink, hidden)
+
+    def _stage_layers(self, pp: PipelineLinks, batch: Batch) -> Tensor:
+        """Receive, run this stage's layers, send on (not waiting for the send to be
+        taken: rank 0 may start the next batch meanwhile). Returns the hidden states."""
+        model = self.model
         with torch.inference_mode():
             hidden_in = None
             if pp.stage > 0:
@@ -314,18 +350,42 @@ class ModelRunner:
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta, None, hidden_in
             )
             if not pp.last:
-                pp.group.send(hidden, pp.rank_of(pp.stage + 1))
+                pp.group.send_async(hidden, pp.rank_of(pp.stage + 1))
+            return hidden
+
+    def _stage_logits(
+        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None, hidden: Tensor | None = None
+    ) -> Tensor | None:
+        """The last stage computes the logits slices of ``hidden`` (its own layers'
+        output) and sends them to rank 0; rank 0 receives them, in order. With
+        ``step.last_stage_rows`` the last stage samples each slice and sends the token
+        ids instead (int64 ``[S]``, not float32 ``[S, V]``), and rank 0 gets the ids
+        ``[N]``."""
+        model, rows = self.model, batch.step.logit_rows
+        ids = batch.step.last_stage_rows
+        with torch.inference_mode():
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
                 n = len(rows[a : a + LOGIT_SLICE])
                 if pp.last:  # (never rank 0 here) every TP rank computes, TP rank 0 sends
+                    assert hidden is not None
                     logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
-                    if pp.tp_rank == 0:
+                    if pp.tp_rank != 0:
+                        continue
+                    if ids is None:
                         pp.group.send(logits, 0)
+                    else:
+                        sampler = self.stage_sampler
+                        assert sampler is not None, "the last stage's TP rank 0 samples"
+                        tokens = sample_rows(sampler, logits.cpu(), ids[a : a + n])
+                        pp.group.send(torch.tensor(tokens, device=self.device), 0)
                     continue
                 if pp.stage != 0 or pp.tp_rank != 0:
                     continue
-                logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
+                if ids is not None:
+                    logits = torch.empty(n, dtype=torch.long, device=self.device)
+                else:
+                    logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
                 pp.group.recv(logits, (pp.num_stages - 1) * pp.tp_size)
                 if sink is None:
                     parts.append(logits)
@@ -337,11 +397,7 @@ class ModelRunner:
 
     def execute(
         self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
-    ) -> tuple[
-        dict[str, int | list[int]],
-        dict[str, TokenLogprobs | list[TokenLogprobs]],
-        dict[str, list[TokenLogprobs]],
-    ]:
+    ) -> StepResults:
         """Run the model over ``sched``, sample for the requests that reach the end of
         their known tokens and score the prompt positions asked for. Returns
         ``{request_id: token}``, the requested logprobs and the prompt logprobs (of each
@@ -349,28 +405,67 @@ class ModelRunner:
         its rows emit (``speculative.accept``) and a list of their logprobs.
         ``between_layers`` may raise to cut the step short (see
         ``LlamaModel.forward``); nothing is sampled then."""
+        return self.complete(self.submit(sched, between_layers))
+
+    def submit(
+        self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> InFlight:
+        """The first half of ``execute``: lay out ``sched`` and run it. With pipeline
+        parallelism this runs stage 0 only and returns once its hidden states are on
+        their way, so rank 0 can submit the next batch while the later stages work on
+        this one; ``complete`` takes the logits from the last stage (in submission
+        order) and samples."""
         assert self.sampler is not None, "only rank 0 samples"
         batch = self.prepare(sched)
-        reqs = batch.sample_reqs
         # the constrained rows' bitmask is computed while the model runs
-        pending = self.grammar.start_fill(reqs) if self.grammar is not None else None
+        pending = self.grammar.start_fill(batch.sample_reqs) if self.grammar is not None else None
         scorer = PromptScorer(batch.prompt_spans) if batch.prompt_spans else None
+        pp = self.pp
         try:
-            logits = (
-                self.run(batch, None, between_layers)
-                if scorer is None
-                else self._run_scoring(batch, scorer, between_layers)
-            )
+            if pp is not None:  # rank 0 is stage 0; the logits come later (complete)
+                if self.broadcast is not None:
+                    self.broadcast(batch.step)
+                self._stage_layers(pp, batch)
+                logits = None
+            else:
+                logits = (
+                    self.run(batch, None, between_layers)
+                    if scorer is None
+                    else self._run_scoring(
+                        batch, scorer, lambda s: self.run(batch, s, between_layers)
+                    )
+                )
         except BaseException:
             if pending is not None:  # its matchers may be freed next: let it finish first
                 wait([pending])
             raise
+        # taken now: an abort before ``complete`` may free a matcher
         mask = pending.result() if pending is not None else None
+        return InFlight(batch, scorer, mask, logits, pp is not None)
+
+    def complete(self, job: InFlight) -> StepResults:
+        """The second half of ``execute``: the logits (from the last stage, with pipeline
+        parallelism), sampling and the prompt scores."""
+        assert self.sampler is not None, "only rank 0 samples"
+        batch, scorer, mask, logits = job.batch, job.scorer, job.mask, job.logits
+        pp = self.pp
+        if job.staged and pp is not None:
+            logits = (
+                self._stage_logits(pp, batch, None)
+                if scorer is None
+                else self._run_scoring(batch, scorer, lambda s: self._stage_logits(pp, batch, s))
+            )
+        reqs = batch.sample_reqs
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
         if logits is not None:
-            with torch.inference_mode():
-                tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
+            if batch.step.last_stage_rows is not None:  # ``logits`` are the sampled ids [N]
+                self.num_sampled_by_last_stage += 1
+                tokens: list[int] = logits.tolist()
+                logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+            else:
+                with torch.inference_mode():
+                    tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
             if mask is not None and self.grammar is not None:
                 self.grammar.record(mask)
             i = 0
@@ -392,10 +487,11 @@ class ModelRunner:
         self,
         batch: Batch,
         scorer: PromptScorer,
-        between_layers: Callable[[], None] | None = None,
+        run: Callable[[LogitSink], object],
     ) -> Tensor | None:
-        """``run`` for a batch with prompt rows: those go to ``scorer`` slice by slice;
-        returns the logits ``[N, V]`` of the N sampling rows (None if N is 0)."""
+        """``run`` (a forward pass, or the receipt of the last stage's logits) for a batch
+        with prompt rows: those go to ``scorer`` slice by slice; returns the logits
+        ``[N, V]`` of the N sampling rows (None if N is 0)."""
         n = len(batch.sample_reqs)
         parts: list[Tensor] = []
 
@@ -405,7 +501,7 @@ class ModelRunner:
             if a + logits.shape[0] > n:
                 scorer.add(logits[max(0, n - a) :])
 
-        self.run(batch, sink, between_layers)
+        run(sink)
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -34,7 +34,7 @@ holds a draft.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,15 +112,24 @@ class Scheduler:
 
     # -- scheduling ------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, busy: Collection[str] = frozenset(), max_seqs: int | None = None
+    ) -> SchedulerOutput:
+        """The next step's batch. With pipeline parallelism several batches are in flight
+        at once: ``busy`` names the requests of those (not scheduled again, never
+        preempted: their step still writes their K/V blocks on the later stages), and
+        ``max_seqs`` caps this batch's requests so the live ones spread over the
+        batches in flight (see ``EngineCore``)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        cap = self.max_num_seqs if max_seqs is None else max_seqs
+        free = [r for r in self.running if r.request_id not in busy] if busy else self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(free) and budget > 0 and len(out.scheduled) < cap:
+            req = free[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # every running request after this one keeps room for its own token
-            rest = len(self.running) - i - 1
+            rest = len(free) - i - 1
             room = budget - n - rest
             if self.max_draft_step_tokens is not None:
                 used = self.max_num_batched_tokens - budget
@@ -133,7 +142,10 @@ class Scheduler:
                 if self._drop_drafts(out):  # drafts give their blocks up first
                     budget = self.max_num_batched_tokens - out.num_tokens
                     continue
-                victim = self.running.pop()  # the newest, never one already scheduled
+                # the newest, never one already scheduled (nor one in flight)
+                victim = free.pop()
+                if free is not self.running:
+                    self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -145,7 +157,12 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(out.scheduled) < cap
+        ):
             req = self.waiting[0]
             hits = self.kv.lookup(req)
             if req.wants_prompt_logprobs:  # hits only over positions already scored
@@ -214,6 +231,8 @@ class Scheduler:
         (``speculative.accept``), and a list of logprobs, one per token."""
         deltas: list[TokenDelta] = []
         for req, n in out.scheduled:
+            if req.status is Status.FINISHED:  # aborted while its batch was in flight
+                continue
             first, count = req.prompt_logprob_span(n)
             plp = prompt_logprobs.get(req.request_id) if prompt_logprobs else None
             if count:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from structllm.config import EngineConfig
 from structllm.engine.device import load_rank_model, local_num_blocks, setup_device, worker_device
 from structllm.engine.runner import ModelRunner, PipelineLinks, batch_from_step
+from structllm.engine.sampler import Sampler
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing
 from structllm.ipc.broadcast_channel import Subscriber
@@ -102,7 +103,8 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     A load error is also left in the store for rank 0 to report."""
     config = msgspec.convert(launch.config, EngineConfig)
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
-    device = worker_device(config, launch.rank)
+    # on CUDA, the rank's device on its own host: ranks are numbered across the hosts
+    device = worker_device(config, launch.rank % (launch.world_size // config.nnodes))
     files = prepare_model(config.model)
     stages = config.pipeline_parallel_size  # > 1: rank = stage * tp + tp_rank
     tp = launch.world_size // stages
@@ -144,6 +146,8 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
         runner = ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype)
         if layers is not None:
             runner.pp = PipelineLinks(group, stage, stages, tp_rank, tp)
+            if runner.pp.last and tp_rank == 0:  # samples stateless batches (seeded as rank 0)
+                runner.stage_sampler = Sampler(files.generation_eos_ids, config.seed)
         group.also_close = stage_group  # closed with the group, see TensorParallelGroup.close
         return runner, group
     except BaseException:

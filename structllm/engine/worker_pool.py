@@ -68,14 +68,16 @@ class WorkerStartError(RuntimeError):
 
 
 def ring_capacity_for(config: EngineConfig, max_positions: int) -> int:
-    """A power of two that holds two of the largest possible ``StepInput`` frames:
-    three int64 arrays per token, a block table of int32 per sequence, a few ints per
-    sequence and msgpack overhead."""
+    """A power of two that holds two of the largest possible ``StepInput`` frames (or one
+    per pipeline stage: that many batches are in flight, and the last stage reads a
+    batch's frame only once the stages before it are done with it): three int64 arrays
+    per token, a block table of int32 per sequence, a few ints per sequence and msgpack
+    overhead."""
     blocks = -(-max_positions // config.block_size)
     tokens = budget_upper_bound(config.max_num_batched_tokens, config.max_num_seqs)
     worst = 24 * tokens + config.max_num_seqs * (4 * blocks + 3 * 9) + 1024
     cap = MIN_RING_CAPACITY
-    while cap < 2 * worst:
+    while cap < max(2, config.pipeline_parallel_size) * worst:
         cap *= 2
     return cap
 

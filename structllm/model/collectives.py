@@ -33,6 +33,7 @@ class TensorParallelGroup:
         self._pg: Any = backend
         self.comm_s = 0.0  # seconds spent in collectives, sends and receives (benchmarks)
         self.also_close: TensorParallelGroup | None = None  # a stage's TP group, on a worker
+        self._sending: tuple[Any, Tensor] | None = None  # send_async's (work, tensor)
         self.rank = rank
         self.world_size = world_size
         self.device = device
@@ -73,6 +74,26 @@ class TensorParallelGroup:
         self._pg.send([t.contiguous()], dst, 0).wait()
         self.comm_s += time.perf_counter() - t0
 
+    def send_async(self, t: Tensor, dst: int) -> None:
+        """``t`` to rank ``dst`` without waiting for it to be taken (a pipeline stage's
+        hidden states: the stage goes on to its next batch while the next stage is busy
+        with the one before). One such send in flight per group: this waits for the
+        previous one first. ``t`` is held until then (the backend reads it in place)."""
+        self.flush()
+        t = t.contiguous()
+        self._sending = (self._pg.send([t], dst, 0), t)
+
+    def flush(self) -> None:
+        """Wait for the send of ``send_async`` in flight, if any (bounded by the group's
+        timeout; a peer that died fails it)."""
+        if self._sending is None:
+            return
+        work, _ = self._sending
+        self._sending = None
+        t0 = time.perf_counter()
+        work.wait()
+        self.comm_s += time.perf_counter() - t0
+
     def recv(self, t: Tensor, src: int) -> None:
         """Fill ``t`` from rank ``src`` (bounded by the group's timeout)."""
         t0 = time.perf_counter()
@@ -83,6 +104,7 @@ class TensorParallelGroup:
         """Drop the backend. Explicitly, not at interpreter teardown: a gloo group whose
         peer died aborts the process (``std::terminate``) if it is destroyed that late."""
         self._pg = None
+        self._sending = None
         if self.also_close is not None:
             self.also_close.close()
             self.also_close = None

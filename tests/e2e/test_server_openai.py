@@ -1,13 +1,20 @@
-"""The official ``openai`` client against a real ``structllm run`` (default model)."""
+"""The official ``openai`` client against a real ``structllm run`` (default model): one
+front end, two front ends, and two replicas (on 127.0.0.2 and 127.0.0.3, as if two
+hosts) behind ``vllm-router``'s cache-aware policy. Through the router, the client-level
+checks go to the router's URL; the HTTP-level ones (raw bodies, ``/tokenize``, auth,
+routes) still ask the first replica, since the router answers some bad input itself
+(pinned and documented in ``test_router.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import anyio
 import openai
 import pytest
 
+from tests.support.router import Router, router_binary
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -15,16 +22,49 @@ KEY = "test-key"
 MESSAGES = [{"role": "user", "content": "List three fruits."}]
 
 
-@pytest.fixture(scope="module", params=["1", "2"], ids=["one-front-end", "two-front-ends"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    with Server("--max-model-len", "1024", "--api-server-count", request.param, api_key=KEY) as s:
-        yield s
-        assert s.stop() == 0
+@pytest.fixture(
+    scope="module",
+    params=["1", "2", "router"],
+    ids=["one-front-end", "two-front-ends", "router-two-replicas"],
+)
+def deployment(request: pytest.FixtureRequest) -> Iterator[tuple[Server, str]]:
+    """(a server the HTTP-level checks ask, the URL the OpenAI client talks to)."""
+    if request.param != "router":
+        with Server(
+            "--max-model-len", "1024", "--api-server-count", request.param, api_key=KEY
+        ) as s:
+            yield s, s.url
+            assert s.stop() == 0
+        return
+    if router_binary() is None:
+        pytest.skip("vllm-router is not installed (a test extra)")
+    with ExitStack() as stack:
+        replicas = [
+            stack.enter_context(Server("--max-model-len", "1024", api_key=KEY, host=h))
+            for h in ("127.0.0.2", "127.0.0.3")
+        ]
+        # the router passes the client's Authorization on for some routes only (not
+        # GET /v1/models/{id}); its --api-key is what it sends the replicas
+        router = stack.enter_context(
+            Router([s.url for s in replicas], "cache_aware", "--api-key", KEY)
+        )
+        yield replicas[0], router.url
+        assert [s.stop() for s in replicas] == [0, 0]
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+def server(deployment: tuple[Server, str]) -> Server:
+    return deployment[0]
+
+
+@pytest.fixture(scope="module")
+def url(deployment: tuple[Server, str]) -> str:
+    return deployment[1]
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +239,9 @@ def test_streamed_echo_survives_a_held_back_first_token(client: openai.OpenAI, m
     assert text == "Roses are red," + plain.choices[0].text
 
 
-def test_async_client_streams(server: Server, model: str) -> None:
+def test_async_client_streams(url: str, model: str) -> None:
     async def main() -> str:
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         parts = []
         stream = await aclient.chat.completions.create(
             model=model, messages=MESSAGES, temperature=0, max_tokens=20, stream=True
@@ -212,7 +252,7 @@ def test_async_client_streams(server: Server, model: str) -> None:
         await aclient.close()
         return "".join(parts)
 
-    sync = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    sync = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     want = (
         sync.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=20)
         .choices[0]

@@ -9,16 +9,22 @@ and restarts the engine, and node 1 joins the new one.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from structllm import LLM
-from tests.support.models import EXACT, SPLIT_PROMPTS, assert_same_greedy_as
+from structllm import LLM, SamplingParams
+from structllm.engine.runner import ModelRunner
+from structllm.protocol import AddRequest
+from tests.support.models import EXACT, SPLIT_GREEDY, SPLIT_PROMPTS, assert_same_greedy_as
 from tests.support.procs import HANG_S, ROOT, alive, children, python_env, wait_for
 from tests.support.server import Server, free_port, open_stream, read_until
 
@@ -120,6 +126,44 @@ def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
             pp.engine.layers
         )
         assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
+        assert pp.engine.max_in_flight == 2  # both stages had a batch: the prompts were split
+        # without logprobs (etc.) the last stage samples and sends token ids, not logits
+        runner = pp.engine.runner
+        assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage == 0
+        plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, plain)]
+        assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, plain)] == want
+        assert runner.num_sampled_by_last_stage > 0
+        # seeded random rows too: the same draws as rank 0 would make
+        seeded = SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=7, max_tokens=12
+        )
+        want_seeded = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, seeded)]
+        before_seeded = runner.num_sampled_by_last_stage
+        assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, seeded)] == want_seeded
+        assert runner.num_sampled_by_last_stage > before_seeded
+        # an abort while the request's batch is in flight: no token of it after the abort,
+        # the others unaffected, every block back
+        eng = pp.engine
+        for i, prompt in enumerate(SPLIT_PROMPTS):
+            eng.add_request(AddRequest(f"r{i}", prompt, plain))
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(SPLIT_PROMPTS))}
+        before = eng.step().outputs  # two batches submitted, the first completed
+        victim = sorted(eng.requests_in_flight)[0]
+        eng.abort([victim])
+        after = []
+        steps = 0
+        while eng.has_work and steps < 1000:  # (bounded: a bug must not hang the test)
+            after += eng.step().outputs
+            steps += 1
+        for d in [*before, *after]:
+            got[d.request_id] += d.new_token_ids
+        mine = [(d.new_token_ids, d.finish_reason) for d in after if d.request_id == victim]
+        assert mine == [([], "abort")]
+        partial = got.pop(victim)
+        assert partial == want[int(victim[1:])][: len(partial)]
+        assert got == {f"r{i}": w for i, w in enumerate(want) if f"r{i}" != victim}
+        assert not eng.requests_in_flight and eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
 def test_pp2_across_two_hosts_matches_one_process(tiny: str) -> None:
@@ -153,3 +197,100 @@ def test_tp2_x_pp2_matches_one_process(tiny: str) -> None:
     ) as split:
         assert split.engine.workers is not None and len(split.engine.workers.pids) == 3
         assert_same_greedy_as(ref, split, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-4)
+        # the last stage's TP rank 0 samples from the gathered logits and sends the ids
+        plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        want = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, plain)]
+        assert [o.token_ids for o in split.generate(SPLIT_PROMPTS, plain)] == want
+        runner = split.engine.runner
+        assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage > 0
+
+
+# -- real isolation: two network namespaces ----------------------------------------------
+
+NODE0 = """
+import json, sys
+from structllm import LLM
+from tests.support.models import EXACT, SPLIT_GREEDY, SPLIT_PROMPTS
+tiny, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with LLM(tiny, tensor_parallel_size=2, nnodes=2, master_addr=addr, master_port=port,
+         kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT) as tp:
+    outs = tp.generate(SPLIT_PROMPTS, SPLIT_GREEDY)
+print(json.dumps([[o.token_ids, [lp.logprob for lp in o.logprobs]] for o in outs]))
+"""
+
+
+def ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@contextmanager
+def two_namespaced_hosts() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair, each end with an address in
+    10.254.x.0/24: ``((ns0, addr0), (ns1, addr1))``. Neither sees this machine's
+    loopback or any other interface. Removed on exit, whatever happened (deleting a
+    namespace deletes the veth end in it, and the pair with it)."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2)")
+    tag = f"sl{os.getpid() % 100000}"
+    net = f"10.254.{os.getpid() % 250}"
+    hosts = ((f"{tag}a", f"{net}.1"), (f"{tag}b", f"{net}.2"))
+    made: list[str] = []
+    try:
+        for ns, _ in hosts:
+            r = ip("netns", "add", ns)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create a network namespace (CAP_NET_ADMIN?): {r.stderr}")
+            made.append(ns)
+        steps = [("link", "add", f"{tag}x", "type", "veth", "peer", "name", f"{tag}y")]
+        for (ns, addr), dev in zip(hosts, (f"{tag}x", f"{tag}y"), strict=True):
+            steps += [
+                ("link", "set", dev, "netns", ns),
+                ("-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                ("-n", ns, "link", "set", dev, "up"),
+                ("-n", ns, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            r = ip(*step)
+            assert r.returncode == 0, f"ip {' '.join(step)}: {r.stderr}"
+        yield hosts
+    finally:
+        for ns in made:
+            ip("netns", "del", ns)
+        ip("link", "del", f"{tag}x")  # (only if the pair never left this namespace)
+
+
+def test_tp2_across_two_network_namespaces_matches_one_process(tiny: str) -> None:
+    """Node 0 (store, rank 0, engine) and node 1 each in their own network namespace:
+    the ranks can reach each other only over the veth pair, so nothing can pass through
+    a loopback shortcut. Greedy tokens equal one process."""
+    ref = LLM(tiny, kv_cache_memory=8 << 20, max_num_batched_tokens=48, **EXACT)  # type: ignore[arg-type]
+    want = ref.generate(SPLIT_PROMPTS, SPLIT_GREEDY)
+    with two_namespaced_hosts() as ((ns0, addr0), (ns1, addr1)):
+        port = "29500"  # the namespaces are new: nothing else listens in them
+        node1 = subprocess.Popen(
+            [
+                "ip", "netns", "exec", ns1, sys.executable, "-m", "structllm", "run",
+                "--nnodes", "2", "--node-rank", "1", "--master-addr", addr0,
+                "--master-port", port, "--node-addr", addr1,
+            ],
+            cwd=ROOT,
+            env=python_env(),
+        )  # fmt: skip
+        try:
+            node0 = subprocess.run(
+                ["ip", "netns", "exec", ns0, sys.executable, "-c", NODE0, tiny, addr0, port],
+                cwd=ROOT,
+                env=python_env(),
+                capture_output=True,
+                text=True,
+                timeout=2 * HANG_S,
+            )
+            assert node0.returncode == 0, node0.stderr[-3000:]
+        finally:
+            stop(node1)
+    got = json.loads(node0.stdout.strip().splitlines()[-1])
+    for w, (tokens, logprobs) in zip(want, got, strict=True):
+        assert tokens == w.token_ids
+        assert max(abs(a.logprob - b) for a, b in zip(w.logprobs, logprobs, strict=True)) < 1e-4

@@ -1,6 +1,7 @@
-"""Constrained decoding on a tiny random-weight model: with tensor parallelism (rank 0
-samples and holds the matchers; forced tokens reach the workers as input ids) and with a
-model vocabulary padded past the tokenizer's (the padded ids must never be sampled)."""
+"""Constrained decoding on a tiny random-weight model: with tensor and pipeline
+parallelism (rank 0 samples and holds the matchers; forced tokens reach the workers as
+input ids) and with a model vocabulary padded past the tokenizer's (the padded ids must
+never be sampled)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def test_constrained_tp2_matches_one_process_and_stays_in_the_tokenizer(padded_d
     with LLM(str(padded_dir), kv_cache_memory=8 << 20, tensor_parallel_size=2) as tp:
         got = tp.generate(prompts, params)
         assert tp.engine.num_live_matchers == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # pipeline stages, two batches in flight: masks taken at submission, the matchers
+    # advanced when each batch completes
+    with LLM(str(padded_dir), kv_cache_memory=8 << 20, pipeline_parallel_size=2) as pp:
+        got = pp.generate(prompts, params)
+        assert pp.engine.num_live_matchers == 0 and pp.engine.max_in_flight == 2
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for o in want:
         assert o.finish_reason == "stop" and max(o.token_ids) < 49152

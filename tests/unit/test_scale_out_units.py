@@ -66,3 +66,32 @@ def test_rank_0_sees_a_closed_rank_as_dead() -> None:
     assert sender.dead()
     sender.close()
     listener.close()
+
+
+def test_a_cuda_group_is_nccl_and_a_cpu_group_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: NCCL's process group is replaced by a recorder, to check that a CUDA
+    device takes the NCCL branch with the group's timeout (gloo runs for real below)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from structllm.model.collectives import connect_group
+
+    made: list[tuple[int, int, datetime.timedelta]] = []
+
+    class FakeNCCL:
+        class Options:
+            _timeout = datetime.timedelta(0)
+
+        def __init__(self, store: object, rank: int, size: int, opts: FakeNCCL.Options) -> None:
+            made.append((rank, size, opts._timeout))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=7)
+    group = connect_group(store, 0, 1, torch.device("cuda", 0), timeout=timeout)
+    assert isinstance(group._pg, FakeNCCL) and made == [(0, 1, timeout)]
+    cpu = connect_group(store, 0, 1, torch.device("cpu"), timeout=timeout, prefix="cpu")
+    assert type(cpu._pg).__name__ == "ProcessGroupGloo"
+    cpu.close()

@@ -210,3 +210,64 @@ def test_random_add_step_abort_keep_invariants(
     assert not s.has_work
     assert s.kv.num_free_blocks == s.kv.num_blocks
     assert all(c == 0 for c in s.kv.ref_cnt)
+
+
+def run_pipelined(
+    s: Scheduler, reqs: list[Request], depth: int, abort_at: frozenset[int] = frozenset()
+) -> dict[str, list[int]]:
+    """As the engine with ``depth`` pipeline stages: batches of requests not in flight
+    are submitted until ``depth`` are, then the oldest completes (its tokens are only
+    known then). ``abort_at``: steps after whose submissions the first request of the
+    oldest batch in flight is aborted."""
+    from collections import deque
+
+    for r in reqs:
+        s.add_request(r)
+    flight: deque[SchedulerOutput] = deque()
+    busy: set[str] = set()
+    for k in range(10_000):
+        if not (s.has_work or flight):
+            break
+        while len(flight) < depth:
+            live = len(s.running) + len(s.waiting)
+            out = s.schedule(busy, max(1, -(-live // depth)))
+            if not out.scheduled:
+                break
+            ids = {r.request_id for r, _ in out.scheduled}
+            assert not ids & busy, "a request in two batches in flight"
+            assert not {r.request_id for r in out.preempted} & busy, (
+                "an in-flight request preempted"
+            )
+            flight.append(out)
+            busy |= ids
+        out = flight.popleft()
+        if k in abort_at:
+            s.abort([out.scheduled[0][0].request_id])
+        busy -= {r.request_id for r, _ in out.scheduled}
+        # sampled from what the request was when submitted (it did not change since)
+        sampled = {r.request_id: fake_token(r) for r in out.sampling_requests()}
+        s.update(out, sampled)
+        s.kv.check_invariants(s.running)
+    assert not s.has_work and not flight, "did not finish"
+    return {r.request_id: r.output_token_ids for r in reqs}
+
+
+def test_pipelined_batches_give_the_same_tokens_with_preemption_and_aborts() -> None:
+    reqs = lambda: [request(str(i), 3 + 5 * i, max_tokens=16) for i in range(6)]  # noqa: E731
+    reference = run_all(make(num_blocks=256), reqs())
+    roomy = make(num_blocks=256)
+    assert run_pipelined(roomy, reqs(), depth=2) == reference
+    tight = make(num_blocks=20, block_size=4, budget=12)
+    assert run_pipelined(tight, reqs(), depth=3) == reference
+    assert tight.num_preemptions > 0
+    assert tight.kv.num_free_blocks == tight.kv.num_blocks
+    # aborted while its batch is in flight: that batch's result is dropped for it
+    s = make(num_blocks=256)
+    got = run_pipelined(s, reqs(), depth=2, abort_at=frozenset({2, 5}))
+    aborted = {rid for rid, out in got.items() if len(out) < 16}
+    assert len(aborted) == 2
+    assert all(got[rid] == reference[rid][: len(got[rid])] for rid in aborted)
+    assert {k: got[k] for k in got if k not in aborted} == {
+        k: reference[k] for k in got if k not in aborted
+    }
+    assert s.kv.num_free_blocks == s.kv.num_blocks
