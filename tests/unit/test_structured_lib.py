@@ -307,7 +307,9 @@ def test_generated_chunks_are_laid_out_as_decode_rows() -> None:
     sched = SchedulerOutput([(prompt, 4), (ff, 3), (dec, 1)])
 
     def layout(max_rows: int) -> Any:
-        fake = SimpleNamespace(block_size=16, max_rows=max_rows, device=torch.device("cpu"))
+        fake = SimpleNamespace(
+            block_size=16, max_rows=max_rows, device=torch.device("cpu"), pp=None
+        )
         fake._decode_chunks = lambda s: ModelRunner._decode_chunks(fake, s)  # type: ignore[arg-type]
         return ModelRunner.prepare(fake, sched).step  # type: ignore[arg-type]
 
