@@ -966,6 +966,23 @@ inline v8i bcast_quad(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// The 16 quant bytes at q of 8 rows (row_bytes apart), transposed: t[i], lane j = row j's
+// bytes 4i..4i+3, so each lane holds one weight row.
+inline void quads_by_row(const uint8_t* q, int64_t row_bytes, v8i t[4]) {
+  v8i y[4];
+  for (int r = 0; r < 4; r++) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * row_bytes));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (r + 4) * row_bytes));
+    y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  }
+  const v8i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
+  const v8i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
+  t[0] = _mm256_unpacklo_epi64(a0, a2);
+  t[1] = _mm256_unpackhi_epi64(a0, a2);
+  t[2] = _mm256_unpacklo_epi64(a1, a3);
+  t[3] = _mm256_unpackhi_epi64(a1, a3);
+}
+
 template <int T, int MT>
 inline void rows8_nibbles(const uint8_t* w, int64_t row_bytes, int nb, const int8_t* xq, int64_t K, const float* dx,
                           const float* xs, float* out, int64_t N, const uint8_t* ahead) {
@@ -979,17 +996,8 @@ inline void rows8_nibbles(const uint8_t* w, int64_t row_bytes, int nb, const int
     const int8_t* xb = xq + static_cast<int64_t>(b) * QK;
     for (int64_t o = 8 * BB * b; o < 8 * BB * (b + 1); o += 64)  // as rows8
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
-    v8i y[4];
-    for (int r = 0; r < 4; r++) {
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + r * row_bytes + QO));
-      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (r + 4) * row_bytes + QO));
-      y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    }
-    // t[q], lane j: row j's quant bytes 4q..4q+3
-    const v8i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
-    const v8i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
-    const v8i t[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
-                      _mm256_unpackhi_epi64(a1, a3)};
+    v8i t[4];  // t[q], lane j: row j's quant bytes 4q..4q+3
+    quads_by_row(g + QO, row_bytes, t);
     v8i s_lo[MT], s_hi[MT];  // two chains per activation row
     for (int m = 0; m < MT; m++) s_lo[m] = s_hi[m] = _mm256_setzero_si256();
     for (int q = 0; q < 4; q++) {
@@ -1071,16 +1079,8 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
         }
       }
     } else {
-      v8i y[4];
-      for (int r = 0; r < 4; r++) {
-        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + r * row_bytes + QO));
-        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + (r + 4) * row_bytes + QO));
-        y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-      }
-      const v8i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
-      const v8i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
-      const v8i t[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
-                        _mm256_unpackhi_epi64(a1, a3)};
+      v8i t[4];
+      quads_by_row(g + QO, row_bytes, t);
       const v8i zp = _mm256_set1_epi16(zero_point(T));
       for (int q = 0; q < 4; q++) {  // bytes 4q .. 4q + 3: low nibbles k = 4q.., high k = 16 + 4q..
         const v8i f = _mm256_shuffle_epi8(t[q], first), e = _mm256_shuffle_epi8(t[q], second);
