@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -338,16 +338,28 @@ class EngineLaunch(msgspec.Struct, frozen=True):
 
 
 class RowSampling(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """How the last pipeline stage samples one row (``StepInput.last_stage_rows``): the
-    request's sampling settings, and ``step``, the row's output index (a seeded draw's
-    counter, ``engine.sampler``)."""
+    """One sampling row as the last pipeline stage samples it (``StepInput.last_stage_rows``,
+    see ``engine.stage_sampling``). The last stage keeps, per request, its settings and
+    (for penalties) its token ids, so a row carries only what changed:
 
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int | None
+    - ``step``: the row's output index (``num_output_tokens``, a verified chunk's drafts
+      before the row included): a seeded draw's counter and ``min_tokens``' clock;
+    - ``sampling``: the request's settings (without the front end's stop strings and
+      grammar spec), with its first row on the last stage only;
+    - ``new_tokens``: int32 token ids (prompt and output, in order) appended since the
+      last stage last got the request's, for a request with penalties only;
+    - ``drafts_before``: the drafts before this row of a verified chunk;
+    - ``mask``: int32 ``[W]``, the grammar's allowed tokens (bit ``t % 32`` of word
+      ``t // 32``), for a constrained row only: computed on rank 0, which owns the
+      matchers, before the step goes out.
+    """
+
+    request_id: str
     step: int
+    sampling: SamplingParams | None = None
+    new_tokens: bytes = b""
+    drafts_before: list[int] = []
+    mask: bytes | None = None
 
 
 class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -361,10 +373,13 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     sampling sequence, then one per prompt position scored for ``prompt_logprobs``;
     empty when no sequence samples or scores in this step.
 
-    ``last_stage_rows`` (pipeline parallelism): set when every logit row is a sampling
-    row that needs only its own logits and these settings (no logprobs, grammar, bias,
-    penalties or pending ``min_tokens``): the last stage samples them itself and sends
-    rank 0 the token ids (int64 ``[N]``) instead of the float32 logits ``[N, V]``.
+    ``last_stage_rows`` (pipeline parallelism): one per sampling row; the last stage
+    samples them and sends rank 0 the token ids and the logprobs asked for (one float64
+    message, ``engine.stage_sampling.pack``) instead of the float32 logits ``[N, V]``.
+    ``released``: requests that ended, whose state the last stage drops (before this
+    step's rows, which may reuse an id). ``rank0_samples``: the rows' settings or history
+    did not all fit in this step (``engine.stage_sampling.StageFeed``): the last stage
+    takes in what came and sends the logits, and rank 0 samples.
     """
 
     input_ids: bytearray  # int64 [T]
@@ -376,6 +391,8 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     num_decodes: int
     logit_rows: list[int]
     last_stage_rows: list[RowSampling] | None = None
+    released: list[str] = []
+    rank0_samples: bool = False
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

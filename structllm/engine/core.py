@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import msgspec
 import torch
 
 from structllm.config import EngineConfig, SpeculativeConfig
@@ -31,10 +32,11 @@ from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
-from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks
+from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks, batch_from_step
 from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
 from structllm.engine.speculative import Drafter, SpecStats
+from structllm.engine.stage_sampling import StageFeed, stage_budget
 from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.packed import ROW_KERNEL_ROWS
@@ -168,7 +170,8 @@ class EngineCore:
         ranks = (plan.world_size if plan is not None else 1) * self.stages
         if ranks > 1:
             positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
-            self.workers = WorkerPool(config, ranks, ring_capacity_for(config, positions))
+            capacity = ring_capacity_for(config, positions, mcfg.vocab_size)
+            self.workers = WorkerPool(config, ranks, capacity)
             group = self.workers.connect(self.device)
         self.group = group  # all ranks (pipeline sends, start-up agreement); None alone
         tp_group = group if plan is not None else None  # the layers' all-reduces: TP only
@@ -227,6 +230,9 @@ class EngineCore:
             assert self.group is not None
             tp = config.tensor_parallel_size
             runner.pp = PipelineLinks(self.group, 0, self.stages, 0, tp)
+            mcfg = self.files.config  # the step's share, as ring_capacity_for sized it
+            positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
+            runner.stage_feed = StageFeed(stage_budget(positions))
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
@@ -273,6 +279,10 @@ class EngineCore:
             return 0.0  # a KV cache smaller than one chunk: nothing to measure
         try:
             batch = self.runner.prepare(SchedulerOutput([(req, n)]))
+            if self.stages > 1:  # no logit rows: the last stage would sample (see run)
+                batch = batch_from_step(
+                    msgspec.structs.replace(batch.step, logit_rows=[]), self.runner.device
+                )
             wall, cpu = time.perf_counter(), time.process_time()
             self.runner.run(batch)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu

@@ -19,7 +19,8 @@ has one):
    the tokens the grammar forces next (fast-forward): they are computed with the next
    step's chunk, like prompt tokens, instead of one decode step each.
 
-Only rank 0 (which samples) has matchers; tensor-parallel workers see the forced tokens
+Only rank 0 has matchers (with pipeline stages the last stage samples, and each
+constrained row's mask goes to it with the step, ``engine.stage_sampling``); tensor-parallel workers see the forced tokens
 as ordinary input ids.
 
 A request with ``sampling.reasoning`` starts in its reasoning part

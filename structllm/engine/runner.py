@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -26,9 +27,16 @@ from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
-from structllm.engine.sampler import Sampler, row_sampling, sample_rows, stateless
+from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.engine.speculative import DraftRow, SampleRow, accept
+from structllm.engine.stage_sampling import (
+    StageFeed,
+    StageSampler,
+    packed_size,
+    stage_budget,
+    unpack,
+)
 from structllm.kernels.attention import AttentionMetadata
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.llama import LlamaModel
@@ -103,7 +111,8 @@ def batch_from_step(
 class InFlight:
     """A batch ``ModelRunner.submit`` started and ``complete`` finishes: its grammar mask
     (taken at submission), and its logits when they are already here (no pipeline:
-    ``staged`` False)."""
+    ``staged`` False; with one, the last stage samples and ``complete`` receives what it
+    sampled)."""
 
     batch: Batch
     scorer: PromptScorer | None
@@ -118,7 +127,8 @@ class PipelineLinks:
     rank ``tp_rank`` of the stage's ``tp_size`` (global rank ``stage * tp_size +
     tp_rank``), and the group of all ranks the stages send to each other on. Each rank
     sends its (all-reduced, so full) residual stream to the same TP rank of the next
-    stage; the last stage's TP rank 0 holds the gathered logits and sends them to rank 0."""
+    stage; the last stage's TP rank 0 holds the gathered logits, samples the sampling rows
+    and sends rank 0 the tokens, and the logits of the prompt rows scored."""
 
     group: TensorParallelGroup
     stage: int
@@ -169,9 +179,11 @@ class ModelRunner:
             for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
         ]
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
-        self.num_sampled_by_last_stage = 0  # rank 0: batches whose tokens came as ids
-        # the last pipeline stage's TP rank 0: samples stateless batches (set by the worker)
-        self.stage_sampler: Sampler | None = None
+        self.num_sampled_by_last_stage = 0  # rank 0: batches the last stage sampled
+        # rank 0 with pipeline parallelism: what rows carry (the engine sets its budget)
+        self.stage_feed = StageFeed(stage_budget(0))
+        # the last pipeline stage's TP rank 0: samples every row (set by the worker)
+        self.stage_sampler: StageSampler | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only, see capture_decode_graphs
         self.grammar: GrammarManager | None = None  # rank 0, set by the engine
         # attention rows a step may have when short chunks of generated tokens are laid
@@ -267,13 +279,6 @@ class ModelRunner:
             query_start=query_start,
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
-            # the last pipeline stage samples a batch of stateless rows itself
-            last_stage_rows=[row_sampling(r) for r in sample_reqs]
-            if self.pp is not None
-            and not spans
-            and sample_reqs
-            and all(stateless(r) for r in sample_reqs)
-            else None,
         )
         return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
 
@@ -288,6 +293,9 @@ class ModelRunner:
         when there are none. With ``sink``, each slice of logits goes there instead
         (in order) and None is returned. ``between_layers``: see ``LlamaModel.forward``;
         never called with tensor parallelism (every rank must run every layer)."""
+        # with pipeline parallelism rank 0 samples through submit/complete; here it can
+        # only run steps without logit rows (nothing would take the last stage's answer)
+        assert self.pp is None or not batch.step.logit_rows
         if self.broadcast is not None:
             self.broadcast(batch.step)
             between_layers = None
@@ -326,12 +334,11 @@ class ModelRunner:
     def _forward_stage(
         self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None
     ) -> Tensor | None:
-        """One pipeline stage's share of ``forward``: receive the residual stream from
-        the stage before (``[T, hidden]``, one message), run this stage's layers, send it
-        on; the last stage computes the logits slices and sends them to rank 0, which
-        takes them as ``forward`` would have computed them."""
+        """One pipeline stage's share of ``forward`` on a worker: receive the residual
+        stream from the stage before (``[T, hidden]``, one message), run this stage's
+        layers, send it on; the last stage samples (``_stage_logits``)."""
         hidden = self._stage_layers(pp, batch)
-        return self._stage_logits(pp, batch, sink, hidden)
+        return self._stage_logits(pp, batch, sink, hidden) if pp.last else None
 
     def _stage_layers(self, pp: PipelineLinks, batch: Batch) -> Tensor:
         """Receive, run this stage's layers, send on (not waiting for the send to be
@@ -356,44 +363,64 @@ class ModelRunner:
     def _stage_logits(
         self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None, hidden: Tensor | None = None
     ) -> Tensor | None:
-        """The last stage computes the logits slices of ``hidden`` (its own layers'
-        output) and sends them to rank 0; rank 0 receives them, in order. With
-        ``step.last_stage_rows`` the last stage samples each slice and sends the token
-        ids instead (int64 ``[S]``, not float32 ``[S, V]``), and rank 0 gets the ids
-        ``[N]``."""
-        model, rows = self.model, batch.step.logit_rows
-        ids = batch.step.last_stage_rows
+        """The last stage's end of a step: the logits slices of ``hidden`` (its own
+        layers' output; every TP rank computes them, the stage's TP rank 0 gets them
+        gathered). The sampling rows (the first ``N`` logit rows, one per
+        ``step.last_stage_rows``) are sampled once the slice holding the last of them is
+        here, and ``stage_sampling.pack`` of the result goes to rank 0; each slice's
+        prompt rows after them go to rank 0 as logits. (Rank 0's side: ``_receive``.)"""
+        model, step = self.model, batch.step
+        rows, stage_rows = step.logit_rows, step.last_stage_rows or []
+        n = 0 if step.rank0_samples else len(stage_rows)  # else every row goes as logits
+        sampler = self.stage_sampler if pp.tp_rank == 0 else None
+        if sampler is not None:
+            sampler.release(step.released)
+            sampler.ingest(stage_rows)
         with torch.inference_mode():
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
-                n = len(rows[a : a + LOGIT_SLICE])
-                if pp.last:  # (never rank 0 here) every TP rank computes, TP rank 0 sends
-                    assert hidden is not None
-                    logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
-                    if pp.tp_rank != 0:
-                        continue
-                    if ids is None:
-                        pp.group.send(logits, 0)
-                    else:
-                        sampler = self.stage_sampler
-                        assert sampler is not None, "the last stage's TP rank 0 samples"
-                        tokens = sample_rows(sampler, logits.cpu(), ids[a : a + n])
-                        pp.group.send(torch.tensor(tokens, device=self.device), 0)
+                assert hidden is not None
+                logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
+                if pp.tp_rank != 0:
                     continue
-                if pp.stage != 0 or pp.tp_rank != 0:
-                    continue
-                if ids is not None:
-                    logits = torch.empty(n, dtype=torch.long, device=self.device)
-                else:
-                    logits = torch.empty((n, model.cfg.vocab_size), device=self.device)
-                pp.group.recv(logits, (pp.num_stages - 1) * pp.tp_size)
-                if sink is None:
-                    parts.append(logits)
-                else:
-                    sink(a, logits)
-            if not parts:
-                return None
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+                assert sampler is not None, "the last stage's TP rank 0 samples"
+                end = a + logits.shape[0]
+                if a < n:
+                    parts.append(logits[: n - a])
+                if a < n <= end:  # the slice with the last sampling row
+                    whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    pp.group.send(sampler.sample(whole.cpu(), stage_rows), 0)
+                if end > n:  # prompt rows to score
+                    pp.group.send(logits[max(0, n - a) :], 0)
+        return None
+
+    def _receive(
+        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None
+    ) -> tuple[list[int], list[TokenLogprobs | None]] | None:
+        """Rank 0's end of ``_stage_logits``, message for message: the sampled tokens and
+        logprobs of the sampling rows (None if there are none), and the prompt rows'
+        logits, which go to ``sink`` as ``(index in logit_rows, [S, V])``; with
+        ``rank0_samples``, every row's logits go there."""
+        step, reqs = batch.step, batch.sample_reqs
+        rows = step.logit_rows
+        n = 0 if step.rank0_samples else len(step.last_stage_rows or ())
+        last = (pp.num_stages - 1) * pp.tp_size
+        sampled = None
+        with torch.inference_mode():
+            for a in range(0, len(rows), LOGIT_SLICE):
+                end = min(a + LOGIT_SLICE, len(rows))
+                if a < n <= end:
+                    msg = torch.empty(packed_size(reqs), dtype=torch.float64, device=self.device)
+                    pp.group.recv(msg, last)
+                    sampled = unpack(msg.cpu(), reqs)
+                if end > n:
+                    logits = torch.empty(
+                        (end - max(a, n), self.model.cfg.vocab_size), device=self.device
+                    )
+                    pp.group.recv(logits, last)
+                    assert sink is not None, "prompt rows come with a scorer"
+                    sink(max(a, n), logits)
+        return sampled
 
     def execute(
         self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
@@ -422,11 +449,21 @@ class ModelRunner:
         scorer = PromptScorer(batch.prompt_spans) if batch.prompt_spans else None
         pp = self.pp
         try:
-            if pp is not None:  # rank 0 is stage 0; the logits come later (complete)
+            if pp is not None:  # rank 0 is stage 0; the sampled tokens come later (complete)
+                # the last stage applies the mask: it goes out with the step
+                mask = pending.result() if pending is not None else None
+                pending = None
+                rows, released, whole = self.stage_feed.rows(batch.sample_reqs, mask)
+                batch.step = msgspec.structs.replace(
+                    batch.step,
+                    last_stage_rows=rows or None,
+                    released=released,
+                    rank0_samples=not whole,
+                )
                 if self.broadcast is not None:
                     self.broadcast(batch.step)
                 self._stage_layers(pp, batch)
-                logits = None
+                return InFlight(batch, scorer, mask, None, True)
             else:
                 logits = (
                     self.run(batch, None, between_layers)
@@ -441,7 +478,7 @@ class ModelRunner:
             raise
         # taken now: an abort before ``complete`` may free a matcher
         mask = pending.result() if pending is not None else None
-        return InFlight(batch, scorer, mask, logits, pp is not None)
+        return InFlight(batch, scorer, mask, logits, False)
 
     def complete(self, job: InFlight) -> StepResults:
         """The second half of ``execute``: the logits (from the last stage, with pipeline
@@ -449,21 +486,22 @@ class ModelRunner:
         assert self.sampler is not None, "only rank 0 samples"
         batch, scorer, mask, logits = job.batch, job.scorer, job.mask, job.logits
         pp = self.pp
-        if job.staged and pp is not None:
-            logits = (
-                self._stage_logits(pp, batch, None)
-                if scorer is None
-                else self._run_scoring(batch, scorer, lambda s: self._stage_logits(pp, batch, s))
+        staged = None
+        if job.staged and pp is not None and batch.step.rank0_samples:  # logits come
+            logits = self._run_scoring(batch, scorer, lambda s: self._receive(pp, batch, s))
+        elif job.staged and pp is not None:
+            staged = self._receive(
+                pp, batch, (lambda _a, x: scorer.add(x)) if scorer is not None else None
             )
         reqs = batch.sample_reqs
         sampled: dict[str, int | list[int]] = {}
         lps: dict[str, TokenLogprobs | list[TokenLogprobs]] = {}
-        if logits is not None:
-            if batch.step.last_stage_rows is not None:  # ``logits`` are the sampled ids [N]
+        if logits is not None or staged is not None:
+            if staged is not None:  # sampled on the last stage
                 self.num_sampled_by_last_stage += 1
-                tokens: list[int] = logits.tolist()
-                logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+                tokens, logprobs = staged
             else:
+                assert logits is not None
                 with torch.inference_mode():
                     tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
             if mask is not None and self.grammar is not None:
@@ -486,7 +524,7 @@ class ModelRunner:
     def _run_scoring(
         self,
         batch: Batch,
-        scorer: PromptScorer,
+        scorer: PromptScorer | None,
         run: Callable[[LogitSink], object],
     ) -> Tensor | None:
         """``run`` (a forward pass, or the receipt of the last stage's logits) for a batch
@@ -499,6 +537,7 @@ class ModelRunner:
             if a < n:
                 parts.append(logits[: n - a])
             if a + logits.shape[0] > n:
+                assert scorer is not None, "prompt rows come with a scorer"
                 scorer.add(logits[max(0, n - a) :])
 
         run(sink)

@@ -24,17 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from structllm.engine.grammar import GrammarMask, apply_bitmask
 from structllm.engine.speculative import SampleRow
-from structllm.protocol import RowSampling, SamplingParams, TokenLogprobs
-
-if TYPE_CHECKING:
-    from structllm.structured import Matcher
+from structllm.protocol import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -181,79 +177,6 @@ class Sampler:
                 self._row_gen.manual_seed(_mix(seed, r.num_output_tokens))
                 noise[i].exponential_(generator=self._row_gen)
         return argmax_rows(probs.div_(noise))
-
-
-def stateless(r: SampleRow) -> bool:
-    """Whether row ``r`` is sampled from its logits and its ``RowSampling`` alone: no
-    logprobs, grammar, logit bias, penalties, nor a ``min_tokens`` that still bans
-    tokens. (The last pipeline stage samples such rows.)"""
-    sp = r.sampling
-    return (
-        sp.logprobs is None
-        and r.grammar is None
-        and not sp.logit_bias
-        and sp.repetition_penalty == 1.0
-        and not sp.presence_penalty
-        and not sp.frequency_penalty
-        and r.num_output_tokens >= sp.min_tokens
-    )
-
-
-def row_sampling(r: SampleRow) -> RowSampling:
-    sp = r.sampling
-    return RowSampling(sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed, r.num_output_tokens)
-
-
-class _Row:
-    """A ``RowSampling`` as the ``SampleRow`` the sampler reads (a stateless row)."""
-
-    __slots__ = ("_sampling", "_step")
-
-    def __init__(self, row: RowSampling) -> None:
-        self._sampling = SamplingParams(
-            temperature=row.temperature,
-            top_p=row.top_p,
-            top_k=row.top_k,
-            min_p=row.min_p,
-            seed=row.seed,
-            max_tokens=None,
-        )
-        self._step = row.step
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self._sampling
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._step
-
-    @property
-    def token_ids(self) -> list[int]:  # (no penalties: never read)
-        return []
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return []
-
-    @property
-    def grammar(self) -> Matcher | None:
-        return None
-
-    @property
-    def drafts_before(self) -> Sequence[int]:
-        return ()
-
-    @property
-    def in_reasoning(self) -> bool:
-        return False
-
-
-def sample_rows(sampler: Sampler, logits: Tensor, rows: Sequence[RowSampling]) -> list[int]:
-    """What ``sampler`` picks for stateless rows described by ``rows`` (the last pipeline
-    stage's sampling): the same draws as on rank 0 for seeded and greedy rows."""
-    tokens, _ = sampler(logits, [_Row(r) for r in rows])
-    return tokens
 
 
 # Chunk widths for argmax_rows, widest first: the first that divides the vocabulary.

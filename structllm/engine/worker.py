@@ -34,6 +34,7 @@ from structllm.config import EngineConfig
 from structllm.engine.device import load_rank_model, local_num_blocks, setup_device, worker_device
 from structllm.engine.runner import ModelRunner, PipelineLinks, batch_from_step
 from structllm.engine.sampler import Sampler
+from structllm.engine.stage_sampling import StageSampler
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing
 from structllm.ipc.broadcast_channel import Subscriber
@@ -146,8 +147,8 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
         runner = ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype)
         if layers is not None:
             runner.pp = PipelineLinks(group, stage, stages, tp_rank, tp)
-            if runner.pp.last and tp_rank == 0:  # samples stateless batches (seeded as rank 0)
-                runner.stage_sampler = Sampler(files.generation_eos_ids, config.seed)
+            if runner.pp.last and tp_rank == 0:  # samples every row (seeded as rank 0)
+                runner.stage_sampler = StageSampler(Sampler(files.generation_eos_ids, config.seed))
         group.also_close = stage_group  # closed with the group, see TensorParallelGroup.close
         return runner, group
     except BaseException:

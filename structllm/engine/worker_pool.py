@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from structllm.config import EngineConfig
+from structllm.engine.stage_sampling import frame_allowance
 from structllm.engine.step_budget import budget_upper_bound
 from structllm.ipc import shm
 from structllm.ipc.broadcast import BroadcastRing, broadcast_ring_size
@@ -67,15 +68,20 @@ class WorkerStartError(RuntimeError):
     """A tensor-parallel worker failed before it was ready."""
 
 
-def ring_capacity_for(config: EngineConfig, max_positions: int) -> int:
+def ring_capacity_for(config: EngineConfig, max_positions: int, vocab_size: int = 0) -> int:
     """A power of two that holds two of the largest possible ``StepInput`` frames (or one
     per pipeline stage: that many batches are in flight, and the last stage reads a
     batch's frame only once the stages before it are done with it): three int64 arrays
     per token, a block table of int32 per sequence, a few ints per sequence and msgpack
-    overhead."""
+    overhead; with pipeline stages, the last stage's sampling rows (a grammar mask per
+    row and the step's budget of settings and history, ``stage_sampling``)."""
     blocks = -(-max_positions // config.block_size)
     tokens = budget_upper_bound(config.max_num_batched_tokens, config.max_num_seqs)
     worst = 24 * tokens + config.max_num_seqs * (4 * blocks + 3 * 9) + 1024
+    if config.pipeline_parallel_size > 1:
+        spec = config.speculative_config
+        rows = min(tokens, config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+        worst += frame_allowance(rows, vocab_size, max_positions)
     cap = MIN_RING_CAPACITY
     while cap < max(2, config.pipeline_parallel_size) * worst:
         cap *= 2

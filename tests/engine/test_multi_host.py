@@ -127,13 +127,12 @@ def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
         )
         assert_same_greedy_as(ref, pp, [*SPLIT_PROMPTS, SPLIT_PROMPTS[1]], logprob_atol=1e-5)
         assert pp.engine.max_in_flight == 2  # both stages had a batch: the prompts were split
-        # without logprobs (etc.) the last stage samples and sends token ids, not logits
+        # the last stage samples (logprobs included) and sends token ids, not logits
         runner = pp.engine.runner
-        assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage == 0
+        assert isinstance(runner, ModelRunner) and runner.num_sampled_by_last_stage > 0
         plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         want = [o.token_ids for o in ref.generate(SPLIT_PROMPTS, plain)]
         assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, plain)] == want
-        assert runner.num_sampled_by_last_stage > 0
         # seeded random rows too: the same draws as rank 0 would make
         seeded = SamplingParams(
             temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=7, max_tokens=12
@@ -142,6 +141,45 @@ def test_pp2_on_one_host_matches_one_process(tiny: str) -> None:
         before_seeded = runner.num_sampled_by_last_stage
         assert [o.token_ids for o in pp.generate(SPLIT_PROMPTS, seeded)] == want_seeded
         assert runner.num_sampled_by_last_stage > before_seeded
+        # every row is sampled on the last stage: penalties (over the token ids the steps
+        # carried), logit bias, min_tokens, logprobs, seeded and unseeded-greedy rows
+        rich = [
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
+                           repetition_penalty=1.8, presence_penalty=1.0, frequency_penalty=0.5),
+            SamplingParams(temperature=0.9, seed=3, max_tokens=12, min_tokens=12, logprobs=0,
+                           logit_bias={5: 8.0, 9: -100.0}),
+            SamplingParams(temperature=0.8, top_k=40, seed=11, max_tokens=12, ignore_eos=True,
+                           frequency_penalty=1.5),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={42: 5.0}),
+        ]  # fmt: skip
+        want_rich = ref.generate(SPLIT_PROMPTS, rich)
+        assert want_rich[0].token_ids != want[0] and want_rich[3].token_ids != want[3]  # they act
+        before_rich = runner.num_sampled_by_last_stage
+        got_rich = pp.generate(SPLIT_PROMPTS, rich)
+        assert [o.token_ids for o in got_rich] == [o.token_ids for o in want_rich]
+        for g, w in zip(got_rich, want_rich, strict=True):
+            assert len(g.logprobs or []) == len(w.logprobs or [])
+            for a, b in zip(g.logprobs or [], w.logprobs or [], strict=True):
+                assert a.top_ids == b.top_ids
+                assert abs(a.logprob - b.logprob) < 1e-5
+        assert runner.num_sampled_by_last_stage >= before_rich + 12
+        # a step budget too small for the penalised requests' token ids: those steps are
+        # sampled on rank 0 from the logits until the last stage has them, same tokens
+        budget, runner.stage_feed.budget = runner.stage_feed.budget, 400
+        got_rich = pp.generate(SPLIT_PROMPTS, rich)
+        runner.stage_feed.budget = budget
+        assert runner.stage_feed.num_over_budget > 0
+        assert [o.token_ids for o in got_rich] == [o.token_ids for o in want_rich]
+        # prompt rows scored (their logits go to rank 0) beside rows sampled on the last stage
+        scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, logprobs=1)
+        (w,), (g,) = (
+            ref.generate([SPLIT_PROMPTS[1]], scored),
+            pp.generate([SPLIT_PROMPTS[1]], scored),
+        )
+        assert g.token_ids == w.token_ids and w.prompt_logprobs and g.prompt_logprobs
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+            assert a is not None and b is not None and a.top_ids == b.top_ids
+            assert abs(a.logprob - b.logprob) < 1e-5
         # an abort while the request's batch is in flight: no token of it after the abort,
         # the others unaffected, every block back
         eng = pp.engine

@@ -172,31 +172,3 @@ def test_small_batches_sample_on_one_thread_and_restore_the_count() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-
-
-def test_the_last_stage_draws_what_rank_0_would() -> None:
-    """A pipeline's last stage samples stateless rows from their ``RowSampling`` alone
-    (``sample_rows``): the same tokens as rank 0's sampler on the requests, seeded,
-    unseeded (same engine seed, same order) and greedy alike."""
-    from structllm.engine.sampler import row_sampling, sample_rows, stateless
-
-    reqs = [
-        r(temperature=0.0),
-        r(out=[5, 6], temperature=0.7, top_p=0.8, seed=3),
-        r(temperature=1.3, top_k=20, min_p=0.05, seed=11),
-        r(out=[9], temperature=0.9),
-    ]
-    assert all(stateless(q) for q in reqs)
-    logits = torch.randn(len(reqs), 300, generator=torch.Generator().manual_seed(1)) * 3
-    want, _ = Sampler([0], seed=4)(logits.clone(), reqs)
-    got = sample_rows(Sampler([0], seed=4), logits.clone(), [row_sampling(q) for q in reqs])
-    assert got == want
-    assert len(set(got)) > 1
-    for kw in (
-        {"logprobs": 1},
-        {"logit_bias": {3: 1.0}},
-        {"repetition_penalty": 1.1},
-        {"presence_penalty": 0.5},
-        {"min_tokens": 3},
-    ):
-        assert not stateless(r(**kw)), kw
