@@ -20,8 +20,8 @@ has one):
    step's chunk, like prompt tokens, instead of one decode step each.
 
 Only rank 0 has matchers (with pipeline stages the last stage samples, and each
-constrained row's mask goes to it with the step, ``engine.stage_sampling``); tensor-parallel workers see the forced tokens
-as ordinary input ids.
+constrained row's mask goes to it with the step, ``engine.stage_sampling``);
+tensor-parallel workers see the forced tokens as ordinary input ids.
 
 A request with ``sampling.reasoning`` starts in its reasoning part
 (``Request.in_reasoning``): its row gets no mask and its tokens are not fed to the

@@ -1,7 +1,7 @@
 """Constrained decoding on a tiny random-weight model: with tensor and pipeline
 parallelism (rank 0 holds the matchers; with pipeline stages the masks go to the last
-stage, which samples; forced tokens reach the workers as input ids) and with a model vocabulary padded past the tokenizer's (the padded ids must
-never be sampled)."""
+stage, which samples; forced tokens reach the workers as input ids) and with a model
+vocabulary padded past the tokenizer's (the padded ids must never be sampled)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ def test_constrained_tp2_matches_one_process_and_stays_in_the_tokenizer(padded_d
         got = tp.generate(prompts, params)
         assert tp.engine.num_live_matchers == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    # pipeline stages, two batches in flight: masks taken at submission and sampled on the
-    # last stage, the matchers
-    # advanced when each batch completes
+    # pipeline stages, two batches in flight: masks taken at submission and applied on
+    # the last stage, the matchers advanced when each batch completes
     with LLM(str(padded_dir), kv_cache_memory=8 << 20, pipeline_parallel_size=2) as pp:
         got = pp.generate(prompts, params)
         assert pp.engine.num_live_matchers == 0 and pp.engine.max_in_flight == 2
