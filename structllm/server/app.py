@@ -180,7 +180,9 @@ class App:
                 if any(p == path for _, p in self.routes):
                     raise APIError(405, f"method {scope['method']} is not allowed on {path}")
                 raise APIError(404, f"no route for {path}", code="not_found")
-            if path not in ("/health", "/openapi.json") and path not in self.static:
+            # open: the health check, and the load a router reads (vllm-router asks
+            # /get_load without the --api-key it sends with forwarded requests)
+            if path not in ("/health", "/get_load", "/openapi.json") and path not in self.static:
                 self.authorize(scope)
             await handler(scope, receive, send)
         except APIError as e:

@@ -1,6 +1,7 @@
 """Replicas behind ``vllm-router`` (cache-aware policy): three ``structllm run`` replicas
-on the null model, each on its own loopback address (127.0.0.2-4, as if on three hosts),
-and the router's real binary in front.
+of a tiny random-weight model, each on its own loopback address (127.0.0.2-4, as if on
+three hosts), and the router's real binary in front (``tiny_fleet``, shared with the
+OpenAI suite's router deployment in ``test_server_openai.py``).
 
 - the OpenAI surface through the router, and which bad-input answers are the router's;
 - prefix affinity: a conversation's second turn lands on the replica that cached the
@@ -8,6 +9,10 @@ and the router's real binary in front.
 - kill -9 of a replica under load: every request sent after the router saw the replica
   fail its health check succeeds;
 - SIGTERM of a replica: /health turns 503, its streams finish, new requests go elsewhere.
+
+The kill and drain test runs its own three replicas on the null model (no weights, a set
+time per step): a stream must still be running when its replica is told to stop, which a
+tiny model's millisecond steps would not guarantee.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 
 import openai
 import pytest
 
+from tests.e2e.conftest import start_together
 from tests.support.procs import HANG_S, wait_for
 from tests.support.router import Router, router_binary
 from tests.support.server import Server, open_stream, read_until
@@ -35,15 +40,12 @@ NULL = ("--null-model", "--max-model-len", "2048", "--no-restart-engine")
 
 
 def replicas(stack: ExitStack, *extra: str) -> list[Server]:
-    return [stack.enter_context(Server(*NULL, *extra, host=h)) for h in HOSTS]
+    return start_together(stack, [Server(*NULL, *extra, host=h) for h in HOSTS])
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[list[Server], Router]]:
-    with ExitStack() as stack:
-        servers = replicas(stack)
-        router = stack.enter_context(Router([s.url for s in servers]))
-        yield servers, router
+def fleet(tiny_fleet: tuple[list[Server], Router]) -> tuple[list[Server], Router]:
+    return tiny_fleet
 
 
 def test_what_the_router_probes_is_answered(fleet: tuple[list[Server], Router]) -> None:
@@ -63,10 +65,13 @@ def test_what_the_router_probes_is_answered(fleet: tuple[list[Server], Router]) 
 
 def test_openai_client_through_the_router(fleet: tuple[list[Server], Router]) -> None:
     _, router = fleet
-    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=router.api_key, max_retries=0)
     model = client.models.list().data[0].id
     chat = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        extra_body={"ignore_eos": True},
     )
     assert chat.choices[0].finish_reason == "length" and chat.usage is not None
     assert chat.usage.completion_tokens == 5

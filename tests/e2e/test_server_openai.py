@@ -1,65 +1,65 @@
-"""The official ``openai`` client against a real ``structllm run`` (default model): one
-front end, two front ends, and two replicas (on 127.0.0.2 and 127.0.0.3, as if two
-hosts) behind ``vllm-router``'s cache-aware policy. Through the router, the client-level
-checks go to the router's URL; the HTTP-level ones (raw bodies, ``/tokenize``, auth,
-routes) still ask the first replica, since the router answers some bad input itself
-(pinned and documented in ``test_router.py``)."""
+"""The official ``openai`` client against a real ``structllm run``: the default model
+with one front end and with two, and three replicas of a tiny random-weight model (on
+127.0.0.2-4, as if three hosts) behind ``vllm-router``'s cache-aware policy (the fleet
+``test_router.py`` uses, ``tests/e2e/conftest.py``). Through the router, the
+client-level checks go to the router's URL; the HTTP-level ones (raw bodies,
+``/tokenize``, auth, routes) still ask the first replica, since the router answers some
+bad input itself (pinned and documented in ``test_router.py``). The few checks that need
+a trained model's answers (a stop string it is sure to write, a right continuation
+scoring above a wrong one) run on the default model's deployments only."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack
+from dataclasses import dataclass
 
 import anyio
 import openai
 import pytest
 
-from tests.support.router import Router, router_binary
+from tests.e2e.conftest import FLEET_KEY
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
-KEY = "test-key"
+KEY = FLEET_KEY
 MESSAGES = [{"role": "user", "content": "List three fruits."}]
+DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@dataclass
+class Deployment:
+    server: Server  # the one the HTTP-level checks ask
+    url: str  # the one the OpenAI client talks to
+    trained: bool  # the default model (not the router fleet's random weights)
 
 
 @pytest.fixture(
     scope="module",
     params=["1", "2", "router"],
-    ids=["one-front-end", "two-front-ends", "router-two-replicas"],
+    ids=["one-front-end", "two-front-ends", "router-three-tiny-replicas"],
 )
-def deployment(request: pytest.FixtureRequest) -> Iterator[tuple[Server, str]]:
-    """(a server the HTTP-level checks ask, the URL the OpenAI client talks to)."""
+def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
     if request.param != "router":
         with Server(
             "--max-model-len", "1024", "--api-server-count", request.param, api_key=KEY
         ) as s:
-            yield s, s.url
+            yield Deployment(s, s.url, True)
             assert s.stop() == 0
         return
-    if router_binary() is None:
-        pytest.skip("vllm-router is not installed (a test extra)")
-    with ExitStack() as stack:
-        replicas = [
-            stack.enter_context(Server("--max-model-len", "1024", api_key=KEY, host=h))
-            for h in ("127.0.0.2", "127.0.0.3")
-        ]
-        # the router passes the client's Authorization on for some routes only (not
-        # GET /v1/models/{id}); its --api-key is what it sends the replicas
-        router = stack.enter_context(
-            Router([s.url for s in replicas], "cache_aware", "--api-key", KEY)
-        )
-        yield replicas[0], router.url
-        assert [s.stop() for s in replicas] == [0, 0]
+    # the router passes the client's Authorization on for some routes only (not
+    # GET /v1/models/{id}); its --api-key is what it sends the replicas
+    servers, router = request.getfixturevalue("tiny_fleet")
+    yield Deployment(servers[0], router.url, False)
 
 
 @pytest.fixture(scope="module")
-def server(deployment: tuple[Server, str]) -> Server:
-    return deployment[0]
+def server(deployment: Deployment) -> Server:
+    return deployment.server
 
 
 @pytest.fixture(scope="module")
-def url(deployment: tuple[Server, str]) -> str:
-    return deployment[1]
+def url(deployment: Deployment) -> str:
+    return deployment.url
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,13 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI, model: str) -> None:
-    assert model == "SmolLM2-135M-Instruct.Q4_1"
+def test_models_lists_the_served_model(
+    client: openai.OpenAI, model: str, deployment: Deployment
+) -> None:
+    if deployment.trained:
+        assert model == DEFAULT_MODEL
+    else:
+        assert model.startswith("tiny-qwen3-")
 
 
 def test_models_retrieve_and_unknown_model(client: openai.OpenAI, model: str) -> None:
@@ -180,16 +185,24 @@ def test_chat_top_logprobs(client: openai.OpenAI, model: str) -> None:
         assert bytes(item.bytes or []).decode(errors="replace") == item.token
 
 
-def test_stop_string_cuts_the_text(client: openai.OpenAI, model: str) -> None:
+def test_stop_string_cuts_the_text(
+    client: openai.OpenAI, model: str, deployment: Deployment
+) -> None:
     prompt = "1, 2, 3, 4,"
     full = client.completions.create(
         model=model, prompt=prompt, temperature=0, max_tokens=20
     ).choices[0]
-    assert " 7," in full.text
+    if deployment.trained:
+        assert " 7," in full.text
+        stop = " 7"
+    else:  # random weights: a piece of what it writes, from the middle on
+        middle = len(full.text) // 2
+        stop = full.text[middle : middle + 3]
+        assert stop.strip()
     cut = client.completions.create(
-        model=model, prompt=prompt, temperature=0, max_tokens=20, stop=[" 7"]
+        model=model, prompt=prompt, temperature=0, max_tokens=20, stop=[stop]
     ).choices[0]
-    assert cut.text == full.text[: full.text.index(" 7")]
+    assert cut.text == full.text[: full.text.index(stop)]
     assert cut.finish_reason == "stop"
 
 
@@ -374,7 +387,12 @@ def test_echo_logprobs_with_max_tokens_zero_scores_the_prompt(
     )
 
 
-def test_a_right_continuation_scores_above_a_wrong_one(client: openai.OpenAI, model: str) -> None:
+def test_a_right_continuation_scores_above_a_wrong_one(
+    client: openai.OpenAI, model: str, deployment: Deployment
+) -> None:
+    if not deployment.trained:
+        pytest.skip("needs a trained model (runs on the default model's deployments)")
+
     def score(text: str) -> float:
         out = client.completions.create(
             model=model, prompt=text, echo=True, logprobs=0, max_tokens=0

@@ -27,9 +27,17 @@ def router_binary() -> str | None:
 class Router:
     """``vllm-router --worker-urls ...`` on 127.0.0.1. Health checks every second, one
     failure marks a replica unhealthy: a dead replica leaves the rotation at the first
-    check after it dies (the tests wait for that event, not for a duration)."""
+    check after it dies (the tests wait for that event, not for a duration). ``api_key``:
+    the replicas' key, which ``request`` sends as the client's (the router passes the
+    client's ``Authorization`` on for some routes, its own ``--api-key`` for others)."""
 
-    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", *extra: str) -> None:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        policy: str = "cache_aware",
+        *extra: str,
+        api_key: str | None = None,
+    ) -> None:
         binary = router_binary()
         assert binary is not None, "vllm-router is not installed (pip install vllm-router)"
         self.port = free_port()
@@ -60,6 +68,9 @@ class Router:
             "warning",
             *extra,
         ]
+        if api_key is not None:
+            self.args += ["--api-key", api_key]
+        self.api_key = api_key
         self.proc: subprocess.Popen[bytes] | None = None
         self.workers = len(worker_urls)
 
@@ -95,7 +106,8 @@ class Router:
         """(status, body, content type)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request(method, path, raw, {"content-type": "application/json"})
+            auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            conn.request(method, path, raw, {"content-type": "application/json", **auth})
             resp = conn.getresponse()
             return resp.status, resp.read(), resp.getheader("content-type") or ""
         finally:
