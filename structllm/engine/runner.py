@@ -310,7 +310,8 @@ class ModelRunner:
         """The forward pass of ``batch`` on this rank, as ``run`` (on a worker the logits
         are its vocabulary slice, already gathered to rank 0)."""
         if self.pp is not None:
-            return self._forward_stage(self.pp, batch, sink)
+            self._forward_stage(self.pp, batch)  # (its answer goes to rank 0, not here)
+            return None
         with torch.inference_mode():
             hidden = None
             if self.decode_graphs is not None:
@@ -331,14 +332,13 @@ class ModelRunner:
                 return None
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _forward_stage(
-        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None
-    ) -> Tensor | None:
+    def _forward_stage(self, pp: PipelineLinks, batch: Batch) -> None:
         """One pipeline stage's share of ``forward`` on a worker: receive the residual
         stream from the stage before (``[T, hidden]``, one message), run this stage's
         layers, send it on; the last stage samples (``_stage_logits``)."""
         hidden = self._stage_layers(pp, batch)
-        return self._stage_logits(pp, batch, sink, hidden) if pp.last else None
+        if pp.last:
+            self._stage_logits(pp, batch, hidden)
 
     def _stage_layers(self, pp: PipelineLinks, batch: Batch) -> Tensor:
         """Receive, run this stage's layers, send on (not waiting for the send to be
@@ -360,9 +360,7 @@ class ModelRunner:
                 pp.group.send_async(hidden, pp.rank_of(pp.stage + 1))
             return hidden
 
-    def _stage_logits(
-        self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None, hidden: Tensor | None = None
-    ) -> Tensor | None:
+    def _stage_logits(self, pp: PipelineLinks, batch: Batch, hidden: Tensor) -> None:
         """The last stage's end of a step: the logits slices of ``hidden`` (its own
         layers' output; every TP rank computes them, the stage's TP rank 0 gets them
         gathered). The sampling rows (the first ``N`` logit rows, one per
@@ -379,7 +377,6 @@ class ModelRunner:
         with torch.inference_mode():
             parts: list[Tensor] = []
             for a in range(0, len(rows), LOGIT_SLICE):
-                assert hidden is not None
                 logits = model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
                 if pp.tp_rank != 0:
                     continue
@@ -389,10 +386,10 @@ class ModelRunner:
                     parts.append(logits[: n - a])
                 if a < n <= end:  # the slice with the last sampling row
                     whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-                    pp.group.send(sampler.sample(whole.cpu(), stage_rows), 0)
+                    msg = sampler.sample(whole.cpu(), stage_rows)  # [M] float64, CPU
+                    pp.group.send(msg.to(self.device), 0)  # (NCCL sends device tensors)
                 if end > n:  # prompt rows to score
                     pp.group.send(logits[max(0, n - a) :], 0)
-        return None
 
     def _receive(
         self, pp: PipelineLinks, batch: Batch, sink: LogitSink | None
