@@ -5,6 +5,7 @@ over two loopback "hosts" (127.0.0.2, 127.0.0.3).
     python bench/scale_out.py --part router     # (a) only
     python bench/scale_out.py --part split      # (b) only
     python bench/scale_out.py --part pipeline   # (c) only
+    python bench/scale_out.py --part sampling   # (d) only
 
 (a) **Replicas.** 1, 2 and 3 ``structllm run`` replicas (on 127.0.0.2-4) of a small
 random-weight model (exact float32, so prefill work is real: prefix-cache hits save it)
@@ -26,9 +27,7 @@ compute). Then what a real network would add per step, from the bytes each step 
 and an assumed link (``--link-gbps``, ``--link-latency-us``): TP sends two all-reduces of
 ``[batch, hidden]`` per layer (a 2-rank all-reduce moves the tensor once each way) and
 gathers the logits' vocabulary halves; PP sends ``[batch, hidden]`` once per stage
-boundary and the sampled token ids ``[batch]`` back to rank 0 (greedy rows are sampled
-on the last stage; rows needing logprobs, a grammar or penalties bring their logits
-``[rows, vocab]`` back instead).
+boundary and the sampled token ids ``[batch]`` back to rank 0 (the last stage samples).
 
 (c) **Batches in flight through the pipeline.** One process (PP=1), and PP=2 on this
 host with one batch in flight (the stages take turns) and with two (vLLM's virtual
@@ -36,6 +35,13 @@ engines: each batch about half the requests): generated tokens/s of a batch of
 ``--batch`` greedy sequences (decode), and prompt tokens/s of ``--batch`` fresh prompts
 of ``--prompt-len`` tokens (prefill); the three measured in turn, ``--rounds`` times,
 medians.
+
+(d) **Where a pipeline samples.** PP=2 on this host, decode steps of ``--batch``
+sequences that ask for top-5 logprobs and a repetition penalty: the last stage samples
+them (token ids and logprobs come back) against rank 0 sampling from the logits
+``[batch, vocab]`` float32 the last stage sends (what such rows did before the last
+stage sampled every row; forced here by a zero budget for the settings a step carries,
+``StageFeed.budget``), one engine, alternating, ``--rounds`` times, medians.
 
 On this machine every "host" shares the same cores, so the split runs measure the
 communication path's overhead, not a speed-up.
@@ -198,10 +204,13 @@ EXACT_FLAGS = ("--dtype", "float32", "--quantization", "none")
 # -- (b) one model over two hosts -----------------------------------------------------
 
 
-def step_times(llm: LLM, batch: int, steps: int) -> dict[str, float]:
-    """Decode-step wall time and rank 0's communication time, per step."""
+def step_times(
+    llm: LLM, batch: int, steps: int, sp: SamplingParams | None = None
+) -> dict[str, float]:
+    """Decode-step wall time and rank 0's communication time, per step (greedy rows,
+    unless ``sp``)."""
     prompts = [[100 + 7 * i + j for j in range(32)] for i in range(batch)]
-    sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    sp = sp or SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm
     eng = llm.engine
     group, workers = eng.group, eng.workers
@@ -334,9 +343,47 @@ def part_pipeline(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def part_sampling(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """(d) The last stage sampling rows with logprobs and a penalty, against rank 0
+    sampling them from the logits, on one PP=2 engine, alternating. Medians."""
+    from structllm.engine.runner import ModelRunner
+
+    model = bench_model()
+    kw: dict[str, Any] = dict(kv_cache_memory=256 << 20, **EXACT)
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    sp = SamplingParams(
+        temperature=0, max_tokens=a.steps, ignore_eos=True, logprobs=5, repetition_penalty=1.1
+    )
+    arms = ("last stage samples", "rank 0 samples")
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in arms}
+    with LLM(model, pipeline_parallel_size=2, num_threads=half, **kw) as pp:
+        runner = pp.engine.runner
+        assert isinstance(runner, ModelRunner)
+        budget = runner.stage_feed.budget
+        for _ in range(a.rounds):
+            for name in arms:
+                runner.stage_feed.budget = budget if name == arms[0] else 0
+                before = runner.stage_feed.num_over_budget
+                runs[name].append(step_times(pp, a.batch, a.steps, sp))
+                assert (runner.stage_feed.num_over_budget > before) == (name == arms[1])
+    rows = []
+    for name, results in runs.items():
+        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        rows.append({"run": name, **med, "all": results})
+        steps = " ".join(f"{r['step_ms']:.2f}" for r in results)
+        print(
+            f"{name:20s} {med['tokens_per_s']:7.1f} tok/s  step {med['step_ms']:7.2f} ms  "
+            f"sends/receives {med['collective_ms']:6.2f} ms  (steps: {steps} ms)",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["router", "split", "pipeline", "all"], default="all")
+    p.add_argument(
+        "--part", choices=["router", "split", "pipeline", "sampling", "all"], default="all"
+    )
     p.add_argument("--rounds", type=int, default=3, help="(c): measurements of each")
     p.add_argument("--prompt-len", type=int, default=256, help="(c): prefill prompts' length")
     p.add_argument("--conversations", type=int, default=12)
@@ -360,6 +407,8 @@ def main() -> None:
         out["split"] = part_split(a)
     if a.part in ("pipeline", "all"):
         out["pipeline"] = part_pipeline(a)
+    if a.part in ("sampling", "all"):
+        out["sampling"] = part_sampling(a)
     if a.part in ("router", "all"):
         out["router"] = part_router(a)
     print(json.dumps(out))
