@@ -29,6 +29,43 @@ def start_together(stack: ExitStack, servers: list[Server]) -> list[Server]:
     return servers
 
 
+def uses_fleet(item: pytest.Item) -> bool:
+    """``test_router.py``'s tests on the fleet and the OpenAI suite's router deployment."""
+    if item.path.name == "test_router.py":
+        return "tiny_fleet" in getattr(item, "fixturenames", ())
+    callspec = getattr(item, "callspec", None)
+    return (
+        item.path.name == "test_server_openai.py"
+        and callspec is not None
+        and callspec.params.get("deployment") == "router"
+    )
+
+
+_last_user: list[pytest.Item] = []  # the last test that uses the fleet
+_closers: list[ExitStack] = []  # the running fleet's
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The fleet's users run one after the other (from the first one's place), so the
+    fleet is up only while they run (``pytest_runtest_teardown`` stops it after the
+    last), not idle through the rest of the session."""
+    users = [i for i in items if uses_fleet(i)]
+    if not users:
+        return
+    first = items.index(users[0])
+    rest = [i for i in items if not uses_fleet(i)]
+    items[:] = [*rest[:first], *users, *rest[first:]]
+    _last_user[:] = users[-1:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield
+    if _last_user and item is _last_user[0]:
+        while _closers:
+            _closers.pop().close()
+
+
 @pytest.fixture(scope="session")
 def tiny_fleet(default_files) -> Iterator[tuple[list[Server], Router]]:  # type: ignore[no-untyped-def]
     """Three ``structllm run`` replicas of a tiny random-weight model (Qwen3's layout,
@@ -47,5 +84,11 @@ def tiny_fleet(default_files) -> Iterator[tuple[list[Server], Router]]:  # type:
         router = stack.enter_context(
             Router([s.url for s in servers], "cache_aware", api_key=FLEET_KEY)
         )
+        codes: list[int] = []
+        stack.callback(
+            lambda: codes.extend(s.stop() for s in servers if s.proc and s.proc.poll() is None)
+        )
+        _closers.append(stack)
         yield servers, router
-        assert [s.stop() for s in servers] == [0, 0, 0]
+        stack.close()  # (if the last user's teardown has not)
+        assert codes == [0, 0, 0], codes
