@@ -53,6 +53,10 @@ def test_what_the_router_probes_is_answered(fleet: tuple[list[Server], Router]) 
     for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info"):
         code, data = servers[0].get(path)
         assert code == 200, (path, data)
+    # the router asks /get_load without its --api-key: open, like /health; the rest not
+    no_key = {"authorization": ""}
+    assert servers[0].get("/get_load", headers=no_key)[0] == 200
+    assert servers[0].get("/get_model_info", headers=no_key)[0] == 401
     code, data, _ = router.request("GET", "/get_loads")
     loads = json.loads(data)["workers"]
     assert sorted(w["worker"] for w in loads) == sorted(s.url for s in servers)
