@@ -18,11 +18,13 @@ Three figures, each against its baseline in the same run, on the same prompts:
    (``structllm:responses_store_<kind>_seconds``), each call split into what it is made of:
    ``write``/``read``, the time in SQLite as the store process timed it
    (``perf_counter_ns`` around the transaction: a commit of a group of rows, a read);
-   ``write_trip``, a commit's round trip as its group's leader waited (plus the frames
-   over the socket, the store process's turn on a CPU, the event loop's turn to resume
-   the task); ``write_wait``/``read_wait``, the call as its request waited (target: p99
-   <= 5 ms; for a write, plus the group committing before its own). Reported: the bucket
-   bounds under which 50% and 99% fell, and the share within 5 ms.
+   ``write_trip``, a commit's round trip as its group's leader waited, made of
+   ``write_send`` (the call's frame sent until the store process had read it: that
+   process's turn on a CPU), ``write`` and ``write_resume`` (the reply sent until the
+   leader ran again: the event loop's turn); ``write_wait``/``read_wait``, the call as
+   its request waited (target: p99 <= 5 ms; for a write, plus the group committing
+   before its own). Reported: the bucket bounds under which 50% and 99% fell, and the
+   share within 5 ms.
    Beside it, this process times ``put``/``get`` of rows the size of the load's on the
    server's file from a thread of its own (SQLite in this process, as a third writer),
    against the same thread's p99 for a pure-Python loop of the put's median length (what
@@ -95,7 +97,15 @@ async def _many(
 ROUNDS = 5
 # in the store process (SQLite's time), a commit's round trip as its leader waited, and
 # each call as its request waited (with, for a write, the commit group before its own)
-STORE_HISTOGRAMS = ("write", "read", "write_trip", "write_wait", "read_wait")
+STORE_HISTOGRAMS = (
+    "write_send",
+    "write",
+    "write_resume",
+    "write_trip",
+    "write_wait",
+    "read",
+    "read_wait",
+)
 
 
 def _spin(n: int) -> None:

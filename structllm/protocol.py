@@ -398,13 +398,17 @@ StoreCall = StorePut | StoreGet | StoreDelete | StoreCancel
 
 class StoreReply(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The answer to one ``StoreCall``. ``took_ns``: the call's time in the store process
-    (``perf_counter_ns`` around the SQLite transaction); ``row``: a get's or a cancel's
-    row; ``deleted``: a delete found the row; ``error``: the call failed (SQLite's error)."""
+    (``perf_counter_ns`` around the SQLite transaction); ``received_ns``, ``replied_ns``:
+    when the store process had read the call and when it sent this (``perf_counter_ns``:
+    CLOCK_MONOTONIC, one clock for every process of the machine); ``row``: a get's or a
+    cancel's row; ``deleted``: a delete found the row; ``error``: the call failed."""
 
     took_ns: int
     row: StoredRow | None = None
     deleted: bool = False
     error: str | None = None
+    received_ns: int = 0
+    replied_ns: int = 0
 
 
 # ---------------------------------------------------------------------------------------

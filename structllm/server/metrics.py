@@ -75,6 +75,16 @@ HISTOGRAMS = (
         "Response store commits as their group's leader waited (the round trip).",
         STORE_BUCKETS,
     ),
+    (
+        "structllm:responses_store_write_send_seconds",
+        "Response store commits: from the call's send until the store process read it.",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_write_resume_seconds",
+        "Response store commits: from the reply's send until the leader task ran again.",
+        STORE_BUCKETS,
+    ),
 )
 # slot layout: prompt tokens, generation tokens, open requests, successes by reason, then
 # per histogram its bucket counts (+Inf last), sum and count
@@ -108,7 +118,8 @@ class Metrics:
             self.histograms.append(Histogram(self.table, offset, buckets))
             offset += len(buckets) + 3
         self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms[:5]
-        kinds = ("write", "read", "write_wait", "read_wait", "write_trip")
+        kinds = ("write", "read", "write_wait", "read_wait", "write_trip", "write_send")
+        kinds += ("write_resume",)
         self.store = dict(zip(kinds, self.histograms[5:], strict=True))
         self.http_errors: dict[int, int] = {}
 
@@ -127,7 +138,7 @@ class Metrics:
     def store_call(self, kind: str, seconds: float) -> None:
         """A response store call took ``seconds`` (``kind``: write or read in the store
         process, write_wait or read_wait as its request waited, write_trip as its group's
-        leader waited for the commit)."""
+        leader waited for the commit, write_send and write_resume its two legs)."""
         self.store[kind].observe(seconds)
 
     def _total(self, index: int) -> float:

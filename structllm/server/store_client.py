@@ -22,9 +22,11 @@ error JSON, or an error event when the stream has begun).
 
 ``observe(kind, seconds)`` gets, per call: ``write``/``read``, the time in SQLite as the
 store process measured it (``StoreReply.took_ns``); ``write_trip``, a commit's round trip
-as its leader saw it (the frames, the process's turn on a CPU, the event loop's turn to
-resume the task); ``write_wait``/``read_wait``, the call as its request waited for it
-(for a write, also the group before its own).
+as its leader saw it, made of ``write_send`` (from the frame's send until the store
+process had read it: its turn on a CPU), ``write`` and ``write_resume`` (from the
+reply's send until the leader runs again: the event loop's turn); ``write_wait``/
+``read_wait``, the call as its request waited for it (for a write, also the group
+before its own). The stamps are ``perf_counter_ns`` in both processes (one clock).
 """
 
 from __future__ import annotations
@@ -261,10 +263,13 @@ class AsyncResponseStore:
             while self._pending and not handed:
                 group, self._pending = self._pending, []
                 try:
-                    t = time.perf_counter()
+                    sent = time.perf_counter_ns()
                     reply = await self._call("write", StorePut([w.row for w in group]))
-                    self.observe("write_trip", time.perf_counter() - t)
+                    resumed = time.perf_counter_ns()
+                    self.observe("write_trip", (resumed - sent) * 1e-9)
+                    self.observe("write_send", (reply.received_ns - sent) * 1e-9)
                     self.observe("write", reply.took_ns * 1e-9)
+                    self.observe("write_resume", (resumed - reply.replied_ns) * 1e-9)
                 except StoreError as e:  # each waiter raises it
                     for w in group:
                         w.error = e

@@ -95,6 +95,7 @@ def _serve(store: ResponseStore | str, sock: socket.socket) -> None:
         payload = _recv_exactly(sock, int.from_bytes(header, "little"))
         if payload is None:
             return
+        received = time.perf_counter_ns()
         call = decoder.decode(payload)
         if isinstance(store, str):
             reply = StoreReply(0, error=store)
@@ -103,7 +104,10 @@ def _serve(store: ResponseStore | str, sock: socket.socket) -> None:
                 reply = answer(store, call)
             except sqlite3.Error as e:  # the front end raises it to the caller
                 reply = StoreReply(0, error=f"{type(e).__name__}: {e}")
-        sock.sendall(frame(encoder.encode(reply)))
+        stamped = msgspec.structs.replace(
+            reply, received_ns=received, replied_ns=time.perf_counter_ns()
+        )
+        sock.sendall(frame(encoder.encode(stamped)))
 
 
 def _open(launch: StoreLaunch) -> ResponseStore | str:
