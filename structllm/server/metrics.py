@@ -118,8 +118,15 @@ class Metrics:
             self.histograms.append(Histogram(self.table, offset, buckets))
             offset += len(buckets) + 3
         self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms[:5]
-        kinds = ("write", "read", "write_wait", "read_wait", "write_trip", "write_send")
-        kinds += ("write_resume",)
+        kinds = (
+            "write",
+            "read",
+            "write_wait",
+            "read_wait",
+            "write_trip",
+            "write_send",
+            "write_resume",
+        )
         self.store = dict(zip(kinds, self.histograms[5:], strict=True))
         self.http_errors: dict[int, int] = {}
 

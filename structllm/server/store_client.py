@@ -188,7 +188,10 @@ class AsyncResponseStore:
             self._locks[conn] = anyio.Lock()
         async with self._locks[conn]:
             if self._child is None:
-                self._start()
+                try:
+                    self._start()
+                except OSError as e:  # out of descriptors or processes
+                    raise StoreUnavailable(f"cannot start the response store process: {e}") from e
             child = self._child
             assert child is not None
             payload = self._encoder.encode(call)
