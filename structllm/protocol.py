@@ -334,6 +334,84 @@ class EngineLaunch(msgspec.Struct, frozen=True):
 
 
 # ---------------------------------------------------------------------------------------
+# a front end <-> its response store process (server/store_process.py), length-prefixed
+# msgpack frames over a Unix socket pair; rows carry their JSON as the front end encoded it
+
+
+class StoreLaunch(msgspec.Struct, frozen=True):
+    """What a front end hands its store process: the SQLite file and its bounds, and the
+    inherited socket of each connection (writes, reads: one SQLite connection each)."""
+
+    path: str
+    max_bytes: int
+    ttl: float
+    parent_pid: int
+    write_fd: int
+    read_fd: int
+
+
+class StoreRow(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One response to store: ``response``, ``conversation`` and ``events`` are JSON."""
+
+    id: str
+    status: str
+    response: bytes
+    conversation: bytes
+    engine_request_id: str | None = None
+    owner_pid: int | None = None
+    events: bytes | None = None
+
+
+class StoredRow(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A stored response as read (JSON as stored)."""
+
+    response: bytes
+    conversation: bytes
+    engine_request_id: str | None
+    cancel_requested: bool
+    owner_pid: int | None
+    events: bytes | None
+
+
+class StorePut(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    """Insert or replace each row, in one transaction, then evict."""
+
+    rows: list[StoreRow]
+
+
+class StoreGet(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    response_id: str
+
+
+class StoreDelete(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    response_id: str
+
+
+class StoreCancel(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Mark a background run as to be cancelled; the reply has its row as it is then."""
+
+    response_id: str
+
+
+StoreCall = StorePut | StoreGet | StoreDelete | StoreCancel
+
+
+class StoreReply(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The answer to one ``StoreCall``. ``took_ns``: the call's time in the store process
+    (``perf_counter_ns`` around the SQLite transaction); ``received_ns``, ``replied_ns``:
+    when the store process had read the call and when it sent this (``perf_counter_ns``:
+    CLOCK_MONOTONIC, one clock for every process of the machine); ``row``: a get's or a
+    cancel's row; ``deleted``: a delete found the row; ``error``: the call failed."""
+
+    took_ns: int
+    row: StoredRow | None = None
+    deleted: bool = False
+    error: str | None = None
+    received_ns: int = 0
+    replied_ns: int = 0
+
+
+# ---------------------------------------------------------------------------------------
 # engine (rank 0) -> tensor-parallel workers, over the broadcast ring
 
 

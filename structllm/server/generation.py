@@ -240,6 +240,8 @@ class Generation:
                 await transport.error(
                     APIError(413, f"the request is too large for the engine channel: {e}")
                 )
+            except APIError as e:  # from before_end (the response store: 503)
+                await transport.error(e)
             finally:
                 self.metrics.set_open_requests(self.client.num_open_requests)
             tg.cancel_scope.cancel()

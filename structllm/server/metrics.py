@@ -52,22 +52,37 @@ HISTOGRAMS = (
     ("structllm:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
     (
         "structllm:responses_store_write_seconds",
-        "Response store commits (a group of rows), timed in the worker thread.",
+        "Response store commits (a group of rows), timed in the store process.",
         STORE_BUCKETS,
     ),
     (
         "structllm:responses_store_read_seconds",
-        "Response store reads, timed in the worker thread.",
+        "Response store reads, timed in the store process.",
         STORE_BUCKETS,
     ),
     (
         "structllm:responses_store_write_wait_seconds",
-        "Response store writes as a request waits for them (its group, the thread hops).",
+        "Response store writes as a request waits for them (its group, the round trip).",
         STORE_BUCKETS,
     ),
     (
         "structllm:responses_store_read_wait_seconds",
-        "Response store reads as a request waits for them (the thread hops).",
+        "Response store reads as a request waits for them (the round trip).",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_write_trip_seconds",
+        "Response store commits as their group's leader waited (the round trip).",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_write_send_seconds",
+        "Response store commits: from the call's send until the store process read it.",
+        STORE_BUCKETS,
+    ),
+    (
+        "structllm:responses_store_write_resume_seconds",
+        "Response store commits: from the reply's send until the leader task ran again.",
         STORE_BUCKETS,
     ),
 )
@@ -103,7 +118,15 @@ class Metrics:
             self.histograms.append(Histogram(self.table, offset, buckets))
             offset += len(buckets) + 3
         self.ttft, self.itl, self.e2e, self.prompt_hist, self.gen_hist = self.histograms[:5]
-        kinds = ("write", "read", "write_wait", "read_wait")
+        kinds = (
+            "write",
+            "read",
+            "write_wait",
+            "read_wait",
+            "write_trip",
+            "write_send",
+            "write_resume",
+        )
         self.store = dict(zip(kinds, self.histograms[5:], strict=True))
         self.http_errors: dict[int, int] = {}
 
@@ -120,8 +143,9 @@ class Metrics:
         self.e2e.observe(e2e)
 
     def store_call(self, kind: str, seconds: float) -> None:
-        """A response store call took ``seconds`` (``kind``: write or read in the thread,
-        write_wait or read_wait as its request waited)."""
+        """A response store call took ``seconds`` (``kind``: write or read in the store
+        process, write_wait or read_wait as its request waited, write_trip as its group's
+        leader waited for the commit, write_send and write_resume its two legs)."""
         self.store[kind].observe(seconds)
 
     def _total(self, index: int) -> float:

@@ -22,7 +22,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.support.procs import HANG_S, wait_for
+from tests.support.procs import HANG_S, alive, children, wait_for
 from tests.support.server import Server, open_stream, read_until
 
 pytestmark = pytest.mark.slow
@@ -734,3 +734,44 @@ def test_other_servers_on_the_file_cancel_a_run_and_see_a_killed_ones_fail(
     assert done.status == "failed" and done.error is not None
     assert "exited" in done.error.message
     assert c.responses.cancel(run.id).status == "failed"
+
+
+def store_process_of(pid: int) -> int:
+    """The response store process of a front-end process (-1 if none)."""
+    for kid in children(pid):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"structllm.server.store_process" in f.read():
+                return kid
+    return -1
+
+
+def test_a_killed_store_process_is_a_503_then_restarted(null_server: Server) -> None:
+    """The store runs in a child of the front end; killed, the call that finds it gone is
+    OpenAI's 503 error (a read, then a write before a response's body and before a
+    stream's last event), and the next call starts a new one on the same file."""
+    s = null_server
+    assert s.proc is not None
+    c = oai(s)
+    model = c.models.list().data[0].id
+    kw: dict[str, Any] = {"model": model, "input": "Hi", "max_output_tokens": 16}
+    kept = c.responses.create(**kw)
+    assert s.metric("responses_store_write_trip_seconds_count") >= 1
+    for attempt in ("get", "post", "stream"):
+        pid = store_process_of(s.proc.pid)
+        assert pid > 0
+        os.kill(pid, signal.SIGKILL)
+        if attempt == "get":
+            status, body = s.get(f"/v1/responses/{kept.id}")
+            assert status == 503, body
+            error = json.loads(body)["error"]
+            assert error["code"] == "store_unavailable" and f"pid {pid}" in error["message"]
+        elif attempt == "post":
+            status, body = s.post("/v1/responses", kw)
+            assert status == 503 and body["error"]["code"] == "store_unavailable", body
+        else:
+            name, last = events_of(s, {**kw, "stream": True})[-1]
+            assert name == "response.failed", name
+            assert f"store process (pid {pid})" in last["response"]["error"]["message"]
+        wait_for(lambda p=pid: not alive(p), "the killed store process was not reaped")
+        assert c.responses.retrieve(kept.id).id == kept.id  # a new process, the same file
+        assert store_process_of(s.proc.pid) not in (-1, pid)

@@ -1,11 +1,13 @@
 """The response store (SQLite through the standard library) driven directly: rows by id,
 the size bound with the oldest evicted first, time to live, two connections (as two
-front-end processes) on one file, and reopening (a restart). Plus the async shell, on
-both anyio backends."""
+front-end processes) on one file, and reopening (a restart). Plus the front end's async
+shell and its store process, on both anyio backends."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from structllm.server.response_store import SCHEMA, AsyncResponseStore, ResponseStore
+from structllm.server.response_store import SCHEMA, ResponseStore
+from structllm.server.store_client import AsyncResponseStore, StoreError, StoreUnavailable
 
 
 def response(i: int, pad: int = 0) -> dict[str, Any]:
@@ -92,26 +95,76 @@ def test_shared_by_processes_and_kept_across_reopen(tmp_path: Path) -> None:
     b.close()
 
 
-@pytest.mark.parametrize("backend", ["trio", "asyncio"])
-def test_async_store_runs_in_a_worker_thread(tmp_path: Path, backend: str) -> None:
-    import threading
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
-    loop_thread = threading.get_ident()
-    seen: list[int] = []
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_async_store_runs_in_its_own_process_and_survives_its_death(
+    tmp_path: Path, backend: str
+) -> None:
+    """Every call goes to a child process (not this one); killing it fails the call that
+    finds it gone with a 503 naming it (no hang), the next call starts a new one on the
+    same file (rows kept), and ``close`` reaps it."""
+    seen: list[str] = []
+    store = AsyncResponseStore(tmp_path / "r.sqlite3", 1 << 20, 3600, lambda k, _s: seen.append(k))
+    pids: list[int] = []
 
     async def main() -> None:
-        store = AsyncResponseStore(tmp_path / "r.sqlite3", 1 << 20, 3600)
         try:
-            await store.put(response(1), conversation(1))
-            got = await store.get("resp_1")
-            assert got is not None and got.response["id"] == "resp_1"
-            seen.append(await store.call(lambda _s: threading.get_ident()))
-            assert await store.delete("resp_1") and await store.get("resp_1") is None
+            with anyio.fail_after(60):  # a hang guard, not a speed bound
+                await store.put(response(1), conversation(1))
+                got = await store.get("resp_1")
+                assert got is not None and got.response == response(1)
+                assert got.conversation == conversation(1)
+                pid = store.pid
+                assert pid is not None and pid != os.getpid() and _alive(pid)
+                pids.append(pid)
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises(StoreUnavailable) as e:
+                    await store.get("resp_1")
+                assert e.value.status == 503 and f"pid {pid}" in e.value.message
+                assert store.pid is None
+                got = await store.get("resp_1")  # a new process, the same file
+                assert got is not None and store.pid not in (None, pid)
+                pids.append(store.pid)  # type: ignore[arg-type]
+                os.kill(store.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                with pytest.raises(StoreUnavailable):  # a write finds it gone too
+                    await store.put(response(2), conversation(2))
+                await store.put(response(2), conversation(2))
+                assert await store.delete("resp_1") and await store.get("resp_1") is None
+                assert (await store.get("resp_2")) is not None
+                pids.append(store.pid)  # type: ignore[arg-type]
         finally:
             store.close()
 
     anyio.run(main, backend=backend)
-    assert seen and seen[0] != loop_thread
+    assert not any(_alive(p) for p in pids)  # killed ones reaped, the last closed
+    kinds = {"write", "write_trip", "write_send", "write_resume", "write_wait", "read"}
+    assert kinds | {"read_wait"} <= set(seen)
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_store_that_cannot_open_its_file_says_so(tmp_path: Path, backend: str) -> None:
+    (tmp_path / "file").write_text("")
+    store = AsyncResponseStore(tmp_path / "file" / "r.sqlite3", 1 << 20, 3600)
+
+    async def main() -> None:
+        try:
+            with pytest.raises(StoreError) as e:
+                await store.get("resp_1")
+            assert e.value.status == 503 and "cannot open the response store" in e.value.message
+            assert store.pid is not None  # the process stays, and answers each call so
+            with pytest.raises(StoreError):
+                await store.put(response(1), conversation(1))
+        finally:
+            store.close()
+
+    anyio.run(main, backend=backend)
 
 
 def test_a_file_without_owner_pids_is_upgraded(tmp_path: Path) -> None:
@@ -130,30 +183,24 @@ def test_a_file_without_owner_pids_is_upgraded(tmp_path: Path) -> None:
 @pytest.mark.parametrize("backend", ["trio", "asyncio"])
 @pytest.mark.parametrize("cancelled", [0, 4, 8])
 def test_puts_commit_in_groups_and_survive_cancelled_waiters(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, cancelled: int
+    tmp_path: Path, backend: str, cancelled: int
 ) -> None:
-    """While one group commits (held at a gate), 8 more puts wait; they commit as one
-    group, led by a waiter still there, or by the first leader if every waiter was
-    cancelled: no row is lost and nothing hangs."""
-    import threading
-
+    """While one group commits (held at a gate: this process holds SQLite's write lock,
+    so the store process waits in its busy timeout), 8 more puts wait; they commit as
+    one group, led by a waiter still there, or by the first leader if every waiter was
+    cancelled: no row is lost and nothing hangs. Three commits for ten rows."""
     from anyio import wait_all_tasks_blocked
     from anyio.lowlevel import checkpoint
 
-    gate = threading.Event()
-    groups: list[int] = []
-    real = ResponseStore.put_many
-
-    def gated(self: ResponseStore, rows: Any) -> None:
-        gate.wait()
-        groups.append(len(rows))
-        real(self, rows)
-
-    monkeypatch.setattr(ResponseStore, "put_many", gated)
-    seen: list[float] = []
-    store = AsyncResponseStore(tmp_path / "r.sqlite3", 1 << 20, 3600, lambda _k, s: seen.append(s))
+    path = tmp_path / "r.sqlite3"
+    ResponseStore(path, 1 << 20, 3600).close()  # the schema, so the gate can lock it
+    seen: list[str] = []
+    store = AsyncResponseStore(path, 1 << 20, 3600, lambda k, _s: seen.append(k))
 
     async def main() -> None:
+        await store.get("resp_x")  # the process is up (not part of what is counted)
+        gate = sqlite3.connect(path, timeout=30.0)
+        gate.execute("BEGIN IMMEDIATE")  # SQLite's write lock, until the commit below
         try:
             with anyio.fail_after(60):  # a hang guard, not a speed bound
                 async with anyio.create_task_group() as tg:
@@ -166,13 +213,14 @@ def test_puts_commit_in_groups_and_survive_cancelled_waiters(
                         await wait_all_tasks_blocked()
                         doomed.cancel_scope.cancel()
                     await checkpoint()
-                    gate.set()
+                    gate.commit()
                 await store.put(response(9), conversation(9))  # and the store goes on
                 for i in range(10):
                     assert await store.get(f"resp_{i}") is not None
         finally:
+            gate.close()
             store.close()
 
     anyio.run(main, backend=backend)
-    assert groups == [1, 8, 1]
-    assert len(seen) >= 10 - cancelled  # every put that returned was timed (and each commit)
+    assert seen.count("write") == 3  # commits: [0], [1..8], [9]
+    assert seen.count("write_wait") == 10 - cancelled  # every put that returned was timed
