@@ -38,6 +38,24 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 
+# --shapes bench: the families at sizes where a step is matrix work, not Python overhead
+# (the tests' models are 64 wide: their steps time the interpreter). Seeded random
+# weights, built and cached like the tests' models; widths multiples of 256 (k-quants).
+_DENSE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8)
+_HEADS = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+BENCH_SHAPES: dict[str, dict[str, object]] = {
+    "mixtral": dict(_DENSE, **_HEADS, intermediate_size=1024, num_local_experts=8),
+    "qwen3_moe": dict(_DENSE, **_HEADS, num_experts=8, moe_intermediate_size=768),
+    "gemma2": dict(
+        _DENSE,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        query_pre_attn_scalar=128,
+    ),
+}
+
+
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
@@ -135,23 +153,37 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--no-default-model", action="store_true")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    ap.add_argument("--gguf-only", action="store_true", help="skip the directories' rows")
+    ap.add_argument(
+        "--shapes",
+        choices=("tiny", "bench"),
+        default="tiny",
+        help="tiny: the tests' models; bench: BENCH_SHAPES (hidden 1024, 8 layers)",
+    )
     args = ap.parse_args()
     files = find_model_files(None)
     models: list[tuple[str, str, Path]] = []  # (label, kind, path)
     if not args.no_default_model:
         models.append(("default (SmolLM2-135M Q4_1)", "gguf", default_model_path()))
     for fam in args.families.split(","):
-        d = tiny_family_dir(fam, files)
-        models.append((fam, "hf", d))
+        shape = BENCH_SHAPES.get(fam, {}) if args.shapes == "bench" else {}
+        if args.shapes == "bench" and not shape:
+            sys.exit(f"no bench shape for {fam}; have {sorted(BENCH_SHAPES)}")
+        if not args.gguf_only:
+            models.append((fam, "hf", tiny_family_dir(fam, files, **shape)))
         if fam != "mistral":
             try:
-                f32 = llamacpp.convert_hf(gguf_source_dir(fam, files), "f32")
+                f32 = llamacpp.convert_hf(gguf_source_dir(fam, files, **shape), "f32")
                 models.append((fam + " Q8_0", "gguf", llamacpp.quantize(f32, "Q8_0")))
             except llamacpp.ToolMissing as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
-    print(f"# {cpu}, {platform.machine()}, input {args.input_len}, output {args.output_len} tokens")
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(
+        f"# {cpu}, {platform.machine()}, input {args.input_len}, output {args.output_len} "
+        f"tokens, shapes {args.shapes}, load average {' '.join(load)}"
+    )
     hdr = f"{'model':<30} {'format':<14} {'load s':>7} {'single tok/s':>13} {'batch16 tok/s':>14}"
     print(hdr)
     rows = []

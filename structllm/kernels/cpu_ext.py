@@ -143,7 +143,9 @@ def load_moe(isa: str | None = None) -> Any | None:
     ``isa`` (default ``best_isa()``), with ``kernel_table``: the block kernels of the same
     ISA's quant module, which it runs. None if either is missing."""
     isa = isa or best_isa()
-    quant = load_quant(isa) if isa is not None else None
+    if isa is None:
+        return None
+    quant = load_quant(isa)
     if quant is None:
         return None
     module = _share_pool(
