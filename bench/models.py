@@ -62,6 +62,21 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
+    """``fmt``: ``dtype:quantization``, or ``auto:loop``: the default format with a MoE
+    layer's experts run by the per-expert Python loop instead of the native call."""
+    from structllm.model.layers import SparseMoe
+
+    if fmt != "auto:loop":
+        return _run_structllm(model, fmt, args)
+    native = SparseMoe.native_experts
+    SparseMoe.native_experts = lambda self: None  # type: ignore[method-assign]
+    try:
+        return _run_structllm(model, "auto:auto", args)
+    finally:
+        SparseMoe.native_experts = native  # type: ignore[method-assign]
+
+
+def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
     from structllm import LLM, SamplingParams
     from structllm.protocol import AddRequest
 
@@ -155,6 +170,12 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
     ap.add_argument("--gguf-only", action="store_true", help="skip the directories' rows")
     ap.add_argument(
+        "--formats",
+        default="float32:none,auto:auto",
+        help="structllm's arms, in order (auto:loop: MoE experts by the Python loop)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
+    ap.add_argument(
         "--shapes",
         choices=("tiny", "bench"),
         default="tiny",
@@ -188,24 +209,36 @@ def main() -> None:
     print(hdr)
     rows = []
     for label, kind, path in models:
-        for fmt in ("float32:none", "auto:auto"):
-            r = run_structllm(str(path), fmt, args)
-            rows.append({"model": label, "format": fmt, **r})
-            figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
-            print(f"{label:<30} {fmt:<14} {figures}", flush=True)
-        if kind == "gguf" and args.llama_server:
-            ll = run_llama_server(args.llama_server, path, args)
-            ours = rows[-1]
-            rows.append({"model": label, "format": "llama-server", **ll})
-            single = ours["single_tok_s"] / ll["single_tok_s"]
-            batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
-            figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
-            print(
-                f"{label:<30} {'llama-server':<14} {figures}"
-                f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
-                flush=True,
-            )
+        for _ in range(args.rounds):
+            rows += run_arms(label, kind, path, args)
     print(json.dumps({"cpu": cpu, "rows": rows}))
+
+
+def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One round: each of structllm's formats, then llama-server (GGUF files), with the
+    ratio of the default format (``auto:auto``) to llama-server."""
+    rows: list[dict[str, Any]] = []
+    for fmt in args.formats.split(","):
+        if kind == "hf" and fmt == "auto:loop":
+            continue
+        r = run_structllm(str(path), fmt, args)
+        rows.append({"model": label, "format": fmt, **r})
+        figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+        load = Path("/proc/loadavg").read_text().split()[0]
+        print(f"{label:<30} {fmt:<14} {figures}   load {load}", flush=True)
+    if kind == "gguf" and args.llama_server:
+        ll = run_llama_server(args.llama_server, path, args)
+        ours = next((r for r in rows if r["format"] == "auto:auto"), rows[-1])
+        rows.append({"model": label, "format": "llama-server", **ll})
+        single = ours["single_tok_s"] / ll["single_tok_s"]
+        batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
+        figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
+        print(
+            f"{label:<30} {'llama-server':<14} {figures}"
+            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":
