@@ -17,7 +17,13 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
+``--shapes bench`` runs the MoE and Gemma 2 families at ``BENCH_SHAPES`` instead (hidden
+1024, 8 layers: the tests' models are 64 wide, and their steps time the interpreter);
+``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
+Python loop instead of the native call), ``--rounds N`` repeats every arm in turn.
+
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
+        [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
 """
 
 from __future__ import annotations
