@@ -17,7 +17,13 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
+``--shapes bench`` runs the MoE and Gemma 2 families at ``BENCH_SHAPES`` instead (hidden
+1024, 8 layers: the tests' models are 64 wide, and their steps time the interpreter);
+``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
+Python loop instead of the native call), ``--rounds N`` repeats every arm in turn.
+
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
+        [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -38,12 +44,45 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 
+# --shapes bench: the families at sizes where a step is matrix work, not Python overhead
+# (the tests' models are 64 wide: their steps time the interpreter). Seeded random
+# weights, built and cached like the tests' models; widths multiples of 256 (k-quants).
+_DENSE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8)
+_HEADS = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+BENCH_SHAPES: dict[str, dict[str, object]] = {
+    "mixtral": dict(_DENSE, **_HEADS, intermediate_size=1024, num_local_experts=8),
+    "qwen3_moe": dict(_DENSE, **_HEADS, num_experts=8, moe_intermediate_size=768),
+    "gemma2": dict(
+        _DENSE,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        query_pre_attn_scalar=128,
+    ),
+}
+
+
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
 
 
 def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
+    """``fmt``: ``dtype:quantization``, or ``auto:loop``: the default format with a MoE
+    layer's experts run by the per-expert Python loop instead of the native call."""
+    from structllm.model.layers import SparseMoe
+
+    if fmt != "auto:loop":
+        return _run_structllm(model, fmt, args)
+    native = SparseMoe.native_experts
+    SparseMoe.native_experts = lambda self: None  # type: ignore[method-assign]
+    try:
+        return _run_structllm(model, "auto:auto", args)
+    finally:
+        SparseMoe.native_experts = native  # type: ignore[method-assign]
+
+
+def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
     from structllm import LLM, SamplingParams
     from structllm.protocol import AddRequest
 
@@ -135,45 +174,77 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--no-default-model", action="store_true")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    ap.add_argument("--gguf-only", action="store_true", help="skip the directories' rows")
+    ap.add_argument(
+        "--formats",
+        default="float32:none,auto:auto",
+        help="structllm's arms, in order (auto:loop: MoE experts by the Python loop)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
+    ap.add_argument(
+        "--shapes",
+        choices=("tiny", "bench"),
+        default="tiny",
+        help="tiny: the tests' models; bench: BENCH_SHAPES (hidden 1024, 8 layers)",
+    )
     args = ap.parse_args()
     files = find_model_files(None)
     models: list[tuple[str, str, Path]] = []  # (label, kind, path)
     if not args.no_default_model:
         models.append(("default (SmolLM2-135M Q4_1)", "gguf", default_model_path()))
     for fam in args.families.split(","):
-        d = tiny_family_dir(fam, files)
-        models.append((fam, "hf", d))
+        shape = BENCH_SHAPES.get(fam, {}) if args.shapes == "bench" else {}
+        if args.shapes == "bench" and not shape:
+            sys.exit(f"no bench shape for {fam}; have {sorted(BENCH_SHAPES)}")
+        if not args.gguf_only:
+            models.append((fam, "hf", tiny_family_dir(fam, files, **shape)))
         if fam != "mistral":
             try:
-                f32 = llamacpp.convert_hf(gguf_source_dir(fam, files), "f32")
+                f32 = llamacpp.convert_hf(gguf_source_dir(fam, files, **shape), "f32")
                 models.append((fam + " Q8_0", "gguf", llamacpp.quantize(f32, "Q8_0")))
             except llamacpp.ToolMissing as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
-    print(f"# {cpu}, {platform.machine()}, input {args.input_len}, output {args.output_len} tokens")
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(
+        f"# {cpu}, {platform.machine()}, input {args.input_len}, output {args.output_len} "
+        f"tokens, shapes {args.shapes}, load average {' '.join(load)}"
+    )
     hdr = f"{'model':<30} {'format':<14} {'load s':>7} {'single tok/s':>13} {'batch16 tok/s':>14}"
     print(hdr)
     rows = []
     for label, kind, path in models:
-        for fmt in ("float32:none", "auto:auto"):
-            r = run_structllm(str(path), fmt, args)
-            rows.append({"model": label, "format": fmt, **r})
-            figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
-            print(f"{label:<30} {fmt:<14} {figures}", flush=True)
-        if kind == "gguf" and args.llama_server:
-            ll = run_llama_server(args.llama_server, path, args)
-            ours = rows[-1]
-            rows.append({"model": label, "format": "llama-server", **ll})
-            single = ours["single_tok_s"] / ll["single_tok_s"]
-            batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
-            figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
-            print(
-                f"{label:<30} {'llama-server':<14} {figures}"
-                f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
-                flush=True,
-            )
+        for _ in range(args.rounds):
+            rows += run_arms(label, kind, path, args)
     print(json.dumps({"cpu": cpu, "rows": rows}))
+
+
+def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One round: each of structllm's formats, then llama-server (GGUF files), with the
+    ratio of the default format (``auto:auto``) to llama-server."""
+    rows: list[dict[str, Any]] = []
+    for fmt in args.formats.split(","):
+        if kind == "hf" and fmt == "auto:loop":
+            continue
+        r = run_structllm(str(path), fmt, args)
+        rows.append({"model": label, "format": fmt, **r})
+        figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+        load = Path("/proc/loadavg").read_text().split()[0]
+        print(f"{label:<30} {fmt:<14} {figures}   load {load}", flush=True)
+    if kind == "gguf" and args.llama_server:
+        ll = run_llama_server(args.llama_server, path, args)
+        ours = next((r for r in rows if r["format"] == "auto:auto"), rows[-1])
+        rows.append({"model": label, "format": "llama-server", **ll})
+        single = ours["single_tok_s"] / ll["single_tok_s"]
+        batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
+        figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
+        print(
+            f"{label:<30} {'llama-server':<14} {figures}"
+            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

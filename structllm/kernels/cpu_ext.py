@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``,
-``cpu_layer.cpp``).
+``cpu_layer.cpp``, ``cpu_moe.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
 machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
@@ -134,6 +134,34 @@ def load_quant(isa: str | None = None) -> Any | None:
     )
 
 
+MOE_SOURCE = Path(__file__).with_name("cpu_moe.cpp")
+
+
+@cache
+def load_moe(isa: str | None = None) -> Any | None:
+    """The native experts of a mixture-of-experts layer (``Experts``, see cpu_moe.cpp) for
+    ``isa`` (default ``best_isa()``), with ``kernel_table``: the block kernels of the same
+    ISA's quant module, which it runs. None if either is missing."""
+    isa = isa or best_isa()
+    if isa is None:
+        return None
+    quant = load_quant(isa)
+    if quant is None:
+        return None
+    module = _share_pool(
+        build(
+            f"structllm_moe_{isa}",
+            MOE_SOURCE,
+            [*FLAGS, _ISA_MARCH[isa]],  # cpu_layer's flags: its SiLU rounds the same here
+            "the CPU mixture-of-experts kernel (about 20 s)",
+        )
+    )
+    if module is None:
+        return None
+    module.kernel_table = quant.kernel_table()
+    return module
+
+
 def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
     """Compile ``source`` (or load the cached build) as a torch extension; None on failure.
 
@@ -253,6 +281,7 @@ def build_all() -> list[tuple[str, bool]]:
     if isa is not None:
         out.append((f"quant_{isa}", load_quant(isa) is not None))
         out.append((f"cpu_layer_{isa}", load_layer(isa) is not None))
+        out.append((f"cpu_moe_{isa}", load_moe(isa) is not None))
     return out
 
 

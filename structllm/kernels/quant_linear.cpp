@@ -1510,6 +1510,14 @@ int64_t checked_k(const torch::Tensor& w, int64_t type) {
 
 }  // namespace
 
+// every type's three paths by (type code, mode): what `linear` and kernel_table hand out
+using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+#define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
+constexpr LinearFn kLinears[NTYPES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
+                                          SL_PATHS(Q5_0), SL_PATHS(Q5_1), SL_PATHS(Q4_K),
+                                          SL_PATHS(Q5_K), SL_PATHS(Q6_K), SL_PATHS(IQ4_NL)};
+#undef SL_PATHS
+
 // x [M, K] float32, w [N, K/32 * block_bytes] uint8 -> [M, N] float32.
 // mode: 0 float path, 1 int8 path, 2 int16 path (x quantised to 8 / 16 bits per block).
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mode) {
@@ -1523,14 +1531,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mod
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  using Fn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
-#define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
-  static constexpr Fn fns[NTYPES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0), SL_PATHS(Q5_0),
-                                        SL_PATHS(Q5_1), SL_PATHS(Q4_K), SL_PATHS(Q5_K), SL_PATHS(Q6_K),
-                                        SL_PATHS(IQ4_NL)};
-#undef SL_PATHS
-  fns[type][mode](xp, wp, op, M, N, K);
+  kLinears[type][mode](xp, wp, op, M, N, K);
   return out;
+}
+
+// The kernel table as a capsule, for other modules' native loops (cpu_moe.cpp runs each
+// expert's slices through these without a Python call per matmul).
+pybind11::capsule kernel_table() {
+  return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&kLinears)), "structllm.quant_linears");
 }
 
 // w [N, K/32 * block_bytes] uint8 -> [N, K] float32, with the float path's own dequantisation
@@ -1565,4 +1573,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ W^T with W in GGUF blocks (type codes: packed.BLOCK_TYPES); mode 0 float, 1 int8, 2 int16");
   m.def("dequantize", &dequantize, "GGUF blocks -> float32 rows");
   m.def("isa", &isa, "the instruction set this build targets");
+  m.def("kernel_table", &kernel_table, "the [type][mode] matmul functions, for cpu_moe.cpp");
 }

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from structllm.kernels.packed import Weight, linear
+from structllm.kernels import packed
+from structllm.kernels.packed import BlockWeight, HalfRows, MixedWeight, Weight, linear
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import ShardPlan
 
@@ -161,6 +162,8 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, ffn, dtype) for _ in range(cfg.num_experts)
         )
+        self.hidden, self.ffn = cfg.hidden_size, ffn
+        self.native: Any = None  # cpu_moe.cpp's Experts, once built (False: not for these weights)
 
     def forward(
         self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
@@ -172,6 +175,10 @@ class SparseMoe(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
+        if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
+            native = self.native_experts()
+            if native is not None:  # one native call for every expert (cpu_moe.cpp)
+                return cast(Tensor, native.forward(h, chosen, weights))
         weights = weights.to(h.dtype).flatten()  # [T * k]
         # (token, choice) slots sorted by expert; each expert's run of slots at once
         flat = chosen.flatten()
@@ -195,3 +202,38 @@ class SparseMoe(nn.Module):
             y = linear(mid, expert.down_proj, int8_ok=True)  # [n, hidden]
             out.index_add_(0, rows, y * weights[slots, None])
         return out
+
+    def native_experts(self) -> Any:
+        """cpu_moe.cpp's ``Experts`` over this layer's block weights (built on first use,
+        after loading has packed them), or None: some expert is not in GGUF blocks
+        (float32 stays on torch's exact ops, float16 on fbgemm) or the kernel is missing."""
+        if self.native is None:
+            self.native = _native_experts(
+                [cast(Expert, e) for e in self.experts], self.hidden, self.ffn
+            )
+        return self.native or None
+
+
+def _block_parts(w: Weight) -> list[tuple[Tensor, int, bool]] | None:
+    """A weight's row parts as cpu_moe.cpp takes them: (bytes, type code, int8 allowed);
+    None when it is not GGUF blocks."""
+    if isinstance(w, HalfRows) or not isinstance(w, BlockWeight):
+        return None
+    parts = w.parts if isinstance(w, MixedWeight) else [w]
+    return [(p.raw.contiguous(), p.code, p.type_name in packed.INT8_TYPES) for p in parts]
+
+
+def _native_experts(experts: list[Expert], hidden: int, ffn: int) -> Any:
+    """``Experts`` for these experts, or False (see ``SparseMoe.native_experts``)."""
+    gate_up = [_block_parts(e.gate_up_proj) for e in experts]
+    down = [_block_parts(e.down_proj) for e in experts]
+    if any(p is None for p in gate_up + down):
+        return False
+    from structllm.kernels import cpu_ext
+
+    module = cpu_ext.load_moe()
+    if module is None:
+        return False
+    return module.Experts(
+        gate_up, down, hidden, ffn, packed.INT8_MIN_M, packed.int16_min_m(), module.kernel_table
+    )

@@ -439,7 +439,9 @@ class LlamaModel(nn.Module):
         head = self._packed_head if self._packed_head is not None else w
         logits = linear(hidden, head).float()
         cfg = self.cfg
-        if cfg.final_softcap:
+        if cfg.final_softcap and self.cpu_ops is not None and logits.is_contiguous():
+            self.cpu_ops.soft_cap_(logits, cfg.final_softcap)  # fused path: one pool loop
+        elif cfg.final_softcap:
             logits = soft_cap(logits, cfg.final_softcap)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling

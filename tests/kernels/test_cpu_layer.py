@@ -55,6 +55,14 @@ def test_silu_mul_matches_torch(ops, t: int) -> None:  # type: ignore[no-untyped
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
+def test_soft_cap_matches_torch_in_place(ops) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(3, 40000) * 40  # more than one parallel chunk
+    x[0, :6] = torch.tensor([-1e30, -200.0, 0.0, 1e-8, 200.0, 1e30])  # tails, tiny, zero
+    ref = torch.tanh(x / 30.0) * 30.0
+    ops.soft_cap_(x, 30.0)
+    torch.testing.assert_close(x, ref, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t", ROWS)
 def test_rope_store_matches_rotation_and_store(ops, t: int, cache_dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]

@@ -466,10 +466,10 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
 }
 
 
-def gguf_source_dir(family: str, files: ModelFiles) -> Path:
+def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path:
     """The directory a family's GGUF file is made from: Gemma 2's converter reads only a
     SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
     vocabulary is then that model's pieces, padded to the config's size, and the token
     ids the tests feed are the same ids either way)."""
     extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
-    return tiny_family_dir(family, files, extra, **GGUF_VARIANTS.get(family, {}))
+    return tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})

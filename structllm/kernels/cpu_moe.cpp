@@ -1,0 +1,230 @@
+// The experts of a mixture-of-experts layer in one native call (layers.SparseMoe on the
+// CPU engine's block formats): gate/up -> SiLU * up -> down for each expert's group of
+// tokens, weighted and summed per token.
+//
+// In Python each used expert cost a gather, two matmul calls, the activation, a product
+// and an index_add: ~10 dispatches and two kernel-pool loops per expert, 8-16 experts a
+// layer at batch 16, which made a tiny MoE step pure overhead and a real one wait on
+// the pool's joins. Here the router's choices come in, and three pool loops run the
+// layer: every used expert's gate/up rows at once, the activation, every expert's down
+// rows at once. Items are (expert, part, chunk of weight rows); each runs the block
+// kernels of quant_linear.cpp (taken from its module as a function table, see
+// kernel_table there) on its expert's gathered token rows, so a step costs its active
+// parameters. Nested inside an item, the kernels' own pool loop runs inline.
+//
+// Results are bit for bit those of the Python path (tests/kernels/test_cpu_moe.py): the
+// kernels are batch-invariant (a row's result does not depend on the other rows, nor on
+// how the weight rows are cut), SiLU * up is cpu_layer.cpp's expression under the same
+// flags, and each token's outputs are added in the order of the experts, each product
+// rounded before its sum (no FMA), as torch's mul and index_add_ do.
+//
+// Shapes:
+//   Experts(gate_up, down, hidden, ffn, int8_min_m, int16_min_m, table): per expert a
+//       list of (raw [rows, bytes] uint8, type code, int8 allowed) parts, in row order;
+//       gate_up's parts cover [2F, hidden] (gate rows, then up rows), down's [hidden, F]
+//   forward(h [T, hidden] float32, chosen [T, k] int64, weights [T, k] float32)
+//       -> [T, hidden] float32
+
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu_pool.h"
+#include "cpu_simd.h"
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int NTYPES = 9;
+constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18};  // packed.BLOCK_BYTES
+constexpr int64_t kMinChunk = 32;  // weight rows per item at least (each item re-quantises x)
+
+using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+using Table = LinearFn[NTYPES][3];
+
+struct Part {
+  torch::Tensor keep;  // owns the bytes
+  const uint8_t* data;
+  int64_t rows, row_bytes;
+  int type;
+  bool int8;
+};
+
+using PartSpec = std::tuple<torch::Tensor, int64_t, bool>;
+
+std::vector<Part> parts_of(const std::vector<PartSpec>& specs, int64_t rows, int64_t k, const char* what) {
+  std::vector<Part> out;
+  int64_t total = 0;
+  for (const auto& [raw, type, int8] : specs) {
+    TORCH_CHECK(type >= 0 && type < NTYPES, "cpu_moe: ", what, ": bad block type ", type);
+    TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "cpu_moe: ", what,
+                ": parts must be [rows, bytes] uint8, contiguous");
+    TORCH_CHECK(k % QK == 0 && raw.size(1) == k / QK * kBlockBytes[type], "cpu_moe: ", what, ": a part's row bytes do not hold ",
+                k, " weights of its type");
+    out.push_back({raw, raw.data_ptr<uint8_t>(), raw.size(0), raw.size(1), static_cast<int>(type), int8});
+    total += raw.size(0);
+  }
+  TORCH_CHECK(total == rows, "cpu_moe: ", what, ": parts hold ", total, " rows, expected ", rows);
+  return out;
+}
+
+struct Item {  // one kernel call: rows [r0, r1) of an expert's part, into columns col + r0..
+  int expert, part;
+  int64_t r0, r1, col, cost;
+};
+
+class Experts {
+ public:
+  Experts(const std::vector<std::vector<PartSpec>>& gate_up, const std::vector<std::vector<PartSpec>>& down, int64_t hidden,
+          int64_t ffn, int64_t int8_min_m, int64_t int16_min_m, const pybind11::capsule& table)
+      : hidden_(hidden), ffn_(ffn), int8_min_m_(int8_min_m), int16_min_m_(int16_min_m) {
+    TORCH_CHECK(std::string(table.name()) == "structllm.quant_linears", "cpu_moe: not the quant kernels' table");
+    table_ = static_cast<const Table*>(table.get_pointer());
+    TORCH_CHECK(gate_up.size() == down.size() && !gate_up.empty(), "cpu_moe: one gate_up and one down per expert");
+    for (size_t e = 0; e < gate_up.size(); e++) {
+      gate_up_.push_back(parts_of(gate_up[e], 2 * ffn, hidden, "gate_up"));
+      down_.push_back(parts_of(down[e], hidden, ffn, "down"));
+    }
+  }
+
+  torch::Tensor forward(torch::Tensor h, torch::Tensor chosen, torch::Tensor weights) const {
+    TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2 && h.size(1) == hidden_, "cpu_moe: h must be [T, ", hidden_,
+                "] float32");
+    TORCH_CHECK(chosen.dtype() == torch::kInt64 && chosen.dim() == 2 && chosen.size(0) == h.size(0),
+                "cpu_moe: chosen must be [T, k] int64");
+    TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.sizes() == chosen.sizes(),
+                "cpu_moe: weights must be [T, k] float32, as chosen");
+    h = h.contiguous(), chosen = chosen.contiguous(), weights = weights.contiguous();
+    const int64_t T = h.size(0), k = chosen.size(1), S = T * k, H = hidden_, F = ffn_;
+    const int64_t E = static_cast<int64_t>(gate_up_.size());
+    auto out = torch::empty({T, H}, h.options());
+    if (T == 0) return out;
+    const float* hp = h.data_ptr<float>();
+    const int64_t* cp = chosen.data_ptr<int64_t>();
+    const float* wp = weights.data_ptr<float>();
+
+    // (token, choice) slots sorted by expert, stably: offset[e] .. offset[e + 1] are
+    // expert e's; pos[s] is slot s's row in the grouped buffers
+    std::vector<int64_t> offset(E + 1, 0), pos(S);
+    for (int64_t s = 0; s < S; s++) {
+      TORCH_CHECK(cp[s] >= 0 && cp[s] < E, "cpu_moe: expert id ", cp[s], " out of range [0, ", E, ")");
+      offset[cp[s] + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) offset[e + 1] += offset[e];
+    {
+      std::vector<int64_t> next(offset.begin(), offset.end() - 1);
+      for (int64_t s = 0; s < S; s++) pos[s] = next[cp[s]]++;
+    }
+    // buffers, rows grouped by expert: x [S, H], gate/up [S, 2F], act [S, F], y [S, H]
+    std::vector<float> xg(S * H), gu(S * 2 * F), act(S * F), y(S * H);
+    for (int64_t s = 0; s < S; s++) std::memcpy(&xg[pos[s] * H], hp + (s / k) * H, H * sizeof(float));
+
+    run_parts(gate_up_, offset, xg.data(), H, gu.data(), 2 * F);
+    sl::parallel_for(0, S, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; r++) silu_mul_row(&gu[r * 2 * F], &act[r * F], F);
+    });
+    run_parts(down_, offset, act.data(), F, y.data(), H);
+    combine(cp, wp, pos.data(), y.data(), T, k, H, out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  int mode(const Part& p, int64_t m) const {  // packed.block_mode's rule
+    if (p.int8 && int8_min_m_ > 0 && m >= int8_min_m_) return 1;
+    if (int16_min_m_ > 0 && m >= int16_min_m_) return 2;
+    return 0;
+  }
+
+  // out[rows of e, :] = x[rows of e, :K] @ W_e^T (W_e: e's parts, N rows in all), every
+  // used expert's rows of weights cut into items and run on the pool in one loop
+  void run_parts(const std::vector<std::vector<Part>>& mats, const std::vector<int64_t>& offset, const float* x, int64_t K,
+                 float* out, int64_t N) const {
+    const int64_t E = static_cast<int64_t>(mats.size());
+    int64_t used_rows = 0;
+    for (int64_t e = 0; e < E; e++)
+      if (offset[e + 1] > offset[e]) used_rows += N;
+    const int threads = std::max(1, at::get_num_threads());
+    int64_t chunk = std::max(kMinChunk, (used_rows + 4 * threads - 1) / (4 * threads));
+    chunk = (chunk + 15) / 16 * 16;
+    std::vector<Item> items;
+    for (int64_t e = 0; e < E; e++) {
+      const int64_t m = offset[e + 1] - offset[e];
+      if (m == 0) continue;
+      int64_t col = 0;
+      for (size_t p = 0; p < mats[e].size(); p++) {
+        const int64_t rows = mats[e][p].rows;
+        for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+          const int64_t r1 = std::min(rows, r0 + chunk);
+          items.push_back({static_cast<int>(e), static_cast<int>(p), r0, r1, col, m * (r1 - r0)});
+        }
+        col += rows;
+      }
+    }
+    // heaviest first: an expert many tokens chose is not left to the end of the loop
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    sl::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<float> tmp;
+      for (int64_t i = i0; i < i1; i++) {
+        const Item& it = items[i];
+        const Part& p = mats[it.expert][it.part];
+        const int64_t m0 = offset[it.expert], m = offset[it.expert + 1] - m0, n = it.r1 - it.r0;
+        tmp.resize(m * n);
+        // the kernel writes [m, n] rows of its own; nested, its pool loop runs inline
+        (*table_)[p.type][mode(p, m)](x + m0 * K, p.data + it.r0 * p.row_bytes, tmp.data(), m, n, K);
+        for (int64_t r = 0; r < m; r++)
+          std::memcpy(out + (m0 + r) * N + it.col + it.r0, tmp.data() + r * n, n * sizeof(float));
+      }
+    });
+  }
+
+  // cpu_layer.cpp's silu_mul of one row (the same expression: the same rounding)
+  static void silu_mul_row(const float* g, float* o, int64_t F) {
+    const float* u = g + F;
+#pragma omp simd
+    for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + sl::exp_approx(-g[i])) * u[i];
+  }
+
+  // o += row * w, the product rounded first: no FMA here (a function of its own, since
+  // the attribute does not reach into lambdas)
+  __attribute__((noinline, optimize("fp-contract=off"))) static void add_scaled(float* o, const float* row, float w,
+                                                                                int64_t H) {
+    for (int64_t i = 0; i < H; i++) o[i] = o[i] + row[i] * w;
+  }
+
+  // out[t] = sum over t's choices in the order of their experts of weight * y, each
+  // product rounded before it is added (torch's mul, then index_add_ expert by expert)
+  static void combine(const int64_t* cp, const float* wp, const int64_t* pos, const float* y, int64_t T, int64_t k,
+                      int64_t H, float* out) {
+    sl::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+      std::vector<int64_t> order(k);
+      for (int64_t t = t0; t < t1; t++) {
+        for (int64_t c = 0; c < k; c++) order[c] = t * k + c;
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cp[a] < cp[b]; });
+        float* o = out + t * H;
+        std::fill(o, o + H, 0.0f);
+        for (const int64_t s : order) add_scaled(o, y + pos[s] * H, wp[s], H);
+      }
+    });
+  }
+
+  int64_t hidden_, ffn_, int8_min_m_, int16_min_m_;
+  const Table* table_;
+  std::vector<std::vector<Part>> gate_up_, down_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
+  m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
+  pybind11::class_<Experts>(m, "Experts")
+      .def(pybind11::init<const std::vector<std::vector<PartSpec>>&, const std::vector<std::vector<PartSpec>>&, int64_t,
+                          int64_t, int64_t, int64_t, const pybind11::capsule&>())
+      .def("forward", &Experts::forward, "the layer's experts for routed tokens: [T, hidden] float32");
+}
