@@ -41,11 +41,13 @@ def hf_model():  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     from structllm.model.files import default_model_path
+    from tests.support.models import quick_gguf_for_transformers
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    with quick_gguf_for_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return model.eval()
 
 
@@ -74,3 +76,12 @@ def no_shm_leaks() -> Iterator[None]:
     before = shm_entries()
     yield
     assert shm_entries() == before, "shared memory left in /dev/shm"
+
+
+@pytest.fixture(scope="session")
+def chat_sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
+    """The fixed chat set with the exact float32 default model's greedy continuations
+    (tests/support/chats.py), generated once for every agreement test."""
+    from tests.support.chats import teacher_forced_chats
+
+    return teacher_forced_chats(llm, tokenizer)

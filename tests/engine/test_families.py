@@ -162,19 +162,13 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
             expected = pytest.approx(expected, rel=1e-6)
         assert got == expected, field
-    engine, ref = engine_for(path), engine_for(source)
+    ours, ref = (LLM(str(p), kv_cache_memory=32 << 20, **EXACT) for p in (path, source))
     for ids in PROMPTS:
         torch.testing.assert_close(
-            prefill_logits(engine, ids), prefill_logits(ref, ids), atol=1e-4, rtol=1e-4
+            prefill_logits(ours.engine, ids), prefill_logits(ref.engine, ids), atol=1e-4, rtol=1e-4
         )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = [
-        [
-            o.token_ids
-            for o in LLM(str(p), kv_cache_memory=32 << 20, **EXACT).generate(PROMPTS, params)
-        ]
-        for p in (path, source)
-    ]
+    outs = [[o.token_ids for o in llm.generate(PROMPTS, params)] for llm in (ours, ref)]
     assert outs[0] == outs[1]
 
 

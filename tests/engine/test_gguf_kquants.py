@@ -278,18 +278,10 @@ K_BARS = {
 
 
 @pytest.fixture(scope="module")
-def sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
+def sequences(chat_sequences: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
     """test_quant_model.py's: the fixed text, then each chat prompt with the float32
-    default model's greedy continuation (``start``: where it begins)."""
-    from structllm import SamplingParams
-    from tests.engine.test_quant_model import CHATS, N_GREEDY, TEXT
-
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True)
-    )
-    text = tokenizer.encode(TEXT)
-    return [(text, 0)] + [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
+    default model's greedy continuation (``start``: where it begins); the session's."""
+    return chat_sequences
 
 
 @pytest.mark.slow

@@ -151,3 +151,43 @@ def test_safetensors_are_required(tmp_path: Path, tiny_llama_dir: Path) -> None:
     (tmp_path / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="safetensors"):
         prepare_model(str(tmp_path))
+
+
+def test_gguf_reader_reads_every_field_as_the_gguf_package_does(tmp_path: Path) -> None:
+    """``open_gguf``'s one-pass array reading gives the gguf package's fields part for
+    part (offsets, dtypes, shapes, bytes, data indices, types, contents) on arrays of
+    every kind: strings (empty ones among them), integers, floats, bools, empty arrays,
+    beside scalars and strings; and the same tensors."""
+    import gguf
+
+    path = tmp_path / "fields.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("a.string", "hello")
+    w.add_uint32("a.u32", 7)
+    w.add_float32("a.f32", 0.5)
+    w.add_array("a.tokens", [f"t{i}" * (i % 5) for i in range(3000)])
+    w.add_array("a.ints", list(range(-50, 50)))
+    w.add_array("a.floats", [0.25 * i for i in range(40)])
+    w.add_array("a.bools", [True, False, True])
+    w.add_array("a.empty", [])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_tensor("t.weight", np.arange(64, dtype=np.float32).reshape(8, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = our_gguf.open_gguf(path), gguf.GGUFReader(str(path))
+    assert type(ours) is not gguf.GGUFReader  # the fast reader, not the fallback
+    assert list(ours.fields) == list(theirs.fields)
+    for name, want in theirs.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.data, got.types) == (want.offset, want.data, want.types), name
+        assert len(got.parts) == len(want.parts), name
+        for a, b in zip(got.parts, want.parts, strict=True):
+            assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), name
+        assert got.contents() == want.contents(), name
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors
+    ]
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        our_gguf.open_gguf(Path(__file__))

@@ -152,52 +152,7 @@ def test_cli_takes_the_format_flags() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# the default model (SmolLM2-135M, Q4_1 file)
-
-TEXT = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
-    "those used for wine. Books became cheaper, literacy spread across Europe, and ideas "
-    "travelled faster than ever before. Scientists could share their results, reformers "
-    "their arguments, and merchants their prices. Within fifty years, presses were working "
-    "in more than two hundred cities."
-)
-CHATS = [
-    "What is the capital of France?",
-    "Write a Python function that reverses a string.",
-    "Explain photosynthesis to a ten year old.",
-    "How do I boil an egg?",
-    "Tell me a short story about a dragon.",
-    "What are the benefits of exercise?",
-    "List three programming languages and their uses.",
-    "Why is the sky blue?",
-    "How does a car engine work?",
-    "Give me a recipe for pancakes.",
-    "What is machine learning?",
-    "Summarize the plot of Romeo and Juliet.",
-    "What causes earthquakes?",
-    "Write a haiku about autumn.",
-    "How do vaccines work?",
-    "Explain the water cycle.",
-    "Describe the rules of chess briefly.",
-    "What is the difference between weather and climate?",
-    "Write a limerick about a cat.",
-    "How do airplanes stay in the air?",
-    "Give three tips for better sleep.",
-    "What is the Pythagorean theorem?",
-    "Explain how a rainbow forms.",
-    "What do bees do in winter?",
-    "Write a SQL query that counts rows in a table.",
-    "Why do leaves change color in the fall?",
-    "What is inflation in economics?",
-    "Tell me a joke about computers.",
-    "How does the internet work?",
-    "Name the planets of the solar system.",
-    "What is the role of the heart?",
-    "Suggest a name for a bakery.",
-]  # 32 x N_GREEDY = 1280 scored tokens: one token is 0.08% of agreement. At 16 chats
-# the int8 MLP's Q4_0 figure moved between 96.9% and 97.7% with the attention kernel's
-# summation order alone; 48 chats gave 97.55% under either kernel.
+# the default model (SmolLM2-135M, Q4_1 file); its fixed chat set: tests/support/chats.py
 
 
 def requantised(model: LlamaModel, type_name: str) -> None:
@@ -218,22 +173,11 @@ def requantised(model: LlamaModel, type_name: str) -> None:
     model.embed_tokens = convert(model.embed_tokens)  # type: ignore[assignment]
 
 
-N_GREEDY = 40
-
-
 @pytest.fixture(scope="module")
-def sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
-    """``(ids, start)``: the fixed text, then each chat prompt followed by float32's
-    greedy continuation, which starts at ``start`` (teacher forcing: every format is
-    scored on the tokens the float32 model chose)."""
-    from structllm import SamplingParams
-
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=N_GREEDY, ignore_eos=True)
-    )
-    text = tokenizer.encode(TEXT)
-    return [(text, 0)] + [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
+def sequences(chat_sequences: list[tuple[list[int], int]]) -> list[tuple[list[int], int]]:
+    """The fixed text, then each chat prompt with float32's greedy continuation (the
+    session's, shared with test_gguf_kquants.py; see tests/support/chats.py)."""
+    return chat_sequences
 
 
 @pytest.fixture(scope="module")

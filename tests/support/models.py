@@ -4,9 +4,12 @@ transformers as the reference."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -473,3 +476,25 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     ids the tests feed are the same ids either way)."""
     extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
     return tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
+
+
+@contextlib.contextmanager
+def quick_gguf_for_transformers() -> Iterator[None]:
+    """transformers' GGUF loading with two costs taken out, its results unchanged: the
+    gguf package's reader (which transformers opens twice per ``from_pretrained``) is
+    ``open_gguf``'s one-pass reader, the same fields part for part (see
+    tests/engine/test_model.py), and ``gguf.get_tensor_name_map``, which transformers
+    rebuilds for every submodule (397 times for the default model; a pure function of
+    its arguments), is built once per argument. The tensors still go through the gguf
+    package's own dequantiser. Was ~70% of the default model's load."""
+    import gguf
+
+    from structllm.model import gguf as ours
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = ours._fast_reader()
+    gguf.get_tensor_name_map = functools.cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved

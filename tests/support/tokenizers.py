@@ -26,10 +26,11 @@ def tokenizer_digest(gguf_path: Path) -> str:
     """Hash of every ``tokenizer.*`` field of ``gguf_path`` (names, types and values)
     and of its architecture (transformers picks its tokenizer converter and class by
     it), under this transformers and cache format."""
-    import gguf
     import transformers
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    from structllm.model.gguf import open_gguf
+
+    reader = open_gguf(gguf_path)  # the gguf package's fields, read ~17x faster
     h = hashlib.sha256(f"{transformers.__version__}:{CACHE_FORMAT}".encode())
     for name, field in sorted(reader.fields.items()):
         if name.startswith("tokenizer.") or name == "general.architecture":
@@ -56,7 +57,10 @@ def seed_tokenizer(gguf_path: Path) -> None:
         if digest == _DEFAULT[0]:
             built = prepare_model(str(default)).tokenizer_json
         else:
-            built = build_tokenizer_json(gguf_path.parent, gguf_path.name)
+            from tests.support.models import quick_gguf_for_transformers
+
+            with quick_gguf_for_transformers():
+                built = build_tokenizer_json(gguf_path.parent, gguf_path.name)
         _copy(built, store)
     _copy(store, target)
 
