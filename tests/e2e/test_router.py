@@ -36,6 +36,7 @@ pytestmark = pytest.mark.skipif(
     router_binary() is None, reason="vllm-router is not installed (a test extra)"
 )
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+DRAIN_TOKENS = 600
 NULL = ("--null-model", "--max-model-len", "2048", "--no-restart-engine")
 
 
@@ -224,7 +225,9 @@ class Load:
 
 def test_a_killed_and_a_draining_replica_are_routed_around() -> None:
     with ExitStack() as stack:
-        # 10 ms steps: a 150-token stream is still running when its replica is told to stop
+        # 10 ms steps: a 600-token stream (6 s of steps) is still running when its replica
+        # is told to stop, however slowly this test gets there on a loaded machine (150
+        # tokens were seen to finish first, and the replica then closed /health's connection)
         servers = replicas(stack, "--null-step-time", "0.01")
         router = stack.enter_context(Router([s.url for s in servers]))
         with Load(router) as load:
@@ -246,7 +249,7 @@ def test_a_killed_and_a_draining_replica_are_routed_around() -> None:
         alive = [s for s in servers if s is not victim]
         body = {
             "prompt": "drain",
-            "max_tokens": 150,
+            "max_tokens": DRAIN_TOKENS,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -268,7 +271,7 @@ def test_a_killed_and_a_draining_replica_are_routed_around() -> None:
                 for line in raw.split(b"\n")
                 if line.startswith(b"data: {") and b'"usage":{' in line
             ]
-            assert b"data: [DONE]" in raw and usage[-1]["completion_tokens"] == 150
+            assert b"data: [DONE]" in raw and usage[-1]["completion_tokens"] == DRAIN_TOKENS
             assert drained.proc.wait(HANG_S) == 0
             wait_for(lambda: router.readiness()["healthy_workers"] == 1, "never marked down")
             n = load.count()
