@@ -27,8 +27,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     - ``max_step_tokens``: drafts only while the running requests' tokens in the step
       (drafts included; prompts admitted after them do not count) stay within this.
       ``None``: on CPU with GGUF block weights, the block kernels' decode size
-      (``packed.ROW_KERNEL_ROWS``, 4 rows: a 5-row step runs the blocked GEMMs and
-      took ~3x a 1-row step on the default model, 2-4 rows 1.2-1.7x), elsewhere no
+      (``packed.ROW_KERNEL_ROWS``, 8 rows: from 9 rows the block matmuls are the
+      blocked GEMMs, which round the rows up to 16 and cost ~4-6x a row), elsewhere no
       limit.
     - ``min_acceptance``: a request whose drafts were accepted at a lower rate, over at
       least ``acceptance_window`` drafted tokens, stops drafting.

@@ -156,8 +156,8 @@ class EngineCore:
             self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
         )
         if spec is not None and spec.max_step_tokens is None and cpu_blocks:
-            # from ROW_KERNEL_ROWS + 1 rows the block matmuls are GEMMs: a step of 5 rows
-            # took ~3x a 1-row step on the default model (bench/speculative.py)
+            # from ROW_KERNEL_ROWS + 1 rows the block matmuls are GEMMs that round the
+            # rows up to 16 (a 5-row step on them took ~3x a 1-row step)
             sched.max_draft_step_tokens = ROW_KERNEL_ROWS
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:

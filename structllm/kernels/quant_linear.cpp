@@ -498,7 +498,10 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-constexpr int MT_Q = 4;  // rows a weight block is used for at once at decode sizes
+// rows a weight block is used for at once at decode sizes (and speculative verification:
+// 1 + k rows of one request); from MT_Q + 1 rows the blocked GEMMs, which round the rows
+// up to a multiple of VW (16 with AVX-512) and cost ~6x a row at 5 rows
+constexpr int MT_Q = 8;
 
 template <int T, typename XT>
 void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
@@ -1257,7 +1260,11 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
         d8::rows8_nibbles<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
       else if constexpr ((T == Q4_0 || T == Q4_1 || T == Q8_0) && sizeof(XT) == 2 && MT >= kNibbleRowsMinMT)
         d8::rows8_pairs<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
-      else
+      else if constexpr (MT > 4) {  // the lane reduction's registers: 4 rows, then the rest
+        d8::rows8<T, 4>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+        d8::rows8<T, MT - 4>(w + n * group, row_bytes, nb, q + 4 * K, K, d + 4 * nb, s + 4 * nb, o + 4 * N + 8 * n,
+                             N, w + n * group + dist);
+      } else
         d8::rows8<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
     }
     else
@@ -1289,7 +1296,11 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
         case 1: rows_of<T, 1>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
         case 2: rows_of<T, 2>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
         case 3: rows_of<T, 3>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        default: rows_of<T, 4>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 4: rows_of<T, 4>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 5: rows_of<T, 5>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 6: rows_of<T, 6>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 7: rows_of<T, 7>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        default: rows_of<T, 8>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
       }
     }
   });
