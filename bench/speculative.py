@@ -225,7 +225,14 @@ def break_even(ratio: float, k: int) -> float:
     return (ratio - 1) / k
 
 
-LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+LLAMA_SPEC_TYPES = (
+    "none",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
 
 
 def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
