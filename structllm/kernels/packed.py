@@ -126,7 +126,9 @@ INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
 INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
 
 
-ROW_KERNEL_ROWS = 8  # quant_linear.cpp's MT_Q: up to this many rows read each block once
+ROW_KERNEL_ROWS = (
+    8  # quant_linear.cpp's MT_Q (AVX-512 build; 5 on AVX2): rows that read each block once
+)
 
 
 def block_mode(rows: int, int8_ok: bool = False) -> int:

@@ -500,8 +500,16 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 
 // rows a weight block is used for at once at decode sizes (and speculative verification:
 // 1 + k rows of one request); from MT_Q + 1 rows the blocked GEMMs, which round the rows
-// up to a multiple of VW (16 with AVX-512) and cost ~6x a row at 5 rows
+// up to a multiple of VW. With AVX-512 (VW 16) the GEMMs cost ~6x a row at 5 rows and
+// the row kernel 2-3x up to 8. The AVX2 build's row kernel (16 registers) spills from 6
+// rows, where the GEMMs (VW 8) were 1.2-1.7x faster (one thread, CPU time).
+#ifdef SL_AVX512
 constexpr int MT_Q = 8;
+#define SL_UNROLL_ROWS SL_UNROLL
+#else
+constexpr int MT_Q = 5;
+#define SL_UNROLL_ROWS  // (unrolled, AVX2's 4-row int16 kernel ran 15% slower)
+#endif
 
 template <int T, typename XT>
 void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
@@ -1054,12 +1062,12 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
     v8i s0[MT], s1[MT];  // two chains per activation row
     for (int m = 0; m < MT; m++) s0[m] = s1[m] = _mm256_setzero_si256();
-    // the loops below fully unrolled: kept as loops, their accumulators were copied
-    // between registers every pass and the transposed quads spilled to the stack (one
-    // thread, CPU time: Q8_0 at 4-8 rows 11-14% less, Q4_1 at 5 rows 7%; 1 row unchanged)
+    // the loops below fully unrolled (AVX-512 build): kept as loops, their accumulators
+    // were copied between registers every pass and the transposed quads spilled to the
+    // stack (one thread, CPU time: Q8_0 at 4-8 rows 11-14% less, Q4_1 at 5 rows 7%)
     // weight pair vector wp (pairs at k, k + 1 in every lane) against each row's pair at k
     auto dots = [&](v8i wp, int k, v8i* sv) {
-      SL_UNROLL for (int m = 0; m < MT; m++) sv[m] = d8::dot(sv[m], wp, bcast_pair(xb + m * K + k));
+      SL_UNROLL_ROWS for (int m = 0; m < MT; m++) sv[m] = d8::dot(sv[m], wp, bcast_pair(xb + m * K + k));
     };
     if constexpr (is8(T)) {
       v8i y[8];
@@ -1075,10 +1083,10 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
         c[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
         c[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
       }
-      SL_UNROLL for (int i = 0; i < 4; i++) {  // t[h], lane j: row j's bytes 4q .. 4q + 3 for q = i + 4h
+      SL_UNROLL_ROWS for (int i = 0; i < 4; i++) {  // t[h], lane j: row j's bytes 4q .. 4q + 3 for q = i + 4h
         const v8i t[2] = {_mm256_permute2x128_si256(c[i], c[i + 4], 0x20),
                           _mm256_permute2x128_si256(c[i], c[i + 4], 0x31)};
-        SL_UNROLL for (int h = 0; h < 2; h++) {
+        SL_UNROLL_ROWS for (int h = 0; h < 2; h++) {
           const int q = i + 4 * h;
           dots(_mm256_srai_epi16(_mm256_shuffle_epi8(t[h], first), 8), 4 * q, s0);
           dots(_mm256_srai_epi16(_mm256_shuffle_epi8(t[h], second), 8), 4 * q + 2, s1);
@@ -1088,7 +1096,7 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
       v8i t[4];
       quads_by_row(g + QO, row_bytes, t);
       const v8i zp = _mm256_set1_epi16(zero_point(T));
-      SL_UNROLL for (int q = 0; q < 4; q++) {  // bytes 4q .. 4q + 3: low nibbles k = 4q.., high k = 16 + 4q..
+      SL_UNROLL_ROWS for (int q = 0; q < 4; q++) {  // bytes 4q .. 4q + 3: low nibbles k = 4q.., high k = 16 + 4q..
         const v8i f = _mm256_shuffle_epi8(t[q], first), e = _mm256_shuffle_epi8(t[q], second);
         dots(_mm256_sub_epi16(_mm256_and_si256(f, low4), zp), 4 * q, s0);
         dots(_mm256_sub_epi16(_mm256_and_si256(e, low4), zp), 4 * q + 2, s1);
