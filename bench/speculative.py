@@ -178,9 +178,10 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def step_cost(llm: Any, k: int, rounds: int = 15) -> tuple[float, float]:
-    """Median seconds of a decode step of 1 row and of ``1 + k`` rows (one request with
-    a 400-token context; nothing is committed, the same slots are rewritten)."""
+def step_cost(llm: Any, k: int, requests: int = 1, rounds: int = 15) -> tuple[float, float]:
+    """Median seconds of a decode step of ``requests`` requests with 1 row each and with
+    ``1 + k`` rows each (400-token contexts; nothing is committed, the same slots are
+    rewritten), the two alternating."""
     from structllm.engine.request import Request
     from structllm.engine.scheduler import SchedulerOutput
     from structllm.protocol import SamplingParams
@@ -188,30 +189,50 @@ def step_cost(llm: Any, k: int, rounds: int = 15) -> tuple[float, float]:
     engine = llm.engine
     runner = engine.runner
     vocab = engine.vocab_size
-    ids = [(17 + 7919 * i) % vocab for i in range(400)]
-    # 300 prompt tokens and 100 generated: a decode, laid out as the engine lays it out
-    req = Request("\x00cost", ids[:300], SamplingParams(temperature=0.0, max_tokens=164), 164)
-    req.token_ids += ids[300:]
-    assert engine.kv.allocate(req, 400 + k)
+    reqs = []
     try:
-        runner.run(runner.prepare(SchedulerOutput([(req, 399)])))  # the context's K/V
-        req.num_computed_tokens = 399
+        for r in range(requests):
+            ids = [(17 + 7919 * i + 31 * r) % vocab for i in range(400)]
+            # 300 prompt tokens and 100 generated: a decode, laid out as the engine lays it
+            req = Request(f"\x00cost{r}", ids[:300], SamplingParams(temperature=0.0), 164)
+            req.token_ids += ids[300:]
+            assert engine.kv.allocate(req, 400 + k)
+            reqs.append(req)
+            runner.run(runner.prepare(SchedulerOutput([(req, 399)])))  # the context's K/V
+            req.num_computed_tokens = 399
         one: list[float] = []
         many: list[float] = []
         for _ in range(rounds):
-            for drafts, out in (([], one), (ids[:k], many)):
-                req.draft_token_ids = list(drafts)
+            for drafts, out in ((0, one), (k, many)):
+                for req in reqs:
+                    req.draft_token_ids = req.token_ids[:drafts]
                 t = time.perf_counter()
-                runner.execute(SchedulerOutput([(req, 1 + len(drafts))]))
+                runner.execute(SchedulerOutput([(req, 1 + drafts) for req in reqs]))
                 out.append(time.perf_counter() - t)
         return statistics.median(one), statistics.median(many)
     finally:
-        req.draft_token_ids = []
-        engine.kv.free_blocks(req)
+        for req in reqs:
+            req.draft_token_ids = []
+            engine.kv.free_blocks(req)
         engine.kv.reset_prefix_cache()
 
 
-LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+def break_even(ratio: float, k: int) -> float:
+    """The share of drafted tokens that must be accepted (``SpeculativeConfig``'s
+    ``min_acceptance`` measure) for chunks of ``k`` drafts to pay for a step ``ratio``
+    times the cost of a plain one: a chunk emits 1 + its accepted drafts, so it pays
+    when k * share > ratio - 1. Above 1: never pays."""
+    return (ratio - 1) / k
+
+
+LLAMA_SPEC_TYPES = (
+    "none",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
 
 
 def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int) -> dict[str, Any]:
@@ -281,6 +302,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="8 chats, 96 and 64 tokens")
     ap.add_argument(
+        "--cost-rows",
+        type=int,
+        default=32,
+        help="step costs for 1, 2, 4, 8 running decodes while their rows with drafts fit",
+    )
+    ap.add_argument(
         "--llama-server",
         default=None,
         metavar="PATH",
@@ -332,7 +359,9 @@ def main() -> None:
                             acc[1] += st.num_draft_tokens
                             acc[2] += st.num_accepted_tokens
     llm.engine.set_speculative(None)
-    one, many = step_cost(llm, cfg.num_speculative_tokens)
+    k = cfg.num_speculative_tokens
+    costs = {c: step_cost(llm, k, c) for c in (1, 2, 4, 8) if c * (1 + k) <= a.cost_rows}
+    one, many = costs[1]
 
     print(f"speculative config: {a.spec}")
     hdr = (
@@ -372,13 +401,34 @@ def main() -> None:
                     f"{row['gap_p50_ms']:>8.1f} {row['gap_p99_ms']:>8.1f} {row['accept']:>6.2f} "
                     f"{row['tokens_per_chunk']:>9.2f} {'yes' if row['same_output'] else 'NO':>5}"
                 )
-    k = cfg.num_speculative_tokens
     print(
         f"decode step, 400-token context: 1 row {1000 * one:.1f} ms, {1 + k} rows "
         f"{1000 * many:.1f} ms ({many / one:.2f}x)"
     )
     summary["step_ms_1_row"] = round(1000 * one, 2)
     summary[f"step_ms_{1 + k}_rows"] = round(1000 * many, 2)
+    # where verification stops paying: per number of running decodes, the step with k
+    # drafts each against the plain step, and the acceptance rate it needs to break even
+    # (the scheduler's max_step_tokens and the per-request min_acceptance come from these)
+    summary["break_even"] = []
+    for c, (t1, tk) in costs.items():
+        need = break_even(tk / t1, k)
+        print(
+            f"{c} running decodes: plain {1000 * t1:.1f} ms, {k} drafts each "
+            f"{1000 * tk:.1f} ms ({tk / t1:.2f}x, {c * (1 + k)} rows): pays above "
+            f"{need:.0%} of drafted tokens accepted"
+        )
+        summary["break_even"].append(
+            {"running": c, "plain_ms": round(1000 * t1, 2), "drafts_ms": round(1000 * tk, 2),
+             "accept_needed": round(need, 3)}
+        )  # fmt: skip
+    llm.engine.set_speculative(cfg)
+    step_cap = llm.engine.scheduler.max_draft_step_tokens
+    llm.engine.set_speculative(None)
+    print(
+        f"defaults: max_step_tokens {step_cap}, "
+        f"min_acceptance {cfg.min_acceptance} over {cfg.acceptance_window} drafted tokens"
+    )
     if a.llama_server and "grounded" in work:
         prompts, n_out, _ = work["grounded"]
         ours = summarise(runs[("grounded", 1, "on")])["tok_s"] if 1 in work["grounded"][2] else 0

@@ -26,12 +26,13 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
       this (verifying costs rows that a large batch already fills); ``None``: always.
     - ``max_step_tokens``: drafts only while the running requests' tokens in the step
       (drafts included; prompts admitted after them do not count) stay within this.
-      ``None``: on CPU with GGUF block weights, the block kernels' decode size
-      (``packed.ROW_KERNEL_ROWS``, 4 rows: a 5-row step runs the blocked GEMMs and
-      took ~3x a 1-row step on the default model, 2-4 rows 1.2-1.7x), elsewhere no
-      limit.
+      ``None``: on CPU with GGUF block weights 4 (``core.DRAFT_STEP_ROWS``: drafts for
+      one running request, where they pay from ~20% of drafted tokens accepted;
+      measured by ``bench/speculative.py``; at most ``packed.ROW_KERNEL_ROWS``, 8, are
+      served by the row kernel, from 9 rows the blocked GEMMs run), elsewhere no limit.
     - ``min_acceptance``: a request whose drafts were accepted at a lower rate, over at
-      least ``acceptance_window`` drafted tokens, stops drafting.
+      least ``acceptance_window`` drafted tokens, stops drafting (default 0.2: below
+      it, a 4-row verification step costs more than the tokens it adds).
     - ``suffix_decoding_max_tree_depth``: the longest suffix matched (suffix method).
     - ``suffix_decoding_max_cached_requests``: finished requests whose outputs the
       suffix method keeps indexed.
@@ -43,7 +44,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
     max_step_tokens: int | None = None
-    min_acceptance: float = 0.1
+    min_acceptance: float = 0.2
     acceptance_window: int = 32
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 64

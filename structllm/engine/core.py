@@ -63,6 +63,14 @@ from structllm.trace import Tracer, now_us
 log = logging.getLogger("structllm.engine")
 
 COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
+# Rows of running decodes (drafts included) within which drafts are made, by default on
+# CPU with GGUF blocks (bench/speculative.py's step costs, default model, 400-token
+# context): one request with 3 drafts (4 rows) cost 1.5-1.8x a plain 1-row step and
+# pays above ~20% of drafted tokens accepted; two requests with 3 drafts each (8 rows)
+# cost ~2.1x their plain step and need ~40%, and with drafts at 4 running requests
+# (within 8 rows) the input-grounded workload lost (0.93x tokens per CPU-second). Up to
+# ROW_KERNEL_ROWS (8) the row kernel serves every row count, so users may raise it.
+DRAFT_STEP_ROWS = min(4, ROW_KERNEL_ROWS)
 
 
 class StepCutShort(Exception):
@@ -158,9 +166,7 @@ class EngineCore:
             self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
         )
         if spec is not None and spec.max_step_tokens is None and cpu_blocks:
-            # from ROW_KERNEL_ROWS + 1 rows the block matmuls are GEMMs: a step of 5 rows
-            # took ~3x a 1-row step on the default model (bench/speculative.py)
-            sched.max_draft_step_tokens = ROW_KERNEL_ROWS
+            sched.max_draft_step_tokens = DRAFT_STEP_ROWS
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load

@@ -82,7 +82,7 @@ INT16_MIN_M: int | None = int(_INT16_ENV) if _INT16_ENV else None
 
 
 def int16_min_m() -> int:
-    """``INT16_MIN_M`` if set, else 1: the int16 path at every size. Decode sizes (1-4
+    """``INT16_MIN_M`` if set, else 1: the int16 path at every size. Decode sizes (1-8
     rows) run its row kernel, which reads each weight block once for all rows and folds
     8 blocks' scales at a time; at one row it ran the default model's Q4_1 matmuls
     1.4-1.6x faster than the float path on a 2-vCPU AVX-512 EPYC (weights cold in
@@ -98,9 +98,9 @@ def int16_min_m() -> int:
 # Rows of x from which the int8 path runs (0: never), for the matmuls whose caller says
 # they tolerate it (``linear(..., int8_ok=True)``: the MLP's gate/up and down) and whose
 # weights are 4-bit. Activations rounded to 8 bits per block of 32, as llama.cpp does
-# for every quantised matmul. For Q4 weights from 5 rows a blocked GEMM of u8 x s8
+# for every quantised matmul. For Q4 weights from 9 rows a blocked GEMM of u8 x s8
 # products (vpmaddubsw, or VNNI's vpdpbusd), 1.3-1.6x the int16 GEMM's speed at 5-160
-# rows on the AVX2 build (two threads; 1.35-1.6x one thread with AVX-512 VNNI); at 1-4
+# rows on the AVX2 build (two threads; 1.35-1.6x one thread with AVX-512 VNNI); at 1-8
 # rows the int16 path's row kernel over int8 activations, within 0-15% of its speed.
 # Both integer paths are batch-invariant: activations are rounded by one quantiser, and
 # the row kernel folds every output's blocks in the blocked GEMM's order, so a row's
@@ -126,7 +126,9 @@ INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
 INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
 
 
-ROW_KERNEL_ROWS = 4  # quant_linear.cpp's MT_Q: up to this many rows read each block once
+ROW_KERNEL_ROWS = (
+    8  # quant_linear.cpp's MT_Q (AVX-512 build; 5 on AVX2): rows that read each block once
+)
 
 
 def block_mode(rows: int, int8_ok: bool = False) -> int:

@@ -39,9 +39,9 @@
 //          the block sum dx * sum(q) (so Q4_0's -8 offset and Q4_1's min become one
 //          scalar per block); blocks are then integer dot products (maddubs + madd, or
 //          dpbusd with VNNI). Less exact (activations rounded to 8 bits): the model
-//          asks for it only in its MLP (packed.py). Up to 4 rows (and for Q8_0 at every
+//          asks for it only in its MLP (packed.py). Up to 8 rows (and for Q8_0 at every
 //          size) the int16 path's row kernel over int8 activations; for Q4 weights from
-//          5 rows a blocked GEMM, 1.3-1.7x the int16 path's speed. Activations are
+//          9 rows a blocked GEMM, 1.3-1.7x the int16 path's speed. Activations are
 //          quantised alike in both, so a row's result depends on its batch only
 //          through the order of float sums.
 //   int16: activations quantised per block of 32 to int16 (15 bits against the block's
@@ -498,7 +498,18 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-constexpr int MT_Q = 4;  // rows a weight block is used for at once at decode sizes
+// rows a weight block is used for at once at decode sizes (and speculative verification:
+// 1 + k rows of one request); from MT_Q + 1 rows the blocked GEMMs, which round the rows
+// up to a multiple of VW. With AVX-512 (VW 16) the GEMMs cost ~6x a row at 5 rows and
+// the row kernel 2-3x up to 8. The AVX2 build's row kernel (16 registers) spills from 6
+// rows, where the GEMMs (VW 8) were 1.2-1.7x faster (one thread, CPU time).
+#ifdef SL_AVX512
+constexpr int MT_Q = 8;
+#define SL_UNROLL_ROWS SL_UNROLL
+#else
+constexpr int MT_Q = 5;
+#define SL_UNROLL_ROWS  // (unrolled, AVX2's 4-row int16 kernel ran 15% slower)
+#endif
 
 template <int T, typename XT>
 void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
@@ -1051,9 +1062,12 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
     v8i s0[MT], s1[MT];  // two chains per activation row
     for (int m = 0; m < MT; m++) s0[m] = s1[m] = _mm256_setzero_si256();
+    // the loops below fully unrolled (AVX-512 build): kept as loops, their accumulators
+    // were copied between registers every pass and the transposed quads spilled to the
+    // stack (one thread, CPU time: Q8_0 at 4-8 rows 11-14% less, Q4_1 at 5 rows 7%)
     // weight pair vector wp (pairs at k, k + 1 in every lane) against each row's pair at k
     auto dots = [&](v8i wp, int k, v8i* sv) {
-      for (int m = 0; m < MT; m++) sv[m] = d8::dot(sv[m], wp, bcast_pair(xb + m * K + k));
+      SL_UNROLL_ROWS for (int m = 0; m < MT; m++) sv[m] = d8::dot(sv[m], wp, bcast_pair(xb + m * K + k));
     };
     if constexpr (is8(T)) {
       v8i y[8];
@@ -1069,10 +1083,10 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
         c[4 * h + 2] = _mm256_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
         c[4 * h + 3] = _mm256_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
       }
-      for (int i = 0; i < 4; i++) {  // t[h], lane j: row j's bytes 4q .. 4q + 3 for q = i + 4h
+      SL_UNROLL_ROWS for (int i = 0; i < 4; i++) {  // t[h], lane j: row j's bytes 4q .. 4q + 3 for q = i + 4h
         const v8i t[2] = {_mm256_permute2x128_si256(c[i], c[i + 4], 0x20),
                           _mm256_permute2x128_si256(c[i], c[i + 4], 0x31)};
-        for (int h = 0; h < 2; h++) {
+        SL_UNROLL_ROWS for (int h = 0; h < 2; h++) {
           const int q = i + 4 * h;
           dots(_mm256_srai_epi16(_mm256_shuffle_epi8(t[h], first), 8), 4 * q, s0);
           dots(_mm256_srai_epi16(_mm256_shuffle_epi8(t[h], second), 8), 4 * q + 2, s1);
@@ -1082,7 +1096,7 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
       v8i t[4];
       quads_by_row(g + QO, row_bytes, t);
       const v8i zp = _mm256_set1_epi16(zero_point(T));
-      for (int q = 0; q < 4; q++) {  // bytes 4q .. 4q + 3: low nibbles k = 4q.., high k = 16 + 4q..
+      SL_UNROLL_ROWS for (int q = 0; q < 4; q++) {  // bytes 4q .. 4q + 3: low nibbles k = 4q.., high k = 16 + 4q..
         const v8i f = _mm256_shuffle_epi8(t[q], first), e = _mm256_shuffle_epi8(t[q], second);
         dots(_mm256_sub_epi16(_mm256_and_si256(f, low4), zp), 4 * q, s0);
         dots(_mm256_sub_epi16(_mm256_and_si256(e, low4), zp), 4 * q + 2, s1);
@@ -1257,7 +1271,11 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
         d8::rows8_nibbles<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
       else if constexpr ((T == Q4_0 || T == Q4_1 || T == Q8_0) && sizeof(XT) == 2 && MT >= kNibbleRowsMinMT)
         d8::rows8_pairs<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
-      else
+      else if constexpr (MT > 4) {  // the lane reduction's registers: 4 rows, then the rest
+        d8::rows8<T, 4>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+        d8::rows8<T, MT - 4>(w + n * group, row_bytes, nb, q + 4 * K, K, d + 4 * nb, s + 4 * nb, o + 4 * N + 8 * n,
+                             N, w + n * group + dist);
+      } else
         d8::rows8<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
     }
     else
@@ -1289,7 +1307,11 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
         case 1: rows_of<T, 1>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
         case 2: rows_of<T, 2>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
         case 3: rows_of<T, 3>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        default: rows_of<T, 4>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 4: rows_of<T, 4>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 5: rows_of<T, 5>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 6: rows_of<T, 6>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        case 7: rows_of<T, 7>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+        default: rows_of<T, 8>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
       }
     }
   });

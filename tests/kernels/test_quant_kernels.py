@@ -153,12 +153,12 @@ def test_random_weights_match_the_float_reference(isa: str, type_name: str) -> N
 @pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
 @pytest.mark.parametrize("blocks", [1, 7, 8, 9, 16, 18, 19, 48])
 def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, blocks: int) -> None:
-    """The int16 row kernel (decode sizes, 1-4 rows) folds the scales of 8 blocks at a
+    """The int16 row kernel (decode sizes, 1-8 rows) folds the scales of 8 blocks at a
     time and the last blocks of a row one by one: whole groups, tails, and rows shorter
     than a group, for every row count it serves."""
     w, ref = quantize(random_weight(40, width(type_name, blocks), seed=blocks), type_name, blocks)
     gen = torch.Generator().manual_seed(blocks)
-    for m in (1, 2, 3, 4):
+    for m in (1, 2, 3, 4, 5, 8):
         x = torch.randn(m, w.shape[1], generator=gen)
         want = (x.double() @ ref.double().T).float()
         got = cpu_ext.load_quant(isa).linear(x, w.raw, w.code, INT16)
@@ -174,8 +174,9 @@ def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, b
 def test_a_rows_result_does_not_depend_on_the_batch(
     isa: str, type_name: str, mode: int, blocks: int
 ) -> None:
-    """Bit for bit: a row's output is the same alone (the row kernel), with up to 3
-    others, or in a batch of 9 or 17 (the blocked GEMM), on both integer paths and for
+    """Bit for bit: a row's output is the same alone (the row kernel), with up to 7
+    others (the row kernel at 2-8 rows: speculative verification), or in a batch of 9 or
+    17 (the blocked GEMM), on both integer paths and for
     the rows past the last group of 8 (43 = 5 x 8 + 3). The activations are rounded by
     one quantiser and every output folds its blocks in one order, so a request's tokens
     do not depend on what else runs in its step."""
@@ -183,7 +184,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(
     module = cpu_ext.load_quant(isa)
     x = torch.randn(17, w.shape[1], generator=torch.Generator().manual_seed(blocks))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(17)])
-    for m in (2, 3, 4, 5, 9, 17):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 17):
         assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
 
 
