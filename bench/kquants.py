@@ -139,6 +139,8 @@ def main() -> int:
         help="the long prompts' lengths (a loaded machine: leave out 8190)",
     )
     a = ap.parse_args()
+    # SIGTERM (timeout, kill) runs the ``finally`` below: no server outlives the run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     files = [Path(f) for f in a.files] or default_files()
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
