@@ -11,8 +11,10 @@ cache), and what ``malloc_trim`` would still hand back at the end (heap the allo
 kept).
 
 ``--llama-server PATH`` starts llama.cpp's server on the same file with the same KV cache
-(``-c`` = the engine's KV tokens, float16), sends it the same request and reads its
-``VmRSS``. Prints a table per file and one JSON line.
+(``-c`` = the engine's KV tokens, float16) and sends it the same request. For both, after
+the request: RSS and PSS from ``/proc/PID/smaps``, RSS split into anonymous pages (heap,
+tensors, KV cache), shared-library pages and other files' pages (llama-server maps the
+GGUF file). Prints a table per file and one JSON line.
 
     python bench/engine_memory.py [--kv-tokens 4096] [--llama-server PATH] [FILE.gguf ...]
 """
@@ -36,6 +38,38 @@ def rss_mb(pid: int | str = "self") -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+def breakdown(pid: int | str = "self") -> dict[str, float]:
+    """A process's resident memory (MB) from ``/proc/PID/smaps``: RSS and PSS, and RSS by
+    kind of mapping: anonymous pages (heap, tensors, KV cache, Python objects), pages of
+    shared libraries (``*.so*``), pages of other files (a memory-mapped GGUF file)."""
+    out = {"rss": 0.0, "pss": 0.0, "anon": 0.0, "libraries": 0.0, "other files": 0.0}
+    kind = "anon"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):
+            fields = rest.split()
+            name = fields[4] if len(fields) > 4 else ""
+            lib = ".so" in name.rsplit("/", 1)[-1]
+            kind = "anon" if not name.startswith("/") else "libraries" if lib else "other files"
+        elif head in ("Rss:", "Pss:"):
+            out[head[:-1].lower()] += int(rest.split()[0]) / 1024
+        elif head == "Anonymous:":
+            out["anon"] += int(rest.split()[0]) / 1024
+            if kind != "anon":
+                out[kind] -= int(rest.split()[0]) / 1024
+        if head == "Rss:" and kind != "anon":
+            out[kind] += int(rest.split()[0]) / 1024
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def show(name: str, mem: dict[str, float]) -> None:
+    parts = ", ".join(f"{k} {mem[k]:.1f}" for k in ("anon", "libraries", "other files"))
+    print(
+        f"  {name:33s} RSS {mem['rss']:6.1f} MB ({parts}), PSS {mem['pss']:6.1f} MB",
+        file=sys.stderr,
+    )
 
 
 def child(model: str | None, kv_tokens: int) -> dict[str, Any]:
@@ -83,6 +117,7 @@ def child(model: str | None, kv_tokens: int) -> dict[str, Any]:
     while core.has_work:
         core.step()
     stages.append(("after a 64 + 32 token request", rss_mb()))
+    memory = breakdown()
     kinds: dict[str, int] = {}
     seen: set[int] = set()
     kv = {t.untyped_storage().data_ptr() for pair in core.runner.kv_caches for t in pair}  # type: ignore[union-attr]
@@ -112,13 +147,14 @@ def child(model: str | None, kv_tokens: int) -> dict[str, Any]:
         "stages": stages,
         "tensors_mb": {k: round(v / 2**20, 1) for k, v in sorted(kinds.items())},
         "malloc_trim_frees_mb": round(before - rss_mb(), 1),
+        "memory_mb": memory,
         "kv_tokens": kv_tokens,
     }
 
 
-def llama_rss(server: str, model: str, kv_tokens: int) -> float:
-    """llama-server's VmRSS (MB) on ``model`` with ``kv_tokens`` of float16 KV cache, after
-    the same request."""
+def llama_memory(server: str, model: str, kv_tokens: int) -> dict[str, float]:
+    """llama-server's memory (``breakdown``) on ``model`` with ``kv_tokens`` of float16 KV
+    cache, after the same request."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -140,7 +176,7 @@ def llama_rss(server: str, model: str, kv_tokens: int) -> float:
         )
         with urllib.request.urlopen(req, timeout=300) as r:
             r.read()
-        return rss_mb(proc.pid)
+        return breakdown(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -178,16 +214,19 @@ def main() -> int:
             f"  malloc_trim would still free     {res['malloc_trim_frees_mb']:7.1f} MB",
             file=sys.stderr,
         )
+        show("structllm engine", res["memory_mb"])
         if a.llama_server:
             from structllm.model.loader import prepare_model
 
             path = model or str(prepare_model(None).source)
-            res["llama_server_rss_mb"] = round(llama_rss(a.llama_server, path, a.kv_tokens), 1)
-            ratio = last / res["llama_server_rss_mb"]
-            res["ratio"] = round(ratio, 2)
+            llama = llama_memory(a.llama_server, path, a.kv_tokens)
+            res["llama_server_memory_mb"] = llama
+            res["llama_server_rss_mb"] = llama["rss"]
+            res["ratio"] = round(res["memory_mb"]["rss"] / llama["rss"], 2)
+            res["pss_ratio"] = round(res["memory_mb"]["pss"] / llama["pss"], 2)
+            show("llama-server, same file and KV", llama)
             print(
-                f"  llama-server, same file and KV:  {res['llama_server_rss_mb']:7.1f} MB "
-                f"-> structllm {ratio:.2f}x",
+                f"  structllm / llama-server: RSS {res['ratio']:.2f}x, PSS {res['pss_ratio']:.2f}x",
                 file=sys.stderr,
             )
         results.append(res)

@@ -21,6 +21,7 @@ import torch
 
 from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.engine.device import (
+    drop_library_pages,
     load_rank_model,
     local_num_blocks,
     release_free_heap,
@@ -153,6 +154,7 @@ class EngineCore:
             self.runner.max_rows = self.config.max_num_seqs
         if self.device.type == "cpu":
             release_free_heap()  # what loading and the start-up prefill left free
+            drop_library_pages()  # library code only start-up ran (faults back if used)
 
     def set_speculative(self, spec: SpeculativeConfig | None) -> None:
         """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``),

@@ -64,6 +64,66 @@ def release_free_heap() -> None:
     libc.malloc_trim(0)
 
 
+MADV_DONTNEED = 4  # <sys/mman.h>, the same on every Linux architecture
+
+
+def library_mappings() -> list[tuple[int, int, int]]:
+    """This process's read-only mappings of shared libraries (``*.so*``) that hold no
+    anonymous (copied-on-write) page: ``[(start, end, resident bytes)]`` from
+    ``/proc/self/smaps`` (none where there is no ``/proc``). Every page of such a mapping
+    is a clean page of the file."""
+    out: list[tuple[int, int, int]] = []
+    span: tuple[int, int] | None = None
+    rss = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's first line
+            fields = rest.split()
+            name = fields[4] if len(fields) > 4 else ""
+            lib = name.startswith("/") and ".so" in name.rsplit("/", 1)[-1]
+            span = None
+            if lib and "w" not in fields[0]:
+                lo, hi = head.split("-")
+                span = (int(lo, 16), int(hi, 16))
+        elif span is not None and head == "Rss:":
+            rss = int(rest.split()[0]) << 10
+        elif span is not None and head == "Anonymous:":
+            if int(rest.split()[0]) == 0:
+                out.append((*span, rss))
+            span = None
+    return out
+
+
+def drop_library_pages() -> int:
+    """Unmap the pages of shared-library code and constants that start-up touched and
+    the steps may never touch again; returns the resident bytes dropped.
+
+    ``import torch`` faults in ~50 MB of libtorch's text and read-only data (operator
+    registration, Python bindings) and loading adds more: ~90 MB in all on the default
+    model, of which a step runs ~20 MB. ``MADV_DONTNEED`` on a read-only file mapping
+    with no copied-on-write page loses nothing: the pages stay in the page cache
+    (reclaimable now that nothing maps them) and a later access maps them again with a
+    minor fault, so the first step after start-up faults back its working set (a 64 +
+    32-token request took 0.31 s after the drop against 0.29 s before, within noise).
+    ``MADV_PAGEOUT`` would not do: the kernel skips pages that another process maps,
+    as libtorch's are wherever two torch processes run. No-op where libc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for start, end, rss in library_mappings():
+        if rss and libc.madvise(start, end - start, MADV_DONTNEED) == 0:
+            dropped += rss
+    return dropped
+
+
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
     """Rank ``rank``'s device: the configured one on CPU; on CUDA the ``rank``-th device
     counted from the configured one (``cuda:K`` puts rank 0 on K)."""

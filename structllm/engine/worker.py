@@ -31,7 +31,14 @@ import msgspec
 import torch.distributed as dist
 
 from structllm.config import EngineConfig
-from structllm.engine.device import load_rank_model, local_num_blocks, setup_device, worker_device
+from structllm.engine.device import (
+    drop_library_pages,
+    load_rank_model,
+    local_num_blocks,
+    release_free_heap,
+    setup_device,
+    worker_device,
+)
 from structllm.engine.runner import ModelRunner, PipelineLinks, batch_from_step
 from structllm.engine.sampler import Sampler
 from structllm.engine.stage_sampling import StageSampler
@@ -150,6 +157,9 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
             if runner.pp.last and tp_rank == 0:  # samples every row (seeded as rank 0)
                 runner.stage_sampler = StageSampler(Sampler(files.generation_eos_ids, config.seed))
         group.also_close = stage_group  # closed with the group, see TensorParallelGroup.close
+        if device.type == "cpu":  # as rank 0 does after start-up (EngineCore)
+            release_free_heap()
+            drop_library_pages()
         return runner, group
     except BaseException:
         group.close()
