@@ -58,6 +58,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         num_key_value_heads=4,
         head_dim=128,
         query_pre_attn_scalar=128,
+        layer_types=["sliding_attention", "full_attention"] * 4,  # 8 layers, alternating
     ),
 }
 
