@@ -170,6 +170,12 @@ class EngineCore:
         if spec is not None and spec.max_step_tokens is None and cpu_blocks:
             sched.max_draft_step_tokens = DRAFT_STEP_ROWS
 
+    @property
+    def max_positions(self) -> int:
+        """The longest context a request can reach (what the step rings are sized for)."""
+        mcfg = self.files.config
+        return min(mcfg.max_position_embeddings, self.config.max_model_len or 1 << 62)
+
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load
         this rank's shard while they load theirs). Returns the group, if any."""
@@ -177,8 +183,7 @@ class EngineCore:
         group: TensorParallelGroup | None = None
         ranks = (plan.world_size if plan is not None else 1) * self.stages
         if ranks > 1:
-            positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
-            capacity = ring_capacity_for(config, positions, mcfg.vocab_size)
+            capacity = ring_capacity_for(config, self.max_positions, mcfg.vocab_size)
             self.workers = WorkerPool(config, ranks, capacity)
             group = self.workers.connect(self.device)
         self.group = group  # all ranks (pipeline sends, start-up agreement); None alone
@@ -238,9 +243,8 @@ class EngineCore:
             assert self.group is not None
             tp = config.tensor_parallel_size
             runner.pp = PipelineLinks(self.group, 0, self.stages, 0, tp)
-            mcfg = self.files.config  # the step's share, as ring_capacity_for sized it
-            positions = min(mcfg.max_position_embeddings, config.max_model_len or 1 << 62)
-            runner.stage_feed = StageFeed(stage_budget(positions))
+            # the step's share, as ring_capacity_for sized the ring for it
+            runner.stage_feed = StageFeed(stage_budget(self.max_positions))
         if (
             self.device.type == "cuda"
             and not config.enforce_eager
