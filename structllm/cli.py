@@ -33,7 +33,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d("max_num_batched_tokens"),
         help="token budget of one step (default: 2048 on CUDA; on CPU, what keeps a step "
-        "near 100 ms, measured at start-up)",
+        "near 200 ms, measured at start-up)",
     )
     p.add_argument(
         "--kv-cache-memory",
@@ -68,8 +68,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=d("quantization"),
         choices=["auto", "none", "gguf"],
-        help="gguf: run a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored (CPU); none: dequantise; "
-        "auto: gguf for a GGUF file on CPU",
+        help="gguf: run a GGUF file's blocks as stored (CPU: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+        "Q4_K, Q5_K, Q6_K, IQ4_NL; other types are dequantised, named in the log); "
+        "none: dequantise; auto: gguf for a GGUF file on CPU",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -319,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health, /get_load "
+        "and /openapi.json",
     )
     r.add_argument(
         "--served-model-name",

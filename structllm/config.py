@@ -107,7 +107,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``max_model_len``: longest prompt + output, in tokens; capped by the model's context
       length and by what the KV cache can hold.
     - ``max_num_batched_tokens``: the per-step token budget; prompts longer than it are
-      prefilled in chunks. ``None``: 2048 on CUDA; on CPU, what keeps a step near 100 ms
+      prefilled in chunks. ``None``: 2048 on CUDA; on CPU, what keeps a step near 200 ms
       as measured at start-up (``engine.step_budget``), since a request that arrives
       during a step, and an abort, wait for the step to end.
     - ``kv_cache_memory``: bytes for the KV pool. On CUDA the default is
@@ -116,7 +116,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       built on first use, else torch), ``"torch"`` (the reference), ``"cpu"`` or
       ``"triton"`` (on CPU only with ``TRITON_INTERPRET=1``; for tests).
     - ``dtype``, ``quantization``: the weights' format (see ``model.formats``). On CPU,
-      ``auto``/``auto`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks (C++ kernels) and runs
+      ``auto``/``auto`` keeps a GGUF file's blocks (C++ kernels; see ``--quantization``) and runs
       float checkpoints with float16 matmul weights; ``float32``/``none`` is the exact
       float32 path. Activations are float32 on CPU either way.
     - ``num_threads``: torch's threads on CPU (``--engine-threads``); default: the cores
