@@ -5,10 +5,10 @@ For each GGUF file (default: the default model), a fresh child process builds an
 interpreter, ``import torch``, the engine's own imports, the C++ kernels, then inside
 ``EngineCore``: the model files, the weights, the KV cache and model runner, the
 start-up prefill that sizes the step budget, the grammar manager (the tokenizer for
-structured output), then one 64-token prompt with 32 output tokens. Beside the stages:
-the bytes of the tensors the process holds by kind (weight blocks, float weights, KV
-cache), and what ``malloc_trim`` would still hand back at the end (heap the allocator
-kept).
+structured output), then one 64-token prompt with 32 output tokens, then idle (the heap
+the steps kept handed back, as the engine loop does after a second without requests).
+Beside the stages: the bytes of the tensors the process holds by kind (weight blocks,
+float weights, KV cache).
 
 ``--llama-server PATH`` starts llama.cpp's server on the same file with the same KV cache
 (``-c`` = the engine's KV tokens, float16) and sends it the same request. For both, after
@@ -200,9 +200,9 @@ def child(model: str | None, kv_tokens: int) -> dict[str, Any]:
             )
             kinds[kind] = kinds.get(kind, 0) + st.nbytes()
     before = rss_mb()
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    core.release_idle_memory()  # what the engine loop does after a second without requests
+    stages.append(("idle (release_idle_memory)", rss_mb()))
+    idle = breakdown()
     core.close()
     return {
         "model": core.files.name,
@@ -210,6 +210,7 @@ def child(model: str | None, kv_tokens: int) -> dict[str, Any]:
         "tensors_mb": {k: round(v / 2**20, 1) for k, v in sorted(kinds.items())},
         "malloc_trim_frees_mb": round(before - rss_mb(), 1),
         "memory_mb": memory,
+        "idle_memory_mb": idle,
         "python_arenas_mb": arenas,
         "kv_tokens": kv_tokens,
     }
@@ -336,10 +337,11 @@ def main() -> int:
         for kind, mb in res["tensors_mb"].items():
             print(f"  tensors: {kind:25s} {mb:7.1f} MB", file=sys.stderr)
         print(
-            f"  malloc_trim would still free     {res['malloc_trim_frees_mb']:7.1f} MB",
+            f"  the steps' heap, handed back idle {res['malloc_trim_frees_mb']:7.1f} MB",
             file=sys.stderr,
         )
         show("structllm engine", res["memory_mb"])
+        show("structllm engine, idle", res["idle_memory_mb"])
         show("import torch alone", bare["torch"]["memory_mb"])
         accounting(res, bare["torch"], bare["libtorch_cpu"], bare["python"])
         if a.llama_server:
@@ -351,9 +353,11 @@ def main() -> int:
             res["llama_server_rss_mb"] = llama["rss"]
             res["ratio"] = round(res["memory_mb"]["rss"] / llama["rss"], 2)
             res["pss_ratio"] = round(res["memory_mb"]["pss"] / llama["pss"], 2)
+            res["idle_ratio"] = round(res["idle_memory_mb"]["rss"] / llama["rss"], 2)
             show("llama-server, same file and KV", llama)
             print(
-                f"  structllm / llama-server: RSS {res['ratio']:.2f}x, PSS {res['pss_ratio']:.2f}x",
+                f"  structllm / llama-server: RSS {res['ratio']:.2f}x, PSS {res['pss_ratio']:.2f}x"
+                f" (idle: RSS {res['idle_ratio']:.2f}x)",
                 file=sys.stderr,
             )
         results.append(res)
