@@ -49,6 +49,8 @@ from structllm.protocol import (
 log = logging.getLogger("structllm.engine")
 
 IDLE_POLL_S = 0.25
+# idle this long: hand back the heap the steps kept (EngineCore.release_idle_memory)
+IDLE_RELEASE_S = 1.0
 STATS_INTERVAL_S = 0.1
 
 
@@ -90,6 +92,8 @@ def engine_loop(
                     held_aborts.update(msg.request_ids)
         return held_aborts
 
+    last_busy = time.monotonic()  # when the engine last had requests
+    released = True  # the heap was handed back since (start-up did)
     while True:
         asked = [False] * len(eps)  # channels that sent something: they get a batch
         for k in range(len(eps)):
@@ -103,6 +107,8 @@ def engine_loop(
                 asked[i] = True
         held_aborts.clear()  # every held message is applied now
         first = (first + 1) % len(eps)
+        if core.has_work:
+            last_busy, released = time.monotonic(), False
         if core.has_work or any(asked):
             # After handling messages with nothing to schedule, this still emits the
             # aborts' deltas and fresh stats, so gauges stay true while idle.
@@ -121,6 +127,9 @@ def engine_loop(
                     last_sent[i] = now
             check_parent()
             continue
+        if not released and time.monotonic() - last_busy >= IDLE_RELEASE_S:
+            core.release_idle_memory()  # once per idle period
+            released = True
         ready = wait_any(eps, IDLE_POLL_S, spin, extra_fds=(parent_fd, *core.watch_fds))
         if parent_fd in ready:
             raise ParentGone
