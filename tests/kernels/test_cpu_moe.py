@@ -116,3 +116,26 @@ def test_int8_path_follows_the_dispatcher_settings(monkeypatch: pytest.MonkeyPat
     got = moe(h, "silu", layer_ops.silu_mul)
     torch.testing.assert_close(got, python_path(moe, h), atol=0, rtol=0)
     assert not torch.equal(got, int8)
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_native_router_agrees_with_torchs(renormalise: bool) -> None:
+    # the fused path's router (cpu_moe.cpp's route) against torch's linear, softmax and
+    # topk: the same experts, the same weights up to float32 rounding
+    module = cpu_ext.load_moe()
+    assert module is not None
+    torch.manual_seed(1)
+    router = torch.randn(8, HIDDEN)
+    for rows in (1, 16, 70):  # inline, and split over the pool
+        h = torch.randn(rows, HIDDEN)
+        weights, chosen = module.route(h, router, 2, renormalise)
+        probs = torch.nn.functional.linear(h, router).softmax(-1)
+        want_w, want_c = probs.topk(2, dim=-1)
+        if renormalise:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        assert torch.equal(chosen, want_c)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"top k must be in \[1, 8\]"):
+        module.route(h, router, 9, renormalise)
+    with pytest.raises(RuntimeError, match=r"router must be \[E, 256\] float32"):
+        module.route(h, router[:, :8], 2, renormalise)
