@@ -19,17 +19,20 @@ Mistral has none (the converter drops its window).
 
 ``--shapes bench`` runs the MoE and Gemma 2 families at ``BENCH_SHAPES`` instead (hidden
 1024, 8 layers: the tests' models are 64 wide, and their steps time the interpreter);
+``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
+Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
+ops), ``--rounds N`` repeats every arm in turn.
+
 On a loaded machine (load average above the core count) llama-server's figures collapse,
 not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
 and a thread that is descheduled holds every other one there (on 2 busy vCPUs, 2 threads
 ran the Gemma 2 bench file at 1.6-2.4 tok/s single-stream where 1 thread ran it at 37);
 our kernel pool leaves a late thread's chunks to the others. Compare rows measured at a
 load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barrier to wait at).
-``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
-Python loop instead of the native call), ``--rounds N`` repeats every arm in turn.
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
         [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
+        [--llama-threads 0,1]
 """
 
 from __future__ import annotations
@@ -76,9 +79,17 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
     """``fmt``: ``dtype:quantization``, or ``auto:loop``: the default format with a MoE
-    layer's experts run by the per-expert Python loop instead of the native call."""
+    layer's experts run by the per-expert Python loop instead of the native call, or
+    ``auto:torch-router``: with its router in torch's ops (as before cpu_moe.cpp's)."""
     from structllm.model.layers import SparseMoe
 
+    if fmt == "auto:torch-router":
+        route = SparseMoe.route
+        SparseMoe.route = lambda self, h, fused: route(self, h, False)  # type: ignore[method-assign]
+        try:
+            return _run_structllm(model, "auto:auto", args)
+        finally:
+            SparseMoe.route = route  # type: ignore[method-assign]
     if fmt != "auto:loop":
         return _run_structllm(model, fmt, args)
     native = SparseMoe.native_experts
@@ -194,7 +205,7 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         default="float32:none,auto:auto",
-        help="structllm's arms, in order (auto:loop: MoE experts by the Python loop)",
+        help="structllm's arms, in order (auto:loop, auto:torch-router: see above)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
     ap.add_argument(
@@ -241,7 +252,7 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
     ratio of the default format (``auto:auto``) to llama-server."""
     rows: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):
-        if kind == "hf" and fmt == "auto:loop":
+        if kind == "hf" and fmt in ("auto:loop", "auto:torch-router"):
             continue
         r = run_structllm(str(path), fmt, args)
         rows.append({"model": label, "format": fmt, **r})
