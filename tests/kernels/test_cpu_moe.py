@@ -139,3 +139,21 @@ def test_native_router_agrees_with_torchs(renormalise: bool) -> None:
         module.route(h, router, 9, renormalise)
     with pytest.raises(RuntimeError, match=r"router must be \[E, 256\] float32"):
         module.route(h, router[:, :8], 2, renormalise)
+
+
+def test_fused_path_routes_without_torchs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fused CPU path (float32, fused activation) routes in cpu_moe.cpp, for the native
+    # experts and for the per-expert loop alike; the exact path keeps torch's router
+    moe = moe_of(["Q8_0"], experts=4)
+    layer_ops = cpu_ext.load_layer()
+    h = torch.from_numpy(random_weight(16, HIDDEN, seed=5))
+    want = moe(h, "silu", layer_ops.silu_mul)
+
+    def no_torch_router(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("torch's router ran on the fused path")
+
+    monkeypatch.setattr("structllm.model.layers.F.linear", no_torch_router)
+    torch.testing.assert_close(moe(h, "silu", layer_ops.silu_mul), want, atol=0, rtol=0)
+    torch.testing.assert_close(python_path(moe, h), want, atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="torch's router ran"):
+        moe.route(h, fused=False)
