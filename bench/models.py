@@ -20,10 +20,19 @@ Mistral has none (the converter drops its window).
 ``--shapes bench`` runs the MoE and Gemma 2 families at ``BENCH_SHAPES`` instead (hidden
 1024, 8 layers: the tests' models are 64 wide, and their steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
-Python loop instead of the native call), ``--rounds N`` repeats every arm in turn.
+Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
+ops), ``--rounds N`` repeats every arm in turn.
+
+On a loaded machine (load average above the core count) llama-server's figures collapse,
+not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
+and a thread that is descheduled holds every other one there (on 2 busy vCPUs, 2 threads
+ran the Gemma 2 bench file at 1.6-2.4 tok/s single-stream where 1 thread ran it at 37);
+our kernel pool leaves a late thread's chunks to the others. Compare rows measured at a
+load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barrier to wait at).
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
         [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
+        [--llama-threads 0,1]
 """
 
 from __future__ import annotations
@@ -70,9 +79,17 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, float]:
     """``fmt``: ``dtype:quantization``, or ``auto:loop``: the default format with a MoE
-    layer's experts run by the per-expert Python loop instead of the native call."""
+    layer's experts run by the per-expert Python loop instead of the native call, or
+    ``auto:torch-router``: with its router in torch's ops (as before cpu_moe.cpp's)."""
     from structllm.model.layers import SparseMoe
 
+    if fmt == "auto:torch-router":
+        route = SparseMoe.route
+        SparseMoe.route = lambda self, h, fused: route(self, h, False)  # type: ignore[method-assign]
+        try:
+            return _run_structllm(model, "auto:auto", args)
+        finally:
+            SparseMoe.route = route  # type: ignore[method-assign]
     if fmt != "auto:loop":
         return _run_structllm(model, fmt, args)
     native = SparseMoe.native_experts
@@ -114,11 +131,15 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
     }
 
 
-def run_llama_server(binary: str, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
-    """The same workloads on llama-server (16 slots), over its native /completion."""
+def run_llama_server(
+    binary: str, gguf: Path, threads: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """The same workloads on llama-server (16 slots), over its native /completion;
+    ``threads`` its -t/-tb (0: its default)."""
     port = random.randrange(20000, 60000)
     proc = subprocess.Popen(
-        [binary, "-m", str(gguf), "--port", str(port), "-np", "16", "-c", str(16 * 512)],
+        [binary, "-m", str(gguf), "--port", str(port), "-np", "16", "-c", str(16 * 512)]
+        + (["-t", str(threads), "-tb", str(threads)] if threads else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -175,11 +196,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--no-default-model", action="store_true")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
+    ap.add_argument(
+        "--llama-threads",
+        default="0",
+        help="llama-server's -t/-tb, one arm per value (0: its default, one per core)",
+    )
     ap.add_argument("--gguf-only", action="store_true", help="skip the directories' rows")
     ap.add_argument(
         "--formats",
         default="float32:none,auto:auto",
-        help="structllm's arms, in order (auto:loop: MoE experts by the Python loop)",
+        help="structllm's arms, in order (auto:loop, auto:torch-router: see above)",
     )
     ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
     ap.add_argument(
@@ -226,22 +252,26 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
     ratio of the default format (``auto:auto``) to llama-server."""
     rows: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):
-        if kind == "hf" and fmt == "auto:loop":
+        if kind == "hf" and fmt in ("auto:loop", "auto:torch-router"):
             continue
         r = run_structllm(str(path), fmt, args)
         rows.append({"model": label, "format": fmt, **r})
         figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
         load = Path("/proc/loadavg").read_text().split()[0]
         print(f"{label:<30} {fmt:<14} {figures}   load {load}", flush=True)
-    if kind == "gguf" and args.llama_server:
-        ll = run_llama_server(args.llama_server, path, args)
-        ours = next((r for r in rows if r["format"] == "auto:auto"), rows[-1])
-        rows.append({"model": label, "format": "llama-server", **ll})
+    for threads in (int(n) for n in args.llama_threads.split(",")):
+        if kind != "gguf" or not args.llama_server:
+            break
+        ll = run_llama_server(args.llama_server, path, threads, args)
+        ours = next((r for r in rows if r["format"] == "auto:auto"), rows[0])
+        name = "llama-server" + (f" -t {threads}" if threads else "")
+        rows.append({"model": label, "format": name, **ll})
         single = ours["single_tok_s"] / ll["single_tok_s"]
         batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
         figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
+        load = Path("/proc/loadavg").read_text().split()[0]
         print(
-            f"{label:<30} {'llama-server':<14} {figures}"
+            f"{label:<30} {name:<14} {figures}   load {load}"
             f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
             flush=True,
         )

@@ -6,7 +6,15 @@ Prints the median step time of each arm, their ratio and the load average, and t
 weight bytes of the dense matrices, the head and one expert per layer (a batch-1 step
 reads the dense ones, the head and ``top_k`` experts per layer).
 
-    python bench/moe_step.py MODEL.gguf [--batch 16] [--steps 24]
+With ``--split``, the native arm's steps are also split by wall time into the router
+(``SparseMoe.route``), the experts' native call, attention (``decode_rows``), the other
+block matmuls (q/k/v, o, the head: ``llama.linear``) and the rest; and a batch-1 step is
+set against its active bytes (the dense matrices, the head and ``top_k`` experts per
+layer) at the row kernel's speed, measured in the same run: one row through every
+expert matrix in turn, a ``linear`` call each (more bytes than the caches hold, so they
+stream from memory, as a step's do).
+
+    python bench/moe_step.py MODEL.gguf [--batch 16] [--steps 24] [--split]
 """
 
 from __future__ import annotations
@@ -15,11 +23,96 @@ import argparse
 import random
 import statistics
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+SPLIT_PARTS = ("router", "experts", "attention", "other matmuls")
 
-def arm_steps(llm: Any, batch: int, steps: int, input_len: int) -> dict[str, list[float]]:
+
+@contextmanager
+def split_timers(parts: dict[str, float], native: list[Any] | None) -> Iterator[None]:
+    """Within the block, add the wall time of the step's parts into ``parts`` (when
+    ``native`` is given: the layers' native experts, in order)."""
+    if native is None:
+        yield
+        return
+    import structllm.model.llama as llama
+    from structllm.kernels.attention import CpuAttention
+    from structllm.model.layers import SparseMoe
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] += time.perf_counter() - t
+
+        return call
+
+    class Timed:  # the native Experts (a pybind11 object) with its forward timed
+        def __init__(self, n: Any) -> None:
+            self.forward = timed("experts", n.forward)
+
+    saved = (SparseMoe.route, CpuAttention.decode_rows, llama.linear)
+    moes = [layer.moe for layer in _model_layers() if layer.moe is not None]
+    SparseMoe.route = timed("router", SparseMoe.route)  # type: ignore[method-assign]
+    CpuAttention.decode_rows = timed("attention", CpuAttention.decode_rows)  # type: ignore[method-assign]
+    llama.linear = timed("other matmuls", llama.linear)
+    for m, n in zip(moes, native, strict=True):
+        m.native = Timed(n)
+    try:
+        yield
+    finally:
+        SparseMoe.route, CpuAttention.decode_rows, llama.linear = saved  # type: ignore[method-assign]
+        for m, n in zip(moes, native, strict=True):
+            m.native = n
+
+
+_LLM: Any = None
+
+
+def _model_layers() -> Any:
+    return _LLM.engine.runner.model.layers
+
+
+def row_kernel_bytes_per_s(model: Any, passes: int = 3) -> float:
+    """The row kernel's speed on weights from memory: bytes/s of one row through every
+    expert matrix of every layer in turn, each by its own ``linear`` call (more bytes
+    than the caches hold), the fastest of ``passes`` passes."""
+    import torch
+
+    from structllm.kernels.packed import linear, weight_bytes
+
+    mats = [
+        (w, torch.randn(1, w.shape[1]))
+        for layer in model.layers
+        if layer.moe is not None
+        for e in layer.moe.experts
+        for w in (e.gate_up_proj, e.down_proj)
+    ]
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        for w, x in mats:
+            linear(x, w, int8_ok=True)
+        best = min(best, time.perf_counter() - t)
+    return sum(weight_bytes(w) for w, _ in mats) / best
+
+
+def head_of(model: Any) -> Any:
+    """The weight the head's matmul reads (its packed copy, if any)."""
+    if model._packed_head is not None:
+        return model._packed_head
+    return model.embed_tokens if model.lm_head is None else model.lm_head
+
+
+def arm_steps(
+    llm: Any, batch: int, steps: int, input_len: int, split: bool = False
+) -> dict[str, list[float]]:
     from structllm import SamplingParams
     from structllm.protocol import AddRequest
 
@@ -38,14 +131,18 @@ def arm_steps(llm: Any, batch: int, steps: int, input_len: int) -> dict[str, lis
         llm.engine.step()
     for _ in range(2):  # the last prefill chunks: every sequence is decoding after these
         llm.engine.step()
-    times: dict[str, list[float]] = {"native": [], "loop": []}
+    times: dict[str, list[float]] = defaultdict(list)
     for s in range(steps):
         arm = "native" if s % 2 == 0 else "loop"
         for m, n in zip(moes, native, strict=True):
             m.native = n if arm == "native" else False
-        t = time.perf_counter()
-        llm.engine.step()
-        times[arm].append(time.perf_counter() - t)
+        parts: dict[str, float] = defaultdict(float)
+        with split_timers(parts, native if arm == "native" and split else None):
+            t = time.perf_counter()
+            llm.engine.step()
+            times[arm].append(time.perf_counter() - t)
+        for name in SPLIT_PARTS if arm == "native" and split else ():
+            times[name].append(parts[name])
     for m, n in zip(moes, native, strict=True):
         m.native = n
     while llm.engine.has_work:
@@ -62,8 +159,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--split", action="store_true", help="split the native arm's steps")
     args = ap.parse_args()
     llm = LLM(args.model, kv_cache_memory=256 << 20, max_num_seqs=32)
+    global _LLM
+    _LLM = llm
     model = llm.engine.runner.model
     cfg = model.cfg
     expert_bytes = dense = 0
@@ -75,16 +175,16 @@ def main() -> None:
         if layer.moe is not None:
             e = layer.moe.experts[0]
             expert_bytes += weight_bytes(e.gate_up_proj) + weight_bytes(e.down_proj)
-    head = getattr(model, "lm_head", None)
-    head_bytes = weight_bytes(head) if head is not None else 0
+    head_bytes = weight_bytes(head_of(model))
     k = cfg.num_experts_per_tok
     print(
         f"# {Path(args.model).name}: {cfg.num_layers} layers, {cfg.num_experts} experts, top {k}; "
         f"dense matrices {dense / 2**20:.1f} MiB, head {head_bytes / 2**20:.1f} MiB, "
         f"one expert in every layer {expert_bytes / 2**20:.1f} MiB"
     )
+    active = dense + head_bytes + k * expert_bytes  # bytes a batch-1 step reads
     for batch in (1, args.batch):
-        times = arm_steps(llm, batch, args.steps, args.input_len)
+        times = arm_steps(llm, batch, args.steps, args.input_len, args.split)
         nat, loop = (statistics.median(times[a]) * 1e3 for a in ("native", "loop"))
         load = Path("/proc/loadavg").read_text().split()[0]
         print(
@@ -93,6 +193,24 @@ def main() -> None:
             f"alternating; load {load})",
             flush=True,
         )
+        if args.split:
+            mean = statistics.mean(times["native"])
+            shares = {p: statistics.mean(times[p]) for p in SPLIT_PARTS}
+            shares["rest"] = mean - sum(shares.values())
+            print(
+                "   native step split (mean ms): "
+                + ", ".join(f"{p} {v * 1e3:.2f} ({v / mean:.0%})" for p, v in shares.items())
+            )
+            if batch == 1:
+                bps = row_kernel_bytes_per_s(model)
+                floor = active / bps
+                print(
+                    f"   active bytes {active / 2**20:.1f} MiB at the row kernel's "
+                    f"{bps / 1e9:.2f} GB/s (one row, every expert in turn): {floor * 1e3:.2f} ms; "
+                    f"the native step is {nat / 1e3 / floor:.2f}x that; its experts "
+                    f"{statistics.median(times['experts']) * 1e3:.2f} ms against "
+                    f"{k * expert_bytes / bps * 1e3:.2f} ms for {k} experts' bytes"
+                )
     llm.close()
 
 

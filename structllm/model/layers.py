@@ -170,11 +170,7 @@ class SparseMoe(nn.Module):
     ) -> Tensor:
         """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
         ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
-        logits = F.linear(h, self.router)  # [T, E]
-        probs = logits.softmax(-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.renormalise:
-            weights = weights / weights.sum(-1, keepdim=True)
+        weights, chosen = self.route(h, fused=fused_act is not None)  # [T, k] each
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)
@@ -206,6 +202,24 @@ class SparseMoe(nn.Module):
             # busy cores); index_put_ here runs inline (mean 9 us)
             out.index_put_((rows,), y * weights[slots, None], accumulate=True)
         return out
+
+    def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
+        """The router's top k of ``h: [T, hidden]``: (weights, chosen), ``[T, k]`` each.
+        On the fused CPU path (float32) by ``cpu_moe.cpp``'s ``route`` (torch's three
+        small ops were one OpenMP region each, which on shared cores waited for a
+        descheduled thread); both expert paths route alike, so they stay equal."""
+        if fused and h.dtype == torch.float32 and h.is_cpu and self.router.dtype == torch.float32:
+            from structllm.kernels import cpu_ext
+
+            module = cpu_ext.load_moe()
+            if module is not None:
+                w, c = module.route(h, self.router, self.top_k, self.renormalise)
+                return cast(Tensor, w), cast(Tensor, c)
+        probs = F.linear(h, self.router).softmax(-1, dtype=torch.float32)  # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen
 
     def native_experts(self) -> Any:
         """cpu_moe.cpp's ``Experts`` over this layer's block weights (built on first use,

@@ -116,3 +116,44 @@ def test_int8_path_follows_the_dispatcher_settings(monkeypatch: pytest.MonkeyPat
     got = moe(h, "silu", layer_ops.silu_mul)
     torch.testing.assert_close(got, python_path(moe, h), atol=0, rtol=0)
     assert not torch.equal(got, int8)
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_native_router_agrees_with_torchs(renormalise: bool) -> None:
+    # the fused path's router (cpu_moe.cpp's route) against torch's linear, softmax and
+    # topk: the same experts, the same weights up to float32 rounding
+    module = cpu_ext.load_moe()
+    assert module is not None
+    torch.manual_seed(1)
+    router = torch.randn(8, HIDDEN)
+    for rows in (1, 16, 70):  # inline, and split over the pool
+        h = torch.randn(rows, HIDDEN)
+        weights, chosen = module.route(h, router, 2, renormalise)
+        probs = torch.nn.functional.linear(h, router).softmax(-1)
+        want_w, want_c = probs.topk(2, dim=-1)
+        if renormalise:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        assert torch.equal(chosen, want_c)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"top k must be in \[1, 8\]"):
+        module.route(h, router, 9, renormalise)
+    with pytest.raises(RuntimeError, match=r"router must be \[E, 256\] float32"):
+        module.route(h, router[:, :8], 2, renormalise)
+
+
+def test_fused_path_routes_without_torchs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fused CPU path (float32, fused activation) routes in cpu_moe.cpp, for the native
+    # experts and for the per-expert loop alike; the exact path keeps torch's router
+    moe = moe_of(["Q8_0"], experts=4)
+    layer_ops = cpu_ext.load_layer()
+    h = torch.from_numpy(random_weight(16, HIDDEN, seed=5))
+    want = moe(h, "silu", layer_ops.silu_mul)
+
+    def no_torch_router(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("torch's router ran on the fused path")
+
+    monkeypatch.setattr("structllm.model.layers.F.linear", no_torch_router)
+    torch.testing.assert_close(moe(h, "silu", layer_ops.silu_mul), want, atol=0, rtol=0)
+    torch.testing.assert_close(python_path(moe, h), want, atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="torch's router ran"):
+        moe.route(h, fused=False)
