@@ -136,7 +136,7 @@ def main() -> int:
     ap.add_argument(
         "--long",
         default=",".join(map(str, LONG)),
-        help="the long prompts' lengths (a loaded machine: leave out 8190)",
+        help="the long prompts' lengths (a loaded machine: leave out 8190; '': none)",
     )
     a = ap.parse_args()
     # SIGTERM (timeout, kill) runs the ``finally`` below: no server outlives the run
@@ -153,7 +153,7 @@ def main() -> int:
         load0 = Path("/proc/loadavg").read_text().split()[0]
         servers = start_both(path, a)
         try:
-            figs = measure(servers, a.reps, a.seed, [int(n) for n in a.long.split(",")])
+            figs = measure(servers, a.reps, a.seed, [int(n) for n in a.long.split(",") if n])
             engine = serve.engine_pid(servers["structllm"][0].pid)
             figs["structllm"]["rss_mb"] = round(serve.rss_mb(engine), 1) if engine else None
             figs["llama.cpp"]["rss_mb"] = round(serve.rss_mb(servers["llama.cpp"][0].pid), 1)

@@ -1,6 +1,7 @@
-"""Single-row (decode) cost of each GGUF block type against Q4_1, per weight byte.
+"""Decode-size cost of each GGUF block type against Q4_1, per weight byte.
 
-One activation row through the int16 path's row kernel (``quant_linear.cpp``, what
+One activation row (``--rows`` M: more; 2-8 the same row kernel, from 9 the blocked
+GEMM, the concurrency-16 case) through the int16 path (``quant_linear.cpp``, what
 q/k/v, the attention output and the head run at decode), one thread, one matrix per
 block type (``--n`` x ``--k``; K a multiple of 256 for the k-quants), random blocks as
 ``bench/quant_linear.py`` makes them. The types are timed in interleaved rounds and
@@ -10,6 +11,8 @@ time per weight byte (``packed.BLOCK_BYTES``) against Q4_1's, the issue's measur
 
     python bench/quant_row.py                # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/quant_row.py
+    python bench/quant_row.py --rows 16      # the blocked GEMM at 16 rows
+    python bench/quant_row.py --mode int8    # the MLP's path (4- and 5-bit types)
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quant_linear import block_weight
 
 from structllm.kernels import cpu_ext
-from structllm.kernels.packed import BLOCK_BYTES, BLOCK_TYPES, INT16
+from structllm.kernels.packed import BLOCK_BYTES, BLOCK_TYPES, INT8, INT16
 
 
 def main() -> int:
@@ -35,6 +38,10 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=768)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=20, help="calls per timing")
+    ap.add_argument("--rows", type=int, default=1, help="activation rows M (9+: the blocked GEMM)")
+    ap.add_argument(
+        "--mode", choices=["int16", "int8"], default="int16", help="int8: the MLP's path"
+    )
     ap.add_argument("--types", nargs="+", default=list(BLOCK_TYPES), choices=list(BLOCK_TYPES))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -44,17 +51,21 @@ def main() -> int:
         return 2
     types = ["Q4_1", *[t for t in args.types if t != "Q4_1"]]
     ws = {t: block_weight(args.n, args.k, t, seed=0) for t in types}
-    x = torch.randn(1, args.k)
+    x = torch.randn(args.rows, args.k)
+    mode = INT8 if args.mode == "int8" else INT16
     best = {t: float("inf") for t in types}
     for _ in range(args.rounds):
         for t in types:
             w = ws[t]
             t0 = time.perf_counter()
             for _ in range(args.calls):
-                module.linear(x, w.raw, w.code, INT16)
+                module.linear(x, w.raw, w.code, mode)
             best[t] = min(best[t], (time.perf_counter() - t0) / args.calls * 1e6)
     base = best["Q4_1"]
-    print(f"{module.isa()}, 1 thread, 1 row, int16 path, {args.n}x{args.k}", file=sys.stderr)
+    print(
+        f"{module.isa()}, 1 thread, {args.rows} rows, {args.mode} path, {args.n}x{args.k}",
+        file=sys.stderr,
+    )
     print(f"{'type':>7}{'us':>9}{'time':>8}{'per byte':>10}", file=sys.stderr)
     rows = []
     for t in types:
@@ -62,7 +73,17 @@ def main() -> int:
         print(f"{t:>7}{best[t]:>9.1f}{best[t] / base:>7.2f}x{per_byte:>9.2f}x", file=sys.stderr)
         rows.append({"type": t, "us": round(best[t], 1), "vs_q4_1": round(best[t] / base, 3),
                      "per_byte_vs_q4_1": round(per_byte, 3)})  # fmt: skip
-    print(json.dumps({"bench": "quant_row", "isa": module.isa(), "results": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "quant_row",
+                "isa": module.isa(),
+                "rows": args.rows,
+                "mode": args.mode,
+                "results": rows,
+            }
+        )
+    )
     return 0
 
 

@@ -1112,6 +1112,79 @@ inline void rows8_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int16
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
 }
 
+// rows8_pairs for Q6_K at every decode size (1-8 rows). rows8 gave it two lane
+// reductions per block (one per scale) and unpacked each row's 6-bit quants twice, 3x
+// Q4_1's time per weight byte at one row. Here the 8 rows' nibble planes and high-bit
+// planes are transposed once (lane j: row j), the 6-bit quants are put together for the
+// 8 rows in each vector op, and the block's two sums come out of separate chains:
+// pairs k < 16 are scale 0's weights, k >= 16 scale 1's. Nibble byte i of quad q (bytes
+// 4q..4q+3) holds weight 4q + i (low) and 16 + 4q + i (high); their two high bits sit in
+// qh2 byte (4q + i) % 8 = 4 (q % 2) + i, at bits 2 (q / 2) and 4 + 2 (q / 2). The sums
+// are exact integers and the fold is rows8's (scale 0's sum, then scale 1's), so the
+// outputs are bit for bit rows8's and the blocked GEMM's.
+template <int MT>
+inline void rows8_q6k(const uint8_t* w, int64_t row_bytes, int nb, const int16_t* xq, int64_t K, const float* dx,
+                      const float* xs, float* out, int64_t N, const uint8_t* ahead) {
+  constexpr int BB = block_bytes(Q6_K), QO = quants_offset(Q6_K), QH = qh_offset(Q6_K);
+  // 16-bit words of bytes 0, 1 (first) or 2, 3 (second) of each 32-bit lane, zero-extended
+  const v8i first = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4, -1, 5,
+                                     -1, 8, -1, 9, -1, 12, -1, 13, -1);
+  const v8i second = _mm256_add_epi8(first, _mm256_and_si256(_mm256_set1_epi16(0x0002),
+                                                             _mm256_cmpgt_epi8(first, _mm256_set1_epi8(-1))));
+  const v8i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi16(32);
+  // at 1-2 rows two chains per scale (the dot products' latency), else one (registers)
+  constexpr int CH = MT <= 2 ? 2 : 1;
+  v8f acc[MT];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* g = w + static_cast<int64_t>(b) * BB;
+    const int16_t* xb = xq + static_cast<int64_t>(b) * QK;
+    for (int64_t o = 8 * BB * b; o < 8 * BB * (b + 1); o += 64)  // as rows8
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+    v8i t[4];  // t[q], lane j: row j's nibble bytes 4q..4q+3
+    quads_by_row(g + QO, row_bytes, t);
+    v8i u[2];  // u[h], lane j: row j's qh2 bytes 4h..4h+3
+    {
+      v8i p[4];
+      for (int r = 0; r < 4; r++)
+        p[r] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + r * row_bytes + QH))),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + (r + 4) * row_bytes + QH)), 1);
+      const v8i a = _mm256_unpacklo_epi32(p[0], p[1]), c = _mm256_unpacklo_epi32(p[2], p[3]);
+      u[0] = _mm256_unpacklo_epi64(a, c);
+      u[1] = _mm256_unpackhi_epi64(a, c);
+    }
+    v8i s[2][CH][MT];  // [scale][chain][activation row]
+    for (auto& sc : s)
+      for (auto& ch : sc)
+        for (auto& v : ch) v = _mm256_setzero_si256();
+    auto dots = [&](v8i bytes, int k, v8i* sv0, v8i* sv1) {  // bytes: quad of 6-bit quants at k
+      const v8i wf = _mm256_sub_epi16(_mm256_shuffle_epi8(bytes, first), off);
+      const v8i ws = _mm256_sub_epi16(_mm256_shuffle_epi8(bytes, second), off);
+      SL_UNROLL_ROWS for (int m = 0; m < MT; m++) {
+        sv0[m] = d8::dot(sv0[m], wf, bcast_pair(xb + m * K + k));
+        sv1[m] = d8::dot(sv1[m], ws, bcast_pair(xb + m * K + k + 2));
+      }
+    };
+    SL_UNROLL_ROWS for (int q = 0; q < 4; q++) {
+      const v8i hb = q < 2 ? u[q % 2] : _mm256_srli_epi32(u[q % 2], 2);
+      const v8i lo = _mm256_or_si256(_mm256_and_si256(t[q], low4), _mm256_and_si256(_mm256_slli_epi32(hb, 4), bits45));
+      const v8i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(t[q], 4), low4), _mm256_and_si256(hb, bits45));
+      dots(lo, 4 * q, s[0][0], s[0][CH - 1]);
+      dots(hi, 16 + 4 * q, s[1][0], s[1][CH - 1]);
+    }
+    v8f d0, d1;
+    scales8<Q6_K>(g, row_bytes, d0, d1);
+    for (int m = 0; m < MT; m++) {
+      v8i s0 = s[0][0][m], s1 = s[1][0][m];
+      if constexpr (CH == 2) s0 = _mm256_add_epi32(s0, s[0][1][m]), s1 = _mm256_add_epi32(s1, s[1][1][m]);
+      acc[m] = fold<Q6_K, int16_t>(acc[m], s0, d0, d1, dx[m * nb + b], xs[m * nb + b]);
+      acc[m] = fold<Q6_K, int16_t>(acc[m], s1, d1, d1, dx[m * nb + b], xs[m * nb + b]);
+    }
+  }
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
+}
+
 // one weight row (after the last group of 8), the same operations one lane wide
 template <int T, int MT, typename XT>
 inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const float* dx, const float* xs, float* out,
@@ -1267,7 +1340,9 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   if (n0 < N8) prefetch_l2(w + n0 * group, dist);
   for (int64_t n = n0; n < n1; n++) {
     if (n < N8) {
-      if constexpr ((T == Q4_0 || T == Q4_1) && sizeof(XT) == 1 && MT >= kNibbleRowsMinMT)
+      if constexpr (T == Q6_K && sizeof(XT) == 2)
+        d8::rows8_q6k<MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
+      else if constexpr ((T == Q4_0 || T == Q4_1) && sizeof(XT) == 1 && MT >= kNibbleRowsMinMT)
         d8::rows8_nibbles<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
       else if constexpr ((T == Q4_0 || T == Q4_1 || T == Q8_0) && sizeof(XT) == 2 && MT >= kNibbleRowsMinMT)
         d8::rows8_pairs<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, w + n * group + dist);
