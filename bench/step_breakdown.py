@@ -1,0 +1,362 @@
+r"""Where a single-stream decode step's time goes, in the engine and through the server.
+
+    python bench/step_breakdown.py [FILE.gguf ...] [--steps 128] [--serve]
+        [--llama-server PATH]
+
+For each GGUF file (default: the default model), in this process: one request (a
+64-token prompt, greedy, EOS ignored) decodes ``--steps`` tokens through ``EngineCore``,
+first plain (the step's wall time), then with every component timed
+(``perf_counter_ns`` around it, exclusive of the components timed inside it):
+
+- ``matmul``: the layers' weight matmuls (``packed.linear``, the row kernels);
+- ``lm_head``: ``compute_logits`` (the head's matmul and what follows it);
+- ``attention``: the paged decode attention (``CpuAttention.decode_rows``);
+- ``layer_ops``: the fused norms, rotary + KV store, SiLU * up (``cpu_layer.cpp``);
+- ``forward_glue``: the rest of the model's forward pass (Python, embedding, views);
+- ``sampler``, ``prepare`` (the flat batch), ``schedule`` and ``update`` (the
+  scheduler and KV block bookkeeping), ``step_other`` (the rest of ``EngineCore.step``).
+
+``kernels_alone`` is the same matmuls back to back (each weight once, 1 row), the floor
+the step's matmul time is compared with; everything above it in the step is overhead.
+The timers cost a little themselves (``instrumented - plain`` is printed).
+
+``--serve`` also starts ``structllm run`` on the file with ``--trace``, streams one
+request of ``--steps`` tokens and compares the client's inter-token latency (ITL) with
+the engine's own step spans from the trace: ITL - step = ring I/O, the engine loop and
+the front end. ``--llama-server PATH`` does the same against llama-server on the file,
+whose own per-token compute is its reply's ``timings.predicted_per_token_ms``. The two
+servers run one after the other, A/B/A/B (``--reps``); the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve.py, beside this file
+
+PROMPT_LEN = 64
+
+
+class Timers:
+    """Exclusive time per label: a timed call inside another is taken off its parent."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.stack: list[list[Any]] = []  # [label, child ns]
+
+    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            own = label
+            if label == "matmul" and self.stack and self.stack[-1][0] == "lm_head":
+                own = "lm_head"
+            frame = [own, 0]
+            self.stack.append(frame)
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter_ns() - t0
+                self.stack.pop()
+                self.ns[own] += dt - frame[1]
+                self.calls[own] += own == label  # (not the head's own matmul again)
+                if self.stack:
+                    self.stack[-1][1] += dt
+
+        return timed
+
+    def reset(self) -> None:
+        self.ns.clear()
+        self.calls.clear()
+
+
+class OpsProxy:
+    """The fused layer ops (a pybind module) with each function timed."""
+
+    def __init__(self, ops: Any, timers: Timers) -> None:
+        self._ops, self._timers = ops, timers
+
+    def __getattr__(self, name: str) -> Any:
+        return self._timers.wrap("layer_ops", getattr(self._ops, name))
+
+
+def add_request(core: Any, rid: str, steps: int, seed: int) -> None:
+    import random
+
+    from structllm.protocol import AddRequest, SamplingParams
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(100, core.vocab_size - 100) for _ in range(PROMPT_LEN)]
+    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    core.add_request(AddRequest(rid, ids, sp))
+
+
+def decode_steps(
+    core: Any, steps: int, seed: int, timers: Timers | None = None
+) -> tuple[list[int], list[dict[str, int]]]:
+    """Prefill (not timed), then ``steps`` decode steps: their wall times in ns and, with
+    ``timers``, each step's time per label."""
+    add_request(core, f"r{seed}", steps, seed)
+    core.step()  # the prompt
+    times, parts = [], []
+    while core.has_work:
+        if timers is not None:
+            timers.reset()
+        t0 = time.perf_counter_ns()
+        core.step()
+        times.append(time.perf_counter_ns() - t0)
+        if timers is not None:
+            parts.append(dict(timers.ns))
+    return times, parts
+
+
+def kernels_alone(model: Any, reps: int) -> float:
+    """ns for every layer matmul and the LM head once at 1 row, back to back (median)."""
+    import torch
+
+    from structllm.kernels.packed import linear
+
+    jobs = []
+    for layer in model.layers:
+        for name in layer.PACKED:
+            w = getattr(layer, name)
+            jobs.append((w, name in ("gate_up_proj", "down_proj")))
+    head = model._packed_head if model._packed_head is not None else model.embed_tokens
+    jobs.append((head, False))
+    h = model.cfg.hidden_size
+    inputs = {}
+    with torch.inference_mode():
+        for w, _ in jobs:
+            k = w.shape[1] if hasattr(w, "shape") else h
+            inputs.setdefault(k, torch.randn(1, k))
+        for w, int8 in jobs:  # warm-up (shapes; the int down_proj input is [1, ffn])
+            linear(inputs[_in_features(w, h)], w, int8_ok=int8)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            for w, int8 in jobs:
+                linear(inputs[_in_features(w, h)], w, int8_ok=int8)
+            times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times)
+
+
+def _in_features(w: Any, h: int) -> int:
+    shape = getattr(w, "shape", None)
+    return int(shape[1]) if shape is not None else h
+
+
+def instrument(core: Any, timers: Timers) -> None:
+    import structllm.model.llama as llama
+    from structllm.kernels.attention import CpuAttention
+
+    runner, model = core.runner, core.runner.model
+    llama.linear = timers.wrap("matmul", llama.linear)  # type: ignore[assignment]
+    CpuAttention.decode_rows = timers.wrap("attention", CpuAttention.decode_rows)  # type: ignore[method-assign]
+    if model.cpu_ops is not None:
+        model.cpu_ops = OpsProxy(model.cpu_ops, timers)
+    model.compute_logits = timers.wrap("lm_head", model.compute_logits)
+    model.forward = timers.wrap("forward_glue", model.forward)
+    runner.sampler = timers.wrap("sampler", runner.sampler)
+    runner.prepare = timers.wrap("prepare", runner.prepare)
+    core.scheduler.schedule = timers.wrap("schedule", core.scheduler.schedule)
+    core.scheduler.update = timers.wrap("update", core.scheduler.update)
+    core.step = timers.wrap("step_other", core.step)
+
+
+def engine_breakdown(path: str | None, steps: int, threads: int | None) -> dict[str, Any]:
+    import torch
+
+    from structllm.config import EngineConfig
+    from structllm.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=1, num_threads=threads))
+    model = core.runner.model
+    decode_steps(core, 8, 1)  # warm-up
+    plain, _ = decode_steps(core, steps, 2)
+    kern = kernels_alone(model, 20)
+    timers = Timers()
+    instrument(core, timers)
+    timed, per_step = decode_steps(core, steps, 3, timers)
+    calls = {k: v for k, v in timers.calls.items()}  # (the last step's)
+    labels = {k for p in per_step for k in p}
+    parts = {k: statistics.median(p.get(k, 0) for p in per_step) / 1000 for k in labels}
+    return {
+        "file": Path(path).name if path else "default",
+        "threads": torch.get_num_threads(),
+        "step_us_plain_median": statistics.median(plain) / 1000,
+        "step_us_timed_median": statistics.median(timed) / 1000,
+        "kernels_alone_us": kern / 1000,
+        "parts_us": {k: round(v, 1) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "calls_per_step": calls,
+    }
+
+
+def print_breakdown(b: dict[str, Any]) -> None:
+    total = b["step_us_timed_median"]
+    print(
+        f"{b['file']}: step {b['step_us_plain_median']:.0f} us plain, {total:.0f} us timed "
+        f"(medians; parts: each its median), torch threads {b['threads']}",
+        file=sys.stderr,
+    )
+    for k, v in b["parts_us"].items():
+        calls = b["calls_per_step"][k]
+        print(
+            f"  {k:14s} {v:8.1f} us  {100 * v / total:5.1f}%  ({calls:.0f} calls)", file=sys.stderr
+        )
+    kern = b["kernels_alone_us"]
+    mm = b["parts_us"].get("matmul", 0) + b["parts_us"].get("lm_head", 0)
+    print(
+        f"  kernels alone  {kern:8.1f} us (every matmul once, back to back); step - kernels "
+        f"= {b['step_us_plain_median'] - kern:.0f} us overhead, in-step matmul+head {mm:.0f} us",
+        file=sys.stderr,
+    )
+
+
+def trace_steps(path: str, offset: int) -> list[tuple[int, int]]:
+    """The engine's step spans (start us, duration us) in a trace file after ``offset``."""
+    spans = []
+    with open(path) as f:
+        f.seek(offset)
+        for line in f:
+            line = line.strip().rstrip(",")
+            if not line.startswith("{"):
+                continue
+            e = json.loads(line)
+            if e.get("name") == "step" and e.get("ph") == "X":
+                spans.append((e["ts"], e["dur"]))
+    return spans
+
+
+def stream_one(url: str, steps: int, seed: int) -> tuple[list[float], dict[str, Any]]:
+    """One streamed greedy request: the client's ITLs (s) and the last chunk's timings."""
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    body = {
+        "prompt": [rng.randrange(100, 49052) for _ in range(PROMPT_LEN)],
+        "max_tokens": steps,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    itls: list[float] = []
+    timings: dict[str, Any] = {}
+    last = None
+    with (
+        httpx.Client(timeout=120) as c,
+        c.stream("POST", url + "/v1/completions", json=body) as resp,
+    ):
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            timings = data.get("timings") or timings
+            if any(ch.get("text") for ch in data.get("choices", [])):
+                now = time.perf_counter()
+                if last is not None:
+                    itls.append(now - last)
+                last = now
+    return itls, timings
+
+
+def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
+    import serve
+
+    fd, trace = tempfile.mkstemp(prefix="step-breakdown-", suffix=".jsonl")
+    os.close(fd)
+    args = [*(([path]) if path else []), "--trace", trace]
+    ns = argparse.Namespace(max_concurrency=1, kv_tokens=0, server_args=args)
+    servers: dict[str, Any] = {"structllm": serve.launch(ns)}
+    if a.llama_server:
+        ns = argparse.Namespace(
+            llama_server=a.llama_server,
+            llama_model=path,
+            max_concurrency=1,
+            kv_tokens=0,
+            input_len=PROMPT_LEN,
+            output_len=a.steps,
+        )
+        servers["llama.cpp"] = serve.launch_llama(ns)
+    got: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in servers}
+    try:
+        for _, url in servers.values():
+            stream_one(url, 8, 7)  # warm-up
+        for rep in range(a.reps):
+            for name, (_, url) in servers.items():
+                mark = os.path.getsize(trace)
+                itls, timings = stream_one(url, a.steps, 100 + rep)
+                got[name]["itl_ms"].append(1000 * statistics.median(itls))
+                if name == "llama.cpp" and timings.get("predicted_per_token_ms"):
+                    got[name]["compute_ms"].append(timings["predicted_per_token_ms"])
+                if name == "structllm":
+                    spans = trace_steps(trace, mark)[2:]  # the prompt's step, the first decode
+                    got[name]["compute_ms"].append(statistics.median(d for _, d in spans) / 1000)
+                    period = [b[0] - a_[0] for a_, b in itertools.pairwise(spans)]
+                    got[name]["period_ms"].append(statistics.median(period) / 1000)
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(timeout=60)
+        os.unlink(trace)
+    return {k: {m: round(statistics.median(v), 3) for m, v in d.items()} for k, d in got.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("files", nargs="*", help="GGUF files (default: the default model)")
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3, help="--serve: streams per server")
+    ap.add_argument("--threads", type=int, default=None, help="the engine's torch threads")
+    ap.add_argument("--serve", action="store_true", help="also through the HTTP server")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process breakdown")
+    ap.add_argument("--llama-server", default=None, help="--serve: compare with llama-server")
+    a = ap.parse_args()
+    from structllm.threads import apply_to_this_process
+
+    apply_to_this_process()  # the engine's OpenMP wait policy, before torch loads
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    files: list[str | None] = list(a.files) or [None]
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if "model name" in ln), "?"
+    )
+    print(f"# {cpu}, {os.cpu_count()} cores, avx512f {'avx512f' in cpuinfo}", file=sys.stderr)
+    rows = []
+    for path in files:
+        row: dict[str, Any] = {"file": Path(path).name if path else "default"}
+        row["load"] = [Path("/proc/loadavg").read_text().split()[0]]
+        if not a.no_engine:
+            row["engine"] = engine_breakdown(path, a.steps, a.threads)
+            print_breakdown(row["engine"])
+        if a.serve:
+            row["serve"] = serve_compare(path, a)
+            for name, figs in row["serve"].items():
+                extra = "  ".join(f"{k} {v:.2f}" for k, v in figs.items())
+                print(f"  {name:10s} {extra}", file=sys.stderr)
+        row["load"].append(Path("/proc/loadavg").read_text().split()[0])
+        print(f"  load average {row['load'][0]} -> {row['load'][1]}", file=sys.stderr)
+        rows.append(row)
+    print(json.dumps({"bench": "step_breakdown", "cpu": cpu, "results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
