@@ -31,6 +31,7 @@ servers run one after the other, A/B/A/B (``--reps``); the load average is print
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -50,9 +51,12 @@ PROMPT_LEN = 64
 
 
 class Timers:
-    """Exclusive time per label: a timed call inside another is taken off its parent."""
+    """Exclusive time per label: a timed call inside another is taken off its parent.
+    ``clock``: wall time (``perf_counter_ns``) or this thread's CPU time
+    (``thread_time_ns``: with ``--threads 1`` the step's whole cost, whatever the load)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+        self.clock = clock
         self.ns: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.stack: list[list[Any]] = []  # [label, child ns]
@@ -64,11 +68,11 @@ class Timers:
                 own = "lm_head"
             frame = [own, 0]
             self.stack.append(frame)
-            t0 = time.perf_counter_ns()
+            t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                dt = time.perf_counter_ns() - t0
+                dt = self.clock() - t0
                 self.stack.pop()
                 self.ns[own] += dt - frame[1]
                 self.calls[own] += own == label  # (not the head's own matmul again)
@@ -103,6 +107,31 @@ def add_request(core: Any, rid: str, steps: int, seed: int) -> None:
     core.add_request(AddRequest(rid, ids, sp))
 
 
+class GcTimer:
+    """Python's garbage collections during the timed steps: count, total and longest
+    (their time is also inside whichever part was running; not taken off it)."""
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self.clock, self.t0, self.pauses = clock, 0, [0] * 3
+        self.by_gen: list[list[int]] = [[], [], []]
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.t0 = self.clock()
+        else:
+            self.by_gen[info["generation"]].append(self.clock() - self.t0)
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        return {
+            f"gen{g}": {
+                "per_step": round(len(v) / steps, 3),
+                "mean_us": round(sum(v) / len(v) / 1000, 1) if v else 0,
+                "max_us": round(max(v) / 1000, 1) if v else 0,
+            }
+            for g, v in enumerate(self.by_gen)
+        }
+
+
 def decode_steps(
     core: Any, steps: int, seed: int, timers: Timers | None = None
 ) -> tuple[list[int], list[dict[str, int]]]:
@@ -111,18 +140,19 @@ def decode_steps(
     add_request(core, f"r{seed}", steps, seed)
     core.step()  # the prompt
     times, parts = [], []
+    clock = timers.clock if timers is not None else time.perf_counter_ns
     while core.has_work:
         if timers is not None:
             timers.reset()
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         core.step()
-        times.append(time.perf_counter_ns() - t0)
+        times.append(clock() - t0)
         if timers is not None:
             parts.append(dict(timers.ns))
     return times, parts
 
 
-def kernels_alone(model: Any, reps: int) -> float:
+def kernels_alone(model: Any, reps: int, clock: Callable[[], int]) -> float:
     """ns for every layer matmul and the LM head once at 1 row, back to back (median)."""
     import torch
 
@@ -145,16 +175,42 @@ def kernels_alone(model: Any, reps: int) -> float:
             linear(inputs[_in_features(w, h)], w, int8_ok=int8)
         times = []
         for _ in range(reps):
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             for w, int8 in jobs:
                 linear(inputs[_in_features(w, h)], w, int8_ok=int8)
-            times.append(time.perf_counter_ns() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)
 
 
 def _in_features(w: Any, h: int) -> int:
     shape = getattr(w, "shape", None)
     return int(shape[1]) if shape is not None else h
+
+
+def timer_cost(clock: Callable[[], int], n: int = 2000) -> float:
+    """ns a timed call adds to its parent's exclusive time (its wrapper and clock reads),
+    the median of 5 rounds of ``n`` empty calls inside one timed parent."""
+    timers = Timers(clock)
+    child = timers.wrap("child", lambda: None)
+
+    def parent() -> None:
+        for _ in range(n):
+            child()
+
+    def bare() -> None:
+        for _ in range(n):
+            (lambda: None)()
+
+    wrapped = timers.wrap("parent", parent)
+    costs = []
+    for _ in range(5):
+        timers.reset()
+        wrapped()
+        t0 = clock()
+        bare()
+        loop = clock() - t0
+        costs.append((timers.ns["parent"] + timers.ns["child"] - loop) / n)
+    return statistics.median(costs)
 
 
 def instrument(core: Any, timers: Timers) -> None:
@@ -175,7 +231,9 @@ def instrument(core: Any, timers: Timers) -> None:
     core.step = timers.wrap("step_other", core.step)
 
 
-def engine_breakdown(path: str | None, steps: int, threads: int | None) -> dict[str, Any]:
+def engine_breakdown(
+    path: str | None, steps: int, threads: int | None, cpu_clock: bool
+) -> dict[str, Any]:
     import torch
 
     from structllm.config import EngineConfig
@@ -183,23 +241,33 @@ def engine_breakdown(path: str | None, steps: int, threads: int | None) -> dict[
 
     core = EngineCore(EngineConfig(model=path, max_num_seqs=1, num_threads=threads))
     model = core.runner.model
+    clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     decode_steps(core, 8, 1)  # warm-up
-    plain, _ = decode_steps(core, steps, 2)
-    kern = kernels_alone(model, 20)
-    timers = Timers()
+    plain, _ = decode_steps(core, steps, 2, Timers(clock))  # (no timed parts: timers empty)
+    kern = kernels_alone(model, 20, clock)
+    per_call = timer_cost(clock)
+    timers = Timers(clock)
     instrument(core, timers)
-    timed, per_step = decode_steps(core, steps, 3, timers)
+    gc_timer = GcTimer(clock)
+    gc.callbacks.append(gc_timer)
+    try:
+        timed, per_step = decode_steps(core, steps, 3, timers)
+    finally:
+        gc.callbacks.remove(gc_timer)
     calls = {k: v for k, v in timers.calls.items()}  # (the last step's)
     labels = {k for p in per_step for k in p}
     parts = {k: statistics.median(p.get(k, 0) for p in per_step) / 1000 for k in labels}
     return {
         "file": Path(path).name if path else "default",
         "threads": torch.get_num_threads(),
+        "clock": "thread CPU" if cpu_clock else "wall",
         "step_us_plain_median": statistics.median(plain) / 1000,
         "step_us_timed_median": statistics.median(timed) / 1000,
         "kernels_alone_us": kern / 1000,
+        "timer_us_per_call": per_call / 1000,
         "parts_us": {k: round(v, 1) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
         "calls_per_step": calls,
+        "gc": gc_timer.summary(len(timed)),
     }
 
 
@@ -207,7 +275,7 @@ def print_breakdown(b: dict[str, Any]) -> None:
     total = b["step_us_timed_median"]
     print(
         f"{b['file']}: step {b['step_us_plain_median']:.0f} us plain, {total:.0f} us timed "
-        f"(medians; parts: each its median), torch threads {b['threads']}",
+        f"({b['clock']} time; medians, parts: each its median), torch threads {b['threads']}",
         file=sys.stderr,
     )
     for k, v in b["parts_us"].items():
@@ -215,6 +283,18 @@ def print_breakdown(b: dict[str, Any]) -> None:
         print(
             f"  {k:14s} {v:8.1f} us  {100 * v / total:5.1f}%  ({calls:.0f} calls)", file=sys.stderr
         )
+    timed_calls = sum(b["calls_per_step"].values())
+    print(
+        f"  (timers: ~{b['timer_us_per_call']:.2f} us a timed call, x{timed_calls} calls = "
+        f"{b['timer_us_per_call'] * timed_calls:.0f} us a step, mostly in forward_glue)",
+        file=sys.stderr,
+    )
+    for g, v in b["gc"].items():
+        if v["per_step"]:
+            print(
+                f"  gc {g}: {v['per_step']} a step, mean {v['mean_us']} us, max {v['max_us']} us",
+                file=sys.stderr,
+            )
     kern = b["kernels_alone_us"]
     mm = b["parts_us"].get("matmul", 0) + b["parts_us"].get("lm_head", 0)
     print(
@@ -325,6 +405,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3, help="--serve: streams per server")
     ap.add_argument("--threads", type=int, default=None, help="the engine's torch threads")
+    ap.add_argument(
+        "--cpu-clock", action="store_true", help="time parts in thread CPU time (--threads 1)"
+    )
     ap.add_argument("--serve", action="store_true", help="also through the HTTP server")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process breakdown")
     ap.add_argument("--llama-server", default=None, help="--serve: compare with llama-server")
@@ -344,7 +427,7 @@ def main() -> int:
         row: dict[str, Any] = {"file": Path(path).name if path else "default"}
         row["load"] = [Path("/proc/loadavg").read_text().split()[0]]
         if not a.no_engine:
-            row["engine"] = engine_breakdown(path, a.steps, a.threads)
+            row["engine"] = engine_breakdown(path, a.steps, a.threads, a.cpu_clock)
             print_breakdown(row["engine"])
         if a.serve:
             row["serve"] = serve_compare(path, a)
