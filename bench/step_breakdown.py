@@ -362,6 +362,19 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
     args = [*(([path]) if path else []), "--trace", trace]
     ns = argparse.Namespace(max_concurrency=1, kv_tokens=0, server_args=args)
     servers: dict[str, Any] = {"structllm": serve.launch(ns)}
+    if a.base_tree:  # the same server from another source tree (a baseline commit)
+        env = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.path.abspath(a.base_tree)
+        try:
+            # traced too (its own file, not read): tracing costs both arms alike
+            base_args = [*args[:-1], trace + ".base"]
+            ns = argparse.Namespace(max_concurrency=1, kv_tokens=0, server_args=base_args)
+            servers["structllm-base"] = serve.launch(ns)
+        finally:
+            if env is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = env
     if a.llama_server:
         ns = argparse.Namespace(
             llama_server=a.llama_server,
@@ -393,7 +406,9 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(timeout=60)
-        os.unlink(trace)
+        for f in (trace, trace + ".base"):
+            if os.path.exists(f):
+                os.unlink(f)
     return {k: {m: round(statistics.median(v), 3) for m, v in d.items()} for k, d in got.items()}
 
 
@@ -411,6 +426,11 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true", help="also through the HTTP server")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process breakdown")
     ap.add_argument("--llama-server", default=None, help="--serve: compare with llama-server")
+    ap.add_argument(
+        "--base-tree",
+        default=None,
+        help="--serve: also structllm from this source tree (`git archive BASE | tar -x -C DIR`)",
+    )
     a = ap.parse_args()
     from structllm.threads import apply_to_this_process
 
@@ -426,6 +446,7 @@ def main() -> int:
     for path in files:
         row: dict[str, Any] = {"file": Path(path).name if path else "default"}
         row["load"] = [Path("/proc/loadavg").read_text().split()[0]]
+        print(row["file"], file=sys.stderr)
         if not a.no_engine:
             row["engine"] = engine_breakdown(path, a.steps, a.threads, a.cpu_clock)
             print_breakdown(row["engine"])
