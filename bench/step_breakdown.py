@@ -18,14 +18,19 @@ first plain (the step's wall time), then with every component timed
 
 ``kernels_alone`` is the same matmuls back to back (each weight once, 1 row), the floor
 the step's matmul time is compared with; everything above it in the step is overhead.
-The timers cost a little themselves (``instrumented - plain`` is printed).
+The timers cost a little themselves (measured per call and printed: most of it lands in
+``forward_glue``). ``--cpu-clock --threads 1``: every part in thread CPU time, which a
+loaded machine inflates far less than wall time.
 
 ``--serve`` also starts ``structllm run`` on the file with ``--trace``, streams one
 request of ``--steps`` tokens and compares the client's inter-token latency (ITL) with
 the engine's own step spans from the trace: ITL - step = ring I/O, the engine loop and
-the front end. ``--llama-server PATH`` does the same against llama-server on the file,
-whose own per-token compute is its reply's ``timings.predicted_per_token_ms``. The two
-servers run one after the other, A/B/A/B (``--reps``); the load average is printed.
+the front end; and the CPU time each process spent per token (all its threads: the
+engine's kernel pool and the front end on the same cores). ``--llama-server PATH`` does
+the same against llama-server on the file, whose own per-token compute is its reply's
+``timings.predicted_per_token_ms``; ``--base-tree DIR`` adds structllm served from another
+source tree (a baseline commit). The servers stream in turn, A/B/A/B (``--reps``); the
+load average is printed.
 """
 
 from __future__ import annotations
@@ -354,6 +359,17 @@ def stream_one(url: str, steps: int, seed: int) -> tuple[list[float], dict[str, 
     return itls, timings
 
 
+def cpu_groups(name: str, pid: int) -> dict[str, list[int]]:
+    """The processes whose CPU time a server's stream is charged: llama-server itself;
+    structllm's front end (server process, extra front ends) and its engine apart."""
+    import serve
+
+    if name == "llama.cpp":
+        return {"server": [pid]}
+    engine = serve.engine_pid(pid)
+    return {"front": serve.front_end_pids(pid), "engine": [engine] if engine else []}
+
+
 def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
     import serve
 
@@ -390,10 +406,15 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
         for _, url in servers.values():
             stream_one(url, 8, 7)  # warm-up
         for rep in range(a.reps):
-            for name, (_, url) in servers.items():
+            for name, (proc, url) in servers.items():
                 mark = os.path.getsize(trace)
+                groups = cpu_groups(name, proc.pid)
+                cpu0 = {k: serve.cpu_seconds(v) for k, v in groups.items()}
                 itls, timings = stream_one(url, a.steps, 100 + rep)
                 got[name]["itl_ms"].append(1000 * statistics.median(itls))
+                for k, v in groups.items():  # CPU per token, all threads of the processes
+                    used = serve.cpu_seconds(v) - cpu0[k]
+                    got[name][f"{k}_cpu_ms_per_token"].append(1000 * used / a.steps)
                 if name == "llama.cpp" and timings.get("predicted_per_token_ms"):
                     got[name]["compute_ms"].append(timings["predicted_per_token_ms"])
                 if name == "structllm":
