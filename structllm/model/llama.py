@@ -323,6 +323,8 @@ class LlamaModel(nn.Module):
         self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
         self._packed_head: Weight | None = None
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
+        # every layer held rotates q and k (else the fused path adds an identity rotation)
+        self._all_rotate = all(cast(DecoderLayer, layer).rotates for layer in self.layers)
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
@@ -381,7 +383,7 @@ class LlamaModel(nn.Module):
         ops = self.cpu_ops
         if ops is not None and isinstance(self.attn_impl, CpuAttention):
             pairs = [torch.view_as_real(r) for r in ropes]  # [T, D/2, 2] (cos, sin)
-            if not all(cast(DecoderLayer, layer).rotates for layer in self.layers):
+            if not self._all_rotate:
                 pairs.append(
                     torch.stack(
                         [torch.ones_like(pairs[0][..., 0]), torch.zeros_like(pairs[0][..., 0])], -1
