@@ -405,8 +405,12 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
     try:
         for _, url in servers.values():
             stream_one(url, 8, 7)  # warm-up
+        names = list(servers)
         for rep in range(a.reps):
-            for name, (proc, url) in servers.items():
+            # the order rotates: no arm always follows the same one (llama-server's threads
+            # spin on for a while after a stream, slowing whichever arm comes next)
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                proc, url = servers[name]
                 mark = os.path.getsize(trace)
                 groups = cpu_groups(name, proc.pid)
                 cpu0 = {k: serve.cpu_seconds(v) for k, v in groups.items()}
