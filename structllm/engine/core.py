@@ -235,7 +235,7 @@ class EngineCore:
         if self.model is None:
             return NullRunner(config.null_step_time)
         broadcast = self.workers.publish if self.workers is not None else None
-        sampler = Sampler(self.eos_token_ids, config.seed)
+        sampler = Sampler(self.eos_token_ids, config.seed, self.model.cpu_ops)
         runner = ModelRunner(
             self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype
         )

@@ -322,6 +322,13 @@ class ModelRunner:
                 )
             rows = batch.step.logit_rows
             parts: list[Tensor] = []
+            if 0 < len(rows) <= LOGIT_SLICE and rows == list(range(len(rows))):
+                # a decode step's rows: the leading ones, a view (no index tensor, no copy)
+                logits = self.model.compute_logits(hidden[: len(rows)])
+                if sink is None:
+                    return logits
+                sink(0, logits)
+                return None
             for a in range(0, len(rows), LOGIT_SLICE):  # the same slices on every rank
                 logits = self.model.compute_logits(hidden[rows[a : a + LOGIT_SLICE]])
                 if sink is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,10 +69,14 @@ def _mix(seed: int, step: int) -> int:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Iterable[int], seed: int = 0) -> None:
+    """``native``: the fused CPU ops module (``cpu_layer.cpp``) where the model runs them;
+    its ``greedy_rows`` picks a step of plain greedy rows in one call."""
+
+    def __init__(self, eos_token_ids: Iterable[int], seed: int = 0, native: Any = None) -> None:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
         self._row_gen = torch.Generator()
+        self.native = native
 
     def __call__(
         self, logits: Tensor, reqs: Sequence[SampleRow], grammar: GrammarMask | None = None
@@ -80,6 +85,20 @@ class Sampler:
         tokens of the constrained rows. Returns the chosen ids (``-1`` for a constrained
         row with nothing allowed) and, for requests that asked, their logprobs.
         ``logits`` may be modified."""
+        if (
+            self.native is not None
+            and grammar is None
+            and logits.dtype == torch.float32
+            and logits.is_contiguous()
+            and logits.is_cpu
+            and all(map(_argmax_only, reqs))
+        ):
+            # plain greedy rows, a decode step's usual case: one native call (~4 us for a
+            # row of 49152) instead of the torch ops below (~50 us); exactly their
+            # tokens. A row with a NaN or no finite maximum (-1) takes the path below.
+            tokens: list[int] = self.native.greedy_rows(logits)
+            if -1 not in tokens:
+                return tokens, [None] * len(tokens)
         with _one_thread(logits.shape[0], logits.device):
             return self._sample(logits, reqs, grammar)
 
@@ -177,6 +196,21 @@ class Sampler:
                 self._row_gen.manual_seed(_mix(seed, r.num_output_tokens))
                 noise[i].exponential_(generator=self._row_gen)
         return argmax_rows(probs.div_(noise))
+
+
+def _argmax_only(r: SampleRow) -> bool:
+    """Whether row ``r``'s token is its logits' argmax and nothing else: greedy, no
+    logprobs, bias or penalties, and past ``min_tokens`` (nothing banned)."""
+    sp = r.sampling
+    return (
+        sp.greedy
+        and sp.logprobs is None
+        and not sp.logit_bias
+        and r.num_output_tokens >= sp.min_tokens
+        and sp.repetition_penalty == 1.0
+        and not sp.presence_penalty
+        and not sp.frequency_penalty
+    )
 
 
 # Chunk widths for argmax_rows, widest first: the first that divides the vocabulary.

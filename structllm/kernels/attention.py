@@ -260,13 +260,15 @@ class CpuAttention(TorchAttention):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        out: Tensor | None = None,
     ) -> Tensor:
         """``decode`` of a decode-only step straight from the fused projection's rows
         ``qkv: [T, H + 2 Hkv, D]`` (its K/V already stored): the kernel reads the first
         ``num_heads`` heads of each row as the queries and writes ``[T, H * D]``, the
         ``o_proj`` input, so no slice or reshape is dispatched (each costs microseconds,
-        30 times a step)."""
-        out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
+        30 times a step); into ``out`` when given (one buffer for a step's layers)."""
+        if out is None:
+            out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
         tables, lens = meta.block_tables, meta.seq_lens
         self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap)
         return out

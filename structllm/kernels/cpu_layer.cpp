@@ -22,6 +22,9 @@
 //              kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D], slots [T] int64)
 //       rotates the interleaved pairs of q and k in place, then writes k and v into the
 //       cache slots (float32 or float16 cache; CpuAttention's layout)
+//   greedy_rows(x [T, V]) -> T ints   each row's first index of its maximum (torch's
+//       argmax), or -1 where the row holds a NaN or its maximum is not finite (the
+//       sampler's checked path decides those rows). Exact: comparisons only.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,7 +34,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <vector>
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"
@@ -259,6 +264,58 @@ void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, t
     store_kv(qp, T, H, Hkv, D, kt.data_ptr<float>(), v.data_ptr<float>(), BS, sp);
 }
 
+namespace {
+
+// The first index of the maximum of r[0, V), or -1 (a NaN, or no finite maximum). Two
+// vector passes over the row (in cache: the LM head just wrote it), AVX2 in both builds:
+// the maximum and a NaN flag (4 accumulators), then the first 8 lanes holding it.
+int64_t row_argmax(const float* r, int64_t V) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf, bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= V; i += 32) {
+    const __m256 a = _mm256_loadu_ps(r + i), b = _mm256_loadu_ps(r + i + 8);
+    const __m256 c = _mm256_loadu_ps(r + i + 16), d = _mm256_loadu_ps(r + i + 24);
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+    m2 = _mm256_max_ps(m2, c);
+    m3 = _mm256_max_ps(m3, d);
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  float m = lanes[0];
+  for (int j = 1; j < 8; j++) m = std::max(m, lanes[j]);
+  bool nan = _mm256_movemask_ps(bad) != 0;
+  for (; i < V; i++) {
+    nan |= std::isnan(r[i]);
+    m = std::max(m, r[i]);
+  }
+  if (nan || !std::isfinite(m)) return -1;
+  const __m256 mv = _mm256_set1_ps(m);
+  for (i = 0; i + 8 <= V; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + i), mv, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+  for (; i < V; i++)
+    if (r[i] == m) return i;
+  return -1;  // not reached: m is one of the values
+}
+
+}  // namespace
+
+// A step's plain greedy rows in one call: a decode step's sampling was ~10 torch ops
+// (a finiteness check, a chunked argmax, a list), ~50 us for one row of 49152 logits.
+std::vector<int64_t> greedy_rows(torch::Tensor x) {
+  check_rows(x, "greedy_rows");
+  const int64_t T = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "greedy_rows: empty rows");
+  const float* xp = x.data_ptr<float>();
+  std::vector<int64_t> out(T);
+  for (int64_t t = 0; t < T; t++) out[t] = row_argmax(xp + t * V, V);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
@@ -268,4 +325,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("soft_cap_", &soft_cap_, "x = cap * tanh(x / cap), in place");
   m.def("head_rms_norm", &head_rms_norm, "RMSNorm of each q and k head of qkv, in place");
   m.def("rope_store", &rope_store, "rotate q and k in place, store k and v in the paged cache");
+  m.def("greedy_rows", &greedy_rows, "each row's first index of its maximum; -1: NaN or no finite max");
 }

@@ -124,6 +124,10 @@ class DecoderLayer(nn.Module):
             self.down_proj = p(h, ffn)
         self.PACKED = ("qkv_proj", "o_proj") if self.moe else self.LINEARS
         self.mlp_out_norm = p(h) if cfg.post_norms else None
+        # forward_fused's norm weights, read once (nn.Module.__getattr__ costs ~0.5 us a
+        # parameter, 4 a layer a step); LlamaModel.assign_weights resets it
+        self._norms: tuple[Tensor | None, ...] | None = None
+        self._plain_out = self.residual_scale == 1.0
 
     def _norm(self, x: Tensor, w: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -213,16 +217,28 @@ class DecoderLayer(nn.Module):
         impl: AttentionImpl,
         tp: TensorParallelGroup | None,
         ops: Any,
+        o_out: Tensor | None = None,
     ) -> Tensor:
         """``forward`` through the fused CPU ops (``cpu_layer.cpp``), same contract but
         for the residual: ``x: [T, hidden]`` is the residual stream before the previous
         layer's output ``delta`` (None for the first layer) was added; both additions
         happen in place in ``x``, and this layer's output is returned as the next delta.
         ``rope: [T, D/2, 2]`` float32 (cos, sin); a layer without rotary embedding gets
-        cos 1, sin 0 (the store still runs)."""
+        cos 1, sin 0 (the store still runs). ``o_out``: a ``[T, H * D]`` buffer for the
+        attention output of a decode-only step (each layer's is read by its ``o_proj``
+        before the next layer writes it), or None."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        h = self._fused_norm(ops, x, delta, self.input_layernorm)
+        norms = self._norms
+        if norms is None:
+            norms = self._norms = (
+                self.input_layernorm,
+                self.post_attention_layernorm,
+                self.attn_out_norm,
+                self.mlp_out_norm,
+            )
+        in_norm, post_norm, attn_out_norm, mlp_out_norm = norms
+        h = self._fused_norm(ops, x, delta, in_norm)
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
         if self.qk_norm == "full" and tp is not None:  # over all ranks' slices
             self._norm_qk(qkv, tp)
@@ -232,21 +248,26 @@ class DecoderLayer(nn.Module):
         window, cap = self.window, self.softcap
         if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
             o = cast(CpuAttention, impl).decode_rows(
-                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap
+                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap, o_out
             )
         else:
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
             o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap)
             o = o.reshape(t, nh * hd)
-        attn_out = self._fused_out(ops, linear(o, self.o_proj), tp, self.attn_out_norm)
-        h = self._fused_norm(ops, x, attn_out, self.post_attention_layernorm)
+        attn_out = linear(o, self.o_proj)
+        plain = tp is None and self._plain_out  # nothing between a sublayer and the residual
+        if not plain or attn_out_norm is not None:
+            attn_out = self._fused_out(ops, attn_out, tp, attn_out_norm)
+        h = self._fused_norm(ops, x, attn_out, post_norm)
         fused_act = ops.gelu_tanh_mul if self.act == "gelu_tanh" else ops.silu_mul
         if self.moe is not None:
             mlp_out = self.moe(h, self.act, fused_act)
         else:
             gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
             mlp_out = linear(fused_act(gate_up), self.down_proj, int8_ok=True)
-        return self._fused_out(ops, mlp_out, tp, self.mlp_out_norm)
+        if not plain or mlp_out_norm is not None:
+            mlp_out = self._fused_out(ops, mlp_out, tp, mlp_out_norm)
+        return mlp_out
 
     def _fused_norm(self, ops: Any, x: Tensor, delta: Tensor | None, w: Tensor | None) -> Tensor:
         """``x += delta``, then the pre-norm (or ``x`` itself, without one)."""
@@ -302,6 +323,8 @@ class LlamaModel(nn.Module):
         self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
         self._packed_head: Weight | None = None
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
+        # every layer held rotates q and k (else the fused path adds an identity rotation)
+        self._all_rotate = all(cast(DecoderLayer, layer).rotates for layer in self.layers)
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
@@ -360,19 +383,27 @@ class LlamaModel(nn.Module):
         ops = self.cpu_ops
         if ops is not None and isinstance(self.attn_impl, CpuAttention):
             pairs = [torch.view_as_real(r) for r in ropes]  # [T, D/2, 2] (cos, sin)
-            if not all(cast(DecoderLayer, layer).rotates for layer in self.layers):
+            if not self._all_rotate:
                 pairs.append(
                     torch.stack(
                         [torch.ones_like(pairs[0][..., 0]), torch.zeros_like(pairs[0][..., 0])], -1
                     )
                 )
             delta: Tensor | None = None
+            t = x.shape[0]  # decode only: one attention output buffer for all layers
+            o_out = (
+                torch.empty((t, self.num_heads * self.cfg.head_dim))
+                if meta.num_decodes == t
+                else None
+            )
             for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 if between_layers is not None and i and i % CHECK_EVERY == 0:
                     between_layers()
                 dl = cast(DecoderLayer, layer)
                 rope = pairs[-1] if not dl.rotates else pairs[1 if dl.local_rope else 0]
-                delta = dl.forward_fused(x, delta, rope, kc, vc, meta, self.attn_impl, tp, ops)
+                delta = dl.forward_fused(
+                    x, delta, rope, kc, vc, meta, self.attn_impl, tp, ops, o_out
+                )
             if not last:
                 return x if delta is None else x + delta
             return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
@@ -488,6 +519,8 @@ class LlamaModel(nn.Module):
             del owner._parameters[attr]
             value = w if isinstance(w, BlockWeight) else nn.Parameter(w, requires_grad=False)
             setattr(owner, attr, value)
+        for layer in self.layers:
+            cast(DecoderLayer, layer)._norms = None  # (forward_fused reads them anew)
 
     def pack_weights(self, half: str = "none") -> None:
         """Repack the matmul weights for the CPU kernels that run them.

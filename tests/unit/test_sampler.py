@@ -132,6 +132,60 @@ def test_nan_row_does_not_take_the_batch_down() -> None:
     assert toks[0] == 5 and 0 <= toks[1] < V and toks[2] == 6
 
 
+def test_native_greedy_rows_are_the_checked_paths_tokens() -> None:
+    """With the fused CPU ops (``cpu_layer.cpp``), a step of plain greedy rows is picked
+    in one native call: each row's token is the one the torch path picks (ties, -inf
+    entries); a row with a NaN, +inf or nothing finite is left to the torch path
+    (-1), so broken rows still get its tokens. Rows that want more (logprobs, a bias,
+    penalties, a sampled row) never take the native call."""
+    from structllm.kernels import cpu_ext
+
+    ops = cpu_ext.load_layer()
+    if ops is None:
+        pytest.skip("the fused CPU ops need AVX2/FMA/F16C (and a compiler)")
+    calls: list[list[int]] = []
+
+    class Native:
+        def greedy_rows(self, x: torch.Tensor) -> list[int]:
+            calls.append(ops.greedy_rows(x))
+            return calls[-1]
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 49152, generator=g)
+    x[1, 40000] = x[1, 7] = 9.0  # tied maxima: the first
+    x[2, :100] = float("-inf")  # some -inf, a finite maximum
+    x[3] = 3.0  # all tied
+    x[4, 49151] = 50.0  # the very last
+    x[5, 10] = float("nan")
+    x[6, 7] = x[6, 9] = float("inf")  # (the torch path: the first +inf)
+    x[7] = float("-inf")  # nothing finite (the torch path: a uniform row, token 0)
+    greedy = [r(temperature=0) for _ in range(8)]
+    expected = Sampler([0], 0)(x.clone(), greedy)[0]
+    assert expected[:5] == x[:5].argmax(dim=-1).tolist()
+    native = Sampler([0], 0, Native())
+    assert native(x[:5].clone(), greedy[:5])[0] == expected[:5]
+    assert calls == [expected[:5]]  # one call, all rows decided
+    assert native(x.clone(), greedy)[0] == expected  # broken rows: the torch path
+    assert calls[-1][5:] == [-1, -1, -1]
+    for vocab in (1000, 37, 5):  # tails shorter than a vector
+        y = torch.randn(4, vocab, generator=g)
+        y[1, vocab - 1] = 9.0  # the last (in the tail)
+        y[2, -2:] = 9.0  # tied in the tail
+        y[3, vocab - 1] = float("nan")
+        assert ops.greedy_rows(y)[:3] == y[:3].argmax(dim=-1).tolist()
+        assert ops.greedy_rows(y)[3] == -1
+    calls.clear()
+    for other in (
+        r(temperature=0, logprobs=0),
+        r(temperature=0, logit_bias={3: 1.0}),
+        r(temperature=0, repetition_penalty=1.2),
+        r(temperature=0, min_tokens=5),
+        r(temperature=1.0),
+    ):
+        native(x[:2].clone(), [greedy[0], other])
+    assert calls == []
+
+
 @pytest.mark.parametrize("vocab", [49152, 1000, 96, 37])
 def test_argmax_rows_matches_torch_argmax(vocab: int) -> None:
     g = torch.Generator().manual_seed(vocab)
