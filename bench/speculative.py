@@ -293,7 +293,7 @@ def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 3}')
+    ap.add_argument("--spec", default='{"method": "ngram"}')
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--concurrency-grounded", default="1,4")
     ap.add_argument("--concurrency-chat", default="1,8,16")
