@@ -8,7 +8,7 @@ import msgspec
 
 GiB = 1 << 30
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "none")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -19,7 +19,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     - ``method``: ``"ngram"`` (prompt lookup: the tokens that followed the latest
       earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
       ``prompt_lookup_max`` tokens) or ``"suffix"`` (a suffix index over this request's
-      tokens and the outputs of recent requests, as vLLM's suffix decoding).
+      tokens and the outputs of recent requests, as vLLM's suffix decoding), or
+      ``"none"``: off, whatever the default (the other keys are then ignored).
     - ``num_speculative_tokens``: most drafts per request and step (default 7: with the
       newest token, 8 rows, what the CPU row kernel serves; see below).
     - ``disable_by_batch_size``: no drafts in a step with more running requests than
@@ -145,7 +146,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``grammar_fast_forward``: when a constrained request's grammar forces its next
       tokens, append them in one step (computed like a prompt chunk) instead of one
       decode step each; the output is the same either way (see ``engine.grammar``).
-    - ``speculative_config``: speculative decoding (``SpeculativeConfig``); ``None``: off.
+    - ``speculative_config``: speculative decoding (``SpeculativeConfig``; method
+      ``"none"``: off); ``None``: the default, ``core.SPECULATIVE_BY_DEFAULT`` (n-gram on
+      CPU with GGUF block weights, where outputs are equal by construction) or off.
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
     - ``pipeline_parallel_size``: split the decoder layers into this many stages, one

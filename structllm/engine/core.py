@@ -77,6 +77,9 @@ COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar t
 # ~70% for any draft to pay, four or more ~80% with long drafts, eight none.
 DRAFT_STEP_COST = (1.0, 1.2, 1.45, 1.6, 2.0, 2.2, 2.4, 2.6)[:ROW_KERNEL_ROWS]
 DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
+# Without a speculative_config: n-gram drafts on CPU with GGUF blocks (their kernels are
+# batch-invariant, so outputs do not change), nothing elsewhere.
+SPECULATIVE_BY_DEFAULT = False
 
 
 class StepCutShort(Exception):
@@ -153,7 +156,10 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
-        self.set_speculative(self.config.speculative_config)
+        spec = self.config.speculative_config
+        if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks:
+            spec = SpeculativeConfig()
+        self.set_speculative(spec)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             self.runner.max_rows = self.config.max_num_seqs
@@ -162,21 +168,26 @@ class EngineCore:
             drop_library_pages()  # library code only start-up ran (faults back if used)
 
     def set_speculative(self, spec: SpeculativeConfig | None) -> None:
-        """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``),
-        between steps."""
+        """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``
+        or method ``"none"``), between steps."""
         sched = self.scheduler
         for req in sched.running:  # (none carry drafts between steps)
             req.draft_token_ids = []
+        if spec is not None and spec.method == "none":
+            spec = None
         sched.drafter = Drafter(spec) if spec is not None else None
         sched.max_draft_step_tokens = spec.max_step_tokens if spec is not None else None
-        cpu_blocks = (
-            self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
-        )
         # (an explicit max_step_tokens keeps the fixed draft length)
         drafter = sched.drafter
-        if drafter is not None and spec is not None and spec.max_step_tokens is None and cpu_blocks:
+        adaptive = spec is not None and spec.max_step_tokens is None and self._cpu_blocks
+        if drafter is not None and adaptive:
             drafter.step_cost = DRAFT_STEP_COST
             sched.max_draft_step_tokens = DRAFT_STEP_ROWS
+
+    @property
+    def _cpu_blocks(self) -> bool:
+        """The model runs on CPU with GGUF block weights (batch-invariant kernels)."""
+        return self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
 
     @property
     def max_positions(self) -> int:
