@@ -20,7 +20,7 @@ each pair of runs is close in time), and the prefix cache is emptied before each
 Each arm runs ``--rounds`` times (default 3), the arms interleaved within each round;
 per arm the median over rounds and its [min-max] of: output tokens/s over the runs'
 wall time (all requests, TTFT included: the prompts' prefill is a large share at
-these lengths, printed as ttft%), the on/off ratio of each round, each request's
+these lengths, printed as ttft% at concurrency 1), the on/off ratio of each round, each request's
 decode rate after its first token (mean; the issue's "decode tokens/s") and its ratio,
 the per-token inter-token latency p50/p99 (a delivery of ``n`` tokens after a gap
 ``g`` counts as ``n`` tokens ``g / n`` apart, vLLM's bench definition for multi-token
@@ -457,10 +457,13 @@ def main() -> None:
                     "same_output": f["tokens"] == base["tokens"],
                 }
                 summary["rows"].append(row)
+                # (the prompts' share of the wall time: at concurrency 1 only, where the
+                # requests do not overlap)
+                ttft_pct = f"{100 * row['ttft_share']:.0f}" if c == 1 else "-"
                 print(
                     f"{name:9} {c:>4} {arm:>3} {spread(tok_s):>18} {spread(ratio):>18} "
                     f"{row['decode_tok_s']:>8.1f} {spread(dratio):>18} "
-                    f"{100 * row['ttft_share']:>5.0f} {row['itl_p50_ms']:>7.1f} "
+                    f"{ttft_pct:>5} {row['itl_p50_ms']:>7.1f} "
                     f"{row['itl_p99_ms']:>7.1f} {row['gap_p99_ms']:>7.1f} {row['accept']:>6.2f} "
                     f"{row['tokens_per_chunk']:>9.2f} {'yes' if row['same_output'] else 'NO':>4}"
                 )

@@ -81,11 +81,13 @@ class Oracle:
 
 
 def make(model: Path, spec: SpeculativeConfig | None = None, **kw: object) -> LLM:
+    """An engine on ``model`` with ``spec``; without one, drafting off (on CPU blocks it
+    is on by default)."""
     return LLM(
         str(model),
         quantization="gguf",
         max_num_batched_tokens=256,  # (no start-up measurement)
-        speculative_config=spec,
+        speculative_config=spec or SpeculativeConfig(method="none"),
         **{"kv_cache_memory": 32 << 20, **kw},
     )
 
@@ -283,3 +285,17 @@ def test_adaptive_draft_length_same_output(
     spec_llm.engine.set_speculative(SpeculativeConfig(method="none"))  # off
     assert spec_llm.engine.scheduler.drafter is None
     assert outputs(spec_llm, PROMPTS, [sp] * len(PROMPTS)) == plain_outputs[name]
+
+
+def test_on_by_default_on_cpu_blocks(tiny_gguf: Path, plain_llm: LLM) -> None:
+    """Without a speculative_config the engine drafts (n-gram, adaptive length) on GGUF
+    blocks; method "none" turns it off (``plain_llm``)."""
+    from structllm.engine import core
+
+    assert plain_llm.engine.scheduler.drafter is None
+    with LLM(str(tiny_gguf), quantization="gguf", max_num_batched_tokens=256) as llm:
+        drafter = llm.engine.scheduler.drafter
+        assert (drafter is not None) == core.SPECULATIVE_BY_DEFAULT
+        if drafter is not None:
+            assert drafter.config == SpeculativeConfig()
+            assert drafter.step_cost == core.DRAFT_STEP_COST
