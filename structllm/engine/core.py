@@ -79,7 +79,7 @@ DRAFT_STEP_COST = (1.0, 1.2, 1.45, 1.6, 2.0, 2.2, 2.4, 2.6)[:ROW_KERNEL_ROWS]
 DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
 # Without a speculative_config: n-gram drafts on CPU with GGUF blocks (their kernels are
 # batch-invariant, so outputs do not change), nothing elsewhere.
-SPECULATIVE_BY_DEFAULT = False
+SPECULATIVE_BY_DEFAULT = True
 
 
 class StepCutShort(Exception):

@@ -132,6 +132,7 @@ def test_config_from_json_and_errors() -> None:
     assert c == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
     assert speculative_config({"method": "suffix"}) == SpeculativeConfig(method="suffix")
     assert speculative_config(None) is None
+    assert speculative_config('{"method": "none"}') == SpeculativeConfig(method="none")  # off
     for bad, words in [
         ('{"method": "eagle"}', "method"),
         ("{nope", "JSON"),
