@@ -17,13 +17,17 @@ each pair of runs is close in time), and the prefix cache is emptied before each
   prompt tokens, ``--grounded-tokens`` output tokens.
 - **B, open chat**: short open questions, ``--chat-tokens`` output tokens.
 
-Per arm: output tokens/s over the runs' wall time (all requests, the figure the issue
-targets), tokens per CPU-second of this process (steadier on a shared machine), each
-request's decode rate after its first token (mean), the gaps between a request's
-deliveries p50/p99 (one delivery may carry several tokens with drafts), acceptance
-(accepted / drafted tokens), tokens per verified chunk, and whether the outputs are
-token-for-token the plain arm's. Then the cost of one decode step of ``1 + k`` rows
-against one row, on one request with a 400-token context. Prints a
+Each arm runs ``--rounds`` times (default 3), the arms interleaved within each round;
+per arm the median over rounds and its [min-max] of: output tokens/s over the runs'
+wall time (all requests, TTFT included: the prompts' prefill is a large share at
+these lengths, printed as ttft% at concurrency 1), the on/off ratio of each round, each request's
+decode rate after its first token (mean; the issue's "decode tokens/s") and its ratio,
+the per-token inter-token latency p50/p99 (a delivery of ``n`` tokens after a gap
+``g`` counts as ``n`` tokens ``g / n`` apart, vLLM's bench definition for multi-token
+chunks), the gap between deliveries p99, acceptance (accepted / drafted tokens), tokens
+per verified chunk, and whether the outputs are token-for-token the plain arm's. Then
+the cost of one decode step of 2-8 rows (one request with drafts) against one row,
+beside the drafter's table (``core.DRAFT_STEP_COST``), 400-token context. Prints a
 table and one JSON line.
 """
 
@@ -120,12 +124,15 @@ def run_arm(
     live: dict[str, int] = {}
     tokens: list[list[int]] = [[] for _ in prompts]
     times: list[list[tuple[float, int]]] = [[] for _ in prompts]
+    added: dict[int, float] = {}
+    ttft: list[float] = []
     start, cpu = time.perf_counter(), time.process_time()
     while pending or live:
         while pending and len(live) < concurrency:
             i, ids = pending.pop(0)
             rid = f"b{i}-{time.monotonic_ns()}"
             live[rid] = i
+            added[i] = time.perf_counter()
             engine.add_request(AddRequest(rid, ids, sp))
         batch = engine.step()
         now = time.perf_counter()
@@ -134,6 +141,8 @@ def run_arm(
             if i < 0:
                 continue
             if d.new_token_ids:
+                if not tokens[i]:
+                    ttft.append(now - added[i])
                 tokens[i] += d.new_token_ids
                 times[i].append((now, len(d.new_token_ids)))
             if d.finish_reason is not None:
@@ -143,21 +152,33 @@ def run_arm(
     return {
         "tokens": tokens,
         "times": times,
+        "ttft": ttft,
         "wall_s": time.perf_counter() - start,
         "cpu_s": time.process_time() - cpu,
     }
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One arm's figures over its runs (each run: ``run_arm``'s result)."""
+    """One arm's figures over its runs (each run: ``run_arm``'s result).
+
+    Two latencies between a request's deliveries: the delivery gap (one per delivery,
+    whatever it carries) and the per-token inter-token latency, where a delivery of
+    ``n`` tokens after a gap ``g`` counts as ``n`` tokens ``g / n`` apart (the tokens of
+    one multi-token chunk spread over its gap, vLLM's bench definition for speculative
+    decoding's chunks)."""
     gaps: list[float] = []
+    itls: list[float] = []
     rates: list[float] = []
+    ttfts: list[float] = []
     n = 0
     for run in runs:
         for t in run["times"]:
-            gaps += [b[0] - a[0] for a, b in itertools.pairwise(t)]
+            for a, b in itertools.pairwise(t):
+                gaps.append(b[0] - a[0])
+                itls += [(b[0] - a[0]) / b[1]] * b[1]
             if len(t) > 1 and t[-1][0] > t[0][0]:
                 rates.append(sum(k for _, k in t[1:]) / (t[-1][0] - t[0][0]))
+        ttfts += run.get("ttft", [])
         n += sum(len(t) for t in run["tokens"])
     wall = sum(r["wall_s"] for r in runs)
     cpu = sum(r["cpu_s"] for r in runs)
@@ -165,10 +186,24 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tok_s": n / wall,
         "tok_cpu_s": n / cpu,
         "decode_tok_s": statistics.fmean(rates) if rates else 0.0,
+        "itl_p50_ms": 1000 * _pct(itls, 0.5),
+        "itl_p99_ms": 1000 * _pct(itls, 0.99),
         "gap_p50_ms": 1000 * _pct(gaps, 0.5),
         "gap_p99_ms": 1000 * _pct(gaps, 0.99),
+        "ttft_share": sum(ttfts) / wall if ttfts else 0.0,
         "tokens": [r["tokens"] for r in runs],
     }
+
+
+def spread(xs: list[float]) -> str:
+    """``median [min-max]`` of per-round figures."""
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}"
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -293,19 +328,19 @@ def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 3}')
+    ap.add_argument("--spec", default='{"method": "ngram"}')
     ap.add_argument("--workloads", default="grounded,chat")
     ap.add_argument("--concurrency-grounded", default="1,4")
     ap.add_argument("--concurrency-chat", default="1,8,16")
     ap.add_argument("--grounded-tokens", type=int, default=256)
     ap.add_argument("--chat-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every arm (medians)")
     ap.add_argument("--quick", action="store_true", help="8 chats, 96 and 64 tokens")
     ap.add_argument(
         "--cost-rows",
         type=int,
-        default=32,
-        help="step costs for 1, 2, 4, 8 running decodes while their rows with drafts fit",
+        default=8,
+        help="step costs of one request with 2 .. this many rows against one",
     )
     ap.add_argument(
         "--llama-server",
@@ -339,7 +374,8 @@ def main() -> None:
         work["chat"] = (prompts, a.chat_tokens, [int(c) for c in a.concurrency_chat.split(",")])
     run_arm(llm, [tok.encode("warm up")], 8, 1)  # one-time costs off the clock
 
-    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    # runs[(workload, concurrency, arm)][round]: that round's runs
+    runs: dict[tuple[str, int, str], list[list[dict[str, Any]]]] = {}
     spec: dict[tuple[str, int], list[int]] = {}  # drafts, draft tokens, accepted
     for r in range(a.rounds):
         for name, (prompts, n_out, concs) in work.items():
@@ -351,7 +387,10 @@ def main() -> None:
                     arms = ["off", "on"] if (r + u) % 2 == 0 else ["on", "off"]
                     for arm in arms:
                         llm.engine.set_speculative(cfg if arm == "on" else None)
-                        runs.setdefault((name, c, arm), []).append(run_arm(llm, unit, n_out, c))
+                        per_round = runs.setdefault((name, c, arm), [])
+                        if len(per_round) <= r:
+                            per_round.append([])
+                        per_round[r].append(run_arm(llm, unit, n_out, c))
                         drafter = llm.engine.scheduler.drafter
                         if drafter is not None:
                             st, acc = drafter.stats, spec.setdefault((name, c), [0, 0, 0])
@@ -359,33 +398,56 @@ def main() -> None:
                             acc[1] += st.num_draft_tokens
                             acc[2] += st.num_accepted_tokens
     llm.engine.set_speculative(None)
-    k = cfg.num_speculative_tokens
-    costs = {c: step_cost(llm, k, c) for c in (1, 2, 4, 8) if c * (1 + k) <= a.cost_rows}
-    one, many = costs[1]
+    # a step of r rows (one request, r - 1 drafts) against a 1-row step: what
+    # core.DRAFT_STEP_COST, the drafter's cost table, comes from
+    costs = {r: step_cost(llm, r - 1) for r in range(2, a.cost_rows + 1)}
 
-    print(f"speculative config: {a.spec}")
+    print(f"speculative config: {a.spec}; {a.rounds} rounds, load {_load()}")
+    print(
+        "per arm: median over rounds [min-max] of tokens/s (all tokens over wall time, "
+        "TTFT included) and of the on/off ratio per round; decode/s: each request's "
+        "tokens after its first over the time since it (mean); ITL: a delivery of n "
+        "tokens after a gap g counts n tokens g/n apart; gap: one per delivery"
+    )
     hdr = (
-        f"{'workload':9} {'conc':>4} {'arm':>3} {'tok/s':>7} {'x':>5} {'tok/cpu-s':>9} "
-        f"{'decode/s':>8} {'gap p50':>8} {'gap p99':>8} {'accept':>6} {'tok/chunk':>9} "
-        f"{'same':>5}"
+        f"{'workload':9} {'conc':>4} {'arm':>3} {'tok/s':>18} {'x':>18} {'decode/s':>8} "
+        f"{'decode x':>18} {'ttft%':>5} {'itl p50':>7} {'itl p99':>7} {'gap p99':>7} "
+        f"{'accept':>6} {'tok/chunk':>9} {'same':>4}"
     )
     print(hdr)
-    summary: dict[str, Any] = {"spec": json.loads(a.spec), "rows": []}
+    summary: dict[str, Any] = {"spec": json.loads(a.spec), "load": _load(), "rows": []}
     for name, (_, _, concs) in work.items():
         for c in concs:
-            base = summarise(runs[(name, c, "off")])
+            off_rounds = [summarise(rs) for rs in runs[(name, c, "off")]]
+            base = summarise([x for rs in runs[(name, c, "off")] for x in rs])
             drafts, draft_tokens, accepted = spec.get((name, c), [0, 0, 0])
             for arm in ("off", "on"):
-                f = summarise(runs[(name, c, arm)])
+                rounds = [summarise(rs) for rs in runs[(name, c, arm)]]
+                f = summarise([x for rs in runs[(name, c, arm)] for x in rs])
+                tok_s = [x["tok_s"] for x in rounds]
+                ratio = [x["tok_s"] / o["tok_s"] for x, o in zip(rounds, off_rounds, strict=True)]
+                dec = [x["decode_tok_s"] for x in rounds]
+                dratio = [
+                    x["decode_tok_s"] / max(1e-9, o["decode_tok_s"])
+                    for x, o in zip(rounds, off_rounds, strict=True)
+                ]
                 on = arm == "on"
                 row = {
                     "workload": name,
                     "concurrency": c,
                     "arm": arm,
-                    "tok_s": round(f["tok_s"], 2),
-                    "speedup": round(f["tok_s"] / base["tok_s"], 3),
+                    "tok_s": round(statistics.median(tok_s), 2),
+                    "tok_s_rounds": [round(x, 2) for x in tok_s],
+                    "speedup": round(statistics.median(ratio), 3),
+                    "speedup_rounds": [round(x, 3) for x in ratio],
                     "tok_cpu_s": round(f["tok_cpu_s"], 2),
-                    "decode_tok_s": round(f["decode_tok_s"], 2),
+                    "decode_tok_s": round(statistics.median(dec), 2),
+                    "decode_speedup": round(statistics.median(dratio), 3),
+                    "decode_speedup_rounds": [round(x, 3) for x in dratio],
+                    "ttft_share": round(f["ttft_share"], 3),
+                    "itl_p50_ms": round(f["itl_p50_ms"], 1),
+                    "itl_p99_ms": round(f["itl_p99_ms"], 1),
+                    "itl_p99_x": round(f["itl_p99_ms"] / max(1e-9, base["itl_p99_ms"]), 3),
                     "gap_p50_ms": round(f["gap_p50_ms"], 1),
                     "gap_p99_ms": round(f["gap_p99_ms"], 1),
                     "accept": round(accepted / max(1, draft_tokens), 3) if on else 0.0,
@@ -395,43 +457,38 @@ def main() -> None:
                     "same_output": f["tokens"] == base["tokens"],
                 }
                 summary["rows"].append(row)
+                # (the prompts' share of the wall time: at concurrency 1 only, where the
+                # requests do not overlap)
+                ttft_pct = f"{100 * row['ttft_share']:.0f}" if c == 1 else "-"
                 print(
-                    f"{name:9} {c:>4} {arm:>3} {row['tok_s']:>7.1f} {row['speedup']:>5.2f} "
-                    f"{row['tok_cpu_s']:>9.1f} {row['decode_tok_s']:>8.1f} "
-                    f"{row['gap_p50_ms']:>8.1f} {row['gap_p99_ms']:>8.1f} {row['accept']:>6.2f} "
-                    f"{row['tokens_per_chunk']:>9.2f} {'yes' if row['same_output'] else 'NO':>5}"
+                    f"{name:9} {c:>4} {arm:>3} {spread(tok_s):>18} {spread(ratio):>18} "
+                    f"{row['decode_tok_s']:>8.1f} {spread(dratio):>18} "
+                    f"{ttft_pct:>5} {row['itl_p50_ms']:>7.1f} "
+                    f"{row['itl_p99_ms']:>7.1f} {row['gap_p99_ms']:>7.1f} {row['accept']:>6.2f} "
+                    f"{row['tokens_per_chunk']:>9.2f} {'yes' if row['same_output'] else 'NO':>4}"
                 )
-    print(
-        f"decode step, 400-token context: 1 row {1000 * one:.1f} ms, {1 + k} rows "
-        f"{1000 * many:.1f} ms ({many / one:.2f}x)"
-    )
-    summary["step_ms_1_row"] = round(1000 * one, 2)
-    summary[f"step_ms_{1 + k}_rows"] = round(1000 * many, 2)
-    # where verification stops paying: per number of running decodes, the step with k
-    # drafts each against the plain step, and the acceptance rate it needs to break even
-    # (the scheduler's max_step_tokens and the per-request min_acceptance come from these)
-    summary["break_even"] = []
-    for c, (t1, tk) in costs.items():
-        need = break_even(tk / t1, k)
+    # the step by rows, as the drafter's table sees it
+    summary["step_cost"] = {}
+    print("decode step, one request, 400-token context, against 1 row (measured | table):")
+    from structllm.engine.core import DRAFT_STEP_COST
+
+    for r, (t1, tr) in costs.items():
+        table = DRAFT_STEP_COST[r - 1] if r <= len(DRAFT_STEP_COST) else float("inf")
         print(
-            f"{c} running decodes: plain {1000 * t1:.1f} ms, {k} drafts each "
-            f"{1000 * tk:.1f} ms ({tk / t1:.2f}x, {c * (1 + k)} rows): pays above "
-            f"{need:.0%} of drafted tokens accepted"
+            f"  {r} rows: {1000 * tr:.1f} ms vs {1000 * t1:.1f} ms = {tr / t1:.2f}x | "
+            f"{table:.2f}x; k={r - 1} drafts pay above {break_even(tr / t1, r - 1):.0%} "
+            "of drafted tokens accepted"
         )
-        summary["break_even"].append(
-            {"running": c, "plain_ms": round(1000 * t1, 2), "drafts_ms": round(1000 * tk, 2),
-             "accept_needed": round(need, 3)}
-        )  # fmt: skip
+        summary["step_cost"][r] = round(tr / t1, 3)
     llm.engine.set_speculative(cfg)
     step_cap = llm.engine.scheduler.max_draft_step_tokens
     llm.engine.set_speculative(None)
-    print(
-        f"defaults: max_step_tokens {step_cap}, "
-        f"min_acceptance {cfg.min_acceptance} over {cfg.acceptance_window} drafted tokens"
-    )
+    print(f"defaults: max_step_tokens {step_cap}; load after: {_load()}")
     if a.llama_server and "grounded" in work:
         prompts, n_out, _ = work["grounded"]
-        ours = summarise(runs[("grounded", 1, "on")])["tok_s"] if 1 in work["grounded"][2] else 0
+        ours = 0.0
+        if 1 in work["grounded"][2]:
+            ours = summarise([x for rs in runs[("grounded", 1, "on")] for x in rs])["tok_s"]
         summary["llama_cpp"] = {}
         for spec_type in LLAMA_SPEC_TYPES:
             res = llama_arm(a.llama_server, spec_type, prompts, n_out)

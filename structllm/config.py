@@ -8,7 +8,7 @@ import msgspec
 
 GiB = 1 << 30
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "none")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -19,27 +19,30 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     - ``method``: ``"ngram"`` (prompt lookup: the tokens that followed the latest
       earlier occurrence of the sequence's last ``prompt_lookup_min`` ..
       ``prompt_lookup_max`` tokens) or ``"suffix"`` (a suffix index over this request's
-      tokens and the outputs of recent requests, as vLLM's suffix decoding).
-    - ``num_speculative_tokens``: most drafts per request and step (default 3: with the
-      newest token, 4 rows, the CPU block kernels' cheap decode size; see below).
+      tokens and the outputs of recent requests, as vLLM's suffix decoding), or
+      ``"none"``: off, whatever the default (the other keys are then ignored).
+    - ``num_speculative_tokens``: most drafts per request and step (default 7: with the
+      newest token, 8 rows, what the CPU row kernel serves; see below).
     - ``disable_by_batch_size``: no drafts in a step with more running requests than
       this (verifying costs rows that a large batch already fills); ``None``: always.
     - ``max_step_tokens``: drafts only while the running requests' tokens in the step
       (drafts included; prompts admitted after them do not count) stay within this.
-      ``None``: on CPU with GGUF block weights 4 (``core.DRAFT_STEP_ROWS``: drafts for
-      one running request, where they pay from ~20% of drafted tokens accepted;
-      measured by ``bench/speculative.py``; at most ``packed.ROW_KERNEL_ROWS``, 8, are
-      served by the row kernel, from 9 rows the blocked GEMMs run), elsewhere no limit.
-    - ``min_acceptance``: a request whose drafts were accepted at a lower rate, over at
-      least ``acceptance_window`` drafted tokens, stops drafting (default 0.2: below
-      it, a 4-row verification step costs more than the tokens it adds).
+      ``None``: on CPU with GGUF block weights, each request's draft length is chosen
+      from its recent acceptance and the measured cost of a step by rows
+      (``core.DRAFT_STEP_COST``, up to ``packed.ROW_KERNEL_ROWS`` rows: 8, 5 on the
+      AVX2 build; see ``engine.speculative``); elsewhere no limit. Set, it keeps the
+      fixed length ``num_speculative_tokens`` within this many rows.
+    - ``min_acceptance``: (fixed length only) a request whose drafts were accepted at a
+      lower rate, over at least ``acceptance_window`` drafted tokens, stops drafting
+      (default 0.2: below it, a 4-row verification step costs more than the tokens it
+      adds). The chosen length stops where one draft alone stops paying instead.
     - ``suffix_decoding_max_tree_depth``: the longest suffix matched (suffix method).
     - ``suffix_decoding_max_cached_requests``: finished requests whose outputs the
       suffix method keeps indexed.
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 7
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
@@ -143,7 +146,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``grammar_fast_forward``: when a constrained request's grammar forces its next
       tokens, append them in one step (computed like a prompt chunk) instead of one
       decode step each; the output is the same either way (see ``engine.grammar``).
-    - ``speculative_config``: speculative decoding (``SpeculativeConfig``); ``None``: off.
+    - ``speculative_config``: speculative decoding (``SpeculativeConfig``; method
+      ``"none"``: off); ``None``: the default, ``core.SPECULATIVE_BY_DEFAULT`` (n-gram on
+      CPU with GGUF block weights, where outputs are equal by construction) or off.
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
     - ``pipeline_parallel_size``: split the decoder layers into this many stages, one

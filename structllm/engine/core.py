@@ -64,14 +64,22 @@ from structllm.trace import Tracer, now_us
 log = logging.getLogger("structllm.engine")
 
 COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar to compile
-# Rows of running decodes (drafts included) within which drafts are made, by default on
-# CPU with GGUF blocks (bench/speculative.py's step costs, default model, 400-token
-# context): one request with 3 drafts (4 rows) cost 1.5-1.8x a plain 1-row step and
-# pays above ~20% of drafted tokens accepted; two requests with 3 drafts each (8 rows)
-# cost ~2.1x their plain step and need ~40%, and with drafts at 4 running requests
-# (within 8 rows) the input-grounded workload lost (0.93x tokens per CPU-second). Up to
-# ROW_KERNEL_ROWS (8) the row kernel serves every row count, so users may raise it.
-DRAFT_STEP_ROWS = min(4, ROW_KERNEL_ROWS)
+# What a decode step of r rows (index r - 1; one request's newest token and drafts, or
+# several requests') costs against a 1-row step, on CPU with GGUF blocks: the drafter
+# picks each request's draft length from it (``speculative.best_draft_length``).
+# bench/speculative.py's step costs on the default model, 400-token context, AVX-512
+# (2026-12-03, interleaved, load 4-8: 2 rows 1.1-1.3x, 3 rows 1.45x, 4 rows 1.5-1.7x,
+# 5 rows 2.0-2.3x, 6 rows 2.25x, 7 rows 2.4x, 8 rows 2.55-2.7x; quiet machine: 4 rows
+# 1.62x, 5 rows 1.99x, 8 rows 2.59x). Up to ROW_KERNEL_ROWS (8; 5 on the AVX2 build)
+# the row kernel serves every row count; from there the blocked GEMMs round the rows
+# up to 16 (a 5-row step cost ~3x), so drafts stop at the table's end. So one request
+# drafts up to 7 while nearly all are accepted, 2-3 at ~70%; two running decodes need
+# ~70% for any draft to pay, four or more ~80% with long drafts, eight none.
+DRAFT_STEP_COST = (1.0, 1.2, 1.45, 1.6, 2.0, 2.2, 2.4, 2.6)[:ROW_KERNEL_ROWS]
+DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
+# Without a speculative_config: n-gram drafts on CPU with GGUF blocks (their kernels are
+# batch-invariant, so outputs do not change), nothing elsewhere.
+SPECULATIVE_BY_DEFAULT = True
 
 
 class StepCutShort(Exception):
@@ -148,7 +156,10 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
-        self.set_speculative(self.config.speculative_config)
+        spec = self.config.speculative_config
+        if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks:
+            spec = SpeculativeConfig()
+        self.set_speculative(spec)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             self.runner.max_rows = self.config.max_num_seqs
@@ -157,18 +168,26 @@ class EngineCore:
             drop_library_pages()  # library code only start-up ran (faults back if used)
 
     def set_speculative(self, spec: SpeculativeConfig | None) -> None:
-        """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``),
-        between steps."""
+        """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``
+        or method ``"none"``), between steps."""
         sched = self.scheduler
         for req in sched.running:  # (none carry drafts between steps)
             req.draft_token_ids = []
+        if spec is not None and spec.method == "none":
+            spec = None
         sched.drafter = Drafter(spec) if spec is not None else None
         sched.max_draft_step_tokens = spec.max_step_tokens if spec is not None else None
-        cpu_blocks = (
-            self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
-        )
-        if spec is not None and spec.max_step_tokens is None and cpu_blocks:
+        # (an explicit max_step_tokens keeps the fixed draft length)
+        drafter = sched.drafter
+        adaptive = spec is not None and spec.max_step_tokens is None and self._cpu_blocks
+        if drafter is not None and adaptive:
+            drafter.step_cost = DRAFT_STEP_COST
             sched.max_draft_step_tokens = DRAFT_STEP_ROWS
+
+    @property
+    def _cpu_blocks(self) -> bool:
+        """The model runs on CPU with GGUF block weights (batch-invariant kernels)."""
+        return self.model is not None and self.weight_format.blocks and self.device.type == "cpu"
 
     @property
     def max_positions(self) -> int:

@@ -131,10 +131,10 @@ class Scheduler:
             # every running request after this one keeps room for its own token
             rest = len(free) - i - 1
             room = budget - n - rest
+            rows = self.max_num_batched_tokens - budget + n + rest  # the step's so far
             if self.max_draft_step_tokens is not None:
-                used = self.max_num_batched_tokens - budget
-                room = min(room, self.max_draft_step_tokens - used - n - rest)
-            drafts = self._drafts(req, n, room)
+                room = min(room, self.max_draft_step_tokens - rows)
+            drafts = self._drafts(req, n, room, rows)
             if drafts and self.kv.allocate(req, n + len(drafts)):
                 req.draft_token_ids = drafts
                 n += len(drafts)
@@ -194,16 +194,17 @@ class Scheduler:
                 dropped = True
         return dropped
 
-    def _drafts(self, req: Request, n: int, room: int) -> list[int]:
+    def _drafts(self, req: Request, n: int, room: int, rows: int) -> list[int]:
         """Drafts for ``req`` if it is a decode (one new token, no prompt positions left
-        to score) and drafting is on, within ``room`` extra tokens."""
+        to score) and drafting is on, within ``room`` extra tokens; ``rows``: the
+        step's tokens with ``req``'s and one for each running request after it."""
         if self.drafter is None or room <= 0 or n != 1:
             return []
         if req.num_tokens - req.num_computed_tokens != 1 or req.wants_prompt_logprobs:
             return []
         if req.grammar is not None and req.in_reasoning:
             return []  # the grammar's masks change where the reasoning ends: no drafts
-        return self.drafter.drafts(req, room, len(self.running))
+        return self.drafter.drafts(req, room, len(self.running), rows)
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []

@@ -26,9 +26,24 @@ Proposers (``Proposer``):
   ``max_depth`` tokens; the longer match wins, the request's own on a tie.
 
 ``Drafter`` applies the policy: no drafts above ``disable_by_batch_size`` running
-requests, none past a request's ``max_tokens``, and none for a request whose drafts
-were accepted at less than ``min_acceptance`` over ``acceptance_window`` drafted tokens
-(it tries again after ``4 * acceptance_window`` more output tokens).
+requests and none past a request's ``max_tokens``. How many, by one of two rules:
+
+- With a step cost table (``Drafter.step_cost``: a step of ``r`` rows costs
+  ``step_cost[r - 1]`` plain 1-row steps; set by the engine on CPU with GGUF blocks,
+  where ``bench/speculative.py`` measured it): the draft length that maximises the
+  step's expected tokens per unit of cost (``best_draft_length``). A request's
+  acceptance is an estimate ``alpha`` of the chance that a draft is accepted given the
+  one before it was (decayed counts over its recent chunks, ``DraftEstimate``); ``k``
+  drafts then add ``alpha + alpha**2 + ... + alpha**k`` expected tokens. So a request
+  whose drafts keep being accepted drafts up to ``num_speculative_tokens`` (8 rows on
+  the AVX-512 row kernel), one with mixed luck 1-3, and a crowded step none. A request
+  whose ``alpha`` falls to where even one draft alone does not pay pauses drafting for
+  ``PAUSE_MIN`` output tokens, doubled at each pause in a row up to ``PAUSE_MAX``, and
+  resumes from the prior.
+- Without one (other devices, float weights): ``num_speculative_tokens`` drafts, and
+  none for a request whose drafts were accepted at less than ``min_acceptance`` over
+  ``acceptance_window`` drafted tokens (it tries again after ``4 * acceptance_window``
+  more output tokens).
 """
 
 from __future__ import annotations
@@ -249,6 +264,66 @@ def accept(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
     return out
 
 
+# The acceptance estimate of a request that has no chunk verified yet (or resumes after
+# a pause): alpha = (hits + PRIOR_HITS) / (trials + PRIOR_TRIALS), one pseudo-trial at
+# 0.5. Weak on purpose: on text that does not repeat, two rejected single drafts bring
+# alpha under break-even (two 2-row steps wasted per pause); on text that does, one
+# accepted chunk lifts it to 3 drafts and two to the longest.
+PRIOR_HITS, PRIOR_TRIALS = 0.5, 1.0
+DECAY = 0.6  # weight of the earlier chunks' counts at each new chunk
+PAUSE_MIN, PAUSE_MAX = 16, 256  # output tokens without drafts after alpha fell
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a chunk of ``k`` drafts emits in expectation when each draft is accepted
+    with probability ``alpha`` given the one before it was: the row after the last
+    accepted draft always emits one, so ``1 + alpha + ... + alpha**k``."""
+    return sum(alpha**j for j in range(k + 1))
+
+
+def best_draft_length(alpha: float, limit: int, rows: int, step_cost: Sequence[float]) -> int:
+    """The number of drafts (``0 .. limit``) for a request whose step already has
+    ``rows`` rows (its own newest token included) that maximises the step's expected
+    tokens per cost, counting each other row as one token: ``(rows - 1 + E(k)) /
+    step_cost[rows + k - 1]``. Rows past the table are not served (the row kernel's
+    limit)."""
+    best, best_rate = 0, 0.0
+    for k in range(0, min(limit, len(step_cost) - rows) + 1):
+        rate = (rows - 1 + expected_tokens(alpha, k)) / step_cost[rows + k - 1]
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+class DraftEstimate:
+    """A request's acceptance estimate (see ``PRIOR_HITS``): decayed counts of accepted
+    drafts (``hits``) and of drafts checked (``trials``: the accepted ones and the
+    first rejected one, after which nothing was checked), and the pause that follows
+    a fall below break-even."""
+
+    __slots__ = ("hits", "pause", "trials")
+
+    def __init__(self) -> None:
+        self.hits = 0.0
+        self.trials = 0.0
+        self.pause = PAUSE_MIN
+
+    @property
+    def alpha(self) -> float:
+        return (self.hits + PRIOR_HITS) / (self.trials + PRIOR_TRIALS)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        self.hits = DECAY * self.hits + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < drafted)
+        if accepted == drafted:
+            self.pause = PAUSE_MIN
+
+    def reset(self) -> None:
+        """Back to the prior (after a pause), the next pause twice as long."""
+        self.hits = self.trials = 0.0
+        self.pause = min(2 * self.pause, PAUSE_MAX)
+
+
 class SpecStats:
     """Cumulative counters, vLLM's ``spec_decode`` metrics."""
 
@@ -268,10 +343,14 @@ class Drafter:
         self.config = config
         self.proposer = proposer or make_proposer(config)
         self.stats = SpecStats(config.num_speculative_tokens)
+        # relative cost of a step by rows (index rows - 1), or None: see the module doc
+        self.step_cost: Sequence[float] | None = None
+        self.estimates: dict[str, DraftEstimate] = {}
 
-    def drafts(self, req: Request, room: int, num_running: int) -> list[int]:
+    def drafts(self, req: Request, room: int, num_running: int, rows: int = 1) -> list[int]:
         """Drafts for ``req`` (a decode of one new token) within ``room`` extra tokens
-        of the step's budget."""
+        of the step's budget; ``rows``: the step's rows so far with ``req``'s newest
+        token and one for each running request after it."""
         cfg = self.config
         limit = cfg.num_speculative_tokens
         if cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size:
@@ -281,11 +360,25 @@ class Drafter:
         limit = min(limit, room, req.max_tokens - req.num_output_tokens - 1)
         if limit <= 0 or req.num_output_tokens < req.spec_resume_at:
             return []
-        window_full = req.spec_drafted >= cfg.acceptance_window
-        if window_full and req.spec_accepted < cfg.min_acceptance * req.spec_drafted:
-            req.spec_resume_at = req.num_output_tokens + 4 * cfg.acceptance_window
-            req.spec_drafted = req.spec_accepted = 0
-            return []
+        cost = self.step_cost
+        est = None
+        if cost is not None:
+            est = self.estimates.get(req.request_id)
+            if est is None:
+                est = self.estimates[req.request_id] = DraftEstimate()
+            if best_draft_length(est.alpha, 1, 1, cost) == 0:  # even alone it would not pay
+                req.spec_resume_at = req.num_output_tokens + est.pause
+                est.reset()
+                return []
+            limit = best_draft_length(est.alpha, limit, rows, cost)
+            if limit == 0:
+                return []
+        else:
+            window_full = req.spec_drafted >= cfg.acceptance_window
+            if window_full and req.spec_accepted < cfg.min_acceptance * req.spec_drafted:
+                req.spec_resume_at = req.num_output_tokens + 4 * cfg.acceptance_window
+                req.spec_drafted = req.spec_accepted = 0
+                return []
         t0 = time.perf_counter()
         drafts = self.proposer.propose(req, limit)[:limit]
         self.stats.propose_s += time.perf_counter() - t0
@@ -306,6 +399,10 @@ class Drafter:
         s.num_accepted_tokens += accepted
         req.spec_drafted += len(drafts)
         req.spec_accepted += accepted
+        est = self.estimates.get(req.request_id)
+        if est is not None:
+            est.update(len(drafts), accepted)
 
     def finish(self, req: Request) -> None:
         self.proposer.finish(req)
+        self.estimates.pop(req.request_id, None)

@@ -43,7 +43,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from structllm.config import EngineConfig
+from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.engine.stage_sampling import frame_allowance
 from structllm.engine.step_budget import budget_upper_bound
 from structllm.ipc import shm
@@ -79,8 +79,9 @@ def ring_capacity_for(config: EngineConfig, max_positions: int, vocab_size: int 
     tokens = budget_upper_bound(config.max_num_batched_tokens, config.max_num_seqs)
     worst = 24 * tokens + config.max_num_seqs * (4 * blocks + 3 * 9) + 1024
     if config.pipeline_parallel_size > 1:
-        spec = config.speculative_config
-        rows = min(tokens, config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+        # drafts may be on by default (speculative_config None): room for them either way
+        spec = config.speculative_config or SpeculativeConfig()
+        rows = min(tokens, config.max_num_seqs * (1 + spec.num_speculative_tokens))
         worst += frame_allowance(rows, vocab_size, max_positions)
     cap = MIN_RING_CAPACITY
     while cap < max(2, config.pipeline_parallel_size) * worst:

@@ -215,3 +215,30 @@ def test_tool_calls_and_n_2_equal(default_llm: LLM) -> None:
     plain2, spec2, stats = both(default_llm, CHATS[:1], [sp2])
     assert spec2 == plain2 and len(spec2) == 2
     assert stats.num_drafts > 0
+
+
+def test_default_adaptive_drafts_equal_on_grounded_prompts(default_llm: LLM) -> None:
+    """The default drafter (n-gram, each request's length from its acceptance and the
+    step cost table, up to 8 rows) on the grounded prompts one at a time and then all
+    at once: greedy output and logprobs are the plain ones, and long chunks ran."""
+    chats = [[{"role": "user", "content": p}] for p in GROUNDED]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, logprobs=1)
+
+    def run() -> list[tuple]:  # type: ignore[type-arg]
+        outs = []
+        for group in [[c] for c in chats] + [chats]:
+            res = default_llm.chat(group, [sp] * len(group))
+            outs += [(o.token_ids, o.finish_reason, o.logprobs) for r in res for o in r.outputs]
+        return outs
+
+    default_llm.engine.set_speculative(None)
+    plain = run()
+    default_llm.engine.set_speculative(SpeculativeConfig())
+    drafter = default_llm.engine.scheduler.drafter
+    assert drafter is not None and drafter.step_cost is not None
+    try:
+        spec = run()
+    finally:
+        default_llm.engine.set_speculative(None)
+    assert spec == plain
+    assert drafter.stats.accepted_per_pos[4] > 0  # chunks past 4 drafts were accepted

@@ -81,11 +81,13 @@ class Oracle:
 
 
 def make(model: Path, spec: SpeculativeConfig | None = None, **kw: object) -> LLM:
+    """An engine on ``model`` with ``spec``; without one, drafting off (on CPU blocks it
+    is on by default)."""
     return LLM(
         str(model),
         quantization="gguf",
         max_num_batched_tokens=256,  # (no start-up measurement)
-        speculative_config=spec,
+        speculative_config=spec or SpeculativeConfig(method="none"),
         **{"kv_cache_memory": 32 << 20, **kw},
     )
 
@@ -258,3 +260,42 @@ def test_tensor_parallel_same_output(tiny_gguf: Path) -> None:
         got = outputs(tp, PROMPTS, [sp] * len(PROMPTS))
         assert drafter.stats.num_accepted_tokens > 0
     assert got == want
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_adaptive_draft_length_same_output(
+    name: str,
+    spec_llm: LLM,
+    plain_outputs: dict[str, list[tuple]],  # type: ignore[type-arg]
+) -> None:
+    """The engine's own drafter on CPU blocks: n-gram drafts, each request's length from
+    its acceptance and the step cost table (1-7 drafts, up to 8 rows in a step; with
+    five running requests none pays at the prior's acceptance, so one at a time)."""
+    from structllm.engine.core import DRAFT_STEP_COST, DRAFT_STEP_ROWS
+
+    spec_llm.engine.set_speculative(SpeculativeConfig())
+    drafter = spec_llm.engine.scheduler.drafter
+    assert drafter is not None and drafter.step_cost == DRAFT_STEP_COST
+    assert spec_llm.engine.scheduler.max_draft_step_tokens == DRAFT_STEP_ROWS
+    sp = SAMPLINGS[name]
+    got = [x for p in PROMPTS for x in outputs(spec_llm, [p], [sp])]
+    if name == "greedy":  # (the seeded outputs of the random model never repeat)
+        assert drafter.stats.num_accepted_tokens > 0
+    assert got == plain_outputs[name]
+    spec_llm.engine.set_speculative(SpeculativeConfig(method="none"))  # off
+    assert spec_llm.engine.scheduler.drafter is None
+    assert outputs(spec_llm, PROMPTS, [sp] * len(PROMPTS)) == plain_outputs[name]
+
+
+def test_on_by_default_on_cpu_blocks(tiny_gguf: Path, plain_llm: LLM) -> None:
+    """Without a speculative_config the engine drafts (n-gram, adaptive length) on GGUF
+    blocks; method "none" turns it off (``plain_llm``)."""
+    from structllm.engine import core
+
+    assert plain_llm.engine.scheduler.drafter is None
+    with LLM(str(tiny_gguf), quantization="gguf", max_num_batched_tokens=256) as llm:
+        drafter = llm.engine.scheduler.drafter
+        assert (drafter is not None) == core.SPECULATIVE_BY_DEFAULT
+        if drafter is not None:
+            assert drafter.config == SpeculativeConfig()
+            assert drafter.step_cost == core.DRAFT_STEP_COST

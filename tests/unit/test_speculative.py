@@ -132,6 +132,7 @@ def test_config_from_json_and_errors() -> None:
     assert c == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4)
     assert speculative_config({"method": "suffix"}) == SpeculativeConfig(method="suffix")
     assert speculative_config(None) is None
+    assert speculative_config('{"method": "none"}') == SpeculativeConfig(method="none")  # off
     for bad, words in [
         ('{"method": "eagle"}', "method"),
         ("{nope", "JSON"),
@@ -142,3 +143,55 @@ def test_config_from_json_and_errors() -> None:
         with pytest.raises(ValueError, match=words):
             speculative_config(bad)
     assert speculative.make_proposer(SpeculativeConfig(method="suffix")).__class__ is SuffixProposer
+
+
+COST = (1.0, 1.2, 1.45, 1.6, 2.0, 2.2, 2.4, 2.6)  # core.DRAFT_STEP_COST's shape
+
+
+def test_draft_length_from_acceptance_and_step_cost() -> None:
+    best = speculative.best_draft_length
+    assert best(0.97, 7, 1, COST) == 7  # nearly all accepted: the longest chunk
+    assert best(0.75, 7, 1, COST) == 3  # 4 rows, before the 5-row step's jump
+    assert best(0.5, 7, 1, COST) == 1
+    assert best(0.15, 7, 1, COST) == 0  # (1 + 0.15) / 1.2 < 1: no draft pays
+    assert best(0.97, 3, 1, COST) == 3  # num_speculative_tokens / the budget's room
+    assert best(0.97, 7, 7, COST) == 1  # rows past the table are not served
+    assert best(0.97, 7, 8, COST) == 0
+    assert best(0.6, 7, 4, COST) == 0  # 4 running decodes: one draft costs 1.25x
+    # the rule itself: the k that maximises expected tokens per cost
+    for alpha in (0.1, 0.3, 0.6, 0.8, 0.9, 0.99):
+        for rows in (1, 2, 4):
+            k = best(alpha, 7, rows, COST)
+            rate = [
+                (rows - 1 + speculative.expected_tokens(alpha, j)) / COST[rows + j - 1]
+                for j in range(len(COST) - rows + 1)
+            ]
+            assert rate[k] == max(rate)
+
+
+def test_adaptive_drafter_lengthens_shortens_and_pauses() -> None:
+    d = Drafter(SpeculativeConfig())
+    d.step_cost = COST
+    tokens = list(range(20)) * 3  # repeats: the proposer always has 7+ tokens to offer
+    r = req("a", tokens, prompt_len=20, max_tokens=200)
+    lengths = []
+    for _ in range(3):  # every draft accepted: longer and longer chunks
+        drafts = d.drafts(r, room=10, num_running=1)
+        lengths.append(len(drafts))
+        d.record(r, drafts, [*drafts, 0])
+    assert lengths[0] == 1 and lengths[-1] == 7 and lengths == sorted(lengths)
+    assert d.drafts(r, room=10, num_running=2, rows=8) == []  # a full step: none
+    n = 0
+    while drafts := d.drafts(r, room=10, num_running=1):  # every draft rejected
+        d.record(r, drafts, [-1])
+        n += 1
+        assert n < 10
+    assert r.spec_resume_at == r.num_output_tokens + speculative.PAUSE_MIN
+    r.token_ids += list(range(speculative.PAUSE_MIN))  # the pause's tokens
+    assert len(d.drafts(r, room=10, num_running=1)) == 1  # from the prior again
+    d.record(r, [0], [-1])
+    while d.drafts(r, room=10, num_running=1):
+        d.record(r, [0], [-1])
+    assert r.spec_resume_at == r.num_output_tokens + 2 * speculative.PAUSE_MIN  # doubled
+    d.finish(r)
+    assert "a" not in d.estimates
