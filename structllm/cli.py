@@ -158,8 +158,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
         'or \'{"method": "suffix"}\'; drafts are verified by each request\'s own sampler, so '
         "the output does not change; on CPU with GGUF blocks each request's draft length "
-        'follows its acceptance. \'{"method": "none"}\': off (default: n-gram on CPU '
-        "with GGUF block weights, where outputs are equal by construction; off elsewhere)",
+        'follows its acceptance. \'{"method": "none"}\': off (the default)',
     )
     p.add_argument(
         "--trace",

@@ -77,9 +77,12 @@ COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar t
 # ~70% for any draft to pay, four or more ~80% with long drafts, eight none.
 DRAFT_STEP_COST = (1.0, 1.2, 1.45, 1.6, 2.0, 2.2, 2.4, 2.6)[:ROW_KERNEL_ROWS]
 DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
-# Without a speculative_config: n-gram drafts on CPU with GGUF blocks (their kernels are
-# batch-invariant, so outputs do not change), nothing elsewhere.
-SPECULATIVE_BY_DEFAULT = True
+# Without a speculative_config: off. True drafts n-gram on CPU with GGUF blocks (their
+# kernels are batch-invariant, so outputs do not change); the whole suite passes either
+# way. Off because bench/speculative.py (quiet, 2026-12-03) still shows open chat at
+# concurrency 1 with a per-token ITL p99 1.07x plain decoding's (the bound is
+# 1.03x), though it wins in tokens/s everywhere drafts run (grounded 1.41x, chat 1.04x).
+SPECULATIVE_BY_DEFAULT = False
 
 
 class StepCutShort(Exception):
