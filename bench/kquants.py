@@ -5,7 +5,7 @@ For each GGUF file (default: the default model requantised by llama.cpp's own
 ``tests/support/llamacpp.py``), ``structllm run`` and ``llama-server`` are started on it
 side by side (both with ``--kv-tokens`` of float16 KV cache; llama-server with one unified
 KV buffer for its 16 slots, so that one 8192-token prompt fits, and all cores) and every
-workload runs on one, then the other, alternating (A/B/A/B), each repetition with fresh
+workload runs on one, then the other, alternating (A/B, then B/A), each repetition with fresh
 prompts so that neither prefix cache helps:
 
 - single stream: one request, 64-token prompt, 64 output tokens: the median
@@ -102,8 +102,12 @@ def measure(
 
     for _, url in servers.values():  # warm-up, not measured
         run(url, serve.prompts(2, 16, 49152, seed - 1, False), 4, 2)
+    names = list(servers)
     for rep in range(reps):
-        for name, (_, url) in servers.items():
+        # the order rotates: llama-server's threads spin on for a while after its last
+        # request, slowing whichever arm runs next, so neither may always be that arm
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            url = servers[name][1]
             s = seed + 100 * rep
             one = run(url, serve.prompts(1, 64, 49152, s, False), 64, 1)[0]
             add(name, "itl_ms", 1000 * statistics.median(one.itls))

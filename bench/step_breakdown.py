@@ -18,6 +18,8 @@ first plain (the step's wall time), then with every component timed
 
 ``kernels_alone`` is the same matmuls back to back (each weight once, 1 row), the floor
 the step's matmul time is compared with; everything above it in the step is overhead.
+It is also split by block type and path (``Q5_0 int8``, ``head Q8_0 int16``: each matmul
+timed alone, a fused matrix's parts each), to compare types and ISAs per weight.
 The timers cost a little themselves (measured per call and printed: most of it lands in
 ``forward_glue``). ``--cpu-clock --threads 1``: every part in thread CPU time, which a
 loaded machine inflates far less than wall time.
@@ -157,34 +159,54 @@ def decode_steps(
     return times, parts
 
 
-def kernels_alone(model: Any, reps: int, clock: Callable[[], int]) -> float:
-    """ns for every layer matmul and the LM head once at 1 row, back to back (median)."""
+def kernels_alone(
+    model: Any, reps: int, clock: Callable[[], int]
+) -> tuple[float, dict[str, float]]:
+    """ns for every layer matmul and the LM head once at 1 row, back to back (median),
+    and the same split by block type and path (``Q5_0 int16``, ``head Q8_0 int16``...:
+    each matmul, a fused matrix's parts each, timed alone; medians summed per key)."""
     import torch
 
-    from structllm.kernels.packed import linear
+    from structllm.kernels.packed import INT8_TYPES, BlockWeight, MixedWeight, linear
 
     jobs = []
     for layer in model.layers:
         for name in layer.PACKED:
             w = getattr(layer, name)
-            jobs.append((w, name in ("gate_up_proj", "down_proj")))
+            jobs.append((w, name in ("gate_up_proj", "down_proj"), ""))
     head = model._packed_head if model._packed_head is not None else model.embed_tokens
-    jobs.append((head, False))
+    jobs.append((head, False, "head "))
+    parts = []  # (key, weight, int8_ok): a mixed matrix's parts one by one
+    for w, int8, tag in jobs:
+        for p in w.parts if isinstance(w, MixedWeight) else [w]:
+            t = p.type_name if isinstance(p, BlockWeight) else type(p).__name__
+            path = "int8" if int8 and t in INT8_TYPES else "int16"
+            parts.append((f"{tag}{t} {path}", p, int8))
     h = model.cfg.hidden_size
     inputs = {}
     with torch.inference_mode():
-        for w, _ in jobs:
+        for w, _, _ in jobs:
             k = w.shape[1] if hasattr(w, "shape") else h
             inputs.setdefault(k, torch.randn(1, k))
-        for w, int8 in jobs:  # warm-up (shapes; the int down_proj input is [1, ffn])
+        for w, int8, _ in jobs:  # warm-up (shapes; the int down_proj input is [1, ffn])
             linear(inputs[_in_features(w, h)], w, int8_ok=int8)
         times = []
         for _ in range(reps):
             t0 = clock()
-            for w, int8 in jobs:
+            for w, int8, _ in jobs:
                 linear(inputs[_in_features(w, h)], w, int8_ok=int8)
             times.append(clock() - t0)
-    return statistics.median(times)
+        each: dict[int, list[int]] = defaultdict(list)
+        for _ in range(reps):
+            for i, (_, p, int8) in enumerate(parts):
+                x = inputs[_in_features(p, h)]
+                t0 = clock()
+                linear(x, p, int8_ok=int8)
+                each[i].append(clock() - t0)
+    by_key: dict[str, float] = defaultdict(float)
+    for i, (key, _, _) in enumerate(parts):
+        by_key[key] += statistics.median(each[i])
+    return statistics.median(times), dict(by_key)
 
 
 def _in_features(w: Any, h: int) -> int:
@@ -249,7 +271,7 @@ def engine_breakdown(
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     decode_steps(core, 8, 1)  # warm-up
     plain, _ = decode_steps(core, steps, 2, Timers(clock))  # (no timed parts: timers empty)
-    kern = kernels_alone(model, 20, clock)
+    kern, kern_by_type = kernels_alone(model, 20, clock)
     per_call = timer_cost(clock)
     timers = Timers(clock)
     instrument(core, timers)
@@ -269,6 +291,9 @@ def engine_breakdown(
         "step_us_plain_median": statistics.median(plain) / 1000,
         "step_us_timed_median": statistics.median(timed) / 1000,
         "kernels_alone_us": kern / 1000,
+        "kernels_by_type_us": {
+            k: round(v / 1000, 1) for k, v in sorted(kern_by_type.items(), key=lambda kv: -kv[1])
+        },
         "timer_us_per_call": per_call / 1000,
         "parts_us": {k: round(v, 1) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
         "calls_per_step": calls,
@@ -307,6 +332,8 @@ def print_breakdown(b: dict[str, Any]) -> None:
         f"= {b['step_us_plain_median'] - kern:.0f} us overhead, in-step matmul+head {mm:.0f} us",
         file=sys.stderr,
     )
+    by_type = "  ".join(f"{k} {v:.0f}" for k, v in b.get("kernels_by_type_us", {}).items())
+    print(f"  kernels by type (us, each alone): {by_type}", file=sys.stderr)
 
 
 def trace_steps(path: str, offset: int) -> list[tuple[int, int]]:
