@@ -179,9 +179,11 @@ def kernels_alone(
     parts = []  # (key, weight, int8_ok): a mixed matrix's parts one by one
     for w, int8, tag in jobs:
         for p in w.parts if isinstance(w, MixedWeight) else [w]:
-            t = p.type_name if isinstance(p, BlockWeight) else type(p).__name__
-            path = "int8" if int8 and t in INT8_TYPES else "int16"
-            parts.append((f"{tag}{t} {path}", p, int8))
+            if isinstance(p, BlockWeight):
+                path = "int8" if int8 and p.type_name in INT8_TYPES else "int16"
+                parts.append((f"{tag}{p.type_name} {path}", p, int8))
+            else:  # float16 (fbgemm), float32 (oneDNN) matrices
+                parts.append((f"{tag}{type(p).__name__}", p, int8))
     h = model.cfg.hidden_size
     inputs = {}
     with torch.inference_mode():
