@@ -135,6 +135,7 @@ class ByMatrix:
         from structllm.kernels.packed import BLOCK_TYPES
 
         self._kernels, self.clock = kernels, clock
+        self.active = False  # counting (the timed decode steps only)
         self.names = {v: k for k, v in BLOCK_TYPES.items()}
         self.ns: dict[tuple[str, str, int, int, int], int] = defaultdict(int)
         self.calls: dict[tuple[str, str, int, int, int], int] = defaultdict(int)
@@ -143,6 +144,8 @@ class ByMatrix:
         return getattr(self._kernels, name)
 
     def linear(self, x: Any, w: Any, code: int, mode: int) -> Any:
+        if not self.active:
+            return self._kernels.linear(x, w, code, mode)
         t0 = self.clock()
         y = self._kernels.linear(x, w, code, mode)
         key = (
@@ -202,7 +205,12 @@ class GcTimer:
 
 
 def decode_steps(
-    core: Any, steps: int, seed: int, timers: Timers | None = None, rows: int = 1
+    core: Any,
+    steps: int,
+    seed: int,
+    timers: Timers | None = None,
+    rows: int = 1,
+    by_matrix: ByMatrix | None = None,
 ) -> tuple[list[int], list[dict[str, int]]]:
     """Prefill ``rows`` requests (not timed), then ``steps`` decode steps of all of them:
     their wall times in ns and, with ``timers``, each step's time per label. (Prompts are
@@ -214,6 +222,8 @@ def decode_steps(
     prefill(core)
     times, parts = [], []
     clock = timers.clock if timers is not None else time.perf_counter_ns
+    if by_matrix is not None:
+        by_matrix.active = True
     for _ in range(steps):
         if timers is not None:
             timers.reset()
@@ -222,6 +232,8 @@ def decode_steps(
         times.append(clock() - t0)
         if timers is not None:
             parts.append(dict(timers.ns))
+    if by_matrix is not None:
+        by_matrix.active = False
     core.abort(ids)
     while core.has_work:
         core.step()
@@ -331,7 +343,7 @@ def engine_breakdown(
     gc_timer = GcTimer(clock)
     gc.callbacks.append(gc_timer)
     try:
-        timed, per_step = decode_steps(core, steps, 3, timers, rows)
+        timed, per_step = decode_steps(core, steps, 3, timers, rows, by_matrix)
     finally:
         gc.callbacks.remove(gc_timer)
         packed._KERNELS = by_matrix._kernels
