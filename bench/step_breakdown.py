@@ -1,10 +1,11 @@
-r"""Where a single-stream decode step's time goes, in the engine and through the server.
+r"""Where a decode step's time goes, in the engine and through the server.
 
-    python bench/step_breakdown.py [FILE.gguf ...] [--steps 128] [--serve]
+    python bench/step_breakdown.py [FILE.gguf ...] [--steps 128] [--rows 1] [--serve]
         [--llama-server PATH]
 
-For each GGUF file (default: the default model), in this process: one request (a
-64-token prompt, greedy, EOS ignored) decodes ``--steps`` tokens through ``EngineCore``,
+For each GGUF file (default: the default model), in this process: ``--rows`` requests
+(default one; each a 64-token prompt, greedy, EOS ignored) decode ``--steps`` tokens
+together through ``EngineCore`` (``--rows 16``: the concurrency-16 decode step),
 first plain (the step's wall time), then with every component timed
 (``perf_counter_ns`` around it, exclusive of the components timed inside it):
 
@@ -16,7 +17,12 @@ first plain (the step's wall time), then with every component timed
 - ``sampler``, ``prepare`` (the flat batch), ``schedule`` and ``update`` (the
   scheduler and KV block bookkeeping), ``step_other`` (the rest of ``EngineCore.step``).
 
-``kernels_alone`` is the same matmuls back to back (each weight once, 1 row), the floor
+``by_matrix``: the block kernels' calls of the decode steps split by block type, kernel
+path (int8 / int16 / float, see ``packed.block_mode``) and shape ``N x K``: microseconds
+per call and per step, and nanoseconds per weight row and block of 32 (what the type
+costs at this many rows, comparable across types and shapes).
+
+``kernels_alone`` is the same matmuls back to back (each weight once, ``--rows`` rows), the floor
 the step's matmul time is compared with; everything above it in the step is overhead.
 It is also split by block type and path (``Q5_0 int8``, ``head Q8_0 int16``: each matmul
 timed alone, a fused matrix's parts each), to compare types and ISAs per weight.
@@ -114,6 +120,67 @@ def add_request(core: Any, rid: str, steps: int, seed: int) -> None:
     core.add_request(AddRequest(rid, ids, sp))
 
 
+def prefill(core: Any) -> None:
+    """Step until every request has its prompt computed (not timed)."""
+    sched = core.scheduler
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+        core.step()
+
+
+class ByMatrix:
+    """The block kernels' ``linear`` with each call's thread-or-wall time added up by
+    (block type, path, N, K, rows); stands in for ``packed._KERNELS``."""
+
+    PATHS = ("float", "int8", "int16")
+
+    def __init__(self, kernels: Any, clock: Callable[[], int]) -> None:
+        from structllm.kernels.packed import BLOCK_TYPES
+
+        self._kernels, self.clock = kernels, clock
+        self.active = False  # counting (the timed decode steps only)
+        self.names = {v: k for k, v in BLOCK_TYPES.items()}
+        self.ns: dict[tuple[str, str, int, int, int], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str, int, int, int], int] = defaultdict(int)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kernels, name)
+
+    def linear(self, x: Any, w: Any, code: int, mode: int) -> Any:
+        if not self.active:
+            return self._kernels.linear(x, w, code, mode)
+        t0 = self.clock()
+        y = self._kernels.linear(x, w, code, mode)
+        key = (
+            self.names[code],
+            self.PATHS[mode],
+            int(w.shape[0]),
+            int(x.shape[1]),
+            int(x.shape[0]),
+        )
+        self.ns[key] += self.clock() - t0
+        self.calls[key] += 1
+        return y
+
+    def summary(self, steps: int) -> list[dict[str, Any]]:
+        out = []
+        for key, ns in sorted(self.ns.items(), key=lambda kv: -kv[1]):
+            t, path, n, k, m = key
+            per_call = ns / self.calls[key] / 1000
+            out.append(
+                {
+                    "type": t,
+                    "path": path,
+                    "n": n,
+                    "k": k,
+                    "rows": m,
+                    "us_per_call": round(per_call, 1),
+                    "us_per_step": round(ns / steps / 1000, 1),
+                    "ns_per_row_block": round(per_call * 1000 / (n * k / 32), 2),
+                }
+            )
+        return out
+
+
 class GcTimer:
     """Python's garbage collections during the timed steps: count, total and longest
     (their time is also inside whichever part was running; not taken off it)."""
@@ -140,15 +207,26 @@ class GcTimer:
 
 
 def decode_steps(
-    core: Any, steps: int, seed: int, timers: Timers | None = None
+    core: Any,
+    steps: int,
+    seed: int,
+    timers: Timers | None = None,
+    rows: int = 1,
+    by_matrix: ByMatrix | None = None,
 ) -> tuple[list[int], list[dict[str, int]]]:
-    """Prefill (not timed), then ``steps`` decode steps: their wall times in ns and, with
-    ``timers``, each step's time per label."""
-    add_request(core, f"r{seed}", steps, seed)
-    core.step()  # the prompt
+    """Prefill ``rows`` requests (not timed), then ``steps`` decode steps of all of them:
+    their wall times in ns and, with ``timers``, each step's time per label. (Prompts are
+    prefilled in chunks beside other rows' decodes, so the requests stand at different
+    token counts: each may run ``steps + rows`` tokens and the rest are aborted.)"""
+    ids = [f"r{seed}-{i}" for i in range(rows)]
+    for i, rid in enumerate(ids):
+        add_request(core, rid, steps + (rows if rows > 1 else 0), seed * 1000 + i)
+    prefill(core)
     times, parts = [], []
     clock = timers.clock if timers is not None else time.perf_counter_ns
-    while core.has_work:
+    if by_matrix is not None:
+        by_matrix.active = True
+    for _ in range(steps):
         if timers is not None:
             timers.reset()
         t0 = clock()
@@ -156,15 +234,21 @@ def decode_steps(
         times.append(clock() - t0)
         if timers is not None:
             parts.append(dict(timers.ns))
+    if by_matrix is not None:
+        by_matrix.active = False
+    core.abort(ids)
+    while core.has_work:
+        core.step()
     return times, parts
 
 
 def kernels_alone(
-    model: Any, reps: int, clock: Callable[[], int]
+    model: Any, reps: int, clock: Callable[[], int], rows: int = 1
 ) -> tuple[float, dict[str, float]]:
-    """ns for every layer matmul and the LM head once at 1 row, back to back (median),
-    and the same split by block type and path (``Q5_0 int16``, ``head Q8_0 int16``...:
-    each matmul, a fused matrix's parts each, timed alone; medians summed per key)."""
+    """ns for every layer matmul and the LM head once at ``rows`` rows, back to back
+    (median), and the same split by block type and path (``Q5_0 int16``, ``head Q8_0
+    int16``...: each matmul, a fused matrix's parts each, timed alone; medians summed
+    per key)."""
     import torch
 
     from structllm.kernels.packed import INT8_TYPES, BlockWeight, MixedWeight, linear
@@ -189,8 +273,8 @@ def kernels_alone(
     with torch.inference_mode():
         for w, _, _ in jobs:
             k = w.shape[1] if hasattr(w, "shape") else h
-            inputs.setdefault(k, torch.randn(1, k))
-        for w, int8, _ in jobs:  # warm-up (shapes; the int down_proj input is [1, ffn])
+            inputs.setdefault(k, torch.randn(rows, k))
+        for w, int8, _ in jobs:  # warm-up (shapes; the int down_proj input is [rows, ffn])
             linear(inputs[_in_features(w, h)], w, int8_ok=int8)
         times = []
         for _ in range(reps):
@@ -261,33 +345,38 @@ def instrument(core: Any, timers: Timers) -> None:
 
 
 def engine_breakdown(
-    path: str | None, steps: int, threads: int | None, cpu_clock: bool
+    path: str | None, steps: int, threads: int | None, cpu_clock: bool, rows: int = 1
 ) -> dict[str, Any]:
     import torch
 
+    import structllm.kernels.packed as packed
     from structllm.config import EngineConfig
     from structllm.engine.core import EngineCore
 
-    core = EngineCore(EngineConfig(model=path, max_num_seqs=1, num_threads=threads))
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=rows, num_threads=threads))
     model = core.runner.model
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
-    decode_steps(core, 8, 1)  # warm-up
-    plain, _ = decode_steps(core, steps, 2, Timers(clock))  # (no timed parts: timers empty)
-    kern, kern_by_type = kernels_alone(model, 20, clock)
+    decode_steps(core, 8, 1, rows=rows)  # warm-up
+    plain, _ = decode_steps(core, steps, 2, Timers(clock), rows)  # (timers empty)
+    kern, kern_by_type = kernels_alone(model, 20, clock, rows)
     per_call = timer_cost(clock)
+    by_matrix = ByMatrix(packed._kernels(), clock)
+    packed._KERNELS = by_matrix
     timers = Timers(clock)
     instrument(core, timers)
     gc_timer = GcTimer(clock)
     gc.callbacks.append(gc_timer)
     try:
-        timed, per_step = decode_steps(core, steps, 3, timers)
+        timed, per_step = decode_steps(core, steps, 3, timers, rows, by_matrix)
     finally:
         gc.callbacks.remove(gc_timer)
+        packed._KERNELS = by_matrix._kernels
     calls = {k: v for k, v in timers.calls.items()}  # (the last step's)
     labels = {k for p in per_step for k in p}
     parts = {k: statistics.median(p.get(k, 0) for p in per_step) / 1000 for k in labels}
     return {
         "file": Path(path).name if path else "default",
+        "rows": rows,
         "threads": torch.get_num_threads(),
         "clock": "thread CPU" if cpu_clock else "wall",
         "step_us_plain_median": statistics.median(plain) / 1000,
@@ -300,13 +389,15 @@ def engine_breakdown(
         "parts_us": {k: round(v, 1) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
         "calls_per_step": calls,
         "gc": gc_timer.summary(len(timed)),
+        "by_matrix": [m for m in by_matrix.summary(len(timed)) if m["rows"] == rows],
     }
 
 
 def print_breakdown(b: dict[str, Any]) -> None:
     total = b["step_us_timed_median"]
     print(
-        f"{b['file']}: step {b['step_us_plain_median']:.0f} us plain, {total:.0f} us timed "
+        f"{b['file']}: {b['rows']} rows: step {b['step_us_plain_median']:.0f} us plain, "
+        f"{total:.0f} us timed "
         f"({b['clock']} time; medians, parts: each its median), torch threads {b['threads']}",
         file=sys.stderr,
     )
@@ -336,6 +427,13 @@ def print_breakdown(b: dict[str, Any]) -> None:
     )
     by_type = "  ".join(f"{k} {v:.0f}" for k, v in b.get("kernels_by_type_us", {}).items())
     print(f"  kernels by type (us, each alone): {by_type}", file=sys.stderr)
+    for m in b["by_matrix"]:
+        print(
+            f"  {m['type']:6s} {m['path']:5s} {m['n']:6d}x{m['k']:<5d} "
+            f"{m['us_per_call']:8.1f} us a call, {m['us_per_step']:8.1f} us a step, "
+            f"{m['ns_per_row_block']:6.2f} ns a row-block",
+            file=sys.stderr,
+        )
 
 
 def trace_steps(path: str, offset: int) -> list[tuple[int, int]]:
@@ -472,6 +570,7 @@ def main() -> int:
     )
     ap.add_argument("files", nargs="*", help="GGUF files (default: the default model)")
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=1, help="requests decoding together")
     ap.add_argument("--reps", type=int, default=3, help="--serve: streams per server")
     ap.add_argument("--threads", type=int, default=None, help="the engine's torch threads")
     ap.add_argument(
@@ -502,7 +601,7 @@ def main() -> int:
         row["load"] = [Path("/proc/loadavg").read_text().split()[0]]
         print(row["file"], file=sys.stderr)
         if not a.no_engine:
-            row["engine"] = engine_breakdown(path, a.steps, a.threads, a.cpu_clock)
+            row["engine"] = engine_breakdown(path, a.steps, a.threads, a.cpu_clock, a.rows)
             print_breakdown(row["engine"])
         if a.serve:
             row["serve"] = serve_compare(path, a)

@@ -119,7 +119,13 @@ def int16_min_m() -> int:
 # 97.7% / 98.4%).
 # The MLP holds three quarters of a layer's multiply-adds, so it keeps most of the gain.
 # Q8_0 weights stay on the int16 path (MLP in int8: 98.6%, under Q8_0's 99% bar), and so
-# does the LM head (see ``LlamaModel.compute_logits``).
+# does the LM head (see ``LlamaModel.compute_logits``). Measured again on llama-quantize's
+# files (test_gguf_kquants.py's set, against float32 of the same weights): int8 in the
+# Q8_0 gate/up only 99.06% on the Q8_0 file but 98.44% on the Q6_K file (its gate/up are
+# Q8_0; the MLP in int8, 97.9% / 98.44%): no int8 for 8-bit weights, though at 16 rows
+# the int16 GEMM costs ~1.4x the int8 one per weight row and block (bench/
+# step_breakdown.py --rows 16), the bulk of what a Q8_0 / Q6_K file's step costs more
+# than a Q4_1 one's.
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
 # So do Q4_K (unsigned nibbles with a minimum, as Q4_1) and the 5-bit types (Q5_0 is
 # most matrices of a small model's Q4_K_M file); not Q6_K (8-bit quants, as Q8_0).
