@@ -1,7 +1,8 @@
 r"""Every model family: load time, single-stream decode and batch-16 throughput.
 
 For each family's tiny test model (``tests/support/models.py``: the Hugging Face
-directory, and its Q8_0 GGUF file from llama.cpp's converter and llama-quantize) and
+directory, and its Q8_0 GGUF file from llama.cpp's converter and llama-quantize, or
+``--quant``'s type) and
 for the default model, on the exact path (``float32:none``) and the default one
 (``auto``: float16 weights for a directory, the file's blocks for GGUF), in one run:
 
@@ -32,7 +33,7 @@ load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barri
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
         [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
-        [--llama-threads 0,1]
+        [--llama-threads 0,1] [--quant Q4_K_M]
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
     ap.add_argument(
+        "--quant",
+        default="Q8_0",
+        help="llama-quantize's type for the families' GGUF files (Q8_0, Q4_0, Q4_K_M, ...)",
+    )
+    ap.add_argument(
         "--shapes",
         choices=("tiny", "bench"),
         default="tiny",
@@ -228,7 +234,8 @@ def main() -> None:
         if fam != "mistral":
             try:
                 f32 = llamacpp.convert_hf(gguf_source_dir(fam, files, **shape), "f32")
-                models.append((fam + " Q8_0", "gguf", llamacpp.quantize(f32, "Q8_0")))
+                gguf = llamacpp.quantize(f32, args.quant)
+                models.append((f"{fam} {args.quant}", "gguf", gguf))
             except llamacpp.ToolMissing as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
