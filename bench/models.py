@@ -18,8 +18,9 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
-``--shapes bench`` runs the MoE and Gemma 2 families at ``BENCH_SHAPES`` instead (hidden
-1024, 8 layers: the tests' models are 64 wide, and their steps time the interpreter);
+``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2 and Granite families at
+``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
+steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
 ops), ``--rounds N`` repeats every arm in turn.
@@ -62,6 +63,11 @@ _HEADS = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
 BENCH_SHAPES: dict[str, dict[str, object]] = {
     "mixtral": dict(_DENSE, **_HEADS, intermediate_size=1024, num_local_experts=8),
     "qwen3_moe": dict(_DENSE, **_HEADS, num_experts=8, moe_intermediate_size=768),
+    # dense families at the same size (their tests' widths vary: 32-64-wide heads)
+    "qwen3": dict(_DENSE, **_HEADS),
+    "gemma3": dict(_DENSE, **_HEADS, query_pre_attn_scalar=64),
+    "olmo2": dict(_DENSE, num_attention_heads=16, num_key_value_heads=4),
+    "granite": dict(_DENSE, num_attention_heads=16, num_key_value_heads=4),
     "gemma2": dict(
         _DENSE,
         num_attention_heads=8,
