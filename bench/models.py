@@ -1,7 +1,8 @@
 r"""Every model family: load time, single-stream decode and batch-16 throughput.
 
 For each family's tiny test model (``tests/support/models.py``: the Hugging Face
-directory, and its Q8_0 GGUF file from llama.cpp's converter and llama-quantize) and
+directory, and its Q8_0 GGUF file from llama.cpp's converter and llama-quantize, or
+``--quant``'s type) and
 for the default model, on the exact path (``float32:none``) and the default one
 (``auto``: float16 weights for a directory, the file's blocks for GGUF), in one run:
 
@@ -17,8 +18,9 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
-``--shapes bench`` runs the MoE and Gemma 2 families at ``BENCH_SHAPES`` instead (hidden
-1024, 8 layers: the tests' models are 64 wide, and their steps time the interpreter);
+``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2 and Granite families at
+``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
+steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
 ops), ``--rounds N`` repeats every arm in turn.
@@ -32,7 +34,7 @@ load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barri
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
         [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
-        [--llama-threads 0,1]
+        [--llama-threads 0,1] [--quant Q4_K_M]
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ _HEADS = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
 BENCH_SHAPES: dict[str, dict[str, object]] = {
     "mixtral": dict(_DENSE, **_HEADS, intermediate_size=1024, num_local_experts=8),
     "qwen3_moe": dict(_DENSE, **_HEADS, num_experts=8, moe_intermediate_size=768),
+    # dense families at the same size (their tests' widths vary: 32-64-wide heads)
+    "qwen3": dict(_DENSE, **_HEADS),
+    "gemma3": dict(_DENSE, **_HEADS, query_pre_attn_scalar=64),
+    "olmo2": dict(_DENSE, num_attention_heads=16, num_key_value_heads=4),
+    "granite": dict(_DENSE, num_attention_heads=16, num_key_value_heads=4),
     "gemma2": dict(
         _DENSE,
         num_attention_heads=8,
@@ -209,6 +216,11 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
     ap.add_argument(
+        "--quant",
+        default="Q8_0",
+        help="llama-quantize's type for the families' GGUF files (Q8_0, Q4_0, Q4_K_M, ...)",
+    )
+    ap.add_argument(
         "--shapes",
         choices=("tiny", "bench"),
         default="tiny",
@@ -228,7 +240,8 @@ def main() -> None:
         if fam != "mistral":
             try:
                 f32 = llamacpp.convert_hf(gguf_source_dir(fam, files, **shape), "f32")
-                models.append((fam + " Q8_0", "gguf", llamacpp.quantize(f32, "Q8_0")))
+                gguf = llamacpp.quantize(f32, args.quant)
+                models.append((f"{fam} {args.quant}", "gguf", gguf))
             except llamacpp.ToolMissing as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()

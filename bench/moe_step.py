@@ -1,8 +1,10 @@
 r"""A mixture-of-experts decode step: the experts in one native call per layer
 (``cpu_moe.cpp``) against the per-expert Python loop it replaced, in one process,
-alternating step by step (A/B/A/B), at one and at ``--batch`` running sequences.
+alternating step by step (A/B/B/A: no arm always on even steps), at one and at
+``--batch`` running sequences.
 
-Prints the median step time of each arm, their ratio and the load average, and the
+Prints the median and the fastest step time of each arm (under load a median includes
+waits for descheduled threads), their ratio and the load average, and the
 weight bytes of the dense matrices, the head and one expert per layer (a batch-1 step
 reads the dense ones, the head and ``top_k`` experts per layer).
 
@@ -14,7 +16,14 @@ layer) at the row kernel's speed, measured in the same run: one row through ever
 expert matrix in turn, a ``linear`` call each (more bytes than the caches hold, so they
 stream from memory, as a step's do).
 
-    python bench/moe_step.py MODEL.gguf [--batch 16] [--steps 24] [--split]
+With ``--kernels``, one layer's experts at each batch size (its router's choices for
+random hidden states) as the native call against the same block kernels called once per
+used expert and matrix from Python (``packed.linear``: each on both threads), fastest of
+``--reps`` runs each, interleaved: whether the native call costs what its kernels cost
+(each expert's weights read once for all its tokens, both threads busy), and the
+tokens per expert the kernels see.
+
+    python bench/moe_step.py MODEL.gguf [--batch 16] [--steps 24] [--split] [--kernels]
 """
 
 from __future__ import annotations
@@ -103,6 +112,45 @@ def row_kernel_bytes_per_s(model: Any, passes: int = 3) -> float:
     return sum(weight_bytes(w) for w, _ in mats) / best
 
 
+def layer_kernels(model: Any, batch: int, reps: int) -> str:
+    """The first MoE layer's experts at ``batch`` tokens: the native call against the
+    per-expert kernel calls it stands for (fastest of ``reps``, interleaved)."""
+    import torch
+
+    from structllm.kernels.packed import linear
+
+    moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+    native = moe.native_experts()
+    torch.manual_seed(batch)
+    h = torch.randn(batch, moe.hidden)
+    weights, chosen = moe.route(h, True)
+    counts = torch.bincount(chosen.flatten(), minlength=len(moe.experts)).tolist()
+    xs = {m: (torch.randn(m, moe.hidden), torch.randn(m, moe.ffn)) for m in counts if m}
+
+    def kernels() -> None:
+        for e, m in enumerate(counts):
+            if m:
+                linear(xs[m][0], moe.experts[e].gate_up_proj, int8_ok=True)
+                linear(xs[m][1], moe.experts[e].down_proj, int8_ok=True)
+
+    arms: dict[str, Callable[[], Any]] = {
+        "native": lambda: native.forward(h, chosen, weights),
+        "kernels": kernels,
+    }
+    best = dict.fromkeys(arms, float("inf"))
+    for _ in range(reps):
+        for name, fn in arms.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return (
+        f"   one layer's experts, tokens per expert {counts}: "
+        f"native {best['native'] * 1e3:.3f} ms, "
+        f"its kernels called per expert {best['kernels'] * 1e3:.3f} ms "
+        f"(native/kernels {best['native'] / best['kernels']:.2f}x, fastest of {reps})"
+    )
+
+
 def head_of(model: Any) -> Any:
     """The weight the head's matmul reads (its packed copy, if any)."""
     if model._packed_head is not None:
@@ -133,7 +181,7 @@ def arm_steps(
         llm.engine.step()
     times: dict[str, list[float]] = defaultdict(list)
     for s in range(steps):
-        arm = "native" if s % 2 == 0 else "loop"
+        arm = "native" if s % 4 in (0, 3) else "loop"  # A/B/B/A
         for m, n in zip(moes, native, strict=True):
             m.native = n if arm == "native" else False
         parts: dict[str, float] = defaultdict(float)
@@ -160,6 +208,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--split", action="store_true", help="split the native arm's steps")
+    ap.add_argument("--kernels", action="store_true", help="one layer: native call vs its kernels")
+    ap.add_argument("--reps", type=int, default=40, help="--kernels: runs of each arm")
     args = ap.parse_args()
     llm = LLM(args.model, kv_cache_memory=256 << 20, max_num_seqs=32)
     global _LLM
@@ -193,6 +243,13 @@ def main() -> None:
             f"alternating; load {load})",
             flush=True,
         )
+        # under load a median step includes waits for descheduled threads; the fastest
+        # step of each arm is the one that ran undisturbed
+        fast_nat, fast_loop = (min(times[a]) * 1e3 for a in ("native", "loop"))
+        print(
+            f"   fastest step: native {fast_nat:.2f} ms, loop {fast_loop:.2f} ms, "
+            f"loop/native {fast_loop / fast_nat:.2f}x"
+        )
         if args.split:
             mean = statistics.mean(times["native"])
             shares = {p: statistics.mean(times[p]) for p in SPLIT_PARTS}
@@ -211,6 +268,8 @@ def main() -> None:
                     f"{statistics.median(times['experts']) * 1e3:.2f} ms against "
                     f"{k * expert_bytes / bps * 1e3:.2f} ms for {k} experts' bytes"
                 )
+        if args.kernels:
+            print(layer_kernels(model, batch, args.reps), flush=True)
     llm.close()
 
 
