@@ -195,3 +195,24 @@ def test_adaptive_drafter_lengthens_shortens_and_pauses() -> None:
     assert r.spec_resume_at == r.num_output_tokens + 2 * speculative.PAUSE_MIN  # doubled
     d.finish(r)
     assert "a" not in d.estimates
+
+
+def test_untrusted_request_drafts_only_from_a_long_match() -> None:
+    """Until its estimate reaches TRUSTED_ALPHA a request drafts only from a match of
+    MIN_MATCH tokens (short matches on open text are rejected half the time); then from
+    any match the proposer finds."""
+    d = Drafter(SpeculativeConfig())
+    d.step_cost = COST
+    short = [1, 2, 50, 60, 70, 80, 1, 2]  # the tail "1 2" matched: 2 tokens
+    long_ = [1, 2, 3, 4, 50, 60, 70, 80, 1, 2, 3, 4]  # "1 2 3 4": MIN_MATCH tokens
+    assert speculative.MIN_MATCH == 4
+    r = req("a", short, prompt_len=6)
+    assert d.drafts(r, room=10, num_running=1) == []
+    assert r.spec_resume_at == 0  # no pause: it waits for a longer match
+    assert d.drafts(req("b", long_, prompt_len=10), room=10, num_running=1) == [50]
+    d.record(r, [50], [50, 0])  # one accepted chunk: alpha 0.75, trusted
+    assert d.estimates["a"].alpha >= speculative.TRUSTED_ALPHA
+    assert d.drafts(r, room=10, num_running=1) != []
+    # without a cost table (fixed length) the gate does not apply
+    fixed = Drafter(SpeculativeConfig())
+    assert fixed.drafts(req("c", short, prompt_len=6), room=10, num_running=1) == short[2:]
