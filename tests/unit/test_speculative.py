@@ -216,3 +216,27 @@ def test_untrusted_request_drafts_only_from_a_long_match() -> None:
     # without a cost table (fixed length) the gate does not apply
     fixed = Drafter(SpeculativeConfig())
     assert fixed.drafts(req("c", short, prompt_len=6), room=10, num_running=1) == short[2:]
+
+
+def test_step_cost_table_follows_the_kernel_isa() -> None:
+    """The drafter's cost table is the one measured for the ISA the block kernels are
+    built for: 5 rows on AVX2 (its row kernel's limit), 8 on AVX-512."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from structllm.engine import core; from structllm.kernels.cpu_ext import best_isa; "
+        "print(best_isa(), len(core.DRAFT_STEP_COST), core.DRAFT_STEP_ROWS, "
+        "core.DRAFT_STEP_COST == core.DRAFT_STEP_COSTS[best_isa() or 'avx2'])"
+    )
+    env = {**os.environ, "STRUCTLLM_CPU_ISA": "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[1:] == ["5", "5", "True"] and out[0] in ("avx2", "None")
+    from structllm.engine import core
+
+    assert [len(t) for t in core.DRAFT_STEP_COSTS.values()] == [8, 5]
+    for table in core.DRAFT_STEP_COSTS.values():  # 1 row is the unit; more rows cost more
+        assert table[0] == 1.0 and list(table) == sorted(table)
