@@ -39,10 +39,10 @@ requests and none past a request's ``max_tokens``. How many, by one of two rules
   the AVX-512 row kernel), one with mixed luck 1-3, and a crowded step none. A request
   whose ``alpha`` falls to where even one draft alone does not pay pauses drafting for
   ``PAUSE_MIN`` output tokens, doubled at each pause in a row up to ``PAUSE_MAX``, and
-  resumes from the prior. Until its ``alpha`` reaches ``TRUSTED_ALPHA`` a request
-  drafts only from a match of ``MIN_MATCH`` tokens or more (the proposer's
-  ``last_match``), so open text, where short matches miss, rarely pays a rejected
-  chunk.
+  resumes from the prior. While its ``alpha`` is below the prior's
+  (``TRUSTED_ALPHA``) a request drafts only from a match of ``MIN_MATCH`` tokens or
+  more (the proposer's ``last_match``), so open text, where short matches miss, pays
+  fewer rejected chunks.
 - Without one (other devices, float weights): ``num_speculative_tokens`` drafts, and
   none for a request whose drafts were accepted at less than ``min_acceptance`` over
   ``acceptance_window`` drafted tokens (it tries again after ``4 * acceptance_window``
@@ -279,16 +279,17 @@ def accept(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
 PRIOR_HITS, PRIOR_TRIALS = 0.5, 1.0
 DECAY = 0.6  # weight of the earlier chunks' counts at each new chunk
 PAUSE_MIN, PAUSE_MAX = 16, 256  # output tokens without drafts after alpha fell
-# With the cost table, a request drafts only from a match of at least MIN_MATCH tokens
-# until its estimate reaches TRUSTED_ALPHA (a fully accepted chunk or two from the prior);
-# then from any match. Open chat (bench/speculative.py, default model, 16 chats x 128
-# tokens, c=1): from a 2-token match half the drafts were rejected outright, and each
-# rejected chunk is a token later than plain decoding's (the chat ITL p99); requiring
-# 4 tokens (trusted from 0.7) cut the rejected chunks from 71 to 14 (3.7% -> 0.7% of the
-# tokens; modelled decode speed-up 1.12x -> 1.10x), while
-# copied text keeps most of its gain (modelled 1.95x -> 1.87x, grounded x 256 tokens).
+# With the cost table, a request whose estimate is below TRUSTED_ALPHA (the prior's:
+# a draft of it was rejected more recently than others were accepted) drafts only from
+# a match of at least MIN_MATCH tokens. Open chat (bench/speculative.py's chats, c=1):
+# from a 2-token match half the drafts were rejected outright, each a token later than
+# plain decoding's (what sets the chat ITL p99); gating every request until it reached
+# 0.7 cut rejected chunks from 3.7% to 0.7% of chat tokens but cost copied text 13%
+# (interleaved, load ~8: grounded 1.73x -> 1.51x tok/s); gating below the prior kept
+# grounded (1.70x vs 1.70x, decode 2.08x vs 1.90x) and chat's ITL p99 went from 1.07x
+# to 0.99x plain decoding's (pooled over 2 rounds; chat tok/s 1.15x -> 1.07x; noisy).
 MIN_MATCH = 4
-TRUSTED_ALPHA = 0.7
+TRUSTED_ALPHA = PRIOR_HITS / PRIOR_TRIALS
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -198,23 +198,33 @@ def test_adaptive_drafter_lengthens_shortens_and_pauses() -> None:
 
 
 def test_untrusted_request_drafts_only_from_a_long_match() -> None:
-    """Until its estimate reaches TRUSTED_ALPHA a request drafts only from a match of
-    MIN_MATCH tokens (short matches on open text are rejected half the time); then from
-    any match the proposer finds."""
+    """A request whose estimate fell below the prior's (TRUSTED_ALPHA) drafts only from
+    a match of MIN_MATCH tokens (short matches on open text are rejected half the time);
+    a fresh one, or one whose drafts are accepted, from any match."""
     d = Drafter(SpeculativeConfig())
     d.step_cost = COST
     short = [1, 2, 50, 60, 70, 80, 1, 2]  # the tail "1 2" matched: 2 tokens
     long_ = [1, 2, 3, 4, 50, 60, 70, 80, 1, 2, 3, 4]  # "1 2 3 4": MIN_MATCH tokens
     assert speculative.MIN_MATCH == 4
     r = req("a", short, prompt_len=6)
+    assert d.drafts(r, room=10, num_running=1) == [50]  # fresh: the prior's k=1
+    d.record(r, [50], [7])  # rejected: alpha 0.25, below the prior
+    assert d.estimates["a"].alpha < speculative.TRUSTED_ALPHA
     assert d.drafts(r, room=10, num_running=1) == []
     assert r.spec_resume_at == 0  # no pause: it waits for a longer match
-    assert d.drafts(req("b", long_, prompt_len=10), room=10, num_running=1) == [50]
-    d.record(r, [50], [50, 0])  # one accepted chunk: alpha 0.75, trusted
-    assert d.estimates["a"].alpha >= speculative.TRUSTED_ALPHA
-    assert d.drafts(r, room=10, num_running=1) != []
+    g = req("b", long_, prompt_len=10)
+    assert d.drafts(g, room=10, num_running=1) == [50]
+    d.record(g, [50], [7])
+    assert d.estimates["b"].alpha < speculative.TRUSTED_ALPHA
+    assert d.drafts(g, room=10, num_running=1) == [50]  # a long match still drafts
+    d.record(g, [50], [50, 0])
+    d.record(g, [50], [50, 0])  # accepted again: trusted
+    assert d.estimates["b"].alpha >= speculative.TRUSTED_ALPHA
+    d.estimates["s"] = d.estimates["b"]  # a request as trusted, at a 2-token match
+    assert d.drafts(req("s", short, prompt_len=6), room=10, num_running=1) != []
     # without a cost table (fixed length) the gate does not apply
     fixed = Drafter(SpeculativeConfig())
+    fixed.record(r, [50], [7])
     assert fixed.drafts(req("c", short, prompt_len=6), room=10, num_running=1) == short[2:]
 
 
