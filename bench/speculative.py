@@ -41,8 +41,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-
 CHAT = [
     "What are three good habits for a new programmer?",
     "Write a short poem about the sea at night.",
@@ -63,16 +61,13 @@ CHAT = [
 ]
 
 
-def grounded_prompts(tokenizer: Any) -> list[list[dict[str, str]]]:
-    """Four input-grounded chats, each source cut to about 300-450 tokens."""
-
-    def cut(text: str, tokens: int) -> str:
-        ids = tokenizer.encode(text)[:tokens]
-        return str(tokenizer.decode(ids))
-
-    code = cut((REPO / "structllm/engine/kv_cache.py").read_text(), 420)
-    prose = cut((REPO / "docs/architecture.md").read_text().split("## Engine")[0][-3000:], 380)
-    doc = cut((REPO / "README.md").read_text(), 450)
+def grounded_prompts() -> list[list[dict[str, str]]]:
+    """Four input-grounded chats over fixed sources (prompts of 430-560 tokens): a code
+    file (420 tokens), a page of prose (380) and a README's opening (450), frozen in
+    ``bench/speculative_texts.json`` so edits to the repository do not change the
+    workload, and a JSON object built here."""
+    texts = json.loads((Path(__file__).with_name("speculative_texts.json")).read_text())
+    code, prose, doc = texts["code"], texts["prose"], texts["doc"]
     obj = {
         "id": "req-0042",
         "status": "pending",
@@ -362,7 +357,7 @@ def main() -> None:
     tok = llm.tokenizer
     work: dict[str, tuple[list[list[int]], int, list[int]]] = {}
     if "grounded" in a.workloads:
-        prompts = [tok.encode_chat(m) for m in grounded_prompts(tok)]
+        prompts = [tok.encode_chat(m) for m in grounded_prompts()]
         work["grounded"] = (
             prompts,
             a.grounded_tokens,

@@ -195,3 +195,58 @@ def test_adaptive_drafter_lengthens_shortens_and_pauses() -> None:
     assert r.spec_resume_at == r.num_output_tokens + 2 * speculative.PAUSE_MIN  # doubled
     d.finish(r)
     assert "a" not in d.estimates
+
+
+def test_untrusted_request_drafts_only_from_a_long_match() -> None:
+    """A request whose estimate fell below the prior's (TRUSTED_ALPHA) drafts only from
+    a match of MIN_MATCH tokens (short matches on open text are rejected half the time);
+    a fresh one, or one whose drafts are accepted, from any match."""
+    d = Drafter(SpeculativeConfig())
+    d.step_cost = COST
+    short = [1, 2, 50, 60, 70, 80, 1, 2]  # the tail "1 2" matched: 2 tokens
+    long_ = [1, 2, 3, 4, 50, 60, 70, 80, 1, 2, 3, 4]  # "1 2 3 4": MIN_MATCH tokens
+    assert speculative.MIN_MATCH == 4
+    r = req("a", short, prompt_len=6)
+    assert d.drafts(r, room=10, num_running=1) == [50]  # fresh: the prior's k=1
+    d.record(r, [50], [7])  # rejected: alpha 0.25, below the prior
+    assert d.estimates["a"].alpha < speculative.TRUSTED_ALPHA
+    assert d.drafts(r, room=10, num_running=1) == []
+    assert r.spec_resume_at == 0  # no pause: it waits for a longer match
+    g = req("b", long_, prompt_len=10)
+    assert d.drafts(g, room=10, num_running=1) == [50]
+    d.record(g, [50], [7])
+    assert d.estimates["b"].alpha < speculative.TRUSTED_ALPHA
+    assert d.drafts(g, room=10, num_running=1) == [50]  # a long match still drafts
+    d.record(g, [50], [50, 0])
+    d.record(g, [50], [50, 0])  # accepted again: trusted
+    assert d.estimates["b"].alpha >= speculative.TRUSTED_ALPHA
+    d.estimates["s"] = d.estimates["b"]  # a request as trusted, at a 2-token match
+    assert d.drafts(req("s", short, prompt_len=6), room=10, num_running=1) != []
+    # without a cost table (fixed length) the gate does not apply
+    fixed = Drafter(SpeculativeConfig())
+    fixed.record(r, [50], [7])
+    assert fixed.drafts(req("c", short, prompt_len=6), room=10, num_running=1) == short[2:]
+
+
+def test_step_cost_table_follows_the_kernel_isa() -> None:
+    """The drafter's cost table is the one measured for the ISA the block kernels are
+    built for: 5 rows on AVX2 (its row kernel's limit), 8 on AVX-512."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from structllm.engine import core; from structllm.kernels.cpu_ext import best_isa; "
+        "print(best_isa(), len(core.DRAFT_STEP_COST), core.DRAFT_STEP_ROWS, "
+        "core.DRAFT_STEP_COST == core.DRAFT_STEP_COSTS[best_isa() or 'avx2'])"
+    )
+    env = {**os.environ, "STRUCTLLM_CPU_ISA": "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[1:] == ["5", "5", "True"] and out[0] in ("avx2", "None")
+    from structllm.engine import core
+
+    assert [len(t) for t in core.DRAFT_STEP_COSTS.values()] == [8, 5]
+    for table in core.DRAFT_STEP_COSTS.values():  # 1 row is the unit; more rows cost more
+        assert table[0] == 1.0 and list(table) == sorted(table)
