@@ -107,6 +107,25 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+def hf_greedy_along(model: Any, ids: list[int], tokens: list[int], n: int) -> list[int]:
+    """What ``hf_greedy(model, ids, n)`` returns, checked along ``tokens`` (another
+    engine's greedy continuation) by one teacher-forced forward pass instead of ``n``
+    decode steps: while the steps before agreed, greedy step ``i`` sees
+    ``ids + tokens[:i]``, so it picks the argmax of that pass's row ``len(ids) + i - 1``.
+    Up to the first disagreement the result is ``tokens``; there it ends with
+    transformers' own token (what would follow is not this pass's to say)."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    seq = ids + tokens[: n - 1]
+    picks = hf_logits(model, seq)[len(ids) - 1 :].argmax(-1).tolist()  # [min(len(tokens)+1, n)]
+    out: list[int] = []
+    for i, pick in enumerate(picks):
+        out.append(pick)
+        if pick in eos or i >= len(tokens) or pick != tokens[i]:
+            break  # generate stops at EOS; past a disagreement this pass says nothing
+    return out
+
+
 def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
