@@ -144,6 +144,8 @@ def write_tiny_gguf(
     ``vocab`` tokens and the merges among them, a BPE tokenizer in its own right)."""
     import gguf
 
+    from structllm.model.gguf import open_gguf
+
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_name("tiny")
@@ -158,7 +160,7 @@ def write_tiny_gguf(
     )
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    src = gguf.GGUFReader(str(source_gguf))
+    src = open_gguf(source_gguf)  # gguf's reader, its arrays read in one pass (~5 s less)
     kept = set(src.fields["tokenizer.ggml.tokens"].contents()[:vocab])
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
         field = src.fields[key]
