@@ -79,9 +79,13 @@ def no_shm_leaks() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def chat_sequences(llm, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
+def chat_sequences(request, default_files, tokenizer) -> list[tuple[list[int], int]]:  # type: ignore[no-untyped-def]
     """The fixed chat set with the exact float32 default model's greedy continuations
-    (tests/support/chats.py), generated once for every agreement test."""
-    from tests.support.chats import teacher_forced_chats
+    (tests/support/chats.py), generated once for every agreement test and kept in the
+    structllm cache (the ``llm`` fixture is loaded only to generate them)."""
+    from structllm.model.files import cache_key, default_model_path
+    from tests.support.chats import cached_teacher_forced_chats
 
-    return teacher_forced_chats(llm, tokenizer)
+    return cached_teacher_forced_chats(
+        tokenizer, cache_key(default_model_path()), lambda: request.getfixturevalue("llm")
+    )

@@ -1,10 +1,15 @@
 """The fixed chat set of the default model's agreement tests (test_quant_model.py,
 test_gguf_kquants.py): a text for perplexity, 32 chat prompts, and float32's greedy
 continuations of them (teacher forcing: every format is scored on the tokens the
-float32 model chose), generated once per session (fixture ``chat_sequences``)."""
+float32 model chose), generated once and kept in the structllm cache (fixture
+``chat_sequences``)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections.abc import Callable
 from typing import Any
 
 TEXT = (
@@ -65,3 +70,32 @@ def teacher_forced_chats(llm: Any, tokenizer: Any) -> list[tuple[list[int], int]
     )
     text = tokenizer.encode(TEXT)
     return [(text, 0)] + [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs, strict=True)]
+
+
+def cached_teacher_forced_chats(
+    tokenizer: Any, model_key: str, make_llm: Callable[[], Any]
+) -> list[tuple[list[int], int]]:
+    """``teacher_forced_chats`` of the exact float32 model ``make_llm()`` builds, read from
+    the structllm cache when this model file (``model_key``: its cache key), these
+    prompts as tokenized and this torch made them before; the model is built only on a
+    miss. The continuations are only the text every format is scored on (each test
+    computes its own reference logits on them), so a cached copy claims nothing less."""
+    import torch
+
+    from structllm.paths import cache_root
+
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
+    ident = json.dumps([model_key, torch.__version__, N_GREEDY, tokenizer.encode(TEXT), prompts])
+    out = (
+        cache_root()
+        / "test-models"
+        / f"chats-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json"
+    )
+    if out.is_file():
+        return [(ids, start) for ids, start in json.loads(out.read_text())]
+    seqs = teacher_forced_chats(make_llm(), tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(seqs))
+    os.replace(tmp, out)  # whole or absent, whichever process writes it
+    return seqs
