@@ -67,6 +67,14 @@ def probes(model: Any, ops: Any, big: Any) -> dict[str, float]:
     return out
 
 
+def set_arm(quant: Any, threads: int, prefetch: bool) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    if hasattr(quant, "prefetch_hints"):
+        quant.prefetch_hints(prefetch)
+
+
 def run_file(path: str | None, steps: int, rounds: int, rows: int) -> None:
     import torch
 
@@ -79,37 +87,45 @@ def run_file(path: str | None, steps: int, rounds: int, rows: int) -> None:
     ops = cpu_ext.load_layer()
     big = torch.ones(64 << 20)
     decode_steps(core, 8, 1, rows=rows)  # warm-up
-    res: dict[tuple[str, int], list[float]] = defaultdict(list)
+    quant = cpu_ext.load_quant()
+    # arms: threads, and whether the workers prefetch the next matmul's weights
+    arms = [(1, True), (2, True)] + ([(2, False)] if hasattr(quant, "prefetch_hints") else [])
+    res: dict[tuple[str, Any], list[float]] = defaultdict(list)
     load0 = Path("/proc/loadavg").read_text().split()[0]
     for r in range(rounds):
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            plain, _ = decode_steps(core, steps, 10 + r * 2 + t, rows=rows)
-            res[("step plain", t)].append(statistics.median(plain) / 1000)
+        for i, arm in enumerate(arms):
+            set_arm(quant, *arm)
+            plain, _ = decode_steps(core, steps, 10 + r * 3 + i, rows=rows)
+            res[("step plain", arm)].append(statistics.median(plain) / 1000)
             with torch.inference_mode():
                 for k, v in probes(model, ops, big).items():
-                    res[(k, t)].append(v)
+                    res[(k, arm)].append(v)
     timers = Timers()
     instrument(core, timers)  # from here on every step is timed
     for r in range(rounds):
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            timed, parts = decode_steps(core, steps, 100 + r * 2 + t, timers, rows)
-            res[("step timed", t)].append(statistics.median(timed) / 1000)
+        for i, arm in enumerate(arms):
+            set_arm(quant, *arm)
+            timed, parts = decode_steps(core, steps, 100 + r * 3 + i, timers, rows)
+            res[("step timed", arm)].append(statistics.median(timed) / 1000)
             for label in {k for p in parts for k in p}:
-                res[(f"  {label}", t)].append(
+                res[(f"  {label}", arm)].append(
                     statistics.median(p.get(label, 0) for p in parts) / 1000
                 )
-    torch.set_num_threads(2)
+    set_arm(quant, 2, True)
     load1 = Path("/proc/loadavg").read_text().split()[0]
     name = Path(path).name if path else "default"
     print(f"{name}: {rows} rows, wall us (min over {rounds} rounds), load {load0} -> {load1}")
     keys = list(dict.fromkeys(k for k, _ in res))
+    if len(arms) > 2:
+        print("  (2t-: two threads, the workers not prefetching the next matmul's weights)")
     for k in keys:
-        a, b = min(res[(k, 1)]), min(res[(k, 2)])
+        a, b = min(res[(k, (1, True))]), min(res[(k, (2, True))])
         extra = ""
+        if len(arms) > 2:
+            c = min(res[(k, (2, False))])
+            extra += f"  2t- {c:9.1f}  x{a / c:5.2f}"
         if k == "pool probe":
-            extra = f"  (dispatch ~{b - a / 2:.1f} us)"
+            extra += f"  (dispatch ~{b - a / 2:.1f} us)"
         print(f"  {k:24s} 1t {a:9.1f}  2t {b:9.1f}  x{a / b:5.2f}{extra}")
 
 
