@@ -55,7 +55,8 @@ class Pool {
   // run() is seen after that loop).
   void prefetch_next(const void* p, int64_t bytes) {
     hint_bytes_.store(bytes, std::memory_order_relaxed);
-    hint_.store(p, std::memory_order_release);
+    hint_.store(p, std::memory_order_relaxed);
+    hint_serial_.fetch_add(1, std::memory_order_release);
   }
 
   template <class F>
@@ -172,17 +173,22 @@ class Pool {
   }
 
   // Until loop `gen` is followed by another, prefetches this worker's share of the
-  // hinted bytes (see prefetch_next). A prefetch never faults, so a stale hint (its
-  // memory freed since) costs only the cache lines.
+  // hinted bytes (see prefetch_next), from where its last pass over the same hint
+  // stopped: lines are fetched once per hint, not again after every loop between two
+  // matmuls (a mixture-of-experts layer's expert loops stream weights of their own). A
+  // prefetch never faults, so a stale hint (its memory freed since) costs only the lines.
   void prefetch_hinted(uint32_t gen, int index) {
-    const char* p = static_cast<const char*>(hint_.load(std::memory_order_acquire));
+    const uint64_t serial = hint_serial_.load(std::memory_order_acquire);
+    const char* p = static_cast<const char*>(hint_.load(std::memory_order_relaxed));
     const int64_t bytes = hint_bytes_.load(std::memory_order_relaxed);
-    const int workers = static_cast<int>(workers_count_.load(std::memory_order_relaxed));
+    const int workers = workers_count_.load(std::memory_order_relaxed);
     if (p == nullptr || bytes <= 0 || index >= workers) return;
+    if (serial != done_serial_) done_serial_ = serial, done_offset_ = 0;  // a new hint
     const int64_t begin = bytes * index / workers, end = bytes * (index + 1) / workers;
-    for (int64_t off = begin; off < end; off += kPrefetchStep) {
+    for (int64_t off = begin + done_offset_; off < end; off += kPrefetchStep) {
       if (epoch_.load(std::memory_order_relaxed) != gen) return;  // the next loop is here
       for (int64_t i = off; i < std::min(end, off + kPrefetchStep); i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+      done_offset_ = off + kPrefetchStep - begin;
     }
   }
 
@@ -207,6 +213,10 @@ class Pool {
   std::atomic<int> workers_count_{0};  // workers_.size(), for the workers to read
   std::atomic<const void*> hint_{nullptr};  // prefetch_next's
   std::atomic<int64_t> hint_bytes_{0};
+  std::atomic<uint64_t> hint_serial_{0};  // one more at every prefetch_next
+  // a worker's progress through the hint numbered done_serial_ (its own)
+  static inline thread_local uint64_t done_serial_ = 0;
+  static inline thread_local int64_t done_offset_ = 0;
   static inline thread_local bool in_chunk_ = false;
 };
 
