@@ -16,6 +16,8 @@ reads it every loop), so that both arms see the same load:
   time - (1-thread time) / 2 is what one dispatch costs (wake, claims, join);
 - ``stream``: a float32 sum over 256 MB (torch's threads): memory bandwidth.
 
+Where the quant module has ``prefetch_hints``, a third arm ``2t-`` runs two threads with
+the workers not prefetching the next matmul's weights (``cpu_pool.h``), to measure them.
 Prints per item the 1- and 2-thread medians (min over rounds) and the speed-up, and
 the load average: the figures are wall time, so a loaded machine makes them noisy.
 """
