@@ -63,6 +63,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -1617,6 +1618,23 @@ constexpr LinearFn kLinears[NTYPES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PAT
 
 // x [M, K] float32, w [N, K/32 * block_bytes] uint8 -> [M, N] float32.
 // mode: 0 float path, 1 int8 path, 2 int16 path (x quantised to 8 / 16 bits per block).
+// The weight that followed each weight's last matmul (a decode step calls its matrices in
+// the same order every step), handed to the pool before the matmul so that its workers
+// prefetch it while the caller runs the Python and small ops up to the next matmul
+// (Pool::prefetch_next). Called with the GIL held, so one caller at a time.
+bool g_hints = true;  // prefetch_hints(False): off (to measure what they buy)
+
+void hint_next(const uint8_t* wp, int64_t bytes) {
+  if (!g_hints) return;
+  static std::unordered_map<const void*, std::pair<const void*, int64_t>> next_of;
+  static const void* last = nullptr;
+  if (next_of.size() > 65536) next_of.clear();  // weights come and go (tests): stay bounded
+  if (last != nullptr) next_of[last] = {wp, bytes};
+  last = wp;
+  const auto it = next_of.find(wp);
+  if (it != next_of.end()) sl::pool().prefetch_next(it->second.first, it->second.second);
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mode) {
   TORCH_CHECK(mode >= 0 && mode <= 2, "quant_linear: mode must be 0 (float), 1 (int8) or 2 (int16)");
   const int64_t K = checked_k(w, type);
@@ -1628,6 +1646,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t mod
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  hint_next(wp, w.numel());
   kLinears[type][mode](xp, wp, op, M, N, K);
   return out;
 }
@@ -1669,6 +1688,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("linear", &linear, "x @ W^T with W in GGUF blocks (type codes: packed.BLOCK_TYPES); mode 0 float, 1 int8, 2 int16");
   m.def("dequantize", &dequantize, "GGUF blocks -> float32 rows");
+  m.def("prefetch_hints", [](bool on) { g_hints = on; if (!on) sl::pool().prefetch_next(nullptr, 0); },
+        "whether the pool's workers prefetch the next matmul's weights (default on)");
   m.def("isa", &isa, "the instruction set this build targets");
   m.def("kernel_table", &kernel_table, "the [type][mode] matmul functions, for cpu_moe.cpp");
 }

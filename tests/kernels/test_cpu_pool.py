@@ -83,3 +83,27 @@ def test_a_forked_child_without_workers_still_finishes_every_loop() -> None:
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_prefetch_hints_change_no_result_and_survive_a_freed_weight() -> None:
+    """The workers prefetch the weight that followed the current one last time
+    (``hint_next``); a hint to memory freed since must cost nothing but cache lines, and
+    the results are the same with hints on and off."""
+    module = cpu_ext.load_quant()
+    a, b = block_weight(1024, 576, seed=1), block_weight(4096, 576, seed=2)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(3))
+    torch.set_num_threads(1)
+    want = module.linear(x, a.raw, a.code, INT16)
+    torch.set_num_threads(2)
+    try:
+        for _ in range(3):  # learns a -> b, b -> a
+            module.linear(x, a.raw, a.code, INT16)
+            module.linear(x, b.raw, b.code, INT16)
+        del b  # a's hint now points at freed memory (large: returned to the system)
+        for on in (True, False, True):
+            module.prefetch_hints(on)
+            for _ in range(20):
+                assert torch.equal(module.linear(x, a.raw, a.code, INT16), want), on
+    finally:
+        module.prefetch_hints(True)
