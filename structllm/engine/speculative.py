@@ -124,6 +124,10 @@ def ngram_draft(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[i
 
 
 class Proposer(Protocol):
+    # the length of the match the latest proposal came from (the drafter's gate for
+    # requests not yet trusted: MIN_MATCH)
+    last_match: int
+
     def propose(self, req: Request, k: int) -> list[int]:
         """Up to ``k`` drafts to follow ``req.token_ids``."""
         ...
@@ -400,9 +404,8 @@ class Drafter:
         t0 = time.perf_counter()
         drafts = self.proposer.propose(req, limit)[:limit]
         self.stats.propose_s += time.perf_counter() - t0
-        # not yet trusted: only drafts from a long match (a test's proposer may not say)
-        match = getattr(self.proposer, "last_match", MIN_MATCH)
-        if est is not None and est.alpha < TRUSTED_ALPHA and match < MIN_MATCH:
+        # not yet trusted: only drafts from a long match
+        if est is not None and est.alpha < TRUSTED_ALPHA and self.proposer.last_match < MIN_MATCH:
             return []
         if drafts and req.grammar is not None:  # only drafts the grammar allows
             drafts = drafts[: req.grammar.valid_prefix(drafts)]

@@ -15,7 +15,7 @@ import torch
 from structllm import LLM, SamplingParams
 from structllm.config import SpeculativeConfig
 from structllm.engine.request import Request
-from structllm.engine.speculative import Drafter
+from structllm.engine.speculative import MIN_MATCH, Drafter
 from structllm.model.files import default_model_path
 from structllm.protocol import StructuredOutputs
 from tests.support.models import write_tiny_gguf
@@ -61,6 +61,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) ->
 class Oracle:
     """Drafts the plain run's continuation of the request's prompt, corrupted by
     ``mode`` ("all" right, "none" wrong, "partial" right up to a moving point)."""
+
+    last_match = MIN_MATCH  # drafts as if from a long match
 
     def __init__(self, plain: dict[tuple[int, ...], list[int]], mode: str) -> None:
         self.plain, self.mode = plain, mode

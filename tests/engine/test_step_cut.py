@@ -14,6 +14,7 @@ import pytest
 import structllm.model.llama as llama
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
+from structllm.engine.speculative import MIN_MATCH
 from structllm.protocol import AddRequest, SamplingParams
 from tests.support.models import EXACT
 
@@ -101,6 +102,8 @@ def test_a_cut_step_with_drafts_drops_them_and_caches_nothing_of_it(tiny_llama_d
     assert drafter is not None
 
     class Fixed:
+        last_match = MIN_MATCH  # drafts as if from a long match
+
         def propose(self, req: object, k: int) -> list[int]:
             return [5, 6, 7][:k]
 

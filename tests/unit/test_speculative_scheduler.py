@@ -12,7 +12,7 @@ from structllm.config import SpeculativeConfig
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request
 from structllm.engine.scheduler import Scheduler
-from structllm.engine.speculative import Drafter, accept
+from structllm.engine.speculative import MIN_MATCH, Drafter, accept
 from structllm.protocol import SamplingParams, TokenLogprobs
 
 EOS = 0
@@ -29,6 +29,8 @@ def fake_next(tokens: list[int]) -> int:
 class Oracle:
     """Drafts the plain run's continuation, corrupted by ``mode``: "all" right, "none"
     (every draft wrong), "partial" (right up to a point that moves with the length)."""
+
+    last_match = MIN_MATCH  # drafts as if from a long match
 
     def __init__(self, plain: dict[str, list[int]], mode: str) -> None:
         self.plain, self.mode = plain, mode
@@ -231,6 +233,8 @@ def test_drafts_keep_the_step_within_max_draft_step_tokens(cap: int) -> None:
 
 class Fixed:
     """Always drafts the same tokens."""
+
+    last_match = MIN_MATCH  # drafts as if from a long match
 
     def __init__(self, drafts: list[int]) -> None:
         self.drafts = drafts
