@@ -42,7 +42,9 @@ requests and none past a request's ``max_tokens``. How many, by one of two rules
   resumes from the prior. While its ``alpha`` is below the prior's
   (``TRUSTED_ALPHA``) a request drafts only from a match of ``MIN_MATCH`` tokens or
   more (the proposer's ``last_match``), so open text, where short matches miss, pays
-  fewer rejected chunks.
+  fewer rejected chunks; and while it is below ``LONG_ALPHA`` its chunk is capped
+  where a wholly rejected one would cost ``REJECT_COST`` times the step without it
+  (``safe_draft_length``): those chunks set the inter-token latency's tail.
 - Without one (other devices, float weights): ``num_speculative_tokens`` drafts, and
   none for a request whose drafts were accepted at less than ``min_acceptance`` over
   ``acceptance_window`` drafted tokens (it tries again after ``4 * acceptance_window``
@@ -294,6 +296,16 @@ PAUSE_MIN, PAUSE_MAX = 16, 256  # output tokens without drafts after alpha fell
 # to 0.99x plain decoding's (pooled over 2 rounds; chat tok/s 1.15x -> 1.07x; noisy).
 MIN_MATCH = 4
 TRUSTED_ALPHA = PRIOR_HITS / PRIOR_TRIALS
+# A chunk whose first draft is rejected emits one token for the whole step's cost, and
+# at concurrency 1 that token's latency is the step's: the chunks that set the ITL
+# tail. Below LONG_ALPHA a request drafts only as many as keep its step within
+# REJECT_COST times the step without drafts (2 on the AVX-512 table, 1 on AVX2's).
+# Counted on bench/speculative.py's workloads (c=1, every verified chunk logged, the
+# policy replayed over the log): open chat's rejected chunks of 1.6x a step fell from
+# 0.52% to 0% of its tokens, its tokens per cost 1.10 -> 1.10; copied text's tokens
+# per cost 1.90 -> 1.81 (its long runs reach LONG_ALPHA within two chunks).
+LONG_ALPHA = 0.8
+REJECT_COST = 1.5
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -315,6 +327,16 @@ def best_draft_length(alpha: float, limit: int, rows: int, step_cost: Sequence[f
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def safe_draft_length(rows: int, step_cost: Sequence[float]) -> int:
+    """The most drafts whose step, if all of them are rejected, costs at most
+    ``REJECT_COST`` times the same step without them (``rows`` as in
+    ``best_draft_length``)."""
+    base, k = step_cost[rows - 1], 0
+    while rows + k < len(step_cost) and step_cost[rows + k] <= REJECT_COST * base:
+        k += 1
+    return k
 
 
 class DraftEstimate:
@@ -393,6 +415,8 @@ class Drafter:
                 est.reset()
                 return []
             limit = best_draft_length(est.alpha, limit, rows, cost)
+            if est.alpha < LONG_ALPHA:
+                limit = min(limit, safe_draft_length(rows, cost))
             if limit == 0:
                 return []
         else:

@@ -169,13 +169,38 @@ def test_draft_length_from_acceptance_and_step_cost() -> None:
             assert rate[k] == max(rate)
 
 
+def test_safe_draft_length_bounds_a_rejected_chunk() -> None:
+    safe = speculative.safe_draft_length
+    assert speculative.REJECT_COST == 1.5
+    assert safe(1, COST) == 2  # 3 rows cost 1.45x a 1-row step; 4 rows 1.6x
+    assert safe(1, (1.0, 1.43, 1.75, 2.1, 2.4)) == 1  # the AVX2 table
+    assert safe(2, COST) == 2  # 4 rows at 1.6 <= 1.5 * 1.2
+    assert safe(8, COST) == 0  # the table's end
+
+
+def test_drafts_beyond_the_safe_length_need_long_alpha() -> None:
+    """Below LONG_ALPHA a request's chunk is capped where its wholesale rejection costs
+    at most REJECT_COST plain steps (the inter-token latency's tail); above it the
+    throughput rule alone decides."""
+    d = Drafter(SpeculativeConfig())
+    d.step_cost = COST
+    r = req("a", list(range(20)) * 3, prompt_len=20, max_tokens=200)
+    est = d.estimates["a"] = speculative.DraftEstimate()
+    est.hits, est.trials = 3.0, 3.5  # alpha 0.778: the rule alone would draft 3
+    assert est.alpha < speculative.LONG_ALPHA
+    assert speculative.best_draft_length(est.alpha, 7, 1, COST) == 3
+    assert len(d.drafts(r, room=10, num_running=1)) == 2
+    est.hits, est.trials = 9.0, 9.5  # alpha 0.95
+    assert len(d.drafts(r, room=10, num_running=1)) == 7
+
+
 def test_adaptive_drafter_lengthens_shortens_and_pauses() -> None:
     d = Drafter(SpeculativeConfig())
     d.step_cost = COST
     tokens = list(range(20)) * 3  # repeats: the proposer always has 7+ tokens to offer
     r = req("a", tokens, prompt_len=20, max_tokens=200)
     lengths = []
-    for _ in range(3):  # every draft accepted: longer and longer chunks
+    for _ in range(4):  # every draft accepted: longer and longer chunks
         drafts = d.drafts(r, room=10, num_running=1)
         lengths.append(len(drafts))
         d.record(r, drafts, [*drafts, 0])
