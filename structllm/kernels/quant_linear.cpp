@@ -1596,8 +1596,8 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
 constexpr int F16 = NTYPES;  // its code, after the GGUF types (packed.F16_CODE)
 constexpr int NCODES = NTYPES + 1;
 #ifdef SL_AVX512
-constexpr int MT_H = 3;  // 3 x 8 accumulators + 3 activation vectors + 1 weight of 32 registers
-constexpr int NT_H = 8;
+constexpr int MT_H = 4;  // 4 x 6 accumulators + 4 activation vectors + 1 weight of 32 registers
+constexpr int NT_H = 6;
 #else
 constexpr int MT_H = 2;  // 2 x 4 accumulators + 2 activations + 1 weight of 16
 constexpr int NT_H = 4;
@@ -1665,6 +1665,8 @@ template <int NT>
 inline void rows_f16(const float* x, int64_t M, const uint16_t* w, int64_t K, float* out, int64_t N) {
   int64_t m = 0;
   for (; m + MT_H <= M; m += MT_H) tile_f16<MT_H, NT>(x + m * K, w, K, out + m * N, N);
+  if constexpr (MT_H > 3)
+    for (; m + 3 <= M; m += 3) tile_f16<3, NT>(x + m * K, w, K, out + m * N, N);
   if constexpr (MT_H > 2)
     for (; m + 2 <= M; m += 2) tile_f16<2, NT>(x + m * K, w, K, out + m * N, N);
   for (; m < M; m++) tile_f16<1, NT>(x + m * K, w, K, out + m * N, N);

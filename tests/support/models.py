@@ -479,13 +479,13 @@ def tiny_family_dir(
     return out
 
 
-def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str) -> Path:
-    """``tiny_family_dir(family, files)`` saved in ``dtype`` (``"float16"``,
+def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: object) -> Path:
+    """``tiny_family_dir(family, files, **overrides)`` saved in ``dtype`` (``"float16"``,
     ``"bfloat16"``): every floating tensor rounded to it, the config saying so; built
     once from that directory and cached beside it."""
     from safetensors.torch import load_file, save_file
 
-    src = tiny_family_dir(family, files)
+    src = tiny_family_dir(family, files, **overrides)
     out = src.with_name(f"{src.name}-{dtype}")
     if (out / "complete").exists():
         return out
