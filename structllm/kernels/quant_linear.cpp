@@ -1598,9 +1598,12 @@ constexpr int NCODES = NTYPES + 1;
 #ifdef SL_AVX512
 constexpr int MT_H = 4;  // 4 x 6 accumulators + 4 activation vectors + 1 weight of 32 registers
 constexpr int NT_H = 6;
+constexpr int NT_ONE = 16;  // one activation row: 16 weight rows at once (at 8, half fbgemm's speed
+                            // from memory at 1536 x 576; at 16, fbgemm's)
 #else
 constexpr int MT_H = 2;  // 2 x 4 accumulators + 2 activations + 1 weight of 16
 constexpr int NT_H = 4;
+constexpr int NT_ONE = 8;
 #endif
 
 inline vf load_half(const uint16_t* p) {  // VW halves -> floats (exact)
@@ -1681,6 +1684,8 @@ void linear_f16_panels(const float* x, const uint16_t* w, float* out, int64_t M,
       const int64_t mc = std::min(MC, M - m0);
       for (int64_t p = p0; p < p1; p++) {
         const int64_t n0 = p * NT, nr = std::min<int64_t>(NT, N - n0);
+        if (p + 1 < p1)  // the next panel into L2 (each row's stream is short)
+          prefetch_l2(reinterpret_cast<const uint8_t*>(w + (n0 + NT) * K), std::min<int64_t>(NT, N - n0 - NT) * K * 2);
         const float* xb = x + m0 * K;
         float* ob = out + m0 * N + n0;
         if (nr == NT)
@@ -1695,7 +1700,7 @@ void linear_f16_panels(const float* x, const uint16_t* w, float* out, int64_t M,
 // x [M, K] float32, w [N, K] float16 (as bytes) -> out [M, N]; every mode alike
 void linear_f16(const float* x, const uint8_t* wb, float* out, int64_t M, int64_t N, int64_t K) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wb);
-  if (M == 1) return linear_f16_panels<8>(x, w, out, M, N, K);  // 8 accumulators for one row
+  if (M == 1) return linear_f16_panels<NT_ONE>(x, w, out, M, N, K);  // one row: more weight rows
   linear_f16_panels<NT_H>(x, w, out, M, N, K);
 }
 
