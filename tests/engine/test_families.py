@@ -174,17 +174,21 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
 
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
-    """A float16 or bfloat16 directory in the default format: its experts are float16
-    rows (``HalfMatrix``, not fbgemm's copy) run by the native expert call, whose logits
-    are bit for bit the per-expert loop's, and within float32 rounding and the float16
-    KV cache of the exact float32 path on the same checkpoint; greedy tokens the loop's."""
+    """A float16 or bfloat16 directory, or an F16 GGUF file, in the default format: its
+    experts are float16 rows (``HalfMatrix``, not fbgemm's copy) run by the native expert
+    call, whose logits are bit for bit the per-expert loop's, and within float32 rounding
+    and the float16 KV cache of the exact float32 path on the same checkpoint; greedy
+    tokens the loop's."""
     from structllm import LLM, SamplingParams
     from structllm.kernels.packed import HalfMatrix
 
-    path = tiny_family_dir_in(name, default_files, dtype)
+    if dtype == "F16 gguf":
+        path = gguf_file(name, default_files, "F16")
+    else:
+        path = tiny_family_dir_in(name, default_files, dtype)
     engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
     moes = [layer.moe for layer in engine.runner.model.layers if layer.moe is not None]
     assert moes and engine.runner.model.cpu_ops is not None
