@@ -49,7 +49,12 @@
 //          vpaddd), blocked like the float GEMM. Twice the multiply-adds per
 //          instruction of a float32 FMA, which the float path cannot get past.
 //
-// Shapes: x [M, K] float32 contiguous, w [N, K/32 * block_bytes] uint8, out [M, N].
+// Type code 9 is no GGUF type: float16 rows as stored (a float16/bfloat16 checkpoint's
+// MoE experts, packed.HalfMatrix), one batch-invariant kernel for every mode; see
+// "float16 rows" below.
+//
+// Shapes: x [M, K] float32 contiguous, w [N, K/32 * block_bytes] uint8 ([N, 2K] for
+// float16 rows), out [M, N].
 // Work is split over N on the kernels' pool (cpu_pool.h: torch's thread count, but a
 // caller that never waits for a sleeping thread).
 
