@@ -23,7 +23,19 @@ used expert and matrix from Python (``packed.linear``: each on both threads), fa
 (each expert's weights read once for all its tokens, both threads busy), and the
 tokens per expert the kernels see.
 
-    python bench/moe_step.py MODEL.gguf [--batch 16] [--steps 24] [--split] [--kernels]
+With ``--fbgemm`` (experts in float16 rows, ``HalfMatrix``: a float16/bfloat16
+directory), a third arm: the per-expert loop over fbgemm's packed float16 copies of the
+same weights (``HalfWeight``), the path such experts took before the native call ran
+them; arms rotate A/B/C/C/B/A. ``--rss`` loads the model in two fresh child processes,
+one as now and one with the experts packed for fbgemm as before (``half_experts`` off),
+and prints each one's resident memory after loading and after a short generation.
+
+MODEL is a file or directory, or ``FAMILY:DTYPE`` (``mixtral:float16``): that family's
+directory at ``bench/models.py``'s bench shape, saved in DTYPE (built and cached like
+the tests' models).
+
+    python bench/moe_step.py MODEL [--batch 16] [--steps 24] [--split] [--kernels]
+        [--fbgemm] [--rss]
 """
 
 from __future__ import annotations
@@ -158,8 +170,28 @@ def head_of(model: Any) -> Any:
     return model.embed_tokens if model.lm_head is None else model.lm_head
 
 
+def fbgemm_copies(moes: list[Any]) -> list[list[tuple[Any, Any]]]:
+    """Per layer and expert: fbgemm's packed copies (``HalfWeight``) of its float16 rows."""
+    from structllm.kernels.packed import HalfMatrix, HalfWeight
+
+    out = []
+    for m in moes:
+        pairs = []
+        for e in m.experts:
+            assert isinstance(e.gate_up_proj, HalfMatrix), "--fbgemm: experts not float16 rows"
+            pairs.append((HalfWeight(e.gate_up_proj.half()), HalfWeight(e.down_proj.half())))
+        out.append(pairs)
+    return out
+
+
+def set_experts(moes: list[Any], weights: list[list[tuple[Any, Any]]]) -> None:
+    for m, pairs in zip(moes, weights, strict=True):
+        for e, (gate_up, down) in zip(m.experts, pairs, strict=True):
+            e.gate_up_proj, e.down_proj = gate_up, down
+
+
 def arm_steps(
-    llm: Any, batch: int, steps: int, input_len: int, split: bool = False
+    llm: Any, batch: int, steps: int, input_len: int, split: bool = False, fbgemm: bool = False
 ) -> dict[str, list[float]]:
     from structllm import SamplingParams
     from structllm.protocol import AddRequest
@@ -167,6 +199,9 @@ def arm_steps(
     moes = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
     native = [m.native_experts() for m in moes]
     assert all(n is not None for n in native), "the experts are not block weights"
+    arms = ["native", "loop", "fbgemm"] if fbgemm else ["native", "loop"]
+    rows = [[(e.gate_up_proj, e.down_proj) for e in m.experts] for m in moes]
+    packed = fbgemm_copies(moes) if fbgemm else rows
     rng = random.Random(0)
     sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     llm.engine.kv.reset_prefix_cache()
@@ -181,9 +216,11 @@ def arm_steps(
         llm.engine.step()
     times: dict[str, list[float]] = defaultdict(list)
     for s in range(steps):
-        arm = "native" if s % 4 in (0, 3) else "loop"  # A/B/B/A
+        turn = arms if (s // len(arms)) % 2 == 0 else arms[::-1]  # A/B/B/A, A/B/C/C/B/A
+        arm = turn[s % len(arms)]
         for m, n in zip(moes, native, strict=True):
             m.native = n if arm == "native" else False
+        set_experts(moes, packed if arm == "fbgemm" else rows)
         parts: dict[str, float] = defaultdict(float)
         with split_timers(parts, native if arm == "native" and split else None):
             t = time.perf_counter()
@@ -193,9 +230,66 @@ def arm_steps(
             times[name].append(parts[name])
     for m, n in zip(moes, native, strict=True):
         m.native = n
+    set_experts(moes, rows)
     while llm.engine.has_work:
         llm.engine.step()
     return times
+
+
+def model_path(spec: str) -> str:
+    """A path as given, or ``FAMILY:DTYPE``'s bench-shape directory in DTYPE."""
+    if ":" not in spec or Path(spec).exists():
+        return spec
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, bench
+    from bench.models import BENCH_SHAPES
+    from structllm.model.loader import prepare_model
+    from tests.support.models import tiny_family_dir_in
+
+    family, dtype = spec.split(":")
+    return str(tiny_family_dir_in(family, prepare_model(None), dtype, **BENCH_SHAPES[family]))
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_child(model: str, arm: str) -> None:
+    """Load ``model`` (``arm`` "old": experts packed for fbgemm, as before) and print
+    the resident memory after loading and after 16 sequences of 16 tokens."""
+    from structllm import LLM, SamplingParams
+    from structllm.model.layers import SparseMoe
+
+    if arm == "old":
+        SparseMoe.half_experts = lambda self, half: None  # type: ignore[method-assign]
+    llm = LLM(model, kv_cache_memory=256 << 20, max_num_seqs=32)
+    loaded = rss_mib()
+    rng = random.Random(0)
+    ids = [[rng.randrange(100, 49000) for _ in range(32)] for _ in range(16)]
+    llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    kind = type(
+        next(layer.moe for layer in llm.engine.runner.model.layers if layer.moe)
+        .experts[0]
+        .down_proj
+    )
+    print(
+        f"{arm} ({kind.__name__} experts): RSS after load {loaded:.0f} MiB, "
+        f"after 16 x 16 tokens {rss_mib():.0f} MiB",
+        flush=True,
+    )
+    llm.close()
+
+
+def rss_arms(model: str) -> None:
+    import subprocess
+    import sys
+
+    for arm in ("old", "new"):
+        subprocess.run([sys.executable, __file__, model, "--rss-child", arm], check=True)
 
 
 def main() -> None:
@@ -203,14 +297,22 @@ def main() -> None:
     from structllm.kernels.packed import weight_bytes
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("model")
+    ap.add_argument("model", help="a file or directory, or FAMILY:DTYPE at the bench shape")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--split", action="store_true", help="split the native arm's steps")
     ap.add_argument("--kernels", action="store_true", help="one layer: native call vs its kernels")
     ap.add_argument("--reps", type=int, default=40, help="--kernels: runs of each arm")
+    ap.add_argument("--fbgemm", action="store_true", help="float16 rows: an fbgemm loop arm")
+    ap.add_argument("--rss", action="store_true", help="RSS with the experts as before and now")
+    ap.add_argument("--rss-child", choices=["old", "new"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.model = model_path(args.model)
+    if args.rss_child:
+        return rss_child(args.model, args.rss_child)
+    if args.rss:
+        return rss_arms(args.model)
     llm = LLM(args.model, kv_cache_memory=256 << 20, max_num_seqs=32)
     global _LLM
     _LLM = llm
@@ -234,7 +336,7 @@ def main() -> None:
     )
     active = dense + head_bytes + k * expert_bytes  # bytes a batch-1 step reads
     for batch in (1, args.batch):
-        times = arm_steps(llm, batch, args.steps, args.input_len, args.split)
+        times = arm_steps(llm, batch, args.steps, args.input_len, args.split, args.fbgemm)
         nat, loop = (statistics.median(times[a]) * 1e3 for a in ("native", "loop"))
         load = Path("/proc/loadavg").read_text().split()[0]
         print(
@@ -243,6 +345,12 @@ def main() -> None:
             f"alternating; load {load})",
             flush=True,
         )
+        if args.fbgemm:
+            fb = statistics.median(times["fbgemm"]) * 1e3
+            print(
+                f"   fbgemm loop (as before) {fb:7.2f} ms/step, fbgemm/native {fb / nat:.2f}x; "
+                f"fastest {min(times['fbgemm']) * 1e3:.2f} ms"
+            )
         # under load a median step includes waits for descheduled threads; the fastest
         # step of each arm is the one that ran undisturbed
         fast_nat, fast_loop = (min(times[a]) * 1e3 for a in ("native", "loop"))

@@ -20,7 +20,8 @@
 //
 // Shapes:
 //   Experts(gate_up, down, hidden, ffn, int8_min_m, int16_min_m, table): per expert a
-//       list of (raw [rows, bytes] uint8, type code, int8 allowed) parts, in row order;
+//       list of (raw [rows, bytes] uint8, type code, int8 allowed) parts, in row order
+//       (type code 9: float16 rows, [rows, 2 * K] bytes: a float16/bfloat16 checkpoint's);
 //       gate_up's parts cover [2F, hidden] (gate rows, then up rows), down's [hidden, F]
 //   forward(h [T, hidden] float32, chosen [T, k] int64, weights [T, k] float32)
 //       -> [T, hidden] float32
@@ -50,8 +51,9 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int NTYPES = 9;
-constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18};  // packed.BLOCK_BYTES
+constexpr int NTYPES = 10;  // the GGUF block types, then float16 rows (packed.F16_CODE)
+constexpr int kF16 = 9;     // float16 rows: 2 bytes a weight, any K
+constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18, 64};  // packed.BLOCK_BYTES; 32 halves
 constexpr int64_t kMinChunk = 32;  // weight rows per item at least (each item re-quantises x)
 
 using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
@@ -74,8 +76,8 @@ std::vector<Part> parts_of(const std::vector<PartSpec>& specs, int64_t rows, int
     TORCH_CHECK(type >= 0 && type < NTYPES, "cpu_moe: ", what, ": bad block type ", type);
     TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "cpu_moe: ", what,
                 ": parts must be [rows, bytes] uint8, contiguous");
-    TORCH_CHECK(k % QK == 0 && raw.size(1) == k / QK * kBlockBytes[type], "cpu_moe: ", what, ": a part's row bytes do not hold ",
-                k, " weights of its type");
+    const bool ok = type == kF16 ? raw.size(1) == 2 * k : k % QK == 0 && raw.size(1) == k / QK * kBlockBytes[type];
+    TORCH_CHECK(ok, "cpu_moe: ", what, ": a part's row bytes do not hold ", k, " weights of its type");
     out.push_back({raw, raw.data_ptr<uint8_t>(), raw.size(0), raw.size(1), static_cast<int>(type), int8});
     total += raw.size(0);
   }

@@ -12,9 +12,11 @@ A weight ``W [N, K]`` is one of:
   ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
   layout, each nibble an index into ggml's 16 non-linear levels);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
-  different block types: each part runs in its own type, into its own output columns.
+  different block types: each part runs in its own type, into its own output columns;
+- ``HalfMatrix``: float16 rows as stored, run by quant_linear.cpp's own float16 kernel
+  (batch-invariant, which fbgemm's is not): a float16/bfloat16 checkpoint's experts.
 
-Activations are float32 for the last two. ``BlockWeight`` picks the kernel path by the
+Activations are float32 for the last three. ``BlockWeight`` picks the kernel path by the
 number of rows ``M`` of ``x`` (see ``block_mode``): the float path (weights dequantised
 in registers, bit-exact to the float32 dequantisation, float32 math), from
 ``INT16_MIN_M`` rows on the int16 path (activations rounded to 16 bits per block of 32,
@@ -61,6 +63,9 @@ BLOCK_BYTES = {
     "IQ4_NL": 18,
 }
 BLOCK = 32
+# quant_linear.cpp's code for float16 rows (``HalfMatrix``), after the GGUF types; not in
+# BLOCK_TYPES, which names the file types that load as blocks
+F16_CODE = 9
 # the k-quants: super-blocks of SUPER weights, FILE_BYTES bytes each in the file
 SUPER = 256
 FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -382,6 +387,65 @@ class MixedWeight(BlockWeight):
 
     def formats(self) -> list[tuple[str, int]]:
         return [(p.type_name, p.shape[0]) for p in self.parts]
+
+
+class HalfMatrix(BlockWeight):
+    """``[N, K]`` float16 rows as stored (``raw``: their bytes, ``[N, 2K]`` uint8), run
+    by quant_linear.cpp's float16 kernel (F16C widening, float32 FMAs in one fixed order
+    per output element, so a row's result does not depend on its batch) under type code
+    ``F16_CODE``, which cpu_moe.cpp runs too: the experts of a float16 or bfloat16
+    checkpoint (``half_matrix``). Nothing beside the halves: no float32 copy, no fbgemm
+    packing."""
+
+    def __init__(self, w: Tensor) -> None:
+        super().__init__(
+            w.contiguous().view(torch.uint8), "F16", (int(w.shape[0]), int(w.shape[1]))
+        )
+
+    def __post_init__(self) -> None:
+        self.code = F16_CODE
+
+    def half(self) -> Tensor:
+        """The rows, ``[N, K]`` float16 (a view)."""
+        return self.raw.view(torch.float16)
+
+    def dequantize(self) -> Tensor:
+        return self.half().float()
+
+    def rows(self, ids: Tensor) -> Tensor:
+        return self.half().index_select(0, ids).float()
+
+    def select_rows(self, rows: Tensor) -> BlockWeight:
+        return HalfMatrix(self.half().index_select(0, rows))
+
+    def row_range(self, a: int, b: int) -> BlockWeight:
+        return HalfMatrix(self.half()[a:b])
+
+    def columns(self, a: int, b: int) -> BlockWeight | None:
+        return HalfMatrix(self.half()[:, a:b])
+
+    def owned(self) -> BlockWeight:
+        return HalfMatrix(self.half().clone())
+
+
+def half_matrix(w: Tensor) -> HalfMatrix | None:
+    """``w [N, K]`` (float16, or float32 from a float16/bfloat16 checkpoint) as a
+    ``HalfMatrix``, or None where the kernel cannot run it: no AVX2 kernels here, or a
+    weight past float16's range (fbgemm would saturate it; such a checkpoint keeps that
+    path). A float32 from bfloat16 rounds to float16 as fbgemm's packing rounds it (to
+    nearest), so the weights are the ones fbgemm multiplied; every bfloat16 value in
+    float16's normal range (6.1e-5 to 65504) is exact in float16, whose 11-bit
+    significand holds bfloat16's 8."""
+    if w.dim() != 2 or w.device.type != "cpu":
+        return None
+    from structllm.kernels import cpu_ext
+
+    if cpu_ext.load_quant() is None:
+        return None
+    h = w.detach().to(torch.float16)
+    if w.dtype != torch.float16 and bool((h.isinf() & ~w.isinf()).any()):
+        return None
+    return HalfMatrix(h)
 
 
 class HalfWeight:

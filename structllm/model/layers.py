@@ -221,10 +221,28 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, chosen
 
+    def half_experts(self, half: str) -> None:
+        """Before ``pack_weights``: the experts' matrices that it would run as float16
+        (``half``: ``"all"``, or ``"file"`` for float16 ones) as ``HalfMatrix`` instead of
+        fbgemm's ``HalfWeight``, so the native call runs them (``native_experts``) and the
+        per-expert loop the same kernel; a matrix the kernel cannot take is left to
+        ``pack_weights``."""
+        for expert in self.experts:
+            for name in Expert.PACKED:
+                w = getattr(expert, name)
+                if isinstance(w, BlockWeight) or not isinstance(w, Tensor):
+                    continue
+                if half != "all" and not (half == "file" and w.dtype == torch.float16):
+                    continue
+                h = packed.half_matrix(w)
+                if h is not None:
+                    del expert._parameters[name]
+                    setattr(expert, name, h)
+
     def native_experts(self) -> Any:
-        """cpu_moe.cpp's ``Experts`` over this layer's block weights (built on first use,
-        after loading has packed them), or None: some expert is not in GGUF blocks
-        (float32 stays on torch's exact ops, float16 on fbgemm) or the kernel is missing."""
+        """cpu_moe.cpp's ``Experts`` over this layer's block or float16 weights (built on
+        first use, after loading has packed them), or None: some expert is neither
+        (float32 stays on torch's exact ops) or the kernel is missing."""
         if self.native is None:
             self.native = _native_experts(
                 [cast(Expert, e) for e in self.experts], self.hidden, self.ffn
@@ -234,7 +252,7 @@ class SparseMoe(nn.Module):
 
 def _block_parts(w: Weight) -> list[tuple[Tensor, int, bool]] | None:
     """A weight's row parts as cpu_moe.cpp takes them: (bytes, type code, int8 allowed);
-    None when it is not GGUF blocks."""
+    None when it is neither GGUF blocks nor ``HalfMatrix``."""
     if isinstance(w, HalfRows) or not isinstance(w, BlockWeight):
         return None
     parts = w.parts if isinstance(w, MixedWeight) else [w]

@@ -7,8 +7,8 @@ Qwen3-MoE).
 The experts run grouped by expert (``layers.SparseMoe.forward``): the step's (token, choice)
 pairs are sorted by expert, and each expert's tokens go through its two matmuls at once,
 so a step costs its active parameters and one matmul per expert used, not a loop over
-tokens. Each expert's matrices are ordinary weights (``linear``: oneDNN, float16 or GGUF
-blocks).
+tokens. Each expert's matrices are ordinary weights (``linear``: oneDNN, float16 rows
+(``HalfMatrix``) or GGUF blocks).
 """
 
 from __future__ import annotations
@@ -17,12 +17,23 @@ import torch
 from torch import Tensor
 
 from structllm.model.config import ModelConfig
+from structllm.model.layers import SparseMoe
 from structllm.model.llama import HFNames, LlamaModel
 from structllm.model.llama import hf_to_native as _hf_to_native
 
 
 class MoeModel(LlamaModel):
     """``LlamaModel`` whose MoE layers (``ModelConfig.moe_layer``) hold a ``SparseMoe``."""
+
+    def pack_weights(self, half: str = "none") -> None:
+        """As ``LlamaModel.pack_weights``, except that experts it would run as fbgemm
+        float16 become ``HalfMatrix`` first (``SparseMoe.half_experts``): float16 rows
+        that the native expert call runs (cpu_moe.cpp), as it runs GGUF blocks."""
+        if self.norm.device.type == "cpu" and half != "none":
+            for m in self.modules():
+                if isinstance(m, SparseMoe):
+                    m.half_experts(half)
+        super().pack_weights(half)
 
 
 class MixtralNames(HFNames):

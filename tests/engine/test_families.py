@@ -24,6 +24,7 @@ from tests.support.models import (
     hf_logits,
     prefill_logits,
     tiny_family_dir,
+    tiny_family_dir_in,
 )
 
 FAMILIES = sorted(FAMILY_CONFIGS)
@@ -173,6 +174,45 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
 
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    """A float16 or bfloat16 directory, or an F16 GGUF file, in the default format: its
+    experts are float16 rows (``HalfMatrix``, not fbgemm's copy) run by the native expert
+    call, whose logits are bit for bit the per-expert loop's, and within float32 rounding
+    and the float16 KV cache of the exact float32 path on the same checkpoint; greedy
+    tokens the loop's."""
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import HalfMatrix
+
+    if dtype == "F16 gguf":
+        path = gguf_file(name, default_files, "F16")
+    else:
+        path = tiny_family_dir_in(name, default_files, dtype)
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    moes = [layer.moe for layer in engine.runner.model.layers if layer.moe is not None]
+    assert moes and engine.runner.model.cpu_ops is not None
+    for moe in moes:
+        for e in moe.experts:
+            assert isinstance(e.gate_up_proj, HalfMatrix) and isinstance(e.down_proj, HalfMatrix)
+    native = [prefill_logits(engine, ids) for ids in PROMPTS]
+    assert all(moe.native not in (None, False) for moe in moes)  # they ran natively
+    exact = engine_for(path)
+    for moe in moes:
+        moe.native = False  # the per-expert loop
+    for ids, got in zip(PROMPTS, native, strict=True):
+        torch.testing.assert_close(got, prefill_logits(engine, ids), atol=0, rtol=0)
+        want = prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    for moe in llm.engine.runner.model.layers:
+        if moe.moe is not None:
+            moe.moe.native = False
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == tokens
+
+
 QUANTIZED = [("Q8_0", 0.98, 0.05), ("Q4_0", 0.9, 0.75)]
 
 

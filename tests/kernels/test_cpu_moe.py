@@ -81,7 +81,68 @@ def test_native_experts_equal_the_python_path(types: list[str]) -> None:
         torch.testing.assert_close(got, python_path(moe, h), atol=0, rtol=0)
 
 
-def test_float16_and_float32_experts_stay_on_the_python_path() -> None:
+def half_moe(ffn: int, experts: int = 6, dtype: torch.dtype = torch.float16) -> SparseMoe:
+    """A SparseMoe of ``ffn``-wide experts whose weights are random ``dtype`` values, made
+    float16 rows as ``MoeModel.pack_weights`` makes them (``half_experts``)."""
+    moe = moe_of(["Q8_0"], experts=experts)
+    moe.ffn = ffn
+    g = torch.Generator().manual_seed(11)
+    for expert in moe.experts:
+        assert isinstance(expert, Expert)
+        place(expert, "gate_up_proj", (torch.randn(2 * ffn, HIDDEN, generator=g) / 8).to(dtype))
+        place(expert, "down_proj", (torch.randn(HIDDEN, ffn, generator=g) / 8).to(dtype))
+        for name in Expert.PACKED:  # parameters again, as the loader leaves them
+            w = getattr(expert, name)
+            delattr(expert, name)
+            expert.register_parameter(name, torch.nn.Parameter(w.float(), requires_grad=False))
+    moe.half_experts("all")
+    return moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ffn", [FFN, 48])  # 48: a K shorter than a vector's multiple
+def test_native_float16_experts_equal_the_python_path(ffn: int, dtype: torch.dtype) -> None:
+    # float16 rows (a float16 or bfloat16 checkpoint's experts) in the native call, bit for
+    # bit the per-expert loop's (the same batch-invariant kernel), and within float32
+    # rounding of the float32 computation on the same float16 weights
+    moe = half_moe(ffn, dtype=dtype)
+    expert = moe.experts[0]
+    assert isinstance(expert, Expert) and isinstance(expert.down_proj, packed.HalfMatrix)
+    layer_ops = cpu_ext.load_layer()
+    for rows in (1, 3, 16, 70):
+        h = torch.from_numpy(random_weight(rows, HIDDEN, seed=rows)) * 4
+        got = moe(h, "silu", layer_ops.silu_mul)
+        assert moe.native not in (None, False)  # it ran natively
+        torch.testing.assert_close(got, python_path(moe, h), atol=0, rtol=0)
+        weights, chosen = moe.route(h, fused=True)
+        want = torch.zeros_like(h)
+        for t in range(rows):
+            for w, e in zip(weights[t].tolist(), chosen[t].tolist(), strict=True):
+                ex = moe.experts[e]
+                assert isinstance(ex, Expert)
+                gate_up = h[t] @ ex.gate_up_proj.dequantize().T
+                mid = torch.nn.functional.silu(gate_up[:ffn]) * gate_up[ffn:]
+                want[t] += w * (mid @ ex.down_proj.dequantize().T)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_bfloat16_weights_become_the_float16_fbgemm_used() -> None:
+    # a bfloat16 checkpoint's experts: the float16 values fbgemm's packing made of them
+    # (round to nearest), the bfloat16 values exactly wherever float16 holds them as
+    # normal numbers (|w| >= 2**-14; below, float16's subnormals keep fewer bits)
+    moe = half_moe(FFN, experts=2, dtype=torch.bfloat16)
+    expert = moe.experts[1]
+    assert isinstance(expert, Expert) and isinstance(expert.gate_up_proj, packed.HalfMatrix)
+    g = torch.Generator().manual_seed(11)
+    torch.randn(2 * FFN, HIDDEN, generator=g), torch.randn(HIDDEN, FFN, generator=g)
+    want = (torch.randn(2 * FFN, HIDDEN, generator=g) / 8).to(torch.bfloat16)
+    got = expert.gate_up_proj.dequantize()
+    assert torch.equal(got, want.float().half().float())
+    normal = want.float().abs() >= 2.0**-14
+    assert normal.float().mean() > 0.99 and torch.equal(got[normal], want.float()[normal])
+
+
+def test_float32_and_fbgemm_experts_stay_on_the_python_path() -> None:
     moe = moe_of(["Q8_0"], experts=4)
     expert = moe.experts[2]
     assert isinstance(expert, Expert)
@@ -90,6 +151,10 @@ def test_float16_and_float32_experts_stay_on_the_python_path() -> None:
     layer_ops = cpu_ext.load_layer()
     h = torch.randn(5, HIDDEN)
     assert moe(h, "silu", layer_ops.silu_mul).shape == (5, HIDDEN)
+    if packed.half_linear_available():
+        moe = moe_of(["Q8_0"], experts=4)
+        place(moe.experts[1], "gate_up_proj", packed.HalfWeight(torch.randn(2 * FFN, HIDDEN)))
+        assert moe.native_experts() is None
 
 
 def test_bad_routing_is_refused_with_a_clear_error() -> None:

@@ -350,3 +350,68 @@ def test_int8_sums_of_5_bit_blocks_do_not_overflow(isa: str, type_name: str) -> 
         for mode in (INT8, INT16):
             got = module.linear(x, w.raw, w.code, mode)
             torch.testing.assert_close(got, x @ ref.T, rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# float16 rows (packed.HalfMatrix, type code F16_CODE): a float16/bfloat16 checkpoint's
+# experts
+
+
+def half_rows(n: int, k: int, seed: int) -> packed.HalfMatrix:
+    g = torch.Generator().manual_seed(seed)
+    return packed.HalfMatrix((torch.randn(n, k, generator=g) * 0.05).half())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_rows_match_a_float64_reference(isa: str) -> None:
+    """Every mode runs the one float16 kernel; each element is within the bound of any
+    float32 summation of its K products, ``K * 2**-24 * sum |x_k w_k|`` (the weights
+    widened exactly: the dequantisation is the float16 values themselves). K = 48 and
+    200: a tail shorter than a vector."""
+    module = cpu_ext.load_quant(isa)
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in [(1, 37, 1024), (3, 16, 48), (16, 50, 200), (64, 9, 64)]:
+        w = half_rows(n, k, seed=k)
+        x = torch.randn(m, k, generator=g) * 4
+        assert torch.equal(module.dequantize(w.raw, w.code), w.half().float())
+        ref = x.double() @ w.half().double().T
+        bound = k * 2.0**-24 * (x.double().abs() @ w.half().double().abs().T)
+        got = module.linear(x, w.raw, w.code, FLOAT)
+        assert ((got.double() - ref).abs() <= bound).all(), (m, n, k)
+        for mode in (INT8, INT16):
+            assert torch.equal(module.linear(x, w.raw, w.code, mode), got)
+        if isa == cpu_ext.best_isa():  # linear's dispatch runs this build
+            assert torch.equal(packed.linear(x, w, int8_ok=True), got)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_rows_are_batch_invariant(isa: str) -> None:
+    """A row's outputs are bit for bit the same with 1, 3, 16 or 64 rows beside it, and
+    however the weight rows are cut (what cpu_moe.cpp's items do)."""
+    module = cpu_ext.load_quant(isa)
+    w = half_rows(75, 1000, seed=4)  # 75 rows: no multiple of a panel; 1000: a tail
+    x = torch.randn(64, 1000, generator=torch.Generator().manual_seed(5))
+    full = module.linear(x, w.raw, w.code, FLOAT)
+    for m in (1, 3, 16, 64):
+        assert torch.equal(module.linear(x[:m].clone(), w.raw, w.code, FLOAT), full[:m]), m
+    for r in (0, 17, 63):
+        assert torch.equal(
+            module.linear(x[r : r + 1].clone(), w.raw, w.code, FLOAT), full[r : r + 1]
+        )
+    for a, b in [(0, 8), (8, 40), (3, 5), (40, 75)]:
+        part = w.row_range(a, b)
+        assert torch.equal(module.linear(x, part.raw.contiguous(), w.code, FLOAT), full[:, a:b])
+
+
+def test_float16_rows_are_as_accurate_as_fbgemm() -> None:
+    """The same float16 weights through fbgemm's packed kernel (the path these weights
+    took before): the mean error against float64 is no larger (both sum float32
+    products; only the order differs)."""
+    if not packed.half_linear_available():
+        pytest.skip("no fbgemm float16 linear in this torch build")
+    w = half_rows(512, 1024, seed=6)
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(7))
+    ref = x.double() @ w.half().double().T
+    ours = (packed.linear(x, w).double() - ref).abs().mean()
+    fbgemm = (packed.linear(x, packed.HalfWeight(w.half())).double() - ref).abs().mean()
+    assert ours <= 1.25 * fbgemm, (ours, fbgemm)

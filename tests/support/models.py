@@ -479,6 +479,39 @@ def tiny_family_dir(
     return out
 
 
+def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: object) -> Path:
+    """``tiny_family_dir(family, files, **overrides)`` saved in ``dtype`` (``"float16"``,
+    ``"bfloat16"``): every floating tensor rounded to it, the config saying so; built
+    once from that directory and cached beside it."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_family_dir(family, files, **overrides)
+    out = src.with_name(f"{src.name}-{dtype}")
+    if (out / "complete").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    (tmp / "complete").unlink()
+    for f in tmp.glob("*.safetensors"):
+        tensors = load_file(f)
+        save_file(
+            {
+                k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                for k, v in tensors.items()
+            },
+            f,
+            metadata={"format": "pt"},
+        )
+    config = json.loads((tmp / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(config))
+    (tmp / "complete").write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 # what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
 # is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
 # and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them;
