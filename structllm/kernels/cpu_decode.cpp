@@ -11,9 +11,11 @@
 // activations, cpu_attention.cpp's paged decode, taken from their modules as function
 // tables (cpu_tables.h), so every kernel is the one the Python path runs, compiled under
 // its own module's flags. The glue here is exact float arithmetic (a bias or residual
-// add, a multiply by the residual scale), and every buffer a kernel reads is a fresh
-// torch allocation as in Python (same alignment, so the same loop peeling), which makes
-// the result bit for bit that of forward_fused (tests/engine/test_decode_plan.py).
+// add, a multiply by the residual scale), and every buffer a kernel reads starts where a
+// torch allocation does, as in Python (64-byte aligned: the kernels' vector loops peel
+// and sum alike), which makes the result bit for bit that of forward_fused
+// (tests/engine/test_decode_plan.py). The buffers are the plan's, reused by every layer
+// and step (a tensor per op was ~240 allocations a step).
 //
 // Shapes (float32, contiguous; T decode rows, one per sequence):
 //   DecodePlan(linears, hint, layer_ops, attention_ops, hidden, heads H, kv_heads Hkv,
@@ -28,6 +30,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -176,6 +179,7 @@ class DecodePlan {
                     int64_t mode_plain) {
     const int64_t T = check_step(begin, end, x, delta, ropes, slots, tables, lens, mode_int8, mode_plain);
     auto out = torch::empty({T, H_}, x.options());
+    if (scratch_rows_ != T) make_scratch(T);
     Step s{T, x.data_ptr<float>(), out.data_ptr<float>(), slots.data_ptr<int64_t>(), tables.data_ptr<int32_t>(),
            tables.size(1), lens.data_ptr<int32_t>(), static_cast<int>(mode_int8), static_cast<int>(mode_plain), {}};
     for (const auto& r : ropes) s.ropes.push_back(r.data_ptr<float>());
@@ -233,9 +237,21 @@ class DecodePlan {
     return T;
   }
 
-  // a fresh [rows, cols] float32 buffer, as torch.empty gives the Python path (64-byte
-  // aligned: the kernels' vector loops then peel and sum alike)
-  static torch::Tensor buffer(int64_t rows, int64_t cols) { return torch::empty({rows, cols}, torch::kFloat32); }
+  // the step's buffers for T rows, each its own torch allocation (64-byte aligned, as
+  // the Python path's fresh tensors)
+  void make_scratch(int64_t T) {
+    int64_t widest = 0;  // a mixed matrix's widest part
+    for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.qkv, &L.o, &L.gate_up, &L.down})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
+    auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
+    scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest)};
+    scratch_rows_ = T;
+  }
+
+  float* buf(int i) const { return scratch_[i].data_ptr<float>(); }
+  enum { kH, kQKV, kO, kAttn, kNormed, kGU, kAct, kY, kPart };
 
   // y [T, m.rows] = x [T, m.k] @ W^T (+ bias), as packed.linear: each part in its own
   // type into its own columns (a mixed matrix through one buffer per part, as torch.cat)
@@ -244,10 +260,9 @@ class DecodePlan {
       run_part(m.parts[0], x, y, s, m.k);
     } else {
       int64_t col = 0;
+      float* tp = buf(kPart);  // [T, part rows]
       for (const Part& p : m.parts) {
-        auto tmp = buffer(s.T, p.rows);
-        const float* tp = tmp.data_ptr<float>();
-        run_part(p, x, tmp.data_ptr<float>(), s, m.k);
+        run_part(p, x, tp, s, m.k);
         for (int64_t t = 0; t < s.T; t++) std::memcpy(y + t * m.rows + col, tp + t * p.rows, p.rows * sizeof(float));
         col += p.rows;
       }
@@ -262,25 +277,23 @@ class DecodePlan {
     (*linears_)[p.type][p.int8 ? s.mode_int8 : s.mode_plain](x, p.data, y, s.T, p.rows, k);
   }
 
-  // x += delta, then the pre-norm into a fresh buffer (or x itself, without one)
-  const float* pre_norm(const float* w, const float* delta, const Step& s, torch::Tensor& keep) const {
+  // x += delta, then the pre-norm into h [T, hidden] (or x itself, without one)
+  const float* pre_norm(const float* w, const float* delta, const Step& s) const {
     if (w != nullptr) {
-      keep = buffer(s.T, H_);
-      ops_->rms_norm(s.x, delta, w, keep.data_ptr<float>(), s.T, H_, eps_);
-      return keep.data_ptr<float>();
+      ops_->rms_norm(s.x, delta, w, buf(kH), s.T, H_, eps_);
+      return buf(kH);
     }
     if (delta != nullptr)
       for (int64_t i = 0; i < s.T * H_; i++) s.x[i] += delta[i];
     return s.x;
   }
 
-  // a sublayer's output y [T, hidden] as added to the residual: its output norm (into a
-  // fresh buffer), then the residual multiplier (in place)
-  float* sublayer_out(float* y, const float* norm, float residual_scale, const Step& s, torch::Tensor& keep) const {
+  // a sublayer's output y [T, hidden] as added to the residual: its output norm (into
+  // another buffer), then the residual multiplier (in place)
+  float* sublayer_out(float* y, const float* norm, float residual_scale, const Step& s) const {
     if (norm != nullptr) {
-      keep = buffer(s.T, H_);
-      ops_->rms_norm(y, nullptr, norm, keep.data_ptr<float>(), s.T, H_, eps_);
-      y = keep.data_ptr<float>();
+      ops_->rms_norm(y, nullptr, norm, buf(kNormed), s.T, H_, eps_);
+      y = buf(kNormed);
     }
     if (residual_scale != 1.0f)
       for (int64_t i = 0; i < s.T * H_; i++) y[i] *= residual_scale;
@@ -292,30 +305,26 @@ class DecodePlan {
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
-    torch::Tensor hbuf, normed;
-    const float* h = pre_norm(L.in_norm, delta, s, hbuf);
-    auto qkv = buffer(T, heads * D_);  // [T, H + 2 Hkv, D]
-    float* qp = qkv.data_ptr<float>();
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* qp = buf(kQKV);  // [T, H + 2 Hkv, D]
     linear(L.qkv, h, qp, s, L.qkv_bias);
     if (L.q_norm != nullptr) ops_->head_rms_norm(qp, T, nh_, nkv_, D_, L.q_norm, L.k_norm, L.per_head, eps_);
     ops_->rope_store(qp, s.ropes[L.rope], T, nh_, nkv_, D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.slots);
-    auto o = buffer(T, nh_ * D_);  // the queries' attention output, o_proj's input
-    attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o.data_ptr<float>(),
-                  T, static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap);
-    auto attn = buffer(T, H_);
-    linear(L.o, o.data_ptr<float>(), attn.data_ptr<float>(), s, nullptr);
-    const float* a = sublayer_out(attn.data_ptr<float>(), L.attn_out_norm, L.residual_scale, s, normed);
-    h = pre_norm(L.post_norm, a, s, hbuf);
-    auto gu = buffer(T, 2 * F_), act = buffer(T, F_);  // [gate | up], act(gate) * up
-    linear(L.gate_up, h, gu.data_ptr<float>(), s, nullptr);
-    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu.data_ptr<float>(), act.data_ptr<float>(), T, F_);
+    float* o = buf(kO);  // [T, H * D]: the queries' attention output, o_proj's input
+    attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
+                  static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap);
+    linear(L.o, o, buf(kAttn), s, nullptr);
+    const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
+    h = pre_norm(L.post_norm, a, s);
+    float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
+    linear(L.gate_up, h, gu, s, nullptr);
+    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
     if (L.mlp_out_norm == nullptr) {
-      linear(L.down, act.data_ptr<float>(), s.out, s, nullptr);
-      sublayer_out(s.out, nullptr, L.residual_scale, s, normed);
+      linear(L.down, act, s.out, s, nullptr);
+      sublayer_out(s.out, nullptr, L.residual_scale, s);
     } else {
-      auto y = buffer(T, H_);
-      linear(L.down, act.data_ptr<float>(), y.data_ptr<float>(), s, nullptr);
-      const float* m = sublayer_out(y.data_ptr<float>(), L.mlp_out_norm, L.residual_scale, s, normed);
+      linear(L.down, act, buf(kY), s, nullptr);
+      const float* m = sublayer_out(buf(kY), L.mlp_out_norm, L.residual_scale, s);
       std::memcpy(s.out, m, T * H_ * sizeof(float));
     }
   }
@@ -328,6 +337,8 @@ class DecodePlan {
   float eps_;
   std::vector<Layer> layers_;
   std::vector<Cache> caches_;
+  std::vector<torch::Tensor> scratch_;  // make_scratch's, indexed by the enum beside buf
+  int64_t scratch_rows_ = -1;
 };
 
 }  // namespace
