@@ -161,7 +161,9 @@ def run_plan_ab(path: str | None, steps: int, rounds: int, rows: int) -> None:
     print(f"  path taken: {model.decode_path}; load {load0} -> {load1}")
     for threads in (1, 2):
         off, on = min(res[(threads, False)]), min(res[(threads, True)])
-        print(f"  {threads}t  python loop {off:8.1f}  native loop {on:8.1f}  on/off x{on / off:5.3f}")
+        print(
+            f"  {threads}t  python loop {off:8.1f}  native loop {on:8.1f}  on/off x{on / off:5.3f}"
+        )
 
 
 def main() -> None:

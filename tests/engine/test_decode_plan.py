@@ -16,6 +16,7 @@ import torch
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.kernels.attention import AttentionMetadata
+from structllm.model import llama
 from structllm.model.llama import LlamaModel
 from tests.support import llamacpp
 from tests.support.models import gguf_source_dir
@@ -97,7 +98,7 @@ def both_paths(core: EngineCore, lens: list[int], kv_dtype: torch.dtype = torch.
     assert torch.equal(got, want)
     for (k, v), (kc, vc) in zip(caches, copies, strict=True):
         assert torch.equal(k, kc) and torch.equal(v, vc)
-    assert len(cuts) == (len(model.layers) - 1) // 4  # between_layers between segments
+    assert len(cuts) == (len(model.layers) - 1) // llama.CHECK_EVERY  # between segments
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{q}" for f, q in CASES])
