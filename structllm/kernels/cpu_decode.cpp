@@ -25,7 +25,9 @@
 //   run(begin, end, x [T, hidden], delta [T, hidden] or None, ropes [[T, D/2, 2]],
 //       slots [T] int64, tables [T', MB] int32, lens [T'] int32, mode_int8, mode_plain)
 //       -> the last layer's output [T, hidden] (the next delta); x takes the residual
-//       additions in place, as in forward_fused
+//       additions in place, as in forward_fused. A mixture-of-experts layer (its
+//       experts stay in Python: layers.SparseMoe, cpu_moe.cpp) runs up to its MLP's
+//       input and ends the range: run returns that input [T, hidden] instead
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -105,6 +107,7 @@ struct Layer {
   int window;
   bool gelu;  // GeGLU (gelu_tanh) else SiLU
   float residual_scale;
+  bool moe;  // the MLP is a mixture of experts, run by the caller (no gate_up, down)
 };
 
 struct Cache {
@@ -130,7 +133,7 @@ class DecodePlan {
                  const OptT& k_norm, int64_t rope, double scale, int64_t window, double softcap,
                  const std::vector<PartSpec>& o, const OptT& attn_out_norm, const OptT& post_norm,
                  const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
-                 const OptT& mlp_out_norm, double residual_scale) {
+                 const OptT& mlp_out_norm, double residual_scale, bool moe) {
     const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "cpu_decode: q and k norms come together");
     TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0 && rope >= 0, "cpu_decode: bad window, cap or rope");
@@ -147,8 +150,12 @@ class DecodePlan {
     L.k_norm = vec_of(k_norm, L.per_head ? D_ : nkv_ * D_, "k_norm");
     L.qkv = matrix_of(qkv, qkv_rows, H_, "qkv");
     L.o = matrix_of(o, H_, nh_ * D_, "o");
-    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
-    L.down = matrix_of(down, H_, F_, "down");
+    L.moe = moe;
+    TORCH_CHECK(!moe || (gate_up.empty() && down.empty()), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
+    if (!moe) {
+      L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+      L.down = matrix_of(down, H_, F_, "down");
+    }
     L.rope = rope;
     L.scale = static_cast<float>(scale), L.cap = static_cast<float>(softcap);
     L.window = static_cast<int>(window);
@@ -217,9 +224,11 @@ class DecodePlan {
     for (const auto& r : ropes)
       TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * D_,
                   "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous");
-    for (int64_t i = begin; i < end; i++)
+    for (int64_t i = begin; i < end; i++) {
       TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(ropes.size()), "cpu_decode: layer ", i, " needs rope table ",
                   layers_[i].rope);
+      TORCH_CHECK(!layers_[i].moe || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
+    }
     TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
                 "cpu_decode: slots must be int64 [T]");
     TORCH_CHECK(tables.dtype() == torch::kInt32 && tables.dim() == 2 && tables.is_contiguous() && tables.size(0) >= T &&
@@ -316,6 +325,10 @@ class DecodePlan {
     linear(L.o, o, buf(kAttn), s, nullptr);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
     h = pre_norm(L.post_norm, a, s);
+    if (L.moe) {  // the caller runs the experts on h
+      std::memcpy(s.out, h, T * H_ * sizeof(float));
+      return;
+    }
     float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
     linear(L.gate_up, h, gu, s, nullptr);
     (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
@@ -356,7 +369,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("rope"),
            pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("o"),
            pybind11::arg("attn_out_norm"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
-           pybind11::arg("down"), pybind11::arg("mlp_out_norm"), pybind11::arg("residual_scale"))
+           pybind11::arg("down"), pybind11::arg("mlp_out_norm"), pybind11::arg("residual_scale"),
+           pybind11::arg("moe"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run)
       .def("num_layers", &DecodePlan::num_layers);

@@ -11,11 +11,16 @@ the two kernel modes (``packed.block_mode`` of the step's rows, with and without
 The native loop calls the very kernels ``forward_fused`` calls, in the same order and
 modes, so the hidden states are bit for bit the same (tests/engine/test_decode_plan.py).
 
+A mixture-of-experts layer runs natively up to its MLP's input; its experts (router
+and ``cpu_moe.cpp``'s ``Experts``, or the Python loop) are called from here between two
+native calls, then its output norm and multiplier as ``forward_fused`` applies them.
+
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
-tensor parallelism, no mixture-of-experts layer, every layer matrix in GGUF blocks
-(``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or float32). Anything else,
-and every prefill or mixed step, keeps the Python path. ``STRUCTLLM_DECODE_PLAN=0`` turns
-it off (for A/B measurements); ``LlamaModel.native_decode`` does the same in-process.
+tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
+in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
+float32). Anything else, and every prefill or mixed step, keeps the Python path.
+``STRUCTLLM_DECODE_PLAN=0`` turns it off (for A/B measurements);
+``LlamaModel.native_decode = False`` does the same in-process.
 """
 
 from __future__ import annotations
@@ -57,9 +62,7 @@ def why_not(model: LlamaModel) -> str | None:
         return "tensor parallelism"
     for layer in model.layers:
         dl: DecoderLayer = layer  # type: ignore[assignment]
-        if dl.moe is not None:
-            return "mixture-of-experts layers"
-        for name in dl.LINEARS:
+        for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o
             if _parts(getattr(dl, name), False) is None:
                 return f"{name} is not in GGUF blocks"
     return None
@@ -82,8 +85,10 @@ class DecodePlan:
             eps=cfg.rms_norm_eps,
         )
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
-        for layer in model.layers:
-            self._add(layer, identity)  # type: ignore[arg-type]
+        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        for dl in self.layers:
+            self._add(dl, identity)
+        self.ops = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self._caches: list[tuple[Tensor, Tensor]] | None = None
 
     def _add(self, dl: DecoderLayer, identity: int) -> None:
@@ -103,11 +108,13 @@ class DecodePlan:
             o=_parts(dl.o_proj, False),
             attn_out_norm=dl.attn_out_norm,
             post_norm=dl.post_attention_layernorm,
-            gate_up=_parts(dl.gate_up_proj, True),  # int8 allowed: see DecoderLayer.forward
+            # int8 allowed: see DecoderLayer.forward
+            gate_up=[] if dl.moe else _parts(dl.gate_up_proj, True),
             gelu=dl.act == "gelu_tanh",
-            down=_parts(dl.down_proj, True),
+            down=[] if dl.moe else _parts(dl.down_proj, True),
             mlp_out_norm=dl.mlp_out_norm,
             residual_scale=dl.residual_scale,
+            moe=dl.moe is not None,
         )
 
     def run(
@@ -130,12 +137,27 @@ class DecodePlan:
         t = x.shape[0]
         modes = (block_mode(t, True), block_mode(t, False))
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
-        n = self.native.num_layers()
+        n = len(self.layers)
         delta: Tensor | None = None
-        for begin in range(0, n, check_every):
-            if begin and between_layers is not None:
+        begin = 0
+        while begin < n:
+            if begin % check_every == 0 and begin and between_layers is not None:
                 between_layers()
-            end = min(n, begin + check_every)
+            end = min(n, (begin // check_every + 1) * check_every)
+            end = next((i + 1 for i in range(begin, end) if self.layers[i].moe), end)
             delta = self.native.run(begin, end, x, delta, pairs, slots, tables, lens, *modes)
+            if self.layers[end - 1].moe:  # delta is that layer's MLP input
+                delta = self._experts(self.layers[end - 1], delta)
+            begin = end
         assert delta is not None
         return delta
+
+    def _experts(self, dl: DecoderLayer, h: Tensor) -> Tensor:
+        """A mixture-of-experts layer's MLP on its input ``h [T, hidden]``, as
+        ``forward_fused`` runs it: the experts, then the output norm and multiplier."""
+        assert dl.moe is not None
+        ops = self.ops
+        out = dl.moe(h, dl.act, ops.gelu_tanh_mul if dl.act == "gelu_tanh" else ops.silu_mul)
+        if not dl._plain_out or dl.mlp_out_norm is not None:
+            out = dl._fused_out(ops, out, None, dl.mlp_out_norm)
+        return out
