@@ -88,7 +88,7 @@ class DecodePlan:
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
         for dl in self.layers:
             self._add(dl, identity)
-        self.ops = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
+        self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self._caches: list[tuple[Tensor, Tensor]] | None = None
 
     def _add(self, dl: DecoderLayer, identity: int) -> None:
