@@ -22,6 +22,7 @@ no plan (one process) the forward pass is the plain one, without a single extra 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -334,6 +335,7 @@ class LlamaModel(nn.Module):
         self.native_decode = True
         self._decode_plan: Any = None
         self.decode_path = "python"  # which loop decode-only steps take (for stats)
+        self.decode_why = "the Python layer loop"  # and why, for the start-up report
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
@@ -433,13 +435,24 @@ class LlamaModel(nn.Module):
             return x
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
+    def choose_decode_loop(self) -> str:
+        """Decide (and build) now which loop decode-only steps take, and say it on stderr
+        beside the start-up report (the runner calls it once its model is set up: the
+        attention backend and tensor-parallel group known). Returns ``decode_path``."""
+        if self.cpu_ops is not None:
+            self._native_plan()
+            sys.stderr.write(f"structllm: decode steps: {self.decode_why}\n")
+        return self.decode_path
+
     def _native_plan(self) -> Any:
         """The native decode loop's plan (``decode_plan.DecodePlan``), built on the first
-        decode-only step, or None: turned off, or not for this model (said once)."""
+        decode-only step (or by ``choose_decode_loop``), or None: turned off, or not for
+        this model (said once)."""
         if not self.native_decode or self._decode_plan is False:
             return None
-        if self._decode_plan is not None and self._decode_plan.impl is not self.attn_impl:
-            self._decode_plan = None  # another attention backend since: decide again
+        plan = self._decode_plan
+        if plan is not None and (plan.impl is not self.attn_impl or self.tp is not None):
+            self._decode_plan = None  # another backend, or sharded, since: decide again
         if self._decode_plan is None:
             from structllm.kernels import cpu_ext
             from structllm.model import decode_plan
@@ -449,12 +462,14 @@ class LlamaModel(nn.Module):
             if reason is None and native is None:
                 reason = "the native driver did not build"
             if reason is not None:
-                log.info("decode steps: Python layer loop (%s)", reason)
+                self.decode_why = f"the Python layer loop ({reason})"
+                log.info("decode steps: %s", self.decode_why)
                 self._decode_plan = False
                 return None
             self._decode_plan = decode_plan.DecodePlan(self, native)
             self.decode_path = "native"
-            log.info("decode steps: native layer loop (cpu_decode.cpp)")
+            self.decode_why = "the native layer loop (cpu_decode.cpp)"
+            log.info("decode steps: %s", self.decode_why)
         return self._decode_plan
 
     def use_cpu_ops(self) -> bool:

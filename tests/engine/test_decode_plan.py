@@ -142,20 +142,28 @@ def test_mixed_type_matrices_and_greedy_tokens(tmp_path: Path, default_files) ->
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_experts_run_between_native_calls(family: str, default_files) -> None:  # type: ignore[no-untyped-def]
+def test_experts_run_between_native_calls(
+    family: str, default_files, capfd: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
     # Qwen3-MoE: a dense layer between two MoE ones; Mixtral: every layer MoE, a window.
     # The experts (router, cpu_moe.cpp) run in Python between the native calls.
     core = engine(family_file(family, default_files, "Q8_0"))
+    assert "decode steps: the native layer loop" in capfd.readouterr().err  # at start-up
     model: LlamaModel = core.runner.model  # type: ignore[assignment]
     assert any(layer.moe is not None for layer in model.layers)
     both_paths(core, [13])
     both_paths(core, [1, 40, 9], torch.float16)
 
 
-def test_what_it_cannot_take_keeps_the_python_loop(tiny_llama_dir: Path) -> None:
-    # float32 weights (the exact path): no fused CPU ops, so no plan
+def test_what_it_cannot_take_keeps_the_python_loop(
+    tiny_llama_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # a float checkpoint: float16 weights (fbgemm's HalfWeight) on the fused path
     core = engine(tiny_llama_dir)
     model: LlamaModel = core.runner.model  # type: ignore[assignment]
+    assert model.cpu_ops is not None
+    err = capfd.readouterr().err
+    assert "decode steps: the Python layer loop (qkv_proj is not in GGUF blocks)" in err
     meta, positions = decode_meta([3], core.runner.block_size, core.runner.kv_caches[0][0].shape[0])  # type: ignore[union-attr]
     with torch.no_grad():
         model.forward(torch.tensor([5]), positions, core.runner.kv_caches, meta)  # type: ignore[union-attr]
