@@ -133,6 +133,17 @@ def test_mixed_type_matrices_and_greedy_tokens(tmp_path: Path, default_files) ->
     kinds = {type(getattr(layer, n)).__name__ for layer in model.layers for n in layer.LINEARS}
     assert "MixedWeight" in kinds  # a q/k/v of Q4_K and Q6_K parts
     both_paths(llm.engine, [5, 17])
+    # bad input is refused by name, before anything is written
+    plan = model._native_plan()
+    meta, _ = decode_meta([5], llm.engine.runner.block_size, 64)
+    x, rope = torch.zeros(1, model.cfg.hidden_size), torch.zeros(1, model.cfg.head_dim)
+    slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        plan.native.run(0, 1, x, None, [rope], torch.tensor([1 << 40]), tables, lens, 1, 2)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        plan.native.run(0, 1, x.double(), None, [rope], slots, tables, lens, 1, 2)
+    with pytest.raises(RuntimeError, match="layers 0..99"):
+        plan.native.run(0, 99, x, None, [rope], slots, tables, lens, 1, 2)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], list(range(100, 137))]
     on = [o.token_ids for o in llm.generate(prompts, params)]
