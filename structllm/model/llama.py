@@ -462,7 +462,7 @@ class LlamaModel(nn.Module):
             if reason is None and native is None:
                 reason = "the native driver did not build"
             if reason is not None:
-                self.decode_why = f"the Python layer loop ({reason})"
+                self.decode_path, self.decode_why = "python", f"the Python layer loop ({reason})"
                 log.info("decode steps: %s", self.decode_why)
                 self._decode_plan = False
                 return None
