@@ -150,6 +150,13 @@ def test_mixed_type_matrices_and_greedy_tokens(tmp_path: Path, default_files) ->
     model.native_decode = False
     off = [o.token_ids for o in llm.generate(prompts, params)]
     assert on == off
+    # a q/k/v bias (Qwen2's; llama.cpp's converter cannot write a tiny Qwen2 with this
+    # tokenizer): random ones on the mixed q/k/v, the plan built anew
+    g = torch.Generator().manual_seed(3)
+    for layer in model.layers:
+        layer.qkv_bias = torch.randn(layer.qkv_proj.shape[0], generator=g)
+    model._decode_plan, model.native_decode = None, True
+    both_paths(llm.engine, [5, 17])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
