@@ -331,6 +331,10 @@ def instrument(core: Any, timers: Timers) -> None:
     from structllm.kernels.attention import CpuAttention
 
     runner, model = core.runner, core.runner.model
+    # the parts are timed at the Python loop's calls: the native decode loop
+    # (model/decode_plan.py) has none to wrap, so timed steps take the Python loop (plain
+    # steps keep the default; bench/thread_scaling.py --plan sets the two side by side)
+    model.native_decode = False
     llama.linear = timers.wrap("matmul", llama.linear)  # type: ignore[assignment]
     CpuAttention.decode_rows = timers.wrap("attention", CpuAttention.decode_rows)  # type: ignore[method-assign]
     if model.cpu_ops is not None:

@@ -1,6 +1,7 @@
 r"""What a second thread buys a decode step, part by part, in one process.
 
     python bench/thread_scaling.py [FILE.gguf ...] [--steps 48] [--rounds 3] [--rows 1]
+    python bench/thread_scaling.py [FILE.gguf ...] --plan  # native decode loop on/off
 
 For each GGUF file (default: the default model) one engine is loaded with two threads,
 then rounds of 1 thread / 2 threads alternate (``torch.set_num_threads``: the kernel pool
@@ -20,6 +21,10 @@ Where the quant module has ``prefetch_hints``, a third arm ``2t-`` runs two thre
 the workers not prefetching the next matmul's weights (``cpu_pool.h``), to measure them.
 Prints per item the 1- and 2-thread medians (min over rounds) and the speed-up, and
 the load average: the figures are wall time, so a loaded machine makes them noisy.
+
+``--plan``: instead, a plain decode step with the native layer loop (``model/
+decode_plan.py``) off and on, at 1 and 2 threads, the four arms interleaved (off, on,
+off, on, ...) in each round; median per arm (min over rounds) and on/off.
 """
 
 from __future__ import annotations
@@ -131,6 +136,36 @@ def run_file(path: str | None, steps: int, rounds: int, rows: int) -> None:
         print(f"  {k:24s} 1t {a:9.1f}  2t {b:9.1f}  x{a / b:5.2f}{extra}")
 
 
+def run_plan_ab(path: str | None, steps: int, rounds: int, rows: int) -> None:
+    import torch
+
+    from structllm.config import EngineConfig
+    from structllm.engine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=path, max_num_seqs=rows, num_threads=2))
+    model = core.runner.model
+    decode_steps(core, 8, 1, rows=rows)  # warm-up (builds the plan)
+    res: dict[tuple[int, bool], list[float]] = defaultdict(list)
+    load0 = Path("/proc/loadavg").read_text().split()[0]
+    for r in range(rounds):
+        for i, (threads, native) in enumerate([(1, False), (1, True), (2, False), (2, True)]):
+            torch.set_num_threads(threads)
+            model.native_decode = native
+            times, _ = decode_steps(core, steps, 10 + r * 4 + i, rows=rows)
+            res[(threads, native)].append(statistics.median(times) / 1000)
+    torch.set_num_threads(2)
+    model.native_decode = True
+    load1 = Path("/proc/loadavg").read_text().split()[0]
+    name = Path(path).name if path else "default"
+    print(f"{name}: {rows} rows, decode step wall us (median, min over {rounds} rounds)")
+    print(f"  path taken: {model.decode_path}; load {load0} -> {load1}")
+    for threads in (1, 2):
+        off, on = min(res[(threads, False)]), min(res[(threads, True)])
+        print(
+            f"  {threads}t  python loop {off:8.1f}  native loop {on:8.1f}  on/off x{on / off:5.3f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,9 +174,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--plan", action="store_true", help="native decode loop off vs on")
     args = ap.parse_args()
     for f in args.files or [None]:
-        run_file(f, args.steps, args.rounds, args.rows)
+        (run_plan_ab if args.plan else run_file)(f, args.steps, args.rounds, args.rows)
 
 
 if __name__ == "__main__":

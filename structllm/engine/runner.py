@@ -178,6 +178,7 @@ class ModelRunner:
             )
             for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
         ]
+        model.choose_decode_loop()  # the fused CPU path: native decode steps or not, said
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
         self.num_sampled_by_last_stage = 0  # rank 0: batches the last stage sampled
         # rank 0 with pipeline parallelism: what rows carry (the engine sets its budget)

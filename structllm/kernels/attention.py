@@ -163,6 +163,7 @@ class CpuAttention(TorchAttention):
     k_transposed = True
 
     def __init__(self, module: Any) -> None:
+        self.module = module  # its attention_ops: model/decode_plan.py runs its decode
         self._decode = module.paged_decode
         self._prefill = module.paged_prefill
         # prefill's block tables, row starts and contexts, for the step whose metadata

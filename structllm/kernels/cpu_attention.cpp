@@ -45,6 +45,7 @@
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"
+#include "cpu_tables.h"
 
 namespace {
 
@@ -367,6 +368,30 @@ void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tenso
   }
 }
 
+// paged_decode on raw rows (AttentionOps, cpu_tables.h), for cpu_decode.cpp: the same
+// run<T, BS> as dispatch's. The caller has checked the shapes (block size 16, 32 or 64).
+template <typename T>
+void decode_rows_t(const float* q, int64_t q_stride, const void* kt, const void* v, int64_t BS, const int32_t* tables,
+                   int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale,
+                   int window, float cap) {
+  auto args = std::make_tuple(q, q_stride, static_cast<const T*>(kt), static_cast<const T*>(v), tables, mb, lens, out,
+                              B, H, Hkv, D, scale, window, cap);
+  if (BS == 16) std::apply(run<T, 16>, args);
+  else if (BS == 32) std::apply(run<T, 32>, args);
+  else std::apply(run<T, 64>, args);
+}
+
+void decode_rows(const float* q, int64_t q_stride, const void* kt, const void* v, bool half, int64_t BS,
+                 const int32_t* tables, int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D,
+                 float scale, int window, float cap) {
+  if (half)
+    decode_rows_t<at::Half>(q, q_stride, kt, v, BS, tables, mb, lens, out, B, H, Hkv, D, scale, window, cap);
+  else
+    decode_rows_t<float>(q, q_stride, kt, v, BS, tables, mb, lens, out, B, H, Hkv, D, scale, window, cap);
+}
+
+constexpr sl::AttentionOps kAttentionOps = {decode_rows};
+
 // ---- Prefill: tiles of query rows x groups of KV blocks.
 //
 // Row r of a sequence's chunk (q_len rows after ctx - q_len cached keys) sees its first
@@ -611,4 +636,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("starts"),
         py::arg("ctxs"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
+  m.def("attention_ops",
+        [] { return pybind11::capsule(const_cast<sl::AttentionOps*>(&kAttentionOps), "structllm.attention_ops"); },
+        "paged decode on raw rows as a function table (cpu_tables.h), for cpu_decode.cpp");
 }

@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``,
-``cpu_layer.cpp``, ``cpu_moe.cpp``).
+``cpu_layer.cpp``, ``cpu_moe.cpp``, ``cpu_decode.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
 machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
@@ -32,7 +32,9 @@ from structllm.paths import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-HEADERS = [Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_pool.h")]  # part of each key
+HEADERS = [
+    Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_pool.h", "cpu_tables.h")
+]  # part of each key
 FLAGS = [
     "-O3",
     "-fno-math-errno",
@@ -162,6 +164,39 @@ def load_moe(isa: str | None = None) -> Any | None:
     return module
 
 
+DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+
+
+@cache
+def load_decode(isa: str | None = None) -> Any | None:
+    """The native decode-step driver (``DecodePlan``, see cpu_decode.cpp) for ``isa``
+    (default ``best_isa()``), with ``tables``: the capsules of the same ISA's quant
+    kernels (``linears``, ``hint``) and layer ops (``layer_ops``) that it runs (the
+    attention kernel's comes from the model's ``CpuAttention``). None if any is missing."""
+    isa = isa or best_isa()
+    if isa is None:
+        return None
+    quant, layer = load_quant(isa), load_layer(isa)
+    if quant is None or layer is None:
+        return None
+    module = _share_pool(
+        build(
+            f"structllm_decode_{isa}",
+            DECODE_SOURCE,
+            [*FLAGS, _ISA_MARCH[isa]],
+            "the native decode-step driver (about 20 s)",
+        )
+    )
+    if module is None:
+        return None
+    module.tables = {
+        "linears": quant.kernel_table(),
+        "hint": quant.hint_table(),
+        "layer_ops": layer.layer_ops(),
+    }
+    return module
+
+
 def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
     """Compile ``source`` (or load the cached build) as a torch extension; None on failure.
 
@@ -282,6 +317,7 @@ def build_all() -> list[tuple[str, bool]]:
         out.append((f"quant_{isa}", load_quant(isa) is not None))
         out.append((f"cpu_layer_{isa}", load_layer(isa) is not None))
         out.append((f"cpu_moe_{isa}", load_moe(isa) is not None))
+        out.append((f"cpu_decode_{isa}", load_decode(isa) is not None))
     return out
 
 

@@ -40,6 +40,7 @@
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"
+#include "cpu_tables.h"
 
 namespace {
 
@@ -85,21 +86,9 @@ void store_kv(const float* qkv, int64_t T, int H, int Hkv, int D, C* kt, C* v, i
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
-  check_rows(x, "rms_norm");
-  const int64_t T = x.size(0), N = x.size(1);
-  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.numel() == N, "rms_norm: weight [H] float32");
-  const float* dp = nullptr;
-  if (delta.has_value()) {
-    check_rows(*delta, "rms_norm delta");
-    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N, "rms_norm: delta shape differs from x");
-    dp = delta->data_ptr<float>();
-  }
-  auto out = torch::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float e = static_cast<float>(eps);
+// The ops on raw rows (LayerOps, cpu_tables.h): what the tensor entry points below run,
+// and what cpu_decode.cpp calls through layer_ops.
+void rms_norm_rows(float* xp, const float* dp, const float* wp, float* op, int64_t T, int64_t N, float e) {
   sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       float* xr = xp + t * N;
@@ -117,16 +106,9 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torc
       for (int64_t i = 0; i < N; i++) orow[i] = xr[i] * r * wp[i];
     }
   });
-  return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor gu) {
-  check_rows(gu, "silu_mul");
-  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: odd width");
-  const int64_t T = gu.size(0), F = gu.size(1) / 2;
-  auto out = torch::empty({T, F}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+void silu_mul_rows(const float* gp, float* op, int64_t T, int64_t F) {
   sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       const float* g = gp + t * 2 * F;
@@ -136,6 +118,46 @@ torch::Tensor silu_mul(torch::Tensor gu) {
       for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + sl::exp_approx(-g[i])) * u[i];
     }
   });
+}
+
+void gelu_tanh_mul_rows(const float* gp, float* op, int64_t T, int64_t F) {
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* g = gp + t * 2 * F;
+      const float* u = g + F;
+      float* o = op + t * F;
+      // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)): one exp, no cancellation
+#pragma omp simd
+      for (int64_t i = 0; i < F; i++) {
+        const float x = g[i], y = k0 * (x + k1 * x * x * x);
+        o[i] = x / (1.0f + sl::exp_approx(-2.0f * y)) * u[i];
+      }
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+  check_rows(x, "rms_norm");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.numel() == N, "rms_norm: weight [H] float32");
+  const float* dp = nullptr;
+  if (delta.has_value()) {
+    check_rows(*delta, "rms_norm delta");
+    TORCH_CHECK(delta->size(0) == T && delta->size(1) == N, "rms_norm: delta shape differs from x");
+    dp = delta->data_ptr<float>();
+  }
+  auto out = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), dp, w.data_ptr<float>(), out.data_ptr<float>(), T, N, static_cast<float>(eps));
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_rows(gu, "silu_mul");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: odd width");
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  auto out = torch::empty({T, F}, gu.options());
+  silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), T, F);
   return out;
 }
 
@@ -165,22 +187,7 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gelu_tanh_mul: odd width");
   const int64_t T = gu.size(0), F = gu.size(1) / 2;
   auto out = torch::empty({T, F}, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const float* g = gp + t * 2 * F;
-      const float* u = g + F;
-      float* o = op + t * F;
-      // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)): one exp, no cancellation
-#pragma omp simd
-      for (int64_t i = 0; i < F; i++) {
-        const float x = g[i], y = k0 * (x + k1 * x * x * x);
-        o[i] = x / (1.0f + sl::exp_approx(-2.0f * y)) * u[i];
-      }
-    }
-  });
+  gelu_tanh_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), T, F);
   return out;
 }
 
@@ -194,19 +201,8 @@ inline void rms_norm_inplace(float* x, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; i++) x[i] = x[i] * r * w[i];
 }
 
-void head_rms_norm(torch::Tensor qkv, int64_t H, int64_t Hkv, torch::Tensor wq, torch::Tensor wk, double eps) {
-  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(1) == H + 2 * Hkv,
-              "head_rms_norm: qkv must be float32 [T, H + 2 Hkv, D] contiguous");
-  const int64_t T = qkv.size(0), D = qkv.size(2);
-  // weights [D]: each head on its own; [H * D] / [Hkv * D]: q and k each as one row (OLMo 2)
-  const bool per_head = wq.numel() == D && wk.numel() == D;
-  TORCH_CHECK(wq.dtype() == torch::kFloat32 && wk.dtype() == torch::kFloat32 && wq.is_contiguous() &&
-                  wk.is_contiguous() && (per_head || (wq.numel() == H * D && wk.numel() == Hkv * D)),
-              "head_rms_norm: weights must be float32 [D], or [H * D] and [Hkv * D]");
-  float* qp = qkv.data_ptr<float>();
-  const float* wqp = wq.data_ptr<float>();
-  const float* wkp = wk.data_ptr<float>();
-  const float e = static_cast<float>(eps);
+void head_rms_norm_rows(float* qp, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* wqp, const float* wkp,
+                        bool per_head, float e) {
   const int64_t row = (H + 2 * Hkv) * D;
   sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
@@ -220,6 +216,22 @@ void head_rms_norm(torch::Tensor qkv, int64_t H, int64_t Hkv, torch::Tensor wq, 
     }
   });
 }
+
+void head_rms_norm(torch::Tensor qkv, int64_t H, int64_t Hkv, torch::Tensor wq, torch::Tensor wk, double eps) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(1) == H + 2 * Hkv,
+              "head_rms_norm: qkv must be float32 [T, H + 2 Hkv, D] contiguous");
+  const int64_t T = qkv.size(0), D = qkv.size(2);
+  // weights [D]: each head on its own; [H * D] / [Hkv * D]: q and k each as one row (OLMo 2)
+  const bool per_head = wq.numel() == D && wk.numel() == D;
+  TORCH_CHECK(wq.dtype() == torch::kFloat32 && wk.dtype() == torch::kFloat32 && wq.is_contiguous() &&
+                  wk.is_contiguous() && (per_head || (wq.numel() == H * D && wk.numel() == Hkv * D)),
+              "head_rms_norm: weights must be float32 [D], or [H * D] and [Hkv * D]");
+  head_rms_norm_rows(qkv.data_ptr<float>(), T, H, Hkv, D, wq.data_ptr<float>(), wk.data_ptr<float>(), per_head,
+                     static_cast<float>(eps));
+}
+
+void rope_store_rows(float* qp, const float* rp, int64_t T, int64_t H, int64_t Hkv, int64_t D, void* kt, void* v,
+                     bool f16, int64_t BS, const int64_t* sp);
 
 void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, torch::Tensor kt, torch::Tensor v,
                 torch::Tensor slots) {
@@ -241,8 +253,13 @@ void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, t
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; t++)  // never write outside the cache
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "rope_store: slot ", sp[t], " outside the cache");
-  float* qp = qkv.data_ptr<float>();
-  const float* rp = rope.data_ptr<float>();
+  const bool half = kt.dtype() == torch::kFloat16;
+  rope_store_rows(qkv.data_ptr<float>(), rope.data_ptr<float>(), T, H, Hkv, D, kt.data_ptr(), v.data_ptr(), half, BS,
+                  sp);
+}
+
+void rope_store_rows(float* qp, const float* rp, int64_t T, int64_t H, int64_t Hkv, int64_t D, void* kt, void* v,
+                     bool f16, int64_t BS, const int64_t* sp) {
   const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
   sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
@@ -258,10 +275,10 @@ void rope_store(torch::Tensor qkv, torch::Tensor rope, int64_t H, int64_t Hkv, t
       }
     }
   });
-  if (kt.dtype() == torch::kFloat16)
-    store_kv(qp, T, H, Hkv, D, kt.data_ptr<at::Half>(), v.data_ptr<at::Half>(), BS, sp);
+  if (f16)
+    store_kv(qp, T, H, Hkv, D, static_cast<at::Half*>(kt), static_cast<at::Half*>(v), BS, sp);
   else
-    store_kv(qp, T, H, Hkv, D, kt.data_ptr<float>(), v.data_ptr<float>(), BS, sp);
+    store_kv(qp, T, H, Hkv, D, static_cast<float*>(kt), static_cast<float*>(v), BS, sp);
 }
 
 namespace {
@@ -316,6 +333,10 @@ std::vector<int64_t> greedy_rows(torch::Tensor x) {
   return out;
 }
 
+// The raw-row ops as a table, for cpu_decode.cpp's layer loop (cpu_tables.h)
+constexpr sl::LayerOps kLayerOps = {rms_norm_rows, silu_mul_rows, gelu_tanh_mul_rows, head_rms_norm_rows,
+                                    rope_store_rows};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
@@ -325,5 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("soft_cap_", &soft_cap_, "x = cap * tanh(x / cap), in place");
   m.def("head_rms_norm", &head_rms_norm, "RMSNorm of each q and k head of qkv, in place");
   m.def("rope_store", &rope_store, "rotate q and k in place, store k and v in the paged cache");
+  m.def("layer_ops", [] { return pybind11::capsule(const_cast<sl::LayerOps*>(&kLayerOps), "structllm.layer_ops"); },
+        "the ops on raw rows as a function table (cpu_tables.h), for cpu_decode.cpp");
   m.def("greedy_rows", &greedy_rows, "each row's first index of its maximum; -1: NaN or no finite max");
 }

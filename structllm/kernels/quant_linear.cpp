@@ -73,6 +73,7 @@
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"
+#include "cpu_tables.h"
 
 namespace {
 using namespace sl;
@@ -1748,7 +1749,7 @@ int64_t checked_k(const torch::Tensor& w, int64_t type) {
 }  // namespace
 
 // every type's three paths by (type code, mode): what `linear` and kernel_table hand out
-using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+using sl::LinearFn;  // cpu_tables.h
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
 constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
                                           SL_PATHS(Q5_0), SL_PATHS(Q5_1), SL_PATHS(Q4_K),
@@ -1833,4 +1834,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the pool's workers prefetch the next matmul's weights (default on)");
   m.def("isa", &isa, "the instruction set this build targets");
   m.def("kernel_table", &kernel_table, "the [type][mode] matmul functions, for cpu_moe.cpp");
+  m.def("hint_table", [] { return pybind11::capsule(reinterpret_cast<void*>(static_cast<sl::HintFn>(hint_next)), "structllm.quant_hint"); },
+        "hint_next (the pool's prefetch of the weights that came next last time), for cpu_decode.cpp");
 }

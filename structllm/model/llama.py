@@ -21,6 +21,8 @@ no plan (one process) the forward pass is the plain one, without a single extra 
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -53,6 +55,8 @@ from structllm.model.sharding import ShardPlan
 # aborts that make the running step pointless): a step is cut short at most this many
 # layers after the check would say so.
 CHECK_EVERY = 4
+
+log = logging.getLogger(__name__)
 
 
 def onednn_linear_available() -> bool:
@@ -325,6 +329,13 @@ class LlamaModel(nn.Module):
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
         # every layer held rotates q and k (else the fused path adds an identity rotation)
         self._all_rotate = all(cast(DecoderLayer, layer).rotates for layer in self.layers)
+        # decode-only steps through the native layer loop (model/decode_plan.py): built
+        # on the first one; False once found not to apply. native_decode=False keeps
+        # the Python loop (A/B measurements, tests).
+        self.native_decode = True
+        self._decode_plan: Any = None
+        self.decode_path = "python"  # which loop decode-only steps take (for stats)
+        self.decode_why = "the Python layer loop"  # and why, for the start-up report
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
@@ -391,6 +402,12 @@ class LlamaModel(nn.Module):
                 )
             delta: Tensor | None = None
             t = x.shape[0]  # decode only: one attention output buffer for all layers
+            plan = self._native_plan() if meta.num_decodes == t else None
+            if plan is not None:
+                delta = plan.run(x, pairs, kv_caches, meta, between_layers, CHECK_EVERY)
+                if not last:
+                    return x + delta
+                return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
             o_out = (
                 torch.empty((t, self.num_heads * self.cfg.head_dim))
                 if meta.num_decodes == t
@@ -417,6 +434,43 @@ class LlamaModel(nn.Module):
         if not last:
             return x
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+
+    def choose_decode_loop(self) -> str:
+        """Decide (and build) now which loop decode-only steps take, and say it on stderr
+        beside the start-up report (the runner calls it once its model is set up: the
+        attention backend and tensor-parallel group known). Returns ``decode_path``."""
+        if self.cpu_ops is not None:
+            self._native_plan()
+            sys.stderr.write(f"structllm: decode steps: {self.decode_why}\n")
+        return self.decode_path
+
+    def _native_plan(self) -> Any:
+        """The native decode loop's plan (``decode_plan.DecodePlan``), built on the first
+        decode-only step (or by ``choose_decode_loop``), or None: turned off, or not for
+        this model (said once)."""
+        if not self.native_decode or self._decode_plan is False:
+            return None
+        plan = self._decode_plan
+        if plan is not None and (plan.impl is not self.attn_impl or self.tp is not None):
+            self._decode_plan = None  # another backend, or sharded, since: decide again
+        if self._decode_plan is None:
+            from structllm.kernels import cpu_ext
+            from structllm.model import decode_plan
+
+            reason = decode_plan.why_not(self)
+            native = cpu_ext.load_decode() if reason is None else None
+            if reason is None and native is None:
+                reason = "the native driver did not build"
+            if reason is not None:
+                self.decode_path, self.decode_why = "python", f"the Python layer loop ({reason})"
+                log.info("decode steps: %s", self.decode_why)
+                self._decode_plan = False
+                return None
+            self._decode_plan = decode_plan.DecodePlan(self, native)
+            self.decode_path = "native"
+            self.decode_why = "the native layer loop (cpu_decode.cpp)"
+            log.info("decode steps: %s", self.decode_why)
+        return self._decode_plan
 
     def use_cpu_ops(self) -> bool:
         """Run the element-wise glue of each layer (norms, residual adds, rotary
@@ -521,6 +575,7 @@ class LlamaModel(nn.Module):
             setattr(owner, attr, value)
         for layer in self.layers:
             cast(DecoderLayer, layer)._norms = None  # (forward_fused reads them anew)
+        self._decode_plan = None  # (built anew from these weights)
 
     def pack_weights(self, half: str = "none") -> None:
         """Repack the matmul weights for the CPU kernels that run them.
@@ -564,6 +619,7 @@ class LlamaModel(nn.Module):
         self._packed_head = pack(head)
         if self.lm_head is not None and self._packed_head is not None:
             self.lm_head = None  # the packed head replaces it: keep one copy
+        self._decode_plan = None  # (built anew from the packed weights)
 
     def weight_bytes(self) -> int:
         """Bytes held by weights (packed forms counted as what they hold)."""

@@ -1,0 +1,377 @@
+// A decode-only step's decoder layers in one native call (model/decode_plan.py): the
+// fused CPU path of DecoderLayer.forward_fused without Python between its kernels.
+//
+// At one decode token a layer of the default model is ~9 native calls (norms, matmuls,
+// rotary embedding and KV store, attention, activation), each behind Python dispatch of
+// a few microseconds: ~270 calls and ~1 ms of single-threaded Python a step, while the
+// pool's other threads idle. Here a plan built once at load holds each layer's weights
+// (the raw block tensors and type codes, each part of a mixed-type matrix), norms and
+// attention parameters, and run() walks a range of layers calling the same kernels in
+// the same order: quant_linear.cpp's matmuls, cpu_layer.cpp's norms, rotary store and
+// activations, cpu_attention.cpp's paged decode, taken from their modules as function
+// tables (cpu_tables.h), so every kernel is the one the Python path runs, compiled under
+// its own module's flags. The glue here is exact float arithmetic (a bias or residual
+// add, a multiply by the residual scale), and every buffer a kernel reads starts where a
+// torch allocation does, as in Python (64-byte aligned: the kernels' vector loops peel
+// and sum alike), which makes the result bit for bit that of forward_fused
+// (tests/engine/test_decode_plan.py). The buffers are the plan's, reused by every layer
+// and step (a tensor per op was ~240 allocations a step).
+//
+// Shapes (float32, contiguous; T decode rows, one per sequence):
+//   DecodePlan(linears, hint, layer_ops, attention_ops, hidden, heads H, kv_heads Hkv,
+//              head_dim D, ffn F, eps)
+//   add_layer(...): one layer's weights, in model order (see decode_plan.py)
+//   set_caches([(kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D])] per layer)
+//   run(begin, end, x [T, hidden], delta [T, hidden] or None, ropes [[T, D/2, 2]],
+//       slots [T] int64, tables [T', MB] int32, lens [T'] int32, mode_int8, mode_plain)
+//       -> the last layer's output [T, hidden] (the next delta); x takes the residual
+//       additions in place, as in forward_fused. A mixture-of-experts layer (its
+//       experts stay in Python: layers.SparseMoe, cpu_moe.cpp) runs up to its MLP's
+//       input and ends the range: run returns that input [T, hidden] instead
+
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu_pool.h"
+#include "cpu_tables.h"
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int NTYPES = 9;
+constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18};  // packed.BLOCK_BYTES
+
+using Table = sl::LinearFn[NTYPES][3];
+using PartSpec = std::tuple<torch::Tensor, int64_t, bool>;  // (raw [rows, bytes] uint8, type, int8 allowed)
+using OptT = std::optional<torch::Tensor>;
+
+template <class T>
+const T* from_capsule(const pybind11::capsule& c, const char* name) {
+  TORCH_CHECK(std::string(c.name()) == name, "cpu_decode: expected the capsule ", name, ", got ", c.name());
+  return static_cast<const T*>(c.get_pointer());
+}
+
+struct Part {
+  torch::Tensor keep;  // owns the bytes
+  const uint8_t* data;
+  int64_t rows, bytes;  // bytes: of the whole part (the prefetch hint's size)
+  int type;
+  bool int8;
+};
+
+// A BlockWeight (one part) or MixedWeight (parts in row order): [rows, k]
+struct Matrix {
+  std::vector<Part> parts;
+  int64_t rows = 0, k = 0;
+};
+
+Matrix matrix_of(const std::vector<PartSpec>& specs, int64_t rows, int64_t k, const char* what) {
+  TORCH_CHECK(!specs.empty(), "cpu_decode: ", what, ": no parts");
+  Matrix m{{}, rows, k};
+  int64_t total = 0;
+  for (const auto& [raw, type, int8] : specs) {
+    TORCH_CHECK(type >= 0 && type < NTYPES, "cpu_decode: ", what, ": bad block type ", type);
+    TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "cpu_decode: ", what,
+                ": parts must be [rows, bytes] uint8, contiguous");
+    TORCH_CHECK(k % QK == 0 && raw.size(1) == k / QK * kBlockBytes[type], "cpu_decode: ", what,
+                ": a part's row bytes do not hold ", k, " weights of its type");
+    m.parts.push_back({raw, raw.data_ptr<uint8_t>(), raw.size(0), raw.numel(), static_cast<int>(type), int8});
+    total += raw.size(0);
+  }
+  TORCH_CHECK(total == rows, "cpu_decode: ", what, ": parts hold ", total, " rows, expected ", rows);
+  return m;
+}
+
+const float* vec_of(const OptT& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->numel() == n, "cpu_decode: ", what,
+              " must be float32 [", n, "]");
+  return t->data_ptr<float>();
+}
+
+struct Layer {
+  std::vector<torch::Tensor> keep;  // the norm weights and bias below point into these
+  const float *in_norm, *post_norm, *attn_out_norm, *mlp_out_norm, *q_norm, *k_norm, *qkv_bias;
+  bool per_head;  // q/k norms per head ([D]) or over the whole projection
+  Matrix qkv, o, gate_up, down;
+  int64_t rope;  // which of run's rope tables
+  float scale, cap;
+  int window;
+  bool gelu;  // GeGLU (gelu_tanh) else SiLU
+  float residual_scale;
+  bool moe;  // the MLP is a mixture of experts, run by the caller (no gate_up, down)
+};
+
+struct Cache {
+  torch::Tensor kt, v;
+};
+
+class DecodePlan {
+ public:
+  DecodePlan(const pybind11::capsule& linears, const pybind11::capsule& hint, const pybind11::capsule& layer_ops,
+             const pybind11::capsule& attention_ops, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+             int64_t ffn, double eps)
+      : linears_(from_capsule<Table>(linears, "structllm.quant_linears")),
+        hint_(reinterpret_cast<sl::HintFn>(const_cast<void*>(from_capsule<void>(hint, "structllm.quant_hint")))),
+        ops_(from_capsule<sl::LayerOps>(layer_ops, "structllm.layer_ops")),
+        attn_(from_capsule<sl::AttentionOps>(attention_ops, "structllm.attention_ops")),
+        H_(hidden), nh_(heads), nkv_(kv_heads), D_(head_dim), F_(ffn), eps_(static_cast<float>(eps)) {
+    TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
+                    ffn > 0,
+                "cpu_decode: bad model shape");
+  }
+
+  void add_layer(const OptT& in_norm, const std::vector<PartSpec>& qkv, const OptT& qkv_bias, const OptT& q_norm,
+                 const OptT& k_norm, int64_t rope, double scale, int64_t window, double softcap,
+                 const std::vector<PartSpec>& o, const OptT& attn_out_norm, const OptT& post_norm,
+                 const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
+                 const OptT& mlp_out_norm, double residual_scale, bool moe) {
+    const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "cpu_decode: q and k norms come together");
+    TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0 && rope >= 0, "cpu_decode: bad window, cap or rope");
+    Layer L;
+    for (const OptT* t : {&in_norm, &qkv_bias, &q_norm, &k_norm, &attn_out_norm, &post_norm, &mlp_out_norm})
+      if (t->has_value()) L.keep.push_back(**t);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.post_norm = vec_of(post_norm, H_, "post_norm");
+    L.attn_out_norm = vec_of(attn_out_norm, H_, "attn_out_norm");
+    L.mlp_out_norm = vec_of(mlp_out_norm, H_, "mlp_out_norm");
+    L.qkv_bias = vec_of(qkv_bias, qkv_rows, "qkv_bias");
+    L.per_head = !q_norm.has_value() || q_norm->numel() == D_;
+    L.q_norm = vec_of(q_norm, L.per_head ? D_ : nh_ * D_, "q_norm");
+    L.k_norm = vec_of(k_norm, L.per_head ? D_ : nkv_ * D_, "k_norm");
+    L.qkv = matrix_of(qkv, qkv_rows, H_, "qkv");
+    L.o = matrix_of(o, H_, nh_ * D_, "o");
+    L.moe = moe;
+    TORCH_CHECK(!moe || (gate_up.empty() && down.empty()), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
+    if (!moe) {
+      L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+      L.down = matrix_of(down, H_, F_, "down");
+    }
+    L.rope = rope;
+    L.scale = static_cast<float>(scale), L.cap = static_cast<float>(softcap);
+    L.window = static_cast<int>(window);
+    L.gelu = gelu;
+    L.residual_scale = static_cast<float>(residual_scale);
+    layers_.push_back(std::move(L));
+  }
+
+  void set_caches(const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& caches) {
+    TORCH_CHECK(caches.size() == layers_.size(), "cpu_decode: one (K, V) cache pair per layer");
+    std::vector<Cache> out;
+    for (const auto& [kt, v] : caches) {
+      TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16) &&
+                      kt.is_contiguous() && v.is_contiguous(),
+                  "cpu_decode: K and V caches must be contiguous, both float32 or both float16");
+      TORCH_CHECK(kt.dim() == 4 && kt.size(1) == nkv_ && kt.size(2) == D_ && v.dim() == 4 && v.size(0) == kt.size(0) &&
+                      v.size(1) == kt.size(3) && v.size(2) == nkv_ && v.size(3) == D_,
+                  "cpu_decode: cache shapes must be [NB, Hkv, D, BS] and [NB, BS, Hkv, D]");
+      const int64_t bs = kt.size(3);
+      TORCH_CHECK(bs == 16 || bs == 32 || bs == 64, "cpu_decode: block size must be 16, 32 or 64, got ", bs);
+      out.push_back({kt, v});
+    }
+    caches_ = std::move(out);
+  }
+
+  torch::Tensor run(int64_t begin, int64_t end, torch::Tensor x, const OptT& delta, const std::vector<torch::Tensor>& ropes,
+                    torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t mode_int8,
+                    int64_t mode_plain) {
+    const int64_t T = check_step(begin, end, x, delta, ropes, slots, tables, lens, mode_int8, mode_plain);
+    auto out = torch::empty({T, H_}, x.options());
+    if (scratch_rows_ != T) make_scratch(T);
+    Step s{T, x.data_ptr<float>(), out.data_ptr<float>(), slots.data_ptr<int64_t>(), tables.data_ptr<int32_t>(),
+           tables.size(1), lens.data_ptr<int32_t>(), static_cast<int>(mode_int8), static_cast<int>(mode_plain), {}};
+    for (const auto& r : ropes) s.ropes.push_back(r.data_ptr<float>());
+    const float* d = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+    for (int64_t i = begin; i < end; i++, d = s.out) layer(layers_[i], caches_[i], s, d);
+    return out;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Step {
+    int64_t T;
+    float *x, *out;  // the residual stream, and each layer's output (the next one's delta)
+    const int64_t* slots;
+    const int32_t* tables;
+    int64_t mb;
+    const int32_t* lens;
+    int mode_int8, mode_plain;
+    std::vector<const float*> ropes;
+  };
+
+  int64_t check_step(int64_t begin, int64_t end, const torch::Tensor& x, const OptT& delta,
+                     const std::vector<torch::Tensor>& ropes, const torch::Tensor& slots, const torch::Tensor& tables,
+                     const torch::Tensor& lens, int64_t mode_int8, int64_t mode_plain) const {
+    TORCH_CHECK(0 <= begin && begin <= end && end <= num_layers(), "cpu_decode: layers ", begin, "..", end, " of ",
+                num_layers());
+    TORCH_CHECK(caches_.size() == layers_.size(), "cpu_decode: set_caches first");
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) == H_ && x.size(0) > 0,
+                "cpu_decode: x must be float32 [T, ", H_, "] contiguous");
+    const int64_t T = x.size(0);
+    if (delta.has_value())
+      TORCH_CHECK(delta->dtype() == torch::kFloat32 && delta->is_contiguous() && delta->sizes() == x.sizes(),
+                  "cpu_decode: delta must be float32 and shaped as x");
+    for (const auto& r : ropes)
+      TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * D_,
+                  "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous");
+    for (int64_t i = begin; i < end; i++) {
+      TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(ropes.size()), "cpu_decode: layer ", i, " needs rope table ",
+                  layers_[i].rope);
+      TORCH_CHECK(!layers_[i].moe || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
+    }
+    TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
+                "cpu_decode: slots must be int64 [T]");
+    TORCH_CHECK(tables.dtype() == torch::kInt32 && tables.dim() == 2 && tables.is_contiguous() && tables.size(0) >= T &&
+                    lens.dtype() == torch::kInt32 && lens.is_contiguous() && lens.numel() >= T,
+                "cpu_decode: tables must be int32 [>= T, MB] contiguous, lens int32 [>= T]");
+    TORCH_CHECK(mode_int8 >= 0 && mode_int8 <= 2 && mode_plain >= 0 && mode_plain <= 2, "cpu_decode: bad kernel modes");
+    if (!caches_.empty()) {  // every layer's cache has one shape (set_caches checks each)
+      const int64_t capacity = caches_[0].kt.size(0) * caches_[0].kt.size(3);
+      const int64_t* sp = slots.data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; t++)  // never write outside the cache
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "cpu_decode: slot ", sp[t], " outside the cache");
+      for (const auto& c : caches_)
+        TORCH_CHECK(c.kt.size(0) * c.kt.size(3) == capacity, "cpu_decode: the layers' caches differ in size");
+    }
+    return T;
+  }
+
+  // the step's buffers for T rows, each its own torch allocation (64-byte aligned, as
+  // the Python path's fresh tensors)
+  void make_scratch(int64_t T) {
+    int64_t widest = 0;  // a mixed matrix's widest part
+    for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.qkv, &L.o, &L.gate_up, &L.down})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
+    auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
+    scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest)};
+    scratch_rows_ = T;
+  }
+
+  float* buf(int i) const { return scratch_[i].data_ptr<float>(); }
+  enum { kH, kQKV, kO, kAttn, kNormed, kGU, kAct, kY, kPart };
+
+  // y [T, m.rows] = x [T, m.k] @ W^T (+ bias), as packed.linear: each part in its own
+  // type into its own columns (a mixed matrix through one buffer per part, as torch.cat)
+  void linear(const Matrix& m, const float* x, float* y, const Step& s, const float* bias) const {
+    if (m.parts.size() == 1) {
+      run_part(m.parts[0], x, y, s, m.k);
+    } else {
+      int64_t col = 0;
+      float* tp = buf(kPart);  // [T, part rows]
+      for (const Part& p : m.parts) {
+        run_part(p, x, tp, s, m.k);
+        for (int64_t t = 0; t < s.T; t++) std::memcpy(y + t * m.rows + col, tp + t * p.rows, p.rows * sizeof(float));
+        col += p.rows;
+      }
+    }
+    if (bias != nullptr)
+      for (int64_t t = 0; t < s.T; t++)
+        for (int64_t n = 0; n < m.rows; n++) y[t * m.rows + n] += bias[n];
+  }
+
+  void run_part(const Part& p, const float* x, float* y, const Step& s, int64_t k) const {
+    hint_(p.data, p.bytes);  // what quant_linear's linear does before each matmul
+    (*linears_)[p.type][p.int8 ? s.mode_int8 : s.mode_plain](x, p.data, y, s.T, p.rows, k);
+  }
+
+  // x += delta, then the pre-norm into h [T, hidden] (or x itself, without one)
+  const float* pre_norm(const float* w, const float* delta, const Step& s) const {
+    if (w != nullptr) {
+      ops_->rms_norm(s.x, delta, w, buf(kH), s.T, H_, eps_);
+      return buf(kH);
+    }
+    if (delta != nullptr)
+      for (int64_t i = 0; i < s.T * H_; i++) s.x[i] += delta[i];
+    return s.x;
+  }
+
+  // a sublayer's output y [T, hidden] as added to the residual: its output norm (into
+  // another buffer), then the residual multiplier (in place)
+  float* sublayer_out(float* y, const float* norm, float residual_scale, const Step& s) const {
+    if (norm != nullptr) {
+      ops_->rms_norm(y, nullptr, norm, buf(kNormed), s.T, H_, eps_);
+      y = buf(kNormed);
+    }
+    if (residual_scale != 1.0f)
+      for (int64_t i = 0; i < s.T * H_; i++) y[i] *= residual_scale;
+    return y;
+  }
+
+  // forward_fused's decode-only step for one layer; its output goes to s.out
+  void layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const int64_t T = s.T, heads = nh_ + 2 * nkv_;
+    const bool half = c.kt.dtype() == torch::kFloat16;
+    const int64_t bs = c.kt.size(3);
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* qp = buf(kQKV);  // [T, H + 2 Hkv, D]
+    linear(L.qkv, h, qp, s, L.qkv_bias);
+    if (L.q_norm != nullptr) ops_->head_rms_norm(qp, T, nh_, nkv_, D_, L.q_norm, L.k_norm, L.per_head, eps_);
+    ops_->rope_store(qp, s.ropes[L.rope], T, nh_, nkv_, D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.slots);
+    float* o = buf(kO);  // [T, H * D]: the queries' attention output, o_proj's input
+    attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
+                  static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap);
+    linear(L.o, o, buf(kAttn), s, nullptr);
+    const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
+    h = pre_norm(L.post_norm, a, s);
+    if (L.moe) {  // the caller runs the experts on h
+      std::memcpy(s.out, h, T * H_ * sizeof(float));
+      return;
+    }
+    float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
+    linear(L.gate_up, h, gu, s, nullptr);
+    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
+    if (L.mlp_out_norm == nullptr) {
+      linear(L.down, act, s.out, s, nullptr);
+      sublayer_out(s.out, nullptr, L.residual_scale, s);
+    } else {
+      linear(L.down, act, buf(kY), s, nullptr);
+      const float* m = sublayer_out(buf(kY), L.mlp_out_norm, L.residual_scale, s);
+      std::memcpy(s.out, m, T * H_ * sizeof(float));
+    }
+  }
+
+  const Table* linears_;
+  sl::HintFn hint_;
+  const sl::LayerOps* ops_;
+  const sl::AttentionOps* attn_;
+  int64_t H_, nh_, nkv_, D_, F_;
+  float eps_;
+  std::vector<Layer> layers_;
+  std::vector<Cache> caches_;
+  std::vector<torch::Tensor> scratch_;  // make_scratch's, indexed by the enum beside buf
+  int64_t scratch_rows_ = -1;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
+  m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
+  pybind11::class_<DecodePlan>(m, "DecodePlan")
+      .def(pybind11::init<const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
+                          const pybind11::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double>(),
+           pybind11::arg("linears"), pybind11::arg("hint"), pybind11::arg("layer_ops"), pybind11::arg("attention_ops"),
+           pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("ffn"), pybind11::arg("eps"))
+      .def("add_layer", &DecodePlan::add_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
+           pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("rope"),
+           pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("o"),
+           pybind11::arg("attn_out_norm"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
+           pybind11::arg("down"), pybind11::arg("mlp_out_norm"), pybind11::arg("residual_scale"),
+           pybind11::arg("moe"))
+      .def("set_caches", &DecodePlan::set_caches)
+      .def("run", &DecodePlan::run)
+      .def("num_layers", &DecodePlan::num_layers);
+}

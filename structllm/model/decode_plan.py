@@ -1,0 +1,163 @@
+"""The native decode step: a decode-only step's decoder layers in one C++ call per
+segment of ``CHECK_EVERY`` layers (``kernels/cpu_decode.cpp``), instead of
+``DecoderLayer.forward_fused``'s ~9 Python-dispatched kernel calls per layer.
+
+A ``DecodePlan`` is built once per model (on its first decode-only step, when the
+attention backend and KV caches are known) from each layer's weights: the raw GGUF block
+tensors and type codes of its four matrices (each part of a ``MixedWeight``), its norm
+weights, q/k norm, activation, window, soft-cap, scale and residual multiplier. Each
+step then passes the residual stream, the rotary tables, the slots and block tables and
+the two kernel modes (``packed.block_mode`` of the step's rows, with and without int8).
+The native loop calls the very kernels ``forward_fused`` calls, in the same order and
+modes, so the hidden states are bit for bit the same (tests/engine/test_decode_plan.py).
+
+A mixture-of-experts layer runs natively up to its MLP's input; its experts (router
+and ``cpu_moe.cpp``'s ``Experts``, or the Python loop) are called from here between two
+native calls, then its output norm and multiplier as ``forward_fused`` applies them.
+
+What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
+tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
+in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
+float32). Anything else, and every prefill or mixed step, keeps the Python path.
+``STRUCTLLM_DECODE_PLAN=0`` turns it off (for A/B measurements);
+``LlamaModel.native_decode = False`` does the same in-process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from structllm.kernels.attention import AttentionMetadata, CpuAttention
+from structllm.kernels.packed import INT8_TYPES, BlockWeight, HalfRows, MixedWeight, block_mode
+
+if TYPE_CHECKING:
+    from structllm.model.llama import DecoderLayer, LlamaModel
+
+ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
+
+
+def _parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | None:
+    """``(raw, type code, int8 allowed)`` per part of a block weight, or None (not one)."""
+    if isinstance(w, HalfRows) or not isinstance(w, BlockWeight):
+        return None
+    parts = w.parts if isinstance(w, MixedWeight) else [w]
+    if any(p.code < 0 or not p.raw.is_contiguous() for p in parts):
+        return None
+    return [(p.raw, p.code, int8_ok and p.type_name in INT8_TYPES) for p in parts]
+
+
+def why_not(model: LlamaModel) -> str | None:
+    """Why ``model``'s decode steps cannot take the native loop (None: they can)."""
+    if not ENABLED:
+        return "off (STRUCTLLM_DECODE_PLAN=0)"
+    if model.cpu_ops is None:
+        return "not on the fused CPU path"
+    if not isinstance(model.attn_impl, CpuAttention):
+        return "attention backend is not the CPU kernel"
+    if model.tp is not None:
+        return "tensor parallelism"
+    for layer in model.layers:
+        dl: DecoderLayer = layer  # type: ignore[assignment]
+        for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o
+            if _parts(getattr(dl, name), False) is None:
+                return f"{name} is not in GGUF blocks"
+    return None
+
+
+class DecodePlan:
+    """A model's layers as the native driver holds them (see the module docstring)."""
+
+    def __init__(self, model: LlamaModel, native: Any) -> None:
+        cfg = model.cfg
+        self.impl = model.attn_impl  # the backend whose kernel it runs
+        self.native = native.DecodePlan(
+            **native.tables,
+            attention_ops=model.attn_impl.module.attention_ops(),  # type: ignore[attr-defined]
+            hidden=cfg.hidden_size,
+            heads=model.num_heads,
+            kv_heads=model.num_kv_heads,
+            head_dim=cfg.head_dim,
+            ffn=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
+        )
+        identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
+        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        for dl in self.layers:
+            self._add(dl, identity)
+        self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
+        self._caches: list[tuple[Tensor, Tensor]] | None = None
+
+    def _add(self, dl: DecoderLayer, identity: int) -> None:
+        # the rope table forward hands forward_fused: 0 global, 1 local, or the identity
+        rope = (1 if dl.local_rope else 0) if dl.rotates else identity
+        qk = dl.qk_norm != "none"
+        self.native.add_layer(
+            in_norm=dl.input_layernorm,
+            qkv=_parts(dl.qkv_proj, False),
+            qkv_bias=dl.qkv_bias,
+            q_norm=dl.q_norm if qk else None,
+            k_norm=dl.k_norm if qk else None,
+            rope=rope,
+            scale=dl.scale,
+            window=dl.window,
+            softcap=dl.softcap,
+            o=_parts(dl.o_proj, False),
+            attn_out_norm=dl.attn_out_norm,
+            post_norm=dl.post_attention_layernorm,
+            # int8 allowed: see DecoderLayer.forward
+            gate_up=[] if dl.moe else _parts(dl.gate_up_proj, True),
+            gelu=dl.act == "gelu_tanh",
+            down=[] if dl.moe else _parts(dl.down_proj, True),
+            mlp_out_norm=dl.mlp_out_norm,
+            residual_scale=dl.residual_scale,
+            moe=dl.moe is not None,
+        )
+
+    def run(
+        self,
+        x: Tensor,
+        pairs: list[Tensor],
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None,
+        check_every: int,
+    ) -> Tensor:
+        """The layers of a decode-only step: ``x [T, hidden]`` takes the residual
+        additions in place; returns the last layer's output (``forward_fused``'s delta).
+        ``pairs``: the rotary tables ``[T, D/2, 2]`` (global, local if any, identity if
+        a layer does not rotate), as ``LlamaModel.forward`` makes them. ``between_layers`` runs
+        between segments of ``check_every`` layers, as in ``LlamaModel.forward``."""
+        if kv_caches is not self._caches:
+            self.native.set_caches(kv_caches)
+            self._caches = kv_caches
+        t = x.shape[0]
+        modes = (block_mode(t, True), block_mode(t, False))
+        slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+        n = len(self.layers)
+        delta: Tensor | None = None
+        begin = 0
+        while begin < n:
+            if begin % check_every == 0 and begin and between_layers is not None:
+                between_layers()
+            end = min(n, (begin // check_every + 1) * check_every)
+            end = next((i + 1 for i in range(begin, end) if self.layers[i].moe), end)
+            delta = self.native.run(begin, end, x, delta, pairs, slots, tables, lens, *modes)
+            if self.layers[end - 1].moe:  # delta is that layer's MLP input
+                delta = self._experts(self.layers[end - 1], delta)
+            begin = end
+        assert delta is not None
+        return delta
+
+    def _experts(self, dl: DecoderLayer, h: Tensor) -> Tensor:
+        """A mixture-of-experts layer's MLP on its input ``h [T, hidden]``, as
+        ``forward_fused`` runs it: the experts, then the output norm and multiplier."""
+        assert dl.moe is not None
+        ops = self.ops
+        out = dl.moe(h, dl.act, ops.gelu_tanh_mul if dl.act == "gelu_tanh" else ops.silu_mul)
+        if not dl._plain_out or dl.mlp_out_norm is not None:
+            out = dl._fused_out(ops, out, None, dl.mlp_out_norm)
+        return out
