@@ -108,33 +108,29 @@ void rms_norm_rows(float* xp, const float* dp, const float* wp, float* op, int64
   });
 }
 
-void silu_mul_rows(const float* gp, float* op, int64_t T, int64_t F) {
+// gu [T, 2F] -> out [T, F]: act(gate) * up, act(x) written as x * sig(x) with sig one of
+// the two below (each a single exp: no cancellation)
+template <class Sig>
+void act_mul_rows(const float* gp, float* op, int64_t T, int64_t F, Sig sig) {
   sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
       const float* g = gp + t * 2 * F;
       const float* u = g + F;
       float* o = op + t * F;
 #pragma omp simd
-      for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + sl::exp_approx(-g[i])) * u[i];
+      for (int64_t i = 0; i < F; i++) o[i] = g[i] / sig(g[i]) * u[i];
     }
   });
 }
 
+void silu_mul_rows(const float* gp, float* op, int64_t T, int64_t F) {
+  act_mul_rows(gp, op, T, F, [](float x) { return 1.0f + sl::exp_approx(-x); });
+}
+
 void gelu_tanh_mul_rows(const float* gp, float* op, int64_t T, int64_t F) {
   constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
-  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const float* g = gp + t * 2 * F;
-      const float* u = g + F;
-      float* o = op + t * F;
-      // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)): one exp, no cancellation
-#pragma omp simd
-      for (int64_t i = 0; i < F; i++) {
-        const float x = g[i], y = k0 * (x + k1 * x * x * x);
-        o[i] = x / (1.0f + sl::exp_approx(-2.0f * y)) * u[i];
-      }
-    }
-  });
+  // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y))
+  act_mul_rows(gp, op, T, F, [](float x) { return 1.0f + sl::exp_approx(-2.0f * (k0 * (x + k1 * x * x * x))); });
 }
 
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
@@ -152,14 +148,19 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torc
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor gu) {
-  check_rows(gu, "silu_mul");
-  TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: odd width");
+// gu [T, 2F] -> [T, F] through one of the *_mul_rows above
+static torch::Tensor act_mul(const torch::Tensor& gu, const char* what, void (*rows)(const float*, float*, int64_t, int64_t)) {
+  check_rows(gu, what);
+  TORCH_CHECK(gu.size(1) % 2 == 0, what, ": odd width");
   const int64_t T = gu.size(0), F = gu.size(1) / 2;
   auto out = torch::empty({T, F}, gu.options());
-  silu_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), T, F);
+  rows(gu.data_ptr<float>(), out.data_ptr<float>(), T, F);
   return out;
 }
+
+torch::Tensor silu_mul(torch::Tensor gu) { return act_mul(gu, "silu_mul", silu_mul_rows); }
+
+torch::Tensor gelu_tanh_mul(torch::Tensor gu) { return act_mul(gu, "gelu_tanh_mul", gelu_tanh_mul_rows); }
 
 // x = cap * tanh(x / cap) in place (Gemma 2's final logits, [T, vocab]). torch's three
 // ops took 20-90 ms a step on a loaded 2-vCPU VM for [16, 49152] (an OpenMP region per
@@ -180,15 +181,6 @@ void soft_cap_(torch::Tensor x, double cap) {
       xp[i] = std::copysign(t, y) * c;
     }
   });
-}
-
-torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
-  check_rows(gu, "gelu_tanh_mul");
-  TORCH_CHECK(gu.size(1) % 2 == 0, "gelu_tanh_mul: odd width");
-  const int64_t T = gu.size(0), F = gu.size(1) / 2;
-  auto out = torch::empty({T, F}, gu.options());
-  gelu_tanh_mul_rows(gu.data_ptr<float>(), out.data_ptr<float>(), T, F);
-  return out;
 }
 
 // One RMSNorm of n floats at x with weight w, in place.
