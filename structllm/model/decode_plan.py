@@ -79,7 +79,7 @@ def why_not(model: LlamaModel) -> str | None:
 class DecodePlan:
     """A model's layers as the native driver holds them (see the module docstring)."""
 
-    def __init__(self, model: LlamaModel, native: Any) -> None:
+    def __init__(self, model: LlamaModel, native: Any, check_every: int) -> None:
         cfg = model.cfg
         self.impl = model.attn_impl  # the backend whose kernel it runs
         self.native = native.DecodePlan(
@@ -98,6 +98,21 @@ class DecodePlan:
             self._add(dl, identity)
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self._caches: list[tuple[Tensor, Tensor]] | None = None
+        self.segments = self._segments(check_every)
+
+    def _segments(self, check_every: int) -> list[tuple[int, int, bool]]:
+        """``(begin, end, check first)`` per native call: ``check_every`` layers (the
+        ``between_layers`` check before each group but the first, as in
+        ``LlamaModel.forward``), cut after each mixture-of-experts layer, whose experts
+        run from Python between two calls."""
+        n, begin = len(self.layers), 0
+        out = []
+        while begin < n:
+            end = min(n, (begin // check_every + 1) * check_every)
+            end = next((i + 1 for i in range(begin, end) if self.layers[i].moe), end)
+            out.append((begin, end, begin > 0 and begin % check_every == 0))
+            begin = end
+        return out
 
     def _add(self, dl: DecoderLayer, identity: int) -> None:
         # the rope table forward hands forward_fused: 0 global, 1 local, or the identity
@@ -132,31 +147,25 @@ class DecodePlan:
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None,
-        check_every: int,
     ) -> Tensor:
         """The layers of a decode-only step: ``x [T, hidden]`` takes the residual
         additions in place; returns the last layer's output (``forward_fused``'s delta).
         ``pairs``: the rotary tables ``[T, D/2, 2]`` (global, local if any, identity if
         a layer does not rotate), as ``LlamaModel.forward`` makes them. ``between_layers`` runs
-        between segments of ``check_every`` layers, as in ``LlamaModel.forward``."""
+        between groups of ``check_every`` layers (``segments``), as in ``LlamaModel.forward``."""
         if kv_caches is not self._caches:
             self.native.set_caches(kv_caches)
             self._caches = kv_caches
         t = x.shape[0]
         modes = (block_mode(t, True), block_mode(t, False))
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
-        n = len(self.layers)
         delta: Tensor | None = None
-        begin = 0
-        while begin < n:
-            if begin % check_every == 0 and begin and between_layers is not None:
+        for begin, end, check in self.segments:
+            if check and between_layers is not None:
                 between_layers()
-            end = min(n, (begin // check_every + 1) * check_every)
-            end = next((i + 1 for i in range(begin, end) if self.layers[i].moe), end)
             delta = self.native.run(begin, end, x, delta, pairs, slots, tables, lens, *modes)
             if self.layers[end - 1].moe:  # delta is that layer's MLP input
                 delta = self._experts(self.layers[end - 1], delta)
-            begin = end
         assert delta is not None
         return delta
 

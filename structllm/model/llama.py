@@ -334,8 +334,7 @@ class LlamaModel(nn.Module):
         # the Python loop (A/B measurements, tests).
         self.native_decode = True
         self._decode_plan: Any = None
-        self.decode_path = "python"  # which loop decode-only steps take (for stats)
-        self.decode_why = "the Python layer loop"  # and why, for the start-up report
+        self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
@@ -404,7 +403,7 @@ class LlamaModel(nn.Module):
             t = x.shape[0]  # decode only: one attention output buffer for all layers
             plan = self._native_plan() if meta.num_decodes == t else None
             if plan is not None:
-                delta = plan.run(x, pairs, kv_caches, meta, between_layers, CHECK_EVERY)
+                delta = plan.run(x, pairs, kv_caches, meta, between_layers)
                 if not last:
                     return x + delta
                 return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
@@ -435,6 +434,11 @@ class LlamaModel(nn.Module):
             return x
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
+    @property
+    def decode_path(self) -> str:
+        """Which loop decode-only steps take: "native" once a plan is built, else "python"."""
+        return "python" if self._decode_plan is None or self._decode_plan is False else "native"
+
     def choose_decode_loop(self) -> str:
         """Decide (and build) now which loop decode-only steps take, and say it on stderr
         beside the start-up report (the runner calls it once its model is set up: the
@@ -462,12 +466,11 @@ class LlamaModel(nn.Module):
             if reason is None and native is None:
                 reason = "the native driver did not build"
             if reason is not None:
-                self.decode_path, self.decode_why = "python", f"the Python layer loop ({reason})"
+                self.decode_why = f"the Python layer loop ({reason})"
                 log.info("decode steps: %s", self.decode_why)
                 self._decode_plan = False
                 return None
-            self._decode_plan = decode_plan.DecodePlan(self, native)
-            self.decode_path = "native"
+            self._decode_plan = decode_plan.DecodePlan(self, native, CHECK_EVERY)
             self.decode_why = "the native layer loop (cpu_decode.cpp)"
             log.info("decode steps: %s", self.decode_why)
         return self._decode_plan
