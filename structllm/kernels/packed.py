@@ -514,6 +514,20 @@ def half_linear_available() -> bool:
 Weight = Tensor | HalfWeight | BlockWeight
 
 
+def kernel_parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | None:
+    """A weight's row parts as the native loops take them (cpu_moe.cpp's experts,
+    cpu_decode.cpp's layers): ``(raw [rows, bytes] uint8, type code, int8 allowed)`` per
+    part of a ``BlockWeight`` or ``MixedWeight`` (int8 where ``int8_ok`` and the type
+    has that path); None for anything else (``HalfRows``, fbgemm's ``HalfWeight``,
+    float32) or a type without a kernel."""
+    if isinstance(w, HalfRows) or not isinstance(w, BlockWeight):
+        return None
+    parts = w.parts if isinstance(w, MixedWeight) else [w]
+    if any(p.code < 0 for p in parts):
+        return None
+    return [(p.raw.contiguous(), p.code, int8_ok and p.type_name in INT8_TYPES) for p in parts]
+
+
 def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False) -> Tensor:
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=True``: a 4-bit ``BlockWeight``
     may take the int8 path (see ``INT8_MIN_M``); the caller vouches that 8-bit

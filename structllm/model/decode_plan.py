@@ -32,14 +32,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
-from structllm.kernels.packed import (
-    INT8_TYPES,
-    BlockWeight,
-    HalfMatrix,
-    HalfRows,
-    MixedWeight,
-    block_mode,
-)
+from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
 
 if TYPE_CHECKING:
     from structllm.model.llama import DecoderLayer, LlamaModel
@@ -48,14 +41,9 @@ ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
 
 
 def _parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | None:
-    """``(raw, type code, int8 allowed)`` per part of a block weight, or None (not one;
-    float16 rows, ``HalfMatrix``, are not among cpu_decode.cpp's GGUF types)."""
-    if isinstance(w, HalfRows | HalfMatrix) or not isinstance(w, BlockWeight):
-        return None
-    parts = w.parts if isinstance(w, MixedWeight) else [w]
-    if any(p.code < 0 or not p.raw.is_contiguous() for p in parts):
-        return None
-    return [(p.raw, p.code, int8_ok and p.type_name in INT8_TYPES) for p in parts]
+    """``packed.kernel_parts``, but None for float16 rows (``HalfMatrix``), which are
+    not among cpu_decode.cpp's GGUF types."""
+    return None if isinstance(w, HalfMatrix) else kernel_parts(w, int8_ok)
 
 
 def why_not(model: LlamaModel) -> str | None:

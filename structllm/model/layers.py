@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels import packed
-from structllm.kernels.packed import BlockWeight, HalfRows, MixedWeight, Weight, linear
+from structllm.kernels.packed import BlockWeight, Weight, linear
 from structllm.model.config import ModelConfig
 from structllm.model.sharding import ShardPlan
 
@@ -250,19 +250,10 @@ class SparseMoe(nn.Module):
         return self.native or None
 
 
-def _block_parts(w: Weight) -> list[tuple[Tensor, int, bool]] | None:
-    """A weight's row parts as cpu_moe.cpp takes them: (bytes, type code, int8 allowed);
-    None when it is neither GGUF blocks nor ``HalfMatrix``."""
-    if isinstance(w, HalfRows) or not isinstance(w, BlockWeight):
-        return None
-    parts = w.parts if isinstance(w, MixedWeight) else [w]
-    return [(p.raw.contiguous(), p.code, p.type_name in packed.INT8_TYPES) for p in parts]
-
-
 def _native_experts(experts: list[Expert], hidden: int, ffn: int) -> Any:
     """``Experts`` for these experts, or False (see ``SparseMoe.native_experts``)."""
-    gate_up = [_block_parts(e.gate_up_proj) for e in experts]
-    down = [_block_parts(e.down_proj) for e in experts]
+    gate_up = [packed.kernel_parts(e.gate_up_proj, True) for e in experts]
+    down = [packed.kernel_parts(e.down_proj, True) for e in experts]
     if any(p is None for p in gate_up + down):
         return False
     from structllm.kernels import cpu_ext
