@@ -39,9 +39,9 @@ requests and none past a request's ``max_tokens``. How many, by one of two rules
   the AVX-512 row kernel), one with mixed luck 1-3, and a crowded step none. A request
   whose ``alpha`` falls to where even one draft alone does not pay pauses drafting for
   ``PAUSE_MIN`` output tokens, doubled at each pause in a row up to ``PAUSE_MAX``, and
-  resumes from the prior. While its ``alpha`` is below the prior's
-  (``TRUSTED_ALPHA``) a request drafts only from a match of ``MIN_MATCH`` tokens or
-  more (the proposer's ``last_match``), so open text, where short matches miss, pays
+  resumes from the prior. While its ``alpha`` is below ``TRUSTED_ALPHA`` (above the
+  prior's, so a fresh request too) a request drafts only from a match of ``MIN_MATCH``
+  tokens or more (the proposer's ``last_match``), so open text, where short matches miss, pays
   fewer rejected chunks; and while it is below ``LONG_ALPHA`` its chunk is capped
   where a wholly rejected one would cost ``REJECT_COST`` times the step without it
   (``safe_draft_length``): those chunks set the inter-token latency's tail.
@@ -285,17 +285,19 @@ def accept(sampled: Sequence[int], drafts: Sequence[int]) -> list[int]:
 PRIOR_HITS, PRIOR_TRIALS = 0.5, 1.0
 DECAY = 0.6  # weight of the earlier chunks' counts at each new chunk
 PAUSE_MIN, PAUSE_MAX = 16, 256  # output tokens without drafts after alpha fell
-# With the cost table, a request whose estimate is below TRUSTED_ALPHA (the prior's:
-# a draft of it was rejected more recently than others were accepted) drafts only from
-# a match of at least MIN_MATCH tokens. Open chat (bench/speculative.py's chats, c=1):
-# from a 2-token match half the drafts were rejected outright, each a token later than
-# plain decoding's (what sets the chat ITL p99); gating every request until it reached
-# 0.7 cut rejected chunks from 3.7% to 0.7% of chat tokens but cost copied text 13%
-# (interleaved, load ~8: grounded 1.73x -> 1.51x tok/s); gating below the prior kept
-# grounded (1.70x vs 1.70x, decode 2.08x vs 1.90x) and chat's ITL p99 went from 1.07x
-# to 0.99x plain decoding's (pooled over 2 rounds; chat tok/s 1.15x -> 1.07x; noisy).
-MIN_MATCH = 4
-TRUSTED_ALPHA = PRIOR_HITS / PRIOR_TRIALS
+# With the cost table, a request whose estimate is below TRUSTED_ALPHA (a fresh one
+# too: the prior's 0.5 is below it) drafts only from a match of at least MIN_MATCH
+# tokens (or the proposer's longest, if shorter). Open chat (bench/speculative.py's
+# chats, c=1): from a 2-token match half the drafts were rejected outright, each a token
+# later than plain decoding's, and those single-token steps at 1.2-1.3x a plain step's
+# cost set the chat ITL p99. Gating every request until it reached 0.7 cut rejected
+# chunks from 3.7% to 0.7% of chat tokens but cost copied text 13% (interleaved, load
+# ~8: grounded 1.73x -> 1.51x tok/s). Gating below 0.5 at a 4-token match left 1.8% of
+# chat tokens in rejected chunks (ITL p99 1.05-1.06x plain); below 0.6 at a 5-token
+# match, replayed over the logged chunks of one run: 0.57%, at 2% of copied text's
+# tokens per cost.
+MIN_MATCH = 5
+TRUSTED_ALPHA = 0.6
 # A chunk whose first draft is rejected emits one token for the whole step's cost, and
 # at concurrency 1 that token's latency is the step's: the chunks that set the ITL
 # tail. Below LONG_ALPHA a request drafts only as many as keep its step within
@@ -393,6 +395,14 @@ class Drafter:
         # relative cost of a step by rows (index rows - 1), or None: see the module doc
         self.step_cost: Sequence[float] | None = None
         self.estimates: dict[str, DraftEstimate] = {}
+        # the gate for untrusted requests: MIN_MATCH, or the longest match the
+        # proposer looks for if that is shorter
+        longest = (
+            config.suffix_decoding_max_tree_depth
+            if config.method == "suffix"
+            else config.prompt_lookup_max
+        )
+        self.min_match = min(MIN_MATCH, longest)
 
     def drafts(self, req: Request, room: int, num_running: int, rows: int = 1) -> list[int]:
         """Drafts for ``req`` (a decode of one new token) within ``room`` extra tokens
@@ -432,7 +442,11 @@ class Drafter:
         drafts = self.proposer.propose(req, limit)[:limit]
         self.stats.propose_s += time.perf_counter() - t0
         # not yet trusted: only drafts from a long match
-        if est is not None and est.alpha < TRUSTED_ALPHA and self.proposer.last_match < MIN_MATCH:
+        if (
+            est is not None
+            and est.alpha < TRUSTED_ALPHA
+            and self.proposer.last_match < self.min_match
+        ):
             return []
         if drafts and req.grammar is not None:  # only drafts the grammar allows
             drafts = drafts[: req.grammar.valid_prefix(drafts)]

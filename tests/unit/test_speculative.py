@@ -223,34 +223,42 @@ def test_adaptive_drafter_lengthens_shortens_and_pauses() -> None:
 
 
 def test_untrusted_request_drafts_only_from_a_long_match() -> None:
-    """A request whose estimate fell below the prior's (TRUSTED_ALPHA) drafts only from
-    a match of MIN_MATCH tokens (short matches on open text are rejected half the time);
-    a fresh one, or one whose drafts are accepted, from any match."""
+    """A request whose estimate is below TRUSTED_ALPHA (a fresh one: the prior's is
+    below it) drafts only from a match of MIN_MATCH tokens (short matches on open text
+    are rejected half the time); one whose drafts were accepted, from any match."""
     d = Drafter(SpeculativeConfig())
     d.step_cost = COST
     short = [1, 2, 50, 60, 70, 80, 1, 2]  # the tail "1 2" matched: 2 tokens
-    long_ = [1, 2, 3, 4, 50, 60, 70, 80, 1, 2, 3, 4]  # "1 2 3 4": MIN_MATCH tokens
-    assert speculative.MIN_MATCH == 4
+    long_ = [1, 2, 3, 4, 5, 50, 60, 70, 80, 1, 2, 3, 4, 5]  # "1 2 3 4 5": 5 tokens
+    assert speculative.MIN_MATCH == 5
+    assert speculative.PRIOR_HITS / speculative.PRIOR_TRIALS < speculative.TRUSTED_ALPHA
     r = req("a", short, prompt_len=6)
-    assert d.drafts(r, room=10, num_running=1) == [50]  # fresh: the prior's k=1
-    d.record(r, [50], [7])  # rejected: alpha 0.25, below the prior
-    assert d.estimates["a"].alpha < speculative.TRUSTED_ALPHA
-    assert d.drafts(r, room=10, num_running=1) == []
+    assert d.drafts(r, room=10, num_running=1) == []  # fresh, short match: no drafts
     assert r.spec_resume_at == 0  # no pause: it waits for a longer match
-    g = req("b", long_, prompt_len=10)
-    assert d.drafts(g, room=10, num_running=1) == [50]
-    d.record(g, [50], [7])
+    g = req("b", long_, prompt_len=12)
+    assert d.drafts(g, room=10, num_running=1) == [50]  # fresh, long match: the prior's k=1
+    d.record(g, [50], [7])  # rejected
     assert d.estimates["b"].alpha < speculative.TRUSTED_ALPHA
     assert d.drafts(g, room=10, num_running=1) == [50]  # a long match still drafts
     d.record(g, [50], [50, 0])
-    d.record(g, [50], [50, 0])  # accepted again: trusted
+    d.record(g, [50], [50, 0])  # accepted twice: trusted
     assert d.estimates["b"].alpha >= speculative.TRUSTED_ALPHA
     d.estimates["s"] = d.estimates["b"]  # a request as trusted, at a 2-token match
     assert d.drafts(req("s", short, prompt_len=6), room=10, num_running=1) != []
     # without a cost table (fixed length) the gate does not apply
     fixed = Drafter(SpeculativeConfig())
-    fixed.record(r, [50], [7])
     assert fixed.drafts(req("c", short, prompt_len=6), room=10, num_running=1) == short[2:]
+
+
+def test_match_gate_is_capped_by_the_longest_match_looked_for() -> None:
+    """With ``prompt_lookup_max`` below MIN_MATCH the gate asks for the longest match the
+    proposer can report, so untrusted requests still draft from their best matches."""
+    d = Drafter(SpeculativeConfig(prompt_lookup_max=3))
+    d.step_cost = COST
+    assert d.min_match == 3
+    r = req("a", [1, 2, 3, 50, 60, 1, 2, 3], prompt_len=6)
+    assert d.drafts(r, room=10, num_running=1) == [50]
+    assert Drafter(SpeculativeConfig()).min_match == speculative.MIN_MATCH
 
 
 def test_step_cost_table_follows_the_kernel_isa() -> None:
