@@ -147,8 +147,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       tokens, append them in one step (computed like a prompt chunk) instead of one
       decode step each; the output is the same either way (see ``engine.grammar``).
     - ``speculative_config``: speculative decoding (``SpeculativeConfig``; method
-      ``"none"``: off); ``None``: ``core.SPECULATIVE_BY_DEFAULT`` (off; when set, n-gram on
-      CPU with GGUF block weights, where outputs are equal by construction).
+      ``"none"``: off); ``None``: ``core.SPECULATIVE_BY_DEFAULT`` (on: n-gram with the
+      adaptive draft length on CPU with GGUF block weights, where outputs are equal by
+      construction; off elsewhere).
     - ``trace``: a file to append the lifecycle events of every request to (see
       ``structllm.trace``); ``None``: off.
     - ``pipeline_parallel_size``: split the decoder layers into this many stages, one

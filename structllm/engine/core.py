@@ -88,13 +88,15 @@ DRAFT_STEP_COSTS = {
 }
 DRAFT_STEP_COST = DRAFT_STEP_COSTS[best_isa() or "avx2"]
 DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
-# Without a speculative_config: off. True drafts n-gram on CPU with GGUF blocks (their
-# kernels are batch-invariant, so outputs do not change); the whole suite passed with it
-# on before the match-length gate (which only drafts less). Off because the "never
-# loses" bound is not shown: bench/speculative.py at the issue's shapes (2026-12-03,
-# quiet, 3 rounds) has open chat at concurrency 1 at 1.08x tok/s but a per-token ITL
-# p99 1.035x plain decoding's (bound 1.03x); grounded c=1 decodes 2.19x faster.
-SPECULATIVE_BY_DEFAULT = False
+# Without a speculative_config: n-gram drafts with the adaptive length on CPU with GGUF
+# blocks (their kernels are batch-invariant, so outputs do not change), off elsewhere.
+# bench/speculative.py at the issue's shapes (2026-12-03, seventh session, after the
+# 5-token match gate): open chat c=1 1.07-1.09x tok/s with a per-token ITL p99 0.91x
+# (quiet) and 1.03x (loaded) plain decoding's; c=8 and 16 draft nothing (1.01-1.03x,
+# noise); input-grounded c=1 1.51-1.57x tok/s, decode 1.84-1.87x; c=4 drafts almost
+# nothing (beside 3 other decodes a draft pays only at ~85% acceptance, and a step with
+# a prompt chunk has no rows left under DRAFT_STEP_ROWS): 0.94-0.98x, noise.
+SPECULATIVE_BY_DEFAULT = True
 
 
 class StepCutShort(Exception):

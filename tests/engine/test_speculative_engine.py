@@ -291,7 +291,7 @@ def test_adaptive_draft_length_same_output(
 
 def test_on_by_default_on_cpu_blocks(tiny_gguf: Path, plain_llm: LLM) -> None:
     """Without a speculative_config the engine follows ``core.SPECULATIVE_BY_DEFAULT``
-    (off today; when set, n-gram with the adaptive length on GGUF blocks); method "none"
+    (on: n-gram with the adaptive length on GGUF blocks); method "none"
     turns it off whatever the default (``plain_llm``)."""
     from structllm.engine import core
 
