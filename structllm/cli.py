@@ -158,7 +158,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
         'or \'{"method": "suffix"}\'; drafts are verified by each request\'s own sampler, so '
         "the output does not change; on CPU with GGUF blocks each request's draft length "
-        'follows its acceptance. \'{"method": "none"}\': off (the default)',
+        "follows its acceptance. Default: n-gram on CPU with GGUF blocks, off elsewhere; "
+        '\'{"method": "none"}\': off',
     )
     p.add_argument(
         "--trace",

@@ -11,6 +11,7 @@ and owns the N-1 worker processes (``worker_pool.WorkerPool``); ``close`` stops 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -176,6 +177,11 @@ class EngineCore:
         spec = self.config.speculative_config
         if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks:
             spec = SpeculativeConfig()
+            sys.stderr.write(
+                "structllm: speculative decoding: n-gram drafts, adaptive length (the "
+                "default on CPU with GGUF blocks; --speculative-config "
+                '\'{"method": "none"}\' turns it off)\n'
+            )
         self.set_speculative(spec)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar

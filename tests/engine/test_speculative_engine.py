@@ -289,16 +289,25 @@ def test_adaptive_draft_length_same_output(
     assert outputs(spec_llm, PROMPTS, [sp] * len(PROMPTS)) == plain_outputs[name]
 
 
-def test_on_by_default_on_cpu_blocks(tiny_gguf: Path, plain_llm: LLM) -> None:
-    """Without a speculative_config the engine follows ``core.SPECULATIVE_BY_DEFAULT``
-    (on: n-gram with the adaptive length on GGUF blocks); method "none"
-    turns it off whatever the default (``plain_llm``)."""
+def test_on_by_default_on_cpu_blocks(
+    tiny_gguf: Path, plain_llm: LLM, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Without a speculative_config GGUF blocks on CPU draft n-gram with the adaptive
+    length, and the start-up output says so; method "none" turns it off (``plain_llm``)."""
     from structllm.engine import core
 
     assert plain_llm.engine.scheduler.drafter is None
+    capfd.readouterr()
     with LLM(str(tiny_gguf), quantization="gguf", max_num_batched_tokens=256) as llm:
         drafter = llm.engine.scheduler.drafter
-        assert (drafter is not None) == core.SPECULATIVE_BY_DEFAULT
-        if drafter is not None:
-            assert drafter.config == SpeculativeConfig()
-            assert drafter.step_cost == core.DRAFT_STEP_COST
+        assert drafter is not None
+        assert drafter.config == SpeculativeConfig()
+        assert drafter.step_cost == core.DRAFT_STEP_COST
+    assert "speculative decoding: n-gram drafts, adaptive length" in capfd.readouterr().err
+
+
+def test_off_by_default_on_float_weights(tiny_llama_dir: Path) -> None:
+    """Float weights (not batch-invariant kernels) keep speculative decoding off unless
+    asked for."""
+    with LLM(str(tiny_llama_dir), max_num_batched_tokens=256) as llm:
+        assert llm.engine.scheduler.drafter is None
