@@ -140,16 +140,19 @@ class Experts {
       std::vector<int64_t> next(offset.begin(), offset.end() - 1);
       for (int64_t s = 0; s < S; s++) pos[s] = next[cp[s]]++;
     }
-    // buffers, rows grouped by expert: x [S, H], gate/up [S, 2F], act [S, F], y [S, H]
-    std::vector<float> xg(S * H), gu(S * 2 * F), act(S * F), y(S * H);
-    for (int64_t s = 0; s < S; s++) std::memcpy(&xg[pos[s] * H], hp + (s / k) * H, H * sizeof(float));
+    // buffers, rows grouped by expert: x [S, H], gate/up [S, 2F], act [S, F], y [S, H];
+    // kept between calls (every element is written before it is read: no zero fill of
+    // ~5 MB a batch-16 step at the bench shape)
+    if (static_cast<int64_t>(buf_.size()) < S * (3 * H + 3 * F)) buf_.resize(S * (3 * H + 3 * F));
+    float *xg = buf_.data(), *gu = xg + S * H, *act = gu + S * 2 * F, *y = act + S * F;
+    for (int64_t s = 0; s < S; s++) std::memcpy(xg + pos[s] * H, hp + (s / k) * H, H * sizeof(float));
 
-    run_parts(gate_up_, offset, xg.data(), H, gu.data(), 2 * F);
+    run_parts(gate_up_, offset, xg, H, gu, 2 * F);
     sl::parallel_for(0, S, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; r++) silu_mul_row(&gu[r * 2 * F], &act[r * F], F);
+      for (int64_t r = r0; r < r1; r++) silu_mul_row(gu + r * 2 * F, act + r * F, F);
     });
-    run_parts(down_, offset, act.data(), F, y.data(), H);
-    combine(cp, wp, pos.data(), y.data(), T, k, H, out);
+    run_parts(down_, offset, act, F, y, H);
+    combine(cp, wp, pos.data(), y, T, k, H, out);
   }
 
  private:
@@ -234,6 +237,8 @@ class Experts {
   int64_t hidden_, ffn_, int8_min_m_, int16_min_m_;
   const Table* table_;
   std::vector<std::vector<Part>> gate_up_, down_;
+  // run's buffers (one caller at a time: the engine's thread, holding the GIL)
+  mutable std::vector<float> buf_;
 };
 
 // The router of one layer: logits = h @ router^T, softmax over the E experts, the top
