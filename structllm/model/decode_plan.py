@@ -107,7 +107,7 @@ class DecodePlan:
         """``(begin, end, check first)`` per native call: ``check_every`` layers (the
         ``between_layers`` check before each group but the first, as in
         ``LlamaModel.forward``), cut after each mixture-of-experts layer whose experts
-        run from Python between two calls (``cuts``)."""
+        run from Python between two calls (``cut``)."""
         n, begin = len(self.layers), 0
         out = []
         while begin < n:
