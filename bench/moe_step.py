@@ -8,7 +8,12 @@ waits for descheduled threads), their ratio and the load average, and the
 weight bytes of the dense matrices, the head and one expert per layer (a batch-1 step
 reads the dense ones, the head and ``top_k`` experts per layer).
 
-With ``--split``, the native arm's steps are also split by wall time into the router
+With the native decode loop (GGUF blocks), a third arm, ``cut``: the same native experts
+called from Python between two native layer calls, cut after each MoE layer (how they
+ran before the loop ran them inside its calls; the ``loop`` arm's plan is cut alike).
+
+With ``--split``, the native arm's steps (the ``cut`` arm's, when there is one: the split
+times Python calls) are also split by wall time into the router
 (``SparseMoe.route``), the experts' native call, attention (``decode_rows``), the other
 block matmuls (q/k/v, o, the head: ``llama.linear``) and the rest; and a batch-1 step is
 set against its active bytes (the dense matrices, the head and ``top_k`` experts per
@@ -196,10 +201,16 @@ def arm_steps(
     from structllm import SamplingParams
     from structllm.protocol import AddRequest
 
-    moes = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
+    model = llm.engine.runner.model
+    moes = [layer.moe for layer in model.layers if layer.moe is not None]
     native = [m.native_experts() for m in moes]
     assert all(n is not None for n in native), "the experts are not block weights"
     arms = ["native", "loop", "fbgemm"] if fbgemm else ["native", "loop"]
+    plans = native_plans(model)
+    if plans is not None and not fbgemm:
+        arms.append("cut")
+    # --split times Python calls: the experts inside the native calls are not one
+    split_arm = "cut" if "cut" in arms else "native"
     rows = [[(e.gate_up_proj, e.down_proj) for e in m.experts] for m in moes]
     packed = fbgemm_copies(moes) if fbgemm else rows
     rng = random.Random(0)
@@ -219,21 +230,45 @@ def arm_steps(
         turn = arms if (s // len(arms)) % 2 == 0 else arms[::-1]  # A/B/B/A, A/B/C/C/B/A
         arm = turn[s % len(arms)]
         for m, n in zip(moes, native, strict=True):
-            m.native = n if arm == "native" else False
+            m.native = n if arm in ("native", "cut") else False
         set_experts(moes, packed if arm == "fbgemm" else rows)
+        if plans is not None:  # the experts inside the native calls, or between them
+            model._decode_plan = plans[0] if arm == "native" else plans[1]
         parts: dict[str, float] = defaultdict(float)
-        with split_timers(parts, native if arm == "native" and split else None):
+        with split_timers(parts, native if arm == split_arm and split else None):
             t = time.perf_counter()
             llm.engine.step()
             times[arm].append(time.perf_counter() - t)
-        for name in SPLIT_PARTS if arm == "native" and split else ():
+        for name in SPLIT_PARTS if arm == split_arm and split else ():
             times[name].append(parts[name])
     for m, n in zip(moes, native, strict=True):
         m.native = n
     set_experts(moes, rows)
+    if plans is not None:
+        model._decode_plan = plans[0]
     while llm.engine.has_work:
         llm.engine.step()
     return times
+
+
+def native_plans(model: Any) -> tuple[Any, Any] | None:
+    """With the native decode loop: its plan (the experts inside its calls) and one
+    whose calls end at each MoE layer's MLP input (the experts called from Python
+    between them, as before they ran inside); None on the Python loop."""
+    from structllm.model import decode_plan
+
+    inside = model._native_plan()
+    if inside is None:
+        return None
+    keep = decode_plan._native_experts
+    decode_plan._native_experts = lambda dl: None
+    try:
+        model._decode_plan = None
+        cut = model._native_plan()
+    finally:
+        decode_plan._native_experts = keep
+        model._decode_plan = inside
+    return inside, cut
 
 
 def model_path(spec: str) -> str:
@@ -345,6 +380,13 @@ def main() -> None:
             f"alternating; load {load})",
             flush=True,
         )
+        if "cut" in times:
+            cut = statistics.median(times["cut"]) * 1e3
+            print(
+                f"   cut (native experts called from Python between native calls, as "
+                f"before) {cut:7.2f} ms/step, cut/native {cut / nat:.2f}x; fastest "
+                f"{min(times['cut']) * 1e3:.2f} ms against {min(times['native']) * 1e3:.2f} ms"
+            )
         if args.fbgemm:
             fb = statistics.median(times["fbgemm"]) * 1e3
             print(
@@ -359,11 +401,12 @@ def main() -> None:
             f"loop/native {fast_loop / fast_nat:.2f}x"
         )
         if args.split:
-            mean = statistics.mean(times["native"])
+            split_arm = "cut" if "cut" in times else "native"
+            mean = statistics.mean(times[split_arm])
             shares = {p: statistics.mean(times[p]) for p in SPLIT_PARTS}
             shares["rest"] = mean - sum(shares.values())
             print(
-                "   native step split (mean ms): "
+                f"   {split_arm} step split (mean ms): "
                 + ", ".join(f"{p} {v * 1e3:.2f} ({v / mean:.0%})" for p, v in shares.items())
             )
             if batch == 1:
@@ -372,7 +415,8 @@ def main() -> None:
                 print(
                     f"   active bytes {active / 2**20:.1f} MiB at the row kernel's "
                     f"{bps / 1e9:.2f} GB/s (one row, every expert in turn): {floor * 1e3:.2f} ms; "
-                    f"the native step is {nat / 1e3 / floor:.2f}x that; its experts "
+                    f"the native step is {nat / 1e3 / floor:.2f}x that; "
+                    f"the {split_arm} step's experts "
                     f"{statistics.median(times['experts']) * 1e3:.2f} ms against "
                     f"{k * expert_bytes / bps * 1e3:.2f} ms for {k} experts' bytes"
                 )

@@ -19,14 +19,16 @@
 //
 // Shapes (float32, contiguous; T decode rows, one per sequence):
 //   DecodePlan(linears, hint, layer_ops, attention_ops, hidden, heads H, kv_heads Hkv,
-//              head_dim D, ffn F, eps)
+//              head_dim D, ffn F, eps, moe_ops or None)
 //   add_layer(...): one layer's weights, in model order (see decode_plan.py)
 //   set_caches([(kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D])] per layer)
 //   run(begin, end, x [T, hidden], delta [T, hidden] or None, ropes [[T, D/2, 2]],
 //       slots [T] int64, tables [T', MB] int32, lens [T'] int32, mode_int8, mode_plain)
 //       -> the last layer's output [T, hidden] (the next delta); x takes the residual
-//       additions in place, as in forward_fused. A mixture-of-experts layer (its
-//       experts stay in Python: layers.SparseMoe, cpu_moe.cpp) runs up to its MLP's
+//       additions in place, as in forward_fused. A mixture-of-experts layer runs its
+//       router and experts here through cpu_moe.cpp's MoeOps (cpu_tables.h: the very
+//       functions SparseMoe.forward's native path calls, so the same bits); one added
+//       without experts (the caller runs them: layers.SparseMoe) runs up to its MLP's
 //       input and ends the range: run returns that input [T, hidden] instead
 
 #include <pybind11/stl.h>
@@ -107,7 +109,13 @@ struct Layer {
   int window;
   bool gelu;  // GeGLU (gelu_tanh) else SiLU
   float residual_scale;
-  bool moe;  // the MLP is a mixture of experts, run by the caller (no gate_up, down)
+  // a mixture-of-experts MLP (no gate_up, down): run here through MoeOps (experts: an
+  // Experts of cpu_moe.cpp, router [E, hidden]) or, without experts, by the caller
+  bool moe;
+  const void* experts = nullptr;
+  const float* router = nullptr;
+  int64_t num_experts = 0, top_k = 0;
+  bool renormalise = false;
 };
 
 struct Cache {
@@ -118,11 +126,13 @@ class DecodePlan {
  public:
   DecodePlan(const pybind11::capsule& linears, const pybind11::capsule& hint, const pybind11::capsule& layer_ops,
              const pybind11::capsule& attention_ops, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-             int64_t ffn, double eps)
+             int64_t ffn, double eps, const pybind11::object& moe_ops)
       : linears_(from_capsule<Table>(linears, "structllm.quant_linears")),
         hint_(reinterpret_cast<sl::HintFn>(const_cast<void*>(from_capsule<void>(hint, "structllm.quant_hint")))),
         ops_(from_capsule<sl::LayerOps>(layer_ops, "structllm.layer_ops")),
         attn_(from_capsule<sl::AttentionOps>(attention_ops, "structllm.attention_ops")),
+        moe_(moe_ops.is_none() ? nullptr
+                               : from_capsule<sl::MoeOps>(moe_ops.cast<pybind11::capsule>(), "structllm.moe_ops")),
         H_(hidden), nh_(heads), nkv_(kv_heads), D_(head_dim), F_(ffn), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
                     ffn > 0,
@@ -133,7 +143,8 @@ class DecodePlan {
                  const OptT& k_norm, int64_t rope, double scale, int64_t window, double softcap,
                  const std::vector<PartSpec>& o, const OptT& attn_out_norm, const OptT& post_norm,
                  const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
-                 const OptT& mlp_out_norm, double residual_scale, bool moe) {
+                 const OptT& mlp_out_norm, double residual_scale, bool moe, const pybind11::object& experts,
+                 const OptT& router, int64_t top_k, bool renormalise) {
     const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "cpu_decode: q and k norms come together");
     TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0 && rope >= 0, "cpu_decode: bad window, cap or rope");
@@ -152,6 +163,17 @@ class DecodePlan {
     L.o = matrix_of(o, H_, nh_ * D_, "o");
     L.moe = moe;
     TORCH_CHECK(!moe || (gate_up.empty() && down.empty()), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
+    if (!experts.is_none()) {
+      TORCH_CHECK(moe && moe_ != nullptr, "cpu_decode: experts need a mixture-of-experts layer and moe_ops");
+      const auto cap = experts.cast<pybind11::capsule>();
+      L.experts = from_capsule<void>(cap, "structllm.moe_experts");
+      TORCH_CHECK(router.has_value() && router->dtype() == torch::kFloat32 && router->dim() == 2 &&
+                      router->is_contiguous() && router->size(1) == H_ && top_k >= 1 && top_k <= router->size(0),
+                  "cpu_decode: the router must be float32 [E, hidden] contiguous, top k in [1, E]");
+      L.keep.push_back(*router);
+      L.router = router->data_ptr<float>();
+      L.num_experts = router->size(0), L.top_k = top_k, L.renormalise = renormalise;
+    }
     if (!moe) {
       L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
       L.down = matrix_of(down, H_, F_, "down");
@@ -227,7 +249,7 @@ class DecodePlan {
     for (int64_t i = begin; i < end; i++) {
       TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(ropes.size()), "cpu_decode: layer ", i, " needs rope table ",
                   layers_[i].rope);
-      TORCH_CHECK(!layers_[i].moe || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
+      TORCH_CHECK(!cut(layers_[i]) || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
     }
     TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
                 "cpu_decode: slots must be int64 [T]");
@@ -255,12 +277,15 @@ class DecodePlan {
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
-    scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest)};
+    int64_t top_k = 1;  // the widest router choice
+    for (const Layer& L : layers_) top_k = std::max(top_k, L.top_k);
+    scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest),
+                f(top_k), torch::empty({T, top_k}, torch::kInt64)};
     scratch_rows_ = T;
   }
 
   float* buf(int i) const { return scratch_[i].data_ptr<float>(); }
-  enum { kH, kQKV, kO, kAttn, kNormed, kGU, kAct, kY, kPart };
+  enum { kH, kQKV, kO, kAttn, kNormed, kGU, kAct, kY, kPart, kRouteW, kRouteC };
 
   // y [T, m.rows] = x [T, m.k] @ W^T (+ bias), as packed.linear: each part in its own
   // type into its own columns (a mixed matrix through one buffer per part, as torch.cat)
@@ -325,27 +350,38 @@ class DecodePlan {
     linear(L.o, o, buf(kAttn), s, nullptr);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
     h = pre_norm(L.post_norm, a, s);
-    if (L.moe) {  // the caller runs the experts on h
+    if (cut(L)) {  // the caller runs the experts on h
       std::memcpy(s.out, h, T * H_ * sizeof(float));
       return;
     }
-    float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
-    linear(L.gate_up, h, gu, s, nullptr);
-    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
+    float* y = L.mlp_out_norm == nullptr ? s.out : buf(kY);  // [T, hidden]
+    if (L.moe) {  // SparseMoe.forward's native path: route, then the experts' one call
+      float* w = scratch_[kRouteW].data_ptr<float>();        // [T, k]
+      int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
+      moe_->route(h, L.router, T, H_, L.num_experts, L.top_k, L.renormalise, w, chosen);
+      moe_->experts(L.experts, h, chosen, w, T, L.top_k, y);
+    } else {
+      float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
+      linear(L.gate_up, h, gu, s, nullptr);
+      (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
+      linear(L.down, act, y, s, nullptr);
+    }
     if (L.mlp_out_norm == nullptr) {
-      linear(L.down, act, s.out, s, nullptr);
       sublayer_out(s.out, nullptr, L.residual_scale, s);
     } else {
-      linear(L.down, act, buf(kY), s, nullptr);
       const float* m = sublayer_out(buf(kY), L.mlp_out_norm, L.residual_scale, s);
       std::memcpy(s.out, m, T * H_ * sizeof(float));
     }
   }
 
+  // the layer's native call ends after its MLP input: experts the caller runs
+  static bool cut(const Layer& L) { return L.moe && L.experts == nullptr; }
+
   const Table* linears_;
   sl::HintFn hint_;
   const sl::LayerOps* ops_;
   const sl::AttentionOps* attn_;
+  const sl::MoeOps* moe_;  // null: no mixture-of-experts layer runs here
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
   std::vector<Layer> layers_;
@@ -361,16 +397,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   pybind11::class_<DecodePlan>(m, "DecodePlan")
       .def(pybind11::init<const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
-                          const pybind11::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double>(),
+                          const pybind11::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                          const pybind11::object&>(),
            pybind11::arg("linears"), pybind11::arg("hint"), pybind11::arg("layer_ops"), pybind11::arg("attention_ops"),
            pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
-           pybind11::arg("ffn"), pybind11::arg("eps"))
+           pybind11::arg("ffn"), pybind11::arg("eps"), pybind11::arg("moe_ops") = pybind11::none())
       .def("add_layer", &DecodePlan::add_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
            pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("rope"),
            pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("o"),
            pybind11::arg("attn_out_norm"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
            pybind11::arg("down"), pybind11::arg("mlp_out_norm"), pybind11::arg("residual_scale"),
-           pybind11::arg("moe"))
+           pybind11::arg("moe"), pybind11::arg("experts") = pybind11::none(),
+           pybind11::arg("router") = pybind11::none(), pybind11::arg("top_k") = 0,
+           pybind11::arg("renormalise") = false)
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run)
       .def("num_layers", &DecodePlan::num_layers);

@@ -27,6 +27,8 @@
 //       -> [T, hidden] float32
 //   route(h [T, hidden] float32, router [E, hidden] float32, k, renormalise)
 //       -> (weights [T, k] float32, chosen [T, k] int64)
+//   moe_ops(): both as cpu_tables.h's MoeOps (raw rows; an Experts by its handle()), for
+//       cpu_decode.cpp's layer loop, which runs a MoE layer's MLP without leaving C++
 //
 // The router is here too: torch's linear, softmax and topk on a [16, 8] problem are
 // each an OpenMP region, and with the kernel pool's threads spinning beside them on a
@@ -47,6 +49,7 @@
 
 #include "cpu_pool.h"
 #include "cpu_simd.h"
+#include "cpu_tables.h"
 
 namespace {
 
@@ -112,13 +115,18 @@ class Experts {
     TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.sizes() == chosen.sizes(),
                 "cpu_moe: weights must be [T, k] float32, as chosen");
     h = h.contiguous(), chosen = chosen.contiguous(), weights = weights.contiguous();
-    const int64_t T = h.size(0), k = chosen.size(1), S = T * k, H = hidden_, F = ffn_;
+    auto out = torch::empty({h.size(0), hidden_}, h.options());
+    run(h.data_ptr<float>(), chosen.data_ptr<int64_t>(), weights.data_ptr<float>(), h.size(0), chosen.size(1),
+        out.data_ptr<float>());
+    return out;
+  }
+
+  // forward on raw rows: h [T, hidden], chosen / weights [T, k] -> out [T, hidden] (what
+  // cpu_decode.cpp's layer loop calls through MoeOps)
+  void run(const float* hp, const int64_t* cp, const float* wp, int64_t T, int64_t k, float* out) const {
+    const int64_t S = T * k, H = hidden_, F = ffn_;
     const int64_t E = static_cast<int64_t>(gate_up_.size());
-    auto out = torch::empty({T, H}, h.options());
-    if (T == 0) return out;
-    const float* hp = h.data_ptr<float>();
-    const int64_t* cp = chosen.data_ptr<int64_t>();
-    const float* wp = weights.data_ptr<float>();
+    if (T == 0) return;
 
     // (token, choice) slots sorted by expert, stably: offset[e] .. offset[e + 1] are
     // expert e's; pos[s] is slot s's row in the grouped buffers
@@ -132,17 +140,19 @@ class Experts {
       std::vector<int64_t> next(offset.begin(), offset.end() - 1);
       for (int64_t s = 0; s < S; s++) pos[s] = next[cp[s]]++;
     }
-    // buffers, rows grouped by expert: x [S, H], gate/up [S, 2F], act [S, F], y [S, H]
-    std::vector<float> xg(S * H), gu(S * 2 * F), act(S * F), y(S * H);
-    for (int64_t s = 0; s < S; s++) std::memcpy(&xg[pos[s] * H], hp + (s / k) * H, H * sizeof(float));
+    // buffers, rows grouped by expert: x [S, H], gate/up [S, 2F], act [S, F], y [S, H];
+    // kept between calls (every element is written before it is read: no zero fill of
+    // ~5 MB a batch-16 step at the bench shape)
+    if (static_cast<int64_t>(buf_.size()) < S * (3 * H + 3 * F)) buf_.resize(S * (3 * H + 3 * F));
+    float *xg = buf_.data(), *gu = xg + S * H, *act = gu + S * 2 * F, *y = act + S * F;
+    for (int64_t s = 0; s < S; s++) std::memcpy(xg + pos[s] * H, hp + (s / k) * H, H * sizeof(float));
 
-    run_parts(gate_up_, offset, xg.data(), H, gu.data(), 2 * F);
+    run_parts(gate_up_, offset, xg, H, gu, 2 * F);
     sl::parallel_for(0, S, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; r++) silu_mul_row(&gu[r * 2 * F], &act[r * F], F);
+      for (int64_t r = r0; r < r1; r++) silu_mul_row(gu + r * 2 * F, act + r * F, F);
     });
-    run_parts(down_, offset, act.data(), F, y.data(), H);
-    combine(cp, wp, pos.data(), y.data(), T, k, H, out.data_ptr<float>());
-    return out;
+    run_parts(down_, offset, act, F, y, H);
+    combine(cp, wp, pos.data(), y, T, k, H, out);
   }
 
  private:
@@ -227,23 +237,15 @@ class Experts {
   int64_t hidden_, ffn_, int8_min_m_, int16_min_m_;
   const Table* table_;
   std::vector<std::vector<Part>> gate_up_, down_;
+  // run's buffers (one caller at a time: the engine's thread, holding the GIL)
+  mutable std::vector<float> buf_;
 };
 
 // The router of one layer: logits = h @ router^T, softmax over the E experts, the top
 // k (largest first; of equal ones the lower id), renormalised over those k when asked
 // (Mixtral; Qwen3-MoE's norm_topk_prob). Per token on the pool.
-std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor h, torch::Tensor router, int64_t k, bool renormalise) {
-  TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2, "cpu_moe: route: h must be [T, hidden] float32");
-  TORCH_CHECK(router.dtype() == torch::kFloat32 && router.dim() == 2 && router.size(1) == h.size(1),
-              "cpu_moe: route: router must be [E, ", h.size(1), "] float32");
-  const int64_t T = h.size(0), H = h.size(1), E = router.size(0);
-  TORCH_CHECK(k >= 1 && k <= E, "cpu_moe: route: top k must be in [1, ", E, "], got ", k);
-  h = h.contiguous(), router = router.contiguous();
-  auto weights = torch::empty({T, k}, h.options());
-  auto chosen = torch::empty({T, k}, h.options().dtype(torch::kInt64));
-  const float *hp = h.data_ptr<float>(), *rp = router.data_ptr<float>();
-  float* wp = weights.data_ptr<float>();
-  int64_t* cp = chosen.data_ptr<int64_t>();
+void route_rows(const float* hp, const float* rp, int64_t T, int64_t H, int64_t E, int64_t k, bool renormalise, float* wp,
+                int64_t* cp) {
   sl::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(E);
     std::vector<char> taken(E);
@@ -276,8 +278,29 @@ std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor h, torch::Tensor ro
         for (int64_t c = 0; c < k; c++) wp[t * k + c] /= chosen_sum;
     }
   });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor h, torch::Tensor router, int64_t k, bool renormalise) {
+  TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2, "cpu_moe: route: h must be [T, hidden] float32");
+  TORCH_CHECK(router.dtype() == torch::kFloat32 && router.dim() == 2 && router.size(1) == h.size(1),
+              "cpu_moe: route: router must be [E, ", h.size(1), "] float32");
+  const int64_t T = h.size(0), H = h.size(1), E = router.size(0);
+  TORCH_CHECK(k >= 1 && k <= E, "cpu_moe: route: top k must be in [1, ", E, "], got ", k);
+  h = h.contiguous(), router = router.contiguous();
+  auto weights = torch::empty({T, k}, h.options());
+  auto chosen = torch::empty({T, k}, h.options().dtype(torch::kInt64));
+  route_rows(h.data_ptr<float>(), router.data_ptr<float>(), T, H, E, k, renormalise, weights.data_ptr<float>(),
+             chosen.data_ptr<int64_t>());
   return {weights, chosen};
 }
+
+void run_experts(const void* experts, const float* h, const int64_t* chosen, const float* weights, int64_t T, int64_t k,
+                 float* out) {
+  static_cast<const Experts*>(experts)->run(h, chosen, weights, T, k, out);
+}
+
+// the table cpu_decode.cpp's layer loop runs a mixture-of-experts layer's MLP through
+constexpr sl::MoeOps kMoeOps = {route_rows, run_experts};
 
 }  // namespace
 
@@ -287,6 +310,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Experts>(m, "Experts")
       .def(pybind11::init<const std::vector<std::vector<PartSpec>>&, const std::vector<std::vector<PartSpec>>&, int64_t,
                           int64_t, int64_t, int64_t, const pybind11::capsule&>())
-      .def("forward", &Experts::forward, "the layer's experts for routed tokens: [T, hidden] float32");
+      .def("forward", &Experts::forward, "the layer's experts for routed tokens: [T, hidden] float32")
+      .def(
+          "handle",
+          [](const Experts& e) {
+            return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&e)), "structllm.moe_experts");
+          },
+          "this object for MoeOps.experts (cpu_tables.h); valid while the object lives");
   m.def("route", &route, "the router's top k: (weights [T, k] float32, chosen [T, k] int64)");
+  m.def(
+      "moe_ops",
+      [] { return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&kMoeOps)), "structllm.moe_ops"); },
+      "route and the experts (cpu_tables.h's MoeOps), for cpu_decode.cpp");
 }

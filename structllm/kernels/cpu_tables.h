@@ -1,7 +1,7 @@
 // The function tables one kernel module hands another (as a pybind11 capsule), so that a
 // native loop in one module runs another module's kernels without a Python call each:
 // cpu_moe.cpp runs quant_linear.cpp's matmuls, cpu_decode.cpp a whole decode step's
-// layers. The functions are the very ones the modules' Python entry points call, compiled
+// layers (a mixture-of-experts layer's router and experts through cpu_moe.cpp's). The functions are the very ones the modules' Python entry points call, compiled
 // once under their own module's flags, so a result is bit for bit the same whichever way
 // it is reached. Plain pointers and sizes (float32, contiguous, row-major): no tensor is
 // made per call. cpu_ext.py hashes this file into every kernel's build key.
@@ -44,6 +44,18 @@ struct AttentionOps {
   void (*decode)(const float* q, int64_t q_stride, const void* kt, const void* v, bool half, int64_t BS,
                  const int32_t* tables, int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D,
                  float scale, int window, float cap);
+};
+
+// cpu_moe.cpp's router and experts, capsule "structllm.moe_ops"
+struct MoeOps {
+  // h [T, H] through router [E, H]: softmax, top k -> weights [T, k], chosen [T, k]
+  // (renormalised over the k when asked)
+  void (*route)(const float* h, const float* router, int64_t T, int64_t H, int64_t E, int64_t k, bool renormalise,
+                float* weights, int64_t* chosen);
+  // out [T, H] = the experts (an Experts, see cpu_moe.cpp; capsule "structllm.moe_experts")
+  // of h [T, H] for chosen / weights [T, k]
+  void (*experts)(const void* experts, const float* h, const int64_t* chosen, const float* weights, int64_t T,
+                  int64_t k, float* out);
 };
 
 }  // namespace sl

@@ -11,9 +11,14 @@ the two kernel modes (``packed.block_mode`` of the step's rows, with and without
 The native loop calls the very kernels ``forward_fused`` calls, in the same order and
 modes, so the hidden states are bit for bit the same (tests/engine/test_decode_plan.py).
 
-A mixture-of-experts layer runs natively up to its MLP's input; its experts (router
-and ``cpu_moe.cpp``'s ``Experts``, or the Python loop) are called from here between two
-native calls, then its output norm and multiplier as ``forward_fused`` applies them.
+A mixture-of-experts layer whose experts run natively (``SparseMoe.native_experts``: GGUF
+blocks or float16 rows, SiLU, a float32 router) runs its MLP inside the native call too:
+the router and ``cpu_moe.cpp``'s ``Experts`` through that module's ``moe_ops`` table, the
+very functions ``SparseMoe.forward`` calls, so a MoE model's step is one native call per
+``CHECK_EVERY`` layers, as a dense one's. Any other MoE layer runs natively up to its MLP's
+input and ends its native call; its experts (the Python loop) are called from here
+before the next one, then its output norm and multiplier as ``forward_fused`` applies
+them.
 
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
@@ -29,6 +34,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
@@ -70,6 +76,15 @@ class DecodePlan:
     def __init__(self, model: LlamaModel, native: Any, check_every: int) -> None:
         cfg = model.cfg
         self.impl = model.attn_impl  # the backend whose kernel it runs
+        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        # each MoE layer's native experts (None: its experts run from Python, a cut);
+        # held here too, since the native plan keeps only their address
+        self.experts = [_native_experts(dl) for dl in self.layers]
+        moe_ops = None
+        if any(e is not None for e in self.experts):
+            from structllm.kernels import cpu_ext
+
+            moe_ops = cpu_ext.load_moe().moe_ops()  # type: ignore[union-attr]
         self.native = native.DecodePlan(
             **native.tables,
             attention_ops=model.attn_impl.module.attention_ops(),  # type: ignore[attr-defined]
@@ -79,11 +94,11 @@ class DecodePlan:
             head_dim=cfg.head_dim,
             ffn=cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
+            moe_ops=moe_ops,
         )
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
-        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
-        for dl in self.layers:
-            self._add(dl, identity)
+        for dl, experts in zip(self.layers, self.experts, strict=True):
+            self._add(dl, identity, experts)
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self._caches: list[tuple[Tensor, Tensor]] | None = None
         self.segments = self._segments(check_every)
@@ -91,18 +106,22 @@ class DecodePlan:
     def _segments(self, check_every: int) -> list[tuple[int, int, bool]]:
         """``(begin, end, check first)`` per native call: ``check_every`` layers (the
         ``between_layers`` check before each group but the first, as in
-        ``LlamaModel.forward``), cut after each mixture-of-experts layer, whose experts
-        run from Python between two calls."""
+        ``LlamaModel.forward``), cut after each mixture-of-experts layer whose experts
+        run from Python between two calls (``cut``)."""
         n, begin = len(self.layers), 0
         out = []
         while begin < n:
             end = min(n, (begin // check_every + 1) * check_every)
-            end = next((i + 1 for i in range(begin, end) if self.layers[i].moe), end)
+            end = next((i + 1 for i in range(begin, end) if self.cut(i)), end)
             out.append((begin, end, begin > 0 and begin % check_every == 0))
             begin = end
         return out
 
-    def _add(self, dl: DecoderLayer, identity: int) -> None:
+    def cut(self, i: int) -> bool:
+        """Layer ``i``'s experts run from Python (its native call ends at its MLP input)."""
+        return self.layers[i].moe is not None and self.experts[i] is None
+
+    def _add(self, dl: DecoderLayer, identity: int, experts: Any) -> None:
         # the rope table forward hands forward_fused: 0 global, 1 local, or the identity
         rope = (1 if dl.local_rope else 0) if dl.rotates else identity
         qk = dl.qk_norm != "none"
@@ -126,6 +145,10 @@ class DecodePlan:
             mlp_out_norm=dl.mlp_out_norm,
             residual_scale=dl.residual_scale,
             moe=dl.moe is not None,
+            experts=None if experts is None else experts.handle(),
+            router=None if experts is None else dl.moe.router,  # type: ignore[union-attr]
+            top_k=0 if experts is None else dl.moe.top_k,  # type: ignore[union-attr]
+            renormalise=experts is not None and dl.moe.renormalise,  # type: ignore[union-attr]
         )
 
     def run(
@@ -152,7 +175,7 @@ class DecodePlan:
             if check and between_layers is not None:
                 between_layers()
             delta = self.native.run(begin, end, x, delta, pairs, slots, tables, lens, *modes)
-            if self.layers[end - 1].moe:  # delta is that layer's MLP input
+            if self.cut(end - 1):  # delta is that layer's MLP input
                 delta = self._experts(self.layers[end - 1], delta)
         assert delta is not None
         return delta
@@ -166,3 +189,15 @@ class DecodePlan:
         if not dl._plain_out or dl.mlp_out_norm is not None:
             out = dl._fused_out(ops, out, None, dl.mlp_out_norm)
         return out
+
+
+def _native_experts(dl: DecoderLayer) -> Any:
+    """The layer's ``cpu_moe.cpp`` ``Experts`` when the native call can run its MLP as
+    ``SparseMoe.forward`` would on the fused path (SiLU, a float32 router routed by
+    ``cpu_moe.cpp``, native experts), else None."""
+    moe = dl.moe
+    if moe is None or dl.act != "silu" or moe.router.dtype != torch.float32:
+        return None
+    if not moe.router.is_contiguous():
+        return None
+    return moe.native_experts()

@@ -16,7 +16,7 @@ import torch
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.kernels.attention import AttentionMetadata
-from structllm.model import llama
+from structllm.model import decode_plan, llama
 from structllm.model.llama import LlamaModel
 from tests.support import llamacpp
 from tests.support.models import gguf_source_dir
@@ -160,17 +160,37 @@ def test_mixed_type_matrices_and_greedy_tokens(tmp_path: Path, default_files) ->
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_experts_run_between_native_calls(
-    family: str, default_files, capfd: pytest.CaptureFixture[str]
+def test_experts_run_inside_native_calls(
+    family: str, default_files, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     # Qwen3-MoE: a dense layer between two MoE ones; Mixtral: every layer MoE, a window.
-    # The experts (router, cpu_moe.cpp) run in Python between the native calls.
+    # The router and experts (cpu_moe.cpp) run inside the native calls: no cut after a
+    # MoE layer, the segments a dense model's.
     core = engine(family_file(family, default_files, "Q8_0"))
     assert "decode steps: the native layer loop" in capfd.readouterr().err  # at start-up
     model: LlamaModel = core.runner.model  # type: ignore[assignment]
     assert any(layer.moe is not None for layer in model.layers)
     both_paths(core, [13])
     both_paths(core, [1, 40, 9], torch.float16)
+    plan = model._native_plan()
+    n = len(model.layers)
+    assert all(
+        e is not None
+        for dl, e in zip(model.layers, plan.experts, strict=True)
+        if dl.moe is not None
+    )
+    assert len(plan.segments) == -(-n // llama.CHECK_EVERY)
+    # experts the native call cannot run (here: made so) run from Python between two
+    # native calls, cut after their layer, to the same bits
+    monkeypatch.setattr(decode_plan, "_native_experts", lambda dl: None)
+    model._decode_plan = None
+    both_paths(core, [13])
+    both_paths(core, [1, 40, 9], torch.float16)
+    plan = model._native_plan()
+    assert [end for _, end, _ in plan.segments if plan.cut(end - 1)] == [
+        i + 1 for i, dl in enumerate(model.layers) if dl.moe is not None
+    ]
+    model._decode_plan = None
 
 
 def test_what_it_cannot_take_keeps_the_python_loop(
