@@ -16,6 +16,10 @@ prompts so that neither prefix cache helps:
   tokens: 8190 + 2 fill the default model's 8192-token context), and the 2048-token
   prompt's tokens/s.
 
+structllm runs without speculative decoding (its default on these files), as
+llama-server does, unless ``--speculative``; inter-token latency counts a chunk of n
+tokens as n tokens (``bench/serve.py``).
+
 Then both engines' resident memory (structllm's engine process, llama-server). The
 machine's load average is printed beside each file's figures: on a shared machine they
 are noisy, the ratios (same run, interleaved) less so. Prints a table and one JSON line.
@@ -61,7 +65,11 @@ def default_files() -> list[Path]:
 
 
 def start_both(path: Path, a: argparse.Namespace) -> dict[str, tuple[Any, str]]:
-    common = dict(max_concurrency=16, kv_tokens=a.kv_tokens, server_args=[str(path)])
+    # plain decoding on both sides unless --speculative: llama-server drafts nothing by
+    # default, and the comparison is of the kernels (random prompts make this small
+    # model repeat itself, where n-gram drafts halve structllm's per-token latency)
+    spec = [] if a.speculative else ["--speculative-config", '{"method": "none"}']
+    common = dict(max_concurrency=16, kv_tokens=a.kv_tokens, server_args=[str(path), *spec])
     ours = serve.launch(argparse.Namespace(**common))
     cores = str(os.cpu_count() or 1)
     cmd = [a.llama_server, "-m", str(path), "--host", "127.0.0.1", "-np", "16", "-kvu"]
@@ -136,6 +144,11 @@ def main() -> int:
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--kv-tokens", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--speculative",
+        action="store_true",
+        help="keep structllm's default speculative decoding (off here by default)",
+    )
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument(
         "--long",

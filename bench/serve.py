@@ -9,11 +9,14 @@ Fixed-seed synthetic prompts of ``--input-len`` random token ids (sent as token-
 prompts to /v1/completions, which vLLM and structllm accept; ``--text-prompts`` sends
 random words instead, for servers that only take text), ``--output-len`` tokens each with
 EOS ignored, streaming. Arrivals: all at once, or Poisson at ``--request-rate``;
-``--max-concurrency`` caps requests in flight. Prints TTFT, inter-token latency and
-end-to-end latency (p50/p90/p99), output tokens/s and requests/s as a table and one
-JSON line. ``--compare-offline`` also runs structllm's offline engine (in this process,
-after the server is gone) on the same prompts with ``max_num_seqs`` = the concurrency,
-and prints serving throughput as a fraction of it.
+``--max-concurrency`` caps requests in flight. Prints TTFT, inter-token latency (a
+chunk of n tokens after a gap g counts as n tokens g / n apart, as in
+``bench/speculative.py``; n from each chunk's usage, ``continuous_usage_stats``, where
+the server gives it, else one token a chunk) and end-to-end latency (p50/p90/p99),
+output tokens/s and requests/s as a table and one JSON line. ``--compare-offline``
+also runs structllm's offline engine (in this process, after the server is gone) on the
+same prompts with ``max_num_seqs`` = the concurrency, and prints serving throughput as a
+fraction of it.
 
 ``--llama-server PATH`` runs the same workload, in the same run, against llama.cpp's
 ``llama-server`` started on the same GGUF file (``--llama-model``, default: structllm's
@@ -126,7 +129,9 @@ async def one(
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
-        "stream_options": {"include_usage": True},
+        # every chunk's usage so far (vLLM's continuous_usage_stats; servers without it
+        # send one token a chunk), so a chunk of several tokens is counted as such
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if model:
         body["model"] = model
@@ -151,14 +156,18 @@ async def one(
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     data = json.loads(line[6:])
+                    seen = r.output_tokens
                     if data.get("usage"):
                         r.output_tokens = data["usage"]["completion_tokens"]
                     if any(c.get("text") for c in data.get("choices", [])):
                         now = time.perf_counter()
+                        # a chunk of n tokens after a gap g: n tokens g / n apart (vLLM's
+                        # bench for multi-token chunks, as with speculative decoding)
+                        n = max(1, r.output_tokens - seen) if data.get("usage") else 1
                         if chunks == 0:
                             r.ttft = now - t0
                         else:
-                            r.itls.append(now - last)
+                            r.itls += [(now - last) / n] * n
                         last = now
                         chunks += 1
             r.e2e = time.perf_counter() - t0

@@ -427,6 +427,7 @@ class App:
             model=self.model_name,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
             prompt_logprobs=req.prompt_logprobs is not None,
             response_id=response_id,
         )
@@ -459,6 +460,7 @@ class App:
             model=self.model_name,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
             echo=req.echo,
             prompt_logprobs=req.prompt_logprobs is not None,
             response_id=response_id,

@@ -36,6 +36,8 @@ Temperature = Annotated[float, Meta(le=2.0)]
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last)
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(msgspec.Struct, frozen=True):

@@ -77,6 +77,7 @@ class ResponseBuilder:
         model: str,
         stream: bool,
         include_usage: bool = False,
+        continuous_usage: bool = False,
         prompt_logprobs: bool = False,
         response_id: str | None = None,
     ) -> None:
@@ -85,6 +86,8 @@ class ResponseBuilder:
         self.model = model
         self.stream = stream
         self.include_usage = include_usage and stream
+        # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+        self.continuous_usage = continuous_usage and self.include_usage
         self.want_logprobs = bool(sequences) and sequences[0].sampling.logprobs is not None
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's field in the response
         self.prompt_scores: dict[
@@ -171,7 +174,7 @@ class ResponseBuilder:
             "choices": choices,
         }
         if self.include_usage:
-            out["usage"] = usage
+            out["usage"] = usage if usage is not None or not self.continuous_usage else self.usage()
         return out
 
     def usage(self) -> dict[str, Any]:
@@ -299,6 +302,7 @@ class TextBuilder(ResponseBuilder):
         model: str,
         stream: bool,
         include_usage: bool = False,
+        continuous_usage: bool = False,
         echo: bool = False,
         prompt_logprobs: bool = False,
         response_id: str | None = None,
@@ -309,6 +313,7 @@ class TextBuilder(ResponseBuilder):
             model=model,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
             prompt_logprobs=prompt_logprobs,
             response_id=response_id,
         )

@@ -147,6 +147,43 @@ def test_streamed_completion_equals_non_streamed_with_usage_chunk(
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_give_every_chunk_the_usage_so_far(
+    server: Server, model: str
+) -> None:
+    """vLLM's ``continuous_usage_stats``: each chunk carries the usage so far, so a client
+    can count the tokens of every delivery (several with speculative decoding). Asked of
+    a structllm server itself: the router forwards only ``include_usage``."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    full = client.completions.create(model=model, prompt="Once", temperature=0, max_tokens=12)
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Once",
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options=opts,  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    assert full.usage is not None
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert len(counts) == len(chunks)  # every chunk
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks if c.usage)
+    chat = list(
+        client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options=opts,  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    assert all(c.usage is not None for c in chat)
+
+
 def test_n_completions_have_distinct_indices(client: openai.OpenAI, model: str) -> None:
     r = client.chat.completions.create(
         model=model, messages=MESSAGES, n=3, temperature=1.0, seed=3, max_tokens=16
