@@ -74,6 +74,7 @@ def main() -> int:
             quantization=a.quantization,
             kv_cache_dtype=kv,
             enable_prefix_caching=False,
+            speculative_config={"method": "none"},  # plain decode steps
             num_threads=a.threads,
         )
     prompts = make_prompts(engines["float32"].engine.vocab_size, a.batch, a.input_len)

@@ -113,7 +113,16 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
 
     dtype, quant = fmt.split(":")
     t = time.perf_counter()
-    llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_memory=256 << 20, max_num_seqs=32)
+    # plain decoding, as llama-server's default (random prompts make these models repeat
+    # themselves, where n-gram drafts would speed structllm up)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        quantization=quant,
+        kv_cache_memory=256 << 20,
+        max_num_seqs=32,
+        speculative_config={"method": "none"},
+    )
     load = time.perf_counter() - t
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     ps = prompts(17, args.input_len)

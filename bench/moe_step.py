@@ -55,6 +55,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# plain decode steps: the steps timed here are the model's, not speculative decoding's
+PLAIN = {"method": "none"}
+
 SPLIT_PARTS = ("router", "experts", "attention", "other matmuls")
 
 
@@ -301,7 +304,7 @@ def rss_child(model: str, arm: str) -> None:
 
     if arm == "old":
         SparseMoe.half_experts = lambda self, half: None  # type: ignore[method-assign]
-    llm = LLM(model, kv_cache_memory=256 << 20, max_num_seqs=32)
+    llm = LLM(model, kv_cache_memory=256 << 20, max_num_seqs=32, speculative_config=PLAIN)
     loaded = rss_mib()
     rng = random.Random(0)
     ids = [[rng.randrange(100, 49000) for _ in range(32)] for _ in range(16)]
@@ -348,7 +351,7 @@ def main() -> None:
         return rss_child(args.model, args.rss_child)
     if args.rss:
         return rss_arms(args.model)
-    llm = LLM(args.model, kv_cache_memory=256 << 20, max_num_seqs=32)
+    llm = LLM(args.model, kv_cache_memory=256 << 20, max_num_seqs=32, speculative_config=PLAIN)
     global _LLM
     _LLM = llm
     model = llm.engine.runner.model

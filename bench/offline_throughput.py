@@ -109,6 +109,7 @@ def run_format(fmt: str, args: argparse.Namespace) -> dict[str, Any]:
         dtype=dtype,
         quantization=quant or "auto",
         kv_cache_dtype=kv or "auto",
+        speculative_config={"method": "none"},  # plain decoding, as transformers'
     )
     load_s = time.perf_counter() - t
     mem_loaded = resident_mb()

@@ -354,10 +354,17 @@ def engine_breakdown(
     import torch
 
     import structllm.kernels.packed as packed
-    from structllm.config import EngineConfig
+    from structllm.config import EngineConfig, SpeculativeConfig
     from structllm.engine.core import EngineCore
 
-    core = EngineCore(EngineConfig(model=path, max_num_seqs=rows, num_threads=threads))
+    core = EngineCore(
+        EngineConfig(
+            model=path,
+            max_num_seqs=rows,
+            num_threads=threads,
+            speculative_config=SpeculativeConfig(method="none"),
+        )
+    )
     model = core.runner.model
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     decode_steps(core, 8, 1, rows=rows)  # warm-up
