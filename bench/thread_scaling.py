@@ -82,21 +82,24 @@ def set_arm(quant: Any, threads: int, prefetch: bool) -> None:
         quant.prefetch_hints(prefetch)
 
 
+def plain_core(path: str | None, rows: int) -> Any:
+    """An engine on ``path`` with two threads and plain decode steps (no drafts: the
+    steps timed are the model's)."""
+    from structllm.config import EngineConfig, SpeculativeConfig
+    from structllm.engine.core import EngineCore
+
+    spec = SpeculativeConfig(method="none")
+    return EngineCore(
+        EngineConfig(model=path, max_num_seqs=rows, num_threads=2, speculative_config=spec)
+    )
+
+
 def run_file(path: str | None, steps: int, rounds: int, rows: int) -> None:
     import torch
 
-    from structllm.config import EngineConfig, SpeculativeConfig
-    from structllm.engine.core import EngineCore
     from structllm.kernels import cpu_ext
 
-    core = EngineCore(
-        EngineConfig(
-            model=path,
-            max_num_seqs=rows,
-            num_threads=2,
-            speculative_config=SpeculativeConfig(method="none"),
-        )
-    )
+    core = plain_core(path, rows)
     model = core.runner.model
     ops = cpu_ext.load_layer()
     big = torch.ones(64 << 20)
@@ -146,17 +149,7 @@ def run_file(path: str | None, steps: int, rounds: int, rows: int) -> None:
 def run_plan_ab(path: str | None, steps: int, rounds: int, rows: int) -> None:
     import torch
 
-    from structllm.config import EngineConfig, SpeculativeConfig
-    from structllm.engine.core import EngineCore
-
-    core = EngineCore(
-        EngineConfig(
-            model=path,
-            max_num_seqs=rows,
-            num_threads=2,
-            speculative_config=SpeculativeConfig(method="none"),
-        )
-    )
+    core = plain_core(path, rows)
     model = core.runner.model
     decode_steps(core, 8, 1, rows=rows)  # warm-up (builds the plan)
     res: dict[tuple[int, bool], list[float]] = defaultdict(list)
