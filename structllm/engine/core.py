@@ -92,11 +92,12 @@ DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
 # Without a speculative_config: n-gram drafts with the adaptive length on CPU with GGUF
 # blocks (their kernels are batch-invariant, so outputs do not change), off elsewhere.
 # bench/speculative.py at the shapes (2026-12-03, seventh session, after the
-# 5-token match gate): open chat c=1 1.07-1.09x tok/s with a per-token ITL p99 0.91x
-# (quiet) and 1.03x (loaded) plain decoding's; c=8 and 16 draft nothing (1.01-1.03x,
-# noise); input-grounded c=1 1.51-1.57x tok/s, decode 1.84-1.87x; c=4 drafts almost
-# nothing (beside 3 other decodes a draft pays only at ~85% acceptance, and a step with
-# a prompt chunk has no rows left under DRAFT_STEP_ROWS): 0.94-0.98x, noise.
+# 5-token match gate): open chat c=1 1.07-1.11x tok/s with a per-token ITL p99
+# 0.91-0.96x (quiet) and 1.03x (loaded) plain decoding's, 1.00x on the AVX2 build; c=8
+# and 16 draft nothing (1.01-1.03x, noise); input-grounded c=1 1.51-1.62x tok/s, decode
+# 1.84-2.00x; c=4 drafts almost nothing (beside 3 other decodes a draft pays only at
+# ~85% acceptance, and a step with a prompt chunk has no rows left under
+# DRAFT_STEP_ROWS): 0.94-1.12x over four runs, noise.
 SPECULATIVE_BY_DEFAULT = True
 
 
