@@ -70,9 +70,13 @@ COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar t
 # several requests') costs against a 1-row step, on CPU with GGUF blocks: the drafter
 # picks each request's draft length from it (``speculative.best_draft_length``).
 # bench/speculative.py's step costs on the default model, 400-token context, AVX-512
-# (2026-12-03, interleaved, load 4-8: 2 rows 1.1-1.3x, 3 rows 1.45x, 4 rows 1.5-1.7x,
-# 5 rows 2.0-2.3x, 6 rows 2.25x, 7 rows 2.4x, 8 rows 2.55-2.7x; quiet machine: 4 rows
-# 1.62x, 5 rows 1.99x, 8 rows 2.59x). Up to ROW_KERNEL_ROWS (8; 5 on the AVX2 build)
+# (2026-12-03, eighth session, with the 16-row kernels of AVX-512 VNNI builds, quiet,
+# three rounds: 2 rows 1.14-1.21x, 3 rows 1.28-1.45x, 4 rows 1.44-1.61x, 5 rows
+# 1.43-1.58x, 6 rows 1.78-1.98x, 7 rows 1.92-2.21x, 8 rows 2.13-2.15x; before them,
+# quiet: 4 rows 1.56-1.62x, 5 rows 1.80-1.99x, 8 rows 2.49-2.59x, the old table's
+# 1.6 / 2.0 / 2.6; an AVX-512 CPU without VNNI has no 16-row kernels and still pays
+# those, so there drafts run a little longer than pays). Up to ROW_KERNEL_ROWS (8; 5 on
+# the AVX2 build)
 # the row kernel serves every row count; from there the blocked GEMMs round the rows
 # up to 16 (a 5-row step cost ~3x), so drafts stop at the table's end. So one request
 # drafts up to 7 while nearly all are accepted, 2-3 at ~70%; two running decodes need
@@ -84,7 +88,7 @@ COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar t
 # 1.72-1.79x, 4 rows 2.07-2.18x, 5 rows 2.12-2.69x, 6 rows 2.96-3.18x). So on AVX2 a
 # lone request drafts at most 4, one draft pays from ~45% accepted.
 DRAFT_STEP_COSTS = {
-    "avx512": (1.0, 1.2, 1.45, 1.6, 2.0, 2.2, 2.4, 2.6)[:ROW_KERNEL_ROWS],
+    "avx512": (1.0, 1.2, 1.4, 1.55, 1.7, 1.9, 2.1, 2.2)[:ROW_KERNEL_ROWS],
     "avx2": (1.0, 1.43, 1.75, 2.1, 2.4),
 }
 DRAFT_STEP_COST = DRAFT_STEP_COSTS[best_isa() or "avx2"]
