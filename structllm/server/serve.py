@@ -399,27 +399,29 @@ async def serve_http(
         from hypercorn.trio import serve
     else:
         from hypercorn.asyncio import serve
+    closing = anyio.Event()  # hypercorn's shutdown trigger: the drain is over
     async with anyio.create_task_group() as tg:
 
         async def drain_then_close() -> None:
-            # hypercorn stops accepting at `stop`, but on trio it keeps idle keep-alive
-            # connections until graceful_timeout; close everything once the in-flight
-            # requests are done (or the timeout has passed: then they are cancelled).
-            # On asyncio hypercorn closes idle connections itself and enforces the timeout.
+            # On `stop` the server keeps accepting: /health answers 503, so a router sees
+            # the drain on a fresh connection (had hypercorn stopped accepting, the probe
+            # would wait in the listen backlog until the process exits), and requests
+            # that still arrive are served. Once the requests in flight are done (or
+            # shutdown_timeout has passed: then they are cancelled) hypercorn stops
+            # accepting. On trio it keeps idle keep-alive connections until
+            # graceful_timeout, so everything is closed here; on asyncio hypercorn
+            # closes idle connections itself.
             await stop.wait()
+            app.draining = True
             with anyio.move_on_after(config.shutdown_timeout):
                 await app.drained()
-            tg.cancel_scope.cancel()
+            closing.set()
+            if config.backend == "trio":
+                tg.cancel_scope.cancel()
 
-        async def mark_draining() -> None:
-            await stop.wait()
-            app.draining = True  # /health: 503 while the requests in flight finish
-
-        tg.start_soon(mark_draining)
-        if config.backend == "trio":
-            tg.start_soon(drain_then_close)
+        tg.start_soon(drain_then_close)
         try:
-            await serve(app, hc, shutdown_trigger=stop.wait)
+            await serve(app, hc, shutdown_trigger=closing.wait)
         except Exception:
             if not stop.is_set():
                 raise

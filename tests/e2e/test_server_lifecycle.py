@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.procs import HANG_S, ROOT, alive, children, shm_entries
+from tests.support.procs import HANG_S, ROOT, alive, children, shm_entries, wait_for
 from tests.support.server import Server, completion, free_port, open_stream, read_until
 
 pytestmark = pytest.mark.slow
@@ -62,6 +62,24 @@ def test_sigterm_lets_in_flight_requests_finish(backend: str) -> None:
         assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
     assert not alive(engine)
     assert shm_entries() == before
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_draining_server_still_answers_new_connections(backend: str) -> None:
+    """From SIGTERM until its requests in flight are done the server keeps accepting: on a
+    fresh connection (as a router polls) /health is 503, and a request that still
+    arrives is served; then a second signal stops it. The stream in flight outlasts the
+    checks however slow the machine (null model, 8000 tokens of 0.5 s steps: an hour)."""
+    null = ("--null-model", "--max-model-len", "8192", "--null-step-time", "0.5")
+    with Server(*null, "--shutdown-timeout", str(HANG_S), backend=backend) as s:
+        st = open_stream(s.port, "/v1/completions", completion("drain", 8000, stream=True))
+        read_until(st, b"data: {")
+        s.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        wait_for(lambda: s.get("/health", timeout=HANG_S)[0] == 503, "/health stayed 200")
+        code, body = s.post("/v1/completions", completion("late", 5), timeout=HANG_S)
+        assert code == 200 and body["usage"]["completion_tokens"] == 5, body
+        s.proc.send_signal(signal.SIGINT)  # type: ignore[union-attr]
+        assert s.proc.wait(timeout=HANG_S) == 0  # type: ignore[union-attr]
 
 
 def test_a_second_signal_stops_at_once_with_code_0() -> None:
