@@ -188,7 +188,7 @@ def run_llama_server(
         for _ in range(args.batch_reps):
             done: list[int] = []
 
-            def worker(p: list[int]) -> None:
+            def worker(p: list[int], done: list[int] = done) -> None:
                 done.append(int(complete(p)["tokens_predicted"]))
 
             threads = [threading.Thread(target=worker, args=(p,)) for p in ps[:16]]
