@@ -513,6 +513,9 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef SL_AVX512
 constexpr int MT_Q = 8;
 #define SL_UNROLL_ROWS SL_UNROLL
+#if defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define SL_HAVE_ROWS16 1  // d8::rows16_pairs, d8::rows16_nibbles
+#endif
 #else
 constexpr int MT_Q = 5;
 #define SL_UNROLL_ROWS  // (unrolled, AVX2's 4-row int16 kernel ran 15% slower)
@@ -526,6 +529,17 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
 template <int T>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 
+// The most activation rows the row kernel takes (from there the blocked GEMMs): MT_Q,
+// or with the 16-row kernels (Q4_0, Q4_1, Q8_0) ROWS_MAX_M in passes of MT_Q, each
+// chunk of weight groups running every pass while its weights are in cache.
+constexpr int ROWS_MAX_M = 16;
+constexpr int rows_max_m([[maybe_unused]] int t) {
+#ifdef SL_HAVE_ROWS16
+  if (t == Q4_0 || t == Q4_1 || t == Q8_0) return ROWS_MAX_M;
+#endif
+  return MT_Q;
+}
+
 template <int T>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if constexpr (!int8_path(T)) {
@@ -534,7 +548,7 @@ void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_
     return linear_int16<T>(x, w, out, M, N, K);
   } else {
     if constexpr (T != Q8_0) {
-      if (M > MT_Q) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
+      if (M > rows_max_m(T)) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
     }
     linear_rows<T, int8_t>(x, w, out, M, N, K);
   }
@@ -1210,7 +1224,7 @@ inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const flo
   }
   for (int m = 0; m < MT; m++) out[m * N] = acc[m];
 }
-#if defined(SL_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#ifdef SL_HAVE_ROWS16
 // ---- rows8_pairs and rows8_nibbles for 16 weight rows at once (AVX-512 VNNI builds).
 // Lane j of a 512-bit vector holds weight row j of 16, so one broadcast of an
 // activation row's pair (or quad) and one vpdpwssd (vpdpbusd) serve 16 rows instead of
@@ -1222,7 +1236,6 @@ inline void row1(const uint8_t* wrow, int nb, const XT* xq, int64_t K, const flo
 // 256-bit halves (Q8_0), or four of 4 in the 128-bit lanes (Q4: quads_by_row). The
 // sums are exact integers and each lane's fold is rows8's, so the outputs are bit for
 // bit rows8_pairs' (rows8_nibbles') and the blocked GEMMs'.
-#define SL_HAVE_ROWS16 1
 using v16f = __m512;
 using v16i = __m512i;
 
@@ -1410,7 +1423,7 @@ inline void unpack_row16(const uint8_t* blk, int nb, int16_t* wq, float* dw, flo
 
 template <int T>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if (M <= MT_Q) return linear_rows<T, int16_t>(x, w, out, M, N, K);
+  if (M <= rows_max_m(T)) return linear_rows<T, int16_t>(x, w, out, M, N, K);
   linear_blocked<T, int16_t>(x, w, out, M, N, K);
 }
 
@@ -1575,20 +1588,26 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
       xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
     }
   const int64_t N8 = N / 8, items = N8 + (N % 8 != 0);  // groups of 8 rows, then the rest as one item
+  // more than MT_Q rows: passes of MT_Q, each span of groups (~256 KB of weights, an
+  // even number: the 16-row kernels pair them) running every pass while it is in L2
+  const int64_t span = M > MT_Q ? std::max<int64_t>(2, (256 << 10) / (16 * row_bytes) * 2) : items;
   sl::parallel_for(0, items, 1, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += MT_Q) {
-      const XT* q = xq.get() + m0 * K;
-      const float *d = dx.get() + m0 * nb, *s = xs.get() + m0 * nb;
-      float* o = out + m0 * N;
-      switch (std::min<int64_t>(M - m0, MT_Q)) {
-        case 1: rows_of<T, 1>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        case 2: rows_of<T, 2>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        case 3: rows_of<T, 3>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        case 4: rows_of<T, 4>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        case 5: rows_of<T, 5>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        case 6: rows_of<T, 6>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        case 7: rows_of<T, 7>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
-        default: rows_of<T, 8>(w, row_bytes, n0, n1, N8, nb, q, K, d, s, o, N); break;
+    for (int64_t s0 = n0; s0 < n1; s0 += span) {
+      const int64_t s1 = std::min(n1, s0 + span);
+      for (int64_t m0 = 0; m0 < M; m0 += MT_Q) {
+        const XT* q = xq.get() + m0 * K;
+        const float *d = dx.get() + m0 * nb, *s = xs.get() + m0 * nb;
+        float* o = out + m0 * N;
+        switch (std::min<int64_t>(M - m0, MT_Q)) {
+          case 1: rows_of<T, 1>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          case 2: rows_of<T, 2>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          case 3: rows_of<T, 3>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          case 4: rows_of<T, 4>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          case 5: rows_of<T, 5>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          case 6: rows_of<T, 6>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          case 7: rows_of<T, 7>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+          default: rows_of<T, 8>(w, row_bytes, s0, s1, N8, nb, q, K, d, s, o, N); break;
+        }
       }
     }
   });
