@@ -11,7 +11,7 @@
 #                 tests/kernels/test_reference_attention.py
 #   e2e           bench/gpu_e2e.py: greedy generation on CUDA (f32 and bf16, graphs and
 #                 eager) against the CPU float32 engine, plus decode throughput
-#   kernels       bench/kernels.py: decode GB/s and prefill TFLOP/s vs SDPA and copy
+#   kernels       bench/gpu_attention.py: decode GB/s and prefill TFLOP/s vs SDPA and copy
 #                 bandwidth (Llama-3-8B heads), then the default model's heads
 # Logs and summary.txt go to $OUT (default /tmp/structllm-gpu-check). Exit status 0
 # only if every stage passed.
@@ -103,8 +103,8 @@ fi
 stage kernel_tests 330 $PY -m pytest -q -p no:cacheprovider -o timeout=300 \
     tests/kernels/test_triton_kernels.py tests/kernels/test_reference_attention.py "${select[@]}"
 stage e2e 300 $PY bench/gpu_e2e.py
-stage kernels 240 $PY bench/kernels.py
-stage kernels_default_shape 120 $PY bench/kernels.py --heads 9 --kv-heads 3 --head-dim 64
+stage kernels 240 $PY bench/gpu_attention.py
+stage kernels_default_shape 120 $PY bench/gpu_attention.py --heads 9 --kv-heads 3 --head-dim 64
 
 echo "=== summary ($OUT)"
 cat "$OUT/summary.txt"

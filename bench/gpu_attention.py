@@ -1,7 +1,7 @@
 """Attention kernels on a GPU: Triton paged attention vs PyTorch SDPA, same run.
 
-    python bench/kernels.py                      # Llama-3-8B heads: H=32, Hkv=8, D=128, bf16
-    python bench/kernels.py --heads 9 --kv-heads 3 --head-dim 64   # the default model's
+    python bench/gpu_attention.py                      # Llama-3-8B heads: H=32, Hkv=8, D=128, bf16
+    python bench/gpu_attention.py --heads 9 --kv-heads 3 --head-dim 64   # the default model's
 
 Decode (one query token per sequence, every sequence ``ctx`` tokens long) at batch
 1/32/128 x context 512/4k/32k: achieved bandwidth = bytes of K/V and queries, each read
@@ -199,7 +199,7 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(
-            "bench/kernels.py needs CUDA: no CUDA device is visible to this torch build",
+            "bench/gpu_attention.py needs CUDA: no CUDA device is visible to this torch build",
             file=sys.stderr,
         )
         return 2
