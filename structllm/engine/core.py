@@ -101,7 +101,10 @@ DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
 # and 16 draft nothing (1.01-1.03x, noise); input-grounded c=1 1.51-1.62x tok/s, decode
 # 1.84-2.00x; c=4 drafts almost nothing (beside 3 other decodes a draft pays only at
 # ~85% acceptance, and a step with a prompt chunk has no rows left under
-# DRAFT_STEP_ROWS): 0.94-1.12x over four runs, noise.
+# DRAFT_STEP_ROWS): 0.94-1.12x over four runs, noise. Eighth session, with the 16-row
+# kernels and their table: input-grounded c=1 decode 2.07-2.25x, c=4 1.06-1.11x tok/s;
+# open chat c=1 1.08-1.10x with ITL p99 0.98-1.01x, c=8 1.03x and c=16 1.00x
+# (off-on-on-off rounds; a handful of one-draft chunks at 7 running decodes).
 SPECULATIVE_BY_DEFAULT = True
 
 
