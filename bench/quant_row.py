@@ -1,7 +1,8 @@
 """Decode-size cost of each GGUF block type against Q4_1, per weight byte.
 
 One activation row (``--rows`` M: more; 2-8 the same row kernel, from 9 the blocked
-GEMM, the concurrency-16 case) through the int16 path (``quant_linear.cpp``, what
+GEMM, the concurrency-16 case; on AVX-512 VNNI Q4_0/Q4_1/Q8_0 take the row kernel in
+passes of 8 up to 16 rows) through the int16 path (``quant_linear.cpp``, what
 q/k/v, the attention output and the head run at decode), one thread, one matrix per
 block type (``--n`` x ``--k``; K a multiple of 256 for the k-quants), random blocks as
 ``bench/quant_linear.py`` makes them. The types are timed in interleaved rounds and
@@ -11,7 +12,7 @@ time per weight byte (``packed.BLOCK_BYTES``) against Q4_1's, the issue's measur
 
     python bench/quant_row.py                # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/quant_row.py
-    python bench/quant_row.py --rows 16      # the blocked GEMM at 16 rows
+    python bench/quant_row.py --rows 16      # 16 rows (the blocked GEMM, or row passes)
     python bench/quant_row.py --mode int8    # the MLP's path (4- and 5-bit types)
 """
 

@@ -77,8 +77,9 @@ COMPILE_WAIT_S = 0.005  # an otherwise idle step waits this long for a grammar t
 # 1.6 / 2.0 / 2.6; an AVX-512 CPU without VNNI has no 16-row kernels and still pays
 # those, so there drafts run a little longer than pays). Up to ROW_KERNEL_ROWS (8; 5 on
 # the AVX2 build)
-# the row kernel serves every row count; from there the blocked GEMMs round the rows
-# up to 16 (a 5-row step cost ~3x), so drafts stop at the table's end. So one request
+# the row kernel reads each block once for every row; past it the blocked GEMMs round
+# the rows up to 16 (a 5-row step cost ~3x), or on AVX-512 VNNI the row kernel runs a
+# second pass for Q4_0/Q4_1/Q8_0 (up to 16 rows), so drafts stop at the table's end. So one request
 # drafts up to 7 while nearly all are accepted, 2-3 at ~70%; two running decodes need
 # ~70% for any draft to pay, four or more ~80% with long drafts, eight none.
 # By the ISA the block kernels run on (``cpu_ext.best_isa``). The AVX2 build's row

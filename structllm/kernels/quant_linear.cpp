@@ -506,8 +506,8 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 }
 
 // rows a weight block is used for at once at decode sizes (and speculative verification:
-// 1 + k rows of one request); from MT_Q + 1 rows the blocked GEMMs, which round the rows
-// up to a multiple of VW. With AVX-512 (VW 16) the GEMMs cost ~6x a row at 5 rows and
+// 1 + k rows of one request); from MT_Q + 1 rows (from rows_max_m + 1 for the types with
+// 16-row kernels) the blocked GEMMs, which round the rows up to a multiple of VW. With AVX-512 (VW 16) the GEMMs cost ~6x a row at 5 rows and
 // the row kernel 2-3x up to 8. The AVX2 build's row kernel (16 registers) spills from 6
 // rows, where the GEMMs (VW 8) were 1.2-1.7x faster (one thread, CPU time).
 #ifdef SL_AVX512
@@ -1514,8 +1514,8 @@ void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, fl
 // Decode sizes: groups of 8 weight rows against up to MT_Q activation rows at a time
 // (d8::rows8; the last N % 8 rows by d8::row1), activations quantised per block of 32 to
 // XT (int16_t: the int16 path, int8_t: the int8 path, by the same quant_block as the
-// blocked GEMMs). More rows (Q8_0's int8 path) go MT_Q at a time, each group re-reading
-// the weights.
+// blocked GEMMs). More rows (up to rows_max_m, or any count on Q8_0's int8 path) go MT_Q
+// at a time, over spans of groups small enough to stay in L2 between the passes.
 constexpr int64_t kPrefetchAhead = 8192;
 // activation rows from which groups run d8::rows8_nibbles (Q4_0/Q4_1, int8) or
 // d8::rows8_pairs (Q4_0/Q4_1/Q8_0, int16); one row streams the weights from memory,

@@ -413,10 +413,11 @@ async def serve_http(
             # closes idle connections itself.
             await stop.wait()
             app.draining = True
-            with anyio.move_on_after(config.shutdown_timeout):
+            with anyio.move_on_after(config.shutdown_timeout) as timer:
                 await app.drained()
             closing.set()
-            if config.backend == "trio":
+            # past the timeout asyncio's hypercorn would wait graceful_timeout again
+            if config.backend == "trio" or timer.cancel_called:
                 tg.cancel_scope.cancel()
 
         tg.start_soon(drain_then_close)

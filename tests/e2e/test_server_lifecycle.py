@@ -97,8 +97,9 @@ def test_a_second_signal_stops_at_once_with_code_0() -> None:
     assert not alive(engine)
 
 
-def test_sigint_after_the_shutdown_timeout_cuts_long_requests() -> None:
-    with Server("--shutdown-timeout", "1") as s:
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_sigint_after_the_shutdown_timeout_cuts_long_requests(backend: str) -> None:
+    with Server("--shutdown-timeout", "1", backend=backend) as s:
         engine = s.engine_pid
         st = open_stream(
             s.port, "/v1/completions", completion("Once upon a time", 5000, stream=True)
