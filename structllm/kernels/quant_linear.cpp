@@ -984,14 +984,6 @@ inline void rows8(const uint8_t* w, int64_t row_bytes, int nb, const XT* xq, int
 // of its own bytes, whose lanes already are the 8 rows' block sums: no reduction at all.
 // The block sums are integers and so exact in any order, and the fold is rows8's, so
 // the outputs are bit for bit rows8's (and the blocked GEMM's).
-inline v8i dot_acc(v8i acc, v8i u, v8i s) {  // acc + products of u8 x s8 quads
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, dot_u8s8(u, s));
-#endif
-}
-
 inline v8i bcast_quad(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -1030,50 +1022,46 @@ inline void rows8_nibbles(const uint8_t* w, int64_t row_bytes, int nb, const int
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
     v8i t[4];  // t[q], lane j: row j's quant bytes 4q..4q+3
     quads_by_row(g + QO, row_bytes, t);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    if constexpr (true) {
-      // Without VNNI each u8 x s8 quad product costs vpmaddubsw + vpmaddwd + vpaddd. A
-      // pair's sum is at most 2 * 15 * 127 (nibbles against int8 activations within
-      // +-127), so a block's 8 pair sums add up in int16 (<= 30480, in any order) and
-      // are widened once per block: vpmaddubsw + vpaddw per quad. The rows go one after
-      // another over the block's 8 weight vectors, held in registers, so only one row's
-      // sum is live (with both chains per row, 4 rows spilled on AVX2's 16 registers).
-      // The integer sums, and so the outputs, are the VNNI kernel's bit for bit.
-      v8i wv[8];
-      for (int q = 0; q < 4; q++) {
-        wv[q] = _mm256_and_si256(t[q], low4);
-        wv[4 + q] = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), low4);
-      }
-      v8f dw, mw = _mm256_setzero_ps();
-      scales8<T>(g, row_bytes, dw, mw);
-      const v8i ones = _mm256_set1_epi16(1);
-      for (int m = 0; m < MT; m++) {
-        const int8_t* xm = xb + m * K;
-        v8i p[8];
-        for (int q = 0; q < 4; q++) {
-          p[q] = _mm256_maddubs_epi16(wv[q], bcast_quad(xm + 4 * q));
-          p[4 + q] = _mm256_maddubs_epi16(wv[4 + q], bcast_quad(xm + 16 + 4 * q));
-        }
-        const v8i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
-                                       _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
-        acc[m] = fold<T, int8_t>(acc[m], _mm256_madd_epi16(s, ones), dw, mw, dx[m * nb + b], xs[m * nb + b]);
-      }
-      continue;
-    }
-#endif
-    v8i s_lo[MT], s_hi[MT];  // two chains per activation row
+    v8f dw, mw = _mm256_setzero_ps();
+    scales8<T>(g, row_bytes, dw, mw);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    v8i s_lo[MT], s_hi[MT];  // two chains per activation row (vpdpbusd accumulates)
     for (int m = 0; m < MT; m++) s_lo[m] = s_hi[m] = _mm256_setzero_si256();
     for (int q = 0; q < 4; q++) {
       const v8i wl = _mm256_and_si256(t[q], low4), wh = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), low4);
       for (int m = 0; m < MT; m++) {
-        s_lo[m] = dot_acc(s_lo[m], wl, bcast_quad(xb + m * K + 4 * q));
-        s_hi[m] = dot_acc(s_hi[m], wh, bcast_quad(xb + m * K + 16 + 4 * q));
+        s_lo[m] = _mm256_dpbusd_epi32(s_lo[m], wl, bcast_quad(xb + m * K + 4 * q));
+        s_hi[m] = _mm256_dpbusd_epi32(s_hi[m], wh, bcast_quad(xb + m * K + 16 + 4 * q));
       }
     }
-    v8f dw, mw = _mm256_setzero_ps();
-    scales8<T>(g, row_bytes, dw, mw);
     for (int m = 0; m < MT; m++)
       acc[m] = fold<T, int8_t>(acc[m], _mm256_add_epi32(s_lo[m], s_hi[m]), dw, mw, dx[m * nb + b], xs[m * nb + b]);
+#else
+    // Without VNNI a u8 x s8 quad costs vpmaddubsw + vpmaddwd + vpaddd. A pair's sum is
+    // at most 2 * 15 * 127 (nibbles against int8 activations within +-127), so a block's
+    // 8 pair sums add up in int16 (<= 30480, in any order) and are widened once per
+    // block: vpmaddubsw + vpaddw per quad. The rows go one after another over the
+    // block's 8 weight vectors, held in registers, so only one row's sum is live (two
+    // chains per row, as above, spilled from 3 rows on AVX2's 16 registers). The integer
+    // sums, and so the outputs, are the VNNI branch's bit for bit.
+    v8i wv[8];
+    for (int q = 0; q < 4; q++) {
+      wv[q] = _mm256_and_si256(t[q], low4);
+      wv[4 + q] = _mm256_and_si256(_mm256_srli_epi16(t[q], 4), low4);
+    }
+    const v8i ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < MT; m++) {
+      const int8_t* xm = xb + m * K;
+      v8i p[8];
+      for (int q = 0; q < 4; q++) {
+        p[q] = _mm256_maddubs_epi16(wv[q], bcast_quad(xm + 4 * q));
+        p[4 + q] = _mm256_maddubs_epi16(wv[4 + q], bcast_quad(xm + 16 + 4 * q));
+      }
+      const v8i sum = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                       _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+      acc[m] = fold<T, int8_t>(acc[m], _mm256_madd_epi16(sum, ones), dw, mw, dx[m * nb + b], xs[m * nb + b]);
+    }
+#endif
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
 }

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from structllm.config import SpeculativeConfig, speculative_config
 from structllm.engine import speculative
+from structllm.engine.core import DRAFT_STEP_COSTS
 from structllm.engine.request import Request
 from structllm.engine.speculative import (
     Drafter,
@@ -173,7 +174,7 @@ def test_safe_draft_length_bounds_a_rejected_chunk() -> None:
     safe = speculative.safe_draft_length
     assert speculative.REJECT_COST == 1.5
     assert safe(1, COST) == 2  # 3 rows cost 1.45x a 1-row step; 4 rows 1.6x
-    assert safe(1, (1.0, 1.3, 1.55, 1.9, 2.15)) == 1  # the AVX2 table: 3 rows > 1.5
+    assert safe(1, DRAFT_STEP_COSTS["avx2"]) == 1  # the AVX2 table: 3 rows cost > 1.5x
     assert safe(2, COST) == 2  # 4 rows at 1.6 <= 1.5 * 1.2
     assert safe(8, COST) == 0  # the table's end
 
