@@ -16,6 +16,16 @@ import msgspec
 
 from structllm.model.registry import family_for_hf
 
+# rope_scaling types (``rope_type``) and the keys each needs; "freq_factors" is a GGUF
+# file's ``rope_freqs`` tensor (llama.cpp's converter writes Llama 3's scaling so)
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "freq_factors": ("factors",),
+}
+
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the forward pass needs to know. Options default to Llama's."""
@@ -71,6 +81,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
                 f"got {self.num_experts_per_tok}"
             )
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling, self.rope_dim)
         for name in ("layer_windows", "rope_layers", "moe_layers"):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
@@ -145,6 +157,30 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+def _check_rope_scaling(sc: dict[str, Any], rope_dim: int) -> None:
+    """``ValueError`` naming what the forward pass could not follow: an unknown
+    ``rope_type``, a key it needs, per-pair factors of the wrong length."""
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; expected one of {sorted(ROPE_TYPES)}"
+        )
+    missing = [k for k in ROPE_TYPES[kind] if sc.get(k) is None]
+    if (
+        kind == "yarn"
+        and sc.get("factor") is None
+        and not sc.get("original_max_position_embeddings")
+    ):
+        missing.append("factor")
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
+    for key in ("factors", "short_factor", "long_factor"):
+        if key in sc and len(sc[key]) != rope_dim // 2:
+            raise ValueError(
+                f"rope_scaling {key} has {len(sc[key])} entries for {rope_dim // 2} rotated pairs"
+            )
+
+
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     """The (global layers') rope settings: ``rope_theta`` and the scaling, whether the
     config has them flat (``rope_theta``, ``rope_scaling``) or as transformers 5 writes
@@ -158,6 +194,8 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
         out["rope_theta"] = cfg["rope_theta"]
     if "type" in out and "rope_type" not in out:
         out["rope_type"] = out["type"]
+    if out.get("rope_type") == "su":  # LongRoPE's first name (early Phi-3 configs)
+        out["rope_type"] = "longrope"
     return out
 
 

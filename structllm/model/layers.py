@@ -1,6 +1,7 @@
 """Layers shared by the model families: rotary embeddings (plain, linear, Llama 3,
-LongRoPE; partial), the gated MLP's activations, soft-capping, the mixture-of-experts
-MLP (``SparseMoe``: router and experts, run grouped by expert).
+YaRN, LongRoPE, GGUF frequency factors; partial), the gated MLP's activations,
+soft-capping, the mixture-of-experts MLP (``SparseMoe``: router and experts, run
+grouped by expert).
 
 Norms are torch's ``F.rms_norm`` throughout: Gemma's ``(1 + w)`` RMSNorm is the plain
 one with ``1 + w`` stored as its weight (the loader adds the 1, as llama.cpp's
@@ -20,16 +21,17 @@ from torch import Tensor, nn
 
 from structllm.kernels import packed
 from structllm.kernels.packed import BlockWeight, Weight, linear
-from structllm.model.config import ModelConfig
+from structllm.model.config import ROPE_TYPES, ModelConfig
 from structllm.model.sharding import ShardPlan
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = False) -> Tensor:
     """Inverse frequencies ``[D/2]`` (float64) of each rotated pair, with the config's
-    scaling (linear, Llama 3, LongRoPE's short or ``long`` factors). Partial rotary: the
-    pairs past ``rope_dim / 2`` get 0, a rotation by nothing (cos 1, sin 0), so every
-    head's pairs go through one table and the rotation leaves them exactly as they are.
-    ``theta``: another base (Gemma 3's local layers, which are never scaled)."""
+    scaling (linear, Llama 3, YaRN, LongRoPE's short or ``long`` factors, a GGUF file's
+    ``rope_freqs`` factors). Partial rotary: the pairs past ``rope_dim / 2`` get 0, a
+    rotation by nothing (cos 1, sin 0), so every head's pairs go through one table and
+    the rotation leaves them exactly as they are. ``theta``: another base (Gemma 3's local
+    layers, which are never scaled)."""
     d = cfg.rope_dim
     base = cfg.rope_theta if theta is None else theta
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -49,23 +51,63 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = Fal
         scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
         mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(cfg, sc, inv, base)
+    elif kind == "freq_factors":  # llama.cpp's rope_freqs: each pair's angle divided by it
+        inv = inv / torch.tensor(sc["factors"], dtype=torch.float64)[: d // 2]
     elif kind == "longrope":
         ext = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float64)
         inv = inv / ext
     elif kind not in ("default", None):
         raise ValueError(
-            f"unsupported rope_scaling type {kind!r}; expected default, linear, llama3 or longrope"
+            f"unsupported rope_scaling type {kind!r}; expected one of {sorted(ROPE_TYPES)}"
         )
     return F.pad(inv, (0, (cfg.head_dim - d) // 2))
 
 
-def rope_attention_factor(cfg: ModelConfig) -> float:
-    """LongRoPE's scale of cos and sin (1 otherwise)."""
+def _yarn_inv_freq(cfg: ModelConfig, sc: dict[str, Any], inv: Tensor, base: float) -> Tensor:
+    """YaRN's frequencies ``[d/2]``: the fast-rotating pairs (more than ``beta_fast``
+    turns over the original context) keep theirs, the slow ones (under ``beta_slow``)
+    are interpolated by ``factor``, with a linear ramp over the pairs between."""
+    d = cfg.rope_dim
+    orig = float(sc.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+
+    def pair_of(turns: float) -> float:  # the pair index that turns this often in orig
+        return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_of(float(sc.get("beta_fast") or 32)), pair_of(float(sc.get("beta_slow") or 1))
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = (torch.arange(d // 2, dtype=torch.float64) - low) / ((high - low) or 0.001)
+    keep = (1 - ramp.clamp(0, 1)) * float(sc.get("extrapolation_factor", 1.0))
+    return inv / yarn_factor(cfg) * (1 - keep) + inv * keep
+
+
+def yarn_factor(cfg: ModelConfig) -> float:
+    """YaRN's context factor (its config's, else the ratio of the two context lengths)."""
     sc = cfg.rope_scaling or {}
-    if sc.get("rope_type") != "longrope":
+    if sc.get("factor") is not None:
+        return float(sc["factor"])
+    return cfg.max_position_embeddings / float(sc["original_max_position_embeddings"])
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The scale of cos and sin: LongRoPE's and YaRN's (1 otherwise)."""
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type")
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if sc.get("attention_factor") is not None:
         return float(sc["attention_factor"])
+    if kind == "yarn":  # 0.1 ln(s) + 1, the paper's (eq. 21), or its ratio with mscales
+        factor = yarn_factor(cfg)
+
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        ms, ms_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        return mscale(float(ms)) / mscale(float(ms_all)) if ms and ms_all else mscale(1.0)
     orig = float(sc["original_max_position_embeddings"])
     factor = float(sc.get("factor") or sc.get("max_position_embeddings", orig) / orig)
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))

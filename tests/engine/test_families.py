@@ -14,6 +14,7 @@ import torch
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.model.config import ModelConfig
+from structllm.model.layers import rope_attention_factor, rope_inv_freq
 from structllm.model.loader import prepare_model
 from tests.support.models import (
     EXACT,
@@ -59,6 +60,8 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
+    if name == "llama":
+        assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
     if name == "phi3":
         assert cfg.rotary_dim == 8 and cfg.rope_scaling is not None
     if name == "mixtral":
@@ -136,7 +139,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
-GGUF_FAMILIES = ["gemma2", *QUANTIZED_FAMILIES]
+GGUF_FAMILIES = ["gemma2", "llama", *QUANTIZED_FAMILIES]
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
@@ -163,6 +166,10 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
             expected = pytest.approx(expected, rel=1e-6)
         assert got == expected, field
+    # the rotary tables (a scaling the file's metadata or rope_freqs carry, Llama 3's)
+    for theta in (None, want.rope_local_theta):
+        torch.testing.assert_close(rope_inv_freq(cfg, theta), rope_inv_freq(want, theta))
+    assert rope_attention_factor(cfg) == pytest.approx(rope_attention_factor(want), rel=1e-6)
     ours, ref = (LLM(str(p), kv_cache_memory=32 << 20, **EXACT) for p in (path, source))
     for ids in PROMPTS:
         torch.testing.assert_close(
@@ -171,6 +178,76 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = [[o.token_ids for o in llm.generate(PROMPTS, params)] for llm in (ours, ref)]
     assert outs[0] == outs[1]
+
+
+# Qwen3's long-context setting (its model card's), at a tiny original context so the
+# prompts run past it
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def test_yarn_matches_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    path = gguf_source_dir("qwen3", default_files, rope_scaling=YARN)
+    assert rope_attention_factor(prepare_model(str(path)).config) > 1  # 0.1 ln(4) + 1
+    engine, ref = engine_for(path), hf_from_dir(path)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_yarn_gguf_equals_the_directory(default_files) -> None:  # type: ignore[no-untyped-def]
+    from tests.support import llamacpp
+
+    source = gguf_source_dir("qwen3", default_files, rope_scaling=YARN)
+    try:
+        path = llamacpp.convert_hf(source, "f32")
+    except llamacpp.ToolMissing as e:
+        pytest.skip(str(e))
+    cfg, want = prepare_model(str(path)).config, prepare_model(str(source)).config
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
+    torch.testing.assert_close(rope_inv_freq(cfg), rope_inv_freq(want))
+    assert rope_attention_factor(cfg) == pytest.approx(rope_attention_factor(want), rel=1e-6)
+    ours, ref = engine_for(path), engine_for(source)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(ours, ids), prefill_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+
+
+@pytest.mark.parametrize(
+    ("scaling", "match"),
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
+        ({"rope_type": "llama3", "factor": 8.0}, "lacks.*low_freq_factor"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [1.0],
+                "original_max_position_embeddings": 8,
+            },
+            "short_factor has 1 entries for 16",
+        ),
+    ],
+)
+def test_rope_scaling_it_cannot_follow_is_refused(scaling: dict[str, object], match: str) -> None:
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**cfg, "rope_scaling": scaling})
+
+
+def test_gguf_rope_scaling_it_cannot_follow_is_refused() -> None:
+    from structllm.model.gguf import model_config
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64}
+    meta |= {"llama.attention.head_count": 2, "llama.block_count": 1}
+    meta |= {"llama.feed_forward_length": 8, "llama.rope.scaling.type": "su-2"}
+    with pytest.raises(ValueError, match="unsupported GGUF rope scaling type 'su-2'"):
+        model_config(meta)
+    meta["llama.rope.scaling.type"] = "yarn"
+    meta["llama.rope.scaling.factor"] = 4.0
+    assert model_config(meta).rope_scaling == {"rope_type": "yarn", "factor": 4.0}
 
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)

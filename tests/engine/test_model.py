@@ -67,22 +67,6 @@ def test_rope_table_is_not_rebuilt_as_contexts_grow(tiny_llama_dir: Path) -> Non
     torch.testing.assert_close(grown[: first.shape[0]], first, atol=0, rtol=0)  # same rows
 
 
-def test_llama3_rope_scaling_matches_transformers(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    path = make_tiny_hf_dir(tmp_path, default_files, rope_scaling=scaling, rope_theta=500000.0)
-    engine, ref = engine_for(path), hf_from_dir(path)
-    ids = list(range(300, 500))
-    torch.testing.assert_close(
-        prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
-    )
-
-
 def test_gguf_file_with_mixed_quantisations_matches_transformers(
     tmp_path: Path, tiny_llama_dir: Path
 ) -> None:

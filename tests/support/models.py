@@ -5,6 +5,7 @@ transformers as the reference."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -313,6 +314,21 @@ _SMALL: dict[str, object] = dict(
     pad_token_id=0,
 )
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
+        "LlamaConfig",
+        dict(
+            head_dim=32,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "gemma2": (
@@ -448,7 +464,7 @@ def tiny_family_dir(
     if (out / "complete").exists():
         return out
     torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(**kw)
+    cfg = getattr(transformers, cls_name)(**copy.deepcopy(kw))  # it edits nested dicts
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
         for name, p in model.named_parameters():
