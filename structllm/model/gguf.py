@@ -145,6 +145,36 @@ def _rope_scaling(family: str, get: Callable[..., Any]) -> dict[str, Any] | None
     return out
 
 
+def _gemma(
+    family: str, hidden: int, heads: int, layers: int, window: int, get: Callable[..., Any]
+) -> dict[str, Any]:
+    """Gemma 2 and 3 options, with llama.cpp's rules for what the metadata may not say:
+    local (windowed) layers by ``attention.sliding_window_pattern`` (a period, or one flag
+    per layer), else alternating (Gemma 2) or five local to one global (Gemma 3); Gemma
+    2's window 4096 when unstated; the softmax scale ``head_dim ** -0.5``, but
+    ``(hidden / heads) ** -0.5`` for the 27B models (46 and 62 layers), whose
+    ``query_pre_attn_scalar`` it is."""
+    out: dict[str, Any] = dict(post_norms=True, mlp_act="gelu_tanh", embed_scale=hidden**0.5)
+    out["final_softcap"] = float(get("final_logit_softcapping") or 0.0)
+    if family == "gemma2":
+        out["attn_softcap"] = float(get("attn_logit_softcapping") or 0.0)
+        window = window or 4096
+    else:
+        out["qk_norm"] = "head"
+        out["rope_local_theta"] = float(get("rope.freq_base_swa", 10000.0))
+    if layers == {"gemma2": 46, "gemma3": 62}[family]:
+        out["attn_scale"] = float(hidden // heads) ** -0.5
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        local = [bool(p) for p in pattern]
+    else:
+        n = int(pattern or (2 if family == "gemma2" else 6))
+        local = [i % n < n - 1 for i in range(layers)]
+    if window and any(local):
+        out["layer_windows"] = [window if s else 0 for s in local]
+    return out
+
+
 def model_config(meta: dict[str, Any]) -> ModelConfig:
     """The model's shape and family options from GGUF metadata (the keys llama.cpp's
     converter writes, ``{arch}.*``); ``ValueError`` naming an unsupported architecture."""
@@ -186,20 +216,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"
     elif fam.name in ("gemma2", "gemma3"):
-        # llama.cpp's own rules (not in the metadata): Gemma 2 alternates local and
-        # global layers, Gemma 3 has five local layers to one global; the softmax scale
-        # is head_dim ** -0.5 (query_pre_attn_scalar = head_dim, as all but Gemma 2/3 27B)
-        kw.update(post_norms=True, mlp_act="gelu_tanh", embed_scale=float(hidden) ** 0.5)
-        if fam.name == "gemma2":
-            kw["attn_softcap"] = float(get("attn_logit_softcapping") or 0.0)
-            kw["final_softcap"] = float(get("final_logit_softcapping") or 0.0)
-            local = [i % 2 == 0 for i in range(layers)]
-        else:
-            kw["qk_norm"] = "head"
-            kw["rope_local_theta"] = float(get("rope.freq_base_swa", 10000.0))
-            local = [(i + 1) % 6 != 0 for i in range(layers)]
-        if window:
-            kw["layer_windows"] = [window if s else 0 for s in local]
+        kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
     elif fam.name == "phi3":
         long, short = get("rope_factors_long"), get("rope_factors_short")
         if long is not None and short is not None:
@@ -227,7 +244,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
-        kw["sliding_window"] = window
+        kw["sliding_window"] = max(kw["layer_windows"])
     experts = int(get("expert_count") or 0)
     if experts:
         kw.update(_experts(fam.name, experts, get))

@@ -250,6 +250,37 @@ def test_gguf_rope_scaling_it_cannot_follow_is_refused() -> None:
     assert model_config(meta).rope_scaling == {"rope_type": "yarn", "factor": 4.0}
 
 
+def gemma_meta(arch: str, layers: int, **keys: object) -> dict[str, object]:
+    meta: dict[str, object] = {"general.architecture": arch, f"{arch}.block_count": layers}
+    shape = {"embedding_length": 256, "attention.head_count": 4, "feed_forward_length": 8}
+    shape |= {"attention.key_length": 32, "attention.sliding_window": 16}
+    return meta | {f"{arch}.{k}": v for k, v in {**shape, **keys}.items()}
+
+
+def test_gguf_gemma_follows_llama_cpp_where_the_metadata_is_silent() -> None:
+    from structllm.model.gguf import model_config
+
+    cfg = model_config(gemma_meta("gemma3", 12))  # five local layers to one global
+    assert cfg.layer_windows == ([16] * 5 + [0]) * 2 and cfg.scale == 32**-0.5
+    cfg = model_config(gemma_meta("gemma2", 4, **{"attention.sliding_window": None}))
+    assert cfg.layer_windows == [4096, 0, 4096, 0]  # Gemma 2's window when unstated
+    # the 27B models scale by hidden / heads (their query_pre_attn_scalar), not head_dim
+    assert model_config(gemma_meta("gemma3", 62)).scale == 64**-0.5
+    assert model_config(gemma_meta("gemma2", 46)).scale == 64**-0.5
+
+
+def test_gguf_gemma_reads_what_the_metadata_says() -> None:
+    from structllm.model.gguf import model_config
+
+    flags = [True, False, False]
+    cfg = model_config(gemma_meta("gemma3", 3, **{"attention.sliding_window_pattern": flags}))
+    assert cfg.layer_windows == [16, 0, 0]
+    cfg = model_config(gemma_meta("gemma3", 4, **{"attention.sliding_window_pattern": 2}))
+    assert cfg.layer_windows == [16, 0, 16, 0]
+    cfg = model_config(gemma_meta("gemma3", 4, final_logit_softcapping=30.0))
+    assert cfg.final_softcap == 30.0
+
+
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

@@ -349,6 +349,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             head_dim=64,
             sliding_window=WINDOW,
             query_pre_attn_scalar=64,
+            final_logit_softcapping=30.0,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
