@@ -220,6 +220,8 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
         sliding = [i >= first for i in range(layers)]
     elif family in ("mistral", "phi3", "mixtral"):
         sliding = [True] * layers
+    elif family == "olmo3":  # three windowed layers to one global
+        sliding = [(i + 1) % 4 != 0 for i in range(layers)]
     else:
         return []
     if cfg.get("use_sliding_window") is False and family not in ("gemma2", "gemma3"):
@@ -281,6 +283,13 @@ def _olmo2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {"qk_norm": "full", "pre_norms": False, "post_norms": True}
 
 
+def _olmo3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2 with windowed layers, whose rotary is never scaled (transformers gives
+    them the default rope; a YaRN scaling is the global layers')."""
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+    return {**_olmo2(cfg, base), "rope_local_theta": float(local or base["rope_theta"])}
+
+
 def _granite(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {
         "embed_scale": float(cfg.get("embedding_multiplier", 1.0)),
@@ -327,6 +336,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gemma3": _gemma,
     "phi3": _phi3,
     "olmo2": _olmo2,
+    "olmo3": _olmo3,
     "granite": _granite,
     "smollm3": _smollm3,
     "mixtral": _mixtral,

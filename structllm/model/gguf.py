@@ -145,6 +145,16 @@ def _rope_scaling(family: str, get: Callable[..., Any]) -> dict[str, Any] | None
     return out
 
 
+def _local_layers(layers: int, period: int, get: Callable[..., Any]) -> list[bool]:
+    """Which layers have the window: ``attention.sliding_window_pattern``'s flags, or
+    its period (else the family's), every period-th layer global (llama.cpp's rule)."""
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return [bool(p) for p in pattern]
+    n = int(pattern or period)
+    return [i % n < n - 1 for i in range(layers)]
+
+
 def _gemma(
     family: str, hidden: int, heads: int, layers: int, window: int, get: Callable[..., Any]
 ) -> dict[str, Any]:
@@ -164,12 +174,7 @@ def _gemma(
         out["rope_local_theta"] = float(get("rope.freq_base_swa", 10000.0))
     if layers == {"gemma2": 46, "gemma3": 62}[family]:
         out["attn_scale"] = float(hidden // heads) ** -0.5
-    pattern = get("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        local = [bool(p) for p in pattern]
-    else:
-        n = int(pattern or (2 if family == "gemma2" else 6))
-        local = [i % n < n - 1 for i in range(layers)]
+    local = _local_layers(layers, 2 if family == "gemma2" else 6, get)
     if window and any(local):
         out["layer_windows"] = [window if s else 0 for s in local]
     return out
@@ -234,6 +239,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
             kw["layer_windows"] = [window] * layers
     elif fam.name == "olmo2":
         kw.update(qk_norm="full", pre_norms=False, post_norms=True)
+        if window:  # OLMo 3: windowed layers with their own, unscaled rotary
+            kw["architecture"] = "olmo3"
+            kw["rope_local_theta"] = float(get("rope.freq_base_swa") or kw["rope_theta"])
+            kw["layer_windows"] = [window if s else 0 for s in _local_layers(layers, 4, get)]
     elif fam.name == "granite":
         kw.update(
             embed_scale=float(get("embedding_scale", 1.0)),
@@ -343,7 +352,7 @@ _LAYER_NAMES = {
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
-_HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2")
+_HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 
 
 _KEEPABLE = (

@@ -36,6 +36,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
+    # llama.cpp writes OLMo 3 as "olmo2" with a sliding window (gguf.model_config)
+    Family("olmo3", "olmo2", ("Olmo3ForCausalLM",), ("olmo3",), ()),
     Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,

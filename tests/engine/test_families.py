@@ -60,6 +60,8 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
+    if name == "olmo3":
+        assert cfg.layer_windows == [WINDOW] * 3 + [0] and cfg.rope_local_theta == cfg.rope_theta
     if name == "llama":
         assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "llama3"
     if name == "phi3":
@@ -139,7 +141,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
-GGUF_FAMILIES = ["gemma2", "llama", *QUANTIZED_FAMILIES]
+GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]

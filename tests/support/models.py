@@ -372,6 +372,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         ),
     ),
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "olmo3": (  # windows on three layers of four, YaRN on the global ones only
+        "Olmo3Config",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        ),
+    ),
     "granite": (
         "GraniteConfig",
         dict(
