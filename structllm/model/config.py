@@ -112,6 +112,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises ``ValueError`` naming what is
         unsupported."""
+        cfg = text_config(cfg)
         fam = family_for_hf(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -155,6 +156,49 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+# Multimodal checkpoints whose text model is a family here, run as that text model (the
+# image parts are not loaded): the architecture it is, and its text config class's
+# defaults (transformers' Gemma3TextConfig), since a checkpoint's ``text_config`` lists
+# only what differs from them (google/gemma-3-4b-it's: sizes, layers, window, rope scaling)
+TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Gemma3ForConditionalGeneration": (
+        "Gemma3ForCausalLM",
+        {
+            "vocab_size": 262208,
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "tie_word_embeddings": True,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+        },
+    ),
+}
+# the same defaults' rope bases, where the text config has no rope_parameters
+_TEXT_ROPE = {"Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0}}
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` itself, or for a multimodal checkpoint in ``TEXT_MODELS`` its text model's
+    config: the class defaults, then the top level's settings (its ``eos_token_id``
+    list), then ``text_config``."""
+    arch = next((a for a in cfg.get("architectures") or [] if a in TEXT_MODELS), None)
+    if arch is None:
+        return cfg
+    text_arch, defaults = TEXT_MODELS[arch]
+    text = dict(cfg.get("text_config") or {})
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    rope = {} if "rope_parameters" in text else _TEXT_ROPE.get(text_arch, {})
+    return {**defaults, **rope, **top, **text, "architectures": [text_arch]}
 
 
 def _check_rope_scaling(sc: dict[str, Any], rope_dim: int) -> None:

@@ -149,6 +149,8 @@ def _hf_files(path: Path) -> ModelFiles:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
+    if template is None:  # a multimodal checkpoint's processor template
+        template = _read_json(path / "chat_template.json").get("chat_template")
     meta = TokenizerMeta(
         chat_template=template,
         bos_token=_token_str(tok_cfg.get("bos_token")),

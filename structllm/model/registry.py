@@ -33,7 +33,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
-    Family("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
+    # Gemma3ForConditionalGeneration (4B and up): its text model (config.TEXT_MODELS)
+    Family(
+        "gemma3",
+        "gemma",
+        ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+        ("gemma3_text",),
+        ("gemma3",),
+    ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     # llama.cpp writes OLMo 3 as "olmo2" with a sliding window (gguf.model_config)

@@ -57,7 +57,7 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "gemma2":
         assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.attn_softcap == 5.0
     if name == "gemma3":
-        assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
+        assert cfg.layer_windows == [WINDOW] * 5 + [0]
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
     if name == "olmo3":
@@ -180,6 +180,27 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = [[o.token_ids for o in llm.generate(PROMPTS, params)] for llm in (ours, ref)]
     assert outs[0] == outs[1]
+
+
+def test_multimodal_gemma3_runs_its_text_model(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Gemma3ForConditionalGeneration (how Gemma 3 4B-27B are published): its text model,
+    # from a text_config that leaves the text config class's defaults unsaid
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tests.support.models import tiny_gemma3_multimodal_dir
+
+    path = tiny_gemma3_multimodal_dir(default_files)
+    files = prepare_model(str(path))
+    cfg = files.config
+    assert cfg.architecture == "gemma3" and cfg.rms_norm_eps == 1e-6
+    assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
+    assert cfg.rope_theta == 1e6 and files.tokenizer_meta.chat_template is not None
+    ref = Gemma3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    engine = engine_for(path)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
 
 
 # Qwen3's long-context setting (its model card's), at a tiny original context so the

@@ -510,6 +510,87 @@ def tiny_family_dir(
     return out
 
 
+# a multimodal Gemma 3's text_config as sparse as a real one's (google/gemma-3-4b-it
+# lists sizes, layers, window and rope scaling; the rest are Gemma3TextConfig defaults)
+GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
+    model_type="gemma3_text",
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    sliding_window=WINDOW,
+    query_pre_attn_scalar=64,
+    max_position_embeddings=512,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_gemma3_multimodal_dir(files: ModelFiles) -> Path:
+    """A tiny ``Gemma3ForConditionalGeneration`` (a one-layer SigLIP tower beside the
+    text model) whose config.json has ``GEMMA3_MULTIMODAL_TEXT`` as its text_config,
+    saved by transformers with the default model's tokenizer; built once and cached."""
+    import hashlib
+
+    import transformers
+
+    from structllm.paths import cache_root
+
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": GEMMA3_MULTIMODAL_TEXT,
+        "vision_config": dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        "mm_tokens_per_image": 4,
+        "boi_token_index": 49149,
+        "eoi_token_index": 49150,
+        "image_token_index": 49151,
+    }
+    key = hashlib.sha256(
+        json.dumps([config, transformers.__version__], sort_keys=True).encode()
+        + files.tokenizer_json.read_bytes()
+    ).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"tiny-gemma3-multimodal-{key}"
+    if (out / "complete").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.from_pretrained(str(tmp))
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():  # random norm weights, so a misplaced one would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)  # Gemma's (1 + w)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "config.json").write_text(json.dumps(config))  # as sparse as a real one
+    shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
+    meta = files.tokenizer_meta
+    (tmp / "chat_template.json").write_text(json.dumps({"chat_template": meta.chat_template}))
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token})
+    )
+    (tmp / "complete").write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: object) -> Path:
     """``tiny_family_dir(family, files, **overrides)`` saved in ``dtype`` (``"float16"``,
     ``"bfloat16"``): every floating tensor rounded to it, the config saying so; built
