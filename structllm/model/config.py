@@ -218,6 +218,10 @@ def _check_rope_scaling(sc: dict[str, Any], rope_dim: int) -> None:
         missing.append("factor")
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
+    for key in ("factor", "original_max_position_embeddings", "low_freq_factor"):
+        value = sc.get(key)
+        if value is not None and not (isinstance(value, int | float) and value > 0):
+            raise ValueError(f"rope_scaling {key} must be a positive number, got {value!r}")
     for key in ("factors", "short_factor", "long_factor"):
         if key in sc and len(sc[key]) != rope_dim // 2:
             raise ValueError(

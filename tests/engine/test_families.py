@@ -242,6 +242,8 @@ def test_yarn_gguf_equals_the_directory(default_files) -> None:  # type: ignore[
     [
         ({"rope_type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
         ({"rope_type": "llama3", "factor": 8.0}, "lacks.*low_freq_factor"),
+        ({"rope_type": "yarn", "factor": 0}, "factor must be a positive number, got 0"),
+        ({"rope_type": "linear", "factor": "2"}, "factor must be a positive number"),
         (
             {
                 "rope_type": "longrope",
