@@ -162,11 +162,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         '\'{"method": "none"}\': off',
     )
     p.add_argument(
+        "--hf-overrides",
+        type=_hf_overrides,
+        default=None,
+        metavar="JSON",
+        help="keys set over the model's config.json, as vLLM's flag: e.g. '{\"rope_scaling\": "
+        '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}\' '
+        "for Qwen3's longer context (a GGUF file takes rope_scaling, rope_parameters, "
+        "rope_theta and max_position_embeddings)",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
         help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE",
     )
+
+
+def _hf_overrides(text: str) -> object:
+    from structllm.config import hf_overrides
+
+    try:
+        return hf_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _speculative_config(text: str) -> object:
@@ -198,6 +217,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         attention_backend=a.attention_backend,
         grammar_fast_forward=not a.no_grammar_fast_forward,
         speculative_config=a.speculative_config,
+        hf_overrides=a.hf_overrides,
         trace=a.trace,
         pipeline_parallel_size=a.pipeline_parallel_size,
         nnodes=a.nnodes,

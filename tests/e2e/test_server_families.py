@@ -54,3 +54,35 @@ def test_chat_streamed_equals_non_streamed_and_offline(served: tuple[str, openai
             SamplingParams(temperature=0, max_tokens=24),  # type: ignore[list-item]
         )
         assert offline[0].text == full.choices[0].message.content
+
+
+def test_hf_overrides_extend_the_served_context(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Qwen3's model card's way to a longer context: YaRN set on the command line; the
+    # server takes the longer --max-model-len, and a prompt past the config's 512 tokens
+    import json
+
+    path = tiny_family_dir("qwen3", default_files)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    args = ("--max-model-len", "2048", "--kv-cache-memory", "64MiB")
+    overrides = json.dumps({"rope_scaling": yarn})
+    with Server(str(path), *args, "--hf-overrides", overrides) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        assert s.get("/v1/models")[1].count(b'"max_model_len":2048') == 1
+        long = " ".join(f"word{i}" for i in range(300))  # ~900 tokens
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=long, max_tokens=4)
+        assert out.usage is not None and out.usage.prompt_tokens > 512
+
+
+def test_hf_overrides_that_cannot_apply_stop_the_cli_by_name(default_files) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from tests.support.procs import HANG_S, ROOT
+
+    path = str(tiny_family_dir("qwen3", default_files))
+    for bad, words in [("{oops", "not valid JSON"), ("[1]", "must be a JSON object")]:
+        cmd = [sys.executable, "-m", "structllm", "run", path, "--hf-overrides", bad]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=HANG_S)
+        assert proc.returncode == 2 and words in proc.stderr.decode()
+        assert "--hf-overrides" in proc.stderr.decode()

@@ -6,6 +6,7 @@ prefill and prefix-cache hits; the fused CPU ops on the same weights."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -235,6 +236,52 @@ def test_yarn_gguf_equals_the_directory(default_files) -> None:  # type: ignore[
         torch.testing.assert_close(
             prefill_logits(ours, ids), prefill_logits(ref, ids), atol=1e-4, rtol=1e-4
         )
+
+
+def test_hf_overrides_turn_yarn_on(default_files) -> None:  # type: ignore[no-untyped-def]
+    # vLLM's --hf-overrides on a config without YaRN: the same model as a config with it,
+    # from the directory and from its GGUF file
+    from tests.support import llamacpp
+
+    want = engine_for(gguf_source_dir("qwen3", default_files, rope_scaling=YARN))
+    plain = gguf_source_dir("qwen3", default_files)
+    sources = [plain]
+    # without the converter the directory still runs (test_yarn_gguf_equals_the_directory
+    # skips, saying why)
+    with contextlib.suppress(llamacpp.ToolMissing):
+        sources.append(llamacpp.convert_hf(plain, "f32"))
+    for source in sources:
+        ours = engine_for(source, hf_overrides={"rope_scaling": YARN})
+        assert ours.files.config.rope_scaling is not None
+        for ids in PROMPTS:
+            torch.testing.assert_close(
+                prefill_logits(ours, ids), prefill_logits(want, ids), atol=1e-4, rtol=1e-4
+            )
+
+
+def test_yarn_extends_the_context_to_its_original_length_times_its_factor(default_files) -> None:  # type: ignore[no-untyped-def]
+    path = tiny_family_dir("qwen3", default_files)  # max_position_embeddings 512
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    with pytest.raises(ValueError, match="exceeds the model's context length 512"):
+        engine_for(path, max_model_len=2048)
+    engine = engine_for(path, max_model_len=2048, hf_overrides={"rope_scaling": yarn})
+    assert engine.max_model_len == 2048
+
+
+def test_hf_overrides_that_cannot_apply_are_refused(default_files) -> None:  # type: ignore[no-untyped-def]
+    from structllm.config import hf_overrides
+
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        hf_overrides("[1, 2]")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        hf_overrides("{rope")
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
+        engine_for(
+            tiny_family_dir("qwen3", default_files),
+            hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        )
+    with pytest.raises(ValueError, match=r"\['hidden_size'\] do not apply to a GGUF file"):
+        engine_for(default_files.source, hf_overrides={"hidden_size": 8})
 
 
 @pytest.mark.parametrize(
