@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -172,11 +173,28 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "rope_theta and max_position_embeddings)",
     )
     p.add_argument(
+        "--generation-config",
+        type=_generation_config,
+        default=d("generation_config"),
+        metavar="auto|vllm|FOLDER",
+        help="defaults of the sampling parameters a request leaves unset, as vLLM's flag: auto "
+        "(the model's generation_config.json, its creator's recommendation), vllm (the API's "
+        "own), or a folder holding a generation_config.json",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
         help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE",
     )
+
+
+def _generation_config(text: str) -> str:
+    if text not in ("auto", "vllm") and not (Path(text) / "generation_config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"expected auto, vllm or a folder holding a generation_config.json, got {text!r}"
+        )
+    return text
 
 
 def _hf_overrides(text: str) -> object:
@@ -218,6 +236,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         grammar_fast_forward=not a.no_grammar_fast_forward,
         speculative_config=a.speculative_config,
         hf_overrides=a.hf_overrides,
+        generation_config=a.generation_config,
         trace=a.trace,
         pipeline_parallel_size=a.pipeline_parallel_size,
         nnodes=a.nnodes,

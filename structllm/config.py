@@ -194,6 +194,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       scaling extends the context to its original length times its factor); a GGUF file
       takes ``rope_scaling``, ``rope_parameters``, ``rope_theta`` and
       ``max_position_embeddings``.
+    - ``generation_config``: where unset request parameters (``temperature``, ``top_p``,
+      ``top_k``, ``min_p``, ``repetition_penalty``) take their defaults from, as vLLM's
+      flag: ``"auto"``, the model directory's ``generation_config.json`` (its creator's
+      recommendation; a GGUF file has none); ``"vllm"``, the API's own defaults; or a
+      folder holding a ``generation_config.json``.
     """
 
     model: str | None = None
@@ -227,6 +232,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     distributed_timeout: float = 60.0
     distributed_executor_backend: str = "mp"
     hf_overrides: dict[str, Any] | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -275,6 +281,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             raise ValueError("several nodes need --master-port (the store's port on node 0)")
         hf_overrides(self.hf_overrides)
+        if not self.generation_config:
+            raise ValueError("generation_config must be auto, vllm or a folder")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(
                 "distributed_executor_backend must be mp or ray, "

@@ -14,6 +14,7 @@ import msgspec
 
 from structllm.config import EngineConfig, hf_overrides, speculative_config
 from structllm.engine.core import EngineCore
+from structllm.model.files import generation_defaults
 from structllm.model.loader import prepare_model
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import AddRequest, SamplingParams, TokenLogprobs
@@ -113,8 +114,22 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
         self.tokenizer = Tokenizer.from_files(files)
+        self._defaults = generation_defaults(files, self.config.generation_config)
         self.engine = EngineCore(self.config, files)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without ``sampling_params``: the API's
+        defaults, with the model's ``generation_config.json`` settings over them unless
+        ``generation_config="vllm"`` (vLLM's method and option)."""
+        d = self._defaults
+        return SamplingParams(
+            temperature=d.get("temperature", 1.0),
+            top_p=d.get("top_p", 1.0),
+            top_k=int(d.get("top_k", 0)),
+            min_p=d.get("min_p", 0.0),
+            repetition_penalty=d.get("repetition_penalty", 1.0),
+        )
 
     def close(self) -> None:
         """Stop the engine's worker processes, if any. Idempotent."""
@@ -137,7 +152,7 @@ class LLM:
         ``structured_outputs`` does not compile. A constrained request whose grammar
         fails in the engine ends alone with ``finish_reason == "error"``."""
         items = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(items))
+        params = _as_params_list(sampling_params, len(items), self.get_default_sampling_params())
         return self._run(items, [self._encode(p) for p in items], params)
 
     def _run(
@@ -243,7 +258,7 @@ class LLM:
             req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
         except ToolError as e:
             raise ValueError(str(e)) from None
-        params = _as_params_list(sampling_params, len(chats))
+        params = _as_params_list(sampling_params, len(chats), self.get_default_sampling_params())
         if req is not None:
             from structllm.tools import validate_tools
 
@@ -314,10 +329,10 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _as_params_list(
-    sp: SamplingParams | Sequence[SamplingParams] | None, n: int
+    sp: SamplingParams | Sequence[SamplingParams] | None, n: int, default: SamplingParams
 ) -> list[SamplingParams]:
     if sp is None:
-        return [SamplingParams()] * n
+        return [default] * n
     if isinstance(sp, SamplingParams):
         return [sp] * n
     out = list(sp)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,8 @@ class ModelFiles:
     tokenizer_meta: TokenizerMeta
     generation_eos_ids: list[int]
     source: Path | None = None  # the GGUF file, whose blocks a quantized engine reads
+    # a directory's generation_config.json sampling settings (generation_defaults)
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
 
 def _override(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +209,8 @@ def _hf_files(path: Path) -> ModelFiles:
         tok_json = tokenizer_cache_path(path, None)
         if not tok_json.is_file():
             raise NotConverted(path, gguf=False)
-    gen = _read_json(path / "generation_config.json").get("eos_token_id")
+    generation = _read_json(path / "generation_config.json")
+    gen = generation.get("eos_token_id")
     gen_eos = (
         [int(e) for e in gen] if isinstance(gen, list) else ([int(gen)] if gen is not None else [])
     )
@@ -219,7 +222,30 @@ def _hf_files(path: Path) -> ModelFiles:
         tokenizer_json=tok_json,
         tokenizer_meta=meta,
         generation_eos_ids=sorted(set(gen_eos) | set(cfg.eos_token_ids)),
+        generation_config=generation,
     )
+
+
+# generation_config.json's settings that become default sampling parameters (vLLM's
+# --generation-config auto): the model creator's recommendation, used where a request
+# leaves the parameter unset
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(files: ModelFiles, setting: str = "auto") -> dict[str, float]:
+    """The default sampling parameters ``setting`` (``EngineConfig.generation_config``)
+    gives: ``"auto"``, the model directory's ``generation_config.json``; ``"vllm"``, none
+    (the API's own defaults); else a folder holding a ``generation_config.json``."""
+    if setting == "vllm":
+        return {}
+    if setting == "auto":
+        gen = files.generation_config
+    else:
+        folder = Path(setting)
+        if not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {setting!r} has no generation_config.json")
+        gen = _read_json(folder / "generation_config.json")
+    return {k: float(gen[k]) for k in GENERATION_DEFAULTS if isinstance(gen.get(k), int | float)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

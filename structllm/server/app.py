@@ -62,8 +62,11 @@ class App:
         model_name: str,
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
+        sampling_defaults: dict[str, float] | None = None,
     ) -> None:
         self.config = config
+        # where a request leaves a sampling parameter unset (files.generation_defaults)
+        self.sampling_defaults = sampling_defaults or {}
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.client: EngineClient | None = None
@@ -417,7 +420,9 @@ class App:
         requested, param = rq.requested_max_tokens(req)
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
         mode, reasoning = self.pre.reasoning(text) or (None, None)
-        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint, reasoning)
+        sp = rq.sampling_params(
+            req, max_tokens, client.ready.vocab_size, constraint, reasoning, self.sampling_defaults
+        )
         seqs = fan_out(
             [ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools, mode
         )
@@ -452,7 +457,9 @@ class App:
         max_tokens = rq.max_tokens_for(
             [len(p) for p in prompts], requested, param, client.ready.max_model_len
         )
-        sp = rq.sampling_params(req, max_tokens, client.ready.vocab_size, constraint)
+        sp = rq.sampling_params(
+            req, max_tokens, client.ready.vocab_size, constraint, None, self.sampling_defaults
+        )
         seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
         builder = TextBuilder(
             seqs,

@@ -338,11 +338,14 @@ def sampling_params(
     vocab_size: int,
     structured: StructuredOutputs | None = None,
     reasoning: Reasoning | None = None,
+    defaults: dict[str, float] | None = None,
 ) -> SamplingParams:
     """The request's ``SamplingParams`` (with its ``n``, and the constraint
     ``Preprocessor.constraint`` made of it, and where its reasoning ends,
-    ``Preprocessor.reasoning``). A rule it breaks is a 400 naming the request's own
-    field."""
+    ``Preprocessor.reasoning``); ``defaults`` stand in for the sampling parameters it
+    leaves unset (``files.generation_defaults``). A rule it breaks is a 400 naming the
+    request's own field."""
+    d = defaults or {}
     check_supported(req)
     renamed = {"max_tokens": requested_max_tokens(req)[1]}
     prompt_logprobs = req.prompt_logprobs
@@ -358,13 +361,15 @@ def sampling_params(
     try:
         sp = SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            min_p=req.min_p or 0.0,
+            temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=max(0, int(d.get("top_k", 0)) if req.top_k is None else req.top_k),
+            min_p=d.get("min_p", 0.0) if req.min_p is None else req.min_p,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=d.get("repetition_penalty", 1.0)
+            if req.repetition_penalty is None
+            else req.repetition_penalty,
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,

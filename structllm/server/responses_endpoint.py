@@ -352,7 +352,12 @@ class ResponsesEndpoints:
             max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
             mode, reasoning = app.pre.reasoning(text) or (None, None)
             sp = rq.sampling_params(
-                chat, max_tokens, client.ready.vocab_size, constraint, reasoning
+                chat,
+                max_tokens,
+                client.ready.vocab_size,
+                constraint,
+                reasoning,
+                app.sampling_defaults,
             )
         except APIError as e:
             raise rename_param(e) from None

@@ -33,7 +33,7 @@ from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
 from structllm.ipc.spawn import spawn
 from structllm.launch import ChannelHandoff, EngineStartError, attach_engine, open_engine
-from structllm.model.files import ModelFiles, find_model_files
+from structllm.model.files import ModelFiles, find_model_files, generation_defaults
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
 from structllm.server.metrics import SLOT_SIZE, Metrics
@@ -106,7 +106,14 @@ def make_app(
     tokenizer = Tokenizer.from_files(files)
     if config.chat_template is not None:
         tokenizer.set_chat_template(config.chat_template)
-    return App(config, name, tokenizer, Metrics(name, metrics_table, slot))
+    defaults = generation_defaults(files, config.engine.generation_config)
+    if defaults:
+        log.warning(
+            "default sampling parameters from the model's generation_config.json: %s "
+            "(--generation-config vllm keeps the API's own)",
+            defaults,
+        )
+    return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults)
 
 
 def limit_connections(max_connections: int) -> None:

@@ -86,3 +86,28 @@ def test_hf_overrides_that_cannot_apply_stop_the_cli_by_name(default_files) -> N
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=HANG_S)
         assert proc.returncode == 2 and words in proc.stderr.decode()
         assert "--hf-overrides" in proc.stderr.decode()
+
+
+def test_generation_config_sets_the_served_defaults(tmp_path, default_files) -> None:  # type: ignore[no-untyped-def]
+    # vLLM's --generation-config: auto takes the model's recommended settings (here
+    # greedy), vllm keeps the API's (temperature 1, where seeds give different texts)
+    from tests.support.models import with_generation_config
+
+    src = tiny_family_dir("qwen3", default_files)
+    path = with_generation_config(src, tmp_path / "m", {"temperature": 0.0, "eos_token_id": 2})
+    args = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")
+
+    def texts(*flags: str) -> list[str]:
+        with Server(str(path), *args, *flags) as s:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+            model = client.models.list().data[0].id
+            out = []
+            for seed in (1, 2):
+                r = client.completions.create(model=model, prompt="Hello", max_tokens=8, seed=seed)
+                out.append(r.choices[0].text)
+            return out
+
+    greedy = texts()
+    assert greedy[0] == greedy[1]
+    sampled = texts("--generation-config", "vllm")
+    assert sampled[0] != sampled[1]

@@ -187,3 +187,18 @@ def test_chat_with_bad_tools_raises(tiny: LLM) -> None:
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
     with pytest.raises(ValueError, match=r"tools\[0\]\.function\.parameters"):
         tiny.chat(chat, GREEDY, tools=[bad])
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path, default_files) -> None:  # type: ignore[no-untyped-def]
+    from tests.support.models import EXACT, tiny_family_dir, with_generation_config
+
+    settings = {"temperature": 0.0, "top_k": 20, "eos_token_id": 2}
+    path = with_generation_config(tiny_family_dir("qwen3", default_files), tmp_path / "m", settings)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, **EXACT)
+    default = llm.get_default_sampling_params()
+    assert (default.temperature, default.top_k, default.top_p) == (0.0, 20, 1.0)
+    prompts = [[5, 6, 7, 8], [100, 200, 300]]
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0))]
+    assert [o.token_ids for o in llm.generate(prompts)] == greedy
+    api = LLM(str(path), kv_cache_memory=32 << 20, generation_config="vllm", **EXACT)
+    assert api.get_default_sampling_params().temperature == 1.0

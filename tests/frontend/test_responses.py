@@ -518,3 +518,16 @@ def test_tool_round_trip_renders(tokenizer: Tokenizer) -> None:
     text = tokenizer.decode(pre.chat(req, pre.tool_request(req)), skip_special_tokens=False)
     assert '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}' in text
     assert '"tool_call_id": "call_9"' in text and text.rstrip().endswith("assistant")
+
+
+def test_generation_defaults_fill_only_what_a_request_leaves_unset() -> None:
+    # vLLM's --generation-config auto: the model's recommended sampling settings
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "repetition_penalty": 1.1}
+    sp = sampling_params(CompletionRequest(prompt="x"), 5, 100, defaults=defaults)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+    assert sp.min_p == 0.0  # not among the defaults: the API's own
+    req = CompletionRequest(prompt="x", temperature=0.0, top_k=-1, top_p=1.0)
+    sp = sampling_params(req, 5, 100, defaults=defaults)
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty) == (0.0, 0, 1.0, 1.1)
+    plain = sampling_params(CompletionRequest(prompt="x"), 5, 100)
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)

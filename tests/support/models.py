@@ -664,3 +664,14 @@ def quick_gguf_for_transformers() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
+def with_generation_config(src: Path, dest: Path, settings: dict[str, object]) -> Path:
+    """``src``'s files linked into ``dest`` with a ``generation_config.json`` of
+    ``settings`` (a model creator's recommended sampling settings)."""
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (dest / f.name).symlink_to(f)
+    (dest / "generation_config.json").write_text(json.dumps(settings))
+    return dest
