@@ -69,6 +69,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
 
     def __post_init__(self) -> None:
+        sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+        for name in (*sizes, "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.vocab_size < 1 and self.vocab_size != -1:  # -1: a GGUF file's, read later
+            raise ValueError(f"vocab_size must be at least 1, got {self.vocab_size}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "

@@ -474,3 +474,14 @@ def test_blocks_behind_every_window_are_given_back(default_files) -> None:  # ty
     assert released >= (len(PROMPTS[3]) + 24 - WINDOW - 9) // 4 - 1  # most of 21 blocks
     assert engine.kv.num_free_blocks == engine.num_blocks
     assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("num_hidden_layers", 0), ("hidden_size", -64), ("max_position_embeddings", 0)],
+)
+def test_config_sizes_that_cannot_be_are_refused(key: str, value: int) -> None:
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8, key: value}
+    with pytest.raises(ValueError, match="must be at least 1"):
+        ModelConfig.from_hf(cfg)
