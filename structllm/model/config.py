@@ -71,6 +71,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
         for name in (*sizes, "head_dim", "max_position_embeddings"):
+            if name == "intermediate_size" and self.num_experts:
+                continue  # a mixture of experts' dense width may be unset (0)
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.vocab_size < 1 and self.vocab_size != -1:  # -1: a GGUF file's, read later
