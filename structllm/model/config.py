@@ -179,8 +179,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 # Multimodal checkpoints whose text model is a family here, run as that text model (the
 # image parts are not loaded): the architecture it is, and its text config class's
-# defaults (transformers' Gemma3TextConfig), since a checkpoint's ``text_config`` lists
-# only what differs from them (google/gemma-3-4b-it's: sizes, layers, window, rope scaling)
+# defaults (transformers' Gemma3TextConfig, MistralConfig), since a checkpoint's
+# ``text_config`` lists only what differs from them (google/gemma-3-4b-it's: sizes,
+# layers, window, rope scaling)
 TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "Gemma3ForConditionalGeneration": (
         "Gemma3ForCausalLM",
@@ -201,9 +202,30 @@ TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 1,
         },
     ),
+    # Mistral Small 3.1 / 3.2 (MistralConfig's defaults)
+    "Mistral3ForConditionalGeneration": (
+        "MistralForCausalLM",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6,
+            "sliding_window": 4096,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
 # the same defaults' rope bases, where the text config has no rope_parameters
-_TEXT_ROPE = {"Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0}}
+_TEXT_ROPE: dict[str, dict[str, float]] = {
+    "Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0},
+    "MistralForCausalLM": {"rope_theta": 10000.0},
+}
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:

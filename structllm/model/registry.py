@@ -29,7 +29,14 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", "llama", ("LlamaForCausalLM",), ("llama",), ("llama",)),
-    Family("mistral", "llama", ("MistralForCausalLM",), ("mistral",), ("mistral",)),
+    # Mistral3ForConditionalGeneration (Mistral Small 3.1, 3.2): its text model
+    Family(
+        "mistral",
+        "llama",
+        ("MistralForCausalLM", "Mistral3ForConditionalGeneration"),
+        ("mistral",),
+        ("mistral",),
+    ),
     Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),

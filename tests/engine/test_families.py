@@ -183,20 +183,35 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     assert outs[0] == outs[1]
 
 
-def test_multimodal_gemma3_runs_its_text_model(default_files) -> None:  # type: ignore[no-untyped-def]
-    # Gemma3ForConditionalGeneration (how Gemma 3 4B-27B are published): its text model,
+@pytest.mark.parametrize(
+    ("arch", "tied"),
+    [
+        ("Gemma3ForConditionalGeneration", True),
+        ("Mistral3ForConditionalGeneration", True),
+        ("Mistral3ForConditionalGeneration", False),  # as Mistral Small 3.1: an lm_head
+    ],
+)
+def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, default_files) -> None:  # type: ignore[no-untyped-def]
+    # how Gemma 3 4B-27B and Mistral Small 3.1/3.2 are published: their text model,
     # from a text_config that leaves the text config class's defaults unsaid
-    from transformers import Gemma3ForConditionalGeneration
+    import transformers
 
-    from tests.support.models import tiny_gemma3_multimodal_dir
+    from tests.support.models import tiny_multimodal_dir
 
-    path = tiny_gemma3_multimodal_dir(default_files)
+    path = tiny_multimodal_dir(
+        default_files, arch, **({} if tied else {"tie_word_embeddings": False})
+    )
     files = prepare_model(str(path))
     cfg = files.config
-    assert cfg.architecture == "gemma3" and cfg.rms_norm_eps == 1e-6
-    assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
-    assert cfg.rope_theta == 1e6 and files.tokenizer_meta.chat_template is not None
-    ref = Gemma3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert files.tokenizer_meta.chat_template is not None  # from chat_template.json
+    assert cfg.rms_norm_eps == 1e-6  # a default, not in the text_config
+    assert cfg.tie_word_embeddings == tied
+    if arch.startswith("Gemma3"):
+        assert cfg.architecture == "gemma3" and cfg.rope_theta == 1e6
+        assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
+    else:
+        assert cfg.architecture == "mistral" and cfg.layer_windows == []
+    ref = getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()
     engine = engine_for(path)
     for ids in PROMPTS:
         torch.testing.assert_close(

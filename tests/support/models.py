@@ -531,39 +531,64 @@ GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
 )
 
 
-def tiny_gemma3_multimodal_dir(files: ModelFiles) -> Path:
-    """A tiny ``Gemma3ForConditionalGeneration`` (a one-layer SigLIP tower beside the
-    text model) whose config.json has ``GEMMA3_MULTIMODAL_TEXT`` as its text_config,
-    saved by transformers with the default model's tokenizer; built once and cached."""
+# the same for Mistral Small 3.1's (Mistral3ForConditionalGeneration) text model
+MISTRAL3_MULTIMODAL_TEXT: dict[str, object] = dict(
+    model_type="mistral",
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    sliding_window=None,
+    rope_theta=1e6,
+    max_position_embeddings=512,
+)
+# each multimodal class: its config's model_type, a tiny vision tower, other settings
+MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str, object]]] = {
+    "Gemma3ForConditionalGeneration": (
+        "gemma3",
+        GEMMA3_MULTIMODAL_TEXT,
+        dict(model_type="siglip_vision_model", image_size=28, patch_size=14),
+        dict(mm_tokens_per_image=4, boi_token_index=49149, eoi_token_index=49150),
+    ),
+    "Mistral3ForConditionalGeneration": (
+        "mistral3",
+        MISTRAL3_MULTIMODAL_TEXT,
+        dict(model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
+        dict(spatial_merge_size=1),
+    ),
+}
+
+
+def tiny_multimodal_dir(files: ModelFiles, arch: str, **top: object) -> Path:
+    """A tiny multimodal checkpoint of class ``arch`` (``MULTIMODAL``: a one-layer
+    vision tower beside the text model) whose config.json has its ``..._TEXT`` dict as
+    text_config (as sparse as a real one's) and ``top`` among its own keys, saved by
+    transformers with the default model's tokenizer; built once and cached."""
     import hashlib
 
     import transformers
 
     from structllm.paths import cache_root
 
+    model_type, text, vision, extra = MULTIMODAL[arch]
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     config = {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
-        "text_config": GEMMA3_MULTIMODAL_TEXT,
-        "vision_config": dict(
-            model_type="siglip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        ),
-        "mm_tokens_per_image": 4,
-        "boi_token_index": 49149,
-        "eoi_token_index": 49150,
+        "architectures": [arch],
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": {**tower, **vision},
         "image_token_index": 49151,
+        **extra,
+        **top,
     }
     key = hashlib.sha256(
         json.dumps([config, transformers.__version__], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
     ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"tiny-gemma3-multimodal-{key}"
+    out = cache_root() / "test-models" / f"tiny-{model_type}-multimodal-{key}"
     if (out / "complete").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -571,12 +596,11 @@ def tiny_gemma3_multimodal_dir(files: ModelFiles) -> Path:
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
-    cfg = transformers.AutoConfig.from_pretrained(str(tmp))
-    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    model = getattr(transformers, arch)(transformers.AutoConfig.from_pretrained(str(tmp)))
     with torch.no_grad():  # random norm weights, so a misplaced one would show
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(-0.5, 0.5)  # Gemma's (1 + w)
+                p.uniform_(-0.5, 0.5) if model_type == "gemma3" else p.uniform_(0.5, 1.5)
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "config.json").write_text(json.dumps(config))  # as sparse as a real one
     shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
