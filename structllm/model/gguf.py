@@ -9,8 +9,10 @@ vectorised torch ops; any other type the ``gguf`` package knows goes through its
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,16 @@ from structllm.model.registry import family_for_gguf
 
 
 def open_gguf(path: Path) -> Any:
+    """A reader of GGUF file ``path`` (``.fields``, ``.tensors``); of all its parts for
+    a model split by llama.cpp's ``gguf-split`` or the converter's ``--split-max-*``."""
+    reader = _open_one(path)
+    count = _field(reader, "split.count")
+    if not count or int(count) <= 1:
+        return reader
+    return _open_split(path, reader, int(count))
+
+
+def _open_one(path: Path) -> Any:
     import gguf
 
     try:
@@ -35,6 +47,47 @@ def open_gguf(path: Path) -> Any:
         return gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises bare ValueError/struct.error on junk
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+# llama.cpp's names for the parts of a split model: <prefix>-00001-of-00003.gguf
+_SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+@dataclass
+class SplitReader:
+    """The parts of a split model as one file: the first part's fields (the metadata,
+    the tokenizer), every part's tensors in order."""
+
+    fields: dict[str, Any]
+    tensors: list[Any]
+
+
+def _open_split(path: Path, first: Any, count: int) -> SplitReader:
+    name = _SPLIT_NAME.match(path.name)
+    no = int(_field(first, "split.no") or 0)
+    if no != 0 or name is None:
+        raise ValueError(
+            f"{path.name} is part {no + 1} of a model split into {count} GGUF files; "
+            f"give the first one, <name>-00001-of-{count:05d}.gguf"
+        )
+    tensors = list(first.tensors)
+    for i in range(1, count):
+        part = path.with_name(f"{name[1]}-{i + 1:05d}-of-{count:05d}.gguf")
+        if not part.is_file():
+            raise ValueError(f"split GGUF model {path.name}: part {part.name} is missing")
+        reader = _open_one(part)
+        if _field(reader, "split.no") != i or _field(reader, "split.count") != count:
+            raise ValueError(f"{part.name} is not part {i + 1} of {count} of {path.name}")
+        tensors += reader.tensors
+    want = _field(first, "split.tensors.count")
+    if want is not None and int(want) != len(tensors):
+        raise ValueError(f"split GGUF model {path.name}: {len(tensors)} tensors, not {want}")
+    return SplitReader(dict(first.fields), tensors)
 
 
 @functools.cache

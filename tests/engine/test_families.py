@@ -368,6 +368,47 @@ def test_gguf_gemma_reads_what_the_metadata_says() -> None:
     assert cfg.final_softcap == 30.0
 
 
+def test_split_gguf_model_equals_one_file(default_files) -> None:  # type: ignore[no-untyped-def]
+    # a model in parts (llama.cpp's gguf-split naming, as large models are published):
+    # read from the first part, the same as the model in one file
+    from tests.support import llamacpp
+
+    source = gguf_source_dir("qwen3", default_files)
+    try:
+        first, whole = llamacpp.convert_hf_split(source, 15), llamacpp.convert_hf(source, "f32")
+    except llamacpp.ToolMissing as e:
+        pytest.skip(str(e))
+    parts = sorted(first.parent.glob("model-0000*-of-00003.gguf"))
+    assert len(parts) == 3  # the tiny Qwen3's tensors, 15 a part
+    # the exact path, and the default one (the file read as stored)
+    for engine in (
+        engine_for,
+        lambda p: EngineCore(EngineConfig(model=str(p), kv_cache_memory=32 << 20)),
+    ):
+        ours, want = engine(first), engine(whole)
+        for ids in PROMPTS:
+            torch.testing.assert_close(
+                prefill_logits(ours, ids), prefill_logits(want, ids), atol=0, rtol=0
+            )
+    with pytest.raises(ValueError, match="is part 2 of a model split into 3 GGUF files"):
+        prepare_model(str(parts[1]))
+
+
+def test_split_gguf_model_with_a_part_missing_is_refused(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
+    from tests.support import llamacpp
+
+    try:
+        first = llamacpp.convert_hf_split(gguf_source_dir("qwen3", default_files), 15)
+    except llamacpp.ToolMissing as e:
+        pytest.skip(str(e))
+    (tmp_path / first.name).symlink_to(first)
+    (tmp_path / "model-00003-of-00003.gguf").symlink_to(
+        first.with_name("model-00003-of-00003.gguf")
+    )
+    with pytest.raises(ValueError, match="part model-00002-of-00003.gguf is missing"):
+        EngineCore(EngineConfig(model=str(tmp_path / first.name), kv_cache_memory=32 << 20))
+
+
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

@@ -119,6 +119,29 @@ def convert_hf(hf_dir: Path, outtype: str = "f32") -> Path:
     return out
 
 
+def convert_hf_split(hf_dir: Path, max_tensors: int) -> Path:
+    """``hf_dir`` as an F32 model split by the converter (``--split-max-tensors``) into
+    parts ``<name>-0000K-of-0000N.gguf`` of at most ``max_tensors`` tensors each; the
+    first part's path. Cached by the directory's content."""
+    files = [p for p in hf_dir.iterdir() if p.is_file()]
+    out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, 'split', str(max_tensors))}"
+    if not (out / "complete").exists():
+        tree = source_tree()
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"), NO_LOCAL_GGUF="")
+        cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir)]
+        cmd += ["--outfile", str(out / "model.gguf"), "--outtype", "f32"]
+        cmd += ["--split-max-tensors", str(max_tensors)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
+        (out / "complete").write_text("")
+    first = sorted(out.glob("model-00001-of-*.gguf"))[0]
+    seed_tokenizer(first)
+    return first
+
+
 def quantize(gguf_file: Path, qtype: str, *extra: str) -> Path:
     """``gguf_file`` requantised by ``llama-quantize`` to ``qtype`` (``Q4_K_M``,
     ``Q8_0``, ...); cached next to it. ``extra`` are llama-quantize options
