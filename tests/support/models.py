@@ -510,40 +510,36 @@ def tiny_family_dir(
     return out
 
 
-# a multimodal Gemma 3's text_config as sparse as a real one's (google/gemma-3-4b-it
-# lists sizes, layers, window and rope scaling; the rest are Gemma3TextConfig defaults)
-GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
-    model_type="gemma3_text",
+# a multimodal checkpoint's text_config as sparse as a real one's (google/gemma-3-4b-it
+# lists sizes, layers, window and rope scaling; the rest are its text class's defaults)
+_MULTIMODAL_SIZES: dict[str, object] = dict(
     vocab_size=49152,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=6,
     num_attention_heads=4,
     num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="gemma3_text",
+    num_hidden_layers=6,
     head_dim=64,
     sliding_window=WINDOW,
     query_pre_attn_scalar=64,
-    max_position_embeddings=512,
     rope_scaling={"rope_type": "linear", "factor": 2.0},
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
 )
-
-
-# the same for Mistral Small 3.1's (Mistral3ForConditionalGeneration) text model
+# Mistral Small 3.1's (Mistral3ForConditionalGeneration)
 MISTRAL3_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
     model_type="mistral",
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=32,
     sliding_window=None,
     rope_theta=1e6,
-    max_position_embeddings=512,
 )
 # each multimodal class: its config's model_type, a tiny vision tower, other settings
 MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str, object]]] = {
