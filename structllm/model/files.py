@@ -55,11 +55,10 @@ class ModelFiles:
     generation_config: dict[str, Any] = field(default_factory=dict)
 
 
-def _hf_config(raw: dict[str, Any], weights: list[Path]) -> ModelConfig:
-    """``config.json``'s ``ModelConfig``; for a multimodal checkpoint's text model the
-    head is tied exactly when the checkpoint holds no ``lm_head`` (its config's flag is
-    the multimodal class's, whose default differs across transformers versions)."""
-    cfg = ModelConfig.from_hf(raw)
+def _head_as_stored(cfg: ModelConfig, raw: dict[str, Any], weights: list[Path]) -> ModelConfig:
+    """``cfg``, for a multimodal checkpoint's text model with its head tied exactly when
+    the checkpoint holds no ``lm_head`` (its config's flag is the multimodal class's,
+    whose default differs across transformers versions)."""
     if not any(a in TEXT_MODELS for a in raw.get("architectures") or []):
         return cfg
     head = any(n.endswith("lm_head.weight") for n in _tensor_names(weights))
@@ -105,7 +104,9 @@ def with_hf_overrides(files: ModelFiles, overrides: dict[str, Any] | None) -> Mo
         return files
     if files.source is None:  # a Hugging Face directory
         raw = json.loads((files.weights[0].parent / "config.json").read_text())
-        return replace(files, config=_hf_config(_override(raw, overrides), files.weights))
+        raw = _override(raw, overrides)
+        cfg = _head_as_stored(ModelConfig.from_hf(raw), raw, files.weights)
+        return replace(files, config=cfg)
     other = sorted(set(overrides) - set(GGUF_OVERRIDES))
     if other:
         raise ValueError(
@@ -206,12 +207,13 @@ def _hf_files(path: Path) -> ModelFiles:
             f"{path} has no config.json; expected a Hugging Face model directory"
         )
     raw_cfg = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_hf(raw_cfg)  # an unsupported architecture is named first
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise FileNotFoundError(
             f"{path} has no *.safetensors weights (pickled .bin checkpoints are not loaded)"
         )
-    cfg = _hf_config(raw_cfg, weights)
+    cfg = _head_as_stored(cfg, raw_cfg, weights)
     tok_cfg = _read_json(path / "tokenizer_config.json")
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # named templates: take "default"
