@@ -77,9 +77,13 @@ def _tensor_names(weights: list[Path]) -> list[str]:
 
 
 def _override(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with ``overrides``' keys set; a ``rope_scaling`` over a config written by
+    """``raw`` with ``overrides``' keys set (a multimodal checkpoint's: in its
+    ``text_config``); a ``rope_scaling`` over a config written by
     transformers 5 (``rope_parameters``, which it reads first) goes into those: the
     global layers' for a config with one per layer type, keeping their ``rope_theta``."""
+    multimodal = any(a in TEXT_MODELS for a in raw.get("architectures") or [])
+    if multimodal and "text_config" not in overrides:  # the keys are its text model's
+        return {**raw, "text_config": _override(raw.get("text_config") or {}, overrides)}
     out = {**raw, **overrides}
     params = raw.get("rope_parameters")
     if "rope_scaling" in overrides and "rope_parameters" not in overrides and params:

@@ -274,6 +274,17 @@ def test_hf_overrides_turn_yarn_on(default_files) -> None:  # type: ignore[no-un
             )
 
 
+def test_hf_overrides_of_a_multimodal_checkpoint_set_its_text_model(default_files) -> None:  # type: ignore[no-untyped-def]
+    from structllm.model.files import with_hf_overrides
+    from tests.support.models import tiny_multimodal_dir
+
+    files = prepare_model(str(tiny_multimodal_dir(default_files, "Gemma3ForConditionalGeneration")))
+    scaling = {"rope_type": "linear", "factor": 4.0}  # its text_config says 2.0
+    cfg = with_hf_overrides(files, {"rope_scaling": scaling, "rms_norm_eps": 1e-5}).config
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["factor"] == 4.0
+    assert cfg.rms_norm_eps == 1e-5 and cfg.layer_windows == files.config.layer_windows
+
+
 def test_yarn_extends_the_context_to_its_original_length_times_its_factor(default_files) -> None:  # type: ignore[no-untyped-def]
     path = tiny_family_dir("qwen3", default_files)  # max_position_embeddings 512
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
