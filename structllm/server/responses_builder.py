@@ -30,11 +30,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from structllm.output import SequenceState, SequenceUpdate
+from structllm.protocol import SamplingParams
 from structllm.server.responses_api import Item, ResponsesRequest, new_id
 
 
-def echo(req: ResponsesRequest, store: bool, tool_choice: Any = None) -> dict[str, Any]:
-    """The request's parameters as a response object repeats them."""
+def echo(
+    req: ResponsesRequest,
+    store: bool,
+    tool_choice: Any = None,
+    sampling: SamplingParams | None = None,
+) -> dict[str, Any]:
+    """The request's parameters as a response object repeats them (``sampling``: the
+    ones it ran with, where it left temperature or top_p to the model's defaults)."""
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     return {
         "background": req.background,
@@ -48,12 +55,16 @@ def echo(req: ResponsesRequest, store: bool, tool_choice: Any = None) -> dict[st
         "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",
         "store": store,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "temperature": sampling.temperature
+        if sampling is not None
+        else (1.0 if req.temperature is None else req.temperature),
         "text": {"format": fmt or {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": [{"strict": None, **t} for t in req.tools or []],
         "top_logprobs": 0,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_p": sampling.top_p
+        if sampling is not None
+        else (1.0 if req.top_p is None else req.top_p),
         "truncation": "disabled",
         "user": req.user,
         "safety_identifier": req.safety_identifier,

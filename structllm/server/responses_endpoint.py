@@ -305,7 +305,7 @@ class ResponsesEndpoints:
             seq,
             model=app.model_name,
             stream=req.stream or req.background,  # a background run keeps its events
-            params=echo(req, store),
+            params=echo(req, store, sampling=seq.sampling),
             response_id=response_id,
         )
         if req.background:

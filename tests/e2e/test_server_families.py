@@ -97,7 +97,7 @@ def test_generation_config_sets_the_served_defaults(tmp_path, default_files) -> 
     path = with_generation_config(src, tmp_path / "m", {"temperature": 0.0, "eos_token_id": 2})
     args = ("--max-model-len", "512", "--kv-cache-memory", "64MiB")
 
-    def texts(*flags: str) -> list[str]:
+    def texts(temperature: float, *flags: str) -> list[str]:
         with Server(str(path), *args, *flags) as s:
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
             model = client.models.list().data[0].id
@@ -105,9 +105,12 @@ def test_generation_config_sets_the_served_defaults(tmp_path, default_files) -> 
             for seed in (1, 2):
                 r = client.completions.create(model=model, prompt="Hello", max_tokens=8, seed=seed)
                 out.append(r.choices[0].text)
+            # the Responses API ran with, and repeats, the same default
+            response = client.responses.create(model=model, input="Hello", max_output_tokens=16)
+            assert response.temperature == temperature
             return out
 
-    greedy = texts()
+    greedy = texts(0.0)
     assert greedy[0] == greedy[1]
-    sampled = texts("--generation-config", "vllm")
+    sampled = texts(1.0, "--generation-config", "vllm")
     assert sampled[0] != sampled[1]
