@@ -17,9 +17,12 @@ pytestmark = pytest.mark.slow
 def workers_of(pid: int) -> list[int]:
     out = []
     for kid in children(pid):
-        with open(f"/proc/{kid}/cmdline", "rb") as f:
-            if b"structllm.server.api_server" in f.read():
-                out.append(kid)
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if b"structllm.server.api_server" in f.read():
+                    out.append(kid)
+        except FileNotFoundError:  # it ended since children() listed it (a restart)
+            pass
     return out
 
 
