@@ -122,14 +122,7 @@ class LLM:
         """What ``generate`` and ``chat`` use without ``sampling_params``: the API's
         defaults, with the model's ``generation_config.json`` settings over them unless
         ``generation_config="vllm"`` (vLLM's method and option)."""
-        d = self._defaults
-        return SamplingParams(
-            temperature=d.get("temperature", 1.0),
-            top_p=d.get("top_p", 1.0),
-            top_k=int(d.get("top_k", 0)),
-            min_p=d.get("min_p", 0.0),
-            repetition_penalty=d.get("repetition_penalty", 1.0),
-        )
+        return msgspec.convert(self._defaults, SamplingParams)
 
     def close(self) -> None:
         """Stop the engine's worker processes, if any. Idempotent."""

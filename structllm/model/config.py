@@ -228,11 +228,16 @@ _TEXT_ROPE: dict[str, dict[str, float]] = {
 }
 
 
+def multimodal_arch(cfg: dict[str, Any]) -> str | None:
+    """The ``TEXT_MODELS`` class a parsed ``config.json`` names, if any."""
+    return next((a for a in cfg.get("architectures") or [] if a in TEXT_MODELS), None)
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` itself, or for a multimodal checkpoint in ``TEXT_MODELS`` its text model's
     config: the class defaults, then the top level's settings (its ``eos_token_id``
     list), then ``text_config``."""
-    arch = next((a for a in cfg.get("architectures") or [] if a in TEXT_MODELS), None)
+    arch = multimodal_arch(cfg)
     if arch is None:
         return cfg
     text_arch, defaults = TEXT_MODELS[arch]

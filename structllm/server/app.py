@@ -62,7 +62,7 @@ class App:
         model_name: str,
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
-        sampling_defaults: dict[str, float] | None = None,
+        sampling_defaults: dict[str, float | int] | None = None,
     ) -> None:
         self.config = config
         # where a request leaves a sampling parameter unset (files.generation_defaults)

@@ -338,7 +338,7 @@ def sampling_params(
     vocab_size: int,
     structured: StructuredOutputs | None = None,
     reasoning: Reasoning | None = None,
-    defaults: dict[str, float] | None = None,
+    defaults: dict[str, float | int] | None = None,
 ) -> SamplingParams:
     """The request's ``SamplingParams`` (with its ``n``, and the constraint
     ``Preprocessor.constraint`` made of it, and where its reasoning ends,
