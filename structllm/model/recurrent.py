@@ -1,0 +1,105 @@
+"""Shared pieces of the recurrent layers of hybrid models (LFM2's short convolutions,
+Qwen3.5's Gated DeltaNet, Mamba-2): which rows of a step belong to which sequence and
+which state slot, and the causal depthwise convolution they all start with.
+
+A recurrent layer keeps a fixed-size state per request (``engine.state_cache`` hands
+out the slots; the runner owns the tensors, ``[S, ...]`` per layer, one row per slot).
+A step's flat batch is laid out as for attention: the decode sequences first, one row
+each, then the prefill chunks. A sequence whose chunk starts at position 0 starts from
+a zero state (``fresh``); any other chunk continues the state its slot holds, so a
+prompt split into chunks (chunked prefill) computes what one whole pass would.
+Decode rows run as one batched update over their slots; prefill chunks run one
+sequence at a time (their lengths differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from structllm.kernels.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class RecurrentBatch:
+    """Sequence ``i`` of a step owns rows ``starts[i]:starts[i + 1]`` and state slot
+    ``slot_list[i]``; ``fresh[i]``: its state starts at zero (its chunk starts at
+    position 0). Sequences ``0..num_decodes-1`` have one row each."""
+
+    starts: list[int]  # [B + 1]
+    slot_list: list[int]  # [B]
+    slots: Tensor  # [B] int64, on the model's device
+    fresh: list[bool]  # [B]
+    fresh_mask: Tensor  # [B] bool, on the model's device
+    num_decodes: int
+
+    @classmethod
+    def from_meta(cls, meta: AttentionMetadata, slots: list[int]) -> RecurrentBatch:
+        starts = list(meta.query_start_list)
+        b = len(starts) - 1
+        if len(slots) != b:
+            raise ValueError(f"{len(slots)} state slots for {b} sequences")
+        fresh = [meta.seq_lens_list[i] == starts[i + 1] - starts[i] for i in range(b)]
+        device = meta.seq_lens.device
+        return cls(
+            starts,
+            list(slots),
+            torch.tensor(slots, dtype=torch.long, device=device),
+            fresh,
+            torch.tensor(fresh, dtype=torch.bool, device=device),
+            meta.num_decodes,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slot_list)
+
+    def prefills(self) -> list[tuple[int, int, int, bool]]:
+        """``(first row, end row, slot, fresh)`` of each sequence after the decodes."""
+        s = self.starts
+        return [
+            (s[i], s[i + 1], self.slot_list[i], self.fresh[i])
+            for i in range(self.num_decodes, self.num_seqs)
+        ]
+
+    def decode_states(self, states: Tensor) -> Tensor:
+        """The decode sequences' states ``[nd, ...]`` (a copy), zero where fresh."""
+        nd = self.num_decodes
+        prev = states[self.slots[:nd]]
+        keep = ~self.fresh_mask[:nd]
+        return prev * keep.view(-1, *([1] * (prev.dim() - 1))).to(prev.dtype)
+
+
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    states: Tensor,
+    rb: RecurrentBatch,
+    silu: bool = False,
+) -> Tensor:
+    """Depthwise causal convolution over each sequence's rows: ``x: [T, C]``,
+    ``weight: [C, K]``, ``states: [S, C, K - 1]`` (the last ``K - 1`` inputs of each
+    slot's sequence, oldest first; updated in place) -> ``[T, C]`` (SiLU after, with
+    ``silu``). Row ``t`` of a sequence is ``sum_j weight[:, j] * u[t - (K - 1) + j]``
+    over its inputs ``u`` (earlier positions from the state), as ``nn.Conv1d`` with
+    padding ``K - 1`` computes it for a whole sequence."""
+    k = weight.shape[1]
+    out = torch.empty_like(x)
+    nd = rb.num_decodes
+    if nd:
+        # [nd, C, K]: the window ending at each decode row
+        window = torch.cat([rb.decode_states(states), x[:nd, :, None]], dim=2)
+        y = (window * weight).sum(-1)
+        out[:nd] = y if bias is None else y + bias
+        states[rb.slots[:nd]] = window[:, :, 1:]
+    for a, b, slot, fresh in rb.prefills():
+        prev = states.new_zeros(states.shape[1:]) if fresh else states[slot]
+        full = torch.cat([prev, x[a:b].t()], dim=1)  # [C, K - 1 + L]
+        y = F.conv1d(full[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
+        out[a:b] = y.t()
+        states[slot] = full[:, full.shape[1] - (k - 1) :]
+    return F.silu(out) if silu else out
