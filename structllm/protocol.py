@@ -280,6 +280,9 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
     spec_propose_s: float = 0.0
+    # hybrid models: recurrent-state slots held by requests (engine.state_cache)
+    state_cache_slots_used: int = 0
+    state_cache_slots: int = 0
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -471,6 +474,7 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     last_stage_rows: list[RowSampling] | None = None
     released: list[str] = []
     rank0_samples: bool = False
+    state_slots: list[int] = []  # [B] hybrid models: each sequence's recurrent-state slot
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -23,6 +23,7 @@ import torch
 from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.engine.device import (
     drop_library_pages,
+    kv_budget,
     load_rank_model,
     local_num_blocks,
     release_free_heap,
@@ -39,6 +40,7 @@ from structllm.engine.sampler import Sampler
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
 from structllm.engine.speculative import Drafter, SpecStats
 from structllm.engine.stage_sampling import StageFeed, stage_budget
+from structllm.engine.state_cache import StateCacheManager
 from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, auto_token_budget
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.cpu_ext import best_isa
@@ -122,6 +124,11 @@ class EngineCore:
         self.tracer = Tracer(config.trace, "structllm engine")
         self.files = with_hf_overrides(files or prepare_model(config.model), config.hf_overrides)
         mcfg = self.files.config
+        if mcfg.hybrid and (config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1):
+            raise ValueError(
+                f"{mcfg.architecture} is a hybrid model (recurrent layers): tensor and "
+                "pipeline parallelism are not supported for it"
+            )
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
         plan = (
@@ -168,16 +175,33 @@ class EngineCore:
         self._size_kv_cache(plan, group)
         self.eos_token_ids = self.files.generation_eos_ids
         windows = self.files.config.layer_windows  # every layer windowed: blocks can go
+        self.hybrid = self.files.config.hybrid and self.model is not None
+        prefix_caching = self.config.enable_prefix_caching
+        if self.hybrid and prefix_caching:
+            prefix_caching = False
+            sys.stderr.write(
+                "structllm: prefix caching: off (a hybrid model: recurrent states are not "
+                "kept at block boundaries, so a cached prefix could not be resumed)\n"
+            )
         self.kv = KVCacheManager(
             self.num_blocks,
             self.config.block_size,
-            self.config.enable_prefix_caching,
+            prefix_caching,
             window=max(windows) if windows and min(windows) > 0 else 0,
+        )
+        self.states = (
+            StateCacheManager(self.num_state_slots, self.state_slot_bytes)
+            if self.num_state_slots
+            else None
         )
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
-            self.kv, self.config.max_num_seqs, self.max_num_batched_tokens, self.eos_token_ids
+            self.kv,
+            self.config.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.eos_token_ids,
+            self.states,
         )
         self.grammar = GrammarManager(
             str(self.files.tokenizer_json),
@@ -187,7 +211,12 @@ class EngineCore:
         )
         self.scheduler.grammar = self.grammar
         spec = self.config.speculative_config
-        if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks:
+        if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks and self.hybrid:
+            sys.stderr.write(
+                "structllm: speculative decoding: off (a hybrid model: a recurrent state "
+                "cannot be rolled back past rejected drafts)\n"
+            )
+        elif spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks:
             spec = SpeculativeConfig()
             sys.stderr.write(
                 "structllm: speculative decoding: n-gram drafts, adaptive length (the "
@@ -197,7 +226,8 @@ class EngineCore:
         self.set_speculative(spec)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
-            self.runner.max_rows = self.config.max_num_seqs
+            # (a recurrent state advances one sequence row at a time: no decode chunks)
+            self.runner.max_rows = 0 if self.hybrid else self.config.max_num_seqs
         if self.device.type == "cpu":
             release_free_heap()  # what loading and the start-up prefill left free
             drop_library_pages()  # library code only start-up ran (faults back if used)
@@ -210,6 +240,11 @@ class EngineCore:
             req.draft_token_ids = []
         if spec is not None and spec.method == "none":
             spec = None
+        if spec is not None and self.hybrid:
+            raise ValueError(
+                f"speculative decoding is not supported for {self.files.config.architecture}, "
+                "a hybrid model: its recurrent state cannot be rolled back past rejected drafts"
+            )
         sched.drafter = Drafter(spec) if spec is not None else None
         sched.max_draft_step_tokens = spec.max_step_tokens if spec is not None else None
         # (an explicit max_step_tokens keeps the fixed draft length)
@@ -265,8 +300,15 @@ class EngineCore:
         """``num_blocks`` (the same on every rank) and ``max_model_len``."""
         config, mcfg = self.config, self.files.config
         heads = plan.num_kv_heads if plan else mcfg.num_kv_heads
+        self._size_state_cache()
         self.num_blocks = local_num_blocks(
-            config, self.device, self.kv_dtype, mcfg, heads, len(self.layers or ())
+            config,
+            self.device,
+            self.kv_dtype,
+            mcfg,
+            heads,
+            len(self.layers or ()),
+            self.num_state_slots * self.state_slot_bytes,
         )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
@@ -284,6 +326,22 @@ class EngineCore:
         if self.max_model_len < 2:
             raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
 
+    def _size_state_cache(self) -> None:
+        """A hybrid model's recurrent-state slots: one per ``max_num_seqs`` where they fit
+        in half the cache budget (the rest is KV blocks), else as many as do (said)."""
+        self.state_slot_bytes = self.model.state_bytes() if self.model is not None else 0
+        self.num_state_slots = 0
+        if not self.state_slot_bytes:
+            return
+        want = self.config.max_num_seqs
+        fit = kv_budget(self.config, self.device) // 2 // self.state_slot_bytes
+        self.num_state_slots = max(1, min(want, fit))
+        sys.stderr.write(
+            f"structllm: recurrent state: {self.num_state_slots} slots of "
+            f"{self.state_slot_bytes / 2**20:.2f} MiB (one per running request"
+            + (")\n" if fit >= want else f"; {want} asked, raise kv_cache_memory)\n")
+        )
+
     def _make_runner(self, plan: ShardPlan | None) -> ModelRunner | NullRunner:
         config = self.config
         if self.model is None:
@@ -291,7 +349,13 @@ class EngineCore:
         broadcast = self.workers.publish if self.workers is not None else None
         sampler = Sampler(self.eos_token_ids, config.seed, self.model.cpu_ops)
         runner = ModelRunner(
-            self.model, self.num_blocks, config.block_size, sampler, broadcast, self.kv_dtype
+            self.model,
+            self.num_blocks,
+            config.block_size,
+            sampler,
+            broadcast,
+            self.kv_dtype,
+            self.num_state_slots,
         )
         if self.stages > 1:
             assert self.group is not None
@@ -304,6 +368,7 @@ class EngineCore:
             and not config.enforce_eager
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
+            and not self.files.config.hybrid  # (recurrent states are not captured)
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner
@@ -343,6 +408,8 @@ class EngineCore:
         req = Request("\x00probe", tokens, SamplingParams(temperature=0.0, max_tokens=1), 1)
         if not self.kv.allocate(req, n):
             return 0.0  # a KV cache smaller than one chunk: nothing to measure
+        if self.states is not None:
+            self.states.allocate(req)  # (no request runs yet: a slot is free)
         try:
             batch = self.runner.prepare(SchedulerOutput([(req, n)]))
             if self.stages > 1:  # no logit rows: the last stage would sample (see run)
@@ -359,6 +426,8 @@ class EngineCore:
         finally:
             self.kv.free_blocks(req)
             self.kv.reset_prefix_cache()
+            if self.states is not None:
+                self.states.free_slot(req)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; a no-op otherwise)."""
@@ -646,6 +715,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s = self.scheduler
         spec = s.drafter.stats if s.drafter is not None else SpecStats(0)
+        st = self.states
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self._compiling),
@@ -664,5 +734,7 @@ class EngineCore:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=list(spec.accepted_per_pos),
+            state_cache_slots_used=st.num_slots - st.num_free_slots if st is not None else 0,
+            state_cache_slots=st.num_slots if st is not None else 0,
             spec_propose_s=spec.propose_s,
         )

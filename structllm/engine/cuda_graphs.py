@@ -51,7 +51,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: LlamaModel,
-        kv_caches: list[tuple[Tensor, Tensor]],
+        kv_caches: list[tuple[Tensor, ...]],
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,

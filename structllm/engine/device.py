@@ -169,19 +169,21 @@ def local_num_blocks(
     mcfg: ModelConfig,
     num_kv_heads: int,
     num_layers: int | None = None,
+    reserved: int = 0,
 ) -> int:
-    """KV blocks that fit this process's budget with ``num_kv_heads`` heads of
-    ``num_layers`` layers (default: all; a pipeline stage caches its own) cached in
+    """KV blocks that fit this process's budget, less ``reserved`` bytes (a hybrid
+    model's recurrent states), with ``num_kv_heads`` heads of ``num_layers`` layers
+    (default: every attention layer; a pipeline stage caches its own) cached in
     ``kv_dtype`` (a float16 cache holds twice the blocks of a float32 one)."""
     block_bytes = (
         2
-        * (num_layers or mcfg.num_layers)
+        * (num_layers or mcfg.num_attention_layers)
         * num_kv_heads
         * mcfg.head_dim
         * config.block_size
         * kv_dtype.itemsize
     )
-    return kv_budget(config, device) // block_bytes
+    return max(0, kv_budget(config, device) - reserved) // block_bytes
 
 
 def load_rank_model(

@@ -26,7 +26,9 @@ class Request:
     ``num_released_blocks``, given back once behind every layer's window (each then
     names the first block still held; see ``KVCacheManager.release_behind_window``).
     ``chain_ids[i]`` is the prefix cache's identity of full block ``i`` (see
-    ``KVCacheManager``). ``grammar``: the
+    ``KVCacheManager``). ``state_slot``: the row of every recurrent layer's state that
+    this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none).
+    ``grammar``: the
     matcher of a constrained request while it lives (see ``engine.grammar``);
     ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
     which the grammar does not constrain.
@@ -59,6 +61,7 @@ class Request:
         "spec_accepted",
         "spec_drafted",
         "spec_resume_at",
+        "state_slot",
         "status",
         "stop_reason",
         "token_ids",
@@ -83,6 +86,7 @@ class Request:
         self.block_ids: list[int] = []
         self.chain_ids: list[int] = []
         self.num_released_blocks = 0  # leading blocks given back behind the window
+        self.state_slot = -1  # hybrid models: its recurrent state's slot while running
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None

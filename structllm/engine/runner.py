@@ -95,6 +95,7 @@ def batch_from_step(
         query_start_list=step.query_start,
         num_decodes=step.num_decodes,
         max_seq_len=max(step.seq_lens),
+        state_slots=step.state_slots,
     )
     return Batch(
         step,
@@ -158,6 +159,7 @@ class ModelRunner:
         sampler: Sampler | None,
         broadcast: Callable[[StepInput], None] | None = None,
         kv_dtype: torch.dtype | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -171,12 +173,21 @@ class ModelRunner:
         shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         # an attention backend may keep K in a layout of its own (the CPU kernel's)
         k_shape = model.attn_impl.k_cache_shape(*shape)
-        self.kv_caches = [
+        # per layer held (all, without pipeline parallelism): its K/V blocks, or for a
+        # hybrid model's recurrent layer its states, one row per slot (float32 always:
+        # a recurrence accumulates every token it has seen)
+        self.num_state_slots = num_state_slots
+        self.kv_caches: list[tuple[Tensor, ...]] = [
             (
                 torch.zeros(k_shape, dtype=dtype, device=self.device),
                 torch.zeros(shape, dtype=dtype, device=self.device),
             )
-            for _ in model.layers  # this stage's layers (all, without pipeline parallelism)
+            if (states := model.state_shapes(i)) is None
+            else tuple(
+                torch.zeros((num_state_slots, *s), dtype=torch.float32, device=self.device)
+                for s in states
+            )
+            for i in range(len(model.layers))
         ]
         model.choose_decode_loop()  # the fused CPU path: native decode steps or not, said
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
@@ -236,6 +247,7 @@ class ModelRunner:
         sample_counts: list[tuple[Request, int]] = []
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
+        state_slots: list[int] = []
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
@@ -253,6 +265,8 @@ class ModelRunner:
                 seq_lens.append(end)
                 query_start.append(query_start[-1] + n)
                 tables.append(blocks)
+            if self.num_state_slots:  # (hybrid models lay out no decode chunks)
+                state_slots.append(req.state_slot)
             if req.samples_after(n):
                 last = query_start[-1] - 1
                 k = len(drafts)
@@ -280,6 +294,7 @@ class ModelRunner:
             query_start=query_start,
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
+            state_slots=state_slots,
         )
         return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
 

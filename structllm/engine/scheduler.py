@@ -41,6 +41,7 @@ from typing import Protocol
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request, Status
 from structllm.engine.speculative import Drafter
+from structllm.engine.state_cache import StateCacheManager
 from structllm.protocol import FinishReason, TokenDelta, TokenLogprobs
 
 
@@ -85,8 +86,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         eos_token_ids: Iterable[int] = (),
+        states: StateCacheManager | None = None,
     ) -> None:
         self.kv = kv
+        self.states = states  # hybrid models: a recurrent-state slot per running request
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -169,7 +172,11 @@ class Scheduler:
                 hits = hits[: req.num_prompt_logprobs // self.kv.block_size]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
+            if self.states is not None and not self.states.allocate(req):
+                break
             if not self.kv.allocate(req, n, hits):
+                if self.states is not None:
+                    self.states.free_slot(req)
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission (not a resumed preemption)
@@ -209,6 +216,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []
         self.kv.free_blocks(req)
+        if self.states is not None:  # recomputed from its first token: a fresh state
+            self.states.free_slot(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -345,6 +354,8 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.kv.free_blocks(req)
+        if self.states is not None:
+            self.states.free_slot(req)
         if self.grammar is not None:
             self.grammar.free(req)
         if self.drafter is not None:

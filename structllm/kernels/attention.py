@@ -7,7 +7,7 @@ chunks after them, so decode attention runs as one batched call over the first
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +30,8 @@ class AttentionMetadata:
     query_start_list: list[int]
     num_decodes: int  # sequences 0..num_decodes-1 each have exactly one query token
     max_seq_len: int
+    # [B] hybrid models: each sequence's recurrent-state slot (model.recurrent)
+    state_slots: list[int] = field(default_factory=list)
 
 
 class AttentionImpl(Protocol):

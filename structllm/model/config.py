@@ -25,6 +25,8 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "freq_factors": ("factors",),
 }
+# the recurrent layers of hybrid models: "conv", LFM2's gated short convolution
+RECURRENT_KINDS = frozenset({"conv"})
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +69,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_intermediate_size: int = 0  # an expert's MLP width (0: intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
+    # --- hybrid models: layers that keep a recurrent state instead of attending ---
+    # per layer: "attention" or a recurrent kind (RECURRENT_KINDS); []: all attention
+    layer_types: list[str] = []
+    conv_kernel: int = 0  # the recurrent layers' causal convolution width (LFM2: L_cache)
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -91,10 +98,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
-        for name in ("layer_windows", "rope_layers", "moe_layers"):
+        for name in ("layer_windows", "rope_layers", "moe_layers", "layer_types"):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
                 raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - {"attention", *RECURRENT_KINDS})
+        if unknown:
+            raise ValueError(
+                f"unsupported layer types {unknown}; expected attention or one of "
+                f"{sorted(RECURRENT_KINDS)}"
+            )
+        if self.hybrid and self.conv_kernel < 2:
+            raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
 
     @property
     def context_length(self) -> int:
@@ -123,6 +138,21 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def rotates(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
 
+    def recurrent(self, layer: int) -> str | None:
+        """The recurrent kind of ``layer`` (``RECURRENT_KINDS``), or None: it attends."""
+        kind = self.layer_types[layer] if self.layer_types else "attention"
+        return None if kind == "attention" else kind
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer keeps a recurrent state (``engine.state_cache``)."""
+        return any(t != "attention" for t in self.layer_types)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep K/V in the paged cache."""
+        return sum(self.recurrent(i) is None for i in range(self.num_layers))
+
     def moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
         return bool(self.num_experts) and (self.moe_layers[layer] if self.moe_layers else True)
@@ -147,7 +177,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("block_ff_dim") or 0),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -174,7 +204,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
 
 
 # Multimodal checkpoints whose text model is a family here, run as that text model (the
@@ -423,6 +453,33 @@ def _smollm3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {"rope_layers": [bool(f) for f in flags]}
 
 
+def _lfm2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """LFM2: gated short convolutions in most layers, attention with q/k norms in the
+    rest (``layer_types``, or the older ``full_attn_idxs``); its MLP width shrinks as
+    transformers' ``Lfm2MLP`` does when ``block_auto_adjust_ff_dim`` is set."""
+    n = base["num_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        full = cfg.get("full_attn_idxs")
+        types = ["full_attention" if full is None or i in full else "conv" for i in range(n)]
+    ffn = base["intermediate_size"]
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        ffn = int(2 * ffn / 3)
+        mult = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if mult is not None:
+            of = int(cfg.get("block_multiple_of", 256))
+            ffn = of * ((int(float(mult) * ffn) + of - 1) // of)
+    return {
+        "layer_types": ["conv" if t == "conv" else "attention" for t in types],
+        "conv_kernel": int(cfg.get("conv_L_cache", 3)),
+        "conv_bias": bool(cfg.get("conv_bias", False)),
+        "qk_norm": "head",
+        "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+        "intermediate_size": ffn,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -435,4 +492,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "smollm3": _smollm3,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "lfm2": _lfm2,
 }

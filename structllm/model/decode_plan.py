@@ -100,7 +100,7 @@ class DecodePlan:
         for dl, experts in zip(self.layers, self.experts, strict=True):
             self._add(dl, identity, experts)
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
-        self._caches: list[tuple[Tensor, Tensor]] | None = None
+        self._caches: list[tuple[Tensor, ...]] | None = None
         self.segments = self._segments(check_every)
 
     def _segments(self, check_every: int) -> list[tuple[int, int, bool]]:
@@ -155,7 +155,7 @@ class DecodePlan:
         self,
         x: Tensor,
         pairs: list[Tensor],
-        kv_caches: list[tuple[Tensor, Tensor]],
+        kv_caches: list[tuple[Tensor, ...]],
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None,
     ) -> Tensor:

@@ -257,7 +257,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         intermediate_size=int(get("feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=_kv_heads(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -303,6 +303,11 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
             attn_scale=float(get("attention.scale") or head_dim**-0.5),
             logits_scaling=float(get("logit_scale", 1.0)),
         )
+    elif fam.name == "lfm2":  # a layer with no KV heads is a short convolution
+        kv = get("attention.head_count_kv", heads)
+        kw.update(qk_norm="head", conv_kernel=int(get("shortconv.l_cache") or 3))
+        if isinstance(kv, list):
+            kw["layer_types"] = ["conv" if int(n) == 0 else "attention" for n in kv]
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
@@ -313,6 +318,17 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     elif fam.name == "qwen3_moe":
         raise ValueError("qwen3moe GGUF file without qwen3moe.expert_count")
     return ModelConfig(**kw)
+
+
+def _kv_heads(value: Any) -> int:
+    """``attention.head_count_kv``: one number, or one per layer (hybrid models write 0
+    for their recurrent layers): the attention layers' count."""
+    if isinstance(value, list):
+        counts = {int(n) for n in value} - {0}
+        if len(counts) != 1:
+            raise ValueError(f"attention.head_count_kv varies over the layers: {sorted(counts)}")
+        return counts.pop()
+    return int(value)
 
 
 def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, Any]:
@@ -401,11 +417,19 @@ _LAYER_NAMES = {
     "ffn_down.weight": "down_proj",
     "post_attention_norm.weight": "attn_out_norm",  # Gemma, OLMo 2
     "post_ffw_norm.weight": "mlp_out_norm",
+    # LFM2's short convolutions (the converter squeezes the filter to [C, K])
+    "shortconv.in_proj.weight": "mixer.in_proj",
+    "shortconv.conv.weight": "mixer.conv",
+    "shortconv.out_proj.weight": "mixer.out_proj",
+    "shortconv.in_proj.bias": "mixer.in_bias",
+    "shortconv.conv.bias": "mixer.conv_bias",
+    "shortconv.out_proj.bias": "mixer.out_bias",
 }
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
+_HF_ROPE_ORDER += ("lfm2",)
 
 
 _KEEPABLE = (
@@ -417,6 +441,8 @@ _KEEPABLE = (
     "ffn_gate.weight",
     "ffn_up.weight",
     "ffn_down.weight",
+    "shortconv.in_proj.weight",
+    "shortconv.out_proj.weight",
 )
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -590,7 +616,9 @@ def load_tensors(
             progress(i + 1, total)
         if name == "token_embd.weight":
             yield "embed_tokens", w
-        elif name == "output_norm.weight":
+        elif name == "output_norm.weight" or (
+            name == "token_embd_norm.weight" and cfg.architecture == "lfm2"
+        ):  # (LFM2's final norm is its checkpoint's embedding_norm)
             yield "norm", w
         elif name == "output.weight":
             yield "lm_head", w

@@ -315,7 +315,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(vocab, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, plan, i) for i in self.layer_range)
+        self.layers = nn.ModuleList(self.make_layer(cfg, dtype, plan, i) for i in self.layer_range)
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
@@ -328,13 +328,35 @@ class LlamaModel(nn.Module):
         self._packed_head: Weight | None = None
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
         # every layer held rotates q and k (else the fused path adds an identity rotation)
-        self._all_rotate = all(cast(DecoderLayer, layer).rotates for layer in self.layers)
+        self._all_rotate = all(
+            layer.rotates for layer in self.layers if isinstance(layer, DecoderLayer)
+        )
         # decode-only steps through the native layer loop (model/decode_plan.py): built
         # on the first one; False once found not to apply. native_decode=False keeps
         # the Python loop (A/B measurements, tests).
         self.native_decode = True
         self._decode_plan: Any = None
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
+
+    def make_layer(
+        self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
+    ) -> nn.Module:
+        """Layer ``index`` of the model (a hybrid model's recurrent layers differ)."""
+        return DecoderLayer(cfg, dtype, plan, index)
+
+    def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
+        """The per-request state shapes of held layer ``layer`` (``ModelRunner`` keeps
+        ``[slots, *shape]`` of each), or None: it attends over the paged KV cache."""
+        return None
+
+    def state_bytes(self) -> int:
+        """Bytes of one request's recurrent state over every layer held (float32; 0
+        for a model that only attends)."""
+        return sum(
+            4 * int(torch.Size(shape).numel())
+            for i in range(len(self.layers))
+            for shape in self.state_shapes(i) or ()
+        )
 
     def rope_table(self, max_positions: int) -> Tensor:
         """``[>= max_positions, D/2]`` complex64 rotations ``exp(i * pos * inv_freq)``
@@ -360,7 +382,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
-        kv_caches: list[tuple[Tensor, Tensor]],
+        kv_caches: list[tuple[Tensor, ...]],
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None = None,
         hidden: Tensor | None = None,
@@ -710,7 +732,9 @@ def hf_to_native(
         out["lm_head"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+        attends = cfg.recurrent(i) is None  # (a hybrid family maps its mixers itself)
+        kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+        for kind in kinds if attends else ():
             if names.qkv is not None:
                 q, k, v = take(f"{p}{names.qkv}.{kind}").split([nh * hd, nkv * hd, nkv * hd])
             else:
@@ -718,7 +742,8 @@ def hf_to_native(
             out[o + ("qkv_proj" if kind == "weight" else "qkv_bias")] = torch.cat(
                 [rot(q, nh), rot(k, nkv), v]
             )
-        out[o + "o_proj"] = take(f"{p}{names.o}.weight")
+        if attends:
+            out[o + "o_proj"] = take(f"{p}{names.o}.weight")
         if cfg.moe_layer(i):
             pass  # router and experts: the family's own mapping (model.moe)
         elif names.gate_up is not None:
@@ -728,7 +753,7 @@ def hf_to_native(
             gate, up = take(f"{p}{names.gate}.weight"), take(f"{p}{names.up}.weight")
             out[o + "gate_up_proj"] = torch.cat([gate, up])
             out[o + "down_proj"] = take(f"{p}{names.down}.weight")
-        if cfg.qk_norm != "none":
+        if cfg.qk_norm != "none" and attends:
             heads = (1, 1) if cfg.qk_norm == "head" else (nh, nkv)
             out[o + "q_norm"] = rot(norm(f"{p}{names.q_norm}.weight"), heads[0])
             out[o + "k_norm"] = rot(norm(f"{p}{names.k_norm}.weight"), heads[1])

@@ -58,6 +58,8 @@ FAMILIES: tuple[Family, ...] = (
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
+    # hybrid models: recurrent layers beside attention (engine.state_cache)
+    Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

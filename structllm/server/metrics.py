@@ -179,6 +179,12 @@ class Metrics:
             stats.kv_cache_usage,
         )
         metric(
+            "structllm:state_cache_slots_used",
+            "gauge",
+            "Recurrent-state slots held by requests (hybrid models; 0 otherwise).",
+            stats.state_cache_slots_used,
+        )
+        metric(
             "structllm:num_open_requests",
             "gauge",
             "Requests the front ends are serving (any state).",

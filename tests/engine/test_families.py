@@ -141,7 +141,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # not here: Mistral (the converter writes it as "llama" without its sliding window, so
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
-QUANTIZED_FAMILIES += ["smollm3"]
+QUANTIZED_FAMILIES += ["smollm3", "lfm2"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 

@@ -85,6 +85,7 @@ def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
     (blocks are freed afterwards)."""
     req = Request("prefill-probe", ids, SamplingParams(max_tokens=1), 1)
     assert engine.kv.allocate(req, len(ids))
+    assert engine.states is None or engine.states.allocate(req)  # a hybrid model's slot
     try:
         assert isinstance(engine.runner, ModelRunner)
         batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
@@ -94,6 +95,8 @@ def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
         return logits
     finally:
         engine.kv.free_blocks(req)
+        if engine.states is not None:
+            engine.states.free_slot(req)
 
 
 def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
@@ -415,6 +418,16 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
+    ),
+    "lfm2": (  # hybrid: short convolutions around one attention layer, as LFM2's pattern
+        "Lfm2Config",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            block_multiple_of=32,  # the MLP width transformers derives: 96
+            tie_word_embeddings=True,
+        ),
     ),
 }
 

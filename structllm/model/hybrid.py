@@ -1,0 +1,152 @@
+"""Hybrid models: decoders whose layers either attend over the paged KV cache (the
+shared ``DecoderLayer``) or run a recurrent mixer over a per-request state
+(``RecurrentLayer``: LFM2's short convolution, Qwen3.5's Gated DeltaNet).
+
+A recurrent layer is the pre-norm block of the shared decoder with its attention
+replaced by a mixer: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``. Its state lives
+in the runner's per-layer tensors (``state_shapes``), one row per slot of
+``engine.state_cache``; the step's slot of each sequence comes in
+``AttentionMetadata.state_slots`` (see ``model.recurrent``).
+
+A family is a ``HybridModel`` subclass naming its mixer (``mixer``) and its
+``hf_to_native``. These models run the plain torch layer loop (no fused CPU path, no
+native decode loop, no CUDA graphs), on one process (no tensor or pipeline parallelism:
+refused at start), without prefix caching and speculative decoding (a recurrent state
+cannot be rolled back to a block boundary or a rejected draft: both are turned off at
+start, saying so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from structllm.kernels.attention import AttentionMetadata
+from structllm.kernels.packed import BlockWeight, linear
+from structllm.model.config import ModelConfig
+from structllm.model.layers import SparseMoe, gated_act
+from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
+from structllm.model.recurrent import RecurrentBatch
+from structllm.model.sharding import ShardPlan
+
+
+class Mixer(Protocol):
+    """A recurrent layer's token mixer: ``forward(x [T, hidden], states, rb)`` ->
+    ``[T, hidden]``, updating ``states`` (its tensors ``[S, *state_shapes[j]]``) for the
+    slots of ``rb``; ``PACKED``: its matmul weights."""
+
+    PACKED: tuple[str, ...]
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]: ...
+
+    def __call__(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor: ...
+
+
+class RecurrentLayer(nn.Module):
+    """Pre-norm, mixer, residual; pre-norm, gated MLP (or experts), residual."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, mixer: nn.Module, index: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.eps, self.act = cfg.rms_norm_eps, cfg.mlp_act
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_layernorm = p(h)
+        self.mixer = mixer
+        self.post_attention_layernorm = p(h)
+        self.moe = SparseMoe(cfg, dtype, None) if cfg.moe_layer(index) else None
+        if self.moe is None:
+            self.gate_up_proj = p(2 * cfg.intermediate_size, h)
+            self.down_proj = p(h, cfg.intermediate_size)
+        self.PACKED = () if self.moe else ("gate_up_proj", "down_proj")
+
+    def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
+        x = x + cast(Mixer, self.mixer)(h, states, rb)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
+        if self.moe is not None:
+            return x + self.moe(h, self.act)
+        gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
+        return x + linear(gated_act(gate, up, self.act), self.down_proj, int8_ok=True)
+
+
+class HybridModel(LlamaModel):
+    """``LlamaModel`` whose recurrent layers (``ModelConfig.layer_types``) are
+    ``RecurrentLayer``s around the family's ``mixer``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        plan: ShardPlan | None = None,
+        layers: range | None = None,
+    ) -> None:
+        if plan is not None or (layers is not None and layers != range(cfg.num_layers)):
+            raise ValueError(
+                f"{cfg.architecture} is a hybrid model (recurrent layers): it runs in one "
+                "process, without tensor or pipeline parallelism"
+            )
+        super().__init__(cfg, dtype, plan, layers)
+        self.native_decode = False
+        self.decode_why = "the Python layer loop (a hybrid model)"
+
+    def mixer(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_layer(
+        self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
+    ) -> nn.Module:
+        if cfg.recurrent(index) is None:
+            return DecoderLayer(cfg, dtype, plan, index)
+        return RecurrentLayer(cfg, dtype, self.mixer(cfg, dtype, index), index)
+
+    def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
+        held = self.layers[layer]
+        if isinstance(held, RecurrentLayer):
+            return cast(Mixer, held.mixer).state_shapes()
+        return None
+
+    def state_bytes(self) -> int:
+        """Bytes of one request's recurrent state over every layer (float32)."""
+        total = 0
+        for i in range(len(self.layers)):
+            for shape in self.state_shapes(i) or ():
+                total += 4 * int(torch.Size(shape).numel())
+        return total
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, ...]],
+        meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None = None,
+        hidden: Tensor | None = None,
+    ) -> Tensor:
+        """As ``LlamaModel.forward`` (one process, so no ``hidden`` in): an attention
+        layer's cache entry is its (K, V) pair, a recurrent layer's its states."""
+        if hidden is not None:
+            raise ValueError("a hybrid model runs without pipeline stages")
+        if isinstance(self.embed_tokens, BlockWeight):
+            x = self.embed_tokens.rows(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        rope = self.rope_table(int(meta.max_seq_len))[positions].unsqueeze(1)  # [T, 1, D/2]
+        rb = RecurrentBatch.from_meta(meta, meta.state_slots)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if between_layers is not None and i and i % CHECK_EVERY == 0:
+                between_layers()
+            if isinstance(layer, DecoderLayer):
+                kc, vc = cache
+                x = layer(x, rope if layer.rotates else None, kc, vc, meta, self.attn_impl)
+            else:
+                x = layer(x, cache, rb)
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
