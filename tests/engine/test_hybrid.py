@@ -108,7 +108,8 @@ def test_an_abort_mid_prefill_frees_the_slot_and_disturbs_no_one(
             if d.request_id in runs:
                 lps = d.logprobs or []
                 runs[d.request_id] += [
-                    (t, [lp.logprob, *lp.top_logprobs]) for t, lp in zip(d.new_token_ids, lps)
+                    (t, [lp.logprob, *lp.top_logprobs])
+                    for t, lp in zip(d.new_token_ids, lps, strict=True)
                 ]
     assert_same([runs["kept"], runs["again"]], [alone[0], alone[2]])
     assert states.num_free_slots == states.num_slots
