@@ -428,8 +428,8 @@ _LAYER_NAMES = {
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
-_HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
-_HF_ROPE_ORDER += ("lfm2",)
+_HF_ROPE_ORDER: tuple[str, ...] = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3")
+_HF_ROPE_ORDER += ("olmo2", "olmo3", "lfm2")
 
 
 _KEEPABLE = (
