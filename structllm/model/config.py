@@ -25,8 +25,9 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "freq_factors": ("factors",),
 }
-# the recurrent layers of hybrid models: "conv", LFM2's gated short convolution
-RECURRENT_KINDS = frozenset({"conv"})
+# the recurrent layers of hybrid models: "conv", LFM2's gated short convolution;
+# "linear_attention", Qwen3.5's Gated DeltaNet
+RECURRENT_KINDS = frozenset({"conv", "linear_attention"})
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,6 +75,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_types: list[str] = []
     conv_kernel: int = 0  # the recurrent layers' causal convolution width (LFM2: L_cache)
     conv_bias: bool = False
+    # Gated DeltaNet (Qwen3.5): key and value heads and their widths
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    attn_output_gate: bool = False  # attention output times sigmoid(a gate projection)
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -480,6 +487,27 @@ def _lfm2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen3_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5: Gated DeltaNet in three layers of four (``layer_types``, or every
+    ``full_attention_interval``-th layer attending), gated attention with q/k norms in
+    the rest; ``(1 + w)`` norms (the loader adds the 1)."""
+    n = base["num_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return {
+        "layer_types": ["attention" if t == "full_attention" else t for t in types],
+        "conv_kernel": int(cfg.get("linear_conv_kernel_dim") or 4),
+        "linear_key_heads": int(cfg["linear_num_key_heads"]),
+        "linear_value_heads": int(cfg["linear_num_value_heads"]),
+        "linear_key_head_dim": int(cfg["linear_key_head_dim"]),
+        "linear_value_head_dim": int(cfg["linear_value_head_dim"]),
+        "qk_norm": "head",
+        "attn_output_gate": True,
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -493,4 +521,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "lfm2": _lfm2,
+    "qwen3_5": _qwen3_5,
 }

@@ -273,8 +273,16 @@ class GatedDeltaNet(nn.Module):
             dtype,
         )
 
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """This layer's ``shapes_of`` (``hybrid.Mixer``'s)."""
+        return (self.conv_dim, self.kernel - 1), (
+            self.num_v_heads,
+            self.head_k_dim,
+            self.head_v_dim,
+        )
+
     @staticmethod
-    def state_shapes(cfg: Any) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    def shapes_of(cfg: Any) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """One slot's state shapes, ``((C, K - 1), (Hv, Dk, Dv))``: the convolution's
         (``C = 2 Hk Dk + Hv Dv``) and the delta rule's, for ``cfg`` with the
         constructor's names as attributes (transformers' ``Qwen3_5TextConfig``)."""
@@ -282,12 +290,11 @@ class GatedDeltaNet(nn.Module):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         return (2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim - 1), (hv, dk, dv)
 
-    def forward(
-        self, x: Tensor, conv_states: Tensor, rec_states: Tensor, rb: RecurrentBatch
-    ) -> Tensor:
-        """``x: [T, hidden]`` (the step's rows as ``rb`` lays them out), ``conv_states:
-        [S, C, K - 1]``, ``rec_states: [S, Hv, Dk, Dv]`` float32 (both updated in place for
-        ``rb``'s slots) -> ``[T, hidden]``."""
+    def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
+        """``x: [T, hidden]`` (the step's rows as ``rb`` lays them out), ``states``: the
+        convolution's ``[S, C, K - 1]`` and the rule's ``[S, Hv, Dk, Dv]`` float32 (both
+        updated in place for ``rb``'s slots) -> ``[T, hidden]``."""
+        conv_states, rec_states = states
         t = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         qkv = linear(x, self.in_proj_qkv)  # [T, C]

@@ -120,6 +120,8 @@ class DecoderLayer(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = p(nh * hd), p(nkv * hd)
         self.o_proj = p(h, nh * hd)
+        # Qwen3.5's gated attention: the output times sigmoid(h @ attn_gate^T), per row
+        self.attn_gate = p(nh * hd, h) if cfg.attn_output_gate else None
         self.attn_out_norm = p(h) if cfg.post_norms else None
         self.post_attention_layernorm = p(h) if cfg.pre_norms else None
         self.moe = SparseMoe(cfg, dtype, plan) if cfg.moe_layer(index) else None
@@ -127,6 +129,8 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = p(2 * ffn, h)
             self.down_proj = p(h, ffn)
         self.PACKED = ("qkv_proj", "o_proj") if self.moe else self.LINEARS
+        if self.attn_gate is not None:
+            self.PACKED = (*self.PACKED, "attn_gate")
         self.mlp_out_norm = p(h) if cfg.post_norms else None
         # forward_fused's norm weights, read once (nn.Module.__getattr__ costs ~0.5 us a
         # parameter, 4 a layer a step); LlamaModel.assign_weights resets it
@@ -191,7 +195,10 @@ class DecoderLayer(nn.Module):
         o = attention(
             impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap
         )  # [T, nh, D]
-        attn_out = linear(o.reshape(t, nh * hd), self.o_proj)
+        o = o.reshape(t, nh * hd)
+        if self.attn_gate is not None:
+            o = o * torch.sigmoid(linear(h, self.attn_gate))
+        attn_out = linear(o, self.o_proj)
         if tp is not None:
             tp.all_reduce(attn_out)
         x = x + self._residual_out(attn_out, self.attn_out_norm)
@@ -233,6 +240,8 @@ class DecoderLayer(nn.Module):
         before the next layer writes it), or None."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.attn_gate is not None:  # (hybrid models, the only ones with it, run forward)
+            raise NotImplementedError("gated attention runs on the plain path only")
         norms = self._norms
         if norms is None:
             norms = self._norms = (

@@ -209,7 +209,7 @@ def ours_from(hf: torch.nn.Module) -> GatedDeltaNet:
 
 def empty_states(cfg: object, slots: int) -> tuple[Tensor, Tensor]:
     """Garbage in every slot (a fresh sequence must not read it)."""
-    conv, rec = GatedDeltaNet.state_shapes(cfg)
+    conv, rec = GatedDeltaNet.shapes_of(cfg)
     return torch.randn(slots, *conv), torch.randn(slots, *rec)
 
 
@@ -219,7 +219,7 @@ def test_names_and_shapes() -> None:
     assert names["conv1d"] == "model.layers.0.linear_attn.conv1d.weight"
     ours = ours_from(hf)
     assert ours.conv1d.shape == (ours.conv_dim, 4)
-    assert GatedDeltaNet.state_shapes(hf.cfg) == ((2 * HK * DK + HV * DV, 3), (HV, DK, DV))
+    assert GatedDeltaNet.shapes_of(hf.cfg) == ((2 * HK * DK + HV * DV, 3), (HV, DK, DV))
     assert set(GatedDeltaNet.LINEARS) <= {n for n, _ in ours.named_parameters()}
 
 
@@ -230,7 +230,7 @@ def test_layer_whole_sequence() -> None:
     x = torch.randn(1, 150, HIDDEN, generator=torch.Generator().manual_seed(5))
     want = hf(x)[0]
     conv, rec = empty_states(hf.cfg, 3)
-    got = ours(x[0], conv, rec, batch([(150, 2, True)], 0))
+    got = ours(x[0], (conv, rec), batch([(150, 2, True)], 0))
     close(got, want)
 
 
@@ -265,7 +265,7 @@ def test_layer_steps_mixed() -> None:
         order = decodes + prefills
         x = torch.cat([xs[i][pos[i] : pos[i] + n] for i, n in order])
         rb = batch([(n, slot_of[i], pos[i] == 0) for i, n in order], len(decodes))
-        y = ours(x, conv, rec, rb)
+        y = ours(x, (conv, rec), rb)
         a = 0
         for i, n in order:
             outs[i].append(y[a : a + n])
@@ -284,10 +284,10 @@ def test_fresh_slot_ignores_old_state() -> None:
     ours = ours_from(hf)
     x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(4))
     conv, rec = empty_states(hf.cfg, 2)
-    ours(torch.randn(30, HIDDEN), conv, rec, batch([(30, 1, True)], 0))  # slot 1 used
-    clean = ours(x, torch.zeros_like(conv), torch.zeros_like(rec), batch([(20, 0, True)], 0))
-    close(ours(x, conv, rec, batch([(20, 1, True)], 0)), clean)
-    ours(torch.randn(30, HIDDEN), conv, rec, batch([(30, 1, True)], 0))
-    first = ours(x[:1], conv, rec, batch([(1, 1, True)], 1))
-    rest = ours(x[1:], conv, rec, batch([(19, 1, False)], 0))
+    ours(torch.randn(30, HIDDEN), (conv, rec), batch([(30, 1, True)], 0))  # slot 1 used
+    clean = ours(x, (torch.zeros_like(conv), torch.zeros_like(rec)), batch([(20, 0, True)], 0))
+    close(ours(x, (conv, rec), batch([(20, 1, True)], 0)), clean)
+    ours(torch.randn(30, HIDDEN), (conv, rec), batch([(30, 1, True)], 0))
+    first = ours(x[:1], (conv, rec), batch([(1, 1, True)], 1))
+    rest = ours(x[1:], (conv, rec), batch([(19, 1, False)], 0))
     close(torch.cat([first, rest]), clean)

@@ -71,6 +71,12 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
     if name == "qwen3_moe":
         assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+    if name == "lfm2":
+        assert cfg.layer_types == ["conv", "conv", "attention", "conv"]
+        assert (cfg.conv_kernel, cfg.intermediate_size, cfg.qk_norm) == (3, 96, "head")
+    if name == "qwen3_5":
+        assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
+        assert cfg.attn_output_gate and cfg.rotary_dim == 8 and cfg.conv_kernel == 4
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:

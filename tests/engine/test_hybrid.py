@@ -38,9 +38,9 @@ def assert_same(got: list[Run], want: list[Run]) -> None:
             assert a == pytest.approx(b, abs=1e-4)
 
 
-@pytest.fixture(scope="module")
-def path(default_files) -> Path:  # type: ignore[no-untyped-def]
-    return tiny_family_dir("lfm2", default_files)
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+def path(request, default_files) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_family_dir(request.param, default_files)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,11 @@ def test_chunked_prefill_and_mixed_batches_equal_one_pass(
 def test_preemption_recomputes_exactly(path: Path, alone: list[Run]) -> None:
     # a KV cache of a few blocks: the newest running request is preempted (its slot
     # given back) and recomputed from its first token later
-    llm = LLM(str(path), kv_cache_memory=48 << 10, block_size=16, **EXACT)
+    probe = LLM(str(path), kv_cache_memory=1 << 20, **EXACT).engine
+    cfg, slot = probe.files.config, probe.state_slot_bytes
+    block = 16 * 4 * cfg.kv_bytes_per_token  # float32
+    memory = 4 * slot + 6 * block  # a few slots, six blocks or more: 96+ tokens
+    llm = LLM(str(path), kv_cache_memory=memory, block_size=16, max_num_seqs=4, **EXACT)
     engine = llm.engine
     assert engine.num_blocks < 12, "the cache should be too small for every prompt at once"
     got = [run_of(o) for o in llm.generate(PROMPTS, GREEDY)]
@@ -127,12 +131,14 @@ def test_prefix_caching_is_off_and_says_so(
 
 
 def test_speculative_decoding_is_refused_by_name(path: Path) -> None:
-    with pytest.raises(ValueError, match="speculative decoding is not supported for lfm2"):
+    with pytest.raises(
+        ValueError, match="speculative decoding is not supported for (lfm2|qwen3_5)"
+    ):
         LLM(str(path), speculative_config={"method": "ngram"}, **EXACT)
 
 
 def test_tensor_parallelism_is_refused_by_name(path: Path) -> None:
-    with pytest.raises(ValueError, match="lfm2 is a hybrid model"):
+    with pytest.raises(ValueError, match="(lfm2|qwen3_5) is a hybrid model"):
         EngineCore(EngineConfig(model=str(path), tensor_parallel_size=2, **EXACT))  # type: ignore[arg-type]
 
 
@@ -140,7 +146,11 @@ def test_state_slots_share_the_cache_budget(path: Path) -> None:
     small = LLM(str(path), kv_cache_memory=1 << 20, max_num_seqs=4, **EXACT).engine
     big = LLM(str(path), kv_cache_memory=1 << 20, max_num_seqs=64, **EXACT).engine
     assert small.states is not None and big.states is not None
-    assert small.states.num_slots == 4 and big.states.num_slots == 64
-    slot = small.state_slot_bytes  # three conv layers' [64, 2] float32 windows
-    assert slot == 3 * 64 * 2 * 4
-    assert big.num_blocks < small.num_blocks  # the 60 more slots came out of the blocks
+    slot = small.state_slot_bytes
+    if small.files.config.architecture == "lfm2":  # three conv layers' [64, 2] windows
+        assert slot == 3 * 64 * 2 * 4
+    held = [t for c in small.runner.kv_caches if c[0].dim() == 3 for t in c]  # the states
+    assert slot * small.states.num_slots == sum(t.numel() * t.element_size() for t in held)
+    assert small.states.num_slots == 4
+    assert big.states.num_slots == min(64, (1 << 20) // 2 // slot)
+    assert big.num_blocks < small.num_blocks  # the more slots came out of the blocks

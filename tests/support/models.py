@@ -429,6 +429,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen3_5": (  # hybrid: Gated DeltaNet in three layers of four, gated attention
+        "Qwen3_5TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,  # a quarter of it rotates
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

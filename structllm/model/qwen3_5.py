@@ -1,0 +1,56 @@
+"""Qwen3.5: a hybrid of Gated DeltaNet layers (``model.deltanet``; three in four) and
+gated attention (``ModelConfig.attn_output_gate``: the attention output times
+``sigmoid`` of a gate projection, before ``o_proj``) with q/k norms per head and a
+partial rotary embedding. Its RMSNorms are ``(1 + w)`` (added at load), except the
+DeltaNet's gated norm, whose weight is plain.
+
+The checkpoint's ``q_proj`` holds each head's query rows and then its gate rows
+(``[H, 2, D, hidden]``); they are split here into ``qkv_proj``'s q and ``attn_gate``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from structllm.model import deltanet
+from structllm.model.config import ModelConfig
+from structllm.model.hybrid import HybridModel
+from structllm.model.llama import HFNames
+from structllm.model.llama import hf_to_native as _hf_to_native
+
+
+class Qwen3_5Model(HybridModel):
+    def mixer(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
+        return deltanet.GatedDeltaNet(
+            cfg.hidden_size,
+            cfg.linear_key_heads,
+            cfg.linear_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+            cfg.conv_kernel,
+            cfg.rms_norm_eps,
+            dtype,
+        )
+
+
+class Qwen3_5Names(HFNames):
+    norm_plus_one = True
+
+
+def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    state = dict(state)
+    out: dict[str, Tensor] = {}
+    nh, hd = cfg.num_heads, cfg.head_dim
+    for i in range(cfg.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        if cfg.recurrent(i) is not None:
+            out.update(deltanet.from_hf(state, p + "linear_attn.", o + "mixer."))
+            continue
+        q_gate = state.pop(p + "self_attn.q_proj.weight").view(nh, 2, hd, -1)
+        state[p + "self_attn.q_proj.weight"] = q_gate[:, 0].reshape(nh * hd, -1)
+        out[o + "attn_gate"] = q_gate[:, 1].reshape(nh * hd, -1)
+    return {**_hf_to_native(state, cfg, Qwen3_5Names), **out}
+
+
+MODEL = Qwen3_5Model
