@@ -7,6 +7,7 @@ detokenizer and stop-string handling as the front end.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -113,6 +114,8 @@ class LLM:
             engine_kwargs["hf_overrides"] = hf_overrides(engine_kwargs["hf_overrides"])
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
+        if files.template_note is not None:  # a GGUF file without a chat template
+            sys.stderr.write(f"structllm: {files.template_note}\n")
         self.tokenizer = Tokenizer.from_files(files)
         self._defaults = generation_defaults(files, self.config.generation_config)
         self.engine = EngineCore(self.config, files)

@@ -114,7 +114,9 @@ class SequenceState:
             update.text += tail
         if self.tools is not None:
             update.text, update.tool_calls = self.tools.feed(
-                update.text, final=self.finish_reason is not None
+                update.text,
+                final=self.finish_reason is not None,
+                cut=self.finish_reason == "length",
             )
             if self.finish_reason == "stop" and self.tools.calls:
                 self.finish_reason = "tool_calls"

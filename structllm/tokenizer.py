@@ -179,7 +179,9 @@ class Tokenizer:
         if self._template is None:
             if not self.meta.chat_template:
                 raise ChatTemplateError(
-                    "this model has no chat template; use a plain prompt instead"
+                    "this model has no chat template (its files carry none and no built-in "
+                    "one fits its family): use /v1/completions with a plain prompt, or give "
+                    "the server one with --chat-template"
                 )
             self._template = compile_chat_template(self.meta.chat_template)
         try:

@@ -528,6 +528,7 @@ class _Call:
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
     announced: bool = False
     sent: int = 0  # offset in scanner.text up to which the arguments have gone out
+    lead: str = ""  # hermes: the whitespace before its tag (content only if it is text)
 
     def name(self) -> str | None:
         text = self.scanner.value((*self.path, "name"))
@@ -546,10 +547,26 @@ class _Call:
         )
 
     def complete(self) -> ToolCall | None:
+        """The call, once its name and arguments are written (a call object that closed
+        without arguments has ``{}``)."""
         name, args = self.name(), self.scanner.value(self.arguments_path())
-        if name is None or (args is None and self.arguments_path() in self.scanner.spans):
+        if name is None or (
+            args is None
+            and (
+                self.arguments_path() in self.scanner.spans or self.scanner.value(self.path) is None
+            )
+        ):
             return None
         return ToolCall(self.id, name, args if args is not None else "{}")
+
+    def partial(self, name: str | None) -> ToolCall | None:
+        """The call as far as it was written (a reply cut short): its name (``name`` if
+        it has not written its own) and the arguments' text so far, ``""`` if they had
+        not begun; ``None`` without a name."""
+        name = self.name() or name
+        if name is None:
+            return None
+        return ToolCall(self.id, name, self.scanner.partial(self.arguments_path(), 0)[0])
 
 
 class ToolCallParser:
@@ -558,10 +575,18 @@ class ToolCallParser:
     ``feed(text)`` takes the sequence's new text and returns the content to show and
     the call deltas (``final=True`` with the last text). Afterwards ``calls`` are the
     complete calls and ``content`` the whole content (``None`` when the reply was only
-    calls). The deltas of each call concatenate to its ``arguments``."""
+    calls). The deltas of each call concatenate to its ``arguments``.
+
+    A reply cut short (``cut=True`` with the last text: ``max_tokens``, the context)
+    ends its calls where it stopped, as vLLM does: a call begun whose name is known (or
+    forced: a named ``tool_choice``) is a call whose ``arguments`` are the text written
+    so far, and the generic envelope's text is never content. A hermes call cut before
+    its name is content, as it was written."""
 
     def __init__(self, req: ToolRequest) -> None:
         self.format = req.format
+        self.named = req.choice if req.named else None  # the one function it must call
+        self.cut = False  # the reply was cut short (see the class docstring)
         # generic: "?" until the first character decides (auto), then "json" or "text"
         self.mode = ("json" if req.forced else "?") if req.format == "generic" else "text"
         self._calls: list[_Call] = []
@@ -575,16 +600,25 @@ class ToolCallParser:
 
     # -- feeding -------------------------------------------------------------------------
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        """Take the sequence's new ``text`` (``final``: its last) and return the new
-        content and call deltas. At the end, text that could still have begun a tag is
-        content after all, and whitespace held next to calls is dropped."""
+    def feed(
+        self, text: str, final: bool = False, cut: bool = False
+    ) -> tuple[str, list[ToolCallDelta]]:
+        """Take the sequence's new ``text`` (``final``: its last; ``cut``: its last, and
+        the reply was cut short) and return the new content and call deltas. At the end,
+        text that could still have begun a tag is content after all, and whitespace held
+        next to calls is dropped."""
         self._raw.append(text)
+        final = final or cut
+        self.cut = cut
         out: list[str] = []
         if self.format == "generic":
             self._feed_generic(text, out)
+            if cut and self.named is not None and self.mode == "json" and not self._calls:
+                self._calls.append(_Call(self._envelope, ("tool_calls", 0)))  # not begun yet
         else:
             self._feed_hermes(text, out)
+            if cut:
+                self._cut_hermes(out)
             if final and self._in_call is None and not self._after_call:
                 if not self._calls:
                     out.append(self._held_space + self._pending)
@@ -594,6 +628,19 @@ class ToolCallParser:
         content = "".join(out)
         self._content.append(content)
         return content, self._deltas()
+
+    def _cut_hermes(self, out: list[str]) -> None:
+        """The end of a hermes reply cut short: the call being written is a call if its
+        name is known (or forced), else the text it was; a forced reply cut inside its
+        first ``<tool_call>`` tag is the named call, not begun."""
+        call = self._in_call
+        if call is not None and call.name() is None and self.named is None:
+            self._calls.remove(call)
+            self._in_call = None
+            self._text(call.lead + OPEN + call.scanner.text, out)
+        elif call is None and not self._after_call and self.named is not None and not self._calls:
+            self._calls.append(_Call(JsonScanner(), ()))
+            self._pending = self._held_space = ""
 
     def _feed_generic(self, text: str, out: list[str]) -> None:
         if self.mode == "?" and text:
@@ -629,8 +676,9 @@ class ToolCallParser:
                     self._pending = rest[len(rest) - keep :]
                     return
                 self._text(rest[:i], out)
-                self._held_space = ""  # whitespace before a call is not content
-                self._in_call = _Call(JsonScanner(), ())
+                # whitespace before a call is not content
+                self._in_call = _Call(JsonScanner(), (), lead=self._held_space)
+                self._held_space = ""
                 self._calls.append(self._in_call)
                 rest = rest[i + len(OPEN) :]
 
@@ -650,7 +698,7 @@ class ToolCallParser:
         out = []
         for k, call in enumerate(self._calls):
             if not call.announced:
-                name = call.name()
+                name = call.name() or (self.named if self.cut else None)
                 if name is None:
                     break  # calls are announced in order
                 call.announced = True
@@ -667,13 +715,17 @@ class ToolCallParser:
 
     @property
     def calls(self) -> list[ToolCall]:
-        done = (c.complete() for c in self._calls)
+        """The complete calls; after a cut, with the call it cut as far as it went."""
+        done = (c.complete() or (c.partial(self.named) if self.cut else None) for c in self._calls)
         return [c for c in done if c is not None]
 
     @property
     def content(self) -> str | None:
         """The reply's text outside calls; the raw text if calls were begun but none
-        completed (a reply cut short); ``None`` if it was calls and nothing else."""
+        completed (a reply that stopped inside one); ``None`` if it was calls and
+        nothing else, or a generic envelope cut short."""
+        if self.cut and self.format == "generic" and self.mode == "json":
+            return None
         if self._calls and not self.calls:
             return "".join(self._raw)
         text = "".join(self._content)

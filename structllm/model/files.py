@@ -52,6 +52,9 @@ class ModelFiles:
     source: Path | None = None  # the GGUF file, whose blocks a quantized engine reads
     # a directory's generation_config.json sampling settings (generation_defaults)
     generation_config: dict[str, Any] = field(default_factory=dict)
+    # a GGUF file without a chat template: which built-in one it got and why, or that
+    # none fits (said at start-up; see family_template_for)
+    template_note: str | None = None
 
 
 def _head_as_stored(cfg: ModelConfig, raw: dict[str, Any], weights: list[Path]) -> ModelConfig:
@@ -292,7 +295,7 @@ def _gguf_files(path: Path) -> ModelFiles:
     if not (cache / "complete").is_file():
         raise NotConverted(path, gguf=True)
     info = json.loads((cache / "model.json").read_text())
-    return ModelFiles(
+    files = ModelFiles(
         name=path.name.removesuffix(".gguf"),
         config=msgspec.convert(info["config"], ModelConfig),
         weights=[cache / "model.safetensors"],
@@ -301,4 +304,44 @@ def _gguf_files(path: Path) -> ModelFiles:
         tokenizer_meta=msgspec.convert(info["tokenizer"], TokenizerMeta),
         generation_eos_ids=info["config"]["eos_token_ids"],
         source=path,
+    )
+    return files if files.tokenizer_meta.chat_template else family_template_for(files)
+
+
+def family_template_for(files: ModelFiles) -> ModelFiles:
+    """``files`` (a GGUF file's, without a chat template) with its family's built-in
+    template (``chat_templates.family_template``: by its family and the tokens of its
+    vocabulary), whose end-of-turn token also ends generation, and ``template_note``
+    saying which and why; or, when none fits, only the note."""
+    from tokenizers import Tokenizer
+
+    from structllm.chat_templates import family_template
+
+    vocab = Tokenizer.from_file(str(files.tokenizer_json))
+    meta = files.tokenizer_meta
+    family = files.config.architecture
+    source = files.source.name if files.source is not None else files.name
+    chosen = family_template(family, lambda t: vocab.token_to_id(t) is not None, meta.add_bos_token)
+    if chosen is None:
+        note = (
+            f"{source} carries no chat template and no built-in one fits its family "
+            f"({family}) and vocabulary: chat requests get a 400 (give one with "
+            "--chat-template, or use /v1/completions)"
+        )
+        return replace(files, template_note=note)
+    eos = list(files.generation_eos_ids)
+    stop = vocab.token_to_id(chosen.end_of_turn) if chosen.end_of_turn is not None else None
+    if stop is not None and stop not in eos:
+        eos.append(stop)
+    note = (
+        f"{source} carries no chat template: using the built-in {chosen.name} template "
+        f"({chosen.reason}"
+        + (f"; {chosen.end_of_turn} ends a turn" if chosen.end_of_turn is not None else "")
+        + ")"
+    )
+    return replace(
+        files,
+        tokenizer_meta=msgspec.structs.replace(meta, chat_template=chosen.template),
+        generation_eos_ids=sorted(eos),
+        template_note=note,
     )

@@ -106,6 +106,8 @@ def make_app(
     tokenizer = Tokenizer.from_files(files)
     if config.chat_template is not None:
         tokenizer.set_chat_template(config.chat_template)
+    elif files.template_note is not None and slot == 0:  # the extra front ends say nothing
+        say(files.template_note)
     defaults = generation_defaults(files, config.engine.generation_config)
     if defaults:
         log.warning(

@@ -141,11 +141,15 @@ def write_tiny_gguf(
     source_gguf: Path,
     qtypes: dict[str, str],
     vocab: int | None = None,
+    chat_template: bool = True,
+    renamed: dict[int, str] | None = None,
 ) -> None:
     """Write ``hf_model`` (a tiny transformers Llama) as a llama.cpp-style GGUF file,
     quantising tensors whose GGUF name ends with a key of ``qtypes`` to that type and
     copying tokenizer metadata from ``source_gguf`` (with ``vocab``: only its first
-    ``vocab`` tokens and the merges among them, a BPE tokenizer in its own right)."""
+    ``vocab`` tokens and the merges among them, a BPE tokenizer in its own right;
+    without ``chat_template``: not its chat template; ``renamed``: token id -> the text
+    that token gets instead, for special tokens, which no merge makes)."""
     import gguf
 
     from structllm.model.gguf import open_gguf
@@ -175,6 +179,8 @@ def write_tiny_gguf(
             ]  # a merge is "left right"; keep those whose parts and result are kept
         elif vocab is not None:
             values = values[:vocab]
+        if key == "tokenizer.ggml.tokens" and renamed:
+            values = [renamed.get(i, v) for i, v in enumerate(values)]
         vtype = field.types[-1]
         w.add_array(key, values) if vtype != gguf.GGUFValueType.STRING else w.add_array(
             key, list(values)
@@ -184,7 +190,8 @@ def write_tiny_gguf(
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
+    if chat_template:
+        w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
 
     def permute(t: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's rope row order
         return (
@@ -236,12 +243,15 @@ def write_tiny_gguf(
         seed_tokenizer(path)
 
 
-def tiny_vocab_gguf(source_gguf: Path) -> Path:
+def tiny_vocab_gguf(
+    source_gguf: Path, chat_template: bool = True, renamed: dict[int, str] | None = None
+) -> Path:
     """A tiny random-weight Llama GGUF file (float32) whose tokenizer is the first 1000
     tokens of ``source_gguf``'s (its specials, bytes and first merges; the chat template
-    too): cheap to convert on a cold cache, where the default model's 49k-token
-    tokenizer takes transformers a minute. Built once, cached under the structllm cache,
-    keyed by the source file and transformers' version."""
+    too, unless not ``chat_template``; special tokens ``renamed`` as in
+    ``write_tiny_gguf``): cheap to convert on a cold cache, where the default model's
+    49k-token tokenizer takes transformers a minute. Built once, cached under the
+    structllm cache, keyed by the source file, these options and transformers' version."""
     import hashlib
 
     import transformers
@@ -249,8 +259,13 @@ def tiny_vocab_gguf(source_gguf: Path) -> Path:
     from structllm.model.files import cache_key
     from structllm.paths import cache_root
 
+    variant = (
+        ""
+        if chat_template and not renamed
+        else f":{chat_template}:{sorted((renamed or {}).items())}"
+    )
     key = hashlib.sha256(
-        f"{cache_key(source_gguf)}:{transformers.__version__}:1".encode()
+        f"{cache_key(source_gguf)}:{transformers.__version__}:1{variant}".encode()
     ).hexdigest()[:16]
     out = cache_root() / "test-models" / f"tiny-vocab-{key}.gguf"
     if out.is_file():
@@ -270,7 +285,8 @@ def tiny_vocab_gguf(source_gguf: Path) -> Path:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    write_tiny_gguf(tmp, transformers.LlamaForCausalLM(cfg), source_gguf, {}, vocab=1000)
+    model = transformers.LlamaForCausalLM(cfg)
+    write_tiny_gguf(tmp, model, source_gguf, {}, 1000, chat_template, renamed)
     os.replace(tmp, out)
     return out
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -33,8 +34,10 @@ class Server:
         api_key: str | None = None,
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        stderr: Path | None = None,
     ) -> None:
         self.api_key = api_key
+        self.stderr = stderr  # a file the server's stderr goes to (else: inherited)
         self.host = host
         self.env = None if env is None else {**os.environ, **env}
         if api_key:
@@ -57,9 +60,17 @@ class Server:
         self.engine_pid = -1
 
     def __enter__(self) -> Server:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "structllm", "run", *self.args], cwd=ROOT, env=self.env
-        )
+        err = None if self.stderr is None else self.stderr.open("wb")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "structllm", "run", *self.args],
+                cwd=ROOT,
+                env=self.env,
+                stderr=err,
+            )
+        finally:
+            if err is not None:
+                err.close()  # the child has its own copy
         end = time.monotonic() + self.startup
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"

@@ -77,11 +77,15 @@ def accepts(lltok: Any, spec: Any, text: str) -> bool:
     )
 
 
-def run_parser(parser: ToolCallParser, pieces: list[str]) -> tuple[str, dict[int, dict[str, Any]]]:
-    """Feed ``pieces`` as a stream; the content and the calls the deltas assemble into."""
+def run_parser(
+    parser: ToolCallParser, pieces: list[str], cut: bool = False
+) -> tuple[str, dict[int, dict[str, Any]]]:
+    """Feed ``pieces`` as a stream (``cut``: the last one ends a reply cut short); the
+    content and the calls the deltas assemble into."""
     content, calls = [], {}
     for k, piece in enumerate(pieces):
-        text, deltas = parser.feed(piece, final=k == len(pieces) - 1)
+        last = k == len(pieces) - 1
+        text, deltas = parser.feed(piece, final=last, cut=cut and last)
         content.append(text)
         for d in deltas:
             if d.id is not None:
@@ -401,8 +405,13 @@ def test_sequence_finishes_with_tool_calls(tokenizer) -> None:  # type: ignore[n
         Detokenizer(tokenizer, []),
         tools=ToolCallParser(req("required")),
     )
-    cut.process(ids[:10], None, "length", None, 0)
-    assert cut.finish_reason == "length" and cut.tools is not None and cut.tools.calls == []
+    cut.process(ids[:-3], None, "length", None, 0)  # inside the second call's arguments
+    assert cut.finish_reason == "length" and cut.tools is not None
+    assert [(c.name, c.arguments) for c in cut.tools.calls] == [
+        ("get_weather", '{"city": "Oslo \\"N\\" {x}", "unit": "c"}'),
+        ("add", tokenizer.decode(ids[:-3])[CALLS.index('{"a": 1') :]),
+    ]
+    assert cut.tools.content is None
 
 
 def test_tool_arguments_are_closed_objects() -> None:
@@ -438,3 +447,105 @@ def test_hermes_cut_off_tag_after_calls_is_not_content() -> None:
     parser = ToolCallParser(req("required", "hermes"))
     content, calls = run_parser(parser, [text])
     assert content == "" and parser.content is None and len(calls) == 1 == len(parser.calls)
+
+
+# -- replies cut short (max_tokens) ------------------------------------------------------
+
+NAMED = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}'
+
+
+def stream_pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_a_named_call_cut_anywhere_is_the_call_with_its_arguments_so_far(size: int) -> None:
+    start = NAMED.index('{"city"')
+    end = NAMED.index("}}") + 1  # the arguments' end
+    for cut in range(len(NAMED)):
+        parser = ToolCallParser(req({"type": "function", "function": {"name": "get_weather"}}))
+        content, streamed = run_parser(parser, stream_pieces(NAMED[:cut], size), cut=True)
+        args = NAMED[start : min(cut, end)] if cut > start else ""
+        assert content == "" and parser.content is None  # the envelope is never content
+        assert [(c.name, c.arguments) for c in parser.calls] == [("get_weather", args)]
+        # the stream said the same: announced (at the end if its name was not written),
+        # the argument pieces concatenate to the same text
+        assert [(v["id"], v["name"], v["arguments"]) for v in streamed.values()] == [
+            (c.id, c.name, c.arguments) for c in parser.calls
+        ]
+
+
+def test_a_cut_among_several_calls_keeps_the_complete_ones() -> None:
+    cut = CALLS.index('"b": -2') + len('"b": -2')  # inside a number
+    parser = ToolCallParser(req("required"))
+    content, streamed = run_parser(parser, stream_pieces(CALLS[:cut], 3), cut=True)
+    assert content == "" and parser.content is None
+    assert [(c.name, c.arguments) for c in parser.calls] == [
+        ("get_weather", '{"city": "Oslo \\"N\\" {x}", "unit": "c"}'),
+        ("add", '{"a": 1, "b": -2'),
+    ]
+    assert [v["arguments"] for _, v in sorted(streamed.items())] == [
+        c.arguments for c in parser.calls
+    ]
+
+
+def test_a_generic_cut_before_any_name_has_no_call_and_no_envelope_as_content() -> None:
+    parser = ToolCallParser(req("required"))
+    content, streamed = run_parser(parser, ['{"tool_calls": [{"name": "get_wea'], cut=True)
+    assert content == "" and streamed == {} and parser.calls == [] and parser.content is None
+    auto = ToolCallParser(req("auto"))  # auto's envelope too; auto's text stays text
+    assert run_parser(auto, ['{"tool_calls": [{"na'], cut=True) == ("", {})
+    assert auto.content is None and auto.calls == []
+    text = ToolCallParser(req("auto"))
+    assert run_parser(text, ["It is sun"], cut=True) == ("It is sun", {})
+    assert text.content == "It is sun" and text.calls == []
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_a_hermes_call_cut_after_its_name_is_a_call(size: int) -> None:
+    cut = HERMES.index('"unit"') + 3
+    parser = ToolCallParser(req("auto", "hermes"))
+    content, streamed = run_parser(parser, stream_pieces(HERMES[:cut], size), cut=True)
+    assert content == "I will check." == parser.content
+    assert [(c.name, c.arguments) for c in parser.calls] == [
+        ("get_weather", '{"city": "Oslo", "un')
+    ]
+    assert [(v["name"], v["arguments"]) for v in streamed.values()] == [
+        ("get_weather", '{"city": "Oslo", "un')
+    ]
+    # the second call writes its arguments first: cut there, it has no name yet, and
+    # its text is content (streamed at the end), after the first, complete, call
+    cut = HERMES.index('"b": 2') + 4
+    parser = ToolCallParser(req("auto", "hermes"))
+    content, streamed = run_parser(parser, stream_pieces(HERMES[:cut], size), cut=True)
+    assert content == 'I will check.\n<tool_call>\n{"arguments": {"a": 1, "b":' == parser.content
+    assert [(c.name, c.arguments) for c in parser.calls] == [
+        ("get_weather", '{"city": "Oslo", "unit": "c"}')
+    ]
+    assert [v["arguments"] for v in streamed.values()] == ['{"city": "Oslo", "unit": "c"}']
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_a_hermes_call_cut_before_its_name_is_the_text_written(size: int) -> None:
+    text = 'Let me see.\n<tool_call>\n{"name": "get_wea'
+    parser = ToolCallParser(req("auto", "hermes"))
+    content, streamed = run_parser(parser, stream_pieces(text, size), cut=True)
+    assert content == text == parser.content and streamed == {} and parser.calls == []
+
+
+def test_a_forced_hermes_call_cut_in_its_tag_is_the_named_call_not_begun() -> None:
+    named = {"type": "function", "function": {"name": "add"}}
+    for text in ["<tool_ca", "<tool_call>\n", '<tool_call>\n{"na', '<tool_call>\n{"name": "add", ']:
+        parser = ToolCallParser(req(named, "hermes"))
+        content, streamed = run_parser(parser, stream_pieces(text, 2), cut=True)
+        assert content == "" and parser.content is None
+        assert [(c.name, c.arguments) for c in parser.calls] == [("add", "")]
+        assert [(v["name"], v["arguments"]) for v in streamed.values()] == [("add", "")]
+
+
+def test_only_a_cut_makes_partial_calls() -> None:
+    # a reply that stopped inside a call (a stop string) keeps its text as content
+    text = '{"tool_calls": [{"name": "add", "arguments": {"a": 1'
+    parser = ToolCallParser(req("required"))
+    run_parser(parser, [text])
+    assert parser.calls == [] and parser.content == text
