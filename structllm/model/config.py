@@ -80,6 +80,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     linear_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    linear_tiled_values: bool = False  # value heads tiled over key heads (llama.cpp's order)
     attn_output_gate: bool = False  # attention output times sigmoid(a gate projection)
 
     def __post_init__(self) -> None:

@@ -232,8 +232,12 @@ class GatedDeltaNet(nn.Module):
         linear_conv_kernel_dim: int,
         rms_norm_eps: float,
         dtype: torch.dtype = torch.float32,
+        tiled_values: bool = False,
     ) -> None:
         super().__init__()
+        # the value heads' order: grouped by key head (Hugging Face's: value head h reads
+        # key head h // (Hv / Hk)) or tiled (llama.cpp's converter reorders them so: h % Hk)
+        self.tiled_values = tiled_values
         if linear_num_value_heads % linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         self.num_k_heads, self.num_v_heads = linear_num_key_heads, linear_num_value_heads
@@ -305,6 +309,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(t, hk, dk))  # [T, Hk, Dk]
         k = l2norm(k.reshape(t, hk, dk))  # [T, Hk, Dk]
+        if self.tiled_values and hv != hk:  # [T, Hv, Dk]: K0 .. K(Hk-1), K0 .. again
+            q, k = q.repeat(1, hv // hk, 1), k.repeat(1, hv // hk, 1)
         beta = b.float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
         o = gated_delta_rule(q, k, v.reshape(t, hv, dv), g, beta, rec_states, rb)  # [T, Hv, Dv]

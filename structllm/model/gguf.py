@@ -244,7 +244,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    layers = int(get("block_count"))
+    # multi-token-prediction blocks (Qwen3.5's) follow the decoder's: not run here
+    layers = int(get("block_count")) - int(get("nextn_predict_layers") or 0)
     head_dim = int(get("attention.key_length") or hidden // heads)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     vocab = get("vocab_size")
@@ -308,6 +309,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(qk_norm="head", conv_kernel=int(get("shortconv.l_cache") or 3))
         if isinstance(kv, list):
             kw["layer_types"] = ["conv" if int(n) == 0 else "attention" for n in kv]
+    elif fam.name == "qwen3_5":
+        kw.update(_qwen3_5(layers, get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
@@ -318,6 +321,30 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     elif fam.name == "qwen3_moe":
         raise ValueError("qwen3moe GGUF file without qwen3moe.expert_count")
     return ModelConfig(**kw)
+
+
+def _qwen3_5(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet sizes from the ``ssm.*`` keys (llama.cpp's names:
+    ``group_count`` key heads, ``time_step_rank`` value heads, ``state_size`` the key
+    head width, ``inner_size`` all value heads' width); the recurrent layers from
+    ``attention.recurrent_layers`` (or every ``full_attention_interval``-th attends).
+    The converter tiles the value heads over the key heads when their counts differ."""
+    flags = get("attention.recurrent_layers")
+    if flags is None:
+        every = int(get("full_attention_interval") or 4)
+        flags = [(i + 1) % every != 0 for i in range(layers)]
+    hk, hv = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
+    return dict(
+        layer_types=["linear_attention" if f else "attention" for f in flags[:layers]],
+        conv_kernel=int(get("ssm.conv_kernel") or 4),
+        linear_key_heads=hk,
+        linear_value_heads=hv,
+        linear_key_head_dim=int(get("ssm.state_size")),
+        linear_value_head_dim=int(get("ssm.inner_size")) // hv,
+        linear_tiled_values=hv != hk,
+        qk_norm="head",
+        attn_output_gate=True,
+    )
 
 
 def _kv_heads(value: Any) -> int:
@@ -429,7 +456,21 @@ _LAYER_NAMES = {
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
 _HF_ROPE_ORDER: tuple[str, ...] = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3")
-_HF_ROPE_ORDER += ("olmo2", "olmo3", "lfm2")
+_HF_ROPE_ORDER += ("olmo2", "olmo3", "lfm2", "qwen3_5")
+
+# Qwen3.5's Gated DeltaNet layers, by llama.cpp's converter's names (``ssm_a`` holds
+# -exp(A_log), read back as A_log)
+_DELTANET_NAMES = {
+    "attn_qkv.weight": "in_proj_qkv",
+    "attn_gate.weight": "in_proj_z",
+    "ssm_beta.weight": "in_proj_b",
+    "ssm_alpha.weight": "in_proj_a",
+    "ssm_conv1d.weight": "conv1d",
+    "ssm_dt.bias": "dt_bias",
+    "ssm_a": "A_log",
+    "ssm_norm.weight": "norm",
+    "ssm_out.weight": "out_proj",
+}
 
 
 _KEEPABLE = (
@@ -443,6 +484,10 @@ _KEEPABLE = (
     "ffn_down.weight",
     "shortconv.in_proj.weight",
     "shortconv.out_proj.weight",
+    "attn_gate.weight",
+    "ssm_alpha.weight",
+    "ssm_beta.weight",
+    "ssm_out.weight",
 )
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -566,6 +611,36 @@ def _rope_perm(cfg: ModelConfig, parts: list[tuple[int, bool]]) -> Tensor:
     return torch.cat(out)
 
 
+def _take_rows(w: Tensor | BlockWeight, rows: Tensor) -> Tensor | BlockWeight:
+    """The rows ``rows`` of ``w`` (a block matrix: those rows of blocks)."""
+    if isinstance(w, BlockWeight):
+        return BlockWeight(w.raw[rows].contiguous(), w.type_name, (len(rows), w.shape[1]))
+    return w[rows].contiguous()
+
+
+def _qwen3_5_tensor(
+    cfg: ModelConfig, layer: int, rest: str, w: Tensor | BlockWeight
+) -> tuple[list[tuple[str, Tensor | BlockWeight]], Tensor | BlockWeight | None]:
+    """A Qwen3.5 layer tensor: what to yield under our names, and what the generic
+    mapping goes on with (None: nothing). A Gated DeltaNet layer's tensors are its
+    mixer's; an attention layer's ``attn_q`` holds each head's query rows, then its gate
+    rows (``[H, 2, D]``): the gate is ``attn_gate``, the query goes on (to be fused with
+    k and v, its rotary rows permuted)."""
+    if cfg.recurrent(layer) is not None and rest in _DELTANET_NAMES:
+        if rest == "ssm_a":
+            assert isinstance(w, Tensor)
+            w = torch.log(-w.float())
+        return [("mixer." + _DELTANET_NAMES[rest], w)], None
+    if rest == "post_attention_norm.weight":  # the MLP's input norm here
+        return [("post_attention_layernorm", w)], None
+    if rest == "attn_q.weight":
+        nh, hd = cfg.num_heads, cfg.head_dim
+        rows = torch.arange(2 * nh * hd).view(nh, 2, hd)
+        gate = _take_rows(w, rows[:, 1].reshape(-1))
+        return [("attn_gate", gate)], _take_rows(w, rows[:, 0].reshape(-1))
+    return [], w
+
+
 def load_tensors(
     reader: Any,
     cfg: ModelConfig,
@@ -625,6 +700,14 @@ def load_tensors(
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             prefix = f"layers.{idx}."
+            if int(idx) >= cfg.num_layers:
+                continue  # a multi-token-prediction block (not run here)
+            if cfg.architecture == "qwen3_5":
+                ours, left = _qwen3_5_tensor(cfg, int(idx), rest, w)
+                yield from ((prefix + n, t) for n, t in ours)
+                if left is None:
+                    continue
+                w = left
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
                 continue

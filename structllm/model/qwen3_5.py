@@ -31,6 +31,7 @@ class Qwen3_5Model(HybridModel):
             cfg.conv_kernel,
             cfg.rms_norm_eps,
             dtype,
+            cfg.linear_tiled_values,
         )
 
 

@@ -60,7 +60,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
-    Family("qwen3_5", "qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), ()),
+    Family("qwen3_5", "qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), ("qwen35",)),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

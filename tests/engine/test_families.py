@@ -147,15 +147,19 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # not here: Mistral (the converter writes it as "llama" without its sliding window, so
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
-QUANTIZED_FAMILIES += ["smollm3", "lfm2"]
+QUANTIZED_FAMILIES += ["smollm3", "lfm2", "qwen3_5"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
+# the converter's arguments per family (Qwen3.5's asks for multi-token-prediction layers,
+# which transformers' tiny model does not have)
+CONVERT_ARGS = {"qwen3_5": ("--no-mtp",)}
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
     from tests.support import llamacpp
 
     try:
-        f32 = llamacpp.convert_hf(gguf_source_dir(family, default_files), "f32")
+        source = gguf_source_dir(family, default_files)
+        f32 = llamacpp.convert_hf(source, "f32", *CONVERT_ARGS.get(family, ()))
         return f32 if qtype == "F32" else llamacpp.quantize(f32, qtype)
     except llamacpp.ToolMissing as e:
         pytest.skip(str(e))
@@ -170,6 +174,8 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
     fields += ("attn_softcap", "final_softcap", "scale", "embed_scale", "post_norms")
     fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    fields += ("layer_types", "conv_kernel", "linear_key_heads", "linear_value_heads")
+    fields += ("linear_key_head_dim", "linear_value_head_dim", "attn_output_gate")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149

@@ -97,11 +97,12 @@ def _fingerprint(paths: list[Path], *extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-def convert_hf(hf_dir: Path, outtype: str = "f32") -> Path:
+def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str) -> Path:
     """``hf_dir`` (a Hugging Face directory) as a GGUF file of ``outtype`` (f32, f16,
-    bf16, q8_0) written by llama.cpp's converter; cached by the directory's content."""
+    bf16, q8_0) written by llama.cpp's converter, with its extra ``args``; cached by
+    the directory's content and the arguments."""
     files = [p for p in hf_dir.iterdir() if p.is_file()]
-    out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, outtype)}.{outtype}.gguf"
+    out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, outtype, *args)}.{outtype}.gguf"
     if out.exists():
         seed_tokenizer(out)
         return out
@@ -110,7 +111,7 @@ def convert_hf(hf_dir: Path, outtype: str = "f32") -> Path:
     tmp = out.with_suffix(".tmp")
     env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"), NO_LOCAL_GGUF="")
     cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir)]
-    cmd += ["--outfile", str(tmp), "--outtype", outtype]
+    cmd += ["--outfile", str(tmp), "--outtype", outtype, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
