@@ -70,6 +70,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_intermediate_size: int = 0  # an expert's MLP width (0: intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
+    shared_expert_intermediate_size: int = 0  # a shared expert's width (0: none)
     # --- hybrid models: layers that keep a recurrent state instead of attending ---
     # per layer: "attention" or a recurrent kind (RECURRENT_KINDS); []: all attention
     layer_types: list[str] = []
@@ -506,6 +507,22 @@ def _qwen3_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": int(cfg["linear_value_head_dim"]),
         "qk_norm": "head",
         "attn_output_gate": True,
+        **_qwen3_5_moe(cfg),
+    }
+
+
+def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5-MoE's experts: every layer's MLP, top k renormalised, and a shared expert
+    behind a sigmoid gate (none for the dense models)."""
+    n = int(cfg.get("num_experts") or 0)
+    if not n:
+        return {}
+    return {
+        "num_experts": n,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": True,
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
     }
 
 
@@ -523,4 +540,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "qwen3_moe": _qwen3_moe,
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5,
 }

@@ -309,7 +309,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(qk_norm="head", conv_kernel=int(get("shortconv.l_cache") or 3))
         if isinstance(kv, list):
             kw["layer_types"] = ["conv" if int(n) == 0 else "attention" for n in kv]
-    elif fam.name == "qwen3_5":
+    elif fam.name in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_qwen3_5(layers, get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
@@ -365,7 +365,7 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
     otherwise; every layer is a MoE layer (its converter writes no dense ones)."""
     if family in ("llama", "mistral"):
         family = "mixtral"
-    if family not in ("mixtral", "qwen3_moe"):
+    if family not in ("mixtral", "qwen3_moe", "qwen3_5_moe"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
     return dict(
         architecture=family,
@@ -373,6 +373,8 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
         num_experts_per_tok=int(get("expert_used_count") or 0),
         moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
         norm_topk_prob=bool(get("expert_weights_norm", True)),
+        # Qwen3.5-MoE's shared expert, behind its sigmoid gate (ffn_*_shexp)
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length") or 0),
     )
 
 
@@ -456,7 +458,10 @@ _LAYER_NAMES = {
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
 _HF_ROPE_ORDER: tuple[str, ...] = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3")
-_HF_ROPE_ORDER += ("olmo2", "olmo3", "lfm2", "qwen3_5")
+_HF_ROPE_ORDER += ("olmo2", "olmo3", "lfm2", "qwen3_5", "qwen3_5_moe")
+
+# Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
+_SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
 
 # Qwen3.5's Gated DeltaNet layers, by llama.cpp's converter's names (``ssm_a`` holds
 # -exp(A_log), read back as A_log)
@@ -488,6 +493,9 @@ _KEEPABLE = (
     "ssm_alpha.weight",
     "ssm_beta.weight",
     "ssm_out.weight",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
 )
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -633,6 +641,11 @@ def _qwen3_5_tensor(
         return [("mixer." + _DELTANET_NAMES[rest], w)], None
     if rest == "post_attention_norm.weight":  # the MLP's input norm here
         return [("post_attention_layernorm", w)], None
+    if rest == "ffn_gate_inp_shexp.weight":  # [hidden] or [1, hidden], as written
+        assert isinstance(w, Tensor)
+        return [("moe.shared_gate", w.reshape(1, -1))], None
+    if rest in _SHARED_EXPERT_NAMES:
+        return [(_SHARED_EXPERT_NAMES[rest], w)], None
     if rest == "attn_q.weight":
         nh, hd = cfg.num_heads, cfg.head_dim
         rows = torch.arange(2 * nh * hd).view(nh, 2, hd)
@@ -702,7 +715,7 @@ def load_tensors(
             prefix = f"layers.{idx}."
             if int(idx) >= cfg.num_layers:
                 continue  # a multi-token-prediction block (not run here)
-            if cfg.architecture == "qwen3_5":
+            if cfg.architecture in ("qwen3_5", "qwen3_5_moe"):
                 ours, left = _qwen3_5_tensor(cfg, int(idx), rest, w)
                 yield from ((prefix + n, t) for n, t in ours)
                 if left is None:
@@ -742,6 +755,9 @@ def load_tensors(
             gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
             if all(n in pending for n in gu):
                 yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
+            gu = [prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"]
+            if all(n in pending for n in gu):
+                yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
         # other tensors (e.g. rope_freqs) are not used
     if pending or pending_experts:
         unpaired = sorted([*pending, *pending_experts])

@@ -206,12 +206,32 @@ class SparseMoe(nn.Module):
         )
         self.hidden, self.ffn = cfg.hidden_size, ffn
         self.native: Any = None  # cpu_moe.cpp's Experts, once built (False: not for these weights)
+        # a shared expert every token runs, weighted by sigmoid(h @ shared_gate^T)
+        # (Qwen3.5-MoE's, Qwen2-MoE's)
+        shared = cfg.shared_expert_intermediate_size
+        if shared and plan is not None:
+            raise ValueError("a shared expert is not split for tensor parallelism")
+        self.shared = Expert(cfg.hidden_size, shared, dtype) if shared else None
+        self.shared_gate = (
+            nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
+            if shared
+            else None
+        )
 
     def forward(
         self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
     ) -> Tensor:
         """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
         ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
+        out = self._routed(h, act, fused_act)
+        if self.shared is not None and self.shared_gate is not None:
+            gate, up = linear(h, self.shared.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
+            y = linear(gated_act(gate, up, act), self.shared.down_proj, int8_ok=True)
+            out = out + torch.sigmoid(linear(h, self.shared_gate)) * y
+        return out
+
+    def _routed(self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None) -> Tensor:
+        """The routed experts' weighted sum (``forward`` without the shared expert)."""
         weights, chosen = self.route(h, fused=fused_act is not None)  # [T, k] each
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()

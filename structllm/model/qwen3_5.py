@@ -4,6 +4,10 @@ gated attention (``ModelConfig.attn_output_gate``: the attention output times
 partial rotary embedding. Its RMSNorms are ``(1 + w)`` (added at load), except the
 DeltaNet's gated norm, whose weight is plain.
 
+Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``) is the same model with every MLP a mixture of
+experts (``layers.SparseMoe``: top k renormalised, plus a shared expert behind a sigmoid
+gate).
+
 The checkpoint's ``q_proj`` holds each head's query rows and then its gate rows
 (``[H, 2, D, hidden]``); they are split here into ``qkv_proj``'s q and ``attn_gate``.
 """
@@ -39,12 +43,41 @@ class Qwen3_5Names(HFNames):
     norm_plus_one = True
 
 
+def experts_to_native(state: dict[str, Tensor], cfg: ModelConfig, i: int) -> dict[str, Tensor]:
+    """Layer ``i``'s router, experts (one tensor per expert and matrix, or transformers'
+    fused ``experts.gate_up_proj [E, 2F, hidden]`` / ``down_proj [E, hidden, F]``) and
+    shared expert with its gate, taken out of ``state``."""
+    p, o = f"model.layers.{i}.mlp.", f"layers.{i}.moe."
+    out = {o + "router": state.pop(p + "gate.weight")}
+    fused = p + "experts.gate_up_proj"
+    for e in range(cfg.num_experts):
+        x, y = f"{p}experts.{e}.", f"{o}experts.{e}."
+        if fused in state:
+            out[y + "gate_up_proj"] = state[fused][e]
+            out[y + "down_proj"] = state[p + "experts.down_proj"][e]
+            continue
+        gate, up = state.pop(x + "gate_proj.weight"), state.pop(x + "up_proj.weight")
+        out[y + "gate_up_proj"] = torch.cat([gate, up])
+        out[y + "down_proj"] = state.pop(x + "down_proj.weight")
+    state.pop(fused, None)
+    state.pop(p + "experts.down_proj", None)
+    if cfg.shared_expert_intermediate_size:
+        x = p + "shared_expert."
+        gate, up = state.pop(x + "gate_proj.weight"), state.pop(x + "up_proj.weight")
+        out[o + "shared.gate_up_proj"] = torch.cat([gate, up])
+        out[o + "shared.down_proj"] = state.pop(x + "down_proj.weight")
+        out[o + "shared_gate"] = state.pop(p + "shared_expert_gate.weight")
+    return out
+
+
 def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     state = dict(state)
     out: dict[str, Tensor] = {}
     nh, hd = cfg.num_heads, cfg.head_dim
     for i in range(cfg.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
+        if cfg.moe_layer(i):
+            out.update(experts_to_native(state, cfg, i))
         if cfg.recurrent(i) is not None:
             out.update(deltanet.from_hf(state, p + "linear_attn.", o + "mixer."))
             continue

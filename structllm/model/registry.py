@@ -61,6 +61,13 @@ FAMILIES: tuple[Family, ...] = (
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family("qwen3_5", "qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), ("qwen35",)),
+    Family(
+        "qwen3_5_moe",
+        "qwen3_5",
+        ("Qwen3_5MoeForCausalLM",),
+        ("qwen3_5_moe_text",),
+        ("qwen35moe",),
+    ),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -458,6 +458,22 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "qwen3_5_moe": (  # Qwen3.5's layers with experts and a gated shared expert
+        "Qwen3_5MoeTextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -693,6 +709,7 @@ def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: 
 GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "mixtral": dict(sliding_window=None),
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+    "qwen3_5_moe": dict(moe_intermediate_size=64),  # block-sized rows for every expert
     "gemma2": dict(query_pre_attn_scalar=32),
 }
 
@@ -703,7 +720,29 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     vocabulary is then that model's pieces, padded to the config's size, and the token
     ids the tests feed are the same ids either way)."""
     extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
-    return tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
+    path = tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
+    model_type = _CONVERTER_MODEL_TYPES.get(family)
+    if model_type is None:
+        return path
+    # the same files, config.json's model_type changed (a sibling directory, made once)
+    out = path.with_name(path.name + "-" + model_type)
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(path, tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        (tmp / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out
+
+
+# transformers gives some model types a tokenizer class of their own whatever
+# tokenizer_config.json says (Qwen3.5-MoE's: its own pre-tokenizer, which llama.cpp's
+# converter then does not recognise in the default model's vocabulary); the converter
+# reads the model from config.json's architectures, so another model type changes only
+# the tokenizer class it is given
+_CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text"}
 
 
 @contextlib.contextmanager
