@@ -260,10 +260,46 @@ TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
+_QWEN3_5_TEXT: dict[str, Any] = {
+    "vocab_size": 248320,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "tie_word_embeddings": False,
+}
+# Qwen3.5 (its vision tower and multi-token-prediction layers are not loaded)
+TEXT_MODELS["Qwen3_5ForConditionalGeneration"] = ("Qwen3_5ForCausalLM", _QWEN3_5_TEXT)
+TEXT_MODELS["Qwen3_5MoeForConditionalGeneration"] = (
+    "Qwen3_5MoeForCausalLM",
+    {
+        **_QWEN3_5_TEXT,
+        "hidden_size": 2048,
+        "intermediate_size": 0,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
+)
 # the same defaults' rope bases, where the text config has no rope_parameters
 _TEXT_ROPE: dict[str, dict[str, float]] = {
     "Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0},
     "MistralForCausalLM": {"rope_theta": 10000.0},
+    "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
 
 
@@ -498,7 +534,12 @@ def _qwen3_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     if types is None:
         every = int(cfg.get("full_attention_interval") or 4)
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    out: dict[str, Any] = {}
+    rope = rope_params(cfg)
+    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) is None:
+        out["rotary_dim"] = base["head_dim"] // 4  # the config class's default, unsaid
     return {
+        **out,
         "layer_types": ["attention" if t == "full_attention" else t for t in types],
         "conv_kernel": int(cfg.get("linear_conv_kernel_dim") or 4),
         "linear_key_heads": int(cfg["linear_num_key_heads"]),

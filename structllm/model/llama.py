@@ -701,7 +701,7 @@ _TEXT_PREFIXES = {
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
 }
-_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.")
+_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
 
 
 def text_model_names(state: dict[str, Tensor]) -> dict[str, Tensor]:

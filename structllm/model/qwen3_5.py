@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from structllm.model import deltanet
 from structllm.model.config import ModelConfig
 from structllm.model.hybrid import HybridModel
-from structllm.model.llama import HFNames
+from structllm.model.llama import HFNames, text_model_names
 from structllm.model.llama import hf_to_native as _hf_to_native
 
 
@@ -71,7 +71,7 @@ def experts_to_native(state: dict[str, Tensor], cfg: ModelConfig, i: int) -> dic
 
 
 def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    state = dict(state)
+    state = text_model_names(state)  # (a multimodal checkpoint's text model)
     out: dict[str, Tensor] = {}
     nh, hd = cfg.num_heads, cfg.head_dim
     for i in range(cfg.num_layers):

@@ -60,11 +60,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
-    Family("qwen3_5", "qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), ("qwen35",)),
+    # Qwen3_5(Moe)ForConditionalGeneration: their text model (config.TEXT_MODELS)
+    Family(
+        "qwen3_5",
+        "qwen3_5",
+        ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+        ("qwen3_5_text",),
+        ("qwen35",),
+    ),
     Family(
         "qwen3_5_moe",
         "qwen3_5",
-        ("Qwen3_5MoeForCausalLM",),
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         ("qwen3_5_moe_text",),
         ("qwen35moe",),
     ),

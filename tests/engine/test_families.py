@@ -202,6 +202,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
         ("Gemma3ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", False),  # as Mistral Small 3.1: an lm_head
+        ("Qwen3_5ForConditionalGeneration", False),  # how Qwen3.5 is published
     ],
 )
 def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, default_files) -> None:  # type: ignore[no-untyped-def]
@@ -222,6 +223,9 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     if arch.startswith("Gemma3"):
         assert cfg.architecture == "gemma3" and cfg.rope_theta == 1e6
         assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
+    elif arch.startswith("Qwen3_5"):
+        assert cfg.architecture == "qwen3_5" and cfg.rotary_dim == 8
+        assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
     else:
         assert cfg.architecture == "mistral" and cfg.layer_windows == []
     ref = getattr(transformers, arch).from_pretrained(str(path), dtype=torch.float32).eval()

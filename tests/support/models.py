@@ -599,6 +599,16 @@ MISTRAL3_MULTIMODAL_TEXT: dict[str, object] = dict(
     sliding_window=None,
     rope_theta=1e6,
 )
+QWEN3_5_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="qwen3_5_text",
+    num_hidden_layers=4,
+    head_dim=32,  # no rope_parameters: the class's partial rotary (a quarter) is unsaid
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 # each multimodal class: its config's model_type, a tiny vision tower, other settings
 MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str, object]]] = {
     "Gemma3ForConditionalGeneration": (
@@ -612,6 +622,12 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         MISTRAL3_MULTIMODAL_TEXT,
         dict(model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
         dict(spatial_merge_size=1),
+    ),
+    "Qwen3_5ForConditionalGeneration": (
+        "qwen3_5",
+        QWEN3_5_MULTIMODAL_TEXT,
+        dict(depth=1, num_heads=2, out_hidden_size=64, patch_size=14),
+        dict(image_token_id=49151),
     ),
 }
 
