@@ -18,7 +18,8 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
-``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2 and Granite families at
+``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2 and
+Qwen3.5 families at
 ``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
 steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
@@ -75,6 +76,24 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         head_dim=128,
         query_pre_attn_scalar=128,
         layer_types=["sliding_attention", "full_attention"] * 4,  # 8 layers, alternating
+    ),
+    # hybrid models: LFM2's pattern (attention in 2 layers of 8; its MLP width derived
+    # from block_ff_dim as LFM2's, 2816) and Qwen3.5's (3 Gated DeltaNet layers in 4)
+    "lfm2": dict(
+        _DENSE,
+        **_HEADS,
+        layer_types=["conv", "conv", "full_attention"] * 2 + ["conv", "conv"],
+        block_multiple_of=256,
+    ),
+    "qwen3_5": dict(
+        _DENSE,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
     ),
 }
 
@@ -207,7 +226,12 @@ def run_llama_server(
 def main() -> None:
     from structllm.model.files import default_model_path, find_model_files
     from tests.support import llamacpp
-    from tests.support.models import FAMILY_CONFIGS, gguf_source_dir, tiny_family_dir
+    from tests.support.models import (
+        CONVERTER_ARGS,
+        FAMILY_CONFIGS,
+        gguf_source_dir,
+        tiny_family_dir,
+    )
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -259,7 +283,8 @@ def main() -> None:
             models.append((fam, "hf", tiny_family_dir(fam, files, **shape)))
         if fam != "mistral":
             try:
-                f32 = llamacpp.convert_hf(gguf_source_dir(fam, files, **shape), "f32")
+                source = gguf_source_dir(fam, files, **shape)
+                f32 = llamacpp.convert_hf(source, "f32", *CONVERTER_ARGS.get(fam, ()))
                 gguf = llamacpp.quantize(f32, args.quant)
                 models.append((f"{fam} {args.quant}", "gguf", gguf))
             except llamacpp.ToolMissing as e:

@@ -18,6 +18,7 @@ from structllm.model.config import ModelConfig
 from structllm.model.layers import rope_attention_factor, rope_inv_freq
 from structllm.model.loader import prepare_model
 from tests.support.models import (
+    CONVERTER_ARGS,
     EXACT,
     FAMILY_CONFIGS,
     WINDOW,
@@ -149,9 +150,6 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3", "lfm2", "qwen3_5", "qwen3_5_moe"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
-# the converter's arguments per family (Qwen3.5's asks for multi-token-prediction layers,
-# which transformers' tiny model does not have)
-CONVERT_ARGS = {"qwen3_5": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
@@ -159,7 +157,7 @@ def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: 
 
     try:
         source = gguf_source_dir(family, default_files)
-        f32 = llamacpp.convert_hf(source, "f32", *CONVERT_ARGS.get(family, ()))
+        f32 = llamacpp.convert_hf(source, "f32", *CONVERTER_ARGS.get(family, ()))
         return f32 if qtype == "F32" else llamacpp.quantize(f32, qtype)
     except llamacpp.ToolMissing as e:
         pytest.skip(str(e))

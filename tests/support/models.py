@@ -753,6 +753,13 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     return out
 
 
+# llama.cpp's converter's arguments per family (Qwen3.5's asks for multi-token-prediction
+# layers, which transformers' model does not have)
+CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
+    "qwen3_5": ("--no-mtp",),
+    "qwen3_5_moe": ("--no-mtp",),
+}
+
 # transformers gives some model types a tokenizer class of their own whatever
 # tokenizer_config.json says (Qwen3.5-MoE's: its own pre-tokenizer, which llama.cpp's
 # converter then does not recognise in the default model's vocabulary); the converter
