@@ -360,6 +360,20 @@ def _gemma(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gemma1(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma (1): ``(1 + w)`` norms (the loader adds the 1), GeGLU, embeddings scaled by
+    sqrt(hidden); pre-norms only. Its ``hidden_act`` "gelu" (the first checkpoints')
+    means the tanh approximation, as transformers reads it."""
+    act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported Gemma activation {act!r}; expected gelu_pytorch_tanh")
+    return dict(
+        mlp_act="gelu_tanh",
+        embed_scale=float(base["hidden_size"]) ** 0.5,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
 def _phi3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     sc = base["rope_scaling"]
     if sc is not None and sc.get("rope_type") == "longrope":
@@ -426,6 +440,7 @@ def _smollm3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "gemma": _gemma1,
     "gemma2": _gemma,
     "gemma3": _gemma,
     "phi3": _phi3,

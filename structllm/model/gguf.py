@@ -273,6 +273,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     window = int(get("attention.sliding_window") or 0)
     if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"
+    elif fam.name == "gemma":  # Gemma 1: no post-norms, windows or soft-capping
+        kw.update(mlp_act="gelu_tanh", embed_scale=hidden**0.5)
     elif fam.name in ("gemma2", "gemma3"):
         kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
     elif fam.name == "phi3":
@@ -405,7 +407,9 @@ _LAYER_NAMES = {
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
+_HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
+_HF_ROPE_ORDER += ("gemma",)
 
 
 _KEEPABLE = (

@@ -39,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     # Gemma3ForConditionalGeneration (4B and up): its text model (config.TEXT_MODELS)
     Family(

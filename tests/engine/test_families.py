@@ -59,6 +59,8 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.attn_softcap == 5.0
     if name == "gemma3":
         assert cfg.layer_windows == [WINDOW] * 5 + [0]
+    if name == "gemma":
+        assert (cfg.mlp_act, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, False)
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
     if name == "olmo3":
@@ -130,6 +132,15 @@ def test_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch, default_
     assert sum(calls) == 3 * len(PROMPTS[3]) * 2 * 2  # every (token, choice) once per matmul
 
 
+def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
+    # the first Gemma checkpoints say "gelu", which transformers runs as tanh GELU
+    cfg = {"architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    assert ModelConfig.from_hf({**cfg, "hidden_act": "gelu"}).mlp_act == "gelu_tanh"
+    with pytest.raises(ValueError, match="unsupported Gemma activation 'relu'"):
+        ModelConfig.from_hf({**cfg, "hidden_act": "relu"})
+
+
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*Qwen3"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
@@ -142,6 +153,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
+QUANTIZED_FAMILIES += ["gemma"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -164,6 +176,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
     fields += ("attn_softcap", "final_softcap", "scale", "embed_scale", "post_norms")
     fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    fields += ("qkv_bias", "mlp_act", "pre_norms")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149

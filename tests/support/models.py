@@ -331,6 +331,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # Gemma (1): one KV head (as the 2B), head_dim other than hidden / heads
+    "gemma": ("GemmaConfig", dict(head_dim=32, num_key_value_heads=1)),
     "gemma2": (
         "Gemma2Config",
         dict(
@@ -422,7 +424,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 def sentencepiece_model() -> Path:
     """A small SentencePiece ``tokenizer.model`` (BPE, 512 pieces, byte fallback) trained
     by sentencepiece on generated text, for llama.cpp's converter of the families it
-    reads only through one (Gemma 2); made once, cached under the structllm cache by
+    reads only through one (Gemma, Gemma 2); made once, cached under the structllm cache by
     what made it."""
     import hashlib
     import io
@@ -656,11 +658,13 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
 
 
 def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path:
-    """The directory a family's GGUF file is made from: Gemma 2's converter reads only a
+    """The directory a family's GGUF file is made from: Gemma's converters read only a
     SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
     vocabulary is then that model's pieces, padded to the config's size, and the token
     ids the tests feed are the same ids either way)."""
-    extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
+    extra: dict[str, Path] | None = None
+    if family in ("gemma", "gemma2"):
+        extra = {"tokenizer.model": sentencepiece_model()}
     return tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
 
 
