@@ -407,6 +407,17 @@ def _granite(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _glm4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4: output norms besides the pre-norms; q/k/v biases by ``attention_bias``
+    (transformers' default: on); partial rotary (read with the rope parameters,
+    transformers' default 0.5)."""
+    partial = rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    out: dict[str, Any] = dict(post_norms=True, qkv_bias=bool(cfg.get("attention_bias", True)))
+    if float(partial) != 1.0:
+        out["rotary_dim"] = int(base["head_dim"] * float(partial))
+    return out
+
+
 def _mixtral(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {
         "num_experts": int(cfg["num_local_experts"]),
@@ -448,6 +459,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "olmo3": _olmo3,
     "granite": _granite,
     "smollm3": _smollm3,
+    "glm4": _glm4,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
 }

@@ -305,6 +305,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
             attn_scale=float(get("attention.scale") or head_dim**-0.5),
             logits_scaling=float(get("logit_scale", 1.0)),
         )
+    elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
+        kw["post_norms"] = True
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
@@ -406,7 +408,8 @@ _LAYER_NAMES = {
 }
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
-# rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
+# rope); the others' (llama, mistral, granite, smollm3) it interleaves itself. GLM-4's
+# are interleaved in the checkpoint already (its rotation is ours), and stay so.
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma",)
@@ -618,7 +621,7 @@ def load_tensors(
                     w = _permute_rows(w, _rope_perm(cfg, [(nh, True), (nkv, True), (nkv, False)]))
                 yield prefix + ("qkv_proj" if rest.endswith("weight") else "qkv_bias"), w
                 continue
-            if rest == "ffn_up.weight" and cfg.architecture == "phi3":  # [gate | up] fused
+            if rest == "ffn_up.weight" and cfg.architecture in ("phi3", "glm4"):  # [gate | up]
                 yield prefix + "gate_up_proj", w
                 continue
             if permute and rest.startswith(("attn_q.", "attn_k.")):

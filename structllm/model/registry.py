@@ -54,6 +54,7 @@ FAMILIES: tuple[Family, ...] = (
     # llama.cpp writes OLMo 3 as "olmo2" with a sliding window (gguf.model_config)
     Family("olmo3", "olmo2", ("Olmo3ForCausalLM",), ("olmo3",), ()),
     Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
+    Family("glm4", "glm4", ("Glm4ForCausalLM",), ("glm4",), ("glm4",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)

@@ -61,6 +61,8 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW] * 5 + [0]
     if name == "gemma":
         assert (cfg.mlp_act, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, False)
+    if name == "glm4":  # half of each 32-wide head rotates
+        assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
     if name == "olmo3":
@@ -153,7 +155,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
-QUANTIZED_FAMILIES += ["gemma"]
+QUANTIZED_FAMILIES += ["gemma", "glm4"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 

@@ -414,6 +414,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "glm4": (  # its default partial rotary (0.5), q/k/v biases, a dense lm_head
+        "Glm4Config",
+        dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    ),
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
@@ -452,6 +456,33 @@ def sentencepiece_model() -> Path:
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(model.getvalue())
     tmp.rename(out)
+    return out
+
+
+def glm_tokenizer_json(files: ModelFiles) -> Path:
+    """The default model's tokenizer with one special token renamed ``<|user|>`` (its
+    ``<gh_stars>``, id 7): llama.cpp's GLM-4 converter takes the end-of-turn token by
+    that name (and ``<|endoftext|>``, which it has). Made once, cached."""
+    import hashlib
+
+    from structllm.paths import cache_root
+
+    raw = files.tokenizer_json.read_bytes()
+    out = (
+        cache_root() / "test-models" / f"glm-tokenizer-{hashlib.sha256(raw).hexdigest()[:16]}.json"
+    )
+    if out.exists():
+        return out
+    tok = json.loads(raw)
+    for added in tok["added_tokens"]:
+        if added["content"] == "<gh_stars>":
+            added["content"] = "<|user|>"
+    vocab = tok["model"]["vocab"]
+    vocab["<|user|>"] = vocab.pop("<gh_stars>")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(tok, ensure_ascii=False))
+    os.replace(tmp, out)
     return out
 
 
@@ -661,10 +692,13 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     """The directory a family's GGUF file is made from: Gemma's converters read only a
     SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
     vocabulary is then that model's pieces, padded to the config's size, and the token
-    ids the tests feed are the same ids either way)."""
+    ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
+    by name (``glm_tokenizer_json``)."""
     extra: dict[str, Path] | None = None
     if family in ("gemma", "gemma2"):
         extra = {"tokenizer.model": sentencepiece_model()}
+    elif family == "glm4":
+        extra = {"tokenizer.json": glm_tokenizer_json(files)}
     return tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
 
 
