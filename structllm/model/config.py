@@ -418,6 +418,14 @@ def _glm4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _ernie4_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5: Llama's options; its ``use_bias`` would put biases on the output and
+    MLP projections too, which the decoder does not have."""
+    if cfg.get("use_bias"):
+        raise ValueError("unsupported ERNIE 4.5 config: use_bias (biases on every projection)")
+    return {}
+
+
 def _mixtral(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {
         "num_experts": int(cfg["num_local_experts"]),
@@ -460,6 +468,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "granite": _granite,
     "smollm3": _smollm3,
     "glm4": _glm4,
+    "ernie4_5": _ernie4_5,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
 }

@@ -143,6 +143,14 @@ def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
         ModelConfig.from_hf({**cfg, "hidden_act": "relu"})
 
 
+def test_ernie_biases_on_every_projection_are_refused() -> None:
+    cfg = {"architectures": ["Ernie4_5ForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    assert ModelConfig.from_hf({**cfg, "use_bias": False}).architecture == "ernie4_5"
+    with pytest.raises(ValueError, match="unsupported ERNIE 4.5 config: use_bias"):
+        ModelConfig.from_hf({**cfg, "use_bias": True})
+
+
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*Qwen3"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
@@ -155,7 +163,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
-QUANTIZED_FAMILIES += ["gemma", "glm4"]
+QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 

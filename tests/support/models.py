@@ -418,6 +418,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "Glm4Config",
         dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
     ),
+    "ernie4_5": (
+        "Ernie4_5Config",
+        dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    ),
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
@@ -428,8 +432,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 def sentencepiece_model() -> Path:
     """A small SentencePiece ``tokenizer.model`` (BPE, 512 pieces, byte fallback) trained
     by sentencepiece on generated text, for llama.cpp's converter of the families it
-    reads only through one (Gemma, Gemma 2); made once, cached under the structllm cache by
-    what made it."""
+    reads only through one (Gemma, Gemma 2, ERNIE 4.5); made once, cached under the
+    structllm cache by what made it."""
     import hashlib
     import io
     import random
@@ -689,13 +693,13 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
 
 
 def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path:
-    """The directory a family's GGUF file is made from: Gemma's converters read only a
-    SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
-    vocabulary is then that model's pieces, padded to the config's size, and the token
-    ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
+    """The directory a family's GGUF file is made from: Gemma's and ERNIE 4.5's converters
+    read only a SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer;
+    the file's vocabulary is then that model's pieces, padded to the config's size, and
+    the token ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
     by name (``glm_tokenizer_json``)."""
     extra: dict[str, Path] | None = None
-    if family in ("gemma", "gemma2"):
+    if family in ("gemma", "gemma2", "ernie4_5"):
         extra = {"tokenizer.model": sentencepiece_model()}
     elif family == "glm4":
         extra = {"tokenizer.json": glm_tokenizer_json(files)}
