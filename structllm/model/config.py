@@ -426,6 +426,31 @@ def _ernie4_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _exaone4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0: norms on the attention and MLP outputs only, q/k norms per head. With
+    a ``sliding_window``, the layers ``layer_types`` (else ``sliding_window_pattern``:
+    "LLLG" or a period) calls sliding have it and are the only ones that rotate q and k,
+    as transformers runs them; without one, every layer rotates."""
+    out: dict[str, Any] = dict(qk_norm="head", pre_norms=False, post_norms=True)
+    window = cfg.get("sliding_window")
+    if not window:
+        return out
+    layers = base["num_layers"]
+    types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    elif isinstance(pattern, str):
+        sliding = [pattern[i % len(pattern)] == "L" for i in range(layers)]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    out["rope_layers"] = sliding
+    if any(sliding):
+        out["layer_windows"] = [int(window) if s else 0 for s in sliding]
+        out["sliding_window"] = int(window)
+    return out
+
+
 def _mixtral(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {
         "num_experts": int(cfg["num_local_experts"]),
@@ -469,6 +494,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "smollm3": _smollm3,
     "glm4": _glm4,
     "ernie4_5": _ernie4_5,
+    "exaone4": _exaone4,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
 }

@@ -233,6 +233,23 @@ def _gemma(
     return out
 
 
+def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """EXAONE 4.0 options: with a window, its layers by
+    ``attention.sliding_window_pattern`` (else three local to one global), and only
+    those rotate, as in transformers. llama.cpp itself reads a window only for the
+    64-layer 32B (4096 when unstated) and else rotates every layer without one; a file
+    converted from a windowed model of another depth is read here as the model it was
+    made from."""
+    out: dict[str, Any] = dict(qk_norm="head", pre_norms=False, post_norms=True)
+    window = window or (4096 if layers == 64 else 0)
+    if window:
+        local = _local_layers(layers, 4, get)
+        out["rope_layers"] = local
+        if any(local):
+            out["layer_windows"] = [window if s else 0 for s in local]
+    return out
+
+
 def model_config(meta: dict[str, Any]) -> ModelConfig:
     """The model's shape and family options from GGUF metadata (the keys llama.cpp's
     converter writes, ``{arch}.*``); ``ValueError`` naming an unsupported architecture."""
@@ -307,6 +324,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         )
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
+    elif fam.name == "exaone4":
+        kw.update(_exaone4(layers, window, get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
@@ -412,7 +431,7 @@ _LAYER_NAMES = {
 # are interleaved in the checkpoint already (its rotation is ours), and stay so.
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
-_HF_ROPE_ORDER += ("gemma",)
+_HF_ROPE_ORDER += ("gemma", "exaone4")
 
 
 _KEEPABLE = (

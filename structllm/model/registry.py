@@ -56,6 +56,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
     Family("glm4", "glm4", ("Glm4ForCausalLM",), ("glm4",), ("glm4",)),
     Family("ernie4_5", "ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), ("ernie4_5",)),
+    Family("exaone4", "exaone4", ("Exaone4ForCausalLM",), ("exaone4",), ("exaone4",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)

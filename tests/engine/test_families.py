@@ -63,6 +63,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.mlp_act, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, False)
     if name == "glm4":  # half of each 32-wide head rotates
         assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
+    if name == "exaone4":  # the global layer: no window, no rotary embedding
+        assert cfg.layer_windows == [WINDOW] * 3 + [0]
+        assert cfg.rope_layers == [True] * 3 + [False] and cfg.qk_norm == "head"
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
     if name == "olmo3":
@@ -151,6 +154,25 @@ def test_ernie_biases_on_every_projection_are_refused() -> None:
         ModelConfig.from_hf({**cfg, "use_bias": True})
 
 
+def test_exaone4_layers_rotate_as_transformers_runs_them() -> None:
+    # without a window (the 1.2B) every layer rotates; with one, only the windowed ones,
+    # from layer_types or the "LLLG" pattern; from GGUF, llama.cpp's 32B window
+    from structllm.model.gguf import model_config
+
+    cfg = {"architectures": ["Exaone4ForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 4, "vocab_size": 8}
+    plain = ModelConfig.from_hf({**cfg, "sliding_window": None})
+    assert plain.rope_layers == [] and plain.layer_windows == [] and not plain.pre_norms
+    lllg = ModelConfig.from_hf({**cfg, "sliding_window": 16, "sliding_window_pattern": "LLLG"})
+    assert lllg.layer_windows == [16, 16, 16, 0] and lllg.rope_layers == [True] * 3 + [False]
+    meta: dict[str, object] = {"general.architecture": "exaone4", "exaone4.block_count": 64}
+    meta |= {"exaone4.embedding_length": 64, "exaone4.attention.head_count": 2}
+    meta |= {"exaone4.feed_forward_length": 8}
+    assert model_config(meta).layer_windows == [4096, 4096, 4096, 0] * 16
+    meta["exaone4.block_count"] = 30
+    assert model_config(meta).rope_layers == [] and model_config(meta).layer_windows == []
+
+
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*Qwen3"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
@@ -163,7 +185,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
-QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5"]
+QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 

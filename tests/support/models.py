@@ -422,6 +422,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "Ernie4_5Config",
         dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     ),
+    "exaone4": (  # the 32B's pattern (windows on three layers of four, NoPE on the
+        # fourth) and its Llama 3 rope scaling (GGUF: the converter's rope_freqs tensor)
+        "Exaone4Config",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            sliding_window_pattern=4,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 1e6,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
