@@ -67,6 +67,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_intermediate_size: int = 0  # an expert's MLP width (0: intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
+    # a shared expert beside the routed ones, gated by sigmoid(w . h) (Qwen2-MoE): its
+    # MLP width (0: none)
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -473,6 +476,25 @@ def _qwen3_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen2_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen3-MoE's routing and layer choice
+    without q/k norms, q/k/v biases (its ``qkv_bias``) and a gated shared expert. With
+    ``use_sliding_window`` and no ``layer_types``, transformers' rule: the even layers
+    below ``max_window_layers`` have the window."""
+    out = {k: v for k, v in _qwen3_moe(cfg, base).items() if k != "qk_norm"}
+    out["qkv_bias"] = bool(cfg.get("qkv_bias", True))
+    out["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") and window and not cfg.get("layer_types"):
+        below = int(cfg.get("max_window_layers", 28))
+        windows = [
+            int(window) if i % 2 == 0 and i < below else 0 for i in range(base["num_layers"])
+        ]
+        if any(windows):
+            out.update(layer_windows=windows, sliding_window=int(window))
+    return out
+
+
 def _smollm3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     flags = cfg.get("no_rope_layers")  # 1: the layer uses rope (the name says the opposite)
     if flags is None:
@@ -497,4 +519,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "exaone4": _exaone4,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
 }

@@ -333,8 +333,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     experts = int(get("expert_count") or 0)
     if experts:
         kw.update(_experts(fam.name, experts, get))
-    elif fam.name == "qwen3_moe":
-        raise ValueError("qwen3moe GGUF file without qwen3moe.expert_count")
+    elif fam.name in ("qwen3_moe", "qwen2_moe"):
+        raise ValueError(f"{arch} GGUF file without {arch}.expert_count")
     return ModelConfig(**kw)
 
 
@@ -342,9 +342,21 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
     """A mixture of experts' options: Mixtral is written as ``llama`` with
     ``expert_count``; Qwen3-MoE as ``qwen3moe``. llama.cpp renormalises the top-k
     router weights of both (its ``norm_w``), unless ``expert_weights_norm`` says
-    otherwise; every layer is a MoE layer (its converter writes no dense ones)."""
+    otherwise; every layer is a MoE layer (its converter writes no dense ones). Qwen2-MoE
+    (``qwen2moe``): never renormalised (llama.cpp's rule), a shared expert of
+    ``expert_shared_feed_forward_length`` (else the dense width)."""
     if family in ("llama", "mistral"):
         family = "mixtral"
+    if family == "qwen2_moe":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=int(
+                get("expert_shared_feed_forward_length") or get("feed_forward_length")
+            ),
+        )
     if family not in ("mixtral", "qwen3_moe"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
     return dict(
@@ -431,9 +443,10 @@ _LAYER_NAMES = {
 # are interleaved in the checkpoint already (its rotation is ours), and stay so.
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
-_HF_ROPE_ORDER += ("gemma", "exaone4")
+_HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe")
 
 
+_KEEPABLE: tuple[str, ...]
 _KEEPABLE = (
     "attn_qkv.weight",
     "attn_q.weight",
@@ -444,6 +457,7 @@ _KEEPABLE = (
     "ffn_up.weight",
     "ffn_down.weight",
 )
+_KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
@@ -629,6 +643,13 @@ def load_tensors(
             if rest == "ffn_gate_inp.weight":  # the router, [E, hidden]
                 yield prefix + "moe.router", w
                 continue
+            if rest == "ffn_gate_inp_shexp.weight":  # Qwen2-MoE's shared expert gate, [hidden]
+                assert isinstance(w, Tensor)  # (a vector: never kept as blocks)
+                yield prefix + "moe.shared_gate", w.reshape(1, -1)
+                continue
+            if rest == "ffn_down_shexp.weight":
+                yield prefix + "moe.shared.down_proj", w
+                continue
             if rest in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 heads = norm_heads[rest[5]]
                 if permute:
@@ -657,6 +678,9 @@ def load_tensors(
             gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
             if all(n in pending for n in gu):
                 yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
+            gu = [prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"]
+            if all(n in pending for n in gu):
+                yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
         # other tensors (e.g. rope_freqs) are not used
     if pending or pending_experts:
         unpaired = sorted([*pending, *pending_experts])

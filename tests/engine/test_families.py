@@ -78,6 +78,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
     if name == "qwen3_moe":
         assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+    if name == "qwen2_moe":
+        assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+        assert cfg.shared_expert_intermediate_size == 96 and cfg.qkv_bias
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:
@@ -185,7 +188,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
-QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4"]
+QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -208,7 +211,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
     fields += ("attn_softcap", "final_softcap", "scale", "embed_scale", "post_norms")
     fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-    fields += ("qkv_bias", "mlp_act", "pre_norms")
+    fields += ("qkv_bias", "mlp_act", "pre_norms", "shared_expert_intermediate_size")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -541,12 +544,13 @@ def test_quantized_gguf_runs_its_blocks(
     assert agree / total >= bar, (agree, total)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe"])
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
     # partial rotary on each rank's heads; OLMo 2's q/k norms over the whole projection
     # (sums of squares all-reduced); Qwen3-MoE's experts cut along their intermediate
-    # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide)
+    # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide);
+    # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank
     from structllm import LLM, SamplingParams
 
     path = str(tiny_family_dir(name, default_files))

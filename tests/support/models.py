@@ -440,6 +440,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "qwen2_moe": (  # a shared expert of its own width, a dense layer among the MoE ones
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
@@ -701,11 +712,13 @@ def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: 
 
 # what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
 # is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
-# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them;
+# and always renormalises the top-k weights (its Qwen2-MoE never does, as the config);
+# 64-wide experts, so Q4_0 can quantise them;
 # llama.cpp's Gemma 2 scales the softmax by head_dim ** -0.5 (all sizes but 27B)
 GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "mixtral": dict(sliding_window=None),
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+    "qwen2_moe": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "gemma2": dict(query_pre_attn_scalar=32),
 }
 
