@@ -440,7 +440,8 @@ _LAYER_NAMES = {
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
 # rope); the others' (llama, mistral, granite, smollm3) it interleaves itself. GLM-4's
-# are interleaved in the checkpoint already (its rotation is ours), and stay so.
+# and ERNIE 4.5's are interleaved in the checkpoint already (their rotation is ours), and
+# stay so.
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe")
