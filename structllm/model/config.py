@@ -433,9 +433,10 @@ def _exaone4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """EXAONE 4.0: norms on the attention and MLP outputs only, q/k norms per head. With
     a ``sliding_window``, the layers ``layer_types`` (else ``sliding_window_pattern``:
     "LLLG" or a period) calls sliding have it and are the only ones that rotate q and k,
-    as transformers runs them; without one, every layer rotates."""
+    as transformers runs them; without one (``null``), every layer rotates. An absent
+    ``sliding_window`` is transformers' default, 4096."""
     out: dict[str, Any] = dict(qk_norm="head", pre_norms=False, post_norms=True)
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096)
     if not window:
         return out
     layers = base["num_layers"]
@@ -483,7 +484,11 @@ def _qwen2_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     below ``max_window_layers`` have the window."""
     out = {k: v for k, v in _qwen3_moe(cfg, base).items() if k != "qk_norm"}
     out["qkv_bias"] = bool(cfg.get("qkv_bias", True))
-    out["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    # transformers' default where the key is absent; null: its MLP's own default width
+    shared = cfg.get("shared_expert_intermediate_size", 5632)
+    out["shared_expert_intermediate_size"] = int(
+        base["intermediate_size"] if shared is None else shared
+    )
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") and window and not cfg.get("layer_types"):
         below = int(cfg.get("max_window_layers", 28))

@@ -166,6 +166,8 @@ def test_exaone4_layers_rotate_as_transformers_runs_them() -> None:
     cfg |= {"num_attention_heads": 2, "num_hidden_layers": 4, "vocab_size": 8}
     plain = ModelConfig.from_hf({**cfg, "sliding_window": None})
     assert plain.rope_layers == [] and plain.layer_windows == [] and not plain.pre_norms
+    unsaid = ModelConfig.from_hf(cfg)  # transformers' defaults: 4096, every fourth global
+    assert unsaid.layer_windows == [4096] * 3 + [0] and unsaid.rope_layers == [True] * 3 + [False]
     lllg = ModelConfig.from_hf({**cfg, "sliding_window": 16, "sliding_window_pattern": "LLLG"})
     assert lllg.layer_windows == [16, 16, 16, 0] and lllg.rope_layers == [True] * 3 + [False]
     meta: dict[str, object] = {"general.architecture": "exaone4", "exaone4.block_count": 64}
