@@ -70,7 +70,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_intermediate_size: int = 0  # an expert's MLP width (0: intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: list[bool] = []  # per layer: MoE or dense ([]: every layer MoE)
-    shared_expert_intermediate_size: int = 0  # a shared expert's width (0: none)
+    # a shared expert beside the routed ones, gated by sigmoid(w . h) (Qwen2-MoE): its
+    # MLP width (0: none)
+    shared_expert_intermediate_size: int = 0
     # --- hybrid models: layers that keep a recurrent state instead of attending ---
     # per layer: "attention" or a recurrent kind (RECURRENT_KINDS); []: all attention
     layer_types: list[str] = []
@@ -435,6 +437,20 @@ def _gemma(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gemma1(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma (1): ``(1 + w)`` norms (the loader adds the 1), GeGLU, embeddings scaled by
+    sqrt(hidden); pre-norms only. Its ``hidden_act`` "gelu" (the first checkpoints')
+    means the tanh approximation, as transformers reads it."""
+    act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported Gemma activation {act!r}; expected gelu_pytorch_tanh")
+    return dict(
+        mlp_act="gelu_tanh",
+        embed_scale=float(base["hidden_size"]) ** 0.5,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
 def _phi3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     sc = base["rope_scaling"]
     if sc is not None and sc.get("rope_type") == "longrope":
@@ -468,6 +484,51 @@ def _granite(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _glm4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4: output norms besides the pre-norms; q/k/v biases by ``attention_bias``
+    (transformers' default: on); partial rotary (read with the rope parameters,
+    transformers' default 0.5)."""
+    partial = rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))
+    out: dict[str, Any] = dict(post_norms=True, qkv_bias=bool(cfg.get("attention_bias", True)))
+    if float(partial) != 1.0:
+        out["rotary_dim"] = int(base["head_dim"] * float(partial))
+    return out
+
+
+def _ernie4_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5: Llama's options; its ``use_bias`` would put biases on the output and
+    MLP projections too, which the decoder does not have."""
+    if cfg.get("use_bias"):
+        raise ValueError("unsupported ERNIE 4.5 config: use_bias (biases on every projection)")
+    return {}
+
+
+def _exaone4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.0: norms on the attention and MLP outputs only, q/k norms per head. With
+    a ``sliding_window``, the layers ``layer_types`` (else ``sliding_window_pattern``:
+    "LLLG" or a period) calls sliding have it and are the only ones that rotate q and k,
+    as transformers runs them; without one (``null``), every layer rotates. An absent
+    ``sliding_window`` is transformers' default, 4096."""
+    out: dict[str, Any] = dict(qk_norm="head", pre_norms=False, post_norms=True)
+    window = cfg.get("sliding_window", 4096)
+    if not window:
+        return out
+    layers = base["num_layers"]
+    types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    elif isinstance(pattern, str):
+        sliding = [pattern[i % len(pattern)] == "L" for i in range(layers)]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    out["rope_layers"] = sliding
+    if any(sliding):
+        out["layer_windows"] = [int(window) if s else 0 for s in sliding]
+        out["sliding_window"] = int(window)
+    return out
+
+
 def _mixtral(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {
         "num_experts": int(cfg["num_local_experts"]),
@@ -488,6 +549,29 @@ def _qwen3_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
         "moe_layers": layers if not all(layers) else [],
     }
+
+
+def _qwen2_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen3-MoE's routing and layer choice
+    without q/k norms, q/k/v biases (its ``qkv_bias``) and a gated shared expert. With
+    ``use_sliding_window`` and no ``layer_types``, transformers' rule: the even layers
+    below ``max_window_layers`` have the window."""
+    out = {k: v for k, v in _qwen3_moe(cfg, base).items() if k != "qk_norm"}
+    out["qkv_bias"] = bool(cfg.get("qkv_bias", True))
+    # transformers' default where the key is absent; null: its MLP's own default width
+    shared = cfg.get("shared_expert_intermediate_size", 5632)
+    out["shared_expert_intermediate_size"] = int(
+        base["intermediate_size"] if shared is None else shared
+    )
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") and window and not cfg.get("layer_types"):
+        below = int(cfg.get("max_window_layers", 28))
+        windows = [
+            int(window) if i % 2 == 0 and i < below else 0 for i in range(base["num_layers"])
+        ]
+        if any(windows):
+            out.update(layer_windows=windows, sliding_window=int(window))
+    return out
 
 
 def _smollm3(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -570,6 +654,7 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "gemma": _gemma1,
     "gemma2": _gemma,
     "gemma3": _gemma,
     "phi3": _phi3,
@@ -577,8 +662,12 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "olmo3": _olmo3,
     "granite": _granite,
     "smollm3": _smollm3,
+    "glm4": _glm4,
+    "ernie4_5": _ernie4_5,
+    "exaone4": _exaone4,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,

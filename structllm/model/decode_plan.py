@@ -198,6 +198,8 @@ def _native_experts(dl: DecoderLayer) -> Any:
     moe = dl.moe
     if moe is None or dl.act != "silu" or moe.router.dtype != torch.float32:
         return None
+    if moe.shared is not None:  # a shared expert: SparseMoe.forward adds it (a cut)
+        return None
     if not moe.router.is_contiguous():
         return None
     return moe.native_experts()

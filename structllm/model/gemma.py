@@ -1,9 +1,13 @@
-"""Gemma 2 and Gemma 3 (text): the Llama decoder with
+"""Gemma, Gemma 2 and Gemma 3 (text): the Llama decoder with
 
 - embeddings scaled by ``sqrt(hidden)``; ``(1 + w)`` RMSNorms (the loader stores
   ``1 + w``, as llama.cpp's converter does);
+- GeGLU with tanh GELU (``mlp_act == "gelu_tanh"``).
+
+Gemma (1) is only that (Llama's norm placement, softmax scale ``head_dim ** -0.5``).
+Gemma 2 and 3 add
+
 - norms before and after attention and the MLP (``pre_norms``, ``post_norms``);
-- GeGLU with tanh GELU (``mlp_act == "gelu_tanh"``);
 - softmax scale ``query_pre_attn_scalar ** -0.5``;
 - sliding-window and global layers (``layer_windows``: Gemma 2 alternates, Gemma 3 has
   five local layers to one global), attended within the window by every backend;
@@ -34,8 +38,12 @@ class GemmaNames(HFNames):
     norm_plus_one = True
 
 
+class Gemma1Names(HFNames):
+    norm_plus_one = True  # Llama's names otherwise
+
+
 def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    return _hf_to_native(state, cfg, GemmaNames)
+    return _hf_to_native(state, cfg, Gemma1Names if cfg.architecture == "gemma" else GemmaNames)
 
 
 MODEL = GemmaModel

@@ -233,6 +233,23 @@ def _gemma(
     return out
 
 
+def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """EXAONE 4.0 options: with a window, its layers by
+    ``attention.sliding_window_pattern`` (else three local to one global), and only
+    those rotate, as in transformers. llama.cpp itself reads a window only for the
+    64-layer 32B (4096 when unstated) and else rotates every layer without one; a file
+    converted from a windowed model of another depth is read here as the model it was
+    made from."""
+    out: dict[str, Any] = dict(qk_norm="head", pre_norms=False, post_norms=True)
+    window = window or (4096 if layers == 64 else 0)
+    if window:
+        local = _local_layers(layers, 4, get)
+        out["rope_layers"] = local
+        if any(local):
+            out["layer_windows"] = [window if s else 0 for s in local]
+    return out
+
+
 def model_config(meta: dict[str, Any]) -> ModelConfig:
     """The model's shape and family options from GGUF metadata (the keys llama.cpp's
     converter writes, ``{arch}.*``); ``ValueError`` naming an unsupported architecture."""
@@ -274,6 +291,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     window = int(get("attention.sliding_window") or 0)
     if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"
+    elif fam.name == "gemma":  # Gemma 1: no post-norms, windows or soft-capping
+        kw.update(mlp_act="gelu_tanh", embed_scale=hidden**0.5)
     elif fam.name in ("gemma2", "gemma3"):
         kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
     elif fam.name == "phi3":
@@ -311,6 +330,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
             kw["layer_types"] = ["conv" if int(n) == 0 else "attention" for n in kv]
     elif fam.name in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_qwen3_5(layers, get))
+    elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
+        kw["post_norms"] = True
+    elif fam.name == "exaone4":
+        kw.update(_exaone4(layers, window, get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
@@ -318,8 +341,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     experts = int(get("expert_count") or 0)
     if experts:
         kw.update(_experts(fam.name, experts, get))
-    elif fam.name == "qwen3_moe":
-        raise ValueError("qwen3moe GGUF file without qwen3moe.expert_count")
+    elif fam.name in ("qwen3_moe", "qwen2_moe"):
+        raise ValueError(f"{arch} GGUF file without {arch}.expert_count")
     return ModelConfig(**kw)
 
 
@@ -362,9 +385,21 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
     """A mixture of experts' options: Mixtral is written as ``llama`` with
     ``expert_count``; Qwen3-MoE as ``qwen3moe``. llama.cpp renormalises the top-k
     router weights of both (its ``norm_w``), unless ``expert_weights_norm`` says
-    otherwise; every layer is a MoE layer (its converter writes no dense ones)."""
+    otherwise; every layer is a MoE layer (its converter writes no dense ones). Qwen2-MoE
+    (``qwen2moe``): never renormalised (llama.cpp's rule), a shared expert of
+    ``expert_shared_feed_forward_length`` (else the dense width)."""
     if family in ("llama", "mistral"):
         family = "mixtral"
+    if family == "qwen2_moe":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=int(
+                get("expert_shared_feed_forward_length") or get("feed_forward_length")
+            ),
+        )
     if family not in ("mixtral", "qwen3_moe", "qwen3_5_moe"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
     return dict(
@@ -456,9 +491,12 @@ _LAYER_NAMES = {
 }
 
 # Families whose q/k rows llama.cpp's converter leaves in Hugging Face order (its NEOX
-# rope); the others' (llama, mistral, granite, smollm3) it interleaves itself.
-_HF_ROPE_ORDER: tuple[str, ...] = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3")
-_HF_ROPE_ORDER += ("olmo2", "olmo3", "lfm2", "qwen3_5", "qwen3_5_moe")
+# rope); the others' (llama, mistral, granite, smollm3) it interleaves itself. GLM-4's
+# and ERNIE 4.5's are interleaved in the checkpoint already (their rotation is ours), and
+# stay so.
+_HF_ROPE_ORDER: tuple[str, ...]
+_HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
+_HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
 _SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
@@ -478,6 +516,7 @@ _DELTANET_NAMES = {
 }
 
 
+_KEEPABLE: tuple[str, ...]
 _KEEPABLE = (
     "attn_qkv.weight",
     "attn_q.weight",
@@ -497,6 +536,7 @@ _KEEPABLE = (
     "ffn_up_shexp.weight",
     "ffn_down_shexp.weight",
 )
+_KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
@@ -727,6 +767,13 @@ def load_tensors(
             if rest == "ffn_gate_inp.weight":  # the router, [E, hidden]
                 yield prefix + "moe.router", w
                 continue
+            if rest == "ffn_gate_inp_shexp.weight":  # Qwen2-MoE's shared expert gate, [hidden]
+                assert isinstance(w, Tensor)  # (a vector: never kept as blocks)
+                yield prefix + "moe.shared_gate", w.reshape(1, -1)
+                continue
+            if rest == "ffn_down_shexp.weight":
+                yield prefix + "moe.shared.down_proj", w
+                continue
             if rest in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 heads = norm_heads[rest[5]]
                 if permute:
@@ -738,7 +785,7 @@ def load_tensors(
                     w = _permute_rows(w, _rope_perm(cfg, [(nh, True), (nkv, True), (nkv, False)]))
                 yield prefix + ("qkv_proj" if rest.endswith("weight") else "qkv_bias"), w
                 continue
-            if rest == "ffn_up.weight" and cfg.architecture == "phi3":  # [gate | up] fused
+            if rest == "ffn_up.weight" and cfg.architecture in ("phi3", "glm4"):  # [gate | up]
                 yield prefix + "gate_up_proj", w
                 continue
             if permute and rest.startswith(("attn_q.", "attn_k.")):

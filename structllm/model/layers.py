@@ -192,7 +192,11 @@ class Expert(nn.Module):
 class SparseMoe(nn.Module):
     """The router (``router: [E, hidden]``) and the experts of one layer; with ``plan``,
     every expert's slice of its intermediate dimension (the output is then this rank's
-    partial sum, completed by the layer's all-reduce)."""
+    partial sum, completed by the layer's all-reduce). With
+    ``cfg.shared_expert_intermediate_size`` (Qwen2-MoE), a shared expert (``shared``, a
+    gated MLP every token runs) whose output, scaled by ``sigmoid(shared_gate . h)``
+    (``shared_gate: [1, hidden]``), is added to the routed experts' (a per-token scale,
+    so with ``plan`` its partial sum is the rank's share too)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None = None) -> None:
         super().__init__()
@@ -206,37 +210,25 @@ class SparseMoe(nn.Module):
         )
         self.hidden, self.ffn = cfg.hidden_size, ffn
         self.native: Any = None  # cpu_moe.cpp's Experts, once built (False: not for these weights)
-        # a shared expert every token runs, weighted by sigmoid(h @ shared_gate^T)
-        # (Qwen3.5-MoE's, Qwen2-MoE's)
-        shared = cfg.shared_expert_intermediate_size
-        if shared and plan is not None:
-            raise ValueError("a shared expert is not split for tensor parallelism")
-        self.shared = Expert(cfg.hidden_size, shared, dtype) if shared else None
-        self.shared_gate = (
-            nn.Parameter(torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False)
-            if shared
-            else None
-        )
+        self.shared: Expert | None = None
+        self.shared_gate: nn.Parameter | None = None
+        if cfg.shared_expert_intermediate_size:
+            width = len(plan.shared_ffn) if plan else cfg.shared_expert_intermediate_size
+            self.shared = Expert(cfg.hidden_size, width, dtype)
+            self.shared_gate = nn.Parameter(
+                torch.empty(1, cfg.hidden_size, dtype=dtype), requires_grad=False
+            )
 
     def forward(
         self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
     ) -> Tensor:
         """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
         ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
-        out = self._routed(h, act, fused_act)
-        if self.shared is not None and self.shared_gate is not None:
-            gate, up = linear(h, self.shared.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-            y = linear(gated_act(gate, up, act), self.shared.down_proj, int8_ok=True)
-            out = out + torch.sigmoid(linear(h, self.shared_gate)) * y
-        return out
-
-    def _routed(self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None) -> Tensor:
-        """The routed experts' weighted sum (``forward`` without the shared expert)."""
         weights, chosen = self.route(h, fused=fused_act is not None)  # [T, k] each
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)
-                return cast(Tensor, native.forward(h, chosen, weights))
+                return self._add_shared(h, native.forward(h, chosen, weights), act, fused_act)
         weights = weights.to(h.dtype).flatten()  # [T * k]
         # (token, choice) slots sorted by expert; each expert's run of slots at once
         flat = chosen.flatten()
@@ -263,7 +255,27 @@ class SparseMoe(nn.Module):
             # stalls whenever a pool thread is descheduled (median 8 us, mean 15 ms on 2
             # busy cores); index_put_ here runs inline (mean 9 us)
             out.index_put_((rows,), y * weights[slots, None], accumulate=True)
-        return out
+        return self._add_shared(h, out, act, fused_act)
+
+    def _add_shared(
+        self,
+        h: Tensor,
+        out: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None,
+    ) -> Tensor:
+        """``out`` (the routed experts' sum) plus the gated shared expert's output, if
+        the layer has one (transformers' order: the shared output scaled, then added)."""
+        if self.shared is None or self.shared_gate is None:
+            return out
+        gate_up = linear(h, self.shared.gate_up_proj, int8_ok=True)  # [T, 2S]
+        if fused_act is not None:
+            mid = fused_act(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = gated_act(gate, up, act)
+        y = linear(mid, self.shared.down_proj, int8_ok=True)  # [T, hidden]
+        return out + torch.sigmoid(F.linear(h, self.shared_gate)) * y
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """The router's top k of ``h: [T, hidden]``: (weights, chosen), ``[T, k]`` each.

@@ -678,7 +678,9 @@ class HFNames:
     """Where a family's Hugging Face checkpoint keeps each of our tensors (suffixes after
     ``model.layers.{i}.``); None: the family has no such tensor. ``qkv``/``gate_up``:
     one fused tensor (Phi-3) instead of ``q``, ``k``, ``v`` / ``gate``, ``up``.
-    ``norm_plus_one``: the checkpoint stores Gemma's ``w`` of ``(1 + w)``."""
+    ``norm_plus_one``: the checkpoint stores Gemma's ``w`` of ``(1 + w)``.
+    ``rope_interleaved``: its q/k rows already pair rotary dimensions as ours do
+    (GLM-4's rotation of ``x[0::2]`` with ``x[1::2]``), so they are not permuted."""
 
     q, k, v = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
     qkv: str | None = None
@@ -691,6 +693,7 @@ class HFNames:
     attn_out_norm: str | None = None
     mlp_out_norm: str | None = None
     norm_plus_one = False
+    rope_interleaved = False
 
 
 # a multimodal checkpoint's text model (config.TEXT_MODELS): saved under
@@ -734,7 +737,7 @@ def hf_to_native(
     nh, nkv, hd, rd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim
 
     def rot(w: Tensor, heads: int) -> Tensor:
-        return interleave_rope_rows(w, heads, rd)
+        return w if names.rope_interleaved else interleave_rope_rows(w, heads, rd)
 
     out = {"embed_tokens": take("model.embed_tokens.weight"), "norm": norm("model.norm.weight")}
     if "lm_head.weight" in state and not cfg.tie_word_embeddings:

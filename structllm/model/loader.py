@@ -138,6 +138,7 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         cfg,
         vocab_size=shapes["token_embd.weight"][0],
         tie_word_embeddings="output.weight" not in shapes,
+        qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes,  # GLM-4's, where written
     )
     del reader
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")

@@ -1,8 +1,9 @@
-"""Mixture-of-experts decoders, Mixtral and Qwen3-MoE: the Llama decoder (Qwen3's q/k
-norms for Qwen3-MoE) whose MLP is a router and ``num_experts`` gated MLPs, of which
-each token runs its top ``num_experts_per_tok``, weighted by the router's softmax
-(renormalised over the chosen ones: always for Mixtral, ``norm_topk_prob`` for
-Qwen3-MoE).
+"""Mixture-of-experts decoders, Mixtral, Qwen3-MoE and Qwen2-MoE: the Llama decoder
+(Qwen3's q/k norms for Qwen3-MoE, Qwen2's q/k/v biases for Qwen2-MoE) whose MLP is a
+router and ``num_experts`` gated MLPs, of which each token runs its top
+``num_experts_per_tok``, weighted by the router's softmax (renormalised over the chosen
+ones: always for Mixtral, ``norm_topk_prob`` for the Qwen ones). Qwen2-MoE adds a shared
+expert every token runs, scaled by a sigmoid gate of its own (``SparseMoe.shared``).
 
 The experts run grouped by expert (``layers.SparseMoe.forward``): the step's (token, choice)
 pairs are sorted by expert, and each expert's tokens go through its two matmuls at once,
@@ -57,6 +58,12 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
             continue
         p, o = f"model.layers.{i}.", f"layers.{i}.moe."
         moe_state[o + "router"] = state.pop(f"{p}{names.router}.weight")
+        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+            x = p + "mlp.shared_expert."
+            gate, up = state.pop(f"{x}gate_proj.weight"), state.pop(f"{x}up_proj.weight")
+            moe_state[o + "shared.gate_up_proj"] = torch.cat([gate, up])
+            moe_state[o + "shared.down_proj"] = state.pop(f"{x}down_proj.weight")
+            moe_state[o + "shared_gate"] = state.pop(f"{p}mlp.shared_expert_gate.weight")
         for e in range(cfg.num_experts):
             x = p + names.expert.format(e=e) + "."
             gate = state.pop(f"{x}{names.expert_gate}.weight")

@@ -39,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     # Gemma3ForConditionalGeneration (4B and up): its text model (config.TEXT_MODELS)
     Family(
@@ -53,11 +54,15 @@ FAMILIES: tuple[Family, ...] = (
     # llama.cpp writes OLMo 3 as "olmo2" with a sliding window (gguf.model_config)
     Family("olmo3", "olmo2", ("Olmo3ForCausalLM",), ("olmo3",), ()),
     Family("granite", "granite", ("GraniteForCausalLM",), ("granite",), ("granite",)),
+    Family("glm4", "glm4", ("Glm4ForCausalLM",), ("glm4",), ("glm4",)),
+    Family("ernie4_5", "ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), ("ernie4_5",)),
+    Family("exaone4", "exaone4", ("Exaone4ForCausalLM",), ("exaone4",), ("exaone4",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
+    Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     # Qwen3_5(Moe)ForConditionalGeneration: their text model (config.TEXT_MODELS)

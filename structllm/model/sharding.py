@@ -70,6 +70,7 @@ class ShardPlan:
     expert_ffn: range  # each expert's intermediate columns (mixture of experts)
     vocab: range  # vocabulary rows of the embedding and the LM head
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary slice length, in rank order
+    shared_ffn: range = range(0)  # a shared expert's intermediate columns (Qwen2-MoE)
 
     @property
     def num_heads(self) -> int:
@@ -105,7 +106,8 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
                 f"{n // hkv} ranks, which does not divide evenly"
             )
     expert_ffn = cfg.moe_intermediate_size or cfg.intermediate_size
-    if n > cfg.intermediate_size or n > cfg.vocab_size or n > expert_ffn:
+    shared = cfg.shared_expert_intermediate_size or n
+    if n > cfg.intermediate_size or n > cfg.vocab_size or n > expert_ffn or n > shared:
         raise ValueError(f"tensor_parallel_size {n} exceeds the model's MLP or vocabulary size")
     vocab_sizes = tuple(len(_even_range(cfg.vocab_size, r, n)) for r in range(n))
     plans = []
@@ -129,6 +131,7 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
                 expert_ffn=_even_range(expert_ffn, r, n),
                 vocab=_even_range(cfg.vocab_size, r, n),
                 vocab_sizes=vocab_sizes,
+                shared_ffn=_even_range(cfg.shared_expert_intermediate_size, r, n),
             )
         )
     return plans
@@ -203,6 +206,8 @@ def shard_weights(
             else cfg.intermediate_size
         )
         cols = plan.expert_ffn if expert else plan.ffn
+        if ".moe.shared." in name:  # the shared expert: its own width
+            ffn, cols = cfg.shared_expert_intermediate_size, plan.shared_ffn
         part: Matrix
         if kind == "q_norm" and cfg.qk_norm == "full":  # [H*D]: this rank's heads
             part = _own(_rows(w, plan.heads, d))

@@ -60,6 +60,13 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.attn_softcap == 5.0
     if name == "gemma3":
         assert cfg.layer_windows == [WINDOW] * 5 + [0]
+    if name == "gemma":
+        assert (cfg.mlp_act, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, False)
+    if name == "glm4":  # half of each 32-wide head rotates
+        assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
+    if name == "exaone4":  # the global layer: no window, no rotary embedding
+        assert cfg.layer_windows == [WINDOW] * 3 + [0]
+        assert cfg.rope_layers == [True] * 3 + [False] and cfg.qk_norm == "head"
     if name == "smollm3":
         assert cfg.rope_layers == [True, True, True, False]
     if name == "olmo3":
@@ -78,6 +85,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "qwen3_5":
         assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
         assert cfg.attn_output_gate and cfg.rotary_dim == 8 and cfg.conv_kernel == 4
+    if name == "qwen2_moe":
+        assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+        assert cfg.shared_expert_intermediate_size == 96 and cfg.qkv_bias
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:
@@ -137,6 +147,44 @@ def test_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch, default_
     assert sum(calls) == 3 * len(PROMPTS[3]) * 2 * 2  # every (token, choice) once per matmul
 
 
+def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
+    # the first Gemma checkpoints say "gelu", which transformers runs as tanh GELU
+    cfg = {"architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    assert ModelConfig.from_hf({**cfg, "hidden_act": "gelu"}).mlp_act == "gelu_tanh"
+    with pytest.raises(ValueError, match="unsupported Gemma activation 'relu'"):
+        ModelConfig.from_hf({**cfg, "hidden_act": "relu"})
+
+
+def test_ernie_biases_on_every_projection_are_refused() -> None:
+    cfg = {"architectures": ["Ernie4_5ForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    assert ModelConfig.from_hf({**cfg, "use_bias": False}).architecture == "ernie4_5"
+    with pytest.raises(ValueError, match="unsupported ERNIE 4.5 config: use_bias"):
+        ModelConfig.from_hf({**cfg, "use_bias": True})
+
+
+def test_exaone4_layers_rotate_as_transformers_runs_them() -> None:
+    # without a window (the 1.2B) every layer rotates; with one, only the windowed ones,
+    # from layer_types or the "LLLG" pattern; from GGUF, llama.cpp's 32B window
+    from structllm.model.gguf import model_config
+
+    cfg = {"architectures": ["Exaone4ForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 4, "vocab_size": 8}
+    plain = ModelConfig.from_hf({**cfg, "sliding_window": None})
+    assert plain.rope_layers == [] and plain.layer_windows == [] and not plain.pre_norms
+    unsaid = ModelConfig.from_hf(cfg)  # transformers' defaults: 4096, every fourth global
+    assert unsaid.layer_windows == [4096] * 3 + [0] and unsaid.rope_layers == [True] * 3 + [False]
+    lllg = ModelConfig.from_hf({**cfg, "sliding_window": 16, "sliding_window_pattern": "LLLG"})
+    assert lllg.layer_windows == [16, 16, 16, 0] and lllg.rope_layers == [True] * 3 + [False]
+    meta: dict[str, object] = {"general.architecture": "exaone4", "exaone4.block_count": 64}
+    meta |= {"exaone4.embedding_length": 64, "exaone4.attention.head_count": 2}
+    meta |= {"exaone4.feed_forward_length": 8}
+    assert model_config(meta).layer_windows == [4096, 4096, 4096, 0] * 16
+    meta["exaone4.block_count"] = 30
+    assert model_config(meta).rope_layers == [] and model_config(meta).layer_windows == []
+
+
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*Qwen3"):
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
@@ -148,7 +196,9 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 # not here: Mistral (the converter writes it as "llama" without its sliding window, so
 # the file is another model past the window)
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
-QUANTIZED_FAMILIES += ["smollm3", "lfm2", "qwen3_5", "qwen3_5_moe"]
+QUANTIZED_FAMILIES += ["smollm3"]
+QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
+QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -172,9 +222,9 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields = ("architecture", "layer_windows", "rope_layers", "qk_norm", "rotary_dim")
     fields += ("attn_softcap", "final_softcap", "scale", "embed_scale", "post_norms")
     fields += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    fields += ("qkv_bias", "mlp_act", "pre_norms", "shared_expert_intermediate_size")
     fields += ("layer_types", "conv_kernel", "linear_key_heads", "linear_value_heads")
     fields += ("linear_key_head_dim", "linear_value_head_dim", "attn_output_gate")
-    fields += ("shared_expert_intermediate_size",)
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -437,7 +487,7 @@ def test_split_gguf_model_with_a_part_missing_is_refused(tmp_path: Path, default
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
     """A float16 or bfloat16 directory, or an F16 GGUF file, in the default format: its
     experts are float16 rows (``HalfMatrix``, not fbgemm's copy) run by the native expert
@@ -527,12 +577,13 @@ def test_quantized_gguf_runs_its_blocks(
     assert agree / total >= bar, (agree, total)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe"])
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
     # partial rotary on each rank's heads; OLMo 2's q/k norms over the whole projection
     # (sums of squares all-reduced); Qwen3-MoE's experts cut along their intermediate
-    # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide)
+    # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide);
+    # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank
     from structllm import LLM, SamplingParams
 
     path = str(tiny_family_dir(name, default_files))

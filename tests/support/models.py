@@ -350,6 +350,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "mistral": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # Gemma (1): one KV head (as the 2B), head_dim other than hidden / heads
+    "gemma": ("GemmaConfig", dict(head_dim=32, num_key_value_heads=1)),
     "gemma2": (
         "Gemma2Config",
         dict(
@@ -431,6 +433,43 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "glm4": (  # its default partial rotary (0.5), q/k/v biases, a dense lm_head
+        "Glm4Config",
+        dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    ),
+    "ernie4_5": (
+        "Ernie4_5Config",
+        dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    ),
+    "exaone4": (  # the 32B's pattern (windows on three layers of four, NoPE on the
+        # fourth) and its Llama 3 rope scaling (GGUF: the converter's rope_freqs tensor)
+        "Exaone4Config",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            sliding_window_pattern=4,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 1e6,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2_moe": (  # a shared expert of its own width, a dense layer among the MoE ones
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
     "smollm3": (
         "SmolLM3Config",
         dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], tie_word_embeddings=True),
@@ -480,8 +519,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 def sentencepiece_model() -> Path:
     """A small SentencePiece ``tokenizer.model`` (BPE, 512 pieces, byte fallback) trained
     by sentencepiece on generated text, for llama.cpp's converter of the families it
-    reads only through one (Gemma 2); made once, cached under the structllm cache by
-    what made it."""
+    reads only through one (Gemma, Gemma 2, ERNIE 4.5); made once, cached under the
+    structllm cache by what made it."""
     import hashlib
     import io
     import random
@@ -508,6 +547,33 @@ def sentencepiece_model() -> Path:
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(model.getvalue())
     tmp.rename(out)
+    return out
+
+
+def glm_tokenizer_json(files: ModelFiles) -> Path:
+    """The default model's tokenizer with one special token renamed ``<|user|>`` (its
+    ``<gh_stars>``, id 7): llama.cpp's GLM-4 converter takes the end-of-turn token by
+    that name (and ``<|endoftext|>``, which it has). Made once, cached."""
+    import hashlib
+
+    from structllm.paths import cache_root
+
+    raw = files.tokenizer_json.read_bytes()
+    out = (
+        cache_root() / "test-models" / f"glm-tokenizer-{hashlib.sha256(raw).hexdigest()[:16]}.json"
+    )
+    if out.exists():
+        return out
+    tok = json.loads(raw)
+    for added in tok["added_tokens"]:
+        if added["content"] == "<gh_stars>":
+            added["content"] = "<|user|>"
+    vocab = tok["model"]["vocab"]
+    vocab["<|user|>"] = vocab.pop("<gh_stars>")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(tok, ensure_ascii=False))
+    os.replace(tmp, out)
     return out
 
 
@@ -720,22 +786,29 @@ def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: 
 
 # what a GGUF file cannot say, taken out of the directory the file is made from: Mixtral
 # is written as "llama" without its window; llama.cpp's Qwen3-MoE has no dense layers
-# and always renormalises the top-k weights; 64-wide experts, so Q4_0 can quantise them;
+# and always renormalises the top-k weights (its Qwen2-MoE never does, as the config);
+# 64-wide experts, so Q4_0 can quantise them;
 # llama.cpp's Gemma 2 scales the softmax by head_dim ** -0.5 (all sizes but 27B)
 GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "mixtral": dict(sliding_window=None),
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
+    "qwen2_moe": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "qwen3_5_moe": dict(moe_intermediate_size=64),  # block-sized rows for every expert
     "gemma2": dict(query_pre_attn_scalar=32),
 }
 
 
 def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path:
-    """The directory a family's GGUF file is made from: Gemma 2's converter reads only a
-    SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer; the file's
-    vocabulary is then that model's pieces, padded to the config's size, and the token
-    ids the tests feed are the same ids either way)."""
-    extra = {"tokenizer.model": sentencepiece_model()} if family == "gemma2" else None
+    """The directory a family's GGUF file is made from: Gemma's and ERNIE 4.5's converters
+    read only a SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer;
+    the file's vocabulary is then that model's pieces, padded to the config's size, and
+    the token ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
+    by name (``glm_tokenizer_json``)."""
+    extra: dict[str, Path] | None = None
+    if family in ("gemma", "gemma2", "ernie4_5"):
+        extra = {"tokenizer.model": sentencepiece_model()}
+    elif family == "glm4":
+        extra = {"tokenizer.json": glm_tokenizer_json(files)}
     path = tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
     model_type = _CONVERTER_MODEL_TYPES.get(family)
     if model_type is None:
