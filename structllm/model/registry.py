@@ -61,6 +61,14 @@ FAMILIES: tuple[Family, ...] = (
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     Family("qwen3_5", "qwen3_5", ("Qwen3_5ForCausalLM",), ("qwen3_5_text",), ()),
+    # Granite 4 (dense: its shared MLP; Mamba-2 layers beside NoPE attention)
+    Family(
+        "granitemoehybrid",
+        "granite_hybrid",
+        ("GraniteMoeHybridForCausalLM",),
+        ("granitemoehybrid",),
+        (),
+    ),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -77,6 +77,12 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "qwen3_5":
         assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
         assert cfg.attn_output_gate and cfg.rotary_dim == 8 and cfg.conv_kernel == 4
+    if name == "granitemoehybrid":
+        assert cfg.layer_types == ["mamba", "mamba", "attention", "mamba", "attention"]
+        assert cfg.rope_layers == [False] * 5 and cfg.intermediate_size == 96
+        assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_groups) == (4, 32, 2)
+        assert (cfg.mamba_d_state, cfg.mamba_chunk_size, cfg.conv_kernel) == (8, 16, 4)
+        assert (cfg.residual_scale, cfg.logits_scaling, cfg.attn_scale) == (0.5, 4.0, 0.1)
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:
