@@ -521,16 +521,12 @@ def _granitemoehybrid(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, An
     as transformers 5 also writes them "linear_attention"/"full_attention"; none given:
     all Mamba, transformers' default), Granite's multipliers, rotary only with
     ``position_embedding_type`` "rope" (Granite 4's hybrids are NoPE), and the
-    ``shared_mlp`` as each layer's gated MLP. The mixture-of-experts variants
-    (``num_local_experts`` > 0) are refused."""
+    ``shared_mlp`` as each layer's gated MLP (``intermediate_size``), beside
+    ``num_local_experts`` routed experts (``moe_intermediate_size``: the config's
+    ``intermediate_size``) in the MoE variants; their top-k weights are a softmax over
+    the top k, i.e. renormalised."""
     n = base["num_layers"]
     experts = int(cfg.get("num_local_experts") or 0)
-    if experts:
-        raise ValueError(
-            f"GraniteMoeHybridForCausalLM with num_local_experts={experts} (a mixture of "
-            "experts beside the shared MLP) is not supported; only the dense Granite 4 "
-            "models (num_local_experts 0, e.g. granite-4.0-h-micro) are"
-        )
     # (transformers writes infinity as {"__float__": "Infinity"})
     limit = [
         float(v["__float__"] if isinstance(v, dict) else v)
@@ -543,13 +539,24 @@ def _granitemoehybrid(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, An
     kinds |= {"attention": "attention", "full_attention": "attention"}
     if unknown := sorted(set(types) - set(kinds)):
         raise ValueError(f"unsupported GraniteMoeHybrid layer types {unknown}")
+    if experts and "mamba" not in {kinds[t] for t in types}:
+        raise ValueError(
+            f"GraniteMoeHybridForCausalLM with num_local_experts={experts} and no Mamba "
+            "layers is not supported (its experts run on the hybrid models' path only)"
+        )
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": base["intermediate_size"],  # the routed experts' width
+    }
     heads = int(cfg.get("mamba_n_heads") or 128)
     inner = int(cfg.get("mamba_expand") or 2) * base["hidden_size"]
     head_dim = cfg.get("mamba_d_head") or "auto"
     rope = cfg.get("position_embedding_type") == "rope"
     return {
         **_granite(cfg, base),
-        "intermediate_size": int(cfg.get("shared_intermediate_size") or 1024),
+        **(moe if experts else {}),
+        "intermediate_size": int(cfg.get("shared_intermediate_size") or 1024),  # shared_mlp
         "layer_types": [kinds[t] for t in types],
         "rope_layers": [] if rope else [False] * n,
         "conv_kernel": int(cfg.get("mamba_d_conv") or 4),
