@@ -276,3 +276,27 @@ def test_fresh_slot_ignores_old_state() -> None:
     first = ours(x[:1], (conv, ssm), batch([(1, 1, True)], 1))
     rest = ours(x[1:], (conv, ssm), batch([(19, 1, False)], 0))
     close(torch.cat([first, rest]), clean)
+
+
+@torch.no_grad()
+def test_layer_in_bfloat16() -> None:
+    """bfloat16 weights and activations beside the runner's float32 states (the
+    convolution's window in the activations' dtype), a prefill then decodes: off the
+    float32 layer by no more than transformers' own layer in bfloat16 is (the gated
+    group norm magnifies rounding in a small group: ~1 on some rows for both)."""
+    hf = hf_layer(seed=3)
+    ours = ours_from(hf)
+    half = ours_from(hf).to(torch.bfloat16)
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(6))
+    got, want = [], []
+    for layer, out, dtype in ((ours, want, torch.float32), (half, got, torch.bfloat16)):
+        conv, ssm = empty_states(ours, 2)
+        out.append(layer(x[:37].to(dtype), (conv, ssm), batch([(37, 1, True)], 0)))
+        for i in range(37, 40):
+            out.append(layer(x[i : i + 1].to(dtype), (conv, ssm), batch([(1, 1, False)], 1)))
+    assert got[0].dtype == torch.bfloat16
+    exact = torch.cat(want)
+    theirs = hf.to(torch.bfloat16)(x[None].bfloat16())[0].float()
+    err = (torch.cat(got).float() - exact).abs().max(-1).values  # [40]
+    their_err = (theirs - exact).abs().max(-1).values
+    assert (err <= 1.5 * their_err + 0.02).all(), (err, their_err)
