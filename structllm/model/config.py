@@ -534,6 +534,10 @@ def _granitemoehybrid(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, An
     ]
     if limit and limit != [0.0, float("inf")]:
         raise ValueError(f"GraniteMoeHybrid time_step_limit {limit} is not supported")
+    if cfg.get("attention_bias"):  # (o_proj's bias has no place in the shared decoder)
+        raise ValueError("GraniteMoeHybrid with attention_bias is not supported")
+    if (act := cfg.get("hidden_act", "silu")) != "silu":
+        raise ValueError(f"GraniteMoeHybrid hidden_act {act!r} is not supported (silu is)")
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
     kinds = {"mamba": "mamba", "linear_attention": "mamba"}
     kinds |= {"attention": "attention", "full_attention": "attention"}

@@ -110,5 +110,9 @@ def test_refused_configs() -> None:
         ModelConfig.from_hf(hf_config(layer_types=["attention"] * 2, num_local_experts=4))
     with pytest.raises(ValueError, match="time_step_limit"):
         ModelConfig.from_hf(hf_config(time_step_limit=[0.001, 0.1]))
+    with pytest.raises(ValueError, match="attention_bias"):
+        ModelConfig.from_hf(hf_config(attention_bias=True))
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf(hf_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="layer types"):
         ModelConfig.from_hf(hf_config(layer_types=["mamba", "cross"]))
