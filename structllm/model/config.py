@@ -26,8 +26,8 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "freq_factors": ("factors",),
 }
 # the recurrent layers of hybrid models: "conv", LFM2's gated short convolution;
-# "linear_attention", Qwen3.5's Gated DeltaNet
-RECURRENT_KINDS = frozenset({"conv", "linear_attention"})
+# "linear_attention", Qwen3.5's Gated DeltaNet; "mamba", Granite 4's Mamba-2
+RECURRENT_KINDS = frozenset({"conv", "linear_attention", "mamba"})
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,6 +85,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     linear_value_head_dim: int = 0
     linear_tiled_values: bool = False  # value heads tiled over key heads (llama.cpp's order)
     attn_output_gate: bool = False  # attention output times sigmoid(a gate projection)
+    # Mamba-2 (Granite 4): heads of mamba_head_dim channels, B/C groups of mamba_d_state,
+    # the chunked scan's rows per chunk; biases on in_proj/out_proj
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_d_state: int = 0
+    mamba_chunk_size: int = 0
+    mamba_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -651,6 +659,64 @@ def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _granitemoehybrid(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4: Mamba-2 layers beside attention (``layer_types``: "mamba"/"attention",
+    as transformers 5 also writes them "linear_attention"/"full_attention"; none given:
+    all Mamba, transformers' default), Granite's multipliers, rotary only with
+    ``position_embedding_type`` "rope" (Granite 4's hybrids are NoPE), and the
+    ``shared_mlp`` as each layer's gated MLP (``intermediate_size``), beside
+    ``num_local_experts`` routed experts (``moe_intermediate_size``: the config's
+    ``intermediate_size``) in the MoE variants; their top-k weights are a softmax over
+    the top k, i.e. renormalised."""
+    n = base["num_layers"]
+    experts = int(cfg.get("num_local_experts") or 0)
+    # (transformers writes infinity as {"__float__": "Infinity"})
+    limit = [
+        float(v["__float__"] if isinstance(v, dict) else v)
+        for v in cfg.get("time_step_limit") or ()
+    ]
+    if limit and limit != [0.0, float("inf")]:
+        raise ValueError(f"GraniteMoeHybrid time_step_limit {limit} is not supported")
+    if cfg.get("attention_bias"):  # (o_proj's bias has no place in the shared decoder)
+        raise ValueError("GraniteMoeHybrid with attention_bias is not supported")
+    if (act := cfg.get("hidden_act", "silu")) != "silu":
+        raise ValueError(f"GraniteMoeHybrid hidden_act {act!r} is not supported (silu is)")
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+    kinds = {"mamba": "mamba", "linear_attention": "mamba"}
+    kinds |= {"attention": "attention", "full_attention": "attention"}
+    if unknown := sorted(set(types) - set(kinds)):
+        raise ValueError(f"unsupported GraniteMoeHybrid layer types {unknown}")
+    if experts and "mamba" not in {kinds[t] for t in types}:
+        raise ValueError(
+            f"GraniteMoeHybridForCausalLM with num_local_experts={experts} and no Mamba "
+            "layers is not supported (its experts run on the hybrid models' path only)"
+        )
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": base["intermediate_size"],  # the routed experts' width
+    }
+    heads = int(cfg.get("mamba_n_heads") or 128)
+    inner = int(cfg.get("mamba_expand") or 2) * base["hidden_size"]
+    head_dim = cfg.get("mamba_d_head") or "auto"
+    rope = cfg.get("position_embedding_type") == "rope"
+    return {
+        **_granite(cfg, base),
+        **(moe if experts else {}),
+        "intermediate_size": int(cfg.get("shared_intermediate_size") or 1024),  # shared_mlp
+        "layer_types": [kinds[t] for t in types],
+        "rope_layers": [] if rope else [False] * n,
+        "conv_kernel": int(cfg.get("mamba_d_conv") or 4),
+        "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
+        "mamba_heads": heads,
+        "mamba_head_dim": inner // heads if head_dim == "auto" else int(head_dim),
+        "mamba_groups": int(cfg.get("mamba_n_groups") or 1),
+        "mamba_d_state": int(cfg.get("mamba_d_state") or 256),
+        "mamba_chunk_size": int(cfg.get("mamba_chunk_size") or 256),
+        "mamba_proj_bias": bool(cfg.get("mamba_proj_bias", False)),
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -671,4 +737,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,
+    "granitemoehybrid": _granitemoehybrid,
 }

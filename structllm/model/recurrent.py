@@ -92,12 +92,14 @@ def causal_conv1d(
     nd = rb.num_decodes
     if nd:
         # [nd, C, K]: the window ending at each decode row
-        window = torch.cat([rb.decode_states(states), x[:nd, :, None]], dim=2)
+        # (in x's dtype: float32 states beside bfloat16 weights and activations)
+        window = torch.cat([rb.decode_states(states).to(x.dtype), x[:nd, :, None]], dim=2)
         y = (window * weight).sum(-1)
         out[:nd] = y if bias is None else y + bias
-        states[rb.slots[:nd]] = window[:, :, 1:]
+        states[rb.slots[:nd]] = window[:, :, 1:].to(states.dtype)
     for a, b, slot, fresh in rb.prefills():
         prev = states.new_zeros(states.shape[1:]) if fresh else states[slot]
+        prev = prev.to(x.dtype)
         full = torch.cat([prev, x[a:b].t()], dim=1)  # [C, K - 1 + L]
         y = F.conv1d(full[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
         out[a:b] = y.t()

@@ -80,6 +80,14 @@ FAMILIES: tuple[Family, ...] = (
         ("qwen3_5_moe_text",),
         ("qwen35moe",),
     ),
+    # Granite 4 (dense: its shared MLP; Mamba-2 layers beside NoPE attention)
+    Family(
+        "granitemoehybrid",
+        "granite_hybrid",
+        ("GraniteMoeHybridForCausalLM",),
+        ("granitemoehybrid",),
+        (),
+    ),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

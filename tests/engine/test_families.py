@@ -88,6 +88,12 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "qwen2_moe":
         assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
         assert cfg.shared_expert_intermediate_size == 96 and cfg.qkv_bias
+    if name == "granitemoehybrid":
+        assert cfg.layer_types == ["mamba", "mamba", "attention", "mamba", "attention"]
+        assert cfg.rope_layers == [False] * 5 and cfg.intermediate_size == 96
+        assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_groups) == (4, 32, 2)
+        assert (cfg.mamba_d_state, cfg.mamba_chunk_size, cfg.conv_kernel) == (8, 16, 4)
+        assert (cfg.residual_scale, cfg.logits_scaling, cfg.attn_scale) == (0.5, 4.0, 0.1)
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:

@@ -38,7 +38,7 @@ def assert_same(got: list[Run], want: list[Run]) -> None:
             assert a == pytest.approx(b, abs=1e-4)
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "qwen3_5_moe", "granitemoehybrid"])
 def path(request, default_files) -> Path:  # type: ignore[no-untyped-def]
     return tiny_family_dir(request.param, default_files)
 
@@ -132,13 +132,16 @@ def test_prefix_caching_is_off_and_says_so(
 
 def test_speculative_decoding_is_refused_by_name(path: Path) -> None:
     with pytest.raises(
-        ValueError, match="speculative decoding is not supported for (lfm2|qwen3_5|qwen3_5_moe)"
+        ValueError,
+        match="speculative decoding is not supported for (lfm2|qwen3_5|qwen3_5_moe|granite)",
     ):
         LLM(str(path), speculative_config={"method": "ngram"}, **EXACT)
 
 
 def test_tensor_parallelism_is_refused_by_name(path: Path) -> None:
-    with pytest.raises(ValueError, match="(lfm2|qwen3_5|qwen3_5_moe) is a hybrid model"):
+    with pytest.raises(
+        ValueError, match="(lfm2|qwen3_5|qwen3_5_moe|granitemoehybrid) is a hybrid model"
+    ):
         EngineCore(EngineConfig(model=str(path), tensor_parallel_size=2, **EXACT))  # type: ignore[arg-type]
 
 

@@ -513,6 +513,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "granitemoehybrid": (  # Granite 4 dense: Mamba-2 around a NoPE attention layer
+        "GraniteMoeHybridConfig",
+        dict(
+            num_hidden_layers=5,  # (a slot's state near two KV blocks: test_hybrid's sizes)
+            layer_types=["mamba", "mamba", "attention", "mamba", "attention"],
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            mamba_n_heads=4,  # head_dim 2 * 64 / 4 = 32
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,  # prompts cross chunks
+            embedding_multiplier=6.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=4.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 

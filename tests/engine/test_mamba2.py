@@ -1,0 +1,302 @@
+"""Granite 4's Mamba-2 mixer (``structllm.model.mamba2``) against the token-by-token
+recurrence and transformers 5.x (``segment_sum``, ``mamba2_chunk_scan``,
+``GraniteMoeHybridMambaLayer``): whole sequences, chunked prefill across steps, decodes
+and prefills of several slots in one step, fresh sequences in slots that held another's
+state. Float32, within ~1e-5 relative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from structllm.model.mamba2 import Mamba2, from_hf, hf_names, segment_sum, ssd
+from structllm.model.recurrent import RecurrentBatch
+
+granite = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+
+H, G, P, N = 4, 2, 8, 16  # two heads per group
+CHUNK = 16
+NUM_SLOTS = 5
+
+
+def batch(seqs: list[tuple[int, int, bool]], num_decodes: int) -> RecurrentBatch:
+    """A step's rows: ``(rows, slot, fresh)`` per sequence, decodes first."""
+    starts = [0]
+    for n, _, _ in seqs:
+        starts.append(starts[-1] + n)
+    slots = [s for _, s, _ in seqs]
+    fresh = [f for _, _, f in seqs]
+    return RecurrentBatch(
+        starts,
+        slots,
+        torch.tensor(slots, dtype=torch.long),
+        fresh,
+        torch.tensor(fresh, dtype=torch.bool),
+        num_decodes,
+    )
+
+
+def inputs(n: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Random ``x [n, H, P]``, ``dt [n, H]`` (> 0), ``A [H]`` (< 0), ``B, C [n, G, N]``,
+    ``D [H]`` in the ranges the layer produces."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, P, generator=gen)
+    dt = torch.nn.functional.softplus(torch.randn(n, H, generator=gen))
+    a = -torch.empty(H).uniform_(0.5, 8, generator=gen)
+    b = torch.randn(n, G, N, generator=gen)
+    c = torch.randn(n, G, N, generator=gen)
+    d = torch.randn(H, generator=gen)
+    return x, dt, a, b, c, d
+
+
+def recurrence(
+    x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, s: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The scan token by token, as written: -> ``(y [n, H, P], final state)``."""
+    b = b.repeat_interleave(H // G, dim=1)
+    c = c.repeat_interleave(H // G, dim=1)
+    s = s.clone()
+    out = []
+    for t in range(x.shape[0]):
+        s = (
+            s * (dt[t] * a).exp()[:, None, None]
+            + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
+        )
+        out.append(torch.einsum("hpn,hn->hp", s, c[t]) + d[:, None] * x[t])
+    return torch.stack(out), s
+
+
+def close(a: Tensor, b: Tensor, rel: float = 1e-5) -> None:
+    err = (a - b).abs().max().item()
+    assert err <= rel * max(b.abs().max().item(), 1.0), err
+
+
+def random_state(seed: int) -> Tensor:
+    return torch.randn(H, P, N, generator=torch.Generator().manual_seed(seed))
+
+
+def test_segment_sum_is_transformers() -> None:
+    a = -torch.rand(3, 2, CHUNK)
+    torch.testing.assert_close(segment_sum(a), granite.segment_sum(a), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 15, 16, 17, 32, 50, 100])
+@pytest.mark.parametrize("fresh", [True, False])
+def test_scan_one_sequence(n: int, fresh: bool) -> None:
+    """One prefill chunk (the chunked form) equals the recurrence and transformers'
+    ``mamba2_chunk_scan``, from zero or from a slot's state; other slots stay."""
+    x, dt, a, b, c, d = inputs(n, seed=n)
+    s0 = torch.zeros(H, P, N) if fresh else random_state(1)
+    states = torch.randn(NUM_SLOTS, H, P, N)
+    before = states.clone()
+    if not fresh:
+        states[3] = s0
+    y = ssd(x, dt, a, b, c, d, states, batch([(n, 3, fresh)], 0), CHUNK)
+    want, s_end = recurrence(x, dt, a, b, c, d, s0)
+    close(y, want)
+    close(states[3], s_end)
+    keep = [i for i in range(NUM_SLOTS) if i != 3]
+    assert torch.equal(states[keep], before[keep])
+
+    # transformers' chunk scan takes the time step before softplus: give it one whose
+    # softplus is ours
+    raw = torch.where(dt > 20, dt, dt.expm1().log())
+    hf_y, hf_s = granite.mamba2_chunk_scan(
+        x[None], raw[None], a, b[None], c[None], chunk_size=CHUNK, D=d,
+        initial_states=s0[None], dt_softplus=True, return_final_states=True,
+    )  # fmt: skip
+    close(y, hf_y[0], rel=1e-4)
+    close(states[3], hf_s[0], rel=1e-4)
+
+
+def test_scan_mixed_step() -> None:
+    """Three decodes (one fresh) and three prefill chunks (fresh, continuing) in one
+    call, each slot its own, equal each sequence's recurrence; untouched slots stay."""
+    plan = [(1, 4, False), (1, 0, False), (1, 2, True), (40, 1, False), (5, 3, True)]
+    rows = sum(n for n, _, _ in plan)
+    x, dt, a, b, c, d = inputs(rows, seed=7)
+    states = torch.randn(NUM_SLOTS + 2, H, P, N)
+    before = states.clone()
+    y = ssd(x, dt, a, b, c, d, states, batch(plan, 3), CHUNK)
+    i = 0
+    for n, slot, fresh in plan:
+        s0 = torch.zeros(H, P, N) if fresh else before[slot]
+        sl = slice(i, i + n)
+        want, s_end = recurrence(x[sl], dt[sl], a, b[sl], c[sl], d, s0)
+        close(y[sl], want)
+        close(states[slot], s_end)
+        i += n
+    assert torch.equal(states[NUM_SLOTS:], before[NUM_SLOTS:])
+
+
+def test_scan_split_into_steps() -> None:
+    """A sequence cut into chunks of 1, 3, 17, 64, 100 rows over calls (each 1 after
+    the first as a decode) equals one pass."""
+    cuts = [3, 1, 17, 64, 100, 1, 1]
+    n = sum(cuts)
+    x, dt, a, b, c, d = inputs(n, seed=3)
+    want, s_end = recurrence(x, dt, a, b, c, d, torch.zeros(H, P, N))
+    states = torch.randn(2, H, P, N)
+    out, i = [], 0
+    for k in cuts:
+        rb = batch([(k, 1, i == 0)], 1 if k == 1 and i > 0 else 0)
+        sl = slice(i, i + k)
+        out.append(ssd(x[sl], dt[sl], a, b[sl], c[sl], d, states, rb, CHUNK))
+        i += k
+    close(torch.cat(out), want)
+    close(states[1], s_end)
+
+
+# ---------------------------------------------------------------------------------------
+# The layer against transformers' GraniteMoeHybridMambaLayer
+
+HIDDEN = 16  # mamba_expand 2: I = 32 = H * P
+
+
+def hf_layer(seed: int = 0, proj_bias: bool = False) -> torch.nn.Module:
+    cfg = granite.GraniteMoeHybridConfig(
+        hidden_size=HIDDEN,
+        mamba_n_heads=H,
+        mamba_n_groups=G,
+        mamba_d_state=N,
+        mamba_d_head=P,
+        mamba_expand=2,
+        mamba_d_conv=4,
+        mamba_chunk_size=CHUNK,
+        mamba_conv_bias=True,
+        mamba_proj_bias=proj_bias,
+        rms_norm_eps=1e-6,
+        num_hidden_layers=1,
+        layer_types=["mamba"],
+    )
+    torch.manual_seed(seed)
+    layer = granite.GraniteMoeHybridMambaLayer(cfg, 0).eval()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name == "A_log":
+                p.copy_(torch.empty_like(p).uniform_(0.5, 8).log())
+            elif name == "norm.weight":
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0))
+    layer.cfg = cfg
+    return layer
+
+
+def ours_from(hf: torch.nn.Module) -> Mamba2:
+    layer = Mamba2.from_config(hf.cfg)
+    state = {f"x.{k}": t.detach().clone() for k, t in hf.state_dict().items()}
+    layer.load_state_dict(from_hf(state, "x."), strict=True)
+    assert not state  # every tensor taken
+    return layer
+
+
+def empty_states(layer: Mamba2, slots: int) -> tuple[Tensor, Tensor]:
+    """Garbage in every slot (a fresh sequence must not read it)."""
+    conv, ssm = layer.state_shapes()
+    return torch.randn(slots, *conv), torch.randn(slots, *ssm)
+
+
+def test_names_and_shapes() -> None:
+    hf = hf_layer()
+    assert hf_names("model.layers.0.mamba.")["conv1d"] == "model.layers.0.mamba.conv1d.weight"
+    ours = ours_from(hf)
+    conv_dim = H * P + 2 * G * N
+    assert ours.conv1d.shape == (conv_dim, 4)
+    assert ours.state_shapes() == ((conv_dim, 3), (H, P, N))
+    assert set(Mamba2.PACKED) <= {n for n, _ in ours.named_parameters()}
+
+
+@pytest.mark.parametrize("proj_bias", [False, True])
+@torch.no_grad()
+def test_layer_whole_sequence(proj_bias: bool) -> None:
+    hf = hf_layer(proj_bias=proj_bias)
+    ours = ours_from(hf)
+    x = torch.randn(1, 150, HIDDEN, generator=torch.Generator().manual_seed(5))
+    want = hf(x)[0]
+    conv, ssm = empty_states(ours, 3)
+    got = ours(x[0], (conv, ssm), batch([(150, 2, True)], 0))
+    close(got, want)
+
+
+@torch.no_grad()
+def test_layer_steps_mixed() -> None:
+    """Three sequences scheduled over steps in chunks of 1, 3, 17, 64, 100 rows, decodes
+    and prefills of different slots in the same step, each starting fresh in a slot that
+    held other states: each sequence's rows equal transformers' whole pass."""
+    hf = hf_layer(seed=1)
+    ours = ours_from(hf)
+    gen = torch.Generator().manual_seed(9)
+    lengths = [186, 124, 30]
+    xs = [torch.randn(n, HIDDEN, generator=gen) for n in lengths]
+    wants = [hf(x[None])[0] for x in xs]
+    slot_of = [4, 0, 2]
+    steps = [
+        [(0, 1), (1, 3)],
+        [(0, 3), (1, 17), (2, 1)],
+        [(2, 1), (0, 17), (1, 100)],
+        [(2, 1), (1, 1), (0, 64)],
+        [(1, 1), (2, 27), (0, 100)],
+        [(0, 1), (1, 1)],
+        [(1, 1)],
+    ]
+    conv, ssm = empty_states(ours, 6)
+    pos = [0, 0, 0]
+    outs: list[list[Tensor]] = [[], [], []]
+    for step in steps:
+        decodes = [(i, n) for i, n in step if n == 1 and pos[i] > 0]
+        prefills = [(i, n) for i, n in step if (i, n) not in decodes]
+        order = decodes + prefills
+        x = torch.cat([xs[i][pos[i] : pos[i] + n] for i, n in order])
+        rb = batch([(n, slot_of[i], pos[i] == 0) for i, n in order], len(decodes))
+        y = ours(x, (conv, ssm), rb)
+        a = 0
+        for i, n in order:
+            outs[i].append(y[a : a + n])
+            pos[i] += n
+            a += n
+    assert pos == lengths
+    for i in range(3):
+        close(torch.cat(outs[i]), wants[i])
+
+
+@torch.no_grad()
+def test_fresh_slot_ignores_old_state() -> None:
+    """A sequence started in a slot another sequence used gives the same rows as in a
+    clean slot, by prefill and by a one-row first step taken as a decode."""
+    hf = hf_layer(seed=2)
+    ours = ours_from(hf)
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(4))
+    conv, ssm = empty_states(ours, 2)
+    ours(torch.randn(30, HIDDEN), (conv, ssm), batch([(30, 1, True)], 0))  # slot 1 used
+    clean = ours(x, (torch.zeros_like(conv), torch.zeros_like(ssm)), batch([(20, 0, True)], 0))
+    close(ours(x, (conv, ssm), batch([(20, 1, True)], 0)), clean)
+    ours(torch.randn(30, HIDDEN), (conv, ssm), batch([(30, 1, True)], 0))
+    first = ours(x[:1], (conv, ssm), batch([(1, 1, True)], 1))
+    rest = ours(x[1:], (conv, ssm), batch([(19, 1, False)], 0))
+    close(torch.cat([first, rest]), clean)
+
+
+@torch.no_grad()
+def test_layer_in_bfloat16() -> None:
+    """bfloat16 weights and activations beside the runner's float32 states (the
+    convolution's window in the activations' dtype), a prefill then decodes: off the
+    float32 layer by no more than transformers' own layer in bfloat16 is (the gated
+    group norm magnifies rounding in a small group: ~1 on some rows for both)."""
+    hf = hf_layer(seed=3)
+    ours = ours_from(hf)
+    half = ours_from(hf).to(torch.bfloat16)
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(6))
+    got, want = [], []
+    for layer, out, dtype in ((ours, want, torch.float32), (half, got, torch.bfloat16)):
+        conv, ssm = empty_states(ours, 2)
+        out.append(layer(x[:37].to(dtype), (conv, ssm), batch([(37, 1, True)], 0)))
+        for i in range(37, 40):
+            out.append(layer(x[i : i + 1].to(dtype), (conv, ssm), batch([(1, 1, False)], 1)))
+    assert got[0].dtype == torch.bfloat16
+    exact = torch.cat(want)
+    theirs = hf.to(torch.bfloat16)(x[None].bfloat16())[0].float()
+    err = (torch.cat(got).float() - exact).abs().max(-1).values  # [40]
+    their_err = (theirs - exact).abs().max(-1).values
+    assert (err <= 1.5 * their_err + 0.02).all(), (err, their_err)
