@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``,
-``cpu_layer.cpp``, ``cpu_moe.cpp``, ``cpu_decode.cpp``).
+``cpu_layer.cpp``, ``cpu_moe.cpp``, ``cpu_decode.cpp``, ``cpu_recurrent.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
 machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
@@ -164,6 +164,27 @@ def load_moe(isa: str | None = None) -> Any | None:
     return module
 
 
+RECURRENT_SOURCE = Path(__file__).with_name("cpu_recurrent.cpp")
+
+
+@cache
+def load_recurrent(isa: str | None = None) -> Any | None:
+    """Hybrid models' recurrent decode steps (``conv_decode``, ``delta_decode``) built
+    for ``isa`` (default ``best_isa()``), or None if the CPU lacks AVX2 or the build
+    fails."""
+    isa = isa or best_isa()
+    if isa is None:
+        return None
+    return _share_pool(
+        build(
+            f"structllm_recurrent_{isa}",
+            RECURRENT_SOURCE,
+            [*FLAGS, _ISA_MARCH[isa]],
+            "the recurrent-layer decode kernels (about 20 s)",
+        )
+    )
+
+
 DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 
 
@@ -318,6 +339,7 @@ def build_all() -> list[tuple[str, bool]]:
         out.append((f"cpu_layer_{isa}", load_layer(isa) is not None))
         out.append((f"cpu_moe_{isa}", load_moe(isa) is not None))
         out.append((f"cpu_decode_{isa}", load_decode(isa) is not None))
+        out.append((f"cpu_recurrent_{isa}", load_recurrent(isa) is not None))
     return out
 
 

@@ -136,7 +136,18 @@ def gated_delta_rule(
     o = torch.empty(t, hv, dv, dtype=torch.float32, device=v.device)
 
     nd = rb.num_decodes
-    if nd:
+    if nd and rb.native is not None:  # two passes over each state (cpu_recurrent.cpp)
+        o[:nd] = rb.native.delta_decode(
+            q[:nd].contiguous(),
+            k[:nd].contiguous(),
+            v[:nd].contiguous(),
+            g[:nd].contiguous(),
+            beta[:nd].contiguous(),
+            states,
+            rb.slots[:nd],
+            rb.fresh_mask[:nd],
+        )
+    elif nd:
         # The decodes' recurrence in one batched update. With S the slot's state and
         # a = e^g: S^T k and S^T q read the old state in one matmul, then
         # u = beta (v - a S^T k), S' = a S + k u^T, o = S'^T q = a S^T q + (q . k) u.

@@ -19,7 +19,7 @@ start, saying so).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,7 @@ class HybridModel(LlamaModel):
                 "process, without tensor or pipeline parallelism"
             )
         super().__init__(cfg, dtype, plan, layers)
+        self._recurrent: Any = None  # cpu_recurrent.cpp's module, once loaded (False: none)
         self.native_decode = False
         self.decode_why = "the Python layer loop (a hybrid model)"
 
@@ -120,6 +121,17 @@ class HybridModel(LlamaModel):
                 total += 4 * int(torch.Size(shape).numel())
         return total
 
+    def _recurrent_kernels(self) -> Any:
+        """The native decode kernels of the recurrent layers (``cpu_recurrent.cpp``)
+        where the fused CPU ops are in use (the non-exact formats), else None."""
+        if self.cpu_ops is None:
+            return None
+        if self._recurrent is None:
+            from structllm.kernels import cpu_ext
+
+            self._recurrent = cpu_ext.load_recurrent() or False
+        return self._recurrent or None
+
     def forward(
         self,
         input_ids: Tensor,
@@ -140,7 +152,7 @@ class HybridModel(LlamaModel):
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
         rope = self.rope_table(int(meta.max_seq_len))[positions].unsqueeze(1)  # [T, 1, D/2]
-        rb = RecurrentBatch.from_meta(meta, meta.state_slots)
+        rb = RecurrentBatch.from_meta(meta, meta.state_slots, self._recurrent_kernels())
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()

@@ -15,6 +15,7 @@ sequence at a time (their lengths differ).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,9 @@ from structllm.kernels.attention import AttentionMetadata
 class RecurrentBatch:
     """Sequence ``i`` of a step owns rows ``starts[i]:starts[i + 1]`` and state slot
     ``slot_list[i]``; ``fresh[i]``: its state starts at zero (its chunk starts at
-    position 0). Sequences ``0..num_decodes-1`` have one row each."""
+    position 0). Sequences ``0..num_decodes-1`` have one row each. ``native``: the
+    decode kernels (``cpu_recurrent.cpp``) the decode rows run through, or None: torch's
+    ops (the exact path, and wherever the fused CPU ops are not in use)."""
 
     starts: list[int]  # [B + 1]
     slot_list: list[int]  # [B]
@@ -35,9 +38,12 @@ class RecurrentBatch:
     fresh: list[bool]  # [B]
     fresh_mask: Tensor  # [B] bool, on the model's device
     num_decodes: int
+    native: Any = None
 
     @classmethod
-    def from_meta(cls, meta: AttentionMetadata, slots: list[int]) -> RecurrentBatch:
+    def from_meta(
+        cls, meta: AttentionMetadata, slots: list[int], native: Any = None
+    ) -> RecurrentBatch:
         starts = list(meta.query_start_list)
         b = len(starts) - 1
         if len(slots) != b:
@@ -51,6 +57,7 @@ class RecurrentBatch:
             fresh,
             torch.tensor(fresh, dtype=torch.bool, device=device),
             meta.num_decodes,
+            native,
         )
 
     @property
@@ -90,7 +97,18 @@ def causal_conv1d(
     k = weight.shape[1]
     out = torch.empty_like(x)
     nd = rb.num_decodes
-    if nd:
+    native = rb.native if x.dtype == weight.dtype == states.dtype == torch.float32 else None
+    if nd and native is not None:  # one pass over the slots' windows (cpu_recurrent.cpp)
+        out[:nd] = native.conv_decode(
+            x[:nd].contiguous(),
+            weight.contiguous(),
+            bias,
+            states,
+            rb.slots[:nd],
+            rb.fresh_mask[:nd],
+            False,
+        )
+    elif nd:
         # [nd, C, K]: the window ending at each decode row
         # (in x's dtype: float32 states beside bfloat16 weights and activations)
         window = torch.cat([rb.decode_states(states).to(x.dtype), x[:nd, :, None]], dim=2)

@@ -157,3 +157,22 @@ def test_state_slots_share_the_cache_budget(path: Path) -> None:
     assert small.states.num_slots == 4
     assert big.states.num_slots == min(64, (1 << 20) // 2 // slot)
     assert big.num_blocks < small.num_blocks  # the more slots came out of the blocks
+
+
+def test_native_decode_steps_equal_torch_ops(path: Path) -> None:
+    # the default format (fused CPU ops): decode rows through cpu_recurrent.cpp, or, with
+    # the kernels taken away, through torch's ops; the same tokens and logprobs
+    from structllm.kernels import cpu_ext
+
+    if cpu_ext.load_recurrent() is None:
+        pytest.skip("the recurrent decode kernels do not build here")
+    runs = []
+    for native in (True, False):
+        llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=16)
+        model = llm.engine.runner.model  # type: ignore[union-attr]
+        assert model.cpu_ops is not None
+        if not native:
+            model._recurrent = False  # as if the kernels had not built
+        runs.append([run_of(o) for o in llm.generate(PROMPTS, GREEDY)])
+        assert (model._recurrent is not False) == native
+    assert_same(runs[0], runs[1])
