@@ -27,6 +27,7 @@ from structllm.client import EngineClient, EngineDeadError
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats, SamplingParams, StructuredOutputs
 from structllm.server import requests as rq
+from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
 from structllm.server.errors import APIError, ClientGone
 from structllm.server.generation import Admission, Builder, Generation, Transport
@@ -159,6 +160,11 @@ class App:
             await self._drained.wait()
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # an answer before the body was read: read it first, to keep the connection usable
+        tracked = TrackedReceive(receive)
+        await self._route(scope, tracked, tracked.sender(send))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"].rstrip("/") or "/"
         handler = self.routes.get((scope["method"], path))
         if handler is None and scope["method"] == "GET" and path.startswith("/v1/models/"):
