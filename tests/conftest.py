@@ -8,8 +8,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA the Triton kernels run in Triton's interpreter, chosen when triton and its
+# language module are first imported (test_triton_kernels.py): set it before any test
+# module is collected, since some import transformers' modeling code at the top, which
+# imports triton (its standard library's jit functions then refuse to be interpreted).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

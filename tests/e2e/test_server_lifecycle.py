@@ -169,7 +169,10 @@ def test_cli_help_lists_the_commands() -> None:
 
 
 def test_cli_attention_backends_give_the_same_greedy_text() -> None:
-    def generate(*extra: str) -> str:
+    # The backends round differently (their agreement is tests/kernels' to measure): 4
+    # tokens, before the near-tie this prompt meets on some CPUs (token 5 on a Xeon:
+    # " United" or " answer", the two a rounding apart).
+    def generate(*extra: str) -> tuple[str, str]:
         cmd = [
             sys.executable,
             "-m",
@@ -178,14 +181,19 @@ def test_cli_attention_backends_give_the_same_greedy_text() -> None:
             "-p",
             "The capital of France is",
             "--max-tokens",
-            "16",
+            "4",
             *extra,
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
-        return out.stdout
+        return out.stdout, out.stderr
 
-    assert generate("--attention-backend", "torch") == generate("--attention-backend", "cpu") != ""
+    (torch_text, torch_log), (cpu_text, cpu_log) = (
+        generate("--attention-backend", b) for b in ("torch", "cpu")
+    )
+    assert torch_text == cpu_text != ""
+    assert "attention backend is not the CPU kernel" in torch_log  # the flag took effect
+    assert "attention backend is not the CPU kernel" not in cpu_log
     bad = subprocess.run(
         [sys.executable, "-m", "structllm", "generate", "-p", "x", "--attention-backend", "flash"],
         capture_output=True,

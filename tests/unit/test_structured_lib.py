@@ -308,7 +308,11 @@ def test_generated_chunks_are_laid_out_as_decode_rows() -> None:
 
     def layout(max_rows: int) -> Any:
         fake = SimpleNamespace(
-            block_size=16, max_rows=max_rows, device=torch.device("cpu"), pp=None
+            block_size=16,
+            max_rows=max_rows,
+            device=torch.device("cpu"),
+            pp=None,
+            num_state_slots=0,
         )
         fake._decode_chunks = lambda s: ModelRunner._decode_chunks(fake, s)  # type: ignore[arg-type]
         return ModelRunner.prepare(fake, sched).step  # type: ignore[arg-type]
