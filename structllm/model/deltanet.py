@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.packed import Weight, linear
-from structllm.model.recurrent import RecurrentBatch, causal_conv1d
+from structllm.model.recurrent import RecurrentBatch, causal_conv1d, take_layer
 
 CHUNK = 64  # rows per chunk of the chunked form (transformers' and FLA's)
 
@@ -206,13 +206,8 @@ def hf_names(prefix: str = "") -> dict[str, str]:
 def from_hf(state: dict[str, Tensor], hf_prefix: str, prefix: str = "") -> dict[str, Tensor]:
     """Take (pop) one layer's ``linear_attn.*`` tensors from a Hugging Face ``state``
     (their names after ``hf_prefix``, e.g. ``"model.layers.3.linear_attn."``) -> ours
-    after ``prefix`` (e.g. ``"layers.3.linear_attn."``): the same tensors, the
-    convolution's ``[C, 1, K]`` as ``[C, K]``."""
-    out: dict[str, Tensor] = {}
-    for ours, theirs in hf_names(hf_prefix).items():
-        t = state.pop(theirs)
-        out[prefix + ours] = t.reshape(t.shape[0], t.shape[-1]) if ours == "conv1d" else t
-    return out
+    after ``prefix`` (e.g. ``"layers.3.mixer."``), the convolution's as ``[C, K]``."""
+    return take_layer(state, HF_NAMES, hf_prefix, prefix)
 
 
 class GatedDeltaNet(nn.Module):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.packed import Weight, linear
-from structllm.model.recurrent import RecurrentBatch, causal_conv1d
+from structllm.model.recurrent import RecurrentBatch, causal_conv1d, take_layer
 
 
 def segment_sum(a: Tensor) -> Tensor:
@@ -176,15 +176,10 @@ def hf_names(prefix: str = "") -> dict[str, str]:
 def from_hf(state: dict[str, Tensor], hf_prefix: str, prefix: str = "") -> dict[str, Tensor]:
     """Take (pop) one layer's ``mamba.*`` tensors from a Hugging Face ``state`` (their
     names after ``hf_prefix``, e.g. ``"model.layers.3.mamba."``) -> ours after
-    ``prefix`` (e.g. ``"layers.3.mixer."``): the same tensors, the convolution's
-    ``[C, 1, K]`` as ``[C, K]``; the biases where the checkpoint has them."""
-    out: dict[str, Tensor] = {}
-    for ours, theirs in hf_names(hf_prefix).items():
-        if ours.endswith("bias") and ours != "dt_bias" and theirs not in state:
-            continue
-        t = state.pop(theirs)
-        out[prefix + ours] = t.reshape(t.shape[0], t.shape[-1]) if ours == "conv1d" else t
-    return out
+    ``prefix`` (e.g. ``"layers.3.mixer."``), the convolution's as ``[C, K]``; the biases
+    where the checkpoint has them."""
+    biases = frozenset(n for n in HF_NAMES if n.endswith("bias") and n != "dt_bias")
+    return take_layer(state, HF_NAMES, hf_prefix, prefix, biases)
 
 
 class Mamba2(nn.Module):

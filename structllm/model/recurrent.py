@@ -80,6 +80,26 @@ class RecurrentBatch:
         return prev * keep.view(-1, *([1] * (prev.dim() - 1))).to(prev.dtype)
 
 
+def take_layer(
+    state: dict[str, Tensor],
+    names: dict[str, str],
+    hf_prefix: str,
+    prefix: str,
+    optional: frozenset[str] = frozenset(),
+) -> dict[str, Tensor]:
+    """Pop one recurrent layer's tensors from a Hugging Face ``state``: ``names`` maps our
+    names (after ``prefix``) to theirs (after ``hf_prefix``); the convolution's filter
+    (``conv1d``) from ``[C, 1, K]`` to ``[C, K]``; names in ``optional`` only where the
+    checkpoint has them."""
+    out: dict[str, Tensor] = {}
+    for ours, theirs in names.items():
+        if ours in optional and hf_prefix + theirs not in state:
+            continue
+        t = state.pop(hf_prefix + theirs)
+        out[prefix + ours] = t.reshape(t.shape[0], t.shape[-1]) if ours == "conv1d" else t
+    return out
+
+
 def causal_conv1d(
     x: Tensor,
     weight: Tensor,
