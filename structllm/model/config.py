@@ -644,6 +644,16 @@ def _qwen3_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _qwen3_next(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next: Qwen3.5-MoE's layers, with Qwen3-MoE's choice of dense layers
+    (``decoder_sparse_step``, ``mlp_only_layers``) and ``norm_topk_prob``."""
+    return {
+        **_qwen3_5(cfg, base),
+        **_qwen3_moe(cfg, base),
+        "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0),
+    }
+
+
 def _qwen3_5_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5-MoE's experts: every layer's MLP, top k renormalised, and a shared expert
     behind a sigmoid gate (none for the dense models)."""
@@ -737,5 +747,6 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,
+    "qwen3_next": _qwen3_next,
     "granitemoehybrid": _granitemoehybrid,
 }

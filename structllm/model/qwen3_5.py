@@ -70,6 +70,25 @@ def experts_to_native(state: dict[str, Tensor], cfg: ModelConfig, i: int) -> dic
     return out
 
 
+def unfuse_projections(state: dict[str, Tensor], cfg: ModelConfig, prefix: str) -> None:
+    """Qwen3-Next's DeltaNet projections as Qwen3.5 stores them, in ``state``: its
+    ``in_proj_qkvz`` holds, per key head, that head's q, k, then its r = Hv / Hk value
+    heads' v and z rows (``[Hk, 2 Dk + 2 r Dv, hidden]``), and ``in_proj_ba`` per key head
+    its value heads' b then a rows (``[Hk, 2 r, hidden]``); Qwen3.5's ``in_proj_qkv`` is
+    every q row, then every k, then every v, with z, b and a apart."""
+    hk, hv = cfg.linear_key_heads, cfg.linear_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    qkvz = state.pop(prefix + "in_proj_qkvz.weight")
+    q, k, v, z = qkvz.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    state[prefix + "in_proj_qkv.weight"] = torch.cat(
+        [t.reshape(-1, t.shape[-1]) for t in (q, k, v)]
+    )
+    state[prefix + "in_proj_z.weight"] = z.reshape(hv * dv, -1)
+    b, a = state.pop(prefix + "in_proj_ba.weight").view(hk, 2 * r, -1).split([r, r], dim=1)
+    state[prefix + "in_proj_b.weight"] = b.reshape(hv, -1)
+    state[prefix + "in_proj_a.weight"] = a.reshape(hv, -1)
+
+
 def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     state = text_model_names(state)  # (a multimodal checkpoint's text model)
     out: dict[str, Tensor] = {}
@@ -79,6 +98,8 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
         if cfg.moe_layer(i):
             out.update(experts_to_native(state, cfg, i))
         if cfg.recurrent(i) is not None:
+            if cfg.architecture == "qwen3_next":
+                unfuse_projections(state, cfg, p + "linear_attn.")
             out.update(deltanet.from_hf(state, p + "linear_attn.", o + "mixer."))
             continue
         q_gate = state.pop(p + "self_attn.q_proj.weight").view(nh, 2, hd, -1)

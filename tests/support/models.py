@@ -513,6 +513,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "qwen3_next": (  # Qwen3.5-MoE's layers, projections fused per key head, a dense MLP
+        "Qwen3NextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
     "granitemoehybrid": (  # Granite 4 dense: Mamba-2 around a NoPE attention layer
         "GraniteMoeHybridConfig",
         dict(
