@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from torch import Tensor
@@ -330,6 +331,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
             kw["layer_types"] = ["conv" if int(n) == 0 else "attention" for n in kv]
     elif fam.name in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_qwen3_5(layers, get))
+    elif fam.name == "granitemoehybrid":
+        kw.update(_granite_hybrid(layers, head_dim, get))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
     elif fam.name == "exaone4":
@@ -370,11 +373,56 @@ def _qwen3_5(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _granite_hybrid(layers: int, head_dim: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """Granite 4 (llama.cpp's ``granitehybrid``): Granite's multipliers, the Mamba-2
+    sizes from the ``ssm.*`` keys, the shared MLP's width, rotary only where the file
+    says ``rope.scaling.finetuned`` (llama.cpp's rule; Granite 4's hybrids are NoPE).
+    Which layers attend is read off the tensors (``layer_types_from_tensors``): the
+    converter's ``attention.head_count_kv`` list is not reliable for them. The chunk of
+    the scan is not in the file (it changes only the rounding): the configs' 256."""
+    if int(get("expert_count") or 0):
+        raise ValueError("granitehybrid GGUF files with experts are not supported yet")
+    heads = int(get("ssm.time_step_rank"))
+    return dict(
+        embed_scale=float(get("embedding_scale", 1.0)),
+        residual_scale=float(get("residual_scale", 1.0)),
+        attn_scale=float(get("attention.scale") or head_dim**-0.5),
+        logits_scaling=float(get("logit_scale", 1.0)),
+        intermediate_size=int(get("expert_shared_feed_forward_length")),
+        rope_layers=[] if get("rope.scaling.finetuned") else [False] * layers,
+        layer_types=["mamba"] * layers,  # until the tensors say which attend
+        conv_kernel=int(get("ssm.conv_kernel")),
+        conv_bias=True,
+        mamba_heads=heads,
+        mamba_head_dim=int(get("ssm.inner_size")) // heads,
+        mamba_groups=int(get("ssm.group_count")),
+        mamba_d_state=int(get("ssm.state_size")),
+        mamba_chunk_size=256,
+    )
+
+
+def layer_types_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
+    """``cfg`` with the layers that hold attention tensors as attention layers (and
+    their KV heads), for the hybrid files whose metadata cannot say (granitehybrid)."""
+    if cfg.architecture != "granitemoehybrid":
+        return cfg
+    attends = [f"blk.{i}.attn_k.weight" in shapes for i in range(cfg.num_layers)]
+    kv = {shapes[f"blk.{i}.attn_k.weight"][0] // cfg.head_dim for i, a in enumerate(attends) if a}
+    return msgspec.structs.replace(
+        cfg,
+        layer_types=["attention" if a else "mamba" for a in attends],
+        num_kv_heads=kv.pop() if len(kv) == 1 else cfg.num_kv_heads,
+    )
+
+
 def _kv_heads(value: Any) -> int:
     """``attention.head_count_kv``: one number, or one per layer (hybrid models write 0
-    for their recurrent layers): the attention layers' count."""
+    for their recurrent layers): the attention layers' count (1 where every entry is 0:
+    see ``layer_types_from_tensors``)."""
     if isinstance(value, list):
         counts = {int(n) for n in value} - {0}
+        if not counts:
+            return 1
         if len(counts) != 1:
             raise ValueError(f"attention.head_count_kv varies over the layers: {sorted(counts)}")
         return counts.pop()
@@ -498,6 +546,19 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 
+# Granite 4's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
+# -exp(A_log); ``ssm_a``, ``ssm_d`` and ``ssm_norm`` are read back flat)
+_MAMBA_NAMES = {
+    "ssm_in.weight": "in_proj",
+    "ssm_conv1d.weight": "conv1d",
+    "ssm_conv1d.bias": "conv_bias",
+    "ssm_dt.bias": "dt_bias",
+    "ssm_a": "A_log",
+    "ssm_d": "D",
+    "ssm_norm.weight": "norm",
+    "ssm_out.weight": "out_proj",
+}
+
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
 _SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
 
@@ -532,6 +593,7 @@ _KEEPABLE = (
     "ssm_alpha.weight",
     "ssm_beta.weight",
     "ssm_out.weight",
+    "ssm_in.weight",
     "ffn_gate_shexp.weight",
     "ffn_up_shexp.weight",
     "ffn_down_shexp.weight",
@@ -755,6 +817,13 @@ def load_tensors(
             prefix = f"layers.{idx}."
             if int(idx) >= cfg.num_layers:
                 continue  # a multi-token-prediction block (not run here)
+            if cfg.architecture == "granitemoehybrid" and rest in _MAMBA_NAMES:
+                assert isinstance(w, Tensor) or rest in ("ssm_in.weight", "ssm_out.weight")
+                if isinstance(w, Tensor) and rest in ("ssm_a", "ssm_d", "ssm_norm.weight"):
+                    w = w.reshape(-1)
+                    w = torch.log(-w.float()) if rest == "ssm_a" else w
+                yield prefix + "mixer." + _MAMBA_NAMES[rest], w
+                continue
             if cfg.architecture in ("qwen3_5", "qwen3_5_moe"):
                 ours, left = _qwen3_5_tensor(cfg, int(idx), rest, w)
                 yield from ((prefix + n, t) for n, t in ours)

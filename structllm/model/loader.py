@@ -115,7 +115,17 @@ def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
     arch = gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture")
     if not isinstance(arch, str) or arch in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
         return
-    ggml.GGUF_CONFIG_MAPPING.setdefault(arch, ggml.GGUF_CONFIG_MAPPING["llama"])  # the same dict
+    from transformers import AutoConfig, LlamaConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    # transformers takes the GGUF name as the config's model type: one it has no config
+    # class for (llama.cpp's "granitehybrid", "qwen3next") gets llama's under that name,
+    # and none of the file's keys (hybrid files' per-layer lists fit no llama field)
+    keys = ggml.GGUF_CONFIG_MAPPING["llama"]
+    if arch not in CONFIG_MAPPING:
+        AutoConfig.register(arch, type(f"GGUF_{arch}_Config", (LlamaConfig,), {"model_type": arch}))
+        keys = {}
+    ggml.GGUF_CONFIG_MAPPING.setdefault(arch, keys)
     hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(
         arch
     )  # as transformers' GGUF_TO_TRANSFORMERS_MAPPING
@@ -140,6 +150,7 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         tie_word_embeddings="output.weight" not in shapes,
         qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes,  # GLM-4's, where written
     )
+    cfg = gguf.layer_types_from_tensors(cfg, shapes)
     del reader
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

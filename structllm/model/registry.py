@@ -89,7 +89,7 @@ FAMILIES: tuple[Family, ...] = (
         "granite_hybrid",
         ("GraniteMoeHybridForCausalLM",),
         ("granitemoehybrid",),
-        (),
+        ("granitehybrid",),
     ),
 )
 

@@ -204,7 +204,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
-QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe"]
+QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "granitemoehybrid"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 

@@ -831,6 +831,9 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
     "qwen2_moe": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "qwen3_5_moe": dict(moe_intermediate_size=64),  # block-sized rows for every expert
+    # llama.cpp's loader (llama-quantize's) asserts experts used <= experts: a dense
+    # Granite 4 file says 0 of 0, not transformers' default 2 of 0
+    "granitemoehybrid": dict(num_experts_per_tok=0),
     "gemma2": dict(query_pre_attn_scalar=32),
 }
 
