@@ -329,8 +329,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(qk_norm="head", conv_kernel=int(get("shortconv.l_cache") or 3))
         if isinstance(kv, list):
             kw["layer_types"] = ["conv" if int(n) == 0 else "attention" for n in kv]
-    elif fam.name in ("qwen3_5", "qwen3_5_moe"):
+    elif fam.name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         kw.update(_qwen3_5(layers, get))
+        # (the converter tiles Qwen3.5's value heads, not Qwen3-Next's)
+        kw["linear_tiled_values"] = kw["linear_tiled_values"] and fam.name != "qwen3_next"
     elif fam.name == "granitemoehybrid":
         kw.update(_granite_hybrid(layers, head_dim, get))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
@@ -448,7 +450,7 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
                 get("expert_shared_feed_forward_length") or get("feed_forward_length")
             ),
         )
-    if family not in ("mixtral", "qwen3_moe", "qwen3_5_moe"):
+    if family not in ("mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
     return dict(
         architecture=family,
@@ -545,6 +547,7 @@ _LAYER_NAMES = {
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
+_HF_ROPE_ORDER += ("qwen3_next",)
 
 # Granite 4's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
 # -exp(A_log); ``ssm_a``, ``ssm_d`` and ``ssm_norm`` are read back flat)
@@ -594,6 +597,7 @@ _KEEPABLE = (
     "ssm_beta.weight",
     "ssm_out.weight",
     "ssm_in.weight",
+    "ssm_ba.weight",
     "ffn_gate_shexp.weight",
     "ffn_up_shexp.weight",
     "ffn_down_shexp.weight",
@@ -736,6 +740,12 @@ def _qwen3_5_tensor(
     mixer's; an attention layer's ``attn_q`` holds each head's query rows, then its gate
     rows (``[H, 2, D]``): the gate is ``attn_gate``, the query goes on (to be fused with
     k and v, its rotary rows permuted)."""
+    if cfg.recurrent(layer) is not None and rest == "ssm_ba.weight":  # Qwen3-Next's
+        # per key head, its r value heads' b rows, then their a rows ([Hk, 2r])
+        r = cfg.linear_value_heads // cfg.linear_key_heads
+        rows = torch.arange(2 * cfg.linear_value_heads).view(cfg.linear_key_heads, 2, r)
+        b, a = (_take_rows(w, rows[:, j].reshape(-1)) for j in (0, 1))
+        return [("mixer.in_proj_b", b), ("mixer.in_proj_a", a)], None
     if cfg.recurrent(layer) is not None and rest in _DELTANET_NAMES:
         if rest == "ssm_a":
             assert isinstance(w, Tensor)
@@ -824,7 +834,7 @@ def load_tensors(
                     w = torch.log(-w.float()) if rest == "ssm_a" else w
                 yield prefix + "mixer." + _MAMBA_NAMES[rest], w
                 continue
-            if cfg.architecture in ("qwen3_5", "qwen3_5_moe"):
+            if cfg.architecture in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
                 ours, left = _qwen3_5_tensor(cfg, int(idx), rest, w)
                 yield from ((prefix + n, t) for n, t in ours)
                 if left is None:

@@ -81,8 +81,7 @@ FAMILIES: tuple[Family, ...] = (
         ("qwen35moe",),
     ),
     # Qwen3-Next: Qwen3.5-MoE's layers, its DeltaNet projections fused per key head
-    # (directories; its GGUF files are not read yet)
-    Family("qwen3_next", "qwen3_5", ("Qwen3NextForCausalLM",), ("qwen3_next",), ()),
+    Family("qwen3_next", "qwen3_5", ("Qwen3NextForCausalLM",), ("qwen3_next",), ("qwen3next",)),
     # Granite 4 (dense: its shared MLP; Mamba-2 layers beside NoPE attention)
     Family(
         "granitemoehybrid",

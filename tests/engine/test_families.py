@@ -204,7 +204,7 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
 QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", "qwen3_moe"]
 QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
-QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "granitemoehybrid"]
+QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -547,13 +547,13 @@ def test_quantized_gguf_runs_its_blocks(
     amplify it to a third of the logits' spread at Q8_0.) Gemma 3 at Q4_0 is the
     noisiest: 93% top-1, its largest difference half a standard deviation.
 
-    Qwen3.5-MoE at Q4_0 runs its MLPs with 16-bit activations here: with 8 bits a
+    Qwen3.5-MoE and Qwen3-Next at Q4_0 run their MLPs with 16-bit activations here: with 8 bits a
     router near-tie picks another expert at one position of the 37-token prompt (2
     standard deviations there), and its Gated DeltaNet states carry that token's
     difference to every later position (0.4-1.0 of a deviation; 89% top-1), which
     attention layers, reading each key once, do not. With 16 bits it equals its
     dequantisation to within rounding."""
-    if (name, qtype) == ("qwen3_5_moe", "Q4_0"):
+    if name in ("qwen3_5_moe", "qwen3_next") and qtype == "Q4_0":
         from structllm.kernels import packed
 
         monkeypatch.setattr(packed, "INT8_MIN_M", 0)

@@ -834,6 +834,8 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     # llama.cpp's loader (llama-quantize's) asserts experts used <= experts: a dense
     # Granite 4 file says 0 of 0, not transformers' default 2 of 0
     "granitemoehybrid": dict(num_experts_per_tok=0),
+    # the converter writes no dense layers among Qwen3-Next's experts
+    "qwen3_next": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "gemma2": dict(query_pre_attn_scalar=32),
 }
 
@@ -871,6 +873,7 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
 CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
     "qwen3_5": ("--no-mtp",),
     "qwen3_5_moe": ("--no-mtp",),
+    "qwen3_next": ("--no-mtp",),
 }
 
 # transformers gives some model types a tokenizer class of their own whatever
