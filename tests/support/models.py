@@ -332,6 +332,23 @@ _SMALL: dict[str, object] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# Qwen3.5's tiny layers (a quarter of each 32-wide head rotates; 2 key heads, 4 value
+# heads: the value heads grouped by key head) and its experts
+_QWEN3_5_LAYERS: dict[str, object] = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    tie_word_embeddings=False,
+)
+_QWEN3_5_EXPERTS: dict[str, object] = dict(
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    shared_expert_intermediate_size=64,
+)
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -486,50 +503,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "qwen3_5": (  # hybrid: Gated DeltaNet in three layers of four, gated attention
         "Qwen3_5TextConfig",
-        dict(
-            num_hidden_layers=4,
-            head_dim=32,  # a quarter of it rotates
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            tie_word_embeddings=False,
-        ),
+        dict(_QWEN3_5_LAYERS, linear_conv_kernel_dim=4),
     ),
     "qwen3_5_moe": (  # Qwen3.5's layers with experts and a gated shared expert
         "Qwen3_5MoeTextConfig",
-        dict(
-            num_hidden_layers=4,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=64,
-            tie_word_embeddings=False,
-        ),
+        dict(_QWEN3_5_LAYERS, **_QWEN3_5_EXPERTS),
     ),
     "qwen3_next": (  # Qwen3.5-MoE's layers, projections fused per key head, a dense MLP
         "Qwen3NextConfig",
-        dict(
-            num_hidden_layers=4,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=6,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            shared_expert_intermediate_size=64,
-            mlp_only_layers=[1],
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-        ),
+        dict(_QWEN3_5_LAYERS, **_QWEN3_5_EXPERTS, mlp_only_layers=[1], norm_topk_prob=True),
     ),
     "granitemoehybrid": (  # Granite 4 dense: Mamba-2 around a NoPE attention layer
         "GraniteMoeHybridConfig",
