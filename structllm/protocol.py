@@ -282,7 +282,6 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     spec_propose_s: float = 0.0
     # hybrid models: recurrent-state slots held by requests (engine.state_cache)
     state_cache_slots_used: int = 0
-    state_cache_slots: int = 0
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

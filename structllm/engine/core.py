@@ -189,11 +189,7 @@ class EngineCore:
             prefix_caching,
             window=max(windows) if windows and min(windows) > 0 else 0,
         )
-        self.states = (
-            StateCacheManager(self.num_state_slots, self.state_slot_bytes)
-            if self.num_state_slots
-            else None
-        )
+        self.states = StateCacheManager(self.num_state_slots) if self.num_state_slots else None
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
@@ -368,7 +364,7 @@ class EngineCore:
             and not config.enforce_eager
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
-            and not self.files.config.hybrid  # (recurrent states are not captured)
+            and not self.hybrid  # (recurrent states are not captured)
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner
@@ -735,6 +731,5 @@ class EngineCore:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=list(spec.accepted_per_pos),
             state_cache_slots_used=st.num_slots - st.num_free_slots if st is not None else 0,
-            state_cache_slots=st.num_slots if st is not None else 0,
             spec_propose_s=spec.propose_s,
         )

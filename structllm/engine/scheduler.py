@@ -9,6 +9,11 @@ get a block, the newest running request is preempted: its blocks are freed, it k
 generated tokens, and it goes back to the front of the queue to be recomputed later
 (largely from the prefix cache).
 
+A hybrid model's request also takes a recurrent-state slot when it is admitted
+(``states``, ``engine.state_cache``): none free, it waits as for a block; it gives the
+slot back when it finishes, is aborted or is preempted (and is then recomputed from its
+first token into a fresh state).
+
 A request that asks for prompt logprobs takes no prefix-cache hits over prompt
 positions it has not scored yet (a cached block has K/V but no logits); its own blocks
 still enter the cache for others.

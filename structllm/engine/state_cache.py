@@ -14,17 +14,18 @@ gets next. The slots come out of the same memory budget as the KV blocks
 
 from __future__ import annotations
 
+import heapq
+
 from structllm.engine.request import Request
 
 
 class StateCacheManager:
-    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
             raise ValueError(f"the state cache needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self.slot_bytes = slot_bytes  # every recurrent layer's state of one request
-        # lowest first, so an idle engine always hands out the same slots
-        self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        # a heap, lowest first, so an idle engine always hands out the same slots
+        self.free: list[int] = list(range(num_slots))
 
     @property
     def num_free_slots(self) -> int:
@@ -41,14 +42,13 @@ class StateCacheManager:
             return True
         if not self.free:
             return False
-        req.state_slot = self.free.pop()
+        req.state_slot = heapq.heappop(self.free)
         return True
 
     def free_slot(self, req: Request) -> None:
         """Take ``req``'s slot back (finish, abort, preemption); nothing if it has none."""
         if req.state_slot >= 0:
-            self.free.append(req.state_slot)
-            self.free.sort(reverse=True)
+            heapq.heappush(self.free, req.state_slot)
             req.state_slot = -1
 
     def check_invariants(self, live: list[Request]) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.attention import AttentionMetadata
-from structllm.kernels.packed import BlockWeight, linear
+from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, gated_act
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
@@ -145,12 +145,7 @@ class HybridModel(LlamaModel):
         layer's cache entry is its (K, V) pair, a recurrent layer's its states."""
         if hidden is not None:
             raise ValueError("a hybrid model runs without pipeline stages")
-        if isinstance(self.embed_tokens, BlockWeight):
-            x = self.embed_tokens.rows(input_ids)
-        else:
-            x = F.embedding(input_ids, self.embed_tokens)
-        if self.cfg.embed_scale != 1.0:
-            x = x * self.cfg.embed_scale
+        x = self.embed(input_ids)
         rope = self.rope_table(int(meta.max_seq_len))[positions].unsqueeze(1)  # [T, 1, D/2]
         rb = RecurrentBatch.from_meta(meta, meta.state_slots, self._recurrent_kernels())
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

@@ -407,16 +407,7 @@ class LlamaModel(nn.Module):
         the step short, whose K/V writes then cover only the layers run so far."""
         tp = self.tp
         last = self.layer_range.stop == self.cfg.num_layers
-        if hidden is not None:
-            x = hidden
-        elif tp is not None:
-            x = self._embed_slice(input_ids, tp)
-        elif isinstance(self.embed_tokens, BlockWeight):
-            x = self.embed_tokens.rows(input_ids)  # only the looked-up rows are dequantised
-        else:
-            x = F.embedding(input_ids, self.embed_tokens)
-        if hidden is None and self.cfg.embed_scale != 1.0:
-            x = x * self.cfg.embed_scale
+        x = hidden if hidden is not None else self.embed(input_ids)
         table = self.rope_table(int(meta.max_seq_len))
         ropes = [table[positions]]  # [T, D/2] per table: global, local, none
         if self._rope_local is not None:
@@ -464,6 +455,17 @@ class LlamaModel(nn.Module):
         if not last:
             return x
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """``input_ids: [T]`` -> ``[T, hidden]``: the embedding rows (this rank's vocabulary
+        slice, all-reduced, with tensor parallelism), times the family's scale."""
+        if self.tp is not None:
+            x = self._embed_slice(input_ids, self.tp)
+        elif isinstance(self.embed_tokens, BlockWeight):
+            x = self.embed_tokens.rows(input_ids)  # only the looked-up rows are dequantised
+        else:
+            x = F.embedding(input_ids, self.embed_tokens)
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
 
     @property
     def decode_path(self) -> str:

@@ -17,29 +17,12 @@ from structllm.model.deltanet import (
     hf_names,
     l2norm,
 )
-from structllm.model.recurrent import RecurrentBatch
+from tests.support.recurrent import batch, carried_over, close, seed_weights
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
 HK, HV, DK, DV = 2, 4, 16, 8  # GQA: Hv = 2 Hk
 NUM_SLOTS = 5
-
-
-def batch(seqs: list[tuple[int, int, bool]], num_decodes: int) -> RecurrentBatch:
-    """A step's rows: ``(rows, slot, fresh)`` per sequence, decodes first."""
-    starts = [0]
-    for n, _, _ in seqs:
-        starts.append(starts[-1] + n)
-    slots = [s for _, s, _ in seqs]
-    fresh = [f for _, _, f in seqs]
-    return RecurrentBatch(
-        starts,
-        slots,
-        torch.tensor(slots, dtype=torch.long),
-        fresh,
-        torch.tensor(fresh, dtype=torch.bool),
-        num_decodes,
-    )
 
 
 def inputs(n: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -71,11 +54,6 @@ def recurrence(
         s = s + k[t][:, :, None] * u[:, None, :]
         out.append(torch.einsum("hk,hkv->hv", q[t], s))
     return torch.stack(out), s
-
-
-def close(a: Tensor, b: Tensor, rel: float = 1e-5) -> None:
-    err = (a - b).abs().max().item()
-    assert err <= rel * max(b.abs().max().item(), 1.0), err
 
 
 def random_state(seed: int) -> Tensor:
@@ -185,26 +163,13 @@ def hf_layer(seed: int = 0) -> torch.nn.Module:
         num_hidden_layers=1,
         layer_types=["linear_attention"],
     )
-    torch.manual_seed(seed)
-    layer = qwen3_5.Qwen3_5GatedDeltaNet(cfg, 0).eval()
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name == "A_log":
-                p.copy_(torch.empty_like(p).uniform_(0.01, 4).log())
-            elif name == "norm.weight":
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0))
+    layer = seed_weights(qwen3_5.Qwen3_5GatedDeltaNet(cfg, 0), seed, (0.01, 4))
     layer.cfg = cfg
     return layer
 
 
 def ours_from(hf: torch.nn.Module) -> GatedDeltaNet:
-    layer = GatedDeltaNet.from_config(hf.cfg)
-    state = {f"x.{k}": t.detach().clone() for k, t in hf.state_dict().items()}
-    layer.load_state_dict(from_hf(state, "x."), strict=True)
-    assert not state  # every tensor taken
-    return layer
+    return carried_over(GatedDeltaNet.from_config(hf.cfg), hf, from_hf)  # type: ignore[return-value]
 
 
 def empty_states(cfg: object, slots: int) -> tuple[Tensor, Tensor]:

@@ -53,7 +53,7 @@ def alone(path: Path) -> list[Run]:
 
 
 def test_a_slot_is_held_while_running_and_given_back() -> None:
-    states = StateCacheManager(2, 1024)
+    states = StateCacheManager(2)
     a, b, c = (Request(r, [1, 2], GREEDY, 4) for r in "abc")
     assert states.allocate(a) and states.allocate(b) and not states.allocate(c)
     assert {a.state_slot, b.state_slot} == {0, 1} and c.state_slot == -1

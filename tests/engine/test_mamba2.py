@@ -11,30 +11,13 @@ import torch
 from torch import Tensor
 
 from structllm.model.mamba2 import Mamba2, from_hf, hf_names, segment_sum, ssd
-from structllm.model.recurrent import RecurrentBatch
+from tests.support.recurrent import batch, carried_over, close, seed_weights
 
 granite = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
 
 H, G, P, N = 4, 2, 8, 16  # two heads per group
 CHUNK = 16
 NUM_SLOTS = 5
-
-
-def batch(seqs: list[tuple[int, int, bool]], num_decodes: int) -> RecurrentBatch:
-    """A step's rows: ``(rows, slot, fresh)`` per sequence, decodes first."""
-    starts = [0]
-    for n, _, _ in seqs:
-        starts.append(starts[-1] + n)
-    slots = [s for _, s, _ in seqs]
-    fresh = [f for _, _, f in seqs]
-    return RecurrentBatch(
-        starts,
-        slots,
-        torch.tensor(slots, dtype=torch.long),
-        fresh,
-        torch.tensor(fresh, dtype=torch.bool),
-        num_decodes,
-    )
 
 
 def inputs(n: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -65,11 +48,6 @@ def recurrence(
         )
         out.append(torch.einsum("hpn,hn->hp", s, c[t]) + d[:, None] * x[t])
     return torch.stack(out), s
-
-
-def close(a: Tensor, b: Tensor, rel: float = 1e-5) -> None:
-    err = (a - b).abs().max().item()
-    assert err <= rel * max(b.abs().max().item(), 1.0), err
 
 
 def random_state(seed: int) -> Tensor:
@@ -170,26 +148,13 @@ def hf_layer(seed: int = 0, proj_bias: bool = False) -> torch.nn.Module:
         num_hidden_layers=1,
         layer_types=["mamba"],
     )
-    torch.manual_seed(seed)
-    layer = granite.GraniteMoeHybridMambaLayer(cfg, 0).eval()
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name == "A_log":
-                p.copy_(torch.empty_like(p).uniform_(0.5, 8).log())
-            elif name == "norm.weight":
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 1.0))
+    layer = seed_weights(granite.GraniteMoeHybridMambaLayer(cfg, 0), seed, (0.5, 8))
     layer.cfg = cfg
     return layer
 
 
 def ours_from(hf: torch.nn.Module) -> Mamba2:
-    layer = Mamba2.from_config(hf.cfg)
-    state = {f"x.{k}": t.detach().clone() for k, t in hf.state_dict().items()}
-    layer.load_state_dict(from_hf(state, "x."), strict=True)
-    assert not state  # every tensor taken
-    return layer
+    return carried_over(Mamba2.from_config(hf.cfg), hf, from_hf)  # type: ignore[return-value]
 
 
 def empty_states(layer: Mamba2, slots: int) -> tuple[Tensor, Tensor]:
