@@ -11,7 +11,14 @@ import torch
 from torch import Tensor
 
 from structllm.model.mamba2 import Mamba2, from_hf, hf_names, segment_sum, ssd
-from tests.support.recurrent import batch, carried_over, close, seed_weights
+from tests.support.recurrent import (
+    STEP_LENGTHS,
+    batch,
+    carried_over,
+    close,
+    run_steps,
+    seed_weights,
+)
 
 granite = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
 
@@ -193,37 +200,10 @@ def test_layer_steps_mixed() -> None:
     hf = hf_layer(seed=1)
     ours = ours_from(hf)
     gen = torch.Generator().manual_seed(9)
-    lengths = [186, 124, 30]
-    xs = [torch.randn(n, HIDDEN, generator=gen) for n in lengths]
-    wants = [hf(x[None])[0] for x in xs]
-    slot_of = [4, 0, 2]
-    steps = [
-        [(0, 1), (1, 3)],
-        [(0, 3), (1, 17), (2, 1)],
-        [(2, 1), (0, 17), (1, 100)],
-        [(2, 1), (1, 1), (0, 64)],
-        [(1, 1), (2, 27), (0, 100)],
-        [(0, 1), (1, 1)],
-        [(1, 1)],
-    ]
-    conv, ssm = empty_states(ours, 6)
-    pos = [0, 0, 0]
-    outs: list[list[Tensor]] = [[], [], []]
-    for step in steps:
-        decodes = [(i, n) for i, n in step if n == 1 and pos[i] > 0]
-        prefills = [(i, n) for i, n in step if (i, n) not in decodes]
-        order = decodes + prefills
-        x = torch.cat([xs[i][pos[i] : pos[i] + n] for i, n in order])
-        rb = batch([(n, slot_of[i], pos[i] == 0) for i, n in order], len(decodes))
-        y = ours(x, (conv, ssm), rb)
-        a = 0
-        for i, n in order:
-            outs[i].append(y[a : a + n])
-            pos[i] += n
-            a += n
-    assert pos == lengths
-    for i in range(3):
-        close(torch.cat(outs[i]), wants[i])
+    xs = [torch.randn(n, HIDDEN, generator=gen) for n in STEP_LENGTHS]
+    got = run_steps(ours, xs, empty_states(ours, 6), [4, 0, 2])
+    for x, rows in zip(xs, got, strict=True):
+        close(rows, hf(x[None])[0])
 
 
 @torch.no_grad()

@@ -61,3 +61,42 @@ def carried_over(
     ours.load_state_dict(from_hf(state, "x."), strict=True)
     assert not state  # every tensor taken
     return ours
+
+
+# Three sequences (186, 124 and 30 rows) over steps: per step, (sequence, rows); a
+# sequence's later one-row chunks run as decode rows, first chunks and longer ones as
+# prefill chunks (1, 3, 17, 64, 100 rows), decodes and prefills of other slots beside
+STEP_LENGTHS = [186, 124, 30]
+STEPS = [
+    [(0, 1), (1, 3)],
+    [(0, 3), (1, 17), (2, 1)],
+    [(2, 1), (0, 17), (1, 100)],
+    [(2, 1), (1, 1), (0, 64)],
+    [(1, 1), (2, 27), (0, 100)],
+    [(0, 1), (1, 1)],
+    [(1, 1)],
+]
+
+
+def run_steps(
+    mixer: Callable[[Tensor, tuple[Tensor, ...], RecurrentBatch], Tensor],
+    xs: list[Tensor],
+    states: tuple[Tensor, ...],
+    slot_of: list[int],
+) -> list[Tensor]:
+    """Each sequence of ``xs`` (``STEP_LENGTHS`` rows) through ``mixer`` as ``STEPS``
+    cuts it, sequence ``i`` in slot ``slot_of[i]`` of ``states``: its rows, in order."""
+    pos = [0] * len(xs)
+    outs: list[list[Tensor]] = [[] for _ in xs]
+    for step in STEPS:
+        decodes = [(i, n) for i, n in step if n == 1 and pos[i] > 0]
+        order = decodes + [(i, n) for i, n in step if (i, n) not in decodes]
+        x = torch.cat([xs[i][pos[i] : pos[i] + n] for i, n in order])
+        y = mixer(x, states, batch([(n, slot_of[i], pos[i] == 0) for i, n in order], len(decodes)))
+        a = 0
+        for i, n in order:
+            outs[i].append(y[a : a + n])
+            pos[i] += n
+            a += n
+    assert pos == [len(x) for x in xs]
+    return [torch.cat(o) for o in outs]
