@@ -196,10 +196,30 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 # front end -> engine
 
 
+class ImageInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One image of a prompt, as the model's image processor left it in the front end
+    (``structllm.multimodal``): decoded, resized and tiled, not yet normalised.
+
+    Its embeddings take the prompt positions ``offset .. offset + length - 1`` whose
+    token is the model's image token, in order (a family may put other tokens between
+    an image's tiles, e.g. Idefics3's row markers). ``hash`` keys the engine's encoder
+    cache and the prefix cache's blocks over the span: a full-length hash of the
+    decoded pixels and the processor's settings, so two different images never share
+    either."""
+
+    hash: str  # sha256 hex
+    offset: int  # prompt position of the span's first token
+    length: int  # the span's positions, first image token to last
+    num_tokens: int  # image-token positions in the span (= the encoder's output rows)
+    shape: tuple[int, int, int, int]  # [tiles, height, width, 3]
+    pixels: bytes  # uint8, ``shape``, row-major RGB
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    images: list[ImageInput] = []  # in prompt order, spans disjoint
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
