@@ -497,6 +497,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="attach an image file to the first message (repeatable; later: /image PATH)",
+    )
     c.set_defaults(func=cmd_chat)
     g = sub.add_parser(
         "generate",
