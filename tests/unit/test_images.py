@@ -74,6 +74,7 @@ def test_the_exif_orientation_is_applied() -> None:
     out = decode_image(encode(im, "JPEG", exif=exif, quality=95))
     assert out.size == (16, 32)  # portrait now
     top, bottom = out.getpixel((8, 4)), out.getpixel((8, 28))
+    assert isinstance(top, tuple) and isinstance(bottom, tuple)
     assert top[0] > 200 and top[2] < 60  # the left (red) column is on top
     assert bottom[2] > 200 and bottom[0] < 60
 
@@ -81,7 +82,7 @@ def test_the_exif_orientation_is_applied() -> None:
 def test_an_animated_gif_gives_its_first_frame() -> None:
     frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 0, 255))]
     data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:], loop=0)
-    assert Image.open(io.BytesIO(data)).n_frames == 2
+    assert getattr(Image.open(io.BytesIO(data)), "n_frames", 1) == 2
     out = decode_image(data)
     assert out.mode == "RGB" and out.getpixel((4, 4)) == (255, 0, 0)
 
