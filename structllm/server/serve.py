@@ -33,7 +33,8 @@ from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
 from structllm.ipc.spawn import spawn
 from structllm.launch import ChannelHandoff, EngineStartError, attach_engine, open_engine
-from structllm.model.files import ModelFiles, find_model_files, generation_defaults
+from structllm.model.files import ModelFiles, find_model_files, generation_defaults, model_path
+from structllm.multimodal.registry import processor_for
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
 from structllm.server.metrics import SLOT_SIZE, Metrics
@@ -115,7 +116,11 @@ def make_app(
             "(--generation-config vllm keeps the API's own)",
             defaults,
         )
-    return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults)
+    model_dir = model_path(config.engine.model)
+    processor = processor_for(
+        model_dir if model_dir.is_dir() else None, tokenizer.token_id, config.image_processor
+    )
+    return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults, processor)
 
 
 def limit_connections(max_connections: int) -> None:
