@@ -4,32 +4,18 @@ content hash of the decoded pixels."""
 from __future__ import annotations
 
 import io
-import struct
-import zlib
 
 import pytest
 from PIL import Image
 
 from structllm.server.images import ImageError, content_hash, decode_image
+from tests.support.images import png_claiming
 
 
 def encode(im: Image.Image, fmt: str, **kw: object) -> bytes:
     buf = io.BytesIO()
     im.save(buf, fmt, **kw)
     return buf.getvalue()
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A PNG whose header claims ``width`` x ``height`` with a few bytes of data."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\0" * 64)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 def test_a_one_pixel_png() -> None:
