@@ -237,7 +237,12 @@ def test_chat_takes_image_parts_for_a_model_that_takes_images(
     )
     sent: list[AddRequest] = []
     add = tiny.engine.add_request
-    monkeypatch.setattr(tiny.engine, "add_request", lambda r: (sent.append(r), add(r))[1])
+
+    def record(r: AddRequest) -> None:
+        sent.append(r)
+        add(r)
+
+    monkeypatch.setattr(tiny.engine, "add_request", record)
     [out] = tiny.chat(chat, GREEDY)
     assert out.prompt_token_ids.count(6) == 3 * TOKENS and len(out.outputs[0].token_ids) == 5
     [req] = sent
