@@ -143,8 +143,8 @@ def _first_media_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:
 async def fetch(url: str, policy: MediaPolicy) -> bytes:
     """One URL's bytes; ``MediaError`` saying why not."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        return data_url(url, policy.max_bytes)
+    if scheme == "data":  # base64 of up to the body's size: off the event loop
+        return await anyio.to_thread.run_sync(data_url, url, policy.max_bytes)
     if scheme == "file":
         if policy.local_path is None:
             raise MediaError(

@@ -125,6 +125,11 @@ def test_image_tokens_are_prompt_tokens(vision_server: Server) -> None:
     two = oai.chat.completions.create(model=None, **chat_body(RED, RED))  # type: ignore[call-overload]
     n = plain.usage.prompt_tokens
     assert (one.usage.prompt_tokens, two.usage.prompt_tokens) == (n + TOKENS, n + 2 * TOKENS)
+    tokenized = [
+        vision_server.post("/tokenize", {"messages": chat_body(*urls)["messages"]})[1]["count"]
+        for urls in ((), (RED,))
+    ]
+    assert tokenized[1] == tokenized[0] + TOKENS
     bare = {"type": "image_url", "image_url": RED}  # the URL as a bare string
     status, body = vision_server.post(
         "/v1/chat/completions",
