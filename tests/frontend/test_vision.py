@@ -204,3 +204,21 @@ def test_the_registry_picks_a_family_by_architecture(tmp_path: Path, tokenizer: 
     assert isinstance(fake, FakeProcessor) and fake.image_token_id == 6
     with pytest.raises(ValueError, match="no such module"):
         registry.processor_for(text_only, tokenizer.token_id, "tests.support.nothing:P")
+
+
+def test_limit_mm_per_prompt_takes_vllms_json() -> None:
+    import argparse
+
+    from structllm.cli import _mm_limits
+
+    assert _mm_limits('{"image": 4}') == {"image": 4}
+    assert _mm_limits("{}") == {}
+    for bad, match in (
+        ("image=4", "not JSON"),
+        ('{"image": -1}', "object of counts"),
+        ('{"image": true}', "object of counts"),
+        ("[4]", "object of counts"),
+        ('{"video": 1}', "only image inputs"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            _mm_limits(bad)
