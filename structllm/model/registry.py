@@ -90,6 +90,8 @@ FAMILIES: tuple[Family, ...] = (
         ("granitemoehybrid",),
         ("granitehybrid",),
     ),
+    # Nemotron-H (dense): Mamba-2, NoPE attention and relu-squared MLP layers, one each
+    Family("nemotron_h", "nemotron_h", ("NemotronHForCausalLM",), ("nemotron_h",), ("nemotron_h",)),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -532,6 +532,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
+        "NemotronHConfig",
+        dict(
+            layers_block_type=[
+                "linear_attention",
+                "mlp",
+                "linear_attention",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+            ],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=16,  # prompts cross chunks
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
