@@ -273,7 +273,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         architecture=fam.name,
         vocab_size=int(vocab) if vocab is not None else -1,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=_ffn_width(get("feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(get("attention.head_count_kv", heads)),
@@ -335,6 +335,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["linear_tiled_values"] = kw["linear_tiled_values"] and fam.name != "qwen3_next"
     elif fam.name == "granitemoehybrid":
         kw.update(_granite_hybrid(layers, head_dim, get))
+    elif fam.name == "nemotron_h":
+        kw.update(_nemotron_h(layers, get))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
     elif fam.name == "exaone4":
@@ -343,7 +345,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
-    experts = int(get("expert_count") or 0)
+    # (the converter writes a dense Nemotron-H's n_routed_experts, which it does not use)
+    experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
     elif fam.name in ("qwen3_moe", "qwen2_moe"):
@@ -401,6 +404,41 @@ def _granite_hybrid(layers: int, head_dim: int, get: Callable[..., Any]) -> dict
         mamba_d_state=int(get("ssm.state_size")),
         mamba_chunk_size=256,
     )
+
+
+def _nemotron_h(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """Nemotron-H (llama.cpp's ``nemotron_h``, the dense models): a layer with KV heads
+    attends, one with a feed-forward width is an MLP, one with neither is Mamba-2 (the
+    loader's rule, from the per-layer ``attention.head_count_kv`` and
+    ``feed_forward_length``); the Mamba-2 sizes from the ``ssm.*`` keys; NoPE; the norms'
+    epsilon ``attention.layer_norm_epsilon``. The scan's chunk is not in the file (it
+    changes only the rounding): the configs' 128."""
+    kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
+    if not isinstance(kv, list) or not isinstance(ff, list):
+        raise ValueError("nemotron_h GGUF file without per-layer head_count_kv and feed_forward_length")
+    heads = int(get("ssm.time_step_rank"))
+    eps = get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-5)
+    return dict(
+        layer_types=[
+            "attention" if int(k) else "mlp" if int(f) else "mamba"
+            for k, f in zip(kv[:layers], ff[:layers], strict=True)
+        ],
+        rope_layers=[False] * layers,
+        rms_norm_eps=float(eps),
+        conv_kernel=int(get("ssm.conv_kernel")),
+        conv_bias=True,
+        mamba_heads=heads,
+        mamba_head_dim=int(get("ssm.inner_size")) // heads,
+        mamba_groups=int(get("ssm.group_count")),
+        mamba_d_state=int(get("ssm.state_size")),
+        mamba_chunk_size=128,
+    )
+
+
+def _ffn_width(value: Any) -> int:
+    """``feed_forward_length``: one number, or one per layer (Nemotron-H writes 0 for the
+    layers without an MLP): the largest."""
+    return max(int(n) for n in value) if isinstance(value, list) else int(value)
 
 
 def layer_types_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
@@ -549,7 +587,7 @@ _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "ol
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next",)
 
-# Granite 4's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
+# Granite 4's and Nemotron-H's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
 # -exp(A_log); ``ssm_a``, ``ssm_d`` and ``ssm_norm`` are read back flat)
 _MAMBA_NAMES = {
     "ssm_in.weight": "in_proj",
@@ -561,6 +599,10 @@ _MAMBA_NAMES = {
     "ssm_norm.weight": "norm",
     "ssm_out.weight": "out_proj",
 }
+
+_MAMBA_FAMILIES = ("granitemoehybrid", "nemotron_h")
+
+_MAMBA_FAMILIES = ("granitemoehybrid", "nemotron_h")
 
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
 _SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
@@ -827,7 +869,7 @@ def load_tensors(
             prefix = f"layers.{idx}."
             if int(idx) >= cfg.num_layers:
                 continue  # a multi-token-prediction block (not run here)
-            if cfg.architecture == "granitemoehybrid" and rest in _MAMBA_NAMES:
+            if cfg.architecture in _MAMBA_FAMILIES and rest in _MAMBA_NAMES:
                 assert isinstance(w, Tensor) or rest in ("ssm_in.weight", "ssm_out.weight")
                 if isinstance(w, Tensor) and rest in ("ssm_a", "ssm_d", "ssm_norm.weight"):
                     w = w.reshape(-1)
@@ -842,6 +884,9 @@ def load_tensors(
                 w = left
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
+                continue
+            if rest == "ffn_up.weight" and cfg.architecture == "nemotron_h":  # not gated
+                yield prefix + "up_proj", w
                 continue
             if rest == "ffn_gate_inp.weight":  # the router, [E, hidden]
                 yield prefix + "moe.router", w

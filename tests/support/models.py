@@ -865,10 +865,30 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(path, tmp)
         cfg = json.loads((tmp / "config.json").read_text())
-        (tmp / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+        cfg["model_type"] = model_type
+        if family == "nemotron_h":
+            cfg = _as_published_nemotron_h(cfg)
+        (tmp / "config.json").write_text(json.dumps(cfg))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
+
+
+def _as_published_nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A dense Nemotron-H config.json as the published checkpoints write it: the layer
+    pattern as ``hybrid_override_pattern`` ("M-M*-M"), ``num_hidden_layers``, no expert
+    keys. (The converter reads a ``layers_block_type`` list's MLP layers only as "moe",
+    makes any config with ``num_experts_per_tok`` a ``nemotron_h_moe`` file, and writes
+    ``n_routed_experts`` as an expert count, which llama-quantize's loader refuses
+    without experts used.)"""
+    chars = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    pattern = "".join(chars[t] for t in cfg.pop("layers_block_type"))
+    experts = ("num_experts_per_tok", "n_routed_experts", "n_shared_experts", "n_group")
+    experts += ("moe_intermediate_size", "moe_shared_expert_intermediate_size")
+    experts += ("moe_latent_size", "moe_shared_expert_overlap", "topk_group")
+    experts += ("routed_scaling_factor", "norm_topk_prob", "mtp_layers_block_type")
+    cfg = {k: v for k, v in cfg.items() if k not in experts}
+    return {**cfg, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
 
 
 # llama.cpp's converter's arguments per family (Qwen3.5's asks for multi-token-prediction
@@ -884,7 +904,10 @@ CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
 # converter then does not recognise in the default model's vocabulary); the converter
 # reads the model from config.json's architectures, so another model type changes only
 # the tokenizer class it is given
-_CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text"}
+# (Nemotron-H's: transformers' class, through which the converter would read the
+# config, adds its mixture-of-experts defaults; under an unknown model type it reads
+# config.json as written, ``_as_published_nemotron_h``)
+_CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text", "nemotron_h": "nemotron_h_published"}
 
 
 @contextlib.contextmanager
