@@ -415,7 +415,9 @@ def _nemotron_h(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
     changes only the rounding): the configs' 128."""
     kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
     if not isinstance(kv, list) or not isinstance(ff, list):
-        raise ValueError("nemotron_h GGUF file without per-layer head_count_kv and feed_forward_length")
+        raise ValueError(
+            "nemotron_h GGUF file without per-layer head_count_kv and feed_forward_length"
+        )
     heads = int(get("ssm.time_step_rank"))
     eps = get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-5)
     return dict(
@@ -424,6 +426,7 @@ def _nemotron_h(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
             for k, f in zip(kv[:layers], ff[:layers], strict=True)
         ],
         rope_layers=[False] * layers,
+        rotary_dim=None,  # (the converter's rope.dimension_count is hidden / heads: unused)
         rms_norm_eps=float(eps),
         conv_kernel=int(get("ssm.conv_kernel")),
         conv_bias=True,

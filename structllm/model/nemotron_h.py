@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata
-from structllm.model.collectives import TensorParallelGroup
 from structllm.kernels.packed import linear
 from structllm.model import mamba2
+from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.hybrid import HybridModel, Mixer
 from structllm.model.llama import DecoderLayer

@@ -574,7 +574,9 @@ def test_quantized_gguf_runs_its_blocks(
         mixer = getattr(layer, "mixer", None)
         if mixer is not None:
             assert type(getattr(mixer, mixer.PACKED[0])).__name__ == "BlockWeight"
-    if getattr(model.layers[0], "moe", None) is not None:  # each expert's matrices, sliced out of 3-D tensors
+    if (
+        getattr(model.layers[0], "moe", None) is not None
+    ):  # each expert's matrices, sliced out of 3-D tensors
         expert = model.layers[0].moe.experts[1]
         assert {type(expert.gate_up_proj).__name__, type(expert.down_proj).__name__} <= {
             "BlockWeight",

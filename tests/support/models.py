@@ -543,7 +543,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
                 "mlp",
                 "linear_attention",
             ],
-            head_dim=16,
+            head_dim=32,  # (a slot's state near two KV blocks: test_hybrid's sizes)
             mamba_num_heads=4,
             mamba_head_dim=32,
             n_groups=2,

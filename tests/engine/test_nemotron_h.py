@@ -1,0 +1,118 @@
+"""Nemotron-H (``NemotronHForCausalLM``) beyond test_families' tiny model: the config
+as the published checkpoints write it (``hybrid_override_pattern``, ``backbone.``
+tensor names), the default format on the directory against the exact path, the
+MLP-only layers' lack of any cache, and the configs it refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.model.config import ModelConfig
+from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock
+from tests.support.models import EXACT, gguf_source_dir, prefill_logits, tiny_family_dir
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
+
+
+def engine_for(path: Path, **kw: object) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20, **kw))  # type: ignore[arg-type]
+
+
+def test_layers_hold_what_their_kind_needs(default_files) -> None:  # type: ignore[no-untyped-def]
+    engine = engine_for(tiny_family_dir("nemotron_h", default_files), **EXACT)
+    model = engine.runner.model  # type: ignore[union-attr]
+    kinds = [type(layer) for layer in model.layers]
+    assert kinds == [MambaBlock, MlpBlock, MambaBlock, AttentionBlock, MlpBlock, MambaBlock]
+    attention = model.layers[3]
+    assert not hasattr(attention, "gate_up_proj") and attention.post_attention_layernorm is None
+    caches = engine.runner.kv_caches  # type: ignore[union-attr]
+    assert caches[1] == () and caches[4] == ()  # the MLP-only layers: no K/V, no state
+    assert engine.files.config.num_attention_layers == 1
+
+
+def test_published_checkpoint_layout_reads_the_same(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
+    # the config as nvidia's checkpoints write it (hybrid_override_pattern, no expert
+    # keys) and their "backbone." tensor names: the same model
+    from safetensors.torch import load_file, save_file
+
+    source = gguf_source_dir("nemotron_h", default_files)  # (the published config)
+    cfg = json.loads((source / "config.json").read_text())
+    assert cfg["hybrid_override_pattern"] == "M-M*-M" and "layers_block_type" not in cfg
+    shutil.copytree(source, tmp_path / "m")
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        renamed = {k.replace("model.", "backbone.", 1): v for k, v in load_file(f).items()}
+        save_file(renamed, f, metadata={"format": "pt"})
+    want = engine_for(tiny_family_dir("nemotron_h", default_files), **EXACT)
+    got = engine_for(tmp_path / "m", **EXACT)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(got, ids), prefill_logits(want, ids), atol=0, rtol=0
+        )
+
+
+def test_default_format_agrees_with_the_exact_path(default_files) -> None:  # type: ignore[no-untyped-def]
+    # the default format of a float32 directory (float16 matrices, the fused CPU ops,
+    # the float16 KV cache) against the exact float32 path: rounding only
+    path = tiny_family_dir("nemotron_h", default_files)
+    fast, exact = engine_for(path), engine_for(path, **EXACT)
+    assert fast.runner.model.cpu_ops is not None  # type: ignore[union-attr]
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(fast, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.05 * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.98, (agree, total)
+
+
+def hf_config(**overrides: object) -> dict[str, object]:
+    cfg: dict[str, object] = dict(
+        architectures=["NemotronHForCausalLM"],
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hybrid_override_pattern="M-*M",
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=2,
+        ssm_state_size=8,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def test_config_reads_real_names() -> None:
+    cfg = ModelConfig.from_hf(hf_config(time_step_limit=[0.0, {"__float__": "Infinity"}]))
+    assert cfg.layer_types == ["mamba", "mlp", "attention", "mamba"]
+    assert cfg.rope_layers == [False] * 4 and cfg.num_attention_layers == 1
+    assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_chunk_size) == (4, 32, 128)
+    assert cfg.recurrent(1) is None and not cfg.attends(1) and cfg.hybrid
+    # transformers 5 saves no num_hidden_layers: the pattern's length
+    saved = hf_config(layers_block_type=["mlp", "linear_attention"])
+    del saved["num_hidden_layers"], saved["hybrid_override_pattern"]
+    cfg = ModelConfig.from_hf(saved)
+    assert cfg.num_layers == 2 and cfg.layer_types == ["mlp", "mamba"]
+
+
+def test_refused_configs() -> None:
+    with pytest.raises(ValueError, match="mixture-of-experts layers"):
+        ModelConfig.from_hf(hf_config(hybrid_override_pattern="M-*E"))
+    with pytest.raises(ValueError, match="time_step_limit"):
+        ModelConfig.from_hf(hf_config(time_step_limit=[0.001, 0.1]))
+    with pytest.raises(ValueError, match="mlp_hidden_act 'silu'"):
+        ModelConfig.from_hf(hf_config(mlp_hidden_act="silu"))
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf(hf_config(mlp_bias=True))
+    with pytest.raises(ValueError, match="layer pattern has 3 entries for 4 layers"):
+        ModelConfig.from_hf(hf_config(hybrid_override_pattern="M-*"))
