@@ -1,7 +1,7 @@
 """Nemotron-H (``NemotronHForCausalLM``) beyond test_families' tiny model: the config
-as the published checkpoints write it (``hybrid_override_pattern``, ``backbone.``
-tensor names), the default format on the directory against the exact path, the
-MLP-only layers' lack of any cache, and the configs it refuses."""
+as the published checkpoints write it (``hybrid_override_pattern``), tensors under
+``model.`` as well as ``backbone.``, the default format on the directory against the
+exact path, the MLP-only layers' lack of any cache, and the configs it refuses."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_layers_hold_what_their_kind_needs(default_files) -> None:  # type: igno
 
 def test_published_checkpoint_layout_reads_the_same(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
     # the config as nvidia's checkpoints write it (hybrid_override_pattern, no expert
-    # keys) and their "backbone." tensor names: the same model
+    # keys), and the tensors under transformers' in-memory names ("model." where the
+    # checkpoints, and save_pretrained, say "backbone."): the same model
     from safetensors.torch import load_file, save_file
 
     source = gguf_source_dir("nemotron_h", default_files)  # (the published config)
@@ -47,7 +48,9 @@ def test_published_checkpoint_layout_reads_the_same(tmp_path: Path, default_file
     assert cfg["hybrid_override_pattern"] == "M-M*-M" and "layers_block_type" not in cfg
     shutil.copytree(source, tmp_path / "m")
     for f in (tmp_path / "m").glob("*.safetensors"):
-        renamed = {k.replace("model.", "backbone.", 1): v for k, v in load_file(f).items()}
+        tensors = load_file(f)
+        assert any(k.startswith("backbone.") for k in tensors)
+        renamed = {k.replace("backbone.", "model.", 1): v for k, v in tensors.items()}
         save_file(renamed, f, metadata={"format": "pt"})
     want = engine_for(tiny_family_dir("nemotron_h", default_files), **EXACT)
     got = engine_for(tmp_path / "m", **EXACT)
