@@ -29,8 +29,9 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
 # "linear_attention", Qwen3.5's Gated DeltaNet; "mamba", Granite 4's and Nemotron-H's
 # Mamba-2
 RECURRENT_KINDS = frozenset({"conv", "linear_attention", "mamba"})
-# layers that neither attend nor keep a state: "mlp", Nemotron-H's MLP-only layers
-STATELESS_KINDS = frozenset({"mlp"})
+# layers that neither attend nor keep a state: Nemotron-H's MLP-only layers ("mlp")
+# and mixture-of-experts-only layers ("moe", Nemotron 3's)
+STATELESS_KINDS = frozenset({"mlp", "moe"})
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +77,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # a shared expert beside the routed ones, gated by sigmoid(w . h) (Qwen2-MoE): its
     # MLP width (0: none)
     shared_expert_intermediate_size: int = 0
+    # Nemotron 3's routing (DeepSeek-V3's): sigmoid scores, a per-expert bias added for
+    # the choice only, the experts in expert_groups groups of which the expert_groups_used
+    # best (by their two best scores) are chosen from, the weights times
+    # routed_scaling_factor; the routed experts run on a moe_latent_size-wide projection
+    # of the input (0: none)
+    routed_scaling_factor: float = 1.0
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    moe_latent_size: int = 0
     # --- hybrid models: layers that keep a recurrent state instead of attending ---
     # per layer: "attention", a recurrent kind (RECURRENT_KINDS) or a stateless one
     # (STATELESS_KINDS); []: all attention
@@ -114,6 +124,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.head_dim % 2 or self.rope_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_experts % self.expert_groups or not (
+            0 < self.expert_groups_used <= self.expert_groups
+        ):
+            raise ValueError(
+                f"{self.num_experts} experts in {self.expert_groups} groups, "
+                f"{self.expert_groups_used} used: not a valid grouping"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
@@ -764,22 +781,19 @@ _NEMOTRON_H_KINDS = {
     "*": "attention",
     "mlp": "mlp",
     "-": "mlp",
+    "moe": "moe",
+    "E": "moe",
 }
 
 
 def _nemotron_h(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """Nemotron-H: each layer one pre-norm block, by its pattern (``layers_block_type``,
     or the checkpoints' ``hybrid_override_pattern``, "M-M*-..."): a Mamba-2 mixer (M),
-    NoPE attention without biases (*) or a relu-squared MLP (-); no MoE layers (E,
-    Nemotron 3's) yet. The Mamba projections' biases are ``use_bias``; the norms'
-    epsilon ``layer_norm_epsilon``."""
+    NoPE attention without biases (*), a relu-squared MLP (-) or Nemotron 3's mixture
+    of relu-squared experts beside a shared one (E; ``_nemotron_h_experts``). The Mamba
+    projections' biases are ``use_bias``; the norms' epsilon ``layer_norm_epsilon``."""
     n = base["num_layers"]
     types = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or ""
-    if any(t in ("moe", "E") for t in types):
-        raise ValueError(
-            "NemotronHForCausalLM with mixture-of-experts layers (moe, 'E': Nemotron 3) "
-            "is not supported yet; the dense Nemotron-H models (M, *, - layers) are"
-        )
     if unknown := sorted(set(types) - set(_NEMOTRON_H_KINDS)):
         raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
     if len(types) != n:
@@ -791,8 +805,10 @@ def _nemotron_h(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("Nemotron-H with mlp_bias is not supported")
     _check_time_step_limit(cfg, "Nemotron-H")
     head_dim = cfg.get("head_dim") or cfg.get("attention_head_dim") or base["head_dim"]
+    kinds = [_NEMOTRON_H_KINDS[t] for t in types]
     return {
-        "layer_types": [_NEMOTRON_H_KINDS[t] for t in types],
+        **(_nemotron_h_experts(cfg, kinds) if "moe" in kinds else {}),
+        "layer_types": kinds,
         "rope_layers": [False] * n,
         "head_dim": int(head_dim),
         "qkv_bias": False,  # (transformers' attention has none, whatever attention_bias says)
@@ -805,6 +821,31 @@ def _nemotron_h(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "mamba_d_state": int(cfg.get("ssm_state_size") or 128),
         "mamba_chunk_size": int(cfg.get("chunk_size") or cfg.get("mamba_chunk_size") or 128),
         "mamba_proj_bias": bool(cfg.get("use_bias", False)),
+    }
+
+
+def _nemotron_h_experts(cfg: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
+    """Nemotron 3's mixture-of-experts layers: ``n_routed_experts`` experts
+    (``moe_intermediate_size`` wide, on a ``moe_latent_size`` projection where given),
+    the top ``num_experts_per_tok`` by DeepSeek-V3's grouped sigmoid routing
+    (``n_group``, ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``), and
+    the shared expert (``moe_shared_expert_intermediate_size``); multi-token-prediction
+    layers (``num_nextn_predict_layers``) are not run."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    groups = int(cfg.get("n_group") or 1)
+    if groups > 1 and experts // max(groups, 1) < 2:
+        raise ValueError(f"Nemotron-H with {experts} experts in {groups} groups: under 2 a group")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(cfg["moe_shared_expert_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "moe_layers": [k == "moe" for k in kinds],
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "expert_groups": groups,
+        "expert_groups_used": int(cfg.get("topk_group") or 1),
+        "moe_latent_size": int(cfg.get("moe_latent_size") or 0),
     }
 
 

@@ -75,6 +75,73 @@ def test_default_format_agrees_with_the_exact_path(default_files) -> None:  # ty
     assert agree / total >= 0.98, (agree, total)
 
 
+# Nemotron 3's layers in small: experts in two groups (one chosen from), a latent
+# projection around them, a shared expert, a scaled renormalised top 2
+MOE = dict(
+    layers_block_type=[
+        "linear_attention",
+        "moe",
+        "linear_attention",
+        "full_attention",
+        "moe",
+        "mlp",
+    ],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_group=2,
+    topk_group=1,
+    moe_latent_size=32,
+    routed_scaling_factor=2.5,
+)
+
+
+def with_router_biases(src: Path, out: Path) -> Path:
+    """``src`` with random ``e_score_correction_bias`` (transformers leaves them zero),
+    so that the choice by biased score shows."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    gen = torch.Generator().manual_seed(1)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        for k, v in tensors.items():
+            if k.endswith("e_score_correction_bias"):
+                tensors[k] = 0.05 * torch.randn(v.shape, generator=gen)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+def test_experts_match_transformers(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    from structllm import LLM, SamplingParams
+    from structllm.model.nemotron_h import MoeBlock
+    from tests.support.models import hf_greedy, hf_logits
+
+    path = with_router_biases(tiny_family_dir("nemotron_h", default_files, **MOE), tmp_path / "m")
+    engine = engine_for(path, **EXACT)
+    cfg = engine.files.config
+    assert cfg.layer_types == ["mamba", "moe", "mamba", "attention", "moe", "mlp"]
+    assert (cfg.num_experts, cfg.expert_groups, cfg.expert_groups_used) == (8, 2, 1)
+    assert (cfg.moe_latent_size, cfg.routed_scaling_factor) == (32, 2.5)
+    model = engine.runner.model  # type: ignore[union-attr]
+    assert isinstance(model.layers[1], MoeBlock) and engine.runner.kv_caches[1] == ()  # type: ignore[union-attr]
+    assert model.layers[1].router_bias.abs().sum() > 0
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+    # greedy through chunked prefill (9-token steps), decodes beside prefills
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=9, **EXACT)
+    for ids, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        want = hf_greedy(ref, ids, 16)
+        assert out.token_ids[: len(want)] == want
+
+
 def hf_config(**overrides: object) -> dict[str, object]:
     cfg: dict[str, object] = dict(
         architectures=["NemotronHForCausalLM"],
@@ -109,8 +176,13 @@ def test_config_reads_real_names() -> None:
 
 
 def test_refused_configs() -> None:
-    with pytest.raises(ValueError, match="mixture-of-experts layers"):
-        ModelConfig.from_hf(hf_config(hybrid_override_pattern="M-*E"))
+    with pytest.raises(ValueError, match="8 experts in 3 groups"):
+        ModelConfig.from_hf(
+            hf_config(
+                hybrid_override_pattern="M-*E",
+                **{k: v for k, v in MOE.items() if k != "layers_block_type"} | {"n_group": 3},
+            )
+        )
     with pytest.raises(ValueError, match="time_step_limit"):
         ModelConfig.from_hf(hf_config(time_step_limit=[0.001, 0.1]))
     with pytest.raises(ValueError, match="mlp_hidden_act 'silu'"):
