@@ -336,7 +336,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     elif fam.name == "granitemoehybrid":
         kw.update(_granite_hybrid(layers, head_dim, get))
     elif fam.name == "nemotron_h":
-        kw.update(_nemotron_h(layers, get))
+        kw.update(_nemotron_h(layers, get, experts=arch == "nemotron_h_moe"))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
     elif fam.name == "exaone4":
@@ -345,7 +345,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
-    # (the converter writes a dense Nemotron-H's n_routed_experts, which it does not use)
+    # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
+    # n_routed_experts)
     experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
@@ -406,9 +407,10 @@ def _granite_hybrid(layers: int, head_dim: int, get: Callable[..., Any]) -> dict
     )
 
 
-def _nemotron_h(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
-    """Nemotron-H (llama.cpp's ``nemotron_h``, the dense models): a layer with KV heads
-    attends, one with a feed-forward width is an MLP, one with neither is Mamba-2 (the
+def _nemotron_h(layers: int, get: Callable[..., Any], experts: bool) -> dict[str, Any]:
+    """Nemotron-H (llama.cpp's ``nemotron_h``; Nemotron 3, with experts:
+    ``nemotron_h_moe``): a layer with KV heads attends, one with a feed-forward width is
+    an MLP (a mixture of experts in ``nemotron_h_moe``), one with neither is Mamba-2 (the
     loader's rule, from the per-layer ``attention.head_count_kv`` and
     ``feed_forward_length``); the Mamba-2 sizes from the ``ssm.*`` keys; NoPE; the norms'
     epsilon ``attention.layer_norm_epsilon``. The scan's chunk is not in the file (it
@@ -420,11 +422,14 @@ def _nemotron_h(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
         )
     heads = int(get("ssm.time_step_rank"))
     eps = get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-5)
+    ffn = "moe" if experts else "mlp"
+    kinds = [
+        "attention" if int(k) else ffn if int(f) else "mamba"
+        for k, f in zip(kv[:layers], ff[:layers], strict=True)
+    ]
     return dict(
-        layer_types=[
-            "attention" if int(k) else "mlp" if int(f) else "mamba"
-            for k, f in zip(kv[:layers], ff[:layers], strict=True)
-        ],
+        **(_nemotron_h_experts(kinds, get) if experts else {}),
+        layer_types=kinds,
         rope_layers=[False] * layers,
         rotary_dim=None,  # (the converter's rope.dimension_count is hidden / heads: unused)
         rms_norm_eps=float(eps),
@@ -435,6 +440,28 @@ def _nemotron_h(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
         mamba_groups=int(get("ssm.group_count")),
         mamba_d_state=int(get("ssm.state_size")),
         mamba_chunk_size=128,
+    )
+
+
+def _nemotron_h_experts(kinds: list[str], get: Callable[..., Any]) -> dict[str, Any]:
+    """Nemotron 3's experts (``nemotron_h_moe``): every feed-forward layer a mixture of
+    ``expert_count`` (``expert_feed_forward_length`` wide; on a ``moe_latent_size``
+    projection where the file has one), the top ``expert_used_count`` in
+    ``expert_group_count`` groups of which ``expert_group_used_count`` are chosen from,
+    weights renormalised (``expert_weights_norm``) and scaled
+    (``expert_weights_scale``), and the shared expert
+    (``expert_shared_feed_forward_length``)."""
+    return dict(
+        num_experts=int(get("expert_count")),
+        num_experts_per_tok=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")),
+        norm_topk_prob=bool(get("expert_weights_norm", True)),
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
+        moe_latent_size=int(get("moe_latent_size") or 0),
+        moe_layers=[k == "moe" for k in kinds],
     )
 
 
@@ -605,7 +632,17 @@ _MAMBA_NAMES = {
 
 _MAMBA_FAMILIES = ("granitemoehybrid", "nemotron_h")
 
-_MAMBA_FAMILIES = ("granitemoehybrid", "nemotron_h")
+# Nemotron-H's MLP (not gated) and Nemotron 3's mixture-of-experts layers, beside the
+# shared names (``_LAYER_NAMES``: attn_norm, ffn_down)
+_NEMOTRON_H_NAMES = {
+    "ffn_up.weight": "up_proj",
+    "ffn_gate_inp.weight": "router",
+    "exp_probs_b.bias": "router_bias",
+    "ffn_latent_down.weight": "latent_down",
+    "ffn_latent_up.weight": "latent_up",
+    "ffn_up_shexp.weight": "shared.up_proj",
+    "ffn_down_shexp.weight": "shared.down_proj",
+}
 
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
 _SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
@@ -648,6 +685,7 @@ _KEEPABLE = (
     "ffn_down_shexp.weight",
 )
 _KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+_KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
@@ -842,6 +880,14 @@ def load_tensors(
         if name.endswith(_EXPERTS):
             if not cfg.num_experts:
                 raise ValueError(f"GGUF tensor {name} in a model without experts")
+            if cfg.architecture == "nemotron_h":  # not gated: up and down, as they come
+                prefix = "layers.{}.experts.".format(name.split(".")[1])
+                proj = "up_proj" if ".ffn_up_exps." in name else "down_proj"
+                for e, w in enumerate(read_experts(t, shape, keep_blocks)):
+                    yield f"{prefix}{e}.{proj}", w
+                if progress is not None:
+                    progress(i + 1, total)
+                continue
             prefix = "layers.{}.moe.experts.".format(name.split(".")[1])
             kind = name.split(".")[2]  # ffn_gate_exps, ...
             pending_experts[prefix + kind] = read_experts(t, shape, keep_blocks)
@@ -888,8 +934,8 @@ def load_tensors(
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
                 continue
-            if rest == "ffn_up.weight" and cfg.architecture == "nemotron_h":  # not gated
-                yield prefix + "up_proj", w
+            if cfg.architecture == "nemotron_h" and rest in _NEMOTRON_H_NAMES:
+                yield prefix + _NEMOTRON_H_NAMES[rest], w
                 continue
             if rest == "ffn_gate_inp.weight":  # the router, [E, hidden]
                 yield prefix + "moe.router", w

@@ -142,6 +142,46 @@ def test_experts_match_transformers(tmp_path: Path, default_files) -> None:  # t
         assert out.token_ids[: len(want)] == want
 
 
+# (llama.cpp's converter writes a Nemotron 3 file's MLP layers as experts: none here)
+MOE_GGUF = dict(MOE, layers_block_type=[*MOE["layers_block_type"][:5], "linear_attention"])  # type: ignore[list-item]
+
+
+def test_experts_gguf_equals_the_directory_and_quantizes(default_files) -> None:  # type: ignore[no-untyped-def]
+    # llama.cpp's nemotron_h_moe: the converter's F32 file runs as the directory; its
+    # Q8_0 file's blocks (experts included) agree with its own dequantisation
+    from tests.support import llamacpp
+
+    source = gguf_source_dir("nemotron_h", default_files, **MOE_GGUF)
+    try:
+        f32 = llamacpp.convert_hf(source, "f32")
+        q8 = llamacpp.quantize(f32, "Q8_0")
+    except llamacpp.ToolMissing as e:
+        pytest.fail(str(e))
+    ours, want = engine_for(f32, **EXACT), engine_for(source, **EXACT)
+    got_cfg, want_cfg = ours.files.config, want.files.config
+    for field in ("layer_types", "moe_layers", "num_experts", "num_experts_per_tok"):
+        assert getattr(got_cfg, field) == getattr(want_cfg, field), field
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        assert getattr(got_cfg, field) == getattr(want_cfg, field), field
+    for field in ("expert_groups", "expert_groups_used", "moe_latent_size", "norm_topk_prob"):
+        assert getattr(got_cfg, field) == getattr(want_cfg, field), field
+    assert got_cfg.routed_scaling_factor == pytest.approx(2.5)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(ours, ids), prefill_logits(want, ids), atol=1e-4, rtol=1e-4
+        )
+    blocks, exact = engine_for(q8), engine_for(q8, **EXACT)
+    expert = blocks.runner.model.layers[1].experts[3]  # type: ignore[union-attr]
+    assert type(expert.up_proj).__name__ == "BlockWeight"
+    agree = total = 0
+    for ids in PROMPTS:
+        got, ref = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - ref).abs().max() <= 0.05 * ref.std(), ids
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.98, (agree, total)
+
+
 def hf_config(**overrides: object) -> dict[str, object]:
     cfg: dict[str, object] = dict(
         architectures=["NemotronHForCausalLM"],

@@ -875,20 +875,22 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
 
 
 def _as_published_nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A dense Nemotron-H config.json as the published checkpoints write it: the layer
-    pattern as ``hybrid_override_pattern`` ("M-M*-M"), ``num_hidden_layers``, no expert
-    keys. (The converter reads a ``layers_block_type`` list's MLP layers only as "moe",
-    makes any config with ``num_experts_per_tok`` a ``nemotron_h_moe`` file, and writes
-    ``n_routed_experts`` as an expert count, which llama-quantize's loader refuses
-    without experts used.)"""
-    chars = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    """A Nemotron-H config.json as the published checkpoints write it: the layer
+    pattern as ``hybrid_override_pattern`` ("M-M*-M"), ``num_hidden_layers``, and for a
+    dense model no expert keys. (The converter reads a ``layers_block_type`` list's MLP
+    layers only as "moe", makes any config with ``num_experts_per_tok`` a
+    ``nemotron_h_moe`` file, and writes ``n_routed_experts`` as an expert count, which
+    llama-quantize's loader refuses without experts used.)"""
+    chars = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
     pattern = "".join(chars[t] for t in cfg.pop("layers_block_type"))
+    cfg = {**cfg, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    if "E" in pattern:  # Nemotron 3's: its experts' keys (the converter's MoE model)
+        return cfg
     experts = ("num_experts_per_tok", "n_routed_experts", "n_shared_experts", "n_group")
     experts += ("moe_intermediate_size", "moe_shared_expert_intermediate_size")
     experts += ("moe_latent_size", "moe_shared_expert_overlap", "topk_group")
     experts += ("routed_scaling_factor", "norm_topk_prob", "mtp_layers_block_type")
-    cfg = {k: v for k, v in cfg.items() if k not in experts}
-    return {**cfg, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    return {k: v for k, v in cfg.items() if k not in experts}
 
 
 # llama.cpp's converter's arguments per family (Qwen3.5's asks for multi-token-prediction
