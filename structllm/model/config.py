@@ -254,14 +254,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _num_layers(cfg: dict[str, Any]) -> int:
-    """``num_hidden_layers``, or where a config leaves it out (transformers 5 saves
-    Nemotron-H's without it) the length of its layer pattern."""
-    if "num_hidden_layers" in cfg:
-        return int(cfg["num_hidden_layers"])
+    """The length of the config's per-layer pattern where it has one (Nemotron-H's,
+    which transformers 5 saves without ``num_hidden_layers`` and takes over it, as
+    here), else ``num_hidden_layers``."""
     pattern = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
-    if not pattern:
+    if pattern:
+        return len(pattern)
+    if cfg.get("num_hidden_layers") is None:
         raise ValueError("config.json has no num_hidden_layers")
-    return len(pattern)
+    return int(cfg["num_hidden_layers"])
 
 
 # Multimodal checkpoints whose text model is a family here, run as that text model (the
@@ -794,10 +795,10 @@ def _nemotron_h(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     projections' biases are ``use_bias``; the norms' epsilon ``layer_norm_epsilon``."""
     n = base["num_layers"]
     types = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or ""
+    if not types:
+        raise ValueError("Nemotron-H config without hybrid_override_pattern or layers_block_type")
     if unknown := sorted(set(types) - set(_NEMOTRON_H_KINDS)):
         raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
-    if len(types) != n:
-        raise ValueError(f"Nemotron-H layer pattern has {len(types)} entries for {n} layers")
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if (got := cfg.get(key, want)) != want:
             raise ValueError(f"Nemotron-H {key} {got!r} is not supported ({want} is)")

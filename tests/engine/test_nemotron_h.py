@@ -208,6 +208,8 @@ def test_config_reads_real_names() -> None:
     assert cfg.rope_layers == [False] * 4 and cfg.num_attention_layers == 1
     assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_chunk_size) == (4, 32, 128)
     assert cfg.recurrent(1) is None and not cfg.attends(1) and cfg.hybrid
+    # the pattern's length over num_hidden_layers, as transformers takes it
+    assert ModelConfig.from_hf(hf_config(hybrid_override_pattern="M-*")).num_layers == 3
     # transformers 5 saves no num_hidden_layers: the pattern's length
     saved = hf_config(layers_block_type=["mlp", "linear_attention"])
     del saved["num_hidden_layers"], saved["hybrid_override_pattern"]
@@ -229,5 +231,7 @@ def test_refused_configs() -> None:
         ModelConfig.from_hf(hf_config(mlp_hidden_act="silu"))
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf(hf_config(mlp_bias=True))
-    with pytest.raises(ValueError, match="layer pattern has 3 entries for 4 layers"):
-        ModelConfig.from_hf(hf_config(hybrid_override_pattern="M-*"))
+    with pytest.raises(ValueError, match="without hybrid_override_pattern"):
+        ModelConfig.from_hf(hf_config(hybrid_override_pattern=""))
+    with pytest.raises(ValueError, match=r"layer types \['Q'\]"):
+        ModelConfig.from_hf(hf_config(hybrid_override_pattern="M-*Q"))
