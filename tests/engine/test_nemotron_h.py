@@ -60,10 +60,11 @@ def test_published_checkpoint_layout_reads_the_same(tmp_path: Path, default_file
         )
 
 
-def test_default_format_agrees_with_the_exact_path(default_files) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
+def test_default_format_agrees_with_the_exact_path(experts: bool, default_files) -> None:  # type: ignore[no-untyped-def]
     # the default format of a float32 directory (float16 matrices, the fused CPU ops,
     # the float16 KV cache) against the exact float32 path: rounding only
-    path = tiny_family_dir("nemotron_h", default_files)
+    path = tiny_family_dir("nemotron_h", default_files, **(MOE if experts else {}))
     fast, exact = engine_for(path), engine_for(path, **EXACT)
     assert fast.runner.model.cpu_ops is not None  # type: ignore[union-attr]
     agree = total = 0
