@@ -47,6 +47,7 @@ class AttentionBlock(DecoderLayer):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__(cfg, dtype, None, index)
+        # (built on the meta device or not yet touched: dropping them is free)
         del self.gate_up_proj, self.down_proj, self.post_attention_layernorm
         self.post_attention_layernorm = None
         self.PACKED = ("qkv_proj", "o_proj")
@@ -75,8 +76,7 @@ class MambaBlock(nn.Module):
 
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
-        mixer: Mixer = self.mixer  # type: ignore[assignment]
-        return x + mixer(h, states, rb)
+        return x + cast(Mixer, self.mixer)(h, states, rb)
 
 
 def relu_squared_mlp(h: Tensor, up: Weight, down: Weight) -> Tensor:
