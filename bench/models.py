@@ -95,6 +95,19 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         linear_key_head_dim=64,
         linear_value_head_dim=64,
     ),
+    # Nemotron-H's pattern at 8 layers (Mamba-2, MLP-only and one attention layer; its
+    # Mamba-2 at Nemotron-H 8B's head width, groups, state and chunk)
+    "nemotron_h": dict(
+        _DENSE,
+        **_HEADS,
+        layers_block_type=["linear_attention", "mlp"] * 2
+        + ["linear_attention", "full_attention", "mlp", "linear_attention"],
+        mamba_num_heads=32,
+        mamba_head_dim=64,
+        n_groups=8,
+        ssm_state_size=128,
+        chunk_size=128,
+    ),
 }
 
 

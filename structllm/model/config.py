@@ -26,8 +26,12 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "freq_factors": ("factors",),
 }
 # the recurrent layers of hybrid models: "conv", LFM2's gated short convolution;
-# "linear_attention", Qwen3.5's Gated DeltaNet; "mamba", Granite 4's Mamba-2
+# "linear_attention", Qwen3.5's Gated DeltaNet; "mamba", Granite 4's and Nemotron-H's
+# Mamba-2
 RECURRENT_KINDS = frozenset({"conv", "linear_attention", "mamba"})
+# layers that neither attend nor keep a state: Nemotron-H's MLP-only layers ("mlp")
+# and mixture-of-experts-only layers ("moe", Nemotron 3's)
+STATELESS_KINDS = frozenset({"mlp", "moe"})
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,8 +77,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # a shared expert beside the routed ones, gated by sigmoid(w . h) (Qwen2-MoE): its
     # MLP width (0: none)
     shared_expert_intermediate_size: int = 0
+    # Nemotron 3's routing (DeepSeek-V3's): sigmoid scores, a per-expert bias added for
+    # the choice only, the experts in expert_groups groups of which the expert_groups_used
+    # best (by their two best scores) are chosen from, the weights times
+    # routed_scaling_factor; the routed experts run on a moe_latent_size-wide projection
+    # of the input (0: none)
+    routed_scaling_factor: float = 1.0
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    moe_latent_size: int = 0
     # --- hybrid models: layers that keep a recurrent state instead of attending ---
-    # per layer: "attention" or a recurrent kind (RECURRENT_KINDS); []: all attention
+    # per layer: "attention", a recurrent kind (RECURRENT_KINDS) or a stateless one
+    # (STATELESS_KINDS); []: all attention
     layer_types: list[str] = []
     conv_kernel: int = 0  # the recurrent layers' causal convolution width (LFM2: L_cache)
     conv_bias: bool = False
@@ -110,6 +124,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.head_dim % 2 or self.rope_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_experts % self.expert_groups or not (
+            0 < self.expert_groups_used <= self.expert_groups
+        ):
+            raise ValueError(
+                f"{self.num_experts} experts in {self.expert_groups} groups, "
+                f"{self.expert_groups_used} used: not a valid grouping"
+            )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
@@ -121,11 +142,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
                 raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
-        unknown = sorted(set(self.layer_types) - {"attention", *RECURRENT_KINDS})
+        unknown = sorted(set(self.layer_types) - {"attention", *RECURRENT_KINDS, *STATELESS_KINDS})
         if unknown:
             raise ValueError(
                 f"unsupported layer types {unknown}; expected attention or one of "
-                f"{sorted(RECURRENT_KINDS)}"
+                f"{sorted(RECURRENT_KINDS | STATELESS_KINDS)}"
             )
         if self.hybrid and self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
@@ -158,19 +179,25 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.rope_layers[layer] if self.rope_layers else True
 
     def recurrent(self, layer: int) -> str | None:
-        """The recurrent kind of ``layer`` (``RECURRENT_KINDS``), or None: it attends."""
+        """The recurrent kind of ``layer`` (``RECURRENT_KINDS``), or None: it attends or
+        is stateless (``attends``)."""
         kind = self.layer_types[layer] if self.layer_types else "attention"
-        return None if kind == "attention" else kind
+        return kind if kind in RECURRENT_KINDS else None
+
+    def attends(self, layer: int) -> bool:
+        """Whether ``layer`` attends over the paged KV cache."""
+        return not self.layer_types or self.layer_types[layer] == "attention"
 
     @property
     def hybrid(self) -> bool:
-        """Whether some layer keeps a recurrent state (``engine.state_cache``)."""
+        """Whether some layer does not attend (a recurrent one keeps its state in
+        ``engine.state_cache``; a stateless one keeps nothing): the hybrid models' path."""
         return any(t != "attention" for t in self.layer_types)
 
     @property
     def num_attention_layers(self) -> int:
         """Layers that keep K/V in the paged cache."""
-        return sum(self.recurrent(i) is None for i in range(self.num_layers))
+        return sum(self.attends(i) for i in range(self.num_layers))
 
     def moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -184,7 +211,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         fam = family_for_hf(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
+        layers = _num_layers(cfg)
         rope = rope_params(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = (
@@ -224,6 +251,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size."""
         return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
+
+
+def _num_layers(cfg: dict[str, Any]) -> int:
+    """The length of the config's per-layer pattern where it has one (Nemotron-H's,
+    which transformers 5 saves without ``num_hidden_layers`` and takes over it, as
+    here), else ``num_hidden_layers``."""
+    pattern = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern")
+    if pattern:
+        return len(pattern)
+    if cfg.get("num_hidden_layers") is None:
+        raise ValueError("config.json has no num_hidden_layers")
+    return int(cfg["num_hidden_layers"])
 
 
 # Multimodal checkpoints whose text model is a family here, run as that text model (the
@@ -680,13 +719,7 @@ def _granitemoehybrid(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, An
     the top k, i.e. renormalised."""
     n = base["num_layers"]
     experts = int(cfg.get("num_local_experts") or 0)
-    # (transformers writes infinity as {"__float__": "Infinity"})
-    limit = [
-        float(v["__float__"] if isinstance(v, dict) else v)
-        for v in cfg.get("time_step_limit") or ()
-    ]
-    if limit and limit != [0.0, float("inf")]:
-        raise ValueError(f"GraniteMoeHybrid time_step_limit {limit} is not supported")
+    _check_time_step_limit(cfg, "GraniteMoeHybrid")
     if cfg.get("attention_bias"):  # (o_proj's bias has no place in the shared decoder)
         raise ValueError("GraniteMoeHybrid with attention_bias is not supported")
     if (act := cfg.get("hidden_act", "silu")) != "silu":
@@ -727,6 +760,96 @@ def _granitemoehybrid(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, An
     }
 
 
+def _check_time_step_limit(cfg: dict[str, Any], family: str) -> None:
+    """Refuse a Mamba-2 ``time_step_limit`` other than none (``[0, inf]``: every
+    published checkpoint's); transformers writes infinity as ``{"__float__": "Infinity"}``."""
+    limit = [
+        float(v["__float__"] if isinstance(v, dict) else v)
+        for v in cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or ()
+    ]
+    if limit and limit != [0.0, float("inf")]:
+        raise ValueError(f"{family} time_step_limit {limit} is not supported")
+
+
+# Nemotron-H's layer kinds: transformers 5's layers_block_type names (and the older
+# "mamba"/"attention"), the hybrid_override_pattern's characters
+_NEMOTRON_H_KINDS = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "M": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "*": "attention",
+    "mlp": "mlp",
+    "-": "mlp",
+    "moe": "moe",
+    "E": "moe",
+}
+
+
+def _nemotron_h(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H: each layer one pre-norm block, by its pattern (``layers_block_type``,
+    or the checkpoints' ``hybrid_override_pattern``, "M-M*-..."): a Mamba-2 mixer (M),
+    NoPE attention without biases (*), a relu-squared MLP (-) or Nemotron 3's mixture
+    of relu-squared experts beside a shared one (E; ``_nemotron_h_experts``). The Mamba
+    projections' biases are ``use_bias``; the norms' epsilon ``layer_norm_epsilon``."""
+    n = base["num_layers"]
+    types = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or ""
+    if not types:
+        raise ValueError("Nemotron-H config without hybrid_override_pattern or layers_block_type")
+    if unknown := sorted(set(types) - set(_NEMOTRON_H_KINDS)):
+        raise ValueError(f"unsupported Nemotron-H layer types {unknown}")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if (got := cfg.get(key, want)) != want:
+            raise ValueError(f"Nemotron-H {key} {got!r} is not supported ({want} is)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("Nemotron-H with mlp_bias is not supported")
+    _check_time_step_limit(cfg, "Nemotron-H")
+    head_dim = cfg.get("head_dim") or cfg.get("attention_head_dim") or base["head_dim"]
+    kinds = [_NEMOTRON_H_KINDS[t] for t in types]
+    return {
+        **(_nemotron_h_experts(cfg, kinds) if "moe" in kinds else {}),
+        "layer_types": kinds,
+        "rope_layers": [False] * n,
+        "head_dim": int(head_dim),
+        "qkv_bias": False,  # (transformers' attention has none, whatever attention_bias says)
+        "rms_norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5)),
+        "conv_kernel": int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4),
+        "conv_bias": bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+        "mamba_heads": int(cfg.get("mamba_num_heads") or 128),
+        "mamba_head_dim": int(cfg.get("mamba_head_dim") or 64),
+        "mamba_groups": int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 8),
+        "mamba_d_state": int(cfg.get("ssm_state_size") or 128),
+        "mamba_chunk_size": int(cfg.get("chunk_size") or cfg.get("mamba_chunk_size") or 128),
+        "mamba_proj_bias": bool(cfg.get("use_bias", False)),
+    }
+
+
+def _nemotron_h_experts(cfg: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
+    """Nemotron 3's mixture-of-experts layers: ``n_routed_experts`` experts
+    (``moe_intermediate_size`` wide, on a ``moe_latent_size`` projection where given),
+    the top ``num_experts_per_tok`` by DeepSeek-V3's grouped sigmoid routing
+    (``n_group``, ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``), and
+    the shared expert (``moe_shared_expert_intermediate_size``); multi-token-prediction
+    layers (``num_nextn_predict_layers``) are not run."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    groups = int(cfg.get("n_group") or 1)
+    if groups > 1 and experts // max(groups, 1) < 2:
+        raise ValueError(f"Nemotron-H with {experts} experts in {groups} groups: under 2 a group")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(cfg["moe_shared_expert_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "moe_layers": [k == "moe" for k in kinds],
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "expert_groups": groups,
+        "expert_groups_used": int(cfg.get("topk_group") or 1),
+        "moe_latent_size": int(cfg.get("moe_latent_size") or 0),
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -749,4 +872,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "qwen3_5_moe": _qwen3_5,
     "qwen3_next": _qwen3_next,
     "granitemoehybrid": _granitemoehybrid,
+    "nemotron_h": _nemotron_h,
 }

@@ -273,7 +273,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         architecture=fam.name,
         vocab_size=int(vocab) if vocab is not None else -1,
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=_ffn_width(get("feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(get("attention.head_count_kv", heads)),
@@ -335,6 +335,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["linear_tiled_values"] = kw["linear_tiled_values"] and fam.name != "qwen3_next"
     elif fam.name == "granitemoehybrid":
         kw.update(_granite_hybrid(layers, head_dim, get))
+    elif fam.name == "nemotron_h":
+        kw.update(_nemotron_h(layers, get, experts=arch == "nemotron_h_moe"))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
     elif fam.name == "exaone4":
@@ -343,7 +345,9 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
-    experts = int(get("expert_count") or 0)
+    # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
+    # n_routed_experts)
+    experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
     elif fam.name in ("qwen3_moe", "qwen2_moe"):
@@ -401,6 +405,70 @@ def _granite_hybrid(layers: int, head_dim: int, get: Callable[..., Any]) -> dict
         mamba_d_state=int(get("ssm.state_size")),
         mamba_chunk_size=256,
     )
+
+
+def _nemotron_h(layers: int, get: Callable[..., Any], experts: bool) -> dict[str, Any]:
+    """Nemotron-H (llama.cpp's ``nemotron_h``; Nemotron 3, with experts:
+    ``nemotron_h_moe``): a layer with KV heads attends, one with a feed-forward width is
+    an MLP (a mixture of experts in ``nemotron_h_moe``), one with neither is Mamba-2 (the
+    loader's rule, from the per-layer ``attention.head_count_kv`` and
+    ``feed_forward_length``); the Mamba-2 sizes from the ``ssm.*`` keys; NoPE; the norms'
+    epsilon ``attention.layer_norm_epsilon``. The scan's chunk is not in the file (it
+    changes only the rounding): the configs' 128."""
+    kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
+    if not isinstance(kv, list) or not isinstance(ff, list):
+        raise ValueError(
+            "nemotron_h GGUF file without per-layer head_count_kv and feed_forward_length"
+        )
+    heads = int(get("ssm.time_step_rank"))
+    eps = get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-5)
+    ffn = "moe" if experts else "mlp"
+    kinds = [
+        "attention" if int(k) else ffn if int(f) else "mamba"
+        for k, f in zip(kv[:layers], ff[:layers], strict=True)
+    ]
+    return dict(
+        **(_nemotron_h_experts(kinds, get) if experts else {}),
+        layer_types=kinds,
+        rope_layers=[False] * layers,
+        rotary_dim=None,  # (the converter's rope.dimension_count is hidden / heads: unused)
+        rms_norm_eps=float(eps),
+        conv_kernel=int(get("ssm.conv_kernel")),
+        conv_bias=True,
+        mamba_heads=heads,
+        mamba_head_dim=int(get("ssm.inner_size")) // heads,
+        mamba_groups=int(get("ssm.group_count")),
+        mamba_d_state=int(get("ssm.state_size")),
+        mamba_chunk_size=128,
+    )
+
+
+def _nemotron_h_experts(kinds: list[str], get: Callable[..., Any]) -> dict[str, Any]:
+    """Nemotron 3's experts (``nemotron_h_moe``): every feed-forward layer a mixture of
+    ``expert_count`` (``expert_feed_forward_length`` wide; on a ``moe_latent_size``
+    projection where the file has one), the top ``expert_used_count`` in
+    ``expert_group_count`` groups of which ``expert_group_used_count`` are chosen from,
+    weights renormalised (``expert_weights_norm``) and scaled
+    (``expert_weights_scale``), and the shared expert
+    (``expert_shared_feed_forward_length``)."""
+    return dict(
+        num_experts=int(get("expert_count")),
+        num_experts_per_tok=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length")),
+        norm_topk_prob=bool(get("expert_weights_norm", True)),
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
+        moe_latent_size=int(get("moe_latent_size") or 0),
+        moe_layers=[k == "moe" for k in kinds],
+    )
+
+
+def _ffn_width(value: Any) -> int:
+    """``feed_forward_length``: one number, or one per layer (Nemotron-H writes 0 for the
+    layers without an MLP): the largest."""
+    return max(int(n) for n in value) if isinstance(value, list) else int(value)
 
 
 def layer_types_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
@@ -549,7 +617,7 @@ _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "ol
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next",)
 
-# Granite 4's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
+# Granite 4's and Nemotron-H's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
 # -exp(A_log); ``ssm_a``, ``ssm_d`` and ``ssm_norm`` are read back flat)
 _MAMBA_NAMES = {
     "ssm_in.weight": "in_proj",
@@ -560,6 +628,20 @@ _MAMBA_NAMES = {
     "ssm_d": "D",
     "ssm_norm.weight": "norm",
     "ssm_out.weight": "out_proj",
+}
+
+_MAMBA_FAMILIES = ("granitemoehybrid", "nemotron_h")
+
+# Nemotron-H's MLP (not gated) and Nemotron 3's mixture-of-experts layers, beside the
+# shared names (``_LAYER_NAMES``: attn_norm, ffn_down)
+_NEMOTRON_H_NAMES = {
+    "ffn_up.weight": "up_proj",
+    "ffn_gate_inp.weight": "router",
+    "exp_probs_b.bias": "router_bias",
+    "ffn_latent_down.weight": "latent_down",
+    "ffn_latent_up.weight": "latent_up",
+    "ffn_up_shexp.weight": "shared.up_proj",
+    "ffn_down_shexp.weight": "shared.down_proj",
 }
 
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
@@ -603,6 +685,7 @@ _KEEPABLE = (
     "ffn_down_shexp.weight",
 )
 _KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+_KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
@@ -797,6 +880,14 @@ def load_tensors(
         if name.endswith(_EXPERTS):
             if not cfg.num_experts:
                 raise ValueError(f"GGUF tensor {name} in a model without experts")
+            if cfg.architecture == "nemotron_h":  # not gated: up and down, as they come
+                prefix = "layers.{}.experts.".format(name.split(".")[1])
+                proj = "up_proj" if ".ffn_up_exps." in name else "down_proj"
+                for e, w in enumerate(read_experts(t, shape, keep_blocks)):
+                    yield f"{prefix}{e}.{proj}", w
+                if progress is not None:
+                    progress(i + 1, total)
+                continue
             prefix = "layers.{}.moe.experts.".format(name.split(".")[1])
             kind = name.split(".")[2]  # ffn_gate_exps, ...
             pending_experts[prefix + kind] = read_experts(t, shape, keep_blocks)
@@ -827,7 +918,7 @@ def load_tensors(
             prefix = f"layers.{idx}."
             if int(idx) >= cfg.num_layers:
                 continue  # a multi-token-prediction block (not run here)
-            if cfg.architecture == "granitemoehybrid" and rest in _MAMBA_NAMES:
+            if cfg.architecture in _MAMBA_FAMILIES and rest in _MAMBA_NAMES:
                 assert isinstance(w, Tensor) or rest in ("ssm_in.weight", "ssm_out.weight")
                 if isinstance(w, Tensor) and rest in ("ssm_a", "ssm_d", "ssm_norm.weight"):
                     w = w.reshape(-1)
@@ -842,6 +933,9 @@ def load_tensors(
                 w = left
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
+                continue
+            if cfg.architecture == "nemotron_h" and rest in _NEMOTRON_H_NAMES:
+                yield prefix + _NEMOTRON_H_NAMES[rest], w
                 continue
             if rest == "ffn_gate_inp.weight":  # the router, [E, hidden]
                 yield prefix + "moe.router", w

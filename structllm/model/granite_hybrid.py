@@ -80,19 +80,7 @@ class GraniteRecurrentLayer(RecurrentLayer):
 
 class GraniteHybridModel(HybridModel):
     def mixer(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
-        return mamba2.Mamba2(
-            cfg.hidden_size,
-            cfg.mamba_heads,
-            cfg.mamba_head_dim,
-            cfg.mamba_groups,
-            cfg.mamba_d_state,
-            cfg.conv_kernel,
-            cfg.mamba_chunk_size,
-            cfg.rms_norm_eps,
-            conv_bias=cfg.conv_bias,
-            proj_bias=cfg.mamba_proj_bias,
-            dtype=dtype,
-        )
+        return mamba2.Mamba2.from_model_config(cfg, dtype)
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int

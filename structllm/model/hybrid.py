@@ -1,6 +1,8 @@
 """Hybrid models: decoders whose layers either attend over the paged KV cache (the
 shared ``DecoderLayer``) or run a recurrent mixer over a per-request state
-(``RecurrentLayer``: LFM2's short convolution, Qwen3.5's Gated DeltaNet).
+(``RecurrentLayer``: LFM2's short convolution, Qwen3.5's Gated DeltaNet, Mamba-2), or
+(Nemotron-H's MLP-only layers) neither: such a layer holds no KV blocks and no state
+(``state_shapes`` ``()``; its cache entry is the empty tuple).
 
 A recurrent layer is the pre-norm block of the shared decoder with its attention
 replaced by a mixer: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``. Its state lives
@@ -103,15 +105,19 @@ class HybridModel(LlamaModel):
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
     ) -> nn.Module:
-        if cfg.recurrent(index) is None:
+        if cfg.attends(index):
             return DecoderLayer(cfg, dtype, plan, index)
         return RecurrentLayer(cfg, dtype, self.mixer(cfg, dtype, index), index)
 
     def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...] | None:
+        """None for an attention layer (a ``DecoderLayer``: K/V blocks), its mixer's
+        states for a recurrent one; ``()`` for a layer with neither (Nemotron-H's
+        MLP-only layers): no KV blocks and no state."""
         held = self.layers[layer]
-        if isinstance(held, RecurrentLayer):
-            return cast(Mixer, held.mixer).state_shapes()
-        return None
+        if isinstance(held, DecoderLayer):
+            return None
+        mixer = getattr(held, "mixer", None)
+        return () if mixer is None else cast(Mixer, mixer).state_shapes()
 
     def state_bytes(self) -> int:
         """Bytes of one request's recurrent state over every layer (float32)."""

@@ -183,6 +183,19 @@ class DecoderLayer(nn.Module):
         """``x: [T, hidden]`` -> ``[T, hidden]``; ``rope: [T, 1, D/2]`` complex64 or None
         (a layer without rotary embedding). With ``tp``, ``o_proj`` and ``down_proj``
         each yield this rank's partial sum, completed by an all-reduce."""
+        return self.feed_forward(self.attend(x, rope, k_cache, v_cache, meta, impl, tp), tp)
+
+    def attend(
+        self,
+        x: Tensor,
+        rope: Tensor | None,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+        tp: TensorParallelGroup | None = None,
+    ) -> Tensor:
+        """The attention half of ``forward``: ``x`` plus its attention output."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = self._norm(x, self.input_layernorm) if self.input_layernorm is not None else x
@@ -201,7 +214,10 @@ class DecoderLayer(nn.Module):
         attn_out = linear(o, self.o_proj)
         if tp is not None:
             tp.all_reduce(attn_out)
-        x = x + self._residual_out(attn_out, self.attn_out_norm)
+        return x + self._residual_out(attn_out, self.attn_out_norm)
+
+    def feed_forward(self, x: Tensor, tp: TensorParallelGroup | None = None) -> Tensor:
+        """The MLP half of ``forward``: ``x`` plus its MLP (or experts') output."""
         h = (
             self._norm(x, self.post_attention_layernorm)
             if self.post_attention_layernorm is not None
@@ -739,7 +755,7 @@ def hf_to_native(
         out["lm_head"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
-        attends = cfg.recurrent(i) is None  # (a hybrid family maps its mixers itself)
+        attends = cfg.attends(i)  # (a hybrid family maps its other layers itself)
         kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
         for kind in kinds if attends else ():
             if names.qkv is not None:

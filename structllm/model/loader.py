@@ -112,7 +112,8 @@ def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
 
     from structllm.model import gguf
 
-    arch = gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture")
+    meta = gguf.metadata(gguf.open_gguf(gguf_path))
+    arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
         return
     from transformers import AutoConfig, LlamaConfig
@@ -120,8 +121,11 @@ def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
 
     # transformers takes the GGUF name as the config's model type: one it has no config
     # class for (llama.cpp's "granitehybrid", "qwen3next") gets llama's under that name,
-    # and none of the file's keys (hybrid files' per-layer lists fit no llama field)
+    # and none of the file's keys (hybrid files' per-layer lists fit no llama field);
+    # a hybrid one it has a class for ("nemotron_h") gets none of them either
     keys = ggml.GGUF_CONFIG_MAPPING["llama"]
+    if isinstance(meta.get(f"{arch}.attention.head_count_kv"), list):
+        keys = {}
     if arch not in CONFIG_MAPPING:
         AutoConfig.register(arch, type(f"GGUF_{arch}_Config", (LlamaConfig,), {"model_type": arch}))
         keys = {}

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.packed import Weight, linear
+from structllm.model.config import ModelConfig
 from structllm.model.recurrent import RecurrentBatch, causal_conv1d, take_layer
 
 
@@ -261,6 +262,23 @@ class Mamba2(nn.Module):
             bool(cfg.mamba_proj_bias),
             (float(limit[0]), float(limit[1])),
             dtype,
+        )
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> Mamba2:
+        """From our ``ModelConfig``'s ``mamba_*`` sizes (Granite 4's, Nemotron-H's)."""
+        return cls(
+            cfg.hidden_size,
+            cfg.mamba_heads,
+            cfg.mamba_head_dim,
+            cfg.mamba_groups,
+            cfg.mamba_d_state,
+            cfg.conv_kernel,
+            cfg.mamba_chunk_size,
+            cfg.rms_norm_eps,
+            conv_bias=cfg.conv_bias,
+            proj_bias=cfg.mamba_proj_bias,
+            dtype=dtype,
         )
 
     def state_shapes(self) -> tuple[tuple[int, ...], ...]:

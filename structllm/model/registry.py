@@ -90,6 +90,15 @@ FAMILIES: tuple[Family, ...] = (
         ("granitemoehybrid",),
         ("granitehybrid",),
     ),
+    # Nemotron-H: Mamba-2, NoPE attention and relu-squared MLP layers, one operation
+    # each; Nemotron 3: experts in place of the MLPs (llama.cpp's nemotron_h_moe)
+    Family(
+        "nemotron_h",
+        "nemotron_h",
+        ("NemotronHForCausalLM",),
+        ("nemotron_h",),
+        ("nemotron_h", "nemotron_h_moe"),
+    ),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES}

@@ -1,7 +1,7 @@
-"""A real ``structllm run`` on the tiny hybrid models (LFM2, Qwen3.5; recurrent layers
-beside attention) in their default formats, through the official ``openai`` client:
-streaming, a tool call, structured output, and a storm of dropped streams after which
-every recurrent-state slot is free again."""
+"""A real ``structllm run`` on the tiny hybrid models (LFM2, Qwen3.5, Nemotron-H;
+recurrent layers beside attention) in their default formats, through the official
+``openai`` client: streaming, a tool call, structured output, and a storm of dropped
+streams after which every recurrent-state slot is free again."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "nemotron_h"])
 def served(request: pytest.FixtureRequest, default_files) -> Iterator[tuple[Server, openai.OpenAI]]:  # type: ignore[no-untyped-def]
     path = tiny_family_dir(request.param, default_files)
     args = ("--max-model-len", "512", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8")

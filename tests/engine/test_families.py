@@ -94,6 +94,11 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_groups) == (4, 32, 2)
         assert (cfg.mamba_d_state, cfg.mamba_chunk_size, cfg.conv_kernel) == (8, 16, 4)
         assert (cfg.residual_scale, cfg.logits_scaling, cfg.attn_scale) == (0.5, 4.0, 0.1)
+    if name == "nemotron_h":
+        assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
+        assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
+        assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_groups) == (4, 32, 2)
+        assert (cfg.mamba_d_state, cfg.mamba_chunk_size, cfg.conv_kernel) == (8, 16, 4)
 
 
 def test_logits_match_transformers(family: tuple[str, Path]) -> None:
@@ -205,6 +210,7 @@ QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", 
 QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
+QUANTIZED_FAMILIES += ["nemotron_h"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -568,7 +574,9 @@ def test_quantized_gguf_runs_its_blocks(
         mixer = getattr(layer, "mixer", None)
         if mixer is not None:
             assert type(getattr(mixer, mixer.PACKED[0])).__name__ == "BlockWeight"
-    if model.layers[0].moe is not None:  # each expert's matrices, sliced out of 3-D tensors
+    if (
+        getattr(model.layers[0], "moe", None) is not None
+    ):  # each expert's matrices, sliced out of 3-D tensors
         expert = model.layers[0].moe.experts[1]
         assert {type(expert.gate_up_proj).__name__, type(expert.down_proj).__name__} <= {
             "BlockWeight",

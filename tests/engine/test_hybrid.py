@@ -39,7 +39,8 @@ def assert_same(got: list[Run], want: list[Run]) -> None:
 
 
 @pytest.fixture(
-    scope="module", params=["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
+    scope="module",
+    params=["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "nemotron_h"],
 )
 def path(request, default_files) -> Path:  # type: ignore[no-untyped-def]
     return tiny_family_dir(request.param, default_files)
@@ -135,14 +136,14 @@ def test_prefix_caching_is_off_and_says_so(
 def test_speculative_decoding_is_refused_by_name(path: Path) -> None:
     with pytest.raises(
         ValueError,
-        match="speculative decoding is not supported for (lfm2|qwen3_|granite)",
+        match="speculative decoding is not supported for (lfm2|qwen3_|granite|nemotron_h)",
     ):
         LLM(str(path), speculative_config={"method": "ngram"}, **EXACT)
 
 
 def test_tensor_parallelism_is_refused_by_name(path: Path) -> None:
     with pytest.raises(
-        ValueError, match="(lfm2|qwen3_|granitemoehybrid)[a-z0-9_]* is a hybrid model"
+        ValueError, match="(lfm2|qwen3_|granitemoehybrid|nemotron_h)[a-z0-9_]* is a hybrid model"
     ):
         EngineCore(EngineConfig(model=str(path), tensor_parallel_size=2, **EXACT))  # type: ignore[arg-type]
 
@@ -154,7 +155,12 @@ def test_state_slots_share_the_cache_budget(path: Path) -> None:
     slot = small.state_slot_bytes
     if small.files.config.architecture == "lfm2":  # three conv layers' [64, 2] windows
         assert slot == 3 * 64 * 2 * 4
-    held = [t for c in small.runner.kv_caches if c[0].dim() == 3 for t in c]  # the states
+    if small.files.config.architecture == "nemotron_h":  # three Mamba-2 layers' states:
+        # a [160, 3] window and [4, 32, 8] scan state each; the MLP-only layers none
+        assert slot == 3 * (160 * 3 + 4 * 32 * 8) * 4
+        assert [len(c) for c in small.runner.kv_caches] == [2, 0, 2, 2, 0, 2]
+    # the states (an MLP-only layer's entry: empty, neither K/V nor a state)
+    held = [t for c in small.runner.kv_caches if c and c[0].dim() == 3 for t in c]
     assert slot * small.states.num_slots == sum(t.numel() * t.element_size() for t in held)
     assert small.states.num_slots == 4
     assert big.states.num_slots == min(64, (1 << 20) // 2 // slot)

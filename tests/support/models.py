@@ -532,6 +532,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
+        "NemotronHConfig",
+        dict(
+            layers_block_type=[
+                "linear_attention",
+                "mlp",
+                "linear_attention",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+            ],
+            head_dim=32,  # (a slot's state near two KV blocks: test_hybrid's sizes)
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=16,  # prompts cross chunks
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -844,10 +865,32 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(path, tmp)
         cfg = json.loads((tmp / "config.json").read_text())
-        (tmp / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+        cfg["model_type"] = model_type
+        if family == "nemotron_h":
+            cfg = _as_published_nemotron_h(cfg)
+        (tmp / "config.json").write_text(json.dumps(cfg))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return out
+
+
+def _as_published_nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Nemotron-H config.json as the published checkpoints write it: the layer
+    pattern as ``hybrid_override_pattern`` ("M-M*-M"), ``num_hidden_layers``, and for a
+    dense model no expert keys. (The converter reads a ``layers_block_type`` list's MLP
+    layers only as "moe", makes any config with ``num_experts_per_tok`` a
+    ``nemotron_h_moe`` file, and writes ``n_routed_experts`` as an expert count, which
+    llama-quantize's loader refuses without experts used.)"""
+    chars = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    pattern = "".join(chars[t] for t in cfg.pop("layers_block_type"))
+    cfg = {**cfg, "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    if "E" in pattern:  # Nemotron 3's: its experts' keys (the converter's MoE model)
+        return cfg
+    experts = ("num_experts_per_tok", "n_routed_experts", "n_shared_experts", "n_group")
+    experts += ("moe_intermediate_size", "moe_shared_expert_intermediate_size")
+    experts += ("moe_latent_size", "moe_shared_expert_overlap", "topk_group")
+    experts += ("routed_scaling_factor", "norm_topk_prob", "mtp_layers_block_type")
+    return {k: v for k, v in cfg.items() if k not in experts}
 
 
 # llama.cpp's converter's arguments per family (Qwen3.5's asks for multi-token-prediction
@@ -863,7 +906,10 @@ CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
 # converter then does not recognise in the default model's vocabulary); the converter
 # reads the model from config.json's architectures, so another model type changes only
 # the tokenizer class it is given
-_CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text"}
+# (Nemotron-H's: transformers' class, through which the converter would read the
+# config, adds its mixture-of-experts defaults; under an unknown model type it reads
+# config.json as written, ``_as_published_nemotron_h``)
+_CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text", "nemotron_h": "nemotron_h_published"}
 
 
 @contextlib.contextmanager
