@@ -117,7 +117,7 @@ def gemma3_vision_dir(files: ModelFiles) -> Path:
     return out
 
 
-def test_image(seed: int, size: tuple[int, int] = (80, 50)) -> Any:
+def random_image(seed: int, size: tuple[int, int] = (80, 50)) -> Any:
     """A seeded random RGB image (``PIL.Image``) of ``size`` (width, height)."""
     from PIL import Image
 
