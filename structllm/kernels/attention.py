@@ -35,7 +35,7 @@ class AttentionMetadata:
     # [T] int64, or None: keys past its own position each row also sees (Gemma 3's image
     # tokens attend to the rest of their image; 0 for every other row), and the
     # sequences (batch indices, all prefill chunks) that have such rows. Every backend
-    # attends those sequences through the reference path (``reference.prefill_attention``)
+    # attends those through the reference path (``prefill_with_ahead``)
     ahead: Tensor | None = None
     ahead_seqs: frozenset[int] = frozenset()
 
@@ -53,9 +53,9 @@ class AttentionImpl(Protocol):
     ``meta.ahead`` (images whose tokens attend to each other both ways): a prefill row
     also sees the next ``ahead[row]`` keys after its own position (this step's, stored
     before attending), within the window's lower bound as before. Only the reference
-    path implements it: ``prefill_with_ahead`` routes the chunks that have such rows
+    path implements it: ``prefill_with_ahead`` computes the chunks that have such rows
     there, whatever the backend (the C++ and Triton kernels keep their bit-exact causal
-    rows for everything else)."""
+    rows for every other chunk of the step)."""
 
     name: str
     supports_cuda_graphs: bool
@@ -324,13 +324,37 @@ def prefill_with_ahead(
     window: int = 0,
     softcap: float = 0.0,
 ) -> Tensor:
-    """``impl.prefill``, except that a step whose chunks have rows that see keys ahead
-    (``meta.ahead``) goes through the reference path, in ``impl``'s K cache layout."""
-    if meta.ahead is None:
+    """``impl.prefill``; with rows that see keys ahead (``meta.ahead``), the sequences
+    holding them (``meta.ahead_seqs``) are computed again through the reference path, in
+    ``impl``'s K cache layout, over the kernel's causal rows: every other sequence of
+    the step keeps the kernel's rows bit for bit (a prompt's attention does not depend
+    on what shared its step)."""
+    if meta.ahead is None or type(impl) is TorchAttention:  # the reference does it all
         return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
-    ref = TorchAttention()
-    ref.k_transposed = bool(getattr(impl, "k_transposed", False))
-    return ref.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    out = impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    nd, first = meta.num_decodes, meta.query_start_list[meta.num_decodes]
+    transposed = bool(getattr(impl, "k_transposed", False))
+    for b in sorted(meta.ahead_seqs):
+        rows = slice(meta.query_start_list[b] - first, meta.query_start_list[b + 1] - first)
+        n = rows.stop - rows.start
+        out[rows] = reference.prefill_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            meta.block_tables[b : b + 1],
+            [0, n],
+            [meta.seq_lens_list[b]],
+            scale,
+            k[rows],
+            v[rows],
+            k_transposed=transposed,
+            window=window,
+            softcap=softcap,
+            ahead=meta.ahead[meta.query_start_list[b] : meta.query_start_list[b + 1]],
+            ahead_seqs=frozenset({0}),
+        )
+    assert nd <= min(meta.ahead_seqs, default=nd), "decode rows never see ahead"
+    return out
 
 
 def attend(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -148,10 +150,11 @@ def test_rows_that_see_ahead_match_dense(backend: str, window: int, softcap: flo
         assert module is not None, "the C++ attention kernel did not build"
         impl = CpuAttention(module)
     bs, h, hkv, d = 16, 6, 2, 64
-    lens, q_lens = [30, 24, 50], [1, 24, 20]
+    lens, q_lens = [30, 24, 50, 18], [1, 24, 20, 18]  # the last: text only
     # per query row: keys past its own position it sees (the rest of its image)
     aheads = [[0], [0] * 3 + list(range(9, -1, -1)) + [0] * 11, list(range(3, -1, -1))]
     aheads[2] += [0] * 6 + list(range(5, -1, -1)) + [0] * 4
+    aheads.append([0] * 18)
     kc, vc, bt, dense = paged_setup(lens, hkv, d, bs, impl=impl)
     starts = [0]
     for n in q_lens:
@@ -170,9 +173,12 @@ def test_rows_that_see_ahead_match_dense(backend: str, window: int, softcap: flo
         ahead_seqs=frozenset({1, 2}),
     )
     q = torch.randn(starts[-1], h, d)
-    k_new = torch.cat([dense[i][0][lens[i] - q_lens[i] :] for i in range(3)])
-    v_new = torch.cat([dense[i][1][lens[i] - q_lens[i] :] for i in range(3)])
+    k_new = torch.cat([dense[i][0][lens[i] - q_lens[i] :] for i in range(4)])
+    v_new = torch.cat([dense[i][1][lens[i] - q_lens[i] :] for i in range(4)])
     out = attend(impl, q, k_new, v_new, kc, vc, meta, 0.125, window, softcap)
+    plain = replace(meta, ahead=None, ahead_seqs=frozenset())
+    text = attend(impl, q, k_new, v_new, kc, vc, plain, 0.125, window, softcap)
+    assert torch.equal(out[starts[3] :], text[starts[3] :])  # the text chunk: bit for bit
     for i, (k, v) in enumerate(dense):
         rows = slice(starts[i], starts[i + 1])
         want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap, aheads[i])
