@@ -135,16 +135,26 @@ def test_window_and_softcap_match_dense(window: int, softcap: float) -> None:
         torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+class CausalOnly(TorchAttention):
+    """A backend whose prefill knows nothing of ``ahead`` (as Triton's)."""
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0):  # type: ignore[no-untyped-def]
+        return super().prefill(
+            q, k, v, k_cache, v_cache, replace(meta, ahead=None), scale, window, softcap
+        )
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "causal-only"])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 2.0), (7, 3.0)])
 def test_rows_that_see_ahead_match_dense(backend: str, window: int, softcap: float) -> None:
     """Rows that also see keys past their own position (an image's tokens, Gemma 3):
     a decode, a fresh chunk with an image inside, a chunk after a cached prefix that
-    starts inside an image (a prefix-cache hit) and holds another, through ``attend``
-    (the C++ backend hands such chunks to the reference, in its own K layout)."""
+    starts inside an image (a prefix-cache hit) and holds another, a text chunk, through
+    ``attend``: the reference, the C++ kernel (its own K layout), and a backend without
+    the rule, whose image chunks ``prefill_with_ahead`` recomputes by the reference."""
     from structllm.kernels import cpu_ext
 
-    impl: TorchAttention = TorchAttention()
+    impl: TorchAttention = CausalOnly() if backend == "causal-only" else TorchAttention()
     if backend == "cpu":
         module = cpu_ext.load()
         assert module is not None, "the C++ attention kernel did not build"
