@@ -340,3 +340,35 @@ def test_images_on_a_text_model_are_refused(path: Path, default_files: Any) -> N
     )
     null = engine_for(path, null_model=True)
     assert "takes no images" in errors(null, AddRequest("n", ids, GREEDY, ims))
+
+
+@pytest.mark.parametrize(
+    ("tower", "projector"),
+    [
+        ("model.vision_tower.vision_model.", "model.multi_modal_projector."),
+        ("vision_tower.vision_model.", "multi_modal_projector."),  # the released checkpoints'
+        ("model.vision_tower.", "model.multi_modal_projector."),  # transformers 5 in memory
+    ],
+)
+def test_every_tower_naming_loads(
+    engine: EngineCore, path: Path, tmp_path: Path, tower: str, projector: str
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from structllm.model import gemma3_vision
+
+    (weights,) = path.glob("*.safetensors")
+    renamed = {
+        name.replace("vision_tower.", tower, 1).replace("multi_modal_projector.", projector, 1): t
+        for name, t in load_file(weights).items()
+        if name.startswith(("vision_tower.", "multi_modal_projector."))
+    }
+    save_file(renamed, tmp_path / "model.safetensors")
+    shutil.copyfile(path / "preprocessor_config.json", tmp_path / "preprocessor_config.json")
+    raw = json.loads((path / "config.json").read_text())
+    vision = gemma3_vision.load_vision(
+        tmp_path, raw, [tmp_path / "model.safetensors"], torch.device("cpu")
+    )
+    _, (im,) = prompt_with_images(path, ONE, [random_image(4)])
+    assert engine.vision is not None
+    assert torch.equal(vision.encode(im), engine.vision.encode(im))
