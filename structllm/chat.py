@@ -3,12 +3,14 @@
 Talks to any OpenAI-compatible server (``--url``), or starts ``structllm run`` on a free
 local port for the session and stops it on exit. Ctrl-C during an answer stops that
 answer (the connection is closed, so the server aborts the request); Ctrl-D or ``/bye``
-ends the chat.
+ends the chat. ``/image PATH`` (or ``--image PATH``) attaches an image file to the next
+message, sent as an ``image_url`` part with a ``data:`` URL (for vision models).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import http.client
 import json
 import signal
@@ -49,6 +51,36 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> No
             conn.close()
         time.sleep(0.2)
     raise RuntimeError("the server did not become ready in time")
+
+
+# the formats servers accept for image parts, by their first bytes
+_IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def image_part(path: str) -> dict[str, Any]:
+    """An ``image_url`` content part holding the file at ``path`` as a ``data:`` URL.
+    Raises ``ValueError`` for a file that is not a PNG, JPEG, WebP or GIF image."""
+    with open(path, "rb") as f:
+        data = f.read()
+    mime = next((m for magic, m in _IMAGE_MAGIC if data.startswith(magic)), None)
+    if mime is None and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        mime = "image/webp"
+    if mime is None:
+        raise ValueError(f"{path} is not a PNG, JPEG, WebP or GIF image")
+    url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user_message(text: str, images: list[dict[str, Any]]) -> dict[str, Any]:
+    """A user message: plain text, or a list of parts when images are attached."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "text", "text": text}, *images]}
 
 
 def _stream(url: str, api_key: str | None, body: dict[str, Any]) -> Iterator[str]:
@@ -101,10 +133,15 @@ def chat(a: argparse.Namespace) -> int:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, proc, 600)
-        messages: list[dict[str, str]] = (
+        messages: list[dict[str, Any]] = (
             [{"role": "system", "content": a.system}] if a.system else []
         )
-        print("chat with the model (Ctrl-C stops an answer, Ctrl-D or /bye quits)", file=sys.stderr)
+        images = [image_part(p) for p in a.image]
+        print(
+            "chat with the model (Ctrl-C stops an answer, /image PATH attaches an image, "
+            "Ctrl-D or /bye quits)",
+            file=sys.stderr,
+        )
         while True:
             try:
                 line = input(">>> ")
@@ -113,9 +150,16 @@ def chat(a: argparse.Namespace) -> int:
                 return 0
             if line.strip() in ("/bye", "/exit", "/quit"):
                 return 0
+            if line.startswith("/image "):
+                try:
+                    images.append(image_part(line[7:].strip()))
+                except (OSError, ValueError) as e:
+                    print(f"error: {e}", file=sys.stderr)
+                continue
             if not line.strip():
                 continue
-            messages.append({"role": "user", "content": line})
+            messages.append(user_message(line, images))
+            images = []
             body = {
                 "messages": messages,
                 "stream": True,
@@ -136,7 +180,7 @@ def chat(a: argparse.Namespace) -> int:
                 continue
             print()
             messages.append({"role": "assistant", "content": "".join(answer)})
-    except RuntimeError as e:
+    except (RuntimeError, OSError, ValueError) as e:
         print(f"structllm chat: {e}", file=sys.stderr)
         return 1
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -268,13 +269,30 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _mm_limits(text: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt``: vLLM's JSON object of modality -> count (images only)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
+    ):
+        raise argparse.ArgumentTypeError("give an object of counts, e.g. '{\"image\": 4}'")
+    if set(value) - {"image"}:
+        raise argparse.ArgumentTypeError(
+            f"only image inputs are supported, not {sorted(set(value) - {'image'})}"
+        )
+    return dict(value)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     if a.node_rank > 0:  # a node that only runs ranks (no HTTP): engine/node.py
         from structllm.engine.node import run_node
 
         return run_node(a.nnodes, a.node_rank, a.master_addr, a.master_port, a.node_addr)
     from structllm.config import EngineConfig
-    from structllm.server.config import ServerConfig
+    from structllm.server.config import ServerConfig, default
     from structllm.server.serve import run
 
     engine = EngineConfig(model=a.model, **_engine_kwargs(a))  # type: ignore[arg-type]
@@ -302,6 +320,15 @@ def cmd_run(a: argparse.Namespace) -> int:
         responses_store=a.responses_store,
         responses_store_max_bytes=a.responses_store_max_bytes,
         responses_store_ttl=a.responses_store_ttl,
+        allowed_media_domains=tuple(
+            d.strip() for arg in a.allowed_media_domains for d in arg.split(",") if d.strip()
+        ),
+        allowed_local_media_path=a.allowed_local_media_path,
+        max_images_per_prompt=a.limit_mm_per_prompt.get("image", default("max_images_per_prompt")),
+        max_image_pixels=a.max_image_pixels,
+        max_media_bytes=a.max_media_bytes,
+        media_fetch_timeout=a.media_fetch_timeout,
+        image_processor=a.image_processor,
     )
     if a.chat_template is not None:
         from structllm.tokenizer import ChatTemplateError, load_chat_template
@@ -474,6 +501,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated CORS origins ('*' for any; default: CORS off)",
     )
     r.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="DOMAIN",
+        help="hosts image URLs may be fetched from over http(s) (exact names; only their "
+        "public addresses; default: none, only data: URLs)",
+    )
+    r.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="serve file:// image URLs inside DIR (default: none)",
+    )
+    r.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limits,
+        default={},
+        metavar="JSON",
+        help="images a prompt may hold, as JSON: '{\"image\": 4}' "
+        f"(default {d('max_images_per_prompt')})",
+    )
+    r.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=d("max_image_pixels"),
+        help="largest image, in pixels, read from its header before decoding (default %(default)s)",
+    )
+    r.add_argument(
+        "--max-media-bytes",
+        type=int,
+        default=d("max_media_bytes"),
+        help="largest image file, in bytes (default %(default)s)",
+    )
+    r.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=d("media_fetch_timeout"),
+        help="seconds a request's image fetches may take (default %(default)s)",
+    )
+    r.add_argument("--image-processor", default=None, help=argparse.SUPPRESS)  # tests
+    r.add_argument(
         "--no-web-ui",
         action="store_true",
         help="do not serve the chat page at / (it needs no engine and no API key to load)",
@@ -497,6 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="attach an image file to the first message (repeatable; later: /image PATH)",
+    )
     c.set_defaults(func=cmd_chat)
     g = sub.add_parser(
         "generate",

@@ -16,7 +16,7 @@ point leaks nothing in either process.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -32,6 +32,7 @@ from structllm.protocol import (
     EngineStats,
     FinishReason,
     GetStats,
+    ImageInput,
     OutputBatch,
     SamplingParams,
     TokenLogprobs,
@@ -228,8 +229,10 @@ class EngineClient:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         wakeup: Wakeup | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[RequestStream]:
-        """Register, send, yield the stream; on exit unregister and abort if unfinished."""
+        """Register, send, yield the stream; on exit unregister and abort if unfinished.
+        ``images``: the prompt's (``ImageInput`` spans in prompt order)."""
         if self.dead is not None:
             raise self.dead
         if request_id in self._streams:
@@ -237,7 +240,9 @@ class EngineClient:
         stream = RequestStream(request_id, wakeup)
         self._streams[request_id] = stream
         try:
-            await self.engine.endpoint.send(AddRequest(request_id, prompt_token_ids, sampling))
+            await self.engine.endpoint.send(
+                AddRequest(request_id, prompt_token_ids, sampling, list(images))
+            )
             yield stream
         finally:
             if self._streams.pop(request_id, None) is not None:

@@ -39,6 +39,11 @@ from structllm.protocol import (
 )
 
 DEFAULT_RING_CAPACITY = 8 << 20
+# a model that takes images: a request carries its images' pixels (uint8, as the
+# processor resized and tiled them: 2.4 MB for a Gemma 3 image, up to 13 MB for a
+# SmolVLM one of 17 tiles) in one frame. Pages of the ring are touched only as frames
+# pass through them, so a text-only workload never makes this resident.
+IMAGE_RING_CAPACITY = 64 << 20
 
 
 class EngineStartError(RuntimeError):

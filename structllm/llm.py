@@ -15,11 +15,13 @@ import msgspec
 
 from structllm.config import EngineConfig, hf_overrides, speculative_config
 from structllm.engine.core import EngineCore
-from structllm.model.files import generation_defaults
+from structllm.model.files import generation_defaults, model_path
 from structllm.model.loader import prepare_model
+from structllm.multimodal.registry import processor_for
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import AddRequest, SamplingParams, TokenLogprobs
+from structllm.protocol import AddRequest, ImageInput, SamplingParams, TokenLogprobs
 from structllm.reasoning import END_TAG, Mode, check_parser, engine_spec, mode_for
+from structllm.server.images import DEFAULT_MAX_PIXELS
 from structllm.tokenizer import Message, Tokenizer, check_template_kwargs
 from structllm.tools import (
     ToolCall,
@@ -101,6 +103,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         parser = engine_kwargs.pop("reasoning_parser", None)
+        max_image_pixels = int(engine_kwargs.pop("max_image_pixels", DEFAULT_MAX_PIXELS))
         self.reasoning_parser = None if parser is None else check_parser(parser)
         if (
             engine_kwargs.get("trace") is True
@@ -120,6 +123,11 @@ class LLM:
         self._defaults = generation_defaults(files, self.config.generation_config)
         self.engine = EngineCore(self.config, files)
         self._ids = itertools.count()
+        path = model_path(model)  # a checkpoint's image processor (None: text only)
+        self.image_processor = processor_for(
+            path if path.is_dir() else None, self.tokenizer.token_id
+        )
+        self.max_image_pixels = max_image_pixels
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without ``sampling_params``: the API's
@@ -158,6 +166,7 @@ class LLM:
         params: list[SamplingParams],
         tools: ToolRequest | None = None,
         modes: Sequence[Mode | None] | None = None,
+        images: Sequence[list[ImageInput]] | None = None,
     ) -> list[RequestOutput]:
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
@@ -167,15 +176,28 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
         live: dict[str, tuple[SequenceState, RequestOutput]] = {}
-        for p, ids, sp, mode in zip(
-            items, encoded, params, modes or [None] * len(items), strict=True
+        for p, ids, sp, mode, prompt_images in zip(
+            items,
+            encoded,
+            params,
+            modes or [None] * len(items),
+            images or [[]] * len(items),
+            strict=True,
         ):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
             if sp.prompt_logprobs is not None:
                 res.prompt_logprobs = [None]
             results.append(res)
             name = res.request_id
-            seqs = fan_out([ids], sp, self.tokenizer, lambda _, j: f"{name}-{j}", tools, mode)  # noqa: B023
+            seqs = fan_out(
+                [ids],
+                sp,
+                self.tokenizer,
+                lambda _, j: f"{name}-{j}",  # noqa: B023
+                tools,
+                mode,
+                [prompt_images],
+            )
             for seq in seqs:
                 res.outputs.append(
                     CompletionOutput(
@@ -184,7 +206,7 @@ class LLM:
                 )
                 live[seq.request_id] = (seq, res)
                 self.engine.tracer.event("sent", seq.request_id)
-                self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling))
+                self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling, seq.images))
         try:
             while live:
                 for delta in self.engine.step().outputs:
@@ -243,8 +265,10 @@ class LLM:
         into the prompt, the output is constrained where the choice demands it, and each
         completion's ``tool_calls`` holds the calls it made (its ``text`` the rest, and
         ``finish_reason`` is ``tool_calls``). ``chat_template_kwargs`` are extra variables
-        for the chat template (e.g. ``{"enable_thinking": False}``). Raises ``ValueError``
-        for bad tools or template variables."""
+        for the chat template (e.g. ``{"enable_thinking": False}``). A user message's
+        content may hold image parts (``image_url`` with a data: URL, a file URL or a path;
+        ``image_pil`` with a Pillow image) for a model that takes images. Raises
+        ``ValueError`` for bad tools, template variables or images."""
         chats: list[Any] = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
@@ -270,17 +294,47 @@ class LLM:
                 params = [msgspec.structs.replace(sp, structured_outputs=spec) for sp in params]
         encoded: list[list[int]] = []
         modes: list[Mode | None] = []
+        images: list[list[ImageInput]] = []
         end_ids = self.tokenizer.encode(END_TAG, add_special_tokens=False)
         for i, chat in enumerate(chats):
-            msgs, variables = prompt_messages([dict(m) for m in chat], req, fmt)
-            text = self.tokenizer.apply_chat_template(msgs, **kwargs, **variables)
-            encoded.append(self.tokenizer.encode(text, add_special_tokens=False))
+            text, ids, prompt_images = self._chat_prompt(chat, req, fmt, kwargs)
+            encoded.append(ids)
+            images.append(prompt_images)
             if self.reasoning_parser is None:
                 modes.append(None)
                 continue
             modes.append(mode_for(self.reasoning_parser, text))
             params[i] = msgspec.structs.replace(params[i], reasoning=engine_spec(text, end_ids))
-        return self._run(chats, encoded, params, req, modes)
+        return self._run(chats, encoded, params, req, modes, images)
+
+    def _chat_prompt(
+        self, chat: Sequence[Message], req: ToolRequest | None, fmt: Any, kwargs: dict[str, Any]
+    ) -> tuple[str, list[int], list[ImageInput]]:
+        """One chat's prompt text, token ids and images (as the server's preprocessor)."""
+        msgs: list[dict[str, Any]] = [dict(m) for m in chat]
+        pictures: list[Any] = []
+        if any(isinstance(m.get("content"), list) for m in msgs):
+            from structllm.multimodal.chat_images import split_images
+
+            msgs, pictures = split_images(msgs, self.max_image_pixels)
+        msgs, variables = prompt_messages(msgs, req, fmt)
+
+        def template(m: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(m, **kwargs, **variables)
+
+        proc = self.image_processor
+        if not pictures:
+            text = template(msgs)
+            return text, self.tokenizer.encode(text, add_special_tokens=False), []
+        if proc is None:
+            raise ValueError(f"the model `{self.config.model or 'default'}` takes no images")
+        from structllm.multimodal import prompt as image_prompt
+        from structllm.server.images import content_hash
+
+        text = image_prompt.expand(image_prompt.render(template, msgs, proc), proc, pictures)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        digests = [content_hash(p, proc.settings) for p in pictures]
+        return text, ids, image_prompt.spans(ids, proc, pictures, digests)
 
     def _check_structured(self, sp: SamplingParams) -> None:
         """Raise ``ValueError`` if ``sp.structured_outputs`` does not compile."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from structllm.protocol import SamplingParams, TokenLogprobs
+from structllm.protocol import ImageInput, SamplingParams, TokenLogprobs
 from structllm.reasoning import Mode, ReasoningParser
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
@@ -70,6 +70,7 @@ class SequenceState:
     tools: ToolCallParser | None = None
     reasoning: ReasoningParser | None = None
     num_reasoning_tokens: int = 0
+    images: list[ImageInput] = field(default_factory=list)  # the prompt's, for AddRequest
     _undecided_tokens: int = 0  # fed before the parser knew whether they are reasoning
 
     @property
@@ -176,6 +177,7 @@ def fan_out(
     new_request_id: Callable[[int, int], str],
     tools: ToolRequest | None = None,
     reasoning: Mode | None = None,
+    images: Sequence[list[ImageInput]] = (),
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
@@ -183,7 +185,7 @@ def fan_out(
     scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
     the engine requests. With ``tools`` that allow calls, each sequence parses its
     calls; with ``reasoning`` (where its output starts), each splits off its reasoning
-    part."""
+    part. ``images[pi]``: prompt ``pi``'s images (none if absent)."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -207,6 +209,7 @@ def fan_out(
                     detok,
                     tools=parser,
                     reasoning=None if reasoning is None else ReasoningParser(reasoning),
+                    images=list(images[pi]) if pi < len(images) else [],
                 )
             )
     return out

@@ -124,6 +124,11 @@ class Tokenizer:
                 ids.insert(0, bos_id)
         return ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is ``text`` (None if no single token is)."""
+        found: int | None = self._tok.token_to_id(text)
+        return found
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text

@@ -40,6 +40,7 @@ from structllm.engine.stage_sampling import (
     unpack,
 )
 from structllm.kernels.attention import AttentionMetadata
+from structllm.model import decode_plan
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.llama import LlamaModel
 from structllm.model.vision import VisionModel
@@ -193,6 +194,7 @@ class ModelRunner:
             )
             for i in range(len(model.layers))
         ]
+        model.decode_planner = decode_plan.plan
         model.choose_decode_loop()  # the fused CPU path: native decode steps or not, said
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
         self.num_sampled_by_last_stage = 0  # rank 0: batches the last stage sampled

@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
-
-if TYPE_CHECKING:
-    from structllm.model.llama import DecoderLayer, LlamaModel
+from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 
 ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
 
@@ -50,6 +48,20 @@ def _parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | None:
     """``packed.kernel_parts``, but None for float16 rows (``HalfMatrix``), which are
     not among cpu_decode.cpp's GGUF types."""
     return None if isinstance(w, HalfMatrix) else kernel_parts(w, int8_ok)
+
+
+def plan(model: LlamaModel) -> tuple[DecodePlan | None, str]:
+    """``LlamaModel.decode_planner``: the native loop's plan for ``model`` and the
+    start-up line's words for it, or None and why the Python loop runs instead."""
+    from structllm.kernels import cpu_ext
+
+    reason = why_not(model)
+    native = cpu_ext.load_decode() if reason is None else None
+    if reason is None and native is None:
+        reason = "the native driver did not build"
+    if reason is not None:
+        return None, f"the Python layer loop ({reason})"
+    return DecodePlan(model, native, CHECK_EVERY), "the native layer loop (cpu_decode.cpp)"
 
 
 def why_not(model: LlamaModel) -> str | None:

@@ -341,9 +341,12 @@ class LlamaModel(nn.Module):
             layer.rotates for layer in self.layers if isinstance(layer, DecoderLayer)
         )
         # decode-only steps through the native layer loop (model/decode_plan.py): built
-        # on the first one; False once found not to apply. native_decode=False keeps
-        # the Python loop (A/B measurements, tests).
+        # on the first one by ``decode_planner``, which the runner hands the model (that
+        # module reads this one's layers, so this one may not import it); False once
+        # found not to apply. native_decode=False keeps the Python loop (A/B
+        # measurements, tests).
         self.native_decode = True
+        self.decode_planner: Callable[[LlamaModel], tuple[Any, str]] | None = None
         self._decode_plan: Any = None
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
 
@@ -482,7 +485,7 @@ class LlamaModel(nn.Module):
         return self.decode_path
 
     def _native_plan(self) -> Any:
-        """The native decode loop's plan (``decode_plan.DecodePlan``), built on the first
+        """The native decode loop's plan (``decode_planner``'s), built on the first
         decode-only step (or by ``choose_decode_loop``), or None: turned off, or not for
         this model (said once)."""
         if not self.native_decode or self._decode_plan is False:
@@ -490,22 +493,12 @@ class LlamaModel(nn.Module):
         plan = self._decode_plan
         if plan is not None and (plan.impl is not self.attn_impl or self.tp is not None):
             self._decode_plan = None  # another backend, or sharded, since: decide again
-        if self._decode_plan is None:
-            from structllm.kernels import cpu_ext
-            from structllm.model import decode_plan
-
-            reason = decode_plan.why_not(self)
-            native = cpu_ext.load_decode() if reason is None else None
-            if reason is None and native is None:
-                reason = "the native driver did not build"
-            if reason is not None:
-                self.decode_why = f"the Python layer loop ({reason})"
-                log.info("decode steps: %s", self.decode_why)
-                self._decode_plan = False
-                return None
-            self._decode_plan = decode_plan.DecodePlan(self, native, CHECK_EVERY)
-            self.decode_why = "the native layer loop (cpu_decode.cpp)"
+        if self._decode_plan is None and self.decode_planner is not None:
+            plan, self.decode_why = self.decode_planner(self)
             log.info("decode steps: %s", self.decode_why)
+            self._decode_plan = False if plan is None else plan
+            if plan is None:
+                return None
         return self._decode_plan
 
     def use_cpu_ops(self) -> bool:

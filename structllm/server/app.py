@@ -16,16 +16,18 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
 
 from structllm import __version__
-from structllm.client import EngineClient, EngineDeadError
+from structllm.client import EngineClient
+from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import EngineStats, SamplingParams, StructuredOutputs
+from structllm.protocol import EngineStats, StructuredOutputs
+from structllm.server import body
 from structllm.server import requests as rq
 from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
@@ -33,9 +35,12 @@ from structllm.server.errors import APIError, ClientGone
 from structllm.server.generation import Admission, Builder, Generation, Transport
 from structllm.server.metrics import Metrics
 from structllm.server.openapi import openapi_document
+from structllm.server.pipeline import Message, Receive, Scope, Send
 from structllm.server.preprocess import Preprocessor
+from structllm.server.probes import RouterProbes
 from structllm.server.responses import ChatBuilder, ResponseBuilder, TextBuilder
 from structllm.server.responses_endpoint import ResponsesEndpoints
+from structllm.server.vision import Vision
 from structllm.server.webui import StaticFile, load_files
 from structllm.tokenizer import Tokenizer
 from structllm.tools import Format, ToolRequest
@@ -43,15 +48,9 @@ from structllm.trace import Tracer
 
 log = logging.getLogger("structllm.server")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 Ts = TypeVarTuple("Ts")
 R = TypeVar("R")
 TOKENIZER_THREADS = 2  # concurrent chat-template renders and tokenizations per process
-HEALTH_GENERATE_TIMEOUT_S = 60.0  # a generous bound: the token queues behind running steps
 
 
 class App:
@@ -64,6 +63,7 @@ class App:
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
         sampling_defaults: dict[str, float | int] | None = None,
+        image_processor: ImageProcessor | None = None,
     ) -> None:
         self.config = config
         # where a request leaves a sampling parameter unset (files.generation_defaults)
@@ -79,17 +79,12 @@ class App:
         self.tracer = Tracer(config.engine.trace, f"structllm front end {os.getpid()}")
         parser = config.tool_call_parser
         self.tool_format: Format | None = None if parser == "auto" else parser  # type: ignore[assignment]
-        self.pre = Preprocessor(
-            tokenizer,
-            None,
-            tokenizer.vocab_size,
-            self.tool_format,
-            self.tracer,
-            config.reasoning_parser,
-        )  # until an engine is attached
+        self.vision = Vision(model_name, image_processor, config)  # image parts: checks, fetches
+        self.pre = self.preprocessor(None, tokenizer.vocab_size)  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
         self.created = int(time.time())
         self.responses = ResponsesEndpoints(self)  # /v1/responses and its store
+        probes = RouterProbes(config, model_name, self.engine, lambda: self.draining)
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/version"): self.version,
@@ -102,10 +97,10 @@ class App:
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
             # what routers in front of replicas probe (vllm-router, sglang-router)
-            ("GET", "/health_generate"): self.health_generate,
-            ("GET", "/get_load"): self.get_load,
-            ("GET", "/get_model_info"): self.get_model_info,
-            ("GET", "/get_server_info"): self.get_server_info,
+            ("GET", "/health_generate"): probes.health_generate,
+            ("GET", "/get_load"): probes.get_load,
+            ("GET", "/get_model_info"): probes.get_model_info,
+            ("GET", "/get_server_info"): probes.get_server_info,
         }
         # the chat page (server/webui.py): public files, served from memory
         self.static: dict[str, StaticFile] = load_files() if config.web_ui else {}
@@ -242,15 +237,20 @@ class App:
 
     def attach(self, client: EngineClient) -> None:
         """Serve generation requests through ``client`` (an engine that is ready)."""
-        self.pre = Preprocessor(
+        self.pre = self.preprocessor(client.ready.max_model_len, client.ready.vocab_size)
+        self.client = client
+
+    def preprocessor(self, max_model_len: int | None, vocab_size: int) -> Preprocessor:
+        return Preprocessor(
             self.tokenizer,
-            client.ready.max_model_len,
-            client.ready.vocab_size,
+            max_model_len,
+            vocab_size,
             self.tool_format,
             self.tracer,
             self.config.reasoning_parser,
+            self.vision.processor,
+            self.config.max_image_pixels,
         )
-        self.client = client
 
     def engine(self) -> EngineClient:
         if self.client is None:
@@ -275,75 +275,6 @@ class App:
         await send({"type": "http.response.start", "status": 200, "headers": f.headers})
         await send({"type": "http.response.body", "body": f.body})
 
-    async def health_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Healthy only if the engine generates: one greedy token of a one-token prompt
-        (SGLang's ``/health_generate``, which its router forwards to a worker)."""
-        client = self.engine()
-        if self.draining:
-            raise APIError(503, "the server is stopping", type="service_unavailable")
-        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        try:
-            with anyio.move_on_after(HEALTH_GENERATE_TIMEOUT_S) as scope_:
-                async with client.request(client.new_request_id("health"), [0], sp) as stream:
-                    while not stream.finished:
-                        await stream.get()
-        except EngineDeadError as e:
-            raise APIError(
-                503, f"the engine is not available: {e}", type="service_unavailable"
-            ) from e
-        if scope_.cancelled_caught:
-            raise APIError(
-                503,
-                f"the engine did not generate a token within {HEALTH_GENERATE_TIMEOUT_S:.0f}s",
-                type="service_unavailable",
-            )
-        await send_json(send, 200, {"status": "ok"})
-
-    async def get_load(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The load a router balances by (its ``/get_loads``, ``power_of_two``): requests
-        running or waiting in the engine, as of its last step."""
-        stats = self.engine().stats
-        await send_json(
-            send,
-            200,
-            {
-                "load": stats.num_running + stats.num_waiting,
-                "num_running_reqs": stats.num_running,
-                "num_waiting_reqs": stats.num_waiting,
-            },
-        )
-
-    async def get_model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(
-            send,
-            200,
-            {
-                "model_path": self.model_name,
-                "tokenizer_path": self.model_name,
-                "is_generation": True,
-            },
-        )
-
-    async def get_server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The settings a router or an operator may want to see (SGLang's
-        ``/get_server_info`` carries its server arguments; these are ours)."""
-        client = self.engine()
-        engine = self.config.engine
-        await send_json(
-            send,
-            200,
-            {
-                "version": __version__,
-                "model_path": self.model_name,
-                "served_model_name": self.model_name,
-                "max_model_len": client.ready.max_model_len,
-                "block_size": engine.block_size,
-                "enable_prefix_caching": engine.enable_prefix_caching,
-                "tensor_parallel_size": engine.tensor_parallel_size,
-                "api_server_count": self.config.api_server_count,
-            },
-        )
-
     async def openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, openapi_document(__version__))
 
@@ -357,6 +288,7 @@ class App:
             "created": self.created,
             "owned_by": "structllm",
             "max_model_len": self.pre.max_model_len or 0,
+            "input_modalities": self.vision.input_modalities,  # ["text", "image"] with images
         }
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -398,7 +330,8 @@ class App:
     async def tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = rq.decode_body(await self.read_body(receive), rq.TokenizeRequest)
         self.check_model(req.model)
-        ids = await self.in_worker(self.pre.tokenize, req)
+        media = await self.vision.load(rq.image_urls(req.messages), "messages")
+        ids = await self.in_worker(self.pre.tokenize, req, media)
         await send_json(
             send,
             200,
@@ -420,18 +353,7 @@ class App:
         req = rq.decode_body(await self.read_body(receive), rq.ChatCompletionRequest)
         self.check_model(req.model)
         client = self.engine()
-        tools = self.pre.tool_request(req)
-        text, ids = await self.in_worker(self.pre.chat_prompt, req, tools, response_id)
-        constraint = await self.constraint(req, tools)
-        requested, param = rq.requested_max_tokens(req)
-        max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
-        mode, reasoning = self.pre.reasoning(text) or (None, None)
-        sp = rq.sampling_params(
-            req, max_tokens, client.ready.vocab_size, constraint, reasoning, self.sampling_defaults
-        )
-        seqs = fan_out(
-            [ids], sp, self.tokenizer, lambda _pi, _j: client.new_request_id("chat"), tools, mode
-        )
+        seqs = await self.chat_sequences(req, response_id, "chat", client)
         builder = ChatBuilder(
             seqs,
             self.tokenizer,
@@ -443,6 +365,28 @@ class App:
             response_id=response_id,
         )
         await self.generate(receive, send, client, seqs, builder)
+
+    async def chat_sequences(
+        self, req: rq.ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
+    ) -> list[SequenceState]:
+        """The chat path's preparation (``pipeline.ChatPipeline``): images, template,
+        tokens, constraint, context, sampling; one sequence per choice."""
+        tools = self.pre.tool_request(req)
+        media = await self.vision.load(rq.image_urls(req.messages), "messages")
+        text, ids, images = await self.in_worker(
+            self.pre.chat_prompt, req, tools, response_id, media
+        )
+        constraint = await self.constraint(req, tools)
+        requested, param = rq.requested_max_tokens(req)
+        max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
+        mode, reasoning = self.pre.reasoning(text) or (None, None)
+        sp = rq.sampling_params(
+            req, max_tokens, client.ready.vocab_size, constraint, reasoning, self.sampling_defaults
+        )
+        new_id = client.new_request_id
+        return fan_out(
+            [ids], sp, self.tokenizer, lambda _p, _j: new_id(kind), tools, mode, [images]
+        )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         response_id = TextBuilder.new_id()
@@ -513,29 +457,8 @@ class App:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._pool)
 
     async def read_body(self, receive: Receive) -> bytes:
-        """The whole body, within ``max_body_bytes`` (else 413) and ``body_timeout``
-        (else 408: a client that sends slowly does not hold a request forever)."""
-        with anyio.move_on_after(self.config.body_timeout) as scope:
-            return await self._read_body(receive)
-        assert scope.cancelled_caught
-        raise APIError(
-            408, f"the request body did not arrive within {self.config.body_timeout:.0f}s"
-        )
-
-    async def _read_body(self, receive: Receive) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes")
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                return b"".join(chunks)
+        """The whole body, within ``max_body_bytes`` (413) and ``body_timeout`` (408)."""
+        return await body.read_body(receive, self.config.max_body_bytes, self.config.body_timeout)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -17,6 +17,8 @@ from typing import Any
 
 import anyio
 
+from structllm.server.errors import APIError, ClientGone
+
 Message = MutableMapping[str, Any]
 
 # what is read of a body left unread (beyond it, or slower: the connection closes)
@@ -63,3 +65,26 @@ class TrackedReceive:
             await send(message)
 
         return wrapped
+
+
+async def read_body(
+    receive: Callable[[], Awaitable[Message]], max_bytes: int, timeout: float
+) -> bytes:
+    """The whole body, within ``max_bytes`` (else 413) and ``timeout`` seconds (else 408:
+    a client that sends slowly does not hold a request forever)."""
+    with anyio.move_on_after(timeout) as scope:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"request body exceeds {max_bytes} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(chunks)
+    assert scope.cancelled_caught
+    raise APIError(408, f"the request body did not arrive within {timeout:.0f}s")

@@ -25,7 +25,15 @@ class ServerConfig:
     for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``);
     ``reasoning_parser`` (``deepseek_r1``, ``qwen3`` or None) splits a chat reply's
     ``<think>`` part into ``reasoning_content`` (``structllm.reasoning``).
-    ``web_ui``: serve the chat page at ``/`` (``--no-web-ui``: 404)."""
+    ``web_ui``: serve the chat page at ``/`` (``--no-web-ui``: 404).
+
+    Images (``server/vision.py``, ``server/media.py``): ``data:`` URLs always; http(s)
+    only to ``allowed_media_domains`` (exact host names, public addresses only);
+    ``file://`` only under ``allowed_local_media_path``. One image's bytes are capped by
+    ``max_media_bytes``, its pixels by ``max_image_pixels``, a prompt's images by
+    ``max_images_per_prompt`` (``--limit-mm-per-prompt '{"image": N}'``), a request's
+    fetches by ``media_fetch_timeout`` seconds. ``image_processor``: a ``module:Class``
+    used instead of the one the checkpoint's architectures name (tests)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -54,6 +62,13 @@ class ServerConfig:
     responses_store: str = ""
     responses_store_max_bytes: int = 256 << 20
     responses_store_ttl: float = 30 * 24 * 3600.0
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    max_images_per_prompt: int = 16
+    max_image_pixels: int = 1 << 25  # 33.5 M: an 8192 x 4096 image
+    max_media_bytes: int = 20 << 20
+    media_fetch_timeout: float = 10.0
+    image_processor: str | None = None
 
 
 def default(name: str) -> Any:

@@ -258,7 +258,9 @@ class Generation:
                 )  # before the engine can see it
                 streams.append(
                     await stack.enter_async_context(
-                        self.client.request(seq.request_id, seq.prompt_ids, seq.sampling, wakeup)
+                        self.client.request(
+                            seq.request_id, seq.prompt_ids, seq.sampling, wakeup, seq.images
+                        )
                     )
                 )
             self.metrics.set_open_requests(self.client.num_open_requests)

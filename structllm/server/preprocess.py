@@ -3,18 +3,24 @@
 Synchronous and CPU-bound (a 2 MB prompt takes seconds to tokenize), so the app runs
 every call here in a bounded worker pool, never on the event loop. Text that could not
 fit in the context even if every token were the vocabulary's longest is refused before
-it is tokenized.
+it is tokenized. A chat prompt's images arrive as bytes (``vision.Vision.load``) and are
+decoded here (``images.decode_image``), hashed, expanded into the model's image tokens
+and located in the token ids (``multimodal.prompt``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from structllm import reasoning, structured, tools
-from structllm.protocol import Reasoning, StructuredOutputs
+from structllm.multimodal import prompt as image_prompt
+from structllm.multimodal.processor import ImageProcessor
+from structllm.protocol import ImageInput, Reasoning, StructuredOutputs
 from structllm.server.errors import APIError
+from structllm.server.images import DEFAULT_MAX_PIXELS, ImageError, content_hash, decode_image
 from structllm.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,8 +29,11 @@ from structllm.server.requests import (
     check_token_ids,
     template_kwargs,
 )
-from structllm.tokenizer import ChatTemplateError, Tokenizer
+from structllm.tokenizer import Tokenizer
 from structllm.trace import OFF, Tracer
+
+if TYPE_CHECKING:  # Pillow's type only
+    from PIL.Image import Image
 
 
 class Preprocessor:
@@ -40,8 +49,12 @@ class Preprocessor:
         tool_format: tools.Format | None = None,
         tracer: Tracer = OFF,
         reasoning_parser: str | None = None,
+        image_processor: ImageProcessor | None = None,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.max_image_pixels = max_image_pixels
         self.tracer = tracer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -80,33 +93,69 @@ class Preprocessor:
         req: ChatCompletionRequest | TokenizeRequest,
         tool_req: tools.ToolRequest | None = None,
         trace_id: str = "",
+        media: Sequence[bytes] = (),
     ) -> list[int]:
         """The prompt's token ids; with ``trace_id``, ``rendered`` and ``tokenized``
         are traced under it."""
-        return self.chat_prompt(req, tool_req, trace_id)[1]
+        return self.chat_prompt(req, tool_req, trace_id, media)[1]
 
     def chat_prompt(
         self,
         req: ChatCompletionRequest | TokenizeRequest,
         tool_req: tools.ToolRequest | None = None,
         trace_id: str = "",
-    ) -> tuple[str, list[int]]:
-        """``chat``, with the rendered prompt's text."""
+        media: Sequence[bytes] = (),
+    ) -> tuple[str, list[int], list[ImageInput]]:
+        """``chat``, with the rendered prompt's text and its images (``media``: the
+        bytes of its image parts in order, ``requests.image_urls``)."""
         assert req.messages is not None
         messages, variables = tools.prompt_messages(
             chat_messages(req.messages), tool_req, self.tool_format
         )
         kwargs = template_kwargs(req)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **kwargs, **variables
+
+        def template(msgs: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=req.add_generation_prompt, **kwargs, **variables
             )
-        except ChatTemplateError as e:
+
+        images = self.decode_images(media)
+        proc = self.image_processor
+        try:
+            if images:
+                assert proc is not None, "vision.Vision.check refuses images for a text model"
+                text = image_prompt.expand(
+                    image_prompt.render(template, messages, proc), proc, images
+                )
+            else:
+                text = template(messages)
+        except ValueError as e:  # ChatTemplateError, or the placeholders do not add up
             raise APIError(400, str(e), param="messages") from None
         self.tracer.event("rendered", trace_id, chars=len(text))
         ids = self.encode(text, add_special_tokens=False, param="messages")
         self.tracer.event("tokenized", trace_id, tokens=len(ids))
-        return text, ids
+        if not images:
+            return text, ids, []
+        assert proc is not None
+        digests = [content_hash(im, proc.settings) for im in images]
+        try:
+            return text, ids, image_prompt.spans(ids, proc, images, digests)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def decode_images(self, media: Sequence[bytes]) -> list[Image]:
+        out = []
+        for i, data in enumerate(media):
+            try:
+                out.append(decode_image(data, self.max_image_pixels))
+            except ImageError as e:
+                raise APIError(
+                    400,
+                    f"image {i + 1} of {len(media)}: {e}",
+                    param="messages",
+                    code="invalid_image",
+                ) from None
+        return out
 
     def reasoning(self, prompt: str) -> tuple[reasoning.Mode, Reasoning | None] | None:
         """With a reasoning parser: where the output of the chat ``prompt`` (its text)
@@ -197,11 +246,11 @@ class Preprocessor:
             raise APIError(400, error, param="tools")
         return spec  # tool_choice none: the reply may still be constrained
 
-    def tokenize(self, req: TokenizeRequest) -> list[int]:
+    def tokenize(self, req: TokenizeRequest, media: Sequence[bytes] = ()) -> list[int]:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            return self.chat(req)
+            return self.chat(req, media=media)
         assert req.prompt is not None
         return self.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 

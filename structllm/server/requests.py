@@ -40,9 +40,15 @@ class StreamOptions(msgspec.Struct, frozen=True):
     continuous_usage_stats: bool = False
 
 
+class ImageURL(msgspec.Struct, frozen=True):
+    url: str
+    detail: str | None = None  # auto, low or high: accepted; the model's processor sizes it
+
+
 class ContentPart(msgspec.Struct, frozen=True):
     type: str
     text: str | None = None
+    image_url: str | ImageURL | None = None  # some clients send the URL as a bare string
 
 
 class FunctionCall(msgspec.Struct, frozen=True):
@@ -181,19 +187,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"{m.role!r}",
                 param="messages",
             )
-        if isinstance(m.content, list):
-            parts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                        param="messages",
-                    )
-                parts.append(part.text)
-            content = "".join(parts)
-        else:
-            content = m.content or ""
+        content: str | list[dict[str, Any]] = (
+            _content_parts(i, role, m.content) if isinstance(m.content, list) else m.content or ""
+        )
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls is not None:
             if role != "assistant":
@@ -229,6 +225,61 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.name is not None:
             msg["name"] = m.name
         out.append(msg)
+    return out
+
+
+IMAGE_DETAILS = (None, "auto", "low", "high")
+
+
+def _content_parts(i: int, role: str, parts: list[ContentPart]) -> str | list[dict[str, Any]]:
+    """Text parts joined; with image parts, transformers' content list (text parts and
+    ``{"type": "image"}``, which the chat template renders as the image placeholder)."""
+    out: list[dict[str, Any]] = []
+    for k, part in enumerate(parts):
+        if part.type == "text" and part.text is not None:
+            out.append({"type": "text", "text": part.text})
+        elif part.type == "image_url":
+            _image_url(i, k, role, part)
+            out.append({"type": "image"})
+        else:
+            raise APIError(
+                400,
+                f"messages[{i}].content[{k}]: only text and image_url parts are supported, "
+                f"got {part.type!r}",
+                param="messages",
+            )
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def _image_url(i: int, k: int, role: str, part: ContentPart) -> str:
+    where = f"messages[{i}].content[{k}]"
+    if role != "user":
+        raise APIError(400, f"{where}: only user messages carry images", param="messages")
+    url = part.image_url
+    if url is None:
+        raise APIError(400, f"{where}: an image_url part needs image_url", param="messages")
+    if isinstance(url, str):
+        return url
+    if url.detail not in IMAGE_DETAILS:
+        raise APIError(
+            400,
+            f"{where}.image_url.detail must be auto, low or high, got {url.detail!r}",
+            param="messages",
+        )
+    return url.url
+
+
+def image_urls(messages: list[ChatMessage] | None) -> list[str]:
+    """The URLs of the messages' image parts, in prompt order (as ``chat_messages``
+    places their ``{"type": "image"}`` parts)."""
+    out = []
+    for i, m in enumerate(messages or ()):
+        if isinstance(m.content, list):
+            for k, part in enumerate(m.content):
+                if part.type == "image_url":
+                    out.append(_image_url(i, k, m.role, part))
     return out
 
 

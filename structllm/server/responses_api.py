@@ -162,19 +162,9 @@ def _normalize_item(i: int, item: Any) -> Item:
         if isinstance(content, str):
             parts = [{"type": part_type, "text": content}]
         elif isinstance(content, list):
-            parts = []
-            for k, p in enumerate(content):
-                if (
-                    not isinstance(p, Mapping)
-                    or p.get("type") not in ("input_text", "output_text", "text", "refusal")
-                    or not isinstance(p.get("text", p.get("refusal")), str)
-                ):
-                    got = p.get("type") if isinstance(p, Mapping) else type(p).__name__
-                    raise _bad(i, f"content[{k}]: only text parts are supported, got {got!r}")
-                text = p["text"] if "text" in p else p["refusal"]
-                parts.append({"type": part_type, "text": text})
+            parts = [_content_part(i, k, p, role, part_type) for k, p in enumerate(content)]
         else:
-            raise _bad(i, "content must be a string or a list of text parts")
+            raise _bad(i, "content must be a string or a list of content parts")
         out = _message(role, parts, str(item.get("id") or new_id("msg")))
         if role == "assistant":
             out["status"] = "completed"
@@ -214,6 +204,42 @@ def _normalize_item(i: int, item: Any) -> Item:
     )
 
 
+def _content_part(i: int, k: int, p: Any, role: str, part_type: str) -> dict[str, Any]:
+    """One part of a message's content: text (as ``part_type``), or for a user message an
+    ``input_image`` (its ``image_url``: a data: URL, or a URL the server may fetch)."""
+    kind = p.get("type") if isinstance(p, Mapping) else type(p).__name__
+    if kind == "input_image" and isinstance(p, Mapping):
+        if role != "user":
+            raise _bad(i, f"content[{k}]: only user messages carry images")
+        if p.get("file_id") is not None:
+            raise _bad(i, f"content[{k}]: file_id is not supported (no file store); give image_url")
+        url, detail = p.get("image_url"), p.get("detail", "auto")
+        if not isinstance(url, str):
+            raise _bad(i, f"content[{k}]: an input_image needs image_url (a string)")
+        if detail not in ("auto", "low", "high"):
+            raise _bad(i, f"content[{k}]: detail must be auto, low or high, got {detail!r}")
+        return {"type": "input_image", "image_url": url, "detail": detail}
+    if (
+        not isinstance(p, Mapping)
+        or kind not in ("input_text", "output_text", "text", "refusal")
+        or not isinstance(p.get("text", p.get("refusal")), str)
+    ):
+        raise _bad(i, f"content[{k}]: only text and input_image parts are supported, got {kind!r}")
+    return {"type": part_type, "text": p["text"] if "text" in p else p["refusal"]}
+
+
+def _chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's parts as chat content: the text joined, or with images chat's parts."""
+    if all(p["type"] != "input_image" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return [
+        {"type": "image_url", "image_url": {"url": p["image_url"], "detail": p["detail"]}}
+        if p["type"] == "input_image"
+        else {"type": "text", "text": p["text"]}
+        for p in parts
+    ]
+
+
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
     """The chat messages (``ChatMessage`` dicts) of a conversation: ``instructions``
     first as a system message, then each item; consecutive function calls become one
@@ -225,8 +251,7 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
     for item in items:
         kind = item["type"]
         if kind == "message":
-            text = "".join(p["text"] for p in item["content"])
-            out.append({"role": item["role"], "content": text})
+            out.append({"role": item["role"], "content": _chat_content(item["content"])})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],

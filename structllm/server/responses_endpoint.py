@@ -42,20 +42,21 @@ import contextlib
 import hashlib
 import os
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 import anyio
 import msgspec
 
 from structllm.client import EngineClient
-from structllm.output import SequenceState, SequenceUpdate, fan_out
+from structllm.output import SequenceState, SequenceUpdate
 from structllm.paths import cache_root
 from structllm.server import requests as rq
 from structllm.server.errors import APIError
 from structllm.server.generation import Transport
+from structllm.server.pipeline import ChatPipeline, Message, Receive, Scope, Send
 from structllm.server.response_store import Stored
 from structllm.server.responses_api import (
     Item,
@@ -68,14 +69,6 @@ from structllm.server.responses_api import (
 )
 from structllm.server.responses_builder import ResponsesBuilder, echo
 from structllm.server.store_client import AsyncResponseStore
-
-if TYPE_CHECKING:
-    from structllm.server.app import App
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 TERMINAL = ("completed", "incomplete", "failed", "cancelled")
 TERMINAL_EVENTS = frozenset(f"response.{s}" for s in TERMINAL)
@@ -241,7 +234,7 @@ class _WatchedBuilder(ResponsesBuilder):
 class ResponsesEndpoints:
     """The endpoints of one front-end process (``app``), and its background runs."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: ChatPipeline) -> None:
         self.app = app
         cfg = app.config
         path = cfg.responses_store or default_store_path()
@@ -342,28 +335,11 @@ class ResponsesEndpoints:
     ) -> SequenceState:
         """The one sequence of this response, through the chat path's preprocessing; its
         400s name the Responses fields."""
-        app = self.app
         try:
             chat = chat_request(req, history, items)
-            tools = app.pre.tool_request(chat)
-            text, ids = await app.in_worker(app.pre.chat_prompt, chat, tools, response_id)
-            constraint = await app.constraint(chat, tools)
-            requested, param = rq.requested_max_tokens(chat)
-            max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
-            mode, reasoning = app.pre.reasoning(text) or (None, None)
-            sp = rq.sampling_params(
-                chat,
-                max_tokens,
-                client.ready.vocab_size,
-                constraint,
-                reasoning,
-                app.sampling_defaults,
-            )
+            [seq] = await self.app.chat_sequences(chat, response_id, "resp", client)
         except APIError as e:
             raise rename_param(e) from None
-        [seq] = fan_out(
-            [ids], sp, app.tokenizer, lambda _p, _j: client.new_request_id("resp"), tools, mode
-        )
         return seq
 
     async def history(self, previous_response_id: str | None) -> list[Item]:

@@ -32,8 +32,16 @@ from structllm.ipc import shm
 from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
 from structllm.ipc.spawn import spawn
-from structllm.launch import ChannelHandoff, EngineStartError, attach_engine, open_engine
-from structllm.model.files import ModelFiles, find_model_files, generation_defaults
+from structllm.launch import (
+    DEFAULT_RING_CAPACITY,
+    IMAGE_RING_CAPACITY,
+    ChannelHandoff,
+    EngineStartError,
+    attach_engine,
+    open_engine,
+)
+from structllm.model.files import ModelFiles, find_model_files, generation_defaults, model_path
+from structllm.multimodal.registry import processor_for
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
 from structllm.server.metrics import SLOT_SIZE, Metrics
@@ -115,7 +123,11 @@ def make_app(
             "(--generation-config vllm keeps the API's own)",
             defaults,
         )
-    return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults)
+    model_dir = model_path(config.engine.model)
+    processor = processor_for(
+        model_dir if model_dir.is_dir() else None, tokenizer.token_id, config.image_processor
+    )
+    return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults, processor)
 
 
 def limit_connections(max_connections: int) -> None:
@@ -242,8 +254,12 @@ class Supervisor:
         ``stop`` (everything shut down) or a death, which the caller treats alike."""
         cfg = self.config
         say(f"loading {cfg.engine.model or 'the default model'} ...")
+        images = self.app.vision.processor is not None
         async with open_engine(
-            cfg.engine, channels=cfg.api_server_count, shutdown_timeout=5.0
+            cfg.engine,
+            channels=cfg.api_server_count,
+            ring_capacity=IMAGE_RING_CAPACITY if images else DEFAULT_RING_CAPACITY,
+            shutdown_timeout=5.0,
         ) as engine:
             client = EngineClient(engine, id_prefix="c0-")
             async with anyio.create_task_group() as tg:

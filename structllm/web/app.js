@@ -96,12 +96,13 @@ async function loadModels() {
 
 // -- chat --------------------------------------------------------------------------------
 
-function addMessage(role, text) {
+function addMessage(role, text, images = []) {
   const box = el("div", "msg " + role);
   box.append(el("span", "role", role));
   const content = el("span", "content");
   if (text) content.append(document.createTextNode(text));
   box.append(content);
+  if (images.length) box.append(thumbnails(images));
   $("messages").append(box);
   box.scrollIntoView({ block: "end" });
   return box;
@@ -320,7 +321,13 @@ function unsend() {
   history.pop();
   const boxes = document.querySelectorAll("#messages .msg.user");
   if (boxes.length) boxes[boxes.length - 1].remove();
-  $("input").value = last.content;
+  $("input").value = messageText(last);
+}
+
+// The text of a user message, whose content is a string or (with images) a list of parts.
+function messageText(msg) {
+  if (typeof msg.content === "string") return msg.content;
+  return msg.content.filter((p) => p.type === "text").map((p) => p.text).join("");
 }
 
 function finishReply(reply, body, ms) {
@@ -360,13 +367,63 @@ function addResultForm(call) {
   call.node.append(form);
 }
 
+// -- images ------------------------------------------------------------------------------
+// Attached images go out as image_url parts with data: URLs (the server decodes and
+// checks them); the page shows them from the same URLs (the policy allows data: images).
+
+let attached = []; // data: URLs of the images for the next message
+
+function thumbnails(urls) {
+  const row = el("div", "images");
+  for (const url of urls) {
+    const img = el("img");
+    img.src = url; // a data: URL read from the user's own file
+    img.alt = "attached image";
+    row.append(img);
+  }
+  return row;
+}
+
+function showAttached() {
+  $("attached").replaceChildren(...(attached.length ? [thumbnails(attached)] : []));
+  $("attached").hidden = !attached.length;
+}
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+$("attach").addEventListener("click", () => $("image-file").click());
+
+$("image-file").addEventListener("change", async () => {
+  const files = [...$("image-file").files];
+  $("image-file").value = "";
+  try {
+    for (const f of files) attached.push(await readAsDataURL(f));
+  } catch (e) {
+    showError("could not read the image: " + e.message);
+  }
+  showAttached();
+});
+
 $("composer").addEventListener("submit", (ev) => {
   ev.preventDefault();
   const text = $("input").value;
-  if (!text.trim() || controller) return;
+  if ((!text.trim() && !attached.length) || controller) return;
   $("input").value = "";
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const images = attached;
+  attached = [];
+  showAttached();
+  const content = images.length
+    ? [{ type: "text", text }, ...images.map((url) => ({ type: "image_url", image_url: { url } }))]
+    : text;
+  history.push({ role: "user", content });
+  addMessage("user", text, images);
   generate();
 });
 
@@ -384,6 +441,8 @@ $("stop").addEventListener("click", () => controller && controller.abort());
 $("clear").addEventListener("click", () => {
   if (controller) controller.abort();
   history = [];
+  attached = [];
+  showAttached();
   $("messages").replaceChildren();
   showError("");
 });

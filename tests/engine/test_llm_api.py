@@ -202,3 +202,57 @@ def test_generation_config_gives_the_default_sampling_params(tmp_path, default_f
     assert [o.token_ids for o in llm.generate(prompts)] == greedy
     api = LLM(str(path), kv_cache_memory=32 << 20, generation_config="vllm", **EXACT)
     assert api.get_default_sampling_params().temperature == 1.0
+
+
+def test_chat_takes_image_parts_for_a_model_that_takes_images(
+    tiny: LLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    from tests.support.fake_vision import TOKENS, FakeProcessor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 6), (200, 0, 0)).save(buf, "PNG")
+    (tmp_path / "red.png").write_bytes(buf.getvalue())
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what colour?"},
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "image_url", "image_url": {"url": str(tmp_path / "red.png")}},
+                {"type": "image_pil", "image_pil": Image.new("RGB", (6, 6), (0, 0, 200))},
+            ],
+        }
+    ]
+    assert tiny.image_processor is None  # a text checkpoint
+    with pytest.raises(ValueError, match="takes no images"):
+        tiny.chat(chat, GREEDY)
+    monkeypatch.setattr(
+        tiny, "image_processor", FakeProcessor.from_model_dir(None, tiny.tokenizer.token_id)
+    )
+    sent: list[AddRequest] = []
+    add = tiny.engine.add_request
+
+    def record(r: AddRequest) -> None:
+        sent.append(r)
+        add(r)
+
+    monkeypatch.setattr(tiny.engine, "add_request", record)
+    [out] = tiny.chat(chat, GREEDY)
+    assert out.prompt_token_ids.count(6) == 3 * TOKENS and len(out.outputs[0].token_ids) == 5
+    [req] = sent
+    assert [i.num_tokens for i in req.images] == [TOKENS] * 3
+    assert req.images[0].hash == req.images[1].hash != req.images[2].hash  # same pixels
+    bad = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+        }
+    ]
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: .*not an image"):
+        tiny.chat(bad, GREEDY)

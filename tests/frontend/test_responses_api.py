@@ -12,6 +12,7 @@ import pytest
 from structllm.output import SequenceState, SequenceUpdate
 from structllm.protocol import SamplingParams
 from structllm.server.errors import APIError
+from structllm.server.requests import image_urls
 from structllm.server.responses_api import (
     ResponsesRequest,
     TextConfig,
@@ -74,7 +75,11 @@ def test_items_become_chat_messages() -> None:
     [
         [],
         [{"role": "tool", "content": "x"}],
-        [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+        [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}],
+        [{"role": "user", "content": [{"type": "input_image", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "input_image", "image_url": "x", "detail": "x"}]}],
+        [{"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}],
+        [{"role": "user", "content": [{"type": "input_file", "file_data": "x"}]}],
         [{"type": "function_call", "name": "f"}],
         [{"type": "item_reference", "id": "x"}],
         ["text"],
@@ -84,6 +89,38 @@ def test_bad_items_name_input(bad: Any) -> None:
     with pytest.raises(APIError) as e:
         normalize_input(bad)
     assert e.value.status == 400 and e.value.param == "input"
+
+
+def test_input_images_become_chat_image_parts_in_order() -> None:
+    url1, url2 = "data:image/png;base64,AAAA", "https://example.com/b.png"
+    items = normalize_input(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "compare "},
+                    {"type": "input_image", "image_url": url1},
+                    {"type": "input_image", "image_url": url2, "detail": "low"},
+                ],
+            }
+        ]
+    )
+    assert items[0]["content"][1:] == [
+        {"type": "input_image", "image_url": url1, "detail": "auto"},
+        {"type": "input_image", "image_url": url2, "detail": "low"},
+    ]
+    later = normalize_input(
+        [{"role": "user", "content": [{"type": "input_image", "image_url": url2}]}]
+    )
+    messages = chat_messages("be brief", [*items, *later])
+    assert messages[1]["content"] == [
+        {"type": "text", "text": "compare "},
+        {"type": "image_url", "image_url": {"url": url1, "detail": "auto"}},
+        {"type": "image_url", "image_url": {"url": url2, "detail": "low"}},
+    ]
+    req = ResponsesRequest(input=[*items, *later])
+    chat = chat_request(req, [], [*items, *later])
+    assert image_urls(chat.messages) == [url1, url2, url2]
 
 
 def test_tools_and_text_format_map_to_chat() -> None:

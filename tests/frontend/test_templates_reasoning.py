@@ -74,7 +74,7 @@ def chat_request(**body: Any) -> ChatCompletionRequest:
 
 def test_gemma_like_template_folds_the_system_message(tokenizer: Tokenizer) -> None:
     pre = Preprocessor(templated(tokenizer, GEMMA_FOLDS), 2048, tokenizer.vocab_size)
-    text, ids = pre.chat_prompt(chat_request())
+    text, ids, _ = pre.chat_prompt(chat_request())
     bos = tokenizer.meta.bos_token or ""
     assert text == f"{bos}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert ids == tokenizer.encode(text, add_special_tokens=False)
@@ -93,8 +93,8 @@ def test_chat_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
     pre = Preprocessor(
         templated(tokenizer, QWEN3_LIKE), 2048, tokenizer.vocab_size, reasoning_parser="qwen3"
     )
-    on, _ = pre.chat_prompt(chat_request())
-    off, _ = pre.chat_prompt(chat_request(chat_template_kwargs={"enable_thinking": False}))
+    on, _, _ = pre.chat_prompt(chat_request())
+    off, _, _ = pre.chat_prompt(chat_request(chat_template_kwargs={"enable_thinking": False}))
     assert on.endswith("<|im_start|>assistant\n")
     assert off == on + "<think>\n\n</think>\n\n"
     # thinking on: the reasoning may come, and the engine waits for its end tag

@@ -1,0 +1,63 @@
+"""What the endpoints beyond ``app.py`` use of the app: the ASGI types and the
+``ChatPipeline`` interface (``App`` implements it), so that those modules need not
+import ``app.py`` (which imports them)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from structllm.client import EngineClient
+from structllm.output import SequenceState
+from structllm.server.config import ServerConfig
+from structllm.server.generation import Builder, Transport
+from structllm.server.metrics import Metrics
+from structllm.server.requests import ChatCompletionRequest
+from structllm.server.responses import ResponseBuilder
+from structllm.trace import Tracer
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ChatPipeline(Protocol):
+    """A front end's chat path: the Responses endpoints prepare and generate through it."""
+
+    config: ServerConfig
+    metrics: Metrics
+    tracer: Tracer
+    model_name: str
+    client: EngineClient | None
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Count a background run as work in flight (a graceful stop drains it)."""
+        ...
+
+    async def read_body(self, receive: Receive) -> bytes: ...
+
+    def check_model(self, model: str | None) -> None: ...
+
+    def engine(self) -> EngineClient:
+        """The engine client, or a 503 while there is none."""
+        ...
+
+    async def chat_sequences(
+        self, req: ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
+    ) -> list[SequenceState]:
+        """``req`` prepared as the chat endpoint does (images, template, tokens,
+        constraint, sampling): its sequences, engine request ids named ``kind``."""
+        ...
+
+    async def generate(
+        self,
+        receive: Receive,
+        send: Send,
+        client: EngineClient,
+        seqs: list[SequenceState],
+        builder: ResponseBuilder | Builder,
+        transport: Transport | None = None,
+        before_end: Callable[[], Awaitable[None]] | None = None,
+    ) -> None: ...
