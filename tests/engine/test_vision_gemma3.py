@@ -372,3 +372,32 @@ def test_every_tower_naming_loads(
     _, (im,) = prompt_with_images(path, ONE, [random_image(4)])
     assert engine.vision is not None
     assert torch.equal(vision.encode(im), engine.vision.encode(im))
+
+
+def test_llm_chat_with_an_image_equals_transformers(hf: Any, path: Path) -> None:
+    """The offline API end to end: ``LLM.chat`` with an image part (the front end's
+    decoding, placeholders and spans, then this engine) against transformers' generate
+    on the prompt it built, with its own image processor's pixels."""
+    import transformers
+
+    from structllm.llm import LLM
+
+    llm = LLM(model=str(path), kv_cache_memory=16 << 20, **EXACT)
+    image = random_image(6)
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_pil", "image_pil": image}]
+    (out,) = llm.chat([{"role": "user", "content": content}], GREEDY)
+    ids = out.prompt_token_ids
+    assert ids.count(IMAGE_ID) == 16
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    pixels = processor(images=[image], return_tensors="pt")["pixel_values"]
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        want = hf.generate(
+            input_ids=prompt,
+            pixel_values=pixels,
+            token_type_ids=(prompt == IMAGE_ID).long(),
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=10,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == want
