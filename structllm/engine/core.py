@@ -304,8 +304,7 @@ class EngineCore:
         process only; ``no_images`` says why a model takes no images."""
         self.vision: VisionModel | None = None
         self.no_images = "it has no vision tower"
-        if self.model is None:
-            self.no_images = "no model runs (null_model)"
+        if self.model is None:  # (the null model carries images: check_images)
             return
         if vision_config(self.files) is None:
             return
@@ -521,11 +520,14 @@ class EngineCore:
         a vision tower; a span out of the prompt, out of order or overlapping another;
         a span whose image-token count is not the image's ``num_tokens``, or that does
         not start and end on an image token; pixels not ``prod(shape)`` bytes; image
-        tokens outside every span; what the model's encoder refuses (its shape)."""
+        tokens outside every span; what the model's encoder refuses (its shape). The null
+        model (no forward pass: the serving path measured) carries images it cannot
+        encode, checking only the spans' places and the pixels' size."""
         vision = self.vision
-        if vision is None:
+        if vision is None and self.model is not None:
             raise ValueError(f"this model ({self.files.name}) takes no images: {self.no_images}")
-        tok, end = vision.image_token_id, 0
+        tok = vision.image_token_id if vision is not None else None
+        end = 0
         for k, im in enumerate(images):
             first, stop = im.offset, im.offset + im.length
             if im.length < 1 or first < 0 or stop > len(ids):
@@ -535,7 +537,8 @@ class EngineCore:
             if first < end:
                 raise ValueError(f"image {k}'s span overlaps or precedes the one before it")
             count = sum(1 for t in ids[first:stop] if t == tok)
-            if ids[first] != tok or ids[stop - 1] != tok or count != im.num_tokens:
+            ends = ids[first] == tok and ids[stop - 1] == tok
+            if tok is not None and (not ends or count != im.num_tokens):
                 raise ValueError(
                     f"image {k}'s span [{first}, {stop}) holds {count} image tokens "
                     f"(id {tok}) and must start and end on one; the image has "
@@ -546,10 +549,11 @@ class EngineCore:
                     f"image {k} has {len(im.pixels)} bytes of pixels for shape "
                     f"{list(im.shape)} (uint8 [tiles, height, width, 3])"
                 )
-            vision.check(im)
+            if vision is not None:
+                vision.check(im)
             end = stop
         total = sum(1 for t in ids if t == tok)
-        if total != sum(im.num_tokens for im in images):
+        if tok is not None and total != sum(im.num_tokens for im in images):
             raise ValueError(
                 f"the prompt has {total} image tokens (id {tok}), its images' spans "
                 f"{sum(im.num_tokens for im in images)}"
