@@ -32,6 +32,13 @@ class AttentionMetadata:
     max_seq_len: int
     # [B] hybrid models: each sequence's recurrent-state slot (model.recurrent)
     state_slots: list[int] = field(default_factory=list)
+    # [T] int64, or None: keys past its own position each row also sees (Gemma 3's image
+    # tokens attend to the rest of their image; 0 for every other row), and the
+    # sequences (batch indices, all prefill chunks) that have such rows (the reference
+    # and the C++ kernel take ahead; others leave those to the reference,
+    # ``prefill_with_ahead``)
+    ahead: Tensor | None = None
+    ahead_seqs: frozenset[int] = frozenset()
 
 
 class AttentionImpl(Protocol):
@@ -42,7 +49,14 @@ class AttentionImpl(Protocol):
     only the last ``window`` keys up to itself, its own included; 0: all of them) and
     its ``softcap`` (scores become ``softcap * tanh(score / softcap)`` before the
     softmax, Gemma 2's; 0: none). The cache holds every position of every layer; a
-    window only limits what is read."""
+    window only limits what is read.
+
+    ``meta.ahead`` (images whose tokens attend to each other both ways): a prefill row
+    also sees the next ``ahead[row]`` keys after its own position (this step's, stored
+    before attending), within the window's lower bound as before. The reference and
+    the C++ kernel implement it; ``prefill_with_ahead`` computes the chunks that have
+    such rows through the reference for the others (Triton), whose other chunks of
+    the step keep their bit-exact rows."""
 
     name: str
     supports_cuda_graphs: bool
@@ -136,6 +150,7 @@ class TorchAttention:
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
+        ahead = meta.ahead[nd:] if meta.ahead is not None else None
         return reference.prefill_attention(
             q,
             k_cache,
@@ -149,6 +164,8 @@ class TorchAttention:
             k_transposed=self.k_transposed,
             window=window,
             softcap=softcap,
+            ahead=ahead,
+            ahead_seqs=frozenset(b - nd for b in meta.ahead_seqs),
         )
 
 
@@ -163,14 +180,16 @@ class CpuAttention(TorchAttention):
 
     name = "cpu"
     k_transposed = True
+    sees_ahead = True  # its prefill takes meta.ahead (see prefill_with_ahead)
 
     def __init__(self, module: Any) -> None:
         self.module = module  # its attention_ops: model/decode_plan.py runs its decode
         self._decode = module.paged_decode
         self._prefill = module.paged_prefill
-        # prefill's block tables, row starts and contexts, for the step whose metadata
-        # this is: every layer of a step calls prefill with the same ``meta``
-        self._rows: tuple[AttentionMetadata, Tensor, Tensor, Tensor] | None = None
+        # prefill's block tables, row starts, contexts and rows' keys ahead (or None),
+        # for the step whose metadata this is: every layer of a step calls prefill with
+        # the same ``meta``
+        self._rows: tuple[AttentionMetadata, Tensor, Tensor, Tensor, Tensor | None] | None = None
 
     @staticmethod
     def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -217,25 +236,30 @@ class CpuAttention(TorchAttention):
         pool's threads off the cores, and the matmuls after it slowed down)."""
         if self._rows is None or self._rows[0] is not meta:
             self._rows = (meta, *self._prefill_rows(meta))
-        _, tables, starts, ctxs = self._rows
+        _, tables, starts, ctxs, ahead = self._rows
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._prefill(out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap)
+        self._prefill(out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap, ahead)
         return out
 
     @staticmethod
-    def _prefill_rows(meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor]:
+    def _prefill_rows(meta: AttentionMetadata) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """The prefill sequences of ``meta``: ``[Bp, MB]`` block tables (contiguous),
-        ``[Bp + 1]`` int32 row starts (from the first prefill row) and ``[Bp]`` int32
-        contexts after this step."""
+        ``[Bp + 1]`` int32 row starts (from the first prefill row), ``[Bp]`` int32
+        contexts after this step, and the rows' ``[Tp]`` int32 keys ahead (or None)."""
         nd = meta.num_decodes
-        starts = [s - meta.query_start_list[nd] for s in meta.query_start_list[nd:]]
+        first = meta.query_start_list[nd]
+        starts = [s - first for s in meta.query_start_list[nd:]]
         bp = len(starts) - 1
+        ahead = None
+        if meta.ahead is not None:
+            ahead = meta.ahead[first:].to(torch.int32).contiguous()
         return (
             meta.block_tables[nd : nd + bp].contiguous(),
             torch.tensor(starts, dtype=torch.int32),
             torch.tensor(meta.seq_lens_list[nd : nd + bp], dtype=torch.int32),
+            ahead,
         )
 
     def decode(
@@ -296,6 +320,52 @@ def attention(
     return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
+def prefill_with_ahead(
+    impl: AttentionImpl,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> Tensor:
+    """``impl.prefill``, which the reference and the C++ kernel (``sees_ahead``) run with
+    rows that see keys ahead (``meta.ahead``) themselves; with another backend (Triton),
+    the sequences holding such rows (``meta.ahead_seqs``) are computed again through the
+    reference path, in ``impl``'s K cache layout, over the kernel's causal rows: every
+    other sequence of the step keeps the kernel's rows bit for bit (a prompt's attention
+    does not depend on what shared its step)."""
+    if meta.ahead is None or type(impl) is TorchAttention or getattr(impl, "sees_ahead", False):
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    out = impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    nd, first = meta.num_decodes, meta.query_start_list[meta.num_decodes]
+    transposed = bool(getattr(impl, "k_transposed", False))
+    for b in sorted(meta.ahead_seqs):
+        rows = slice(meta.query_start_list[b] - first, meta.query_start_list[b + 1] - first)
+        n = rows.stop - rows.start
+        out[rows] = reference.prefill_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            meta.block_tables[b : b + 1],
+            [0, n],
+            [meta.seq_lens_list[b]],
+            scale,
+            k[rows],
+            v[rows],
+            k_transposed=transposed,
+            window=window,
+            softcap=softcap,
+            ahead=meta.ahead[meta.query_start_list[b] : meta.query_start_list[b + 1]],
+            ahead_seqs=frozenset({0}),
+        )
+    assert nd <= min(meta.ahead_seqs, default=nd), "decode rows never see ahead"
+    return out
+
+
 def attend(
     impl: AttentionImpl,
     q: Tensor,
@@ -313,9 +383,11 @@ def attend(
     if nd == q.shape[0]:
         return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap)
     if nd == 0:
-        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return prefill_with_ahead(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
-    pre = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap)
+    pre = prefill_with_ahead(
+        impl, q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap
+    )
     out[nd:] = pre
     return out

@@ -434,10 +434,13 @@ inline void row_block(const T* kb, const T* vb, int64_t vrow, int n, int skip, f
 
 // one tile: rows [r0, r1) of a chunk of q_len rows after ctx - q_len cached keys, the G
 // heads of KV head kvh. q, out: the chunk's row 0 (row stride q_stride, out_stride).
+// ahead (the chunk's row 0, or null): keys past its own position each row also sees (an
+// image's tokens attending to the rest of the image, Gemma 3); the window's first key
+// stays where the row's position puts it. A row with 0 runs exactly as without.
 template <typename T, int BS, int D>
 void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* table, int ctx,
                   int q_len, int r0, int r1, float* out, int64_t out_stride, int G, int Hkv, int kvh, int rt_d,
-                  float scale, int window, float cap) {
+                  float scale, int window, float cap, const int32_t* ahead) {
   const int R = r1 - r0, GD = G * rt_d;
   thread_local std::vector<float> buf;  // [R][G][D] queries, [R][G][D] sums, [R][G] max, sum
   buf.resize(static_cast<size_t>(R) * (2 * GD + 2 * G));
@@ -453,7 +456,9 @@ void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, con
   const int64_t vrow = static_cast<int64_t>(Hkv) * rt_d;
   // blocks per group: the group's K and V in about 16 KB (L1)
   const int kg = std::max(1, static_cast<int>(16384 / (2 * BS * rt_d * sizeof(T))));
-  const int end = base + r1 - 1;  // keys the tile's last row sees
+  int end = base + r1 - 1;  // keys the tile's last row sees (or the farthest-seeing row)
+  if (ahead != nullptr)
+    for (int r = r0; r < r1; r++) end = std::max(end, base + r + ahead[r]);
   for (int g0 = first_key(base + r0, window) / BS * BS; g0 < end; g0 += kg * BS) {
     const int g1 = std::min(end, g0 + kg * BS);  // keys [g0, g1) in this group
     if (g1 < end) {
@@ -461,8 +466,9 @@ void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, con
         prefetch_block(kt, v, table[s / BS], Hkv, kvh, rt_d, BS, vrow);
     }
     for (int r = 0; r < R; r++) {
-      const int len = base + r0 + r;
-      const int lo = first_key(len, window);
+      const int pos = base + r0 + r;  // the causal context: the window counts from it
+      const int len = ahead != nullptr ? pos + ahead[r0 + r] : pos;
+      const int lo = first_key(pos, window);
       for (int start = std::max(g0, lo / BS * BS); start < std::min(g1, len); start += BS) {
         const int64_t block = table[start / BS];
         const T* kb = kt + (block * Hkv + kvh) * rt_d * BS;
@@ -488,7 +494,7 @@ struct TileItem {
 template <typename T, int BS, int D>
 void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
                  const int32_t* starts, const int32_t* ctxs, int64_t B, float* out, int H, int Hkv, int rt_d,
-                 float scale, int window, float cap) {
+                 float scale, int window, float cap, const int32_t* ahead) {
   const int G = H / Hkv;
   // rows per tile: their state ([G][D] queries and sums) in about 256 KB (L2)
   const int R = std::clamp(static_cast<int>(262144 / (G * rt_d * 8)), 1, 64);
@@ -509,7 +515,8 @@ void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, cons
       const int64_t row0 = starts[it.seq];
       prefill_tile<T, BS, D>(q + row0 * q_stride, q_stride, kt, v, tables + it.seq * mb, ctxs[it.seq],
                              starts[it.seq + 1] - starts[it.seq], it.r0, it.r1, out + row0 * H * rt_d,
-                             static_cast<int64_t>(H) * rt_d, G, Hkv, it.kvh, rt_d, scale, window, cap);
+                             static_cast<int64_t>(H) * rt_d, G, Hkv, it.kvh, rt_d, scale, window, cap,
+                             ahead != nullptr ? ahead + row0 : nullptr);
     }
   });
 }
@@ -517,24 +524,27 @@ void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, cons
 template <typename T, int BS>
 void prefill_d(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
                const int32_t* starts, const int32_t* ctxs, int64_t B, float* out, int H, int Hkv, int D, float scale,
-               int window, float cap) {
+               int window, float cap, const int32_t* ahead) {
 #ifdef SL_VECTORS
   if (D == 64)
-    return run_prefill<T, BS, 64>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap);
+    return run_prefill<T, BS, 64>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap,
+                                  ahead);
   if (D == 128)
-    return run_prefill<T, BS, 128>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap);
+    return run_prefill<T, BS, 128>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap,
+                                   ahead);
 #endif
-  run_prefill<T, BS, 0>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap);
+  run_prefill<T, BS, 0>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap, ahead);
 }
 
 template <typename T>
 void prefill_dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-                      torch::Tensor starts, torch::Tensor ctxs, float scale, int H, int window, float cap) {
+                      torch::Tensor starts, torch::Tensor ctxs, float scale, int H, int window, float cap,
+                      const int32_t* ahead) {
   const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
   auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
                               tables.data_ptr<int32_t>(), tables.size(1), starts.data_ptr<int32_t>(),
                               ctxs.data_ptr<int32_t>(), ctxs.size(0), out.data_ptr<float>(), H, Hkv, D, scale, window,
-                              cap);
+                              cap, ahead);
   switch (BS) {
     case 16: std::apply(prefill_d<T, 16>, args); break;
     case 32: std::apply(prefill_d<T, 32>, args); break;
@@ -577,9 +587,11 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
 // adjacent; row stride free), out [T, H, D] contiguous, starts [B+1] int32 (rows of q;
 // starts[0] = 0, non-decreasing, starts[B] = T), ctxs [B] int32 (each sequence's context
 // after this step, >= its chunk's rows), tables [B, MB]. This step's K/V must be in the
-// cache already.
+// cache already. ahead: None, or [T] int32, keys past its own position each row also sees
+// (within its context; see prefill_tile).
 void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-                   torch::Tensor starts, torch::Tensor ctxs, double scale, int64_t window, double softcap) {
+                   torch::Tensor starts, torch::Tensor ctxs, double scale, int64_t window, double softcap,
+                   c10::optional<torch::Tensor> ahead) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_prefill: float32 queries only");
   TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
               "paged_prefill: K and V caches must both be float32 or both float16");
@@ -605,12 +617,23 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::
     TORCH_CHECK(q_len >= 0 && cx[b] >= q_len && static_cast<int64_t>(cx[b]) <= tables.size(1) * BS,
                 "paged_prefill: sequence ", b, " has ", q_len, " rows, context ", cx[b]);
   }
+  const int32_t* ah = nullptr;
+  if (ahead.has_value()) {
+    const torch::Tensor& a = *ahead;
+    TORCH_CHECK(a.dtype() == torch::kInt32 && a.is_contiguous() && a.dim() == 1 && a.size(0) == T,
+                "paged_prefill: ahead must be [T] int32, contiguous");
+    ah = a.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; b++)  // row r of the chunk sees keys up to ctx - q_len + r + ahead[r]
+      for (int r = 0; r < st[b + 1] - st[b]; r++)
+        TORCH_CHECK(ah[st[b] + r] >= 0 && cx[b] - (st[b + 1] - st[b]) + r + 1 + ah[st[b] + r] <= cx[b],
+                    "paged_prefill: a row of sequence ", b, " sees ahead past its context");
+  }
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int w = static_cast<int>(window);
   if (kt.dtype() == torch::kFloat16)
-    prefill_dispatch<at::Half>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap);
+    prefill_dispatch<at::Half>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah);
   else
-    prefill_dispatch<float>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap);
+    prefill_dispatch<float>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah);
 }
 
 // The float16 widening this build compiled in (see widen).
@@ -634,7 +657,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill,
         "tiled paged prefill attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("starts"),
-        py::arg("ctxs"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("ctxs"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("ahead") = py::none());
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
   m.def("attention_ops",
         [] { return pybind11::capsule(const_cast<sl::AttentionOps*>(&kAttentionOps), "structllm.attention_ops"); },
