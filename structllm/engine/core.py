@@ -11,6 +11,7 @@ and owns the N-1 worker processes (``worker_pool.WorkerPool``); ``close`` stops 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections import deque
@@ -31,6 +32,7 @@ from structllm.engine.device import (
     setup_device,
     worker_device,
 )
+from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.null import NullRunner
@@ -51,11 +53,13 @@ from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.model.stages import stage_layers
+from structllm.model.vision import VisionModel, load_vision, vision_config
 from structllm.protocol import (
     Abort,
     AddRequest,
     EngineStats,
     GetStats,
+    ImageInput,
     OutputBatch,
     SamplingParams,
     Shutdown,
@@ -206,6 +210,8 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
+        if isinstance(self.runner, ModelRunner):  # images' encoder work counts (scheduler)
+            self.scheduler.encoder_cache = self.runner.encoder_cache
         spec = self.config.speculative_config
         if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks and self.hybrid:
             sys.stderr.write(
@@ -290,7 +296,21 @@ class EngineCore:
             )
         if self.workers is not None:
             self.workers.wait_loaded()
+        self._load_vision(ranks)
         return group
+
+    def _load_vision(self, ranks: int) -> None:
+        """A vision-language checkpoint's tower and projector (``model.vision``), in one
+        process only; ``no_images`` says why a model takes no images."""
+        self.vision: VisionModel | None = None
+        self.no_images = "it has no vision tower"
+        if self.model is None or vision_config(self.files) is None:
+            return
+        if ranks > 1:
+            self.no_images = "images are not supported with tensor or pipeline parallelism"
+            sys.stderr.write(f"structllm: images: off ({self.no_images})\n")
+            return
+        self.vision = load_vision(self.files, self.device)
 
     def _size_kv_cache(self, plan: ShardPlan | None, group: TensorParallelGroup | None) -> None:
         """``num_blocks`` (the same on every rank) and ``max_model_len``."""
@@ -353,6 +373,8 @@ class EngineCore:
             self.kv_dtype,
             self.num_state_slots,
         )
+        runner.vision = self.vision
+        runner.encoder_cache = EncoderCache(config.encoder_cache_memory)
         if self.stages > 1:
             assert self.group is not None
             tp = config.tensor_parallel_size
@@ -460,10 +482,15 @@ class EngineCore:
 
     # -- inputs ----------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+    def check_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        images: Sequence[ImageInput] = (),
+    ) -> None:
         """Raise ``ValueError`` if this request can never run here: among others, a
         token id it names (prompt, ``stop_token_ids``, ``logit_bias``) outside the
-        vocabulary."""
+        vocabulary, or images the model cannot take (``check_images``)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; it needs at least one token")
@@ -483,6 +510,47 @@ class EngineCore:
                 f"the prompt is {n} tokens, but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
+        if images:
+            self.check_images(prompt_token_ids, images)
+
+    def check_images(self, ids: Sequence[int], images: Sequence[ImageInput]) -> None:
+        """``ValueError`` naming what is wrong with a request's images: a model without
+        a vision tower; a span out of the prompt, out of order or overlapping another;
+        a span whose image-token count is not the image's ``num_tokens``, or that does
+        not start and end on an image token; pixels not ``prod(shape)`` bytes; image
+        tokens outside every span; what the model's encoder refuses (its shape)."""
+        vision = self.vision
+        if vision is None:
+            raise ValueError(f"this model ({self.files.name}) takes no images: {self.no_images}")
+        tok, end = vision.image_token_id, 0
+        for k, im in enumerate(images):
+            first, stop = im.offset, im.offset + im.length
+            if im.length < 1 or first < 0 or stop > len(ids):
+                raise ValueError(
+                    f"image {k}'s span [{first}, {stop}) is not within the {len(ids)}-token prompt"
+                )
+            if first < end:
+                raise ValueError(f"image {k}'s span overlaps or precedes the one before it")
+            count = sum(1 for t in ids[first:stop] if t == tok)
+            if ids[first] != tok or ids[stop - 1] != tok or count != im.num_tokens:
+                raise ValueError(
+                    f"image {k}'s span [{first}, {stop}) holds {count} image tokens "
+                    f"(id {tok}) and must start and end on one; the image has "
+                    f"{im.num_tokens}"
+                )
+            if len(im.pixels) != math.prod(im.shape) or len(im.shape) != 4 or im.shape[3] != 3:
+                raise ValueError(
+                    f"image {k} has {len(im.pixels)} bytes of pixels for shape "
+                    f"{list(im.shape)} (uint8 [tiles, height, width, 3])"
+                )
+            vision.check(im)
+            end = stop
+        total = sum(1 for t in ids if t == tok)
+        if total != sum(im.num_tokens for im in images):
+            raise ValueError(
+                f"the prompt has {total} image tokens (id {tok}), its images' spans "
+                f"{sum(im.num_tokens for im in images)}"
+            )
 
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in
@@ -494,11 +562,13 @@ class EngineCore:
                 raise ValueError(
                     f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence"
                 )
-            self.check_request(msg.prompt_token_ids, msg.sampling)
+            self.check_request(msg.prompt_token_ids, msg.sampling, msg.images)
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = msg.sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
-            req = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens)
+            req = Request(
+                msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, list(msg.images)
+            )
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             if msg.sampling.structured_outputs is not None:

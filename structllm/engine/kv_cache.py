@@ -3,13 +3,16 @@
 Pure Python and deterministic: it decides which block holds which tokens; the model
 runner owns the tensors.
 
-Prefix caching. A full block is identified by its *chain key*
-``(parent_chain_id, tokens_of_the_block)``, where ``parent_chain_id`` identifies the
+Prefix caching. A full block is identified by its *chain key* ``(parent_chain_id,
+tokens_of_the_block, images_of_the_block)``, where ``parent_chain_id`` identifies the
 previous block of the same sequence (0 for the first block). Every distinct key gets a
 fresh, never reused integer *chain id*, so a key pins down the whole token prefix up to
 and including its block: a cached block is reused only when every token before and in
 it matches. Keys are compared exactly (a dict), so a hash collision cannot alias two
-prefixes.
+prefixes. ``images_of_the_block`` is ``Request.block_images``: ``(image hash, the
+block's first position minus the image's offset)`` for each image whose span overlaps
+the block (empty for text), so the same placeholder tokens over two different images
+never share a block, and over the same image they do.
 
 Free blocks sit in ``free`` in eviction order (front first). A block whose last
 reference goes keeps its key and goes to the back, so it can still be hit until the
@@ -34,7 +37,14 @@ from collections.abc import Sequence
 
 from structllm.engine.request import Request
 
-ChainKey = tuple[int, tuple[int, ...]]
+ChainKey = tuple[int, tuple[int, ...], tuple[tuple[str, int], ...]]
+
+
+def chain_key(req: Request, parent: int, i: int, bs: int) -> ChainKey:
+    """The chain key of ``req``'s full block ``i`` after the block ``parent`` names."""
+    first, end = i * bs, (i + 1) * bs
+    images = req.block_images(first, end) if req.images else ()
+    return (parent, tuple(req.token_ids[first:end]), images)
 
 
 class KVCacheManager:
@@ -79,11 +89,11 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        bs, tokens = self.block_size, req.token_ids
+        bs = self.block_size
         hits: list[int] = []
         parent = 0
-        for i in range((len(tokens) - 1) // bs):
-            block = self.cached.get((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+        for i in range((req.num_tokens - 1) // bs):
+            block = self.cached.get(chain_key(req, parent, i, bs))
             if block is None:
                 break
             hits.append(block)
@@ -212,7 +222,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(req.chain_ids), min(num_tokens, req.num_tokens) // bs):
             parent = req.chain_ids[i - 1] if i else 0
-            key = (parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            key = chain_key(req, parent, i, bs)
             existing = self.cached.get(key)
             if existing is not None:  # same prefix computed twice: keep the first copy
                 req.chain_ids.append(self.block_chain_id[existing])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from structllm.protocol import FinishReason, SamplingParams
+from structllm.protocol import FinishReason, ImageInput, SamplingParams
 
 if TYPE_CHECKING:
     from structllm.structured import Matcher
@@ -38,6 +38,10 @@ class Request:
     the step that verifies them and on preemption. ``spec_drafted``/``spec_accepted``:
     this request's recent drafted and accepted counts (the drafting policy's).
 
+    ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
+    disjoint); a prefill chunk never splits a span (``Scheduler``), and the prefix cache
+    keys a block over a span with its image (``block_images``).
+
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
     so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
@@ -49,6 +53,7 @@ class Request:
         "draft_token_ids",
         "finish_reason",
         "grammar",
+        "images",
         "in_reasoning",
         "max_tokens",
         "num_cached_tokens",
@@ -73,8 +78,10 @@ class Request:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int,
+        images: list[ImageInput] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.images = images or []
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
@@ -133,6 +140,34 @@ class Request:
         the end of the known tokens, and the request may generate)."""
         known = self.num_tokens + len(self.draft_token_ids)
         return self.num_computed_tokens + num_new_tokens == known and self.max_tokens > 0
+
+    def block_images(self, first: int, end: int) -> tuple[tuple[str, int], ...]:
+        """``(hash, first - offset)`` of each image whose span overlaps positions
+        ``first .. end - 1`` (a KV block): what the prefix cache keys the block with
+        besides its tokens, so identical placeholder tokens over different images never
+        share a block (and over the same image, at the same place, do)."""
+        return tuple(
+            (im.hash, first - im.offset)
+            for im in self.images
+            if im.offset < end and first < im.offset + im.length
+        )
+
+    def span_chunk(self, start: int, n: int) -> int:
+        """``n`` new tokens from ``start``, adjusted so the chunk splits no image span:
+        cut before a span it would not finish, or, when it starts inside or at a span,
+        extended to that span's end (a span is computed in one step: its tokens attend
+        to each other, Gemma 3's rule, and its encoder rows are scattered at once)."""
+        for im in self.images:
+            end = im.offset + im.length
+            if end <= start:
+                continue
+            if im.offset >= start + n:
+                break
+            if start >= im.offset:  # starts at or inside the span: take it whole
+                n = max(n, end - start)
+            elif start + n < end:  # the span begins after start: stop before it
+                return im.offset - start
+        return n
 
     def __repr__(self) -> str:
         return (

@@ -17,14 +17,16 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from concurrent.futures import wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import torch
 from torch import Tensor
 
 from structllm.engine.cuda_graphs import DecodeGraphs
+from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager, GrammarMask
+from structllm.engine.image_rows import Chunk, ImageRows, image_rows
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
@@ -40,6 +42,7 @@ from structllm.engine.stage_sampling import (
 from structllm.kernels.attention import AttentionMetadata
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.llama import LlamaModel
+from structllm.model.vision import VisionModel
 from structllm.protocol import StepInput, TokenLogprobs
 
 LOGIT_SLICE = 256  # logit rows computed at once: [256, V] float32 (50 MB at V = 49152)
@@ -70,6 +73,7 @@ class Batch:
     sample_reqs: list[SampleRow] = field(default_factory=list)
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     sample_counts: list[tuple[Request, int]] = field(default_factory=list)
+    images: ImageRows | None = None  # rank 0 without parallelism: see engine.image_rows
 
 
 def batch_from_step(
@@ -201,6 +205,10 @@ class ModelRunner:
         # attention rows a step may have when short chunks of generated tokens are laid
         # out as decode rows (see prepare); 0: never. Set by the engine to max_num_seqs.
         self.max_rows = 0
+        # a vision-language model's image side and its encoder outputs (set by the
+        # engine; one process only: images are refused with tensor/pipeline parallelism)
+        self.vision: VisionModel | None = None
+        self.encoder_cache: EncoderCache[Tensor] = EncoderCache(0)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
@@ -248,9 +256,12 @@ class ModelRunner:
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
         state_slots: list[int] = []
+        chunks: list[Chunk] = []  # prefill chunks holding image positions
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
+            if req.images and start < req.prompt_len:
+                chunks.append(Chunk(req, start, n, query_start[-1], len(seq_lens)))
             blocks = req.block_ids
             input_ids += req.token_ids[start:end]
             drafts = req.draft_token_ids
@@ -296,7 +307,15 @@ class ModelRunner:
             logit_rows=sample_rows + prompt_rows,
             state_slots=state_slots,
         )
-        return batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
+        batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
+        if chunks and self.vision is not None:
+            cache = self.encoder_cache
+            batch.images = image_rows(chunks, len(input_ids), self.vision, cache, self.device)
+            if batch.images is not None and batch.images.ahead is not None:
+                batch.meta = replace(
+                    batch.meta, ahead=batch.images.ahead, ahead_seqs=batch.images.ahead_seqs
+                )
+        return batch
 
     def run(
         self,
@@ -330,12 +349,27 @@ class ModelRunner:
             return None
         with torch.inference_mode():
             hidden = None
-            if self.decode_graphs is not None:
+            if self.decode_graphs is not None and batch.images is None:
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
-                hidden = self.model(
-                    batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
+                # with images: the embeddings with the encoder rows in place, fed to the
+                # first layer as its residual stream (forward's ``hidden``)
+                embeds = (
+                    batch.images.embed(self.model.embed(batch.input_ids))
+                    if batch.images is not None
+                    else None
                 )
+                try:
+                    hidden = self.model(
+                        batch.input_ids,
+                        batch.positions,
+                        self.kv_caches,
+                        batch.meta,
+                        between_layers,
+                        embeds,
+                    )
+                finally:
+                    self.encoder_cache.unpin_all()  # the step's images may go from now on
             rows = batch.step.logit_rows
             parts: list[Tensor] = []
             if 0 < len(rows) <= LOGIT_SLICE and rows == list(range(len(rows))):

@@ -14,6 +14,14 @@ A hybrid model's request also takes a recurrent-state slot when it is admitted
 slot back when it finishes, is aborted or is preempted (and is then recomputed from its
 first token into a fresh state).
 
+Images (``Request.images``): a prefill chunk never splits an image's span
+(``Request.span_chunk``): it stops before a span it cannot finish, and one that starts
+at (or, after a prefix-cache hit, inside) a span takes the rest of it, even past the
+step's budget. The encoder's work counts in the budget: a chunk whose images are not in
+the encoder cache (``encoder_cache``, asked by hash) costs their ``num_tokens`` besides
+its own tokens, each image once a step; when that overruns the budget and the chunk
+has text before the image, it stops before the image.
+
 A request that asks for prompt logprobs takes no prefix-cache hits over prompt
 positions it has not scored yet (a cached block has K/V but no logits); its own blocks
 still enter the cache for others.
@@ -39,7 +47,7 @@ holds a draft.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,6 +115,8 @@ class Scheduler:
         self.grammar: GrammarHook | None = None  # set by the engine
         self.drafter: Drafter | None = None  # speculative decoding, set by the engine
         self.max_draft_step_tokens: int | None = None  # drafts only within (engine sets)
+        # image hashes whose encoder output is cached (engine.encoder_cache; engine sets)
+        self.encoder_cache: Container[str] = frozenset()
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -132,10 +142,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         cap = self.max_num_seqs if max_seqs is None else max_seqs
         free = [r for r in self.running if r.request_id not in busy] if busy else self.running
+        encoded: set[str] = set()  # images whose encoder work this step already counts
         i = 0
         while i < len(free) and budget > 0 and len(out.scheduled) < cap:
             req = free[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            enc = 0
+            if req.images and req.num_computed_tokens < req.prompt_len:
+                n, enc = self._image_chunk(req, req.num_computed_tokens, n, budget, encoded)
             # every running request after this one keeps room for its own token
             rest = len(free) - i - 1
             room = budget - n - rest
@@ -161,7 +175,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 break
             out.scheduled.append((req, n))
-            budget -= n
+            budget -= n + enc
             i += 1
         if out.preempted:
             return out
@@ -177,6 +191,9 @@ class Scheduler:
                 hits = hits[: req.num_prompt_logprobs // self.kv.block_size]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
+            enc = 0
+            if req.images:
+                n, enc = self._image_chunk(req, cached, n, budget, encoded)
             if self.states is not None and not self.states.allocate(req):
                 break
             if not self.kv.allocate(req, n, hits):
@@ -191,8 +208,30 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
-            budget -= n
+            budget -= n + enc
         return out
+
+    def _image_chunk(
+        self, req: Request, start: int, n: int, budget: int, encoded: set[str]
+    ) -> tuple[int, int]:
+        """``(n, encoder tokens)``: a chunk of at most ``n`` tokens from ``start`` that
+        splits no image span, and the encoder work it brings (the ``num_tokens`` of its
+        images neither cached nor already counted in ``encoded``, which takes them).
+        When text then image overrun ``budget``, the chunk stops before the image."""
+        n = req.span_chunk(start, n)
+        new = [
+            im
+            for im in req.images
+            if im.offset < start + n
+            and start < im.offset + im.length
+            and im.hash not in self.encoder_cache
+            and im.hash not in encoded
+        ]
+        enc = sum(im.num_tokens for im in new)
+        if new and n + enc > budget and new[0].offset > start:
+            return new[0].offset - start, 0
+        encoded.update(im.hash for im in new)
+        return n, enc
 
     def _drop_drafts(self, out: SchedulerOutput) -> bool:
         """Take back the drafts (and the blocks only they used) of the requests already

@@ -32,6 +32,12 @@ class AttentionMetadata:
     max_seq_len: int
     # [B] hybrid models: each sequence's recurrent-state slot (model.recurrent)
     state_slots: list[int] = field(default_factory=list)
+    # [T] int64, or None: keys past its own position each row also sees (Gemma 3's image
+    # tokens attend to the rest of their image; 0 for every other row), and the
+    # sequences (batch indices, all prefill chunks) that have such rows. Every backend
+    # attends those sequences through the reference path (``reference.prefill_attention``)
+    ahead: Tensor | None = None
+    ahead_seqs: frozenset[int] = frozenset()
 
 
 class AttentionImpl(Protocol):
@@ -42,7 +48,14 @@ class AttentionImpl(Protocol):
     only the last ``window`` keys up to itself, its own included; 0: all of them) and
     its ``softcap`` (scores become ``softcap * tanh(score / softcap)`` before the
     softmax, Gemma 2's; 0: none). The cache holds every position of every layer; a
-    window only limits what is read."""
+    window only limits what is read.
+
+    ``meta.ahead`` (images whose tokens attend to each other both ways): a prefill row
+    also sees the next ``ahead[row]`` keys after its own position (this step's, stored
+    before attending), within the window's lower bound as before. Only the reference
+    path implements it: ``prefill_with_ahead`` routes the chunks that have such rows
+    there, whatever the backend (the C++ and Triton kernels keep their bit-exact causal
+    rows for everything else)."""
 
     name: str
     supports_cuda_graphs: bool
@@ -136,6 +149,7 @@ class TorchAttention:
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
+        ahead = meta.ahead[nd:] if meta.ahead is not None else None
         return reference.prefill_attention(
             q,
             k_cache,
@@ -149,6 +163,8 @@ class TorchAttention:
             k_transposed=self.k_transposed,
             window=window,
             softcap=softcap,
+            ahead=ahead,
+            ahead_seqs=frozenset(b - nd for b in meta.ahead_seqs),
         )
 
 
@@ -296,6 +312,27 @@ def attention(
     return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
+def prefill_with_ahead(
+    impl: AttentionImpl,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> Tensor:
+    """``impl.prefill``, except that a step whose chunks have rows that see keys ahead
+    (``meta.ahead``) goes through the reference path, in ``impl``'s K cache layout."""
+    if meta.ahead is None:
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    ref = TorchAttention()
+    ref.k_transposed = bool(getattr(impl, "k_transposed", False))
+    return ref.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+
+
 def attend(
     impl: AttentionImpl,
     q: Tensor,
@@ -313,9 +350,11 @@ def attend(
     if nd == q.shape[0]:
         return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap)
     if nd == 0:
-        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return prefill_with_ahead(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
-    pre = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap)
+    pre = prefill_with_ahead(
+        impl, q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap
+    )
     out[nd:] = pre
     return out

@@ -113,6 +113,8 @@ def prefill_attention(
     k_transposed: bool = False,
     window: int = 0,
     softcap: float = 0.0,
+    ahead: Tensor | None = None,
+    ahead_seqs: frozenset[int] = frozenset(),
 ) -> Tensor:
     """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
 
@@ -126,13 +128,19 @@ def prefill_attention(
     sequences attend to ``k_new``/``v_new`` as computed (the C++ backend's prefill
     reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``: see
     ``decode_attention``; with either, each sequence goes through ``_masked_attention``.
+    ``ahead: [T]`` (rows of ``q``): row ``r`` also sees the next ``ahead[r]`` keys after
+    its own position (an image's tokens attending to the rest of the image), in the
+    sequences ``ahead_seqs`` (indices into ``seq_lens``), which go through
+    ``_masked_attention`` with that mask.
     """
     out = torch.empty_like(q)
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len, ctx = end - start, seq_lens[i]
-        if k_new is not None and v_new is not None and ctx == q_len and not (window or softcap):
+        extra = ahead[start:end] if ahead is not None and i in ahead_seqs else None
+        plain = not (window or softcap) and extra is None
+        if k_new is not None and v_new is not None and ctx == q_len and plain:
             fresh.setdefault(q_len, []).append(i)
             continue
         k = (
@@ -142,8 +150,8 @@ def prefill_attention(
         )
         v = gather_kv(v_cache, block_tables[i], ctx)
         k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
-        if window or softcap:
-            out[start:end] = _masked_attention(q[start:end], k, v, scale, window, softcap)
+        if not plain:
+            out[start:end] = _masked_attention(q[start:end], k, v, scale, window, softcap, extra)
         else:
             out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
     for seqs in fresh.values():
@@ -183,11 +191,32 @@ def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 def _masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int, softcap: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    ahead: Tensor | None = None,
 ) -> Tensor:
-    """``_causal_sdpa`` with a sliding ``window`` and soft-capped scores, in explicit
-    ops (SDPA has no soft-cap): ``[Q, H, D]`` against ``[L, Hkv, D]``."""
+    """``_causal_sdpa`` with a sliding ``window``, soft-capped scores and rows that see
+    ``ahead: [Q]`` keys past their own position: ``[Q, H, D]`` against ``[L, Hkv, D]``.
+    With ``ahead`` and no soft-cap through SDPA with a boolean mask (no ``[H, Q, L]``
+    scores of our own for an image chunk), else in explicit ops (SDPA has no soft-cap;
+    the windowed text rows keep the ops they were checked against transformers with)."""
     q_len, h, _ = q.shape
+    if ahead is not None and not softcap:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (k.shape[0] - q_len)
+        cols = torch.arange(k.shape[0], device=q.device)[None, :]
+        last = rows if ahead is None else rows + ahead[:, None].to(rows.dtype)
+        visible = cols <= last  # [Q, L]
+        if window:
+            visible &= cols > rows - window
+        qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+        return o[0].transpose(0, 1)
     ctx, hkv, _ = k.shape
     g = h // hkv
     qh = q.transpose(0, 1).float()  # [H, Q, D]
@@ -198,7 +227,7 @@ def _masked_attention(
         scores = torch.tanh(scores / softcap) * softcap
     rows = torch.arange(q_len, device=q.device)[:, None] + (ctx - q_len)
     cols = torch.arange(ctx, device=q.device)[None, :]
-    visible = cols <= rows
+    visible = cols <= (rows if ahead is None else rows + ahead[:, None].to(rows.dtype))
     if window:
         visible &= cols > rows - window
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -100,7 +100,7 @@ class SlotModel:
     def check(self) -> None:
         kv, bs = self.s.kv, self.s.kv.block_size
         kv.check_invariants(self.s.running)
-        for (_, tokens), b in kv.cached.items():  # a cached block holds its key's tokens
+        for (_, tokens, _), b in kv.cached.items():  # a cached block holds its key's tokens
             assert self.slots[b * bs : (b + 1) * bs] == list(tokens), f"block {b} holds a draft"
         for r in self.s.running:  # computed positions hold the committed tokens
             got = [

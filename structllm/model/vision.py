@@ -1,0 +1,79 @@
+"""A vision-language checkpoint's image side on the engine: what the engine asks of it
+(``VisionModel``) and which module loads it for an architecture (``VISION_MODULES``:
+``structllm.model.<module>.load_vision``).
+
+The text model is loaded as before (``config.TEXT_MODELS``); a checkpoint whose
+``config.json`` has a ``vision_config`` also gets its vision tower and projector here,
+run in the checkpoint's float dtype through plain torch ops. Images reach the engine as
+``protocol.ImageInput`` (uint8 pixels, resized and tiled by the front end's processor);
+``encode`` normalises and encodes one into the rows its image tokens take.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import import_module
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from structllm.model.files import ModelFiles
+from structllm.protocol import ImageInput
+
+# architecture -> structllm.model.<module> holding its ``load_vision``
+VISION_MODULES = {"Gemma3ForConditionalGeneration": "gemma3_vision"}
+
+
+class VisionModel(Protocol):
+    image_token_id: int  # the token whose positions take the encoder's rows
+    # an image's tokens attend to each other in both directions (Gemma 3), else causal
+    bidirectional: bool
+
+    def check(self, image: ImageInput) -> None:
+        """``ValueError`` naming what this model cannot encode (shape, token count)."""
+        ...
+
+    def encode(self, image: ImageInput) -> Tensor:
+        """``image`` -> ``[num_tokens, text hidden]`` (the model's dtype and device)."""
+        ...
+
+
+def vision_config(files: ModelFiles) -> tuple[str, dict[str, Any]] | None:
+    """``(architecture, config.json)`` of a Hugging Face directory whose checkpoint has a
+    vision tower we load; None otherwise (GGUF files: text only)."""
+    if files.source is not None or not files.weights:
+        return None
+    raw = json.loads((files.weights[0].parent / "config.json").read_text())
+    arch = next((a for a in raw.get("architectures") or [] if a in VISION_MODULES), None)
+    if arch is None or not raw.get("vision_config"):
+        return None
+    return arch, raw
+
+
+def load_vision(files: ModelFiles, device: torch.device) -> VisionModel | None:
+    """The vision side of ``files``' checkpoint, or None (a text model)."""
+    found = vision_config(files)
+    if found is None:
+        return None
+    arch, raw = found
+    module = import_module(f"structllm.model.{VISION_MODULES[arch]}")
+    return module.load_vision(files.weights[0].parent, raw, files.weights, device)
+
+
+def take_tensors(weights: list[Path], prefixes: tuple[str, ...]) -> dict[str, Tensor]:
+    """The tensors of safetensors files ``weights`` whose names start with one of
+    ``prefixes``, renamed to start with the first one (checkpoints written by
+    transformers 5, ``model.vision_tower...``, and by earlier versions,
+    ``vision_tower...``); only those are read."""
+    from safetensors import safe_open
+
+    out: dict[str, Tensor] = {}
+    for f in weights:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                p = next((p for p in prefixes if name.startswith(p)), None)
+                if p is not None:
+                    out[prefixes[0] + name[len(p) :]] = fh.get_tensor(name)
+    return out
