@@ -147,3 +147,121 @@ def test_bad_images_are_refused(vision) -> None:  # type: ignore[no-untyped-def]
     ]:
         with pytest.raises(ValueError, match=match):
             vision.check(bad)
+
+
+# a SmolVLM-style chat turn; "{}" where each image part was
+CHAT = "<|im_start|>User:{} Describe {} briefly.<end_of_utterance>\nAssistant:"
+# the images of one prompt as (width, height), the seed of their pixels, and the
+# processor's longest edge (None: the checkpoint's 64)
+CASES: list[tuple[list[tuple[int, int]], int, int | None]] = [
+    ([(64, 64)], 0, None),  # a 2x2 grid and the global image
+    ([(64, 64)], 100, None),  # the same tokens over another image
+    ([(30, 30)], 1, 32),  # one tile: the global image alone
+    ([(20, 60), (64, 20)], 2, None),  # two images: a tall grid, a wide one
+]
+MAX_TOKENS = 10
+
+
+def request_for(processors, sizes, seed: int, longest: int | None = None):  # type: ignore[no-untyped-def]
+    """``(prompt ids, ImageInputs, transformers' inputs)`` for images of ``sizes`` in
+    ``CHAT``: our expansion and spans beside transformers' processor's output."""
+    import dataclasses
+
+    from structllm.multimodal.processor import image_inputs
+
+    ours, hf = processors
+    kw = {}
+    if longest is not None:
+        ours = dataclasses.replace(ours, longest_edge=longest)
+        kw = {"size": {"longest_edge": longest}}
+    images = [picture(w, h, seed=seed + k) for k, (w, h) in enumerate(sizes)]
+    marks = [hf.image_token] * len(images) + ["it"] * (2 - len(images))
+    text = CHAT.format(*marks)
+    inputs = hf(images=[images], text=[text], return_tensors="pt", **kw)
+    parts = text.split(hf.image_token)
+    expanded = parts[0] + "".join(
+        ours.expand(*im.size) + rest for im, rest in zip(images, parts[1:], strict=True)
+    )
+    ids = hf.tokenizer(expanded)["input_ids"]
+    assert ids == inputs["input_ids"][0].tolist()  # our expansion is transformers'
+    pixels = [ours.pixels(im) for im in images]
+    spans = image_inputs(
+        ids,
+        ours.image_token_id,
+        [
+            (image_hash(raw, *im.size, ours.settings), ours.num_tokens(*im.size), raw, shape)
+            for im, (raw, shape) in zip(images, pixels, strict=True)
+        ],
+    )
+    return ids, spans, inputs
+
+
+def hf_generate(hf_model, inputs) -> list[int]:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def engine_generate(
+    engine: EngineCore,
+    requests: dict[str, tuple[list[int], list[ImageInput]]],
+    steps: list[int] | None = None,
+) -> dict[str, list[int]]:
+    """Greedy tokens of ``requests`` run together to the end (the step count appended to
+    ``steps``)."""
+    from structllm.protocol import AddRequest, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for rid, (ids, images) in requests.items():
+        engine.add_request(AddRequest(rid, ids, params, images))
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    n = 0
+    while engine.has_work:
+        n += 1
+        for d in engine.step().outputs:
+            assert d.error is None, d.error
+            out[d.request_id] += d.new_token_ids
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    if steps is not None:
+        steps.append(n)
+    return out
+
+
+def vision_engine(model_dir: Path, **kw: object) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model_dir), kv_cache_memory=32 << 20, **EXACT, **kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def expected(processors, hf_model):  # type: ignore[no-untyped-def]
+    """Each case's request and transformers' greedy tokens for it."""
+    out = {}
+    for k, (sizes, seed, longest) in enumerate(CASES):
+        ids, spans, inputs = request_for(processors, sizes, seed, longest)
+        out[f"r{k}"] = (ids, spans, hf_generate(hf_model, inputs))
+    # the premise of comparing tokens: the image decides them (r0 and r1 differ only there)
+    assert out["r0"][0] == out["r1"][0] and out["r0"][2] != out["r1"][2]
+    return out
+
+
+def test_generate_equals_transformers(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    """Each request alone, then all in one batch. With the prefix cache on: r1 follows
+    r0 with the same tokens over another image, so sharing a block over the image
+    would show; the batch repeats every image, so its blocks come from the cache."""
+    engine = vision_engine(model_dir)
+    assert engine.vision is not None and not engine.vision.bidirectional
+    for rid, (ids, spans, want) in expected.items():
+        assert engine_generate(engine, {rid: (ids, spans)})[rid] == want, rid
+    got = engine_generate(engine, {rid: (ids, spans) for rid, (ids, spans, _) in expected.items()})
+    assert got == {rid: want for rid, (_, _, want) in expected.items()}
+
+
+@pytest.mark.parametrize("budget", [5, 16, 37])
+def test_chunked_prefill_equals_one_run(model_dir: Path, expected, budget: int) -> None:  # type: ignore[no-untyped-def]
+    """Prompts cut into chunks of ``budget`` tokens (never inside an image's span) give
+    the tokens of one run; no prefix cache, so every chunk is computed."""
+    engine = vision_engine(model_dir, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    for rid, (ids, spans, want) in expected.items():
+        steps: list[int] = []
+        assert engine_generate(engine, {rid: (ids, spans)}, steps)[rid] == want, rid
+        # more steps than one prefill and the decodes exactly when the prompt was cut
+        assert (len(ids) > budget) == (steps[0] > MAX_TOKENS)
