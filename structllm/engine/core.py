@@ -304,7 +304,10 @@ class EngineCore:
         process only; ``no_images`` says why a model takes no images."""
         self.vision: VisionModel | None = None
         self.no_images = "it has no vision tower"
-        if self.model is None or vision_config(self.files) is None:
+        if self.model is None:
+            self.no_images = "no model runs (null_model)"
+            return
+        if vision_config(self.files) is None:
             return
         if ranks > 1:
             self.no_images = "images are not supported with tensor or pipeline parallelism"

@@ -31,8 +31,15 @@ from structllm.model.siglip import SiglipConfig, SiglipVisionTower
 from structllm.model.vision import take_tensors
 from structllm.protocol import ImageInput
 
-# transformers 5's names first (what take_tensors renames to), then the older ones
-TOWER = ("model.vision_tower.vision_model.", "vision_tower.vision_model.")
+# every naming the tower has had (take_tensors renames to the first): transformers 5's
+# in memory, the released checkpoints' (google/gemma-3-4b-it), and what transformers
+# 5.25 saves (SiglipVisionModel's ``vision_model`` level folded away)
+TOWER = (
+    "model.vision_tower.vision_model.",
+    "vision_tower.vision_model.",
+    "model.vision_tower.",
+    "vision_tower.",
+)
 PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
