@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,9 +93,10 @@ def _tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-@dataclass(frozen=True)
+@dataclass
 class Idefics3Processor:
-    """``processor.ImageProcessor`` for ``Idefics3ForConditionalGeneration``."""
+    """``processor.ImageProcessor`` for ``Idefics3ForConditionalGeneration`` (a plain
+    dataclass: the protocol's members are variables)."""
 
     image_token_id: int
     image_seq_len: int  # <image> tokens (= embedding rows) per tile
@@ -107,6 +108,13 @@ class Idefics3Processor:
     name: str = "idefics3"
     placeholder: str = IMAGE_TOKEN
     image_token: str = IMAGE_TOKEN
+    settings: str = field(init=False)  # every setting above, hashed with the pixels
+
+    def __post_init__(self) -> None:
+        self.settings = (
+            f"idefics3|seq={self.image_seq_len}|tile={self.tile}|longest={self.longest_edge}"
+            f"|size={self.resize_to}|split={self.splitting}|resample={self.resample}"
+        )
 
     @classmethod
     def from_model_dir(
@@ -137,13 +145,6 @@ class Idefics3Processor:
             ),
             splitting=bool(cfg.get("do_image_splitting", True)),
             resample=int(cfg.get("resample", LANCZOS)),
-        )
-
-    @property
-    def settings(self) -> str:
-        return (
-            f"idefics3|seq={self.image_seq_len}|tile={self.tile}|longest={self.longest_edge}"
-            f"|size={self.resize_to}|split={self.splitting}|resample={self.resample}"
         )
 
     def sizes(self, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int], int, int]:

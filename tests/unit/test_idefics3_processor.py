@@ -171,3 +171,22 @@ def test_seq_len_from_the_model_config_and_missing_token(tmp_path: Path) -> None
     assert Idefics3Processor.from_model_dir(tmp_path, {"<image>": 7}.get).image_seq_len == 64
     with pytest.raises(ValueError, match="no <image> token"):
         Idefics3Processor.from_model_dir(tmp_path, {}.get)
+
+
+def test_is_an_image_processor(tmp_path: Path) -> None:
+    """The protocol's members, typed (mypy checks the assignment), and the settings
+    follow a change of any setting (they key the encoder and prefix caches)."""
+    import dataclasses
+
+    from structllm.multimodal.processor import ImageProcessor
+
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_len": 4}))
+    p: ImageProcessor = Idefics3Processor.from_model_dir(tmp_path, {"<image>": 3}.get)
+    assert (p.name, p.placeholder, p.image_token, p.image_token_id) == (
+        "idefics3",
+        "<image>",
+        "<image>",
+        3,
+    )
+    assert isinstance(p, Idefics3Processor)
+    assert dataclasses.replace(p, resample=3).settings != p.settings
