@@ -265,3 +265,15 @@ def test_chunked_prefill_equals_one_run(model_dir: Path, expected, budget: int) 
         assert engine_generate(engine, {rid: (ids, spans)}, steps)[rid] == want, rid
         # more steps than one prefill and the decodes exactly when the prompt was cut
         assert (len(ids) > budget) == (steps[0] > MAX_TOKENS)
+
+
+@pytest.mark.parametrize(("side", "factor"), [(4, 2), (8, 4), (6, 3)])
+def test_pixel_shuffle_is_transformers(side: int, factor: int) -> None:
+    """SmolVLM-256M/500M shuffle by 4 (32x32 patches -> 64 rows); the tiny model by 2."""
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector
+
+    from structllm.model.idefics3 import pixel_shuffle
+
+    x = torch.randn(3, side * side, 5)
+    want = Idefics3Connector.pixel_shuffle(None, x, factor)  # type: ignore[arg-type]
+    assert torch.equal(pixel_shuffle(x, factor), want)
