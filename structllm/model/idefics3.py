@@ -30,7 +30,7 @@ from structllm.multimodal.idefics3 import read_processor_config
 from structllm.protocol import ImageInput
 
 # transformers' Idefics3VisionConfig defaults (a checkpoint's vision_config lists only
-# what differs from them), and its image processor's normalisation defaults
+# what differs from them)
 VISION_DEFAULTS: dict[str, Any] = {
     "hidden_size": 1152,
     "intermediate_size": 3072,
@@ -55,19 +55,17 @@ class Normalisation:
 
     @classmethod
     def from_processor(cls, cfg: dict[str, Any]) -> Normalisation:
-        mean, std = cfg.get("image_mean", [0.5] * 3), cfg.get("image_std", [0.5] * 3)
-        normalise = cfg.get("do_normalize", True)
-        return cls(
-            rescale=float(cfg.get("rescale_factor", 1 / 255))
-            if cfg.get("do_rescale", True)
-            else None,
-            mean=tuple(float(m) for m in (mean if isinstance(mean, list) else [mean] * 3))
-            if normalise
-            else None,
-            std=tuple(float(s) for s in (std if isinstance(std, list) else [std] * 3))
-            if normalise
-            else None,
-        )
+        """From the image processor's settings (``read_processor_config``), with
+        transformers' defaults: 1/255, and 0.5 for every channel's mean and std."""
+
+        def per_channel(v: float | list[float]) -> tuple[float, ...]:
+            return tuple(float(x) for x in (v if isinstance(v, list) else [v] * 3))
+
+        rescale = float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None
+        if not cfg.get("do_normalize", True):
+            return cls(rescale, None, None)
+        mean, std = cfg.get("image_mean", 0.5), cfg.get("image_std", 0.5)
+        return cls(rescale, per_channel(mean), per_channel(std))
 
     def __call__(self, tiles: Tensor) -> Tensor:
         """``tiles``: uint8 ``[N, 3, H, W]`` -> float32, transformers' values exactly."""
@@ -139,6 +137,8 @@ class Idefics3Vision(nn.Module):
         return (tile // self.tower.cfg.patch_size // self.scale_factor) ** 2
 
     def check(self, image: ImageInput) -> None:
+        if len(image.shape) != 4:
+            raise ValueError(f"an Idefics3 image is [tiles, H, W, 3], not {list(image.shape)}")
         tiles, height, width, channels = image.shape
         p, f = self.tower.cfg.patch_size, self.scale_factor
         if channels != 3 or height != width or tiles < 1:
