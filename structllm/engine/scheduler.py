@@ -16,8 +16,9 @@ first token into a fresh state).
 
 Images (``Request.images``): a prefill chunk never splits an image's span
 (``Request.span_chunk``): it stops before a span it cannot finish, and one that starts
-at (or, after a prefix-cache hit, inside) a span takes the rest of it, even past the
-step's budget. The encoder's work counts in the budget: a chunk whose images are not in
+at (or, after a prefix-cache hit, inside) a span takes the rest of it, even past what
+is left of the step's budget (the step then takes nothing more: it overruns its budget
+by at most one image, so no span is ever too long to run). The encoder's work counts in the budget: a chunk whose images are not in
 the encoder cache (``encoder_cache``, asked by hash) costs their ``num_tokens`` besides
 its own tokens, each image once a step; when that overruns the budget and the chunk
 has text before the image, it stops before the image.

@@ -286,6 +286,29 @@ def test_preemption_recomputes_exactly(path: Path) -> None:
     got = run(tight, reqs)
     assert tight.scheduler.num_preemptions > 0
     assert got == want
+    assert isinstance(tight.runner, ModelRunner)  # recomputes took the encoder's rows kept
+    assert tight.runner.encoder_cache.num_misses == 4
+
+
+def test_default_format_agrees(engine: EngineCore, path: Path) -> None:
+    """The default format of a directory on CPU (float16 weights through the fused CPU
+    ops): the same greedy tokens as the exact path, logprobs within 1e-3."""
+    default = EngineCore(EngineConfig(model=str(path), kv_cache_memory=16 << 20))
+    assert default.model is not None and default.model.cpu_ops is not None
+    ids, ims = prompt_with_images(path, TWO, [random_image(1), random_image(2, (33, 77))])
+    sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0)
+    got = []
+    for e in (engine, default):
+        e.add_request(AddRequest("d", ids, sp, ims))
+        tokens, lps = [], []
+        while e.has_work:
+            for d in e.step().outputs:
+                tokens += d.new_token_ids
+                lps += [x.logprob for x in d.logprobs or []]
+        got.append((tokens, lps))
+    (want, want_lp), (tokens, lps) = got
+    assert tokens == want
+    assert max(abs(a - b) for a, b in zip(lps, want_lp, strict=True)) < 1e-3
 
 
 # -- refusals ------------------------------------------------------------------------
