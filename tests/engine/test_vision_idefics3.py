@@ -277,3 +277,29 @@ def test_pixel_shuffle_is_transformers(side: int, factor: int) -> None:
     x = torch.randn(3, side * side, 5)
     want = Idefics3Connector.pixel_shuffle(None, x, factor)  # type: ignore[arg-type]
     assert torch.equal(pixel_shuffle(x, factor), want)
+
+
+def test_default_format_agrees(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    """The default format on CPU (float16 weights through the fused CPU ops; the tower in
+    float32): transformers' greedy tokens, logprobs within 1e-3 of the exact path's."""
+    from structllm.protocol import AddRequest, SamplingParams
+
+    default = EngineCore(EngineConfig(model=str(model_dir), kv_cache_memory=32 << 20))
+    assert default.model is not None and default.model.cpu_ops is not None
+    exact = vision_engine(model_dir)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
+    for rid in ("r0", "r3"):
+        ids, spans, want = expected[rid]
+        got = []
+        for e in (exact, default):
+            e.add_request(AddRequest(rid, ids, sp, spans))
+            tokens: list[int] = []
+            lps: list[float] = []
+            while e.has_work:
+                for d in e.step().outputs:
+                    tokens += d.new_token_ids
+                    lps += [x.logprob for x in d.logprobs or []]
+            got.append((tokens, lps))
+        (exact_tokens, exact_lps), (tokens, lps) = got
+        assert exact_tokens == tokens == want, rid
+        assert max(abs(a - b) for a, b in zip(lps, exact_lps, strict=True)) < 1e-3
