@@ -235,12 +235,19 @@ def _masked_attention(
 
 
 def dense_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0, softcap: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    ahead: list[int] | None = None,
 ) -> Tensor:
     """Textbook attention for the tests: ``q: [Q, H, D]``, ``k, v: [L, Hkv, D]``, queries
-    are the last ``Q`` of ``L`` positions (each seeing its last ``window`` keys, if set;
-    scores soft-capped by ``softcap``, if set). Computed in float64 with explicit loops
-    over heads, sharing no code with the paths above."""
+    are the last ``Q`` of ``L`` positions (each seeing its last ``window`` keys, if set,
+    and ``ahead[r]`` keys past its own, if given; scores soft-capped by ``softcap``, if
+    set). Computed in float64 with explicit loops over heads, sharing no code with the
+    paths above."""
     q_len, h, d = q.shape
     ctx, hkv, _ = k.shape
     g = h // hkv
@@ -252,7 +259,7 @@ def dense_causal_attention(
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         for r in range(q_len):
-            s[r, ctx - q_len + r + 1 :] = float("-inf")
+            s[r, ctx - q_len + r + 1 + (ahead[r] if ahead else 0) :] = float("-inf")
             if window:
                 s[r, : max(0, ctx - q_len + r + 1 - window)] = float("-inf")
         out[:, head] = torch.softmax(s, dim=-1) @ vh

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from structllm.kernels import reference
-from structllm.kernels.attention import AttentionMetadata, TorchAttention, attention
+from structllm.kernels.attention import (
+    AttentionMetadata,
+    CpuAttention,
+    TorchAttention,
+    attend,
+    attention,
+)
 from tests.support.attention import paged_setup
 
 
@@ -125,3 +131,52 @@ def test_window_and_softcap_match_dense(window: int, softcap: float) -> None:
         rows = slice(starts[i], starts[i + 1])
         want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap)
         torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 2.0), (7, 3.0)])
+def test_rows_that_see_ahead_match_dense(backend: str, window: int, softcap: float) -> None:
+    """Rows that also see keys past their own position (an image's tokens, Gemma 3):
+    a decode, a fresh chunk with an image inside, a chunk after a cached prefix that
+    starts inside an image (a prefix-cache hit) and holds another, through ``attend``
+    (the C++ backend hands such chunks to the reference, in its own K layout)."""
+    from structllm.kernels import cpu_ext
+
+    impl: TorchAttention = TorchAttention()
+    if backend == "cpu":
+        module = cpu_ext.load()
+        assert module is not None, "the C++ attention kernel did not build"
+        impl = CpuAttention(module)
+    bs, h, hkv, d = 16, 6, 2, 64
+    lens, q_lens = [30, 24, 50], [1, 24, 20]
+    # per query row: keys past its own position it sees (the rest of its image)
+    aheads = [[0], [0] * 3 + list(range(9, -1, -1)) + [0] * 11, list(range(3, -1, -1))]
+    aheads[2] += [0] * 6 + list(range(5, -1, -1)) + [0] * 4
+    kc, vc, bt, dense = paged_setup(lens, hkv, d, bs, impl=impl)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    ahead = torch.tensor([a for row in aheads for a in row])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_tables=bt,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_list=lens,
+        query_start_list=starts,
+        num_decodes=1,
+        max_seq_len=max(lens),
+        ahead=ahead,
+        ahead_seqs=frozenset({1, 2}),
+    )
+    q = torch.randn(starts[-1], h, d)
+    k_new = torch.cat([dense[i][0][lens[i] - q_lens[i] :] for i in range(3)])
+    v_new = torch.cat([dense[i][1][lens[i] - q_lens[i] :] for i in range(3)])
+    out = attend(impl, q, k_new, v_new, kc, vc, meta, 0.125, window, softcap)
+    for i, (k, v) in enumerate(dense):
+        rows = slice(starts[i], starts[i + 1])
+        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap, aheads[i])
+        torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
+        if any(aheads[i]):  # (and differs from causal attention)
+            causal = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap)
+            assert (out[rows] - causal).abs().max() > 1e-3
