@@ -309,6 +309,24 @@ TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Idefics3 (SmolVLM): a Llama text model, LlamaConfig's defaults (Idefics3Config's
+# rms_norm_eps 1e-5 is only for a config without text_config; SmolVLM's lists its own);
+# its vision tower and connector: model/idefics3.py
+TEXT_MODELS["Idefics3ForConditionalGeneration"] = (
+    "LlamaForCausalLM",
+    {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
 # Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
 _QWEN3_5_TEXT: dict[str, Any] = {
     "vocab_size": 248320,
@@ -347,6 +365,7 @@ TEXT_MODELS["Qwen3_5MoeForConditionalGeneration"] = (
 _TEXT_ROPE: dict[str, dict[str, float]] = {
     "Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0},
     "MistralForCausalLM": {"rope_theta": 10000.0},
+    "LlamaForCausalLM": {"rope_theta": 10000.0},
     "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }

@@ -708,14 +708,16 @@ class HFNames:
 
 
 # a multimodal checkpoint's text model (config.TEXT_MODELS): saved under
-# language_model.model. (and by transformers 4.52-4.57 under model.language_model.); the
-# vision tower and projector are not loaded
+# language_model.model. (and by transformers 4.52-4.57 under model.language_model.;
+# Idefics3's under model.text_model.); the vision tower and projector are not loaded
+# here (the engine's vision side loads them)
 _TEXT_PREFIXES = {
     "language_model.model.": "model.",
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
+    "model.text_model.": "model.",
 }
-_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
+_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.", "vision_model.", "connector.")
 
 
 def text_model_names(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -28,7 +28,14 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", "llama", ("LlamaForCausalLM",), ("llama",), ("llama",)),
+    # Idefics3ForConditionalGeneration (SmolVLM): its text model (config.TEXT_MODELS)
+    Family(
+        "llama",
+        "llama",
+        ("LlamaForCausalLM", "Idefics3ForConditionalGeneration"),
+        ("llama",),
+        ("llama",),
+    ),
     # Mistral3ForConditionalGeneration (Mistral Small 3.1, 3.2): its text model
     Family(
         "mistral",

@@ -23,7 +23,10 @@ from structllm.model.files import ModelFiles
 from structllm.protocol import ImageInput
 
 # architecture -> structllm.model.<module> holding its ``load_vision``
-VISION_MODULES = {"Gemma3ForConditionalGeneration": "gemma3_vision"}
+VISION_MODULES = {
+    "Gemma3ForConditionalGeneration": "gemma3_vision",
+    "Idefics3ForConditionalGeneration": "idefics3",
+}
 
 
 class VisionModel(Protocol):
