@@ -11,7 +11,7 @@ formats, and what they write, follow llama.cpp's built-in ones (``src/llama-chat
 
 - ``gemma`` (gemma2, gemma3): ``<start_of_turn>user`` ... ``<end_of_turn>``, the
   assistant as ``model``, a system message merged into the next user turn;
-- ``chatml`` (qwen2, qwen3, qwen3_moe, smollm3, olmo2/3, and any family whose vocabulary
+- ``chatml`` (qwen2, qwen3, qwen3_moe, smollm3, olmo2/3, stablelm, and any family whose vocabulary
   has ``<|im_start|>`` and ``<|im_end|>``, e.g. SmolLM2's llama files);
 - ``llama3`` (llama files with ``<|start_header_id|>``, ``<|end_header_id|>``,
   ``<|eot_id|>``);
@@ -163,6 +163,7 @@ FAMILY_FORMATS: dict[str, tuple[_Format, ...]] = {
     "smollm3": (CHATML,),
     "olmo2": (CHATML,),
     "olmo3": (CHATML,),
+    "stablelm": (CHATML,),  # StableLM 2's chat models
     # Llama 3's headers, else a Mistral written as llama by llama.cpp's converter
     "llama": (LLAMA3, MISTRAL_V7, MISTRAL_V3),
     "mistral": (MISTRAL_V7, MISTRAL_V3, MISTRAL_V1),

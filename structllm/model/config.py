@@ -60,6 +60,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim of each head
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
+    # ("layer_heads": a LayerNorm per head, each head its own weights, StableLM's)
     pre_norms: bool = True  # RMSNorm before attention and MLP (OLMo 2: none)
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs (Gemma, OLMo 2)
     mlp_act: str = "silu"  # gated MLP activation: silu or gelu_tanh (GeGLU)
@@ -107,6 +108,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mamba_d_state: int = 0
     mamba_chunk_size: int = 0
     mamba_proj_bias: bool = False
+    # --- classic layouts (model/classic.py): StableLM, Phi-2, GPT-NeoX ---
+    norm_kind: str = "rms"  # the layer and final norms: "rms", or "layer" (LayerNorm)
+    norm_bias: bool = False  # LayerNorm with a bias
+    # attention and MLP side by side on the same residual: "none" (one after the
+    # other), "shared" (both read the input norm's output: Phi-2, StableLM's
+    # use_parallel_residual), "separate" (each its own norm: GPT-NeoX)
+    parallel_block: str = "none"
+    mlp_gated: bool = True  # act(gate) * up; False: act(up) (fc1, fc2)
+    mlp_bias: bool = False  # biases on the MLP's matmuls
+    o_bias: bool = False  # a bias on the attention output projection
+    head_bias: bool = False  # a bias on the LM head
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -148,6 +160,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"unsupported layer types {unknown}; expected attention or one of "
                 f"{sorted(RECURRENT_KINDS | STATELESS_KINDS)}"
             )
+        _check_classic(self)
         if self.hybrid and self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
 
@@ -251,6 +264,20 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size."""
         return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
+
+
+# the MLP activations the decoder runs (``layers.activation``)
+MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
+
+
+def _check_classic(cfg: ModelConfig) -> None:
+    """``ValueError`` for a classic-layout option the decoder has no path for."""
+    if cfg.norm_kind not in ("rms", "layer"):
+        raise ValueError(f"unsupported norm {cfg.norm_kind!r}; expected rms or layer")
+    if cfg.parallel_block not in ("none", "shared", "separate"):
+        raise ValueError(f"unsupported parallel_block {cfg.parallel_block!r}")
+    if cfg.mlp_act not in MLP_ACTS:
+        raise ValueError(f"unsupported MLP activation {cfg.mlp_act!r}; expected one of {MLP_ACTS}")
 
 
 def _num_layers(cfg: dict[str, Any]) -> int:
@@ -869,6 +896,42 @@ def _nemotron_h_experts(cfg: dict[str, Any], kinds: list[str]) -> dict[str, Any]
     }
 
 
+def _hidden_act(cfg: dict[str, Any], family: str, default: str) -> str:
+    """The config's ``hidden_act`` as ours (``MLP_ACTS``): transformers' gelu_new and
+    gelu_pytorch_tanh are the tanh approximation, gelu the exact one."""
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or default
+    ours = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh"}
+    ours |= {"gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu2": "relu2"}
+    if act not in ours:
+        raise ValueError(f"unsupported {family} hidden_act {act!r}; expected one of {sorted(ours)}")
+    return ours[act]
+
+
+def _partial_rotary(cfg: dict[str, Any], base: dict[str, Any], default: float) -> dict[str, Any]:
+    """``rotary_dim`` from the config's partial rotary factor (``rope_parameters``' or
+    the top level's; ``default`` where it says none)."""
+    rope = rope_params(cfg)
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+    return {"rotary_dim": int(base["head_dim"] * partial)} if partial != 1.0 else {}
+
+
+def _stablelm(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """StableLM (2): LayerNorms with biases, a gated MLP, q/k/v biases by
+    ``use_qkv_bias``, a quarter of each head rotating (the class's default), a LayerNorm
+    per head of q and k with ``qk_layernorm`` (each head its own weights), and with
+    ``use_parallel_residual`` attention and MLP side by side on the input norm."""
+    return {
+        **_partial_rotary(cfg, base, 0.25),
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+        "mlp_act": _hidden_act(cfg, "StableLM", "silu"),
+        "qkv_bias": bool(cfg.get("use_qkv_bias", False)),
+        "qk_norm": "layer_heads" if cfg.get("qk_layernorm") else "none",
+        "parallel_block": "shared" if cfg.get("use_parallel_residual") else "none",
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -892,4 +955,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "qwen3_next": _qwen3_next,
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
+    "stablelm": _stablelm,
 }

@@ -343,6 +343,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_exaone4(layers, window, get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
+    elif fam.name in _CLASSIC:
+        kw.update(_CLASSIC[fam.name](get))
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
@@ -469,6 +471,31 @@ def _ffn_width(value: Any) -> int:
     """``feed_forward_length``: one number, or one per layer (Nemotron-H writes 0 for the
     layers without an MLP): the largest."""
     return max(int(n) for n in value) if isinstance(value, list) else int(value)
+
+
+def _stablelm(get: Callable[..., Any]) -> dict[str, Any]:
+    """StableLM: LayerNorms with biases, side by side blocks by ``use_parallel_residual``
+    (its q/k norms and q/k/v biases: read off the tensors, ``options_from_tensors``)."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        parallel_block="shared" if get("use_parallel_residual") else "none",
+    )
+
+
+# the classic layouts' options from their metadata (model/classic.py)
+_CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {"stablelm": _stablelm}
+
+
+def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
+    """``cfg`` with what a file says only by its tensors: which layers attend (the
+    hybrid files whose metadata cannot say, ``layer_types_from_tensors``), q/k/v biases
+    (GLM-4's, where written), StableLM's per-head q/k LayerNorms."""
+    cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
+    if cfg.architecture == "stablelm" and "blk.0.attn_q_norm.weight" in shapes:
+        cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    return layer_types_from_tensors(cfg, shapes)
 
 
 def layer_types_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
@@ -615,7 +642,17 @@ _LAYER_NAMES = {
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
-_HF_ROPE_ORDER += ("qwen3_next",)
+_HF_ROPE_ORDER += ("qwen3_next", "stablelm")
+
+# the classic layouts' norm, output and MLP biases (model/classic.py), and their
+# ungated MLP's first matrix
+_CLASSIC_NAMES = {
+    "attn_norm.bias": "input_layernorm_bias",
+    "ffn_norm.bias": "post_attention_layernorm_bias",
+    "attn_output.bias": "o_bias",
+    "ffn_up.bias": "up_bias",
+    "ffn_down.bias": "down_bias",
+}
 
 # Granite 4's and Nemotron-H's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
 # -exp(A_log); ``ssm_a``, ``ssm_d`` and ``ssm_norm`` are read back flat)
@@ -913,6 +950,8 @@ def load_tensors(
             yield "norm", w
         elif name == "output.weight":
             yield "lm_head", w
+        elif name in ("output_norm.bias", "output.bias"):  # (the classic layouts')
+            yield ("norm_bias" if name == "output_norm.bias" else "lm_head_bias"), w
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             prefix = f"layers.{idx}."
@@ -934,6 +973,12 @@ def load_tensors(
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
                 continue
+            if rest in _CLASSIC_NAMES and cfg.architecture in _CLASSIC:
+                yield prefix + _CLASSIC_NAMES[rest], w
+                continue
+            if rest == "ffn_up.weight" and not cfg.mlp_gated:
+                yield prefix + "up_proj", w
+                continue
             if cfg.architecture == "nemotron_h" and rest in _NEMOTRON_H_NAMES:
                 yield prefix + _NEMOTRON_H_NAMES[rest], w
                 continue
@@ -949,6 +994,8 @@ def load_tensors(
                 continue
             if rest in ("attn_q_norm.weight", "attn_k_norm.weight"):
                 heads = norm_heads[rest[5]]
+                if isinstance(w, Tensor) and w.dim() == 2:  # StableLM's, [H, D] (one per head)
+                    w = w.reshape(-1)
                 if permute:
                     w = _permute_rows(w, _rope_perm(cfg, [(heads, True)]))
                 yield prefix + rest[5] + "_norm", w

@@ -1,7 +1,7 @@
 """Layers shared by the model families: rotary embeddings (plain, linear, Llama 3,
 YaRN, LongRoPE, GGUF frequency factors; partial), the gated MLP's activations,
-soft-capping, the mixture-of-experts MLP (``SparseMoe``: router and experts, run
-grouped by expert).
+soft-capping, LayerNorm beside RMSNorm (``norm``), the mixture-of-experts MLP
+(``SparseMoe``: router and experts, run grouped by expert).
 
 Norms are torch's ``F.rms_norm`` throughout: Gemma's ``(1 + w)`` RMSNorm is the plain
 one with ``1 + w`` stored as its weight (the loader adds the 1, as llama.cpp's
@@ -141,12 +141,30 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
 
 
+def activation(x: Tensor, act: str) -> Tensor:
+    """``act(x)`` (``config.MLP_ACTS``): SiLU, GELU with the tanh approximation
+    (transformers' gelu_new / gelu_pytorch_tanh), exact GELU, or relu squared."""
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "relu2":
+        return F.relu(x).square()
+    return F.silu(x)
+
+
 def gated_act(gate: Tensor, up: Tensor, act: str) -> Tensor:
     """``act(gate) * up`` (in place in ``gate``'s result): SiLU, or GELU with the tanh
-    approximation (Gemma's GeGLU)."""
-    if act == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh").mul_(up)
-    return F.silu(gate).mul_(up)
+    approximation (Gemma's GeGLU), or another of ``activation``'s."""
+    return activation(gate, act).mul_(up)
+
+
+def norm(x: Tensor, w: Tensor, b: Tensor | None, eps: float, kind: str) -> Tensor:
+    """``x [..., D]`` through the family's norm: RMSNorm (``kind`` "rms"), or LayerNorm
+    with ``b`` its bias (None: without one, Cohere's); ``w [D]``."""
+    if kind == "layer":
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def soft_cap(x: Tensor, cap: float) -> Tensor:

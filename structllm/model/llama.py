@@ -117,9 +117,10 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = p(hd), p(hd)
-        elif cfg.qk_norm == "full":
+        elif cfg.qk_norm in ("full", "layer_heads"):
             self.q_norm, self.k_norm = p(nh * hd), p(nkv * hd)
         self.o_proj = p(h, nh * hd)
+        self.o_bias = p(h) if cfg.o_bias else None  # added once, after the all-reduce
         # Qwen3.5's gated attention: the output times sigmoid(h @ attn_gate^T), per row
         self.attn_gate = p(nh * hd, h) if cfg.attn_output_gate else None
         self.attn_out_norm = p(h) if cfg.post_norms else None
@@ -149,6 +150,9 @@ class DecoderLayer(nn.Module):
         if self.qk_norm == "head":
             q.copy_(self._norm(q, self.q_norm))
             k.copy_(self._norm(k, self.k_norm))
+        elif self.qk_norm == "layer_heads":  # LayerNorm per head, [H * D] weights
+            q.copy_(F.layer_norm(q, (q.shape[-1],), eps=self.eps) * self.q_norm.view(nh, -1))
+            k.copy_(F.layer_norm(k, (k.shape[-1],), eps=self.eps) * self.k_norm.view(nkv, -1))
         elif tp is None:  # over the whole projection
             q.copy_(self._norm(q.reshape(t, -1), self.q_norm).view_as(q))
             k.copy_(self._norm(k.reshape(t, -1), self.k_norm).view_as(k))
@@ -196,9 +200,24 @@ class DecoderLayer(nn.Module):
         tp: TensorParallelGroup | None = None,
     ) -> Tensor:
         """The attention half of ``forward``: ``x`` plus its attention output."""
-        t = x.shape[0]
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         h = self._norm(x, self.input_layernorm) if self.input_layernorm is not None else x
+        attn_out = self.self_attention(h, rope, k_cache, v_cache, meta, impl, tp)
+        return x + self._residual_out(attn_out, self.attn_out_norm)
+
+    def self_attention(
+        self,
+        h: Tensor,
+        rope: Tensor | None,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+        tp: TensorParallelGroup | None = None,
+    ) -> Tensor:
+        """The attention of the normed input ``h [T, hidden]`` -> ``[T, hidden]`` (whole,
+        all-reduced with ``tp``, its output bias added)."""
+        t = h.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
         if self.qk_norm != "none":
             qkv = self._norm_qk(qkv, tp)
@@ -214,7 +233,7 @@ class DecoderLayer(nn.Module):
         attn_out = linear(o, self.o_proj)
         if tp is not None:
             tp.all_reduce(attn_out)
-        return x + self._residual_out(attn_out, self.attn_out_norm)
+        return attn_out if self.o_bias is None else attn_out.add_(self.o_bias)
 
     def feed_forward(self, x: Tensor, tp: TensorParallelGroup | None = None) -> Tensor:
         """The MLP half of ``forward``: ``x`` plus its MLP (or experts') output."""
@@ -258,6 +277,8 @@ class DecoderLayer(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.attn_gate is not None:  # (hybrid models, the only ones with it, run forward)
             raise NotImplementedError("gated attention runs on the plain path only")
+        if self.o_bias is not None or self.qk_norm == "layer_heads":  # (classic.py's)
+            raise NotImplementedError("the classic layouts run on the plain path only")
         norms = self._norms
         if norms is None:
             norms = self._norms = (
@@ -351,6 +372,7 @@ class LlamaModel(nn.Module):
         self._rope_cache: Tensor | None = None
         self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
         self._packed_head: Weight | None = None
+        self.lm_head_bias: Tensor | None = None  # (a classic layout's, model/classic.py)
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
         # every layer held rotates q and k (else the fused path adds an identity rotation)
         self._all_rotate = all(
@@ -473,6 +495,10 @@ class LlamaModel(nn.Module):
             x = layer(x, layer_rope, kc, vc, meta, self.attn_impl, tp)
         if not last:
             return x
+        return self.final_norm(x)
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """The plain path's norm after the last layer, ``[T, hidden]``."""
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -567,7 +593,7 @@ class LlamaModel(nn.Module):
         # about half of SmolLM2-135M's top-1 disagreement came from the head alone, and
         # the head only sees sampled rows. The int16 path (16-bit activations) is fine.
         head = self._packed_head if self._packed_head is not None else w
-        logits = linear(hidden, head).float()
+        logits = linear(hidden, head, self.lm_head_bias).float()
         cfg = self.cfg
         if cfg.final_softcap and self.cpu_ops is not None and logits.is_contiguous():
             self.cpu_ops.soft_cap_(logits, cfg.final_softcap)  # fused path: one pool loop

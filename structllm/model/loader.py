@@ -152,9 +152,8 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         cfg,
         vocab_size=shapes["token_embd.weight"][0],
         tie_word_embeddings="output.weight" not in shapes,
-        qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes,  # GLM-4's, where written
     )
-    cfg = gguf.layer_types_from_tensors(cfg, shapes)
+    cfg = gguf.options_from_tensors(cfg, shapes)
     del reader
     tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

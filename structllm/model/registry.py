@@ -65,6 +65,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("ernie4_5", "ernie4_5", ("Ernie4_5ForCausalLM",), ("ernie4_5",), ("ernie4_5",)),
     Family("exaone4", "exaone4", ("Exaone4ForCausalLM",), ("exaone4",), ("exaone4",)),
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
+    # classic layouts: LayerNorms with biases, parallel blocks (model/classic.py)
+    Family("stablelm", "stablelm", ("StableLmForCausalLM",), ("stablelm",), ("stablelm",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

@@ -209,9 +209,10 @@ def shard_weights(
         if ".moe.shared." in name:  # the shared expert: its own width
             ffn, cols = cfg.shared_expert_intermediate_size, plan.shared_ffn
         part: Matrix
-        if kind == "q_norm" and cfg.qk_norm == "full":  # [H*D]: this rank's heads
+        per_head = cfg.qk_norm in ("full", "layer_heads")  # q/k norm weights [H*D]
+        if kind == "q_norm" and per_head:  # this rank's heads
             part = _own(_rows(w, plan.heads, d))
-        elif kind == "k_norm" and cfg.qk_norm == "full":
+        elif kind == "k_norm" and per_head:
             part = _own(_rows(w, plan.kv_heads, d))
         elif kind in ("qkv_proj", "qkv_bias"):
             # rows (and bias entries): [q heads (H*D) | k heads (Hkv*D) | v heads (Hkv*D)]
@@ -221,14 +222,16 @@ def shard_weights(
             )
         elif kind == "o_proj":  # [hidden, H*D]: input columns of this rank's heads
             part = _columns(w, plan.heads.start * d, plan.heads.stop * d)
-        elif kind == "gate_up_proj":  # rows: [gate (I) | up (I)]
-            gate, up = _split(w, [ffn, ffn])
+        elif kind == "gate_up_proj" or (kind == "up_bias" and cfg.mlp_gated):
+            gate, up = _split(w, [ffn, ffn])  # rows: [gate (I) | up (I)]
             part = _cat([_rows(gate, cols), _rows(up, cols)])
+        elif kind in ("up_proj", "up_bias"):  # an ungated MLP's first matrix, [I, hidden]
+            part = _own(_rows(w, cols))
         elif kind == "down_proj":  # [hidden, I]
             part = _columns(w, cols.start, cols.stop)
-        elif kind in ("embed_tokens", "lm_head"):  # [V, hidden]
+        elif kind in ("embed_tokens", "lm_head", "lm_head_bias"):  # [V, hidden], [V]
             part = _own(_rows(w, plan.vocab))
-        else:  # norms (per head), routers: replicated
+        else:  # norms (per head) and their biases, routers, output biases: replicated
             part = _own(w)
         if isinstance(w, BlockWeight) and not isinstance(part, BlockWeight):
             dequantised.append(name)

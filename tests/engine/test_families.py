@@ -31,6 +31,9 @@ from tests.support.models import (
 )
 
 FAMILIES = sorted(FAMILY_CONFIGS)
+# the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
+# fused CPU ops decline (the plain path runs them in every format)
+CLASSIC = {"stablelm"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -94,6 +97,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_groups) == (4, 32, 2)
         assert (cfg.mamba_d_state, cfg.mamba_chunk_size, cfg.conv_kernel) == (8, 16, 4)
         assert (cfg.residual_scale, cfg.logits_scaling, cfg.attn_scale) == (0.5, 4.0, 0.1)
+    if name == "stablelm":  # the 12B's options; a quarter of each 16-wide head rotates
+        assert (cfg.norm_kind, cfg.norm_bias, cfg.qk_norm) == ("layer", True, "layer_heads")
+        assert (cfg.parallel_block, cfg.rotary_dim, cfg.qkv_bias) == ("shared", 4, True)
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
@@ -113,9 +119,12 @@ def test_logits_match_transformers(family: tuple[str, Path]) -> None:
 def test_fused_cpu_ops_match_transformers(family: tuple[str, Path]) -> None:
     # the fused element-wise ops (cpu_layer.cpp) of the quantized paths, on the same
     # float32 weights: what they add to the error is rounding
-    _, path = family
+    name, path = family
     engine, ref = engine_for(path), hf_from_dir(path)
     model = engine.runner.model
+    if name in CLASSIC:  # declined, said at start: the plain path runs it
+        assert not model.use_cpu_ops() and model.cpu_ops is None
+        return
     if not model.use_cpu_ops():
         pytest.skip("the fused CPU ops do not build here")
     for ids in PROMPTS:
@@ -211,6 +220,7 @@ QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
+QUANTIZED_FAMILIES += sorted(CLASSIC)
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -237,6 +247,8 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("qkv_bias", "mlp_act", "pre_norms", "shared_expert_intermediate_size")
     fields += ("layer_types", "conv_kernel", "linear_key_heads", "linear_value_heads")
     fields += ("linear_key_head_dim", "linear_value_head_dim", "attn_output_gate")
+    fields += ("norm_kind", "norm_bias", "parallel_block", "mlp_gated", "mlp_bias", "o_bias")
+    fields += ("head_bias", "rms_norm_eps")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -567,7 +579,8 @@ def test_quantized_gguf_runs_its_blocks(
     blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
     exact = engine_for(path)
     model = blocks.runner.model
-    assert model.cpu_ops is not None  # the fused path, not a fallback
+    # the fused path, not a fallback (the classic layouts: the plain one, said at start)
+    assert (model.cpu_ops is None) == (name in CLASSIC)
     attends = next(layer for layer in model.layers if hasattr(layer, "qkv_proj"))
     assert type(attends.qkv_proj).__name__ == "BlockWeight"
     for layer in model.layers:  # a hybrid model's recurrent layers: their mixer's too
@@ -591,7 +604,9 @@ def test_quantized_gguf_runs_its_blocks(
     assert agree / total >= bar, (agree, total)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(
+    "name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", *sorted(CLASSIC)]
+)
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
     # partial rotary on each rank's heads; OLMo 2's q/k norms over the whole projection
@@ -648,3 +663,18 @@ def test_config_sizes_that_cannot_be_are_refused(key: str, value: int) -> None:
     cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8, key: value}
     with pytest.raises(ValueError, match="must be at least 1"):
         ModelConfig.from_hf(cfg)
+
+
+def test_stablelm_sequential_layout_matches_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    # StableLM 2 1.6B's layout: attention then MLP, each after its own LayerNorm, no q/k
+    # norms (the family's config is the 12B's)
+    path = tiny_family_dir(
+        "stablelm", default_files, use_parallel_residual=False, qk_layernorm=False
+    )
+    cfg = prepare_model(str(path)).config
+    assert (cfg.parallel_block, cfg.qk_norm) == ("none", "none")
+    engine, ref = engine_for(path), hf_from_dir(path)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )

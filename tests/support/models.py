@@ -553,6 +553,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # StableLM 2 12B's options: q/k LayerNorms per head, attention and MLP side by
+    # side; q/k/v biases, a quarter of each head rotating (the 1.6B: neither option)
+    "stablelm": (
+        "StableLmConfig",
+        dict(use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True),
+    ),
 }
 
 
@@ -840,6 +846,9 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     # the converter writes no dense layers among Qwen3-Next's experts
     "qwen3_next": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "gemma2": dict(query_pre_attn_scalar=32),
+    # the converter's StableLM drops the 12B's per-head q/k norms (its generator
+    # returns their stacked tensor instead of yielding it, then finds them unprocessed)
+    "stablelm": dict(qk_layernorm=False),
 }
 
 

@@ -53,6 +53,7 @@ def render(family: str, vocab: set[str], add_bos: bool = False, **kw: Any) -> st
         ("qwen3", CHATML_TOKENS, "chatml"),
         ("qwen3_moe", CHATML_TOKENS, "chatml"),
         ("smollm3", CHATML_TOKENS, "chatml"),
+        ("stablelm", CHATML_TOKENS, "chatml"),
         ("llama", LLAMA3_TOKENS | CHATML_TOKENS, "llama3"),
         ("llama", CHATML_TOKENS, "chatml"),  # SmolLM2's llama files
         ("llama", {"[INST]", "[/INST]"}, "mistral-v3"),  # Mistral written as llama
