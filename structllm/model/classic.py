@@ -29,7 +29,7 @@ from structllm.kernels.attention import AttentionImpl, AttentionMetadata
 from structllm.kernels.packed import Weight, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
-from structllm.model.layers import activation, norm
+from structllm.model.layers import activation, interleave_rope_rows, norm
 from structllm.model.llama import DecoderLayer, LlamaModel
 from structllm.model.sharding import ShardPlan
 
@@ -154,6 +154,77 @@ def from_hf_norms(
             out[f"layers.{i}.{ours}"] = state.pop(p + ".weight")
             if cfg.norm_bias:
                 out[f"layers.{i}.{ours}_bias"] = state.pop(p + ".bias")
+
+
+class ClassicNames:
+    """Where a classic layout's Hugging Face checkpoint keeps each of our tensors: the
+    model-level ones by full name (without ``.weight``), the layer ones under
+    ``layers`` (``{i}``: the layer); q, k and v may be separate or, fused as ours,
+    ``qkv``; ``up``/``down`` the ungated MLP's matrices (``gate_up``: a gated one's
+    fused gate and up rows); None: the family has no such tensor."""
+
+    embed = "model.embed_tokens"
+    final_norm = "model.norm"
+    lm_head = "lm_head"
+    layers = "model.layers.{i}."
+    q, k, v = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
+    qkv: str | None = None
+    o = "self_attn.o_proj"
+    up, down = "mlp.up_proj", "mlp.down_proj"
+    gate_up: str | None = None
+    input_layernorm = "input_layernorm"
+    post_attention_layernorm: str | None = "post_attention_layernorm"
+    rope_interleaved = False  # the checkpoint's q/k rows already pair as ours
+
+
+def hf_to_native(
+    state: dict[str, Tensor], cfg: ModelConfig, names: type[ClassicNames]
+) -> dict[str, Tensor]:
+    """A classic layout's Hugging Face tensors -> ours: q/k/v fused (their rotary rows
+    interleaved, biases alike), each norm, matrix and bias where the family has it."""
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def rot(w: Tensor, heads: int) -> Tensor:
+        return w if names.rope_interleaved else interleave_rope_rows(w, heads, cfg.rope_dim)
+
+    def pair(ours: str, theirs: str, bias: bool) -> None:
+        out[ours] = state.pop(theirs + ".weight")
+        if bias:
+            out[_bias_name(ours)] = state.pop(theirs + ".bias")
+
+    out: dict[str, Tensor] = {"embed_tokens": state.pop(names.embed + ".weight")}
+    pair("norm", names.final_norm, cfg.norm_bias)
+    if not cfg.tie_word_embeddings:
+        pair("lm_head", names.lm_head, cfg.head_bias)
+    elif cfg.head_bias:  # a head tied to the embedding, with a bias of its own
+        out["lm_head_bias"] = state.pop(names.lm_head + ".bias")
+    for i in range(cfg.num_layers):
+        p, o = names.layers.format(i=i), f"layers.{i}."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            if names.qkv is not None:
+                fused = state.pop(f"{p}{names.qkv}.{kind}")
+                q, k, v = fused.split([nh * hd, nkv * hd, nkv * hd])
+            else:
+                q, k, v = (state.pop(f"{p}{n}.{kind}") for n in (names.q, names.k, names.v))
+            ours = "qkv_proj" if kind == "weight" else "qkv_bias"
+            out[o + ours] = torch.cat([rot(q, nh), rot(k, nkv), v])
+        pair(o + "o_proj", p + names.o, cfg.o_bias)
+        up = "gate_up_proj" if cfg.mlp_gated else "up_proj"
+        pair(o + up, p + (names.gate_up or names.up), cfg.mlp_bias)
+        pair(o + "down_proj", p + names.down, cfg.mlp_bias)
+        pair(o + "input_layernorm", p + names.input_layernorm, cfg.norm_bias)
+        if cfg.parallel_block != "shared" and names.post_attention_layernorm is not None:
+            pair(o + "post_attention_layernorm", p + names.post_attention_layernorm, cfg.norm_bias)
+    return out
+
+
+def _bias_name(weight: str) -> str:
+    """Our name of the bias beside weight ``weight`` (``layers.0.o_proj`` -> ``o_bias``)."""
+    owner, _, name = weight.rpartition(".")
+    bias = {"o_proj": "o_bias", "up_proj": "up_bias", "gate_up_proj": "up_bias"}
+    bias |= {"down_proj": "down_bias", "norm": "norm_bias", "lm_head": "lm_head_bias"}
+    ours = bias.get(name, name + "_bias")
+    return f"{owner}.{ours}" if owner else ours
 
 
 MODEL = ClassicModel

@@ -932,6 +932,28 @@ def _stablelm(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _phi(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Phi-2 (and 1, 1.5): attention and MLP side by side on one LayerNorm with a bias,
+    biases on every projection and the LM head, an ungated GELU MLP (fc1, fc2), partial
+    rotary (the class's default half; Phi-2's 0.4). Its ``qk_layernorm`` (off in the
+    published models) is refused."""
+    if cfg.get("qk_layernorm"):
+        raise ValueError("unsupported Phi config: qk_layernorm (LayerNorms on q and k)")
+    return {
+        **_partial_rotary(cfg, base, 0.5),
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+        "mlp_act": _hidden_act(cfg, "Phi", "gelu_new"),
+        "parallel_block": "shared",
+        "mlp_gated": False,
+        "mlp_bias": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "head_bias": True,
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -956,4 +978,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
     "stablelm": _stablelm,
+    "phi": _phi,
 }

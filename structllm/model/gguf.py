@@ -484,8 +484,29 @@ def _stablelm(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _phi(get: Callable[..., Any]) -> dict[str, Any]:
+    """Phi-2: llama.cpp's, one LayerNorm before attention and MLP side by side, biases
+    everywhere, an ungated MLP with tanh GELU (its MLP width: off the tensors, since
+    the converter writes 4 x hidden whatever the config says)."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        parallel_block="shared",
+        mlp_act="gelu_tanh",
+        mlp_gated=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        head_bias=True,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
-_CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {"stablelm": _stablelm}
+_CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
+    "stablelm": _stablelm,
+    "phi": _phi,
+}
 
 
 def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
@@ -495,6 +516,8 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
     if cfg.architecture == "stablelm" and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
+        cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
     return layer_types_from_tensors(cfg, shapes)
 
 
@@ -642,7 +665,7 @@ _LAYER_NAMES = {
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
-_HF_ROPE_ORDER += ("qwen3_next", "stablelm")
+_HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi")
 
 # the classic layouts' norm, output and MLP biases (model/classic.py), and their
 # ungated MLP's first matrix

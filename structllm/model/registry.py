@@ -67,6 +67,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",)),
     # classic layouts: LayerNorms with biases, parallel blocks (model/classic.py)
     Family("stablelm", "stablelm", ("StableLmForCausalLM",), ("stablelm",), ("stablelm",)),
+    Family("phi", "phi", ("PhiForCausalLM",), ("phi",), ("phi2",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

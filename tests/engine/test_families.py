@@ -33,7 +33,7 @@ from tests.support.models import (
 FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
-CLASSIC = {"stablelm"}
+CLASSIC = {"stablelm", "phi"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -100,6 +100,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "stablelm":  # the 12B's options; a quarter of each 16-wide head rotates
         assert (cfg.norm_kind, cfg.norm_bias, cfg.qk_norm) == ("layer", True, "layer_heads")
         assert (cfg.parallel_block, cfg.rotary_dim, cfg.qkv_bias) == ("shared", 4, True)
+    if name == "phi":  # 0.4 of each 16-wide head rotates (6 dimensions, as llama.cpp's)
+        assert (cfg.parallel_block, cfg.mlp_gated, cfg.mlp_act) == ("shared", False, "gelu_tanh")
+        assert cfg.rotary_dim == 6 and cfg.o_bias and cfg.head_bias and cfg.mlp_bias
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
@@ -678,3 +681,11 @@ def test_stablelm_sequential_layout_matches_transformers(default_files) -> None:
         torch.testing.assert_close(
             prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
         )
+
+
+def test_phi_qk_layernorm_is_refused() -> None:
+    cfg = {"architectures": ["PhiForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    assert ModelConfig.from_hf(cfg).rotary_dim == 16  # the class's default half
+    with pytest.raises(ValueError, match="unsupported Phi config: qk_layernorm"):
+        ModelConfig.from_hf({**cfg, "qk_layernorm": True})

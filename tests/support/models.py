@@ -559,6 +559,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "StableLmConfig",
         dict(use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True),
     ),
+    # Phi-2's layout: 0.4 of each head rotating, heads as many as KV heads (the
+    # converter writes them so), its MLP four times the hidden size (as it writes too)
+    "phi": (
+        "PhiConfig",
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=256,
+            rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.4},
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
