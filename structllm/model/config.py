@@ -954,6 +954,34 @@ def _phi(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gpt_neox(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GPT-NeoX (Pythia, GPT-NeoX-20B, ...): LayerNorms with biases, with
+    ``use_parallel_residual`` (its default) attention and MLP side by side each on its
+    own norm, biases on the attention's projections by ``attention_bias``, an ungated
+    MLP with biases, partial rotary (``rotary_pct``, default a quarter; its base
+    ``rotary_emb_base`` in the published configs)."""
+    rope = rope_params(cfg)
+    partial = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 0.25))
+    out: dict[str, Any] = {}
+    if float(partial) != 1.0:
+        out["rotary_dim"] = int(base["head_dim"] * float(partial))
+    if "rope_theta" not in rope and cfg.get("rotary_emb_base") is not None:
+        out["rope_theta"] = float(cfg["rotary_emb_base"])
+    bias = bool(cfg.get("attention_bias", True))
+    return {
+        **out,
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-5)),
+        "mlp_act": _hidden_act(cfg, "GPT-NeoX", "gelu"),
+        "parallel_block": "separate" if cfg.get("use_parallel_residual", True) else "none",
+        "mlp_gated": False,
+        "mlp_bias": True,
+        "qkv_bias": bias,
+        "o_bias": bias,
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -979,4 +1007,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "nemotron_h": _nemotron_h,
     "stablelm": _stablelm,
     "phi": _phi,
+    "gpt_neox": _gpt_neox,
 }

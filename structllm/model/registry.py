@@ -68,6 +68,7 @@ FAMILIES: tuple[Family, ...] = (
     # classic layouts: LayerNorms with biases, parallel blocks (model/classic.py)
     Family("stablelm", "stablelm", ("StableLmForCausalLM",), ("stablelm",), ("stablelm",)),
     Family("phi", "phi", ("PhiForCausalLM",), ("phi",), ("phi2",)),
+    Family("gpt_neox", "gpt_neox", ("GPTNeoXForCausalLM",), ("gpt_neox",), ("gptneox",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

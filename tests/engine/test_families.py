@@ -33,7 +33,7 @@ from tests.support.models import (
 FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
-CLASSIC = {"stablelm", "phi"}
+CLASSIC = {"stablelm", "phi", "gpt_neox"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -103,6 +103,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "phi":  # 0.4 of each 16-wide head rotates (6 dimensions, as llama.cpp's)
         assert (cfg.parallel_block, cfg.mlp_gated, cfg.mlp_act) == ("shared", False, "gelu_tanh")
         assert cfg.rotary_dim == 6 and cfg.o_bias and cfg.head_bias and cfg.mlp_bias
+    if name == "gpt_neox":
+        assert (cfg.parallel_block, cfg.mlp_gated, cfg.mlp_act) == ("separate", False, "gelu")
+        assert cfg.rotary_dim == 4 and cfg.o_bias and cfg.qkv_bias and not cfg.head_bias
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
@@ -668,14 +671,22 @@ def test_config_sizes_that_cannot_be_are_refused(key: str, value: int) -> None:
         ModelConfig.from_hf(cfg)
 
 
-def test_stablelm_sequential_layout_matches_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
-    # StableLM 2 1.6B's layout: attention then MLP, each after its own LayerNorm, no q/k
-    # norms (the family's config is the 12B's)
-    path = tiny_family_dir(
-        "stablelm", default_files, use_parallel_residual=False, qk_layernorm=False
-    )
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # StableLM 2 1.6B's layout: attention then MLP, each after its own LayerNorm, no
+        # q/k norms (the family's config is the 12B's)
+        ("stablelm", dict(use_parallel_residual=False, qk_layernorm=False)),
+        # GPT-NeoX without its parallel residual; its published config's rope keys
+        ("gpt_neox", dict(use_parallel_residual=False, attention_bias=False)),
+    ],
+)
+def test_classic_sequential_layout_matches_transformers(
+    name: str, overrides: dict[str, object], default_files
+) -> None:  # type: ignore[no-untyped-def]
+    path = tiny_family_dir(name, default_files, **overrides)
     cfg = prepare_model(str(path)).config
-    assert (cfg.parallel_block, cfg.qk_norm) == ("none", "none")
+    assert cfg.parallel_block == "none" and cfg.qk_norm == "none"
     engine, ref = engine_for(path), hf_from_dir(path)
     for ids in PROMPTS:
         torch.testing.assert_close(
@@ -689,3 +700,12 @@ def test_phi_qk_layernorm_is_refused() -> None:
     assert ModelConfig.from_hf(cfg).rotary_dim == 16  # the class's default half
     with pytest.raises(ValueError, match="unsupported Phi config: qk_layernorm"):
         ModelConfig.from_hf({**cfg, "qk_layernorm": True})
+
+
+def test_gpt_neox_published_config_keys() -> None:
+    # Pythia's config.json: rotary_pct and rotary_emb_base, no rope_parameters
+    cfg = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8}
+    got = ModelConfig.from_hf({**cfg, "rotary_pct": 0.5, "rotary_emb_base": 1000})
+    assert (got.rotary_dim, got.rope_theta, got.parallel_block) == (16, 1000.0, "separate")
+    assert ModelConfig.from_hf(cfg).rotary_dim == 8  # a quarter, the class's default

@@ -570,6 +570,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # Pythia's layout: a quarter of each head rotating, attention and MLP side by side
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(
+            num_key_value_heads=None,
+            rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.25},
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -888,6 +897,12 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
         cfg["model_type"] = model_type
         if family == "nemotron_h":
             cfg = _as_published_nemotron_h(cfg)
+        if family == "gpt_neox":  # the converter reads the published configs' keys
+            rope = cfg["rope_parameters"]
+            cfg |= {
+                "rotary_pct": rope["partial_rotary_factor"],
+                "rotary_emb_base": rope["rope_theta"],
+            }
         (tmp / "config.json").write_text(json.dumps(cfg))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
@@ -930,6 +945,8 @@ CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
 # config, adds its mixture-of-experts defaults; under an unknown model type it reads
 # config.json as written, ``_as_published_nemotron_h``)
 _CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text", "nemotron_h": "nemotron_h_published"}
+# (GPT-NeoX: its config as published, rotary_pct, read as written under an unknown type)
+_CONVERTER_MODEL_TYPES["gpt_neox"] = "gpt_neox_published"
 
 
 @contextlib.contextmanager
