@@ -482,7 +482,7 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
     elif family in ("qwen2", "qwen3", "qwen3_moe"):
         first = int(cfg.get("max_window_layers", 0))
         sliding = [i >= first for i in range(layers)]
-    elif family in ("mistral", "phi3", "mixtral"):
+    elif family in ("mistral", "phi3", "mixtral", "starcoder2"):
         sliding = [True] * layers
     elif family == "olmo3":  # three windowed layers to one global
         sliding = [(i + 1) % 4 != 0 for i in range(layers)]
@@ -982,6 +982,24 @@ def _gpt_neox(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _starcoder2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """StarCoder2: LayerNorms with biases, an ungated MLP (``c_fc``, ``c_proj``, tanh
+    GELU), biases on every projection by ``use_bias``, its window on every layer
+    (``_layer_windows``), a head tied to the embedding by default."""
+    bias = bool(cfg.get("use_bias", True))
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("norm_epsilon", 1e-5)),
+        "mlp_act": _hidden_act(cfg, "StarCoder2", "gelu_pytorch_tanh"),
+        "mlp_gated": False,
+        "mlp_bias": bias,
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1008,4 +1026,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "stablelm": _stablelm,
     "phi": _phi,
     "gpt_neox": _gpt_neox,
+    "starcoder2": _starcoder2,
 }

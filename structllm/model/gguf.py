@@ -519,11 +519,27 @@ def _gpt_neox(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _starcoder2(get: Callable[..., Any]) -> dict[str, Any]:
+    """StarCoder2: LayerNorms with biases, biases everywhere but the LM head, an ungated
+    MLP with tanh GELU; no window (llama.cpp's writes and runs none)."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        mlp_act="gelu_tanh",
+        mlp_gated=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "stablelm": _stablelm,
     "phi": _phi,
     "gpt_neox": _gpt_neox,
+    "starcoder2": _starcoder2,
 }
 
 
@@ -683,7 +699,7 @@ _LAYER_NAMES = {
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
-_HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox")
+_HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2")
 
 # the classic layouts' norm, output and MLP biases (model/classic.py), and their
 # ungated MLP's first matrix

@@ -69,6 +69,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("stablelm", "stablelm", ("StableLmForCausalLM",), ("stablelm",), ("stablelm",)),
     Family("phi", "phi", ("PhiForCausalLM",), ("phi",), ("phi2",)),
     Family("gpt_neox", "gpt_neox", ("GPTNeoXForCausalLM",), ("gpt_neox",), ("gptneox",)),
+    Family(
+        "starcoder2", "starcoder2", ("Starcoder2ForCausalLM",), ("starcoder2",), ("starcoder2",)
+    ),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

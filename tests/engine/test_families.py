@@ -33,7 +33,7 @@ from tests.support.models import (
 FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
-CLASSIC = {"stablelm", "phi", "gpt_neox"}
+CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -106,6 +106,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "gpt_neox":
         assert (cfg.parallel_block, cfg.mlp_gated, cfg.mlp_act) == ("separate", False, "gelu")
         assert cfg.rotary_dim == 4 and cfg.o_bias and cfg.qkv_bias and not cfg.head_bias
+    if name == "starcoder2":  # its window on every layer
+        assert cfg.layer_windows == [WINDOW] * 3 and cfg.mlp_act == "gelu_tanh"
+        assert cfg.tie_word_embeddings and cfg.mlp_bias and not cfg.mlp_gated
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1

@@ -579,6 +579,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # StarCoder2's: a window on every layer, biases, a tied head
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=WINDOW, tie_word_embeddings=True)),
 }
 
 
@@ -869,6 +871,8 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     # the converter's StableLM drops the 12B's per-head q/k norms (its generator
     # returns their stacked tensor instead of yielding it, then finds them unprocessed)
     "stablelm": dict(qk_layernorm=False),
+    # llama.cpp's StarCoder2 has no window (its converter writes none)
+    "starcoder2": dict(sliding_window=None),
 }
 
 
