@@ -160,8 +160,8 @@ class ClassicNames:
     """Where a classic layout's Hugging Face checkpoint keeps each of our tensors: the
     model-level ones by full name (without ``.weight``), the layer ones under
     ``layers`` (``{i}``: the layer); q, k and v may be separate or, fused as ours,
-    ``qkv``; ``up``/``down`` the ungated MLP's matrices (``gate_up``: a gated one's
-    fused gate and up rows); None: the family has no such tensor."""
+    ``qkv``; ``up``/``down`` the MLP's matrices (a gated one's ``gate`` too, or
+    ``gate_up`` fused); None: the family has no such tensor."""
 
     embed = "model.embed_tokens"
     final_norm = "model.norm"
@@ -170,8 +170,9 @@ class ClassicNames:
     q, k, v = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
     qkv: str | None = None
     o = "self_attn.o_proj"
-    up, down = "mlp.up_proj", "mlp.down_proj"
+    gate, up, down = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
     gate_up: str | None = None
+    q_norm, k_norm = "self_attn.q_norm", "self_attn.k_norm"  # [H, D] or [H * D]
     input_layernorm = "input_layernorm"
     post_attention_layernorm: str | None = "post_attention_layernorm"
     rope_interleaved = False  # the checkpoint's q/k rows already pair as ours
@@ -209,8 +210,18 @@ def hf_to_native(
             ours = "qkv_proj" if kind == "weight" else "qkv_bias"
             out[o + ours] = torch.cat([rot(q, nh), rot(k, nkv), v])
         pair(o + "o_proj", p + names.o, cfg.o_bias)
-        up = "gate_up_proj" if cfg.mlp_gated else "up_proj"
-        pair(o + up, p + (names.gate_up or names.up), cfg.mlp_bias)
+        if cfg.mlp_gated and names.gate_up is None:  # (no biases: none of ours has them)
+            rows = [state.pop(f"{p}{names.gate}.weight"), state.pop(f"{p}{names.up}.weight")]
+            out[o + "gate_up_proj"] = torch.cat(rows)
+        else:
+            first = "gate_up_proj" if cfg.mlp_gated else "up_proj"
+            pair(o + first, p + (names.gate_up or names.up), cfg.mlp_bias)
+        if cfg.qk_norm == "layer_heads":  # a LayerNorm per head: [H * D] weights
+            for ours, theirs, heads in (
+                ("q_norm", names.q_norm, nh),
+                ("k_norm", names.k_norm, nkv),
+            ):
+                out[o + ours] = rot(state.pop(f"{p}{theirs}.weight").reshape(-1), heads)
         pair(o + "down_proj", p + names.down, cfg.mlp_bias)
         pair(o + "input_layernorm", p + names.input_layernorm, cfg.norm_bias)
         if cfg.parallel_block != "shared" and names.post_attention_layernorm is not None:

@@ -1000,6 +1000,49 @@ def _starcoder2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _cohere(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Command R (Cohere) and Command R7B (Cohere2): attention and a gated SiLU MLP side
+    by side on one LayerNorm without a bias, biases on the attention's projections by
+    ``attention_bias``, logits times ``logit_scale``, a head tied to the embedding;
+    Command R+'s per-head q/k LayerNorms (``use_qk_norm``). Command R7B: three windowed
+    layers to one global (``layer_types``, else ``sliding_window_pattern``), where only
+    the windowed ones rotate q and k."""
+    bias = bool(cfg.get("attention_bias", False))
+    scale = cfg.get("logit_scale")
+    out: dict[str, Any] = {
+        "norm_kind": "layer",
+        "rms_norm_eps": float(cfg.get("layer_norm_eps") or 1e-5),
+        "mlp_act": _hidden_act(cfg, "Cohere", "silu"),
+        "parallel_block": "shared",
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "qk_norm": "layer_heads" if cfg.get("use_qk_norm") else "none",
+        "logits_scaling": 1.0 / float(scale) if scale else 1.0,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+    }
+    if base["architecture"] == "cohere2":
+        out |= _cohere2_layers(cfg, base["num_layers"])
+    return out
+
+
+def _cohere2_layers(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Command R7B's windowed layers, the only ones that rotate q and k."""
+    types = cfg.get("layer_types")
+    if types:
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        pattern = int(cfg.get("sliding_window_pattern") or 4)
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    window = cfg.get("sliding_window", 4096)
+    out: dict[str, Any] = {"rope_layers": sliding}
+    if window and any(sliding):
+        out |= {
+            "layer_windows": [int(window) if s else 0 for s in sliding],
+            "sliding_window": int(window),
+        }
+    return out
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1027,4 +1070,6 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "phi": _phi,
     "gpt_neox": _gpt_neox,
     "starcoder2": _starcoder2,
+    "cohere": _cohere,
+    "cohere2": _cohere,
 }

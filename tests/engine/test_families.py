@@ -33,7 +33,7 @@ from tests.support.models import (
 FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
-CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2"}
+CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -109,6 +109,11 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name == "starcoder2":  # its window on every layer
         assert cfg.layer_windows == [WINDOW] * 3 and cfg.mlp_act == "gelu_tanh"
         assert cfg.tie_word_embeddings and cfg.mlp_bias and not cfg.mlp_gated
+    if name == "cohere":  # one LayerNorm without a bias, logits times 0.25
+        assert (cfg.norm_kind, cfg.norm_bias, cfg.parallel_block) == ("layer", False, "shared")
+        assert cfg.qk_norm == "layer_heads" and cfg.logits_scaling == 4.0
+    if name == "cohere2":  # the global layer: no window, no rotary embedding
+        assert cfg.layer_windows == [WINDOW] * 3 + [0] and cfg.rope_layers == [True] * 3 + [False]
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1

@@ -581,6 +581,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     ),
     # StarCoder2's: a window on every layer, biases, a tied head
     "starcoder2": ("Starcoder2Config", dict(sliding_window=WINDOW, tie_word_embeddings=True)),
+    # Command R+'s per-head q/k LayerNorms, a logit scale
+    "cohere": ("CohereConfig", dict(use_qk_norm=True, logit_scale=0.25)),
+    # Command R7B's pattern: three windowed layers with rotary, one global without
+    "cohere2": (
+        "Cohere2Config",
+        dict(num_hidden_layers=4, sliding_window=WINDOW, logit_scale=0.25),
+    ),
 }
 
 
