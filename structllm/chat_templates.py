@@ -19,7 +19,9 @@ formats, and what they write, follow llama.cpp's built-in ones (``src/llama-chat
   with ``[INST]`` tokens): ``[SYSTEM_PROMPT]`` when it is a token, ``[INST]`` as a
   token, or ``[INST]`` as text (Mistral 7B / Mixtral v0.1, whose vocabulary has none);
 - ``phi3`` (phi3): ``<|user|>`` ... ``<|end|>``;
-- ``granite`` (granite): ``<|start_of_role|>user<|end_of_role|>`` ... ``<|end_of_text|>``.
+- ``granite`` (granite): ``<|start_of_role|>user<|end_of_role|>`` ... ``<|end_of_text|>``;
+- ``command-r`` (cohere, cohere2): ``<|START_OF_TURN_TOKEN|><|USER_TOKEN|>`` ...
+  ``<|END_OF_TURN_TOKEN|>``, the assistant as ``<|CHATBOT_TOKEN|>``.
 
 The templates are Jinja, rendered like any model's (``Tokenizer.apply_chat_template``);
 they write ``bos_token`` first when the file asks for a BOS token (``add_bos_token``), as
@@ -126,6 +128,13 @@ _MISTRAL_V7 = (
     "{%- endfor %}"
 )
 
+# Command R's turns (llama.cpp's "command-r"): the role's token after the turn's start
+_COMMAND_R = _loop(
+    "'<|START_OF_TURN_TOKEN|><|' + {'system': 'SYSTEM', 'user': 'USER', 'assistant':"
+    " 'CHATBOT'}[m['role']] + '_TOKEN|>' + (m['content'] | trim) + '<|END_OF_TURN_TOKEN|>'",
+    "'<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'",
+)
+
 CHATML = _Format("chatml", _CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>")
 GEMMA = _Format("gemma", _GEMMA, ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>")
 LLAMA3 = _Format(
@@ -137,6 +146,13 @@ MISTRAL_V7 = _Format(
 MISTRAL_V3 = _Format("mistral-v3", _mistral("", " ", True), ("[INST]", "[/INST]"), None)
 MISTRAL_V1 = _Format("mistral-v1", _mistral(" ", " ", False), (), None)  # [INST] as text
 PHI3 = _Format("phi3", _PHI3, ("<|user|>", "<|assistant|>", "<|end|>"), "<|end|>")
+COMMAND_R = _Format(
+    "command-r",
+    _COMMAND_R,
+    ("<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>")
+    + ("<|SYSTEM_TOKEN|>",),
+    "<|END_OF_TURN_TOKEN|>",
+)
 GRANITE = _Format(
     "granite", _GRANITE, ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"), None
 )
@@ -150,6 +166,7 @@ FORMATS: tuple[_Format, ...] = (
     MISTRAL_V1,
     PHI3,
     GRANITE,
+    COMMAND_R,
 )
 
 # Each family's own formats, the first whose markers are all tokens wins. After them,
@@ -170,6 +187,8 @@ FAMILY_FORMATS: dict[str, tuple[_Format, ...]] = {
     "mixtral": (MISTRAL_V7, MISTRAL_V3, MISTRAL_V1),
     "phi3": (PHI3,),
     "granite": (GRANITE,),
+    "cohere": (COMMAND_R,),
+    "cohere2": (COMMAND_R,),
 }
 
 

@@ -345,6 +345,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     elif fam.name in _CLASSIC:
         kw.update(_CLASSIC[fam.name](get))
+    if fam.name == "cohere2":  # llama.cpp's: 3 windowed layers with rope to 1 without
+        local = _local_layers(layers, 4, get)
+        kw["rope_layers"] = local
+        kw["layer_windows"] = [window if s else 0 for s in local] if window else []
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
@@ -534,12 +538,26 @@ def _starcoder2(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _cohere(get: Callable[..., Any]) -> dict[str, Any]:
+    """Command R: one LayerNorm without a bias before attention and MLP side by side,
+    ``logit_scale`` (its q/k norms: off the tensors, ``options_from_tensors``)."""
+    scale = float(get("logit_scale") or 1.0)
+    return dict(
+        norm_kind="layer",
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        parallel_block="shared",
+        logits_scaling=1.0 / scale,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "stablelm": _stablelm,
     "phi": _phi,
     "gpt_neox": _gpt_neox,
     "starcoder2": _starcoder2,
+    "cohere": _cohere,
+    "cohere2": _cohere,
 }
 
 
@@ -548,7 +566,7 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     hybrid files whose metadata cannot say, ``layer_types_from_tensors``), q/k/v biases
     (GLM-4's, where written), StableLM's per-head q/k LayerNorms."""
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
-    if cfg.architecture == "stablelm" and "blk.0.attn_q_norm.weight" in shapes:
+    if cfg.architecture in ("stablelm", "cohere") and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])

@@ -908,6 +908,8 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
         cfg["model_type"] = model_type
         if family == "nemotron_h":
             cfg = _as_published_nemotron_h(cfg)
+        if family == "cohere2":  # as published: rotary_pct, which the converter reads
+            cfg["rotary_pct"] = 1.0
         if family == "gpt_neox":  # the converter reads the published configs' keys
             rope = cfg["rope_parameters"]
             cfg |= {
@@ -958,6 +960,7 @@ CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
 _CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text", "nemotron_h": "nemotron_h_published"}
 # (GPT-NeoX: its config as published, rotary_pct, read as written under an unknown type)
 _CONVERTER_MODEL_TYPES["gpt_neox"] = "gpt_neox_published"
+_CONVERTER_MODEL_TYPES["cohere2"] = "cohere2_published"
 
 
 @contextlib.contextmanager

@@ -20,6 +20,8 @@ GEMMA_TOKENS = {"<start_of_turn>", "<end_of_turn>"}
 LLAMA3_TOKENS = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
 PHI3_TOKENS = {"<|user|>", "<|assistant|>", "<|end|>"}
 GRANITE_TOKENS = {"<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"}
+COMMAND_R_TOKENS = {"<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>"}
+COMMAND_R_TOKENS |= {"<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>"}
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -64,6 +66,8 @@ def render(family: str, vocab: set[str], add_bos: bool = False, **kw: Any) -> st
         ("phi3", CHATML_TOKENS, "chatml"),  # any family, by ChatML's tokens
         ("granite", GRANITE_TOKENS, "granite"),
         ("olmo2", CHATML_TOKENS, "chatml"),
+        ("cohere", COMMAND_R_TOKENS, "command-r"),
+        ("cohere2", COMMAND_R_TOKENS | CHATML_TOKENS, "command-r"),
     ],
 )
 def test_the_family_and_its_vocabulary_choose_the_format(
@@ -152,6 +156,17 @@ def test_phi3_and_granite() -> None:
         "<|start_of_role|>assistant<|end_of_role|>Hello!<|end_of_text|>\n"
         "<|start_of_role|>user<|end_of_role|>Count to 3.<|end_of_text|>\n"
         "<|start_of_role|>assistant<|end_of_role|>"
+    )
+
+
+def test_command_r() -> None:
+    # llama.cpp's "command-r": each turn's role token, contents trimmed
+    assert render("cohere", COMMAND_R_TOKENS) == (
+        "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello!<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Count to 3.<|END_OF_TURN_TOKEN|>"
+        "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
     )
 
 
