@@ -176,6 +176,7 @@ class ClassicNames:
     input_layernorm = "input_layernorm"
     post_attention_layernorm: str | None = "post_attention_layernorm"
     rope_interleaved = False  # the checkpoint's q/k rows already pair as ours
+    norm_plus_one = False  # norms hold w of (1 + w) (Nemotron's LayerNorm1P)
 
 
 def hf_to_native(
@@ -190,6 +191,8 @@ def hf_to_native(
 
     def pair(ours: str, theirs: str, bias: bool) -> None:
         out[ours] = state.pop(theirs + ".weight")
+        if names.norm_plus_one and ours.endswith("norm"):  # (as transformers, in float32)
+            out[ours] = out[ours].float() + 1.0
         if bias:
             out[_bias_name(ours)] = state.pop(theirs + ".bias")
 

@@ -1043,6 +1043,25 @@ def _cohere2_layers(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     return out
 
 
+def _nemotron(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron (Nemotron-4, Minitron): LayerNorm1P (a LayerNorm with a bias whose
+    weight is ``1 + w``: the loader adds the 1), an ungated relu-squared MLP (biases by
+    ``mlp_bias``), biases on the attention's projections by ``attention_bias``, partial
+    rotary (the class's default half)."""
+    bias = bool(cfg.get("attention_bias", False))
+    return {
+        **_partial_rotary(cfg, base, 0.5),
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+        "mlp_act": _hidden_act(cfg, "Nemotron", "relu2"),
+        "mlp_gated": False,
+        "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "qkv_bias": bias,
+        "o_bias": bias,
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1072,4 +1091,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "starcoder2": _starcoder2,
     "cohere": _cohere,
     "cohere2": _cohere,
+    "nemotron": _nemotron,
 }

@@ -550,6 +550,19 @@ def _cohere(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _nemotron(get: Callable[..., Any]) -> dict[str, Any]:
+    """Nemotron: LayerNorms with biases (their weights 1 + w, as the converter writes
+    them), an ungated relu-squared MLP (its biases and the attention's: off the
+    tensors, ``options_from_tensors``)."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        mlp_act="relu2",
+        mlp_gated=False,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "stablelm": _stablelm,
@@ -558,6 +571,7 @@ _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "starcoder2": _starcoder2,
     "cohere": _cohere,
     "cohere2": _cohere,
+    "nemotron": _nemotron,
 }
 
 
@@ -568,6 +582,12 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
     if cfg.architecture in ("stablelm", "cohere") and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    if cfg.architecture == "nemotron":  # its optional biases
+        cfg = msgspec.structs.replace(
+            cfg,
+            o_bias="blk.0.attn_output.bias" in shapes,
+            mlp_bias="blk.0.ffn_up.bias" in shapes,
+        )
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
     return layer_types_from_tensors(cfg, shapes)
@@ -717,7 +737,7 @@ _LAYER_NAMES = {
 _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
-_HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2")
+_HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
 
 # the classic layouts' norm, output and MLP biases (model/classic.py), and their
 # ungated MLP's first matrix

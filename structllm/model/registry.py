@@ -75,6 +75,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("cohere", "cohere", ("CohereForCausalLM",), ("cohere",), ("command-r",)),
     # Command R7B: windowed layers with rotary, global ones without
     Family("cohere2", "cohere", ("Cohere2ForCausalLM",), ("cohere2",), ("cohere2",)),
+    Family("nemotron", "nemotron", ("NemotronForCausalLM",), ("nemotron",), ("nemotron",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

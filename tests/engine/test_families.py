@@ -33,7 +33,7 @@ from tests.support.models import (
 FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
-CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2"}
+CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2", "nemotron"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -114,6 +114,13 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.qk_norm == "layer_heads" and cfg.logits_scaling == 4.0
     if name == "cohere2":  # the global layer: no window, no rotary embedding
         assert cfg.layer_windows == [WINDOW] * 3 + [0] and cfg.rope_layers == [True] * 3 + [False]
+    if name == "nemotron":  # LayerNorm1P (1 + w, added at load), relu-squared MLP
+        assert (cfg.norm_kind, cfg.mlp_act, cfg.mlp_gated, cfg.rotary_dim) == (
+            "layer",
+            "relu2",
+            False,
+            8,
+        )
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1

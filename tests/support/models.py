@@ -588,6 +588,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "Cohere2Config",
         dict(num_hidden_layers=4, sliding_window=WINDOW, logit_scale=0.25),
     ),
+    # Nemotron's: LayerNorm1P, relu-squared MLP, half of each head rotating, biases
+    "nemotron": (
+        "NemotronConfig",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    ),
 }
 
 
@@ -890,7 +895,7 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     the token ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
     by name (``glm_tokenizer_json``)."""
     extra: dict[str, Path] | None = None
-    if family in ("gemma", "gemma2", "ernie4_5"):
+    if family in ("gemma", "gemma2", "ernie4_5", "nemotron"):
         extra = {"tokenizer.model": sentencepiece_model()}
     elif family == "glm4":
         extra = {"tokenizer.json": glm_tokenizer_json(files)}
