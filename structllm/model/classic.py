@@ -123,6 +123,18 @@ class ClassicModel(LlamaModel):
         self.norm_bias = _param(dtype, cfg.hidden_size) if cfg.norm_bias else None
         if cfg.head_bias:
             self.lm_head_bias = _param(dtype, len(plan.vocab) if plan else cfg.vocab_size)
+        # GPT-2's learned absolute positions, [max positions, hidden]
+        self.position_embeddings = (
+            _param(dtype, cfg.max_position_embeddings, cfg.hidden_size)
+            if cfg.learned_positions
+            else None
+        )
+
+    def embed_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        x = self.embed(input_ids)
+        if self.position_embeddings is None:
+            return x
+        return x + self.position_embeddings[positions]
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int

@@ -119,6 +119,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mlp_bias: bool = False  # biases on the MLP's matmuls
     o_bias: bool = False  # a bias on the attention output projection
     head_bias: bool = False  # a bias on the LM head
+    learned_positions: bool = False  # absolute position embeddings added (GPT-2), no rope
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -220,7 +221,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; raises ``ValueError`` naming what is
         unsupported."""
-        cfg = text_config(cfg)
+        cfg = _gpt2_keys(text_config(cfg))
         fam = family_for_hf(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -278,6 +279,26 @@ def _check_classic(cfg: ModelConfig) -> None:
         raise ValueError(f"unsupported parallel_block {cfg.parallel_block!r}")
     if cfg.mlp_act not in MLP_ACTS:
         raise ValueError(f"unsupported MLP activation {cfg.mlp_act!r}; expected one of {MLP_ACTS}")
+
+
+# GPT-2's config keys (and GPT-BigCode's), by transformers' attribute_map
+_GPT2_KEYS = {
+    "n_embd": "hidden_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_positions": "max_position_embeddings",
+    "n_inner": "intermediate_size",
+}
+
+
+def _gpt2_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with GPT-2's key names as the others' (``n_embd`` -> ``hidden_size``, ...;
+    an unset ``n_inner`` is four times the width)."""
+    if "n_embd" not in cfg:
+        return cfg
+    out = {_GPT2_KEYS.get(k, k): v for k, v in cfg.items() if k != "n_inner"}
+    out["intermediate_size"] = cfg.get("n_inner") or 4 * int(cfg["n_embd"])
+    return out
 
 
 def _num_layers(cfg: dict[str, Any]) -> int:
@@ -1062,6 +1083,35 @@ def _nemotron(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _gpt2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2 and GPT-BigCode (SantaCoder, StarCoder 1): learned absolute positions and no
+    rotary, LayerNorms with biases, biases on every projection, an ungated GELU MLP, a
+    head tied to the embedding; BigCode's ``multi_query``: one KV head. GPT-2's
+    ``scale_attn_by_inverse_layer_idx`` is refused."""
+    if cfg.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError("unsupported GPT-2 config: scale_attn_by_inverse_layer_idx")
+    default = "gelu_new" if base["architecture"] == "gpt2" else "gelu_pytorch_tanh"
+    act = cfg.get("activation_function") or default
+    out: dict[str, Any] = {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5)),
+        "mlp_act": _hidden_act({"hidden_act": act}, "GPT-2", default),
+        "mlp_gated": False,
+        "mlp_bias": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "learned_positions": True,
+        "rope_layers": [False] * base["num_layers"],
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+    }
+    if not cfg.get("scale_attn_weights", True):
+        out["attn_scale"] = 1.0
+    multi_query = base["architecture"] == "gpt_bigcode" and cfg.get("multi_query", True)
+    out["num_kv_heads"] = 1 if multi_query else base["num_heads"]
+    return out
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1092,4 +1142,6 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "cohere": _cohere,
     "cohere2": _cohere,
     "nemotron": _nemotron,
+    "gpt2": _gpt2,
+    "gpt_bigcode": _gpt2,
 }

@@ -563,6 +563,24 @@ def _nemotron(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _gpt2(get: Callable[..., Any]) -> dict[str, Any]:
+    """GPT-2 and GPT-BigCode (llama.cpp's starcoder): learned positions, no rotary,
+    LayerNorms and biases everywhere but the LM head, an ungated tanh-GELU MLP (its
+    width off the tensors, as the converter writes 4 x hidden)."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        mlp_act="gelu_tanh",
+        mlp_gated=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        learned_positions=True,
+        rope_layers=[False] * int(get("block_count")),
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "stablelm": _stablelm,
@@ -572,6 +590,8 @@ _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "cohere": _cohere,
     "cohere2": _cohere,
     "nemotron": _nemotron,
+    "gpt2": _gpt2,
+    "gpt_bigcode": _gpt2,
 }
 
 
@@ -1045,6 +1065,8 @@ def load_tensors(
             yield "norm", w
         elif name == "output.weight":
             yield "lm_head", w
+        elif name == "position_embd.weight":  # GPT-2's learned positions
+            yield "position_embeddings", w
         elif name in ("output_norm.bias", "output.bias"):  # (the classic layouts')
             yield ("norm_bias" if name == "output_norm.bias" else "lm_head_bias"), w
         elif name.startswith("blk."):

@@ -448,7 +448,7 @@ class LlamaModel(nn.Module):
         the step short, whose K/V writes then cover only the layers run so far."""
         tp = self.tp
         last = self.layer_range.stop == self.cfg.num_layers
-        x = hidden if hidden is not None else self.embed(input_ids)
+        x = hidden if hidden is not None else self.embed_at(input_ids, positions)
         table = self.rope_table(int(meta.max_seq_len))
         ropes = [table[positions]]  # [T, D/2] per table: global, local, none
         if self._rope_local is not None:
@@ -500,6 +500,11 @@ class LlamaModel(nn.Module):
     def final_norm(self, x: Tensor) -> Tensor:
         """The plain path's norm after the last layer, ``[T, hidden]``."""
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+
+    def embed_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """The first layer's input ``[T, hidden]`` for tokens at ``positions: [T]``: the
+        embedding (a family with learned positions adds theirs)."""
+        return self.embed(input_ids)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """``input_ids: [T]`` -> ``[T, hidden]``: the embedding rows (this rank's vocabulary

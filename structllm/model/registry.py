@@ -76,6 +76,9 @@ FAMILIES: tuple[Family, ...] = (
     # Command R7B: windowed layers with rotary, global ones without
     Family("cohere2", "cohere", ("Cohere2ForCausalLM",), ("cohere2",), ("cohere2",)),
     Family("nemotron", "nemotron", ("NemotronForCausalLM",), ("nemotron",), ("nemotron",)),
+    # learned absolute positions, no rotary
+    Family("gpt2", "gpt2", ("GPT2LMHeadModel",), ("gpt2",), ("gpt2",)),
+    Family("gpt_bigcode", "gpt2", ("GPTBigCodeForCausalLM",), ("gpt_bigcode",), ("starcoder",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

@@ -34,6 +34,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
 CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2", "nemotron"}
+CLASSIC |= {"gpt2", "gpt_bigcode"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -121,6 +122,9 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
             False,
             8,
         )
+    if name in ("gpt2", "gpt_bigcode"):  # learned positions, no rotary; BigCode's MQA
+        assert cfg.learned_positions and cfg.rope_layers == [False] * 3
+        assert cfg.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
@@ -227,8 +231,8 @@ def test_exaone4_layers_rotate_as_transformers_runs_them() -> None:
 
 
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*Qwen3"):
-        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "hidden_size": 8})
+    with pytest.raises(ValueError, match=r"unsupported architecture.*BloomForCausalLM.*Qwen3"):
+        ModelConfig.from_hf({"architectures": ["BloomForCausalLM"], "hidden_size": 8})
 
 
 # ---------------------------------------------------------------------------------------
@@ -724,3 +728,12 @@ def test_gpt_neox_published_config_keys() -> None:
     got = ModelConfig.from_hf({**cfg, "rotary_pct": 0.5, "rotary_emb_base": 1000})
     assert (got.rotary_dim, got.rope_theta, got.parallel_block) == (16, 1000.0, "separate")
     assert ModelConfig.from_hf(cfg).rotary_dim == 8  # a quarter, the class's default
+
+
+def test_gpt2_inverse_layer_scaling_is_refused() -> None:
+    cfg = {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 1, "n_head": 2}
+    cfg |= {"vocab_size": 8, "n_positions": 32}
+    got = ModelConfig.from_hf(cfg)  # GPT-2's key names; n_inner unset: 4 x n_embd
+    assert (got.hidden_size, got.intermediate_size, got.max_position_embeddings) == (64, 256, 32)
+    with pytest.raises(ValueError, match="unsupported GPT-2 config: scale_attn_by_inverse"):
+        ModelConfig.from_hf({**cfg, "scale_attn_by_inverse_layer_idx": True})

@@ -127,9 +127,9 @@ def test_missing_model_says_what_was_expected(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
-        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+        '{"architectures": ["BloomForCausalLM"], "model_type": "bloom"}'
     )
-    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="unsupported architecture.*BloomForCausalLM"):
         prepare_model(str(tmp_path))
 
 

@@ -593,6 +593,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "NemotronConfig",
         dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
     ),
+    # GPT-2: learned positions, Conv1D matrices, 4 x hidden MLP
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, n_positions=512)),
+    # GPT-BigCode (StarCoder 1): multi-query attention, one KV head
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        dict(n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128),
+    ),
 }
 
 
@@ -913,6 +920,8 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
         cfg["model_type"] = model_type
         if family == "nemotron_h":
             cfg = _as_published_nemotron_h(cfg)
+        if family == "gpt2":  # as published: n_ctx, which the converter reads
+            cfg["n_ctx"] = cfg["n_positions"]
         if family == "cohere2":  # as published: rotary_pct, which the converter reads
             cfg["rotary_pct"] = 1.0
         if family == "gpt_neox":  # the converter reads the published configs' keys
@@ -966,6 +975,7 @@ _CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text", "nemotron_h": "nemotron
 # (GPT-NeoX: its config as published, rotary_pct, read as written under an unknown type)
 _CONVERTER_MODEL_TYPES["gpt_neox"] = "gpt_neox_published"
 _CONVERTER_MODEL_TYPES["cohere2"] = "cohere2_published"
+_CONVERTER_MODEL_TYPES["gpt2"] = "gpt2_published"
 
 
 @contextlib.contextmanager
