@@ -1112,6 +1112,48 @@ def _gpt2(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _falcon(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Falcon: LayerNorms with biases, an ungated GELU MLP (``ffn_hidden_size``, else 4 x
+    hidden), biases on every projection by ``bias``, full rotary. Its layouts:
+    ``new_decoder_architecture`` (40B, 180B, Falcon 2): ``num_kv_heads`` groups,
+    attention and MLP side by side, on two norms (``ln_attn``, ``ln_mlp``) or one
+    (``num_ln_in_parallel_attn`` 1); else (7B) ``multi_query`` (one KV head) and
+    ``parallel_attn`` on one norm, or one after the other on two. ALiBi (Falcon-RW)
+    is refused."""
+    if cfg.get("alibi"):
+        raise ValueError("unsupported Falcon config: alibi (Falcon-RW's position biases)")
+    new = bool(cfg.get("new_decoder_architecture", False))
+    parallel = bool(cfg.get("parallel_attn", True))
+    if new and not parallel:
+        raise ValueError(
+            "unsupported Falcon config: new_decoder_architecture without parallel_attn"
+        )
+    heads = base["num_heads"]
+    kv = int(cfg.get("num_kv_heads") or heads)  # (the new architecture's groups)
+    if not new:  # one KV head, or one per query head
+        kv = 1 if cfg.get("multi_query", True) else heads
+    if new:
+        two = int(cfg.get("num_ln_in_parallel_attn") or 2) == 2
+        block = "separate" if two else "shared"
+    else:
+        block = "shared" if parallel else "none"
+    bias = bool(cfg.get("bias", False))
+    return {
+        "num_kv_heads": kv,
+        "intermediate_size": int(cfg.get("ffn_hidden_size") or 4 * base["hidden_size"]),
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5),
+        "mlp_act": _hidden_act({"hidden_act": cfg.get("activation") or "gelu"}, "Falcon", "gelu"),
+        "parallel_block": block,
+        "mlp_gated": False,
+        "mlp_bias": bias,
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1144,4 +1186,5 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "nemotron": _nemotron,
     "gpt2": _gpt2,
     "gpt_bigcode": _gpt2,
+    "falcon": _falcon,
 }

@@ -581,6 +581,20 @@ def _gpt2(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _falcon(get: Callable[..., Any]) -> dict[str, Any]:
+    """Falcon: LayerNorms with biases, attention and an ungated GELU MLP side by side
+    (on two norms where the file has ``attn_norm_2``, the new architecture's:
+    ``options_from_tensors``), its MLP width off the tensors."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-5)),
+        parallel_block="shared",
+        mlp_act="gelu",
+        mlp_gated=False,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "stablelm": _stablelm,
@@ -592,6 +606,7 @@ _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "nemotron": _nemotron,
     "gpt2": _gpt2,
     "gpt_bigcode": _gpt2,
+    "falcon": _falcon,
 }
 
 
@@ -602,6 +617,10 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
     if cfg.architecture in ("stablelm", "cohere") and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    if cfg.architecture == "falcon" and "blk.0.attn_norm_2.weight" in shapes:
+        cfg = msgspec.structs.replace(cfg, parallel_block="separate")  # ln_attn, ln_mlp
+    if cfg.architecture == "falcon" and "blk.0.attn_output.bias" in shapes:
+        cfg = msgspec.structs.replace(cfg, o_bias=True, mlp_bias=True)
     if cfg.architecture == "nemotron":  # its optional biases
         cfg = msgspec.structs.replace(
             cfg,
@@ -758,6 +777,7 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
+_HF_ROPE_ORDER += ("falcon",)
 
 # the classic layouts' norm, output and MLP biases (model/classic.py), and their
 # ungated MLP's first matrix
@@ -767,6 +787,13 @@ _CLASSIC_NAMES = {
     "attn_output.bias": "o_bias",
     "ffn_up.bias": "up_bias",
     "ffn_down.bias": "down_bias",
+}
+# Falcon's new architecture: llama.cpp's attn_norm is its ln_mlp, attn_norm_2 its ln_attn
+_FALCON_NORMS = {
+    "attn_norm.weight": "post_attention_layernorm",
+    "attn_norm.bias": "post_attention_layernorm_bias",
+    "attn_norm_2.weight": "input_layernorm",
+    "attn_norm_2.bias": "input_layernorm_bias",
 }
 
 # Granite 4's and Nemotron-H's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
@@ -1087,6 +1114,10 @@ def load_tensors(
                 if left is None:
                     continue
                 w = left
+            two_norms = cfg.architecture == "falcon" and cfg.parallel_block == "separate"
+            if two_norms and rest in _FALCON_NORMS:
+                yield prefix + _FALCON_NORMS[rest], w
+                continue
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w
                 continue

@@ -79,6 +79,7 @@ FAMILIES: tuple[Family, ...] = (
     # learned absolute positions, no rotary
     Family("gpt2", "gpt2", ("GPT2LMHeadModel",), ("gpt2",), ("gpt2",)),
     Family("gpt_bigcode", "gpt2", ("GPTBigCodeForCausalLM",), ("gpt_bigcode",), ("starcoder",)),
+    Family("falcon", "falcon", ("FalconForCausalLM",), ("falcon",), ("falcon",)),
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),

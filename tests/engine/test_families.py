@@ -34,7 +34,7 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 # the classic layouts (model/classic.py): LayerNorms, biases, parallel blocks, which the
 # fused CPU ops decline (the plain path runs them in every format)
 CLASSIC = {"stablelm", "phi", "gpt_neox", "starcoder2", "cohere", "cohere2", "nemotron"}
-CLASSIC |= {"gpt2", "gpt_bigcode"}
+CLASSIC |= {"gpt2", "gpt_bigcode", "falcon"}
 # longer than WINDOW, GQA groups of 2; the last one ~7 windows long
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 137)), [7], list(range(500, 900, 7))]
 
@@ -125,6 +125,8 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
     if name in ("gpt2", "gpt_bigcode"):  # learned positions, no rotary; BigCode's MQA
         assert cfg.learned_positions and cfg.rope_layers == [False] * 3
         assert cfg.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
+    if name == "falcon":  # Falcon 40B's: two norms side by side, KV head groups
+        assert (cfg.parallel_block, cfg.num_kv_heads, cfg.mlp_act) == ("separate", 2, "gelu")
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
@@ -691,21 +693,35 @@ def test_config_sizes_that_cannot_be_are_refused(key: str, value: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "overrides"),
+    ("name", "overrides", "block", "kv_heads"),
     [
         # StableLM 2 1.6B's layout: attention then MLP, each after its own LayerNorm, no
         # q/k norms (the family's config is the 12B's)
-        ("stablelm", dict(use_parallel_residual=False, qk_layernorm=False)),
-        # GPT-NeoX without its parallel residual; its published config's rope keys
-        ("gpt_neox", dict(use_parallel_residual=False, attention_bias=False)),
+        ("stablelm", dict(use_parallel_residual=False, qk_layernorm=False), "none", 2),
+        # GPT-NeoX without its parallel residual nor attention biases
+        ("gpt_neox", dict(use_parallel_residual=False, attention_bias=False), "none", 4),
+        # Falcon 7B: multi-query ([q | k | v] rows), side by side on one norm
+        ("falcon", dict(new_decoder_architecture=False, bias=False), "shared", 1),
+        # Falcon without multi-query nor the parallel block (rows [H, 3, D])
+        (
+            "falcon",
+            dict(
+                new_decoder_architecture=False,
+                multi_query=False,
+                parallel_attn=False,
+                num_kv_heads=None,
+            ),
+            "none",
+            4,
+        ),
     ],
 )
-def test_classic_sequential_layout_matches_transformers(
-    name: str, overrides: dict[str, object], default_files
+def test_classic_other_layouts_match_transformers(
+    name: str, overrides: dict[str, object], block: str, kv_heads: int, default_files
 ) -> None:  # type: ignore[no-untyped-def]
     path = tiny_family_dir(name, default_files, **overrides)
     cfg = prepare_model(str(path)).config
-    assert cfg.parallel_block == "none" and cfg.qk_norm == "none"
+    assert (cfg.parallel_block, cfg.num_kv_heads, cfg.qk_norm) == (block, kv_heads, "none")
     engine, ref = engine_for(path), hf_from_dir(path)
     for ids in PROMPTS:
         torch.testing.assert_close(
@@ -737,3 +753,11 @@ def test_gpt2_inverse_layer_scaling_is_refused() -> None:
     assert (got.hidden_size, got.intermediate_size, got.max_position_embeddings) == (64, 256, 32)
     with pytest.raises(ValueError, match="unsupported GPT-2 config: scale_attn_by_inverse"):
         ModelConfig.from_hf({**cfg, "scale_attn_by_inverse_layer_idx": True})
+
+
+def test_falcon_alibi_is_refused() -> None:
+    cfg = {"architectures": ["FalconForCausalLM"], "hidden_size": 64, "vocab_size": 8}
+    cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1}
+    assert ModelConfig.from_hf(cfg).num_kv_heads == 1  # multi_query, the class's default
+    with pytest.raises(ValueError, match="unsupported Falcon config: alibi"):
+        ModelConfig.from_hf({**cfg, "alibi": True})

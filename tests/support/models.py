@@ -600,6 +600,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "GPTBigCodeConfig",
         dict(n_embd=64, n_layer=3, n_head=4, n_positions=512, n_inner=128),
     ),
+    # Falcon 40B's layout: KV head groups, attention and MLP side by side on two norms
+    "falcon": (
+        "FalconConfig",
+        dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=128, bias=True),
+    ),
 }
 
 
@@ -681,7 +686,7 @@ def tiny_family_dir(
     kw = {**_SMALL, **extra, **overrides}
     extra_files = extra_files or {}
     key = hashlib.sha256(
-        json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
+        json.dumps([family, cls_name, kw, transformers.__version__, 3], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
         + b"".join(n.encode() + p.read_bytes() for n, p in sorted(extra_files.items()))
@@ -694,7 +699,7 @@ def tiny_family_dir(
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:  # (GPT-2's ln_1)
                 p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -892,6 +897,8 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "stablelm": dict(qk_layernorm=False),
     # llama.cpp's StarCoder2 has no window (its converter writes none)
     "starcoder2": dict(sliding_window=None),
+    # the converter regroups Falcon's q/k/v weights only (no biases, as published)
+    "falcon": dict(bias=False),
 }
 
 
