@@ -44,6 +44,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="KV cache size, e.g. 1G (default: 1G on CPU)",
     )
     p.add_argument(
+        "--encoder-cache-memory",
+        type=parse_size,
+        default=d("encoder_cache_memory"),
+        help="bytes of vision-encoder outputs kept by image hash, so a repeated image "
+        "skips the encoder (vision-language models; default: 256M)",
+    )
+    p.add_argument(
         "--block-size", type=int, default=d("block_size"), help="tokens per KV cache block"
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
@@ -222,6 +229,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory=a.kv_cache_memory,
+        encoder_cache_memory=a.encoder_cache_memory,
         block_size=a.block_size,
         enable_prefix_caching=not a.no_prefix_caching,
         seed=a.seed,

@@ -809,4 +809,15 @@ class EngineCore:
             spec_accepted_per_pos=list(spec.accepted_per_pos),
             state_cache_slots_used=st.num_slots - st.num_free_slots if st is not None else 0,
             spec_propose_s=spec.propose_s,
+            **self._encoder_stats(),
+        )
+
+    def _encoder_stats(self) -> dict[str, int]:
+        if not isinstance(self.runner, ModelRunner):
+            return {}
+        enc = self.runner.encoder_cache
+        return dict(
+            encoder_cache_queries=enc.num_hits + enc.num_misses,
+            encoder_cache_hits=enc.num_hits,
+            encoder_cache_bytes=enc.num_bytes,
         )
