@@ -41,8 +41,10 @@ class AttentionImpl(Protocol):
     Every attention takes the layer's softmax ``scale``, its ``window`` (a query sees
     only the last ``window`` keys up to itself, its own included; 0: all of them) and
     its ``softcap`` (scores become ``softcap * tanh(score / softcap)`` before the
-    softmax, Gemma 2's; 0: none). The cache holds every position of every layer; a
-    window only limits what is read."""
+    softmax, Gemma 2's; 0: none) and its ``sinks`` (``[H]`` float32, gpt-oss's: one more
+    logit per query head in each row's softmax denominator, weighing no value; None:
+    none). The cache holds every position of every layer; a window only limits what is
+    read."""
 
     name: str
     supports_cuda_graphs: bool
@@ -64,6 +66,7 @@ class AttentionImpl(Protocol):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor: ...
 
     def prefill(
@@ -77,6 +80,7 @@ class AttentionImpl(Protocol):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -107,6 +111,7 @@ class TorchAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         nd = meta.num_decodes
         max_len = max(meta.seq_lens_list[:nd])
@@ -120,6 +125,7 @@ class TorchAttention:
             max_len,
             window,
             softcap,
+            sinks,
         )
 
     def prefill(
@@ -133,6 +139,7 @@ class TorchAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
@@ -149,6 +156,7 @@ class TorchAttention:
             k_transposed=self.k_transposed,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -201,6 +209,7 @@ class CpuAttention(TorchAttention):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Prefill rows through the tiled kernel (``paged_prefill``): row ``r`` of a
         sequence's chunk attends to its first ``ctx - q_len + r + 1`` cached tokens. This
@@ -221,7 +230,7 @@ class CpuAttention(TorchAttention):
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._prefill(out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap)
+        self._prefill(out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap, sinks)
         return out
 
     @staticmethod
@@ -247,10 +256,11 @@ class CpuAttention(TorchAttention):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap)
+        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
         return out
 
     def decode_rows(
@@ -264,6 +274,7 @@ class CpuAttention(TorchAttention):
         window: int = 0,
         softcap: float = 0.0,
         out: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """``decode`` of a decode-only step straight from the fused projection's rows
         ``qkv: [T, H + 2 Hkv, D]`` (its K/V already stored): the kernel reads the first
@@ -273,7 +284,7 @@ class CpuAttention(TorchAttention):
         if out is None:
             out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap)
+        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
         return out
 
 
@@ -288,12 +299,13 @@ def attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Store this step's ``k, v: [T, Hkv, D]`` in the cache, then attend with
-    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``: see
+    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``, ``sinks``: see
     ``AttentionImpl``."""
     impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
 def attend(
@@ -307,15 +319,18 @@ def attend(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``attention`` once this step's K/V are in the cache (prefill reads ``k, v`` too)."""
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     if nd == 0:
-        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
     out = torch.empty_like(q)
-    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
-    pre = impl.prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap)
+    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks)
+    pre = impl.prefill(
+        q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap, sinks
+    )
     out[nd:] = pre
     return out

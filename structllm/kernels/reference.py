@@ -62,6 +62,7 @@ def decode_attention(
     max_seq_len: int,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence: ``q: [B, H, D]`` -> ``[B, H, D]``.
 
@@ -69,7 +70,9 @@ def decode_attention(
     masks the slots past each sequence's length (and, with a ``window``, those before
     its last ``window``), and runs one batched GQA attention per KV head
     (``[B, G, D] x [B, D, L]``: strided views, no transposed copies). ``softcap``: scores
-    become ``softcap * tanh(score / softcap)`` before the mask.
+    become ``softcap * tanh(score / softcap)`` before the mask. ``sinks: [H]`` (gpt-oss):
+    one more logit per head in each row's softmax, in the scaled scores' units, that
+    weighs no value (its share of the denominator is attention paid to nothing).
     """
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -96,7 +99,12 @@ def decode_attention(
             scores = torch.baddbmm(
                 bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale
             )  # [B, G, L]
-        out[:, j] = torch.bmm(scores.softmax(dim=-1), v[:, :, j].float()).to(q.dtype)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # the sink as column L, dropped after the softmax
+            sink = sinks[j * g : (j + 1) * g].float()[None, :, None].expand(b, g, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :length]
+        out[:, j] = torch.bmm(probs, v[:, :, j].float()).to(q.dtype)
     return out.view(b, h, d)
 
 
@@ -113,6 +121,7 @@ def prefill_attention(
     k_transposed: bool = False,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
 
@@ -124,15 +133,16 @@ def prefill_attention(
     block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's). Context read from
     a narrower cache is widened to ``q``'s dtype (SDPA wants equal dtypes); fresh
     sequences attend to ``k_new``/``v_new`` as computed (the C++ backend's prefill
-    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``: see
-    ``decode_attention``; with either, each sequence goes through ``_masked_attention``.
+    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``, ``sinks``:
+    see ``decode_attention``; with any, each sequence goes through ``_masked_attention``.
     """
     out = torch.empty_like(q)
+    masked = bool(window or softcap) or sinks is not None
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len, ctx = end - start, seq_lens[i]
-        if k_new is not None and v_new is not None and ctx == q_len and not (window or softcap):
+        if k_new is not None and v_new is not None and ctx == q_len and not masked:
             fresh.setdefault(q_len, []).append(i)
             continue
         k = (
@@ -142,8 +152,8 @@ def prefill_attention(
         )
         v = gather_kv(v_cache, block_tables[i], ctx)
         k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
-        if window or softcap:
-            out[start:end] = _masked_attention(q[start:end], k, v, scale, window, softcap)
+        if masked:
+            out[start:end] = _masked_attention(q[start:end], k, v, scale, window, softcap, sinks)
         else:
             out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
     for seqs in fresh.values():
@@ -183,10 +193,17 @@ def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 def _masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int, softcap: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """``_causal_sdpa`` with a sliding ``window`` and soft-capped scores, in explicit
-    ops (SDPA has no soft-cap): ``[Q, H, D]`` against ``[L, Hkv, D]``."""
+    """``_causal_sdpa`` with a sliding ``window``, soft-capped scores and ``sinks`` (see
+    ``decode_attention``), in explicit ops (SDPA has neither): ``[Q, H, D]`` against
+    ``[L, Hkv, D]``."""
     q_len, h, _ = q.shape
     ctx, hkv, _ = k.shape
     g = h // hkv
@@ -202,16 +219,28 @@ def _masked_attention(
     if window:
         visible &= cols > rows - window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.bmm(scores.softmax(-1), vh).transpose(0, 1).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink as column L, dropped after the softmax
+        sink = sinks.float()[:, None, None].expand(h, q_len, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :ctx]
+    return torch.bmm(probs, vh).transpose(0, 1).to(q.dtype)
 
 
 def dense_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0, softcap: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Textbook attention for the tests: ``q: [Q, H, D]``, ``k, v: [L, Hkv, D]``, queries
     are the last ``Q`` of ``L`` positions (each seeing its last ``window`` keys, if set;
-    scores soft-capped by ``softcap``, if set). Computed in float64 with explicit loops
-    over heads, sharing no code with the paths above."""
+    scores soft-capped by ``softcap``, if set; ``sinks: [H]`` adding ``exp(sink)`` to
+    each denominator, if set). Computed in float64 with explicit loops over heads,
+    sharing no code with the paths above."""
     q_len, h, d = q.shape
     ctx, hkv, _ = k.shape
     g = h // hkv
@@ -226,5 +255,11 @@ def dense_causal_attention(
             s[r, ctx - q_len + r + 1 :] = float("-inf")
             if window:
                 s[r, : max(0, ctx - q_len + r + 1 - window)] = float("-inf")
-        out[:, head] = torch.softmax(s, dim=-1) @ vh
+        if sinks is None:
+            out[:, head] = torch.softmax(s, dim=-1) @ vh
+        else:  # exp(sink) joins each row's denominator
+            top = s.max(dim=-1, keepdim=True).values
+            e = torch.exp(s - top)
+            denom = e.sum(-1, keepdim=True) + torch.exp(float(sinks[head]) - top)
+            out[:, head] = (e / denom) @ vh
     return out.to(q.dtype)
