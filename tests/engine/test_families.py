@@ -79,6 +79,11 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
     if name == "qwen3_moe":
         assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+    if name == "gpt_oss":
+        assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.qkv_bias
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_act) == (4, 2, "swiglu_clamp")
+        assert (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.rope_theta) == (1.702, 1.0, 150000.0)
+        assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
     if name == "lfm2":
         assert cfg.layer_types == ["conv", "conv", "attention", "conv"]
         assert (cfg.conv_kernel, cfg.intermediate_size, cfg.qk_norm) == (3, 96, "head")
@@ -640,3 +645,54 @@ def test_config_sizes_that_cannot_be_are_refused(key: str, value: int) -> None:
     cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8, key: value}
     with pytest.raises(ValueError, match="must be at least 1"):
         ModelConfig.from_hf(cfg)
+
+
+def test_gpt_oss_default_format_agrees_with_the_exact_path(default_files) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss in the default format (a float32 directory: float16 matmul weights, the
+    experts as float16 rows with their biases, the fused CPU ops, a float16 KV cache)
+    against the exact path on the same checkpoint: within float16 rounding, and the same
+    greedy tokens; its decode steps take the Python layer loop (sinks are not in the
+    native one), which says why."""
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import HalfMatrix
+
+    path = tiny_family_dir("gpt_oss", default_files)
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    model = engine.runner.model
+    assert model.cpu_ops is not None and "sinks" in model.decode_why
+    expert = model.layers[0].moe.experts[1]
+    assert isinstance(expert.gate_up_proj, HalfMatrix)
+    exact = engine_for(path)
+    for ids in PROMPTS:
+        got, want = prefill_logits(engine, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20)
+    want_tokens = [hf_greedy(hf_from_dir(path), ids, 16) for ids in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want_tokens
+
+
+def test_gpt_oss_config_defaults_are_transformers() -> None:
+    # a config.json that leaves the rotary and the layer pattern unsaid: transformers'
+    # GptOssConfig defaults (YaRN x32 of 4096 positions, base 150000; windows on the
+    # even layers); tensor parallelism refused by name
+    import transformers
+
+    from structllm.model.sharding import plan_shards
+
+    cfg = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermediate_size": 32}
+    cfg |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    cfg |= {"num_hidden_layers": 4, "vocab_size": 8, "num_local_experts": 4}
+    cfg |= {"sliding_window": 128, "max_position_embeddings": 131072}
+    ours = ModelConfig.from_hf(cfg)
+    assert ours.layer_windows == [128, 0, 128, 0] and ours.rope_theta == 150000.0
+    assert ours.context_length == 131072 and ours.num_experts_per_tok == 4
+    theirs = transformers.GptOssConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert theirs.layer_types == ["sliding_attention", "full_attention"] * 2
+    rotary = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(theirs)
+    torch.testing.assert_close(rope_inv_freq(ours).float(), rotary.inv_freq)
+    assert rope_attention_factor(ours) == pytest.approx(rotary.attention_scaling)
+    with pytest.raises(ValueError, match="attention_bias false"):
+        ModelConfig.from_hf({**cfg, "attention_bias": False})
+    with pytest.raises(ValueError, match="gpt-oss does not run with tensor parallelism"):
+        plan_shards(ours, 2)

@@ -450,6 +450,28 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gpt_oss": (  # sinks, windows on every other layer, YaRN scaled down, a SwiGLU limit
+        # low enough that the random biases cross it
+        "GptOssConfig",
+        dict(
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            swiglu_limit=1.0,
+            max_position_embeddings=128,  # the original 32 positions times 4
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "glm4": (  # its default partial rotary (0.5), q/k/v biases, a dense lm_head
         "Glm4Config",
         dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -628,6 +650,8 @@ def tiny_family_dir(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # (gpt-oss's) a share of each softmax
+                p.normal_(0, 1.0)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
