@@ -12,11 +12,13 @@ dequantised into a float32 safetensors copy there only the first time a float pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +96,8 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
         ) from e
     if gguf_file is not None:
         _let_transformers_read_the_tokenizer(path / gguf_file)
-    tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    with _without_gpt_oss_rope_fields(path / gguf_file if gguf_file else None):
+        tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tok.backend_tokenizer.save(str(tmp))
@@ -129,6 +132,38 @@ def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
     hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(
         arch
     )  # as transformers' GGUF_TO_TRANSFORMERS_MAPPING
+
+
+@contextlib.contextmanager
+def _without_gpt_oss_rope_fields(gguf_path: Path | None) -> Iterator[None]:
+    """transformers (5.25) fails on a gpt-oss GGUF file's ``gpt-oss.rope.scaling.*``
+    fields while it reads the file's config (it converts each field's first part, the
+    key's length as a one-element array, with ``float()``, which numpy 2 refuses); the
+    tokenizer needs none of them, so while it is built from such a file the gguf
+    package's reader leaves them out. Other files: nothing changes."""
+    if gguf_path is None:
+        yield
+        return
+    import gguf as gguf_package
+
+    from structllm.model import gguf
+
+    if gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture") != "gpt-oss":
+        yield
+        return
+    saved = gguf_package.GGUFReader
+
+    class Reader(saved):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+
+    gguf_package.GGUFReader = Reader  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader = saved  # type: ignore[misc]
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:

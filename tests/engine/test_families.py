@@ -210,6 +210,7 @@ QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", 
 QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
+QUANTIZED_FAMILIES += ["gpt_oss"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -236,6 +237,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("qkv_bias", "mlp_act", "pre_norms", "shared_expert_intermediate_size")
     fields += ("layer_types", "conv_kernel", "linear_key_heads", "linear_value_heads")
     fields += ("linear_key_head_dim", "linear_value_head_dim", "attn_output_gate")
+    fields += ("swiglu_alpha", "swiglu_limit")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149

@@ -843,6 +843,8 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     # the converter writes no dense layers among Qwen3-Next's experts
     "qwen3_next": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "gemma2": dict(query_pre_attn_scalar=32),
+    # llama.cpp hard-codes gpt-oss's SwiGLU limit (7)
+    "gpt_oss": dict(swiglu_limit=7.0),
 }
 
 
