@@ -10,7 +10,8 @@ A weight ``W [N, K]`` is one of:
   Q4_K, Q5_K, Q6_K repacked once at load (``repack``) into self-contained blocks of 32
   (their super-block's float16 scales and their own integer sub-scales), bit-exact to
   ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
-  layout, each nibble an index into ggml's 16 non-linear levels);
+  layout, each nibble an index into ggml's 16 non-linear levels); MXFP4 likewise (an
+  E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
   different block types: each part runs in its own type, into its own output columns;
 - ``HalfMatrix``: float16 rows as stored, run by quant_linear.cpp's own float16 kernel
@@ -49,6 +50,7 @@ BLOCK_TYPES = {
     "Q5_K": 6,
     "Q6_K": 7,
     "IQ4_NL": 8,
+    "MXFP4": 10,  # (9: float16 rows, F16_CODE)
 }
 # bytes per 32 weights as the kernels hold them (the k-quants: after ``repack``)
 BLOCK_BYTES = {
@@ -61,6 +63,7 @@ BLOCK_BYTES = {
     "Q5_K": 26,
     "Q6_K": 28,
     "IQ4_NL": 18,
+    "MXFP4": 17,
 }
 BLOCK = 32
 # quant_linear.cpp's code for float16 rows (``HalfMatrix``), after the GGUF types; not in

@@ -698,3 +698,32 @@ def test_gpt_oss_config_defaults_are_transformers() -> None:
         ModelConfig.from_hf({**cfg, "attention_bias": False})
     with pytest.raises(ValueError, match="gpt-oss does not run with tensor parallelism"):
         plan_shards(ours, 2)
+
+
+def test_gpt_oss_mxfp4_experts_run_as_blocks(default_files) -> None:  # type: ignore[no-untyped-def]
+    """llama-quantize's MXFP4_MOE file (experts in MXFP4, attention in Q8_0): every
+    expert matrix stays MXFP4 blocks (17 bytes per 32 weights, no float copy) run by the
+    block kernels, against the same file dequantised (ggml's MXFP4 values, through the
+    gguf package) on the exact path, as test_quantized_gguf_runs_its_blocks does."""
+    from structllm.kernels.packed import BlockWeight
+
+    path = gguf_file("gpt_oss", default_files, "MXFP4_MOE")
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    model = blocks.runner.model
+    cfg = model.cfg
+    for layer in model.layers:
+        for expert in layer.moe.experts:
+            for w in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(w, BlockWeight) and w.type_name == "MXFP4"
+                assert w.nbytes == w.shape[0] * w.shape[1] // 32 * 17
+    # at most 2 bytes per expert weight (MXFP4: 0.53; a float32 copy would be 4 more)
+    expert_bytes = 2 * 3 * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert model.weight_bytes() < 2 * cfg.vocab_size * cfg.hidden_size * 34 // 32 + expert_bytes
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.98, (agree, total)
