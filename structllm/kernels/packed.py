@@ -337,6 +337,27 @@ class BlockWeight:
         return joined[0] if len(joined) == 1 else MixedWeight(joined)
 
 
+_FP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # kvalues_mxfp4
+
+
+def mxfp4_values(w: BlockWeight) -> Tensor:
+    """An MXFP4 ``BlockWeight``'s ``[N, K]`` float32 values in plain torch (any machine,
+    no kernel): ggml's ``kvalues_mxfp4[q] * 2^(e - 128)``, exact in float32 (for the
+    exact path, and devices the block kernels do not run on)."""
+    n, k = w.shape
+    raw = w.raw.reshape(n, k // BLOCK, 17)
+    e = raw[..., :1].to(torch.int32)  # [N, G, 1]
+    # ggml_e8m0_to_fp32_half as float bits: 2^(e - 128), the denormals 2^-128, 2^-127 for e < 2
+    bits = torch.where(
+        e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x200000), e), (e - 1) << 23
+    )
+    scale = bits.view(torch.float32)
+    q = raw[..., 1:].to(torch.int64)
+    codes = torch.cat([q & 0x0F, q >> 4], dim=-1)  # [N, G, 32]: element j, then j + 16
+    levels = torch.tensor(_FP4_DOUBLED, dtype=torch.float32)[codes]
+    return (levels * scale).reshape(n, k)
+
+
 class MixedWeight(BlockWeight):
     """``[N, K]`` as consecutive row parts in different block types: a fused q/k/v or
     gate/up whose parts a file stores in different types (a Q4_K_M file: q/k Q4_K, v

@@ -14,10 +14,14 @@ The checkpoint's experts are 3-D tensors, ``gate_up_proj: [E, hidden, 2F]`` with
 and up columns interleaved (gate at even columns), ``down_proj: [E, F, hidden]``;
 ``hf_to_native`` cuts them into one ``Expert`` each, ``gate_up_proj: [2F, hidden]`` as
 gate rows then up rows, as every other family's, so the experts are ordinary weights
-(packed, float16 or GGUF blocks like the rest). The experts run through the per-expert
-loop of ``layers.SparseMoe`` (the native expert call, ``cpu_moe.cpp``, has neither the
-biases nor this activation), and decode steps through the Python layer loop
-(``decode_plan.why_not``).
+(packed, float16 or GGUF blocks like the rest). A checkpoint whose experts are MXFP4 (as
+gpt-oss is published: ``*_blocks [E, N, K/32, 16]``, ``*_scales [E, N, K/32]``) keeps them
+so, as MXFP4 ``BlockWeight``s in ggml's block layout (``mxfp4_experts``: the same codes
+and exponents, reordered), run by the block kernels with no float copy; the exact path
+and other devices take their float values (``loader.load_model``). The experts run
+through the per-expert loop of ``layers.SparseMoe`` (the native expert call,
+``cpu_moe.cpp``, has neither the biases nor this activation), and decode steps through
+the Python layer loop (``decode_plan.why_not``).
 """
 
 from __future__ import annotations
@@ -126,16 +130,50 @@ class GptOssModel(MoeModel):
         )
 
 
-def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+def mxfp4_experts(blocks: Tensor, scales: Tensor) -> list[BlockWeight]:
+    """A checkpoint's MXFP4 tensor (``blocks [E, N, G, 16]`` uint8, byte j of a block
+    holding element 2j in its low nibble and 2j + 1 in its high one; ``scales [E, N,
+    G]``, E8M0 exponents) as one ``[N, 32 G]`` MXFP4 ``BlockWeight`` per expert in ggml's
+    layout (the exponent byte, then byte j: element j low, j + 16 high). The codes and
+    exponents are the same, so the values are transformers' (``convert_moe_packed_
+    tensors``: its E2M1 table times ``2^(e - 127)``, ggml's doubled table times half)."""
+    e, n, g = scales.shape
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [E, N, G, 32]
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    raw = torch.cat([scales.to(torch.uint8).unsqueeze(-1), nibbles], dim=-1)  # [E, N, G, 17]
+    return [
+        BlockWeight(raw[i].reshape(n, g * 17).contiguous(), "MXFP4", (n, g * 32)) for i in range(e)
+    ]
+
+
+def _experts(
+    state: dict[str, Tensor], x: str, num: int
+) -> tuple[list[Tensor | BlockWeight], list[Tensor | BlockWeight]]:
+    """Layer prefix ``x``'s experts, ``([2F, hidden] gate rows then up rows, [hidden, F])``
+    each: from float tensors (``gate_up_proj [E, hidden, 2F]``, gate and up columns
+    interleaved; ``down_proj [E, F, hidden]``) or MXFP4 ones (``*_blocks``, ``*_scales``,
+    stored ``[E, out, in]``, gate and up rows interleaved)."""
+    if x + "gate_up_proj_blocks" in state:
+        gu = mxfp4_experts(
+            state.pop(x + "gate_up_proj_blocks"), state.pop(x + "gate_up_proj_scales")
+        )
+        rows = torch.arange(gu[0].shape[0]).view(-1, 2).t().reshape(-1)  # even rows, then odd
+        downs = mxfp4_experts(state.pop(x + "down_proj_blocks"), state.pop(x + "down_proj_scales"))
+        return [w.select_rows(rows) for w in gu], list(downs)
+    gate_up = state.pop(x + "gate_up_proj")  # [E, hidden, 2F], gate/up interleaved
+    down = state.pop(x + "down_proj")  # [E, F, hidden]
+    gus: list[Tensor | BlockWeight] = []
+    for e in range(num):
+        w = gate_up[e].t()  # [2F, hidden]
+        gus.append(torch.cat([w[0::2], w[1::2]]))
+    return gus, [down[e].t().contiguous() for e in range(num)]
+
+
+def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor | BlockWeight]:
     """Llama's names for attention and norms; per layer the sinks, o's bias, the router
     and its bias, and the 3-D expert tensors cut into one expert each (gate and up
-    columns de-interleaved into gate rows then up rows)."""
-    if any(k.endswith("_blocks") for k in state):
-        raise ValueError(
-            "this gpt-oss checkpoint keeps its experts in MXFP4 (*_blocks, *_scales), "
-            "which structllm does not load from a Hugging Face directory yet"
-        )
-    out: dict[str, Tensor] = {}
+    de-interleaved into gate rows then up rows; MXFP4 ones as MXFP4 blocks)."""
+    out: dict[str, Tensor | BlockWeight] = {}
     for i in range(cfg.num_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         out[o + "sinks"] = state.pop(p + "self_attn.sinks")
@@ -143,16 +181,15 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
         out[o + "moe.router"] = state.pop(p + "mlp.router.weight")
         out[o + "moe.router_bias"] = state.pop(p + "mlp.router.bias")
         x = p + "mlp.experts."
-        gate_up = state.pop(x + "gate_up_proj")  # [E, hidden, 2F], gate/up interleaved
-        gate_up_bias = state.pop(x + "gate_up_proj_bias")  # [E, 2F]
-        down = state.pop(x + "down_proj")  # [E, F, hidden]
+        gate_up, down = _experts(state, x, cfg.num_experts)
+        gate_up_bias = state.pop(x + "gate_up_proj_bias")  # [E, 2F], gate/up interleaved
         down_bias = state.pop(x + "down_proj_bias")  # [E, hidden]
         for e in range(cfg.num_experts):
-            w, b = gate_up[e].t(), gate_up_bias[e]  # [2F, hidden], [2F]
+            b = gate_up_bias[e]
             ours = f"{o}moe.experts.{e}."
-            out[ours + "gate_up_proj"] = torch.cat([w[0::2], w[1::2]])
+            out[ours + "gate_up_proj"] = gate_up[e]
             out[ours + "gate_up_bias"] = torch.cat([b[0::2], b[1::2]])
-            out[ours + "down_proj"] = down[e].t().contiguous()
+            out[ours + "down_proj"] = down[e]
             out[ours + "down_bias"] = down_bias[e]
     return {**_hf_to_native(state, cfg, HFNames), **out}
 

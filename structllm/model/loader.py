@@ -258,9 +258,11 @@ def _dequantised_copy(files: ModelFiles) -> Path:
 
 def load_weights(
     files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
-) -> dict[str, torch.Tensor]:
-    """All weights under our names, in ``dtype`` on ``device``; with ``plan``, only that
+) -> dict[str, torch.Tensor | BlockWeight]:
+    """All weights under our names, in ``dtype`` on ``device`` (a family's block weights,
+    gpt-oss's MXFP4 experts, as they are: see ``load_model``); with ``plan``, only that
     tensor-parallel rank's slices (cut on the host, so the device holds just the shard)."""
+    import torch
     from safetensors.torch import load_file
 
     from structllm.model.sharding import shard_weights
@@ -279,7 +281,11 @@ def load_weights(
             raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
     if plan is not None:
         state = shard_weights(state, files.config, plan)
-    return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    # (a family may map some tensors to blocks, gpt-oss's MXFP4 experts: load_model's)
+    return {
+        k: v.to(device=device, dtype=dtype) if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
 
 
 def load_block_weights(
@@ -337,6 +343,8 @@ def load_model(
             weights = shard_weights(weights, files.config, plan)
     else:
         weights = dict(load_weights(files, dtype, device, plan))
+        keep = fmt is not None and not fmt.exact and device.type == "cpu" and dtype == torch.float32
+        weights = {k: _float_unless(v, keep, dtype, device) for k, v in weights.items()}
     if layers is not None:
         weights = stage_weights(weights, layers)
     with torch.device("meta"):
@@ -347,6 +355,23 @@ def load_model(
     if fmt is not None and not fmt.exact:
         model.use_cpu_ops()
     return model.eval()
+
+
+def _float_unless(
+    w: torch.Tensor | BlockWeight, keep: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | BlockWeight:
+    """A directory's block weight (gpt-oss's MXFP4 experts) as it is when ``keep`` (the
+    CPU's block kernels run it), else its float values in ``dtype`` on ``device`` (the
+    exact path; other devices)."""
+    import torch
+
+    if keep or isinstance(w, torch.Tensor):
+        return w
+    from structllm.kernels.packed import mxfp4_values
+
+    if w.type_name != "MXFP4":
+        raise ValueError(f"a {w.type_name} block weight from a directory is not supported")
+    return mxfp4_values(w).to(device=device, dtype=dtype)
 
 
 def stage_weights(weights: dict[str, Any], layers: range) -> dict[str, Any]:

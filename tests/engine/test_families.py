@@ -727,3 +727,47 @@ def test_gpt_oss_mxfp4_experts_run_as_blocks(default_files) -> None:  # type: ig
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += len(ids)
     assert agree / total >= 0.98, (agree, total)
+
+
+def test_gpt_oss_mxfp4_checkpoint_runs_its_blocks(default_files) -> None:  # type: ignore[no-untyped-def]
+    """A gpt-oss directory with MXFP4 experts, as gpt-oss is published (``*_blocks``,
+    ``*_scales``): the exact path equals, bit for bit, its float twin (the same experts
+    as transformers dequantises them), and transformers on the MXFP4 directory (loaded
+    dequantised, as it runs MXFP4 on a CPU); the default format
+    keeps every expert as MXFP4 blocks (no float copy) whose values are the twin's, within
+    rounding of the exact path, with the same greedy tokens."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import BlockWeight, mxfp4_values
+    from tests.support.models import tiny_gpt_oss_mxfp4_dirs
+
+    path, twin = tiny_gpt_oss_mxfp4_dirs(default_files)
+    exact, float_twin = engine_for(path), engine_for(twin)
+    ref = AutoModelForCausalLM.from_pretrained(  # transformers' own reading of the blocks
+        str(path), dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    for ids in PROMPTS:
+        got = prefill_logits(exact, ids)
+        assert torch.equal(got, prefill_logits(float_twin, ids))
+        torch.testing.assert_close(got, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    for layer in blocks.runner.model.layers:
+        for expert in layer.moe.experts:
+            for w in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(w, BlockWeight) and w.type_name == "MXFP4"
+    expert = blocks.runner.model.layers[1].moe.experts[2]
+    gate_up = mxfp4_values(expert.gate_up_proj)
+    assert torch.equal(gate_up, expert.gate_up_proj.dequantize())  # torch's, the kernel's
+    from safetensors.torch import load_file
+
+    hf = load_file(twin / "model.safetensors")["model.layers.1.mlp.experts.gate_up_proj"][2].t()
+    assert torch.equal(gate_up, torch.cat([hf[0::2], hf[1::2]]))  # the twin's values
+    for ids in PROMPTS:
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want_tokens = [hf_greedy(ref, ids, 16) for ids in PROMPTS]
+    assert [
+        o.token_ids for o in LLM(str(path), kv_cache_memory=32 << 20).generate(PROMPTS, params)
+    ] == want_tokens
