@@ -459,11 +459,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             num_experts_per_tok=2,
             sliding_window=WINDOW,
             swiglu_limit=1.0,
-            max_position_embeddings=128,  # the original 32 positions times 4
+            max_position_embeddings=512,  # the original 32 positions times 16
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 150000.0,
-                "factor": 4.0,
+                "factor": 16.0,
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,
                 "truncate": False,
