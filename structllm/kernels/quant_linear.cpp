@@ -900,10 +900,12 @@ inline void scales8(const uint8_t* g, int64_t stride, v8f& dw, v8f& mw) {
     dw = _mm256_mul_ps(_mm256_cvtph_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(sc)));
     mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(mn))),
                        _mm256_set1_ps(-0.f));
-  } else if constexpr (T == MXFP4) {  // [e | ...]: an exponent byte
-    dw = _mm256_setr_ps(e8m0_half(g[0]), e8m0_half(g[stride]), e8m0_half(g[2 * stride]), e8m0_half(g[3 * stride]),
-                        e8m0_half(g[4 * stride]), e8m0_half(g[5 * stride]), e8m0_half(g[6 * stride]),
-                        e8m0_half(g[7 * stride]));
+  } else if constexpr (T == MXFP4) {  // [e | ...]: an exponent byte, e8m0_half in lanes
+    const __m256i e = _mm256_setr_epi32(g[0], g[stride], g[2 * stride], g[3 * stride], g[4 * stride], g[5 * stride],
+                                        g[6 * stride], g[7 * stride]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  // e < 2
+    dw = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
   } else if constexpr (T == Q4_1 || T == Q5_1) {  // [d | m] is the first 32-bit word of a block
     __m128i d, m;
     halves8(g, stride, d, m);
