@@ -62,7 +62,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
     pre_norms: bool = True  # RMSNorm before attention and MLP (OLMo 2: none)
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs (Gemma, OLMo 2)
-    mlp_act: str = "silu"  # gated MLP activation: silu or gelu_tanh (GeGLU)
+    # gated MLP activation: silu, gelu_tanh (GeGLU), or swiglu_clamp (gpt-oss's experts)
+    mlp_act: str = "silu"
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attn_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax (Gemma 2)
     final_softcap: float = 0.0  # the same on the logits
@@ -86,6 +87,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     expert_groups: int = 1
     expert_groups_used: int = 1
     moe_latent_size: int = 0
+    # gpt-oss's experts (mlp_act "swiglu_clamp"): (up + 1) * gate * sigmoid(alpha * gate),
+    # gate clamped above at limit, up to [-limit, limit]
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # --- hybrid models: layers that keep a recurrent state instead of attending ---
     # per layer: "attention", a recurrent kind (RECURRENT_KINDS) or a stateless one
     # (STATELESS_KINDS); []: all attention
@@ -459,6 +464,8 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
         sliding = [True] * layers
     elif family == "olmo3":  # three windowed layers to one global
         sliding = [(i + 1) % 4 != 0 for i in range(layers)]
+    elif family == "gpt_oss":  # windowed and global layers alternate
+        sliding = [i % 2 == 0 for i in range(layers)]
     else:
         return []
     if cfg.get("use_sliding_window") is False and family not in ("gemma2", "gemma3"):
@@ -637,6 +644,42 @@ def _qwen2_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         ]
         if any(windows):
             out.update(layer_windows=windows, sliding_window=int(window))
+    return out
+
+
+# transformers' GptOssConfig's rotary where a config has none (as published checkpoints do)
+_GPT_OSS_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def _gpt_oss(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biases on q/k/v and o (its attention sinks and o bias are the model's,
+    ``model.gpt_oss``), every MLP a mixture of ``num_local_experts`` biased experts of
+    ``intermediate_size`` with a clamped SwiGLU, routed by a softmax over the top k
+    logits (the top k of the full softmax, renormalised); YaRN rotary, base 150000,
+    transformers' defaults where the config says nothing."""
+    if not cfg.get("attention_bias", True):
+        raise ValueError("unsupported gpt-oss config: attention_bias false")
+    rope = rope_params(cfg)
+    out: dict[str, Any] = dict(
+        qkv_bias=True,
+        num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 128),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 4),
+        moe_intermediate_size=base["intermediate_size"],
+        norm_topk_prob=True,
+        mlp_act="swiglu_clamp",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        rope_theta=float(rope.get("rope_theta", 150000.0)),
+    )
+    if "rope_type" not in rope:
+        out["rope_scaling"] = dict(_GPT_OSS_YARN)
     return out
 
 
@@ -886,6 +929,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
+    "gpt_oss": _gpt_oss,
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,

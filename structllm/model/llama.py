@@ -120,11 +120,14 @@ class DecoderLayer(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = p(nh * hd), p(nkv * hd)
         self.o_proj = p(h, nh * hd)
+        # gpt-oss's (model.gpt_oss): o_proj's bias, [H] attention sinks (see AttentionImpl)
+        self.o_bias: Tensor | None = None
+        self.sinks: Tensor | None = None
         # Qwen3.5's gated attention: the output times sigmoid(h @ attn_gate^T), per row
         self.attn_gate = p(nh * hd, h) if cfg.attn_output_gate else None
         self.attn_out_norm = p(h) if cfg.post_norms else None
         self.post_attention_layernorm = p(h) if cfg.pre_norms else None
-        self.moe = SparseMoe(cfg, dtype, plan) if cfg.moe_layer(index) else None
+        self.moe = self.make_moe(cfg, dtype, plan) if cfg.moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = p(2 * ffn, h)
             self.down_proj = p(h, ffn)
@@ -136,6 +139,10 @@ class DecoderLayer(nn.Module):
         # parameter, 4 a layer a step); LlamaModel.assign_weights resets it
         self._norms: tuple[Tensor | None, ...] | None = None
         self._plain_out = self.residual_scale == 1.0
+
+    def make_moe(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None) -> SparseMoe:
+        """The layer's mixture of experts (a family's own kind: ``model.gpt_oss``)."""
+        return SparseMoe(cfg, dtype, plan)
 
     def _norm(self, x: Tensor, w: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -206,12 +213,12 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
         o = attention(
-            impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap
+            impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks
         )  # [T, nh, D]
         o = o.reshape(t, nh * hd)
         if self.attn_gate is not None:
             o = o * torch.sigmoid(linear(h, self.attn_gate))
-        attn_out = linear(o, self.o_proj)
+        attn_out = linear(o, self.o_proj, self.o_bias)
         if tp is not None:
             tp.all_reduce(attn_out)
         return x + self._residual_out(attn_out, self.attn_out_norm)
@@ -277,13 +284,13 @@ class DecoderLayer(nn.Module):
         window, cap = self.window, self.softcap
         if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
             o = cast(CpuAttention, impl).decode_rows(
-                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap, o_out
+                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap, o_out, self.sinks
             )
         else:
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-            o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap)
+            o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap, self.sinks)
             o = o.reshape(t, nh * hd)
-        attn_out = linear(o, self.o_proj)
+        attn_out = linear(o, self.o_proj, self.o_bias)
         plain = tp is None and self._plain_out  # nothing between a sublayer and the residual
         if not plain or attn_out_norm is not None:
             attn_out = self._fused_out(ops, attn_out, tp, attn_out_norm)

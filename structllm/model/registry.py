@@ -70,6 +70,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    # attention sinks, alternating windows, biased experts with a clamped SwiGLU
+    Family("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     # Qwen3_5(Moe)ForConditionalGeneration: their text model (config.TEXT_MODELS)

@@ -1,5 +1,5 @@
 """A real ``structllm run`` on tiny models of other families (Gemma 3 with its sliding
-windows, Qwen3, Mixtral's experts) in their default formats, through the official
+windows, Qwen3, Mixtral's experts, gpt-oss's sinks) in their default formats, through the official
 ``openai`` client: chat completions, streamed equal to non-streamed, the same tokens as
 the offline API, and a prompt past the window."""
 
@@ -17,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow, then
 LONG = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]  # > the window
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3", "mixtral"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "mixtral", "gpt_oss"])
 def served(request: pytest.FixtureRequest, default_files) -> Iterator[tuple[str, openai.OpenAI]]:  # type: ignore[no-untyped-def]
     path = tiny_family_dir(request.param, default_files)
     with Server(str(path), "--max-model-len", "512", "--kv-cache-memory", "64MiB") as s:

@@ -79,6 +79,11 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
     if name == "qwen3_moe":
         assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+    if name == "gpt_oss":
+        assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.qkv_bias
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_act) == (4, 2, "swiglu_clamp")
+        assert (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.rope_theta) == (1.702, 1.0, 150000.0)
+        assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
     if name == "lfm2":
         assert cfg.layer_types == ["conv", "conv", "attention", "conv"]
         assert (cfg.conv_kernel, cfg.intermediate_size, cfg.qk_norm) == (3, 96, "head")
@@ -211,6 +216,7 @@ QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
+QUANTIZED_FAMILIES += ["gpt_oss"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -237,6 +243,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("qkv_bias", "mlp_act", "pre_norms", "shared_expert_intermediate_size")
     fields += ("layer_types", "conv_kernel", "linear_key_heads", "linear_value_heads")
     fields += ("linear_key_head_dim", "linear_value_head_dim", "attn_output_gate")
+    fields += ("swiglu_alpha", "swiglu_limit")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -648,3 +655,127 @@ def test_config_sizes_that_cannot_be_are_refused(key: str, value: int) -> None:
     cfg |= {"num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 8, key: value}
     with pytest.raises(ValueError, match="must be at least 1"):
         ModelConfig.from_hf(cfg)
+
+
+def test_gpt_oss_default_format_agrees_with_the_exact_path(default_files) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss in the default format (a float32 directory: float16 matmul weights, the
+    experts as float16 rows with their biases, the fused CPU ops, a float16 KV cache)
+    against the exact path on the same checkpoint: within float16 rounding, and the same
+    greedy tokens; its decode steps take the Python layer loop (sinks are not in the
+    native one), which says why."""
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import HalfMatrix
+
+    path = tiny_family_dir("gpt_oss", default_files)
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    model = engine.runner.model
+    assert model.cpu_ops is not None and "sinks" in model.decode_why
+    expert = model.layers[0].moe.experts[1]
+    assert isinstance(expert.gate_up_proj, HalfMatrix)
+    exact = engine_for(path)
+    for ids in PROMPTS:
+        got, want = prefill_logits(engine, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20)
+    want_tokens = [hf_greedy(hf_from_dir(path), ids, 16) for ids in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want_tokens
+
+
+def test_gpt_oss_config_defaults_are_transformers() -> None:
+    # a config.json that leaves the rotary and the layer pattern unsaid: transformers'
+    # GptOssConfig defaults (YaRN x32 of 4096 positions, base 150000; windows on the
+    # even layers); tensor parallelism refused by name
+    import transformers
+
+    from structllm.model.sharding import plan_shards
+
+    cfg = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermediate_size": 32}
+    cfg |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    cfg |= {"num_hidden_layers": 4, "vocab_size": 8, "num_local_experts": 4}
+    cfg |= {"sliding_window": 128, "max_position_embeddings": 131072}
+    ours = ModelConfig.from_hf(cfg)
+    assert ours.layer_windows == [128, 0, 128, 0] and ours.rope_theta == 150000.0
+    assert ours.context_length == 131072 and ours.num_experts_per_tok == 4
+    theirs = transformers.GptOssConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert theirs.layer_types == ["sliding_attention", "full_attention"] * 2
+    rotary = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(theirs)
+    torch.testing.assert_close(rope_inv_freq(ours).float(), rotary.inv_freq)
+    assert rope_attention_factor(ours) == pytest.approx(rotary.attention_scaling)
+    with pytest.raises(ValueError, match="attention_bias false"):
+        ModelConfig.from_hf({**cfg, "attention_bias": False})
+    with pytest.raises(ValueError, match="gpt-oss does not run with tensor parallelism"):
+        plan_shards(ours, 2)
+
+
+def test_gpt_oss_mxfp4_experts_run_as_blocks(default_files) -> None:  # type: ignore[no-untyped-def]
+    """llama-quantize's MXFP4_MOE file (experts in MXFP4, attention in Q8_0): every
+    expert matrix stays MXFP4 blocks (17 bytes per 32 weights, no float copy) run by the
+    block kernels, against the same file dequantised (ggml's MXFP4 values, through the
+    gguf package) on the exact path, as test_quantized_gguf_runs_its_blocks does."""
+    from structllm.kernels.packed import BlockWeight
+
+    path = gguf_file("gpt_oss", default_files, "MXFP4_MOE")
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    model = blocks.runner.model
+    cfg = model.cfg
+    for layer in model.layers:
+        for expert in layer.moe.experts:
+            for w in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(w, BlockWeight) and w.type_name == "MXFP4"
+                assert w.nbytes == w.shape[0] * w.shape[1] // 32 * 17
+    # at most 2 bytes per expert weight (MXFP4: 0.53; a float32 copy would be 4 more)
+    expert_bytes = 2 * 3 * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert model.weight_bytes() < 2 * cfg.vocab_size * cfg.hidden_size * 34 // 32 + expert_bytes
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.98, (agree, total)
+
+
+def test_gpt_oss_mxfp4_checkpoint_runs_its_blocks(default_files) -> None:  # type: ignore[no-untyped-def]
+    """A gpt-oss directory with MXFP4 experts, as gpt-oss is published (``*_blocks``,
+    ``*_scales``): the exact path equals, bit for bit, its float twin (the same experts
+    as transformers dequantises them), and transformers on the MXFP4 directory (loaded
+    dequantised, as it runs MXFP4 on a CPU); the default format
+    keeps every expert as MXFP4 blocks (no float copy) whose values are the twin's, within
+    rounding of the exact path, with the same greedy tokens."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import BlockWeight, mxfp4_values
+    from tests.support.models import tiny_gpt_oss_mxfp4_dirs
+
+    path, twin = tiny_gpt_oss_mxfp4_dirs(default_files)
+    exact, float_twin = engine_for(path), engine_for(twin)
+    ref = AutoModelForCausalLM.from_pretrained(  # transformers' own reading of the blocks
+        str(path), dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    for ids in PROMPTS:
+        got = prefill_logits(exact, ids)
+        assert torch.equal(got, prefill_logits(float_twin, ids))
+        torch.testing.assert_close(got, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    for layer in blocks.runner.model.layers:
+        for expert in layer.moe.experts:
+            for w in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(w, BlockWeight) and w.type_name == "MXFP4"
+    expert = blocks.runner.model.layers[1].moe.experts[2]
+    gate_up = mxfp4_values(expert.gate_up_proj)
+    assert torch.equal(gate_up, expert.gate_up_proj.dequantize())  # torch's, the kernel's
+    from safetensors.torch import load_file
+
+    hf = load_file(twin / "model.safetensors")["model.layers.1.mlp.experts.gate_up_proj"][2].t()
+    assert torch.equal(gate_up, torch.cat([hf[0::2], hf[1::2]]))  # the twin's values
+    for ids in PROMPTS:
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want_tokens = [hf_greedy(ref, ids, 16) for ids in PROMPTS]
+    assert [
+        o.token_ids for o in LLM(str(path), kv_cache_memory=32 << 20).generate(PROMPTS, params)
+    ] == want_tokens

@@ -450,6 +450,28 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gpt_oss": (  # sinks, windows on every other layer, YaRN scaled down, a SwiGLU limit
+        # low enough that the random biases cross it
+        "GptOssConfig",
+        dict(
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            swiglu_limit=1.0,
+            max_position_embeddings=512,  # the original 32 positions times 16
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 16.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "glm4": (  # its default partial rotary (0.5), q/k/v biases, a dense lm_head
         "Glm4Config",
         dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -649,6 +671,8 @@ def tiny_family_dir(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # (gpt-oss's) a share of each softmax
+                p.normal_(0, 1.0)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -840,6 +864,8 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     # the converter writes no dense layers among Qwen3-Next's experts
     "qwen3_next": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "gemma2": dict(query_pre_attn_scalar=32),
+    # llama.cpp hard-codes gpt-oss's SwiGLU limit (7)
+    "gpt_oss": dict(swiglu_limit=7.0),
 }
 
 
@@ -943,3 +969,47 @@ def with_generation_config(src: Path, dest: Path, settings: dict[str, object]) -
             (dest / f.name).symlink_to(f)
     (dest / "generation_config.json").write_text(json.dumps(settings))
     return dest
+
+
+def tiny_gpt_oss_mxfp4_dirs(files: ModelFiles) -> tuple[Path, Path]:
+    """The tiny gpt-oss checkpoint with MXFP4 experts as gpt-oss is published
+    (``mlp.experts.{gate_up,down}_proj_{blocks,scales}``, ``quantization_config``
+    mxfp4): random codes under exponents of 2^-10 to 2^-6; and its float twin, whose
+    experts are those values as transformers dequantises them
+    (``convert_moe_packed_tensors``). Built once, cached beside the float checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = tiny_family_dir("gpt_oss", files)
+    out, twin = src.with_name(src.name + "-mxfp4"), src.with_name(src.name + "-mxfp4-twin")
+    if (out / "complete").exists() and (twin / "complete").exists():
+        return out, twin
+    rng = torch.Generator().manual_seed(1)
+    quantized: dict[str, torch.Tensor] = {}
+    floats: dict[str, torch.Tensor] = {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                quantized[name] = floats[name] = t
+                continue
+            e, k, n = t.shape  # [E, in, out]
+            blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=rng, dtype=torch.uint8)
+            scales = torch.randint(117, 122, (e, n, k // 32), generator=rng, dtype=torch.uint8)
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            floats[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    for path, tensors, quant in ((out, quantized, True), (twin, floats, False)):
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        (tmp / "complete").unlink()
+        for f in tmp.glob("*.safetensors"):
+            f.unlink()
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((tmp / "config.json").read_text())
+        if quant:
+            config["quantization_config"] = {"quant_method": "mxfp4"}
+        (tmp / "config.json").write_text(json.dumps(config))
+        (tmp / "complete").write_text("")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return out, twin
