@@ -354,7 +354,7 @@ def test_sinks_match_dense(d: int, window: int) -> None:
     )
     for i, (k, v) in enumerate(dense):
         rows = slice(starts[i], starts[i + 1])
-        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, 0.0, sinks)
+        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, sinks=sinks)
         torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=2e-5)
         plain = reference.dense_causal_attention(q[rows], k, v, 0.125, window)
         assert (out[rows] - plain).abs().max() > 1e-2  # the sinks take their share
@@ -472,7 +472,7 @@ def test_tiled_prefill_equals_the_rows_and_dense(
     for i in range(1, len(lens)):
         k, v = (t.to(kv_dtype).float() for t in dense[i])
         want = reference.dense_causal_attention(
-            q[starts[i] : starts[i + 1]], k, v, scale, window, softcap, sk
+            q[starts[i] : starts[i + 1]], k, v, scale, window, softcap, sinks=sk
         )
         got = out[starts[i] - 1 : starts[i + 1] - 1]
         torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
