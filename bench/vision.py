@@ -140,7 +140,7 @@ def chat(url: str, text: str, image: str | None, max_tokens: int) -> dict[str, f
     if image is not None:
         content.append({"type": "image_url", "image_url": {"url": image}})
     body = {
-        "model": "m",
+        "model": httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"],
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
