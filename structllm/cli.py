@@ -569,6 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
     )
+    c.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="the GGUF model's mmproj file, for the server started here (ignored with --url)",
+    )
     c.add_argument("--api-key", default=None)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--temperature", type=float, default=0.7)
