@@ -1,9 +1,11 @@
 r"""Images through a GGUF model + mmproj pair: structllm against llama.cpp's
 ``llama-server --mmproj`` on the same files, in the same run.
 
-The pair is written by llama.cpp's converter (``tests/support/mmproj.py``) from a Gemma 3
+The pair is written by llama.cpp's converter (``tests/support/mmproj.py``) from a
 checkpoint built by code with seeded random weights (cached): ``--size tiny`` is the
-tests' tiny Gemma 3 (64x64 images, 16 image tokens); ``--size siglip400m`` has the
+tests' tiny Gemma 3 (64x64 images, 16 image tokens), ``--size tiny-smolvlm`` the tests'
+tiny SmolVLM (tiles of 32, an 896x896 image 2x2 tiles and the global one, 4 tokens
+each); ``--size siglip400m`` (Gemma 3) has the
 released Gemma 3's tower (SigLIP-400M shapes: hidden 1152, 27 layers, 16 heads,
 intermediate 4304, patch 14, 896x896 images, 256 image tokens) before a small text
 model. The model GGUF is ``--model-type`` (default Q8_0, by llama-quantize), the mmproj
@@ -89,7 +91,11 @@ def pair(size: str, model_type: str, mmproj_type: str) -> tuple[Path, Path]:
     from tests.support.vision import gemma3_vision_dir
 
     files = prepare_model(None)
-    if size == "tiny":
+    if size == "tiny-smolvlm":
+        from tests.support.idefics3 import tiny_idefics3_dir
+
+        directory = tiny_idefics3_dir(files)
+    elif size == "tiny":
         directory = gemma3_vision_dir(files)
     else:
         directory = gemma3_vision_dir(files, SIGLIP400M, "bench-gemma3-siglip400m")
@@ -209,7 +215,7 @@ def measure(servers: dict[str, tuple[Any, str]], a: argparse.Namespace) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--size", choices=("tiny", "siglip400m"), default="tiny")
+    ap.add_argument("--size", choices=("tiny", "tiny-smolvlm", "siglip400m"), default="tiny")
     ap.add_argument("--model-type", default="Q8_0")
     ap.add_argument("--mmproj-type", default="f16")
     ap.add_argument("--llama-server", default="/root/llama-build-avx512/bin/llama-server")
