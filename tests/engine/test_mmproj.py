@@ -229,3 +229,18 @@ def test_mmproj_needs_a_gguf_model_of_a_family_with_images(pair: Pair, default_f
         check_model(Path("tiny-qwen3.gguf"), "qwen3")
     with pytest.raises(ValueError, match="is not an mmproj file"):
         LLM(str(pair.model), mmproj=str(pair.model))
+
+
+def test_llm_chat_with_an_mmproj_answers_as_the_directory(pair: Pair) -> None:
+    """The offline API: ``LLM(model.gguf, mmproj=...)``'s ``chat`` with an image part
+    (the processor from the mmproj, the GGUF's chat template and vocabulary)."""
+    from structllm import LLM
+
+    image = random_image(5, (70, 40))
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_pil", "image_pil": image}]
+    messages = [{"role": "user", "content": content}]
+    exact: dict[str, Any] = {"kv_cache_memory": 16 << 20, **EXACT}
+    got = LLM(str(pair.model), mmproj=str(pair.mmproj), **exact).chat(messages, GREEDY)
+    want = LLM(str(pair.directory), **exact).chat(messages, GREEDY)
+    assert got[0].prompt_token_ids == want[0].prompt_token_ids
+    assert got[0].token_ids == want[0].token_ids
