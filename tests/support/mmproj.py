@@ -4,14 +4,14 @@ tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idef
 The converter reads a checkpoint as the released ones are laid out, which is not always
 what transformers 5.25 saves: Gemma 3's tower must be ``vision_tower.vision_model.*``
 without the SigLIP head (``vision_use_head: false``), and its image count per image
-(``image_seq_length``) and normalisation in ``preprocessor_config.json``, and its
-projection holds float16 values (the converter writes it as F16 even in an F32 file, so
-the F32 pair is then the directory exactly); SmolVLM's
+(``image_seq_length``) and normalisation in ``preprocessor_config.json``; SmolVLM's
 tower must say its LayerNorm epsilon (the converter's default, 1e-5, is not
 transformers' 1e-6) and its ``text_config`` its class (``VLlama3ForCausalLM``, the
 converter's text model for SmolVLM); both tokenizers are read as the default model's
-class. ``published_dir`` rewrites a tiny checkpoint that way (the same
-model: the directory path answers as before), and ``gguf_pair`` converts it.
+class. ``published_dir`` rewrites a tiny checkpoint that way, a directory the
+directory path loads as well, which the tests compare the pair with; Gemma 3's
+projection there holds float16 values (the converter writes it as F16 even in an F32
+file, so the F32 pair is then that directory exactly). ``gguf_pair`` converts it.
 """
 
 from __future__ import annotations
