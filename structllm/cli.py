@@ -190,6 +190,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "own), or a folder holding a generation_config.json",
     )
     p.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="the vision tower and projector of a GGUF model, as llama.cpp's flag: an mmproj "
+        "GGUF written by its convert_hf_to_gguf.py --mmproj (Gemma 3, SmolVLM)",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
@@ -246,6 +253,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         speculative_config=a.speculative_config,
         hf_overrides=a.hf_overrides,
         generation_config=a.generation_config,
+        mmproj=a.mmproj,
         trace=a.trace,
         pipeline_parallel_size=a.pipeline_parallel_size,
         nnodes=a.nnodes,
@@ -568,6 +576,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
+    c.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="the GGUF model's mmproj file, for the server started here (ignored with --url)",
     )
     c.add_argument("--api-key", default=None)
     c.add_argument("--system", default=None, help="system prompt")

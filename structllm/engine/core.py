@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
 
 import msgspec
 import torch
@@ -306,11 +307,17 @@ class EngineCore:
         self.no_images = "it has no vision tower"
         if self.model is None:  # (the null model carries images: check_images)
             return
-        if vision_config(self.files) is None:
+        mmproj = self.config.mmproj
+        if vision_config(self.files) is None and mmproj is None:
             return
         if ranks > 1:
             self.no_images = "images are not supported with tensor or pipeline parallelism"
             sys.stderr.write(f"structllm: images: off ({self.no_images})\n")
+            return
+        if mmproj is not None:  # a GGUF model's tower and projector, from its mmproj file
+            from structllm.model.mmproj import load_mmproj
+
+            self.vision = load_mmproj(Path(mmproj), self.files, self.weight_format, self.device)
             return
         self.vision = load_vision(self.files, self.device)
 
