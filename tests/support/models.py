@@ -349,6 +349,20 @@ _QWEN3_5_EXPERTS: dict[str, object] = dict(
     moe_intermediate_size=48,
     shared_expert_intermediate_size=64,
 )
+GEMMA4_LAYERS = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+# Gemma 4 26B-A4B's layers in small: experts beside the MLP, global layers whose values
+# are their keys (one KV head), no KV sharing and no per-layer inputs
+GEMMA4_MOE: dict[str, object] = dict(
+    num_kv_shared_layers=0,
+    use_double_wide_mlp=False,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+)
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -532,6 +546,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma4": (  # the E2B/E4B's layers in small: four local layers to one global of
+        # twice the head size (its proportional rope), the last three layers reading the
+        # K/V of earlier ones (with doubled MLPs), per-layer inputs
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=8,
+            layer_types=GEMMA4_LAYERS,
+            head_dim=32,
+            global_head_dim=64,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=3,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=49152,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
     "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
         "NemotronHConfig",
         dict(
@@ -649,6 +681,9 @@ def tiny_family_dir(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
