@@ -153,8 +153,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
-        per_layer = ("layer_windows", "rope_layers", "moe_layers", "layer_types")
-        per_layer += ("layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers")
+        per_layer = ["layer_windows", "rope_layers", "moe_layers", "layer_types"]
+        per_layer += ["layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers"]
         for name in (*per_layer, "layer_intermediate_sizes"):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
@@ -178,7 +178,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         if any(d % 2 or d < 2 for d in self.layer_head_dims):
             raise ValueError(f"head sizes must be even, got {self.layer_head_dims}")
         if any(self.num_heads % h for h in self.layer_kv_heads):
-            raise ValueError(f"num_heads must be a multiple of every layer's KV heads")
+            raise ValueError("num_heads must be a multiple of every layer's KV heads")
 
     @property
     def context_length(self) -> int:
@@ -226,9 +226,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_attention_layers(self) -> int:
         """Layers that keep K/V in the paged cache (not those reading another's)."""
-        return sum(
-            self.attends(i) and self.kv_source(i) == i for i in range(self.num_layers)
-        )
+        return sum(self.attends(i) and self.kv_source(i) == i for i in range(self.num_layers))
 
     def head_dim_of(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
@@ -347,7 +345,7 @@ TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 1,
         },
     ),
-# Mistral Small 3.1 / 3.2 (MistralConfig's defaults)
+    # Mistral Small 3.1 / 3.2 (MistralConfig's defaults)
     "Mistral3ForConditionalGeneration": (
         "MistralForCausalLM",
         {

@@ -25,7 +25,8 @@ sliding-window and global layers) with
   norm of the residual; the dense MLP's and the experts' outputs, each normed, are
   added before the MLP's output norm.
 
-The layers run the plain torch path (no fused CPU ops, no native decode loop), in one
+The layers run the plain torch path (no fused CPU layer ops, no native decode loop;
+the fused soft-cap of the logits where the CPU ops are in use), in one
 process (tensor and pipeline parallelism are refused by name: layers of two shapes
 and layers reading other layers' caches are not cut).
 """
@@ -99,7 +100,7 @@ class Gemma4Layer(nn.Module):
         self.o_proj = p(h, nh * hd)
         self.gate_up_proj, self.down_proj = p(2 * ffn, h), p(h, ffn)
         self.PACKED: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        self.moe = Gemma4Moe(cfg, dtype) if cfg.moe_layer(index) else None
+        self.moe: Gemma4Moe | None = Gemma4Moe(cfg, dtype) if cfg.moe_layer(index) else None
         if self.moe is not None:  # the dense MLP's and the experts' own norms
             self.dense_out_norm, self.experts_in_norm, self.experts_out_norm = p(h), p(h), p(h)
         self.per_layer = cfg.per_layer_input_size
@@ -156,8 +157,9 @@ class Gemma4Layer(nn.Module):
         gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
         mlp_out = linear(gated_act(gate, up, "gelu_tanh"), self.down_proj, int8_ok=True)
         if self.moe is not None:
-            routed = cast(Gemma4Moe, self.moe).route_residual(x)
-            experts = self.moe(self._norm(x, self.experts_in_norm), "gelu_tanh", None, routed)
+            weights, chosen = self.moe.route_residual(x)
+            h = self._norm(x, self.experts_in_norm)
+            experts = self.moe.run_experts(h, weights, chosen, "gelu_tanh")
             mlp_out = self._norm(mlp_out, self.dense_out_norm) + self._norm(
                 experts, self.experts_out_norm
             )
@@ -178,7 +180,11 @@ class PerLayerInputs(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         lp = cfg.num_layers * cfg.per_layer_input_size
-        self.layers, self.size, self.eps = cfg.num_layers, cfg.per_layer_input_size, cfg.rms_norm_eps
+        self.layers, self.size, self.eps = (
+            cfg.num_layers,
+            cfg.per_layer_input_size,
+            cfg.rms_norm_eps,
+        )
         self.hidden = cfg.hidden_size
         self.embed = _param(dtype, cfg.per_layer_vocab_size, lp)
         self.projection = _param(dtype, lp, cfg.hidden_size)
@@ -222,9 +228,6 @@ class Gemma4Model(MoeModel):
     def kv_layout(self, layer: int) -> tuple[int, int, int]:
         cfg = self.cfg
         return cfg.kv_source(layer), cfg.kv_heads_of(layer), cfg.head_dim_of(layer)
-
-    def use_cpu_ops(self) -> bool:
-        return False  # (the layers run the plain torch path)
 
     def rope_tables(self, max_positions: int) -> tuple[Tensor, Tensor]:
         """The global and the local layers' rotations, ``[>= max_positions, D/2]``
@@ -288,10 +291,15 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
     state = {
         k: v
         for k, v in state.items()
-        if not k.removeprefix("model.").startswith(("embed_vision.", "audio_tower.", "embed_audio."))
+        if not k.removeprefix("model.").startswith(
+            ("embed_vision.", "audio_tower.", "embed_audio.")
+        )
     }
     nh = cfg.num_heads
-    out = {"embed_tokens": state.pop("model.embed_tokens.weight"), "norm": state.pop("model.norm.weight")}
+    out = {
+        "embed_tokens": state.pop("model.embed_tokens.weight"),
+        "norm": state.pop("model.norm.weight"),
+    }
     if "lm_head.weight" in state and not cfg.tie_word_embeddings:
         out["lm_head"] = state.pop("lm_head.weight")
     if cfg.per_layer_input_size:
@@ -337,7 +345,10 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
             out[m + "router"] = state.pop(p + "router.proj.weight")
             out[m + "router_scale"] = state.pop(p + "router.scale")
             out[m + "per_expert_scale"] = state.pop(p + "router.per_expert_scale")
-            gate_up, down = state.pop(p + "experts.gate_up_proj"), state.pop(p + "experts.down_proj")
+            gate_up, down = (
+                state.pop(p + "experts.gate_up_proj"),
+                state.pop(p + "experts.down_proj"),
+            )
             for e in range(cfg.num_experts):
                 out[f"{m}experts.{e}.gate_up_proj"] = gate_up[e]
                 out[f"{m}experts.{e}.down_proj"] = down[e]

@@ -228,12 +228,22 @@ class SparseMoe(nn.Module):
         h: Tensor,
         act: str,
         fused_act: Callable[[Tensor], Tensor] | None = None,
-        routed: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
-        ``act`` on ``[T, 2F]`` rows (else torch's ops). ``routed``: the (weights, chosen)
-        of a router of the family's own (Gemma 4's routes another input than ``h``)."""
-        weights, chosen = routed or self.route(h, fused=fused_act is not None)  # [T, k] each
+        ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
+        weights, chosen = self.route(h, fused=fused_act is not None)  # [T, k] each
+        return self.run_experts(h, weights, chosen, act, fused_act)
+
+    def run_experts(
+        self,
+        h: Tensor,
+        weights: Tensor,
+        chosen: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """``forward`` once routed: ``weights, chosen: [T, k]`` (a family with a router of
+        its own, Gemma 4's, routes and calls this)."""
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)

@@ -649,6 +649,11 @@ def glm_tokenizer_json(files: ModelFiles) -> Path:
     return out
 
 
+# how a family's checkpoint is built, where it changed since its cached copies (Gemma 4's
+# router weights)
+_REVISION = {"gemma4": 4}
+
+
 def tiny_family_dir(
     family: str, files: ModelFiles, extra_files: dict[str, Path] | None = None, **overrides: object
 ) -> Path:
@@ -666,7 +671,10 @@ def tiny_family_dir(
     kw = {**_SMALL, **extra, **overrides}
     extra_files = extra_files or {}
     key = hashlib.sha256(
-        json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
+        json.dumps(
+            [family, cls_name, kw, transformers.__version__, _REVISION.get(family, 2)],
+            sort_keys=True,
+        ).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
         + b"".join(n.encode() + p.read_bytes() for n, p in sorted(extra_files.items()))
@@ -684,6 +692,8 @@ def tiny_family_dir(
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                 p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
+            elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
+                p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -731,6 +741,22 @@ GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# Gemma 4 E2B's (KV-shared layers, per-layer inputs, global layers of another shape)
+GEMMA4_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="gemma4_text",
+    num_hidden_layers=8,
+    layer_types=GEMMA4_LAYERS,
+    head_dim=32,
+    global_head_dim=64,
+    sliding_window=WINDOW,
+    num_kv_shared_layers=3,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # Mistral Small 3.1's (Mistral3ForConditionalGeneration)
 MISTRAL3_MULTIMODAL_TEXT: dict[str, object] = dict(
     _MULTIMODAL_SIZES,
@@ -757,6 +783,12 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         GEMMA3_MULTIMODAL_TEXT,
         dict(model_type="siglip_vision_model", image_size=28, patch_size=14),
         dict(mm_tokens_per_image=4, boi_token_index=49149, eoi_token_index=49150),
+    ),
+    "Gemma4ForConditionalGeneration": (
+        "gemma4",
+        GEMMA4_MULTIMODAL_TEXT,
+        dict(model_type="gemma4_vision", num_key_value_heads=2, head_dim=16, patch_size=14),
+        dict(image_token_id=49151),
     ),
     "Mistral3ForConditionalGeneration": (
         "mistral3",
