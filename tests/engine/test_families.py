@@ -243,6 +243,28 @@ def test_gemma4_refuses_tensor_parallelism_by_name(default_files) -> None:  # ty
         engine_for(tiny_family_dir("gemma4", default_files), tensor_parallel_size=2)
 
 
+def test_gemma4_config_as_published() -> None:
+    # the published config.json's keys (global_head_dim, num_global_key_value_heads, no
+    # per_layer_config), the config class's defaults where a key is absent (five local
+    # layers to one global, 256-wide per-layer inputs), and what cannot run is refused
+    cfg: dict[str, object] = {"architectures": ["Gemma4ForCausalLM"], "hidden_size": 64}
+    cfg |= {"intermediate_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg |= {"num_hidden_layers": 12, "vocab_size": 8, "head_dim": 16, "global_head_dim": 32}
+    cfg |= {"num_kv_shared_layers": 4}
+    plain = ModelConfig.from_hf(cfg)
+    assert plain.layer_windows == ([512] * 5 + [0]) * 2 and plain.per_layer_input_size == 256
+    assert plain.layer_head_dims == ([16] * 5 + [32]) * 2 and plain.layer_kv_heads == []
+    assert plain.kv_sources == list(range(8)) + [7, 7, 7, 5]
+    assert plain.rope_theta == 1e6 and plain.rope_local_theta == 10000.0
+    k_eq_v = ModelConfig.from_hf({**cfg, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    assert k_eq_v.layer_kv_heads == ([2] * 5 + [1]) * 2
+    assert k_eq_v.k_eq_v_layers == ([False] * 5 + [True]) * 2
+    with pytest.raises(ValueError, match="layer 5 shares the K/V of no earlier full_attention"):
+        ModelConfig.from_hf({**cfg, "num_kv_shared_layers": 7})
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all' is not supported"):
+        ModelConfig.from_hf({**cfg, "use_bidirectional_attention": "all"})
+
+
 def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
     # the first Gemma checkpoints say "gelu", which transformers runs as tanh GELU
     cfg = {"architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
