@@ -89,7 +89,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
         num_kv_shared_layers=3,
         use_double_wide_mlp=True,
-        hidden_size_per_layer_input=256,
+        hidden_size_per_layer_input=128,  # (E2B's 1/6 of hidden; its table 49152 x 1024)
     ),
     # hybrid models: LFM2's pattern (attention in 2 layers of 8; its MLP width derived
     # from block_ff_dim as LFM2's, 2816) and Qwen3.5's (3 Gated DeltaNet layers in 4)
