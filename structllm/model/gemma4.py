@@ -90,7 +90,10 @@ class Gemma4Layer(nn.Module):
         self.k_eq_v = bool(cfg.k_eq_v_layers) and cfg.k_eq_v_layers[index]
         kv_rows = 0 if not self.owns_kv else (1 if self.k_eq_v else 2)
         self.kv_rows = kv_rows
-        p = lambda *shape: _param(dtype, *shape)  # noqa: E731
+
+        def p(*shape: int) -> nn.Parameter:
+            return _param(dtype, *shape)
+
         self.input_layernorm, self.attn_out_norm = p(h), p(h)
         self.post_attention_layernorm, self.mlp_out_norm = p(h), p(h)
         self.qkv_proj = p((nh + kv_rows * nkv) * hd, h)
@@ -310,10 +313,7 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
         p, o = f"model.layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
         nkv = cfg.kv_heads_of(i)
-
-        def rot(w: Tensor, heads: int) -> Tensor:
-            return interleave_rope_rows(w, heads)
-
+        rot = interleave_rope_rows  # (w, heads): over the whole head (proportional rope)
         parts = [rot(state.pop(a + "q_proj.weight"), nh)]
         out[o + "q_norm"] = rot(state.pop(a + "q_norm.weight"), 1)
         o_proj = state.pop(a + "o_proj.weight")
