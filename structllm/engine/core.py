@@ -134,6 +134,13 @@ class EngineCore:
                 f"{mcfg.architecture} is a hybrid model (recurrent layers): tensor and "
                 "pipeline parallelism are not supported for it"
             )
+        if not mcfg.uniform_layers and (
+            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                f"{mcfg.architecture} has layers of several K/V shapes or layers reading "
+                "another layer's K/V: tensor and pipeline parallelism are not supported for it"
+            )
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
         plan = (

@@ -166,7 +166,6 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         num_state_slots: int = 0,
     ) -> None:
-        cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
@@ -175,25 +174,36 @@ class ModelRunner:
         # the cache's own dtype (--kv-cache-dtype; default: the model's): attention
         # converts on the store and reads it back in float32
         dtype = kv_dtype or model.norm.dtype
-        shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
-        # an attention backend may keep K in a layout of its own (the CPU kernel's)
-        k_shape = model.attn_impl.k_cache_shape(*shape)
-        # per layer held (all, without pipeline parallelism): its K/V blocks, or for a
-        # hybrid model's recurrent layer its states, one row per slot (float32 always:
-        # a recurrence accumulates every token it has seen)
+        # per layer held (all, without pipeline parallelism): its K/V blocks in its
+        # layer's shape (an attention backend may keep K in a layout of its own, the CPU
+        # kernel's), the very tensors of the layer whose cache it reads (Gemma 4's
+        # KV-shared layers: no blocks of their own), or for a hybrid model's recurrent
+        # layer its states, one row per slot (float32 always: a recurrence accumulates
+        # every token it has seen)
         self.num_state_slots = num_state_slots
-        self.kv_caches: list[tuple[Tensor, ...]] = [
-            (
-                torch.zeros(k_shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
+        self.kv_caches: list[tuple[Tensor, ...]] = []
+        for i in range(len(model.layers)):
+            states = model.state_shapes(i)
+            if states is not None:
+                self.kv_caches.append(
+                    tuple(
+                        torch.zeros((num_state_slots, *s), dtype=torch.float32, device=self.device)
+                        for s in states
+                    )
+                )
+                continue
+            source, heads, head_dim = model.kv_layout(i)
+            if source != i:
+                self.kv_caches.append(self.kv_caches[source])
+                continue
+            shape = (num_blocks, block_size, heads, head_dim)
+            k_shape = model.attn_impl.k_cache_shape(*shape)
+            self.kv_caches.append(
+                (
+                    torch.zeros(k_shape, dtype=dtype, device=self.device),
+                    torch.zeros(shape, dtype=dtype, device=self.device),
+                )
             )
-            if (states := model.state_shapes(i)) is None
-            else tuple(
-                torch.zeros((num_state_slots, *s), dtype=torch.float32, device=self.device)
-                for s in states
-            )
-            for i in range(len(model.layers))
-        ]
         model.decode_planner = decode_plan.plan
         model.choose_decode_loop()  # the fused CPU path: native decode steps or not, said
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism

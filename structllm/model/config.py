@@ -24,6 +24,9 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "yarn": (),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "freq_factors": ("factors",),
+    # Gemma 4's global layers: the first partial_rotary_factor of each head's pairs
+    # rotate, at frequencies over the whole head (the rest by nothing)
+    "proportional": (),
 }
 # the recurrent layers of hybrid models: "conv", LFM2's gated short convolution;
 # "linear_attention", Qwen3.5's Gated DeltaNet; "mamba", Granite 4's and Nemotron-H's
@@ -112,6 +115,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mamba_d_state: int = 0
     mamba_chunk_size: int = 0
     mamba_proj_bias: bool = False
+    # --- Gemma 4: layers that differ in shape, share K/V, take per-layer inputs ---
+    layer_head_dims: list[int] = []  # per layer: head size ([]: head_dim everywhere)
+    layer_kv_heads: list[int] = []  # per layer: KV heads ([]: num_kv_heads everywhere)
+    # per layer: the layer whose cached K/V it attends over (its own index: it computes
+    # and caches its own; another: it caches nothing); []: every layer its own
+    kv_sources: list[int] = []
+    k_eq_v_layers: list[bool] = []  # per layer: its values are its keys' projection
+    value_norm: bool = False  # values through an RMSNorm without weight
+    layer_intermediate_sizes: list[int] = []  # per layer: the MLP's width ([]: all one)
+    moe_beside_mlp: bool = False  # the experts run beside the dense MLP, not instead
+    per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
+    per_layer_vocab_size: int = 0  # their table's rows
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -143,7 +158,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
-        for name in ("layer_windows", "rope_layers", "moe_layers", "layer_types"):
+        per_layer = ["layer_windows", "rope_layers", "moe_layers", "layer_types"]
+        per_layer += ["layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers"]
+        for name in (*per_layer, "layer_intermediate_sizes"):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
                 raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
@@ -155,6 +172,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.hybrid and self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
+        for i, src in enumerate(self.kv_sources):
+            if not (0 <= src <= i and self.kv_sources[src] == src):
+                raise ValueError(f"layer {i} reads the K/V of layer {src}, which caches none")
+            if (self.head_dim_of(src), self.kv_heads_of(src)) != (
+                self.head_dim_of(i),
+                self.kv_heads_of(i),
+            ):
+                raise ValueError(f"layer {i} reads the K/V of layer {src}, of another shape")
+        if any(d % 2 or d < 2 for d in self.layer_head_dims):
+            raise ValueError(f"head sizes must be even, got {self.layer_head_dims}")
+        if any(self.num_heads % h for h in self.layer_kv_heads):
+            raise ValueError("num_heads must be a multiple of every layer's KV heads")
 
     @property
     def context_length(self) -> int:
@@ -201,8 +230,29 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers that keep K/V in the paged cache."""
-        return sum(self.attends(i) for i in range(self.num_layers))
+        """Layers that keep K/V in the paged cache (not those reading another's)."""
+        return sum(self.attends(i) and self.kv_source(i) == i for i in range(self.num_layers))
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached K/V ``layer`` attends over (itself, unless shared)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def intermediate_size_of(self, layer: int) -> int:
+        if self.layer_intermediate_sizes:
+            return self.layer_intermediate_sizes[layer]
+        return self.intermediate_size
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every attention layer caches K/V of one shape (what tensor and
+        pipeline parallelism and the fused CPU path assume)."""
+        return not (self.layer_head_dims or self.layer_kv_heads or self.kv_sources)
 
     def moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -254,8 +304,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across all layers, per byte of element size."""
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
+        """Bytes of K and V per token across all layers, per byte of element size (a
+        layer that reads another's cache holds none)."""
+        return sum(
+            2 * self.kv_heads_of(i) * self.head_dim_of(i)
+            for i in range(self.num_layers)
+            if self.attends(i) and self.kv_source(i) == i
+        )
 
 
 def _num_layers(cfg: dict[str, Any]) -> int:
@@ -314,6 +369,27 @@ TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Gemma 4 (Gemma4TextConfig's defaults; its vision and audio towers are not loaded)
+TEXT_MODELS["Gemma4ForConditionalGeneration"] = (
+    "Gemma4ForCausalLM",
+    {
+        "vocab_size": 262144,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+)
 # Idefics3 (SmolVLM): a Llama text model, LlamaConfig's defaults (Idefics3Config's
 # rms_norm_eps 1e-5 is only for a config without text_config; SmolVLM's lists its own);
 # its vision tower and connector: model/idefics3.py
@@ -507,6 +583,102 @@ def _gemma(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
         out["rope_local_theta"] = float(local or cfg.get("rope_local_base_freq") or 10000.0)
         out["qk_norm"] = "head"
+    return out
+
+
+def _gemma4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 (transformers' ``Gemma4TextConfig``, its defaults where a key is absent):
+    Gemma 3's layer (plain ``w`` norms, no softmax scale: q/k norms do it) with
+
+    - global layers of their own head size and KV heads (``per_layer_config``, else
+      ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``),
+      whose values are their keys' projection with ``attention_k_eq_v``; values through
+      a weightless RMSNorm;
+    - the global layers' "proportional" rope, the local ones' plain rope;
+    - the last ``num_kv_shared_layers`` layers attending over the K/V of the last
+      earlier layer of their kind (``kv_sources``), with a doubled MLP under
+      ``use_double_wide_mlp``;
+    - per-layer input embeddings (``hidden_size_per_layer_input``);
+    - experts beside the dense MLP (``enable_moe_block``)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma 4 activation {act!r}; expected gelu_pytorch_tanh")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma 4 with use_bidirectional_attention 'all' is not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError("Gemma 4 with attention_bias is not supported")
+    n = base["num_layers"]
+    types = list(cfg.get("layer_types") or [])
+    if not types:  # the config class's pattern: five local layers to one global
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types[-1] = "full_attention"  # (transformers forces it)
+    sliding = [t == "sliding_attention" for t in types]
+    window = int(cfg.get("sliding_window") or 512)
+    heads, kv = base["head_dim"], base["num_kv_heads"]
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    if not per_layer:
+        over: dict[str, Any] = {"head_dim": int(cfg.get("global_head_dim") or 512)}
+        if k_eq_v and cfg.get("num_global_key_value_heads"):
+            over["num_key_value_heads"] = int(cfg["num_global_key_value_heads"])
+        per_layer = {i: over for i in range(n) if not sliding[i]}
+    head_dims = [int(per_layer.get(i, {}).get("head_dim", heads)) for i in range(n)]
+    kv_heads = [int(per_layer.get(i, {}).get("num_key_value_heads", kv)) for i in range(n)]
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first = n - shared
+    sources = list(range(n))
+    for i in range(first, n):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise ValueError(f"Gemma 4 layer {i} shares the K/V of no earlier {types[i]} layer")
+        sources[i] = earlier[-1]
+    ffn = base["intermediate_size"]
+    wide = bool(cfg.get("use_double_wide_mlp"))
+    params = cfg.get("rope_parameters") or {}
+    glob = dict(params.get("full_attention") or {})
+    glob = glob or {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 4 local rope type {local['rope_type']!r} is not supported")
+    scaling = {k: v for k, v in glob.items() if k != "rope_theta"}
+    scaling.setdefault("rope_type", "default")
+    if scaling["rope_type"] == "default" and float(scaling.get("partial_rotary_factor", 1)) != 1:
+        raise ValueError("Gemma 4 default rope with a partial rotary is not supported")
+    out: dict[str, Any] = dict(
+        post_norms=True,
+        mlp_act="gelu_tanh",
+        embed_scale=float(base["hidden_size"]) ** 0.5,
+        attn_scale=1.0,
+        final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qk_norm="head",
+        value_norm=True,
+        rotary_dim=None,
+        rope_theta=float(glob.get("rope_theta", 1e6)),
+        rope_scaling=scaling if scaling["rope_type"] != "default" else None,
+        rope_local_theta=float(local.get("rope_theta", 10000.0)),
+        layer_windows=[window if s else 0 for s in sliding],
+        sliding_window=window,
+        layer_head_dims=head_dims if len(set(head_dims)) > 1 else [],
+        head_dim=head_dims[0] if len(set(head_dims)) == 1 else heads,
+        layer_kv_heads=kv_heads if len(set(kv_heads)) > 1 else [],
+        num_kv_heads=kv_heads[0] if len(set(kv_heads)) == 1 else kv,
+        kv_sources=sources if shared else [],
+        k_eq_v_layers=[k_eq_v and not s for s in sliding] if k_eq_v else [],
+        layer_intermediate_sizes=[ffn * (2 if wide and i >= first else 1) for i in range(n)]
+        if wide and shared
+        else [],
+        per_layer_input_size=int(cfg.get("hidden_size_per_layer_input", 256) or 0),
+        per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or 262144),
+    )
+    if cfg.get("enable_moe_block"):
+        out.update(
+            num_experts=int(cfg["num_experts"]),
+            num_experts_per_tok=int(cfg["top_k_experts"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=True,
+            moe_beside_mlp=True,
+        )
     return out
 
 
@@ -918,6 +1090,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gemma": _gemma1,
     "gemma2": _gemma,
     "gemma3": _gemma,
+    "gemma4": _gemma4,
     "phi3": _phi3,
     "olmo2": _olmo2,
     "olmo3": _olmo3,

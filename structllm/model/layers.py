@@ -55,6 +55,10 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = Fal
         inv = _yarn_inv_freq(cfg, sc, inv, base)
     elif kind == "freq_factors":  # llama.cpp's rope_freqs: each pair's angle divided by it
         inv = inv / torch.tensor(sc["factors"], dtype=torch.float64)[: d // 2]
+    elif kind == "proportional":  # Gemma 4: the first pairs rotate, the rest by nothing
+        angles = int(float(sc.get("partial_rotary_factor", 1.0)) * cfg.head_dim // 2)
+        inv[angles:] = 0.0
+        inv = inv / float(sc.get("factor", 1.0))
     elif kind == "longrope":
         ext = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float64)
         inv = inv / ext
@@ -220,11 +224,26 @@ class SparseMoe(nn.Module):
             )
 
     def forward(
-        self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
+        self,
+        h: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
         """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
         ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
         weights, chosen = self.route(h, fused=fused_act is not None)  # [T, k] each
+        return self.run_experts(h, weights, chosen, act, fused_act)
+
+    def run_experts(
+        self,
+        h: Tensor,
+        weights: Tensor,
+        chosen: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """``forward`` once routed: ``weights, chosen: [T, k]`` (a family with a router of
+        its own, Gemma 4's, routes and calls this)."""
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)

@@ -384,6 +384,11 @@ class LlamaModel(nn.Module):
         ``[slots, *shape]`` of each), or None: it attends over the paged KV cache."""
         return None
 
+    def kv_layout(self, layer: int) -> tuple[int, int, int]:
+        """Held layer ``layer``'s paged KV cache: (the held layer whose cache it reads,
+        its own index unless it shares another's; KV heads; head size)."""
+        return layer, self.num_kv_heads, self.cfg.head_dim
+
     def state_bytes(self) -> int:
         """Bytes of one request's recurrent state over every layer held (float32; 0
         for a model that only attends)."""

@@ -56,6 +56,14 @@ FAMILIES: tuple[Family, ...] = (
         ("gemma3_text",),
         ("gemma3",),
     ),
+    # Gemma4ForConditionalGeneration: its text model (config.TEXT_MODELS)
+    Family(
+        "gemma4",
+        "gemma4",
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        ("gemma4_text",),
+        (),
+    ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
     # llama.cpp writes OLMo 3 as "olmo2" with a sliding window (gguf.model_config)

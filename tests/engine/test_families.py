@@ -62,6 +62,13 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW] * 5 + [0]
     if name == "gemma":
         assert (cfg.mlp_act, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, False)
+    if name == "gemma4":  # the last three layers read layers 4 (local) and 3 (global)
+        assert cfg.layer_windows == [WINDOW] * 3 + [0] + [WINDOW] * 3 + [0]
+        assert cfg.layer_head_dims == [32] * 3 + [64] + [32] * 3 + [64]
+        assert cfg.kv_sources == [0, 1, 2, 3, 4, 4, 4, 3] and cfg.num_attention_layers == 5
+        assert cfg.layer_intermediate_sizes == [128] * 5 + [256] * 3
+        assert (cfg.per_layer_input_size, cfg.scale, cfg.value_norm) == (16, 1.0, True)
+        assert cfg.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     if name == "glm4":  # half of each 32-wide head rotates
         assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
     if name == "exaone4":  # the global layer: no window, no rotary embedding
@@ -161,6 +168,106 @@ def test_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch, default_
     prefill_logits(engine, PROMPTS[3])
     assert 0 < len(calls) <= 3 * 4 * 2  # layers x experts x (gate_up, down)
     assert sum(calls) == 3 * len(PROMPTS[3]) * 2 * 2  # every (token, choice) once per matmul
+
+
+def test_gemma4_shared_layers_read_their_source_cache(default_files) -> None:  # type: ignore[no-untyped-def]
+    # the KV-shared layers hold no blocks: their cache entries are their source layers'
+    # tensors, and the cache is sized for the five layers that store K/V (two of them
+    # 64-wide global ones), so it holds more tokens than eight caching layers would
+    from structllm.engine.device import kv_budget
+
+    engine = engine_for(tiny_family_dir("gemma4", default_files))
+    cfg, caches = engine.files.config, engine.runner.kv_caches
+    for i, src in enumerate(cfg.kv_sources):
+        assert (caches[i][0] is caches[src][0]) and (caches[i][1] is caches[src][1])
+        assert (caches[i][0] is caches[i - 1][0]) == (i > 0 and src == cfg.kv_sources[i - 1])
+    assert caches[3][1].shape[2:] == (2, 64) and caches[0][1].shape[2:] == (2, 32)
+    per_token = 2 * 2 * (32 * 4 + 64) * 4  # K and V, 2 heads, float32
+    assert cfg.kv_bytes_per_token * 4 == per_token
+    budget = kv_budget(engine.config, engine.device)
+    assert engine.num_blocks == budget // (per_token * engine.config.block_size)
+    held = {id(t): t for pair in caches for t in pair}  # the tensors, each once
+    total = sum(t.numel() * t.element_size() for t in held.values())
+    assert total == engine.num_blocks * engine.config.block_size * per_token
+
+
+def test_gemma4_experts_beside_the_mlp_match_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    # 26B-A4B's layers in small: experts with their own router beside the dense MLP,
+    # global layers whose values are their keys (one KV head); logits and greedy tokens
+    # through chunked prefill and prefix hits
+    from structllm import LLM, SamplingParams
+    from tests.support.models import GEMMA4_MOE
+
+    path = tiny_family_dir("gemma4", default_files, **GEMMA4_MOE)
+    cfg = prepare_model(str(path)).config
+    assert cfg.moe_beside_mlp and cfg.num_experts == 4 and cfg.kv_sources == []
+    assert cfg.k_eq_v_layers == [False] * 3 + [True] + [False] * 3 + [True]
+    assert cfg.layer_kv_heads == [2] * 3 + [1] + [2] * 3 + [1] and cfg.per_layer_input_size == 0
+    engine, ref = engine_for(path), hf_from_dir(path)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=9, **EXACT)
+    want = [hf_greedy(ref, ids, 24) for ids in PROMPTS]
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+# (top-1 agreement, largest logit difference, mean difference; in standard deviations)
+GEMMA4_DEFAULT = {"e2b": (0.95, 0.25, 0.05), "moe": (0.85, 1.0, 0.1)}
+
+
+@pytest.mark.parametrize("variant", sorted(GEMMA4_DEFAULT))
+def test_gemma4_default_format_agrees(variant: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    """The default format (float16 weights, float16 KV cache) against the exact path on
+    the same float32 checkpoint: what differs is float16's rounding. With experts, a
+    router near-tie at a position flips one of its experts under that rounding (1 to 3
+    positions of the longer prompts, with the float16 cache alone as with the weights
+    alone), and the global layers carry that position's difference to every later one:
+    about 92% top-1 there, against 98% without experts."""
+    from tests.support.models import GEMMA4_MOE
+
+    bar, spread, mean = GEMMA4_DEFAULT[variant]
+    path = tiny_family_dir("gemma4", default_files, **(GEMMA4_MOE if variant == "moe" else {}))
+    default = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(default, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= spread * want.std(), ids
+        assert (got - want).abs().mean() <= mean * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= bar, (agree, total)
+
+
+def test_gemma4_refuses_tensor_parallelism_by_name(default_files) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="gemma4 has layers of several K/V shapes"):
+        engine_for(tiny_family_dir("gemma4", default_files), tensor_parallel_size=2)
+
+
+def test_gemma4_config_as_published() -> None:
+    # the published config.json's keys (global_head_dim, num_global_key_value_heads, no
+    # per_layer_config), the config class's defaults where a key is absent (five local
+    # layers to one global, 256-wide per-layer inputs), and what cannot run is refused
+    cfg: dict[str, object] = {"architectures": ["Gemma4ForCausalLM"], "hidden_size": 64}
+    cfg |= {"intermediate_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg |= {"num_hidden_layers": 12, "vocab_size": 8, "head_dim": 16, "global_head_dim": 32}
+    cfg |= {"num_kv_shared_layers": 4}
+    plain = ModelConfig.from_hf(cfg)
+    assert plain.layer_windows == ([512] * 5 + [0]) * 2 and plain.per_layer_input_size == 256
+    assert plain.layer_head_dims == ([16] * 5 + [32]) * 2 and plain.layer_kv_heads == []
+    assert plain.kv_sources == list(range(8)) + [7, 7, 7, 5]
+    assert plain.rope_theta == 1e6 and plain.rope_local_theta == 10000.0
+    k_eq_v = ModelConfig.from_hf({**cfg, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    assert k_eq_v.layer_kv_heads == ([2] * 5 + [1]) * 2
+    assert k_eq_v.k_eq_v_layers == ([False] * 5 + [True]) * 2
+    with pytest.raises(ValueError, match="layer 5 shares the K/V of no earlier full_attention"):
+        ModelConfig.from_hf({**cfg, "num_kv_shared_layers": 7})
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all' is not supported"):
+        ModelConfig.from_hf({**cfg, "use_bidirectional_attention": "all"})
 
 
 def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
@@ -267,6 +374,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     ("arch", "tied"),
     [
         ("Gemma3ForConditionalGeneration", True),
+        ("Gemma4ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", False),  # as Mistral Small 3.1: an lm_head
         ("Qwen3_5ForConditionalGeneration", False),  # how Qwen3.5 is published
@@ -290,6 +398,9 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     if arch.startswith("Gemma3"):
         assert cfg.architecture == "gemma3" and cfg.rope_theta == 1e6
         assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
+    elif arch.startswith("Gemma4"):
+        assert cfg.architecture == "gemma4" and cfg.rope_theta == 1e6
+        assert cfg.kv_sources == [0, 1, 2, 3, 4, 4, 4, 3] and cfg.per_layer_input_size == 16
     elif arch.startswith("Qwen3_5"):
         assert cfg.architecture == "qwen3_5" and cfg.rotary_dim == 8
         assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]

@@ -349,6 +349,20 @@ _QWEN3_5_EXPERTS: dict[str, object] = dict(
     moe_intermediate_size=48,
     shared_expert_intermediate_size=64,
 )
+GEMMA4_LAYERS = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+# Gemma 4 26B-A4B's layers in small: experts beside the MLP, global layers whose values
+# are their keys (one KV head), no KV sharing and no per-layer inputs
+GEMMA4_MOE: dict[str, object] = dict(
+    num_kv_shared_layers=0,
+    use_double_wide_mlp=False,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+)
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -554,6 +568,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gemma4": (  # the E2B/E4B's layers in small: four local layers to one global of
+        # twice the head size (its proportional rope), the last three layers reading the
+        # K/V of earlier ones (with doubled MLPs), per-layer inputs
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=8,
+            layer_types=GEMMA4_LAYERS,
+            head_dim=32,
+            global_head_dim=64,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=3,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=49152,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
     "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
         "NemotronHConfig",
         dict(
@@ -639,6 +671,11 @@ def glm_tokenizer_json(files: ModelFiles) -> Path:
     return out
 
 
+# how a family's checkpoint is built, where it changed since its cached copies (Gemma 4's
+# router weights)
+_REVISION = {"gemma4": 4}
+
+
 def tiny_family_dir(
     family: str, files: ModelFiles, extra_files: dict[str, Path] | None = None, **overrides: object
 ) -> Path:
@@ -656,7 +693,10 @@ def tiny_family_dir(
     kw = {**_SMALL, **extra, **overrides}
     extra_files = extra_files or {}
     key = hashlib.sha256(
-        json.dumps([family, cls_name, kw, transformers.__version__, 2], sort_keys=True).encode()
+        json.dumps(
+            [family, cls_name, kw, transformers.__version__, _REVISION.get(family, 2)],
+            sort_keys=True,
+        ).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
         + b"".join(n.encode() + p.read_bytes() for n, p in sorted(extra_files.items()))
@@ -673,6 +713,11 @@ def tiny_family_dir(
                 p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
             elif name.endswith("sinks"):  # (gpt-oss's) a share of each softmax
                 p.normal_(0, 1.0)
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
+            elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
+                p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -720,6 +765,22 @@ GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# Gemma 4 E2B's (KV-shared layers, per-layer inputs, global layers of another shape)
+GEMMA4_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="gemma4_text",
+    num_hidden_layers=8,
+    layer_types=GEMMA4_LAYERS,
+    head_dim=32,
+    global_head_dim=64,
+    sliding_window=WINDOW,
+    num_kv_shared_layers=3,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # Mistral Small 3.1's (Mistral3ForConditionalGeneration)
 MISTRAL3_MULTIMODAL_TEXT: dict[str, object] = dict(
     _MULTIMODAL_SIZES,
@@ -746,6 +807,12 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         GEMMA3_MULTIMODAL_TEXT,
         dict(model_type="siglip_vision_model", image_size=28, patch_size=14),
         dict(mm_tokens_per_image=4, boi_token_index=49149, eoi_token_index=49150),
+    ),
+    "Gemma4ForConditionalGeneration": (
+        "gemma4",
+        GEMMA4_MULTIMODAL_TEXT,
+        dict(model_type="gemma4_vision", num_key_value_heads=2, head_dim=16, patch_size=14),
+        dict(image_token_id=49151),
     ),
     "Mistral3ForConditionalGeneration": (
         "mistral3",
