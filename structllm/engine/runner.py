@@ -113,6 +113,18 @@ def batch_from_step(
     )
 
 
+def mrope_rows(flat: Tensor, spatial: list[tuple[int, tuple[list[int], list[int]]]]) -> Tensor:
+    """A step's ``[3, T]`` (t, h, w) positions: ``flat`` on every axis, then each
+    ``(row0, (h, w))`` of ``spatial`` (a chunk over image tokens, ``MRopePositions.spatial``)
+    in place on the h and w axes. Rank 0 only (images run without parallelism), so it
+    stays off the wire: ``StepInput.positions`` keeps the t axis."""
+    out = flat.expand(3, -1).clone()
+    for row0, (h, w) in spatial:
+        out[1, row0 : row0 + len(h)] = torch.tensor(h, dtype=out.dtype)
+        out[2, row0 : row0 + len(w)] = torch.tensor(w, dtype=out.dtype)
+    return out
+
+
 @dataclass
 class InFlight:
     """A batch ``ModelRunner.submit`` started and ``complete`` finishes: its grammar mask
@@ -259,6 +271,7 @@ class ModelRunner:
         spans: list[PromptSpan] = []
         state_slots: list[int] = []
         chunks: list[Chunk] = []  # prefill chunks holding image positions
+        spatial: list[tuple[int, tuple[list[int], list[int]]]] = []  # M-RoPE: see mrope_rows
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
@@ -268,7 +281,12 @@ class ModelRunner:
             input_ids += req.token_ids[start:end]
             drafts = req.draft_token_ids
             input_ids += drafts  # (a drafted chunk's slice ends at the last known token)
-            positions += range(start, end)
+            if req.mrope is None:
+                positions += range(start, end)
+            else:  # 3-D rotary positions (engine.mrope): h and w only where images are
+                if (hw := req.mrope.spatial(start, end)) is not None:
+                    spatial.append((len(positions), hw))
+                positions += req.mrope.flat(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if req.request_id in as_decodes:  # row per token; ends within the sequence
                 seq_lens += range(start + 1, end + 1)
@@ -310,6 +328,8 @@ class ModelRunner:
             state_slots=state_slots,
         )
         batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
+        if spatial:
+            batch.positions = mrope_rows(batch.positions, spatial)
         if chunks and self.vision is not None:
             cache = self.encoder_cache
             batch.images = image_rows(chunks, len(input_ids), self.vision, cache, self.device)
@@ -351,7 +371,11 @@ class ModelRunner:
             return None
         with torch.inference_mode():
             hidden = None
-            if self.decode_graphs is not None and batch.images is None:
+            if (
+                self.decode_graphs is not None
+                and batch.images is None
+                and batch.positions.dim() == 1
+            ):
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
                 # with images: the embeddings with the encoder rows in place, fed to the
