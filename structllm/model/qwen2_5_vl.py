@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +126,41 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
+class VisionBlock(nn.Module):
+    """One tower layer's weights: RMSNorm, attention (fused q/k/v), RMSNorm, SwiGLU."""
+
+    norm1: Tensor
+    norm2: Tensor
+    qkv: Tensor
+    qkv_bias: Tensor
+    proj: Tensor
+    proj_bias: Tensor
+    gate: Tensor
+    gate_bias: Tensor
+    up: Tensor
+    up_bias: Tensor
+    down: Tensor
+    down_bias: Tensor
+
+    def __init__(self, d: int, f: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        for name, shape in [
+            ("norm1", (d,)),
+            ("norm2", (d,)),
+            ("qkv", (3 * d, d)),
+            ("qkv_bias", (3 * d,)),
+            ("proj", (d, d)),
+            ("proj_bias", (d,)),
+            ("gate", (f, d)),
+            ("gate_bias", (f,)),
+            ("up", (f, d)),
+            ("up_bias", (f,)),
+            ("down", (d, f)),
+            ("down_bias", (d,)),
+        ]:
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+
+
 class Qwen2_5_VLVision(nn.Module):
     """``model.vision.VisionModel`` for ``Qwen2_5_VLForConditionalGeneration``."""
 
@@ -140,32 +175,14 @@ class Qwen2_5_VLVision(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg, self.image_token_id, self.normalisation = cfg, image_token_id, normalisation
-        d, f, p = cfg.hidden, cfg.ffn, cfg.patch
+        d, p = cfg.hidden, cfg.patch
         unit = d * cfg.merge**2
 
         def param(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
         self.patch_embed = param(d, 3 * p * p)  # the Conv3d kernel summed over time
-        self.blocks = nn.ModuleList()
-        for _ in range(cfg.depth):
-            block = nn.Module()
-            for name, shape in [
-                ("norm1", (d,)),
-                ("norm2", (d,)),
-                ("qkv", (3 * d, d)),
-                ("qkv_bias", (3 * d,)),
-                ("proj", (d, d)),
-                ("proj_bias", (d,)),
-                ("gate", (f, d)),
-                ("gate_bias", (f,)),
-                ("up", (f, d)),
-                ("up_bias", (f,)),
-                ("down", (d, f)),
-                ("down_bias", (d,)),
-            ]:
-                setattr(block, name, param(*shape))
-            self.blocks.append(block)
+        self.blocks = nn.ModuleList(VisionBlock(d, cfg.ffn, dtype) for _ in range(cfg.depth))
         self.ln_q = param(d)
         self.fc1, self.fc1_bias = param(unit, unit), param(unit)
         self.fc2, self.fc2_bias = param(cfg.out_hidden, unit), param(cfg.out_hidden)
@@ -225,7 +242,8 @@ class Qwen2_5_VLVision(nn.Module):
         cpu = order.cpu()
         rope = self._rotary(h.view(units, -1)[cpu].reshape(-1), w.view(units, -1)[cpu].reshape(-1))
         windows = [s * m * m for s in sizes]
-        for i, block in enumerate(self.blocks):
+        for i, layer in enumerate(self.blocks):
+            block = cast(VisionBlock, layer)
             spans = [rows * cols] if i in c.full_layers else windows
             x = x + self._attend(
                 block, F.rms_norm(x, (x.shape[-1],), block.norm1, NORM_EPS), rope, spans
@@ -247,7 +265,7 @@ class Qwen2_5_VLVision(nn.Module):
         return emb.cos(), emb.sin()
 
     def _attend(
-        self, block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor], spans: list[int]
+        self, block: VisionBlock, x: Tensor, rope: tuple[Tensor, Tensor], spans: list[int]
     ) -> Tensor:
         """Attention of ``x: [N, D]`` within consecutive ``spans`` of rows (windows, or
         the whole image): the spans of one length go through SDPA together."""
