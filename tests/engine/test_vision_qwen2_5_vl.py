@@ -337,3 +337,32 @@ def test_vision_config_is_read(model_dir: Path) -> None:
 
     cfg = TowerConfig.from_hf(raw["vision_config"])
     assert (cfg.depth, cfg.window, cfg.full_layers, cfg.merge) == (3, 2, frozenset({1}), 2)
+
+
+def test_llm_chat_with_an_image_equals_transformers(model_dir: Path, processors, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """The offline API end to end: ``LLM.chat`` with an image part (the processor the
+    registry picks, placeholders and spans, then this engine's M-RoPE path) against
+    transformers' generate on the prompt it built, with its own processor's pixels."""
+    from structllm.llm import LLM
+
+    _, hf = processors
+    llm = LLM(model=str(model_dir), kv_cache_memory=16 << 20, **EXACT)
+    image = picture(40, 24, seed=7)
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_pil", "image_pil": image}]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    (out,) = llm.chat([{"role": "user", "content": content}], greedy)
+    ids = out.prompt_token_ids
+    assert ids.count(IMAGE_TOKEN_ID) == 15  # 40x24 -> 40x24: 5x3 tokens
+    pixels = hf.image_processor(images=[image], return_tensors="pt")
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        want = hf_model.generate(
+            input_ids=prompt,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(prompt == IMAGE_TOKEN_ID).long(),
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == want
