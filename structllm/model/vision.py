@@ -27,6 +27,7 @@ VISION_MODULES = {
     "Gemma3ForConditionalGeneration": "gemma3_vision",
     "Idefics3ForConditionalGeneration": "idefics3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Mistral3ForConditionalGeneration": "mistral3",
 }
 
 
