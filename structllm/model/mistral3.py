@@ -19,6 +19,7 @@ then a bias-free Linear), Linear, GELU, Linear.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -44,7 +45,7 @@ VISION_DEFAULTS: dict[str, Any] = {
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # Pixtral's processor defaults
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 TOWER_EPS = 1e-5  # PixtralRMSNorm's
-ACTS = {"silu": F.silu, "gelu": F.gelu}
+ACTS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu": F.gelu}
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,9 @@ class Mistral3Vision(nn.Module):
         cos, sin = rope
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)))
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        )
         x = x + F.linear(out.transpose(0, 1).reshape(n, d), layer.o)
         y = F.rms_norm(x, (d,), layer.ffn_norm, TOWER_EPS)
         y = ACTS[self.cfg.act](F.linear(y, layer.gate)) * F.linear(y, layer.up)
