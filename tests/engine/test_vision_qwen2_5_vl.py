@@ -10,21 +10,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.engine.mrope import MRopePositions
-from structllm.engine.request import Request
-from structllm.engine.runner import ModelRunner
-from structllm.engine.scheduler import SchedulerOutput
 from structllm.model.loader import prepare_model
 from structllm.multimodal.processor import image_hash, image_inputs
 from structllm.multimodal.qwen2_5_vl import Qwen2_5_VLProcessor
 from structllm.protocol import AddRequest, ImageInput, SamplingParams
-from tests.support.models import EXACT, hf_logits, prefill_logits
+from tests.support.models import EXACT, hf_logits, image_prompt_logits, prefill_logits
 from tests.support.qwen2_5_vl import (
     IMAGE_TOKEN_ID,
     PROCESSOR_SETTINGS,
@@ -198,30 +194,14 @@ def test_positions_equal_transformers(engine: EngineCore, processors, hf_model) 
         assert mrope.spatial(n, n + 3) is None
 
 
-def prompt_logits(engine: EngineCore, ids: list[int], images: list[ImageInput]) -> torch.Tensor:
-    """Logits ``[len(ids), V]`` of every prompt position of a prompt with images, through
-    the engine's batch building (3-D positions, encoder rows) and model."""
-    req = Request("logits-probe", ids, SamplingParams(max_tokens=1), 1, images)
-    req.mrope = engine._mrope(images)
-    assert engine.kv.allocate(req, len(ids))
-    try:
-        assert isinstance(engine.runner, ModelRunner)
-        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
-        batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
-        batch.sample_reqs, batch.sample_counts = [], []
-        logits = engine.runner.run(batch)
-        assert logits is not None
-        return logits
-    finally:
-        engine.kv.free_blocks(req)
-
-
 def test_prompt_logits_equal_transformers(engine: EngineCore, processors, hf_model) -> None:  # type: ignore[no-untyped-def]
     for sizes, seed in CASES[::2]:
         ids, spans, inputs = request_for(processors, sizes, seed)
         with torch.no_grad():
             want = hf_model(**inputs).logits[0]
-        torch.testing.assert_close(prompt_logits(engine, ids, spans), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            image_prompt_logits(engine, ids, spans), want, atol=1e-4, rtol=1e-4
+        )
 
 
 def hf_generate(hf_model, inputs) -> list[int]:  # type: ignore[no-untyped-def]
