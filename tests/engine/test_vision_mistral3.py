@@ -248,3 +248,31 @@ def test_default_format_agrees(model_dir: Path, expected) -> None:  # type: igno
         (exact_tokens, exact_lps), (tokens, lps) = got
         assert exact_tokens == tokens == want, rid
         assert max(abs(a - b) for a, b in zip(lps, exact_lps, strict=True)) < 1e-3
+
+
+def test_llm_chat_with_an_image_equals_transformers(model_dir: Path, processors, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """The offline API end to end: ``LLM.chat`` with an image part (the processor the
+    registry picks, the ``[IMG]`` placeholder expanded with its row breaks, the span)
+    against transformers' generate on the prompt it built, with its own pixels."""
+    from structllm.llm import LLM
+
+    _, hf, _ = processors
+    llm = LLM(model=str(model_dir), kv_cache_memory=16 << 20, **EXACT)
+    image = picture(40, 24, seed=7)
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_pil", "image_pil": image}]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    (out,) = llm.chat([{"role": "user", "content": content}], greedy)
+    ids = out.prompt_token_ids
+    assert ids.count(IMAGE_TOKEN_ID) == 15  # 40x24: 5x3 tokens, in 3 rows
+    pixels = hf(images=[image], return_tensors="pt")
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        want = hf_model.generate(
+            input_ids=prompt,
+            pixel_values=pixels["pixel_values"],
+            image_sizes=pixels["image_sizes"],
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
+    assert out.outputs[0].token_ids == want
