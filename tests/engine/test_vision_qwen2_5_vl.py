@@ -16,6 +16,7 @@ import torch
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
 from structllm.engine.mrope import MRopePositions
+from structllm.engine.runner import ModelRunner
 from structllm.model.loader import prepare_model
 from structllm.multimodal.processor import image_hash, image_inputs
 from structllm.multimodal.qwen2_5_vl import Qwen2_5_VLProcessor
@@ -346,3 +347,34 @@ def test_llm_chat_with_an_image_equals_transformers(model_dir: Path, processors,
             do_sample=False,
         )[0, len(ids) :].tolist()
     assert out.outputs[0].token_ids == want
+
+
+def test_preemption_recomputes_exactly(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    """Four requests in a cache with room for about half of them: preempted ones are
+    recomputed from their prompts (the positions kept on the request, the encoder's
+    rows from its cache) to the same tokens, past the image into decoding."""
+    reqs = [
+        AddRequest(rid, ids, SamplingParams(temperature=0.0, max_tokens=24), spans)
+        for rid, (ids, spans, _) in expected.items()
+    ]
+
+    def run(engine: EngineCore) -> dict[str, list[int]]:
+        for r in reqs:
+            engine.add_request(r)
+        out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        while engine.has_work:
+            for d in engine.step().outputs:
+                assert d.error is None, d.error
+                out[d.request_id] += d.new_token_ids
+        return out
+
+    want = run(vision_engine(model_dir))
+    block = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, 16 tokens, f32
+    tight = EngineCore(
+        EngineConfig(model=str(model_dir), kv_cache_memory=11 * block, **EXACT)  # type: ignore[arg-type]
+    )
+    got = run(tight)
+    assert tight.scheduler.num_preemptions > 0
+    assert got == want
+    assert isinstance(tight.runner, ModelRunner)  # recomputes took the encoder's rows kept
+    assert tight.runner.encoder_cache.num_misses == 5  # each of the five images once
