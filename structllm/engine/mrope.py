@@ -10,13 +10,20 @@ index plus a fixed shift (``<= 0``: an image's positions are fewer than its toke
 generated tokens continue with the last image's shift. A position never exceeds its
 token's index, so the rotary table sized by the sequence length covers them.
 
-Pure Python (no torch): the runner turns a step's rows into tensors.
+The runner lays out the t axis (``flat``) for every row and, for a step with image
+rows, the ``[3, T]`` tensor (``mrope_rows``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# (flat row of a chunk's first token, (its h positions, its w positions))
+Spatial = tuple[int, tuple[list[int], list[int]]]
 
 
 @dataclass(frozen=True)
@@ -89,3 +96,16 @@ class MRopePositions:
             if im.offset <= start:
                 first = k
         return self.images[first:]
+
+
+def mrope_rows(flat: Tensor, spatial: list[Spatial]) -> Tensor:
+    """A step's ``[3, T]`` (t, h, w) positions (the runner's, for a step with image
+    rows): ``flat`` on every axis, then each ``(row0, (h, w))`` of ``spatial`` (a chunk
+    over image tokens at flat rows ``row0 ..``, ``MRopePositions.spatial``) in place on
+    the h and w axes. Rank 0 only (images run without parallelism), so it
+    stays off the wire: ``StepInput.positions`` keeps the t axis."""
+    out = flat.expand(3, -1).clone()
+    for row0, (h, w) in spatial:
+        out[1, row0 : row0 + len(h)] = torch.tensor(h, dtype=out.dtype)
+        out[2, row0 : row0 + len(w)] = torch.tensor(w, dtype=out.dtype)
+    return out

@@ -27,6 +27,7 @@ from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.image_rows import Chunk, ImageRows, image_rows
+from structllm.engine.mrope import Spatial, mrope_rows
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
@@ -111,18 +112,6 @@ def batch_from_step(
         prompt_spans or [],
         sample_counts or [],
     )
-
-
-def mrope_rows(flat: Tensor, spatial: list[tuple[int, tuple[list[int], list[int]]]]) -> Tensor:
-    """A step's ``[3, T]`` (t, h, w) positions: ``flat`` on every axis, then each
-    ``(row0, (h, w))`` of ``spatial`` (a chunk over image tokens, ``MRopePositions.spatial``)
-    in place on the h and w axes. Rank 0 only (images run without parallelism), so it
-    stays off the wire: ``StepInput.positions`` keeps the t axis."""
-    out = flat.expand(3, -1).clone()
-    for row0, (h, w) in spatial:
-        out[1, row0 : row0 + len(h)] = torch.tensor(h, dtype=out.dtype)
-        out[2, row0 : row0 + len(w)] = torch.tensor(w, dtype=out.dtype)
-    return out
 
 
 @dataclass
@@ -271,7 +260,7 @@ class ModelRunner:
         spans: list[PromptSpan] = []
         state_slots: list[int] = []
         chunks: list[Chunk] = []  # prefill chunks holding image positions
-        spatial: list[tuple[int, tuple[list[int], list[int]]]] = []  # M-RoPE: see mrope_rows
+        spatial: list[Spatial] = []  # M-RoPE chunks over image tokens: see mrope_rows
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
