@@ -36,6 +36,7 @@ from structllm.engine.device import (
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
+from structllm.engine.mrope import MRopePositions
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
 from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks, batch_from_step
@@ -573,6 +574,16 @@ class EngineCore:
                 f"{sum(im.num_tokens for im in images)}"
             )
 
+    def _mrope(self, images: Sequence[ImageInput]) -> MRopePositions | None:
+        """The 3-D rotary positions of a prompt with ``images`` on an M-RoPE model
+        (``engine.mrope``), else None (positions are token indices)."""
+        if not images or self.vision is None or self.model is None:
+            return None
+        if not self.model.cfg.mrope_section:
+            return None
+        grids = [self.vision.token_grid(im) for im in images]
+        return MRopePositions([(im.offset, *g) for im, g in zip(images, grids, strict=True) if g])
+
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in
         the next batch instead (never left to spin). An engine request is one sequence:
@@ -590,6 +601,7 @@ class EngineCore:
             req = Request(
                 msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, list(msg.images)
             )
+            req.mrope = self._mrope(req.images)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             if msg.sampling.structured_outputs is not None:

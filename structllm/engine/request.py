@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from structllm.engine.mrope import MRopePositions
 from structllm.protocol import FinishReason, ImageInput, SamplingParams
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ class Request:
 
     ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
     disjoint); a prefill chunk never splits a span (``Scheduler``), and the prefix cache
-    keys a block over a span with its image (``block_images``).
+    keys a block over a span with its image (``block_images``). ``mrope``: with an
+    M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
+    output's tokens (``engine.mrope``); None: a token's position is its index.
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -56,6 +59,7 @@ class Request:
         "images",
         "in_reasoning",
         "max_tokens",
+        "mrope",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_logprobs",
@@ -82,6 +86,8 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.images = images or []
+        # 3-D rotary positions (set by the engine for an M-RoPE model with images)
+        self.mrope: MRopePositions | None = None
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling

@@ -27,6 +27,7 @@ from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.image_rows import Chunk, ImageRows, image_rows
+from structllm.engine.mrope import Spatial, mrope_rows
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
@@ -269,6 +270,7 @@ class ModelRunner:
         spans: list[PromptSpan] = []
         state_slots: list[int] = []
         chunks: list[Chunk] = []  # prefill chunks holding image positions
+        spatial: list[Spatial] = []  # M-RoPE chunks over image tokens: see mrope_rows
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
@@ -278,7 +280,12 @@ class ModelRunner:
             input_ids += req.token_ids[start:end]
             drafts = req.draft_token_ids
             input_ids += drafts  # (a drafted chunk's slice ends at the last known token)
-            positions += range(start, end)
+            if req.mrope is None:
+                positions += range(start, end)
+            else:  # 3-D rotary positions (engine.mrope): h and w only where images are
+                if (hw := req.mrope.spatial(start, end)) is not None:
+                    spatial.append((len(positions), hw))
+                positions += req.mrope.flat(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if req.request_id in as_decodes:  # row per token; ends within the sequence
                 seq_lens += range(start + 1, end + 1)
@@ -320,6 +327,8 @@ class ModelRunner:
             state_slots=state_slots,
         )
         batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
+        if spatial:
+            batch.positions = mrope_rows(batch.positions, spatial)
         if chunks and self.vision is not None:
             cache = self.encoder_cache
             batch.images = image_rows(chunks, len(input_ids), self.vision, cache, self.device)
@@ -361,7 +370,11 @@ class ModelRunner:
             return None
         with torch.inference_mode():
             hidden = None
-            if self.decode_graphs is not None and batch.images is None:
+            if (
+                self.decode_graphs is not None
+                and batch.images is None
+                and batch.positions.dim() == 1
+            ):
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
                 # with images: the embeddings with the encoder rows in place, fed to the

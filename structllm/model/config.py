@@ -61,6 +61,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_windows: list[int] = []  # per layer: keys visible to a query (0: all); [] none
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
+    # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
+    # position axes, in that order; []: one position axis (engine/mrope.py)
+    mrope_section: list[int] = []
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim of each head
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
     pre_norms: bool = True  # RMSNorm before attention and MLP (OLMo 2: none)
@@ -158,6 +161,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
+        if self.mrope_section and sum(self.mrope_section) != self.rope_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} splits {sum(self.mrope_section)} rotary "
+                f"pairs, but a head has {self.rope_dim // 2}"
+            )
         per_layer = ["layer_windows", "rope_layers", "moe_layers", "layer_types"]
         per_layer += ["layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers"]
         for name in (*per_layer, "layer_intermediate_sizes"):
@@ -268,6 +276,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         heads = int(cfg["num_attention_heads"])
         layers = _num_layers(cfg)
         rope = rope_params(cfg)
+        mrope = _mrope_section(rope)
         eos = cfg.get("eos_token_id")
         eos_ids = (
             [int(e) for e in eos]
@@ -295,6 +304,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
         if partial is not None and float(partial) != 1.0:
             base["rotary_dim"] = int(base["head_dim"] * float(partial))
+        if mrope:
+            base["mrope_section"] = mrope
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
         if windows:
@@ -311,6 +322,22 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             for i in range(self.num_layers)
             if self.attends(i) and self.kv_source(i) == i
         )
+
+
+def _mrope_section(rope: dict[str, Any]) -> list[int]:
+    """M-RoPE's split of the rotary pairs among (t, h, w) (``mrope_section``), taken out
+    of ``rope`` (the rest is plain rope: transformers 4 calls it ``rope_type`` "mrope",
+    5 "default"); [] without one. Qwen3-VL's interleaved split is refused by name."""
+    section = rope.pop("mrope_section", None)
+    if rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    if rope.pop("mrope_interleaved", False):
+        raise ValueError("interleaved M-RoPE (mrope_interleaved, Qwen3-VL's) is not supported")
+    if section is None:
+        return []
+    if len(section) != 3 or any(int(s) < 0 for s in section):
+        raise ValueError(f"mrope_section must be three counts (t, h, w), got {section!r}")
+    return [int(s) for s in section]
 
 
 def _num_layers(cfg: dict[str, Any]) -> int:
@@ -408,6 +435,26 @@ TEXT_MODELS["Idefics3ForConditionalGeneration"] = (
         "eos_token_id": 2,
     },
 )
+# Qwen2.5-VL: a Qwen2 text model with M-RoPE (Qwen2_5_VLTextConfig's defaults; the
+# released checkpoints list their text settings at the top level, transformers 5 saves
+# them under text_config); its vision tower and merger: model/qwen2_5_vl.py
+TEXT_MODELS["Qwen2_5_VLForConditionalGeneration"] = (
+    "Qwen2ForCausalLM",
+    {
+        "vocab_size": 152064,
+        "hidden_size": 8192,
+        "intermediate_size": 29568,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+)
 # Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
 _QWEN3_5_TEXT: dict[str, Any] = {
     "vocab_size": 248320,
@@ -447,6 +494,7 @@ _TEXT_ROPE: dict[str, dict[str, float]] = {
     "Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0},
     "MistralForCausalLM": {"rope_theta": 10000.0},
     "LlamaForCausalLM": {"rope_theta": 10000.0},
+    "Qwen2ForCausalLM": {"rope_theta": 1e6},  # (Qwen2_5_VLTextConfig's; no other here)
     "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }

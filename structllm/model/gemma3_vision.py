@@ -92,6 +92,9 @@ class Gemma3Vision(nn.Module):
         else:
             self.mean, self.std = torch.zeros(3), torch.ones(3)
 
+    def token_grid(self, image: ImageInput) -> None:
+        return None  # positions are token indices
+
     def check(self, image: ImageInput) -> None:
         s = self.tower.cfg.image_size
         if tuple(image.shape) != (1, s, s, 3):

@@ -143,6 +143,9 @@ class Idefics3Vision(nn.Module):
         """Rows a ``tile x tile`` tile encodes into (transformers' image_seq_len)."""
         return (tile // self.tower.cfg.patch_size // self.scale_factor) ** 2
 
+    def token_grid(self, image: ImageInput) -> None:
+        return None  # positions are token indices
+
     def check(self, image: ImageInput) -> None:
         if len(image.shape) != 4:
             raise ValueError(f"an Idefics3 image is [tiles, H, W, 3], not {list(image.shape)}")

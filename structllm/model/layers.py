@@ -138,6 +138,23 @@ def rope_rows(cfg: ModelConfig, start: int, stop: int, theta: float | None = Non
     return torch.polar(mags, angles).to(torch.complex64)
 
 
+def mrope_rotations(table: Tensor, positions: Tensor, section: list[int]) -> Tensor:
+    """M-RoPE's rotations ``[T, D/2]`` (complex64) of ``positions: [3, T]`` (t, h, w) from
+    ``table`` (``rope_rows``): rotary pair ``j`` turns by its axis's position, the first
+    ``section[0]`` pairs by t, the next ``section[1]`` by h, then w (transformers'
+    ``mrope_section`` split of the frequencies); pairs past them (a partial rotary's
+    identity) come from the t axis."""
+    if not section:
+        raise ValueError("3-D positions for a model without mrope_section")
+    rows = table[positions]  # [3, T, D/2]
+    parts, at = [], 0
+    for axis, n in enumerate(section):
+        parts.append(rows[axis, :, at : at + n])
+        at += n
+    parts.append(rows[0, :, at:])
+    return torch.cat(parts, dim=-1)
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate interleaved pairs of ``x: [T, n, D]`` by ``rope: [T, 1, D/2]`` (complex64).
     Rotation runs in float32 whatever the model's dtype (torch has no bf16 complex)."""

@@ -46,6 +46,7 @@ from structllm.model.layers import (
     apply_rope,
     gated_act,
     interleave_rope_rows,
+    mrope_rotations,
     rope_rows,
     soft_cap,
 )
@@ -428,7 +429,8 @@ class LlamaModel(nn.Module):
         hidden: Tensor | None = None,
     ) -> Tensor:
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
-        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer held).
+        applied); ``positions`` is ``[3, T]`` for an M-RoPE model's rows over images.
+        Writes this step's K/V into ``kv_caches`` (one pair per layer held).
 
         A pipeline stage after the first starts from ``hidden`` (the previous stage's
         residual stream ``[T, hidden]``) instead of the embedding; a stage before the last
@@ -440,7 +442,10 @@ class LlamaModel(nn.Module):
         last = self.layer_range.stop == self.cfg.num_layers
         x = hidden if hidden is not None else self.embed(input_ids)
         table = self.rope_table(int(meta.max_seq_len))
-        ropes = [table[positions]]  # [T, D/2] per table: global, local, none
+        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
+            ropes = [mrope_rotations(table, positions, self.cfg.mrope_section)]
+        else:
+            ropes = [table[positions]]  # [T, D/2] per table: global, local, none
         if self._rope_local is not None:
             ropes.append(self._rope_local[positions])
         ops = self.cpu_ops

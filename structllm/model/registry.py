@@ -44,7 +44,14 @@ FAMILIES: tuple[Family, ...] = (
         ("mistral",),
         ("mistral",),
     ),
-    Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    # Qwen2_5_VLForConditionalGeneration: its text model (config.TEXT_MODELS), M-RoPE
+    Family(
+        "qwen2",
+        "llama",
+        ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"),
+        ("qwen2",),
+        ("qwen2",),
+    ),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),

@@ -23,7 +23,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.model.files import ModelFiles
-from structllm.protocol import SamplingParams
+from structllm.protocol import ImageInput, SamplingParams
 
 # The exact float32 path (today's, token for token equal to transformers); the default
 # formats (--dtype/--quantization auto) run GGUF blocks or float16 weights on CPU.
@@ -97,6 +97,26 @@ def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
         engine.kv.free_blocks(req)
         if engine.states is not None:
             engine.states.free_slot(req)
+
+
+def image_prompt_logits(
+    engine: EngineCore, ids: list[int], images: list[ImageInput]
+) -> torch.Tensor:
+    """Logits ``[len(ids), V]`` of every prompt position of a prompt with images, through
+    the engine's batch building (3-D positions, encoder rows) and model."""
+    req = Request("logits-probe", ids, SamplingParams(max_tokens=1), 1, images)
+    req.mrope = engine._mrope(images)
+    assert engine.kv.allocate(req, len(ids))
+    try:
+        assert isinstance(engine.runner, ModelRunner)
+        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
+        batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
+        batch.sample_reqs, batch.sample_counts = [], []
+        logits = engine.runner.run(batch)
+        assert logits is not None
+        return logits
+    finally:
+        engine.kv.free_blocks(req)
 
 
 def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
