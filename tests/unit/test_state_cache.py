@@ -205,7 +205,9 @@ def test_any_batching_eviction_or_preemption_gives_uncached_outputs(
     prompts = [
         heads[h] + [(j * 3 + i) % VOCAB or 2 for i in range(t)] for j, (h, t, _) in enumerate(specs)
     ]
-    reqs = [request(str(i), p, m) for i, (p, (_, _, m)) in enumerate(zip(prompts, specs))]
+    reqs = [
+        request(str(i), p, m) for i, (p, (_, _, m)) in enumerate(zip(prompts, specs, strict=True))
+    ]
     alone = make(num_blocks=64, budget=64, caching=False)
     want = {
         r.request_id: run(alone, [request(r.request_id, r.token_ids, r.max_tokens)], {})[
