@@ -499,6 +499,10 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     released: list[str] = []
     rank0_samples: bool = False
     state_slots: list[int] = []  # [B] hybrid models: each sequence's recurrent-state slot
+    # hybrid models' saved states (engine.state_cache): (saved row, slot) copied before
+    # the step; (sequence, rows into its chunk, saved row) copied once those rows ran
+    state_loads: list[tuple[int, int]] = []
+    state_saves: list[tuple[int, int, int]] = []
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -118,6 +118,10 @@ DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
 # open chat c=1 1.08-1.10x with ITL p99 0.98-1.01x, c=8 1.03x and c=16 1.00x
 # (off-on-on-off rounds; a handful of one-draft chunks at 7 running decodes).
 SPECULATIVE_BY_DEFAULT = True
+# A hybrid model's saved recurrent states (prefix caching, engine.state_cache) per
+# running slot, within a quarter of the cache budget: each prefill chunk saves at most
+# one, so this keeps the last few prompts' resumable prefixes per concurrent request.
+SAVED_PER_SLOT = 2
 
 
 class StepCutShort(Exception):
@@ -189,20 +193,19 @@ class EngineCore:
         self.eos_token_ids = self.files.generation_eos_ids
         windows = self.files.config.layer_windows  # every layer windowed: blocks can go
         self.hybrid = self.files.config.hybrid and self.model is not None
-        prefix_caching = self.config.enable_prefix_caching
-        if self.hybrid and prefix_caching:
-            prefix_caching = False
-            sys.stderr.write(
-                "structllm: prefix caching: off (a hybrid model: recurrent states are not "
-                "kept at block boundaries, so a cached prefix could not be resumed)\n"
-            )
         self.kv = KVCacheManager(
             self.num_blocks,
             self.config.block_size,
-            prefix_caching,
+            self.config.enable_prefix_caching,
             window=max(windows) if windows and min(windows) > 0 else 0,
         )
-        self.states = StateCacheManager(self.num_state_slots) if self.num_state_slots else None
+        self.states = (
+            StateCacheManager(self.num_state_slots, self.num_saved_states)
+            if self.num_state_slots
+            else None
+        )
+        if self.states is not None:  # a block leaving the prefix cache takes its state
+            self.kv.on_evict = self.states.drop
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
@@ -341,7 +344,7 @@ class EngineCore:
             mcfg,
             heads,
             len(self.layers or ()),
-            self.num_state_slots * self.state_slot_bytes,
+            (self.num_state_slots + self.num_saved_states) * self.state_slot_bytes,
         )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
@@ -360,20 +363,34 @@ class EngineCore:
             raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
 
     def _size_state_cache(self) -> None:
-        """A hybrid model's recurrent-state slots: one per ``max_num_seqs`` where they fit
-        in half the cache budget (the rest is KV blocks), else as many as do (said)."""
+        """A hybrid model's recurrent-state rows: a slot per ``max_num_seqs`` where they
+        fit in half the cache budget, else as many as do (said); with prefix caching,
+        ``SAVED_PER_SLOT`` saved states per slot where they fit in a quarter of it
+        (``engine.state_cache``). The rest is KV blocks."""
         self.state_slot_bytes = self.model.state_bytes() if self.model is not None else 0
-        self.num_state_slots = 0
+        self.num_state_slots = self.num_saved_states = 0
         if not self.state_slot_bytes:
             return
         want = self.config.max_num_seqs
-        fit = kv_budget(self.config, self.device) // 2 // self.state_slot_bytes
+        budget = kv_budget(self.config, self.device)
+        fit = budget // 2 // self.state_slot_bytes
         self.num_state_slots = max(1, min(want, fit))
+        if self.config.enable_prefix_caching:
+            room = budget // 4 // self.state_slot_bytes
+            self.num_saved_states = min(SAVED_PER_SLOT * self.num_state_slots, room)
+        sb = self.state_slot_bytes
+        size = f"{sb / 2**20:.2f} MiB" if sb >= 2**20 else f"{sb / 2**10:.1f} KiB"
         sys.stderr.write(
             f"structllm: recurrent state: {self.num_state_slots} slots of "
-            f"{self.state_slot_bytes / 2**20:.2f} MiB (one per running request"
+            f"{size} (one per running request"
             + (")\n" if fit >= want else f"; {want} asked, raise kv_cache_memory)\n")
         )
+        if self.config.enable_prefix_caching:
+            sys.stderr.write(
+                f"structllm: prefix caching: on (a hybrid model: up to "
+                f"{self.num_saved_states} recurrent states of {size} saved at block "
+                "boundaries, where a cached prefix resumes)\n"
+            )
 
     def _make_runner(self, plan: ShardPlan | None) -> ModelRunner | NullRunner:
         config = self.config
@@ -388,7 +405,7 @@ class EngineCore:
             sampler,
             broadcast,
             self.kv_dtype,
-            self.num_state_slots,
+            self.num_state_slots + self.num_saved_states,  # every row of the state tensors
         )
         runner.vision = self.vision
         runner.encoder_cache = EncoderCache(config.encoder_cache_memory)
@@ -708,6 +725,8 @@ class EngineCore:
                 for req, _ in sched.scheduled:
                     req.draft_token_ids = []
                     self.kv.forget_uncomputed(req)
+                if self.states is not None:  # no planned save was written whole
+                    self.states.forget_uncomputed([req for req, _ in sched.scheduled])
                 self.num_steps_cut += 1
                 if self.tracer.enabled:
                     self.tracer.span("step", start, step=self.num_steps, cut_short=True)

@@ -28,7 +28,9 @@ class Request:
     names the first block still held; see ``KVCacheManager.release_behind_window``).
     ``chain_ids[i]`` is the prefix cache's identity of full block ``i`` (see
     ``KVCacheManager``). ``state_slot``: the row of every recurrent layer's state that
-    this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none).
+    this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none);
+    ``state_load``/``state_save``: the saved state it resumes from and where it saves
+    one, in the step being scheduled (``StateCacheManager.load``/``plan_save``).
     ``grammar``: the
     matcher of a constrained request while it lives (see ``engine.grammar``);
     ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
@@ -70,6 +72,8 @@ class Request:
         "spec_accepted",
         "spec_drafted",
         "spec_resume_at",
+        "state_load",
+        "state_save",
         "state_slot",
         "status",
         "stop_reason",
@@ -100,6 +104,10 @@ class Request:
         self.chain_ids: list[int] = []
         self.num_released_blocks = 0  # leading blocks given back behind the window
         self.state_slot = -1  # hybrid models: its recurrent state's slot while running
+        # hybrid models, for the step being scheduled: the saved state's row copied into
+        # the slot first (-1: none), and (position, row) where the state is saved
+        self.state_load = -1
+        self.state_save: tuple[int, int] | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None

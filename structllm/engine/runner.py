@@ -102,6 +102,8 @@ def batch_from_step(
         num_decodes=step.num_decodes,
         max_seq_len=max(step.seq_lens),
         state_slots=step.state_slots,
+        state_loads=step.state_loads,
+        state_saves=step.state_saves,
     )
     return Batch(
         step,
@@ -179,8 +181,9 @@ class ModelRunner:
         # layer's shape (an attention backend may keep K in a layout of its own, the CPU
         # kernel's), the very tensors of the layer whose cache it reads (Gemma 4's
         # KV-shared layers: no blocks of their own), or for a hybrid model's recurrent
-        # layer its states, one row per slot (float32 always: a recurrence accumulates
-        # every token it has seen)
+        # layer its states, one row per slot and saved state (``num_state_slots`` rows,
+        # ``engine.state_cache``; float32 always: a recurrence accumulates every token it
+        # has seen)
         self.num_state_slots = num_state_slots
         self.kv_caches: list[tuple[Tensor, ...]] = []
         for i in range(len(model.layers)):
@@ -269,6 +272,8 @@ class ModelRunner:
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
         state_slots: list[int] = []
+        state_loads: list[tuple[int, int]] = []  # (saved row, slot)
+        state_saves: list[tuple[int, int, int]] = []  # (sequence, rows in, saved row)
         chunks: list[Chunk] = []  # prefill chunks holding image positions
         spatial: list[Spatial] = []  # M-RoPE chunks over image tokens: see mrope_rows
         for req, n in ordered:
@@ -297,6 +302,11 @@ class ModelRunner:
                 tables.append(blocks)
             if self.num_state_slots:  # (hybrid models lay out no decode chunks)
                 state_slots.append(req.state_slot)
+                if req.state_load >= 0:
+                    state_loads.append((req.state_load, req.state_slot))
+                if req.state_save is not None:
+                    at, row = req.state_save
+                    state_saves.append((len(seq_lens) - 1, at - start, row))
             if req.samples_after(n):
                 last = query_start[-1] - 1
                 k = len(drafts)
@@ -325,6 +335,8 @@ class ModelRunner:
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
             state_slots=state_slots,
+            state_loads=state_loads,
+            state_saves=state_saves,
         )
         batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
         if spatial:

@@ -32,6 +32,9 @@ class AttentionMetadata:
     max_seq_len: int
     # [B] hybrid models: each sequence's recurrent-state slot (model.recurrent)
     state_slots: list[int] = field(default_factory=list)
+    # hybrid models' saved states: see ``protocol.StepInput.state_loads``/``state_saves``
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # [T] int64, or None: keys past its own position each row also sees (Gemma 3's image
     # tokens attend to the rest of their image; 0 for every other row), and the
     # sequences (batch indices, all prefill chunks) that have such rows (the reference
