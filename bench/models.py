@@ -77,6 +77,20 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         query_pre_attn_scalar=128,
         layer_types=["sliding_attention", "full_attention"] * 4,  # 8 layers, alternating
     ),
+    # Gemma 4 E2B's layers at 8: four local layers to one global of twice the head size,
+    # the last three reading earlier layers' K/V (doubled MLPs), per-layer inputs
+    "gemma4": dict(
+        _DENSE,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        global_head_dim=256,
+        sliding_window=512,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        num_kv_shared_layers=3,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=128,  # (E2B's 1/6 of hidden; its table 49152 x 1024)
+    ),
     # hybrid models: LFM2's pattern (attention in 2 layers of 8; its MLP width derived
     # from block_ff_dim as LFM2's, 2816) and Qwen3.5's (3 Gated DeltaNet layers in 4)
     "lfm2": dict(

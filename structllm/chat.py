@@ -129,6 +129,8 @@ def chat(a: argparse.Namespace) -> int:
             ]
             if a.model:
                 cmd.insert(4, a.model)
+            if getattr(a, "mmproj", None):  # a GGUF model's vision tower (llama.cpp's flag)
+                cmd += ["--mmproj", a.mmproj]
             print("starting a local server ...", file=sys.stderr)
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             url = f"http://127.0.0.1:{port}"

@@ -44,6 +44,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="KV cache size, e.g. 1G (default: 1G on CPU)",
     )
     p.add_argument(
+        "--encoder-cache-memory",
+        type=parse_size,
+        default=d("encoder_cache_memory"),
+        help="bytes of vision-encoder outputs kept by image hash, so a repeated image "
+        "skips the encoder (vision-language models; default: 256M)",
+    )
+    p.add_argument(
         "--block-size", type=int, default=d("block_size"), help="tokens per KV cache block"
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
@@ -183,6 +190,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "own), or a folder holding a generation_config.json",
     )
     p.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="the vision tower and projector of a GGUF model, as llama.cpp's flag: an mmproj "
+        "GGUF written by its convert_hf_to_gguf.py --mmproj (Gemma 3, SmolVLM)",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
@@ -222,6 +236,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         kv_cache_memory=a.kv_cache_memory,
+        encoder_cache_memory=a.encoder_cache_memory,
         block_size=a.block_size,
         enable_prefix_caching=not a.no_prefix_caching,
         seed=a.seed,
@@ -238,6 +253,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         speculative_config=a.speculative_config,
         hf_overrides=a.hf_overrides,
         generation_config=a.generation_config,
+        mmproj=a.mmproj,
         trace=a.trace,
         pipeline_parallel_size=a.pipeline_parallel_size,
         nnodes=a.nnodes,
@@ -560,6 +576,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
+    c.add_argument(
+        "--mmproj",
+        default=None,
+        metavar="FILE",
+        help="the GGUF model's mmproj file, for the server started here (ignored with --url)",
     )
     c.add_argument("--api-key", default=None)
     c.add_argument("--system", default=None, help="system prompt")

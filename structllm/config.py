@@ -199,6 +199,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       flag: ``"auto"``, the model directory's ``generation_config.json`` (its creator's
       recommendation; a GGUF file has none); ``"vllm"``, the API's own defaults; or a
       folder holding a ``generation_config.json``.
+    - ``mmproj``: llama.cpp's mmproj GGUF (a vision tower and projector, written by its
+      ``convert_hf_to_gguf.py --mmproj``) for a GGUF ``model`` of a family with images
+      (Gemma 3, SmolVLM's Llama): ``model/mmproj.py``; refused for a directory, another
+      family, or a projector that does not fit the model.
     - ``encoder_cache_memory``: bytes for a vision-language model's encoder outputs, kept
       by image hash (``engine.encoder_cache``; a 256-token Gemma 3 image at hidden 2560
       in float32 is 2.5 MiB).
@@ -237,6 +241,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hf_overrides: dict[str, Any] | None = None
     generation_config: str = "auto"
     encoder_cache_memory: int = 256 << 20
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import msgspec
@@ -17,6 +18,8 @@ from structllm.config import EngineConfig, hf_overrides, speculative_config
 from structllm.engine.core import EngineCore
 from structllm.model.files import generation_defaults, model_path
 from structllm.model.loader import prepare_model
+from structllm.multimodal.mmproj import pair_processor
+from structllm.multimodal.processor import ImageProcessor
 from structllm.multimodal.registry import processor_for
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import AddRequest, ImageInput, SamplingParams, TokenLogprobs
@@ -121,12 +124,23 @@ class LLM:
             sys.stderr.write(f"structllm: {files.template_note}\n")
         self.tokenizer = Tokenizer.from_files(files)
         self._defaults = generation_defaults(files, self.config.generation_config)
+        path = model_path(model)  # a checkpoint's image processor (None: text only)
+        self.image_processor: ImageProcessor | None
+        if self.config.mmproj is not None:  # a GGUF model's: from its mmproj file (checked)
+            cfg = files.config
+            self.image_processor = pair_processor(
+                Path(self.config.mmproj),
+                path,
+                cfg.architecture,
+                cfg.hidden_size,
+                self.tokenizer.token_id,
+            )
+        else:
+            self.image_processor = processor_for(
+                path if path.is_dir() else None, self.tokenizer.token_id
+            )
         self.engine = EngineCore(self.config, files)
         self._ids = itertools.count()
-        path = model_path(model)  # a checkpoint's image processor (None: text only)
-        self.image_processor = processor_for(
-            path if path.is_dir() else None, self.tokenizer.token_id
-        )
         self.max_image_pixels = max_image_pixels
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -302,6 +302,11 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     spec_propose_s: float = 0.0
     # hybrid models: recurrent-state slots held by requests (engine.state_cache)
     state_cache_slots_used: int = 0
+    # vision-language models: images looked up in the encoder cache (engine.encoder_cache)
+    # and found there, and the bytes it holds
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_bytes: int = 0
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -494,6 +499,10 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     released: list[str] = []
     rank0_samples: bool = False
     state_slots: list[int] = []  # [B] hybrid models: each sequence's recurrent-state slot
+    # hybrid models' saved states (engine.state_cache): (saved row, slot) copied before
+    # the step; (sequence, rows into its chunk, saved row) copied once those rows ran
+    state_loads: list[tuple[int, int]] = []
+    state_saves: list[tuple[int, int, int]] = []
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
 
 import msgspec
 import torch
@@ -35,6 +36,7 @@ from structllm.engine.device import (
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
+from structllm.engine.mrope import MRopePositions
 from structllm.engine.null import NullRunner
 from structllm.engine.request import Request
 from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks, batch_from_step
@@ -116,6 +118,10 @@ DRAFT_STEP_ROWS = len(DRAFT_STEP_COST)
 # open chat c=1 1.08-1.10x with ITL p99 0.98-1.01x, c=8 1.03x and c=16 1.00x
 # (off-on-on-off rounds; a handful of one-draft chunks at 7 running decodes).
 SPECULATIVE_BY_DEFAULT = True
+# A hybrid model's saved recurrent states (prefix caching, engine.state_cache) per
+# running slot, within a quarter of the cache budget: each prefill chunk saves at most
+# one, so this keeps the last few prompts' resumable prefixes per concurrent request.
+SAVED_PER_SLOT = 2
 
 
 class StepCutShort(Exception):
@@ -132,6 +138,13 @@ class EngineCore:
             raise ValueError(
                 f"{mcfg.architecture} is a hybrid model (recurrent layers): tensor and "
                 "pipeline parallelism are not supported for it"
+            )
+        if not mcfg.uniform_layers and (
+            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                f"{mcfg.architecture} has layers of several K/V shapes or layers reading "
+                "another layer's K/V: tensor and pipeline parallelism are not supported for it"
             )
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
@@ -180,20 +193,19 @@ class EngineCore:
         self.eos_token_ids = self.files.generation_eos_ids
         windows = self.files.config.layer_windows  # every layer windowed: blocks can go
         self.hybrid = self.files.config.hybrid and self.model is not None
-        prefix_caching = self.config.enable_prefix_caching
-        if self.hybrid and prefix_caching:
-            prefix_caching = False
-            sys.stderr.write(
-                "structllm: prefix caching: off (a hybrid model: recurrent states are not "
-                "kept at block boundaries, so a cached prefix could not be resumed)\n"
-            )
         self.kv = KVCacheManager(
             self.num_blocks,
             self.config.block_size,
-            prefix_caching,
+            self.config.enable_prefix_caching,
             window=max(windows) if windows and min(windows) > 0 else 0,
         )
-        self.states = StateCacheManager(self.num_state_slots) if self.num_state_slots else None
+        self.states = (
+            StateCacheManager(self.num_state_slots, self.num_saved_states)
+            if self.num_state_slots
+            else None
+        )
+        if self.states is not None:  # a block leaving the prefix cache takes its state
+            self.kv.on_evict = self.states.drop
         self.runner: ModelRunner | NullRunner = self._make_runner(plan)
         self.max_num_batched_tokens = self._token_budget()
         self.scheduler = Scheduler(
@@ -306,11 +318,17 @@ class EngineCore:
         self.no_images = "it has no vision tower"
         if self.model is None:  # (the null model carries images: check_images)
             return
-        if vision_config(self.files) is None:
+        mmproj = self.config.mmproj
+        if vision_config(self.files) is None and mmproj is None:
             return
         if ranks > 1:
             self.no_images = "images are not supported with tensor or pipeline parallelism"
             sys.stderr.write(f"structllm: images: off ({self.no_images})\n")
+            return
+        if mmproj is not None:  # a GGUF model's tower and projector, from its mmproj file
+            from structllm.model.mmproj import load_mmproj
+
+            self.vision = load_mmproj(Path(mmproj), self.files, self.weight_format, self.device)
             return
         self.vision = load_vision(self.files, self.device)
 
@@ -326,7 +344,7 @@ class EngineCore:
             mcfg,
             heads,
             len(self.layers or ()),
-            self.num_state_slots * self.state_slot_bytes,
+            (self.num_state_slots + self.num_saved_states) * self.state_slot_bytes,
         )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
@@ -345,20 +363,34 @@ class EngineCore:
             raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
 
     def _size_state_cache(self) -> None:
-        """A hybrid model's recurrent-state slots: one per ``max_num_seqs`` where they fit
-        in half the cache budget (the rest is KV blocks), else as many as do (said)."""
+        """A hybrid model's recurrent-state rows: a slot per ``max_num_seqs`` where they
+        fit in half the cache budget, else as many as do (said); with prefix caching,
+        ``SAVED_PER_SLOT`` saved states per slot where they fit in a quarter of it
+        (``engine.state_cache``). The rest is KV blocks."""
         self.state_slot_bytes = self.model.state_bytes() if self.model is not None else 0
-        self.num_state_slots = 0
+        self.num_state_slots = self.num_saved_states = 0
         if not self.state_slot_bytes:
             return
         want = self.config.max_num_seqs
-        fit = kv_budget(self.config, self.device) // 2 // self.state_slot_bytes
+        budget = kv_budget(self.config, self.device)
+        fit = budget // 2 // self.state_slot_bytes
         self.num_state_slots = max(1, min(want, fit))
+        if self.config.enable_prefix_caching:
+            room = budget // 4 // self.state_slot_bytes
+            self.num_saved_states = min(SAVED_PER_SLOT * self.num_state_slots, room)
+        sb = self.state_slot_bytes
+        size = f"{sb / 2**20:.2f} MiB" if sb >= 2**20 else f"{sb / 2**10:.1f} KiB"
         sys.stderr.write(
             f"structllm: recurrent state: {self.num_state_slots} slots of "
-            f"{self.state_slot_bytes / 2**20:.2f} MiB (one per running request"
+            f"{size} (one per running request"
             + (")\n" if fit >= want else f"; {want} asked, raise kv_cache_memory)\n")
         )
+        if self.config.enable_prefix_caching:
+            sys.stderr.write(
+                f"structllm: prefix caching: on (a hybrid model: up to "
+                f"{self.num_saved_states} recurrent states of {size} saved at block "
+                "boundaries, where a cached prefix resumes)\n"
+            )
 
     def _make_runner(self, plan: ShardPlan | None) -> ModelRunner | NullRunner:
         config = self.config
@@ -373,7 +405,7 @@ class EngineCore:
             sampler,
             broadcast,
             self.kv_dtype,
-            self.num_state_slots,
+            self.num_state_slots + self.num_saved_states,  # every row of the state tensors
         )
         runner.vision = self.vision
         runner.encoder_cache = EncoderCache(config.encoder_cache_memory)
@@ -559,6 +591,16 @@ class EngineCore:
                 f"{sum(im.num_tokens for im in images)}"
             )
 
+    def _mrope(self, images: Sequence[ImageInput]) -> MRopePositions | None:
+        """The 3-D rotary positions of a prompt with ``images`` on an M-RoPE model
+        (``engine.mrope``), else None (positions are token indices)."""
+        if not images or self.vision is None or self.model is None:
+            return None
+        if not self.model.cfg.mrope_section:
+            return None
+        grids = [self.vision.token_grid(im) for im in images]
+        return MRopePositions([(im.offset, *g) for im, g in zip(images, grids, strict=True) if g])
+
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request. One that can never run is answered with an ``error`` delta in
         the next batch instead (never left to spin). An engine request is one sequence:
@@ -576,6 +618,7 @@ class EngineCore:
             req = Request(
                 msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, list(msg.images)
             )
+            req.mrope = self._mrope(req.images)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             if msg.sampling.structured_outputs is not None:
@@ -682,6 +725,8 @@ class EngineCore:
                 for req, _ in sched.scheduled:
                     req.draft_token_ids = []
                     self.kv.forget_uncomputed(req)
+                if self.states is not None:  # no planned save was written whole
+                    self.states.forget_uncomputed([req for req, _ in sched.scheduled])
                 self.num_steps_cut += 1
                 if self.tracer.enabled:
                     self.tracer.span("step", start, step=self.num_steps, cut_short=True)
@@ -809,4 +854,15 @@ class EngineCore:
             spec_accepted_per_pos=list(spec.accepted_per_pos),
             state_cache_slots_used=st.num_slots - st.num_free_slots if st is not None else 0,
             spec_propose_s=spec.propose_s,
+            **self._encoder_stats(),
+        )
+
+    def _encoder_stats(self) -> dict[str, int]:
+        if not isinstance(self.runner, ModelRunner):
+            return {}
+        enc = self.runner.encoder_cache
+        return dict(
+            encoder_cache_queries=enc.num_hits + enc.num_misses,
+            encoder_cache_hits=enc.num_hits,
+            encoder_cache_bytes=enc.num_bytes,
         )

@@ -175,14 +175,11 @@ def local_num_blocks(
     model's recurrent states), with ``num_kv_heads`` heads of ``num_layers`` layers
     (default: every attention layer; a pipeline stage caches its own) cached in
     ``kv_dtype`` (a float16 cache holds twice the blocks of a float32 one)."""
-    block_bytes = (
-        2
-        * (num_layers or mcfg.num_attention_layers)
-        * num_kv_heads
-        * mcfg.head_dim
-        * config.block_size
-        * kv_dtype.itemsize
-    )
+    if not num_layers and not mcfg.uniform_layers:  # one process (Gemma 4's layers)
+        per_token = mcfg.kv_bytes_per_token
+    else:
+        per_token = 2 * (num_layers or mcfg.num_attention_layers) * num_kv_heads * mcfg.head_dim
+    block_bytes = per_token * config.block_size * kv_dtype.itemsize
     return max(0, kv_budget(config, device) - reserved) // block_bytes
 
 
@@ -204,6 +201,19 @@ def load_rank_model(
         config.attention_backend,
         device,
         dtype,
-        (config.block_size, model.num_heads, model.num_kv_heads, files.config.head_dim),
+        _widest_attention(files.config, config.block_size, model.num_heads, model.num_kv_heads),
     )
     return model
+
+
+def _widest_attention(
+    mcfg: ModelConfig, block_size: int, heads: int, kv_heads: int
+) -> tuple[int, int, int, int]:
+    """(block size, query heads, KV heads, head size) for choosing the attention
+    backend: with layers of several shapes (Gemma 4), the largest head and the largest
+    group of query heads per KV head, so the backend takes every layer."""
+    if mcfg.uniform_layers:
+        return block_size, heads, kv_heads, mcfg.head_dim
+    layers = range(mcfg.num_layers)
+    widest = max(mcfg.head_dim_of(i) for i in layers)
+    return block_size, heads, min(mcfg.kv_heads_of(i) for i in layers), widest

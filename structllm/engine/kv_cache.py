@@ -33,7 +33,7 @@ attention backend that loads a whole tile and masks it still reads finite K/V.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from structllm.engine.request import Request
 
@@ -69,6 +69,9 @@ class KVCacheManager:
         self._next_chain_id = 1
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
+        # told the chain id of each block leaving the prefix cache (hybrid models drop
+        # the recurrent state saved at its end: engine.state_cache)
+        self.on_evict: Callable[[int], None] | None = None
 
     # -- queries ---------------------------------------------------------------------
 
@@ -212,6 +215,8 @@ class KVCacheManager:
     def _evict(self, block: int) -> None:
         key = self.block_key[block]
         if key is not None:
+            if self.on_evict is not None:
+                self.on_evict(self.block_chain_id[block])
             del self.cached[key]
             self.block_key[block] = None
             self.block_chain_id[block] = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from structllm.engine.mrope import MRopePositions
 from structllm.protocol import FinishReason, ImageInput, SamplingParams
 
 if TYPE_CHECKING:
@@ -27,7 +28,9 @@ class Request:
     names the first block still held; see ``KVCacheManager.release_behind_window``).
     ``chain_ids[i]`` is the prefix cache's identity of full block ``i`` (see
     ``KVCacheManager``). ``state_slot``: the row of every recurrent layer's state that
-    this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none).
+    this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none);
+    ``state_load``/``state_save``: the saved state it resumes from and where it saves
+    one, in the step being scheduled (``StateCacheManager.load``/``plan_save``).
     ``grammar``: the
     matcher of a constrained request while it lives (see ``engine.grammar``);
     ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
@@ -40,7 +43,9 @@ class Request:
 
     ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
     disjoint); a prefill chunk never splits a span (``Scheduler``), and the prefix cache
-    keys a block over a span with its image (``block_images``).
+    keys a block over a span with its image (``block_images``). ``mrope``: with an
+    M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
+    output's tokens (``engine.mrope``); None: a token's position is its index.
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -56,6 +61,7 @@ class Request:
         "images",
         "in_reasoning",
         "max_tokens",
+        "mrope",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_logprobs",
@@ -66,6 +72,8 @@ class Request:
         "spec_accepted",
         "spec_drafted",
         "spec_resume_at",
+        "state_load",
+        "state_save",
         "state_slot",
         "status",
         "stop_reason",
@@ -82,6 +90,8 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.images = images or []
+        # 3-D rotary positions (set by the engine for an M-RoPE model with images)
+        self.mrope: MRopePositions | None = None
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.sampling = sampling
@@ -94,6 +104,10 @@ class Request:
         self.chain_ids: list[int] = []
         self.num_released_blocks = 0  # leading blocks given back behind the window
         self.state_slot = -1  # hybrid models: its recurrent state's slot while running
+        # hybrid models, for the step being scheduled: the saved state's row copied into
+        # the slot first (-1: none), and (position, row) where the state is saved
+        self.state_load = -1
+        self.state_save: tuple[int, int] | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None
         self.grammar: Matcher | None = None

@@ -27,6 +27,7 @@ from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.image_rows import Chunk, ImageRows, image_rows
+from structllm.engine.mrope import Spatial, mrope_rows
 from structllm.engine.prompt_logprobs import PromptScorer, PromptSpan
 from structllm.engine.request import Request
 from structllm.engine.sampler import Sampler
@@ -101,6 +102,8 @@ def batch_from_step(
         num_decodes=step.num_decodes,
         max_seq_len=max(step.seq_lens),
         state_slots=step.state_slots,
+        state_loads=step.state_loads,
+        state_saves=step.state_saves,
     )
     return Batch(
         step,
@@ -166,7 +169,6 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         num_state_slots: int = 0,
     ) -> None:
-        cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.sampler = sampler
@@ -175,25 +177,37 @@ class ModelRunner:
         # the cache's own dtype (--kv-cache-dtype; default: the model's): attention
         # converts on the store and reads it back in float32
         dtype = kv_dtype or model.norm.dtype
-        shape = (num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
-        # an attention backend may keep K in a layout of its own (the CPU kernel's)
-        k_shape = model.attn_impl.k_cache_shape(*shape)
-        # per layer held (all, without pipeline parallelism): its K/V blocks, or for a
-        # hybrid model's recurrent layer its states, one row per slot (float32 always:
-        # a recurrence accumulates every token it has seen)
+        # per layer held (all, without pipeline parallelism): its K/V blocks in its
+        # layer's shape (an attention backend may keep K in a layout of its own, the CPU
+        # kernel's), the very tensors of the layer whose cache it reads (Gemma 4's
+        # KV-shared layers: no blocks of their own), or for a hybrid model's recurrent
+        # layer its states, one row per slot and saved state (``num_state_slots`` rows,
+        # ``engine.state_cache``; float32 always: a recurrence accumulates every token it
+        # has seen)
         self.num_state_slots = num_state_slots
-        self.kv_caches: list[tuple[Tensor, ...]] = [
-            (
-                torch.zeros(k_shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
+        self.kv_caches: list[tuple[Tensor, ...]] = []
+        for i in range(len(model.layers)):
+            states = model.state_shapes(i)
+            if states is not None:
+                self.kv_caches.append(
+                    tuple(
+                        torch.zeros((num_state_slots, *s), dtype=torch.float32, device=self.device)
+                        for s in states
+                    )
+                )
+                continue
+            source, heads, head_dim = model.kv_layout(i)
+            if source != i:
+                self.kv_caches.append(self.kv_caches[source])
+                continue
+            shape = (num_blocks, block_size, heads, head_dim)
+            k_shape = model.attn_impl.k_cache_shape(*shape)
+            self.kv_caches.append(
+                (
+                    torch.zeros(k_shape, dtype=dtype, device=self.device),
+                    torch.zeros(shape, dtype=dtype, device=self.device),
+                )
             )
-            if (states := model.state_shapes(i)) is None
-            else tuple(
-                torch.zeros((num_state_slots, *s), dtype=torch.float32, device=self.device)
-                for s in states
-            )
-            for i in range(len(model.layers))
-        ]
         model.decode_planner = decode_plan.plan
         model.choose_decode_loop()  # the fused CPU path: native decode steps or not, said
         self.pp: PipelineLinks | None = None  # set on each rank with pipeline parallelism
@@ -258,7 +272,10 @@ class ModelRunner:
         prompt_rows: list[int] = []
         spans: list[PromptSpan] = []
         state_slots: list[int] = []
+        state_loads: list[tuple[int, int]] = []  # (saved row, slot)
+        state_saves: list[tuple[int, int, int]] = []  # (sequence, rows in, saved row)
         chunks: list[Chunk] = []  # prefill chunks holding image positions
+        spatial: list[Spatial] = []  # M-RoPE chunks over image tokens: see mrope_rows
         for req, n in ordered:
             start = req.num_computed_tokens
             end = start + n
@@ -268,7 +285,12 @@ class ModelRunner:
             input_ids += req.token_ids[start:end]
             drafts = req.draft_token_ids
             input_ids += drafts  # (a drafted chunk's slice ends at the last known token)
-            positions += range(start, end)
+            if req.mrope is None:
+                positions += range(start, end)
+            else:  # 3-D rotary positions (engine.mrope): h and w only where images are
+                if (hw := req.mrope.spatial(start, end)) is not None:
+                    spatial.append((len(positions), hw))
+                positions += req.mrope.flat(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             if req.request_id in as_decodes:  # row per token; ends within the sequence
                 seq_lens += range(start + 1, end + 1)
@@ -280,6 +302,11 @@ class ModelRunner:
                 tables.append(blocks)
             if self.num_state_slots:  # (hybrid models lay out no decode chunks)
                 state_slots.append(req.state_slot)
+                if req.state_load >= 0:
+                    state_loads.append((req.state_load, req.state_slot))
+                if req.state_save is not None:
+                    at, row = req.state_save
+                    state_saves.append((len(seq_lens) - 1, at - start, row))
             if req.samples_after(n):
                 last = query_start[-1] - 1
                 k = len(drafts)
@@ -308,8 +335,12 @@ class ModelRunner:
             num_decodes=sum(n if n == 1 or r.request_id in as_decodes else 0 for r, n in ordered),
             logit_rows=sample_rows + prompt_rows,
             state_slots=state_slots,
+            state_loads=state_loads,
+            state_saves=state_saves,
         )
         batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
+        if spatial:
+            batch.positions = mrope_rows(batch.positions, spatial)
         if chunks and self.vision is not None:
             cache = self.encoder_cache
             batch.images = image_rows(chunks, len(input_ids), self.vision, cache, self.device)
@@ -351,7 +382,11 @@ class ModelRunner:
             return None
         with torch.inference_mode():
             hidden = None
-            if self.decode_graphs is not None and batch.images is None:
+            if (
+                self.decode_graphs is not None
+                and batch.images is None
+                and batch.positions.dim() == 1
+            ):
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is None:
                 # with images: the embeddings with the encoder rows in place, fed to the

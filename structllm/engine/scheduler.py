@@ -12,7 +12,10 @@ generated tokens, and it goes back to the front of the queue to be recomputed la
 A hybrid model's request also takes a recurrent-state slot when it is admitted
 (``states``, ``engine.state_cache``): none free, it waits as for a block; it gives the
 slot back when it finishes, is aborted or is preempted (and is then recomputed from its
-first token into a fresh state).
+first token into a fresh state, or from a saved one). Its prefix-cache hit is cut to
+the longest prefix whose last block has a saved recurrent state, which it resumes
+from; each of its prefill chunks may save the state at a block boundary
+(``StateCacheManager.plan_save``), hit only once the step has run (``update``).
 
 Images (``Request.images``): a prefill chunk never splits an image's span
 (``Request.span_chunk``): it stops before a span it cannot finish, and one that starts
@@ -175,6 +178,8 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
+            if self.states is not None:
+                self.states.plan_save(req, n, self.kv.block_size)
             out.scheduled.append((req, n))
             budget -= n + enc
             i += 1
@@ -190,6 +195,8 @@ class Scheduler:
             hits = self.kv.lookup(req)
             if req.wants_prompt_logprobs:  # hits only over positions already scored
                 hits = hits[: req.num_prompt_logprobs // self.kv.block_size]
+            if self.states is not None and hits:  # resumable only where a state was saved
+                hits = hits[: self.states.longest_saved([self.kv.block_chain_id[b] for b in hits])]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
             enc = 0
@@ -202,6 +209,10 @@ class Scheduler:
                     self.states.free_slot(req)
                 break
             self.waiting.popleft()
+            if self.states is not None:
+                if hits:
+                    self.states.load(req, self.kv.block_chain_id[hits[-1]])
+                self.states.plan_save(req, n, self.kv.block_size)
             if req.num_cached_tokens < 0:  # first admission (not a resumed preemption)
                 req.num_cached_tokens = cached
                 self.kv.record_admission(req, cached)
@@ -285,6 +296,8 @@ class Scheduler:
         A request that carried drafts gets the list of tokens its verified rows emitted
         (``speculative.accept``), and a list of logprobs, one per token."""
         deltas: list[TokenDelta] = []
+        if self.states is not None:  # the step's saved states are written: hits from now
+            self.states.commit([req for req, _ in out.scheduled])
         for req, n in out.scheduled:
             if req.status is Status.FINISHED:  # aborted while its batch was in flight
                 continue

@@ -32,6 +32,9 @@ class AttentionMetadata:
     max_seq_len: int
     # [B] hybrid models: each sequence's recurrent-state slot (model.recurrent)
     state_slots: list[int] = field(default_factory=list)
+    # hybrid models' saved states: see ``protocol.StepInput.state_loads``/``state_saves``
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # [T] int64, or None: keys past its own position each row also sees (Gemma 3's image
     # tokens attend to the rest of their image; 0 for every other row), and the
     # sequences (batch indices, all prefill chunks) that have such rows (the reference
@@ -48,8 +51,10 @@ class AttentionImpl(Protocol):
     Every attention takes the layer's softmax ``scale``, its ``window`` (a query sees
     only the last ``window`` keys up to itself, its own included; 0: all of them) and
     its ``softcap`` (scores become ``softcap * tanh(score / softcap)`` before the
-    softmax, Gemma 2's; 0: none). The cache holds every position of every layer; a
-    window only limits what is read.
+    softmax, Gemma 2's; 0: none) and its ``sinks`` (``[H]`` float32, gpt-oss's: one more
+    logit per query head in each row's softmax denominator, weighing no value; None:
+    none). The cache holds every position of every layer; a window only limits what is
+    read.
 
     ``meta.ahead`` (images whose tokens attend to each other both ways): a prefill row
     also sees the next ``ahead[row]`` keys after its own position (this step's, stored
@@ -78,6 +83,7 @@ class AttentionImpl(Protocol):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor: ...
 
     def prefill(
@@ -91,6 +97,7 @@ class AttentionImpl(Protocol):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -121,6 +128,7 @@ class TorchAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         nd = meta.num_decodes
         max_len = max(meta.seq_lens_list[:nd])
@@ -134,6 +142,7 @@ class TorchAttention:
             max_len,
             window,
             softcap,
+            sinks,
         )
 
     def prefill(
@@ -147,6 +156,7 @@ class TorchAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
@@ -166,6 +176,7 @@ class TorchAttention:
             softcap=softcap,
             ahead=ahead,
             ahead_seqs=frozenset(b - nd for b in meta.ahead_seqs),
+            sinks=sinks,
         )
 
 
@@ -220,6 +231,7 @@ class CpuAttention(TorchAttention):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Prefill rows through the tiled kernel (``paged_prefill``): row ``r`` of a
         sequence's chunk attends to its first ``ctx - q_len + r + 1`` cached tokens. This
@@ -240,7 +252,9 @@ class CpuAttention(TorchAttention):
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._prefill(out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap, ahead)
+        self._prefill(
+            out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap, ahead, sinks
+        )
         return out
 
     @staticmethod
@@ -271,10 +285,11 @@ class CpuAttention(TorchAttention):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap)
+        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
         return out
 
     def decode_rows(
@@ -288,6 +303,7 @@ class CpuAttention(TorchAttention):
         window: int = 0,
         softcap: float = 0.0,
         out: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """``decode`` of a decode-only step straight from the fused projection's rows
         ``qkv: [T, H + 2 Hkv, D]`` (its K/V already stored): the kernel reads the first
@@ -297,7 +313,7 @@ class CpuAttention(TorchAttention):
         if out is None:
             out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap)
+        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
         return out
 
 
@@ -312,12 +328,13 @@ def attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Store this step's ``k, v: [T, Hkv, D]`` in the cache, then attend with
-    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``: see
+    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``, ``sinks``: see
     ``AttentionImpl``."""
     impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
 def prefill_with_ahead(
@@ -331,6 +348,7 @@ def prefill_with_ahead(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``impl.prefill``, which the reference and the C++ kernel (``sees_ahead``) run with
     rows that see keys ahead (``meta.ahead``) themselves; with another backend (Triton),
@@ -339,8 +357,8 @@ def prefill_with_ahead(
     other sequence of the step keeps the kernel's rows bit for bit (a prompt's attention
     does not depend on what shared its step)."""
     if meta.ahead is None or type(impl) is TorchAttention or getattr(impl, "sees_ahead", False):
-        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
-    out = impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+    out = impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
     nd, first = meta.num_decodes, meta.query_start_list[meta.num_decodes]
     transposed = bool(getattr(impl, "k_transposed", False))
     for b in sorted(meta.ahead_seqs):
@@ -361,6 +379,7 @@ def prefill_with_ahead(
             softcap=softcap,
             ahead=meta.ahead[meta.query_start_list[b] : meta.query_start_list[b + 1]],
             ahead_seqs=frozenset({0}),
+            sinks=sinks,
         )
     assert nd <= min(meta.ahead_seqs, default=nd), "decode rows never see ahead"
     return out
@@ -377,17 +396,20 @@ def attend(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``attention`` once this step's K/V are in the cache (prefill reads ``k, v`` too)."""
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     if nd == 0:
-        return prefill_with_ahead(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return prefill_with_ahead(
+            impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks
+        )
     out = torch.empty_like(q)
-    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks)
     pre = prefill_with_ahead(
-        impl, q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap
+        impl, q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap, sinks
     )
     out[nd:] = pre
     return out

@@ -21,6 +21,8 @@
 // layers): the loop starts at the block holding key len - window and the slots before
 // it in that block weigh nothing. softcap > 0: scores become softcap * tanh(s / softcap)
 // before the softmax (Gemma 2), applied in scalar code (tanhf) on the block's scores.
+// sinks (gpt-oss; may be null): [H] float32 logits, one more term of each head's softmax
+// denominator that weighs no value, joined once the blocks are done (finish_head).
 // Query head h reads KV head h / G with G = H / Hkv; the G heads of one KV head are
 // processed together, so each K/V element is loaded once for all of them.
 //
@@ -90,6 +92,22 @@ inline void init_heads(const float* q, float scale, int G, int D, float* qs, flo
   }
 }
 
+// One head's output row out[0..D) = acc / l, or with a sink logit (not null) acc / (l +
+// exp(sink - m)): the sink joins the running max and sum as one more score (both
+// exponents taken from the larger of m and the sink, so neither is positive). Without a
+// sink the expression is the one before sinks existed, so other models are unchanged.
+inline void finish_head(const float* acc, float m, float l, const float* sink, int D, float* out) {
+  float inv;
+  if (sink == nullptr) {
+    inv = 1.f / l;
+  } else {
+    const float mx = std::max(m, *sink);
+    const float c = exp_neg(m - mx);
+    inv = c / (l * c + exp_neg(*sink - mx));
+  }
+  for (int d = 0; d < D; d++) out[d] = acc[d] * inv;
+}
+
 // Scores s[0..n) of one block: soft-capped (cap > 0), the first `skip` slots (before the
 // window) set to -inf.
 inline void adjust_scores(float* s, int n, int skip, float cap) {
@@ -149,7 +167,7 @@ inline void generic_block(const T* kb, const T* vb, int64_t vrow, int n, int ski
 // T: the cache's element type (float or at::Half).
 template <typename T, int BS>
 void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
-                 int Hkv, int kvh, int D, float scale, int window, float cap) {
+                 int Hkv, int kvh, int D, float scale, int window, float cap, const float* sinks) {
   alignas(64) float qs[kMaxG * kMaxD];
   alignas(64) float acc[kMaxG * kMaxD];
   float m[kMaxG], l[kMaxG];
@@ -164,10 +182,7 @@ void decode_item(const float* q, const T* kt, const T* v, const int32_t* table, 
     const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * D;
     generic_block<T, BS>(kb, vb, vrow, n, skip, cap, G, D, qs, acc, m, l);
   }
-  for (int g = 0; g < G; g++) {
-    const float inv = 1.f / l[g];
-    for (int d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
-  }
+  for (int g = 0; g < G; g++) finish_head(acc + g * D, m[g], l[g], sinks ? sinks + g : nullptr, D, out + g * D);
 }
 
 // Asks for the next block's K and V lines while this one is computed. A sequence's
@@ -295,7 +310,7 @@ inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int sk
 
 template <typename T, int BS, int D>
 void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
-                       int Hkv, int kvh, float scale, int window, float cap) {
+                       int Hkv, int kvh, float scale, int window, float cap, const float* sinks) {
   static_assert(BS % VW == 0 && D % VW == 0, "shapes");
   alignas(64) float qs[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
@@ -319,27 +334,26 @@ void decode_item_fixed(const float* q, const T* kt, const T* v, const int32_t* t
       }
     }
   }
-  for (int g = 0; g < G; g++) {
-    const float inv = 1.f / l[g];
-    for (int d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
-  }
+  for (int g = 0; g < G; g++) finish_head(acc[g], m[g], l[g], sinks ? sinks + g : nullptr, D, out + g * D);
 }
 #endif
 
 // one (sequence, KV head): the fixed-size kernel where there is one for D
 template <typename T, int BS>
 inline void decode_one(const float* q, const T* kt, const T* v, const int32_t* table, int len, float* out, int G,
-                       int Hkv, int kvh, int D, float scale, int window, float cap) {
+                       int Hkv, int kvh, int D, float scale, int window, float cap, const float* sinks) {
 #ifdef SL_VECTORS
-  if (D == 64) return decode_item_fixed<T, BS, 64>(q, kt, v, table, len, out, G, Hkv, kvh, scale, window, cap);
-  if (D == 128) return decode_item_fixed<T, BS, 128>(q, kt, v, table, len, out, G, Hkv, kvh, scale, window, cap);
+  if (D == 64) return decode_item_fixed<T, BS, 64>(q, kt, v, table, len, out, G, Hkv, kvh, scale, window, cap, sinks);
+  if (D == 128)
+    return decode_item_fixed<T, BS, 128>(q, kt, v, table, len, out, G, Hkv, kvh, scale, window, cap, sinks);
 #endif
-  decode_item<T, BS>(q, kt, v, table, len, out, G, Hkv, kvh, D, scale, window, cap);
+  decode_item<T, BS>(q, kt, v, table, len, out, G, Hkv, kvh, D, scale, window, cap, sinks);
 }
 
 template <typename T, int BS>
 void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
-         const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale, int window, float cap) {
+         const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale, int window, float cap,
+         const float* sinks) {
   const int G = H / Hkv;
   sl::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; item++) {
@@ -347,19 +361,19 @@ void run(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_
       const int kvh = static_cast<int>(item % Hkv);
       const int64_t head = static_cast<int64_t>(kvh) * G;
       decode_one<T, BS>(q + b * q_stride + head * D, kt, v, tables + b * mb, lens[b], out + (b * H + head) * D, G,
-                        Hkv, kvh, D, scale, window, cap);
+                        Hkv, kvh, D, scale, window, cap, sinks ? sinks + head : nullptr);
     }
   });
 }
 
 template <typename T>
 void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-              torch::Tensor lens, float scale, int H, int window, float cap) {
+              torch::Tensor lens, float scale, int H, int window, float cap, const float* sinks) {
   const int64_t B = q.size(0);
   const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
   auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
                               tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
-                              out.data_ptr<float>(), B, H, Hkv, D, scale, window, cap);
+                              out.data_ptr<float>(), B, H, Hkv, D, scale, window, cap, sinks);
   switch (BS) {
     case 16: std::apply(run<T, 16>, args); break;
     case 32: std::apply(run<T, 32>, args); break;
@@ -375,7 +389,7 @@ void decode_rows_t(const float* q, int64_t q_stride, const void* kt, const void*
                    int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale,
                    int window, float cap) {
   auto args = std::make_tuple(q, q_stride, static_cast<const T*>(kt), static_cast<const T*>(v), tables, mb, lens, out,
-                              B, H, Hkv, D, scale, window, cap);
+                              B, H, Hkv, D, scale, window, cap, static_cast<const float*>(nullptr));
   if (BS == 16) std::apply(run<T, 16>, args);
   else if (BS == 32) std::apply(run<T, 32>, args);
   else std::apply(run<T, 64>, args);
@@ -440,7 +454,7 @@ inline void row_block(const T* kb, const T* vb, int64_t vrow, int n, int skip, f
 template <typename T, int BS, int D>
 void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* table, int ctx,
                   int q_len, int r0, int r1, float* out, int64_t out_stride, int G, int Hkv, int kvh, int rt_d,
-                  float scale, int window, float cap, const int32_t* ahead) {
+                  float scale, int window, float cap, const int32_t* ahead, const float* sinks) {
   const int R = r1 - r0, GD = G * rt_d;
   thread_local std::vector<float> buf;  // [R][G][D] queries, [R][G][D] sums, [R][G] max, sum
   buf.resize(static_cast<size_t>(R) * (2 * GD + 2 * G));
@@ -480,10 +494,9 @@ void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, con
   }
   for (int r = 0; r < R; r++) {
     float* o = out + (r0 + r) * out_stride + head * rt_d;
-    for (int g = 0; g < G; g++) {
-      const float inv = 1.f / ll[r * G + g];
-      for (int d = 0; d < rt_d; d++) o[g * rt_d + d] = acc[r * GD + g * rt_d + d] * inv;
-    }
+    for (int g = 0; g < G; g++)
+      finish_head(acc + r * GD + g * rt_d, mm[r * G + g], ll[r * G + g], sinks ? sinks + head + g : nullptr, rt_d,
+                  o + g * rt_d);
   }
 }
 
@@ -494,7 +507,7 @@ struct TileItem {
 template <typename T, int BS, int D>
 void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
                  const int32_t* starts, const int32_t* ctxs, int64_t B, float* out, int H, int Hkv, int rt_d,
-                 float scale, int window, float cap, const int32_t* ahead) {
+                 float scale, int window, float cap, const int32_t* ahead, const float* sinks) {
   const int G = H / Hkv;
   // rows per tile: their state ([G][D] queries and sums) in about 256 KB (L2)
   const int R = std::clamp(static_cast<int>(262144 / (G * rt_d * 8)), 1, 64);
@@ -516,7 +529,7 @@ void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, cons
       prefill_tile<T, BS, D>(q + row0 * q_stride, q_stride, kt, v, tables + it.seq * mb, ctxs[it.seq],
                              starts[it.seq + 1] - starts[it.seq], it.r0, it.r1, out + row0 * H * rt_d,
                              static_cast<int64_t>(H) * rt_d, G, Hkv, it.kvh, rt_d, scale, window, cap,
-                             ahead != nullptr ? ahead + row0 : nullptr);
+                             ahead != nullptr ? ahead + row0 : nullptr, sinks);
     }
   });
 }
@@ -524,27 +537,25 @@ void run_prefill(const float* q, int64_t q_stride, const T* kt, const T* v, cons
 template <typename T, int BS>
 void prefill_d(const float* q, int64_t q_stride, const T* kt, const T* v, const int32_t* tables, int64_t mb,
                const int32_t* starts, const int32_t* ctxs, int64_t B, float* out, int H, int Hkv, int D, float scale,
-               int window, float cap, const int32_t* ahead) {
+               int window, float cap, const int32_t* ahead, const float* sinks) {
+  auto args = std::make_tuple(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap,
+                              ahead, sinks);
 #ifdef SL_VECTORS
-  if (D == 64)
-    return run_prefill<T, BS, 64>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap,
-                                  ahead);
-  if (D == 128)
-    return run_prefill<T, BS, 128>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap,
-                                   ahead);
+  if (D == 64) return std::apply(run_prefill<T, BS, 64>, args);
+  if (D == 128) return std::apply(run_prefill<T, BS, 128>, args);
 #endif
-  run_prefill<T, BS, 0>(q, q_stride, kt, v, tables, mb, starts, ctxs, B, out, H, Hkv, D, scale, window, cap, ahead);
+  std::apply(run_prefill<T, BS, 0>, args);
 }
 
 template <typename T>
 void prefill_dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
                       torch::Tensor starts, torch::Tensor ctxs, float scale, int H, int window, float cap,
-                      const int32_t* ahead) {
+                      const int32_t* ahead, const float* sinks) {
   const int D = q.size(2), Hkv = kt.size(1), BS = kt.size(3);
   auto args = std::make_tuple(q.data_ptr<float>(), q.stride(0), kt.data_ptr<T>(), v.data_ptr<T>(),
                               tables.data_ptr<int32_t>(), tables.size(1), starts.data_ptr<int32_t>(),
                               ctxs.data_ptr<int32_t>(), ctxs.size(0), out.data_ptr<float>(), H, Hkv, D, scale, window,
-                              cap, ahead);
+                              cap, ahead, sinks);
   switch (BS) {
     case 16: std::apply(prefill_d<T, 16>, args); break;
     case 32: std::apply(prefill_d<T, 32>, args); break;
@@ -555,8 +566,17 @@ void prefill_dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torc
 
 }  // namespace
 
+// sinks: [H] float32 per-head logits (see finish_head), or None.
+static const float* sinks_of(const c10::optional<torch::Tensor>& sinks, int H, const char* what) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  TORCH_CHECK(sinks->dtype() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H, what,
+              ": sinks must be [H] float32, contiguous");
+  return sinks->data_ptr<float>();
+}
+
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
-                  torch::Tensor lens, double scale, int64_t window, double softcap) {
+                  torch::Tensor lens, double scale, int64_t window, double softcap,
+                  c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_decode: float32 queries only");
   TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
               "paged_decode: K and V caches must both be float32 or both float16");
@@ -577,10 +597,11 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
   TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0, "paged_decode: bad window or softcap");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int w = static_cast<int>(window);
+  const float* sk = sinks_of(sinks, H, "paged_decode");
   if (kt.dtype() == torch::kFloat16)
-    dispatch<at::Half>(out, q, kt, v, tables, lens, sc, H, w, cap);
+    dispatch<at::Half>(out, q, kt, v, tables, lens, sc, H, w, cap, sk);
   else
-    dispatch<float>(out, q, kt, v, tables, lens, sc, H, w, cap);
+    dispatch<float>(out, q, kt, v, tables, lens, sc, H, w, cap, sk);
 }
 
 // Prefill attention of B sequences' chunks, tiled (see prefill_tile). q [T, H, D] (heads
@@ -591,7 +612,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
 // (within its context; see prefill_tile).
 void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
                    torch::Tensor starts, torch::Tensor ctxs, double scale, int64_t window, double softcap,
-                   c10::optional<torch::Tensor> ahead) {
+                   c10::optional<torch::Tensor> ahead, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_prefill: float32 queries only");
   TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
               "paged_prefill: K and V caches must both be float32 or both float16");
@@ -630,10 +651,11 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::
   }
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int w = static_cast<int>(window);
+  const float* sk = sinks_of(sinks, H, "paged_prefill");
   if (kt.dtype() == torch::kFloat16)
-    prefill_dispatch<at::Half>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah);
+    prefill_dispatch<at::Half>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah, sk);
   else
-    prefill_dispatch<float>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah);
+    prefill_dispatch<float>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah, sk);
 }
 
 // The float16 widening this build compiled in (see widen).
@@ -653,12 +675,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("lens"),
-        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("paged_prefill", &paged_prefill,
         "tiled paged prefill attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("starts"),
         py::arg("ctxs"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("ahead") = py::none());
+        py::arg("ahead") = py::none(), py::arg("sinks") = py::none());
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
   m.def("attention_ops",
         [] { return pybind11::capsule(const_cast<sl::AttentionOps*>(&kAttentionOps), "structllm.attention_ops"); },

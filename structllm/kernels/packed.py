@@ -10,7 +10,8 @@ A weight ``W [N, K]`` is one of:
   Q4_K, Q5_K, Q6_K repacked once at load (``repack``) into self-contained blocks of 32
   (their super-block's float16 scales and their own integer sub-scales), bit-exact to
   ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
-  layout, each nibble an index into ggml's 16 non-linear levels);
+  layout, each nibble an index into ggml's 16 non-linear levels); MXFP4 likewise (an
+  E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
   different block types: each part runs in its own type, into its own output columns;
 - ``HalfMatrix``: float16 rows as stored, run by quant_linear.cpp's own float16 kernel
@@ -49,6 +50,7 @@ BLOCK_TYPES = {
     "Q5_K": 6,
     "Q6_K": 7,
     "IQ4_NL": 8,
+    "MXFP4": 10,  # (9: float16 rows, F16_CODE)
 }
 # bytes per 32 weights as the kernels hold them (the k-quants: after ``repack``)
 BLOCK_BYTES = {
@@ -61,6 +63,7 @@ BLOCK_BYTES = {
     "Q5_K": 26,
     "Q6_K": 28,
     "IQ4_NL": 18,
+    "MXFP4": 17,
 }
 BLOCK = 32
 # quant_linear.cpp's code for float16 rows (``HalfMatrix``), after the GGUF types; not in
@@ -332,6 +335,27 @@ class BlockWeight:
             raw = torch.cat([p.raw for p in run]) if len(run) > 1 else run[0].raw
             joined.append(BlockWeight(raw, run[0].type_name, (raw.shape[0], k)))
         return joined[0] if len(joined) == 1 else MixedWeight(joined)
+
+
+_FP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # kvalues_mxfp4
+
+
+def mxfp4_values(w: BlockWeight) -> Tensor:
+    """An MXFP4 ``BlockWeight``'s ``[N, K]`` float32 values in plain torch (any machine,
+    no kernel): ggml's ``kvalues_mxfp4[q] * 2^(e - 128)``, exact in float32 (for the
+    exact path, and devices the block kernels do not run on)."""
+    n, k = w.shape
+    raw = w.raw.reshape(n, k // BLOCK, 17)
+    e = raw[..., :1].to(torch.int32)  # [N, G, 1]
+    # ggml_e8m0_to_fp32_half as float bits: 2^(e - 128), the denormals 2^-128, 2^-127 for e < 2
+    bits = torch.where(
+        e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x200000), e), (e - 1) << 23
+    )
+    scale = bits.view(torch.float32)
+    q = raw[..., 1:].to(torch.int64)
+    codes = torch.cat([q & 0x0F, q >> 4], dim=-1)  # [N, G, 32]: element j, then j + 16
+    levels = torch.tensor(_FP4_DOUBLED, dtype=torch.float32)[codes]
+    return (levels * scale).reshape(n, k)
 
 
 class MixedWeight(BlockWeight):

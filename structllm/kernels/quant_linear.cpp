@@ -12,6 +12,9 @@
 //   Q5_0  [d | qh | 16 bytes]   w = (nibble | bit << 4 - 16) * d
 //   Q5_1  [d | m | qh | 16 bytes]  w = (nibble | bit << 4) * d + m
 //   IQ4_NL [d | 16 bytes]       w = kvalues[nibble] * d   (ggml's non-linear 4-bit grid)
+//   MXFP4 [e | 16 bytes]        w = kvalues_mxfp4[nibble] * 2^(e - 128)  (e: an E8M0
+//                               exponent byte; the table is twice E2M1's values, and the
+//                               scale half of 2^(e - 127), as ggml's: gpt-oss's experts)
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
 // bit j of the 32-bit qh is weight j's fifth bit.
 // The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into
@@ -49,7 +52,8 @@
 //          vpaddd), blocked like the float GEMM. Twice the multiply-adds per
 //          instruction of a float32 FMA, which the float path cannot get past.
 //
-// Type code 9 is no GGUF type: float16 rows as stored (a float16/bfloat16 checkpoint's
+// Type code 9 is no GGUF type: float16 rows as stored (MXFP4, a GGUF type, is code 10,
+// after it, so that the codes of the others stay) (a float16/bfloat16 checkpoint's
 // MoE experts, packed.HalfMatrix), one batch-invariant kernel for every mode; see
 // "float16 rows" below.
 //
@@ -79,31 +83,48 @@ namespace {
 using namespace sl;
 
 constexpr int QK = 32;
-enum BlockType : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8 };
-constexpr int NTYPES = 9;
+enum BlockType : int {
+  Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8, MXFP4 = 10
+};
+constexpr int NTYPES = 9;  // the codes below float16 rows' (9)
 
 constexpr int block_bytes(int t) {
   constexpr int bytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18};
-  return bytes[t];
+  return t == MXFP4 ? 17 : bytes[t];
 }
 constexpr int quants_offset(int t) {
   constexpr int offset[NTYPES] = {2, 4, 2, 6, 8, 6, 10, 4, 2};
-  return offset[t];
+  return t == MXFP4 ? 1 : offset[t];
 }
 constexpr int qh_offset(int t) { return t == Q5_0 ? 2 : t == Q5_1 ? 4 : t == Q5_K ? 6 : 20; }  // 5-bit, Q6_K
 constexpr bool is8(int t) { return t == Q8_0 || t == Q6_K; }                // signed 8-bit quants
 constexpr bool is5(int t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }   // 5-bit quants
-constexpr bool lut4(int t) { return t == IQ4_NL; }                          // nibbles index a table
+constexpr bool lut4(int t) { return t == IQ4_NL || t == MXFP4; }            // nibbles index a table
 constexpr bool unpacked8(int t) { return lut4(t) || t == Q6_K; }  // signed bytes made by block_bytes_vec
 constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
 constexpr bool repacked(int t) { return t >= Q4_K && t <= Q6_K; }           // the repacked k-quants
 constexpr int subs(int t) { return t == Q6_K ? 2 : 1; }                     // scales per block
 constexpr int zero_point(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }  // subtracted from quants
 // the int8 path's types: unsigned 4- and 5-bit quants (blocked GEMM) and Q8_0 (row kernel)
-constexpr bool int8_path(int t) { return t != Q6_K && t != IQ4_NL; }
+constexpr bool int8_path(int t) { return t != Q6_K && !lut4(t); }
 
 // IQ4_NL's 16 levels (ggml-common.h, kvalues_iq4nl): a nibble indexes this table
 constexpr int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's (kvalues_mxfp4): E2M1's 16 values, doubled (the scale is halved to match)
+constexpr int8_t kMXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// a table type's 16 levels
+template <int T>
+constexpr const int8_t* levels() {
+  return T == MXFP4 ? kMXFP4 : kIQ4NL;
+}
+
+// ggml_e8m0_to_fp32_half: 2^(e - 128) as float bits (e < 2: the denormals 2^-128, 2^-127)
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 inline float half(const uint8_t* p) {  // an unaligned IEEE half -> float (exact)
   uint16_t h;
@@ -116,6 +137,7 @@ template <int T>
 inline float scale_of(const uint8_t* blk) {
   if constexpr (T == Q6_K) return half(blk) * static_cast<float>(static_cast<int8_t>(blk[2]));
   if constexpr (repacked(T)) return half(blk) * static_cast<float>(blk[4]);
+  if constexpr (T == MXFP4) return e8m0_half(blk[0]);
   return half(blk);
 }
 template <int T>
@@ -166,7 +188,7 @@ inline __m256i block_bytes_vec(const uint8_t* blk) {
     }
     if constexpr (lut4(T)) {
       __m128i table;
-      std::memcpy(&table, kIQ4NL, 16);
+      std::memcpy(&table, levels<T>(), 16);
       return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nib);
     }
     return nib;
@@ -232,15 +254,15 @@ inline void block_ints(const uint8_t* blk, vf w[VN]) {
 template <int T>
 inline void dequant_block(const uint8_t* blk, vf w[VN]) {
 #ifdef SL_AVX512
-  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K || T == IQ4_NL) {
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q4_K || lut4(T)) {
     // A 4-bit block has only 16 distinct values: compute them (same mul, then add, so
     // the same roundings) and look each weight up with vpermps, which reads only the low
     // 4 bits of each index. The 16 bytes zero-extended to 32-bit lanes then index the
     // low nibbles as they are and the high ones after a shift by 4: 2 permutes instead
     // of 2 masks, 2 int->float conversions, 2 multiplies and 2 adds per block.
-    // (IQ4_NL: the table is its 16 levels times d, ggml's d * kvalues[q])
+    // (IQ4_NL, MXFP4: the table is its 16 levels times d, ggml's kvalues[q] * d)
     const __m512 iota = T == Q4_0   ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                        : lut4(T) ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NL))))
+                        : lut4(T) ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels<T>()))))
                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(scale_of<T>(blk)));
     if constexpr (has_min(T)) table = _mm512_add_ps(table, _mm512_set1_ps(second_of<T>(blk)));
@@ -774,7 +796,7 @@ inline void block_dot(const uint8_t* blk, const int16_t* x, int64_t K, v8i* s, i
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants_offset(T)));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     __m128i table;
-    std::memcpy(&table, kIQ4NL, 16);
+    std::memcpy(&table, levels<T>(), 16);
     lo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(q, m4)));
     hi = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4)));
   } else if constexpr (is5(T)) {
@@ -878,6 +900,12 @@ inline void scales8(const uint8_t* g, int64_t stride, v8f& dw, v8f& mw) {
     dw = _mm256_mul_ps(_mm256_cvtph_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(sc)));
     mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtph_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(mn))),
                        _mm256_set1_ps(-0.f));
+  } else if constexpr (T == MXFP4) {  // [e | ...]: an exponent byte, e8m0_half in lanes
+    const __m256i e = _mm256_setr_epi32(g[0], g[stride], g[2 * stride], g[3 * stride], g[4 * stride], g[5 * stride],
+                                        g[6 * stride], g[7 * stride]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  // e < 2
+    dw = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
   } else if constexpr (T == Q4_1 || T == Q5_1) {  // [d | m] is the first 32-bit word of a block
     __m128i d, m;
     halves8(g, stride, d, m);
@@ -1833,7 +1861,7 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
 // times; a panel of NT weight rows (NT * K halves, in L1/L2) meets every row of an M
 // block before the next panel.
 constexpr int F16 = NTYPES;  // its code, after the GGUF types (packed.F16_CODE)
-constexpr int NCODES = NTYPES + 1;
+constexpr int NCODES = MXFP4 + 1;  // the GGUF types, float16 rows, MXFP4
 #ifdef SL_AVX512
 constexpr int MT_H = 4;  // 4 x 6 accumulators + 4 activation vectors + 1 weight of 32 registers
 constexpr int NT_H = 6;
@@ -1968,7 +1996,7 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NCODES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K, these three repacked), 8 (IQ4_NL) or 9 (float16 rows)");
+              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K, these three repacked), 8 (IQ4_NL), 9 (float16 rows) or 10 (MXFP4)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   if (type == F16) {  // float16 rows: 2 bytes a weight, any K
     TORCH_CHECK(w.size(1) % 2 == 0, "quant_linear: float16 rows must have an even number of bytes");
@@ -1987,7 +2015,8 @@ using sl::LinearFn;  // cpu_tables.h
 constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
                                           SL_PATHS(Q5_0), SL_PATHS(Q5_1), SL_PATHS(Q4_K),
                                           SL_PATHS(Q5_K), SL_PATHS(Q6_K), SL_PATHS(IQ4_NL),
-                                          {linear_f16, linear_f16, linear_f16}};  // F16: one kernel
+                                          {linear_f16, linear_f16, linear_f16},  // F16: one kernel
+                                          SL_PATHS(MXFP4)};
 #undef SL_PATHS
 
 // x [M, K] float32, w [N, K/32 * block_bytes] uint8 -> [M, N] float32.
@@ -2041,7 +2070,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   static constexpr Fn fns[NCODES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
                                      dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, dequantize_rows<Q4_K>,
                                      dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>,
-                                     dequantize_f16};
+                                     dequantize_f16, dequantize_rows<MXFP4>};
   fns[type](wp, op, w.size(0), K);
   return out;
 }

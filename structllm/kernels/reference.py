@@ -62,6 +62,7 @@ def decode_attention(
     max_seq_len: int,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One query token per sequence: ``q: [B, H, D]`` -> ``[B, H, D]``.
 
@@ -69,7 +70,9 @@ def decode_attention(
     masks the slots past each sequence's length (and, with a ``window``, those before
     its last ``window``), and runs one batched GQA attention per KV head
     (``[B, G, D] x [B, D, L]``: strided views, no transposed copies). ``softcap``: scores
-    become ``softcap * tanh(score / softcap)`` before the mask.
+    become ``softcap * tanh(score / softcap)`` before the mask. ``sinks: [H]`` (gpt-oss):
+    one more logit per head in each row's softmax, in the scaled scores' units, that
+    weighs no value (its share of the denominator is attention paid to nothing).
     """
     b, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -96,7 +99,12 @@ def decode_attention(
             scores = torch.baddbmm(
                 bias, qg[:, j], k[:, :, j].transpose(1, 2).float(), alpha=scale
             )  # [B, G, L]
-        out[:, j] = torch.bmm(scores.softmax(dim=-1), v[:, :, j].float()).to(q.dtype)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # the sink as column L, dropped after the softmax
+            sink = sinks[j * g : (j + 1) * g].float()[None, :, None].expand(b, g, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :length]
+        out[:, j] = torch.bmm(probs, v[:, :, j].float()).to(q.dtype)
     return out.view(b, h, d)
 
 
@@ -115,6 +123,7 @@ def prefill_attention(
     softcap: float = 0.0,
     ahead: Tensor | None = None,
     ahead_seqs: frozenset[int] = frozenset(),
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
 
@@ -126,20 +135,21 @@ def prefill_attention(
     block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's). Context read from
     a narrower cache is widened to ``q``'s dtype (SDPA wants equal dtypes); fresh
     sequences attend to ``k_new``/``v_new`` as computed (the C++ backend's prefill
-    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``: see
-    ``decode_attention``; with either, each sequence goes through ``_masked_attention``.
+    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``, ``sinks``:
+    see ``decode_attention``; with any, each sequence goes through ``_masked_attention``.
     ``ahead: [T]`` (rows of ``q``): row ``r`` also sees the next ``ahead[r]`` keys after
     its own position (an image's tokens attending to the rest of the image), in the
     sequences ``ahead_seqs`` (indices into ``seq_lens``), which go through
     ``_masked_attention`` with that mask.
     """
     out = torch.empty_like(q)
+    masked = bool(window or softcap) or sinks is not None
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         q_len, ctx = end - start, seq_lens[i]
         extra = ahead[start:end] if ahead is not None and i in ahead_seqs else None
-        plain = not (window or softcap) and extra is None
+        plain = not masked and extra is None
         if k_new is not None and v_new is not None and ctx == q_len and plain:
             fresh.setdefault(q_len, []).append(i)
             continue
@@ -151,7 +161,9 @@ def prefill_attention(
         v = gather_kv(v_cache, block_tables[i], ctx)
         k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
         if not plain:
-            out[start:end] = _masked_attention(q[start:end], k, v, scale, window, softcap, extra)
+            out[start:end] = _masked_attention(
+                q[start:end], k, v, scale, window, softcap, extra, sinks
+            )
         else:
             out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
     for seqs in fresh.values():
@@ -198,14 +210,16 @@ def _masked_attention(
     window: int,
     softcap: float,
     ahead: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """``_causal_sdpa`` with a sliding ``window``, soft-capped scores and rows that see
-    ``ahead: [Q]`` keys past their own position: ``[Q, H, D]`` against ``[L, Hkv, D]``.
-    With ``ahead`` and no soft-cap through SDPA with a boolean mask (no ``[H, Q, L]``
-    scores of our own for an image chunk), else in explicit ops (SDPA has no soft-cap;
-    the windowed text rows keep the ops they were checked against transformers with)."""
+    """``_causal_sdpa`` with a sliding ``window``, soft-capped scores, rows that see
+    ``ahead: [Q]`` keys past their own position and ``sinks`` (see ``decode_attention``):
+    ``[Q, H, D]`` against ``[L, Hkv, D]``. With ``ahead`` and neither soft-cap nor sinks
+    through SDPA with a boolean mask (no ``[H, Q, L]`` scores of our own for an image
+    chunk), else in explicit ops (SDPA has neither; the windowed text rows keep the ops
+    they were checked against transformers with)."""
     q_len, h, _ = q.shape
-    if ahead is not None and not softcap:
+    if ahead is not None and not softcap and sinks is None:
         rows = torch.arange(q_len, device=q.device)[:, None] + (k.shape[0] - q_len)
         cols = torch.arange(k.shape[0], device=q.device)[None, :]
         last = rows if ahead is None else rows + ahead[:, None].to(rows.dtype)
@@ -231,7 +245,12 @@ def _masked_attention(
     if window:
         visible &= cols > rows - window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.bmm(scores.softmax(-1), vh).transpose(0, 1).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink as column L, dropped after the softmax
+        sink = sinks.float()[:, None, None].expand(h, q_len, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :ctx]
+    return torch.bmm(probs, vh).transpose(0, 1).to(q.dtype)
 
 
 def dense_causal_attention(
@@ -242,12 +261,13 @@ def dense_causal_attention(
     window: int = 0,
     softcap: float = 0.0,
     ahead: list[int] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Textbook attention for the tests: ``q: [Q, H, D]``, ``k, v: [L, Hkv, D]``, queries
     are the last ``Q`` of ``L`` positions (each seeing its last ``window`` keys, if set,
     and ``ahead[r]`` keys past its own, if given; scores soft-capped by ``softcap``, if
-    set). Computed in float64 with explicit loops over heads, sharing no code with the
-    paths above."""
+    set; ``sinks: [H]`` adding ``exp(sink)`` to each denominator, if set). Computed in
+    float64 with explicit loops over heads, sharing no code with the paths above."""
     q_len, h, d = q.shape
     ctx, hkv, _ = k.shape
     g = h // hkv
@@ -262,5 +282,11 @@ def dense_causal_attention(
             s[r, ctx - q_len + r + 1 + (ahead[r] if ahead else 0) :] = float("-inf")
             if window:
                 s[r, : max(0, ctx - q_len + r + 1 - window)] = float("-inf")
-        out[:, head] = torch.softmax(s, dim=-1) @ vh
+        if sinks is None:
+            out[:, head] = torch.softmax(s, dim=-1) @ vh
+        else:  # exp(sink) joins each row's denominator
+            top = s.max(dim=-1, keepdim=True).values
+            e = torch.exp(s - top)
+            denom = e.sum(-1, keepdim=True) + torch.exp(float(sinks[head]) - top)
+            out[:, head] = (e / denom) @ vh
     return out.to(q.dtype)

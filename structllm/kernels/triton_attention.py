@@ -70,6 +70,12 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
         raise ValueError("k_cache and v_cache must share strides and have a contiguous last dim")
 
 
+def _log2_sinks(sinks: Tensor | None, dummy: Tensor) -> Tensor:
+    """``[H]`` sink logits in the kernels' log2 units (float32), or ``dummy`` for a
+    pointer the kernels do not read (no sinks)."""
+    return dummy if sinks is None else (sinks.float() * _LOG2E).contiguous()
+
+
 def _rows(x: Tensor) -> Tensor:
     """``x`` with a contiguous last dim (the kernels address it as ``base + d``)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -148,6 +154,7 @@ class TritonAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """One query token for each of the first ``q.shape[0]`` sequences of ``meta``:
         ``q: [B, H, D]`` -> ``[B, H, D]``."""
@@ -170,21 +177,22 @@ class TritonAttention:
             part_acc = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         else:  # unused by the kernel (the single split writes ``out`` directly)
             part_m = part_l = part_acc = out
+        sinks2 = _log2_sinks(sinks, out)
         K.decode_kernel[(b, hkv, splits)](
             q, k_cache, v_cache, block_tables, meta.seq_lens, out, part_m, part_l, part_acc,
-            scale * _LOG2E, window, softcap * _LOG2E,
+            sinks2, scale * _LOG2E, window, softcap * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=group, BLOCK_G=_pow2(group, 16), HEAD_DIM=d, BLOCK_D=_pow2(d, 16),
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N=bn, NUM_SPLITS=splits,
             DOT_PRECISION=_dot_precision(q.dtype), WINDOWED=window > 0, SOFTCAP=softcap > 0,
-            num_warps=4,
+            SINKS=sinks is not None and splits == 1, num_warps=4,
         )  # fmt: skip
         if splits > 1:
             K.decode_reduce_kernel[(b, h)](
-                part_m, part_l, part_acc, out, out.stride(0), out.stride(1),
+                part_m, part_l, part_acc, out, sinks2, out.stride(0), out.stride(1),
                 HEAD_DIM=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits, BLOCK_S=_pow2(splits),
-                num_warps=4,
+                SINKS=sinks is not None, num_warps=4,
             )  # fmt: skip
         return out
 
@@ -201,6 +209,7 @@ class TritonAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """The prefill chunks of ``meta`` (sequences ``num_decodes..``), whose rows are
         ``q: [Tp, H, D]`` -> ``[Tp, H, D]``. K/V are read from the cache (``store_kv`` has
@@ -225,12 +234,12 @@ class TritonAttention:
         grid = (math.ceil(max_q_len / bm), h, bp)
         K.prefill_kernel[grid](
             q, k_cache, v_cache, out, block_tables, meta.seq_lens[nd:], meta.query_start_loc[nd:],
-            scale * _LOG2E, window, softcap * _LOG2E,
+            _log2_sinks(sinks, out), scale * _LOG2E, window, softcap * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_pow2(d, 16), BLOCK_SIZE=k_cache.shape[1],
             BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION=_dot_precision(q.dtype),
-            WINDOWED=window > 0, SOFTCAP=softcap > 0,
+            WINDOWED=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None,
             num_warps=8 if big else 4,
         )  # fmt: skip
         return out

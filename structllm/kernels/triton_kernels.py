@@ -111,6 +111,7 @@ def decode_kernel(
     part_m_ptr,  # [B, H, NUM_SPLITS] f32: running max (log2 units) of each split
     part_l_ptr,  # [B, H, NUM_SPLITS] f32: softmax denominator of each split
     part_acc_ptr,  # [B, H, NUM_SPLITS, D] f32: unnormalised output of each split
+    sinks_ptr,  # [H] f32 sink logits * log2(e), read when SINKS (the reduce's, when split)
     qk_scale,  # softmax scale * log2(e)
     window,  # keys a query sees (its last ones), used when WINDOWED
     softcap,  # soft-cap * log2(e), used when SOFTCAP: s -> c * tanh(s / c) in log2 units
@@ -133,6 +134,7 @@ def decode_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ):
     # Grid (B, Hkv, NUM_SPLITS). Flash-decoding: the context of a sequence is cut into
     # NUM_SPLITS contiguous runs of whole tiles so that even one long sequence spreads
@@ -201,6 +203,8 @@ def decode_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         # No reduce pass needed. An empty context (padding row) has l = 0: write zeros.
+        if SINKS:
+            m_i, l_i, acc = _join_sink(sinks_ptr, heads, g_mask, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -213,17 +217,31 @@ def decode_kernel(
 
 
 @triton.jit
+def _join_sink(sinks_ptr, heads, mask, m_i, l_i, acc):
+    """A sink logit per row (``[R]`` heads; log2 units) joins the online softmax as one
+    more score that weighs no value: the max and sum rescaled to ``max(m, sink)``, the
+    sink's own ``2^(sink - max)`` added to the sum."""
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0)
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)  # 0 for an empty row (m = -inf)
+    l_i = l_i * alpha + tl.exp2(sink - m_new)
+    return m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
 def decode_reduce_kernel(
     part_m_ptr,  # [B, H, NUM_SPLITS]
     part_l_ptr,  # [B, H, NUM_SPLITS]
     part_acc_ptr,  # [B, H, NUM_SPLITS, D]
     out_ptr,  # [B, H, D]
+    sinks_ptr,  # [H] f32 sink logits * log2(e), read when SINKS
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= NUM_SPLITS
+    SINKS: tl.constexpr = False,
 ):
     # Grid (B, H). Merges the splits' partial softmaxes: with M the largest split max,
     # out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
@@ -237,10 +255,15 @@ def decode_reduce_kernel(
     m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:  # the sink: one more score in the denominator, weighing no value
+        sink = tl.load(sinks_ptr + h)
+        m_max = tl.maximum(m_max, sink)
     # All splits empty (a padding row): keep exp2 away from -inf - -inf = NaN.
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_max)  # [BLOCK_S], 0 for empty splits
     denom = tl.sum(w * l_s, 0)
+    if SINKS:
+        denom += tl.exp2(sink - m_max)
     acc = tl.load(
         part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
         mask=s_mask[:, None] & d_mask[None, :],
@@ -319,6 +342,7 @@ def prefill_kernel(
     block_tables_ptr,  # [Bp, MB] int32
     seq_lens_ptr,  # [Bp] int32, context after the step (cached + this chunk)
     query_start_ptr,  # [Bp + 1] int32, may start at an offset (rows after the decodes)
+    sinks_ptr,  # [H] f32 sink logits * log2(e), read when SINKS
     qk_scale,
     window,  # as decode_kernel's
     softcap,
@@ -339,6 +363,7 @@ def prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False,
+    SINKS: tl.constexpr = False,
 ):
     # Grid (cdiv(max chunk length, BLOCK_M), H, Bp): one tile of BLOCK_M query rows of
     # one head of one sequence. The chunk's rows are the last q_len positions of a
@@ -442,6 +467,8 @@ def prefill_kernel(
             SOFTCAP,
         )
 
+    if SINKS:
+        m_i, l_i, acc = _join_sink(sinks_ptr, head + 0 * r, r_mask, m_i, l_i, acc)
     out = acc / l_i[:, None]
     dst = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])

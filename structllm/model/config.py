@@ -24,6 +24,9 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "yarn": (),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
     "freq_factors": ("factors",),
+    # Gemma 4's global layers: the first partial_rotary_factor of each head's pairs
+    # rotate, at frequencies over the whole head (the rest by nothing)
+    "proportional": (),
 }
 # the recurrent layers of hybrid models: "conv", LFM2's gated short convolution;
 # "linear_attention", Qwen3.5's Gated DeltaNet; "mamba", Granite 4's and Nemotron-H's
@@ -58,12 +61,16 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_windows: list[int] = []  # per layer: keys visible to a query (0: all); [] none
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
+    # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
+    # position axes, in that order; []: one position axis (engine/mrope.py)
+    mrope_section: list[int] = []
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim of each head
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
     # ("layer_heads": a LayerNorm per head, each head its own weights, StableLM's)
     pre_norms: bool = True  # RMSNorm before attention and MLP (OLMo 2: none)
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs (Gemma, OLMo 2)
-    mlp_act: str = "silu"  # gated MLP activation: silu or gelu_tanh (GeGLU)
+    # gated MLP activation: silu, gelu_tanh (GeGLU), or swiglu_clamp (gpt-oss's experts)
+    mlp_act: str = "silu"
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attn_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax (Gemma 2)
     final_softcap: float = 0.0  # the same on the logits
@@ -87,6 +94,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     expert_groups: int = 1
     expert_groups_used: int = 1
     moe_latent_size: int = 0
+    # gpt-oss's experts (mlp_act "swiglu_clamp"): (up + 1) * gate * sigmoid(alpha * gate),
+    # gate clamped above at limit, up to [-limit, limit]
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # --- hybrid models: layers that keep a recurrent state instead of attending ---
     # per layer: "attention", a recurrent kind (RECURRENT_KINDS) or a stateless one
     # (STATELESS_KINDS); []: all attention
@@ -120,6 +131,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     o_bias: bool = False  # a bias on the attention output projection
     head_bias: bool = False  # a bias on the LM head
     learned_positions: bool = False  # absolute position embeddings added (GPT-2), no rope
+    # --- Gemma 4: layers that differ in shape, share K/V, take per-layer inputs ---
+    layer_head_dims: list[int] = []  # per layer: head size ([]: head_dim everywhere)
+    layer_kv_heads: list[int] = []  # per layer: KV heads ([]: num_kv_heads everywhere)
+    # per layer: the layer whose cached K/V it attends over (its own index: it computes
+    # and caches its own; another: it caches nothing); []: every layer its own
+    kv_sources: list[int] = []
+    k_eq_v_layers: list[bool] = []  # per layer: its values are its keys' projection
+    value_norm: bool = False  # values through an RMSNorm without weight
+    layer_intermediate_sizes: list[int] = []  # per layer: the MLP's width ([]: all one)
+    moe_beside_mlp: bool = False  # the experts run beside the dense MLP, not instead
+    per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
+    per_layer_vocab_size: int = 0  # their table's rows
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -151,7 +174,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
-        for name in ("layer_windows", "rope_layers", "moe_layers", "layer_types"):
+        if self.mrope_section and sum(self.mrope_section) != self.rope_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} splits {sum(self.mrope_section)} rotary "
+                f"pairs, but a head has {self.rope_dim // 2}"
+            )
+        per_layer = ["layer_windows", "rope_layers", "moe_layers", "layer_types"]
+        per_layer += ["layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers"]
+        for name in (*per_layer, "layer_intermediate_sizes"):
             n = len(getattr(self, name))
             if n and n != self.num_layers:
                 raise ValueError(f"{name} has {n} entries for {self.num_layers} layers")
@@ -164,6 +194,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _check_classic(self)
         if self.hybrid and self.conv_kernel < 2:
             raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
+        for i, src in enumerate(self.kv_sources):
+            if not (0 <= src <= i and self.kv_sources[src] == src):
+                raise ValueError(f"layer {i} reads the K/V of layer {src}, which caches none")
+            if (self.head_dim_of(src), self.kv_heads_of(src)) != (
+                self.head_dim_of(i),
+                self.kv_heads_of(i),
+            ):
+                raise ValueError(f"layer {i} reads the K/V of layer {src}, of another shape")
+        if any(d % 2 or d < 2 for d in self.layer_head_dims):
+            raise ValueError(f"head sizes must be even, got {self.layer_head_dims}")
+        if any(self.num_heads % h for h in self.layer_kv_heads):
+            raise ValueError("num_heads must be a multiple of every layer's KV heads")
 
     @property
     def context_length(self) -> int:
@@ -210,8 +252,29 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def num_attention_layers(self) -> int:
-        """Layers that keep K/V in the paged cache."""
-        return sum(self.attends(i) for i in range(self.num_layers))
+        """Layers that keep K/V in the paged cache (not those reading another's)."""
+        return sum(self.attends(i) and self.kv_source(i) == i for i in range(self.num_layers))
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached K/V ``layer`` attends over (itself, unless shared)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def intermediate_size_of(self, layer: int) -> int:
+        if self.layer_intermediate_sizes:
+            return self.layer_intermediate_sizes[layer]
+        return self.intermediate_size
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every attention layer caches K/V of one shape (what tensor and
+        pipeline parallelism and the fused CPU path assume)."""
+        return not (self.layer_head_dims or self.layer_kv_heads or self.kv_sources)
 
     def moe_layer(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -227,6 +290,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         heads = int(cfg["num_attention_heads"])
         layers = _num_layers(cfg)
         rope = rope_params(cfg)
+        mrope = _mrope_section(rope)
         eos = cfg.get("eos_token_id")
         eos_ids = (
             [int(e) for e in eos]
@@ -254,6 +318,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
         if partial is not None and float(partial) != 1.0:
             base["rotary_dim"] = int(base["head_dim"] * float(partial))
+        if mrope:
+            base["mrope_section"] = mrope
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
         if windows:
@@ -263,12 +329,34 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token across all layers, per byte of element size."""
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim
+        """Bytes of K and V per token across all layers, per byte of element size (a
+        layer that reads another's cache holds none)."""
+        return sum(
+            2 * self.kv_heads_of(i) * self.head_dim_of(i)
+            for i in range(self.num_layers)
+            if self.attends(i) and self.kv_source(i) == i
+        )
 
 
-# the MLP activations the decoder runs (``layers.activation``)
-MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2")
+def _mrope_section(rope: dict[str, Any]) -> list[int]:
+    """M-RoPE's split of the rotary pairs among (t, h, w) (``mrope_section``), taken out
+    of ``rope`` (the rest is plain rope: transformers 4 calls it ``rope_type`` "mrope",
+    5 "default"); [] without one. Qwen3-VL's interleaved split is refused by name."""
+    section = rope.pop("mrope_section", None)
+    if rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    if rope.pop("mrope_interleaved", False):
+        raise ValueError("interleaved M-RoPE (mrope_interleaved, Qwen3-VL's) is not supported")
+    if section is None:
+        return []
+    if len(section) != 3 or any(int(s) < 0 for s in section):
+        raise ValueError(f"mrope_section must be three counts (t, h, w), got {section!r}")
+    return [int(s) for s in section]
+
+
+# the MLP activations the decoder runs (``layers.activation``; gpt-oss's clamped
+# SwiGLU: its experts' own, model/gpt_oss.py)
+MLP_ACTS = ("silu", "gelu_tanh", "gelu", "relu2", "swiglu_clamp")
 
 
 def _check_classic(cfg: ModelConfig) -> None:
@@ -357,6 +445,27 @@ TEXT_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Gemma 4 (Gemma4TextConfig's defaults; its vision and audio towers are not loaded)
+TEXT_MODELS["Gemma4ForConditionalGeneration"] = (
+    "Gemma4ForCausalLM",
+    {
+        "vocab_size": 262144,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+)
 # Idefics3 (SmolVLM): a Llama text model, LlamaConfig's defaults (Idefics3Config's
 # rms_norm_eps 1e-5 is only for a config without text_config; SmolVLM's lists its own);
 # its vision tower and connector: model/idefics3.py
@@ -373,6 +482,26 @@ TEXT_MODELS["Idefics3ForConditionalGeneration"] = (
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
+    },
+)
+# Qwen2.5-VL: a Qwen2 text model with M-RoPE (Qwen2_5_VLTextConfig's defaults; the
+# released checkpoints list their text settings at the top level, transformers 5 saves
+# them under text_config); its vision tower and merger: model/qwen2_5_vl.py
+TEXT_MODELS["Qwen2_5_VLForConditionalGeneration"] = (
+    "Qwen2ForCausalLM",
+    {
+        "vocab_size": 152064,
+        "hidden_size": 8192,
+        "intermediate_size": 29568,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
     },
 )
 # Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
@@ -414,6 +543,7 @@ _TEXT_ROPE: dict[str, dict[str, float]] = {
     "Gemma3ForCausalLM": {"rope_theta": 1e6, "rope_local_base_freq": 10000.0},
     "MistralForCausalLM": {"rope_theta": 10000.0},
     "LlamaForCausalLM": {"rope_theta": 10000.0},
+    "Qwen2ForCausalLM": {"rope_theta": 1e6},  # (Qwen2_5_VLTextConfig's; no other here)
     "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
@@ -507,6 +637,8 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> list[int]:
         sliding = [True] * layers
     elif family == "olmo3":  # three windowed layers to one global
         sliding = [(i + 1) % 4 != 0 for i in range(layers)]
+    elif family == "gpt_oss":  # windowed and global layers alternate
+        sliding = [i % 2 == 0 for i in range(layers)]
     else:
         return []
     if cfg.get("use_sliding_window") is False and family not in ("gemma2", "gemma3"):
@@ -548,6 +680,102 @@ def _gemma(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
         out["rope_local_theta"] = float(local or cfg.get("rope_local_base_freq") or 10000.0)
         out["qk_norm"] = "head"
+    return out
+
+
+def _gemma4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 (transformers' ``Gemma4TextConfig``, its defaults where a key is absent):
+    Gemma 3's layer (plain ``w`` norms, no softmax scale: q/k norms do it) with
+
+    - global layers of their own head size and KV heads (``per_layer_config``, else
+      ``global_head_dim`` and, with ``attention_k_eq_v``, ``num_global_key_value_heads``),
+      whose values are their keys' projection with ``attention_k_eq_v``; values through
+      a weightless RMSNorm;
+    - the global layers' "proportional" rope, the local ones' plain rope;
+    - the last ``num_kv_shared_layers`` layers attending over the K/V of the last
+      earlier layer of their kind (``kv_sources``), with a doubled MLP under
+      ``use_double_wide_mlp``;
+    - per-layer input embeddings (``hidden_size_per_layer_input``);
+    - experts beside the dense MLP (``enable_moe_block``)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma 4 activation {act!r}; expected gelu_pytorch_tanh")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma 4 with use_bidirectional_attention 'all' is not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError("Gemma 4 with attention_bias is not supported")
+    n = base["num_layers"]
+    types = list(cfg.get("layer_types") or [])
+    if not types:  # the config class's pattern: five local layers to one global
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    types[-1] = "full_attention"  # (transformers forces it)
+    sliding = [t == "sliding_attention" for t in types]
+    window = int(cfg.get("sliding_window") or 512)
+    heads, kv = base["head_dim"], base["num_kv_heads"]
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    per_layer = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    if not per_layer:
+        over: dict[str, Any] = {"head_dim": int(cfg.get("global_head_dim") or 512)}
+        if k_eq_v and cfg.get("num_global_key_value_heads"):
+            over["num_key_value_heads"] = int(cfg["num_global_key_value_heads"])
+        per_layer = {i: over for i in range(n) if not sliding[i]}
+    head_dims = [int(per_layer.get(i, {}).get("head_dim", heads)) for i in range(n)]
+    kv_heads = [int(per_layer.get(i, {}).get("num_key_value_heads", kv)) for i in range(n)]
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first = n - shared
+    sources = list(range(n))
+    for i in range(first, n):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise ValueError(f"Gemma 4 layer {i} shares the K/V of no earlier {types[i]} layer")
+        sources[i] = earlier[-1]
+    ffn = base["intermediate_size"]
+    wide = bool(cfg.get("use_double_wide_mlp"))
+    params = cfg.get("rope_parameters") or {}
+    glob = dict(params.get("full_attention") or {})
+    glob = glob or {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 4 local rope type {local['rope_type']!r} is not supported")
+    scaling = {k: v for k, v in glob.items() if k != "rope_theta"}
+    scaling.setdefault("rope_type", "default")
+    if scaling["rope_type"] == "default" and float(scaling.get("partial_rotary_factor", 1)) != 1:
+        raise ValueError("Gemma 4 default rope with a partial rotary is not supported")
+    out: dict[str, Any] = dict(
+        post_norms=True,
+        mlp_act="gelu_tanh",
+        embed_scale=float(base["hidden_size"]) ** 0.5,
+        attn_scale=1.0,
+        final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qk_norm="head",
+        value_norm=True,
+        rotary_dim=None,
+        rope_theta=float(glob.get("rope_theta", 1e6)),
+        rope_scaling=scaling if scaling["rope_type"] != "default" else None,
+        rope_local_theta=float(local.get("rope_theta", 10000.0)),
+        layer_windows=[window if s else 0 for s in sliding],
+        sliding_window=window,
+        layer_head_dims=head_dims if len(set(head_dims)) > 1 else [],
+        head_dim=head_dims[0] if len(set(head_dims)) == 1 else heads,
+        layer_kv_heads=kv_heads if len(set(kv_heads)) > 1 else [],
+        num_kv_heads=kv_heads[0] if len(set(kv_heads)) == 1 else kv,
+        kv_sources=sources if shared else [],
+        k_eq_v_layers=[k_eq_v and not s for s in sliding] if k_eq_v else [],
+        layer_intermediate_sizes=[ffn * (2 if wide and i >= first else 1) for i in range(n)]
+        if wide and shared
+        else [],
+        per_layer_input_size=int(cfg.get("hidden_size_per_layer_input", 256) or 0),
+        per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or 262144),
+    )
+    if cfg.get("enable_moe_block"):
+        out.update(
+            num_experts=int(cfg["num_experts"]),
+            num_experts_per_tok=int(cfg["top_k_experts"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=True,
+            moe_beside_mlp=True,
+        )
     return out
 
 
@@ -685,6 +913,42 @@ def _qwen2_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         ]
         if any(windows):
             out.update(layer_windows=windows, sliding_window=int(window))
+    return out
+
+
+# transformers' GptOssConfig's rotary where a config has none (as published checkpoints do)
+_GPT_OSS_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def _gpt_oss(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biases on q/k/v and o (its attention sinks and o bias are the model's,
+    ``model.gpt_oss``), every MLP a mixture of ``num_local_experts`` biased experts of
+    ``intermediate_size`` with a clamped SwiGLU, routed by a softmax over the top k
+    logits (the top k of the full softmax, renormalised); YaRN rotary, base 150000,
+    transformers' defaults where the config says nothing."""
+    if not cfg.get("attention_bias", True):
+        raise ValueError("unsupported gpt-oss config: attention_bias false")
+    rope = rope_params(cfg)
+    out: dict[str, Any] = dict(
+        qkv_bias=True,
+        num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 128),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 4),
+        moe_intermediate_size=base["intermediate_size"],
+        norm_topk_prob=True,
+        mlp_act="swiglu_clamp",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        rope_theta=float(rope.get("rope_theta", 150000.0)),
+    )
+    if "rope_type" not in rope:
+        out["rope_scaling"] = dict(_GPT_OSS_YARN)
     return out
 
 
@@ -1160,6 +1424,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gemma": _gemma1,
     "gemma2": _gemma,
     "gemma3": _gemma,
+    "gemma4": _gemma4,
     "phi3": _phi3,
     "olmo2": _olmo2,
     "olmo3": _olmo3,
@@ -1171,6 +1436,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
+    "gpt_oss": _gpt_oss,
     "lfm2": _lfm2,
     "qwen3_5": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,

@@ -165,7 +165,7 @@ def gated_delta_rule(
         s.view(-1, dk, dv).baddbmm_(k[:nd].reshape(-1, dk, 1), u.reshape(-1, 1, dv))
         states[rb.slots[:nd]] = s
 
-    for first, end, slot, fresh in rb.prefills():
+    for first, end, slot, fresh in rb.prefills(states):
         s0 = states.new_zeros(states.shape[1:]) if fresh else states[slot]  # [Hv, Dk, Dv]
         # heads first: [H, L, D] and [H, L]
         qs, ks, vs, gs, bs = (x[first:end].transpose(0, 1) for x in (q, k, v, g, beta))

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from structllm.kernels.packed import Weight, linear
 from structllm.model.siglip import SiglipConfig, SiglipVisionTower
 from structllm.model.vision import take_tensors
 from structllm.protocol import ImageInput
@@ -69,6 +70,12 @@ class Gemma3Vision(nn.Module):
             torch.empty(tower.hidden_size, text_hidden, dtype=dtype), requires_grad=False
         )
         self.eps = tower.layer_norm_eps
+        # the norm's ``(shift + w)``: transformers stores w (shift 1), llama.cpp's mmproj
+        # 1 + w (shift 0), so either file's sum is the float32 value transformers uses
+        self.norm_shift = 1.0
+        # the projection as a ``[text hidden, vision hidden]`` matmul weight (an mmproj's
+        # float16 or blocks, run by ``packed.linear``) in place of ``proj``
+        self.proj_t: Weight | None = None
         self.rescale = 1 / 255
         self.mean = torch.full((3,), 0.5)
         self.std = torch.full((3,), 0.5)
@@ -84,6 +91,9 @@ class Gemma3Vision(nn.Module):
             self.std = torch.tensor(pre.get("image_std", [0.5] * 3), dtype=torch.float32)
         else:
             self.mean, self.std = torch.zeros(3), torch.ones(3)
+
+    def token_grid(self, image: ImageInput) -> None:
+        return None  # positions are token indices
 
     def check(self, image: ImageInput) -> None:
         s = self.tower.cfg.image_size
@@ -112,14 +122,16 @@ class Gemma3Vision(nn.Module):
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
         x = pooled.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = (x * (1.0 + self.norm_w.float())).to(patches.dtype)
+        x = (x * (self.norm_shift + self.norm_w.float())).to(patches.dtype)
+        if self.proj_t is not None:
+            return linear(x, self.proj_t)
         return torch.matmul(x, self.proj)
 
     def features(self, pixel_values: Tensor) -> Tensor:
         """Normalised ``[N, 3, S, S]`` -> ``[N, mm, text hidden]`` (transformers'
         ``get_image_features(...).pooler_output``)."""
-        dtype = self.proj.dtype
-        return self.project(self.tower(pixel_values.to(self.proj.device, dtype)))
+        w = self.norm_w  # always a tensor (``proj`` may be packed into ``proj_t``)
+        return self.project(self.tower(pixel_values.to(w.device, w.dtype)))
 
     def encode(self, image: ImageInput) -> Tensor:
         with torch.inference_mode():

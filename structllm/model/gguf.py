@@ -341,6 +341,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["post_norms"] = True
     elif fam.name == "exaone4":
         kw.update(_exaone4(layers, window, get))
+    elif fam.name == "gpt_oss":
+        kw.update(_gpt_oss(layers, window, scaling, get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     elif fam.name in _CLASSIC:
@@ -660,6 +662,24 @@ def _kv_heads(value: Any) -> int:
     return int(value)
 
 
+def _gpt_oss(
+    layers: int, window: int, scaling: dict[str, Any] | None, get: Callable[..., Any]
+) -> dict[str, Any]:
+    """gpt-oss (llama.cpp's ``gpt-oss``): windows on the even layers (llama.cpp's pattern
+    of 2, unless the file says another), q/k/v biases, the clamped SwiGLU with the alpha
+    (1.702) and limit (7) llama.cpp hard-codes. Its YaRN is untruncated, as gpt-oss's
+    config says and transformers runs it (llama.cpp rounds the ramp's ends to whole
+    pairs, ``ggml_rope_yarn_corr_dims``: another rotary than the file's model's)."""
+    out: dict[str, Any] = dict(
+        qkv_bias=True, mlp_act="swiglu_clamp", swiglu_alpha=1.702, swiglu_limit=7.0
+    )
+    if window:
+        out["layer_windows"] = [window if s else 0 for s in _local_layers(layers, 2, get)]
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        out["rope_scaling"] = {**scaling, "truncate": False}
+    return out
+
+
 def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, Any]:
     """A mixture of experts' options: Mixtral is written as ``llama`` with
     ``expert_count``; Qwen3-MoE as ``qwen3moe``. llama.cpp renormalises the top-k
@@ -678,6 +698,13 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
             shared_expert_intermediate_size=int(
                 get("expert_shared_feed_forward_length") or get("feed_forward_length")
             ),
+        )
+    if family == "gpt_oss":  # a softmax over the top k logits: the renormalised top k
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 0),
+            moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
+            norm_topk_prob=True,
         )
     if family not in ("mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")
@@ -795,6 +822,16 @@ _FALCON_NORMS = {
     "attn_norm_2.weight": "input_layernorm",
     "attn_norm_2.bias": "input_layernorm_bias",
 }
+_HF_ROPE_ORDER += ("gpt_oss",)
+# gpt-oss's tensors beside the shared ones (its post_attention_norm is the MLP's input
+# norm, Llama's post_attention_layernorm, not Gemma's output norm)
+_GPT_OSS_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm",
+    "attn_sinks.weight": "sinks",
+    "attn_output.bias": "o_bias",
+    "ffn_gate_inp.bias": "moe.router_bias",
+}
+_EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
 
 # Granite 4's and Nemotron-H's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
 # -exp(A_log); ``ssm_a``, ``ssm_d`` and ``ssm_norm`` are read back flat)
@@ -1028,6 +1065,26 @@ def _qwen3_5_tensor(
     return [], w
 
 
+def _expert_biases(
+    prefix: str, rest: str, w: Tensor | BlockWeight, pending: dict[str, Tensor | BlockWeight]
+) -> Iterator[tuple[str, Tensor | BlockWeight]]:
+    """gpt-oss's expert biases: ``ffn_down_exps.bias [E, hidden]`` one row per expert;
+    ``ffn_{gate,up}_exps.bias [E, F]`` held until both are read, then each expert's gate
+    row and up row joined, as its ``gate_up_proj`` rows are."""
+    assert isinstance(w, Tensor)  # (vectors: never kept as blocks)
+    if rest == "ffn_down_exps.bias":
+        for e in range(w.shape[0]):
+            yield f"{prefix}moe.experts.{e}.down_bias", w[e]
+        return
+    pending[prefix + rest] = w
+    names = [prefix + "ffn_gate_exps.bias", prefix + "ffn_up_exps.bias"]
+    if all(n in pending for n in names):
+        gate, up = (pending.pop(n) for n in names)
+        assert isinstance(gate, Tensor) and isinstance(up, Tensor)
+        for e in range(gate.shape[0]):
+            yield f"{prefix}moe.experts.{e}.gate_up_bias", torch.cat([gate[e], up[e]])
+
+
 def load_tensors(
     reader: Any,
     cfg: ModelConfig,
@@ -1117,6 +1174,12 @@ def load_tensors(
             two_norms = cfg.architecture == "falcon" and cfg.parallel_block == "separate"
             if two_norms and rest in _FALCON_NORMS:
                 yield prefix + _FALCON_NORMS[rest], w
+                continue
+            if cfg.architecture == "gpt_oss" and rest in _GPT_OSS_NAMES:
+                yield prefix + _GPT_OSS_NAMES[rest], w
+                continue
+            if rest in _EXPERT_BIASES:  # gpt-oss's, [E, F] or [E, hidden]
+                yield from _expert_biases(prefix, rest, w, pending)
                 continue
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w

@@ -13,9 +13,11 @@ in the runner's per-layer tensors (``state_shapes``), one row per slot of
 A family is a ``HybridModel`` subclass naming its mixer (``mixer``) and its
 ``hf_to_native``. These models run the plain torch layer loop (no fused CPU path, no
 native decode loop, no CUDA graphs), on one process (no tensor or pipeline parallelism:
-refused at start), without prefix caching and speculative decoding (a recurrent state
-cannot be rolled back to a block boundary or a rejected draft: both are turned off at
-start, saying so).
+refused at start), without speculative decoding (a recurrent state cannot be rolled
+back past a rejected draft: refused). Prefix caching resumes a cached prefix from the
+state saved at its last block (``engine.state_cache``): ``forward`` copies it into the
+request's slot first, and a chunk saves its state at a block boundary as its rows pass
+it (``RecurrentBatch.prefills``).
 """
 
 from __future__ import annotations
@@ -127,6 +129,21 @@ class HybridModel(LlamaModel):
                 total += 4 * int(torch.Size(shape).numel())
         return total
 
+    def _load_saved_states(
+        self, kv_caches: list[tuple[Tensor, ...]], loads: list[tuple[int, int]]
+    ) -> None:
+        """Copy each ``(saved row, slot)`` of ``loads`` in every recurrent layer's state
+        tensors: a request resuming a cached prefix starts from the state saved at its
+        end (``engine.state_cache``). Before any layer runs, so a saved row that this
+        step's saves overwrite is read first."""
+        device = self.norm.device
+        src = torch.tensor([r for r, _ in loads], dtype=torch.long, device=device)
+        dst = torch.tensor([s for _, s in loads], dtype=torch.long, device=device)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            if not isinstance(layer, DecoderLayer):
+                for t in cache:  # [R, ...]
+                    t.index_copy_(0, dst, t.index_select(0, src))
+
     def _recurrent_kernels(self) -> Any:
         """The native decode kernels of the recurrent layers (``cpu_recurrent.cpp``)
         where the fused CPU ops are in use (the non-exact formats), else None."""
@@ -154,6 +171,8 @@ class HybridModel(LlamaModel):
         x = self.embed(input_ids)
         rope = self.rope_table(int(meta.max_seq_len))[positions].unsqueeze(1)  # [T, 1, D/2]
         rb = RecurrentBatch.from_meta(meta, meta.state_slots, self._recurrent_kernels())
+        if meta.state_loads:
+            self._load_saved_states(kv_caches, meta.state_loads)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()

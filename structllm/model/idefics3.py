@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from structllm.kernels.packed import Weight, linear
 from structllm.model.siglip import SiglipConfig, SiglipVisionTower
 from structllm.model.vision import take_tensors
 from structllm.multimodal.idefics3 import read_processor_config
@@ -125,16 +125,26 @@ class Idefics3Vision(nn.Module):
         self.scale_factor, self.image_token_id = scale_factor, image_token_id
         self.text_hidden, self.normalisation = text_hidden, normalisation
         width = tower.hidden_size * scale_factor**2
-        self.proj = nn.Parameter(torch.empty(text_hidden, width, dtype=dtype), requires_grad=False)
+        # [text hidden, f²·vision hidden]; an mmproj's may be packed (``packed.linear``)
+        self.proj: Weight = nn.Parameter(
+            torch.empty(text_hidden, width, dtype=dtype), requires_grad=False
+        )
         self._positions: dict[int, Tensor] = {}
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.proj.dtype
+        return self.tower.post_w.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tower.post_w.device
 
     def tile_tokens(self, tile: int) -> int:
         """Rows a ``tile x tile`` tile encodes into (transformers' image_seq_len)."""
         return (tile // self.tower.cfg.patch_size // self.scale_factor) ** 2
+
+    def token_grid(self, image: ImageInput) -> None:
+        return None  # positions are token indices
 
     def check(self, image: ImageInput) -> None:
         if len(image.shape) != 4:
@@ -159,7 +169,7 @@ class Idefics3Vision(nn.Module):
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""
         self.check(image)
-        device = self.proj.device
+        device = self.device
         tiles = torch.frombuffer(bytearray(image.pixels), dtype=torch.uint8).view(image.shape)
         tiles = tiles.to(device).permute(0, 3, 1, 2)  # [T, 3, H, W]
         with torch.inference_mode():
@@ -175,12 +185,12 @@ class Idefics3Vision(nn.Module):
         grid = pixels.shape[-1] // self.tower.cfg.patch_size
         x = self.tower.add_positions(self.tower.patch_embed(pixels), self._position_ids(grid))
         x = self.tower.post_norm(self.tower.encode(x))  # [N, grid², vision hidden]
-        return F.linear(pixel_shuffle(x, self.scale_factor), self.proj)
+        return linear(pixel_shuffle(x, self.scale_factor), self.proj)
 
     def _position_ids(self, grid: int) -> Tensor:
         if grid not in self._positions:
             ids = position_ids(grid, grid, self.tower.cfg.patches_per_side)
-            self._positions[grid] = ids.to(self.proj.device)
+            self._positions[grid] = ids.to(self.device)
         return self._positions[grid]
 
     def load_hf(self, state: dict[str, Tensor]) -> None:
@@ -191,8 +201,9 @@ class Idefics3Vision(nn.Module):
         if name not in state:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
         w = state.pop(name)
-        if w.shape != self.proj.shape:
-            raise ValueError(f"{name} is {list(w.shape)}, not {list(self.proj.shape)}")
+        want = [self.text_hidden, self.tower.cfg.hidden_size * self.scale_factor**2]
+        if list(w.shape) != want:
+            raise ValueError(f"{name} is {list(w.shape)}, not {want}")
         self.proj = nn.Parameter(w.to(self.dtype).contiguous(), requires_grad=False)
 
 

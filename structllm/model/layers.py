@@ -55,6 +55,10 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = Fal
         inv = _yarn_inv_freq(cfg, sc, inv, base)
     elif kind == "freq_factors":  # llama.cpp's rope_freqs: each pair's angle divided by it
         inv = inv / torch.tensor(sc["factors"], dtype=torch.float64)[: d // 2]
+    elif kind == "proportional":  # Gemma 4: the first pairs rotate, the rest by nothing
+        angles = int(float(sc.get("partial_rotary_factor", 1.0)) * cfg.head_dim // 2)
+        inv[angles:] = 0.0
+        inv = inv / float(sc.get("factor", 1.0))
     elif kind == "longrope":
         ext = torch.tensor(sc["long_factor" if long else "short_factor"], dtype=torch.float64)
         inv = inv / ext
@@ -132,6 +136,23 @@ def rope_rows(cfg: ModelConfig, start: int, stop: int, theta: float | None = Non
     mags = torch.ones_like(angles)
     mags[:, : cfg.rope_dim // 2] = mag  # pairs past a partial rotary stay as they are
     return torch.polar(mags, angles).to(torch.complex64)
+
+
+def mrope_rotations(table: Tensor, positions: Tensor, section: list[int]) -> Tensor:
+    """M-RoPE's rotations ``[T, D/2]`` (complex64) of ``positions: [3, T]`` (t, h, w) from
+    ``table`` (``rope_rows``): rotary pair ``j`` turns by its axis's position, the first
+    ``section[0]`` pairs by t, the next ``section[1]`` by h, then w (transformers'
+    ``mrope_section`` split of the frequencies); pairs past them (a partial rotary's
+    identity) come from the t axis."""
+    if not section:
+        raise ValueError("3-D positions for a model without mrope_section")
+    rows = table[positions]  # [3, T, D/2]
+    parts, at = [], 0
+    for axis, n in enumerate(section):
+        parts.append(rows[axis, :, at : at + n])
+        at += n
+    parts.append(rows[0, :, at:])
+    return torch.cat(parts, dim=-1)
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
@@ -238,11 +259,26 @@ class SparseMoe(nn.Module):
             )
 
     def forward(
-        self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
+        self,
+        h: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
         """``h: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU op of
         ``act`` on ``[T, 2F]`` rows (else torch's ops)."""
         weights, chosen = self.route(h, fused=fused_act is not None)  # [T, k] each
+        return self.run_experts(h, weights, chosen, act, fused_act)
+
+    def run_experts(
+        self,
+        h: Tensor,
+        weights: Tensor,
+        chosen: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """``forward`` once routed: ``weights, chosen: [T, k]`` (a family with a router of
+        its own, Gemma 4's, routes and calls this)."""
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)
@@ -260,20 +296,31 @@ class SparseMoe(nn.Module):
             slots = order[start : start + n]
             start += n
             rows = slots // self.top_k  # the tokens (distinct: a token picks an expert once)
-            expert = cast(Expert, self.experts[e])
-            gate_up = linear(h[rows], expert.gate_up_proj, int8_ok=True)  # [n, 2F]
-            if fused_act is not None:
-                mid = fused_act(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                mid = gated_act(gate, up, act)
-            y = linear(mid, expert.down_proj, int8_ok=True)  # [n, hidden]
+            y = self.expert_mlp(cast(Expert, self.experts[e]), h[rows], act, fused_act)
+
             # index_put_ (accumulate; rows are distinct, so each gets one addition, as
             # index_add_ gives): CPU index_add_ opens a parallel region per call, which
             # stalls whenever a pool thread is descheduled (median 8 us, mean 15 ms on 2
             # busy cores); index_put_ here runs inline (mean 9 us)
             out.index_put_((rows,), y * weights[slots, None], accumulate=True)
         return self._add_shared(h, out, act, fused_act)
+
+    def expert_mlp(
+        self,
+        expert: Expert,
+        x: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None,
+    ) -> Tensor:
+        """One expert's gated MLP of its tokens' rows ``x: [n, hidden]`` -> ``[n, hidden]``
+        (gpt-oss's experts differ: ``model.gpt_oss``)."""
+        gate_up = linear(x, expert.gate_up_proj, int8_ok=True)  # [n, 2F]
+        if fused_act is not None:
+            mid = fused_act(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = gated_act(gate, up, act)
+        return linear(mid, expert.down_proj, int8_ok=True)
 
     def _add_shared(
         self,

@@ -46,6 +46,7 @@ from structllm.model.layers import (
     apply_rope,
     gated_act,
     interleave_rope_rows,
+    mrope_rotations,
     rope_rows,
     soft_cap,
 )
@@ -120,12 +121,15 @@ class DecoderLayer(nn.Module):
         elif cfg.qk_norm in ("full", "layer_heads"):
             self.q_norm, self.k_norm = p(nh * hd), p(nkv * hd)
         self.o_proj = p(h, nh * hd)
-        self.o_bias = p(h) if cfg.o_bias else None  # added once, after the all-reduce
+        # o_proj's bias (added once, after the all-reduce: the classic layouts', gpt-oss's
+        # from model.gpt_oss) and gpt-oss's [H] attention sinks (see AttentionImpl)
+        self.o_bias: Tensor | None = p(h) if cfg.o_bias else None
+        self.sinks: Tensor | None = None
         # Qwen3.5's gated attention: the output times sigmoid(h @ attn_gate^T), per row
         self.attn_gate = p(nh * hd, h) if cfg.attn_output_gate else None
         self.attn_out_norm = p(h) if cfg.post_norms else None
         self.post_attention_layernorm = p(h) if cfg.pre_norms else None
-        self.moe = SparseMoe(cfg, dtype, plan) if cfg.moe_layer(index) else None
+        self.moe = self.make_moe(cfg, dtype, plan) if cfg.moe_layer(index) else None
         if self.moe is None:
             self.gate_up_proj = p(2 * ffn, h)
             self.down_proj = p(h, ffn)
@@ -137,6 +141,10 @@ class DecoderLayer(nn.Module):
         # parameter, 4 a layer a step); LlamaModel.assign_weights resets it
         self._norms: tuple[Tensor | None, ...] | None = None
         self._plain_out = self.residual_scale == 1.0
+
+    def make_moe(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None) -> SparseMoe:
+        """The layer's mixture of experts (a family's own kind: ``model.gpt_oss``)."""
+        return SparseMoe(cfg, dtype, plan)
 
     def _norm(self, x: Tensor, w: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -225,15 +233,17 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
         o = attention(
-            impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap
+            impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks
         )  # [T, nh, D]
         o = o.reshape(t, nh * hd)
         if self.attn_gate is not None:
             o = o * torch.sigmoid(linear(h, self.attn_gate))
-        attn_out = linear(o, self.o_proj)
-        if tp is not None:
+        attn_out = linear(o, self.o_proj, self.o_bias if tp is None else None)
+        if tp is not None:  # each rank's partial sum: the bias once, after the sum
             tp.all_reduce(attn_out)
-        return attn_out if self.o_bias is None else attn_out.add_(self.o_bias)
+            if self.o_bias is not None:
+                attn_out.add_(self.o_bias)
+        return attn_out
 
     def feed_forward(self, x: Tensor, tp: TensorParallelGroup | None = None) -> Tensor:
         """The MLP half of ``forward``: ``x`` plus its MLP (or experts') output."""
@@ -277,7 +287,7 @@ class DecoderLayer(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.attn_gate is not None:  # (hybrid models, the only ones with it, run forward)
             raise NotImplementedError("gated attention runs on the plain path only")
-        if self.o_bias is not None or self.qk_norm == "layer_heads":  # (classic.py's)
+        if self.qk_norm == "layer_heads":  # (classic.py's, which declines the fused ops)
             raise NotImplementedError("the classic layouts run on the plain path only")
         norms = self._norms
         if norms is None:
@@ -298,13 +308,13 @@ class DecoderLayer(nn.Module):
         window, cap = self.window, self.softcap
         if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
             o = cast(CpuAttention, impl).decode_rows(
-                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap, o_out
+                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap, o_out, self.sinks
             )
         else:
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-            o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap)
+            o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap, self.sinks)
             o = o.reshape(t, nh * hd)
-        attn_out = linear(o, self.o_proj)
+        attn_out = linear(o, self.o_proj, self.o_bias)
         plain = tp is None and self._plain_out  # nothing between a sublayer and the residual
         if not plain or attn_out_norm is not None:
             attn_out = self._fused_out(ops, attn_out, tp, attn_out_norm)
@@ -399,6 +409,11 @@ class LlamaModel(nn.Module):
         ``[slots, *shape]`` of each), or None: it attends over the paged KV cache."""
         return None
 
+    def kv_layout(self, layer: int) -> tuple[int, int, int]:
+        """Held layer ``layer``'s paged KV cache: (the held layer whose cache it reads,
+        its own index unless it shares another's; KV heads; head size)."""
+        return layer, self.num_kv_heads, self.cfg.head_dim
+
     def state_bytes(self) -> int:
         """Bytes of one request's recurrent state over every layer held (float32; 0
         for a model that only attends)."""
@@ -438,7 +453,8 @@ class LlamaModel(nn.Module):
         hidden: Tensor | None = None,
     ) -> Tensor:
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
-        applied). Writes this step's K/V into ``kv_caches`` (one pair per layer held).
+        applied); ``positions`` is ``[3, T]`` for an M-RoPE model's rows over images.
+        Writes this step's K/V into ``kv_caches`` (one pair per layer held).
 
         A pipeline stage after the first starts from ``hidden`` (the previous stage's
         residual stream ``[T, hidden]``) instead of the embedding; a stage before the last
@@ -450,7 +466,10 @@ class LlamaModel(nn.Module):
         last = self.layer_range.stop == self.cfg.num_layers
         x = hidden if hidden is not None else self.embed_at(input_ids, positions)
         table = self.rope_table(int(meta.max_seq_len))
-        ropes = [table[positions]]  # [T, D/2] per table: global, local, none
+        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
+            ropes = [mrope_rotations(table, positions, self.cfg.mrope_section)]
+        else:
+            ropes = [table[positions]]  # [T, D/2] per table: global, local, none
         if self._rope_local is not None:
             ropes.append(self._rope_local[positions])
         ops = self.cpu_ops

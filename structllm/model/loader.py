@@ -12,11 +12,13 @@ dequantised into a float32 safetensors copy there only the first time a float pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +96,8 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
         ) from e
     if gguf_file is not None:
         _let_transformers_read_the_tokenizer(path / gguf_file)
-    tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    with _without_gpt_oss_rope_fields(path / gguf_file if gguf_file else None):
+        tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tok.backend_tokenizer.save(str(tmp))
@@ -133,6 +136,38 @@ def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
     hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(
         arch
     )  # as transformers' GGUF_TO_TRANSFORMERS_MAPPING
+
+
+@contextlib.contextmanager
+def _without_gpt_oss_rope_fields(gguf_path: Path | None) -> Iterator[None]:
+    """transformers (5.25) fails on a gpt-oss GGUF file's ``gpt-oss.rope.scaling.*``
+    fields while it reads the file's config (it converts each field's first part, the
+    key's length as a one-element array, with ``float()``, which numpy 2 refuses); the
+    tokenizer needs none of them, so while it is built from such a file the gguf
+    package's reader leaves them out. Other files: nothing changes."""
+    if gguf_path is None:
+        yield
+        return
+    import gguf as gguf_package
+
+    from structllm.model import gguf
+
+    if gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture") != "gpt-oss":
+        yield
+        return
+    saved = gguf_package.GGUFReader
+
+    class Reader(saved):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+
+    gguf_package.GGUFReader = Reader  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader = saved  # type: ignore[misc]
 
 
 def _convert_gguf(path: Path, cache: Path) -> None:
@@ -226,9 +261,11 @@ def _dequantised_copy(files: ModelFiles) -> Path:
 
 def load_weights(
     files: ModelFiles, dtype: torch.dtype, device: torch.device, plan: ShardPlan | None = None
-) -> dict[str, torch.Tensor]:
-    """All weights under our names, in ``dtype`` on ``device``; with ``plan``, only that
+) -> dict[str, torch.Tensor | BlockWeight]:
+    """All weights under our names, in ``dtype`` on ``device`` (a family's block weights,
+    gpt-oss's MXFP4 experts, as they are: see ``load_model``); with ``plan``, only that
     tensor-parallel rank's slices (cut on the host, so the device holds just the shard)."""
+    import torch
     from safetensors.torch import load_file
 
     from structllm.model.sharding import shard_weights
@@ -247,7 +284,11 @@ def load_weights(
             raise ValueError(f"checkpoint is missing tensor {e.args[0]!r}") from None
     if plan is not None:
         state = shard_weights(state, files.config, plan)
-    return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    # (a family may map some tensors to blocks, gpt-oss's MXFP4 experts: load_model's)
+    return {
+        k: v.to(device=device, dtype=dtype) if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
 
 
 def load_block_weights(
@@ -305,6 +346,8 @@ def load_model(
             weights = shard_weights(weights, files.config, plan)
     else:
         weights = dict(load_weights(files, dtype, device, plan))
+        keep = fmt is not None and not fmt.exact and device.type == "cpu" and dtype == torch.float32
+        weights = {k: _float_unless(v, keep, dtype, device) for k, v in weights.items()}
     if layers is not None:
         weights = stage_weights(weights, layers)
     with torch.device("meta"):
@@ -315,6 +358,23 @@ def load_model(
     if fmt is not None and not fmt.exact:
         model.use_cpu_ops()
     return model.eval()
+
+
+def _float_unless(
+    w: torch.Tensor | BlockWeight, keep: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | BlockWeight:
+    """A directory's block weight (gpt-oss's MXFP4 experts) as it is when ``keep`` (the
+    CPU's block kernels run it), else its float values in ``dtype`` on ``device`` (the
+    exact path; other devices)."""
+    import torch
+
+    if keep or isinstance(w, torch.Tensor):
+        return w
+    from structllm.kernels.packed import mxfp4_values
+
+    if w.type_name != "MXFP4":
+        raise ValueError(f"a {w.type_name} block weight from a directory is not supported")
+    return mxfp4_values(w).to(device=device, dtype=dtype)
 
 
 def stage_weights(weights: dict[str, Any], layers: range) -> dict[str, Any]:

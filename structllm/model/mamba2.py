@@ -133,7 +133,7 @@ def ssd(
         )
         y[:nd] += (s @ c[:nd, :, :, None])[..., 0]
         states[rb.slots[:nd]] = s
-    for first, end, slot, fresh in rb.prefills():
+    for first, end, slot, fresh in rb.prefills(states):
         s0 = states.new_zeros(states.shape[1:]) if fresh else states[slot]  # [H, P, N]
         sl = slice(first, end)
         out, s_end = _ssd_chunked(x[sl], dt[sl], a, b[sl], c[sl], s0, chunk)

@@ -10,10 +10,18 @@ a zero state (``fresh``); any other chunk continues the state its slot holds, so
 prompt split into chunks (chunked prefill) computes what one whole pass would.
 Decode rows run as one batched update over their slots; prefill chunks run one
 sequence at a time (their lengths differ).
+
+Saved states (prefix caching, ``engine.state_cache``): a prefill chunk that saves its
+state at a block boundary inside it runs as two segments, the rows up to the boundary
+and the rest (the second continues the slot's state, as the next chunk of a chunked
+prefill would); once the first has run, ``prefills`` copies the slot's state into the
+saved row. So each layer saves exactly the state after the boundary's token, in the
+same step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +47,8 @@ class RecurrentBatch:
     fresh_mask: Tensor  # [B] bool, on the model's device
     num_decodes: int
     native: Any = None
+    # (sequence, rows into its chunk, saved row): where a prefill chunk saves its state
+    saves: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def from_meta(
@@ -58,19 +68,34 @@ class RecurrentBatch:
             torch.tensor(fresh, dtype=torch.bool, device=device),
             meta.num_decodes,
             native,
+            tuple(meta.state_saves),
         )
 
     @property
     def num_seqs(self) -> int:
         return len(self.slot_list)
 
-    def prefills(self) -> list[tuple[int, int, int, bool]]:
-        """``(first row, end row, slot, fresh)`` of each sequence after the decodes."""
+    def prefills(self, states: Tensor) -> Iterator[tuple[int, int, int, bool]]:
+        """``(first row, end row, slot, fresh)`` of each prefill segment, in order, for a
+        loop that runs a segment's rows from ``states[slot]`` (zero where ``fresh``)
+        and writes the slot's new state back before asking for the next. A sequence is
+        one segment, or two where it saves its state ``k`` rows into its chunk
+        (``saves``; one when ``k`` is the whole chunk): once the first has run, the
+        slot's state is copied to the saved row of ``states``."""
+        save = {i: (k, row) for i, k, row in self.saves}
+        if any(i < self.num_decodes for i in save):
+            raise ValueError("a decode row saves no state")
         s = self.starts
-        return [
-            (s[i], s[i + 1], self.slot_list[i], self.fresh[i])
-            for i in range(self.num_decodes, self.num_seqs)
-        ]
+        for i in range(self.num_decodes, self.num_seqs):
+            a, b, slot = s[i], s[i + 1], self.slot_list[i]
+            k, row = save.get(i, (b - a, -1))
+            if not 0 < k <= b - a:
+                raise ValueError(f"a state saved {k} rows into a {b - a}-row chunk")
+            yield a, a + k, slot, self.fresh[i]
+            if row >= 0:
+                states[row] = states[slot]
+            if k < b - a:
+                yield a + k, b, slot, False
 
     def decode_states(self, states: Tensor) -> Tensor:
         """The decode sequences' states ``[nd, ...]`` (a copy), zero where fresh."""
@@ -135,7 +160,7 @@ def causal_conv1d(
         y = (window * weight).sum(-1)
         out[:nd] = y if bias is None else y + bias
         states[rb.slots[:nd]] = window[:, :, 1:].to(states.dtype)
-    for a, b, slot, fresh in rb.prefills():
+    for a, b, slot, fresh in rb.prefills(states):
         prev = states.new_zeros(states.shape[1:]) if fresh else states[slot]
         prev = prev.to(x.dtype)
         full = torch.cat([prev, x[a:b].t()], dim=1)  # [C, K - 1 + L]

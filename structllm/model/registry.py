@@ -44,7 +44,14 @@ FAMILIES: tuple[Family, ...] = (
         ("mistral",),
         ("mistral",),
     ),
-    Family("qwen2", "llama", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    # Qwen2_5_VLForConditionalGeneration: its text model (config.TEXT_MODELS), M-RoPE
+    Family(
+        "qwen2",
+        "llama",
+        ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"),
+        ("qwen2",),
+        ("qwen2",),
+    ),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
@@ -55,6 +62,14 @@ FAMILIES: tuple[Family, ...] = (
         ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("gemma3_text",),
         ("gemma3",),
+    ),
+    # Gemma4ForConditionalGeneration: its text model (config.TEXT_MODELS)
+    Family(
+        "gemma4",
+        "gemma4",
+        ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        ("gemma4_text",),
+        (),
     ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
@@ -85,6 +100,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    # attention sinks, alternating windows, biased experts with a clamped SwiGLU
+    Family("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)
     Family("lfm2", "lfm2", ("Lfm2ForCausalLM",), ("lfm2",), ("lfm2",)),
     # Qwen3_5(Moe)ForConditionalGeneration: their text model (config.TEXT_MODELS)

@@ -93,6 +93,11 @@ def plan_shards(cfg: ModelConfig, world_size: int) -> list[ShardPlan]:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {n}")
     if n > h:
         raise ValueError(f"tensor_parallel_size {n} exceeds the model's {h} attention heads")
+    if n > 1 and cfg.architecture == "gpt_oss":
+        raise ValueError(
+            f"tensor_parallel_size {n}: gpt-oss does not run with tensor parallelism yet "
+            "(its attention sinks, o_proj and expert biases are not sharded)"
+        )
     group = h // hkv
     if n > hkv:
         if n % hkv:

@@ -12,8 +12,10 @@ ids for variable image sizes):
   GELU-tanh MLP);
 - ``post_norm``: the final LayerNorm.
 
-Weights stay in the checkpoint's float dtype (float32 by default) and run through plain
-torch ops; nothing here is quantized or packed.
+Weights from a checkpoint stay in its float dtype (float32 by default) and run through
+plain torch ops. From an mmproj GGUF (``model/mmproj.py``) the encoder layers' four
+matrices may be any ``kernels.packed.Weight`` (GGUF blocks, fbgemm float16), run by
+``packed.linear``, which is ``F.linear`` for a plain tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from structllm.kernels.packed import linear
 
 
 @dataclass(frozen=True)
@@ -85,14 +89,14 @@ class SiglipEncoderLayer(nn.Module):
         n, length, h = x.shape
         heads = self.num_heads
         y = F.layer_norm(x, (h,), self.norm1_w, self.norm1_b, self.eps)
-        qkv = F.linear(y, self.qkv_w, self.qkv_b).view(n, length, 3, heads, h // heads)
+        qkv = linear(y, self.qkv_w, self.qkv_b).view(n, length, 3, heads, h // heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [N, heads, L, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # scale D ** -0.5
         o = o.transpose(1, 2).reshape(n, length, h)
-        x = x + F.linear(o, self.out_w, self.out_b)
+        x = x + linear(o, self.out_w, self.out_b)
         y = F.layer_norm(x, (h,), self.norm2_w, self.norm2_b, self.eps)
-        y = F.gelu(F.linear(y, self.fc1_w, self.fc1_b), approximate="tanh")
-        return x + F.linear(y, self.fc2_w, self.fc2_b)
+        y = F.gelu(linear(y, self.fc1_w, self.fc1_b), approximate="tanh")
+        return x + linear(y, self.fc2_w, self.fc2_b)
 
 
 class SiglipVisionTower(nn.Module):
@@ -170,8 +174,9 @@ class SiglipVisionTower(nn.Module):
         assign(self, {k: v.to(dtype) for k, v in weights.items()})
 
 
-def assign(module: nn.Module, weights: dict[str, Tensor]) -> None:
-    """Put ``weights`` in place of ``module``'s empty parameters (names must match)."""
+def assign(module: nn.Module, weights: dict[str, Any]) -> None:
+    """Put ``weights`` in place of ``module``'s empty parameters (names must match): a
+    tensor as a parameter, anything else (a packed ``Weight``) as a plain attribute."""
     expected = {name for name, _ in module.named_parameters()}
     missing, unexpected = sorted(expected - weights.keys()), sorted(weights.keys() - expected)
     if missing or unexpected:
@@ -181,4 +186,8 @@ def assign(module: nn.Module, weights: dict[str, Tensor]) -> None:
     for name, w in weights.items():
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        setattr(owner, attr, nn.Parameter(w.contiguous(), requires_grad=False))
+        if isinstance(w, Tensor):
+            setattr(owner, attr, nn.Parameter(w.contiguous(), requires_grad=False))
+        else:  # a packed weight: not a parameter (``.to`` leaves it; CPU only)
+            del owner._parameters[attr]
+            setattr(owner, attr, w)

@@ -26,6 +26,8 @@ from structllm.protocol import ImageInput
 VISION_MODULES = {
     "Gemma3ForConditionalGeneration": "gemma3_vision",
     "Idefics3ForConditionalGeneration": "idefics3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Mistral3ForConditionalGeneration": "mistral3",
 }
 
 
@@ -36,6 +38,11 @@ class VisionModel(Protocol):
 
     def check(self, image: ImageInput) -> None:
         """``ValueError`` naming what this model cannot encode (shape, token count)."""
+        ...
+
+    def token_grid(self, image: ImageInput) -> tuple[int, int] | None:
+        """``(rows, cols)`` of ``image``'s tokens (row-major) for a text model with 3-D
+        rotary positions (``engine.mrope``); None where positions stay token indices."""
         ...
 
     def encode(self, image: ImageInput) -> Tensor:

@@ -21,6 +21,8 @@ from structllm.multimodal.processor import ImageProcessor
 PROCESSORS = {
     "Gemma3ForConditionalGeneration": "structllm.multimodal.gemma3:Gemma3Processor",
     "Idefics3ForConditionalGeneration": "structllm.multimodal.idefics3:Idefics3Processor",
+    "Qwen2_5_VLForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
+    "Mistral3ForConditionalGeneration": "structllm.multimodal.mistral3:Mistral3Processor",
 }
 
 TokenId = Callable[[str], "int | None"]

@@ -185,6 +185,12 @@ class Metrics:
             stats.state_cache_slots_used,
         )
         metric(
+            "structllm:encoder_cache_usage_bytes",
+            "gauge",
+            "Bytes of vision-encoder outputs kept by image hash (0 for text models).",
+            stats.encoder_cache_bytes,
+        )
+        metric(
             "structllm:num_open_requests",
             "gauge",
             "Requests the front ends are serving (any state).",
@@ -207,6 +213,18 @@ class Metrics:
             "counter",
             "Prompt tokens served from the prefix cache.",
             stats.prefix_cache_hits,
+        )
+        metric(
+            "structllm:encoder_cache_queries_total",
+            "counter",
+            "Images whose vision-encoder output was looked up in the encoder cache.",
+            stats.encoder_cache_queries,
+        )
+        metric(
+            "structllm:encoder_cache_hits_total",
+            "counter",
+            "Images whose vision-encoder output came from the encoder cache.",
+            stats.encoder_cache_hits,
         )
         metric(
             "structllm:num_preemptions_total",

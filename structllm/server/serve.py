@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -41,6 +42,8 @@ from structllm.launch import (
     open_engine,
 )
 from structllm.model.files import ModelFiles, find_model_files, generation_defaults, model_path
+from structllm.multimodal.mmproj import pair_processor
+from structllm.multimodal.processor import ImageProcessor
 from structllm.multimodal.registry import processor_for
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
@@ -124,9 +127,17 @@ def make_app(
             defaults,
         )
     model_dir = model_path(config.engine.model)
-    processor = processor_for(
-        model_dir if model_dir.is_dir() else None, tokenizer.token_id, config.image_processor
-    )
+    mmproj = config.engine.mmproj
+    processor: ImageProcessor | None
+    if mmproj is not None:  # a GGUF model's images: the processor from its mmproj file
+        cfg = files.config
+        processor = pair_processor(
+            Path(mmproj), model_dir, cfg.architecture, cfg.hidden_size, tokenizer.token_id
+        )
+    else:
+        processor = processor_for(
+            model_dir if model_dir.is_dir() else None, tokenizer.token_id, config.image_processor
+        )
     return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults, processor)
 
 

@@ -1,7 +1,8 @@
 """A real ``structllm run`` on tiny models of other families (Gemma 3 with its sliding
-windows, Qwen3, Mixtral's experts, Command R7B's classic layout) in their default
-formats, through the official ``openai`` client: chat completions, streamed equal to
-non-streamed, the same tokens as the offline API, and a prompt past the window."""
+windows, Qwen3, Mixtral's experts, gpt-oss's sinks, Command R7B's classic layout) in
+their default formats, through the official ``openai`` client: chat completions,
+streamed equal to non-streamed, the same tokens as the offline API, and a prompt past
+the window."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ LONG = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]  #
 
 # (cohere2: a classic layout, LayerNorm and the parallel block on the plain path, its
 # windowed layers with rotary beside a global one without)
-@pytest.fixture(scope="module", params=["gemma3", "qwen3", "mixtral", "cohere2"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen3", "mixtral", "gpt_oss", "cohere2"])
 def served(request: pytest.FixtureRequest, default_files) -> Iterator[tuple[str, openai.OpenAI]]:  # type: ignore[no-untyped-def]
     path = tiny_family_dir(request.param, default_files)
     with Server(str(path), "--max-model-len", "512", "--kv-cache-memory", "64MiB") as s:

@@ -66,6 +66,13 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_windows == [WINDOW] * 5 + [0]
     if name == "gemma":
         assert (cfg.mlp_act, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, False)
+    if name == "gemma4":  # the last three layers read layers 4 (local) and 3 (global)
+        assert cfg.layer_windows == [WINDOW] * 3 + [0] + [WINDOW] * 3 + [0]
+        assert cfg.layer_head_dims == [32] * 3 + [64] + [32] * 3 + [64]
+        assert cfg.kv_sources == [0, 1, 2, 3, 4, 4, 4, 3] and cfg.num_attention_layers == 5
+        assert cfg.layer_intermediate_sizes == [128] * 5 + [256] * 3
+        assert (cfg.per_layer_input_size, cfg.scale, cfg.value_norm) == (16, 1.0, True)
+        assert cfg.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     if name == "glm4":  # half of each 32-wide head rotates
         assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
     if name == "exaone4":  # the global layer: no window, no rotary embedding
@@ -83,6 +90,11 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
     if name == "qwen3_moe":
         assert cfg.moe_layers == [True, False, True] and not cfg.norm_topk_prob
+    if name == "gpt_oss":
+        assert cfg.layer_windows == [WINDOW, 0, WINDOW] and cfg.qkv_bias
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_act) == (4, 2, "swiglu_clamp")
+        assert (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.rope_theta) == (1.702, 1.0, 150000.0)
+        assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
     if name == "lfm2":
         assert cfg.layer_types == ["conv", "conv", "attention", "conv"]
         assert (cfg.conv_kernel, cfg.intermediate_size, cfg.qk_norm) == (3, 96, "head")
@@ -194,6 +206,106 @@ def test_experts_run_grouped_by_expert(monkeypatch: pytest.MonkeyPatch, default_
     assert sum(calls) == 3 * len(PROMPTS[3]) * 2 * 2  # every (token, choice) once per matmul
 
 
+def test_gemma4_shared_layers_read_their_source_cache(default_files) -> None:  # type: ignore[no-untyped-def]
+    # the KV-shared layers hold no blocks: their cache entries are their source layers'
+    # tensors, and the cache is sized for the five layers that store K/V (two of them
+    # 64-wide global ones), so it holds more tokens than eight caching layers would
+    from structllm.engine.device import kv_budget
+
+    engine = engine_for(tiny_family_dir("gemma4", default_files))
+    cfg, caches = engine.files.config, engine.runner.kv_caches
+    for i, src in enumerate(cfg.kv_sources):
+        assert (caches[i][0] is caches[src][0]) and (caches[i][1] is caches[src][1])
+        assert (caches[i][0] is caches[i - 1][0]) == (i > 0 and src == cfg.kv_sources[i - 1])
+    assert caches[3][1].shape[2:] == (2, 64) and caches[0][1].shape[2:] == (2, 32)
+    per_token = 2 * 2 * (32 * 4 + 64) * 4  # K and V, 2 heads, float32
+    assert cfg.kv_bytes_per_token * 4 == per_token
+    budget = kv_budget(engine.config, engine.device)
+    assert engine.num_blocks == budget // (per_token * engine.config.block_size)
+    held = {id(t): t for pair in caches for t in pair}  # the tensors, each once
+    total = sum(t.numel() * t.element_size() for t in held.values())
+    assert total == engine.num_blocks * engine.config.block_size * per_token
+
+
+def test_gemma4_experts_beside_the_mlp_match_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    # 26B-A4B's layers in small: experts with their own router beside the dense MLP,
+    # global layers whose values are their keys (one KV head); logits and greedy tokens
+    # through chunked prefill and prefix hits
+    from structllm import LLM, SamplingParams
+    from tests.support.models import GEMMA4_MOE
+
+    path = tiny_family_dir("gemma4", default_files, **GEMMA4_MOE)
+    cfg = prepare_model(str(path)).config
+    assert cfg.moe_beside_mlp and cfg.num_experts == 4 and cfg.kv_sources == []
+    assert cfg.k_eq_v_layers == [False] * 3 + [True] + [False] * 3 + [True]
+    assert cfg.layer_kv_heads == [2] * 3 + [1] + [2] * 3 + [1] and cfg.per_layer_input_size == 0
+    engine, ref = engine_for(path), hf_from_dir(path)
+    for ids in PROMPTS:
+        torch.testing.assert_close(
+            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
+        )
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=9, **EXACT)
+    want = [hf_greedy(ref, ids, 24) for ids in PROMPTS]
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+# (top-1 agreement, largest logit difference, mean difference; in standard deviations)
+GEMMA4_DEFAULT = {"e2b": (0.95, 0.25, 0.05), "moe": (0.85, 1.0, 0.1)}
+
+
+@pytest.mark.parametrize("variant", sorted(GEMMA4_DEFAULT))
+def test_gemma4_default_format_agrees(variant: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    """The default format (float16 weights, float16 KV cache) against the exact path on
+    the same float32 checkpoint: what differs is float16's rounding. With experts, a
+    router near-tie at a position flips one of its experts under that rounding (1 to 3
+    positions of the longer prompts, with the float16 cache alone as with the weights
+    alone), and the global layers carry that position's difference to every later one:
+    about 92% top-1 there, against 98% without experts."""
+    from tests.support.models import GEMMA4_MOE
+
+    bar, spread, mean = GEMMA4_DEFAULT[variant]
+    path = tiny_family_dir("gemma4", default_files, **(GEMMA4_MOE if variant == "moe" else {}))
+    default = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(default, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= spread * want.std(), ids
+        assert (got - want).abs().mean() <= mean * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= bar, (agree, total)
+
+
+def test_gemma4_refuses_tensor_parallelism_by_name(default_files) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="gemma4 has layers of several K/V shapes"):
+        engine_for(tiny_family_dir("gemma4", default_files), tensor_parallel_size=2)
+
+
+def test_gemma4_config_as_published() -> None:
+    # the published config.json's keys (global_head_dim, num_global_key_value_heads, no
+    # per_layer_config), the config class's defaults where a key is absent (five local
+    # layers to one global, 256-wide per-layer inputs), and what cannot run is refused
+    cfg: dict[str, object] = {"architectures": ["Gemma4ForCausalLM"], "hidden_size": 64}
+    cfg |= {"intermediate_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg |= {"num_hidden_layers": 12, "vocab_size": 8, "head_dim": 16, "global_head_dim": 32}
+    cfg |= {"num_kv_shared_layers": 4}
+    plain = ModelConfig.from_hf(cfg)
+    assert plain.layer_windows == ([512] * 5 + [0]) * 2 and plain.per_layer_input_size == 256
+    assert plain.layer_head_dims == ([16] * 5 + [32]) * 2 and plain.layer_kv_heads == []
+    assert plain.kv_sources == list(range(8)) + [7, 7, 7, 5]
+    assert plain.rope_theta == 1e6 and plain.rope_local_theta == 10000.0
+    k_eq_v = ModelConfig.from_hf({**cfg, "attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    assert k_eq_v.layer_kv_heads == ([2] * 5 + [1]) * 2
+    assert k_eq_v.k_eq_v_layers == ([False] * 5 + [True]) * 2
+    with pytest.raises(ValueError, match="layer 5 shares the K/V of no earlier full_attention"):
+        ModelConfig.from_hf({**cfg, "num_kv_shared_layers": 7})
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all' is not supported"):
+        ModelConfig.from_hf({**cfg, "use_bidirectional_attention": "all"})
+
+
 def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
     # the first Gemma checkpoints say "gelu", which transformers runs as tanh GELU
     cfg = {"architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
@@ -248,6 +360,7 @@ QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
+QUANTIZED_FAMILIES += ["gpt_oss"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -276,6 +389,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("linear_key_head_dim", "linear_value_head_dim", "attn_output_gate")
     fields += ("norm_kind", "norm_bias", "parallel_block", "mlp_gated", "mlp_bias", "o_bias")
     fields += ("head_bias", "rms_norm_eps")
+    fields += ("swiglu_alpha", "swiglu_limit")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -299,6 +413,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     ("arch", "tied"),
     [
         ("Gemma3ForConditionalGeneration", True),
+        ("Gemma4ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", False),  # as Mistral Small 3.1: an lm_head
         ("Qwen3_5ForConditionalGeneration", False),  # how Qwen3.5 is published
@@ -322,6 +437,9 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     if arch.startswith("Gemma3"):
         assert cfg.architecture == "gemma3" and cfg.rope_theta == 1e6
         assert cfg.layer_windows == [WINDOW] * 5 + [0] and cfg.rope_local_theta == 10000.0
+    elif arch.startswith("Gemma4"):
+        assert cfg.architecture == "gemma4" and cfg.rope_theta == 1e6
+        assert cfg.kv_sources == [0, 1, 2, 3, 4, 4, 4, 3] and cfg.per_layer_input_size == 16
     elif arch.startswith("Qwen3_5"):
         assert cfg.architecture == "qwen3_5" and cfg.rotary_dim == 8
         assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
@@ -761,3 +879,127 @@ def test_falcon_alibi_is_refused() -> None:
     assert ModelConfig.from_hf(cfg).num_kv_heads == 1  # multi_query, the class's default
     with pytest.raises(ValueError, match="unsupported Falcon config: alibi"):
         ModelConfig.from_hf({**cfg, "alibi": True})
+
+
+def test_gpt_oss_default_format_agrees_with_the_exact_path(default_files) -> None:  # type: ignore[no-untyped-def]
+    """gpt-oss in the default format (a float32 directory: float16 matmul weights, the
+    experts as float16 rows with their biases, the fused CPU ops, a float16 KV cache)
+    against the exact path on the same checkpoint: within float16 rounding, and the same
+    greedy tokens; its decode steps take the Python layer loop (sinks are not in the
+    native one), which says why."""
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import HalfMatrix
+
+    path = tiny_family_dir("gpt_oss", default_files)
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    model = engine.runner.model
+    assert model.cpu_ops is not None and "sinks" in model.decode_why
+    expert = model.layers[0].moe.experts[1]
+    assert isinstance(expert.gate_up_proj, HalfMatrix)
+    exact = engine_for(path)
+    for ids in PROMPTS:
+        got, want = prefill_logits(engine, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20)
+    want_tokens = [hf_greedy(hf_from_dir(path), ids, 16) for ids in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want_tokens
+
+
+def test_gpt_oss_config_defaults_are_transformers() -> None:
+    # a config.json that leaves the rotary and the layer pattern unsaid: transformers'
+    # GptOssConfig defaults (YaRN x32 of 4096 positions, base 150000; windows on the
+    # even layers); tensor parallelism refused by name
+    import transformers
+
+    from structllm.model.sharding import plan_shards
+
+    cfg = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermediate_size": 32}
+    cfg |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    cfg |= {"num_hidden_layers": 4, "vocab_size": 8, "num_local_experts": 4}
+    cfg |= {"sliding_window": 128, "max_position_embeddings": 131072}
+    ours = ModelConfig.from_hf(cfg)
+    assert ours.layer_windows == [128, 0, 128, 0] and ours.rope_theta == 150000.0
+    assert ours.context_length == 131072 and ours.num_experts_per_tok == 4
+    theirs = transformers.GptOssConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert theirs.layer_types == ["sliding_attention", "full_attention"] * 2
+    rotary = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(theirs)
+    torch.testing.assert_close(rope_inv_freq(ours).float(), rotary.inv_freq)
+    assert rope_attention_factor(ours) == pytest.approx(rotary.attention_scaling)
+    with pytest.raises(ValueError, match="attention_bias false"):
+        ModelConfig.from_hf({**cfg, "attention_bias": False})
+    with pytest.raises(ValueError, match="gpt-oss does not run with tensor parallelism"):
+        plan_shards(ours, 2)
+
+
+def test_gpt_oss_mxfp4_experts_run_as_blocks(default_files) -> None:  # type: ignore[no-untyped-def]
+    """llama-quantize's MXFP4_MOE file (experts in MXFP4, attention in Q8_0): every
+    expert matrix stays MXFP4 blocks (17 bytes per 32 weights, no float copy) run by the
+    block kernels, against the same file dequantised (ggml's MXFP4 values, through the
+    gguf package) on the exact path, as test_quantized_gguf_runs_its_blocks does."""
+    from structllm.kernels.packed import BlockWeight
+
+    path = gguf_file("gpt_oss", default_files, "MXFP4_MOE")
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    model = blocks.runner.model
+    cfg = model.cfg
+    for layer in model.layers:
+        for expert in layer.moe.experts:
+            for w in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(w, BlockWeight) and w.type_name == "MXFP4"
+                assert w.nbytes == w.shape[0] * w.shape[1] // 32 * 17
+    # at most 2 bytes per expert weight (MXFP4: 0.53; a float32 copy would be 4 more)
+    expert_bytes = 2 * 3 * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert model.weight_bytes() < 2 * cfg.vocab_size * cfg.hidden_size * 34 // 32 + expert_bytes
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.98, (agree, total)
+
+
+def test_gpt_oss_mxfp4_checkpoint_runs_its_blocks(default_files) -> None:  # type: ignore[no-untyped-def]
+    """A gpt-oss directory with MXFP4 experts, as gpt-oss is published (``*_blocks``,
+    ``*_scales``): the exact path equals, bit for bit, its float twin (the same experts
+    as transformers dequantises them), and transformers on the MXFP4 directory (loaded
+    dequantised, as it runs MXFP4 on a CPU); the default format
+    keeps every expert as MXFP4 blocks (no float copy) whose values are the twin's, within
+    rounding of the exact path, with the same greedy tokens."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from structllm import LLM, SamplingParams
+    from structllm.kernels.packed import BlockWeight, mxfp4_values
+    from tests.support.models import tiny_gpt_oss_mxfp4_dirs
+
+    path, twin = tiny_gpt_oss_mxfp4_dirs(default_files)
+    exact, float_twin = engine_for(path), engine_for(twin)
+    ref = AutoModelForCausalLM.from_pretrained(  # transformers' own reading of the blocks
+        str(path), dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    for ids in PROMPTS:
+        got = prefill_logits(exact, ids)
+        assert torch.equal(got, prefill_logits(float_twin, ids))
+        torch.testing.assert_close(got, hf_logits(ref, ids), atol=1e-4, rtol=1e-4)
+    blocks = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    for layer in blocks.runner.model.layers:
+        for expert in layer.moe.experts:
+            for w in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(w, BlockWeight) and w.type_name == "MXFP4"
+    expert = blocks.runner.model.layers[1].moe.experts[2]
+    gate_up = mxfp4_values(expert.gate_up_proj)
+    assert torch.equal(gate_up, expert.gate_up_proj.dequantize())  # torch's, the kernel's
+    from safetensors.torch import load_file
+
+    hf = load_file(twin / "model.safetensors")["model.layers.1.mlp.experts.gate_up_proj"][2].t()
+    assert torch.equal(gate_up, torch.cat([hf[0::2], hf[1::2]]))  # the twin's values
+    for ids in PROMPTS:
+        got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.01 * want.std(), ids
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want_tokens = [hf_greedy(ref, ids, 16) for ids in PROMPTS]
+    assert [
+        o.token_ids for o in LLM(str(path), kv_cache_memory=32 << 20).generate(PROMPTS, params)
+    ] == want_tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from structllm import LLM, SamplingParams
 from structllm.config import EngineConfig
@@ -47,10 +48,17 @@ def path(request, default_files) -> Path:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def alone(path: Path) -> list[Run]:
+def uncached(path: Path) -> LLM:
+    """The reference: one request at a time, its prompt in one step, no prefix caching."""
+    return LLM(
+        str(path), kv_cache_memory=32 << 20, max_num_seqs=1, enable_prefix_caching=False, **EXACT
+    )
+
+
+@pytest.fixture(scope="module")
+def alone(uncached: LLM) -> list[Run]:
     """Each prompt's tokens run alone, its prompt in one step."""
-    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=1, **EXACT)
-    return [run_of(llm.generate([p], GREEDY)[0]) for p in PROMPTS]
+    return [run_of(uncached.generate([p], GREEDY)[0]) for p in PROMPTS]
 
 
 def test_a_slot_is_held_while_running_and_given_back() -> None:
@@ -84,13 +92,20 @@ def test_preemption_recomputes_exactly(path: Path, alone: list[Run]) -> None:
     probe = LLM(str(path), kv_cache_memory=1 << 20, **EXACT).engine
     cfg, slot = probe.files.config, probe.state_slot_bytes
     block = 16 * 4 * cfg.kv_bytes_per_token  # float32
-    memory = 4 * slot + 6 * block  # a few slots, six blocks or more: 96+ tokens
+    # four slots, the saved states they bring (prefix caching), six blocks: 96 tokens
+    fits = [s for s in range(9) if min(8, ((4 + s) * slot + 6 * block) // 4 // slot) == s]
+    memory = (4 + fits[0]) * slot + 6 * block
     llm = LLM(str(path), kv_cache_memory=memory, block_size=16, max_num_seqs=4, **EXACT)
     engine = llm.engine
     assert engine.num_blocks < 12, "the cache should be too small for every prompt at once"
     got = [run_of(o) for o in llm.generate(PROMPTS, GREEDY)]
     assert engine.scheduler.num_preemptions > 0
     assert_same(got, alone)
+    # again, with prefix caching (on by default): hits, preemptions, still the same
+    preempted = engine.scheduler.num_preemptions
+    assert_same([run_of(o) for o in llm.generate(PROMPTS, GREEDY)], alone)
+    assert engine.scheduler.num_preemptions > preempted
+    assert engine.states is not None and engine.states.num_free_slots == engine.states.num_slots
 
 
 def test_an_abort_mid_prefill_frees_the_slot_and_disturbs_no_one(
@@ -123,16 +138,6 @@ def test_an_abort_mid_prefill_frees_the_slot_and_disturbs_no_one(
     states.check_invariants(list(engine.scheduler.requests.values()))
 
 
-def test_prefix_caching_is_off_and_says_so(
-    path: Path, alone: list[Run], capfd: pytest.CaptureFixture[str]
-) -> None:
-    llm = LLM(str(path), kv_cache_memory=32 << 20, **EXACT)
-    assert "prefix caching: off (a hybrid model" in capfd.readouterr().err
-    for _ in range(2):  # the same prompt twice: computed twice, the same tokens
-        assert_same([run_of(llm.generate([PROMPTS[2]], GREEDY)[0])], [alone[2]])
-    assert llm.engine.kv.num_hit_tokens == 0
-
-
 def test_speculative_decoding_is_refused_by_name(path: Path) -> None:
     with pytest.raises(
         ValueError,
@@ -161,8 +166,10 @@ def test_state_slots_share_the_cache_budget(path: Path) -> None:
         assert [len(c) for c in small.runner.kv_caches] == [2, 0, 2, 2, 0, 2]
     # the states (an MLP-only layer's entry: empty, neither K/V nor a state)
     held = [t for c in small.runner.kv_caches if c and c[0].dim() == 3 for t in c]
-    assert slot * small.states.num_slots == sum(t.numel() * t.element_size() for t in held)
+    # a row per slot and per saved state (prefix caching: two per slot where they fit)
+    assert slot * small.states.num_rows == sum(t.numel() * t.element_size() for t in held)
     assert small.states.num_slots == 4
+    assert small.states.num_saved == min(8, (1 << 20) // 4 // slot)
     assert big.states.num_slots == min(64, (1 << 20) // 2 // slot)
     assert big.num_blocks < small.num_blocks  # the more slots came out of the blocks
 
@@ -184,3 +191,186 @@ def test_native_decode_steps_equal_torch_ops(path: Path) -> None:
         runs.append([run_of(o) for o in llm.generate(PROMPTS, GREEDY)])
         assert (model._recurrent is not False) == native
     assert_same(runs[0], runs[1])
+
+
+# -- prefix caching: recurrent states saved at block boundaries (engine.state_cache) --
+
+BLOCK = 16
+# where a repeat of each prompt resumes: its last full block before its last token
+REPEAT = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+
+
+def cached_llm(path: Path, chunk: int, **kw: object) -> LLM:
+    return LLM(
+        str(path),
+        kv_cache_memory=kw.pop("kv_cache_memory", 32 << 20),
+        block_size=BLOCK,
+        max_num_batched_tokens=chunk,
+        **kw,
+        **EXACT,
+    )
+
+
+def test_a_chunk_saves_the_state_at_its_boundary_within_the_step() -> None:
+    # a 10-row chunk saving 4 rows in: the saved row holds the window after row 4, the
+    # slot the window after row 10, the output is the unsaved chunk's
+    from structllm.model.recurrent import RecurrentBatch, causal_conv1d
+
+    torch.manual_seed(0)
+    x, w = torch.randn(10, 6), torch.randn(6, 3)
+    fresh = [True]
+
+    def batch(saves: tuple[tuple[int, int, int], ...]) -> RecurrentBatch:
+        slots = torch.tensor([0])
+        return RecurrentBatch([0, 10], [0], slots, fresh, torch.tensor(fresh), 0, None, saves)
+
+    plain, saved = torch.zeros(3, 6, 2), torch.zeros(3, 6, 2)
+    want = causal_conv1d(x, w, None, plain, batch(()))
+    got = causal_conv1d(x, w, None, saved, batch(((0, 4, 2),)))
+    head = torch.zeros(1, 6, 2)
+    four = RecurrentBatch([0, 4], [0], torch.tensor([0]), fresh, torch.tensor(fresh), 0)
+    causal_conv1d(x[:4], w, None, head, four)
+    assert torch.equal(got, want) and torch.equal(saved[0], plain[0])
+    assert torch.equal(saved[2], head[0])
+    with pytest.raises(ValueError, match="saved 11 rows into a 10-row chunk"):
+        causal_conv1d(x, w, None, saved, batch(((0, 11, 2),)))
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 64])
+def test_a_prefix_cache_hit_equals_an_uncached_run(
+    path: Path, alone: list[Run], chunk: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    llm = cached_llm(path, chunk)
+    assert "prefix caching: on (a hybrid model" in capfd.readouterr().err
+    # together (mixed batches, states saved as chunks pass boundaries), then alone
+    assert_same([run_of(o) for o in llm.generate(PROMPTS, GREEDY)], alone)
+    hits = []
+    for _ in range(2):
+        outs = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+        assert_same([run_of(o) for o in outs], alone)
+        hits.append([o.num_cached_tokens for o in outs])
+    # never past the repeat point; once a prompt has run alone, exactly there
+    assert all(h <= r and h % BLOCK == 0 for h, r in zip(hits[0], REPEAT, strict=True))
+    assert hits[1] == REPEAT
+    engine = llm.engine
+    assert engine.kv.num_hit_tokens == sum(hits[0]) + sum(hits[1])  # /metrics' counter
+    assert engine.states is not None and not engine.states.pending
+
+
+def test_a_shared_prefix_resumes_at_its_last_saved_block_not_past_it(
+    path: Path, uncached: LLM
+) -> None:
+    base = PROMPTS[2]  # 58 tokens
+    two = base[:42] + list(range(3000, 3020))  # 2 full blocks and 10 tokens shared
+    three = base[:50] + list(range(3100, 3110))  # 3 full blocks and 2 tokens
+    want = [run_of(uncached.generate([p], GREEDY)[0]) for p in (two, three)]
+    # 16-token chunks save at every boundary (16, 32, 48): each resumes at its last
+    # shared block; one chunk saves only at 48: the 2-block sharer resumes nowhere
+    for chunk, hits in ((16, [32, 48]), (256, [0, 48])):
+        llm = cached_llm(path, chunk)
+        llm.generate([base], GREEDY)
+        outs = [llm.generate([p], GREEDY)[0] for p in (two, three)]
+        assert_same([run_of(o) for o in outs], want)
+        assert [o.num_cached_tokens for o in outs] == hits
+        assert llm.engine.kv.num_hit_tokens == sum(hits)
+
+
+def test_saved_states_evicted_under_memory_pressure_leave_outputs_exact(
+    path: Path, alone: list[Run]
+) -> None:
+    # one slot, at most two saved states, a few KV blocks: states go with their blocks
+    # and to newer saves, and whatever is resumed is exact
+    probe = cached_llm(path, 256, kv_cache_memory=1 << 20).engine
+    block = BLOCK * 4 * probe.files.config.kv_bytes_per_token
+    memory = 4 * probe.state_slot_bytes + 8 * block
+    llm = cached_llm(path, 16, kv_cache_memory=memory, max_num_seqs=1)
+    engine = llm.engine
+    states = engine.states
+    assert states is not None and states.num_slots == 1 and states.num_saved in (1, 2)
+    hits = 0
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert_same([run_of(o) for o in outs], alone)
+        hits += sum(o.num_cached_tokens for o in outs)
+        cached = [engine.kv.block_chain_id[b] for b in engine.kv.cached.values()]
+        states.check_invariants([], cached)
+    assert hits < sum(REPEAT)  # some states went before they were hit
+    assert engine.kv.num_hit_tokens == hits
+
+
+def test_a_hit_after_an_abort_mid_prefill_and_a_step_cut_short(
+    path: Path, alone: list[Run], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import structllm.model.hybrid as hybrid
+
+    monkeypatch.setattr(hybrid, "CHECK_EVERY", 1)  # the engine looks after every layer
+    engine = EngineCore(
+        EngineConfig(
+            model=str(path),
+            kv_cache_memory=32 << 20,
+            block_size=BLOCK,
+            max_num_batched_tokens=20,
+            **EXACT,  # type: ignore[arg-type]
+        )
+    )
+    states = engine.states
+    assert states is not None
+    engine.add_request(AddRequest("gone", PROMPTS[2], GREEDY))
+    engine.step()  # 0..20: the state at 16 saved
+    engine.step(lambda: {"gone"})  # 20..40 cut short: the save at 32 never written
+    assert engine.num_steps_cut == 1 and not states.pending
+    engine.abort(["gone"])
+    engine.step()
+    engine.add_request(AddRequest("again", PROMPTS[2], GREEDY))
+    run: Run = []
+    cached = -1
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        for d in engine.step().outputs:
+            cached = d.num_cached_tokens
+            lps = d.logprobs or []
+            run += [
+                (t, [lp.logprob, *lp.top_logprobs])
+                for t, lp in zip(d.new_token_ids, lps, strict=True)
+            ]
+    assert cached == 16
+    assert_same([run], [alone[2]])
+
+
+def test_the_state_rows_return_to_idle_after_a_storm_of_aborts(
+    path: Path, alone: list[Run]
+) -> None:
+    engine = EngineCore(
+        EngineConfig(
+            model=str(path),
+            kv_cache_memory=32 << 20,
+            block_size=BLOCK,
+            max_num_batched_tokens=24,
+            **EXACT,  # type: ignore[arg-type]
+        )
+    )
+    states = engine.states
+    assert states is not None
+    ids = [f"r{i}" for i in range(12)]
+    for i, rid in enumerate(ids):  # sharing heads: hits on states saved by the others
+        engine.add_request(AddRequest(rid, PROMPTS[i % 4] + [9] * i, GREEDY))
+    for k in range(6):  # aborted in waves, mid-prefill and mid-decode
+        engine.step()
+        engine.abort(ids[2 * k : 2 * k + 2])
+    while engine.has_work:
+        engine.step()
+    assert states.num_free_slots == states.num_slots
+    assert not states.pending and not states.dead
+    cached = [engine.kv.block_chain_id[b] for b in engine.kv.cached.values()]
+    states.check_invariants([], cached)
+    assert engine.kv.usage == 0.0
+    engine.kv.reset_prefix_cache()  # the cached blocks go, and the states with them
+    assert not states.saved and states.num_saved_used == 0
+    # and the engine still answers exactly
+    engine.add_request(AddRequest("after", PROMPTS[0], GREEDY))
+    tokens: list[int] = []
+    while engine.has_work:
+        for d in engine.step().outputs:
+            tokens += d.new_token_ids
+    assert tokens == [t for t, _ in alone[0]]

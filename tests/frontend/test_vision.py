@@ -193,6 +193,12 @@ def test_the_registry_picks_a_family_by_architecture(tmp_path: Path, tokenizer: 
     assert registry.processor_path(model_dir("Idefics3ForConditionalGeneration")) == (
         "structllm.multimodal.idefics3:Idefics3Processor"
     )
+    assert registry.processor_path(model_dir("Qwen2_5_VLForConditionalGeneration")) == (
+        "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor"
+    )
+    assert registry.processor_path(model_dir("Mistral3ForConditionalGeneration")) == (
+        "structllm.multimodal.mistral3:Mistral3Processor"
+    )
     text_only = model_dir("LlamaForCausalLM")
     assert registry.processor_path(text_only) is None
     assert registry.processor_for(text_only, tokenizer.token_id) is None

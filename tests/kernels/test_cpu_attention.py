@@ -336,7 +336,67 @@ def test_window_and_softcap_match_dense(d: int, window: int, softcap: float) -> 
     assert torch.equal(out[-1:], alone)
 
 
-def row_by_row(m, q, kc, vc, meta: AttentionMetadata, scale: float, window: int, softcap: float):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("d", [64, 48])  # the fixed-size kernel and the generic loops
+@pytest.mark.parametrize("window", [0, 7])
+def test_sinks_match_dense(d: int, window: int) -> None:
+    """Attention sinks (gpt-oss: a logit per head joining each softmax's denominator),
+    large and small against the scores, with and without a window: decodes and prefill
+    rows against dense attention and the torch reference, a prefill row bit for bit its
+    decode; no sinks stays bit for bit what it was."""
+    lens, q_lens = [9, 70, 20, 45], [1, 1, 20, 12]
+    impl, kc, vc, meta, dense, q, starts = setup(lens, q_lens, 6, 2, d, 16)
+    sinks = torch.tensor([-3.0, 0.0, 0.5, 2.0, 6.0, -20.0])
+    out = torch.cat(
+        [
+            impl.decode(q[:2], kc, vc, meta, 0.125, window, 0.0, sinks),
+            impl.prefill(q[2:], q[2:], q[2:], kc, vc, meta, 0.125, window, 0.0, sinks),
+        ]
+    )
+    for i, (k, v) in enumerate(dense):
+        rows = slice(starts[i], starts[i + 1])
+        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, sinks=sinks)
+        torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=2e-5)
+        plain = reference.dense_causal_attention(q[rows], k, v, 0.125, window)
+        assert (out[rows] - plain).abs().max() > 1e-2  # the sinks take their share
+    want = torch.cat(  # the torch reference's, from the same cache
+        [
+            reference.decode_attention(
+                q[:2],
+                kc.permute(0, 3, 1, 2).contiguous(),
+                vc,
+                meta.block_tables[:2],
+                meta.seq_lens[:2],
+                0.125,
+                70,
+                window,
+                0.0,
+                sinks,
+            ),
+            reference.prefill_attention(
+                q[2:], kc, vc, meta.block_tables[2:], [0, 20, 32], [20, 45], 0.125,
+                k_transposed=True, window=window, sinks=sinks,
+            ),
+        ]
+    )  # fmt: skip
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    last = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[-1:],
+        block_tables=meta.block_tables[3:],
+        seq_lens=torch.tensor([45], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens_list=[45],
+        query_start_list=[0, 1],
+        num_decodes=1,
+        max_seq_len=45,
+    )
+    assert torch.equal(out[-1:], impl.decode(q[-1:], kc, vc, last, 0.125, window, 0.0, sinks))
+    none = impl.decode(q[:2], kc, vc, meta, 0.125, window)
+    assert torch.equal(none, impl.decode(q[:2], kc, vc, meta, 0.125, window, 0.0, None))
+
+
+def row_by_row(
+    m, q, kc, vc, meta: AttentionMetadata, scale: float, window: int, softcap: float, sinks=None
+):  # type: ignore[no-untyped-def]
     """The prefill rows of ``meta`` as decodes, one row at a time (``paged_decode`` with
     each row's own context length): what the tiled kernel must equal bit for bit."""
     nd = meta.num_decodes
@@ -349,7 +409,7 @@ def row_by_row(m, q, kc, vc, meta: AttentionMetadata, scale: float, window: int,
     out = torch.empty(q.shape)
     tables = meta.block_tables[rows].contiguous()
     m.paged_decode(
-        out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), scale, window, softcap
+        out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), scale, window, softcap, sinks
     )
     return out
 
@@ -357,18 +417,36 @@ def row_by_row(m, q, kc, vc, meta: AttentionMetadata, scale: float, window: int,
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    ("h", "hkv", "d", "bs", "window", "softcap"),
+    ("h", "hkv", "d", "bs", "window", "softcap", "sinks"),
     [
-        (9, 3, 64, 16, 0, 0.0),
-        (9, 3, 64, 16, 37, 0.0),
-        (16, 2, 128, 32, 0, 2.5),
-        (6, 2, 48, 16, 64, 2.5),
-        (4, 4, 64, 64, 100, 0.0),
+        (9, 3, 64, 16, 0, 0.0, False),
+        (9, 3, 64, 16, 37, 0.0, False),
+        (16, 2, 128, 32, 0, 2.5, False),
+        (6, 2, 48, 16, 64, 2.5, False),
+        (4, 4, 64, 64, 100, 0.0, False),
+        (8, 2, 64, 16, 37, 0.0, True),
+        (6, 2, 48, 16, 0, 0.0, True),
     ],
-    ids=["g3-d64", "g3-d64-window", "g8-d128-softcap", "generic-d48-both", "mha-bs64-window"],
+    ids=[
+        "g3-d64",
+        "g3-d64-window",
+        "g8-d128-softcap",
+        "generic-d48-both",
+        "mha-bs64-window",
+        "g4-d64-window-sinks",
+        "generic-d48-sinks",
+    ],
 )
 def test_tiled_prefill_equals_the_rows_and_dense(
-    isa: str, kv_dtype: torch.dtype, h: int, hkv: int, d: int, bs: int, window: int, softcap: float
+    isa: str,
+    kv_dtype: torch.dtype,
+    h: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    window: int,
+    softcap: float,
+    sinks: bool,
 ) -> None:
     """Long chunks, many tiles of query rows and many groups of KV blocks, in shuffled
     blocks: a fresh prompt, a chunk after a cached prefix, a one-row chunk, and a chunk
@@ -386,14 +464,15 @@ def test_tiled_prefill_equals_the_rows_and_dense(
     )  # fmt: skip
     kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     scale = d**-0.5
-    out = impl.prefill(q[1:], q[1:], q[1:], kc, vc, meta, scale, window, softcap)
-    assert torch.equal(out, row_by_row(m, q[1:], kc, vc, meta, scale, window, softcap))
+    sk = torch.linspace(-2.0, 3.0, h) if sinks else None
+    out = impl.prefill(q[1:], q[1:], q[1:], kc, vc, meta, scale, window, softcap, sk)
+    assert torch.equal(out, row_by_row(m, q[1:], kc, vc, meta, scale, window, softcap, sk))
     if isa != "native":  # the rows equal the native build's, checked against dense there
         return
     for i in range(1, len(lens)):
         k, v = (t.to(kv_dtype).float() for t in dense[i])
         want = reference.dense_causal_attention(
-            q[starts[i] : starts[i + 1]], k, v, scale, window, softcap
+            q[starts[i] : starts[i + 1]], k, v, scale, window, softcap, sinks=sk
         )
         got = out[starts[i] - 1 : starts[i + 1] - 1]
         torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)

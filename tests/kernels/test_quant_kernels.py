@@ -415,3 +415,24 @@ def test_float16_rows_are_as_accurate_as_fbgemm() -> None:
     ours = (packed.linear(x, w).double() - ref).abs().mean()
     fbgemm = (packed.linear(x, packed.HalfWeight(w.half())).double() - ref).abs().mean()
     assert ours <= 1.25 * fbgemm, (ours, fbgemm)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (gguf's, 2^127 * 12)
+@pytest.mark.parametrize("isa", ISAS)
+def test_mxfp4_every_exponent_is_ggml_s(isa: str) -> None:
+    """MXFP4 (gpt-oss's experts): every E8M0 exponent byte, the two denormal scales
+    (bytes 0 and 1) and the largest included, with random nibbles, dequantise bit for
+    bit as ggml's (the gguf package's), on the kernel's dequantiser and the float path."""
+    module = cpu_ext.load_quant(isa)
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (8, 32, 17), dtype=np.uint8)  # 8 rows of 32 blocks
+    raw[..., 0] = np.arange(256, dtype=np.uint8).reshape(8, 32)
+    qtype = gguf.GGMLQuantizationType.MXFP4
+    ref = torch.from_numpy(gguf.quants.dequantize(raw.reshape(8, -1), qtype).astype(np.float32))
+    w = BlockWeight.from_raw(torch.from_numpy(raw.reshape(8, -1)), "MXFP4", 32 * 32)
+    assert torch.equal(module.dequantize(w.raw, w.code), ref)
+    # the matmul on the rows whose exponents stay finite in products (up to 191; from
+    # about 254 a weight is infinite, and 0 times it NaN)
+    rows, finite = torch.eye(32 * 32)[:3], w.row_range(0, 6)
+    got = module.linear(rows, finite.raw.contiguous(), w.code, FLOAT)
+    assert torch.equal(got, ref[:6, :3].T.contiguous())

@@ -138,9 +138,9 @@ def test_window_and_softcap_match_dense(window: int, softcap: float) -> None:
 class CausalOnly(TorchAttention):
     """A backend whose prefill knows nothing of ``ahead`` (as Triton's)."""
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0):  # type: ignore[no-untyped-def]
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0, sinks=None):  # type: ignore[no-untyped-def]
         return super().prefill(
-            q, k, v, k_cache, v_cache, replace(meta, ahead=None), scale, window, softcap
+            q, k, v, k_cache, v_cache, replace(meta, ahead=None), scale, window, softcap, sinks
         )
 
 
@@ -191,7 +191,9 @@ def test_rows_that_see_ahead_match_dense(backend: str, window: int, softcap: flo
     assert torch.equal(out[starts[3] :], text[starts[3] :])  # the text chunk: bit for bit
     for i, (k, v) in enumerate(dense):
         rows = slice(starts[i], starts[i + 1])
-        want = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap, aheads[i])
+        want = reference.dense_causal_attention(
+            q[rows], k, v, 0.125, window, softcap, ahead=aheads[i]
+        )
         torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
         if any(aheads[i]):  # (and differs from causal attention)
             causal = reference.dense_causal_attention(q[rows], k, v, 0.125, window, softcap)

@@ -135,14 +135,24 @@ class Batch:
         self.k_cache, self.v_cache = kc.to(dev, dtype), vc.to(dev, dtype)
         self.dtype = dtype
 
-    def oracle(self, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    def oracle(
+        self, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         kc, vc = self.kc_cpu.clone(), self.vc_cpu.clone()
         q, k, v, m = self.q_cpu, self.k_new, self.v_new, self.meta_cpu
-        return attention(TorchAttention(), q, k, v, kc, vc, m, self.scale, window, softcap)
+        return attention(TorchAttention(), q, k, v, kc, vc, m, self.scale, window, softcap, sinks)
 
-    def run(self, impl: TritonAttention, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    def run(
+        self,
+        impl: TritonAttention,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         q, k, v, m = self.q, self.k, self.v, self.meta
-        return attention(impl, q, k, v, self.k_cache, self.v_cache, m, self.scale, window, softcap)
+        kc, vc = self.k_cache, self.v_cache
+        sk = None if sinks is None else sinks.to(q.device)
+        return attention(impl, q, k, v, kc, vc, m, self.scale, window, softcap, sk)
 
 
 HEADS = [(4, 4, 64), (9, 3, 64), (16, 2, 128)]  # GQA ratios 1, 3 (the default model), 8
@@ -199,6 +209,23 @@ def test_window_and_softcap_match_reference(
     for impl in (small_tiles(num_splits=3), TritonAttention()):
         b.k_cache, b.v_cache = b.k_cache.clone(), b.v_cache.clone()
         check_close(b.run(impl, window, softcap), want, dtype)
+
+
+@pytest.mark.parametrize(("device", "dtype"), CASES)
+@pytest.mark.parametrize("window", [0, 20])
+def test_sinks_match_reference(device: str, dtype: torch.dtype, window: int) -> None:
+    """Attention sinks (gpt-oss): decodes in one split and across splits (the reduce
+    adds the sink), prefill chunks fresh and after a cached prefix, with and without a
+    window."""
+    ctx = [9, 70, 1, 20, 45, 70]
+    q_lens = [1, 1, 1, 20, 12, 70]
+    b = Batch(ctx, q_lens, 9, 3, 64, 16, device, dtype, seed=6)
+    sinks = torch.linspace(-4.0, 5.0, 9)
+    want = b.oracle(window, 0.0, sinks)
+    assert (want - b.oracle(window)).abs().max() > 1e-2  # the sinks take their share
+    for impl in (small_tiles(num_splits=3), small_tiles(num_splits=1)):
+        b.k_cache, b.v_cache = b.k_cache.clone(), b.v_cache.clone()
+        check_close(b.run(impl, window, 0.0, sinks), want, dtype)
 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)

@@ -97,14 +97,16 @@ def _fingerprint(paths: list[Path], *extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str) -> Path:
+def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str, tokenizer: bool = True) -> Path:
     """``hf_dir`` (a Hugging Face directory) as a GGUF file of ``outtype`` (f32, f16,
     bf16, q8_0) written by llama.cpp's converter, with its extra ``args``; cached by
-    the directory's content and the arguments."""
+    the directory's content and the arguments. ``tokenizer=False``: a file without a
+    vocabulary (``--mmproj``'s), whose tokenizer is not seeded."""
     files = [p for p in hf_dir.iterdir() if p.is_file()]
     out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, outtype, *args)}.{outtype}.gguf"
     if out.exists():
-        seed_tokenizer(out)
+        if tokenizer:
+            seed_tokenizer(out)
         return out
     tree = source_tree()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +118,8 @@ def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str) -> Path:
     if done.returncode != 0:
         raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
     tmp.rename(out)
-    seed_tokenizer(out)
+    if tokenizer:
+        seed_tokenizer(out)
     return out
 
 
@@ -143,13 +146,15 @@ def convert_hf_split(hf_dir: Path, max_tensors: int) -> Path:
     return first
 
 
-def quantize(gguf_file: Path, qtype: str, *extra: str) -> Path:
+def quantize(gguf_file: Path, qtype: str, *extra: str, tokenizer: bool = True) -> Path:
     """``gguf_file`` requantised by ``llama-quantize`` to ``qtype`` (``Q4_K_M``,
     ``Q8_0``, ...); cached next to it. ``extra`` are llama-quantize options
-    (e.g. ``--allow-requantize``, ``--pure``)."""
+    (e.g. ``--allow-requantize``, ``--pure``); ``tokenizer=False`` for an mmproj file
+    (which llama-quantize quantizes too)."""
     out = gguf_file.with_name(f"{gguf_file.stem}.{qtype}{''.join(extra)}.gguf")
     if out.exists():
-        seed_tokenizer(out)
+        if tokenizer:
+            seed_tokenizer(out)
         return out
     tmp = out.with_suffix(".tmp")
     cmd = [str(tool("llama-quantize")), *extra, str(gguf_file), str(tmp), qtype]
@@ -157,7 +162,8 @@ def quantize(gguf_file: Path, qtype: str, *extra: str) -> Path:
     if done.returncode != 0:
         raise ToolMissing(f"llama-quantize {qtype} failed: {done.stderr.strip()[-600:]}")
     tmp.rename(out)
-    seed_tokenizer(out)
+    if tokenizer:
+        seed_tokenizer(out)
     return out
 
 

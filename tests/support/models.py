@@ -23,7 +23,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.model.files import ModelFiles
-from structllm.protocol import SamplingParams
+from structllm.protocol import ImageInput, SamplingParams
 
 # The exact float32 path (today's, token for token equal to transformers); the default
 # formats (--dtype/--quantization auto) run GGUF blocks or float16 weights on CPU.
@@ -97,6 +97,26 @@ def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
         engine.kv.free_blocks(req)
         if engine.states is not None:
             engine.states.free_slot(req)
+
+
+def image_prompt_logits(
+    engine: EngineCore, ids: list[int], images: list[ImageInput]
+) -> torch.Tensor:
+    """Logits ``[len(ids), V]`` of every prompt position of a prompt with images, through
+    the engine's batch building (3-D positions, encoder rows) and model."""
+    req = Request("logits-probe", ids, SamplingParams(max_tokens=1), 1, images)
+    req.mrope = engine._mrope(images)
+    assert engine.kv.allocate(req, len(ids))
+    try:
+        assert isinstance(engine.runner, ModelRunner)
+        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
+        batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
+        batch.sample_reqs, batch.sample_counts = [], []
+        logits = engine.runner.run(batch)
+        assert logits is not None
+        return logits
+    finally:
+        engine.kv.free_blocks(req)
 
 
 def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
@@ -349,6 +369,20 @@ _QWEN3_5_EXPERTS: dict[str, object] = dict(
     moe_intermediate_size=48,
     shared_expert_intermediate_size=64,
 )
+GEMMA4_LAYERS = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+# Gemma 4 26B-A4B's layers in small: experts beside the MLP, global layers whose values
+# are their keys (one KV head), no KV sharing and no per-layer inputs
+GEMMA4_MOE: dict[str, object] = dict(
+    num_kv_shared_layers=0,
+    use_double_wide_mlp=False,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+)
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -450,6 +484,28 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "gpt_oss": (  # sinks, windows on every other layer, YaRN scaled down, a SwiGLU limit
+        # low enough that the random biases cross it
+        "GptOssConfig",
+        dict(
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,
+            swiglu_limit=1.0,
+            max_position_embeddings=512,  # the original 32 positions times 16
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 16.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "glm4": (  # its default partial rotary (0.5), q/k/v biases, a dense lm_head
         "Glm4Config",
         dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -530,6 +586,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             attention_multiplier=0.1,
             logits_scaling=4.0,
             tie_word_embeddings=True,
+        ),
+    ),
+    "gemma4": (  # the E2B/E4B's layers in small: four local layers to one global of
+        # twice the head size (its proportional rope), the last three layers reading the
+        # K/V of earlier ones (with doubled MLPs), per-layer inputs
+        "Gemma4TextConfig",
+        dict(
+            num_hidden_layers=8,
+            layer_types=GEMMA4_LAYERS,
+            head_dim=32,
+            global_head_dim=64,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=3,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=49152,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
         ),
     ),
     "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
@@ -669,6 +743,11 @@ def glm_tokenizer_json(files: ModelFiles) -> Path:
     return out
 
 
+# how a family's checkpoint is built, where it changed since its cached copies (Gemma 4's
+# router weights; GPT-2's, BigCode's and Falcon's ln_* weights randomised)
+_REVISION = {"gemma4": 4, "gpt2": 3, "gpt_bigcode": 3, "falcon": 3}
+
+
 def tiny_family_dir(
     family: str, files: ModelFiles, extra_files: dict[str, Path] | None = None, **overrides: object
 ) -> Path:
@@ -686,7 +765,10 @@ def tiny_family_dir(
     kw = {**_SMALL, **extra, **overrides}
     extra_files = extra_files or {}
     key = hashlib.sha256(
-        json.dumps([family, cls_name, kw, transformers.__version__, 3], sort_keys=True).encode()
+        json.dumps(
+            [family, cls_name, kw, transformers.__version__, _REVISION.get(family, 2)],
+            sort_keys=True,
+        ).encode()
         + files.tokenizer_json.read_bytes()
         + (files.tokenizer_meta.chat_template or "").encode()
         + b"".join(n.encode() + p.read_bytes() for n, p in sorted(extra_files.items()))
@@ -701,6 +783,13 @@ def tiny_family_dir(
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name or ".ln_" in name:  # (GPT-2's ln_1)
                 p.normal_(0, 0.5) if name.endswith("bias") else p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # (gpt-oss's) a share of each softmax
+                p.normal_(0, 1.0)
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
+            elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
+                p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -748,6 +837,22 @@ GEMMA3_MULTIMODAL_TEXT: dict[str, object] = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# Gemma 4 E2B's (KV-shared layers, per-layer inputs, global layers of another shape)
+GEMMA4_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="gemma4_text",
+    num_hidden_layers=8,
+    layer_types=GEMMA4_LAYERS,
+    head_dim=32,
+    global_head_dim=64,
+    sliding_window=WINDOW,
+    num_kv_shared_layers=3,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 # Mistral Small 3.1's (Mistral3ForConditionalGeneration)
 MISTRAL3_MULTIMODAL_TEXT: dict[str, object] = dict(
     _MULTIMODAL_SIZES,
@@ -774,6 +879,12 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         GEMMA3_MULTIMODAL_TEXT,
         dict(model_type="siglip_vision_model", image_size=28, patch_size=14),
         dict(mm_tokens_per_image=4, boi_token_index=49149, eoi_token_index=49150),
+    ),
+    "Gemma4ForConditionalGeneration": (
+        "gemma4",
+        GEMMA4_MULTIMODAL_TEXT,
+        dict(model_type="gemma4_vision", num_key_value_heads=2, head_dim=16, patch_size=14),
+        dict(image_token_id=49151),
     ),
     "Mistral3ForConditionalGeneration": (
         "mistral3",
@@ -899,6 +1010,8 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "starcoder2": dict(sliding_window=None),
     # the converter regroups Falcon's q/k/v weights only (no biases, as published)
     "falcon": dict(bias=False),
+    # llama.cpp hard-codes gpt-oss's SwiGLU limit (7)
+    "gpt_oss": dict(swiglu_limit=7.0),
 }
 
 
@@ -1016,3 +1129,47 @@ def with_generation_config(src: Path, dest: Path, settings: dict[str, object]) -
             (dest / f.name).symlink_to(f)
     (dest / "generation_config.json").write_text(json.dumps(settings))
     return dest
+
+
+def tiny_gpt_oss_mxfp4_dirs(files: ModelFiles) -> tuple[Path, Path]:
+    """The tiny gpt-oss checkpoint with MXFP4 experts as gpt-oss is published
+    (``mlp.experts.{gate_up,down}_proj_{blocks,scales}``, ``quantization_config``
+    mxfp4): random codes under exponents of 2^-10 to 2^-6; and its float twin, whose
+    experts are those values as transformers dequantises them
+    (``convert_moe_packed_tensors``). Built once, cached beside the float checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = tiny_family_dir("gpt_oss", files)
+    out, twin = src.with_name(src.name + "-mxfp4"), src.with_name(src.name + "-mxfp4-twin")
+    if (out / "complete").exists() and (twin / "complete").exists():
+        return out, twin
+    rng = torch.Generator().manual_seed(1)
+    quantized: dict[str, torch.Tensor] = {}
+    floats: dict[str, torch.Tensor] = {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                quantized[name] = floats[name] = t
+                continue
+            e, k, n = t.shape  # [E, in, out]
+            blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=rng, dtype=torch.uint8)
+            scales = torch.randint(117, 122, (e, n, k // 32), generator=rng, dtype=torch.uint8)
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            floats[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    for path, tensors, quant in ((out, quantized, True), (twin, floats, False)):
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        (tmp / "complete").unlink()
+        for f in tmp.glob("*.safetensors"):
+            f.unlink()
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = json.loads((tmp / "config.json").read_text())
+        if quant:
+            config["quantization_config"] = {"quant_method": "mxfp4"}
+        (tmp / "config.json").write_text(json.dumps(config))
+        (tmp / "complete").write_text("")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return out, twin

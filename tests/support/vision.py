@@ -53,27 +53,31 @@ GEMMA3_VISION: dict[str, Any] = dict(
 )
 
 
-def gemma3_vision_dir(files: ModelFiles) -> Path:
-    """The tiny Gemma 3 vision-language checkpoint (``GEMMA3_VISION``), with the default
-    model's tokenizer plus ``<start_of_image>``, ``<image_soft_token>``,
-    ``<end_of_image>`` (ids 49152-49154) and a preprocessor config; built once, cached."""
+def gemma3_vision_dir(
+    files: ModelFiles, config: dict[str, Any] = GEMMA3_VISION, name: str = "tiny-gemma3-vision"
+) -> Path:
+    """The tiny Gemma 3 vision-language checkpoint (``GEMMA3_VISION``, or ``config``: the
+    benchmarks' larger one), with the default model's tokenizer plus
+    ``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>`` (ids 49152-49154)
+    and a preprocessor config; built once, cached."""
     import transformers
     from tokenizers import AddedToken, Tokenizer
 
     from structllm.paths import cache_root
 
     key = hashlib.sha256(
-        json.dumps([GEMMA3_VISION, transformers.__version__, 1], sort_keys=True).encode()
+        json.dumps([config, transformers.__version__, 1], sort_keys=True).encode()
         + files.tokenizer_json.read_bytes()
     ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"tiny-gemma3-vision-{key}"
+    out = cache_root() / "test-models" / f"{name}-{key}"
     if (out / "complete").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.manual_seed(0)
-    cfg = transformers.Gemma3Config(**json.loads(json.dumps(GEMMA3_VISION)))
+    cfg = transformers.Gemma3Config(**json.loads(json.dumps(config)))
+    side, mm = int(config["vision_config"]["image_size"]), int(config["mm_tokens_per_image"])
     model = transformers.Gemma3ForConditionalGeneration(cfg)
     with torch.no_grad():  # random norms, biases and projection, so a misplaced one shows
         for name, p in model.named_parameters():
@@ -101,7 +105,7 @@ def gemma3_vision_dir(files: ModelFiles) -> Path:
         json.dumps(
             {
                 "image_processor_type": "Gemma3ImageProcessor",
-                "size": {"height": 64, "width": 64},
+                "size": {"height": side, "width": side},
                 "resample": 2,
                 "do_pan_and_scan": False,
                 "image_mean": [0.5, 0.5, 0.5],
@@ -110,7 +114,7 @@ def gemma3_vision_dir(files: ModelFiles) -> Path:
             }
         )
     )
-    (tmp / "processor_config.json").write_text(json.dumps({"image_seq_length": 16}))
+    (tmp / "processor_config.json").write_text(json.dumps({"image_seq_length": mm}))
     (tmp / "complete").write_text("")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

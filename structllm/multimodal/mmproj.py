@@ -1,0 +1,193 @@
+"""An mmproj GGUF file (llama.cpp's vision tower + projector, written by
+``convert_hf_to_gguf.py --mmproj``): its metadata, whether it fits the model GGUF it is
+given with, and the front end's image processor from it (there is no checkpoint
+directory). Torch-free: the front end reads it (the engine's ``model/mmproj.py`` loads
+the tensors).
+
+The metadata the converter writes (``general.architecture = clip``, ``general.type =
+mmproj``): ``clip.projector_type`` (``gemma3``, ``idefics3``), ``clip.vision.*``: the
+tower's ``image_size``, ``patch_size``, ``embedding_length``, ``feed_forward_length``,
+``block_count``, ``attention.head_count``, ``attention.layer_norm_epsilon``,
+``image_mean``/``image_std``, ``projection_dim`` (the text model's hidden size),
+``projector.scale_factor`` (Gemma 3: the pooling kernel, written only when not 4;
+Idefics3: the pixel shuffle's factor) and Idefics3's ``preproc_image_size`` (the
+processor's ``size.longest_edge``).
+
+The processors are transformers' (``multimodal/gemma3.py``, ``multimodal/idefics3.py``)
+with the settings the file gives and transformers' defaults for the rest (Gemma 3:
+bilinear resize to ``image_size``, no pan-and-scan; Idefics3: LANCZOS, splitting on,
+tiles of ``image_size``). llama.cpp's own preprocessing differs in places (its own
+resize code rather than Pillow's; see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from structllm.multimodal.processor import ImageProcessor
+
+# projector type -> the text families (``ModelConfig.architecture``) it feeds
+PROJECTORS = {"gemma3": ("gemma3",), "idefics3": ("llama",)}
+GEMMA3_POOL = 4  # llama.cpp's default pooling kernel (every released Gemma 3)
+
+
+@dataclass(frozen=True)
+class MmprojInfo:
+    path: Path
+    projector: str
+    image_size: int
+    patch_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    layer_norm_eps: float
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    projection_dim: int  # the text model's hidden size
+    scale_factor: int
+    longest_edge: int | None  # Idefics3's first resize (preproc_image_size)
+
+    @property
+    def mm_tokens(self) -> int:
+        """Rows one tile encodes into: the patch grid pooled (Gemma 3) or shuffled
+        (Idefics3) by ``scale_factor`` on each side."""
+        return (self.image_size // self.patch_size // self.scale_factor) ** 2
+
+
+def read_mmproj(path: Path) -> MmprojInfo:
+    """``path``'s metadata; ``ValueError`` naming the file when it is not an mmproj GGUF
+    or lacks a key the tower needs."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/struct.error on junk
+        raise ValueError(f"--mmproj {path} is not a readable GGUF file: {e}") from e
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            continue
+    if meta.get("general.architecture") != "clip":
+        raise ValueError(
+            f"--mmproj {path} is not an mmproj file (general.architecture is "
+            f"{meta.get('general.architecture')!r}, not 'clip'); write one with llama.cpp's "
+            "convert_hf_to_gguf.py --mmproj"
+        )
+    return _info(path, meta)
+
+
+def _info(path: Path, meta: dict[str, Any]) -> MmprojInfo:
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"clip.{key}", default)
+        if value is None:
+            raise ValueError(f"--mmproj {path} has no clip.{key}")
+        return value
+
+    projector = str(get("projector_type"))
+    if projector not in PROJECTORS:
+        raise ValueError(
+            f"--mmproj {path}: projector type {projector!r} is not supported "
+            f"(supported: {', '.join(PROJECTORS)})"
+        )
+    default_scale = GEMMA3_POOL if projector == "gemma3" else 2
+    longest = meta.get("clip.vision.preproc_image_size")
+    mean, std = get("vision.image_mean"), get("vision.image_std")
+    return MmprojInfo(
+        path=path,
+        projector=projector,
+        image_size=int(get("vision.image_size")),
+        patch_size=int(get("vision.patch_size")),
+        hidden_size=int(get("vision.embedding_length")),
+        intermediate_size=int(get("vision.feed_forward_length")),
+        num_layers=int(get("vision.block_count")),
+        num_heads=int(get("vision.attention.head_count")),
+        layer_norm_eps=float(get("vision.attention.layer_norm_epsilon", 1e-6)),
+        image_mean=(float(mean[0]), float(mean[1]), float(mean[2])),
+        image_std=(float(std[0]), float(std[1]), float(std[2])),
+        projection_dim=int(get("vision.projection_dim")),
+        scale_factor=int(get("vision.projector.scale_factor", default_scale)),
+        longest_edge=int(longest) if longest is not None else None,
+    )
+
+
+def check_pair(info: MmprojInfo, model: Path, family: str, text_hidden: int) -> None:
+    """``ValueError`` naming the mismatch when ``info``'s tower cannot feed the model
+    GGUF ``model`` (text family ``family``, hidden size ``text_hidden``)."""
+    if family not in PROJECTORS[info.projector]:
+        raise ValueError(
+            f"--mmproj {info.path.name} is a {info.projector} projector, which does not fit "
+            f"{model.name} (a {family} model; it fits {', '.join(PROJECTORS[info.projector])})"
+        )
+    if info.projection_dim != text_hidden:
+        raise ValueError(
+            f"--mmproj {info.path.name} projects to hidden size {info.projection_dim}, but "
+            f"{model.name} has hidden size {text_hidden}: not this model's projector"
+        )
+    grid = info.image_size // info.patch_size
+    if info.image_size % info.patch_size or grid % info.scale_factor:
+        raise ValueError(
+            f"--mmproj {info.path.name}: a {grid}x{grid} patch grid does not divide by its "
+            f"scale factor {info.scale_factor}"
+        )
+
+
+def check_model(model: Path, family: str) -> None:
+    """``ValueError`` unless ``model`` is a GGUF file of a family with images (what
+    ``--mmproj`` needs)."""
+    if model.is_dir():
+        raise ValueError(
+            f"--mmproj is for a GGUF model file; {model} is a Hugging Face directory, whose "
+            "vision tower is read from the directory itself (drop --mmproj)"
+        )
+    families = sorted({f for fs in PROJECTORS.values() for f in fs})
+    if family not in families:
+        raise ValueError(
+            f"--mmproj: {model.name} is a {family} model, which takes no images here "
+            f"(images with GGUF files: {', '.join(families)})"
+        )
+
+
+def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
+    """The front end's processor for ``info``'s family, its settings from the file;
+    ``token_id`` is the model GGUF's vocabulary lookup (the image tokens)."""
+    if info.projector == "gemma3":
+        from structllm.multimodal.gemma3 import IMAGE, Gemma3Processor
+
+        image_id = token_id(IMAGE)
+        if image_id is None:
+            raise ValueError(f"the model's vocabulary has no image token {IMAGE!r}")
+        side = info.image_size
+        return Gemma3Processor((side, side), info.mm_tokens, image_id)
+    from structllm.multimodal.idefics3 import IMAGE_TOKEN, LANCZOS, Idefics3Processor
+
+    image_id = token_id(IMAGE_TOKEN)
+    if image_id is None:
+        raise ValueError(f"the model's vocabulary has no image token {IMAGE_TOKEN!r}")
+    return Idefics3Processor(
+        image_token_id=image_id,
+        image_seq_len=info.mm_tokens,
+        tile=info.image_size,
+        longest_edge=info.longest_edge if info.longest_edge is not None else 4 * info.image_size,
+        resize_to=None,
+        splitting=True,
+        resample=LANCZOS,
+    )
+
+
+def pair_processor(
+    mmproj: Path, model: Path, family: str, text_hidden: int, token_id: Callable[[str], int | None]
+) -> ImageProcessor:
+    """The image processor of model GGUF ``model`` with ``--mmproj`` file ``mmproj``,
+    after the checks (``check_model``, ``read_mmproj``, ``check_pair``)."""
+    check_model(model, family)
+    if not mmproj.is_file():
+        raise ValueError(f"--mmproj {mmproj}: no such file")
+    info = read_mmproj(mmproj)
+    check_pair(info, model, family, text_hidden)
+    return mmproj_processor(info, token_id)

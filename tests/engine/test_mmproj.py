@@ -1,0 +1,246 @@
+"""GGUF model + mmproj pairs (``--mmproj``, ``model/mmproj.py``, ``multimodal/mmproj.py``)
+written by llama.cpp's converter from the tiny Gemma 3 and SmolVLM checkpoints of the
+vision tests (``tests.support.mmproj``: laid out as the released checkpoints are): the
+F32 pair answers as the directory (processor, image features, every prompt position's
+logits within 1e-4, greedy tokens); a Q8_0 model with an F16 or Q8_0 mmproj runs its
+tower's matrices as stored (fbgemm float16, GGUF blocks) and agrees with its own
+dequantisation; pairs that do not fit are refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.engine.request import Request
+from structllm.engine.runner import ModelRunner
+from structllm.engine.scheduler import SchedulerOutput
+from structllm.kernels.packed import BlockWeight, HalfWeight
+from structllm.multimodal.mmproj import pair_processor
+from structllm.multimodal.processor import ImageProcessor, image_hash, image_inputs
+from structllm.multimodal.registry import processor_for
+from structllm.protocol import AddRequest, ImageInput, SamplingParams
+from tests.support.idefics3 import tiny_idefics3_dir
+from tests.support.mmproj import gemma3_published, gguf_pair, published_dir
+from tests.support.models import EXACT
+from tests.support.vision import random_image
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# (text with one placeholder per image, image sizes): one image, and two of which the
+# SmolVLM one splits into a 2x1 grid of tiles plus the global image
+PROMPTS = [
+    ("Look at this picture taken on a sunny day: {} What is in it?", [(80, 50)]),
+    ("First {} then {} which differs, and how?", [(40, 64), (64, 30)]),
+]
+
+
+@dataclass(frozen=True)
+class Pair:
+    family: str
+    directory: Path
+    model: Path  # F32 model GGUF
+    mmproj: Path  # F32 mmproj GGUF
+
+
+@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+def pair(request: Any, default_files: Any) -> Pair:
+    if request.param == "gemma3":
+        directory = gemma3_published(default_files)
+    else:
+        directory = published_dir(tiny_idefics3_dir(default_files))
+    model, mmproj = gguf_pair(directory)
+    return Pair(request.param, directory, model, mmproj)
+
+
+def engine_for(model: Path, mmproj: Path | None = None, **kw: Any) -> EngineCore:
+    config: dict[str, Any] = {"kv_cache_memory": 16 << 20, **kw}
+    return EngineCore(
+        EngineConfig(model=str(model), mmproj=str(mmproj) if mmproj else None, **config)
+    )
+
+
+def tokenizer_of(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def dir_processor(pair: Pair) -> ImageProcessor:
+    found = processor_for(pair.directory, tokenizer_of(pair.directory).token_to_id)
+    assert found is not None
+    return found
+
+
+def gguf_processor(pair: Pair) -> ImageProcessor:
+    from structllm.model.loader import prepare_model
+    from structllm.tokenizer import Tokenizer
+
+    files = prepare_model(str(pair.model))
+    cfg = files.config
+    token_id = Tokenizer.from_files(files).token_id
+    return pair_processor(pair.mmproj, pair.model, cfg.architecture, cfg.hidden_size, token_id)
+
+
+def prompt(
+    pair: Pair, text: str, sizes: list[tuple[int, int]], seed: int
+) -> tuple[list[int], list[ImageInput]]:
+    """``text`` with each ``{}`` an image of the next size (seeded), expanded by the
+    directory's processor and tokenized with BOS; the images as the engine takes them."""
+    proc = dir_processor(pair)
+    images = [random_image(seed + k, size) for k, size in enumerate(sizes)]
+    parts = text.split("{}")
+    expanded = parts[0] + "".join(
+        proc.expand(*im.size) + rest for im, rest in zip(images, parts[1:], strict=True)
+    )
+    ids = [1, *tokenizer_of(pair.directory).encode(expanded, add_special_tokens=False).ids]
+    entries = []
+    for im in images:
+        raw, shape = proc.pixels(im)
+        digest = image_hash(im.tobytes(), *im.size, proc.settings)
+        entries.append((digest, proc.num_tokens(*im.size), raw, shape))
+    return ids, image_inputs(ids, proc.image_token_id, entries)
+
+
+def image_prefill_logits(engine: EngineCore, ids: list[int], ims: list[ImageInput]) -> torch.Tensor:
+    """Logits ``[len(ids), V]`` of every prompt position through the engine's runner."""
+    req = Request("probe", ids, SamplingParams(max_tokens=1), 1, ims)
+    assert engine.kv.allocate(req, len(ids)) and isinstance(engine.runner, ModelRunner)
+    try:
+        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
+        batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
+        logits = engine.runner.run(batch)
+        assert logits is not None
+        return logits
+    finally:
+        engine.kv.free_blocks(req)
+        engine.kv.reset_prefix_cache()
+
+
+def generate(engine: EngineCore, ids: list[int], ims: list[ImageInput]) -> list[int]:
+    engine.add_request(AddRequest("g", ids, GREEDY, ims))
+    out: list[int] = []
+    while engine.has_work:
+        for d in engine.step().outputs:
+            assert d.error is None, d.error
+            out += d.new_token_ids
+    return out
+
+
+def test_processor_from_the_mmproj_is_the_directorys(pair: Pair) -> None:
+    """Settings, text and pixels from the mmproj's metadata and the model GGUF's
+    vocabulary equal those of the directory's processor files."""
+    ours, want = gguf_processor(pair), dir_processor(pair)
+    assert (ours.name, ours.settings, ours.image_token_id) == (
+        want.name,
+        want.settings,
+        want.image_token_id,
+    )
+    for size in [(80, 50), (64, 64), (20, 90), (1, 1)]:
+        image = random_image(7, size)
+        assert ours.expand(*size) == want.expand(*size)
+        assert ours.pixels(image) == want.pixels(image)
+
+
+def test_f32_pair_equals_the_directory(pair: Pair) -> None:
+    """The exact path: image features, every prompt position's logits within 1e-4 and
+    greedy tokens as the directory's."""
+    directory = engine_for(pair.directory, **EXACT)
+    gguf = engine_for(pair.model, pair.mmproj, **EXACT)
+    assert gguf.vision is not None and directory.vision is not None
+    assert gguf.vision.bidirectional == directory.vision.bidirectional
+    assert gguf.vision.image_token_id == directory.vision.image_token_id
+    for k, (text, sizes) in enumerate(PROMPTS):
+        ids, ims = prompt(pair, text, sizes, seed=10 * k)
+        for im in ims:
+            torch.testing.assert_close(
+                gguf.vision.encode(im), directory.vision.encode(im), atol=1e-5, rtol=1e-5
+            )
+        torch.testing.assert_close(
+            image_prefill_logits(gguf, ids, ims),
+            image_prefill_logits(directory, ids, ims),
+            atol=1e-4,
+            rtol=1e-4,
+        )
+        assert generate(gguf, ids, ims) == generate(directory, ids, ims)
+
+
+@pytest.mark.parametrize("mmproj_type", ["f16", "Q8_0"])
+def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
+    pair: Pair, mmproj_type: str
+) -> None:
+    """A Q8_0 model (llama-quantize) with an F16 mmproj (the published form) or a Q8_0
+    one (llama-quantize quantizes mmproj files too): the default format keeps the
+    tower's matrices as stored (fbgemm float16 / GGUF blocks, no float32 copy) and
+    agrees with the same files dequantised on the exact path as the families' tests
+    bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions)."""
+    model, mmproj = gguf_pair(pair.directory, "Q8_0", mmproj_type)
+    fast, exact = engine_for(model, mmproj), engine_for(model, mmproj, **EXACT)
+    vision: Any = fast.vision
+    kind = HalfWeight if mmproj_type == "f16" else BlockWeight
+    layer = vision.tower.layers[0]
+    assert all(isinstance(getattr(layer, w), kind) for w in ("qkv_w", "out_w", "fc1_w", "fc2_w"))
+    assert isinstance(exact.vision.tower.layers[0].qkv_w, torch.Tensor)  # type: ignore[union-attr]
+    agree = total = 0
+    for k, (text, sizes) in enumerate(PROMPTS):
+        ids, ims = prompt(pair, text, sizes, seed=10 * k)
+        got, want = image_prefill_logits(fast, ids, ims), image_prefill_logits(exact, ids, ims)
+        assert (got - want).abs().max() <= 0.05 * want.std()
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.98, (agree, total)
+
+
+def test_a_mismatched_mmproj_is_refused(pair: Pair, default_files: Any) -> None:
+    """Another family's projector, and a projector for another hidden size (the default
+    model is a Llama, as SmolVLM's text model, with hidden size 576)."""
+    other = "idefics3" if pair.family == "gemma3" else "gemma3"
+    with pytest.raises(ValueError, match=f"is a {other} projector, which does not fit"):
+        engine_for(pair.model, _mmproj_of(other, default_files))
+    if pair.family == "idefics3":
+        default = default_files.source
+        with pytest.raises(
+            ValueError, match="projects to hidden size 64, but .* has hidden size 576"
+        ):
+            engine_for(default, pair.mmproj)
+
+
+def _mmproj_of(family: str, files: Any) -> Path:
+    if family == "gemma3":
+        return gguf_pair(gemma3_published(files))[1]
+    return gguf_pair(published_dir(tiny_idefics3_dir(files)))[1]
+
+
+def test_mmproj_needs_a_gguf_model_of_a_family_with_images(pair: Pair, default_files: Any) -> None:
+    """Refused before anything loads: a directory (its tower is its own), a family
+    without images, a file that is not an mmproj."""
+    from structllm import LLM
+
+    with pytest.raises(ValueError, match="is for a GGUF model file"):
+        LLM(str(pair.directory), mmproj=str(pair.mmproj))
+    from structllm.multimodal.mmproj import check_model
+
+    with pytest.raises(ValueError, match="a qwen3 model, which takes no images"):
+        check_model(Path("tiny-qwen3.gguf"), "qwen3")
+    with pytest.raises(ValueError, match="is not an mmproj file"):
+        LLM(str(pair.model), mmproj=str(pair.model))
+
+
+def test_llm_chat_with_an_mmproj_answers_as_the_directory(pair: Pair) -> None:
+    """The offline API: ``LLM(model.gguf, mmproj=...)``'s ``chat`` with an image part
+    (the processor from the mmproj, the GGUF's chat template and vocabulary)."""
+    from structllm import LLM
+
+    image = random_image(5, (70, 40))
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_pil", "image_pil": image}]
+    messages = [{"role": "user", "content": content}]
+    exact: dict[str, Any] = {"kv_cache_memory": 16 << 20, **EXACT}
+    got = LLM(str(pair.model), mmproj=str(pair.mmproj), **exact).chat(messages, GREEDY)
+    want = LLM(str(pair.directory), **exact).chat(messages, GREEDY)
+    assert got[0].prompt_token_ids == want[0].prompt_token_ids
+    assert got[0].token_ids == want[0].token_ids

@@ -1,0 +1,99 @@
+"""GGUF model + mmproj pairs for the tests, written by llama.cpp's converter from the
+tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idefics3``).
+
+The converter reads a checkpoint as the released ones are laid out, which is not always
+what transformers 5.25 saves: Gemma 3's tower must be ``vision_tower.vision_model.*``
+without the SigLIP head (``vision_use_head: false``), and its image count per image
+(``image_seq_length``) and normalisation in ``preprocessor_config.json``; SmolVLM's
+tower must say its LayerNorm epsilon (the converter's default, 1e-5, is not
+transformers' 1e-6) and its ``text_config`` its class (``VLlama3ForCausalLM``, the
+converter's text model for SmolVLM); both tokenizers are read as the default model's
+class. ``published_dir`` rewrites a tiny checkpoint that way, a directory the
+directory path loads as well, which the tests compare the pair with; Gemma 3's
+projection there holds float16 values (the converter writes it as F16 even in an F32
+file, so the F32 pair is then that directory exactly). ``gguf_pair`` converts it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from structllm.model.files import ModelFiles
+from tests.support.llamacpp import convert_hf, quantize
+from tests.support.vision import gemma3_vision_dir
+
+# the released Gemma 3 checkpoints' names (google/gemma-3-4b-it): what transformers 5.25
+# writes as ``vision_tower.`` is ``vision_tower.vision_model.`` there
+_GEMMA3_RENAMES = (("vision_tower.", "vision_tower.vision_model."),)
+
+
+def published_dir(source: Path) -> Path:
+    """``source`` (a tiny Gemma 3 or Idefics3 checkpoint) as the released checkpoints lay
+    it out, beside it (``<source>-published``); built once."""
+    out = source.with_name(source.name + "-published")
+    if (out / "complete").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    config = json.loads((source / "config.json").read_text())
+    if "Gemma3ForConditionalGeneration" in config["architectures"]:
+        _gemma3_layout(tmp, config)
+    else:  # SmolVLM's text_config names its text model's class (the converter's key)
+        config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
+        config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
+    (tmp / "config.json").write_text(json.dumps(config))
+    # the converter reads the vocabulary through transformers' tokenizer class, which
+    # for these model types would want a SentencePiece <unk>: the default model's class
+    tok = json.loads((tmp / "tokenizer_config.json").read_text())
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps({**tok, "tokenizer_class": "GPT2Tokenizer"})
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _gemma3_layout(tmp: Path, config: dict[str, object]) -> None:
+    """Gemma 3's tensors renamed, the unused SigLIP head dropped, the image settings
+    where the converter reads them."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp / "model.safetensors"))
+    renamed = {}
+    for name, t in state.items():
+        if name.startswith("vision_tower.head."):
+            continue
+        for old, new in _GEMMA3_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        if name.endswith("mm_input_projection_weight"):  # float16 values: see below
+            t = t.half().float()
+        renamed[name] = t
+    save_file(renamed, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    vision = dict(config["vision_config"])  # type: ignore[call-overload]
+    vision["vision_use_head"] = False
+    config["vision_config"] = vision
+    pre = json.loads((tmp / "preprocessor_config.json").read_text())
+    pre["image_seq_length"] = int(config["mm_tokens_per_image"])  # type: ignore[call-overload]
+    (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
+
+
+def gemma3_published(files: ModelFiles) -> Path:
+    return published_dir(gemma3_vision_dir(files))
+
+
+def gguf_pair(directory: Path, outtype: str = "f32", mmproj_type: str = "f32") -> tuple[Path, Path]:
+    """``(model GGUF, mmproj GGUF)`` of ``directory`` written by llama.cpp's converter
+    (``--mmproj`` for the second); a type that is not a float one (``Q8_0``) is the F32
+    file requantised by ``llama-quantize`` (which quantizes mmproj files too)."""
+
+    def made(kind: str, *args: str, tokenizer: bool = True) -> Path:
+        if kind.lower() in ("f32", "f16", "bf16"):
+            return convert_hf(directory, kind.lower(), *args, tokenizer=tokenizer)
+        f32 = convert_hf(directory, "f32", *args, tokenizer=tokenizer)
+        return quantize(f32, kind, tokenizer=tokenizer)
+
+    return made(outtype), made(mmproj_type, "--mmproj", tokenizer=False)
