@@ -12,15 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
-from structllm.engine.request import Request
-from structllm.engine.runner import ModelRunner
-from structllm.engine.scheduler import SchedulerOutput
 from structllm.kernels.packed import BlockWeight, HalfWeight
 from structllm.multimodal.mmproj import pair_processor
 from structllm.multimodal.processor import ImageProcessor, image_hash, image_inputs
@@ -30,6 +26,7 @@ from tests.support.idefics3 import tiny_idefics3_dir
 from tests.support.mmproj import gemma3_published, gguf_pair, published_dir
 from tests.support.models import EXACT
 from tests.support.vision import random_image
+from tests.support.vision_checks import expand_images, image_prefill_logits, run_requests
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # (text with one placeholder per image, image sizes): one image, and two of which the
@@ -94,10 +91,7 @@ def prompt(
     directory's processor and tokenized with BOS; the images as the engine takes them."""
     proc = dir_processor(pair)
     images = [random_image(seed + k, size) for k, size in enumerate(sizes)]
-    parts = text.split("{}")
-    expanded = parts[0] + "".join(
-        proc.expand(*im.size) + rest for im, rest in zip(images, parts[1:], strict=True)
-    )
+    expanded = expand_images(proc, text, "{}", images)
     ids = [1, *tokenizer_of(pair.directory).encode(expanded, add_special_tokens=False).ids]
     entries = []
     for im in images:
@@ -107,29 +101,8 @@ def prompt(
     return ids, image_inputs(ids, proc.image_token_id, entries)
 
 
-def image_prefill_logits(engine: EngineCore, ids: list[int], ims: list[ImageInput]) -> torch.Tensor:
-    """Logits ``[len(ids), V]`` of every prompt position through the engine's runner."""
-    req = Request("probe", ids, SamplingParams(max_tokens=1), 1, ims)
-    assert engine.kv.allocate(req, len(ids)) and isinstance(engine.runner, ModelRunner)
-    try:
-        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
-        batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
-        logits = engine.runner.run(batch)
-        assert logits is not None
-        return logits
-    finally:
-        engine.kv.free_blocks(req)
-        engine.kv.reset_prefix_cache()
-
-
 def generate(engine: EngineCore, ids: list[int], ims: list[ImageInput]) -> list[int]:
-    engine.add_request(AddRequest("g", ids, GREEDY, ims))
-    out: list[int] = []
-    while engine.has_work:
-        for d in engine.step().outputs:
-            assert d.error is None, d.error
-            out += d.new_token_ids
-    return out
+    return run_requests(engine, [AddRequest("g", ids, GREEDY, ims)])["g"]
 
 
 def test_processor_from_the_mmproj_is_the_directorys(pair: Pair) -> None:

@@ -18,9 +18,7 @@ import torch
 
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
-from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner
-from structllm.engine.scheduler import SchedulerOutput
 from structllm.protocol import AddRequest, ImageInput, SamplingParams
 from tests.support.models import EXACT, tiny_family_dir
 from tests.support.vision import (
@@ -29,6 +27,12 @@ from tests.support.vision import (
     processor_for,
     prompt_with_images,
     random_image,
+)
+from tests.support.vision_checks import (
+    greedy_with_logprobs,
+    hf_vision_model,
+    image_prefill_logits,
+    run_requests,
 )
 
 IMAGE_ID = 49153
@@ -48,29 +52,12 @@ def path(default_files: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def hf(path: Path) -> Any:
-    import transformers
-
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        str(path), dtype=torch.float32
-    )
-    return model.eval()
+    return hf_vision_model(path, "Gemma3ForConditionalGeneration")
 
 
 def engine_for(path: Path, **kw: Any) -> EngineCore:
     config: dict[str, Any] = {"kv_cache_memory": 16 << 20, **EXACT, **kw}
     return EngineCore(EngineConfig(model=str(path), **config))
-
-
-def run(engine: EngineCore, requests: list[AddRequest]) -> dict[str, list[int]]:
-    """Every request to its end; their tokens (an error delta fails the test)."""
-    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_work:
-        for d in engine.step().outputs:
-            assert d.error is None, d.error
-            out[d.request_id] += d.new_token_ids
-    return out
 
 
 def errors(engine: EngineCore, request: AddRequest) -> str:
@@ -153,7 +140,7 @@ def test_greedy_equals_transformers(engine: EngineCore, hf: Any, path: Path, bac
     for k, (text, images) in enumerate(cases):
         ids, ims = prompt_with_images(path, text, images)
         assert len(ids) > 2 * 8  # the prompt crosses the sliding window (8)
-        got = run(engine, [AddRequest(f"g{k}", ids, GREEDY, ims)])[f"g{k}"]
+        got = run_requests(engine, [AddRequest(f"g{k}", ids, GREEDY, ims)])[f"g{k}"]
         assert got == hf_generate(hf, path, text, images)
 
 
@@ -185,21 +172,6 @@ def test_prompt_logits_equal_transformers_and_need_the_rule(
     assert (both - causal).abs().max().item() > 1e-3
 
 
-def image_prefill_logits(engine: EngineCore, ids: list[int], ims: list[ImageInput]) -> torch.Tensor:
-    """Logits ``[len(ids), V]`` of every prompt position through the engine's runner."""
-    req = Request("probe", ids, SamplingParams(max_tokens=1), 1, ims)
-    assert engine.kv.allocate(req, len(ids)) and isinstance(engine.runner, ModelRunner)
-    try:
-        batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
-        batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
-        logits = engine.runner.run(batch)
-        assert logits is not None
-        return logits
-    finally:
-        engine.kv.free_blocks(req)
-        engine.kv.reset_prefix_cache()
-
-
 # -- chunking, caches, preemption ------------------------------------------------------
 
 
@@ -213,12 +185,12 @@ def test_chunked_prefill_equals_one_run(
     engine: EngineCore, path: Path, two_images: tuple[list[int], list[ImageInput]], budget: int
 ) -> None:
     ids, ims = two_images
-    want = run(engine, [AddRequest("whole", ids, GREEDY, ims)])["whole"]
+    want = run_requests(engine, [AddRequest("whole", ids, GREEDY, ims)])["whole"]
     chunked = engine_for(path, max_num_batched_tokens=budget, enable_prefix_caching=False)
     steps: list[list[tuple[int, int]]] = []
     sched = chunked.scheduler.schedule
     chunked.scheduler.schedule = lambda *a, **k: record(sched(*a, **k), steps)  # type: ignore[method-assign]
-    assert run(chunked, [AddRequest("chunked", ids, GREEDY, ims)])["chunked"] == want
+    assert run_requests(chunked, [AddRequest("chunked", ids, GREEDY, ims)])["chunked"] == want
     for chunk in [c for s in steps for c in s]:  # no chunk splits an image's span
         for im in ims:
             inside = [im.offset < p < im.offset + im.length for p in chunk]
@@ -239,10 +211,10 @@ def test_prefix_cache_keys_blocks_by_image(path: Path) -> None:
     assert ids_a == ids_b and ims_a[0].hash != ims_b[0].hash  # same tokens, other pixels
     first = ims_a[0].offset
     assert first > 16 and first + 16 > 32  # block 0 text only, blocks 1-2 over the image
-    fresh_b = run(engine_for(path), [AddRequest("b", ids_b, GREEDY, ims_b)])["b"]
+    fresh_b = run_requests(engine_for(path), [AddRequest("b", ids_b, GREEDY, ims_b)])["b"]
     hits = []
     for rid, ids, ims in [("a", ids_a, ims_a), ("b", ids_b, ims_b), ("a2", ids_a, ims_a)]:
-        out = run(engine, [AddRequest(rid, ids, GREEDY, ims)])[rid]
+        out = run_requests(engine, [AddRequest(rid, ids, GREEDY, ims)])[rid]
         hits.append(engine.scheduler.kv.num_hit_tokens)
         if rid == "b":
             assert out == fresh_b  # no KV of image a behind b's placeholders
@@ -256,9 +228,9 @@ def test_encoder_cache_hit_equals_miss(path: Path) -> None:
     assert isinstance(engine.runner, ModelRunner)
     cache = engine.runner.encoder_cache
     ids, ims = prompt_with_images(path, ONE, [random_image(1)])
-    miss = run(engine, [AddRequest("miss", ids, GREEDY, ims)])["miss"]
+    miss = run_requests(engine, [AddRequest("miss", ids, GREEDY, ims)])["miss"]
     assert (cache.num_hits, cache.num_misses, len(cache)) == (0, 1, 1)
-    hit = run(engine, [AddRequest("hit", ids, GREEDY, ims)])["hit"]
+    hit = run_requests(engine, [AddRequest("hit", ids, GREEDY, ims)])["hit"]
     assert cache.num_hits == 1 and cache.num_misses == 1 and hit == miss
 
 
@@ -268,8 +240,8 @@ def test_encoder_cache_is_bounded(path: Path) -> None:
     assert isinstance(engine.runner, ModelRunner)
     cache = engine.runner.encoder_cache
     ids, ims = prompt_with_images(path, TWO, [random_image(1), random_image(2)])
-    want = run(engine_for(path), [AddRequest("w", ids, GREEDY, ims)])["w"]
-    assert run(engine, [AddRequest("x", ids, GREEDY, ims)])["x"] == want  # both pinned
+    want = run_requests(engine_for(path), [AddRequest("w", ids, GREEDY, ims)])["w"]
+    assert run_requests(engine, [AddRequest("x", ids, GREEDY, ims)])["x"] == want  # both pinned
     assert cache.num_bytes <= one and len(cache) == 1  # the older one went after the step
 
 
@@ -279,11 +251,11 @@ def test_preemption_recomputes_exactly(path: Path) -> None:
         AddRequest(f"r{k}", ids, SamplingParams(temperature=0.0, max_tokens=24), ims)
         for k, (ids, ims) in enumerate(prompts)
     ]
-    want = run(engine_for(path), reqs)
+    want = run_requests(engine_for(path), reqs)
     # room for ~2.5 of the 4 requests' blocks: some are preempted and recomputed
     block = 2 * 6 * 2 * 16 * 16 * 4  # K and V, 6 layers, 2 KV heads of 16, 16 tokens
     tight = engine_for(path, kv_cache_memory=9 * block)
-    got = run(tight, reqs)
+    got = run_requests(tight, reqs)
     assert tight.scheduler.num_preemptions > 0
     assert got == want
     assert isinstance(tight.runner, ModelRunner)  # recomputes took the encoder's rows kept
@@ -297,16 +269,8 @@ def test_default_format_agrees(engine: EngineCore, path: Path) -> None:
     assert default.model is not None and default.model.cpu_ops is not None
     ids, ims = prompt_with_images(path, TWO, [random_image(1), random_image(2, (33, 77))])
     sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0)
-    got = []
-    for e in (engine, default):
-        e.add_request(AddRequest("d", ids, sp, ims))
-        tokens, lps = [], []
-        while e.has_work:
-            for d in e.step().outputs:
-                tokens += d.new_token_ids
-                lps += [x.logprob for x in d.logprobs or []]
-        got.append((tokens, lps))
-    (want, want_lp), (tokens, lps) = got
+    want, want_lp = greedy_with_logprobs(engine, AddRequest("d", ids, sp, ims))
+    tokens, lps = greedy_with_logprobs(default, AddRequest("d", ids, sp, ims))
     assert tokens == want
     assert max(abs(a - b) for a, b in zip(lps, want_lp, strict=True)) < 1e-3
 
@@ -327,7 +291,7 @@ def test_bad_spans_are_error_deltas(engine: EngineCore, path: Path) -> None:
     }
     for k, (what, (tokens, images)) in enumerate(bad.items()):
         assert what in errors(engine, AddRequest(f"bad{k}", tokens, GREEDY, images))
-    good = run(engine, [AddRequest("good", ids, GREEDY, [im])])["good"]
+    good = run_requests(engine, [AddRequest("good", ids, GREEDY, [im])])["good"]
     assert len(good) == 10  # the engine still serves
 
 
@@ -340,7 +304,7 @@ def test_images_on_a_text_model_are_refused(path: Path, default_files: Any) -> N
     )
     null = engine_for(path, null_model=True)  # no forward pass: it carries them
     assert "not within" in errors(null, AddRequest("n", ids[:20], GREEDY, ims))
-    assert len(run(null, [AddRequest("n", ids, GREEDY, ims)])["n"]) == 10
+    assert len(run_requests(null, [AddRequest("n", ids, GREEDY, ims)])["n"]) == 10
 
 
 @pytest.mark.parametrize(

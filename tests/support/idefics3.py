@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from structllm.model.files import ModelFiles
+from tests.support.checkpoints import built_once, cache_key, write_chat_files, write_tokenizer_with
 
 SPECIAL_TOKENS = [
     "<fake_token_around_image>",
@@ -23,13 +24,7 @@ VOCAB_SIZE = 49152 + len(SPECIAL_TOKENS)  # the default model's 49152, then thes
 def write_tokenizer(files: ModelFiles, out_dir: Path) -> Path:
     """``out_dir/tokenizer.json``: the default model's with ``SPECIAL_TOKENS`` added
     (ids 49152 on, in that order), as SmolVLM's tokenizer has them."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(files.tokenizer_json))
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    return out_dir / "tokenizer.json"
+    return write_tokenizer_with(files, out_dir, SPECIAL_TOKENS)
 
 
 def hf_processor(tokenizer_json: Path, image_seq_len: int, **image_kwargs: Any) -> Any:
@@ -83,9 +78,7 @@ def tiny_idefics3_dir(files: ModelFiles, **top: object) -> Path:
     with SmolVLM's vocabulary (``write_tokenizer``) and transformers' processor files
     (``PROCESSOR_SETTINGS``); its config.json as sparse as SmolVLM's. Built once and
     cached under the structllm cache, keyed by its config and transformers' version."""
-    import hashlib
     import json
-    import shutil
 
     import torch
     import transformers
@@ -101,37 +94,27 @@ def tiny_idefics3_dir(files: ModelFiles, **top: object) -> Path:
         "scale_factor": 2,
         **top,
     }
-    key = hashlib.sha256(
-        json.dumps([config, PROCESSOR_SETTINGS, transformers.__version__], sort_keys=True).encode()
-        + files.tokenizer_json.read_bytes()
-    ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"tiny-idefics3-{key}"
-    if (out / "complete").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(
-        transformers.AutoConfig.from_pretrained(str(tmp))
-    )
-    with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "config.json").write_text(json.dumps(config))  # as sparse as a real one
-    write_tokenizer(files, tmp)
-    hf_processor(tmp / "tokenizer.json", IMAGE_SEQ_LEN, **PROCESSOR_SETTINGS).save_pretrained(tmp)
-    meta = files.tokenizer_meta
-    (tmp / "chat_template.json").write_text(json.dumps({"chat_template": meta.chat_template}))
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token})
-    )
-    (tmp / "complete").write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    key = cache_key(files, config, PROCESSOR_SETTINGS, transformers.__version__)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        model = transformers.Idefics3ForConditionalGeneration(
+            transformers.AutoConfig.from_pretrained(str(tmp))
+        )
+        with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+                elif "norm" in name:
+                    p.uniform_(0.5, 1.5)
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "config.json").write_text(json.dumps(config))  # as sparse as a real one
+        write_tokenizer(files, tmp)
+        hf_processor(tmp / "tokenizer.json", IMAGE_SEQ_LEN, **PROCESSOR_SETTINGS).save_pretrained(
+            tmp
+        )
+        write_chat_files(files, tmp)
+
+    return built_once(cache_root() / "test-models" / f"tiny-idefics3-{key}", build)

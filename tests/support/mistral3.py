@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from structllm.model.files import ModelFiles
+from tests.support.checkpoints import built_once, cache_key, write_chat_files, write_tokenizer_with
 
 SPECIAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 VOCAB_SIZE = 49152 + len(SPECIAL_TOKENS)
@@ -18,13 +19,7 @@ PATCH, MERGE = 4, 2
 
 def write_tokenizer(files: ModelFiles, out_dir: Path) -> Path:
     """``out_dir/tokenizer.json``: the default model's with ``SPECIAL_TOKENS`` added."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(files.tokenizer_json))
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    return out_dir / "tokenizer.json"
+    return write_tokenizer_with(files, out_dir, SPECIAL_TOKENS)
 
 
 def hf_processor(longest_edge: int = 48, **image_kwargs: Any) -> Any:
@@ -88,9 +83,7 @@ def tiny_mistral3_dir(files: ModelFiles, legacy: bool = False) -> Path:
     transformers 5's ``model.vision_tower.``, ``model.multi_modal_projector.``,
     ``model.language_model.``), with Pixtral's tokens and processor files. Built once
     and cached under the structllm cache."""
-    import hashlib
     import json
-    import shutil
 
     import torch
     import transformers
@@ -109,60 +102,48 @@ def tiny_mistral3_dir(files: ModelFiles, legacy: bool = False) -> Path:
         "multimodal_projector_bias": False,
         "tie_word_embeddings": False,
     }
-    key = hashlib.sha256(
-        json.dumps([config, transformers.__version__, legacy], sort_keys=True).encode()
-        + files.tokenizer_json.read_bytes()
-    ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"tiny-mistral3-{key}"
-    if (out / "complete").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.manual_seed(0)
-    model = transformers.Mistral3ForConditionalGeneration(
-        transformers.Mistral3Config(**{k: v for k, v in config.items() if k != "architectures"})
-    )
-    with torch.no_grad():  # random norms; images loud enough to decide the greedy tokens
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            if "linear_2" in name:
-                p.mul_(30.0)
-            if name.startswith("model.language_model.") and name.endswith("proj.weight"):
-                p.mul_(9.0 if ("q_proj" in name or "k_proj" in name) else 3.0)
-    model.save_pretrained(tmp, safe_serialization=True)
-    for f in tmp.glob("*.safetensors"):
-        state = load_file(str(f))
-        renamed = {}
-        for name, t in state.items():
-            base = name.removeprefix("model.").removeprefix("language_model.")
-            base = base.removeprefix("model.")
-            if base.startswith(("vision_tower.", "multi_modal_projector.")):
-                name = base if legacy else "model." + base
-            elif base != "lm_head.weight":
-                name = ("language_model.model." if legacy else "model.language_model.") + base
-            else:
-                name = "language_model.lm_head.weight" if legacy else "lm_head.weight"
-            renamed[name] = t.contiguous()
-        save_file(renamed, str(f), metadata={"format": "pt"})
-    write_tokenizer(files, tmp)
-    hf_processor().save_pretrained(tmp)  # preprocessor_config.json
-    (tmp / "processor_config.json").write_text(
-        json.dumps(
-            {
-                "processor_class": "PixtralProcessor",
-                "patch_size": PATCH,
-                "spatial_merge_size": MERGE,
-            }
+    key = cache_key(files, config, transformers.__version__, legacy)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        torch.manual_seed(0)
+        model = transformers.Mistral3ForConditionalGeneration(
+            transformers.Mistral3Config(**{k: v for k, v in config.items() if k != "architectures"})
         )
-    )
-    meta = files.tokenizer_meta
-    (tmp / "chat_template.json").write_text(json.dumps({"chat_template": meta.chat_template}))
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token})
-    )
-    (tmp / "complete").write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+        with torch.no_grad():  # random norms; images loud enough to decide the greedy tokens
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+                if "linear_2" in name:
+                    p.mul_(30.0)
+                if name.startswith("model.language_model.") and name.endswith("proj.weight"):
+                    p.mul_(9.0 if ("q_proj" in name or "k_proj" in name) else 3.0)
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in tmp.glob("*.safetensors"):
+            state = load_file(str(f))
+            renamed = {}
+            for name, t in state.items():
+                base = name.removeprefix("model.").removeprefix("language_model.")
+                base = base.removeprefix("model.")
+                if base.startswith(("vision_tower.", "multi_modal_projector.")):
+                    name = base if legacy else "model." + base
+                elif base != "lm_head.weight":
+                    name = ("language_model.model." if legacy else "model.language_model.") + base
+                else:
+                    name = "language_model.lm_head.weight" if legacy else "lm_head.weight"
+                renamed[name] = t.contiguous()
+            save_file(renamed, str(f), metadata={"format": "pt"})
+        write_tokenizer(files, tmp)
+        hf_processor().save_pretrained(tmp)  # preprocessor_config.json
+        (tmp / "processor_config.json").write_text(
+            json.dumps(
+                {
+                    "processor_class": "PixtralProcessor",
+                    "patch_size": PATCH,
+                    "spatial_merge_size": MERGE,
+                }
+            )
+        )
+        write_chat_files(files, tmp)
+
+    return built_once(cache_root() / "test-models" / f"tiny-mistral3-{key}", build)

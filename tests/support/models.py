@@ -24,6 +24,12 @@ from structllm.engine.runner import ModelRunner, batch_from_step
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.model.files import ModelFiles
 from structllm.protocol import ImageInput, SamplingParams
+from tests.support.checkpoints import (
+    built_once,
+    cache_key,
+    write_chat_files,
+    write_tokenizer_config,
+)
 
 # The exact float32 path (today's, token for token equal to transformers); the default
 # formats (--dtype/--quantization auto) run GGUF blocks or float16 weights on CPU.
@@ -66,16 +72,7 @@ def make_tiny_hf_dir(
     out = root / f"tiny-{arch}"
     model.save_pretrained(out, safe_serialization=True)
     shutil.copyfile(files.tokenizer_json, out / "tokenizer.json")
-    meta = files.tokenizer_meta
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": meta.bos_token,
-                "eos_token": meta.eos_token,
-                "chat_template": meta.chat_template,
-            }
-        )
-    )
+    write_tokenizer_config(files, out)
     return out
 
 
@@ -796,19 +793,9 @@ def tiny_family_dir(
     shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
     for name, src in extra_files.items():
         shutil.copyfile(src, tmp / name)
-    meta = files.tokenizer_meta
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": meta.bos_token,
-                "eos_token": meta.eos_token,
-                "chat_template": meta.chat_template,
-                # the BPE tokenizer as it is (llama.cpp's converter loads it through
-                # AutoTokenizer, which would otherwise pick the family's own class)
-                "tokenizer_class": "GPT2Tokenizer",
-            }
-        )
-    )
+    # the BPE tokenizer as it is (llama.cpp's converter loads it through AutoTokenizer,
+    # which would otherwise pick the family's own class)
+    write_tokenizer_config(files, tmp, tokenizer_class="GPT2Tokenizer")
     (tmp / "complete").write_text("")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -906,8 +893,6 @@ def tiny_multimodal_dir(files: ModelFiles, arch: str, **top: object) -> Path:
     vision tower beside the text model) whose config.json has its ``..._TEXT`` dict as
     text_config (as sparse as a real one's) and ``top`` among its own keys, saved by
     transformers with the default model's tokenizer; built once and cached."""
-    import hashlib
-
     import transformers
 
     from structllm.paths import cache_root
@@ -923,35 +908,23 @@ def tiny_multimodal_dir(files: ModelFiles, arch: str, **top: object) -> Path:
         **extra,
         **top,
     }
-    key = hashlib.sha256(
-        json.dumps([config, transformers.__version__], sort_keys=True).encode()
-        + files.tokenizer_json.read_bytes()
-    ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"tiny-{model_type}-multimodal-{key}"
-    if (out / "complete").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config))
-    torch.manual_seed(0)
-    model = getattr(transformers, arch)(transformers.AutoConfig.from_pretrained(str(tmp)))
-    with torch.no_grad():  # random norm weights, so a misplaced one would show
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5) if model_type == "gemma3" else p.uniform_(0.5, 1.5)
-    model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "config.json").write_text(json.dumps(config))  # as sparse as a real one
-    shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
-    meta = files.tokenizer_meta
-    (tmp / "chat_template.json").write_text(json.dumps({"chat_template": meta.chat_template}))
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token})
-    )
-    (tmp / "complete").write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    key = cache_key(files, config, transformers.__version__)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        model = getattr(transformers, arch)(transformers.AutoConfig.from_pretrained(str(tmp)))
+        with torch.no_grad():  # random norm weights, so a misplaced one would show
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5) if model_type == "gemma3" else p.uniform_(0.5, 1.5)
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "config.json").write_text(json.dumps(config))  # as sparse as a real one
+        shutil.copyfile(files.tokenizer_json, tmp / "tokenizer.json")
+        write_chat_files(files, tmp)
+
+    return built_once(cache_root() / "test-models" / f"tiny-{model_type}-multimodal-{key}", build)
 
 
 def tiny_family_dir_in(family: str, files: ModelFiles, dtype: str, **overrides: object) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from structllm.model.files import ModelFiles
+from tests.support.checkpoints import built_once, cache_key, write_chat_files, write_tokenizer_with
 
 SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 VOCAB_SIZE = 49152 + len(SPECIAL_TOKENS)
@@ -16,13 +17,7 @@ VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(49152, 49
 
 def write_tokenizer(files: ModelFiles, out_dir: Path) -> Path:
     """``out_dir/tokenizer.json``: the default model's with ``SPECIAL_TOKENS`` added."""
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(files.tokenizer_json))
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    return out_dir / "tokenizer.json"
+    return write_tokenizer_with(files, out_dir, SPECIAL_TOKENS)
 
 
 def hf_processor(tokenizer_json: Path, **image_kwargs: Any) -> Any:
@@ -86,9 +81,6 @@ def tiny_qwen2_5_vl_dir(files: ModelFiles, flat: bool = False) -> Path:
     text config at the top with ``rope_scaling`` of type ``mrope``, tensors under
     ``model.`` and ``visual.``), with Qwen's vision tokens and transformers' processor
     files. Built once and cached under the structllm cache."""
-    import hashlib
-    import json
-    import shutil
 
     import torch
     import transformers
@@ -106,49 +98,37 @@ def tiny_qwen2_5_vl_dir(files: ModelFiles, flat: bool = False) -> Path:
         "vision_start_token_id": VISION_START_ID,
         "vision_end_token_id": VISION_END_ID,
     }
-    key = hashlib.sha256(
-        json.dumps(
-            [config, PROCESSOR_SETTINGS, transformers.__version__, flat], sort_keys=True
-        ).encode()
-        + files.tokenizer_json.read_bytes()
-    ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"tiny-qwen2_5_vl-{key}"
-    if (out / "complete").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(
-        transformers.Qwen2_5_VLConfig(**{k: v for k, v in config.items() if k != "architectures"})
-    )
-    with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
-            elif "norm" in name or "ln_q" in name:
-                p.uniform_(0.5, 1.5)
-            # images loud enough to decide the greedy tokens (at the init's scale the
-            # text's previous token does alone): the merger's output larger, the text
-            # model's projections larger and its attention sharper
-            if name.startswith("model.visual.merger.mlp.2"):
-                p.mul_(30.0)
-            text = name.startswith("model.language_model.") and name.endswith("proj.weight")
-            if text:
-                p.mul_(9.0 if ("q_proj" in name or "k_proj" in name) else 3.0)
-    model.save_pretrained(tmp, safe_serialization=True)
-    _relayout(tmp, config, flat, load_file, save_file)
-    write_tokenizer(files, tmp)
-    hf_processor(tmp / "tokenizer.json", **PROCESSOR_SETTINGS).save_pretrained(tmp)
-    meta = files.tokenizer_meta
-    (tmp / "chat_template.json").write_text(json.dumps({"chat_template": meta.chat_template}))
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": meta.bos_token, "eos_token": meta.eos_token})
-    )
-    (tmp / "complete").write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    key = cache_key(files, config, PROCESSOR_SETTINGS, transformers.__version__, flat)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        torch.manual_seed(0)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig(
+                **{k: v for k, v in config.items() if k != "architectures"}
+            )
+        )
+        with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+                elif "norm" in name or "ln_q" in name:
+                    p.uniform_(0.5, 1.5)
+                # images loud enough to decide the greedy tokens (at the init's scale the
+                # text's previous token does alone): the merger's output larger, the text
+                # model's projections larger and its attention sharper
+                if name.startswith("model.visual.merger.mlp.2"):
+                    p.mul_(30.0)
+                text = name.startswith("model.language_model.") and name.endswith("proj.weight")
+                if text:
+                    p.mul_(9.0 if ("q_proj" in name or "k_proj" in name) else 3.0)
+        model.save_pretrained(tmp, safe_serialization=True)
+        _relayout(tmp, config, flat, load_file, save_file)
+        write_tokenizer(files, tmp)
+        hf_processor(tmp / "tokenizer.json", **PROCESSOR_SETTINGS).save_pretrained(tmp)
+        write_chat_files(files, tmp)
+
+    return built_once(cache_root() / "test-models" / f"tiny-qwen2_5_vl-{key}", build)
 
 
 def _relayout(

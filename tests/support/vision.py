@@ -4,9 +4,7 @@ tokenizer with Gemma 3's image tokens, transformers' processor over it, and imag
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ from structllm.model.files import ModelFiles
 from structllm.multimodal.gemma3 import BOI, EOI, IMAGE, Gemma3Processor
 from structllm.multimodal.processor import image_hash, image_inputs
 from structllm.protocol import ImageInput
+from tests.support.checkpoints import built_once, cache_key, write_tokenizer_config
 
 GEMMA3_WINDOW = 8  # shorter than one image's 16 tokens and than the prompts
 GEMMA3_VISION: dict[str, Any] = dict(
@@ -65,60 +64,43 @@ def gemma3_vision_dir(
 
     from structllm.paths import cache_root
 
-    key = hashlib.sha256(
-        json.dumps([config, transformers.__version__, 1], sort_keys=True).encode()
-        + files.tokenizer_json.read_bytes()
-    ).hexdigest()[:16]
-    out = cache_root() / "test-models" / f"{name}-{key}"
-    if (out / "complete").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3Config(**json.loads(json.dumps(config)))
-    side, mm = int(config["vision_config"]["image_size"]), int(config["mm_tokens_per_image"])
-    model = transformers.Gemma3ForConditionalGeneration(cfg)
-    with torch.no_grad():  # random norms, biases and projection, so a misplaced one shows
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(-0.5, 0.5) if "language_model" in name else p.uniform_(0.5, 1.5)
-            elif name.endswith("bias") or "mm_input_projection" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok = Tokenizer.from_file(str(files.tokenizer_json))
-    assert tok.get_vocab_size() == 49152
-    tok.add_special_tokens([AddedToken(t, special=True) for t in (BOI, IMAGE, EOI)])
-    tok.save(str(tmp / "tokenizer.json"))
-    meta = files.tokenizer_meta
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": meta.bos_token,
-                "eos_token": meta.eos_token,
-                "chat_template": meta.chat_template,
-                "extra_special_tokens": {"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI},
-            }
+    key = cache_key(files, config, transformers.__version__, 1)
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        torch.manual_seed(0)
+        cfg = transformers.Gemma3Config(**json.loads(json.dumps(config)))
+        side, mm = int(config["vision_config"]["image_size"]), int(config["mm_tokens_per_image"])
+        model = transformers.Gemma3ForConditionalGeneration(cfg)
+        with torch.no_grad():  # random norms, biases and projection, so a misplaced one shows
+            for name, p in model.named_parameters():
+                if "norm" in name and name.endswith("weight"):
+                    p.uniform_(-0.5, 0.5) if "language_model" in name else p.uniform_(0.5, 1.5)
+                elif name.endswith("bias") or "mm_input_projection" in name:
+                    p.normal_(0, 0.5)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok = Tokenizer.from_file(str(files.tokenizer_json))
+        assert tok.get_vocab_size() == 49152
+        tok.add_special_tokens([AddedToken(t, special=True) for t in (BOI, IMAGE, EOI)])
+        tok.save(str(tmp / "tokenizer.json"))
+        named = {"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI}
+        write_tokenizer_config(files, tmp, extra_special_tokens=named)
+        (tmp / "preprocessor_config.json").write_text(
+            json.dumps(
+                {
+                    "image_processor_type": "Gemma3ImageProcessor",
+                    "size": {"height": side, "width": side},
+                    "resample": 2,
+                    "do_pan_and_scan": False,
+                    "image_mean": [0.5, 0.5, 0.5],
+                    "image_std": [0.5, 0.5, 0.5],
+                    "rescale_factor": 1 / 255,
+                }
+            )
         )
-    )
-    (tmp / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Gemma3ImageProcessor",
-                "size": {"height": side, "width": side},
-                "resample": 2,
-                "do_pan_and_scan": False,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
-                "rescale_factor": 1 / 255,
-            }
-        )
-    )
-    (tmp / "processor_config.json").write_text(json.dumps({"image_seq_length": mm}))
-    (tmp / "complete").write_text("")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+        (tmp / "processor_config.json").write_text(json.dumps({"image_seq_length": mm}))
+
+    return built_once(cache_root() / "test-models" / f"{name}-{key}", build)
 
 
 def random_image(seed: int, size: tuple[int, int] = (80, 50)) -> Any:
