@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from structllm.kernels.packed import Weight, linear
 from structllm.model.siglip import SiglipConfig, SiglipVisionTower
-from structllm.model.vision import take_tensors
+from structllm.model.vision import image_tiles, take_tensors
 from structllm.protocol import ImageInput
 
 # every naming the tower has had (take_tensors renames to the first): transformers 5's
@@ -110,8 +110,7 @@ class Gemma3Vision(nn.Module):
 
     def pixel_values(self, image: ImageInput) -> Tensor:
         """uint8 ``[tiles, S, S, 3]`` -> normalised float32 ``[tiles, 3, S, S]``."""
-        x = torch.frombuffer(bytearray(image.pixels), dtype=torch.uint8).view(image.shape)
-        x = (x.permute(0, 3, 1, 2).double() * self.rescale).float()  # as numpy: float64
+        x = (image_tiles(image).double() * self.rescale).float()  # as numpy: float64
         return (x - self.mean.view(1, 3, 1, 1)) / self.std.view(1, 3, 1, 1)
 
     def project(self, patches: Tensor) -> Tensor:

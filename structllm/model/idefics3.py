@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from structllm.kernels.packed import Weight, linear
 from structllm.model.siglip import SiglipConfig, SiglipVisionTower
-from structllm.model.vision import take_tensors
+from structllm.model.vision import image_tiles, take_tensors
 from structllm.multimodal.idefics3 import read_processor_config
 from structllm.protocol import ImageInput
 
@@ -170,8 +170,7 @@ class Idefics3Vision(nn.Module):
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""
         self.check(image)
         device = self.device
-        tiles = torch.frombuffer(bytearray(image.pixels), dtype=torch.uint8).view(image.shape)
-        tiles = tiles.to(device).permute(0, 3, 1, 2)  # [T, 3, H, W]
+        tiles = image_tiles(image).to(device)  # [T, 3, H, W]
         with torch.inference_mode():
             out = [
                 self.features(self.normalisation(tiles[i : i + TILES_PER_PASS]).to(self.dtype))

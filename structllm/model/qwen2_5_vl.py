@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.model.idefics3 import Normalisation, vision_dtype
-from structllm.model.vision import take_tensors
+from structllm.model.vision import image_tiles, take_tensors
 from structllm.multimodal.idefics3 import read_processor_config
 from structllm.protocol import ImageInput
 
@@ -220,8 +220,7 @@ class Qwen2_5_VLVision(nn.Module):
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""
         self.check(image)
-        px = torch.frombuffer(bytearray(image.pixels), dtype=torch.uint8).view(image.shape)
-        px = px.to(self.patch_embed.device).permute(0, 3, 1, 2)  # [1, 3, H, W]
+        px = image_tiles(image).to(self.patch_embed.device)  # [1, 3, H, W]
         with torch.inference_mode():
             return self.features(self.normalisation(px)[0].to(self.dtype))
 

@@ -72,6 +72,16 @@ def load_vision(files: ModelFiles, device: torch.device) -> VisionModel | None:
     return module.load_vision(files.weights[0].parent, raw, files.weights, device)
 
 
+def image_tiles(image: ImageInput) -> Tensor:
+    """``image``'s uint8 pixels as ``[tiles, 3, H, W]`` (a view of a copy of the bytes,
+    on the CPU: torch cannot wrap the read-only bytes the ring decoded)."""
+    return (
+        torch.frombuffer(bytearray(image.pixels), dtype=torch.uint8)
+        .view(image.shape)
+        .permute(0, 3, 1, 2)
+    )
+
+
 def take_tensors(weights: list[Path], prefixes: tuple[str, ...]) -> dict[str, Tensor]:
     """The tensors of safetensors files ``weights`` whose names start with one of
     ``prefixes``, renamed to start with the first one (checkpoints written by
