@@ -330,27 +330,25 @@ class Scheduler:
     def _displace(self, busy: Collection[str]) -> list[Request]:
         """Priority policy, before the step: preempt the least urgent running requests
         (not ``busy``) for waiting ones of strictly smaller priority that would find no
-        seat or too few free blocks, most urgent first; returns the preempted. A
-        newcomer's blocks are estimated: its first chunk (its prefix-cache hit taken
-        off) as large as the budget less a token per running request, against the
-        blocks free now, less what the newcomers before it and a decode token of every
-        running request take (a less urgent prefill takes none, ``_outranked``)."""
+        seat or too few free blocks, most urgent first, while the step's budget lasts
+        (a decode token per running request and the newcomers' first chunks); returns
+        the preempted. A newcomer's blocks are an estimate (``_first_chunk``) against
+        the blocks free now, less what the newcomers before it and a decode token of
+        each running request take (a less urgent prefill takes none, ``_outranked``)."""
         displaced: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         if self.states is not None:
             seats = min(seats, self.states.num_free_slots)
-        reserved = 0  # blocks the newcomers before this one take
+        reserved = spent = 0  # blocks and tokens the newcomers before this one take
         for head in list(self.waiting):
             while True:
                 victim = next((r for r in reversed(self.running) if r.request_id not in busy), None)
                 if victim is None or victim.priority <= head.priority:
                     return displaced  # nobody less urgent (than this one or any after it)
-                hits = self.kv.lookup(head)
-                cached = len(hits) * self.kv.block_size
-                chunk = max(1, self.max_num_batched_tokens - len(self.running))
-                n = min(head.num_tokens - cached, chunk)
-                reclaimed = sum(1 for b in hits if self.kv.ref_cnt[b] == 0)
-                need = self.kv.blocks_needed(head, n, hits) + reclaimed
+                budget = self.max_num_batched_tokens - len(self.running) - spent
+                if budget <= 0:
+                    return displaced  # it would not start this step anyway
+                n, need = self._first_chunk(head, budget)
                 growth = sum(self.kv.blocks_needed(r, 1) for r in self.running)  # decodes
                 if seats > 0 and reserved + growth + need <= self.kv.num_free_blocks:
                     break
@@ -360,7 +358,18 @@ class Scheduler:
                 seats += 1
             seats -= 1
             reserved += need
+            spent += n
         return displaced
+
+    def _first_chunk(self, req: Request, budget: int) -> tuple[int, int]:
+        """``(tokens, blocks)`` of waiting ``req``'s first chunk within ``budget``, its
+        prefix-cache hit taken off (as a whole: the cuts of prompt logprobs and saved
+        recurrent states are not made), and the blocks it takes from the free pool,
+        cached free blocks of the hit included."""
+        hits = self.kv.lookup(req)
+        n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+        reclaimed = sum(1 for b in hits if self.kv.ref_cnt[b] == 0)
+        return n, self.kv.blocks_needed(req, n, hits) + reclaimed
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []

@@ -8,6 +8,8 @@ preempted: a preempted request must finish with the tokens of an uninterrupted r
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request
@@ -192,3 +194,43 @@ def test_a_less_urgent_prefill_waits_while_an_urgent_request_waits() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="fcfs or priority"):
         make("lottery")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "add", "step", "abort"]), st.integers(0, 9)),
+        min_size=10,
+        max_size=60,
+    ),
+    st.integers(6, 30),
+    st.integers(2, 32),
+)
+def test_random_priorities_keep_invariants_and_outputs(
+    ops: list[tuple[str, int]], num_blocks: int, budget: int
+) -> None:
+    s = make(num_blocks=num_blocks, block_size=4, budget=budget, max_seqs=3)
+    reqs: dict[str, Request] = {}
+    aborted: set[str] = set()
+    for op, i in ops:
+        rid = f"q{i}"
+        if op == "add" and rid not in reqs:
+            prompt_len = min(3 + 2 * i, num_blocks * 4 - 8)  # fits the pool alone
+            reqs[rid] = request(rid, prompt_len, priority=i % 3, max_tokens=5)
+            s.add_request(reqs[rid])
+        elif op == "abort" and rid in s.requests:
+            s.abort([rid])
+            aborted.add(rid)
+        elif op == "step":
+            waiting = [w.priority for w in s.waiting]
+            out = step(s)
+            for victim in out.displaced:  # only for a strictly more urgent waiting one
+                assert min(waiting) < victim.priority
+        assert [r.urgency for r in s.waiting] == sorted(r.urgency for r in s.waiting)
+        assert [r.urgency for r in s.running] == sorted(r.urgency for r in s.running)
+        assert all(not r.block_ids for r in s.waiting)
+    finish(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+    for rid, r in reqs.items():
+        if rid not in aborted:
+            assert r.output_token_ids == alone(r), rid
