@@ -234,3 +234,17 @@ def test_random_priorities_keep_invariants_and_outputs(
     for rid, r in reqs.items():
         if rid not in aborted:
             assert r.output_token_ids == alone(r), rid
+
+
+def test_a_request_in_flight_is_never_displaced() -> None:
+    # pipeline parallelism: low1's batch is still in flight, so low0 makes the room
+    s = make(max_seqs=2)
+    for rid in ("low0", "low1"):
+        s.add_request(request(rid, 6, priority=4))
+    step(s)
+    s.add_request(request("urgent", 5, priority=1))
+    out = s.schedule(busy={"low1"})
+    assert ids(out.displaced) == ["low0"]
+    assert ids([r for r, _ in out.scheduled]) == ["urgent"]
+    out = s.schedule(busy={"low1", "urgent"})  # nobody left to displace for low0
+    assert out.displaced == [] and out.scheduled == []
