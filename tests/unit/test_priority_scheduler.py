@@ -83,6 +83,7 @@ def test_an_urgent_arrival_takes_a_full_batch_s_seat_within_one_step() -> None:
     assert ids(out.displaced) == ["low1"]  # the later of the two equals
     assert "urgent" in ids([r for r, _ in out.scheduled])
     assert urgent.num_output_tokens == 1  # its prompt ran whole and sampled
+    assert s.kv.lookup(low[1])  # its blocks stay in the prefix cache for its resumption
     outs = finish(s)
     assert sum(len(o.displaced) + len(o.preempted) for o in outs) == 0  # no ping-pong
     for r in [*low, urgent]:
