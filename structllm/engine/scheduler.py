@@ -58,7 +58,8 @@ the latest of its priority. Before the step, a waiting request that finds no sea
 the least urgent running request if that one's priority is strictly larger
 (``_displace``); equal priorities never preempt each other, so no two requests take
 turns. While a strictly more urgent request waits, a less urgent running request takes
-no prefill chunk (its decodes go on), so the budget is the newcomer's first.
+no prefill chunk and no drafts (its plain decodes go on), so the budget and the blocks
+are the newcomer's first.
 """
 
 from __future__ import annotations
@@ -311,8 +312,8 @@ class Scheduler:
         """Drafts for ``req`` if it is a decode (one new token, no prompt positions left
         to score) and drafting is on, within ``room`` extra tokens; ``rows``: the
         step's tokens with ``req``'s and one for each running request after it."""
-        if self.drafter is None or room <= 0 or n != 1:
-            return []
+        if self.drafter is None or room <= 0 or n != 1 or self._outranked(req):
+            return []  # (outranked: its drafts' blocks are a more urgent newcomer's)
         if req.num_tokens - req.num_computed_tokens != 1 or req.wants_prompt_logprobs:
             return []
         if req.grammar is not None and req.in_reasoning:

@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from structllm.config import SpeculativeConfig
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.request import Request
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
+from structllm.engine.speculative import MIN_MATCH, Drafter
 from structllm.protocol import SamplingParams
 
 VOCAB = 50
@@ -249,3 +251,28 @@ def test_a_request_in_flight_is_never_displaced() -> None:
     assert ids([r for r, _ in out.scheduled]) == ["urgent"]
     out = s.schedule(busy={"low1", "urgent"})  # nobody left to displace for low0
     assert out.displaced == [] and out.scheduled == []
+
+
+class Repeat:
+    """A proposer that always drafts ``k`` ones (as from a long match)."""
+
+    last_match = MIN_MATCH
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return [1] * k
+
+    def finish(self, req: Request) -> None:
+        pass
+
+
+def test_an_outranked_request_drafts_nothing_while_the_newcomer_waits() -> None:
+    s = make(max_seqs=4)
+    s.drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2), Repeat())
+    low = request("low", 6, priority=3, max_tokens=20)
+    s.add_request(low)
+    step(s)
+    assert [n for _, n in step(s).scheduled] == [3]  # its token and 2 drafts
+    s.add_request(request("urgent", 5, priority=0))
+    out = step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("low", 1), ("urgent", 5)]
+    assert ("low", 3) in [(r.request_id, n) for r, n in step(s).scheduled]  # drafts again
