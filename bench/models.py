@@ -314,7 +314,7 @@ def main() -> None:
                 f32 = llamacpp.convert_hf(source, "f32", *CONVERTER_ARGS.get(fam, ()))
                 gguf = llamacpp.quantize(f32, args.quant)
                 models.append((f"{fam} {args.quant}", "gguf", gguf))
-            except llamacpp.ToolMissing as e:
+            except (llamacpp.ToolMissing, llamacpp.ToolFailed) as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")

@@ -122,7 +122,9 @@ async def one(
     prompt: Any,
     out_len: int,
     headers: dict[str, str],
+    extra: dict[str, Any] | None = None,
 ) -> Result:
+    """One streamed completion, timed; ``extra``: more body fields (e.g. ``priority``)."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": out_len,
@@ -132,6 +134,7 @@ async def one(
         # every chunk's usage so far (vLLM's continuous_usage_stats; servers without it
         # send one token a chunk), so a chunk of several tokens is counted as such
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **(extra or {}),
     }
     if model:
         body["model"] = model

@@ -51,6 +51,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "skips the encoder (vision-language models; default: 256M)",
     )
     p.add_argument(
+        "--scheduling-policy",
+        default=d("scheduling_policy"),
+        choices=["fcfs", "priority"],
+        help="fcfs: requests run in arrival order; priority: by the request's priority "
+        "(lower first, then arrival), and a more urgent request may preempt a less urgent one",
+    )
+    p.add_argument(
         "--block-size", type=int, default=d("block_size"), help="tokens per KV cache block"
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
@@ -238,6 +245,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         kv_cache_memory=a.kv_cache_memory,
         encoder_cache_memory=a.encoder_cache_memory,
         block_size=a.block_size,
+        scheduling_policy=a.scheduling_policy,
         enable_prefix_caching=not a.no_prefix_caching,
         seed=a.seed,
         device=a.device,

@@ -230,9 +230,11 @@ class EngineClient:
         sampling: SamplingParams,
         wakeup: Wakeup | None = None,
         images: Sequence[ImageInput] = (),
+        priority: int = 0,
     ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished.
-        ``images``: the prompt's (``ImageInput`` spans in prompt order)."""
+        ``images``: the prompt's (``ImageInput`` spans in prompt order); ``priority``:
+        lower runs earlier (the engine's priority policy)."""
         if self.dead is not None:
             raise self.dead
         if request_id in self._streams:
@@ -241,7 +243,7 @@ class EngineClient:
         self._streams[request_id] = stream
         try:
             await self.engine.endpoint.send(
-                AddRequest(request_id, prompt_token_ids, sampling, list(images))
+                AddRequest(request_id, prompt_token_ids, sampling, list(images), priority)
             )
             yield stream
         finally:

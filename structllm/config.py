@@ -203,6 +203,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``convert_hf_to_gguf.py --mmproj``) for a GGUF ``model`` of a family with images
       (Gemma 3, SmolVLM's Llama): ``model/mmproj.py``; refused for a directory, another
       family, or a projector that does not fit the model.
+    - ``scheduling_policy``: ``"fcfs"`` (arrival order) or ``"priority"`` (a request's
+      ``priority``, lower first, then arrival; a more urgent request may preempt a less
+      urgent one: ``engine.scheduler``), vLLM's ``--scheduling-policy``.
     - ``encoder_cache_memory``: bytes for a vision-language model's encoder outputs, kept
       by image hash (``engine.encoder_cache``; a 256-token Gemma 3 image at hidden 2560
       in float32 is 2.5 MiB).
@@ -242,6 +245,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     generation_config: str = "auto"
     encoder_cache_memory: int = 256 << 20
     mmproj: str | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -310,6 +314,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.distributed_timeout <= 0:
             raise ValueError(
                 f"distributed_timeout must be positive, got {self.distributed_timeout}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(

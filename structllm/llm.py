@@ -163,15 +163,20 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one or many prompts in one continuously batched run. Returns one
         ``RequestOutput`` per prompt, in order. Raises ``ValueError`` naming the prompt
         if one can never run (empty, too long, ids outside the vocabulary) or its
         ``structured_outputs`` does not compile. A constrained request whose grammar
-        fails in the engine ends alone with ``finish_reason == "error"``."""
+        fails in the engine ends alone with ``finish_reason == "error"``. ``priority``:
+        one per prompt, lower runs earlier (vLLM's argument; non-zero values need
+        ``scheduling_policy="priority"``)."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items), self.get_default_sampling_params())
-        return self._run(items, [self._encode(p) for p in items], params)
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority has {len(priority)} values for {len(items)} prompts")
+        return self._run(items, [self._encode(p) for p in items], params, priorities=priority)
 
     def _run(
         self,
@@ -181,21 +186,25 @@ class LLM:
         tools: ToolRequest | None = None,
         modes: Sequence[Mode | None] | None = None,
         images: Sequence[list[ImageInput]] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        priorities = priorities or [0] * len(items)
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
             try:
                 self.engine.check_request(ids, sp)
+                self.engine.check_priority(priorities[i])
                 self._check_structured(sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
         live: dict[str, tuple[SequenceState, RequestOutput]] = {}
-        for p, ids, sp, mode, prompt_images in zip(
+        for p, ids, sp, mode, prompt_images, prio in zip(
             items,
             encoded,
             params,
             modes or [None] * len(items),
             images or [[]] * len(items),
+            priorities,
             strict=True,
         ):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
@@ -211,6 +220,7 @@ class LLM:
                 tools,
                 mode,
                 [prompt_images],
+                prio,
             )
             for seq in seqs:
                 res.outputs.append(
@@ -220,7 +230,9 @@ class LLM:
                 )
                 live[seq.request_id] = (seq, res)
                 self.engine.tracer.event("sent", seq.request_id)
-                self.engine.add_request(AddRequest(seq.request_id, ids, seq.sampling, seq.images))
+                self.engine.add_request(
+                    AddRequest(seq.request_id, ids, seq.sampling, seq.images, seq.priority)
+                )
         try:
             while live:
                 for delta in self.engine.step().outputs:

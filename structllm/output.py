@@ -71,6 +71,7 @@ class SequenceState:
     reasoning: ReasoningParser | None = None
     num_reasoning_tokens: int = 0
     images: list[ImageInput] = field(default_factory=list)  # the prompt's, for AddRequest
+    priority: int = 0  # for AddRequest (lower runs earlier under the priority policy)
     _undecided_tokens: int = 0  # fed before the parser knew whether they are reasoning
 
     @property
@@ -178,6 +179,7 @@ def fan_out(
     tools: ToolRequest | None = None,
     reasoning: Mode | None = None,
     images: Sequence[list[ImageInput]] = (),
+    priority: int = 0,
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
@@ -185,7 +187,8 @@ def fan_out(
     scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
     the engine requests. With ``tools`` that allow calls, each sequence parses its
     calls; with ``reasoning`` (where its output starts), each splits off its reasoning
-    part. ``images[pi]``: prompt ``pi``'s images (none if absent)."""
+    part. ``images[pi]``: prompt ``pi``'s images (none if absent). Every engine request
+    gets ``priority``."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -210,6 +213,7 @@ def fan_out(
                     tools=parser,
                     reasoning=None if reasoning is None else ReasoningParser(reasoning),
                     images=list(images[pi]) if pi < len(images) else [],
+                    priority=priority,
                 )
             )
     return out

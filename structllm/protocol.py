@@ -220,6 +220,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fals
     prompt_token_ids: list[int]
     sampling: SamplingParams
     images: list[ImageInput] = []  # in prompt order, spans disjoint
+    priority: int = 0  # lower runs earlier (--scheduling-policy priority; else only 0)
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -307,6 +308,8 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_bytes: int = 0
+    # waiting requests by priority (every one is 0 under the fcfs policy)
+    num_waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

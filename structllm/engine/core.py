@@ -14,9 +14,10 @@ import logging
 import math
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from itertools import chain
 from pathlib import Path
 
 import msgspec
@@ -214,6 +215,7 @@ class EngineCore:
             self.max_num_batched_tokens,
             self.eos_token_ids,
             self.states,
+            self.config.scheduling_policy,
         )
         self.grammar = GrammarManager(
             str(self.files.tokenizer_json),
@@ -547,6 +549,11 @@ class EngineCore:
         if images:
             self.check_images(prompt_token_ids, images)
 
+    def check_priority(self, priority: int) -> None:
+        """``ValueError`` (vLLM's message) for a non-zero priority under the fcfs policy."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+
     def check_images(self, ids: Sequence[int], images: Sequence[ImageInput]) -> None:
         """``ValueError`` naming what is wrong with a request's images: a model without
         a vision tower; a span out of the prompt, out of order or overlapping another;
@@ -612,11 +619,17 @@ class EngineCore:
                     f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence"
                 )
             self.check_request(msg.prompt_token_ids, msg.sampling, msg.images)
+            self.check_priority(msg.priority)
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = msg.sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
             req = Request(
-                msg.request_id, msg.prompt_token_ids, msg.sampling, max_tokens, list(msg.images)
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.sampling,
+                max_tokens,
+                list(msg.images),
+                msg.priority,
             )
             req.mrope = self._mrope(req.images)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
@@ -837,6 +850,7 @@ class EngineCore:
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting) + len(self._compiling),
+            num_waiting_by_priority=self._waiting_by_priority(),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.num_queried_tokens,
             prefix_cache_hits=self.kv.num_hit_tokens,
@@ -856,6 +870,12 @@ class EngineCore:
             spec_propose_s=spec.propose_s,
             **self._encoder_stats(),
         )
+
+    def _waiting_by_priority(self) -> dict[int, int]:
+        """Waiting requests (constrained ones whose matcher is being built included)
+        counted by priority."""
+        compiling = (req for req, _ in self._compiling.values())
+        return dict(Counter(r.priority for r in chain(self.scheduler.waiting, compiling)))
 
     def _encoder_stats(self) -> dict[str, int]:
         if not isinstance(self.runner, ModelRunner):

@@ -47,12 +47,17 @@ class Request:
     M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
     output's tokens (``engine.mrope``); None: a token's position is its index.
 
+    ``priority``: lower runs earlier under the priority policy (vLLM's polarity; see
+    ``Scheduler``); ``arrival``: the scheduler's count of requests added before this
+    one, which breaks ties between equal priorities (first come, first served).
+
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
     so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
     """
 
     __slots__ = (
+        "arrival",
         "block_ids",
         "chain_ids",
         "draft_token_ids",
@@ -66,6 +71,7 @@ class Request:
         "num_computed_tokens",
         "num_prompt_logprobs",
         "num_released_blocks",
+        "priority",
         "prompt_len",
         "request_id",
         "sampling",
@@ -87,8 +93,11 @@ class Request:
         sampling: SamplingParams,
         max_tokens: int,
         images: list[ImageInput] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
+        self.arrival = 0  # set by Scheduler.add_request
         self.images = images or []
         # 3-D rotary positions (set by the engine for an M-RoPE model with images)
         self.mrope: MRopePositions | None = None
@@ -116,6 +125,11 @@ class Request:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)
+
+    @property
+    def urgency(self) -> tuple[int, int]:
+        """The priority policy's order: ``(priority, arrival)``, most urgent first."""
+        return self.priority, self.arrival
 
     @property
     def num_tokens(self) -> int:

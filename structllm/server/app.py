@@ -371,6 +371,7 @@ class App:
     ) -> list[SequenceState]:
         """The chat path's preparation (``pipeline.ChatPipeline``): images, template,
         tokens, constraint, context, sampling; one sequence per choice."""
+        rq.check_priority(req.priority, self.config.engine.scheduling_policy)
         tools = self.pre.tool_request(req)
         media = await self.vision.load(rq.image_urls(req.messages), "messages")
         text, ids, images = await self.in_worker(
@@ -385,7 +386,14 @@ class App:
         )
         new_id = client.new_request_id
         return fan_out(
-            [ids], sp, self.tokenizer, lambda _p, _j: new_id(kind), tools, mode, [images]
+            [ids],
+            sp,
+            self.tokenizer,
+            lambda _p, _j: new_id(kind),
+            tools,
+            mode,
+            [images],
+            req.priority,
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -393,6 +401,7 @@ class App:
         self.tracer.event("received", response_id, path="/v1/completions")
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
         self.check_model(req.model)
+        rq.check_priority(req.priority, self.config.engine.scheduling_policy)
         client = self.engine()
         prompts = await self.in_worker(self.pre.completion, req, response_id)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
@@ -410,7 +419,10 @@ class App:
         sp = rq.sampling_params(
             req, max_tokens, client.ready.vocab_size, constraint, None, self.sampling_defaults
         )
-        seqs = fan_out(prompts, sp, self.tokenizer, lambda _pi, _j: client.new_request_id("text"))
+        new_id = client.new_request_id
+        seqs = fan_out(
+            prompts, sp, self.tokenizer, lambda _pi, _j: new_id("text"), priority=req.priority
+        )
         builder = TextBuilder(
             seqs,
             self.tokenizer,

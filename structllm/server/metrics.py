@@ -172,6 +172,15 @@ class Metrics:
             "Requests waiting to be scheduled.",
             stats.num_waiting,
         )
+        name = "structllm:num_requests_waiting_by_priority"
+        lines += [
+            f"# HELP {name} Requests waiting to be scheduled, by priority (lower runs earlier).",
+            f"# TYPE {name} gauge",
+            *(
+                f'{name}{{{lb},priority="{p}"}} {n}'
+                for p, n in sorted(stats.num_waiting_by_priority.items())
+            ),
+        ]
         metric(
             "structllm:kv_cache_usage_perc",
             "gauge",

@@ -32,6 +32,8 @@ MAX_STOP_LEN = 1024
 MAX_SEQUENCES = 256  # prompts x n in one request
 
 Temperature = Annotated[float, Meta(le=2.0)]
+# vLLM's request priority (lower runs earlier): an int64, as vLLM's field
+Priority = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -97,6 +99,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: Priority = 0  # vLLM's: needs --scheduling-policy priority (check_priority)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as JSON object keys are strings) -> bias
@@ -353,6 +356,16 @@ def max_tokens_for(
             code="context_length_exceeded",
         )
     return requested
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """400 (vLLM's message) for a non-zero ``priority`` under the fcfs policy."""
+    if priority != 0 and policy != "priority":
+        raise APIError(
+            400,
+            f"Got priority {priority} but Priority scheduling is not enabled.",
+            param="priority",
+        )
 
 
 def check_supported(req: ChatCompletionRequest | CompletionRequest) -> None:

