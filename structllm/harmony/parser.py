@@ -97,7 +97,9 @@ class HarmonyParser:
     made; ``in_reasoning``: the message being written is reasoning (the output
     processor counts its tokens as reasoning tokens)."""
 
-    def __init__(self, tool_names: frozenset[str] = frozenset(), calls_allowed: bool = True) -> None:
+    def __init__(
+        self, tool_names: frozenset[str] = frozenset(), calls_allowed: bool = True
+    ) -> None:
         self.tool_names = tool_names
         self.calls_allowed = calls_allowed
         self._state = "header"

@@ -96,7 +96,9 @@ def _tools_section(namespaces: Sequence[ToolNamespace]) -> str:
             for tool in ns.tools:
                 lines += [f"// {line}" for line in tool.description.splitlines()]
                 if tool.parameters is not None:
-                    lines.append(f"type {tool.name} = (_: {to_typescript(tool.parameters)}) => any;\n")
+                    lines.append(
+                        f"type {tool.name} = (_: {to_typescript(tool.parameters)}) => any;\n"
+                    )
                 else:
                     lines.append(f"type {tool.name} = () => any;\n")
             lines.append(f"}} // namespace {ns.name}")

@@ -60,7 +60,9 @@ def to_typescript(schema: Any, indent: str = "") -> str:
         return _object(schema, indent)
     if kind == "string":
         values = schema.get("enum")
-        literals = [f'"{v}"' for v in values if isinstance(v, str)] if isinstance(values, list) else []
+        literals = (
+            [f'"{v}"' for v in values if isinstance(v, str)] if isinstance(values, list) else []
+        )
         return " | ".join(literals) if literals else "string"
     if kind in ("number", "integer"):
         return "number"

@@ -58,7 +58,13 @@ def test_simple_convo_with_effort(effort: str, instruction: bool) -> None:
             "2024-06",
             "What is the best place to eat candy in the world?",
         ),
-        ("reasoning_system_message_with_dates", "medium", "2021-01-01", "2021-01", "What is 42 * pi?"),
+        (
+            "reasoning_system_message_with_dates",
+            "medium",
+            "2021-01-01",
+            "2021-01",
+            "What is 42 * pi?",
+        ),
     ],
 )
 def test_reasoning_system_message(
