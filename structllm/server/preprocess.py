@@ -289,6 +289,8 @@ class Preprocessor:
                 'format; use "auto" (or "none")',
                 param="tool_choice",
             )
+        if self.harmony:  # calls are free: the request's own constraint, if any, applies
+            return self.constraint(req)
         spec = tools.constraint(tool_req)
         if tool_req.calls_allowed and (
             req.response_format is not None or req.structured_outputs is not None

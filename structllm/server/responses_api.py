@@ -38,7 +38,6 @@ CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "response_format": "text",
-    "structured_outputs": "text",
     "reasoning_effort": "reasoning",
 }
 
@@ -91,6 +90,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM-style extensions, as on chat
     seed: int | None = None
     ignore_eos: bool = False
+    structured_outputs: dict[str, Any] | None = None
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -370,6 +370,7 @@ def chat_request(
         "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": response_format(req.text),
+        "structured_outputs": req.structured_outputs,
         "user": req.user,
     }
     if harmony and req.reasoning is not None and req.reasoning.get("effort") is not None:
