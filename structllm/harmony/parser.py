@@ -37,6 +37,7 @@ from structllm.harmony.render import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RET
 from structllm.tools import ToolCall, ToolCallDelta
 
 ENDS = (END, CALL, RETURN, START)  # what closes a body (<|start|>: one left unclosed)
+LONGEST = max(len(m) for m in (MESSAGE, *ENDS))
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -144,17 +145,17 @@ class HarmonyParser:
         return out["reasoning"], out["content"], _merged(deltas)
 
     def _feed_header(self, buf: str, deltas: list[ToolCallDelta]) -> str:
+        # search only where a marker can newly be (a long header stays linear)
+        start = max(0, len(self._header) - LONGEST + 1)
         self._header += buf
-        i = self._header.find(MESSAGE)
-        ends = [k for k in (self._header.find(m) for m in (END, CALL, RETURN, START)) if k >= 0]
-        if ends and (i < 0 or min(ends) < i):  # a header without a body: dropped
-            k = min(ends)
-            rest = self._header[k:]
-            marker = next(m for m in (END, CALL, RETURN, START) if rest.startswith(m))
-            self._header, self._state = "", "between"
-            return rest if marker == START else rest[len(marker) :]
-        if i < 0:
+        found = [(k, m) for m in (MESSAGE, *ENDS) if (k := self._header.find(m, start)) >= 0]
+        if not found:
             return ""
+        i, marker = min(found)
+        if marker != MESSAGE:  # a header without a body: dropped
+            rest = self._header[i:] if marker == START else self._header[i + len(marker) :]
+            self._header, self._state = "", "between"
+            return rest
         header = parse_header(self._header[:i], self._role)
         rest = self._header[i + len(MESSAGE) :]
         self._header, self._role, self._state = "", None, "body"

@@ -265,7 +265,7 @@ class ChatBuilder(ResponseBuilder):
         harmony = c.seq.harmony
         if harmony is not None:  # gpt-oss: reasoning, content and calls from one parser
             message["reasoning_content"] = harmony.reasoning if harmony.has_reasoning else None
-            message["content"] = harmony.content or (None if harmony.calls else "")
+            message["content"] = harmony.content or None
             if harmony.calls:
                 message["tool_calls"] = [call.as_openai() for call in harmony.calls]
         tools = c.seq.tools

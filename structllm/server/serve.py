@@ -117,7 +117,11 @@ def make_app(
 ) -> App:
     name = config.served_model_name or files.name
     tokenizer = Tokenizer.from_files(files)
-    auto = config.tool_call_parser == "auto" and config.reasoning_parser is None
+    auto = (  # (a chat template given is the user's choice of format)
+        config.tool_call_parser == "auto"
+        and config.reasoning_parser is None
+        and config.chat_template is None
+    )
     if auto and uses_harmony(files.config.architecture, tokenizer.token_id):
         config = dataclasses.replace(
             config, tool_call_parser="openai", reasoning_parser="openai_gptoss"

@@ -190,3 +190,14 @@ def test_every_split_gives_the_one_shot_result(text: str) -> None:
             assert "".join(d.arguments for d in mine) == arguments
     # and one character at a time
     assert parse(list(text))[:3] == whole[:3]
+
+
+def test_a_header_without_a_body_is_dropped() -> None:
+    text = "<|channel|>analysis<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>"
+    assert parse([text])[:3] == ("", "Hi.", [])
+    # a header the next message's <|start|> interrupts, and one without <|start|>
+    text = (
+        "<|channel|>analysis<|start|>assistant<|channel|>final<|message|>A<|end|>"
+        "<|channel|>final<|message|>B"
+    )
+    assert parse([text])[:3] == ("", "AB", [])
