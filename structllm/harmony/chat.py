@@ -76,7 +76,7 @@ def conversation(
     ]
     rest = list(messages)
     instructions = None
-    if rest and rest[0]["role"] == "system":
+    if rest and rest[0]["role"] in ("system", "developer"):
         instructions = _text(rest.pop(0)["content"], "messages[0]")
     if instructions is not None or tools:
         out.append(Message("developer", DeveloperContent(instructions, function_tools(tools))))
@@ -90,7 +90,7 @@ def conversation(
 def _messages(m: Mapping[str, Any], names: dict[str, str], where: str) -> list[Message]:
     role = m["role"]
     content = _text(m.get("content"), where)
-    if role == "system":
+    if role in ("system", "developer"):
         return [Message("developer", DeveloperContent(content))]
     if role == "user":
         return [Message("user", content)]
@@ -99,9 +99,12 @@ def _messages(m: Mapping[str, Any], names: dict[str, str], where: str) -> list[M
         if not name:
             raise ValueError(f"{where}: tool_call_id names no call of an earlier message")
         return [Message("tool", content, f"functions.{name}", "assistant", "commentary")]
+    if role != "assistant":
+        raise ValueError(f"{where}: unknown role {role!r}")
     out = []
-    if m.get("reasoning"):
-        out.append(Message("assistant", m["reasoning"], channel="analysis"))
+    thought = m.get("reasoning") or m.get("reasoning_content")  # (the offline API's dicts)
+    if thought:
+        out.append(Message("assistant", thought, channel="analysis"))
     calls = m.get("tool_calls") or ()
     if content:
         out.append(Message("assistant", content, channel="commentary" if calls else "final"))

@@ -26,7 +26,7 @@ import msgspec
 from structllm import __version__
 from structllm.client import EngineClient
 from structllm.harmony.parser import HarmonyParser
-from structllm.harmony.render import CALL, RETURN
+from structllm.harmony.sampling import for_harmony
 from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats, StructuredOutputs
@@ -411,13 +411,9 @@ class App:
         went into the prompt; ``<|call|>`` and ``<|return|>`` end the reply; one
         ``HarmonyParser`` per sequence (``structllm.harmony``)."""
         req = msgspec.structs.replace(req, reasoning_effort=None)  # rendered, not sampled
-        reasoning = self.pre.harmony_reasoning(constraint)
         vocab = client.ready.vocab_size
-        sp = rq.sampling_params(
-            req, max_tokens, vocab, constraint, reasoning, self.sampling_defaults
-        )
-        stops = [t for t in map(self.tokenizer.token_id, (CALL, RETURN)) if t is not None]
-        sp = msgspec.structs.replace(sp, stop_token_ids=[*sp.stop_token_ids, *stops])
+        sp = rq.sampling_params(req, max_tokens, vocab, constraint, None, self.sampling_defaults)
+        sp = for_harmony(sp, self.tokenizer)
         names = frozenset(t["function"]["name"] for t in tools.tools) if tools else frozenset()
         allowed = tools is not None and tools.calls_allowed
 

@@ -20,7 +20,6 @@ import msgspec
 
 from structllm import reasoning, structured, tools
 from structllm.harmony import chat as harmony_chat
-from structllm.harmony.render import CHANNEL, MARKERS, MESSAGE
 from structllm.multimodal import prompt as image_prompt
 from structllm.multimodal.processor import ImageProcessor
 from structllm.protocol import ImageInput, Reasoning, StructuredOutputs
@@ -42,7 +41,6 @@ if TYPE_CHECKING:  # Pillow's type only
 
 
 HARMONY_PARSER = "openai_gptoss"  # vLLM's name of gpt-oss's reasoning parser
-HARMONY_FINAL = CHANNEL + "final" + MESSAGE
 
 
 class Preprocessor:
@@ -76,12 +74,11 @@ class Preprocessor:
             else tool_format or tools.detect_format(tokenizer.meta.chat_template)
         )
         self.reasoning_parser = None if self.harmony else reasoning_parser
-        # the reasoning's end tag as the engine will see it generated (harmony: the
-        # final channel's header, after which a constraint applies)
-        end = HARMONY_FINAL if self.harmony else reasoning.END_TAG
+        # the reasoning's end tag as the engine will see it generated (harmony's
+        # constraint start: harmony.sampling)
         self.reasoning_end = (
-            tokenizer.encode(end, add_special_tokens=False)
-            if reasoning_parser or self.harmony
+            tokenizer.encode(reasoning.END_TAG, add_special_tokens=False)
+            if self.reasoning_parser
             else []
         )
         tokenizer.min_tokens_for("")  # measure the vocabulary now, not in a request
@@ -212,16 +209,6 @@ class Preprocessor:
             reasoning.mode_for(self.reasoning_parser, prompt),
             reasoning.engine_spec(prompt, self.reasoning_end),
         )
-
-    def harmony_reasoning(self, constraint: StructuredOutputs | None) -> Reasoning | None:
-        """Where a harmony reply's constraint starts: after the final channel's header
-        (``<|channel|>final<|message|>``), as vLLM's ``openai_gptoss`` parser has it; a
-        grammar that writes harmony's markers itself constrains the whole reply."""
-        if constraint is None:
-            return None
-        if constraint.grammar is not None and any(m in constraint.grammar for m in MARKERS):
-            return None
-        return Reasoning(end_token_ids=list(self.reasoning_end))
 
     def completion(self, req: CompletionRequest, trace_id: str = "") -> list[list[int]]:
         """The request's prompts (``prompt`` is a string, a list of strings, a list of

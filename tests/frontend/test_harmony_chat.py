@@ -63,6 +63,13 @@ def test_system_message_tools_and_effort() -> None:
     assert text.endswith("<|start|>user<|message|>1+2?<|end|><|start|>assistant")
 
 
+def test_a_developer_message_is_the_instructions() -> None:
+    msgs = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    assert conversation(msgs, [], None, DAY)[1] == Message(
+        "developer", DeveloperContent("Be terse.")
+    )
+
+
 def test_no_developer_message_without_instructions_or_tools() -> None:
     out = conversation([{"role": "user", "content": "hi"}], [], None, DAY)
     assert [m.role for m in out] == ["system", "user"]
@@ -112,6 +119,8 @@ def test_bad_input_names_the_problem() -> None:
         conversation(user, [], "minimal", DAY)
     with pytest.raises(ValueError, match=r"messages\[0\]: only text"):
         conversation([{"role": "user", "content": [{"type": "image"}]}], [], None, DAY)
+    with pytest.raises(ValueError, match=r"messages\[0\]: unknown role 'robot'"):
+        conversation([{"role": "robot", "content": "hi"}], [], None, DAY)
     with pytest.raises(ValueError, match=r"messages\[1\]: tool_call_id names no call"):
         conversation([*user, {"role": "tool", "tool_call_id": "x", "content": "3"}], [], None, DAY)
 
