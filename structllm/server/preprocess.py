@@ -20,6 +20,7 @@ import msgspec
 
 from structllm import reasoning, structured, tools
 from structllm.harmony import chat as harmony_chat
+from structllm.harmony.render import START
 from structllm.multimodal import prompt as image_prompt
 from structllm.multimodal.processor import ImageProcessor
 from structllm.protocol import ImageInput, Reasoning, StructuredOutputs
@@ -180,7 +181,7 @@ class Preprocessor:
             param = "reasoning_effort" if "reasoning_effort" in str(e) else "messages"
             raise APIError(400, str(e), param=param) from None
         if not req.add_generation_prompt:  # the conversation alone
-            text = text.removesuffix("<|start|>assistant")
+            text = text.removesuffix(START + "assistant")
         self.tracer.event("rendered", trace_id, chars=len(text))
         ids = self.encode(text, add_special_tokens=False, param="messages")
         self.tracer.event("tokenized", trace_id, tokens=len(ids))
@@ -204,7 +205,7 @@ class Preprocessor:
         """With a reasoning parser: where the output of the chat ``prompt`` (its text)
         starts, and what the engine is told of it; ``None`` without a parser."""
         if self.reasoning_parser is None:
-            return None  # (harmony: harmony_reasoning)
+            return None  # (harmony: harmony.sampling)
         return (
             reasoning.mode_for(self.reasoning_parser, prompt),
             reasoning.engine_spec(prompt, self.reasoning_end),

@@ -169,3 +169,30 @@ def test_uses_harmony_needs_gpt_oss_and_every_marker() -> None:
     assert uses_harmony("gpt-oss", every.get)  # a GGUF file's architecture
     assert not uses_harmony("llama", every.get)
     assert not uses_harmony("gpt_oss", {**every, "<|call|>": None}.get)
+
+
+def test_harmony_sampling_stops_at_calls_and_constrains_the_final_message(
+    default_files,  # type: ignore[no-untyped-def]
+    tmp_path,
+) -> None:
+    from structllm.harmony.sampling import for_harmony
+    from structllm.protocol import Reasoning, SamplingParams, StructuredOutputs
+    from structllm.tokenizer import Tokenizer
+    from tests.support.checkpoints import write_tokenizer_with
+    from tests.support.models import HARMONY_TOKENS
+
+    tok = Tokenizer(
+        str(write_tokenizer_with(default_files, tmp_path, HARMONY_TOKENS)),
+        default_files.tokenizer_meta,
+    )
+    call, ret = tok.token_id("<|call|>"), tok.token_id("<|return|>")
+    free = for_harmony(SamplingParams(stop_token_ids=[7, ret]), tok)  # type: ignore[list-item]
+    assert free.stop_token_ids == [7, ret, call] and free.reasoning is None
+    # a JSON answer: constrained after the final channel's header
+    json_spec = StructuredOutputs(json={"type": "object"})
+    answer = for_harmony(SamplingParams(structured_outputs=json_spec), tok)
+    header = tok.encode("<|channel|>final<|message|>", add_special_tokens=False)
+    assert answer.reasoning == Reasoning(end_token_ids=header)
+    # a grammar over harmony's markers: the whole reply
+    grammar = StructuredOutputs(grammar='start: <|channel|> "final" <|message|> "hi"')
+    assert for_harmony(SamplingParams(structured_outputs=grammar), tok).reasoning is None
