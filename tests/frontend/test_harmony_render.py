@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,108 @@ def test_tool_response_message() -> None:
 def test_a_tool_message_needs_its_name() -> None:
     with pytest.raises(ValueError, match="tool's name"):
         render_conversation([Message("tool", "{}")])
+
+
+# openai-harmony's built-in tool namespaces (its src/chat.rs), as test data: prose and
+# `//` descriptions, a union type, boolean and numeric defaults
+BROWSER = ToolNamespace(
+    "browser",
+    "Tool for browsing.\nThe `cursor` appears in brackets before each browsing display: "
+    "`[{cursor}]`.\nCite information from the tool using the following format:\n"
+    "`【{cursor}†L{line_start}(-L{line_end})?】`, for example: `【6†L9-L11】` or `【8†L3】`.\n"
+    "Do not quote more than 10 words directly from the tool output.\nsources=web (default: web)",
+    (
+        ToolDescription(
+            "search",
+            "Searches for information related to `query` and displays `topn` results.",
+            {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "topn": {"type": "number", "default": 10},
+                    "source": {"type": "string"},
+                },
+                "required": ["query"],
+            },
+        ),
+        ToolDescription(
+            "open",
+            "\n".join(
+                [
+                    "Opens the link `id` from the page indicated by `cursor` starting at line "
+                    "number `loc`, showing `num_lines` lines.",
+                    "Valid link ids are displayed with the formatting: `【{id}†.*】`.",
+                    "If `cursor` is not provided, the most recent page is implied.",
+                    "If `id` is a string, it is treated as a fully qualified URL associated with "
+                    "`source`.",
+                    "If `loc` is not provided, the viewport will be positioned at the beginning "
+                    "of the document or centered on the most relevant passage, if available.",
+                    "Use this function without `id` to scroll to a new location of an opened page.",
+                ]
+            ),
+            {
+                "type": "object",
+                "properties": {
+                    "id": {"type": ["number", "string"], "default": -1},
+                    "cursor": {"type": "number", "default": -1},
+                    "loc": {"type": "number", "default": -1},
+                    "num_lines": {"type": "number", "default": -1},
+                    "view_source": {"type": "boolean", "default": False},
+                    "source": {"type": "string"},
+                },
+            },
+        ),
+        ToolDescription(
+            "find",
+            "Finds exact matches of `pattern` in the current page, or the page given by `cursor`.",
+            {
+                "type": "object",
+                "properties": {
+                    "pattern": {"type": "string"},
+                    "cursor": {"type": "number", "default": -1},
+                },
+                "required": ["pattern"],
+            },
+        ),
+    ),
+)
+PYTHON = ToolNamespace(
+    "python",
+    "Use this tool to execute Python code in your chain of thought. The code will not be shown "
+    "to the user. This tool should be used for internal reasoning, but not for code that is "
+    "intended to be visible to the user (e.g. when creating plots, tables, or files).\n\nWhen "
+    "you send a message containing Python code to python, it will be executed in a stateful "
+    "Jupyter notebook environment. python will respond with the output of the execution or "
+    "time out after 120.0 seconds. The drive at '/mnt/data' can be used to save and persist "
+    "user files. Internet access for this session is UNKNOWN. Depends on the cluster.",
+)
+DATED = SystemContent(conversation_start_date="2025-06-28")
+
+
+def test_browser_tool_only() -> None:
+    convo = [Message("system", replace(DATED, tools=(BROWSER,)))]
+    assert render_for_completion(convo) == expected("browser_tool_only")
+
+
+def test_browser_and_python_tool() -> None:
+    # (given python first: namespaces are written in name order)
+    convo = [Message("system", replace(DATED, tools=(PYTHON, BROWSER)))]
+    assert render_for_completion(convo) == expected("browser_and_python_tool")
+
+
+def test_browser_and_function_tool() -> None:
+    weather = ToolDescription(
+        "lookup_weather",
+        "Use this tool to lookup the weather in a given location. Call it with the parameter "
+        "'location', can be any textual description of a location.",
+        {
+            "type": "object",
+            "properties": {"location": {"type": "string"}},
+            "required": ["location"],
+        },
+    )
+    convo = [
+        Message("system", replace(DATED, tools=(BROWSER,))),
+        Message("developer", DeveloperContent(tools=functions(weather))),
+    ]
+    assert render_for_completion(convo) == expected("browser_and_function_tool")
