@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from structllm.harmony.parser import HarmonyParser
+from structllm.harmony.parser import HarmonyParser, merged
 from structllm.protocol import ImageInput, SamplingParams, TokenLogprobs
 from structllm.reasoning import Mode, ReasoningParser
 from structllm.tokenizer import Detokenizer, Tokenizer
@@ -123,7 +123,7 @@ class SequenceState:
                 self._calls += calls
             update.text += tail
         if self.harmony is not None:
-            update.tool_calls, self._calls = _joined(self._calls), []
+            update.tool_calls, self._calls = merged(self._calls), []
             if self.finish_reason == "stop" and self.harmony.calls:
                 self.finish_reason = "tool_calls"
         if self.tools is not None:
@@ -201,20 +201,6 @@ class SequenceState:
             if stopped:
                 break
         return "".join(reasoning), "".join(content), stopped, used
-
-
-def _joined(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Consecutive pieces of one call as one delta (an announcement takes the text
-    after it)."""
-    out: list[ToolCallDelta] = []
-    for d in deltas:
-        if out and out[-1].index == d.index and d.id is None:
-            out[-1] = ToolCallDelta(
-                d.index, out[-1].arguments + d.arguments, out[-1].id, out[-1].name
-            )
-        else:
-            out.append(d)
-    return out
 
 
 def fan_out(

@@ -142,7 +142,7 @@ class HarmonyParser:
             self._finish(out, deltas)
         self.reasoning += out["reasoning"]
         self.content += out["content"]
-        return out["reasoning"], out["content"], _merged(deltas)
+        return out["reasoning"], out["content"], merged(deltas)
 
     def _feed_header(self, buf: str, deltas: list[ToolCallDelta]) -> str:
         # search only where a marker can newly be (a long header stays linear)
@@ -243,8 +243,9 @@ def _partial_marker(text: str) -> int:
     return len(tail) if any(m.startswith(tail) for m in ENDS) else 0
 
 
-def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """One delta per call and feed: the announcement takes the call's first text."""
+def merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call as one delta (an announcement takes the text
+    after it): one delta per call and feed."""
     out: list[ToolCallDelta] = []
     for d in deltas:
         if out and out[-1].index == d.index and d.id is None:
