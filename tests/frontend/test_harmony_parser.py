@@ -201,3 +201,15 @@ def test_a_header_without_a_body_is_dropped() -> None:
         "<|channel|>final<|message|>B"
     )
     assert parse([text])[:3] == ("", "AB", [])
+
+
+def test_every_three_way_split_of_a_short_reply() -> None:
+    text = (
+        "<|channel|>analysis<|message|>a<|end|><|start|>assistant to=functions.f"
+        "<|channel|>commentary<|message|>{}<|call|>"
+    )
+    whole = parse([text])[:3]
+    assert whole == ("a", "", [("f", "{}")])
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            assert parse([text[:i], text[i:j], text[j:]])[:3] == whole, (i, j)

@@ -142,3 +142,9 @@ def test_harmony_sequence_splits_reasoning_calls_and_counts_reasoning_tokens(
     # reasoning tokens: the analysis message's from its <|message|> through its body
     header = tok.encode("<|channel|>analysis", add_special_tokens=False)
     assert seq.num_reasoning_tokens == len(analysis) - len(header)
+    # the whole reply in one engine delta: the same split
+    [once] = fan_out([[1]], SamplingParams(), tok, lambda pi, j: "r", harmony=HarmonyParser)
+    u = once.process(ids, None, "stop", call_id, 0)
+    assert (u.reasoning, u.text, u.finish_reason) == ("Need the tool.", "", "tool_calls")
+    assert [(d.name, d.arguments) for d in u.tool_calls] == [("f", '{"a": 1}')]
+    assert once.num_reasoning_tokens == seq.num_reasoning_tokens
