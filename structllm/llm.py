@@ -20,6 +20,7 @@ from structllm.engine.core import EngineCore
 from structllm.harmony import chat as harmony_chat
 from structllm.harmony import uses_harmony
 from structllm.harmony.parser import HarmonyParser
+from structllm.harmony.render import encode_parts
 from structllm.harmony.sampling import for_harmony
 from structllm.model.files import generation_defaults, model_path
 from structllm.model.loader import prepare_model
@@ -134,6 +135,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_files(files)
         if parser is None and uses_harmony(files.config.architecture, self.tokenizer.token_id):
             self.harmony = True
+        elif self.harmony and not uses_harmony("gpt_oss", self.tokenizer.token_id):
+            raise ValueError("reasoning_parser='openai_gptoss' needs harmony's tokens")
         self._defaults = generation_defaults(files, self.config.generation_config)
         path = model_path(model)  # a checkpoint's image processor (None: text only)
         self.image_processor: ImageProcessor | None
@@ -358,10 +361,12 @@ class LLM:
         offered = req.tools if req is not None and req.calls_allowed else []
         today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
         effort = kwargs.get("reasoning_effort")
+        tok = self.tokenizer
         encoded = [
-            self.tokenizer.encode(
-                harmony_chat.prompt([dict(m) for m in chat], offered, effort, today),
-                add_special_tokens=False,
+            encode_parts(
+                harmony_chat.prompt_parts([dict(m) for m in chat], offered, effort, today),
+                tok.token_id,
+                tok.encode_plain,
             )
             for chat in chats
         ]

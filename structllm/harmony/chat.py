@@ -29,7 +29,7 @@ from structllm.harmony.render import (
     SystemContent,
     ToolDescription,
     ToolNamespace,
-    render_for_completion,
+    completion_parts,
 )
 
 JSON = "<|constrain|>json"
@@ -131,13 +131,22 @@ def drop_finished_analysis(messages: list[Message]) -> list[Message]:
     return [m for i, m in enumerate(messages) if not (i < last and m.channel == "analysis")]
 
 
+def prompt_parts(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    effort: str | None,
+    today: str,
+) -> list[str]:
+    """The prompt, then ``<|start|>assistant``, as text and markers
+    (``render.encode_parts`` tokenizes it)."""
+    return completion_parts(conversation(messages, tools, effort, today), auto_drop_analysis=False)
+
+
 def prompt(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],
     effort: str | None,
     today: str,
 ) -> str:
-    """The prompt text: the conversation, then ``<|start|>assistant``."""
-    return render_for_completion(
-        conversation(messages, tools, effort, today), auto_drop_analysis=False
-    )
+    """The prompt's text."""
+    return "".join(prompt_parts(messages, tools, effort, today))

@@ -11,20 +11,30 @@ parameters written by ``typescript.to_typescript``). A prompt for a completion e
 ``<|start|>assistant``.
 
 Byte-equal to openai-harmony's renderings in its ``test-data`` (``tests/frontend/
-test_harmony_render.py``). The markers are special tokens of gpt-oss's vocabulary; the
-text is tokenized with them as such (``Tokenizer.encode``, as any chat template's).
+test_harmony_render.py``). A rendering is also a list of parts (``*_parts``): text, and
+``Marker``s, the special tokens of gpt-oss's vocabulary; ``encode_parts`` tokenizes it as
+openai-harmony does, so a marker spelled in a message's text stays text.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from structllm.harmony.typescript import to_typescript
 
-START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
-CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
+
+class Marker(str):
+    """One of harmony's markers (a special token) among a rendering's parts, which are
+    otherwise text (plain ``str``)."""
+
+    __slots__ = ()
+
+
+START, END, MESSAGE = Marker("<|start|>"), Marker("<|end|>"), Marker("<|message|>")
+CHANNEL, CONSTRAIN = Marker("<|channel|>"), Marker("<|constrain|>")
+RETURN, CALL = Marker("<|return|>"), Marker("<|call|>")
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 EFFORTS = ("low", "medium", "high")
 MODEL_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
@@ -142,8 +152,9 @@ def _developer_text(dev: DeveloperContent) -> str:
     return "\n\n".join(sections)
 
 
-def render_message(msg: Message, has_function_tools: bool = False) -> str:
-    """One message, from ``<|start|>`` to its ``<|end|>`` (or ``<|call|>``)."""
+def message_parts(msg: Message, has_function_tools: bool = False) -> list[str]:
+    """One message, from ``<|start|>`` to its ``<|end|>`` (or ``<|call|>``), as text
+    and ``Marker``s."""
     if msg.role == "tool":
         if not msg.name:
             raise ValueError("a tool's message needs the tool's name")
@@ -152,10 +163,18 @@ def render_message(msg: Message, has_function_tools: bool = False) -> str:
         head = msg.role + (f":{msg.name}" if msg.name else "")
     if msg.recipient is not None and msg.recipient != "all":
         head += f" to={msg.recipient}"
+    parts: list[str] = [START, head]
     if msg.channel is not None:
-        head += CHANNEL + msg.channel
-    if msg.content_type is not None:
-        head += " " + msg.content_type
+        parts += [CHANNEL, msg.channel]
+    if msg.content_type is not None:  # <|constrain|> as its token, as harmony writes it
+        rest = msg.content_type.removeprefix(CONSTRAIN)
+        parts += [" ", CONSTRAIN, rest] if rest != msg.content_type else [" " + rest]
+    body = _body(msg, has_function_tools)
+    end = CALL if msg.role == "assistant" and msg.recipient is not None else END
+    return [p for p in (*parts, MESSAGE, body, end) if p]
+
+
+def _body(msg: Message, has_function_tools: bool) -> str:
     if isinstance(msg.content, SystemContent):
         if msg.role != "system":
             raise ValueError(f"system content in a {msg.role} message")
@@ -166,8 +185,12 @@ def render_message(msg: Message, has_function_tools: bool = False) -> str:
         body = _developer_text(msg.content)
     else:
         body = msg.content
-    end = CALL if msg.role == "assistant" and msg.recipient is not None else END
-    return START + head + MESSAGE + body + end
+    return body
+
+
+def render_message(msg: Message, has_function_tools: bool = False) -> str:
+    """One message's text."""
+    return "".join(message_parts(msg, has_function_tools))
 
 
 def _has_function_tools(messages: Sequence[Message]) -> bool:
@@ -178,7 +201,7 @@ def _has_function_tools(messages: Sequence[Message]) -> bool:
     )
 
 
-def render_conversation(messages: Sequence[Message], auto_drop_analysis: bool = True) -> str:
+def conversation_parts(messages: Sequence[Message], auto_drop_analysis: bool = True) -> list[str]:
     """The messages in order. ``auto_drop_analysis`` (harmony's option): when the last
     assistant message is on the ``final`` channel, the ``analysis`` messages before the
     first ``final`` one are left out (a finished answer's chain of thought)."""
@@ -187,15 +210,51 @@ def render_conversation(messages: Sequence[Message], auto_drop_analysis: bool = 
     drop_before = -1
     if auto_drop_analysis and last is not None and last.channel == "final":
         drop_before = next(i for i, m in enumerate(messages) if m.channel == "final")
-    return "".join(
-        render_message(m, tools)
+    return [
+        part
         for i, m in enumerate(messages)
         if not (i < drop_before and m.channel == "analysis")
-    )
+        for part in message_parts(m, tools)
+    ]
+
+
+def completion_parts(
+    messages: Sequence[Message], next_role: str = "assistant", auto_drop_analysis: bool = True
+) -> list[str]:
+    """The conversation, then ``<|start|>`` and the role of the turn to be sampled."""
+    return [*conversation_parts(messages, auto_drop_analysis), START, next_role]
+
+
+def render_conversation(messages: Sequence[Message], auto_drop_analysis: bool = True) -> str:
+    return "".join(conversation_parts(messages, auto_drop_analysis))
 
 
 def render_for_completion(
     messages: Sequence[Message], next_role: str = "assistant", auto_drop_analysis: bool = True
 ) -> str:
-    """The conversation, then ``<|start|>`` and the role of the turn to be sampled."""
-    return render_conversation(messages, auto_drop_analysis) + START + next_role
+    return "".join(completion_parts(messages, next_role, auto_drop_analysis))
+
+
+def encode_parts(
+    parts: Sequence[str],
+    token_id: Callable[[str], int | None],
+    encode_text: Callable[[str], list[int]],
+) -> list[int]:
+    """A rendering's token ids: each ``Marker`` its special token (``ValueError`` if the
+    vocabulary has none), each run of text ``encode_text``'s ids, in which a marker's
+    spelling is text (as openai-harmony tokenizes text: a message cannot forge a header)."""
+    ids: list[int] = []
+    run: list[str] = []
+    for part in (*parts, None):
+        if part is not None and not isinstance(part, Marker):
+            run.append(part)
+            continue
+        if run:
+            ids += encode_text("".join(run))
+            run = []
+        if part is not None:
+            token = token_id(part)
+            if token is None:
+                raise ValueError(f"harmony's {part} is not a token of this vocabulary")
+            ids.append(token)
+    return ids

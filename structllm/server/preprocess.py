@@ -20,7 +20,7 @@ import msgspec
 
 from structllm import reasoning, structured, tools
 from structllm.harmony import chat as harmony_chat
-from structllm.harmony.render import START
+from structllm.harmony.render import encode_parts
 from structllm.multimodal import prompt as image_prompt
 from structllm.multimodal.processor import ImageProcessor
 from structllm.protocol import ImageInput, Reasoning, StructuredOutputs
@@ -176,14 +176,20 @@ class Preprocessor:
         effort = req.reasoning_effort if isinstance(req, ChatCompletionRequest) else None
         today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
         try:
-            text = harmony_chat.prompt(chat_messages(req.messages), offered, effort, today)
+            parts = harmony_chat.prompt_parts(chat_messages(req.messages), offered, effort, today)
         except ValueError as e:
             param = "reasoning_effort" if "reasoning_effort" in str(e) else "messages"
             raise APIError(400, str(e), param=param) from None
         if not req.add_generation_prompt:  # the conversation alone
-            text = text.removesuffix(START + "assistant")
+            parts = parts[:-2]  # (without <|start|>assistant)
+        text = "".join(parts)
         self.tracer.event("rendered", trace_id, chars=len(text))
-        ids = self.encode(text, add_special_tokens=False, param="messages")
+        self.check_fits(text, "messages")
+        tok = self.tokenizer
+        try:  # (a marker spelled in a message's text stays text)
+            ids = encode_parts(parts, tok.token_id, tok.encode_plain)
+        except Exception as e:  # e.g. lone surrogates from JSON escapes
+            raise APIError(400, f"the text cannot be tokenized: {e}", param="messages") from None
         self.tracer.event("tokenized", trace_id, tokens=len(ids))
         return text, ids, []
 
@@ -314,6 +320,15 @@ class Preprocessor:
     def encode(
         self, text: str, add_special_tokens: bool = True, param: str = "prompt"
     ) -> list[int]:
+        self.check_fits(text, param)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # e.g. lone surrogates from JSON escapes
+            raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
+
+    def check_fits(self, text: str, param: str) -> None:
+        """400 (``context_length_exceeded``) for text that cannot fit in the context even
+        if every token were the vocabulary's longest."""
         least = self.tokenizer.min_tokens_for(text)
         if self.max_model_len is not None and least >= self.max_model_len:
             raise APIError(
@@ -323,10 +338,6 @@ class Preprocessor:
                 param=param,
                 code="context_length_exceeded",
             )
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except Exception as e:  # e.g. lone surrogates from JSON escapes
-            raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
 
 
 def _prompt_items(prompt: str | list[Any]) -> list[Any]:

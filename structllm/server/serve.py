@@ -31,6 +31,7 @@ import msgspec
 
 from structllm.client import EngineClient, EngineDeadError
 from structllm.harmony import uses_harmony
+from structllm.harmony.render import MARKERS
 from structllm.ipc import shm
 from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
@@ -122,6 +123,12 @@ def make_app(
         and config.reasoning_parser is None
         and config.chat_template is None
     )
+    wanted = config.tool_call_parser == "openai" or config.reasoning_parser == "openai_gptoss"
+    if wanted and not all(tokenizer.token_id(m) is not None for m in MARKERS):
+        raise ValueError(
+            "the harmony format (--tool-call-parser openai, --reasoning-parser openai_gptoss) "
+            f"needs its markers as tokens; this vocabulary lacks some of {' '.join(MARKERS)}"
+        )
     if auto and uses_harmony(files.config.architecture, tokenizer.token_id):
         config = dataclasses.replace(
             config, tool_call_parser="openai", reasoning_parser="openai_gptoss"

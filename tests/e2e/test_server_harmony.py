@@ -246,3 +246,18 @@ def test_bad_effort_and_forced_tool_choice_are_400s(
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, ASK, FINAL_GRAMMAR, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_harmony_asked_of_a_vocabulary_without_its_tokens_stops_the_cli(default_files) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from tests.support.models import tiny_family_dir
+    from tests.support.procs import HANG_S, ROOT
+
+    path = str(tiny_family_dir("gpt_oss", default_files))  # the default model's vocabulary
+    for flag in (["--tool-call-parser", "openai"], ["--reasoning-parser", "openai_gptoss"]):
+        cmd = [sys.executable, "-m", "structllm", "run", path, *flag]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=HANG_S)
+        err = proc.stderr.decode()
+        assert proc.returncode == 2 and "needs its markers as tokens" in err, err
