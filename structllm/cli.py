@@ -489,17 +489,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "generic"],
+        choices=["auto", "hermes", "generic", "openai"],
         default=d("tool_call_parser"),
-        help="how tools are prompted and calls parsed (default %(default)s: hermes if the chat "
-        "template renders tools with <tool_call> tags, else a generic JSON envelope)",
+        help="how tools are prompted and calls parsed (default %(default)s: gpt-oss's harmony "
+        "(openai) for gpt-oss, hermes if the chat template renders tools with <tool_call> "
+        "tags, else a generic JSON envelope)",
     )
     r.add_argument(
         "--reasoning-parser",
-        choices=list(PARSERS),
+        choices=[*PARSERS, "openai_gptoss"],
         default=None,
         help="split the model's <think>...</think> part of a chat reply into "
-        "reasoning_content (default: off)",
+        "reasoning_content (openai_gptoss: gpt-oss's harmony analysis channel; default: off, "
+        "or openai_gptoss for gpt-oss)",
     )
     r.add_argument(
         "--responses-store",

@@ -6,9 +6,10 @@ detokenizer and stop-string handling as the front end.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -16,6 +17,11 @@ import msgspec
 
 from structllm.config import EngineConfig, hf_overrides, speculative_config
 from structllm.engine.core import EngineCore
+from structllm.harmony import chat as harmony_chat
+from structllm.harmony import uses_harmony
+from structllm.harmony.parser import HarmonyParser
+from structllm.harmony.render import encode_parts
+from structllm.harmony.sampling import for_harmony
 from structllm.model.files import generation_defaults, model_path
 from structllm.model.loader import prepare_model
 from structllm.multimodal.mmproj import pair_processor
@@ -101,13 +107,17 @@ class LLM:
 
     ``reasoning_parser="deepseek_r1"`` or ``"qwen3"`` (``structllm.reasoning``): ``chat``
     splits each reply's ``<think>`` part into ``CompletionOutput.reasoning_content``, and
-    a constraint applies to the answer after it.
+    a constraint applies to the answer after it. gpt-oss (its vocabulary with harmony's
+    markers), or ``reasoning_parser="openai_gptoss"``: ``chat`` renders and parses the
+    harmony format as the server does (``structllm.harmony``; ``chat_template_kwargs``'
+    ``reasoning_effort`` as gpt-oss's own template takes it).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         parser = engine_kwargs.pop("reasoning_parser", None)
         max_image_pixels = int(engine_kwargs.pop("max_image_pixels", DEFAULT_MAX_PIXELS))
-        self.reasoning_parser = None if parser is None else check_parser(parser)
+        self.harmony = parser == "openai_gptoss"
+        self.reasoning_parser = None if parser is None or self.harmony else check_parser(parser)
         if (
             engine_kwargs.get("trace") is True
         ):  # trace=True: the default file, in the working directory
@@ -123,6 +133,10 @@ class LLM:
         if files.template_note is not None:  # a GGUF file without a chat template
             sys.stderr.write(f"structllm: {files.template_note}\n")
         self.tokenizer = Tokenizer.from_files(files)
+        if parser is None and uses_harmony(files.config.architecture, self.tokenizer.token_id):
+            self.harmony = True
+        elif self.harmony and not uses_harmony("gpt_oss", self.tokenizer.token_id):
+            raise ValueError("reasoning_parser='openai_gptoss' needs harmony's tokens")
         self._defaults = generation_defaults(files, self.config.generation_config)
         path = model_path(model)  # a checkpoint's image processor (None: text only)
         self.image_processor: ImageProcessor | None
@@ -187,6 +201,7 @@ class LLM:
         modes: Sequence[Mode | None] | None = None,
         images: Sequence[list[ImageInput]] | None = None,
         priorities: Sequence[int] | None = None,
+        harmony: Callable[[], HarmonyParser] | None = None,
     ) -> list[RequestOutput]:
         priorities = priorities or [0] * len(items)
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
@@ -220,7 +235,8 @@ class LLM:
                 tools,
                 mode,
                 [prompt_images],
-                prio,
+                priority=prio,
+                harmony=harmony,
             )
             for seq in seqs:
                 res.outputs.append(
@@ -271,6 +287,8 @@ class LLM:
                         if seq.reasoning is not None and seq.reasoning.has_reasoning:
                             out.reasoning_content = seq.reasoning.reasoning
                             out.num_reasoning_tokens = seq.num_reasoning_tokens
+                        if seq.harmony is not None:
+                            _harmony_result(out, seq)
                         del live[seq.request_id]
         finally:
             if live:  # interrupted: leave nothing running in the engine
@@ -299,6 +317,9 @@ class LLM:
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
         kwargs = check_template_kwargs(chat_template_kwargs)
+        if self.harmony:
+            choice = (tools, tool_choice, parallel_tool_calls)
+            return self._chat_harmony(chats, sampling_params, choice, kwargs)
         fmt = detect_format(self.tokenizer.meta.chat_template)
         try:
             req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
@@ -332,6 +353,47 @@ class LLM:
             modes.append(mode_for(self.reasoning_parser, text))
             params[i] = msgspec.structs.replace(params[i], reasoning=engine_spec(text, end_ids))
         return self._run(chats, encoded, params, req, modes, images)
+
+    def _chat_harmony(
+        self,
+        chats: list[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        choice: tuple[Sequence[Mapping[str, Any]] | None, Any, bool | None],
+        kwargs: dict[str, Any],
+    ) -> list[RequestOutput]:
+        """``chat`` in gpt-oss's harmony format (``structllm.harmony``), as the server's
+        chat path: the prompt of ``harmony.chat`` (today's date in UTC), free calls
+        (``tool_choice`` ``auto`` or ``none``), one ``HarmonyParser`` per sequence."""
+        try:
+            req = tool_request(*choice, "openai")
+        except ToolError as e:
+            raise ValueError(str(e)) from None
+        if req is not None and req.forced:
+            raise ValueError(f"tool_choice {req.choice!r} is not supported with harmony")
+        offered = req.tools if req is not None and req.calls_allowed else []
+        today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+        effort = kwargs.get("reasoning_effort")
+        tok = self.tokenizer
+        encoded = [
+            encode_parts(
+                harmony_chat.prompt_parts([dict(m) for m in chat], offered, effort, today),
+                tok.token_id,
+                tok.encode_plain,
+            )
+            for chat in chats
+        ]
+        default = self.get_default_sampling_params()
+        params = [
+            for_harmony(sp, self.tokenizer)
+            for sp in _as_params_list(sampling_params, len(chats), default)
+        ]
+        names = frozenset(t["function"]["name"] for t in req.tools) if req else frozenset()
+        allowed = req is not None and req.calls_allowed
+
+        def parser() -> HarmonyParser:
+            return HarmonyParser(names, allowed)
+
+        return self._run(chats, encoded, params, harmony=parser)
 
     def _chat_prompt(
         self, chat: Sequence[Message], req: ToolRequest | None, fmt: Any, kwargs: dict[str, Any]
@@ -378,6 +440,15 @@ class LLM:
         if prompt and isinstance(prompt[0], Mapping):
             return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
         return [int(t) for t in prompt]  # type: ignore[arg-type]
+
+
+def _harmony_result(out: CompletionOutput, seq: SequenceState) -> None:
+    """A finished harmony sequence's answer, calls and reasoning in ``out``."""
+    assert seq.harmony is not None
+    out.text = seq.harmony.content
+    out.tool_calls = seq.harmony.calls or None
+    out.reasoning_content = seq.harmony.reasoning if seq.harmony.has_reasoning else None
+    out.num_reasoning_tokens = seq.num_reasoning_tokens
 
 
 def _is_single(p: Any) -> bool:

@@ -10,6 +10,8 @@ of the detokenizer. With tools, a ``ToolCallParser`` splits each sequence's text
 content and tool calls (``structllm.tools``), and a reply that ends with calls finishes
 with ``tool_calls``. With a reasoning parser (``structllm.reasoning``) the text is first
 split into the reasoning part and the answer; tool calls are parsed from the answer only.
+gpt-oss's harmony output has one parser for both (``structllm.harmony.parser``), fed
+the text with its special tokens (its channel markers).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from structllm.harmony.parser import HarmonyParser, merged
 from structllm.protocol import ImageInput, SamplingParams, TokenLogprobs
 from structllm.reasoning import Mode, ReasoningParser
 from structllm.tokenizer import Detokenizer, Tokenizer
@@ -72,7 +75,9 @@ class SequenceState:
     num_reasoning_tokens: int = 0
     images: list[ImageInput] = field(default_factory=list)  # the prompt's, for AddRequest
     priority: int = 0  # for AddRequest (lower runs earlier under the priority policy)
+    harmony: HarmonyParser | None = None  # instead of ``tools`` and ``reasoning``
     _undecided_tokens: int = 0  # fed before the parser knew whether they are reasoning
+    _calls: list[ToolCallDelta] = field(default_factory=list)  # harmony's, not yet out
 
     @property
     def finished(self) -> bool:
@@ -113,7 +118,15 @@ class SequenceState:
             if self.reasoning is not None:
                 r, tail = self.reasoning.feed(tail, final=True)
                 update.reasoning += r
+            elif self.harmony is not None:
+                r, tail, calls = self.harmony.feed(tail, final=True)
+                update.reasoning += r
+                self._calls += calls
             update.text += tail
+        if self.harmony is not None:
+            update.tool_calls, self._calls = merged(self._calls), []
+            if self.finish_reason == "stop" and self.harmony.calls:
+                self.finish_reason = "tool_calls"
         if self.tools is not None:
             update.text, update.tool_calls = self.tools.feed(
                 update.text,
@@ -144,6 +157,8 @@ class SequenceState:
         """New text as ``(reasoning, answer, stopped, tokens used)``. While the reasoning
         part may still be running, tokens go through the detokenizer one at a time, so
         that each is counted in ``num_reasoning_tokens`` or not."""
+        if self.harmony is not None:
+            return self._detokenize_harmony(token_ids)
         parser = self.reasoning
         if parser is None:
             text, stopped, used = self._add(token_ids)
@@ -170,6 +185,24 @@ class SequenceState:
                 break
         return "".join(reasoning), "".join(content), stopped, used
 
+    def _detokenize_harmony(self, token_ids: list[int]) -> tuple[str, str, bool, int]:
+        """``_detokenize`` through the harmony parser, one token at a time: a token
+        that ends inside an analysis message (or gave reasoning) is a reasoning token."""
+        assert self.harmony is not None
+        reasoning, content, stopped, used = [], [], False, 0
+        for t in token_ids:
+            text, stopped = self.detok.add([t])
+            used += 1
+            r, c, calls = self.harmony.feed(text)
+            reasoning.append(r)
+            content.append(c)
+            self._calls += calls
+            if r or self.harmony.in_reasoning:
+                self.num_reasoning_tokens += 1
+            if stopped:
+                break
+        return "".join(reasoning), "".join(content), stopped, used
+
 
 def fan_out(
     prompts: Sequence[list[int]],
@@ -180,6 +213,7 @@ def fan_out(
     reasoning: Mode | None = None,
     images: Sequence[list[ImageInput]] = (),
     priority: int = 0,
+    harmony: Callable[[], HarmonyParser] | None = None,
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
@@ -188,7 +222,9 @@ def fan_out(
     the engine requests. With ``tools`` that allow calls, each sequence parses its
     calls; with ``reasoning`` (where its output starts), each splits off its reasoning
     part. ``images[pi]``: prompt ``pi``'s images (none if absent). Every engine request
-    gets ``priority``."""
+    gets ``priority``. ``harmony`` makes each sequence's harmony parser (gpt-oss: it
+    parses reasoning and calls both), and its text keeps the special tokens that
+    parser reads."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -198,9 +234,8 @@ def fan_out(
                 seed = None if sampling.seed is None else sampling.seed + j
                 scored = sampling.prompt_logprobs if j == 0 else None
                 sp = msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=scored)
-            detok = Detokenizer(
-                tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens
-            )
+            skip = sp.skip_special_tokens and harmony is None
+            detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, skip)
             parser = ToolCallParser(tools) if tools is not None and tools.calls_allowed else None
             out.append(
                 SequenceState(
@@ -214,6 +249,7 @@ def fan_out(
                     reasoning=None if reasoning is None else ReasoningParser(reasoning),
                     images=list(images[pi]) if pi < len(images) else [],
                     priority=priority,
+                    harmony=harmony() if harmony is not None else None,
                 )
             )
     return out

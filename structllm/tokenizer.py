@@ -89,6 +89,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_file(tokenizer_json)
+        self._plain: HFTokenizer | None = None  # encode_plain's, made on first use
         self.path = tokenizer_json
         self.meta = meta
         ids = set(eos_token_ids)
@@ -110,6 +111,19 @@ class Tokenizer:
         return cls(str(files.tokenizer_json), files.tokenizer_meta, files.generation_eos_ids)
 
     # -- text <-> ids ----------------------------------------------------------------
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text``'s ids with no special token matched: a special token's spelling in
+        it is text (openai-harmony's ``encode_ordinary``). A second tokenizer does it (the
+        switch is the tokenizer's state, and threads share this one)."""
+        if self._plain is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_file(self.path)
+            plain.encode_special_tokens = True
+            self._plain = plain
+        ids: list[int] = self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a long prompt

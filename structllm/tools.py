@@ -3,7 +3,8 @@
 Imports neither torch nor the event loop: the front end prepares a request with it and
 the output processor parses each sequence's text through a ``ToolCallParser``.
 
-Two call formats, chosen by the chat template (``detect_format``):
+Two call formats, chosen by the chat template (``detect_format``), and gpt-oss's
+harmony (``openai``, vLLM's name: ``structllm.harmony``, which prompts and parses it):
 
 - ``hermes``, for templates that render the ``tools`` variable and write ``<tool_call>``
   (Hermes, Qwen and their family): the tools go through the template, and the model
@@ -35,8 +36,8 @@ from structllm import structured
 from structllm.protocol import StructuredOutputs
 from structllm.structured import GrammarError
 
-Format = Literal["generic", "hermes"]
-FORMATS: tuple[str, ...] = ("generic", "hermes")
+Format = Literal["generic", "hermes", "openai"]
+FORMATS: tuple[str, ...] = ("generic", "hermes", "openai")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -253,7 +254,7 @@ def constraint(req: ToolRequest) -> StructuredOutputs | None:
     first character is not ``{`` (so the first character decides the branch).
     hermes: ``required``/named -> one or more (one without ``parallel``) tagged calls;
     ``auto`` -> free, parsed afterwards."""
-    if not req.calls_allowed:
+    if not req.calls_allowed or req.format == "openai":  # harmony: free (auto only)
         return None
     name = req.choice if req.named else None
     # a named function is exactly one call of it (as OpenAI and vLLM); only required and

@@ -21,9 +21,12 @@ from contextlib import contextmanager, suppress
 from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
+import msgspec
 
 from structllm import __version__
 from structllm.client import EngineClient
+from structllm.harmony.parser import HarmonyParser
+from structllm.harmony.sampling import for_harmony
 from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats, StructuredOutputs
@@ -252,6 +255,10 @@ class App:
             self.config.max_image_pixels,
         )
 
+    @property
+    def harmony(self) -> bool:
+        return self.pre.harmony
+
     def engine(self) -> EngineClient:
         if self.client is None:
             raise APIError(503, "the engine is starting", type="service_unavailable")
@@ -380,11 +387,13 @@ class App:
         constraint = await self.constraint(req, tools)
         requested, param = rq.requested_max_tokens(req)
         max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
+        new_id = client.new_request_id
+        if self.pre.harmony:
+            return self.harmony_sequences(req, ids, max_tokens, constraint, tools, client, kind)
         mode, reasoning = self.pre.reasoning(text) or (None, None)
         sp = rq.sampling_params(
             req, max_tokens, client.ready.vocab_size, constraint, reasoning, self.sampling_defaults
         )
-        new_id = client.new_request_id
         return fan_out(
             [ids],
             sp,
@@ -394,6 +403,39 @@ class App:
             mode,
             [images],
             req.priority,
+        )
+
+    def harmony_sequences(
+        self,
+        req: rq.ChatCompletionRequest,
+        ids: list[int],
+        max_tokens: int,
+        constraint: StructuredOutputs | None,
+        tools: ToolRequest | None,
+        client: EngineClient,
+        kind: str,
+    ) -> list[SequenceState]:
+        """The chat path's sequences for gpt-oss's harmony format: ``reasoning_effort``
+        went into the prompt; ``<|call|>`` and ``<|return|>`` end the reply; one
+        ``HarmonyParser`` per sequence (``structllm.harmony``)."""
+        req = msgspec.structs.replace(req, reasoning_effort=None)  # rendered, not sampled
+        vocab = client.ready.vocab_size
+        sp = rq.sampling_params(req, max_tokens, vocab, constraint, None, self.sampling_defaults)
+        sp = for_harmony(sp, self.tokenizer)
+        names = frozenset(t["function"]["name"] for t in tools.tools) if tools else frozenset()
+        allowed = tools is not None and tools.calls_allowed
+
+        def parser() -> HarmonyParser:
+            return HarmonyParser(names, allowed)
+
+        new_id = client.new_request_id
+        return fan_out(
+            [ids],
+            sp,
+            self.tokenizer,
+            lambda _p, _j: new_id(kind),
+            priority=req.priority,
+            harmony=parser,
         )
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -22,9 +22,12 @@ class ServerConfig:
 
     ``chat_template`` replaces the model's (a file's path, or the template itself);
     ``tool_call_parser`` is how tool calls are prompted and parsed (``auto``: ``hermes``
-    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``);
+    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``;
+    ``openai``: gpt-oss's harmony, ``structllm.harmony``);
     ``reasoning_parser`` (``deepseek_r1``, ``qwen3`` or None) splits a chat reply's
-    ``<think>`` part into ``reasoning_content`` (``structllm.reasoning``).
+    ``<think>`` part into ``reasoning_content`` (``structllm.reasoning``);
+    ``openai_gptoss`` is harmony's analysis channel. A gpt-oss checkpoint with harmony's
+    tokens takes both harmony settings when neither is given (``serve.make_app``).
     ``web_ui``: serve the chat page at ``/`` (``--no-web-ui``: 404).
 
     Images (``server/vision.py``, ``server/media.py``): ``data:`` URLs always; http(s)

@@ -32,6 +32,11 @@ class ChatPipeline(Protocol):
     model_name: str
     client: EngineClient | None
 
+    @property
+    def harmony(self) -> bool:
+        """gpt-oss's harmony format: Responses reasoning items and effort reach the prompt."""
+        ...
+
     def busy(self) -> AbstractContextManager[None]:
         """Count a background run as work in flight (a graceful stop drains it)."""
         ...

@@ -5,17 +5,22 @@ every call here in a bounded worker pool, never on the event loop. Text that cou
 fit in the context even if every token were the vocabulary's longest is refused before
 it is tokenized. A chat prompt's images arrive as bytes (``vision.Vision.load``) and are
 decoded here (``images.decode_image``), hashed, expanded into the model's image tokens
-and located in the token ids (``multimodal.prompt``).
+and located in the token ids (``multimodal.prompt``). With gpt-oss's harmony format
+(``harmony``: ``--tool-call-parser openai`` or ``--reasoning-parser openai_gptoss``) the
+prompt is ``structllm.harmony.chat``'s, not the chat template's.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from structllm import reasoning, structured, tools
+from structllm.harmony import chat as harmony_chat
+from structllm.harmony.render import encode_parts
 from structllm.multimodal import prompt as image_prompt
 from structllm.multimodal.processor import ImageProcessor
 from structllm.protocol import ImageInput, Reasoning, StructuredOutputs
@@ -34,6 +39,9 @@ from structllm.trace import OFF, Tracer
 
 if TYPE_CHECKING:  # Pillow's type only
     from PIL.Image import Image
+
+
+HARMONY_PARSER = "openai_gptoss"  # vLLM's name of gpt-oss's reasoning parser
 
 
 class Preprocessor:
@@ -58,13 +66,20 @@ class Preprocessor:
         self.tracer = tracer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # gpt-oss's harmony: its own prompt, and one parser for reasoning and calls
+        self.harmony = tool_format == "openai" or reasoning_parser == HARMONY_PARSER
         # how tool calls are prompted and parsed: from the chat template unless given
-        self.tool_format = tool_format or tools.detect_format(tokenizer.meta.chat_template)
-        self.reasoning_parser = reasoning_parser
-        # the reasoning's end tag as the engine will see it generated
+        self.tool_format: tools.Format = (
+            "openai"
+            if self.harmony
+            else tool_format or tools.detect_format(tokenizer.meta.chat_template)
+        )
+        self.reasoning_parser = None if self.harmony else reasoning_parser
+        # the reasoning's end tag as the engine will see it generated (harmony's
+        # constraint start: harmony.sampling)
         self.reasoning_end = (
             tokenizer.encode(reasoning.END_TAG, add_special_tokens=False)
-            if reasoning_parser
+            if self.reasoning_parser
             else []
         )
         tokenizer.min_tokens_for("")  # measure the vocabulary now, not in a request
@@ -109,6 +124,8 @@ class Preprocessor:
         """``chat``, with the rendered prompt's text and its images (``media``: the
         bytes of its image parts in order, ``requests.image_urls``)."""
         assert req.messages is not None
+        if self.harmony:
+            return self.harmony_prompt(req, tool_req, trace_id, media)
         messages, variables = tools.prompt_messages(
             chat_messages(req.messages), tool_req, self.tool_format
         )
@@ -143,6 +160,39 @@ class Preprocessor:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 
+    def harmony_prompt(
+        self,
+        req: ChatCompletionRequest | TokenizeRequest,
+        tool_req: tools.ToolRequest | None,
+        trace_id: str,
+        media: Sequence[bytes],
+    ) -> tuple[str, list[int], list[ImageInput]]:
+        """``chat_prompt`` in the harmony format (today's date in UTC, the request's
+        ``reasoning_effort``); gpt-oss reads no images."""
+        assert req.messages is not None
+        if media:
+            raise APIError(400, "this model takes no images", param="messages")
+        offered = tool_req.tools if tool_req is not None and tool_req.calls_allowed else []
+        effort = req.reasoning_effort if isinstance(req, ChatCompletionRequest) else None
+        today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+        try:
+            parts = harmony_chat.prompt_parts(chat_messages(req.messages), offered, effort, today)
+        except ValueError as e:
+            param = "reasoning_effort" if "reasoning_effort" in str(e) else "messages"
+            raise APIError(400, str(e), param=param) from None
+        if not req.add_generation_prompt:  # the conversation alone
+            parts = parts[:-2]  # (without <|start|>assistant)
+        text = "".join(parts)
+        self.tracer.event("rendered", trace_id, chars=len(text))
+        self.check_fits(text, "messages")
+        tok = self.tokenizer
+        try:  # (a marker spelled in a message's text stays text)
+            ids = encode_parts(parts, tok.token_id, tok.encode_plain)
+        except Exception as e:  # e.g. lone surrogates from JSON escapes
+            raise APIError(400, f"the text cannot be tokenized: {e}", param="messages") from None
+        self.tracer.event("tokenized", trace_id, tokens=len(ids))
+        return text, ids, []
+
     def decode_images(self, media: Sequence[bytes]) -> list[Image]:
         out = []
         for i, data in enumerate(media):
@@ -161,7 +211,7 @@ class Preprocessor:
         """With a reasoning parser: where the output of the chat ``prompt`` (its text)
         starts, and what the engine is told of it; ``None`` without a parser."""
         if self.reasoning_parser is None:
-            return None
+            return None  # (harmony: harmony.sampling)
         return (
             reasoning.mode_for(self.reasoning_parser, prompt),
             reasoning.engine_spec(prompt, self.reasoning_end),
@@ -226,6 +276,15 @@ class Preprocessor:
         error = tools.validate_tools(tool_req.tools, self.grammar_tokenizer)
         if error is not None:
             raise APIError(400, error, param="tools")
+        if self.harmony and tool_req.forced:  # as vLLM's gpt-oss path
+            raise APIError(
+                400,
+                f"tool_choice {tool_req.choice!r} is not supported with gpt-oss's harmony "
+                'format; use "auto" (or "none")',
+                param="tool_choice",
+            )
+        if self.harmony:  # calls are free: the request's own constraint, if any, applies
+            return self.constraint(req)
         spec = tools.constraint(tool_req)
         if tool_req.calls_allowed and (
             req.response_format is not None or req.structured_outputs is not None
@@ -261,6 +320,15 @@ class Preprocessor:
     def encode(
         self, text: str, add_special_tokens: bool = True, param: str = "prompt"
     ) -> list[int]:
+        self.check_fits(text, param)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # e.g. lone surrogates from JSON escapes
+            raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
+
+    def check_fits(self, text: str, param: str) -> None:
+        """400 (``context_length_exceeded``) for text that cannot fit in the context even
+        if every token were the vocabulary's longest."""
         least = self.tokenizer.min_tokens_for(text)
         if self.max_model_len is not None and least >= self.max_model_len:
             raise APIError(
@@ -270,10 +338,6 @@ class Preprocessor:
                 param=param,
                 code="context_length_exceeded",
             )
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except Exception as e:  # e.g. lone surrogates from JSON escapes
-            raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
 
 
 def _prompt_items(prompt: str | list[Any]) -> list[Any]:

@@ -72,6 +72,8 @@ class ChatMessage(msgspec.Struct, frozen=True):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    reasoning: str | None = None  # assistant: its reasoning, as vLLM takes it back
+    reasoning_content: str | None = None  # (the name of the chat reply's field)
 
 
 class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -227,6 +229,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             msg["name"] = m.name
+        if role == "assistant" and (m.reasoning or m.reasoning_content):
+            msg["reasoning"] = m.reasoning or m.reasoning_content  # (harmony renders it)
         out.append(msg)
     return out
 

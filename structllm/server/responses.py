@@ -18,7 +18,8 @@ prompt's first choice.
 With a reasoning parser a chat message carries ``reasoning_content`` beside ``content``
 (``null`` when the output had no such part), streamed as ``delta.reasoning_content``
 before the ``content`` deltas, and the usage counts
-``completion_tokens_details.reasoning_tokens`` (vLLM's and OpenAI's names).
+``completion_tokens_details.reasoning_tokens`` (vLLM's and OpenAI's names). gpt-oss's
+harmony output fills the same fields (its analysis channel, its calls).
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ class ResponseBuilder:
         firsts: dict[int, SequenceState] = {}  # prompt index -> its first sequence
         for c in self.choices:
             firsts.setdefault(c.seq.prompt_index, c.seq)
-        reasoning = any(c.seq.reasoning is not None for c in self.choices)
+        reasoning = any(
+            c.seq.reasoning is not None or c.seq.harmony is not None for c in self.choices
+        )
         return usage(
             sum(len(s.prompt_ids) for s in firsts.values()),
             sum(len(c.seq.token_ids) for c in self.choices),
@@ -259,6 +262,12 @@ class ChatBuilder(ResponseBuilder):
                 "".join(c.reasoning) if c.seq.reasoning.has_reasoning else None
             )
             message["content"] = message["content"] or None
+        harmony = c.seq.harmony
+        if harmony is not None:  # gpt-oss: reasoning, content and calls from one parser
+            message["reasoning_content"] = harmony.reasoning if harmony.has_reasoning else None
+            message["content"] = harmony.content or None
+            if harmony.calls:
+                message["tool_calls"] = [call.as_openai() for call in harmony.calls]
         tools = c.seq.tools
         if tools is not None:
             calls = tools.calls

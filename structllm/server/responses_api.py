@@ -13,8 +13,10 @@ Sans-IO: no event loop, no sockets.
 Conversation items (what ``input`` holds, what a response's ``output`` holds, and what
 the store keeps for ``previous_response_id``) are plain dicts in OpenAI's shapes:
 ``message`` (role and content parts), ``function_call`` and ``function_call_output``.
-``reasoning`` items are accepted in input and dropped from the prompt (the seam for a
-reasoning parser: its items are output only).
+``reasoning`` items are accepted in input and dropped from the prompt, except with
+gpt-oss's harmony format, whose prompt keeps the reasoning of the turn in progress: there
+an item's text is the ``reasoning`` of the assistant message that follows it, and
+``reasoning.effort`` is the chat request's ``reasoning_effort``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "response_format": "text",
-    "structured_outputs": "text",
+    "reasoning_effort": "reasoning",
 }
 
 # ``include`` entries this server accepts: nothing to add (no encrypted reasoning is
@@ -89,6 +91,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     ignore_eos: bool = False
     priority: Priority = 0  # needs --scheduling-policy priority, as on chat
+    structured_outputs: dict[str, Any] | None = None
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -241,18 +244,38 @@ def _chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     ]
 
 
-def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
+def chat_messages(
+    instructions: str | None, items: list[Item], reasoning: bool = False
+) -> list[dict[str, Any]]:
     """The chat messages (``ChatMessage`` dicts) of a conversation: ``instructions``
     first as a system message, then each item; consecutive function calls become one
     assistant message with ``tool_calls`` (joined to the assistant text just before
-    them), each function output a ``tool`` message."""
+    them), each function output a ``tool`` message. With ``reasoning``, a reasoning
+    item's text is the ``reasoning`` of the assistant message that follows it."""
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
+    thought = ""  # a reasoning item's text, for the next assistant message
     for item in items:
         kind = item["type"]
+        if kind == "reasoning" and reasoning:
+            thought += _reasoning_text(item)
+            continue
+        if thought and (kind == "function_call" or item.get("role") == "assistant"):
+            out.append({"role": "assistant", "content": None, "reasoning": thought})
+            thought = ""
         if kind == "message":
-            out.append({"role": item["role"], "content": _chat_content(item["content"])})
+            last = out[-1] if out else None
+            if (
+                item["role"] == "assistant"
+                and last is not None
+                and last.get("reasoning")
+                and last["content"] is None
+                and "tool_calls" not in last
+            ):
+                last["content"] = _chat_content(item["content"])  # after its reasoning
+            else:
+                out.append({"role": item["role"], "content": _chat_content(item["content"])})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
@@ -267,6 +290,14 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return out
+
+
+def _reasoning_text(item: Item) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(
+        p["text"] for p in parts if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+    )
 
 
 # -- tools and text.format ----------------------------------------------------------------
@@ -323,13 +354,14 @@ def response_format(text: TextConfig | None) -> dict[str, Any] | None:
 
 
 def chat_request(
-    req: ResponsesRequest, history: list[Item], items: list[Item]
+    req: ResponsesRequest, history: list[Item], items: list[Item], harmony: bool = False
 ) -> ChatCompletionRequest:
     """The chat request that produces this response: ``history`` (the stored
-    conversation of ``previous_response_id``) then the new ``items``."""
+    conversation of ``previous_response_id``) then the new ``items``; ``harmony``: for
+    gpt-oss's format (reasoning items and ``reasoning.effort`` kept)."""
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": chat_messages(req.instructions, [*history, *items]),
+        "messages": chat_messages(req.instructions, [*history, *items], harmony),
         "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -340,8 +372,11 @@ def chat_request(
         "tool_choice": chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": response_format(req.text),
+        "structured_outputs": req.structured_outputs,
         "user": req.user,
     }
+    if harmony and req.reasoning is not None and req.reasoning.get("effort") is not None:
+        body["reasoning_effort"] = req.reasoning["effort"]
     if not body["messages"]:
         raise APIError(400, "the conversation has no messages", param="input")
     try:

@@ -336,7 +336,7 @@ class ResponsesEndpoints:
         """The one sequence of this response, through the chat path's preprocessing; its
         400s name the Responses fields."""
         try:
-            chat = chat_request(req, history, items)
+            chat = chat_request(req, history, items, harmony=self.app.harmony)
             [seq] = await self.app.chat_sequences(chat, response_id, "resp", client)
         except APIError as e:
             raise rename_param(e) from None

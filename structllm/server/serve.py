@@ -14,6 +14,7 @@ a bounded number of times); if it cannot be, the server stops with exit code 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -29,6 +30,8 @@ import anyio
 import msgspec
 
 from structllm.client import EngineClient, EngineDeadError
+from structllm.harmony import uses_harmony
+from structllm.harmony.render import MARKERS
 from structllm.ipc import shm
 from structllm.ipc.async_process import ChildProcess
 from structllm.ipc.parent import die_with_parent
@@ -115,6 +118,26 @@ def make_app(
 ) -> App:
     name = config.served_model_name or files.name
     tokenizer = Tokenizer.from_files(files)
+    auto = (  # (a chat template given is the user's choice of format)
+        config.tool_call_parser == "auto"
+        and config.reasoning_parser is None
+        and config.chat_template is None
+    )
+    wanted = config.tool_call_parser == "openai" or config.reasoning_parser == "openai_gptoss"
+    if wanted and not all(tokenizer.token_id(m) is not None for m in MARKERS):
+        raise ValueError(
+            "the harmony format (--tool-call-parser openai, --reasoning-parser openai_gptoss) "
+            f"needs its markers as tokens; this vocabulary lacks some of {' '.join(MARKERS)}"
+        )
+    if auto and uses_harmony(files.config.architecture, tokenizer.token_id):
+        config = dataclasses.replace(
+            config, tool_call_parser="openai", reasoning_parser="openai_gptoss"
+        )
+        if slot == 0:
+            say(
+                "gpt-oss: the harmony format (--tool-call-parser openai, --reasoning-parser "
+                "openai_gptoss)"
+            )
     if config.chat_template is not None:
         tokenizer.set_chat_template(config.chat_template)
     elif files.template_note is not None and slot == 0:  # the extra front ends say nothing

@@ -259,3 +259,35 @@ def test_chat_takes_image_parts_for_a_model_that_takes_images(
     ]
     with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: .*not an image"):
         tiny.chat(bad, GREEDY)
+
+
+def test_chat_speaks_harmony_to_gpt_oss(default_files) -> None:  # type: ignore[no-untyped-def]
+    # a gpt-oss whose vocabulary has harmony's markers: the prompt is harmony's and the
+    # reply (forced by a grammar over the markers) is parsed into reasoning and a call
+    from structllm.protocol import StructuredOutputs
+    from tests.support.models import tiny_gpt_oss_harmony_dir
+
+    grammar = (
+        'start: <|channel|> "analysis" <|message|> "Use f." <|end|> <|start|> '
+        '"assistant to=functions.f" <|channel|> "commentary json" <|message|> "{}" <|call|>'
+    )
+    tool = {"type": "function", "function": {"name": "f", "description": "Do f."}}
+    sp = SamplingParams(
+        temperature=0, max_tokens=64, structured_outputs=StructuredOutputs(grammar=grammar)
+    )
+    path = tiny_gpt_oss_harmony_dir(default_files)
+    with LLM(str(path), kv_cache_memory=16 << 20, max_model_len=256) as llm:
+        assert llm.harmony
+        [out] = llm.chat(
+            [{"role": "user", "content": "hi"}],
+            sp,
+            tools=[tool],
+            chat_template_kwargs={"reasoning_effort": "high"},
+        )
+        prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    [c] = out.outputs
+    assert (c.reasoning_content, c.text, c.finish_reason) == ("Use f.", "", "tool_calls")
+    assert [(t.name, t.arguments) for t in c.tool_calls or []] == [("f", "{}")]
+    assert c.num_reasoning_tokens > 0
+    assert "\n\nReasoning: high\n\n" in prompt and "type f = () => any;" in prompt
+    assert prompt.endswith("<|start|>user<|message|>hi<|end|><|start|>assistant")

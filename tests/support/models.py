@@ -29,6 +29,7 @@ from tests.support.checkpoints import (
     cache_key,
     write_chat_files,
     write_tokenizer_config,
+    write_tokenizer_with,
 )
 
 # The exact float32 path (today's, token for token equal to transformers); the default
@@ -1102,6 +1103,34 @@ def with_generation_config(src: Path, dest: Path, settings: dict[str, object]) -
             (dest / f.name).symlink_to(f)
     (dest / "generation_config.json").write_text(json.dumps(settings))
     return dest
+
+
+# harmony's markers, as gpt-oss's o200k_harmony vocabulary has them (special tokens)
+HARMONY_TOKENS = [
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+]
+
+
+def tiny_gpt_oss_harmony_dir(files: ModelFiles) -> Path:
+    """The tiny gpt-oss checkpoint with a vocabulary that has harmony's markers as
+    special tokens (ids 49152 on, the embedding grown to hold them), so a server takes
+    the harmony format for it; built once and cached."""
+    from structllm.paths import cache_root
+
+    tok_dir = cache_root() / "test-models" / f"harmony-tokenizer-{cache_key(files, HARMONY_TOKENS)}"
+    tokenizer = write_tokenizer_with(files, tok_dir, HARMONY_TOKENS)
+    return tiny_family_dir(
+        "gpt_oss",
+        files,
+        extra_files={"tokenizer.json": tokenizer},
+        vocab_size=49152 + len(HARMONY_TOKENS),
+    )
 
 
 def tiny_gpt_oss_mxfp4_dirs(files: ModelFiles) -> tuple[Path, Path]:

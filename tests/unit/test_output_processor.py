@@ -99,3 +99,52 @@ def test_stop_string_cuts_a_multi_token_delta_where_one_token_at_a_time_stops(
     assert u.token_ids == [t for w in want for t in w.token_ids] == ids[:3]
     assert u.logprobs == lps[:3]
     assert seq.token_ids == one_by_one.token_ids
+
+
+# -- gpt-oss's harmony ---------------------------------------------------------------
+
+
+def harmony_tokenizer(default_files, tmp_path) -> Tokenizer:  # type: ignore[no-untyped-def]
+    from tests.support.checkpoints import write_tokenizer_with
+    from tests.support.models import HARMONY_TOKENS
+
+    path = write_tokenizer_with(default_files, tmp_path, HARMONY_TOKENS)
+    return Tokenizer(str(path), default_files.tokenizer_meta)
+
+
+def test_harmony_sequence_splits_reasoning_calls_and_counts_reasoning_tokens(
+    default_files,  # type: ignore[no-untyped-def]
+    tmp_path,
+) -> None:
+    from structllm.harmony.parser import HarmonyParser
+
+    tok = harmony_tokenizer(default_files, tmp_path)
+    text = (
+        "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.f <|constrain|>json<|message|>{"a": 1}<|call|>'
+    )
+    ids = tok.encode(text, add_special_tokens=False)
+    analysis = tok.encode("<|channel|>analysis<|message|>Need the tool.", add_special_tokens=False)
+    call_id = tok.token_id("<|call|>")
+    # skip_special_tokens (the default) does not hide harmony's markers from its parser
+    [seq] = fan_out([[1]], SamplingParams(), tok, lambda pi, j: "r", harmony=HarmonyParser)
+    updates = [
+        seq.process(
+            [t], None, "stop" if t == call_id else None, call_id if t == call_id else None, 0
+        )
+        for t in ids
+    ]
+    assert "".join(u.reasoning for u in updates) == "Need the tool."
+    assert "".join(u.text for u in updates) == ""
+    deltas = [d for u in updates for d in u.tool_calls]
+    assert deltas[0].name == "f" and "".join(d.arguments for d in deltas) == '{"a": 1}'
+    assert updates[-1].finish_reason == "tool_calls"
+    # reasoning tokens: the analysis message's from its <|message|> through its body
+    header = tok.encode("<|channel|>analysis", add_special_tokens=False)
+    assert seq.num_reasoning_tokens == len(analysis) - len(header)
+    # the whole reply in one engine delta: the same split
+    [once] = fan_out([[1]], SamplingParams(), tok, lambda pi, j: "r", harmony=HarmonyParser)
+    u = once.process(ids, None, "stop", call_id, 0)
+    assert (u.reasoning, u.text, u.finish_reason) == ("Need the tool.", "", "tool_calls")
+    assert [(d.name, d.arguments) for d in u.tool_calls] == [("f", '{"a": 1}')]
+    assert once.num_reasoning_tokens == seq.num_reasoning_tokens
