@@ -215,11 +215,22 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     pixels: bytes  # uint8, ``shape``, row-major RGB
 
 
+class LoraRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A LoRA adapter a request runs with (vLLM's ``LoRARequest``): its served name, an
+    id unique to these files (a fresh one for every load of a name), and its PEFT
+    directory. The engine loads it on first use (``engine.adapters``)."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     images: list[ImageInput] = []  # in prompt order, spans disjoint
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

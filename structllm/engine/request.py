@@ -47,6 +47,9 @@ class Request:
     M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
     output's tokens (``engine.mrope``); None: a token's position is its index.
 
+    ``lora_uid``: the load of the LoRA adapter it runs with (``engine.adapters``; 0:
+    none); its blocks' chain starts from ``-lora_uid`` instead of 0 (``kv_cache``).
+
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
     so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
@@ -60,6 +63,7 @@ class Request:
         "grammar",
         "images",
         "in_reasoning",
+        "lora_uid",
         "max_tokens",
         "mrope",
         "num_cached_tokens",
@@ -116,6 +120,9 @@ class Request:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)
+        # its LoRA adapter's load (engine.adapters; 0: the base model): the prefix cache
+        # keys its blocks by it, the scheduler counts distinct ones per step
+        self.lora_uid = 0
 
     @property
     def num_tokens(self) -> int:

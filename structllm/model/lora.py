@@ -1,0 +1,160 @@
+"""LoRA adapters over the unmerged base: the loaded weights of one adapter
+(``LoraAdapter``), one step's rows grouped by adapter (``LoraRows``), and the addition
+``scale * B (A x)`` to an adapted projection's output, in float32, for those rows only.
+
+Our projections are fused (``qkv_proj``: q, k, v rows; ``gate_up_proj``: gate, up
+rows), so an adapter of PEFT's ``q_proj`` adds into the q columns of ``qkv_proj``'s
+output, and so on (``SLICES``). q/k rows are permuted to the interleaved rotary layout
+(``model.llama``): the same permutation goes to the rows of their ``B``. The scale is
+folded into ``B`` once, at load.
+
+A layer calls ``LoraRows.add(layer, proj, x, out)`` after each of its four matmuls when
+its step has adapter rows (``DecoderLayer.adapters``, set for the step by ``active``);
+a step without any sets nothing and runs as before. The native decode loop
+(``model.decode_plan``) and CUDA graphs are not taken by a step with adapter rows: it
+runs the Python layer loop (fused ops on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from structllm.lora import AdapterSpec
+from structllm.model.config import ModelConfig
+from structllm.model.layers import interleave_rope_rows
+
+# PEFT's module -> (our fused projection, which slice of its output)
+SLICES = {
+    "self_attn.q_proj": ("qkv", "q"),
+    "self_attn.k_proj": ("qkv", "k"),
+    "self_attn.v_proj": ("qkv", "v"),
+    "self_attn.o_proj": ("o", "all"),
+    "mlp.gate_proj": ("gate_up", "gate"),
+    "mlp.up_proj": ("gate_up", "up"),
+    "mlp.down_proj": ("down", "all"),
+}
+
+Part = tuple[Tensor, Tensor, int]
+"""``(A [r, in], scale * B [out_slice, r], first output column of the slice)``."""
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter: ``layers[i][proj]`` the parts added to projection ``proj``
+    (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``) of layer ``i``. ``uid``: this load's
+    identity (fresh each load: the prefix cache keys blocks by it)."""
+
+    uid: int
+    name: str
+    lora_id: int
+    path: str
+    layers: dict[int, dict[str, list[Part]]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size()
+            for parts in self.layers.values()
+            for ps in parts.values()
+            for a, b, _ in ps
+        )
+
+
+def _column(cfg: ModelConfig, part: str) -> int:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": cfg.intermediate_size, "all": 0}[part]
+
+
+def load_adapter(
+    spec: AdapterSpec,
+    cfg: ModelConfig,
+    uid: int,
+    name: str,
+    lora_id: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
+    """The weights of ``spec`` (checked by ``lora.read_adapter``) on ``device``, stored in
+    ``dtype`` (computed in float32 whatever it is)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(spec.weights_file))
+    adapter = LoraAdapter(uid, name, lora_id, str(spec.path))
+    for t in spec.targets:
+        a = tensors[t.a_key].float()  # [r, in]
+        b = tensors[t.b_key].float() * t.scale  # [out, r]
+        proj, part = SLICES[t.module]
+        if part in ("q", "k"):  # the rows' rotary pairs as the base's q/k rows hold them
+            heads = cfg.num_heads if part == "q" else cfg.num_kv_heads
+            b = interleave_rope_rows(b, heads, cfg.rope_dim)
+        entry = (
+            a.to(device=device, dtype=dtype).contiguous(),
+            b.to(device=device, dtype=dtype).contiguous(),
+            _column(cfg, part),
+        )
+        adapter.layers.setdefault(t.layer, {}).setdefault(proj, []).append(entry)
+    return adapter
+
+
+@dataclass
+class LoraRows:
+    """One step's adapter rows: ``groups`` pairs each adapter with the indices
+    ``[n]`` (int64) of its rows in the flat batch (rows without an adapter are in no
+    group)."""
+
+    groups: list[tuple[LoraAdapter, Tensor]]
+
+    def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
+        """``out[rows, cols] += scale * B (A x[rows])`` for each group that adapts
+        ``proj`` of ``layer``; ``x: [T, in]`` the projection's input, ``out: [T, out]``
+        its output (updated in place), both 2-D."""
+        for adapter, rows in self.groups:
+            parts = adapter.layers.get(layer, {}).get(proj)
+            if not parts:
+                continue
+            xs = x[rows].float()  # [n, in]
+            for a, b, col in parts:
+                y = (xs @ a.float().t()) @ b.float().t()  # [n, r] -> [n, out_slice]
+                stop = col + y.shape[1]
+                out[rows, col:stop] += y.to(out.dtype)
+
+
+def step_rows(
+    spans: Sequence[tuple[LoraAdapter | None, int]], device: torch.device
+) -> LoraRows | None:
+    """``LoraRows`` of a flat batch laid out as ``spans`` (each request's adapter, or
+    None, and its number of rows, in batch order), or None when no row has an adapter."""
+    starts: dict[int, tuple[LoraAdapter, list[Tensor]]] = {}
+    at = 0
+    for adapter, n in spans:
+        if adapter is not None and n:
+            starts.setdefault(adapter.uid, (adapter, []))[1].append(torch.arange(at, at + n))
+        at += n
+    if not starts:
+        return None
+    return LoraRows([(a, torch.cat(parts).to(device)) for a, parts in starts.values()])
+
+
+@contextmanager
+def active(model: nn.Module, rows: LoraRows | None) -> Iterator[None]:
+    """``model``'s layers add ``rows``' adapters for the duration (nothing when None)."""
+    if rows is None:
+        yield
+        return
+    m: Any = model  # a LlamaModel, whose layers read ``adapters``
+    layers = list(m.layers)
+    m.adapters = rows
+    for layer in layers:
+        layer.adapters = rows
+    try:
+        yield
+    finally:
+        m.adapters = None
+        for layer in layers:
+            layer.adapters = None
