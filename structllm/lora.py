@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from structllm.model.config import ModelConfig
+from structllm.protocol import LoraRef
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -39,6 +40,23 @@ MODULES = (
 )
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 _DTYPES = frozenset({"F32", "F16", "BF16"})
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's offline handle of an adapter: ``LLM.generate(..., lora_request=...)``.
+    ``lora_int_id`` must be unique to these files (positive)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be positive, got {self.lora_int_id}")
+
+    def ref(self) -> LoraRef:
+        return LoraRef(self.lora_name, self.lora_int_id, self.lora_path)
 
 
 class AdapterError(ValueError):
