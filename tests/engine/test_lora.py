@@ -219,3 +219,21 @@ def test_rank_above_the_limit_and_another_base_are_refused(
     embedding = peft_adapter(tiny_llama, 1, target_modules=["q_proj", "embed_tokens"])
     with pytest.raises(AdapterError, match="embedding"):
         read_adapter(embedding, cfg, 16)
+
+
+def test_fused_cpu_ops_add_the_adapter_too(tiny_llama: Path) -> None:
+    # the fused element-wise ops (the quantized formats' layer loop) on the same float32
+    # weights: prefill, then decode-only steps, which leave the native decode loop to
+    # the steps without adapter rows
+    a = lora(tiny_llama, "a", 1, 1)
+    merged = peft_model(tiny_llama, Path(a.lora_path)).merge_and_unload()
+    with LLM(str(tiny_llama), kv_cache_memory=16 << 20, enable_lora=True, **EXACT) as llm:
+        model = llm.engine.runner.model
+        if not model.use_cpu_ops():
+            pytest.skip("the fused CPU ops do not build here")
+        for ids in PROMPTS:
+            want = hf_greedy(merged, ids, 12)
+            assert llm.generate([ids], GREEDY, lora_request=a)[0].token_ids == want
+        assert llm.generate([PROMPTS[1]], GREEDY)[0].token_ids == hf_greedy(
+            hf_model(tiny_llama), PROMPTS[1], 12
+        )
