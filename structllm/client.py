@@ -33,6 +33,7 @@ from structllm.protocol import (
     FinishReason,
     GetStats,
     ImageInput,
+    LoraRef,
     OutputBatch,
     SamplingParams,
     TokenLogprobs,
@@ -230,9 +231,11 @@ class EngineClient:
         sampling: SamplingParams,
         wakeup: Wakeup | None = None,
         images: Sequence[ImageInput] = (),
+        lora: LoraRef | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished.
-        ``images``: the prompt's (``ImageInput`` spans in prompt order)."""
+        ``images``: the prompt's (``ImageInput`` spans in prompt order); ``lora``: the
+        LoRA adapter it runs with."""
         if self.dead is not None:
             raise self.dead
         if request_id in self._streams:
@@ -241,7 +244,7 @@ class EngineClient:
         self._streams[request_id] = stream
         try:
             await self.engine.endpoint.send(
-                AddRequest(request_id, prompt_token_ids, sampling, list(images))
+                AddRequest(request_id, prompt_token_ids, sampling, list(images), lora)
             )
             yield stream
         finally:

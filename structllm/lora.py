@@ -63,6 +63,10 @@ class AdapterError(ValueError):
     """An adapter that cannot be served here; the message names what and why."""
 
 
+class AdapterMissing(AdapterError):
+    """No adapter at the path given."""
+
+
 @dataclass(frozen=True)
 class Target:
     """One adapted module of one layer: ``A [rank, in]`` and ``B [out, rank]`` stored
@@ -125,6 +129,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> Adap
     ``max_lora_rank``; ``AdapterError`` naming the problem otherwise."""
     check_base(cfg)
     root = Path(path)
+    if not (root / CONFIG_FILE).is_file():
+        raise AdapterMissing(f"No adapter found at {root} (no {CONFIG_FILE})")
     try:
         config = json.loads((root / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:

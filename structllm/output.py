@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from structllm.protocol import ImageInput, SamplingParams, TokenLogprobs
+from structllm.protocol import ImageInput, LoraRef, SamplingParams, TokenLogprobs
 from structllm.reasoning import Mode, ReasoningParser
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
@@ -71,6 +71,7 @@ class SequenceState:
     reasoning: ReasoningParser | None = None
     num_reasoning_tokens: int = 0
     images: list[ImageInput] = field(default_factory=list)  # the prompt's, for AddRequest
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
     _undecided_tokens: int = 0  # fed before the parser knew whether they are reasoning
 
     @property

@@ -259,7 +259,12 @@ class Generation:
                 streams.append(
                     await stack.enter_async_context(
                         self.client.request(
-                            seq.request_id, seq.prompt_ids, seq.sampling, wakeup, seq.images
+                            seq.request_id,
+                            seq.prompt_ids,
+                            seq.sampling,
+                            wakeup,
+                            seq.images,
+                            seq.lora,
                         )
                     )
                 )
