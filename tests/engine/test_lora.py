@@ -237,3 +237,26 @@ def test_fused_cpu_ops_add_the_adapter_too(tiny_llama: Path) -> None:
         assert llm.generate([PROMPTS[1]], GREEDY)[0].token_ids == hf_greedy(
             hf_model(tiny_llama), PROMPTS[1], 12
         )
+
+
+def test_adapters_in_use_are_never_evicted(tiny_llama: Path) -> None:
+    # one adapter kept loaded and one per step: b's request loads b past the cap while
+    # a's runs (a stays: pinned), and a's output is its output alone
+    a, b = lora(tiny_llama, "a", 1, 1), lora(tiny_llama, "b", 2, 2)
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    with LLM(
+        str(tiny_llama),
+        kv_cache_memory=16 << 20,
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=1,
+        **EXACT,
+    ) as llm:
+        registry = llm.engine.adapters
+        assert registry is not None
+        both = llm.generate(prompts, GREEDY, lora_request=[a, b])
+        assert not registry.pins and list(registry.loaded) == [2]  # back to one, b last
+        alone = llm.generate([prompts[0]], GREEDY, lora_request=a)[0]
+        assert both[0].token_ids == alone.token_ids
+        # a was evicted once b's request ended, and loaded again: a third load
+        assert registry.num_loads == 3 and list(registry.loaded) == [1]
