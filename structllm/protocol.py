@@ -318,6 +318,9 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     encoder_cache_queries: int = 0
     encoder_cache_hits: int = 0
     encoder_cache_bytes: int = 0
+    # LoRA (engine.adapters): the names of the adapters of running and waiting requests
+    lora_running: list[str] = msgspec.field(default_factory=list)
+    lora_waiting: list[str] = msgspec.field(default_factory=list)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

@@ -907,7 +907,16 @@ class EngineCore:
             state_cache_slots_used=st.num_slots - st.num_free_slots if st is not None else 0,
             spec_propose_s=spec.propose_s,
             **self._encoder_stats(),
+            lora_running=self._lora_names(s.running),
+            lora_waiting=self._lora_names(s.waiting),
         )
+
+    def _lora_names(self, reqs: Iterable[Request]) -> list[str]:
+        """The names of ``reqs``' adapters (none without LoRA)."""
+        if self.adapters is None:
+            return []
+        names = self.adapters.by_uid
+        return sorted({names[r.lora_uid].name for r in reqs if r.lora_uid in names})
 
     def _encoder_stats(self) -> dict[str, int]:
         if not isinstance(self.runner, ModelRunner):

@@ -80,6 +80,8 @@ class App:
         self.tokenizer = tokenizer
         self.client: EngineClient | None = None
         self.metrics = metrics or Metrics(model_name)
+        if adapters is not None and adapters.enabled:
+            self.metrics.max_loras = config.engine.max_loras
         self.inflight = 0  # HTTP requests being handled
         self._drained: anyio.Event | None = None
         self._idle = anyio.Event()

@@ -115,3 +115,10 @@ def test_runtime_load_and_unload(served: tuple[Server, openai.OpenAI], base: Pat
     assert post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": c})[0] == 200
     assert complete(client, "c").choices[0].text == text_c
     assert [m.id for m in client.models.list().data] == ["base", "a", "b", "c"]
+
+
+def test_metrics_say_the_lora_settings(served: tuple[Server, openai.OpenAI]) -> None:
+    server, _ = served
+    _, text = server.get("/metrics")
+    line = next(x for x in text.decode().splitlines() if x.startswith("structllm:lora_requests_"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
