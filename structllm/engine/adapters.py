@@ -15,9 +15,11 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from structllm.kernels import cpu_ext
 from structllm.lora import AdapterError, check_base, read_adapter
 from structllm.model.config import ModelConfig
 from structllm.model.lora import LoraAdapter, LoraRows, load_adapter, step_rows
@@ -51,6 +53,11 @@ class AdapterRegistry:
         self.by_uid: dict[int, LoraAdapter] = {}
         self._uids = itertools.count(1)
         self.num_loads = 0
+        # the native shrink/expand (cpu_lora.cpp) for float32 adapters on the CPU, else
+        # None: torch's ops (model.lora.LoraRows)
+        self.native: Any = None
+        if device.type == "cpu" and self.dtype == torch.float32:
+            self.native = cpu_ext.load_lora()
 
     def acquire(self, ref: LoraRef) -> LoraAdapter:
         """The adapter ``ref`` names, loaded if it is not (``AdapterError`` if it cannot
@@ -103,4 +110,5 @@ class AdapterRegistry:
         order (None: no row has an adapter)."""
         if not any(uid for uid, _ in spans):
             return None
-        return step_rows([(self.by_uid.get(uid), n) for uid, n in spans], self.device)
+        adapters = [(self.by_uid.get(uid), n) for uid, n in spans]
+        return step_rows(adapters, self.device, self.native)

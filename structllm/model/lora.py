@@ -106,14 +106,23 @@ def load_adapter(
 class LoraRows:
     """One step's adapter rows: ``groups`` pairs each adapter with the indices
     ``[n]`` (int64) of its rows in the flat batch (rows without an adapter are in no
-    group)."""
+    group); ``rows`` is them all, group after group, group ``g``'s from
+    ``starts[g]``. ``native``: ``cpu_lora.cpp``'s module (float32 adapters on the
+    CPU), which does a projection's every group and part in one call; None: torch's
+    ops, group by group."""
 
     groups: list[tuple[LoraAdapter, Tensor]]
+    rows: Tensor
+    starts: list[int]
+    native: Any = None
 
     def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
         """``out[rows, cols] += scale * B (A x[rows])`` for each group that adapts
         ``proj`` of ``layer``; ``x: [T, in]`` the projection's input, ``out: [T, out]``
         its output (updated in place), both 2-D."""
+        if self.native is not None and x.dtype == out.dtype == torch.float32:
+            self._add_native(layer, proj, x, out)
+            return
         for adapter, rows in self.groups:
             parts = adapter.layers.get(layer, {}).get(proj)
             if not parts:
@@ -124,12 +133,26 @@ class LoraRows:
                 stop = col + y.shape[1]
                 out[rows, col:stop] += y.to(out.dtype)
 
+    def _add_native(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
+        """``add`` in one native call: every (group, part) an item of ``lora_add``."""
+        a_list, b_list, cols, groups = [], [], [], []
+        for g, (adapter, _) in enumerate(self.groups):
+            for a, b, col in adapter.layers.get(layer, {}).get(proj, ()):
+                a_list.append(a)
+                b_list.append(b)
+                cols.append(col)
+                groups.append(g)
+        if a_list:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            self.native.lora_add(x, out, self.rows, self.starts, a_list, b_list, cols, groups)
+
 
 def step_rows(
-    spans: Sequence[tuple[LoraAdapter | None, int]], device: torch.device
+    spans: Sequence[tuple[LoraAdapter | None, int]], device: torch.device, native: Any = None
 ) -> LoraRows | None:
     """``LoraRows`` of a flat batch laid out as ``spans`` (each request's adapter, or
-    None, and its number of rows, in batch order), or None when no row has an adapter."""
+    None, and its number of rows, in batch order), or None when no row has an adapter;
+    ``native``: see ``LoraRows``."""
     starts: dict[int, tuple[LoraAdapter, list[Tensor]]] = {}
     at = 0
     for adapter, n in spans:
@@ -138,7 +161,11 @@ def step_rows(
         at += n
     if not starts:
         return None
-    return LoraRows([(a, torch.cat(parts).to(device)) for a, parts in starts.values()])
+    groups = [(a, torch.cat(parts).to(device)) for a, parts in starts.values()]
+    bounds = [0]
+    for _, rows in groups:
+        bounds.append(bounds[-1] + len(rows))
+    return LoraRows(groups, torch.cat([rows for _, rows in groups]), bounds, native)
 
 
 @contextmanager

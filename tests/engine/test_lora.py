@@ -64,18 +64,22 @@ def engine(base: Path) -> Iterator[EngineCore]:
 def test_logits_match_peft(engine: EngineCore, base: Path, variant: str) -> None:
     path = peft_adapter(base, 1, **VARIANTS[variant])
     assert engine.adapters is not None
-    adapter = engine.adapters.acquire(LoraRef(variant, 10 + len(variant), str(path)))
+    registry = engine.adapters
+    adapter = registry.acquire(LoraRef(variant, 10 + len(variant), str(path)))
+    native = registry.native
     try:
         ref, plain = peft_model(base, path), hf_model(base)
-        for ids in PROMPTS:
-            want = hf_logits(ref, ids)
-            torch.testing.assert_close(
-                prefill_logits(engine, ids, adapter.uid), want, atol=1e-4, rtol=1e-4
-            )
+        for registry.native in {native, None}:  # cpu_lora.cpp's kernel, torch's ops
+            for ids in PROMPTS:
+                want = hf_logits(ref, ids)
+                torch.testing.assert_close(
+                    prefill_logits(engine, ids, adapter.uid), want, atol=1e-4, rtol=1e-4
+                )
         # the adapter matters: its greedy picks are not the base's
         assert (want.argmax(-1) != hf_logits(plain, ids).argmax(-1)).any()
     finally:
-        engine.adapters.release(adapter.uid)
+        registry.native = native
+        registry.release(adapter.uid)
 
 
 @pytest.fixture(scope="module")
