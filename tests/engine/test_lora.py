@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from structllm import LLM, LoRARequest, SamplingParams
-from structllm.config import EngineConfig
+from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.engine.core import EngineCore
 from structllm.engine.scheduler import Scheduler, SchedulerOutput
+from structllm.engine.speculative import MIN_MATCH, Drafter
 from structllm.lora import AdapterError, read_adapter
 from structllm.model.loader import prepare_model
 from structllm.protocol import LoraRef
@@ -264,3 +265,86 @@ def test_adapters_in_use_are_never_evicted(tiny_llama: Path) -> None:
         assert both[0].token_ids == alone.token_ids
         # a was evicted once b's request ended, and loaded again: a third load
         assert registry.num_loads == 3 and list(registry.loaded) == [1]
+
+
+# one block type per fused matmul (test_quant_model's), so every matmul stays in blocks
+QTYPES = {
+    "attn_output.weight": "Q8_0",
+    "token_embd.weight": "Q8_0",
+    "output.weight": "Q8_0",
+    "attn_q.weight": "Q4_0",
+    "attn_k.weight": "Q4_0",
+    "attn_v.weight": "Q4_0",
+    "ffn_gate.weight": "Q8_0",
+    "ffn_up.weight": "Q8_0",
+    "ffn_down.weight": "Q4_1",
+}
+
+
+@pytest.mark.skipif(
+    __import__("structllm.kernels.cpu_ext", fromlist=["x"]).best_isa() is None,
+    reason="no AVX2 block kernels",
+)
+def test_a_quantized_base_with_an_adapter_agrees_with_its_dequantised_self(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a GGUF base (its q/k rows in llama.cpp's layout) kept in blocks, with the fused CPU
+    # ops, against the exact float32 path over the same file (its weights dequantised):
+    # equal on the block kernels' float path; and its greedy tokens with drafts (the
+    # verification rows of a request with an adapter) equal those without
+    from structllm.kernels import packed
+    from structllm.model.files import default_model_path
+    from tests.support.models import write_tiny_gguf
+
+    path = tmp_path / "tiny-blocks.gguf"
+    write_tiny_gguf(path, hf_model(tiny_llama_dir), default_model_path(), QTYPES)
+    ref = LoraRef("a", 1, str(peft_adapter(tiny_llama_dir, 1)))
+
+    def start(**kw: Any) -> EngineCore:
+        cfg = EngineConfig(model=str(path), kv_cache_memory=16 << 20, enable_lora=True, **kw)
+        return EngineCore(cfg)
+
+    blocks, exact = start(quantization="gguf"), start(**EXACT)
+    assert blocks.adapters is not None and exact.adapters is not None
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)
+    monkeypatch.setattr(packed, "INT16_MIN_M", 0)
+    ua, ub = blocks.adapters.acquire(ref).uid, exact.adapters.acquire(ref).uid
+    for ids in PROMPTS:
+        with_a = prefill_logits(blocks, ids, ua)
+        want = prefill_logits(exact, ids, ub)  # (the fused ops round otherwise: 1e-3)
+        torch.testing.assert_close(with_a, want, atol=1e-3, rtol=1e-3)
+        assert torch.equal(with_a.argmax(-1), want.argmax(-1))
+        assert (with_a.argmax(-1) != prefill_logits(blocks, ids).argmax(-1)).any()
+    monkeypatch.undo()
+    a = LoRARequest("a", 1, ref.path)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    loras = [a, None, a]
+    with LLM(str(path), kv_cache_memory=16 << 20, enable_lora=True, **NO_DRAFTS) as llm:
+        plain = llm.generate(PROMPTS, params, lora_request=loras)
+        oracle = Oracle({tuple(p): o.token_ids for p, o in zip(PROMPTS, plain, strict=True)})
+        drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3), oracle)
+        llm.engine.scheduler.drafter = drafter
+        llm.engine.scheduler.max_draft_step_tokens = None  # drafts in batches too
+        drafted = llm.generate(PROMPTS, params, lora_request=loras)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert 0 < drafter.stats.num_accepted_tokens < drafter.stats.num_draft_tokens
+
+
+NO_DRAFTS: dict[str, Any] = {"speculative_config": {"method": "none"}}
+
+
+class Oracle:
+    """Drafts a plain run's continuation, its last draft wrong (some rows rejected)."""
+
+    last_match = MIN_MATCH  # drafts as if from a long match
+
+    def __init__(self, plain: dict[tuple[int, ...], list[int]]) -> None:
+        self.plain = plain
+
+    def propose(self, req: Any, k: int) -> list[int]:
+        out = self.plain[tuple(req.token_ids[: req.prompt_len])]
+        truth = out[req.num_output_tokens : req.num_output_tokens + k]
+        return truth[:-1] + [(t + 1) % 49152 for t in truth[-1:]]
+
+    def finish(self, req: Any) -> None:
+        pass
