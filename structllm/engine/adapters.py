@@ -22,7 +22,7 @@ import torch
 from structllm.kernels import cpu_ext
 from structllm.lora import AdapterError, check_base, read_adapter
 from structllm.model.config import ModelConfig
-from structllm.model.lora import LoraAdapter, LoraRows, load_adapter, step_rows
+from structllm.model.lora import Items, LoraAdapter, LoraRows, load_adapter, step_rows
 from structllm.protocol import LoraRef
 
 LORA_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float16": torch.float16}
@@ -53,6 +53,8 @@ class AdapterRegistry:
         self.by_uid: dict[int, LoraAdapter] = {}
         self._uids = itertools.count(1)
         self.num_loads = 0
+        # the native calls' items by the uids of a step's adapters in order (LoraRows.plans)
+        self._plans: dict[tuple[int, ...], dict[tuple[int, str], Items]] = {}
         # the native shrink/expand (cpu_lora.cpp) for float32 adapters on the CPU, else
         # None: torch's ops (model.lora.LoraRows)
         self.native: Any = None
@@ -104,6 +106,7 @@ class AdapterRegistry:
     def _drop(self, lora_id: int) -> None:
         adapter = self.loaded.pop(lora_id)
         self.by_uid.pop(adapter.uid, None)
+        self._plans.clear()  # (no plan may keep an evicted adapter's weights alive)
 
     def rows(self, spans: Sequence[tuple[int, int]]) -> LoraRows | None:
         """A step's ``LoraRows`` from ``(adapter uid or 0, rows)`` per request in batch
@@ -111,4 +114,9 @@ class AdapterRegistry:
         if not any(uid for uid, _ in spans):
             return None
         adapters = [(self.by_uid.get(uid), n) for uid, n in spans]
-        return step_rows(adapters, self.device, self.native)
+        rows = step_rows(adapters, self.device, self.native)
+        if rows is not None and self.native is not None:  # the same adapters: the same items
+            if len(self._plans) > 64:
+                self._plans.clear()
+            rows.plans = self._plans.setdefault(tuple(a.uid for a, _ in rows.groups), {})
+        return rows

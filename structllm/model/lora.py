@@ -40,8 +40,10 @@ SLICES = {
     "mlp.down_proj": ("down", "all"),
 }
 
+Items = tuple[list[Tensor], list[Tensor], list[int], list[int]]
+"""``lora_add``'s items: each one's A, B^T, first column and group."""
 Part = tuple[Tensor, Tensor, int]
-"""``(A [r, in], scale * B [out_slice, r], first output column of the slice)``."""
+"""``(A [r, in], (scale * B)^T [r, out_slice], first output column of the slice)``."""
 
 
 @dataclass
@@ -93,9 +95,9 @@ def load_adapter(
         if part in ("q", "k"):  # the rows' rotary pairs as the base's q/k rows hold them
             heads = cfg.num_heads if part == "q" else cfg.num_kv_heads
             b = interleave_rope_rows(b, heads, cfg.rope_dim)
-        entry = (
+        entry = (  # B transposed: the native expand's rows (cpu_lora.cpp)
             a.to(device=device, dtype=dtype).contiguous(),
-            b.to(device=device, dtype=dtype).contiguous(),
+            b.t().to(device=device, dtype=dtype).contiguous(),
             _column(cfg, part),
         )
         adapter.layers.setdefault(t.layer, {}).setdefault(proj, []).append(entry)
@@ -115,6 +117,9 @@ class LoraRows:
     rows: Tensor
     starts: list[int]
     native: Any = None
+    # (layer, projection) -> the native call's items for these groups, kept by the
+    # registry across the steps with the same adapters in the same order
+    plans: dict[tuple[int, str], Items] = field(default_factory=dict)
 
     def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
         """``out[rows, cols] += scale * B (A x[rows])`` for each group that adapts
@@ -128,23 +133,25 @@ class LoraRows:
             if not parts:
                 continue
             xs = x[rows].float()  # [n, in]
-            for a, b, col in parts:
-                y = (xs @ a.float().t()) @ b.float().t()  # [n, r] -> [n, out_slice]
+            for a, bt, col in parts:
+                y = (xs @ a.float().t()) @ bt.float()  # [n, r] -> [n, out_slice]
                 stop = col + y.shape[1]
                 out[rows, col:stop] += y.to(out.dtype)
 
     def _add_native(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
         """``add`` in one native call: every (group, part) an item of ``lora_add``."""
-        a_list, b_list, cols, groups = [], [], [], []
-        for g, (adapter, _) in enumerate(self.groups):
-            for a, b, col in adapter.layers.get(layer, {}).get(proj, ()):
-                a_list.append(a)
-                b_list.append(b)
-                cols.append(col)
-                groups.append(g)
-        if a_list:
+        items = self.plans.get((layer, proj))
+        if items is None:
+            items = self.plans[layer, proj] = ([], [], [], [])
+            for g, (adapter, _) in enumerate(self.groups):
+                for a, bt, col in adapter.layers.get(layer, {}).get(proj, ()):
+                    items[0].append(a)
+                    items[1].append(bt)
+                    items[2].append(col)
+                    items[3].append(g)
+        if items[0]:
             x = x if x.stride(1) == 1 else x.contiguous()
-            self.native.lora_add(x, out, self.rows, self.starts, a_list, b_list, cols, groups)
+            self.native.lora_add(x, out, self.rows, self.starts, *items)
 
 
 def step_rows(

@@ -19,7 +19,7 @@ K, N = 96, 160  # the projection's input and (fused) output widths
 def adapter(uid: int, g: torch.Generator, slices: list[tuple[int, int, int]]) -> LoraAdapter:
     """An adapter of layer 0's "qkv" with a part per ``(rank, first column, width)``."""
     parts = [
-        (torch.randn(r, K, generator=g), torch.randn(n, r, generator=g) * 0.1, col)
+        (torch.randn(r, K, generator=g), torch.randn(r, n, generator=g) * 0.1, col)
         for r, col, n in slices
     ]
     out = LoraAdapter(uid, f"a{uid}", uid, "/nowhere")
@@ -52,3 +52,9 @@ def test_native_lora_add_equals_the_torch_path(isa: str) -> None:
     assert not torch.equal(got[2], base[2])
     fast.add(1, "qkv", x, got)  # a layer none adapts: nothing
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a row's result does not depend on the rows beside it (bit for bit): b's row 14 alone
+    alone = base[14:15].clone()
+    one = step_rows([(b, 1)], torch.device("cpu"), native)
+    assert one is not None
+    one.add(0, "qkv", x[14:15].contiguous(), alone)
+    assert torch.equal(alone[0], got[14])
