@@ -2,7 +2,10 @@
 before it names it; the engine loads what the same check accepted, ``model.lora``).
 
 A PEFT directory: ``adapter_config.json`` and ``adapter_model.safetensors`` (whose
-header, a JSON table of names, dtypes and shapes, is all this module reads). Accepted:
+header, a JSON table of names, dtypes and shapes, is all this module reads); or a
+llama.cpp GGUF LoRA file (``convert_lora_to_gguf.py``'s: ``general.type = adapter``,
+``adapter.lora.alpha``, ``blk.N.<tensor>.weight.lora_a`` / ``.lora_b``, F32/F16/BF16),
+read with the ``gguf`` package's reader (metadata and shapes; no tensor data). Accepted:
 ``r``, ``lora_alpha``, rsLoRA (``use_rslora``: ``alpha / sqrt(r)`` instead of
 ``alpha / r``), ``rank_pattern`` / ``alpha_pattern`` (PEFT's matching: a pattern names a
 module when it matches the end of its dotted name), on the attention projections
@@ -82,10 +85,12 @@ class Target:
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """A checked adapter: where its weights are and what they adapt."""
+    """A checked adapter: where its weights are and what they adapt; ``gguf``: a GGUF
+    LoRA file (``path``), else a PEFT directory."""
 
     path: Path
     targets: tuple[Target, ...]
+    gguf: bool = False
 
     @property
     def max_rank(self) -> int:
@@ -93,7 +98,7 @@ class AdapterSpec:
 
     @property
     def weights_file(self) -> Path:
-        return self.path / WEIGHTS_FILE
+        return self.path if self.gguf else self.path / WEIGHTS_FILE
 
 
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
@@ -129,6 +134,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> Adap
     ``max_lora_rank``; ``AdapterError`` naming the problem otherwise."""
     check_base(cfg)
     root = Path(path)
+    if root.is_file() and root.suffix == ".gguf":
+        return _read_gguf(root, cfg, max_lora_rank)
     if not (root / CONFIG_FILE).is_file():
         raise AdapterMissing(f"No adapter found at {root} (no {CONFIG_FILE})")
     try:
@@ -163,6 +170,78 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> Adap
         for (layer, module), keys in sorted(pairs.items())
     ]
     return AdapterSpec(root, tuple(targets))
+
+
+# llama.cpp's tensor names -> PEFT's modules
+GGUF_MODULES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+
+
+def _read_gguf(path: Path, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
+    """A GGUF LoRA file's adapter (see the module's docstring), checked like a PEFT one;
+    the scale is ``alpha / r`` (llama.cpp's; 1 when the file's alpha is 0)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the reader raises what it meets
+        raise AdapterError(f"{path} is not a readable GGUF file: {e}") from None
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    if field("general.type") != "adapter" or field("adapter.type") != "lora":
+        raise AdapterError(f"{path} is not a GGUF LoRA adapter (general.type = adapter)")
+    alpha = float(field("adapter.lora.alpha") or 0.0)
+    pairs: dict[tuple[int, str], dict[str, Any]] = {}
+    for t in reader.tensors:
+        m = _GGUF_KEY.match(t.name)
+        if m is None or m[2] not in GGUF_MODULES:
+            raise AdapterError(f"unsupported tensor {t.name!r} in the GGUF adapter")
+        if t.tensor_type.name not in _DTYPES:
+            raise AdapterError(f"tensor {t.name!r} is {t.tensor_type.name}; F32/F16/BF16 only")
+        layer = int(m[1])
+        if layer >= cfg.num_layers:
+            raise AdapterError(f"tensor {t.name!r}: the base has {cfg.num_layers} layers")
+        pairs.setdefault((layer, GGUF_MODULES[m[2]]), {})[m[3].upper()] = t
+    if not pairs:
+        raise AdapterError(f"the GGUF adapter {path} has no LoRA weights")
+    targets = []
+    for (layer, module), ts in sorted(pairs.items()):
+        name = f"model.layers.{layer}.{module}"
+        if set(ts) != {"A", "B"}:
+            raise AdapterError(f"{name} lacks its lora_a or lora_b")
+        a, b = (list(reversed([int(n) for n in ts[s].shape])) for s in "AB")  # numpy order
+        rank = _check_shapes(cfg, name, module, a, b, max_lora_rank)
+        scale = alpha / rank if alpha else 1.0
+        targets.append(Target(layer, module, rank, scale, ts["A"].name, ts["B"].name))
+    return AdapterSpec(path, tuple(targets), gguf=True)
+
+
+def _check_shapes(
+    cfg: ModelConfig, name: str, module: str, a: list[int], b: list[int], max_lora_rank: int
+) -> int:
+    """The rank of ``A`` (shape ``a``) and ``B`` (shape ``b``) if they fit the base's
+    ``module`` and ``max_lora_rank``; ``AdapterError`` otherwise."""
+    out, inp = module_shape(cfg, module)
+    rank = a[0] if len(a) == 2 else -1
+    if len(a) != 2 or len(b) != 2 or a[1] != inp or b != [out, rank]:
+        raise AdapterError(
+            f"{name}: lora_A {a} and lora_B {b} do not fit the base's [{out}, {inp}] "
+            f"(expected [r, {inp}] and [{out}, r]); is it an adapter of another model?"
+        )
+    if rank > max_lora_rank:
+        raise AdapterError(f"{name} has rank {rank}, above max_lora_rank {max_lora_rank}")
+    return rank
 
 
 def _check_config(config: dict[str, Any]) -> None:
@@ -213,15 +292,7 @@ def _target(
         missing = "".join(sorted({"A", "B"} - set(keys)))
         raise AdapterError(f"{name} has no lora_{missing} weight")
     a, b = header[keys["A"]]["shape"], header[keys["B"]]["shape"]
-    out, inp = module_shape(cfg, module)
-    rank = a[0] if len(a) == 2 else -1
-    if len(a) != 2 or len(b) != 2 or a[1] != inp or b != [out, rank]:
-        raise AdapterError(
-            f"{name}: lora_A {a} and lora_B {b} do not fit the base's [{out}, {inp}] "
-            f"(expected [r, {inp}] and [{out}, r]); is it an adapter of another model?"
-        )
-    if rank > max_lora_rank:
-        raise AdapterError(f"{name} has rank {rank}, above max_lora_rank {max_lora_rank}")
+    rank = _check_shapes(cfg, name, module, a, b, max_lora_rank)
     want = _pattern_value(config.get("rank_pattern") or {}, name, float(config.get("r", rank)))
     if int(want) != rank:
         raise AdapterError(f"{name} has rank {rank}, but the adapter's config says {int(want)}")

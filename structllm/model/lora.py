@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from structllm.lora import AdapterSpec
 from structllm.model.config import ModelConfig
+from structllm.model.gguf import dequantize, keeps_hf_rope_order, open_gguf
 from structllm.model.layers import interleave_rope_rows
 
 # PEFT's module -> (our fused projection, which slice of its output)
@@ -84,15 +85,15 @@ def load_adapter(
 ) -> LoraAdapter:
     """The weights of ``spec`` (checked by ``lora.read_adapter``) on ``device``, stored in
     ``dtype`` (computed in float32 whatever it is)."""
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(spec.weights_file))
+    tensors = _gguf_tensors(spec) if spec.gguf else _peft_tensors(spec)
+    # PEFT's q/k rows are in Hugging Face's order; a GGUF file's as llama.cpp left them
+    permute = not spec.gguf or keeps_hf_rope_order(cfg.architecture)
     adapter = LoraAdapter(uid, name, lora_id, str(spec.path))
     for t in spec.targets:
         a = tensors[t.a_key].float()  # [r, in]
         b = tensors[t.b_key].float() * t.scale  # [out, r]
         proj, part = SLICES[t.module]
-        if part in ("q", "k"):  # the rows' rotary pairs as the base's q/k rows hold them
+        if permute and part in ("q", "k"):  # the rotary pairs as the base's q/k rows hold them
             heads = cfg.num_heads if part == "q" else cfg.num_kv_heads
             b = interleave_rope_rows(b, heads, cfg.rope_dim)
         entry = (  # B transposed: the native expand's rows (cpu_lora.cpp)
@@ -102,6 +103,22 @@ def load_adapter(
         )
         adapter.layers.setdefault(t.layer, {}).setdefault(proj, []).append(entry)
     return adapter
+
+
+def _peft_tensors(spec: AdapterSpec) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(spec.weights_file))
+
+
+def _gguf_tensors(spec: AdapterSpec) -> dict[str, Tensor]:
+    """A GGUF LoRA file's tensors by name, float32, in numpy's order (``[r, in]``,
+    ``[out, r]``)."""
+    reader = open_gguf(spec.path)
+    return {
+        t.name: dequantize(t.data, t.tensor_type.name, tuple(reversed([int(n) for n in t.shape])))
+        for t in reader.tensors
+    }
 
 
 @dataclass

@@ -348,3 +348,45 @@ class Oracle:
 
     def finish(self, req: Any) -> None:
         pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # q/k rows interleaved in the file, or not
+def test_a_gguf_lora_file_equals_its_peft_directory(family: str, default_files: Any) -> None:
+    # llama.cpp's convert_lora_to_gguf.py of a PEFT adapter: the same logits over the
+    # Hugging Face base, and over the same base as a GGUF file (llama.cpp's q/k layout)
+    # the same logits and greedy tokens
+    from tests.support import llamacpp
+
+    base = tiny_family_dir(family, default_files)
+    peft = peft_adapter(base, 1)
+    try:
+        gguf_base = llamacpp.convert_hf(base, "f32")
+        gguf_lora = llamacpp.convert_lora(peft, base)
+    except llamacpp.ToolMissing as e:
+        pytest.skip(str(e))
+    spec = read_adapter(gguf_lora, prepare_model(str(base)).config, 16)
+    assert spec.gguf and len(spec.targets) == 7 * 3
+
+    def start(model: Path) -> EngineCore:
+        cfg = EngineConfig(model=str(model), kv_cache_memory=16 << 20, enable_lora=True, **EXACT)
+        return EngineCore(cfg)
+
+    hf, gg = start(base), start(gguf_base)
+    assert hf.adapters is not None and gg.adapters is not None
+    runs = [
+        (e, e.adapters.acquire(LoraRef(n, i, str(p))).uid)
+        for e in (hf, gg)
+        for n, i, p in (("peft", 1, peft), ("gguf", 2, gguf_lora))
+        if e.adapters is not None
+    ]
+    for ids in PROMPTS:
+        want = prefill_logits(runs[0][0], ids, runs[0][1])
+        for engine, uid in runs[1:]:
+            torch.testing.assert_close(prefill_logits(engine, ids, uid), want, atol=1e-4, rtol=1e-4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for model, adapter in ((base, peft), (gguf_base, gguf_lora)):
+        with LLM(str(model), kv_cache_memory=16 << 20, enable_lora=True, **EXACT) as llm:
+            r = LoRARequest("x", 1, str(adapter))
+            outs.append([o.token_ids for o in llm.generate(PROMPTS, params, lora_request=r)])
+    assert outs[0] == outs[1]
