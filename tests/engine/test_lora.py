@@ -390,3 +390,18 @@ def test_a_gguf_lora_file_equals_its_peft_directory(family: str, default_files: 
             r = LoRARequest("x", 1, str(adapter))
             outs.append([o.token_ids for o in llm.generate(PROMPTS, params, lora_request=r)])
     assert outs[0] == outs[1]
+
+
+def test_a_constrained_request_runs_with_its_adapter(llm: LLM, tiny_llama: Path) -> None:
+    # the grammar's mask over the adapter's logits; the pin held while its matcher was
+    # built goes with the request
+    from structllm.protocol import StructuredOutputs
+
+    a = lora(tiny_llama, "a", 1, 1)
+    choices = ["red", "green", "blue"]
+    sp = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(choice=choices)
+    )
+    out = llm.generate([PROMPTS[1]], sp, lora_request=a)[0]
+    assert out.text in choices
+    assert llm.engine.adapters is not None and not llm.engine.adapters.pins
