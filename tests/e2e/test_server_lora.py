@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -122,3 +123,23 @@ def test_metrics_say_the_lora_settings(served: tuple[Server, openai.OpenAI]) -> 
     _, text = server.get("/metrics")
     line = next(x for x in text.decode().splitlines() if x.startswith("structllm:lora_requests_"))
     assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
+
+
+def test_unloading_leaves_a_request_in_flight_unchanged(
+    served: tuple[Server, openai.OpenAI], base: Path
+) -> None:
+    # the request carries its adapter to the engine, which holds it until the request
+    # ends: an unload between its first chunk and its last changes nothing in it
+    server, client = served
+    path = str(peft_adapter(base, 4))
+    body = {"lora_name": "e", "lora_path": path}
+    assert server.request("POST", "/v1/load_lora_adapter", body)[0] == 200
+    kw: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    want = client.completions.create(model="e", **kw).choices[0].text
+    stream = client.completions.create(model="e", stream=True, **kw)
+    chunks = iter(stream)
+    first = next(chunks).choices[0].text
+    assert server.request("POST", "/v1/unload_lora_adapter", {"lora_name": "e"})[0] == 200
+    got = first + "".join(c.choices[0].text for c in chunks if c.choices)
+    assert got == want
