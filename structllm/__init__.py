@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from structllm.config import EngineConfig
+from structllm.lora import LoRARequest
 from structllm.protocol import SamplingParams
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "__version__",

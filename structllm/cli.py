@@ -204,11 +204,47 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "GGUF written by its convert_hf_to_gguf.py --mmproj (Gemma 3, SmolVLM)",
     )
     p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT directories) over the unmerged base, as vLLM's flag: "
+        "requests with different adapters and none share steps",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=d("max_loras"),
+        help="distinct LoRA adapters in one step (a waiting request over it lets others in)",
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="LoRA adapters kept loaded, least recently used evicted (default: --max-loras)",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=d("max_lora_rank"), help="larger ranks are refused"
+    )
+    p.add_argument(
+        "--lora-dtype",
+        default=d("lora_dtype"),
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="how adapters' weights are stored (auto: float32; computed in float32 always)",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
         help="append every request's lifecycle events (Chrome trace events, JSON lines) to FILE",
     )
+
+
+def _lora_module(text: str) -> object:
+    from structllm.server.lora import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _generation_config(text: str) -> str:
@@ -262,6 +298,11 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         hf_overrides=a.hf_overrides,
         generation_config=a.generation_config,
         mmproj=a.mmproj,
+        enable_lora=a.enable_lora,
+        max_loras=a.max_loras,
+        max_cpu_loras=a.max_cpu_loras,
+        max_lora_rank=a.max_lora_rank,
+        lora_dtype=a.lora_dtype,
         trace=a.trace,
         pipeline_parallel_size=a.pipeline_parallel_size,
         nnodes=a.nnodes,
@@ -353,6 +394,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         max_media_bytes=a.max_media_bytes,
         media_fetch_timeout=a.media_fetch_timeout,
         image_processor=a.image_processor,
+        lora_modules=tuple(a.lora_modules),
     )
     if a.chat_template is not None:
         from structllm.tokenizer import ChatTemplateError, load_chat_template
@@ -419,6 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         default=None,
         help="model name clients use (default: the model file's name)",
+    )
+    r.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (with --enable-lora), as vLLM's flag: name=path or "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
     )
     r.add_argument(
         "--backend",

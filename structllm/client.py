@@ -33,6 +33,7 @@ from structllm.protocol import (
     FinishReason,
     GetStats,
     ImageInput,
+    LoraRef,
     OutputBatch,
     SamplingParams,
     TokenLogprobs,
@@ -231,10 +232,12 @@ class EngineClient:
         wakeup: Wakeup | None = None,
         images: Sequence[ImageInput] = (),
         priority: int = 0,
+        lora: LoraRef | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished.
         ``images``: the prompt's (``ImageInput`` spans in prompt order); ``priority``:
-        lower runs earlier (the engine's priority policy)."""
+        lower runs earlier (the engine's priority policy); ``lora``: the LoRA adapter it
+        runs with."""
         if self.dead is not None:
             raise self.dead
         if request_id in self._streams:
@@ -243,7 +246,7 @@ class EngineClient:
         self._streams[request_id] = stream
         try:
             await self.engine.endpoint.send(
-                AddRequest(request_id, prompt_token_ids, sampling, list(images), priority)
+                AddRequest(request_id, prompt_token_ids, sampling, list(images), priority, lora)
             )
             yield stream
         finally:

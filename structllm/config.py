@@ -206,6 +206,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``scheduling_policy``: ``"fcfs"`` (arrival order) or ``"priority"`` (a request's
       ``priority``, lower first, then arrival; a more urgent request may preempt a less
       urgent one: ``engine.scheduler``), vLLM's ``--scheduling-policy``.
+    - ``enable_lora`` (vLLM's flags): requests may name a LoRA adapter
+      (``AddRequest.lora``), run over the unmerged base (``engine.adapters``,
+      ``model.lora``); ``max_loras``: distinct adapters in one step (a waiting request
+      over it is passed over); ``max_cpu_loras``: adapters kept loaded (default
+      ``max_loras``; those in use are never evicted); ``max_lora_rank``: larger ranks
+      are refused; ``lora_dtype``: how their weights are stored (``auto``: float32;
+      computed in float32 always). One process only (no tensor or pipeline
+      parallelism).
     - ``encoder_cache_memory``: bytes for a vision-language model's encoder outputs, kept
       by image hash (``engine.encoder_cache``; a 256-token Gemma 3 image at hidden 2560
       in float32 is 2.5 MiB).
@@ -246,6 +254,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     encoder_cache_memory: int = 256 << 20
     mmproj: str | None = None
     scheduling_policy: str = "fcfs"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -296,6 +309,20 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.nnodes > 1 and not 0 < self.master_port < 65536:
             raise ValueError("several nodes need --master-port (the store's port on node 0)")
         hf_overrides(self.hf_overrides)
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} "
+                f"and {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
+        if self.lora_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"lora_dtype must be auto, float32, float16 or bfloat16, got {self.lora_dtype!r}"
+            )
         if not self.generation_config:
             raise ValueError("generation_config must be auto, vllm or a folder")
         if self.distributed_executor_backend not in ("mp", "ray"):

@@ -22,13 +22,14 @@ from structllm.harmony import uses_harmony
 from structllm.harmony.parser import HarmonyParser
 from structllm.harmony.render import encode_parts
 from structllm.harmony.sampling import for_harmony
+from structllm.lora import LoRARequest, read_adapter
 from structllm.model.files import generation_defaults, model_path
 from structllm.model.loader import prepare_model
 from structllm.multimodal.mmproj import pair_processor
 from structllm.multimodal.processor import ImageProcessor
 from structllm.multimodal.registry import processor_for
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import AddRequest, ImageInput, SamplingParams, TokenLogprobs
+from structllm.protocol import AddRequest, ImageInput, LoraRef, SamplingParams, TokenLogprobs
 from structllm.reasoning import END_TAG, Mode, check_parser, engine_spec, mode_for
 from structllm.server.images import DEFAULT_MAX_PIXELS
 from structllm.tokenizer import Message, Tokenizer, check_template_kwargs
@@ -178,6 +179,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one or many prompts in one continuously batched run. Returns one
         ``RequestOutput`` per prompt, in order. Raises ``ValueError`` naming the prompt
@@ -185,12 +187,30 @@ class LLM:
         ``structured_outputs`` does not compile. A constrained request whose grammar
         fails in the engine ends alone with ``finish_reason == "error"``. ``priority``:
         one per prompt, lower runs earlier (vLLM's argument; non-zero values need
-        ``scheduling_policy="priority"``)."""
+        ``scheduling_policy="priority"``). ``lora_request`` (with ``enable_lora=True``):
+        the LoRA adapter of every prompt, or one per prompt (None: the base model); a bad
+        adapter is a ``ValueError``."""
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items), self.get_default_sampling_params())
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"priority has {len(priority)} values for {len(items)} prompts")
-        return self._run(items, [self._encode(p) for p in items], params, priorities=priority)
+        loras = self._loras(lora_request, len(items))
+        encoded = [self._encode(p) for p in items]
+        return self._run(items, encoded, params, priorities=priority, loras=loras)
+
+    def _loras(
+        self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoraRef | None]:
+        """One adapter (or None) per prompt, each checked (``lora.read_adapter``)."""
+        out = list(lora) if isinstance(lora, Sequence) else [lora] * n
+        if len(out) != n:
+            raise ValueError(f"got {len(out)} LoRA requests for {n} prompts")
+        for r in out:
+            if r is not None and not self.config.enable_lora:
+                raise ValueError(f"LoRA adapter {r.lora_name!r} given, but enable_lora is off")
+            if r is not None:
+                read_adapter(r.lora_path, self.engine.files.config, self.config.max_lora_rank)
+        return [None if r is None else r.ref() for r in out]
 
     def _run(
         self,
@@ -202,6 +222,7 @@ class LLM:
         images: Sequence[list[ImageInput]] | None = None,
         priorities: Sequence[int] | None = None,
         harmony: Callable[[], HarmonyParser] | None = None,
+        loras: Sequence[LoraRef | None] | None = None,
     ) -> list[RequestOutput]:
         priorities = priorities or [0] * len(items)
         for i, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
@@ -213,13 +234,14 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         results: list[RequestOutput] = []
         live: dict[str, tuple[SequenceState, RequestOutput]] = {}
-        for p, ids, sp, mode, prompt_images, prio in zip(
+        for p, ids, sp, mode, prompt_images, prio, lora in zip(
             items,
             encoded,
             params,
             modes or [None] * len(items),
             images or [[]] * len(items),
             priorities,
+            loras or [None] * len(items),
             strict=True,
         ):
             res = RequestOutput(str(next(self._ids)), p if isinstance(p, str) else None, ids, 0, [])
@@ -247,7 +269,7 @@ class LLM:
                 live[seq.request_id] = (seq, res)
                 self.engine.tracer.event("sent", seq.request_id)
                 self.engine.add_request(
-                    AddRequest(seq.request_id, ids, seq.sampling, seq.images, seq.priority)
+                    AddRequest(seq.request_id, ids, seq.sampling, seq.images, seq.priority, lora)
                 )
         try:
             while live:

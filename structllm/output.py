@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from structllm.harmony.parser import HarmonyParser, merged
-from structllm.protocol import ImageInput, SamplingParams, TokenLogprobs
+from structllm.protocol import ImageInput, LoraRef, SamplingParams, TokenLogprobs
 from structllm.reasoning import Mode, ReasoningParser
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
@@ -76,6 +76,7 @@ class SequenceState:
     images: list[ImageInput] = field(default_factory=list)  # the prompt's, for AddRequest
     priority: int = 0  # for AddRequest (lower runs earlier under the priority policy)
     harmony: HarmonyParser | None = None  # instead of ``tools`` and ``reasoning``
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
     _undecided_tokens: int = 0  # fed before the parser knew whether they are reasoning
     _calls: list[ToolCallDelta] = field(default_factory=list)  # harmony's, not yet out
 

@@ -215,12 +215,23 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     pixels: bytes  # uint8, ``shape``, row-major RGB
 
 
+class LoraRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A LoRA adapter a request runs with (vLLM's ``LoRARequest``): its served name, an
+    id unique to these files (a fresh one for every load of a name), and its PEFT
+    directory. The engine loads it on first use (``engine.adapters``)."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     images: list[ImageInput] = []  # in prompt order, spans disjoint
     priority: int = 0  # lower runs earlier (--scheduling-policy priority; else only 0)
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -310,6 +321,9 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     encoder_cache_bytes: int = 0
     # waiting requests by priority (every one is 0 under the fcfs policy)
     num_waiting_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    # LoRA (engine.adapters): the names of the adapters of running and waiting requests
+    lora_running: list[str] = msgspec.field(default_factory=list)
+    lora_waiting: list[str] = msgspec.field(default_factory=list)
 
 
 class OutputBatch(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from structllm.config import EngineConfig, SpeculativeConfig
+from structllm.engine.adapters import AdapterRegistry
 from structllm.engine.device import (
     drop_library_pages,
     kv_budget,
@@ -63,6 +64,7 @@ from structllm.protocol import (
     EngineStats,
     GetStats,
     ImageInput,
+    LoraRef,
     OutputBatch,
     SamplingParams,
     Shutdown,
@@ -147,6 +149,10 @@ class EngineCore:
                 f"{mcfg.architecture} has layers of several K/V shapes or layers reading "
                 "another layer's K/V: tensor and pipeline parallelism are not supported for it"
             )
+        if config.enable_lora and (
+            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        ):
+            raise ValueError("LoRA adapters run in one process: no tensor or pipeline parallelism")
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
         plan = (
@@ -240,6 +246,10 @@ class EngineCore:
                 '\'{"method": "none"}\' turns it off)\n'
             )
         self.set_speculative(spec)
+        self.adapters: AdapterRegistry | None = None  # --enable-lora
+        self._lora_of: dict[str, int] = {}  # request id -> the adapter load it pins
+        if self.config.enable_lora:
+            self._enable_lora()
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             # (a recurrent state advances one sequence row at a time: no decode chunks)
@@ -247,6 +257,21 @@ class EngineCore:
         if self.device.type == "cpu":
             release_free_heap()  # what loading and the start-up prefill left free
             drop_library_pages()  # library code only start-up ran (faults back if used)
+
+    def _enable_lora(self) -> None:
+        """The adapter registry (``engine.adapters``), handed to the runner (a step's rows
+        by adapter) and the scheduler's ``max_loras``."""
+        cfg = self.config
+        self.adapters = AdapterRegistry(
+            self.files.config,
+            cfg.max_cpu_loras or cfg.max_loras,
+            cfg.max_lora_rank,
+            cfg.lora_dtype,
+            self.device,
+        )
+        self.scheduler.max_loras = cfg.max_loras
+        if isinstance(self.runner, ModelRunner):
+            self.runner.adapters = self.adapters
 
     def set_speculative(self, spec: SpeculativeConfig | None) -> None:
         """Turn speculative decoding on with ``spec`` (fresh counters), or off (``None``
@@ -634,6 +659,9 @@ class EngineCore:
             req.mrope = self._mrope(req.images)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
+            if msg.lora is not None:  # pinned until it ends (step: _unpin_finished)
+                req.lora_uid = self._pin_adapter(msg.lora)
+                self._lora_of[msg.request_id] = req.lora_uid
             if msg.sampling.structured_outputs is not None:
                 # scheduled once its matcher is built (off this thread; see _admit_compiled)
                 self._compiling[msg.request_id] = (req, self.grammar.compile(req))
@@ -644,6 +672,23 @@ class EngineCore:
             self.tracer.event("finished", msg.request_id, reason="error", error=str(e))
             return
         self.tracer.event("queued", msg.request_id, prompt_tokens=len(msg.prompt_token_ids))
+
+    def _pin_adapter(self, ref: LoraRef) -> int:
+        """The uid of ``ref``'s adapter, loaded if need be and pinned (``ValueError``:
+        LoRA is off, or the adapter cannot run here)."""
+        if self.adapters is None:
+            raise ValueError(
+                f"the request names LoRA adapter {ref.name!r}, but LoRA is not enabled "
+                "(--enable-lora)"
+            )
+        return self.adapters.acquire(ref).uid
+
+    def _unpin_finished(self, deltas: Sequence[TokenDelta]) -> None:
+        """Unpin the adapters of the requests that ended in this batch."""
+        assert self.adapters is not None
+        for d in deltas:
+            if d.finish_reason is not None and d.request_id in self._lora_of:
+                self.adapters.release(self._lora_of.pop(d.request_id))
 
     def _admit_compiled(self, wait_s: float = 0.0) -> None:
         """Schedule the constrained requests whose matcher is ready; one whose grammar
@@ -701,6 +746,13 @@ class EngineCore:
         return self.scheduler.has_work or bool(self._compiling) or bool(self._in_flight)
 
     def step(self, aborts_pending: Callable[[], Collection[str]] | None = None) -> OutputBatch:
+        """``_step``, then the adapters of the requests it ended are unpinned."""
+        batch = self._step(aborts_pending)
+        if self._lora_of:
+            self._unpin_finished(batch.outputs)
+        return batch
+
+    def _step(self, aborts_pending: Callable[[], Collection[str]] | None = None) -> OutputBatch:
         """Schedule and run one step; its outputs (and any refusals and aborts since the
         last step) as one batch.
 
@@ -869,6 +921,8 @@ class EngineCore:
             state_cache_slots_used=st.num_slots - st.num_free_slots if st is not None else 0,
             spec_propose_s=spec.propose_s,
             **self._encoder_stats(),
+            lora_running=self._lora_names(s.running),
+            lora_waiting=self._lora_names(s.waiting),
         )
 
     def _waiting_by_priority(self) -> dict[int, int]:
@@ -876,6 +930,13 @@ class EngineCore:
         counted by priority."""
         compiling = (req for req, _ in self._compiling.values())
         return dict(Counter(r.priority for r in chain(self.scheduler.waiting, compiling)))
+
+    def _lora_names(self, reqs: Iterable[Request]) -> list[str]:
+        """The names of ``reqs``' adapters (none without LoRA)."""
+        if self.adapters is None:
+            return []
+        names = self.adapters.by_uid
+        return sorted({names[r.lora_uid].name for r in reqs if r.lora_uid in names})
 
     def _encoder_stats(self) -> dict[str, int]:
         if not isinstance(self.runner, ModelRunner):

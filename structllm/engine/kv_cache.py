@@ -12,7 +12,10 @@ it matches. Keys are compared exactly (a dict), so a hash collision cannot alias
 prefixes. ``images_of_the_block`` is ``Request.block_images``: ``(image hash, the
 block's first position minus the image's offset)`` for each image whose span overlaps
 the block (empty for text), so the same placeholder tokens over two different images
-never share a block, and over the same image they do.
+never share a block, and over the same image they do. A request with a LoRA adapter
+starts its chain from ``-lora_uid`` (``Request.lora_uid``, fresh on each load of an
+adapter) instead of 0, so its blocks (whose K/V the adapter changed) are hit only by
+requests with the same load of the same adapter.
 
 Free blocks sit in ``free`` in eviction order (front first). A block whose last
 reference goes keeps its key and goes to the back, so it can still be hit until the
@@ -94,7 +97,7 @@ class KVCacheManager:
             return []
         bs = self.block_size
         hits: list[int] = []
-        parent = 0
+        parent = -req.lora_uid  # (0: no adapter; see chain_key)
         for i in range((req.num_tokens - 1) // bs):
             block = self.cached.get(chain_key(req, parent, i, bs))
             if block is None:
@@ -226,7 +229,7 @@ class KVCacheManager:
             return
         bs = self.block_size
         for i in range(len(req.chain_ids), min(num_tokens, req.num_tokens) // bs):
-            parent = req.chain_ids[i - 1] if i else 0
+            parent = req.chain_ids[i - 1] if i else -req.lora_uid
             key = chain_key(req, parent, i, bs)
             existing = self.cached.get(key)
             if existing is not None:  # same prefix computed twice: keep the first copy

@@ -50,6 +50,8 @@ class Request:
     ``priority``: lower runs earlier under the priority policy (vLLM's polarity; see
     ``Scheduler``); ``arrival``: the scheduler's count of requests added before this
     one, which breaks ties between equal priorities (first come, first served).
+    ``lora_uid``: the load of the LoRA adapter it runs with (``engine.adapters``; 0:
+    none); its blocks' chain starts from ``-lora_uid`` instead of 0 (``kv_cache``).
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -65,6 +67,7 @@ class Request:
         "grammar",
         "images",
         "in_reasoning",
+        "lora_uid",
         "max_tokens",
         "mrope",
         "num_cached_tokens",
@@ -125,6 +128,9 @@ class Request:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)
+        # its LoRA adapter's load (engine.adapters; 0: the base model): the prefix cache
+        # keys its blocks by it, the scheduler counts distinct ones per step
+        self.lora_uid = 0
 
     @property
     def urgency(self) -> tuple[int, int]:

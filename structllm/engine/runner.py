@@ -23,6 +23,7 @@ import msgspec
 import torch
 from torch import Tensor
 
+from structllm.engine.adapters import AdapterRegistry
 from structllm.engine.cuda_graphs import DecodeGraphs
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager, GrammarMask
@@ -44,6 +45,7 @@ from structllm.kernels.attention import AttentionMetadata
 from structllm.model import decode_plan
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.llama import LlamaModel
+from structllm.model.lora import LoraRows, active
 from structllm.model.vision import VisionModel
 from structllm.protocol import StepInput, TokenLogprobs
 
@@ -76,6 +78,7 @@ class Batch:
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     sample_counts: list[tuple[Request, int]] = field(default_factory=list)
     images: ImageRows | None = None  # rank 0 without parallelism: see engine.image_rows
+    lora: LoraRows | None = None  # the rows with a LoRA adapter (engine.adapters), if any
 
 
 def batch_from_step(
@@ -225,6 +228,7 @@ class ModelRunner:
         # engine; one process only: images are refused with tensor/pipeline parallelism)
         self.vision: VisionModel | None = None
         self.encoder_cache: EncoderCache[Tensor] = EncoderCache(0)
+        self.adapters: AdapterRegistry | None = None  # LoRA adapters (set by the engine)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
@@ -339,6 +343,8 @@ class ModelRunner:
             state_saves=state_saves,
         )
         batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
+        if self.adapters is not None:  # each request's rows are n consecutive ones
+            batch.lora = self.adapters.rows([(r.lora_uid, n) for r, n in ordered])
         if spatial:
             batch.positions = mrope_rows(batch.positions, spatial)
         if chunks and self.vision is not None:
@@ -385,6 +391,7 @@ class ModelRunner:
             if (
                 self.decode_graphs is not None
                 and batch.images is None
+                and batch.lora is None
                 and batch.positions.dim() == 1
             ):
                 hidden = self.decode_graphs.run(batch.input_ids, batch.positions, batch.meta)
@@ -397,14 +404,15 @@ class ModelRunner:
                     else None
                 )
                 try:
-                    hidden = self.model(
-                        batch.input_ids,
-                        batch.positions,
-                        self.kv_caches,
-                        batch.meta,
-                        between_layers,
-                        embeds,
-                    )
+                    with active(self.model, batch.lora):
+                        hidden = self.model(
+                            batch.input_ids,
+                            batch.positions,
+                            self.kv_caches,
+                            batch.meta,
+                            between_layers,
+                            embeds,
+                        )
                 finally:
                     self.encoder_cache.unpin_all()  # the step's images may go from now on
             rows = batch.step.logit_rows

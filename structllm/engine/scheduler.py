@@ -26,6 +26,10 @@ the budget: a chunk whose images are not in the encoder cache (``encoder_cache``
 by hash) costs their ``num_tokens`` besides its own tokens, each image once a step; when
 that overruns the budget and the chunk has text before the image, it stops before it.
 
+LoRA (``max_loras`` set): a waiting request whose adapter would make the running
+requests' distinct adapters more than ``max_loras`` is passed over, not waited for
+(``_next_waiting``); so every step holds at most that many.
+
 A request that asks for prompt logprobs takes no prefix-cache hits over prompt
 positions it has not scored yet (a cached block has K/V but no logits); its own blocks
 still enter the cache for others.
@@ -148,6 +152,8 @@ class Scheduler:
         self.max_draft_step_tokens: int | None = None  # drafts only within (engine sets)
         # image hashes whose encoder output is cached (engine.encoder_cache; engine sets)
         self.encoder_cache: Container[str] = frozenset()
+        # distinct LoRA adapters among the running requests at most (0: no cap; engine)
+        self.max_loras = 0
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -242,7 +248,10 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
             and len(out.scheduled) < cap
         ):
-            req = self.waiting[0]
+            nxt = self._next_waiting()
+            if nxt is None:
+                break
+            req = nxt
             hits = self.kv.lookup(req)
             if req.wants_prompt_logprobs:  # hits only over positions already scored
                 hits = hits[: req.num_prompt_logprobs // self.kv.block_size]
@@ -259,7 +268,7 @@ class Scheduler:
                 if self.states is not None:
                     self.states.free_slot(req)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if self.states is not None:
                 if hits:
                     self.states.load(req, self.kv.block_chain_id[hits[-1]])
@@ -273,6 +282,18 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n + enc
         return out
+
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to admit next: the first in line, or with ``max_loras``
+        the first whose LoRA adapter fits (none, one a running request uses, or a new
+        one while the running requests use fewer than ``max_loras``); None: nobody fits.
+        So no step ever holds more than ``max_loras`` adapters, and a request over the
+        cap lets the ones behind it in instead of blocking them."""
+        if not self.max_loras:
+            return self.waiting[0]
+        used = {r.lora_uid for r in self.running if r.lora_uid}
+        room = len(used) < self.max_loras
+        return next((r for r in self.waiting if not r.lora_uid or room or r.lora_uid in used), None)
 
     def _image_chunk(
         self, req: Request, start: int, n: int, budget: int, encoded: set[str]

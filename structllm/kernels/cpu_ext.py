@@ -1,5 +1,6 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``,
-``cpu_layer.cpp``, ``cpu_moe.cpp``, ``cpu_decode.cpp``, ``cpu_recurrent.cpp``).
+``cpu_layer.cpp``, ``cpu_moe.cpp``, ``cpu_decode.cpp``, ``cpu_recurrent.cpp``,
+``cpu_lora.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
 machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
@@ -185,6 +186,26 @@ def load_recurrent(isa: str | None = None) -> Any | None:
     )
 
 
+LORA_SOURCE = Path(__file__).with_name("cpu_lora.cpp")
+
+
+@cache
+def load_lora(isa: str | None = None) -> Any | None:
+    """LoRA's segmented shrink and expand (``lora_add``, see cpu_lora.cpp) built for
+    ``isa`` (default ``best_isa()``), or None if the CPU lacks AVX2 or the build fails."""
+    isa = isa or best_isa()
+    if isa is None:
+        return None
+    return _share_pool(
+        build(
+            f"structllm_lora_{isa}",
+            LORA_SOURCE,
+            [*FLAGS, _ISA_MARCH[isa]],
+            "the LoRA shrink/expand kernel (about 20 s)",
+        )
+    )
+
+
 DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 
 
@@ -340,6 +361,7 @@ def build_all() -> list[tuple[str, bool]]:
         out.append((f"cpu_moe_{isa}", load_moe(isa) is not None))
         out.append((f"cpu_decode_{isa}", load_decode(isa) is not None))
         out.append((f"cpu_recurrent_{isa}", load_recurrent(isa) is not None))
+        out.append((f"cpu_lora_{isa}", load_lora(isa) is not None))
     return out
 
 

@@ -806,6 +806,13 @@ _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
 _HF_ROPE_ORDER += ("falcon",)
 
+
+def keeps_hf_rope_order(architecture: str) -> bool:
+    """Whether llama.cpp's converters leave this family's q/k rows in Hugging Face's order
+    (so their rotary rows are interleaved on loading; also a GGUF LoRA's ``lora_b``)."""
+    return architecture in _HF_ROPE_ORDER
+
+
 # the classic layouts' norm, output and MLP biases (model/classic.py), and their
 # ungated MLP's first matrix
 _CLASSIC_NAMES = {

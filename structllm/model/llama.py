@@ -50,6 +50,7 @@ from structllm.model.layers import (
     rope_rows,
     soft_cap,
 )
+from structllm.model.lora import LoraRows
 from structllm.model.sharding import ShardPlan
 
 # Layers between two calls of forward's ``between_layers`` (the engine's check for
@@ -141,6 +142,9 @@ class DecoderLayer(nn.Module):
         # parameter, 4 a layer a step); LlamaModel.assign_weights resets it
         self._norms: tuple[Tensor | None, ...] | None = None
         self._plain_out = self.residual_scale == 1.0
+        # the step's LoRA rows while a step has any (model.lora.active), else None
+        self.adapters: LoraRows | None = None
+        self.layer_no = index
 
     def make_moe(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None) -> SparseMoe:
         """The layer's mixture of experts (a family's own kind: ``model.gpt_oss``)."""
@@ -226,7 +230,10 @@ class DecoderLayer(nn.Module):
         all-reduced with ``tp``, its output bias added)."""
         t = h.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
+        qkv = linear(h, self.qkv_proj, self.qkv_bias)
+        if self.adapters is not None:
+            self.adapters.add(self.layer_no, "qkv", h, qkv)
+        qkv = qkv.view(t, nh + 2 * nkv, hd)
         if self.qk_norm != "none":
             qkv = self._norm_qk(qkv, tp)
         qk = qkv[:, : nh + nkv] if rope is None else apply_rope(qkv[:, : nh + nkv], rope)
@@ -239,6 +246,8 @@ class DecoderLayer(nn.Module):
         if self.attn_gate is not None:
             o = o * torch.sigmoid(linear(h, self.attn_gate))
         attn_out = linear(o, self.o_proj, self.o_bias if tp is None else None)
+        if self.adapters is not None:
+            self.adapters.add(self.layer_no, "o", o, attn_out)
         if tp is not None:  # each rank's partial sum: the bias once, after the sum
             tp.all_reduce(attn_out)
             if self.o_bias is not None:
@@ -256,8 +265,14 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             mlp_out = self.moe(h, self.act)
         else:
-            gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-            mlp_out = linear(gated_act(gate, up, self.act), self.down_proj, int8_ok=True)
+            gate_up = linear(h, self.gate_up_proj, int8_ok=True)
+            if self.adapters is not None:
+                self.adapters.add(self.layer_no, "gate_up", h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = gated_act(gate, up, self.act)
+            mlp_out = linear(mid, self.down_proj, int8_ok=True)
+            if self.adapters is not None:
+                self.adapters.add(self.layer_no, "down", mid, mlp_out)
         if tp is not None:
             tp.all_reduce(mlp_out)
         return x + self._residual_out(mlp_out, self.mlp_out_norm)
@@ -299,7 +314,10 @@ class DecoderLayer(nn.Module):
             )
         in_norm, post_norm, attn_out_norm, mlp_out_norm = norms
         h = self._fused_norm(ops, x, delta, in_norm)
-        qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, nh + 2 * nkv, hd)
+        qkv = linear(h, self.qkv_proj, self.qkv_bias)
+        if self.adapters is not None:
+            self.adapters.add(self.layer_no, "qkv", h, qkv)
+        qkv = qkv.view(t, nh + 2 * nkv, hd)
         if self.qk_norm == "full" and tp is not None:  # over all ranks' slices
             self._norm_qk(qkv, tp)
         elif self.qk_norm != "none":  # per head, or over the whole projection (OLMo 2)
@@ -315,6 +333,8 @@ class DecoderLayer(nn.Module):
             o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap, self.sinks)
             o = o.reshape(t, nh * hd)
         attn_out = linear(o, self.o_proj, self.o_bias)
+        if self.adapters is not None:
+            self.adapters.add(self.layer_no, "o", o, attn_out)
         plain = tp is None and self._plain_out  # nothing between a sublayer and the residual
         if not plain or attn_out_norm is not None:
             attn_out = self._fused_out(ops, attn_out, tp, attn_out_norm)
@@ -324,7 +344,12 @@ class DecoderLayer(nn.Module):
             mlp_out = self.moe(h, self.act, fused_act)
         else:
             gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
-            mlp_out = linear(fused_act(gate_up), self.down_proj, int8_ok=True)
+            if self.adapters is not None:
+                self.adapters.add(self.layer_no, "gate_up", h, gate_up)
+            mid = fused_act(gate_up)
+            mlp_out = linear(mid, self.down_proj, int8_ok=True)
+            if self.adapters is not None:
+                self.adapters.add(self.layer_no, "down", mid, mlp_out)
         if not plain or mlp_out_norm is not None:
             mlp_out = self._fused_out(ops, mlp_out, tp, mlp_out_norm)
         return mlp_out
@@ -397,6 +422,8 @@ class LlamaModel(nn.Module):
         self.decode_planner: Callable[[LlamaModel], tuple[Any, str]] | None = None
         self._decode_plan: Any = None
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
+        # the step's LoRA rows while it has any (model.lora.active): the Python loop runs
+        self.adapters: LoraRows | None = None
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
@@ -483,7 +510,7 @@ class LlamaModel(nn.Module):
                 )
             delta: Tensor | None = None
             t = x.shape[0]  # decode only: one attention output buffer for all layers
-            plan = self._native_plan() if meta.num_decodes == t else None
+            plan = self._native_plan() if meta.num_decodes == t and not self.adapters else None
             if plan is not None:
                 delta = plan.run(x, pairs, kv_caches, meta, between_layers)
                 if not last:

@@ -29,13 +29,19 @@ from structllm.harmony.parser import HarmonyParser
 from structllm.harmony.sampling import for_harmony
 from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import EngineStats, StructuredOutputs
+from structllm.protocol import EngineStats, LoraRef, StructuredOutputs
 from structllm.server import body
 from structllm.server import requests as rq
 from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
 from structllm.server.errors import APIError, ClientGone
 from structllm.server.generation import Admission, Builder, Generation, Transport
+from structllm.server.lora import (
+    LoadLoraAdapterRequest,
+    ServedAdapters,
+    UnloadLoraAdapterRequest,
+    runtime_updates_allowed,
+)
 from structllm.server.metrics import Metrics
 from structllm.server.openapi import openapi_document
 from structllm.server.pipeline import Message, Receive, Scope, Send
@@ -67,14 +73,18 @@ class App:
         metrics: Metrics | None = None,
         sampling_defaults: dict[str, float | int] | None = None,
         image_processor: ImageProcessor | None = None,
+        adapters: ServedAdapters | None = None,
     ) -> None:
         self.config = config
+        self.adapters = adapters  # LoRA adapters served by name (None: none can be)
         # where a request leaves a sampling parameter unset (files.generation_defaults)
         self.sampling_defaults = sampling_defaults or {}
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.client: EngineClient | None = None
         self.metrics = metrics or Metrics(model_name)
+        if adapters is not None and adapters.enabled:
+            self.metrics.max_loras = config.engine.max_loras
         self.inflight = 0  # HTTP requests being handled
         self._drained: anyio.Event | None = None
         self._idle = anyio.Event()
@@ -105,6 +115,9 @@ class App:
             ("GET", "/get_model_info"): probes.get_model_info,
             ("GET", "/get_server_info"): probes.get_server_info,
         }
+        if adapters is not None and adapters.enabled and runtime_updates_allowed():
+            self.routes["POST", "/v1/load_lora_adapter"] = self.load_lora_adapter
+            self.routes["POST", "/v1/unload_lora_adapter"] = self.unload_lora_adapter
         # the chat page (server/webui.py): public files, served from memory
         self.static: dict[str, StaticFile] = load_files() if config.web_ui else {}
         for route in self.static:
@@ -298,19 +311,29 @@ class App:
             "input_modalities": self.vision.input_modalities,  # ["text", "image"] with images
         }
 
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        return self.adapters.cards(self.created) if self.adapters is not None else []
+
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, {"object": "list", "data": [self.model_card()]})
+        cards = [self.model_card(), *self.adapter_cards()]
+        await send_json(send, 200, {"object": "list", "data": cards})
 
     async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
         name = scope["path"].rstrip("/").removeprefix("/v1/models/")
-        if name != self.model_name:
-            raise APIError(
-                404,
-                f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                param="model",
-                code="model_not_found",
-            )
-        await send_json(send, 200, self.model_card())
+        self.check_model(name)
+        card = next((c for c in self.adapter_cards() if c["id"] == name), None)
+        await send_json(send, 200, card or self.model_card())
+
+    async def load_lora_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = rq.decode_body(await self.read_body(receive), LoadLoraAdapterRequest)
+        assert self.adapters is not None  # (routed only with adapters)
+        text = await self.in_worker(self.adapters.load, req)  # reads the adapter's files
+        await send_text(send, 200, text)
+
+    async def unload_lora_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        req = rq.decode_body(await self.read_body(receive), UnloadLoraAdapterRequest)
+        assert self.adapters is not None
+        await send_text(send, 200, self.adapters.unload(req))
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = self.client
@@ -358,13 +381,13 @@ class App:
         response_id = ChatBuilder.new_id()
         self.tracer.event("received", response_id, path="/v1/chat/completions")
         req = rq.decode_body(await self.read_body(receive), rq.ChatCompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         client = self.engine()
-        seqs = await self.chat_sequences(req, response_id, "chat", client)
+        seqs = with_adapter(await self.chat_sequences(req, response_id, "chat", client), lora)
         builder = ChatBuilder(
             seqs,
             self.tokenizer,
-            model=self.model_name,
+            model=self.model_name if lora is None else lora.name,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
@@ -442,7 +465,7 @@ class App:
         response_id = TextBuilder.new_id()
         self.tracer.event("received", response_id, path="/v1/completions")
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         rq.check_priority(req.priority, self.config.engine.scheduling_policy)
         client = self.engine()
         prompts = await self.in_worker(self.pre.completion, req, response_id)
@@ -465,10 +488,11 @@ class App:
         seqs = fan_out(
             prompts, sp, self.tokenizer, lambda _pi, _j: new_id("text"), priority=req.priority
         )
+        with_adapter(seqs, lora)
         builder = TextBuilder(
             seqs,
             self.tokenizer,
-            model=self.model_name,
+            model=self.model_name if lora is None else lora.name,
             stream=req.stream,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
@@ -514,7 +538,11 @@ class App:
         """The whole body, within ``max_body_bytes`` (413) and ``body_timeout`` (408)."""
         return await body.read_body(receive, self.config.max_body_bytes, self.config.body_timeout)
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404
+        ``model_not_found`` for a name this server does not serve."""
+        if self.adapters is not None:
+            return self.adapters.ref(model)
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
@@ -522,6 +550,22 @@ class App:
                 param="model",
                 code="model_not_found",
             )
+        return None
+
+
+def with_adapter(seqs: list[SequenceState], lora: LoraRef | None) -> list[SequenceState]:
+    """``seqs``, each set to run with ``lora``."""
+    for seq in seqs:
+        seq.lora = lora
+    return seqs
+
+
+async def send_text(send: Send, status: int, text: str) -> None:
+    body = text.encode()
+    headers = [(b"content-type", b"text/plain; charset=utf-8")]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def send_json(

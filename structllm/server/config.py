@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from structllm.config import EngineConfig
+from structllm.server.lora import LoraModule
 
 
 @dataclass
@@ -36,7 +37,9 @@ class ServerConfig:
     ``max_media_bytes``, its pixels by ``max_image_pixels``, a prompt's images by
     ``max_images_per_prompt`` (``--limit-mm-per-prompt '{"image": N}'``), a request's
     fetches by ``media_fetch_timeout`` seconds. ``image_processor``: a ``module:Class``
-    used instead of the one the checkpoint's architectures name (tests)."""
+    used instead of the one the checkpoint's architectures name (tests).
+    ``lora_modules``: LoRA adapters served by name beside the model (``server/lora.py``;
+    the engine's ``enable_lora`` must be on)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -72,6 +75,8 @@ class ServerConfig:
     max_media_bytes: int = 20 << 20
     media_fetch_timeout: float = 10.0
     image_processor: str | None = None
+    # LoRA adapters served by name (--lora-modules; server/lora.py)
+    lora_modules: tuple[LoraModule, ...] = ()
 
 
 def default(name: str) -> Any:

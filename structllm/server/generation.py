@@ -265,6 +265,7 @@ class Generation:
                             wakeup,
                             seq.images,
                             seq.priority,
+                            seq.lora,
                         )
                     )
                 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from typing import Any
 
 from structllm.protocol import EngineStats
@@ -129,6 +130,7 @@ class Metrics:
         )
         self.store = dict(zip(kinds, self.histograms[5:], strict=True))
         self.http_errors: dict[int, int] = {}
+        self.max_loras: int | None = None  # with LoRA: lora_requests_info is rendered
 
     def set_open_requests(self, n: int) -> None:
         self.table[self.base + 2] = n
@@ -247,6 +249,18 @@ class Metrics:
             "Model steps the engine has run.",
             stats.num_steps,
         )
+        if self.max_loras is not None:  # vLLM's lora_requests_info: a timestamp, by labels
+            name = "structllm:lora_requests_info"
+            labels = (
+                f'{lb},max_lora="{self.max_loras}",'
+                f'running_lora_adapters="{",".join(stats.lora_running)}",'
+                f'waiting_lora_adapters="{",".join(stats.lora_waiting)}"'
+            )
+            lines += [
+                f"# HELP {name} Running stats on LoRA requests.",
+                f"# TYPE {name} gauge",
+                f"{name}{{{labels}}} {_num(time.time())}",
+            ]
         metric(
             "structllm:engine_steps_cut_total",
             "counter",

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from structllm.client import EngineClient
 from structllm.output import SequenceState
+from structllm.protocol import LoraRef
 from structllm.server.config import ServerConfig
 from structllm.server.generation import Builder, Transport
 from structllm.server.metrics import Metrics
@@ -43,7 +44,9 @@ class ChatPipeline(Protocol):
 
     async def read_body(self, receive: Receive) -> bytes: ...
 
-    def check_model(self, model: str | None) -> None: ...
+    def check_model(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter ``model`` names (None: the base); 404 for an unknown name."""
+        ...
 
     def engine(self) -> EngineClient:
         """The engine client, or a 503 while there is none."""

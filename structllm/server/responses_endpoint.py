@@ -279,7 +279,7 @@ class ResponsesEndpoints:
         response_id = new_id("resp")
         app.tracer.event("received", response_id, path="/v1/responses")
         req = rq.decode_body(await app.read_body(receive), ResponsesRequest)
-        app.check_model(req.model)
+        lora = app.check_model(req.model)
         check_supported(req)
         store = self.store is not None and req.store
         if req.background and self.store is None:
@@ -292,11 +292,12 @@ class ResponsesEndpoints:
         items = normalize_input(req.input)
         history = await self.history(req.previous_response_id)
         seq = await self.prepare(req, history, items, client, response_id)
+        seq.lora = lora
         conversation = [*history, *items]
         builder_type = _WatchedBuilder if req.background else ResponsesBuilder
         builder = builder_type(
             seq,
-            model=app.model_name,
+            model=app.model_name if lora is None else lora.name,
             stream=req.stream or req.background,  # a background run keeps its events
             params=echo(req, store, sampling=seq.sampling),
             response_id=response_id,

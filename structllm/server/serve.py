@@ -50,6 +50,7 @@ from structllm.multimodal.processor import ImageProcessor
 from structllm.multimodal.registry import processor_for
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
+from structllm.server.lora import ServedAdapters
 from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
 
@@ -161,7 +162,16 @@ def make_app(
         processor = processor_for(
             model_dir if model_dir.is_dir() else None, tokenizer.token_id, config.image_processor
         )
-    return App(config, name, tokenizer, Metrics(name, metrics_table, slot), defaults, processor)
+    adapters = ServedAdapters(
+        config.engine.enable_lora,
+        name,
+        files.config,
+        config.engine.max_lora_rank,
+        config.lora_modules,
+    )
+    return App(
+        config, name, tokenizer, Metrics(name, metrics_table, slot), defaults, processor, adapters
+    )
 
 
 def limit_connections(max_connections: int) -> None:

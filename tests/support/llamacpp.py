@@ -130,6 +130,27 @@ def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str, tokenizer: bool =
     return out
 
 
+def convert_lora(adapter_dir: Path, base_dir: Path, outtype: str = "f32") -> Path:
+    """PEFT adapter ``adapter_dir`` of the checkpoint ``base_dir`` as a GGUF LoRA file of
+    ``outtype`` written by llama.cpp's ``convert_lora_to_gguf.py``; cached by the
+    adapter's content."""
+    files = [p for p in adapter_dir.iterdir() if p.is_file()]
+    out = root() / "gguf" / f"{adapter_dir.name}-{_fingerprint(files, outtype)}.lora.gguf"
+    if out.exists():
+        return out
+    tree = source_tree()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"), NO_LOCAL_GGUF="")
+    cmd = [sys.executable, str(tree / "convert_lora_to_gguf.py"), str(adapter_dir)]
+    cmd += ["--base", str(base_dir), "--outfile", str(tmp), "--outtype", outtype]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise ToolFailed(f"convert_lora_to_gguf.py failed: {done.stderr.strip()[-800:]}")
+    tmp.rename(out)
+    return out
+
+
 def convert_hf_split(hf_dir: Path, max_tensors: int) -> Path:
     """``hf_dir`` as an F32 model split by the converter (``--split-max-tensors``) into
     parts ``<name>-0000K-of-0000N.gguf`` of at most ``max_tensors`` tensors each; the

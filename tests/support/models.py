@@ -77,18 +77,21 @@ def make_tiny_hf_dir(
     return out
 
 
-def prefill_logits(engine: EngineCore, ids: list[int]) -> torch.Tensor:
+def prefill_logits(engine: EngineCore, ids: list[int], lora_uid: int = 0) -> torch.Tensor:
     """Logits ``[len(ids), V]`` of every prompt position, through the engine's own batch
     building, paged KV cache and model, on every tensor-parallel rank if it has several
-    (blocks are freed afterwards)."""
+    (blocks are freed afterwards); ``lora_uid``: with that loaded LoRA adapter."""
     req = Request("prefill-probe", ids, SamplingParams(max_tokens=1), 1)
+    req.lora_uid = lora_uid
     assert engine.kv.allocate(req, len(ids))
     assert engine.states is None or engine.states.allocate(req)  # a hybrid model's slot
     try:
         assert isinstance(engine.runner, ModelRunner)
         batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
         every_row = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
-        logits = engine.runner.run(batch_from_step(every_row, engine.device))
+        probe = batch_from_step(every_row, engine.device)
+        probe.lora = batch.lora
+        logits = engine.runner.run(probe)
         assert logits is not None
         return logits
     finally:

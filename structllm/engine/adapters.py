@@ -1,0 +1,122 @@
+"""The engine's LoRA adapters (``--enable-lora``): loaded on a request's first use, kept
+in an LRU of ``max_cpu_loras``, pinned by every request that uses them until it ends
+(never evicted, replaced or unloaded under one), and a fresh ``uid`` on every load (the
+prefix cache's key for the adapter's blocks, so a reloaded adapter never hits blocks
+an earlier load computed).
+
+When every loaded adapter is pinned and a request needs another, it is loaded anyway
+(past ``max_cpu_loras``) and the LRU shrinks back as pins go: a request is never
+refused for want of room. ``--max-loras`` (distinct adapters in one step) is the
+scheduler's (``Scheduler.max_loras``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from structllm.kernels import cpu_ext
+from structllm.lora import AdapterError, check_base, read_adapter
+from structllm.model.config import ModelConfig
+from structllm.model.lora import Items, LoraAdapter, LoraRows, load_adapter, step_rows
+from structllm.protocol import LoraRef
+
+LORA_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float16": torch.float16}
+LORA_DTYPES["bfloat16"] = torch.bfloat16
+
+
+class AdapterRegistry:
+    """Adapters by ``lora_id`` (LRU order, least recent first) and their pins."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_cpu_loras: int,
+        max_lora_rank: int,
+        dtype: str,
+        device: torch.device,
+    ) -> None:
+        check_base(cfg)
+        if dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}, got {dtype!r}")
+        self.cfg = cfg
+        self.max_cpu_loras = max_cpu_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype = LORA_DTYPES[dtype]
+        self.device = device
+        self.loaded: OrderedDict[int, LoraAdapter] = OrderedDict()
+        self.pins: dict[int, int] = {}  # uid -> requests using it
+        self.by_uid: dict[int, LoraAdapter] = {}
+        self._uids = itertools.count(1)
+        self.num_loads = 0
+        # the native calls' items by the uids of a step's adapters in order (LoraRows.plans)
+        self._plans: dict[tuple[int, ...], dict[tuple[int, str], Items]] = {}
+        # the native shrink/expand (cpu_lora.cpp) for float32 adapters on the CPU, else
+        # None: torch's ops (model.lora.LoraRows)
+        self.native: Any = None
+        if device.type == "cpu" and self.dtype == torch.float32:
+            self.native = cpu_ext.load_lora()
+
+    def acquire(self, ref: LoraRef) -> LoraAdapter:
+        """The adapter ``ref`` names, loaded if it is not (``AdapterError`` if it cannot
+        be), pinned once more."""
+        adapter = self.loaded.get(ref.lora_id)
+        if adapter is not None and adapter.path != ref.path and not self.pins.get(adapter.uid):
+            self._drop(ref.lora_id)  # the id names other files now: load those
+            adapter = None
+        elif adapter is not None and adapter.path != ref.path:
+            raise AdapterError(
+                f"LoRA id {ref.lora_id} is in use with {adapter.path}, not {ref.path}"
+            )
+        if adapter is None:
+            spec = read_adapter(ref.path, self.cfg, self.max_lora_rank)
+            uid = next(self._uids)
+            adapter = load_adapter(
+                spec, self.cfg, uid, ref.name, ref.lora_id, self.dtype, self.device
+            )
+            self.loaded[ref.lora_id] = adapter
+            self.by_uid[uid] = adapter
+            self.num_loads += 1
+        self.loaded.move_to_end(ref.lora_id)
+        self.pins[adapter.uid] = self.pins.get(adapter.uid, 0) + 1
+        self._shrink()
+        return adapter
+
+    def release(self, uid: int) -> None:
+        """One request using adapter ``uid`` has ended."""
+        left = self.pins.get(uid, 0) - 1
+        if left > 0:
+            self.pins[uid] = left
+        else:
+            self.pins.pop(uid, None)
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Evict unpinned adapters, least recently used first, down to ``max_cpu_loras``."""
+        for lora_id in list(self.loaded):
+            if len(self.loaded) <= self.max_cpu_loras:
+                return
+            if not self.pins.get(self.loaded[lora_id].uid):
+                self._drop(lora_id)
+
+    def _drop(self, lora_id: int) -> None:
+        adapter = self.loaded.pop(lora_id)
+        self.by_uid.pop(adapter.uid, None)
+        self._plans.clear()  # (no plan may keep an evicted adapter's weights alive)
+
+    def rows(self, spans: Sequence[tuple[int, int]]) -> LoraRows | None:
+        """A step's ``LoraRows`` from ``(adapter uid or 0, rows)`` per request in batch
+        order (None: no row has an adapter)."""
+        if not any(uid for uid, _ in spans):
+            return None
+        adapters = [(self.by_uid.get(uid), n) for uid, n in spans]
+        rows = step_rows(adapters, self.device, self.native)
+        if rows is not None and self.native is not None:  # the same adapters: the same items
+            if len(self._plans) > 64:
+                self._plans.clear()
+            rows.plans = self._plans.setdefault(tuple(a.uid for a, _ in rows.groups), {})
+        return rows

@@ -1,0 +1,211 @@
+"""LoRA adapters over the unmerged base: the loaded weights of one adapter
+(``LoraAdapter``), one step's rows grouped by adapter (``LoraRows``), and the addition
+``scale * B (A x)`` to an adapted projection's output, in float32, for those rows only.
+
+Our projections are fused (``qkv_proj``: q, k, v rows; ``gate_up_proj``: gate, up
+rows), so an adapter of PEFT's ``q_proj`` adds into the q columns of ``qkv_proj``'s
+output, and so on (``SLICES``). q/k rows are permuted to the interleaved rotary layout
+(``model.llama``): the same permutation goes to the rows of their ``B``. The scale is
+folded into ``B`` once, at load.
+
+A layer calls ``LoraRows.add(layer, proj, x, out)`` after each of its four matmuls when
+its step has adapter rows (``DecoderLayer.adapters``, set for the step by ``active``);
+a step without any sets nothing and runs as before. The native decode loop
+(``model.decode_plan``) and CUDA graphs are not taken by a step with adapter rows: it
+runs the Python layer loop (fused ops on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from structllm.lora import AdapterSpec
+from structllm.model.config import ModelConfig
+from structllm.model.gguf import dequantize, keeps_hf_rope_order, open_gguf
+from structllm.model.layers import interleave_rope_rows
+
+# PEFT's module -> (our fused projection, which slice of its output)
+SLICES = {
+    "self_attn.q_proj": ("qkv", "q"),
+    "self_attn.k_proj": ("qkv", "k"),
+    "self_attn.v_proj": ("qkv", "v"),
+    "self_attn.o_proj": ("o", "all"),
+    "mlp.gate_proj": ("gate_up", "gate"),
+    "mlp.up_proj": ("gate_up", "up"),
+    "mlp.down_proj": ("down", "all"),
+}
+
+Items = tuple[list[Tensor], list[Tensor], list[int], list[int]]
+"""``lora_add``'s items: each one's A, B^T, first column and group."""
+Part = tuple[Tensor, Tensor, int]
+"""``(A [r, in], (scale * B)^T [r, out_slice], first output column of the slice)``."""
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter: ``layers[i][proj]`` the parts added to projection ``proj``
+    (``"qkv"``, ``"o"``, ``"gate_up"``, ``"down"``) of layer ``i``. ``uid``: this load's
+    identity (fresh each load: the prefix cache keys blocks by it)."""
+
+    uid: int
+    name: str
+    lora_id: int
+    path: str
+    layers: dict[int, dict[str, list[Part]]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size()
+            for parts in self.layers.values()
+            for ps in parts.values()
+            for a, b, _ in ps
+        )
+
+
+def _column(cfg: ModelConfig, part: str) -> int:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": cfg.intermediate_size, "all": 0}[part]
+
+
+def load_adapter(
+    spec: AdapterSpec,
+    cfg: ModelConfig,
+    uid: int,
+    name: str,
+    lora_id: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
+    """The weights of ``spec`` (checked by ``lora.read_adapter``) on ``device``, stored in
+    ``dtype`` (computed in float32 whatever it is)."""
+    tensors = _gguf_tensors(spec) if spec.gguf else _peft_tensors(spec)
+    # PEFT's q/k rows are in Hugging Face's order; a GGUF file's as llama.cpp left them
+    permute = not spec.gguf or keeps_hf_rope_order(cfg.architecture)
+    adapter = LoraAdapter(uid, name, lora_id, str(spec.path))
+    for t in spec.targets:
+        a = tensors[t.a_key].float()  # [r, in]
+        b = tensors[t.b_key].float() * t.scale  # [out, r]
+        proj, part = SLICES[t.module]
+        if permute and part in ("q", "k"):  # the rotary pairs as the base's q/k rows hold them
+            heads = cfg.num_heads if part == "q" else cfg.num_kv_heads
+            b = interleave_rope_rows(b, heads, cfg.rope_dim)
+        entry = (  # B transposed: the native expand's rows (cpu_lora.cpp)
+            a.to(device=device, dtype=dtype).contiguous(),
+            b.t().to(device=device, dtype=dtype).contiguous(),
+            _column(cfg, part),
+        )
+        adapter.layers.setdefault(t.layer, {}).setdefault(proj, []).append(entry)
+    return adapter
+
+
+def _peft_tensors(spec: AdapterSpec) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(spec.weights_file))
+
+
+def _gguf_tensors(spec: AdapterSpec) -> dict[str, Tensor]:
+    """A GGUF LoRA file's tensors by name, float32, in numpy's order (``[r, in]``,
+    ``[out, r]``)."""
+    reader = open_gguf(spec.path)
+    return {
+        t.name: dequantize(t.data, t.tensor_type.name, tuple(reversed([int(n) for n in t.shape])))
+        for t in reader.tensors
+    }
+
+
+@dataclass
+class LoraRows:
+    """One step's adapter rows: ``groups`` pairs each adapter with the indices
+    ``[n]`` (int64) of its rows in the flat batch (rows without an adapter are in no
+    group); ``rows`` is them all, group after group, group ``g``'s from
+    ``starts[g]``. ``native``: ``cpu_lora.cpp``'s module (float32 adapters on the
+    CPU), which does a projection's every group and part in one call; None: torch's
+    ops, group by group."""
+
+    groups: list[tuple[LoraAdapter, Tensor]]
+    rows: Tensor
+    starts: list[int]
+    native: Any = None
+    # (layer, projection) -> the native call's items for these groups, kept by the
+    # registry across the steps with the same adapters in the same order
+    plans: dict[tuple[int, str], Items] = field(default_factory=dict)
+
+    def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
+        """``out[rows, cols] += scale * B (A x[rows])`` for each group that adapts
+        ``proj`` of ``layer``; ``x: [T, in]`` the projection's input, ``out: [T, out]``
+        its output (updated in place), both 2-D."""
+        if self.native is not None and x.dtype == out.dtype == torch.float32:
+            self._add_native(layer, proj, x, out)
+            return
+        for adapter, rows in self.groups:
+            parts = adapter.layers.get(layer, {}).get(proj)
+            if not parts:
+                continue
+            xs = x[rows].float()  # [n, in]
+            for a, bt, col in parts:
+                y = (xs @ a.float().t()) @ bt.float()  # [n, r] -> [n, out_slice]
+                stop = col + y.shape[1]
+                out[rows, col:stop] += y.to(out.dtype)
+
+    def _add_native(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
+        """``add`` in one native call: every (group, part) an item of ``lora_add``."""
+        items = self.plans.get((layer, proj))
+        if items is None:
+            items = self.plans[layer, proj] = ([], [], [], [])
+            for g, (adapter, _) in enumerate(self.groups):
+                for a, bt, col in adapter.layers.get(layer, {}).get(proj, ()):
+                    items[0].append(a)
+                    items[1].append(bt)
+                    items[2].append(col)
+                    items[3].append(g)
+        if items[0]:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            self.native.lora_add(x, out, self.rows, self.starts, *items)
+
+
+def step_rows(
+    spans: Sequence[tuple[LoraAdapter | None, int]], device: torch.device, native: Any = None
+) -> LoraRows | None:
+    """``LoraRows`` of a flat batch laid out as ``spans`` (each request's adapter, or
+    None, and its number of rows, in batch order), or None when no row has an adapter;
+    ``native``: see ``LoraRows``."""
+    starts: dict[int, tuple[LoraAdapter, list[Tensor]]] = {}
+    at = 0
+    for adapter, n in spans:
+        if adapter is not None and n:
+            starts.setdefault(adapter.uid, (adapter, []))[1].append(torch.arange(at, at + n))
+        at += n
+    if not starts:
+        return None
+    groups = [(a, torch.cat(parts).to(device)) for a, parts in starts.values()]
+    bounds = [0]
+    for _, rows in groups:
+        bounds.append(bounds[-1] + len(rows))
+    return LoraRows(groups, torch.cat([rows for _, rows in groups]), bounds, native)
+
+
+@contextmanager
+def active(model: nn.Module, rows: LoraRows | None) -> Iterator[None]:
+    """``model``'s layers add ``rows``' adapters for the duration (nothing when None)."""
+    if rows is None:
+        yield
+        return
+    m: Any = model  # a LlamaModel, whose layers read ``adapters``
+    layers = list(m.layers)
+    m.adapters = rows
+    for layer in layers:
+        layer.adapters = rows
+    try:
+        yield
+    finally:
+        m.adapters = None
+        for layer in layers:
+            layer.adapters = None

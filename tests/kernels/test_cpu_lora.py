@@ -1,0 +1,60 @@
+"""LoRA's native segmented shrink and expand (``cpu_lora.cpp``) against the torch path it
+replaces (``model.lora.LoraRows.add``), on both ISA builds: several adapters of several
+ranks over rows scattered through the batch, fused slices, an adapter without the
+projection; rows without an adapter are left exactly as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from structllm.kernels import cpu_ext
+from structllm.model.lora import LoraAdapter, LoraRows, step_rows
+
+pytestmark = pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2 on this CPU")
+ISAS = [i for i in cpu_ext.ISAS if cpu_ext.best_isa() in (i, "avx512")]
+K, N = 96, 160  # the projection's input and (fused) output widths
+
+
+def adapter(uid: int, g: torch.Generator, slices: list[tuple[int, int, int]]) -> LoraAdapter:
+    """An adapter of layer 0's "qkv" with a part per ``(rank, first column, width)``."""
+    parts = [
+        (torch.randn(r, K, generator=g), torch.randn(r, n, generator=g) * 0.1, col)
+        for r, col, n in slices
+    ]
+    out = LoraAdapter(uid, f"a{uid}", uid, "/nowhere")
+    out.layers[0] = {"qkv": parts} if parts else {}
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_lora_add_equals_the_torch_path(isa: str) -> None:
+    native = cpu_ext.load_lora(isa)
+    if native is None:
+        pytest.skip(f"the {isa} LoRA kernel does not build here")
+    g = torch.Generator().manual_seed(0)
+    a = adapter(1, g, [(8, 0, 64), (4, 64, 48), (16, 112, 48)])  # q, k, v of ranks 8, 4, 16
+    b = adapter(2, g, [(3, 0, N)])  # the whole output
+    c = adapter(3, g, [])  # adapts other projections only
+    spans = [(None, 2), (a, 1), (b, 5), (a, 3), (None, 1), (c, 2), (b, 1)]
+    t = sum(n for _, n in spans)
+    x = torch.randn(t, K, generator=g)
+    base = torch.randn(t, N, generator=g)
+    want, got = base.clone(), base.clone()
+    ref = step_rows(spans, torch.device("cpu"))
+    fast = step_rows(spans, torch.device("cpu"), native)
+    assert isinstance(ref, LoraRows) and isinstance(fast, LoraRows)
+    ref.add(0, "qkv", x, want)
+    fast.add(0, "qkv", x, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = [0, 1, 11, 12, 13]  # the rows without an adapter, and c's
+    assert torch.equal(got[plain], base[plain])
+    assert not torch.equal(got[2], base[2])
+    fast.add(1, "qkv", x, got)  # a layer none adapts: nothing
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a row's result does not depend on the rows beside it (bit for bit): b's row 14 alone
+    alone = base[14:15].clone()
+    one = step_rows([(b, 1)], torch.device("cpu"), native)
+    assert one is not None
+    one.add(0, "qkv", x[14:15].contiguous(), alone)
+    assert torch.equal(alone[0], got[14])
