@@ -1,13 +1,14 @@
 """GGUF model + mmproj pairs (``--mmproj``, ``model/mmproj.py``, ``multimodal/mmproj.py``)
-written by llama.cpp's converter from the tiny Gemma 3 and SmolVLM checkpoints of the
-vision tests (``tests.support.mmproj``: laid out as the released checkpoints are): the
-F32 pair answers as the directory (processor, image features, every prompt position's
-logits within 1e-4, greedy tokens); a Q8_0 model with an F16 or Q8_0 mmproj runs its
-tower's matrices as stored (fbgemm float16, GGUF blocks) and agrees with its own
-dequantisation; pairs that do not fit are refused by name."""
+written by llama.cpp's converter from the tiny Gemma 3, SmolVLM, Qwen2.5-VL and Mistral
+3.1 checkpoints of the vision tests (``tests.support.mmproj``: laid out as the released
+checkpoints are): the F32 pair answers as the directory (processor, image features,
+every prompt position's logits within 1e-4, greedy tokens); a Q8_0 model with an F16 or
+Q8_0 mmproj runs its tower's matrices as stored (fbgemm float16, GGUF blocks) and
+agrees with its own dequantisation; pairs that do not fit are refused by name."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ from structllm.multimodal.processor import ImageProcessor, image_hash, image_inp
 from structllm.multimodal.registry import processor_for
 from structllm.protocol import AddRequest, ImageInput, SamplingParams
 from tests.support.idefics3 import tiny_idefics3_dir
+from tests.support.mistral3 import tiny_mistral3_dir
 from tests.support.mmproj import gemma3_published, gguf_pair, published_dir
 from tests.support.models import EXACT
+from tests.support.qwen2_5_vl import tiny_qwen2_5_vl_dir
 from tests.support.vision import random_image
 from tests.support.vision_checks import expand_images, image_prefill_logits, run_requests
 
@@ -35,6 +38,23 @@ PROMPTS = [
     ("Look at this picture taken on a sunny day: {} What is in it?", [(80, 50)]),
     ("First {} then {} which differs, and how?", [(40, 64), (64, 30)]),
 ]
+# Qwen2.5-VL: an image wider than one 112-pixel window (30x8 merge units: 3 windows)
+WIDE = [("A wide one: {} and what now?", [(240, 60)])]
+FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "mistral3"]
+PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "mistral3": "pixtral"}
+OTHER = {
+    "gemma3": "idefics3",
+    "idefics3": "gemma3",
+    "qwen2_5_vl": "mistral3",
+    "mistral3": "qwen2_5_vl",
+}
+# the tower's matrices held as stored (the ones whose width is a whole number of blocks)
+STORED = {
+    "gemma3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
+    "idefics3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
+    "qwen2_5_vl": ("blocks", ("qkv", "proj", "gate", "up")),
+    "mistral3": ("layers", ("q", "k", "v", "o", "gate", "up")),
+}
 
 
 @dataclass(frozen=True)
@@ -45,14 +65,27 @@ class Pair:
     mmproj: Path  # F32 mmproj GGUF
 
 
-@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+def published(family: str, files: Any) -> Path:
+    """The family's tiny checkpoint as the released ones are laid out."""
+    if family == "gemma3":
+        return gemma3_published(files)
+    if family == "idefics3":
+        return published_dir(tiny_idefics3_dir(files))
+    if family == "qwen2_5_vl":
+        return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
+    # (llama.cpp's converter needs a tower of 3 layers or more)
+    return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def pair(request: Any, default_files: Any) -> Pair:
-    if request.param == "gemma3":
-        directory = gemma3_published(default_files)
-    else:
-        directory = published_dir(tiny_idefics3_dir(default_files))
+    directory = published(request.param, default_files)
     model, mmproj = gguf_pair(directory)
     return Pair(request.param, directory, model, mmproj)
+
+
+def prompts(pair: Pair) -> list[tuple[str, list[tuple[int, int]]]]:
+    return PROMPTS + (WIDE if pair.family == "qwen2_5_vl" else [])
 
 
 def engine_for(model: Path, mmproj: Path | None = None, **kw: Any) -> EngineCore:
@@ -128,7 +161,7 @@ def test_f32_pair_equals_the_directory(pair: Pair) -> None:
     assert gguf.vision is not None and directory.vision is not None
     assert gguf.vision.bidirectional == directory.vision.bidirectional
     assert gguf.vision.image_token_id == directory.vision.image_token_id
-    for k, (text, sizes) in enumerate(PROMPTS):
+    for k, (text, sizes) in enumerate(prompts(pair)):
         ids, ims = prompt(pair, text, sizes, seed=10 * k)
         for im in ims:
             torch.testing.assert_close(
@@ -154,13 +187,13 @@ def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
     bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions)."""
     model, mmproj = gguf_pair(pair.directory, "Q8_0", mmproj_type)
     fast, exact = engine_for(model, mmproj), engine_for(model, mmproj, **EXACT)
-    vision: Any = fast.vision
     kind = HalfWeight if mmproj_type == "f16" else BlockWeight
-    layer = vision.tower.layers[0]
-    assert all(isinstance(getattr(layer, w), kind) for w in ("qkv_w", "out_w", "fc1_w", "fc2_w"))
-    assert isinstance(exact.vision.tower.layers[0].qkv_w, torch.Tensor)  # type: ignore[union-attr]
+    where, names = STORED[pair.family]
+    layer, exact_layer = (operator.attrgetter(where)(e.vision)[0] for e in (fast, exact))
+    assert all(isinstance(getattr(layer, w), kind) for w in names)
+    assert all(isinstance(getattr(exact_layer, w), torch.Tensor) for w in names)
     agree = total = 0
-    for k, (text, sizes) in enumerate(PROMPTS):
+    for k, (text, sizes) in enumerate(prompts(pair)):
         ids, ims = prompt(pair, text, sizes, seed=10 * k)
         got, want = image_prefill_logits(fast, ids, ims), image_prefill_logits(exact, ids, ims)
         assert (got - want).abs().max() <= 0.05 * want.std()
@@ -172,21 +205,16 @@ def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
 def test_a_mismatched_mmproj_is_refused(pair: Pair, default_files: Any) -> None:
     """Another family's projector, and a projector for another hidden size (the default
     model is a Llama, as SmolVLM's text model, with hidden size 576)."""
-    other = "idefics3" if pair.family == "gemma3" else "gemma3"
-    with pytest.raises(ValueError, match=f"is a {other} projector, which does not fit"):
-        engine_for(pair.model, _mmproj_of(other, default_files))
+    other = OTHER[pair.family]
+    projector = PROJECTOR.get(other, other)
+    with pytest.raises(ValueError, match=f"is a {projector} projector, which does not fit"):
+        engine_for(pair.model, gguf_pair(published(other, default_files))[1])
     if pair.family == "idefics3":
         default = default_files.source
         with pytest.raises(
             ValueError, match="projects to hidden size 64, but .* has hidden size 576"
         ):
             engine_for(default, pair.mmproj)
-
-
-def _mmproj_of(family: str, files: Any) -> Path:
-    if family == "gemma3":
-        return gguf_pair(gemma3_published(files))[1]
-    return gguf_pair(published_dir(tiny_idefics3_dir(files)))[1]
 
 
 def test_mmproj_needs_a_gguf_model_of_a_family_with_images(pair: Pair, default_files: Any) -> None:

@@ -19,11 +19,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from structllm.model.files import ModelFiles
 from tests.support.llamacpp import convert_hf, quantize
 from tests.support.vision import gemma3_vision_dir
 
+QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the mmproj says none: every file
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2VLImageProcessor's
 # the released Gemma 3 checkpoints' names (google/gemma-3-4b-it): what transformers 5.25
 # writes as ``vision_tower.`` is ``vision_tower.vision_model.`` there
 _GEMMA3_RENAMES = (("vision_tower.", "vision_tower.vision_model."),)
@@ -39,8 +42,13 @@ def published_dir(source: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
     config = json.loads((source / "config.json").read_text())
-    if "Gemma3ForConditionalGeneration" in config["architectures"]:
+    arch = config["architectures"][0]
+    if arch == "Gemma3ForConditionalGeneration":
         _gemma3_layout(tmp, config)
+    elif arch == "Qwen2_5_VLForConditionalGeneration":
+        _qwen2_5_vl_layout(tmp, config)
+    elif arch == "Mistral3ForConditionalGeneration":
+        _mistral3_layout(tmp, config)
     else:  # SmolVLM's text_config names its text model's class (the converter's key)
         config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
         config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
@@ -56,7 +64,7 @@ def published_dir(source: Path) -> Path:
     return out
 
 
-def _gemma3_layout(tmp: Path, config: dict[str, object]) -> None:
+def _gemma3_layout(tmp: Path, config: dict[str, Any]) -> None:
     """Gemma 3's tensors renamed, the unused SigLIP head dropped, the image settings
     where the converter reads them."""
     from safetensors.torch import load_file, save_file
@@ -78,6 +86,28 @@ def _gemma3_layout(tmp: Path, config: dict[str, object]) -> None:
     config["vision_config"] = vision
     pre = json.loads((tmp / "preprocessor_config.json").read_text())
     pre["image_seq_length"] = int(config["mm_tokens_per_image"])  # type: ignore[call-overload]
+    (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
+
+
+def _qwen2_5_vl_layout(tmp: Path, config: dict[str, Any]) -> None:
+    """What the mmproj cannot say, as llama.cpp reads it: windows of 112 pixels (the
+    converter writes no window size), transformers' default pixel bounds (nor these)."""
+    vision = dict(config["vision_config"])
+    vision["window_size"] = QWEN_WINDOW
+    config["vision_config"] = vision
+    proc = json.loads((tmp / "processor_config.json").read_text())
+    proc["image_processor"]["size"] = {
+        "shortest_edge": QWEN_MIN_PIXELS,
+        "longest_edge": QWEN_MAX_PIXELS,
+    }
+    (tmp / "processor_config.json").write_text(json.dumps(proc))
+
+
+def _mistral3_layout(tmp: Path, config: dict[str, Any]) -> None:
+    """The processor's longest edge is the tower's ``image_size``, as in the released
+    checkpoints (the mmproj holds only the latter)."""
+    pre = json.loads((tmp / "preprocessor_config.json").read_text())
+    pre["size"] = {"longest_edge": int(config["vision_config"]["image_size"])}
     (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
 
 
