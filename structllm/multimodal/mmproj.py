@@ -238,6 +238,7 @@ def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) 
             merge_size=info.merge,
             resample=BICUBIC,
         )
+    from structllm.multimodal.mistral3 import BICUBIC as PIXTRAL_RESAMPLE
     from structllm.multimodal.mistral3 import IMG, IMG_BREAK, IMG_END, Mistral3Processor
 
     need(IMG_BREAK), need(IMG_END)
@@ -245,7 +246,7 @@ def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) 
         image_token_id=need(IMG),
         longest_edge=info.image_size,
         unit=info.patch_size * info.merge,
-        resample=BICUBIC,
+        resample=PIXTRAL_RESAMPLE,
     )
 
 
