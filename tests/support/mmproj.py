@@ -1,5 +1,6 @@
 """GGUF model + mmproj pairs for the tests, written by llama.cpp's converter from the
-tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idefics3``).
+tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idefics3``,
+``tests.support.qwen2_5_vl``, ``tests.support.mistral3``).
 
 The converter reads a checkpoint as the released ones are laid out, which is not always
 what transformers 5.25 saves: Gemma 3's tower must be ``vision_tower.vision_model.*``
@@ -7,11 +8,16 @@ without the SigLIP head (``vision_use_head: false``), and its image count per im
 (``image_seq_length``) and normalisation in ``preprocessor_config.json``; SmolVLM's
 tower must say its LayerNorm epsilon (the converter's default, 1e-5, is not
 transformers' 1e-6) and its ``text_config`` its class (``VLlama3ForCausalLM``, the
-converter's text model for SmolVLM); both tokenizers are read as the default model's
-class. ``published_dir`` rewrites a tiny checkpoint that way, a directory the
-directory path loads as well, which the tests compare the pair with; Gemma 3's
-projection there holds float16 values (the converter writes it as F16 even in an F32
-file, so the F32 pair is then that directory exactly). ``gguf_pair`` converts it.
+converter's text model for SmolVLM); Qwen2.5-VL's windows must be the 112 pixels
+llama.cpp assumes (the converter writes no window size) and its processor's pixel bounds
+transformers' defaults (nor those); Mistral 3.1's processor's longest edge must be the
+tower's ``image_size`` and its tower 3 layers or more (``tiny_mistral3_dir``'s
+``tower_layers``: the converter maps the projector's ``linear_2`` by a layer index);
+every tokenizer is read as the default model's class. ``published_dir`` rewrites a tiny
+checkpoint that way, a directory the directory path loads as well, which the tests
+compare the pair with; Gemma 3's projection there holds float16 values (the converter
+writes it as F16 even in an F32 file, so the F32 pair is then that directory exactly).
+``gguf_pair`` converts it.
 """
 
 from __future__ import annotations
