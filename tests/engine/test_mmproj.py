@@ -245,3 +245,22 @@ def test_llm_chat_with_an_mmproj_answers_as_the_directory(pair: Pair) -> None:
     want = LLM(str(pair.directory), **exact).chat(messages, GREEDY)
     assert got[0].prompt_token_ids == want[0].prompt_token_ids
     assert got[0].token_ids == want[0].token_ids
+
+
+def test_the_vision_text_ggufs_metadata() -> None:
+    """llama.cpp's ``qwen2vl`` is a Qwen2 with M-RoPE sections (a fourth, zero, dropped);
+    ``mistral3`` a Mistral, Ministral 3's attention temperature refused."""
+    from structllm.model.gguf import model_config
+
+    def meta(arch: str, **keys: object) -> dict[str, object]:
+        shape = {"embedding_length": 64, "attention.head_count": 4, "block_count": 1}
+        shape |= {"feed_forward_length": 8, **keys}
+        return {"general.architecture": arch} | {f"{arch}.{k}": v for k, v in shape.items()}
+
+    cfg = model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 0]}))
+    assert (cfg.architecture, cfg.mrope_section, cfg.qkv_bias) == ("qwen2", [2, 3, 3], True)
+    with pytest.raises(ValueError, match=r"rope.dimension_sections \[2, 3, 3, 1\]"):
+        model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 1]}))
+    assert model_config(meta("mistral3")).architecture == "mistral"
+    with pytest.raises(ValueError, match="attention.temperature_scale"):
+        model_config(meta("mistral3", **{"attention.temperature_scale": 0.1}))
