@@ -23,11 +23,8 @@ from structllm.multimodal.mmproj import pair_processor
 from structllm.multimodal.processor import ImageProcessor, image_hash, image_inputs
 from structllm.multimodal.registry import processor_for
 from structllm.protocol import AddRequest, ImageInput, SamplingParams
-from tests.support.idefics3 import tiny_idefics3_dir
-from tests.support.mistral3 import tiny_mistral3_dir
-from tests.support.mmproj import gemma3_published, gguf_pair, published_dir
+from tests.support.mmproj import gguf_pair, published
 from tests.support.models import EXACT
-from tests.support.qwen2_5_vl import tiny_qwen2_5_vl_dir
 from tests.support.vision import random_image
 from tests.support.vision_checks import expand_images, image_prefill_logits, run_requests
 
@@ -63,18 +60,6 @@ class Pair:
     directory: Path
     model: Path  # F32 model GGUF
     mmproj: Path  # F32 mmproj GGUF
-
-
-def published(family: str, files: Any) -> Path:
-    """The family's tiny checkpoint as the released ones are laid out."""
-    if family == "gemma3":
-        return gemma3_published(files)
-    if family == "idefics3":
-        return published_dir(tiny_idefics3_dir(files))
-    if family == "qwen2_5_vl":
-        return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
-    # (llama.cpp's converter needs a tower of 3 layers or more)
-    return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -121,6 +121,24 @@ def gemma3_published(files: ModelFiles) -> Path:
     return published_dir(gemma3_vision_dir(files))
 
 
+def published(family: str, files: ModelFiles) -> Path:
+    """The tiny checkpoint of ``family`` (``gemma3``, ``idefics3``, ``qwen2_5_vl``,
+    ``mistral3``) as the released ones are laid out."""
+    from tests.support.idefics3 import tiny_idefics3_dir
+    from tests.support.mistral3 import tiny_mistral3_dir
+    from tests.support.qwen2_5_vl import tiny_qwen2_5_vl_dir
+
+    if family == "gemma3":
+        return gemma3_published(files)
+    if family == "idefics3":
+        return published_dir(tiny_idefics3_dir(files))
+    if family == "qwen2_5_vl":
+        return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
+    if family == "mistral3":  # (the converter needs a tower of 3 layers or more)
+        return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
+    raise ValueError(f"no tiny {family} checkpoint")
+
+
 def gguf_pair(directory: Path, outtype: str = "f32", mmproj_type: str = "f32") -> tuple[Path, Path]:
     """``(model GGUF, mmproj GGUF)`` of ``directory`` written by llama.cpp's converter
     (``--mmproj`` for the second); a type that is not a float one (``Q8_0``) is the F32
