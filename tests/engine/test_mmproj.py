@@ -35,8 +35,8 @@ PROMPTS = [
     ("Look at this picture taken on a sunny day: {} What is in it?", [(80, 50)]),
     ("First {} then {} which differs, and how?", [(40, 64), (64, 30)]),
 ]
-# Qwen2.5-VL: an image wider than one 112-pixel window (30x8 merge units: 3 windows)
-WIDE = [("A wide one: {} and what now?", [(240, 60)])]
+# Qwen2.5-VL: an image wider than one 112-pixel window (30x4 merge units: 3 windows)
+WIDE = [("A wide one: {} and what now?", [(240, 30)])]
 FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "mistral3"]
 PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "mistral3": "pixtral"}
 OTHER = {
