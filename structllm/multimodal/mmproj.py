@@ -43,7 +43,8 @@ PROJECTORS = {
     "gemma3": ("gemma3",),
     "idefics3": ("llama",),
     QWEN2_5_VL: ("qwen2",),  # the model GGUF's arch is qwen2vl (M-RoPE sections)
-    PIXTRAL: ("mistral",),  # Mistral 3.1: arch mistral3
+    # Mistral 3.1: arch mistral3 (llama.cpp's converter since Ministral 3), llama before
+    PIXTRAL: ("mistral", "llama"),
 }
 GEMMA3_POOL = 4  # llama.cpp's default pooling kernel (every released Gemma 3)
 QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the file says none, as the converter

@@ -123,6 +123,7 @@ def test_qwen_and_pixtral_processors_from_the_settings() -> None:
     ``image_size``."""
     check_pair(QWEN2_5_VL, MODEL, "qwen2", 2048)  # (no fixed grid to divide)
     check_pair(PIXTRAL, MODEL, "mistral", 5120)
+    check_pair(PIXTRAL, MODEL, "llama", 5120)  # Mistral Small 3.1 GGUFs of older converters
     ids = {"<|image_pad|>": 5, "[IMG]": 6, "[IMG_BREAK]": 7, "[IMG_END]": 8}
     qwen = mmproj_processor(QWEN2_5_VL, ids.get)
     assert qwen.settings == "qwen2_5_vl|pixels=3136..1003520|patch=14|merge=2|resample=3"
