@@ -351,6 +351,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         local = _local_layers(layers, 4, get)
         kw["rope_layers"] = local
         kw["layer_windows"] = [window if s else 0 for s in local] if window else []
+    if arch in ("qwen2vl", "mistral3"):
+        kw.update(_vision_text(str(arch), get))
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
@@ -361,6 +363,25 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     elif fam.name in ("qwen3_moe", "qwen2_moe"):
         raise ValueError(f"{arch} GGUF file without {arch}.expert_count")
     return ModelConfig(**kw)
+
+
+def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
+    """The text models of Qwen2(.5)-VL (``qwen2vl``: M-RoPE's split of the rotary pairs
+    among t/h/w, ``rope.dimension_sections``, a fourth section 0) and Mistral 3.1
+    (``mistral3``: a Mistral; Ministral 3's attention temperature is not run here)."""
+    if arch == "mistral3":
+        if get("attention.temperature_scale") is not None:
+            raise ValueError(
+                "mistral3 GGUF file with attention.temperature_scale (Ministral 3's "
+                "scaled attention) is not supported"
+            )
+        return {}
+    sections = [int(x) for x in get("rope.dimension_sections") or []]
+    if len(sections) < 3 or any(sections[3:]):
+        raise ValueError(
+            f"qwen2vl GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
+        )
+    return {"mrope_section": sections[:3]}
 
 
 def _qwen3_5(layers: int, get: Callable[..., Any]) -> dict[str, Any]:

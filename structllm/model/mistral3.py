@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from structllm.kernels.packed import Weight, linear
 from structllm.model.idefics3 import Normalisation, vision_dtype
 from structllm.model.vision import image_tiles, take_tensors
 from structllm.protocol import ImageInput
@@ -92,14 +93,14 @@ class PixtralLayer(nn.Module):
         "down": "feed_forward.down_proj.weight",
     }
     attention_norm: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    o: Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
     ffn_norm: Tensor
-    gate: Tensor
-    up: Tensor
-    down: Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
     def __init__(self, d: int, f: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -206,25 +207,25 @@ class Mistral3Vision(nn.Module):
         # the projector: norm, patch merger (channel-major blocks), MLP
         x = F.rms_norm(x, (c.hidden,), self.norm, self.norm_eps)
         x = x.reshape(rows // m, m, cols // m, m, c.hidden).permute(0, 2, 4, 1, 3)
-        x = F.linear(x.reshape(-1, c.hidden * m * m), self.merging)
-        x = ACTS[self.projector_act](F.linear(x, self.linear_1, self.bias_1))
-        return F.linear(x, self.linear_2, self.bias_2)
+        x = linear(x.reshape(-1, c.hidden * m * m), self.merging)
+        x = ACTS[self.projector_act](linear(x, self.linear_1, self.bias_1))
+        return linear(x, self.linear_2, self.bias_2)
 
     def _layer(self, layer: PixtralLayer, x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
         n, d = x.shape
         heads = self.cfg.heads
         y = F.rms_norm(x, (d,), layer.attention_norm, TOWER_EPS)
-        q, k, v = (F.linear(y, wt).view(n, heads, -1) for wt in (layer.q, layer.k, layer.v))
+        q, k, v = (linear(y, wt).view(n, heads, -1) for wt in (layer.q, layer.k, layer.v))
         cos, sin = rope
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         )
-        x = x + F.linear(out.transpose(0, 1).reshape(n, d), layer.o)
+        x = x + linear(out.transpose(0, 1).reshape(n, d), layer.o)
         y = F.rms_norm(x, (d,), layer.ffn_norm, TOWER_EPS)
-        y = ACTS[self.cfg.act](F.linear(y, layer.gate)) * F.linear(y, layer.up)
-        return x + F.linear(y, layer.down)
+        y = ACTS[self.cfg.act](linear(y, layer.gate)) * linear(y, layer.up)
+        return x + linear(y, layer.down)
 
     def load_hf(self, state: dict[str, Tensor]) -> None:
         """Take the tower's (``vision_tower.*``) and the projector's

@@ -1,8 +1,9 @@
 """A model GGUF's image side from an mmproj GGUF (``--mmproj``, llama.cpp's file written
 by ``convert_hf_to_gguf.py --mmproj``): its tensors read into the same vision modules a
 Hugging Face directory fills (``gemma3_vision.Gemma3Vision``, ``idefics3.Idefics3Vision``,
-both on ``siglip.SiglipVisionTower``), its metadata and the pair's checks from
-``multimodal/mmproj.py``.
+both on ``siglip.SiglipVisionTower``, here; Qwen2.5-VL's and Pixtral's towers in
+``mmproj_qwen2_5_vl.py`` and ``mmproj_pixtral.py``), its metadata and the pair's checks
+from ``multimodal/mmproj.py``, the tensors from ``mmproj_tensors.py``.
 
 llama.cpp's names (numpy order, i.e. ggml's ``ne`` reversed, which is transformers'
 layout): ``v.patch_embd.weight [C, 3, P, P]`` (the conv's) and ``.bias``,
@@ -26,67 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from structllm.kernels.packed import (
-    BLOCK,
-    BLOCK_TYPES,
-    BlockWeight,
-    HalfWeight,
-    Weight,
-    half_linear_available,
-)
+from structllm.kernels.packed import HalfWeight
+from structllm.model import mmproj_pixtral, mmproj_qwen2_5_vl
 from structllm.model.files import ModelFiles
 from structllm.model.formats import WeightFormat
 from structllm.model.gemma3_vision import Gemma3Vision
-from structllm.model.gguf import dequantize, open_gguf
 from structllm.model.idefics3 import Idefics3Vision, Normalisation
+from structllm.model.mmproj_tensors import MmprojTensors, set_weight
 from structllm.model.siglip import SiglipConfig, assign
 from structllm.model.vision import VisionModel
-from structllm.multimodal.mmproj import MmprojInfo, check_model, check_pair, read_mmproj
-
-
-class MmprojTensors:
-    """An mmproj file's tensors by name, read as ``fmt`` holds matrices on ``device``."""
-
-    def __init__(self, path: Path, fmt: WeightFormat, device: torch.device) -> None:
-        self.path = path
-        self.tensors = {t.name: t for t in open_gguf(path).tensors}
-        cpu = device.type == "cpu"
-        self.dtype = torch.float32 if cpu else fmt.dtype
-        self.blocks = cpu and fmt.blocks
-        self.half = cpu and fmt.half != "none" and half_linear_available()
-
-    def _get(self, name: str) -> Any:
-        t = self.tensors.get(name)
-        if t is None:
-            raise ValueError(f"--mmproj {self.path.name} has no tensor {name!r}")
-        return t
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in reversed(self._get(name).shape))
-
-    def kind(self, name: str) -> str:
-        return str(self._get(name).tensor_type.name)
-
-    def float(self, name: str) -> Tensor:
-        """Dequantised, in the model's dtype."""
-        t = self._get(name)
-        return dequantize(t.data, t.tensor_type.name, self.shape(name)).to(self.dtype)
-
-    def matrix(self, names: list[str]) -> Weight:
-        """``names``' ``[N_i, K]`` matrices stacked by rows as one matmul weight: GGUF
-        blocks (each part in its own type) or fbgemm float16 where the format keeps them,
-        else a float tensor."""
-        kinds = {self.kind(n) for n in names}
-        k = self.shape(names[0])[-1]
-        if self.blocks and kinds <= set(BLOCK_TYPES) and k % BLOCK == 0:
-            parts = [BlockWeight.from_raw(self._get(n).data, self.kind(n), k) for n in names]
-            return BlockWeight.cat(parts)
-        if self.half and kinds <= {"F16", "BF16"}:
-            # float16 as stored; fbgemm packs its own copy (the float32 is transient)
-            return HalfWeight(torch.cat([self.float(n).half() for n in names]))
-        return torch.cat([self.float(n) for n in names])
+from structllm.multimodal.mmproj import (
+    PIXTRAL,
+    QWEN2_5_VL,
+    MmprojInfo,
+    check_model,
+    check_pair,
+    read_mmproj,
+)
 
 
 def load_mmproj(
@@ -101,6 +59,9 @@ def load_mmproj(
     check_pair(info, model_path, family, hidden)
     tensors = MmprojTensors(path, fmt, device)
     image_token_id = _image_token_id(files, info)
+    if info.projector in (QWEN2_5_VL, PIXTRAL):  # their own towers (2-D rotary, no grid)
+        load = mmproj_qwen2_5_vl.load if info.projector == QWEN2_5_VL else mmproj_pixtral.load
+        return load(tensors, info, files, image_token_id).to(device).eval()
     tower_cfg = SiglipConfig(
         hidden_size=info.hidden_size,
         intermediate_size=info.intermediate_size,
@@ -129,18 +90,8 @@ def load_mmproj(
     if isinstance(model, Gemma3Vision):
         _gemma3_projector(model, tensors, info)
     else:
-        _set(model, "proj", tensors.matrix(["mm.model.fc.weight"]))
+        set_weight(model, "proj", tensors.matrix(["mm.model.fc.weight"]))
     return model.to(device).eval()
-
-
-def _set(module: nn.Module, name: str, w: Weight | None) -> None:
-    """Parameter ``name`` of ``module`` replaced by ``w``: a parameter when a tensor,
-    else a plain attribute (a packed weight, or None)."""
-    if isinstance(w, Tensor):
-        setattr(module, name, nn.Parameter(w.contiguous(), requires_grad=False))
-    else:
-        del module._parameters[name]
-        setattr(module, name, w)
 
 
 def tower_weights(t: MmprojTensors, cfg: SiglipConfig) -> dict[str, Any]:
@@ -173,14 +124,14 @@ def tower_weights(t: MmprojTensors, cfg: SiglipConfig) -> dict[str, Any]:
 def _gemma3_projector(model: Gemma3Vision, t: MmprojTensors, info: MmprojInfo) -> None:
     """The soft-embedding norm (the file holds ``1 + w``: shift 0) and the projection
     (``[vision hidden, text hidden]`` in the file; packed as its transpose)."""
-    _set(model, "norm_w", t.float("mm.soft_emb_norm.weight"))
+    set_weight(model, "norm_w", t.float("mm.soft_emb_norm.weight"))
     model.norm_shift = 0.0
     name = "mm.input_projection.weight"
     if t.half and t.kind(name) in ("F16", "BF16"):
         model.proj_t = HalfWeight(t.float(name).t().contiguous().half())
-        _set(model, "proj", None)
+        set_weight(model, "proj", None)
     else:
-        _set(model, "proj", t.float(name))
+        set_weight(model, "proj", t.float(name))
     model.set_normalisation(
         {"image_mean": list(info.image_mean), "image_std": list(info.image_std)}
     )
@@ -192,8 +143,10 @@ def _image_token_id(files: ModelFiles, info: MmprojInfo) -> int:
 
     from structllm.multimodal.gemma3 import IMAGE
     from structllm.multimodal.idefics3 import IMAGE_TOKEN
+    from structllm.multimodal.mistral3 import IMG
+    from structllm.multimodal.qwen2_5_vl import IMAGE_PAD
 
-    text = IMAGE if info.projector == "gemma3" else IMAGE_TOKEN
+    text = {"gemma3": IMAGE, QWEN2_5_VL: IMAGE_PAD, PIXTRAL: IMG}.get(info.projector, IMAGE_TOKEN)
     found = Tokenizer.from_file(str(files.tokenizer_json)).token_to_id(text)
     if found is None:
         raise ValueError(f"{files.name}'s vocabulary has no image token {text!r}")

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from structllm.kernels.packed import Weight, linear
 from structllm.model.idefics3 import Normalisation, vision_dtype
 from structllm.model.vision import image_tiles, take_tensors
 from structllm.multimodal.idefics3 import read_processor_config
@@ -131,15 +132,15 @@ class VisionBlock(nn.Module):
 
     norm1: Tensor
     norm2: Tensor
-    qkv: Tensor
+    qkv: Weight
     qkv_bias: Tensor
-    proj: Tensor
+    proj: Weight
     proj_bias: Tensor
-    gate: Tensor
+    gate: Weight
     gate_bias: Tensor
-    up: Tensor
+    up: Weight
     up_bias: Tensor
-    down: Tensor
+    down: Weight
     down_bias: Tensor
 
     def __init__(self, d: int, f: int, dtype: torch.dtype) -> None:
@@ -248,12 +249,10 @@ class Qwen2_5_VLVision(nn.Module):
                 block, F.rms_norm(x, (x.shape[-1],), block.norm1, NORM_EPS), rope, spans
             )
             y = F.rms_norm(x, (x.shape[-1],), block.norm2, NORM_EPS)
-            y = F.silu(F.linear(y, block.gate, block.gate_bias)) * F.linear(
-                y, block.up, block.up_bias
-            )
-            x = x + F.linear(y, block.down, block.down_bias)
+            y = F.silu(linear(y, block.gate, block.gate_bias)) * linear(y, block.up, block.up_bias)
+            x = x + linear(y, block.down, block.down_bias)
         x = F.rms_norm(x, (x.shape[-1],), self.ln_q, NORM_EPS).reshape(units, -1)
-        x = F.linear(F.gelu(F.linear(x, self.fc1, self.fc1_bias)), self.fc2, self.fc2_bias)
+        x = linear(F.gelu(linear(x, self.fc1, self.fc1_bias)), self.fc2, self.fc2_bias)
         return x[torch.argsort(order)]  # [units, out hidden], row-major
 
     def _rotary(self, h: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -270,7 +269,7 @@ class Qwen2_5_VLVision(nn.Module):
         the whole image): the spans of one length go through SDPA together."""
         n, d = x.shape
         heads = self.cfg.heads
-        qkv = F.linear(x, block.qkv, block.qkv_bias).view(n, 3, heads, d // heads)
+        qkv = linear(x, block.qkv, block.qkv_bias).view(n, 3, heads, d // heads)
         cos, sin = rope
         q, k, v = qkv.unbind(1)  # [N, H, hd]
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
@@ -282,7 +281,7 @@ class Qwen2_5_VLVision(nn.Module):
             idx = (first[:, None] + torch.arange(length)).to(x.device)  # [W, L] rows
             qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [W, H, L, hd]
             out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
-        return F.linear(out.reshape(n, d), block.proj, block.proj_bias)
+        return linear(out.reshape(n, d), block.proj, block.proj_bias)
 
     def load_hf(self, state: dict[str, Tensor]) -> None:
         """Take the tower's and the merger's tensors from ``state`` (named

@@ -42,7 +42,7 @@ FAMILIES: tuple[Family, ...] = (
         "llama",
         ("MistralForCausalLM", "Mistral3ForConditionalGeneration"),
         ("mistral",),
-        ("mistral",),
+        ("mistral", "mistral3"),  # mistral3: Mistral 3.1's text model (llama.cpp's name)
     ),
     # Qwen2_5_VLForConditionalGeneration: its text model (config.TEXT_MODELS), M-RoPE
     Family(
@@ -50,7 +50,7 @@ FAMILIES: tuple[Family, ...] = (
         "llama",
         ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration"),
         ("qwen2",),
-        ("qwen2",),
+        ("qwen2", "qwen2vl"),  # qwen2vl: Qwen2(.5)-VL's text model, with M-RoPE sections
     ),
     Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),

@@ -5,19 +5,27 @@ directory). Torch-free: the front end reads it (the engine's ``model/mmproj.py``
 the tensors).
 
 The metadata the converter writes (``general.architecture = clip``, ``general.type =
-mmproj``): ``clip.projector_type`` (``gemma3``, ``idefics3``), ``clip.vision.*``: the
-tower's ``image_size``, ``patch_size``, ``embedding_length``, ``feed_forward_length``,
-``block_count``, ``attention.head_count``, ``attention.layer_norm_epsilon``,
-``image_mean``/``image_std``, ``projection_dim`` (the text model's hidden size),
-``projector.scale_factor`` (Gemma 3: the pooling kernel, written only when not 4;
-Idefics3: the pixel shuffle's factor) and Idefics3's ``preproc_image_size`` (the
-processor's ``size.longest_edge``).
+mmproj``): ``clip.projector_type`` (``gemma3``, ``idefics3``, ``qwen2.5vl_merger``,
+``pixtral``), ``clip.vision.*``: the tower's ``image_size``, ``patch_size``,
+``embedding_length``, ``feed_forward_length``, ``block_count``,
+``attention.head_count``, ``attention.layer_norm_epsilon``, ``image_mean``/``image_std``,
+``projection_dim`` (the text model's hidden size), ``projector.scale_factor`` (Gemma 3:
+the pooling kernel, written only when not 4; Idefics3: the pixel shuffle's factor),
+Idefics3's ``preproc_image_size`` (the processor's ``size.longest_edge``),
+``spatial_merge_size`` (Pixtral's; Qwen2.5-VL's is 2 unless written), Qwen2.5-VL's
+``n_wa_pattern`` (every n-th layer attends over the whole image) and ``clip.use_silu`` /
+``clip.use_gelu`` (the tower's MLP).
 
-The processors are transformers' (``multimodal/gemma3.py``, ``multimodal/idefics3.py``)
-with the settings the file gives and transformers' defaults for the rest (Gemma 3:
-bilinear resize to ``image_size``, no pan-and-scan; Idefics3: LANCZOS, splitting on,
-tiles of ``image_size``). llama.cpp's own preprocessing differs in places (its own
-resize code rather than Pillow's; see docs/architecture.md).
+The processors are transformers' (``multimodal/gemma3.py``, ``multimodal/idefics3.py``,
+``multimodal/qwen2_5_vl.py``, ``multimodal/mistral3.py``) with the settings the file
+gives and transformers' defaults for the rest (Gemma 3: bilinear resize to
+``image_size``, no pan-and-scan; Idefics3: LANCZOS, splitting on, tiles of
+``image_size``; Qwen2.5-VL: bicubic, ``min_pixels``/``max_pixels`` from
+``clip.vision.image_min_pixels``/``image_max_pixels`` when written, else
+``Qwen2VLImageProcessor``'s 56² and 28² * 1280; Pixtral: bicubic, the longest edge
+``image_size``, as in the released checkpoints). llama.cpp's own preprocessing differs in
+places (its own resize code rather than Pillow's, token-count bounds for Qwen and
+Pixtral; see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -30,8 +38,17 @@ from typing import Any
 from structllm.multimodal.processor import ImageProcessor
 
 # projector type -> the text families (``ModelConfig.architecture``) it feeds
-PROJECTORS = {"gemma3": ("gemma3",), "idefics3": ("llama",)}
+QWEN2_5_VL, PIXTRAL = "qwen2.5vl_merger", "pixtral"
+PROJECTORS = {
+    "gemma3": ("gemma3",),
+    "idefics3": ("llama",),
+    QWEN2_5_VL: ("qwen2",),  # the model GGUF's arch is qwen2vl (M-RoPE sections)
+    # Mistral 3.1: arch mistral3 (llama.cpp's converter since Ministral 3), llama before
+    PIXTRAL: ("mistral", "llama"),
+}
 GEMMA3_POOL = 4  # llama.cpp's default pooling kernel (every released Gemma 3)
+QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the file says none, as the converter
+QWEN_PIXELS = (56 * 56, 28 * 28 * 1280)  # Qwen2VLImageProcessor's default bounds
 
 
 @dataclass(frozen=True)
@@ -50,6 +67,12 @@ class MmprojInfo:
     projection_dim: int  # the text model's hidden size
     scale_factor: int
     longest_edge: int | None  # Idefics3's first resize (preproc_image_size)
+    merge: int = 2  # Qwen2.5-VL's and Pixtral's spatial merge (patches a side per token)
+    full_every: int = 0  # Qwen2.5-VL: layers i with (i + 1) % full_every == 0 attend fully
+    window: int = QWEN_WINDOW  # Qwen2.5-VL's attention window, pixels a side
+    act: str = "gelu"  # the tower's MLP activation (use_silu / use_gelu)
+    rope_theta: float = 10000.0  # the tower's 2-D rotary base (Qwen2.5-VL, Pixtral)
+    pixels: tuple[int, int] = QWEN_PIXELS  # Qwen2.5-VL's processor's min/max pixels
 
     @property
     def mm_tokens(self) -> int:
@@ -98,6 +121,11 @@ def _info(path: Path, meta: dict[str, Any]) -> MmprojInfo:
     default_scale = GEMMA3_POOL if projector == "gemma3" else 2
     longest = meta.get("clip.vision.preproc_image_size")
     mean, std = get("vision.image_mean"), get("vision.image_std")
+    act = "silu" if meta.get("clip.use_silu") else "gelu"
+    pixels = (
+        int(meta.get("clip.vision.image_min_pixels") or QWEN_PIXELS[0]),
+        int(meta.get("clip.vision.image_max_pixels") or QWEN_PIXELS[1]),
+    )
     return MmprojInfo(
         path=path,
         projector=projector,
@@ -113,6 +141,12 @@ def _info(path: Path, meta: dict[str, Any]) -> MmprojInfo:
         projection_dim=int(get("vision.projection_dim")),
         scale_factor=int(get("vision.projector.scale_factor", default_scale)),
         longest_edge=int(longest) if longest is not None else None,
+        merge=int(get("vision.spatial_merge_size", 2)),
+        full_every=int(get("vision.n_wa_pattern", 0)),
+        window=int(get("vision.window_size", QWEN_WINDOW)),
+        act=act,
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        pixels=pixels,
     )
 
 
@@ -130,6 +164,8 @@ def check_pair(info: MmprojInfo, model: Path, family: str, text_hidden: int) -> 
             f"{model.name} has hidden size {text_hidden}: not this model's projector"
         )
     grid = info.image_size // info.patch_size
+    if info.projector in (QWEN2_5_VL, PIXTRAL):  # any image size: no fixed grid to check
+        return
     if info.image_size % info.patch_size or grid % info.scale_factor:
         raise ValueError(
             f"--mmproj {info.path.name}: a {grid}x{grid} patch grid does not divide by its "
@@ -156,6 +192,8 @@ def check_model(model: Path, family: str) -> None:
 def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
     """The front end's processor for ``info``'s family, its settings from the file;
     ``token_id`` is the model GGUF's vocabulary lookup (the image tokens)."""
+    if info.projector in (QWEN2_5_VL, PIXTRAL):
+        return _dynamic_processor(info, token_id)
     if info.projector == "gemma3":
         from structllm.multimodal.gemma3 import IMAGE, Gemma3Processor
 
@@ -177,6 +215,39 @@ def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) ->
         resize_to=None,
         splitting=True,
         resample=LANCZOS,
+    )
+
+
+def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
+    """Qwen2.5-VL's or Pixtral's processor (an image of any size, in tokens of
+    ``patch * merge`` pixels a side)."""
+
+    def need(token: str) -> int:
+        found = token_id(token)
+        if found is None:
+            raise ValueError(f"the model's vocabulary has no image token {token!r}")
+        return found
+
+    if info.projector == QWEN2_5_VL:
+        from structllm.multimodal.qwen2_5_vl import BICUBIC, IMAGE_PAD, Qwen2_5_VLProcessor
+
+        return Qwen2_5_VLProcessor(
+            image_token_id=need(IMAGE_PAD),
+            min_pixels=info.pixels[0],
+            max_pixels=info.pixels[1],
+            patch_size=info.patch_size,
+            merge_size=info.merge,
+            resample=BICUBIC,
+        )
+    from structllm.multimodal.mistral3 import BICUBIC as PIXTRAL_RESAMPLE
+    from structllm.multimodal.mistral3 import IMG, IMG_BREAK, IMG_END, Mistral3Processor
+
+    need(IMG_BREAK), need(IMG_END)
+    return Mistral3Processor(
+        image_token_id=need(IMG),
+        longest_edge=info.image_size,
+        unit=info.patch_size * info.merge,
+        resample=PIXTRAL_RESAMPLE,
     )
 
 

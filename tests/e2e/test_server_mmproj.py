@@ -1,8 +1,9 @@
 """``structllm run MODEL.gguf --mmproj MMPROJ.gguf`` (llama.cpp's flag) over HTTP: the
-tiny Gemma 3's F32 pair written by llama.cpp's converter (``tests.support.mmproj``),
-exact float32 path; a chat completion with one image through the ``openai`` client
-answers what the offline ``LLM.chat`` of the directory answers, ``/v1/models`` says
-the model takes images, and a ``--mmproj`` beside a directory is refused at start."""
+tiny Gemma 3's, Qwen2.5-VL's and Mistral 3.1's F32 pairs written by llama.cpp's
+converter (``tests.support.mmproj``; one server each), exact float32 path; a chat
+completion with one image through the ``openai`` client answers what the offline
+``LLM.chat`` of the directory answers, ``/v1/models`` says the model takes images, and
+a ``--mmproj`` beside a directory is refused at start."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from structllm.protocol import SamplingParams
 from tests.e2e.test_server_gemma3_images import png_url
-from tests.support.mmproj import gemma3_published, gguf_pair
+from tests.support.mmproj import gemma3_published, gguf_pair, published
 from tests.support.server import Server
 from tests.support.vision import random_image
 
@@ -25,9 +26,9 @@ QUESTION = "What is in this picture?"
 EXACT = ("--dtype", "float32", "--quantization", "none")
 
 
-@pytest.fixture(scope="module")
-def pair(default_files: Any) -> tuple[Path, Path, Path]:
-    directory = gemma3_published(default_files)
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "mistral3"])
+def pair(request: Any, default_files: Any) -> tuple[Path, Path, Path]:
+    directory = published(request.param, default_files)
     return (directory, *gguf_pair(directory))
 
 
@@ -71,8 +72,9 @@ def test_an_image_through_the_openai_client(server: Server, pair: tuple[Path, Pa
     assert chat.usage is not None and chat.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
-def test_mmproj_beside_a_directory_is_refused_at_start(pair: tuple[Path, Path, Path]) -> None:
-    directory, _, mmproj = pair
+def test_mmproj_beside_a_directory_is_refused_at_start(default_files: Any) -> None:
+    directory = gemma3_published(default_files)
+    _, mmproj = gguf_pair(directory)
     done = subprocess.run(
         [sys.executable, "-m", "structllm", "run", str(directory), "--mmproj", str(mmproj)],
         capture_output=True,

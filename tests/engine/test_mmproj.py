@@ -1,13 +1,14 @@
 """GGUF model + mmproj pairs (``--mmproj``, ``model/mmproj.py``, ``multimodal/mmproj.py``)
-written by llama.cpp's converter from the tiny Gemma 3 and SmolVLM checkpoints of the
-vision tests (``tests.support.mmproj``: laid out as the released checkpoints are): the
-F32 pair answers as the directory (processor, image features, every prompt position's
-logits within 1e-4, greedy tokens); a Q8_0 model with an F16 or Q8_0 mmproj runs its
-tower's matrices as stored (fbgemm float16, GGUF blocks) and agrees with its own
-dequantisation; pairs that do not fit are refused by name."""
+written by llama.cpp's converter from the tiny Gemma 3, SmolVLM, Qwen2.5-VL and Mistral
+3.1 checkpoints of the vision tests (``tests.support.mmproj``: laid out as the released
+checkpoints are): the F32 pair answers as the directory (processor, image features,
+every prompt position's logits within 1e-4, greedy tokens); a Q8_0 model with an F16 or
+Q8_0 mmproj runs its tower's matrices as stored (fbgemm float16, GGUF blocks) and
+agrees with its own dequantisation; pairs that do not fit are refused by name."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,7 @@ from structllm.multimodal.mmproj import pair_processor
 from structllm.multimodal.processor import ImageProcessor, image_hash, image_inputs
 from structllm.multimodal.registry import processor_for
 from structllm.protocol import AddRequest, ImageInput, SamplingParams
-from tests.support.idefics3 import tiny_idefics3_dir
-from tests.support.mmproj import gemma3_published, gguf_pair, published_dir
+from tests.support.mmproj import gguf_pair, published
 from tests.support.models import EXACT
 from tests.support.vision import random_image
 from tests.support.vision_checks import expand_images, image_prefill_logits, run_requests
@@ -35,6 +35,23 @@ PROMPTS = [
     ("Look at this picture taken on a sunny day: {} What is in it?", [(80, 50)]),
     ("First {} then {} which differs, and how?", [(40, 64), (64, 30)]),
 ]
+# Qwen2.5-VL: an image wider than one 112-pixel window (30x4 merge units: 3 windows)
+WIDE = [("A wide one: {} and what now?", [(240, 30)])]
+FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "mistral3"]
+PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "mistral3": "pixtral"}
+OTHER = {
+    "gemma3": "idefics3",
+    "idefics3": "gemma3",
+    "qwen2_5_vl": "mistral3",
+    "mistral3": "qwen2_5_vl",
+}
+# the tower's matrices held as stored (the ones whose width is a whole number of blocks)
+STORED = {
+    "gemma3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
+    "idefics3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
+    "qwen2_5_vl": ("blocks", ("qkv", "proj", "gate", "up")),
+    "mistral3": ("layers", ("q", "k", "v", "o", "gate", "up")),
+}
 
 
 @dataclass(frozen=True)
@@ -45,14 +62,15 @@ class Pair:
     mmproj: Path  # F32 mmproj GGUF
 
 
-@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def pair(request: Any, default_files: Any) -> Pair:
-    if request.param == "gemma3":
-        directory = gemma3_published(default_files)
-    else:
-        directory = published_dir(tiny_idefics3_dir(default_files))
+    directory = published(request.param, default_files)
     model, mmproj = gguf_pair(directory)
     return Pair(request.param, directory, model, mmproj)
+
+
+def prompts(pair: Pair) -> list[tuple[str, list[tuple[int, int]]]]:
+    return PROMPTS + (WIDE if pair.family == "qwen2_5_vl" else [])
 
 
 def engine_for(model: Path, mmproj: Path | None = None, **kw: Any) -> EngineCore:
@@ -128,7 +146,7 @@ def test_f32_pair_equals_the_directory(pair: Pair) -> None:
     assert gguf.vision is not None and directory.vision is not None
     assert gguf.vision.bidirectional == directory.vision.bidirectional
     assert gguf.vision.image_token_id == directory.vision.image_token_id
-    for k, (text, sizes) in enumerate(PROMPTS):
+    for k, (text, sizes) in enumerate(prompts(pair)):
         ids, ims = prompt(pair, text, sizes, seed=10 * k)
         for im in ims:
             torch.testing.assert_close(
@@ -154,13 +172,13 @@ def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
     bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions)."""
     model, mmproj = gguf_pair(pair.directory, "Q8_0", mmproj_type)
     fast, exact = engine_for(model, mmproj), engine_for(model, mmproj, **EXACT)
-    vision: Any = fast.vision
     kind = HalfWeight if mmproj_type == "f16" else BlockWeight
-    layer = vision.tower.layers[0]
-    assert all(isinstance(getattr(layer, w), kind) for w in ("qkv_w", "out_w", "fc1_w", "fc2_w"))
-    assert isinstance(exact.vision.tower.layers[0].qkv_w, torch.Tensor)  # type: ignore[union-attr]
+    where, names = STORED[pair.family]
+    layer, exact_layer = (operator.attrgetter(where)(e.vision)[0] for e in (fast, exact))
+    assert all(isinstance(getattr(layer, w), kind) for w in names)
+    assert all(isinstance(getattr(exact_layer, w), torch.Tensor) for w in names)
     agree = total = 0
-    for k, (text, sizes) in enumerate(PROMPTS):
+    for k, (text, sizes) in enumerate(prompts(pair)):
         ids, ims = prompt(pair, text, sizes, seed=10 * k)
         got, want = image_prefill_logits(fast, ids, ims), image_prefill_logits(exact, ids, ims)
         assert (got - want).abs().max() <= 0.05 * want.std()
@@ -172,21 +190,16 @@ def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
 def test_a_mismatched_mmproj_is_refused(pair: Pair, default_files: Any) -> None:
     """Another family's projector, and a projector for another hidden size (the default
     model is a Llama, as SmolVLM's text model, with hidden size 576)."""
-    other = "idefics3" if pair.family == "gemma3" else "gemma3"
-    with pytest.raises(ValueError, match=f"is a {other} projector, which does not fit"):
-        engine_for(pair.model, _mmproj_of(other, default_files))
+    other = OTHER[pair.family]
+    projector = PROJECTOR.get(other, other)
+    with pytest.raises(ValueError, match=f"is a {projector} projector, which does not fit"):
+        engine_for(pair.model, gguf_pair(published(other, default_files))[1])
     if pair.family == "idefics3":
         default = default_files.source
         with pytest.raises(
             ValueError, match="projects to hidden size 64, but .* has hidden size 576"
         ):
             engine_for(default, pair.mmproj)
-
-
-def _mmproj_of(family: str, files: Any) -> Path:
-    if family == "gemma3":
-        return gguf_pair(gemma3_published(files))[1]
-    return gguf_pair(published_dir(tiny_idefics3_dir(files)))[1]
 
 
 def test_mmproj_needs_a_gguf_model_of_a_family_with_images(pair: Pair, default_files: Any) -> None:
@@ -217,3 +230,22 @@ def test_llm_chat_with_an_mmproj_answers_as_the_directory(pair: Pair) -> None:
     want = LLM(str(pair.directory), **exact).chat(messages, GREEDY)
     assert got[0].prompt_token_ids == want[0].prompt_token_ids
     assert got[0].token_ids == want[0].token_ids
+
+
+def test_the_vision_text_ggufs_metadata() -> None:
+    """llama.cpp's ``qwen2vl`` is a Qwen2 with M-RoPE sections (a fourth, zero, dropped);
+    ``mistral3`` a Mistral, Ministral 3's attention temperature refused."""
+    from structllm.model.gguf import model_config
+
+    def meta(arch: str, **keys: object) -> dict[str, object]:
+        shape = {"embedding_length": 64, "attention.head_count": 4, "block_count": 1}
+        shape |= {"feed_forward_length": 8, **keys}
+        return {"general.architecture": arch} | {f"{arch}.{k}": v for k, v in shape.items()}
+
+    cfg = model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 0]}))
+    assert (cfg.architecture, cfg.mrope_section, cfg.qkv_bias) == ("qwen2", [2, 3, 3], True)
+    with pytest.raises(ValueError, match=r"rope.dimension_sections \[2, 3, 3, 1\]"):
+        model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 1]}))
+    assert model_config(meta("mistral3")).architecture == "mistral"
+    with pytest.raises(ValueError, match="attention.temperature_scale"):
+        model_config(meta("mistral3", **{"attention.temperature_scale": 0.1}))

@@ -76,13 +76,15 @@ VISION_CONFIG: dict[str, Any] = dict(
 )
 
 
-def tiny_mistral3_dir(files: ModelFiles, legacy: bool = False) -> Path:
+def tiny_mistral3_dir(files: ModelFiles, legacy: bool = False, tower_layers: int = 2) -> Path:
     """A tiny random-weight ``Mistral3ForConditionalGeneration`` saved by transformers
     (``legacy``: tensors renamed as the released checkpoints have them,
     ``vision_tower.``, ``multi_modal_projector.``, ``language_model.model.``; else
     transformers 5's ``model.vision_tower.``, ``model.multi_modal_projector.``,
-    ``model.language_model.``), with Pixtral's tokens and processor files. Built once
-    and cached under the structllm cache."""
+    ``model.language_model.``), with Pixtral's tokens and processor files; a tower of
+    ``tower_layers`` layers (llama.cpp's converter needs 3 or more: it maps the
+    projector's ``linear_2`` by a layer index). Built once and cached under the
+    structllm cache."""
     import json
 
     import torch
@@ -95,7 +97,7 @@ def tiny_mistral3_dir(files: ModelFiles, legacy: bool = False) -> Path:
         "architectures": ["Mistral3ForConditionalGeneration"],
         "model_type": "mistral3",
         "text_config": TEXT_CONFIG,
-        "vision_config": VISION_CONFIG,
+        "vision_config": {**VISION_CONFIG, "num_hidden_layers": tower_layers},
         "image_token_index": IMAGE_TOKEN_ID,
         "spatial_merge_size": MERGE,
         "projector_hidden_act": "gelu",

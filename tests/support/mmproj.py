@@ -1,5 +1,6 @@
 """GGUF model + mmproj pairs for the tests, written by llama.cpp's converter from the
-tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idefics3``).
+tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idefics3``,
+``tests.support.qwen2_5_vl``, ``tests.support.mistral3``).
 
 The converter reads a checkpoint as the released ones are laid out, which is not always
 what transformers 5.25 saves: Gemma 3's tower must be ``vision_tower.vision_model.*``
@@ -7,11 +8,16 @@ without the SigLIP head (``vision_use_head: false``), and its image count per im
 (``image_seq_length``) and normalisation in ``preprocessor_config.json``; SmolVLM's
 tower must say its LayerNorm epsilon (the converter's default, 1e-5, is not
 transformers' 1e-6) and its ``text_config`` its class (``VLlama3ForCausalLM``, the
-converter's text model for SmolVLM); both tokenizers are read as the default model's
-class. ``published_dir`` rewrites a tiny checkpoint that way, a directory the
-directory path loads as well, which the tests compare the pair with; Gemma 3's
-projection there holds float16 values (the converter writes it as F16 even in an F32
-file, so the F32 pair is then that directory exactly). ``gguf_pair`` converts it.
+converter's text model for SmolVLM); Qwen2.5-VL's windows must be the 112 pixels
+llama.cpp assumes (the converter writes no window size) and its processor's pixel bounds
+transformers' defaults (nor those); Mistral 3.1's processor's longest edge must be the
+tower's ``image_size`` and its tower 3 layers or more (``tiny_mistral3_dir``'s
+``tower_layers``: the converter maps the projector's ``linear_2`` by a layer index);
+every tokenizer is read as the default model's class. ``published_dir`` rewrites a tiny
+checkpoint that way, a directory the directory path loads as well, which the tests
+compare the pair with; Gemma 3's projection there holds float16 values (the converter
+writes it as F16 even in an F32 file, so the F32 pair is then that directory exactly).
+``gguf_pair`` converts it.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from structllm.model.files import ModelFiles
 from tests.support.llamacpp import convert_hf, quantize
 from tests.support.vision import gemma3_vision_dir
 
+QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the mmproj says none: every file
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2VLImageProcessor's
 # the released Gemma 3 checkpoints' names (google/gemma-3-4b-it): what transformers 5.25
 # writes as ``vision_tower.`` is ``vision_tower.vision_model.`` there
 _GEMMA3_RENAMES = (("vision_tower.", "vision_tower.vision_model."),)
@@ -39,8 +48,13 @@ def published_dir(source: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
     config = json.loads((source / "config.json").read_text())
-    if "Gemma3ForConditionalGeneration" in config["architectures"]:
+    arch = config["architectures"][0]
+    if arch == "Gemma3ForConditionalGeneration":
         _gemma3_layout(tmp, config)
+    elif arch == "Qwen2_5_VLForConditionalGeneration":
+        _qwen2_5_vl_layout(tmp, config)
+    elif arch == "Mistral3ForConditionalGeneration":
+        _mistral3_layout(tmp, config)
     else:  # SmolVLM's text_config names its text model's class (the converter's key)
         config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
         config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
@@ -56,7 +70,7 @@ def published_dir(source: Path) -> Path:
     return out
 
 
-def _gemma3_layout(tmp: Path, config: dict[str, object]) -> None:
+def _gemma3_layout(tmp: Path, config: dict[str, Any]) -> None:
     """Gemma 3's tensors renamed, the unused SigLIP head dropped, the image settings
     where the converter reads them."""
     from safetensors.torch import load_file, save_file
@@ -81,8 +95,48 @@ def _gemma3_layout(tmp: Path, config: dict[str, object]) -> None:
     (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
 
 
+def _qwen2_5_vl_layout(tmp: Path, config: dict[str, Any]) -> None:
+    """What the mmproj cannot say, as llama.cpp reads it: windows of 112 pixels (the
+    converter writes no window size), transformers' default pixel bounds (nor these)."""
+    vision = dict(config["vision_config"])
+    vision["window_size"] = QWEN_WINDOW
+    config["vision_config"] = vision
+    proc = json.loads((tmp / "processor_config.json").read_text())
+    proc["image_processor"]["size"] = {
+        "shortest_edge": QWEN_MIN_PIXELS,
+        "longest_edge": QWEN_MAX_PIXELS,
+    }
+    (tmp / "processor_config.json").write_text(json.dumps(proc))
+
+
+def _mistral3_layout(tmp: Path, config: dict[str, Any]) -> None:
+    """The processor's longest edge is the tower's ``image_size``, as in the released
+    checkpoints (the mmproj holds only the latter)."""
+    pre = json.loads((tmp / "preprocessor_config.json").read_text())
+    pre["size"] = {"longest_edge": int(config["vision_config"]["image_size"])}
+    (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
+
+
 def gemma3_published(files: ModelFiles) -> Path:
     return published_dir(gemma3_vision_dir(files))
+
+
+def published(family: str, files: ModelFiles) -> Path:
+    """The tiny checkpoint of ``family`` (``gemma3``, ``idefics3``, ``qwen2_5_vl``,
+    ``mistral3``) as the released ones are laid out."""
+    from tests.support.idefics3 import tiny_idefics3_dir
+    from tests.support.mistral3 import tiny_mistral3_dir
+    from tests.support.qwen2_5_vl import tiny_qwen2_5_vl_dir
+
+    if family == "gemma3":
+        return gemma3_published(files)
+    if family == "idefics3":
+        return published_dir(tiny_idefics3_dir(files))
+    if family == "qwen2_5_vl":
+        return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
+    if family == "mistral3":  # (the converter needs a tower of 3 layers or more)
+        return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
+    raise ValueError(f"no tiny {family} checkpoint")
 
 
 def gguf_pair(directory: Path, outtype: str = "f32", mmproj_type: str = "f32") -> tuple[Path, Path]:

@@ -36,6 +36,27 @@ SMOLVLM = replace(
     projection_dim=576,
     longest_edge=2048,
 )
+# Qwen2.5-VL-3B's and Mistral Small 3.1's towers (as the converter writes them)
+QWEN2_5_VL = replace(
+    GEMMA3,
+    path=Path("mmproj-qwen2.5-vl.gguf"),
+    projector="qwen2.5vl_merger",
+    image_size=560,
+    hidden_size=1280,
+    projection_dim=2048,
+    full_every=8,
+    act="silu",
+)
+PIXTRAL = replace(
+    GEMMA3,
+    path=Path("mmproj-mistral-small-3.1.gguf"),
+    projector="pixtral",
+    image_size=1540,
+    patch_size=14,
+    hidden_size=1024,
+    projection_dim=5120,
+    act="silu",
+)
 MODEL = Path("model.gguf")
 
 
@@ -63,6 +84,9 @@ def test_a_pair_that_fits_passes() -> None:
             "projects to hidden size 2560, but model.gguf has hidden size 1152",
         ),
         (replace(GEMMA3, scale_factor=3), "gemma3", 2560, "does not divide by its scale factor 3"),
+        (QWEN2_5_VL, "mistral", 2048, "is a qwen2.5vl_merger projector, which does not fit"),
+        (PIXTRAL, "qwen2", 5120, "is a pixtral projector, which does not fit model.gguf"),
+        (PIXTRAL, "mistral", 4096, "projects to hidden size 5120, but model.gguf has hidden"),
     ],
 )
 def test_a_pair_that_does_not_fit_is_refused_by_name(
@@ -91,6 +115,26 @@ def test_processors_from_the_settings() -> None:
     )
     with pytest.raises(ValueError, match="no image token '<image>'"):
         mmproj_processor(SMOLVLM, {}.get)
+
+
+def test_qwen_and_pixtral_processors_from_the_settings() -> None:
+    """Any image size, in tokens of ``patch * merge`` pixels; Qwen's pixel bounds
+    transformers' defaults when the file has none, Pixtral's longest edge its
+    ``image_size``."""
+    check_pair(QWEN2_5_VL, MODEL, "qwen2", 2048)  # (no fixed grid to divide)
+    check_pair(PIXTRAL, MODEL, "mistral", 5120)
+    check_pair(PIXTRAL, MODEL, "llama", 5120)  # Mistral Small 3.1 GGUFs of older converters
+    ids = {"<|image_pad|>": 5, "[IMG]": 6, "[IMG_BREAK]": 7, "[IMG_END]": 8}
+    qwen = mmproj_processor(QWEN2_5_VL, ids.get)
+    assert qwen.settings == "qwen2_5_vl|pixels=3136..1003520|patch=14|merge=2|resample=3"
+    assert qwen.image_token_id == 5 and qwen.num_tokens(448, 448) == 256
+    bounded = mmproj_processor(replace(QWEN2_5_VL, pixels=(100, 200)), ids.get)
+    assert "pixels=100..200" in bounded.settings
+    pixtral = mmproj_processor(PIXTRAL, ids.get)
+    assert pixtral.settings == "mistral3|longest=1540|unit=28|resample=3"
+    assert pixtral.image_token_id == 6 and pixtral.num_tokens(3080, 56) == 55
+    with pytest.raises(ValueError, match="no image token '\\[IMG_END\\]'"):
+        mmproj_processor(PIXTRAL, {"[IMG]": 6, "[IMG_BREAK]": 7}.get)
 
 
 def test_the_flag_reaches_the_engine_config() -> None:
