@@ -232,6 +232,8 @@ class EngineCore:
         self.scheduler.grammar = self.grammar
         if isinstance(self.runner, ModelRunner):  # images' encoder work counts (scheduler)
             self.scheduler.encoder_cache = self.runner.encoder_cache
+        # causal image attention: a prefill chunk may cut an image's span like text
+        self.scheduler.split_spans = self.vision is not None and not self.vision.bidirectional
         spec = self.config.speculative_config
         if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks and self.hybrid:
             sys.stderr.write(
@@ -803,6 +805,9 @@ class EngineCore:
             self.num_steps += 1
             self.max_in_flight = max(self.max_in_flight, 1)
             new = self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
+            if isinstance(self.runner, ModelRunner):  # split spans' images stay cached
+                running = self.scheduler.running
+                self.runner.encoder_cache.hold(h for r in running for h in r.open_images())
             if self.tracer.enabled:
                 self._trace_step(sched, new, start)
             deltas += new

@@ -42,7 +42,8 @@ class Request:
     this request's recent drafted and accepted counts (the drafting policy's).
 
     ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
-    disjoint); a prefill chunk never splits a span (``Scheduler``), and the prefix cache
+    disjoint); a prefill chunk splits a span only where the model's image attention is
+causal (``Scheduler.split_spans``), and the prefix cache
     keys a block over a span with its image (``block_images``). ``mrope``: with an
     M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
     output's tokens (``engine.mrope``); None: a token's position is its index.
@@ -185,6 +186,12 @@ class Request:
             for im in self.images
             if im.offset < end and first < im.offset + im.length
         )
+
+    def open_images(self) -> list[str]:
+        """Hashes of the images whose span the computed tokens end inside of (a split
+        span, causal families): their encoder output is still needed."""
+        done = self.num_computed_tokens
+        return [im.hash for im in self.images if im.offset < done < im.offset + im.length]
 
     def span_chunk(self, start: int, n: int) -> int:
         """``n`` new tokens from ``start``, adjusted so the chunk splits no image span:
