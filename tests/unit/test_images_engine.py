@@ -177,9 +177,9 @@ def test_split_spans_cut_like_text_within_the_budget(budget: int, offsets: list[
         start, steps = r.num_computed_tokens, steps + 1
         new = [h for h, o, ln in spans if o < start + n and start < o + ln and h not in cached]
         assert n + 5 * len(new) <= max(budget, 6)  # over only where one token + 5 rows
-        assert n == min(budget, req.prompt_len - start) or new or start + n in {
-            o for _, o, _ in spans
-        }
+        assert (
+            n == min(budget, req.prompt_len - start) or new or start + n in {o for _, o, _ in spans}
+        )
         cached.update(new)  # the runner encodes and the engine holds them
         r.num_computed_tokens += n
     assert steps <= -(-req.prompt_len // budget) + 2 * len(spans)
