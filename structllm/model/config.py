@@ -837,6 +837,37 @@ def _glm4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _glm4_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 (transformers' defaults where a key is absent): q/k/v biases by
+    ``attention_bias``, per-head q/k norms by ``use_qk_norm``, a partial rotary (0.5),
+    dense MLPs in the first ``first_k_dense_replace`` layers, experts in the rest
+    (``n_routed_experts``, routed as DeepSeek-V3's: ``n_group``, ``topk_group``,
+    ``norm_topk_prob``, ``routed_scaling_factor``) beside ``n_shared_experts`` shared
+    ones, run as one MLP of their summed width."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 128)
+    groups = int(cfg.get("n_group") or 1)
+    if groups > 1 and experts // groups < 2:
+        raise ValueError(f"GLM-4.5 with {experts} experts in {groups} groups: under 2 a group")
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    layers = [i >= dense for i in range(base["num_layers"])]
+    width = int(cfg.get("moe_intermediate_size") or 1408)
+    return {
+        "qkv_bias": bool(cfg.get("attention_bias", False)),
+        "qk_norm": "head" if cfg.get("use_qk_norm") else "none",
+        **_partial_rotary(cfg, base, 0.5),
+        "mlp_act": _hidden_act(cfg, "GLM-4.5", "silu"),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 8),
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width * int(cfg.get("n_shared_experts", 1) or 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "moe_layers": layers if not all(layers) else [],
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "expert_groups": groups,
+        "expert_groups_used": int(cfg.get("topk_group") or 1),
+    }
+
+
 def _ernie4_5(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """ERNIE 4.5: Llama's options; its ``use_bias`` would put biases on the output and
     MLP projections too, which the decoder does not have."""
@@ -1431,6 +1462,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "granite": _granite,
     "smollm3": _smollm3,
     "glm4": _glm4,
+    "glm4_moe": _glm4_moe,
     "ernie4_5": _ernie4_5,
     "exaone4": _exaone4,
     "mixtral": _mixtral,

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
+from structllm.model.layers import SparseMoe
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 
 ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
@@ -211,6 +212,8 @@ def _native_experts(dl: DecoderLayer) -> Any:
     ``cpu_moe.cpp``, native experts), else None."""
     moe = dl.moe
     if moe is None or dl.act != "silu" or moe.router.dtype != torch.float32:
+        return None
+    if type(moe).route is not SparseMoe.route:  # a family's own routing (GLM-4.5's)
         return None
     if moe.shared is not None:  # a shared expert: SparseMoe.forward adds it (a cut)
         return None

@@ -339,6 +339,9 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_nemotron_h(layers, get, experts=arch == "nemotron_h_moe"))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
+    elif fam.name == "glm4_moe":  # (q/k/v biases, q/k norms: off the tensors)
+        dense = int(get("leading_dense_block_count") or 0)
+        kw["moe_layers"] = [i >= dense for i in range(layers)] if dense else []
     elif fam.name == "exaone4":
         kw.update(_exaone4(layers, window, get))
     elif fam.name == "gpt_oss":
@@ -358,7 +361,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
-    elif fam.name in ("qwen3_moe", "qwen2_moe"):
+    elif fam.name in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
         raise ValueError(f"{arch} GGUF file without {arch}.expert_count")
     return ModelConfig(**kw)
 
@@ -619,6 +622,8 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
     if cfg.architecture in ("stablelm", "cohere") and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    if cfg.architecture == "glm4_moe" and "blk.0.attn_q_norm.weight" in shapes:
+        cfg = msgspec.structs.replace(cfg, qk_norm="head")  # (GLM-4.5's; not the Air's)
     if cfg.architecture == "falcon" and "blk.0.attn_norm_2.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, parallel_block="separate")  # ln_attn, ln_mlp
     if cfg.architecture == "falcon" and "blk.0.attn_output.bias" in shapes:
@@ -699,6 +704,8 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
                 get("expert_shared_feed_forward_length") or get("feed_forward_length")
             ),
         )
+    if family == "glm4_moe":
+        return _glm4_moe_experts(experts, get)
     if family == "gpt_oss":  # a softmax over the top k logits: the renormalised top k
         return dict(
             num_experts=experts,
@@ -716,6 +723,28 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
         norm_topk_prob=bool(get("expert_weights_norm", True)),
         # Qwen3.5-MoE's shared expert, behind its sigmoid gate (ffn_*_shexp)
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length") or 0),
+    )
+
+
+def _glm4_moe_experts(experts: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """GLM-4.5's experts (``glm4moe``): sigmoid gating (llama.cpp's gating function 2,
+    the only one its GLM-4.5 runs), the top-k weights renormalised by
+    ``expert_weights_norm`` and times ``expert_weights_scale``, the groups of
+    ``expert_group_count`` / ``expert_group_used_count``, and ``expert_shared_count``
+    shared experts of the routed width, run as one MLP."""
+    gating = int(get("expert_gating_func") or 2)
+    if gating != 2:
+        raise ValueError(f"glm4moe GGUF file with expert gating function {gating} (not sigmoid)")
+    width = int(get("expert_feed_forward_length") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count") or 0),
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        shared_expert_intermediate_size=width * int(get("expert_shared_count") or 0),
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
     )
 
 
@@ -804,7 +833,7 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
-_HF_ROPE_ORDER += ("falcon",)
+_HF_ROPE_ORDER += ("falcon", "glm4_moe")
 
 # the classic layouts' norm, output and MLP biases (model/classic.py), and their
 # ungated MLP's first matrix
@@ -830,6 +859,12 @@ _GPT_OSS_NAMES = {
     "attn_sinks.weight": "sinks",
     "attn_output.bias": "o_bias",
     "ffn_gate_inp.bias": "moe.router_bias",
+}
+# GLM-4.5's tensors beside the shared ones (its post_attention_norm is the MLP's input
+# norm; exp_probs_b its router's e_score_correction_bias)
+_GLM4_MOE_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm",
+    "exp_probs_b.bias": "moe.router_bias",
 }
 _EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
 
@@ -1177,6 +1212,9 @@ def load_tensors(
                 continue
             if cfg.architecture == "gpt_oss" and rest in _GPT_OSS_NAMES:
                 yield prefix + _GPT_OSS_NAMES[rest], w
+                continue
+            if cfg.architecture == "glm4_moe" and rest in _GLM4_MOE_NAMES:
+                yield prefix + _GLM4_MOE_NAMES[rest], w
                 continue
             if rest in _EXPERT_BIASES:  # gpt-oss's, [E, F] or [E, hidden]
                 yield from _expert_biases(prefix, rest, w, pending)

@@ -329,9 +329,10 @@ class SparseMoe(nn.Module):
         act: str,
         fused_act: Callable[[Tensor], Tensor] | None,
     ) -> Tensor:
-        """``out`` (the routed experts' sum) plus the gated shared expert's output, if
-        the layer has one (transformers' order: the shared output scaled, then added)."""
-        if self.shared is None or self.shared_gate is None:
+        """``out`` (the routed experts' sum) plus the shared expert's output, if the
+        layer has one: gated (transformers' order: the shared output scaled, then added),
+        or as it is where the layer has no ``shared_gate`` (GLM-4.5's)."""
+        if self.shared is None:
             return out
         gate_up = linear(h, self.shared.gate_up_proj, int8_ok=True)  # [T, 2S]
         if fused_act is not None:
@@ -340,6 +341,8 @@ class SparseMoe(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             mid = gated_act(gate, up, act)
         y = linear(mid, self.shared.down_proj, int8_ok=True)  # [T, hidden]
+        if self.shared_gate is None:
+            return out + y
         return out + torch.sigmoid(F.linear(h, self.shared_gate)) * y
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:

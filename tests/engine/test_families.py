@@ -75,6 +75,16 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     if name == "glm4":  # half of each 32-wide head rotates
         assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
+    if name == "glm4_moe":  # a dense first layer; 8 experts in 2 groups, one used
+        assert cfg.moe_layers == [False, True, True] and cfg.num_experts == 8
+        assert (cfg.expert_groups, cfg.expert_groups_used, cfg.routed_scaling_factor) == (2, 1, 2.5)
+        assert cfg.shared_expert_intermediate_size == 48 and cfg.norm_topk_prob
+        assert (cfg.rotary_dim, cfg.qkv_bias, cfg.qk_norm, cfg.post_norms) == (
+            16,
+            True,
+            "head",
+            False,
+        )
     if name == "exaone4":  # the global layer: no window, no rotary embedding
         assert cfg.layer_windows == [WINDOW] * 3 + [0]
         assert cfg.rope_layers == [True] * 3 + [False] and cfg.qk_norm == "head"
@@ -360,7 +370,7 @@ QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
-QUANTIZED_FAMILIES += ["gpt_oss"]
+QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -656,7 +666,7 @@ def test_split_gguf_model_with_a_part_missing_is_refused(tmp_path: Path, default
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe"])
 def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
     """A float16 or bfloat16 directory, or an F16 GGUF file, in the default format: its
     experts are float16 rows (``HalfMatrix``, not fbgemm's copy) run by the native expert
@@ -727,7 +737,8 @@ def test_quantized_gguf_runs_its_blocks(
     # the fused path, not a fallback (the classic layouts: the plain one, said at start)
     assert (model.cpu_ops is None) == (name in CLASSIC)
     attends = next(layer for layer in model.layers if hasattr(layer, "qkv_proj"))
-    assert type(attends.qkv_proj).__name__ == "BlockWeight"
+    # (llama-quantize keeps k and v at Q8_0 in a model of 8 experts or more: GLM-4.5's)
+    assert type(attends.qkv_proj).__name__ in ("BlockWeight", "MixedWeight")
     for layer in model.layers:  # a hybrid model's recurrent layers: their mixer's too
         mixer = getattr(layer, "mixer", None)
         if mixer is not None:
@@ -750,14 +761,16 @@ def test_quantized_gguf_runs_its_blocks(
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", *sorted(CLASSIC)]
+    "name",
+    ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "glm4_moe", *sorted(CLASSIC)],
 )
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
     # partial rotary on each rank's heads; OLMo 2's q/k norms over the whole projection
     # (sums of squares all-reduced); Qwen3-MoE's experts cut along their intermediate
     # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide);
-    # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank
+    # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank;
+    # GLM-4.5's ungated one likewise, its grouped router and correction bias on every rank
     from structllm import LLM, SamplingParams
 
     path = str(tiny_family_dir(name, default_files))
