@@ -279,10 +279,22 @@ class SparseMoe(nn.Module):
     ) -> Tensor:
         """``forward`` once routed: ``weights, chosen: [T, k]`` (a family with a router of
         its own, Gemma 4's, routes and calls this)."""
+        return self._add_shared(h, self.routed(h, weights, chosen, act, fused_act), act, fused_act)
+
+    def routed(
+        self,
+        h: Tensor,
+        weights: Tensor,
+        chosen: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """The routed experts' weighted sum ``[T, hidden]`` (``run_experts`` without the
+        shared expert)."""
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)
-                return self._add_shared(h, native.forward(h, chosen, weights), act, fused_act)
+                return cast(Tensor, native.forward(h, chosen, weights))
         weights = weights.to(h.dtype).flatten()  # [T * k]
         # (token, choice) slots sorted by expert; each expert's run of slots at once
         flat = chosen.flatten()
@@ -303,7 +315,7 @@ class SparseMoe(nn.Module):
             # stalls whenever a pool thread is descheduled (median 8 us, mean 15 ms on 2
             # busy cores); index_put_ here runs inline (mean 9 us)
             out.index_put_((rows,), y * weights[slots, None], accumulate=True)
-        return self._add_shared(h, out, act, fused_act)
+        return out
 
     def expert_mlp(
         self,

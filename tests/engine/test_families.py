@@ -85,6 +85,12 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
             "head",
             False,
         )
+    if name == "llama4":  # chunked rotary layers, a global NoPE one with the temperature
+        assert cfg.layer_chunks == [WINDOW] * 3 + [0] and cfg.rope_layers == [True] * 3 + [False]
+        assert cfg.moe_layers == [False, True, False, True] and cfg.qk_norm == "head"
+        assert (cfg.attn_temperature_floor, cfg.attn_temperature_scale) == (4, 0.5)
+        assert (cfg.intermediate_size, cfg.moe_intermediate_size) == (96, 48)
+        assert cfg.shared_expert_intermediate_size == 48 and cfg.num_experts_per_tok == 1
     if name == "exaone4":  # the global layer: no window, no rotary embedding
         assert cfg.layer_windows == [WINDOW] * 3 + [0]
         assert cfg.rope_layers == [True] * 3 + [False] and cfg.qk_norm == "head"

@@ -526,6 +526,33 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "llama4": (  # Scout's layers in small (chunks scaled down so prompts cross them, a
+        # temperature floor low enough that it grows within them): three chunked rotary
+        # layers to one global NoPE layer, experts on every other layer (Maverick's
+        # interleaving) beside dense ones of their own width, Llama 3 rope scaling
+        "Llama4TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            intermediate_size=48,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=WINDOW,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "ernie4_5": (
         "Ernie4_5Config",
         dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
@@ -810,6 +837,8 @@ def tiny_family_dir(
                 p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
             elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
                 p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
+            elif family == "llama4" and name.endswith("feed_forward.router.weight"):
+                p.normal_(0, 1.0)  # (decisive top-1 routing, as Gemma 4's)
             elif family == "glm4_moe" and name.endswith("mlp.gate.weight"):
                 p.normal_(0, 1.0)  # (the same: sigmoid scores spread over (0, 1))
             elif name.endswith("e_score_correction_bias") and family == "glm4_moe":
