@@ -339,6 +339,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_nemotron_h(layers, get, experts=arch == "nemotron_h_moe"))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
+    elif fam.name == "llama4":
+        kw.update(_llama4(layers, window, get))
     elif fam.name == "glm4_moe":  # (q/k/v biases, q/k norms: off the tensors)
         dense = int(get("leading_dense_block_count") or 0)
         kw["moe_layers"] = [i >= dense for i in range(layers)] if dense else []
@@ -706,6 +708,15 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
         )
     if family == "glm4_moe":
         return _glm4_moe_experts(experts, get)
+    if family == "llama4":  # each token's top one, beside a shared expert of their width
+        width = int(get("expert_feed_forward_length") or 0)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 1),
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+            qk_norm="head" if experts != 128 else "none",  # llama.cpp: Maverick has none
+        )
     if family == "gpt_oss":  # a softmax over the top k logits: the renormalised top k
         return dict(
             num_experts=experts,
@@ -724,6 +735,26 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
         # Qwen3.5-MoE's shared expert, behind its sigmoid gate (ffn_*_shexp)
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length") or 0),
     )
+
+
+def _llama4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """Llama 4 (``llama4``) by llama.cpp's rules, which its files do not carry: every
+    fourth layer without rotary, attending globally with the attention temperature
+    (floor 8192, scale 0.1), the others over chunks of 8192 keys; a file whose
+    ``attention.sliding_window`` is 0 has neither (every layer rotary, global). Experts
+    every ``interleave_moe_layer_step``-th layer (``_experts``: their q/k norms too)."""
+    step = int(get("interleave_moe_layer_step") or 1)
+    out: dict[str, Any] = {"moe_layers": [(i + 1) % step == 0 for i in range(layers)]}
+    if get("attention.sliding_window") is not None and window == 0:
+        return out
+    rope = [(i + 1) % 4 != 0 for i in range(layers)]
+    return {
+        **out,
+        "rope_layers": rope,
+        "layer_chunks": [8192 if r else 0 for r in rope],
+        "attn_temperature_floor": 8192,
+        "attn_temperature_scale": 0.1,
+    }
 
 
 def _glm4_moe_experts(experts: int, get: Callable[..., Any]) -> dict[str, Any]:
@@ -1275,6 +1306,11 @@ def load_tensors(
             if all(n in pending for n in gu):
                 yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
         # other tensors (e.g. rope_freqs) are not used
+    if cfg.architecture == "llama4" and cfg.qk_norm == "head":  # weightless: ones
+        for i in range(cfg.num_layers):
+            if cfg.rotates(i):
+                yield f"layers.{i}.q_norm", torch.ones(cfg.head_dim)
+                yield f"layers.{i}.k_norm", torch.ones(cfg.head_dim)
     if pending or pending_experts:
         unpaired = sorted([*pending, *pending_experts])
         raise ValueError(f"GGUF file has unpaired tensors: {unpaired[:4]}")

@@ -376,7 +376,7 @@ QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
-QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe"]
+QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe", "llama4"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -406,6 +406,8 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("norm_kind", "norm_bias", "parallel_block", "mlp_gated", "mlp_bias", "o_bias")
     fields += ("head_bias", "rms_norm_eps")
     fields += ("swiglu_alpha", "swiglu_limit")
+    fields += ("layer_chunks", "attn_temperature_floor", "attn_temperature_scale")
+    fields += ("routed_scaling_factor", "expert_groups", "expert_groups_used")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149

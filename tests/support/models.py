@@ -1027,6 +1027,11 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "qwen2_moe": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "qwen3_5_moe": dict(moe_intermediate_size=64),  # block-sized rows for every expert
     "glm4_moe": dict(moe_intermediate_size=64),
+    # llama.cpp's Llama 4: chunks of 8192 and the temperature's 8192 and 0.1 (its rules,
+    # not the file's); 64-wide experts
+    "llama4": dict(
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, intermediate_size=64
+    ),
     # llama.cpp's loader (llama-quantize's) asserts experts used <= experts: a dense
     # Granite 4 file says 0 of 0, not transformers' default 2 of 0
     "granitemoehybrid": dict(num_experts_per_tok=0),
