@@ -928,7 +928,7 @@ def _llama4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     if moe is None:
         step = int(cfg.get("interleave_moe_layer_step") or 1)
         moe = list(range(step - 1, layers, step))
-    chunk = int(cfg.get("attention_chunk_size") or 0)
+    chunk = int(cfg.get("attention_chunk_size", 8192) or 0)  # (null: none)
     width = int(cfg.get("intermediate_size") or 8192)
     out: dict[str, Any] = {
         "rope_layers": rope if not all(rope) else [],

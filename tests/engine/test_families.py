@@ -322,6 +322,71 @@ def test_gemma4_config_as_published() -> None:
         ModelConfig.from_hf({**cfg, "use_bidirectional_attention": "all"})
 
 
+@pytest.fixture(scope="module")
+def llama4_greedy(default_files) -> tuple[Path, list[list[int]]]:  # type: ignore[no-untyped-def]
+    path = tiny_family_dir("llama4", default_files)
+    ref = hf_from_dir(path)
+    return path, [hf_greedy(ref, ids, 24) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("step", [3, 8, 13])
+def test_llama4_chunked_prefill_matches_transformers(
+    step: int, llama4_greedy: tuple[Path, list[list[int]]]
+) -> None:
+    # prefill steps shorter than the attention chunk (8), as long, and longer: steps
+    # that start and end inside chunks and cross their edges; then prefix-cache hits
+    from structllm import LLM, SamplingParams
+
+    path, want = llama4_greedy
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=step, **EXACT)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def test_llama4_blocks_behind_every_chunk_are_given_back(default_files) -> None:  # type: ignore[no-untyped-def]
+    # every layer chunked (no NoPE layer): a query never reads behind its chunk's start,
+    # at most chunk - 1 keys back, so blocks go as behind a window of the chunk's size;
+    # with the default's global NoPE layers none go
+    from structllm.protocol import AddRequest, SamplingParams
+
+    assert engine_for(tiny_family_dir("llama4", default_files), block_size=4).kv.window == 0
+    path = tiny_family_dir("llama4", default_files, no_rope_layers=[1, 1, 1, 1])
+    engine = engine_for(path, block_size=4, max_num_batched_tokens=9)
+    assert engine.kv.window == WINDOW and engine.files.config.layer_chunks == [WINDOW] * 4
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request(AddRequest("c", PROMPTS[3], params))
+    tokens: list[int] = []
+    released = 0
+    while engine.has_work:
+        for req in engine.scheduler.running:
+            released = max(released, req.num_released_blocks)
+        tokens += [t for d in engine.step().outputs for t in d.new_token_ids]
+    assert released >= (len(PROMPTS[3]) + 24 - WINDOW - 9) // 4 - 1
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)
+
+
+def test_llama4_config_as_published() -> None:
+    # Scout's keys (no moe_layers: every layer's MLP experts, interleave step 1), the
+    # class's defaults where absent; what cannot run is refused by name
+    cfg: dict[str, object] = {"architectures": ["Llama4ForCausalLM"], "hidden_size": 64}
+    cfg |= {"intermediate_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg |= {"num_hidden_layers": 8, "vocab_size": 8, "head_dim": 16}
+    scout = ModelConfig.from_hf(cfg)
+    assert scout.layer_chunks == [8192, 8192, 8192, 0] * 2 and scout.moe_layers == [True] * 8
+    assert (scout.attn_temperature_floor, scout.attn_temperature_scale) == (8192, 0.1)
+    assert scout.intermediate_size == 16384 and scout.qk_norm == "head"
+    maverick = ModelConfig.from_hf({**cfg, "interleave_moe_layer_step": 2, "use_qk_norm": False})
+    assert maverick.moe_layers == [False, True] * 4 and maverick.qk_norm == "none"
+    plain = ModelConfig.from_hf({**cfg, "attention_chunk_size": None})
+    assert plain.layer_chunks == [] and plain.rope_layers == [True, True, True, False] * 2
+    with pytest.raises(ValueError, match="num_experts_per_tok=2 is not supported"):
+        ModelConfig.from_hf({**cfg, "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="Llama 4 with attention_bias is not supported"):
+        ModelConfig.from_hf({**cfg, "attention_bias": True})
+
+
 def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
     # the first Gemma checkpoints say "gelu", which transformers runs as tanh GELU
     cfg = {"architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
@@ -435,6 +500,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
         ("Mistral3ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", False),  # as Mistral Small 3.1: an lm_head
         ("Qwen3_5ForConditionalGeneration", False),  # how Qwen3.5 is published
+        ("Llama4ForConditionalGeneration", False),  # how Llama 4 is published
     ],
 )
 def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, default_files) -> None:  # type: ignore[no-untyped-def]
@@ -450,7 +516,8 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     files = prepare_model(str(path))
     cfg = files.config
     assert files.tokenizer_meta.chat_template is not None  # from chat_template.json
-    assert cfg.rms_norm_eps == 1e-6  # a default, not in the text_config
+    # a default, not in the text_config
+    assert cfg.rms_norm_eps == (1e-5 if arch.startswith("Llama4") else 1e-6)
     assert cfg.tie_word_embeddings == tied
     if arch.startswith("Gemma3"):
         assert cfg.architecture == "gemma3" and cfg.rope_theta == 1e6
@@ -458,6 +525,9 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     elif arch.startswith("Gemma4"):
         assert cfg.architecture == "gemma4" and cfg.rope_theta == 1e6
         assert cfg.kv_sources == [0, 1, 2, 3, 4, 4, 4, 3] and cfg.per_layer_input_size == 16
+    elif arch.startswith("Llama4"):  # chunked rotary layers, a global one (class defaults)
+        assert cfg.architecture == "llama4" and cfg.rope_theta == 500000.0
+        assert cfg.layer_chunks == [WINDOW] * 3 + [0] and cfg.attn_temperature_floor == 4
     elif arch.startswith("Qwen3_5"):
         assert cfg.architecture == "qwen3_5" and cfg.rotary_dim == 8
         assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
@@ -770,7 +840,8 @@ def test_quantized_gguf_runs_its_blocks(
 
 @pytest.mark.parametrize(
     "name",
-    ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "glm4_moe", *sorted(CLASSIC)],
+    ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "glm4_moe", "llama4"]
+    + sorted(CLASSIC),
 )
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
@@ -778,7 +849,9 @@ def test_tensor_parallel_matches_one_process(name: str, default_files) -> None: 
     # (sums of squares all-reduced); Qwen3-MoE's experts cut along their intermediate
     # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide);
     # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank;
-    # GLM-4.5's ungated one likewise, its grouped router and correction bias on every rank
+    # GLM-4.5's ungated one likewise, its grouped router and correction bias on every rank;
+    # Llama 4's chunks and query temperatures on each rank's heads, its experts' inputs
+    # scaled by the (replicated) router's scores
     from structllm import LLM, SamplingParams
 
     path = str(tiny_family_dir(name, default_files))

@@ -915,6 +915,18 @@ QWEN3_5_MULTIMODAL_TEXT: dict[str, object] = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
 )
+LLAMA4_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="llama4_text",
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=48,
+    intermediate_size_mlp=96,
+    num_local_experts=4,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=WINDOW,
+    floor_scale=4,
+)
 # each multimodal class: its config's model_type, a tiny vision tower, other settings
 MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str, object]]] = {
     "Gemma3ForConditionalGeneration": (
@@ -934,6 +946,19 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         MISTRAL3_MULTIMODAL_TEXT,
         dict(model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
         dict(spatial_merge_size=1),
+    ),
+    "Llama4ForConditionalGeneration": (
+        "llama4",
+        LLAMA4_MULTIMODAL_TEXT,
+        dict(
+            model_type="llama4_vision_model",
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),
+        dict(image_token_index=49151),
     ),
     "Qwen3_5ForConditionalGeneration": (
         "qwen3_5",
