@@ -424,6 +424,9 @@ class EngineCore:
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
             and not self.hybrid  # (recurrent states are not captured)
+            # (chunked layers decode through the reference on CUDA, which reads the
+            # step's lengths on the host: not capturable)
+            and not self.files.config.layer_chunks
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner
