@@ -322,6 +322,30 @@ def test_gemma4_config_as_published() -> None:
         ModelConfig.from_hf({**cfg, "use_bidirectional_attention": "all"})
 
 
+def test_glm4_moe_checkpoint_mtp_layers_are_not_loaded(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
+    # GLM-4.5's published checkpoints carry a multi-token-prediction layer after the
+    # decoder's (model.layers.{num_hidden_layers}.*: eh_proj, enorm, hnorm, its own
+    # attention and experts): left out, the model is the decoder's
+    from safetensors.torch import save_file
+
+    src = tiny_family_dir("glm4_moe", default_files)
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    h, mtp = 64, "model.layers.3."
+    extra = {mtp + "eh_proj.weight": torch.randn(h, 2 * h), mtp + "enorm.weight": torch.ones(h)}
+    extra |= {
+        mtp + "hnorm.weight": torch.ones(h),
+        mtp + "self_attn.q_proj.weight": torch.ones(h, h),
+    }
+    extra |= {mtp + "mlp.gate.e_score_correction_bias": torch.zeros(8)}
+    save_file(extra, str(tmp_path / "model-mtp.safetensors"))
+    ours, plain = engine_for(tmp_path), engine_for(src)
+    assert ours.files.config.num_layers == 3
+    torch.testing.assert_close(
+        prefill_logits(ours, PROMPTS[1]), prefill_logits(plain, PROMPTS[1]), atol=0, rtol=0
+    )
+
+
 @pytest.fixture(scope="module")
 def llama4_greedy(default_files) -> tuple[Path, list[list[int]]]:  # type: ignore[no-untyped-def]
     path = tiny_family_dir("llama4", default_files)
