@@ -57,8 +57,7 @@ class QueryTemperature:
     def apply(self, qkv: Tensor, num_heads: int) -> None:
         """Scale the queries of ``qkv: [T, H + 2 Hkv, D]`` in place."""
         assert self.scales is not None, "QueryTemperature.set runs before the layers"
-        q = qkv[:, :num_heads]
-        q.copy_(q * self.scales)
+        qkv[:, :num_heads].mul_(self.scales)
 
 
 class Llama4Moe(SparseMoe):
