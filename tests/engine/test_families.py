@@ -768,7 +768,7 @@ def test_split_gguf_model_with_a_part_missing_is_refused(tmp_path: Path, default
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "llama4"])
 def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
     """A float16 or bfloat16 directory, or an F16 GGUF file, in the default format: its
     experts are float16 rows (``HalfMatrix``, not fbgemm's copy) run by the native expert
