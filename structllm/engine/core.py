@@ -198,13 +198,16 @@ class EngineCore:
         group = self._load(plan)
         self._size_kv_cache(plan, group)
         self.eos_token_ids = self.files.generation_eos_ids
-        windows = self.files.config.layer_windows  # every layer windowed: blocks can go
-        self.hybrid = self.files.config.hybrid and self.model is not None
+        # every layer windowed or chunked: blocks can go (a query's chunk starts at most
+        # chunk - 1 keys back, so a chunk frees what a window of its size would)
+        cfg = self.files.config
+        spans = [cfg.window(i) or cfg.chunk(i) for i in range(cfg.num_layers)]
+        self.hybrid = cfg.hybrid and self.model is not None
         self.kv = KVCacheManager(
             self.num_blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
-            window=max(windows) if windows and min(windows) > 0 else 0,
+            window=max(spans) if min(spans) > 0 else 0,
         )
         self.states = (
             StateCacheManager(self.num_state_slots, self.num_saved_states)
@@ -448,6 +451,9 @@ class EngineCore:
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
             and not self.hybrid  # (recurrent states are not captured)
+            # (chunked layers decode through the reference on CUDA, which reads the
+            # step's lengths on the host: not capturable)
+            and not self.files.config.layer_chunks
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner

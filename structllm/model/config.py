@@ -59,6 +59,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []
     # --- family options ---
     layer_windows: list[int] = []  # per layer: keys visible to a query (0: all); [] none
+    # per layer: chunked local attention's chunk (Llama 4: the query at position p sees
+    # keys floor(p / C) * C .. p; 0: none); [] none
+    layer_chunks: list[int] = []
+    # Llama 4's attention temperature on its layers without rotary: each query times
+    # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)) (0: off)
+    attn_temperature_floor: int = 0
+    attn_temperature_scale: float = 0.0
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
@@ -179,7 +186,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"mrope_section {self.mrope_section} splits {sum(self.mrope_section)} rotary "
                 f"pairs, but a head has {self.rope_dim // 2}"
             )
-        per_layer = ["layer_windows", "rope_layers", "moe_layers", "layer_types"]
+        per_layer = ["layer_windows", "layer_chunks", "rope_layers", "moe_layers", "layer_types"]
         per_layer += ["layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers"]
         for name in (*per_layer, "layer_intermediate_sizes"):
             n = len(getattr(self, name))
@@ -230,6 +237,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def window(self, layer: int) -> int:
         """Keys visible to a query of ``layer`` (the query's own included); 0: all."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def chunk(self, layer: int) -> int:
+        """The chunk of ``layer``'s chunked local attention (0: none)."""
+        return self.layer_chunks[layer] if self.layer_chunks else 0
 
     def rotates(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
@@ -469,6 +480,27 @@ TEXT_MODELS["Gemma4ForConditionalGeneration"] = (
 # Idefics3 (SmolVLM): a Llama text model, LlamaConfig's defaults (Idefics3Config's
 # rms_norm_eps 1e-5 is only for a config without text_config; SmolVLM's lists its own);
 # its vision tower and connector: model/idefics3.py
+# Llama4ForConditionalGeneration (Scout, Maverick): its text model, Llama4TextConfig's
+# defaults (images are not read)
+TEXT_MODELS["Llama4ForConditionalGeneration"] = (
+    "Llama4ForCausalLM",
+    {
+        "vocab_size": 202048,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
 TEXT_MODELS["Idefics3ForConditionalGeneration"] = (
     "LlamaForCausalLM",
     {
@@ -834,6 +866,85 @@ def _glm4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(post_norms=True, qkv_bias=bool(cfg.get("attention_bias", True)))
     if float(partial) != 1.0:
         out["rotary_dim"] = int(base["head_dim"] * float(partial))
+    return out
+
+
+def _glm4_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 (transformers' defaults where a key is absent): q/k/v biases by
+    ``attention_bias``, per-head q/k norms by ``use_qk_norm``, a partial rotary (0.5),
+    dense MLPs in the first ``first_k_dense_replace`` layers, experts in the rest
+    (``n_routed_experts``, routed as DeepSeek-V3's: ``n_group``, ``topk_group``,
+    ``norm_topk_prob``, ``routed_scaling_factor``) beside ``n_shared_experts`` shared
+    ones, run as one MLP of their summed width."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 128)
+    groups = int(cfg.get("n_group") or 1)
+    if groups > 1 and experts // groups < 2:
+        raise ValueError(f"GLM-4.5 with {experts} experts in {groups} groups: under 2 a group")
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    layers = [i >= dense for i in range(base["num_layers"])]
+    width = int(cfg.get("moe_intermediate_size") or 1408)
+    return {
+        "qkv_bias": bool(cfg.get("attention_bias", False)),
+        "qk_norm": "head" if cfg.get("use_qk_norm") else "none",
+        **_partial_rotary(cfg, base, 0.5),
+        "mlp_act": _hidden_act(cfg, "GLM-4.5", "silu"),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 8),
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width * int(cfg.get("n_shared_experts", 1) or 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "moe_layers": layers if not all(layers) else [],
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "expert_groups": groups,
+        "expert_groups_used": int(cfg.get("topk_group") or 1),
+    }
+
+
+def _llama4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4 (transformers' defaults where a key is absent): layers without rotary by
+    ``no_rope_layers`` (1: rotary; else every ``no_rope_layer_interval``-th without),
+    which attend globally with the attention temperature (``attn_temperature_tuning``,
+    ``floor_scale``, ``attn_scale``), the rotary ones over chunks of
+    ``attention_chunk_size`` with weightless per-head q/k RMSNorms (``use_qk_norm``:
+    weights of ones); experts in the ``moe_layers`` (else every
+    ``interleave_moe_layer_step``-th), ``intermediate_size`` wide, each token's top one
+    beside a shared expert of the same width; the dense layers' MLP is
+    ``intermediate_size_mlp`` wide."""
+    layers = base["num_layers"]
+    flags = cfg.get("no_rope_layers")
+    if not flags:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    rope = [bool(f) for f in flags[:layers]]
+    if cfg.get("attention_bias"):
+        raise ValueError("Llama 4 with attention_bias is not supported (published ones have none)")
+    top_k = int(cfg.get("num_experts_per_tok") or 1)
+    if top_k != 1:
+        raise ValueError(
+            f"Llama 4 with num_experts_per_tok={top_k} is not supported (its router scales "
+            "each token's input to its one expert; the published models route to one)"
+        )
+    moe = cfg.get("moe_layers")
+    if moe is None:
+        step = int(cfg.get("interleave_moe_layer_step") or 1)
+        moe = list(range(step - 1, layers, step))
+    chunk = int(cfg.get("attention_chunk_size", 8192) or 0)  # (null: none)
+    width = int(cfg.get("intermediate_size") or 8192)
+    out: dict[str, Any] = {
+        "rope_layers": rope if not all(rope) else [],
+        "qk_norm": "head" if cfg.get("use_qk_norm", True) else "none",
+        "intermediate_size": int(cfg.get("intermediate_size_mlp") or 16384),
+        "num_experts": int(cfg.get("num_local_experts") or 16),
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width,
+        "moe_layers": [i in set(moe) for i in range(layers)],
+    }
+    if chunk:
+        out["layer_chunks"] = [chunk if r else 0 for r in rope]
+    if cfg.get("attn_temperature_tuning", True):
+        out["attn_temperature_floor"] = int(cfg.get("floor_scale") or 8192)
+        out["attn_temperature_scale"] = float(cfg.get("attn_scale", 0.1))
     return out
 
 
@@ -1431,6 +1542,8 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "granite": _granite,
     "smollm3": _smollm3,
     "glm4": _glm4,
+    "glm4_moe": _glm4_moe,
+    "llama4": _llama4,
     "ernie4_5": _ernie4_5,
     "exaone4": _exaone4,
     "mixtral": _mixtral,

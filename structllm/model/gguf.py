@@ -339,6 +339,11 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_nemotron_h(layers, get, experts=arch == "nemotron_h_moe"))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
+    elif fam.name == "llama4":
+        kw.update(_llama4(layers, window, get))
+    elif fam.name == "glm4_moe":  # (q/k/v biases, q/k norms: off the tensors)
+        dense = int(get("leading_dense_block_count") or 0)
+        kw["moe_layers"] = [i >= dense for i in range(layers)] if dense else []
     elif fam.name == "exaone4":
         kw.update(_exaone4(layers, window, get))
     elif fam.name == "gpt_oss":
@@ -360,7 +365,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
-    elif fam.name in ("qwen3_moe", "qwen2_moe"):
+    elif fam.name in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
         raise ValueError(f"{arch} GGUF file without {arch}.expert_count")
     return ModelConfig(**kw)
 
@@ -640,6 +645,8 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
     if cfg.architecture in ("stablelm", "cohere") and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    if cfg.architecture == "glm4_moe" and "blk.0.attn_q_norm.weight" in shapes:
+        cfg = msgspec.structs.replace(cfg, qk_norm="head")  # (GLM-4.5's; not the Air's)
     if cfg.architecture == "falcon" and "blk.0.attn_norm_2.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, parallel_block="separate")  # ln_attn, ln_mlp
     if cfg.architecture == "falcon" and "blk.0.attn_output.bias" in shapes:
@@ -720,6 +727,17 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
                 get("expert_shared_feed_forward_length") or get("feed_forward_length")
             ),
         )
+    if family == "glm4_moe":
+        return _glm4_moe_experts(experts, get)
+    if family == "llama4":  # each token's top one, beside a shared expert of their width
+        width = int(get("expert_feed_forward_length") or 0)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 1),
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+            qk_norm="head" if experts != 128 else "none",  # llama.cpp: Maverick has none
+        )
     if family == "gpt_oss":  # a softmax over the top k logits: the renormalised top k
         return dict(
             num_experts=experts,
@@ -737,6 +755,48 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
         norm_topk_prob=bool(get("expert_weights_norm", True)),
         # Qwen3.5-MoE's shared expert, behind its sigmoid gate (ffn_*_shexp)
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length") or 0),
+    )
+
+
+def _llama4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """Llama 4 (``llama4``) by llama.cpp's rules, which its files do not carry: every
+    fourth layer without rotary, attending globally with the attention temperature
+    (floor 8192, scale 0.1), the others over chunks of 8192 keys; a file whose
+    ``attention.sliding_window`` is 0 has neither (every layer rotary, global). Experts
+    every ``interleave_moe_layer_step``-th layer (``_experts``: their q/k norms too)."""
+    step = int(get("interleave_moe_layer_step") or 1)
+    out: dict[str, Any] = {"moe_layers": [(i + 1) % step == 0 for i in range(layers)]}
+    if get("attention.sliding_window") is not None and window == 0:
+        return out
+    rope = [(i + 1) % 4 != 0 for i in range(layers)]
+    return {
+        **out,
+        "rope_layers": rope,
+        "layer_chunks": [8192 if r else 0 for r in rope],
+        "attn_temperature_floor": 8192,
+        "attn_temperature_scale": 0.1,
+    }
+
+
+def _glm4_moe_experts(experts: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """GLM-4.5's experts (``glm4moe``): sigmoid gating (llama.cpp's gating function 2,
+    the only one its GLM-4.5 runs), the top-k weights renormalised by
+    ``expert_weights_norm`` and times ``expert_weights_scale``, the groups of
+    ``expert_group_count`` / ``expert_group_used_count``, and ``expert_shared_count``
+    shared experts of the routed width, run as one MLP."""
+    gating = int(get("expert_gating_func") or 2)
+    if gating != 2:
+        raise ValueError(f"glm4moe GGUF file with expert gating function {gating} (not sigmoid)")
+    width = int(get("expert_feed_forward_length") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count") or 0),
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        shared_expert_intermediate_size=width * int(get("expert_shared_count") or 0),
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
     )
 
 
@@ -825,7 +885,7 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
-_HF_ROPE_ORDER += ("falcon",)
+_HF_ROPE_ORDER += ("falcon", "glm4_moe")
 
 
 def keeps_hf_rope_order(architecture: str) -> bool:
@@ -858,6 +918,12 @@ _GPT_OSS_NAMES = {
     "attn_sinks.weight": "sinks",
     "attn_output.bias": "o_bias",
     "ffn_gate_inp.bias": "moe.router_bias",
+}
+# GLM-4.5's tensors beside the shared ones (its post_attention_norm is the MLP's input
+# norm; exp_probs_b its router's e_score_correction_bias)
+_GLM4_MOE_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm",
+    "exp_probs_b.bias": "moe.router_bias",
 }
 _EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
 
@@ -1206,6 +1272,9 @@ def load_tensors(
             if cfg.architecture == "gpt_oss" and rest in _GPT_OSS_NAMES:
                 yield prefix + _GPT_OSS_NAMES[rest], w
                 continue
+            if cfg.architecture == "glm4_moe" and rest in _GLM4_MOE_NAMES:
+                yield prefix + _GLM4_MOE_NAMES[rest], w
+                continue
             if rest in _EXPERT_BIASES:  # gpt-oss's, [E, F] or [E, hidden]
                 yield from _expert_biases(prefix, rest, w, pending)
                 continue
@@ -1265,6 +1334,11 @@ def load_tensors(
             if all(n in pending for n in gu):
                 yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
         # other tensors (e.g. rope_freqs) are not used
+    if cfg.architecture == "llama4" and cfg.qk_norm == "head":  # weightless: ones
+        for i in range(cfg.num_layers):
+            if cfg.rotates(i):
+                yield f"layers.{i}.q_norm", torch.ones(cfg.head_dim)
+                yield f"layers.{i}.k_norm", torch.ones(cfg.head_dim)
     if pending or pending_experts:
         unpaired = sorted([*pending, *pending_experts])
         raise ValueError(f"GGUF file has unpaired tensors: {unpaired[:4]}")

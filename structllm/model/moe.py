@@ -73,4 +73,35 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
     return {**_hf_to_native(state, cfg, names), **moe_state}
 
 
+def grouped_topk(
+    logits: Tensor,
+    bias: Tensor,
+    top_k: int,
+    groups: int,
+    groups_used: int,
+    renormalise: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's routing (GLM-4.5's, Nemotron 3's) of router ``logits: [T, E]``
+    (float32): sigmoid scores; the choice by score plus ``bias: [E]`` (the checkpoint's
+    ``e_score_correction_bias``, which steers the choice only), among the experts of the
+    ``groups_used`` groups (of ``groups`` consecutive ones) whose two best biased scores
+    sum highest; the chosen ones' unbiased scores as weights (over their sum with
+    ``renormalise``), times ``scale``. Returns (weights, chosen), ``[T, k]`` each."""
+    t, e = logits.shape
+    scores = logits.sigmoid()  # [T, E]
+    choice = scores + bias
+    if groups > 1:
+        by_group = choice.view(t, groups, e // groups)  # [T, G, E/G]
+        best = by_group.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, best.topk(groups_used, dim=-1)[1], True)
+        choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(t, e)
+    chosen = choice.topk(top_k, dim=-1)[1]  # [T, k]
+    weights = scores.gather(1, chosen)
+    if renormalise:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, chosen
+
+
 MODEL = MoeModel

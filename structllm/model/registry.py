@@ -100,6 +100,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    # GLM-4.5/4.6(-Air): DeepSeek-V3's grouped sigmoid routing, shared experts
+    Family("glm4_moe", "glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), ("glm4moe",)),
+    # Llama 4: chunked local attention with rotary, global NoPE layers, a shared expert
+    # (Llama4ForConditionalGeneration: its text model, config.TEXT_MODELS)
+    Family(
+        "llama4",
+        "llama4",
+        ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+        ("llama4_text",),
+        ("llama4",),
+    ),
     # attention sinks, alternating windows, biased experts with a clamped SwiGLU
     Family("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)

@@ -75,6 +75,22 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
     if name == "glm4":  # half of each 32-wide head rotates
         assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
+    if name == "glm4_moe":  # a dense first layer; 8 experts in 2 groups, one used
+        assert cfg.moe_layers == [False, True, True] and cfg.num_experts == 8
+        assert (cfg.expert_groups, cfg.expert_groups_used, cfg.routed_scaling_factor) == (2, 1, 2.5)
+        assert cfg.shared_expert_intermediate_size == 48 and cfg.norm_topk_prob
+        assert (cfg.rotary_dim, cfg.qkv_bias, cfg.qk_norm, cfg.post_norms) == (
+            16,
+            True,
+            "head",
+            False,
+        )
+    if name == "llama4":  # chunked rotary layers, a global NoPE one with the temperature
+        assert cfg.layer_chunks == [WINDOW] * 3 + [0] and cfg.rope_layers == [True] * 3 + [False]
+        assert cfg.moe_layers == [False, True, False, True] and cfg.qk_norm == "head"
+        assert (cfg.attn_temperature_floor, cfg.attn_temperature_scale) == (4, 0.5)
+        assert (cfg.intermediate_size, cfg.moe_intermediate_size) == (96, 48)
+        assert cfg.shared_expert_intermediate_size == 48 and cfg.num_experts_per_tok == 1
     if name == "exaone4":  # the global layer: no window, no rotary embedding
         assert cfg.layer_windows == [WINDOW] * 3 + [0]
         assert cfg.rope_layers == [True] * 3 + [False] and cfg.qk_norm == "head"
@@ -306,6 +322,95 @@ def test_gemma4_config_as_published() -> None:
         ModelConfig.from_hf({**cfg, "use_bidirectional_attention": "all"})
 
 
+def test_glm4_moe_checkpoint_mtp_layers_are_not_loaded(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
+    # GLM-4.5's published checkpoints carry a multi-token-prediction layer after the
+    # decoder's (model.layers.{num_hidden_layers}.*: eh_proj, enorm, hnorm, its own
+    # attention and experts): left out, the model is the decoder's
+    from safetensors.torch import save_file
+
+    src = tiny_family_dir("glm4_moe", default_files)
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    h, mtp = 64, "model.layers.3."
+    extra = {mtp + "eh_proj.weight": torch.randn(h, 2 * h), mtp + "enorm.weight": torch.ones(h)}
+    extra |= {
+        mtp + "hnorm.weight": torch.ones(h),
+        mtp + "self_attn.q_proj.weight": torch.ones(h, h),
+    }
+    extra |= {mtp + "mlp.gate.e_score_correction_bias": torch.zeros(8)}
+    save_file(extra, str(tmp_path / "model-mtp.safetensors"))
+    ours, plain = engine_for(tmp_path), engine_for(src)
+    assert ours.files.config.num_layers == 3
+    torch.testing.assert_close(
+        prefill_logits(ours, PROMPTS[1]), prefill_logits(plain, PROMPTS[1]), atol=0, rtol=0
+    )
+
+
+@pytest.fixture(scope="module")
+def llama4_greedy(default_files) -> tuple[Path, list[list[int]]]:  # type: ignore[no-untyped-def]
+    path = tiny_family_dir("llama4", default_files)
+    ref = hf_from_dir(path)
+    return path, [hf_greedy(ref, ids, 24) for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("step", [3, 8, 13])
+def test_llama4_chunked_prefill_matches_transformers(
+    step: int, llama4_greedy: tuple[Path, list[list[int]]]
+) -> None:
+    # prefill steps shorter than the attention chunk (8), as long, and longer: steps
+    # that start and end inside chunks and cross their edges; then prefix-cache hits
+    from structllm import LLM, SamplingParams
+
+    path, want = llama4_greedy
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=step, **EXACT)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+
+
+def test_llama4_blocks_behind_every_chunk_are_given_back(default_files) -> None:  # type: ignore[no-untyped-def]
+    # every layer chunked (no NoPE layer): a query never reads behind its chunk's start,
+    # at most chunk - 1 keys back, so blocks go as behind a window of the chunk's size;
+    # with the default's global NoPE layers none go
+    from structllm.protocol import AddRequest, SamplingParams
+
+    assert engine_for(tiny_family_dir("llama4", default_files), block_size=4).kv.window == 0
+    path = tiny_family_dir("llama4", default_files, no_rope_layers=[1, 1, 1, 1])
+    engine = engine_for(path, block_size=4, max_num_batched_tokens=9)
+    assert engine.kv.window == WINDOW and engine.files.config.layer_chunks == [WINDOW] * 4
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine.add_request(AddRequest("c", PROMPTS[3], params))
+    tokens: list[int] = []
+    released = 0
+    while engine.has_work:
+        for req in engine.scheduler.running:
+            released = max(released, req.num_released_blocks)
+        tokens += [t for d in engine.step().outputs for t in d.new_token_ids]
+    assert released >= (len(PROMPTS[3]) + 24 - WINDOW - 9) // 4 - 1
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)
+
+
+def test_llama4_config_as_published() -> None:
+    # Scout's keys (no moe_layers: every layer's MLP experts, interleave step 1), the
+    # class's defaults where absent; what cannot run is refused by name
+    cfg: dict[str, object] = {"architectures": ["Llama4ForCausalLM"], "hidden_size": 64}
+    cfg |= {"intermediate_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2}
+    cfg |= {"num_hidden_layers": 8, "vocab_size": 8, "head_dim": 16}
+    scout = ModelConfig.from_hf(cfg)
+    assert scout.layer_chunks == [8192, 8192, 8192, 0] * 2 and scout.moe_layers == [True] * 8
+    assert (scout.attn_temperature_floor, scout.attn_temperature_scale) == (8192, 0.1)
+    assert scout.intermediate_size == 16384 and scout.qk_norm == "head"
+    maverick = ModelConfig.from_hf({**cfg, "interleave_moe_layer_step": 2, "use_qk_norm": False})
+    assert maverick.moe_layers == [False, True] * 4 and maverick.qk_norm == "none"
+    plain = ModelConfig.from_hf({**cfg, "attention_chunk_size": None})
+    assert plain.layer_chunks == [] and plain.rope_layers == [True, True, True, False] * 2
+    with pytest.raises(ValueError, match="num_experts_per_tok=2 is not supported"):
+        ModelConfig.from_hf({**cfg, "num_experts_per_tok": 2})
+    with pytest.raises(ValueError, match="Llama 4 with attention_bias is not supported"):
+        ModelConfig.from_hf({**cfg, "attention_bias": True})
+
+
 def test_gemma_activation_gelu_means_the_tanh_approximation() -> None:
     # the first Gemma checkpoints say "gelu", which transformers runs as tanh GELU
     cfg = {"architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 8}
@@ -360,7 +465,7 @@ QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
-QUANTIZED_FAMILIES += ["gpt_oss"]
+QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe", "llama4"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -390,6 +495,8 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("norm_kind", "norm_bias", "parallel_block", "mlp_gated", "mlp_bias", "o_bias")
     fields += ("head_bias", "rms_norm_eps")
     fields += ("swiglu_alpha", "swiglu_limit")
+    fields += ("layer_chunks", "attn_temperature_floor", "attn_temperature_scale")
+    fields += ("routed_scaling_factor", "expert_groups", "expert_groups_used")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -417,6 +524,7 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
         ("Mistral3ForConditionalGeneration", True),
         ("Mistral3ForConditionalGeneration", False),  # as Mistral Small 3.1: an lm_head
         ("Qwen3_5ForConditionalGeneration", False),  # how Qwen3.5 is published
+        ("Llama4ForConditionalGeneration", False),  # how Llama 4 is published
     ],
 )
 def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, default_files) -> None:  # type: ignore[no-untyped-def]
@@ -432,7 +540,8 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     files = prepare_model(str(path))
     cfg = files.config
     assert files.tokenizer_meta.chat_template is not None  # from chat_template.json
-    assert cfg.rms_norm_eps == 1e-6  # a default, not in the text_config
+    # a default, not in the text_config
+    assert cfg.rms_norm_eps == (1e-5 if arch.startswith("Llama4") else 1e-6)
     assert cfg.tie_word_embeddings == tied
     if arch.startswith("Gemma3"):
         assert cfg.architecture == "gemma3" and cfg.rope_theta == 1e6
@@ -440,6 +549,9 @@ def test_multimodal_checkpoint_runs_its_text_model(arch: str, tied: bool, defaul
     elif arch.startswith("Gemma4"):
         assert cfg.architecture == "gemma4" and cfg.rope_theta == 1e6
         assert cfg.kv_sources == [0, 1, 2, 3, 4, 4, 4, 3] and cfg.per_layer_input_size == 16
+    elif arch.startswith("Llama4"):  # chunked rotary layers, a global one (class defaults)
+        assert cfg.architecture == "llama4" and cfg.rope_theta == 500000.0
+        assert cfg.layer_chunks == [WINDOW] * 3 + [0] and cfg.attn_temperature_floor == 4
     elif arch.startswith("Qwen3_5"):
         assert cfg.architecture == "qwen3_5" and cfg.rotary_dim == 8
         assert cfg.layer_types == ["linear_attention"] * 3 + ["attention"]
@@ -656,7 +768,7 @@ def test_split_gguf_model_with_a_part_missing_is_refused(tmp_path: Path, default
 
 # (type, top-1 agreement, largest logit difference in standard deviations of the logits)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "F16 gguf"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe", "llama4"])
 def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
     """A float16 or bfloat16 directory, or an F16 GGUF file, in the default format: its
     experts are float16 rows (``HalfMatrix``, not fbgemm's copy) run by the native expert
@@ -727,7 +839,8 @@ def test_quantized_gguf_runs_its_blocks(
     # the fused path, not a fallback (the classic layouts: the plain one, said at start)
     assert (model.cpu_ops is None) == (name in CLASSIC)
     attends = next(layer for layer in model.layers if hasattr(layer, "qkv_proj"))
-    assert type(attends.qkv_proj).__name__ == "BlockWeight"
+    # (llama-quantize keeps k and v at Q8_0 in a model of 8 experts or more: GLM-4.5's)
+    assert type(attends.qkv_proj).__name__ in ("BlockWeight", "MixedWeight")
     for layer in model.layers:  # a hybrid model's recurrent layers: their mixer's too
         mixer = getattr(layer, "mixer", None)
         if mixer is not None:
@@ -750,14 +863,19 @@ def test_quantized_gguf_runs_its_blocks(
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", *sorted(CLASSIC)]
+    "name",
+    ["gemma2", "qwen3", "phi3", "olmo2", "qwen3_moe", "qwen2_moe", "glm4_moe", "llama4"]
+    + sorted(CLASSIC),
 )
 def test_tensor_parallel_matches_one_process(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     # post-norms after the all-reduce, per-head q/k norms, soft-capping, windows and
     # partial rotary on each rank's heads; OLMo 2's q/k norms over the whole projection
     # (sums of squares all-reduced); Qwen3-MoE's experts cut along their intermediate
     # dimension (48 -> 24 + 24, a dense layer among them, whose MLP is 128 wide);
-    # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank
+    # Qwen2-MoE's shared expert along its own (96 -> 48 + 48), its gate on every rank;
+    # GLM-4.5's ungated one likewise, its grouped router and correction bias on every rank;
+    # Llama 4's chunks and query temperatures on each rank's heads, its experts' inputs
+    # scaled by the (replicated) router's scores
     from structllm import LLM, SamplingParams
 
     path = str(tiny_family_dir(name, default_files))

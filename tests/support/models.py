@@ -511,6 +511,52 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "Glm4Config",
         dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
     ),
+    "glm4_moe": (  # GLM-4.5's layers in small: a dense first layer, experts in two
+        # groups (one chosen from) beside a shared one, q/k norms (the 355B's; the Air
+        # has none), q/k/v biases, half of each head rotating
+        "Glm4MoeConfig",
+        dict(
+            head_dim=32,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama4": (  # Scout's layers in small (chunks scaled down so prompts cross them, a
+        # temperature floor low enough that it grows within them): three chunked rotary
+        # layers to one global NoPE layer, experts on every other layer (Maverick's
+        # interleaving) beside dense ones of their own width, Llama 3 rope scaling
+        "Llama4TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            intermediate_size=48,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=WINDOW,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "ernie4_5": (
         "Ernie4_5Config",
         dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
@@ -717,26 +763,30 @@ def sentencepiece_model() -> Path:
     return out
 
 
-def glm_tokenizer_json(files: ModelFiles) -> Path:
+def glm_tokenizer_json(files: ModelFiles, moe: bool = False) -> Path:
     """The default model's tokenizer with one special token renamed ``<|user|>`` (its
     ``<gh_stars>``, id 7): llama.cpp's GLM-4 converter takes the end-of-turn token by
-    that name (and ``<|endoftext|>``, which it has). Made once, cached."""
+    that name (and ``<|endoftext|>``, which it has). ``moe``: also ``[gMASK]`` (its
+    ``<filename>``, 6) and ``<|observation|>`` (``<issue_start>``, 8), which its GLM-4.5
+    converter looks up too. Made once, cached."""
     import hashlib
 
     from structllm.paths import cache_root
 
+    renames = {"<gh_stars>": "<|user|>"}
+    if moe:
+        renames |= {"<filename>": "[gMASK]", "<issue_start>": "<|observation|>"}
     raw = files.tokenizer_json.read_bytes()
-    out = (
-        cache_root() / "test-models" / f"glm-tokenizer-{hashlib.sha256(raw).hexdigest()[:16]}.json"
-    )
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"glm-tokenizer-{digest}{'-moe' if moe else ''}.json"
     if out.exists():
         return out
     tok = json.loads(raw)
     for added in tok["added_tokens"]:
-        if added["content"] == "<gh_stars>":
-            added["content"] = "<|user|>"
+        added["content"] = renames.get(added["content"], added["content"])
     vocab = tok["model"]["vocab"]
-    vocab["<|user|>"] = vocab.pop("<gh_stars>")
+    for old, new in renames.items():
+        vocab[new] = vocab.pop(old)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(tok, ensure_ascii=False))
@@ -791,6 +841,12 @@ def tiny_family_dir(
                 p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
             elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
                 p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
+            elif family == "llama4" and name.endswith("feed_forward.router.weight"):
+                p.normal_(0, 1.0)  # (decisive top-1 routing, as Gemma 4's)
+            elif family == "glm4_moe" and name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)  # (the same: sigmoid scores spread over (0, 1))
+            elif name.endswith("e_score_correction_bias") and family == "glm4_moe":
+                p.normal_(0, 0.2)  # a bias that changes some choices
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -863,6 +919,18 @@ QWEN3_5_MULTIMODAL_TEXT: dict[str, object] = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
 )
+LLAMA4_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="llama4_text",
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=48,
+    intermediate_size_mlp=96,
+    num_local_experts=4,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=WINDOW,
+    floor_scale=4,
+)
 # each multimodal class: its config's model_type, a tiny vision tower, other settings
 MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str, object]]] = {
     "Gemma3ForConditionalGeneration": (
@@ -882,6 +950,19 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         MISTRAL3_MULTIMODAL_TEXT,
         dict(model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
         dict(spatial_merge_size=1),
+    ),
+    "Llama4ForConditionalGeneration": (
+        "llama4",
+        LLAMA4_MULTIMODAL_TEXT,
+        dict(
+            model_type="llama4_vision_model",
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),
+        dict(image_token_index=49151),
     ),
     "Qwen3_5ForConditionalGeneration": (
         "qwen3_5",
@@ -974,6 +1055,12 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
     "qwen2_moe": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "qwen3_5_moe": dict(moe_intermediate_size=64),  # block-sized rows for every expert
+    "glm4_moe": dict(moe_intermediate_size=64),
+    # llama.cpp's Llama 4: chunks of 8192 and the temperature's 8192 and 0.1 (its rules,
+    # not the file's); 64-wide experts
+    "llama4": dict(
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, intermediate_size=64
+    ),
     # llama.cpp's loader (llama-quantize's) asserts experts used <= experts: a dense
     # Granite 4 file says 0 of 0, not transformers' default 2 of 0
     "granitemoehybrid": dict(num_experts_per_tok=0),
@@ -1001,8 +1088,8 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     extra: dict[str, Path] | None = None
     if family in ("gemma", "gemma2", "ernie4_5", "nemotron"):
         extra = {"tokenizer.model": sentencepiece_model()}
-    elif family == "glm4":
-        extra = {"tokenizer.json": glm_tokenizer_json(files)}
+    elif family in ("glm4", "glm4_moe"):
+        extra = {"tokenizer.json": glm_tokenizer_json(files, moe=family == "glm4_moe")}
     path = tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
     model_type = _CONVERTER_MODEL_TYPES.get(family)
     if model_type is None:
@@ -1057,6 +1144,7 @@ def _as_published_nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
 CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
     "qwen3_5": ("--no-mtp",),
     "qwen3_5_moe": ("--no-mtp",),
+    "glm4_moe": ("--no-mtp",),
     "qwen3_next": ("--no-mtp",),
 }
 
