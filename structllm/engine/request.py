@@ -6,7 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from structllm.engine.mrope import MRopePositions
-from structllm.protocol import FinishReason, ImageInput, SamplingParams
+from structllm.protocol import FinishReason, ImageInput, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from structllm.structured import Matcher
@@ -47,6 +47,9 @@ class Request:
     M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
     output's tokens (``engine.mrope``); None: a token's position is its index.
 
+    ``pooling``: a pooling runner's request (``engine.pooling``): prefill only, its
+    vector pooled from the step that computes its last prompt token.
+
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
     so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
@@ -66,6 +69,7 @@ class Request:
         "num_computed_tokens",
         "num_prompt_logprobs",
         "num_released_blocks",
+        "pooling",
         "prompt_len",
         "request_id",
         "sampling",
@@ -113,6 +117,7 @@ class Request:
         self.grammar: Matcher | None = None
         self.in_reasoning = sampling.reasoning is not None
         self.draft_token_ids: list[int] = []
+        self.pooling: PoolingParams | None = None  # a pooling runner's request (prefill only)
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)

@@ -158,7 +158,7 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
     archs = cfg.get("architectures") or []
     for a in archs:
         for f in FAMILIES:
-            if a in f.hf_architectures:
+            if a in f.hf_architectures or base_model_head(a) in f.hf_architectures:
                 return f
     if not archs:
         for f in FAMILIES:
@@ -168,6 +168,14 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
         f"unsupported architecture {archs or cfg.get('model_type')!r}; "
         f"expected one of {supported_hf()}"
     )
+
+
+def base_model_head(arch: str) -> str | None:
+    """The causal LM a bare decoder (``Qwen3Model``: no head, an embedding model's
+    checkpoint, see ``model.pooler_config``) is the body of (``Qwen3ForCausalLM``)."""
+    if arch.endswith("Model") and not arch.endswith("PreTrainedModel"):
+        return arch[: -len("Model")] + "ForCausalLM"
+    return None
 
 
 def family_for_gguf(arch: object) -> Family:

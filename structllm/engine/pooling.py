@@ -1,0 +1,160 @@
+"""The pooling runner: embeddings (and scores) instead of tokens.
+
+A pooling request (``AddRequest.pooling``) is prefill only: the scheduler runs its
+prompt in chunks under the step's token budget beside other requests (many short inputs
+share one step), nothing is sampled, and the step whose chunk reaches the prompt's end
+pools the last layer's normed hidden states into one vector (``model.pooler_config``'s
+``PoolerSpec``):
+
+- ``LAST``: the last token's row (a decoder embedding: Qwen3-Embedding appends its end
+  token for this). Only the last chunk's last row is needed, so chunked prefill and the
+  prefix cache serve it as they serve generation (the engine always computes a prompt's
+  last token).
+- ``CLS``: the first token's row; ``MEAN``: the mean over every prompt row. These need
+  rows of earlier chunks, kept per request between steps (``_partial``); the engine
+  turns the prefix cache off for them, since a cached block's rows are never computed.
+
+Then sentence-transformers' ``Dense`` layers, the Matryoshka cut (``dimensions``) and
+normalisation, in that order; the vector goes to the front end as float32 bytes in the
+request's last ``TokenDelta`` (``pooled``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from structllm.engine.request import Request
+from structllm.engine.runner import ModelRunner, StepResults
+from structllm.engine.scheduler import SchedulerOutput
+from structllm.model.pooler_config import Dense, PoolerSpec
+from structllm.protocol import PoolingParams, TokenDelta
+
+
+class Pooler:
+    """A ``PoolerSpec``'s arithmetic after the pooled row: the Dense layers (float32,
+    loaded from their sentence-transformers folders), the cut and the normalisation."""
+
+    def __init__(self, spec: PoolerSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.dense = [self._load(d, device) for d in spec.dense]
+
+    @staticmethod
+    def _load(d: Dense, device: torch.device) -> tuple[Tensor, Tensor | None, str]:
+        from safetensors.torch import load_file
+
+        state = load_file(d.weights)
+        w = state["linear.weight"].to(device, torch.float32)  # [out, in]
+        if tuple(w.shape) != (d.out_features, d.in_features):
+            raise ValueError(
+                f"{d.weights}: linear.weight is {list(w.shape)}, config says "
+                f"[{d.out_features}, {d.in_features}]"
+            )
+        b = state["linear.bias"].to(device, torch.float32) if d.bias else None
+        return w, b, d.activation
+
+    def finish(self, rows: Tensor, params: list[PoolingParams]) -> list[bytes]:
+        """``rows``: float32 ``[B, H]``, one pooled row per request -> each request's
+        vector as float32 bytes."""
+        x = rows
+        for w, b, act in self.dense:  # [B, in] -> [B, out]
+            x = F.linear(x, w, b)
+            if act == "tanh":
+                x = torch.tanh(x)
+        out: list[bytes] = []
+        for i, p in enumerate(params):
+            v = x[i, : p.dimensions] if p.dimensions is not None else x[i]
+            normalize = self.spec.normalize if p.normalize is None else p.normalize
+            if normalize:  # (sentence-transformers' F.normalize: p=2, eps=1e-12)
+                v = F.normalize(v, dim=-1)
+            out.append(v.to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return out
+
+
+class PoolingRunner(ModelRunner):
+    """A ``ModelRunner`` whose steps pool instead of sampling (see the module's doc).
+    One process only (the engine refuses tensor and pipeline parallelism with it)."""
+
+    pooler: Pooler
+    # request id -> what earlier chunks left: CLS's first row, MEAN's sum of rows ([H])
+    _partial: dict[str, Tensor]
+    _pooled: dict[str, bytes]  # request id -> its vector, until its delta carries it
+
+    def set_pooler(self, pooler: Pooler) -> None:
+        self.pooler = pooler
+        self._partial = {}
+        self._pooled = {}
+
+    def execute(
+        self, sched: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> StepResults:
+        """Run ``sched``'s prompt chunks and pool those that end their prompt; nothing is
+        sampled (the scheduler finishes a prompt-only request once it is computed)."""
+        batch = self.prepare(sched)
+        with torch.inference_mode():
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
+            )  # [T, H], after the final norm
+            # prepare's layout: 1-token chunks first (as decode rows), then the others
+            ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
+            starts = batch.step.query_start
+            done: list[tuple[Request, Tensor]] = []
+            for i, (req, n) in enumerate(ordered):
+                row = self._pool_chunk(req, n, hidden[starts[i] : starts[i] + n])
+                if row is not None:
+                    done.append((req, row))
+            if done:
+                rows = torch.stack([r for _, r in done]).float()
+                params = [_params(req) for req, _ in done]
+                for (req, _), vec in zip(done, self.pooler.finish(rows, params), strict=True):
+                    self._pooled[req.request_id] = vec
+        return {}, {}, {}
+
+    def _pool_chunk(self, req: Request, n: int, rows: Tensor) -> Tensor | None:
+        """Fold one chunk's rows (``[n, H]``, prompt positions ``num_computed_tokens``
+        on) into ``req``'s pooling; its pooled row once the chunk ends the prompt."""
+        start = req.num_computed_tokens
+        last = start + n == req.prompt_len
+        kind = self.pooler.spec.pooling_type
+        if kind == "LAST":
+            return rows[-1] if last else None
+        rid = req.request_id
+        if start == 0:  # (again after a preemption: recomputed from the start)
+            self._partial.pop(rid, None)
+        if kind == "CLS":
+            first = self._partial.setdefault(rid, rows[0].float())
+            if last:
+                del self._partial[rid]
+            return first if last else None
+        total = rows.float().sum(0)  # MEAN
+        if rid in self._partial:
+            total = total + self._partial[rid]
+        if not last:
+            self._partial[rid] = total
+            return None
+        self._partial.pop(rid, None)
+        return total / req.prompt_len
+
+    def attach(self, deltas: Iterable[TokenDelta]) -> list[TokenDelta]:
+        """``deltas`` with each pooled vector on its request's last delta."""
+        out = []
+        for d in deltas:
+            vec = self._pooled.pop(d.request_id, None)
+            out.append(d if vec is None else msgspec.structs.replace(d, pooled=vec))
+        return out
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop what aborted requests left here."""
+        for rid in request_ids:
+            self._partial.pop(rid, None)
+            self._pooled.pop(rid, None)
+
+
+def _params(req: Request) -> PoolingParams:
+    p = req.pooling
+    assert p is not None, "a pooling runner's request carries its PoolingParams"
+    return p
