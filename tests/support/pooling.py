@@ -1,0 +1,92 @@
+"""Tiny seeded embedding models saved by sentence-transformers (no hub): a Qwen3
+decoder (``Qwen3Model``) with a tokenizer that appends its end token, as
+Qwen3-Embedding's does, then sentence-transformers' modules over it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from structllm.model.files import ModelFiles
+from structllm.paths import cache_root
+from tests.support.checkpoints import built_once, cache_key
+
+END_TOKEN = "<|endoftext|>"  # id 0 in the default model's tokenizer
+QWEN3: dict[str, object] = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def tiny_st_qwen3(
+    files: ModelFiles,
+    pooling: str = "lasttoken",
+    dense: tuple[int, ...] = (),
+    matryoshka: bool = False,
+) -> Path:
+    """A Qwen3-Embedding in small, saved by sentence-transformers: the seeded decoder,
+    ``pooling`` (``"lasttoken"``, ``"mean"``, ``"cls"``), a Tanh ``Dense`` layer to each
+    size in ``dense``, ``Normalize``; ``matryoshka``: its config says ``is_matryoshka``.
+    Built once, cached by its settings."""
+    key = cache_key(files, "st-qwen3", QWEN3, pooling, dense, matryoshka, 1)
+    out = cache_root() / "test-models" / f"tiny-st-qwen3-{key}"
+    return built_once(out, lambda tmp: _build(files, tmp, pooling, dense, matryoshka))
+
+
+def _build(
+    files: ModelFiles, out: Path, pooling: str, dense: tuple[int, ...], matryoshka: bool
+) -> None:
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from tokenizers import Tokenizer, processors
+
+    torch.manual_seed(0)
+    body = out.with_name(out.name + ".body")
+    model = transformers.Qwen3Model(transformers.Qwen3Config(**QWEN3))
+    with torch.no_grad():  # random norm weights, so a misplaced one would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(body)
+    tok = Tokenizer.from_file(str(files.tokenizer_json))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A {END_TOKEN}", pair=f"$A $B {END_TOKEN}", special_tokens=[(END_TOKEN, 0)]
+    )
+    tok.save(str(body / "tokenizer.json"))
+    (body / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": END_TOKEN,
+                "pad_token": END_TOKEN,
+                "padding_side": "left",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    size = int(QWEN3["hidden_size"])  # type: ignore[call-overload]
+    modules: list[torch.nn.Module] = [Transformer(str(body)), Pooling(size, pooling_mode=pooling)]
+    for n in dense:
+        modules.append(Dense(size, n, activation_function=torch.nn.Tanh()))
+        size = n
+    modules.append(Normalize())
+    SentenceTransformer(modules=modules).save(str(out))
+    if matryoshka:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, "is_matryoshka": True}))
+    import shutil
+
+    shutil.rmtree(body)
