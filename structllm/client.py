@@ -34,6 +34,7 @@ from structllm.protocol import (
     GetStats,
     ImageInput,
     OutputBatch,
+    PoolingParams,
     SamplingParams,
     TokenLogprobs,
 )
@@ -57,6 +58,7 @@ class Delta:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooled: bytes | None = None  # a pooling request's vector (float32 bytes)
 
 
 class Wakeup:
@@ -94,8 +96,11 @@ class RequestStream:
         stop_reason: int | None,
         num_cached: int,
         prompt_logprobs: list[TokenLogprobs] | None = None,
+        pooled: bytes | None = None,
     ) -> None:
         d = self._pending
+        if pooled is not None:
+            d.pooled = pooled
         d.token_ids += token_ids
         if logprobs:
             d.logprobs += logprobs
@@ -210,6 +215,7 @@ class EngineClient:
                     d.stop_reason,
                     d.num_cached_tokens,
                     d.prompt_logprobs,
+                    d.pooled,
                 )
                 if d.finish_reason is not None:
                     del self._streams[d.request_id]
@@ -230,6 +236,7 @@ class EngineClient:
         sampling: SamplingParams,
         wakeup: Wakeup | None = None,
         images: Sequence[ImageInput] = (),
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished.
         ``images``: the prompt's (``ImageInput`` spans in prompt order)."""
@@ -241,7 +248,7 @@ class EngineClient:
         self._streams[request_id] = stream
         try:
             await self.engine.endpoint.send(
-                AddRequest(request_id, prompt_token_ids, sampling, list(images))
+                AddRequest(request_id, prompt_token_ids, sampling, list(images), pooling)
             )
             yield stream
         finally:

@@ -27,7 +27,7 @@ from structllm.client import EngineClient
 from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats, StructuredOutputs
-from structllm.server import body
+from structllm.server import body, embeddings
 from structllm.server import requests as rq
 from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
@@ -93,6 +93,7 @@ class App:
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/responses"): self.responses.create,
+            ("POST", "/v1/embeddings"): self.embeddings,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
@@ -345,6 +346,19 @@ class App:
             send, 200, {"prompt": await self.in_worker(self.pre.detokenize, req.tokens)}
         )
 
+    # -- pooling -----------------------------------------------------------------------
+
+    async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await embeddings.embeddings(self, scope, receive, send)
+
+    def generating_engine(self, api: str) -> EngineClient:
+        """The engine, which must run the generate runner (400 on a pooling server, as
+        vLLM answers an API its runner does not serve)."""
+        client = self.engine()
+        if client.ready.pooler is not None:
+            raise APIError(400, f"The model does not support {api} API", param="model")
+        return client
+
     # -- generation --------------------------------------------------------------------
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -352,7 +366,7 @@ class App:
         self.tracer.event("received", response_id, path="/v1/chat/completions")
         req = rq.decode_body(await self.read_body(receive), rq.ChatCompletionRequest)
         self.check_model(req.model)
-        client = self.engine()
+        client = self.generating_engine("Chat Completions")
         seqs = await self.chat_sequences(req, response_id, "chat", client)
         builder = ChatBuilder(
             seqs,
@@ -393,7 +407,7 @@ class App:
         self.tracer.event("received", response_id, path="/v1/completions")
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
         self.check_model(req.model)
-        client = self.engine()
+        client = self.generating_engine("Completions")
         prompts = await self.in_worker(self.pre.completion, req, response_id)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
             raise APIError(

@@ -44,6 +44,10 @@ class ChatPipeline(Protocol):
         """The engine client, or a 503 while there is none."""
         ...
 
+    def generating_engine(self, api: str) -> EngineClient:
+        """The engine client, which must run the generate runner (400 naming ``api``)."""
+        ...
+
     async def chat_sequences(
         self, req: ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
     ) -> list[SequenceState]:
