@@ -351,6 +351,11 @@ class App:
     async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         await embeddings.embeddings(self, scope, receive, send)
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length (None until an engine is attached)."""
+        return self.pre.max_model_len
+
     def generating_engine(self, api: str) -> EngineClient:
         """The engine, which must run the generate runner (400 on a pooling server, as
         vLLM answers an API its runner does not serve)."""

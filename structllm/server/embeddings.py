@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import msgspec
@@ -25,10 +25,7 @@ from structllm.protocol import PoolerInfo, PoolingParams, SamplingParams
 from structllm.server import requests as rq
 from structllm.server.errors import APIError
 from structllm.server.generation import Transport
-from structllm.server.pipeline import Receive, Scope, Send
-
-if TYPE_CHECKING:
-    from structllm.server.app import App
+from structllm.server.pipeline import PoolingPipeline, Receive, Scope, Send
 
 MAX_INPUTS = 2048  # inputs per request (OpenAI's limit)
 PROMPT_ONLY = SamplingParams(temperature=0.0, max_tokens=0)
@@ -102,12 +99,12 @@ def check_dimensions(info: PoolerInfo, dimensions: int | None, model: str) -> No
 
 
 def tokenize(
-    app: App, req: EmbeddingRequest, items: list[str | list[int]], info: PoolerInfo
+    app: PoolingPipeline, req: EmbeddingRequest, items: list[str | list[int]], info: PoolerInfo
 ) -> list[list[int]]:
     """Each input's token ids (in the worker pool): text with the default prompt, ids
     checked against the vocabulary, ``truncate_prompt_tokens`` applied, then the
     context's bound (400 unless truncation was asked for)."""
-    limit = app.pre.max_model_len or sys.maxsize
+    limit = app.max_model_len or sys.maxsize
     keep = req.truncate_prompt_tokens
     if keep is not None and (keep == 0 or keep < -1):
         raise APIError(
@@ -189,7 +186,7 @@ def encode(vec: bytes, fmt: str) -> list[float] | str:
     return array("f", vec).tolist()
 
 
-async def embeddings(app: App, scope: Scope, receive: Receive, send: Send) -> None:
+async def embeddings(app: PoolingPipeline, scope: Scope, receive: Receive, send: Send) -> None:
     """``POST /v1/embeddings``."""
     req = rq.decode_body(await app.read_body(receive), EmbeddingRequest)
     app.check_model(req.model)

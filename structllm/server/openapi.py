@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from structllm.server.embeddings import EmbeddingRequest
 from structllm.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -21,6 +22,7 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/completions": CompletionRequest,
         "/v1/responses": ResponsesRequest,
+        "/v1/embeddings": EmbeddingRequest,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     }
