@@ -1,5 +1,6 @@
-"""The offline API's pooling side (``LLM.embed``): one vector per prompt from an engine
-that runs the pooling runner (``engine.pooling``), in this process.
+"""The offline API's pooling side (``LLM.embed``, ``LLM.score``): one vector (or one
+score) per prompt from an engine that runs the pooling runner (``engine.pooling``), in
+this process.
 
 The vectors arrive as float32 bytes (``TokenDelta.pooled``); ``vector`` reads them.
 """
@@ -28,6 +29,35 @@ class EmbeddingRequestOutput(msgspec.Struct):
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+
+
+class ScoringOutput(msgspec.Struct):
+    score: float
+
+
+class ScoringRequestOutput(msgspec.Struct):
+    """One pair's relevance score (vLLM's shape: ``output.outputs.score``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+
+
+def pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """Score pairs as vLLM forms them: one first text against each second (1:N), or the
+    two lists pairwise (N:N, equal lengths); ``ValueError`` otherwise."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not firsts or not seconds:
+        raise ValueError("score needs at least one text on each side")
+    if len(firsts) == 1:
+        return [(firsts[0], s) for s in seconds]
+    if len(firsts) != len(seconds):
+        raise ValueError(
+            f"score pairs {len(firsts)} first texts with {len(seconds)} second texts: "
+            "give one first text, or as many as second texts"
+        )
+    return list(zip(firsts, seconds, strict=True))
 
 
 def vector(pooled: bytes) -> list[float]:

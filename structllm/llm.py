@@ -15,7 +15,16 @@ from typing import Any, TypeAlias
 import msgspec
 
 from structllm.config import EngineConfig, hf_overrides, pooler_config, speculative_config
-from structllm.embeddings import EmbeddingOutput, EmbeddingRequestOutput, pool, truncate, vector
+from structllm.embeddings import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    pairs,
+    pool,
+    truncate,
+    vector,
+)
 from structllm.engine.core import EngineCore
 from structllm.model.files import generation_defaults, model_path
 from structllm.model.loader import prepare_model
@@ -379,6 +388,8 @@ class LLM:
                 f"this model ({self.engine.files.name}) runs the generate runner: "
                 'embed needs runner="pooling"'
             )
+        if info.task != "embed":
+            raise ValueError(f"this model ({self.engine.files.name}) scores: use score")
         items: list[str | Sequence[int]] = (
             [prompts]  # type: ignore[list-item]
             if isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
@@ -400,6 +411,26 @@ class LLM:
         vecs = pool(self.engine, encoded, params, f"embed-{next(self._ids)}")
         return [
             EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector(v)))
+            for i, (ids, v) in enumerate(zip(encoded, vecs, strict=True))
+        ]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str]
+    ) -> list[ScoringRequestOutput]:
+        """A reranker's relevance of each pair (one ``text_1`` against every ``text_2``,
+        or the lists pairwise), in order: each pair tokenized as a cross-encoder's input
+        (``Tokenizer.encode_pair``) and scored by the model's classifier (see
+        ``model.pooler_config.PoolerSpec``). Needs a model whose pooler scores."""
+        info = self.engine.pooler_info
+        if info is None or info.task != "score":
+            raise ValueError(
+                f"this model ({self.engine.files.name}) does not score: score needs a "
+                "reranker (a *ForSequenceClassification architecture) on the pooling runner"
+            )
+        encoded = [self.tokenizer.encode_pair(a, b) for a, b in pairs(text_1, text_2)]
+        vecs = pool(self.engine, encoded, PoolingParams("score"), f"score-{next(self._ids)}")
+        return [
+            ScoringRequestOutput(str(i), ids, ScoringOutput(vector(v)[0]))
             for i, (ids, v) in enumerate(zip(encoded, vecs, strict=True))
         ]
 

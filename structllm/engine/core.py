@@ -38,7 +38,7 @@ from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.mrope import MRopePositions
 from structllm.engine.null import NullRunner
-from structllm.engine.pooling import Pooler, PoolingRunner
+from structllm.engine.pooling import Pooler, PoolingRunner, make_scorer
 from structllm.engine.request import Request
 from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks, batch_from_step
 from structllm.engine.sampler import Sampler
@@ -450,7 +450,8 @@ class EngineCore:
         runner.encoder_cache = EncoderCache(config.encoder_cache_memory)
         if isinstance(runner, PoolingRunner):
             assert self.pooler_spec is not None
-            runner.set_pooler(Pooler(self.pooler_spec, self.device))
+            scorer = make_scorer(self.pooler_spec, self.files, self.model, self.device)
+            runner.set_pooler(Pooler(self.pooler_spec, self.device, scorer))
             return runner  # (nothing to decode: no decode graphs)
         if self.stages > 1:
             assert self.group is not None

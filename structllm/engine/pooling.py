@@ -31,17 +31,23 @@ from torch import Tensor
 from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner, StepResults
 from structllm.engine.scheduler import SchedulerOutput
+from structllm.model.files import ModelFiles
+from structllm.model.llama import LlamaModel
 from structllm.model.pooler_config import Dense, PoolerSpec
 from structllm.protocol import PoolingParams, TokenDelta
 
 
 class Pooler:
-    """A ``PoolerSpec``'s arithmetic after the pooled row: the Dense layers (float32,
-    loaded from their sentence-transformers folders), the cut and the normalisation."""
+    """A ``PoolerSpec``'s arithmetic after the pooled row: for an embedding the Dense
+    layers (float32, loaded from their sentence-transformers folders), the cut and the
+    normalisation; for a score the classifier and its sigmoid (``Scorer``)."""
 
-    def __init__(self, spec: PoolerSpec, device: torch.device) -> None:
+    def __init__(
+        self, spec: PoolerSpec, device: torch.device, scorer: Scorer | None = None
+    ) -> None:
         self.spec = spec
         self.dense = [self._load(d, device) for d in spec.dense]
+        self.scorer = scorer
 
     @staticmethod
     def _load(d: Dense, device: torch.device) -> tuple[Tensor, Tensor | None, str]:
@@ -58,9 +64,12 @@ class Pooler:
         return w, b, d.activation
 
     def finish(self, rows: Tensor, params: list[PoolingParams]) -> list[bytes]:
-        """``rows``: float32 ``[B, H]``, one pooled row per request -> each request's
-        vector as float32 bytes."""
-        x = rows
+        """``rows``: ``[B, H]`` in the model's dtype, one pooled row per request -> each
+        request's vector as float32 bytes (a score: one float)."""
+        if self.scorer is not None:
+            scores = self.scorer(rows)  # [B] float32
+            return [scores[i : i + 1].cpu().numpy().tobytes() for i in range(len(params))]
+        x = rows.float()
         for w, b, act in self.dense:  # [B, in] -> [B, out]
             x = F.linear(x, w, b)
             if act == "tanh":
@@ -73,6 +82,52 @@ class Pooler:
                 v = F.normalize(v, dim=-1)
             out.append(v.to("cpu", torch.float32).contiguous().numpy().tobytes())
         return out
+
+
+class Scorer:
+    """A reranker's relevance from its pooled rows ``[B, H]``: ``sigmoid`` of the
+    classifier's one logit (``score.weight [1, H]`` of a sequence classifier), or of
+    the causal LM's ``yes`` logit minus its ``no`` logit (Qwen3-Reranker)."""
+
+    def __init__(
+        self, weight: Tensor | None, logits: Callable[[Tensor], Tensor], token_ids: list[int]
+    ) -> None:
+        self.weight = weight  # [1, H] float32, or None: the LM head's two rows
+        self.logits = logits  # the model's compute_logits: [B, H] -> [B, V] float32
+        self.token_ids = token_ids  # [no, yes]
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        if self.weight is not None:
+            return torch.sigmoid(F.linear(rows.float(), self.weight)[:, 0])
+        no, yes = self.token_ids
+        logits = self.logits(rows)  # [B, V]: the LM head's dtype and path, as generation's
+        return torch.sigmoid(logits[:, yes] - logits[:, no])
+
+
+def make_scorer(
+    spec: PoolerSpec, files: ModelFiles, model: LlamaModel, device: torch.device
+) -> Scorer | None:
+    """The scorer a reranker's ``spec`` asks for (None for an embedding model):
+    ``score.weight`` read from the checkpoint's files, or the ids of the two tokens."""
+    if spec.task != "score":
+        return None
+    if spec.classifier == "yes_no":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(files.tokenizer_json))
+        ids = [tok.token_to_id(t) for t in spec.classifier_tokens]
+        missing = [t for t, i in zip(spec.classifier_tokens, ids, strict=True) if i is None]
+        if missing:
+            raise ValueError(f"classifier_from_token {missing} are not tokens of this tokenizer")
+        return Scorer(None, model.compute_logits, [i for i in ids if i is not None])
+    from safetensors import safe_open
+
+    for f in files.weights:
+        with safe_open(str(f), "pt") as st:
+            if "score.weight" in list(st.keys()):
+                w = st.get_tensor("score.weight").to(device, torch.float32)  # [1, H]
+                return Scorer(w, model.compute_logits, [])
+    raise ValueError(f"{files.name} has no score.weight: not a sequence classifier checkpoint")
 
 
 class PoolingRunner(ModelRunner):
@@ -108,7 +163,7 @@ class PoolingRunner(ModelRunner):
                 if row is not None:
                     done.append((req, row))
             if done:
-                rows = torch.stack([r for _, r in done]).float()
+                rows = torch.stack([r for _, r in done])
                 params = [_params(req) for req, _ in done]
                 for (req, _), vec in zip(done, self.pooler.finish(rows, params), strict=True):
                     self._pooled[req.request_id] = vec
@@ -126,7 +181,7 @@ class PoolingRunner(ModelRunner):
         if start == 0:  # (again after a preemption: recomputed from the start)
             self._partial.pop(rid, None)
         if kind == "CLS":
-            first = self._partial.setdefault(rid, rows[0].float())
+            first = self._partial.setdefault(rid, rows[0])
             if last:
                 del self._partial[rid]
             return first if last else None
@@ -137,7 +192,7 @@ class PoolingRunner(ModelRunner):
             self._partial[rid] = total
             return None
         self._partial.pop(rid, None)
-        return total / req.prompt_len
+        return (total / req.prompt_len).to(rows.dtype)
 
     def attach(self, deltas: Iterable[TokenDelta]) -> list[TokenDelta]:
         """``deltas`` with each pooled vector on its request's last delta."""

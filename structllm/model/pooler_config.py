@@ -42,7 +42,13 @@ class Dense(msgspec.Struct, frozen=True):
 
 
 class PoolerSpec(msgspec.Struct, frozen=True):
-    """How the pooling runner turns a prompt's last hidden states into its vector."""
+    """How the pooling runner turns a prompt's last hidden states into its vector.
+
+    A reranker (``task == "score"``) has a ``classifier``: ``"yes_no"`` (Qwen3-Reranker:
+    the causal LM's logits of ``classifier_tokens`` ``[no, yes]`` at the last token, the
+    score ``sigmoid(yes - no)``, vLLM's ``is_original_qwen3_reranker``) or ``"score"``
+    (a ``*ForSequenceClassification`` checkpoint's one-label ``score.weight``, then a
+    sigmoid, as sentence-transformers' ``CrossEncoder`` with one label)."""
 
     task: PoolingTask
     pooling_type: PoolingType
@@ -51,13 +57,24 @@ class PoolerSpec(msgspec.Struct, frozen=True):
     prompt: str = ""
     matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
+    classifier: Literal["yes_no", "score"] | None = None
+    classifier_tokens: list[str] = []
 
     def info(self, hidden_size: int) -> PoolerInfo:
+        if self.task == "score":
+            return PoolerInfo("score", 1)
         size = self.dense[-1].out_features if self.dense else hidden_size
         return PoolerInfo(self.task, size, self.matryoshka, self.matryoshka_dimensions, self.prompt)
 
     def describe(self, hidden_size: int) -> str:
         """The start-up line's account of it."""
+        if self.task == "score":
+            how = (
+                f"the logits of {self.classifier_tokens} at the last token"
+                if self.classifier == "yes_no"
+                else "a one-label classifier on the last token"
+            )
+            return f"score: {how}, then a sigmoid"
         size = self.info(hidden_size).size
         parts = [
             f"{self.pooling_type.lower()}-token pooling"
@@ -112,6 +129,9 @@ def read_pooler(
     overrides: dict[str, Any] | None = None,
 ) -> PoolerSpec:
     """The pooling runner's pooler for ``files`` (see the module's doc for the order)."""
+    raw = _raw_config(files, overrides)
+    if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
+        return _reranker(raw, config)
     d = model_dir(files)
     pooling: PoolingType = "LAST"
     normalize = True
@@ -123,7 +143,6 @@ def read_pooler(
     if config is not None:
         pooling = config.pooling_type or pooling
         normalize = normalize if config.normalize is None else config.normalize
-    raw = _raw_config(files, overrides)
     dims = raw.get("matryoshka_dimensions")
     return PoolerSpec(
         "embed",
@@ -134,6 +153,23 @@ def read_pooler(
         bool(raw.get("is_matryoshka")) or bool(dims),
         [int(x) for x in dims] if dims else None,
     )
+
+
+def _reranker(raw: dict[str, Any], config: PoolerConfig | None) -> PoolerSpec:
+    """A ``*ForSequenceClassification`` model's scorer (see ``PoolerSpec``)."""
+    pooling: PoolingType = (config.pooling_type if config else None) or "LAST"
+    tokens = raw.get("classifier_from_token")
+    if tokens is not None:
+        if not raw.get("is_original_qwen3_reranker") or len(tokens) != 2:
+            raise ValueError(
+                "classifier_from_token is supported as Qwen3-Reranker's: two tokens "
+                '(["no", "yes"]) with is_original_qwen3_reranker'
+            )
+        return PoolerSpec("score", pooling, False, classifier="yes_no", classifier_tokens=tokens)
+    labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 1
+    if labels != 1:
+        raise ValueError(f"a sequence classifier of {labels} labels is not supported (only 1)")
+    return PoolerSpec("score", pooling, False, classifier="score")
 
 
 def _st_modules(d: Path) -> tuple[PoolingType, bool, list[Dense]]:

@@ -172,9 +172,11 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
 
 def base_model_head(arch: str) -> str | None:
     """The causal LM a bare decoder (``Qwen3Model``: no head, an embedding model's
-    checkpoint, see ``model.pooler_config``) is the body of (``Qwen3ForCausalLM``)."""
-    if arch.endswith("Model") and not arch.endswith("PreTrainedModel"):
-        return arch[: -len("Model")] + "ForCausalLM"
+    checkpoint) or a sequence classifier (``Qwen3ForSequenceClassification``: a
+    reranker's) is the body of (``Qwen3ForCausalLM``); see ``model.pooler_config``."""
+    for tail in ("ForSequenceClassification", "Model"):
+        if arch.endswith(tail) and not arch.endswith("PreTrainedModel"):
+            return arch[: -len(tail)] + "ForCausalLM"
     return None
 
 

@@ -5,11 +5,12 @@ Qwen3-Embedding's does, then sentence-transformers' modules over it."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from structllm.model.files import ModelFiles
 from structllm.paths import cache_root
-from tests.support.checkpoints import built_once, cache_key
+from tests.support.checkpoints import built_once, cache_key, write_tokenizer_config
 
 END_TOKEN = "<|endoftext|>"  # id 0 in the default model's tokenizer
 QWEN3: dict[str, object] = dict(
@@ -52,7 +53,6 @@ def _build(
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
-    from tokenizers import Tokenizer, processors
 
     torch.manual_seed(0)
     body = out.with_name(out.name + ".body")
@@ -62,21 +62,7 @@ def _build(
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(body)
-    tok = Tokenizer.from_file(str(files.tokenizer_json))
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"$A {END_TOKEN}", pair=f"$A $B {END_TOKEN}", special_tokens=[(END_TOKEN, 0)]
-    )
-    tok.save(str(body / "tokenizer.json"))
-    (body / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "eos_token": END_TOKEN,
-                "pad_token": END_TOKEN,
-                "padding_side": "left",
-                "tokenizer_class": "PreTrainedTokenizerFast",
-            }
-        )
-    )
+    _end_token_tokenizer(files, body)
     size = int(QWEN3["hidden_size"])  # type: ignore[call-overload]
     modules: list[torch.nn.Module] = [Transformer(str(body)), Pooling(size, pooling_mode=pooling)]
     for n in dense:
@@ -87,6 +73,91 @@ def _build(
     if matryoshka:
         cfg = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**cfg, "is_matryoshka": True}))
-    import shutil
-
     shutil.rmtree(body)
+
+
+def _end_token_tokenizer(files: ModelFiles, out: Path) -> None:
+    """The default model's tokenizer with Qwen3-Embedding's post-processor (the end
+    token after the text, or after a pair) and its config (left padding)."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(files.tokenizer_json))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A {END_TOKEN}", pair=f"$A $B {END_TOKEN}", special_tokens=[(END_TOKEN, 0)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": END_TOKEN,
+                "pad_token": END_TOKEN,
+                "padding_side": "left",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+
+
+def _plain_tokenizer(files: ModelFiles, out: Path) -> None:
+    """The default model's tokenizer as it is (no end token appended: a reranker's, whose
+    scored token is the prompt's last; transformers' Qwen2Tokenizer would split text its
+    own way), padding with the end token on the left, no chat template."""
+    shutil.copyfile(files.tokenizer_json, out / "tokenizer.json")
+    write_tokenizer_config(
+        files,
+        out,
+        tokenizer_class="PreTrainedTokenizerFast",
+        pad_token=END_TOKEN,
+        padding_side="left",
+        chat_template=None,  # (sentence-transformers' CrossEncoder would chat the pair)
+    )
+
+
+def tiny_qwen3_reranker(files: ModelFiles) -> Path:
+    """A Qwen3-Reranker in small: the seeded causal LM (untied head), scored by its
+    ``yes``/``no`` logits once loaded with vLLM's overrides (``RERANKER_OVERRIDES``)."""
+    key = cache_key(files, "qwen3-reranker", QWEN3, 3)
+    out = cache_root() / "test-models" / f"tiny-qwen3-reranker-{key}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        import transformers
+
+        torch.manual_seed(1)
+        cfg = transformers.Qwen3Config(**{**QWEN3, "tie_word_embeddings": False})
+        model = transformers.Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # a head with larger logits, so the scores spread
+            model.lm_head.weight.normal_(0, 0.5)
+        model.save_pretrained(tmp)
+        _plain_tokenizer(files, tmp)
+
+    return built_once(out, build)
+
+
+RERANKER_OVERRIDES = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
+
+
+def tiny_qwen3_classifier(files: ModelFiles) -> Path:
+    """A one-label ``Qwen3ForSequenceClassification`` cross-encoder in small (what
+    sentence-transformers' ``CrossEncoder`` loads; transformers scores the last token
+    that is not padding: the end token never occurs in its texts)."""
+    key = cache_key(files, "qwen3-classifier", QWEN3, 3)
+    out = cache_root() / "test-models" / f"tiny-qwen3-classifier-{key}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        import transformers
+
+        torch.manual_seed(2)
+        cfg = transformers.Qwen3Config(**QWEN3, num_labels=1)
+        model = transformers.Qwen3ForSequenceClassification(cfg)
+        with torch.no_grad():
+            model.score.weight.normal_(0, 0.5)
+        model.save_pretrained(tmp)
+        _plain_tokenizer(files, tmp)
+
+    return built_once(out, build)
