@@ -27,7 +27,7 @@ from structllm.client import EngineClient
 from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats, StructuredOutputs
-from structllm.server import body, embeddings
+from structllm.server import body, embeddings, scores
 from structllm.server import requests as rq
 from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
@@ -94,6 +94,11 @@ class App:
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/responses"): self.responses.create,
             ("POST", "/v1/embeddings"): self.embeddings,
+            ("POST", "/score"): self.score,
+            ("POST", "/v1/score"): self.score,
+            ("POST", "/rerank"): self.rerank,
+            ("POST", "/v1/rerank"): self.rerank,
+            ("POST", "/v2/rerank"): self.rerank,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
@@ -350,6 +355,12 @@ class App:
 
     async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         await embeddings.embeddings(self, scope, receive, send)
+
+    async def score(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await scores.score(self, scope, receive, send)
+
+    async def rerank(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await scores.rerank(self, scope, receive, send)
 
     @property
     def max_model_len(self) -> int | None:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import anyio
 import msgspec
 
-from structllm.client import EngineClient, RequestStream
+from structllm.client import RequestStream
 from structllm.protocol import PoolerInfo, PoolingParams, SamplingParams
 from structllm.server import requests as rq
 from structllm.server.errors import APIError
@@ -141,25 +143,63 @@ def tokenize(
     return out
 
 
-async def pool(
-    client: EngineClient, prompts: list[list[int]], params: PoolingParams
-) -> list[bytes]:
-    """Each prompt's vector from the engine, all in flight at once; an engine refusal
-    is a 400 naming the input."""
+async def pooled(
+    app: PoolingPipeline,
+    receive: Receive,
+    prompts: list[list[int]],
+    params: PoolingParams,
+    param: str = "input",
+) -> list[bytes] | None:
+    """Each prompt's vector from the engine, all in flight at once under one admission
+    (the call's inputs are one client's request); None if the client went away (the
+    task group is cancelled, and leaving each request's context aborts it). An engine
+    refusal is a 400 naming ``param[i]``."""
+    client = app.engine()
     out: list[bytes] = [b""] * len(prompts)
+    done = False
 
     async def one(i: int, ids: list[int]) -> None:
-        rid = client.new_request_id("embd")
+        rid = client.new_request_id("pool")
         async with client.request(rid, ids, PROMPT_ONLY, pooling=params) as stream:
-            out[i] = await _vector(stream, i)
+            out[i] = await _vector(stream, f"{param}[{i}]", param)
 
-    async with anyio.create_task_group() as tg:
-        for i, ids in enumerate(prompts):
-            tg.start_soon(one, i, ids)
-    return out
+    with app.admission.admit([sum(len(p) for p in prompts)]), _api_error_out():
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            async def run() -> None:
+                nonlocal done
+                async with anyio.create_task_group() as inner:
+                    for i, ids in enumerate(prompts):
+                        inner.start_soon(one, i, ids)
+                done = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            tg.start_soon(run)
+    return out if done else None
 
 
-async def _vector(stream: RequestStream, i: int) -> bytes:
+@contextmanager
+def _api_error_out() -> Iterator[None]:
+    """An ``APIError`` out of the task groups as itself (the app answers it), not
+    wrapped in their exception group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        found = group.subgroup(APIError)
+        while found is not None and isinstance(found.exceptions[0], BaseExceptionGroup):
+            found = found.exceptions[0]
+        if found is not None:
+            raise found.exceptions[0] from None
+        raise
+
+
+async def _vector(stream: RequestStream, name: str, param: str) -> bytes:
     from structllm.client import EngineRequestError
 
     try:
@@ -167,12 +207,10 @@ async def _vector(stream: RequestStream, i: int) -> bytes:
             d = await stream.get()
             if d.finish_reason is not None:
                 if d.pooled is None:
-                    raise APIError(
-                        500, f"input[{i}] ended without a vector", "internal_server_error"
-                    )
+                    raise APIError(500, f"{name} ended without a vector", "internal_server_error")
                 return d.pooled
     except EngineRequestError as e:
-        raise APIError(400, f"input[{i}]: {e}", param="input") from None
+        raise APIError(400, f"{name}: {e}", param=param) from None
 
 
 def encode(vec: bytes, fmt: str) -> list[float] | str:
@@ -197,24 +235,7 @@ async def embeddings(app: PoolingPipeline, scope: Scope, receive: Receive, send:
     items = inputs(req.input)
     check_dimensions(info, req.dimensions, app.model_name)
     prompts = await app.in_worker(tokenize, app, req, items, info)
-    params = PoolingParams("embed", req.dimensions)
-    vecs: list[bytes] | None = None
-    # (one admission for the whole call: its inputs are one client's request)
-    with app.admission.admit([sum(len(p) for p in prompts)]):
-        async with anyio.create_task_group() as tg:
-
-            async def watch_disconnect() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                tg.cancel_scope.cancel()  # leaving each request's context aborts it
-
-            async def run() -> None:
-                nonlocal vecs
-                vecs = await pool(client, prompts, params)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(watch_disconnect)
-            tg.start_soon(run)
+    vecs = await pooled(app, receive, prompts, PoolingParams("embed", req.dimensions))
     if vecs is None:  # the client went away
         return
     total = sum(len(p) for p in prompts)

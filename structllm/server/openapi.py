@@ -14,6 +14,7 @@ from structllm.server.requests import (
     TokenizeRequest,
 )
 from structllm.server.responses_api import ResponsesRequest
+from structllm.server.scores import RerankRequest, ScoreRequest
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -23,6 +24,8 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/completions": CompletionRequest,
         "/v1/responses": ResponsesRequest,
         "/v1/embeddings": EmbeddingRequest,
+        "/score": ScoreRequest,
+        "/rerank": RerankRequest,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     }
