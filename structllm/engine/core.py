@@ -199,6 +199,11 @@ class EngineCore:
         config = self.config
         runner = resolve_runner(config.runner, self.files, config.hf_overrides)
         if runner == "generate":
+            if self.files.config.bidirectional:
+                raise ValueError(
+                    f"{self.files.name} attends both ways (an embedding model): it cannot "
+                    "generate; run it with --runner pooling"
+                )
             sys.stderr.write("structllm: runner: generate\n")
             return None
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
@@ -227,8 +232,10 @@ class EngineCore:
         self.eos_token_ids = self.files.generation_eos_ids
         windows = self.files.config.layer_windows  # every layer windowed: blocks can go
         self.hybrid = self.files.config.hybrid and self.model is not None
-        # CLS and MEAN pooling need every prompt row computed: no cached blocks
+        # CLS and MEAN pooling need every prompt row computed, and a bidirectional
+        # model's K/V depend on the tokens after them: no cached blocks
         pooled_rows = self.pooler_spec is not None and self.pooler_spec.pooling_type != "LAST"
+        pooled_rows |= self.files.config.bidirectional
         self.kv = KVCacheManager(
             self.num_blocks,
             self.config.block_size,
@@ -258,6 +265,7 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
+        self.scheduler.whole_prompts = self.files.config.bidirectional
         if isinstance(self.runner, ModelRunner):  # images' encoder work counts (scheduler)
             self.scheduler.encoder_cache = self.runner.encoder_cache
         spec = self.config.speculative_config

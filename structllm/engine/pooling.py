@@ -22,6 +22,7 @@ request's last ``TokenDelta`` (``pooled``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import msgspec
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner, StepResults
 from structllm.engine.scheduler import SchedulerOutput
+from structllm.kernels.attention import AttentionMetadata
 from structllm.model.files import ModelFiles
 from structllm.model.llama import LlamaModel
 from structllm.model.pooler_config import Dense, PoolerSpec
@@ -150,6 +152,8 @@ class PoolingRunner(ModelRunner):
         """Run ``sched``'s prompt chunks and pool those that end their prompt; nothing is
         sampled (the scheduler finishes a prompt-only request once it is computed)."""
         batch = self.prepare(sched)
+        if self.model.cfg.bidirectional:
+            batch.meta = both_ways(batch.meta, self.model.cfg.sliding_window or 0)
         with torch.inference_mode():
             hidden = self.model(
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
@@ -207,6 +211,26 @@ class PoolingRunner(ModelRunner):
         for rid in request_ids:
             self._partial.pop(rid, None)
             self._pooled.pop(rid, None)
+
+
+def both_ways(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """``meta`` for a bidirectional model's step of whole prompts (the scheduler's
+    ``whole_prompts``): each prefill row also sees every key after it in its prompt
+    (``ahead``), and in the windowed layers those less than ``window`` away
+    (``windowed``), transformers' symmetric window. Decode rows (1-token prompts) see
+    only themselves already."""
+    nd, starts = meta.num_decodes, meta.query_start_list
+    ahead: list[int] = [0] * starts[nd]
+    for b in range(nd, len(starts) - 1):
+        n = starts[b + 1] - starts[b]
+        assert n == meta.seq_lens_list[b], "a bidirectional prompt runs whole"
+        ahead += range(n - 1, -1, -1)  # row r of n sees n - 1 - r keys ahead
+    seqs = frozenset(range(nd, len(starts) - 1))
+    full = torch.tensor(ahead, dtype=torch.long, device=meta.seq_lens.device)
+    windowed = None
+    if window:
+        windowed = replace(meta, ahead=full.clamp(max=window - 1), ahead_seqs=seqs)
+    return replace(meta, ahead=full, ahead_seqs=seqs, windowed=windowed)
 
 
 def _params(req: Request) -> PoolingParams:

@@ -59,6 +59,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []
     # --- family options ---
     layer_windows: list[int] = []  # per layer: keys visible to a query (0: all); [] none
+    # attention both ways (EmbeddingGemma: Gemma 3 with use_bidirectional_attention): a
+    # prompt's rows see every key of it, a windowed layer's those less than its window
+    # away on either side; such a model only pools (engine.pooling), its prompts whole
+    bidirectional: bool = False
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
@@ -322,6 +326,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             base["mrope_section"] = mrope
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
+        if cfg.get("use_bidirectional_attention"):
+            if fam.name != "gemma3":
+                raise ValueError(
+                    f"use_bidirectional_attention is supported for Gemma 3, not {fam.name}"
+                )
+            base["bidirectional"] = True
+            # (transformers' symmetric window: |q - k| < window // 2 + 1)
+            windows = [w // 2 + 1 if w else 0 for w in windows]
         if windows:
             base["layer_windows"] = windows
             base["sliding_window"] = max(windows)

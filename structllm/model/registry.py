@@ -170,10 +170,16 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
     )
 
 
+# bare decoders whose causal LM is not named after them
+_BARE_ALIASES = {"Gemma3TextModel": "Gemma3ForCausalLM"}  # (EmbeddingGemma's)
+
+
 def base_model_head(arch: str) -> str | None:
     """The causal LM a bare decoder (``Qwen3Model``: no head, an embedding model's
     checkpoint) or a sequence classifier (``Qwen3ForSequenceClassification``: a
     reranker's) is the body of (``Qwen3ForCausalLM``); see ``model.pooler_config``."""
+    if arch in _BARE_ALIASES:
+        return _BARE_ALIASES[arch]
     for tail in ("ForSequenceClassification", "Model"):
         if arch.endswith(tail) and not arch.endswith("PreTrainedModel"):
             return arch[: -len(tail)] + "ForCausalLM"

@@ -16,7 +16,7 @@ from structllm import LLM
 from structllm.model.pooler_config import read_pooler, resolve_runner
 from structllm.protocol import AddRequest, SamplingParams
 from tests.support.models import EXACT
-from tests.support.pooling import tiny_st_qwen3
+from tests.support.pooling import tiny_embedding_gemma, tiny_st_qwen3
 
 # mixed in length (1 to ~90 tokens) and order; the repeats share prefixes
 TEXTS = [
@@ -148,3 +148,20 @@ def test_pooler_config_over_the_files(last_dir: Path) -> None:
 def test_embed_refused_on_the_generate_runner(llm: LLM) -> None:
     with pytest.raises(ValueError, match="generate runner"):
         llm.embed("hello")
+
+
+def test_embedding_gemma_attends_both_ways(default_files: Any) -> None:
+    """A Gemma 3 that attends both ways (a symmetric window in its windowed layers),
+    mean pooling and two Dense layers: each prompt runs whole in one step (one longer
+    than the step's budget alone, over it), no prefix cache; equal to
+    sentence-transformers."""
+    path = tiny_embedding_gemma(default_files)
+    ref = st_model(path).encode(TEXTS, convert_to_numpy=True)
+    with LLM(str(path), **EXACT, max_num_batched_tokens=BUDGET, kv_cache_memory=8 << 20) as llm:
+        assert llm.engine.files.config.bidirectional
+        assert llm.engine.kv.enable_prefix_caching is False
+        ours = embed(llm, TEXTS)
+        assert cosines(ours, ref).min() > COSINE
+        assert cosines(embed(llm, TEXTS[::-1])[::-1], ref).min() > COSINE
+    with pytest.raises(ValueError, match="cannot generate"):
+        LLM(str(path), **EXACT, runner="generate", kv_cache_memory=8 << 20)

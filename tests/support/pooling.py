@@ -161,3 +161,60 @@ def tiny_qwen3_classifier(files: ModelFiles) -> Path:
         _plain_tokenizer(files, tmp)
 
     return built_once(out, build)
+
+
+GEMMA3: dict[str, object] = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    max_position_embeddings=256,
+    query_pre_attn_scalar=32,
+    sliding_window=8,  # transformers makes it a symmetric window of 5 either side
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    use_bidirectional_attention=True,
+    bos_token_id=1,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def tiny_embedding_gemma(files: ModelFiles) -> Path:
+    """An EmbeddingGemma in small, saved by sentence-transformers: a seeded Gemma 3
+    text model attending both ways (``use_bidirectional_attention``, a window shorter
+    than the test texts), mean pooling, two Dense layers without bias or activation
+    (64 -> 96 -> 64), ``Normalize``."""
+    key = cache_key(files, "embedding-gemma", GEMMA3, 1)
+    out = cache_root() / "test-models" / f"tiny-embedding-gemma-{key}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        import transformers
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.base.modules import Dense, Normalize, Transformer
+        from sentence_transformers.sentence_transformer.modules import Pooling
+
+        torch.manual_seed(3)
+        body = tmp.with_name(tmp.name + ".body")
+        model = transformers.Gemma3TextModel(transformers.Gemma3TextConfig(**GEMMA3))
+        with torch.no_grad():  # random norm weights, so a misplaced one would show
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
+        model.save_pretrained(body)
+        _end_token_tokenizer(files, body)
+        identity = torch.nn.Identity()
+        modules: list[torch.nn.Module] = [
+            Transformer(str(body)),
+            Pooling(64, pooling_mode="mean"),
+            Dense(64, 96, bias=False, activation_function=identity),
+            Dense(96, 64, bias=False, activation_function=identity),
+            Normalize(),
+        ]
+        SentenceTransformer(modules=modules).save(str(tmp))
+        shutil.rmtree(body)
+
+    return built_once(out, build)
