@@ -210,6 +210,8 @@ class EngineCore:
             raise ValueError(
                 "the pooling runner runs in one process: no tensor or pipeline parallelism"
             )
+        if config.null_model:
+            raise ValueError("the null model pools nothing: it needs the generate runner")
         if self.files.config.hybrid:
             raise ValueError(
                 f"the pooling runner does not run {self.files.config.architecture}, a hybrid model"

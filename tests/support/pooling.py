@@ -35,18 +35,26 @@ def tiny_st_qwen3(
     pooling: str = "lasttoken",
     dense: tuple[int, ...] = (),
     matryoshka: bool = False,
+    **shape: object,
 ) -> Path:
-    """A Qwen3-Embedding in small, saved by sentence-transformers: the seeded decoder,
-    ``pooling`` (``"lasttoken"``, ``"mean"``, ``"cls"``), a Tanh ``Dense`` layer to each
-    size in ``dense``, ``Normalize``; ``matryoshka``: its config says ``is_matryoshka``.
-    Built once, cached by its settings."""
-    key = cache_key(files, "st-qwen3", QWEN3, pooling, dense, matryoshka, 1)
+    """A Qwen3-Embedding in small, saved by sentence-transformers: the seeded decoder
+    (``QWEN3``, with ``shape`` over it: bench/embeddings.py's larger ones), ``pooling``
+    (``"lasttoken"``, ``"mean"``, ``"cls"``), a Tanh ``Dense`` layer to each size in
+    ``dense``, ``Normalize``; ``matryoshka``: its config says ``is_matryoshka``. Built
+    once, cached by its settings."""
+    cfg = {**QWEN3, **shape}
+    key = cache_key(files, "st-qwen3", QWEN3 if not shape else cfg, pooling, dense, matryoshka, 1)
     out = cache_root() / "test-models" / f"tiny-st-qwen3-{key}"
-    return built_once(out, lambda tmp: _build(files, tmp, pooling, dense, matryoshka))
+    return built_once(out, lambda tmp: _build(files, tmp, cfg, pooling, dense, matryoshka))
 
 
 def _build(
-    files: ModelFiles, out: Path, pooling: str, dense: tuple[int, ...], matryoshka: bool
+    files: ModelFiles,
+    out: Path,
+    cfg: dict[str, object],
+    pooling: str,
+    dense: tuple[int, ...],
+    matryoshka: bool,
 ) -> None:
     import torch
     import transformers
@@ -56,14 +64,14 @@ def _build(
 
     torch.manual_seed(0)
     body = out.with_name(out.name + ".body")
-    model = transformers.Qwen3Model(transformers.Qwen3Config(**QWEN3))
+    model = transformers.Qwen3Model(transformers.Qwen3Config(**cfg))
     with torch.no_grad():  # random norm weights, so a misplaced one would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(body)
     _end_token_tokenizer(files, body)
-    size = int(QWEN3["hidden_size"])  # type: ignore[call-overload]
+    size = int(cfg["hidden_size"])  # type: ignore[call-overload]
     modules: list[torch.nn.Module] = [Transformer(str(body)), Pooling(size, pooling_mode=pooling)]
     for n in dense:
         modules.append(Dense(size, n, activation_function=torch.nn.Tanh()))
