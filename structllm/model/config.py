@@ -63,6 +63,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # prompt's rows see every key of it, a windowed layer's those less than its window
     # away on either side; such a model only pools (engine.pooling), its prompts whole
     bidirectional: bool = False
+    # a GGUF file's {arch}.pooling_type (llama.cpp's, from a sentence-transformers
+    # model's pooling): "LAST", "MEAN" or "CLS" makes it an embedding model; None: none
+    pooling_type: str | None = None
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)

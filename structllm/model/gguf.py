@@ -251,6 +251,10 @@ def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any
     return out
 
 
+# llama.cpp's enum llama_pooling_type, as its converter writes it ({arch}.pooling_type)
+POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+
+
 def model_config(meta: dict[str, Any]) -> ModelConfig:
     """The model's shape and family options from GGUF metadata (the keys llama.cpp's
     converter writes, ``{arch}.*``); ``ValueError`` naming an unsupported architecture."""
@@ -289,6 +293,9 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     )
     if rope_dim is not None and int(rope_dim) < head_dim:
         kw["rotary_dim"] = int(rope_dim)
+    pooling = POOLING_TYPES.get(int(get("pooling_type") or 0))  # (0: none, 4: rank)
+    if pooling is not None:
+        kw["pooling_type"] = pooling
     window = int(get("attention.sliding_window") or 0)
     if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"

@@ -3,8 +3,10 @@
 ``--runner auto`` picks the pooling runner (``engine.pooling``) for an embedding
 checkpoint: a sentence-transformers directory (``modules.json``), or a ``config.json``
 whose architecture is a bare ``*Model`` (no head) or a ``*ForSequenceClassification``.
-The pooler is read, later sources over earlier ones, from: the model's defaults (last
-token, normalised: a decoder's embedding), then the sentence-transformers files
+A GGUF file is one when llama.cpp's converter wrote its ``pooling_type`` (from the
+sentence-transformers files it was made from). The pooler is read, later sources over
+earlier ones, from: the model's defaults (last token, normalised: a decoder's
+embedding; a GGUF file's ``pooling_type``), then the sentence-transformers files
 (``1_Pooling/config.json``, the ``Dense`` modules, ``Normalize``, the default prompt
 of ``config_sentence_transformers.json``), then ``--pooler-config``. Matryoshka
 (``dimensions``) is allowed where ``config.json`` (or ``--hf-overrides``) says
@@ -102,8 +104,8 @@ def _raw_config(files: ModelFiles, overrides: dict[str, Any] | None) -> dict[str
 def is_pooling_model(files: ModelFiles, overrides: dict[str, Any] | None = None) -> bool:
     """What ``--runner auto`` picks the pooling runner for (see the module's doc)."""
     d = model_dir(files)
-    if d is None:
-        return False
+    if d is None:  # a GGUF file: its pooling_type
+        return files.config.pooling_type is not None
     if (d / "modules.json").is_file():
         return True
     archs = _raw_config(files, overrides).get("architectures") or []
@@ -131,7 +133,9 @@ def read_pooler(
         return _reranker(raw, config)
     d = model_dir(files)
     pooling: PoolingType = "LAST"
-    normalize = True
+    if files.config.pooling_type in ("LAST", "MEAN", "CLS"):  # a GGUF file's
+        pooling = files.config.pooling_type  # type: ignore[assignment]
+    normalize = True  # (a GGUF file: llama-server's default, --embd-normalize 2)
     dense: list[Dense] = []
     prompt = ""
     if d is not None and (d / "modules.json").is_file():

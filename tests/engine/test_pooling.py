@@ -165,3 +165,33 @@ def test_embedding_gemma_attends_both_ways(default_files: Any) -> None:
         assert cosines(embed(llm, TEXTS[::-1])[::-1], ref).min() > COSINE
     with pytest.raises(ValueError, match="cannot generate"):
         LLM(str(path), **EXACT, runner="generate", kv_cache_memory=8 << 20)
+
+
+def test_gguf_file_equals_the_directory(default_files: Any) -> None:
+    """llama.cpp's converter writes the sentence-transformers pooling as the file's
+    ``pooling_type``: ``--runner auto`` pools it, equal to the directory it was made
+    from (F32 on the exact path; Q8_0's native blocks close)."""
+    from tests.support.llamacpp import convert_hf, quantize
+
+    path = tiny_st_qwen3(default_files, plain=True)
+    f32 = convert_hf(path, "f32")
+    ids = _ids(path)
+    with LLM(str(path), **EXACT, kv_cache_memory=8 << 20) as llm:
+        ref = embed(llm, ids)
+    with LLM(str(f32), **EXACT, kv_cache_memory=8 << 20) as llm:
+        info = llm.engine.pooler_info
+        assert info is not None and (info.task, info.size) == ("embed", 64)
+        assert llm.engine.pooler_spec is not None
+        assert llm.engine.pooler_spec.pooling_type == "LAST"
+        assert cosines(embed(llm, ids), ref).min() > COSINE
+        assert cosines(embed(llm, TEXTS), ref).min() > COSINE  # its own tokenizer: same ids
+    with LLM(str(quantize(f32, "Q8_0")), kv_cache_memory=8 << 20) as llm:
+        assert cosines(embed(llm, ids), ref).min() > 0.999
+
+
+def _ids(path: Path) -> list[list[int]]:
+    from structllm.model.files import find_model_files
+    from structllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_files(find_model_files(str(path)))
+    return [tok.encode(t) for t in TEXTS]

@@ -35,17 +35,20 @@ def tiny_st_qwen3(
     pooling: str = "lasttoken",
     dense: tuple[int, ...] = (),
     matryoshka: bool = False,
+    plain: bool = False,
     **shape: object,
 ) -> Path:
     """A Qwen3-Embedding in small, saved by sentence-transformers: the seeded decoder
     (``QWEN3``, with ``shape`` over it: bench/embeddings.py's larger ones), ``pooling``
     (``"lasttoken"``, ``"mean"``, ``"cls"``), a Tanh ``Dense`` layer to each size in
-    ``dense``, ``Normalize``; ``matryoshka``: its config says ``is_matryoshka``. Built
-    once, cached by its settings."""
+    ``dense``, ``Normalize``; ``matryoshka``: its config says ``is_matryoshka``;
+    ``plain``: the default model's tokenizer as it is (no end token appended), which
+    llama.cpp's converter recognises. Built once, cached by its settings."""
     cfg = {**QWEN3, **shape}
-    key = cache_key(files, "st-qwen3", QWEN3 if not shape else cfg, pooling, dense, matryoshka, 1)
+    parts = (QWEN3 if not shape else cfg, pooling, dense, matryoshka, *(["plain"] if plain else []))
+    key = cache_key(files, "st-qwen3", *parts, 1)
     out = cache_root() / "test-models" / f"tiny-st-qwen3-{key}"
-    return built_once(out, lambda tmp: _build(files, tmp, cfg, pooling, dense, matryoshka))
+    return built_once(out, lambda tmp: _build(files, tmp, cfg, pooling, dense, matryoshka, plain))
 
 
 def _build(
@@ -55,6 +58,7 @@ def _build(
     pooling: str,
     dense: tuple[int, ...],
     matryoshka: bool,
+    plain: bool = False,
 ) -> None:
     import torch
     import transformers
@@ -70,7 +74,11 @@ def _build(
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(body)
-    _end_token_tokenizer(files, body)
+    if plain:  # (the converter loads it through AutoTokenizer: the BPE as it is)
+        shutil.copyfile(files.tokenizer_json, body / "tokenizer.json")
+        write_tokenizer_config(files, body, tokenizer_class="GPT2Tokenizer")
+    else:
+        _end_token_tokenizer(files, body)
     size = int(cfg["hidden_size"])  # type: ignore[call-overload]
     modules: list[torch.nn.Module] = [Transformer(str(body)), Pooling(size, pooling_mode=pooling)]
     for n in dense:
