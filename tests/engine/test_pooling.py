@@ -16,7 +16,7 @@ from structllm import LLM
 from structllm.model.pooler_config import read_pooler, resolve_runner
 from structllm.protocol import AddRequest, SamplingParams
 from tests.support.models import EXACT
-from tests.support.pooling import tiny_embedding_gemma, tiny_st_qwen3
+from tests.support.pooling import tiny_embedding_gemma, tiny_qwen3_reranker, tiny_st_qwen3
 
 # mixed in length (1 to ~90 tokens) and order; the repeats share prefixes
 TEXTS = [
@@ -145,9 +145,12 @@ def test_pooler_config_over_the_files(last_dir: Path) -> None:
     assert np.allclose(ours, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_embed_refused_on_the_generate_runner(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="generate runner"):
-        llm.embed("hello")
+def test_embed_refused_on_the_generate_runner(default_files: Any) -> None:
+    path = tiny_qwen3_reranker(default_files)  # a causal LM: generate with runner auto
+    with LLM(str(path), **EXACT, kv_cache_memory=8 << 20) as llm:
+        assert llm.engine.pooler_info is None
+        with pytest.raises(ValueError, match="generate runner"):
+            llm.embed("hello")
 
 
 def test_embedding_gemma_attends_both_ways(default_files: Any) -> None:
