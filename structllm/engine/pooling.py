@@ -53,16 +53,22 @@ class Pooler:
 
     @staticmethod
     def _load(d: Dense, device: torch.device) -> tuple[Tensor, Tensor | None, str]:
-        from safetensors.torch import load_file
+        """A Dense layer's float32 ``W [out, in]`` and bias, from its safetensors or,
+        dequantised, from the GGUF file."""
+        if d.weights.endswith(".gguf"):
+            w, b = _gguf_tensor(d.weights, d.tensor), None
+        else:
+            from safetensors.torch import load_file
 
-        state = load_file(d.weights)
-        w = state["linear.weight"].to(device, torch.float32)  # [out, in]
+            state = load_file(d.weights)
+            w = state["linear.weight"]
+            b = state["linear.bias"].to(device, torch.float32) if d.bias else None
+        w = w.to(device, torch.float32)
         if tuple(w.shape) != (d.out_features, d.in_features):
             raise ValueError(
-                f"{d.weights}: linear.weight is {list(w.shape)}, config says "
+                f"{d.weights}: {d.tensor} is {list(w.shape)}, config says "
                 f"[{d.out_features}, {d.in_features}]"
             )
-        b = state["linear.bias"].to(device, torch.float32) if d.bias else None
         return w, b, d.activation
 
     def finish(self, rows: Tensor, params: list[PoolingParams]) -> list[bytes]:
@@ -104,6 +110,20 @@ class Scorer:
         no, yes = self.token_ids
         logits = self.logits(rows)  # [B, V]: the LM head's dtype and path, as generation's
         return torch.sigmoid(logits[:, yes] - logits[:, no])
+
+
+def _gguf_tensor(path: str, name: str) -> Tensor:
+    """Tensor ``name`` of GGUF file ``path``, dequantised to float32 (its numpy shape:
+    ggml's dimensions reversed, ``[out, in]`` for a matrix)."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    t = next((t for t in GGUFReader(path).tensors if t.name == name), None)
+    if t is None:
+        raise ValueError(f"{path} has no tensor {name}")
+    data = dequantize(t.data, t.tensor_type).astype(np.float32)
+    return torch.from_numpy(data.reshape([int(n) for n in reversed(t.shape)]).copy())
 
 
 def make_scorer(

@@ -66,6 +66,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # a GGUF file's {arch}.pooling_type (llama.cpp's, from a sentence-transformers
     # model's pooling): "LAST", "MEAN" or "CLS" makes it an embedding model; None: none
     pooling_type: str | None = None
+    # a GGUF file's sentence-transformers Dense layers, [in, out] each (EmbeddingGemma's
+    # dense_2, dense_3 tensors), applied after pooling (engine.pooling)
+    pooling_dense: list[list[int]] = []
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)

@@ -35,13 +35,15 @@ _ACTIVATIONS = {"Identity": "identity", "Tanh": "tanh"}
 
 class Dense(msgspec.Struct, frozen=True):
     """A sentence-transformers ``Dense`` module: ``y = act(x @ W.T + b)``, ``W``
-    ``[out_features, in_features]`` in ``weights`` (``linear.weight``/``linear.bias``)."""
+    ``[out_features, in_features]`` in ``weights`` (``linear.weight``/``linear.bias``),
+    or in a GGUF file (``tensor``: ``dense_2.weight``, no bias)."""
 
     weights: str
     in_features: int
     out_features: int
     bias: bool
     activation: str  # "identity" or "tanh"
+    tensor: str = "linear.weight"
 
 
 class PoolerSpec(msgspec.Struct, frozen=True):
@@ -141,6 +143,11 @@ def read_pooler(
     if d is not None and (d / "modules.json").is_file():
         pooling, normalize, dense = _st_modules(d)
         prompt = _st_prompt(d)
+    if files.source is not None:  # a GGUF file's Dense layers (EmbeddingGemma's)
+        dense = [
+            Dense(str(files.source), i, o, False, "identity", f"dense_{k}.weight")
+            for k, (i, o) in enumerate(files.config.pooling_dense, start=2)
+        ]
     if config is not None:
         pooling = config.pooling_type or pooling
         normalize = normalize if config.normalize is None else config.normalize

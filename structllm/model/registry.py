@@ -61,7 +61,7 @@ FAMILIES: tuple[Family, ...] = (
         "gemma",
         ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("gemma3_text",),
-        ("gemma3",),
+        ("gemma3", "gemma-embedding"),  # (EmbeddingGemma's: model.gguf)
     ),
     # Gemma4ForConditionalGeneration: its text model (config.TEXT_MODELS)
     Family(

@@ -198,3 +198,23 @@ def _ids(path: Path) -> list[list[int]]:
 
     tok = Tokenizer.from_files(find_model_files(str(path)))
     return [tok.encode(t) for t in TEXTS]
+
+
+def test_embedding_gemma_gguf_equals_the_directory(default_files: Any) -> None:
+    """The converter's ``gemma-embedding`` file (``--sentence-transformers-dense-modules``):
+    attending both ways with llama.cpp's symmetric window, mean pooling, its Dense
+    tensors (read and dequantised from the file) equal to the directory's."""
+    from tests.support.llamacpp import convert_hf, quantize
+
+    path = tiny_embedding_gemma(default_files, plain=True)
+    f32 = convert_hf(path, "f32", "--sentence-transformers-dense-modules")
+    ids = _ids(path)
+    with LLM(str(path), **EXACT, kv_cache_memory=8 << 20) as llm:
+        ref = embed(llm, ids)
+    with LLM(str(f32), **EXACT, kv_cache_memory=8 << 20) as llm:
+        cfg, spec = llm.engine.files.config, llm.engine.pooler_spec
+        assert cfg.bidirectional and cfg.layer_windows == [5] * 5 + [0]
+        assert spec is not None and spec.pooling_type == "MEAN" and len(spec.dense) == 2
+        assert cosines(embed(llm, ids), ref).min() > COSINE
+    with LLM(str(quantize(f32, "Q8_0")), kv_cache_memory=8 << 20) as llm:  # its blocks
+        assert cosines(embed(llm, ids), ref).min() > 0.99  # (six random layers of Q8_0)

@@ -183,14 +183,15 @@ GEMMA3: dict[str, object] = dict(
     vocab_size=49152,
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=4,
+    num_hidden_layers=6,
     num_attention_heads=4,
     num_key_value_heads=1,
     head_dim=32,
     max_position_embeddings=256,
     query_pre_attn_scalar=32,
     sliding_window=8,  # transformers makes it a symmetric window of 5 either side
-    layer_types=["sliding_attention", "full_attention"] * 2,
+    # llama.cpp's own Gemma 3 pattern (not in its GGUF metadata): five local, one global
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
     use_bidirectional_attention=True,
     bos_token_id=1,
     eos_token_id=0,
@@ -198,12 +199,13 @@ GEMMA3: dict[str, object] = dict(
 )
 
 
-def tiny_embedding_gemma(files: ModelFiles) -> Path:
+def tiny_embedding_gemma(files: ModelFiles, plain: bool = False) -> Path:
     """An EmbeddingGemma in small, saved by sentence-transformers: a seeded Gemma 3
     text model attending both ways (``use_bidirectional_attention``, a window shorter
     than the test texts), mean pooling, two Dense layers without bias or activation
-    (64 -> 96 -> 64), ``Normalize``."""
-    key = cache_key(files, "embedding-gemma", GEMMA3, 1)
+    (64 -> 96 -> 64), ``Normalize``; ``plain``: the default model's tokenizer as it is
+    (llama.cpp's converter recognises it)."""
+    key = cache_key(files, "embedding-gemma", GEMMA3, *(["plain"] if plain else []), 1)
     out = cache_root() / "test-models" / f"tiny-embedding-gemma-{key}"
 
     def build(tmp: Path) -> None:
@@ -221,7 +223,11 @@ def tiny_embedding_gemma(files: ModelFiles) -> Path:
                 if "norm" in name:
                     p.uniform_(-0.5, 0.5)
         model.save_pretrained(body)
-        _end_token_tokenizer(files, body)
+        if plain:
+            shutil.copyfile(files.tokenizer_json, body / "tokenizer.json")
+            write_tokenizer_config(files, body, tokenizer_class="GPT2Tokenizer")
+        else:
+            _end_token_tokenizer(files, body)
         identity = torch.nn.Identity()
         modules: list[torch.nn.Module] = [
             Transformer(str(body)),
