@@ -14,8 +14,11 @@ seeded random weights (``--shape``: ``0.6b``, Qwen3-Embedding-0.6B's shape, or
 model's tokenizer and cached; the weights do not change the cost.
 
     python bench/embeddings.py [--model DIR] [--shape small|0.6b] [--threads 2]
-        [--formats float32:none,auto:auto] [--llama-server PATH --gguf FILE]
-        [--queries 64] [--bulk-batches 4]
+        [--formats float32:none,auto:auto] [--llama-server PATH] [--gguf FILE]
+        [--gguf-type Q8_0] [--queries 64] [--bulk-batches 4]
+
+With ``--llama-server`` and no ``--gguf``, the synthetic model is converted by
+llama.cpp's converter and requantised (``--gguf-type``); structllm serves that file too.
 """
 
 from __future__ import annotations
@@ -99,11 +102,21 @@ WORDS = [
 
 
 def synthetic_model(shape: str) -> Path:
-    """The cached Qwen3-Embedding-shaped sentence-transformers directory of ``shape``."""
+    """The cached Qwen3-Embedding-shaped sentence-transformers directory of ``shape``,
+    with the default model's tokenizer as it is (which llama.cpp's converter takes)."""
     from structllm.model.loader import prepare_model
     from tests.support import pooling
 
-    return pooling.tiny_st_qwen3(prepare_model(None), **SHAPES[shape], max_position_embeddings=1024)
+    files = prepare_model(None)
+    return pooling.tiny_st_qwen3(files, plain=True, **SHAPES[shape], max_position_embeddings=1024)
+
+
+def gguf_of(model: Path, qtype: str) -> Path:
+    """``model`` converted by llama.cpp's converter (F32), requantised to ``qtype``."""
+    from tests.support.llamacpp import convert_hf, quantize
+
+    f32 = convert_hf(model, "f32")
+    return f32 if qtype == "F32" else quantize(f32, qtype)
 
 
 def texts(n: int, lo: int, hi: int, seed: int) -> list[str]:
@@ -164,7 +177,9 @@ def measure(name: str, embed: Any, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def structllm_arm(model: Path, fmt: str, args: argparse.Namespace) -> dict[str, Any]:
+def structllm_arm(
+    model: Path, fmt: str, args: argparse.Namespace, name: str = ""
+) -> dict[str, Any]:
     from tests.support.server import free_port
 
     dtype, quant = fmt.split(":")
@@ -180,7 +195,7 @@ def structllm_arm(model: Path, fmt: str, args: argparse.Namespace) -> dict[str, 
         def embed(items: list[str]) -> None:
             post(url + "/v1/embeddings", {"input": items, "encoding_format": "base64"})
 
-        return measure(f"structllm {fmt}", embed, args)
+        return measure(name or f"structllm {fmt}", embed, args)
     finally:
         proc.terminate()
         proc.wait()
@@ -226,13 +241,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--formats", default="float32:none,auto:auto")
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
-    p.add_argument("--gguf", help="the same model as a GGUF file, for llama-server")
+    p.add_argument(
+        "--gguf",
+        help="the same model as a GGUF file, for llama-server and structllm (default, with "
+        "--llama-server: the synthetic model converted, --gguf-type)",
+    )
+    p.add_argument("--gguf-type", default="Q8_0", help="F32, or a llama-quantize type")
     p.add_argument("--queries", type=int, default=64)
     p.add_argument("--bulk-batches", type=int, default=4)
     args = p.parse_args()
     model = Path(args.model) if args.model else synthetic_model(args.shape)
     rows = [structllm_arm(model, f, args) for f in args.formats.split(",")]
     rows.append(st_arm(model, args))
+    if args.llama_server and not args.gguf:
+        args.gguf = str(gguf_of(model, args.gguf_type))
+    if args.gguf:
+        rows.append(structllm_arm(Path(args.gguf), "auto:auto", args, "structllm GGUF"))
     if args.llama_server and args.gguf:
         rows.append(llama_arm(args))
     print(f"\nmodel {model} threads {args.threads}")
