@@ -45,7 +45,13 @@ def tiny_st_qwen3(
     ``plain``: the default model's tokenizer as it is (no end token appended), which
     llama.cpp's converter recognises. Built once, cached by its settings."""
     cfg = {**QWEN3, **shape}
-    parts = (QWEN3 if not shape else cfg, pooling, dense, matryoshka, *(["plain"] if plain else []))
+    parts = (
+        QWEN3 if not shape else cfg,
+        pooling,
+        dense,
+        matryoshka,
+        *(["plain2"] if plain else []),
+    )
     key = cache_key(files, "st-qwen3", *parts, 1)
     out = cache_root() / "test-models" / f"tiny-st-qwen3-{key}"
     return built_once(out, lambda tmp: _build(files, tmp, cfg, pooling, dense, matryoshka, plain))
@@ -76,7 +82,7 @@ def _build(
     model.save_pretrained(body)
     if plain:  # (the converter loads it through AutoTokenizer: the BPE as it is)
         shutil.copyfile(files.tokenizer_json, body / "tokenizer.json")
-        write_tokenizer_config(files, body, tokenizer_class="GPT2Tokenizer")
+        _converter_tokenizer_config(files, body)
     else:
         _end_token_tokenizer(files, body)
     size = int(cfg["hidden_size"])  # type: ignore[call-overload]
@@ -111,6 +117,15 @@ def _end_token_tokenizer(files: ModelFiles, out: Path) -> None:
                 "tokenizer_class": "PreTrainedTokenizerFast",
             }
         )
+    )
+
+
+def _converter_tokenizer_config(files: ModelFiles, out: Path) -> None:
+    """The plain models' tokenizer config: the BPE as it is for llama.cpp's converter
+    (through AutoTokenizer), a padding token and no chat template (sentence-transformers
+    would chat the texts)."""
+    write_tokenizer_config(
+        files, out, tokenizer_class="GPT2Tokenizer", pad_token=END_TOKEN, chat_template=None
     )
 
 
@@ -205,7 +220,7 @@ def tiny_embedding_gemma(files: ModelFiles, plain: bool = False) -> Path:
     than the test texts), mean pooling, two Dense layers without bias or activation
     (64 -> 96 -> 64), ``Normalize``; ``plain``: the default model's tokenizer as it is
     (llama.cpp's converter recognises it)."""
-    key = cache_key(files, "embedding-gemma", GEMMA3, *(["plain"] if plain else []), 1)
+    key = cache_key(files, "embedding-gemma", GEMMA3, *(["plain2"] if plain else []), 1)
     out = cache_root() / "test-models" / f"tiny-embedding-gemma-{key}"
 
     def build(tmp: Path) -> None:
@@ -225,7 +240,7 @@ def tiny_embedding_gemma(files: ModelFiles, plain: bool = False) -> Path:
         model.save_pretrained(body)
         if plain:
             shutil.copyfile(files.tokenizer_json, body / "tokenizer.json")
-            write_tokenizer_config(files, body, tokenizer_class="GPT2Tokenizer")
+            _converter_tokenizer_config(files, body)
         else:
             _end_token_tokenizer(files, body)
         identity = torch.nn.Identity()
