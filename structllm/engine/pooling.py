@@ -126,6 +126,25 @@ def _gguf_tensor(path: str, name: str) -> Tensor:
     return torch.from_numpy(data.reshape([int(n) for n in reversed(t.shape)]).copy())
 
 
+def _rank_weight(files: ModelFiles, device: torch.device) -> Tensor:
+    """A GGUF reranker's classifier ``[1, H]``: its ``cls.output`` rows by their labels
+    (``{arch}.classifier.output_labels``): ``yes`` minus ``no`` (Qwen3-Reranker's, so
+    the score is ``sigmoid(yes - no)`` as from the directory), or the one row."""
+    from gguf import GGUFReader
+
+    assert files.source is not None, "a GGUF file's"
+    w = _gguf_tensor(str(files.source), "cls.output.weight")  # [labels, H]
+    fields = GGUFReader(str(files.source)).fields
+    key = next((k for k in fields if k.endswith(".classifier.output_labels")), None)
+    labels = [str(x) for x in fields[key].contents()] if key is not None else []
+    if w.shape[0] == 1:
+        return w.to(device, torch.float32)
+    if sorted(labels) != ["no", "yes"] or w.shape[0] != 2:
+        raise ValueError(f"{files.name}: a classifier of labels {labels} is not supported")
+    yes, no = w[labels.index("yes")], w[labels.index("no")]
+    return (yes - no)[None].to(device, torch.float32)
+
+
 def make_scorer(
     spec: PoolerSpec, files: ModelFiles, model: LlamaModel, device: torch.device
 ) -> Scorer | None:
@@ -142,6 +161,8 @@ def make_scorer(
         if missing:
             raise ValueError(f"classifier_from_token {missing} are not tokens of this tokenizer")
         return Scorer(None, model.compute_logits, [i for i in ids if i is not None])
+    if spec.classifier == "rank":
+        return Scorer(_rank_weight(files, device), model.compute_logits, [])
     from safetensors import safe_open
 
     for f in files.weights:

@@ -64,7 +64,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # away on either side; such a model only pools (engine.pooling), its prompts whole
     bidirectional: bool = False
     # a GGUF file's {arch}.pooling_type (llama.cpp's, from a sentence-transformers
-    # model's pooling): "LAST", "MEAN" or "CLS" makes it an embedding model; None: none
+    # model's pooling): "LAST", "MEAN" or "CLS" makes it an embedding model, "RANK" a
+    # reranker (Qwen3-Reranker's file: its classifier rows in cls.output); None: none
     pooling_type: str | None = None
     # a GGUF file's sentence-transformers Dense layers, [in, out] each (EmbeddingGemma's
     # dense_2, dense_3 tensors), applied after pooling (engine.pooling)

@@ -269,7 +269,7 @@ def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any
 
 
 # llama.cpp's enum llama_pooling_type, as its converter writes it ({arch}.pooling_type)
-POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
+POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST", 4: "RANK"}
 
 
 def model_config(meta: dict[str, Any]) -> ModelConfig:
@@ -310,7 +310,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     )
     if rope_dim is not None and int(rope_dim) < head_dim:
         kw["rotary_dim"] = int(rope_dim)
-    pooling = POOLING_TYPES.get(int(get("pooling_type") or 0))  # (0: none, 4: rank)
+    # (0: none; 4, RANK: a reranker's, its classifier in cls.output: engine.pooling)
+    pooling = POOLING_TYPES.get(int(get("pooling_type") or 0))
     if pooling is not None:
         kw["pooling_type"] = pooling
     window = int(get("attention.sliding_window") or 0)

@@ -53,7 +53,9 @@ class PoolerSpec(msgspec.Struct, frozen=True):
     the causal LM's logits of ``classifier_tokens`` ``[no, yes]`` at the last token, the
     score ``sigmoid(yes - no)``, vLLM's ``is_original_qwen3_reranker``) or ``"score"``
     (a ``*ForSequenceClassification`` checkpoint's one-label ``score.weight``, then a
-    sigmoid, as sentence-transformers' ``CrossEncoder`` with one label)."""
+    sigmoid, as sentence-transformers' ``CrossEncoder`` with one label) or ``"rank"``
+    (a GGUF file's ``cls.output`` rows, llama.cpp's RANK pooling: Qwen3-Reranker's
+    ``yes``/``no`` rows as its converter cuts them from the head, or one label)."""
 
     task: PoolingTask
     pooling_type: PoolingType
@@ -62,7 +64,7 @@ class PoolerSpec(msgspec.Struct, frozen=True):
     prompt: str = ""
     matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
-    classifier: Literal["yes_no", "score"] | None = None
+    classifier: Literal["yes_no", "score", "rank"] | None = None
     classifier_tokens: list[str] = []
 
     def info(self, hidden_size: int) -> PoolerInfo:
@@ -133,6 +135,8 @@ def read_pooler(
     raw = _raw_config(files, overrides)
     if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
         return _reranker(raw, config)
+    if files.config.pooling_type == "RANK":  # a GGUF reranker
+        return PoolerSpec("score", "LAST", False, classifier="rank")
     d = model_dir(files)
     pooling: PoolingType = "LAST"
     if files.config.pooling_type in ("LAST", "MEAN", "CLS"):  # a GGUF file's

@@ -80,3 +80,25 @@ def test_sequence_classifier_equals_cross_encoder(default_files: Any) -> None:
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
     assert abs(alone - want[0]) < 1e-5
     assert max(want) - min(want) > 0.05
+
+
+def test_qwen3_reranker_gguf_equals_the_directory(default_files: Any) -> None:
+    """llama.cpp's converter writes Qwen3-Reranker as RANK pooling with its head's
+    ``yes``/``no`` rows (``cls.output``): ``--runner auto`` scores it, equal to the
+    directory under vLLM's overrides (F32 on the exact path; Q8_0's blocks close)."""
+    from tests.support.llamacpp import convert_hf, quantize
+
+    path = tiny_qwen3_reranker(default_files)
+    f32 = convert_hf(path, "f32")
+    query, docs = QUERY.format(QUERIES[0]), [DOC.format(d) for d in DOCS]
+    kw = dict(EXACT, runner="pooling", hf_overrides=RERANKER_OVERRIDES)
+    with LLM(str(path), **kw, kv_cache_memory=8 << 20) as llm:
+        want = [o.outputs.score for o in llm.score(query, docs)]
+    with LLM(str(f32), **EXACT, kv_cache_memory=8 << 20) as llm:
+        spec = llm.engine.pooler_spec
+        assert spec is not None and (spec.task, spec.classifier) == ("score", "rank")
+        got = [o.outputs.score for o in llm.score(query, docs)]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
+    with LLM(str(quantize(f32, "Q8_0")), kv_cache_memory=8 << 20) as llm:
+        close = [o.outputs.score for o in llm.score(query, docs)]
+    assert max(abs(a - b) for a, b in zip(close, want, strict=True)) < 1e-2
