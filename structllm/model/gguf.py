@@ -234,6 +234,23 @@ def _gemma(
     return out
 
 
+def _gemma_embedding(windows: list[int], get: Callable[..., Any]) -> dict[str, Any]:
+    """EmbeddingGemma (``gemma-embedding``): Gemma 3 attending both ways, its windowed
+    layers seeing ``|q - k| <= window // 2`` (llama.cpp's symmetric window, transformers'
+    ``window // 2 + 1`` exclusive: ``config.ModelConfig.bidirectional``), and its
+    sentence-transformers Dense layers' ``[in, out]`` (tensors ``dense_2``, ``dense_3``)."""
+    dense = [
+        [int(get(f"dense_{k}_feat_in")), int(get(f"dense_{k}_feat_out"))]
+        for k in (2, 3)
+        if get(f"dense_{k}_feat_in") is not None
+    ]
+    return dict(
+        bidirectional=True,
+        layer_windows=[w // 2 + 1 if w else 0 for w in windows],
+        pooling_dense=dense,
+    )
+
+
 def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
     """EXAONE 4.0 options: with a window, its layers by
     ``attention.sliding_window_pattern`` (else three local to one global), and only
@@ -249,6 +266,10 @@ def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any
         if any(local):
             out["layer_windows"] = [window if s else 0 for s in local]
     return out
+
+
+# llama.cpp's enum llama_pooling_type, as its converter writes it ({arch}.pooling_type)
+POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST", 4: "RANK"}
 
 
 def model_config(meta: dict[str, Any]) -> ModelConfig:
@@ -289,6 +310,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     )
     if rope_dim is not None and int(rope_dim) < head_dim:
         kw["rotary_dim"] = int(rope_dim)
+    # (0: none; 4, RANK: a reranker's, its classifier in cls.output: engine.pooling)
+    pooling = POOLING_TYPES.get(int(get("pooling_type") or 0))
+    if pooling is not None:
+        kw["pooling_type"] = pooling
     window = int(get("attention.sliding_window") or 0)
     if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"
@@ -296,6 +321,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(mlp_act="gelu_tanh", embed_scale=hidden**0.5)
     elif fam.name in ("gemma2", "gemma3"):
         kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
+        if arch == "gemma-embedding":  # EmbeddingGemma: both ways, a symmetric window
+            kw.update(_gemma_embedding(kw.get("layer_windows") or [], get))
     elif fam.name == "phi3":
         long, short = get("rope_factors_long"), get("rope_factors_short")
         if long is not None and short is not None:

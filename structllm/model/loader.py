@@ -276,6 +276,8 @@ def load_weights(
     state: dict[str, torch.Tensor] = {}
     for f in files.weights:
         state.update(load_file(str(f)))
+    if "embed_tokens.weight" in state:  # a bare decoder's (Qwen3Model): the causal LM's names
+        state = {f"model.{k}": v for k, v in state.items()}
     if not files.native_names:
         from structllm.model.registry import hf_to_native
 

@@ -61,7 +61,7 @@ FAMILIES: tuple[Family, ...] = (
         "gemma",
         ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("gemma3_text",),
-        ("gemma3",),
+        ("gemma3", "gemma-embedding"),  # (EmbeddingGemma's: model.gguf)
     ),
     # Gemma4ForConditionalGeneration: its text model (config.TEXT_MODELS)
     Family(
@@ -169,7 +169,7 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
     archs = cfg.get("architectures") or []
     for a in archs:
         for f in FAMILIES:
-            if a in f.hf_architectures:
+            if a in f.hf_architectures or base_model_head(a) in f.hf_architectures:
                 return f
     if not archs:
         for f in FAMILIES:
@@ -179,6 +179,29 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
         f"unsupported architecture {archs or cfg.get('model_type')!r}; "
         f"expected one of {supported_hf()}"
     )
+
+
+# bare decoders whose causal LM is not named after them
+_BARE_ALIASES = {"Gemma3TextModel": "Gemma3ForCausalLM"}  # (EmbeddingGemma's)
+
+
+def base_model_head(arch: str) -> str | None:
+    """The causal LM a bare decoder (``Qwen3Model``: no head, an embedding model's
+    checkpoint) or a sequence classifier (``Qwen3ForSequenceClassification``: a
+    reranker's) is the body of (``Qwen3ForCausalLM``); see ``model.pooler_config``."""
+    if arch in _BARE_ALIASES:
+        return _BARE_ALIASES[arch]
+    for tail in ("ForSequenceClassification", "Model"):
+        if arch.endswith(tail) and not arch.endswith("PreTrainedModel"):
+            return arch[: -len(tail)] + "ForCausalLM"
+    return None
+
+
+def headless(arch: str) -> bool:
+    """``arch`` is a bare decoder or a sequence classifier over a causal LM we run (not
+    itself one we run: GPT-2's ``GPT2LMHeadModel`` is a causal LM)."""
+    known = {a for f in FAMILIES for a in f.hf_architectures}
+    return arch not in known and base_model_head(arch) in known
 
 
 def family_for_gguf(arch: object) -> Family:
