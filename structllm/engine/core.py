@@ -146,6 +146,13 @@ class EngineCore:
                 f"{mcfg.architecture} has layers of several K/V shapes or layers reading "
                 "another layer's K/V: tensor and pipeline parallelism are not supported for it"
             )
+        if mcfg.kv_lora_rank and (
+            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                f"{mcfg.architecture} (multi-head latent attention) runs in one process: "
+                "tensor and pipeline parallelism are not supported for it"
+            )
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
         plan = (

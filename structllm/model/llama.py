@@ -414,6 +414,16 @@ class LlamaModel(nn.Module):
         its own index unless it shares another's; KV heads; head size)."""
         return layer, self.num_kv_heads, self.cfg.head_dim
 
+    def kv_cache_shapes(
+        self, layer: int, num_blocks: int, block_size: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The shapes of held layer ``layer``'s cache tensors (``ModelRunner`` allocates
+        them; a layer sharing another's cache is not asked): K in the attention
+        backend's layout, then V (latent attention keeps one tensor, ``model.deepseek``)."""
+        _, heads, head_dim = self.kv_layout(layer)
+        shape = (num_blocks, block_size, heads, head_dim)
+        return self.attn_impl.k_cache_shape(*shape), shape
+
     def state_bytes(self) -> int:
         """Bytes of one request's recurrent state over every layer held (float32; 0
         for a model that only attends)."""
