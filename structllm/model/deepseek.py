@@ -316,8 +316,9 @@ def _experts(state: dict[str, Tensor], cfg: ModelConfig, m: str, o: str) -> dict
     out = {o + "router": state.pop(m + "gate.weight")}
     if cfg.router_scoring == "sigmoid":
         out[o + "router_bias"] = state.pop(m + "gate.e_score_correction_bias")
-    gate_up, down = state.pop(m + "experts.gate_up_proj", None), state.pop(
-        m + "experts.down_proj", None
+    gate_up, down = (
+        state.pop(m + "experts.gate_up_proj", None),
+        state.pop(m + "experts.down_proj", None),
     )
     for e in range(cfg.num_experts):
         x = f"{m}experts.{e}."

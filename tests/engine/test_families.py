@@ -139,6 +139,16 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
     if name == "falcon":  # Falcon 40B's: two norms side by side, KV head groups
         assert (cfg.parallel_block, cfg.num_kv_heads, cfg.mlp_act) == ("separate", 2, "gelu")
+    if name in ("deepseek_v2", "deepseek_v3"):  # the cache's one head: [c_kv (32), k_pe (8)]
+        assert (cfg.kv_lora_rank, cfg.head_dim, cfg.num_kv_heads, cfg.rotary_dim) == (32, 40, 1, 8)
+        assert cfg.kv_bytes_per_token == 3 * 40 and cfg.moe_layers == [False, True, True]
+        assert (cfg.expert_groups, cfg.expert_groups_used) == (4, 2)
+    if name == "deepseek_v2":  # V2-Lite's plain q_proj, group-limited softmax routing
+        assert (cfg.q_lora_rank, cfg.router_scoring, cfg.norm_topk_prob) == (0, "softmax", False)
+        assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor) == (64, 1.5)
+    if name == "deepseek_v3":
+        assert (cfg.q_lora_rank, cfg.router_scoring, cfg.norm_topk_prob) == (24, "sigmoid", True)
+        assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor) == (32, 2.5)
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
