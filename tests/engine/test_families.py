@@ -371,6 +371,7 @@ QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitem
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
 QUANTIZED_FAMILIES += ["gpt_oss"]
+QUANTIZED_FAMILIES += ["deepseek_v2", "deepseek_v3"]
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
 
 
@@ -400,6 +401,9 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("norm_kind", "norm_bias", "parallel_block", "mlp_gated", "mlp_bias", "o_bias")
     fields += ("head_bias", "rms_norm_eps")
     fields += ("swiglu_alpha", "swiglu_limit")
+    fields += ("head_dim", "num_kv_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim")
+    fields += ("v_head_dim", "router_scoring", "expert_groups", "expert_groups_used")
+    fields += ("routed_scaling_factor",)
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149

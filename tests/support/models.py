@@ -380,6 +380,17 @@ GEMMA4_MOE: dict[str, object] = dict(
     top_k_experts=2,
     moe_intermediate_size=32,
 )
+# YaRN scaled down (64 positions of 4x), the softmax's and the rotary's mscales apart
+_DEEPSEEK_V2_YARN: dict[str, object] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -644,16 +655,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             topk_method="group_limited_greedy",
             routed_scaling_factor=1.5,
             num_key_value_heads=4,  # (transformers' MLA repeats K/V by heads / KV heads)
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 0.707,
-            },
+            rope_parameters=_DEEPSEEK_V2_YARN,
             tie_word_embeddings=False,
         ),
     ),
@@ -1041,6 +1043,11 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "starcoder2": dict(sliding_window=None),
     # the converter regroups Falcon's q/k/v weights only (no biases, as published)
     "falcon": dict(bias=False),
+    # a GGUF file says one YaRN mscale (llama.cpp's rotary has magnitude 1, as equal
+    # mscales give); V3's gating function as published (the converter writes it only
+    # where the config says it: llama.cpp's default is V2's softmax)
+    "deepseek_v2": dict(rope_parameters={**_DEEPSEEK_V2_YARN, "mscale": 0.707}),
+    "deepseek_v3": dict(scoring_func="sigmoid"),
     # llama.cpp hard-codes gpt-oss's SwiGLU limit (7)
     "gpt_oss": dict(swiglu_limit=7.0),
 }
