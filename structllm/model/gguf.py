@@ -1217,8 +1217,9 @@ def load_tensors(
                 continue  # a multi-token-prediction block (not run here)
             w = cast(Tensor, read_tensor(t, shape, False))
             k = name.endswith("attn_k_b.weight")
-            yield f"layers.{name.split('.')[1]}.attn.{'k_b' if k else 'v_b'}", (
-                w.transpose(1, 2).contiguous() if k else w
+            yield (
+                f"layers.{name.split('.')[1]}.attn.{'k_b' if k else 'v_b'}",
+                (w.transpose(1, 2).contiguous() if k else w),
             )
             continue
         w = read_tensor(t, shape, keep_blocks)

@@ -102,9 +102,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     # multi-head latent attention (a latent KV cache), grouped routing, shared experts
     # (llama.cpp's deepseek2 is both: V3 by its sigmoid gating, gguf.model_config)
-    Family(
-        "deepseek_v2", "deepseek", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)
-    ),
+    Family("deepseek_v2", "deepseek", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)),
     Family("deepseek_v3", "deepseek", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
     # attention sinks, alternating windows, biased experts with a clamped SwiGLU
     Family("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
