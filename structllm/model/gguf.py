@@ -1029,8 +1029,12 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
     deq: dict[str, int] = {}
     half16 = f32 = vectors = 0
     experts: dict[str, int] = {}  # expert matrices by how they run
+    per_head = 0  # DeepSeek's attn_k_b / attn_v_b, [H, ., .]
     for t in reader.tensors:
         kind, shape = t.tensor_type.name, tuple(int(s) for s in reversed(t.shape))
+        if len(shape) == 3 and not t.name.endswith(_EXPERTS):
+            per_head += 1
+            continue
         how = tensor_format(t.name, kind, shape, keep_blocks)
         n = shape[0] if len(shape) == 3 else 1  # a 3-D expert tensor: one matrix per expert
         if len(shape) == 3:
@@ -1059,6 +1063,11 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
             else "the weights run as floats (--quantization none, or not on CPU)"
         )
         lines.append(f"{sum(deq.values())} matrices dequantised to float32 ({kinds}): {why}")
+    if per_head:
+        lines.append(
+            f"{per_head} latent-attention tensors (attn_k_b, attn_v_b) as float32: "
+            "they run as per-head batched matmuls"
+        )
     if experts:
         each = ", ".join(f"{k} {n}" for k, n in sorted(experts.items(), key=lambda kv: -kv[1]))
         lines.append(f"experts: {sum(experts.values())} expert matrices (counted above): {each}")
