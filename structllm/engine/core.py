@@ -427,6 +427,7 @@ class EngineCore:
             and not config.enforce_eager
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
+            and self.model.cuda_graphs  # (latent attention's reads host-side lists)
             and not self.hybrid  # (recurrent states are not captured)
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)

@@ -32,7 +32,7 @@ weights times ``routed_scaling_factor``; the shared experts are one ungated MLP 
 ``n_shared_experts * moe_intermediate_size`` every token runs, added after the routed.
 
 The layers run the plain torch path in one process (tensor and pipeline parallelism
-are refused by name; no native decode loop).
+are refused by name; no native decode loop, no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -152,29 +152,30 @@ class LatentAttention(nn.Module):
         # absorbed queries: q_lat[t, h] = q_nope[t, h] @ W_UK[h]  ([H, T, Dn] x [H, Dn, L])
         q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), self.k_b).transpose(0, 1)
         q_pe = apply_rope(q[..., self.nope :], rope)  # [T, H, R]
-        o = _attend(torch.cat([q_lat, q_pe], dim=-1), latent, cache, meta, self.scale)
-        # each head's value output: o_lat[t, h] @ W_UV[h]^T  ([H, T, L] x [H, L, Dv])
-        v = torch.bmm(o[..., :rank].transpose(0, 1), self.v_b.transpose(1, 2))  # [H, T, Dv]
+        o = _attend(torch.cat([q_lat, q_pe], dim=-1), latent, cache, meta, self.scale, rank)
+        # each head's value output: o[t, h] @ W_UV[h]^T  ([H, T, L] x [H, L, Dv])
+        v = torch.bmm(o.transpose(0, 1), self.v_b.transpose(1, 2))  # [H, T, Dv]
         return linear(v.transpose(0, 1).reshape(t, nh * self.v_dim), self.o_proj)
 
 
 def _attend(
-    q: Tensor, latent: Tensor, cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor, latent: Tensor, cache: Tensor, meta: AttentionMetadata, scale: float, rank: int
 ) -> Tensor:
     """Store ``latent: [T, 1, L+R]`` at the step's slots, then attend with ``q: [T, H,
-    L+R]`` over the cache read as both K and V (the reference's paged attention):
-    decode rows first, then the prefill chunks; ``[T, H, L+R]``."""
+    L+R]`` over the cached rows as keys, their first ``L = rank`` columns as values:
+    decode rows first (``_latent_decode``), then the prefill chunks (the reference's
+    paged prefill, the cache read as both K and V); ``[T, H, L]``."""
     nb, bs, _, d = cache.shape
     cache.view(nb * bs, 1, d).index_copy_(0, meta.slot_mapping, latent.to(cache.dtype))
     nd, t = meta.num_decodes, q.shape[0]
-    out = torch.empty_like(q)
+    out = q.new_empty(t, q.shape[1], rank)
     if nd:
         max_len = max(meta.seq_lens_list[:nd])
         tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-        out[:nd] = reference.decode_attention(q[:nd], cache, cache, tables, lens, scale, max_len)
+        out[:nd] = _latent_decode(q[:nd], cache, tables, lens, scale, max_len, rank)
     if nd < t:
         starts = [s - nd for s in meta.query_start_list[nd:]]
-        out[nd:] = reference.prefill_attention(
+        rows = reference.prefill_attention(
             q[nd:],
             cache,
             cache,
@@ -185,7 +186,36 @@ def _attend(
             latent[nd:],
             latent[nd:],
         )
+        out[nd:] = rows[..., :rank]
     return out
+
+
+def _latent_decode(
+    q: Tensor,
+    cache: Tensor,
+    tables: Tensor,
+    lens: Tensor,
+    scale: float,
+    max_len: int,
+    rank: int,
+) -> Tensor:
+    """One query row per sequence, ``q: [B, H, L+R]`` -> ``[B, H, L]``, over the cache
+    ``[NB, BS, 1, L+R]``: the reference's decode (``reference.decode_attention``: whole
+    blocks gathered, the slots past each length masked, in float32) with one KV head,
+    whose rows are gathered once and serve as keys and, their first ``L`` columns, as
+    values (the reference would gather them twice and weigh all ``L+R`` columns)."""
+    b, d = q.shape[0], q.shape[2]
+    bs = cache.shape[1]
+    nblocks = (max_len + bs - 1) // bs
+    length = nblocks * bs
+    index = tables[:, :nblocks].reshape(-1).to(torch.long)
+    rows = cache.index_select(0, index).view(b, length, d).float()  # [B, S, L+R]
+    pos = torch.arange(length, device=q.device)
+    past_end = pos >= lens[:, None].to(torch.long)  # [B, S]
+    bias = torch.zeros(b, 1, length, dtype=torch.float32, device=q.device)
+    bias.masked_fill_(past_end[:, None], float("-inf"))
+    scores = torch.baddbmm(bias, q.float(), rows.transpose(1, 2), alpha=scale)  # [B, H, S]
+    return torch.bmm(scores.softmax(dim=-1), rows[..., :rank]).to(q.dtype)
 
 
 class DeepseekLayer(nn.Module):
@@ -235,6 +265,7 @@ class DeepseekModel(MoeModel):
         super().__init__(cfg, dtype, plan, layers)
         self.native_decode = False
         self.decode_why = "the Python layer loop (latent attention)"
+        self.cuda_graphs = False  # (its attention reads the step's host-side lists)
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int

@@ -397,6 +397,9 @@ class LlamaModel(nn.Module):
         self.decode_planner: Callable[[LlamaModel], tuple[Any, str]] | None = None
         self._decode_plan: Any = None
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
+        # decode steps may be captured in CUDA graphs (where the attention backend can
+        # be); False for a family whose attention reads the step's host-side lists
+        self.cuda_graphs = True
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
