@@ -32,7 +32,9 @@ weights times ``routed_scaling_factor``; the shared experts are one ungated MLP 
 ``n_shared_experts * moe_intermediate_size`` every token runs, added after the routed.
 
 The layers run the plain torch path in one process (tensor and pipeline parallelism
-are refused by name; no native decode loop, no CUDA graphs).
+are refused by name; no native decode loop, no CUDA graphs), with the fused CPU ops'
+SiLU * up in the non-exact formats, so that block experts run in one native call per
+layer (``cpu_moe.cpp``).
 """
 
 from __future__ import annotations
@@ -236,15 +238,29 @@ class DeepseekLayer(nn.Module):
             self.down_proj = _param(dtype, h, ffn)
             self.PACKED = ("gate_up_proj", "down_proj")
 
-    def forward(self, x: Tensor, rope: Tensor, cache: Tensor, meta: AttentionMetadata) -> Tensor:
-        """``x: [T, hidden]`` -> ``[T, hidden]``."""
+    def forward(
+        self,
+        x: Tensor,
+        rope: Tensor,
+        cache: Tensor,
+        meta: AttentionMetadata,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """``x: [T, hidden]`` -> ``[T, hidden]``. ``fused_act``: the fused CPU ops'
+        SiLU * up of ``[T, 2F]`` rows (the non-exact formats: with it, block experts run
+        in one native call, ``SparseMoe.run_experts``), else torch's ops."""
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
         x = x + self.attn(h, rope, cache, meta)
         h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
         if self.moe is not None:
-            return x + self.moe(h, "silu")
-        gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        return x + linear(gated_act(gate, up, "silu"), self.down_proj, int8_ok=True)
+            return x + self.moe(h, "silu", fused_act)
+        gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # [T, 2F]
+        if fused_act is not None:
+            mid = fused_act(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = gated_act(gate, up, "silu")
+        return x + linear(mid, self.down_proj, int8_ok=True)
 
 
 class DeepseekModel(MoeModel):
@@ -295,10 +311,11 @@ class DeepseekModel(MoeModel):
         x = self.embed(input_ids)
         half = self.cfg.rope_dim // 2  # the table's pairs past R/2 are the latent's identity
         rope = self.rope_table(int(meta.max_seq_len))[positions, :half].unsqueeze(1)
+        fused_act = self.cpu_ops.silu_mul if self.cpu_ops is not None else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
-            x = cast(DeepseekLayer, layer)(x, rope, cache[0], meta)
+            x = cast(DeepseekLayer, layer)(x, rope, cache[0], meta, fused_act)
         return self.final_norm(x)
 
 

@@ -208,3 +208,21 @@ def _assert_same_choice(
     want_c, want_order = want_c.sort(-1)
     assert torch.equal(got_c, want_c)
     torch.testing.assert_close(got_w.gather(1, order), want_w.gather(1, want_order))
+
+
+def test_block_experts_run_in_one_native_call(default_files) -> None:  # type: ignore[no-untyped-def]
+    # a quantized file in the default format: the fused CPU ops' SiLU * up reaches the
+    # experts, which then run through cpu_moe.cpp's one call per layer
+    from tests.engine.test_families import gguf_file
+
+    engine = EngineCore(
+        EngineConfig(
+            model=str(gguf_file("deepseek_v3", default_files, "Q8_0")), kv_cache_memory=32 << 20
+        )
+    )
+    model = engine.runner.model  # type: ignore[union-attr]
+    if model.cpu_ops is None:
+        pytest.skip("the fused CPU ops do not build here")
+    prefill_logits(engine, PROMPTS[1])
+    moes = [layer.moe for layer in model.layers if layer.moe is not None]
+    assert len(moes) == 2 and all(m.native for m in moes)
