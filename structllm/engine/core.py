@@ -158,6 +158,13 @@ class EngineCore:
             config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
         ):
             raise ValueError("LoRA adapters run in one process: no tensor or pipeline parallelism")
+        if mcfg.kv_lora_rank and (
+            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                f"{mcfg.architecture} (multi-head latent attention) runs in one process: "
+                "tensor and pipeline parallelism are not supported for it"
+            )
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
         plan = (
@@ -504,6 +511,7 @@ class EngineCore:
             and not config.enforce_eager
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
+            and self.model.cuda_graphs  # (latent attention's reads host-side lists)
             and not self.hybrid  # (recurrent states are not captured)
             # (chunked layers decode through the reference on CUDA, which reads the
             # step's lengths on the host: not capturable)

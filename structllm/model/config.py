@@ -9,6 +9,7 @@ family's reading of its config is one small function in ``FAMILY_OPTIONS``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -161,6 +162,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_beside_mlp: bool = False  # the experts run beside the dense MLP, not instead
     per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
     per_layer_vocab_size: int = 0  # their table's rows
+    # --- multi-head latent attention (DeepSeek-V2/V3, model/deepseek.py) ---
+    # kv_lora_rank > 0: each layer caches one "head" of head_dim = kv_lora_rank +
+    # rotary_dim per token, [normed latent c_kv, rotated k_pe] (num_kv_heads is 1); the
+    # queries are q_lora_rank-compressed (0: a plain q_proj), each head's key
+    # qk_nope_head_dim + rotary_dim wide, its value v_head_dim
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # the router's scores: "softmax" over all experts, or "sigmoid" per expert with a
+    # choice bias (DeepSeek-V3's; model.moe.sigmoid_group_route)
+    router_scoring: str = "softmax"
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -360,9 +373,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size (a
-        layer that reads another's cache holds none)."""
+        layer that reads another's cache holds none; a latent-attention layer holds its
+        latent and rotary key once, ``kv_lora_rank + rotary_dim``)."""
+        tensors = 1 if self.kv_lora_rank else 2  # latent attention: K is V (one tensor)
         return sum(
-            2 * self.kv_heads_of(i) * self.head_dim_of(i)
+            tensors * self.kv_heads_of(i) * self.head_dim_of(i)
             for i in range(self.num_layers)
             if self.attends(i) and self.kv_source(i) == i
         )
@@ -1548,6 +1563,64 @@ def _falcon(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _deepseek(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 and V3 (also Kimi K2, Moonlight): multi-head latent attention (the
+    cache's one head is ``kv_lora_rank + qk_rope_head_dim`` wide; the softmax scale is
+    ``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale_all_dim`` factor squared),
+    dense MLPs in the first ``first_k_dense_replace`` layers, then experts beside
+    ``n_shared_experts`` shared ones: V2's softmax routing (``topk_method``
+    "group_limited_greedy": the best ``topk_group`` of ``n_group`` groups by their best
+    score), V3's grouped sigmoid routing with a choice bias."""
+    v3 = base["architecture"] == "deepseek_v3"
+    name = "DeepSeek-V3" if v3 else "DeepSeek-V2"
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"{name} with attention_bias or mlp_bias is not supported")
+    if v3 and cfg.get("rope_interleave") is False:
+        raise ValueError(f"{name} with rope_interleave false is not supported")
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"{name} with moe_layer_freq {cfg['moe_layer_freq']} is not supported")
+    if (act := _hidden_act(cfg, name, "silu")) != "silu":
+        raise ValueError(f"{name} with hidden_act {act!r} is not supported (silu is)")
+    nope, rope = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
+    rank = int(cfg.get("kv_lora_rank", 512))
+    scale = (nope + rope) ** -0.5
+    sc = base["rope_scaling"] or {}
+    factor = float(sc.get("factor") or 1.0)
+    if sc.get("rope_type") == "yarn" and sc.get("mscale_all_dim") and factor > 1:
+        mscale = 0.1 * float(sc["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    out: dict[str, Any] = {
+        "kv_lora_rank": rank,
+        "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+        "qk_nope_head_dim": nope,
+        "v_head_dim": int(cfg.get("v_head_dim") or 128),
+        "head_dim": rank + rope,
+        "num_kv_heads": 1,
+        "rotary_dim": rope,
+        "attn_scale": scale,
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+    }
+    experts = int(cfg.get("n_routed_experts") or 0)
+    if not experts:
+        return out
+    layers, dense = base["num_layers"], int(cfg.get("first_k_dense_replace") or 0)
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    moe = int(cfg.get("moe_intermediate_size") or 0)
+    out.update(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=moe,
+        shared_expert_intermediate_size=moe * int(cfg.get("n_shared_experts") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+        moe_layers=[i >= dense for i in range(layers)] if dense else [],
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        expert_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+        expert_groups_used=int(cfg.get("topk_group") or 1) if grouped else 1,
+        router_scoring="sigmoid" if v3 else "softmax",
+    )
+    return out
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1585,4 +1658,6 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gpt2": _gpt2,
     "gpt_bigcode": _gpt2,
     "falcon": _falcon,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
 }

@@ -9,12 +9,13 @@ vectorised torch ops; any other type the ``gguf`` package knows goes through its
 from __future__ import annotations
 
 import functools
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -375,6 +376,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_exaone4(layers, window, get))
     elif fam.name == "gpt_oss":
         kw.update(_gpt_oss(layers, window, scaling, get))
+    elif fam.name == "deepseek_v2":
+        kw.update(_deepseek2(layers, head_dim, kw["rope_scaling"], get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     elif fam.name in _CLASSIC:
@@ -389,7 +392,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
     # n_routed_experts)
-    experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
+    # (DeepSeek's: _deepseek2)
+    experts = int(get("expert_count") or 0) if fam.name not in ("nemotron_h", "deepseek_v2") else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
     elif fam.name in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
@@ -414,6 +418,59 @@ def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
             f"qwen2vl GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
         )
     return {"mrope_section": sections[:3]}
+
+
+def _deepseek2(
+    layers: int, head_dim: int, scaling: dict[str, Any] | None, get: Callable[..., Any]
+) -> dict[str, Any]:
+    """llama.cpp's ``deepseek2`` (DeepSeek-V2 and V3; ``config._deepseek``): the cached
+    head ``key_length = kv_lora_rank + rope``, the attention heads' ``key_length_mla``
+    and ``value_length_mla``; V3 by its sigmoid gating (``expert_gating_func`` 2, with
+    the ``exp_probs_b`` choice bias), V2 otherwise (llama.cpp's default for files
+    without the key). The converter writes ``yarn_log_mul`` as ``0.1 * mscale_all_dim``
+    (llama.cpp's legacy rule for this family); llama.cpp's rotary then has magnitude 1,
+    as the configs' equal ``mscale`` and ``mscale_all_dim`` give."""
+    rank = int(get("attention.kv_lora_rank"))
+    rope = head_dim - rank
+    qk = int(get("attention.key_length_mla") or head_dim)
+    out: dict[str, Any] = {
+        "kv_lora_rank": rank,
+        "q_lora_rank": int(get("attention.q_lora_rank") or 0),
+        "qk_nope_head_dim": qk - rope,
+        "v_head_dim": int(get("attention.value_length_mla") or 0),
+        "num_kv_heads": 1,
+        "rotary_dim": rope,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+    }
+    scale = qk**-0.5
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        log_mul = get("rope.scaling.yarn_log_multiplier") or get("rope.scaling.yarn_log_mul")
+        mscale_all = float(log_mul or 0.0) / 0.1
+        factor = float(scaling.get("factor") or 1.0)
+        if mscale_all and factor > 1:
+            scaling.update(mscale=mscale_all, mscale_all_dim=mscale_all)
+            scale *= (0.1 * mscale_all * math.log(factor) + 1.0) ** 2
+    out["attn_scale"] = scale
+    experts = int(get("expert_count") or 0)
+    if not experts:
+        return out
+    sigmoid = int(get("expert_gating_func") or 1) == 2
+    moe = int(get("expert_feed_forward_length") or 0)
+    dense = int(get("leading_dense_block_count") or 0)
+    out.update(
+        architecture="deepseek_v3" if sigmoid else "deepseek_v2",
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count") or 0),
+        moe_intermediate_size=moe,
+        shared_expert_intermediate_size=moe * int(get("expert_shared_count") or 0),
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        moe_layers=[i >= dense for i in range(layers)] if dense else [],
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
+        router_scoring="sigmoid" if sigmoid else "softmax",
+    )
+    return out
 
 
 def _qwen3_5(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
@@ -982,6 +1039,18 @@ _NEMOTRON_H_NAMES = {
 }
 
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
+# DeepSeek's latent attention (model/deepseek.py) and V3's choice bias; attn_k_b and
+# attn_v_b (kv_b_proj's key and value rows per head) are ``_deepseek_kv_b``'s
+_DEEPSEEK_NAMES = {
+    "attn_q.weight": "attn.q_proj",
+    "attn_q_a.weight": "attn.q_a_proj",
+    "attn_q_a_norm.weight": "attn.q_a_norm",
+    "attn_q_b.weight": "attn.q_b_proj",
+    "attn_kv_a_mqa.weight": "attn.kv_a_proj",
+    "attn_kv_a_norm.weight": "attn.kv_a_norm",
+    "attn_output.weight": "attn.o_proj",
+    "exp_probs_b.bias": "moe.router_bias",
+}
 _SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
 
 # Qwen3.5's Gated DeltaNet layers, by llama.cpp's converter's names (``ssm_a`` holds
@@ -1023,6 +1092,7 @@ _KEEPABLE = (
 )
 _KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 _KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
+_KEEPABLE += ("attn_q_a.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight")  # DeepSeek's
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
@@ -1080,8 +1150,12 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
     deq: dict[str, int] = {}
     half16 = f32 = vectors = 0
     experts: dict[str, int] = {}  # expert matrices by how they run
+    per_head = 0  # DeepSeek's attn_k_b / attn_v_b, [H, ., .]
     for t in reader.tensors:
         kind, shape = t.tensor_type.name, tuple(int(s) for s in reversed(t.shape))
+        if len(shape) == 3 and not t.name.endswith(_EXPERTS):
+            per_head += 1
+            continue
         how = tensor_format(t.name, kind, shape, keep_blocks)
         n = shape[0] if len(shape) == 3 else 1  # a 3-D expert tensor: one matrix per expert
         if len(shape) == 3:
@@ -1110,6 +1184,11 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
             else "the weights run as floats (--quantization none, or not on CPU)"
         )
         lines.append(f"{sum(deq.values())} matrices dequantised to float32 ({kinds}): {why}")
+    if per_head:
+        lines.append(
+            f"{per_head} latent-attention tensors (attn_k_b, attn_v_b) as float32: "
+            "they run as per-head batched matmuls"
+        )
     if experts:
         each = ", ".join(f"{k} {n}" for k, n in sorted(experts.items(), key=lambda kv: -kv[1]))
         lines.append(f"experts: {sum(experts.values())} expert matrices (counted above): {each}")
@@ -1259,6 +1338,20 @@ def load_tensors(
             if progress is not None:
                 progress(i + 1, total)
             continue
+        deepseek = cfg.architecture in ("deepseek_v2", "deepseek_v3")
+        if deepseek and name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            # [H, L, Dn] (the converter's transpose) and [H, Dv, L]: float, for bmm
+            if progress is not None:
+                progress(i + 1, total)
+            if int(name.split(".")[1]) >= cfg.num_layers:
+                continue  # a multi-token-prediction block (not run here)
+            w = cast(Tensor, read_tensor(t, shape, False))
+            k = name.endswith("attn_k_b.weight")
+            yield (
+                f"layers.{name.split('.')[1]}.attn.{'k_b' if k else 'v_b'}",
+                (w.transpose(1, 2).contiguous() if k else w),
+            )
+            continue
         w = read_tensor(t, shape, keep_blocks)
         if progress is not None:
             progress(i + 1, total)
@@ -1295,6 +1388,9 @@ def load_tensors(
             two_norms = cfg.architecture == "falcon" and cfg.parallel_block == "separate"
             if two_norms and rest in _FALCON_NORMS:
                 yield prefix + _FALCON_NORMS[rest], w
+                continue
+            if deepseek and rest in _DEEPSEEK_NAMES:
+                yield prefix + _DEEPSEEK_NAMES[rest], w
                 continue
             if cfg.architecture == "gpt_oss" and rest in _GPT_OSS_NAMES:
                 yield prefix + _GPT_OSS_NAMES[rest], w

@@ -5,7 +5,7 @@ Hugging Face's halves layout: its q/k rows are permuted like Llama's), dense MLP
 first ``first_k_dense_replace`` layers and a mixture of experts in the rest
 (``GroupedSigmoidMoe``).
 
-The experts are routed as DeepSeek-V3's (``moe.grouped_topk``): sigmoid scores, a
+The experts are routed as DeepSeek-V3's (``moe.sigmoid_group_route``): sigmoid scores, a
 per-expert correction bias for the choice only, ``n_group`` groups of which the
 ``topk_group`` best are chosen from, the chosen scores renormalised (``norm_topk_prob``)
 and times ``routed_scaling_factor``; beside them ``n_shared_experts`` shared experts
@@ -22,7 +22,6 @@ through the native expert call where their weights allow.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.packed import BlockWeight
@@ -30,12 +29,12 @@ from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe
 from structllm.model.llama import DecoderLayer, HFNames
 from structllm.model.llama import hf_to_native as _hf_to_native
-from structllm.model.moe import MoeModel, grouped_topk
+from structllm.model.moe import MoeModel, sigmoid_group_route
 from structllm.model.sharding import ShardPlan
 
 
 class GroupedSigmoidMoe(SparseMoe):
-    """``SparseMoe`` routed by ``grouped_topk`` (``router_bias: [E]``, float32, the
+    """``SparseMoe`` routed by ``sigmoid_group_route`` (``router_bias: [E]``, float32, the
     checkpoint's ``e_score_correction_bias``), its shared expert ungated."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None = None) -> None:
@@ -49,10 +48,10 @@ class GroupedSigmoidMoe(SparseMoe):
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each, in float32 as transformers routes."""
-        logits = F.linear(h.float(), self.router.float())  # [T, E]
-        return grouped_topk(
-            logits,
-            self.router_bias.float(),
+        return sigmoid_group_route(
+            h,
+            self.router,
+            self.router_bias,
             self.top_k,
             self.groups,
             self.groups_used,

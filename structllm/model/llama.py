@@ -466,6 +466,9 @@ class LlamaModel(nn.Module):
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
         # the step's LoRA rows while it has any (model.lora.active): the Python loop runs
         self.adapters: LoraRows | None = None
+        # decode steps may be captured in CUDA graphs (where the attention backend can
+        # be); False for a family whose attention reads the step's host-side lists
+        self.cuda_graphs = True
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
@@ -482,6 +485,16 @@ class LlamaModel(nn.Module):
         """Held layer ``layer``'s paged KV cache: (the held layer whose cache it reads,
         its own index unless it shares another's; KV heads; head size)."""
         return layer, self.num_kv_heads, self.cfg.head_dim
+
+    def kv_cache_shapes(
+        self, layer: int, num_blocks: int, block_size: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The shapes of held layer ``layer``'s cache tensors (``ModelRunner`` allocates
+        them; a layer sharing another's cache is not asked): K in the attention
+        backend's layout, then V (latent attention keeps one tensor, ``model.deepseek``)."""
+        _, heads, head_dim = self.kv_layout(layer)
+        shape = (num_blocks, block_size, heads, head_dim)
+        return self.attn_impl.k_cache_shape(*shape), shape
 
     def state_bytes(self) -> int:
         """Bytes of one request's recurrent state over every layer held (float32; 0

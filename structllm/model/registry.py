@@ -111,6 +111,10 @@ FAMILIES: tuple[Family, ...] = (
         ("llama4_text",),
         ("llama4",),
     ),
+    # multi-head latent attention (a latent KV cache), grouped routing, shared experts
+    # (llama.cpp's deepseek2 is both: V3 by its sigmoid gating, gguf.model_config)
+    Family("deepseek_v2", "deepseek", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)),
+    Family("deepseek_v3", "deepseek", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
     # attention sinks, alternating windows, biased experts with a clamped SwiGLU
     Family("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)

@@ -155,6 +155,16 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.num_kv_heads == (1 if name == "gpt_bigcode" else 4)
     if name == "falcon":  # Falcon 40B's: two norms side by side, KV head groups
         assert (cfg.parallel_block, cfg.num_kv_heads, cfg.mlp_act) == ("separate", 2, "gelu")
+    if name in ("deepseek_v2", "deepseek_v3"):  # the cache's one head: [c_kv (32), k_pe (8)]
+        assert (cfg.kv_lora_rank, cfg.head_dim, cfg.num_kv_heads, cfg.rotary_dim) == (32, 40, 1, 8)
+        assert cfg.kv_bytes_per_token == 3 * 40 and cfg.moe_layers == [False, True, True]
+        assert (cfg.expert_groups, cfg.expert_groups_used) == (4, 2)
+    if name == "deepseek_v2":  # V2-Lite's plain q_proj, group-limited softmax routing
+        assert (cfg.q_lora_rank, cfg.router_scoring, cfg.norm_topk_prob) == (0, "softmax", False)
+        assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor) == (64, 1.5)
+    if name == "deepseek_v3":
+        assert (cfg.q_lora_rank, cfg.router_scoring, cfg.norm_topk_prob) == (24, "sigmoid", True)
+        assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor) == (32, 2.5)
     if name == "nemotron_h":
         assert cfg.layer_types == ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]
         assert cfg.rope_layers == [False] * 6 and cfg.num_attention_layers == 1
@@ -465,8 +475,10 @@ QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
-QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe", "llama4"]
-GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES]
+QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe", "llama4", "deepseek_v3"]
+# (llama.cpp loads a deepseek2 file without q_lora_rank only at V2-Lite's 26 or 27
+# layers, so llama-quantize refuses the tiny V2's: its F32 file is read here alone)
+GGUF_FAMILIES = ["gemma2", "llama", "olmo3", "deepseek_v2", *QUANTIZED_FAMILIES]
 
 
 def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: ignore[no-untyped-def]
@@ -496,7 +508,9 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("head_bias", "rms_norm_eps")
     fields += ("swiglu_alpha", "swiglu_limit")
     fields += ("layer_chunks", "attn_temperature_floor", "attn_temperature_scale")
-    fields += ("routed_scaling_factor", "expert_groups", "expert_groups_used")
+    fields += ("head_dim", "num_kv_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim")
+    fields += ("v_head_dim", "router_scoring", "expert_groups", "expert_groups_used")
+    fields += ("routed_scaling_factor",)
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
@@ -838,9 +852,11 @@ def test_quantized_gguf_runs_its_blocks(
     model = blocks.runner.model
     # the fused path, not a fallback (the classic layouts: the plain one, said at start)
     assert (model.cpu_ops is None) == (name in CLASSIC)
-    attends = next(layer for layer in model.layers if hasattr(layer, "qkv_proj"))
+    attends = next(m for m in model.layers if hasattr(m, "qkv_proj") or hasattr(m, "attn"))
+    # (latent attention's first projection: kv_a_proj)
+    proj = attends.qkv_proj if hasattr(attends, "qkv_proj") else attends.attn.kv_a_proj
     # (llama-quantize keeps k and v at Q8_0 in a model of 8 experts or more: GLM-4.5's)
-    assert type(attends.qkv_proj).__name__ in ("BlockWeight", "MixedWeight")
+    assert type(proj).__name__ in ("BlockWeight", "MixedWeight")
     for layer in model.layers:  # a hybrid model's recurrent layers: their mixer's too
         mixer = getattr(layer, "mixer", None)
         if mixer is not None:

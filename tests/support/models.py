@@ -384,6 +384,17 @@ GEMMA4_MOE: dict[str, object] = dict(
     top_k_experts=2,
     moe_intermediate_size=32,
 )
+# YaRN scaled down (64 positions of 4x), the softmax's and the rotary's mscales apart
+_DEEPSEEK_V2_YARN: dict[str, object] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -674,6 +685,51 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # latent attention (V2-Lite's: a plain q_proj), a dense layer then experts by V2's
+    # group-limited softmax routing beside two shared experts, YaRN with mscales
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            num_key_value_heads=4,  # (transformers' MLA repeats K/V by heads / KV heads)
+            rope_parameters=_DEEPSEEK_V2_YARN,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # V3's: q_lora, grouped sigmoid routing with a choice bias, scaled weights
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            kv_lora_rank=32,
+            q_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+    ),
     # StableLM 2 12B's options: q/k LayerNorms per head, attention and MLP side by
     # side; q/k/v biases, a quarter of each head rotating (the 1.6B: neither option)
     "stablelm": (
@@ -847,6 +903,10 @@ def tiny_family_dir(
                 p.normal_(0, 1.0)  # (the same: sigmoid scores spread over (0, 1))
             elif name.endswith("e_score_correction_bias") and family == "glm4_moe":
                 p.normal_(0, 0.2)  # a bias that changes some choices
+            elif family.startswith("deepseek") and name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)  # (sigmoid scores spread, not saturated)
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek-V3's choice bias
+                p.normal_(0, 0.1)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -1074,6 +1134,11 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "starcoder2": dict(sliding_window=None),
     # the converter regroups Falcon's q/k/v weights only (no biases, as published)
     "falcon": dict(bias=False),
+    # a GGUF file says one YaRN mscale (llama.cpp's rotary has magnitude 1, as equal
+    # mscales give); V3's gating function as published (the converter writes it only
+    # where the config says it: llama.cpp's default is V2's softmax)
+    "deepseek_v2": dict(rope_parameters={**_DEEPSEEK_V2_YARN, "mscale": 0.707}),
+    "deepseek_v3": dict(scoring_func="sigmoid"),
     # llama.cpp hard-codes gpt-oss's SwiGLU limit (7)
     "gpt_oss": dict(swiglu_limit=7.0),
 }
