@@ -69,7 +69,7 @@ FAMILIES: tuple[Family, ...] = (
         "gemma4",
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         ("gemma4_text",),
-        (),
+        ("gemma4",),
     ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
