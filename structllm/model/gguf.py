@@ -913,7 +913,7 @@ _KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
 # Gemma 4's per-layer inputs: each layer's gate and projection, the embedding's projection
 _KEEPABLE += ("inp_gate.weight", ".proj.weight", "per_layer_model_proj.weight")
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
-_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERTS: tuple[str, ...] = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _EXPERTS += ("ffn_gate_up_exps.weight",)  # (Gemma 4's, gate and up fused)
 
 
