@@ -73,6 +73,12 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert cfg.layer_intermediate_sizes == [128] * 5 + [256] * 3
         assert (cfg.per_layer_input_size, cfg.scale, cfg.value_norm) == (16, 1.0, True)
         assert cfg.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    if name == "gemma3n":  # the last three layers read layers 8 (local) and 4 (global)
+        assert cfg.layer_windows == ([WINDOW] * 4 + [0]) * 2 and cfg.layer_head_dims == []
+        assert cfg.kv_sources == [*range(7), 6, 6, 4] and cfg.num_attention_layers == 7
+        assert cfg.layer_intermediate_sizes == [128] * 7 + [192] * 3
+        assert (cfg.altup_streams, cfg.laurel_rank, cfg.per_layer_input_size) == (4, 8, 16)
+        assert cfg.activation_sparsity == [0.95] * 3 + [0.0] * 7 and cfg.rope_scaling is None
     if name == "glm4":  # half of each 32-wide head rotates
         assert (cfg.rotary_dim, cfg.qkv_bias, cfg.post_norms) == (16, True, True)
     if name == "exaone4":  # the global layer: no window, no rotary embedding

@@ -603,6 +603,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             rms_norm_eps=1e-6,
         ),
     ),
+    "gemma3n": (  # E2B's layers in small: four local layers to one global (twice), the
+        # last three reading the K/V of earlier ones, four AltUp streams, LAuReL, the
+        # first three layers' sparse activations, per-layer MLP widths and inputs
+        "Gemma3nTextConfig",
+        dict(
+            num_hidden_layers=10,
+            layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+            head_dim=32,
+            intermediate_size=[128] * 7 + [192] * 3,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=3,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=49152,
+            laurel_rank=8,
+            activation_sparsity_pattern=[0.95] * 3 + [0.0] * 7,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
     "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
         "NemotronHConfig",
         dict(
@@ -836,6 +855,10 @@ def tiny_family_dir(
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                 p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
+            elif name.endswith("correct_output_scale"):  # Gemma 3n's (zeros as initialised)
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("prediction_coefs.weight", "correction_coefs.weight")):
+                p.normal_(0, 0.5)  # (AltUp's mixes: zeros as initialised)
             elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
                 p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
     tmp = out.with_name(out.name + ".tmp")
