@@ -85,7 +85,7 @@ class Gemma3nLayer(nn.Module):
         p_size = cfg.per_layer_input_size
         self.per_layer_gate, self.per_layer_proj = p(p_size, h), p(h, p_size)
         self.per_layer_norm = p(h)
-        self.PACKED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        self.PACKED: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         self.PACKED += ("laurel_left", "laurel_right", "per_layer_gate", "per_layer_proj")
 
     def _modalities(self, x: Tensor) -> Tensor:
