@@ -476,6 +476,27 @@ TEXT_MODELS["Gemma4ForConditionalGeneration"] = (
         "eos_token_id": 1,
     },
 )
+# Gemma 3n (Gemma3nTextConfig's defaults; its vision and audio towers are not loaded)
+TEXT_MODELS["Gemma3nForConditionalGeneration"] = (
+    "Gemma3nForCausalLM",
+    {
+        "vocab_size": 262400,
+        "hidden_size": 2048,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 35,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+)
 # Idefics3 (SmolVLM): a Llama text model, LlamaConfig's defaults (Idefics3Config's
 # rms_norm_eps 1e-5 is only for a config without text_config; SmolVLM's lists its own);
 # its vision tower and connector: model/idefics3.py

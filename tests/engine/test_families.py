@@ -285,6 +285,36 @@ def test_gemma4_default_format_agrees(variant: str, default_files) -> None:  # t
     assert agree / total >= bar, (agree, total)
 
 
+def test_gemma3n_as_published_runs_its_text_model(tmp_path: Path, default_files) -> None:  # type: ignore[no-untyped-def]
+    # Gemma3nForConditionalGeneration, as E2B/E4B are published: the text model's config
+    # under text_config, its weights under model.language_model., the vision and audio
+    # parts beside them (not read): the same logits as the text checkpoint
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    text = tiny_family_dir("gemma3n", default_files)
+    cfg = json.loads((text / "config.json").read_text())
+    top = {"architectures": ["Gemma3nForConditionalGeneration"], "model_type": "gemma3n"}
+    top |= {"text_config": {k: v for k, v in cfg.items() if k != "architectures"}}
+    top |= {"vision_config": {"model_type": "gemma3n_vision"}, "audio_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    weights = {
+        "model.language_model." + k.removeprefix("model."): v
+        for f in text.glob("*.safetensors")
+        for k, v in load_file(f).items()
+    }
+    weights |= {name: torch.ones(2, 2) for name in ("model.vision_tower.w", "model.audio_tower.w")}
+    weights |= {"model.embed_vision.embedding.weight": torch.ones(2, 2)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((text / name).read_bytes())
+    published, plain = engine_for(tmp_path), engine_for(text)
+    assert published.files.config == plain.files.config
+    for ids in PROMPTS[1:2]:
+        torch.testing.assert_close(prefill_logits(published, ids), prefill_logits(plain, ids))
+
+
 def test_gemma4_refuses_tensor_parallelism_by_name(default_files) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="gemma4 has layers of several K/V shapes"):
         engine_for(tiny_family_dir("gemma4", default_files), tensor_parallel_size=2)
