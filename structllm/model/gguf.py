@@ -302,6 +302,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
     elif fam.name == "gemma4":  # (its experts too)
         kw.update(gguf_gemma4.config(layers, get))
+    elif fam.name == "gemma3n":
+        kw.update(gguf_gemma4.gemma3n_config(layers, get))
     elif fam.name == "phi3":
         long, short = get("rope_factors_long"), get("rope_factors_short")
         if long is not None and short is not None:
@@ -635,7 +637,7 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
             o_bias="blk.0.attn_output.bias" in shapes,
             mlp_bias="blk.0.ffn_up.bias" in shapes,
         )
-    if cfg.architecture == "gemma4":
+    if cfg.architecture in ("gemma4", "gemma3n"):
         cfg = gguf_gemma4.options_from_tensors(cfg, shapes)
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
@@ -912,6 +914,7 @@ _KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.we
 _KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
 # Gemma 4's per-layer inputs: each layer's gate and projection, the embedding's projection
 _KEEPABLE += ("inp_gate.weight", ".proj.weight", "per_layer_model_proj.weight")
+_KEEPABLE += ("laurel_l.weight", "laurel_r.weight")  # (Gemma 3n's LAuReL)
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
 _EXPERTS: tuple[str, ...] = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _EXPERTS += ("ffn_gate_up_exps.weight",)  # (Gemma 4's, gate and up fused)
@@ -1209,7 +1212,7 @@ def load_tensors(
                 gguf_gemma4.layer_tensor(
                     cfg, int(idx), rest, w, f"blk.{idx}.attn_v.weight" in names
                 )
-                if cfg.architecture == "gemma4"
+                if cfg.architecture in ("gemma4", "gemma3n")
                 else None
             )
             if handled is not None:  # (its q/k/v fused as the others')

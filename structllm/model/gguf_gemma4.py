@@ -1,5 +1,6 @@
 """Gemma 4 from llama.cpp's GGUF files (``general.architecture = gemma4``): its config
-from the converter's metadata and its tensors under our names (``model/gemma4.py``).
+from the converter's metadata and its tensors under our names (``model/gemma4.py``);
+Gemma 3n's (``gemma3n``, ``model/gemma3n.py``) likewise, at the end.
 
 What the metadata says, by llama.cpp's converter's keys:
 
@@ -27,6 +28,7 @@ one more KV-head projection, and the config says no ``k_eq_v_layers``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,8 @@ TOP_NAMES = {
     "per_layer_token_embd.weight": "per_layer_inputs.embed",
     "per_layer_model_proj.weight": "per_layer_inputs.projection",
     "per_layer_proj_norm.weight": "per_layer_inputs.norm",
+    "altup_proj.weight": "altup_in",  # (Gemma 3n's, [S - 1, hidden, hidden])
+    "altup_unembd_proj.weight": "altup_out",
 }
 
 # a layer's tensors beside the shared names (model.gguf's _LAYER_NAMES)
@@ -61,6 +65,15 @@ _LAYER_NAMES = {
     "post_ffw_norm_2.weight": "experts_out_norm",
     "ffn_gate_inp.scale": "moe.router_scale",
     "ffn_down_exps.scale": "moe.per_expert_scale",
+    # Gemma 3n's AltUp and LAuReL
+    "altup_correct_scale.weight": "correct_output_scale",
+    "altup_correct_coef.weight": "correction_coefs",
+    "altup_predict_coef.weight": "prediction_coefs",
+    "altup_router.weight": "router",
+    "altup_router_norm.weight": "router_norm",
+    "laurel_l.weight": "laurel_left",
+    "laurel_r.weight": "laurel_right",
+    "laurel_post_norm.weight": "laurel_norm",
 }
 
 
@@ -137,7 +150,11 @@ def _proportional(factors: list[float] | None) -> dict[str, Any] | None:
 
 
 def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> ModelConfig:
-    """``cfg`` with the per-layer inputs' vocabulary (the rows of their embedding)."""
+    """``cfg`` with the per-layer inputs' vocabulary (the rows of their embedding) and
+    Gemma 3n's LAuReL rank (the rows of ``laurel_l``)."""
+    laurel = shapes.get("blk.0.laurel_l.weight")
+    if laurel is not None:
+        cfg = msgspec.structs.replace(cfg, laurel_rank=laurel[0])
     embed = shapes.get("per_layer_token_embd.weight")
     if embed is None:
         if cfg.per_layer_input_size:
@@ -179,3 +196,26 @@ def layer_tensor(
         k = [("attn_k.weight", _interleaved(w, kv))]
         return [], k if has_v else [*k, ("attn_v.weight", w)]
     return None
+
+
+def gemma3n_config(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """The Gemma 3n options of a file with ``layers`` blocks: Gemma 4's keys (one head
+    size, ``key_length``; no ``rope_freqs``: plain rope on every layer) and
+    ``altup.num_inputs``; ``activation_sparsity_scale`` holds each layer's cutoff in
+    standard deviations (``Phi^-1`` of its sparsity, -inf for none), read back as the
+    sparsity (``Phi`` of it). The LAuReL rank: ``options_from_tensors``."""
+    if int(get("altup.active_idx") or 0) != 0:
+        raise ValueError("gemma3n GGUF file with altup.active_idx other than 0")
+    key = int(get("attention.key_length"))
+    out = config(layers, lambda k, d=None: key if k == "attention.key_length_swa" else get(k, d))
+    scales = get("activation_sparsity_scale") or []
+    phi = [0.5 * (1.0 + math.erf(float(x) / math.sqrt(2.0))) for x in scales[:layers]]
+    sparsity = [round(p, 6) for p in phi]  # (float32 holds 7 digits: 0.95, not 0.9499999964)
+    out.update(
+        rope_scaling=None,
+        layer_head_dims=[],
+        head_dim=key,
+        altup_streams=int(get("altup.num_inputs") or 4),
+        activation_sparsity=sparsity if any(sparsity) else [],
+    )
+    return out

@@ -97,8 +97,13 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
         ) from e
     if gguf_file is not None and _config_unreadable_by_transformers(path / gguf_file):
         from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as tokenizers
 
-        # the tokenizer fields alone, without the config AutoTokenizer reads first
+        # the tokenizer fields alone, without the config AutoTokenizer reads first;
+        # Gemma 3n's SentencePiece vocabulary read as Gemma 3's (transformers' builder
+        # for Gemma's files, which it knows by their architecture)
+        builders = tokenizers.GGUF_SENTENCEPIECE_BUILDERS
+        builders.setdefault("gemma3n", builders["gemma3"])
         tok = PreTrainedTokenizerFast.from_pretrained(str(path), gguf_file=gguf_file)
     else:
         if gguf_file is not None:
@@ -117,7 +122,7 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
 # head_count_kv) lists, which its config takes as one number. Their tokenizer is built
 # from the file's tokenizer fields alone (transformers' builder for the file's
 # tokenizer.ggml.model, as AutoTokenizer's class would use).
-_TOKENIZER_FIELDS_ONLY = ("gemma4",)
+_TOKENIZER_FIELDS_ONLY = ("gemma4", "gemma3n")
 
 
 def _config_unreadable_by_transformers(gguf_path: Path) -> bool:

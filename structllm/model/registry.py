@@ -78,7 +78,7 @@ FAMILIES: tuple[Family, ...] = (
         "gemma3n",
         ("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration"),
         ("gemma3n_text",),
-        (),
+        ("gemma3n",),
     ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),

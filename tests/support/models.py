@@ -1071,7 +1071,7 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     ``tokenizer.json`` of Gemma's kind (``gemma4_tokenizer_files``); GLM-4's looks up its
     special tokens by name (``glm_tokenizer_json``)."""
     extra: dict[str, Path] | None = None
-    if family in ("gemma", "gemma2", "ernie4_5", "nemotron"):
+    if family in ("gemma", "gemma2", "gemma3n", "ernie4_5", "nemotron"):
         extra = {"tokenizer.model": sentencepiece_model()}
     elif family == "glm4":
         extra = {"tokenizer.json": glm_tokenizer_json(files)}
