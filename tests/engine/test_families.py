@@ -396,7 +396,7 @@ QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 QUANTIZED_FAMILIES += ["nemotron_h"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
-QUANTIZED_FAMILIES += ["gpt_oss"]
+QUANTIZED_FAMILIES += ["gpt_oss", "gemma3n"]
 # (Gemma 4's quantized files: test_gemma4_quantized_gguf_agrees)
 GGUF_FAMILIES = ["gemma2", "llama", "olmo3", *QUANTIZED_FAMILIES, "gemma4", "gemma4_moe"]
 
@@ -437,13 +437,14 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
     fields += ("norm_kind", "norm_bias", "parallel_block", "mlp_gated", "mlp_bias", "o_bias")
     fields += ("head_bias", "rms_norm_eps")
     fields += ("swiglu_alpha", "swiglu_limit")
-    if name.startswith("gemma4"):  # its layer rules (k_eq_v_layers: gguf_gemma4's docstring)
+    if name.startswith(("gemma4", "gemma3n")):  # (k_eq_v_layers: gguf_gemma4's docstring)
         fields += ("layer_head_dims", "layer_kv_heads", "kv_sources", "layer_intermediate_sizes")
         fields += ("per_layer_input_size", "moe_beside_mlp")
         if want.per_layer_input_size:
             fields += ("per_layer_vocab_size",)
         fields += ("value_norm", "rope_theta", "rope_local_theta", "rope_scaling")
         fields += ("intermediate_size", "head_dim", "num_kv_heads", "attn_scale")
+        fields += ("altup_streams", "laurel_rank", "activation_sparsity")
     for field in (*fields, "norm_topk_prob", "moe_layers"):
         got, expected = getattr(cfg, field), getattr(want, field)
         if isinstance(expected, float):  # GGUF stores float32: 0.1 reads as 0.10000000149
