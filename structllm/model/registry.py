@@ -69,7 +69,16 @@ FAMILIES: tuple[Family, ...] = (
         "gemma4",
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         ("gemma4_text",),
-        (),
+        ("gemma4",),
+    ),
+    # Gemma 3n: Gemma 4's per-layer inputs and KV sharing, AltUp's streams, LAuReL;
+    # Gemma3nForConditionalGeneration (as published): its text model (config.TEXT_MODELS)
+    Family(
+        "gemma3n",
+        "gemma3n",
+        ("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration"),
+        ("gemma3n_text",),
+        ("gemma3n",),
     ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),

@@ -664,6 +664,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             rms_norm_eps=1e-6,
         ),
     ),
+    "gemma3n": (  # E2B's layers in small: four local layers to one global (twice), the
+        # last three reading the K/V of earlier ones, four AltUp streams, LAuReL, the
+        # first three layers' sparse activations, per-layer MLP widths and inputs
+        "Gemma3nTextConfig",
+        dict(
+            num_hidden_layers=10,
+            layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+            head_dim=32,
+            intermediate_size=[128] * 7 + [192] * 3,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=3,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=49152,
+            laurel_rank=8,
+            activation_sparsity_pattern=[0.95] * 3 + [0.0] * 7,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
     "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
         "NemotronHConfig",
         dict(
@@ -819,6 +838,57 @@ def sentencepiece_model() -> Path:
     return out
 
 
+# Gemma 4's special tokens beside SentencePiece's four: its turn and channel markers
+GEMMA4_SPECIALS = ("<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>")
+
+
+def gemma4_tokenizer_files() -> dict[str, Path]:
+    """Gemma 4's kind of ``tokenizer.json`` (BPE with byte fallback, spaces as ``▁``, as
+    transformers' ``GemmaTokenizer`` writes it; llama.cpp's Gemma 4 converter reads no
+    other), and a ``tokenizer_config.json`` naming that class, with no chat template:
+    ``sentencepiece_model``'s pieces (``<pad>``, ``<eos>``, ``<bos>``, ``<unk>`` first,
+    as Gemma's ids), ``GEMMA4_SPECIALS``, then ``<unusedN>`` up to the tiny configs'
+    49152 (as Gemma's vocabulary has unused tokens), so the file's vocabulary is the
+    config's. Made once, cached."""
+    import hashlib
+
+    from tokenizers import AddedToken
+    from tokenizers.models import BPE
+    from transformers import GemmaTokenizer
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    from structllm.paths import cache_root
+
+    spm = sentencepiece_model()
+    key = hashlib.sha256(spm.read_bytes() + json.dumps([GEMMA4_SPECIALS, 2]).encode()).hexdigest()
+    out = cache_root() / "test-models" / f"gemma4-tokenizer-{key[:16]}"
+    if not (out / "complete").exists():
+        pieces = SentencePieceExtractor(str(spm)).extract(BPE)
+        rename = {"</s>": "<eos>", "<s>": "<bos>"}
+        vocab = {rename.get(k, k): v for k, v in pieces["vocab"].items()}
+        for token in GEMMA4_SPECIALS:
+            vocab[token] = len(vocab)
+        size = int(str(_SMALL["vocab_size"]))
+        vocab |= {f"<unused{i}>": n for i, n in enumerate(range(len(vocab), size))}
+        tok = GemmaTokenizer(vocab=vocab, merges=pieces["merges"])
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA4_SPECIALS]
+        tok.add_special_tokens(
+            {"additional_special_tokens": [AddedToken(t, normalized=False) for t in specials]},
+            replace_extra_special_tokens=False,
+        )
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>"}
+        config["extra_special_tokens"] = list(GEMMA4_SPECIALS)  # (the converter: CONTROL)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config))
+        (tmp / "complete").write_text("")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return {name: out / name for name in ("tokenizer.json", "tokenizer_config.json")}
+
+
 def glm_tokenizer_json(files: ModelFiles, moe: bool = False) -> Path:
     """The default model's tokenizer with one special token renamed ``<|user|>`` (its
     ``<gh_stars>``, id 7): llama.cpp's GLM-4 converter takes the end-of-turn token by
@@ -895,6 +965,10 @@ def tiny_family_dir(
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                 p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
+            elif name.endswith("correct_output_scale"):  # Gemma 3n's (zeros as initialised)
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("prediction_coefs.weight", "correction_coefs.weight")):
+                p.normal_(0, 0.5)  # (AltUp's mixes: zeros as initialised)
             elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
                 p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
             elif family == "llama4" and name.endswith("feed_forward.router.weight"):
@@ -914,8 +988,9 @@ def tiny_family_dir(
     for name, src in extra_files.items():
         shutil.copyfile(src, tmp / name)
     # the BPE tokenizer as it is (llama.cpp's converter loads it through AutoTokenizer,
-    # which would otherwise pick the family's own class)
-    write_tokenizer_config(files, tmp, tokenizer_class="GPT2Tokenizer")
+    # which would otherwise pick the family's own class), unless one came with the files
+    if "tokenizer_config.json" not in extra_files:
+        write_tokenizer_config(files, tmp, tokenizer_class="GPT2Tokenizer")
     (tmp / "complete").write_text("")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -1148,13 +1223,16 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     """The directory a family's GGUF file is made from: Gemma's and ERNIE 4.5's converters
     read only a SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer;
     the file's vocabulary is then that model's pieces, padded to the config's size, and
-    the token ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
-    by name (``glm_tokenizer_json``)."""
+    the token ids the tests feed are the same ids either way); Gemma 4's only a
+    ``tokenizer.json`` of Gemma's kind (``gemma4_tokenizer_files``); GLM-4's looks up its
+    special tokens by name (``glm_tokenizer_json``)."""
     extra: dict[str, Path] | None = None
-    if family in ("gemma", "gemma2", "ernie4_5", "nemotron"):
+    if family in ("gemma", "gemma2", "gemma3n", "ernie4_5", "nemotron"):
         extra = {"tokenizer.model": sentencepiece_model()}
     elif family in ("glm4", "glm4_moe"):
         extra = {"tokenizer.json": glm_tokenizer_json(files, moe=family == "glm4_moe")}
+    elif family == "gemma4":
+        extra = gemma4_tokenizer_files()
     path = tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
     model_type = _CONVERTER_MODEL_TYPES.get(family)
     if model_type is None:
