@@ -6,7 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from structllm.engine.mrope import MRopePositions
-from structllm.protocol import FinishReason, ImageInput, SamplingParams
+from structllm.protocol import FinishReason, ImageInput, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from structllm.structured import Matcher
@@ -20,43 +20,45 @@ class Status(enum.Enum):
 
 class Request:
     """``token_ids`` is prompt + output; the KV of ``token_ids[:num_computed_tokens]`` is in
-        the cache. After a step the newest sampled token is not computed yet, so a running
-        request in decode has ``num_computed_tokens == len(token_ids) - 1``.
+    the cache. After a step the newest sampled token is not computed yet, so a running
+    request in decode has ``num_computed_tokens == len(token_ids) - 1``.
 
-        ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``, except the first
-        ``num_released_blocks``, given back once behind every layer's window (each then
-        names the first block still held; see ``KVCacheManager.release_behind_window``).
-        ``chain_ids[i]`` is the prefix cache's identity of full block ``i`` (see
-        ``KVCacheManager``). ``state_slot``: the row of every recurrent layer's state that
-        this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none);
-        ``state_load``/``state_save``: the saved state it resumes from and where it saves
-        one, in the step being scheduled (``StateCacheManager.load``/``plan_save``).
-        ``grammar``: the
-        matcher of a constrained request while it lives (see ``engine.grammar``);
-        ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
-        which the grammar does not constrain.
+    ``block_ids[i]`` holds positions ``i*BS .. i*BS+BS-1``, except the first
+    ``num_released_blocks``, given back once behind every layer's window (each then
+    names the first block still held; see ``KVCacheManager.release_behind_window``).
+    ``chain_ids[i]`` is the prefix cache's identity of full block ``i`` (see
+    ``KVCacheManager``). ``state_slot``: the row of every recurrent layer's state that
+    this request holds while it runs (hybrid models, ``engine.state_cache``; -1: none);
+    ``state_load``/``state_save``: the saved state it resumes from and where it saves
+    one, in the step being scheduled (``StateCacheManager.load``/``plan_save``).
+    ``grammar``: the
+    matcher of a constrained request while it lives (see ``engine.grammar``);
+    ``in_reasoning``: the output is still in its reasoning part (``sampling.reasoning``),
+    which the grammar does not constrain.
 
-        ``draft_token_ids``: speculative drafts to follow ``token_ids`` in the step being
-        scheduled (see ``engine.speculative``); never part of ``token_ids``, dropped after
-        the step that verifies them and on preemption. ``spec_drafted``/``spec_accepted``:
-        this request's recent drafted and accepted counts (the drafting policy's).
+    ``draft_token_ids``: speculative drafts to follow ``token_ids`` in the step being
+    scheduled (see ``engine.speculative``); never part of ``token_ids``, dropped after
+    the step that verifies them and on preemption. ``spec_drafted``/``spec_accepted``:
+    this request's recent drafted and accepted counts (the drafting policy's).
 
-        ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
-        disjoint); a prefill chunk splits a span only where the model's image attention is
-    causal (``Scheduler.split_spans``), and the prefix cache
-        keys a block over a span with its image (``block_images``). ``mrope``: with an
-        M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
-        output's tokens (``engine.mrope``); None: a token's position is its index.
+    ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
+    disjoint); a prefill chunk splits a span only where the model's image attention is
+    causal (``Scheduler.split_spans``), and the prefix cache keys a block over a span
+    with its image (``block_images``). ``mrope``: with an
+    M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
+    output's tokens (``engine.mrope``); None: a token's position is its index.
 
-        ``priority``: lower runs earlier under the priority policy (vLLM's polarity; see
-        ``Scheduler``); ``arrival``: the scheduler's count of requests added before this
-        one, which breaks ties between equal priorities (first come, first served).
-        ``lora_uid``: the load of the LoRA adapter it runs with (``engine.adapters``; 0:
-        none); its blocks' chain starts from ``-lora_uid`` instead of 0 (``kv_cache``).
+    ``priority``: lower runs earlier under the priority policy (vLLM's polarity; see
+    ``Scheduler``); ``arrival``: the scheduler's count of requests added before this
+    one, which breaks ties between equal priorities (first come, first served).
+    ``lora_uid``: the load of the LoRA adapter it runs with (``engine.adapters``; 0:
+    none); its blocks' chain starts from ``-lora_uid`` instead of 0 (``kv_cache``).
+    ``pooling``: a pooling runner's request (``engine.pooling``): prefill only, its
+    vector pooled from the step that computes its last prompt token.
 
-        ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
-        ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
-        so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
+    ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
+    ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
+    so positions ``0 .. prompt_len - 2`` are scored, each once, even across preemption.
     """
 
     __slots__ = (
@@ -75,6 +77,7 @@ class Request:
         "num_computed_tokens",
         "num_prompt_logprobs",
         "num_released_blocks",
+        "pooling",
         "priority",
         "prompt_len",
         "request_id",
@@ -126,6 +129,7 @@ class Request:
         self.grammar: Matcher | None = None
         self.in_reasoning = sampling.reasoning is not None
         self.draft_token_ids: list[int] = []
+        self.pooling: PoolingParams | None = None  # a pooling runner's request (prefill only)
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)

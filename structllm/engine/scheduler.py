@@ -163,6 +163,10 @@ class Scheduler:
         self.split_spans = False
         # distinct LoRA adapters among the running requests at most (0: no cap; engine)
         self.max_loras = 0
+        # a bidirectional model's prompts run whole, never in chunks (engine sets): one
+        # longer than what is left of the step waits for the next, where it runs first,
+        # over the budget if it must (as an image span does)
+        self.whole_prompts = False
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -268,6 +272,10 @@ class Scheduler:
                 hits = hits[: self.states.longest_saved([self.kv.block_chain_id[b] for b in hits])]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
+            if self.whole_prompts and n < req.num_tokens - cached:
+                if out.scheduled:
+                    break
+                n = req.num_tokens - cached
             enc = 0
             if req.images:
                 n, enc = self._image_chunk(req, cached, n, budget, encoded)
