@@ -17,7 +17,6 @@ fast paths; one with experts but no Mamba layers is refused when the config is r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -39,22 +38,12 @@ from structllm.model.sharding import ShardPlan
 class SharedMoe(SparseMoe):
     """Granite 4's MoE block: the routed experts (``SparseMoe``, each
     ``moe_intermediate_size`` wide) plus ``shared``, the shared MLP (``Expert``,
-    ``intermediate_size`` wide) that every token runs."""
+    ``intermediate_size`` wide) that every token runs, ungated (``SparseMoe._add_shared``
+    adds it as it is, as GLM-4.5's)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__(cfg, dtype, None)
         self.shared = Expert(cfg.hidden_size, cfg.intermediate_size, dtype)
-
-    def forward(
-        self, h: Tensor, act: str, fused_act: Callable[[Tensor], Tensor] | None = None
-    ) -> Tensor:
-        """``h: [T, hidden]`` -> ``[T, hidden]``: the routed experts' sum plus the
-        shared MLP's output."""
-        routed = super().forward(h, act, fused_act)  # (no shared_gate: nothing shared there)
-        shared = self.shared
-        assert shared is not None
-        gate, up = linear(h, shared.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        return routed + linear(gated_act(gate, up, act), shared.down_proj, int8_ok=True)
 
 
 class GraniteRecurrentLayer(RecurrentLayer):

@@ -313,6 +313,7 @@ def test_generated_chunks_are_laid_out_as_decode_rows() -> None:
             device=torch.device("cpu"),
             pp=None,
             num_state_slots=0,
+            adapters=None,
         )
         fake._decode_chunks = lambda s: ModelRunner._decode_chunks(fake, s)  # type: ignore[arg-type]
         return ModelRunner.prepare(fake, sched).step  # type: ignore[arg-type]
