@@ -119,6 +119,12 @@ inline void expand_row(float* orow, const float* s, const W* bt, int64_t bs, int
     for (int64_t j = 0; j < r; j++) {
       const vf sj = sl::vset1(s[j]);
       const W* bj = bt + j * bs + c;
+      // the next tile of this B^T row: r rows read 64 columns at a time are r short
+      // strided runs, which the hardware prefetcher follows poorly (a decode row, the
+      // first of its block, would wait on each)
+      const char* next = reinterpret_cast<const char*>(bj + TILE);
+      for (int64_t at = 0; at < TILE * static_cast<int64_t>(sizeof(W)); at += 64)
+        _mm_prefetch(next + at, _MM_HINT_T0);
       for (int t = 0; t < TV; t++) acc[t] = sl::vfma(sj, wload(bj + t * VW), acc[t]);
     }
     for (int t = 0; t < TV; t++) sl::vstore(orow + c + t * VW, acc[t]);
