@@ -18,8 +18,8 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
-``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2 and
-Qwen3.5 families at
+``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2,
+Qwen3.5 and DeepSeek-V3 families at
 ``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
 steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
@@ -108,6 +108,26 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         linear_num_value_heads=16,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
+    ),
+    # DeepSeek-V3's layers at 8: latent attention (a 256 + 32 latent row cached per
+    # token and layer, against 2 x 4 x 64 for the GQA shapes above), one dense layer
+    # then 8 experts (top 2 of the best 2 of 4 groups) beside a shared one
+    "deepseek_v3": dict(
+        _DENSE,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kv_lora_rank=256,
+        q_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
     ),
     # Nemotron-H's pattern at 8 layers (Mamba-2, MLP-only and one attention layer; its
     # Mamba-2 at Nemotron-H 8B's head width, groups, state and chunk)

@@ -11,6 +11,11 @@ formats, and what they write, follow llama.cpp's built-in ones (``src/llama-chat
 
 - ``gemma`` (gemma2, gemma3): ``<start_of_turn>user`` ... ``<end_of_turn>``, the
   assistant as ``model``, a system message merged into the next user turn;
+- ``gemma4`` (gemma4): ``<|turn>user`` ... ``<turn|>``, the assistant as ``model``, a
+  leading system message as a ``system`` turn, the answer opened with an empty thought
+  channel (``<|channel>thought\n<channel|>``), as Gemma 4's own template writes it with
+  thinking off (llama.cpp has no built-in one: this follows the published template,
+  ``models/templates/google-gemma-4-31B-it.jinja`` in its tree, without tools);
 - ``chatml`` (qwen2, qwen3, qwen3_moe, smollm3, olmo2/3, stablelm, and any family whose vocabulary
   has ``<|im_start|>`` and ``<|im_end|>``, e.g. SmolLM2's llama files);
 - ``llama3`` (llama files with ``<|start_header_id|>``, ``<|end_header_id|>``,
@@ -135,8 +140,26 @@ _COMMAND_R = _loop(
     "'<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>'",
 )
 
+# Gemma 4: a leading system (or developer) message is a turn of its own; each turn's
+# text trimmed; the answer opens with an empty thought channel (thinking off)
+_GEMMA4 = (
+    "{%- set ns = namespace(skip=0) %}"
+    "{%- if messages and messages[0]['role'] in ['system', 'developer'] %}"
+    "{{- '<|turn>system\\n' + (messages[0]['content'] | trim) + '<turn|>\\n' }}"
+    "{%- set ns.skip = 1 %}"
+    "{%- endif %}"
+    "{%- for m in messages[ns.skip:] %}"
+    "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{- '<|turn>' + role + '\\n' + (m['content'] | trim) + '<turn|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|turn>model\\n<|channel>thought\\n<channel|>' }}"
+    "{%- endif %}"
+)
+
 CHATML = _Format("chatml", _CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>")
 GEMMA = _Format("gemma", _GEMMA, ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>")
+GEMMA4 = _Format("gemma4", _GEMMA4, ("<|turn>", "<turn|>", "<|channel>", "<channel|>"), "<turn|>")
 LLAMA3 = _Format(
     "llama3", _LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|eot_id|>"
 )
@@ -160,6 +183,7 @@ GRANITE = _Format(
 FORMATS: tuple[_Format, ...] = (
     CHATML,
     GEMMA,
+    GEMMA4,
     LLAMA3,
     MISTRAL_V7,
     MISTRAL_V3,
@@ -174,6 +198,7 @@ FORMATS: tuple[_Format, ...] = (
 FAMILY_FORMATS: dict[str, tuple[_Format, ...]] = {
     "gemma2": (GEMMA,),
     "gemma3": (GEMMA,),
+    "gemma4": (GEMMA4,),
     "qwen2": (CHATML,),
     "qwen3": (CHATML,),
     "qwen3_moe": (CHATML,),

@@ -188,6 +188,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "rope_theta and max_position_embeddings)",
     )
     p.add_argument(
+        "--runner",
+        choices=("auto", "generate", "pooling"),
+        default=d("runner"),
+        help="what the engine runs, as vLLM's flag: generate (text), pooling (embeddings and "
+        "scores: /v1/embeddings), or auto: pooling for an embedding checkpoint (a "
+        "sentence-transformers directory, a bare *Model or *ForSequenceClassification "
+        "architecture), else generate. One server runs one runner",
+    )
+    p.add_argument(
+        "--pooler-config",
+        type=_pooler_config,
+        default=None,
+        metavar="JSON",
+        help="the pooling runner's pooling over the model's own, as vLLM's flag: e.g. "
+        '\'{"pooling_type": "MEAN", "normalize": true}\' (pooling_type LAST, MEAN or CLS)',
+    )
+    p.add_argument(
         "--generation-config",
         type=_generation_config,
         default=d("generation_config"),
@@ -255,6 +272,15 @@ def _generation_config(text: str) -> str:
     return text
 
 
+def _pooler_config(text: str) -> object:
+    from structllm.config import pooler_config
+
+    try:
+        return pooler_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _hf_overrides(text: str) -> object:
     from structllm.config import hf_overrides
 
@@ -296,6 +322,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         grammar_fast_forward=not a.no_grammar_fast_forward,
         speculative_config=a.speculative_config,
         hf_overrides=a.hf_overrides,
+        runner=a.runner,
+        pooler_config=a.pooler_config,
         generation_config=a.generation_config,
         mmproj=a.mmproj,
         enable_lora=a.enable_lora,

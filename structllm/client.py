@@ -35,6 +35,7 @@ from structllm.protocol import (
     ImageInput,
     LoraRef,
     OutputBatch,
+    PoolingParams,
     SamplingParams,
     TokenLogprobs,
 )
@@ -58,6 +59,7 @@ class Delta:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pooled: bytes | None = None  # a pooling request's vector (float32 bytes)
 
 
 class Wakeup:
@@ -95,8 +97,11 @@ class RequestStream:
         stop_reason: int | None,
         num_cached: int,
         prompt_logprobs: list[TokenLogprobs] | None = None,
+        pooled: bytes | None = None,
     ) -> None:
         d = self._pending
+        if pooled is not None:
+            d.pooled = pooled
         d.token_ids += token_ids
         if logprobs:
             d.logprobs += logprobs
@@ -211,6 +216,7 @@ class EngineClient:
                     d.stop_reason,
                     d.num_cached_tokens,
                     d.prompt_logprobs,
+                    d.pooled,
                 )
                 if d.finish_reason is not None:
                     del self._streams[d.request_id]
@@ -233,6 +239,7 @@ class EngineClient:
         images: Sequence[ImageInput] = (),
         priority: int = 0,
         lora: LoraRef | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Register, send, yield the stream; on exit unregister and abort if unfinished.
         ``images``: the prompt's (``ImageInput`` spans in prompt order); ``priority``:
@@ -246,7 +253,15 @@ class EngineClient:
         self._streams[request_id] = stream
         try:
             await self.engine.endpoint.send(
-                AddRequest(request_id, prompt_token_ids, sampling, list(images), priority, lora)
+                AddRequest(
+                    request_id,
+                    prompt_token_ids,
+                    sampling,
+                    list(images),
+                    priority,
+                    lora,
+                    pooling,
+                )
             )
             yield stream
         finally:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 GiB = 1 << 30
 
 SPEC_METHODS = ("ngram", "suffix", "none")
+RUNNERS = ("auto", "generate", "pooling")
+PoolingType = Literal["LAST", "MEAN", "CLS"]
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -120,6 +122,29 @@ def hf_overrides(value: object) -> dict[str, Any] | None:
     return value
 
 
+class PoolerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``--pooler-config`` (vLLM's keys): how to pool (``LAST``, ``MEAN``, ``CLS``) and
+    whether to normalise; ``None`` keeps what the model's files say."""
+
+    pooling_type: PoolingType | None = None
+    normalize: bool | None = None
+
+
+def pooler_config(value: object) -> PoolerConfig | None:
+    """``--pooler-config``'s JSON text, or a dict, as a ``PoolerConfig``; ``ValueError``
+    naming what is wrong."""
+    if value is None or isinstance(value, PoolerConfig):
+        return value
+    try:
+        if isinstance(value, str):
+            return msgspec.json.decode(value, type=PoolerConfig)
+        return msgspec.convert(value, PoolerConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"pooler_config: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"pooler_config is not valid JSON: {e}") from None
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings of one engine. ``None`` means "derive from the model and the device".
 
@@ -217,6 +242,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     - ``encoder_cache_memory``: bytes for a vision-language model's encoder outputs, kept
       by image hash (``engine.encoder_cache``; a 256-token Gemma 3 image at hidden 2560
       in float32 is 2.5 MiB).
+    - ``runner``: ``"generate"`` (text generation), ``"pooling"`` (embeddings and
+      scores: prefill only, one vector per request, ``engine.pooling``) or ``"auto"``:
+      pooling for an embedding checkpoint (``model.pooler_config``), else generate.
+      One engine runs one runner (vLLM's ``--runner``).
+    - ``pooler_config``: the pooling runner's pooling and normalisation over what the
+      model's sentence-transformers files say (``PoolerConfig``).
     """
 
     model: str | None = None
@@ -259,8 +290,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
     lora_dtype: str = "auto"
+    runner: str = "auto"
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two, got {bs}")

@@ -15,7 +15,17 @@ from typing import Any, TypeAlias
 
 import msgspec
 
-from structllm.config import EngineConfig, hf_overrides, speculative_config
+from structllm.config import EngineConfig, hf_overrides, pooler_config, speculative_config
+from structllm.embeddings import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    pairs,
+    pool,
+    truncate,
+    vector,
+)
 from structllm.engine.core import EngineCore
 from structllm.harmony import chat as harmony_chat
 from structllm.harmony import uses_harmony
@@ -29,7 +39,14 @@ from structllm.multimodal.mmproj import pair_processor
 from structllm.multimodal.processor import ImageProcessor
 from structllm.multimodal.registry import processor_for
 from structllm.output import SequenceState, fan_out
-from structllm.protocol import AddRequest, ImageInput, LoraRef, SamplingParams, TokenLogprobs
+from structllm.protocol import (
+    AddRequest,
+    ImageInput,
+    LoraRef,
+    PoolingParams,
+    SamplingParams,
+    TokenLogprobs,
+)
 from structllm.reasoning import END_TAG, Mode, check_parser, engine_spec, mode_for
 from structllm.server.images import DEFAULT_MAX_PIXELS
 from structllm.tokenizer import Message, Tokenizer, check_template_kwargs
@@ -129,6 +146,8 @@ class LLM:
             )
         if "hf_overrides" in engine_kwargs:  # JSON text or a dict of config.json keys
             engine_kwargs["hf_overrides"] = hf_overrides(engine_kwargs["hf_overrides"])
+        if "pooler_config" in engine_kwargs:  # JSON text or a dict of vLLM's keys
+            engine_kwargs["pooler_config"] = pooler_config(engine_kwargs["pooler_config"])
         self.config = EngineConfig(model=model, **engine_kwargs)
         files = prepare_model(model)
         if files.template_note is not None:  # a GGUF file without a chat template
@@ -445,6 +464,72 @@ class LLM:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         digests = [content_hash(p, proc.settings) for p in pictures]
         return text, ids, image_prompt.spans(ids, proc, pictures, digests)
+
+    def embed(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        normalize: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text, or token ids), in order, from a model that
+        runs the pooling runner (``runner="pooling"``, or ``"auto"`` on an embedding
+        checkpoint). Text gets the model's default prompt (sentence-transformers')
+        prepended. ``dimensions``: a Matryoshka model's first N entries, normalised as
+        the model normalises; ``truncate_prompt_tokens``: keep each prompt's last N
+        tokens (-1: ``max_model_len``). ``ValueError`` naming the prompt if one can
+        never run."""
+        info = self.engine.pooler_info
+        if info is None:
+            raise ValueError(
+                f"this model ({self.engine.files.name}) runs the generate runner: "
+                'embed needs runner="pooling"'
+            )
+        if info.task != "embed":
+            raise ValueError(f"this model ({self.engine.files.name}) scores: use score")
+        items: list[str | Sequence[int]] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
+        if not items:
+            raise ValueError("embed needs at least one prompt")
+        encoded = [
+            truncate(
+                self.tokenizer.encode(info.prompt + p)
+                if isinstance(p, str)
+                else [int(t) for t in p],
+                truncate_prompt_tokens,
+                self.engine.max_model_len,
+            )
+            for p in items
+        ]
+        params = PoolingParams("embed", dimensions, normalize)
+        vecs = pool(self.engine, encoded, params, f"embed-{next(self._ids)}")
+        return [
+            EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector(v)))
+            for i, (ids, v) in enumerate(zip(encoded, vecs, strict=True))
+        ]
+
+    def score(
+        self, text_1: str | Sequence[str], text_2: str | Sequence[str]
+    ) -> list[ScoringRequestOutput]:
+        """A reranker's relevance of each pair (one ``text_1`` against every ``text_2``,
+        or the lists pairwise), in order: each pair tokenized as a cross-encoder's input
+        (``Tokenizer.encode_pair``) and scored by the model's classifier (see
+        ``model.pooler_config.PoolerSpec``). Needs a model whose pooler scores."""
+        info = self.engine.pooler_info
+        if info is None or info.task != "score":
+            raise ValueError(
+                f"this model ({self.engine.files.name}) does not score: score needs a "
+                "reranker (a *ForSequenceClassification architecture) on the pooling runner"
+            )
+        encoded = [self.tokenizer.encode_pair(a, b) for a, b in pairs(text_1, text_2)]
+        vecs = pool(self.engine, encoded, PoolingParams("score"), f"score-{next(self._ids)}")
+        return [
+            ScoringRequestOutput(str(i), ids, ScoringOutput(vector(v)[0]))
+            for i, (ids, v) in enumerate(zip(encoded, vecs, strict=True))
+        ]
 
     def _check_structured(self, sp: SamplingParams) -> None:
         """Raise ``ValueError`` if ``sp.structured_outputs`` does not compile."""

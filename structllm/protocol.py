@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -225,6 +225,28 @@ class LoraRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     path: str
 
 
+PoolingTask = Literal["embed", "score"]
+
+
+class PoolingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request for the pooling runner (``engine.pooling``): no token is generated;
+    the prompt is prefilled and pooled into one float32 vector (``TokenDelta.pooled``).
+
+    - ``task``: ``"embed"`` (the model's embedding, after its Dense layers) or
+      ``"score"`` (a reranker's relevance, one number);
+    - ``dimensions``: keep the embedding's first N entries (a Matryoshka model), then
+      normalise if the model's pooler does;
+    - ``normalize``: override the pooler's normalisation (``None``: the model's)."""
+
+    task: PoolingTask = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"PoolingParams.dimensions must be at least 1, got {self.dimensions}")
+
+
 class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
@@ -232,6 +254,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=Fals
     images: list[ImageInput] = []  # in prompt order, spans disjoint
     priority: int = 0  # lower runs earlier (--scheduling-policy priority; else only 0)
     lora: LoraRef | None = None  # the adapter it runs with; None: the base model
+    pooling: PoolingParams | None = None  # a pooling runner's request (prefill only)
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
@@ -287,6 +310,7 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     stop_reason: int | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    pooled: bytes | None = None  # float32 [D], native order: a pooling request's vector
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -340,6 +364,21 @@ class EngineReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     vocab_size: int
     num_kv_blocks: int
     block_size: int
+    pooler: PoolerInfo | None = None  # the pooling runner's model (None: generate)
+
+
+class PoolerInfo(msgspec.Struct, frozen=True, array_like=True):
+    """What a front end needs to know of a pooling runner's model (``EngineReady``):
+    its ``task`` (``"embed"`` or ``"score"``), the embedding's size, whether its
+    ``dimensions`` may be cut (Matryoshka; ``matryoshka_dimensions``: the sizes it was
+    trained at, if the checkpoint lists them) and the prompt prepended to text inputs
+    (sentence-transformers' default prompt)."""
+
+    task: PoolingTask
+    size: int
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+    prompt: str = ""
 
 
 class EngineError(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -138,6 +138,13 @@ class Tokenizer:
                 ids.insert(0, bos_id)
         return ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A cross-encoder's input, as transformers' ``tokenizer(first, second)``: the
+        pair template of the tokenizer's post-processor (a decoder's, often just the two
+        texts' tokens one after the other)."""
+        ids: list[int] = self._tok.encode_batch([(first, second)])[0].ids
+        return ids
+
     def token_id(self, text: str) -> int | None:
         """The id of the token whose text is ``text`` (None if no single token is)."""
         found: int | None = self._tok.token_to_id(text)

@@ -40,6 +40,7 @@ from structllm.engine.grammar import GrammarManager
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.mrope import MRopePositions
 from structllm.engine.null import NullRunner
+from structllm.engine.pooling import Pooler, PoolingRunner, make_scorer
 from structllm.engine.request import Request
 from structllm.engine.runner import InFlight, ModelRunner, PipelineLinks, batch_from_step
 from structllm.engine.sampler import Sampler
@@ -55,6 +56,7 @@ from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
+from structllm.model.pooler_config import PoolerSpec, read_pooler, resolve_runner
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.model.stages import stage_layers
 from structllm.model.vision import VisionModel, load_vision, vision_config
@@ -66,6 +68,7 @@ from structllm.protocol import (
     ImageInput,
     LoraRef,
     OutputBatch,
+    PoolerInfo,
     SamplingParams,
     Shutdown,
     ToEngine,
@@ -125,6 +128,8 @@ SPECULATIVE_BY_DEFAULT = True
 # running slot, within a quarter of the cache budget: each prefill chunk saves at most
 # one, so this keeps the last few prompts' resumable prefixes per concurrent request.
 SAVED_PER_SLOT = 2
+# what a pooling request runs with: its prompt only (engine.pooling)
+PROMPT_ONLY = SamplingParams(temperature=0.0, max_tokens=0)
 
 
 class StepCutShort(Exception):
@@ -153,6 +158,13 @@ class EngineCore:
             config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
         ):
             raise ValueError("LoRA adapters run in one process: no tensor or pipeline parallelism")
+        if mcfg.kv_lora_rank and (
+            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                f"{mcfg.architecture} (multi-head latent attention) runs in one process: "
+                "tensor and pipeline parallelism are not supported for it"
+            )
         # The null model runs no forward pass, so there is nothing to split.
         world = 1 if config.null_model else config.tensor_parallel_size
         plan = (
@@ -172,6 +184,7 @@ class EngineCore:
         self.kv_dtype = resolve_kv_cache_dtype(
             config, self.device, fmt
         )  # as is a bad --kv-cache-dtype
+        self.pooler_spec = self._pooler_spec()
         self.workers: WorkerPool | None = None
         try:
             self._start(plan)
@@ -194,17 +207,59 @@ class EngineCore:
         self._busy: set[str] = set()
         self.max_in_flight = 0  # the most batches in flight at once so far (tests, benchmarks)
 
+    def _pooler_spec(self) -> PoolerSpec | None:
+        """The pooling runner's pooler (``--runner``; ``auto``: by the checkpoint), said
+        at start-up with the runner; None: the generate runner."""
+        config = self.config
+        runner = resolve_runner(config.runner, self.files, config.hf_overrides)
+        if runner == "generate":
+            if self.files.config.bidirectional:
+                raise ValueError(
+                    f"{self.files.name} attends both ways (an embedding model): it cannot "
+                    "generate; run it with --runner pooling"
+                )
+            sys.stderr.write("structllm: runner: generate\n")
+            return None
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "the pooling runner runs in one process: no tensor or pipeline parallelism"
+            )
+        if config.null_model:
+            raise ValueError("the null model pools nothing: it needs the generate runner")
+        if self.files.config.hybrid:
+            raise ValueError(
+                f"the pooling runner does not run {self.files.config.architecture}, a hybrid model"
+            )
+        spec = read_pooler(self.files, config.pooler_config, config.hf_overrides)
+        sys.stderr.write(
+            f"structllm: runner: pooling ({spec.describe(self.files.config.hidden_size)})\n"
+        )
+        return spec
+
+    @property
+    def pooler_info(self) -> PoolerInfo | None:
+        """The pooling runner's model as a front end sees it (None: generate)."""
+        spec = self.pooler_spec
+        return spec.info(self.files.config.hidden_size) if spec is not None else None
+
     def _start(self, plan: ShardPlan | None) -> None:
         group = self._load(plan)
         self._size_kv_cache(plan, group)
         self.eos_token_ids = self.files.generation_eos_ids
-        windows = self.files.config.layer_windows  # every layer windowed: blocks can go
-        self.hybrid = self.files.config.hybrid and self.model is not None
+        # every layer windowed or chunked: blocks can go (a query's chunk starts at most
+        # chunk - 1 keys back, so a chunk frees what a window of its size would)
+        cfg = self.files.config
+        spans = [cfg.window(i) or cfg.chunk(i) for i in range(cfg.num_layers)]
+        self.hybrid = cfg.hybrid and self.model is not None
+        # CLS and MEAN pooling need every prompt row computed, and a bidirectional
+        # model's K/V depend on the tokens after them: no cached blocks
+        pooled_rows = self.pooler_spec is not None and self.pooler_spec.pooling_type != "LAST"
+        pooled_rows |= cfg.bidirectional
         self.kv = KVCacheManager(
             self.num_blocks,
             self.config.block_size,
-            self.config.enable_prefix_caching,
-            window=max(windows) if windows and min(windows) > 0 else 0,
+            self.config.enable_prefix_caching and not pooled_rows,
+            window=max(spans) if min(spans) > 0 else 0,
         )
         self.states = (
             StateCacheManager(self.num_state_slots, self.num_saved_states)
@@ -230,10 +285,15 @@ class EngineCore:
             self.config.grammar_fast_forward,
         )
         self.scheduler.grammar = self.grammar
+        self.scheduler.whole_prompts = self.files.config.bidirectional
         if isinstance(self.runner, ModelRunner):  # images' encoder work counts (scheduler)
             self.scheduler.encoder_cache = self.runner.encoder_cache
+        # causal image attention: a prefill chunk may cut an image's span like text
+        self.scheduler.split_spans = self.vision is not None and not self.vision.bidirectional
         spec = self.config.speculative_config
-        if spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks and self.hybrid:
+        if self.pooler_spec is not None:  # (nothing is decoded)
+            spec = None
+        elif spec is None and SPECULATIVE_BY_DEFAULT and self._cpu_blocks and self.hybrid:
             sys.stderr.write(
                 "structllm: speculative decoding: off (a hybrid model: a recurrent state "
                 "cannot be rolled back past rejected drafts)\n"
@@ -425,7 +485,8 @@ class EngineCore:
             return NullRunner(config.null_step_time)
         broadcast = self.workers.publish if self.workers is not None else None
         sampler = Sampler(self.eos_token_ids, config.seed, self.model.cpu_ops)
-        runner = ModelRunner(
+        cls = ModelRunner if self.pooler_spec is None else PoolingRunner
+        runner = cls(
             self.model,
             self.num_blocks,
             config.block_size,
@@ -436,6 +497,11 @@ class EngineCore:
         )
         runner.vision = self.vision
         runner.encoder_cache = EncoderCache(config.encoder_cache_memory)
+        if isinstance(runner, PoolingRunner):
+            assert self.pooler_spec is not None
+            scorer = make_scorer(self.pooler_spec, self.files, self.model, self.device)
+            runner.set_pooler(Pooler(self.pooler_spec, self.device, scorer))
+            return runner  # (nothing to decode: no decode graphs)
         if self.stages > 1:
             assert self.group is not None
             tp = config.tensor_parallel_size
@@ -447,7 +513,11 @@ class EngineCore:
             and not config.enforce_eager
             and self.workers is None  # collectives are not captured in the decode graphs
             and self.model.attn_impl.supports_cuda_graphs
+            and self.model.cuda_graphs  # (latent attention's reads host-side lists)
             and not self.hybrid  # (recurrent states are not captured)
+            # (chunked layers decode through the reference on CUDA, which reads the
+            # step's lengths on the host: not capturable)
+            and not self.files.config.layer_chunks
         ):
             runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         return runner
@@ -623,6 +693,40 @@ class EngineCore:
                 f"{sum(im.num_tokens for im in images)}"
             )
 
+    def check_pooling(self, msg: AddRequest) -> None:
+        """``ValueError`` unless ``msg`` is for this engine's runner: a pooling request
+        (with ``dimensions`` the model can cut, no images) on the pooling runner, a
+        generation request on the generate runner."""
+        spec, params = self.pooler_spec, msg.pooling
+        if spec is None and params is not None:
+            raise ValueError(
+                f"this model ({self.files.name}) runs the generate runner: it pools nothing "
+                "(start another server with --runner pooling for embeddings)"
+            )
+        if spec is None or params is None:
+            if spec is not None:
+                raise ValueError(
+                    f"this model ({self.files.name}) runs the pooling runner: it generates "
+                    "nothing (embeddings and scores only)"
+                )
+            return
+        if params.task != spec.task:
+            raise ValueError(f"this model's pooler does {spec.task!r}, not {params.task!r}")
+        if msg.images:
+            raise ValueError("the pooling runner takes no images")
+        if params.dimensions is not None:
+            size = spec.info(self.files.config.hidden_size).size
+            if not spec.matryoshka:
+                raise ValueError(
+                    f"this model ({self.files.name}) does not support matryoshka "
+                    "representation: dimensions cannot be changed"
+                )
+            if params.dimensions > size:
+                raise ValueError(f"dimensions {params.dimensions} exceeds the model's {size}")
+            dims = spec.matryoshka_dimensions
+            if dims and params.dimensions not in dims:
+                raise ValueError(f"dimensions must be one of {dims}, got {params.dimensions}")
+
     def _mrope(self, images: Sequence[ImageInput]) -> MRopePositions | None:
         """The 3-D rotary positions of a prompt with ``images`` on an M-RoPE model
         (``engine.mrope``), else None (positions are token indices)."""
@@ -643,19 +747,22 @@ class EngineCore:
                 raise ValueError(
                     f"SamplingParams.n is {msg.sampling.n}, but an engine request is one sequence"
                 )
-            self.check_request(msg.prompt_token_ids, msg.sampling, msg.images)
+            sampling = msg.sampling if msg.pooling is None else PROMPT_ONLY
+            self.check_pooling(msg)
+            self.check_request(msg.prompt_token_ids, sampling, msg.images)
             self.check_priority(msg.priority)
             room = self.max_model_len - len(msg.prompt_token_ids)
-            want = msg.sampling.max_tokens
+            want = sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
             req = Request(
                 msg.request_id,
                 msg.prompt_token_ids,
-                msg.sampling,
+                sampling,
                 max_tokens,
                 list(msg.images),
                 msg.priority,
             )
+            req.pooling = msg.pooling
             req.mrope = self._mrope(req.images)
             if msg.request_id in self.scheduler.requests or msg.request_id in self._compiling:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
@@ -717,6 +824,8 @@ class EngineCore:
                 self._pending.append(TokenDelta(rid, [], "abort", None, 0))
         self._pending += self.scheduler.abort(ids)
         self.num_aborted += len(self._pending) - before
+        if isinstance(self.runner, PoolingRunner):
+            self.runner.forget(ids)
         if self.tracer.enabled:
             for rid in ids:
                 self.tracer.event("aborted", rid)
@@ -803,6 +912,11 @@ class EngineCore:
             self.num_steps += 1
             self.max_in_flight = max(self.max_in_flight, 1)
             new = self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
+            if isinstance(self.runner, ModelRunner):  # split spans' images stay cached
+                running = self.scheduler.running
+                self.runner.encoder_cache.hold(h for r in running for h in r.open_images())
+            if isinstance(self.runner, PoolingRunner):  # the vectors pooled this step
+                new = self.runner.attach(new)
             if self.tracer.enabled:
                 self._trace_step(sched, new, start)
             deltas += new

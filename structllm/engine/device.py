@@ -175,7 +175,8 @@ def local_num_blocks(
     model's recurrent states), with ``num_kv_heads`` heads of ``num_layers`` layers
     (default: every attention layer; a pipeline stage caches its own) cached in
     ``kv_dtype`` (a float16 cache holds twice the blocks of a float32 one)."""
-    if not num_layers and not mcfg.uniform_layers:  # one process (Gemma 4's layers)
+    if mcfg.kv_lora_rank or (not num_layers and not mcfg.uniform_layers):
+        # one process (Gemma 4's layers; latent attention's one tensor a layer)
         per_token = mcfg.kv_bytes_per_token
     else:
         per_token = 2 * (num_layers or mcfg.num_attention_layers) * num_kv_heads * mcfg.head_dim

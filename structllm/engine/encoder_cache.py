@@ -3,8 +3,11 @@ content hash (``protocol.ImageInput.hash``: the decoded pixels and the preproces
 settings) so a repeated image, or a preempted request's recompute, skips the encoder.
 
 Bounded in bytes, least recently used first out. Entries a step still needs are pinned
-(``pin``/``unpin_all``) and never evicted while pinned: a step that needs more than the
-bound holds it over the bound until it ends, and the next ``put`` trims it back. The
+(``pin``/``unpin_all``), and entries a running request is part-way through are held
+(``hold``: a causal family's image span may be split over prefill chunks, each chunk
+scattering its own rows, so the image's output must outlive the step that encoded it);
+neither is evicted: a step that needs more than the bound holds it over the bound until
+the engine's next ``hold`` (after every step) or ``put`` trims it back. The
 values are opaque here (the runner stores ``[num_tokens, hidden]`` tensors): no torch,
 so the scheduler can ask what is cached (``__contains__``) to count the encoder's work.
 """
@@ -12,6 +15,7 @@ so the scheduler can ask what is cached (``__contains__``) to count the encoder'
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -24,6 +28,7 @@ class EncoderCache(Generic[V]):
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, tuple[V, int]] = OrderedDict()  # LRU first
         self.pinned: set[str] = set()
+        self.held: frozenset[str] = frozenset()  # images running requests are inside of
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
@@ -61,19 +66,27 @@ class EncoderCache(Generic[V]):
             self.pinned.add(key)
 
     def unpin_all(self) -> None:
-        """The step ended: nothing is pinned; trim back to the bound."""
+        """The step ended: nothing is pinned. No trim yet: an image the step encoded
+        and a request is still inside of is held only once the engine knows it
+        (``hold``, after the scheduler's update)."""
         self.pinned.clear()
+
+    def hold(self, keys: Iterable[str]) -> None:
+        """Keep exactly ``keys`` (the images running requests have rows of still to
+        compute) from eviction until the next ``hold``; trim back to the bound."""
+        self.held = frozenset(keys)
         self._trim()
 
     def clear(self) -> None:
         self.entries.clear()
         self.pinned.clear()
+        self.held = frozenset()
         self.num_bytes = 0
 
     def _trim(self) -> None:
         if self.num_bytes <= self.max_bytes:
             return
-        for key in [k for k in self.entries if k not in self.pinned]:
+        for key in [k for k in self.entries if k not in self.pinned and k not in self.held]:
             _, nbytes = self.entries.pop(key)
             self.num_bytes -= nbytes
             if self.num_bytes <= self.max_bytes:

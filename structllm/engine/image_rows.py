@@ -5,10 +5,14 @@ themselves in both directions).
 The runner lays a step out (``ModelRunner.prepare``) and hands the prefill chunks that
 hold image tokens here. Each image's encoder output comes from the encoder cache
 (``engine.encoder_cache``, by ``ImageInput.hash``) or is computed and put there, pinned
-until the step ends (``EncoderCache.unpin_all`` after the forward pass). The scheduler
-never splits an image's span across chunks, so a chunk that holds one of an image's
-tokens holds every one from there to the span's end: the rows it attends to ahead are
-in the same step, stored in the KV cache before any query of the layer attends.
+until the step ends (``EncoderCache.unpin_all`` after the forward pass), and held
+after it while a request is still inside its span (``EncoderCache.hold``). Each chunk
+takes the encoder rows of its own image tokens only. For a bidirectional model (Gemma
+3) the scheduler never splits an image's span across chunks, so a chunk that holds one
+of an image's tokens holds every one from there to the span's end: the rows it attends
+to ahead are in the same step, stored in the KV cache before any query of the layer
+attends. A causal model's span may be split (``Scheduler.split_spans``): its rows see
+nothing ahead, so a chunk needs no later row of its image.
 """
 
 from __future__ import annotations

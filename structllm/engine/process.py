@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=core.vocab_size,
             num_kv_blocks=core.num_blocks,
             block_size=config.block_size,
+            pooler=core.pooler_info,
         )
     )
     try:

@@ -6,7 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from structllm.engine.mrope import MRopePositions
-from structllm.protocol import FinishReason, ImageInput, SamplingParams
+from structllm.protocol import FinishReason, ImageInput, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from structllm.structured import Matcher
@@ -42,8 +42,9 @@ class Request:
     this request's recent drafted and accepted counts (the drafting policy's).
 
     ``images``: the prompt's images (``protocol.ImageInput``, in prompt order, spans
-    disjoint); a prefill chunk never splits a span (``Scheduler``), and the prefix cache
-    keys a block over a span with its image (``block_images``). ``mrope``: with an
+    disjoint); a prefill chunk splits a span only where the model's image attention is
+    causal (``Scheduler.split_spans``), and the prefix cache keys a block over a span
+    with its image (``block_images``). ``mrope``: with an
     M-RoPE text model (Qwen2.5-VL), the positions the images give the prompt's and the
     output's tokens (``engine.mrope``); None: a token's position is its index.
 
@@ -52,6 +53,8 @@ class Request:
     one, which breaks ties between equal priorities (first come, first served).
     ``lora_uid``: the load of the LoRA adapter it runs with (``engine.adapters``; 0:
     none); its blocks' chain starts from ``-lora_uid`` instead of 0 (``kv_cache``).
+    ``pooling``: a pooling runner's request (``engine.pooling``): prefill only, its
+    vector pooled from the step that computes its last prompt token.
 
     ``num_prompt_logprobs`` counts the prompt positions already scored and sent (with
     ``sampling.prompt_logprobs``): position ``p``'s logits score prompt token ``p + 1``,
@@ -74,6 +77,7 @@ class Request:
         "num_computed_tokens",
         "num_prompt_logprobs",
         "num_released_blocks",
+        "pooling",
         "priority",
         "prompt_len",
         "request_id",
@@ -125,6 +129,7 @@ class Request:
         self.grammar: Matcher | None = None
         self.in_reasoning = sampling.reasoning is not None
         self.draft_token_ids: list[int] = []
+        self.pooling: PoolingParams | None = None  # a pooling runner's request (prefill only)
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_resume_at = 0  # output tokens before drafting (again)
@@ -185,6 +190,12 @@ class Request:
             for im in self.images
             if im.offset < end and first < im.offset + im.length
         )
+
+    def open_images(self) -> list[str]:
+        """Hashes of the images whose span the computed tokens end inside of (a split
+        span, causal families): their encoder output is still needed."""
+        done = self.num_computed_tokens
+        return [im.hash for im in self.images if im.offset < done < im.offset + im.length]
 
     def span_chunk(self, start: int, n: int) -> int:
         """``n`` new tokens from ``start``, adjusted so the chunk splits no image span:

@@ -183,7 +183,8 @@ class ModelRunner:
         # per layer held (all, without pipeline parallelism): its K/V blocks in its
         # layer's shape (an attention backend may keep K in a layout of its own, the CPU
         # kernel's), the very tensors of the layer whose cache it reads (Gemma 4's
-        # KV-shared layers: no blocks of their own), or for a hybrid model's recurrent
+        # KV-shared layers: no blocks of their own; ``LlamaModel.kv_cache_shapes``: a
+        # latent-attention layer's one tensor), or for a hybrid model's recurrent
         # layer its states, one row per slot and saved state (``num_state_slots`` rows,
         # ``engine.state_cache``; float32 always: a recurrence accumulates every token it
         # has seen)
@@ -199,16 +200,14 @@ class ModelRunner:
                     )
                 )
                 continue
-            source, heads, head_dim = model.kv_layout(i)
+            source, _, _ = model.kv_layout(i)
             if source != i:
                 self.kv_caches.append(self.kv_caches[source])
                 continue
-            shape = (num_blocks, block_size, heads, head_dim)
-            k_shape = model.attn_impl.k_cache_shape(*shape)
             self.kv_caches.append(
-                (
-                    torch.zeros(k_shape, dtype=dtype, device=self.device),
-                    torch.zeros(shape, dtype=dtype, device=self.device),
+                tuple(
+                    torch.zeros(shape, dtype=dtype, device=self.device)
+                    for shape in model.kv_cache_shapes(i, num_blocks, block_size)
                 )
             )
         model.decode_planner = decode_plan.plan

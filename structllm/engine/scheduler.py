@@ -17,14 +17,21 @@ the longest prefix whose last block has a saved recurrent state, which it resume
 from; each of its prefill chunks may save the state at a block boundary
 (``StateCacheManager.plan_save``), hit only once the step has run (``update``).
 
-Images (``Request.images``): a prefill chunk never splits an image's span
+Images (``Request.images``): with ``split_spans`` off (a model whose image tokens
+attend to each other both ways, Gemma 3) a prefill chunk never splits an image's span
 (``Request.span_chunk``): it stops before a span it cannot finish, and one that starts
 at (or, after a prefix-cache hit, inside) a span takes the rest of it, even past what
 is left of the step's budget (the step then takes nothing more: it overruns its budget
-by at most one image, so no span is ever too long to run). The encoder's work counts in
+by at most one image, so no span is ever too long to run). With ``split_spans`` on (the
+engine sets it when the vision model's attention is causal: SmolVLM, Qwen2.5-VL,
+Mistral 3.1) a span is cut like text: each chunk scatters its own rows of the image's
+encoder output, which the encoder cache holds while a running request is inside the
+span (``Request.open_images``, ``EncoderCache.hold``). The encoder's work counts in
 the budget: a chunk whose images are not in the encoder cache (``encoder_cache``, asked
 by hash) costs their ``num_tokens`` besides its own tokens, each image once a step; when
-that overruns the budget and the chunk has text before the image, it stops before it.
+that overruns the budget and the chunk has text before the image, it stops before it;
+a split chunk starting at or inside such an image keeps to what the encoder leaves of
+the budget (at least one token).
 
 LoRA (``max_loras`` set): a waiting request whose adapter would make the running
 requests' distinct adapters more than ``max_loras`` is passed over, not waited for
@@ -152,8 +159,14 @@ class Scheduler:
         self.max_draft_step_tokens: int | None = None  # drafts only within (engine sets)
         # image hashes whose encoder output is cached (engine.encoder_cache; engine sets)
         self.encoder_cache: Container[str] = frozenset()
+        # prefill chunks may cut an image's span (causal image attention; engine sets)
+        self.split_spans = False
         # distinct LoRA adapters among the running requests at most (0: no cap; engine)
         self.max_loras = 0
+        # a bidirectional model's prompts run whole, never in chunks (engine sets): one
+        # longer than what is left of the step waits for the next, where it runs first,
+        # over the budget if it must (as an image span does)
+        self.whole_prompts = False
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -259,6 +272,10 @@ class Scheduler:
                 hits = hits[: self.states.longest_saved([self.kv.block_chain_id[b] for b in hits])]
             cached = len(hits) * self.kv.block_size
             n = min(req.num_tokens - cached, budget)
+            if self.whole_prompts and n < req.num_tokens - cached:
+                if out.scheduled:
+                    break
+                n = req.num_tokens - cached
             enc = 0
             if req.images:
                 n, enc = self._image_chunk(req, cached, n, budget, encoded)
@@ -299,10 +316,13 @@ class Scheduler:
         self, req: Request, start: int, n: int, budget: int, encoded: set[str]
     ) -> tuple[int, int]:
         """``(n, encoder tokens)``: a chunk of at most ``n`` tokens from ``start`` that
-        splits no image span, and the encoder work it brings (the ``num_tokens`` of its
-        images neither cached nor already counted in ``encoded``, which takes them).
-        When text then image overrun ``budget``, the chunk stops before the image."""
-        n = req.span_chunk(start, n)
+        splits no image span (unless ``split_spans``), and the encoder work it brings
+        (the ``num_tokens`` of its images neither cached nor already counted in
+        ``encoded``, which takes them). When text then image overrun ``budget``, the
+        chunk stops before the image; a split one starting inside it keeps to what the
+        encoder leaves of ``budget``, one token at least."""
+        if not self.split_spans:
+            n = req.span_chunk(start, n)
         new = [
             im
             for im in req.images
@@ -314,6 +334,8 @@ class Scheduler:
         enc = sum(im.num_tokens for im in new)
         if new and n + enc > budget and new[0].offset > start:
             return new[0].offset - start, 0
+        if new and self.split_spans:
+            n = min(n, max(1, budget - enc))
         encoded.update(im.hash for im in new)
         return n, enc
 

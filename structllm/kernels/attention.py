@@ -42,6 +42,9 @@ class AttentionMetadata:
     # ``prefill_with_ahead``)
     ahead: Tensor | None = None
     ahead_seqs: frozenset[int] = frozenset()
+    # a bidirectional model's step (engine.pooling): what its windowed layers attend
+    # with, the same rows seeing at most window - 1 keys ahead; None: as the others
+    windowed: AttentionMetadata | None = None
 
 
 class AttentionImpl(Protocol):
@@ -53,8 +56,10 @@ class AttentionImpl(Protocol):
     its ``softcap`` (scores become ``softcap * tanh(score / softcap)`` before the
     softmax, Gemma 2's; 0: none) and its ``sinks`` (``[H]`` float32, gpt-oss's: one more
     logit per query head in each row's softmax denominator, weighing no value; None:
-    none). The cache holds every position of every layer; a window only limits what is
-    read.
+    none) and its ``chunk`` (chunked local attention, Llama 4's: a query at position
+    ``p`` sees only the keys from ``floor(p / chunk) * chunk`` up to itself; 0: none;
+    not a window: the first query of a chunk sees itself alone). The cache holds every
+    position of every layer; a window or chunk only limits what is read.
 
     ``meta.ahead`` (images whose tokens attend to each other both ways): a prefill row
     also sees the next ``ahead[row]`` keys after its own position (this step's, stored
@@ -84,6 +89,7 @@ class AttentionImpl(Protocol):
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor: ...
 
     def prefill(
@@ -98,6 +104,7 @@ class AttentionImpl(Protocol):
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor: ...
 
 
@@ -129,6 +136,7 @@ class TorchAttention:
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         nd = meta.num_decodes
         max_len = max(meta.seq_lens_list[:nd])
@@ -143,6 +151,7 @@ class TorchAttention:
             window,
             softcap,
             sinks,
+            chunk,
         )
 
     def prefill(
@@ -157,6 +166,7 @@ class TorchAttention:
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         nd = meta.num_decodes
         starts = [s - nd for s in meta.query_start_list[nd:]]  # rows of q, k, v start at token nd
@@ -177,6 +187,7 @@ class TorchAttention:
             ahead=ahead,
             ahead_seqs=frozenset(b - nd for b in meta.ahead_seqs),
             sinks=sinks,
+            chunk=chunk,
         )
 
 
@@ -200,7 +211,8 @@ class CpuAttention(TorchAttention):
         # prefill's block tables, row starts, contexts and rows' keys ahead (or None),
         # for the step whose metadata this is: every layer of a step calls prefill with
         # the same ``meta``
-        self._rows: tuple[AttentionMetadata, Tensor, Tensor, Tensor, Tensor | None] | None = None
+        # (two: a bidirectional model's windowed layers have their own, meta.windowed)
+        self._rows: list[tuple[AttentionMetadata, Tensor, Tensor, Tensor, Tensor | None]] = []
 
     @staticmethod
     def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -232,6 +244,7 @@ class CpuAttention(TorchAttention):
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         """Prefill rows through the tiled kernel (``paged_prefill``): row ``r`` of a
         sequence's chunk attends to its first ``ctx - q_len + r + 1`` cached tokens. This
@@ -246,14 +259,28 @@ class CpuAttention(TorchAttention):
         cut into steps or whether it came as a prefill or a decode row, bit for bit; and
         the kernel runs on the kernels' pool, not torch's OpenMP one (SDPA there held the
         pool's threads off the cores, and the matmuls after it slowed down)."""
-        if self._rows is None or self._rows[0] is not meta:
-            self._rows = (meta, *self._prefill_rows(meta))
-        _, tables, starts, ctxs, ahead = self._rows
+        rows = next((r for r in self._rows if r[0] is meta), None)
+        if rows is None:
+            rows = (meta, *self._prefill_rows(meta))
+            self._rows = [rows, *self._rows[:1]]
+        _, tables, starts, ctxs, ahead = rows
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel wants heads adjacent
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
         self._prefill(
-            out, q, k_cache, v_cache, tables, starts, ctxs, scale, window, softcap, ahead, sinks
+            out,
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            starts,
+            ctxs,
+            scale,
+            window,
+            softcap,
+            ahead,
+            sinks,
+            chunk,
         )
         return out
 
@@ -286,10 +313,11 @@ class CpuAttention(TorchAttention):
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         out = torch.empty(q.shape, dtype=q.dtype)  # q: the num_decodes decode rows
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
+        self._decode(out, q, k_cache, v_cache, tables, lens, scale, window, softcap, sinks, chunk)
         return out
 
     def decode_rows(
@@ -304,6 +332,7 @@ class CpuAttention(TorchAttention):
         softcap: float = 0.0,
         out: Tensor | None = None,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         """``decode`` of a decode-only step straight from the fused projection's rows
         ``qkv: [T, H + 2 Hkv, D]`` (its K/V already stored): the kernel reads the first
@@ -313,7 +342,7 @@ class CpuAttention(TorchAttention):
         if out is None:
             out = torch.empty((qkv.shape[0], num_heads * qkv.shape[2]), dtype=qkv.dtype)
         tables, lens = meta.block_tables, meta.seq_lens
-        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap, sinks)
+        self._decode(out, qkv, k_cache, v_cache, tables, lens, scale, window, softcap, sinks, chunk)
         return out
 
 
@@ -329,12 +358,13 @@ def attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """Store this step's ``k, v: [T, Hkv, D]`` in the cache, then attend with
-    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``, ``sinks``: see
-    ``AttentionImpl``."""
+    ``q: [T, H, D]``; returns ``[T, H, D]``. ``window``, ``softcap``, ``sinks``,
+    ``chunk``: see ``AttentionImpl``."""
     impl.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+    return attend(impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk)
 
 
 def prefill_with_ahead(
@@ -349,6 +379,7 @@ def prefill_with_ahead(
     window: int = 0,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """``impl.prefill``, which the reference and the C++ kernel (``sees_ahead``) run with
     rows that see keys ahead (``meta.ahead``) themselves; with another backend (Triton),
@@ -357,8 +388,8 @@ def prefill_with_ahead(
     other sequence of the step keeps the kernel's rows bit for bit (a prompt's attention
     does not depend on what shared its step)."""
     if meta.ahead is None or type(impl) is TorchAttention or getattr(impl, "sees_ahead", False):
-        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
-    out = impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        return impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk)
+    out = impl.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk)
     nd, first = meta.num_decodes, meta.query_start_list[meta.num_decodes]
     transposed = bool(getattr(impl, "k_transposed", False))
     for b in sorted(meta.ahead_seqs):
@@ -380,6 +411,7 @@ def prefill_with_ahead(
             ahead=meta.ahead[meta.query_start_list[b] : meta.query_start_list[b + 1]],
             ahead_seqs=frozenset({0}),
             sinks=sinks,
+            chunk=chunk,
         )
     assert nd <= min(meta.ahead_seqs, default=nd), "decode rows never see ahead"
     return out
@@ -397,19 +429,22 @@ def attend(
     window: int = 0,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """``attention`` once this step's K/V are in the cache (prefill reads ``k, v`` too)."""
+    if window and meta.windowed is not None:
+        meta = meta.windowed
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        return impl.decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk)
     if nd == 0:
         return prefill_with_ahead(
-            impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks
+            impl, q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk
         )
     out = torch.empty_like(q)
-    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks)
+    out[:nd] = impl.decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks, chunk)
     pre = prefill_with_ahead(
-        impl, q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap, sinks
+        impl, q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale, window, softcap, sinks, chunk
     )
     out[nd:] = pre
     return out

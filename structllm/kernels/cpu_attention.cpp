@@ -19,7 +19,8 @@
 //   out      [B, H, D]          contiguous (or [B, H * D]); q may hold more than H heads
 // window > 0: a query sees only the last `window` keys of its context (sliding-window
 // layers): the loop starts at the block holding key len - window and the slots before
-// it in that block weigh nothing. softcap > 0: scores become softcap * tanh(s / softcap)
+// it in that block weigh nothing. chunk > 0 (Llama 4's chunked local attention): the
+// same from the start of the query's chunk, floor((len - 1) / chunk) * chunk. softcap > 0: scores become softcap * tanh(s / softcap)
 // before the softmax (Gemma 2), applied in scalar code (tanhf) on the block's scores.
 // sinks (gpt-oss; may be null): [H] float32 logits, one more term of each head's softmax
 // denominator that weighs no value, joined once the blocks are done (finish_head).
@@ -116,8 +117,23 @@ inline void adjust_scores(float* s, int n, int skip, float cap) {
   for (int p = 0; p < std::min(skip, n); p++) s[p] = -std::numeric_limits<float>::infinity();
 }
 
-// The first key a query of a len-long context sees: len - window (clamped), or 0.
-inline int first_key(int len, int window) { return window > 0 ? std::max(0, len - window) : 0; }
+// The first key a query of a len-long context sees: len - window (clamped), or 0. A
+// negative window is chunked local attention (Llama 4's) of -window keys, its own rule
+// carried in the same int: the query at position len - 1 sees from the start of its
+// chunk, (len - 1) rounded down to a multiple of -window (see chunked_window).
+inline int first_key(int len, int window) {
+  if (window < 0) return (len - 1) / -window * -window;
+  return window > 0 ? std::max(0, len - window) : 0;
+}
+
+// The kernels' visibility rule from the bindings' two arguments: a chunk (> 0) as a
+// negative window (first_key), else the window.
+static int chunked_window(int64_t window, int64_t chunk, const char* what) {
+  TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && chunk >= 0 && chunk < (int64_t{1} << 30), what,
+              ": bad window or chunk");
+  TORCH_CHECK(window == 0 || chunk == 0, what, ": a window and a chunk at once");
+  return chunk > 0 ? -static_cast<int>(chunk) : static_cast<int>(window);
+}
 
 // The G query heads of one query row through one block of one KV head (the generic
 // loops: any D, any G): scores, the block's online-softmax step, accumulators. kb [D][BS],
@@ -576,7 +592,7 @@ static const float* sinks_of(const c10::optional<torch::Tensor>& sinks, int H, c
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
                   torch::Tensor lens, double scale, int64_t window, double softcap,
-                  c10::optional<torch::Tensor> sinks) {
+                  c10::optional<torch::Tensor> sinks, int64_t chunk) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_decode: float32 queries only");
   TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
               "paged_decode: K and V caches must both be float32 or both float16");
@@ -594,9 +610,9 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
   TORCH_CHECK(kt.size(2) == D && v.size(1) == BS && v.size(2) == Hkv && v.size(3) == D, "paged_decode: cache shapes");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_decode: unsupported head shape");
   TORCH_CHECK(tables.size(0) >= B && lens.size(0) >= B, "paged_decode: tables/lens too short");
-  TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0, "paged_decode: bad window or softcap");
+  TORCH_CHECK(softcap >= 0, "paged_decode: bad softcap");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int w = static_cast<int>(window);
+  const int w = chunked_window(window, chunk, "paged_decode");
   const float* sk = sinks_of(sinks, H, "paged_decode");
   if (kt.dtype() == torch::kFloat16)
     dispatch<at::Half>(out, q, kt, v, tables, lens, sc, H, w, cap, sk);
@@ -612,7 +628,7 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::T
 // (within its context; see prefill_tile).
 void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor tables,
                    torch::Tensor starts, torch::Tensor ctxs, double scale, int64_t window, double softcap,
-                   c10::optional<torch::Tensor> ahead, c10::optional<torch::Tensor> sinks) {
+                   c10::optional<torch::Tensor> ahead, c10::optional<torch::Tensor> sinks, int64_t chunk) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_prefill: float32 queries only");
   TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16),
               "paged_prefill: K and V caches must both be float32 or both float16");
@@ -629,7 +645,7 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::
   TORCH_CHECK(kt.size(2) == D && v.size(1) == BS && v.size(2) == Hkv && v.size(3) == D, "paged_prefill: cache shapes");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= kMaxG && D <= kMaxD, "paged_prefill: unsupported head shape");
   TORCH_CHECK(starts.size(0) == B + 1 && tables.size(0) >= B, "paged_prefill: starts must be [B+1], tables [B, MB]");
-  TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0, "paged_prefill: bad window or softcap");
+  TORCH_CHECK(softcap >= 0, "paged_prefill: bad softcap");
   const int32_t* st = starts.data_ptr<int32_t>();
   const int32_t* cx = ctxs.data_ptr<int32_t>();
   TORCH_CHECK(st[0] == 0 && st[B] == T, "paged_prefill: starts must run from 0 to T");
@@ -650,7 +666,7 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::
                     "paged_prefill: a row of sequence ", b, " sees ahead past its context");
   }
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int w = static_cast<int>(window);
+  const int w = chunked_window(window, chunk, "paged_prefill");
   const float* sk = sinks_of(sinks, H, "paged_prefill");
   if (kt.dtype() == torch::kFloat16)
     prefill_dispatch<at::Half>(out, q, kt, v, tables, starts, ctxs, sc, H, w, cap, ah, sk);
@@ -675,12 +691,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "paged decode attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("lens"),
-        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+        py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
+        py::arg("chunk") = 0);
   m.def("paged_prefill", &paged_prefill,
         "tiled paged prefill attention (float32 queries, float32 or float16 cache, CPU, K transposed per block)",
         py::arg("out"), py::arg("q"), py::arg("kt"), py::arg("v"), py::arg("tables"), py::arg("starts"),
         py::arg("ctxs"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("ahead") = py::none(), py::arg("sinks") = py::none());
+        py::arg("ahead") = py::none(), py::arg("sinks") = py::none(), py::arg("chunk") = 0);
   m.def("isa", &isa, "the float16 conversion path compiled in: avx512, avx2 or generic");
   m.def("attention_ops",
         [] { return pybind11::capsule(const_cast<sl::AttentionOps*>(&kAttentionOps), "structllm.attention_ops"); },

@@ -63,12 +63,15 @@ def decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """One query token per sequence: ``q: [B, H, D]`` -> ``[B, H, D]``.
 
     Gathers whole blocks (``[B, L, Hkv, D]`` with ``L = ceil(max_seq_len / BS) * BS``),
     masks the slots past each sequence's length (and, with a ``window``, those before
-    its last ``window``), and runs one batched GQA attention per KV head
+    its last ``window``; with a ``chunk``, chunked local attention, Llama 4's: those
+    before the start of the query's chunk, ``floor(p / chunk) * chunk`` for the query
+    at position ``p``), and runs one batched GQA attention per KV head
     (``[B, G, D] x [B, D, L]``: strided views, no transposed copies). ``softcap``: scores
     become ``softcap * tanh(score / softcap)`` before the mask. ``sinks: [H]`` (gpt-oss):
     one more logit per head in each row's softmax, in the scaled scores' units, that
@@ -85,6 +88,8 @@ def decode_attention(
     past_end = pos >= seq_lens[:, None].to(torch.long)  # [B, L]
     if window:
         past_end |= pos < seq_lens[:, None].to(torch.long) - window
+    if chunk:
+        past_end |= pos < (seq_lens[:, None].to(torch.long) - 1) // chunk * chunk
     bias = torch.zeros(b, 1, length, dtype=torch.float32, device=q.device).masked_fill_(
         past_end[:, None], float("-inf")
     )
@@ -124,6 +129,7 @@ def prefill_attention(
     ahead: Tensor | None = None,
     ahead_seqs: frozenset[int] = frozenset(),
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """Causal attention for prefill chunks: ``q: [T, H, D]`` -> ``[T, H, D]``.
 
@@ -135,15 +141,15 @@ def prefill_attention(
     block-transposed layout ``[NB, Hkv, D, BS]`` (the CPU backend's). Context read from
     a narrower cache is widened to ``q``'s dtype (SDPA wants equal dtypes); fresh
     sequences attend to ``k_new``/``v_new`` as computed (the C++ backend's prefill
-    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``, ``sinks``:
-    see ``decode_attention``; with any, each sequence goes through ``_masked_attention``.
+    reads the cache instead, ``CpuAttention.prefill``). ``window``, ``softcap``, ``sinks``,
+    ``chunk``: see ``decode_attention``; with any, each sequence goes through ``_masked_attention``.
     ``ahead: [T]`` (rows of ``q``): row ``r`` also sees the next ``ahead[r]`` keys after
     its own position (an image's tokens attending to the rest of the image), in the
     sequences ``ahead_seqs`` (indices into ``seq_lens``), which go through
     ``_masked_attention`` with that mask.
     """
     out = torch.empty_like(q)
-    masked = bool(window or softcap) or sinks is not None
+    masked = bool(window or softcap or chunk) or sinks is not None
     fresh: dict[int, list[int]] = {}  # q_len -> sequences whose whole context is new
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -162,7 +168,7 @@ def prefill_attention(
         k, v = k.to(q.dtype), v.to(q.dtype)  # [ctx, Hkv, D]; no copy when the dtypes agree
         if not plain:
             out[start:end] = _masked_attention(
-                q[start:end], k, v, scale, window, softcap, extra, sinks
+                q[start:end], k, v, scale, window, softcap, extra, sinks, chunk
             )
         else:
             out[start:end] = _causal_sdpa(q[start:end], k, v, scale)
@@ -211,9 +217,11 @@ def _masked_attention(
     softcap: float,
     ahead: Tensor | None = None,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """``_causal_sdpa`` with a sliding ``window``, soft-capped scores, rows that see
-    ``ahead: [Q]`` keys past their own position and ``sinks`` (see ``decode_attention``):
+    ``ahead: [Q]`` keys past their own position, ``sinks`` and ``chunk`` (see
+    ``decode_attention``):
     ``[Q, H, D]`` against ``[L, Hkv, D]``. With ``ahead`` and neither soft-cap nor sinks
     through SDPA with a boolean mask (no ``[H, Q, L]`` scores of our own for an image
     chunk), else in explicit ops (SDPA has neither; the windowed text rows keep the ops
@@ -226,6 +234,8 @@ def _masked_attention(
         visible = cols <= last  # [Q, L]
         if window:
             visible &= cols > rows - window
+        if chunk:
+            visible &= cols >= rows // chunk * chunk
         qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         o = F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=visible, scale=scale, enable_gqa=True
@@ -244,6 +254,8 @@ def _masked_attention(
     visible = cols <= (rows if ahead is None else rows + ahead[:, None].to(rows.dtype))
     if window:
         visible &= cols > rows - window
+    if chunk:
+        visible &= cols >= rows // chunk * chunk
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is None:
         probs = scores.softmax(-1)
@@ -262,9 +274,12 @@ def dense_causal_attention(
     softcap: float = 0.0,
     ahead: list[int] | None = None,
     sinks: Tensor | None = None,
+    chunk: int = 0,
 ) -> Tensor:
     """Textbook attention for the tests: ``q: [Q, H, D]``, ``k, v: [L, Hkv, D]``, queries
     are the last ``Q`` of ``L`` positions (each seeing its last ``window`` keys, if set,
+    only the keys of its own ``chunk`` (from the multiple of it at or before its
+    position), if set,
     and ``ahead[r]`` keys past its own, if given; scores soft-capped by ``softcap``, if
     set; ``sinks: [H]`` adding ``exp(sink)`` to each denominator, if set). Computed in
     float64 with explicit loops over heads, sharing no code with the paths above."""
@@ -282,6 +297,8 @@ def dense_causal_attention(
             s[r, ctx - q_len + r + 1 + (ahead[r] if ahead else 0) :] = float("-inf")
             if window:
                 s[r, : max(0, ctx - q_len + r + 1 - window)] = float("-inf")
+            if chunk:
+                s[r, : (ctx - q_len + r) // chunk * chunk] = float("-inf")
         if sinks is None:
             out[:, head] = torch.softmax(s, dim=-1) @ vh
         else:  # exp(sink) joins each row's denominator

@@ -19,7 +19,7 @@ import triton
 from torch import Tensor
 
 from structllm.kernels import triton_kernels as K
-from structllm.kernels.attention import AttentionMetadata
+from structllm.kernels.attention import AttentionMetadata, TorchAttention
 
 _LOG2E = 1.4426950408889634
 
@@ -155,9 +155,15 @@ class TritonAttention:
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         """One query token for each of the first ``q.shape[0]`` sequences of ``meta``:
-        ``q: [B, H, D]`` -> ``[B, H, D]``."""
+        ``q: [B, H, D]`` -> ``[B, H, D]``. Chunked attention (``chunk``, Llama 4's) goes
+        through the reference (the same cache layout): the kernels have no such rule."""
+        if chunk:
+            return TorchAttention().decode(
+                q, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk
+            )
         b, h, d = q.shape
         hkv = k_cache.shape[2]
         _check_cache(k_cache, v_cache)
@@ -210,10 +216,16 @@ class TritonAttention:
         window: int = 0,
         softcap: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int = 0,
     ) -> Tensor:
         """The prefill chunks of ``meta`` (sequences ``num_decodes..``), whose rows are
         ``q: [Tp, H, D]`` -> ``[Tp, H, D]``. K/V are read from the cache (``store_kv`` has
-        run), so ``k`` and ``v`` are not needed."""
+        run), so ``k`` and ``v`` are not needed. Chunked attention: the reference's, as
+        ``decode``."""
+        if chunk:
+            return TorchAttention().prefill(
+                q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks, chunk
+            )
         tp, h, d = q.shape
         hkv = k_cache.shape[2]
         _check_cache(k_cache, v_cache)

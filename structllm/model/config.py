@@ -9,6 +9,7 @@ family's reading of its config is one small function in ``FAMILY_OPTIONS``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,24 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int] = []
     # --- family options ---
     layer_windows: list[int] = []  # per layer: keys visible to a query (0: all); [] none
+    # per layer: chunked local attention's chunk (Llama 4: the query at position p sees
+    # keys floor(p / C) * C .. p; 0: none); [] none
+    layer_chunks: list[int] = []
+    # Llama 4's attention temperature on its layers without rotary: each query times
+    # 1 + attn_temperature_scale * log1p(floor((p + 1) / attn_temperature_floor)) (0: off)
+    attn_temperature_floor: int = 0
+    attn_temperature_scale: float = 0.0
+    # attention both ways (EmbeddingGemma: Gemma 3 with use_bidirectional_attention): a
+    # prompt's rows see every key of it, a windowed layer's those less than its window
+    # away on either side; such a model only pools (engine.pooling), its prompts whole
+    bidirectional: bool = False
+    # a GGUF file's {arch}.pooling_type (llama.cpp's, from a sentence-transformers
+    # model's pooling): "LAST", "MEAN" or "CLS" makes it an embedding model, "RANK" a
+    # reranker (Qwen3-Reranker's file: its classifier rows in cls.output); None: none
+    pooling_type: str | None = None
+    # a GGUF file's sentence-transformers Dense layers, [in, out] each (EmbeddingGemma's
+    # dense_2, dense_3 tensors), applied after pooling (engine.pooling)
+    pooling_dense: list[list[int]] = []
     rope_local_theta: float | None = None  # base of the windowed layers' rope (Gemma 3)
     rope_layers: list[bool] = []  # per layer: rotary embedding applied ([]: every layer)
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
@@ -143,6 +162,23 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_beside_mlp: bool = False  # the experts run beside the dense MLP, not instead
     per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
     per_layer_vocab_size: int = 0  # their table's rows
+    # --- multi-head latent attention (DeepSeek-V2/V3, model/deepseek.py) ---
+    # kv_lora_rank > 0: each layer caches one "head" of head_dim = kv_lora_rank +
+    # rotary_dim per token, [normed latent c_kv, rotated k_pe] (num_kv_heads is 1); the
+    # queries are q_lora_rank-compressed (0: a plain q_proj), each head's key
+    # qk_nope_head_dim + rotary_dim wide, its value v_head_dim
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    # the router's scores: "softmax" over all experts, or "sigmoid" per expert with a
+    # choice bias (DeepSeek-V3's; model.moe.sigmoid_group_route)
+    router_scoring: str = "softmax"
+    # --- Gemma 3n: AltUp's parallel streams, LAuReL, sparse MLP activations ---
+    altup_streams: int = 0  # the residual's streams (0: one, no AltUp)
+    laurel_rank: int = 0  # the learned augmented residual's rank (0: none)
+    # per layer: the share of the MLP's gate activations cut (a Gaussian top-k; []: none)
+    activation_sparsity: list[float] = []
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -179,7 +215,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"mrope_section {self.mrope_section} splits {sum(self.mrope_section)} rotary "
                 f"pairs, but a head has {self.rope_dim // 2}"
             )
-        per_layer = ["layer_windows", "rope_layers", "moe_layers", "layer_types"]
+        per_layer = ["layer_windows", "layer_chunks", "rope_layers", "moe_layers", "layer_types"]
         per_layer += ["layer_head_dims", "layer_kv_heads", "kv_sources", "k_eq_v_layers"]
         for name in (*per_layer, "layer_intermediate_sizes"):
             n = len(getattr(self, name))
@@ -230,6 +266,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def window(self, layer: int) -> int:
         """Keys visible to a query of ``layer`` (the query's own included); 0: all."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def chunk(self, layer: int) -> int:
+        """The chunk of ``layer``'s chunked local attention (0: none)."""
+        return self.layer_chunks[layer] if self.layer_chunks else 0
 
     def rotates(self, layer: int) -> bool:
         return self.rope_layers[layer] if self.rope_layers else True
@@ -301,7 +341,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             architecture=fam.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("block_ff_dim") or 0),
+            intermediate_size=_first(cfg.get("intermediate_size") or cfg.get("block_ff_dim") or 0),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -322,6 +362,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             base["mrope_section"] = mrope
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
+        if cfg.get("use_bidirectional_attention"):
+            if fam.name != "gemma3":
+                raise ValueError(
+                    f"use_bidirectional_attention is supported for Gemma 3, not {fam.name}"
+                )
+            base["bidirectional"] = True
+            # (transformers' symmetric window: |q - k| < window // 2 + 1)
+            windows = [w // 2 + 1 if w else 0 for w in windows]
         if windows:
             base["layer_windows"] = windows
             base["sliding_window"] = max(windows)
@@ -330,12 +378,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token across all layers, per byte of element size (a
-        layer that reads another's cache holds none)."""
+        layer that reads another's cache holds none; a latent-attention layer holds its
+        latent and rotary key once, ``kv_lora_rank + rotary_dim``)."""
+        tensors = 1 if self.kv_lora_rank else 2  # latent attention: K is V (one tensor)
         return sum(
-            2 * self.kv_heads_of(i) * self.head_dim_of(i)
+            tensors * self.kv_heads_of(i) * self.head_dim_of(i)
             for i in range(self.num_layers)
             if self.attends(i) and self.kv_source(i) == i
         )
+
+
+def _first(value: Any) -> int:
+    """A width given as one number or one per layer (Gemma 3n's): the first layer's."""
+    return int(value[0]) if isinstance(value, list) else int(value)
 
 
 def _mrope_section(rope: dict[str, Any]) -> list[int]:
@@ -466,9 +521,51 @@ TEXT_MODELS["Gemma4ForConditionalGeneration"] = (
         "eos_token_id": 1,
     },
 )
+# Gemma 3n (Gemma3nTextConfig's defaults; its vision and audio towers are not loaded)
+TEXT_MODELS["Gemma3nForConditionalGeneration"] = (
+    "Gemma3nForCausalLM",
+    {
+        "vocab_size": 262400,
+        "hidden_size": 2048,
+        "intermediate_size": 16384,
+        "num_hidden_layers": 35,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    },
+)
 # Idefics3 (SmolVLM): a Llama text model, LlamaConfig's defaults (Idefics3Config's
 # rms_norm_eps 1e-5 is only for a config without text_config; SmolVLM's lists its own);
 # its vision tower and connector: model/idefics3.py
+# Llama4ForConditionalGeneration (Scout, Maverick): its text model, Llama4TextConfig's
+# defaults (images are not read)
+TEXT_MODELS["Llama4ForConditionalGeneration"] = (
+    "Llama4ForCausalLM",
+    {
+        "vocab_size": 202048,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+)
 TEXT_MODELS["Idefics3ForConditionalGeneration"] = (
     "LlamaForCausalLM",
     {
@@ -779,6 +876,57 @@ def _gemma4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gemma3n(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3n (transformers' ``Gemma3nTextConfig``, its defaults where a key is
+    absent): Gemma 4's per-layer inputs and KV-shared last layers (one head size, plain
+    rope per kind of layer, values through a weightless norm, no softmax scale) with
+    AltUp's ``altup_num_inputs`` residual streams, LAuReL's low-rank residual
+    (``laurel_rank``), per-layer MLP widths and the first layers' sparse MLP
+    activations (``activation_sparsity_pattern``)."""
+    types = cfg.get("layer_types") or _gemma3n_types(base)
+    if types[-1] != "full_attention":
+        raise ValueError("Gemma 3n whose last layer is not a full_attention one is not supported")
+    out = _gemma4({**cfg, "layer_types": types}, base)
+    if cfg.get("altup_active_idx", 0) != 0 or not cfg.get("altup_correct_scale", True):
+        raise ValueError("Gemma 3n with altup_active_idx != 0 or without altup_correct_scale")
+    n = base["num_layers"]
+    params = cfg.get("rope_parameters") or {}
+    glob = params.get("full_attention") or {}
+    if glob.get("rope_type", "default") != "default":
+        raise ValueError(f"Gemma 3n global rope type {glob['rope_type']!r} is not supported")
+    widths = cfg.get("intermediate_size")
+    widths = [int(w) for w in widths] if isinstance(widths, list) else [int(widths or 0)] * n
+    sparsity = cfg.get("activation_sparsity_pattern")
+    if sparsity is None:  # the config class's: the first ten of more than ten at 0.95
+        sparsity = [0.95] * 10 + [0.0] * (n - 10) if n > 10 else [0.0] * n
+    elif not isinstance(sparsity, list):
+        sparsity = [float(sparsity)] * n
+    out.update(
+        rope_theta=float(glob.get("rope_theta", cfg.get("rope_theta") or 1e6)),
+        rope_scaling=None,
+        layer_head_dims=[],
+        head_dim=base["head_dim"],
+        layer_kv_heads=[],
+        num_kv_heads=base["num_kv_heads"],
+        k_eq_v_layers=[],
+        intermediate_size=widths[0],
+        layer_intermediate_sizes=widths if len(set(widths)) > 1 else [],
+        per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or 262144),
+        altup_streams=int(cfg.get("altup_num_inputs") or 4),
+        laurel_rank=int(cfg.get("laurel_rank") or 64),
+        activation_sparsity=[float(x) for x in sparsity] if any(sparsity) else [],
+    )
+    return out
+
+
+def _gemma3n_types(base: dict[str, Any]) -> list[str]:
+    """Gemma 3n's default pattern: four local layers to one global."""
+    return [
+        "full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
+        for i in range(base["num_layers"])
+    ]
+
+
 def _gemma1(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """Gemma (1): ``(1 + w)`` norms (the loader adds the 1), GeGLU, embeddings scaled by
     sqrt(hidden); pre-norms only. Its ``hidden_act`` "gelu" (the first checkpoints')
@@ -834,6 +982,85 @@ def _glm4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(post_norms=True, qkv_bias=bool(cfg.get("attention_bias", True)))
     if float(partial) != 1.0:
         out["rotary_dim"] = int(base["head_dim"] * float(partial))
+    return out
+
+
+def _glm4_moe(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 (transformers' defaults where a key is absent): q/k/v biases by
+    ``attention_bias``, per-head q/k norms by ``use_qk_norm``, a partial rotary (0.5),
+    dense MLPs in the first ``first_k_dense_replace`` layers, experts in the rest
+    (``n_routed_experts``, routed as DeepSeek-V3's: ``n_group``, ``topk_group``,
+    ``norm_topk_prob``, ``routed_scaling_factor``) beside ``n_shared_experts`` shared
+    ones, run as one MLP of their summed width."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 128)
+    groups = int(cfg.get("n_group") or 1)
+    if groups > 1 and experts // groups < 2:
+        raise ValueError(f"GLM-4.5 with {experts} experts in {groups} groups: under 2 a group")
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    layers = [i >= dense for i in range(base["num_layers"])]
+    width = int(cfg.get("moe_intermediate_size") or 1408)
+    return {
+        "qkv_bias": bool(cfg.get("attention_bias", False)),
+        "qk_norm": "head" if cfg.get("use_qk_norm") else "none",
+        **_partial_rotary(cfg, base, 0.5),
+        "mlp_act": _hidden_act(cfg, "GLM-4.5", "silu"),
+        "num_experts": experts,
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 8),
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width * int(cfg.get("n_shared_experts", 1) or 0),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "moe_layers": layers if not all(layers) else [],
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "expert_groups": groups,
+        "expert_groups_used": int(cfg.get("topk_group") or 1),
+    }
+
+
+def _llama4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4 (transformers' defaults where a key is absent): layers without rotary by
+    ``no_rope_layers`` (1: rotary; else every ``no_rope_layer_interval``-th without),
+    which attend globally with the attention temperature (``attn_temperature_tuning``,
+    ``floor_scale``, ``attn_scale``), the rotary ones over chunks of
+    ``attention_chunk_size`` with weightless per-head q/k RMSNorms (``use_qk_norm``:
+    weights of ones); experts in the ``moe_layers`` (else every
+    ``interleave_moe_layer_step``-th), ``intermediate_size`` wide, each token's top one
+    beside a shared expert of the same width; the dense layers' MLP is
+    ``intermediate_size_mlp`` wide."""
+    layers = base["num_layers"]
+    flags = cfg.get("no_rope_layers")
+    if not flags:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    rope = [bool(f) for f in flags[:layers]]
+    if cfg.get("attention_bias"):
+        raise ValueError("Llama 4 with attention_bias is not supported (published ones have none)")
+    top_k = int(cfg.get("num_experts_per_tok") or 1)
+    if top_k != 1:
+        raise ValueError(
+            f"Llama 4 with num_experts_per_tok={top_k} is not supported (its router scales "
+            "each token's input to its one expert; the published models route to one)"
+        )
+    moe = cfg.get("moe_layers")
+    if moe is None:
+        step = int(cfg.get("interleave_moe_layer_step") or 1)
+        moe = list(range(step - 1, layers, step))
+    chunk = int(cfg.get("attention_chunk_size", 8192) or 0)  # (null: none)
+    width = int(cfg.get("intermediate_size") or 8192)
+    out: dict[str, Any] = {
+        "rope_layers": rope if not all(rope) else [],
+        "qk_norm": "head" if cfg.get("use_qk_norm", True) else "none",
+        "intermediate_size": int(cfg.get("intermediate_size_mlp") or 16384),
+        "num_experts": int(cfg.get("num_local_experts") or 16),
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": width,
+        "shared_expert_intermediate_size": width,
+        "moe_layers": [i in set(moe) for i in range(layers)],
+    }
+    if chunk:
+        out["layer_chunks"] = [chunk if r else 0 for r in rope]
+    if cfg.get("attn_temperature_tuning", True):
+        out["attn_temperature_floor"] = int(cfg.get("floor_scale") or 8192)
+        out["attn_temperature_scale"] = float(cfg.get("attn_scale", 0.1))
     return out
 
 
@@ -1418,6 +1645,64 @@ def _falcon(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _deepseek(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 and V3 (also Kimi K2, Moonlight): multi-head latent attention (the
+    cache's one head is ``kv_lora_rank + qk_rope_head_dim`` wide; the softmax scale is
+    ``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale_all_dim`` factor squared),
+    dense MLPs in the first ``first_k_dense_replace`` layers, then experts beside
+    ``n_shared_experts`` shared ones: V2's softmax routing (``topk_method``
+    "group_limited_greedy": the best ``topk_group`` of ``n_group`` groups by their best
+    score), V3's grouped sigmoid routing with a choice bias."""
+    v3 = base["architecture"] == "deepseek_v3"
+    name = "DeepSeek-V3" if v3 else "DeepSeek-V2"
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError(f"{name} with attention_bias or mlp_bias is not supported")
+    if v3 and cfg.get("rope_interleave") is False:
+        raise ValueError(f"{name} with rope_interleave false is not supported")
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"{name} with moe_layer_freq {cfg['moe_layer_freq']} is not supported")
+    if (act := _hidden_act(cfg, name, "silu")) != "silu":
+        raise ValueError(f"{name} with hidden_act {act!r} is not supported (silu is)")
+    nope, rope = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
+    rank = int(cfg.get("kv_lora_rank", 512))
+    scale = (nope + rope) ** -0.5
+    sc = base["rope_scaling"] or {}
+    factor = float(sc.get("factor") or 1.0)
+    if sc.get("rope_type") == "yarn" and sc.get("mscale_all_dim") and factor > 1:
+        mscale = 0.1 * float(sc["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    out: dict[str, Any] = {
+        "kv_lora_rank": rank,
+        "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+        "qk_nope_head_dim": nope,
+        "v_head_dim": int(cfg.get("v_head_dim") or 128),
+        "head_dim": rank + rope,
+        "num_kv_heads": 1,
+        "rotary_dim": rope,
+        "attn_scale": scale,
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+    }
+    experts = int(cfg.get("n_routed_experts") or 0)
+    if not experts:
+        return out
+    layers, dense = base["num_layers"], int(cfg.get("first_k_dense_replace") or 0)
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    moe = int(cfg.get("moe_intermediate_size") or 0)
+    out.update(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=moe,
+        shared_expert_intermediate_size=moe * int(cfg.get("n_shared_experts") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+        moe_layers=[i >= dense for i in range(layers)] if dense else [],
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        expert_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+        expert_groups_used=int(cfg.get("topk_group") or 1) if grouped else 1,
+        router_scoring="sigmoid" if v3 else "softmax",
+    )
+    return out
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
@@ -1425,12 +1710,15 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gemma2": _gemma,
     "gemma3": _gemma,
     "gemma4": _gemma4,
+    "gemma3n": _gemma3n,
     "phi3": _phi3,
     "olmo2": _olmo2,
     "olmo3": _olmo3,
     "granite": _granite,
     "smollm3": _smollm3,
     "glm4": _glm4,
+    "glm4_moe": _glm4_moe,
+    "llama4": _llama4,
     "ernie4_5": _ernie4_5,
     "exaone4": _exaone4,
     "mixtral": _mixtral,
@@ -1453,4 +1741,6 @@ FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, A
     "gpt2": _gpt2,
     "gpt_bigcode": _gpt2,
     "falcon": _falcon,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
 }

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
+from structllm.model.layers import SparseMoe
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 
 ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
@@ -78,6 +79,8 @@ def why_not(model: LlamaModel) -> str | None:
         dl: DecoderLayer = layer  # type: ignore[assignment]
         if getattr(dl, "sinks", None) is not None or getattr(dl, "o_bias", None) is not None:
             return "attention sinks and output biases (gpt-oss) are not in it"
+        if getattr(dl, "chunk", 0) or getattr(dl, "scale_queries", None) is not None:
+            return "chunked attention and query temperatures (Llama 4) are not in it"
         for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o
             if _parts(getattr(dl, name), False) is None:
                 return f"{name} is not in GGUF blocks"
@@ -211,6 +214,8 @@ def _native_experts(dl: DecoderLayer) -> Any:
     ``cpu_moe.cpp``, native experts), else None."""
     moe = dl.moe
     if moe is None or dl.act != "silu" or moe.router.dtype != torch.float32:
+        return None
+    if type(moe).route is not SparseMoe.route:  # a family's own routing (GLM-4.5's)
         return None
     if moe.shared is not None:  # a shared expert: SparseMoe.forward adds it (a cut)
         return None

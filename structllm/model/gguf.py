@@ -9,12 +9,13 @@ vectorised torch ops; any other type the ``gguf`` package knows goes through its
 from __future__ import annotations
 
 import functools
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from structllm.kernels.packed import BLOCK, BLOCK_TYPES, BlockWeight
+from structllm.model import gguf_gemma4
 from structllm.model.config import ModelConfig
 from structllm.model.layers import interleave_rope_rows
 from structllm.model.registry import family_for_gguf
@@ -234,6 +236,23 @@ def _gemma(
     return out
 
 
+def _gemma_embedding(windows: list[int], get: Callable[..., Any]) -> dict[str, Any]:
+    """EmbeddingGemma (``gemma-embedding``): Gemma 3 attending both ways, its windowed
+    layers seeing ``|q - k| <= window // 2`` (llama.cpp's symmetric window, transformers'
+    ``window // 2 + 1`` exclusive: ``config.ModelConfig.bidirectional``), and its
+    sentence-transformers Dense layers' ``[in, out]`` (tensors ``dense_2``, ``dense_3``)."""
+    dense = [
+        [int(get(f"dense_{k}_feat_in")), int(get(f"dense_{k}_feat_out"))]
+        for k in (2, 3)
+        if get(f"dense_{k}_feat_in") is not None
+    ]
+    return dict(
+        bidirectional=True,
+        layer_windows=[w // 2 + 1 if w else 0 for w in windows],
+        pooling_dense=dense,
+    )
+
+
 def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
     """EXAONE 4.0 options: with a window, its layers by
     ``attention.sliding_window_pattern`` (else three local to one global), and only
@@ -249,6 +268,10 @@ def _exaone4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any
         if any(local):
             out["layer_windows"] = [window if s else 0 for s in local]
     return out
+
+
+# llama.cpp's enum llama_pooling_type, as its converter writes it ({arch}.pooling_type)
+POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST", 4: "RANK"}
 
 
 def model_config(meta: dict[str, Any]) -> ModelConfig:
@@ -276,7 +299,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         intermediate_size=_ffn_width(get("feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_kv_heads(get("attention.head_count_kv", heads)),
+        # (gemma4's: one per layer, gguf_gemma4.config)
+        num_kv_heads=_kv_heads(get("attention.head_count_kv", heads))
+        if fam.name != "gemma4"
+        else 1,
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
@@ -289,6 +315,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
     )
     if rope_dim is not None and int(rope_dim) < head_dim:
         kw["rotary_dim"] = int(rope_dim)
+    # (0: none; 4, RANK: a reranker's, its classifier in cls.output: engine.pooling)
+    pooling = POOLING_TYPES.get(int(get("pooling_type") or 0))
+    if pooling is not None:
+        kw["pooling_type"] = pooling
     window = int(get("attention.sliding_window") or 0)
     if fam.name in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = "head"
@@ -296,6 +326,12 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(mlp_act="gelu_tanh", embed_scale=hidden**0.5)
     elif fam.name in ("gemma2", "gemma3"):
         kw.update(_gemma(fam.name, hidden, heads, layers, window, get))
+        if arch == "gemma-embedding":  # EmbeddingGemma: both ways, a symmetric window
+            kw.update(_gemma_embedding(kw.get("layer_windows") or [], get))
+    elif fam.name == "gemma4":  # (its experts too)
+        kw.update(gguf_gemma4.config(layers, get))
+    elif fam.name == "gemma3n":
+        kw.update(gguf_gemma4.gemma3n_config(layers, get))
     elif fam.name == "phi3":
         long, short = get("rope_factors_long"), get("rope_factors_short")
         if long is not None and short is not None:
@@ -339,10 +375,17 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw.update(_nemotron_h(layers, get, experts=arch == "nemotron_h_moe"))
     elif fam.name == "glm4":  # its q/k/v biases: the loader reads them off the tensors
         kw["post_norms"] = True
+    elif fam.name == "llama4":
+        kw.update(_llama4(layers, window, get))
+    elif fam.name == "glm4_moe":  # (q/k/v biases, q/k norms: off the tensors)
+        dense = int(get("leading_dense_block_count") or 0)
+        kw["moe_layers"] = [i >= dense for i in range(layers)] if dense else []
     elif fam.name == "exaone4":
         kw.update(_exaone4(layers, window, get))
     elif fam.name == "gpt_oss":
         kw.update(_gpt_oss(layers, window, scaling, get))
+    elif fam.name == "deepseek_v2":
+        kw.update(_deepseek2(layers, head_dim, kw["rope_scaling"], get))
     elif fam.name == "smollm3":  # llama.cpp: every fourth layer without rope
         kw["rope_layers"] = [(i + 1) % 4 != 0 for i in range(layers)]
     elif fam.name in _CLASSIC:
@@ -357,10 +400,12 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
     # n_routed_experts)
-    experts = int(get("expert_count") or 0) if fam.name != "nemotron_h" else 0
+    # (DeepSeek's: _deepseek2; Gemma 4's: gguf_gemma4.config)
+    no_experts = ("nemotron_h", "deepseek_v2", "gemma4")
+    experts = int(get("expert_count") or 0) if fam.name not in no_experts else 0
     if experts:
         kw.update(_experts(fam.name, experts, get))
-    elif fam.name in ("qwen3_moe", "qwen2_moe"):
+    elif fam.name in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
         raise ValueError(f"{arch} GGUF file without {arch}.expert_count")
     return ModelConfig(**kw)
 
@@ -382,6 +427,59 @@ def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
             f"qwen2vl GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
         )
     return {"mrope_section": sections[:3]}
+
+
+def _deepseek2(
+    layers: int, head_dim: int, scaling: dict[str, Any] | None, get: Callable[..., Any]
+) -> dict[str, Any]:
+    """llama.cpp's ``deepseek2`` (DeepSeek-V2 and V3; ``config._deepseek``): the cached
+    head ``key_length = kv_lora_rank + rope``, the attention heads' ``key_length_mla``
+    and ``value_length_mla``; V3 by its sigmoid gating (``expert_gating_func`` 2, with
+    the ``exp_probs_b`` choice bias), V2 otherwise (llama.cpp's default for files
+    without the key). The converter writes ``yarn_log_mul`` as ``0.1 * mscale_all_dim``
+    (llama.cpp's legacy rule for this family); llama.cpp's rotary then has magnitude 1,
+    as the configs' equal ``mscale`` and ``mscale_all_dim`` give."""
+    rank = int(get("attention.kv_lora_rank"))
+    rope = head_dim - rank
+    qk = int(get("attention.key_length_mla") or head_dim)
+    out: dict[str, Any] = {
+        "kv_lora_rank": rank,
+        "q_lora_rank": int(get("attention.q_lora_rank") or 0),
+        "qk_nope_head_dim": qk - rope,
+        "v_head_dim": int(get("attention.value_length_mla") or 0),
+        "num_kv_heads": 1,
+        "rotary_dim": rope,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+    }
+    scale = qk**-0.5
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        log_mul = get("rope.scaling.yarn_log_multiplier") or get("rope.scaling.yarn_log_mul")
+        mscale_all = float(log_mul or 0.0) / 0.1
+        factor = float(scaling.get("factor") or 1.0)
+        if mscale_all and factor > 1:
+            scaling.update(mscale=mscale_all, mscale_all_dim=mscale_all)
+            scale *= (0.1 * mscale_all * math.log(factor) + 1.0) ** 2
+    out["attn_scale"] = scale
+    experts = int(get("expert_count") or 0)
+    if not experts:
+        return out
+    sigmoid = int(get("expert_gating_func") or 1) == 2
+    moe = int(get("expert_feed_forward_length") or 0)
+    dense = int(get("leading_dense_block_count") or 0)
+    out.update(
+        architecture="deepseek_v3" if sigmoid else "deepseek_v2",
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count") or 0),
+        moe_intermediate_size=moe,
+        shared_expert_intermediate_size=moe * int(get("expert_shared_count") or 0),
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        moe_layers=[i >= dense for i in range(layers)] if dense else [],
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
+        router_scoring="sigmoid" if sigmoid else "softmax",
+    )
+    return out
 
 
 def _qwen3_5(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
@@ -640,6 +738,8 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
     cfg = msgspec.structs.replace(cfg, qkv_bias=cfg.qkv_bias or "blk.0.attn_q.bias" in shapes)
     if cfg.architecture in ("stablelm", "cohere") and "blk.0.attn_q_norm.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, qk_norm="layer_heads")
+    if cfg.architecture == "glm4_moe" and "blk.0.attn_q_norm.weight" in shapes:
+        cfg = msgspec.structs.replace(cfg, qk_norm="head")  # (GLM-4.5's; not the Air's)
     if cfg.architecture == "falcon" and "blk.0.attn_norm_2.weight" in shapes:
         cfg = msgspec.structs.replace(cfg, parallel_block="separate")  # ln_attn, ln_mlp
     if cfg.architecture == "falcon" and "blk.0.attn_output.bias" in shapes:
@@ -650,6 +750,8 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
             o_bias="blk.0.attn_output.bias" in shapes,
             mlp_bias="blk.0.ffn_up.bias" in shapes,
         )
+    if cfg.architecture in ("gemma4", "gemma3n"):
+        cfg = gguf_gemma4.options_from_tensors(cfg, shapes)
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
     return layer_types_from_tensors(cfg, shapes)
@@ -720,6 +822,17 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
                 get("expert_shared_feed_forward_length") or get("feed_forward_length")
             ),
         )
+    if family == "glm4_moe":
+        return _glm4_moe_experts(experts, get)
+    if family == "llama4":  # each token's top one, beside a shared expert of their width
+        width = int(get("expert_feed_forward_length") or 0)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 1),
+            moe_intermediate_size=width,
+            shared_expert_intermediate_size=width,
+            qk_norm="head" if experts != 128 else "none",  # llama.cpp: Maverick has none
+        )
     if family == "gpt_oss":  # a softmax over the top k logits: the renormalised top k
         return dict(
             num_experts=experts,
@@ -737,6 +850,48 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
         norm_topk_prob=bool(get("expert_weights_norm", True)),
         # Qwen3.5-MoE's shared expert, behind its sigmoid gate (ffn_*_shexp)
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length") or 0),
+    )
+
+
+def _llama4(layers: int, window: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """Llama 4 (``llama4``) by llama.cpp's rules, which its files do not carry: every
+    fourth layer without rotary, attending globally with the attention temperature
+    (floor 8192, scale 0.1), the others over chunks of 8192 keys; a file whose
+    ``attention.sliding_window`` is 0 has neither (every layer rotary, global). Experts
+    every ``interleave_moe_layer_step``-th layer (``_experts``: their q/k norms too)."""
+    step = int(get("interleave_moe_layer_step") or 1)
+    out: dict[str, Any] = {"moe_layers": [(i + 1) % step == 0 for i in range(layers)]}
+    if get("attention.sliding_window") is not None and window == 0:
+        return out
+    rope = [(i + 1) % 4 != 0 for i in range(layers)]
+    return {
+        **out,
+        "rope_layers": rope,
+        "layer_chunks": [8192 if r else 0 for r in rope],
+        "attn_temperature_floor": 8192,
+        "attn_temperature_scale": 0.1,
+    }
+
+
+def _glm4_moe_experts(experts: int, get: Callable[..., Any]) -> dict[str, Any]:
+    """GLM-4.5's experts (``glm4moe``): sigmoid gating (llama.cpp's gating function 2,
+    the only one its GLM-4.5 runs), the top-k weights renormalised by
+    ``expert_weights_norm`` and times ``expert_weights_scale``, the groups of
+    ``expert_group_count`` / ``expert_group_used_count``, and ``expert_shared_count``
+    shared experts of the routed width, run as one MLP."""
+    gating = int(get("expert_gating_func") or 2)
+    if gating != 2:
+        raise ValueError(f"glm4moe GGUF file with expert gating function {gating} (not sigmoid)")
+    width = int(get("expert_feed_forward_length") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count") or 0),
+        moe_intermediate_size=width,
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        shared_expert_intermediate_size=width * int(get("expert_shared_count") or 0),
+        routed_scaling_factor=float(get("expert_weights_scale") or 1.0),
+        expert_groups=int(get("expert_group_count") or 1),
+        expert_groups_used=int(get("expert_group_used_count") or 1),
     )
 
 
@@ -825,7 +980,7 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
-_HF_ROPE_ORDER += ("falcon",)
+_HF_ROPE_ORDER += ("falcon", "glm4_moe")
 
 
 def keeps_hf_rope_order(architecture: str) -> bool:
@@ -859,6 +1014,12 @@ _GPT_OSS_NAMES = {
     "attn_output.bias": "o_bias",
     "ffn_gate_inp.bias": "moe.router_bias",
 }
+# GLM-4.5's tensors beside the shared ones (its post_attention_norm is the MLP's input
+# norm; exp_probs_b its router's e_score_correction_bias)
+_GLM4_MOE_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm",
+    "exp_probs_b.bias": "moe.router_bias",
+}
 _EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
 
 # Granite 4's and Nemotron-H's Mamba-2 layers, by llama.cpp's converter's names (``ssm_a`` holds
@@ -889,6 +1050,18 @@ _NEMOTRON_H_NAMES = {
 }
 
 # Qwen3.5-MoE's shared expert (gate and up rows fused at load, as a dense MLP's)
+# DeepSeek's latent attention (model/deepseek.py) and V3's choice bias; attn_k_b and
+# attn_v_b (kv_b_proj's key and value rows per head) are ``_deepseek_kv_b``'s
+_DEEPSEEK_NAMES = {
+    "attn_q.weight": "attn.q_proj",
+    "attn_q_a.weight": "attn.q_a_proj",
+    "attn_q_a_norm.weight": "attn.q_a_norm",
+    "attn_q_b.weight": "attn.q_b_proj",
+    "attn_kv_a_mqa.weight": "attn.kv_a_proj",
+    "attn_kv_a_norm.weight": "attn.kv_a_norm",
+    "attn_output.weight": "attn.o_proj",
+    "exp_probs_b.bias": "moe.router_bias",
+}
 _SHARED_EXPERT_NAMES = {"ffn_down_shexp.weight": "moe.shared.down_proj"}
 
 # Qwen3.5's Gated DeltaNet layers, by llama.cpp's converter's names (``ssm_a`` holds
@@ -930,8 +1103,13 @@ _KEEPABLE = (
 )
 _KEEPABLE += ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 _KEEPABLE += ("ffn_latent_down.weight", "ffn_latent_up.weight")
+_KEEPABLE += ("attn_q_a.weight", "attn_q_b.weight", "attn_kv_a_mqa.weight")  # DeepSeek's
+# Gemma 4's per-layer inputs: each layer's gate and projection, the embedding's projection
+_KEEPABLE += ("inp_gate.weight", ".proj.weight", "per_layer_model_proj.weight")
+_KEEPABLE += ("laurel_l.weight", "laurel_r.weight")  # (Gemma 3n's LAuReL)
 # a mixture of experts' matrices, one 3-D tensor ``[E, N, K]`` per kind and layer
-_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERTS: tuple[str, ...] = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EXPERTS += ("ffn_gate_up_exps.weight",)  # (Gemma 4's, gate and up fused)
 
 
 def tensor_format(name: str, kind: str, shape: tuple[int, ...], keep_blocks: bool) -> str:
@@ -987,8 +1165,12 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
     deq: dict[str, int] = {}
     half16 = f32 = vectors = 0
     experts: dict[str, int] = {}  # expert matrices by how they run
+    per_head = 0  # DeepSeek's attn_k_b / attn_v_b, [H, ., .]
     for t in reader.tensors:
         kind, shape = t.tensor_type.name, tuple(int(s) for s in reversed(t.shape))
+        if len(shape) == 3 and not t.name.endswith(_EXPERTS):
+            per_head += 1
+            continue
         how = tensor_format(t.name, kind, shape, keep_blocks)
         n = shape[0] if len(shape) == 3 else 1  # a 3-D expert tensor: one matrix per expert
         if len(shape) == 3:
@@ -1017,6 +1199,11 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
             else "the weights run as floats (--quantization none, or not on CPU)"
         )
         lines.append(f"{sum(deq.values())} matrices dequantised to float32 ({kinds}): {why}")
+    if per_head:
+        lines.append(
+            f"{per_head} latent-attention tensors (attn_k_b, attn_v_b) as float32: "
+            "they run as per-head batched matmuls"
+        )
     if experts:
         each = ", ".join(f"{k} {n}" for k, n in sorted(experts.items(), key=lambda kv: -kv[1]))
         lines.append(f"experts: {sum(experts.values())} expert matrices (counted above): {each}")
@@ -1113,6 +1300,26 @@ def _expert_biases(
             yield f"{prefix}moe.experts.{e}.gate_up_bias", torch.cat([gate[e], up[e]])
 
 
+def _fused(
+    prefix: str, kind: str, pending: dict[str, Tensor | BlockWeight]
+) -> Iterator[tuple[str, Tensor | BlockWeight]]:
+    """A layer's fused matrices (``prefix``: ``layers.N.``) once all their parts are in
+    ``pending``: q/k/v (``kind``: their weights or biases), gate/up, the shared
+    expert's gate/up."""
+    qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]
+    if all(n in pending for n in qkv):
+        yield (
+            prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"),
+            _cat([pending.pop(n) for n in qkv]),
+        )
+    gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
+    if all(n in pending for n in gu):
+        yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
+    gu = [prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"]
+    if all(n in pending for n in gu):
+        yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
+
+
 def load_tensors(
     reader: Any,
     cfg: ModelConfig,
@@ -1132,6 +1339,7 @@ def load_tensors(
     pending: dict[str, Tensor | BlockWeight] = {}
     pending_experts: dict[str, list[Tensor | BlockWeight]] = {}
     total = len(reader.tensors)
+    names = {t.name for t in reader.tensors}
     permute = cfg.architecture in _HF_ROPE_ORDER
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
     # q/k norms: one head's [D] per head, or OLMo 2's whole projection
@@ -1154,6 +1362,12 @@ def load_tensors(
                 continue
             prefix = "layers.{}.moe.experts.".format(name.split(".")[1])
             kind = name.split(".")[2]  # ffn_gate_exps, ...
+            if kind == "ffn_gate_up_exps":  # Gemma 4's: [gate | up] per expert, as ours
+                for e, w in enumerate(read_experts(t, shape, keep_blocks)):
+                    yield f"{prefix}{e}.gate_up_proj", w
+                if progress is not None:
+                    progress(i + 1, total)
+                continue
             pending_experts[prefix + kind] = read_experts(t, shape, keep_blocks)
             if kind == "ffn_down_exps":
                 for e, w in enumerate(pending_experts.pop(prefix + kind)):
@@ -1165,6 +1379,20 @@ def load_tensors(
                     yield f"{prefix}{e}.gate_up_proj", _cat([g, u])
             if progress is not None:
                 progress(i + 1, total)
+            continue
+        deepseek = cfg.architecture in ("deepseek_v2", "deepseek_v3")
+        if deepseek and name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            # [H, L, Dn] (the converter's transpose) and [H, Dv, L]: float, for bmm
+            if progress is not None:
+                progress(i + 1, total)
+            if int(name.split(".")[1]) >= cfg.num_layers:
+                continue  # a multi-token-prediction block (not run here)
+            w = cast(Tensor, read_tensor(t, shape, False))
+            k = name.endswith("attn_k_b.weight")
+            yield (
+                f"layers.{name.split('.')[1]}.attn.{'k_b' if k else 'v_b'}",
+                (w.transpose(1, 2).contiguous() if k else w),
+            )
             continue
         w = read_tensor(t, shape, keep_blocks)
         if progress is not None:
@@ -1179,6 +1407,8 @@ def load_tensors(
             yield "lm_head", w
         elif name == "position_embd.weight":  # GPT-2's learned positions
             yield "position_embeddings", w
+        elif name in gguf_gemma4.TOP_NAMES:
+            yield gguf_gemma4.TOP_NAMES[name], w
         elif name in ("output_norm.bias", "output.bias"):  # (the classic layouts')
             yield ("norm_bias" if name == "output_norm.bias" else "lm_head_bias"), w
         elif name.startswith("blk."):
@@ -1193,6 +1423,18 @@ def load_tensors(
                     w = torch.log(-w.float()) if rest == "ssm_a" else w
                 yield prefix + "mixer." + _MAMBA_NAMES[rest], w
                 continue
+            handled = (
+                gguf_gemma4.layer_tensor(
+                    cfg, int(idx), rest, w, f"blk.{idx}.attn_v.weight" in names
+                )
+                if cfg.architecture in ("gemma4", "gemma3n")
+                else None
+            )
+            if handled is not None:  # (its q/k/v fused as the others')
+                yield from ((prefix + n, t) for n, t in handled[0])
+                pending.update((prefix + n, t) for n, t in handled[1])
+                yield from _fused(prefix, "weight", pending)
+                continue
             if cfg.architecture in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
                 ours, left = _qwen3_5_tensor(cfg, int(idx), rest, w)
                 yield from ((prefix + n, t) for n, t in ours)
@@ -1203,8 +1445,14 @@ def load_tensors(
             if two_norms and rest in _FALCON_NORMS:
                 yield prefix + _FALCON_NORMS[rest], w
                 continue
+            if deepseek and rest in _DEEPSEEK_NAMES:
+                yield prefix + _DEEPSEEK_NAMES[rest], w
+                continue
             if cfg.architecture == "gpt_oss" and rest in _GPT_OSS_NAMES:
                 yield prefix + _GPT_OSS_NAMES[rest], w
+                continue
+            if cfg.architecture == "glm4_moe" and rest in _GLM4_MOE_NAMES:
+                yield prefix + _GLM4_MOE_NAMES[rest], w
                 continue
             if rest in _EXPERT_BIASES:  # gpt-oss's, [E, F] or [E, hidden]
                 yield from _expert_biases(prefix, rest, w, pending)
@@ -1251,20 +1499,13 @@ def load_tensors(
                 heads = nh if rest.startswith("attn_q") else nkv
                 w = _permute_rows(w, _rope_perm(cfg, [(heads, True)]))
             pending[prefix + rest] = w
-            kind = rest.rsplit(".", 1)[1]  # weight or bias
-            qkv = [prefix + f"attn_{p}.{kind}" for p in "qkv"]
-            if all(n in pending for n in qkv):
-                yield (
-                    prefix + ("qkv_proj" if kind == "weight" else "qkv_bias"),
-                    _cat([pending.pop(n) for n in qkv]),
-                )
-            gu = [prefix + "ffn_gate.weight", prefix + "ffn_up.weight"]
-            if all(n in pending for n in gu):
-                yield prefix + "gate_up_proj", _cat([pending.pop(n) for n in gu])
-            gu = [prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"]
-            if all(n in pending for n in gu):
-                yield prefix + "moe.shared.gate_up_proj", _cat([pending.pop(n) for n in gu])
+            yield from _fused(prefix, rest.rsplit(".", 1)[1], pending)
         # other tensors (e.g. rope_freqs) are not used
+    if cfg.architecture == "llama4" and cfg.qk_norm == "head":  # weightless: ones
+        for i in range(cfg.num_layers):
+            if cfg.rotates(i):
+                yield f"layers.{i}.q_norm", torch.ones(cfg.head_dim)
+                yield f"layers.{i}.k_norm", torch.ones(cfg.head_dim)
     if pending or pending_experts:
         unpaired = sorted([*pending, *pending_experts])
         raise ValueError(f"GGUF file has unpaired tensors: {unpaired[:4]}")

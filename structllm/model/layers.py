@@ -279,10 +279,22 @@ class SparseMoe(nn.Module):
     ) -> Tensor:
         """``forward`` once routed: ``weights, chosen: [T, k]`` (a family with a router of
         its own, Gemma 4's, routes and calls this)."""
+        return self._add_shared(h, self.routed(h, weights, chosen, act, fused_act), act, fused_act)
+
+    def routed(
+        self,
+        h: Tensor,
+        weights: Tensor,
+        chosen: Tensor,
+        act: str,
+        fused_act: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """The routed experts' weighted sum ``[T, hidden]`` (``run_experts`` without the
+        shared expert)."""
         if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)
-                return self._add_shared(h, native.forward(h, chosen, weights), act, fused_act)
+                return cast(Tensor, native.forward(h, chosen, weights))
         weights = weights.to(h.dtype).flatten()  # [T * k]
         # (token, choice) slots sorted by expert; each expert's run of slots at once
         flat = chosen.flatten()
@@ -303,7 +315,7 @@ class SparseMoe(nn.Module):
             # stalls whenever a pool thread is descheduled (median 8 us, mean 15 ms on 2
             # busy cores); index_put_ here runs inline (mean 9 us)
             out.index_put_((rows,), y * weights[slots, None], accumulate=True)
-        return self._add_shared(h, out, act, fused_act)
+        return out
 
     def expert_mlp(
         self,
@@ -329,9 +341,10 @@ class SparseMoe(nn.Module):
         act: str,
         fused_act: Callable[[Tensor], Tensor] | None,
     ) -> Tensor:
-        """``out`` (the routed experts' sum) plus the gated shared expert's output, if
-        the layer has one (transformers' order: the shared output scaled, then added)."""
-        if self.shared is None or self.shared_gate is None:
+        """``out`` (the routed experts' sum) plus the shared expert's output, if the
+        layer has one: gated (transformers' order: the shared output scaled, then added),
+        or as it is where the layer has no ``shared_gate`` (GLM-4.5's)."""
+        if self.shared is None:
             return out
         gate_up = linear(h, self.shared.gate_up_proj, int8_ok=True)  # [T, 2S]
         if fused_act is not None:
@@ -340,6 +353,8 @@ class SparseMoe(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             mid = gated_act(gate, up, act)
         y = linear(mid, self.shared.down_proj, int8_ok=True)  # [T, hidden]
+        if self.shared_gate is None:
+            return out + y
         return out + torch.sigmoid(F.linear(h, self.shared_gate)) * y
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:

@@ -96,6 +96,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
         self.eps = cfg.rms_norm_eps
         self.window = cfg.window(index)
+        self.chunk = cfg.chunk(index)  # chunked local attention (Llama 4's; 0: none)
         self.rotates = cfg.rotates(index)
         self.local_rope = bool(self.window) and cfg.rope_local_theta is not None
         self.scale, self.softcap = cfg.scale, cfg.attn_softcap
@@ -145,6 +146,9 @@ class DecoderLayer(nn.Module):
         # the step's LoRA rows while a step has any (model.lora.active), else None
         self.adapters: LoraRows | None = None
         self.layer_no = index
+        # scales this step's queries in place, given ``qkv: [T, H + 2 Hkv, D]`` after the
+        # q/k norms, before rotation (Llama 4's attention temperature); None: none
+        self.scale_queries: Callable[[Tensor], None] | None = None
 
     def make_moe(self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None) -> SparseMoe:
         """The layer's mixture of experts (a family's own kind: ``model.gpt_oss``)."""
@@ -236,11 +240,24 @@ class DecoderLayer(nn.Module):
         qkv = qkv.view(t, nh + 2 * nkv, hd)
         if self.qk_norm != "none":
             qkv = self._norm_qk(qkv, tp)
+        if self.scale_queries is not None:
+            self.scale_queries(qkv)
         qk = qkv[:, : nh + nkv] if rope is None else apply_rope(qkv[:, : nh + nkv], rope)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, nh + nkv :]
         o = attention(
-            impl, q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks
+            impl,
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            self.window,
+            self.softcap,
+            self.sinks,
+            self.chunk,
         )  # [T, nh, D]
         o = o.reshape(t, nh * hd)
         if self.attn_gate is not None:
@@ -322,15 +339,40 @@ class DecoderLayer(nn.Module):
             self._norm_qk(qkv, tp)
         elif self.qk_norm != "none":  # per head, or over the whole projection (OLMo 2)
             ops.head_rms_norm(qkv, nh, nkv, self.q_norm, self.k_norm, self.eps)
+        if self.scale_queries is not None:
+            self.scale_queries(qkv)
         ops.rope_store(qkv, rope, nh, nkv, k_cache, v_cache, meta.slot_mapping)
         window, cap = self.window, self.softcap
         if meta.num_decodes == t:  # decode only: queries read from qkv, [T, nh * D] out
             o = cast(CpuAttention, impl).decode_rows(
-                qkv, nh, k_cache, v_cache, meta, self.scale, window, cap, o_out, self.sinks
+                qkv,
+                nh,
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                window,
+                cap,
+                o_out,
+                self.sinks,
+                self.chunk,
             )
         else:
             q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-            o = attend(impl, q, k, v, k_cache, v_cache, meta, self.scale, window, cap, self.sinks)
+            o = attend(
+                impl,
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+                window,
+                cap,
+                self.sinks,
+                self.chunk,
+            )
             o = o.reshape(t, nh * hd)
         attn_out = linear(o, self.o_proj, self.o_bias)
         if self.adapters is not None:
@@ -424,6 +466,9 @@ class LlamaModel(nn.Module):
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
         # the step's LoRA rows while it has any (model.lora.active): the Python loop runs
         self.adapters: LoraRows | None = None
+        # decode steps may be captured in CUDA graphs (where the attention backend can
+        # be); False for a family whose attention reads the step's host-side lists
+        self.cuda_graphs = True
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
@@ -440,6 +485,16 @@ class LlamaModel(nn.Module):
         """Held layer ``layer``'s paged KV cache: (the held layer whose cache it reads,
         its own index unless it shares another's; KV heads; head size)."""
         return layer, self.num_kv_heads, self.cfg.head_dim
+
+    def kv_cache_shapes(
+        self, layer: int, num_blocks: int, block_size: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The shapes of held layer ``layer``'s cache tensors (``ModelRunner`` allocates
+        them; a layer sharing another's cache is not asked): K in the attention
+        backend's layout, then V (latent attention keeps one tensor, ``model.deepseek``)."""
+        _, heads, head_dim = self.kv_layout(layer)
+        shape = (num_blocks, block_size, heads, head_dim)
+        return self.attn_impl.k_cache_shape(*shape), shape
 
     def state_bytes(self) -> int:
         """Bytes of one request's recurrent state over every layer held (float32; 0

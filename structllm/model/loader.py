@@ -95,15 +95,41 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
         raise ValueError(
             f"{path} has no tokenizer.json, and transformers is needed to build one: {e}"
         ) from e
-    if gguf_file is not None:
-        _let_transformers_read_the_tokenizer(path / gguf_file)
-    with _without_gpt_oss_rope_fields(path / gguf_file if gguf_file else None):
-        tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    if gguf_file is not None and _config_unreadable_by_transformers(path / gguf_file):
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as tokenizers
+
+        # the tokenizer fields alone, without the config AutoTokenizer reads first;
+        # Gemma 3n's SentencePiece vocabulary read as Gemma 3's (transformers' builder
+        # for Gemma's files, which it knows by their architecture)
+        builders = tokenizers.GGUF_SENTENCEPIECE_BUILDERS
+        builders.setdefault("gemma3n", builders["gemma3"])
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path), gguf_file=gguf_file)
+    else:
+        if gguf_file is not None:
+            _let_transformers_read_the_tokenizer(path / gguf_file)
+        with _without_gpt_oss_rope_fields(path / gguf_file if gguf_file else None):
+            tok = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tok.backend_tokenizer.save(str(tmp))
     os.replace(tmp, out)
     return out
+
+
+# GGUF architectures whose config transformers' reader refuses while AutoTokenizer
+# reads it to pick a tokenizer class: Gemma 4's per-layer feed_forward_length (and
+# head_count_kv) lists, which its config takes as one number. Their tokenizer is built
+# from the file's tokenizer fields alone (transformers' builder for the file's
+# tokenizer.ggml.model, as AutoTokenizer's class would use).
+_TOKENIZER_FIELDS_ONLY = ("gemma4", "gemma3n")
+
+
+def _config_unreadable_by_transformers(gguf_path: Path) -> bool:
+    from structllm.model import gguf
+
+    arch = gguf.metadata(gguf.open_gguf(gguf_path)).get("general.architecture")
+    return arch in _TOKENIZER_FIELDS_ONLY
 
 
 def _let_transformers_read_the_tokenizer(gguf_path: Path) -> None:
@@ -276,6 +302,8 @@ def load_weights(
     state: dict[str, torch.Tensor] = {}
     for f in files.weights:
         state.update(load_file(str(f)))
+    if "embed_tokens.weight" in state:  # a bare decoder's (Qwen3Model): the causal LM's names
+        state = {f"model.{k}": v for k, v in state.items()}
     if not files.native_names:
         from structllm.model.registry import hf_to_native
 

@@ -15,12 +15,76 @@ tokens. Each expert's matrices are ordinary weights (``linear``: oneDNN, float16
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe
 from structllm.model.llama import HFNames, LlamaModel
 from structllm.model.llama import hf_to_native as _hf_to_native
+
+
+def sigmoid_group_route(
+    h: Tensor,
+    router: Tensor,
+    bias: Tensor,
+    top_k: int,
+    groups: int = 1,
+    groups_used: int = 1,
+    renormalise: bool = True,
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's routing (also Nemotron 3's, GLM-4.5's): ``h [T, hidden]``,
+    ``router [E, hidden]``, ``bias [E]`` (``e_score_correction_bias``) -> (weights,
+    chosen), ``[T, k]`` each, in float32 as transformers' ``DeepseekV3TopkRouter``.
+    Scores are the logits' sigmoid; the choice is by score plus ``bias``, among the
+    experts of the ``groups_used`` groups (of ``groups`` equal runs of experts) whose two
+    best biased scores sum highest; the weights are the chosen experts' unbiased scores
+    (over their sum with ``renormalise``), times ``scale`` (``routed_scaling_factor``)."""
+    t, e = h.shape[0], router.shape[0]
+    scores = F.linear(h.float(), router.float()).sigmoid()  # [T, E]
+    choice = scores + bias.float()
+    if groups > 1:
+        by_group = choice.view(t, groups, e // groups)  # [T, G, E/G]
+        best = by_group.topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        choice = _keep_groups(by_group, best, groups_used, float("-inf")).view(t, e)
+    chosen = choice.topk(top_k, dim=-1)[1]  # [T, k]
+    weights = scores.gather(1, chosen)
+    if renormalise:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, chosen
+
+
+def softmax_group_route(
+    h: Tensor,
+    router: Tensor,
+    top_k: int,
+    groups: int = 1,
+    groups_used: int = 1,
+    renormalise: bool = False,
+    scale: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V2's routing (``topk_method`` "greedy", or with ``groups > 1``
+    "group_limited_greedy"): the logits' softmax over all experts (float32); the top k
+    among the experts of the ``groups_used`` groups whose best score is highest; the
+    weights are those scores (over their sum with ``renormalise``) times ``scale``."""
+    t, e = h.shape[0], router.shape[0]
+    scores = F.linear(h.float(), router.float()).softmax(-1)  # [T, E]
+    if groups > 1:
+        by_group = scores.view(t, groups, e // groups)  # [T, G, E/G]
+        scores = _keep_groups(by_group, by_group.amax(-1), groups_used, 0.0).view(t, e)
+    weights, chosen = scores.topk(top_k, dim=-1)  # [T, k] each
+    if renormalise:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, chosen
+
+
+def _keep_groups(by_group: Tensor, group_scores: Tensor, used: int, fill: float) -> Tensor:
+    """``by_group [T, G, E/G]`` with every group but the ``used`` best of
+    ``group_scores [T, G]`` (per token) filled with ``fill``."""
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(used, dim=-1)[1], True)
+    return by_group.masked_fill(~keep[..., None], fill)
 
 
 class MoeModel(LlamaModel):

@@ -33,6 +33,7 @@ from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.hybrid import HybridModel, Mixer
 from structllm.model.llama import DecoderLayer
+from structllm.model.moe import sigmoid_group_route
 from structllm.model.recurrent import RecurrentBatch
 from structllm.model.sharding import ShardPlan
 
@@ -150,20 +151,16 @@ class MoeBlock(nn.Module):
         ``router_bias``, among the experts of the ``groups_used`` groups whose two best
         biased scores sum highest; the chosen ones' unbiased scores as weights (over
         their sum with ``renormalise``), times ``scale``."""
-        t, e = h.shape[0], self.router.shape[0]
-        scores = F.linear(h.float(), self.router.float()).sigmoid()  # [T, E]
-        choice = scores + self.router_bias.float()
-        if self.groups > 1:
-            by_group = choice.view(t, self.groups, e // self.groups)  # [T, G, E/G]
-            best = by_group.topk(2, dim=-1)[0].sum(-1)  # [T, G]
-            keep = torch.zeros_like(best, dtype=torch.bool)
-            keep.scatter_(1, best.topk(self.groups_used, dim=-1)[1], True)
-            choice = by_group.masked_fill(~keep[..., None], float("-inf")).view(t, e)
-        chosen = choice.topk(self.top_k, dim=-1)[1]  # [T, k]
-        weights = scores.gather(1, chosen)
-        if self.renormalise:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scale, chosen
+        return sigmoid_group_route(
+            h,
+            self.router,
+            self.router_bias,
+            self.top_k,
+            self.groups,
+            self.groups_used,
+            self.renormalise,
+            self.scale,
+        )
 
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)

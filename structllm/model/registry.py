@@ -61,7 +61,7 @@ FAMILIES: tuple[Family, ...] = (
         "gemma",
         ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         ("gemma3_text",),
-        ("gemma3",),
+        ("gemma3", "gemma-embedding"),  # (EmbeddingGemma's: model.gguf)
     ),
     # Gemma4ForConditionalGeneration: its text model (config.TEXT_MODELS)
     Family(
@@ -69,7 +69,16 @@ FAMILIES: tuple[Family, ...] = (
         "gemma4",
         ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         ("gemma4_text",),
-        (),
+        ("gemma4",),
+    ),
+    # Gemma 3n: Gemma 4's per-layer inputs and KV sharing, AltUp's streams, LAuReL;
+    # Gemma3nForConditionalGeneration (as published): its text model (config.TEXT_MODELS)
+    Family(
+        "gemma3n",
+        "gemma3n",
+        ("Gemma3nForCausalLM", "Gemma3nForConditionalGeneration"),
+        ("gemma3n_text",),
+        ("gemma3n",),
     ),
     Family("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
     Family("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",)),
@@ -100,6 +109,21 @@ FAMILIES: tuple[Family, ...] = (
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
     Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    # GLM-4.5/4.6(-Air): DeepSeek-V3's grouped sigmoid routing, shared experts
+    Family("glm4_moe", "glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), ("glm4moe",)),
+    # Llama 4: chunked local attention with rotary, global NoPE layers, a shared expert
+    # (Llama4ForConditionalGeneration: its text model, config.TEXT_MODELS)
+    Family(
+        "llama4",
+        "llama4",
+        ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+        ("llama4_text",),
+        ("llama4",),
+    ),
+    # multi-head latent attention (a latent KV cache), grouped routing, shared experts
+    # (llama.cpp's deepseek2 is both: V3 by its sigmoid gating, gguf.model_config)
+    Family("deepseek_v2", "deepseek", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)),
+    Family("deepseek_v3", "deepseek", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
     # attention sinks, alternating windows, biased experts with a clamped SwiGLU
     Family("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
     # hybrid models: recurrent layers beside attention (engine.state_cache)
@@ -158,7 +182,7 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
     archs = cfg.get("architectures") or []
     for a in archs:
         for f in FAMILIES:
-            if a in f.hf_architectures:
+            if a in f.hf_architectures or base_model_head(a) in f.hf_architectures:
                 return f
     if not archs:
         for f in FAMILIES:
@@ -168,6 +192,29 @@ def family_for_hf(cfg: dict[str, Any]) -> Family:
         f"unsupported architecture {archs or cfg.get('model_type')!r}; "
         f"expected one of {supported_hf()}"
     )
+
+
+# bare decoders whose causal LM is not named after them
+_BARE_ALIASES = {"Gemma3TextModel": "Gemma3ForCausalLM"}  # (EmbeddingGemma's)
+
+
+def base_model_head(arch: str) -> str | None:
+    """The causal LM a bare decoder (``Qwen3Model``: no head, an embedding model's
+    checkpoint) or a sequence classifier (``Qwen3ForSequenceClassification``: a
+    reranker's) is the body of (``Qwen3ForCausalLM``); see ``model.pooler_config``."""
+    if arch in _BARE_ALIASES:
+        return _BARE_ALIASES[arch]
+    for tail in ("ForSequenceClassification", "Model"):
+        if arch.endswith(tail) and not arch.endswith("PreTrainedModel"):
+            return arch[: -len(tail)] + "ForCausalLM"
+    return None
+
+
+def headless(arch: str) -> bool:
+    """``arch`` is a bare decoder or a sequence classifier over a causal LM we run (not
+    itself one we run: GPT-2's ``GPT2LMHeadModel`` is a causal LM)."""
+    known = {a for f in FAMILIES for a in f.hf_architectures}
+    return arch not in known and base_model_head(arch) in known
 
 
 def family_for_gguf(arch: object) -> Family:

@@ -30,7 +30,7 @@ from structllm.harmony.sampling import for_harmony
 from structllm.multimodal.processor import ImageProcessor
 from structllm.output import SequenceState, fan_out
 from structllm.protocol import EngineStats, LoraRef, StructuredOutputs
-from structllm.server import body
+from structllm.server import body, embeddings, scores
 from structllm.server import requests as rq
 from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
@@ -106,6 +106,12 @@ class App:
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/responses"): self.responses.create,
+            ("POST", "/v1/embeddings"): self.embeddings,
+            ("POST", "/score"): self.score,
+            ("POST", "/v1/score"): self.score,
+            ("POST", "/rerank"): self.rerank,
+            ("POST", "/v1/rerank"): self.rerank,
+            ("POST", "/v2/rerank"): self.rerank,
             ("POST", "/tokenize"): self.tokenize,
             ("POST", "/detokenize"): self.detokenize,
             ("GET", "/openapi.json"): self.openapi,
@@ -375,6 +381,30 @@ class App:
             send, 200, {"prompt": await self.in_worker(self.pre.detokenize, req.tokens)}
         )
 
+    # -- pooling -----------------------------------------------------------------------
+
+    async def embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await embeddings.embeddings(self, scope, receive, send)
+
+    async def score(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await scores.score(self, scope, receive, send)
+
+    async def rerank(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await scores.rerank(self, scope, receive, send)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length (None until an engine is attached)."""
+        return self.pre.max_model_len
+
+    def generating_engine(self, api: str) -> EngineClient:
+        """The engine, which must run the generate runner (400 on a pooling server, as
+        vLLM answers an API its runner does not serve)."""
+        client = self.engine()
+        if client.ready.pooler is not None:
+            raise APIError(400, f"The model does not support {api} API", param="model")
+        return client
+
     # -- generation --------------------------------------------------------------------
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -382,7 +412,7 @@ class App:
         self.tracer.event("received", response_id, path="/v1/chat/completions")
         req = rq.decode_body(await self.read_body(receive), rq.ChatCompletionRequest)
         lora = self.check_model(req.model)
-        client = self.engine()
+        client = self.generating_engine("Chat Completions")
         seqs = with_adapter(await self.chat_sequences(req, response_id, "chat", client), lora)
         builder = ChatBuilder(
             seqs,
@@ -467,7 +497,7 @@ class App:
         req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
         lora = self.check_model(req.model)
         rq.check_priority(req.priority, self.config.engine.scheduling_policy)
-        client = self.engine()
+        client = self.generating_engine("Completions")
         prompts = await self.in_worker(self.pre.completion, req, response_id)
         if len(prompts) * req.n > rq.MAX_SEQUENCES:
             raise APIError(

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 
+from structllm.server.embeddings import EmbeddingRequest
 from structllm.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -13,6 +14,7 @@ from structllm.server.requests import (
     TokenizeRequest,
 )
 from structllm.server.responses_api import ResponsesRequest
+from structllm.server.scores import RerankRequest, ScoreRequest
 
 
 def openapi_document(version: str) -> dict[str, Any]:
@@ -21,6 +23,9 @@ def openapi_document(version: str) -> dict[str, Any]:
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/completions": CompletionRequest,
         "/v1/responses": ResponsesRequest,
+        "/v1/embeddings": EmbeddingRequest,
+        "/score": ScoreRequest,
+        "/rerank": RerankRequest,
         "/tokenize": TokenizeRequest,
         "/detokenize": DetokenizeRequest,
     }

@@ -1,27 +1,30 @@
 """What the endpoints beyond ``app.py`` use of the app: the ASGI types and the
-``ChatPipeline`` interface (``App`` implements it), so that those modules need not
-import ``app.py`` (which imports them)."""
+``ChatPipeline`` and ``PoolingPipeline`` interfaces (``App`` implements them), so that
+those modules need not import ``app.py`` (which imports them)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, TypeVarTuple
 
 from structllm.client import EngineClient
 from structllm.output import SequenceState
 from structllm.protocol import LoraRef
 from structllm.server.config import ServerConfig
-from structllm.server.generation import Builder, Transport
+from structllm.server.generation import Admission, Builder, Transport
 from structllm.server.metrics import Metrics
 from structllm.server.requests import ChatCompletionRequest
 from structllm.server.responses import ResponseBuilder
+from structllm.tokenizer import Tokenizer
 from structllm.trace import Tracer
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+Ts = TypeVarTuple("Ts")
+R = TypeVar("R")
 
 
 class ChatPipeline(Protocol):
@@ -52,6 +55,10 @@ class ChatPipeline(Protocol):
         """The engine client, or a 503 while there is none."""
         ...
 
+    def generating_engine(self, api: str) -> EngineClient:
+        """The engine client, which must run the generate runner (400 naming ``api``)."""
+        ...
+
     async def chat_sequences(
         self, req: ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
     ) -> list[SequenceState]:
@@ -69,3 +76,23 @@ class ChatPipeline(Protocol):
         transport: Transport | None = None,
         before_end: Callable[[], Awaitable[None]] | None = None,
     ) -> None: ...
+
+
+class PoolingPipeline(Protocol):
+    """A front end's pooling path (``server/embeddings.py``): the body, the model's
+    name and tokenizer, the engine, the worker pool and the queue bounds."""
+
+    model_name: str
+    tokenizer: Tokenizer
+    admission: Admission
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    async def read_body(self, receive: Receive) -> bytes: ...
+
+    def check_model(self, model: str | None) -> LoraRef | None: ...
+
+    def engine(self) -> EngineClient: ...
+
+    async def in_worker(self, fn: Callable[[*Ts], R], *args: *Ts) -> R: ...

@@ -288,7 +288,7 @@ class ResponsesEndpoints:
                 "background requires the response store (--responses-store)",
                 param="background",
             )
-        client = app.engine()
+        client = app.generating_engine("Responses")
         items = normalize_input(req.input)
         history = await self.history(req.previous_response_id)
         seq = await self.prepare(req, history, items, client, response_id)

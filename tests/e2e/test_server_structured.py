@@ -198,3 +198,10 @@ def test_pathological_schema_is_answered(client: openai.OpenAI, model: str) -> N
     except openai.BadRequestError as e:
         assert e.body["param"] == "response_format"  # type: ignore[index]
     assert chat(client, model, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_embeddings_refused_on_a_generate_server(client: openai.OpenAI, model: str) -> None:
+    """(This module's server is a plain generate server: one runner per server.)"""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=model, input="hi")
+    assert e.value.body["message"] == "The model does not support Embeddings API"  # type: ignore[index]

@@ -187,6 +187,7 @@ def test_chunked_prefill_equals_one_run(
     ids, ims = two_images
     want = run_requests(engine, [AddRequest("whole", ids, GREEDY, ims)])["whole"]
     chunked = engine_for(path, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    assert not chunked.scheduler.split_spans  # bidirectional image attention
     steps: list[list[tuple[int, int]]] = []
     sched = chunked.scheduler.schedule
     chunked.scheduler.schedule = lambda *a, **k: record(sched(*a, **k), steps)  # type: ignore[method-assign]

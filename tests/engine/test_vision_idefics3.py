@@ -23,6 +23,8 @@ from tests.support.vision_checks import (
     check_chunked_prefill_equals_one_run,
     check_default_format_agrees,
     check_generate_equals_transformers,
+    check_preempted_inside_a_span,
+    check_split_spans_equal_one_run,
     expand_images,
     expected_greedy,
     hf_vision_model,
@@ -209,3 +211,12 @@ def test_pixel_shuffle_is_transformers(side: int, factor: int) -> None:
 
 def test_default_format_agrees(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
     check_default_format_agrees(model_dir, expected, ("r0", "r3"), MAX_TOKENS)
+
+
+def test_split_spans_equal_one_run(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    """r3's two images (a grid and its global image each) cut in chunks of 16."""
+    check_split_spans_equal_one_run(model_dir, expected, "r3", 16, MAX_TOKENS)
+
+
+def test_preempted_inside_a_span(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    check_preempted_inside_a_span(model_dir, expected, "r0", 16, MAX_TOKENS)

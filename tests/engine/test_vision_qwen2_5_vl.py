@@ -35,6 +35,8 @@ from tests.support.vision_checks import (
     check_default_format_agrees,
     check_different_images_never_share_blocks,
     check_generate_equals_transformers,
+    check_preempted_inside_a_span,
+    check_split_spans_equal_one_run,
     expand_images,
     expected_greedy,
     hf_generate,
@@ -253,3 +255,12 @@ def test_preemption_recomputes_exactly(model_dir: Path, expected) -> None:  # ty
     assert got == want
     assert isinstance(tight.runner, ModelRunner)  # recomputes took the encoder's rows kept
     assert tight.runner.encoder_cache.num_misses == 5  # each of the five images once
+
+
+def test_split_spans_equal_one_run(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    """r2's two images (M-RoPE positions over a cut span) in chunks of 5."""
+    check_split_spans_equal_one_run(model_dir, expected, "r2", 5, MAX_TOKENS)
+
+
+def test_preempted_inside_a_span(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    check_preempted_inside_a_span(model_dir, expected, "r0", 5, MAX_TOKENS)

@@ -337,6 +337,43 @@ def test_window_and_softcap_match_dense(d: int, window: int, softcap: float) -> 
 
 
 @pytest.mark.parametrize("d", [64, 48])  # the fixed-size kernel and the generic loops
+@pytest.mark.parametrize("chunk", [5, 16, 33])
+def test_chunked_attention_matches_dense(d: int, chunk: int) -> None:
+    """Chunked local attention (Llama 4's; chunks inside a block, exactly a block, across
+    blocks): decodes and prefill rows (fresh, after a cached prefix) against the dense
+    reference and the torch backend, and each prefill row bit for bit the same token as
+    a decode of it; a window and a chunk at once are refused."""
+    lens, q_lens = [9, 70, 20, 45], [1, 1, 20, 12]
+    impl, kc, vc, meta, dense, q, starts = setup(lens, q_lens, 6, 2, d, 16)
+    out = torch.cat(
+        [
+            impl.decode(q[:2], kc, vc, meta, 0.125, chunk=chunk),
+            impl.prefill(q[2:], q[2:], q[2:], kc, vc, meta, 0.125, chunk=chunk),
+        ]
+    )
+    for i, (k, v) in enumerate(dense):
+        rows = slice(starts[i], starts[i + 1])
+        want = reference.dense_causal_attention(q[rows], k, v, 0.125, chunk=chunk)
+        torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=2e-5)
+        if lens[i] > chunk:  # (the chunks do cut)
+            plain = reference.dense_causal_attention(q[rows], k, v, 0.125)
+            assert not torch.allclose(want, plain, atol=1e-3)
+    tk = torch.empty(kc.shape[0], kc.shape[3], kc.shape[1], kc.shape[2])  # the torch layout
+    tk.copy_(kc.permute(0, 3, 1, 2))
+    torch_out = torch.cat(
+        [
+            TorchAttention().decode(q[:2], tk, vc, meta, 0.125, chunk=chunk),
+            TorchAttention().prefill(q[2:], q[2:], q[2:], tk, vc, meta, 0.125, chunk=chunk),
+        ]
+    )
+    torch.testing.assert_close(torch_out, out, atol=2e-5, rtol=2e-5)
+    rows = row_by_row(module, q[2:], kc, vc, meta, 0.125, 0, 0.0, None, chunk)
+    assert torch.equal(out[2:], rows)
+    with pytest.raises(RuntimeError, match="a window and a chunk at once"):
+        impl.decode(q[:2], kc, vc, meta, 0.125, 4, chunk=chunk)
+
+
+@pytest.mark.parametrize("d", [64, 48])  # the fixed-size kernel and the generic loops
 @pytest.mark.parametrize("window", [0, 7])
 def test_sinks_match_dense(d: int, window: int) -> None:
     """Attention sinks (gpt-oss: a logit per head joining each softmax's denominator),
@@ -395,7 +432,16 @@ def test_sinks_match_dense(d: int, window: int) -> None:
 
 
 def row_by_row(
-    m, q, kc, vc, meta: AttentionMetadata, scale: float, window: int, softcap: float, sinks=None
+    m,
+    q,
+    kc,
+    vc,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks=None,
+    chunk: int = 0,
 ):  # type: ignore[no-untyped-def]
     """The prefill rows of ``meta`` as decodes, one row at a time (``paged_decode`` with
     each row's own context length): what the tiled kernel must equal bit for bit."""
@@ -409,7 +455,17 @@ def row_by_row(
     out = torch.empty(q.shape)
     tables = meta.block_tables[rows].contiguous()
     m.paged_decode(
-        out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), scale, window, softcap, sinks
+        out,
+        q,
+        kc,
+        vc,
+        tables,
+        torch.tensor(lens, dtype=torch.int32),
+        scale,
+        window,
+        softcap,
+        sinks,
+        chunk,
     )
     return out
 

@@ -138,9 +138,21 @@ def test_window_and_softcap_match_dense(window: int, softcap: float) -> None:
 class CausalOnly(TorchAttention):
     """A backend whose prefill knows nothing of ``ahead`` (as Triton's)."""
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0, sinks=None):  # type: ignore[no-untyped-def]
+    def prefill(  # type: ignore[no-untyped-def]
+        self, q, k, v, k_cache, v_cache, meta, scale, window=0, softcap=0.0, sinks=None, chunk=0
+    ):
         return super().prefill(
-            q, k, v, k_cache, v_cache, replace(meta, ahead=None), scale, window, softcap, sinks
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            replace(meta, ahead=None),
+            scale,
+            window,
+            softcap,
+            sinks,
+            chunk,
         )
 
 

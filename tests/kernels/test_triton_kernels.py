@@ -229,6 +229,28 @@ def test_sinks_match_reference(device: str, dtype: torch.dtype, window: int) -> 
 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)
+def test_chunked_attention_matches_dense(device: str, dtype: torch.dtype) -> None:
+    """Chunked local attention (Llama 4's; chunks of 16, a tile): the backend's decodes
+    and prefill chunks (fresh, after a cached prefix) through the reference, against
+    the dense oracle."""
+    ctx = [9, 70, 1, 20, 45, 70]
+    q_lens = [1, 1, 1, 20, 12, 70]
+    b = Batch(ctx, q_lens, 9, 3, 64, 16, device, dtype, seed=7)
+    q, k, v, m = b.q, b.k, b.v, b.meta
+    got = attention(small_tiles(), q, k, v, b.k_cache, b.v_cache, m, b.scale, chunk=16)
+    for i in range(len(ctx)):
+        rows = slice(m.query_start_list[i], m.query_start_list[i + 1])
+        keys, values = b.full_k.view(-1, 3, 64), b.full_v.view(-1, 3, 64)
+        table = m.block_tables[i].cpu().long()
+        positions = torch.arange(ctx[i])
+        slots = table[positions // 16] * 16 + positions % 16
+        want = reference.dense_causal_attention(
+            b.q_cpu[rows], keys[slots], values[slots], b.scale, chunk=16
+        )
+        check_close(got[rows], want, dtype)
+
+
+@pytest.mark.parametrize(("device", "dtype"), CASES)
 def test_decode_padding_rows_are_zero_and_harmless(device: str, dtype: torch.dtype) -> None:
     """A CUDA-graph batch padded with rows of seq_len 0 and slot -1: those rows come out
     as zeros, write nothing, and leave the live rows as they were."""

@@ -384,6 +384,17 @@ GEMMA4_MOE: dict[str, object] = dict(
     top_k_experts=2,
     moe_intermediate_size=32,
 )
+# YaRN scaled down (64 positions of 4x), the softmax's and the rotary's mscales apart
+_DEEPSEEK_V2_YARN: dict[str, object] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.707,
+}
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
     "llama": (  # Llama 3.x: its rope scaling (GGUF: the converter's rope_freqs tensor)
         "LlamaConfig",
@@ -511,6 +522,52 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
         "Glm4Config",
         dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False),
     ),
+    "glm4_moe": (  # GLM-4.5's layers in small: a dense first layer, experts in two
+        # groups (one chosen from) beside a shared one, q/k norms (the 355B's; the Air
+        # has none), q/k/v biases, half of each head rotating
+        "Glm4MoeConfig",
+        dict(
+            head_dim=32,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama4": (  # Scout's layers in small (chunks scaled down so prompts cross them, a
+        # temperature floor low enough that it grows within them): three chunked rotary
+        # layers to one global NoPE layer, experts on every other layer (Maverick's
+        # interleaving) beside dense ones of their own width, Llama 3 rope scaling
+        "Llama4TextConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=32,
+            intermediate_size=48,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=WINDOW,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     "ernie4_5": (
         "Ernie4_5Config",
         dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
@@ -607,6 +664,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             rms_norm_eps=1e-6,
         ),
     ),
+    "gemma3n": (  # E2B's layers in small: four local layers to one global (twice), the
+        # last three reading the K/V of earlier ones, four AltUp streams, LAuReL, the
+        # first three layers' sparse activations, per-layer MLP widths and inputs
+        "Gemma3nTextConfig",
+        dict(
+            num_hidden_layers=10,
+            layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+            head_dim=32,
+            intermediate_size=[128] * 7 + [192] * 3,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=3,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=49152,
+            laurel_rank=8,
+            activation_sparsity_pattern=[0.95] * 3 + [0.0] * 7,
+            final_logit_softcapping=30.0,
+            rms_norm_eps=1e-6,
+        ),
+    ),
     "nemotron_h": (  # Nemotron-H's pattern in small: Mamba-2, MLP-only and NoPE attention
         "NemotronHConfig",
         dict(
@@ -625,6 +701,51 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
             ssm_state_size=8,
             conv_kernel=4,
             chunk_size=16,  # prompts cross chunks
+            tie_word_embeddings=False,
+        ),
+    ),
+    # latent attention (V2-Lite's: a plain q_proj), a dense layer then experts by V2's
+    # group-limited softmax routing beside two shared experts, YaRN with mscales
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            num_key_value_heads=4,  # (transformers' MLA repeats K/V by heads / KV heads)
+            rope_parameters=_DEEPSEEK_V2_YARN,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # V3's: q_lora, grouped sigmoid routing with a choice bias, scaled weights
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            kv_lora_rank=32,
+            q_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            num_key_value_heads=4,
             tie_word_embeddings=False,
         ),
     ),
@@ -717,26 +838,81 @@ def sentencepiece_model() -> Path:
     return out
 
 
-def glm_tokenizer_json(files: ModelFiles) -> Path:
+# Gemma 4's special tokens beside SentencePiece's four: its turn and channel markers
+GEMMA4_SPECIALS = ("<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>")
+
+
+def gemma4_tokenizer_files() -> dict[str, Path]:
+    """Gemma 4's kind of ``tokenizer.json`` (BPE with byte fallback, spaces as ``▁``, as
+    transformers' ``GemmaTokenizer`` writes it; llama.cpp's Gemma 4 converter reads no
+    other), and a ``tokenizer_config.json`` naming that class, with no chat template:
+    ``sentencepiece_model``'s pieces (``<pad>``, ``<eos>``, ``<bos>``, ``<unk>`` first,
+    as Gemma's ids), ``GEMMA4_SPECIALS``, then ``<unusedN>`` up to the tiny configs'
+    49152 (as Gemma's vocabulary has unused tokens), so the file's vocabulary is the
+    config's. Made once, cached."""
+    import hashlib
+
+    from tokenizers import AddedToken
+    from tokenizers.models import BPE
+    from transformers import GemmaTokenizer
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    from structllm.paths import cache_root
+
+    spm = sentencepiece_model()
+    key = hashlib.sha256(spm.read_bytes() + json.dumps([GEMMA4_SPECIALS, 2]).encode()).hexdigest()
+    out = cache_root() / "test-models" / f"gemma4-tokenizer-{key[:16]}"
+    if not (out / "complete").exists():
+        pieces = SentencePieceExtractor(str(spm)).extract(BPE)
+        rename = {"</s>": "<eos>", "<s>": "<bos>"}
+        vocab = {rename.get(k, k): v for k, v in pieces["vocab"].items()}
+        for token in GEMMA4_SPECIALS:
+            vocab[token] = len(vocab)
+        size = int(str(_SMALL["vocab_size"]))
+        vocab |= {f"<unused{i}>": n for i, n in enumerate(range(len(vocab), size))}
+        tok = GemmaTokenizer(vocab=vocab, merges=pieces["merges"])
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", *GEMMA4_SPECIALS]
+        tok.add_special_tokens(
+            {"additional_special_tokens": [AddedToken(t, normalized=False) for t in specials]},
+            replace_extra_special_tokens=False,
+        )
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>"}
+        config["extra_special_tokens"] = list(GEMMA4_SPECIALS)  # (the converter: CONTROL)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config))
+        (tmp / "complete").write_text("")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return {name: out / name for name in ("tokenizer.json", "tokenizer_config.json")}
+
+
+def glm_tokenizer_json(files: ModelFiles, moe: bool = False) -> Path:
     """The default model's tokenizer with one special token renamed ``<|user|>`` (its
     ``<gh_stars>``, id 7): llama.cpp's GLM-4 converter takes the end-of-turn token by
-    that name (and ``<|endoftext|>``, which it has). Made once, cached."""
+    that name (and ``<|endoftext|>``, which it has). ``moe``: also ``[gMASK]`` (its
+    ``<filename>``, 6) and ``<|observation|>`` (``<issue_start>``, 8), which its GLM-4.5
+    converter looks up too. Made once, cached."""
     import hashlib
 
     from structllm.paths import cache_root
 
+    renames = {"<gh_stars>": "<|user|>"}
+    if moe:
+        renames |= {"<filename>": "[gMASK]", "<issue_start>": "<|observation|>"}
     raw = files.tokenizer_json.read_bytes()
-    out = (
-        cache_root() / "test-models" / f"glm-tokenizer-{hashlib.sha256(raw).hexdigest()[:16]}.json"
-    )
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    out = cache_root() / "test-models" / f"glm-tokenizer-{digest}{'-moe' if moe else ''}.json"
     if out.exists():
         return out
     tok = json.loads(raw)
     for added in tok["added_tokens"]:
-        if added["content"] == "<gh_stars>":
-            added["content"] = "<|user|>"
+        added["content"] = renames.get(added["content"], added["content"])
     vocab = tok["model"]["vocab"]
-    vocab["<|user|>"] = vocab.pop("<gh_stars>")
+    for old, new in renames.items():
+        vocab[new] = vocab.pop(old)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(tok, ensure_ascii=False))
@@ -789,8 +965,22 @@ def tiny_family_dir(
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                 p.uniform_(0.5, 1.5)  # Gemma 4's scales (ones as initialised)
+            elif name.endswith("correct_output_scale"):  # Gemma 3n's (zeros as initialised)
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("prediction_coefs.weight", "correction_coefs.weight")):
+                p.normal_(0, 0.5)  # (AltUp's mixes: zeros as initialised)
             elif name.endswith("router.proj.weight"):  # decisive routing, as trained: an
                 p.normal_(0, 4.0)  # initialised router's near-ties flip under any rounding
+            elif family == "llama4" and name.endswith("feed_forward.router.weight"):
+                p.normal_(0, 1.0)  # (decisive top-1 routing, as Gemma 4's)
+            elif family == "glm4_moe" and name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)  # (the same: sigmoid scores spread over (0, 1))
+            elif name.endswith("e_score_correction_bias") and family == "glm4_moe":
+                p.normal_(0, 0.2)  # a bias that changes some choices
+            elif family.startswith("deepseek") and name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)  # (sigmoid scores spread, not saturated)
+            elif name.endswith("e_score_correction_bias"):  # DeepSeek-V3's choice bias
+                p.normal_(0, 0.1)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -798,8 +988,9 @@ def tiny_family_dir(
     for name, src in extra_files.items():
         shutil.copyfile(src, tmp / name)
     # the BPE tokenizer as it is (llama.cpp's converter loads it through AutoTokenizer,
-    # which would otherwise pick the family's own class)
-    write_tokenizer_config(files, tmp, tokenizer_class="GPT2Tokenizer")
+    # which would otherwise pick the family's own class), unless one came with the files
+    if "tokenizer_config.json" not in extra_files:
+        write_tokenizer_config(files, tmp, tokenizer_class="GPT2Tokenizer")
     (tmp / "complete").write_text("")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -863,6 +1054,18 @@ QWEN3_5_MULTIMODAL_TEXT: dict[str, object] = dict(
     linear_key_head_dim=16,
     linear_value_head_dim=16,
 )
+LLAMA4_MULTIMODAL_TEXT: dict[str, object] = dict(
+    _MULTIMODAL_SIZES,
+    model_type="llama4_text",
+    num_hidden_layers=4,
+    head_dim=32,
+    intermediate_size=48,
+    intermediate_size_mlp=96,
+    num_local_experts=4,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=WINDOW,
+    floor_scale=4,
+)
 # each multimodal class: its config's model_type, a tiny vision tower, other settings
 MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str, object]]] = {
     "Gemma3ForConditionalGeneration": (
@@ -882,6 +1085,19 @@ MULTIMODAL: dict[str, tuple[str, dict[str, object], dict[str, object], dict[str,
         MISTRAL3_MULTIMODAL_TEXT,
         dict(model_type="pixtral", image_size=28, patch_size=14, head_dim=16),
         dict(spatial_merge_size=1),
+    ),
+    "Llama4ForConditionalGeneration": (
+        "llama4",
+        LLAMA4_MULTIMODAL_TEXT,
+        dict(
+            model_type="llama4_vision_model",
+            image_size=28,
+            patch_size=14,
+            vision_output_dim=32,
+            projector_input_dim=32,
+            projector_output_dim=32,
+        ),
+        dict(image_token_index=49151),
     ),
     "Qwen3_5ForConditionalGeneration": (
         "qwen3_5",
@@ -974,6 +1190,12 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "qwen3_moe": dict(mlp_only_layers=[], norm_topk_prob=True, moe_intermediate_size=64),
     "qwen2_moe": dict(mlp_only_layers=[], moe_intermediate_size=64),
     "qwen3_5_moe": dict(moe_intermediate_size=64),  # block-sized rows for every expert
+    "glm4_moe": dict(moe_intermediate_size=64),
+    # llama.cpp's Llama 4: chunks of 8192 and the temperature's 8192 and 0.1 (its rules,
+    # not the file's); 64-wide experts
+    "llama4": dict(
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, intermediate_size=64
+    ),
     # llama.cpp's loader (llama-quantize's) asserts experts used <= experts: a dense
     # Granite 4 file says 0 of 0, not transformers' default 2 of 0
     "granitemoehybrid": dict(num_experts_per_tok=0),
@@ -987,6 +1209,11 @@ GGUF_VARIANTS: dict[str, dict[str, object]] = {
     "starcoder2": dict(sliding_window=None),
     # the converter regroups Falcon's q/k/v weights only (no biases, as published)
     "falcon": dict(bias=False),
+    # a GGUF file says one YaRN mscale (llama.cpp's rotary has magnitude 1, as equal
+    # mscales give); V3's gating function as published (the converter writes it only
+    # where the config says it: llama.cpp's default is V2's softmax)
+    "deepseek_v2": dict(rope_parameters={**_DEEPSEEK_V2_YARN, "mscale": 0.707}),
+    "deepseek_v3": dict(scoring_func="sigmoid"),
     # llama.cpp hard-codes gpt-oss's SwiGLU limit (7)
     "gpt_oss": dict(swiglu_limit=7.0),
 }
@@ -996,13 +1223,16 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
     """The directory a family's GGUF file is made from: Gemma's and ERNIE 4.5's converters
     read only a SentencePiece ``tokenizer.model`` (made here by sentencepiece's trainer;
     the file's vocabulary is then that model's pieces, padded to the config's size, and
-    the token ids the tests feed are the same ids either way); GLM-4's looks up its special tokens
-    by name (``glm_tokenizer_json``)."""
+    the token ids the tests feed are the same ids either way); Gemma 4's only a
+    ``tokenizer.json`` of Gemma's kind (``gemma4_tokenizer_files``); GLM-4's looks up its
+    special tokens by name (``glm_tokenizer_json``)."""
     extra: dict[str, Path] | None = None
-    if family in ("gemma", "gemma2", "ernie4_5", "nemotron"):
+    if family in ("gemma", "gemma2", "gemma3n", "ernie4_5", "nemotron"):
         extra = {"tokenizer.model": sentencepiece_model()}
-    elif family == "glm4":
-        extra = {"tokenizer.json": glm_tokenizer_json(files)}
+    elif family in ("glm4", "glm4_moe"):
+        extra = {"tokenizer.json": glm_tokenizer_json(files, moe=family == "glm4_moe")}
+    elif family == "gemma4":
+        extra = gemma4_tokenizer_files()
     path = tiny_family_dir(family, files, extra, **{**GGUF_VARIANTS.get(family, {}), **overrides})
     model_type = _CONVERTER_MODEL_TYPES.get(family)
     if model_type is None:
@@ -1057,6 +1287,7 @@ def _as_published_nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
 CONVERTER_ARGS: dict[str, tuple[str, ...]] = {
     "qwen3_5": ("--no-mtp",),
     "qwen3_5_moe": ("--no-mtp",),
+    "glm4_moe": ("--no-mtp",),
     "qwen3_next": ("--no-mtp",),
 }
 

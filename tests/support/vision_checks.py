@@ -1,9 +1,10 @@
 """The checks every vision-language family's engine tests run, written once: images and
 what the front end sends for them, greedy generation on the engine and in
 transformers, and the drivers of "generate equals transformers", "different images
-never share cached blocks", "chunked prefill at several budgets equals one run" and
-"the default format agrees with the exact one". A family's test file builds its
-requests (``expected``: ``{rid: (prompt ids, ImageInputs, transformers' tokens)}``,
+never share cached blocks", "chunked prefill at several budgets equals one run", "a
+causal family's spans split across chunks equal one run" (also preempted inside a
+span) and "the default format agrees with the exact one". A family's test file builds
+its requests (``expected``: ``{rid: (prompt ids, ImageInputs, transformers' tokens)}``,
 ``r0`` and ``r1`` the same tokens over other images) and calls these."""
 
 from __future__ import annotations
@@ -264,3 +265,86 @@ def assert_text_logits_equal(engine: EngineCore, hf_model: Any, prompts: list[li
         torch.testing.assert_close(
             prefill_logits(engine, ids), hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4
         )
+
+
+def record_chunks(engine: EngineCore) -> list[tuple[int, int]]:
+    """A list the engine's scheduler appends each scheduled chunk's ``(start, n)`` to."""
+    chunks: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(*a: Any, **k: Any) -> SchedulerOutput:
+        out = schedule(*a, **k)
+        chunks.extend((r.num_computed_tokens, n) for r, n in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    return chunks
+
+
+def check_split_spans_equal_one_run(
+    model_dir: Path, expected: Expected, rid: str, budget: int, max_tokens: int
+) -> None:
+    """A causal family cuts an image's span like text: with a ``budget`` below the
+    span, chunks end inside it, never pass the budget but where one token runs beside
+    the encoder, and take between ``ceil(len / budget)`` prefill steps and two more per
+    image; the greedy tokens are one whole prefill's, their logprobs within 1e-4; each
+    image is encoded once though the encoder cache's 1-byte bound keeps only what a
+    running request is inside of."""
+    ids, spans, want = expected[rid]
+    assert max(im.length for im in spans) > budget
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+    whole = vision_engine(model_dir, enable_prefix_caching=False)
+    tokens, lps = greedy_with_logprobs(whole, AddRequest(rid, ids, sp, spans))
+    assert tokens == want
+    split = vision_engine(
+        model_dir,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+        encoder_cache_memory=1,
+    )
+    assert split.scheduler.split_spans
+    chunks = record_chunks(split)
+    got, got_lps = greedy_with_logprobs(split, AddRequest(rid, ids, sp, spans))
+    assert got == want
+    assert max(abs(a - b) for a, b in zip(got_lps, lps, strict=True)) < 1e-4
+    ends = [s + n for s, n in chunks]
+    assert any(im.offset < e < im.offset + im.length for e in ends for im in spans)
+    assert all(n <= budget for _, n in chunks)
+    prefill = sum(1 for s, _ in chunks if s < len(ids))
+    least = -(-len(ids) // budget)
+    assert least <= prefill <= least + 2 * len(spans), (prefill, least)
+    assert split.num_steps == prefill + len(want) - 1
+    assert isinstance(split.runner, ModelRunner)
+    assert split.runner.encoder_cache.num_misses == len({im.hash for im in spans})
+
+
+def check_preempted_inside_a_span(
+    model_dir: Path, expected: Expected, rid: str, budget: int, max_tokens: int
+) -> None:
+    """A request preempted part-way through an image's span (prefix cache on, blocks
+    of 4) resumes from a prefix-cache hit that ends inside the span, takes the rest of
+    the image's rows from the encoder cache (one encoder run per image) and gives the
+    tokens of an uninterrupted run."""
+    ids, spans, want = expected[rid]
+    im = spans[0]
+    engine = vision_engine(model_dir, max_num_batched_tokens=budget, block_size=4)
+    chunks = record_chunks(engine)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    engine.add_request(AddRequest(rid, ids, greedy, spans))
+    req = engine.scheduler.requests[rid]
+    while req.num_computed_tokens < im.offset + 5:
+        assert not engine.step().outputs
+    assert req.num_computed_tokens < im.offset + im.length  # inside the span
+    engine.scheduler.running.remove(req)
+    engine.scheduler._preempt(req)  # as memory pressure would, at this point
+    resumed = len(chunks)
+    tokens: list[int] = []
+    while engine.has_work:
+        for d in engine.step().outputs:
+            assert d.error is None, d.error
+            tokens += d.new_token_ids
+    start = chunks[resumed][0]
+    assert im.offset < start < im.offset + im.length and start % 4 == 0  # the hit
+    assert tokens == want
+    assert isinstance(engine.runner, ModelRunner)
+    assert engine.runner.encoder_cache.num_misses == len({i.hash for i in spans})

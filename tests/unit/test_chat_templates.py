@@ -17,6 +17,7 @@ from structllm.tokenizer import Tokenizer, compile_chat_template
 
 CHATML_TOKENS = {"<|im_start|>", "<|im_end|>"}
 GEMMA_TOKENS = {"<start_of_turn>", "<end_of_turn>"}
+GEMMA4_TOKENS = {"<|turn>", "<turn|>", "<|channel>", "<channel|>"}
 LLAMA3_TOKENS = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
 PHI3_TOKENS = {"<|user|>", "<|assistant|>", "<|end|>"}
 GRANITE_TOKENS = {"<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"}
@@ -51,6 +52,7 @@ def render(family: str, vocab: set[str], add_bos: bool = False, **kw: Any) -> st
     [
         ("gemma3", GEMMA_TOKENS, "gemma"),
         ("gemma2", GEMMA_TOKENS | CHATML_TOKENS, "gemma"),
+        ("gemma4", GEMMA4_TOKENS | CHATML_TOKENS, "gemma4"),
         ("qwen2", CHATML_TOKENS, "chatml"),
         ("qwen3", CHATML_TOKENS, "chatml"),
         ("qwen3_moe", CHATML_TOKENS, "chatml"),
@@ -82,6 +84,7 @@ def test_the_family_and_its_vocabulary_choose_the_format(
         ("llama", set()),  # Llama 2 or Mistral v0.1 or a base model: no way to tell
         ("llama", {"<|start_header_id|>", "<|end_header_id|>"}),  # Llama 3 without <|eot_id|>
         ("gemma3", {"<start_of_turn>"}),  # a format's markers must all be tokens
+        ("gemma4", {"<|turn>", "<turn|>"}),  # (its thought channel's too)
         ("phi3", {"<|user|>", "<|assistant|>"}),
         ("olmo2", {"<|endoftext|>"}),
         ("an-unknown-family", set()),
@@ -120,6 +123,26 @@ def test_gemma_merges_the_system_message_into_the_next_user_turn() -> None:
         "<start_of_turn>model\nHello!<end_of_turn>\n"
         "<start_of_turn>user\nCount to 3.<end_of_turn>\n"
         "<start_of_turn>model\n"
+    )
+
+
+def test_gemma4_turns_and_its_empty_thought_channel() -> None:
+    # as Gemma 4's published template renders these (thinking off, no tools): the
+    # system message a turn of its own, texts trimmed, the answer's thought channel
+    # opened and closed (checked against llama.cpp's copy of it,
+    # models/templates/google-gemma-4-31B-it.jinja, when this format was written)
+    messages = [*CONVERSATION[:1], {"role": "user", "content": " Hi \n"}, *CONVERSATION[2:]]
+    assert render("gemma4", GEMMA4_TOKENS, add_bos=True, messages=messages) == (
+        "<s><|turn>system\nBe brief.<turn|>\n"
+        "<|turn>user\nHi<turn|>\n"
+        "<|turn>model\nHello!<turn|>\n"
+        "<|turn>user\nCount to 3.<turn|>\n"
+        "<|turn>model\n<|channel>thought\n<channel|>"
+    )
+    chosen = family_template("gemma4", GEMMA4_TOKENS.__contains__, True)
+    assert chosen is not None and chosen.end_of_turn == "<turn|>"
+    assert render("gemma4", GEMMA4_TOKENS, messages=CONVERSATION[1:2]) == (
+        "<|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
     )
 
 

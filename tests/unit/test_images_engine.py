@@ -1,5 +1,6 @@
-"""Images in the engine's pure-Python parts (no model): chunks never split an image's
-span and count the encoder's work (scheduler), the prefix cache keys a block over an
+"""Images in the engine's pure-Python parts (no model): chunks never split a
+bidirectional image's span, cut a causal one like text, and count the encoder's work
+(scheduler), the prefix cache keys a block over an
 image by the image (KV cache manager), the encoder cache's byte bound, LRU order and
 pins."""
 
@@ -113,7 +114,9 @@ def test_encoder_cache_bound_lru_and_pins() -> None:
     c.put("b", "B", 40)
     c.put("c", "C", 40)  # all three pinned by the running step: over the bound
     assert len(c) == 3 and c.num_bytes == 120
-    c.unpin_all()  # the step ended: the oldest goes
+    c.unpin_all()  # the step ended: nothing trimmed until the engine says what it holds
+    assert len(c) == 3
+    c.hold(())  # no request inside an image: the oldest goes
     assert "a" not in c and c.num_bytes == 80
     assert c.get("b") == "B"  # b is now the most recent
     c.put("d", "D", 40)
@@ -125,7 +128,83 @@ def test_encoder_cache_bound_lru_and_pins() -> None:
     c.put("e", "E", 90)  # b pinned: d goes, b stays until unpinned
     assert "b" in c and "d" not in c
     c.unpin_all()
+    c.hold(())
     assert list(c.entries) == ["e"]
+
+
+def test_held_entries_outlive_the_step_until_released() -> None:
+    c: EncoderCache[str] = EncoderCache(100)
+    c.put("a", "A", 60)
+    c.unpin_all()
+    c.hold(["a"])  # a request is part-way through a's span
+    c.put("b", "B", 60)
+    c.unpin_all()
+    c.hold(["a"])  # b goes though more recent: a is held
+    assert list(c.entries) == ["a"]
+    c.put("b", "B", 60)
+    c.unpin_all()
+    c.hold([])  # a's span done: a, the oldest, goes
+    assert list(c.entries) == ["b"]
+
+
+def test_open_images_are_those_the_computed_tokens_end_inside() -> None:
+    req = request("a", [("x", 4, 8), ("y", 20, 6)], 30)
+    for done, want in [(0, []), (4, []), (5, ["x"]), (11, ["x"]), (12, []), (23, ["y"])]:
+        req.num_computed_tokens = done
+        assert req.open_images() == want, done
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(1, 24), offsets=st.lists(st.integers(0, 40), max_size=3, unique=True))
+def test_split_spans_cut_like_text_within_the_budget(budget: int, offsets: list[int]) -> None:
+    # causal image attention: chunks of the budget (less an image's encoder rows in the
+    # chunk that runs its encoder: text stops before it, or the chunk starting at it
+    # shrinks to what is left, one token at least); each image's encoder counted once
+    spans, end = [], 0
+    for k, o in enumerate(sorted(offsets)):
+        if o >= end:
+            spans.append((f"h{k}", o, 5))
+            end = o + 5
+    req = request("a", spans, end + 3)
+    s = Scheduler(KVCacheManager(64, 4), 4, budget)
+    s.split_spans = True
+    cached: set[str] = set()
+    s.encoder_cache = cached
+    s.add_request(req)
+    steps = 0
+    while req.num_computed_tokens < req.prompt_len:
+        ((r, n),) = s.schedule().scheduled
+        start, steps = r.num_computed_tokens, steps + 1
+        new = [h for h, o, ln in spans if o < start + n and start < o + ln and h not in cached]
+        assert n + 5 * len(new) <= max(budget, 6)  # over only where one token + 5 rows
+        assert (
+            n == min(budget, req.prompt_len - start) or new or start + n in {o for _, o, _ in spans}
+        )
+        cached.update(new)  # the runner encodes and the engine holds them
+        r.num_computed_tokens += n
+    assert steps <= -(-req.prompt_len // budget) + 2 * len(spans)
+
+
+def test_split_spans_cut_a_span_and_gemma_spans_stay_whole() -> None:
+    # 4 text tokens, an 8-token image at 4, text to 30; budget 6, image cached
+    for split, first, inside in [(True, 6, 6), (False, 4, 7)]:
+        s = Scheduler(KVCacheManager(64, 4), 4, 6)
+        s.split_spans = split
+        s.encoder_cache = {"x"}
+        s.add_request(request("a", [("x", 4, 8)], 30))
+        ((r, n),) = s.schedule().scheduled
+        assert n == first  # split: into the image; whole: stops before it
+        r.num_computed_tokens = 5  # inside the span (a split chunk, or a prefix-cache hit)
+        ((_, n),) = s.schedule().scheduled
+        assert n == inside  # split: the budget, to 11; whole: the rest of the span, to 12
+    s = Scheduler(KVCacheManager(64, 4), 4, 10)  # not cached: text stops at the image
+    s.split_spans = True
+    s.add_request(request("a", [("x", 4, 8)], 30))
+    ((r, n),) = s.schedule().scheduled
+    assert n == 4
+    r.num_computed_tokens = 4
+    ((r, n),) = s.schedule().scheduled
+    assert n == 2  # 2 tokens + 8 encoder rows: the budget
 
 
 def test_a_prefix_hit_inside_a_span_takes_the_rest_of_it() -> None:

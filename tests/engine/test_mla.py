@@ -1,0 +1,228 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, ``model/deepseek.py``) beyond what
+``test_families`` checks for every family (logits and greedy tokens against
+transformers): the cache holds the latent and the rotary key only, the published
+configs read as transformers runs them, the default format agrees with the exact path,
+and what does not run is refused by name."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from structllm.config import EngineConfig
+from structllm.engine.core import EngineCore
+from structllm.model.config import ModelConfig
+from tests.engine.test_families import PROMPTS, engine_for
+from tests.support.models import prefill_logits, tiny_family_dir
+
+# DeepSeek-V2-Lite's and DeepSeek-V3's config.json (the keys that shape the model)
+V2_LITE: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+V3: dict[str, Any] = {
+    **V2_LITE,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "q_lora_rank": 1536,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "rope_scaling": {**V2_LITE["rope_scaling"], "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_cache_holds_the_latent_and_rotary_key_only(family: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    # one tensor per layer, [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim],
+    # and the blocks sized by that: 40 floats per token and layer, not 2 x 4 heads x 24
+    engine = engine_for(tiny_family_dir(family, default_files))
+    cfg, bs = engine.files.config, engine.config.block_size
+    assert cfg.kv_bytes_per_token == cfg.num_layers * (32 + 8)
+    assert engine.num_blocks == (32 << 20) // (cfg.kv_bytes_per_token * bs * 4)
+    runner = engine.runner
+    assert [tuple(t.shape for t in c) for c in runner.kv_caches] == [  # type: ignore[union-attr]
+        ((engine.num_blocks, bs, 1, 40),)
+    ] * cfg.num_layers
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_default_format_agrees_with_the_exact_path(family: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    """The default format (oneDNN-packed weights, float16 KV cache) against the exact
+    path on the same float32 checkpoint: what differs is the cache's rounding."""
+    path = tiny_family_dir(family, default_files)
+    default = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    exact = engine_for(path)
+    agree = total = 0
+    for ids in PROMPTS:
+        got, want = prefill_logits(default, ids), prefill_logits(exact, ids)
+        assert (got - want).abs().max() <= 0.1 * want.std(), ids
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.97, (agree, total)
+
+
+def test_published_configs_read_as_transformers_runs_them() -> None:
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    lite = ModelConfig.from_hf(V2_LITE)
+    assert (lite.architecture, lite.head_dim, lite.num_kv_heads, lite.rotary_dim) == (
+        "deepseek_v2",
+        576,
+        1,
+        64,
+    )
+    assert lite.kv_bytes_per_token == 27 * 576  # llama.cpp's MLA cache: the same
+    assert (lite.q_lora_rank, lite.qk_nope_head_dim, lite.v_head_dim) == (0, 128, 128)
+    assert lite.moe_layers == [False] + [True] * 26 and lite.expert_groups == 1  # greedy
+    assert lite.shared_expert_intermediate_size == 2 * 1408 and not lite.norm_topk_prob
+    yarn = {"rope_type": "yarn", "factor": 40, "mscale_all_dim": 0.707}
+    assert math.isclose(lite.scale, yarn_apply_mscale(yarn, 192**-0.5), rel_tol=1e-12)
+    v3 = ModelConfig.from_hf(V3)
+    assert (v3.q_lora_rank, v3.router_scoring, v3.expert_groups, v3.expert_groups_used) == (
+        1536,
+        "sigmoid",
+        8,
+        4,
+    )
+    assert v3.moe_layers[:4] == [False] * 3 + [True] and v3.routed_scaling_factor == 2.5
+    assert v3.kv_bytes_per_token == 61 * 576
+    yarn["mscale_all_dim"] = 1.0
+    assert math.isclose(v3.scale, yarn_apply_mscale(yarn, 192**-0.5), rel_tol=1e-12)
+    # V2's group-limited routing
+    grouped = ModelConfig.from_hf(
+        {**V2_LITE, "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}
+    )
+    assert (grouped.expert_groups, grouped.expert_groups_used) == (8, 3)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("attention_bias", True, "attention_bias"),
+        ("rope_interleave", False, "rope_interleave"),
+        ("moe_layer_freq", 2, "moe_layer_freq"),
+        ("hidden_act", "gelu", "hidden_act"),
+    ],
+)
+def test_what_does_not_run_is_refused_by_name(key: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**V3, key: value})
+
+
+def test_tensor_parallelism_is_refused_by_name(default_files) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        engine_for(tiny_family_dir("deepseek_v3", default_files), tensor_parallel_size=2)
+
+
+def test_routing_follows_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    # the shared routing functions (model/moe.py) against transformers' routers on
+    # random inputs: the same experts and weights
+    import transformers
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from structllm.model.moe import sigmoid_group_route, softmax_group_route
+
+    torch.manual_seed(0)
+    h = torch.randn(64, 32)
+    kw: dict[str, Any] = dict(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4)
+    kw |= dict(n_group=4, topk_group=2, routed_scaling_factor=1.5)
+    v3 = DeepseekV3TopkRouter(transformers.DeepseekV3Config(**kw))
+    v3.weight.data.normal_(0, 0.3)
+    v3.e_score_correction_bias.normal_(0, 0.1)
+    _, want_w, want_c = v3(h)
+    got_w, got_c = sigmoid_group_route(
+        h, v3.weight.data, v3.e_score_correction_bias, 4, 4, 2, True, 1.5
+    )
+    _assert_same_choice(got_w, got_c, want_w, want_c)
+    v2 = DeepseekV2TopkRouter(
+        transformers.DeepseekV2Config(**kw, topk_method="group_limited_greedy")
+    )
+    v2.weight.data.normal_(0, 0.3)
+    _, want_w, want_c = v2(h)
+    got_w, got_c = softmax_group_route(h, v2.weight.data, 4, 4, 2, False, 1.5)
+    _assert_same_choice(got_w, got_c, want_w, want_c)
+
+
+def _assert_same_choice(
+    got_w: torch.Tensor, got_c: torch.Tensor, want_w: torch.Tensor, want_c: torch.Tensor
+) -> None:
+    """The same (expert, weight) pairs per token, in any order."""
+    got_c, order = got_c.sort(-1)
+    want_c, want_order = want_c.sort(-1)
+    assert torch.equal(got_c, want_c)
+    torch.testing.assert_close(got_w.gather(1, order), want_w.gather(1, want_order))
+
+
+def test_block_experts_run_in_one_native_call(default_files) -> None:  # type: ignore[no-untyped-def]
+    # a quantized file in the default format: the fused CPU ops' SiLU * up reaches the
+    # experts, which then run through cpu_moe.cpp's one call per layer
+    from tests.engine.test_families import gguf_file
+
+    engine = EngineCore(
+        EngineConfig(
+            model=str(gguf_file("deepseek_v3", default_files, "Q8_0")), kv_cache_memory=32 << 20
+        )
+    )
+    model = engine.runner.model  # type: ignore[union-attr]
+    if model.cpu_ops is None:
+        pytest.skip("the fused CPU ops do not build here")
+    prefill_logits(engine, PROMPTS[1])
+    moes = [layer.moe for layer in model.layers if layer.moe is not None]
+    assert len(moes) == 2 and all(m.native for m in moes)
