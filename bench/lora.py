@@ -1,6 +1,7 @@
 r"""LoRA adapters' cost to decoding throughput, offline, in one process.
 
     python bench/lora.py [FILE.gguf] [--requests 16] [--tokens 48] [--rounds 3] [--rank 16]
+                         [--lora-dtype auto] [--lora-dtype float16 ...]
 
 Four arms on the same model (default: the default model), ``--requests`` concurrent
 greedy requests of ``--tokens`` output tokens each, output tokens/s:
@@ -9,6 +10,9 @@ greedy requests of ``--tokens`` output tokens each, output tokens/s:
 - ``unused``: ``enable_lora=True``, no request names an adapter (the bar: >= 0.98x off);
 - ``one``: every request with the same rank-``--rank`` adapter (>= 0.90x);
 - ``distinct``: each request its own adapter (``max_loras`` = requests; >= 0.60x).
+
+``--lora-dtype`` (repeatable) runs ``one`` and ``distinct`` once per adapter storage
+type, each on its own engine (``one@float16``, ...); ``unused`` on the first's.
 
 The adapters are random PEFT directories written for the model's shapes (every
 projection, B scaled small so the text stays the model's kind of text). Speculative
@@ -63,32 +67,40 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument(
+        "--lora-dtype", action="append", choices=["auto", "float32", "float16", "bfloat16"]
+    )
     a = ap.parse_args()
+    dtypes: list[str] = a.lora_dtype or ["auto"]
 
     from structllm import LLM, LoRARequest, SamplingParams
 
     common: dict[str, Any] = {"speculative_config": {"method": "none"}, "max_num_seqs": 32}
     off = LLM(a.model, **common)
-    lora = LLM(
-        a.model,
-        enable_lora=True,
-        max_loras=a.requests,
-        max_cpu_loras=a.requests,
-        max_lora_rank=a.rank,
-        **common,
-    )
-    cfg = lora.engine.files.config
+    loras = {
+        dtype: LLM(
+            a.model,
+            enable_lora=True,
+            max_loras=a.requests,
+            max_cpu_loras=a.requests,
+            max_lora_rank=a.rank,
+            lora_dtype=dtype,
+            **common,
+        )
+        for dtype in dtypes
+    }
+    first = loras[dtypes[0]]
+    cfg = first.engine.files.config
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
     prompts = [f"Tell me about the number {i}." for i in range(a.requests)]
     with tempfile.TemporaryDirectory() as tmp:
         paths = [write_adapter(Path(tmp) / f"a{i}", cfg, a.rank, i) for i in range(a.requests)]
         reqs = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-        arms: dict[str, tuple[Any, Any]] = {
-            "off": (off, None),
-            "unused": (lora, None),
-            "one": (lora, reqs[0]),
-            "distinct": (lora, reqs),
-        }
+        arms: dict[str, tuple[Any, Any]] = {"off": (off, None), "unused": (first, None)}
+        for dtype, llm in loras.items():
+            tag = f"@{dtype}" if len(loras) > 1 else ""
+            arms[f"one{tag}"] = (llm, reqs[0])
+            arms[f"distinct{tag}"] = (llm, reqs)
         for llm, r in arms.values():  # warm up: kernels built, adapters loaded
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), lora_request=r)
         best: dict[str, float] = {}
@@ -102,7 +114,7 @@ def main() -> None:
 
     print(f"load average {os.getloadavg()[0]:.1f}; {a.requests} requests x {a.tokens} tokens")
     for name, rate in best.items():
-        print(f"{name:>9}: {rate:7.1f} tok/s  {rate / best['off']:.2f}x off")
+        print(f"{name:>18}: {rate:7.1f} tok/s  {rate / best['off']:.2f}x off")
 
 
 if __name__ == "__main__":

@@ -55,11 +55,9 @@ class AdapterRegistry:
         self.num_loads = 0
         # the native calls' items by the uids of a step's adapters in order (LoraRows.plans)
         self._plans: dict[tuple[int, ...], dict[tuple[int, str], Items]] = {}
-        # the native shrink/expand (cpu_lora.cpp) for float32 adapters on the CPU, else
-        # None: torch's ops (model.lora.LoraRows)
-        self.native: Any = None
-        if device.type == "cpu" and self.dtype == torch.float32:
-            self.native = cpu_ext.load_lora()
+        # the native shrink/expand (cpu_lora.cpp; float32, float16 or bfloat16 adapters)
+        # on the CPU, else None: torch's ops (model.lora.LoraRows)
+        self.native: Any = cpu_ext.load_lora() if device.type == "cpu" else None
 
     def acquire(self, ref: LoraRef) -> LoraAdapter:
         """The adapter ``ref`` names, loaded if it is not (``AdapterError`` if it cannot

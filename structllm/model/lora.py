@@ -126,9 +126,9 @@ class LoraRows:
     """One step's adapter rows: ``groups`` pairs each adapter with the indices
     ``[n]`` (int64) of its rows in the flat batch (rows without an adapter are in no
     group); ``rows`` is them all, group after group, group ``g``'s from
-    ``starts[g]``. ``native``: ``cpu_lora.cpp``'s module (float32 adapters on the
-    CPU), which does a projection's every group and part in one call; None: torch's
-    ops, group by group."""
+    ``starts[g]``. ``native``: ``cpu_lora.cpp``'s module (adapters on the CPU, stored
+    in float32, float16 or bfloat16), which does a projection's every group and part in
+    one call; None: torch's ops, group by group."""
 
     groups: list[tuple[LoraAdapter, Tensor]]
     rows: Tensor

@@ -83,6 +83,48 @@ def test_logits_match_peft(engine: EngineCore, base: Path, variant: str) -> None
         registry.release(adapter.uid)
 
 
+# float16 storage rounds A and scale * B to 11 significant bits: the logits' error
+# against PeftModel's float32 is the adapter's delta times ~2^-11 (measured on the tiny
+# Llama: at most 6e-4, over the 1e-4 the float32 path holds, so ``auto`` stays float32);
+# bfloat16's 8 bits, ~8x that (measured: at most 6e-3)
+HALF_TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF_TOLERANCE))
+def test_half_adapters_match_peft_within_their_rounding(tiny_llama: Path, dtype: str) -> None:
+    """``--lora-dtype float16|bfloat16``: the native kernel (one call per projection)
+    widens the stored halves, so it equals the torch path over the same halves to float32
+    rounding, and PeftModel's float32 logits within the halves' rounding."""
+    path = peft_adapter(tiny_llama, 1)
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_llama),
+            kv_cache_memory=16 << 20,
+            enable_lora=True,
+            lora_dtype=dtype,
+            **EXACT,
+        )
+    )
+    try:
+        registry = core.adapters
+        assert registry is not None and registry.native is not None  # cpu_lora.cpp's
+        adapter = registry.acquire(LoraRef("half", 1, str(path)))
+        ref = peft_model(tiny_llama, path)
+        for ids in PROMPTS:
+            want = hf_logits(ref, ids)
+            fast = prefill_logits(core, ids, adapter.uid)
+            native, registry.native = registry.native, None
+            try:
+                slow = prefill_logits(core, ids, adapter.uid)  # torch's ops, same halves
+            finally:
+                registry.native = native
+            torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+            tol = HALF_TOLERANCE[dtype]
+            torch.testing.assert_close(fast, want, atol=tol, rtol=tol)
+    finally:
+        core.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(default_files) -> Path:  # type: ignore[no-untyped-def]
     return tiny_family_dir("llama", default_files)
