@@ -52,7 +52,7 @@ from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, apply_rope, gated_act
 from structllm.model.llama import CHECK_EVERY
-from structllm.model.moe import MoeModel, sigmoid_group_route, softmax_group_route
+from structllm.model.moe import GroupPick, MoeModel, sigmoid_group_route, softmax_group_route
 from structllm.model.sharding import ShardPlan
 
 
@@ -69,25 +69,13 @@ class DeepseekMoe(SparseMoe):
         self.shared_gate = None  # (SparseMoe's Qwen2-MoE gate: DeepSeek has none)
         self.sigmoid = cfg.router_scoring == "sigmoid"
         self.router_bias: Tensor | None = _param(dtype, cfg.num_experts) if self.sigmoid else None
-        self.groups, self.groups_used = cfg.expert_groups, cfg.expert_groups_used
-        self.scale = cfg.routed_scaling_factor
+        self.pick = GroupPick.of(cfg)
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each, of ``h: [T, hidden]`` (float32)."""
         if self.router_bias is not None:
-            return sigmoid_group_route(
-                h,
-                self.router,
-                self.router_bias,
-                self.top_k,
-                self.groups,
-                self.groups_used,
-                self.renormalise,
-                self.scale,
-            )
-        return softmax_group_route(
-            h, self.router, self.top_k, self.groups, self.groups_used, self.renormalise, self.scale
-        )
+            return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
+        return softmax_group_route(h, self.router, self.pick)
 
     def _add_shared(
         self,

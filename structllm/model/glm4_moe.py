@@ -29,7 +29,7 @@ from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe
 from structllm.model.llama import DecoderLayer, HFNames
 from structllm.model.llama import hf_to_native as _hf_to_native
-from structllm.model.moe import MoeModel, sigmoid_group_route
+from structllm.model.moe import GroupPick, MoeModel, sigmoid_group_route
 from structllm.model.sharding import ShardPlan
 
 
@@ -43,21 +43,11 @@ class GroupedSigmoidMoe(SparseMoe):
         self.router_bias = nn.Parameter(
             torch.empty(cfg.num_experts, dtype=torch.float32), requires_grad=False
         )
-        self.groups, self.groups_used = cfg.expert_groups, cfg.expert_groups_used
-        self.scale = cfg.routed_scaling_factor
+        self.pick = GroupPick.of(cfg)
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each, in float32 as transformers routes."""
-        return sigmoid_group_route(
-            h,
-            self.router,
-            self.router_bias,
-            self.top_k,
-            self.groups,
-            self.groups_used,
-            self.renormalise,
-            self.scale,
-        )
+        return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
 
 
 class Glm4MoeLayer(DecoderLayer):

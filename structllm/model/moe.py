@@ -14,6 +14,8 @@ tokens. Each expert's matrices are ordinary weights (``linear``: oneDNN, float16
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,59 +26,68 @@ from structllm.model.llama import HFNames, LlamaModel
 from structllm.model.llama import hf_to_native as _hf_to_native
 
 
+@dataclass(frozen=True)
+class GroupPick:
+    """How a grouped router picks (DeepSeek's, GLM-4.5's, Nemotron 3's): ``top_k``
+    experts from the ``groups_used`` best of ``groups`` equal runs of experts, their
+    weights over their sum with ``renormalise``, times ``scale``
+    (``routed_scaling_factor``)."""
+
+    top_k: int
+    groups: int = 1
+    groups_used: int = 1
+    renormalise: bool = True
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> GroupPick:
+        return cls(
+            cfg.num_experts_per_tok,
+            cfg.expert_groups,
+            cfg.expert_groups_used,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+
+
 def sigmoid_group_route(
-    h: Tensor,
-    router: Tensor,
-    bias: Tensor,
-    top_k: int,
-    groups: int = 1,
-    groups_used: int = 1,
-    renormalise: bool = True,
-    scale: float = 1.0,
+    h: Tensor, router: Tensor, bias: Tensor, pick: GroupPick
 ) -> tuple[Tensor, Tensor]:
     """DeepSeek-V3's routing (also Nemotron 3's, GLM-4.5's): ``h [T, hidden]``,
     ``router [E, hidden]``, ``bias [E]`` (``e_score_correction_bias``) -> (weights,
     chosen), ``[T, k]`` each, in float32 as transformers' ``DeepseekV3TopkRouter``.
     Scores are the logits' sigmoid; the choice is by score plus ``bias``, among the
-    experts of the ``groups_used`` groups (of ``groups`` equal runs of experts) whose two
-    best biased scores sum highest; the weights are the chosen experts' unbiased scores
-    (over their sum with ``renormalise``), times ``scale`` (``routed_scaling_factor``)."""
+    experts of the groups whose two best biased scores sum highest; the weights are the
+    chosen experts' unbiased scores (``pick`` says how many, and how they are scaled)."""
     t, e = h.shape[0], router.shape[0]
     scores = F.linear(h.float(), router.float()).sigmoid()  # [T, E]
     choice = scores + bias.float()
-    if groups > 1:
-        by_group = choice.view(t, groups, e // groups)  # [T, G, E/G]
+    if pick.groups > 1:
+        by_group = choice.view(t, pick.groups, e // pick.groups)  # [T, G, E/G]
         best = by_group.topk(2, dim=-1)[0].sum(-1)  # [T, G]
-        choice = _keep_groups(by_group, best, groups_used, float("-inf")).view(t, e)
-    chosen = choice.topk(top_k, dim=-1)[1]  # [T, k]
-    weights = scores.gather(1, chosen)
-    if renormalise:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, chosen
+        choice = _keep_groups(by_group, best, pick.groups_used, float("-inf")).view(t, e)
+    chosen = choice.topk(pick.top_k, dim=-1)[1]  # [T, k]
+    return _weights(scores.gather(1, chosen), pick), chosen
 
 
-def softmax_group_route(
-    h: Tensor,
-    router: Tensor,
-    top_k: int,
-    groups: int = 1,
-    groups_used: int = 1,
-    renormalise: bool = False,
-    scale: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+def softmax_group_route(h: Tensor, router: Tensor, pick: GroupPick) -> tuple[Tensor, Tensor]:
     """DeepSeek-V2's routing (``topk_method`` "greedy", or with ``groups > 1``
     "group_limited_greedy"): the logits' softmax over all experts (float32); the top k
-    among the experts of the ``groups_used`` groups whose best score is highest; the
-    weights are those scores (over their sum with ``renormalise``) times ``scale``."""
+    among the experts of the groups whose best score is highest, those scores as
+    weights (as ``pick`` says)."""
     t, e = h.shape[0], router.shape[0]
     scores = F.linear(h.float(), router.float()).softmax(-1)  # [T, E]
-    if groups > 1:
-        by_group = scores.view(t, groups, e // groups)  # [T, G, E/G]
-        scores = _keep_groups(by_group, by_group.amax(-1), groups_used, 0.0).view(t, e)
-    weights, chosen = scores.topk(top_k, dim=-1)  # [T, k] each
-    if renormalise:
+    if pick.groups > 1:
+        by_group = scores.view(t, pick.groups, e // pick.groups)  # [T, G, E/G]
+        scores = _keep_groups(by_group, by_group.amax(-1), pick.groups_used, 0.0).view(t, e)
+    weights, chosen = scores.topk(pick.top_k, dim=-1)  # [T, k] each
+    return _weights(weights, pick), chosen
+
+
+def _weights(weights: Tensor, pick: GroupPick) -> Tensor:
+    if pick.renormalise:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, chosen
+    return weights * pick.scale
 
 
 def _keep_groups(by_group: Tensor, group_scores: Tensor, used: int, fill: float) -> Tensor:

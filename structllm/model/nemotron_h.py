@@ -33,7 +33,7 @@ from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.hybrid import HybridModel, Mixer
 from structllm.model.llama import DecoderLayer
-from structllm.model.moe import sigmoid_group_route
+from structllm.model.moe import GroupPick, sigmoid_group_route
 from structllm.model.recurrent import RecurrentBatch
 from structllm.model.sharding import ShardPlan
 
@@ -130,9 +130,8 @@ class MoeBlock(nn.Module):
         super().__init__()
         h, e, latent = cfg.hidden_size, cfg.num_experts, cfg.moe_latent_size
         self.eps = cfg.rms_norm_eps
-        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.groups, self.groups_used = cfg.expert_groups, cfg.expert_groups_used
-        self.scale = cfg.routed_scaling_factor
+        self.top_k = cfg.num_experts_per_tok
+        self.pick = GroupPick.of(cfg)
         self.input_layernorm = _param(dtype, h)
         self.router = _param(dtype, e, h)
         self.router_bias = _param(dtype, e)
@@ -151,16 +150,7 @@ class MoeBlock(nn.Module):
         ``router_bias``, among the experts of the ``groups_used`` groups whose two best
         biased scores sum highest; the chosen ones' unbiased scores as weights (over
         their sum with ``renormalise``), times ``scale``."""
-        return sigmoid_group_route(
-            h,
-            self.router,
-            self.router_bias,
-            self.top_k,
-            self.groups,
-            self.groups_used,
-            self.renormalise,
-            self.scale,
-        )
+        return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
 
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)

@@ -177,7 +177,7 @@ def test_routing_follows_transformers(default_files) -> None:  # type: ignore[no
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from structllm.model.moe import sigmoid_group_route, softmax_group_route
+    from structllm.model.moe import GroupPick, sigmoid_group_route, softmax_group_route
 
     torch.manual_seed(0)
     h = torch.randn(64, 32)
@@ -187,16 +187,16 @@ def test_routing_follows_transformers(default_files) -> None:  # type: ignore[no
     v3.weight.data.normal_(0, 0.3)
     v3.e_score_correction_bias.normal_(0, 0.1)
     _, want_w, want_c = v3(h)
-    got_w, got_c = sigmoid_group_route(
-        h, v3.weight.data, v3.e_score_correction_bias, 4, 4, 2, True, 1.5
-    )
+    pick = GroupPick(top_k=4, groups=4, groups_used=2, renormalise=True, scale=1.5)
+    got_w, got_c = sigmoid_group_route(h, v3.weight.data, v3.e_score_correction_bias, pick)
     _assert_same_choice(got_w, got_c, want_w, want_c)
     v2 = DeepseekV2TopkRouter(
         transformers.DeepseekV2Config(**kw, topk_method="group_limited_greedy")
     )
     v2.weight.data.normal_(0, 0.3)
     _, want_w, want_c = v2(h)
-    got_w, got_c = softmax_group_route(h, v2.weight.data, 4, 4, 2, False, 1.5)
+    pick = GroupPick(top_k=4, groups=4, groups_used=2, renormalise=False, scale=1.5)
+    got_w, got_c = softmax_group_route(h, v2.weight.data, pick)
     _assert_same_choice(got_w, got_c, want_w, want_c)
 
 
