@@ -51,7 +51,7 @@ from structllm.kernels.attention import AttentionMetadata
 from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, apply_rope, gated_act
-from structllm.model.llama import CHECK_EVERY
+from structllm.model.llama import CHECK_EVERY, refuse_sharding
 from structllm.model.moe import GroupPick, MoeModel, sigmoid_group_route, softmax_group_route
 from structllm.model.sharding import ShardPlan
 
@@ -261,11 +261,11 @@ class DeepseekModel(MoeModel):
         plan: ShardPlan | None = None,
         layers: range | None = None,
     ) -> None:
-        if plan is not None or (layers is not None and layers != range(cfg.num_layers)):
-            raise ValueError(
-                f"{cfg.architecture} (multi-head latent attention) runs in one process: "
-                "tensor and pipeline parallelism are not supported for it"
-            )
+        why = (
+            f"{cfg.architecture} (multi-head latent attention) runs in one process: "
+            "tensor and pipeline parallelism are not supported for it"
+        )
+        refuse_sharding(cfg, plan, layers, why)
         super().__init__(cfg, dtype, plan, layers)
         self.native_decode = False
         self.decode_why = "the Python layer loop (latent attention)"

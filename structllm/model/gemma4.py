@@ -45,7 +45,7 @@ from structllm.kernels.attention import AttentionImpl, AttentionMetadata, attend
 from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, apply_rope, gated_act, interleave_rope_rows, rope_rows
-from structllm.model.llama import CHECK_EVERY, text_model_names
+from structllm.model.llama import CHECK_EVERY, refuse_sharding, text_model_names
 from structllm.model.moe import MoeModel
 from structllm.model.sharding import ShardPlan
 
@@ -212,11 +212,11 @@ class Gemma4Model(MoeModel):
         plan: ShardPlan | None = None,
         layers: range | None = None,
     ) -> None:
-        if plan is not None or (layers is not None and layers != range(cfg.num_layers)):
-            raise ValueError(
-                "gemma4 runs in one process: tensor and pipeline parallelism are not "
-                "supported for it (layers of two shapes, layers reading others' K/V)"
-            )
+        why = (
+            "gemma4 runs in one process: tensor and pipeline parallelism are not "
+            "supported for it (layers of two shapes, layers reading others' K/V)"
+        )
+        refuse_sharding(cfg, plan, layers, why)
         super().__init__(cfg, dtype, plan, layers)
         self.per_layer_inputs = PerLayerInputs(cfg, dtype) if cfg.per_layer_input_size else None
         self._rope_global: Tensor | None = None

@@ -33,7 +33,7 @@ from structllm.kernels.attention import AttentionMetadata
 from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, gated_act
-from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
+from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel, refuse_sharding
 from structllm.model.recurrent import RecurrentBatch
 from structllm.model.sharding import ShardPlan
 
@@ -91,11 +91,11 @@ class HybridModel(LlamaModel):
         plan: ShardPlan | None = None,
         layers: range | None = None,
     ) -> None:
-        if plan is not None or (layers is not None and layers != range(cfg.num_layers)):
-            raise ValueError(
-                f"{cfg.architecture} is a hybrid model (recurrent layers): it runs in one "
-                "process, without tensor or pipeline parallelism"
-            )
+        why = (
+            f"{cfg.architecture} is a hybrid model (recurrent layers): it runs in one "
+            "process, without tensor or pipeline parallelism"
+        )
+        refuse_sharding(cfg, plan, layers, why)
         super().__init__(cfg, dtype, plan, layers)
         self._recurrent: Any = None  # cpu_recurrent.cpp's module, once loaded (False: none)
         self.native_decode = False

@@ -416,6 +416,15 @@ class DecoderLayer(nn.Module):
         return out
 
 
+def refuse_sharding(
+    cfg: ModelConfig, plan: ShardPlan | None, layers: range | None, why: str
+) -> None:
+    """``ValueError(why)`` when a model that runs in one process is given a tensor-parallel
+    ``plan`` or a pipeline stage's ``layers`` (anything but all of them)."""
+    if plan is not None or (layers is not None and layers != range(cfg.num_layers)):
+        raise ValueError(why)
+
+
 class LlamaModel(nn.Module):
     """Weights and forward pass. Parameters are created empty; the loader fills them.
     With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""

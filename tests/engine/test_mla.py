@@ -170,6 +170,20 @@ def test_tensor_parallelism_is_refused_by_name(default_files) -> None:  # type: 
         engine_for(tiny_family_dir("deepseek_v3", default_files), tensor_parallel_size=2)
 
 
+def test_a_pipeline_stage_of_the_model_is_refused_by_name(default_files) -> None:  # type: ignore[no-untyped-def]
+    """The model itself refuses a stage's layers or a shard plan (``refuse_sharding``),
+    not only the engine."""
+    import json
+
+    from structllm.model.deepseek import DeepseekModel
+
+    path = tiny_family_dir("deepseek_v3", default_files)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with pytest.raises(ValueError, match="latent attention\\) runs in one process"):
+        DeepseekModel(cfg, layers=range(1))
+    DeepseekModel(cfg, layers=range(cfg.num_layers))  # every layer: one process, accepted
+
+
 def test_routing_follows_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
     # the shared routing functions (model/moe.py) against transformers' routers on
     # random inputs: the same experts and weights
