@@ -458,6 +458,7 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from structllm.reasoning import PARSERS
     from structllm.server.config import default as d
+    from structllm.tools import FAMILY_FORMATS, HERMES_ALIASES
 
     parser = argparse.ArgumentParser(
         prog="structllm", description="OpenAI-compatible LLM server and offline engine"
@@ -568,11 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "generic", "openai"],
+        choices=["auto", "hermes", "generic", "openai", *FAMILY_FORMATS, *HERMES_ALIASES],
         default=d("tool_call_parser"),
-        help="how tools are prompted and calls parsed (default %(default)s: gpt-oss's harmony "
-        "(openai) for gpt-oss, hermes if the chat template renders tools with <tool_call> "
-        "tags, else a generic JSON envelope)",
+        help="how tools are prompted and calls parsed, by vLLM's names (default %(default)s: "
+        "gpt-oss's harmony (openai) for gpt-oss; the family's syntax when the chat template "
+        "writes GLM-4.5's, Qwen3-Coder's, DeepSeek's, Kimi K2's or LFM2's tags; hermes if it "
+        "renders tools with <tool_call> tags; else a generic JSON envelope)",
     )
     r.add_argument(
         "--reasoning-parser",

@@ -1,0 +1,354 @@
+"""The families' tool-call syntaxes (``structllm.call_formats``, vLLM's parser names):
+each reply split at every point streams into exactly the one-shot result, values are
+typed by the tools' schemas, malformed calls stay content, a cut keeps the call begun,
+templates select their syntax, forced choices take the JSON envelope, and the
+detokenizer keeps a syntax's special-token tags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from structllm.call_formats import (
+    FamilyCallParser,
+    kept_markers,
+    parser_for,
+    syntax_of,
+    typed_value,
+)
+from structllm.tools import (
+    FAMILY_FORMATS,
+    ToolCallParser,
+    ToolRequest,
+    constraint,
+    detect_format,
+    format_named,
+    prompt_messages,
+    tool_request,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "number"},
+                "b": {"type": "number"},
+                "exact": {"type": "boolean"},
+                "tags": {"type": "array"},
+            },
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+# the calls every sample below makes, and the arguments they parse to
+EXPECTED = [
+    ("get_weather", {"city": "Oslo <N> 5", "days": 3}),
+    ("add", {"a": 1.5, "b": -2, "exact": True, "tags": ["x", "y"]}),
+]
+SAMPLES = {
+    "glm45": "I will check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+    "<arg_value>Oslo <N> 5</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+    "</tool_call><tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1.5</arg_value>\n"
+    "<arg_key>b</arg_key>\n<arg_value>-2</arg_value>\n<arg_key>exact</arg_key>\n"
+    '<arg_value>true</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>["x", "y"]</arg_value>\n'
+    "</tool_call>",
+    # GLM-4.7: no newline after the name
+    "glm47": "I will check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo <N> 5"
+    "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>\n<tool_call>add"
+    "<arg_key>a</arg_key><arg_value>1.5</arg_value><arg_key>b</arg_key><arg_value>-2"
+    "</arg_value><arg_key>exact</arg_key><arg_value>true</arg_value><arg_key>tags</arg_key>"
+    "<arg_value>['x', 'y']</arg_value></tool_call>",
+    "qwen3_coder": "I will check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    "Oslo <N> 5\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=add>\n<parameter=a>\n1.5\n</parameter>\n<parameter=b>\n-2\n"
+    "</parameter>\n<parameter=exact>\nTrue\n</parameter>\n<parameter=tags>\n['x', 'y']\n"
+    "</parameter>\n</function>\n</tool_call>",
+    # values without their newlines
+    "qwen3_xml": "I will check.<tool_call><function=get_weather><parameter=city>Oslo <N> 5"
+    "</parameter><parameter=days>3</parameter></function></tool_call><tool_call>"
+    "<function=add><parameter=a>1.5</parameter><parameter=b>-2</parameter><parameter=exact>"
+    'true</parameter><parameter=tags>["x", "y"]</parameter></function></tool_call>',
+    "deepseek_v3": "I will check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+    'get_weather\n```json\n{"city": "Oslo <N> 5", "days": 3}\n```<｜tool▁call▁end｜>\n'
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n"
+    '{"a": 1.5, "b": -2, "exact": true, "tags": ["x", "y"]}\n```<｜tool▁call▁end｜>'
+    "<｜tool▁calls▁end｜>",
+    "deepseek_v31": "I will check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather"
+    '<｜tool▁sep｜>{"city": "Oslo <N> 5", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>add'
+    '<｜tool▁sep｜>{"a": 1.5, "b": -2, "exact": true, "tags": ["x", "y"]}<｜tool▁call▁end｜>'
+    "<｜tool▁calls▁end｜>",
+    "kimi_k2": "I will check.<|tool_calls_section_begin|><|tool_call_begin|>functions."
+    'get_weather:0<|tool_call_argument_begin|>{"city": "Oslo <N> 5", "days": 3}'
+    "<|tool_call_end|><|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>"
+    '{"a": 1.5, "b": -2, "exact": true, "tags": ["x", "y"]}<|tool_call_end|>'
+    "<|tool_calls_section_end|>",
+    "lfm2": 'I will check.<|tool_call_start|>[get_weather(city="Oslo <N> 5", days=3), '
+    "add(a=1.5, b=-2, exact=True, tags=['x', 'y'])]<|tool_call_end|>",
+    "llama4_pythonic": '[get_weather(city="Oslo <N> 5", days=3), '
+    "add(a=1.5, b=-2, exact=True, tags=['x', 'y'])]",
+    "pythonic": '<|python_start|>[get_weather(city="Oslo <N> 5", days=3), '
+    'add(a=1.5, b=-2, exact=true, tags=["x", "y"])]<|python_end|>',
+}
+CONTENT = {"llama4_pythonic": None, "pythonic": None}  # the whole reply is the calls
+
+
+def req(fmt: str, choice: Any = "auto", tools: list[Any] = TOOLS) -> ToolRequest:
+    out = tool_request(tools, choice, None, fmt)  # type: ignore[arg-type]
+    assert out is not None
+    return out
+
+
+def run(
+    parser: ToolCallParser | FamilyCallParser, pieces: list[str], cut: bool = False
+) -> tuple[str, list[tuple[str, str, str]]]:
+    """Feed ``pieces`` as a stream: the content and the calls the deltas assemble into,
+    as (id, name, arguments)."""
+    content, calls = [], {}  # type: ignore[var-annotated]
+    for k, piece in enumerate(pieces):
+        last = k == len(pieces) - 1
+        text, deltas = parser.feed(piece, final=last, cut=cut and last)
+        content.append(text)
+        for d in deltas:
+            if d.id is not None:
+                assert d.index not in calls, "a call is announced once"
+                calls[d.index] = [d.id, d.name, ""]
+            calls[d.index][2] += d.arguments
+    return "".join(content), [tuple(c) for _, c in sorted(calls.items())]  # type: ignore[misc]
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text in two pieces at every point, and one character at a time."""
+    return [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+
+
+def test_every_family_format_has_a_sample() -> None:
+    assert set(SAMPLES) == set(FAMILY_FORMATS)
+    assert all(syntax_of(f) is not None for f in FAMILY_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+def test_calls_split_anywhere_stream_into_the_one_shot_result(fmt: str) -> None:
+    text = SAMPLES[fmt]
+    for pieces in splits(text):
+        parser = parser_for(req(fmt))
+        assert isinstance(parser, FamilyCallParser)
+        content, streamed = run(parser, pieces)
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == EXPECTED, pieces
+        assert streamed == [(c.id, c.name, c.arguments) for c in parser.calls], pieces
+        assert parser.content == CONTENT.get(fmt, "I will check.")
+        assert content == (parser.content or ""), pieces
+
+
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+def test_text_without_calls_is_content_as_written(fmt: str) -> None:
+    text = "  A <tool or [not a call] <｜tool and < spaces \n"
+    for pieces in splits(text):
+        parser = parser_for(req(fmt))
+        content, streamed = run(parser, pieces)
+        assert content == text == parser.content and streamed == [] == parser.calls
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>oops</tool_call>"),
+        ("glm45", "<tool_call></tool_call>"),
+        ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</tool_call>"),
+        ("qwen3_coder", "<tool_call>\n{not xml}\n</tool_call>"),
+        (
+            "deepseek_v3",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n"
+            "```json\n{not json\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        ),
+        (
+            "deepseek_v31",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{1: 2}"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        ),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+            "<|tool_call_end|><|tool_calls_section_end|>",
+        ),
+        ("lfm2", "<|tool_call_start|>[add(1, 2)]<|tool_call_end|>"),
+        ("llama4_pythonic", "[add(a=1), 3]"),
+        ("llama4_pythonic", "[add(a=1"),
+    ],
+)
+def test_malformed_calls_leave_the_reply_as_content(fmt: str, text: str) -> None:
+    for pieces in splits(text):
+        parser = parser_for(req(fmt))
+        content, _ = run(parser, pieces)
+        assert parser.calls == [] and parser.content == text == content, pieces
+
+
+def test_a_malformed_call_among_good_ones_is_dropped() -> None:
+    text = (
+        "<tool_call>add\n<arg_key>a</arg_key>junk</tool_call>"
+        "<tool_call>add\n<arg_key>a</arg_key><arg_value>2</arg_value></tool_call>"
+    )
+    parser = parser_for(req("glm45"))
+    run(parser, list(text))
+    assert [(c.name, c.arguments) for c in parser.calls] == [("add", '{"a": 2}')]
+    assert parser.content is None
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "name", "arguments"),
+    [
+        (
+            "glm45",
+            "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_k",
+            "add",
+            '{"a": 1',
+        ),
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs",
+            "get_weather",
+            "{",
+        ),
+        (
+            "deepseek_v31",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1',
+            "add",
+            '{"a": 1',
+        ),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0"
+            '<|tool_call_argument_begin|>{"a"',
+            "add",
+            '{"a"',
+        ),
+    ],
+)
+def test_a_call_cut_after_its_name_is_the_call_so_far(
+    fmt: str, text: str, name: str, arguments: str
+) -> None:
+    for pieces in splits(text):
+        parser = parser_for(req(fmt))
+        content, streamed = run(parser, pieces, cut=True)
+        assert [(c.name, c.arguments) for c in parser.calls] == [(name, arguments)], pieces
+        assert [(n, a) for _, n, a in streamed] == [(name, arguments)]
+        assert content == "" and parser.content is None
+
+
+def test_a_call_cut_before_its_name_is_the_text_written() -> None:
+    text = "Let me see. <tool_call>get_wea"
+    parser = parser_for(req("glm45"))
+    content, streamed = run(parser, [text], cut=True)
+    assert parser.calls == [] and streamed == [] and parser.content == text == content
+
+
+@pytest.mark.parametrize(
+    ("text", "schema", "value"),
+    [
+        ("Oslo", {"type": "string"}, "Oslo"),
+        ("42", {"type": "string"}, "42"),
+        ("42", {"type": "integer"}, 42),
+        ("4.5", {"type": "number"}, 4.5),
+        ("True", {"type": "boolean"}, True),
+        ("false", {"type": ["boolean", "null"]}, False),
+        ("{'a': [1, None]}", {"type": "object"}, {"a": [1, None]}),
+        ("null", {"type": "null"}, None),
+        ("not a number", {"type": "integer"}, "not a number"),
+        ("[1, 2]", None, [1, 2]),
+        ("plain words", None, "plain words"),
+    ],
+)
+def test_xml_values_are_typed_by_the_schema(text: str, schema: Any, value: Any) -> None:
+    assert json.loads(typed_value(text, schema)) == value
+
+
+TEMPLATES = {
+    "glm45": "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>{{ name }}"
+    "<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value></tool_call>",
+    "qwen3_coder": "{% if tools %}<tools></tools>{% endif %}<tool_call>\n<function={{ n }}>\n"
+    "<parameter={{ k }}>\n{{ v }}\n</parameter>\n</function>\n</tool_call>",
+    "deepseek_v3": "{% if tools %}{% endif %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+    "{{ t }}<｜tool▁sep｜>{{ n }}\n```json\n{{ a }}\n```<｜tool▁call▁end｜>",
+    "deepseek_v31": "{% if tools %}{% endif %}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{{ n }}"
+    "<｜tool▁sep｜>{{ a }}<｜tool▁call▁end｜>",
+    "kimi_k2": "{% if tools %}{% endif %}<|tool_calls_section_begin|>",
+    "lfm2": "{% if tools %}List of tools: {% endif %}<|tool_call_start|>",
+    "hermes": "{% if tools %}{% endif %}<tool_call>\n{{ c | tojson }}\n</tool_call>",
+    "generic": "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(TEMPLATES))
+def test_the_chat_template_selects_its_family_syntax(fmt: str) -> None:
+    assert detect_format(TEMPLATES[fmt]) == fmt
+
+
+def test_parser_names_are_vllms() -> None:
+    assert format_named("auto") is None
+    assert format_named("granite4") == "hermes"
+    assert format_named("qwen3_xml") == "qwen3_xml"
+    assert syntax_of("qwen3_xml") is syntax_of("qwen3_coder")
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'"):
+        format_named("nope")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_choice_is_the_constrained_json_envelope(choice: Any) -> None:
+    r = req("qwen3_coder", choice)
+    spec = constraint(r)
+    assert spec is not None and spec.json is not None
+    parser = parser_for(r)
+    assert isinstance(parser, ToolCallParser) and parser.format == "generic"
+    run(parser, ['{"tool_calls": [{"name": "add", "arguments": {"a": 1}}]}'])
+    assert [(c.name, c.arguments) for c in parser.calls] == [("add", '{"a": 1}')]
+    assert constraint(req("qwen3_coder")) is None  # auto: free, parsed afterwards
+
+
+def test_history_calls_reach_the_template_as_it_expects() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    for fmt, arguments in [("glm45", {"a": 1}), ("deepseek_v3", '{"a": 1}')]:
+        out, variables = prompt_messages(messages, req(fmt), fmt)  # type: ignore[arg-type]
+        assert out[0]["tool_calls"][0]["function"]["arguments"] == arguments
+        assert variables == {"tools": TOOLS}
+
+
+def test_the_detokenizer_keeps_a_syntaxs_special_tags(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from structllm.model.files import TokenizerMeta
+    from structllm.tokenizer import Detokenizer, Tokenizer
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "add", "{}", "hi"])}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["<|tool_call_start|>", "<|tool_call_end|>", "<eos>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path / "tokenizer.json"), TokenizerMeta())
+    ids = [tok.token_id(t) for t in ["hi", "<|tool_call_start|>", "add", "<|tool_call_end|>"]]
+    ids.append(tok.token_id("<eos>"))
+    parser = parser_for(req("lfm2"))
+    keep = kept_markers(parser, tok.token_id)
+    assert len(keep) == 2
+    detok = Detokenizer(tok, keep=keep)
+    text = "".join(detok.add([i])[0] for i in ids if i is not None) + detok.finish()
+    assert "<|tool_call_start|>" in text and "<|tool_call_end|>" in text and "<eos>" not in text
+    plain = Detokenizer(tok)
+    assert "<|tool_call" not in "".join(plain.add([i])[0] for i in ids if i is not None)
+    assert kept_markers(parser_for(req("hermes")), tok.token_id) == frozenset()
