@@ -581,8 +581,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[*PARSERS, "openai_gptoss"],
         default=None,
         help="split the model's <think>...</think> part of a chat reply into "
-        "reasoning_content (openai_gptoss: gpt-oss's harmony analysis channel; default: off, "
-        "or openai_gptoss for gpt-oss)",
+        "reasoning_content, by vLLM's names (deepseek_r1, nemotron_v3, kimi_k2: the reply "
+        "starts in the reasoning; qwen3, glm45, glm47, deepseek_v3: only if it opens <think>; "
+        "openai_gptoss: gpt-oss's harmony analysis channel; default: off, or openai_gptoss "
+        "for gpt-oss)",
     )
     r.add_argument(
         "--responses-store",

@@ -56,6 +56,7 @@ from structllm.tools import (
     ToolRequest,
     constraint,
     detect_format,
+    format_named,
     prompt_messages,
     tool_request,
 )
@@ -123,16 +124,22 @@ class LLM:
     beside it until ``close()`` (or the end of a ``with`` block); an ``LLM`` that is
     never closed stops them when it is garbage collected or at interpreter exit.
 
-    ``reasoning_parser="deepseek_r1"`` or ``"qwen3"`` (``structllm.reasoning``): ``chat``
-    splits each reply's ``<think>`` part into ``CompletionOutput.reasoning_content``, and
-    a constraint applies to the answer after it. gpt-oss (its vocabulary with harmony's
-    markers), or ``reasoning_parser="openai_gptoss"``: ``chat`` renders and parses the
-    harmony format as the server does (``structllm.harmony``; ``chat_template_kwargs``'
+    ``reasoning_parser="deepseek_r1"``, ``"qwen3"`` or another of ``reasoning.PARSERS``
+    (``structllm.reasoning``): ``chat`` splits each reply's ``<think>`` part into
+    ``CompletionOutput.reasoning_content``, and a constraint applies to the answer after
+    it. ``tool_call_parser`` (vLLM's names, ``tools.FORMATS``; default ``"auto"``: from the
+    chat template, ``tools.detect_format``) is how ``chat`` prompts tools and parses calls.
+    gpt-oss (its vocabulary with harmony's markers), or
+    ``reasoning_parser="openai_gptoss"``: ``chat`` renders and parses the harmony format
+    as the server does (``structllm.harmony``; ``chat_template_kwargs``'
     ``reasoning_effort`` as gpt-oss's own template takes it).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         parser = engine_kwargs.pop("reasoning_parser", None)
+        self.tool_format = format_named(str(engine_kwargs.pop("tool_call_parser", "auto")))
+        if self.tool_format == "openai":  # gpt-oss's harmony parses calls and reasoning
+            parser = "openai_gptoss"
         max_image_pixels = int(engine_kwargs.pop("max_image_pixels", DEFAULT_MAX_PIXELS))
         self.harmony = parser == "openai_gptoss"
         self.reasoning_parser = None if parser is None or self.harmony else check_parser(parser)
@@ -361,7 +368,7 @@ class LLM:
         if self.harmony:
             choice = (tools, tool_choice, parallel_tool_calls)
             return self._chat_harmony(chats, sampling_params, choice, kwargs)
-        fmt = detect_format(self.tokenizer.meta.chat_template)
+        fmt = self.tool_format or detect_format(self.tokenizer.meta.chat_template)
         try:
             req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
         except ToolError as e:

@@ -6,13 +6,16 @@ in order and returns ``(reasoning_delta, content_delta)`` for each; a tag cut ac
 deltas is held back until it is decided, so the concatenated deltas are the same however
 the text was cut (a stream and a one-shot body agree).
 
-Two parsers, with vLLM's names (``--reasoning-parser``):
+Two behaviours, under vLLM's names (``--reasoning-parser``):
 
-- ``deepseek_r1``: the output is reasoning until ``</think>``; the opening ``<think>`` is
-  optional (DeepSeek-R1's template writes it into the prompt). Without ``</think>``
+- ``deepseek_r1`` (and ``nemotron_v3``, ``kimi_k2``, which vLLM reads the same way): the
+  output is reasoning until ``</think>``; the opening ``<think>`` is optional
+  (DeepSeek-R1's template writes it into the prompt). Without ``</think>``
   (``max_tokens`` cut the reasoning) all of the output is reasoning.
-- ``qwen3``: reasoning only when the output starts with ``<think>`` (after optional
-  whitespace); otherwise it is all content (Qwen3 with ``enable_thinking: false``).
+- ``qwen3`` (and ``glm45``, ``glm47``, ``deepseek_v3``): reasoning only when the output
+  starts with ``<think>`` (after optional whitespace); otherwise it is all content
+  (Qwen3 with ``enable_thinking: false``, GLM-4.5's ``enable_thinking``, DeepSeek-V3.1
+  without ``thinking``).
 
 Both read the end of the prompt too (``Mode``): a prompt that ends with an open
 ``<think>`` (a template that starts the reasoning for the model) means the output
@@ -32,7 +35,9 @@ from collections.abc import Sequence
 
 from structllm.protocol import Reasoning
 
-PARSERS = ("deepseek_r1", "qwen3")
+# a reasoning part is assumed (deepseek_r1) or only if the output opens one (qwen3)
+ASSUMED = ("deepseek_r1", "nemotron_v3", "kimi_k2")
+PARSERS = (*ASSUMED, "qwen3", "glm45", "glm47", "deepseek_v3")
 START_TAG = "<think>"
 END_TAG = "</think>"
 
@@ -75,7 +80,7 @@ def prompt_state(prompt: str) -> bool | None:
 def mode_for(parser: str, prompt: str) -> Mode:
     """How ``parser`` reads the output of ``prompt`` (see the module's docstring)."""
     state = prompt_state(prompt)
-    if state is True or (state is None and parser == "deepseek_r1"):
+    if state is True or (state is None and parser in ASSUMED):
         return Mode.INSIDE
     return Mode.MAYBE
 

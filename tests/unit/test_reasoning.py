@@ -178,3 +178,22 @@ def test_without_a_parser_nothing_changes(tokenizer: Tokenizer) -> None:
     seq = seq_for(tokenizer, None)
     assert run(seq, ids, 1) == ("", "<think>x</think>y")
     assert seq.num_reasoning_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("parser", "assumed"),
+    [
+        ("deepseek_r1", True),
+        ("nemotron_v3", True),
+        ("kimi_k2", True),
+        ("qwen3", False),
+        ("glm45", False),
+        ("glm47", False),
+        ("deepseek_v3", False),
+    ],
+)
+def test_vllms_family_names_read_as_their_models_write(parser: str, assumed: bool) -> None:
+    assert check_parser(parser) == parser
+    assert mode_for(parser, "<|assistant|>") is (Mode.INSIDE if assumed else Mode.MAYBE)
+    assert mode_for(parser, "<|assistant|><think>") is Mode.INSIDE  # the template opened it
+    assert mode_for(parser, "<|assistant|><think></think>") is Mode.MAYBE  # switched off
