@@ -268,6 +268,13 @@ def load_chat_template(value: str) -> str:
     return value
 
 
+class JsonText(str):
+    """A value that is already JSON text (a tool call's ``arguments`` for templates that
+    write them out): a string to ``+`` and ``is string``, itself under ``tojson``. So
+    DeepSeek's templates, which write ``'<｜tool▁sep｜>' + arguments`` (Hugging Face's)
+    or ``arguments | tojson`` (vLLM's examples), both render the JSON once."""
+
+
 def _jinja_env() -> Any:
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -278,6 +285,8 @@ def _jinja_env() -> Any:
     def tojson(
         x: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
     ) -> str:
+        if isinstance(x, JsonText):
+            return str(x)
         return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(

@@ -35,6 +35,7 @@ from typing import Any, Literal
 from structllm import structured
 from structllm.protocol import StructuredOutputs
 from structllm.structured import GrammarError
+from structllm.tokenizer import JsonText
 
 Format = Literal[
     "generic",
@@ -75,9 +76,11 @@ _TEMPLATE_TAGS: tuple[tuple[tuple[str, ...], Format], ...] = (
     (("<arg_key>",), "glm45"),
     (("<function=", "<parameter="), "qwen3_coder"),
     (("<｜tool▁calls▁begin｜>", "```json"), "deepseek_v3"),
-    (("<｜tool▁calls▁begin｜>",), "deepseek_v31"),
+    (("<｜tool▁calls▁begin｜>",), "deepseek_v31"),  # (its template renders no tools)
     (("<|tool_calls_section_begin|>",), "kimi_k2"),
     (("<|tool_call_start|>",), "lfm2"),
+    (("<|tool_list_start|>",), "lfm2"),  # LFM2's templates list the tools in these
+    (("List of tools: [", "<|im_start|>"), "lfm2"),
 )
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -365,17 +368,23 @@ def prompt_messages(
         out = []
         for m in messages:
             m = dict(m)
-            if m.get("tool_calls") and fmt not in STRING_ARGUMENTS:
+            if m.get("tool_calls"):
                 m["tool_calls"] = [
                     {
                         **c,
                         "function": {
                             **c["function"],
-                            "arguments": _arguments_value(c["function"]["arguments"]),
+                            "arguments": (
+                                JsonText(c["function"]["arguments"])
+                                if fmt in STRING_ARGUMENTS
+                                else _arguments_value(c["function"]["arguments"])
+                            ),
                         },
                     }
                     for c in m["tool_calls"]
                 ]
+                if fmt == "lfm2":  # its templates render an assistant's content only
+                    m["content"] = (m.get("content") or "") + _pythonic(m["tool_calls"])
             out.append(m)
         return out, ({"tools": req.tools} if req is not None else {})
     out = []
@@ -411,6 +420,19 @@ def prompt_messages(
         else:
             out.insert(0, {"role": "system", "content": described})
     return out, {}
+
+
+def _pythonic(calls: list[dict[str, Any]]) -> str:
+    """Calls as LFM2 writes them: ``<|tool_call_start|>[f(a=1, b='x')]<|tool_call_end|>``
+    (each argument a Python literal; arguments that are no JSON object go as one
+    ``arguments`` string)."""
+    out = []
+    for c in calls:
+        args = c["function"]["arguments"]
+        if not isinstance(args, dict):
+            args = {"arguments": args}
+        out.append(f"{c['function']['name']}({', '.join(f'{k}={v!r}' for k, v in args.items())})")
+    return "<|tool_call_start|>[" + ", ".join(out) + "]<|tool_call_end|>"
 
 
 def _describe(req: ToolRequest) -> str:

@@ -326,6 +326,15 @@ def test_history_calls_reach_the_template_as_it_expects() -> None:
         out, variables = prompt_messages(messages, req(fmt), fmt)  # type: ignore[arg-type]
         assert out[0]["tool_calls"][0]["function"]["arguments"] == arguments
         assert variables == {"tools": TOOLS}
+    # DeepSeek's templates write them with + (Hugging Face's) or | tojson (vLLM's): once
+    from structllm.tokenizer import compile_chat_template
+
+    out, _ = prompt_messages(messages, req("deepseek_v31"), "deepseek_v31")
+    for spelling in ["'>' + a", "'>' + a | tojson", "a if a is string else 'no'"]:
+        template = compile_chat_template(
+            "{% set a = messages[0].tool_calls[0].function.arguments %}{{ " + spelling + " }}"
+        )
+        assert template.render(messages=out).lstrip(">") == '{"a": 1}'
 
 
 def test_the_detokenizer_keeps_a_syntaxs_special_tags(tmp_path: Path) -> None:
@@ -352,3 +361,77 @@ def test_the_detokenizer_keeps_a_syntaxs_special_tags(tmp_path: Path) -> None:
     plain = Detokenizer(tok)
     assert "<|tool_call" not in "".join(plain.add([i])[0] for i in ids if i is not None)
     assert kept_markers(parser_for(req("hermes")), tok.token_id) == frozenset()
+
+
+# -- the models' own chat templates ---------------------------------------------------------
+# copied from llama.cpp's models/templates (the llama-cpp-python 0.3.36 sdist the tests
+# build from), which keeps the models' published templates
+TEMPLATE_DIR = Path(__file__).parent / "chat_templates"
+FAMILY_TEMPLATES = {
+    "GLM-4.6": "glm45",
+    "GLM-4.7-Flash": "glm45",
+    "Qwen3-Coder": "qwen3_coder",
+    "Qwen3.5-4B": "qwen3_coder",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "qwen3_coder",
+    "Kimi-K2-Instruct": "kimi_k2",
+    "ibm-granite-granite-4.0": "hermes",
+    "LFM2-8B-A1B": "lfm2",
+    "deepseek-ai-DeepSeek-V3.1": "generic",  # it renders no tools: described in a message
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_TEMPLATES))
+def test_a_models_own_template_selects_its_syntax(name: str) -> None:
+    assert detect_format((TEMPLATE_DIR / f"{name}.jinja").read_text()) == FAMILY_TEMPLATES[name]
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("GLM-4.6", "glm45"),
+        ("GLM-4.7-Flash", "glm45"),
+        ("Qwen3-Coder", "qwen3_coder"),
+        ("Qwen3.5-4B", "qwen3_coder"),
+        ("NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "qwen3_coder"),
+        ("deepseek-ai-DeepSeek-V3.1", "deepseek_v31"),
+        ("LFM2-8B-A1B", "lfm2"),
+        ("ibm-granite-granite-4.0", "hermes"),
+    ],
+)
+def test_calls_the_template_writes_back_parse_into_the_same_calls(name: str, fmt: str) -> None:
+    """A conversation's earlier calls, rendered by the model's template, are in the
+    syntax its parser reads: the assistant turn parses back into those calls."""
+    from structllm.tokenizer import compile_chat_template
+
+    template = compile_chat_template((TEMPLATE_DIR / f"{name}.jinja").read_text())
+    calls = [
+        {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": n, "arguments": json.dumps(args)},
+        }
+        for i, (n, args) in enumerate(EXPECTED)
+    ]
+    asked = [{"role": "user", "content": "Weather in Oslo, and 1.5 + -2?"}]
+    answered = [
+        *asked,
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+    ]
+    r = req(fmt)
+
+    def render(messages: list[dict[str, Any]], prompt: bool) -> str:
+        out, variables = prompt_messages(messages, r, fmt)  # type: ignore[arg-type]
+        return str(
+            template.render(
+                messages=out, add_generation_prompt=prompt, bos_token="", eos_token="", **variables
+            )
+        )
+
+    before, after = render(asked, True), render(answered, False)
+    common = next(
+        (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before)
+    )
+    parser = parser_for(r)
+    parser.feed(after[common:], final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == EXPECTED
