@@ -26,7 +26,7 @@ import msgspec
 from structllm.call_formats import FamilyCallParser, kept_markers, parser_for
 from structllm.harmony.parser import HarmonyParser, merged
 from structllm.protocol import ImageInput, LoraRef, SamplingParams, TokenLogprobs
-from structllm.reasoning import Mode, ReasoningParser
+from structllm.reasoning import Mode, ReasoningParser, kept_tags
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
 
@@ -240,7 +240,9 @@ def fan_out(
                 sp = msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=scored)
             skip = sp.skip_special_tokens and harmony is None
             parser = parser_for(tools) if tools is not None and tools.calls_allowed else None
-            keep = kept_markers(parser, tokenizer.token_id)
+            keep = kept_markers(parser, tokenizer.token_id)  # tags the parsers read
+            if reasoning is not None:
+                keep |= kept_tags(tokenizer.token_id)
             detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, skip, keep)
             out.append(
                 SequenceState(

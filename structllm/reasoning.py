@@ -31,7 +31,7 @@ applies a request's grammar only after them (``engine.grammar``): see ``engine_s
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from structllm.protocol import Reasoning
 
@@ -83,6 +83,14 @@ def mode_for(parser: str, prompt: str) -> Mode:
     if state is True or (state is None and parser in ASSUMED):
         return Mode.INSIDE
     return Mode.MAYBE
+
+
+def kept_tags(token_id: Callable[[str], int | None]) -> frozenset[int]:
+    """The ids of ``<think>`` and ``</think>`` where they are single tokens (``token_id``:
+    the tokenizer's): a vocabulary may mark them special, and the parser must see them
+    in the text the detokenizer makes (``Detokenizer(keep=...)``)."""
+    ids = (token_id(START_TAG), token_id(END_TAG))
+    return frozenset(i for i in ids if i is not None)
 
 
 def engine_spec(prompt: str, end_token_ids: Sequence[int]) -> Reasoning | None:

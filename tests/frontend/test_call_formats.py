@@ -347,7 +347,9 @@ def test_the_detokenizer_keeps_a_syntaxs_special_tags(tmp_path: Path) -> None:
     vocab = {w: i for i, w in enumerate(["[UNK]", "add", "{}", "hi"])}
     hf = HFTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf.add_special_tokens(["<|tool_call_start|>", "<|tool_call_end|>", "<eos>"])
+    hf.add_special_tokens(
+        ["<|tool_call_start|>", "<|tool_call_end|>", "<eos>", "<think>", "</think>"]
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer(str(tmp_path / "tokenizer.json"), TokenizerMeta())
     ids = [tok.token_id(t) for t in ["hi", "<|tool_call_start|>", "add", "<|tool_call_end|>"]]
@@ -435,3 +437,31 @@ def test_calls_the_template_writes_back_parse_into_the_same_calls(name: str, fmt
     parser = parser_for(r)
     parser.feed(after[common:], final=True)
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == EXPECTED
+
+
+def test_a_sequence_reads_special_token_tags_of_its_parsers(tmp_path: Path) -> None:
+    """Tags that are special tokens (here ``<think>`` too) reach the reasoning and call
+    parsers, the other special tokens stay out of the text."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from structllm.model.files import TokenizerMeta
+    from structllm.output import fan_out
+    from structllm.protocol import SamplingParams
+    from structllm.reasoning import Mode
+    from structllm.tokenizer import Tokenizer
+
+    words = ["[UNK]", "hmm", "[get_weather(city='Oslo')]"]
+    hf = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = ["<think>", "</think>", "<|tool_call_start|>", "<|tool_call_end|>", "<eos>"]
+    hf.add_special_tokens(specials)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path / "tokenizer.json"), TokenizerMeta())
+    spoken = ["<think>", "hmm", "</think>", "<|tool_call_start|>", words[2], "<|tool_call_end|>"]
+    ids = [tok.token_id(w) for w in [*spoken, "<eos>"]]
+    [seq] = fan_out([[1]], SamplingParams(), tok, lambda p, j: "r", req("lfm2"), Mode.MAYBE)
+    update = seq.process([i for i in ids if i is not None], None, "stop", None, 0)
+    assert update.reasoning.strip() == "hmm" and update.text == ""  # (words join with spaces)
+    assert seq.finish_reason == "tool_calls" and seq.tools is not None
+    assert [(c.name, c.arguments) for c in seq.tools.calls] == [("get_weather", '{"city": "Oslo"}')]
