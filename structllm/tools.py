@@ -73,8 +73,8 @@ HERMES_ALIASES: tuple[str, ...] = ("granite4",)
 STRING_ARGUMENTS: tuple[str, ...] = ("deepseek_v3", "deepseek_v31", "kimi_k2")
 # a template's tags -> the family syntax it writes (checked before hermes' <tool_call>)
 _TEMPLATE_TAGS: tuple[tuple[tuple[str, ...], Format], ...] = (
-    (("<arg_key>",), "glm45"),
-    (("<function=", "<parameter="), "qwen3_coder"),
+    (("<tool_call>", "<arg_key>"), "glm45"),
+    (("<tool_call>", "<function=", "<parameter="), "qwen3_coder"),  # (not <seed:tool_call>)
     (("<｜tool▁calls▁begin｜>", "```json"), "deepseek_v3"),
     (("<｜tool▁calls▁begin｜>",), "deepseek_v31"),  # (its template renders no tools)
     (("<|tool_calls_section_begin|>",), "kimi_k2"),

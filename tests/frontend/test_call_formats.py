@@ -291,11 +291,17 @@ TEMPLATES = {
     "hermes": "{% if tools %}{% endif %}<tool_call>\n{{ c | tojson }}\n</tool_call>",
     "generic": "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>",
 }
+# Seed-OSS writes the Qwen3-Coder XML in its own tags, which no syntax here reads
+SEED = (
+    "{% if tools %}{% endif %}<seed:tool_call><function=f><parameter=k></parameter>"
+    "</function></seed:tool_call>"
+)
 
 
 @pytest.mark.parametrize("fmt", sorted(TEMPLATES))
 def test_the_chat_template_selects_its_family_syntax(fmt: str) -> None:
     assert detect_format(TEMPLATES[fmt]) == fmt
+    assert detect_format(SEED) == "generic"
 
 
 def test_parser_names_are_vllms() -> None:
