@@ -125,7 +125,9 @@ def _props(tools: Mapping[str, Mapping[str, Any]], name: str) -> Mapping[str, An
 
 # -- bodies -------------------------------------------------------------------------------
 
-_GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# a pair's opening, up to its value; the value runs to the next </arg_value> (found with
+# str.find: a lazy regex over a long value is slow, and a search retries it everywhere)
+_GLM_KEY = re.compile(r"\s*<arg_key>([^<]*)</arg_key>\s*<arg_value>")
 
 
 def _glm45(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> list[Part]:
@@ -138,12 +140,14 @@ def _glm45(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> l
     if not name:
         return [Part(None, broken=closed)]
     props = _props(tools, name)
-    pairs, pos, rest = [], cut, body[cut:]
-    for m in _GLM_PAIR.finditer(body, cut):
-        if m.start() != pos:
-            break
-        pairs.append((m.group(1).strip(), typed_value(m.group(2), props.get(m.group(1).strip()))))
-        pos = m.end()
+    pairs, pos = [], cut
+    while (m := _GLM_KEY.match(body, pos)) is not None:
+        end = body.find("</arg_value>", m.end())
+        if end < 0:
+            break  # the value is still being written
+        key = m.group(1).strip()
+        pairs.append((key, typed_value(body[m.end() : end], props.get(key))))
+        pos = end + len("</arg_value>")
     rest = body[pos:]
     if closed and rest.strip():
         return [Part(name, broken=True)]
@@ -151,7 +155,7 @@ def _glm45(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> l
 
 
 _QWEN_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
-_QWEN_PARAM = re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+_QWEN_PARAM = re.compile(r"\s*<parameter=([^>\n]*)>")  # its value: up to </parameter>
 
 
 def _qwen3_coder(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> list[Part]:
@@ -161,14 +165,16 @@ def _qwen3_coder(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]
     name = m.group(1).strip()
     props = _props(tools, name)
     pairs, pos = [], m.end()
-    for p in _QWEN_PARAM.finditer(body, pos):
-        if p.start() != pos:
+    while (p := _QWEN_PARAM.match(body, pos)) is not None:  # (as _glm45's pairs)
+        end = body.find("</parameter>", p.end())
+        if end < 0:
             break
-        value = p.group(2)
+        value = body[p.end() : end]
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
-        pairs.append((p.group(1).strip(), typed_value(value, props.get(p.group(1).strip()))))
-        pos = p.end()
+        key = p.group(1).strip()
+        pairs.append((key, typed_value(value, props.get(key))))
+        pos = end + len("</parameter>")
     rest = body[pos:].strip()
     done = rest.startswith("</function>")
     if closed and (not done or rest[len("</function>") :].strip()):
@@ -359,11 +365,16 @@ class FamilyCallParser:
         self.tools = {
             t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools
         }
+        # the text is read again at each delta from ``text``, which starts after the
+        # content settled before any tag (``_settled``, sent and dropped from it)
         self.text = ""
+        self._settled: list[str] = []
+        self._raw: list[str] = []  # all of the text
         self.cut = False
         self._parts: list[Part] = []
         self._began = False  # a call (or section) tag was seen
-        self._content = ""  # content sent so far
+        self._plain = False  # llama4_pythonic: the reply is text, not a list of calls
+        self._content = ""  # content of ``text`` sent so far
         self._sent: list[_Sent] = []
 
     def feed(
@@ -371,6 +382,7 @@ class FamilyCallParser:
     ) -> tuple[str, list[ToolCallDelta]]:
         """Take the sequence's new ``text`` (``final``: its last; ``cut``: its last, and
         the reply was cut short); the new content and call deltas."""
+        self._raw.append(text)
         self.text += text
         final = final or cut
         self.cut = cut
@@ -381,6 +393,10 @@ class FamilyCallParser:
             content = self.text  # no call came of it: the reply as written
         new = content[len(self._content) :] if content.startswith(self._content) else ""
         self._content = content if content.startswith(self._content) else self._content
+        if not self._began and not final and self.text.startswith(self._content):
+            # no tag yet: what was sent is settled, and is not read again
+            self._settled.append(self._content)
+            self.text, self._content = self.text[len(self._content) :], ""
         return new, self._deltas()
 
     def _scan(self, text: str, final: bool) -> tuple[str, list[Part], bool]:
@@ -462,7 +478,10 @@ class FamilyCallParser:
         start = self.syntax.call[0]
         if not head:
             return ("" if not final else text), [], False
-        if not (head.startswith("[") or head.startswith(start) or start.startswith(head)):
+        if self._plain or not (
+            head.startswith("[") or head.startswith(start) or start.startswith(head)
+        ):
+            self._plain = True  # (the text is settled: ``text`` is only the rest of it)
             return text, [], False
         body = head[len(start) :] if head.startswith(start) else head
         body = body.split(self.syntax.call[1], 1)[0]
@@ -509,8 +528,8 @@ class FamilyCallParser:
         """The text outside calls; the whole text if no call came of it; ``None`` if
         the reply was calls only."""
         if not self.calls:
-            return self.text
-        return self._content or None
+            return "".join(self._raw)
+        return "".join((*self._settled, self._content)) or None
 
 
 def _open_body(rest: str, close_tag: str, close: int, start: int) -> str:

@@ -164,6 +164,14 @@ def test_text_without_calls_is_content_as_written(fmt: str) -> None:
         assert content == text == parser.content and streamed == [] == parser.calls
 
 
+def test_a_pythonic_reply_that_begins_as_text_stays_text() -> None:
+    text = "See: [add(a=1)]"
+    for pieces in splits(text):
+        parser = parser_for(req("llama4_pythonic"))
+        content, streamed = run(parser, pieces)
+        assert content == text == parser.content and streamed == [] == parser.calls
+
+
 @pytest.mark.parametrize(
     ("fmt", "text"),
     [
