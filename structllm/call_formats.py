@@ -17,7 +17,9 @@ their calls in tags; the tools reach the model through its own chat template (th
   <|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>``;
 - ``lfm2``: ``<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`` (Python calls);
 - ``llama4_pythonic`` (``pythonic`` the same): the whole reply is ``[f(a=1), g()]``,
-  optionally in ``<|python_start|>...<|python_end|>``.
+  optionally in ``<|python_start|>...<|python_end|>``;
+- ``llama3_json`` (``llama4_json`` the same): the whole reply is ``{"name": ...,
+  "parameters": {...}}`` objects separated by ``;``, optionally after ``<|python_tag|>``.
 
 The two XML syntaxes write each value as text; its JSON type comes from the tool's
 ``parameters`` schema (a ``string`` stays the text, anything else is read as JSON, or a
@@ -68,17 +70,21 @@ class Part:
 # a call's body (the text between its tags; ``closed``: its closing tag was seen) and
 # the tools' parameter schemas by name -> its calls (one, or several for lfm2)
 Body = Callable[[str, bool, Mapping[str, Mapping[str, Any]]], list[Part]]
+# a whole reply's calls from its start, and where they end (None: not calls, yet)
+Reader = Callable[[str], "tuple[list[Part], int] | None"]
 
 
 @dataclass(frozen=True)
 class Syntax:
     """Where a family's calls are: inside ``call`` tags, optionally grouped in a
-    ``section``; ``whole``: the reply itself is the calls (llama4_pythonic)."""
+    ``section``; ``whole``: the reply itself is the calls, beginning with ``lead`` or
+    the first ``call`` tag (llama4_pythonic, llama3_json)."""
 
     call: tuple[str, str]
     body: Body
     section: tuple[str, str] | None = None
-    whole: bool = False
+    whole: Reader | None = None
+    lead: str = "["  # whole: how a reply of calls begins
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -285,6 +291,40 @@ def _literal(node: ast.expr) -> Any:
     return value
 
 
+def _json_calls(text: str) -> tuple[list[Part], int] | None:
+    """Llama 3's and 4's JSON calls from the start of ``text``: ``{"name": ...,
+    "parameters": {...}}`` objects (or ``"arguments"``), separated by ``;`` or
+    whitespace (vLLM's llama3_json); the calls and where they end, None if none."""
+    decoder, pos, end, out = json.JSONDecoder(), 0, 0, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        try:
+            call, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        args = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            break
+        if not isinstance(args, dict):
+            break
+        out.append(Part(call["name"], _json(args), complete=True))
+        end = pos
+    return (out, end) if out else None
+
+
+def _pythonic_list(text: str) -> tuple[list[Part], int] | None:
+    """A pythonic list of calls from the start of ``text``, and where it ends: the
+    first ``]`` after which the text so far parses (one inside a string does not)."""
+    end = text.find("]")
+    while end >= 0:
+        parts = pythonic_calls(text[: end + 1])
+        if parts is not None:
+            return parts, end + 1
+        end = text.find("]", end + 1)
+    return None
+
+
 def _lfm2(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> list[Part]:
     if not closed:
         return []  # the list is read once it closes
@@ -310,9 +350,16 @@ SYNTAXES: dict[str, Syntax] = {
         section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
     ),
     "lfm2": Syntax(("<|tool_call_start|>", "<|tool_call_end|>"), _lfm2),
-    "llama4_pythonic": Syntax(("<|python_start|>", "<|python_end|>"), _lfm2, whole=True),
+    "llama4_pythonic": Syntax(("<|python_start|>", "<|python_end|>"), _lfm2, whole=_pythonic_list),
+    "llama3_json": Syntax(("<|python_tag|>", ""), _lfm2, whole=_json_calls, lead="{"),
 }
-ALIASES = {"glm47": "glm45", "qwen3_xml": "qwen3_coder", "pythonic": "llama4_pythonic"}
+ALIASES = {
+    "glm47": "glm45",
+    "qwen3_xml": "qwen3_coder",
+    "pythonic": "llama4_pythonic",
+    "llama4_json": "llama3_json",
+}
+_CLOSING = {"[": "]", "{": "}"}
 NAMES: tuple[str, ...] = (*SYNTAXES, *ALIASES)
 
 
@@ -373,7 +420,7 @@ class FamilyCallParser:
         self.cut = False
         self._parts: list[Part] = []
         self._began = False  # a call (or section) tag was seen
-        self._plain = False  # llama4_pythonic: the reply is text, not a list of calls
+        self._plain = False  # whole syntaxes: the reply is text, not calls
         self._content = ""  # content of ``text`` sent so far
         self._sent: list[_Sent] = []
 
@@ -402,7 +449,7 @@ class FamilyCallParser:
     def _scan(self, text: str, final: bool) -> tuple[str, list[Part], bool]:
         """The content decided so far, the calls and whether a tag was seen."""
         syn = self.syntax
-        if syn.whole:
+        if syn.whole is not None:
             return self._scan_whole(text, final)
         opener = syn.section[0] if syn.section else syn.call[0]
         first = text.find(opener)
@@ -472,23 +519,34 @@ class FamilyCallParser:
             pos = region.find(open_call, close + len(close_call))
 
     def _scan_whole(self, text: str, final: bool) -> tuple[str, list[Part], bool]:
-        """llama4_pythonic: a reply that starts with ``[`` (or the python tag) is held
-        until it is a list of calls or is over."""
+        """llama4_pythonic, llama3_json: a reply that starts with the syntax's ``lead``
+        (or its python tag) is held until it reads as calls or is over (then it is
+        content as written); text after the calls (and their closing tag) is content."""
+        syn = self.syntax
+        assert syn.whole is not None
         head = text.lstrip()
-        start = self.syntax.call[0]
+        start, stop = syn.call
         if not head:
             return ("" if not final else text), [], False
         if self._plain or not (
-            head.startswith("[") or head.startswith(start) or start.startswith(head)
+            head.startswith(syn.lead) or head.startswith(start) or start.startswith(head)
         ):
             self._plain = True  # (the text is settled: ``text`` is only the rest of it)
             return text, [], False
         body = head[len(start) :] if head.startswith(start) else head
-        body = body.split(self.syntax.call[1], 1)[0]
-        parts = pythonic_calls(body) if body.rstrip().endswith("]") else None
-        if parts is not None:
-            return "", parts, True
-        return ("", [], True) if not final else (text, [], True)
+        read = syn.whole(body)
+        if read is None:
+            return ("", [], True) if not final else (text, [], True)
+        parts, end = read
+        rest = body[end:].lstrip()
+        if stop and rest.startswith(stop):
+            rest = rest[len(stop) :].lstrip()
+        elif stop and not final and stop.startswith(rest):
+            rest = ""  # its closing tag may be coming
+        rest = rest.lstrip("; \t\r\n")  # (llama3_json's separators)
+        if not final and (not rest or rest.startswith(syn.lead)):
+            rest = ""  # more calls may be coming
+        return (rest if final else rest.rstrip()), parts, True
 
     def _deltas(self) -> list[ToolCallDelta]:
         out: list[ToolCallDelta] = []

@@ -51,6 +51,8 @@ Format = Literal[
     "lfm2",
     "llama4_pythonic",
     "pythonic",
+    "llama3_json",
+    "llama4_json",
 ]
 # the families' own syntaxes (``call_formats``): tools through the template as hermes,
 # replies parsed by ``call_formats.FamilyCallParser``
@@ -65,6 +67,8 @@ FAMILY_FORMATS: tuple[str, ...] = (
     "lfm2",
     "llama4_pythonic",
     "pythonic",
+    "llama3_json",
+    "llama4_json",
 )
 FORMATS: tuple[str, ...] = ("generic", "hermes", "openai", *FAMILY_FORMATS)
 # vLLM's other names of the hermes syntax (Granite 4 writes hermes' <tool_call> JSON)

@@ -104,8 +104,14 @@ SAMPLES = {
     "add(a=1.5, b=-2, exact=True, tags=['x', 'y'])]",
     "pythonic": '<|python_start|>[get_weather(city="Oslo <N> 5", days=3), '
     'add(a=1.5, b=-2, exact=true, tags=["x", "y"])]<|python_end|>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo <N> 5", "days": 3}}; '
+    '{"name": "add", "parameters": {"a": 1.5, "b": -2, "exact": true, "tags": ["x", "y"]}}',
+    "llama4_json": '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo <N> 5", '
+    '"days": 3}}\n{"name": "add", "parameters": {"a": 1.5, "b": -2, "exact": true, '
+    '"tags": ["x", "y"]}}',
 }
-CONTENT = {"llama4_pythonic": None, "pythonic": None}  # the whole reply is the calls
+# the whole reply is the calls
+CONTENT = {"llama4_pythonic": None, "pythonic": None, "llama3_json": None, "llama4_json": None}
 
 
 def req(fmt: str, choice: Any = "auto", tools: list[Any] = TOOLS) -> ToolRequest:
@@ -164,12 +170,22 @@ def test_text_without_calls_is_content_as_written(fmt: str) -> None:
         assert content == text == parser.content and streamed == [] == parser.calls
 
 
-def test_a_pythonic_reply_that_begins_as_text_stays_text() -> None:
-    text = "See: [add(a=1)]"
+@pytest.mark.parametrize(
+    ("fmt", "call"),
+    [("llama4_pythonic", "[add(a=1)]"), ("llama3_json", '{"name": "add", "parameters": {"a": 1}}')],
+)
+def test_a_whole_reply_syntax_reads_calls_only_at_the_start(fmt: str, call: str) -> None:
+    text = "See: " + call
     for pieces in splits(text):
-        parser = parser_for(req("llama4_pythonic"))
+        parser = parser_for(req(fmt))
         content, streamed = run(parser, pieces)
         assert content == text == parser.content and streamed == [] == parser.calls
+    text = call + " Done."  # text after the calls is content
+    for pieces in splits(text):
+        parser = parser_for(req(fmt))
+        content, streamed = run(parser, pieces)
+        assert [(c.name, c.arguments) for c in parser.calls] == [("add", '{"a": 1}')]
+        assert content == "Done." == parser.content
 
 
 @pytest.mark.parametrize(
@@ -196,6 +212,9 @@ def test_a_pythonic_reply_that_begins_as_text_stays_text() -> None:
         ),
         ("lfm2", "<|tool_call_start|>[add(1, 2)]<|tool_call_end|>"),
         ("llama4_pythonic", "[add(a=1), 3]"),
+        ("llama3_json", '{"name": "add", "parameters": [1]}'),
+        ("llama3_json", '{"name": "add", "parameters": {"a": 1}'),
+        ("llama3_json", '{"arguments": {"a": 1}}'),
         ("llama4_pythonic", "[add(a=1"),
     ],
 )
