@@ -40,6 +40,9 @@ ASSUMED = ("deepseek_r1", "nemotron_v3", "kimi_k2")
 PARSERS = (*ASSUMED, "qwen3", "glm45", "glm47", "deepseek_v3")
 START_TAG = "<think>"
 END_TAG = "</think>"
+# Kimi K2 may open its tool calls without closing the reasoning (vLLM's kimi_k2 reads the
+# reasoning as over there): the section's tag ends it and stays in the answer
+TOOL_SECTION = "<|tool_calls_section_begin|>"
 
 
 class Mode(enum.Enum):
@@ -144,12 +147,15 @@ class ReasoningParser:
             else:
                 self._state = _State.CONTENT
         if self._state is _State.REASONING:
-            i = buf.find(END_TAG)
-            if i >= 0:
+            i, j = buf.find(END_TAG), buf.find(TOOL_SECTION)
+            if j >= 0 and (i < 0 or j < i):  # Kimi K2 calls a tool: the answer begins
+                reasoning, buf = buf[:j], buf[j:]
+                self._state = _State.CONTENT
+            elif i >= 0:
                 reasoning, buf = buf[:i], buf[i + len(END_TAG) :]
                 self._state = _State.AFTER
             else:
-                keep = 0 if final else _partial_tag(buf, END_TAG)
+                keep = 0 if final else max(_partial_tag(buf, t) for t in (END_TAG, TOOL_SECTION))
                 reasoning, self._buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
                 buf = ""
         if self._state is _State.AFTER:

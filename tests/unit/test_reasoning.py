@@ -197,3 +197,12 @@ def test_vllms_family_names_read_as_their_models_write(parser: str, assumed: boo
     assert mode_for(parser, "<|assistant|>") is (Mode.INSIDE if assumed else Mode.MAYBE)
     assert mode_for(parser, "<|assistant|><think>") is Mode.INSIDE  # the template opened it
     assert mode_for(parser, "<|assistant|><think></think>") is Mode.MAYBE  # switched off
+
+
+def test_kimis_tool_section_ends_the_reasoning_at_any_split() -> None:
+    text = "<think>I need the weather<|tool_calls_section_begin|><|tool_call_begin|>x"
+    for k in range(len(text) + 1):
+        parser = ReasoningParser(Mode.INSIDE)
+        pieces = [parser.feed(text[:k]), parser.feed(text[k:], final=True)]
+        assert "".join(r for r, _ in pieces) == "I need the weather" == parser.reasoning
+        assert "".join(c for _, c in pieces) == text[text.index("<|tool_calls") :]
