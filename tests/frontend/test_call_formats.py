@@ -498,3 +498,73 @@ def test_a_sequence_reads_special_token_tags_of_its_parsers(tmp_path: Path) -> N
     assert update.reasoning.strip() == "hmm" and update.text == ""  # (words join with spaces)
     assert seq.finish_reason == "tool_calls" and seq.tools is not None
     assert [(c.name, c.arguments) for c in seq.tools.calls] == [("get_weather", '{"city": "Oslo"}')]
+
+
+# -- the server's preprocessor and response builder -----------------------------------------
+
+
+def test_the_server_prompts_constrains_and_answers_in_glms_syntax(tokenizer: Any) -> None:
+    """GLM-4.6's template on the default tokenizer: the preprocessor takes its syntax,
+    renders the tools through it, constrains a forced choice to the envelope; a reply
+    with reasoning and a call streams into the body's message."""
+    import copy
+
+    import msgspec
+
+    from structllm.output import fan_out
+    from structllm.protocol import SamplingParams
+    from structllm.reasoning import Mode
+    from structllm.server.preprocess import Preprocessor
+    from structllm.server.requests import ChatCompletionRequest, decode_body
+    from structllm.server.responses import ChatBuilder
+
+    tok = copy.copy(tokenizer)
+    tok.set_chat_template((TEMPLATE_DIR / "GLM-4.6.jinja").read_text())
+    pre = Preprocessor(tok, 2048, tok.vocab_size, reasoning_parser="glm45")
+    assert pre.tool_format == "glm45"
+    body = {"messages": [{"role": "user", "content": "1.5 + 2?"}], "tools": [ADD]}
+    request = decode_body(msgspec.json.encode(body), ChatCompletionRequest)
+    tool_req = pre.tool_request(request)
+    assert tool_req is not None and tool_req.format == "glm45"
+    prompt, _, _ = pre.chat_prompt(request, tool_req)
+    assert '"name": "add"' in prompt and prompt.endswith("<|assistant|>")
+    assert pre.tool_constraint(request, tool_req) is None  # auto: free
+    forced = decode_body(
+        msgspec.json.encode({**body, "tool_choice": "required"}), ChatCompletionRequest
+    )
+    spec = pre.tool_constraint(forced, pre.tool_request(forced))  # type: ignore[arg-type]
+    assert spec is not None and spec.json is not None
+
+    reply = "<think>Add them.</think>\nSure.<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1.5"
+    reply += "</arg_value>\n<arg_key>b</arg_key>\n<arg_value>2</arg_value>\n</tool_call>"
+    ids = tok.encode(reply, add_special_tokens=False)
+
+    def seqs() -> list[Any]:
+        return fan_out([[1]], SamplingParams(), tok, lambda p, j: "r", tool_req, Mode.MAYBE)
+
+    one = seqs()
+    whole = ChatBuilder(one, tok, model="m", stream=False)
+    whole.feed([one[0].process(ids, None, "stop", None, 0)])
+    [choice] = whole.body()["choices"]
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert (message["reasoning_content"], message["content"]) == ("Add them.", "Sure.")
+    [call] = message["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == (
+        "add",
+        '{"a": 1.5, "b": 2}',
+    )
+    many = seqs()
+    stream = ChatBuilder(many, tok, model="m", stream=True)
+    deltas = []
+    for k, t in enumerate(ids):
+        chunk = stream.feed(
+            [many[0].process([t], None, "stop" if k == len(ids) - 1 else None, None, 0)]
+        )
+        if chunk is not None:
+            deltas.extend(c["delta"] for c in chunk["choices"])
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Add them."
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    pieces = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert [p["function"].get("name") for p in pieces if "id" in p] == ["add"]
+    assert "".join(p["function"]["arguments"] for p in pieces) == call["function"]["arguments"]
