@@ -461,20 +461,12 @@ class FamilyCallParser:
         content = [text[:first].rstrip()]
         parts: list[Part] = []
         pos = first
-        while True:
-            tail = self._tail(text, pos, parts, final)
-            if tail is None:
-                break
-            pos, piece = tail
-            if piece is not None:
-                content.append(piece)
-            if pos < 0:
-                break
+        while pos >= 0:
+            pos, piece = self._tail(text, pos, parts, final)
+            content.append(piece)
         return "".join(content), parts, True
 
-    def _tail(
-        self, text: str, pos: int, parts: list[Part], final: bool
-    ) -> tuple[int, str | None] | None:
+    def _tail(self, text: str, pos: int, parts: list[Part], final: bool) -> tuple[int, str]:
         """Read the calls (or one section of them) at ``pos``; the position after them
         (-1: the text ends inside) and the content that follows up to the next tag."""
         syn = self.syntax
@@ -484,16 +476,16 @@ class FamilyCallParser:
             pos += len(begin)
             stop = text.find(end_section, pos)
             region = text[pos:] if stop < 0 else text[pos:stop]
-            self._calls_in(region, parts, closed_region=stop >= 0)
+            self._calls_in(region, parts)
             if stop < 0:
-                return -1, None
+                return -1, ""
             after = stop + len(end_section)
         else:
             close = text.find(close_call, pos + len(open_call))
             body = _open_body(text[pos + len(open_call) :], close_call, close, pos + len(open_call))
             parts.extend(syn.body(body, close >= 0, self.tools))
             if close < 0:
-                return -1, None
+                return -1, ""
             after = close + len(close_call)
         opener = syn.section[0] if syn.section else open_call
         nxt = text.find(opener, after)
@@ -505,7 +497,8 @@ class FamilyCallParser:
         keep = _partial(between, opener)
         return -1, between[: len(between) - keep].strip()
 
-    def _calls_in(self, region: str, parts: list[Part], closed_region: bool) -> None:
+    def _calls_in(self, region: str, parts: list[Part]) -> None:
+        """The calls in a section's ``region`` (text between them is not content)."""
         open_call, close_call = self.syntax.call
         pos = region.find(open_call)
         while pos >= 0:
