@@ -38,7 +38,7 @@ under a constraint, as in vLLM: ``parser_for`` gives ``ToolCallParser`` those.
 
 Some families' tags are special tokens (DeepSeek's, Kimi's, LFM2's, Llama 4's python
 tags): ``markers`` lists every tag, and the output processor keeps those tokens'
-text in the detokenized output (``output.make_sequences``).
+text in the detokenized output (``output.fan_out``).
 """
 
 from __future__ import annotations
