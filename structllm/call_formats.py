@@ -16,6 +16,8 @@ their calls in tags; the tools reach the model through its own chat template (th
 - ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I
   <|tool_call_argument_begin|>ARGS<|tool_call_end|>...<|tool_calls_section_end|>``;
 - ``lfm2``: ``<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`` (Python calls);
+- ``gemma4``: ``<|tool_call>call:NAME{k:<|"|>text<|"|>,n:1}<tool_call|>`` (Gemma 4's
+  own value syntax: strings between ``<|"|>`` tags, bare keys);
 - ``llama4_pythonic`` (``pythonic`` the same): the whole reply is ``[f(a=1), g()]``,
   optionally in ``<|python_start|>...<|python_end|>``;
 - ``llama3_json`` (``llama4_json`` the same): the whole reply is ``{"name": ...,
@@ -85,10 +87,11 @@ class Syntax:
     section: tuple[str, str] | None = None
     whole: Reader | None = None
     lead: str = "["  # whole: how a reply of calls begins
+    quotes: tuple[str, ...] = ()  # other tags inside calls (Gemma 4's string quote)
 
     @property
     def markers(self) -> tuple[str, ...]:
-        return (*self.call, *(self.section or ()))
+        return (*self.call, *(self.section or ()), *self.quotes)
 
 
 # -- typed values (glm45, qwen3_coder) ----------------------------------------------------
@@ -331,6 +334,43 @@ def _lfm2(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> li
     return pythonic_calls(body) or [Part(None, broken=True)]
 
 
+GEMMA_QUOTE = '<|"|>'
+# Gemma 4's values: a string between quote tags, a bare key before ':', None
+_GEMMA_TOKEN = re.compile(
+    r'<\|"\|>(.*?)<\|"\|>|([A-Za-z_][\w.\-]*)(?=\s*:)|\b(None|True|False)\b', re.DOTALL
+)
+
+
+def gemma_value(text: str) -> Any:
+    """Gemma 4's argument syntax (``{key:<|"|>text<|"|>,n:1,flag:true,xs:[...]}``) as a
+    value; ``ValueError`` if it is not one."""
+
+    def token(m: re.Match[str]) -> str:
+        if m.group(1) is not None:
+            return _json(m.group(1))
+        if m.group(2) is not None:
+            return _json(m.group(2))
+        return {"None": "null", "True": "true", "False": "false"}[m.group(3)]
+
+    return json.loads(_GEMMA_TOKEN.sub(token, text))
+
+
+def _gemma4(body: str, closed: bool, tools: Mapping[str, Mapping[str, Any]]) -> list[Part]:
+    # call:NAME{ARGS}: the name once its brace opens, the arguments once the call closes
+    m = re.match(r"\s*call:([^{\s]+)\{", body)
+    if m is None:
+        return [Part(None, broken=closed)]
+    if not closed:
+        return [Part(m.group(1))]
+    try:
+        args = gemma_value(body[m.end() - 1 :].strip())
+    except ValueError:
+        return [Part(m.group(1), broken=True)]
+    if not isinstance(args, dict):
+        return [Part(m.group(1), broken=True)]
+    return [Part(m.group(1), _json(args), complete=True)]
+
+
 SYNTAXES: dict[str, Syntax] = {
     "glm45": Syntax(("<tool_call>", "</tool_call>"), _glm45),
     "qwen3_coder": Syntax(("<tool_call>", "</tool_call>"), _qwen3_coder),
@@ -350,6 +390,7 @@ SYNTAXES: dict[str, Syntax] = {
         section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
     ),
     "lfm2": Syntax(("<|tool_call_start|>", "<|tool_call_end|>"), _lfm2),
+    "gemma4": Syntax(("<|tool_call>", "<tool_call|>"), _gemma4, quotes=(GEMMA_QUOTE,)),
     "llama4_pythonic": Syntax(("<|python_start|>", "<|python_end|>"), _lfm2, whole=_pythonic_list),
     "llama3_json": Syntax(("<|python_tag|>", ""), _lfm2, whole=_json_calls, lead="{"),
 }

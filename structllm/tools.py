@@ -53,6 +53,7 @@ Format = Literal[
     "pythonic",
     "llama3_json",
     "llama4_json",
+    "gemma4",
 ]
 # the families' own syntaxes (``call_formats``): tools through the template as hermes,
 # replies parsed by ``call_formats.FamilyCallParser``
@@ -69,6 +70,7 @@ FAMILY_FORMATS: tuple[str, ...] = (
     "pythonic",
     "llama3_json",
     "llama4_json",
+    "gemma4",
 )
 FORMATS: tuple[str, ...] = ("generic", "hermes", "openai", *FAMILY_FORMATS)
 # vLLM's other names of the hermes syntax (Granite 4 writes hermes' <tool_call> JSON)
@@ -83,6 +85,7 @@ _TEMPLATE_TAGS: tuple[tuple[tuple[str, ...], Format], ...] = (
     (("<｜tool▁calls▁begin｜>",), "deepseek_v31"),  # (its template renders no tools)
     (("<|tool_calls_section_begin|>",), "kimi_k2"),
     (("<|tool_call_start|>",), "lfm2"),
+    (("<|tool_call>call:",), "gemma4"),
     (("<|tool_list_start|>",), "lfm2"),  # LFM2's templates list the tools in these
     (("List of tools: [", "<|im_start|>"), "lfm2"),
 )
