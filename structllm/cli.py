@@ -583,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model's <think>...</think> part of a chat reply into "
         "reasoning_content, by vLLM's names (deepseek_r1, nemotron_v3, kimi_k2: the reply "
         "starts in the reasoning; qwen3, glm45, glm47, deepseek_v3: only if it opens <think>; "
+        "gemma4: Gemma 4's thought channel; "
         "openai_gptoss: gpt-oss's harmony analysis channel; default: off, or openai_gptoss "
         "for gpt-oss)",
     )

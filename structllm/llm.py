@@ -47,7 +47,7 @@ from structllm.protocol import (
     SamplingParams,
     TokenLogprobs,
 )
-from structllm.reasoning import END_TAG, Mode, check_parser, engine_spec, mode_for
+from structllm.reasoning import Mode, check_parser, engine_spec, mode_for, tags_of
 from structllm.server.images import DEFAULT_MAX_PIXELS
 from structllm.tokenizer import Message, Tokenizer, check_template_kwargs
 from structllm.tools import (
@@ -285,6 +285,7 @@ class LLM:
                 [prompt_images],
                 priority=prio,
                 harmony=harmony,
+                reasoning_tags=tags_of(self.reasoning_parser or ""),
             )
             for seq in seqs:
                 res.outputs.append(
@@ -390,7 +391,8 @@ class LLM:
         encoded: list[list[int]] = []
         modes: list[Mode | None] = []
         images: list[list[ImageInput]] = []
-        end_ids = self.tokenizer.encode(END_TAG, add_special_tokens=False)
+        tags = tags_of(self.reasoning_parser or "")
+        end_ids = self.tokenizer.encode(tags.end, add_special_tokens=False)
         for i, chat in enumerate(chats):
             text, ids, prompt_images = self._chat_prompt(chat, req, fmt, kwargs)
             encoded.append(ids)
@@ -399,7 +401,8 @@ class LLM:
                 modes.append(None)
                 continue
             modes.append(mode_for(self.reasoning_parser, text))
-            params[i] = msgspec.structs.replace(params[i], reasoning=engine_spec(text, end_ids))
+            starts = engine_spec(text, end_ids, tags)
+            params[i] = msgspec.structs.replace(params[i], reasoning=starts)
         return self._run(chats, encoded, params, req, modes, images)
 
     def _chat_harmony(

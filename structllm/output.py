@@ -26,7 +26,7 @@ import msgspec
 from structllm.call_formats import FamilyCallParser, kept_markers, parser_for
 from structllm.harmony.parser import HarmonyParser, merged
 from structllm.protocol import ImageInput, LoraRef, SamplingParams, TokenLogprobs
-from structllm.reasoning import Mode, ReasoningParser, kept_tags
+from structllm.reasoning import THINK, Mode, ReasoningParser, Tags, kept_tags
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
 
@@ -218,6 +218,7 @@ def fan_out(
     images: Sequence[list[ImageInput]] = (),
     priority: int = 0,
     harmony: Callable[[], HarmonyParser] | None = None,
+    reasoning_tags: Tags = THINK,
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
@@ -225,10 +226,10 @@ def fan_out(
     scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
     the engine requests. With ``tools`` that allow calls, each sequence parses its
     calls; with ``reasoning`` (where its output starts), each splits off its reasoning
-    part. ``images[pi]``: prompt ``pi``'s images (none if absent). Every engine request
-    gets ``priority``. ``harmony`` makes each sequence's harmony parser (gpt-oss: it
-    parses reasoning and calls both), and its text keeps the special tokens that
-    parser reads."""
+    part, marked by ``reasoning_tags``. ``images[pi]``: prompt ``pi``'s images (none if
+    absent). Every engine request gets ``priority``. ``harmony`` makes each sequence's
+    harmony parser (gpt-oss: it parses reasoning and calls both), and its text keeps the
+    special tokens that parser reads."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -242,7 +243,7 @@ def fan_out(
             parser = parser_for(tools) if tools is not None and tools.calls_allowed else None
             keep = kept_markers(parser, tokenizer.token_id)  # tags the parsers read
             if reasoning is not None:
-                keep |= kept_tags(tokenizer.token_id)
+                keep |= kept_tags(tokenizer.token_id, reasoning_tags)
             detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, skip, keep)
             out.append(
                 SequenceState(
@@ -253,7 +254,9 @@ def fan_out(
                     sp,
                     detok,
                     tools=parser,
-                    reasoning=None if reasoning is None else ReasoningParser(reasoning),
+                    reasoning=(
+                        None if reasoning is None else ReasoningParser(reasoning, reasoning_tags)
+                    ),
                     images=list(images[pi]) if pi < len(images) else [],
                     priority=priority,
                     harmony=harmony() if harmony is not None else None,

@@ -455,6 +455,7 @@ class App:
             mode,
             [images],
             req.priority,
+            reasoning_tags=self.pre.reasoning_tags,
         )
 
     def harmony_sequences(

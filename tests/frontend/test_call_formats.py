@@ -588,3 +588,47 @@ def test_the_server_prompts_constrains_and_answers_in_glms_syntax(tokenizer: Any
 )
 def test_gemma4s_value_syntax_reads_as_json(text: str, value: Any) -> None:
     assert gemma_value(text) == value
+
+
+def test_gemma4s_thought_and_call_reach_the_body(tokenizer: Any) -> None:
+    """Gemma 4's own template, ``--reasoning-parser gemma4``: its thought channel is the
+    reasoning, its call the tool call (the reasoning tags reach ``fan_out``)."""
+    import copy
+
+    import msgspec
+
+    from structllm.output import fan_out
+    from structllm.protocol import SamplingParams
+    from structllm.server.preprocess import Preprocessor
+    from structllm.server.requests import ChatCompletionRequest, decode_body
+    from structllm.server.responses import ChatBuilder
+
+    tok = copy.copy(tokenizer)
+    tok.set_chat_template((TEMPLATE_DIR / "google-gemma-4-31B-it.jinja").read_text())
+    pre = Preprocessor(tok, 2048, tok.vocab_size, reasoning_parser="gemma4")
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    request = decode_body(msgspec.json.encode(body), ChatCompletionRequest)
+    tool_req = pre.tool_request(request)
+    assert tool_req is not None and tool_req.format == "gemma4"
+    prompt, _, _ = pre.chat_prompt(request, tool_req)
+    read = pre.reasoning(prompt)
+    assert read is not None
+    mode, _ = read
+    reply = '<|channel>thought\nLook it up.<channel|><|tool_call>call:get_weather{city:<|"|>Oslo'
+    reply += '<|"|>}<tool_call|>'
+    [seq] = fan_out(
+        [[1]],
+        SamplingParams(),
+        tok,
+        lambda p, j: "r",
+        tool_req,
+        mode,
+        reasoning_tags=pre.reasoning_tags,
+    )
+    builder = ChatBuilder([seq], tok, model="m", stream=False)
+    builder.feed([seq.process(tok.encode(reply, add_special_tokens=False), None, "stop", None, 0)])
+    [choice] = builder.body()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "Look it up."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
