@@ -404,7 +404,8 @@ class Scheduler:
         (a decode token per running request and the newcomers' first chunks); returns
         the preempted. A newcomer's blocks are an estimate (``_first_chunk``) against
         the blocks free now, less what the newcomers before it and a decode token of
-        each running request take (a less urgent prefill takes none, ``_outranked``)."""
+        each running request take (an over-estimate: a less urgent one sits the step
+        out, ``_outranked``)."""
         displaced: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         if self.states is not None:
