@@ -327,7 +327,7 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_steps: int = 0  # model steps run
     num_grammar_matchers: int = 0  # live matchers of constrained requests
     num_grammar_ff_tokens: int = 0  # tokens appended by grammar fast-forward (decode steps saved)
-    num_steps_cut: int = 0  # steps cut short: every request in them was aborted
+    num_steps_cut: int = 0  # steps cut short: all aborted, or an urgent arrival (Held)
     num_aborted: int = 0  # live requests aborted (client gone, stop string, write timeout)
     # speculative decoding (engine.speculative): drafted chunks verified, drafted and
     # accepted tokens, accepted drafts by position, seconds in the proposer

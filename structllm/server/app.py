@@ -542,7 +542,8 @@ class App:
         transport: Transport | None = None,
         before_end: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        with self.admission.admit([len(s.prompt_ids) for s in seqs]) as ticket:
+        priority = seqs[0].priority if seqs else 0  # one request's: the same for all
+        with self.admission.admit([len(s.prompt_ids) for s in seqs], priority) as ticket:
             generation = Generation(client, seqs, builder, self.metrics, self.tracer, before_end)
             await generation.run(
                 receive, transport or Transport(send), ticket, self.config.write_timeout
