@@ -140,6 +140,20 @@ class Gemma4VisionLayer(nn.Module):
     """One encoder layer's weights; ``bounds[name]``: a clipped matmul's (input min,
     input max, output min, output max)."""
 
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+    input_norm: Tensor
+    attn_out_norm: Tensor
+    ffn_norm: Tensor
+    ffn_out_norm: Tensor
+    q_norm: Tensor
+    k_norm: Tensor
+
     def __init__(self, cfg: Gemma4VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
         d, f, hd = cfg.hidden, cfg.ffn, cfg.head_dim
@@ -211,12 +225,16 @@ class Gemma4Vision(nn.Module):
                 f"model's patch size {c.patch} times its pooling kernel {c.kernel})"
             )
         if max(height, width) // c.patch > c.positions:
-            raise ValueError(f"a {width}x{height} image is past the tower's {c.positions} positions")
+            raise ValueError(
+                f"a {width}x{height} image is past the tower's {c.positions} positions"
+            )
         if len(image.pixels) != height * width * 3:
             raise ValueError(f"{len(image.pixels)} pixel bytes for a shape of {list(image.shape)}")
         n = (height // unit) * (width // unit)
         if image.num_tokens != n:
-            raise ValueError(f"a {width}x{height} image takes {n} image tokens, not {image.num_tokens}")
+            raise ValueError(
+                f"a {width}x{height} image takes {n} image tokens, not {image.num_tokens}"
+            )
 
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""

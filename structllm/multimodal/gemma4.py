@@ -36,21 +36,25 @@ BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, transformers' default for Gemma 4
 SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the max_soft_tokens transformers accepts
 
 
-def aspect_size(height: int, width: int, patch: int, max_patches: int, kernel: int) -> tuple[int, int]:
+def aspect_size(
+    height: int, width: int, patch: int, max_patches: int, kernel: int
+) -> tuple[int, int]:
     """transformers' ``get_aspect_ratio_preserving_size``: the resized ``(h, w)``."""
     factor = math.sqrt(max_patches * patch**2 / (height * width))
     unit = kernel * patch
-    h = int(math.floor(factor * height / unit)) * unit
-    w = int(math.floor(factor * width / unit)) * unit
+    h = math.floor(factor * height / unit) * unit
+    w = math.floor(factor * width / unit) * unit
     if h == 0 and w == 0:
         raise ValueError(f"an image of {width}x{height} pixels resizes to nothing")
     longest = (max_patches // kernel**2) * unit
     if h == 0:
-        h, w = unit, min(int(math.floor(width / height)) * unit, longest)
+        h, w = unit, min(math.floor(width / height) * unit, longest)
     elif w == 0:
-        h, w = min(int(math.floor(height / width)) * unit, longest), unit
+        h, w = min(math.floor(height / width) * unit, longest), unit
     if h * w > max_patches * patch**2:
-        raise ValueError(f"an image of {width}x{height} pixels takes more than {max_patches} patches")
+        raise ValueError(
+            f"an image of {width}x{height} pixels takes more than {max_patches} patches"
+        )
     return h, w
 
 
