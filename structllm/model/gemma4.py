@@ -221,6 +221,7 @@ class Gemma4Model(MoeModel):
         super().__init__(cfg, dtype, plan, layers)
         self.per_layer_inputs = PerLayerInputs(cfg, dtype) if cfg.per_layer_input_size else None
         self._rope_global: Tensor | None = None
+        self._mm_ids: Tensor | None = None  # [M] multimodal_token_ids, on the model's device
         self.native_decode = False
         self.decode_why = "the Python layer loop (Gemma 4)"
 
@@ -270,8 +271,9 @@ class Gemma4Model(MoeModel):
         if self.per_layer_inputs is not None:
             ids = input_ids
             if self.cfg.multimodal_token_ids:
-                mm = torch.tensor(self.cfg.multimodal_token_ids, device=ids.device)
-                ids = torch.where(torch.isin(ids, mm), self.cfg.pad_token_id, ids)
+                if self._mm_ids is None or self._mm_ids.device != ids.device:
+                    self._mm_ids = torch.tensor(self.cfg.multimodal_token_ids, device=ids.device)
+                ids = torch.where(torch.isin(ids, self._mm_ids), self.cfg.pad_token_id, ids)
             pli = self.per_layer_inputs(ids, x)
         glob, loc = self.rope_tables(int(meta.max_seq_len))
         ropes = glob[positions].unsqueeze(1), loc[positions].unsqueeze(1)  # [T, 1, D/2]

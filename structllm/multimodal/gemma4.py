@@ -17,6 +17,7 @@ patchify, which the engine does (``model.gemma4_vision``), and to its
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from structllm.multimodal.gemma3 import _read
 from structllm.multimodal.idefics3 import read_processor_config
 
 if TYPE_CHECKING:  # Pillow's type only
@@ -93,7 +93,8 @@ class Gemma4Processor:
         soft = int(cfg.get("max_soft_tokens", 280))
         if soft not in SOFT_TOKENS:
             raise ValueError(f"{model_dir}: max_soft_tokens {soft} is not one of {SOFT_TOKENS}")
-        extra = _read(model_dir / "tokenizer_config.json").get("extra_special_tokens") or {}
+        tok = model_dir / "tokenizer_config.json"
+        extra = json.loads(tok.read_text()).get("extra_special_tokens") if tok.is_file() else {}
         named = extra if isinstance(extra, dict) else {}
         tokens = (
             str(named.get("boi_token", BOI)),
