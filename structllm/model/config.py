@@ -162,6 +162,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_beside_mlp: bool = False  # the experts run beside the dense MLP, not instead
     per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
     per_layer_vocab_size: int = 0  # their table's rows
+    # Gemma 4 (Gemma4ForConditionalGeneration): its image, video and audio tokens, whose
+    # per-layer inputs are the pad token's (transformers' multimodal mask)
+    multimodal_token_ids: list[int] = []
+    pad_token_id: int = 0
     # --- multi-head latent attention (DeepSeek-V2/V3, model/deepseek.py) ---
     # kv_lora_rank > 0: each layer caches one "head" of head_dim = kv_lora_rank +
     # rotary_dim per token, [normed latent c_kv, rotated k_pe] (num_kv_heads is 1); the
@@ -362,7 +366,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             base["mrope_section"] = mrope
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
-        if cfg.get("use_bidirectional_attention"):
+        bidi = cfg.get("use_bidirectional_attention")
+        if fam.name == "gemma4" and bidi == "vision":
+            bidi = None  # image tokens both ways, text causal: the vision side's rule
+        if bidi:
             if fam.name != "gemma3":
                 raise ValueError(
                     f"use_bidirectional_attention is supported for Gemma 3, not {fam.name}"
@@ -864,6 +871,12 @@ def _gemma4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         else [],
         per_layer_input_size=int(cfg.get("hidden_size_per_layer_input", 256) or 0),
         per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or 262144),
+        multimodal_token_ids=[
+            int(cfg[k])
+            for k in ("image_token_id", "video_token_id", "audio_token_id")
+            if cfg.get(k) is not None
+        ],
+        pad_token_id=int(cfg.get("pad_token_id") or 0),
     )
     if cfg.get("enable_moe_block"):
         out.update(

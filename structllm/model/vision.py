@@ -28,12 +28,14 @@ VISION_MODULES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Mistral3ForConditionalGeneration": "mistral3",
+    "Gemma4ForConditionalGeneration": "gemma4_vision",
 }
 
 
 class VisionModel(Protocol):
     image_token_id: int  # the token whose positions take the encoder's rows
-    # an image's tokens attend to each other in both directions (Gemma 3), else causal
+    # an image's tokens attend to each other in both directions (Gemma 3; Gemma 4's
+    # sliding-window layers, which its model applies), else causal
     bidirectional: bool
 
     def check(self, image: ImageInput) -> None:

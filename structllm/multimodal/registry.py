@@ -23,6 +23,7 @@ PROCESSORS = {
     "Idefics3ForConditionalGeneration": "structllm.multimodal.idefics3:Idefics3Processor",
     "Qwen2_5_VLForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
     "Mistral3ForConditionalGeneration": "structllm.multimodal.mistral3:Mistral3Processor",
+    "Gemma4ForConditionalGeneration": "structllm.multimodal.gemma4:Gemma4Processor",
 }
 
 TokenId = Callable[[str], "int | None"]
