@@ -150,6 +150,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     o_bias: bool = False  # a bias on the attention output projection
     head_bias: bool = False  # a bias on the LM head
     learned_positions: bool = False  # absolute position embeddings added (GPT-2), no rope
+    # --- encoders (model/bert.py): BERT, XLM-RoBERTa ---
+    # token_type_ids' embedding rows (BERT: 2, the second text of a pair is type 1;
+    # 0: none); XLM-RoBERTa's positions start at padding_idx + 1 (position_offset)
+    type_vocab_size: int = 0
+    position_offset: int = 0
     # --- Gemma 4: layers that differ in shape, share K/V, take per-layer inputs ---
     layer_head_dims: list[int] = []  # per layer: head size ([]: head_dim everywhere)
     layer_kv_heads: list[int] = []  # per layer: KV heads ([]: num_kv_heads everywhere)
@@ -1703,7 +1708,39 @@ def _deepseek(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """BERT and XLM-RoBERTa encoders (model/bert.py): post-LayerNorm layers with biases
+    everywhere, an ungated GELU MLP, learned absolute positions (XLM-RoBERTa's from
+    ``pad_token_id + 1``: its table's first rows are never used, so the context is that
+    much shorter), ``token_type_ids`` rows, attention both ways, no LM head."""
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(
+            f"unsupported position_embedding_type {cfg.get('position_embedding_type')!r}"
+        )
+    offset = int(cfg.get("pad_token_id") or 0) + 1 if base["architecture"] == "xlm_roberta" else 0
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+        "mlp_act": _hidden_act(cfg, "BERT", "gelu"),
+        "mlp_gated": False,
+        "mlp_bias": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "learned_positions": True,
+        "rope_layers": [False] * base["num_layers"],
+        "tie_word_embeddings": True,  # (no head: nothing to tie or load)
+        "bidirectional": True,
+        "max_position_embeddings": base["max_position_embeddings"] - offset,
+        "position_offset": offset,
+        "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "num_kv_heads": base["num_heads"],
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "bert": _bert,
+    "xlm_roberta": _bert,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "gemma": _gemma1,

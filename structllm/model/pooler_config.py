@@ -23,7 +23,7 @@ import msgspec
 
 from structllm.config import RUNNERS, PoolerConfig, PoolingType
 from structllm.model.files import ModelFiles
-from structllm.model.registry import headless
+from structllm.model.registry import ENCODERS, headless
 from structllm.protocol import PoolerInfo, PoolingTask
 
 # sentence-transformers' pooling modes -> ours (older files: pooling_mode_<mode>: true)
@@ -76,10 +76,11 @@ class PoolerSpec(msgspec.Struct, frozen=True):
     def describe(self, hidden_size: int) -> str:
         """The start-up line's account of it."""
         if self.task == "score":
+            where = "first" if self.pooling_type == "CLS" else "last"
             how = (
                 f"the logits of {self.classifier_tokens} at the last token"
                 if self.classifier == "yes_no"
-                else "a one-label classifier on the last token"
+                else f"a one-label classifier on the {where} token"
             )
             return f"score: {how}, then a sigmoid"
         size = self.info(hidden_size).size
@@ -133,12 +134,14 @@ def read_pooler(
 ) -> PoolerSpec:
     """The pooling runner's pooler for ``files`` (see the module's doc for the order)."""
     raw = _raw_config(files, overrides)
+    # an encoder's own summary is its first token's row ([CLS], <s>); a decoder's its last
+    first: PoolingType = "CLS" if files.config.architecture in ENCODERS else "LAST"
     if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
-        return _reranker(raw, config)
+        return _reranker(raw, config, first)
     if files.config.pooling_type == "RANK":  # a GGUF reranker
         return PoolerSpec("score", "LAST", False, classifier="rank")
     d = model_dir(files)
-    pooling: PoolingType = "LAST"
+    pooling: PoolingType = first
     if files.config.pooling_type in ("LAST", "MEAN", "CLS"):  # a GGUF file's
         pooling = files.config.pooling_type  # type: ignore[assignment]
     normalize = True  # (a GGUF file: llama-server's default, --embd-normalize 2)
@@ -167,9 +170,10 @@ def read_pooler(
     )
 
 
-def _reranker(raw: dict[str, Any], config: PoolerConfig | None) -> PoolerSpec:
-    """A ``*ForSequenceClassification`` model's scorer (see ``PoolerSpec``)."""
-    pooling: PoolingType = (config.pooling_type if config else None) or "LAST"
+def _reranker(raw: dict[str, Any], config: PoolerConfig | None, default: PoolingType) -> PoolerSpec:
+    """A ``*ForSequenceClassification`` model's scorer (see ``PoolerSpec``): on the
+    last token (a decoder's) or the first (``default`` "CLS": an encoder's)."""
+    pooling: PoolingType = (config.pooling_type if config else None) or default
     tokens = raw.get("classifier_from_token")
     if tokens is not None:
         if not raw.get("is_original_qwen3_reranker") or len(tokens) != 2:
