@@ -66,12 +66,20 @@ class PoolerSpec(msgspec.Struct, frozen=True):
     matryoshka_dimensions: list[int] | None = None
     classifier: Literal["yes_no", "score", "rank"] | None = None
     classifier_tokens: list[str] = []
+    keep_head: bool = False  # an encoder's: truncation keeps the head (PoolerInfo.cut)
 
     def info(self, hidden_size: int) -> PoolerInfo:
         if self.task == "score":
-            return PoolerInfo("score", 1)
+            return PoolerInfo("score", 1, keep_head=self.keep_head)
         size = self.dense[-1].out_features if self.dense else hidden_size
-        return PoolerInfo(self.task, size, self.matryoshka, self.matryoshka_dimensions, self.prompt)
+        return PoolerInfo(
+            self.task,
+            size,
+            self.matryoshka,
+            self.matryoshka_dimensions,
+            self.prompt,
+            self.keep_head,
+        )
 
     def describe(self, hidden_size: int) -> str:
         """The start-up line's account of it."""
@@ -133,6 +141,15 @@ def read_pooler(
     overrides: dict[str, Any] | None = None,
 ) -> PoolerSpec:
     """The pooling runner's pooler for ``files`` (see the module's doc for the order)."""
+    spec = _read_pooler(files, config, overrides)
+    if files.config.architecture in ENCODERS:
+        return msgspec.structs.replace(spec, keep_head=True)
+    return spec
+
+
+def _read_pooler(
+    files: ModelFiles, config: PoolerConfig | None, overrides: dict[str, Any] | None
+) -> PoolerSpec:
     raw = _raw_config(files, overrides)
     # an encoder's own summary is its first token's row ([CLS], <s>); a decoder's its last
     first: PoolingType = "CLS" if files.config.architecture in ENCODERS else "LAST"

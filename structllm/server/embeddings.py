@@ -136,7 +136,7 @@ def tokenize(
             ids = it
             rq.check_token_ids(ids, vocab, f"input[{i}]")
         if keep is not None:
-            ids = ids[-(limit if keep == -1 else keep) :]
+            ids = info.cut(ids, limit if keep == -1 else keep)
         if len(ids) > limit:
             raise APIError(
                 400,

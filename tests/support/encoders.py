@@ -16,11 +16,45 @@ from typing import Any
 from structllm.paths import cache_root
 from tests.support.checkpoints import built_once
 
-WORDS = (
-    "the quick brown fox jumps over lazy dog and then sleeps hello world a x "
-    "retrieval augmented generation needs an embedder reranker generator what is "
-    "capital of france paris berlin germany river city embeddings score query document"
-).split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "and",
+    "then",
+    "sleeps",
+    "hello",
+    "world",
+    "a",
+    "x",
+    "retrieval",
+    "augmented",
+    "generation",
+    "needs",
+    "an",
+    "embedder",
+    "reranker",
+    "generator",
+    "what",
+    "is",
+    "capital",
+    "of",
+    "france",
+    "paris",
+    "berlin",
+    "germany",
+    "river",
+    "city",
+    "embeddings",
+    "score",
+    "query",
+    "document",
+]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 SHAPE: dict[str, Any] = dict(
     hidden_size=32,
