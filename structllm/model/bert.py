@@ -17,7 +17,9 @@ MLP with biases, biased q/k/v and output projections), arranged as BERT does:
 - attention goes both ways (``ModelConfig.bidirectional``): the engine runs each prompt
   whole in one step, so there is no chunked prefill and no prefix cache; its paged KV
   blocks are the step's scratch, freed when the (prompt-only) request finishes;
-- XLM-RoBERTa's positions start at ``pad_token_id + 1`` (``position_offset``).
+- XLM-RoBERTa's positions start at ``pad_token_id + 1`` (``position_offset``);
+  NomicBERT (``model.nomic_bert``) has no position table: rotary q/k instead, and a
+  SwiGLU MLP without biases.
 
 ``token_type_ids`` (BERT's ``type_vocab_size`` 2): a single text is all type 0; a pair
 ``[CLS] a [SEP] b [SEP]`` is type 1 from ``b`` on. The engine carries token ids only, so
@@ -79,9 +81,9 @@ class BertModel(ClassicModel):
         layers: range | None = None,
     ) -> None:
         super().__init__(cfg, dtype, plan, layers)
-        # [max positions + offset, hidden]: the checkpoint's whole table
-        rows = cfg.max_position_embeddings + cfg.position_offset
-        self.position_embeddings = _param(dtype, rows, cfg.hidden_size)
+        if cfg.learned_positions:  # [max positions + offset, hidden]: the whole table
+            rows = cfg.max_position_embeddings + cfg.position_offset
+            self.position_embeddings = _param(dtype, rows, cfg.hidden_size)
         self.token_type_embeddings = (
             _param(dtype, cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
         )
@@ -97,8 +99,9 @@ class BertModel(ClassicModel):
     def embed_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """``LayerNorm(word + position + type)`` rows ``[T, hidden]`` of a step of whole
         prompts (each starts at position 0)."""
-        assert self.position_embeddings is not None
-        x = self.embed(input_ids) + self.position_embeddings[positions + self.cfg.position_offset]
+        x = self.embed(input_ids)
+        if self.position_embeddings is not None:  # (NomicBERT: rotary instead)
+            x = x + self.position_embeddings[positions + self.cfg.position_offset]
         if self.token_type_embeddings is not None:
             x = x + self.token_type_embeddings[self.token_types(input_ids, positions)]
         return norm(x, self.norm, self.norm_bias, self.cfg.rms_norm_eps, "layer")
@@ -155,27 +158,37 @@ _BIAS = {"o_proj": "o_bias", "up_proj": "up_bias", "down_proj": "down_bias"}
 _PREFIXES = ("bert.", "roberta.", "model.")
 
 
-def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """A BERT / XLM-RoBERTa checkpoint's tensors -> ours; the heads (``pooler``,
-    ``classifier``: a cross-encoder's, which ``engine.pooling`` reads itself) and
-    masked-LM heads are left out."""
+def encoder_body(
+    state: dict[str, Tensor], cfg: ModelConfig
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """A checkpoint's encoder tensors with their head's prefix cut (``bert.``,
+    ``roberta.``; heads and other tensors left out), and ours of its embeddings."""
     body: dict[str, Tensor] = {}
     for k, v in state.items():
         for p in _PREFIXES:
             if k.startswith(p):
                 k = k[len(p) :]
                 break
-        if k.startswith(("embeddings.", "encoder.")):
+        if k.startswith(("embeddings.", "encoder.", "layers.")):
             body[k] = v
     e = "embeddings."
     out = {
         "embed_tokens": body.pop(e + "word_embeddings.weight"),
-        "position_embeddings": body.pop(e + "position_embeddings.weight"),
         "norm": body.pop(e + "LayerNorm.weight"),
         "norm_bias": body.pop(e + "LayerNorm.bias"),
     }
+    if cfg.learned_positions:
+        out["position_embeddings"] = body.pop(e + "position_embeddings.weight")
     if cfg.type_vocab_size:
         out["token_type_embeddings"] = body.pop(e + "token_type_embeddings.weight")
+    return body, out
+
+
+def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """A BERT / XLM-RoBERTa checkpoint's tensors -> ours; the heads (``pooler``,
+    ``classifier``: a cross-encoder's, which ``engine.pooling`` reads itself) and
+    masked-LM heads are left out."""
+    body, out = encoder_body(state, cfg)
     for i in range(cfg.num_layers):
         p, o = f"encoder.layer.{i}.", f"layers.{i}."
         qkv = [body.pop(f"{p}attention.self.{n}.weight") for n in ("query", "key", "value")]

@@ -1738,9 +1738,41 @@ def _bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _nomic_bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """NomicBERT (model/nomic_bert.py): BERT's encoder with rotary q/k (rope theta
+    1000 unless the config says) instead of a position table, a SwiGLU MLP, no biases
+    but the LayerNorms'. nomic-ai's own config keys (``rotary_emb_base``,
+    ``layer_norm_epsilon``, ``activation_function``; GPT-2's sizes, ``_gpt2_keys``) are
+    read as transformers reads them; its variants outside that layout are refused."""
+    for key in ("qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias", "prenorm", "use_rms_norm"):
+        if cfg.get(key):
+            raise ValueError(f"unsupported NomicBERT config: {key}")
+    if cfg.get("rotary_emb_interleaved") or float(cfg.get("rotary_emb_fraction", 1.0)) != 1.0:
+        raise ValueError("unsupported NomicBERT rotary: interleaved or partial")
+    if cfg.get("rotary_scaling_factor"):
+        raise ValueError("unsupported NomicBERT rotary_scaling_factor (dynamic NTK)")
+    rope = rope_params(cfg)
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported NomicBERT rope_type {rope.get('rope_type')!r}")
+    theta = cfg.get("rotary_emb_base") or rope.get("rope_theta", 1000.0)
+    act = cfg.get("hidden_act") or {"swiglu": "silu"}.get(cfg.get("activation_function", ""))
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon", 1e-12))),
+        "mlp_act": _hidden_act({"hidden_act": act or "silu"}, "NomicBERT", "silu"),
+        "rope_theta": float(theta),
+        "tie_word_embeddings": True,
+        "bidirectional": True,
+        "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "num_kv_heads": base["num_heads"],
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
     "bert": _bert,
     "xlm_roberta": _bert,
+    "nomic_bert": _nomic_bert,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "gemma": _gemma1,

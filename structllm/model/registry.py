@@ -172,9 +172,10 @@ FAMILIES: tuple[Family, ...] = (
         ("xlm-roberta",),
         (),
     ),
+    Family("nomic_bert", "nomic_bert", ("NomicBertModel",), ("nomic_bert",), ()),
 )
 # the families that are encoders (only the pooling runner runs them)
-ENCODERS = frozenset({"bert", "xlm_roberta"})
+ENCODERS = frozenset({"bert", "xlm_roberta", "nomic_bert"})
 
 BY_NAME = {f.name: f for f in FAMILIES}
 

@@ -135,7 +135,7 @@ def _randomise_norms(model: Any) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "LayerNorm" in name:
+            if "LayerNorm" in name or "layernorm" in name:
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
 
 
@@ -145,7 +145,14 @@ def _bert_model(kind: str, out: Path, num_labels: int = 0) -> Any:
     import torch
     import transformers
 
-    torch.manual_seed(7 if kind == "bert" else 8)
+    torch.manual_seed({"bert": 7, "xlm_roberta": 8, "nomic_bert": 9}[kind])
+    if kind == "nomic_bert":  # (a WordPiece like BERT's; rotary, SwiGLU)
+        cfg = transformers.NomicBertConfig(vocab_size=_wordpiece(out), type_vocab_size=2, **SHAPE)
+        model = transformers.NomicBertModel(cfg)
+        _randomise_norms(model)
+        with torch.no_grad():
+            model.embeddings.token_type_embeddings.weight.normal_(0, 1.0)
+        return model
     if kind == "bert":
         vocab = _wordpiece(out)
         cfg: Any = transformers.BertConfig(
@@ -181,9 +188,9 @@ def _bert_model(kind: str, out: Path, num_labels: int = 0) -> Any:
 
 def tiny_st_encoder(kind: str) -> Path:
     """A sentence-transformers embedder in small: ``"bert"`` (all-MiniLM-L6-v2's shape:
-    mean pooling, ``Normalize``) or ``"xlm_roberta"`` (bge-m3's dense side: CLS pooling,
-    ``Normalize``)."""
-    pooling = "mean" if kind == "bert" else "cls"
+    mean pooling, ``Normalize``), ``"xlm_roberta"`` (bge-m3's dense side: CLS pooling,
+    ``Normalize``) or ``"nomic_bert"`` (nomic-embed-text's: mean pooling, ``Normalize``)."""
+    pooling = "cls" if kind == "xlm_roberta" else "mean"
     out = cache_root() / "test-models" / f"tiny-st-{kind}-{_key(kind, SHAPE, pooling)}"
 
     def build(tmp: Path) -> None:
