@@ -15,8 +15,10 @@ MLP with biases, biased q/k/v and output projections), arranged as BERT does:
   LayerNorm``), ``input_layernorm`` is ``LN_m`` (``output.LayerNorm``, the next layer's
   input);
 - attention goes both ways (``ModelConfig.bidirectional``): the engine runs each prompt
-  whole in one step, so there is no chunked prefill and no prefix cache; its paged KV
-  blocks are the step's scratch, freed when the (prompt-only) request finishes;
+  whole in one step, so there is no chunked prefill and no prefix cache, and no KV
+  cache: each prompt's rows attend over its own keys in one SDPA
+  (``encoder_attention``); the scheduler's KV blocks are only a bound on the tokens in
+  flight (the cache tensors are empty);
 - XLM-RoBERTa's positions start at ``pad_token_id + 1`` (``position_offset``);
   NomicBERT (``model.nomic_bert``) has no position table: rotary q/k instead, and a
   SwiGLU MLP without biases.
@@ -35,13 +37,15 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata
+from structllm.kernels.packed import linear
 from structllm.model.classic import ClassicLayer, ClassicModel
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
-from structllm.model.layers import norm
+from structllm.model.layers import apply_rope, norm
 from structllm.model.sharding import ShardPlan
 
 
@@ -51,6 +55,25 @@ def _param(dtype: torch.dtype, *shape: int) -> nn.Parameter:
 
 class BertLayer(ClassicLayer):
     """One post-LayerNorm encoder layer (see the module's doc for its norms' names)."""
+
+    def self_attention(
+        self,
+        h: Tensor,
+        rope: Tensor | None,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+        tp: TensorParallelGroup | None = None,
+    ) -> Tensor:
+        """``h [T, hidden]`` -> ``[T, hidden]``: each prompt's rows attend to all of its
+        own (``encoder_attention``); nothing is cached (``k_cache``/``v_cache`` are
+        ``BertModel.kv_cache_shapes``' empty tensors)."""
+        t, nh, hd = h.shape[0], self.num_heads, self.head_dim
+        qkv = linear(h, self.qkv_proj, self.qkv_bias).view(t, 3 * nh, hd)
+        qk = qkv[:, : 2 * nh] if rope is None else apply_rope(qkv[:, : 2 * nh], rope)
+        o = encoder_attention(qk[:, :nh], qk[:, nh:], qkv[:, 2 * nh :], meta, self.scale)
+        return linear(o.reshape(t, nh * hd), self.o_proj, self.o_bias)
 
     def forward(
         self,
@@ -67,6 +90,23 @@ class BertLayer(ClassicLayer):
         x = self._ln(x, self.post_attention_layernorm, self.post_attention_layernorm_bias)
         x = x + self.mlp(x, tp)
         return self._ln(x, self.input_layernorm, self.input_layernorm_bias)
+
+
+def encoder_attention(
+    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
+    """``q, k, v: [T, H, D]`` of a step of whole prompts (``meta.query_start_list``) ->
+    ``[T, H, D]``, each prompt's rows over its own keys both ways (one SDPA a prompt:
+    no mask, no padding, no paged cache; faster here than the paged prefill kernel's
+    per-row ``ahead`` bounds, and nothing to store)."""
+    out = torch.empty_like(q)
+    starts = meta.query_start_list
+    for b in range(len(starts) - 1):
+        s, e = starts[b], starts[b + 1]
+        # [H, n, D] each
+        qb, kb, vb = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        out[s:e] = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(0, 1)
+    return out
 
 
 class BertModel(ClassicModel):
@@ -95,6 +135,13 @@ class BertModel(ClassicModel):
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
     ) -> nn.Module:
         return BertLayer(cfg, dtype, plan, index)
+
+    def kv_cache_shapes(
+        self, layer: int, num_blocks: int, block_size: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """Empty: an encoder caches nothing (``BertLayer.self_attention``); the
+        scheduler's blocks only bound the tokens in flight."""
+        return (0,), (0,)
 
     def embed_at(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """``LayerNorm(word + position + type)`` rows ``[T, hidden]`` of a step of whole
