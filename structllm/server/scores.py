@@ -30,7 +30,8 @@ class ScoreRequest(msgspec.Struct, frozen=True):
     text_1: str | list[str]
     text_2: str | list[str]
     model: str | None = None
-    truncate_prompt_tokens: int | None = None  # keep each pair's last N tokens (-1: all fit)
+    # keep N of each pair's tokens (-1: all that fit): the last, or an encoder's head
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
 
 

@@ -73,3 +73,14 @@ def test_rerank_equals_cross_encoder(reranker: Server) -> None:
     assert scores == sorted(scores, reverse=True)
     for r in out["results"]:
         assert abs(r["relevance_score"] - float(want[r["index"]])) < 1e-5
+
+
+def test_over_long_pair_is_a_400_unless_truncated(reranker: Server) -> None:
+    """A pair past the 64 positions: refused, or cut to its head and closing [SEP]."""
+    body = {"query": QUERY, "documents": [LONG, "france"]}
+    status, out = reranker.post("/rerank", body)
+    assert status == 400, out
+    assert out["error"]["code"] == "context_length_exceeded"
+    status, out = reranker.post("/rerank", {**body, "truncate_prompt_tokens": -1})
+    assert status == 200, out
+    assert sorted(r["index"] for r in out["results"]) == [0, 1]
