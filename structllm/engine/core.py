@@ -235,6 +235,11 @@ class EngineCore:
         sys.stderr.write(
             f"structllm: runner: pooling ({spec.describe(self.files.config.hidden_size)})\n"
         )
+        if self.files.config.bidirectional:
+            sys.stderr.write(
+                "structllm: attention both ways: each input runs whole in one step "
+                "(no chunked prefill, no prefix cache)\n"
+            )
         return spec
 
     @property
