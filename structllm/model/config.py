@@ -150,6 +150,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     o_bias: bool = False  # a bias on the attention output projection
     head_bias: bool = False  # a bias on the LM head
     learned_positions: bool = False  # absolute position embeddings added (GPT-2), no rope
+    # --- encoders (model/bert.py): BERT, XLM-RoBERTa ---
+    # token_type_ids' embedding rows (BERT: 2, the second text of a pair is type 1;
+    # 0: none); XLM-RoBERTa's positions start at padding_idx + 1 (position_offset)
+    type_vocab_size: int = 0
+    position_offset: int = 0
     # --- Gemma 4: layers that differ in shape, share K/V, take per-layer inputs ---
     layer_head_dims: list[int] = []  # per layer: head size ([]: head_dim everywhere)
     layer_kv_heads: list[int] = []  # per layer: KV heads ([]: num_kv_heads everywhere)
@@ -1716,7 +1721,71 @@ def _deepseek(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """BERT and XLM-RoBERTa encoders (model/bert.py): post-LayerNorm layers with biases
+    everywhere, an ungated GELU MLP, learned absolute positions (XLM-RoBERTa's from
+    ``pad_token_id + 1``: its table's first rows are never used, so the context is that
+    much shorter), ``token_type_ids`` rows, attention both ways, no LM head."""
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(
+            f"unsupported position_embedding_type {cfg.get('position_embedding_type')!r}"
+        )
+    offset = int(cfg.get("pad_token_id") or 0) + 1 if base["architecture"] == "xlm_roberta" else 0
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+        "mlp_act": _hidden_act(cfg, "BERT", "gelu"),
+        "mlp_gated": False,
+        "mlp_bias": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "learned_positions": True,
+        "rope_layers": [False] * base["num_layers"],
+        "tie_word_embeddings": True,  # (no head: nothing to tie or load)
+        "bidirectional": True,
+        "max_position_embeddings": base["max_position_embeddings"] - offset,
+        "position_offset": offset,
+        "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "num_kv_heads": base["num_heads"],
+    }
+
+
+def _nomic_bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """NomicBERT (model/nomic_bert.py): BERT's encoder with rotary q/k (rope theta
+    1000 unless the config says) instead of a position table, a SwiGLU MLP, no biases
+    but the LayerNorms'. nomic-ai's own config keys (``rotary_emb_base``,
+    ``layer_norm_epsilon``, ``activation_function``; GPT-2's sizes, ``_gpt2_keys``) are
+    read as transformers reads them; its variants outside that layout are refused."""
+    for key in ("qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias", "prenorm", "use_rms_norm"):
+        if cfg.get(key):
+            raise ValueError(f"unsupported NomicBERT config: {key}")
+    if cfg.get("rotary_emb_interleaved") or float(cfg.get("rotary_emb_fraction", 1.0)) != 1.0:
+        raise ValueError("unsupported NomicBERT rotary: interleaved or partial")
+    if cfg.get("rotary_scaling_factor"):
+        raise ValueError("unsupported NomicBERT rotary_scaling_factor (dynamic NTK)")
+    rope = rope_params(cfg)
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported NomicBERT rope_type {rope.get('rope_type')!r}")
+    theta = cfg.get("rotary_emb_base") or rope.get("rope_theta", 1000.0)
+    act = cfg.get("hidden_act") or {"swiglu": "silu"}.get(cfg.get("activation_function", ""))
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon", 1e-12))),
+        "mlp_act": _hidden_act({"hidden_act": act or "silu"}, "NomicBERT", "silu"),
+        "rope_theta": float(theta),
+        "tie_word_embeddings": True,
+        "bidirectional": True,
+        "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "num_kv_heads": base["num_heads"],
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "bert": _bert,
+    "xlm_roberta": _bert,
+    "nomic_bert": _nomic_bert,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "gemma": _gemma1,
