@@ -25,6 +25,7 @@ from tests.support.vision_checks import (
     assert_refused,
     assert_text_logits_equal,
     chat_with_an_image,
+    check_default_format_agrees,
     check_different_images_never_share_blocks,
     check_generate_equals_transformers,
     check_split_spans_equal_one_run,
@@ -249,3 +250,8 @@ def test_llm_chat_with_an_image_equals_transformers(model_dir: Path, processors,
         "attention_mask": torch.ones_like(prompt),
     }
     assert out.outputs[0].token_ids == hf_generate(hf_model, inputs, MAX_TOKENS)
+
+
+def test_default_format_agrees(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
+    """The fused CPU path's deepstack (added to each layer's delta) as the exact path's."""
+    check_default_format_agrees(model_dir, expected, ("r0", "r2"), MAX_TOKENS)
