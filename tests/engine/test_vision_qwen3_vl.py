@@ -19,7 +19,13 @@ from structllm.engine.runner import ModelRunner
 from structllm.model.loader import prepare_model
 from structllm.multimodal.qwen2_5_vl import Qwen2_5_VLProcessor
 from structllm.protocol import ImageInput
-from tests.support.qwen3_vl import PROCESSOR_SETTINGS, hf_processor, tiny_qwen3_vl_dir
+from tests.support.qwen3_vl import (
+    CASES,
+    PROCESSOR_SETTINGS,
+    hf_processor,
+    request_for,
+    tiny_qwen3_vl_dir,
+)
 from tests.support.vision_checks import (
     assert_prompt_logits_equal,
     assert_refused,
@@ -30,13 +36,11 @@ from tests.support.vision_checks import (
     check_generate_equals_transformers,
     check_split_spans_equal_one_run,
     engine_generate,
-    expand_images,
     expected_greedy,
     hf_generate,
     hf_vision_model,
     image_input,
     image_prefill_logits,
-    image_spans,
     picture,
     vision_engine,
 )
@@ -107,30 +111,6 @@ def test_bad_images_are_refused(engine: EngineCore) -> None:
         (ImageInput("h", 0, 4, 4, (1, 16, 16, 3), bytes(10)), "pixel bytes"),
     ]
     assert_refused(engine.vision, good, bad)
-
-
-# a ChatML-style turn; "{}" where each image part was
-CHAT = "<|im_start|>user\n{} Describe {} briefly.<|im_end|>\n<|im_start|>assistant\n"
-# the images of one prompt as (width, height) and the seed of their pixels
-CASES: list[tuple[list[tuple[int, int]], int]] = [
-    ([(30, 50)], 0),  # a tall image
-    ([(30, 50)], 100),  # the same tokens over another image
-    ([(64, 20), (48, 48)], 2),  # two images: a wide one, then a square one
-]
-
-
-def request_for(processors, sizes, seed: int):  # type: ignore[no-untyped-def]
-    """``(prompt ids, ImageInputs, transformers' inputs)`` for images of ``sizes`` in
-    ``CHAT``: our expansion and spans beside transformers' processor's output."""
-    ours, hf = processors
-    images = [picture(w, h, seed=seed + k) for k, (w, h) in enumerate(sizes)]
-    marks = [ours.placeholder] * len(images) + ["it"] * (2 - len(images))
-    text = CHAT.format(*marks)
-    inputs = hf(images=images, text=[text], return_tensors="pt")
-    expanded = expand_images(ours, text, ours.placeholder, images)
-    ids = hf.tokenizer(expanded)["input_ids"]
-    assert ids == inputs["input_ids"][0].tolist()  # our expansion is transformers'
-    return ids, image_spans(ours, ids, images), inputs
 
 
 def test_positions_equal_transformers(engine: EngineCore, processors, hf_model) -> None:  # type: ignore[no-untyped-def]
@@ -226,7 +206,13 @@ def test_vision_config_is_read(model_dir: Path) -> None:
     from structllm.model.qwen3_vl import TowerConfig
 
     cfg = TowerConfig.from_hf(raw["vision_config"], deepstack=True)
-    assert (cfg.depth, cfg.side, cfg.deepstack, cfg.merge, cfg.act) == (3, 4, (0, 2), 2, "gelu_tanh")
+    assert (cfg.depth, cfg.side, cfg.deepstack, cfg.merge, cfg.act) == (
+        3,
+        4,
+        (0, 2),
+        2,
+        "gelu_tanh",
+    )
     assert TowerConfig.from_hf(raw["vision_config"], deepstack=False).deepstack == ()
 
 

@@ -19,6 +19,7 @@ from tests.support.qwen2_5_vl import (
     VOCAB_SIZE,
     write_tokenizer,
 )
+from tests.support.vision_checks import expand_images, image_spans, picture
 
 
 def hf_processor(tokenizer_json: Path, **image_kwargs: Any) -> Any:
@@ -168,3 +169,27 @@ def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False) -> Path:
 
     name = "tiny-qwen3_5-vl" if qwen3_5 else "tiny-qwen3_vl"
     return built_once(cache_root() / "test-models" / f"{name}-{key}", build)
+
+
+# a ChatML-style turn; "{}" where each image part was
+CHAT = "<|im_start|>user\n{} Describe {} briefly.<|im_end|>\n<|im_start|>assistant\n"
+# the images of one prompt as (width, height) and the seed of their pixels
+CASES: list[tuple[list[tuple[int, int]], int]] = [
+    ([(30, 50)], 0),  # a tall image
+    ([(30, 50)], 100),  # the same tokens over another image
+    ([(64, 20), (48, 48)], 2),  # two images: a wide one, then a square one
+]
+
+
+def request_for(processors: Any, sizes: list[tuple[int, int]], seed: int) -> Any:
+    """``(prompt ids, ImageInputs, transformers' inputs)`` for images of ``sizes`` in
+    ``CHAT``: our expansion and spans beside transformers' processor's output."""
+    ours, hf = processors
+    images = [picture(w, h, seed=seed + k) for k, (w, h) in enumerate(sizes)]
+    marks = [ours.placeholder] * len(images) + ["it"] * (2 - len(images))
+    text = CHAT.format(*marks)
+    inputs = hf(images=images, text=[text], return_tensors="pt")
+    expanded = expand_images(ours, text, ours.placeholder, images)
+    ids = hf.tokenizer(expanded)["input_ids"]
+    assert ids == inputs["input_ids"][0].tolist()  # our expansion is transformers'
+    return ids, image_spans(ours, ids, images), inputs
