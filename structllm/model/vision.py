@@ -30,6 +30,7 @@ VISION_MODULES = {
     "Mistral3ForConditionalGeneration": "mistral3",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
 }
 
 

@@ -127,3 +127,17 @@ def test_encoder_cache_hit_equals_miss(engine: EngineCore, expected) -> None:  #
 def test_split_spans_equal_one_run(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
     """r0's image in chunks of 8: the recurrent states carried across a cut span."""
     check_split_spans_equal_one_run(model_dir, expected, "r0", 8, MAX_TOKENS)
+
+
+def test_moe_with_an_image_equals_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``): the same tower beside its
+    experts; every prompt position's logits with two images within 1e-4 of
+    transformers' (the dense model's tests cover the rest of the path)."""
+    model_dir = tiny_qwen3_vl_dir(default_files, moe=True)
+    hf_model = hf_vision_model(model_dir, "Qwen3_5MoeForConditionalGeneration")
+    hf = hf_processor(model_dir / "tokenizer.json", **PROCESSOR_SETTINGS)
+    ours = Qwen2_5_VLProcessor.from_model_dir(model_dir, hf.tokenizer.get_vocab().get)
+    engine = vision_engine(model_dir)
+    assert prepare_model(str(model_dir)).config.num_experts == 4
+    ids, spans, inputs = request_for((ours, hf), *CASES[2])
+    assert_prompt_logits_equal(engine, hf_model, ids, spans, inputs)

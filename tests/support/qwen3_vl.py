@@ -116,24 +116,38 @@ TEXT_CONFIG_3_5: dict[str, Any] = dict(
 )
 
 
-def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False) -> Path:
+# Qwen3.5-MoE: the same with every MLP 4 experts (2 a token) and a gated shared expert
+EXPERTS_3_5: dict[str, Any] = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+    shared_expert_intermediate_size=64,
+)
+
+
+def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False, moe: bool = False) -> Path:
     """A tiny random-weight ``Qwen3VLForConditionalGeneration`` (``qwen3_5``:
-    ``Qwen3_5ForConditionalGeneration``) saved by transformers 5, with Qwen's vision
-    tokens and transformers' processor files. Built once and cached under the structllm
-    cache."""
+    ``Qwen3_5ForConditionalGeneration``, with ``moe`` its MoE) saved by transformers 5,
+    with Qwen's vision tokens and transformers' processor files. Built once and cached
+    under the structllm cache."""
     import torch
     import transformers
 
     from structllm.paths import cache_root
 
-    arch = "Qwen3_5ForConditionalGeneration" if qwen3_5 else "Qwen3VLForConditionalGeneration"
+    qwen3_5 = qwen3_5 or moe
+    kind_name = "Qwen3_5Moe" if moe else "Qwen3_5" if qwen3_5 else "Qwen3VL"
+    arch = f"{kind_name}ForConditionalGeneration"
     vision = dict(VISION_CONFIG)
+    text = TEXT_CONFIG_3_5 if qwen3_5 else TEXT_CONFIG
     if qwen3_5:
         del vision["deepstack_visual_indexes"]
+    if moe:
+        text = {k: v for k, v in text.items() if k != "intermediate_size"} | EXPERTS_3_5
     config = {
         "architectures": [arch],
-        "model_type": "qwen3_5" if qwen3_5 else "qwen3_vl",
-        "text_config": TEXT_CONFIG_3_5 if qwen3_5 else TEXT_CONFIG,
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5" if qwen3_5 else "qwen3_vl",
+        "text_config": text,
         "vision_config": vision,
         "image_token_id": IMAGE_TOKEN_ID,
         "video_token_id": VIDEO_TOKEN_ID,
@@ -145,7 +159,7 @@ def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False) -> Path:
     def build(tmp: Path) -> None:
         tmp.mkdir(parents=True)
         torch.manual_seed(0)
-        kind = transformers.Qwen3_5Config if qwen3_5 else transformers.Qwen3VLConfig
+        kind = getattr(transformers, f"{kind_name}Config")
         model_cls = getattr(transformers, arch)
         model = model_cls(kind(**{k: v for k, v in config.items() if k != "architectures"}))
         with torch.no_grad():  # random norm weights and biases, so a misplaced one would show
@@ -167,7 +181,7 @@ def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False) -> Path:
         hf_processor(tmp / "tokenizer.json", **PROCESSOR_SETTINGS).save_pretrained(tmp)
         write_chat_files(files, tmp)
 
-    name = "tiny-qwen3_5-vl" if qwen3_5 else "tiny-qwen3_vl"
+    name = "tiny-qwen3_5_moe-vl" if moe else "tiny-qwen3_5-vl" if qwen3_5 else "tiny-qwen3_vl"
     return built_once(cache_root() / "test-models" / f"{name}-{key}", build)
 
 
