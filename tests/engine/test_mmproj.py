@@ -259,3 +259,23 @@ def test_the_vision_text_ggufs_metadata() -> None:
     assert model_config(meta("mistral3")).architecture == "mistral"
     with pytest.raises(ValueError, match="attention.temperature_scale"):
         model_config(meta("mistral3", **{"attention.temperature_scale": 0.1}))
+
+
+def test_a_qwen3vl_projector_needs_a_qwen3vl_model() -> None:
+    """A ``qwen3vl_merger`` file beside a Qwen3 GGUF without interleaved M-RoPE sections
+    (a text-only Qwen3, which ``check_model`` lets through as Qwen3-VL's family) is
+    refused before any tensor is read."""
+    from types import SimpleNamespace
+
+    from structllm.model import mmproj_qwen3_vl
+    from structllm.model.gguf import model_config
+
+    shape = {"embedding_length": 64, "attention.head_count": 4, "block_count": 1}
+    shape |= {"feed_forward_length": 8}
+    text = model_config(
+        {"general.architecture": "qwen3"} | {f"qwen3.{k}": v for k, v in shape.items()}
+    )
+    files = SimpleNamespace(config=text, name="tiny-qwen3.gguf")
+    info = SimpleNamespace(path=Path("mmproj-qwen3vl.gguf"))
+    with pytest.raises(ValueError, match="no interleaved M-RoPE sections"):
+        mmproj_qwen3_vl.load(None, info, files, 0)  # type: ignore[arg-type]
