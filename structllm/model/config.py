@@ -83,6 +83,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
     # position axes, in that order; []: one position axis (engine/mrope.py)
     mrope_section: list[int] = []
+    # Qwen3-VL's and Qwen3.5's M-RoPE: the h and w pairs interleaved with t's (pair j is
+    # h's when j % 3 == 1 and j < 3 * section[1], w's when j % 3 == 2 and j < 3 *
+    # section[2], t's otherwise) instead of three consecutive runs
+    mrope_interleaved: bool = False
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim of each head
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
     # ("layer_heads": a LayerNorm per head, each head its own weights, StableLM's)
@@ -339,6 +343,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         heads = int(cfg["num_attention_heads"])
         layers = _num_layers(cfg)
         rope = rope_params(cfg)
+        interleaved = bool(rope.pop("mrope_interleaved", False))
         mrope = _mrope_section(rope)
         eos = cfg.get("eos_token_id")
         eos_ids = (
@@ -369,6 +374,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             base["rotary_dim"] = int(base["head_dim"] * float(partial))
         if mrope:
             base["mrope_section"] = mrope
+            base["mrope_interleaved"] = interleaved
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
         bidi = cfg.get("use_bidirectional_attention")
@@ -408,12 +414,10 @@ def _first(value: Any) -> int:
 def _mrope_section(rope: dict[str, Any]) -> list[int]:
     """M-RoPE's split of the rotary pairs among (t, h, w) (``mrope_section``), taken out
     of ``rope`` (the rest is plain rope: transformers 4 calls it ``rope_type`` "mrope",
-    5 "default"); [] without one. Qwen3-VL's interleaved split is refused by name."""
+    5 "default"); [] without one."""
     section = rope.pop("mrope_section", None)
     if rope.get("rope_type") == "mrope":
         rope["rope_type"] = "default"
-    if rope.pop("mrope_interleaved", False):
-        raise ValueError("interleaved M-RoPE (mrope_interleaved, Qwen3-VL's) is not supported")
     if section is None:
         return []
     if len(section) != 3 or any(int(s) < 0 for s in section):
@@ -613,6 +617,24 @@ TEXT_MODELS["Qwen2_5_VLForConditionalGeneration"] = (
         "eos_token_id": 151645,
     },
 )
+# Qwen3-VL: a Qwen3 text model with interleaved M-RoPE (Qwen3VLTextConfig's defaults;
+# transformers 5 and the released checkpoints keep them under text_config) whose first
+# layers also take the tower's deepstack rows; its vision side: model/qwen3_vl.py
+TEXT_MODELS["Qwen3VLForConditionalGeneration"] = (
+    "Qwen3ForCausalLM",
+    {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+)
 # Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
 _QWEN3_5_TEXT: dict[str, Any] = {
     "vocab_size": 248320,
@@ -653,6 +675,7 @@ _TEXT_ROPE: dict[str, dict[str, float]] = {
     "MistralForCausalLM": {"rope_theta": 10000.0},
     "LlamaForCausalLM": {"rope_theta": 10000.0},
     "Qwen2ForCausalLM": {"rope_theta": 1e6},  # (Qwen2_5_VLTextConfig's; no other here)
+    "Qwen3ForCausalLM": {"rope_theta": 500000.0},  # (Qwen3VLTextConfig's)
     "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }

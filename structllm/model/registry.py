@@ -52,7 +52,9 @@ FAMILIES: tuple[Family, ...] = (
         ("qwen2",),
         ("qwen2", "qwen2vl"),  # qwen2vl: Qwen2(.5)-VL's text model, with M-RoPE sections
     ),
-    Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    # Qwen3VLForConditionalGeneration: its text model (config.TEXT_MODELS), interleaved
+    # M-RoPE; qwen3vl: llama.cpp's name for it
+    Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3", "qwen3vl")),
     Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     # Gemma3ForConditionalGeneration (4B and up): its text model (config.TEXT_MODELS)
