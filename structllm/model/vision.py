@@ -28,13 +28,10 @@ VISION_MODULES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Mistral3ForConditionalGeneration": "mistral3",
-<<<<<<< HEAD
     "Gemma4ForConditionalGeneration": "gemma4_vision",
-=======
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
->>>>>>> qwen3vl
 }
 
 
