@@ -87,6 +87,7 @@ def granule(type_name: str) -> int:
     block of 32."""
     return SUPER if type_name in FILE_BYTES or type_name in NATIVE_SUPER else BLOCK
 
+
 # Kernel paths (the C++ ``linear``'s mode codes).
 FLOAT, INT8, INT16 = 0, 1, 2
 
