@@ -11,6 +11,7 @@ interpreter runs every program in Python, so the shapes are tiny.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +23,16 @@ pytest.importorskip(
     "triton", reason="triton is not installed (pip install -e '.[test]' on linux x86_64)"
 )
 
+from structllm.config import EngineConfig  # noqa: E402
+from structllm.engine.adapters import AdapterRegistry  # noqa: E402
+from structllm.engine.core import EngineCore  # noqa: E402
 from structllm.kernels import triton_lora  # noqa: E402
 from structllm.model.config import ModelConfig  # noqa: E402
 from structllm.model.lora import LoraAdapter, LoraRows, step_rows  # noqa: E402
 from structllm.model.lora_slots import LoraSlots, layout  # noqa: E402
+from structllm.protocol import LoraRef  # noqa: E402
+from tests.support.adapters import hf_model, peft_adapter, peft_model  # noqa: E402
+from tests.support.models import EXACT, hf_logits, prefill_logits, tiny_family_dir  # noqa: E402
 
 INTERPRETED = type(triton_lora._shrink_kernel).__name__ == "InterpretedFunction"
 if not INTERPRETED and not CUDA:  # fail loudly: skipping would hide every test below
@@ -195,3 +202,45 @@ def test_slots_are_reused_least_recently_used_first() -> None:
         assert slots.num_placed == placed
     with pytest.raises(ValueError, match="more than the 2 slots"):
         slots.assign([a, b, c])
+
+
+# -- through the engine: the registry's CUDA path, run here on the CPU ----------------
+
+
+def on_slots(registry: AdapterRegistry, max_loras: int) -> LoraSlots:
+    """``registry``'s steps on Triton's kernels in ``max_loras`` slots, as on CUDA (the
+    registry makes them itself there; on the CPU it would take ``cpu_lora.cpp``)."""
+    if registry.slots is None:
+        registry.native = None
+        registry.slots = LoraSlots(
+            registry.cfg, max_loras, registry.max_lora_rank, registry.dtype, DEVICE
+        )
+    slots: LoraSlots = registry.slots
+    return slots
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(default_files) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_family_dir("llama", default_files)
+
+
+def test_the_engine_on_triton_matches_peft(tiny_llama: Path) -> None:
+    """A tiny Llama with an adapter of every projection, ranks differing per module
+    (PEFT's ``rank_pattern``), run by the engine on the Triton kernels: PeftModel's
+    float32 logits within 1e-4, as the CPU paths hold them."""
+    path = peft_adapter(tiny_llama, 1, r=4, lora_alpha=8, rank_pattern={"q_proj": 6})
+    core = EngineCore(
+        EngineConfig(model=str(tiny_llama), kv_cache_memory=16 << 20, enable_lora=True, **EXACT)
+    )
+    try:
+        assert core.adapters is not None
+        slots = on_slots(core.adapters, 1)
+        adapter = core.adapters.acquire(LoraRef("a", 1, str(path)))
+        ids = list(range(100, 119))
+        want = hf_logits(peft_model(tiny_llama, path), ids)
+        got = prefill_logits(core, ids, adapter.uid)
+        assert slots.num_placed == 1  # (the kernels ran)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert (want.argmax(-1) != hf_logits(hf_model(tiny_llama), ids).argmax(-1)).any()
+    finally:
+        core.close()
