@@ -97,6 +97,7 @@ class LoraSlots:
     def _place(self, adapter: LoraAdapter, slot: int) -> None:
         """Write ``adapter`` into ``slot``: its parts' weights and ranks, every other
         part of every stack rank 0."""
+        self.uids[slot] = 0  # (empty until written whole: a refusal below leaves no half)
         for stack in self.stacks.values():
             stack.host_ranks[slot] = [0] * len(stack.first)
         for layer, projs in adapter.layers.items():

@@ -183,8 +183,8 @@ def test_a_row_does_not_depend_on_its_neighbours() -> None:
 def test_slots_are_reused_least_recently_used_first() -> None:
     """Two slots for three adapters over steps: an adapter already in a slot is not
     written again, a newcomer takes the least recently used slot not in its step, and
-    the results follow the adapters, not the slots; more adapters in a step than slots
-    is refused by name."""
+    the results follow the adapters, not the slots; more adapters in a step than slots,
+    or a rank over theirs, is refused by name."""
     a, b, c = adapters(torch.float32)
     slots = LoraSlots(CFG, 2, MAX_RANK, torch.float32, DEVICE)
     x, base = inputs("qkv", 4, torch.float32)
@@ -202,6 +202,12 @@ def test_slots_are_reused_least_recently_used_first() -> None:
         assert slots.num_placed == placed
     with pytest.raises(ValueError, match="more than the 2 slots"):
         slots.assign([a, b, c])
+    # an adapter over the slots' rank is refused by name, and leaves its slot empty
+    small = LoraSlots(CFG, 1, 4, torch.float32, DEVICE)
+    small.assign([adapter(4, torch.Generator().manual_seed(4), {"qkv": [2, 0, 0]}, torch.float32)])
+    with pytest.raises(ValueError, match="'a1'.*slots hold rank <= 4"):
+        small.assign([a])
+    assert small.uids == [0]
 
 
 # -- through the engine: the registry's CUDA path, run here on the CPU ----------------
