@@ -244,7 +244,7 @@ def test_the_engine_on_triton_matches_peft(tiny_llama: Path) -> None:
         adapter = core.adapters.acquire(LoraRef("a", 1, str(path)))
         ids = list(range(100, 119))
         want = hf_logits(peft_model(tiny_llama, path), ids)
-        got = prefill_logits(core, ids, adapter.uid)
+        got = prefill_logits(core, ids, adapter.uid).cpu()
         assert slots.num_placed == 1  # (the kernels ran)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert (want.argmax(-1) != hf_logits(hf_model(tiny_llama), ids).argmax(-1)).any()
