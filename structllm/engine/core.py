@@ -335,6 +335,7 @@ class EngineCore:
             cfg.max_lora_rank,
             cfg.lora_dtype,
             self.device,
+            cfg.max_loras,
         )
         self.scheduler.max_loras = cfg.max_loras
         if isinstance(self.runner, ModelRunner):
