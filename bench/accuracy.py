@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def dequantised(path: Path) -> Path:
     out = llamacpp.root() / "accuracy" / f"{path.stem}.F32.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = [str(llamacpp.tool("llama-quantize")), "--allow-requantize", str(path), str(tmp)]
         run([*cmd, "F32"])
         tmp.rename(out)

@@ -204,7 +204,7 @@ def quantize(gguf_file: Path, qtype: str, *extra: str, tokenizer: bool = True) -
         if tokenizer:
             seed_tokenizer(out)
         return out
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")  # another process may make it too
     cmd = [str(tool("llama-quantize")), *extra, str(gguf_file), str(tmp), qtype]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
