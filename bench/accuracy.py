@@ -89,16 +89,22 @@ def llamacpp_side(a: argparse.Namespace, path: Path) -> tuple[dict[str, Any], Pa
     f32 = dequantised(path)
     kv32 = ["-ctk", "f32", "-ctv", "f32"]
     chunks = ["--chunks", str(a.windows)]
-    run(perplexity_cmd(a, f32, "-f", str(accuracy.TEXT), *chunks, *kv32,
-                       "--kl-divergence-base", str(base)))  # fmt: skip
+    base_cmd = perplexity_cmd(a, f32, "-f", str(accuracy.TEXT), *chunks, *kv32,
+                              "--kl-divergence-base", str(base))  # fmt: skip
+    run(base_cmd)
     cmd = perplexity_cmd(a, path, "--kl-divergence-base", str(base), "--kl-divergence")
     out = run(cmd)
     kl = re.search(r"Mean\s+KLD:\s+([-0-9.]+)", out)
     top = re.search(r"Same top p:\s+([0-9.]+)", out)
     if kl is None or top is None:
         raise RuntimeError(f"no KLD / Same top p in llama-perplexity's output: {out[-1500:]}")
-    shown = [Path(c).name if "/" in c else c for c in cmd]
-    return {"kl": float(kl.group(1)), "top1": float(top.group(1)), "cmd": " ".join(shown)}, base
+    got = {"kl": float(kl.group(1)), "top1": float(top.group(1))}
+    return {**got, "base_cmd": shown(base_cmd), "cmd": shown(cmd)}, base
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as the JSON records it: file names without their folders."""
+    return " ".join(Path(c).name if "/" in c else c for c in cmd)
 
 
 def llamacpp_build(a: argparse.Namespace) -> str:
