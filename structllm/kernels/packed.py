@@ -24,7 +24,8 @@ in registers, bit-exact to the float32 dequantisation, float32 math), from
 integer dot products of pairs), and the int8 path (8 bits per block: faster, less exact)
 for the matmuls whose caller allows it (the MLP's) where the weights are 4-bit
 (``INT8_TYPES``; from ``INT8_MIN_M`` rows; on by default, ``STRUCTLLM_QUANT_INT8_MIN_M=0``
-keeps 16 bits).
+keeps 16 bits). The user picks among them with ``--cpu-activations auto|int8|int16``
+(``set_cpu_activations``).
 """
 
 from __future__ import annotations
