@@ -96,6 +96,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "the model's dtype on CUDA); float16 halves what decode attention reads",
     )
     p.add_argument(
+        "--cpu-activations",
+        default=d("cpu_activations"),
+        choices=["auto", "int8", "int16"],
+        help="CPU, GGUF blocks: the activations' precision in the block matmuls (auto: 8 bits "
+        "in the MLP's 4/5-bit matmuls, 16 bits elsewhere; int16: 16 bits everywhere, closer to "
+        "float32, slower; int8: 8 bits in the MLP's matmuls, Q8_0 ones too)",
+    )
+    p.add_argument(
         "--attention-backend",
         default=d("attention_backend"),
         choices=["auto", "torch", "cpu", "triton"],
@@ -314,6 +322,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         dtype=a.dtype,
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
+        cpu_activations=a.cpu_activations,
         null_model=a.null_model,
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,

@@ -26,7 +26,8 @@ in registers, bit-exact to the float32 dequantisation, float32 math), from
 integer dot products of pairs), and the int8 path (8 bits per block: faster, less exact)
 for the matmuls whose caller allows it (the MLP's) where the weights are 4-bit
 (``INT8_TYPES``; from ``INT8_MIN_M`` rows; on by default, ``STRUCTLLM_QUANT_INT8_MIN_M=0``
-keeps 16 bits).
+keeps 16 bits). The user picks among them with ``--cpu-activations auto|int8|int16``
+(``set_cpu_activations``).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def int16_min_m() -> int:
     dequantises a 4-bit block through a 16-entry table, converts each block's scales
     one by one. ``STRUCTLLM_QUANT_INT16_MIN_M=0`` keeps the float path (float32
     activations, weights exactly the float32 dequantisation) at every size."""
+    if _ACTIVATIONS == "int16":
+        return 1
     if INT16_MIN_M is not None:
         return INT16_MIN_M
     return 1
@@ -161,10 +164,45 @@ ROW_KERNEL_ROWS = (
 )
 
 
+# The user's choice (``--cpu-activations``, ``EngineConfig.cpu_activations``), set once
+# per engine process by ``set_cpu_activations``:
+# - ``auto`` (the default): as above, int8 in the MLP's matmuls of ``INT8_TYPES`` weights,
+#   the int16 path elsewhere (and the ``STRUCTLLM_QUANT_*_MIN_M`` overrides for tuning);
+# - ``int16``: 16-bit activations in every block matmul, at every row count: the closer
+#   to float32 (bench/accuracy.py), the slower on many rows;
+# - ``int8``: 8-bit activations in the MLP's matmuls of every type the int8 kernels run
+#   (``INT8_KERNEL_TYPES``: Q8_0 weights too, as llama.cpp does), at every row count.
+CPU_ACTIVATIONS = ("auto", "int8", "int16")
+# quant_linear.cpp's int8_path: every block type but Q6_K and the table types
+INT8_KERNEL_TYPES = INT8_TYPES | {"Q8_0"}
+_ACTIVATIONS = "auto"
+
+
+def set_cpu_activations(mode: str) -> None:
+    """Set this process's activation precision (one of ``CPU_ACTIVATIONS``); models
+    built afterwards take their native plans' int8 choices from it."""
+    global _ACTIVATIONS
+    if mode not in CPU_ACTIVATIONS:
+        raise ValueError(f"cpu_activations must be auto, int8 or int16, got {mode!r}")
+    _ACTIVATIONS = mode
+
+
+def int8_min_m() -> int:
+    """Rows from which ``int8_ok`` matmuls take the int8 path (0: never)."""
+    if _ACTIVATIONS == "auto":
+        return INT8_MIN_M
+    return 1 if _ACTIVATIONS == "int8" else 0
+
+
+def int8_types() -> frozenset[str]:
+    """The weight types whose ``int8_ok`` matmuls may take the int8 path."""
+    return INT8_KERNEL_TYPES if _ACTIVATIONS == "int8" else INT8_TYPES
+
+
 def block_mode(rows: int, int8_ok: bool = False) -> int:
     """The kernel path for ``rows`` rows of activations (``int8_ok``: the caller allows
-    the int8 path, and the weights are of an ``INT8_TYPES`` type)."""
-    if int8_ok and 0 < INT8_MIN_M <= rows:
+    the int8 path, and the weights are of an ``int8_types()`` type)."""
+    if int8_ok and 0 < int8_min_m() <= rows:
         return INT8
     if 0 < int16_min_m() <= rows:
         return INT16
@@ -566,12 +604,12 @@ def kernel_parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | N
     parts = w.parts if isinstance(w, MixedWeight) else [w]
     if any(p.code < 0 for p in parts):
         return None
-    return [(p.raw.contiguous(), p.code, int8_ok and p.type_name in INT8_TYPES) for p in parts]
+    return [(p.raw.contiguous(), p.code, int8_ok and p.type_name in int8_types()) for p in parts]
 
 
 def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False) -> Tensor:
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=True``: a 4-bit ``BlockWeight``
-    may take the int8 path (see ``INT8_MIN_M``); the caller vouches that 8-bit
+    may take the int8 path (see ``block_mode``); the caller vouches that 8-bit
     activations per block of 32 are precise enough for this matmul."""
     if isinstance(w, HalfRows):
         return linear(x, w.matmul_weight(), b)
@@ -580,7 +618,7 @@ def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False)
         return y if b is None else y.add_(b)
     if isinstance(w, BlockWeight):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        mode = block_mode(x2.shape[0], int8_ok and w.type_name in INT8_TYPES)
+        mode = block_mode(x2.shape[0], int8_ok and w.type_name in int8_types())
         if x2.dtype != torch.float32:
             x2 = x2.float()
         y = (_KERNELS or _kernels()).linear(x2, w.raw, w.code, mode)

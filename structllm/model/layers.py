@@ -429,5 +429,5 @@ def _native_experts(experts: list[Expert], hidden: int, ffn: int) -> Any:
     if module is None:
         return False
     return module.Experts(
-        gate_up, down, hidden, ffn, packed.INT8_MIN_M, packed.int16_min_m(), module.kernel_table
+        gate_up, down, hidden, ffn, packed.int8_min_m(), packed.int16_min_m(), module.kernel_table
     )

@@ -438,3 +438,33 @@ def test_mxfp4_every_exponent_is_ggml_s(isa: str) -> None:
     rows, finite = torch.eye(32 * 32)[:3], w.row_range(0, 6)
     got = module.linear(rows, finite.raw.contiguous(), w.code, FLOAT)
     assert torch.equal(got, ref[:6, :3].T.contiguous())
+
+
+@pytest.mark.parametrize("mode_name", packed.CPU_ACTIVATIONS)
+def test_cpu_activations_picks_the_kernel_path(
+    mode_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--cpu-activations``: bit for bit the path it names, at decode and GEMM sizes.
+    auto: int8 where allowed for 4/5-bit weights, int16 for Q8_0 and elsewhere; int16:
+    int16 everywhere; int8: int8 where allowed for Q8_0 weights too."""
+    monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # auto's default, whatever the environment
+    monkeypatch.setattr(packed, "INT16_MIN_M", None)
+    monkeypatch.setattr(packed, "_ACTIVATIONS", "auto")
+    packed.set_cpu_activations(mode_name)
+    module = cpu_ext.load_quant()
+    want = {  # (type, int8_ok) -> path
+        "auto": {("Q4_1", True): INT8, ("Q8_0", True): INT16, ("Q4_1", False): INT16},
+        "int16": {("Q4_1", True): INT16, ("Q8_0", True): INT16, ("Q4_1", False): INT16},
+        "int8": {("Q4_1", True): INT8, ("Q8_0", True): INT8, ("Q4_1", False): INT16},
+    }[mode_name]
+    for (type_name, int8_ok), mode in want.items():
+        w, _ = quantize(random_weight(64, 128, seed=5), type_name)
+        for rows in (1, 9, 40):
+            x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+            got = packed.linear(x, w, int8_ok=int8_ok)
+            assert torch.equal(got, module.linear(x, w.raw, w.code, mode)), (type_name, rows)
+            other = INT16 if mode == INT8 else INT8
+            if int8_ok and type_name in packed.INT8_KERNEL_TYPES:  # the paths do differ
+                assert not torch.equal(got, module.linear(x, w.raw, w.code, other))
+    with pytest.raises(ValueError, match="cpu_activations"):
+        packed.set_cpu_activations("int4")
