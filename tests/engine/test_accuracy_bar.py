@@ -26,6 +26,11 @@ needs_kernels = pytest.mark.skipif(
 )
 REFERENCE = json.loads((accuracy.TEXT.parent / "llamacpp_accuracy.json").read_text())
 KL_RATIO, TOP1_POINTS = 1.1, 0.3
+# Three of the committed files, to keep CI's time: Q4_K_M (8-bit activations over the
+# k-quants and, at this model's 576-wide rows, the Q5_0/Q5_1 fallbacks that Q5_K_M also
+# holds), Q4_0 and IQ4_XS; Q6_K and Q8_0 run 16-bit activations by default (KL ~4e-7).
+# ``bench/accuracy.py`` checks all six.
+CHECKED = ["Q4_K_M", "Q4_0", "IQ4_XS"]
 
 
 def requantised(qtype: str) -> Path:
@@ -44,7 +49,7 @@ def committed_windows(path: Path, qtype: str) -> list[list[int]]:
 
 @pytest.mark.slow
 @needs_kernels
-@pytest.mark.parametrize("qtype", list(REFERENCE["files"]))
+@pytest.mark.parametrize("qtype", CHECKED)
 def test_default_path_is_as_accurate_as_llamacpp(qtype: str) -> None:
     path = requantised(qtype)
     theirs = REFERENCE["files"][qtype]["llamacpp"]
