@@ -85,7 +85,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=d("quantization"),
         choices=["auto", "none", "gguf"],
         help="gguf: run a GGUF file's blocks as stored (CPU: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-        "Q4_K, Q5_K, Q6_K, IQ4_NL; other types are dequantised, named in the log); "
+        "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; other types are dequantised, named in the log); "
         "none: dequantise; auto: gguf for a GGUF file on CPU",
     )
     p.add_argument(

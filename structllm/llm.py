@@ -511,6 +511,7 @@ class LLM:
                 else [int(t) for t in p],
                 truncate_prompt_tokens,
                 self.engine.max_model_len,
+                info,
             )
             for p in items
         ]

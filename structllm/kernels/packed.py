@@ -11,7 +11,9 @@ A weight ``W [N, K]`` is one of:
   (their super-block's float16 scales and their own integer sub-scales), bit-exact to
   ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
   layout, each nibble an index into ggml's 16 non-linear levels); MXFP4 likewise (an
-  E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts);
+  E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts); IQ4_XS as
+  laid in the file (super-blocks of 256: IQ4_NL's levels under 6-bit sub-block scales,
+  ``cpu_iquants.h``; a float and an int8 path, its int16 mode running the int8 one);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
   different block types: each part runs in its own type, into its own output columns;
 - ``HalfMatrix``: float16 rows as stored, run by quant_linear.cpp's own float16 kernel
@@ -51,6 +53,7 @@ BLOCK_TYPES = {
     "Q6_K": 7,
     "IQ4_NL": 8,
     "MXFP4": 10,  # (9: float16 rows, F16_CODE)
+    "IQ4_XS": 11,
 }
 # bytes per 32 weights as the kernels hold them (the k-quants: after ``repack``)
 BLOCK_BYTES = {
@@ -64,6 +67,7 @@ BLOCK_BYTES = {
     "Q6_K": 28,
     "IQ4_NL": 18,
     "MXFP4": 17,
+    "IQ4_XS": 17,  # 136 bytes a super-block of 256, held as in the file
 }
 BLOCK = 32
 # quant_linear.cpp's code for float16 rows (``HalfMatrix``), after the GGUF types; not in
@@ -72,6 +76,17 @@ F16_CODE = 9
 # the k-quants: super-blocks of SUPER weights, FILE_BYTES bytes each in the file
 SUPER = 256
 FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# the types held as the file's super-blocks of SUPER weights (cpu_iquants.h): a matrix's
+# columns are whole super-blocks, and the kernels' int16 mode runs 8-bit activations
+NATIVE_SUPER = frozenset({"IQ4_XS"})
+
+
+def granule(type_name: str) -> int:
+    """The columns a weight of ``type_name`` is cut at: its super-block (the k-quants,
+    whose scales come from the super-block, and the types held as super-blocks) or its
+    block of 32."""
+    return SUPER if type_name in FILE_BYTES or type_name in NATIVE_SUPER else BLOCK
+
 
 # Kernel paths (the C++ ``linear``'s mode codes).
 FLOAT, INT8, INT16 = 0, 1, 2
@@ -268,7 +283,7 @@ class BlockWeight:
     @classmethod
     def from_raw(cls, raw: Tensor | np.ndarray, type_name: str, k: int) -> BlockWeight:
         """From a tensor's bytes as stored in a GGUF file (k-quants are repacked)."""
-        if type_name not in BLOCK_TYPES or k % (SUPER if type_name in FILE_BYTES else BLOCK):
+        if type_name not in BLOCK_TYPES or k % granule(type_name):
             raise ValueError(f"not a supported block weight: {type_name} with {k} columns")
         if type_name in FILE_BYTES:
             data = raw.numpy() if isinstance(raw, Tensor) else np.asarray(raw)
@@ -301,9 +316,10 @@ class BlockWeight:
         return BlockWeight(self.raw[a:b], self.type_name, (b - a, self.shape[1]))
 
     def columns(self, a: int, b: int) -> BlockWeight | None:
-        """Columns ``a .. b`` as a weight of its own (whole blocks of 32), or None when
-        a bound falls inside a block."""
-        if a % BLOCK or b % BLOCK:
+        """Columns ``a .. b`` as a weight of its own (whole blocks of 32; IQ4_XS: whole
+        super-blocks), or None when a bound falls inside one."""
+        g = SUPER if self.type_name in NATIVE_SUPER else BLOCK
+        if a % g or b % g:
             return None
         size = BLOCK_BYTES[self.type_name]
         raw = self.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
