@@ -10,7 +10,9 @@ embedding; a GGUF file's ``pooling_type``), then the sentence-transformers files
 (``1_Pooling/config.json``, the ``Dense`` modules, ``Normalize``, the default prompt
 of ``config_sentence_transformers.json``), then ``--pooler-config``. Matryoshka
 (``dimensions``) is allowed where ``config.json`` (or ``--hf-overrides``) says
-``is_matryoshka`` or lists ``matryoshka_dimensions``, as in vLLM.
+``is_matryoshka`` or lists ``matryoshka_dimensions``, as in vLLM; a GGUF file carries
+neither (llama.cpp's converter writes nothing of it), so it is Matryoshka only through
+``--hf-overrides``.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def _read_pooler(
     if config is not None:
         pooling = config.pooling_type or pooling
         normalize = normalize if config.normalize is None else config.normalize
-    dims = raw.get("matryoshka_dimensions")
+    dims = _matryoshka_dimensions(raw.get("matryoshka_dimensions"))
     return PoolerSpec(
         "embed",
         pooling,
@@ -183,8 +185,18 @@ def _read_pooler(
         dense,
         prompt,
         bool(raw.get("is_matryoshka")) or bool(dims),
-        [int(x) for x in dims] if dims else None,
+        dims,
     )
+
+
+def _matryoshka_dimensions(value: Any) -> list[int] | None:
+    """``matryoshka_dimensions`` (config.json's or ``--hf-overrides``'): a list of
+    positive ints, or None; ``ValueError`` otherwise."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(type(x) is int and x > 0 for x in value):
+        raise ValueError(f"matryoshka_dimensions must be a list of positive ints, got {value!r}")
+    return value
 
 
 def _reranker(raw: dict[str, Any], config: PoolerConfig | None, default: PoolingType) -> PoolerSpec:
