@@ -184,6 +184,8 @@ class Gemma4VisionLayer(nn.Module):
 class Gemma4Vision(nn.Module):
     """``model.vision.VisionModel`` for ``Gemma4ForConditionalGeneration``."""
 
+    deepstack = 0  # (Qwen3-VL's deepstack rows: none)
+
     def __init__(
         self,
         cfg: Gemma4VisionConfig,
