@@ -212,6 +212,34 @@ class VisionBlock(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
 
 
+def merge_grid(image: ImageInput, unit: int) -> tuple[int, int]:
+    """``(rows, cols)`` of an ``[1, H, W, 3]`` image's tokens: one per ``unit``-pixel
+    merge unit (patch size x merge size)."""
+    return image.shape[1] // unit, image.shape[2] // unit
+
+
+def check_merge_units(image: ImageInput, patch: int, merge: int, family: str) -> None:
+    """``ValueError`` unless ``image`` is ``[1, H, W, 3]`` pixels in whole merge units of
+    ``patch * merge`` pixels, spanning exactly one token per unit (Qwen2.5-VL, Qwen3-VL)."""
+    if len(image.shape) != 4 or image.shape[0] != 1 or image.shape[3] != 3:
+        raise ValueError(f"a {family} image is [1, H, W, 3], not {list(image.shape)}")
+    _, height, width, _ = image.shape
+    f = patch * merge
+    if height % f or width % f or height < f or width < f:
+        raise ValueError(
+            f"a {width}x{height} image is not a whole number of {f}-pixel merge units "
+            f"(the model's patch size {patch} times its merge size)"
+        )
+    if len(image.pixels) != height * width * 3:
+        raise ValueError(f"{len(image.pixels)} pixel bytes for a shape of {list(image.shape)}")
+    n = (height // f) * (width // f)
+    if image.num_tokens != n or image.length != n:
+        raise ValueError(
+            f"a {width}x{height} image takes {n} contiguous image tokens, not "
+            f"{image.num_tokens} in a span of {image.length}"
+        )
+
+
 class Qwen2_5_VLVision(nn.Module):
     """``model.vision.VisionModel`` for ``Qwen2_5_VLForConditionalGeneration``."""
 
@@ -245,27 +273,10 @@ class Qwen2_5_VLVision(nn.Module):
         return self.patch_embed.dtype
 
     def token_grid(self, image: ImageInput) -> tuple[int, int]:
-        f = self.cfg.patch * self.cfg.merge
-        return image.shape[1] // f, image.shape[2] // f
+        return merge_grid(image, self.cfg.patch * self.cfg.merge)
 
     def check(self, image: ImageInput) -> None:
-        if len(image.shape) != 4 or image.shape[0] != 1 or image.shape[3] != 3:
-            raise ValueError(f"a Qwen2.5-VL image is [1, H, W, 3], not {list(image.shape)}")
-        _, height, width, _ = image.shape
-        f = self.cfg.patch * self.cfg.merge
-        if height % f or width % f or height < f or width < f:
-            raise ValueError(
-                f"a {width}x{height} image is not a whole number of {f}-pixel merge units "
-                f"(the model's patch size {self.cfg.patch} times its merge size)"
-            )
-        if len(image.pixels) != height * width * 3:
-            raise ValueError(f"{len(image.pixels)} pixel bytes for a shape of {list(image.shape)}")
-        n = (height // f) * (width // f)
-        if image.num_tokens != n or image.length != n:
-            raise ValueError(
-                f"a {width}x{height} image takes {n} contiguous image tokens, not "
-                f"{image.num_tokens} in a span of {image.length}"
-            )
+        check_merge_units(image, self.cfg.patch, self.cfg.merge, "Qwen2.5-VL")
 
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""

@@ -38,6 +38,8 @@ from structllm.model.idefics3 import Normalisation, vision_dtype
 from structllm.model.layers import activation
 from structllm.model.qwen2_5_vl import (
     attend_spans,
+    check_merge_units,
+    merge_grid,
     rotary_2d,
     unit_order,
     unit_patches,
@@ -226,27 +228,10 @@ class Qwen3VLVision(nn.Module):
         return self.patch_embed.dtype
 
     def token_grid(self, image: ImageInput) -> tuple[int, int]:
-        f = self.cfg.patch * self.cfg.merge
-        return image.shape[1] // f, image.shape[2] // f
+        return merge_grid(image, self.cfg.patch * self.cfg.merge)
 
     def check(self, image: ImageInput) -> None:
-        if len(image.shape) != 4 or image.shape[0] != 1 or image.shape[3] != 3:
-            raise ValueError(f"a Qwen3-VL image is [1, H, W, 3], not {list(image.shape)}")
-        _, height, width, _ = image.shape
-        f = self.cfg.patch * self.cfg.merge
-        if height % f or width % f or height < f or width < f:
-            raise ValueError(
-                f"a {width}x{height} image is not a whole number of {f}-pixel merge units "
-                f"(the model's patch size {self.cfg.patch} times its merge size)"
-            )
-        if len(image.pixels) != height * width * 3:
-            raise ValueError(f"{len(image.pixels)} pixel bytes for a shape of {list(image.shape)}")
-        n = (height // f) * (width // f)
-        if image.num_tokens != n or image.length != n:
-            raise ValueError(
-                f"a {width}x{height} image takes {n} contiguous image tokens, not "
-                f"{image.num_tokens} in a span of {image.length}"
-            )
+        check_merge_units(image, self.cfg.patch, self.cfg.merge, "Qwen3-VL")
 
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, (1 + deepstack) * text hidden]`` (the merger's rows,
