@@ -30,7 +30,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from structllm import structured
 from structllm.protocol import StructuredOutputs
@@ -57,22 +57,8 @@ Format = Literal[
 ]
 # the families' own syntaxes (``call_formats``): tools through the template as hermes,
 # replies parsed by ``call_formats.FamilyCallParser``
-FAMILY_FORMATS: tuple[str, ...] = (
-    "glm45",
-    "glm47",
-    "qwen3_coder",
-    "qwen3_xml",
-    "deepseek_v3",
-    "deepseek_v31",
-    "kimi_k2",
-    "lfm2",
-    "llama4_pythonic",
-    "pythonic",
-    "llama3_json",
-    "llama4_json",
-    "gemma4",
-)
-FORMATS: tuple[str, ...] = ("generic", "hermes", "openai", *FAMILY_FORMATS)
+FAMILY_FORMATS: tuple[str, ...] = get_args(Format)[3:]  # after generic, hermes, openai
+FORMATS: tuple[str, ...] = get_args(Format)
 # vLLM's other names of the hermes syntax (Granite 4 writes hermes' <tool_call> JSON)
 HERMES_ALIASES: tuple[str, ...] = ("granite4",)
 # templates that write a call's ``arguments`` as they are (a string), not as an object
