@@ -26,7 +26,9 @@ steps time the interpreter);
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
 ops; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to float32 at load, as
 before their kernels), ``--rounds N`` repeats every arm in turn; ``--gguf FILE`` adds a
-GGUF file of one's own (repeatable; ``--families ''``: no family).
+GGUF file of one's own (repeatable; ``--families ''``: no family). ``--shapes 1b
+--families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers, SmolLM2's
+vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
 
 On a loaded machine (load average above the core count) llama-server's figures collapse,
 not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
@@ -36,7 +38,7 @@ our kernel pool leaves a late thread's chunks to the others. Compare rows measur
 load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barrier to wait at).
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
-        [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
+        [--shapes bench|1b] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
         [--llama-threads 0,1] [--quant Q4_K_M] [--gguf FILE ...]
 """
 
@@ -145,6 +147,30 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         chunk_size=128,
     ),
 }
+
+
+# --shapes 1b: the 1B-class model of issue 46, Llama 3.2 1B's layer shapes with SmolLM2's
+# vocabulary (49152, the tests' tokenizer; seeded random weights, ~1.2B parameters: the
+# directory is ~5 GB of float32, built once and cached like the others)
+SHAPES_1B: dict[str, dict[str, object]] = {
+    "llama": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
+}
+SHAPES = {"bench": BENCH_SHAPES, "1b": SHAPES_1B}
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -323,9 +349,10 @@ def main() -> None:
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to run too")
     ap.add_argument(
         "--shapes",
-        choices=("tiny", "bench"),
+        choices=("tiny", "bench", "1b"),
         default="tiny",
-        help="tiny: the tests' models; bench: BENCH_SHAPES (hidden 1024, 8 layers)",
+        help="tiny: the tests' models; bench: BENCH_SHAPES (hidden 1024, 8 layers); "
+        "1b: SHAPES_1B (Llama 3.2 1B's layers, --families llama)",
     )
     args = ap.parse_args()
     files = find_model_files(None)
@@ -333,9 +360,10 @@ def main() -> None:
     if not args.no_default_model:
         models.append(("default (SmolLM2-135M Q4_1)", "gguf", default_model_path()))
     for fam in filter(None, args.families.split(",")):
-        shape = BENCH_SHAPES.get(fam, {}) if args.shapes == "bench" else {}
-        if args.shapes == "bench" and not shape:
-            sys.exit(f"no bench shape for {fam}; have {sorted(BENCH_SHAPES)}")
+        table = SHAPES.get(args.shapes, {})
+        shape = table.get(fam, {})
+        if args.shapes != "tiny" and not shape:
+            sys.exit(f"no {args.shapes} shape for {fam}; have {sorted(table)}")
         if not args.gguf_only:
             models.append((fam, "hf", tiny_family_dir(fam, files, **shape)))
         if fam != "mistral":
