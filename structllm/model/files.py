@@ -37,6 +37,7 @@ CACHE_FORMAT = 2
 # tokenizer hold: the GGUF reader (and its Gemma 4 part), the config type, the
 # converter, the family table
 CONVERTER_MODULES = ("gguf.py", "gguf_gemma4.py", "config.py", "loader.py", "registry.py")
+CONVERTER_MODULES += ("gguf_encoder_vocab.py",)
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):

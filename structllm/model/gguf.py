@@ -778,6 +778,10 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
         )
     if cfg.architecture in ("gemma4", "gemma3n"):
         cfg = gguf_gemma4.options_from_tensors(cfg, shapes)
+    if cfg.architecture in ("bert", "nomic_bert") and "cls.output.weight" in shapes:
+        # a cross-encoder's classifier (the converter writes no pooling_type for it):
+        # llama.cpp's RANK pooling, its first row through the head
+        cfg = msgspec.structs.replace(cfg, pooling_type="RANK")
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
     return layer_types_from_tensors(cfg, shapes)
