@@ -741,9 +741,23 @@ def _encoder(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _nomic_encoder(get: Callable[..., Any]) -> dict[str, Any]:
+    """NomicBERT (model/nomic_bert.py; ``nomic-bert``): BERT's post-LayerNorm layers with
+    rotary q/k (Hugging Face's row order, as the converter leaves ``Wqkv``), a SwiGLU
+    MLP, no biases but the LayerNorms'."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-12)),
+        mlp_act="silu",
+        bidirectional=True,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
     "bert": _encoder,
+    "nomic_bert": _nomic_encoder,
     "stablelm": _stablelm,
     "phi": _phi,
     "gpt_neox": _gpt_neox,
@@ -1010,7 +1024,7 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
-_HF_ROPE_ORDER += ("falcon", "glm4_moe")
+_HF_ROPE_ORDER += ("falcon", "glm4_moe", "nomic_bert")
 
 
 def keeps_hf_rope_order(architecture: str) -> bool:

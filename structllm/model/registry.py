@@ -176,7 +176,7 @@ FAMILIES: tuple[Family, ...] = (
         ("xlm-roberta",),
         (),
     ),
-    Family("nomic_bert", "nomic_bert", ("NomicBertModel",), ("nomic_bert",), ()),
+    Family("nomic_bert", "nomic_bert", ("NomicBertModel",), ("nomic_bert",), ("nomic-bert",)),
 )
 # the families that are encoders (only the pooling runner runs them)
 ENCODERS = frozenset({"bert", "xlm_roberta", "nomic_bert"})

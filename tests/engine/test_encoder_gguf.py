@@ -20,7 +20,7 @@ from structllm import LLM
 from structllm.model.loader import prepare_model
 from structllm.model.pooler_config import read_pooler, resolve_runner
 from tests.engine.test_encoders import BUDGET, COSINE, TEXTS, cosines, embed, encoder_llm
-from tests.support.encoders import tiny_st_encoder
+from tests.support.encoders import nomic_ai_encoder, tiny_st_encoder
 
 # what a WordPiece pipeline must get right: case, accents, punctuation, unknown words,
 # a literal separator, CJK characters split one by one, runs of spaces
@@ -37,9 +37,18 @@ KINDS = ["bert", "xlm_roberta"]
 
 
 def gguf_of(d: Path, outtype: str = "f32") -> Path:
+    """``d``'s file from llama.cpp's converter (a WordPiece one as named "bert-bge")."""
+    import json
+
     from tests.support.llamacpp import convert_hf
 
-    return convert_hf(d, outtype, pre="bert-bge" if "-bert-" in d.name else "")
+    wordpiece = json.loads((d / "tokenizer.json").read_text())["model"]["type"] == "WordPiece"
+    return convert_hf(d, outtype, pre="bert-bge" if wordpiece else "")
+
+
+def encoder_dir(kind: str) -> Path:
+    """The directory a ``kind`` file is converted from (NomicBERT's: nomic-ai's config)."""
+    return nomic_ai_encoder() if kind == "nomic_bert" else tiny_st_encoder(kind)
 
 
 def bert_gguf(outtype: str = "f32") -> Path:
@@ -61,13 +70,14 @@ def test_gguf_vocabulary_tokenizes_as_the_directory(kind: str) -> None:
     assert ours.decode(ours.encode(TRICKY[1]).ids) == theirs.decode(theirs.encode(TRICKY[1]).ids)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "nomic_bert"])
 def test_gguf_embeddings_equal_the_directory(kind: str) -> None:
     """F32 on the exact path: the file's pooling (its ``pooling_type``: MEAN, XLM-R's
     CLS), token types, learned positions (XLM-R's table cut by the converter to its
-    used rows), cosine 0.99999 with the directory's embeddings."""
+    used rows; NomicBERT's rotary, ``nomic-bert``), cosine 0.99999 with the directory's
+    embeddings."""
     d = tiny_st_encoder(kind)
-    path = gguf_of(d)
+    path = gguf_of(encoder_dir(kind))
     files = prepare_model(str(path))
     assert resolve_runner("auto", files) == "pooling"
     spec = read_pooler(files)
@@ -80,17 +90,19 @@ def test_gguf_embeddings_equal_the_directory(kind: str) -> None:
     )
     cfg = files.config
     assert (cfg.architecture, cfg.type_vocab_size, cfg.position_offset) == (
-        "bert",
-        2 if kind == "bert" else 1,
+        "nomic_bert" if kind == "nomic_bert" else "bert",
+        1 if kind == "xlm_roberta" else 2,
         0,
     )
     with encoder_llm(d) as llm:
         ref = embed(llm, TEXTS + TRICKY[:4])
     with encoder_llm(path) as llm:
-        assert llm.engine.max_model_len == 64
+        # (the converter's NomicBERT context is nomic-embed-text's trained 2048)
+        assert llm.engine.max_model_len == (2048 if kind == "nomic_bert" else 64)
         ours = embed(llm, TEXTS + TRICKY[:4])
-        with pytest.raises(ValueError, match="max_model_len is 64"):
-            llm.embed(["the quick brown fox jumps " * 20])
+        if kind != "nomic_bert":
+            with pytest.raises(ValueError, match="max_model_len is 64"):
+                llm.embed(["the quick brown fox jumps " * 20])
     assert cosines(ours, ref).min() > COSINE
 
 

@@ -258,3 +258,52 @@ def tiny_cross_encoder(kind: str) -> Path:
         model.save_pretrained(tmp)
 
     return built_once(out, build)
+
+
+def nomic_ai_encoder() -> Path:
+    """``tiny_st_encoder("nomic_bert")`` with nomic-ai's own ``config.json`` (the remote
+    code's keys: ``n_embd``, ``n_positions``, ``rotary_emb_base``, ... as in
+    nomic-embed-text-v1.5's), what llama.cpp's converter asserts on; the sizes also under
+    transformers' names, since the converter reads the config through ``AutoConfig``,
+    whose ``NomicBertConfig`` ignores nomic-ai's. Same weights, same tokenizer."""
+    src = tiny_st_encoder("nomic_bert")
+    out = cache_root() / "test-models" / f"tiny-st-nomic-ai-{_key(src.name, 'nomic-ai')}"
+
+    def build(tmp: Path) -> None:
+        shutil.copytree(src, tmp)
+        sizes = dict(
+            hidden_size=SHAPE["hidden_size"],
+            num_attention_heads=SHAPE["num_attention_heads"],
+            intermediate_size=SHAPE["intermediate_size"],
+            num_hidden_layers=SHAPE["num_hidden_layers"],
+        )
+        raw = json.loads((src / "config.json").read_text())
+        nomic = {
+            "architectures": ["NomicBertModel"],
+            "model_type": "nomic_bert",
+            "activation_function": "swiglu",
+            "layer_norm_epsilon": 1e-12,
+            "n_embd": sizes["hidden_size"],
+            "n_head": sizes["num_attention_heads"],
+            "n_inner": sizes["intermediate_size"],
+            "n_layer": sizes["num_hidden_layers"],
+            "n_positions": 8192,
+            "max_trained_positions": 2048,
+            "causal": False,
+            "prenorm": False,
+            "qkv_proj_bias": False,
+            "mlp_fc1_bias": False,
+            "mlp_fc2_bias": False,
+            "rotary_emb_base": 1000,
+            "rotary_emb_fraction": 1.0,
+            "rotary_emb_interleaved": False,
+            "rotary_emb_scale_base": None,
+            "rotary_scaling_factor": None,
+            "type_vocab_size": 2,
+            "vocab_size": raw["vocab_size"],
+            "pad_token_id": 0,
+            **sizes,
+        }
+        (tmp / "config.json").write_text(json.dumps(nomic, indent=2))
+
+    return built_once(out, build)
