@@ -87,6 +87,12 @@ def test_over_long_pair_is_a_400_unless_truncated(reranker: Server) -> None:
     status, out = reranker.post("/rerank", {**body, "truncate_prompt_tokens": -1})
     assert status == 200, out
     assert sorted(r["index"] for r in out["results"]) == [0, 1]
+    # too short for the pair template's own three tokens: a 400 naming the field
+    status, out = reranker.post("/rerank", {**body, "truncate_prompt_tokens": 2})
+    assert status == 400, out
+    assert (
+        out["error"]["param"] == "truncate_prompt_tokens" and "no room" in out["error"]["message"]
+    )
 
 
 def test_gguf_reranker_equals_cross_encoder() -> None:
