@@ -17,6 +17,7 @@ from structllm.protocol import AddRequest, PoolerInfo, PoolingParams
 
 if TYPE_CHECKING:
     from structllm.engine.core import EngineCore
+    from structllm.tokenizer import Tokenizer
 
 
 class EmbeddingOutput(msgspec.Struct):
@@ -60,6 +61,21 @@ def pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tupl
     return list(zip(firsts, seconds, strict=True))
 
 
+def encode_pair(
+    tokenizer: Tokenizer, first: str, second: str, keep: int | None, info: PoolerInfo
+) -> tuple[list[int], int]:
+    """A pair's ids and where its second text starts (``Tokenizer.encode_pair``), cut to
+    ``keep`` tokens (None: all; the caller resolves -1): an encoder's cut longest first
+    as its tokenizer's ``truncation=True`` (what ``CrossEncoder`` does), a decoder's
+    tail as vLLM's (``PoolerInfo.cut``)."""
+    if keep is not None and info.keep_head:
+        return tokenizer.encode_pair(first, second, keep)
+    ids, second_at = tokenizer.encode_pair(first, second)
+    if keep is None or len(ids) <= keep:
+        return ids, second_at
+    return info.cut(ids, keep), max(second_at - (len(ids) - keep), 0)
+
+
 def vector(pooled: bytes) -> list[float]:
     """A pooled vector's float32 bytes (native order) as floats."""
     return array("f", pooled).tolist()
@@ -79,16 +95,21 @@ def truncate(ids: list[int], keep: int | None, max_model_len: int, info: PoolerI
 
 
 def pool(
-    engine: EngineCore, encoded: Sequence[list[int]], params: PoolingParams, id_prefix: str
+    engine: EngineCore,
+    encoded: Sequence[list[int]],
+    params: PoolingParams | Sequence[PoolingParams],
+    id_prefix: str,
 ) -> list[bytes]:
-    """Each prompt's pooled vector, in order, run as one batch. ``ValueError`` naming
-    the prompt if one can never run (empty, too long, ids outside the vocabulary, a
-    ``dimensions`` the model cannot cut, a model that runs the generate runner)."""
+    """Each prompt's pooled vector, in order, run as one batch (``params``: for all, or
+    one per prompt). ``ValueError`` naming the prompt if one can never run (empty, too
+    long, ids outside the vocabulary, a ``dimensions`` the model cannot cut, a model
+    that runs the generate runner)."""
     from structllm.engine.core import PROMPT_ONLY
 
+    each = [params] * len(encoded) if isinstance(params, PoolingParams) else list(params)
     msgs = [
-        AddRequest(f"{id_prefix}-{i}", ids, PROMPT_ONLY, pooling=params)
-        for i, ids in enumerate(encoded)
+        AddRequest(f"{id_prefix}-{i}", ids, PROMPT_ONLY, pooling=p)
+        for i, (ids, p) in enumerate(zip(encoded, each, strict=True))
     ]
     for i, msg in enumerate(msgs):
         try:

@@ -21,6 +21,7 @@ from structllm.embeddings import (
     EmbeddingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    encode_pair,
     pairs,
     pool,
     truncate,
@@ -523,20 +524,31 @@ class LLM:
         ]
 
     def score(
-        self, text_1: str | Sequence[str], text_2: str | Sequence[str]
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """A reranker's relevance of each pair (one ``text_1`` against every ``text_2``,
         or the lists pairwise), in order: each pair tokenized as a cross-encoder's input
         (``Tokenizer.encode_pair``) and scored by the model's classifier (see
-        ``model.pooler_config.PoolerSpec``). Needs a model whose pooler scores."""
+        ``model.pooler_config.PoolerSpec``). Needs a model whose pooler scores.
+        ``truncate_prompt_tokens``: cut each pair to that many tokens (-1:
+        ``max_model_len``), an encoder's longest text first (``embeddings.encode_pair``)."""
         info = self.engine.pooler_info
         if info is None or info.task != "score":
             raise ValueError(
                 f"this model ({self.engine.files.name}) does not score: score needs a "
                 "reranker (a *ForSequenceClassification architecture) on the pooling runner"
             )
-        encoded = [self.tokenizer.encode_pair(a, b) for a, b in pairs(text_1, text_2)]
-        vecs = pool(self.engine, encoded, PoolingParams("score"), f"score-{next(self._ids)}")
+        keep = truncate_prompt_tokens
+        if keep is not None and (keep == 0 or keep < -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
+        keep = self.engine.max_model_len if keep == -1 else keep
+        typed = [encode_pair(self.tokenizer, a, b, keep, info) for a, b in pairs(text_1, text_2)]
+        encoded = [ids for ids, _ in typed]
+        params = [PoolingParams("score", second_at=at) for _, at in typed]
+        vecs = pool(self.engine, encoded, params, f"score-{next(self._ids)}")
         return [
             ScoringRequestOutput(str(i), ids, ScoringOutput(vector(v)[0]))
             for i, (ids, v) in enumerate(zip(encoded, vecs, strict=True))

@@ -236,15 +236,21 @@ class PoolingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``"score"`` (a reranker's relevance, one number);
     - ``dimensions``: keep the embedding's first N entries (a Matryoshka model), then
       normalise if the model's pooler does;
-    - ``normalize``: override the pooler's normalisation (``None``: the model's)."""
+    - ``normalize``: override the pooler's normalisation (``None``: the model's);
+    - ``second_at``: a cross-encoder pair's first token of its second text (BERT's
+      ``token_type_ids`` are 1 from there on, as the tokenizer's pair template says);
+      0: a single text, all type 0 whatever it contains."""
 
     task: PoolingTask = "embed"
     dimensions: int | None = None
     normalize: bool | None = None
+    second_at: int = 0
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"PoolingParams.dimensions must be at least 1, got {self.dimensions}")
+        if self.second_at < 0:
+            raise ValueError(f"PoolingParams.second_at must be at least 0, got {self.second_at}")
 
 
 class AddRequest(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):

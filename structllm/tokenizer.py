@@ -90,6 +90,7 @@ class Tokenizer:
 
         self._tok = HFTokenizer.from_file(tokenizer_json)
         self._plain: HFTokenizer | None = None  # encode_plain's, made on first use
+        self._pair_cut: dict[int, HFTokenizer] = {}  # encode_pair's truncating copies
         self.path = tokenizer_json
         self.meta = meta
         ids = set(eos_token_ids)
@@ -140,12 +141,40 @@ class Tokenizer:
                 ids.insert(0, bos_id)
         return ids
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
+    def encode_pair(
+        self, first: str, second: str, truncate: int | None = None
+    ) -> tuple[list[int], int]:
         """A cross-encoder's input, as transformers' ``tokenizer(first, second)``: the
         pair template of the tokenizer's post-processor (a decoder's, often just the two
-        texts' tokens one after the other)."""
-        ids: list[int] = self._tok.encode_batch([(first, second)])[0].ids
-        return ids
+        texts' tokens one after the other), and where the second text's token type 1
+        starts (0: the template types nothing). ``truncate``: at most that many tokens,
+        cut longest first (the longer text loses a token at a time), as
+        ``truncation=True`` does; ``ValueError`` if the template's own tokens do not
+        fit."""
+        tok = self._tok if truncate is None else self._truncating(truncate)
+        enc = tok.encode_batch([(first, second)])[0]
+        ids: list[int] = enc.ids
+        if truncate is not None and len(ids) > truncate:
+            raise ValueError(
+                f"truncate_prompt_tokens {truncate} leaves no room for a pair's texts "
+                f"beside its {len(self._tok.encode_batch([('', '')])[0].ids)} special tokens"
+            )
+        types: list[int] = enc.type_ids
+        return ids, next((i for i, t in enumerate(types) if t), 0)
+
+    def _truncating(self, length: int) -> Any:
+        """A copy of the tokenizer that truncates pairs longest first to ``length``
+        (truncation is a tokenizer's state, and threads share this one); a few kept."""
+        tok = self._pair_cut.get(length)
+        if tok is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            tok = HFTokenizer.from_file(self.path)
+            tok.enable_truncation(max_length=length, strategy="longest_first")
+            if len(self._pair_cut) >= 4:
+                self._pair_cut.clear()
+            self._pair_cut[length] = tok
+        return tok
 
     def token_id(self, text: str) -> int | None:
         """The id of the token whose text is ``text`` (None if no single token is)."""

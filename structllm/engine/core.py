@@ -53,7 +53,6 @@ from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, aut
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.cpu_ext import best_isa
 from structllm.kernels.packed import ROW_KERNEL_ROWS
-from structllm.model.bert import BertModel, separator_id
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
@@ -509,8 +508,6 @@ class EngineCore:
             assert self.pooler_spec is not None
             scorer = make_scorer(self.pooler_spec, self.files, self.model, self.device)
             runner.set_pooler(Pooler(self.pooler_spec, self.device, scorer))
-            if isinstance(self.model, BertModel):  # token types from the pair's separator
-                self.model.separator = separator_id(self.files.tokenizer_json)
             return runner  # (nothing to decode: no decode graphs)
         if self.stages > 1:
             assert self.group is not None

@@ -21,6 +21,7 @@ request's last ``TokenDelta`` (``pooled``).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -33,6 +34,7 @@ from structllm.engine.request import Request
 from structllm.engine.runner import ModelRunner, StepResults
 from structllm.engine.scheduler import SchedulerOutput
 from structllm.kernels.attention import AttentionMetadata
+from structllm.model.bert import BertModel
 from structllm.model.files import ModelFiles
 from structllm.model.llama import LlamaModel
 from structllm.model.pooler_config import Dense, PoolerSpec
@@ -124,7 +126,9 @@ class Scorer:
 class EncoderHead:
     """A BERT / XLM-RoBERTa cross-encoder's classifier on its first row, float32:
     ``out(tanh(dense(row)))`` (BERT's ``pooler.dense`` then ``classifier``; XLM-R's
-    ``classifier.dense`` then ``classifier.out_proj``), one label."""
+    ``classifier.dense`` then ``classifier.out_proj``; a GGUF file's ``cls`` then
+    ``cls.output``), one label. ``dense`` None: ``out(row)`` alone, what llama.cpp's
+    graph does with a file without ``cls`` (its converter leaves BERT's pooler out)."""
 
     # (dense, out) as each family names them
     NAMES = (
@@ -132,7 +136,19 @@ class EncoderHead:
         ("classifier.dense", "classifier.out_proj"),
     )
 
-    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+    def __init__(
+        self, name: str, dense: tuple[Tensor, Tensor] | None, out: tuple[Tensor, Tensor]
+    ) -> None:
+        self.dense = dense  # [H, H], [H]
+        self.out = out  # [1, H], [1]
+        if self.out[0].shape[0] != 1:
+            raise ValueError(f"{name}: a classifier of {self.out[0].shape[0]} labels")
+
+    @classmethod
+    def load(cls, files: ModelFiles, device: torch.device) -> EncoderHead:
+        """The head from the checkpoint's safetensors or the GGUF file."""
+        if files.source is not None:
+            return cls._from_gguf(files, device)
         from safetensors import safe_open
 
         state: dict[str, Tensor] = {}
@@ -141,18 +157,39 @@ class EncoderHead:
                 for k in list(st.keys()):
                     if k.startswith(("bert.pooler.", "classifier.")):
                         state[k] = st.get_tensor(k).to(device, torch.float32)
-        names = next(((d, o) for d, o in self.NAMES if f"{o}.weight" in state), None)
+        names = next(((d, o) for d, o in cls.NAMES if f"{o}.weight" in state), None)
         if names is None or f"{names[0]}.weight" not in state:
             raise ValueError(f"{files.name} has no classifier: not a cross-encoder checkpoint")
         d, o = names
-        self.dense = (state[f"{d}.weight"], state[f"{d}.bias"])  # [H, H], [H]
-        self.out = (state[f"{o}.weight"], state[f"{o}.bias"])  # [1, H], [1]
-        if self.out[0].shape[0] != 1:
-            raise ValueError(f"{files.name}: a classifier of {self.out[0].shape[0]} labels")
+        dense = (state[f"{d}.weight"], state[f"{d}.bias"])
+        return cls(files.name, dense, (state[f"{o}.weight"], state[f"{o}.bias"]))
+
+    @classmethod
+    def _from_gguf(cls, files: ModelFiles, device: torch.device) -> EncoderHead:
+        from gguf import GGUFReader
+
+        path = str(files.source)
+        names = {t.name for t in GGUFReader(path).tensors}
+
+        def pair(prefix: str) -> tuple[Tensor, Tensor]:
+            w = _gguf_tensor(path, f"{prefix}.weight").to(device, torch.float32)
+            has_bias = f"{prefix}.bias" in names
+            b = _gguf_tensor(path, f"{prefix}.bias") if has_bias else torch.zeros(w.shape[0])
+            return w, b.reshape(-1).to(device, torch.float32)
+
+        dense = pair("cls") if "cls.weight" in names else None
+        if dense is None:
+            sys.stderr.write(
+                f"structllm: {files.name}: no cls tensor (llama.cpp's converter leaves BERT's "
+                "pooler out): scores come from the classifier on the first row, as "
+                "llama.cpp's, not as the checkpoint's CrossEncoder\n"
+            )
+        return cls(files.name, dense, pair("cls.output"))
 
     def __call__(self, rows: Tensor) -> Tensor:
         """``rows [B, H]`` float32 -> the logits ``[B]``."""
-        return F.linear(torch.tanh(F.linear(rows, *self.dense)), *self.out)[:, 0]
+        x = rows if self.dense is None else torch.tanh(F.linear(rows, *self.dense))
+        return F.linear(x, *self.out)[:, 0]
 
 
 def _gguf_tensor(path: str, name: str) -> Tensor:
@@ -204,10 +241,10 @@ def make_scorer(
         if missing:
             raise ValueError(f"classifier_from_token {missing} are not tokens of this tokenizer")
         return Scorer(None, model.compute_logits, [i for i in ids if i is not None])
+    if model.cfg.architecture in ENCODERS:
+        return Scorer(None, model.compute_logits, [], EncoderHead.load(files, device))
     if spec.classifier == "rank":
         return Scorer(_rank_weight(files, device), model.compute_logits, [])
-    if model.cfg.architecture in ENCODERS:
-        return Scorer(None, model.compute_logits, [], EncoderHead(files, device))
     from safetensors import safe_open
 
     for f in files.weights:
@@ -240,13 +277,15 @@ class PoolingRunner(ModelRunner):
         batch = self.prepare(sched)
         if self.model.cfg.bidirectional:
             batch.meta = both_ways(batch.meta, self.model.cfg.sliding_window or 0)
+        # prepare's layout: 1-token chunks first (as decode rows), then the others
+        ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
+        starts = batch.step.query_start
+        if isinstance(self.model, BertModel):
+            self.model.step_types = pair_types(ordered, starts, batch.input_ids)
         with torch.inference_mode():
             hidden = self.model(
                 batch.input_ids, batch.positions, self.kv_caches, batch.meta, between_layers
             )  # [T, H], after the final norm
-            # prepare's layout: 1-token chunks first (as decode rows), then the others
-            ordered = sorted(sched.scheduled, key=lambda rn: rn[1] != 1)
-            starts = batch.step.query_start
             done: list[tuple[Request, Tensor]] = []
             for i, (req, n) in enumerate(ordered):
                 row = self._pool_chunk(req, n, hidden[starts[i] : starts[i] + n])
@@ -297,6 +336,18 @@ class PoolingRunner(ModelRunner):
         for rid in request_ids:
             self._partial.pop(rid, None)
             self._pooled.pop(rid, None)
+
+
+def pair_types(ordered: list[tuple[Request, int]], starts: list[int], input_ids: Tensor) -> Tensor:
+    """``[T]`` token types of a step's rows: 1 from each pair's second text on
+    (``PoolingParams.second_at``, at prompt positions from the chunk's start), else 0."""
+    types = torch.zeros(input_ids.shape[0], dtype=torch.long)
+    for i, (req, n) in enumerate(ordered):
+        at = _params(req).second_at
+        if at:
+            first = starts[i] + max(at - req.num_computed_tokens, 0)
+            types[first : starts[i] + n] = 1
+    return types.to(input_ids.device)
 
 
 def both_ways(meta: AttentionMetadata, window: int) -> AttentionMetadata:

@@ -24,17 +24,15 @@ MLP with biases, biased q/k/v and output projections), arranged as BERT does:
   SwiGLU MLP without biases.
 
 ``token_type_ids`` (BERT's ``type_vocab_size`` 2): a single text is all type 0; a pair
-``[CLS] a [SEP] b [SEP]`` is type 1 from ``b`` on. The engine carries token ids only, so
-the types are read back from them: a token is type 1 when a separator (the pair
-template's, ``separator_id``) comes before it in its prompt. (A literal separator inside
-a single text would differ from transformers' all-zero types.)
+``[CLS] a [SEP] b [SEP]`` is type 1 from ``b`` on. Where ``b`` starts is the request's
+(``PoolingParams.second_at``, from the tokenizer's pair template), not read off the ids:
+a literal ``[SEP]`` typed inside a text changes nothing, as with transformers. The
+pooling runner sets each step's types (``step_types``) before the forward.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -127,8 +125,8 @@ class BertModel(ClassicModel):
         self.token_type_embeddings = (
             _param(dtype, cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
         )
-        # the pair template's separator id (engine: separator_id); None: all type 0
-        self.separator: int | None = None
+        # [T] token types of the step's rows (engine.pooling.pair_types); None: all 0
+        self.step_types: Tensor | None = None
         self.cuda_graphs = False  # (nothing is decoded)
 
     def make_layer(
@@ -150,19 +148,18 @@ class BertModel(ClassicModel):
         if self.position_embeddings is not None:  # (NomicBERT: rotary instead)
             x = x + self.position_embeddings[positions + self.cfg.position_offset]
         if self.token_type_embeddings is not None:
-            x = x + self.token_type_embeddings[self.token_types(input_ids, positions)]
+            x = x + self.token_type_embeddings[self.token_types(input_ids)]
         return norm(x, self.norm, self.norm_bias, self.cfg.rms_norm_eps, "layer")
 
-    def token_types(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        """``[T]``: 1 where a separator comes earlier in the token's prompt, else 0."""
-        if self.separator is None or self.token_type_embeddings is None:
+    def token_types(self, input_ids: Tensor) -> Tensor:
+        """``[T]``: the step's types (``step_types``), all 0 without (or with one row)."""
+        types = self.step_types
+        if types is None or self.token_type_embeddings is None:
             return torch.zeros_like(input_ids)
         if self.token_type_embeddings.shape[0] < 2:
             return torch.zeros_like(input_ids)
-        sep = (input_ids == self.separator).long()
-        before = torch.cumsum(sep, 0) - sep  # separators strictly before, over the step
-        first = torch.arange(input_ids.shape[0], device=input_ids.device) - positions
-        return (before - before[first] > 0).long()  # ... less those of earlier prompts
+        assert types.shape == input_ids.shape, "step_types set for this step"
+        return types
 
     def final_norm(self, x: Tensor) -> Tensor:
         return x  # (post-LN: the last layer ends normed)
@@ -173,23 +170,6 @@ class BertModel(ClassicModel):
             "the plain torch path runs it\n"
         )
         return False
-
-
-def separator_id(tokenizer_json: Path) -> int | None:
-    """The id of the special token that ends a pair's first text in the tokenizer's
-    pair template (BERT's ``[SEP]``; RoBERTa's ``</s>``), or None without one."""
-    post = json.loads(tokenizer_json.read_text()).get("post_processor") or {}
-    if post.get("type") in ("BertProcessing", "RobertaProcessing"):
-        return int(post["sep"][1])
-    if post.get("type") != "TemplateProcessing":
-        return None
-    pair = post.get("pair") or []
-    at = next((i for i, p in enumerate(pair) if p.get("Sequence", {}).get("id") == "A"), None)
-    if at is None or at + 1 >= len(pair) or "SpecialToken" not in pair[at + 1]:
-        return None
-    token = pair[at + 1]["SpecialToken"]["id"]
-    ids = (post.get("special_tokens") or {}).get(token, {}).get("ids") or []
-    return int(ids[0]) if ids else None
 
 
 # a checkpoint's encoder tensors (under "bert." / "roberta." in a sequence classifier,

@@ -36,7 +36,8 @@ CACHE_FORMAT = 2
 # the modules (beside this one) whose code decides what a GGUF file's cached config and
 # tokenizer hold: the GGUF reader (and its Gemma 4 part), the config type, the
 # converter, the family table
-CONVERTER_MODULES = ("gguf.py", "gguf_gemma4.py", "config.py", "loader.py", "registry.py")
+CONVERTER_MODULES: tuple[str, ...] = ("gguf.py", "gguf_gemma4.py", "config.py", "loader.py")
+CONVERTER_MODULES += ("registry.py", "gguf_encoder_vocab.py")
 
 
 class TokenizerMeta(msgspec.Struct, frozen=True):

@@ -396,6 +396,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         kw["layer_windows"] = [window if s else 0 for s in local] if window else []
     if arch in ("qwen2vl", "qwen3vl", "mistral3"):
         kw.update(_vision_text(str(arch), get))
+    if fam.name in ("bert", "nomic_bert"):  # token_types' rows (BERT's 2, XLM-R's 1)
+        kw["type_vocab_size"] = int(meta.get("tokenizer.ggml.token_type_count") or 0)
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
     # (Nemotron-H's: _nemotron_h; the converter may write a dense one's unused
@@ -718,8 +720,44 @@ def _falcon(get: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
+def _encoder(get: Callable[..., Any]) -> dict[str, Any]:
+    """BERT's layout (model/bert.py) as llama.cpp's converter writes it (``bert``: BERT
+    and XLM-RoBERTa, whose position table it cuts to start at the first row used, so no
+    ``position_offset``): post-LayerNorm layers with biases, an ungated exact-GELU MLP,
+    learned positions, attention both ways."""
+    layers = int(get("block_count"))
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-12)),
+        mlp_act="gelu",
+        mlp_gated=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        learned_positions=True,
+        rope_layers=[False] * layers,
+        bidirectional=True,
+    )
+
+
+def _nomic_encoder(get: Callable[..., Any]) -> dict[str, Any]:
+    """NomicBERT (model/nomic_bert.py; ``nomic-bert``): BERT's post-LayerNorm layers with
+    rotary q/k (Hugging Face's row order, as the converter leaves ``Wqkv``), a SwiGLU
+    MLP, no biases but the LayerNorms'."""
+    return dict(
+        norm_kind="layer",
+        norm_bias=True,
+        rms_norm_eps=float(get("attention.layer_norm_epsilon", 1e-12)),
+        mlp_act="silu",
+        bidirectional=True,
+    )
+
+
 # the classic layouts' options from their metadata (model/classic.py)
 _CLASSIC: dict[str, Callable[[Callable[..., Any]], dict[str, Any]]] = {
+    "bert": _encoder,
+    "nomic_bert": _nomic_encoder,
     "stablelm": _stablelm,
     "phi": _phi,
     "gpt_neox": _gpt_neox,
@@ -754,6 +792,10 @@ def options_from_tensors(cfg: ModelConfig, shapes: dict[str, list[int]]) -> Mode
         )
     if cfg.architecture in ("gemma4", "gemma3n"):
         cfg = gguf_gemma4.options_from_tensors(cfg, shapes)
+    if cfg.architecture in ("bert", "nomic_bert") and "cls.output.weight" in shapes:
+        # a cross-encoder's classifier (the converter writes no pooling_type for it):
+        # llama.cpp's RANK pooling, its first row through the head
+        cfg = msgspec.structs.replace(cfg, pooling_type="RANK")
     if not cfg.mlp_gated and "blk.0.ffn_up.weight" in shapes:  # Phi-2's (see _phi)
         cfg = msgspec.structs.replace(cfg, intermediate_size=shapes["blk.0.ffn_up.weight"][0])
     return layer_types_from_tensors(cfg, shapes)
@@ -982,7 +1024,7 @@ _HF_ROPE_ORDER: tuple[str, ...]
 _HF_ROPE_ORDER = ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "olmo2", "olmo3")
 _HF_ROPE_ORDER += ("gemma", "exaone4", "qwen2_moe", "lfm2", "qwen3_5", "qwen3_5_moe")
 _HF_ROPE_ORDER += ("qwen3_next", "stablelm", "phi", "gpt_neox", "starcoder2", "nemotron")
-_HF_ROPE_ORDER += ("falcon", "glm4_moe")
+_HF_ROPE_ORDER += ("falcon", "glm4_moe", "nomic_bert")
 
 
 def keeps_hf_rope_order(architecture: str) -> bool:
@@ -996,6 +1038,22 @@ def keeps_hf_rope_order(architecture: str) -> bool:
 _CLASSIC_NAMES = {
     "attn_norm.bias": "input_layernorm_bias",
     "ffn_norm.bias": "post_attention_layernorm_bias",
+    "attn_output.bias": "o_bias",
+    "ffn_up.bias": "up_bias",
+    "ffn_down.bias": "down_bias",
+}
+# the encoders' (model/bert.py): the embedding's LayerNorm is our ``norm``; each layer's
+# LayerNorm after attention ``post_attention_layernorm``, after the MLP ``input_layernorm``
+_ENCODER_TOP = {
+    "token_embd_norm.weight": "norm",
+    "token_embd_norm.bias": "norm_bias",
+    "token_types.weight": "token_type_embeddings",
+}
+_ENCODER_NAMES = {
+    "attn_output_norm.weight": "post_attention_layernorm",
+    "attn_output_norm.bias": "post_attention_layernorm_bias",
+    "layer_output_norm.weight": "input_layernorm",
+    "layer_output_norm.bias": "input_layernorm_bias",
     "attn_output.bias": "o_bias",
     "ffn_up.bias": "up_bias",
     "ffn_down.bias": "down_bias",
@@ -1396,10 +1454,16 @@ def load_tensors(
                 (w.transpose(1, 2).contiguous() if k else w),
             )
             continue
+        if name.startswith("cls."):  # a cross-encoder's head: engine.pooling reads it
+            if progress is not None:
+                progress(i + 1, total)
+            continue
         w = read_tensor(t, shape, keep_blocks)
         if progress is not None:
             progress(i + 1, total)
-        if name == "token_embd.weight":
+        if cfg.architecture in ("bert", "nomic_bert") and name in _ENCODER_TOP:
+            yield _ENCODER_TOP[name], w
+        elif name == "token_embd.weight":
             yield "embed_tokens", w
         elif name == "output_norm.weight" or (
             name == "token_embd_norm.weight" and cfg.architecture == "lfm2"
@@ -1458,6 +1522,9 @@ def load_tensors(
                 continue
             if rest in _EXPERT_BIASES:  # gpt-oss's, [E, F] or [E, hidden]
                 yield from _expert_biases(prefix, rest, w, pending)
+                continue
+            if cfg.architecture in ("bert", "nomic_bert") and rest in _ENCODER_NAMES:
+                yield prefix + _ENCODER_NAMES[rest], w
                 continue
             if rest in _LAYER_NAMES:
                 yield prefix + _LAYER_NAMES[rest], w

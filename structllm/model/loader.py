@@ -89,6 +89,8 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
     out = tokenizer_cache_path(path, gguf_file)
     if out.is_file():
         return out
+    if gguf_file is not None and _encoder_vocab_file(path / gguf_file, out):
+        return out
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
@@ -115,6 +117,26 @@ def build_tokenizer_json(path: Path, gguf_file: str | None) -> Path:
     tok.backend_tokenizer.save(str(tmp))
     os.replace(tmp, out)
     return out
+
+
+def _encoder_vocab_file(gguf_path: Path, out: Path) -> bool:
+    """A BERT file's WordPiece or Unigram vocabulary (which transformers does not read)
+    written to ``out`` by ``gguf_encoder_vocab``; False for any other vocabulary."""
+    from structllm.model import gguf, gguf_encoder_vocab
+
+    reader = gguf.open_gguf(gguf_path)
+    meta = gguf.metadata(reader)
+    if not gguf_encoder_vocab.is_encoder_vocab(meta):
+        return False
+    for key in ("tokens", "token_type", "scores", "precompiled_charsmap"):  # (long arrays)
+        key = f"tokenizer.ggml.{key}"
+        if key in reader.fields:
+            meta[key] = reader.fields[key].contents()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    gguf_encoder_vocab.write_tokenizer_json(meta, tmp)
+    os.replace(tmp, out)
+    return True
 
 
 # GGUF architectures whose config transformers' reader refuses while AutoTokenizer

@@ -119,8 +119,8 @@ def _raw_config(files: ModelFiles, overrides: dict[str, Any] | None) -> dict[str
 def is_pooling_model(files: ModelFiles, overrides: dict[str, Any] | None = None) -> bool:
     """What ``--runner auto`` picks the pooling runner for (see the module's doc)."""
     d = model_dir(files)
-    if d is None:  # a GGUF file: its pooling_type
-        return files.config.pooling_type is not None
+    if d is None:  # a GGUF file: its pooling_type (an encoder's: always)
+        return files.config.pooling_type is not None or files.config.architecture in ENCODERS
     if (d / "modules.json").is_file():
         return True
     archs = _raw_config(files, overrides).get("architectures") or []
@@ -157,8 +157,8 @@ def _read_pooler(
     first: PoolingType = "CLS" if files.config.architecture in ENCODERS else "LAST"
     if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
         return _reranker(raw, config, first)
-    if files.config.pooling_type == "RANK":  # a GGUF reranker
-        return PoolerSpec("score", "LAST", False, classifier="rank")
+    if files.config.pooling_type == "RANK":  # a GGUF reranker (an encoder's: on [CLS])
+        return PoolerSpec("score", first, False, classifier="rank")
     d = model_dir(files)
     pooling: PoolingType = first
     if files.config.pooling_type in ("LAST", "MEAN", "CLS"):  # a GGUF file's

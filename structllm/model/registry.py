@@ -166,7 +166,9 @@ FAMILIES: tuple[Family, ...] = (
     ),
     # encoders (model/bert.py): attend both ways, pool only; an embedder is the bare
     # model, a cross-encoder its one-label sequence classifier
-    Family("bert", "bert", ("BertModel", "BertForSequenceClassification"), ("bert",), ()),
+    # (llama.cpp's converter writes XLM-RoBERTa as ``bert`` too, its positions cut to
+    # the rows used: one family's layout in the file)
+    Family("bert", "bert", ("BertModel", "BertForSequenceClassification"), ("bert",), ("bert",)),
     Family(
         "xlm_roberta",
         "bert",
@@ -174,7 +176,7 @@ FAMILIES: tuple[Family, ...] = (
         ("xlm-roberta",),
         (),
     ),
-    Family("nomic_bert", "nomic_bert", ("NomicBertModel",), ("nomic_bert",), ()),
+    Family("nomic_bert", "nomic_bert", ("NomicBertModel",), ("nomic_bert",), ("nomic-bert",)),
 )
 # the families that are encoders (only the pooling runner runs them)
 ENCODERS = frozenset({"bert", "xlm_roberta", "nomic_bert"})

@@ -157,20 +157,21 @@ async def pooled(
     app: PoolingPipeline,
     receive: Receive,
     prompts: list[list[int]],
-    params: PoolingParams,
+    params: PoolingParams | list[PoolingParams],
     param: str = "input",
 ) -> list[bytes] | None:
     """Each prompt's vector from the engine, all in flight at once under one admission
     (the call's inputs are one client's request); None if the client went away (the
     task group is cancelled, and leaving each request's context aborts it). An engine
-    refusal is a 400 naming ``param[i]``."""
+    refusal is a 400 naming ``param[i]``. ``params``: for all prompts, or one each."""
     client = app.engine()
     out: list[bytes] = [b""] * len(prompts)
     done = False
+    each = params if isinstance(params, list) else [params] * len(prompts)
 
     async def one(i: int, ids: list[int]) -> None:
         rid = client.new_request_id("pool")
-        async with client.request(rid, ids, PROMPT_ONLY, pooling=params) as stream:
+        async with client.request(rid, ids, PROMPT_ONLY, pooling=each[i]) as stream:
             out[i] = await _vector(stream, f"{param}[{i}]", param)
 
     with app.admission.admit([sum(len(p) for p in prompts)]), _api_error_out():

@@ -18,6 +18,7 @@ from array import array
 
 import msgspec
 
+from structllm.embeddings import encode_pair
 from structllm.protocol import PoolingParams
 from structllm.server import requests as rq
 from structllm.server.embeddings import MAX_INPUTS, no_adapter, pooled
@@ -68,9 +69,10 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[
 
 def tokenize_pairs(
     app: PoolingPipeline, pairs: list[tuple[str, str]], keep: int | None, param: str
-) -> list[list[int]]:
-    """Each pair's tokens (in the worker pool), ``truncate_prompt_tokens`` applied, then
-    the context's bound (400 unless truncation was asked for)."""
+) -> list[tuple[list[int], int]]:
+    """Each pair's tokens and where its second text starts (in the worker pool),
+    ``truncate_prompt_tokens`` applied (an encoder's longest text first), then the
+    context's bound (400 unless truncation was asked for)."""
     if len(pairs) > MAX_INPUTS:
         raise APIError(400, f"{len(pairs)} pairs; at most {MAX_INPUTS} are allowed", param=param)
     limit = app.max_model_len or sys.maxsize
@@ -82,11 +84,14 @@ def tokenize_pairs(
             f"truncate_prompt_tokens must be -1 or in [1, {limit}]",
             param="truncate_prompt_tokens",
         )
-    out: list[list[int]] = []
+    out: list[tuple[list[int], int]] = []
     for i, (a, b) in enumerate(pairs):
-        ids = app.tokenizer.encode_pair(a, b)
-        if keep is not None:
-            ids = info.cut(ids, limit if keep == -1 else keep)
+        try:
+            ids, second_at = encode_pair(
+                app.tokenizer, a, b, None if keep is None else limit if keep == -1 else keep, info
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens") from None
         if len(ids) > limit:
             raise APIError(
                 400,
@@ -96,7 +101,7 @@ def tokenize_pairs(
                 param=param,
                 code="context_length_exceeded",
             )
-        out.append(ids)
+        out.append((ids, second_at))
     return out
 
 
@@ -107,9 +112,12 @@ def _check_scorer(app: PoolingPipeline, api: str) -> None:
 
 
 async def _scores(
-    app: PoolingPipeline, receive: Receive, prompts: list[list[int]], param: str
+    app: PoolingPipeline, receive: Receive, typed: list[tuple[list[int], int]], param: str
 ) -> list[float] | None:
-    vecs = await pooled(app, receive, prompts, PoolingParams("score"), param)
+    """Each pair's score (``typed``: its ids and where its second text starts)."""
+    prompts = [ids for ids, _ in typed]
+    params = [PoolingParams("score", second_at=at) for _, at in typed]
+    vecs = await pooled(app, receive, prompts, params, param)
     return None if vecs is None else [array("f", v)[0] for v in vecs]
 
 
@@ -123,7 +131,7 @@ async def score(app: PoolingPipeline, scope: Scope, receive: Receive, send: Send
     scores = await _scores(app, receive, prompts, "text_2")
     if scores is None:  # the client went away
         return
-    total = sum(len(p) for p in prompts)
+    total = sum(len(p) for p, _ in prompts)
     body = {
         "id": f"score-{uuid.uuid4().hex}",
         "object": "list",
@@ -167,7 +175,7 @@ async def rerank(app: PoolingPipeline, scope: Scope, receive: Receive, send: Sen
     body = {
         "id": f"rerank-{uuid.uuid4().hex}",
         "model": app.model_name,
-        "usage": {"total_tokens": sum(len(p) for p in prompts)},
+        "usage": {"total_tokens": sum(len(p) for p, _ in prompts)},
         "results": results,
     }
     await Transport(send).json(200, body)

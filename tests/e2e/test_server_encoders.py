@@ -1,7 +1,9 @@
 """Real ``structllm run``s of tiny BERT encoders (model/bert.py; the pooling runner
 picked by ``--runner auto``): a sentence-transformers embedder on ``/v1/embeddings``
 through the ``openai`` client and a cross-encoder on ``/rerank``, equal to
-sentence-transformers; an over-long input is a 400 unless truncation is asked for."""
+sentence-transformers; an over-long input is a 400 unless truncation is asked for; an
+XLM-R cross-encoder's GGUF file (llama.cpp's converter) on ``/rerank``, equal to
+``CrossEncoder.predict`` on its directory, long pairs cut longest first."""
 
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ def test_rerank_equals_cross_encoder(reranker: Server) -> None:
 
 
 def test_over_long_pair_is_a_400_unless_truncated(reranker: Server) -> None:
-    """A pair past the 64 positions: refused, or cut to its head and closing [SEP]."""
+    """A pair past the 64 positions: refused, or cut longest first (the long document
+    loses tokens, the query stays whole) to the 64."""
     body = {"query": QUERY, "documents": [LONG, "france"]}
     status, out = reranker.post("/rerank", body)
     assert status == 400, out
@@ -84,3 +87,33 @@ def test_over_long_pair_is_a_400_unless_truncated(reranker: Server) -> None:
     status, out = reranker.post("/rerank", {**body, "truncate_prompt_tokens": -1})
     assert status == 200, out
     assert sorted(r["index"] for r in out["results"]) == [0, 1]
+    # too short for the pair template's own three tokens: a 400 naming the field
+    status, out = reranker.post("/rerank", {**body, "truncate_prompt_tokens": 2})
+    assert status == 400, out
+    assert (
+        out["error"]["param"] == "truncate_prompt_tokens" and "no room" in out["error"]["message"]
+    )
+
+
+def test_gguf_reranker_equals_cross_encoder() -> None:
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tests.support.llamacpp import convert_hf
+
+    d = tiny_cross_encoder("xlm_roberta")
+    docs = [*DOCS, LONG]
+    want = CrossEncoder(str(d), device="cpu").predict([(QUERY, doc) for doc in DOCS])
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = AutoModelForSequenceClassification.from_pretrained(str(d)).eval()
+    batch = tok(QUERY, LONG, truncation=True, max_length=64, return_tensors="pt")
+    with torch.no_grad():  # the long pair as transformers' truncation=True cuts it
+        long_score = float(torch.sigmoid(model(**batch).logits[0, 0]))
+    with Server(str(convert_hf(d, "f32")), *ARGS) as server:
+        body = {"query": QUERY, "documents": docs, "truncate_prompt_tokens": -1}
+        status, out = server.post("/rerank", body)
+    assert status == 200, out
+    for r in out["results"]:
+        ref = long_score if r["index"] == len(DOCS) else float(want[r["index"]])
+        assert abs(r["relevance_score"] - ref) < 1e-5

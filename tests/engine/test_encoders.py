@@ -174,3 +174,60 @@ def test_nomic_config_as_nomic_ai_writes_it() -> None:
     assert (cfg.intermediate_size, cfg.context_length, cfg.norm_kind) == (3072, 8192, "layer")
     with pytest.raises(ValueError, match="prenorm"):
         ModelConfig.from_hf({**raw, "prenorm": True})
+
+
+def test_a_literal_separator_keeps_the_pair_structure() -> None:
+    """Token types follow the pair, not the text: a ``[SEP]`` typed inside a single text
+    leaves it all type 0 (as ``SentenceTransformer.encode``), and one inside a pair's
+    first text leaves that text type 0 (as ``CrossEncoder.predict``)."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    texts = ["hello [SEP] world", "paris [SEP] [SEP] france is a city"]
+    path = tiny_st_encoder("bert")
+    ref = SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
+    with encoder_llm(path) as llm:
+        assert cosines(embed(llm, texts), ref).min() > COSINE
+    cross = tiny_cross_encoder("bert")
+    pairs = [("what [SEP] is the capital", "paris"), ("france", "berlin [SEP] germany")]
+    want = CrossEncoder(str(cross), device="cpu").predict(pairs)
+    with encoder_llm(cross) as llm:
+        ours = [o.outputs.score for o in llm.score([a for a, _ in pairs], [b for _, b in pairs])]
+    assert np.abs(np.array(ours) - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS[:2])
+def test_pairs_truncated_longest_first(kind: str) -> None:
+    """A pair over the context with ``truncate_prompt_tokens`` is cut as the tokenizer's
+    ``truncation=True`` cuts it (longest first: the long text loses tokens, the short
+    one stays whole), and scores as transformers' model on those ids."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = tiny_cross_encoder(kind)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    pairs = [(QUERY, LONG), (LONG, "paris"), (LONG, LONG + " dog")]
+    limit = SHAPE["max_position_embeddings"]
+    batch = tok(
+        [a for a, _ in pairs],
+        [b for _, b in pairs],
+        truncation=True,
+        max_length=limit,
+        padding=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        want = torch.sigmoid(model(**batch).logits[:, 0]).numpy()
+    with encoder_llm(path) as llm:
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.score(QUERY, LONG)
+        out = llm.score([a for a, _ in pairs], [b for _, b in pairs], truncate_prompt_tokens=-1)
+        with pytest.raises(ValueError, match="no room"):
+            llm.score(QUERY, LONG, truncate_prompt_tokens=2)
+    mask = batch["attention_mask"].bool()
+    for o, ids, m in zip(out, batch["input_ids"], mask, strict=True):
+        assert o.prompt_token_ids == ids[m].tolist()
+    query = tok(QUERY, add_special_tokens=False)["input_ids"]  # the short text stays whole
+    assert out[0].prompt_token_ids[1 : 1 + len(query)] == query
+    assert len(out[0].prompt_token_ids) == limit
+    assert np.abs(np.array([o.outputs.score for o in out]) - want).max() < 1e-5

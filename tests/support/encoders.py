@@ -63,7 +63,7 @@ SHAPE: dict[str, Any] = dict(
     num_attention_heads=4,
     max_position_embeddings=64,
 )
-VERSION = 1  # bump when a builder changes
+VERSION = 2  # bump when a builder changes
 
 
 def _key(*parts: object) -> str:
@@ -103,15 +103,42 @@ def _wordpiece(out: Path) -> int:
     return len(vocab)
 
 
+def _nfkc_charsmap() -> bytes:
+    """SentencePiece's compiled ``nmt_nfkc`` normalisation rules (what XLM-R's
+    ``tokenizer.json`` carries as its ``Precompiled`` normalizer), from a tiny model
+    trained here: the rules are SentencePiece's own, not learned."""
+    import tempfile
+
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "text.txt").write_text("\n".join(["hello world the quick brown fox"] * 50))
+        sentencepiece.SentencePieceTrainer.train(
+            input=f"{d}/text.txt",
+            model_prefix=f"{d}/m",
+            vocab_size=22,
+            model_type="unigram",
+            normalization_rule_name="nmt_nfkc",
+            minloglevel=2,
+        )
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(Path(d, "m.model").read_bytes())
+    charsmap: bytes = proto.normalizer_spec.precompiled_charsmap
+    return charsmap
+
+
 def _unigram(out: Path) -> int:
-    """XLM-R's tokenizer in small (a Unigram over ``▁``-prefixed pieces) in ``out``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    """XLM-R's tokenizer in small (a Unigram over ``▁``-prefixed pieces, SentencePiece's
+    NFKC rules, a ``▁`` before the text) in ``out``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     special = ["<s>", "<pad>", "</s>", "<unk>"]
     pieces = [*(f"▁{w}" for w in WORDS), *LETTERS, *(f"▁{c}" for c in LETTERS), "▁", *".,?!-'"]
     vocab = [(p, 0.0) for p in special] + [(p, -float(len(p))) for p in dict.fromkeys(pieces)]
     tok = Tokenizer(models.Unigram(vocab, unk_id=3))
+    tok.normalizer = normalizers.Precompiled(_nfkc_charsmap())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
@@ -123,6 +150,7 @@ def _unigram(out: Path) -> int:
         pad_token="<pad>",
         cls_token="<s>",
         sep_token="</s>",
+        add_prefix_space=True,
         model_input_names=["input_ids", "attention_mask"],  # (no token types: one row)
     )
     fast.save_pretrained(str(out))
@@ -228,5 +256,54 @@ def tiny_cross_encoder(kind: str) -> Path:
                 if name.startswith("classifier") or "pooler" in name:
                     p.normal_(0, 0.5)
         model.save_pretrained(tmp)
+
+    return built_once(out, build)
+
+
+def nomic_ai_encoder() -> Path:
+    """``tiny_st_encoder("nomic_bert")`` with nomic-ai's own ``config.json`` (the remote
+    code's keys: ``n_embd``, ``n_positions``, ``rotary_emb_base``, ... as in
+    nomic-embed-text-v1.5's), what llama.cpp's converter asserts on; the sizes also under
+    transformers' names, since the converter reads the config through ``AutoConfig``,
+    whose ``NomicBertConfig`` ignores nomic-ai's. Same weights, same tokenizer."""
+    src = tiny_st_encoder("nomic_bert")
+    out = cache_root() / "test-models" / f"tiny-st-nomic-ai-{_key(src.name, 'nomic-ai')}"
+
+    def build(tmp: Path) -> None:
+        shutil.copytree(src, tmp)
+        sizes = dict(
+            hidden_size=SHAPE["hidden_size"],
+            num_attention_heads=SHAPE["num_attention_heads"],
+            intermediate_size=SHAPE["intermediate_size"],
+            num_hidden_layers=SHAPE["num_hidden_layers"],
+        )
+        raw = json.loads((src / "config.json").read_text())
+        nomic = {
+            "architectures": ["NomicBertModel"],
+            "model_type": "nomic_bert",
+            "activation_function": "swiglu",
+            "layer_norm_epsilon": 1e-12,
+            "n_embd": sizes["hidden_size"],
+            "n_head": sizes["num_attention_heads"],
+            "n_inner": sizes["intermediate_size"],
+            "n_layer": sizes["num_hidden_layers"],
+            "n_positions": 8192,
+            "max_trained_positions": 2048,
+            "causal": False,
+            "prenorm": False,
+            "qkv_proj_bias": False,
+            "mlp_fc1_bias": False,
+            "mlp_fc2_bias": False,
+            "rotary_emb_base": 1000,
+            "rotary_emb_fraction": 1.0,
+            "rotary_emb_interleaved": False,
+            "rotary_emb_scale_base": None,
+            "rotary_scaling_factor": None,
+            "type_vocab_size": 2,
+            "vocab_size": raw["vocab_size"],
+            "pad_token_id": 0,
+            **sizes,
+        }
+        (tmp / "config.json").write_text(json.dumps(nomic, indent=2))
 
     return built_once(out, build)

@@ -124,13 +124,35 @@ def _fingerprint(paths: list[Path], *extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str, tokenizer: bool = True) -> Path:
+# Runs the converter with its tokenizer check answered: ``get_vocab_base_pre`` names a
+# WordPiece/BPE pre-tokenizer by hashing a fixed text's tokens against the real
+# tokenizers it knows, so a tiny tokenizer made here is refused. Real files of the family
+# carry the name given here (bge-small's and all-MiniLM's WordPiece: "bert-bge"); the
+# rest of the conversion is the converter's own.
+_NAMED_PRE = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion.base import TextModel
+pre = sys.argv[2]
+TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+script = sys.argv[1] + "/convert_hf_to_gguf.py"
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert_hf(
+    hf_dir: Path, outtype: str = "f32", *args: str, tokenizer: bool = True, pre: str = ""
+) -> Path:
     """``hf_dir`` (a Hugging Face directory) as a GGUF file of ``outtype`` (f32, f16,
     bf16, q8_0) written by llama.cpp's converter, with its extra ``args``; cached by
     the directory's content and the arguments. ``tokenizer=False``: a file without a
-    vocabulary (``--mmproj``'s), whose tokenizer is not seeded."""
+    vocabulary (``--mmproj``'s), whose tokenizer is not seeded. ``pre``: the
+    pre-tokenizer name the converter writes for a test tokenizer it cannot recognise
+    (``_NAMED_PRE``)."""
     files = [p for p in hf_dir.iterdir() if p.is_file()]
-    out = root() / "gguf" / f"{hf_dir.name}-{_fingerprint(files, outtype, *args)}.{outtype}.gguf"
+    key = _fingerprint(files, outtype, *args, pre)
+    out = root() / "gguf" / f"{hf_dir.name}-{key}.{outtype}.gguf"
     if out.exists():
         if tokenizer:
             seed_tokenizer(out)
@@ -140,6 +162,8 @@ def convert_hf(hf_dir: Path, outtype: str = "f32", *args: str, tokenizer: bool =
     tmp = out.with_suffix(".tmp")
     env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"), NO_LOCAL_GGUF="")
     cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir)]
+    if pre:
+        cmd = [sys.executable, "-c", _NAMED_PRE, str(tree), pre, str(hf_dir)]
     cmd += ["--outfile", str(tmp), "--outtype", outtype, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:

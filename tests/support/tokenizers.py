@@ -28,7 +28,10 @@ def tokenizer_digest(gguf_path: Path) -> str:
     it), under this transformers and cache format."""
     import transformers
 
-    from structllm.model.gguf import open_gguf
+    from structllm.model import gguf_encoder_vocab
+    from structllm.model.files import source_hash
+    from structllm.model.gguf import metadata, open_gguf
+    from structllm.model.gguf_encoder_vocab import is_encoder_vocab
 
     reader = open_gguf(gguf_path)  # the gguf package's fields, read ~17x faster
     h = hashlib.sha256(f"{transformers.__version__}:{CACHE_FORMAT}".encode())
@@ -36,6 +39,8 @@ def tokenizer_digest(gguf_path: Path) -> str:
         if name.startswith("tokenizer.") or name == "general.architecture":
             h.update(name.encode() + b"\0" + repr(field.types).encode())
             h.update(b"".join(p.tobytes() for p in field.parts))
+    if is_encoder_vocab(metadata(reader)):  # built by our code, not transformers'
+        h.update(source_hash([Path(gguf_encoder_vocab.__file__)]).encode())
     return h.hexdigest()[:16]
 
 
