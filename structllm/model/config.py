@@ -223,7 +223,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
-        if self.mrope_section and sum(self.mrope_section) != self.rope_dim // 2:
+        # (interleaved, sections past the rotary pairs change nothing, as in transformers'
+        # and llama.cpp's rule: Qwen3.5's converter writes its default [11, 11, 10] for a
+        # checkpoint that says none)
+        pairs = sum(self.mrope_section)
+        if (
+            self.mrope_section
+            and pairs != self.rope_dim // 2
+            and not (self.mrope_interleaved and pairs > self.rope_dim // 2)
+        ):
             raise ValueError(
                 f"mrope_section {self.mrope_section} splits {sum(self.mrope_section)} rotary "
                 f"pairs, but a head has {self.rope_dim // 2}"

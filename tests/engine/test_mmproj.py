@@ -37,13 +37,19 @@ PROMPTS = [
 ]
 # Qwen2.5-VL: an image wider than one 112-pixel window (30x4 merge units: 3 windows)
 WIDE = [("A wide one: {} and what now?", [(240, 30)])]
-FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl", "mistral3"]
-PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "mistral3": "pixtral"}
+FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "mistral3"]
+PROJECTOR = {
+    "qwen2_5_vl": "qwen2.5vl_merger",
+    "qwen3_vl": "qwen3vl_merger",
+    "qwen3_5": "qwen3vl_merger",
+    "mistral3": "pixtral",
+}
 OTHER = {
     "gemma3": "idefics3",
     "idefics3": "gemma3",
     "qwen2_5_vl": "mistral3",
     "qwen3_vl": "qwen2_5_vl",
+    "qwen3_5": "mistral3",
     "mistral3": "qwen2_5_vl",
 }
 # the tower's matrices held as stored (the ones whose width is a whole number of blocks)
@@ -52,6 +58,7 @@ STORED = {
     "idefics3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
     "qwen2_5_vl": ("blocks", ("qkv", "proj", "gate", "up")),
     "qwen3_vl": ("blocks", ("qkv", "proj", "fc1")),
+    "qwen3_5": ("blocks", ("qkv", "proj", "fc1")),
     "mistral3": ("layers", ("q", "k", "v", "o", "gate", "up")),
 }
 
@@ -143,6 +150,17 @@ def test_processor_from_the_mmproj_is_the_directorys(pair: Pair) -> None:
 def test_f32_pair_equals_the_directory(pair: Pair) -> None:
     """The exact path: image features, every prompt position's logits within 1e-4 and
     greedy tokens as the directory's."""
+    check_f32_pair(pair)
+
+
+def test_qwen3_5_moe_f32_pair_equals_the_directory(default_files: Any) -> None:
+    """Qwen3.5-MoE (llama.cpp's ``qwen35moe`` beside the same ``qwen3vl_merger`` tower):
+    as the dense pair (the other checks are the dense model's)."""
+    directory = published("qwen3_5_moe", default_files)
+    check_f32_pair(Pair("qwen3_5_moe", directory, *gguf_pair(directory)))
+
+
+def check_f32_pair(pair: Pair) -> None:
     directory = engine_for(pair.directory, **EXACT)
     gguf = engine_for(pair.model, pair.mmproj, **EXACT)
     assert gguf.vision is not None and directory.vision is not None
@@ -236,7 +254,8 @@ def test_llm_chat_with_an_mmproj_answers_as_the_directory(pair: Pair) -> None:
 
 def test_the_vision_text_ggufs_metadata() -> None:
     """llama.cpp's ``qwen2vl`` is a Qwen2 with M-RoPE sections (a fourth, zero, dropped),
-    ``qwen3vl`` a Qwen3 with them interleaved;
+    ``qwen3vl`` a Qwen3 with them interleaved, ``qwen35`` Qwen3.5's hybrid with them
+    interleaved over its partial rotary;
     ``mistral3`` a Mistral, Ministral 3's attention temperature refused."""
     from structllm.model.gguf import model_config
 
@@ -254,6 +273,15 @@ def test_the_vision_text_ggufs_metadata() -> None:
         [2, 3, 3],
         True,
     )
+    ssm = {"ssm.group_count": 2, "ssm.time_step_rank": 2, "ssm.state_size": 8}
+    ssm |= {"ssm.inner_size": 16, "attention.key_length": 16, "rope.dimension_count": 8}
+    cfg = model_config(meta("qwen35", **ssm, **{"rope.dimension_sections": [2, 1, 1, 0]}))
+    assert (cfg.architecture, cfg.mrope_section, cfg.mrope_interleaved) == (
+        "qwen3_5",
+        [2, 1, 1],
+        True,
+    )
+    assert not model_config(meta("qwen35", **ssm)).mrope_section  # (an older converter's)
     with pytest.raises(ValueError, match=r"rope.dimension_sections \[2, 3, 3, 1\]"):
         model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 1]}))
     assert model_config(meta("mistral3")).architecture == "mistral"

@@ -31,6 +31,18 @@ from structllm.model.files import ModelFiles
 from tests.support.llamacpp import convert_hf, quantize
 from tests.support.vision import gemma3_vision_dir
 
+# Qwen3-VL's tower: Qwen3-VL's and Qwen3.5's (without deepstack), dense or MoE
+QWEN3_VL_ARCHS = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+# transformers gives Qwen3.5's model types a tokenizer class of their own whatever
+# tokenizer_config.json says, whose pre-tokenizer the converter does not recognise in the
+# default model's vocabulary; under a model type transformers does not know, the converter
+# reads config.json as written and the tokenizer as tokenizer_config.json says (structllm
+# reads the architecture, not the model type)
+_UNKNOWN_TYPE = "qwen3_5_published"
 QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the mmproj says none: every file
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2VLImageProcessor's
 # the released Gemma 3 checkpoints' names (google/gemma-3-4b-it): what transformers 5.25
@@ -55,8 +67,10 @@ def published_dir(source: Path) -> Path:
         _qwen2_5_vl_layout(tmp, config)
     elif arch == "Mistral3ForConditionalGeneration":
         _mistral3_layout(tmp, config)
-    elif arch == "Qwen3VLForConditionalGeneration":  # (its tensors: as transformers 5's)
+    elif arch in QWEN3_VL_ARCHS:  # (their tensors: as transformers 5's)
         _qwen_pixel_bounds(tmp)
+        if arch.startswith("Qwen3_5"):  # see _UNKNOWN_TYPE
+            config["model_type"] = _UNKNOWN_TYPE
     else:  # SmolVLM's text_config names its text model's class (the converter's key)
         config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
         config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
@@ -144,6 +158,8 @@ def published(family: str, files: ModelFiles) -> Path:
         return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
     if family == "qwen3_vl":
         return published_dir(tiny_qwen3_vl_dir(files))
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        return published_dir(tiny_qwen3_vl_dir(files, moe=family == "qwen3_5_moe", qwen3_5=True))
     if family == "mistral3":  # (the converter needs a tower of 3 layers or more)
         return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
     raise ValueError(f"no tiny {family} checkpoint")
@@ -160,4 +176,7 @@ def gguf_pair(directory: Path, outtype: str = "f32", mmproj_type: str = "f32") -
         f32 = convert_hf(directory, "f32", *args, tokenizer=tokenizer)
         return quantize(f32, kind, tokenizer=tokenizer)
 
-    return made(outtype), made(mmproj_type, "--mmproj", tokenizer=False)
+    arch = json.loads((directory / "config.json").read_text())["architectures"][0]
+    # (Qwen3.5's text converter asks for multi-token-prediction layers unless told not to)
+    text_args = ("--no-mtp",) if arch.startswith("Qwen3_5") else ()
+    return made(outtype, *text_args), made(mmproj_type, "--mmproj", tokenizer=False)
