@@ -37,12 +37,13 @@ PROMPTS = [
 ]
 # Qwen2.5-VL: an image wider than one 112-pixel window (30x4 merge units: 3 windows)
 WIDE = [("A wide one: {} and what now?", [(240, 30)])]
-FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "mistral3"]
+FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "mistral3", "gemma4"]
 PROJECTOR = {
     "qwen2_5_vl": "qwen2.5vl_merger",
     "qwen3_vl": "qwen3vl_merger",
     "qwen3_5": "qwen3vl_merger",
     "mistral3": "pixtral",
+    "gemma4": "gemma4v",
 }
 OTHER = {
     "gemma3": "idefics3",
@@ -51,6 +52,7 @@ OTHER = {
     "qwen3_vl": "qwen2_5_vl",
     "qwen3_5": "mistral3",
     "mistral3": "qwen2_5_vl",
+    "gemma4": "gemma3",
 }
 # the tower's matrices held as stored (the ones whose width is a whole number of blocks)
 STORED = {
@@ -60,7 +62,13 @@ STORED = {
     "qwen3_vl": ("blocks", ("qkv", "proj", "fc1")),
     "qwen3_5": ("blocks", ("qkv", "proj", "fc1")),
     "mistral3": ("layers", ("q", "k", "v", "o", "gate", "up")),
+    "gemma4": ("layers", ("q", "k", "v", "o", "gate", "up", "down")),
 }
+
+# (top-1 agreement, largest logit difference in standard deviations) where a family's
+# text model is bound otherwise than (0.98, 0.05): Gemma 4's eight layers through the
+# float16 KV cache (test_families' GEMMA4_DEFAULT for its E2B-shaped model)
+BARS = {"gemma4": (0.95, 0.25)}
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,7 @@ def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
     one (llama-quantize quantizes mmproj files too): the default format keeps the
     tower's matrices as stored (fbgemm float16 / GGUF blocks, no float32 copy) and
     agrees with the same files dequantised on the exact path as the families' tests
-    bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions)."""
+    bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions; ``BARS``)."""
     model, mmproj = gguf_pair(pair.directory, "Q8_0", mmproj_type)
     fast, exact = engine_for(model, mmproj), engine_for(model, mmproj, **EXACT)
     kind = HalfWeight if mmproj_type == "f16" else BlockWeight
@@ -197,14 +205,15 @@ def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
     layer, exact_layer = (operator.attrgetter(where)(e.vision)[0] for e in (fast, exact))
     assert all(isinstance(getattr(layer, w), kind) for w in names)
     assert all(isinstance(getattr(exact_layer, w), torch.Tensor) for w in names)
+    top1, spread = BARS.get(pair.family, (0.98, 0.05))
     agree = total = 0
     for k, (text, sizes) in enumerate(prompts(pair)):
         ids, ims = prompt(pair, text, sizes, seed=10 * k)
         got, want = image_prefill_logits(fast, ids, ims), image_prefill_logits(exact, ids, ims)
-        assert (got - want).abs().max() <= 0.05 * want.std()
+        assert (got - want).abs().max() <= spread * want.std()
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += len(ids)
-    assert agree / total >= 0.98, (agree, total)
+    assert agree / total >= top1, (agree, total)
 
 
 def test_a_mismatched_mmproj_is_refused(pair: Pair, default_files: Any) -> None:
