@@ -397,7 +397,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         local = _local_layers(layers, 4, get)
         kw["rope_layers"] = local
         kw["layer_windows"] = [window if s else 0 for s in local] if window else []
-    if arch in ("qwen2vl", "qwen3vl", "mistral3"):
+    if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe", "mistral3"):
         kw.update(_vision_text(str(arch), get))
     elif arch in ("qwen35", "qwen35moe") and get("rope.dimension_sections") is not None:
         kw.update(_vision_text(str(arch), get))  # (Qwen3.5's images: interleaved M-RoPE)
@@ -418,7 +418,8 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
 def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
     """The text models of Qwen2(.5)-VL (``qwen2vl``: M-RoPE's split of the rotary pairs
     among t/h/w, ``rope.dimension_sections``, a fourth section 0), Qwen3-VL (``qwen3vl``:
-    the same sections, interleaved; its ``n_deepstack_layers`` are the mmproj's), Qwen3.5
+    the same sections, interleaved; its ``n_deepstack_layers`` are the mmproj's;
+    ``qwen3vlmoe`` the same over Qwen3-MoE), Qwen3.5
     (``qwen35``, ``qwen35moe``: interleaved over its partial rotary; text positions turn
     every pair alike, so a text-only file runs as before) and
     Mistral 3.1
@@ -435,7 +436,7 @@ def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
         raise ValueError(
             f"{arch} GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
         )
-    interleaved = arch in ("qwen3vl", "qwen35", "qwen35moe")
+    interleaved = arch in ("qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe")
     return {"mrope_section": sections[:3], "mrope_interleaved": interleaved}
 
 

@@ -53,7 +53,8 @@ def load(
     if not files.config.mrope_interleaved:
         raise ValueError(
             f"--mmproj {info.path.name} is a Qwen3-VL projector, but {files.name} has no "
-            "interleaved M-RoPE sections (not a qwen3vl or qwen35 GGUF): not this model's projector"
+            "interleaved M-RoPE sections (not a qwen3vl(moe) or qwen35 GGUF): not this model's "
+            "projector"
         )
     cfg = tower_config(info, t.shape("v.position_embd.weight")[0])
     norm = Normalisation(1 / 255, info.image_mean, info.image_std)

@@ -50,9 +50,9 @@ PROJECTORS = {
     "gemma3": ("gemma3",),
     "idefics3": ("llama",),
     QWEN2_5_VL: ("qwen2",),  # the model GGUF's arch is qwen2vl (M-RoPE sections)
-    # the model GGUF's arch is qwen3vl (interleaved M-RoPE) or Qwen3.5's qwen35(moe), whose
-    # tower is Qwen3-VL's without deepstack
-    QWEN3_VL: ("qwen3", "qwen3_5", "qwen3_5_moe"),
+    # the model GGUF's arch is qwen3vl or qwen3vlmoe (interleaved M-RoPE) or Qwen3.5's
+    # qwen35(moe), whose tower is Qwen3-VL's without deepstack
+    QWEN3_VL: ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
     # Mistral 3.1: arch mistral3 (llama.cpp's converter since Ministral 3), llama before
     PIXTRAL: ("mistral", "llama"),
     GEMMA4: ("gemma4",),

@@ -168,6 +168,13 @@ def test_qwen3_5_moe_f32_pair_equals_the_directory(default_files: Any) -> None:
     check_f32_pair(Pair("qwen3_5_moe", directory, *gguf_pair(directory)))
 
 
+def test_qwen3_vl_moe_f32_pair_equals_the_directory(default_files: Any) -> None:
+    """Qwen3-VL-MoE (llama.cpp's ``qwen3vlmoe`` beside the ``qwen3vl_merger`` tower with
+    deepstack; the directory's experts in the released layout): as the dense pair."""
+    directory = published("qwen3_vl_moe", default_files)
+    check_f32_pair(Pair("qwen3_vl_moe", directory, *gguf_pair(directory)))
+
+
 def check_f32_pair(pair: Pair) -> None:
     directory = engine_for(pair.directory, **EXACT)
     gguf = engine_for(pair.model, pair.mmproj, **EXACT)

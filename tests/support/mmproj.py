@@ -34,6 +34,7 @@ from tests.support.vision import gemma3_vision_dir
 # Qwen3-VL's tower: Qwen3-VL's and Qwen3.5's (without deepstack), dense or MoE
 QWEN3_VL_ARCHS = (
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
 )
@@ -73,6 +74,8 @@ def published_dir(source: Path) -> Path:
         _qwen_pixel_bounds(tmp)
         if arch.startswith("Qwen3_5"):  # see _UNKNOWN_TYPE
             config["model_type"] = _UNKNOWN_TYPE
+        if arch == "Qwen3VLMoeForConditionalGeneration":
+            _released_experts(tmp)
     else:  # SmolVLM's text_config names its text model's class (the converter's key)
         config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
         config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
@@ -121,6 +124,18 @@ def _qwen2_5_vl_layout(tmp: Path, config: dict[str, Any]) -> None:
     vision["window_size"] = QWEN_WINDOW
     config["vision_config"] = vision
     _qwen_pixel_bounds(tmp)
+
+
+def _released_experts(tmp: Path) -> None:
+    """Qwen3-VL-MoE's fused experts in the released files' input-major layout (``[E,
+    hidden, 2F]``, ``[E, F, hidden]``), which the converter expects; transformers 5
+    saves its Linear layout (both load here)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        state[name] = state[name].transpose(1, 2).contiguous()
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _qwen_pixel_bounds(tmp: Path) -> None:
@@ -209,6 +224,8 @@ def published(family: str, files: ModelFiles) -> Path:
         return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
     if family == "qwen3_vl":
         return published_dir(tiny_qwen3_vl_dir(files))
+    if family == "qwen3_vl_moe":
+        return published_dir(tiny_qwen3_vl_dir(files, vl_moe=True))
     if family in ("qwen3_5", "qwen3_5_moe"):
         return published_dir(tiny_qwen3_vl_dir(files, moe=family == "qwen3_5_moe", qwen3_5=True))
     if family == "gemma4":
