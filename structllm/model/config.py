@@ -223,7 +223,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.rope_dim)
-        if self.mrope_section and sum(self.mrope_section) != self.rope_dim // 2:
+        # (interleaved, sections past the rotary pairs change nothing, as in transformers'
+        # and llama.cpp's rule: Qwen3.5's converter writes its default [11, 11, 10] for a
+        # checkpoint that says none)
+        pairs = sum(self.mrope_section)
+        if (
+            self.mrope_section
+            and pairs != self.rope_dim // 2
+            and not (self.mrope_interleaved and pairs > self.rope_dim // 2)
+        ):
             raise ValueError(
                 f"mrope_section {self.mrope_section} splits {sum(self.mrope_section)} rotary "
                 f"pairs, but a head has {self.rope_dim // 2}"
@@ -635,6 +643,29 @@ TEXT_MODELS["Qwen3VLForConditionalGeneration"] = (
         "tie_word_embeddings": False,
     },
 )
+# Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): the same with Qwen3-MoE's text model
+# (Qwen3VLMoeTextConfig's defaults: its router always renormalises the top k, and
+# its experts are fused tensors, unfused by model/moe.py)
+TEXT_MODELS["Qwen3VLMoeForConditionalGeneration"] = (
+    "Qwen3MoeForCausalLM",
+    {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "moe_intermediate_size": 1408,
+        # (transformers writes num_local_experts, the released configs num_experts)
+        "num_local_experts": 60,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+    },
+)
 # Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
 _QWEN3_5_TEXT: dict[str, Any] = {
     "vocab_size": 248320,
@@ -676,6 +707,7 @@ _TEXT_ROPE: dict[str, dict[str, float]] = {
     "LlamaForCausalLM": {"rope_theta": 10000.0},
     "Qwen2ForCausalLM": {"rope_theta": 1e6},  # (Qwen2_5_VLTextConfig's; no other here)
     "Qwen3ForCausalLM": {"rope_theta": 500000.0},  # (Qwen3VLTextConfig's)
+    "Qwen3MoeForCausalLM": {"rope_theta": 500000.0},  # (Qwen3VLMoeTextConfig's)
     "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from structllm.kernels.packed import linear
 from structllm.model.idefics3 import Normalisation, vision_dtype
 from structllm.model.layers import apply_rope, interleave_rope_rows
 from structllm.model.vision import image_tiles, take_tensors
@@ -173,12 +174,13 @@ class Gemma4VisionLayer(nn.Module):
         self.bounds: dict[str, tuple[float, float, float, float]] = {}
 
     def mm(self, x: Tensor, name: str) -> Tensor:
-        """``x @ W.T`` of matrix ``name``, clamped as transformers' clippable linear."""
-        w = cast(Tensor, getattr(self, name))
+        """``x @ W.T`` of matrix ``name`` (a tensor, or an mmproj's packed weight:
+        ``packed.linear``), clamped as transformers' clippable linear."""
+        w = getattr(self, name)
         b = self.bounds.get(name)
         if b is None:
-            return F.linear(x, w)
-        return F.linear(x.clamp(b[0], b[1]), w).clamp(b[2], b[3])
+            return linear(x, w)
+        return linear(x.clamp(b[0], b[1]), w).clamp(b[2], b[3])
 
 
 class Gemma4Vision(nn.Module):
@@ -211,7 +213,7 @@ class Gemma4Vision(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.proj.dtype
+        return self.patch_proj.dtype
 
     def token_grid(self, image: ImageInput) -> None:
         return None  # positions are token indices
@@ -241,7 +243,7 @@ class Gemma4Vision(nn.Module):
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""
         self.check(image)
-        px = image_tiles(image).to(self.proj.device)  # [1, 3, H, W]
+        px = image_tiles(image).to(self.patch_proj.device)  # [1, 3, H, W]
         with torch.inference_mode():
             return self.features(self.normalisation(px)[0])
 
@@ -268,7 +270,7 @@ class Gemma4Vision(nn.Module):
         if self.std_bias is not None and self.std_scale is not None:
             x = (x - self.std_bias.float()) * self.std_scale.float()
         x = F.rms_norm(x.to(self.dtype), (c.hidden,), None, c.eps)
-        return F.linear(x, self.proj)
+        return linear(x, self.proj)
 
     def _layer(self, layer: Gemma4VisionLayer, x: Tensor, rope: Tensor) -> Tensor:
         """``x: [N, D]`` through one encoder layer."""

@@ -296,7 +296,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         architecture=fam.name,
         vocab_size=int(vocab) if vocab is not None else -1,
         hidden_size=hidden,
-        intermediate_size=_ffn_width(get("feed_forward_length")),
+        # (a model of experts only may have none: Qwen3.5-MoE's converter writes none)
+        intermediate_size=_ffn_width(
+            get("feed_forward_length") or get("expert_feed_forward_length")
+        ),
         num_layers=layers,
         num_heads=heads,
         # (gemma4's: one per layer, gguf_gemma4.config)
@@ -394,8 +397,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         local = _local_layers(layers, 4, get)
         kw["rope_layers"] = local
         kw["layer_windows"] = [window if s else 0 for s in local] if window else []
-    if arch in ("qwen2vl", "qwen3vl", "mistral3"):
+    if arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe", "mistral3"):
         kw.update(_vision_text(str(arch), get))
+    elif arch in ("qwen35", "qwen35moe") and get("rope.dimension_sections") is not None:
+        kw.update(_vision_text(str(arch), get))  # (Qwen3.5's images: interleaved M-RoPE)
     if fam.name in ("bert", "nomic_bert"):  # token_types' rows (BERT's 2, XLM-R's 1)
         kw["type_vocab_size"] = int(meta.get("tokenizer.ggml.token_type_count") or 0)
     if kw.get("layer_windows"):
@@ -415,7 +420,10 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
 def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
     """The text models of Qwen2(.5)-VL (``qwen2vl``: M-RoPE's split of the rotary pairs
     among t/h/w, ``rope.dimension_sections``, a fourth section 0), Qwen3-VL (``qwen3vl``:
-    the same sections, interleaved; its ``n_deepstack_layers`` are the mmproj's) and
+    the same sections, interleaved; its ``n_deepstack_layers`` are the mmproj's;
+    ``qwen3vlmoe`` the same over Qwen3-MoE), Qwen3.5
+    (``qwen35``, ``qwen35moe``: interleaved over its partial rotary; text positions turn
+    every pair alike, so a text-only file runs as before) and
     Mistral 3.1
     (``mistral3``: a Mistral; Ministral 3's attention temperature is not run here)."""
     if arch == "mistral3":
@@ -430,7 +438,8 @@ def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
         raise ValueError(
             f"{arch} GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
         )
-    return {"mrope_section": sections[:3], "mrope_interleaved": arch == "qwen3vl"}
+    interleaved = arch in ("qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe")
+    return {"mrope_section": sections[:3], "mrope_interleaved": interleaved}
 
 
 def _deepseek2(

@@ -133,6 +133,18 @@ def config(layers: int, get: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+# the tokens transformers' Gemma 4 treats as multimodal (their per-layer inputs: the pad's)
+MULTIMODAL_TOKENS = ("<|image|>", "<|video|>", "<|audio|>")
+
+
+def with_multimodal_tokens(cfg: ModelConfig, vocab: dict[str, int]) -> ModelConfig:
+    """``cfg`` with ``multimodal_token_ids`` those of ``MULTIMODAL_TOKENS`` in ``vocab``
+    and the pad token 0: llama.cpp gives every embedding-input (image) token row 0 of
+    ``per_layer_token_embd``, which is transformers' rule with Gemma 4's pad id 0."""
+    ids = [vocab[t] for t in MULTIMODAL_TOKENS if t in vocab]
+    return msgspec.structs.replace(cfg, multimodal_token_ids=ids, pad_token_id=0)
+
+
 def _proportional(factors: list[float] | None) -> dict[str, Any] | None:
     """The global layers' rope from ``rope_freqs``: the first pairs rotate (factor 1),
     the others not at all (the converter's 1e30); None without the tensor (every pair

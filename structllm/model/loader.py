@@ -222,7 +222,7 @@ def _without_gpt_oss_rope_fields(gguf_path: Path | None) -> Iterator[None]:
 def _convert_gguf(path: Path, cache: Path) -> None:
     """The config and tokenizer of GGUF file ``path`` into ``cache`` (no weights: see
     ``load_weights`` for the float32 copy a float path writes on first use)."""
-    from structllm.model import gguf
+    from structllm.model import gguf, gguf_gemma4
 
     t0 = time.monotonic()
     sys.stderr.write(f"Reading {path.name} (first use; config and tokenizer cached in {cache})\n")
@@ -249,6 +249,8 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         from transformers import PreTrainedTokenizerFast
 
         hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tok_json))
+        if cfg.architecture == "gemma4":  # (the image tokens' per-layer inputs: the pad's)
+            cfg = gguf_gemma4.with_multimodal_tokens(cfg, hf_tok.get_vocab())
         tokens_bos = meta.get("tokenizer.ggml.bos_token_id")
         tokens_eos = meta.get("tokenizer.ggml.eos_token_id")
         tok_meta = TokenizerMeta(

@@ -2,7 +2,8 @@
 by ``convert_hf_to_gguf.py --mmproj``): its tensors read into the same vision modules a
 Hugging Face directory fills (``gemma3_vision.Gemma3Vision``, ``idefics3.Idefics3Vision``,
 both on ``siglip.SiglipVisionTower``, here; Qwen2.5-VL's, Qwen3-VL's and Pixtral's
-towers in ``mmproj_qwen2_5_vl.py``, ``mmproj_qwen3_vl.py`` and ``mmproj_pixtral.py``),
+towers in ``mmproj_qwen2_5_vl.py``, ``mmproj_qwen3_vl.py`` and ``mmproj_pixtral.py``;
+Gemma 4's in ``mmproj_gemma4.py``),
 its metadata and the pair's checks from ``multimodal/mmproj.py``, the tensors from
 ``mmproj_tensors.py``.
 
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from structllm.kernels.packed import HalfWeight
-from structllm.model import mmproj_pixtral, mmproj_qwen2_5_vl, mmproj_qwen3_vl
+from structllm.model import mmproj_gemma4, mmproj_pixtral, mmproj_qwen2_5_vl, mmproj_qwen3_vl
 from structllm.model.files import ModelFiles
 from structllm.model.formats import WeightFormat
 from structllm.model.gemma3_vision import Gemma3Vision
@@ -40,10 +41,11 @@ from structllm.model.mmproj_tensors import MmprojTensors, set_weight
 from structllm.model.siglip import SiglipConfig, assign
 from structllm.model.vision import VisionModel
 from structllm.multimodal.mmproj import (
+    DYNAMIC,
+    GEMMA4,
     PIXTRAL,
     QWEN2_5_VL,
     QWEN3_VL,
-    QWEN_MERGERS,
     MmprojInfo,
     check_model,
     check_pair,
@@ -63,11 +65,12 @@ def load_mmproj(
     check_pair(info, model_path, family, hidden)
     tensors = MmprojTensors(path, fmt, device)
     image_token_id = _image_token_id(files, info)
-    if info.projector in (*QWEN_MERGERS, PIXTRAL):  # their own towers (2-D rotary)
+    if info.projector in DYNAMIC:  # their own towers (2-D rotary)
         load = {
             QWEN2_5_VL: mmproj_qwen2_5_vl.load,
             QWEN3_VL: mmproj_qwen3_vl.load,
             PIXTRAL: mmproj_pixtral.load,
+            GEMMA4: mmproj_gemma4.load,
         }[info.projector]
         own: nn.Module = load(tensors, info, files, image_token_id)
         return cast(VisionModel, own.to(device).eval())
@@ -150,14 +153,19 @@ def _image_token_id(files: ModelFiles, info: MmprojInfo) -> int:
     """The image token of the model GGUF's vocabulary (its converted ``tokenizer.json``)."""
     from tokenizers import Tokenizer
 
+    from structllm.multimodal import gemma4
     from structllm.multimodal.gemma3 import IMAGE
     from structllm.multimodal.idefics3 import IMAGE_TOKEN
     from structllm.multimodal.mistral3 import IMG
     from structllm.multimodal.qwen2_5_vl import IMAGE_PAD
 
-    text = {"gemma3": IMAGE, QWEN2_5_VL: IMAGE_PAD, QWEN3_VL: IMAGE_PAD, PIXTRAL: IMG}.get(
-        info.projector, IMAGE_TOKEN
-    )
+    text = {
+        "gemma3": IMAGE,
+        QWEN2_5_VL: IMAGE_PAD,
+        QWEN3_VL: IMAGE_PAD,
+        PIXTRAL: IMG,
+        GEMMA4: gemma4.IMAGE,
+    }.get(info.projector, IMAGE_TOKEN)
     found = Tokenizer.from_file(str(files.tokenizer_json)).token_to_id(text)
     if found is None:
         raise ValueError(f"{files.name}'s vocabulary has no image token {text!r}")

@@ -1,6 +1,7 @@
 """Qwen3-VL's tower, merger and deepstack mergers from an mmproj GGUF (projector
 ``qwen3vl_merger``, written by llama.cpp's converter from
-``Qwen3VLForConditionalGeneration``) into ``qwen3_vl.Qwen3VLVision``, the module the
+``Qwen3VLForConditionalGeneration`` and, without deepstack, from Qwen3.5's
+``Qwen3_5(Moe)ForConditionalGeneration``) into ``qwen3_vl.Qwen3VLVision``, the module the
 directory path fills.
 
 llama.cpp's names (numpy order): ``v.patch_embd.weight`` and ``v.patch_embd.weight.1``
@@ -47,12 +48,13 @@ def tower_config(info: MmprojInfo, positions: int) -> TowerConfig:
 def load(
     t: MmprojTensors, info: MmprojInfo, files: ModelFiles, image_token_id: int
 ) -> Qwen3VLVision:
-    """The vision side of Qwen3-VL model GGUF ``files`` from ``t`` (not yet moved to the
-    device)."""
+    """The vision side of Qwen3-VL or Qwen3.5 model GGUF ``files`` from ``t`` (not yet
+    moved to the device)."""
     if not files.config.mrope_interleaved:
         raise ValueError(
             f"--mmproj {info.path.name} is a Qwen3-VL projector, but {files.name} has no "
-            "interleaved M-RoPE sections (not a qwen3vl GGUF): not this model's projector"
+            "interleaved M-RoPE sections (not a qwen3vl(moe) or qwen35 GGUF): not this model's "
+            "projector"
         )
     cfg = tower_config(info, t.shape("v.position_embd.weight")[0])
     norm = Normalisation(1 / 255, info.image_mean, info.image_std)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe
-from structllm.model.llama import HFNames, LlamaModel
+from structllm.model.llama import HFNames, LlamaModel, text_model_names
 from structllm.model.llama import hf_to_native as _hf_to_native
 
 
@@ -127,6 +127,7 @@ class Qwen3MoeNames(HFNames):
 def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """The dense tensors as Llama's, then each MoE layer's router and experts."""
     names = MixtralNames if cfg.architecture == "mixtral" else Qwen3MoeNames
+    state = text_model_names(state)  # (Qwen3-VL-MoE's text model: model.language_model.)
     moe_state: dict[str, Tensor] = {}
     for i in range(cfg.num_layers):  # take the MoE tensors out before the dense mapping
         if not cfg.moe_layer(i):
@@ -139,6 +140,11 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
             moe_state[o + "shared.gate_up_proj"] = torch.cat([gate, up])
             moe_state[o + "shared.down_proj"] = state.pop(f"{x}down_proj.weight")
             moe_state[o + "shared_gate"] = state.pop(f"{p}mlp.shared_expert_gate.weight")
+        fused = state.pop(p + "mlp.experts.gate_up_proj", None)
+        if fused is not None:  # Qwen3-VL-MoE's: every expert in one tensor
+            down = state.pop(p + "mlp.experts.down_proj")
+            moe_state.update(_unfused(fused, down, cfg, o))
+            continue
         for e in range(cfg.num_experts):
             x = p + names.expert.format(e=e) + "."
             gate = state.pop(f"{x}{names.expert_gate}.weight")
@@ -146,6 +152,29 @@ def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
             moe_state[f"{o}experts.{e}.gate_up_proj"] = torch.cat([gate, up])
             moe_state[f"{o}experts.{e}.down_proj"] = state.pop(f"{x}{names.expert_down}.weight")
     return {**_hf_to_native(state, cfg, names), **moe_state}
+
+
+def _unfused(gate_up: Tensor, down: Tensor, cfg: ModelConfig, o: str) -> dict[str, Tensor]:
+    """Qwen3-VL-MoE's fused experts as each expert's ``gate_up_proj [2F, hidden]`` (gate
+    rows, then up) and ``down_proj [hidden, F]``. Two layouts, told by shape as
+    transformers tells them (its ``Transpose(check_dims=True)``): the released files'
+    input-major ``gate_up_proj [E, hidden, 2F]`` (gate then up along the last axis),
+    ``down_proj [E, F, hidden]``, and what transformers 5 saves, its Linear layout
+    ``[E, 2F, hidden]``, ``[E, hidden, F]``; where the shapes cannot tell (hidden = 2F),
+    the released one."""
+    e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if tuple(gate_up.shape) == (e, h, 2 * f) and tuple(down.shape) == (e, f, h):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    elif tuple(gate_up.shape) != (e, 2 * f, h) or tuple(down.shape) != (e, h, f):
+        raise ValueError(
+            f"{o}: fused experts of shapes {list(gate_up.shape)} and {list(down.shape)}, "
+            f"neither [{e}, {h}, {2 * f}] and [{e}, {f}, {h}] nor their transposes"
+        )
+    out: dict[str, Tensor] = {}
+    for k in range(e):
+        out[f"{o}experts.{k}.gate_up_proj"] = gate_up[k].contiguous()
+        out[f"{o}experts.{k}.down_proj"] = down[k].contiguous()
+    return out
 
 
 MODEL = MoeModel

@@ -320,15 +320,17 @@ class Qwen3VLVision(nn.Module):
 def load_vision(
     model_dir: Path, raw: dict[str, Any], weights: list[Path], device: torch.device
 ) -> Qwen3VLVision:
-    """The vision side of the Qwen3-VL or Qwen3.5 checkpoint in ``model_dir`` (``raw``:
-    its parsed config.json; ``weights``: its safetensors files), on ``device``: the
-    tower under ``model.visual.`` (transformers 5, the released files) or ``visual.``."""
+    """The vision side of the Qwen3-VL (dense or MoE) or Qwen3.5 checkpoint in
+    ``model_dir`` (``raw``: its parsed config.json; ``weights``: its safetensors files),
+    on ``device``: the tower under ``model.visual.`` (transformers 5, the released files)
+    or ``visual.``."""
     state = take_tensors(weights, ("visual.", "model.visual."))
     if not state:
         raise ValueError(f"{model_dir}: the checkpoint has no vision tower (visual.*)")
     stored = next(iter(state.values())).dtype
     settings = {"image_mean": CLIP_MEAN, "image_std": CLIP_STD, **read_processor_config(model_dir)}
-    deepstack = "Qwen3VLForConditionalGeneration" in (raw.get("architectures") or [])
+    qwen3_vl = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+    deepstack = any(a in qwen3_vl for a in raw.get("architectures") or [])
     cfg = TowerConfig.from_hf(raw.get("vision_config") or {}, deepstack)
     text_hidden = int((raw.get("text_config") or raw).get("hidden_size", 0))
     if text_hidden and text_hidden != cfg.out_hidden:

@@ -109,7 +109,15 @@ FAMILIES: tuple[Family, ...] = (
     # mixtures of experts (llama.cpp writes Mixtral as "llama" with an expert_count,
     # which gguf.model_config reads as this family)
     Family("mixtral", "moe", ("MixtralForCausalLM",), ("mixtral",), ()),
-    Family("qwen3_moe", "moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
+    # Qwen3VLMoeForConditionalGeneration: its text model (config.TEXT_MODELS), interleaved
+    # M-RoPE and deepstack as Qwen3-VL's
+    Family(
+        "qwen3_moe",
+        "moe",
+        ("Qwen3MoeForCausalLM", "Qwen3VLMoeForConditionalGeneration"),
+        ("qwen3_moe",),
+        ("qwen3moe", "qwen3vlmoe"),  # qwen3vlmoe: Qwen3-VL-MoE's text model (llama.cpp's)
+    ),
     Family("qwen2_moe", "moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     # GLM-4.5/4.6(-Air): DeepSeek-V3's grouped sigmoid routing, shared experts
     Family("glm4_moe", "glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), ("glm4moe",)),

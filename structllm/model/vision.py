@@ -30,6 +30,7 @@ VISION_MODULES = {
     "Mistral3ForConditionalGeneration": "mistral3",
     "Gemma4ForConditionalGeneration": "gemma4_vision",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "qwen3_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
 }

@@ -6,7 +6,9 @@ the tensors).
 
 The metadata the converter writes (``general.architecture = clip``, ``general.type =
 mmproj``): ``clip.projector_type`` (``gemma3``, ``idefics3``, ``qwen2.5vl_merger``,
-``qwen3vl_merger``, ``pixtral``), ``clip.vision.*``: the tower's ``image_size``, ``patch_size``,
+``qwen3vl_merger``, ``pixtral``; Gemma 4's ``gemma4v`` as ``clip.vision.projector_type``,
+with no pooling kernel, llama.cpp's 3, and a dummy ``image_size``), ``clip.vision.*``:
+the tower's ``image_size``, ``patch_size``,
 ``embedding_length``, ``feed_forward_length``, ``block_count``,
 ``attention.head_count``, ``attention.layer_norm_epsilon``, ``image_mean``/``image_std``,
 ``projection_dim`` (the text model's hidden size), ``projector.scale_factor`` (Gemma 3:
@@ -24,9 +26,10 @@ gives and transformers' defaults for the rest (Gemma 3: bilinear resize to
 ``image_size``; Qwen2.5-VL: bicubic, ``min_pixels``/``max_pixels`` from
 ``clip.vision.image_min_pixels``/``image_max_pixels`` when written, else
 ``Qwen2VLImageProcessor``'s 56² and 28² * 1280; Pixtral: bicubic, the longest edge
-``image_size``, as in the released checkpoints). llama.cpp's own preprocessing differs in
-places (its own resize code rather than Pillow's, token-count bounds for Qwen and
-Pixtral; see docs/architecture.md).
+``image_size``, as in the released checkpoints; Gemma 4: bicubic, the file's patch size,
+llama.cpp's pooling kernel 3, transformers' 280 soft tokens). llama.cpp's own
+preprocessing differs in places (its own resize code rather than Pillow's, token-count
+bounds for Qwen, Pixtral and Gemma 4; see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -40,16 +43,23 @@ from structllm.multimodal.processor import ImageProcessor
 
 # projector type -> the text families (``ModelConfig.architecture``) it feeds
 QWEN2_5_VL, QWEN3_VL, PIXTRAL = "qwen2.5vl_merger", "qwen3vl_merger", "pixtral"
+GEMMA4 = "gemma4v"
 QWEN_MERGERS = (QWEN2_5_VL, QWEN3_VL)  # Qwen2.5-VL's processor, any image size
+DYNAMIC = (*QWEN_MERGERS, PIXTRAL, GEMMA4)  # any image size: no fixed patch grid
 PROJECTORS = {
     "gemma3": ("gemma3",),
     "idefics3": ("llama",),
     QWEN2_5_VL: ("qwen2",),  # the model GGUF's arch is qwen2vl (M-RoPE sections)
-    QWEN3_VL: ("qwen3",),  # the model GGUF's arch is qwen3vl (interleaved M-RoPE)
+    # the model GGUF's arch is qwen3vl or qwen3vlmoe (interleaved M-RoPE) or Qwen3.5's
+    # qwen35(moe), whose tower is Qwen3-VL's without deepstack
+    QWEN3_VL: ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"),
     # Mistral 3.1: arch mistral3 (llama.cpp's converter since Ministral 3), llama before
     PIXTRAL: ("mistral", "llama"),
+    GEMMA4: ("gemma4",),
 }
 GEMMA3_POOL = 4  # llama.cpp's default pooling kernel (every released Gemma 3)
+GEMMA4_POOL = 3  # llama.cpp's for Gemma 4 (its converter writes none; every released one)
+GEMMA4_SOFT_TOKENS = 280  # Gemma4ImageProcessor's default max_soft_tokens (the file has none)
 QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the file says none, as the converter
 QWEN_PIXELS = (56 * 56, 28 * 28 * 1280)  # Qwen2VLImageProcessor's default bounds
 
@@ -116,17 +126,18 @@ def _info(path: Path, meta: dict[str, Any]) -> MmprojInfo:
             raise ValueError(f"--mmproj {path} has no clip.{key}")
         return value
 
-    projector = str(get("projector_type"))
+    # (Gemma 4's converter writes the key under clip.vision.)
+    projector = str(meta.get("clip.vision.projector_type") or get("projector_type"))
     if projector not in PROJECTORS:
         raise ValueError(
             f"--mmproj {path}: projector type {projector!r} is not supported "
             f"(supported: {', '.join(PROJECTORS)})"
         )
-    default_scale = GEMMA3_POOL if projector == "gemma3" else 2
+    default_scale = {"gemma3": GEMMA3_POOL, GEMMA4: GEMMA4_POOL}.get(projector, 2)
     longest = meta.get("clip.vision.preproc_image_size")
     mean, std = get("vision.image_mean"), get("vision.image_std")
     act = "silu" if meta.get("clip.use_silu") else "gelu"
-    if projector == QWEN3_VL:  # (the file says use_gelu: transformers' is the tanh one)
+    if projector in (QWEN3_VL, GEMMA4):  # (transformers' GELU is the tanh one)
         act = "gelu_tanh"
     deep = meta.get("clip.vision.is_deepstack_layers") or []
     pixels = (
@@ -172,7 +183,7 @@ def check_pair(info: MmprojInfo, model: Path, family: str, text_hidden: int) -> 
             f"{model.name} has hidden size {text_hidden}: not this model's projector"
         )
     grid = info.image_size // info.patch_size
-    if info.projector in (*QWEN_MERGERS, PIXTRAL):  # any image size: no fixed grid to check
+    if info.projector in DYNAMIC:  # any image size: no fixed grid to check
         return
     if info.image_size % info.patch_size or grid % info.scale_factor:
         raise ValueError(
@@ -200,7 +211,7 @@ def check_model(model: Path, family: str) -> None:
 def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
     """The front end's processor for ``info``'s family, its settings from the file;
     ``token_id`` is the model GGUF's vocabulary lookup (the image tokens)."""
-    if info.projector in (*QWEN_MERGERS, PIXTRAL):
+    if info.projector in DYNAMIC:
         return _dynamic_processor(info, token_id)
     if info.projector == "gemma3":
         from structllm.multimodal.gemma3 import IMAGE, Gemma3Processor
@@ -227,8 +238,8 @@ def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) ->
 
 
 def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
-    """Qwen2.5-VL's (also Qwen3-VL's) or Pixtral's processor (an image of any size, in
-    tokens of ``patch * merge`` pixels a side)."""
+    """Qwen2.5-VL's (also Qwen3-VL's), Pixtral's or Gemma 4's processor (an image of any
+    size, in tokens of ``patch * merge`` pixels a side)."""
 
     def need(token: str) -> int:
         found = token_id(token)
@@ -236,6 +247,17 @@ def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) 
             raise ValueError(f"the model's vocabulary has no image token {token!r}")
         return found
 
+    if info.projector == GEMMA4:
+        from structllm.multimodal import gemma4
+
+        need(gemma4.BOI), need(gemma4.EOI)
+        return gemma4.Gemma4Processor(
+            image_token_id=need(gemma4.IMAGE),
+            patch_size=info.patch_size,
+            max_soft_tokens=GEMMA4_SOFT_TOKENS,
+            kernel=info.scale_factor,
+            resample=gemma4.BICUBIC,
+        )
     if info.projector in QWEN_MERGERS:
         from structllm.multimodal.qwen2_5_vl import BICUBIC, IMAGE_PAD, Qwen2_5_VLProcessor
 

@@ -26,6 +26,7 @@ PROCESSORS = {
     "Gemma4ForConditionalGeneration": "structllm.multimodal.gemma4:Gemma4Processor",
     # (Qwen2.5-VL's processor: transformers' Qwen3-VL and Qwen3.5 use Qwen2VLImageProcessor)
     "Qwen3VLForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
+    "Qwen3VLMoeForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
     "Qwen3_5ForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
     "Qwen3_5MoeForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
 }

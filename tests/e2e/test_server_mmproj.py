@@ -1,5 +1,5 @@
 """``structllm run MODEL.gguf --mmproj MMPROJ.gguf`` (llama.cpp's flag) over HTTP: the
-tiny Gemma 3's, Qwen2.5-VL's and Mistral 3.1's F32 pairs written by llama.cpp's
+tiny Gemma 3's, Qwen2.5-VL's, Mistral 3.1's and Gemma 4's F32 pairs written by llama.cpp's
 converter (``tests.support.mmproj``; one server each), exact float32 path; a chat
 completion with one image through the ``openai`` client answers what the offline
 ``LLM.chat`` of the directory answers, ``/v1/models`` says the model takes images, and
@@ -26,7 +26,7 @@ QUESTION = "What is in this picture?"
 EXACT = ("--dtype", "float32", "--quantization", "none")
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "mistral3"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_5_vl", "mistral3", "gemma4"])
 def pair(request: Any, default_files: Any) -> tuple[Path, Path, Path]:
     directory = published(request.param, default_files)
     return (directory, *gguf_pair(directory))

@@ -241,3 +241,34 @@ def test_llm_chat_with_an_image_equals_transformers(model_dir: Path, processors,
 def test_default_format_agrees(model_dir: Path, expected) -> None:  # type: ignore[no-untyped-def]
     """The fused CPU path's deepstack (added to each layer's delta) as the exact path's."""
     check_default_format_agrees(model_dir, expected, ("r0", "r2"), MAX_TOKENS)
+
+
+def test_moe_equals_transformers(default_files) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): the same tower and deepstack
+    beside Qwen3-MoE's experts, read from transformers' fused expert tensors: the
+    features with the deepstack rows and every prompt position's logits with two images
+    within 1e-4 of transformers', greedy tokens equal (the dense model's tests cover the
+    rest of the path)."""
+    model_dir = tiny_qwen3_vl_dir(default_files, vl_moe=True)
+    hf_model = hf_vision_model(model_dir, "Qwen3VLMoeForConditionalGeneration")
+    hf = hf_processor(model_dir / "tokenizer.json", **PROCESSOR_SETTINGS)
+    ours = Qwen2_5_VLProcessor.from_model_dir(model_dir, hf.tokenizer.get_vocab().get)
+    cfg = prepare_model(str(model_dir)).config
+    assert (cfg.architecture, cfg.num_experts, cfg.mrope_interleaved) == ("qwen3_moe", 4, True)
+    engine = vision_engine(model_dir)
+    assert engine.vision is not None and engine.vision.deepstack == 2
+    image = picture(30, 50, seed=3)
+    inputs = hf(images=[image], text=[ours.placeholder], return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    want = torch.cat([out.pooler_output[0], *(d[0] for d in out.deepstack_features)], dim=-1)
+    got = engine.vision.encode(image_input(ours, image))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    ids, spans, inputs = request_for((ours, hf), *CASES[2])
+    assert_prompt_logits_equal(engine, hf_model, ids, spans, inputs)
+    requests = {
+        f"r{k}": request_for((ours, hf), sizes, seed) for k, (sizes, seed) in enumerate(CASES)
+    }
+    check_generate_equals_transformers(
+        engine, expected_greedy(hf_model, requests, MAX_TOKENS), MAX_TOKENS
+    )

@@ -31,6 +31,19 @@ from structllm.model.files import ModelFiles
 from tests.support.llamacpp import convert_hf, quantize
 from tests.support.vision import gemma3_vision_dir
 
+# Qwen3-VL's tower: Qwen3-VL's and Qwen3.5's (without deepstack), dense or MoE
+QWEN3_VL_ARCHS = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+# transformers gives Qwen3.5's model types a tokenizer class of their own whatever
+# tokenizer_config.json says, whose pre-tokenizer the converter does not recognise in the
+# default model's vocabulary; under a model type transformers does not know, the converter
+# reads config.json as written and the tokenizer as tokenizer_config.json says (structllm
+# reads the architecture, not the model type)
+_UNKNOWN_TYPE = "qwen3_5_published"
 QWEN_WINDOW = 112  # llama.cpp's window (pixels) when the mmproj says none: every file
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2VLImageProcessor's
 # the released Gemma 3 checkpoints' names (google/gemma-3-4b-it): what transformers 5.25
@@ -55,18 +68,25 @@ def published_dir(source: Path) -> Path:
         _qwen2_5_vl_layout(tmp, config)
     elif arch == "Mistral3ForConditionalGeneration":
         _mistral3_layout(tmp, config)
-    elif arch == "Qwen3VLForConditionalGeneration":  # (its tensors: as transformers 5's)
+    elif arch == "Gemma4ForConditionalGeneration":
+        _gemma4_layout(tmp, config)
+    elif arch in QWEN3_VL_ARCHS:  # (their tensors: as transformers 5's)
         _qwen_pixel_bounds(tmp)
+        if arch.startswith("Qwen3_5"):  # see _UNKNOWN_TYPE
+            config["model_type"] = _UNKNOWN_TYPE
+        if arch == "Qwen3VLMoeForConditionalGeneration":
+            _released_experts(tmp)
     else:  # SmolVLM's text_config names its text model's class (the converter's key)
         config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
         config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
     (tmp / "config.json").write_text(json.dumps(config))
     # the converter reads the vocabulary through transformers' tokenizer class, which
     # for these model types would want a SentencePiece <unk>: the default model's class
+    # (Gemma 4's: a Gemma tokenizer of its own, _gemma4_layout)
     tok = json.loads((tmp / "tokenizer_config.json").read_text())
-    (tmp / "tokenizer_config.json").write_text(
-        json.dumps({**tok, "tokenizer_class": "GPT2Tokenizer"})
-    )
+    if arch != "Gemma4ForConditionalGeneration":
+        tok = {**tok, "tokenizer_class": "GPT2Tokenizer"}
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -106,6 +126,18 @@ def _qwen2_5_vl_layout(tmp: Path, config: dict[str, Any]) -> None:
     _qwen_pixel_bounds(tmp)
 
 
+def _released_experts(tmp: Path) -> None:
+    """Qwen3-VL-MoE's fused experts in the released files' input-major layout (``[E,
+    hidden, 2F]``, ``[E, F, hidden]``), which the converter expects; transformers 5
+    saves its Linear layout (both load here)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp / "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        state[name] = state[name].transpose(1, 2).contiguous()
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
 def _qwen_pixel_bounds(tmp: Path) -> None:
     """The processor's pixel bounds transformers' defaults (an mmproj holds none)."""
     proc = json.loads((tmp / "processor_config.json").read_text())
@@ -122,6 +154,54 @@ def _mistral3_layout(tmp: Path, config: dict[str, Any]) -> None:
     pre = json.loads((tmp / "preprocessor_config.json").read_text())
     pre["size"] = {"longest_edge": int(config["vision_config"]["image_size"])}
     (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
+
+
+def _gemma4_layout(tmp: Path, config: dict[str, Any]) -> None:
+    """What llama.cpp assumes of Gemma 4 and its converter needs: the pooling kernel 3
+    (the file has none; every released Gemma 4's) and the processor's 280 soft tokens
+    (transformers' default; nor those), a position table of 128 (the test images'
+    patches a side at that many tokens: the tiny tower's 64 padded with seeded rows), a
+    Gemma tokenizer (``tests.support.models.gemma4_tokenizer_files``, the only kind its
+    converter reads) with the image tokens at the config's ids, and the bos/eos ids it
+    has (<bos> 2, <eos> 1)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken, Tokenizer
+
+    from tests.support.gemma4_vision import SPECIAL_TOKENS
+    from tests.support.models import gemma4_tokenizer_files
+
+    config["vision_config"] = {
+        **config["vision_config"],
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 128,
+    }
+    state = load_file(str(tmp / "model.safetensors"))
+    name = "model.vision_tower.patch_embedder.position_embedding_table"
+    table = state[name]  # [2, 64, C]
+    more = torch.randn(
+        2, 128 - table.shape[1], table.shape[2], generator=torch.Generator().manual_seed(0)
+    )
+    state[name] = torch.cat([table, more * table.std()], 1)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    pre = json.loads((tmp / "preprocessor_config.json").read_text())
+    pre |= {"pooling_kernel_size": 3, "max_soft_tokens": 280}
+    (tmp / "preprocessor_config.json").write_text(json.dumps(pre))
+    gemma = gemma4_tokenizer_files()
+    tok = Tokenizer.from_file(str(gemma["tokenizer.json"]))
+    tok.add_special_tokens([AddedToken(t, normalized=False) for t in SPECIAL_TOKENS])
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    want = [config[k] for k in ("boi_token_id", "image_token_id", "eoi_token_id")]
+    assert ids == want, (ids, want)
+    tok.save(str(tmp / "tokenizer.json"))
+    tok_config = json.loads(gemma["tokenizer_config.json"].read_text())
+    tok_config["extra_special_tokens"] = [*tok_config["extra_special_tokens"], *SPECIAL_TOKENS]
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    config["text_config"] = {**config["text_config"], "bos_token_id": 2, "eos_token_id": 1}
+    gen = json.loads((tmp / "generation_config.json").read_text())
+    (tmp / "generation_config.json").write_text(
+        json.dumps(gen | {"bos_token_id": 2, "eos_token_id": 1})
+    )
 
 
 def gemma3_published(files: ModelFiles) -> Path:
@@ -144,6 +224,14 @@ def published(family: str, files: ModelFiles) -> Path:
         return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
     if family == "qwen3_vl":
         return published_dir(tiny_qwen3_vl_dir(files))
+    if family == "qwen3_vl_moe":
+        return published_dir(tiny_qwen3_vl_dir(files, vl_moe=True))
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        return published_dir(tiny_qwen3_vl_dir(files, moe=family == "qwen3_5_moe", qwen3_5=True))
+    if family == "gemma4":
+        from tests.support.gemma4_vision import tiny_gemma4_vision_dir
+
+        return published_dir(tiny_gemma4_vision_dir(files))
     if family == "mistral3":  # (the converter needs a tower of 3 layers or more)
         return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
     raise ValueError(f"no tiny {family} checkpoint")
@@ -160,4 +248,7 @@ def gguf_pair(directory: Path, outtype: str = "f32", mmproj_type: str = "f32") -
         f32 = convert_hf(directory, "f32", *args, tokenizer=tokenizer)
         return quantize(f32, kind, tokenizer=tokenizer)
 
-    return made(outtype), made(mmproj_type, "--mmproj", tokenizer=False)
+    arch = json.loads((directory / "config.json").read_text())["architectures"][0]
+    # (Qwen3.5's text converter asks for multi-token-prediction layers unless told not to)
+    text_args = ("--no-mtp",) if arch.startswith("Qwen3_5") else ()
+    return made(outtype, *text_args), made(mmproj_type, "--mmproj", tokenizer=False)

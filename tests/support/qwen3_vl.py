@@ -125,11 +125,19 @@ EXPERTS_3_5: dict[str, Any] = dict(
 )
 
 
-def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False, moe: bool = False) -> Path:
+# Qwen3-VL-MoE: Qwen3-VL's text model with every MLP 4 experts (2 a token), its fused
+# expert tensors as transformers saves them
+EXPERTS_VL: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+def tiny_qwen3_vl_dir(
+    files: ModelFiles, qwen3_5: bool = False, moe: bool = False, vl_moe: bool = False
+) -> Path:
     """A tiny random-weight ``Qwen3VLForConditionalGeneration`` (``qwen3_5``:
-    ``Qwen3_5ForConditionalGeneration``, with ``moe`` its MoE) saved by transformers 5,
-    with Qwen's vision tokens and transformers' processor files. Built once and cached
-    under the structllm cache."""
+    ``Qwen3_5ForConditionalGeneration``, with ``moe`` its MoE; ``vl_moe``:
+    ``Qwen3VLMoeForConditionalGeneration``) saved by transformers 5, with Qwen's vision
+    tokens and transformers' processor files. Built once and cached under the structllm
+    cache."""
     import torch
     import transformers
 
@@ -137,6 +145,7 @@ def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False, moe: bool = Fals
 
     qwen3_5 = qwen3_5 or moe
     kind_name = "Qwen3_5Moe" if moe else "Qwen3_5" if qwen3_5 else "Qwen3VL"
+    kind_name += "Moe" if vl_moe else ""
     arch = f"{kind_name}ForConditionalGeneration"
     vision = dict(VISION_CONFIG)
     text = TEXT_CONFIG_3_5 if qwen3_5 else TEXT_CONFIG
@@ -144,9 +153,17 @@ def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False, moe: bool = Fals
         del vision["deepstack_visual_indexes"]
     if moe:
         text = {k: v for k, v in text.items() if k != "intermediate_size"} | EXPERTS_3_5
+    if vl_moe:
+        text = text | EXPERTS_VL
     config = {
         "architectures": [arch],
-        "model_type": "qwen3_5_moe" if moe else "qwen3_5" if qwen3_5 else "qwen3_vl",
+        "model_type": "qwen3_5_moe"
+        if moe
+        else "qwen3_5"
+        if qwen3_5
+        else "qwen3_vl_moe"
+        if vl_moe
+        else "qwen3_vl",
         "text_config": text,
         "vision_config": vision,
         "image_token_id": IMAGE_TOKEN_ID,
@@ -176,12 +193,15 @@ def tiny_qwen3_vl_dir(files: ModelFiles, qwen3_5: bool = False, moe: bool = Fals
                 text = name.startswith("model.language_model.") and name.endswith("proj.weight")
                 if text:
                     p.mul_(9.0 if ("q_proj" in name or "k_proj" in name) else 3.0)
+                if vl_moe and ".mlp.experts." in name:  # (fused: no proj.weight suffix)
+                    p.mul_(3.0)
         model.save_pretrained(tmp, safe_serialization=True)
         write_tokenizer(files, tmp)
         hf_processor(tmp / "tokenizer.json", **PROCESSOR_SETTINGS).save_pretrained(tmp)
         write_chat_files(files, tmp)
 
     name = "tiny-qwen3_5_moe-vl" if moe else "tiny-qwen3_5-vl" if qwen3_5 else "tiny-qwen3_vl"
+    name += "_moe" if vl_moe else ""
     return built_once(cache_root() / "test-models" / f"{name}-{key}", build)
 
 
