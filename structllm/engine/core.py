@@ -156,10 +156,8 @@ class EngineCore:
                 f"{mcfg.architecture} has layers of several K/V shapes or layers reading "
                 "another layer's K/V: tensor and pipeline parallelism are not supported for it"
             )
-        if config.enable_lora and (
-            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
-        ):
-            raise ValueError("LoRA adapters run in one process: no tensor or pipeline parallelism")
+        if config.enable_lora and config.pipeline_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with pipeline parallelism")
         if mcfg.kv_lora_rank and (
             config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
         ):
@@ -316,7 +314,7 @@ class EngineCore:
         self.adapters: AdapterRegistry | None = None  # --enable-lora
         self._lora_of: dict[str, int] = {}  # request id -> the adapter load it pins
         if self.config.enable_lora:
-            self._enable_lora()
+            self._enable_lora(plan)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             # (a recurrent state advances one sequence row at a time: no decode chunks)
@@ -325,9 +323,9 @@ class EngineCore:
             release_free_heap()  # what loading and the start-up prefill left free
             drop_library_pages()  # library code only start-up ran (faults back if used)
 
-    def _enable_lora(self) -> None:
-        """The adapter registry (``engine.adapters``), handed to the runner (a step's rows
-        by adapter) and the scheduler's ``max_loras``."""
+    def _enable_lora(self, plan: ShardPlan | None) -> None:
+        """The adapter registry (``engine.adapters``; with ``plan``, rank 0's slices),
+        handed to the runner (a step's rows by adapter) and the scheduler's ``max_loras``."""
         cfg = self.config
         self.adapters = AdapterRegistry(
             self.files.config,
@@ -336,6 +334,7 @@ class EngineCore:
             cfg.lora_dtype,
             self.device,
             cfg.max_loras,
+            plan,
         )
         self.scheduler.max_loras = cfg.max_loras
         if isinstance(self.runner, ModelRunner):

@@ -447,3 +447,37 @@ def test_a_constrained_request_runs_with_its_adapter(llm: LLM, tiny_llama: Path)
     out = llm.generate([PROMPTS[1]], sp, lora_request=a)[0]
     assert out.text in choices
     assert llm.engine.adapters is not None and not llm.engine.adapters.pins
+
+
+def test_tensor_parallel_shards_the_adapters_with_their_matrices(
+    llm: LLM, tiny_llama: Path
+) -> None:
+    # 2 ranks (one KV group and half the MLP each): q/k/v and gate/up adapters keep their
+    # rows of B, o and down their input columns of A; a mixed batch over three adapters,
+    # two a step, so the worker loads, evicts and loads again by rank 0's uids
+    a, b, c = (lora(tiny_llama, n, s, i) for n, s, i in (("a", 1, 1), ("b", 2, 2), ("c", 3, 3)))
+    loras = [None, a, b, c, a]
+    prompts = [PROMPTS[i % 3] + [i + 20] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    want = llm.generate(prompts, params, lora_request=loras)
+    with LLM(
+        str(tiny_llama),
+        kv_cache_memory=16 << 20,
+        max_num_batched_tokens=9,
+        enable_lora=True,
+        max_loras=2,
+        tensor_parallel_size=2,
+        **EXACT,
+    ) as tp:
+        got = tp.generate(prompts, params, lora_request=loras)
+    for w, g in zip(want, got, strict=True):
+        assert w.logprobs is not None and g.logprobs is not None
+        # the all-reduce sums the ranks' partial products in another order: last bits
+        diff = max(abs(x.logprob - y.logprob) for x, y in zip(w.logprobs, g.logprobs, strict=True))
+        gaps = [lp.top_logprobs[0] - lp.top_logprobs[1] for lp in w.logprobs]
+        assert min(gaps) > 1e-3, "a near-tie: choose another prompt"
+        assert diff < 1e-4
+        assert g.token_ids == w.token_ids
+    # and the adapters made a difference to every request that has one
+    base = llm.generate(prompts[1:], params)
+    assert all(w.token_ids != x.token_ids for w, x in zip(want[1:], base, strict=True))
