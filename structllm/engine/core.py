@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from structllm.config import EngineConfig, SpeculativeConfig
-from structllm.engine.adapters import AdapterRegistry
+from structllm.engine.adapters import LORA_DTYPES, AdapterRegistry
 from structllm.engine.device import (
     drop_library_pages,
     kv_budget,
@@ -58,6 +58,7 @@ from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
+from structllm.model.lora import slot_bytes
 from structllm.model.pooler_config import PoolerSpec, read_pooler, resolve_runner
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.model.stages import stage_layers
@@ -176,6 +177,11 @@ class EngineCore:
         ranks = world * self.stages
         self.device = resolve_device(config) if ranks == 1 else worker_device(config, 0)
         self.dtype = setup_device(config, self.device, ranks // config.nnodes)  # this host's
+        if config.enable_lora and world > 1 and self.device.type == "cuda":
+            raise ValueError(
+                "LoRA adapters with tensor parallelism run on the CPU only (the CUDA slots "
+                "of model.lora_slots hold whole adapters)"
+            )
         fmt = None
         if (
             not config.null_model
@@ -438,7 +444,8 @@ class EngineCore:
             mcfg,
             heads,
             len(self.layers or ()),
-            (self.num_state_slots + self.num_saved_states) * self.state_slot_bytes,
+            (self.num_state_slots + self.num_saved_states) * self.state_slot_bytes
+            + self._lora_slot_bytes(),
         )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
@@ -455,6 +462,16 @@ class EngineCore:
         self.max_model_len = want or min(limit, capacity)
         if self.max_model_len < 2:
             raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
+
+    def _lora_slot_bytes(self) -> int:
+        """On CUDA with ``enable_lora``: the bytes of ``--max-loras`` adapter slots
+        (``model.lora_slots``, allocated as steps first use them), taken from the cache
+        budget so that they always fit beside it."""
+        cfg = self.config
+        if not cfg.enable_lora or self.device.type != "cuda":
+            return 0
+        dtype = LORA_DTYPES[cfg.lora_dtype]
+        return slot_bytes(self.files.config, cfg.max_loras, cfg.max_lora_rank, dtype)
 
     def _size_state_cache(self) -> None:
         """A hybrid model's recurrent-state rows: a slot per ``max_num_seqs`` where they

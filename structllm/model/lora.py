@@ -76,6 +76,31 @@ def _column(cfg: ModelConfig, part: str) -> int:
     return {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": cfg.intermediate_size, "all": 0}[part]
 
 
+def layout(cfg: ModelConfig, proj: str) -> tuple[int, list[tuple[int, int]]]:
+    """``proj``'s input width and its parts' ``(first column, width)`` in our fused
+    output (where ``SLICES`` places PEFT's modules)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "qkv": (h, [(0, q), (q, kv), (q + kv, kv)]),
+        "o": (q, [(0, h)]),
+        "gate_up": (h, [(0, i), (i, i)]),
+        "down": (i, [(0, h)]),
+    }[proj]
+
+
+def slot_bytes(cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+    """The device bytes of ``model.lora_slots.LoraSlots`` once every (layer, projection)
+    has its stack: ``A [S, P, R, K]`` and ``B^T [S, P, R, W]`` in ``dtype`` and the
+    ranks ``[S, P]`` int32 (W the widest part), over every layer's four projections."""
+    total = 0
+    for proj in ("qkv", "o", "gate_up", "down"):
+        k, parts = layout(cfg, proj)
+        p, w = len(parts), max(n for _, n in parts)
+        total += num_slots * p * (max_rank * (k + w) * dtype.itemsize + 4)
+    return cfg.num_layers * total
+
+
 def _shard(cfg: ModelConfig, plan: ShardPlan, proj: str, part: str, a: Tensor, b: Tensor) -> Part:
     """Tensor parallelism: rank ``plan``'s slice of one part, cut as ``model.sharding``
     cuts the matrix it adapts (``a [r, in]``, ``b [out, r]``; returns ``(a, b, first
