@@ -196,11 +196,14 @@ def test_max_loras_caps_a_step_and_starves_no_one(tiny_llama: Path) -> None:
     ) as llm:
         sched: Scheduler = llm.engine.scheduler
         seen: list[set[int]] = []
+        gauges: list[tuple[list[str], list[str]]] = []  # lora_requests_info's labels
         schedule = sched.schedule
 
         def counting(*args: Any, **kw: Any) -> SchedulerOutput:
             out = schedule(*args, **kw)
             seen.append({r.lora_uid for r, _ in out.scheduled if r.lora_uid})
+            stats = llm.engine.stats()
+            gauges.append((stats.lora_running, stats.lora_waiting))
             return out
 
         sched.schedule = counting  # type: ignore[method-assign]
@@ -209,6 +212,8 @@ def test_max_loras_caps_a_step_and_starves_no_one(tiny_llama: Path) -> None:
     assert all(len(o.token_ids) == 12 for o in outs)  # everyone finished
     assert max(len(s) for s in seen) == 2
     assert set().union(*seen) == {1, 2, 3}  # every adapter's load ran
+    # the metrics' running and waiting adapter names follow: two running, the third waits
+    assert (["a", "b"], ["c"]) in gauges and all(len(run) <= 2 for run, _ in gauges)
     assert llm.engine.adapters is not None and not llm.engine.adapters.pins
 
 
