@@ -10,12 +10,13 @@ and owns the N-1 worker processes (``worker_pool.WorkerPool``); ``close`` stops 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from itertools import chain
 from pathlib import Path
@@ -198,6 +199,7 @@ class EngineCore:
             self.close()
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
+        self._most_urgent: int | None = None  # the smallest priority any request came with
         self._traced_blocks: dict[
             str, int
         ] = {}  # request id -> KV blocks it held at the last trace
@@ -777,6 +779,8 @@ class EngineCore:
             self.check_pooling(msg)
             self.check_request(msg.prompt_token_ids, sampling, msg.images)
             self.check_priority(msg.priority)
+            if self._most_urgent is None or msg.priority < self._most_urgent:
+                self._most_urgent = msg.priority  # see _check_every
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
@@ -914,9 +918,9 @@ class EngineCore:
                 start = now_us()
                 self._trace_scheduled(sched)
             check = None
+            floor = None  # under priority, arrivals more urgent than this cut the step
             if pending is not None:  # ModelRunner.run drops it with tensor parallelism
                 ids = {req.request_id for req, _ in sched.scheduled}
-                floor = None  # under priority, arrivals more urgent than this cut the step
                 if self.scheduler.policy == "priority":
                     floor = min(req.priority for req, _ in sched.scheduled)
 
@@ -926,7 +930,8 @@ class EngineCore:
                         raise StepCutShort(reason)
 
             try:
-                sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
+                with self._check_every(floor):
+                    sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
             except StepCutShort as cut:
                 for req, _ in sched.scheduled:
                     req.draft_token_ids = []
@@ -953,6 +958,27 @@ class EngineCore:
                 self._trace_step(sched, new, start)
             deltas += new
         return OutputBatch(deltas, self.stats())
+
+    @contextlib.contextmanager
+    def _check_every(self, floor: int | None) -> Iterator[None]:
+        """The step's check for arrivals after every layer of the Python layer loop
+        (not ``llama.CHECK_EVERY``) when an arrival may cut it: under the priority
+        policy, once a request strictly more urgent than the step's least urgent
+        (``floor``) has been seen. A newcomer then waits one layer of a long prefill
+        step, not up to ``CHECK_EVERY``; fcfs, and a server whose requests all share one
+        priority, keep the coarser check (nothing for it to cut)."""
+        model = self.model
+        if floor is None or model is None or self._most_urgent is None:
+            yield
+            return
+        if self._most_urgent >= floor:
+            yield
+            return
+        every, model.check_every = model.check_every, 1
+        try:
+            yield
+        finally:
+            model.check_every = every
 
     def _pipelined_step(self) -> OutputBatch:
         """A step with pipeline parallelism (vLLM's virtual engines): submit batches of
