@@ -78,3 +78,19 @@ def test_lora_modules_need_lora_and_the_served_base(default_files: Any) -> None:
         ServedAdapters(False, "m", default_files.config, 16, (LoraModule("a", "/p"),))
     with pytest.raises(ValueError, match="is not the served model"):
         ServedAdapters(True, "m", default_files.config, 16, (LoraModule("a", "/p", "other"),))
+
+
+def test_vllms_lora_flags_reach_the_engine_config() -> None:
+    from structllm.cli import _engine_kwargs, build_parser
+
+    flags = ["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "5"]
+    flags += ["--max-lora-rank", "64", "--lora-dtype", "bfloat16"]
+    kw = _engine_kwargs(build_parser().parse_args(["run", "m.gguf", *flags]))
+    assert {k: kw[k] for k in ("enable_lora", "max_loras", "max_cpu_loras")} == {
+        "enable_lora": True,
+        "max_loras": 3,
+        "max_cpu_loras": 5,
+    }
+    assert (kw["max_lora_rank"], kw["lora_dtype"]) == (64, "bfloat16")
+    plain = _engine_kwargs(build_parser().parse_args(["run", "m.gguf"]))
+    assert plain["enable_lora"] is False and plain["max_cpu_loras"] is None
