@@ -11,6 +11,14 @@ greedy requests of ``--tokens`` output tokens each, output tokens/s:
 - ``one``: every request with the same rank-``--rank`` adapter (>= 0.90x);
 - ``distinct``: each request its own adapter (``max_loras`` = requests; >= 0.60x).
 
+``--llama-server BIN`` adds the single-stream comparison: the first adapter written
+again as a llama.cpp GGUF LoRA file (``general.type = adapter``, ``.lora_a`` /
+``.lora_b``, F32, as ``convert_lora_to_gguf.py`` writes them), one greedy request at a
+time of ``--single-tokens`` tokens, ``--single-rounds`` times each, alternating:
+structllm offline with the file as its ``LoRARequest`` against ``llama-server -m MODEL
+--lora FILE`` (one slot, all cores, its ``/completion`` endpoint; the HTTP round trip is
+in its figure, a few ms of seconds). The bar: structllm >= 1.0x llama-server.
+
 ``--lora-dtype`` (repeatable) runs ``one`` and ``distinct`` once per adapter storage
 type, each on its own engine (``one@float16``, ...); ``unused`` on the first's.
 
@@ -25,10 +33,13 @@ noisy, the ratios less so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +71,91 @@ def write_adapter(out: Path, cfg: Any, rank: int, seed: int) -> Path:
     return out
 
 
+def write_gguf_adapter(out: Path, peft_dir: Path, arch: str) -> Path:
+    """The PEFT adapter ``peft_dir`` as a GGUF LoRA file, as llama.cpp's converter names
+    and shapes its tensors (rows left in the file's order: a bench of speed only)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    names = {
+        v: k
+        for k, v in {
+            "attn_q": "self_attn.q_proj",
+            "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        }.items()
+    }
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    key = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
+    for name, t in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        m = key.fullmatch(name)
+        assert m is not None, name
+        # numpy [r, in] and [out, r]: GGUF's ne reversed, as the converter writes them
+        w.add_tensor(f"blk.{m[1]}.{names[m[2]]}.weight.lora_{m[3].lower()}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, model: Path, lora: Path) -> Iterator[str]:
+    """``llama-server -m model --lora lora`` (one slot, all cores) running; its URL."""
+    import os
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    threads = str(os.cpu_count() or 1)
+    cmd = [binary, "-m", str(model), "--lora", str(lora), "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "-np", "1", "-c", "4096", "-t", threads, "-tb", threads]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise SystemExit(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise SystemExit("llama-server did not start")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def llama_rate(url: str, prompt: str, n: int) -> float:
+    """Output tokens/s of one greedy ``/completion`` of ``n`` tokens (its wall time)."""
+    import urllib.request
+
+    body = {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True}
+    body["cache_prompt"] = False
+    req = urllib.request.Request(
+        url + "/completion", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    return int(out.get("tokens_predicted", 0)) / (time.perf_counter() - t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("model", nargs="?", default=None)
@@ -70,6 +166,9 @@ def main() -> None:
     ap.add_argument(
         "--lora-dtype", action="append", choices=["auto", "float32", "float16", "bfloat16"]
     )
+    ap.add_argument("--llama-server", help="llama-server binary: the single-stream comparison")
+    ap.add_argument("--single-tokens", type=int, default=128)
+    ap.add_argument("--single-rounds", type=int, default=3)
     a = ap.parse_args()
     dtypes: list[str] = a.lora_dtype or ["auto"]
 
@@ -110,11 +209,43 @@ def main() -> None:
                 outs = llm.generate(prompts, params, lora_request=r)
                 rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
                 best[name] = max(best.get(name, 0.0), rate)
+        single = single_stream(a, first, paths[0], cfg) if a.llama_server else {}
     import os
 
     print(f"load average {os.getloadavg()[0]:.1f}; {a.requests} requests x {a.tokens} tokens")
     for name, rate in best.items():
         print(f"{name:>18}: {rate:7.1f} tok/s  {rate / best['off']:.2f}x off")
+    if single:
+        ours, theirs = single["structllm"], single["llama-server"]
+        print(f"single stream, one GGUF LoRA, {a.single_tokens} tokens:")
+        print(f"{'structllm':>18}: {ours:7.1f} tok/s  {ours / theirs:.2f}x llama-server")
+        print(f"{'llama-server':>18}: {theirs:7.1f} tok/s")
+
+
+def single_stream(a: Any, llm: Any, peft_dir: Path, cfg: Any) -> dict[str, float]:
+    """Best-of-rounds tokens/s of one greedy request with the first adapter as a GGUF
+    LoRA file: structllm offline and llama-server, alternating."""
+    from structllm import LoRARequest, SamplingParams
+    from structllm.model.loader import prepare_model
+
+    model = prepare_model(a.model).source
+    assert model is not None and str(model).endswith(".gguf"), "llama-server needs a GGUF model"
+    lora = write_gguf_adapter(peft_dir.parent / "single.lora.gguf", peft_dir, cfg.architecture)
+    req = LoRARequest("single", 1000, str(lora))
+    prompt = "Tell me a long story about a lighthouse keeper."
+    params = SamplingParams(temperature=0, max_tokens=a.single_tokens, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), lora_request=req)
+    best = {"structllm": 0.0, "llama-server": 0.0}
+    with llama_server(a.llama_server, Path(model), lora) as url:
+        llama_rate(url, prompt, 2)  # warm up
+        for _ in range(a.single_rounds):
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params, lora_request=req)[0]
+            rate = len(out.token_ids) / (time.perf_counter() - t0)
+            best["structllm"] = max(best["structllm"], rate)
+            rate = llama_rate(url, prompt, a.single_tokens)
+            best["llama-server"] = max(best["llama-server"], rate)
+    return best
 
 
 if __name__ == "__main__":

@@ -244,8 +244,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       over it is passed over); ``max_cpu_loras``: adapters kept loaded (default
       ``max_loras``; those in use are never evicted); ``max_lora_rank``: larger ranks
       are refused; ``lora_dtype``: how their weights are stored (``auto``: float32;
-      computed in float32 always). One process only (no tensor or pipeline
-      parallelism).
+      computed in float32 always). With tensor parallelism each rank holds its slices
+      of the adapters; not with pipeline parallelism.
     - ``encoder_cache_memory``: bytes for a vision-language model's encoder outputs, kept
       by image hash (``engine.encoder_cache``; a 256-token Gemma 3 image at hidden 2560
       in float32 is 2.5 MiB).

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -577,6 +577,10 @@ class StepInput(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False
     # the step; (sequence, rows into its chunk, saved row) copied once those rows ran
     state_loads: list[tuple[int, int]] = []
     state_saves: list[tuple[int, int, int]] = []
+    # LoRA adapters with tensor parallelism (engine.adapters): (load uid, path) of each
+    # adapter the step's rows use, and (load uid or 0, rows) per sequence in batch order
+    loras: list[tuple[int, str]] = []
+    lora_spans: list[tuple[int, int]] = []
 
 
 class StopWorker(msgspec.Struct, frozen=True, tag=True, array_like=True):

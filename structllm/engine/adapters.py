@@ -13,6 +13,12 @@ On CUDA the adapters are loaded onto the CPU and a step's are copied into
 ``max_loras`` slots on the GPU as they enter one (``model.lora_slots``: Triton's
 segmented shrink and expand); on the CPU they are loaded where they run
 (``cpu_lora.cpp``).
+
+With tensor parallelism every rank holds its slices of each adapter, cut as the
+matrices they adapt (``model.lora._shard``). Rank 0's registry decides as above; each
+step's ``StepInput`` names the adapters its rows use by load uid and path, and a
+worker's registry (``follow``) loads those it lacks under the same uids, keeping the
+``max_cpu_loras`` most recently used.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from structllm.kernels import cpu_ext
 from structllm.lora import AdapterError, check_base, read_adapter
 from structllm.model.config import ModelConfig
 from structllm.model.lora import Items, LoraAdapter, LoraRows, load_adapter, step_rows
+from structllm.model.sharding import ShardPlan
 from structllm.protocol import LoraRef
 
 LORA_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float16": torch.float16}
@@ -45,6 +52,7 @@ class AdapterRegistry:
         dtype: str,
         device: torch.device,
         max_loras: int = 1,
+        plan: ShardPlan | None = None,
     ) -> None:
         check_base(cfg)
         if dtype not in LORA_DTYPES:
@@ -54,6 +62,7 @@ class AdapterRegistry:
         self.max_lora_rank = max_lora_rank
         self.dtype = LORA_DTYPES[dtype]
         self.device = device
+        self.plan = plan  # tensor parallelism: this rank's slices
         self.loaded: OrderedDict[int, LoraAdapter] = OrderedDict()
         self.pins: dict[int, int] = {}  # uid -> requests using it
         self.by_uid: dict[int, LoraAdapter] = {}
@@ -88,7 +97,7 @@ class AdapterRegistry:
             spec = read_adapter(ref.path, self.cfg, self.max_lora_rank)
             uid = next(self._uids)
             adapter = load_adapter(
-                spec, self.cfg, uid, ref.name, ref.lora_id, self.dtype, self.load_device
+                spec, self.cfg, uid, ref.name, ref.lora_id, self.dtype, self.load_device, self.plan
             )
             self.loaded[ref.lora_id] = adapter
             self.by_uid[uid] = adapter
@@ -134,3 +143,29 @@ class AdapterRegistry:
                 self._plans.clear()
             rows.plans = self._plans.setdefault(tuple(a.uid for a, _ in rows.groups), {})
         return rows
+
+    def loads(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, str]]:
+        """``(uid, path)`` of each adapter in ``spans`` (``rows``'), for the workers."""
+        uids = dict.fromkeys(uid for uid, _ in spans if uid)
+        return [(uid, self.by_uid[uid].path) for uid in uids]
+
+    def follow(self, loads: Sequence[tuple[int, str]]) -> None:
+        """A tensor-parallel worker's registry: the step's adapters ``loads`` (rank 0's
+        uids and paths, checked there) loaded here if they are not, as this rank's
+        slices; of the others, the ``max_cpu_loras`` most recently used are kept (a
+        worker needs only its step's: rank 0 pins and decides)."""
+        for uid, path in loads:
+            adapter = self.by_uid.get(uid)
+            if adapter is None:
+                spec = read_adapter(path, self.cfg, self.max_lora_rank)
+                adapter = load_adapter(
+                    spec, self.cfg, uid, "", uid, self.dtype, self.load_device, self.plan
+                )
+                self.by_uid[uid] = adapter
+                self.num_loads += 1
+            self.loaded[uid] = adapter  # keyed by uid here
+            self.loaded.move_to_end(uid)
+        while len(self.loaded) > max(self.max_cpu_loras, len(loads)):
+            _, old = self.loaded.popitem(last=False)  # never one of the step's (moved last)
+            self.by_uid.pop(old.uid, None)
+            self._plans.clear()

@@ -10,12 +10,13 @@ and owns the N-1 worker processes (``worker_pool.WorkerPool``); ``close`` stops 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from itertools import chain
 from pathlib import Path
@@ -24,7 +25,7 @@ import msgspec
 import torch
 
 from structllm.config import EngineConfig, SpeculativeConfig
-from structllm.engine.adapters import AdapterRegistry
+from structllm.engine.adapters import LORA_DTYPES, AdapterRegistry
 from structllm.engine.device import (
     drop_library_pages,
     kv_budget,
@@ -57,6 +58,7 @@ from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
 from structllm.model.loader import prepare_model
+from structllm.model.lora import slot_bytes
 from structllm.model.pooler_config import PoolerSpec, read_pooler, resolve_runner
 from structllm.model.sharding import ShardPlan, plan_shards
 from structllm.model.stages import stage_layers
@@ -155,10 +157,8 @@ class EngineCore:
                 f"{mcfg.architecture} has layers of several K/V shapes or layers reading "
                 "another layer's K/V: tensor and pipeline parallelism are not supported for it"
             )
-        if config.enable_lora and (
-            config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
-        ):
-            raise ValueError("LoRA adapters run in one process: no tensor or pipeline parallelism")
+        if config.enable_lora and config.pipeline_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with pipeline parallelism")
         if mcfg.kv_lora_rank and (
             config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1
         ):
@@ -177,6 +177,11 @@ class EngineCore:
         ranks = world * self.stages
         self.device = resolve_device(config) if ranks == 1 else worker_device(config, 0)
         self.dtype = setup_device(config, self.device, ranks // config.nnodes)  # this host's
+        if config.enable_lora and world > 1 and self.device.type == "cuda":
+            raise ValueError(
+                "LoRA adapters with tensor parallelism run on the CPU only (the CUDA slots "
+                "of model.lora_slots hold whole adapters)"
+            )
         fmt = None
         if (
             not config.null_model
@@ -193,6 +198,7 @@ class EngineCore:
             self.close()
             raise
         self._pending: list[TokenDelta] = []  # refusals and aborts, sent with the next batch
+        self._most_urgent: int | None = None  # the smallest priority any request came with
         self._traced_blocks: dict[
             str, int
         ] = {}  # request id -> KV blocks it held at the last trace
@@ -315,7 +321,7 @@ class EngineCore:
         self.adapters: AdapterRegistry | None = None  # --enable-lora
         self._lora_of: dict[str, int] = {}  # request id -> the adapter load it pins
         if self.config.enable_lora:
-            self._enable_lora()
+            self._enable_lora(plan)
         if isinstance(self.runner, ModelRunner):
             self.runner.grammar = self.grammar
             # (a recurrent state advances one sequence row at a time: no decode chunks)
@@ -324,9 +330,9 @@ class EngineCore:
             release_free_heap()  # what loading and the start-up prefill left free
             drop_library_pages()  # library code only start-up ran (faults back if used)
 
-    def _enable_lora(self) -> None:
-        """The adapter registry (``engine.adapters``), handed to the runner (a step's rows
-        by adapter) and the scheduler's ``max_loras``."""
+    def _enable_lora(self, plan: ShardPlan | None) -> None:
+        """The adapter registry (``engine.adapters``; with ``plan``, rank 0's slices),
+        handed to the runner (a step's rows by adapter) and the scheduler's ``max_loras``."""
         cfg = self.config
         self.adapters = AdapterRegistry(
             self.files.config,
@@ -335,6 +341,7 @@ class EngineCore:
             cfg.lora_dtype,
             self.device,
             cfg.max_loras,
+            plan,
         )
         self.scheduler.max_loras = cfg.max_loras
         if isinstance(self.runner, ModelRunner):
@@ -438,7 +445,8 @@ class EngineCore:
             mcfg,
             heads,
             len(self.layers or ()),
-            (self.num_state_slots + self.num_saved_states) * self.state_slot_bytes,
+            (self.num_state_slots + self.num_saved_states) * self.state_slot_bytes
+            + self._lora_slot_bytes(),
         )
         if group is not None:
             self.num_blocks = group.all_reduce_min(self.num_blocks)  # what the tightest rank holds
@@ -455,6 +463,16 @@ class EngineCore:
         self.max_model_len = want or min(limit, capacity)
         if self.max_model_len < 2:
             raise ValueError(f"kv_cache_memory is too small: the KV cache holds {capacity} tokens")
+
+    def _lora_slot_bytes(self) -> int:
+        """On CUDA with ``enable_lora``: the bytes of ``--max-loras`` adapter slots
+        (``model.lora_slots``, allocated as steps first use them), taken from the cache
+        budget so that they always fit beside it."""
+        cfg = self.config
+        if not cfg.enable_lora or self.device.type != "cuda":
+            return 0
+        dtype = LORA_DTYPES[cfg.lora_dtype]
+        return slot_bytes(self.files.config, cfg.max_loras, cfg.max_lora_rank, dtype)
 
     def _size_state_cache(self) -> None:
         """A hybrid model's recurrent-state rows: a slot per ``max_num_seqs`` where they
@@ -758,6 +776,8 @@ class EngineCore:
             self.check_pooling(msg)
             self.check_request(msg.prompt_token_ids, sampling, msg.images)
             self.check_priority(msg.priority)
+            if self._most_urgent is None or msg.priority < self._most_urgent:
+                self._most_urgent = msg.priority  # see _check_every
             room = self.max_model_len - len(msg.prompt_token_ids)
             want = sampling.max_tokens
             max_tokens = room if want is None else min(want, room)
@@ -895,9 +915,9 @@ class EngineCore:
                 start = now_us()
                 self._trace_scheduled(sched)
             check = None
+            floor = None  # under priority, arrivals more urgent than this cut the step
             if pending is not None:  # ModelRunner.run drops it with tensor parallelism
                 ids = {req.request_id for req, _ in sched.scheduled}
-                floor = None  # under priority, arrivals more urgent than this cut the step
                 if self.scheduler.policy == "priority":
                     floor = min(req.priority for req, _ in sched.scheduled)
 
@@ -907,7 +927,8 @@ class EngineCore:
                         raise StepCutShort(reason)
 
             try:
-                sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
+                with self._check_every(floor):
+                    sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
             except StepCutShort as cut:
                 for req, _ in sched.scheduled:
                     req.draft_token_ids = []
@@ -934,6 +955,27 @@ class EngineCore:
                 self._trace_step(sched, new, start)
             deltas += new
         return OutputBatch(deltas, self.stats())
+
+    @contextlib.contextmanager
+    def _check_every(self, floor: int | None) -> Iterator[None]:
+        """The step's check for arrivals after every layer of the Python layer loop
+        (not ``llama.CHECK_EVERY``) when an arrival may cut it: under the priority
+        policy, once a request strictly more urgent than the step's least urgent
+        (``floor``) has been seen. A newcomer then waits one layer of a long prefill
+        step, not up to ``CHECK_EVERY``; fcfs, and a server whose requests all share one
+        priority, keep the coarser check (nothing for it to cut)."""
+        model = self.model
+        if floor is None or model is None or self._most_urgent is None:
+            yield
+            return
+        if self._most_urgent >= floor:
+            yield
+            return
+        every, model.check_every = model.check_every, 1
+        try:
+            yield
+        finally:
+            model.check_every = every
 
     def _pipelined_step(self) -> OutputBatch:
         """A step with pipeline parallelism (vLLM's virtual engines): submit batches of

@@ -324,6 +324,9 @@ class ModelRunner:
                 prompt_rows += range(row0, row0 + count)
                 spans.append(PromptSpan(req, first, count))
 
+        lora_spans = [(r.lora_uid, n) for r, n in ordered] if self.adapters is not None else []
+        if not any(uid for uid, _ in lora_spans):
+            lora_spans = []
         width = max(len(t) for t in tables)
         flat_tables = array("i")
         for t in tables:
@@ -341,10 +344,13 @@ class ModelRunner:
             state_slots=state_slots,
             state_loads=state_loads,
             state_saves=state_saves,
+            loras=self.adapters.loads(lora_spans) if self.adapters and lora_spans else [],
+            lora_spans=lora_spans,
         )
         batch = batch_from_step(step, self.device, sample_reqs, spans, sample_counts)
-        if self.adapters is not None:  # each request's rows are n consecutive ones
-            batch.lora = self.adapters.rows([(r.lora_uid, n) for r, n in ordered])
+        if lora_spans:  # each request's rows are n consecutive ones
+            assert self.adapters is not None
+            batch.lora = self.adapters.rows(lora_spans)
         if spatial:
             batch.positions = mrope_rows(batch.positions, spatial)
         if chunks and self.vision is not None:

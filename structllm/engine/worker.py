@@ -31,6 +31,7 @@ import msgspec
 import torch.distributed as dist
 
 from structllm.config import EngineConfig
+from structllm.engine.adapters import AdapterRegistry
 from structllm.engine.device import (
     drop_library_pages,
     load_rank_model,
@@ -39,7 +40,7 @@ from structllm.engine.device import (
     setup_device,
     worker_device,
 )
-from structllm.engine.runner import ModelRunner, PipelineLinks, batch_from_step
+from structllm.engine.runner import Batch, ModelRunner, PipelineLinks, batch_from_step
 from structllm.engine.sampler import Sampler
 from structllm.engine.stage_sampling import StageSampler
 from structllm.ipc import shm
@@ -91,7 +92,7 @@ def worker_loop(
             return 0
         assert isinstance(msg, StepInput)
         # the gathered logits stay on rank 0; a sink keeps this rank from collecting its slices
-        runner.forward(batch_from_step(msg, runner.device), sink=_discard)
+        runner.forward(_batch(runner, msg), sink=_discard)
 
 
 def remote_loop(runner: ModelRunner, sock: socket.socket, timeout: float) -> int:
@@ -104,7 +105,16 @@ def remote_loop(runner: ModelRunner, sock: socket.socket, timeout: float) -> int
             return 0
         if isinstance(msg, StopWorker):
             return 0
-        runner.forward(batch_from_step(msg, runner.device), sink=_discard)
+        runner.forward(_batch(runner, msg), sink=_discard)
+
+
+def _batch(runner: ModelRunner, step: StepInput) -> Batch:
+    """``step``'s tensors, with its LoRA rows (this rank's slices of the adapters)."""
+    batch = batch_from_step(step, runner.device)
+    if step.lora_spans and runner.adapters is not None:
+        runner.adapters.follow(step.loras)
+        batch.lora = runner.adapters.rows(step.lora_spans)
+    return batch
 
 
 def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, TensorParallelGroup]:
@@ -153,6 +163,16 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
             local_num_blocks(config, device, kv_dtype, files.config, heads, len(layers or ()))
         )
         runner = ModelRunner(model, num_blocks, config.block_size, None, kv_dtype=kv_dtype)
+        if config.enable_lora:  # this rank's slices of the adapters rank 0 names
+            runner.adapters = AdapterRegistry(
+                files.config,
+                config.max_cpu_loras or config.max_loras,
+                config.max_lora_rank,
+                config.lora_dtype,
+                device,
+                config.max_loras,
+                plan,
+            )
         if layers is not None:
             runner.pp = PipelineLinks(group, stage, stages, tp_rank, tp)
             if runner.pp.last and tp_rank == 0:  # samples every row (seeded as rank 0)

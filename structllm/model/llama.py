@@ -56,7 +56,9 @@ from structllm.model.sharding import ShardPlan
 
 # Layers between two calls of forward's ``between_layers`` (the engine's check for
 # aborts that make the running step pointless): a step is cut short at most this many
-# layers after the check would say so.
+# layers after the check would say so. ``LlamaModel.check_every`` is the Python layer
+# loop's, which the engine lowers to 1 for a step an urgent arrival may cut
+# (``EngineCore._check_every``).
 CHECK_EVERY = 4
 
 log = logging.getLogger(__name__)
@@ -477,6 +479,9 @@ class LlamaModel(nn.Module):
         # the step's LoRA rows while it has any (model.lora.active): the Python loop runs
         self.deepstack: Deepstack | None = None  # a step's, see deepstack.injected
         self.adapters: LoraRows | None = None
+        # the Python layer loop's between_layers interval (the native decode loop keeps
+        # CHECK_EVERY: its segments are native calls, and decode steps are short)
+        self.check_every = CHECK_EVERY
         # decode steps may be captured in CUDA graphs (where the attention backend can
         # be); False for a family whose attention reads the step's host-side lists
         self.cuda_graphs = True
@@ -594,7 +599,7 @@ class LlamaModel(nn.Module):
                 else None
             )
             for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-                if between_layers is not None and i and i % CHECK_EVERY == 0:
+                if between_layers is not None and i and i % self.check_every == 0:
                     between_layers()
                 dl = cast(DecoderLayer, layer)
                 rope = pairs[-1] if not dl.rotates else pairs[1 if dl.local_rope else 0]
@@ -608,7 +613,7 @@ class LlamaModel(nn.Module):
             return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
         ropes = [r.unsqueeze(1) for r in ropes]  # [T, 1, D/2]
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if between_layers is not None and i and i % CHECK_EVERY == 0:
+            if between_layers is not None and i and i % self.check_every == 0:
                 between_layers()
             dl = cast(DecoderLayer, layer)
             layer_rope = ropes[1 if dl.local_rope else 0] if dl.rotates else None

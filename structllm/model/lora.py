@@ -30,6 +30,7 @@ from structllm.lora import AdapterSpec
 from structllm.model.config import ModelConfig
 from structllm.model.gguf import dequantize, keeps_hf_rope_order, open_gguf
 from structllm.model.layers import interleave_rope_rows
+from structllm.model.sharding import ShardPlan
 
 # PEFT's module -> (our fused projection, which slice of its output)
 SLICES = {
@@ -75,6 +76,50 @@ def _column(cfg: ModelConfig, part: str) -> int:
     return {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": cfg.intermediate_size, "all": 0}[part]
 
 
+def layout(cfg: ModelConfig, proj: str) -> tuple[int, list[tuple[int, int]]]:
+    """``proj``'s input width and its parts' ``(first column, width)`` in our fused
+    output (where ``SLICES`` places PEFT's modules)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "qkv": (h, [(0, q), (q, kv), (q + kv, kv)]),
+        "o": (q, [(0, h)]),
+        "gate_up": (h, [(0, i), (i, i)]),
+        "down": (i, [(0, h)]),
+    }[proj]
+
+
+def slot_bytes(cfg: ModelConfig, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+    """The device bytes of ``model.lora_slots.LoraSlots`` once every (layer, projection)
+    has its stack: ``A [S, P, R, K]`` and ``B^T [S, P, R, W]`` in ``dtype`` and the
+    ranks ``[S, P]`` int32 (W the widest part), over every layer's four projections."""
+    total = 0
+    for proj in ("qkv", "o", "gate_up", "down"):
+        k, parts = layout(cfg, proj)
+        p, w = len(parts), max(n for _, n in parts)
+        total += num_slots * p * (max_rank * (k + w) * dtype.itemsize + 4)
+    return cfg.num_layers * total
+
+
+def _shard(cfg: ModelConfig, plan: ShardPlan, proj: str, part: str, a: Tensor, b: Tensor) -> Part:
+    """Tensor parallelism: rank ``plan``'s slice of one part, cut as ``model.sharding``
+    cuts the matrix it adapts (``a [r, in]``, ``b [out, r]``; returns ``(a, b, first
+    column in the rank's output)``). A column-parallel projection (q/k/v, gate/up) keeps
+    its rows of ``B`` and all of ``A``; a row-parallel one (o, down) its input columns of
+    ``A`` and all of ``B``: each rank adds ``B (A_r x_r)`` before the layer's all-reduce,
+    which sums them into ``B (A x)``."""
+    d = cfg.head_dim
+    heads = range(plan.heads.start * d, plan.heads.stop * d)
+    kv = range(plan.kv_heads.start * d, plan.kv_heads.stop * d)
+    rows = {"q": (heads, 0), "k": (kv, len(heads)), "v": (kv, len(heads) + len(kv))}
+    rows |= {"gate": (plan.ffn, 0), "up": (plan.ffn, len(plan.ffn))}
+    if part in rows:
+        r, col = rows[part]
+        return a, b[r.start : r.stop], col
+    cols = heads if proj == "o" else plan.ffn  # "all" of o_proj [hidden, H*D], down [hidden, I]
+    return a[:, cols.start : cols.stop], b, 0
+
+
 def load_adapter(
     spec: AdapterSpec,
     cfg: ModelConfig,
@@ -83,9 +128,11 @@ def load_adapter(
     lora_id: int,
     dtype: torch.dtype,
     device: torch.device,
+    plan: ShardPlan | None = None,
 ) -> LoraAdapter:
     """The weights of ``spec`` (checked by ``lora.read_adapter``) on ``device``, stored in
-    ``dtype`` (computed in float32 whatever it is)."""
+    ``dtype`` (computed in float32 whatever it is); with ``plan``, that rank's slices
+    (``_shard``)."""
     tensors = _gguf_tensors(spec) if spec.gguf else _peft_tensors(spec)
     # PEFT's q/k rows are in Hugging Face's order; a GGUF file's as llama.cpp left them
     permute = not spec.gguf or keeps_hf_rope_order(cfg.architecture)
@@ -97,10 +144,13 @@ def load_adapter(
         if permute and part in ("q", "k"):  # the rotary pairs as the base's q/k rows hold them
             heads = cfg.num_heads if part == "q" else cfg.num_kv_heads
             b = interleave_rope_rows(b, heads, cfg.rope_dim)
+        a, b, col = (
+            (a, b, _column(cfg, part)) if plan is None else _shard(cfg, plan, proj, part, a, b)
+        )
         entry = (  # B transposed: the native expand's rows (cpu_lora.cpp)
             a.to(device=device, dtype=dtype).contiguous(),
             b.t().to(device=device, dtype=dtype).contiguous(),
-            _column(cfg, part),
+            col,
         )
         adapter.layers.setdefault(t.layer, {}).setdefault(proj, []).append(entry)
     return adapter

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from structllm.kernels import triton_lora
 from structllm.model.config import ModelConfig
-from structllm.model.lora import LoraAdapter, LoraRows
+from structllm.model.lora import LoraAdapter, LoraRows, layout
 
 
 @dataclass
@@ -39,19 +39,6 @@ class Stack:
     widths: Tensor  # [P] int32: each part's width
     first: list[int]  # cols on the host: a part's column names it (LoraAdapter's parts)
     width: list[int]  # widths on the host
-
-
-def layout(cfg: ModelConfig, proj: str) -> tuple[int, list[tuple[int, int]]]:
-    """``proj``'s input width and its parts' ``(first column, width)`` in our fused
-    output (as ``model.lora`` places PEFT's modules)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "qkv": (h, [(0, q), (q, kv), (q + kv, kv)]),
-        "o": (q, [(0, h)]),
-        "gate_up": (h, [(0, i), (i, i)]),
-        "down": (i, [(0, h)]),
-    }[proj]
 
 
 class LoraSlots:
@@ -77,6 +64,7 @@ class LoraSlots:
         self.num_placed = 0  # adapters written into a slot, ever
 
     def _stack(self, layer: int, proj: str) -> Stack:
+        # (slot_bytes in model.lora counts what this allocates, for the cache budget)
         stack = self.stacks.get((layer, proj))
         if stack is None:
             k, parts = layout(self.cfg, proj)

@@ -10,12 +10,19 @@ Each adapter is checked here (``lora.read_adapter``: its config and safetensors 
 against the base's shape) before it gets a name, and carries a ``LoraRef`` to the engine
 with every request, which loads it on first use (``engine.adapters``). Every load of a
 name gets a fresh id, so the engine's prefix cache never mixes two loads' blocks; an
-unloaded adapter still serves the requests already sent with it. Runtime loads are this
-front end's own (with ``--api-server-count`` above 1 the others do not see them).
+unloaded adapter still serves the requests already sent with it.
+
+With ``--api-server-count`` above 1 the front ends share their runtime loads and
+unloads through a ``Journal``: one file (a memfd the main process creates, every front
+end inherits) of JSON lines, appended under a lock by the front end that answered the
+call and replayed by each front end before it looks a name up, lists the cards or
+answers a load or unload. A front end started later (after an engine restart) replays
+it from the start.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
@@ -83,9 +90,37 @@ class Served:
     parent: str
 
 
+class Journal:
+    """The runtime loads and unloads of a server's front ends (see the module's
+    docstring): JSON lines in the file ``fd``, each read once by each front end."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.offset = 0  # the bytes of whole lines this front end has read
+
+    def append(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry).encode() + b"\n"
+        fcntl.flock(self.fd, fcntl.LOCK_EX)  # one writer at a time: lines never mix
+        try:
+            os.pwrite(self.fd, line, os.fstat(self.fd).st_size)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def read_new(self) -> list[dict[str, Any]]:
+        """The whole lines appended since the last call, in order."""
+        size = os.fstat(self.fd).st_size
+        if size == self.offset:
+            return []
+        data = os.pread(self.fd, size - self.offset, self.offset)
+        end = data.rfind(b"\n") + 1  # (a line being written is read next time)
+        self.offset += end
+        return [json.loads(line) for line in data[:end].splitlines()]
+
+
 class ServedAdapters:
     """The adapters served by name next to the base ``model_name`` (``enabled``: the
-    engine runs adapters, ``--enable-lora``)."""
+    engine runs adapters, ``--enable-lora``); ``journal``: the runtime loads shared
+    with the server's other front ends."""
 
     def __init__(
         self,
@@ -94,9 +129,11 @@ class ServedAdapters:
         cfg: ModelConfig,
         max_lora_rank: int,
         modules: tuple[LoraModule, ...] = (),
+        journal: Journal | None = None,
     ) -> None:
         self.enabled, self.model_name, self.cfg = enabled, model_name, cfg
         self.max_lora_rank = max_lora_rank
+        self.journal = journal
         self.by_name: dict[str, Served] = {}
         # --lora-modules take ids 1.. in order (the same in every front end); runtime
         # loads ids of this process's own (pid-based: front ends never share one)
@@ -122,10 +159,22 @@ class ServedAdapters:
         read_adapter(path, self.cfg, self.max_lora_rank)
         self.by_name[name] = Served(LoraRef(name, lora_id, os.path.abspath(path)), parent)
 
+    def _sync(self) -> None:
+        """Apply what the other front ends loaded and unloaded since the last look."""
+        if self.journal is None:
+            return
+        for e in self.journal.read_new():
+            if e["op"] == "load":
+                ref = LoraRef(e["name"], e["id"], e["path"])
+                self.by_name[e["name"]] = Served(ref, e["parent"])
+            else:
+                self.by_name.pop(e["name"], None)
+
     def ref(self, model: str | None) -> LoraRef | None:
         """The adapter a request's ``model`` names (None: the base); 404 if unknown."""
         if model is None or model == self.model_name:
             return None
+        self._sync()
         served = self.by_name.get(model)
         if served is None:
             raise APIError(
@@ -139,6 +188,7 @@ class ServedAdapters:
 
     def cards(self, created: int) -> list[dict[str, Any]]:
         """``/v1/models`` entries of the adapters (after the base's)."""
+        self._sync()
         return [
             {
                 "id": name,
@@ -153,6 +203,7 @@ class ServedAdapters:
 
     def load(self, req: LoadLoraAdapterRequest) -> str:
         """vLLM's ``/v1/load_lora_adapter``: the success text, or an ``APIError``."""
+        self._sync()
         if not req.lora_name or not req.lora_path:
             raise APIError(
                 400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
@@ -173,10 +224,15 @@ class ServedAdapters:
             raise APIError(404, str(e), "NotFoundError") from None
         except AdapterError as e:
             raise APIError(400, str(e), "BadRequestError") from None
+        if self.journal is not None:
+            s = self.by_name[req.lora_name]
+            entry = {"op": "load", "name": req.lora_name, "path": s.ref.path}
+            self.journal.append({**entry, "id": s.ref.lora_id, "parent": s.parent})
         return f"Success: LoRA adapter '{req.lora_name}' added successfully."
 
     def unload(self, req: UnloadLoraAdapterRequest) -> str:
         """vLLM's ``/v1/unload_lora_adapter``: the success text, or an ``APIError``."""
+        self._sync()
         if not req.lora_name and not req.lora_int_id:
             raise APIError(
                 400,
@@ -188,4 +244,6 @@ class ServedAdapters:
                 404, f"The lora adapter '{req.lora_name}' cannot be found.", "NotFoundError"
             )
         del self.by_name[req.lora_name]
+        if self.journal is not None:
+            self.journal.append({"op": "unload", "name": req.lora_name})
         return f"Success: LoRA adapter '{req.lora_name}' removed successfully."

@@ -50,7 +50,7 @@ from structllm.multimodal.processor import ImageProcessor
 from structllm.multimodal.registry import processor_for
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
-from structllm.server.lora import ServedAdapters
+from structllm.server.lora import Journal, ServedAdapters
 from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
 from structllm.tools import FAMILY_FORMATS, detect_format
@@ -83,6 +83,7 @@ class ApiServerSpec(msgspec.Struct, frozen=True):
     metrics_size: int
     handoff: ChannelHandoff
     parent_pid: int
+    lora_fd: int = -1  # the front ends' runtime LoRA loads (server.lora.Journal)
 
 
 _PREPARE = """
@@ -116,7 +117,11 @@ def front_end_files(model: str | None) -> ModelFiles:
 
 
 def make_app(
-    config: ServerConfig, files: ModelFiles, metrics_table: Any = None, slot: int = 0
+    config: ServerConfig,
+    files: ModelFiles,
+    metrics_table: Any = None,
+    slot: int = 0,
+    lora_fd: int = -1,
 ) -> App:
     name = config.served_model_name or files.name
     tokenizer = Tokenizer.from_files(files)
@@ -173,6 +178,7 @@ def make_app(
         files.config,
         config.engine.max_lora_rank,
         config.lora_modules,
+        Journal(lora_fd) if lora_fd >= 0 else None,
     )
     return App(
         config, name, tokenizer, Metrics(name, metrics_table, slot), defaults, processor, adapters
@@ -204,18 +210,19 @@ def run(config: ServerConfig) -> int:
         return 2
     t0 = time.monotonic()
     metrics_mem = None
-    metrics_fd = -1
+    metrics_fd = lora_fd = -1
     table = None
     if config.api_server_count > 1:
         # counters of all front ends, one slot each, summed by whoever answers /metrics
         metrics_mem, metrics_fd = shm.create(config.api_server_count * SLOT_SIZE * 8)
         table = memoryview(metrics_mem).cast("d")
+        if config.engine.enable_lora:  # runtime LoRA loads, seen by every front end
+            lora_fd = os.memfd_create("structllm-lora-journal")
     app: App | None = None
     try:
-        app = make_app(config, front_end_files(config.engine.model), table, 0)
-        return int(
-            anyio.run(Supervisor(config, app, sock, metrics_fd, t0).run, backend=config.backend)
-        )
+        app = make_app(config, front_end_files(config.engine.model), table, 0, lora_fd)
+        supervisor = Supervisor(config, app, sock, metrics_fd, t0, lora_fd)
+        return int(anyio.run(supervisor.run, backend=config.backend))
     except KeyboardInterrupt:
         return 130
     finally:
@@ -227,6 +234,8 @@ def run(config: ServerConfig) -> int:
             table.release()  # the one view the metrics hold; then the mapping can close
             metrics_mem.close()
             os.close(metrics_fd)
+        if lora_fd >= 0:
+            os.close(lora_fd)
 
 
 class Supervisor:
@@ -236,7 +245,13 @@ class Supervisor:
     exit code: 0 after a requested stop, 1 when the engine cannot be kept up."""
 
     def __init__(
-        self, config: ServerConfig, app: App, sock: socket.socket, metrics_fd: int, t0: float
+        self,
+        config: ServerConfig,
+        app: App,
+        sock: socket.socket,
+        metrics_fd: int,
+        t0: float,
+        lora_fd: int = -1,
     ) -> None:
         self.config, self.app, self.sock, self.metrics_fd, self.t0 = (
             config,
@@ -245,6 +260,7 @@ class Supervisor:
             metrics_fd,
             t0,
         )
+        self.lora_fd = lora_fd  # the runtime LoRA journal's file, inherited by the front ends
 
     async def run(self) -> int:
         self.stop = anyio.Event()  # a stop was requested (signal) or the engine is given up
@@ -377,14 +393,11 @@ class Supervisor:
             cfg.api_server_count * SLOT_SIZE * 8,
             handoff,
             os.getpid(),
+            self.lora_fd,
         )
-        return ChildProcess(
-            spawn(
-                "structllm.server.api_server",
-                spec,
-                (self.sock.fileno(), self.metrics_fd, *handoff.fds),
-            )
-        )
+        fds: tuple[int, ...] = (self.sock.fileno(), self.metrics_fd, *handoff.fds)
+        fds += (self.lora_fd,) if self.lora_fd >= 0 else ()
+        return ChildProcess(spawn("structllm.server.api_server", spec, fds))
 
     async def watch_api_server(
         self, child: ChildProcess, scope: anyio.CancelScope, client: EngineClient
@@ -411,7 +424,7 @@ def run_api_server(spec: ApiServerSpec) -> int:
     os.close(spec.metrics_fd)
     table = memoryview(mapping).cast("d")
     # the main process prepared the files before it started the engine: all cached now
-    app = make_app(cfg, find_model_files(cfg.engine.model), table, spec.handoff.index)
+    app = make_app(cfg, find_model_files(cfg.engine.model), table, spec.handoff.index, spec.lora_fd)
 
     async def main() -> int:
         code = 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import pytest
 
+from tests.support.adapters import peft_adapter
+from tests.support.models import EXACT, tiny_family_dir
 from tests.support.procs import alive, children, engine_of, shm_entries, wait_for
 from tests.support.server import Server
 
@@ -83,3 +86,29 @@ def test_kill_9_of_the_main_process_takes_everything_down() -> None:
         os.kill(main, signal.SIGKILL)
         s.proc.wait()  # type: ignore[union-attr]
         wait_for(lambda: not any(alive(k) for k in kids), "children outlived the main process")
+
+
+def test_runtime_lora_loads_reach_every_front_end(default_files) -> None:  # type: ignore[no-untyped-def]
+    # the front ends share one journal of runtime loads (server.lora.Journal, whose
+    # replay tests/frontend/test_lora_routes.py checks): the extra front end holds the
+    # main process's file, and loads and unloads answer as with one front end (which
+    # process accepts a connection is the kernel's choice, so not asserted here)
+    base = tiny_family_dir("llama", default_files)
+    args = ["--dtype", EXACT["dtype"], "--quantization", EXACT["quantization"]]
+    args += ["--kv-cache-memory", "16MiB", "--max-model-len", "256"]
+    args += ["--served-model-name", "base", "--enable-lora", "--api-server-count", "2"]
+    env = {"STRUCTLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    with Server(str(base), *args, env=env) as s:
+        (extra,) = workers_of(s.proc.pid)  # type: ignore[union-attr]
+        fds = [os.readlink(f"/proc/{extra}/fd/{n}") for n in os.listdir(f"/proc/{extra}/fd")]
+        assert any(f.startswith("/memfd:structllm-lora-journal") for f in fds), fds
+        body = {"lora_name": "sql", "lora_path": str(peft_adapter(base, 1))}
+        assert s.request("POST", "/v1/load_lora_adapter", body)[0] == 200
+        for _ in range(4):
+            _, models = s.get("/v1/models")
+            assert [m["id"] for m in json.loads(models)["data"]] == ["base", "sql"]
+            code, out = s.post("/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2})
+            assert code == 200 and out["model"] == "sql", out
+        assert s.request("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 200
+        code, out = s.post("/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2})
+        assert code == 404, out

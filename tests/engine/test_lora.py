@@ -196,11 +196,14 @@ def test_max_loras_caps_a_step_and_starves_no_one(tiny_llama: Path) -> None:
     ) as llm:
         sched: Scheduler = llm.engine.scheduler
         seen: list[set[int]] = []
+        gauges: list[tuple[list[str], list[str]]] = []  # lora_requests_info's labels
         schedule = sched.schedule
 
         def counting(*args: Any, **kw: Any) -> SchedulerOutput:
             out = schedule(*args, **kw)
             seen.append({r.lora_uid for r, _ in out.scheduled if r.lora_uid})
+            stats = llm.engine.stats()
+            gauges.append((stats.lora_running, stats.lora_waiting))
             return out
 
         sched.schedule = counting  # type: ignore[method-assign]
@@ -209,6 +212,8 @@ def test_max_loras_caps_a_step_and_starves_no_one(tiny_llama: Path) -> None:
     assert all(len(o.token_ids) == 12 for o in outs)  # everyone finished
     assert max(len(s) for s in seen) == 2
     assert set().union(*seen) == {1, 2, 3}  # every adapter's load ran
+    # the metrics' running and waiting adapter names follow: two running, the third waits
+    assert (["a", "b"], ["c"]) in gauges and all(len(run) <= 2 for run, _ in gauges)
     assert llm.engine.adapters is not None and not llm.engine.adapters.pins
 
 
@@ -447,3 +452,37 @@ def test_a_constrained_request_runs_with_its_adapter(llm: LLM, tiny_llama: Path)
     out = llm.generate([PROMPTS[1]], sp, lora_request=a)[0]
     assert out.text in choices
     assert llm.engine.adapters is not None and not llm.engine.adapters.pins
+
+
+def test_tensor_parallel_shards_the_adapters_with_their_matrices(
+    llm: LLM, tiny_llama: Path
+) -> None:
+    # 2 ranks (one KV group and half the MLP each): q/k/v and gate/up adapters keep their
+    # rows of B, o and down their input columns of A; a mixed batch over three adapters,
+    # two a step, so the worker loads, evicts and loads again by rank 0's uids
+    a, b, c = (lora(tiny_llama, n, s, i) for n, s, i in (("a", 1, 1), ("b", 2, 2), ("c", 3, 3)))
+    loras = [None, a, b, c, a]
+    prompts = [PROMPTS[i % 3] + [i + 20] for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    want = llm.generate(prompts, params, lora_request=loras)
+    with LLM(
+        str(tiny_llama),
+        kv_cache_memory=16 << 20,
+        max_num_batched_tokens=9,
+        enable_lora=True,
+        max_loras=2,
+        tensor_parallel_size=2,
+        **EXACT,
+    ) as tp:
+        got = tp.generate(prompts, params, lora_request=loras)
+    for w, g in zip(want, got, strict=True):
+        assert w.logprobs is not None and g.logprobs is not None
+        # the all-reduce sums the ranks' partial products in another order: last bits
+        diff = max(abs(x.logprob - y.logprob) for x, y in zip(w.logprobs, g.logprobs, strict=True))
+        gaps = [lp.top_logprobs[0] - lp.top_logprobs[1] for lp in w.logprobs]
+        assert min(gaps) > 1e-3, "a near-tie: choose another prompt"
+        assert diff < 1e-4
+        assert g.token_ids == w.token_ids
+    # and the adapters made a difference to every request that has one
+    base = llm.generate(prompts[1:], params)
+    assert all(w.token_ids != x.token_ids for w, x in zip(want[1:], base, strict=True))

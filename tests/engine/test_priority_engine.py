@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,41 @@ def test_fcfs_never_cuts_a_step_for_an_arrival(
     held.add([AddRequest("urgent", PROMPTS["urgent"], GREEDY, priority=-1)])
     assert core.step(lambda: held).outputs  # ran to the end and sampled
     assert (core.num_steps, core.num_steps_cut) == (1, 0)
+
+
+def test_once_an_urgent_priority_is_seen_steps_are_checked_after_every_layer(
+    tiny_llama_dir: Path,
+) -> None:
+    """``llama.CHECK_EVERY`` (4) is more than the tiny model's 3 layers, so a step is
+    checked only where the engine lowers the interval to 1: under the priority policy,
+    once it has seen a request more urgent than the step's least urgent one."""
+    assert llama.CHECK_EVERY > 3
+    core = priority_core(tiny_llama_dir, 4)
+    peeks: list[int] = []
+
+    def peek(held: Held) -> Callable[[], Held]:
+        def read() -> Held:
+            peeks.append(core.num_steps)
+            return held
+
+        return read
+
+    tokens: dict[str, list[int]] = defaultdict(list)
+    core.add_request(AddRequest("low0", PROMPTS["low0"], GREEDY, priority=5))
+    urgent = AddRequest("urgent", PROMPTS["urgent"], GREEDY, priority=0)
+    held = Held()
+    held.add([urgent])  # the first urgent request ever: nothing told the engine to look
+    collect(core.step(peek(held)), tokens)
+    assert (peeks, core.num_steps, core.num_steps_cut) == ([], 1, 0)
+    core.handle(urgent)
+    done: set[str] = set()
+    while "urgent" not in done:
+        done |= collect(core.step(), tokens)
+    # now a less urgent prefill (beside low0's decode) is checked after its first layer
+    core.add_request(AddRequest("low1", PROMPTS["low1"], GREEDY, priority=5))
+    held = Held()
+    held.add([AddRequest("urgent2", PROMPTS["urgent"], GREEDY, priority=0)])
+    steps = core.num_steps
+    assert collect(core.step(peek(held)), tokens) == set()
+    assert peeks == [steps] and core.num_steps_cut == 1
+    assert core.runner.model.check_every == llama.CHECK_EVERY  # (for that step only)

@@ -5,6 +5,7 @@ load/unload routes exist only when an environment variable allows them (vLLM's),
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import anyio
@@ -12,7 +13,15 @@ import pytest
 
 from structllm.server.app import App
 from structllm.server.config import ServerConfig
-from structllm.server.lora import LoraModule, ServedAdapters, parse_lora_module
+from structllm.server.errors import APIError
+from structllm.server.lora import (
+    Journal,
+    LoadLoraAdapterRequest,
+    LoraModule,
+    ServedAdapters,
+    UnloadLoraAdapterRequest,
+    parse_lora_module,
+)
 from structllm.tokenizer import Tokenizer
 
 
@@ -78,3 +87,51 @@ def test_lora_modules_need_lora_and_the_served_base(default_files: Any) -> None:
         ServedAdapters(False, "m", default_files.config, 16, (LoraModule("a", "/p"),))
     with pytest.raises(ValueError, match="is not the served model"):
         ServedAdapters(True, "m", default_files.config, 16, (LoraModule("a", "/p", "other"),))
+
+
+def test_vllms_lora_flags_reach_the_engine_config() -> None:
+    from structllm.cli import _engine_kwargs, build_parser
+
+    flags = ["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "5"]
+    flags += ["--max-lora-rank", "64", "--lora-dtype", "bfloat16"]
+    kw = _engine_kwargs(build_parser().parse_args(["run", "m.gguf", *flags]))
+    assert {k: kw[k] for k in ("enable_lora", "max_loras", "max_cpu_loras")} == {
+        "enable_lora": True,
+        "max_loras": 3,
+        "max_cpu_loras": 5,
+    }
+    assert (kw["max_lora_rank"], kw["lora_dtype"]) == (64, "bfloat16")
+    plain = _engine_kwargs(build_parser().parse_args(["run", "m.gguf"]))
+    assert plain["enable_lora"] is False and plain["max_cpu_loras"] is None
+
+
+def test_front_ends_share_their_runtime_loads(default_files: Any) -> None:
+    # --api-server-count 2: a load or unload answered by one front end is seen by the
+    # other, and by a front end started later (it replays the journal from the start)
+    from structllm.model.loader import prepare_model
+    from tests.support.adapters import peft_adapter
+    from tests.support.models import tiny_family_dir
+
+    base = tiny_family_dir("llama", default_files)
+    cfg = prepare_model(str(base)).config
+    fd = os.memfd_create("test-lora-journal")
+    try:
+
+        def front_end() -> ServedAdapters:
+            return ServedAdapters(True, "m", cfg, 16, (), Journal(fd))
+
+        one, two = front_end(), front_end()
+        path = str(peft_adapter(base, 1))
+        one.load(LoadLoraAdapterRequest("sql", path))
+        ref = two.ref("sql")
+        assert ref is not None and ref == one.ref("sql") and ref.path == path
+        assert [c["id"] for c in two.cards(0)] == ["sql"]
+        with pytest.raises(APIError, match="already been loaded"):
+            two.load(LoadLoraAdapterRequest("sql", path))
+        assert [c["id"] for c in front_end().cards(0)] == ["sql"]  # a later one too
+        two.unload(UnloadLoraAdapterRequest("sql"))
+        for fe in (one, front_end()):
+            with pytest.raises(APIError, match="does not exist"):
+                fe.ref("sql")
+    finally:
+        os.close(fd)

@@ -28,8 +28,8 @@ from structllm.engine.adapters import AdapterRegistry  # noqa: E402
 from structllm.engine.core import EngineCore  # noqa: E402
 from structllm.kernels import triton_lora  # noqa: E402
 from structllm.model.config import ModelConfig  # noqa: E402
-from structllm.model.lora import LoraAdapter, LoraRows, step_rows  # noqa: E402
-from structllm.model.lora_slots import LoraSlots, layout  # noqa: E402
+from structllm.model.lora import LoraAdapter, LoraRows, layout, slot_bytes, step_rows  # noqa: E402
+from structllm.model.lora_slots import LoraSlots  # noqa: E402
 from structllm.protocol import LoraRef  # noqa: E402
 from tests.support.adapters import hf_model, peft_adapter, peft_model  # noqa: E402
 from tests.support.models import EXACT, hf_logits, prefill_logits, tiny_family_dir  # noqa: E402
@@ -248,5 +248,15 @@ def test_the_engine_on_triton_matches_peft(tiny_llama: Path) -> None:
         assert slots.num_placed == 1  # (the kernels ran)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert (want.argmax(-1) != hf_logits(hf_model(tiny_llama), ids).argmax(-1)).any()
+        # every projection of every layer has its stack now: what the engine takes from
+        # the KV cache's budget on CUDA for them (slot_bytes) is what they hold
+        cfg = core.files.config
+        assert len(slots.stacks) == 4 * cfg.num_layers
+        held = sum(
+            t.numel() * t.element_size()
+            for s in slots.stacks.values()
+            for t in (s.a, s.bt, s.ranks)
+        )
+        assert held == slot_bytes(cfg, 1, core.config.max_lora_rank, torch.float32)
     finally:
         core.close()
