@@ -49,7 +49,7 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int NTYPES = 9;
-constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18};  // packed.BLOCK_BYTES
+constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 18, 26, 28, 18};  // packed.BLOCK_BYTES (Q4_K: 144 per 256)
 
 using Table = sl::LinearFn[NTYPES][3];
 using PartSpec = std::tuple<torch::Tensor, int64_t, bool>;  // (raw [rows, bytes] uint8, type, int8 allowed)

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEADERS = [
-    Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_pool.h", "cpu_tables.h")
+    Path(__file__).with_name(h)
+    for h in ("cpu_simd.h", "cpu_pool.h", "cpu_tables.h", "cpu_kquants.h")
 ]  # part of each key
 FLAGS = [
     "-O3",

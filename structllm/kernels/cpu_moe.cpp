@@ -56,7 +56,7 @@ namespace {
 constexpr int QK = 32;
 constexpr int NTYPES = 11;  // the GGUF block types, float16 rows (packed.F16_CODE), MXFP4
 constexpr int kF16 = 9;     // float16 rows: 2 bytes a weight, any K
-constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 22, 26, 28, 18, 64, 17};  // packed.BLOCK_BYTES; 32 halves
+constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 18, 26, 28, 18, 64, 17};  // packed.BLOCK_BYTES (Q4_K: 144 per 256); 32 halves
 constexpr int64_t kMinChunk = 32;  // weight rows per item at least (each item re-quantises x)
 
 using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);

@@ -1993,14 +1993,20 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
   });
 }
 
+#include "cpu_kquants.h"  // Q4_K as the file lays it out (namespace kq)
+
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NCODES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K, these three repacked), 8 (IQ4_NL), 9 (float16 rows) or 10 (MXFP4)");
+              "5 (Q4_K, the file's super-blocks), 6 (Q5_K), 7 (Q6_K, these two repacked), 8 (IQ4_NL), 9 (float16 rows) or 10 (MXFP4)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   if (type == F16) {  // float16 rows: 2 bytes a weight, any K
     TORCH_CHECK(w.size(1) % 2 == 0, "quant_linear: float16 rows must have an even number of bytes");
     return w.size(1) / 2;
+  }
+  if (type == Q4_K) {  // the file's super-blocks (cpu_kquants.h)
+    TORCH_CHECK(w.size(1) % kq::Q4K_BYTES == 0, "quant_linear: Q4_K rows must be whole super-blocks of 144 bytes");
+    return w.size(1) / kq::Q4K_BYTES * kq::QK_K;
   }
   const int bb = block_bytes(static_cast<int>(type));
   TORCH_CHECK(w.size(1) % bb == 0, "quant_linear: row bytes not a whole number of blocks");
@@ -2013,7 +2019,8 @@ int64_t checked_k(const torch::Tensor& w, int64_t type) {
 using sl::LinearFn;  // cpu_tables.h
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
 constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
-                                          SL_PATHS(Q5_0), SL_PATHS(Q5_1), SL_PATHS(Q4_K),
+                                          SL_PATHS(Q5_0), SL_PATHS(Q5_1),
+                                          {kq::linear_float, kq::linear_int8, kq::linear_int16},  // Q4_K
                                           SL_PATHS(Q5_K), SL_PATHS(Q6_K), SL_PATHS(IQ4_NL),
                                           {linear_f16, linear_f16, linear_f16},  // F16: one kernel
                                           SL_PATHS(MXFP4)};
@@ -2068,7 +2075,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   float* op = out.data_ptr<float>();
   using Fn = void (*)(const uint8_t*, float*, int64_t, int64_t);
   static constexpr Fn fns[NCODES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
-                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, dequantize_rows<Q4_K>,
+                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, kq::dequantize,
                                      dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>,
                                      dequantize_f16, dequantize_rows<MXFP4>};
   fns[type](wp, op, w.size(0), K);
