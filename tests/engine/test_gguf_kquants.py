@@ -54,13 +54,15 @@ def default_requantised(qtype: str) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_f32_file(tmp_path_factory: pytest.TempPathFactory, default_files: object) -> Path:
-    """A tiny random llama (hidden 256, MLP 512: whole super-blocks) as F32."""
+    """A tiny random llama (hidden 512, MLP 512: whole super-blocks, also in each of 2
+    tensor-parallel ranks' column halves, where Q4_K, held as the file's super-blocks, is
+    cut) as F32."""
     from tests.support.models import make_tiny_hf_dir
 
     hf = make_tiny_hf_dir(
         tmp_path_factory.mktemp("k256"),
         default_files,  # type: ignore[arg-type]
-        hidden_size=256,
+        hidden_size=512,
         intermediate_size=512,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -371,7 +373,7 @@ def test_k_quant_experts_run_natively(default_files: object) -> None:
     hf = tiny_family_dir(
         "qwen3_moe",
         default_files,  # type: ignore[arg-type]
-        hidden_size=256,
+        hidden_size=512,
         intermediate_size=512,
         head_dim=64,
         num_hidden_layers=2,
