@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from structllm.kernels import cpu_ext, packed  # noqa: E402
-from structllm.paths import cache_root  # noqa: E402
+from structllm.kernels import cpu_ext, packed
+from structllm.paths import cache_root
 
 SHAPES = [  # Llama 3.2 1B, as the model runs them
     ("qkv 3072x2048", 3072, 2048),
@@ -78,6 +78,16 @@ def copies(t: torch.Tensor, cold: bool) -> list[torch.Tensor]:
     return [t.clone() for _ in range(count)]
 
 
+def caller(module: Any, ws: list[torch.Tensor], x: torch.Tensor, mode: int) -> Any:
+    """A call of ``module``'s matmul, each on the next copy of the weights."""
+    it = iter(range(1 << 62))
+
+    def call() -> None:
+        module.linear(x, ws[next(it) % len(ws)], CODE, mode)
+
+    return call
+
+
 def time_us(fn: Any, min_s: float) -> float:
     fn()
     n, start = 0, time.perf_counter()
@@ -118,17 +128,11 @@ def main() -> int:
                 same = torch.equal(
                     new.linear(x, native, CODE, mode), old.linear(x, repacked, CODE, mode)
                 )
-                it = {"new": 0, "old": 0}
-
-                def call(which: str, mode: int = mode, x: torch.Tensor = x) -> None:
-                    ws, mod = (ws_new, new) if which == "new" else (ws_old, old)
-                    mod.linear(x, ws[it[which] % len(ws)], CODE, mode)
-                    it[which] += 1
-
+                variants = {"new": (new, ws_new), "old": (old, ws_old)}
                 times: dict[str, list[float]] = {"new": [], "old": []}
                 for _ in range(a.reps):
-                    for which in ("new", "old"):
-                        times[which].append(time_us(lambda w=which: call(w), a.min_s))
+                    for which, (mod, ws) in variants.items():
+                        times[which].append(time_us(caller(mod, ws, x, mode), a.min_s))
                 t_new, t_old = statistics.median(times["new"]), statistics.median(times["old"])
                 row = {
                     "shape": name,
