@@ -58,7 +58,13 @@ def baseline(rev: str, isa: str) -> Any:
         ).stdout
         (d / name).write_bytes(text)
     flags = [*cpu_ext.QUANT_FLAGS, cpu_ext._ISA_MARCH[isa]]
-    module = cpu_ext.build(f"structllm_quant_base_{isa}", d / SOURCES[0], flags, f"{rev}'s kernels")
+    module = cpu_ext.build(
+        f"structllm_quant_base_{isa}",
+        d / SOURCES[0],
+        flags,
+        f"{rev}'s kernels",
+        cpu_ext.QUANT_HEADERS,
+    )
     if module is None:
         raise RuntimeError(f"could not build quant_linear.cpp at {rev}")
     return cpu_ext._share_pool(module)
