@@ -1,5 +1,6 @@
-// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 read as laid in
-// the file; Q4_K, Q5_K, Q6_K repacked once at load into blocks of 32, see below).
+// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and Q4_K read as
+// laid in the file, Q4_K by cpu_kquants.h; Q5_K, Q6_K repacked once at load into blocks
+// of 32, see below).
 //
 // Built once per ISA (see quant_ext.py): with -march=haswell (AVX2, FMA, F16C) and, where
 // the CPU has AVX-512 BW/VL, with -march=native (512-bit float path, VNNI if present).
@@ -18,7 +19,8 @@
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
 // bit j of the 32-bit qh is weight j's fifth bit.
 // The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into
-// self-contained blocks of 32, each with its super-block's float16 scale(s) and its own
+// self-contained blocks of 32 (Q4_K: held as the file's super-blocks, cpu_kquants.h,
+// which unpacks them into these blocks for the blocked GEMMs only), each with its super-block's float16 scale(s) and its own
 // integer sub-scale(s); the kernels form ggml's products D * scale and -(DMIN * min) in
 // float32, exactly (a float16 times a 6- or 8-bit integer fits float32's 24 bits), so
 // the float path stays bit-exact to the float32 dequantisation:
