@@ -9,6 +9,8 @@
 #                 folder exists, else pip from the network; then the repo itself
 #   kernel_tests  tests/kernels/test_triton_kernels.py compiled on CUDA, bf16 and float32, and
 #                 tests/kernels/test_reference_attention.py
+#   lora_kernel_tests  tests/kernels/test_triton_lora.py compiled on CUDA (LoRA's
+#                 shrink/expand; never run on a GPU yet)
 #   e2e           bench/gpu_e2e.py: greedy generation on CUDA (f32 and bf16, graphs and
 #                 eager) against the CPU float32 engine, plus decode throughput
 #   kernels       bench/gpu_attention.py: decode GB/s and prefill TFLOP/s vs SDPA and copy
@@ -102,6 +104,14 @@ else
 fi
 stage kernel_tests 330 $PY -m pytest -q -p no:cacheprovider -o timeout=300 \
     tests/kernels/test_triton_kernels.py tests/kernels/test_reference_attention.py "${select[@]}"
+# LoRA's Triton shrink/expand compiled (its engine test also needs peft)
+lora_select=("${select[@]}")
+if ! $PY -c 'import peft' 2> /dev/null; then
+    echo "(peft not installed: the LoRA engine test is deselected)" | tee -a "$OUT/summary.txt"
+    lora_select=(-k "not engine")
+fi
+stage lora_kernel_tests 200 $PY -m pytest -q -p no:cacheprovider -o timeout=180 \
+    tests/kernels/test_triton_lora.py "${lora_select[@]}"
 stage e2e 300 $PY bench/gpu_e2e.py
 stage kernels 240 $PY bench/gpu_attention.py
 stage kernels_default_shape 120 $PY bench/gpu_attention.py --heads 9 --kv-heads 3 --head-dim 64

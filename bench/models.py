@@ -24,7 +24,9 @@ Qwen3.5 and DeepSeek-V3 families at
 steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
-ops), ``--rounds N`` repeats every arm in turn.
+ops; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to float32 at load, as
+before their kernels), ``--rounds N`` repeats every arm in turn; ``--gguf FILE`` adds a
+GGUF file of one's own (repeatable; ``--families ''``: no family).
 
 On a loaded machine (load average above the core count) llama-server's figures collapse,
 not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
@@ -35,7 +37,7 @@ load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barri
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
         [--shapes bench] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
-        [--llama-threads 0,1] [--quant Q4_K_M]
+        [--llama-threads 0,1] [--quant Q4_K_M] [--gguf FILE ...]
 """
 
 from __future__ import annotations
@@ -154,8 +156,15 @@ def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, f
     """``fmt``: ``dtype:quantization``, or ``auto:loop``: the default format with a MoE
     layer's experts run by the per-expert Python loop instead of the native call, or
     ``auto:torch-router``: with its router in torch's ops (as before cpu_moe.cpp's)."""
+    from structllm.kernels import packed
     from structllm.model.layers import SparseMoe
 
+    if fmt == "auto:dequant-iq":  # the loader holds only BLOCK_TYPES' types as blocks
+        held = {t: packed.BLOCK_TYPES.pop(t) for t in packed.NATIVE_SUPER}
+        try:
+            return _run_structllm(model, "auto:auto", args)
+        finally:
+            packed.BLOCK_TYPES.update(held)
     if fmt == "auto:torch-router":
         route = SparseMoe.route
         SparseMoe.route = lambda self, h, fused: route(self, h, False)  # type: ignore[method-assign]
@@ -311,6 +320,7 @@ def main() -> None:
         default="Q8_0",
         help="llama-quantize's type for the families' GGUF files (Q8_0, Q4_0, Q4_K_M, ...)",
     )
+    ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to run too")
     ap.add_argument(
         "--shapes",
         choices=("tiny", "bench"),
@@ -322,7 +332,7 @@ def main() -> None:
     models: list[tuple[str, str, Path]] = []  # (label, kind, path)
     if not args.no_default_model:
         models.append(("default (SmolLM2-135M Q4_1)", "gguf", default_model_path()))
-    for fam in args.families.split(","):
+    for fam in filter(None, args.families.split(",")):
         shape = BENCH_SHAPES.get(fam, {}) if args.shapes == "bench" else {}
         if args.shapes == "bench" and not shape:
             sys.exit(f"no bench shape for {fam}; have {sorted(BENCH_SHAPES)}")
@@ -336,6 +346,7 @@ def main() -> None:
                 models.append((f"{fam} {args.quant}", "gguf", gguf))
             except (llamacpp.ToolMissing, llamacpp.ToolFailed) as e:
                 print(f"# {fam}: no GGUF file ({e})", file=sys.stderr)
+    models += [(Path(g).name, "gguf", Path(g)) for g in args.gguf]
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
     load = Path("/proc/loadavg").read_text().split()[:3]
@@ -357,7 +368,7 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
     ratio of the default format (``auto:auto``) to llama-server."""
     rows: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):
-        if kind == "hf" and fmt in ("auto:loop", "auto:torch-router"):
+        if kind == "hf" and fmt in ("auto:loop", "auto:torch-router", "auto:dequant-iq"):
             continue
         r = run_structllm(str(path), fmt, args)
         rows.append({"model": label, "format": fmt, **r})

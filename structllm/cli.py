@@ -85,7 +85,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=d("quantization"),
         choices=["auto", "none", "gguf"],
         help="gguf: run a GGUF file's blocks as stored (CPU: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-        "Q4_K, Q5_K, Q6_K, IQ4_NL; other types are dequantised, named in the log); "
+        "Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; other types are dequantised, named in the log); "
         "none: dequantise; auto: gguf for a GGUF file on CPU",
     )
     p.add_argument(
@@ -94,6 +94,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "float16"],
         help="what the KV cache stores (auto: float16 on CPU unless the weights run exact float32, "
         "the model's dtype on CUDA); float16 halves what decode attention reads",
+    )
+    p.add_argument(
+        "--cpu-activations",
+        default=d("cpu_activations"),
+        choices=["auto", "int8", "int16"],
+        help="CPU, GGUF blocks: the activations' precision in the block matmuls (auto: 8 bits "
+        "in the MLP's 4/5-bit matmuls, 16 bits elsewhere; int16: 16 bits everywhere, closer to "
+        "float32, slower; int8: 8 bits in the MLP's matmuls, Q8_0 ones too)",
     )
     p.add_argument(
         "--attention-backend",
@@ -314,6 +322,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         dtype=a.dtype,
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
+        cpu_activations=a.cpu_activations,
         null_model=a.null_model,
         null_step_time=a.null_step_time,
         tensor_parallel_size=a.tensor_parallel_size,
@@ -458,6 +467,7 @@ def cmd_build_kernels(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from structllm.reasoning import PARSERS
     from structllm.server.config import default as d
+    from structllm.tools import FAMILY_FORMATS, HERMES_ALIASES
 
     parser = argparse.ArgumentParser(
         prog="structllm", description="OpenAI-compatible LLM server and offline engine"
@@ -568,19 +578,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "generic", "openai"],
+        choices=["auto", "hermes", "generic", "openai", *FAMILY_FORMATS, *HERMES_ALIASES],
         default=d("tool_call_parser"),
-        help="how tools are prompted and calls parsed (default %(default)s: gpt-oss's harmony "
-        "(openai) for gpt-oss, hermes if the chat template renders tools with <tool_call> "
-        "tags, else a generic JSON envelope)",
+        help="how tools are prompted and calls parsed, by vLLM's names (default %(default)s: "
+        "gpt-oss's harmony (openai) for gpt-oss; the family's syntax when the chat template "
+        "writes GLM-4.5's, Qwen3-Coder's, DeepSeek's, Kimi K2's or LFM2's tags; hermes if it "
+        "renders tools with <tool_call> tags; else a generic JSON envelope)",
     )
     r.add_argument(
         "--reasoning-parser",
         choices=[*PARSERS, "openai_gptoss"],
         default=None,
         help="split the model's <think>...</think> part of a chat reply into "
-        "reasoning_content (openai_gptoss: gpt-oss's harmony analysis channel; default: off, "
-        "or openai_gptoss for gpt-oss)",
+        "reasoning_content, by vLLM's names (deepseek_r1, nemotron_v3, kimi_k2: the reply "
+        "starts in the reasoning; qwen3, glm45, glm47, deepseek_v3: only if it opens <think>; "
+        "gemma4: Gemma 4's thought channel; "
+        "openai_gptoss: gpt-oss's harmony analysis channel; default: off, or openai_gptoss "
+        "for gpt-oss)",
     )
     r.add_argument(
         "--responses-store",

@@ -173,6 +173,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       checkpoint that resolves to it), which keeps float32 so that path stays equal to
       transformers; with bfloat16 activations, bfloat16; on CUDA the model's dtype.
       float16 halves the bytes per block, so ``kv_cache_memory`` holds twice the tokens.
+    - ``cpu_activations``: on CPU, the precision of the activations in GGUF block matmuls
+      (``kernels.packed.block_mode``): ``"auto"`` rounds them to 8 bits per block of 32 in
+      the MLP's 4- and 5-bit matmuls and to 16 bits elsewhere; ``"int16"``: 16 bits in
+      every block matmul (closer to float32, slower on many rows); ``"int8"``: 8 bits in
+      the MLP's matmuls of every type the int8 kernels run (Q8_0 too, as llama.cpp does).
+      Accuracy against llama.cpp on the same file: ``bench/accuracy.py``. Batch-invariant
+      on every path.
     - ``null_model``: run everything but the forward pass (``engine.null``): tokens come
       from a cheap deterministic function, ``null_step_time`` seconds per step. The
       model's tokenizer and shape (for KV sizing) are still used.
@@ -262,6 +269,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "auto"
     quantization: str = "auto"
     kv_cache_dtype: str = "auto"
+    cpu_activations: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -321,6 +329,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"quantization must be auto, none or gguf, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.cpu_activations not in ("auto", "int8", "int16"):
+            raise ValueError(
+                f"cpu_activations must be auto, int8 or int16, got {self.cpu_activations!r}"
+            )
         if self.kv_cache_dtype not in ("auto", "float32", "float16"):
             raise ValueError(
                 f"kv_cache_dtype must be auto, float32 or float16, got {self.kv_cache_dtype!r}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from structllm.protocol import AddRequest, PoolingParams
+from structllm.protocol import AddRequest, PoolerInfo, PoolingParams
 
 if TYPE_CHECKING:
     from structllm.engine.core import EngineCore
@@ -65,16 +65,17 @@ def vector(pooled: bytes) -> list[float]:
     return array("f", pooled).tolist()
 
 
-def truncate(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """``truncate_prompt_tokens`` as vLLM applies it: keep the last ``keep`` tokens
-    (``-1``: the last ``max_model_len``); ``None`` keeps all."""
+def truncate(ids: list[int], keep: int | None, max_model_len: int, info: PoolerInfo) -> list[int]:
+    """``truncate_prompt_tokens`` as vLLM applies it: ``keep`` tokens (``-1``:
+    ``max_model_len``), the input's tail or an encoder's head (``PoolerInfo.cut``);
+    ``None`` keeps all."""
     if keep is None:
         return ids
     if keep == -1:
         keep = max_model_len
     if keep < 1:
         raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
-    return ids[-keep:]
+    return info.cut(ids, keep)
 
 
 def pool(

@@ -47,7 +47,7 @@ from structllm.protocol import (
     SamplingParams,
     TokenLogprobs,
 )
-from structllm.reasoning import END_TAG, Mode, check_parser, engine_spec, mode_for
+from structllm.reasoning import Mode, check_parser, engine_spec, mode_for, tags_of
 from structllm.server.images import DEFAULT_MAX_PIXELS
 from structllm.tokenizer import Message, Tokenizer, check_template_kwargs
 from structllm.tools import (
@@ -56,6 +56,7 @@ from structllm.tools import (
     ToolRequest,
     constraint,
     detect_format,
+    format_named,
     prompt_messages,
     tool_request,
 )
@@ -123,16 +124,22 @@ class LLM:
     beside it until ``close()`` (or the end of a ``with`` block); an ``LLM`` that is
     never closed stops them when it is garbage collected or at interpreter exit.
 
-    ``reasoning_parser="deepseek_r1"`` or ``"qwen3"`` (``structllm.reasoning``): ``chat``
-    splits each reply's ``<think>`` part into ``CompletionOutput.reasoning_content``, and
-    a constraint applies to the answer after it. gpt-oss (its vocabulary with harmony's
-    markers), or ``reasoning_parser="openai_gptoss"``: ``chat`` renders and parses the
-    harmony format as the server does (``structllm.harmony``; ``chat_template_kwargs``'
+    ``reasoning_parser="deepseek_r1"``, ``"qwen3"`` or another of ``reasoning.PARSERS``
+    (``structllm.reasoning``): ``chat`` splits each reply's ``<think>`` part into
+    ``CompletionOutput.reasoning_content``, and a constraint applies to the answer after
+    it. ``tool_call_parser`` (vLLM's names, ``tools.FORMATS``; default ``"auto"``: from the
+    chat template, ``tools.detect_format``) is how ``chat`` prompts tools and parses calls.
+    gpt-oss (its vocabulary with harmony's markers), or
+    ``reasoning_parser="openai_gptoss"``: ``chat`` renders and parses the harmony format
+    as the server does (``structllm.harmony``; ``chat_template_kwargs``'
     ``reasoning_effort`` as gpt-oss's own template takes it).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         parser = engine_kwargs.pop("reasoning_parser", None)
+        self.tool_format = format_named(str(engine_kwargs.pop("tool_call_parser", "auto")))
+        if self.tool_format == "openai":  # gpt-oss's harmony parses calls and reasoning
+            parser = "openai_gptoss"
         max_image_pixels = int(engine_kwargs.pop("max_image_pixels", DEFAULT_MAX_PIXELS))
         self.harmony = parser == "openai_gptoss"
         self.reasoning_parser = None if parser is None or self.harmony else check_parser(parser)
@@ -278,6 +285,7 @@ class LLM:
                 [prompt_images],
                 priority=prio,
                 harmony=harmony,
+                reasoning_tags=tags_of(self.reasoning_parser or ""),
             )
             for seq in seqs:
                 res.outputs.append(
@@ -361,7 +369,7 @@ class LLM:
         if self.harmony:
             choice = (tools, tool_choice, parallel_tool_calls)
             return self._chat_harmony(chats, sampling_params, choice, kwargs)
-        fmt = detect_format(self.tokenizer.meta.chat_template)
+        fmt = self.tool_format or detect_format(self.tokenizer.meta.chat_template)
         try:
             req = tool_request(tools, tool_choice, parallel_tool_calls, fmt)
         except ToolError as e:
@@ -383,7 +391,8 @@ class LLM:
         encoded: list[list[int]] = []
         modes: list[Mode | None] = []
         images: list[list[ImageInput]] = []
-        end_ids = self.tokenizer.encode(END_TAG, add_special_tokens=False)
+        tags = tags_of(self.reasoning_parser or "")
+        end_ids = self.tokenizer.encode(tags.end, add_special_tokens=False)
         for i, chat in enumerate(chats):
             text, ids, prompt_images = self._chat_prompt(chat, req, fmt, kwargs)
             encoded.append(ids)
@@ -392,7 +401,8 @@ class LLM:
                 modes.append(None)
                 continue
             modes.append(mode_for(self.reasoning_parser, text))
-            params[i] = msgspec.structs.replace(params[i], reasoning=engine_spec(text, end_ids))
+            starts = engine_spec(text, end_ids, tags)
+            params[i] = msgspec.structs.replace(params[i], reasoning=starts)
         return self._run(chats, encoded, params, req, modes, images)
 
     def _chat_harmony(
@@ -501,6 +511,7 @@ class LLM:
                 else [int(t) for t in p],
                 truncate_prompt_tokens,
                 self.engine.max_model_len,
+                info,
             )
             for p in items
         ]

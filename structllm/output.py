@@ -7,11 +7,13 @@ turns the deltas of its engine request into ``SequenceUpdate``s: new text (incre
 detokenization), stop strings (the engine knows only stop *tokens*, so a stop string
 ends the sequence here and the caller must abort the engine side), and the final flush
 of the detokenizer. With tools, a ``ToolCallParser`` splits each sequence's text into
-content and tool calls (``structllm.tools``), and a reply that ends with calls finishes
-with ``tool_calls``. With a reasoning parser (``structllm.reasoning``) the text is first
-split into the reasoning part and the answer; tool calls are parsed from the answer only.
-gpt-oss's harmony output has one parser for both (``structllm.harmony.parser``), fed
-the text with its special tokens (its channel markers).
+content and tool calls (``structllm.tools``; a family's own syntax:
+``structllm.call_formats``, whose tags the detokenizer keeps), and a reply that ends
+with calls finishes with ``tool_calls``. With a reasoning parser
+(``structllm.reasoning``) the text is first split into the reasoning part and the
+answer; tool calls are parsed from the answer only. gpt-oss's harmony output has one
+parser for both (``structllm.harmony.parser``), fed the text with its special tokens
+(its channel markers).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from structllm.call_formats import FamilyCallParser, kept_markers, parser_for
 from structllm.harmony.parser import HarmonyParser, merged
 from structllm.protocol import ImageInput, LoraRef, SamplingParams, TokenLogprobs
-from structllm.reasoning import Mode, ReasoningParser
+from structllm.reasoning import THINK, Mode, ReasoningParser, Tags, kept_tags
 from structllm.tokenizer import Detokenizer, Tokenizer
 from structllm.tools import ToolCallDelta, ToolCallParser, ToolRequest
 
@@ -70,7 +73,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    tools: ToolCallParser | None = None
+    tools: ToolCallParser | FamilyCallParser | None = None
     reasoning: ReasoningParser | None = None
     num_reasoning_tokens: int = 0
     images: list[ImageInput] = field(default_factory=list)  # the prompt's, for AddRequest
@@ -215,6 +218,7 @@ def fan_out(
     images: Sequence[list[ImageInput]] = (),
     priority: int = 0,
     harmony: Callable[[], HarmonyParser] | None = None,
+    reasoning_tags: Tags = THINK,
 ) -> list[SequenceState]:
     """One ``SequenceState`` per prompt and completion, in choice order. With ``n > 1`` and a
     seed, completion ``j`` samples with ``seed + j`` (so the ``n`` differ, and each is
@@ -222,10 +226,10 @@ def fan_out(
     scores the prompt (``prompt_logprobs``). ``new_request_id(prompt_index, j)`` names
     the engine requests. With ``tools`` that allow calls, each sequence parses its
     calls; with ``reasoning`` (where its output starts), each splits off its reasoning
-    part. ``images[pi]``: prompt ``pi``'s images (none if absent). Every engine request
-    gets ``priority``. ``harmony`` makes each sequence's harmony parser (gpt-oss: it
-    parses reasoning and calls both), and its text keeps the special tokens that
-    parser reads."""
+    part, marked by ``reasoning_tags``. ``images[pi]``: prompt ``pi``'s images (none if
+    absent). Every engine request gets ``priority``. ``harmony`` makes each sequence's
+    harmony parser (gpt-oss: it parses reasoning and calls both), and its text keeps the
+    special tokens that parser reads."""
     n = sampling.n
     out = []
     for pi, ids in enumerate(prompts):
@@ -236,8 +240,11 @@ def fan_out(
                 scored = sampling.prompt_logprobs if j == 0 else None
                 sp = msgspec.structs.replace(sampling, n=1, seed=seed, prompt_logprobs=scored)
             skip = sp.skip_special_tokens and harmony is None
-            detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, skip)
-            parser = ToolCallParser(tools) if tools is not None and tools.calls_allowed else None
+            parser = parser_for(tools) if tools is not None and tools.calls_allowed else None
+            keep = kept_markers(parser, tokenizer.token_id)  # tags the parsers read
+            if reasoning is not None:
+                keep |= kept_tags(tokenizer.token_id, reasoning_tags)
+            detok = Detokenizer(tokenizer, sp.stop, sp.include_stop_str_in_output, skip, keep)
             out.append(
                 SequenceState(
                     pi * n + j,
@@ -247,7 +254,9 @@ def fan_out(
                     sp,
                     detok,
                     tools=parser,
-                    reasoning=None if reasoning is None else ReasoningParser(reasoning),
+                    reasoning=(
+                        None if reasoning is None else ReasoningParser(reasoning, reasoning_tags)
+                    ),
                     images=list(images[pi]) if pi < len(images) else [],
                     priority=priority,
                     harmony=harmony() if harmony is not None else None,

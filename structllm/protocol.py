@@ -327,7 +327,7 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_steps: int = 0  # model steps run
     num_grammar_matchers: int = 0  # live matchers of constrained requests
     num_grammar_ff_tokens: int = 0  # tokens appended by grammar fast-forward (decode steps saved)
-    num_steps_cut: int = 0  # steps cut short: every request in them was aborted
+    num_steps_cut: int = 0  # steps cut short: all aborted, or an urgent arrival (Held)
     num_aborted: int = 0  # live requests aborted (client gone, stop string, write timeout)
     # speculative decoding (engine.speculative): drafted chunks verified, drafted and
     # accepted tokens, accepted drafts by position, seconds in the proposer
@@ -372,13 +372,25 @@ class PoolerInfo(msgspec.Struct, frozen=True, array_like=True):
     its ``task`` (``"embed"`` or ``"score"``), the embedding's size, whether its
     ``dimensions`` may be cut (Matryoshka; ``matryoshka_dimensions``: the sizes it was
     trained at, if the checkpoint lists them) and the prompt prepended to text inputs
-    (sentence-transformers' default prompt)."""
+    (sentence-transformers' default prompt); ``keep_head``: truncation keeps an input's
+    head (an encoder's, see ``cut``), not its tail."""
 
     task: PoolingTask
     size: int
     matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
     prompt: str = ""
+    keep_head: bool = False
+
+    def cut(self, ids: list[int], keep: int) -> list[int]:
+        """``truncate_prompt_tokens``: an input's last ``keep`` tokens (vLLM's, for a
+        decoder, whose pooled token is the last), or for an encoder its first
+        ``keep - 1`` and its last (the closing separator), as its tokenizer truncates
+        on the right after the template's ``[CLS]`` (what sentence-transformers does
+        past ``max_seq_length``)."""
+        if len(ids) <= keep:
+            return ids
+        return ids[: keep - 1] + ids[-1:] if self.keep_head else ids[-keep:]
 
 
 class EngineError(msgspec.Struct, frozen=True, tag=True, array_like=True):

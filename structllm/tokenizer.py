@@ -104,7 +104,9 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {}
         self._max_token_bytes = 0  # see min_tokens_for
         self._byte_level = "ByteLevel" in str(self._tok.decoder)
-        self._special_ids = set(self._tok.get_added_tokens_decoder())  # ids of added tokens
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = set(added)  # ids of added tokens
+        self._skipped_ids = {i for i, t in added.items() if t.special}  # what decode drops
 
     @classmethod
     def from_files(cls, files: ModelFiles) -> Tokenizer:
@@ -150,7 +152,18 @@ class Tokenizer:
         found: int | None = self._tok.token_to_id(text)
         return found
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        keep: frozenset[int] = frozenset(),
+    ) -> str:
+        """``ids`` as text; ``skip_special_tokens`` leaves out special tokens but those in
+        ``keep`` (a tool-call syntax's tags that are special tokens: ``call_formats``)."""
+        if skip_special_tokens and keep:
+            skipped = self._skipped_ids
+            ids = [i for i in ids if i in keep or i not in skipped]
+            skip_special_tokens = False
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
@@ -255,6 +268,13 @@ def load_chat_template(value: str) -> str:
     return value
 
 
+class JsonText(str):
+    """A value that is already JSON text (a tool call's ``arguments`` for templates that
+    write them out): a string to ``+`` and ``is string``, itself under ``tojson``. So
+    DeepSeek's templates, which write ``'<｜tool▁sep｜>' + arguments`` (Hugging Face's)
+    or ``arguments | tojson`` (vLLM's examples), both render the JSON once."""
+
+
 def _jinja_env() -> Any:
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -265,6 +285,8 @@ def _jinja_env() -> Any:
     def tojson(
         x: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
     ) -> str:
+        if isinstance(x, JsonText):
+            return str(x)
         return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(
@@ -294,8 +316,10 @@ class Detokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        keep: frozenset[int] = frozenset(),
     ) -> None:
         self.tok = tokenizer
+        self.keep = keep  # special tokens kept in the text (Tokenizer.decode)
         self.stop = list(stop)
         self.include_stop = include_stop_str_in_output
         self.skip_special = skip_special_tokens
@@ -311,8 +335,8 @@ class Detokenizer:
         if self.stopped:
             return "", True
         self.ids.extend(new_ids)
-        before = self.tok.decode(self.ids[self.prefix : self.read], self.skip_special)
-        window = self.tok.decode(self.ids[self.prefix :], self.skip_special)
+        before = self.tok.decode(self.ids[self.prefix : self.read], self.skip_special, self.keep)
+        window = self.tok.decode(self.ids[self.prefix :], self.skip_special, self.keep)
         if len(window) > len(before) and not window.endswith(REPLACEMENT_CHAR):
             self._append(window[len(before) :])
             self.prefix, self.read = self.read, len(self.ids)
@@ -322,8 +346,10 @@ class Detokenizer:
         """Flush what is held back (an incomplete character decodes as U+FFFD, exactly as
         a one-shot decode would). Returns the last delta."""
         if not self.stopped:
-            before = self.tok.decode(self.ids[self.prefix : self.read], self.skip_special)
-            window = self.tok.decode(self.ids[self.prefix :], self.skip_special)
+            before = self.tok.decode(
+                self.ids[self.prefix : self.read], self.skip_special, self.keep
+            )
+            window = self.tok.decode(self.ids[self.prefix :], self.skip_special, self.keep)
             self._append(window[len(before) :])
             self.prefix = self.read = len(self.ids)
         return self._emit(final=True)

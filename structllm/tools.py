@@ -35,9 +35,60 @@ from typing import Any, Literal
 from structllm import structured
 from structllm.protocol import StructuredOutputs
 from structllm.structured import GrammarError
+from structllm.tokenizer import JsonText
 
-Format = Literal["generic", "hermes", "openai"]
-FORMATS: tuple[str, ...] = ("generic", "hermes", "openai")
+Format = Literal[
+    "generic",
+    "hermes",
+    "openai",
+    "glm45",
+    "glm47",
+    "qwen3_coder",
+    "qwen3_xml",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
+    "lfm2",
+    "llama4_pythonic",
+    "pythonic",
+    "llama3_json",
+    "llama4_json",
+    "gemma4",
+]
+# the families' own syntaxes (``call_formats``): tools through the template as hermes,
+# replies parsed by ``call_formats.FamilyCallParser``
+FAMILY_FORMATS: tuple[str, ...] = (
+    "glm45",
+    "glm47",
+    "qwen3_coder",
+    "qwen3_xml",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
+    "lfm2",
+    "llama4_pythonic",
+    "pythonic",
+    "llama3_json",
+    "llama4_json",
+    "gemma4",
+)
+FORMATS: tuple[str, ...] = ("generic", "hermes", "openai", *FAMILY_FORMATS)
+# vLLM's other names of the hermes syntax (Granite 4 writes hermes' <tool_call> JSON)
+HERMES_ALIASES: tuple[str, ...] = ("granite4",)
+# templates that write a call's ``arguments`` as they are (a string), not as an object
+STRING_ARGUMENTS: tuple[str, ...] = ("deepseek_v3", "deepseek_v31", "kimi_k2")
+# a template's tags -> the family syntax it writes (checked before hermes' <tool_call>)
+_TEMPLATE_TAGS: tuple[tuple[tuple[str, ...], Format], ...] = (
+    (("<tool_call>", "<arg_key>"), "glm45"),
+    (("<tool_call>", "<function=", "<parameter="), "qwen3_coder"),  # (not <seed:tool_call>)
+    (("<｜tool▁calls▁begin｜>", "```json"), "deepseek_v3"),
+    (("<｜tool▁calls▁begin｜>",), "deepseek_v31"),  # (its template renders no tools)
+    (("<|tool_calls_section_begin|>",), "kimi_k2"),
+    (("<|tool_call_start|>",), "lfm2"),
+    (("<|tool_call>call:",), "gemma4"),
+    (("<|tool_list_start|>",), "lfm2"),  # LFM2's templates list the tools in these
+    (("List of tools: [", "<|im_start|>"), "lfm2"),
+)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -49,11 +100,33 @@ class ToolError(ValueError):
         self.param = param
 
 
+def format_named(name: str) -> Format | None:
+    """The format ``--tool-call-parser NAME`` asks for (None: ``auto``, from the chat
+    template); ``ValueError`` naming the choices for an unknown name."""
+    if name == "auto":
+        return None
+    if name in HERMES_ALIASES:
+        return "hermes"
+    if name not in FORMATS:
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; expected auto or one of "
+            f"{sorted((*FORMATS, *HERMES_ALIASES))}"
+        )
+    return name  # type: ignore[return-value]
+
+
 def detect_format(chat_template: str | None) -> Format:
-    """``hermes`` when the template renders ``tools`` and writes ``<tool_call>`` tags,
-    ``generic`` otherwise."""
+    """For a template that renders ``tools``: the family syntax whose tags it writes
+    (``_TEMPLATE_TAGS``: GLM-4.5's ``<arg_key>``, Qwen3-Coder's ``<function=``, DeepSeek's
+    and Kimi K2's sections, LFM2's ``<|tool_call_start|>``), else ``hermes`` if it writes
+    ``<tool_call>``; ``generic`` otherwise."""
     t = chat_template or ""
-    return "hermes" if re.search(r"\btools\b", t) and OPEN in t else "generic"
+    if not re.search(r"\btools\b", t):
+        return "generic"
+    for tags, fmt in _TEMPLATE_TAGS:
+        if all(tag in t for tag in tags):
+            return fmt
+    return "hermes" if OPEN in t else "generic"
 
 
 # -- the request -------------------------------------------------------------------------
@@ -253,14 +326,16 @@ def constraint(req: ToolRequest) -> StructuredOutputs | None:
     generic: ``required``/named -> the envelope; ``auto`` -> the envelope, or text whose
     first character is not ``{`` (so the first character decides the branch).
     hermes: ``required``/named -> one or more (one without ``parallel``) tagged calls;
-    ``auto`` -> free, parsed afterwards."""
+    ``auto`` -> free, parsed afterwards. A family syntax (``call_formats``): ``auto``
+    free; ``required``/named -> the generic envelope, as vLLM constrains every parser's
+    forced calls to JSON."""
     if not req.calls_allowed or req.format == "openai":  # harmony: free (auto only)
         return None
     name = req.choice if req.named else None
     # a named function is exactly one call of it (as OpenAI and vLLM); only required and
     # auto may make several, and only with parallel_tool_calls
     parallel = req.parallel and not req.named
-    if req.format == "generic":
+    if req.format == "generic" or (req.format in FAMILY_FORMATS and req.forced):
         envelope = tool_calls_schema(req.tools, name, parallel)
         if req.forced:
             return StructuredOutputs(json=envelope)
@@ -290,12 +365,13 @@ def prompt_messages(
     """Messages (``chat_messages``' dicts, which may carry assistant ``tool_calls`` and
     ``tool`` messages) and extra template variables, for the chat template.
 
-    hermes: the tools go in as the template's ``tools``; a call's ``arguments`` as an
-    object, as such templates expect. generic: the tools are described in the system
-    message (unless ``tool_choice`` is ``none``), earlier calls are written back in the
-    envelope the model is asked for, and tool results become user messages, which any
-    template can render."""
-    if fmt == "hermes":
+    hermes and the family syntaxes: the tools go in as the template's ``tools``; a
+    call's ``arguments`` as an object, as such templates expect (as the string it is for
+    ``STRING_ARGUMENTS``: DeepSeek's and Kimi's templates write it out). generic: the
+    tools are described in the system message (unless ``tool_choice`` is ``none``),
+    earlier calls are written back in the envelope the model is asked for, and tool
+    results become user messages, which any template can render."""
+    if fmt == "hermes" or fmt in FAMILY_FORMATS:
         out = []
         for m in messages:
             m = dict(m)
@@ -305,11 +381,17 @@ def prompt_messages(
                         **c,
                         "function": {
                             **c["function"],
-                            "arguments": _arguments_value(c["function"]["arguments"]),
+                            "arguments": (
+                                JsonText(c["function"]["arguments"])
+                                if fmt in STRING_ARGUMENTS
+                                else _arguments_value(c["function"]["arguments"])
+                            ),
                         },
                     }
                     for c in m["tool_calls"]
                 ]
+                if fmt == "lfm2":  # its templates render an assistant's content only
+                    m["content"] = (m.get("content") or "") + _pythonic(m["tool_calls"])
             out.append(m)
         return out, ({"tools": req.tools} if req is not None else {})
     out = []
@@ -345,6 +427,19 @@ def prompt_messages(
         else:
             out.insert(0, {"role": "system", "content": described})
     return out, {}
+
+
+def _pythonic(calls: list[dict[str, Any]]) -> str:
+    """Calls as LFM2 writes them: ``<|tool_call_start|>[f(a=1, b='x')]<|tool_call_end|>``
+    (each argument a Python literal; arguments that are no JSON object go as one
+    ``arguments`` string)."""
+    out = []
+    for c in calls:
+        args = c["function"]["arguments"]
+        if not isinstance(args, dict):
+            args = {"arguments": args}
+        out.append(f"{c['function']['name']}({', '.join(f'{k}={v!r}' for k, v in args.items())})")
+    return "<|tool_call_start|>[" + ", ".join(out) + "]<|tool_call_end|>"
 
 
 def _describe(req: ToolRequest) -> str:

@@ -8,6 +8,11 @@ When every loaded adapter is pinned and a request needs another, it is loaded an
 (past ``max_cpu_loras``) and the LRU shrinks back as pins go: a request is never
 refused for want of room. ``--max-loras`` (distinct adapters in one step) is the
 scheduler's (``Scheduler.max_loras``).
+
+On CUDA the adapters are loaded onto the CPU and a step's are copied into
+``max_loras`` slots on the GPU as they enter one (``model.lora_slots``: Triton's
+segmented shrink and expand); on the CPU they are loaded where they run
+(``cpu_lora.cpp``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class AdapterRegistry:
         max_lora_rank: int,
         dtype: str,
         device: torch.device,
+        max_loras: int = 1,
     ) -> None:
         check_base(cfg)
         if dtype not in LORA_DTYPES:
@@ -58,6 +64,14 @@ class AdapterRegistry:
         # the native shrink/expand (cpu_lora.cpp; float32, float16 or bfloat16 adapters)
         # on the CPU, else None: torch's ops (model.lora.LoraRows)
         self.native: Any = cpu_ext.load_lora() if device.type == "cpu" else None
+        # the GPU's slots (max_loras of them: the scheduler's cap on a step's adapters)
+        self.slots: Any = None
+        if device.type == "cuda":
+            # imported here: model.lora_slots imports triton, which a CPU engine never needs
+            from structllm.model.lora_slots import LoraSlots
+
+            self.slots = LoraSlots(cfg, max_loras, max_lora_rank, self.dtype, device)
+        self.load_device = torch.device("cpu") if self.slots is not None else device
 
     def acquire(self, ref: LoraRef) -> LoraAdapter:
         """The adapter ``ref`` names, loaded if it is not (``AdapterError`` if it cannot
@@ -74,7 +88,7 @@ class AdapterRegistry:
             spec = read_adapter(ref.path, self.cfg, self.max_lora_rank)
             uid = next(self._uids)
             adapter = load_adapter(
-                spec, self.cfg, uid, ref.name, ref.lora_id, self.dtype, self.device
+                spec, self.cfg, uid, ref.name, ref.lora_id, self.dtype, self.load_device
             )
             self.loaded[ref.lora_id] = adapter
             self.by_uid[uid] = adapter
@@ -113,6 +127,8 @@ class AdapterRegistry:
             return None
         adapters = [(self.by_uid.get(uid), n) for uid, n in spans]
         rows = step_rows(adapters, self.device, self.native)
+        if rows is not None and self.slots is not None:
+            rows.stacked = self.slots.step(rows)
         if rows is not None and self.native is not None:  # the same adapters: the same items
             if len(self._plans) > 64:
                 self._plans.clear()

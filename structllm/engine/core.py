@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from itertools import chain
 from pathlib import Path
@@ -37,6 +37,7 @@ from structllm.engine.device import (
 )
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager
+from structllm.engine.held import Held
 from structllm.engine.kv_cache import KVCacheManager
 from structllm.engine.mrope import MRopePositions
 from structllm.engine.null import NullRunner
@@ -52,6 +53,7 @@ from structllm.engine.step_budget import DEFAULT_TOKEN_BUDGET, PROBE_TOKENS, aut
 from structllm.engine.worker_pool import WorkerPool, ring_capacity_for
 from structllm.kernels.cpu_ext import best_isa
 from structllm.kernels.packed import ROW_KERNEL_ROWS
+from structllm.model.bert import BertModel, separator_id
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
@@ -133,7 +135,7 @@ PROMPT_ONLY = SamplingParams(temperature=0.0, max_tokens=0)
 
 
 class StepCutShort(Exception):
-    """Raised between layers when every request of the running step has been aborted."""
+    """Raised between layers when the running step is not worth finishing (``Held``)."""
 
 
 class EngineCore:
@@ -196,7 +198,7 @@ class EngineCore:
             str, int
         ] = {}  # request id -> KV blocks it held at the last trace
         self.num_steps = 0  # model steps run (a step with nothing scheduled is not one)
-        self.num_steps_cut = 0  # steps cut short: every request in them was aborted
+        self.num_steps_cut = 0  # steps cut short: all aborted, or an urgent arrival
         self.num_aborted = 0  # live requests aborted (unknown or finished ids not counted)
         # constrained requests whose matcher is being built, in arrival order
         self._compiling: dict[str, tuple[Request, Future[Matcher | str]]] = {}
@@ -234,6 +236,11 @@ class EngineCore:
         sys.stderr.write(
             f"structllm: runner: pooling ({spec.describe(self.files.config.hidden_size)})\n"
         )
+        if self.files.config.bidirectional:
+            sys.stderr.write(
+                "structllm: attention both ways: each input runs whole in one step "
+                "(no chunked prefill, no prefix cache)\n"
+            )
         return spec
 
     @property
@@ -328,6 +335,7 @@ class EngineCore:
             cfg.max_lora_rank,
             cfg.lora_dtype,
             self.device,
+            cfg.max_loras,
         )
         self.scheduler.max_loras = cfg.max_loras
         if isinstance(self.runner, ModelRunner):
@@ -501,6 +509,8 @@ class EngineCore:
             assert self.pooler_spec is not None
             scorer = make_scorer(self.pooler_spec, self.files, self.model, self.device)
             runner.set_pooler(Pooler(self.pooler_spec, self.device, scorer))
+            if isinstance(self.model, BertModel):  # token types from the pair's separator
+                self.model.separator = separator_id(self.files.tokenizer_json)
             return runner  # (nothing to decode: no decode graphs)
         if self.stages > 1:
             assert self.group is not None
@@ -854,26 +864,28 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._compiling) or bool(self._in_flight)
 
-    def step(self, aborts_pending: Callable[[], Collection[str]] | None = None) -> OutputBatch:
+    def step(self, pending: Callable[[], Held] | None = None) -> OutputBatch:
         """``_step``, then the adapters of the requests it ended are unpinned."""
-        batch = self._step(aborts_pending)
+        batch = self._step(pending)
         if self._lora_of:
             self._unpin_finished(batch.outputs)
         return batch
 
-    def _step(self, aborts_pending: Callable[[], Collection[str]] | None = None) -> OutputBatch:
+    def _step(self, pending: Callable[[], Held] | None = None) -> OutputBatch:
         """Schedule and run one step; its outputs (and any refusals and aborts since the
         last step) as one batch.
 
-        ``aborts_pending``: the ids of requests whose abort has arrived but is held by the
-        caller until the step ends (the engine loop peeks at its rings while the model
-        runs). When it covers every request of the running step, the step is cut short
-        between layers (``llama.CHECK_EVERY``): nothing is sampled, no request
-        advances, and the K/V blocks registered for its uncomputed tokens leave the
-        prefix cache. The caller must then apply those aborts before the next step. So
-        a storm of requests dropped by their clients costs a newcomer a few layers of
-        waiting, not the rest of a long prefill step. Not with tensor or pipeline
-        parallelism (a pipeline's step is ``_pipelined_step``)."""
+        ``pending``: the messages that have arrived but are held by the caller until the
+        step ends (the engine loop peeks at its rings while the model runs). When their
+        aborts cover every request of the running step, or (priority policy) one of
+        their requests is strictly more urgent than all of the step's (``Held``), the
+        step is cut short between layers (``llama.CHECK_EVERY``): nothing is sampled,
+        no request advances, and the K/V blocks registered for its uncomputed tokens
+        leave the prefix cache. The caller must then apply those messages before the
+        next step. So a storm of requests dropped by their clients, or a long
+        less-urgent prefill, costs a newcomer a few layers of waiting, not the rest of
+        the step. Not with tensor or pipeline parallelism (a pipeline's step is
+        ``_pipelined_step``)."""
         if self._compiling:
             self._admit_compiled(0.0 if self.scheduler.has_work else COMPILE_WAIT_S)
         if self.pipeline_depth > 1:
@@ -886,16 +898,20 @@ class EngineCore:
                 start = now_us()
                 self._trace_scheduled(sched)
             check = None
-            if aborts_pending is not None:  # ModelRunner.run drops it with tensor parallelism
+            if pending is not None:  # ModelRunner.run drops it with tensor parallelism
                 ids = {req.request_id for req, _ in sched.scheduled}
+                floor = None  # under priority, arrivals more urgent than this cut the step
+                if self.scheduler.policy == "priority":
+                    floor = min(req.priority for req, _ in sched.scheduled)
 
                 def check() -> None:
-                    if ids.issubset(aborts_pending()):
-                        raise StepCutShort
+                    reason = pending().cut_reason(ids, floor)
+                    if reason is not None:
+                        raise StepCutShort(reason)
 
             try:
                 sampled, logprobs, prompt_logprobs = self.runner.execute(sched, check)
-            except StepCutShort:
+            except StepCutShort as cut:
                 for req, _ in sched.scheduled:
                     req.draft_token_ids = []
                     self.kv.forget_uncomputed(req)
@@ -903,7 +919,7 @@ class EngineCore:
                     self.states.forget_uncomputed([req for req, _ in sched.scheduled])
                 self.num_steps_cut += 1
                 if self.tracer.enabled:
-                    self.tracer.span("step", start, step=self.num_steps, cut_short=True)
+                    self.tracer.span("step", start, step=self.num_steps, cut_short=str(cut))
                 return OutputBatch(deltas, self.stats())
             except BaseException as e:
                 if self.workers is not None:

@@ -11,6 +11,7 @@ import os
 import torch
 
 from structllm.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, GiB
+from structllm.kernels import packed
 from structllm.kernels.backends import get_attention_impl
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
@@ -148,6 +149,7 @@ def setup_device(config: EngineConfig, device: torch.device, world_size: int) ->
         keep_freed_memory_mapped()
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(config.num_threads or max(1, cores // world_size))
+        packed.set_cpu_activations(config.cpu_activations)  # before the model's plans
     return resolve_dtype(config, device)
 
 

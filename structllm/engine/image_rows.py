@@ -24,6 +24,7 @@ from torch import Tensor
 
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.request import Request
+from structllm.model.deepstack import Deepstack
 from structllm.model.vision import VisionModel
 from structllm.protocol import ImageInput
 
@@ -34,6 +35,7 @@ class ImageRows:
     embeds: Tensor  # [M, hidden]: those encoder rows
     ahead: Tensor | None  # [T] int64: keys past its own position each row sees, or None
     ahead_seqs: frozenset[int]  # sequences (batch indices) with rows that see ahead
+    deepstack: Deepstack | None = None  # Qwen3-VL's rows for its first layers, or None
 
     def embed(self, x: Tensor) -> Tensor:
         """The input embeddings ``x: [T, hidden]`` (the token embeddings, scaled as the
@@ -88,9 +90,13 @@ def image_rows(
     if not rows:
         return None
     index = torch.tensor(rows, dtype=torch.long, device=device)
-    embeds = torch.cat(parts).to(device)
+    embeds = torch.cat(parts).to(device)  # [M, (1 + k) * hidden]
     seen = torch.tensor(ahead, dtype=torch.long, device=device) if seqs else None
-    return ImageRows(index, embeds, seen, frozenset(seqs))
+    deep = None
+    if vision.deepstack:  # the encoder's rows: the embeddings, then a row per layer
+        split = embeds.view(len(rows), 1 + vision.deepstack, -1).transpose(0, 1)
+        embeds, deep = split[0], Deepstack(index, split[1:])  # [M, hidden], [k, M, hidden]
+    return ImageRows(index, embeds, seen, frozenset(seqs), deep)
 
 
 def encoder_output(image: ImageInput, vision: VisionModel, cache: EncoderCache[Tensor]) -> Tensor:

@@ -36,6 +36,7 @@ from structllm.kernels.attention import AttentionMetadata
 from structllm.model.files import ModelFiles
 from structllm.model.llama import LlamaModel
 from structllm.model.pooler_config import Dense, PoolerSpec
+from structllm.model.registry import ENCODERS
 from structllm.protocol import PoolingParams, TokenDelta
 
 
@@ -94,22 +95,64 @@ class Pooler:
 
 class Scorer:
     """A reranker's relevance from its pooled rows ``[B, H]``: ``sigmoid`` of the
-    classifier's one logit (``score.weight [1, H]`` of a sequence classifier), or of
-    the causal LM's ``yes`` logit minus its ``no`` logit (Qwen3-Reranker)."""
+    classifier's one logit (``score.weight [1, H]`` of a sequence classifier; an
+    encoder's ``out(tanh(dense(row)))``, its ``head``), or of the causal LM's ``yes``
+    logit minus its ``no`` logit (Qwen3-Reranker)."""
 
     def __init__(
-        self, weight: Tensor | None, logits: Callable[[Tensor], Tensor], token_ids: list[int]
+        self,
+        weight: Tensor | None,
+        logits: Callable[[Tensor], Tensor],
+        token_ids: list[int],
+        head: EncoderHead | None = None,
     ) -> None:
         self.weight = weight  # [1, H] float32, or None: the LM head's two rows
         self.logits = logits  # the model's compute_logits: [B, H] -> [B, V] float32
         self.token_ids = token_ids  # [no, yes]
+        self.head = head
 
     def __call__(self, rows: Tensor) -> Tensor:
+        if self.head is not None:
+            return torch.sigmoid(self.head(rows.float()))
         if self.weight is not None:
             return torch.sigmoid(F.linear(rows.float(), self.weight)[:, 0])
         no, yes = self.token_ids
         logits = self.logits(rows)  # [B, V]: the LM head's dtype and path, as generation's
         return torch.sigmoid(logits[:, yes] - logits[:, no])
+
+
+class EncoderHead:
+    """A BERT / XLM-RoBERTa cross-encoder's classifier on its first row, float32:
+    ``out(tanh(dense(row)))`` (BERT's ``pooler.dense`` then ``classifier``; XLM-R's
+    ``classifier.dense`` then ``classifier.out_proj``), one label."""
+
+    # (dense, out) as each family names them
+    NAMES = (
+        ("bert.pooler.dense", "classifier"),
+        ("classifier.dense", "classifier.out_proj"),
+    )
+
+    def __init__(self, files: ModelFiles, device: torch.device) -> None:
+        from safetensors import safe_open
+
+        state: dict[str, Tensor] = {}
+        for f in files.weights:
+            with safe_open(str(f), "pt") as st:
+                for k in list(st.keys()):
+                    if k.startswith(("bert.pooler.", "classifier.")):
+                        state[k] = st.get_tensor(k).to(device, torch.float32)
+        names = next(((d, o) for d, o in self.NAMES if f"{o}.weight" in state), None)
+        if names is None or f"{names[0]}.weight" not in state:
+            raise ValueError(f"{files.name} has no classifier: not a cross-encoder checkpoint")
+        d, o = names
+        self.dense = (state[f"{d}.weight"], state[f"{d}.bias"])  # [H, H], [H]
+        self.out = (state[f"{o}.weight"], state[f"{o}.bias"])  # [1, H], [1]
+        if self.out[0].shape[0] != 1:
+            raise ValueError(f"{files.name}: a classifier of {self.out[0].shape[0]} labels")
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        """``rows [B, H]`` float32 -> the logits ``[B]``."""
+        return F.linear(torch.tanh(F.linear(rows, *self.dense)), *self.out)[:, 0]
 
 
 def _gguf_tensor(path: str, name: str) -> Tensor:
@@ -163,6 +206,8 @@ def make_scorer(
         return Scorer(None, model.compute_logits, [i for i in ids if i is not None])
     if spec.classifier == "rank":
         return Scorer(_rank_weight(files, device), model.compute_logits, [])
+    if model.cfg.architecture in ENCODERS:
+        return Scorer(None, model.compute_logits, [], EncoderHead(files, device))
     from safetensors import safe_open
 
     for f in files.weights:

@@ -4,10 +4,11 @@ Started by the front end (fork+exec), it maps the inherited shared memory, build
 ``EngineCore``, answers with ``EngineReady`` (or ``EngineError``), then loops: drain the
 inbound ring, step while there is work, emit one ``OutputBatch`` per step, and sleep on
 its doorbell when idle. While a step runs it peeks at the rings between layers (what it
-reads waits for the next drain), so that a step whose requests were all aborted is cut
-short (``EngineCore.step``). It dies with its parent: ``PR_SET_PDEATHSIG`` kills it at once,
-and the parent-death pipe (whose EOF means the parent is gone) is watched while idle
-and between steps, in case the signal was missed.
+reads waits for the next drain), so that a step whose requests were all aborted, or
+that a strictly more urgent arrival outranks, is cut short (``EngineCore.step``,
+``engine.held``). It dies with its parent: ``PR_SET_PDEATHSIG`` kills it at once, and
+the parent-death pipe (whose EOF means the parent is gone) is watched while idle and
+between steps, in case the signal was missed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import msgspec
 
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
+from structllm.engine.held import Held
 from structllm.ipc import shm
 from structllm.ipc.channel import (
     Doorbell,
@@ -36,7 +38,6 @@ from structllm.ipc.channel import (
 from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.protocol import (
     PROTOCOL_VERSION,
-    Abort,
     AddRequest,
     EngineError,
     EngineLaunch,
@@ -78,19 +79,17 @@ def engine_loop(
     first = 0
     last_sent = [0.0] * len(eps)
     # Messages read while a step runs, held until it ends (applied first next pass), and
-    # the ids their aborts name: the step is cut short once they cover all of its
-    # requests (EngineCore.step).
+    # their summary: the step is cut short once their aborts cover all of its requests
+    # or one of them is more urgent than all of them (EngineCore.step, Held).
     held: list[list[ToEngine]] = [[] for _ in eps]
-    held_aborts: set[str] = set()
+    pending = Held()
 
-    def aborts_pending() -> set[str]:
+    def peek() -> Held:
         for i, ep in enumerate(eps):
             msgs = ep.try_recv()
             held[i] += msgs
-            for msg in msgs:
-                if isinstance(msg, Abort):
-                    held_aborts.update(msg.request_ids)
-        return held_aborts
+            pending.add(msgs)
+        return pending
 
     last_busy = time.monotonic()  # when the engine last had requests
     released = True  # the heap was handed back since (start-up did)
@@ -105,14 +104,14 @@ def engine_loop(
                 if not core.handle(msg):
                     return 0
                 asked[i] = True
-        held_aborts.clear()  # every held message is applied now
+        pending.clear()  # every held message is applied now
         first = (first + 1) % len(eps)
         if core.has_work:
             last_busy, released = time.monotonic(), False
         if core.has_work or any(asked):
             # After handling messages with nothing to schedule, this still emits the
             # aborts' deltas and fresh stats, so gauges stay true while idle.
-            batch = core.step(aborts_pending)
+            batch = core.step(peek)
             outs: list[list[TokenDelta]] = [[] for _ in eps]
             for d in batch.outputs:
                 outs[owner.get(d.request_id, 0)].append(d)

@@ -44,6 +44,7 @@ from structllm.engine.stage_sampling import (
 from structllm.kernels.attention import AttentionMetadata
 from structllm.model import decode_plan
 from structllm.model.collectives import TensorParallelGroup
+from structllm.model.deepstack import injected
 from structllm.model.llama import LlamaModel
 from structllm.model.lora import LoraRows, active
 from structllm.model.vision import VisionModel
@@ -402,8 +403,9 @@ class ModelRunner:
                     if batch.images is not None
                     else None
                 )
+                deep = batch.images.deepstack if batch.images is not None else None
                 try:
-                    with active(self.model, batch.lora):
+                    with active(self.model, batch.lora), injected(self.model, deep):
                         hidden = self.model(
                             batch.input_ids,
                             batch.positions,

@@ -69,8 +69,11 @@ the latest of its priority. Before the step, a waiting request that finds no sea
 the least urgent running request if that one's priority is strictly larger
 (``_displace``); equal priorities never preempt each other, so no two requests take
 turns. While a strictly more urgent request waits, a less urgent running request takes
-no prefill chunk and no drafts (its plain decodes go on), so the budget and the blocks
-are the newcomer's first.
+nothing in the step (``_schedule_running(pause=True)``): the newcomer's prefill runs
+without those rows, which sit the step out with their state and tokens kept (a step of
+their decodes beside it would lengthen the urgent request's first token). Should no
+waiting request start after all (no budget left by more urgent rows, the LoRA cap),
+the paused rows run in that step, so none waits on a request that cannot start.
 """
 
 from __future__ import annotations
@@ -214,47 +217,10 @@ class Scheduler:
             out.displaced = self._displace(busy)
         free = [r for r in self.running if r.request_id not in busy] if busy else self.running
         encoded: set[str] = set()  # images whose encoder work this step already counts
-        i = 0
-        while i < len(free) and budget > 0 and len(out.scheduled) < cap:
-            req = free[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n > 1 and self._outranked(req):  # its prefill waits for the newcomer
-                i += 1
-                continue
-            enc = 0
-            if req.images and req.num_computed_tokens < req.prompt_len:
-                n, enc = self._image_chunk(req, req.num_computed_tokens, n, budget, encoded)
-            # every running request after this one keeps room for its own token
-            rest = len(free) - i - 1
-            room = budget - n - rest
-            rows = self.max_num_batched_tokens - budget + n + rest  # the step's so far
-            if self.max_draft_step_tokens is not None:
-                room = min(room, self.max_draft_step_tokens - rows)
-            drafts = self._drafts(req, n, room, rows)
-            if drafts and self.kv.allocate(req, n + len(drafts)):
-                req.draft_token_ids = drafts
-                n += len(drafts)
-            while not req.draft_token_ids and not self.kv.allocate(req, n):
-                if self._drop_drafts(out):  # drafts give their blocks up first
-                    budget = self.max_num_batched_tokens - out.num_tokens
-                    continue
-                # the newest, never one already scheduled (nor one in flight)
-                victim = free.pop()
-                if free is not self.running:
-                    self.running.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                break
-            if self.states is not None:
-                self.states.plan_save(req, n, self.kv.block_size)
-            out.scheduled.append((req, n))
-            budget -= n + enc
-            i += 1
+        budget = self._schedule_running(out, free, budget, cap, encoded, pause=True)
         if out.preempted:
             return out
+        admitted = len(out.scheduled)
         while (
             self.waiting
             and budget > 0
@@ -298,7 +264,67 @@ class Scheduler:
             self._start(req)
             out.scheduled.append((req, n))
             budget -= n + enc
+        if len(out.scheduled) == admitted and self.policy == "priority":
+            # nobody started after all (no budget, LoRA cap, ...): the paused rows run
+            done = {r.request_id for r, _ in out.scheduled}
+            paused = [r for r in free if r.status is Status.RUNNING and r.request_id not in done]
+            self._schedule_running(out, paused, budget, cap, encoded, pause=False)
         return out
+
+    def _schedule_running(
+        self,
+        out: SchedulerOutput,
+        free: list[Request],
+        budget: int,
+        cap: int,
+        encoded: set[str],
+        pause: bool,
+    ) -> int:
+        """Schedule the running requests ``free`` in order into ``out`` within ``budget``
+        and ``cap``, preempting the newest of them (never one already scheduled) when
+        the KV pool runs short; returns what is left of the budget. ``pause``: one that
+        a strictly more urgent waiting request outranks takes nothing this step (the
+        newcomer's prefill runs without it; ``_outranked``)."""
+        i = 0
+        while i < len(free) and budget > 0 and len(out.scheduled) < cap:
+            req = free[i]
+            if pause and self._outranked(req):  # it waits for the newcomer's prefill
+                i += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            enc = 0
+            if req.images and req.num_computed_tokens < req.prompt_len:
+                n, enc = self._image_chunk(req, req.num_computed_tokens, n, budget, encoded)
+            # every running request after this one keeps room for its own token
+            rest = len(free) - i - 1
+            room = budget - n - rest
+            rows = self.max_num_batched_tokens - budget + n + rest  # the step's so far
+            if self.max_draft_step_tokens is not None:
+                room = min(room, self.max_draft_step_tokens - rows)
+            drafts = self._drafts(req, n, room, rows)
+            if drafts and self.kv.allocate(req, n + len(drafts)):
+                req.draft_token_ids = drafts
+                n += len(drafts)
+            while not req.draft_token_ids and not self.kv.allocate(req, n):
+                if self._drop_drafts(out):  # drafts give their blocks up first
+                    budget = self.max_num_batched_tokens - out.num_tokens
+                    continue
+                # the newest, never one already scheduled (nor one in flight)
+                victim = free.pop()
+                if free is not self.running:
+                    self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            if self.states is not None:
+                self.states.plan_save(req, n, self.kv.block_size)
+            out.scheduled.append((req, n))
+            budget -= n + enc
+            i += 1
+        return budget
 
     def _next_waiting(self) -> Request | None:
         """The waiting request to admit next: the first in line, or with ``max_loras``
@@ -378,7 +404,8 @@ class Scheduler:
         (a decode token per running request and the newcomers' first chunks); returns
         the preempted. A newcomer's blocks are an estimate (``_first_chunk``) against
         the blocks free now, less what the newcomers before it and a decode token of
-        each running request take (a less urgent prefill takes none, ``_outranked``)."""
+        each running request take (an over-estimate: a less urgent one sits the step
+        out, ``_outranked``)."""
         displaced: list[Request] = []
         seats = self.max_num_seqs - len(self.running)
         if self.states is not None:

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 HEADERS = [
-    Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_pool.h", "cpu_tables.h")
-]  # part of each key
+    Path(__file__).with_name(h)
+    for h in ("cpu_simd.h", "cpu_pool.h", "cpu_tables.h", "cpu_iquants.h")
+]  # part of each key (cpu_iquants.h: quant_linear.cpp's i-quant kernels)
 FLAGS = [
     "-O3",
     "-fno-math-errno",

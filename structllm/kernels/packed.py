@@ -12,7 +12,9 @@ A weight ``W [N, K]`` is one of:
   (their super-block's float16 scales and their own integer sub-scales), bit-exact to
   ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
   layout, each nibble an index into ggml's 16 non-linear levels); MXFP4 likewise (an
-  E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts);
+  E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts); IQ4_XS as
+  laid in the file (super-blocks of 256: IQ4_NL's levels under 6-bit sub-block scales,
+  ``cpu_iquants.h``; a float and an int8 path, its int16 mode running the int8 one);
 - ``MixedWeight``: a fused matrix (q/k/v, gate/up) whose parts the file stores in
   different block types: each part runs in its own type, into its own output columns;
 - ``HalfMatrix``: float16 rows as stored, run by quant_linear.cpp's own float16 kernel
@@ -25,7 +27,8 @@ in registers, bit-exact to the float32 dequantisation, float32 math), from
 integer dot products of pairs), and the int8 path (8 bits per block: faster, less exact)
 for the matmuls whose caller allows it (the MLP's) where the weights are 4-bit
 (``INT8_TYPES``; from ``INT8_MIN_M`` rows; on by default, ``STRUCTLLM_QUANT_INT8_MIN_M=0``
-keeps 16 bits).
+keeps 16 bits). The user picks among them with ``--cpu-activations auto|int8|int16``
+(``set_cpu_activations``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ BLOCK_TYPES = {
     "Q6_K": 7,
     "IQ4_NL": 8,
     "MXFP4": 10,  # (9: float16 rows, F16_CODE)
+    "IQ4_XS": 11,
 }
 # bytes per 32 weights as the kernels hold them (Q5_K, Q6_K: after ``repack``)
 BLOCK_BYTES = {
@@ -65,6 +69,7 @@ BLOCK_BYTES = {
     "Q6_K": 28,
     "IQ4_NL": 18,
     "MXFP4": 17,
+    "IQ4_XS": 17,  # 136 bytes a super-block of 256, held as in the file
 }
 BLOCK = 32
 # quant_linear.cpp's code for float16 rows (``HalfMatrix``), after the GGUF types; not in
@@ -76,6 +81,23 @@ FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # the k-quants repacked at load into blocks of 32 (Q4_K runs as the file lays it out:
 # cpu_kquants.h)
 REPACKED = frozenset({"Q5_K", "Q6_K"})
+# the types held as the file's super-blocks of SUPER weights (cpu_iquants.h): a matrix's
+# columns are whole super-blocks, and the kernels' int16 mode runs 8-bit activations
+NATIVE_SUPER = frozenset({"IQ4_XS"})
+
+
+def granule(type_name: str) -> int:
+    """The columns a weight of ``type_name`` is cut at: its super-block (the k-quants,
+    whose scales come from the super-block, and the types held as super-blocks) or its
+    block of 32."""
+    return SUPER if type_name in FILE_BYTES or type_name in NATIVE_SUPER else BLOCK
+
+
+def held_as_super(type_name: str) -> bool:
+    """Whether the kernels hold ``type_name`` as the file's super-blocks of SUPER weights
+    (IQ4_XS, Q4_K), so a column cut must fall between super-blocks."""
+    return type_name in NATIVE_SUPER or (type_name in FILE_BYTES and type_name not in REPACKED)
+
 
 # Kernel paths (the C++ ``linear``'s mode codes).
 FLOAT, INT8, INT16 = 0, 1, 2
@@ -102,6 +124,8 @@ def int16_min_m() -> int:
     dequantises a 4-bit block through a 16-entry table, converts each block's scales
     one by one. ``STRUCTLLM_QUANT_INT16_MIN_M=0`` keeps the float path (float32
     activations, weights exactly the float32 dequantisation) at every size."""
+    if _ACTIVATIONS == "int16":
+        return 1
     if INT16_MIN_M is not None:
         return INT16_MIN_M
     return 1
@@ -150,10 +174,45 @@ ROW_KERNEL_ROWS = (
 )
 
 
+# The user's choice (``--cpu-activations``, ``EngineConfig.cpu_activations``), set once
+# per engine process by ``set_cpu_activations``:
+# - ``auto`` (the default): as above, int8 in the MLP's matmuls of ``INT8_TYPES`` weights,
+#   the int16 path elsewhere (and the ``STRUCTLLM_QUANT_*_MIN_M`` overrides for tuning);
+# - ``int16``: 16-bit activations in every block matmul, at every row count: the closer
+#   to float32 (bench/accuracy.py), the slower on many rows;
+# - ``int8``: 8-bit activations in the MLP's matmuls of every type the int8 kernels run
+#   (``INT8_KERNEL_TYPES``: Q8_0 weights too, as llama.cpp does), at every row count.
+CPU_ACTIVATIONS = ("auto", "int8", "int16")
+# quant_linear.cpp's int8_path: every block type but Q6_K and the table types
+INT8_KERNEL_TYPES = INT8_TYPES | {"Q8_0"}
+_ACTIVATIONS = "auto"
+
+
+def set_cpu_activations(mode: str) -> None:
+    """Set this process's activation precision (one of ``CPU_ACTIVATIONS``); models
+    built afterwards take their native plans' int8 choices from it."""
+    global _ACTIVATIONS
+    if mode not in CPU_ACTIVATIONS:
+        raise ValueError(f"cpu_activations must be auto, int8 or int16, got {mode!r}")
+    _ACTIVATIONS = mode
+
+
+def int8_min_m() -> int:
+    """Rows from which ``int8_ok`` matmuls take the int8 path (0: never)."""
+    if _ACTIVATIONS == "auto":
+        return INT8_MIN_M
+    return 1 if _ACTIVATIONS == "int8" else 0
+
+
+def int8_types() -> frozenset[str]:
+    """The weight types whose ``int8_ok`` matmuls may take the int8 path."""
+    return INT8_KERNEL_TYPES if _ACTIVATIONS == "int8" else INT8_TYPES
+
+
 def block_mode(rows: int, int8_ok: bool = False) -> int:
     """The kernel path for ``rows`` rows of activations (``int8_ok``: the caller allows
-    the int8 path, and the weights are of an ``INT8_TYPES`` type)."""
-    if int8_ok and 0 < INT8_MIN_M <= rows:
+    the int8 path, and the weights are of an ``int8_types()`` type)."""
+    if int8_ok and 0 < int8_min_m() <= rows:
         return INT8
     if 0 < int16_min_m() <= rows:
         return INT16
@@ -275,7 +334,7 @@ class BlockWeight:
     @classmethod
     def from_raw(cls, raw: Tensor | np.ndarray, type_name: str, k: int) -> BlockWeight:
         """From a tensor's bytes as stored in a GGUF file (k-quants are repacked)."""
-        if type_name not in BLOCK_TYPES or k % (SUPER if type_name in FILE_BYTES else BLOCK):
+        if type_name not in BLOCK_TYPES or k % granule(type_name):
             raise ValueError(f"not a supported block weight: {type_name} with {k} columns")
         if type_name in REPACKED:
             data = raw.numpy() if isinstance(raw, Tensor) else np.asarray(raw)
@@ -308,10 +367,10 @@ class BlockWeight:
         return BlockWeight(self.raw[a:b], self.type_name, (b - a, self.shape[1]))
 
     def columns(self, a: int, b: int) -> BlockWeight | None:
-        """Columns ``a .. b`` as a weight of its own (whole blocks of 32; Q4_K: of 256),
-        or None when a bound falls inside a block."""
-        whole = SUPER if self.type_name in FILE_BYTES and self.type_name not in REPACKED else BLOCK
-        if a % whole or b % whole:
+        """Columns ``a .. b`` as a weight of its own (whole blocks of 32; Q4_K, IQ4_XS:
+        whole super-blocks), or None when a bound falls inside one."""
+        g = SUPER if held_as_super(self.type_name) else BLOCK
+        if a % g or b % g:
             return None
         size = BLOCK_BYTES[self.type_name]
         raw = self.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
@@ -558,12 +617,12 @@ def kernel_parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | N
     parts = w.parts if isinstance(w, MixedWeight) else [w]
     if any(p.code < 0 for p in parts):
         return None
-    return [(p.raw.contiguous(), p.code, int8_ok and p.type_name in INT8_TYPES) for p in parts]
+    return [(p.raw.contiguous(), p.code, int8_ok and p.type_name in int8_types()) for p in parts]
 
 
 def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False) -> Tensor:
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=True``: a 4-bit ``BlockWeight``
-    may take the int8 path (see ``INT8_MIN_M``); the caller vouches that 8-bit
+    may take the int8 path (see ``block_mode``); the caller vouches that 8-bit
     activations per block of 32 are precise enough for this matmul."""
     if isinstance(w, HalfRows):
         return linear(x, w.matmul_weight(), b)
@@ -572,7 +631,7 @@ def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False)
         return y if b is None else y.add_(b)
     if isinstance(w, BlockWeight):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        mode = block_mode(x2.shape[0], int8_ok and w.type_name in INT8_TYPES)
+        mode = block_mode(x2.shape[0], int8_ok and w.type_name in int8_types())
         if x2.dtype != torch.float32:
             x2 = x2.float()
         y = (_KERNELS or _kernels()).linear(x2, w.raw, w.code, mode)

@@ -13,6 +13,7 @@
 //   Q5_0  [d | qh | 16 bytes]   w = (nibble | bit << 4 - 16) * d
 //   Q5_1  [d | m | qh | 16 bytes]  w = (nibble | bit << 4) * d + m
 //   IQ4_NL [d | 16 bytes]       w = kvalues[nibble] * d   (ggml's non-linear 4-bit grid)
+//   (IQ4_XS, code 11: super-blocks of 256 held as in the file, see cpu_iquants.h)
 //   MXFP4 [e | 16 bytes]        w = kvalues_mxfp4[nibble] * 2^(e - 128)  (e: an E8M0
 //                               exponent byte; the table is twice E2M1's values, and the
 //                               scale half of 2^(e - 127), as ggml's: gpt-oss's experts)
@@ -77,6 +78,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cpu_iquants.h"
 #include "cpu_pool.h"
 #include "cpu_simd.h"
 #include "cpu_tables.h"
@@ -86,7 +88,8 @@ using namespace sl;
 
 constexpr int QK = 32;
 enum BlockType : int {
-  Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8, MXFP4 = 10
+  Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8, MXFP4 = 10,
+  IQ4_XS = 11  // super-blocks of 256 as in the file: cpu_iquants.h's kernels
 };
 constexpr int NTYPES = 9;  // the codes below float16 rows' (9)
 
@@ -1863,7 +1866,7 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
 // times; a panel of NT weight rows (NT * K halves, in L1/L2) meets every row of an M
 // block before the next panel.
 constexpr int F16 = NTYPES;  // its code, after the GGUF types (packed.F16_CODE)
-constexpr int NCODES = MXFP4 + 1;  // the GGUF types, float16 rows, MXFP4
+constexpr int NCODES = IQ4_XS + 1;  // the GGUF types, float16 rows, MXFP4, IQ4_XS
 #ifdef SL_AVX512
 constexpr int MT_H = 4;  // 4 x 6 accumulators + 4 activation vectors + 1 weight of 32 registers
 constexpr int NT_H = 6;
@@ -2000,7 +2003,8 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NCODES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K, the file's super-blocks), 6 (Q5_K), 7 (Q6_K, these two repacked), 8 (IQ4_NL), 9 (float16 rows) or 10 (MXFP4)");
+              "5 (Q4_K, the file's super-blocks), 6 (Q5_K), 7 (Q6_K, these two repacked), 8 (IQ4_NL), 9 (float16 rows), "
+              "10 (MXFP4) or 11 (IQ4_XS)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   if (type == F16) {  // float16 rows: 2 bytes a weight, any K
     TORCH_CHECK(w.size(1) % 2 == 0, "quant_linear: float16 rows must have an even number of bytes");
@@ -2009,6 +2013,10 @@ int64_t checked_k(const torch::Tensor& w, int64_t type) {
   if (type == Q4_K) {  // the file's super-blocks (cpu_kquants.h)
     TORCH_CHECK(w.size(1) % kq::Q4K_BYTES == 0, "quant_linear: Q4_K rows must be whole super-blocks of 144 bytes");
     return w.size(1) / kq::Q4K_BYTES * kq::QK_K;
+  }
+  if (type == IQ4_XS) {  // super-blocks of 256 weights, 136 bytes each
+    TORCH_CHECK(w.size(1) % sl::iq::IQ4XS_BYTES == 0, "quant_linear: IQ4_XS row bytes not a whole number of super-blocks");
+    return w.size(1) / sl::iq::IQ4XS_BYTES * sl::iq::QK_K;
   }
   const int bb = block_bytes(static_cast<int>(type));
   TORCH_CHECK(w.size(1) % bb == 0, "quant_linear: row bytes not a whole number of blocks");
@@ -2025,7 +2033,11 @@ constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PAT
                                           {kq::linear_float, kq::linear_int8, kq::linear_int16},  // Q4_K
                                           SL_PATHS(Q5_K), SL_PATHS(Q6_K), SL_PATHS(IQ4_NL),
                                           {linear_f16, linear_f16, linear_f16},  // F16: one kernel
-                                          SL_PATHS(MXFP4)};
+                                          SL_PATHS(MXFP4),
+                                          // IQ4_XS: no 16-bit path, its int16 mode runs 8-bit
+                                          // activations (as llama.cpp's q8_K does)
+                                          {sl::iq::iq4xs_linear_float, sl::iq::iq4xs_linear_int8,
+                                           sl::iq::iq4xs_linear_int8}};
 #undef SL_PATHS
 
 // x [M, K] float32, w [N, K/32 * block_bytes] uint8 -> [M, N] float32.
@@ -2079,7 +2091,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   static constexpr Fn fns[NCODES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
                                      dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, kq::dequantize,
                                      dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>,
-                                     dequantize_f16, dequantize_rows<MXFP4>};
+                                     dequantize_f16, dequantize_rows<MXFP4>, sl::iq::iq4xs_dequantize};
   fns[type](wp, op, w.size(0), K);
   return out;
 }

@@ -83,6 +83,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # M-RoPE (Qwen2.5-VL): the rotary pairs of each head split among the (t, h, w)
     # position axes, in that order; []: one position axis (engine/mrope.py)
     mrope_section: list[int] = []
+    # Qwen3-VL's and Qwen3.5's M-RoPE: the h and w pairs interleaved with t's (pair j is
+    # h's when j % 3 == 1 and j < 3 * section[1], w's when j % 3 == 2 and j < 3 *
+    # section[2], t's otherwise) instead of three consecutive runs
+    mrope_interleaved: bool = False
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim of each head
     qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": OLMo 2
     # ("layer_heads": a LayerNorm per head, each head its own weights, StableLM's)
@@ -150,6 +154,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     o_bias: bool = False  # a bias on the attention output projection
     head_bias: bool = False  # a bias on the LM head
     learned_positions: bool = False  # absolute position embeddings added (GPT-2), no rope
+    # --- encoders (model/bert.py): BERT, XLM-RoBERTa ---
+    # token_type_ids' embedding rows (BERT: 2, the second text of a pair is type 1;
+    # 0: none); XLM-RoBERTa's positions start at padding_idx + 1 (position_offset)
+    type_vocab_size: int = 0
+    position_offset: int = 0
     # --- Gemma 4: layers that differ in shape, share K/V, take per-layer inputs ---
     layer_head_dims: list[int] = []  # per layer: head size ([]: head_dim everywhere)
     layer_kv_heads: list[int] = []  # per layer: KV heads ([]: num_kv_heads everywhere)
@@ -162,6 +171,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     moe_beside_mlp: bool = False  # the experts run beside the dense MLP, not instead
     per_layer_input_size: int = 0  # per-layer input embeddings' width (0: none)
     per_layer_vocab_size: int = 0  # their table's rows
+    # Gemma 4 (Gemma4ForConditionalGeneration): its image, video and audio tokens, whose
+    # per-layer inputs are the pad token's (transformers' multimodal mask)
+    multimodal_token_ids: list[int] = []
+    pad_token_id: int = 0
     # --- multi-head latent attention (DeepSeek-V2/V3, model/deepseek.py) ---
     # kv_lora_rank > 0: each layer caches one "head" of head_dim = kv_lora_rank +
     # rotary_dim per token, [normed latent c_kv, rotated k_pe] (num_kv_heads is 1); the
@@ -330,6 +343,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         heads = int(cfg["num_attention_heads"])
         layers = _num_layers(cfg)
         rope = rope_params(cfg)
+        interleaved = bool(rope.pop("mrope_interleaved", False))
         mrope = _mrope_section(rope)
         eos = cfg.get("eos_token_id")
         eos_ids = (
@@ -360,9 +374,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             base["rotary_dim"] = int(base["head_dim"] * float(partial))
         if mrope:
             base["mrope_section"] = mrope
+            base["mrope_interleaved"] = interleaved
         base.update(FAMILY_OPTIONS.get(fam.name, _no_options)(cfg, base))
         windows = _layer_windows(cfg, fam.name, layers)
-        if cfg.get("use_bidirectional_attention"):
+        bidi = cfg.get("use_bidirectional_attention")
+        if fam.name == "gemma4" and bidi == "vision":
+            bidi = None  # image tokens both ways, text causal: the vision side's rule
+        if bidi:
             if fam.name != "gemma3":
                 raise ValueError(
                     f"use_bidirectional_attention is supported for Gemma 3, not {fam.name}"
@@ -396,12 +414,10 @@ def _first(value: Any) -> int:
 def _mrope_section(rope: dict[str, Any]) -> list[int]:
     """M-RoPE's split of the rotary pairs among (t, h, w) (``mrope_section``), taken out
     of ``rope`` (the rest is plain rope: transformers 4 calls it ``rope_type`` "mrope",
-    5 "default"); [] without one. Qwen3-VL's interleaved split is refused by name."""
+    5 "default"); [] without one."""
     section = rope.pop("mrope_section", None)
     if rope.get("rope_type") == "mrope":
         rope["rope_type"] = "default"
-    if rope.pop("mrope_interleaved", False):
-        raise ValueError("interleaved M-RoPE (mrope_interleaved, Qwen3-VL's) is not supported")
     if section is None:
         return []
     if len(section) != 3 or any(int(s) < 0 for s in section):
@@ -601,6 +617,24 @@ TEXT_MODELS["Qwen2_5_VLForConditionalGeneration"] = (
         "eos_token_id": 151645,
     },
 )
+# Qwen3-VL: a Qwen3 text model with interleaved M-RoPE (Qwen3VLTextConfig's defaults;
+# transformers 5 and the released checkpoints keep them under text_config) whose first
+# layers also take the tower's deepstack rows; its vision side: model/qwen3_vl.py
+TEXT_MODELS["Qwen3VLForConditionalGeneration"] = (
+    "Qwen3ForCausalLM",
+    {
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+)
 # Qwen3.5's text config class's defaults (Qwen3_5TextConfig; the MoE's differ below)
 _QWEN3_5_TEXT: dict[str, Any] = {
     "vocab_size": 248320,
@@ -641,6 +675,7 @@ _TEXT_ROPE: dict[str, dict[str, float]] = {
     "MistralForCausalLM": {"rope_theta": 10000.0},
     "LlamaForCausalLM": {"rope_theta": 10000.0},
     "Qwen2ForCausalLM": {"rope_theta": 1e6},  # (Qwen2_5_VLTextConfig's; no other here)
+    "Qwen3ForCausalLM": {"rope_theta": 500000.0},  # (Qwen3VLTextConfig's)
     "Qwen3_5ForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     "Qwen3_5MoeForCausalLM": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
 }
@@ -864,6 +899,12 @@ def _gemma4(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         else [],
         per_layer_input_size=int(cfg.get("hidden_size_per_layer_input", 256) or 0),
         per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or 262144),
+        multimodal_token_ids=[
+            int(cfg[k])
+            for k in ("image_token_id", "video_token_id", "audio_token_id")
+            if cfg.get(k) is not None
+        ],
+        pad_token_id=int(cfg.get("pad_token_id") or 0),
     )
     if cfg.get("enable_moe_block"):
         out.update(
@@ -1703,7 +1744,71 @@ def _deepseek(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """BERT and XLM-RoBERTa encoders (model/bert.py): post-LayerNorm layers with biases
+    everywhere, an ungated GELU MLP, learned absolute positions (XLM-RoBERTa's from
+    ``pad_token_id + 1``: its table's first rows are never used, so the context is that
+    much shorter), ``token_type_ids`` rows, attention both ways, no LM head."""
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(
+            f"unsupported position_embedding_type {cfg.get('position_embedding_type')!r}"
+        )
+    offset = int(cfg.get("pad_token_id") or 0) + 1 if base["architecture"] == "xlm_roberta" else 0
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", 1e-12)),
+        "mlp_act": _hidden_act(cfg, "BERT", "gelu"),
+        "mlp_gated": False,
+        "mlp_bias": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "learned_positions": True,
+        "rope_layers": [False] * base["num_layers"],
+        "tie_word_embeddings": True,  # (no head: nothing to tie or load)
+        "bidirectional": True,
+        "max_position_embeddings": base["max_position_embeddings"] - offset,
+        "position_offset": offset,
+        "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "num_kv_heads": base["num_heads"],
+    }
+
+
+def _nomic_bert(cfg: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """NomicBERT (model/nomic_bert.py): BERT's encoder with rotary q/k (rope theta
+    1000 unless the config says) instead of a position table, a SwiGLU MLP, no biases
+    but the LayerNorms'. nomic-ai's own config keys (``rotary_emb_base``,
+    ``layer_norm_epsilon``, ``activation_function``; GPT-2's sizes, ``_gpt2_keys``) are
+    read as transformers reads them; its variants outside that layout are refused."""
+    for key in ("qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias", "prenorm", "use_rms_norm"):
+        if cfg.get(key):
+            raise ValueError(f"unsupported NomicBERT config: {key}")
+    if cfg.get("rotary_emb_interleaved") or float(cfg.get("rotary_emb_fraction", 1.0)) != 1.0:
+        raise ValueError("unsupported NomicBERT rotary: interleaved or partial")
+    if cfg.get("rotary_scaling_factor"):
+        raise ValueError("unsupported NomicBERT rotary_scaling_factor (dynamic NTK)")
+    rope = rope_params(cfg)
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported NomicBERT rope_type {rope.get('rope_type')!r}")
+    theta = cfg.get("rotary_emb_base") or rope.get("rope_theta", 1000.0)
+    act = cfg.get("hidden_act") or {"swiglu": "silu"}.get(cfg.get("activation_function", ""))
+    return {
+        "norm_kind": "layer",
+        "norm_bias": True,
+        "rms_norm_eps": float(cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon", 1e-12))),
+        "mlp_act": _hidden_act({"hidden_act": act or "silu"}, "NomicBERT", "silu"),
+        "rope_theta": float(theta),
+        "tie_word_embeddings": True,
+        "bidirectional": True,
+        "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "num_kv_heads": base["num_heads"],
+    }
+
+
 FAMILY_OPTIONS: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    "bert": _bert,
+    "xlm_roberta": _bert,
+    "nomic_bert": _nomic_bert,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "gemma": _gemma1,

@@ -108,13 +108,16 @@ def _override(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 # what --hf-overrides may change in a GGUF file's config (it has no config.json)
 GGUF_OVERRIDES = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+# ... and what it may say of its pooler (Matryoshka: the converter writes nothing of
+# it; read by ``model.pooler_config.read_pooler``, the config is left as it is)
+GGUF_POOLER_OVERRIDES = ("is_matryoshka", "matryoshka_dimensions")
 
 
 def with_hf_overrides(files: ModelFiles, overrides: dict[str, Any] | None) -> ModelFiles:
     """``files`` with its config read again with ``overrides`` (vLLM's ``--hf-overrides``)
     over ``config.json``'s top-level keys, e.g. a YaRN ``rope_scaling`` for a longer
-    context; for a GGUF file only ``GGUF_OVERRIDES``. ``ValueError`` naming what does not
-    apply or what the result lacks."""
+    context; for a GGUF file only ``GGUF_OVERRIDES`` and ``GGUF_POOLER_OVERRIDES``.
+    ``ValueError`` naming what does not apply or what the result lacks."""
     if not overrides:
         return files
     if files.source is None:  # a Hugging Face directory
@@ -122,11 +125,10 @@ def with_hf_overrides(files: ModelFiles, overrides: dict[str, Any] | None) -> Mo
         raw = _override(raw, overrides)
         cfg = _head_as_stored(ModelConfig.from_hf(raw), raw, files.weights)
         return replace(files, config=cfg)
-    other = sorted(set(overrides) - set(GGUF_OVERRIDES))
+    other = sorted(set(overrides) - set(GGUF_OVERRIDES) - set(GGUF_POOLER_OVERRIDES))
     if other:
-        raise ValueError(
-            f"hf_overrides {other} do not apply to a GGUF file; it takes {list(GGUF_OVERRIDES)}"
-        )
+        takes = [*GGUF_OVERRIDES, *GGUF_POOLER_OVERRIDES]
+        raise ValueError(f"hf_overrides {other} do not apply to a GGUF file; it takes {takes}")
     fields = msgspec.structs.asdict(files.config)
     rope = rope_params(overrides)
     if "rope_theta" in rope:

@@ -46,6 +46,7 @@ PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 class Gemma3Vision(nn.Module):
     bidirectional = True
+    deepstack = 0  # (Qwen3-VL's deepstack rows: none)
 
     def __init__(
         self,

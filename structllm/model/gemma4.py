@@ -33,6 +33,7 @@ and layers reading other layers' caches are not cut).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import cast
 
@@ -220,6 +221,7 @@ class Gemma4Model(MoeModel):
         super().__init__(cfg, dtype, plan, layers)
         self.per_layer_inputs = PerLayerInputs(cfg, dtype) if cfg.per_layer_input_size else None
         self._rope_global: Tensor | None = None
+        self._mm_ids: Tensor | None = None  # [M] multimodal_token_ids, on the model's device
         self.native_decode = False
         self.decode_why = "the Python layer loop (Gemma 4)"
 
@@ -257,14 +259,27 @@ class Gemma4Model(MoeModel):
         between_layers: Callable[[], None] | None = None,
         hidden: Tensor | None = None,
     ) -> Tensor:
-        """As ``LlamaModel.forward`` (one process: no ``hidden`` in). A KV-shared
-        layer's cache entry is its source layer's tensors."""
-        if hidden is not None:
-            raise ValueError("gemma4 runs without pipeline stages")
-        x = self.embed(input_ids)
-        pli = self.per_layer_inputs(input_ids, x) if self.per_layer_inputs is not None else None
+        """As ``LlamaModel.forward`` (one process: ``hidden`` is only the embeddings
+        with a step's image rows in place, ``engine.image_rows``). A KV-shared layer's
+        cache entry is its source layer's tensors. The per-layer inputs project
+        ``hidden`` (the image rows too) but look up the pad token where an image token
+        is, as transformers does. Images whose tokens see each other both ways
+        (``meta.ahead``) do so in the sliding-window layers only: the global layers
+        attend causally (transformers' ``create_masks_for_vision_model``)."""
+        x = self.embed(input_ids) if hidden is None else hidden
+        pli = None
+        if self.per_layer_inputs is not None:
+            ids = input_ids
+            if self.cfg.multimodal_token_ids:
+                if self._mm_ids is None or self._mm_ids.device != ids.device:
+                    self._mm_ids = torch.tensor(self.cfg.multimodal_token_ids, device=ids.device)
+                ids = torch.where(torch.isin(ids, self._mm_ids), self.cfg.pad_token_id, ids)
+            pli = self.per_layer_inputs(ids, x)
         glob, loc = self.rope_tables(int(meta.max_seq_len))
         ropes = glob[positions].unsqueeze(1), loc[positions].unsqueeze(1)  # [T, 1, D/2]
+        causal = meta
+        if meta.ahead is not None:
+            causal = dataclasses.replace(meta, ahead=None, ahead_seqs=frozenset())
         step_kv: dict[int, tuple[Tensor, Tensor]] = {}  # a source layer's fresh K/V
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
@@ -275,7 +290,7 @@ class Gemma4Model(MoeModel):
                 x,
                 ropes[1] if gl.local_rope else ropes[0],
                 (kc, vc),
-                meta,
+                meta if gl.window else causal,
                 self.attn_impl,
                 step_kv,
                 self.cfg.kv_source(i),

@@ -394,7 +394,7 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
         local = _local_layers(layers, 4, get)
         kw["rope_layers"] = local
         kw["layer_windows"] = [window if s else 0 for s in local] if window else []
-    if arch in ("qwen2vl", "mistral3"):
+    if arch in ("qwen2vl", "qwen3vl", "mistral3"):
         kw.update(_vision_text(str(arch), get))
     if kw.get("layer_windows"):
         kw["sliding_window"] = max(kw["layer_windows"])
@@ -412,7 +412,9 @@ def model_config(meta: dict[str, Any]) -> ModelConfig:
 
 def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
     """The text models of Qwen2(.5)-VL (``qwen2vl``: M-RoPE's split of the rotary pairs
-    among t/h/w, ``rope.dimension_sections``, a fourth section 0) and Mistral 3.1
+    among t/h/w, ``rope.dimension_sections``, a fourth section 0), Qwen3-VL (``qwen3vl``:
+    the same sections, interleaved; its ``n_deepstack_layers`` are the mmproj's) and
+    Mistral 3.1
     (``mistral3``: a Mistral; Ministral 3's attention temperature is not run here)."""
     if arch == "mistral3":
         if get("attention.temperature_scale") is not None:
@@ -424,9 +426,9 @@ def _vision_text(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
     sections = [int(x) for x in get("rope.dimension_sections") or []]
     if len(sections) < 3 or any(sections[3:]):
         raise ValueError(
-            f"qwen2vl GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
+            f"{arch} GGUF file with rope.dimension_sections {sections}: need (t, h, w)"
         )
-    return {"mrope_section": sections[:3]}
+    return {"mrope_section": sections[:3], "mrope_interleaved": arch == "qwen3vl"}
 
 
 def _deepseek2(

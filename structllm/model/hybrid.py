@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from structllm.kernels.attention import AttentionMetadata
 from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
-from structllm.model.layers import SparseMoe, gated_act
+from structllm.model.layers import SparseMoe, gated_act, mrope_rotations
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel, refuse_sharding
 from structllm.model.recurrent import RecurrentBatch
 from structllm.model.sharding import ShardPlan
@@ -164,12 +164,17 @@ class HybridModel(LlamaModel):
         between_layers: Callable[[], None] | None = None,
         hidden: Tensor | None = None,
     ) -> Tensor:
-        """As ``LlamaModel.forward`` (one process, so no ``hidden`` in): an attention
-        layer's cache entry is its (K, V) pair, a recurrent layer's its states."""
-        if hidden is not None:
-            raise ValueError("a hybrid model runs without pipeline stages")
-        x = self.embed(input_ids)
-        rope = self.rope_table(int(meta.max_seq_len))[positions].unsqueeze(1)  # [T, 1, D/2]
+        """As ``LlamaModel.forward`` (one process: ``hidden`` is only ever the input
+        embeddings with image rows in place, Qwen3.5's): an attention layer's cache entry
+        is its (K, V) pair, a recurrent layer's its states."""
+        x = hidden if hidden is not None else self.embed(input_ids)
+        table = self.rope_table(int(meta.max_seq_len))
+        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
+            cfg = self.cfg
+            rows = mrope_rotations(table, positions, cfg.mrope_section, cfg.mrope_interleaved)
+        else:
+            rows = table[positions]
+        rope = rows.unsqueeze(1)  # [T, 1, D/2]
         rb = RecurrentBatch.from_meta(meta, meta.state_slots, self._recurrent_kernels())
         if meta.state_loads:
             self._load_saved_states(kv_caches, meta.state_loads)

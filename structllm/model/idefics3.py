@@ -110,6 +110,7 @@ class Idefics3Vision(nn.Module):
     """``model.vision.VisionModel`` for ``Idefics3ForConditionalGeneration``."""
 
     bidirectional = False  # image tokens attend causally, as the text does
+    deepstack = 0  # (Qwen3-VL's deepstack rows: none)
 
     def __init__(
         self,

@@ -138,21 +138,34 @@ def rope_rows(cfg: ModelConfig, start: int, stop: int, theta: float | None = Non
     return torch.polar(mags, angles).to(torch.complex64)
 
 
-def mrope_rotations(table: Tensor, positions: Tensor, section: list[int]) -> Tensor:
+def mrope_rotations(
+    table: Tensor, positions: Tensor, section: list[int], interleaved: bool = False
+) -> Tensor:
     """M-RoPE's rotations ``[T, D/2]`` (complex64) of ``positions: [3, T]`` (t, h, w) from
-    ``table`` (``rope_rows``): rotary pair ``j`` turns by its axis's position, the first
-    ``section[0]`` pairs by t, the next ``section[1]`` by h, then w (transformers'
-    ``mrope_section`` split of the frequencies); pairs past them (a partial rotary's
-    identity) come from the t axis."""
+    ``table`` (``rope_rows``): rotary pair ``j`` turns by its axis's position
+    (``mrope_axes``); pairs past the rotary ones (a partial rotary's identity) by t."""
     if not section:
         raise ValueError("3-D positions for a model without mrope_section")
     rows = table[positions]  # [3, T, D/2]
-    parts, at = [], 0
-    for axis, n in enumerate(section):
-        parts.append(rows[axis, :, at : at + n])
-        at += n
-    parts.append(rows[0, :, at:])
-    return torch.cat(parts, dim=-1)
+    axes = mrope_axes(section, rows.shape[-1], interleaved).to(rows.device)  # [D/2]
+    return rows.gather(0, axes.view(1, 1, -1).expand(1, rows.shape[1], -1))[0]
+
+
+def mrope_axes(section: list[int], pairs: int, interleaved: bool) -> Tensor:
+    """The position axis (0 t, 1 h, 2 w) of each of ``pairs`` rotary pairs: the first
+    ``section[0]`` by t, the next ``section[1]`` by h, then w (transformers'
+    ``mrope_section`` split, Qwen2.5-VL's), or, ``interleaved`` (Qwen3-VL's), pair ``j``
+    h's when ``j % 3 == 1`` and ``j < 3 * section[1]``, w's when ``j % 3 == 2`` and ``j <
+    3 * section[2]``, t's otherwise; pairs past the section t's."""
+    axes = torch.zeros(pairs, dtype=torch.long)
+    if interleaved:
+        for axis in (1, 2):
+            axes[axis : min(3 * section[axis], pairs) : 3] = axis
+        return axes
+    t, h, w = section
+    axes[t : t + h] = 1
+    axes[t + h : t + h + w] = 2
+    return axes
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
@@ -416,5 +429,5 @@ def _native_experts(experts: list[Expert], hidden: int, ffn: int) -> Any:
     if module is None:
         return False
     return module.Experts(
-        gate_up, down, hidden, ffn, packed.INT8_MIN_M, packed.int16_min_m(), module.kernel_table
+        gate_up, down, hidden, ffn, packed.int8_min_m(), packed.int16_min_m(), module.kernel_table
     )

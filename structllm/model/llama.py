@@ -41,6 +41,7 @@ from structllm.kernels.attention import (
 from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
+from structllm.model.deepstack import Deepstack
 from structllm.model.layers import (
     SparseMoe,
     apply_rope,
@@ -474,6 +475,7 @@ class LlamaModel(nn.Module):
         self._decode_plan: Any = None
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
         # the step's LoRA rows while it has any (model.lora.active): the Python loop runs
+        self.deepstack: Deepstack | None = None  # a step's, see deepstack.injected
         self.adapters: LoraRows | None = None
         # decode steps may be captured in CUDA graphs (where the attention backend can
         # be); False for a family whose attention reads the step's host-side lists
@@ -544,7 +546,9 @@ class LlamaModel(nn.Module):
         hidden: Tensor | None = None,
     ) -> Tensor:
         """``input_ids, positions: [T]`` -> hidden states ``[T, hidden]`` (final norm
-        applied); ``positions`` is ``[3, T]`` for an M-RoPE model's rows over images.
+        applied); ``positions`` is ``[3, T]`` for an M-RoPE model's rows over images;
+        ``self.deepstack`` (set for the step by ``deepstack.injected``) adds Qwen3-VL's
+        image rows to the first layers' outputs.
         Writes this step's K/V into ``kv_caches`` (one pair per layer held).
 
         A pipeline stage after the first starts from ``hidden`` (the previous stage's
@@ -558,7 +562,11 @@ class LlamaModel(nn.Module):
         x = hidden if hidden is not None else self.embed_at(input_ids, positions)
         table = self.rope_table(int(meta.max_seq_len))
         if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
-            ropes = [mrope_rotations(table, positions, self.cfg.mrope_section)]
+            ropes = [
+                mrope_rotations(
+                    table, positions, self.cfg.mrope_section, self.cfg.mrope_interleaved
+                )
+            ]
         else:
             ropes = [table[positions]]  # [T, D/2] per table: global, local, none
         if self._rope_local is not None:
@@ -593,6 +601,8 @@ class LlamaModel(nn.Module):
                 delta = dl.forward_fused(
                     x, delta, rope, kc, vc, meta, self.attn_impl, tp, ops, o_out
                 )
+                if self.deepstack is not None:  # (the layer's output is x + delta)
+                    delta = self.deepstack.add(i, delta)
             if not last:
                 return x if delta is None else x + delta
             return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
@@ -603,6 +613,8 @@ class LlamaModel(nn.Module):
             dl = cast(DecoderLayer, layer)
             layer_rope = ropes[1 if dl.local_rope else 0] if dl.rotates else None
             x = layer(x, layer_rope, kc, vc, meta, self.attn_impl, tp)
+            if self.deepstack is not None:
+                x = self.deepstack.add(i, x)
         if not last:
             return x
         return self.final_norm(x)

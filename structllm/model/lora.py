@@ -12,7 +12,8 @@ A layer calls ``LoraRows.add(layer, proj, x, out)`` after each of its four matmu
 its step has adapter rows (``DecoderLayer.adapters``, set for the step by ``active``);
 a step without any sets nothing and runs as before. The native decode loop
 (``model.decode_plan``) and CUDA graphs are not taken by a step with adapter rows: it
-runs the Python layer loop (fused ops on CPU).
+runs the Python layer loop (fused ops on CPU). The kernels: ``cpu_lora.cpp`` on the
+CPU, Triton's on CUDA (``model.lora_slots``), torch's ops otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -121,6 +122,12 @@ def _gguf_tensors(spec: AdapterSpec) -> dict[str, Tensor]:
     }
 
 
+class StackedStep(Protocol):
+    """A step's adapters on a device's kernels (``model.lora_slots.SlotStep``, CUDA)."""
+
+    def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None: ...
+
+
 @dataclass
 class LoraRows:
     """One step's adapter rows: ``groups`` pairs each adapter with the indices
@@ -128,7 +135,9 @@ class LoraRows:
     group); ``rows`` is them all, group after group, group ``g``'s from
     ``starts[g]``. ``native``: ``cpu_lora.cpp``'s module (adapters on the CPU, stored
     in float32, float16 or bfloat16), which does a projection's every group and part in
-    one call; None: torch's ops, group by group."""
+    one call; ``stacked``: the step's adapters in slots on the GPU
+    (``model.lora_slots``: Triton's shrink and expand, one launch each); neither:
+    torch's ops, group by group."""
 
     groups: list[tuple[LoraAdapter, Tensor]]
     rows: Tensor
@@ -137,11 +146,15 @@ class LoraRows:
     # (layer, projection) -> the native call's items for these groups, kept by the
     # registry across the steps with the same adapters in the same order
     plans: dict[tuple[int, str], Items] = field(default_factory=dict)
+    stacked: StackedStep | None = None
 
     def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
         """``out[rows, cols] += scale * B (A x[rows])`` for each group that adapts
         ``proj`` of ``layer``; ``x: [T, in]`` the projection's input, ``out: [T, out]``
         its output (updated in place), both 2-D."""
+        if self.stacked is not None:
+            self.stacked.add(layer, proj, x, out)
+            return
         if self.native is not None and x.dtype == out.dtype == torch.float32:
             self._add_native(layer, proj, x, out)
             return

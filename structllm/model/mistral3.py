@@ -120,6 +120,7 @@ class Mistral3Vision(nn.Module):
     """``model.vision.VisionModel`` for ``Mistral3ForConditionalGeneration``."""
 
     bidirectional = False  # image tokens attend causally in the text model
+    deepstack = 0  # (Qwen3-VL's deepstack rows: none)
 
     def __init__(
         self,

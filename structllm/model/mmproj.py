@@ -1,9 +1,10 @@
 """A model GGUF's image side from an mmproj GGUF (``--mmproj``, llama.cpp's file written
 by ``convert_hf_to_gguf.py --mmproj``): its tensors read into the same vision modules a
 Hugging Face directory fills (``gemma3_vision.Gemma3Vision``, ``idefics3.Idefics3Vision``,
-both on ``siglip.SiglipVisionTower``, here; Qwen2.5-VL's and Pixtral's towers in
-``mmproj_qwen2_5_vl.py`` and ``mmproj_pixtral.py``), its metadata and the pair's checks
-from ``multimodal/mmproj.py``, the tensors from ``mmproj_tensors.py``.
+both on ``siglip.SiglipVisionTower``, here; Qwen2.5-VL's, Qwen3-VL's and Pixtral's
+towers in ``mmproj_qwen2_5_vl.py``, ``mmproj_qwen3_vl.py`` and ``mmproj_pixtral.py``),
+its metadata and the pair's checks from ``multimodal/mmproj.py``, the tensors from
+``mmproj_tensors.py``.
 
 llama.cpp's names (numpy order, i.e. ggml's ``ne`` reversed, which is transformers'
 layout): ``v.patch_embd.weight [C, 3, P, P]`` (the conv's) and ``.bias``,
@@ -24,12 +25,13 @@ Norms, biases, position and patch embeddings are float.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from structllm.kernels.packed import HalfWeight
-from structllm.model import mmproj_pixtral, mmproj_qwen2_5_vl
+from structllm.model import mmproj_pixtral, mmproj_qwen2_5_vl, mmproj_qwen3_vl
 from structllm.model.files import ModelFiles
 from structllm.model.formats import WeightFormat
 from structllm.model.gemma3_vision import Gemma3Vision
@@ -40,6 +42,8 @@ from structllm.model.vision import VisionModel
 from structllm.multimodal.mmproj import (
     PIXTRAL,
     QWEN2_5_VL,
+    QWEN3_VL,
+    QWEN_MERGERS,
     MmprojInfo,
     check_model,
     check_pair,
@@ -59,9 +63,14 @@ def load_mmproj(
     check_pair(info, model_path, family, hidden)
     tensors = MmprojTensors(path, fmt, device)
     image_token_id = _image_token_id(files, info)
-    if info.projector in (QWEN2_5_VL, PIXTRAL):  # their own towers (2-D rotary, no grid)
-        load = mmproj_qwen2_5_vl.load if info.projector == QWEN2_5_VL else mmproj_pixtral.load
-        return load(tensors, info, files, image_token_id).to(device).eval()
+    if info.projector in (*QWEN_MERGERS, PIXTRAL):  # their own towers (2-D rotary)
+        load = {
+            QWEN2_5_VL: mmproj_qwen2_5_vl.load,
+            QWEN3_VL: mmproj_qwen3_vl.load,
+            PIXTRAL: mmproj_pixtral.load,
+        }[info.projector]
+        own: nn.Module = load(tensors, info, files, image_token_id)
+        return cast(VisionModel, own.to(device).eval())
     tower_cfg = SiglipConfig(
         hidden_size=info.hidden_size,
         intermediate_size=info.intermediate_size,
@@ -146,7 +155,9 @@ def _image_token_id(files: ModelFiles, info: MmprojInfo) -> int:
     from structllm.multimodal.mistral3 import IMG
     from structllm.multimodal.qwen2_5_vl import IMAGE_PAD
 
-    text = {"gemma3": IMAGE, QWEN2_5_VL: IMAGE_PAD, PIXTRAL: IMG}.get(info.projector, IMAGE_TOKEN)
+    text = {"gemma3": IMAGE, QWEN2_5_VL: IMAGE_PAD, QWEN3_VL: IMAGE_PAD, PIXTRAL: IMG}.get(
+        info.projector, IMAGE_TOKEN
+    )
     found = Tokenizer.from_file(str(files.tokenizer_json)).token_to_id(text)
     if found is None:
         raise ValueError(f"{files.name}'s vocabulary has no image token {text!r}")

@@ -10,7 +10,9 @@ embedding; a GGUF file's ``pooling_type``), then the sentence-transformers files
 (``1_Pooling/config.json``, the ``Dense`` modules, ``Normalize``, the default prompt
 of ``config_sentence_transformers.json``), then ``--pooler-config``. Matryoshka
 (``dimensions``) is allowed where ``config.json`` (or ``--hf-overrides``) says
-``is_matryoshka`` or lists ``matryoshka_dimensions``, as in vLLM.
+``is_matryoshka`` or lists ``matryoshka_dimensions``, as in vLLM; a GGUF file carries
+neither (llama.cpp's converter writes nothing of it), so it is Matryoshka only through
+``--hf-overrides``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import msgspec
 
 from structllm.config import RUNNERS, PoolerConfig, PoolingType
 from structllm.model.files import ModelFiles
-from structllm.model.registry import headless
+from structllm.model.registry import ENCODERS, headless
 from structllm.protocol import PoolerInfo, PoolingTask
 
 # sentence-transformers' pooling modes -> ours (older files: pooling_mode_<mode>: true)
@@ -66,20 +68,29 @@ class PoolerSpec(msgspec.Struct, frozen=True):
     matryoshka_dimensions: list[int] | None = None
     classifier: Literal["yes_no", "score", "rank"] | None = None
     classifier_tokens: list[str] = []
+    keep_head: bool = False  # an encoder's: truncation keeps the head (PoolerInfo.cut)
 
     def info(self, hidden_size: int) -> PoolerInfo:
         if self.task == "score":
-            return PoolerInfo("score", 1)
+            return PoolerInfo("score", 1, keep_head=self.keep_head)
         size = self.dense[-1].out_features if self.dense else hidden_size
-        return PoolerInfo(self.task, size, self.matryoshka, self.matryoshka_dimensions, self.prompt)
+        return PoolerInfo(
+            self.task,
+            size,
+            self.matryoshka,
+            self.matryoshka_dimensions,
+            self.prompt,
+            self.keep_head,
+        )
 
     def describe(self, hidden_size: int) -> str:
         """The start-up line's account of it."""
         if self.task == "score":
+            where = "first" if self.pooling_type == "CLS" else "last"
             how = (
                 f"the logits of {self.classifier_tokens} at the last token"
                 if self.classifier == "yes_no"
-                else "a one-label classifier on the last token"
+                else f"a one-label classifier on the {where} token"
             )
             return f"score: {how}, then a sigmoid"
         size = self.info(hidden_size).size
@@ -132,13 +143,24 @@ def read_pooler(
     overrides: dict[str, Any] | None = None,
 ) -> PoolerSpec:
     """The pooling runner's pooler for ``files`` (see the module's doc for the order)."""
+    spec = _read_pooler(files, config, overrides)
+    if files.config.architecture in ENCODERS:
+        return msgspec.structs.replace(spec, keep_head=True)
+    return spec
+
+
+def _read_pooler(
+    files: ModelFiles, config: PoolerConfig | None, overrides: dict[str, Any] | None
+) -> PoolerSpec:
     raw = _raw_config(files, overrides)
+    # an encoder's own summary is its first token's row ([CLS], <s>); a decoder's its last
+    first: PoolingType = "CLS" if files.config.architecture in ENCODERS else "LAST"
     if any(a.endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
-        return _reranker(raw, config)
+        return _reranker(raw, config, first)
     if files.config.pooling_type == "RANK":  # a GGUF reranker
         return PoolerSpec("score", "LAST", False, classifier="rank")
     d = model_dir(files)
-    pooling: PoolingType = "LAST"
+    pooling: PoolingType = first
     if files.config.pooling_type in ("LAST", "MEAN", "CLS"):  # a GGUF file's
         pooling = files.config.pooling_type  # type: ignore[assignment]
     normalize = True  # (a GGUF file: llama-server's default, --embd-normalize 2)
@@ -155,7 +177,7 @@ def read_pooler(
     if config is not None:
         pooling = config.pooling_type or pooling
         normalize = normalize if config.normalize is None else config.normalize
-    dims = raw.get("matryoshka_dimensions")
+    dims = _matryoshka_dimensions(raw.get("matryoshka_dimensions"))
     return PoolerSpec(
         "embed",
         pooling,
@@ -163,13 +185,24 @@ def read_pooler(
         dense,
         prompt,
         bool(raw.get("is_matryoshka")) or bool(dims),
-        [int(x) for x in dims] if dims else None,
+        dims,
     )
 
 
-def _reranker(raw: dict[str, Any], config: PoolerConfig | None) -> PoolerSpec:
-    """A ``*ForSequenceClassification`` model's scorer (see ``PoolerSpec``)."""
-    pooling: PoolingType = (config.pooling_type if config else None) or "LAST"
+def _matryoshka_dimensions(value: Any) -> list[int] | None:
+    """``matryoshka_dimensions`` (config.json's or ``--hf-overrides``'): a list of
+    positive ints, or None; ``ValueError`` otherwise."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(type(x) is int and x > 0 for x in value):
+        raise ValueError(f"matryoshka_dimensions must be a list of positive ints, got {value!r}")
+    return value
+
+
+def _reranker(raw: dict[str, Any], config: PoolerConfig | None, default: PoolingType) -> PoolerSpec:
+    """A ``*ForSequenceClassification`` model's scorer (see ``PoolerSpec``): on the
+    last token (a decoder's) or the first (``default`` "CLS": an encoder's)."""
+    pooling: PoolingType = (config.pooling_type if config else None) or default
     tokens = raw.get("classifier_from_token")
     if tokens is not None:
         if not raw.get("is_original_qwen3_reranker") or len(tokens) != 2:

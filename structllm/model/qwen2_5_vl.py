@@ -127,6 +127,56 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
+def unit_patches(pixels: Tensor, patch: int, merge: int) -> Tensor:
+    """Normalised ``[3, H, W]`` -> ``[patches in merge-unit order, 3 * patch²]`` (each
+    patch's channel, then pixel row, then column: the Conv3d kernel's order with its
+    temporal taps summed), the order of transformers' Qwen2-VL processor's rows."""
+    rows, cols = pixels.shape[1] // patch, pixels.shape[2] // patch
+    m, p = merge, patch
+    x = pixels.reshape(3, rows // m, m, p, cols // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    return x.reshape(rows * cols, 3 * p * p)
+
+
+def rotary_2d(
+    inv_freq: Tensor, h: Tensor, w: Tensor, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[N, 1, head_dim]`` (float32) of patches at rows ``h``, columns ``w``
+    ``[N]``: ``inv_freq`` (a quarter of the head) turned by the row, then by the column,
+    the whole repeated for rotate-half (the Qwen-VL towers' 2-D rotary)."""
+    freqs = torch.cat([h[:, None].float() * inv_freq, w[:, None].float() * inv_freq], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1).to(device)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+def vision_inv_freq(head_dim: int, theta: float) -> Tensor:
+    """The Qwen-VL towers' rotary frequencies, ``[head_dim / 4]`` on the CPU (not under
+    meta)."""
+    half = head_dim // 2  # a quarter of the head each for h and w
+    steps = torch.arange(0, half, 2, device="cpu").float() / half
+    return 1.0 / theta**steps
+
+
+def attend_spans(qkv: Tensor, heads: int, rope: tuple[Tensor, Tensor], spans: list[int]) -> Tensor:
+    """Attention of the fused ``qkv: [N, 3 * D]`` rows within consecutive ``spans`` of
+    rows (windows, or the whole image), rotary ``rope`` on q and k: ``[N, D]`` before the
+    output projection. The spans of one length go through SDPA together, so no score
+    tensor exceeds a span's (or is left to SDPA's own kernel)."""
+    n = qkv.shape[0]
+    d = qkv.shape[1] // 3
+    q, k, v = qkv.view(n, 3, heads, d // heads).unbind(1)  # [N, H, hd]
+    cos, sin = rope
+    q = (q.float() * cos + rotate_half(q.float()) * sin).to(qkv.dtype)
+    k = (k.float() * cos + rotate_half(k.float()) * sin).to(qkv.dtype)
+    out = torch.empty_like(q)
+    starts = [0, *torch.tensor(spans).cumsum(0).tolist()[:-1]]
+    for length in sorted(set(spans)):
+        first = torch.tensor([s for s, n in zip(starts, spans, strict=True) if n == length])
+        idx = (first[:, None] + torch.arange(length)).to(qkv.device)  # [W, L] rows
+        qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [W, H, L, hd]
+        out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
+    return out.reshape(n, d)
+
+
 class VisionBlock(nn.Module):
     """One tower layer's weights: RMSNorm, attention (fused q/k/v), RMSNorm, SwiGLU."""
 
@@ -162,10 +212,39 @@ class VisionBlock(nn.Module):
             setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
 
 
+def merge_grid(image: ImageInput, unit: int) -> tuple[int, int]:
+    """``(rows, cols)`` of an ``[1, H, W, 3]`` image's tokens: one per ``unit``-pixel
+    merge unit (patch size x merge size)."""
+    return image.shape[1] // unit, image.shape[2] // unit
+
+
+def check_merge_units(image: ImageInput, patch: int, merge: int, family: str) -> None:
+    """``ValueError`` unless ``image`` is ``[1, H, W, 3]`` pixels in whole merge units of
+    ``patch * merge`` pixels, spanning exactly one token per unit (Qwen2.5-VL, Qwen3-VL)."""
+    if len(image.shape) != 4 or image.shape[0] != 1 or image.shape[3] != 3:
+        raise ValueError(f"a {family} image is [1, H, W, 3], not {list(image.shape)}")
+    _, height, width, _ = image.shape
+    f = patch * merge
+    if height % f or width % f or height < f or width < f:
+        raise ValueError(
+            f"a {width}x{height} image is not a whole number of {f}-pixel merge units "
+            f"(the model's patch size {patch} times its merge size)"
+        )
+    if len(image.pixels) != height * width * 3:
+        raise ValueError(f"{len(image.pixels)} pixel bytes for a shape of {list(image.shape)}")
+    n = (height // f) * (width // f)
+    if image.num_tokens != n or image.length != n:
+        raise ValueError(
+            f"a {width}x{height} image takes {n} contiguous image tokens, not "
+            f"{image.num_tokens} in a span of {image.length}"
+        )
+
+
 class Qwen2_5_VLVision(nn.Module):
     """``model.vision.VisionModel`` for ``Qwen2_5_VLForConditionalGeneration``."""
 
     bidirectional = False  # image tokens attend causally in the text model
+    deepstack = 0  # (Qwen3-VL's deepstack rows: none)
 
     def __init__(
         self,
@@ -187,36 +266,17 @@ class Qwen2_5_VLVision(nn.Module):
         self.ln_q = param(d)
         self.fc1, self.fc1_bias = param(unit, unit), param(unit)
         self.fc2, self.fc2_bias = param(cfg.out_hidden, unit), param(cfg.out_hidden)
-        half = d // cfg.heads // 2  # rotary frequencies: a quarter of the head each for h, w
-        steps = torch.arange(0, half, 2, device="cpu").float() / half  # (not under meta)
-        self.inv_freq = 1.0 / cfg.rope_theta**steps
+        self.inv_freq = vision_inv_freq(d // cfg.heads, cfg.rope_theta)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.patch_embed.dtype
 
     def token_grid(self, image: ImageInput) -> tuple[int, int]:
-        f = self.cfg.patch * self.cfg.merge
-        return image.shape[1] // f, image.shape[2] // f
+        return merge_grid(image, self.cfg.patch * self.cfg.merge)
 
     def check(self, image: ImageInput) -> None:
-        if len(image.shape) != 4 or image.shape[0] != 1 or image.shape[3] != 3:
-            raise ValueError(f"a Qwen2.5-VL image is [1, H, W, 3], not {list(image.shape)}")
-        _, height, width, _ = image.shape
-        f = self.cfg.patch * self.cfg.merge
-        if height % f or width % f or height < f or width < f:
-            raise ValueError(
-                f"a {width}x{height} image is not a whole number of {f}-pixel merge units "
-                f"(the model's patch size {self.cfg.patch} times its merge size)"
-            )
-        if len(image.pixels) != height * width * 3:
-            raise ValueError(f"{len(image.pixels)} pixel bytes for a shape of {list(image.shape)}")
-        n = (height // f) * (width // f)
-        if image.num_tokens != n or image.length != n:
-            raise ValueError(
-                f"a {width}x{height} image takes {n} contiguous image tokens, not "
-                f"{image.num_tokens} in a span of {image.length}"
-            )
+        check_merge_units(image, self.cfg.patch, self.cfg.merge, "Qwen2.5-VL")
 
     def encode(self, image: ImageInput) -> Tensor:
         """``image`` -> ``[num_tokens, text hidden]`` in the model's dtype and device."""
@@ -231,16 +291,15 @@ class Qwen2_5_VLVision(nn.Module):
         c, p, m = self.cfg, self.cfg.patch, self.cfg.merge
         rows, cols = pixels.shape[1] // p, pixels.shape[2] // p
         units = rows * cols // (m * m)
-        # [3, H, W] -> [patches in unit order, 3 * p * p] (channel, then pixel row, column)
-        x = pixels.reshape(3, rows // m, m, p, cols // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-        x = F.linear(x.reshape(rows * cols, 3 * p * p), self.patch_embed)  # [N, D]
+        x = F.linear(unit_patches(pixels, p, m), self.patch_embed)  # [N, D]
         h, w = unit_order(rows, cols, m)
         order, sizes = window_order(rows // m, cols // m, c.window)
         order = order.to(x.device)
         # into window order, unit by unit (a unit's m² patches stay together)
         x = x.view(units, m * m, -1)[order].reshape(rows * cols, -1)
         cpu = order.cpu()
-        rope = self._rotary(h.view(units, -1)[cpu].reshape(-1), w.view(units, -1)[cpu].reshape(-1))
+        hw = (h.view(units, -1)[cpu].reshape(-1), w.view(units, -1)[cpu].reshape(-1))
+        rope = rotary_2d(self.inv_freq, *hw, self.patch_embed.device)
         windows = [s * m * m for s in sizes]
         for i, layer in enumerate(self.blocks):
             block = cast(VisionBlock, layer)
@@ -255,33 +314,14 @@ class Qwen2_5_VLVision(nn.Module):
         x = linear(F.gelu(linear(x, self.fc1, self.fc1_bias)), self.fc2, self.fc2_bias)
         return x[torch.argsort(order)]  # [units, out hidden], row-major
 
-    def _rotary(self, h: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin ``[N, 1, head_dim]`` (float32) of patches at rows ``h``, columns ``w``."""
-        inv = self.inv_freq
-        freqs = torch.cat([h[:, None].float() * inv, w[:, None].float() * inv], dim=-1)
-        emb = torch.cat([freqs, freqs], dim=-1).to(self.patch_embed.device)[:, None, :]
-        return emb.cos(), emb.sin()
-
     def _attend(
         self, block: VisionBlock, x: Tensor, rope: tuple[Tensor, Tensor], spans: list[int]
     ) -> Tensor:
         """Attention of ``x: [N, D]`` within consecutive ``spans`` of rows (windows, or
-        the whole image): the spans of one length go through SDPA together."""
-        n, d = x.shape
-        heads = self.cfg.heads
-        qkv = linear(x, block.qkv, block.qkv_bias).view(n, 3, heads, d // heads)
-        cos, sin = rope
-        q, k, v = qkv.unbind(1)  # [N, H, hd]
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = torch.empty_like(q)
-        starts = [0, *torch.tensor(spans).cumsum(0).tolist()[:-1]]
-        for length in sorted(set(spans)):
-            first = torch.tensor([s for s, n in zip(starts, spans, strict=True) if n == length])
-            idx = (first[:, None] + torch.arange(length)).to(x.device)  # [W, L] rows
-            qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [W, H, L, hd]
-            out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
-        return linear(out.reshape(n, d), block.proj, block.proj_bias)
+        the whole image)."""
+        qkv = linear(x, block.qkv, block.qkv_bias)
+        out = attend_spans(qkv, self.cfg.heads, rope, spans)
+        return linear(out, block.proj, block.proj_bias)
 
     def load_hf(self, state: dict[str, Tensor]) -> None:
         """Take the tower's and the merger's tensors from ``state`` (named

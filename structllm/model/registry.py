@@ -52,7 +52,9 @@ FAMILIES: tuple[Family, ...] = (
         ("qwen2",),
         ("qwen2", "qwen2vl"),  # qwen2vl: Qwen2(.5)-VL's text model, with M-RoPE sections
     ),
-    Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    # Qwen3VLForConditionalGeneration: its text model (config.TEXT_MODELS), interleaved
+    # M-RoPE; qwen3vl: llama.cpp's name for it
+    Family("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3", "qwen3vl")),
     Family("gemma", "gemma", ("GemmaForCausalLM",), ("gemma",), ("gemma",)),
     Family("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     # Gemma3ForConditionalGeneration (4B and up): its text model (config.TEXT_MODELS)
@@ -162,7 +164,20 @@ FAMILIES: tuple[Family, ...] = (
         ("nemotron_h",),
         ("nemotron_h", "nemotron_h_moe"),
     ),
+    # encoders (model/bert.py): attend both ways, pool only; an embedder is the bare
+    # model, a cross-encoder its one-label sequence classifier
+    Family("bert", "bert", ("BertModel", "BertForSequenceClassification"), ("bert",), ()),
+    Family(
+        "xlm_roberta",
+        "bert",
+        ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
+        ("xlm-roberta",),
+        (),
+    ),
+    Family("nomic_bert", "nomic_bert", ("NomicBertModel",), ("nomic_bert",), ()),
 )
+# the families that are encoders (only the pooling runner runs them)
+ENCODERS = frozenset({"bert", "xlm_roberta", "nomic_bert"})
 
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -212,7 +227,9 @@ def base_model_head(arch: str) -> str | None:
 
 def headless(arch: str) -> bool:
     """``arch`` is a bare decoder or a sequence classifier over a causal LM we run (not
-    itself one we run: GPT-2's ``GPT2LMHeadModel`` is a causal LM)."""
+    itself one we run: GPT-2's ``GPT2LMHeadModel`` is a causal LM), or an encoder's."""
+    if any(arch in BY_NAME[f].hf_architectures for f in ENCODERS):
+        return True
     known = {a for f in FAMILIES for a in f.hf_architectures}
     return arch not in known and base_model_head(arch) in known
 

@@ -28,13 +28,22 @@ VISION_MODULES = {
     "Idefics3ForConditionalGeneration": "idefics3",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Mistral3ForConditionalGeneration": "mistral3",
+    "Gemma4ForConditionalGeneration": "gemma4_vision",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5ForConditionalGeneration": "qwen3_vl",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_vl",
 }
 
 
 class VisionModel(Protocol):
     image_token_id: int  # the token whose positions take the encoder's rows
-    # an image's tokens attend to each other in both directions (Gemma 3), else causal
+    # an image's tokens attend to each other in both directions (Gemma 3; Gemma 4's
+    # sliding-window layers, which its model applies), else causal
     bidirectional: bool
+    # deepstack layers (Qwen3-VL): ``encode``'s rows carry, after the embeddings, one
+    # hidden-size row per text layer 0 .. deepstack - 1, added to that layer's output at
+    # the image's positions (``model.deepstack``); 0 for the other families
+    deepstack: int
 
     def check(self, image: ImageInput) -> None:
         """``ValueError`` naming what this model cannot encode (shape, token count)."""
@@ -46,7 +55,8 @@ class VisionModel(Protocol):
         ...
 
     def encode(self, image: ImageInput) -> Tensor:
-        """``image`` -> ``[num_tokens, text hidden]`` (the model's dtype and device)."""
+        """``image`` -> ``[num_tokens, (1 + deepstack) * text hidden]`` (the model's dtype
+        and device)."""
         ...
 
 

@@ -6,15 +6,16 @@ the tensors).
 
 The metadata the converter writes (``general.architecture = clip``, ``general.type =
 mmproj``): ``clip.projector_type`` (``gemma3``, ``idefics3``, ``qwen2.5vl_merger``,
-``pixtral``), ``clip.vision.*``: the tower's ``image_size``, ``patch_size``,
+``qwen3vl_merger``, ``pixtral``), ``clip.vision.*``: the tower's ``image_size``, ``patch_size``,
 ``embedding_length``, ``feed_forward_length``, ``block_count``,
 ``attention.head_count``, ``attention.layer_norm_epsilon``, ``image_mean``/``image_std``,
 ``projection_dim`` (the text model's hidden size), ``projector.scale_factor`` (Gemma 3:
 the pooling kernel, written only when not 4; Idefics3: the pixel shuffle's factor),
 Idefics3's ``preproc_image_size`` (the processor's ``size.longest_edge``),
 ``spatial_merge_size`` (Pixtral's; Qwen2.5-VL's is 2 unless written), Qwen2.5-VL's
-``n_wa_pattern`` (every n-th layer attends over the whole image) and ``clip.use_silu`` /
-``clip.use_gelu`` (the tower's MLP).
+``n_wa_pattern`` (every n-th layer attends over the whole image), Qwen3-VL's
+``is_deepstack_layers`` (per tower layer) and ``clip.use_silu`` / ``clip.use_gelu`` (the
+tower's MLP; Qwen3-VL's GELU is transformers' tanh one).
 
 The processors are transformers' (``multimodal/gemma3.py``, ``multimodal/idefics3.py``,
 ``multimodal/qwen2_5_vl.py``, ``multimodal/mistral3.py``) with the settings the file
@@ -38,11 +39,13 @@ from typing import Any
 from structllm.multimodal.processor import ImageProcessor
 
 # projector type -> the text families (``ModelConfig.architecture``) it feeds
-QWEN2_5_VL, PIXTRAL = "qwen2.5vl_merger", "pixtral"
+QWEN2_5_VL, QWEN3_VL, PIXTRAL = "qwen2.5vl_merger", "qwen3vl_merger", "pixtral"
+QWEN_MERGERS = (QWEN2_5_VL, QWEN3_VL)  # Qwen2.5-VL's processor, any image size
 PROJECTORS = {
     "gemma3": ("gemma3",),
     "idefics3": ("llama",),
     QWEN2_5_VL: ("qwen2",),  # the model GGUF's arch is qwen2vl (M-RoPE sections)
+    QWEN3_VL: ("qwen3",),  # the model GGUF's arch is qwen3vl (interleaved M-RoPE)
     # Mistral 3.1: arch mistral3 (llama.cpp's converter since Ministral 3), llama before
     PIXTRAL: ("mistral", "llama"),
 }
@@ -73,6 +76,7 @@ class MmprojInfo:
     act: str = "gelu"  # the tower's MLP activation (use_silu / use_gelu)
     rope_theta: float = 10000.0  # the tower's 2-D rotary base (Qwen2.5-VL, Pixtral)
     pixels: tuple[int, int] = QWEN_PIXELS  # Qwen2.5-VL's processor's min/max pixels
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: the tower layers with a deepstack merger
 
     @property
     def mm_tokens(self) -> int:
@@ -122,6 +126,9 @@ def _info(path: Path, meta: dict[str, Any]) -> MmprojInfo:
     longest = meta.get("clip.vision.preproc_image_size")
     mean, std = get("vision.image_mean"), get("vision.image_std")
     act = "silu" if meta.get("clip.use_silu") else "gelu"
+    if projector == QWEN3_VL:  # (the file says use_gelu: transformers' is the tanh one)
+        act = "gelu_tanh"
+    deep = meta.get("clip.vision.is_deepstack_layers") or []
     pixels = (
         int(meta.get("clip.vision.image_min_pixels") or QWEN_PIXELS[0]),
         int(meta.get("clip.vision.image_max_pixels") or QWEN_PIXELS[1]),
@@ -147,6 +154,7 @@ def _info(path: Path, meta: dict[str, Any]) -> MmprojInfo:
         act=act,
         rope_theta=float(get("rope.freq_base", 10000.0)),
         pixels=pixels,
+        deepstack=tuple(i for i, on in enumerate(deep) if on),
     )
 
 
@@ -164,7 +172,7 @@ def check_pair(info: MmprojInfo, model: Path, family: str, text_hidden: int) -> 
             f"{model.name} has hidden size {text_hidden}: not this model's projector"
         )
     grid = info.image_size // info.patch_size
-    if info.projector in (QWEN2_5_VL, PIXTRAL):  # any image size: no fixed grid to check
+    if info.projector in (*QWEN_MERGERS, PIXTRAL):  # any image size: no fixed grid to check
         return
     if info.image_size % info.patch_size or grid % info.scale_factor:
         raise ValueError(
@@ -192,7 +200,7 @@ def check_model(model: Path, family: str) -> None:
 def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
     """The front end's processor for ``info``'s family, its settings from the file;
     ``token_id`` is the model GGUF's vocabulary lookup (the image tokens)."""
-    if info.projector in (QWEN2_5_VL, PIXTRAL):
+    if info.projector in (*QWEN_MERGERS, PIXTRAL):
         return _dynamic_processor(info, token_id)
     if info.projector == "gemma3":
         from structllm.multimodal.gemma3 import IMAGE, Gemma3Processor
@@ -219,8 +227,8 @@ def mmproj_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) ->
 
 
 def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) -> ImageProcessor:
-    """Qwen2.5-VL's or Pixtral's processor (an image of any size, in tokens of
-    ``patch * merge`` pixels a side)."""
+    """Qwen2.5-VL's (also Qwen3-VL's) or Pixtral's processor (an image of any size, in
+    tokens of ``patch * merge`` pixels a side)."""
 
     def need(token: str) -> int:
         found = token_id(token)
@@ -228,7 +236,7 @@ def _dynamic_processor(info: MmprojInfo, token_id: Callable[[str], int | None]) 
             raise ValueError(f"the model's vocabulary has no image token {token!r}")
         return found
 
-    if info.projector == QWEN2_5_VL:
+    if info.projector in QWEN_MERGERS:
         from structllm.multimodal.qwen2_5_vl import BICUBIC, IMAGE_PAD, Qwen2_5_VLProcessor
 
         return Qwen2_5_VLProcessor(

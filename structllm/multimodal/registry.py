@@ -23,6 +23,11 @@ PROCESSORS = {
     "Idefics3ForConditionalGeneration": "structllm.multimodal.idefics3:Idefics3Processor",
     "Qwen2_5_VLForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
     "Mistral3ForConditionalGeneration": "structllm.multimodal.mistral3:Mistral3Processor",
+    "Gemma4ForConditionalGeneration": "structllm.multimodal.gemma4:Gemma4Processor",
+    # (Qwen2.5-VL's processor: transformers' Qwen3-VL and Qwen3.5 use Qwen2VLImageProcessor)
+    "Qwen3VLForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
+    "Qwen3_5ForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
+    "Qwen3_5MoeForConditionalGeneration": "structllm.multimodal.qwen2_5_vl:Qwen2_5_VLProcessor",
 }
 
 TokenId = Callable[[str], "int | None"]

@@ -52,7 +52,7 @@ from structllm.server.responses_endpoint import ResponsesEndpoints
 from structllm.server.vision import Vision
 from structllm.server.webui import StaticFile, load_files
 from structllm.tokenizer import Tokenizer
-from structllm.tools import Format, ToolRequest
+from structllm.tools import Format, ToolRequest, format_named
 from structllm.trace import Tracer
 
 log = logging.getLogger("structllm.server")
@@ -90,8 +90,7 @@ class App:
         self._idle = anyio.Event()
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         self.tracer = Tracer(config.engine.trace, f"structllm front end {os.getpid()}")
-        parser = config.tool_call_parser
-        self.tool_format: Format | None = None if parser == "auto" else parser  # type: ignore[assignment]
+        self.tool_format: Format | None = format_named(config.tool_call_parser)
         self.vision = Vision(model_name, image_processor, config)  # image parts: checks, fetches
         self.pre = self.preprocessor(None, tokenizer.vocab_size)  # until an engine is attached
         self._pool: anyio.CapacityLimiter | None = None  # made in the event loop, on first use
@@ -456,6 +455,7 @@ class App:
             mode,
             [images],
             req.priority,
+            reasoning_tags=self.pre.reasoning_tags,
         )
 
     def harmony_sequences(
@@ -542,7 +542,8 @@ class App:
         transport: Transport | None = None,
         before_end: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        with self.admission.admit([len(s.prompt_ids) for s in seqs]) as ticket:
+        priority = seqs[0].priority if seqs else 0  # one request's: the same for all
+        with self.admission.admit([len(s.prompt_ids) for s in seqs], priority) as ticket:
             generation = Generation(client, seqs, builder, self.metrics, self.tracer, before_end)
             await generation.run(
                 receive, transport or Transport(send), ticket, self.config.write_timeout

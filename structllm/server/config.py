@@ -22,11 +22,14 @@ class ServerConfig:
     ``max_connections`` is per front-end process (``api_server_count`` of them).
 
     ``chat_template`` replaces the model's (a file's path, or the template itself);
-    ``tool_call_parser`` is how tool calls are prompted and parsed (``auto``: ``hermes``
-    for templates that render ``tools`` with ``<tool_call>`` tags, else ``generic``;
-    ``openai``: gpt-oss's harmony, ``structllm.harmony``);
-    ``reasoning_parser`` (``deepseek_r1``, ``qwen3`` or None) splits a chat reply's
-    ``<think>`` part into ``reasoning_content`` (``structllm.reasoning``);
+    ``tool_call_parser`` is how tool calls are prompted and parsed, by vLLM's names
+    (``auto``: the family syntax whose tags the template writes, ``tools.detect_format``,
+    else ``hermes`` for templates that render ``tools`` with ``<tool_call>`` tags, else
+    ``generic``; ``openai``: gpt-oss's harmony, ``structllm.harmony``; the families'
+    syntaxes: ``structllm.call_formats``);
+    ``reasoning_parser`` (``deepseek_r1``, ``qwen3``, another of ``reasoning.PARSERS`` or
+    None) splits a chat reply's ``<think>`` part into ``reasoning_content``
+    (``structllm.reasoning``);
     ``openai_gptoss`` is harmony's analysis channel. A gpt-oss checkpoint with harmony's
     tokens takes both harmony settings when neither is given (``serve.make_app``).
     ``web_ui``: serve the chat page at ``/`` (``--no-web-ui``: 404).

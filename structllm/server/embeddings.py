@@ -39,7 +39,8 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep the last N tokens (-1: all fit)
+    # vLLM's: keep N tokens of each input (-1: all that fit), the last or an encoder's head
+    truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True  # vLLM's
 
 
@@ -136,7 +137,7 @@ def tokenize(
             ids = it
             rq.check_token_ids(ids, vocab, f"input[{i}]")
         if keep is not None:
-            ids = ids[-(limit if keep == -1 else keep) :]
+            ids = info.cut(ids, limit if keep == -1 else keep)
         if len(ids) > limit:
             raise APIError(
                 400,

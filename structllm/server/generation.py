@@ -59,43 +59,69 @@ class Admission:
     """The queue bounds of one front-end process: engine requests that have not yet had
     their first token, and their prompt tokens. ``admit`` refuses at once (503 with
     ``Retry-After``) past either bound; what it admits stays counted until the ticket
-    releases it (first token or end) or the ``with`` block ends."""
+    releases it (first token or end) or the ``with`` block ends.
+
+    A request counts only the queued requests of its own priority or a more urgent one
+    (``ahead``): those are the ones the engine runs before or beside it. So a request
+    more urgent than the whole queue enters even when less urgent ones fill it (they
+    would wait behind it anyway), while the bound still holds among equals and for
+    everything above any priority. Nobody already queued is turned away. Under fcfs
+    every priority is 0: one plain bound."""
 
     def __init__(self, max_requests: int, max_tokens: int) -> None:
         self.max_requests, self.max_tokens = max_requests, max_tokens
         self.requests = 0
         self.tokens = 0
+        self.by_priority: dict[int, list[int]] = {}  # priority -> [requests, tokens]
+
+    def ahead(self, priority: int) -> tuple[int, int]:
+        """Queued requests and their prompt tokens at ``priority`` or more urgent."""
+        requests = tokens = 0
+        for p, (n, t) in self.by_priority.items():
+            if p <= priority:
+                requests, tokens = requests + n, tokens + t
+        return requests, tokens
 
     @contextmanager
-    def admit(self, prompt_lens: list[int]) -> Iterator[Ticket]:
+    def admit(self, prompt_lens: list[int], priority: int = 0) -> Iterator[Ticket]:
+        requests, tokens = self.ahead(priority)
         if (
-            self.requests + len(prompt_lens) > self.max_requests
-            or self.tokens + sum(prompt_lens) > self.max_tokens
+            requests + len(prompt_lens) > self.max_requests
+            or tokens + sum(prompt_lens) > self.max_tokens
         ):
-            raise overloaded(self.requests, self.tokens)
-        ticket = Ticket(self, prompt_lens)
+            raise overloaded(requests, tokens)
+        ticket = Ticket(self, prompt_lens, priority)
         try:
             yield ticket
         finally:
             for i in list(ticket.waiting):
                 ticket.release(i)
 
+    def count(self, priority: int, requests: int, tokens: int) -> None:
+        """Add (or with negative counts take) queued requests at ``priority``."""
+        self.requests += requests
+        self.tokens += tokens
+        row = self.by_priority.setdefault(priority, [0, 0])
+        row[0] += requests
+        row[1] += tokens
+        if row[0] == 0:
+            del self.by_priority[priority]
+
 
 class Ticket:
     """The admitted sequences (by index) that are still counted as queued."""
 
-    def __init__(self, admission: Admission, prompt_lens: list[int]) -> None:
+    def __init__(self, admission: Admission, prompt_lens: list[int], priority: int = 0) -> None:
         self.admission = admission
+        self.priority = priority
         self.waiting = dict(enumerate(prompt_lens))
-        admission.requests += len(prompt_lens)
-        admission.tokens += sum(prompt_lens)
+        admission.count(priority, len(prompt_lens), sum(prompt_lens))
 
     def release(self, index: int) -> None:
         """Idempotent."""
         n = self.waiting.pop(index, None)
         if n is not None:
-            self.admission.requests -= 1
-            self.admission.tokens -= n
+            self.admission.count(self.priority, -1, -n)
 
 
 class Transport:

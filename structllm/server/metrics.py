@@ -264,7 +264,7 @@ class Metrics:
         metric(
             "structllm:engine_steps_cut_total",
             "counter",
-            "Steps cut short between layers because every request in them was aborted.",
+            "Steps cut short between layers: every request in them aborted, or an urgent arrival.",
             stats.num_steps_cut,
         )
         for name, doc, value in (

@@ -75,10 +75,11 @@ class Preprocessor:
             else tool_format or tools.detect_format(tokenizer.meta.chat_template)
         )
         self.reasoning_parser = None if self.harmony else reasoning_parser
+        self.reasoning_tags = reasoning.tags_of(self.reasoning_parser or "")
         # the reasoning's end tag as the engine will see it generated (harmony's
         # constraint start: harmony.sampling)
         self.reasoning_end = (
-            tokenizer.encode(reasoning.END_TAG, add_special_tokens=False)
+            tokenizer.encode(self.reasoning_tags.end, add_special_tokens=False)
             if self.reasoning_parser
             else []
         )
@@ -214,7 +215,7 @@ class Preprocessor:
             return None  # (harmony: harmony.sampling)
         return (
             reasoning.mode_for(self.reasoning_parser, prompt),
-            reasoning.engine_spec(prompt, self.reasoning_end),
+            reasoning.engine_spec(prompt, self.reasoning_end, self.reasoning_tags),
         )
 
     def completion(self, req: CompletionRequest, trace_id: str = "") -> list[list[int]]:

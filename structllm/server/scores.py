@@ -30,7 +30,8 @@ class ScoreRequest(msgspec.Struct, frozen=True):
     text_1: str | list[str]
     text_2: str | list[str]
     model: str | None = None
-    truncate_prompt_tokens: int | None = None  # keep each pair's last N tokens (-1: all fit)
+    # keep N of each pair's tokens (-1: all that fit): the last, or an encoder's head
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
 
 
@@ -73,6 +74,8 @@ def tokenize_pairs(
     if len(pairs) > MAX_INPUTS:
         raise APIError(400, f"{len(pairs)} pairs; at most {MAX_INPUTS} are allowed", param=param)
     limit = app.max_model_len or sys.maxsize
+    info = app.engine().ready.pooler
+    assert info is not None, "a scorer's (_check_scorer)"
     if keep is not None and (keep == 0 or keep < -1 or keep > limit):
         raise APIError(
             400,
@@ -83,7 +86,7 @@ def tokenize_pairs(
     for i, (a, b) in enumerate(pairs):
         ids = app.tokenizer.encode_pair(a, b)
         if keep is not None:
-            ids = ids[-(limit if keep == -1 else keep) :]
+            ids = info.cut(ids, limit if keep == -1 else keep)
         if len(ids) > limit:
             raise APIError(
                 400,

@@ -53,6 +53,7 @@ from structllm.server.config import ServerConfig
 from structllm.server.lora import ServedAdapters
 from structllm.server.metrics import SLOT_SIZE, Metrics
 from structllm.tokenizer import Tokenizer
+from structllm.tools import FAMILY_FORMATS, detect_format
 
 log = logging.getLogger("structllm.server")
 FD_HEADROOM = 128  # descriptors beyond connections: model files, rings, doorbells, pipes
@@ -143,6 +144,10 @@ def make_app(
         tokenizer.set_chat_template(config.chat_template)
     elif files.template_note is not None and slot == 0:  # the extra front ends say nothing
         say(files.template_note)
+    if config.tool_call_parser == "auto" and slot == 0:
+        fmt = detect_format(tokenizer.meta.chat_template)
+        if fmt in FAMILY_FORMATS:  # (hermes and generic, the long-standing ones, go unsaid)
+            say(f"tool calls: the {fmt} syntax, whose tags the chat template writes")
     defaults = generation_defaults(files, config.engine.generation_config)
     if defaults:
         log.warning(

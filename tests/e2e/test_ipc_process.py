@@ -205,3 +205,35 @@ def test_engine_module_refuses_to_run_by_hand() -> None:
         [sys.executable, "-m", "structllm.engine"], capture_output=True, text=True, cwd=ROOT
     )
     assert out.returncode == 2 and "started by the structllm front end" in out.stderr
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # the engine side is what is tested
+async def test_an_urgent_arrival_cuts_a_running_step_short() -> None:
+    # priority policy, null steps of 0.8 s in 8 slices: an urgent request that arrives
+    # while a less urgent one's step runs ends that step at the next look, and its own
+    # step follows
+    cfg = EngineConfig(
+        null_model=True,
+        kv_cache_memory=64 << 20,
+        null_step_time=0.8,
+        scheduling_policy="priority",
+    )
+    async with open_engine(cfg) as eng:
+        client = EngineClient(eng)
+        async with anyio.create_task_group() as tg:
+            await tg.start(client.run)
+            low_sp, urgent_sp = SamplingParams(max_tokens=50), SamplingParams(max_tokens=1)
+            async with client.request("low", [1, 2, 3], low_sp, priority=5) as low:
+                await low.get()  # the first step's token: the next step starts now
+                # as with aborts, the urgent request may win the race to the engine's
+                # next read of its rings (no step to cut): it tries again
+                for attempt in range(5):
+                    await anyio.sleep(cfg.null_step_time / 8)
+                    rid = f"urgent{attempt}"
+                    async with client.request(rid, [4, 5], urgent_sp, priority=0) as s:
+                        await s.get()
+                    stats = await client.fresh_stats(HANG_S)
+                    if stats.num_steps_cut:
+                        break
+                assert stats.num_steps_cut == 1
+            tg.cancel_scope.cancel()

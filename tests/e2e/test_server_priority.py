@@ -1,7 +1,8 @@
 """``structllm run --scheduling-policy priority`` on real processes (null model): the
 ``priority`` field on chat, completions and Responses, its 400s (not an int64; non-zero
-under fcfs, vLLM's message), and the per-priority waiting gauge while a one-seat engine
-holds an urgent request and queues two less urgent ones behind it."""
+under fcfs, vLLM's message), the per-priority waiting gauge while a one-seat engine
+holds an urgent request and queues two less urgent ones behind it, and the queue bound
+(503) that a more urgent request passes."""
 
 from __future__ import annotations
 
@@ -28,13 +29,18 @@ ENDPOINTS: list[tuple[str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[Server, Server]]:
-    """A fcfs server (the default) and a one-seat priority server, started together."""
+    """A fcfs server (the default) and a one-seat priority server that queues two requests
+    of any priority, started together."""
     with ExitStack() as stack:
         fcfs, prio = start_together(
             stack,
             [
                 Server(*NULL),
-                Server(*NULL, "--scheduling-policy", "priority", "--max-num-seqs", "1"),
+                Server(
+                    *NULL,
+                    *("--scheduling-policy", "priority", "--max-num-seqs", "1"),
+                    *("--max-queued-requests", "2"),
+                ),
             ],
         )
         yield fcfs, prio
@@ -91,3 +97,33 @@ def test_the_gauge_counts_the_queued_by_priority(servers: tuple[Server, Server])
         assert [f.result()[0] for f in queued] == [200, 200]
     prio.wait_idle()
     assert waiting_by_priority(prio) == {}
+
+
+def test_an_urgent_request_enters_a_queue_full_of_less_urgent_ones(
+    servers: tuple[Server, Server],
+) -> None:
+    _, prio = servers
+    # the one seat: a priority-5 stream that runs until it is closed (1900 steps of 20 ms)
+    held = open_stream(prio.port, "/v1/completions", completion("x", 1900, True, priority=5))
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        stack.callback(held.close)
+        assert b"data: {" in read_until(held, b"data: {")
+        queued = [  # equal to the seat's holder: they wait, and fill the bound of 2
+            pool.submit(prio.post, "/v1/completions", completion(f"q{i}", 4, priority=5))
+            for i in range(2)
+        ]
+        end = time.monotonic() + HANG_S  # a hang guard only
+        while waiting_by_priority(prio) != {"5": 2}:
+            assert time.monotonic() < end, waiting_by_priority(prio)
+            time.sleep(0.05)
+        for path, body in ENDPOINTS[:2]:
+            for value in (5, 9):  # equal or less urgent than the queue: refused at once
+                status, data = prio.post(path, {**body, "priority": value})
+                assert status == 503, (path, value, data)
+                assert data["error"]["code"] == "overloaded"
+        for path, body in ENDPOINTS:  # more urgent than all of it: enters and runs
+            status, data = prio.post(path, {**body, "priority": 0})
+            assert status == 200, (path, data)
+        held.close()
+        assert [f.result()[0] for f in queued] == [200, 200]
+    prio.wait_idle()

@@ -1,6 +1,8 @@
-"""Qwen2.5-VL (3-D rotary positions) and Mistral 3.1 (image row breaks inside the span)
-with images over HTTP, each on a real ``structllm run`` of its tiny seeded checkpoint
-(``tests.support.qwen2_5_vl``, ``tests.support.mistral3``), exact float32 path: a chat
+"""Qwen2.5-VL (3-D rotary positions), Qwen3-VL (interleaved 3-D rotary, deepstack),
+Mistral 3.1 (image row breaks inside the span) and Gemma 4 (per-layer inputs, images both
+ways in the sliding layers only) with images over HTTP, each on a real ``structllm run``
+of its tiny seeded checkpoint (``tests.support.qwen2_5_vl``, ``tests.support.qwen3_vl``,
+``tests.support.mistral3``, ``tests.support.gemma4_vision``), exact float32 path: a chat
 completion and a Responses call with two images answer what the offline ``LLM.chat``
 answers, usage counts the images' tokens, and ``/v1/models`` says it takes images."""
 
@@ -18,18 +20,27 @@ import pytest
 from PIL import Image
 
 from structllm.protocol import SamplingParams
+from tests.support.gemma4_vision import tiny_gemma4_vision_dir
 from tests.support.mistral3 import tiny_mistral3_dir
 from tests.support.qwen2_5_vl import tiny_qwen2_5_vl_dir
+from tests.support.qwen3_vl import tiny_qwen3_vl_dir
 from tests.support.server import Server
 
 QUESTION = "Compare these pictures."
 EXACT = ("--dtype", "float32", "--quantization", "none")
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "mistral3"])
+BUILDERS = {
+    "qwen2_5_vl": tiny_qwen2_5_vl_dir,
+    "qwen3_vl": tiny_qwen3_vl_dir,
+    "mistral3": tiny_mistral3_dir,
+    "gemma4": tiny_gemma4_vision_dir,
+}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
 def path(default_files: Any, request: Any) -> Path:
-    build = tiny_qwen2_5_vl_dir if request.param == "qwen2_5_vl" else tiny_mistral3_dir
-    return build(default_files)
+    return BUILDERS[request.param](default_files)
 
 
 @pytest.fixture(scope="module")

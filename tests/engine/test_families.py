@@ -23,7 +23,7 @@ from tests.support.models import (
     FAMILY_CONFIGS,
     WINDOW,
     gguf_source_dir,
-    hf_greedy,
+    hf_greedy_along,
     hf_logits,
     prefill_logits,
     tiny_family_dir,
@@ -49,9 +49,26 @@ def hf_from_dir(path: Path):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+def along_ours(ref, got: list[list[int]], n: int, prompts: list[list[int]] = PROMPTS):  # type: ignore[no-untyped-def]
+    """transformers' greedy tokens (``hf_greedy``: ``n`` of them, stopping at EOS) for
+    ``prompts``, each checked along our tokens ``got`` by one forward pass
+    (``hf_greedy_along``): equal to ``got`` exactly when ``generate()`` would be, at a
+    tenth of the cost (24 decode steps a prompt through ``generate()`` are most of
+    this module's time)."""
+    return [hf_greedy_along(ref, ids, g, n) for ids, g in zip(prompts, got, strict=True)]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, default_files) -> tuple[str, Path]:  # type: ignore[no-untyped-def]
     return request.param, tiny_family_dir(request.param, default_files)
+
+
+@pytest.fixture(scope="module")
+def reference(family: tuple[str, Path]):  # type: ignore[no-untyped-def]
+    """transformers' model of ``family`` and its logits ``[len(ids), V]`` for each of
+    ``PROMPTS``: loaded and computed once for the three tests that compare against them."""
+    ref = hf_from_dir(family[1])
+    return ref, [hf_logits(ref, ids) for ids in PROMPTS]
 
 
 def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
@@ -178,44 +195,41 @@ def test_config_reads_the_family_options(family: tuple[str, Path]) -> None:
         assert (cfg.mamba_d_state, cfg.mamba_chunk_size, cfg.conv_kernel) == (8, 16, 4)
 
 
-def test_logits_match_transformers(family: tuple[str, Path]) -> None:
+def test_logits_match_transformers(family: tuple[str, Path], reference) -> None:  # type: ignore[no-untyped-def]
     _, path = family
-    engine, ref = engine_for(path), hf_from_dir(path)
-    for ids in PROMPTS:
-        torch.testing.assert_close(
-            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
-        )
+    engine = engine_for(path)
+    for ids, want in zip(PROMPTS, reference[1], strict=True):
+        torch.testing.assert_close(prefill_logits(engine, ids), want, atol=1e-4, rtol=1e-4)
 
 
-def test_fused_cpu_ops_match_transformers(family: tuple[str, Path]) -> None:
+def test_fused_cpu_ops_match_transformers(family: tuple[str, Path], reference) -> None:  # type: ignore[no-untyped-def]
     # the fused element-wise ops (cpu_layer.cpp) of the quantized paths, on the same
     # float32 weights: what they add to the error is rounding
     name, path = family
-    engine, ref = engine_for(path), hf_from_dir(path)
+    engine = engine_for(path)
     model = engine.runner.model
     if name in CLASSIC:  # declined, said at start: the plain path runs it
         assert not model.use_cpu_ops() and model.cpu_ops is None
         return
     if not model.use_cpu_ops():
         pytest.skip("the fused CPU ops do not build here")
-    for ids in PROMPTS:
-        torch.testing.assert_close(
-            prefill_logits(engine, ids), hf_logits(ref, ids), atol=1e-4, rtol=1e-4
-        )
+    for ids, want in zip(PROMPTS, reference[1], strict=True):
+        torch.testing.assert_close(prefill_logits(engine, ids), want, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generation_matches_transformers(family: tuple[str, Path]) -> None:
+def test_greedy_generation_matches_transformers(family: tuple[str, Path], reference) -> None:  # type: ignore[no-untyped-def]
     from structllm import LLM, SamplingParams
 
     _, path = family
-    ref = hf_from_dir(path)
+    ref = reference[0]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # chunked prefill (9-token steps) and, on the second pass, prefix-cache hits
     llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=9, **EXACT)
-    want = [hf_greedy(ref, ids, 24) for ids in PROMPTS]
     for _ in range(2):
         outs = llm.generate(PROMPTS, params)
-        for w, out in zip(want, outs, strict=True):
+        for ids, out in zip(PROMPTS, outs, strict=True):
+            # transformers' generate() tokens, checked along ours in one pass
+            w = hf_greedy_along(ref, ids, out.token_ids, 24)
             assert out.token_ids[: len(w)] == w
 
 
@@ -278,9 +292,9 @@ def test_gemma4_experts_beside_the_mlp_match_transformers(default_files) -> None
         )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=9, **EXACT)
-    want = [hf_greedy(ref, ids, 24) for ids in PROMPTS]
     for _ in range(2):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == along_ours(ref, got, 24)
 
 
 # (top-1 agreement, largest logit difference, mean difference; in standard deviations)
@@ -393,25 +407,26 @@ def test_glm4_moe_checkpoint_mtp_layers_are_not_loaded(tmp_path: Path, default_f
 
 
 @pytest.fixture(scope="module")
-def llama4_greedy(default_files) -> tuple[Path, list[list[int]]]:  # type: ignore[no-untyped-def]
+def llama4_greedy(default_files):  # type: ignore[no-untyped-def]
     path = tiny_family_dir("llama4", default_files)
-    ref = hf_from_dir(path)
-    return path, [hf_greedy(ref, ids, 24) for ids in PROMPTS]
+    return path, hf_from_dir(path)
 
 
 @pytest.mark.parametrize("step", [3, 8, 13])
 def test_llama4_chunked_prefill_matches_transformers(
-    step: int, llama4_greedy: tuple[Path, list[list[int]]]
+    step: int,
+    llama4_greedy,  # type: ignore[no-untyped-def]
 ) -> None:
     # prefill steps shorter than the attention chunk (8), as long, and longer: steps
     # that start and end inside chunks and cross their edges; then prefix-cache hits
     from structllm import LLM, SamplingParams
 
-    path, want = llama4_greedy
+    path, ref = llama4_greedy
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=step, **EXACT)
     for _ in range(2):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == along_ours(ref, got, 24)
 
 
 def test_llama4_blocks_behind_every_chunk_are_given_back(default_files) -> None:  # type: ignore[no-untyped-def]
@@ -434,7 +449,7 @@ def test_llama4_blocks_behind_every_chunk_are_given_back(default_files) -> None:
         tokens += [t for d in engine.step().outputs for t in d.new_token_ids]
     assert released >= (len(PROMPTS[3]) + 24 - WINDOW - 9) // 4 - 1
     assert engine.kv.num_free_blocks == engine.num_blocks
-    assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)
+    assert tokens == hf_greedy_along(hf_from_dir(path), PROMPTS[3], tokens, 24)
 
 
 def test_llama4_config_as_published() -> None:
@@ -540,6 +555,20 @@ def gguf_file(family: str, default_files, qtype: str = "F32") -> Path:  # type: 
         pytest.skip(str(e))
 
 
+def greedy_along(engine: EngineCore, ids: list[int], tokens: list[int]) -> list[int]:
+    """``engine``'s greedy continuation of ``ids`` (no EOS), as long as ``tokens``,
+    checked along ``tokens`` by one prefill pass instead of a decode step per token
+    (``hf_greedy_along``'s trick): ``tokens`` exactly when its greedy run would be;
+    else it ends with ``engine``'s own token where they part."""
+    picks = prefill_logits(engine, ids + tokens[:-1])[len(ids) - 1 :].argmax(-1).tolist()
+    out: list[int] = []
+    for pick, token in zip(picks, tokens, strict=True):
+        out.append(pick)
+        if pick != token:
+            break
+    return out
+
+
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # type: ignore[no-untyped-def]
     from structllm import LLM, SamplingParams
@@ -591,8 +620,8 @@ def test_f32_gguf_equals_the_directory(name: str, default_files) -> None:  # typ
             prefill_logits(ours.engine, ids), prefill_logits(ref.engine, ids), atol=1e-4, rtol=1e-4
         )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = [[o.token_ids for o in llm.generate(PROMPTS, params)] for llm in (ours, ref)]
-    assert outs[0] == outs[1]
+    got = [o.token_ids for o in ours.generate(PROMPTS, params)]
+    assert got == [greedy_along(ref.engine, ids, g) for ids, g in zip(PROMPTS, got, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -1005,9 +1034,8 @@ def test_tensor_parallel_matches_one_process(name: str, default_files) -> None: 
                 prefill_logits(tp.engine, ids), prefill_logits(one, ids), atol=1e-4, rtol=1e-4
             )
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        want = [hf_greedy(hf_from_dir(Path(path)), ids, 16) for ids in PROMPTS[1:]]
         got = [o.token_ids for o in tp.generate(PROMPTS[1:], params)]
-        assert got == want
+        assert got == along_ours(hf_from_dir(Path(path)), got, 16, PROMPTS[1:])
 
 
 def test_blocks_behind_every_window_are_given_back(default_files) -> None:  # type: ignore[no-untyped-def]
@@ -1033,7 +1061,7 @@ def test_blocks_behind_every_window_are_given_back(default_files) -> None:  # ty
         tokens += [t for d in engine.step().outputs for t in d.new_token_ids]
     assert released >= (len(PROMPTS[3]) + 24 - WINDOW - 9) // 4 - 1  # most of 21 blocks
     assert engine.kv.num_free_blocks == engine.num_blocks
-    assert tokens == hf_greedy(hf_from_dir(path), PROMPTS[3], 24)
+    assert tokens == hf_greedy_along(hf_from_dir(path), PROMPTS[3], tokens, 24)
 
 
 @pytest.mark.parametrize(
@@ -1139,8 +1167,8 @@ def test_gpt_oss_default_format_agrees_with_the_exact_path(default_files) -> Non
         assert (got - want).abs().max() <= 0.01 * want.std(), ids
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(str(path), kv_cache_memory=32 << 20)
-    want_tokens = [hf_greedy(hf_from_dir(path), ids, 16) for ids in PROMPTS]
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want_tokens
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert got == along_ours(hf_from_dir(path), got, 16)
 
 
 def test_gpt_oss_config_defaults_are_transformers() -> None:
@@ -1236,7 +1264,5 @@ def test_gpt_oss_mxfp4_checkpoint_runs_its_blocks(default_files) -> None:  # typ
         got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
         assert (got - want).abs().max() <= 0.01 * want.std(), ids
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    want_tokens = [hf_greedy(ref, ids, 16) for ids in PROMPTS]
-    assert [
-        o.token_ids for o in LLM(str(path), kv_cache_memory=32 << 20).generate(PROMPTS, params)
-    ] == want_tokens
+    got = [o.token_ids for o in LLM(str(path), kv_cache_memory=32 << 20).generate(PROMPTS, params)]
+    assert got == along_ours(ref, got, 16)

@@ -13,6 +13,7 @@ import torch
 from structllm import LLM, SamplingParams
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
+from structllm.engine.held import Held
 from structllm.engine.request import Request
 from structllm.engine.state_cache import StateCacheManager
 from structllm.protocol import AddRequest
@@ -317,7 +318,7 @@ def test_a_hit_after_an_abort_mid_prefill_and_a_step_cut_short(
     assert states is not None
     engine.add_request(AddRequest("gone", PROMPTS[2], GREEDY))
     engine.step()  # 0..20: the state at 16 saved
-    engine.step(lambda: {"gone"})  # 20..40 cut short: the save at 32 never written
+    engine.step(lambda: Held({"gone"}))  # 20..40 cut short: the save at 32 never written
     assert engine.num_steps_cut == 1 and not states.pending
     engine.abort(["gone"])
     engine.step()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,48 @@ def test_chat_with_tools_returns_calls(tiny: LLM) -> None:
         "fahrenheit",
     )
     assert "set_unit" in tiny.tokenizer.decode(out.prompt_token_ids)  # described in the prompt
+
+
+# a reply in GLM-4.5's and Qwen3-Coder's syntaxes (call_formats), forced on the tiny
+# random model by a grammar (the families' auto choice leaves the output free)
+FAMILY_REPLIES = {
+    "glm45": "Sure.<tool_call>set_unit\n<arg_key>unit</arg_key>\n<arg_value>celsius"
+    "</arg_value>\n</tool_call>",
+    "qwen3_coder": "Sure.<tool_call>\n<function=set_unit>\n<parameter=unit>\ncelsius\n"
+    "</parameter>\n</function>\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FAMILY_REPLIES))
+def test_chat_parses_a_familys_calls(tiny_llama_dir: Path, fmt: str) -> None:
+    from structllm.protocol import StructuredOutputs
+
+    llm = LLM(
+        str(tiny_llama_dir), kv_cache_memory=16 << 20, max_model_len=256, tool_call_parser=fmt
+    )
+    try:
+        reply = FAMILY_REPLIES[fmt]
+        forced = StructuredOutputs(grammar=f"start: {json.dumps(reply)}\n")
+        chat = [{"role": "user", "content": "Use Celsius."}]
+        [out] = llm.chat(
+            chat,
+            SamplingParams(temperature=0, max_tokens=80, structured_outputs=forced),
+            tools=[UNIT_TOOL],
+        )
+        assert out.finish_reason == "tool_calls" and out.outputs[0].text == "Sure."
+        [call] = out.outputs[0].tool_calls or []
+        assert (call.name, json.loads(call.arguments)) == ("set_unit", {"unit": "celsius"})
+        # cut by max_tokens after the name: the call so far, finishing with "length"
+        n = len(llm.tokenizer.encode(reply[: reply.index("unit") + 12], add_special_tokens=False))
+        [cut] = llm.chat(
+            chat,
+            SamplingParams(temperature=0, max_tokens=n, structured_outputs=forced),
+            tools=[UNIT_TOOL],
+        )
+        assert cut.finish_reason == "length"
+        assert [c.name for c in cut.outputs[0].tool_calls or []] == ["set_unit"]
+    finally:
+        llm.close()
 
 
 def test_chat_with_bad_tools_raises(tiny: LLM) -> None:

@@ -1,6 +1,6 @@
 """GGUF model + mmproj pairs (``--mmproj``, ``model/mmproj.py``, ``multimodal/mmproj.py``)
-written by llama.cpp's converter from the tiny Gemma 3, SmolVLM, Qwen2.5-VL and Mistral
-3.1 checkpoints of the vision tests (``tests.support.mmproj``: laid out as the released
+written by llama.cpp's converter from the tiny Gemma 3, SmolVLM, Qwen2.5-VL, Qwen3-VL and
+Mistral 3.1 checkpoints of the vision tests (``tests.support.mmproj``: laid out as the released
 checkpoints are): the F32 pair answers as the directory (processor, image features,
 every prompt position's logits within 1e-4, greedy tokens); a Q8_0 model with an F16 or
 Q8_0 mmproj runs its tower's matrices as stored (fbgemm float16, GGUF blocks) and
@@ -37,12 +37,13 @@ PROMPTS = [
 ]
 # Qwen2.5-VL: an image wider than one 112-pixel window (30x4 merge units: 3 windows)
 WIDE = [("A wide one: {} and what now?", [(240, 30)])]
-FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "mistral3"]
-PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "mistral3": "pixtral"}
+FAMILIES = ["gemma3", "idefics3", "qwen2_5_vl", "qwen3_vl", "mistral3"]
+PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen3_vl": "qwen3vl_merger", "mistral3": "pixtral"}
 OTHER = {
     "gemma3": "idefics3",
     "idefics3": "gemma3",
     "qwen2_5_vl": "mistral3",
+    "qwen3_vl": "qwen2_5_vl",
     "mistral3": "qwen2_5_vl",
 }
 # the tower's matrices held as stored (the ones whose width is a whole number of blocks)
@@ -50,6 +51,7 @@ STORED = {
     "gemma3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
     "idefics3": ("tower.layers", ("qkv_w", "out_w", "fc1_w", "fc2_w")),
     "qwen2_5_vl": ("blocks", ("qkv", "proj", "gate", "up")),
+    "qwen3_vl": ("blocks", ("qkv", "proj", "fc1")),
     "mistral3": ("layers", ("q", "k", "v", "o", "gate", "up")),
 }
 
@@ -211,8 +213,8 @@ def test_mmproj_needs_a_gguf_model_of_a_family_with_images(pair: Pair, default_f
         LLM(str(pair.directory), mmproj=str(pair.mmproj))
     from structllm.multimodal.mmproj import check_model
 
-    with pytest.raises(ValueError, match="a qwen3 model, which takes no images"):
-        check_model(Path("tiny-qwen3.gguf"), "qwen3")
+    with pytest.raises(ValueError, match="a phi3 model, which takes no images"):
+        check_model(Path("tiny-phi3.gguf"), "phi3")
     with pytest.raises(ValueError, match="is not an mmproj file"):
         LLM(str(pair.model), mmproj=str(pair.model))
 
@@ -233,7 +235,8 @@ def test_llm_chat_with_an_mmproj_answers_as_the_directory(pair: Pair) -> None:
 
 
 def test_the_vision_text_ggufs_metadata() -> None:
-    """llama.cpp's ``qwen2vl`` is a Qwen2 with M-RoPE sections (a fourth, zero, dropped);
+    """llama.cpp's ``qwen2vl`` is a Qwen2 with M-RoPE sections (a fourth, zero, dropped),
+    ``qwen3vl`` a Qwen3 with them interleaved;
     ``mistral3`` a Mistral, Ministral 3's attention temperature refused."""
     from structllm.model.gguf import model_config
 
@@ -244,8 +247,35 @@ def test_the_vision_text_ggufs_metadata() -> None:
 
     cfg = model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 0]}))
     assert (cfg.architecture, cfg.mrope_section, cfg.qkv_bias) == ("qwen2", [2, 3, 3], True)
+    assert not cfg.mrope_interleaved
+    cfg = model_config(meta("qwen3vl", **{"rope.dimension_sections": [2, 3, 3, 0]}))
+    assert (cfg.architecture, cfg.mrope_section, cfg.mrope_interleaved) == (
+        "qwen3",
+        [2, 3, 3],
+        True,
+    )
     with pytest.raises(ValueError, match=r"rope.dimension_sections \[2, 3, 3, 1\]"):
         model_config(meta("qwen2vl", **{"rope.dimension_sections": [2, 3, 3, 1]}))
     assert model_config(meta("mistral3")).architecture == "mistral"
     with pytest.raises(ValueError, match="attention.temperature_scale"):
         model_config(meta("mistral3", **{"attention.temperature_scale": 0.1}))
+
+
+def test_a_qwen3vl_projector_needs_a_qwen3vl_model() -> None:
+    """A ``qwen3vl_merger`` file beside a Qwen3 GGUF without interleaved M-RoPE sections
+    (a text-only Qwen3, which ``check_model`` lets through as Qwen3-VL's family) is
+    refused before any tensor is read."""
+    from types import SimpleNamespace
+
+    from structllm.model import mmproj_qwen3_vl
+    from structllm.model.gguf import model_config
+
+    shape = {"embedding_length": 64, "attention.head_count": 4, "block_count": 1}
+    shape |= {"feed_forward_length": 8}
+    text = model_config(
+        {"general.architecture": "qwen3"} | {f"qwen3.{k}": v for k, v in shape.items()}
+    )
+    files = SimpleNamespace(config=text, name="tiny-qwen3.gguf")
+    info = SimpleNamespace(path=Path("mmproj-qwen3vl.gguf"))
+    with pytest.raises(ValueError, match="no interleaved M-RoPE sections"):
+        mmproj_qwen3_vl.load(None, info, files, 0)  # type: ignore[arg-type]

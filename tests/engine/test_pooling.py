@@ -218,3 +218,25 @@ def test_embedding_gemma_gguf_equals_the_directory(default_files: Any) -> None:
         assert cosines(embed(llm, ids), ref).min() > COSINE
     with LLM(str(quantize(f32, "Q8_0")), kv_cache_memory=8 << 20) as llm:  # its blocks
         assert cosines(embed(llm, ids), ref).min() > 0.99  # (six random layers of Q8_0)
+
+
+def test_gguf_matryoshka_only_through_hf_overrides(default_files: Any) -> None:
+    """A GGUF file carries no Matryoshka flag (the converter writes none): vLLM's
+    ``--hf-overrides`` keys make it one; other config keys still do not apply to it
+    (the e2e side: tests/e2e/test_server_pooling_cancel.py)."""
+    from structllm.model.files import find_model_files, with_hf_overrides
+    from tests.support.llamacpp import convert_hf
+
+    files = find_model_files(str(convert_hf(tiny_st_qwen3(default_files, plain=True), "f32")))
+
+    def spec(overrides: dict[str, Any] | None) -> Any:
+        return read_pooler(with_hf_overrides(files, overrides), None, overrides)
+
+    assert spec(None).info(64).matryoshka is False
+    assert spec({"is_matryoshka": True}).info(64).matryoshka is True
+    info = spec({"matryoshka_dimensions": [16, 32]}).info(64)
+    assert (info.matryoshka, info.matryoshka_dimensions) == (True, [16, 32])
+    with pytest.raises(ValueError, match="list of positive ints"):
+        spec({"matryoshka_dimensions": [16, "32"]})
+    with pytest.raises(ValueError, match=r"\['hidden_size'\] do not apply to a GGUF file"):
+        spec({"is_matryoshka": True, "hidden_size": 8})

@@ -96,6 +96,50 @@ def test_gguf_blocks_are_kept_and_match_the_dequantised_model(
         assert ((ours - ref).norm() / ref.norm()).item() < 0.05
 
 
+@pytest.fixture
+def activations_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine below sets its process's --cpu-activations; back to auto afterwards,
+    with auto's own defaults whatever the environment."""
+    monkeypatch.setattr(packed, "_ACTIVATIONS", "auto")
+    monkeypatch.setattr(packed, "INT8_MIN_M", 1)
+    monkeypatch.setattr(packed, "INT16_MIN_M", None)
+
+
+@needs_kernels
+def test_cpu_activations_flag_reaches_the_kernels(
+    tiny_gguf: Path, activations_reset: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cpu_activations`` from the engine's config: the logits are bit for bit those of
+    the kernel path it names (the MLP here: gate/up Q8_0, down Q4_1), and not auto's."""
+    ids = PROMPTS[3]
+
+    def logits(mode: str) -> torch.Tensor:
+        eng = engine(tiny_gguf, cpu_activations=mode)
+        try:
+            return prefill_logits(eng, ids)
+        finally:
+            eng.close()
+
+    auto, int16, int8 = logits("auto"), logits("int16"), logits("int8")
+    assert packed._ACTIVATIONS == "int8"  # the last engine's
+    packed.set_cpu_activations("auto")
+    monkeypatch.setattr(packed, "INT8_MIN_M", 0)  # auto without int8: the int16 path
+    assert torch.equal(int16, logits("auto")) and not torch.equal(int16, auto)
+    monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # auto with int8 for Q8_0 too
+    monkeypatch.setattr(packed, "INT8_TYPES", packed.INT8_KERNEL_TYPES)
+    assert torch.equal(int8, logits("auto")) and not torch.equal(int8, auto)
+    with pytest.raises(ValueError, match="cpu_activations must be auto, int8 or int16"):
+        EngineConfig(cpu_activations="int4")
+
+
+def test_cpu_activations_cli_flag() -> None:
+    from structllm.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(["run", "m.gguf", "--cpu-activations", "int16"])
+    assert _engine_kwargs(args)["cpu_activations"] == "int16"
+    assert build_parser().parse_args(["run", "m.gguf"]).cpu_activations == "auto"
+
+
 @needs_kernels
 def test_dtype_float32_runs_file_float16_matrices_in_float32(tiny_gguf: Path) -> None:
     model = engine(tiny_gguf, dtype="float32", quantization="gguf").runner.model

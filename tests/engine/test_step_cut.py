@@ -1,5 +1,5 @@
 """A running step is cut short between layers once every request in it is aborted
-(``EngineCore.step(aborts_pending)``), and leaves nothing half-computed behind.
+(``EngineCore.step(pending)``, ``engine.held``), and leaves nothing half-computed behind.
 
 The tiny model has two layers; ``CHECK_EVERY = 1`` makes the engine look for aborts
 after the first, so a cut step has written layer 0's K/V and not layer 1's.
@@ -14,6 +14,7 @@ import pytest
 import structllm.model.llama as llama
 from structllm.config import EngineConfig
 from structllm.engine.core import EngineCore
+from structllm.engine.held import Held
 from structllm.engine.speculative import MIN_MATCH
 from structllm.protocol import AddRequest, SamplingParams
 from tests.support.models import EXACT
@@ -49,7 +50,7 @@ def test_a_step_whose_requests_are_all_aborted_is_cut_short(tiny_llama_dir: Path
     core = engine(tiny_llama_dir)
     core.add_request(AddRequest("a", PROMPT, GREEDY))
     core.add_request(AddRequest("b", PROMPT[::-1], GREEDY))
-    batch = core.step(lambda: {"a", "b"})
+    batch = core.step(lambda: Held({"a", "b"}))
     assert batch.outputs == []  # nothing sampled
     assert (core.num_steps, batch.stats.num_steps_cut) == (0, 1)
     req = core.scheduler.requests["a"]
@@ -68,7 +69,7 @@ def test_a_step_with_a_request_still_wanted_runs_to_the_end(tiny_llama_dir: Path
     core = engine(tiny_llama_dir)
     core.add_request(AddRequest("a", PROMPT, GREEDY))
     core.add_request(AddRequest("b", PROMPT[::-1], GREEDY))
-    batch = core.step(lambda: {"a"})  # b is still wanted
+    batch = core.step(lambda: Held({"a"}))  # b is still wanted
     assert (core.num_steps, batch.stats.num_steps_cut) == (1, 0)
     assert {d.request_id for d in batch.outputs if d.new_token_ids} == {"a", "b"}
 
@@ -82,7 +83,7 @@ def test_a_cut_step_leaves_no_half_computed_block_in_the_prefix_cache(
 
     core = engine(tiny_llama_dir)
     core.add_request(AddRequest("a", PROMPT, GREEDY))
-    core.step(lambda: {"a"})  # cut after layer 0: the prompt's full blocks lack layer 1
+    core.step(lambda: Held({"a"}))  # cut after layer 0: the prompt's full blocks lack layer 1
     core.abort(["a"])
     core.step()
     # the same prompt again: a hit on those blocks would attend to layer 1's zeros
@@ -122,7 +123,7 @@ def test_a_cut_step_with_drafts_drops_them_and_caches_nothing_of_it(tiny_llama_d
         return execute(sched, between_layers)
 
     core.runner.execute = recording  # type: ignore[method-assign]
-    batch = core.step(lambda: {"a"})
+    batch = core.step(lambda: Held({"a"}))
     assert scheduled == [4]  # the newest token and 3 drafts
     assert batch.outputs == [] and batch.stats.num_steps_cut == 1
     req = core.scheduler.requests["a"]

@@ -150,6 +150,23 @@ def test_admission_refuses_past_either_bound_and_releases_everything() -> None:
     assert (adm.requests, adm.tokens) == (0, 0)
 
 
+def test_admission_counts_only_the_queue_at_or_above_a_request_s_priority() -> None:
+    adm = Admission(max_requests=2, max_tokens=100)
+    with adm.admit([10], priority=5), adm.admit([10], priority=5):  # the queue is full
+        for p in (5, 9):  # equal or less urgent: the bound holds
+            with pytest.raises(APIError) as e:
+                adm.admit([1], priority=p).__enter__()
+            assert e.value.status == 503
+        with adm.admit([1], priority=0) as urgent:  # more urgent than all of it: enters
+            assert adm.ahead(0) == (1, 1) and (adm.requests, adm.tokens) == (3, 21)
+            with pytest.raises(APIError):  # two more at 0: three ahead of them
+                adm.admit([1, 1], priority=0).__enter__()
+            urgent.release(0)
+            assert adm.ahead(0) == (0, 0)
+        assert adm.ahead(9) == (2, 20)
+    assert (adm.requests, adm.tokens, adm.by_priority) == (0, 0, {})
+
+
 def test_admission_releases_on_error() -> None:
     adm = Admission(max_requests=2, max_tokens=10)
     with pytest.raises(RuntimeError), adm.admit([5]):

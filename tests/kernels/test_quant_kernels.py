@@ -34,7 +34,9 @@ M_SIZES = [1, 3, 16, 64, 257]
 
 K_QUANTS = list(packed.FILE_BYTES)  # gguf cannot quantise these: random super-blocks
 RANDOM = [*K_QUANTS, "IQ4_NL"]  # nor these: random blocks
-QUANTISABLE = [t for t in BLOCK_TYPES if t not in RANDOM]
+# the types held as super-blocks (IQ4_XS: its own kernels and tests, test_iquants.py)
+TYPES = [t for t in BLOCK_TYPES if t not in packed.NATIVE_SUPER]
+QUANTISABLE = [t for t in TYPES if t not in RANDOM]
 
 
 def quantize(w: np.ndarray, type_name: str, seed: int = 0) -> tuple[BlockWeight, torch.Tensor]:
@@ -110,7 +112,7 @@ def real_weights() -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", TYPES)
 def test_float_path_weights_are_bit_exact(isa: str, type_name: str) -> None:
     """The float path's in-register dequantisation equals gguf's float32 dequantisation
     bit for bit: checked on the kernel's dequantiser and on the matmul itself, whose
@@ -143,14 +145,14 @@ def check_against_reference(module: object, w: BlockWeight, ref: torch.Tensor, s
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", TYPES)
 def test_random_weights_match_the_float_reference(isa: str, type_name: str) -> None:
     w, ref = quantize(random_weight(72, width(type_name, 7), seed=1), type_name, seed=1)
     check_against_reference(cpu_ext.load_quant(isa), w, ref, seed=2)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("blocks", [1, 7, 8, 9, 16, 18, 19, 48])
 def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, blocks: int) -> None:
     """The int16 row kernel (decode sizes, 1-8 rows) folds the scales of 8 blocks at a
@@ -168,7 +170,7 @@ def test_decode_rows_int16_match_the_float_reference(isa: str, type_name: str, b
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("mode", [INT16, INT8])
 @pytest.mark.parametrize("blocks", [7, 9, 18])
 def test_a_rows_result_does_not_depend_on_the_batch(
@@ -438,3 +440,33 @@ def test_mxfp4_every_exponent_is_ggml_s(isa: str) -> None:
     rows, finite = torch.eye(32 * 32)[:3], w.row_range(0, 6)
     got = module.linear(rows, finite.raw.contiguous(), w.code, FLOAT)
     assert torch.equal(got, ref[:6, :3].T.contiguous())
+
+
+@pytest.mark.parametrize("mode_name", packed.CPU_ACTIVATIONS)
+def test_cpu_activations_picks_the_kernel_path(
+    mode_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--cpu-activations``: bit for bit the path it names, at decode and GEMM sizes.
+    auto: int8 where allowed for 4/5-bit weights, int16 for Q8_0 and elsewhere; int16:
+    int16 everywhere; int8: int8 where allowed for Q8_0 weights too."""
+    monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # auto's default, whatever the environment
+    monkeypatch.setattr(packed, "INT16_MIN_M", None)
+    monkeypatch.setattr(packed, "_ACTIVATIONS", "auto")
+    packed.set_cpu_activations(mode_name)
+    module = cpu_ext.load_quant()
+    want = {  # (type, int8_ok) -> path
+        "auto": {("Q4_1", True): INT8, ("Q8_0", True): INT16, ("Q4_1", False): INT16},
+        "int16": {("Q4_1", True): INT16, ("Q8_0", True): INT16, ("Q4_1", False): INT16},
+        "int8": {("Q4_1", True): INT8, ("Q8_0", True): INT8, ("Q4_1", False): INT16},
+    }[mode_name]
+    for (type_name, int8_ok), mode in want.items():
+        w, _ = quantize(random_weight(64, 128, seed=5), type_name)
+        for rows in (1, 9, 40):
+            x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+            got = packed.linear(x, w, int8_ok=int8_ok)
+            assert torch.equal(got, module.linear(x, w.raw, w.code, mode)), (type_name, rows)
+            other = INT16 if mode == INT8 else INT8
+            if int8_ok and type_name in packed.INT8_KERNEL_TYPES:  # the paths do differ
+                assert not torch.equal(got, module.linear(x, w.raw, w.code, other))
+    with pytest.raises(ValueError, match="cpu_activations"):
+        packed.set_cpu_activations("int4")

@@ -38,6 +38,17 @@ CMAKE_FLAGS = [
     "-DBUILD_SHARED_LIBS=OFF",
 ]
 
+# Builds that leave out -march=native: this machine's native build of the whole ggml CPU
+# backend dies with SIGILL (llama-quantize's does not reach the code that does), so
+# llama-perplexity and the benchmarks' llama-server are built for a named ISA. The
+# AVX-512 one is /root/llama-build-avx512's set of flags (VNNI and BF16 included).
+PORTABLE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON"]
+PORTABLE += ["-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
+ISA_FLAGS = {
+    "avx512": [*PORTABLE, "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"],
+    "avx2": PORTABLE,
+}
+
 
 class ToolMissing(RuntimeError):
     """A llama.cpp tool cannot be had here; the message says why."""
@@ -73,18 +84,27 @@ def source_tree() -> Path:
     return tree
 
 
-def tool(name: str) -> Path:
-    """The path of a built llama.cpp binary (``llama-quantize``, ``llama-server``),
-    building it on first use (minutes: run ``python -m tests.support.llamacpp`` ahead)."""
-    binary = root() / "build" / "bin" / name
+def host_isa() -> str:
+    """The ISA build this CPU runs: avx512 (with VNNI and BF16) or avx2."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    return "avx512" if {"avx512f", "avx512_vnni", "avx512_bf16"} <= flags else "avx2"
+
+
+def tool(name: str, isa: str | None = None) -> Path:
+    """The path of a built llama.cpp binary (``llama-quantize``, ``llama-server``,
+    ``llama-perplexity``), building it on first use (minutes: run ``python -m
+    tests.support.llamacpp`` ahead). ``isa`` (``ISA_FLAGS``' names): a build for that ISA
+    rather than the native one, in its own build folder."""
+    build = root() / ("build" if isa is None else f"build-{isa}")
+    binary = build / "bin" / name
     if binary.exists():
         return binary
     if shutil.which("cmake") is None:
         raise ToolMissing("cmake is not installed, so llama.cpp's tools cannot be built")
     tree = source_tree()
-    build = root() / "build"
+    flags = CMAKE_FLAGS + ([] if isa is None else ISA_FLAGS[isa])
     steps = [
-        ["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS],
+        ["cmake", "-S", str(tree), "-B", str(build), *flags],
         ["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
     ]
     for cmd in steps:
@@ -184,7 +204,7 @@ def quantize(gguf_file: Path, qtype: str, *extra: str, tokenizer: bool = True) -
         if tokenizer:
             seed_tokenizer(out)
         return out
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")  # another process may make it too
     cmd = [str(tool("llama-quantize")), *extra, str(gguf_file), str(tmp), qtype]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -193,6 +213,19 @@ def quantize(gguf_file: Path, qtype: str, *extra: str, tokenizer: bool = True) -
     if tokenizer:
         seed_tokenizer(out)
     return out
+
+
+def default_requantised(qtype: str) -> Path:
+    """The default model's file requantised by ``llama-quantize --allow-requantize`` to
+    ``qtype`` (from its Q4_1 file, the only one its package holds); cached."""
+    from structllm.model.files import default_model_path
+
+    d = root() / "gguf"
+    d.mkdir(parents=True, exist_ok=True)
+    link = d / default_model_path().name
+    if not link.exists():
+        link.symlink_to(default_model_path())
+    return quantize(link, qtype, "--allow-requantize")
 
 
 def main(argv: list[str]) -> int:

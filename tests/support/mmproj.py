@@ -1,6 +1,6 @@
 """GGUF model + mmproj pairs for the tests, written by llama.cpp's converter from the
 tiny vision-language checkpoints (``tests.support.vision``, ``tests.support.idefics3``,
-``tests.support.qwen2_5_vl``, ``tests.support.mistral3``).
+``tests.support.qwen2_5_vl``, ``tests.support.qwen3_vl``, ``tests.support.mistral3``).
 
 The converter reads a checkpoint as the released ones are laid out, which is not always
 what transformers 5.25 saves: Gemma 3's tower must be ``vision_tower.vision_model.*``
@@ -10,8 +10,8 @@ tower must say its LayerNorm epsilon (the converter's default, 1e-5, is not
 transformers' 1e-6) and its ``text_config`` its class (``VLlama3ForCausalLM``, the
 converter's text model for SmolVLM); Qwen2.5-VL's windows must be the 112 pixels
 llama.cpp assumes (the converter writes no window size) and its processor's pixel bounds
-transformers' defaults (nor those); Mistral 3.1's processor's longest edge must be the
-tower's ``image_size`` and its tower 3 layers or more (``tiny_mistral3_dir``'s
+(Qwen3-VL's too) transformers' defaults (nor those); Mistral 3.1's processor's longest
+edge must be the tower's ``image_size`` and its tower 3 layers or more (``tiny_mistral3_dir``'s
 ``tower_layers``: the converter maps the projector's ``linear_2`` by a layer index);
 every tokenizer is read as the default model's class. ``published_dir`` rewrites a tiny
 checkpoint that way, a directory the directory path loads as well, which the tests
@@ -55,6 +55,8 @@ def published_dir(source: Path) -> Path:
         _qwen2_5_vl_layout(tmp, config)
     elif arch == "Mistral3ForConditionalGeneration":
         _mistral3_layout(tmp, config)
+    elif arch == "Qwen3VLForConditionalGeneration":  # (its tensors: as transformers 5's)
+        _qwen_pixel_bounds(tmp)
     else:  # SmolVLM's text_config names its text model's class (the converter's key)
         config["vision_config"] = {"layer_norm_eps": 1e-6, **config["vision_config"]}
         config["text_config"] = {"architectures": ["VLlama3ForCausalLM"], **config["text_config"]}
@@ -101,6 +103,11 @@ def _qwen2_5_vl_layout(tmp: Path, config: dict[str, Any]) -> None:
     vision = dict(config["vision_config"])
     vision["window_size"] = QWEN_WINDOW
     config["vision_config"] = vision
+    _qwen_pixel_bounds(tmp)
+
+
+def _qwen_pixel_bounds(tmp: Path) -> None:
+    """The processor's pixel bounds transformers' defaults (an mmproj holds none)."""
     proc = json.loads((tmp / "processor_config.json").read_text())
     proc["image_processor"]["size"] = {
         "shortest_edge": QWEN_MIN_PIXELS,
@@ -127,6 +134,7 @@ def published(family: str, files: ModelFiles) -> Path:
     from tests.support.idefics3 import tiny_idefics3_dir
     from tests.support.mistral3 import tiny_mistral3_dir
     from tests.support.qwen2_5_vl import tiny_qwen2_5_vl_dir
+    from tests.support.qwen3_vl import tiny_qwen3_vl_dir
 
     if family == "gemma3":
         return gemma3_published(files)
@@ -134,6 +142,8 @@ def published(family: str, files: ModelFiles) -> Path:
         return published_dir(tiny_idefics3_dir(files))
     if family == "qwen2_5_vl":
         return published_dir(tiny_qwen2_5_vl_dir(files, flat=True))
+    if family == "qwen3_vl":
+        return published_dir(tiny_qwen3_vl_dir(files))
     if family == "mistral3":  # (the converter needs a tower of 3 layers or more)
         return published_dir(tiny_mistral3_dir(files, legacy=True, tower_layers=3))
     raise ValueError(f"no tiny {family} checkpoint")

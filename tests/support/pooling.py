@@ -144,10 +144,12 @@ def _plain_tokenizer(files: ModelFiles, out: Path) -> None:
     )
 
 
-def tiny_qwen3_reranker(files: ModelFiles) -> Path:
-    """A Qwen3-Reranker in small: the seeded causal LM (untied head), scored by its
-    ``yes``/``no`` logits once loaded with vLLM's overrides (``RERANKER_OVERRIDES``)."""
-    key = cache_key(files, "qwen3-reranker", QWEN3, 3)
+def tiny_qwen3_reranker(files: ModelFiles, **shape: object) -> Path:
+    """A Qwen3-Reranker in small: the seeded causal LM (untied head; ``shape`` over
+    ``QWEN3``: bench/rerank.py's larger one), scored by its ``yes``/``no`` logits once
+    loaded with vLLM's overrides (``RERANKER_OVERRIDES``). llama.cpp's converter takes it
+    for a reranker by its directory's name."""
+    key = cache_key(files, "qwen3-reranker", QWEN3 if not shape else {**QWEN3, **shape}, 3)
     out = cache_root() / "test-models" / f"tiny-qwen3-reranker-{key}"
 
     def build(tmp: Path) -> None:
@@ -155,7 +157,7 @@ def tiny_qwen3_reranker(files: ModelFiles) -> Path:
         import transformers
 
         torch.manual_seed(1)
-        cfg = transformers.Qwen3Config(**{**QWEN3, "tie_word_embeddings": False})
+        cfg = transformers.Qwen3Config(**{**QWEN3, **shape, "tie_word_embeddings": False})
         model = transformers.Qwen3ForCausalLM(cfg)
         with torch.no_grad():  # a head with larger logits, so the scores spread
             model.lm_head.weight.normal_(0, 0.5)

@@ -95,14 +95,39 @@ def test_config_refuses_bad_sections() -> None:
         ModelConfig.from_hf({**BASE, "rope_scaling": {"type": "mrope", "mrope_section": [3, 3, 3]}})
     with pytest.raises(ValueError, match="three counts"):
         ModelConfig.from_hf({**BASE, "rope_scaling": {"type": "mrope", "mrope_section": [8]}})
-    with pytest.raises(ValueError, match="mrope_interleaved"):
-        ModelConfig.from_hf(
-            {
-                **BASE,
-                "rope_scaling": {
-                    "type": "mrope",
-                    "mrope_section": [2, 3, 3],
-                    "mrope_interleaved": True,
-                },
-            }
-        )
+    interleaved = ModelConfig.from_hf(
+        {
+            **BASE,
+            "rope_parameters": {
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        }
+    )
+    assert interleaved.mrope_section == [2, 3, 3] and interleaved.mrope_interleaved
+    consecutive = ModelConfig.from_hf(
+        {**BASE, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    )
+    assert not consecutive.mrope_interleaved
+
+
+@pytest.mark.parametrize("section", [[24, 20, 20], [11, 11, 10], [2, 3, 3], [4, 2, 2]])
+def test_interleaved_axes_are_transformers(section: list[int]) -> None:
+    """Each rotary pair's axis as transformers' ``Qwen3VLTextRotaryEmbedding``
+    recomposes the frequencies of the three axes (positions 0, 1000, 2000 tell them
+    apart), and the consecutive split as Qwen2.5-VL's ``mrope_section`` cuts them."""
+    import torch
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from structllm.model.layers import mrope_axes
+
+    pairs = sum(section)
+    rope = Qwen3VLTextRotaryEmbedding.__new__(Qwen3VLTextRotaryEmbedding)
+    rope.mrope_section = section
+    freq = torch.tensor([0.0, 1000.0, 2000.0]).view(3, 1, 1, 1).expand(3, 1, 1, pairs).clone()
+    want = (rope.recomposition_frequencies(freq)[0, 0, :pairs] / 1000).long()
+    assert torch.equal(mrope_axes(section, pairs, interleaved=True), want)
+    t, h, _ = section
+    plain = mrope_axes(section, pairs + 2, interleaved=False)
+    assert plain.tolist() == [0] * t + [1] * h + [2] * section[2] + [0, 0]

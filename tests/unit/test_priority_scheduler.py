@@ -194,6 +194,50 @@ def test_a_less_urgent_prefill_waits_while_an_urgent_request_waits() -> None:
     assert [(r.request_id, n) for r, n in out.scheduled] == [("urgent", 1), ("low", 7)]
 
 
+def test_an_urgent_prefill_runs_without_the_less_urgent_decodes() -> None:
+    # a free seat, so nobody is displaced: the two low decodes sit out one step (their
+    # state kept), then resume with the tokens of an uninterrupted run
+    s = make(max_seqs=4)
+    low = [request("low0", 6, priority=5, max_tokens=12), request("low1", 7, priority=5)]
+    mid = request("mid", 5, priority=1, max_tokens=12)
+    for r in (*low, mid):
+        s.add_request(r)
+    step(s)
+    step(s)  # all three decoding
+    urgent = request("urgent", 9, priority=3)  # less urgent than mid, more than the lows
+    s.add_request(urgent)
+    computed = [r.num_computed_tokens for r in low]
+    out = step(s)
+    assert out.displaced == [] and out.preempted == []
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("mid", 1), ("urgent", 9)]
+    assert urgent.num_output_tokens == 1  # its first token in the step after its arrival
+    assert [r.num_computed_tokens for r in low] == computed  # paused, nothing lost
+    out = step(s)  # the newcomer runs now: everyone decodes again
+    assert sorted(r.request_id for r, _ in out.scheduled) == ["low0", "low1", "mid", "urgent"]
+    finish(s)
+    for r in (*low, mid, urgent):
+        assert r.output_token_ids == alone(r), r.request_id
+
+
+def test_paused_rows_run_when_the_urgent_request_cannot_start() -> None:
+    # max_loras 1: the urgent request's adapter does not fit beside the running one, so
+    # it is passed over; the less urgent decode must not wait for it (it would never end)
+    s = make(max_seqs=4)
+    s.max_loras = 1
+    low = request("low", 6, priority=5, max_tokens=4)
+    low.lora_uid = 1
+    s.add_request(low)
+    step(s)
+    urgent = request("urgent", 5, priority=0, max_tokens=4)
+    urgent.lora_uid = 2
+    s.add_request(urgent)
+    out = step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("low", 1)]
+    outs = finish(s)
+    assert urgent.num_output_tokens == 4 and len(outs) < 10
+    assert low.output_token_ids == alone(low)
+
+
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="fcfs or priority"):
         make("lottery")
@@ -274,5 +318,5 @@ def test_an_outranked_request_drafts_nothing_while_the_newcomer_waits() -> None:
     assert [n for _, n in step(s).scheduled] == [3]  # its token and 2 drafts
     s.add_request(request("urgent", 5, priority=0))
     out = step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("low", 1), ("urgent", 5)]
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("urgent", 5)]  # low paused
     assert ("low", 3) in [(r.request_id, n) for r, n in step(s).scheduled]  # drafts again

@@ -178,3 +178,52 @@ def test_without_a_parser_nothing_changes(tokenizer: Tokenizer) -> None:
     seq = seq_for(tokenizer, None)
     assert run(seq, ids, 1) == ("", "<think>x</think>y")
     assert seq.num_reasoning_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("parser", "assumed"),
+    [
+        ("deepseek_r1", True),
+        ("nemotron_v3", True),
+        ("kimi_k2", True),
+        ("qwen3", False),
+        ("glm45", False),
+        ("glm47", False),
+        ("deepseek_v3", False),
+    ],
+)
+def test_vllms_family_names_read_as_their_models_write(parser: str, assumed: bool) -> None:
+    assert check_parser(parser) == parser
+    assert mode_for(parser, "<|assistant|>") is (Mode.INSIDE if assumed else Mode.MAYBE)
+    assert mode_for(parser, "<|assistant|><think>") is Mode.INSIDE  # the template opened it
+    assert mode_for(parser, "<|assistant|><think></think>") is Mode.MAYBE  # switched off
+
+
+def test_kimis_tool_section_ends_the_reasoning_at_any_split() -> None:
+    text = "<think>I need the weather<|tool_calls_section_begin|><|tool_call_begin|>x"
+    for k in range(len(text) + 1):
+        parser = ReasoningParser(Mode.INSIDE)
+        pieces = [parser.feed(text[:k]), parser.feed(text[k:], final=True)]
+        assert "".join(r for r, _ in pieces) == "I need the weather" == parser.reasoning
+        assert "".join(c for _, c in pieces) == text[text.index("<|tool_calls") :]
+
+
+def test_gemma4s_thought_channel_splits_at_any_point() -> None:
+    from structllm.reasoning import GEMMA4, engine_spec, split, tags_of
+
+    assert tags_of("gemma4") is GEMMA4 and check_parser("gemma4") == "gemma4"
+    text = "<|channel>thought\nFirst add.<channel|>The sum is 3."
+    for k in range(len(text) + 1):
+        parser = ReasoningParser(Mode.MAYBE, GEMMA4)
+        pieces = [parser.feed(text[:k]), parser.feed(text[k:], final=True)]
+        assert "".join(r for r, _ in pieces) == "First add."
+        assert "".join(c for _, c in pieces) == "The sum is 3."
+    assert split("The sum is 3.", Mode.MAYBE, GEMMA4) == ("", "The sum is 3.")
+    # a tool call ends the thought; the thinking-off prompt closes an empty channel
+    assert split("<|channel>thought\nhm<|tool_call>call:f{}", Mode.MAYBE, GEMMA4) == (
+        "hm",
+        "<|tool_call>call:f{}",
+    )
+    off = "<|turn>model\n<|channel>thought\n<channel|>"
+    assert mode_for("gemma4", off) is Mode.MAYBE and engine_spec(off, [7], GEMMA4) is None
+    assert engine_spec("<|turn>model\n", [7], GEMMA4) is not None

@@ -1,0 +1,255 @@
+// The i-quants' matmuls, held as the file lays them out: y = x @ W^T for W in IQ4_XS
+// super-blocks. Part of quant_linear.cpp's module (included there, one translation
+// unit: the kernel pool of cpu_pool.h is per unit), built under its flags for both ISAs
+// (-ffp-contract=off: the float path's weights round as gguf's).
+//
+// IQ4_XS (ggml-common.h, block_iq4_xs): 256 weights in 136 bytes,
+//   [d f16 | scales_h u16 | scales_l 4 bytes | qs 128 bytes]
+// sub-block ib (32 weights) has the 6-bit scale ls = (scales_l[ib / 2] >> 4 (ib % 2)) &
+// 15 | ((scales_h >> 2 ib) & 3) << 4, and its 16 bytes qs[16 ib ..]: byte j holds weight
+// j in its low nibble and weight j + 16 in its high one, each an index into IQ4_NL's 16
+// levels (kvalues_iq4nl):  w = d * (ls - 32) * kvalues[nibble].
+// d * (ls - 32) is exact in float32 (a float16 times a 6-bit integer), so the float
+// path's weights, its product with the level rounded once, are gguf's bit for bit.
+//
+// Two paths (quant_linear.cpp's mode codes; its int16 mode runs the int8 path, as
+// llama.cpp runs IQ4_XS over 8-bit activations):
+//   float: each sub-block dequantised in registers and FMA'd with float32 activations;
+//   int8:  activations quantised once per matrix call to int8 per 32 (scale dx = max
+//          |x| / 127), shared by every output row and thread; a sub-block's 32 weights
+//          come out of one vpshufb as signed bytes (the levels), and the dot product of
+//          two signed vectors runs as |w| . sign(x, w) (vpdpbusd on VNNI, vpmaddubsw +
+//          vpmaddwd on AVX2: |w| <= 127, so no pair of products saturates int16).
+//          A super-block's 8 integer sums (exact) are gathered into one vector and
+//          folded as sum * (d * (ls - 32) * dx) into 8 float lanes.
+// Both are batch-invariant: each (row of x, row of W) output is the same sequence of
+// operations whatever M and the tile it falls in, so a row's result is bit for bit the
+// same alone or among others.
+//
+// Shapes: x [M, K] float32, w [N, K / 256 * 136] uint8, out [M, N]; K % 256 == 0.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "cpu_pool.h"
+#include "cpu_simd.h"
+
+namespace sl::iq {
+
+constexpr int QK_K = 256;          // weights per super-block
+constexpr int IQ4XS_BYTES = 136;   // bytes per super-block
+constexpr int SUB = 32;            // weights per sub-block (one scale)
+constexpr int64_t kRowsGrain = 16;  // weight rows per work item at least
+
+// kvalues_iq4nl (ggml-common.h): a nibble indexes these levels
+alignas(16) constexpr int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+inline float f16_at(const uint8_t* p) {  // an unaligned IEEE half -> float (exact)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// the super-block's 8 sub-block scales d * (ls - 32), float32 (exact), lane ib
+inline __m256 iq4xs_scales(const uint8_t* sb) {
+  uint16_t h;
+  uint32_t l;
+  std::memcpy(&h, sb + 2, 2);
+  std::memcpy(&l, sb + 4, 4);
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(l)),
+                                                        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                      _mm256_set1_epi32(0x0F));
+  const __m256i hi = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)), _mm256_set1_epi32(3));
+  const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+  return _mm256_mul_ps(_mm256_set1_ps(f16_at(sb)), _mm256_cvtepi32_ps(ls));
+}
+
+// a sub-block's 16 nibble bytes -> its 32 levels as signed bytes, weight order
+inline __m256i iq4xs_levels(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevels)));
+  return _mm256_shuffle_epi8(table, nib);
+}
+
+// ---- dequantisation: w [N, K / 256 * 136] -> out [N, K], gguf's values
+inline void iq4xs_dequantize(const uint8_t* w, float* out, int64_t N, int64_t K) {
+  const int64_t nsb = K / QK_K, row_bytes = nsb * IQ4XS_BYTES;
+  sl::parallel_for(0, N, kRowsGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t* sb = w + n * row_bytes + s * IQ4XS_BYTES;
+        alignas(32) float dl[8];
+        _mm256_store_ps(dl, iq4xs_scales(sb));
+        alignas(32) int8_t q[SUB];
+        float* o = out + n * K + s * QK_K;
+        for (int ib = 0; ib < 8; ib++) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q), iq4xs_levels(sb + 8 + 16 * ib));
+          for (int j = 0; j < SUB; j++) o[ib * SUB + j] = dl[ib] * static_cast<float>(q[j]);
+        }
+      }
+  });
+}
+
+// ---- float path
+constexpr int VNS = SUB / VW;  // float vectors per sub-block
+#ifdef SL_AVX512
+constexpr int MT_F = 4;  // x rows per tile: MT_F * VNS accumulators + VNS weights
+#else
+constexpr int MT_F = 2;
+#endif
+
+// a sub-block's 32 weights as VNS float vectors: dl * level, rounded once (gguf's)
+inline void iq4xs_sub_floats(const uint8_t* qs, float dl, vf v[VNS]) {
+  const __m256i b = iq4xs_levels(qs);
+  const vf s = vset1(dl);
+#ifdef SL_AVX512
+  v[0] = vmul(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))));
+  v[1] = vmul(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))));
+#else
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  v[0] = vmul(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+  v[1] = vmul(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+  v[2] = vmul(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+  v[3] = vmul(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+#endif
+}
+
+// out[m * N] = x[m] . wrow for m < MT (x rows K apart): per row VNS accumulators, one
+// FMA per weight vector in K order, summed in lane order at the end
+template <int MT>
+inline void iq4xs_tile_float(const float* x, int64_t K, const uint8_t* wrow, float* out, int64_t N) {
+  vf acc[MT][VNS];
+  for (int m = 0; m < MT; m++)
+    for (int j = 0; j < VNS; j++) acc[m][j] = vzero();
+  const int64_t nsb = K / QK_K;
+  for (int64_t s = 0; s < nsb; s++) {
+    const uint8_t* sb = wrow + s * IQ4XS_BYTES;
+    alignas(32) float dl[8];
+    _mm256_store_ps(dl, iq4xs_scales(sb));
+    for (int ib = 0; ib < 8; ib++) {
+      vf wv[VNS];
+      iq4xs_sub_floats(sb + 8 + 16 * ib, dl[ib], wv);
+      const int64_t k = s * QK_K + ib * SUB;
+      for (int m = 0; m < MT; m++)
+        for (int j = 0; j < VNS; j++) acc[m][j] = vfma(wv[j], vload(x + m * K + k + j * VW), acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    vf a = acc[m][0];
+    for (int j = 1; j < VNS; j++) a = vadd(a, acc[m][j]);
+    out[m * N] = vsum(a);
+  }
+}
+
+inline void iq4xs_linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t row_bytes = K / QK_K * IQ4XS_BYTES;
+  sl::parallel_for(0, N, kRowsGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* wrow = w + n * row_bytes;
+      int64_t m = 0;
+      for (; m + MT_F <= M; m += MT_F) iq4xs_tile_float<MT_F>(x + m * K, K, wrow, out + m * N + n, N);
+      for (; m < M; m++) iq4xs_tile_float<1>(x + m * K, K, wrow, out + m * N + n, N);
+    }
+  });
+}
+
+// ---- int8 path
+// x [M, K] -> q [M, K] int8 = round(x / dx) (nearest, ties even), dx [M, K / 32] =
+// max |x| / 127 per 32 (0 for a zero block)
+inline void quantize_x8(const float* x, int64_t M, int64_t K, int8_t* q, float* dx) {
+  const int64_t nb = K / SUB;
+  sl::parallel_for(0, M * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      const float* p = x + b * SUB;
+      vf amax = vzero();
+      for (int j = 0; j < VNS; j++) amax = vmax(amax, vmax(vload(p + j * VW), vsub(vzero(), vload(p + j * VW))));
+      const float d = vhmax(amax) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      for (int j = 0; j < SUB; j++) q[b * SUB + j] = static_cast<int8_t>(std::nearbyint(p[j] * id));
+      dx[b] = d;
+    }
+  });
+}
+
+// 8 lanes of int32 pair sums of |w| . sign(x, w), i.e. of w . x (signed x signed bytes)
+inline __m256i dot_s8(__m256i aw, __m256i w, const int8_t* x) {
+  const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+#endif
+}
+
+// pairwise sums of two vectors' lanes (per 128-bit half): two levels of it and a swap of
+// halves turn a super-block's 8 sub-block vectors into their 8 totals, in order
+inline __m256i hadd(__m256i a, __m256i b) { return _mm256_hadd_epi32(a, b); }
+
+// out[m * N] = x[m] . wrow for m < MT: xq rows K bytes apart, dx rows K / 32 apart
+template <int MT>
+inline void iq4xs_tile_int8(const int8_t* xq, const float* dx, int64_t K, const uint8_t* wrow, float* out, int64_t N) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+  const int64_t nsb = K / QK_K, nb = K / SUB;
+  for (int64_t s = 0; s < nsb; s++) {
+    const uint8_t* sb = wrow + s * IQ4XS_BYTES;
+    __m256i h[MT][4];  // h[m][i]: hadd of sub-blocks 2i, 2i + 1
+    for (int i = 0; i < 4; i++) {
+      const __m256i w0 = iq4xs_levels(sb + 8 + 32 * i), w1 = iq4xs_levels(sb + 24 + 32 * i);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < MT; m++) {
+        const int8_t* xs = xq + m * K + s * QK_K + 64 * i;
+        h[m][i] = hadd(dot_s8(a0, w0, xs), dot_s8(a1, w1, xs + SUB));
+      }
+    }
+    const __m256 dl = iq4xs_scales(sb);
+    for (int m = 0; m < MT; m++) {
+      // lo: sub-blocks 0-3's sums over their low 128 bits, then over their high 128
+      // bits; hi: sub-blocks 4-7's
+      const __m256i lo = hadd(h[m][0], h[m][1]), hi = hadd(h[m][2], h[m][3]);
+      const __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                            _mm256_permute2x128_si256(lo, hi, 0x31));
+      const __m256 scale = _mm256_mul_ps(dl, _mm256_loadu_ps(dx + m * nb + s * 8));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_cvtepi32_ps(sums), scale));
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    out[m * N] = _mm_cvtss_f32(t);
+  }
+}
+
+constexpr int MT_8 = 4;  // x rows per tile: MT_8 * 4 hadd vectors live
+
+inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / SUB, row_bytes = K / QK_K * IQ4XS_BYTES;
+  // once per call, shared by every output row and thread
+  std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);
+  std::unique_ptr<float[]> dx(new float[M * nb]);
+  quantize_x8(x, M, K, xq.get(), dx.get());
+  const int8_t* q = xq.get();
+  const float* d = dx.get();
+  sl::parallel_for(0, N, kRowsGrain, [&](int64_t n0, int64_t n1) {
+    // x tiles outer: a tile's quants stay in L1 across the chunk's weight rows, which
+    // stay in L2 across tiles
+    int64_t m = 0;
+    for (; m + MT_8 <= M; m += MT_8)
+      for (int64_t n = n0; n < n1; n++)
+        iq4xs_tile_int8<MT_8>(q + m * K, d + m * nb, K, w + n * row_bytes, out + m * N + n, N);
+    for (; m < M; m++)
+      for (int64_t n = n0; n < n1; n++)
+        iq4xs_tile_int8<1>(q + m * K, d + m * nb, K, w + n * row_bytes, out + m * N + n, N);
+  });
+}
+
+}  // namespace sl::iq
