@@ -63,8 +63,7 @@ def baseline(rev: str, isa: str) -> Any:
         d / SOURCES[0],
         flags,
         f"{rev}'s kernels",
-        cpu_ext.QUANT_HEADERS,
-    )
+    )  # (no cpu_kquants.h: the baseline does not include it)
     if module is None:
         raise RuntimeError(f"could not build quant_linear.cpp at {rev}")
     return cpu_ext._share_pool(module)

@@ -19,10 +19,12 @@
 // DMIN mn are exact in float32 (a float16 times a 6-bit integer), so a row's result is
 // bit for bit the blocked GEMM's at any row count, and the same as the 22-byte blocks of
 // 32 that Q4_K used to be repacked into gave.
-// More rows (prefill, large batches) are bound by multiply-adds, not by bytes: the
-// matrix is unpacked for the call into those 22-byte blocks (scratch, 1.22x the file's
-// bytes, freed at return) and run by the blocked GEMMs; the float path and dequantize
-// go the same way.
+// More rows (prefill, large batches) run quant_linear.cpp's blocked integer GEMM on the
+// super-blocks themselves (FileQ4K, its layout parameter): per panel of weight rows and
+// chunk of whole super-blocks, each super-block's scales and minima decoded once and its
+// nibbles unpacked into the GEMM's L1 tile, as it unpacks any block type; no copy of the
+// matrix is made. The float path and dequantize read the super-blocks in place too
+// (FileQ4K::dequant).
 #pragma once
 
 namespace kq {
@@ -212,59 +214,107 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   });
 }
 
-// one super-block -> 8 of the 22-byte blocks the GEMMs read ([D | DMIN | sc | mn | 16
-// bytes: weight i low, i + 16 high], quant_linear.cpp's Q4_K layout)
-inline void unpack_super(const uint8_t* sb, uint8_t* out) {
-  uint64_t sc, mn;
-  scales_mins(sb + 4, sc, mn);
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  for (int c = 0; c < SUBS / 2; c++) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 + 32 * c));       // weights 0-15
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 + 32 * c + 16));  // 16-31
-    const __m128i lo = _mm_or_si128(_mm_and_si128(a, m4), _mm_slli_epi16(_mm_and_si128(b, m4), 4));
-    const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m4), _mm_andnot_si128(m4, b));
-    for (int h = 0; h < 2; h++) {
-      const int j = 2 * c + h;
-      uint8_t* blk = out + j * block_bytes(Q4_K);
-      std::memcpy(blk, sb, 4);
-      blk[4] = static_cast<uint8_t>(sc >> (8 * j));
-      blk[5] = static_cast<uint8_t>(mn >> (8 * j));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 6), h ? hi : lo);
+// The blocked integer GEMM's view of the file's super-blocks (quant_linear.cpp's
+// BlockLayout): chunks of whole super-blocks, each unpacked straight into the GEMM's L1
+// tile. Per super-block its 6-bit scales and minima are decoded once (scales_mins) and
+// turned into the 8 sub-blocks' d = D sc and m = -(DMIN mn), the same float32 products
+// the 22-byte blocks' scales8 forms (so the GEMM's results are those it gave on them, bit
+// for bit); sub-block 2c's quants are the low nibbles of qs[32c .. 32c + 32], 2c + 1's
+// the high ones: one 32-byte load, a mask or a shift and a mask, in weight order.
+struct FileQ4K {
+  static constexpr int kGranule = SUBS;
+  static int64_t offset(int64_t b) { return b / SUBS * Q4K_BYTES; }  // (b: a whole super-block's)
+
+  // block b (sub-block b % 8 of super-block b / 8) of the row at row -> 32 floats, w =
+  // q d + m with d = D sc, m = -(DMIN mn): a multiply, then an add, as the 22-byte
+  // blocks' dequant_block (so bit for bit gguf's float32 dequantisation)
+  static void dequant(const uint8_t* row, int64_t b, vf w[VN]) {
+    const uint8_t* sb = row + offset(b);
+    const int j = static_cast<int>(b % SUBS);
+    uint64_t sc, mn;
+    scales_mins(sb + 4, sc, mn);
+    const float d = half(sb) * static_cast<float>((sc >> (8 * j)) & 0xFF);
+    const float m = -(half(sb + 2) * static_cast<float>((mn >> (8 * j)) & 0xFF));
+    const uint8_t* q = sb + 16 + 32 * (j / 2);  // sub-block j's nibbles: low (j even) or high
+#ifdef SL_AVX512
+    // 16 values looked up by vpermps (it reads an index's low 4 bits: the high nibble
+    // after a shift by 4), as dequant_block does for the 22-byte blocks
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d)), _mm512_set1_ps(m));
+    for (int h = 0; h < VN; h++) {
+      const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+      w[h] = _mm512_permutexvar_ps(j & 1 ? _mm512_srli_epi32(raw, 4) : raw, table);
+    }
+#else
+    for (int h = 0; h < VN; h++) {
+      const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
+      const __m256i nib = _mm256_and_si256(j & 1 ? _mm256_srli_epi32(raw, 4) : raw, _mm256_set1_epi32(0x0F));
+      w[h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(nib), _mm256_set1_ps(d)), _mm256_set1_ps(m));
+    }
+#endif
+  }
+
+  // the super-block at sb's 8 scales and minima -> dw[0..8), mw[0..8)
+  static void scales(const uint8_t* sb, float* dw, float* mw) {
+    uint64_t sc, mn;
+    scales_mins(sb + 4, sc, mn);
+    const d8::v8f D = _mm256_set1_ps(half(sb)), DMIN = _mm256_set1_ps(half(sb + 2));
+    _mm256_storeu_ps(dw, times(D, reinterpret_cast<const uint8_t*>(&sc)));
+    _mm256_storeu_ps(mw, _mm256_xor_ps(times(DMIN, reinterpret_cast<const uint8_t*>(&mn)), _mm256_set1_ps(-0.f)));
+  }
+  // sub-blocks 2c, 2c + 1's quants as bytes in weight order
+  static void quants(const uint8_t* sb, int c, __m256i& lo, __m256i& hi) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16 + 32 * c));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(q, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+  }
+  // nbc blocks (whole super-blocks) of one row at blk -> quants wq (bytes), dw, mw
+  static void unpack(const uint8_t* blk, int nbc, uint8_t* wq, float* dw, float* mw) {
+    for (int s = 0; s < nbc / SUBS; s++) {
+      const uint8_t* sb = blk + s * Q4K_BYTES;
+      scales(sb, dw + s * SUBS, mw + s * SUBS);
+      for (int c = 0; c < SUBS / 2; c++) {
+        __m256i lo, hi;
+        quants(sb, c, lo, hi);
+        uint8_t* o = wq + (s * SUBS + 2 * c) * QK;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + QK), hi);
+      }
     }
   }
-}
-
-// w [N, K/256 * 144] -> [N, K/32 * 22] (scratch for one call)
-inline std::unique_ptr<uint8_t[]> unpacked(const uint8_t* w, int64_t N, int64_t K) {
-  const int64_t ns = K / QK_K, total = N * ns;
-  auto out = scratch<uint8_t>(total * SUBS * block_bytes(Q4_K));
-  uint8_t* o = out.get();
-  sl::parallel_for(0, total, 64, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; s++) unpack_super(w + s * Q4K_BYTES, o + s * SUBS * block_bytes(Q4_K));
-  });
-  return out;
-}
+  // the same with the quants widened to int16
+  static void unpack(const uint8_t* blk, int nbc, int16_t* wq, float* dw, float* mw) {
+    for (int s = 0; s < nbc / SUBS; s++) {
+      const uint8_t* sb = blk + s * Q4K_BYTES;
+      scales(sb, dw + s * SUBS, mw + s * SUBS);
+      for (int c = 0; c < SUBS / 2; c++) {
+        __m256i q[2];
+        quants(sb, c, q[0], q[1]);
+        for (int h = 0; h < 2; h++) {
+          int16_t* o = wq + (s * SUBS + 2 * c + h) * QK;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[h])));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[h], 1)));
+        }
+      }
+    }
+  }
+};
 
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if (M <= rows_max_m(Q4_K)) return linear_rows<int8_t>(x, w, out, M, N, K);
-  const auto u = unpacked(w, N, K);
-  linear_blocked<Q4_K, int8_t>(x, u.get(), out, M, N, K);
+  linear_blocked_on<Q4_K, int8_t, FileQ4K>(x, w, out, M, N, K);
 }
 
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   if (M <= rows_max_m(Q4_K)) return linear_rows<int16_t>(x, w, out, M, N, K);
-  const auto u = unpacked(w, N, K);
-  linear_blocked<Q4_K, int16_t>(x, u.get(), out, M, N, K);
+  linear_blocked_on<Q4_K, int16_t, FileQ4K>(x, w, out, M, N, K);
 }
 
 void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  const auto u = unpacked(w, N, K);
-  ::linear_float<Q4_K>(x, u.get(), out, M, N, K);
+  linear_float_on<FileQ4K>(x, w, out, M, N, K);
 }
 
-void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K) {
-  const auto u = unpacked(w, N, K);
-  dequantize_rows<Q4_K>(u.get(), out, N, K);
-}
+void dequantize(const uint8_t* w, float* out, int64_t N, int64_t K) { dequantize_rows_on<FileQ4K>(w, out, N, K); }
 
 }  // namespace kq

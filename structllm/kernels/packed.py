@@ -284,9 +284,9 @@ def repack(raw: np.ndarray, type_name: str) -> np.ndarray:
     m = -(DMIN * mn), d0 = D * sc0 in float32 (exact: a float16 times a 6- or 8-bit
     integer), as ggml's dequantisation does, so ``q * d + m`` rounds as its ``d * q -
     dm``. 22/26/28 bytes per 32 weights against the file's 18/22/26.25. Q5_K and Q6_K
-    are held so; Q4_K is held as the file's super-blocks (its 22-byte blocks are what
-    the kernels unpack it into for the blocked GEMMs, cpu_kquants.h, and what it was
-    held as before: ``bench/kquants.py`` compares the two)."""
+    are held so; Q4_K is held as the file's super-blocks and read in place by every
+    path (cpu_kquants.h); its 22-byte blocks are what it was held as before, the
+    baseline ``bench/q4k_layout.py`` runs against."""
     sb = raw.reshape(-1, FILE_BYTES[type_name])
     n = sb.shape[0]
     if type_name == "Q6_K":

@@ -36,21 +36,41 @@ def quantised_activations(x: np.ndarray, levels: int) -> np.ndarray:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("mode", [INT8, INT16])
-def test_q4k_integer_paths_are_their_exact_arithmetic(isa: str, mode: int) -> None:
+@pytest.mark.parametrize("k", [768, 2816])
+def test_q4k_integer_paths_are_their_exact_arithmetic(isa: str, mode: int, k: int) -> None:
     """Against float64 over the rounded activations and gguf's weights: only the fold's
     float32 roundings remain (relative 1e-6), at every row count (the row kernel on the
-    file's super-blocks up to 8 rows, the blocked GEMM on their unpacked blocks past it)
-    and for rows past the last group of 8 (43 rows)."""
+    file's super-blocks up to 8 rows, the blocked GEMM reading them past it), for rows
+    past the last group of 8 (43 rows), and with K = 2816 (11 super-blocks) cut by the
+    GEMM into several chunks of whole super-blocks, unequal in size."""
     module = cpu_ext.load_quant(isa)
-    w, ref = quantize(random_weight(43, 768, seed=3), "Q4_K", seed=3)
+    w, ref = quantize(random_weight(43, k, seed=3), "Q4_K", seed=3)
     gen = torch.Generator().manual_seed(4)
     for m in M_SIZES:
-        x = torch.randn(m, 768, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
         xr = quantised_activations(x.numpy(), 127 if mode == INT8 else 32767)
         want = torch.from_numpy(xr @ ref.double().numpy().T)
         got = module.linear(x, w.raw, w.code, mode).double()
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-6, (m, rel)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", [INT8, INT16])
+def test_q4k_rows_do_not_depend_on_the_batch_at_prefill_sizes(isa: str, mode: int) -> None:
+    """Bit for bit, a row's output is the same alone (the row kernel), in a batch of 16
+    or 64 (the blocked GEMM: one block of activation rows) and in one of 257 (two
+    blocks of rows, the last padded), with K = 2816 cut into chunks of super-blocks:
+    every output folds its sub-blocks in k order whatever tiles the GEMM runs."""
+    module = cpu_ext.load_quant(isa)
+    w, _ = quantize(random_weight(43, 2816, seed=8), "Q4_K", seed=8)
+    x = torch.randn(257, 2816, generator=torch.Generator().manual_seed(9))
+    full = module.linear(x, w.raw, w.code, mode)
+    picks = [0, 5, 15, 16, 63, 64, 200, 256]
+    alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in picks])
+    assert torch.equal(full[picks], alone)
+    for m in (16, 64):
+        assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), full[:m]), m
 
 
 @pytest.mark.parametrize("isa", ISAS)
