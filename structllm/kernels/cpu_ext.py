@@ -99,6 +99,8 @@ QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
 # -ffp-contract=off: the float path's dequantisation (mul, then add the Q4_1 minimum) must
 # round like the float32 reference, so the compiler may not fuse it into one FMA.
 QUANT_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# headers only quant_linear.cpp includes (part of its key alone)
+QUANT_HEADERS = (Path(__file__).with_name("cpu_kquants.h"),)
 ISAS = ("avx2", "avx512")
 
 
@@ -134,6 +136,7 @@ def load_quant(isa: str | None = None) -> Any | None:
             QUANT_SOURCE,
             flags,
             f"the {isa} GGUF matmul kernels (about a minute)",
+            QUANT_HEADERS,
         )
     )
 
@@ -240,7 +243,9 @@ def load_decode(isa: str | None = None) -> Any | None:
     return module
 
 
-def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
+def build(
+    stem: str, source: Path, flags: list[str], what: str, headers: tuple[Path, ...] = ()
+) -> Any | None:
     """Compile ``source`` (or load the cached build) as a torch extension; None on failure.
 
     Cached under ``<cache>/extensions``, keyed by the source, torch's version, the
@@ -253,7 +258,7 @@ def build(stem: str, source: Path, flags: list[str], what: str) -> Any | None:
     when it is done: otherwise a first start looks hung for a minute."""
     import torch
 
-    name = build_name(stem, source, flags, torch.__version__)
+    name = build_name(stem, source, flags, torch.__version__, headers)
     build_dir = cache_root() / "extensions" / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -294,12 +299,15 @@ def _share_pool(module: Any) -> Any:
     return module
 
 
-def build_name(stem: str, source: Path, flags: list[str], torch_version: str) -> str:
+def build_name(
+    stem: str, source: Path, flags: list[str], torch_version: str, headers: tuple[Path, ...] = ()
+) -> str:
     """``<stem>_<key>``: the key hashes what the build depends on and nothing else (no
-    path: every environment with this torch and Python shares the build)."""
+    path: every environment with this torch and Python shares the build); ``headers``:
+    those that only this source includes."""
     key = hashlib.sha256(
         source.read_bytes()
-        + b"".join(h.read_bytes() for h in HEADERS)  # the kernels include them
+        + b"".join(h.read_bytes() for h in (*HEADERS, *headers))  # the kernels include them
         + torch_version.encode()
         + _abi().encode()
         + _cpu_flags().encode()

@@ -1,5 +1,6 @@
-// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 read as laid in
-// the file; Q4_K, Q5_K, Q6_K repacked once at load into blocks of 32, see below).
+// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and Q4_K read as
+// laid in the file, Q4_K by cpu_kquants.h; Q5_K, Q6_K repacked once at load into blocks
+// of 32, see below).
 //
 // Built once per ISA (see quant_ext.py): with -march=haswell (AVX2, FMA, F16C) and, where
 // the CPU has AVX-512 BW/VL, with -march=native (512-bit float path, VNNI if present).
@@ -19,7 +20,9 @@
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
 // bit j of the 32-bit qh is weight j's fifth bit.
 // The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into
-// self-contained blocks of 32, each with its super-block's float16 scale(s) and its own
+// self-contained blocks of 32 (Q4_K: held as the file's super-blocks, cpu_kquants.h,
+// which the kernels read in place; its 22-byte layout below is packed.repack's, the
+// baseline of bench/q4k_layout.py), each with its super-block's float16 scale(s) and its own
 // integer sub-scale(s); the kernels form ggml's products D * scale and -(DMIN * min) in
 // float32, exactly (a float16 times a 6- or 8-bit integer fits float32's 24 bits), so
 // the float path stays bit-exact to the float32 dequantisation:
@@ -289,6 +292,17 @@ inline void dequant_block(const uint8_t* blk, vf w[VN]) {
   }
 }
 
+// A weight row as this file's blocks of 32, one after another: block b's first byte,
+// the blocks a chunk of a row is cut at (any), block b dequantised. The float path and
+// dequantize take the layout as a parameter: cpu_kquants.h's kq::FileQ4K reads Q4_K's
+// super-blocks as the GGUF file lays them out.
+template <int T>
+struct Blocks {
+  static constexpr int kGranule = 1;
+  static int64_t offset(int64_t b) { return b * block_bytes(T); }
+  static void dequant(const uint8_t* row, int64_t b, vf w[VN]) { dequant_block<T>(row + offset(b), w); }
+};
+
 // ---- float path. MT activation rows against one weight row; VN accumulators per row
 // so that the FMAs of one row do not form a single dependency chain.
 #ifdef SL_AVX512
@@ -297,14 +311,14 @@ constexpr int MT_F = 4;
 constexpr int MT_F = 2;
 #endif
 
-template <int T, int MT>
+template <typename L, int MT>
 inline void row_float(const uint8_t* wrow, int nb, const float* x, int64_t K, float* out, int64_t N) {
   vf acc[MT][VN];
   for (auto& a : acc)
     for (auto& v : a) v = vzero();
   for (int b = 0; b < nb; b++) {
     vf w[VN];
-    dequant_block<T>(wrow + static_cast<int64_t>(b) * block_bytes(T), w);
+    L::dequant(wrow, b, w);
     for (int m = 0; m < MT; m++) {
       const float* xb = x + m * K + b * QK;
       for (int j = 0; j < VN; j++) acc[m][j] = vfma(w[j], vload(xb + j * VW), acc[m][j]);
@@ -448,18 +462,19 @@ inline void prefetch_l2(const uint8_t* p, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
 }
 
-template <int T>
+template <typename L>
 void linear_float_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t row_bytes = L::offset(nb);
   const int64_t Mp = (M + VW - 1) / VW * VW;
   // xt [Mp/VW][K][VW]: activation rows interleaved by VW, zero padded
   auto xt = scratch<float>(Mp * K);
   sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; v++) interleave_rows(x, M, K, v, xt.get() + v * K * VW);
   });
-  const int nchunks = static_cast<int>((K + KC_MAX - 1) / KC_MAX);
-  const int kc_step = (nb + nchunks - 1) / nchunks * QK;  // equal chunks, whole blocks
+  constexpr int G = L::kGranule, GC = std::max(1, KC_MAX / QK / G);  // granules a chunk holds at most
+  const int ng = nb / G, nchunks = (ng + GC - 1) / GC;
+  const int kc_step = (ng + nchunks - 1) / nchunks * G * QK;  // equal chunks, whole granules
   const int64_t npanels = (N + NP - 1) / NP;
   sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t MC = m_block(K, sizeof(float));
@@ -475,10 +490,10 @@ void linear_float_blocked(const float* x, const uint8_t* w, float* out, int64_t 
         for (int k0 = 0; k0 < K; k0 += kc_step) {
           const int kc = static_cast<int>(std::min<int64_t>(kc_step, K - k0));
           for (int i = 0; i < nr; i++) {
-            const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(k0 / QK) * block_bytes(T);
+            const uint8_t* wrow = w + (n0 + i) * row_bytes;
             for (int b = 0; b < kc / QK; b++) {
               vf v[VN];
-              dequant_block<T>(blk + static_cast<int64_t>(b) * block_bytes(T), v);
+              L::dequant(wrow, k0 / QK + b, v);
               for (int j = 0; j < VN; j++) vstore(wb.data() + i * KC_MAX + b * QK + j * VW, v[j]);
             }
           }
@@ -502,22 +517,27 @@ void linear_float_blocked(const float* x, const uint8_t* w, float* out, int64_t 
   });
 }
 
-template <int T>
-void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if (M > MT_F) return linear_float_blocked<T>(x, w, out, M, N, K);
+template <typename L>
+void linear_float_on(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  if (M > MT_F) return linear_float_blocked<L>(x, w, out, M, N, K);
   // decode sizes: dequantise in registers, nothing stored
   const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t row_bytes = L::offset(nb);
   sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* wrow = w + n * row_bytes;
       int64_t m = 0;
-      for (; m + MT_F <= M; m += MT_F) row_float<T, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
+      for (; m + MT_F <= M; m += MT_F) row_float<L, MT_F>(wrow, nb, x + m * K, K, out + m * N + n, N);
       if constexpr (MT_F > 2)
-        for (; m + 2 <= M; m += 2) row_float<T, 2>(wrow, nb, x + m * K, K, out + m * N + n, N);
-      for (; m < M; m++) row_float<T, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
+        for (; m + 2 <= M; m += 2) row_float<L, 2>(wrow, nb, x + m * K, K, out + m * N + n, N);
+      for (; m < M; m++) row_float<L, 1>(wrow, nb, x + m * K, K, out + m * N + n, N);
     }
   });
+}
+
+template <int T>
+void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  linear_float_on<Blocks<T>>(x, w, out, M, N, K);
 }
 
 // ---- int8 path (the blocked GEMM is further down)
@@ -1792,25 +1812,41 @@ inline void panel_tiles(const WQ* wq, const float* dw, const float* mw, int nr, 
   }
 }
 
+// Where the blocked integer GEMM finds a chunk of a weight row and how it unpacks the
+// chunk into its L1 tile: here the blocks of 32 as this file holds them (any chunk of
+// whole blocks). cpu_kquants.h's kq::FileQ4K does the same for Q4_K's super-blocks of
+// 256 as the GGUF file lays them out (chunks of whole super-blocks).
+template <int T>
+struct BlockLayout : Blocks<T> {
+  static void unpack(const uint8_t* blk, int nbc, uint8_t* wq, float* dw, float* mw) {
+    unpack_row8<T>(blk, nbc, wq, dw, mw);
+  }
+  static void unpack(const uint8_t* blk, int nbc, int16_t* wq, float* dw, float* mw) {
+    unpack_row16<T>(blk, nbc, wq, dw, mw);
+  }
+};
+
 // The blocked GEMM of both integer paths (XT = int16_t: int16, more than MT_Q rows;
 // int8_t: int8, Q4 weights, more than MT_Q rows): activations quantised into vector-
 // interleaved tiles once; then per panel of NQ weight rows and chunk of blocks, the
-// panel's weights unpacked into an L1 tile (int16 quants, or Q4 nibbles as bytes) with
-// their scales, and register tiles of MV vectors of VW rows by NR weight rows
-// accumulated into acc [NQ][mc] (float), which holds the panel's output for mc rows.
-template <int T, typename XT>
-void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+// panel's weights unpacked (L: the layout they are held in) into an L1 tile (int16
+// quants, or Q4 nibbles as bytes) with their scales, and register tiles of MV vectors of
+// VW rows by NR weight rows accumulated into acc [NQ][mc] (float), which holds the
+// panel's output for mc rows.
+template <int T, typename XT, typename L>
+void linear_blocked_on(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   constexpr bool I8 = sizeof(XT) == 1;
   using WQ = std::conditional_t<I8, uint8_t, int16_t>;  // the unpacked weight tile's type
   constexpr int KQ = I8 ? KQ8_MAX : KQ_MAX, BQ = I8 ? BQ8_MAX : BQ_MAX;
   const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t row_bytes = L::offset(nb);
   const int64_t Mp = (M + VW - 1) / VW * VW;
   auto xq = scratch<XT>(Mp * K);
   auto dx = scratch<float>(Mp * nb), xs = scratch<float>(Mp * nb);
   quantize_tiles(x, M, K, Mp, xq.get(), dx.get(), xs.get());
-  const int nchunks = (nb + BQ - 1) / BQ;
-  const int bc_step = (nb + nchunks - 1) / nchunks;  // blocks per chunk, chunks equal
+  constexpr int G = L::kGranule, GQ = BQ / G;  // the granules a chunk holds at most
+  const int ng = nb / G, nchunks = (ng + GQ - 1) / GQ;
+  const int bc_step = (ng + nchunks - 1) / nchunks * G;  // blocks per chunk, chunks equal
   const int64_t npanels = (N + NQ - 1) / NQ;
   const int64_t xstride = K * VW, sstride = static_cast<int64_t>(nb) * VW;
   sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
@@ -1828,11 +1864,8 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
         for (int b0 = 0; b0 < nb; b0 += bc_step) {
           const int nbc = std::min(bc_step, nb - b0);
           for (int i = 0; i < nr; i++) {
-            const uint8_t* blk = w + (n0 + i) * row_bytes + static_cast<int64_t>(b0) * block_bytes(T);
-            if constexpr (I8)
-              unpack_row8<T>(blk, nbc, wq.data() + i * KQ, dw.data() + i * BQ, mw.data() + i * BQ);
-            else
-              unpack_row16<T>(blk, nbc, wq.data() + i * KQ, dw.data() + i * BQ, mw.data() + i * BQ);
+            const uint8_t* blk = w + (n0 + i) * row_bytes + L::offset(b0);
+            L::unpack(blk, nbc, wq.data() + i * KQ, dw.data() + i * BQ, mw.data() + i * BQ);
           }
           const XT* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
           const float* db = dx.get() + m0 / VW * sstride + b0 * VW;
@@ -1850,6 +1883,11 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
       }
     }
   });
+}
+
+template <int T, typename XT>
+void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  linear_blocked_on<T, XT, BlockLayout<T>>(x, w, out, M, N, K);
 }
 
 // ---- float16 rows: a float16 (or bfloat16, stored as float16) checkpoint's expert
@@ -1982,29 +2020,40 @@ void dequantize_f16(const uint8_t* wb, float* out, int64_t N, int64_t K) {
   });
 }
 
-template <int T>
-void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
+template <typename L>
+void dequantize_rows_on(const uint8_t* w, float* out, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK);
-  const int64_t row_bytes = static_cast<int64_t>(nb) * block_bytes(T);
+  const int64_t row_bytes = L::offset(nb);
   sl::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
       for (int b = 0; b < nb; b++) {
         vf v[VN];
-        dequant_block<T>(w + n * row_bytes + static_cast<int64_t>(b) * block_bytes(T), v);
+        L::dequant(w + n * row_bytes, b, v);
         for (int j = 0; j < VN; j++) vstore(out + n * K + b * QK + j * VW, v[j]);
       }
   });
 }
 
+template <int T>
+void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
+  dequantize_rows_on<Blocks<T>>(w, out, N, K);
+}
+
+#include "cpu_kquants.h"  // Q4_K as the file lays it out (namespace kq)
+
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NCODES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K, these three repacked), 8 (IQ4_NL), 9 (float16 rows), 10 (MXFP4) "
-              "or 11 (IQ4_XS)");
+              "5 (Q4_K, the file's super-blocks), 6 (Q5_K), 7 (Q6_K, these two repacked), 8 (IQ4_NL), 9 (float16 rows), "
+              "10 (MXFP4) or 11 (IQ4_XS)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   if (type == F16) {  // float16 rows: 2 bytes a weight, any K
     TORCH_CHECK(w.size(1) % 2 == 0, "quant_linear: float16 rows must have an even number of bytes");
     return w.size(1) / 2;
+  }
+  if (type == Q4_K) {  // the file's super-blocks (cpu_kquants.h)
+    TORCH_CHECK(w.size(1) % kq::Q4K_BYTES == 0, "quant_linear: Q4_K rows must be whole super-blocks of 144 bytes");
+    return w.size(1) / kq::Q4K_BYTES * kq::QK_K;
   }
   if (type == IQ4_XS) {  // super-blocks of 256 weights, 136 bytes each
     TORCH_CHECK(w.size(1) % sl::iq::IQ4XS_BYTES == 0, "quant_linear: IQ4_XS row bytes not a whole number of super-blocks");
@@ -2021,7 +2070,8 @@ int64_t checked_k(const torch::Tensor& w, int64_t type) {
 using sl::LinearFn;  // cpu_tables.h
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
 constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
-                                          SL_PATHS(Q5_0), SL_PATHS(Q5_1), SL_PATHS(Q4_K),
+                                          SL_PATHS(Q5_0), SL_PATHS(Q5_1),
+                                          {kq::linear_float, kq::linear_int8, kq::linear_int16},  // Q4_K
                                           SL_PATHS(Q5_K), SL_PATHS(Q6_K), SL_PATHS(IQ4_NL),
                                           {linear_f16, linear_f16, linear_f16},  // F16: one kernel
                                           SL_PATHS(MXFP4),
@@ -2080,7 +2130,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   float* op = out.data_ptr<float>();
   using Fn = void (*)(const uint8_t*, float*, int64_t, int64_t);
   static constexpr Fn fns[NCODES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
-                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, dequantize_rows<Q4_K>,
+                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, kq::dequantize,
                                      dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>,
                                      dequantize_f16, dequantize_rows<MXFP4>, sl::iq::iq4xs_dequantize};
   fns[type](wp, op, w.size(0), K);

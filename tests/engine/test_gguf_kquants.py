@@ -54,13 +54,15 @@ def default_requantised(qtype: str) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_f32_file(tmp_path_factory: pytest.TempPathFactory, default_files: object) -> Path:
-    """A tiny random llama (hidden 256, MLP 512: whole super-blocks) as F32."""
+    """A tiny random llama (hidden 512, MLP 512: whole super-blocks, also in each of 2
+    tensor-parallel ranks' column halves, where Q4_K, held as the file's super-blocks, is
+    cut) as F32."""
     from tests.support.models import make_tiny_hf_dir
 
     hf = make_tiny_hf_dir(
         tmp_path_factory.mktemp("k256"),
         default_files,  # type: ignore[arg-type]
-        hidden_size=256,
+        hidden_size=512,
         intermediate_size=512,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -256,7 +258,9 @@ def test_default_model_k_files_hold_no_float_matrices(qtype: str) -> None:
     held = sum(packed.weight_bytes(w) for w in ws)  # type: ignore[arg-type]
     size = default_requantised(qtype).stat().st_size
     print(f"\n{qtype}: matmul weights {held >> 20} MB, file {size >> 20} MB")
-    assert held < size  # repacked k-quants: 22/26/28 bytes per 32 weights, file 18/22/26.25
+    assert (
+        held < size
+    )  # Q4_K as in the file; repacked Q5_K/Q6_K: 26/28 bytes per 32 weights, file 22/26.25
     eng.close()
 
 
@@ -334,6 +338,26 @@ def test_k_files_serve_chat_completions(qtype: str) -> None:
 
 
 @needs_kernels
+def test_q4k_matrices_are_held_in_the_files_bytes(tiny_k_file: Path) -> None:
+    """Every Q4_K tensor of the Q4_K_M file is held as its super-blocks: the Q4_K parts
+    the loader keeps (fused q/k/v and gate/up included) hold exactly the bytes of the
+    file's Q4_K tensors, none larger."""
+    from structllm.model import gguf as our_gguf
+    from structllm.model.loader import load_block_weights
+
+    reader = our_gguf.open_gguf(tiny_k_file)
+    in_file = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == "Q4_K")
+    files = prepare_model(str(tiny_k_file))
+    blocks = load_block_weights(files, torch.float32)
+    parts = [p for w in blocks.values() if isinstance(w, BlockWeight) for p in mixed_parts(w)]
+    held = [p for p in parts if p.type_name == "Q4_K"]
+    assert in_file > 0 and held
+    for p in held:  # 144 bytes per 256 weights
+        assert p.nbytes == p.shape[0] * p.shape[1] // 256 * packed.FILE_BYTES["Q4_K"]
+    assert sum(p.nbytes for p in held) == in_file
+
+
+@needs_kernels
 def test_k_quant_blocks_shard_as_blocks(tiny_k_file: Path) -> None:
     """Tensor parallelism over 2 ranks cuts the Q4_K_M file's blocks (mixed q/k/v
     included) without dequantising, and each shard is the float shard of the same
@@ -371,7 +395,7 @@ def test_k_quant_experts_run_natively(default_files: object) -> None:
     hf = tiny_family_dir(
         "qwen3_moe",
         default_files,  # type: ignore[arg-type]
-        hidden_size=256,
+        hidden_size=512,
         intermediate_size=512,
         head_dim=64,
         num_hidden_layers=2,

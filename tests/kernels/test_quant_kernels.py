@@ -303,9 +303,10 @@ def test_fused_parts_of_different_types_run_each_in_its_own_type() -> None:
     assert isinstance(fused.row_range(0, 90), BlockWeight) and not isinstance(
         fused.row_range(0, 90), MixedWeight
     )
-    cols = fused.columns(32, 96)
-    assert cols is not None and torch.equal(cols.dequantize(), ref[:, 32:96])
-    assert fused.columns(16, 96) is None  # inside a block
+    cols = fused.columns(256, 512)  # Q4_K is cut at its super-blocks of 256
+    assert cols is not None and torch.equal(cols.dequantize(), ref[:, 256:512])
+    assert fused.columns(32, 96) is None  # inside a Q4_K super-block
+    assert fused.columns(16, 256) is None  # inside a block
     assert torch.equal(
         BlockWeight.cat([part, fused.row_range(0, 48)]).dequantize(),
         torch.cat([ref[48:112], ref[:48]]),
@@ -316,8 +317,9 @@ def test_k_quant_repacking_keeps_rows_and_needs_whole_super_blocks() -> None:
     w, ref = quantize(random_weight(3, 768, seed=9), "Q5_K", seed=9)
     assert w.raw.shape == (3, 768 // 32 * packed.BLOCK_BYTES["Q5_K"])
     # self-contained blocks of 32 stay near the file's size (float16 super-block scales
-    # repeated, integer sub-scales): Q4_K 22 / 18, Q5_K 26 / 22, Q6_K 28 / 26.25 bytes
-    for name, most in (("Q4_K", 1.23), ("Q5_K", 1.19), ("Q6_K", 1.07)):
+    # repeated, integer sub-scales): Q5_K 26 / 22, Q6_K 28 / 26.25 bytes; Q4_K is held
+    # as the file's super-blocks
+    for name, most in (("Q4_K", 1.0), ("Q5_K", 1.19), ("Q6_K", 1.07)):
         k_w, _ = quantize(random_weight(2, 512, seed=9), name, seed=9)
         assert k_w.nbytes <= most * 2 * 2 * packed.FILE_BYTES[name], name
     assert torch.equal(w.row_range(1, 2).dequantize(), ref[1:2])
