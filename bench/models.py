@@ -18,7 +18,7 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
-``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2,
+``--shapes bench`` runs the MoE (gpt-oss included), Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2,
 Qwen3.5 and DeepSeek-V3 families at
 ``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
 steps time the interpreter);
