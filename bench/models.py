@@ -18,7 +18,7 @@ A family's GGUF file is made from ``models.gguf_source_dir`` (what the file cann
 taken out of the directory: Mixtral without its window, Qwen3-MoE without dense layers);
 Mistral has none (the converter drops its window).
 
-``--shapes bench`` runs the MoE, Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2,
+``--shapes bench`` runs the MoE (gpt-oss included), Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2,
 Qwen3.5 and DeepSeek-V3 families at
 ``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
 steps time the interpreter);
@@ -132,6 +132,28 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         n_shared_experts=1,
         n_group=4,
         topk_group=2,
+    ),
+    # gpt-oss's layers at 8: 8 experts (top 2) 1024 wide with biases and the clamped
+    # SwiGLU (the limit llama.cpp hard-codes), sinks, a 128-token window on every other
+    # layer, o_proj's bias; MXFP4 experts with --quant MXFP4_MOE
+    "gpt_oss": dict(
+        _DENSE,
+        **_HEADS,
+        intermediate_size=1024,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        swiglu_limit=7.0,
+        max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
     ),
     # Nemotron-H's pattern at 8 layers (Mamba-2, MLP-only and one attention layer; its
     # Mamba-2 at Nemotron-H 8B's head width, groups, state and chunk)

@@ -18,15 +18,24 @@
 // flags, and each token's outputs are added in the order of the experts, each product
 // rounded before its sum (no FMA), as torch's mul and index_add_ do.
 //
+// gpt-oss's experts (model/gpt_oss.py) run here too: a bias on each matrix, added to the
+// kernel's output as torch's add_ adds it (one rounding), and the clamped SwiGLU
+// (swiglu_clamp_row, which the per-expert loop calls through swiglu_clamp: one compiled
+// function, so the same bits). Its router (a bias; softmax over the top k logits) is
+// route's softmax_chosen mode.
+//
 // Shapes:
-//   Experts(gate_up, down, hidden, ffn, int8_min_m, int16_min_m, table): per expert a
+//   Experts(gate_up, down, hidden, ffn, int8_min_m, int16_min_m, table[, gate_up_bias
+//       [E, 2F] float32, down_bias [E, hidden] float32, act (0 SiLU, 1 clamped SwiGLU),
+//       alpha, limit]): per expert a
 //       list of (raw [rows, bytes] uint8, type code, int8 allowed) parts, in row order
 //       (type code 9: float16 rows, [rows, 2 * K] bytes: a float16/bfloat16 checkpoint's);
 //       gate_up's parts cover [2F, hidden] (gate rows, then up rows), down's [hidden, F]
 //   forward(h [T, hidden] float32, chosen [T, k] int64, weights [T, k] float32)
 //       -> [T, hidden] float32
-//   route(h [T, hidden] float32, router [E, hidden] float32, k, renormalise)
-//       -> (weights [T, k] float32, chosen [T, k] int64)
+//   route(h [T, hidden] float32, router [E, hidden] float32, k, renormalise[, bias [E]
+//       float32, softmax_chosen]) -> (weights [T, k] float32, chosen [T, k] int64)
+//   swiglu_clamp(gate_up [n, 2F] float32, alpha, limit) -> [n, F] float32
 //   moe_ops(): both as cpu_tables.h's MoeOps (raw rows; an Experts by its handle()), for
 //       cpu_decode.cpp's layer loop, which runs a MoE layer's MLP without leaving C++
 //
@@ -43,6 +52,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -90,6 +100,41 @@ std::vector<Part> parts_of(const std::vector<PartSpec>& specs, int64_t rows, int
   return out;
 }
 
+// gpt-oss's activation of one row: gate = min(gate, limit), up clamped to [-limit, limit],
+// (up + 1) * (gate * sigmoid(alpha * gate)), transformers' order of operations; out of
+// line, so the native call and the per-expert loop (swiglu_clamp) run the same code
+__attribute__((noinline)) void swiglu_clamp_row(const float* g, float* o, int64_t F, float alpha, float limit) {
+  const float* u = g + F;
+#pragma omp simd
+  for (int64_t i = 0; i < F; i++) {
+    const float gi = std::min(g[i], limit), ui = std::min(std::max(u[i], -limit), limit);
+    o[i] = (ui + 1.0f) * (gi * (1.0f / (1.0f + sl::exp_approx(-(gi * alpha)))));
+  }
+}
+
+// [n, 2F] -> [n, F]: the per-expert loop's activation (GptOssMoe.expert_mlp)
+torch::Tensor swiglu_clamp(torch::Tensor gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "cpu_moe: swiglu_clamp: gate_up must be [n, 2F] float32");
+  gate_up = gate_up.contiguous();
+  const int64_t n = gate_up.size(0), F = gate_up.size(1) / 2;
+  auto out = torch::empty({n, F}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  sl::parallel_for(0, n, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) swiglu_clamp_row(g + r * 2 * F, o + r * F, F, alpha, limit);
+  });
+  return out;
+}
+
+// an optional [E, n] float32 bias: its data, or nullptr
+const float* bias_rows(const std::optional<torch::Tensor>& b, int64_t E, int64_t n, const char* what) {
+  if (!b.has_value()) return nullptr;
+  TORCH_CHECK(b->dtype() == torch::kFloat32 && b->dim() == 2 && b->size(0) == E && b->size(1) == n && b->is_contiguous(),
+              "cpu_moe: ", what, " must be [", E, ", ", n, "] float32, contiguous");
+  return b->data_ptr<float>();
+}
+
 struct Item {  // one kernel call: rows [r0, r1) of an expert's part, into columns col + r0..
   int expert, part;
   int64_t r0, r1, col, cost;
@@ -98,8 +143,18 @@ struct Item {  // one kernel call: rows [r0, r1) of an expert's part, into colum
 class Experts {
  public:
   Experts(const std::vector<std::vector<PartSpec>>& gate_up, const std::vector<std::vector<PartSpec>>& down, int64_t hidden,
-          int64_t ffn, int64_t int8_min_m, int64_t int16_min_m, const pybind11::capsule& table)
-      : hidden_(hidden), ffn_(ffn), int8_min_m_(int8_min_m), int16_min_m_(int16_min_m) {
+          int64_t ffn, int64_t int8_min_m, int64_t int16_min_m, const pybind11::capsule& table,
+          std::optional<torch::Tensor> gate_up_bias, std::optional<torch::Tensor> down_bias, int64_t act, double alpha,
+          double limit)
+      : hidden_(hidden),
+        ffn_(ffn),
+        int8_min_m_(int8_min_m),
+        int16_min_m_(int16_min_m),
+        act_(static_cast<int>(act)),
+        alpha_(static_cast<float>(alpha)),
+        limit_(static_cast<float>(limit)),
+        keep_bias_{gate_up_bias.value_or(torch::Tensor()), down_bias.value_or(torch::Tensor())} {
+    TORCH_CHECK(act == 0 || act == 1, "cpu_moe: act must be 0 (SiLU) or 1 (clamped SwiGLU), got ", act);
     TORCH_CHECK(std::string(table.name()) == "structllm.quant_linears", "cpu_moe: not the quant kernels' table");
     table_ = static_cast<const Table*>(table.get_pointer());
     TORCH_CHECK(gate_up.size() == down.size() && !gate_up.empty(), "cpu_moe: one gate_up and one down per expert");
@@ -107,6 +162,9 @@ class Experts {
       gate_up_.push_back(parts_of(gate_up[e], 2 * ffn, hidden, "gate_up"));
       down_.push_back(parts_of(down[e], hidden, ffn, "down"));
     }
+    const auto E = static_cast<int64_t>(gate_up.size());
+    gu_bias_ = bias_rows(gate_up_bias, E, 2 * ffn, "gate_up_bias");
+    down_bias_ = bias_rows(down_bias, E, hidden, "down_bias");
   }
 
   torch::Tensor forward(torch::Tensor h, torch::Tensor chosen, torch::Tensor weights) const {
@@ -149,11 +207,16 @@ class Experts {
     float *xg = buf_.data(), *gu = xg + S * H, *act = gu + S * 2 * F, *y = act + S * F;
     for (int64_t s = 0; s < S; s++) std::memcpy(xg + pos[s] * H, hp + (s / k) * H, H * sizeof(float));
 
-    run_parts(gate_up_, offset, xg, H, gu, 2 * F);
+    run_parts(gate_up_, offset, xg, H, gu, 2 * F, gu_bias_);
     sl::parallel_for(0, S, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; r++) silu_mul_row(gu + r * 2 * F, act + r * F, F);
+      for (int64_t r = r0; r < r1; r++) {
+        if (act_ == 1)
+          swiglu_clamp_row(gu + r * 2 * F, act + r * F, F, alpha_, limit_);
+        else
+          silu_mul_row(gu + r * 2 * F, act + r * F, F);
+      }
     });
-    run_parts(down_, offset, act, F, y, H);
+    run_parts(down_, offset, act, F, y, H, down_bias_);
     combine(cp, wp, pos.data(), y, T, k, H, out);
   }
 
@@ -165,9 +228,10 @@ class Experts {
   }
 
   // out[rows of e, :] = x[rows of e, :K] @ W_e^T (W_e: e's parts, N rows in all), every
-  // used expert's rows of weights cut into items and run on the pool in one loop
+  // used expert's rows of weights cut into items and run on the pool in one loop; bias
+  // [E, N] (or nullptr) added to each output row, as linear's add_
   void run_parts(const std::vector<std::vector<Part>>& mats, const std::vector<int64_t>& offset, const float* x, int64_t K,
-                 float* out, int64_t N) const {
+                 float* out, int64_t N, const float* bias) const {
     const int64_t E = static_cast<int64_t>(mats.size());
     int64_t used_rows = 0;
     for (int64_t e = 0; e < E; e++)
@@ -200,8 +264,18 @@ class Experts {
         tmp.resize(m * n);
         // the kernel writes [m, n] rows of its own; nested, its pool loop runs inline
         (*table_)[p.type][mode(p, m)](x + m0 * K, p.data + it.r0 * p.row_bytes, tmp.data(), m, n, K);
-        for (int64_t r = 0; r < m; r++)
-          std::memcpy(out + (m0 + r) * N + it.col + it.r0, tmp.data() + r * n, n * sizeof(float));
+        const int64_t c0 = it.col + it.r0;
+        if (bias == nullptr) {
+          for (int64_t r = 0; r < m; r++) std::memcpy(out + (m0 + r) * N + c0, tmp.data() + r * n, n * sizeof(float));
+        } else {
+          const float* b = bias + it.expert * N + c0;
+          for (int64_t r = 0; r < m; r++) {
+            float* o = out + (m0 + r) * N + c0;
+            const float* t = tmp.data() + r * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) o[j] = t[j] + b[j];
+          }
+        }
       }
     });
   }
@@ -237,17 +311,22 @@ class Experts {
   }
 
   int64_t hidden_, ffn_, int8_min_m_, int16_min_m_;
+  int act_;
+  float alpha_, limit_;
+  torch::Tensor keep_bias_[2];  // own the biases' bytes
+  const float *gu_bias_ = nullptr, *down_bias_ = nullptr;
   const Table* table_;
   std::vector<std::vector<Part>> gate_up_, down_;
   // run's buffers (one caller at a time: the engine's thread, holding the GIL)
   mutable std::vector<float> buf_;
 };
 
-// The router of one layer: logits = h @ router^T, softmax over the E experts, the top
-// k (largest first; of equal ones the lower id), renormalised over those k when asked
-// (Mixtral; Qwen3-MoE's norm_topk_prob). Per token on the pool.
-void route_rows(const float* hp, const float* rp, int64_t T, int64_t H, int64_t E, int64_t k, bool renormalise, float* wp,
-                int64_t* cp) {
+// The router of one layer: logits = h @ router^T (+ bias), softmax over the E experts,
+// the top k (largest first; of equal ones the lower id), renormalised over those k when
+// asked (Mixtral; Qwen3-MoE's norm_topk_prob); or, softmax_chosen (gpt-oss), the top k
+// logits and a softmax over those k. Per token on the pool.
+void route_impl(const float* hp, const float* rp, const float* bp, int64_t T, int64_t H, int64_t E, int64_t k,
+                bool renormalise, bool softmax_chosen, float* wp, int64_t* cp) {
   sl::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
     std::vector<float> p(E);
     std::vector<char> taken(E);
@@ -259,12 +338,15 @@ void route_rows(const float* hp, const float* rp, int64_t T, int64_t H, int64_t 
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int64_t i = 0; i < H; i++) s += x[i] * r[i];
+        if (bp != nullptr) s += bp[e];
         p[e] = s;
         mx = std::max(mx, s);
       }
-      float sum = 0.f;
-      for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(p[e] - mx));
-      for (int64_t e = 0; e < E; e++) p[e] /= sum;
+      if (!softmax_chosen) {
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = std::exp(p[e] - mx));
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+      }
       std::fill(taken.begin(), taken.end(), 0);
       float chosen_sum = 0.f;
       for (int64_t c = 0; c < k; c++) {
@@ -276,23 +358,38 @@ void route_rows(const float* hp, const float* rp, int64_t T, int64_t H, int64_t 
         wp[t * k + c] = p[best];
         chosen_sum += p[best];
       }
-      if (renormalise)
+      if (softmax_chosen) {  // wp holds the chosen logits, largest first
+        float* w = wp + t * k;
+        const float top = w[0];
+        float sum = 0.f;
+        for (int64_t c = 0; c < k; c++) sum += (w[c] = std::exp(w[c] - top));
+        for (int64_t c = 0; c < k; c++) w[c] /= sum;
+      } else if (renormalise) {
         for (int64_t c = 0; c < k; c++) wp[t * k + c] /= chosen_sum;
+      }
     }
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor h, torch::Tensor router, int64_t k, bool renormalise) {
+// MoeOps' router: no bias, softmax over all experts
+void route_rows(const float* hp, const float* rp, int64_t T, int64_t H, int64_t E, int64_t k, bool renormalise, float* wp,
+                int64_t* cp) {
+  route_impl(hp, rp, nullptr, T, H, E, k, renormalise, false, wp, cp);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor h, torch::Tensor router, int64_t k, bool renormalise,
+                                                std::optional<torch::Tensor> bias, bool softmax_chosen) {
   TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2, "cpu_moe: route: h must be [T, hidden] float32");
   TORCH_CHECK(router.dtype() == torch::kFloat32 && router.dim() == 2 && router.size(1) == h.size(1),
               "cpu_moe: route: router must be [E, ", h.size(1), "] float32");
   const int64_t T = h.size(0), H = h.size(1), E = router.size(0);
   TORCH_CHECK(k >= 1 && k <= E, "cpu_moe: route: top k must be in [1, ", E, "], got ", k);
   h = h.contiguous(), router = router.contiguous();
+  const float* bp = bias_rows(bias, 1, E, "route: bias");
   auto weights = torch::empty({T, k}, h.options());
   auto chosen = torch::empty({T, k}, h.options().dtype(torch::kInt64));
-  route_rows(h.data_ptr<float>(), router.data_ptr<float>(), T, H, E, k, renormalise, weights.data_ptr<float>(),
-             chosen.data_ptr<int64_t>());
+  route_impl(h.data_ptr<float>(), router.data_ptr<float>(), bp, T, H, E, k, renormalise, softmax_chosen,
+             weights.data_ptr<float>(), chosen.data_ptr<int64_t>());
   return {weights, chosen};
 }
 
@@ -311,7 +408,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   pybind11::class_<Experts>(m, "Experts")
       .def(pybind11::init<const std::vector<std::vector<PartSpec>>&, const std::vector<std::vector<PartSpec>>&, int64_t,
-                          int64_t, int64_t, int64_t, const pybind11::capsule&>())
+                          int64_t, int64_t, int64_t, const pybind11::capsule&, std::optional<torch::Tensor>,
+                          std::optional<torch::Tensor>, int64_t, double, double>(),
+           pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("hidden"), pybind11::arg("ffn"),
+           pybind11::arg("int8_min_m"), pybind11::arg("int16_min_m"), pybind11::arg("table"),
+           pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),
+           pybind11::arg("act") = 0, pybind11::arg("alpha") = 0.0, pybind11::arg("limit") = 0.0)
       .def("forward", &Experts::forward, "the layer's experts for routed tokens: [T, hidden] float32")
       .def(
           "handle",
@@ -319,7 +421,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&e)), "structllm.moe_experts");
           },
           "this object for MoeOps.experts (cpu_tables.h); valid while the object lives");
-  m.def("route", &route, "the router's top k: (weights [T, k] float32, chosen [T, k] int64)");
+  m.def("route", &route, "the router's top k: (weights [T, k] float32, chosen [T, k] int64)", pybind11::arg("h"),
+        pybind11::arg("router"), pybind11::arg("k"), pybind11::arg("renormalise"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("softmax_chosen") = false);
+  m.def("swiglu_clamp", &swiglu_clamp, "gpt-oss's clamped SwiGLU: [n, 2F] -> [n, F] float32");
   m.def(
       "moe_ops",
       [] { return pybind11::capsule(const_cast<void*>(static_cast<const void*>(&kMoeOps)), "structllm.moe_ops"); },

@@ -10,6 +10,11 @@
   and a clamped SwiGLU, ``(up + 1) * gate * sigmoid(alpha * gate)`` with ``gate``
   clamped above at ``limit`` and ``up`` to ``[-limit, limit]`` (``clamped_swiglu``).
 
+On the fused CPU path the router, the activation and the experts run in ``cpu_moe.cpp``
+(``route``'s softmax over the chosen logits, ``swiglu_clamp``, and the native expert call
+with both biases when the experts are blocks); the per-expert loop calls the same
+activation, so both give the same bits. The exact path keeps torch's ops.
+
 The checkpoint's experts are 3-D tensors, ``gate_up_proj: [E, hidden, 2F]`` with gate
 and up columns interleaved (gate at even columns), ``down_proj: [E, F, hidden]``;
 ``hf_to_native`` cuts them into one ``Expert`` each, ``gate_up_proj: [2F, hidden]`` as
@@ -19,14 +24,14 @@ gpt-oss is published: ``*_blocks [E, N, K/32, 16]``, ``*_scales [E, N, K/32]``) 
 so, as MXFP4 ``BlockWeight``s in ggml's block layout (``mxfp4_experts``: the same codes
 and exponents, reordered), run by the block kernels with no float copy; the exact path
 and other devices take their float values (``loader.load_model``). The experts run
-through the per-expert loop of ``layers.SparseMoe`` (the native expert call,
-``cpu_moe.cpp``, has neither the biases nor this activation), and decode steps through
-the Python layer loop (``decode_plan.why_not``).
+natively as above, and decode steps through the Python layer loop
+(``decode_plan.why_not``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,11 +82,34 @@ class GptOssMoe(SparseMoe):
         )
         self.router_bias = _param(cfg.num_experts, dtype=dtype)
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
-        self.native = False  # cpu_moe.cpp's call has no biases nor this activation
+
+    def native_act(self, act: str) -> bool:
+        return True  # (its activation is its own, whatever the layer's act says)
+
+    def native_extras(self) -> dict[str, Any]:
+        """The experts' biases (``[E, 2F]``, ``[E, hidden]`` float32) and the clamped
+        SwiGLU (act 1) for ``cpu_moe.cpp``'s ``Experts``."""
+        experts = [cast(GptOssExpert, e) for e in self.experts]
+        return {
+            "gate_up_bias": torch.stack([e.gate_up_bias.float() for e in experts]).contiguous(),
+            "down_bias": torch.stack([e.down_bias.float() for e in experts]).contiguous(),
+            "act": 1,
+            "alpha": self.alpha,
+            "limit": self.limit,
+        }
+
+    def native_route(self) -> tuple[Tensor | None, bool] | None:
+        return self.router_bias.float().contiguous(), True
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each: the top k of ``h @ router^T + bias`` and
-        the softmax over them (float32)."""
+        the softmax over them (float32); on the fused CPU path by ``cpu_moe.cpp``'s
+        ``route`` (both expert paths route alike, so they stay equal)."""
+        module = _moe_module(h) if fused else None
+        if module is not None and self.router.dtype == torch.float32:
+            bias = self.router_bias.float().view(1, -1)
+            w, c = module.route(h, self.router, self.top_k, False, bias, True)
+            return cast(Tensor, w), cast(Tensor, c)
         logits = F.linear(h, self.router, self.router_bias)  # [T, E]
         top, chosen = logits.topk(self.top_k, dim=-1)
         return top.softmax(dim=-1, dtype=torch.float32), chosen
@@ -95,8 +123,21 @@ class GptOssMoe(SparseMoe):
     ) -> Tensor:
         assert isinstance(expert, GptOssExpert)
         gate_up = linear(x, expert.gate_up_proj, expert.gate_up_bias, int8_ok=True)  # [n, 2F]
-        mid = clamped_swiglu(gate_up, self.alpha, self.limit)
+        module = _moe_module(gate_up) if fused_act is not None else None
+        if module is not None:  # the native call's activation (the same bits)
+            mid = cast(Tensor, module.swiglu_clamp(gate_up, self.alpha, self.limit))
+        else:
+            mid = clamped_swiglu(gate_up, self.alpha, self.limit)
         return linear(mid, expert.down_proj, expert.down_bias, int8_ok=True)  # [n, hidden]
+
+
+def _moe_module(x: Tensor) -> Any:
+    """``cpu_moe.cpp``'s module for float32 CPU rows ``x``, or None."""
+    if x.dtype != torch.float32 or not x.is_cpu:
+        return None
+    from structllm.kernels import cpu_ext
+
+    return cpu_ext.load_moe()
 
 
 class GptOssLayer(DecoderLayer):

@@ -304,7 +304,7 @@ class SparseMoe(nn.Module):
     ) -> Tensor:
         """The routed experts' weighted sum ``[T, hidden]`` (``run_experts`` without the
         shared expert)."""
-        if fused_act is not None and act == "silu" and h.dtype == torch.float32 and h.is_cpu:
+        if fused_act is not None and self.native_act(act) and h.dtype == torch.float32 and h.is_cpu:
             native = self.native_experts()
             if native is not None:  # one native call for every expert (cpu_moe.cpp)
                 return cast(Tensor, native.forward(h, chosen, weights))
@@ -329,6 +329,21 @@ class SparseMoe(nn.Module):
             # busy cores); index_put_ here runs inline (mean 9 us)
             out.index_put_((rows,), y * weights[slots, None], accumulate=True)
         return out
+
+    def native_act(self, act: str) -> bool:
+        """Whether the native expert call runs this activation (SiLU; gpt-oss's own)."""
+        return act == "silu"
+
+    def native_route(self) -> tuple[Tensor | None, bool] | None:
+        """How ``cpu_moe.cpp``'s router runs this layer's ``route`` on the fused path, for
+        the native decode loop: (bias ``[E]`` float32 or None, softmax over the chosen
+        logits), or None where a family routes in its own way (GLM-4.5's)."""
+        return (None, False) if type(self).route is SparseMoe.route else None
+
+    def native_extras(self) -> dict[str, Any]:
+        """What ``cpu_moe.cpp``'s ``Experts`` takes beyond the matrices: none here (biases
+        and another activation: ``model.gpt_oss``)."""
+        return {}
 
     def expert_mlp(
         self,
@@ -412,13 +427,14 @@ class SparseMoe(nn.Module):
         (float32 stays on torch's exact ops) or the kernel is missing."""
         if self.native is None:
             self.native = _native_experts(
-                [cast(Expert, e) for e in self.experts], self.hidden, self.ffn
+                [cast(Expert, e) for e in self.experts], self.hidden, self.ffn, self.native_extras()
             )
         return self.native or None
 
 
-def _native_experts(experts: list[Expert], hidden: int, ffn: int) -> Any:
-    """``Experts`` for these experts, or False (see ``SparseMoe.native_experts``)."""
+def _native_experts(experts: list[Expert], hidden: int, ffn: int, extras: dict[str, Any]) -> Any:
+    """``Experts`` for these experts, or False (see ``SparseMoe.native_experts``);
+    ``extras``: ``SparseMoe.native_extras``."""
     gate_up = [packed.kernel_parts(e.gate_up_proj, True) for e in experts]
     down = [packed.kernel_parts(e.down_proj, True) for e in experts]
     if any(p is None for p in gate_up + down):
@@ -429,5 +445,12 @@ def _native_experts(experts: list[Expert], hidden: int, ffn: int) -> Any:
     if module is None:
         return False
     return module.Experts(
-        gate_up, down, hidden, ffn, packed.int8_min_m(), packed.int16_min_m(), module.kernel_table
+        gate_up,
+        down,
+        hidden,
+        ffn,
+        packed.int8_min_m(),
+        packed.int16_min_m(),
+        module.kernel_table,
+        **extras,
     )
