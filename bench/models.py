@@ -24,9 +24,10 @@ Qwen3.5 and DeepSeek-V3 families at
 steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
-ops; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to float32 at load, as
-before their kernels), ``--rounds N`` repeats every arm in turn; ``--gguf FILE`` adds a
-GGUF file of one's own (repeatable; ``--families ''``: no family).
+ops; ``auto:plain-layers``: a hybrid model's layers by the plain torch loop instead of
+the fused CPU ops, as before; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to
+float32 at load, as before their kernels), ``--rounds N`` repeats every arm in turn;
+``--gguf FILE`` adds a GGUF file of one's own (repeatable; ``--families ''``: no family).
 
 On a loaded machine (load average above the core count) llama-server's figures collapse,
 not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
@@ -172,6 +173,14 @@ def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, f
             return _run_structllm(model, "auto:auto", args)
         finally:
             SparseMoe.route = route  # type: ignore[method-assign]
+    if fmt == "auto:plain-layers":  # a hybrid model's layers on the plain torch loop
+        from structllm.model.hybrid import HybridModel
+
+        HybridModel.fused_layers = False
+        try:
+            return _run_structllm(model, "auto:auto", args)
+        finally:
+            HybridModel.fused_layers = True
     if fmt != "auto:loop":
         return _run_structllm(model, fmt, args)
     native = SparseMoe.native_experts
@@ -368,7 +377,12 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
     ratio of the default format (``auto:auto``) to llama-server."""
     rows: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):
-        if kind == "hf" and fmt in ("auto:loop", "auto:torch-router", "auto:dequant-iq"):
+        if kind == "hf" and fmt in (
+            "auto:loop",
+            "auto:torch-router",
+            "auto:dequant-iq",
+            "auto:plain-layers",
+        ):
             continue
         r = run_structllm(str(path), fmt, args)
         rows.append({"model": label, "format": fmt, **r})
