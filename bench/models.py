@@ -9,7 +9,9 @@ for the default model, on the exact path (``float32:none``) and the default one
 - load: seconds to construct ``LLM`` (a converted GGUF's cache already built);
 - single: one request, ``--output-len`` tokens, median time per output token after the
   first, as tokens/s;
-- batch16: 16 requests at once, output tokens/s (the median of --batch-reps runs).
+- batch16: 16 requests at once, output tokens/s (the median of --batch-reps runs);
+- prompt/s (with ``--prompt-len N``): one N-token prompt and one output token, prompt
+  tokens/s (the better of two prompts; llama-server: its reply's ``prompt_per_second``).
 
 With ``--llama-server PATH`` the GGUF files also run the same single and 16-concurrent
 workloads on llama.cpp's ``llama-server`` in the same run (``/completion`` with token-id
@@ -226,11 +228,21 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
         t = time.perf_counter()
         outs = llm.generate(ps[:16], sp)
         rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
-    return {
+    out = {
         "load_s": load,
         "single_tok_s": 1 / statistics.median(tpots),
         "batch16_tok_s": statistics.median(rates),
     }
+    if args.prompt_len:  # one long prompt, one output token: its prefill, chunked
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        times = []
+        for i in range(2):
+            llm.engine.kv.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate([prompts(1, args.prompt_len, seed=100 + i)[0]], one)
+            times.append(time.perf_counter() - t)
+        out["prompt_tok_s"] = args.prompt_len / min(times)
+    return out
 
 
 def run_llama_server(
@@ -240,7 +252,8 @@ def run_llama_server(
     ``threads`` its -t/-tb (0: its default)."""
     port = random.randrange(20000, 60000)
     proc = subprocess.Popen(
-        [binary, "-m", str(gguf), "--port", str(port), "-np", "16", "-c", str(16 * 512)]
+        [binary, "-m", str(gguf), "--port", str(port), "-np", "16"]
+        + ["-c", str(16 * max(512, args.prompt_len + 64))]
         + (["-t", str(threads), "-tb", str(threads)] if threads else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -256,8 +269,8 @@ def run_llama_server(
                 time.sleep(0.2)
         ps = prompts(17, args.input_len)
 
-        def complete(p: list[int]) -> dict[str, Any]:
-            body = {"prompt": p, "n_predict": args.output_len, "ignore_eos": True}
+        def complete(p: list[int], n: int = args.output_len) -> dict[str, Any]:
+            body = {"prompt": p, "n_predict": n, "ignore_eos": True}
             body |= {"temperature": 0, "cache_prompt": False}
             req = urllib.request.Request(
                 url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -282,7 +295,11 @@ def run_llama_server(
             for th in threads:
                 th.join()
             rates.append(sum(done) / (time.perf_counter() - t))
-        return {"single_tok_s": single, "batch16_tok_s": statistics.median(rates)}
+        out = {"single_tok_s": single, "batch16_tok_s": statistics.median(rates)}
+        if args.prompt_len:  # its own prompt timing (the same prompts as ours)
+            long = [prompts(1, args.prompt_len, seed=100 + i)[0] for i in range(2)]
+            out["prompt_tok_s"] = max(complete(p, 1)["timings"]["prompt_per_second"] for p in long)
+        return out
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -331,6 +348,12 @@ def main() -> None:
     )
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to run too")
     ap.add_argument(
+        "--prompt-len",
+        type=int,
+        default=0,
+        help="also prompt tokens/s: one prompt this long, one output token (0: not)",
+    )
+    ap.add_argument(
         "--shapes",
         choices=("tiny", "bench"),
         default="tiny",
@@ -364,6 +387,7 @@ def main() -> None:
         f"tokens, shapes {args.shapes}, load average {' '.join(load)}"
     )
     hdr = f"{'model':<30} {'format':<14} {'load s':>7} {'single tok/s':>13} {'batch16 tok/s':>14}"
+    hdr += f" {'prompt/s':>9}" if args.prompt_len else ""
     print(hdr)
     rows = []
     for label, kind, path in models:
@@ -387,6 +411,7 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
         r = run_structllm(str(path), fmt, args)
         rows.append({"model": label, "format": fmt, **r})
         figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+        figures += f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else ""
         load = Path("/proc/loadavg").read_text().split()[0]
         print(f"{label:<30} {fmt:<14} {figures}   load {load}", flush=True)
     for threads in (int(n) for n in args.llama_threads.split(",")):
@@ -399,10 +424,14 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
         single = ours["single_tok_s"] / ll["single_tok_s"]
         batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
         figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
+        prompt = ""
+        if "prompt_tok_s" in ll:
+            figures += f" {ll['prompt_tok_s']:9.1f}"
+            prompt = f", prompt {ours['prompt_tok_s'] / ll['prompt_tok_s']:.2f}x"
         load = Path("/proc/loadavg").read_text().split()[0]
         print(
             f"{label:<30} {name:<14} {figures}   load {load}"
-            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
+            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x{prompt}",
             flush=True,
         )
     return rows

@@ -11,10 +11,14 @@ in the runner's per-layer tensors (``state_shapes``), one row per slot of
 ``AttentionMetadata.state_slots`` (see ``model.recurrent``).
 
 A family is a ``HybridModel`` subclass naming its mixer (``mixer``) and its
-``hf_to_native``. These models run the plain torch layer loop (no fused CPU path, no
-native decode loop, no CUDA graphs), on one process (no tensor or pipeline parallelism:
-refused at start), without speculative decoding (a recurrent state cannot be rolled
-back past a rejected draft: refused). Prefix caching resumes a cached prefix from the
+``hf_to_native``. Where the fused CPU ops are in use (the non-exact formats,
+``LlamaModel.use_cpu_ops``), the layer loop runs them (``_forward_fused``): attention
+layers by ``DecoderLayer.forward_fused``, recurrent layers' norms fused with their
+residual adds and their MLPs' SiLU * up (``RecurrentLayer.forward_fused``); elsewhere,
+and on the exact float32 path, the plain torch loop. No native decode loop, no CUDA
+graphs; one process (no tensor or pipeline parallelism: refused at start), without
+speculative decoding (a recurrent state cannot be rolled back past a rejected draft:
+refused). Prefix caching resumes a cached prefix from the
 state saved at its last block (``engine.state_cache``): ``forward`` copies it into the
 request's slot first, and a chunk saves its state at a block boundary as its rows pass
 it (``RecurrentBatch.prefills``).
