@@ -98,14 +98,17 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
     ),
     # hybrid models: LFM2's pattern (attention in 2 layers of 8; its MLP width derived
     # from block_ff_dim as LFM2's, 2816) and Qwen3.5's (3 Gated DeltaNet layers in 4)
+    # (a 4096-token context: --prompt-len 2048, the issue's prompt length, fits)
     "lfm2": dict(
         _DENSE,
         **_HEADS,
         layer_types=["conv", "conv", "full_attention"] * 2 + ["conv", "conv"],
         block_multiple_of=256,
+        max_position_embeddings=4096,
     ),
     "qwen3_5": dict(
         _DENSE,
+        max_position_embeddings=4096,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=128,
@@ -205,7 +208,7 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
         model,
         dtype=dtype,
         quantization=quant,
-        kv_cache_memory=256 << 20,
+        kv_cache_memory=(512 if args.prompt_len > 1024 else 256) << 20,
         max_num_seqs=32,
         speculative_config={"method": "none"},
     )
