@@ -241,15 +241,19 @@ class HybridModel(LlamaModel):
         """``forward``'s layer loop through the fused CPU ops: each layer adds the
         previous one's output to ``x`` in place, fused with its first norm
         (``DecoderLayer.forward_fused``, ``RecurrentLayer.forward_fused``). ``rows: [T,
-        D/2]`` complex64 rotations. A layer of another kind (Nemotron-H's blocks) runs
-        its own ``forward`` on the stream with the pending output added."""
+        D/2]`` complex64 rotations. A layer of another kind (Nemotron-H's blocks), and a
+        layer with experts, runs its own ``forward`` on the stream with the pending
+        output added: the fused router's rounding flips a near-tie of the experts' scores
+        that the recurrent states then carry to every later token (Qwen3.5-MoE at Q4_0,
+        ``test_quantized_gguf_runs_its_blocks``), so those layers keep the plain ops."""
         pair = torch.view_as_real(rows)  # [T, D/2, 2] (cos, sin)
         identity: Tensor | None = None  # for a NoPE layer (the store still runs)
         delta: Tensor | None = None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
-            if type(layer) is DecoderLayer and not layer.local_rope:
+            plain = getattr(layer, "moe", None) is not None  # (see the docstring)
+            if not plain and type(layer) is DecoderLayer and not layer.local_rope:
                 rope = pair
                 if not layer.rotates:
                     if identity is None:
@@ -260,7 +264,7 @@ class HybridModel(LlamaModel):
                 delta = layer.forward_fused(
                     x, delta, rope, kc, vc, meta, self.attn_impl, None, ops, None
                 )
-            elif isinstance(layer, RecurrentLayer):
+            elif not plain and isinstance(layer, RecurrentLayer):
                 delta = layer.forward_fused(x, delta, cache, rb, ops)
             else:
                 if delta is not None:

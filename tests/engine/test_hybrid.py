@@ -218,10 +218,15 @@ def test_the_fused_layer_loop_equals_the_plain_one(path: Path) -> None:
         if model.cpu_ops is None:
             pytest.skip("the fused CPU layer ops do not build here")
         model.fused_layers = fused
-        # a layer with a fused form (Nemotron-H's blocks have none: they run their own
-        # forward on both loops) runs its plain forward on the plain loop only
+        # a layer with a fused form (Nemotron-H's blocks and layers with experts have
+        # none: they run their own forward on both loops) runs its plain forward on the
+        # plain loop only
         layer = next(
-            (x for x in model.layers if type(x) is DecoderLayer or isinstance(x, RecurrentLayer)),
+            (
+                x
+                for x in model.layers
+                if (type(x) is DecoderLayer or isinstance(x, RecurrentLayer)) and x.moe is None
+            ),
             None,
         )
         calls: list[int] = []
