@@ -9,7 +9,9 @@ for the default model, on the exact path (``float32:none``) and the default one
 - load: seconds to construct ``LLM`` (a converted GGUF's cache already built);
 - single: one request, ``--output-len`` tokens, median time per output token after the
   first, as tokens/s;
-- batch16: 16 requests at once, output tokens/s (the median of --batch-reps runs).
+- batch16: 16 requests at once, output tokens/s (the median of --batch-reps runs);
+- prompt/s (with ``--prompt-len N``): one N-token prompt and one output token, prompt
+  tokens/s (the better of two prompts; llama-server: its reply's ``prompt_per_second``).
 
 With ``--llama-server PATH`` the GGUF files also run the same single and 16-concurrent
 workloads on llama.cpp's ``llama-server`` in the same run (``/completion`` with token-id
@@ -24,11 +26,12 @@ Qwen3.5 and DeepSeek-V3 families at
 steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
-ops; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to float32 at load, as
-before their kernels), ``--rounds N`` repeats every arm in turn; ``--gguf FILE`` adds a
-GGUF file of one's own (repeatable; ``--families ''``: no family). ``--shapes 1b
---families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers, SmolLM2's
-vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
+ops; ``auto:plain-layers``: a hybrid model's layers by the plain torch loop instead of
+the fused CPU ops, as before; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to
+float32 at load, as before their kernels), ``--rounds N`` repeats every arm in turn;
+``--gguf FILE`` adds a GGUF file of one's own (repeatable; ``--families ''``: no family).
+``--shapes 1b --families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers,
+SmolLM2's vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
 
 On a loaded machine (load average above the core count) llama-server's figures collapse,
 not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
@@ -97,14 +100,17 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
     ),
     # hybrid models: LFM2's pattern (attention in 2 layers of 8; its MLP width derived
     # from block_ff_dim as LFM2's, 2816) and Qwen3.5's (3 Gated DeltaNet layers in 4)
+    # (a 4096-token context: --prompt-len 2048, the issue's prompt length, fits)
     "lfm2": dict(
         _DENSE,
         **_HEADS,
         layer_types=["conv", "conv", "full_attention"] * 2 + ["conv", "conv"],
         block_multiple_of=256,
+        max_position_embeddings=4096,
     ),
     "qwen3_5": dict(
         _DENSE,
+        max_position_embeddings=4096,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=128,
@@ -220,6 +226,14 @@ def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, f
             return _run_structllm(model, "auto:auto", args)
         finally:
             SparseMoe.route = route  # type: ignore[method-assign]
+    if fmt == "auto:plain-layers":  # a hybrid model's layers on the plain torch loop
+        from structllm.model.hybrid import HybridModel
+
+        HybridModel.fused_layers = False
+        try:
+            return _run_structllm(model, "auto:auto", args)
+        finally:
+            HybridModel.fused_layers = True
     if fmt != "auto:loop":
         return _run_structllm(model, fmt, args)
     native = SparseMoe.native_experts
@@ -242,7 +256,7 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
         model,
         dtype=dtype,
         quantization=quant,
-        kv_cache_memory=256 << 20,
+        kv_cache_memory=(512 if args.prompt_len > 1024 else 256) << 20,
         max_num_seqs=32,
         speculative_config={"method": "none"},
     )
@@ -265,11 +279,21 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
         t = time.perf_counter()
         outs = llm.generate(ps[:16], sp)
         rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
-    return {
+    out = {
         "load_s": load,
         "single_tok_s": 1 / statistics.median(tpots),
         "batch16_tok_s": statistics.median(rates),
     }
+    if args.prompt_len:  # one long prompt, one output token: its prefill, chunked
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        times = []
+        for i in range(2):
+            llm.engine.kv.reset_prefix_cache()
+            t = time.perf_counter()
+            llm.generate([prompts(1, args.prompt_len, seed=100 + i)[0]], one)
+            times.append(time.perf_counter() - t)
+        out["prompt_tok_s"] = args.prompt_len / min(times)
+    return out
 
 
 def run_llama_server(
@@ -279,7 +303,8 @@ def run_llama_server(
     ``threads`` its -t/-tb (0: its default)."""
     port = random.randrange(20000, 60000)
     proc = subprocess.Popen(
-        [binary, "-m", str(gguf), "--port", str(port), "-np", "16", "-c", str(16 * 512)]
+        [binary, "-m", str(gguf), "--port", str(port), "-np", "16"]
+        + ["-c", str(16 * max(512, args.prompt_len + 64))]
         + (["-t", str(threads), "-tb", str(threads)] if threads else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -295,8 +320,8 @@ def run_llama_server(
                 time.sleep(0.2)
         ps = prompts(17, args.input_len)
 
-        def complete(p: list[int]) -> dict[str, Any]:
-            body = {"prompt": p, "n_predict": args.output_len, "ignore_eos": True}
+        def complete(p: list[int], n: int = args.output_len) -> dict[str, Any]:
+            body = {"prompt": p, "n_predict": n, "ignore_eos": True}
             body |= {"temperature": 0, "cache_prompt": False}
             req = urllib.request.Request(
                 url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -321,7 +346,11 @@ def run_llama_server(
             for th in threads:
                 th.join()
             rates.append(sum(done) / (time.perf_counter() - t))
-        return {"single_tok_s": single, "batch16_tok_s": statistics.median(rates)}
+        out = {"single_tok_s": single, "batch16_tok_s": statistics.median(rates)}
+        if args.prompt_len:  # its own prompt timing (the same prompts as ours)
+            long = [prompts(1, args.prompt_len, seed=100 + i)[0] for i in range(2)]
+            out["prompt_tok_s"] = max(complete(p, 1)["timings"]["prompt_per_second"] for p in long)
+        return out
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -370,6 +399,12 @@ def main() -> None:
     )
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to run too")
     ap.add_argument(
+        "--prompt-len",
+        type=int,
+        default=0,
+        help="also prompt tokens/s: one prompt this long, one output token (0: not)",
+    )
+    ap.add_argument(
         "--shapes",
         choices=("tiny", "bench", "1b"),
         default="tiny",
@@ -405,6 +440,7 @@ def main() -> None:
         f"tokens, shapes {args.shapes}, load average {' '.join(load)}"
     )
     hdr = f"{'model':<30} {'format':<14} {'load s':>7} {'single tok/s':>13} {'batch16 tok/s':>14}"
+    hdr += f" {'prompt/s':>9}" if args.prompt_len else ""
     print(hdr)
     rows = []
     for label, kind, path in models:
@@ -418,11 +454,17 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
     ratio of the default format (``auto:auto``) to llama-server."""
     rows: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):
-        if kind == "hf" and fmt in ("auto:loop", "auto:torch-router", "auto:dequant-iq"):
+        if kind == "hf" and fmt in (
+            "auto:loop",
+            "auto:torch-router",
+            "auto:dequant-iq",
+            "auto:plain-layers",
+        ):
             continue
         r = run_structllm(str(path), fmt, args)
         rows.append({"model": label, "format": fmt, **r})
         figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+        figures += f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else ""
         load = Path("/proc/loadavg").read_text().split()[0]
         print(f"{label:<30} {fmt:<14} {figures}   load {load}", flush=True)
     for threads in (int(n) for n in args.llama_threads.split(",")):
@@ -435,10 +477,14 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
         single = ours["single_tok_s"] / ll["single_tok_s"]
         batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
         figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
+        prompt = ""
+        if "prompt_tok_s" in ll:
+            figures += f" {ll['prompt_tok_s']:9.1f}"
+            prompt = f", prompt {ours['prompt_tok_s'] / ll['prompt_tok_s']:.2f}x"
         load = Path("/proc/loadavg").read_text().split()[0]
         print(
             f"{label:<30} {name:<14} {figures}   load {load}"
-            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x",
+            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x{prompt}",
             flush=True,
         )
     return rows

@@ -79,6 +79,8 @@ def why_not(model: LlamaModel) -> str | None:
         dl: DecoderLayer = layer  # type: ignore[assignment]
         if getattr(dl, "sinks", None) is not None or getattr(dl, "o_bias", None) is not None:
             return "attention sinks and output biases (gpt-oss) are not in it"
+        if getattr(dl, "attn_gate", None) is not None:
+            return "gated attention (Qwen3.5's) is not in it"
         if getattr(dl, "chunk", 0) or getattr(dl, "scale_queries", None) is not None:
             return "chunked attention and query temperatures (Llama 4) are not in it"
         for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o

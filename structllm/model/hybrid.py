@@ -11,10 +11,14 @@ in the runner's per-layer tensors (``state_shapes``), one row per slot of
 ``AttentionMetadata.state_slots`` (see ``model.recurrent``).
 
 A family is a ``HybridModel`` subclass naming its mixer (``mixer``) and its
-``hf_to_native``. These models run the plain torch layer loop (no fused CPU path, no
-native decode loop, no CUDA graphs), on one process (no tensor or pipeline parallelism:
-refused at start), without speculative decoding (a recurrent state cannot be rolled
-back past a rejected draft: refused). Prefix caching resumes a cached prefix from the
+``hf_to_native``. Where the fused CPU ops are in use (the non-exact formats,
+``LlamaModel.use_cpu_ops``), the layer loop runs them (``_forward_fused``): attention
+layers by ``DecoderLayer.forward_fused``, recurrent layers' norms fused with their
+residual adds and their MLPs' SiLU * up (``RecurrentLayer.forward_fused``); elsewhere,
+and on the exact float32 path, the plain torch loop. No native decode loop, no CUDA
+graphs; one process (no tensor or pipeline parallelism: refused at start), without
+speculative decoding (a recurrent state cannot be rolled back past a rejected draft:
+refused). Prefix caching resumes a cached prefix from the
 state saved at its last block (``engine.state_cache``): ``forward`` copies it into the
 request's slot first, and a chunk saves its state at a block boundary as its rows pass
 it (``RecurrentBatch.prefills``).
@@ -29,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from structllm.kernels.attention import AttentionMetadata
+from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, gated_act, mrope_rotations
@@ -69,6 +73,8 @@ class RecurrentLayer(nn.Module):
             self.gate_up_proj = p(2 * cfg.intermediate_size, h)
             self.down_proj = p(h, cfg.intermediate_size)
         self.PACKED = () if self.moe else ("gate_up_proj", "down_proj")
+        # each branch's output times this before its residual (Granite 4's multiplier)
+        self.residual_scale = 1.0
 
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
@@ -79,10 +85,41 @@ class RecurrentLayer(nn.Module):
         gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
         return x + linear(gated_act(gate, up, self.act), self.down_proj, int8_ok=True)
 
+    def forward_fused(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        states: tuple[Tensor, ...],
+        rb: RecurrentBatch,
+        ops: Any,
+    ) -> Tensor:
+        """``forward`` through the fused CPU ops (``cpu_layer.cpp``), with
+        ``DecoderLayer.forward_fused``'s residual contract: ``x [T, hidden]`` is the
+        residual stream before the previous layer's output ``delta`` (None: none) was
+        added; both additions happen in place in ``x`` (each fused with the next norm),
+        and this layer's MLP output is returned as the next delta."""
+        r = self.residual_scale
+        h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)  # x += delta
+        mixed = cast(Mixer, self.mixer)(h, states, rb)  # [T, hidden]
+        if r != 1.0:
+            mixed = mixed * r
+        h = ops.rms_norm(x, mixed, self.post_attention_layernorm, self.eps)  # x += mixed
+        fused_act = ops.gelu_tanh_mul if self.act == "gelu_tanh" else ops.silu_mul
+        if self.moe is not None:
+            out = self.moe(h, self.act, fused_act)
+        else:
+            mid = fused_act(linear(h, self.gate_up_proj, int8_ok=True))  # [T, F]
+            out = linear(mid, self.down_proj, int8_ok=True)
+        return out if r == 1.0 else out * r
+
 
 class HybridModel(LlamaModel):
     """``LlamaModel`` whose recurrent layers (``ModelConfig.layer_types``) are
     ``RecurrentLayer``s around the family's ``mixer``."""
+
+    # where the fused CPU ops are in use: their layer loop (False: the plain one, as the
+    # exact path runs; for A/B measurements, bench/models.py's auto:plain-layers, and tests)
+    fused_layers = True
 
     def __init__(
         self,
@@ -173,11 +210,14 @@ class HybridModel(LlamaModel):
             cfg = self.cfg
             rows = mrope_rotations(table, positions, cfg.mrope_section, cfg.mrope_interleaved)
         else:
-            rows = table[positions]
-        rope = rows.unsqueeze(1)  # [T, 1, D/2]
+            rows = table[positions]  # [T, D/2] complex64
         rb = RecurrentBatch.from_meta(meta, meta.state_slots, self._recurrent_kernels())
         if meta.state_loads:
             self._load_saved_states(kv_caches, meta.state_loads)
+        ops = self.cpu_ops
+        if ops is not None and self.fused_layers and isinstance(self.attn_impl, CpuAttention):
+            return self._forward_fused(x, rows, kv_caches, meta, rb, ops, between_layers)
+        rope = rows.unsqueeze(1)  # [T, 1, D/2]
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
@@ -187,3 +227,53 @@ class HybridModel(LlamaModel):
             else:
                 x = layer(x, cache, rb)
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+
+    def _forward_fused(
+        self,
+        x: Tensor,
+        rows: Tensor,
+        kv_caches: list[tuple[Tensor, ...]],
+        meta: AttentionMetadata,
+        rb: RecurrentBatch,
+        ops: Any,
+        between_layers: Callable[[], None] | None,
+    ) -> Tensor:
+        """``forward``'s layer loop through the fused CPU ops: each layer adds the
+        previous one's output to ``x`` in place, fused with its first norm
+        (``DecoderLayer.forward_fused``, ``RecurrentLayer.forward_fused``). ``rows: [T,
+        D/2]`` complex64 rotations. A layer of another kind (Nemotron-H's blocks), and a
+        layer with experts, runs its own ``forward`` on the stream with the pending
+        output added: the fused router's rounding flips a near-tie of the experts' scores
+        that the recurrent states then carry to every later token (Qwen3.5-MoE at Q4_0,
+        ``test_quantized_gguf_runs_its_blocks``), so those layers keep the plain ops."""
+        pair = torch.view_as_real(rows)  # [T, D/2, 2] (cos, sin)
+        identity: Tensor | None = None  # for a NoPE layer (the store still runs)
+        delta: Tensor | None = None
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if between_layers is not None and i and i % CHECK_EVERY == 0:
+                between_layers()
+            plain = getattr(layer, "moe", None) is not None  # (see the docstring)
+            if not plain and type(layer) is DecoderLayer and not layer.local_rope:
+                rope = pair
+                if not layer.rotates:
+                    if identity is None:
+                        ones = torch.ones_like(pair[..., 0])
+                        identity = torch.stack([ones, torch.zeros_like(ones)], -1)
+                    rope = identity
+                kc, vc = cache
+                delta = layer.forward_fused(
+                    x, delta, rope, kc, vc, meta, self.attn_impl, None, ops, None
+                )
+            elif not plain and isinstance(layer, RecurrentLayer):
+                delta = layer.forward_fused(x, delta, cache, rb, ops)
+            else:
+                if delta is not None:
+                    x.add_(delta)
+                    delta = None
+                if isinstance(layer, DecoderLayer):
+                    kc, vc = cache
+                    plain_rope = rows.unsqueeze(1) if layer.rotates else None  # [T, 1, D/2]
+                    x = layer(x, plain_rope, kc, vc, meta, self.attn_impl)
+                else:
+                    x = layer(x, cache, rb)
+        return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))

@@ -320,8 +320,6 @@ class DecoderLayer(nn.Module):
         before the next layer writes it), or None."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.attn_gate is not None:  # (hybrid models, the only ones with it, run forward)
-            raise NotImplementedError("gated attention runs on the plain path only")
         if self.qk_norm == "layer_heads":  # (classic.py's, which declines the fused ops)
             raise NotImplementedError("the classic layouts run on the plain path only")
         norms = self._norms
@@ -377,6 +375,8 @@ class DecoderLayer(nn.Module):
                 self.chunk,
             )
             o = o.reshape(t, nh * hd)
+        if self.attn_gate is not None:  # Qwen3.5's gated attention (h: a new tensor)
+            o = o * torch.sigmoid(linear(h, self.attn_gate))
         attn_out = linear(o, self.o_proj, self.o_bias)
         if self.adapters is not None:
             self.adapters.add(self.layer_no, "o", o, attn_out)

@@ -5,6 +5,7 @@ one uninterrupted run, and the state slots come back when requests end."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from structllm.engine.core import EngineCore
 from structllm.engine.held import Held
 from structllm.engine.request import Request
 from structllm.engine.state_cache import StateCacheManager
+from structllm.model.hybrid import RecurrentLayer
+from structllm.model.llama import DecoderLayer
 from structllm.protocol import AddRequest
 from tests.support.models import EXACT, tiny_family_dir
 
@@ -191,6 +194,46 @@ def test_native_decode_steps_equal_torch_ops(path: Path) -> None:
             model._recurrent = False  # as if the kernels had not built
         runs.append([run_of(o) for o in llm.generate(PROMPTS, GREEDY)])
         assert (model._recurrent is not False) == native
+    assert_same(runs[0], runs[1])
+
+
+def counting(fn: Callable[..., object], calls: list[int]) -> Callable[..., object]:
+    """``fn`` that appends to ``calls`` each time it runs."""
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def test_the_fused_layer_loop_equals_the_plain_one(path: Path) -> None:
+    # the default format (fused CPU ops): the layers through cpu_layer.cpp's norms,
+    # residual adds, rotary + KV store and SiLU * up, or through the plain torch loop
+    # the exact path runs; chunked prefills beside decodes, the same tokens and logprobs
+    runs = []
+    for fused in (True, False):
+        llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_batched_tokens=16)
+        model = llm.engine.runner.model  # type: ignore[union-attr]
+        if model.cpu_ops is None:
+            pytest.skip("the fused CPU layer ops do not build here")
+        model.fused_layers = fused
+        # a layer with a fused form (Nemotron-H's blocks and layers with experts have
+        # none: they run their own forward on both loops) runs its plain forward on the
+        # plain loop only
+        layer = next(
+            (
+                x
+                for x in model.layers
+                if (type(x) is DecoderLayer or isinstance(x, RecurrentLayer)) and x.moe is None
+            ),
+            None,
+        )
+        calls: list[int] = []
+        if layer is not None:
+            layer.forward = counting(layer.forward, calls)  # type: ignore[method-assign]
+        runs.append([run_of(o) for o in llm.generate(PROMPTS, GREEDY)])
+        assert bool(calls) == (not fused and layer is not None)
     assert_same(runs[0], runs[1])
 
 
