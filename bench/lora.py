@@ -78,18 +78,9 @@ def write_gguf_adapter(out: Path, peft_dir: Path, arch: str) -> Path:
     from safetensors.numpy import load_file
 
     cfg = json.loads((peft_dir / "adapter_config.json").read_text())
-    names = {
-        v: k
-        for k, v in {
-            "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj",
-            "ffn_gate": "mlp.gate_proj",
-            "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj",
-        }.items()
-    }
+    from structllm.lora import GGUF_MODULES
+
+    names = {v: k for k, v in GGUF_MODULES.items()}
     w = gguf.GGUFWriter(str(out), arch)
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
