@@ -33,7 +33,7 @@ import torch
 from structllm.kernels import cpu_ext
 from structllm.lora import AdapterError, check_base, read_adapter
 from structllm.model.config import ModelConfig
-from structllm.model.lora import Items, LoraAdapter, LoraRows, load_adapter, step_rows
+from structllm.model.lora import LoraAdapter, LoraPlans, LoraRows, load_adapter, step_rows
 from structllm.model.sharding import ShardPlan
 from structllm.protocol import LoraRef
 
@@ -69,7 +69,7 @@ class AdapterRegistry:
         self._uids = itertools.count(1)
         self.num_loads = 0
         # the native calls' items by the uids of a step's adapters in order (LoraRows.plans)
-        self._plans: dict[tuple[int, ...], dict[tuple[int, str], Items]] = {}
+        self._plans: dict[tuple[int, ...], LoraPlans] = {}
         # the native shrink/expand (cpu_lora.cpp; float32, float16 or bfloat16 adapters)
         # on the CPU, else None: torch's ops (model.lora.LoraRows)
         self.native: Any = cpu_ext.load_lora() if device.type == "cpu" else None
@@ -141,7 +141,7 @@ class AdapterRegistry:
         if rows is not None and self.native is not None:  # the same adapters: the same items
             if len(self._plans) > 64:
                 self._plans.clear()
-            rows.plans = self._plans.setdefault(tuple(a.uid for a, _ in rows.groups), {})
+            rows.plans = self._plans.setdefault(tuple(a.uid for a, _ in rows.groups), LoraPlans())
         return rows
 
     def loads(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, str]]:

@@ -30,11 +30,19 @@
 //       functions SparseMoe.forward's native path calls, so the same bits); one added
 //       without experts (the caller runs them: layers.SparseMoe) runs up to its MLP's
 //       input and ends the range: run returns that input [T, hidden] instead
+//   run(..., lora, lora_rows [R] int64, lora_starts [G + 1]): a step with LoRA adapter
+//       rows (model/lora.py). lora: a LoraItems, one set of adapters' parts per layer
+//       and projection (built once for that set, in the order of the step's groups);
+//       after each adapted matmul, out[row, slice] += B (A x[row]) for each group g's
+//       rows lora_rows[lora_starts[g] .. lora_starts[g + 1]), through cpu_lora.h's row
+//       kernels, the ones lora_add runs for the Python loop (the same sums, so the same
+//       bits); rows without an adapter cost nothing
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -42,6 +50,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_lora.h"
 #include "cpu_pool.h"
 #include "cpu_tables.h"
 
@@ -124,6 +133,61 @@ struct Layer {
 
 struct Cache {
   torch::Tensor kt, v;
+};
+
+// One set of adapters' parts (model/lora.py's LoraAdapter.layers), as run() adds them:
+// items[layer][projection] (0 qkv, 1 o, 2 gate_up, 3 down), each an A [r, K], a scaled
+// B^T [r, N_i] (K, N the projection's input and output widths), its first output column
+// and its group (the index of its adapter among a step's). Built once per set of
+// adapters in order and reused by every step with that set; run() checks that the
+// widths are its own.
+class LoraItems {
+ public:
+  struct Item {
+    const void* a;
+    const void* bt;
+    int64_t rank, width, as, bs, col, group;
+  };
+
+  LoraItems(int64_t layers, std::vector<int64_t> k, std::vector<int64_t> n)
+      : items_(layers), k_(std::move(k)), n_(std::move(n)) {
+    TORCH_CHECK(layers >= 0 && k_.size() == 4 && n_.size() == 4,
+                "LoraItems: a layer count and the four projections' input and output widths");
+  }
+
+  void add(int64_t layer, int64_t proj, torch::Tensor a, torch::Tensor bt, int64_t col, int64_t group) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(items_.size()) && proj >= 0 && proj < 4,
+                "LoraItems: layer ", layer, " projection ", proj, " out of range");
+    const auto type = a.scalar_type();
+    TORCH_CHECK(type == torch::kFloat32 || type == torch::kHalf || type == torch::kBFloat16,
+                "LoraItems: adapter weights float32, float16 or bfloat16");
+    TORCH_CHECK(keep_.empty() || type == type_, "LoraItems: every A and B^T of one type");
+    for (const torch::Tensor* t : {&a, &bt})
+      TORCH_CHECK(t->scalar_type() == type && t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
+                  "LoraItems: A and B^T [rows, cols] on the CPU with unit column stride");
+    const int64_t r = a.size(0), w = bt.size(1);
+    TORCH_CHECK(a.size(1) == k_[proj] && bt.size(0) == r && r <= sl::lora::MAX_RANK,
+                "LoraItems: A [r, ", k_[proj], "] and B^T [r, N_i] (r <= 1024) expected");
+    TORCH_CHECK(col >= 0 && col + w <= n_[proj] && group >= 0, "LoraItems: slice or group out of range");
+    type_ = type;
+    keep_.push_back(a), keep_.push_back(bt);
+    items_[layer][proj].push_back({a.data_ptr(), bt.data_ptr(), r, w, a.stride(0), bt.stride(0), col, group});
+    groups_ = std::max(groups_, group + 1);
+  }
+
+  const std::vector<Item>& at(int64_t layer, int proj) const { return items_[layer][proj]; }
+  int64_t num_layers() const { return static_cast<int64_t>(items_.size()); }
+  int64_t groups() const { return groups_; }
+  int64_t k(int proj) const { return k_[proj]; }
+  int64_t n(int proj) const { return n_[proj]; }
+  torch::ScalarType type() const { return type_; }
+
+ private:
+  std::vector<std::array<std::vector<Item>, 4>> items_;
+  std::vector<int64_t> k_, n_;
+  std::vector<torch::Tensor> keep_;  // owns the weights the items point into
+  torch::ScalarType type_ = torch::kFloat32;
+  int64_t groups_ = 0;
 };
 
 class DecodePlan {
@@ -209,15 +273,18 @@ class DecodePlan {
 
   torch::Tensor run(int64_t begin, int64_t end, torch::Tensor x, const OptT& delta, const std::vector<torch::Tensor>& ropes,
                     torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t mode_int8,
-                    int64_t mode_plain) {
+                    int64_t mode_plain, const LoraItems* lora, const OptT& lora_rows,
+                    const std::vector<int64_t>& lora_starts) {
     const int64_t T = check_step(begin, end, x, delta, ropes, slots, tables, lens, mode_int8, mode_plain);
+    if (lora != nullptr) check_lora(*lora, lora_rows, lora_starts, T);
     auto out = torch::empty({T, H_}, x.options());
     if (scratch_rows_ != T) make_scratch(T);
     Step s{T, x.data_ptr<float>(), out.data_ptr<float>(), slots.data_ptr<int64_t>(), tables.data_ptr<int32_t>(),
-           tables.size(1), lens.data_ptr<int32_t>(), static_cast<int>(mode_int8), static_cast<int>(mode_plain), {}};
+           tables.size(1), lens.data_ptr<int32_t>(), static_cast<int>(mode_int8), static_cast<int>(mode_plain), {},
+           lora, lora != nullptr ? lora_rows->data_ptr<int64_t>() : nullptr, lora != nullptr ? &lora_starts : nullptr};
     for (const auto& r : ropes) s.ropes.push_back(r.data_ptr<float>());
     const float* d = delta.has_value() ? delta->data_ptr<float>() : nullptr;
-    for (int64_t i = begin; i < end; i++, d = s.out) layer(layers_[i], caches_[i], s, d);
+    for (int64_t i = begin; i < end; i++, d = s.out) layer(i, caches_[i], s, d);
     return out;
   }
 
@@ -233,7 +300,45 @@ class DecodePlan {
     const int32_t* lens;
     int mode_int8, mode_plain;
     std::vector<const float*> ropes;
+    const LoraItems* lora;  // null: no adapter rows this step
+    const int64_t* lora_rows;
+    const std::vector<int64_t>* lora_starts;
   };
+
+  // the step's adapters against this plan's shapes, and their rows against the step's
+  void check_lora(const LoraItems& lora, const OptT& rows, const std::vector<int64_t>& starts, int64_t T) const {
+    const int64_t ks[4] = {H_, nh_ * D_, H_, F_}, ns[4] = {(nh_ + 2 * nkv_) * D_, H_, 2 * F_, H_};
+    TORCH_CHECK(lora.num_layers() == num_layers(), "cpu_decode: LoRA items for ", lora.num_layers(),
+                " layers, the plan has ", num_layers());
+    for (int p = 0; p < 4; p++)
+      TORCH_CHECK(lora.k(p) == ks[p] && lora.n(p) == ns[p], "cpu_decode: LoRA items of other widths");
+    TORCH_CHECK(rows.has_value() && rows->dtype() == torch::kInt64 && rows->dim() == 1 && rows->is_contiguous(),
+                "cpu_decode: lora_rows must be int64 [R] contiguous");
+    const int64_t R = rows->numel();
+    TORCH_CHECK(static_cast<int64_t>(starts.size()) >= lora.groups() + 1 && !starts.empty() && starts[0] >= 0,
+                "cpu_decode: lora_starts must bound every group of the items");
+    for (size_t g = 1; g < starts.size(); g++)
+      TORCH_CHECK(starts[g - 1] <= starts[g] && starts[g] <= R, "cpu_decode: lora_starts out of order or range");
+    const int64_t* r = rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < R; i++) TORCH_CHECK(r[i] >= 0 && r[i] < T, "cpu_decode: LoRA row ", r[i], " out of range");
+  }
+
+  // out [T, N] += each of the step's adapters' B (A x) on its rows, for projection
+  // proj (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, x [T, K]: lora_add's call
+  void add_lora(int64_t i, int proj, const float* x, float* out, const Step& s) const {
+    if (s.lora == nullptr) return;
+    const auto& items = s.lora->at(i, proj);
+    if (items.empty()) return;
+    sl::lora::Plan& p = lora_plan_;
+    p.clear();
+    const std::vector<int64_t>& starts = *s.lora_starts;
+    for (const auto& it : items)
+      p.add(it.a, it.bt, it.rank, it.width, it.as, it.bs, it.col, starts[it.group], starts[it.group + 1]);
+    p.x = x, p.out = out, p.rows = s.lora_rows;
+    p.K = p.xs = s.lora->k(proj);
+    p.os = s.lora->n(proj);
+    sl::lora::run_as(p, s.lora->type());
+  }
 
   int64_t check_step(int64_t begin, int64_t end, const torch::Tensor& x, const OptT& delta,
                      const std::vector<torch::Tensor>& ropes, const torch::Tensor& slots, const torch::Tensor& tables,
@@ -339,19 +444,22 @@ class DecodePlan {
   }
 
   // forward_fused's decode-only step for one layer; its output goes to s.out
-  void layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+  void layer(int64_t i, const Cache& c, const Step& s, const float* delta) const {
+    const Layer& L = layers_[i];
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
     const float* h = pre_norm(L.in_norm, delta, s);
     float* qp = buf(kQKV);  // [T, H + 2 Hkv, D]
     linear(L.qkv, h, qp, s, L.qkv_bias);
+    add_lora(i, 0, h, qp, s);
     if (L.q_norm != nullptr) ops_->head_rms_norm(qp, T, nh_, nkv_, D_, L.q_norm, L.k_norm, L.per_head, eps_);
     ops_->rope_store(qp, s.ropes[L.rope], T, nh_, nkv_, D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.slots);
     float* o = buf(kO);  // [T, H * D]: the queries' attention output, o_proj's input
     attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
                   static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap);
     linear(L.o, o, buf(kAttn), s, nullptr);
+    add_lora(i, 1, o, buf(kAttn), s);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
     h = pre_norm(L.post_norm, a, s);
     if (cut(L)) {  // the caller runs the experts on h
@@ -367,8 +475,10 @@ class DecodePlan {
     } else {
       float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
       linear(L.gate_up, h, gu, s, nullptr);
+      add_lora(i, 2, h, gu, s);
       (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
       linear(L.down, act, y, s, nullptr);
+      add_lora(i, 3, act, y, s);
     }
     if (L.mlp_out_norm == nullptr) {
       sublayer_out(s.out, nullptr, L.residual_scale, s);
@@ -392,6 +502,7 @@ class DecodePlan {
   std::vector<Cache> caches_;
   std::vector<torch::Tensor> scratch_;  // make_scratch's, indexed by the enum beside buf
   int64_t scratch_rows_ = -1;
+  mutable sl::lora::Plan lora_plan_;  // add_lora's, reused (its vectors keep their storage)
 };
 
 }  // namespace
@@ -399,6 +510,11 @@ class DecodePlan {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
+  pybind11::class_<LoraItems>(m, "LoraItems")
+      .def(pybind11::init<int64_t, std::vector<int64_t>, std::vector<int64_t>>(), pybind11::arg("layers"),
+           pybind11::arg("k"), pybind11::arg("n"))
+      .def("add", &LoraItems::add, pybind11::arg("layer"), pybind11::arg("proj"), pybind11::arg("a"),
+           pybind11::arg("bt"), pybind11::arg("col"), pybind11::arg("group"));
   pybind11::class_<DecodePlan>(m, "DecodePlan")
       .def(pybind11::init<const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
                           const pybind11::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
@@ -415,6 +531,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("router") = pybind11::none(), pybind11::arg("top_k") = 0,
            pybind11::arg("renormalise") = false)
       .def("set_caches", &DecodePlan::set_caches)
-      .def("run", &DecodePlan::run)
+      .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
+           pybind11::arg("delta"), pybind11::arg("ropes"), pybind11::arg("slots"), pybind11::arg("tables"),
+           pybind11::arg("lens"), pybind11::arg("mode_int8"), pybind11::arg("mode_plain"),
+           pybind11::arg("lora") = nullptr, pybind11::arg("lora_rows") = pybind11::none(),
+           pybind11::arg("lora_starts") = std::vector<int64_t>{})
       .def("num_layers", &DecodePlan::num_layers);
 }

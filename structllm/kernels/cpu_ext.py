@@ -191,6 +191,8 @@ def load_recurrent(isa: str | None = None) -> Any | None:
 
 
 LORA_SOURCE = Path(__file__).with_name("cpu_lora.cpp")
+# LoRA's row kernels: cpu_lora.cpp's and the native decode loop's (cpu_decode.cpp)
+LORA_HEADERS = (Path(__file__).with_name("cpu_lora.h"),)
 
 
 @cache
@@ -206,6 +208,7 @@ def load_lora(isa: str | None = None) -> Any | None:
             LORA_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
             "the LoRA shrink/expand kernel (about 20 s)",
+            LORA_HEADERS,
         )
     )
 
@@ -231,6 +234,7 @@ def load_decode(isa: str | None = None) -> Any | None:
             DECODE_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
             "the native decode-step driver (about 20 s)",
+            LORA_HEADERS,
         )
     )
     if module is None:

@@ -20,6 +20,13 @@ input and ends its native call; its experts (the Python loop) are called from he
 before the next one, then its output norm and multiplier as ``forward_fused`` applies
 them.
 
+A step with LoRA adapter rows (``model.lora.LoraRows``) runs here too when the rows'
+kernels are the native ones (``LoraRows.native``, cpu_lora.cpp built): the step's
+adapters' parts go to the native call as one ``LoraItems`` (built once per set of
+adapters in order, kept in ``LoraRows.plans``), with the step's rows by adapter, and
+``cpu_decode.cpp`` adds ``B (A x)`` for those rows after each adapted matmul through
+the row kernels ``lora_add`` runs for the Python loop (``cpu_lora.h``): the same bits.
+
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
 in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
@@ -41,6 +48,9 @@ from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
 from structllm.model.layers import SparseMoe
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
+from structllm.model.lora import LoraRows
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # cpu_decode.cpp's projection numbers
 
 ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
 
@@ -119,6 +129,11 @@ class DecodePlan:
         for dl, experts in zip(self.layers, self.experts, strict=True):
             self._add(dl, identity, experts)
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
+        self.module = native  # (its LoraItems)
+        q, kv = model.num_heads * cfg.head_dim, model.num_kv_heads * cfg.head_dim
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        # the four projections' input and output widths, in PROJECTIONS' order
+        self.widths = ([h, q, h, f], [q + 2 * kv, h, 2 * f, h])
         self._caches: list[tuple[Tensor, ...]] | None = None
         self.segments = self._segments(check_every)
 
@@ -170,6 +185,27 @@ class DecodePlan:
             renormalise=experts is not None and dl.moe.renormalise,  # type: ignore[union-attr]
         )
 
+    @staticmethod
+    def takes(rows: LoraRows) -> bool:
+        """Whether a decode step with adapter rows ``rows`` can run here: its adapters on
+        the CPU's native kernels (else the Python loop adds them, with torch's ops)."""
+        return rows.native is not None and rows.stacked is None
+
+    def lora_items(self, rows: LoraRows) -> Any:
+        """The native ``LoraItems`` of ``rows``' adapters in their groups' order, built
+        on the first step with that set (kept in ``rows.plans``, which the registry keeps
+        across such steps)."""
+        items = rows.plans.decode
+        if items is None:
+            items = self.module.LoraItems(len(self.layers), *self.widths)
+            for g, (adapter, _) in enumerate(rows.groups):
+                for layer, parts in adapter.layers.items():
+                    for p, proj in enumerate(PROJECTIONS):
+                        for a, bt, col in parts.get(proj, ()):
+                            items.add(layer, p, a, bt, col, g)
+            rows.plans.decode = items
+        return items
+
     def run(
         self,
         x: Tensor,
@@ -177,23 +213,30 @@ class DecodePlan:
         kv_caches: list[tuple[Tensor, ...]],
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None,
+        lora: LoraRows | None = None,
     ) -> Tensor:
         """The layers of a decode-only step: ``x [T, hidden]`` takes the residual
         additions in place; returns the last layer's output (``forward_fused``'s delta).
         ``pairs``: the rotary tables ``[T, D/2, 2]`` (global, local if any, identity if
         a layer does not rotate), as ``LlamaModel.forward`` makes them. ``between_layers`` runs
-        between groups of ``check_every`` layers (``segments``), as in ``LlamaModel.forward``."""
+        between groups of ``check_every`` layers (``segments``), as in ``LlamaModel.forward``.
+        ``lora``: the step's adapter rows (``takes`` them), or None."""
         if kv_caches is not self._caches:
             self.native.set_caches(kv_caches)
             self._caches = kv_caches
         t = x.shape[0]
         modes = (block_mode(t, True), block_mode(t, False))
         slots, tables, lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+        adapters: tuple[Any, Tensor | None, list[int]] = (None, None, [])
+        if lora is not None:
+            adapters = (self.lora_items(lora), lora.rows, lora.starts)
         delta: Tensor | None = None
         for begin, end, check in self.segments:
             if check and between_layers is not None:
                 between_layers()
-            delta = self.native.run(begin, end, x, delta, pairs, slots, tables, lens, *modes)
+            delta = self.native.run(
+                begin, end, x, delta, pairs, slots, tables, lens, *modes, *adapters
+            )
             if self.cut(end - 1):  # delta is that layer's MLP input
                 delta = self._experts(self.layers[end - 1], delta)
         assert delta is not None

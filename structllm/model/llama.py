@@ -476,8 +476,9 @@ class LlamaModel(nn.Module):
         self.decode_planner: Callable[[LlamaModel], tuple[Any, str]] | None = None
         self._decode_plan: Any = None
         self.decode_why = "the Python layer loop"  # which loop and why, for the start-up line
-        # the step's LoRA rows while it has any (model.lora.active): the Python loop runs
         self.deepstack: Deepstack | None = None  # a step's, see deepstack.injected
+        # the step's LoRA rows while it has any (model.lora.active): the Python loop adds
+        # them, or the native decode loop (decode_plan.DecodePlan.takes)
         self.adapters: LoraRows | None = None
         # the Python layer loop's between_layers interval (the native decode loop keeps
         # CHECK_EVERY: its segments are native calls, and decode steps are short)
@@ -587,9 +588,11 @@ class LlamaModel(nn.Module):
                 )
             delta: Tensor | None = None
             t = x.shape[0]  # decode only: one attention output buffer for all layers
-            plan = self._native_plan() if meta.num_decodes == t and not self.adapters else None
+            plan = self._native_plan() if meta.num_decodes == t else None
+            if plan is not None and self.adapters is not None and not plan.takes(self.adapters):
+                plan = None  # adapters the native loop cannot add (torch's ops)
             if plan is not None:
-                delta = plan.run(x, pairs, kv_caches, meta, between_layers)
+                delta = plan.run(x, pairs, kv_caches, meta, between_layers, self.adapters)
                 if not last:
                     return x + delta
                 return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))

@@ -10,10 +10,13 @@ folded into ``B`` once, at load.
 
 A layer calls ``LoraRows.add(layer, proj, x, out)`` after each of its four matmuls when
 its step has adapter rows (``DecoderLayer.adapters``, set for the step by ``active``);
-a step without any sets nothing and runs as before. The native decode loop
-(``model.decode_plan``) and CUDA graphs are not taken by a step with adapter rows: it
-runs the Python layer loop (fused ops on CPU). The kernels: ``cpu_lora.cpp`` on the
-CPU, Triton's on CUDA (``model.lora_slots``), torch's ops otherwise.
+a step without any sets nothing and runs as before. A decode-only step with adapter rows
+on the CPU still takes the native decode loop (``model.decode_plan``) when the native
+kernels are there (``LoraRows.native``): its one call adds the same ``B (A x)`` after
+each matmul through the same row kernels (``cpu_lora.h``), with the step's adapters'
+parts handed over once per set of adapters (``LoraPlans.decode``). CUDA graphs are not
+taken by a step with adapter rows. The kernels: ``cpu_lora.cpp`` on the CPU, Triton's on
+CUDA (``model.lora_slots``), torch's ops otherwise.
 """
 
 from __future__ import annotations
@@ -172,6 +175,17 @@ def _gguf_tensors(spec: AdapterSpec) -> dict[str, Tensor]:
     }
 
 
+@dataclass
+class LoraPlans:
+    """What the native calls need for one set of adapters in one order (the registry
+    keeps it across the steps with that set: ``engine.adapters``): ``items`` per
+    ``(layer, projection)`` for ``lora_add``, and ``decode`` the native decode loop's
+    ``LoraItems`` (``model.decode_plan``; None until a decode step builds it)."""
+
+    items: dict[tuple[int, str], Items] = field(default_factory=dict)
+    decode: Any = None
+
+
 class StackedStep(Protocol):
     """A step's adapters on a device's kernels (``model.lora_slots.SlotStep``, CUDA)."""
 
@@ -193,9 +207,9 @@ class LoraRows:
     rows: Tensor
     starts: list[int]
     native: Any = None
-    # (layer, projection) -> the native call's items for these groups, kept by the
-    # registry across the steps with the same adapters in the same order
-    plans: dict[tuple[int, str], Items] = field(default_factory=dict)
+    # the native calls' items for these groups, kept by the registry across the steps
+    # with the same adapters in the same order
+    plans: LoraPlans = field(default_factory=LoraPlans)
     stacked: StackedStep | None = None
 
     def add(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
@@ -220,9 +234,9 @@ class LoraRows:
 
     def _add_native(self, layer: int, proj: str, x: Tensor, out: Tensor) -> None:
         """``add`` in one native call: every (group, part) an item of ``lora_add``."""
-        items = self.plans.get((layer, proj))
+        items = self.plans.items.get((layer, proj))
         if items is None:
-            items = self.plans[layer, proj] = ([], [], [], [])
+            items = self.plans.items[layer, proj] = ([], [], [], [])
             for g, (adapter, _) in enumerate(self.groups):
                 for a, bt, col in adapter.layers.get(layer, {}).get(proj, ()):
                     items[0].append(a)

@@ -380,6 +380,84 @@ def test_a_quantized_base_with_an_adapter_agrees_with_its_dequantised_self(
 NO_DRAFTS: dict[str, Any] = {"speculative_config": {"method": "none"}}
 
 
+@pytest.mark.skipif(
+    __import__("structllm.kernels.cpu_ext", fromlist=["x"]).best_isa() is None,
+    reason="no AVX2 block kernels",
+)
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_decode_steps_with_adapters_take_the_native_loop(
+    tiny_llama_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    # a GGUF base in blocks, whose decode steps run the native layer loop
+    # (cpu_decode.cpp): requests [a, base, b, a] (two adapters, rows of a apart, a row
+    # without any) decode through it, adding B (A x) after each matmul with the kernels
+    # the Python loop's lora_add runs: the same tokens and logprobs as the Python loop;
+    # and which loop ran: the native one takes every decode step, the Python one none
+    from structllm.model.files import default_model_path
+    from structllm.model.llama import DecoderLayer
+    from tests.support.models import write_tiny_gguf
+
+    path = tmp_path / "tiny-blocks.gguf"
+    write_tiny_gguf(path, hf_model(tiny_llama_dir), default_model_path(), QTYPES)
+    a = LoRARequest("a", 1, str(peft_adapter(tiny_llama_dir, 1)))
+    b = LoRARequest("b", 2, str(peft_adapter(tiny_llama_dir, 2)))
+    loras = [a, None, b, a]
+    prompts = [*PROMPTS, [9, 8, 7, 6]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    runs = []
+    with LLM(
+        str(path),
+        kv_cache_memory=16 << 20,
+        enable_lora=True,
+        max_loras=2,
+        lora_dtype=dtype,
+        **NO_DRAFTS,
+    ) as llm:
+        model = llm.engine.runner.model  # type: ignore[union-attr]
+        assert model.decode_path == "native"
+        plan = model._native_plan()
+        native_steps: list[int] = []  # rows of adapters in each native step
+        python_steps: list[int] = []  # decode-only steps through the Python layer loop
+        run, fused = plan.run, DecoderLayer.forward_fused
+        layer0 = model.layers[0]
+
+        def counted_run(*args: Any, **kw: Any) -> Any:
+            lora = args[5] if len(args) > 5 else kw.get("lora")
+            native_steps.append(0 if lora is None else len(lora.rows))
+            return run(*args, **kw)
+
+        def counted_fused(self: Any, x: Any, *args: Any, **kw: Any) -> Any:
+            if self is layer0 and args[4].num_decodes == x.shape[0]:
+                python_steps.append(1)
+            return fused(self, x, *args, **kw)
+
+        plan.run = counted_run
+        for native in (True, False):
+            model.native_decode = native
+            native_steps.clear(), python_steps.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(DecoderLayer, "forward_fused", counted_fused)
+                outs = llm.generate(prompts, params, lora_request=loras)
+            runs.append([run_of(o) for o in outs])
+            if native:  # every decode step: 4 rows, 3 of them with an adapter
+                assert native_steps and set(native_steps) == {3} and not python_steps
+            else:
+                assert not native_steps and python_steps
+        alone = llm.generate([prompts[2]], params, lora_request=b)[0]
+        base = llm.generate([prompts[0]], params)[0]
+    assert runs[0] == runs[1]  # the same kernels in the same order: the same bits
+    assert [t for t, _ in runs[0][2]] == alone.token_ids  # b's row, beside others, as alone
+    assert [t for t, _ in runs[0][0]] != base.token_ids  # the adapter matters
+
+
+def run_of(out: Any) -> list[tuple[int, list[float]]]:
+    """A request's tokens and their logprobs (the chosen token's, then the top ones)."""
+    return [
+        (t, [lp.logprob, *lp.top_logprobs])
+        for t, lp in zip(out.token_ids, out.logprobs, strict=True)
+    ]
+
+
 class Oracle:
     """Drafts a plain run's continuation, its last draft wrong (some rows rejected)."""
 

@@ -1,0 +1,216 @@
+// LoRA's segmented shrink and expand, the row kernels of cpu_lora.cpp (lora_add, which the
+// Python layer loop calls after each adapted matmul) and of cpu_decode.cpp (the native
+// decode loop, which adds them after its own matmuls): one header, so both compute the
+// very same sums. See cpu_lora.cpp's top for what a call computes and why it is cut so.
+// cpu_ext.py hashes this file into those two modules' build keys only.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_pool.h"
+#include "cpu_simd.h"
+
+#ifndef SL_VECTORS
+#error "cpu_lora.h needs AVX2 + FMA (cpu_ext builds its users for avx2 or avx512 only)"
+#endif
+
+namespace sl::lora {
+
+constexpr int64_t ROWS = 8;     // rows per block: their x rows (8 x K floats) stay in L1/L2
+constexpr int64_t COLS = 512;   // output columns per expand unit
+constexpr int64_t MAX_RANK = 1024;
+
+using sl::vf;
+using sl::VW;
+
+// VW weights at p as float32 lanes: float32 as they are, float16 by cvtph (F16C, exact),
+// bfloat16 by widening each 16-bit word into the top half of a 32-bit one (exact)
+inline vf wload(const float* p) { return sl::vload(p); }
+inline vf wload(const at::Half* p) {
+#ifdef SL_AVX512
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+inline vf wload(const at::BFloat16* p) {
+#ifdef SL_AVX512
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#else
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#endif
+}
+inline float wget(const float* p) { return *p; }
+inline float wget(const at::Half* p) { return static_cast<float>(*p); }
+inline float wget(const at::BFloat16* p) { return static_cast<float>(*p); }
+
+// the dots of a with four rows at once (each of a's vectors loaded and widened once for
+// the four): per row VW lanes of FMAs over k, then vsum's fixed order, then the tail in
+// order
+template <typename W>
+inline void dot4(const W* a, const float* x0, const float* x1, const float* x2, const float* x3,
+                 int64_t n, float* out) {
+  vf s0 = sl::vzero(), s1 = sl::vzero(), s2 = sl::vzero(), s3 = sl::vzero();
+  int64_t k = 0;
+  for (; k + VW <= n; k += VW) {
+    const vf ak = wload(a + k);
+    s0 = sl::vfma(ak, sl::vload(x0 + k), s0);
+    s1 = sl::vfma(ak, sl::vload(x1 + k), s1);
+    s2 = sl::vfma(ak, sl::vload(x2 + k), s2);
+    s3 = sl::vfma(ak, sl::vload(x3 + k), s3);
+  }
+  float t0 = sl::vsum(s0), t1 = sl::vsum(s1), t2 = sl::vsum(s2), t3 = sl::vsum(s3);
+  for (; k < n; k++) {
+    const float ak = wget(a + k);
+    t0 += ak * x0[k], t1 += ak * x1[k], t2 += ak * x2[k], t3 += ak * x3[k];
+  }
+  out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+}
+
+// dot4's sum for one row alone: the very same operations in the same order (so a row's
+// result does not depend on whether it has three neighbours), a quarter of the FMAs
+template <typename W>
+inline float dot1(const W* a, const float* x, int64_t n) {
+  vf s = sl::vzero();
+  int64_t k = 0;
+  for (; k + VW <= n; k += VW) s = sl::vfma(wload(a + k), sl::vload(x + k), s);
+  float t = sl::vsum(s);
+  for (; k < n; k++) t += wget(a + k) * x[k];
+  return t;
+}
+
+constexpr int64_t TILE = 64;  // output columns kept in registers through the expand's j loop
+constexpr int TV = TILE / VW;  // their vectors: 4 (AVX-512) or 8 (AVX2)
+
+// orow[c0 .. c1) += sum_j s[j] * bt[j, c0 .. c1), j ascending for every column
+template <typename W>
+inline void expand_row(float* orow, const float* s, const W* bt, int64_t bs, int64_t r,
+                       int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  for (; c + TILE <= c1; c += TILE) {
+    vf acc[TV];
+    for (int t = 0; t < TV; t++) acc[t] = sl::vload(orow + c + t * VW);
+    for (int64_t j = 0; j < r; j++) {
+      const vf sj = sl::vset1(s[j]);
+      const W* bj = bt + j * bs + c;
+      // the next tile of this B^T row: r rows read 64 columns at a time are r short
+      // strided runs, which the hardware prefetcher follows poorly (a decode row, the
+      // first of its block, would wait on each)
+      const char* next = reinterpret_cast<const char*>(bj + TILE);
+      for (int64_t at = 0; at < TILE * static_cast<int64_t>(sizeof(W)); at += 64)
+        _mm_prefetch(next + at, _MM_HINT_T0);
+      for (int t = 0; t < TV; t++) acc[t] = sl::vfma(sj, wload(bj + t * VW), acc[t]);
+    }
+    for (int t = 0; t < TV; t++) sl::vstore(orow + c + t * VW, acc[t]);
+  }
+  for (; c < c1; c++) {
+    float acc = orow[c];
+    for (int64_t j = 0; j < r; j++) acc = std::fma(s[j], wget(bt + j * bs + c), acc);
+    orow[c] = acc;
+  }
+}
+
+struct Block {  // one item's block of rows: rows[first .. first + n), s at s_at
+  int64_t item, first, n, s_at;
+};
+
+// one call's items and row blocks (checked by the caller); reusable: clear() keeps the
+// vectors' storage for the next call
+struct Plan {
+  const float* x = nullptr;
+  float* out = nullptr;
+  int64_t xs = 0, os = 0, K = 0;
+  const int64_t* rows = nullptr;
+  std::vector<const void*> a, bt;  // item i's A [r_i, K] and B^T [r_i, N_i], of type W
+  std::vector<int64_t> rank, width, as, bs, cols;
+  std::vector<Block> blocks;
+  std::vector<int64_t> first_unit;  // run's expand units per block (scratch)
+  std::vector<float> s;             // run's shrink output (scratch)
+  int64_t s_size = 0;
+
+  void clear() {
+    a.clear(), bt.clear(), rank.clear(), width.clear(), as.clear(), bs.clear(), cols.clear();
+    blocks.clear();
+    s_size = 0;
+  }
+
+  // item: A [rank, K] (row stride as) and B^T [rank, width] (row stride bs) added into
+  // output columns [col, col + width) of the rows rows[first .. end)
+  void add(const void* ai, const void* bti, int64_t r, int64_t w, int64_t a_stride,
+           int64_t b_stride, int64_t col, int64_t first, int64_t end) {
+    const int64_t i = static_cast<int64_t>(a.size());
+    a.push_back(ai), bt.push_back(bti), rank.push_back(r), width.push_back(w);
+    as.push_back(a_stride), bs.push_back(b_stride), cols.push_back(col);
+    for (int64_t f = first; f < end; f += ROWS) {
+      const int64_t n = std::min(ROWS, end - f);
+      blocks.push_back({i, f, n, s_size});
+      s_size += n * r;
+    }
+  }
+};
+
+// the shrink over (item, row block) units into s, then the expand over (item, row block,
+// COLS columns) units into out (see cpu_lora.cpp's top)
+template <typename W>
+void run(Plan& p) {
+  const int64_t nb = static_cast<int64_t>(p.blocks.size());
+  if (nb == 0) return;
+  p.s.resize(p.s_size);  // [block rows, r_i] per block
+  float* s = p.s.data();
+  sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {  // shrink
+    for (int64_t b = b0; b < b1; b++) {
+      const Block& blk = p.blocks[b];
+      const int64_t i = blk.item, r = p.rank[i];
+      const W* ai = static_cast<const W*>(p.a[i]);
+      float* sb = s + blk.s_at;
+      const float* xr[ROWS];
+      for (int64_t q = 0; q < blk.n; q++) xr[q] = p.x + p.rows[blk.first + q] * p.xs;
+      for (int64_t j = 0; j < r; j++) {
+        const W* aj = ai + j * p.as[i];
+        int64_t q = 0;
+        float four[4];
+        for (; q + 4 <= blk.n; q += 4) {
+          dot4(aj, xr[q], xr[q + 1], xr[q + 2], xr[q + 3], p.K, four);
+          for (int64_t t = 0; t < 4; t++) sb[(q + t) * r + j] = four[t];
+        }
+        for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K);
+      }
+    }
+  });
+  // expand units: (block, column chunk), in order of blocks
+  p.first_unit.assign(nb + 1, 0);
+  for (int64_t b = 0; b < nb; b++)
+    p.first_unit[b + 1] = p.first_unit[b] + (p.width[p.blocks[b].item] + COLS - 1) / COLS;
+  sl::parallel_for(0, p.first_unit[nb], 1, [&](int64_t u0, int64_t u1) {
+    int64_t b = 0;
+    for (int64_t u = u0; u < u1; u++) {
+      while (p.first_unit[b + 1] <= u) b++;
+      const Block& blk = p.blocks[b];
+      const int64_t i = blk.item, r = p.rank[i];
+      const int64_t c0 = (u - p.first_unit[b]) * COLS, c1 = std::min(p.width[i], c0 + COLS);
+      const float* sb = s + blk.s_at;
+      const W* bi = static_cast<const W*>(p.bt[i]);
+      for (int64_t q = 0; q < blk.n; q++)
+        expand_row(p.out + p.rows[blk.first + q] * p.os + p.cols[i], sb + q * r, bi, p.bs[i], r,
+                   c0, c1);
+    }
+  });
+}
+
+// run for the items' storage type (float32, float16 or bfloat16; checked by the caller)
+inline void run_as(Plan& p, torch::ScalarType type) {
+  if (type == torch::kHalf)
+    run<at::Half>(p);
+  else if (type == torch::kBFloat16)
+    run<at::BFloat16>(p);
+  else
+    run<float>(p);
+}
+
+}  // namespace sl::lora
