@@ -18,10 +18,13 @@
 // (item, row block) units, each A row dotted with the block's rows while it is in L1,
 // into a scratch s [rows, r_i]; the expand over (item, row block, COLS columns) units,
 // each B^T row's columns added, times s[row, j], into the block's output rows (the
-// column cut gives a lone adapter's o or down projection work for every thread).
+// column cut gives a lone adapter's o or down projection work for every thread); with
+// blocks enough for every thread, one pass of (item, row block) units doing both (one
+// join of the pool instead of two: cpu_lora.h's run, where these kernels live, shared
+// with cpu_decode.cpp's native decode loop).
 // Distinct items of one adapter write disjoint column slices, distinct adapters
 // disjoint rows, so units never write the same element; a row's result is r_i dot
-// products over K (dot4: FMA lanes, then a fixed-order sum) and then, per column, a sum
+// products over K (dot4 / dot1: FMA lanes, then a fixed-order sum) and then, per column, a sum
 // over j in order (expand_row: 64 columns held in registers), whatever the rows or
 // adapters beside it.
 
@@ -98,4 +101,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("lora_add", &lora_add, "out[rows, slice] += B (A x[rows]) for every adapter's parts");
+  m.def(
+      "fuse_blocks_per_thread",
+      [](int64_t n) {
+        const int64_t was = sl::lora::fuse_blocks_per_thread;
+        sl::lora::fuse_blocks_per_thread = n;
+        return was;
+      },
+      "this module's one-pass threshold (cpu_lora.h's run), set for A/B measurements; "
+      "returns the old one");
 }

@@ -155,33 +155,64 @@ struct Plan {
   }
 };
 
-// the shrink over (item, row block) units into s, then the expand over (item, row block,
-// COLS columns) units into out (see cpu_lora.cpp's top)
+// blocks per pool thread from which run() takes one pass (see run)
+inline int64_t fuse_blocks_per_thread = 4;
+
+// the shrink of one block: s [n, r] = its rows of x times A^T
+template <typename W>
+void shrink_block(const Plan& p, const Block& blk, float* sb) {
+  const int64_t i = blk.item, r = p.rank[i];
+  const W* ai = static_cast<const W*>(p.a[i]);
+  const float* xr[ROWS];
+  for (int64_t q = 0; q < blk.n; q++) xr[q] = p.x + p.rows[blk.first + q] * p.xs;
+  for (int64_t j = 0; j < r; j++) {
+    const W* aj = ai + j * p.as[i];
+    int64_t q = 0;
+    float four[4];
+    for (; q + 4 <= blk.n; q += 4) {
+      dot4(aj, xr[q], xr[q + 1], xr[q + 2], xr[q + 3], p.K, four);
+      for (int64_t t = 0; t < 4; t++) sb[(q + t) * r + j] = four[t];
+    }
+    for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K);
+  }
+}
+
+// the expand of one block's output columns [c0, c1) of its item's slice
+template <typename W>
+void expand_block(const Plan& p, const Block& blk, const float* sb, int64_t c0, int64_t c1) {
+  const int64_t i = blk.item, r = p.rank[i];
+  const W* bi = static_cast<const W*>(p.bt[i]);
+  for (int64_t q = 0; q < blk.n; q++)
+    expand_row(p.out + p.rows[blk.first + q] * p.os + p.cols[i], sb + q * r, bi, p.bs[i], r, c0, c1);
+}
+
+// With blocks enough for every thread (fuse_blocks_per_thread each: many adapters, or
+// one with many rows), one pass over (item, block) units, each shrinking and then
+// expanding its block whole: one join of the pool per call instead of two (a decode
+// step makes 4 calls a layer, each join a wait for the slowest thread on a loaded
+// machine), and its s still in L1. Otherwise the shrink over (item, block) units into
+// s, then the expand over (item, block, COLS columns) units into out, so that a lone
+// adapter's few blocks still give every thread work (see cpu_lora.cpp's top). Either
+// way each output column's sum runs over j in order, in the same 64-column tiles: the
+// same bits.
 template <typename W>
 void run(Plan& p) {
   const int64_t nb = static_cast<int64_t>(p.blocks.size());
   if (nb == 0) return;
   p.s.resize(p.s_size);  // [block rows, r_i] per block
   float* s = p.s.data();
-  sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {  // shrink
-    for (int64_t b = b0; b < b1; b++) {
-      const Block& blk = p.blocks[b];
-      const int64_t i = blk.item, r = p.rank[i];
-      const W* ai = static_cast<const W*>(p.a[i]);
-      float* sb = s + blk.s_at;
-      const float* xr[ROWS];
-      for (int64_t q = 0; q < blk.n; q++) xr[q] = p.x + p.rows[blk.first + q] * p.xs;
-      for (int64_t j = 0; j < r; j++) {
-        const W* aj = ai + j * p.as[i];
-        int64_t q = 0;
-        float four[4];
-        for (; q + 4 <= blk.n; q += 4) {
-          dot4(aj, xr[q], xr[q + 1], xr[q + 2], xr[q + 3], p.K, four);
-          for (int64_t t = 0; t < 4; t++) sb[(q + t) * r + j] = four[t];
-        }
-        for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K);
+  if (nb >= fuse_blocks_per_thread * std::max(1, at::get_num_threads())) {
+    sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; b++) {
+        const Block& blk = p.blocks[b];
+        shrink_block<W>(p, blk, s + blk.s_at);
+        expand_block<W>(p, blk, s + blk.s_at, 0, p.width[blk.item]);
       }
-    }
+    });
+    return;
+  }
+  sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) shrink_block<W>(p, p.blocks[b], s + p.blocks[b].s_at);
   });
   // expand units: (block, column chunk), in order of blocks
   p.first_unit.assign(nb + 1, 0);
@@ -192,13 +223,8 @@ void run(Plan& p) {
     for (int64_t u = u0; u < u1; u++) {
       while (p.first_unit[b + 1] <= u) b++;
       const Block& blk = p.blocks[b];
-      const int64_t i = blk.item, r = p.rank[i];
-      const int64_t c0 = (u - p.first_unit[b]) * COLS, c1 = std::min(p.width[i], c0 + COLS);
-      const float* sb = s + blk.s_at;
-      const W* bi = static_cast<const W*>(p.bt[i]);
-      for (int64_t q = 0; q < blk.n; q++)
-        expand_row(p.out + p.rows[blk.first + q] * p.os + p.cols[i], sb + q * r, bi, p.bs[i], r,
-                   c0, c1);
+      const int64_t c0 = (u - p.first_unit[b]) * COLS;
+      expand_block<W>(p, blk, s + blk.s_at, c0, std::min(p.width[blk.item], c0 + COLS));
     }
   });
 }

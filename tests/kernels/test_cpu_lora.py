@@ -71,3 +71,38 @@ def test_native_lora_add_equals_the_torch_path(isa: str, dtype: torch.dtype) -> 
     assert one is not None
     one.add(0, "qkv", x[14:15].contiguous(), alone)
     assert torch.equal(alone[0], got[14])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_one_pass_and_two_passes_give_the_same_bits(isa: str) -> None:
+    # cpu_lora.h's run: with blocks enough for every thread each (part, block) unit
+    # shrinks and expands at once, else two passes (the expand cut by columns); a row's
+    # sums are the same either way. 20 adapters of one row (and one of 19 rows: three
+    # blocks, the last a partial one, and rows of 4 with a lone one), both forms forced
+    native = cpu_ext.load_lora(isa)
+    if native is None:
+        pytest.skip(f"the {isa} LoRA kernel does not build here")
+    g = torch.Generator().manual_seed(1)
+    wide = 600  # an expand of two column chunks (512 + 88: a tail of 24 past the tiles)
+    adapters = [adapter(i + 1, g, [(16, 0, 64), (8, 64, 96)], torch.float32) for i in range(20)]
+    for a in adapters:
+        a.layers[0]["o"] = [
+            (torch.randn(16, K, generator=g), torch.randn(16, wide, generator=g), 0)
+        ]
+    for spans in ([(a, 1) for a in adapters], [(None, 1), (adapters[0], 19)]):
+        t = sum(n for _, n in spans)
+        x = torch.randn(t, K, generator=g)
+        rows = step_rows(spans, torch.device("cpu"), native)
+        assert rows is not None
+        outs = []
+        for blocks_per_thread in (0, 1 << 40):  # always one pass; always two
+            was = native.fuse_blocks_per_thread(blocks_per_thread)
+            try:
+                qkv, o = torch.zeros(t, N), torch.zeros(t, wide)
+                rows.add(0, "qkv", x, qkv)
+                rows.add(0, "o", x, o)
+            finally:
+                native.fuse_blocks_per_thread(was)
+            outs.append((qkv, o))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert outs[0][1].abs().sum() > 0

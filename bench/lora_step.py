@@ -1,0 +1,170 @@
+r"""Where a LoRA decode step's time goes: the step, and LoRA's kernels alone.
+
+    python bench/lora_step.py [FILE.gguf] [--rows 16] [--steps 12] [--rounds 3] [--rank 16]
+                              [--lora-dtype auto]
+
+On the default model (or FILE), ``--rows`` requests decode together through
+``EngineCore``; the median wall time of ``--steps`` decode steps, for each of
+
+- ``base``: no request with an adapter; ``one``: every request with the same
+  rank-``--rank`` adapter; ``distinct``: each request its own;
+- ``native`` (the native decode loop, cpu_decode.cpp, adding the adapters itself) and
+  ``python`` (``model.native_decode = False``: the Python layer loop, which calls
+  ``LoraRows.add`` after each matmul; the time inside those calls is printed too).
+
+Then ``kernels``: the LoRA additions of one step alone (every layer's four projections
+through ``lora_add``, the adapters' weights as loaded, x and out of the step's shapes),
+for ``one`` and ``distinct``, with cpu_lora.h's one-pass form allowed (its default) and
+with two passes forced (``fuse_blocks_per_thread`` huge): milliseconds per step and the
+adapters' bytes read per second. Rounds interleave every arm; per arm the best round.
+Wall time on a loaded machine is noisy: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def step_arm(core: Any, refs: list[Any], which: str, steps: int, timed: list[int]) -> float:
+    """Median ms of ``steps`` decode steps of ``len(refs)`` requests (``which``)."""
+    from structllm.protocol import AddRequest, SamplingParams
+
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i, ref in enumerate(refs):
+        ids = [rng.randrange(100, 20000) for _ in range(64)]
+        lora = None if which == "base" else refs[0] if which == "one" else ref
+        core.add_request(AddRequest(f"{which}{time.monotonic_ns()}-{i}", ids, params, lora=lora))
+    sched = core.scheduler
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+        core.step()
+    core.step()
+    times, timed[0] = [], 0
+    for _ in range(steps):
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)
+    while sched.running or sched.waiting:
+        core.step()
+    return statistics.median(times) * 1e3
+
+
+def kernel_arm(model: Any, rows: Any, t: int, fuse: int, native: Any) -> float:
+    """ms of one step's LoRA additions (every layer's projections) for ``rows`` of a
+    ``t``-row batch."""
+    import torch
+
+    from structllm.model.lora import layout
+
+    cfg = model.cfg
+    shapes = {}
+    for proj in ("qkv", "o", "gate_up", "down"):
+        k, parts = layout(cfg, proj)
+        shapes[proj] = (k, sum(n for _, n in parts))
+    bufs = {p: (torch.randn(t, k), torch.zeros(t, n)) for p, (k, n) in shapes.items()}
+    was = native.fuse_blocks_per_thread(fuse)
+    try:
+        start = time.perf_counter()
+        for layer in range(cfg.num_layers):
+            for proj, (x, out) in bufs.items():
+                rows.add(layer, proj, x, out)
+        return (time.perf_counter() - start) * 1e3
+    finally:
+        native.fuse_blocks_per_thread(was)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lora-dtype", default="auto")
+    a = ap.parse_args()
+
+    import os
+
+    from bench.lora import write_adapter
+    from structllm.config import EngineConfig, SpeculativeConfig
+    from structllm.engine.core import EngineCore
+    from structllm.model import lora as lora_mod
+    from structllm.protocol import LoraRef
+
+    core = EngineCore(
+        EngineConfig(
+            model=a.model,
+            kv_cache_memory=256 << 20,
+            enable_lora=True,
+            max_loras=a.rows,
+            max_cpu_loras=a.rows,
+            max_lora_rank=max(16, a.rank),
+            lora_dtype=a.lora_dtype,
+            speculative_config=SpeculativeConfig(method="none"),
+        )
+    )
+    model, registry = core.runner.model, core.adapters  # type: ignore[union-attr]
+    assert registry is not None and registry.native is not None, "no native LoRA kernel"
+    tmp = Path(tempfile.mkdtemp())
+    refs = [
+        LoraRef(f"a{i}", i + 1, str(write_adapter(tmp / f"a{i}", model.cfg, a.rank, i)))
+        for i in range(a.rows)
+    ]
+    timed = [0]
+    add = lora_mod.LoraRows.add
+
+    def timed_add(self: Any, *args: Any) -> None:
+        t = time.perf_counter_ns()
+        add(self, *args)
+        timed[0] += time.perf_counter_ns() - t
+
+    lora_mod.LoraRows.add = timed_add  # type: ignore[method-assign]
+    # the kernels' rows: one adapter on every row, or one each
+    pinned = [registry.acquire(r) for r in refs]
+    kernel_rows = {
+        "one": registry.rows([(pinned[0].uid, a.rows)]),
+        "distinct": registry.rows([(p.uid, 1) for p in pinned]),
+    }
+    nbytes = {"one": pinned[0].nbytes, "distinct": sum(p.nbytes for p in pinned)}
+    steps: dict[str, list[tuple[float, float]]] = {}
+    kernels: dict[str, list[float]] = {}
+    for _ in range(a.rounds):
+        for which in ("base", "one", "distinct"):
+            for native in (True, False):
+                model.native_decode = native
+                ms = step_arm(core, refs, which, a.steps, timed)
+                key = f"{which} {'native' if native else 'python'}"
+                steps.setdefault(key, []).append((ms, timed[0] / a.steps / 1e6))
+        model.native_decode = True
+        for which, rows in kernel_rows.items():
+            for label, fuse in (("one pass allowed", 4), ("two passes", 1 << 40)):
+                ms = kernel_arm(model, rows, a.rows, fuse, registry.native)
+                kernels.setdefault(f"{which} {label}", []).append(ms)
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f}; {a.rows} rows, rank {a.rank}, {a.lora_dtype} adapters")
+    print(f"decode loop: {model.decode_why}")
+    base = min(ms for ms, _ in steps["base native"])
+    for key, runs in steps.items():
+        ms, lora_ms = min(runs)
+        inside = f"  (LoraRows.add: {lora_ms:6.1f} ms)" if key.endswith("python") else ""
+        print(f"{key:>16}: step {ms:7.1f} ms  {ms / base:5.2f}x base native{inside}")
+    for key, runs in kernels.items():
+        ms = min(runs)
+        gbs = nbytes[key.split()[0]] / ms / 1e6
+        print(f"kernels {key:>25}: {ms:7.1f} ms/step  adapters read at {gbs:5.1f} GB/s")
+    for p in pinned:
+        registry.release(p.uid)
+    core.close()
+
+
+if __name__ == "__main__":
+    main()
