@@ -1,7 +1,7 @@
 r"""Where a LoRA decode step's time goes: the step, and LoRA's kernels alone.
 
     python bench/lora_step.py [FILE.gguf] [--rows 16] [--steps 12] [--rounds 3] [--rank 16]
-                              [--lora-dtype auto]
+                              [--lora-dtype auto] [--cpu-clock]
 
 On the default model (or FILE), ``--rows`` requests decode together through
 ``EngineCore``; the median wall time of ``--steps`` decode steps, for each of
@@ -14,10 +14,13 @@ On the default model (or FILE), ``--rows`` requests decode together through
 
 Then ``kernels``: the LoRA additions of one step alone (every layer's four projections
 through ``lora_add``, the adapters' weights as loaded, x and out of the step's shapes),
-for ``one`` and ``distinct``, with cpu_lora.h's one-pass form allowed (its default) and
-with two passes forced (``fuse_blocks_per_thread`` huge): milliseconds per step and the
-adapters' bytes read per second. Rounds interleave every arm; per arm the best round.
-Wall time on a loaded machine is noisy: compare within one run.
+for ``one`` and ``distinct``, with cpu_lora.h's defaults, with two passes forced
+(``fuse_blocks_per_thread`` huge) and with blocks of 8 rows (``rows_per_block``, the
+earlier size): milliseconds per step and the adapters' bytes read per second. Rounds
+interleave every arm; per arm the best round.
+Wall time on a loaded machine is noisy: compare within one run. ``--cpu-clock``: one
+kernel thread, and every figure in the calling thread's CPU time (which the kernels then
+run on), far less inflated by other processes than wall time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+CLOCK = time.perf_counter  # --cpu-clock: time.thread_time
+# the kernels' arms: cpu_lora.h's (fuse_blocks_per_thread, rows_per_block)
+KNOBS = {
+    "default": (4, 16),
+    "two passes": (1 << 40, 16),
+    "8 rows a block": (4, 8),
+}
 
 
 def step_arm(core: Any, refs: list[Any], which: str, steps: int, timed: list[int]) -> float:
@@ -50,15 +62,15 @@ def step_arm(core: Any, refs: list[Any], which: str, steps: int, timed: list[int
     core.step()
     times, timed[0] = [], 0
     for _ in range(steps):
-        t = time.perf_counter()
+        t = CLOCK()
         core.step()
-        times.append(time.perf_counter() - t)
+        times.append(CLOCK() - t)
     while sched.running or sched.waiting:
         core.step()
     return statistics.median(times) * 1e3
 
 
-def kernel_arm(model: Any, rows: Any, t: int, fuse: int, native: Any) -> float:
+def kernel_arm(model: Any, rows: Any, t: int, knobs: tuple[int, int], native: Any) -> float:
     """ms of one step's LoRA additions (every layer's projections) for ``rows`` of a
     ``t``-row batch."""
     import torch
@@ -71,15 +83,15 @@ def kernel_arm(model: Any, rows: Any, t: int, fuse: int, native: Any) -> float:
         k, parts = layout(cfg, proj)
         shapes[proj] = (k, sum(n for _, n in parts))
     bufs = {p: (torch.randn(t, k), torch.zeros(t, n)) for p, (k, n) in shapes.items()}
-    was = native.fuse_blocks_per_thread(fuse)
+    was = native.fuse_blocks_per_thread(knobs[0]), native.rows_per_block(knobs[1])
     try:
-        start = time.perf_counter()
+        start = CLOCK()
         for layer in range(cfg.num_layers):
             for proj, (x, out) in bufs.items():
                 rows.add(layer, proj, x, out)
-        return (time.perf_counter() - start) * 1e3
+        return (CLOCK() - start) * 1e3
     finally:
-        native.fuse_blocks_per_thread(was)
+        native.fuse_blocks_per_thread(was[0]), native.rows_per_block(was[1])
 
 
 def main() -> None:
@@ -90,7 +102,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-dtype", default="auto")
+    ap.add_argument("--cpu-clock", action="store_true", help="one thread, thread CPU time")
     a = ap.parse_args()
+    if a.cpu_clock:
+        import torch
+
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
 
     import os
 
@@ -123,9 +142,9 @@ def main() -> None:
     add = lora_mod.LoraRows.add
 
     def timed_add(self: Any, *args: Any) -> None:
-        t = time.perf_counter_ns()
+        t = CLOCK()
         add(self, *args)
-        timed[0] += time.perf_counter_ns() - t
+        timed[0] += int((CLOCK() - t) * 1e9)
 
     lora_mod.LoraRows.add = timed_add  # type: ignore[method-assign]
     # the kernels' rows: one adapter on every row, or one each
@@ -146,11 +165,14 @@ def main() -> None:
                 steps.setdefault(key, []).append((ms, timed[0] / a.steps / 1e6))
         model.native_decode = True
         for which, rows in kernel_rows.items():
-            for label, fuse in (("one pass allowed", 4), ("two passes", 1 << 40)):
-                ms = kernel_arm(model, rows, a.rows, fuse, registry.native)
+            for label, knobs in KNOBS.items():
+                ms = kernel_arm(model, rows, a.rows, knobs, registry.native)
                 kernels.setdefault(f"{which} {label}", []).append(ms)
     load = os.getloadavg()[0]
-    print(f"load average {load:.1f}; {a.rows} rows, rank {a.rank}, {a.lora_dtype} adapters")
+    clock = "thread CPU time, one thread" if a.cpu_clock else "wall time"
+    print(
+        f"load average {load:.1f}; {a.rows} rows, rank {a.rank}, {a.lora_dtype} adapters; {clock}"
+    )
     print(f"decode loop: {model.decode_why}")
     base = min(ms for ms, _ in steps["base native"])
     for key, runs in steps.items():

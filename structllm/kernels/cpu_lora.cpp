@@ -14,7 +14,7 @@
 //
 // An adapter's weights are what a step pays for (rank 16 on every projection of the
 // default model: 20 MB of float32 per adapter, against 80 MB for the whole Q4_1 base), so
-// each is read once per block of ROWS rows, not once per row: the shrink runs over
+// each is read once per block of up to 16 rows, not once per row: the shrink runs over
 // (item, row block) units, each A row dotted with the block's rows while it is in L1,
 // into a scratch s [rows, r_i]; the expand over (item, row block, COLS columns) units,
 // each B^T row's columns added, times s[row, j], into the block's output rows (the
@@ -109,5 +109,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return was;
       },
       "this module's one-pass threshold (cpu_lora.h's run), set for A/B measurements; "
+      "returns the old one");
+  m.def(
+      "rows_per_block",
+      [](int64_t n) {
+        const int64_t was = sl::lora::rows_per_block;
+        sl::lora::rows_per_block = n;
+        return was;
+      },
+      "this module's rows per block (1 to 16, cpu_lora.h), set for A/B measurements; "
       "returns the old one");
 }

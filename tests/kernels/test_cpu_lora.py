@@ -74,11 +74,12 @@ def test_native_lora_add_equals_the_torch_path(isa: str, dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_one_pass_and_two_passes_give_the_same_bits(isa: str) -> None:
+def test_one_pass_two_passes_and_block_sizes_give_the_same_bits(isa: str) -> None:
     # cpu_lora.h's run: with blocks enough for every thread each (part, block) unit
-    # shrinks and expands at once, else two passes (the expand cut by columns); a row's
-    # sums are the same either way. 20 adapters of one row (and one of 19 rows: three
-    # blocks, the last a partial one, and rows of 4 with a lone one), both forms forced
+    # shrinks and expands at once, else two passes (the expand cut by columns); blocks
+    # of up to 16 rows, or fewer; a row's sums are the same every way. 20 adapters of one
+    # row, and one of 19 rows (a full block and a partial one; groups of 4 and lone
+    # rows), every form forced
     native = cpu_ext.load_lora(isa)
     if native is None:
         pytest.skip(f"the {isa} LoRA kernel does not build here")
@@ -89,20 +90,23 @@ def test_one_pass_and_two_passes_give_the_same_bits(isa: str) -> None:
         a.layers[0]["o"] = [
             (torch.randn(16, K, generator=g), torch.randn(16, wide, generator=g), 0)
         ]
+    # (fuse_blocks_per_thread, rows_per_block): one pass always, two always, by block size
+    forms = [(0, 16), (1 << 40, 16), (0, 8), (1 << 40, 3), (0, 1)]
     for spans in ([(a, 1) for a in adapters], [(None, 1), (adapters[0], 19)]):
         t = sum(n for _, n in spans)
         x = torch.randn(t, K, generator=g)
         rows = step_rows(spans, torch.device("cpu"), native)
         assert rows is not None
         outs = []
-        for blocks_per_thread in (0, 1 << 40):  # always one pass; always two
-            was = native.fuse_blocks_per_thread(blocks_per_thread)
+        for fuse, per in forms:
+            was = native.fuse_blocks_per_thread(fuse), native.rows_per_block(per)
             try:
                 qkv, o = torch.zeros(t, N), torch.zeros(t, wide)
                 rows.add(0, "qkv", x, qkv)
                 rows.add(0, "o", x, o)
             finally:
-                native.fuse_blocks_per_thread(was)
+                native.fuse_blocks_per_thread(was[0]), native.rows_per_block(was[1])
             outs.append((qkv, o))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        for qkv, o in outs[1:]:
+            assert torch.equal(qkv, outs[0][0]) and torch.equal(o, outs[0][1])
         assert outs[0][1].abs().sum() > 0
