@@ -302,7 +302,11 @@ def main() -> None:
     p.add_argument("--model", help="a sentence-transformers directory (default: synthetic)")
     p.add_argument("--shape", choices=sorted(SHAPES) + sorted(ENCODER_SHAPES), default="small")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--formats", default="float32:none,auto:auto")
+    p.add_argument(
+        "--formats",
+        default="float32:none,auto:auto",
+        help="structllm arms on the directory, dtype:quantization (empty: none)",
+    )
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     p.add_argument(
         "--gguf",
@@ -315,7 +319,7 @@ def main() -> None:
     args = p.parse_args()
     hold_to_avx2()
     model = Path(args.model) if args.model else synthetic_model(args.shape)
-    rows = [structllm_arm(model, f, args) for f in args.formats.split(",")]
+    rows = [structllm_arm(model, f, args) for f in args.formats.split(",") if f]
     rows.append(st_arm(model, args))
     if args.llama_server and not args.gguf:
         args.gguf = str(gguf_of(model, args.gguf_type))
