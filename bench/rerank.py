@@ -120,7 +120,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     p.add_argument("--gguf", help="a reranker GGUF file (default: the synthetic one)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(ENCODER_SHAPES), default="small")
     p.add_argument("--gguf-type", default="Q8_0", help="F32, or a llama-quantize type")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--documents", type=int, default=50)
