@@ -11,7 +11,11 @@ servers over HTTP with one text per request (the latency rows) or 32 per request
 Without ``--model``, a Qwen3-Embedding-shaped model is built from its config with
 seeded random weights (``--shape``: ``0.6b``, Qwen3-Embedding-0.6B's shape, or
 ``small``: hidden 256, 4 layers), saved by sentence-transformers with the default
-model's tokenizer and cached; the weights do not change the cost.
+model's tokenizer and cached; the weights do not change the cost. ``--shape bge-base``
+is a BERT encoder instead (bge-base-en-v1.5's shape: hidden 768, 12 layers, 12 heads,
+MLP 3072, 512 positions; mean pooling, normalised), with a WordPiece vocabulary that
+holds the benchmark's words whole (one token a word, as the decoder's tokenizer gives);
+its passages are 256-510 words (BERT's 512 positions less ``[CLS]`` and ``[SEP]``).
 
     python bench/embeddings.py [--model DIR] [--shape small|0.6b] [--threads 2]
         [--formats float32:none,auto:auto] [--llama-server PATH] [--gguf FILE]
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -53,6 +58,16 @@ SHAPES: dict[str, dict[str, object]] = {
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
+    ),
+}
+# BERT encoders (``tests.support.encoders``' builders at these sizes)
+ENCODER_SHAPES: dict[str, dict[str, object]] = {
+    "bge-base": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        max_position_embeddings=512,
     ),
 }
 WORDS = [
@@ -101,21 +116,51 @@ WORDS = [
 ]
 
 
+def encoder_size(shape: str) -> Any:
+    """``tests.support.encoders.Size`` of an ``ENCODER_SHAPES`` entry with this
+    benchmark's words."""
+    from tests.support.encoders import Size
+
+    return Size(dict(ENCODER_SHAPES[shape]), tuple(WORDS))
+
+
+def passage_words(shape: str) -> tuple[int, int]:
+    """Words per bulk passage: 256-512, or what an encoder's positions hold."""
+    if shape in ENCODER_SHAPES:
+        return 256, int(ENCODER_SHAPES[shape]["max_position_embeddings"]) - 2  # type: ignore[call-overload]
+    return 256, 512
+
+
+def max_len(shape: str) -> int:
+    """The servers' ``--max-model-len``: 1024, or an encoder's positions."""
+    if shape in ENCODER_SHAPES:
+        return int(ENCODER_SHAPES[shape]["max_position_embeddings"])  # type: ignore[call-overload]
+    return 1024
+
+
 def synthetic_model(shape: str) -> Path:
     """The cached Qwen3-Embedding-shaped sentence-transformers directory of ``shape``,
-    with the default model's tokenizer as it is (which llama.cpp's converter takes)."""
+    with the default model's tokenizer as it is (which llama.cpp's converter takes), or
+    an ``ENCODER_SHAPES`` BERT embedder."""
     from structllm.model.loader import prepare_model
     from tests.support import pooling
 
+    if shape in ENCODER_SHAPES:
+        from tests.support.encoders import tiny_st_encoder
+
+        return tiny_st_encoder("bert", encoder_size(shape))
     files = prepare_model(None)
     return pooling.tiny_st_qwen3(files, plain=True, **SHAPES[shape], max_position_embeddings=1024)
 
 
 def gguf_of(model: Path, qtype: str) -> Path:
-    """``model`` converted by llama.cpp's converter (F32), requantised to ``qtype``."""
+    """``model`` converted by llama.cpp's converter (F32), requantised to ``qtype``. A
+    WordPiece tokenizer (the encoders') goes under the name real BERT files carry, as
+    the converter cannot recognise a made-up one by its hash."""
     from tests.support.llamacpp import convert_hf, quantize
 
-    f32 = convert_hf(model, "f32")
+    kind = json.loads((model / "tokenizer.json").read_text())["model"]["type"]
+    f32 = convert_hf(model, "f32", pre="bert-bge" if kind == "WordPiece" else "")
     return f32 if qtype == "F32" else quantize(f32, qtype)
 
 
@@ -162,7 +207,7 @@ def latencies(fn: Any, items: list[str], concurrency: int) -> list[float]:
 def measure(name: str, embed: Any, args: argparse.Namespace) -> dict[str, Any]:
     """One arm's rows: ``embed(list_of_texts)`` embeds them (one call, one request)."""
     queries = texts(args.queries, 8, 16, 1)
-    passages = texts(32 * args.bulk_batches, 256, 512, 2)
+    passages = texts(32 * args.bulk_batches, *passage_words(args.shape), 2)
     embed(queries[:4])  # warm-up
     row: dict[str, Any] = {"arm": name}
     for c in (1, 8):
@@ -186,7 +231,7 @@ def structllm_arm(
     port = free_port()
     cmd = [sys.executable, "-m", "structllm", "run", str(model), "--port", str(port)]
     cmd += ["--dtype", dtype, "--quantization", quant, "--engine-threads", str(args.threads)]
-    cmd += ["--max-model-len", "1024", "--log-level", "warning"]
+    cmd += ["--max-model-len", str(max_len(args.shape)), "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -237,12 +282,31 @@ def st_arm(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return measure("sentence-transformers", embed, args)
 
 
+def hold_to_avx2() -> None:
+    """With ``STRUCTLLM_CPU_ISA=avx2``, hold torch's own kernels to AVX2 too, in this
+    process (sentence-transformers) and the servers it starts: MKL's sgemm
+    (``MKL_ENABLE_INSTRUCTIONS``), oneDNN (``ONEDNN_MAX_CPU_ISA``) and ATen's vectorised
+    ops (``ATEN_CPU_CAPABILITY``) pick AVX-512 on this CPU otherwise, so that
+    sentence-transformers' "AVX2" figures were AVX-512 ones (MKL's float32 matmuls of
+    one 0.6b layer at 512 rows ran 1.12-1.29x faster unheld, three interleaved runs at
+    load ~14). fbgemm's float16 matmul (structllm's ``auto`` on a float directory) has
+    no such switch: that arm stays AVX-512 here. Call before torch loads."""
+    if os.environ.get("STRUCTLLM_CPU_ISA") == "avx2":
+        os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a sentence-transformers directory (default: synthetic)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--shape", choices=sorted(SHAPES) + sorted(ENCODER_SHAPES), default="small")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--formats", default="float32:none,auto:auto")
+    p.add_argument(
+        "--formats",
+        default="float32:none,auto:auto",
+        help="structllm arms on the directory, dtype:quantization (empty: none)",
+    )
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     p.add_argument(
         "--gguf",
@@ -253,8 +317,9 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=64)
     p.add_argument("--bulk-batches", type=int, default=4)
     args = p.parse_args()
+    hold_to_avx2()
     model = Path(args.model) if args.model else synthetic_model(args.shape)
-    rows = [structllm_arm(model, f, args) for f in args.formats.split(",")]
+    rows = [structllm_arm(model, f, args) for f in args.formats.split(",") if f]
     rows.append(st_arm(model, args))
     if args.llama_server and not args.gguf:
         args.gguf = str(gguf_of(model, args.gguf_type))

@@ -173,6 +173,8 @@ class EncoderHead:
 
         def pair(prefix: str) -> tuple[Tensor, Tensor]:
             w = _gguf_tensor(path, f"{prefix}.weight").to(device, torch.float32)
+            if w.dim() == 1:  # [H]: a one-label classifier [1, H] as llama-quantize writes
+                w = w.unsqueeze(0)  # it (ggml's dimensions, trailing 1s dropped)
             has_bias = f"{prefix}.bias" in names
             b = _gguf_tensor(path, f"{prefix}.bias") if has_bias else torch.zeros(w.shape[0])
             return w, b.reshape(-1).to(device, torch.float32)

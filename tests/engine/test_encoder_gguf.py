@@ -179,3 +179,21 @@ def test_bert_cross_encoder_gguf_scores_as_its_file_says() -> None:
     with encoder_llm(path) as llm:
         ours = [o.outputs.score for o in llm.score([a for a, _ in pairs], [b for _, b in pairs])]
     assert abs(np.array(ours) - want).max() < 1e-5
+
+
+def test_quantised_bert_cross_encoder_gguf_scores_as_its_f32_file() -> None:
+    """llama-quantize writes a one-label classifier ``[1, H]`` with ggml's dimensions
+    (trailing 1s dropped: ``[H]``), whatever its type; the head reads it as one row, so
+    the file scores as the converter's F32 file does (Q8_0's blocks close)."""
+    from tests.engine.test_encoders import cross_encoder_pairs
+    from tests.support.encoders import tiny_cross_encoder
+    from tests.support.llamacpp import quantize
+
+    f32 = gguf_of(tiny_cross_encoder("bert"))
+    pairs = cross_encoder_pairs()
+    scores = []
+    for path in (f32, quantize(f32, "Q8_0")):
+        with encoder_llm(path) as llm:
+            got = llm.score([a for a, _ in pairs], [b for _, b in pairs])
+            scores.append(np.array([o.outputs.score for o in got]))
+    assert abs(scores[1] - scores[0]).max() < 0.02

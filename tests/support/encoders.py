@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,22 @@ SHAPE: dict[str, Any] = dict(
 VERSION = 2  # bump when a builder changes
 
 
+@dataclass(frozen=True)
+class Size:
+    """An encoder at another shape than the tests' (``shape``: transformers config
+    sizes, as ``SHAPE``) whose vocabulary also holds ``words`` whole (one token each)."""
+
+    shape: dict[str, Any]
+    words: tuple[str, ...] = ()
+
+
+def _size_key(kind: str, size: Size | None, what: str) -> str:
+    """The cache key of ``kind`` at ``size`` (the tests' own keys when None)."""
+    if size is None:
+        return _key(kind, SHAPE, what)
+    return _key(kind, size.shape, what, list(size.words))
+
+
 def _key(*parts: object) -> str:
     import transformers
 
@@ -73,13 +90,14 @@ def _key(*parts: object) -> str:
     return hashlib.sha256(spelled.encode()).hexdigest()[:16]
 
 
-def _wordpiece(out: Path) -> int:
-    """BERT's tokenizer in small (lower-cased WordPiece) saved in ``out``; its size."""
+def _wordpiece(out: Path, extra: tuple[str, ...] = ()) -> int:
+    """BERT's tokenizer in small (lower-cased WordPiece; ``extra``: more whole words)
+    saved in ``out``; its size."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    pieces = [*special, *WORDS, *LETTERS, *(f"##{c}" for c in LETTERS), *".,?!-'"]
+    pieces = [*special, *WORDS, *extra, *LETTERS, *(f"##{c}" for c in LETTERS), *".,?!-'"]
     vocab = {p: i for i, p in enumerate(dict.fromkeys(pieces))}
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -128,14 +146,20 @@ def _nfkc_charsmap() -> bytes:
     return charsmap
 
 
-def _unigram(out: Path) -> int:
+def _unigram(out: Path, extra: tuple[str, ...] = ()) -> int:
     """XLM-R's tokenizer in small (a Unigram over ``▁``-prefixed pieces, SentencePiece's
-    NFKC rules, a ``▁`` before the text) in ``out``."""
+    NFKC rules, a ``▁`` before the text; ``extra``: more whole words) in ``out``."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     special = ["<s>", "<pad>", "</s>", "<unk>"]
-    pieces = [*(f"▁{w}" for w in WORDS), *LETTERS, *(f"▁{c}" for c in LETTERS), "▁", *".,?!-'"]
+    pieces = [
+        *(f"▁{w}" for w in (*WORDS, *extra)),
+        *LETTERS,
+        *(f"▁{c}" for c in LETTERS),
+        "▁",
+        *".,?!-'",
+    ]
     vocab = [(p, 0.0) for p in special] + [(p, -float(len(p))) for p in dict.fromkeys(pieces)]
     tok = Tokenizer(models.Unigram(vocab, unk_id=3))
     tok.normalizer = normalizers.Precompiled(_nfkc_charsmap())
@@ -167,29 +191,33 @@ def _randomise_norms(model: Any) -> None:
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
 
 
-def _bert_model(kind: str, out: Path, num_labels: int = 0) -> Any:
+def _bert_model(kind: str, out: Path, num_labels: int = 0, size: Size | None = None) -> Any:
     """A seeded ``BertModel`` (``kind`` "bert") or ``XLMRobertaModel`` with its tokenizer
-    in ``out``; with ``num_labels`` the ``*ForSequenceClassification`` over it."""
+    in ``out``; with ``num_labels`` the ``*ForSequenceClassification`` over it; ``size``:
+    another shape and more words than the tests' (``SHAPE``, ``WORDS``)."""
     import torch
     import transformers
 
     torch.manual_seed({"bert": 7, "xlm_roberta": 8, "nomic_bert": 9}[kind])
+    shape, extra = (SHAPE, ()) if size is None else (size.shape, size.words)
     if kind == "nomic_bert":  # (a WordPiece like BERT's; rotary, SwiGLU)
-        cfg = transformers.NomicBertConfig(vocab_size=_wordpiece(out), type_vocab_size=2, **SHAPE)
+        cfg = transformers.NomicBertConfig(
+            vocab_size=_wordpiece(out, extra), type_vocab_size=2, **shape
+        )
         model = transformers.NomicBertModel(cfg)
         _randomise_norms(model)
         with torch.no_grad():
             model.embeddings.token_type_embeddings.weight.normal_(0, 1.0)
         return model
     if kind == "bert":
-        vocab = _wordpiece(out)
+        vocab = _wordpiece(out, extra)
         cfg: Any = transformers.BertConfig(
-            vocab_size=vocab, type_vocab_size=2, pad_token_id=0, **SHAPE
+            vocab_size=vocab, type_vocab_size=2, pad_token_id=0, **shape
         )
         cls = transformers.BertForSequenceClassification if num_labels else transformers.BertModel
     else:
-        vocab = _unigram(out)
-        shape = {**SHAPE, "max_position_embeddings": SHAPE["max_position_embeddings"] + 2}
+        vocab = _unigram(out, extra)
+        shape = {**shape, "max_position_embeddings": shape["max_position_embeddings"] + 2}
         cfg = transformers.XLMRobertaConfig(
             vocab_size=vocab,
             type_vocab_size=1,
@@ -214,12 +242,14 @@ def _bert_model(kind: str, out: Path, num_labels: int = 0) -> Any:
     return model
 
 
-def tiny_st_encoder(kind: str) -> Path:
+def tiny_st_encoder(kind: str, size: Size | None = None) -> Path:
     """A sentence-transformers embedder in small: ``"bert"`` (all-MiniLM-L6-v2's shape:
     mean pooling, ``Normalize``), ``"xlm_roberta"`` (bge-m3's dense side: CLS pooling,
-    ``Normalize``) or ``"nomic_bert"`` (nomic-embed-text's: mean pooling, ``Normalize``)."""
+    ``Normalize``) or ``"nomic_bert"`` (nomic-embed-text's: mean pooling, ``Normalize``).
+    ``size``: at another shape, with more words (the benchmarks')."""
     pooling = "cls" if kind == "xlm_roberta" else "mean"
-    out = cache_root() / "test-models" / f"tiny-st-{kind}-{_key(kind, SHAPE, pooling)}"
+    shape = SHAPE if size is None else size.shape
+    out = cache_root() / "test-models" / f"tiny-st-{kind}-{_size_key(kind, size, pooling)}"
 
     def build(tmp: Path) -> None:
         from sentence_transformers import SentenceTransformer
@@ -229,10 +259,10 @@ def tiny_st_encoder(kind: str) -> Path:
         body = tmp.with_name(tmp.name + ".body")
         shutil.rmtree(body, ignore_errors=True)
         body.mkdir(parents=True)
-        _bert_model(kind, body).save_pretrained(body)
+        _bert_model(kind, body, size=size).save_pretrained(body)
         modules = [
-            Transformer(str(body), max_seq_length=SHAPE["max_position_embeddings"]),
-            Pooling(SHAPE["hidden_size"], pooling_mode=pooling),
+            Transformer(str(body), max_seq_length=shape["max_position_embeddings"]),
+            Pooling(shape["hidden_size"], pooling_mode=pooling),
             Normalize(),
         ]
         SentenceTransformer(modules=modules).save(str(tmp))
@@ -241,16 +271,17 @@ def tiny_st_encoder(kind: str) -> Path:
     return built_once(out, build)
 
 
-def tiny_cross_encoder(kind: str) -> Path:
+def tiny_cross_encoder(kind: str, size: Size | None = None) -> Path:
     """A one-label cross-encoder in small: ``"bert"`` (ms-marco's
-    ``BertForSequenceClassification``) or ``"xlm_roberta"`` (bge-reranker's)."""
-    out = cache_root() / "test-models" / f"tiny-cross-{kind}-{_key(kind, SHAPE, 'cross')}"
+    ``BertForSequenceClassification``) or ``"xlm_roberta"`` (bge-reranker's); ``size``:
+    at another shape, with more words (the benchmarks')."""
+    out = cache_root() / "test-models" / f"tiny-cross-{kind}-{_size_key(kind, size, 'cross')}"
 
     def build(tmp: Path) -> None:
         import torch
 
         tmp.mkdir(parents=True)
-        model = _bert_model(kind, tmp, num_labels=1)
+        model = _bert_model(kind, tmp, num_labels=1, size=size)
         with torch.no_grad():  # a wider classifier, so the scores spread
             for name, p in model.named_parameters():
                 if name.startswith("classifier") or "pooler" in name:
