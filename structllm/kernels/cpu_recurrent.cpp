@@ -1,14 +1,22 @@
-// Decode steps of hybrid models' recurrent layers (model/recurrent.py, model/deltanet.py):
-// one new token per sequence, each sequence's state in its slot of a [S, ...] float32
-// tensor, read and updated in place. What the torch path does in 5-8 ops (a gather of the
-// slots' states, the update, a scatter back), each a pass over the states, is here one
-// loop over (sequence, channel or head) that touches each state once or twice.
+// Hybrid models' recurrent layers (model/recurrent.py, model/deltanet.py), each sequence's
+// state in its slot of a [S, ...] float32 tensor, read and updated in place.
+//
+// Decode steps: one new token per sequence. What the torch path does in 5-8 ops (a gather
+// of the slots' states, the update, a scatter back), each a pass over the states, is here
+// one loop over (sequence, channel or head) that touches each state once or twice.
+//
+// Prefill chunks (conv_prefill, delta_prefill): each sequence's rows, from its slot's state,
+// in one call for the whole step. The torch path runs some 40 ops per sequence and layer
+// (the delta rule's chunked form: a triangular solve, batched matmuls, a loop over chunks),
+// each a parallel region of its own; here one loop over (sequence, head) runs the chunked
+// form with a chunk's working set in L1.
 //
 // A sequence marked fresh (its first token) starts from a zero state: its slot's old
 // values are never read.
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -150,9 +158,246 @@ torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   return o;
 }
 
+namespace {
+
+// A step's prefill sequences: segs int64 [P, 6], one row per sequence,
+// (first row, end row, slot, fresh, split, saved row): rows first..end-1 run from slot's
+// state (zero where fresh); where saved row >= 0, the state after the first `split` rows
+// is also written to that row of the states (prefix caching's saved state).
+struct Seg {
+  int64_t first, end, slot, fresh, split, row;
+};
+
+std::vector<Seg> read_segs(const torch::Tensor& segs, int64_t T, int64_t S) {
+  TORCH_CHECK(segs.dtype() == torch::kInt64 && segs.dim() == 2 && segs.size(1) == 6 &&
+                  segs.is_contiguous() && segs.device().is_cpu(),
+              "segs: contiguous int64 [P, 6] on the CPU");
+  std::vector<Seg> out(segs.size(0));
+  const int64_t* p = segs.data_ptr<int64_t>();
+  for (size_t i = 0; i < out.size(); i++) {
+    const int64_t* r = p + i * 6;
+    out[i] = {r[0], r[1], r[2], r[3], r[4], r[5]};
+    const Seg& g = out[i];
+    TORCH_CHECK(0 <= g.first && g.first < g.end && g.end <= T, "segs: rows out of range");
+    TORCH_CHECK(0 <= g.slot && g.slot < S && g.row < S && g.row != g.slot,
+                "segs: state slot out of range");
+    TORCH_CHECK(0 < g.split && g.split <= g.end - g.first, "segs: split out of range");
+  }
+  return out;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+constexpr int64_t kChunk = 64;  // rows per chunk of the delta rule (model/deltanet.py's CHUNK)
+
+// One head's working set for a chunk of up to kChunk rows.
+struct DeltaScratch {
+  std::vector<float> q, k, u, o, cum, beta;
+  DeltaScratch(int64_t dk, int64_t dv)
+      : q(kChunk * dk), k(kChunk * dk), u(kChunk * dv), o(kChunk * dv), cum(kChunk), beta(kChunk) {}
+};
+
+// Rows r0..r1-1 (at most kChunk) of head h through the chunked form (deltanet._chunked's
+// docstring), s: the head's state [Dk, Dv], zero: s holds nothing yet (taken as zero).
+// With c_t the log decay summed from the chunk's start through row t:
+//   u_t = beta_t (v_t - e^{c_t} S0^T k_t) - sum_{j<t} beta_t e^{c_t - c_j} (k_t . k_j) u_j
+//   o_t = e^{c_t} S0^T q_t + sum_{j<=t} e^{c_t - c_j} (q_t . k_j) u_j
+//   S   = e^{c_n} S0 + sum_j e^{c_n - c_j} k_j u_j^T
+// (forward substitution of the unit lower-triangular system, row by row: o_t needs only
+// the u_j up to t). Every exponent is <= 0 (g <= 0), so nothing overflows.
+void delta_chunk(const float* qp, const float* kp, const float* vp, const float* gp,
+                 const float* bp, float* op, float* s, bool zero, int64_t r0, int64_t r1,
+                 int64_t h, int64_t H, int64_t Dk, int64_t Dv, DeltaScratch& w) {
+  const int64_t n = r1 - r0;
+  float *Q = w.q.data(), *K = w.k.data(), *U = w.u.data(), *O = w.o.data();
+  float *cum = w.cum.data(), *bt = w.beta.data();
+  float acc = 0.0f;
+  for (int64_t t = 0; t < n; t++) {
+    const int64_t i = (r0 + t) * H + h;
+    acc += gp[i];
+    cum[t] = acc;
+    bt[t] = bp[i];
+    std::copy(qp + i * Dk, qp + (i + 1) * Dk, Q + t * Dk);
+    std::copy(kp + i * Dk, kp + (i + 1) * Dk, K + t * Dk);
+    float *ut = U + t * Dv, *ot = O + t * Dv;
+    for (int64_t e = 0; e < Dv; e++) ut[e] = ot[e] = 0.0f;
+    if (!zero)  // ut = S0^T k_t, ot = S0^T q_t
+      for (int64_t d = 0; d < Dk; d++) {
+        const float kd = K[t * Dk + d], qd = Q[t * Dk + d];
+        const float* sr = s + d * Dv;
+#pragma omp simd
+        for (int64_t e = 0; e < Dv; e++) {
+          ut[e] += kd * sr[e];
+          ot[e] += qd * sr[e];
+        }
+      }
+    const float a = std::exp(cum[t]), b = bt[t];
+    const float* vr = vp + i * Dv;
+#pragma omp simd
+    for (int64_t e = 0; e < Dv; e++) {
+      ut[e] = b * (vr[e] - a * ut[e]);
+      ot[e] *= a;
+    }
+  }
+  for (int64_t t = 0; t < n; t++) {
+    float *ut = U + t * Dv, *ot = O + t * Dv;
+    const float *kt = K + t * Dk, *qt = Q + t * Dk;
+    for (int64_t j = 0; j < t; j++) {  // the substitution: u_t is final after this loop
+      const float c = bt[t] * std::exp(cum[t] - cum[j]) * dot(kt, K + j * Dk, Dk);
+      const float* uj = U + j * Dv;
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; e++) ut[e] -= c * uj[e];
+    }
+    for (int64_t j = 0; j <= t; j++) {
+      const float c = std::exp(cum[t] - cum[j]) * dot(qt, K + j * Dk, Dk);
+      const float* uj = U + j * Dv;
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; e++) ot[e] += c * uj[e];
+    }
+    std::copy(ot, ot + Dv, op + ((r0 + t) * H + h) * Dv);
+  }
+  // the state: K's rows scaled by e^{c_n - c_j} (in place: K is not needed after this)
+  const float last = cum[n - 1], decay = zero ? 0.0f : std::exp(last);
+  for (int64_t j = 0; j < n; j++) {
+    const float c = std::exp(last - cum[j]);
+    for (int64_t d = 0; d < Dk; d++) K[j * Dk + d] *= c;
+  }
+  for (int64_t d = 0; d < Dk; d++) {
+    float* sr = s + d * Dv;
+    if (zero)
+      for (int64_t e = 0; e < Dv; e++) sr[e] = 0.0f;
+    else
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; e++) sr[e] *= decay;
+    for (int64_t j = 0; j < n; j++) {
+      const float kd = K[j * Dk + d];
+      const float* uj = U + j * Dv;
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; e++) sr[e] += kd * uj[e];
+    }
+  }
+}
+
+}  // namespace
+
+// x: [T, C], w: [C, K], bias: [C] or None, states: [S, C, K-1], out: [T, C] (the
+// prefill rows written; act: SiLU after). Row t of a sequence is
+//   bias + sum_j w[c, j] u[t - (K-1) + j]
+// over its inputs u (the positions before its first row from its slot's window, zero
+// where fresh). Then the slot's window holds the last K-1 inputs (and a saved row those
+// up to the split).
+void conv_prefill(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias,
+                  torch::Tensor states, torch::Tensor segs, torch::Tensor out, bool act) {
+  for (auto* t : {&x, &w, &states, &out}) check_f32(*t, "conv_prefill input");
+  const int64_t T = x.size(0), C = x.size(1), K = w.size(1), S = states.size(0), L = K - 1;
+  TORCH_CHECK(w.size(0) == C && states.size(1) == C && states.size(2) == L && K >= 2 &&
+                  out.sizes() == x.sizes(),
+              "conv_prefill: shapes do not agree");
+  const std::vector<Seg> sg = read_segs(segs, T, S);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    bp = bias->data_ptr<float>();
+  }
+  auto wt = w.t().contiguous();  // [K, C]: each tap's weights along the channels
+  const float *xp = x.data_ptr<float>(), *wp = wt.data_ptr<float>();
+  float *yp = out.data_ptr<float>(), *st = states.data_ptr<float>();
+  // every prefill row, with its sequence (rows read only inputs: any order, in parallel)
+  std::vector<int64_t> rows, seq_of;
+  for (size_t i = 0; i < sg.size(); i++)
+    for (int64_t r = sg[i].first; r < sg[i].end; r++) rows.push_back(r), seq_of.push_back(i);
+  sl::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(C);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t r = rows[i];
+      const Seg& g = sg[seq_of[i]];
+      for (int64_t c = 0; c < C; c++) acc[c] = bp != nullptr ? bp[c] : 0.0f;
+      for (int64_t j = 0; j < K; j++) {
+        const int64_t src = r - L + j;
+        const float* wj = wp + j * C;
+        if (src >= g.first) {
+          const float* xr = xp + src * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; c++) acc[c] += wj[c] * xr[c];
+        } else if (!g.fresh) {  // from the window: position src - first of [-L, 0)
+          const float* sp = st + g.slot * C * L + (L + src - g.first);
+          for (int64_t c = 0; c < C; c++) acc[c] += wj[c] * sp[c * L];
+        }
+      }
+      float* yr = yp + r * C;
+      for (int64_t c = 0; c < C; c++) yr[c] = act ? silu(acc[c]) : acc[c];
+    }
+  });
+  std::vector<float> old(C * L);
+  for (const Seg& g : sg) {  // the windows: the saved row's, then the slot's own
+    float* slot = st + g.slot * C * L;
+    if (g.fresh)
+      std::fill(old.begin(), old.end(), 0.0f);
+    else
+      std::copy(slot, slot + C * L, old.begin());
+    auto window = [&](int64_t end, float* dst) {  // the L inputs before row `end`
+      for (int64_t i = 0; i < L; i++) {
+        const int64_t src = end - L + i;
+        for (int64_t c = 0; c < C; c++)
+          dst[c * L + i] = src >= g.first ? xp[src * C + c] : old[c * L + (L + src - g.first)];
+      }
+    };
+    if (g.row >= 0) window(g.first + g.split, st + g.row * C * L);
+    window(g.end, slot);
+  }
+}
+
+// The gated delta rule over the prefill rows. q, k: [T, H, Dk] (l2-normalised, q scaled,
+// key heads expanded to the value heads), v: [T, H, Dv], g, beta: [T, H], states:
+// [S, H, Dk, Dv], out: [T, H, Dv] (the prefill rows written). One task per (sequence,
+// head): its rows in chunks of kChunk, the state in its slot throughout (the split, if
+// any, ends a chunk: the saved row gets the state after it).
+void delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                   torch::Tensor beta, torch::Tensor states, torch::Tensor segs,
+                   torch::Tensor out) {
+  for (auto* t : {&q, &k, &v, &g, &beta, &states, &out}) check_f32(*t, "delta_prefill input");
+  const int64_t T = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2), S = states.size(0);
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == T && v.size(1) == H, "delta_prefill: q/k/v");
+  TORCH_CHECK(g.numel() == T * H && beta.numel() == T * H, "delta_prefill: g/beta [T, H]");
+  TORCH_CHECK(states.size(1) == H && states.size(2) == Dk && states.size(3) == Dv,
+              "delta_prefill: states [S, H, Dk, Dv]");
+  TORCH_CHECK(out.sizes() == v.sizes(), "delta_prefill: out [T, H, Dv]");
+  const std::vector<Seg> sg = read_segs(segs, T, S);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *st = states.data_ptr<float>();
+  const int64_t P = static_cast<int64_t>(sg.size()), hs = Dk * Dv;
+  sl::parallel_for(0, P * H, 1, [&](int64_t i0, int64_t i1) {
+    DeltaScratch w(Dk, Dv);
+    for (int64_t i = i0; i < i1; i++) {
+      const Seg& sq = sg[i / H];
+      const int64_t h = i % H;
+      float* s = st + (sq.slot * H + h) * hs;
+      bool zero = sq.fresh != 0;
+      auto run = [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; r += kChunk) {
+          delta_chunk(qp, kp, vp, gp, bp, op, s, zero, r, std::min(r + kChunk, b), h, H, Dk, Dv,
+                      w);
+          zero = false;
+        }
+      };
+      run(sq.first, sq.first + sq.split);
+      if (sq.row >= 0) std::copy(s, s + hs, st + (sq.row * H + h) * hs);
+      run(sq.first + sq.split, sq.end);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("conv_decode", &conv_decode, "one step of a causal depthwise convolution per slot");
   m.def("delta_decode", &delta_decode, "one step of the gated delta rule per slot");
+  m.def("conv_prefill", &conv_prefill, "a causal depthwise convolution over prefill rows");
+  m.def("delta_prefill", &delta_prefill, "the gated delta rule over prefill rows (chunked)");
 }

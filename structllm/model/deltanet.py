@@ -165,6 +165,10 @@ def gated_delta_rule(
         s.view(-1, dk, dv).baddbmm_(k[:nd].reshape(-1, dk, 1), u.reshape(-1, 1, dv))
         states[rb.slots[:nd]] = s
 
+    if rb.num_seqs > nd and rb.native is not None:  # every prefill row in one call
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        rb.native.delta_prefill(q, k, v, g, beta, states, rb.segments(), o)
+        return o
     for first, end, slot, fresh in rb.prefills(states):
         s0 = states.new_zeros(states.shape[1:]) if fresh else states[slot]  # [Hv, Dk, Dv]
         # heads first: [H, L, D] and [H, L]
