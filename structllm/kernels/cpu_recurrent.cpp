@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu_pool.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -186,20 +187,23 @@ std::vector<Seg> read_segs(const torch::Tensor& segs, int64_t T, int64_t S) {
   return out;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
 constexpr int64_t kChunk = 64;  // rows per chunk of the delta rule (model/deltanet.py's CHUNK)
+using sl::vf;
+using sl::VW;
 
-// One head's working set for a chunk of up to kChunk rows.
+// One head's working set for a chunk of up to kChunk rows (a few tens of KiB: L1/L2).
 struct DeltaScratch {
-  std::vector<float> q, k, u, o, cum, beta;
+  std::vector<float> q, k, kt, u, o, a, b, cum, beta;
   DeltaScratch(int64_t dk, int64_t dv)
-      : q(kChunk * dk), k(kChunk * dk), u(kChunk * dv), o(kChunk * dv), cum(kChunk), beta(kChunk) {}
+      : q(kChunk * dk),
+        k(kChunk * dk),
+        kt(dk * kChunk),
+        u(kChunk * dv),
+        o(kChunk * dv),
+        a(kChunk * kChunk),
+        b(kChunk * kChunk),
+        cum(kChunk),
+        beta(kChunk) {}
 };
 
 // Rows r0..r1-1 (at most kChunk) of head h through the chunked form (deltanet._chunked's
@@ -209,13 +213,15 @@ struct DeltaScratch {
 //   o_t = e^{c_t} S0^T q_t + sum_{j<=t} e^{c_t - c_j} (q_t . k_j) u_j
 //   S   = e^{c_n} S0 + sum_j e^{c_n - c_j} k_j u_j^T
 // (forward substitution of the unit lower-triangular system, row by row: o_t needs only
-// the u_j up to t). Every exponent is <= 0 (g <= 0), so nothing overflows.
+// the u_j up to t). Every exponent used is <= 0 (g <= 0), so nothing overflows.
+// Vectors run along Dv (the state's rows, u, o) or along j (the [C, C] matrices, from K
+// transposed); Dk and Dv are multiples of VW.
 void delta_chunk(const float* qp, const float* kp, const float* vp, const float* gp,
                  const float* bp, float* op, float* s, bool zero, int64_t r0, int64_t r1,
                  int64_t h, int64_t H, int64_t Dk, int64_t Dv, DeltaScratch& w) {
-  const int64_t n = r1 - r0;
-  float *Q = w.q.data(), *K = w.k.data(), *U = w.u.data(), *O = w.o.data();
-  float *cum = w.cum.data(), *bt = w.beta.data();
+  const int64_t n = r1 - r0, nv = (n + VW - 1) / VW * VW;  // n rounded up to whole vectors
+  float *Q = w.q.data(), *K = w.k.data(), *Kt = w.kt.data(), *U = w.u.data(), *O = w.o.data();
+  float *A = w.a.data(), *B = w.b.data(), *cum = w.cum.data(), *bt = w.beta.data();
   float acc = 0.0f;
   for (int64_t t = 0; t < n; t++) {
     const int64_t i = (r0 + t) * H + h;
@@ -224,63 +230,79 @@ void delta_chunk(const float* qp, const float* kp, const float* vp, const float*
     bt[t] = bp[i];
     std::copy(qp + i * Dk, qp + (i + 1) * Dk, Q + t * Dk);
     std::copy(kp + i * Dk, kp + (i + 1) * Dk, K + t * Dk);
-    float *ut = U + t * Dv, *ot = O + t * Dv;
-    for (int64_t e = 0; e < Dv; e++) ut[e] = ot[e] = 0.0f;
-    if (!zero)  // ut = S0^T k_t, ot = S0^T q_t
-      for (int64_t d = 0; d < Dk; d++) {
-        const float kd = K[t * Dk + d], qd = Q[t * Dk + d];
-        const float* sr = s + d * Dv;
-#pragma omp simd
-        for (int64_t e = 0; e < Dv; e++) {
-          ut[e] += kd * sr[e];
-          ot[e] += qd * sr[e];
+    for (int64_t d = 0; d < Dk; d++) Kt[d * kChunk + t] = K[t * Dk + d];
+  }
+  for (int64_t t = n; t < nv; t++) {  // the padding lanes of Kt and cum: finite, unused
+    cum[t] = acc;
+    for (int64_t d = 0; d < Dk; d++) Kt[d * kChunk + t] = 0.0f;
+  }
+  // U = beta (V - e^c K S0), O = e^c Q S0 ([n, Dv]), four rows at a time
+  for (int64_t e = 0; e < Dv; e += VW)
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+      const int64_t m = std::min<int64_t>(4, n - t0);
+      vf ks[4], qs[4];
+      for (int i = 0; i < 4; i++) ks[i] = qs[i] = sl::vzero();
+      if (!zero)
+        for (int64_t d = 0; d < Dk; d++) {
+          const vf sv = sl::vload(s + d * Dv + e);
+          for (int i = 0; i < m; i++) {
+            ks[i] = sl::vfma(sl::vset1(K[(t0 + i) * Dk + d]), sv, ks[i]);
+            qs[i] = sl::vfma(sl::vset1(Q[(t0 + i) * Dk + d]), sv, qs[i]);
+          }
         }
+      for (int i = 0; i < m; i++) {
+        const int64_t t = t0 + i;
+        const vf dec = sl::vset1(std::exp(cum[t]));
+        const vf v = sl::vload(vp + ((r0 + t) * H + h) * Dv + e);
+        sl::vstore(U + t * Dv + e, sl::vmul(sl::vset1(bt[t]), sl::vsub(v, sl::vmul(dec, ks[i]))));
+        sl::vstore(O + t * Dv + e, sl::vmul(dec, qs[i]));
       }
-    const float a = std::exp(cum[t]), b = bt[t];
-    const float* vr = vp + i * Dv;
-#pragma omp simd
-    for (int64_t e = 0; e < Dv; e++) {
-      ut[e] = b * (vr[e] - a * ut[e]);
-      ot[e] *= a;
     }
-  }
+  // A[t, j] = beta_t e^{c_t - c_j} (k_t . k_j), B[t, j] = e^{c_t - c_j} (q_t . k_j), along j
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t j = 0; j <= t; j += VW) {
+      vf kk = sl::vzero(), qk = sl::vzero();
+      for (int64_t d = 0; d < Dk; d++) {
+        const vf kv = sl::vload(Kt + d * kChunk + j);
+        kk = sl::vfma(sl::vset1(K[t * Dk + d]), kv, kk);
+        qk = sl::vfma(sl::vset1(Q[t * Dk + d]), kv, qk);
+      }
+      // lanes past t: exponents > 0, clamped by vexp and never read
+      const vf dec = sl::vexp(sl::vsub(sl::vset1(cum[t]), sl::vload(cum + j)));
+      sl::vstore(A + t * kChunk + j, sl::vmul(sl::vmul(sl::vset1(bt[t]), dec), kk));
+      sl::vstore(B + t * kChunk + j, sl::vmul(dec, qk));
+    }
+  // the substitution (u_t final once the rows before it are) and the outputs, row by row
   for (int64_t t = 0; t < n; t++) {
-    float *ut = U + t * Dv, *ot = O + t * Dv;
-    const float *kt = K + t * Dk, *qt = Q + t * Dk;
-    for (int64_t j = 0; j < t; j++) {  // the substitution: u_t is final after this loop
-      const float c = bt[t] * std::exp(cum[t] - cum[j]) * dot(kt, K + j * Dk, Dk);
-      const float* uj = U + j * Dv;
-#pragma omp simd
-      for (int64_t e = 0; e < Dv; e++) ut[e] -= c * uj[e];
+    const float *at = A + t * kChunk, *bq = B + t * kChunk;
+    for (int64_t e = 0; e < Dv; e += VW) {
+      vf u = sl::vload(U + t * Dv + e);
+      for (int64_t j = 0; j < t; j++)
+        u = sl::vfma(sl::vset1(-at[j]), sl::vload(U + j * Dv + e), u);
+      sl::vstore(U + t * Dv + e, u);
+      vf o = sl::vfma(sl::vset1(bq[t]), u, sl::vload(O + t * Dv + e));
+      for (int64_t j = 0; j < t; j++) o = sl::vfma(sl::vset1(bq[j]), sl::vload(U + j * Dv + e), o);
+      sl::vstore(op + ((r0 + t) * H + h) * Dv + e, o);
     }
-    for (int64_t j = 0; j <= t; j++) {
-      const float c = std::exp(cum[t] - cum[j]) * dot(qt, K + j * Dk, Dk);
-      const float* uj = U + j * Dv;
-#pragma omp simd
-      for (int64_t e = 0; e < Dv; e++) ot[e] += c * uj[e];
-    }
-    std::copy(ot, ot + Dv, op + ((r0 + t) * H + h) * Dv);
   }
-  // the state: K's rows scaled by e^{c_n - c_j} (in place: K is not needed after this)
+  // S = e^{c_n} S0 + (K scaled by e^{c_n - c_j})^T U, four state rows at a time
   const float last = cum[n - 1], decay = zero ? 0.0f : std::exp(last);
   for (int64_t j = 0; j < n; j++) {
     const float c = std::exp(last - cum[j]);
     for (int64_t d = 0; d < Dk; d++) K[j * Dk + d] *= c;
   }
-  for (int64_t d = 0; d < Dk; d++) {
-    float* sr = s + d * Dv;
-    if (zero)
-      for (int64_t e = 0; e < Dv; e++) sr[e] = 0.0f;
-    else
-#pragma omp simd
-      for (int64_t e = 0; e < Dv; e++) sr[e] *= decay;
-    for (int64_t j = 0; j < n; j++) {
-      const float kd = K[j * Dk + d];
-      const float* uj = U + j * Dv;
-#pragma omp simd
-      for (int64_t e = 0; e < Dv; e++) sr[e] += kd * uj[e];
+  for (int64_t e = 0; e < Dv; e += VW)
+    for (int64_t d0 = 0; d0 < Dk; d0 += 4) {
+      const int64_t m = std::min<int64_t>(4, Dk - d0);
+      vf sv[4];
+      for (int i = 0; i < m; i++)
+        sv[i] = zero ? sl::vzero() : sl::vmul(sl::vset1(decay), sl::vload(s + (d0 + i) * Dv + e));
+      for (int64_t j = 0; j < n; j++) {
+        const vf u = sl::vload(U + j * Dv + e);
+        for (int i = 0; i < m; i++) sv[i] = sl::vfma(sl::vset1(K[j * Dk + d0 + i]), u, sv[i]);
+      }
+      for (int i = 0; i < m; i++) sl::vstore(s + (d0 + i) * Dv + e, sv[i]);
     }
-  }
 }
 
 }  // namespace
@@ -367,6 +389,7 @@ void delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   TORCH_CHECK(states.size(1) == H && states.size(2) == Dk && states.size(3) == Dv,
               "delta_prefill: states [S, H, Dk, Dv]");
   TORCH_CHECK(out.sizes() == v.sizes(), "delta_prefill: out [T, H, Dv]");
+  TORCH_CHECK(Dk % VW == 0 && Dv % VW == 0, "delta_prefill: head sizes not multiples of ", VW);
   const std::vector<Seg> sg = read_segs(segs, T, S);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();

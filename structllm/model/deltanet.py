@@ -165,7 +165,8 @@ def gated_delta_rule(
         s.view(-1, dk, dv).baddbmm_(k[:nd].reshape(-1, dk, 1), u.reshape(-1, 1, dv))
         states[rb.slots[:nd]] = s
 
-    if rb.num_seqs > nd and rb.native is not None:  # every prefill row in one call
+    # every prefill row in one call (cpu_recurrent.cpp; its vectors: 16-float multiples)
+    if rb.num_seqs > nd and rb.native is not None and dk % 16 == 0 and dv % 16 == 0:
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         rb.native.delta_prefill(q, k, v, g, beta, states, rb.segments(), o)
         return o
