@@ -416,6 +416,78 @@ void delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   });
 }
 
+// The delta rule's inputs from a Gated DeltaNet layer's projections, in one pass over the
+// rows (what deltanet.GatedDeltaNet.forward does in ~15 torch ops). qkv: [T, 2 Hk Dk + H Dv]
+// (after the convolution and its SiLU), b, a: [T, H], A_log, dt_bias: [H] ->
+// q, k: [T, H, Dk] (l2-normalised as deltanet.l2norm, q times scale, key head h / (H / Hk)
+// or, tiled, h % Hk), v: [T, H, Dv], g = -e^{A_log} softplus(a + dt_bias), beta =
+// sigmoid(b): [T, H].
+std::vector<torch::Tensor> delta_inputs(torch::Tensor qkv, torch::Tensor b, torch::Tensor a,
+                                        torch::Tensor a_log, torch::Tensor dt_bias, int64_t Hk,
+                                        int64_t Dk, int64_t Dv, bool tiled, double scale) {
+  for (auto* t : {&qkv, &b, &a, &a_log, &dt_bias}) check_f32(*t, "delta_inputs input");
+  const int64_t T = qkv.size(0), H = a_log.numel(), Kd = Hk * Dk;
+  TORCH_CHECK(Hk > 0 && H % Hk == 0, "delta_inputs: value heads not a multiple of key heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == 2 * Kd + H * Dv, "delta_inputs: qkv [T, C]");
+  TORCH_CHECK(b.numel() == T * H && a.numel() == T * H && dt_bias.numel() == H,
+              "delta_inputs: b, a [T, H], dt_bias [H]");
+  auto q = torch::empty({T, H, Dk}, qkv.options()), k = torch::empty_like(q);
+  auto v = torch::empty({T, H, Dv}, qkv.options());
+  auto g = torch::empty({T, H}, qkv.options()), beta = torch::empty_like(g);
+  const float *xp = qkv.data_ptr<float>(), *bp = b.data_ptr<float>(), *ap = a.data_ptr<float>();
+  const float *alp = a_log.data_ptr<float>(), *dtp = dt_bias.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *btp = beta.data_ptr<float>();
+  const int64_t C = qkv.size(1), group = H / Hk;
+  const float sc = static_cast<float>(scale);
+  sl::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qn(Kd), kn(Kd);
+    for (int64_t t = t0; t < t1; t++) {
+      const float* row = xp + t * C;
+      for (int64_t i = 0; i < Hk; i++) {  // l2norm: x / sqrt(sum x^2 + 1e-6)
+        const float *qi = row + i * Dk, *ki = row + Kd + i * Dk;
+        float sq = 0.0f, sk = 0.0f;
+        for (int64_t d = 0; d < Dk; d++) sq += qi[d] * qi[d], sk += ki[d] * ki[d];
+        const float rq = sc / std::sqrt(sq + 1e-6f), rk = 1.0f / std::sqrt(sk + 1e-6f);
+        for (int64_t d = 0; d < Dk; d++) qn[i * Dk + d] = qi[d] * rq, kn[i * Dk + d] = ki[d] * rk;
+      }
+      for (int64_t h = 0; h < H; h++) {
+        const int64_t i = tiled ? h % Hk : h / group, r = t * H + h;
+        std::copy(qn.begin() + i * Dk, qn.begin() + (i + 1) * Dk, qp + r * Dk);
+        std::copy(kn.begin() + i * Dk, kn.begin() + (i + 1) * Dk, kp + r * Dk);
+        std::copy(row + 2 * Kd + h * Dv, row + 2 * Kd + (h + 1) * Dv, vp + r * Dv);
+        const float x = ap[r] + dtp[h];
+        const float sp = x > 20.0f ? x : std::log1p(std::exp(x));  // F.softplus's threshold
+        gp[r] = -std::exp(alp[h]) * sp;
+        btp[r] = 1.0f / (1.0f + std::exp(-bp[r]));
+      }
+    }
+  });
+  return {q, k, v, g, beta};
+}
+
+// deltanet.gated_rms_norm over heads, flattened: o: [T, H, Dv], z: [T, H * Dv], weight:
+// [Dv] -> [T, H * Dv], each head's row weight * o / rms(o) * silu(z).
+torch::Tensor gated_norm(torch::Tensor o, torch::Tensor z, torch::Tensor weight, double eps) {
+  for (auto* t : {&o, &z, &weight}) check_f32(*t, "gated_norm input");
+  const int64_t T = o.size(0), H = o.size(1), Dv = o.size(2);
+  TORCH_CHECK(z.numel() == T * H * Dv && weight.numel() == Dv, "gated_norm: shapes");
+  auto y = torch::empty({T, H * Dv}, o.options());
+  const float *op = o.data_ptr<float>(), *zp = z.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  sl::parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const float *x = op + i * Dv, *zr = zp + i * Dv;
+      float ss = 0.0f;
+      for (int64_t e = 0; e < Dv; e++) ss += x[e] * x[e];
+      const float r = 1.0f / std::sqrt(ss / Dv + static_cast<float>(eps));
+      float* yr = yp + i * Dv;
+      for (int64_t e = 0; e < Dv; e++) yr[e] = wp[e] * (x[e] * r) * silu(zr[e]);
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
@@ -423,4 +495,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_decode", &delta_decode, "one step of the gated delta rule per slot");
   m.def("conv_prefill", &conv_prefill, "a causal depthwise convolution over prefill rows");
   m.def("delta_prefill", &delta_prefill, "the gated delta rule over prefill rows (chunked)");
+  m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
+  m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
 }

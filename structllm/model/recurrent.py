@@ -171,7 +171,7 @@ def causal_conv1d(
             states,
             rb.slots[:nd],
             rb.fresh_mask[:nd],
-            False,
+            silu,
         )
     elif nd:
         # [nd, C, K]: the window ending at each decode row
@@ -180,9 +180,10 @@ def causal_conv1d(
         y = (window * weight).sum(-1)
         out[:nd] = y if bias is None else y + bias
         states[rb.slots[:nd]] = window[:, :, 1:].to(states.dtype)
-    if rb.num_seqs > nd and native is not None:  # every prefill row in one call
-        native.conv_prefill(x, weight, bias, states, rb.segments(), out, False)
-        return F.silu(out) if silu else out
+    if native is not None:  # every prefill row in one call; the SiLU in the kernels
+        if rb.num_seqs > nd:
+            native.conv_prefill(x, weight, bias, states, rb.segments(), out, silu)
+        return out
     for a, b, slot, fresh in rb.prefills(states):
         prev = states.new_zeros(states.shape[1:]) if fresh else states[slot]
         prev = prev.to(x.dtype)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from structllm.kernels import cpu_ext
 from structllm.kernels.attention import AttentionMetadata
-from structllm.model.deltanet import gated_delta_rule, l2norm
+from structllm.model.deltanet import GatedDeltaNet, gated_delta_rule, l2norm
 from structllm.model.recurrent import RecurrentBatch, causal_conv1d
 
 pytestmark = pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2 on this CPU")
@@ -200,3 +200,25 @@ def test_prefill_segments_out_of_range_are_refused(isa: str) -> None:
             native.conv_prefill(  # type: ignore[attr-defined]
                 x, w, None, states, torch.tensor([seg]), out, False
             )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_deltanet_layer_native_equals_torch_ops(isa: str, tiled: bool) -> None:
+    # the whole mixer on a mixed step: delta_inputs (norms, gates, the key heads' order),
+    # the convolution's SiLU in its kernels, decode and prefill rows, gated_norm
+    native = module(isa)
+    torch.manual_seed(4)
+    layer = GatedDeltaNet(64, 2, 4, 32, 48, 4, 1e-6, tiled_values=tiled)
+    for p in layer.parameters():
+        p.data = torch.randn_like(p) * (0.2 if p.dim() == 2 else 1.0)
+    layer.A_log.data = torch.rand(4).log()
+    x = torch.randn(ROWS, 64)
+    conv, rec = torch.randn(9, layer.conv_dim, 3), torch.randn(9, 4, 32, 48) * 0.1
+    ours = (conv.clone(), rec.clone())
+    ref = (conv.clone(), rec.clone())
+    got = layer(x, ours, mixed_batch(native))
+    want = layer(x, ref, mixed_batch(None))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
