@@ -16,6 +16,8 @@
 
 #include <torch/extension.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +42,17 @@ void check_f32(const torch::Tensor& t, const char* name) {
 }
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// Denormals flushed to zero (inputs and results) on this thread while in scope. A head
+// with a fast decay (g of -10 and below: trained models have them) takes its state and
+// the chunk's e^{c_t - c_j} terms under 1e-38, where every multiply by a denormal costs
+// a microcode assist of ~100 cycles: a 2,048-token prefill ran 6x slower than with
+// random, slow decays. Values that small are zero to float32 arithmetic anyway.
+struct FlushDenormals {
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
 
 }  // namespace
 
@@ -115,6 +128,7 @@ torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* fp = fresh.data_ptr<bool>();
   sl::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
     std::vector<float> u(Dv);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H;
@@ -396,6 +410,7 @@ void delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   float *op = out.data_ptr<float>(), *st = states.data_ptr<float>();
   const int64_t P = static_cast<int64_t>(sg.size()), hs = Dk * Dv;
   sl::parallel_for(0, P * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
     DeltaScratch w(Dk, Dv);
     for (int64_t i = i0; i < i1; i++) {
       const Seg& sq = sg[i / H];
