@@ -16,7 +16,10 @@ transformers' ``repeat_interleave``).
 
 Prefill chunks run the chunked (WY / UT-transform) form that transformers'
 ``torch_chunk_gated_delta_rule`` and FLA use; see ``_chunked``. Decode rows run the
-recurrence above as one batched update over all decoding slots.
+recurrence above as one batched update over all decoding slots. Where the recurrent
+kernels are in use (``RecurrentBatch.native``), both run in ``cpu_recurrent.cpp``
+(``delta_decode``, ``delta_prefill``: the same chunked form, all sequences in one call),
+as do the layer's inputs and gated norm (``GatedDeltaNet._native_rule``).
 """
 
 from __future__ import annotations
