@@ -174,7 +174,7 @@ RECURRENT_SOURCE = Path(__file__).with_name("cpu_recurrent.cpp")
 
 @cache
 def load_recurrent(isa: str | None = None) -> Any | None:
-    """Hybrid models' recurrent decode steps (``conv_decode``, ``delta_decode``) built
+    """Hybrid models' recurrent kernels (decode steps and prefill chunks) built
     for ``isa`` (default ``best_isa()``), or None if the CPU lacks AVX2 or the build
     fails."""
     isa = isa or best_isa()
@@ -185,7 +185,7 @@ def load_recurrent(isa: str | None = None) -> Any | None:
             f"structllm_recurrent_{isa}",
             RECURRENT_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
-            "the recurrent-layer decode kernels (about 20 s)",
+            "the recurrent-layer kernels (about 20 s)",
         )
     )
 

@@ -1,20 +1,31 @@
-// Decode steps of hybrid models' recurrent layers (model/recurrent.py, model/deltanet.py):
-// one new token per sequence, each sequence's state in its slot of a [S, ...] float32
-// tensor, read and updated in place. What the torch path does in 5-8 ops (a gather of the
-// slots' states, the update, a scatter back), each a pass over the states, is here one
-// loop over (sequence, channel or head) that touches each state once or twice.
+// Hybrid models' recurrent layers (model/recurrent.py, model/deltanet.py), each sequence's
+// state in its slot of a [S, ...] float32 tensor, read and updated in place.
+//
+// Decode steps: one new token per sequence. What the torch path does in 5-8 ops (a gather
+// of the slots' states, the update, a scatter back), each a pass over the states, is here
+// one loop over (sequence, channel or head) that touches each state once or twice.
+//
+// Prefill chunks (conv_prefill, delta_prefill): each sequence's rows, from its slot's state,
+// in one call for the whole step. The torch path runs some 40 ops per sequence and layer
+// (the delta rule's chunked form: a triangular solve, batched matmuls, a loop over chunks),
+// each a parallel region of its own; here one loop over (sequence, head) runs the chunked
+// form with a chunk's working set in L1.
 //
 // A sequence marked fresh (its first token) starts from a zero state: its slot's old
 // values are never read.
 
 #include <torch/extension.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
 #include "cpu_pool.h"
+#include "cpu_simd.h"
 
 namespace {
 
@@ -31,6 +42,20 @@ void check_f32(const torch::Tensor& t, const char* name) {
 }
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+// the same through cpu_simd.h's exp_approx (relative error < 2e-7), which GCC vectorises:
+// libm's expf is scalar, and a prefill's [T, C] SiLU was most of conv_prefill's time
+inline float silu_fast(float v) { return v / (1.0f + sl::exp_approx(-v)); }
+
+// Denormals flushed to zero (inputs and results) on this thread while in scope. A head
+// with a fast decay (g of -10 and below: trained models have them) takes its state and
+// the chunk's e^{c_t - c_j} terms under 1e-38, where every multiply by a denormal costs
+// a microcode assist of ~100 cycles: a 2,048-token prefill ran 6x slower than with
+// random, slow decays. Values that small are zero to float32 arithmetic anyway.
+struct FlushDenormals {
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
 
 }  // namespace
 
@@ -106,6 +131,7 @@ torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* fp = fresh.data_ptr<bool>();
   sl::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
     std::vector<float> u(Dv);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H;
@@ -150,9 +176,348 @@ torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   return o;
 }
 
+namespace {
+
+// A step's prefill sequences: segs int64 [P, 6], one row per sequence,
+// (first row, end row, slot, fresh, split, saved row): rows first..end-1 run from slot's
+// state (zero where fresh); where saved row >= 0, the state after the first `split` rows
+// is also written to that row of the states (prefix caching's saved state).
+struct Seg {
+  int64_t first, end, slot, fresh, split, row;
+};
+
+std::vector<Seg> read_segs(const torch::Tensor& segs, int64_t T, int64_t S) {
+  TORCH_CHECK(segs.dtype() == torch::kInt64 && segs.dim() == 2 && segs.size(1) == 6 &&
+                  segs.is_contiguous() && segs.device().is_cpu(),
+              "segs: contiguous int64 [P, 6] on the CPU");
+  std::vector<Seg> out(segs.size(0));
+  const int64_t* p = segs.data_ptr<int64_t>();
+  for (size_t i = 0; i < out.size(); i++) {
+    const int64_t* r = p + i * 6;
+    out[i] = {r[0], r[1], r[2], r[3], r[4], r[5]};
+    const Seg& g = out[i];
+    TORCH_CHECK(0 <= g.first && g.first < g.end && g.end <= T, "segs: rows out of range");
+    TORCH_CHECK(0 <= g.slot && g.slot < S && g.row < S && g.row != g.slot,
+                "segs: state slot out of range");
+    TORCH_CHECK(0 < g.split && g.split <= g.end - g.first, "segs: split out of range");
+  }
+  return out;
+}
+
+constexpr int64_t kChunk = 64;  // rows per chunk of the delta rule (model/deltanet.py's CHUNK)
+using sl::vf;
+using sl::VW;
+
+// One head's working set for a chunk of up to kChunk rows (a few tens of KiB: L1/L2).
+struct DeltaScratch {
+  std::vector<float> q, k, kt, u, o, a, b, cum, beta;
+  DeltaScratch(int64_t dk, int64_t dv)
+      : q(kChunk * dk),
+        k(kChunk * dk),
+        kt(dk * kChunk),
+        u(kChunk * dv),
+        o(kChunk * dv),
+        a(kChunk * kChunk),
+        b(kChunk * kChunk),
+        cum(kChunk),
+        beta(kChunk) {}
+};
+
+// Rows r0..r1-1 (at most kChunk) of head h through the chunked form (deltanet._chunked's
+// docstring), s: the head's state [Dk, Dv], zero: s holds nothing yet (taken as zero).
+// With c_t the log decay summed from the chunk's start through row t:
+//   u_t = beta_t (v_t - e^{c_t} S0^T k_t) - sum_{j<t} beta_t e^{c_t - c_j} (k_t . k_j) u_j
+//   o_t = e^{c_t} S0^T q_t + sum_{j<=t} e^{c_t - c_j} (q_t . k_j) u_j
+//   S   = e^{c_n} S0 + sum_j e^{c_n - c_j} k_j u_j^T
+// (forward substitution of the unit lower-triangular system, row by row: o_t needs only
+// the u_j up to t). Every exponent used is <= 0 (g <= 0), so nothing overflows.
+// Vectors run along Dv (the state's rows, u, o) or along j (the [C, C] matrices, from K
+// transposed); Dk and Dv are multiples of VW.
+void delta_chunk(const float* qp, const float* kp, const float* vp, const float* gp,
+                 const float* bp, float* op, float* s, bool zero, int64_t r0, int64_t r1,
+                 int64_t h, int64_t H, int64_t Dk, int64_t Dv, DeltaScratch& w) {
+  const int64_t n = r1 - r0, nv = (n + VW - 1) / VW * VW;  // n rounded up to whole vectors
+  float *Q = w.q.data(), *K = w.k.data(), *Kt = w.kt.data(), *U = w.u.data(), *O = w.o.data();
+  float *A = w.a.data(), *B = w.b.data(), *cum = w.cum.data(), *bt = w.beta.data();
+  float acc = 0.0f;
+  for (int64_t t = 0; t < n; t++) {
+    const int64_t i = (r0 + t) * H + h;
+    acc += gp[i];
+    cum[t] = acc;
+    bt[t] = bp[i];
+    std::copy(qp + i * Dk, qp + (i + 1) * Dk, Q + t * Dk);
+    std::copy(kp + i * Dk, kp + (i + 1) * Dk, K + t * Dk);
+    for (int64_t d = 0; d < Dk; d++) Kt[d * kChunk + t] = K[t * Dk + d];
+  }
+  for (int64_t t = n; t < nv; t++) {  // the padding lanes of Kt and cum: finite, unused
+    cum[t] = acc;
+    for (int64_t d = 0; d < Dk; d++) Kt[d * kChunk + t] = 0.0f;
+  }
+  // U = beta (V - e^c K S0), O = e^c Q S0 ([n, Dv]), four rows at a time
+  for (int64_t e = 0; e < Dv; e += VW)
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+      const int64_t m = std::min<int64_t>(4, n - t0);
+      vf ks[4], qs[4];
+      for (int i = 0; i < 4; i++) ks[i] = qs[i] = sl::vzero();
+      if (!zero)
+        for (int64_t d = 0; d < Dk; d++) {
+          const vf sv = sl::vload(s + d * Dv + e);
+          for (int i = 0; i < m; i++) {
+            ks[i] = sl::vfma(sl::vset1(K[(t0 + i) * Dk + d]), sv, ks[i]);
+            qs[i] = sl::vfma(sl::vset1(Q[(t0 + i) * Dk + d]), sv, qs[i]);
+          }
+        }
+      for (int i = 0; i < m; i++) {
+        const int64_t t = t0 + i;
+        const vf dec = sl::vset1(std::exp(cum[t]));
+        const vf v = sl::vload(vp + ((r0 + t) * H + h) * Dv + e);
+        sl::vstore(U + t * Dv + e, sl::vmul(sl::vset1(bt[t]), sl::vsub(v, sl::vmul(dec, ks[i]))));
+        sl::vstore(O + t * Dv + e, sl::vmul(dec, qs[i]));
+      }
+    }
+  // A[t, j] = beta_t e^{c_t - c_j} (k_t . k_j), B[t, j] = e^{c_t - c_j} (q_t . k_j), along j
+  for (int64_t t = 0; t < n; t++)
+    for (int64_t j = 0; j <= t; j += VW) {
+      vf kk = sl::vzero(), qk = sl::vzero();
+      for (int64_t d = 0; d < Dk; d++) {
+        const vf kv = sl::vload(Kt + d * kChunk + j);
+        kk = sl::vfma(sl::vset1(K[t * Dk + d]), kv, kk);
+        qk = sl::vfma(sl::vset1(Q[t * Dk + d]), kv, qk);
+      }
+      // lanes past t: exponents > 0, clamped by vexp and never read
+      const vf dec = sl::vexp(sl::vsub(sl::vset1(cum[t]), sl::vload(cum + j)));
+      sl::vstore(A + t * kChunk + j, sl::vmul(sl::vmul(sl::vset1(bt[t]), dec), kk));
+      sl::vstore(B + t * kChunk + j, sl::vmul(dec, qk));
+    }
+  // the substitution (u_t final once the rows before it are) and the outputs, row by row
+  for (int64_t t = 0; t < n; t++) {
+    const float *at = A + t * kChunk, *bq = B + t * kChunk;
+    for (int64_t e = 0; e < Dv; e += VW) {
+      vf u = sl::vload(U + t * Dv + e);
+      for (int64_t j = 0; j < t; j++)
+        u = sl::vfma(sl::vset1(-at[j]), sl::vload(U + j * Dv + e), u);
+      sl::vstore(U + t * Dv + e, u);
+      vf o = sl::vfma(sl::vset1(bq[t]), u, sl::vload(O + t * Dv + e));
+      for (int64_t j = 0; j < t; j++) o = sl::vfma(sl::vset1(bq[j]), sl::vload(U + j * Dv + e), o);
+      sl::vstore(op + ((r0 + t) * H + h) * Dv + e, o);
+    }
+  }
+  // S = e^{c_n} S0 + (K scaled by e^{c_n - c_j})^T U, four state rows at a time
+  const float last = cum[n - 1], decay = zero ? 0.0f : std::exp(last);
+  for (int64_t j = 0; j < n; j++) {
+    const float c = std::exp(last - cum[j]);
+    for (int64_t d = 0; d < Dk; d++) K[j * Dk + d] *= c;
+  }
+  for (int64_t e = 0; e < Dv; e += VW)
+    for (int64_t d0 = 0; d0 < Dk; d0 += 4) {
+      const int64_t m = std::min<int64_t>(4, Dk - d0);
+      vf sv[4];
+      for (int i = 0; i < m; i++)
+        sv[i] = zero ? sl::vzero() : sl::vmul(sl::vset1(decay), sl::vload(s + (d0 + i) * Dv + e));
+      for (int64_t j = 0; j < n; j++) {
+        const vf u = sl::vload(U + j * Dv + e);
+        for (int i = 0; i < m; i++) sv[i] = sl::vfma(sl::vset1(K[j * Dk + d0 + i]), u, sv[i]);
+      }
+      for (int i = 0; i < m; i++) sl::vstore(s + (d0 + i) * Dv + e, sv[i]);
+    }
+}
+
+}  // namespace
+
+// x: [T, C], w: [C, K], bias: [C] or None, states: [S, C, K-1], out: [T, C] (the
+// prefill rows written; act: SiLU after). Row t of a sequence is
+//   bias + sum_j w[c, j] u[t - (K-1) + j]
+// over its inputs u (the positions before its first row from its slot's window, zero
+// where fresh). Then the slot's window holds the last K-1 inputs (and a saved row those
+// up to the split).
+void conv_prefill(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias,
+                  torch::Tensor states, torch::Tensor segs, torch::Tensor out, bool act) {
+  for (auto* t : {&x, &w, &states, &out}) check_f32(*t, "conv_prefill input");
+  const int64_t T = x.size(0), C = x.size(1), K = w.size(1), S = states.size(0), L = K - 1;
+  TORCH_CHECK(w.size(0) == C && states.size(1) == C && states.size(2) == L && K >= 2 &&
+                  out.sizes() == x.sizes(),
+              "conv_prefill: shapes do not agree");
+  const std::vector<Seg> sg = read_segs(segs, T, S);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    bp = bias->data_ptr<float>();
+  }
+  auto wt = w.t().contiguous();  // [K, C]: each tap's weights along the channels
+  const float *xp = x.data_ptr<float>(), *wp = wt.data_ptr<float>();
+  float *yp = out.data_ptr<float>(), *st = states.data_ptr<float>();
+  // every prefill row, with its sequence (rows read only inputs: any order, in parallel)
+  std::vector<int64_t> rows, seq_of;
+  for (size_t i = 0; i < sg.size(); i++)
+    for (int64_t r = sg[i].first; r < sg[i].end; r++) rows.push_back(r), seq_of.push_back(i);
+  sl::parallel_for(0, static_cast<int64_t>(rows.size()), 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> acc(C);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t r = rows[i];
+      const Seg& g = sg[seq_of[i]];
+      for (int64_t c = 0; c < C; c++) acc[c] = bp != nullptr ? bp[c] : 0.0f;
+      for (int64_t j = 0; j < K; j++) {
+        const int64_t src = r - L + j;
+        const float* wj = wp + j * C;
+        if (src >= g.first) {
+          const float* xr = xp + src * C;
+#pragma omp simd
+          for (int64_t c = 0; c < C; c++) acc[c] += wj[c] * xr[c];
+        } else if (!g.fresh) {  // from the window: position src - first of [-L, 0)
+          const float* sp = st + g.slot * C * L + (L + src - g.first);
+          for (int64_t c = 0; c < C; c++) acc[c] += wj[c] * sp[c * L];
+        }
+      }
+      float* yr = yp + r * C;
+      if (act)
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) yr[c] = silu_fast(acc[c]);
+      else
+        std::copy(acc.begin(), acc.end(), yr);
+    }
+  });
+  std::vector<float> old(C * L);
+  for (const Seg& g : sg) {  // the windows: the saved row's, then the slot's own
+    float* slot = st + g.slot * C * L;
+    if (g.fresh)
+      std::fill(old.begin(), old.end(), 0.0f);
+    else
+      std::copy(slot, slot + C * L, old.begin());
+    auto window = [&](int64_t end, float* dst) {  // the L inputs before row `end`
+      for (int64_t i = 0; i < L; i++) {
+        const int64_t src = end - L + i;
+        for (int64_t c = 0; c < C; c++)
+          dst[c * L + i] = src >= g.first ? xp[src * C + c] : old[c * L + (L + src - g.first)];
+      }
+    };
+    if (g.row >= 0) window(g.first + g.split, st + g.row * C * L);
+    window(g.end, slot);
+  }
+}
+
+// The gated delta rule over the prefill rows. q, k: [T, H, Dk] (l2-normalised, q scaled,
+// key heads expanded to the value heads), v: [T, H, Dv], g, beta: [T, H], states:
+// [S, H, Dk, Dv], out: [T, H, Dv] (the prefill rows written). One task per (sequence,
+// head): its rows in chunks of kChunk, the state in its slot throughout (the split, if
+// any, ends a chunk: the saved row gets the state after it).
+void delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                   torch::Tensor beta, torch::Tensor states, torch::Tensor segs,
+                   torch::Tensor out) {
+  for (auto* t : {&q, &k, &v, &g, &beta, &states, &out}) check_f32(*t, "delta_prefill input");
+  const int64_t T = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2), S = states.size(0);
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == T && v.size(1) == H, "delta_prefill: q/k/v");
+  TORCH_CHECK(g.numel() == T * H && beta.numel() == T * H, "delta_prefill: g/beta [T, H]");
+  TORCH_CHECK(states.size(1) == H && states.size(2) == Dk && states.size(3) == Dv,
+              "delta_prefill: states [S, H, Dk, Dv]");
+  TORCH_CHECK(out.sizes() == v.sizes(), "delta_prefill: out [T, H, Dv]");
+  TORCH_CHECK(Dk % VW == 0 && Dv % VW == 0, "delta_prefill: head sizes not multiples of ", VW);
+  const std::vector<Seg> sg = read_segs(segs, T, S);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *st = states.data_ptr<float>();
+  const int64_t P = static_cast<int64_t>(sg.size()), hs = Dk * Dv;
+  sl::parallel_for(0, P * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
+    DeltaScratch w(Dk, Dv);
+    for (int64_t i = i0; i < i1; i++) {
+      const Seg& sq = sg[i / H];
+      const int64_t h = i % H;
+      float* s = st + (sq.slot * H + h) * hs;
+      bool zero = sq.fresh != 0;
+      auto run = [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; r += kChunk) {
+          delta_chunk(qp, kp, vp, gp, bp, op, s, zero, r, std::min(r + kChunk, b), h, H, Dk, Dv,
+                      w);
+          zero = false;
+        }
+      };
+      run(sq.first, sq.first + sq.split);
+      if (sq.row >= 0) std::copy(s, s + hs, st + (sq.row * H + h) * hs);
+      run(sq.first + sq.split, sq.end);
+    }
+  });
+}
+
+// The delta rule's inputs from a Gated DeltaNet layer's projections, in one pass over the
+// rows (what deltanet.GatedDeltaNet.forward does in ~15 torch ops). qkv: [T, 2 Hk Dk + H Dv]
+// (after the convolution and its SiLU), b, a: [T, H], A_log, dt_bias: [H] ->
+// q, k: [T, H, Dk] (l2-normalised as deltanet.l2norm, q times scale, key head h / (H / Hk)
+// or, tiled, h % Hk), v: [T, H, Dv], g = -e^{A_log} softplus(a + dt_bias), beta =
+// sigmoid(b): [T, H].
+std::vector<torch::Tensor> delta_inputs(torch::Tensor qkv, torch::Tensor b, torch::Tensor a,
+                                        torch::Tensor a_log, torch::Tensor dt_bias, int64_t Hk,
+                                        int64_t Dk, int64_t Dv, bool tiled, double scale) {
+  for (auto* t : {&qkv, &b, &a, &a_log, &dt_bias}) check_f32(*t, "delta_inputs input");
+  const int64_t T = qkv.size(0), H = a_log.numel(), Kd = Hk * Dk;
+  TORCH_CHECK(Hk > 0 && H % Hk == 0, "delta_inputs: value heads not a multiple of key heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == 2 * Kd + H * Dv, "delta_inputs: qkv [T, C]");
+  TORCH_CHECK(b.numel() == T * H && a.numel() == T * H && dt_bias.numel() == H,
+              "delta_inputs: b, a [T, H], dt_bias [H]");
+  auto q = torch::empty({T, H, Dk}, qkv.options()), k = torch::empty_like(q);
+  auto v = torch::empty({T, H, Dv}, qkv.options());
+  auto g = torch::empty({T, H}, qkv.options()), beta = torch::empty_like(g);
+  const float *xp = qkv.data_ptr<float>(), *bp = b.data_ptr<float>(), *ap = a.data_ptr<float>();
+  const float *alp = a_log.data_ptr<float>(), *dtp = dt_bias.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *btp = beta.data_ptr<float>();
+  const int64_t C = qkv.size(1), group = H / Hk;
+  const float sc = static_cast<float>(scale);
+  sl::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qn(Kd), kn(Kd);
+    for (int64_t t = t0; t < t1; t++) {
+      const float* row = xp + t * C;
+      for (int64_t i = 0; i < Hk; i++) {  // l2norm: x / sqrt(sum x^2 + 1e-6)
+        const float *qi = row + i * Dk, *ki = row + Kd + i * Dk;
+        float sq = 0.0f, sk = 0.0f;
+        for (int64_t d = 0; d < Dk; d++) sq += qi[d] * qi[d], sk += ki[d] * ki[d];
+        const float rq = sc / std::sqrt(sq + 1e-6f), rk = 1.0f / std::sqrt(sk + 1e-6f);
+        for (int64_t d = 0; d < Dk; d++) qn[i * Dk + d] = qi[d] * rq, kn[i * Dk + d] = ki[d] * rk;
+      }
+      for (int64_t h = 0; h < H; h++) {
+        const int64_t i = tiled ? h % Hk : h / group, r = t * H + h;
+        std::copy(qn.begin() + i * Dk, qn.begin() + (i + 1) * Dk, qp + r * Dk);
+        std::copy(kn.begin() + i * Dk, kn.begin() + (i + 1) * Dk, kp + r * Dk);
+        std::copy(row + 2 * Kd + h * Dv, row + 2 * Kd + (h + 1) * Dv, vp + r * Dv);
+        const float x = ap[r] + dtp[h];
+        const float sp = x > 20.0f ? x : std::log1p(std::exp(x));  // F.softplus's threshold
+        gp[r] = -std::exp(alp[h]) * sp;
+        btp[r] = 1.0f / (1.0f + std::exp(-bp[r]));
+      }
+    }
+  });
+  return {q, k, v, g, beta};
+}
+
+// deltanet.gated_rms_norm over heads, flattened: o: [T, H, Dv], z: [T, H * Dv], weight:
+// [Dv] -> [T, H * Dv], each head's row weight * o / rms(o) * silu(z).
+torch::Tensor gated_norm(torch::Tensor o, torch::Tensor z, torch::Tensor weight, double eps) {
+  for (auto* t : {&o, &z, &weight}) check_f32(*t, "gated_norm input");
+  const int64_t T = o.size(0), H = o.size(1), Dv = o.size(2);
+  TORCH_CHECK(z.numel() == T * H * Dv && weight.numel() == Dv, "gated_norm: shapes");
+  auto y = torch::empty({T, H * Dv}, o.options());
+  const float *op = o.data_ptr<float>(), *zp = z.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  sl::parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const float *x = op + i * Dv, *zr = zp + i * Dv;
+      float ss = 0.0f;
+      for (int64_t e = 0; e < Dv; e++) ss += x[e] * x[e];
+      const float r = 1.0f / std::sqrt(ss / Dv + static_cast<float>(eps));
+      float* yr = yp + i * Dv;
+#pragma omp simd
+      for (int64_t e = 0; e < Dv; e++) yr[e] = wp[e] * (x[e] * r) * silu_fast(zr[e]);
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
   m.def("conv_decode", &conv_decode, "one step of a causal depthwise convolution per slot");
   m.def("delta_decode", &delta_decode, "one step of the gated delta rule per slot");
+  m.def("conv_prefill", &conv_prefill, "a causal depthwise convolution over prefill rows");
+  m.def("delta_prefill", &delta_prefill, "the gated delta rule over prefill rows (chunked)");
+  m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
+  m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
 }

@@ -16,7 +16,10 @@ transformers' ``repeat_interleave``).
 
 Prefill chunks run the chunked (WY / UT-transform) form that transformers'
 ``torch_chunk_gated_delta_rule`` and FLA use; see ``_chunked``. Decode rows run the
-recurrence above as one batched update over all decoding slots.
+recurrence above as one batched update over all decoding slots. Where the recurrent
+kernels are in use (``RecurrentBatch.native``), both run in ``cpu_recurrent.cpp``
+(``delta_decode``, ``delta_prefill``: the same chunked form, all sequences in one call),
+as do the layer's inputs and gated norm (``GatedDeltaNet._native_rule``).
 """
 
 from __future__ import annotations
@@ -165,6 +168,11 @@ def gated_delta_rule(
         s.view(-1, dk, dv).baddbmm_(k[:nd].reshape(-1, dk, 1), u.reshape(-1, 1, dv))
         states[rb.slots[:nd]] = s
 
+    # every prefill row in one call (cpu_recurrent.cpp; its vectors: 16-float multiples)
+    if rb.num_seqs > nd and rb.native is not None and dk % 16 == 0 and dv % 16 == 0:
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        rb.native.delta_prefill(q, k, v, g, beta, states, rb.segments(), o)
+        return o
     for first, end, slot, fresh in rb.prefills(states):
         s0 = states.new_zeros(states.shape[1:]) if fresh else states[slot]  # [Hv, Dk, Dv]
         # heads first: [H, L, D] and [H, L]
@@ -300,6 +308,35 @@ class GatedDeltaNet(nn.Module):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         return (2 * hk * dk + hv * dv, cfg.linear_conv_kernel_dim - 1), (hv, dk, dv)
 
+    def _native_rule(
+        self, qkv: Tensor, b: Tensor, a: Tensor, states: Tensor, rb: RecurrentBatch
+    ) -> Tensor:
+        """The delta rule from the convolution's output ``qkv [T, C]`` through
+        ``cpu_recurrent.cpp`` alone: its inputs in one pass (``delta_inputs``: what
+        ``forward`` computes in torch's ops), the decode rows, then every prefill row
+        -> ``o [T, Hv, Dv]`` float32."""
+        nat, nd, dk = rb.native, rb.num_decodes, self.head_k_dim
+        q, k, v, g, beta = nat.delta_inputs(
+            qkv,
+            b.float().contiguous(),
+            a.float().contiguous(),
+            self.A_log.float().contiguous(),
+            self.dt_bias.float().contiguous(),
+            self.num_k_heads,
+            dk,
+            self.head_v_dim,
+            self.tiled_values,
+            dk**-0.5,
+        )
+        o = torch.empty_like(v)
+        if nd:
+            o[:nd] = nat.delta_decode(
+                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states, rb.slots[:nd], rb.fresh_mask[:nd]
+            )
+        if rb.num_seqs > nd:
+            nat.delta_prefill(q, k, v, g, beta, states, rb.segments(), o)
+        return o
+
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         """``x: [T, hidden]`` (the step's rows as ``rb`` lays them out), ``states``: the
         convolution's ``[S, C, K - 1]`` and the rule's ``[S, Hv, Dk, Dv]`` float32 (both
@@ -312,6 +349,10 @@ class GatedDeltaNet(nn.Module):
         b = linear(x, self.in_proj_b)  # [T, Hv]
         a = linear(x, self.in_proj_a)  # [T, Hv]
         qkv = causal_conv1d(qkv, self.conv1d, None, conv_states, rb, silu=True)  # [T, C]
+        if rb.native is not None and dk % 16 == 0 and dv % 16 == 0 and qkv.dtype == torch.float32:
+            o = self._native_rule(qkv, b, a, rec_states, rb)  # [T, Hv, Dv]
+            y = rb.native.gated_norm(o, z.float().contiguous(), self.norm.float(), self.eps)
+            return linear(y.to(x.dtype), self.out_proj)  # [T, hidden]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(t, hk, dk))  # [T, Hk, Dk]
         k = l2norm(k.reshape(t, hk, dk))  # [T, Hk, Dk]

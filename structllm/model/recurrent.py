@@ -97,6 +97,24 @@ class RecurrentBatch:
             if k < b - a:
                 yield a + k, b, slot, False
 
+    def segments(self) -> Tensor:
+        """The prefill sequences for the native prefill kernels (``cpu_recurrent.cpp``'s
+        ``conv_prefill``, ``delta_prefill``): int64 ``[P, 6]`` on the CPU, one row per
+        sequence, ``(first row, end row, slot, fresh, split, saved row)``: what
+        ``prefills`` runs, the state after the first ``split`` rows copied to the saved
+        row (-1: none; then ``split`` is the whole chunk)."""
+        save = {i: (k, row) for i, k, row in self.saves}
+        if any(i < self.num_decodes for i in save):
+            raise ValueError("a decode row saves no state")
+        s, rows = self.starts, []
+        for i in range(self.num_decodes, self.num_seqs):
+            a, b = s[i], s[i + 1]
+            k, row = save.get(i, (b - a, -1))
+            if not 0 < k <= b - a:
+                raise ValueError(f"a state saved {k} rows into a {b - a}-row chunk")
+            rows.append((a, b, self.slot_list[i], int(self.fresh[i]), k, row))
+        return torch.tensor(rows, dtype=torch.long).reshape(len(rows), 6)
+
     def decode_states(self, states: Tensor) -> Tensor:
         """The decode sequences' states ``[nd, ...]`` (a copy), zero where fresh."""
         nd = self.num_decodes
@@ -143,15 +161,17 @@ def causal_conv1d(
     out = torch.empty_like(x)
     nd = rb.num_decodes
     native = rb.native if x.dtype == weight.dtype == states.dtype == torch.float32 else None
+    if native is not None:
+        x, weight = x.contiguous(), weight.contiguous()
     if nd and native is not None:  # one pass over the slots' windows (cpu_recurrent.cpp)
         out[:nd] = native.conv_decode(
-            x[:nd].contiguous(),
-            weight.contiguous(),
+            x[:nd],
+            weight,
             bias,
             states,
             rb.slots[:nd],
             rb.fresh_mask[:nd],
-            False,
+            silu,
         )
     elif nd:
         # [nd, C, K]: the window ending at each decode row
@@ -160,6 +180,10 @@ def causal_conv1d(
         y = (window * weight).sum(-1)
         out[:nd] = y if bias is None else y + bias
         states[rb.slots[:nd]] = window[:, :, 1:].to(states.dtype)
+    if native is not None:  # every prefill row in one call; the SiLU in the kernels
+        if rb.num_seqs > nd:
+            native.conv_prefill(x, weight, bias, states, rb.segments(), out, silu)
+        return out
     for a, b, slot, fresh in rb.prefills(states):
         prev = states.new_zeros(states.shape[1:]) if fresh else states[slot]
         prev = prev.to(x.dtype)

@@ -179,8 +179,9 @@ def test_state_slots_share_the_cache_budget(path: Path) -> None:
 
 
 def test_native_decode_steps_equal_torch_ops(path: Path) -> None:
-    # the default format (fused CPU ops): decode rows through cpu_recurrent.cpp, or, with
-    # the kernels taken away, through torch's ops; the same tokens and logprobs
+    # the default format (fused CPU ops): decode rows and prefill chunks (saved states
+    # at block boundaries included) through cpu_recurrent.cpp, or, with the kernels taken
+    # away, through torch's ops; the same tokens and logprobs
     from structllm.kernels import cpu_ext
 
     if cpu_ext.load_recurrent() is None:
