@@ -243,26 +243,58 @@ inline void quads8(const uint8_t* p, int64_t stride, d8::v8i t[8]) {
   }
 }
 
-// Q6_K's int16 row kernel on the file's layout (quant_linear.cpp's d8::rows8_q6k on the
-// 28-byte blocks): per super-block and half of it, the 8 rows' ql and qh bytes are
-// transposed (lane r: row r) and the four sub-blocks' 6-bit quants put together for the
-// 8 rows at once into a tile [sub-block][quad][lane]; then per sub-block, pairs of k as
-// int16 (a byte shuffle into the words' high bytes, an arithmetic shift: signed), one
-// vpdpwssd (vpmaddwd + vpaddd) per pair and activation row, weights 0-15 into scale
-// 2j's sum, 16-31 into 2j + 1's. The fold is rows8_q6k's (scale 2j's sum, then 2j +
-// 1's, d = D sc exact), so the outputs are bit for bit those of the 28-byte blocks and
-// of the blocked GEMM.
+// one sub-block's tile t[8] (lane r: row r's quants - 32, quads of k) against MT
+// activation rows (xb: the sub-block's 32 activations of row 0, row stride K): pairs of
+// k as int16 (a byte shuffle into the words' high bytes, an arithmetic shift: signed),
+// one vpdpwssd (vpmaddwd + vpaddd) per pair and row, weights 0-15 into scale 2j's sum,
+// 16-31 into 2j + 1's; then the two folds (d0, d1: the 8 rows' scales; dx, xs: the
+// block's at row 0, row stride nb)
 template <int MT>
-inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t* xq, int64_t K, const float* dx,
-                     const float* xs, float* out, int64_t N, const uint8_t* ahead) {
-  const int64_t nb = K / QK;
+inline void q6_sub(const d8::v8i t[8], const int16_t* xb, int64_t K, d8::v8f d0, d8::v8f d1, const float* dx,
+                   const float* xs, int64_t nb, d8::v8f* acc) {
   // per 32-bit lane: bytes 0, 1 (first) or 2, 3 (second) into the high bytes of two words
   const d8::v8i first = _mm256_setr_epi8(-1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4,
                                          -1, 5, -1, 8, -1, 9, -1, 12, -1, 13);
   const d8::v8i second = _mm256_add_epi8(first, _mm256_and_si256(_mm256_set1_epi16(0x0200),
                                                                  _mm256_cmpgt_epi8(first, _mm256_set1_epi8(-1))));
-  const d8::v8i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
   constexpr int CH = MT <= 2 ? 2 : 1;  // chains per scale (the dot products' latency at 1-2 rows)
+  d8::v8i sum[2][CH][MT];  // [scale][chain][activation row]
+  for (auto& sc : sum)
+    for (auto& ch : sc)
+      for (auto& v : ch) v = _mm256_setzero_si256();
+  // quads q (weights 4q.., scale 2j) and q + 4 (16 + 4q.., scale 2j + 1) side by side:
+  // the two scales' sums are independent chains
+  SL_UNROLL_ROWS for (int q = 0; q < 4; q++) {
+    SL_UNROLL_ROWS for (int sc = 0; sc < 2; sc++) {
+      const d8::v8i wf = _mm256_srai_epi16(_mm256_shuffle_epi8(t[q + 4 * sc], first), 8);
+      const d8::v8i ws = _mm256_srai_epi16(_mm256_shuffle_epi8(t[q + 4 * sc], second), 8);
+      const int k = 4 * (q + 4 * sc);
+      SL_UNROLL_ROWS for (int m = 0; m < MT; m++) {
+        sum[sc][0][m] = d8::dot(sum[sc][0][m], wf, d8::bcast_pair(xb + m * K + k));
+        sum[sc][CH - 1][m] = d8::dot(sum[sc][CH - 1][m], ws, d8::bcast_pair(xb + m * K + k + 2));
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    d8::v8i s0 = sum[0][0][m], s1 = sum[1][0][m];
+    if constexpr (CH == 2) s0 = _mm256_add_epi32(s0, sum[0][1][m]), s1 = _mm256_add_epi32(s1, sum[1][1][m]);
+    acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s0, d0, d1, dx[m * nb], xs[m * nb]);
+    acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s1, d1, d1, dx[m * nb], xs[m * nb]);
+  }
+}
+
+// Q6_K's int16 row kernel on the file's layout (quant_linear.cpp's d8::rows8_q6k on the
+// 28-byte blocks): per super-block and half of it, the 8 rows' ql and qh bytes are
+// transposed (lane r: row r) and the four sub-blocks' 6-bit quants put together for the
+// 8 rows at once into a tile [sub-block][quad][lane], built once for every activation
+// row (more than 4 rows: two passes of q6_sub over it). The fold is rows8_q6k's (scale
+// 2j's sum, then 2j + 1's, d = D sc exact), so the outputs are bit for bit those of the
+// 28-byte blocks and of the blocked GEMM.
+template <int MT>
+inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t* xq, int64_t K, const float* dx,
+                     const float* xs, float* out, int64_t N, const uint8_t* ahead) {
+  const int64_t nb = K / QK;
+  const d8::v8i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
   d8::v8f acc[MT];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int s = 0; s < ns; s++) {
@@ -300,29 +332,11 @@ inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t*
     transpose_bytes(hi, sct + 64);
     for (int j = 0; j < SUBS; j++) {
       const int16_t* xb = xq + static_cast<int64_t>(s) * QK_K + j * QK;
-      d8::v8i sum[2][CH][MT];  // [scale][chain][activation row]
-      for (auto& sc : sum)
-        for (auto& ch : sc)
-          for (auto& v : ch) v = _mm256_setzero_si256();
-      SL_UNROLL_ROWS for (int q = 0; q < 8; q++) {
-        const d8::v8i t = six[j][q];
-        const d8::v8i wf = _mm256_srai_epi16(_mm256_shuffle_epi8(t, first), 8);
-        const d8::v8i ws = _mm256_srai_epi16(_mm256_shuffle_epi8(t, second), 8);
-        d8::v8i* s0 = sum[q / 4][0];
-        d8::v8i* s1 = sum[q / 4][CH - 1];
-        SL_UNROLL_ROWS for (int m = 0; m < MT; m++) {
-          s0[m] = d8::dot(s0[m], wf, d8::bcast_pair(xb + m * K + 4 * q));
-          s1[m] = d8::dot(s1[m], ws, d8::bcast_pair(xb + m * K + 4 * q + 2));
-        }
-      }
       const d8::v8f d0 = times_signed(D, sct + 8 * (2 * j)), d1 = times_signed(D, sct + 8 * (2 * j + 1));
       const int64_t b = static_cast<int64_t>(s) * SUBS + j;
-      for (int m = 0; m < MT; m++) {
-        d8::v8i s0 = sum[0][0][m], s1 = sum[1][0][m];
-        if constexpr (CH == 2) s0 = _mm256_add_epi32(s0, sum[0][1][m]), s1 = _mm256_add_epi32(s1, sum[1][1][m]);
-        acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s0, d0, d1, dx[m * nb + b], xs[m * nb + b]);
-        acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s1, d1, d1, dx[m * nb + b], xs[m * nb + b]);
-      }
+      // activation rows 0-3, then 4-7 (the accumulators' registers), on the same tile
+      q6_sub<std::min(MT, 4)>(six[j], xb, K, d0, d1, dx + b, xs + b, nb, acc);
+      if constexpr (MT > 4) q6_sub<MT - 4>(six[j], xb + 4 * K, K, d0, d1, dx + 4 * nb + b, xs + 4 * nb + b, nb, acc + 4);
     }
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
@@ -373,7 +387,7 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   for (int64_t n = n0; n < n1; n++) {
     if (n < N8) {
       const uint8_t* g = w + n * group;
-      if constexpr (MT > 4) {  // the registers: 4 rows, then the rest
+      if constexpr (MT > 4 && F::kType != Q6_K) {  // the registers: 4 rows, then the rest (Q6_K: inside)
         group_of<F, 4>(g, row_bytes, ns, q, K, d, s, o + 8 * n, N, g + dist);
         group_of<F, MT - 4>(g, row_bytes, ns, q + 4 * K, K, d + 4 * (K / QK), s + 4 * (K / QK), o + 4 * N + 8 * n, N,
                             g + dist);
