@@ -58,11 +58,11 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int NTYPES = 12;
-// packed.BLOCK_BYTES (0: float16 rows, 9, and MXFP4, 10, are not taken here); Q4_K's 18 a 32
-// is its 144 bytes a super-block of 256, IQ4_XS's 17 a 32 its 136
-constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 18, 26, 28, 18, 0, 0, 17};
-constexpr int kQ4K = 5;     // the file's super-blocks of 256: K a multiple of 256
-constexpr int kIQ4XS = 11;  // super-blocks of 256: K a multiple of 256
+// bytes per 256 weights (packed.BLOCK_BYTES times 8; 0: float16 rows, 9, and MXFP4, 10,
+// are not taken here): the k-quants' and IQ4_XS's super-blocks as in the file
+constexpr int kBytes256[NTYPES] = {144, 160, 272, 176, 192, 144, 176, 210, 144, 0, 0, 136};
+// the types held as super-blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS): K a multiple of 256
+constexpr bool held_as_super(int64_t t) { return (t >= 5 && t <= 7) || t == 11; }
 
 using Table = sl::LinearFn[NTYPES][3];
 using PartSpec = std::tuple<torch::Tensor, int64_t, bool>;  // (raw [rows, bytes] uint8, type, int8 allowed)
@@ -93,10 +93,10 @@ Matrix matrix_of(const std::vector<PartSpec>& specs, int64_t rows, int64_t k, co
   Matrix m{{}, rows, k};
   int64_t total = 0;
   for (const auto& [raw, type, int8] : specs) {
-    TORCH_CHECK(type >= 0 && type < NTYPES && kBlockBytes[type] > 0, "cpu_decode: ", what, ": bad block type ", type);
+    TORCH_CHECK(type >= 0 && type < NTYPES && kBytes256[type] > 0, "cpu_decode: ", what, ": bad block type ", type);
     TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "cpu_decode: ", what,
                 ": parts must be [rows, bytes] uint8, contiguous");
-    TORCH_CHECK(k % (type == kIQ4XS || type == kQ4K ? 8 * QK : QK) == 0 && raw.size(1) == k / QK * kBlockBytes[type], "cpu_decode: ", what,
+    TORCH_CHECK(k % (held_as_super(type) ? 8 * QK : QK) == 0 && raw.size(1) * 256 == k * kBytes256[type], "cpu_decode: ", what,
                 ": a part's row bytes do not hold ", k, " weights of its type");
     m.parts.push_back({raw, raw.data_ptr<uint8_t>(), raw.size(0), raw.numel(), static_cast<int>(type), int8});
     total += raw.size(0);

@@ -66,9 +66,10 @@ namespace {
 constexpr int QK = 32;
 constexpr int NTYPES = 12;  // the GGUF block types, float16 rows (packed.F16_CODE), MXFP4, IQ4_XS
 constexpr int kF16 = 9;     // float16 rows: 2 bytes a weight, any K
-constexpr int kBlockBytes[NTYPES] = {18, 20, 34, 22, 24, 18, 26, 28, 18, 64, 17, 17};  // packed.BLOCK_BYTES (Q4_K: 144 per 256); 32 halves
-constexpr int kQ4K = 5;     // the file's super-blocks of 256 (144 bytes): K a multiple of 256
-constexpr int kIQ4XS = 11;  // super-blocks of 256 (136 bytes): K a multiple of 256
+// bytes per 256 weights (packed.BLOCK_BYTES times 8; float16 rows: 256 halves)
+constexpr int kBytes256[NTYPES] = {144, 160, 272, 176, 192, 144, 176, 210, 144, 512, 136, 136};
+// the types held as the file's super-blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS): K a multiple of 256
+constexpr bool held_as_super(int64_t t) { return (t >= 5 && t <= 7) || t == 11; }
 constexpr int64_t kMinChunk = 32;  // weight rows per item at least (each item re-quantises x)
 
 using LinearFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
@@ -91,7 +92,7 @@ std::vector<Part> parts_of(const std::vector<PartSpec>& specs, int64_t rows, int
     TORCH_CHECK(type >= 0 && type < NTYPES, "cpu_moe: ", what, ": bad block type ", type);
     TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "cpu_moe: ", what,
                 ": parts must be [rows, bytes] uint8, contiguous");
-    const bool ok = type == kF16 ? raw.size(1) == 2 * k : k % (type == kIQ4XS || type == kQ4K ? 8 * QK : QK) == 0 && raw.size(1) == k / QK * kBlockBytes[type];
+    const bool ok = type == kF16 ? raw.size(1) == 2 * k : k % (held_as_super(type) ? 8 * QK : QK) == 0 && raw.size(1) * 256 == k * kBytes256[type];
     TORCH_CHECK(ok, "cpu_moe: ", what, ": a part's row bytes do not hold ", k, " weights of its type");
     out.push_back({raw, raw.data_ptr<uint8_t>(), raw.size(0), raw.size(1), static_cast<int>(type), int8});
     total += raw.size(0);

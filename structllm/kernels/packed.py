@@ -6,11 +6,9 @@ A weight ``W [N, K]`` is one of:
 - ``HalfWeight``: float16 packed for fbgemm's ``linear_dynamic_fp16`` (CPU): half the
   bytes of float32, float32 activations and accumulation;
 - ``BlockWeight``: GGUF blocks run by the C++ kernels of ``quant_linear.cpp`` (CPU,
-  AVX2 or AVX-512): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and Q4_K (super-blocks of 256, see
-  cpu_kquants.h) as laid in the file; the k-quants
-  Q5_K, Q6_K repacked once at load (``repack``) into self-contained blocks of 32
-  (their super-block's float16 scales and their own integer sub-scales), bit-exact to
-  ggml's dequantisation; IQ4_NL as laid in the file (Q4_0's
+  AVX2 or AVX-512): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the k-quants Q4_K, Q5_K, Q6_K
+  (super-blocks of 256, see cpu_kquants.h) as laid in the file, bit-exact to ggml's
+  dequantisation; IQ4_NL as laid in the file (Q4_0's
   layout, each nibble an index into ggml's 16 non-linear levels); MXFP4 likewise (an
   E8M0 exponent byte, then the nibbles: E2M1 values; gpt-oss's experts); IQ4_XS as
   laid in the file (super-blocks of 256: IQ4_NL's levels under 6-bit sub-block scales,
@@ -57,16 +55,17 @@ BLOCK_TYPES = {
     "MXFP4": 10,  # (9: float16 rows, F16_CODE)
     "IQ4_XS": 11,
 }
-# bytes per 32 weights as the kernels hold them (Q5_K, Q6_K: after ``repack``)
-BLOCK_BYTES = {
+# bytes per 32 weights as the kernels hold them, all as in the file (the types held as
+# super-blocks of 256: their bytes / 8, Q6_K's 210 / 8 no whole number: see ``row_bytes``)
+BLOCK_BYTES: dict[str, float] = {
     "Q4_0": 18,
     "Q4_1": 20,
     "Q8_0": 34,
     "Q5_0": 22,
     "Q5_1": 24,
-    "Q4_K": 18,  # as in the file: 144 bytes per super-block of 256
-    "Q5_K": 26,
-    "Q6_K": 28,
+    "Q4_K": 18,  # 144 bytes per super-block of 256
+    "Q5_K": 22,  # 176
+    "Q6_K": 26.25,  # 210
     "IQ4_NL": 18,
     "MXFP4": 17,
     "IQ4_XS": 17,  # 136 bytes a super-block of 256, held as in the file
@@ -78,9 +77,6 @@ F16_CODE = 9
 # the k-quants: super-blocks of SUPER weights, FILE_BYTES bytes each in the file
 SUPER = 256
 FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-# the k-quants repacked at load into blocks of 32 (Q4_K runs as the file lays it out:
-# cpu_kquants.h)
-REPACKED = frozenset({"Q5_K", "Q6_K"})
 # the types held as the file's super-blocks of SUPER weights (cpu_iquants.h): a matrix's
 # columns are whole super-blocks, and the kernels' int16 mode runs 8-bit activations
 NATIVE_SUPER = frozenset({"IQ4_XS"})
@@ -95,8 +91,16 @@ def granule(type_name: str) -> int:
 
 def held_as_super(type_name: str) -> bool:
     """Whether the kernels hold ``type_name`` as the file's super-blocks of SUPER weights
-    (IQ4_XS, Q4_K), so a column cut must fall between super-blocks."""
-    return type_name in NATIVE_SUPER or (type_name in FILE_BYTES and type_name not in REPACKED)
+    (IQ4_XS and the k-quants), so a column cut must fall between super-blocks."""
+    return type_name in NATIVE_SUPER or type_name in FILE_BYTES
+
+
+def row_bytes(type_name: str, k: int) -> int:
+    """Bytes of ``k`` weights (whole granules) of ``type_name`` as the kernels hold them:
+    the file's bytes for every type."""
+    if held_as_super(type_name):
+        return k // SUPER * int(BLOCK_BYTES[type_name] * (SUPER // BLOCK))
+    return k // BLOCK * int(BLOCK_BYTES[type_name])
 
 
 # Kernel paths (the C++ ``linear``'s mode codes).
@@ -270,7 +274,7 @@ def _per_block(b: np.ndarray) -> np.ndarray:
 
 def repack(raw: np.ndarray, type_name: str) -> np.ndarray:
     """A k-quant tensor's file bytes (super-blocks of 256 weights, ggml-common.h) ->
-    self-contained blocks of 32 as the kernels hold them, ``[n_super * 8, BLOCK_BYTES]``
+    self-contained blocks of 32 as the kernels held them, ``[n_super * 8, 22 / 26 / 28]``
     uint8, in the same order (so rows of the matrix stay rows, and columns cut at any
     32):
 
@@ -283,9 +287,9 @@ def repack(raw: np.ndarray, type_name: str) -> np.ndarray:
     D, DMIN: the super-block's float16 scales, repeated; the kernels form d = D * sc,
     m = -(DMIN * mn), d0 = D * sc0 in float32 (exact: a float16 times a 6- or 8-bit
     integer), as ggml's dequantisation does, so ``q * d + m`` rounds as its ``d * q -
-    dm``. 22/26/28 bytes per 32 weights against the file's 18/22/26.25. Q5_K and Q6_K
-    are held so; Q4_K is held as the file's super-blocks and read in place by every
-    path (cpu_kquants.h); its 22-byte blocks are what it was held as before, the
+    dm``. 22/26/28 bytes per 32 weights against the file's 18/22/26.25. No type is held
+    so any more: the k-quants are held as the file's super-blocks and read in place by
+    every path (cpu_kquants.h); these blocks are what they were held as before, the
     baseline ``bench/q4k_layout.py`` runs against."""
     sb = raw.reshape(-1, FILE_BYTES[type_name])
     n = sb.shape[0]
@@ -333,15 +337,12 @@ class BlockWeight:
 
     @classmethod
     def from_raw(cls, raw: Tensor | np.ndarray, type_name: str, k: int) -> BlockWeight:
-        """From a tensor's bytes as stored in a GGUF file (k-quants are repacked)."""
+        """From a tensor's bytes as stored in a GGUF file (held as they are)."""
         if type_name not in BLOCK_TYPES or k % granule(type_name):
             raise ValueError(f"not a supported block weight: {type_name} with {k} columns")
-        if type_name in REPACKED:
-            data = raw.numpy() if isinstance(raw, Tensor) else np.asarray(raw)
-            raw = torch.from_numpy(repack(data.view(np.uint8), type_name))
-        elif not isinstance(raw, Tensor):
+        if not isinstance(raw, Tensor):
             raw = torch.from_numpy(np.array(raw).view(np.uint8))  # a copy: writable, owned
-        raw = raw.reshape(-1, k // BLOCK * BLOCK_BYTES[type_name]).contiguous()
+        raw = raw.reshape(-1, row_bytes(type_name, k)).contiguous()
         return cls(raw, type_name, (raw.shape[0], k))
 
     @property
@@ -367,13 +368,13 @@ class BlockWeight:
         return BlockWeight(self.raw[a:b], self.type_name, (b - a, self.shape[1]))
 
     def columns(self, a: int, b: int) -> BlockWeight | None:
-        """Columns ``a .. b`` as a weight of its own (whole blocks of 32; Q4_K, IQ4_XS:
-        whole super-blocks), or None when a bound falls inside one."""
+        """Columns ``a .. b`` as a weight of its own (whole blocks of 32; the k-quants,
+        IQ4_XS: whole super-blocks), or None when a bound falls inside one."""
         g = SUPER if held_as_super(self.type_name) else BLOCK
         if a % g or b % g:
             return None
-        size = BLOCK_BYTES[self.type_name]
-        raw = self.raw[:, a // BLOCK * size : b // BLOCK * size].contiguous()
+        t = self.type_name
+        raw = self.raw[:, row_bytes(t, a) : row_bytes(t, b)].contiguous()
         return BlockWeight(raw, self.type_name, (self.shape[0], b - a))
 
     def owned(self) -> BlockWeight:

@@ -2039,21 +2039,22 @@ void dequantize_rows(const uint8_t* w, float* out, int64_t N, int64_t K) {
   dequantize_rows_on<Blocks<T>>(w, out, N, K);
 }
 
-#include "cpu_kquants.h"  // Q4_K as the file lays it out (namespace kq)
+#include "cpu_kquants.h"  // Q4_K, Q5_K, Q6_K as the file lays them out (namespace kq)
 
 int64_t checked_k(const torch::Tensor& w, int64_t type) {
   TORCH_CHECK(type >= 0 && type < NCODES,
               "quant_linear: block type must be 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (Q5_0), 4 (Q5_1), "
-              "5 (Q4_K, the file's super-blocks), 6 (Q5_K), 7 (Q6_K, these two repacked), 8 (IQ4_NL), 9 (float16 rows), "
+              "5 (Q4_K), 6 (Q5_K), 7 (Q6_K; these three the file's super-blocks), 8 (IQ4_NL), 9 (float16 rows), "
               "10 (MXFP4) or 11 (IQ4_XS)");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_linear: w must be [N, bytes] uint8");
   if (type == F16) {  // float16 rows: 2 bytes a weight, any K
     TORCH_CHECK(w.size(1) % 2 == 0, "quant_linear: float16 rows must have an even number of bytes");
     return w.size(1) / 2;
   }
-  if (type == Q4_K) {  // the file's super-blocks (cpu_kquants.h)
-    TORCH_CHECK(w.size(1) % kq::Q4K_BYTES == 0, "quant_linear: Q4_K rows must be whole super-blocks of 144 bytes");
-    return w.size(1) / kq::Q4K_BYTES * kq::QK_K;
+  if (type == Q4_K || type == Q5_K || type == Q6_K) {  // the file's super-blocks (cpu_kquants.h)
+    const int sb = type == Q4_K ? kq::Q4K_BYTES : type == Q5_K ? kq::Q5K_BYTES : kq::Q6K_BYTES;
+    TORCH_CHECK(w.size(1) % sb == 0, "quant_linear: a k-quant's rows must be whole super-blocks of ", sb, " bytes");
+    return w.size(1) / sb * kq::QK_K;
   }
   if (type == IQ4_XS) {  // super-blocks of 256 weights, 136 bytes each
     TORCH_CHECK(w.size(1) % sl::iq::IQ4XS_BYTES == 0, "quant_linear: IQ4_XS row bytes not a whole number of super-blocks");
@@ -2071,8 +2072,15 @@ using sl::LinearFn;  // cpu_tables.h
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
 constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
                                           SL_PATHS(Q5_0), SL_PATHS(Q5_1),
-                                          {kq::linear_float, kq::linear_int8, kq::linear_int16},  // Q4_K
-                                          SL_PATHS(Q5_K), SL_PATHS(Q6_K), SL_PATHS(IQ4_NL),
+                                          // the k-quants: the file's super-blocks (cpu_kquants.h);
+                                          // Q6_K's int8 mode runs its int16 path
+                                          {kq::linear_float<kq::FileQ4K>, kq::linear_int8<kq::Q4, kq::FileQ4K>,
+                                           kq::linear_int16<kq::Q4, kq::FileQ4K>},
+                                          {kq::linear_float<kq::FileQ5K>, kq::linear_int8<kq::Q5, kq::FileQ5K>,
+                                           kq::linear_int16<kq::Q5, kq::FileQ5K>},
+                                          {kq::linear_float<kq::FileQ6K>, kq::linear_int16<kq::Q6, kq::FileQ6K>,
+                                           kq::linear_int16<kq::Q6, kq::FileQ6K>},
+                                          SL_PATHS(IQ4_NL),
                                           {linear_f16, linear_f16, linear_f16},  // F16: one kernel
                                           SL_PATHS(MXFP4),
                                           // IQ4_XS: no 16-bit path, its int16 mode runs 8-bit
@@ -2130,8 +2138,8 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type) {
   float* op = out.data_ptr<float>();
   using Fn = void (*)(const uint8_t*, float*, int64_t, int64_t);
   static constexpr Fn fns[NCODES] = {dequantize_rows<Q4_0>, dequantize_rows<Q4_1>, dequantize_rows<Q8_0>,
-                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, kq::dequantize,
-                                     dequantize_rows<Q5_K>, dequantize_rows<Q6_K>, dequantize_rows<IQ4_NL>,
+                                     dequantize_rows<Q5_0>, dequantize_rows<Q5_1>, kq::dequantize<kq::FileQ4K>,
+                                     kq::dequantize<kq::FileQ5K>, kq::dequantize<kq::FileQ6K>, dequantize_rows<IQ4_NL>,
                                      dequantize_f16, dequantize_rows<MXFP4>, sl::iq::iq4xs_dequantize};
   fns[type](wp, op, w.size(0), K);
   return out;

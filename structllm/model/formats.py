@@ -5,7 +5,7 @@ dtype is ``resolve_kv_cache_dtype``'s); what varies is how the matmul weights ar
 
 - ``--quantization gguf`` (``auto`` picks it for a GGUF file on CPU): Q4_0/Q4_1/Q5_0/
   Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K matrices (and the embedding table, which is also the
-  tied LM head) stay as the file's blocks (the k-quants repacked at load) and run
+  tied LM head) stay as the file's blocks (the k-quants as their super-blocks) and run
   through the C++ block kernels, each matrix in its own type; other matrices are
   dequantised (and named at start-up), F16/BF16 ones run as float16 unless ``--dtype
   float32`` (``--dtype float16``: all of them).

@@ -1204,7 +1204,7 @@ def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | B
     kind = t.tensor_type.name
     how = tensor_format(t.name, kind, shape, keep_blocks)
     if how == "blocks":
-        return BlockWeight.from_raw(t.data, kind, shape[1])  # copied (or repacked) out of the map
+        return BlockWeight.from_raw(t.data, kind, shape[1])  # copied out of the map
     w = dequantize(t.data, kind, shape)
     if how == "float16":
         return w.half()  # runs as float16 (fbgemm) unless --dtype float32

@@ -32,9 +32,8 @@ GGUF block weights (``BlockWeight``) are cut the same way without dequantising: 
 slice is a slice of whole block rows, and a column slice (the row-parallel matmuls'
 inputs) is a slice of whole blocks of 32 when its bounds fall on block boundaries
 (SmolLM2-135M on 2 ranks: heads of 64 columns, an MLP split at 768). Where they do not,
-that one matrix is dequantised and cut as floats, and the load says which. Q5_K and
-Q6_K are held as blocks of 32 (repacked at load), so they shard at 32 columns too,
-inside their super-blocks of 256; Q4_K is held as the file's super-blocks and shards at
+that one matrix is dequantised and cut as floats, and the load says which. The
+k-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS are held as the file's super-blocks and shard at
 256 columns. A ``MixedWeight`` (a fused matrix whose parts differ
 in type) is cut part by part.
 """

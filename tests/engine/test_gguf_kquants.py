@@ -337,24 +337,38 @@ def test_k_files_serve_chat_completions(qtype: str) -> None:
         assert sse_text(raw) == text
 
 
+@pytest.fixture(scope="module")
+def tiny_k5_file(tiny_f32_file: Path) -> Path:
+    """The tiny random llama as Q5_K_M."""
+    return made(lambda: llamacpp.quantize(tiny_f32_file, "Q5_K_M"))
+
+
 @needs_kernels
-def test_q4k_matrices_are_held_in_the_files_bytes(tiny_k_file: Path) -> None:
-    """Every Q4_K tensor of the Q4_K_M file is held as its super-blocks: the Q4_K parts
-    the loader keeps (fused q/k/v and gate/up included) hold exactly the bytes of the
-    file's Q4_K tensors, none larger."""
+@pytest.mark.parametrize(
+    ("which", "types"), [("Q4_K_M", {"Q4_K", "Q6_K"}), ("Q5_K_M", {"Q5_K", "Q6_K"})]
+)
+def test_k_quant_matrices_are_held_in_the_files_bytes(
+    which: str, types: set[str], request: pytest.FixtureRequest
+) -> None:
+    """Every k-quant tensor of a Q4_K_M and a Q5_K_M file is held as its super-blocks:
+    the parts of each k-quant type the loader keeps (fused q/k/v and gate/up included)
+    hold exactly the bytes of the file's tensors of that type (144, 176, 210 per 256
+    weights), no held matrix larger than its bytes in the file."""
     from structllm.model import gguf as our_gguf
     from structllm.model.loader import load_block_weights
 
-    reader = our_gguf.open_gguf(tiny_k_file)
-    in_file = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == "Q4_K")
-    files = prepare_model(str(tiny_k_file))
+    path: Path = request.getfixturevalue("tiny_k_file" if which == "Q4_K_M" else "tiny_k5_file")
+    reader = our_gguf.open_gguf(path)
+    files = prepare_model(str(path))
     blocks = load_block_weights(files, torch.float32)
     parts = [p for w in blocks.values() if isinstance(w, BlockWeight) for p in mixed_parts(w)]
-    held = [p for p in parts if p.type_name == "Q4_K"]
-    assert in_file > 0 and held
-    for p in held:  # 144 bytes per 256 weights
-        assert p.nbytes == p.shape[0] * p.shape[1] // 256 * packed.FILE_BYTES["Q4_K"]
-    assert sum(p.nbytes for p in held) == in_file
+    for type_name in types:
+        in_file = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == type_name)
+        held = [p for p in parts if p.type_name == type_name]
+        assert in_file > 0 and held, type_name
+        for p in held:
+            assert p.nbytes == p.shape[0] * p.shape[1] // 256 * packed.FILE_BYTES[type_name]
+        assert sum(p.nbytes for p in held) == in_file, type_name
 
 
 @needs_kernels

@@ -1,7 +1,7 @@
 """The GGUF block kernels (``quant_linear.cpp``) against the float32 dequantisation.
 
-Every block type (the k-quants as random super-blocks, repacked at load as the loader
-does, against ``gguf``'s dequantisation of the file bytes), both ISA builds (the AVX2
+Every block type (the k-quants as random super-blocks, held as the loader holds them,
+against ``gguf``'s dequantisation of the file bytes), both ISA builds (the AVX2
 one is forced on an AVX-512 machine by loading it explicitly), every path (float:
 weights dequantised exactly, float32 math, in registers for a few rows and through a
 blocked GEMM for more; int16 and int8: activations quantised per block), on random and
@@ -313,15 +313,13 @@ def test_fused_parts_of_different_types_run_each_in_its_own_type() -> None:
     )
 
 
-def test_k_quant_repacking_keeps_rows_and_needs_whole_super_blocks() -> None:
+def test_k_quants_keep_rows_and_need_whole_super_blocks() -> None:
     w, ref = quantize(random_weight(3, 768, seed=9), "Q5_K", seed=9)
-    assert w.raw.shape == (3, 768 // 32 * packed.BLOCK_BYTES["Q5_K"])
-    # self-contained blocks of 32 stay near the file's size (float16 super-block scales
-    # repeated, integer sub-scales): Q5_K 26 / 22, Q6_K 28 / 26.25 bytes; Q4_K is held
-    # as the file's super-blocks
-    for name, most in (("Q4_K", 1.0), ("Q5_K", 1.19), ("Q6_K", 1.07)):
+    assert w.raw.shape == (3, 768 // 256 * packed.FILE_BYTES["Q5_K"])
+    # every k-quant is held as the file's super-blocks: no byte more
+    for name in packed.FILE_BYTES:
         k_w, _ = quantize(random_weight(2, 512, seed=9), name, seed=9)
-        assert k_w.nbytes <= most * 2 * 2 * packed.FILE_BYTES[name], name
+        assert k_w.nbytes == 2 * 2 * packed.FILE_BYTES[name], name
     assert torch.equal(w.row_range(1, 2).dequantize(), ref[1:2])
     with pytest.raises(ValueError, match="Q4_K with 288 columns"):
         BlockWeight.from_raw(torch.zeros(144, dtype=torch.uint8), "Q4_K", 288)
