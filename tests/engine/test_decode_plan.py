@@ -171,8 +171,9 @@ def test_experts_run_inside_native_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # type: ignore[no-untyped-def]
     # Qwen3-MoE: a dense layer between two MoE ones; Mixtral: every layer MoE, a window;
-    # gpt-oss: sinks, o_proj's bias, windows on every other layer, MXFP4 experts with
-    # biases and the clamped SwiGLU, the router's bias and softmax over the top k.
+    # gpt-oss: sinks, o_proj's bias, windows on every other layer (8 tokens: contexts of
+    # 13 and 40 reach past them, over several blocks), MXFP4 experts with biases and the
+    # clamped SwiGLU, the router's bias and softmax over the top k.
     # The router and experts (cpu_moe.cpp) run inside the native calls: no cut after a
     # MoE layer, the segments a dense model's.
     core = engine(family_file(family, default_files, qtype))
