@@ -27,8 +27,10 @@ steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
 Python loop instead of the native call; ``auto:torch-router``: the MoE router in torch's
 ops; ``auto:plain-layers``: a hybrid model's layers by the plain torch loop instead of
-the fused CPU ops, as before; ``auto:dequant-iq``: the i-quants (IQ4_XS) dequantised to
-float32 at load, as before their kernels), ``--rounds N`` repeats every arm in turn;
+the fused CPU ops, as before; ``auto:python-decode``: decode steps by the Python layer
+loop instead of the native one (``STRUCTLLM_DECODE_PLAN=0``); ``auto:dequant-iq``: the
+i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels),
+``--rounds N`` repeats every arm in turn;
 ``--gguf FILE`` adds a GGUF file of one's own (repeatable; ``--families ''``: no family).
 ``--shapes 1b --families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers,
 SmolLM2's vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
@@ -84,8 +86,12 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         query_pre_attn_scalar=128,
         layer_types=["sliding_attention", "full_attention"] * 4,  # 8 layers, alternating
     ),
-    # Gemma 4 E2B's layers at 8: four local layers to one global of twice the head size,
-    # the last three reading earlier layers' K/V (doubled MLPs), per-layer inputs
+    # Gemma 4 E2B's layers at 8: local layers to one global of twice the head size (E2B
+    # has four to one, here three), the last four reading earlier layers' K/V (doubled
+    # MLPs), per-layer inputs. As in the released models, the last layer with its own
+    # K/V is a global one and the one before it local: llama.cpp's Gemma 4 takes a shared
+    # layer's K/V from one of those two (llama-model.cpp's reuse callback), and aborts
+    # (llama-kv-cache.cpp's map_layer_ids assertion) when that layer's type differs
     "gemma4": dict(
         _DENSE,
         num_attention_heads=8,
@@ -94,7 +100,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         global_head_dim=256,
         sliding_window=512,
         layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
-        num_kv_shared_layers=3,
+        num_kv_shared_layers=4,
         use_double_wide_mlp=True,
         hidden_size_per_layer_input=128,  # (E2B's 1/6 of hidden; its table 49152 x 1024)
     ),
@@ -234,6 +240,14 @@ def run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, f
             return _run_structllm(model, "auto:auto", args)
         finally:
             HybridModel.fused_layers = True
+    if fmt == "auto:python-decode":  # decode steps by the Python layer loop
+        from structllm.model import decode_plan
+
+        decode_plan.ENABLED = False
+        try:
+            return _run_structllm(model, "auto:auto", args)
+        finally:
+            decode_plan.ENABLED = True
     if fmt != "auto:loop":
         return _run_structllm(model, fmt, args)
     native = SparseMoe.native_experts
@@ -459,6 +473,7 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
             "auto:torch-router",
             "auto:dequant-iq",
             "auto:plain-layers",
+            "auto:python-decode",
         ):
             continue
         r = run_structllm(str(path), fmt, args)

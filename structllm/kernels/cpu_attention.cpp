@@ -403,9 +403,9 @@ void dispatch(torch::Tensor out, torch::Tensor q, torch::Tensor kt, torch::Tenso
 template <typename T>
 void decode_rows_t(const float* q, int64_t q_stride, const void* kt, const void* v, int64_t BS, const int32_t* tables,
                    int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D, float scale,
-                   int window, float cap) {
+                   int window, float cap, const float* sinks) {
   auto args = std::make_tuple(q, q_stride, static_cast<const T*>(kt), static_cast<const T*>(v), tables, mb, lens, out,
-                              B, H, Hkv, D, scale, window, cap, static_cast<const float*>(nullptr));
+                              B, H, Hkv, D, scale, window, cap, sinks);
   if (BS == 16) std::apply(run<T, 16>, args);
   else if (BS == 32) std::apply(run<T, 32>, args);
   else std::apply(run<T, 64>, args);
@@ -413,11 +413,11 @@ void decode_rows_t(const float* q, int64_t q_stride, const void* kt, const void*
 
 void decode_rows(const float* q, int64_t q_stride, const void* kt, const void* v, bool half, int64_t BS,
                  const int32_t* tables, int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D,
-                 float scale, int window, float cap) {
+                 float scale, int window, float cap, const float* sinks) {
   if (half)
-    decode_rows_t<at::Half>(q, q_stride, kt, v, BS, tables, mb, lens, out, B, H, Hkv, D, scale, window, cap);
+    decode_rows_t<at::Half>(q, q_stride, kt, v, BS, tables, mb, lens, out, B, H, Hkv, D, scale, window, cap, sinks);
   else
-    decode_rows_t<float>(q, q_stride, kt, v, BS, tables, mb, lens, out, B, H, Hkv, D, scale, window, cap);
+    decode_rows_t<float>(q, q_stride, kt, v, BS, tables, mb, lens, out, B, H, Hkv, D, scale, window, cap, sinks);
 }
 
 constexpr sl::AttentionOps kAttentionOps = {decode_rows};

@@ -115,6 +115,7 @@ const float* vec_of(const OptT& t, int64_t n, const char* what) {
 struct Layer {
   std::vector<torch::Tensor> keep;  // the norm weights and bias below point into these
   const float *in_norm, *post_norm, *attn_out_norm, *mlp_out_norm, *q_norm, *k_norm, *qkv_bias;
+  const float *sinks, *o_bias;  // gpt-oss's: [heads], [hidden] (or null)
   bool per_head;  // q/k norms per head ([D]) or over the whole projection
   Matrix qkv, o, gate_up, down;
   int64_t rope;  // which of run's rope tables
@@ -127,8 +128,9 @@ struct Layer {
   bool moe;
   const void* experts = nullptr;
   const float* router = nullptr;
+  const float* router_bias = nullptr;  // [E] (gpt-oss's), or null
   int64_t num_experts = 0, top_k = 0;
-  bool renormalise = false;
+  bool renormalise = false, softmax_chosen = false;
 };
 
 struct Cache {
@@ -212,18 +214,22 @@ class DecodePlan {
                  const std::vector<PartSpec>& o, const OptT& attn_out_norm, const OptT& post_norm,
                  const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
                  const OptT& mlp_out_norm, double residual_scale, bool moe, const pybind11::object& experts,
-                 const OptT& router, int64_t top_k, bool renormalise) {
+                 const OptT& router, int64_t top_k, bool renormalise, const OptT& sinks, const OptT& o_bias,
+                 const OptT& router_bias, bool softmax_chosen) {
     const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "cpu_decode: q and k norms come together");
     TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0 && rope >= 0, "cpu_decode: bad window, cap or rope");
     Layer L;
-    for (const OptT* t : {&in_norm, &qkv_bias, &q_norm, &k_norm, &attn_out_norm, &post_norm, &mlp_out_norm})
+    for (const OptT* t :
+         {&in_norm, &qkv_bias, &q_norm, &k_norm, &attn_out_norm, &post_norm, &mlp_out_norm, &sinks, &o_bias, &router_bias})
       if (t->has_value()) L.keep.push_back(**t);
     L.in_norm = vec_of(in_norm, H_, "in_norm");
     L.post_norm = vec_of(post_norm, H_, "post_norm");
     L.attn_out_norm = vec_of(attn_out_norm, H_, "attn_out_norm");
     L.mlp_out_norm = vec_of(mlp_out_norm, H_, "mlp_out_norm");
     L.qkv_bias = vec_of(qkv_bias, qkv_rows, "qkv_bias");
+    L.sinks = vec_of(sinks, nh_, "sinks");
+    L.o_bias = vec_of(o_bias, H_, "o_bias");
     L.per_head = !q_norm.has_value() || q_norm->numel() == D_;
     L.q_norm = vec_of(q_norm, L.per_head ? D_ : nh_ * D_, "q_norm");
     L.k_norm = vec_of(k_norm, L.per_head ? D_ : nkv_ * D_, "k_norm");
@@ -241,6 +247,8 @@ class DecodePlan {
       L.keep.push_back(*router);
       L.router = router->data_ptr<float>();
       L.num_experts = router->size(0), L.top_k = top_k, L.renormalise = renormalise;
+      L.router_bias = vec_of(router_bias, L.num_experts, "router_bias");
+      L.softmax_chosen = softmax_chosen;
     }
     if (!moe) {
       L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
@@ -457,8 +465,8 @@ class DecodePlan {
     ops_->rope_store(qp, s.ropes[L.rope], T, nh_, nkv_, D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.slots);
     float* o = buf(kO);  // [T, H * D]: the queries' attention output, o_proj's input
     attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
-                  static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap);
-    linear(L.o, o, buf(kAttn), s, nullptr);
+                  static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap, L.sinks);
+    linear(L.o, o, buf(kAttn), s, L.o_bias);
     add_lora(i, 1, o, buf(kAttn), s);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
     h = pre_norm(L.post_norm, a, s);
@@ -470,7 +478,7 @@ class DecodePlan {
     if (L.moe) {  // SparseMoe.forward's native path: route, then the experts' one call
       float* w = scratch_[kRouteW].data_ptr<float>();        // [T, k]
       int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
-      moe_->route(h, L.router, T, H_, L.num_experts, L.top_k, L.renormalise, w, chosen);
+      moe_->route(h, L.router, L.router_bias, T, H_, L.num_experts, L.top_k, L.renormalise, L.softmax_chosen, w, chosen);
       moe_->experts(L.experts, h, chosen, w, T, L.top_k, y);
     } else {
       float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
@@ -529,7 +537,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("down"), pybind11::arg("mlp_out_norm"), pybind11::arg("residual_scale"),
            pybind11::arg("moe"), pybind11::arg("experts") = pybind11::none(),
            pybind11::arg("router") = pybind11::none(), pybind11::arg("top_k") = 0,
-           pybind11::arg("renormalise") = false)
+           pybind11::arg("renormalise") = false, pybind11::arg("sinks") = pybind11::none(),
+           pybind11::arg("o_bias") = pybind11::none(), pybind11::arg("router_bias") = pybind11::none(),
+           pybind11::arg("softmax_chosen") = false)
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
            pybind11::arg("delta"), pybind11::arg("ropes"), pybind11::arg("slots"), pybind11::arg("tables"),

@@ -372,12 +372,6 @@ void route_impl(const float* hp, const float* rp, const float* bp, int64_t T, in
   });
 }
 
-// MoeOps' router: no bias, softmax over all experts
-void route_rows(const float* hp, const float* rp, int64_t T, int64_t H, int64_t E, int64_t k, bool renormalise, float* wp,
-                int64_t* cp) {
-  route_impl(hp, rp, nullptr, T, H, E, k, renormalise, false, wp, cp);
-}
-
 std::tuple<torch::Tensor, torch::Tensor> route(torch::Tensor h, torch::Tensor router, int64_t k, bool renormalise,
                                                 std::optional<torch::Tensor> bias, bool softmax_chosen) {
   TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2, "cpu_moe: route: h must be [T, hidden] float32");
@@ -400,7 +394,7 @@ void run_experts(const void* experts, const float* h, const int64_t* chosen, con
 }
 
 // the table cpu_decode.cpp's layer loop runs a mixture-of-experts layer's MLP through
-constexpr sl::MoeOps kMoeOps = {route_rows, run_experts};
+constexpr sl::MoeOps kMoeOps = {route_impl, run_experts};
 
 }  // namespace
 

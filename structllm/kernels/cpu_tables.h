@@ -39,19 +39,21 @@ struct LayerOps {
 
 // cpu_attention.cpp's paged decode, capsule "structllm.attention_ops": q [B, *, D] rows
 // q_stride floats apart (its first H heads are the queries), out [B, H * D], tables
-// [B, mb] int32, lens [B] int32; caches as above, BS 16, 32 or 64.
+// [B, mb] int32, lens [B] int32; caches as above, BS 16, 32 or 64; sinks [H] float32
+// (gpt-oss's) or null.
 struct AttentionOps {
   void (*decode)(const float* q, int64_t q_stride, const void* kt, const void* v, bool half, int64_t BS,
                  const int32_t* tables, int64_t mb, const int32_t* lens, float* out, int64_t B, int H, int Hkv, int D,
-                 float scale, int window, float cap);
+                 float scale, int window, float cap, const float* sinks);
 };
 
 // cpu_moe.cpp's router and experts, capsule "structllm.moe_ops"
 struct MoeOps {
-  // h [T, H] through router [E, H]: softmax, top k -> weights [T, k], chosen [T, k]
-  // (renormalised over the k when asked)
-  void (*route)(const float* h, const float* router, int64_t T, int64_t H, int64_t E, int64_t k, bool renormalise,
-                float* weights, int64_t* chosen);
+  // h [T, H] through router [E, H] (+ bias [E], or null): softmax, top k -> weights
+  // [T, k], chosen [T, k] (renormalised over the k when asked); softmax_chosen
+  // (gpt-oss): the top k logits, then a softmax over them
+  void (*route)(const float* h, const float* router, const float* bias, int64_t T, int64_t H, int64_t E, int64_t k,
+                bool renormalise, bool softmax_chosen, float* weights, int64_t* chosen);
   // out [T, H] = the experts (an Experts, see cpu_moe.cpp; capsule "structllm.moe_experts")
   // of h [T, H] for chosen / weights [T, k]
   void (*experts)(const void* experts, const float* h, const int64_t* chosen, const float* weights, int64_t T,

@@ -11,8 +11,14 @@ the two kernel modes (``packed.block_mode`` of the step's rows, with and without
 The native loop calls the very kernels ``forward_fused`` calls, in the same order and
 modes, so the hidden states are bit for bit the same (tests/engine/test_decode_plan.py).
 
+gpt-oss's layers (``model.gpt_oss``) run here too: its attention sinks go to the
+attention kernel, ``o_proj``'s bias is added as ``linear`` adds it, and its router's bias
+and softmax over the top-k logits are ``cpu_moe.cpp``'s ``route`` modes
+(``SparseMoe.native_route``).
+
 A mixture-of-experts layer whose experts run natively (``SparseMoe.native_experts``: GGUF
-blocks or float16 rows, SiLU, a float32 router) runs its MLP inside the native call too:
+blocks or float16 rows, SiLU or gpt-oss's clamped SwiGLU, a float32 router) runs its MLP
+inside the native call too:
 the router and ``cpu_moe.cpp``'s ``Experts`` through that module's ``moe_ops`` table, the
 very functions ``SparseMoe.forward`` calls, so a MoE model's step is one native call per
 ``CHECK_EVERY`` layers, as a dense one's. Any other MoE layer runs natively up to its MLP's
@@ -46,7 +52,6 @@ from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
-from structllm.model.layers import SparseMoe
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 from structllm.model.lora import LoraRows
 
@@ -87,8 +92,8 @@ def why_not(model: LlamaModel) -> str | None:
         return "tensor parallelism"
     for layer in model.layers:
         dl: DecoderLayer = layer  # type: ignore[assignment]
-        if getattr(dl, "sinks", None) is not None or getattr(dl, "o_bias", None) is not None:
-            return "attention sinks and output biases (gpt-oss) are not in it"
+        if getattr(dl, "o_bias", None) is not None and getattr(dl, "sinks", None) is None:
+            return "an output bias outside gpt-oss's layer is not in it"
         if getattr(dl, "attn_gate", None) is not None:
             return "gated attention (Qwen3.5's) is not in it"
         if getattr(dl, "chunk", 0) or getattr(dl, "scale_queries", None) is not None:
@@ -159,6 +164,7 @@ class DecodePlan:
         # the rope table forward hands forward_fused: 0 global, 1 local, or the identity
         rope = (1 if dl.local_rope else 0) if dl.rotates else identity
         qk = dl.qk_norm != "none"
+        route = dl.moe.native_route() if experts is not None else None  # type: ignore[union-attr]
         self.native.add_layer(
             in_norm=dl.input_layernorm,
             qkv=_parts(dl.qkv_proj, False),
@@ -183,6 +189,10 @@ class DecodePlan:
             router=None if experts is None else dl.moe.router,  # type: ignore[union-attr]
             top_k=0 if experts is None else dl.moe.top_k,  # type: ignore[union-attr]
             renormalise=experts is not None and dl.moe.renormalise,  # type: ignore[union-attr]
+            sinks=dl.sinks,
+            o_bias=_vector(dl.o_bias),
+            router_bias=route[0] if route else None,
+            softmax_chosen=bool(route and route[1]),
         )
 
     @staticmethod
@@ -253,14 +263,19 @@ class DecodePlan:
         return out
 
 
+def _vector(b: Tensor | None) -> Tensor | None:
+    """A bias as the native plan takes it: float32, contiguous (None stays None)."""
+    return None if b is None else b.float().contiguous()
+
+
 def _native_experts(dl: DecoderLayer) -> Any:
     """The layer's ``cpu_moe.cpp`` ``Experts`` when the native call can run its MLP as
-    ``SparseMoe.forward`` would on the fused path (SiLU, a float32 router routed by
-    ``cpu_moe.cpp``, native experts), else None."""
+    ``SparseMoe.forward`` would on the fused path (SiLU or gpt-oss's activation, a float32
+    router routed by ``cpu_moe.cpp``, native experts), else None."""
     moe = dl.moe
-    if moe is None or dl.act != "silu" or moe.router.dtype != torch.float32:
+    if moe is None or not moe.native_act(dl.act) or moe.router.dtype != torch.float32:
         return None
-    if type(moe).route is not SparseMoe.route:  # a family's own routing (GLM-4.5's)
+    if moe.native_route() is None:  # a family's own routing (GLM-4.5's)
         return None
     if moe.shared is not None:  # a shared expert: SparseMoe.forward adds it (a cut)
         return None

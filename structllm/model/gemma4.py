@@ -25,8 +25,8 @@ sliding-window and global layers) with
   norm of the residual; the dense MLP's and the experts' outputs, each normed, are
   added before the MLP's output norm.
 
-The layers run the plain torch path (no fused CPU layer ops, no native decode loop;
-the fused soft-cap of the logits where the CPU ops are in use), in one
+The layers run the plain torch path (no native decode loop; of the fused CPU layer ops,
+where the format uses them, the GeGLU and the logits' soft-cap), in one
 process (tensor and pipeline parallelism are refused by name: layers of two shapes
 and layers reading other layers' caches are not cut).
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -141,11 +141,13 @@ class Gemma4Layer(nn.Module):
         step_kv: dict[int, tuple[Tensor, Tensor]],
         source: int,
         per_layer_input: Tensor | None,
+        ops: Any = None,
     ) -> Tensor:
         """``x: [T, hidden]`` -> ``[T, hidden]``. A layer caching its own K/V stores
         them and leaves them in ``step_kv[source]`` (its own index) for the layers
         sharing them; a sharing layer attends over ``caches`` (its source's) with them.
-        ``per_layer_input: [T, P]`` or None."""
+        ``per_layer_input: [T, P]`` or None. ``ops``: the fused CPU ops
+        (``LlamaModel.cpu_ops``) where the format runs them, for the GeGLU."""
         t = x.shape[0]
         kc, vc = caches
         q, k, v = self.qkv(self._norm(x, self.input_layernorm), rope)
@@ -158,8 +160,16 @@ class Gemma4Layer(nn.Module):
         attn_out = linear(o.reshape(t, -1), self.o_proj)
         x = x + self._norm(attn_out, self.attn_out_norm)
         h = self._norm(x, self.post_attention_layernorm)
-        gate, up = linear(h, self.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        mlp_out = linear(gated_act(gate, up, "gelu_tanh"), self.down_proj, int8_ok=True)
+        gu = linear(h, self.gate_up_proj, int8_ok=True)  # [T, 2F]: gate | up
+        # cpu_layer.cpp's GeGLU on the kernels' pool: torch's gelu and mul_ over [16, 2F]
+        # enter an OpenMP region each, which on a loaded VM waits for its second thread
+        # (at batch 16, load 20: 44% of a step); it rounds as the fused layer loop does
+        if ops is not None:
+            act = ops.gelu_tanh_mul(gu)
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+            act = gated_act(gate, up, "gelu_tanh")
+        mlp_out = linear(act, self.down_proj, int8_ok=True)
         if self.moe is not None:
             weights, chosen = self.moe.route_residual(x)
             h = self._norm(x, self.experts_in_norm)
@@ -295,6 +305,7 @@ class Gemma4Model(MoeModel):
                 step_kv,
                 self.cfg.kv_source(i),
                 pli[:, i] if pli is not None else None,
+                self.cpu_ops,
             )
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 

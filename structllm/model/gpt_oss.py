@@ -98,6 +98,9 @@ class GptOssMoe(SparseMoe):
             "limit": self.limit,
         }
 
+    def native_route(self) -> tuple[Tensor | None, bool] | None:
+        return self.router_bias.float().contiguous(), True
+
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each: the top k of ``h @ router^T + bias`` and
         the softmax over them (float32); on the fused CPU path by ``cpu_moe.cpp``'s

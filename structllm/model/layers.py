@@ -334,6 +334,12 @@ class SparseMoe(nn.Module):
         """Whether the native expert call runs this activation (SiLU; gpt-oss's own)."""
         return act == "silu"
 
+    def native_route(self) -> tuple[Tensor | None, bool] | None:
+        """How ``cpu_moe.cpp``'s router runs this layer's ``route`` on the fused path, for
+        the native decode loop: (bias ``[E]`` float32 or None, softmax over the chosen
+        logits), or None where a family routes in its own way (GLM-4.5's)."""
+        return (None, False) if type(self).route is SparseMoe.route else None
+
     def native_extras(self) -> dict[str, Any]:
         """What ``cpu_moe.cpp``'s ``Experts`` takes beyond the matrices: none here (biases
         and another activation: ``model.gpt_oss``)."""

@@ -649,8 +649,11 @@ class LlamaModel(nn.Module):
 
     @property
     def decode_path(self) -> str:
-        """Which loop decode-only steps take: "native" once a plan is built, else "python"."""
-        return "python" if self._decode_plan is None or self._decode_plan is False else "native"
+        """Which loop decode-only steps take: "native" once a plan is built (and
+        ``native_decode`` is on), else "python"."""
+        if not self.native_decode or self._decode_plan is None or self._decode_plan is False:
+            return "python"
+        return "native"
 
     def choose_decode_loop(self) -> str:
         """Decide (and build) now which loop decode-only steps take, and say it on stderr

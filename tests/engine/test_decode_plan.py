@@ -160,14 +160,23 @@ def test_mixed_type_matrices_and_greedy_tokens(tmp_path: Path, default_files) ->
     both_paths(llm.engine, [5, 17])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    ("family", "qtype"), [("qwen3_moe", "Q8_0"), ("mixtral", "Q8_0"), ("gpt_oss", "MXFP4_MOE")]
+)
 def test_experts_run_inside_native_calls(
-    family: str, default_files, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    family: str,
+    qtype: str,
+    default_files,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # type: ignore[no-untyped-def]
-    # Qwen3-MoE: a dense layer between two MoE ones; Mixtral: every layer MoE, a window.
+    # Qwen3-MoE: a dense layer between two MoE ones; Mixtral: every layer MoE, a window;
+    # gpt-oss: sinks, o_proj's bias, windows on every other layer (8 tokens: contexts of
+    # 13 and 40 reach past them, over several blocks), MXFP4 experts with biases and the
+    # clamped SwiGLU, the router's bias and softmax over the top k.
     # The router and experts (cpu_moe.cpp) run inside the native calls: no cut after a
     # MoE layer, the segments a dense model's.
-    core = engine(family_file(family, default_files, "Q8_0"))
+    core = engine(family_file(family, default_files, qtype))
     assert "decode steps: the native layer loop" in capfd.readouterr().err  # at start-up
     model: LlamaModel = core.runner.model  # type: ignore[assignment]
     assert any(layer.moe is not None for layer in model.layers)
@@ -192,6 +201,50 @@ def test_experts_run_inside_native_calls(
         i + 1 for i, dl in enumerate(model.layers) if dl.moe is not None
     ]
     model._decode_plan = None
+    if family == "gpt_oss":
+        native_and_python_tokens_agree(core, monkeypatch)
+
+
+def native_and_python_tokens_agree(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy tokens through the engine (a 31-token prompt, 12 more: past the tiny
+    window of 8 on the windowed layers) with the native loop, then the Python one
+    (which loop ran: the plan's calls counted); the same tokens, logprobs within 1e-4."""
+    from structllm import SamplingParams
+    from structllm.protocol import AddRequest
+
+    model: LlamaModel = core.runner.model  # type: ignore[assignment]
+    native_steps: list[int] = []
+    run = decode_plan.DecodePlan.run
+
+    def counted(self: decode_plan.DecodePlan, *a: object) -> torch.Tensor:
+        native_steps.append(1)
+        return run(self, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_plan.DecodePlan, "run", counted)
+
+    def generate(name: str) -> list[tuple[int, float]]:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+        core.add_request(AddRequest(name, [(37 * i + 101) % 200 + 3 for i in range(31)], sp))
+        out: list[tuple[int, float]] = []
+        while core.has_work:
+            for d in core.step().outputs:
+                lps = d.logprobs or []
+                out += [(t, lp.logprob) for t, lp in zip(d.new_token_ids, lps, strict=True)]
+        return out
+
+    native = generate("native")
+    # (the repeated tokens bring n-gram drafts: those verify steps are not decode-only)
+    ran = len(native_steps)
+    assert len(native) == 12 and ran >= 1 and model.decode_path == "native"
+    model.native_decode = False
+    try:
+        python = generate("python")
+        assert len(native_steps) == ran and model.decode_path == "python"
+    finally:
+        model.native_decode = True
+    assert [t for t, _ in python] == [t for t, _ in native]
+    for (_, a), (_, b) in zip(native, python, strict=True):
+        assert abs(a - b) <= 1e-4
 
 
 def test_what_it_cannot_take_keeps_the_python_loop(
