@@ -460,6 +460,9 @@ class LlamaModel(nn.Module):
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
         self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
+        # the tables above as float32 [S, D/2, 2] views, made once per table (the fused
+        # path indexes these: one op a step instead of an index and a view_as_real)
+        self._rope_reals: tuple[Tensor | None, list[Tensor]] = (None, [])
         self._packed_head: Weight | None = None
         self.lm_head_bias: Tensor | None = None  # (a classic layout's, model/classic.py)
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
@@ -566,19 +569,9 @@ class LlamaModel(nn.Module):
         last = self.layer_range.stop == self.cfg.num_layers
         x = hidden if hidden is not None else self.embed_at(input_ids, positions)
         table = self.rope_table(int(meta.max_seq_len))
-        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
-            ropes = [
-                mrope_rotations(
-                    table, positions, self.cfg.mrope_section, self.cfg.mrope_interleaved
-                )
-            ]
-        else:
-            ropes = [table[positions]]  # [T, D/2] per table: global, local, none
-        if self._rope_local is not None:
-            ropes.append(self._rope_local[positions])
         ops = self.cpu_ops
         if ops is not None and isinstance(self.attn_impl, CpuAttention):
-            pairs = [torch.view_as_real(r) for r in ropes]  # [T, D/2, 2] (cos, sin)
+            pairs = self._rope_pairs(table, positions)  # [T, D/2, 2] (cos, sin) per table
             if not self._all_rotate:
                 pairs.append(
                     torch.stack(
@@ -611,7 +604,7 @@ class LlamaModel(nn.Module):
             if not last:
                 return x if delta is None else x + delta
             return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
-        ropes = [r.unsqueeze(1) for r in ropes]  # [T, 1, D/2]
+        ropes = [r.unsqueeze(1) for r in self._ropes(table, positions)]  # [T, 1, D/2]
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % self.check_every == 0:
                 between_layers()
@@ -623,6 +616,30 @@ class LlamaModel(nn.Module):
         if not last:
             return x
         return self.final_norm(x)
+
+    def _ropes(self, table: Tensor, positions: Tensor) -> list[Tensor]:
+        """The rotations ``[T, D/2]`` complex64 of ``positions`` per table: global, then
+        the windowed layers' (if any)."""
+        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
+            ropes = [
+                mrope_rotations(
+                    table, positions, self.cfg.mrope_section, self.cfg.mrope_interleaved
+                )
+            ]
+        else:
+            ropes = [table[positions]]
+        if self._rope_local is not None:
+            ropes.append(self._rope_local[positions])
+        return ropes
+
+    def _rope_pairs(self, table: Tensor, positions: Tensor) -> list[Tensor]:
+        """``_ropes`` as float32 ``[T, D/2, 2]`` (cos, sin) pairs, for the fused path."""
+        if positions.dim() == 2:
+            return [torch.view_as_real(r) for r in self._ropes(table, positions)]
+        if self._rope_reals[0] is not table:  # the tables grew (rope_table)
+            tables = [table] if self._rope_local is None else [table, self._rope_local]
+            self._rope_reals = (table, [torch.view_as_real(t) for t in tables])
+        return [real[positions] for real in self._rope_reals[1]]
 
     def final_norm(self, x: Tensor) -> Tensor:
         """The plain path's norm after the last layer, ``[T, hidden]``."""
@@ -725,7 +742,9 @@ class LlamaModel(nn.Module):
         # about half of SmolLM2-135M's top-1 disagreement came from the head alone, and
         # the head only sees sampled rows. The int16 path (16-bit activations) is fine.
         head = self._packed_head if self._packed_head is not None else w
-        logits = linear(hidden, head, self.lm_head_bias).float()
+        logits = linear(hidden, head, self.lm_head_bias)
+        if logits.dtype != torch.float32:  # (a no-op call on the CPU paths' float32)
+            logits = logits.float()
         cfg = self.cfg
         if cfg.final_softcap and self.cpu_ops is not None and logits.is_contiguous():
             self.cpu_ops.soft_cap_(logits, cfg.final_softcap)  # fused path: one pool loop
