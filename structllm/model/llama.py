@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -428,6 +429,38 @@ def refuse_sharding(
         raise ValueError(why)
 
 
+class RowGather:
+    """Gathers of a few rows of host tables by numpy into buffers kept per (table, row
+    count). A decode step runs cold (the weights just streamed through the caches), and
+    a torch index and ``view_as_real`` cost it ~60 us of thread CPU time on the default
+    model where numpy's ``take`` into a kept buffer costs ~25 (bench/step_overhead.py,
+    loaded 2-vCPU machine). The tables are read through numpy views of the same memory,
+    made once per table; a buffer is rewritten by the next gather of its key and row
+    count, so its rows are valid for one step."""
+
+    MAX_ROWS = 8  # decode steps; longer steps index with torch
+
+    def __init__(self) -> None:
+        self._tables: dict[str, tuple[Tensor, np.ndarray, torch.dtype]] = {}
+        self._out: dict[tuple[str, int], tuple[Tensor, np.ndarray]] = {}
+
+    def rows(self, key: str, table: Tensor, index: Tensor) -> Tensor:
+        """``table[index]`` (``table`` ``[S, ...]`` contiguous on the host, a complex one
+        as its float pairs; ``index`` ``[T]`` int64), in ``key``'s buffer for ``T`` rows."""
+        held = self._tables.get(key)
+        if held is None or held[0] is not table:
+            real = torch.view_as_real(table) if table.is_complex() else table
+            held = self._tables[key] = (table, real.numpy(), real.dtype)
+            self._out = {k: v for k, v in self._out.items() if k[0] != key}
+        t = index.shape[0]
+        out = self._out.get((key, t))
+        if out is None:  # (a torch allocation: aligned as the index op's output)
+            buf = torch.empty((t, *held[1].shape[1:]), dtype=held[2])
+            out = self._out[(key, t)] = (buf, buf.numpy())
+        np.take(held[1], index.numpy(), axis=0, out=out[1])
+        return out[0]
+
+
 class LlamaModel(nn.Module):
     """Weights and forward pass. Parameters are created empty; the loader fills them.
     With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""
@@ -460,9 +493,9 @@ class LlamaModel(nn.Module):
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
         self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
-        # the tables above as float32 [S, D/2, 2] views, made once per table (the fused
-        # path indexes these: one op a step instead of an index and a view_as_real)
-        self._rope_reals: tuple[Tensor | None, list[Tensor]] = (None, [])
+        # the fused path's rotary pairs of a decode step, gathered by numpy into buffers
+        # kept per row count: see RowGather
+        self._gather = RowGather()
         self._packed_head: Weight | None = None
         self.lm_head_bias: Tensor | None = None  # (a classic layout's, model/classic.py)
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
@@ -633,13 +666,14 @@ class LlamaModel(nn.Module):
         return ropes
 
     def _rope_pairs(self, table: Tensor, positions: Tensor) -> list[Tensor]:
-        """``_ropes`` as float32 ``[T, D/2, 2]`` (cos, sin) pairs, for the fused path."""
+        """``_ropes`` as float32 ``[T, D/2, 2]`` (cos, sin) pairs, for the fused path
+        (decode rows: gathered into kept buffers, valid until the next step's)."""
         if positions.dim() == 2:
             return [torch.view_as_real(r) for r in self._ropes(table, positions)]
-        if self._rope_reals[0] is not table:  # the tables grew (rope_table)
-            tables = [table] if self._rope_local is None else [table, self._rope_local]
-            self._rope_reals = (table, [torch.view_as_real(t) for t in tables])
-        return [real[positions] for real in self._rope_reals[1]]
+        tables = [table] if self._rope_local is None else [table, self._rope_local]
+        if positions.shape[0] > RowGather.MAX_ROWS:
+            return [torch.view_as_real(t)[positions] for t in tables]
+        return [self._gather.rows(f"rope{i}", t, positions) for i, t in enumerate(tables)]
 
     def final_norm(self, x: Tensor) -> Tensor:
         """The plain path's norm after the last layer, ``[T, hidden]``."""

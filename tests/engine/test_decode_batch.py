@@ -6,6 +6,7 @@ not take (prompt chunks) still go the general way; greedy tokens are unchanged."
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
@@ -91,7 +92,7 @@ def test_in_place_layout_is_the_general_one() -> None:
     # the in-place path ran: consecutive steps of one shape share their tensors
     shared = sum(
         x.input_ids is y.input_ids and x.meta.block_tables is y.meta.block_tables
-        for x, y in zip(decodes, decodes[1:], strict=False)
+        for x, y in itertools.pairwise(decodes)
     )
     assert shared >= len(decodes) // 2
     # a prompt chunk's step is the general path's own (fresh tensors)
