@@ -2,7 +2,7 @@ r"""The batch-1 decode step's overhead: what a step costs outside the layer and 
 kernels (issue #46: under 0.3 ms a step).
 
     python bench/step_overhead.py [FILE.gguf ...] [--steps 128] [--threads N]
-        [--clock cpu|wall] [--rounds 2]
+        [--clock cpu|wall]
 
 For each GGUF file (default: the default model), an offline ``LLM`` (speculation off)
 generates one greedy request of ``--steps`` tokens (a 64-token prompt, EOS ignored),
