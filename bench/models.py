@@ -35,6 +35,15 @@ i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels),
 ``--shapes 1b --families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers,
 SmolLM2's vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
 
+Single-stream bandwidth share (GGUF files, issue 46): the bytes of weights a token
+reads (the file's tensors, the embedding table left out unless the head is tied to it,
+``weight_bytes_per_token``) x single-stream tokens/s, against the machine's copy
+bandwidth measured in the same process just before (``copy_bandwidth``: a 256 MB
+float32 ``torch`` copy on the engine's torch threads, counted as STREAM counts a copy:
+bytes read + bytes written), as a percentage, for structllm's ``auto:auto`` arm and
+for llama-server beside it; a read-only stream (a ``sum`` over the same tensor) is
+printed too.
+
 On a loaded machine (load average above the core count) llama-server's figures collapse,
 not ours: its OpenMP threads meet at a barrier after each of a step's ~300 graph nodes,
 and a thread that is descheduled holds every other one there (on 2 busy vCPUs, 2 threads
@@ -310,6 +319,41 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
     return out
 
 
+def weight_bytes_per_token(gguf: Path) -> int:
+    """The bytes of a GGUF file's tensors one decoded token reads: every tensor but the
+    embedding table (one row of it is read), which counts when the head is tied to it
+    (no ``output.weight``: the head's matmul reads all of it)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
+    tied = "output.weight" not in sizes
+    return sum(n for name, n in sizes.items() if tied or name != "token_embd.weight")
+
+
+def copy_bandwidth(reps: int = 5, size: int = 256 << 20) -> dict[str, float]:
+    """Bytes/s of a ``size``-byte float32 ``torch`` copy (read + written, STREAM's
+    count) and of a ``sum`` over it (read), medians of ``reps``, on torch's threads (the
+    engine's, once an ``LLM`` of this process has set them)."""
+    import torch
+
+    src = torch.ones(size // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # (pages faulted in)
+    copies, reads = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        src.sum()
+        reads.append(time.perf_counter() - t)
+    return {
+        "copy_bytes_s": 2 * size / statistics.median(copies),
+        "read_bytes_s": size / statistics.median(reads),
+        "threads": float(torch.get_num_threads()),
+    }
+
+
 def run_llama_server(
     binary: str, gguf: Path, threads: int, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -477,11 +521,17 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
         ):
             continue
         r = run_structllm(str(path), fmt, args)
+        if kind == "gguf" and fmt == "auto:auto":  # the bandwidth share's figures
+            r["weight_bytes_per_token"] = weight_bytes_per_token(path)
+            r.update(copy_bandwidth())
+            r["bandwidth_share"] = r["weight_bytes_per_token"] * r["single_tok_s"]
+            r["bandwidth_share"] /= r["copy_bytes_s"]
         rows.append({"model": label, "format": fmt, **r})
         figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
         figures += f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else ""
         load = Path("/proc/loadavg").read_text().split()[0]
-        print(f"{label:<30} {fmt:<14} {figures}   load {load}", flush=True)
+        share = _share(r, r)
+        print(f"{label:<30} {fmt:<14} {figures}   load {load}{share}", flush=True)
     for threads in (int(n) for n in args.llama_threads.split(",")):
         if kind != "gguf" or not args.llama_server:
             break
@@ -499,10 +549,29 @@ def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> lis
         load = Path("/proc/loadavg").read_text().split()[0]
         print(
             f"{label:<30} {name:<14} {figures}   load {load}"
-            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x{prompt}",
+            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x{prompt}"
+            f"{_share(ll, ours)}",
             flush=True,
         )
+        if "copy_bytes_s" in ours:
+            rows[-1]["bandwidth_share"] = (
+                ours["weight_bytes_per_token"] * ll["single_tok_s"] / ours["copy_bytes_s"]
+            )
     return rows
+
+
+def _share(r: dict[str, Any], measured: dict[str, Any]) -> str:
+    """``r``'s single-stream bandwidth share against ``measured``'s bandwidth figures
+    (the ``auto:auto`` arm's), for the table; empty without them."""
+    if "copy_bytes_s" not in measured:
+        return ""
+    used = measured["weight_bytes_per_token"] * r["single_tok_s"]
+    return (
+        f"   single-stream {used / 1e9:.1f} GB/s = {100 * used / measured['copy_bytes_s']:.0f}%"
+        f" of copy {measured['copy_bytes_s'] / 1e9:.1f} GB/s"
+        f" (read {measured['read_bytes_s'] / 1e9:.1f}, {measured['threads']:.0f} threads;"
+        f" {measured['weight_bytes_per_token'] / 1e6:.0f} MB/token)"
+    )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from structllm.kernels.packed import ROW_KERNEL_ROWS
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
 from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
+from structllm.model.llama import LlamaModel
 from structllm.model.loader import prepare_model
 from structllm.model.lora import slot_bytes
 from structllm.model.pooler_config import PoolerSpec, read_pooler, resolve_runner
@@ -946,9 +947,11 @@ class EngineCore:
             self.num_steps += 1
             self.max_in_flight = max(self.max_in_flight, 1)
             new = self.scheduler.update(sched, sampled, logprobs, prompt_logprobs)
-            if isinstance(self.runner, ModelRunner):  # split spans' images stay cached
+            runner = self.runner
+            if isinstance(runner, ModelRunner) and runner.vision is not None:
+                # split spans' images stay cached (a model without a vision side has none)
                 running = self.scheduler.running
-                self.runner.encoder_cache.hold(h for r in running for h in r.open_images())
+                runner.encoder_cache.hold(h for r in running for h in r.open_images())
             if isinstance(self.runner, PoolingRunner):  # the vectors pooled this step
                 new = self.runner.attach(new)
             if self.tracer.enabled:
@@ -956,21 +959,25 @@ class EngineCore:
             deltas += new
         return OutputBatch(deltas, self.stats())
 
-    @contextlib.contextmanager
-    def _check_every(self, floor: int | None) -> Iterator[None]:
+    def _check_every(self, floor: int | None) -> contextlib.AbstractContextManager[None]:
         """The step's check for arrivals after every layer of the Python layer loop
         (not ``llama.CHECK_EVERY``) when an arrival may cut it: under the priority
         policy, once a request strictly more urgent than the step's least urgent
         (``floor``) has been seen. A newcomer then waits one layer of a long prefill
         step, not up to ``CHECK_EVERY``; fcfs, and a server whose requests all share one
-        priority, keep the coarser check (nothing for it to cut)."""
+        priority, keep the coarser check (nothing for it to cut). (A plain context
+        when nothing changes: a generator's costs a few us of every cold step.)"""
         model = self.model
         if floor is None or model is None or self._most_urgent is None:
-            yield
-            return
+            return contextlib.nullcontext()
         if self._most_urgent >= floor:
-            yield
-            return
+            return contextlib.nullcontext()
+        return self._every_layer(model)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _every_layer(model: LlamaModel) -> Iterator[None]:
+        """``model``'s Python layer loop checks after every layer for the duration."""
         every, model.check_every = model.check_every, 1
         try:
             yield
@@ -1097,6 +1104,8 @@ class EngineCore:
     def _waiting_by_priority(self) -> dict[int, int]:
         """Waiting requests (constrained ones whose matcher is being built included)
         counted by priority."""
+        if not self.scheduler.waiting and not self._compiling:  # a running step's usual case
+            return {}
         compiling = (req for req, _ in self._compiling.values())
         return dict(Counter(r.priority for r in chain(self.scheduler.waiting, compiling)))
 

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from structllm.engine.adapters import AdapterRegistry
 from structllm.engine.cuda_graphs import DecodeGraphs
+from structllm.engine.decode_batch import DecodeBatch
 from structllm.engine.encoder_cache import EncoderCache
 from structllm.engine.grammar import GrammarManager, GrammarMask
 from structllm.engine.image_rows import Chunk, ImageRows, image_rows
@@ -229,6 +230,10 @@ class ModelRunner:
         self.vision: VisionModel | None = None
         self.encoder_cache: EncoderCache[Tensor] = EncoderCache(0)
         self.adapters: AdapterRegistry | None = None  # LoRA adapters (set by the engine)
+        # plain decode steps laid out in place (engine.decode_batch; host tensors only)
+        self.decode_batch = (
+            DecodeBatch(block_size, self.device) if self.device.type == "cpu" else None
+        )
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture CUDA graphs for decode-only steps (see ``cuda_graphs``)."""
@@ -259,6 +264,16 @@ class ModelRunner:
         Logit rows: one per sampling request (``1 + k`` for one with ``k`` drafts: its
         newest token and the drafts are one chunk, verified together), then one per
         prompt position to score."""
+        if (
+            self.decode_batch is not None
+            and self.pp is None
+            and not self.num_state_slots
+            and self.decode_batch.plain(sched.scheduled, self.adapters is not None)
+        ):
+            step, meta, ids, pos = self.decode_batch.step(sched.scheduled)
+            reqs: list[SampleRow] = [req for req, _ in sched.scheduled]
+            counts = [(req, 1) for req, _ in sched.scheduled]
+            return Batch(step, ids, pos, meta, reqs, [], counts)
         as_decodes = self._decode_chunks(sched) if self.max_rows else set()
         ordered = sorted(
             sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes
@@ -425,8 +440,10 @@ class ModelRunner:
             rows = batch.step.logit_rows
             parts: list[Tensor] = []
             if 0 < len(rows) <= LOGIT_SLICE and rows == list(range(len(rows))):
-                # a decode step's rows: the leading ones, a view (no index tensor, no copy)
-                logits = self.model.compute_logits(hidden[: len(rows)])
+                # a decode step's rows: the leading ones, a view (no index tensor, no
+                # copy), or all of them (no op at all)
+                head = hidden if hidden.shape[0] == len(rows) else hidden[: len(rows)]
+                logits = self.model.compute_logits(head)
                 if sink is None:
                     return logits
                 sink(0, logits)
@@ -609,7 +626,8 @@ class ModelRunner:
             else:
                 assert logits is not None
                 with torch.inference_mode():
-                    tokens, logprobs = self.sampler(logits.cpu(), reqs, mask)
+                    host = logits if logits.is_cpu else logits.cpu()
+                    tokens, logprobs = self.sampler(host, reqs, mask)
             if mask is not None and self.grammar is not None:
                 self.grammar.record(mask)
             i = 0

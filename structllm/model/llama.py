@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -428,6 +429,38 @@ def refuse_sharding(
         raise ValueError(why)
 
 
+class RowGather:
+    """Gathers of a few rows of host tables by numpy into buffers kept per (table, row
+    count). A decode step runs cold (the weights just streamed through the caches), and
+    a torch index and ``view_as_real`` cost it ~60 us of thread CPU time on the default
+    model where numpy's ``take`` into a kept buffer costs ~25 (bench/step_overhead.py,
+    loaded 2-vCPU machine). The tables are read through numpy views of the same memory,
+    made once per table; a buffer is rewritten by the next gather of its key and row
+    count, so its rows are valid for one step."""
+
+    MAX_ROWS = 8  # decode steps; longer steps index with torch
+
+    def __init__(self) -> None:
+        self._tables: dict[str, tuple[Tensor, np.ndarray, torch.dtype]] = {}
+        self._out: dict[tuple[str, int], tuple[Tensor, np.ndarray]] = {}
+
+    def rows(self, key: str, table: Tensor, index: Tensor) -> Tensor:
+        """``table[index]`` (``table`` ``[S, ...]`` contiguous on the host, a complex one
+        as its float pairs; ``index`` ``[T]`` int64), in ``key``'s buffer for ``T`` rows."""
+        held = self._tables.get(key)
+        if held is None or held[0] is not table:
+            real = torch.view_as_real(table) if table.is_complex() else table
+            held = self._tables[key] = (table, real.numpy(), real.dtype)
+            self._out = {k: v for k, v in self._out.items() if k[0] != key}
+        t = index.shape[0]
+        out = self._out.get((key, t))
+        if out is None:  # (a torch allocation: aligned as the index op's output)
+            buf = torch.empty((t, *held[1].shape[1:]), dtype=held[2])
+            out = self._out[(key, t)] = (buf, buf.numpy())
+        np.take(held[1], index.numpy(), axis=0, out=out[1])
+        return out[0]
+
+
 class LlamaModel(nn.Module):
     """Weights and forward pass. Parameters are created empty; the loader fills them.
     With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""
@@ -460,6 +493,9 @@ class LlamaModel(nn.Module):
         self.attn_impl: AttentionImpl = TorchAttention()
         self._rope_cache: Tensor | None = None
         self._rope_local: Tensor | None = None  # the windowed layers' (rope_local_theta)
+        # the fused path's rotary pairs of a decode step, gathered by numpy into buffers
+        # kept per row count: see RowGather
+        self._gather = RowGather()
         self._packed_head: Weight | None = None
         self.lm_head_bias: Tensor | None = None  # (a classic layout's, model/classic.py)
         self.cpu_ops: Any | None = None  # the fused layer ops, see use_cpu_ops
@@ -567,19 +603,9 @@ class LlamaModel(nn.Module):
         last = self.layer_range.stop == self.cfg.num_layers
         x = hidden if hidden is not None else self.embed_at(input_ids, positions)
         table = self.rope_table(int(meta.max_seq_len))
-        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
-            ropes = [
-                mrope_rotations(
-                    table, positions, self.cfg.mrope_section, self.cfg.mrope_interleaved
-                )
-            ]
-        else:
-            ropes = [table[positions]]  # [T, D/2] per table: global, local, none
-        if self._rope_local is not None:
-            ropes.append(self._rope_local[positions])
         ops = self.cpu_ops
         if ops is not None and isinstance(self.attn_impl, CpuAttention):
-            pairs = [torch.view_as_real(r) for r in ropes]  # [T, D/2, 2] (cos, sin)
+            pairs = self._rope_pairs(table, positions)  # [T, D/2, 2] (cos, sin) per table
             if not self._all_rotate:
                 pairs.append(
                     torch.stack(
@@ -614,7 +640,7 @@ class LlamaModel(nn.Module):
             if not last:
                 return x if delta is None else x + delta
             return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
-        ropes = [r.unsqueeze(1) for r in ropes]  # [T, 1, D/2]
+        ropes = [r.unsqueeze(1) for r in self._ropes(table, positions)]  # [T, 1, D/2]
         for i, (layer, (kc, vc)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % self.check_every == 0:
                 between_layers()
@@ -626,6 +652,31 @@ class LlamaModel(nn.Module):
         if not last:
             return x
         return self.final_norm(x)
+
+    def _ropes(self, table: Tensor, positions: Tensor) -> list[Tensor]:
+        """The rotations ``[T, D/2]`` complex64 of ``positions`` per table: global, then
+        the windowed layers' (if any)."""
+        if positions.dim() == 2:  # [3, T] (t, h, w): M-RoPE (engine.mrope)
+            ropes = [
+                mrope_rotations(
+                    table, positions, self.cfg.mrope_section, self.cfg.mrope_interleaved
+                )
+            ]
+        else:
+            ropes = [table[positions]]
+        if self._rope_local is not None:
+            ropes.append(self._rope_local[positions])
+        return ropes
+
+    def _rope_pairs(self, table: Tensor, positions: Tensor) -> list[Tensor]:
+        """``_ropes`` as float32 ``[T, D/2, 2]`` (cos, sin) pairs, for the fused path
+        (decode rows: gathered into kept buffers, valid until the next step's)."""
+        if positions.dim() == 2:
+            return [torch.view_as_real(r) for r in self._ropes(table, positions)]
+        tables = [table] if self._rope_local is None else [table, self._rope_local]
+        if positions.shape[0] > RowGather.MAX_ROWS:
+            return [torch.view_as_real(t)[positions] for t in tables]
+        return [self._gather.rows(f"rope{i}", t, positions) for i, t in enumerate(tables)]
 
     def final_norm(self, x: Tensor) -> Tensor:
         """The plain path's norm after the last layer, ``[T, hidden]``."""
@@ -731,7 +782,9 @@ class LlamaModel(nn.Module):
         # about half of SmolLM2-135M's top-1 disagreement came from the head alone, and
         # the head only sees sampled rows. The int16 path (16-bit activations) is fine.
         head = self._packed_head if self._packed_head is not None else w
-        logits = linear(hidden, head, self.lm_head_bias).float()
+        logits = linear(hidden, head, self.lm_head_bias)
+        if logits.dtype != torch.float32:  # (a no-op call on the CPU paths' float32)
+            logits = logits.float()
         cfg = self.cfg
         if cfg.final_softcap and self.cpu_ops is not None and logits.is_contiguous():
             self.cpu_ops.soft_cap_(logits, cfg.final_softcap)  # fused path: one pool loop
