@@ -258,7 +258,9 @@ class DecodePlan:
         delta: Tensor | None = None
         if between_layers is None:
             for begin, end, cut in self.unchecked:
-                delta = self.native.run(begin, end, x, delta, pairs, slots, tables, lens, *modes)
+                delta = self.native.run(
+                    begin, end, x, delta, pairs, slots, tables, lens, *modes, *adapters
+                )
                 if cut:  # delta is that layer's MLP input
                     delta = self._experts(self.layers[end - 1], delta)
             assert delta is not None
