@@ -108,6 +108,7 @@ def image_prompt_logits(
     req = Request("logits-probe", ids, SamplingParams(max_tokens=1), 1, images)
     req.mrope = engine._mrope(images)
     assert engine.kv.allocate(req, len(ids))
+    assert engine.states is None or engine.states.allocate(req)  # a hybrid model's slot
     try:
         assert isinstance(engine.runner, ModelRunner)
         batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
@@ -118,6 +119,8 @@ def image_prompt_logits(
         return logits
     finally:
         engine.kv.free_blocks(req)
+        if engine.states is not None:
+            engine.states.free_slot(req)
 
 
 def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:

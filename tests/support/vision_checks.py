@@ -185,6 +185,7 @@ def image_prefill_logits(engine: EngineCore, ids: list[int], ims: list[ImageInpu
     """Logits ``[len(ids), V]`` of every prompt position through the engine's runner."""
     req = Request("probe", ids, SamplingParams(max_tokens=1), 1, ims)
     assert engine.kv.allocate(req, len(ids)) and isinstance(engine.runner, ModelRunner)
+    assert engine.states is None or engine.states.allocate(req)  # a hybrid model's slot
     try:
         batch = engine.runner.prepare(SchedulerOutput([(req, len(ids))]))
         batch.step = msgspec.structs.replace(batch.step, logit_rows=list(range(len(ids))))
@@ -193,6 +194,8 @@ def image_prefill_logits(engine: EngineCore, ids: list[int], ims: list[ImageInpu
         return logits
     finally:
         engine.kv.free_blocks(req)
+        if engine.states is not None:
+            engine.states.free_slot(req)
         engine.kv.reset_prefix_cache()
 
 
