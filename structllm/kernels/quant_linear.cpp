@@ -1,6 +1,5 @@
-// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and Q4_K read as
-// laid in the file, Q4_K by cpu_kquants.h; Q5_K, Q6_K repacked once at load into blocks
-// of 32, see below).
+// y = x @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, and the
+// k-quants Q4_K, Q5_K, Q6_K by cpu_kquants.h: every type read as laid in the file).
 //
 // Built once per ISA (see quant_ext.py): with -march=haswell (AVX2, FMA, F16C) and, where
 // the CPU has AVX-512 BW/VL, with -march=native (512-bit float path, VNNI if present).
@@ -19,10 +18,9 @@
 //                               scale half of 2^(e - 127), as ggml's: gpt-oss's experts)
 // Byte j of the 16 holds weight j in its low nibble and weight j + 16 in its high one;
 // bit j of the 32-bit qh is weight j's fifth bit.
-// The k-quants' super-blocks of 256 are repacked at load (packed.py, repack) into
-// self-contained blocks of 32 (Q4_K: held as the file's super-blocks, cpu_kquants.h,
-// which the kernels read in place; its 22-byte layout below is packed.repack's, the
-// baseline of bench/q4k_layout.py), each with its super-block's float16 scale(s) and its own
+// The k-quants are held as the file's super-blocks of 256 (cpu_kquants.h). The repacked
+// layouts below are packed.repack's, kept only as bench/q4k_layout.py's baseline:
+// self-contained blocks of 32, each with its super-block's float16 scale(s) and its own
 // integer sub-scale(s); the kernels form ggml's products D * scale and -(DMIN * min) in
 // float32, exactly (a float16 times a 6- or 8-bit integer fits float32's 24 bits), so
 // the float path stays bit-exact to the float32 dequantisation:
