@@ -253,7 +253,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--lora-dtype",
         default=d("lora_dtype"),
         choices=["auto", "float32", "float16", "bfloat16"],
-        help="how adapters' weights are stored (auto: float32; computed in float32 always)",
+        help=(
+            "how adapters' weights are stored (auto: float32 on the exact float32 path, "
+            "else float16; computed in float32 always)"
+        ),
     )
     p.add_argument(
         "--trace",

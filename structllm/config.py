@@ -243,9 +243,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       ``model.lora``); ``max_loras``: distinct adapters in one step (a waiting request
       over it is passed over); ``max_cpu_loras``: adapters kept loaded (default
       ``max_loras``; those in use are never evicted); ``max_lora_rank``: larger ranks
-      are refused; ``lora_dtype``: how their weights are stored (``auto``: float32;
-      computed in float32 always). With tensor parallelism each rank holds its slices
-      of the adapters; not with pipeline parallelism.
+      are refused; ``lora_dtype``: how their weights are stored (``auto``: float32 on
+      the exact float32 path and on CUDA, else float16; computed in float32 on CPU
+      always: ``model.formats.resolve_lora_dtype``). With tensor parallelism each rank
+      holds its slices of the adapters; not with pipeline parallelism.
     - ``encoder_cache_memory``: bytes for a vision-language model's encoder outputs, kept
       by image hash (``engine.encoder_cache``; a 256-token Gemma 3 image at hidden 2560
       in float32 is 2.5 MiB).

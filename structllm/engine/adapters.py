@@ -37,8 +37,7 @@ from structllm.model.lora import LoraAdapter, LoraPlans, LoraRows, load_adapter,
 from structllm.model.sharding import ShardPlan
 from structllm.protocol import LoraRef
 
-LORA_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float16": torch.float16}
-LORA_DTYPES["bfloat16"] = torch.bfloat16
+LORA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # resolve_lora_dtype's
 
 
 class AdapterRegistry:
@@ -49,18 +48,18 @@ class AdapterRegistry:
         cfg: ModelConfig,
         max_cpu_loras: int,
         max_lora_rank: int,
-        dtype: str,
+        dtype: torch.dtype,
         device: torch.device,
         max_loras: int = 1,
         plan: ShardPlan | None = None,
     ) -> None:
         check_base(cfg)
         if dtype not in LORA_DTYPES:
-            raise ValueError(f"lora_dtype must be one of {sorted(LORA_DTYPES)}, got {dtype!r}")
+            raise ValueError(f"adapters are stored as float32, float16 or bfloat16, not {dtype}")
         self.cfg = cfg
         self.max_cpu_loras = max_cpu_loras
         self.max_lora_rank = max_lora_rank
-        self.dtype = LORA_DTYPES[dtype]
+        self.dtype = dtype  # formats.resolve_lora_dtype's
         self.device = device
         self.plan = plan  # tensor parallelism: this rank's slices
         self.loaded: OrderedDict[int, LoraAdapter] = OrderedDict()

@@ -25,7 +25,7 @@ import msgspec
 import torch
 
 from structllm.config import EngineConfig, SpeculativeConfig
-from structllm.engine.adapters import LORA_DTYPES, AdapterRegistry
+from structllm.engine.adapters import AdapterRegistry
 from structllm.engine.device import (
     drop_library_pages,
     kv_budget,
@@ -56,7 +56,7 @@ from structllm.kernels.cpu_ext import best_isa
 from structllm.kernels.packed import ROW_KERNEL_ROWS
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.files import ModelFiles, with_hf_overrides
-from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
+from structllm.model.formats import resolve_format, resolve_kv_cache_dtype, resolve_lora_dtype
 from structllm.model.llama import LlamaModel
 from structllm.model.loader import prepare_model
 from structllm.model.lora import slot_bytes
@@ -339,7 +339,7 @@ class EngineCore:
             self.files.config,
             cfg.max_cpu_loras or cfg.max_loras,
             cfg.max_lora_rank,
-            cfg.lora_dtype,
+            resolve_lora_dtype(cfg, self.device, self.weight_format),
             self.device,
             cfg.max_loras,
             plan,
@@ -472,7 +472,7 @@ class EngineCore:
         cfg = self.config
         if not cfg.enable_lora or self.device.type != "cuda":
             return 0
-        dtype = LORA_DTYPES[cfg.lora_dtype]
+        dtype = resolve_lora_dtype(cfg, self.device, self.weight_format)
         return slot_bytes(self.files.config, cfg.max_loras, cfg.max_lora_rank, dtype)
 
     def _size_state_cache(self) -> None:

@@ -51,7 +51,7 @@ from structllm.ipc.parent import ParentGone, die_with_parent
 from structllm.ipc.step_stream import StreamClosed, connect, recv_frame
 from structllm.model.collectives import TensorParallelGroup, connect_group
 from structllm.model.files import with_hf_overrides
-from structllm.model.formats import resolve_format, resolve_kv_cache_dtype
+from structllm.model.formats import resolve_format, resolve_kv_cache_dtype, resolve_lora_dtype
 from structllm.model.loader import prepare_model
 from structllm.model.sharding import plan_shards
 from structllm.model.stages import stage_layers
@@ -157,7 +157,8 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
             )
             raise
         store.set(f"loaded/{launch.rank}", "")
-        kv_dtype = resolve_kv_cache_dtype(config, device, resolve_format(config, device, files, tp))
+        fmt = resolve_format(config, device, files, tp)
+        kv_dtype = resolve_kv_cache_dtype(config, device, fmt)
         heads = plan.num_kv_heads if plan else files.config.num_kv_heads
         num_blocks = group.all_reduce_min(
             local_num_blocks(config, device, kv_dtype, files.config, heads, len(layers or ()))
@@ -168,7 +169,7 @@ def start(launch: WorkerLaunch, store: dist.TCPStore) -> tuple[ModelRunner, Tens
                 files.config,
                 config.max_cpu_loras or config.max_loras,
                 config.max_lora_rank,
-                config.lora_dtype,
+                resolve_lora_dtype(config, device, fmt),
                 device,
                 config.max_loras,
                 plan,

@@ -73,6 +73,36 @@ inline void dot4(const W* a, const float* x0, const float* x1, const float* x2, 
   out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
 
+// dot4 for two rows of A at once (a0 and a1 against the same four x rows): eight
+// independent FMA chains where dot4 has four, enough to keep both FMA ports busy through
+// the FMA latency, and each x vector loaded once for both. Every sum is dot4's, in its
+// order (the same lanes, the same vsum, the same tail): the same bits.
+template <typename W>
+inline void dot4x2(const W* a0, const W* a1, const float* x0, const float* x1, const float* x2,
+                   const float* x3, int64_t n, float* out0, float* out1) {
+  vf s0 = sl::vzero(), s1 = sl::vzero(), s2 = sl::vzero(), s3 = sl::vzero();
+  vf t0 = sl::vzero(), t1 = sl::vzero(), t2 = sl::vzero(), t3 = sl::vzero();
+  int64_t k = 0;
+  for (; k + VW <= n; k += VW) {
+    const vf ak = wload(a0 + k), bk = wload(a1 + k);
+    const vf v0 = sl::vload(x0 + k), v1 = sl::vload(x1 + k);
+    const vf v2 = sl::vload(x2 + k), v3 = sl::vload(x3 + k);
+    s0 = sl::vfma(ak, v0, s0), t0 = sl::vfma(bk, v0, t0);
+    s1 = sl::vfma(ak, v1, s1), t1 = sl::vfma(bk, v1, t1);
+    s2 = sl::vfma(ak, v2, s2), t2 = sl::vfma(bk, v2, t2);
+    s3 = sl::vfma(ak, v3, s3), t3 = sl::vfma(bk, v3, t3);
+  }
+  float p0 = sl::vsum(s0), p1 = sl::vsum(s1), p2 = sl::vsum(s2), p3 = sl::vsum(s3);
+  float q0 = sl::vsum(t0), q1 = sl::vsum(t1), q2 = sl::vsum(t2), q3 = sl::vsum(t3);
+  for (; k < n; k++) {
+    const float ak = wget(a0 + k), bk = wget(a1 + k);
+    p0 += ak * x0[k], p1 += ak * x1[k], p2 += ak * x2[k], p3 += ak * x3[k];
+    q0 += bk * x0[k], q1 += bk * x1[k], q2 += bk * x2[k], q3 += bk * x3[k];
+  }
+  out0[0] = p0, out0[1] = p1, out0[2] = p2, out0[3] = p3;
+  out1[0] = q0, out1[1] = q1, out1[2] = q2, out1[3] = q3;
+}
+
 // dot4's sum for one row alone: the very same operations in the same order (so a row's
 // result does not depend on whether it has three neighbours), a quarter of the FMAs
 template <typename W>
@@ -114,6 +144,36 @@ inline void expand_row(float* orow, const float* s, const W* bt, int64_t bs, int
     for (int64_t j = 0; j < r; j++) acc = std::fma(s[j], wget(bt + j * bs + c), acc);
     orow[c] = acc;
   }
+}
+
+// expand_row for two rows at once (o0 += s0 B^T, o1 += s1 B^T over columns [c0, c1)):
+// each B^T vector loaded once for both rows, and twice the independent FMA chains
+// (expand_row's four are bound by the FMA latency, not by its ports). TILE2 columns a
+// tile, so that the two rows' accumulators fit the registers on AVX2 too. Every column's
+// sum is expand_row's (the row's value, then s[j] * bt[j, c] for j ascending, each a
+// fused multiply-add, in a vector lane or in the scalar tail alike): the same bits.
+constexpr int64_t TILE2 = 4 * VW;
+template <typename W>
+inline void expand_row2(float* o0, float* o1, const float* s0, const float* s1, const W* bt,
+                        int64_t bs, int64_t r, int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  for (; c + TILE2 <= c1; c += TILE2) {
+    vf a0[4], a1[4];
+    for (int t = 0; t < 4; t++) a0[t] = sl::vload(o0 + c + t * VW), a1[t] = sl::vload(o1 + c + t * VW);
+    for (int64_t j = 0; j < r; j++) {
+      const vf u = sl::vset1(s0[j]), v = sl::vset1(s1[j]);
+      const W* bj = bt + j * bs + c;
+      const char* next = reinterpret_cast<const char*>(bj + TILE2);  // as expand_row's
+      for (int64_t at = 0; at < TILE2 * static_cast<int64_t>(sizeof(W)); at += 64)
+        _mm_prefetch(next + at, _MM_HINT_T0);
+      for (int t = 0; t < 4; t++) {
+        const vf b = wload(bj + t * VW);
+        a0[t] = sl::vfma(u, b, a0[t]), a1[t] = sl::vfma(v, b, a1[t]);
+      }
+    }
+    for (int t = 0; t < 4; t++) sl::vstore(o0 + c + t * VW, a0[t]), sl::vstore(o1 + c + t * VW, a1[t]);
+  }
+  if (c < c1) expand_row(o0, s0, bt, bs, r, c, c1), expand_row(o1, s1, bt, bs, r, c, c1);
 }
 
 // rows per block (at most ROWS): an adapter's A and B^T are read once per block, so 16
@@ -170,7 +230,19 @@ void shrink_block(const Plan& p, const Block& blk, float* sb) {
   const W* ai = static_cast<const W*>(p.a[i]);
   const float* xr[ROWS];
   for (int64_t q = 0; q < blk.n; q++) xr[q] = p.x + p.rows[blk.first + q] * p.xs;
-  for (int64_t j = 0; j < r; j++) {
+  int64_t j = 0;
+  if (blk.n >= 4)  // A's rows in pairs over each four x rows (dot4x2), the odd one alone
+    for (; j + 2 <= r; j += 2) {
+      const W *aj = ai + j * p.as[i], *ak = aj + p.as[i];
+      int64_t q = 0;
+      float f0[4], f1[4];
+      for (; q + 4 <= blk.n; q += 4) {
+        dot4x2(aj, ak, xr[q], xr[q + 1], xr[q + 2], xr[q + 3], p.K, f0, f1);
+        for (int64_t t = 0; t < 4; t++) sb[(q + t) * r + j] = f0[t], sb[(q + t) * r + j + 1] = f1[t];
+      }
+      for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K), sb[q * r + j + 1] = dot1(ak, xr[q], p.K);
+    }
+  for (; j < r; j++) {
     const W* aj = ai + j * p.as[i];
     int64_t q = 0;
     float four[4];
@@ -187,7 +259,13 @@ template <typename W>
 void expand_block(const Plan& p, const Block& blk, const float* sb, int64_t c0, int64_t c1) {
   const int64_t i = blk.item, r = p.rank[i];
   const W* bi = static_cast<const W*>(p.bt[i]);
-  for (int64_t q = 0; q < blk.n; q++)
+  int64_t q = 0;
+  for (; q + 2 <= blk.n; q += 2) {  // rows in pairs (expand_row2), the odd one alone
+    float* o0 = p.out + p.rows[blk.first + q] * p.os + p.cols[i];
+    float* o1 = p.out + p.rows[blk.first + q + 1] * p.os + p.cols[i];
+    expand_row2(o0, o1, sb + q * r, sb + (q + 1) * r, bi, p.bs[i], r, c0, c1);
+  }
+  for (; q < blk.n; q++)
     expand_row(p.out + p.rows[blk.first + q] * p.os + p.cols[i], sb + q * r, bi, p.bs[i], r, c0, c1);
 }
 

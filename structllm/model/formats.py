@@ -166,3 +166,35 @@ def resolve_kv_cache_dtype(
         else (config.dtype == "float32" and config.quantization == "none")
     )
     return torch.float32 if exact else torch.float16
+
+
+_LORA_DTYPES = {**_KV_DTYPES, "bfloat16": torch.bfloat16}
+
+
+def resolve_lora_dtype(
+    config: EngineConfig, device: torch.device, fmt: WeightFormat | None
+) -> torch.dtype:
+    """How LoRA adapters' weights are stored, from ``--lora-dtype`` (they are computed in
+    float32 on CPU whatever the storage).
+
+    ``auto``, vLLM's "the model's dtype": on CPU float32 when the weights run in the
+    exact float32 format (so that path stays within 1e-4 of ``PeftModel``), float16
+    otherwise, where the base's own matmul weights are float16 or 4-8-bit blocks and an
+    adapter's float16 rounding (2^-11 of its delta) is far below theirs, while its bytes
+    halve: 16 distinct rank-16 adapters of the default model are 4x the Q4_1 base's
+    bytes in float32, which a step of distinct adapters streams. With bfloat16
+    activations (``--dtype bfloat16`` on CPU) bfloat16. On CUDA float32, as before this
+    rule (the slots' Triton kernels are tested so).
+    """
+    if config.lora_dtype != "auto":
+        return _LORA_DTYPES[config.lora_dtype]
+    if device.type != "cpu":
+        return torch.float32
+    if resolve_dtype(config, device) != torch.float32:
+        return resolve_dtype(config, device)
+    exact = (
+        fmt == WeightFormat(torch.float32)
+        if fmt is not None
+        else (config.dtype == "float32" and config.quantization == "none")
+    )
+    return torch.float32 if exact else torch.float16
