@@ -20,7 +20,9 @@ structllm offline with the file as its ``LoRARequest`` against ``llama-server -m
 in its figure, a few ms of seconds). The bar: structllm >= 1.0x llama-server.
 
 ``--lora-dtype`` (repeatable) runs ``one`` and ``distinct`` once per adapter storage
-type, each on its own engine (``one@float16``, ...); ``unused`` on the first's.
+type, each on its own engine (``one@float16``, ...); ``unused`` on the first's. The
+default, ``auto``, stores them in float16 over a GGUF base (``formats.resolve_lora_dtype``);
+``--lora-dtype auto --lora-dtype float32`` shows what float32 storage would cost.
 
 The adapters are random PEFT directories written for the model's shapes (every
 projection, B scaled small so the text stays the model's kind of text). Speculative

@@ -15,10 +15,11 @@
 // An adapter's weights are what a step pays for (rank 16 on every projection of the
 // default model: 20 MB of float32 per adapter, against 80 MB for the whole Q4_1 base), so
 // each is read once per block of up to 16 rows, not once per row: the shrink runs over
-// (item, row block) units, each A row dotted with the block's rows while it is in L1,
-// into a scratch s [rows, r_i]; the expand over (item, row block, COLS columns) units,
-// each B^T row's columns added, times s[row, j], into the block's output rows (the
-// column cut gives a lone adapter's o or down projection work for every thread); with
+// (item, row block, RANKS ranks) units, each A row dotted with the block's rows while it
+// is in L1, into a scratch s [rows, r_i]; the expand over (item, row block, COLS columns)
+// units,
+// each B^T row's columns added, times s[row, j], into the block's output rows (the rank
+// and column cuts give a lone adapter's o or down projection work for every thread); with
 // blocks enough for every thread, one pass of (item, row block) units doing both (one
 // join of the pool instead of two: cpu_lora.h's run, where these kernels live, shared
 // with cpu_decode.cpp's native decode loop).

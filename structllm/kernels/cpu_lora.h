@@ -21,7 +21,11 @@
 namespace sl::lora {
 
 constexpr int64_t ROWS = 16;    // most rows per block: their x rows (16 x K floats) stay in L2
-constexpr int64_t COLS = 512;   // output columns per expand unit
+// output columns per expand unit: small enough that a lone adapter's 576-column o or
+// down projection (one block) splits about evenly over two threads (5 units, not 2 of
+// 512 and 64)
+constexpr int64_t COLS = 128;
+constexpr int64_t RANKS = 8;    // ranks per shrink unit (even: dot4x2 takes them in pairs)
 constexpr int64_t MAX_RANK = 1024;
 
 using sl::vf;
@@ -194,7 +198,7 @@ struct Plan {
   std::vector<const void*> a, bt;  // item i's A [r_i, K] and B^T [r_i, N_i], of type W
   std::vector<int64_t> rank, width, as, bs, cols;
   std::vector<Block> blocks;
-  std::vector<int64_t> first_unit;  // run's expand units per block (scratch)
+  std::vector<int64_t> first_unit;  // run's shrink, then expand, units per block (scratch)
   std::vector<float> s;             // run's shrink output (scratch)
   int64_t s_size = 0;
 
@@ -223,16 +227,17 @@ struct Plan {
 // blocks per pool thread from which run() takes one pass (see run)
 inline int64_t fuse_blocks_per_thread = 4;
 
-// the shrink of one block: s [n, r] = its rows of x times A^T
+// the shrink of one block's ranks [j0, j1): s[:, j0 .. j1) of s [n, r] = its rows of x
+// times those rows of A, each element its own dot4/dot1 sum (whichever ranks a call takes)
 template <typename W>
-void shrink_block(const Plan& p, const Block& blk, float* sb) {
+void shrink_block(const Plan& p, const Block& blk, float* sb, int64_t j0, int64_t j1) {
   const int64_t i = blk.item, r = p.rank[i];
   const W* ai = static_cast<const W*>(p.a[i]);
   const float* xr[ROWS];
   for (int64_t q = 0; q < blk.n; q++) xr[q] = p.x + p.rows[blk.first + q] * p.xs;
-  int64_t j = 0;
+  int64_t j = j0;
   if (blk.n >= 4)  // A's rows in pairs over each four x rows (dot4x2), the odd one alone
-    for (; j + 2 <= r; j += 2) {
+    for (; j + 2 <= j1; j += 2) {
       const W *aj = ai + j * p.as[i], *ak = aj + p.as[i];
       int64_t q = 0;
       float f0[4], f1[4];
@@ -242,7 +247,7 @@ void shrink_block(const Plan& p, const Block& blk, float* sb) {
       }
       for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K), sb[q * r + j + 1] = dot1(ak, xr[q], p.K);
     }
-  for (; j < r; j++) {
+  for (; j < j1; j++) {
     const W* aj = ai + j * p.as[i];
     int64_t q = 0;
     float four[4];
@@ -288,14 +293,25 @@ void run(Plan& p) {
     sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++) {
         const Block& blk = p.blocks[b];
-        shrink_block<W>(p, blk, s + blk.s_at);
+        shrink_block<W>(p, blk, s + blk.s_at, 0, p.rank[blk.item]);
         expand_block<W>(p, blk, s + blk.s_at, 0, p.width[blk.item]);
       }
     });
     return;
   }
-  sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) shrink_block<W>(p, p.blocks[b], s + p.blocks[b].s_at);
+  // shrink units: (block, RANKS ranks), so that a lone adapter's o or down projection
+  // (one block) still gives every thread a share of its shrink
+  p.first_unit.assign(nb + 1, 0);
+  for (int64_t b = 0; b < nb; b++)
+    p.first_unit[b + 1] = p.first_unit[b] + (p.rank[p.blocks[b].item] + RANKS - 1) / RANKS;
+  sl::parallel_for(0, p.first_unit[nb], 1, [&](int64_t u0, int64_t u1) {
+    int64_t b = 0;
+    for (int64_t u = u0; u < u1; u++) {
+      while (p.first_unit[b + 1] <= u) b++;
+      const Block& blk = p.blocks[b];
+      const int64_t j0 = (u - p.first_unit[b]) * RANKS;
+      shrink_block<W>(p, blk, s + blk.s_at, j0, std::min(p.rank[blk.item], j0 + RANKS));
+    }
   });
   // expand units: (block, column chunk), in order of blocks
   p.first_unit.assign(nb + 1, 0);

@@ -84,7 +84,7 @@ def test_one_pass_two_passes_and_block_sizes_give_the_same_bits(isa: str) -> Non
     if native is None:
         pytest.skip(f"the {isa} LoRA kernel does not build here")
     g = torch.Generator().manual_seed(1)
-    wide = 600  # an expand of two column chunks (512 + 88: a tail of 24 past the tiles)
+    wide = 600  # an expand of five column chunks (4 x 128 + 88: a tail of 24 past the tiles)
     adapters = [adapter(i + 1, g, [(16, 0, 64), (8, 64, 96)], torch.float32) for i in range(20)]
     for a in adapters:
         a.layers[0]["o"] = [
