@@ -101,10 +101,11 @@ def caller(module: Any, ws: list[torch.Tensor], x: torch.Tensor, code: int, mode
     return call
 
 
-def time_us(fn: Any, min_s: float) -> float:
+def time_us(fn: Any, min_s: float, clock: Any = time.perf_counter) -> float:
+    """Microseconds per call of ``fn`` by ``clock`` (wall, or this thread's CPU time)."""
     fn()
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < min_s or n < 3:
+    n, start = 0, clock()
+    while (elapsed := clock() - start) < min_s or n < 3:
         fn()
         n += 1
     return elapsed / n * 1e6
@@ -121,6 +122,11 @@ def main() -> int:
     ap.add_argument("--min-s", type=float, default=0.05)
     ap.add_argument("--hot", action="store_true", help="the same weights every call")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this thread's CPU time (with --threads 1: the kernel's own work)",
+    )
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -129,6 +135,7 @@ def main() -> int:
         print("no AVX2 kernels on this CPU", file=sys.stderr)
         return 1
     code = packed.BLOCK_TYPES[a.type]
+    clock = time.thread_time if a.cpu_time else time.perf_counter
     new, old = cpu_ext.load_quant(isa), baseline(a.base or BASES[a.type], isa)
     print(
         f"{a.type}: isa {new.isa()}, threads {torch.get_num_threads()},"
@@ -153,7 +160,7 @@ def main() -> int:
                 times: dict[str, list[float]] = {"new": [], "old": []}
                 for _ in range(a.reps):
                     for which, (mod, ws) in variants.items():
-                        times[which].append(time_us(caller(mod, ws, x, code, mode), a.min_s))
+                        times[which].append(time_us(caller(mod, ws, x, code, mode), a.min_s, clock))
                 t_new, t_old = statistics.median(times["new"]), statistics.median(times["old"])
                 row = {
                     "shape": name,
