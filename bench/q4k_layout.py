@@ -4,11 +4,12 @@ into before (22, 26 or 28 bytes), per matmul, same run.
 
 The baseline is ``quant_linear.cpp`` (and its headers) as of ``--base`` (a git revision
 from before the native layout: default ``a575c58`` for Q4_K, ``945b17a`` for Q5_K and
-Q6_K), built as its own module beside this tree's. Both run the same random super-blocks
-(the baseline on ``packed.repack``'s blocks of them) on the same activations, at Llama
-3.2 1B's matmul shapes (fused q/k/v, o, fused gate/up, down), for ``--rows`` activation
-rows on the int8 (the MLP's; not Q6_K, whose int8 mode is its int16 path) and int16
-paths. Weights cold by default: each variant cycles through copies of its weights (at
+Q6_K), built as its own module beside this tree's: this tree's kernels no longer read the
+repacked blocks (their branches are gone), so the old layout exists only in git history.
+Both run the same random super-blocks (the baseline on ``packed.repack``'s blocks of them)
+on the same activations, at Llama 3.2 1B's matmul shapes (fused q/k/v, o, fused
+gate/up, down), for ``--rows`` activation rows on the int8 (the MLP's; not Q6_K, whose
+int8 mode is its int16 path) and int16 paths. Weights cold by default: each variant cycles through copies of its weights (at
 least 256 MB), as a decode step streams them. Timings interleaved (new, old, new, ...)
 for ``--reps`` rounds, median per call. Also checks that both give the same outputs bit
 for bit. Prints a table (microseconds per call, weight bytes, old / new) and a JSON line.
@@ -16,6 +17,8 @@ for bit. Prints a table (microseconds per call, weight bytes, old / new) and a J
     python bench/q4k_layout.py                          # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/q4k_layout.py   # the AVX2 builds
     python bench/q4k_layout.py --type Q6_K --rows 1 16
+    python bench/q4k_layout.py --type Q6_K --rows 2 4 8 --hot --threads 1 --cpu-time
+        # the row kernels alone: one thread, the same weights each call, CPU time
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ SHAPES = [  # Llama 3.2 1B, as the model runs them
     ("down 2048x8192", 2048, 8192),
 ]
 SOURCES = ("quant_linear.cpp", "cpu_pool.h", "cpu_simd.h", "cpu_tables.h")
-OPTIONAL = ("cpu_kquants.h", "cpu_iquants.h")  # headers a later baseline includes
+# headers a later baseline includes (quant_linear.cpp's parts, from this tree's split on)
+OPTIONAL = (
+    "cpu_kquants.h",
+    "cpu_iquants.h",
+    "cpu_blocks.h",
+    "cpu_rows.h",
+    "cpu_gemm.h",
+    "cpu_half.h",
+)
 BASES = {"Q4_K": "a575c58", "Q5_K": "945b17a", "Q6_K": "945b17a"}
 
 

@@ -12,8 +12,10 @@
 // high 2 bits bits 2c, 2c + 1 of qh[32h ..+32]; weights 0-15 of it take scale sc[2j],
 // 16-31 sc[2j + 1]: w = d sc (q - 32).
 //
-// Included into quant_linear.cpp's translation unit (its pool, quantisers, folds and
-// blocked GEMMs; cpu_ext.py hashes this file into the quant module's build key).
+// Part of quant_linear.cpp's translation unit: included inside its anonymous namespace,
+// last of its headers (it uses cpu_blocks.h's traits, cpu_rows.h's quantisers, folds and
+// d8 helpers, cpu_gemm.h's float path and blocked GEMM); cpu_ext.py hashes it into the
+// module's build key.
 //
 // Decode sizes (up to MT_Q activation rows). Q4_K, Q5_K (the int8 and int16 paths):
 // groups of 8 weight rows read side by side from the file's layout, one sub-block (32
@@ -21,14 +23,15 @@
 // its fifth bits, a second load), dotted with the activations' block of 32 (int8:
 // vpmaddubsw + vpmaddwd, or vpdpbusd with VNNI; int16: the quants widened to 16 bits,
 // vpmaddwd / vpdpwssd). The 8 rows' sums go into the lanes of one vector and are folded
-// exactly as quant_linear.cpp's row kernel and blocked GEMM fold a block of 32: acc =
+// exactly as cpu_rows.h's row kernel and the blocked GEMM fold a block of 32: acc =
 // fma(float(S), dx * D sc, acc), then acc = fma(-(DMIN mn), xs, acc) (xs = dx * sum of
 // the activation quants: the minima never touch a weight). D sc and DMIN mn are exact
 // in float32 (a float16 times a 6-bit integer), so a row's result is bit for bit the
 // blocked GEMM's at any row count, and the same as the 22- and 26-byte blocks of 32
 // that Q4_K and Q5_K used to be repacked into gave. Q6_K (int16 only: 6-bit signed
-// quants, as Q8_0 stays off the int8 path): rows8_q6 below, the 8 rows transposed.
-// More rows (prefill, large batches) run quant_linear.cpp's blocked integer GEMM on the
+// quants, as Q8_0 stays off the int8 path): rows8_q6 below, the 8 rows transposed, the
+// activations interleaved by row.
+// More rows (prefill, large batches) run cpu_gemm.h's blocked integer GEMM on the
 // super-blocks themselves (FileK45, FileQ6K: its layout parameter): per panel of weight
 // rows and chunk of whole super-blocks, each super-block's scales decoded once and its
 // quants unpacked into the GEMM's L1 tile, as it unpacks any block type; no copy of the
@@ -133,7 +136,7 @@ inline void sub_dot(const uint8_t* sb, int j, const int16_t* x, int64_t K, d8::v
 }
 
 // out[m * N + r] = weight rows w + r * row_bytes (r < 8; ns super-blocks each) against
-// MT rows of xq [MT][K], dx, xs [MT][K / 32]: quant_linear.cpp's d8::rows8 on the file's
+// MT rows of xq [MT][K], dx, xs [MT][K / 32]: cpu_rows.h's d8::rows8 on the file's
 // layout (the same lane reduction and fold)
 template <typename F, int MT, typename XT>
 inline void rows8(const uint8_t* w, int64_t row_bytes, int ns, const XT* xq, int64_t K, const float* dx,
@@ -283,13 +286,14 @@ inline void q6_sub(const d8::v8i t[8], const int16_t* xb, d8::v8f d0, d8::v8f d1
   }
 }
 
-// Q6_K's int16 row kernel on the file's layout (quant_linear.cpp's d8::rows8_q6k on the
-// 28-byte blocks): per super-block and half of it, the 8 rows' ql and qh bytes are
-// transposed (lane r: row r) and the four sub-blocks' 6-bit quants put together for the
-// 8 rows at once into a tile [sub-block][quad][lane], built once for every activation
-// row (more than 4 rows: two passes of q6_sub over it). The fold is rows8_q6k's (scale
-// 2j's sum, then 2j + 1's, d = D sc exact), so the outputs are bit for bit those of the
-// 28-byte blocks and of the blocked GEMM.
+// Q6_K's int16 row kernel on the file's layout (what d8::rows8_q6k did on the 28-byte
+// blocks Q6_K was once repacked into): per super-block and half of it, the 8 rows' ql
+// and qh bytes are transposed (lane r: row r) and the four sub-blocks' 6-bit quants put
+// together for the 8 rows at once into a tile [sub-block][quad][lane], built once for
+// every activation row (more than 4 rows: two passes of q6_sub over it). xq, dx, xs:
+// the MT activation rows interleaved (interleave_rows_q6). The fold is rows8_q6k's
+// (scale 2j's sum, then 2j + 1's, d = D sc exact), so the outputs are bit for bit those
+// of the 28-byte blocks and of the blocked GEMM.
 template <int MT>
 inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t* xq, const float* dx, const float* xs,
                      float* out, int64_t N, const uint8_t* ahead) {
@@ -460,7 +464,7 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   });
 }
 
-// The blocked integer GEMM's view of Q4_K's and Q5_K's super-blocks (quant_linear.cpp's
+// The blocked integer GEMM's view of Q4_K's and Q5_K's super-blocks (cpu_gemm.h's
 // BlockLayout): chunks of whole super-blocks, each unpacked straight into the GEMM's L1
 // tile. Per super-block its 6-bit scales and minima are decoded once (scales_mins) and
 // turned into the 8 sub-blocks' d = D sc and m = -(DMIN mn), the same float32 products

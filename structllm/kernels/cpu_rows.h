@@ -330,28 +330,26 @@ inline void rows8(const uint8_t* w, int64_t row_bytes, int nb, const XT* xq, int
       _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
     // the lane reduction, done as the rows' sums arrive (fewer live registers: about
     // 4 MT + 2, so that AVX2's 16 hold up to 3 rows)
-    {
-      v8i half_sums[MT][2];
-      for (int q = 0; q < 2; q++) {
-        v8i a[MT][2];
-        for (int j = 0; j < 2; j++) {
-          const int r = 4 * q + 2 * j;
-          v8i s0[MT], s1[MT];
-          block_dot<T, MT>(g + r * row_bytes, xb, K, s0);
-          block_dot<T, MT>(g + (r + 1) * row_bytes, xb, K, s1);
-          for (int m = 0; m < MT; m++)
-            a[m][j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s0[m], s1[m]), _mm256_unpackhi_epi32(s0[m], s1[m]));
-        }
+    v8i half_sums[MT][2];
+    for (int q = 0; q < 2; q++) {
+      v8i a[MT][2];
+      for (int j = 0; j < 2; j++) {
+        const int r = 4 * q + 2 * j;
+        v8i s0[MT], s1[MT];
+        block_dot<T, MT>(g + r * row_bytes, xb, K, s0);
+        block_dot<T, MT>(g + (r + 1) * row_bytes, xb, K, s1);
         for (int m = 0; m < MT; m++)
-          half_sums[m][q] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[m][0], a[m][1]), _mm256_unpackhi_epi64(a[m][0], a[m][1]));
+          a[m][j] = _mm256_add_epi32(_mm256_unpacklo_epi32(s0[m], s1[m]), _mm256_unpackhi_epi32(s0[m], s1[m]));
       }
-      v8f dw, mw = _mm256_setzero_ps();
-      scales8<T>(g, row_bytes, dw, mw);
-      for (int m = 0; m < MT; m++) {
-        const v8i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x20),
-                                          _mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x31));
-        acc[m] = fold<T, XT>(acc[m], sums, dw, mw, dx[m * nb + b], xs[m * nb + b]);
-      }
+      for (int m = 0; m < MT; m++)
+        half_sums[m][q] = _mm256_add_epi32(_mm256_unpacklo_epi64(a[m][0], a[m][1]), _mm256_unpackhi_epi64(a[m][0], a[m][1]));
+    }
+    v8f dw, mw = _mm256_setzero_ps();
+    scales8<T>(g, row_bytes, dw, mw);
+    for (int m = 0; m < MT; m++) {
+      const v8i sums = _mm256_add_epi32(_mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x20),
+                                        _mm256_permute2x128_si256(half_sums[m][0], half_sums[m][1], 0x31));
+      acc[m] = fold<T, XT>(acc[m], sums, dw, mw, dx[m * nb + b], xs[m * nb + b]);
     }
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
