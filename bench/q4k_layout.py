@@ -9,10 +9,12 @@ repacked blocks (their branches are gone), so the old layout exists only in git 
 Both run the same random super-blocks (the baseline on ``packed.repack``'s blocks of them)
 on the same activations, at Llama 3.2 1B's matmul shapes (fused q/k/v, o, fused
 gate/up, down), for ``--rows`` activation rows on the int8 (the MLP's; not Q6_K, whose
-int8 mode is its int16 path) and int16 paths. Weights cold by default: each variant cycles through copies of its weights (at
-least 256 MB), as a decode step streams them. Timings interleaved (new, old, new, ...)
-for ``--reps`` rounds, median per call. Also checks that both give the same outputs bit
-for bit. Prints a table (microseconds per call, weight bytes, old / new) and a JSON line.
+int8 mode is its int16 path) and int16 paths. Weights cold by default: each variant
+cycles through copies of its weights (at least 256 MB), as a decode step streams them.
+Timings interleaved (new, old, new, ...) for ``--reps`` rounds, median per call
+(``--cpu-time``: by this thread's CPU time rather than the wall clock). Also checks that
+both give the same outputs bit for bit. Prints a table (microseconds per call, weight
+bytes, old / new) and a JSON line.
 
     python bench/q4k_layout.py                          # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/q4k_layout.py   # the AVX2 builds
