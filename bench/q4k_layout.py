@@ -4,18 +4,23 @@ into before (22, 26 or 28 bytes), per matmul, same run.
 
 The baseline is ``quant_linear.cpp`` (and its headers) as of ``--base`` (a git revision
 from before the native layout: default ``a575c58`` for Q4_K, ``945b17a`` for Q5_K and
-Q6_K), built as its own module beside this tree's. Both run the same random super-blocks
-(the baseline on ``packed.repack``'s blocks of them) on the same activations, at Llama
-3.2 1B's matmul shapes (fused q/k/v, o, fused gate/up, down), for ``--rows`` activation
-rows on the int8 (the MLP's; not Q6_K, whose int8 mode is its int16 path) and int16
-paths. Weights cold by default: each variant cycles through copies of its weights (at
-least 256 MB), as a decode step streams them. Timings interleaved (new, old, new, ...)
-for ``--reps`` rounds, median per call. Also checks that both give the same outputs bit
-for bit. Prints a table (microseconds per call, weight bytes, old / new) and a JSON line.
+Q6_K), built as its own module beside this tree's: this tree's kernels no longer read the
+repacked blocks (their branches are gone), so the old layout exists only in git history.
+Both run the same random super-blocks (the baseline on ``packed.repack``'s blocks of them)
+on the same activations, at Llama 3.2 1B's matmul shapes (fused q/k/v, o, fused
+gate/up, down), for ``--rows`` activation rows on the int8 (the MLP's; not Q6_K, whose
+int8 mode is its int16 path) and int16 paths. Weights cold by default: each variant
+cycles through copies of its weights (at least 256 MB), as a decode step streams them.
+Timings interleaved (new, old, new, ...) for ``--reps`` rounds, median per call
+(``--cpu-time``: by this thread's CPU time rather than the wall clock). Also checks that
+both give the same outputs bit for bit. Prints a table (microseconds per call, weight
+bytes, old / new) and a JSON line.
 
     python bench/q4k_layout.py                          # this CPU's widest ISA
     STRUCTLLM_CPU_ISA=avx2 python bench/q4k_layout.py   # the AVX2 builds
     python bench/q4k_layout.py --type Q6_K --rows 1 16
+    python bench/q4k_layout.py --type Q6_K --rows 2 4 8 --hot --threads 1 --cpu-time
+        # the row kernels alone: one thread, the same weights each call, CPU time
 """
 
 from __future__ import annotations
@@ -45,7 +50,15 @@ SHAPES = [  # Llama 3.2 1B, as the model runs them
     ("down 2048x8192", 2048, 8192),
 ]
 SOURCES = ("quant_linear.cpp", "cpu_pool.h", "cpu_simd.h", "cpu_tables.h")
-OPTIONAL = ("cpu_kquants.h", "cpu_iquants.h")  # headers a later baseline includes
+# headers a later baseline includes (quant_linear.cpp's parts, from this tree's split on)
+OPTIONAL = (
+    "cpu_kquants.h",
+    "cpu_iquants.h",
+    "cpu_blocks.h",
+    "cpu_rows.h",
+    "cpu_gemm.h",
+    "cpu_half.h",
+)
 BASES = {"Q4_K": "a575c58", "Q5_K": "945b17a", "Q6_K": "945b17a"}
 
 
@@ -101,10 +114,11 @@ def caller(module: Any, ws: list[torch.Tensor], x: torch.Tensor, code: int, mode
     return call
 
 
-def time_us(fn: Any, min_s: float) -> float:
+def time_us(fn: Any, min_s: float, clock: Any = time.perf_counter) -> float:
+    """Microseconds per call of ``fn`` by ``clock`` (wall, or this thread's CPU time)."""
     fn()
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < min_s or n < 3:
+    n, start = 0, clock()
+    while (elapsed := clock() - start) < min_s or n < 3:
         fn()
         n += 1
     return elapsed / n * 1e6
@@ -121,6 +135,11 @@ def main() -> int:
     ap.add_argument("--min-s", type=float, default=0.05)
     ap.add_argument("--hot", action="store_true", help="the same weights every call")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this thread's CPU time (with --threads 1: the kernel's own work)",
+    )
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -129,6 +148,7 @@ def main() -> int:
         print("no AVX2 kernels on this CPU", file=sys.stderr)
         return 1
     code = packed.BLOCK_TYPES[a.type]
+    clock = time.thread_time if a.cpu_time else time.perf_counter
     new, old = cpu_ext.load_quant(isa), baseline(a.base or BASES[a.type], isa)
     print(
         f"{a.type}: isa {new.isa()}, threads {torch.get_num_threads()},"
@@ -153,7 +173,7 @@ def main() -> int:
                 times: dict[str, list[float]] = {"new": [], "old": []}
                 for _ in range(a.reps):
                     for which, (mod, ws) in variants.items():
-                        times[which].append(time_us(caller(mod, ws, x, code, mode), a.min_s))
+                        times[which].append(time_us(caller(mod, ws, x, code, mode), a.min_s, clock))
                 t_new, t_old = statistics.median(times["new"]), statistics.median(times["old"])
                 row = {
                     "shape": name,

@@ -21,7 +21,7 @@ each variant through copies of its weights (at least 256 MB of them), as the eng
 
 ``--types Q5_0 Q4_K Q6_K ...`` runs every shape in each of those block types instead
 (a k-quant's K rounded up to whole super-blocks of 256: 576 -> 768; its blocks are
-random super-blocks with sane scales, repacked as the loader does).
+random super-blocks with sane scales, held as the file's super-blocks as the loader does).
 """
 
 from __future__ import annotations

@@ -99,8 +99,12 @@ QUANT_SOURCE = Path(__file__).with_name("quant_linear.cpp")
 # -ffp-contract=off: the float path's dequantisation (mul, then add the Q4_1 minimum) must
 # round like the float32 reference, so the compiler may not fuse it into one FMA.
 QUANT_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-# headers only quant_linear.cpp includes (part of its key alone)
-QUANT_HEADERS = (Path(__file__).with_name("cpu_kquants.h"),)
+# the headers only quant_linear.cpp includes, its translation unit cut by what they hold
+# (part of its key alone: a change to any rebuilds the module)
+QUANT_HEADERS = tuple(
+    Path(__file__).with_name(h)
+    for h in ("cpu_blocks.h", "cpu_rows.h", "cpu_gemm.h", "cpu_half.h", "cpu_kquants.h")
+)
 ISAS = ("avx2", "avx512")
 
 

@@ -12,8 +12,10 @@
 // high 2 bits bits 2c, 2c + 1 of qh[32h ..+32]; weights 0-15 of it take scale sc[2j],
 // 16-31 sc[2j + 1]: w = d sc (q - 32).
 //
-// Included into quant_linear.cpp's translation unit (its pool, quantisers, folds and
-// blocked GEMMs; cpu_ext.py hashes this file into the quant module's build key).
+// Part of quant_linear.cpp's translation unit: included inside its anonymous namespace,
+// last of its headers (it uses cpu_blocks.h's traits, cpu_rows.h's quantisers, folds and
+// d8 helpers, cpu_gemm.h's float path and blocked GEMM); cpu_ext.py hashes it into the
+// module's build key.
 //
 // Decode sizes (up to MT_Q activation rows). Q4_K, Q5_K (the int8 and int16 paths):
 // groups of 8 weight rows read side by side from the file's layout, one sub-block (32
@@ -21,14 +23,15 @@
 // its fifth bits, a second load), dotted with the activations' block of 32 (int8:
 // vpmaddubsw + vpmaddwd, or vpdpbusd with VNNI; int16: the quants widened to 16 bits,
 // vpmaddwd / vpdpwssd). The 8 rows' sums go into the lanes of one vector and are folded
-// exactly as quant_linear.cpp's row kernel and blocked GEMM fold a block of 32: acc =
+// exactly as cpu_rows.h's row kernel and the blocked GEMM fold a block of 32: acc =
 // fma(float(S), dx * D sc, acc), then acc = fma(-(DMIN mn), xs, acc) (xs = dx * sum of
 // the activation quants: the minima never touch a weight). D sc and DMIN mn are exact
 // in float32 (a float16 times a 6-bit integer), so a row's result is bit for bit the
 // blocked GEMM's at any row count, and the same as the 22- and 26-byte blocks of 32
 // that Q4_K and Q5_K used to be repacked into gave. Q6_K (int16 only: 6-bit signed
-// quants, as Q8_0 stays off the int8 path): rows8_q6 below, the 8 rows transposed.
-// More rows (prefill, large batches) run quant_linear.cpp's blocked integer GEMM on the
+// quants, as Q8_0 stays off the int8 path): rows8_q6 below, the 8 rows transposed, the
+// activations interleaved by row.
+// More rows (prefill, large batches) run cpu_gemm.h's blocked integer GEMM on the
 // super-blocks themselves (FileK45, FileQ6K: its layout parameter): per panel of weight
 // rows and chunk of whole super-blocks, each super-block's scales decoded once and its
 // quants unpacked into the GEMM's L1 tile, as it unpacks any block type; no copy of the
@@ -133,7 +136,7 @@ inline void sub_dot(const uint8_t* sb, int j, const int16_t* x, int64_t K, d8::v
 }
 
 // out[m * N + r] = weight rows w + r * row_bytes (r < 8; ns super-blocks each) against
-// MT rows of xq [MT][K], dx, xs [MT][K / 32]: quant_linear.cpp's d8::rows8 on the file's
+// MT rows of xq [MT][K], dx, xs [MT][K / 32]: cpu_rows.h's d8::rows8 on the file's
 // layout (the same lane reduction and fold)
 template <typename F, int MT, typename XT>
 inline void rows8(const uint8_t* w, int64_t row_bytes, int ns, const XT* xq, int64_t K, const float* dx,
@@ -244,14 +247,14 @@ inline void quads8(const uint8_t* p, int64_t stride, d8::v8i t[8]) {
 }
 
 // one sub-block's tile t[8] (lane r: row r's quants - 32, quads of k) against MT
-// activation rows (xb: the sub-block's 32 activations of row 0, row stride K): pairs of
+// activation rows of the interleaved layout (see linear_rows: xb, the sub-block's pairs,
+// pair p of row m at xb + 2 (p MS + m); dx, xs: the block's, row m at m): pairs of
 // k as int16 (a byte shuffle into the words' high bytes, an arithmetic shift: signed),
 // one vpdpwssd (vpmaddwd + vpaddd) per pair and row, weights 0-15 into scale 2j's sum,
-// 16-31 into 2j + 1's; then the two folds (d0, d1: the 8 rows' scales; dx, xs: the
-// block's at row 0, row stride nb)
-template <int MT>
-inline void q6_sub(const d8::v8i t[8], const int16_t* xb, int64_t K, d8::v8f d0, d8::v8f d1, const float* dx,
-                   const float* xs, int64_t nb, d8::v8f* acc) {
+// 16-31 into 2j + 1's; then the two folds (d0, d1: the 8 rows' scales)
+template <int MT, int MS>
+inline void q6_sub(const d8::v8i t[8], const int16_t* xb, d8::v8f d0, d8::v8f d1, const float* dx, const float* xs,
+                   d8::v8f* acc) {
   // per 32-bit lane: bytes 0, 1 (first) or 2, 3 (second) into the high bytes of two words
   const d8::v8i first = _mm256_setr_epi8(-1, 0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4,
                                          -1, 5, -1, 8, -1, 9, -1, 12, -1, 13);
@@ -268,39 +271,37 @@ inline void q6_sub(const d8::v8i t[8], const int16_t* xb, int64_t K, d8::v8f d0,
     SL_UNROLL_ROWS for (int sc = 0; sc < 2; sc++) {
       const d8::v8i wf = _mm256_srai_epi16(_mm256_shuffle_epi8(t[q + 4 * sc], first), 8);
       const d8::v8i ws = _mm256_srai_epi16(_mm256_shuffle_epi8(t[q + 4 * sc], second), 8);
-      const int k = 4 * (q + 4 * sc);
+      const int p = 2 * (q + 4 * sc);  // the pair of k = 4 (q + 4 sc), then p + 1
       SL_UNROLL_ROWS for (int m = 0; m < MT; m++) {
-        sum[sc][0][m] = d8::dot(sum[sc][0][m], wf, d8::bcast_pair(xb + m * K + k));
-        sum[sc][CH - 1][m] = d8::dot(sum[sc][CH - 1][m], ws, d8::bcast_pair(xb + m * K + k + 2));
+        sum[sc][0][m] = d8::dot(sum[sc][0][m], wf, d8::bcast_pair(xb + 2 * (p * MS + m)));
+        sum[sc][CH - 1][m] = d8::dot(sum[sc][CH - 1][m], ws, d8::bcast_pair(xb + 2 * ((p + 1) * MS + m)));
       }
     }
   }
   for (int m = 0; m < MT; m++) {
     d8::v8i s0 = sum[0][0][m], s1 = sum[1][0][m];
     if constexpr (CH == 2) s0 = _mm256_add_epi32(s0, sum[0][1][m]), s1 = _mm256_add_epi32(s1, sum[1][1][m]);
-    acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s0, d0, d1, dx[m * nb], xs[m * nb]);
-    acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s1, d1, d1, dx[m * nb], xs[m * nb]);
+    acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s0, d0, d1, dx[m], xs[m]);
+    acc[m] = d8::fold<Q6_K, int16_t>(acc[m], s1, d1, d1, dx[m], xs[m]);
   }
 }
 
-// Q6_K's int16 row kernel on the file's layout (quant_linear.cpp's d8::rows8_q6k on the
-// 28-byte blocks): per super-block and half of it, the 8 rows' ql and qh bytes are
-// transposed (lane r: row r) and the four sub-blocks' 6-bit quants put together for the
-// 8 rows at once into a tile [sub-block][quad][lane], built once for every activation
-// row (more than 4 rows: two passes of q6_sub over it). The fold is rows8_q6k's (scale
-// 2j's sum, then 2j + 1's, d = D sc exact), so the outputs are bit for bit those of the
-// 28-byte blocks and of the blocked GEMM.
+// Q6_K's int16 row kernel on the file's layout (what d8::rows8_q6k did on the 28-byte
+// blocks Q6_K was once repacked into): per super-block and half of it, the 8 rows' ql
+// and qh bytes are transposed (lane r: row r) and the four sub-blocks' 6-bit quants put
+// together for the 8 rows at once into a tile [sub-block][quad][lane], built once for
+// every activation row (more than 4 rows: two passes of q6_sub over it). xq, dx, xs:
+// the MT activation rows interleaved (interleave_rows_q6). The fold is rows8_q6k's
+// (scale 2j's sum, then 2j + 1's, d = D sc exact), so the outputs are bit for bit those
+// of the 28-byte blocks and of the blocked GEMM.
 template <int MT>
-inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t* xq, int64_t K, const float* dx,
-                     const float* xs, float* out, int64_t N, const uint8_t* ahead) {
-  const int64_t nb = K / QK;
+inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t* xq, const float* dx, const float* xs,
+                     float* out, int64_t N, const uint8_t* ahead) {
   const d8::v8i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
   d8::v8f acc[MT];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int s = 0; s < ns; s++) {
     const uint8_t* g = w + static_cast<int64_t>(s) * Q6K_BYTES;
-    for (int64_t o = 8 * Q6K_BYTES * s; o < 8 * Q6K_BYTES * (s + 1); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
     alignas(32) d8::v8i six[SUBS][8];  // [sub-block][quad], lane r: row r's 4 quants - 32
     for (int h = 0; h < 2; h++) {
       d8::v8i th[8], tl[8];
@@ -331,39 +332,44 @@ inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t*
     transpose_bytes(lo, sct);
     transpose_bytes(hi, sct + 64);
     for (int j = 0; j < SUBS; j++) {
-      const int16_t* xb = xq + static_cast<int64_t>(s) * QK_K + j * QK;
-      const d8::v8f d0 = times_signed(D, sct + 8 * (2 * j)), d1 = times_signed(D, sct + 8 * (2 * j + 1));
+      // the weights a fixed distance ahead, asked for in L2 a sub-block's share at a time
+      // (the super-block's 27 lines in one burst stalled on the line fill buffers: 6% of
+      // the kernel's samples sat on that loop)
+      constexpr int kLines = (8 * Q6K_BYTES + 63) / 64;
+      for (int i = j * kLines / SUBS; i < (j + 1) * kLines / SUBS; i++)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 8 * Q6K_BYTES * s + 64 * i), _MM_HINT_T1);
       const int64_t b = static_cast<int64_t>(s) * SUBS + j;
+      const int16_t* xb = xq + b * QK * MT;  // the block's pairs, interleaved by row
+      const d8::v8f d0 = times_signed(D, sct + 8 * (2 * j)), d1 = times_signed(D, sct + 8 * (2 * j + 1));
       // activation rows 0-3, then 4-7 (the accumulators' registers), on the same tile
-      q6_sub<std::min(MT, 4)>(six[j], xb, K, d0, d1, dx + b, xs + b, nb, acc);
-      if constexpr (MT > 4) q6_sub<MT - 4>(six[j], xb + 4 * K, K, d0, d1, dx + 4 * nb + b, xs + 4 * nb + b, nb, acc + 4);
+      q6_sub<std::min(MT, 4), MT>(six[j], xb, d0, d1, dx + b * MT, xs + b * MT, acc);
+      if constexpr (MT > 4) q6_sub<MT - 4, MT>(six[j], xb + 2 * 4, d0, d1, dx + b * MT + 4, xs + b * MT + 4, acc + 4);
     }
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
 }
 
-// one Q6_K weight row (past the last group of 8): the same sums and folds one lane wide
+// one Q6_K weight row (past the last group of 8): the same integer sums (exact, so in any
+// order: here scalar, over the interleaved activations) and folds, one lane wide
 template <int MT>
-inline void row1_q6(const uint8_t* wrow, int ns, const int16_t* xq, int64_t K, const float* dx, const float* xs,
-                    float* out, int64_t N) {
-  const int64_t nb = K / QK;
+inline void row1_q6(const uint8_t* wrow, int ns, const int16_t* xq, const float* dx, const float* xs, float* out,
+                    int64_t N) {
   float acc[MT] = {};
   for (int s = 0; s < ns; s++) {
     const uint8_t* g = wrow + static_cast<int64_t>(s) * Q6K_BYTES;
     const float D = half(g + Q6::kD);
     for (int j = 0; j < SUBS; j++) {
-      const __m256i q = Q6::quants(g, j);
-      const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
-      const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+      alignas(32) int8_t q[QK];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), Q6::quants(g, j));
       const float d0 = D * static_cast<float>(static_cast<int8_t>(g[Q6::kScales + 2 * j]));
       const float d1 = D * static_cast<float>(static_cast<int8_t>(g[Q6::kScales + 2 * j + 1]));
-      const int16_t* xb = xq + static_cast<int64_t>(s) * QK_K + j * QK;
       const int64_t b = static_cast<int64_t>(s) * SUBS + j;
+      const int16_t* xb = xq + b * QK * MT;
       for (int m = 0; m < MT; m++) {
-        const int32_t s0 = d8::hsum_i32(d8::dot(_mm256_setzero_si256(), lo, d8::load(xb + m * K)));
-        const int32_t s1 = d8::hsum_i32(d8::dot(_mm256_setzero_si256(), hi, d8::load(xb + m * K + 16)));
-        acc[m] = d8::fold1<Q6_K, int16_t>(acc[m], s0, d0, d1, dx[m * nb + b], xs[m * nb + b]);
-        acc[m] = d8::fold1<Q6_K, int16_t>(acc[m], s1, d1, d1, dx[m * nb + b], xs[m * nb + b]);
+        int32_t sum[2] = {0, 0};
+        for (int k = 0; k < QK; k++) sum[k / 16] += q[k] * xb[2 * (k / 2 * MT + m) + k % 2];
+        acc[m] = d8::fold1<Q6_K, int16_t>(acc[m], sum[0], d0, d1, dx[b * MT + m], xs[b * MT + m]);
+        acc[m] = d8::fold1<Q6_K, int16_t>(acc[m], sum[1], d1, d1, dx[b * MT + m], xs[b * MT + m]);
       }
     }
   }
@@ -374,7 +380,7 @@ template <typename F, int MT, typename XT>
 inline void group_of(const uint8_t* g, int64_t row_bytes, int ns, const XT* q, int64_t K, const float* d,
                      const float* s, float* o, int64_t N, const uint8_t* ahead) {
   if constexpr (F::kType == Q6_K)
-    rows8_q6<MT>(g, row_bytes, ns, q, K, d, s, o, N, ahead);
+    rows8_q6<MT>(g, row_bytes, ns, q, d, s, o, N, ahead);
   else
     rows8<F, MT>(g, row_bytes, ns, q, K, d, s, o, N, ahead);
 }
@@ -397,7 +403,7 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
     } else {
       for (int64_t r = N8 * 8; r < N; r++) {
         if constexpr (F::kType == Q6_K)
-          row1_q6<MT>(w + r * row_bytes, ns, q, K, d, s, o + r, N);
+          row1_q6<MT>(w + r * row_bytes, ns, q, d, s, o + r, N);
         else
           row1<F, MT>(w + r * row_bytes, ns, q, K, d, s, o + r, N);
       }
@@ -405,8 +411,26 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   }
 }
 
-// M <= MT_Q rows: activations quantised by quant_block (as linear_rows does), groups of
-// 8 weight rows over the pool
+// Q6_K's row kernels read the activations interleaved by row, so that the M rows' pair
+// at k lie at immediate offsets of one pointer (with [M][K] rows, the kernel kept each
+// row's address in a register and reloaded them from the stack): xq [M][K] int16 ->
+// [K/2][M][2] (the pairs of k, 2p and 2p + 1, of rows 0 .. M - 1 side by side), dx, xs
+// [M][nb] -> [nb][M], in place.
+inline void interleave_rows_q6(int16_t* xq, float* dx, float* xs, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  std::vector<int32_t> pairs(M * K / 2);
+  std::vector<float> d(M * nb), s(M * nb);
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t p = 0; p < K / 2; p++) std::memcpy(&pairs[p * M + m], xq + m * K + 2 * p, 4);
+    for (int64_t b = 0; b < nb; b++) d[b * M + m] = dx[m * nb + b], s[b * M + m] = xs[m * nb + b];
+  }
+  std::memcpy(xq, pairs.data(), M * K * sizeof(int16_t));
+  std::copy(d.begin(), d.end(), dx);
+  std::copy(s.begin(), s.end(), xs);
+}
+
+// M <= MT_Q rows: activations quantised by quant_block (as linear_rows does; Q6_K's then
+// interleaved, see above), groups of 8 weight rows over the pool
 template <typename F, typename XT>
 void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   const int nb = static_cast<int>(K / QK), ns = static_cast<int>(K / QK_K);
@@ -419,6 +443,7 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
       dx[m * nb + b] = quant_block(x + m * K + b * QK, xq.get() + m * K + b * QK, sum);
       xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
     }
+  if constexpr (F::kType == Q6_K) interleave_rows_q6(xq.get(), dx.get(), xs.get(), M, K);
   const int64_t N8 = N / 8, items = N8 + (N % 8 != 0);
   sl::parallel_for(0, items, 1, [&](int64_t n0, int64_t n1) {
     const XT* q = xq.get();
@@ -439,7 +464,7 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
   });
 }
 
-// The blocked integer GEMM's view of Q4_K's and Q5_K's super-blocks (quant_linear.cpp's
+// The blocked integer GEMM's view of Q4_K's and Q5_K's super-blocks (cpu_gemm.h's
 // BlockLayout): chunks of whole super-blocks, each unpacked straight into the GEMM's L1
 // tile. Per super-block its 6-bit scales and minima are decoded once (scales_mins) and
 // turned into the 8 sub-blocks' d = D sc and m = -(DMIN mn), the same float32 products
