@@ -11,11 +11,13 @@ persistent batch, for CPU tensors). ``query_start`` never changes for ``T`` deco
 (``0 .. T``).
 
 Only for steps whose every row is a plain decode: one new token, no drafts, no images
-or M-RoPE positions, no recurrent state, no prompt logprobs, no LoRA adapter, and a
-token to sample. The runner must not keep a step's ``StepInput`` past the next
-``prepare`` (no pipeline parallelism: its batches stay in flight; a broadcast to
-tensor-parallel workers encodes it before the forward pass, so it may): its byte
-arrays are rewritten in place. Anything else returns None (``ModelRunner.prepare``'s
+or M-RoPE positions, no recurrent state, no prompt logprobs, and a token to sample
+(a row's LoRA adapter is fine: the step names the adapters as the general path does,
+``lora_spans`` and ``loras``, and the runner makes its ``LoraRows``). The runner
+must not keep a step's ``StepInput`` past the next ``prepare`` (no pipeline
+parallelism: its batches stay in flight; a broadcast to tensor-parallel workers
+encodes it before the forward pass, so it may): its byte arrays are rewritten in
+place. Anything else returns None (``ModelRunner.prepare``'s
 general path)."""
 
 from __future__ import annotations
@@ -68,9 +70,8 @@ class DecodeBatch:
         self._shape: _Shape | None = None
 
     @staticmethod
-    def plain(scheduled: Sequence[tuple[Request, int]], adapters: bool) -> bool:
-        """Whether every scheduled row is a plain decode (``adapters``: the runner has
-        a LoRA registry, so a row's ``lora_uid`` counts)."""
+    def plain(scheduled: Sequence[tuple[Request, int]]) -> bool:
+        """Whether every scheduled row is a plain decode."""
         for req, n in scheduled:
             start = req.num_computed_tokens
             if (
@@ -78,7 +79,6 @@ class DecodeBatch:
                 or req.draft_token_ids
                 or req.mrope is not None
                 or (req.images and start < req.prompt_len)
-                or (adapters and req.lora_uid)
                 or req.wants_prompt_logprobs
                 or not req.samples_after(1)
             ):
@@ -86,10 +86,15 @@ class DecodeBatch:
         return True
 
     def step(
-        self, scheduled: Sequence[tuple[Request, int]]
+        self,
+        scheduled: Sequence[tuple[Request, int]],
+        lora_spans: list[tuple[int, int]] | None = None,
+        loras: list[tuple[int, str]] | None = None,
     ) -> tuple[StepInput, AttentionMetadata, Tensor, Tensor]:
         """``scheduled`` (all plain decodes, ``plain``) as the step's wire form, its
-        attention metadata, input ids ``[T]`` and positions ``[T]``, in the order given."""
+        attention metadata, input ids ``[T]`` and positions ``[T]``, in the order given;
+        ``lora_spans`` / ``loras``: the step's adapters as ``ModelRunner.prepare`` names
+        them (none: no row has one)."""
         rows = len(scheduled)
         bs = self.block_size
         width = max(len(req.block_ids) for req, _ in scheduled)
@@ -119,6 +124,8 @@ class DecodeBatch:
             query_start=s.query_start,
             num_decodes=rows,
             logit_rows=list(range(rows)),
+            loras=loras or [],
+            lora_spans=lora_spans or [],
         )
         meta = AttentionMetadata(
             slot_mapping=s.slots_t,

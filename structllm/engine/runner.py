@@ -15,7 +15,7 @@ which bounds the ``[rows, V]`` float32 logits a long scored prompt chunk would n
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 
@@ -258,6 +258,13 @@ class ModelRunner:
                 spare -= n - 1
         return chosen
 
+    def _lora_spans(self, ordered: Sequence[tuple[Request, int]]) -> list[tuple[int, int]]:
+        """``(adapter uid or 0, rows)`` per request in batch order; empty where no row
+        has an adapter (or the engine has no LoRA)."""
+        if self.adapters is None or not any(r.lora_uid for r, _ in ordered):
+            return []
+        return [(r.lora_uid, n) for r, n in ordered]
+
     def prepare(self, sched: SchedulerOutput) -> Batch:
         """The flat batch of ``sched``: decode rows (one new token each; see
         ``_decode_chunks``) first, so attention can batch them, then prefill chunks.
@@ -268,12 +275,17 @@ class ModelRunner:
             self.decode_batch is not None
             and self.pp is None
             and not self.num_state_slots
-            and self.decode_batch.plain(sched.scheduled, self.adapters is not None)
+            and self.decode_batch.plain(sched.scheduled)
         ):
-            step, meta, ids, pos = self.decode_batch.step(sched.scheduled)
+            lora = self._lora_spans(sched.scheduled)
+            loras = self.adapters.loads(lora) if self.adapters and lora else None
+            step, meta, ids, pos = self.decode_batch.step(sched.scheduled, lora, loras)
             reqs: list[SampleRow] = [req for req, _ in sched.scheduled]
             counts = [(req, 1) for req, _ in sched.scheduled]
-            return Batch(step, ids, pos, meta, reqs, [], counts)
+            batch = Batch(step, ids, pos, meta, reqs, [], counts)
+            if lora and self.adapters is not None:
+                batch.lora = self.adapters.rows(lora)
+            return batch
         as_decodes = self._decode_chunks(sched) if self.max_rows else set()
         ordered = sorted(
             sched.scheduled, key=lambda rn: rn[1] != 1 and rn[0].request_id not in as_decodes
@@ -339,9 +351,7 @@ class ModelRunner:
                 prompt_rows += range(row0, row0 + count)
                 spans.append(PromptSpan(req, first, count))
 
-        lora_spans = [(r.lora_uid, n) for r, n in ordered] if self.adapters is not None else []
-        if not any(uid for uid, _ in lora_spans):
-            lora_spans = []
+        lora_spans = self._lora_spans(ordered)
         width = max(len(t) for t in tables)
         flat_tables = array("i")
         for t in tables:
