@@ -36,7 +36,8 @@ i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels),
 SmolLM2's vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
 
 Single-stream bandwidth share (GGUF files, issue 46): the bytes of weights a token
-reads (the file's tensors, the embedding table left out unless the head is tied to it,
+reads (the file's tensors, the embedding table left out unless the head is tied to it;
+of a MoE file's routed experts the top-k only, shared experts whole:
 ``weight_bytes_per_token``) x single-stream tokens/s, against the machine's copy
 bandwidth measured in the same process just before (``copy_bandwidth``: a 256 MB
 float32 ``torch`` copy on the engine's torch threads, counted as STREAM counts a copy:
@@ -63,11 +64,11 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -319,15 +320,56 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
     return out
 
 
+# Embedding tables a token reads one row of: not counted (unless the head is tied to
+# ``token_embd``: then the head's matmul reads all of it). ``per_layer_token_embd`` is
+# Gemma 3n / Gemma 4's per-layer input table (vocabulary x layers x width).
+ROW_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
+
+
+def token_read_bytes(
+    tensors: Iterable[tuple[str, Sequence[int], int]], experts: int, experts_used: int
+) -> int:
+    """The bytes one decoded token reads of ``tensors`` (name, GGUF shape: innermost
+    dimension first, bytes):
+
+    - routed experts' tensors (``blk.N.ffn_{gate,up,down,gate_up}_exps.*``, their
+      outermost dimension ``experts``): ``experts_used`` of the ``experts`` (the top-k);
+    - the embedding tables of ``ROW_TABLES``: none (one row), but ``token_embd`` whole
+      when the head is tied to it (no ``output.weight``);
+    - everything else whole: attention, norms, the router, shared experts (``*_shexp``),
+      dense layers' FFN, the head.
+
+    ``experts`` 0: a dense file (every tensor as above)."""
+    if experts < 0 or not 0 <= experts_used <= experts:
+        raise ValueError(f"experts used {experts_used} of {experts}: not a top-k of them")
+    listed = list(tensors)
+    tied = all(name != "output.weight" for name, _, _ in listed)
+    total = 0
+    for name, shape, n in listed:
+        if name in ROW_TABLES and not (tied and name == "token_embd.weight"):
+            continue
+        routed = experts and "_exps." in name and shape and shape[-1] == experts
+        # (a routed tensor is [E, ...] outermost, every expert the same size: k of E)
+        total += n * experts_used // experts if routed else n
+    return total
+
+
 def weight_bytes_per_token(gguf: Path) -> int:
-    """The bytes of a GGUF file's tensors one decoded token reads: every tensor but the
-    embedding table (one row of it is read), which counts when the head is tied to it
-    (no ``output.weight``: the head's matmul reads all of it)."""
+    """``token_read_bytes`` of a GGUF file's tensors, its experts from the metadata
+    (``{arch}.expert_count``, ``{arch}.expert_used_count``; none: a dense file)."""
     from gguf import GGUFReader
 
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
-    tied = "output.weight" not in sizes
-    return sum(n for name, n in sizes.items() if tied or name != "token_embd.weight")
+    reader = GGUFReader(str(gguf))
+
+    def meta(key: str) -> Any:
+        field = reader.fields.get(key)
+        return field.contents() if field is not None else None
+
+    arch = meta("general.architecture")
+    experts = int(meta(f"{arch}.expert_count") or 0)
+    used = int(meta(f"{arch}.expert_used_count") or 0) if experts else 0
+    tensors = [(t.name, [int(d) for d in t.shape], int(t.n_bytes)) for t in reader.tensors]
+    return token_read_bytes(tensors, experts, used)
 
 
 def copy_bandwidth(reps: int = 5, size: int = 256 << 20) -> dict[str, float]:
@@ -359,23 +401,11 @@ def run_llama_server(
 ) -> dict[str, float]:
     """The same workloads on llama-server (16 slots), over its native /completion;
     ``threads`` its -t/-tb (0: its default)."""
-    port = random.randrange(20000, 60000)
-    proc = subprocess.Popen(
-        [binary, "-m", str(gguf), "--port", str(port), "-np", "16"]
-        + ["-c", str(16 * max(512, args.prompt_len + 64))]
-        + (["-t", str(threads), "-tb", str(threads)] if threads else []),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+    from llama_server import LlamaServer
+
+    flags = ["-np", "16", "-c", str(16 * max(512, args.prompt_len + 64))]
+    with LlamaServer(binary, gguf, flags, threads=threads or None) as server:
+        url = server.url
         ps = prompts(17, args.input_len)
 
         def complete(p: list[int], n: int = args.output_len) -> dict[str, Any]:
@@ -409,9 +439,6 @@ def run_llama_server(
             long = [prompts(1, args.prompt_len, seed=100 + i)[0] for i in range(2)]
             out["prompt_tok_s"] = max(complete(p, 1)["timings"]["prompt_per_second"] for p in long)
         return out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def main() -> None:

@@ -270,33 +270,17 @@ def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int)
     (one slot, all cores), the prompts' token ids one at a time, greedy, through its
     ``/completion`` endpoint; tokens/s over the wall time as ``run_arm``'s."""
     import os
-    import socket
-    import subprocess
     import urllib.request
+
+    from llama_server import LlamaServer
 
     from structllm.model.loader import prepare_model
 
     gguf = prepare_model(None).source
     assert gguf is not None, "the default model has no GGUF file"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    threads = str(os.cpu_count() or 1)
-    cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "1"]
-    cmd += ["-c", "4096", "-t", threads, "-tb", threads, "--log-disable"]
-    cmd += ["--spec-type", spec_type]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            raise SystemExit("llama-server did not start")
+    flags = ["-np", "1", "-c", "4096", "--log-disable", "--spec-type", spec_type]
+    with LlamaServer(binary, gguf, flags, threads=os.cpu_count() or 1, timeout=120) as server:
+        url = server.url
         n = 0
         drafted = accepted = 0
         wall = 0.0
@@ -316,9 +300,6 @@ def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int)
             drafted += int(timings.get("draft_n", 0))
             accepted += int(timings.get("draft_n_accepted", 0))
         return {"tok_s": n / wall, "accept": accepted / max(1, drafted)}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def main() -> None:
