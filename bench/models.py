@@ -30,7 +30,11 @@ ops; ``auto:plain-layers``: a hybrid model's layers by the plain torch loop inst
 the fused CPU ops, as before; ``auto:python-decode``: decode steps by the Python layer
 loop instead of the native one (``STRUCTLLM_DECODE_PLAN=0``); ``auto:dequant-iq``: the
 i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels),
-``--rounds N`` repeats every arm in turn;
+``--repeat N`` (or ``--rounds N``) runs every arm N times, interleaved: round by round
+each arm once, the order rotated each round (structllm's formats and llama-server
+alternate, and no arm always follows the same one), then a table of each figure's
+median [min-max] over the rounds, and of the per-round ratios auto / llama-server (a
+1.75x-vs-2x bar is not called on one run);
 ``--gguf FILE`` adds a GGUF file of one's own (repeatable; ``--families ''``: no family).
 ``--shapes 1b --families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers,
 SmolLM2's vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
@@ -53,7 +57,7 @@ our kernel pool leaves a late thread's chunks to the others. Compare rows measur
 load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barrier to wait at).
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
-        [--shapes bench|1b] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
+        [--shapes bench|1b] [--gguf-only] [--formats auto:auto,auto:loop] [--repeat 3]
         [--llama-threads 0,1] [--quant Q4_K_M] [--gguf FILE ...]
 """
 
@@ -470,7 +474,14 @@ def main() -> None:
         default="float32:none,auto:auto",
         help="structllm's arms, in order (auto:loop, auto:torch-router: see above)",
     )
-    ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
+    ap.add_argument(
+        "--repeat",
+        "--rounds",
+        type=int,
+        default=1,
+        help="every arm this many times, interleaved (the arms' order rotated each round), "
+        "then each figure's median [min-max] over the rounds",
+    )
     ap.add_argument(
         "--batch-reps",
         type=int,
@@ -529,62 +540,121 @@ def main() -> None:
     print(hdr)
     rows = []
     for label, kind, path in models:
-        for _ in range(args.rounds):
-            rows += run_arms(label, kind, path, args)
-    print(json.dumps({"cpu": cpu, "rows": rows}))
+        for rnd in range(args.repeat):
+            rows += run_arms(label, kind, path, args, rnd)
+    summary = summarize(rows) if args.repeat > 1 else []
+    print(json.dumps({"cpu": cpu, "rows": rows, "summary": summary}))
 
 
-def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One round: each of structllm's formats, then llama-server (GGUF files), with the
-    ratio of the default format (``auto:auto``) to llama-server."""
-    rows: list[dict[str, Any]] = []
-    for fmt in args.formats.split(","):
-        if kind == "hf" and fmt in (
-            "auto:loop",
-            "auto:torch-router",
-            "auto:dequant-iq",
-            "auto:plain-layers",
-            "auto:python-decode",
-        ):
-            continue
-        r = run_structllm(str(path), fmt, args)
-        if kind == "gguf" and fmt == "auto:auto":  # the bandwidth share's figures
-            r["weight_bytes_per_token"] = weight_bytes_per_token(path)
-            r.update(copy_bandwidth())
-            r["bandwidth_share"] = r["weight_bytes_per_token"] * r["single_tok_s"]
-            r["bandwidth_share"] /= r["copy_bytes_s"]
-        rows.append({"model": label, "format": fmt, **r})
-        figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
-        figures += f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else ""
+# formats with no meaning for a Hugging Face directory (GGUF blocks, MoE, hybrid paths)
+GGUF_ONLY = ("auto:loop", "auto:torch-router", "auto:dequant-iq", "auto:plain-layers")
+GGUF_ONLY += ("auto:python-decode",)
+FIGURES = ("load_s", "single_tok_s", "batch16_tok_s", "prompt_tok_s", "bandwidth_share")
+RATIOS = ("single", "batch16", "prompt")
+
+
+def arms(kind: str, args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """A model's arms in order: (name, None) for structllm's formats, then (name, its
+    -t/-tb) for llama-server's (GGUF files)."""
+    out: list[tuple[str, int | None]] = [
+        (fmt, None) for fmt in args.formats.split(",") if kind == "gguf" or fmt not in GGUF_ONLY
+    ]
+    if kind == "gguf" and args.llama_server:
+        for t in (int(n) for n in args.llama_threads.split(",")):
+            out.append(("llama-server" + (f" -t {t}" if t else ""), t))
+    return out
+
+
+def run_arms(
+    label: str, kind: str, path: Path, args: argparse.Namespace, rnd: int = 0
+) -> list[dict[str, Any]]:
+    """Round ``rnd``: every arm once, the order rotated by ``rnd`` (no arm always runs
+    after the same one: llama-server's threads spin on for a while after its last
+    request); then each llama-server row's ratios to this round's ``auto:auto`` (the
+    default format). Rows in the arms' order, each with its load average."""
+    todo = arms(kind, args)
+    if not todo:  # (a directory, and only GGUF_ONLY formats asked for)
+        return []
+    k = rnd % len(todo)
+    done: dict[str, dict[str, Any]] = {}
+    for name, threads in todo[k:] + todo[:k]:
+        if threads is None:
+            r = run_structllm(str(path), name, args)
+            if kind == "gguf" and name == "auto:auto":  # the bandwidth share's figures
+                r["weight_bytes_per_token"] = weight_bytes_per_token(path)
+                r.update(copy_bandwidth())
+                r["bandwidth_share"] = r["weight_bytes_per_token"] * r["single_tok_s"]
+                r["bandwidth_share"] /= r["copy_bytes_s"]
+        else:
+            r = run_llama_server(args.llama_server, path, threads, args)
         load = Path("/proc/loadavg").read_text().split()[0]
-        share = _share(r, r)
-        print(f"{label:<30} {fmt:<14} {figures}   load {load}{share}", flush=True)
-    for threads in (int(n) for n in args.llama_threads.split(",")):
-        if kind != "gguf" or not args.llama_server:
-            break
-        ll = run_llama_server(args.llama_server, path, threads, args)
-        ours = next((r for r in rows if r["format"] == "auto:auto"), rows[0])
-        name = "llama-server" + (f" -t {threads}" if threads else "")
-        rows.append({"model": label, "format": name, **ll})
-        single = ours["single_tok_s"] / ll["single_tok_s"]
-        batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
-        figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
-        prompt = ""
-        if "prompt_tok_s" in ll:
-            figures += f" {ll['prompt_tok_s']:9.1f}"
-            prompt = f", prompt {ours['prompt_tok_s'] / ll['prompt_tok_s']:.2f}x"
-        load = Path("/proc/loadavg").read_text().split()[0]
-        print(
-            f"{label:<30} {name:<14} {figures}   load {load}"
-            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x{prompt}"
-            f"{_share(ll, ours)}",
-            flush=True,
-        )
-        if "copy_bytes_s" in ours:
-            rows[-1]["bandwidth_share"] = (
-                ours["weight_bytes_per_token"] * ll["single_tok_s"] / ours["copy_bytes_s"]
+        done[name] = {"model": label, "format": name, "round": rnd, **r, "load": load}
+        if threads is None:
+            print(f"{label:<30} {name:<14} {_figures(r)}   load {load}{_share(r, r)}", flush=True)
+    ours = done.get("auto:auto") or next(done[n] for n, t in todo if t is None)
+    for name, threads in todo:
+        if threads is not None:  # (after the round: its ratios need ours)
+            ll = done[name]
+            ll["vs_auto"] = {
+                k: ours[f"{k}_tok_s"] / ll[f"{k}_tok_s"]
+                for k in RATIOS
+                if f"{k}_tok_s" in ll and f"{k}_tok_s" in ours
+            }
+            if "copy_bytes_s" in ours:
+                ll["bandwidth_share"] = (
+                    ours["weight_bytes_per_token"] * ll["single_tok_s"] / ours["copy_bytes_s"]
+                )
+            ratios = ", ".join(f"{k} {v:.2f}x" for k, v in ll["vs_auto"].items())
+            print(
+                f"{label:<30} {name:<14} {_figures(ll)}   load {ll['load']}"
+                f"   ratio auto/llama.cpp: {ratios}{_share(ll, ours)}",
+                flush=True,
             )
-    return rows
+    return [done[name] for name, _ in todo]
+
+
+def _figures(r: dict[str, Any]) -> str:
+    """A row's figures as the table's columns (llama-server: no load time)."""
+    load = f"{r['load_s']:7.2f}" if "load_s" in r else f"{'':>7}"
+    out = f"{load} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+    return out + (f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else "")
+
+
+def _spread(xs: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    """``median [min-max]`` of ``xs`` times ``scale``."""
+    med, lo, hi = (scale * v for v in (statistics.median(xs), min(xs), max(xs)))
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, arm) over its rounds: the median, min and max of each figure and of
+    each per-round ratio to ``auto:auto`` (llama-server's rows); printed as a table."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["format"]), []).append(r)
+    print("\nmedian [min-max] over rounds (bandwidth share in %; ratio: auto / llama-server)")
+    out = []
+    for (model, fmt), rs in groups.items():
+        entry: dict[str, Any] = {"model": model, "format": fmt, "rounds": len(rs)}
+        cells = []
+        for key in FIGURES:
+            xs = [float(r[key]) for r in rs if key in r]
+            if xs:
+                entry[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+                pct = key == "bandwidth_share"
+                cells.append(f"{key} {_spread(xs, 100.0 if pct else 1.0, 0 if pct else 1)}")
+        for key in RATIOS:
+            xs = [r["vs_auto"][key] for r in rs if key in r.get("vs_auto", {})]
+            if xs:
+                entry[f"vs_auto_{key}"] = {
+                    "median": statistics.median(xs),
+                    "min": min(xs),
+                    "max": max(xs),
+                }
+                cells.append(f"ratio {key} {_spread(xs, digits=2)}x")
+        out.append(entry)
+        print(f"{model:<30} {fmt:<14} n={len(rs)}  " + ", ".join(cells), flush=True)
+    return out
 
 
 def _share(r: dict[str, Any], measured: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@ server script) and ``bench/models.py``'s bytes a decoded token reads."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import urllib.request
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.llama_server import LlamaServer, LlamaServerFailed
-from bench.models import token_read_bytes, weight_bytes_per_token
+from bench.models import arms, summarize, token_read_bytes, weight_bytes_per_token
 
 # A stand-in for llama-server: answers /health on the --port it is given.
 FAKE_SERVER = """
@@ -135,3 +136,40 @@ def test_weight_bytes_per_token_reads_experts_from_the_file(tmp_path: Path) -> N
     w.write_tensors_to_file()
     w.close()
     assert weight_bytes_per_token(path) == 640 + 256 + 2048 // 4
+
+
+def test_arms_of_a_directory_and_of_a_gguf_file() -> None:
+    args = argparse.Namespace(
+        formats="float32:none,auto:auto,auto:loop", llama_server="ls", llama_threads="0,1"
+    )
+    assert arms("hf", args) == [("float32:none", None), ("auto:auto", None)]
+    assert arms("gguf", args) == [
+        *(("float32:none", None), ("auto:auto", None), ("auto:loop", None)),
+        *(("llama-server", 0), ("llama-server -t 1", 1)),
+    ]
+    args.llama_server = None
+    assert [t for _, t in arms("gguf", args)] == [None, None, None]
+
+
+def test_summarize_gives_median_and_spread_per_arm(capsys: pytest.CaptureFixture[str]) -> None:
+    def row(fmt: str, single: float, **extra: object) -> dict[str, object]:
+        return {"model": "m", "format": fmt, "single_tok_s": single, **extra}
+
+    rows = [
+        row("auto:auto", 10.0, bandwidth_share=0.5),
+        row("llama-server", 5.0, vs_auto={"single": 2.0}),
+        row("auto:auto", 30.0, bandwidth_share=0.7),
+        row("llama-server", 8.0, vs_auto={"single": 1.5}),
+        row("auto:auto", 12.0, bandwidth_share=0.6),
+        row("llama-server", 6.0, vs_auto={"single": 1.9}),
+    ]
+    ours, theirs = summarize(rows)
+    assert ours["rounds"] == 3 and ours["single_tok_s"] == {
+        "median": 12.0,
+        "min": 10.0,
+        "max": 30.0,
+    }
+    assert ours["bandwidth_share"]["median"] == 0.6 and "vs_auto_single" not in ours
+    assert theirs["vs_auto_single"] == {"median": 1.9, "min": 1.5, "max": 2.0}
+    out = capsys.readouterr().out
+    assert "single_tok_s 12.0 [10.0-30.0]" in out and "ratio single 1.90 [1.50-2.00]x" in out
