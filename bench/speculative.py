@@ -217,6 +217,14 @@ def step_cost(llm: Any, k: int, requests: int = 1, rounds: int = 15) -> tuple[fl
     from structllm.protocol import SamplingParams
 
     engine = llm.engine
+    if engine.states is not None:
+        # the same rows are run again and again, nothing committed: a recurrent state
+        # would advance each time (and its slot is not allocated here); the engine turns
+        # drafts off for such a model anyway
+        raise SystemExit(
+            "bench/speculative.py: the step cost needs a model without recurrent state "
+            f"({engine.files.config.architecture} is hybrid: no speculative decoding)"
+        )
     runner = engine.runner
     vocab = engine.vocab_size
     reqs = []
@@ -333,6 +341,11 @@ def main() -> None:
     cfg = speculative_config(a.spec)
     assert cfg is not None
     llm = LLM()
+    if llm.engine.hybrid:  # (set_speculative would refuse it, after the first arm)
+        raise SystemExit(
+            f"bench/speculative.py: {llm.engine.files.config.architecture} is a hybrid model: "
+            "its recurrent state cannot be rolled back past rejected drafts"
+        )
     if a.quick:
         a.grounded_tokens, a.chat_tokens = 96, 64
     tok = llm.tokenizer
