@@ -431,11 +431,11 @@ def run_llama_server(
             def worker(p: list[int], done: list[int] = done) -> None:
                 done.append(int(complete(p)["tokens_predicted"]))
 
-            threads = [threading.Thread(target=worker, args=(p,)) for p in ps[:16]]
+            workers = [threading.Thread(target=worker, args=(p,)) for p in ps[:16]]
             t = time.perf_counter()
-            for th in threads:
+            for th in workers:
                 th.start()
-            for th in threads:
+            for th in workers:
                 th.join()
             rates.append(sum(done) / (time.perf_counter() - t))
         out = {"single_tok_s": single, "batch16_tok_s": statistics.median(rates)}
@@ -547,7 +547,12 @@ def main() -> None:
 
 
 # formats with no meaning for a Hugging Face directory (GGUF blocks, MoE, hybrid paths)
-GGUF_ONLY = ("auto:loop", "auto:torch-router", "auto:dequant-iq", "auto:plain-layers")
+GGUF_ONLY: tuple[str, ...] = (
+    "auto:loop",
+    "auto:torch-router",
+    "auto:dequant-iq",
+    "auto:plain-layers",
+)
 GGUF_ONLY += ("auto:python-decode",)
 FIGURES = ("load_s", "single_tok_s", "batch16_tok_s", "prompt_tok_s", "bandwidth_share")
 RATIOS = ("single", "batch16", "prompt")

@@ -128,7 +128,7 @@ def start(a: argparse.Namespace, model: Path, mmproj: Path) -> dict[str, tuple[A
         + ["--port", str(port), "--log-level", "warning", "--engine-threads", threads]
         + ["--speculative-config", '{"method": "none"}']  # plain decoding on both sides
     )
-    servers = {"structllm": (ours, f"http://127.0.0.1:{port}")}
+    servers: dict[str, tuple[Any, str]] = {"structllm": (ours, f"http://127.0.0.1:{port}")}
     if a.llama_server:
         flags = ["--mmproj", str(mmproj), "-np", "1", "-c", "4096", "--log-disable", "--no-warmup"]
         llama = LlamaServer(a.llama_server, model, flags, threads=a.threads)
