@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve.py, beside thi
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 import serve
+from llama_server import LlamaServer
 
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 LONG = (512, 2048, 8190)  # 8190 + 2 output tokens: the default model's 8192 context
@@ -64,11 +65,9 @@ def default_files() -> list[Path]:
     return [llamacpp.quantize(link, t, "--allow-requantize") for t in TYPES]
 
 
-def start_both(path: Path, a: argparse.Namespace) -> tuple[dict[str, tuple[Any, str]], Any]:
+def start_both(path: Path, a: argparse.Namespace) -> tuple[dict[str, tuple[Any, str]], LlamaServer]:
     """structllm and llama-server on ``path``, both healthy: ``{name: (process, URL)}``
     and the ``LlamaServer`` (to stop)."""
-    from llama_server import LlamaServer
-
     # plain decoding on both sides unless --speculative: llama-server drafts nothing by
     # default, and the comparison is of the kernels (random prompts make this small
     # model repeat itself, where n-gram drafts halve structllm's per-token latency)
