@@ -247,26 +247,19 @@ def structllm_arm(
 
 
 def llama_arm(args: argparse.Namespace) -> dict[str, Any]:
-    from tests.support.server import free_port
+    from llama_server import LlamaServer
 
-    port = free_port()
-    cmd = [args.llama_server, "-m", args.gguf, "--embeddings", "--port", str(port)]
-    cmd += ["-t", str(args.threads), "-c", "8192", "-np", "8", "-b", "4096", "-ub", "4096"]
+    flags = ["--embeddings", "-t", str(args.threads), "-c", "8192", "-np", "8"]
+    flags += ["-b", "4096", "-ub", "4096"]
     # one KV cache for the 8 slots: without it (what an explicit -np gives) each
     # request cost ~0.7-1.2 s here at 2 threads, even a 15-token query
-    cmd += ["--kv-unified"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url)
+    flags += ["--kv-unified"]
+    with LlamaServer(args.llama_server, args.gguf, flags) as server:
 
         def embed(items: list[str]) -> None:
-            post(url + "/v1/embeddings", {"input": items})
+            post(server.url + "/v1/embeddings", {"input": items})
 
         return measure("llama-server", embed, args)
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def st_arm(model: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -270,31 +268,19 @@ def accounting(res: dict[str, Any], base: dict[str, Any], cpu: dict[str, Any], p
 def llama_memory(server: str, model: str, kv_tokens: int) -> dict[str, float]:
     """llama-server's memory (``breakdown``) on ``model`` with ``kv_tokens`` of float16 KV
     cache, after the same request."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [server, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-np", "1"]
-    cmd += ["-c", str(kv_tokens), "-t", str(os.cpu_count() or 1), "--log-disable"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+    from llama_server import LlamaServer
+
+    flags = ["-np", "1", "-c", str(kv_tokens), "-t", str(os.cpu_count() or 1), "--log-disable"]
+    with LlamaServer(server, model, flags) as llama:
         body = {"prompt": list(range(100, 164)), "n_predict": 32, "ignore_eos": True}
         req = urllib.request.Request(
-            f"{base}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            f"{llama.url}/completion",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=300) as r:
             r.read()
-        return breakdown(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        return breakdown(llama.pid)
 
 
 def main() -> int:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve.py, beside thi
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 import serve
+from llama_server import LlamaServer
 
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 LONG = (512, 2048, 8190)  # 8190 + 2 output tokens: the default model's 8192 context
@@ -64,28 +65,25 @@ def default_files() -> list[Path]:
     return [llamacpp.quantize(link, t, "--allow-requantize") for t in TYPES]
 
 
-def start_both(path: Path, a: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+def start_both(path: Path, a: argparse.Namespace) -> tuple[dict[str, tuple[Any, str]], LlamaServer]:
+    """structllm and llama-server on ``path``, both healthy: ``{name: (process, URL)}``
+    and the ``LlamaServer`` (to stop)."""
     # plain decoding on both sides unless --speculative: llama-server drafts nothing by
     # default, and the comparison is of the kernels (random prompts make this small
     # model repeat itself, where n-gram drafts halve structllm's per-token latency)
     spec = [] if a.speculative else ["--speculative-config", '{"method": "none"}']
     common = dict(max_concurrency=16, kv_tokens=a.kv_tokens, server_args=[str(path), *spec])
     ours = serve.launch(argparse.Namespace(**common))
-    cores = str(os.cpu_count() or 1)
-    cmd = [a.llama_server, "-m", str(path), "--host", "127.0.0.1", "-np", "16", "-kvu"]
-    cmd += ["-c", str(a.kv_tokens), "-t", cores, "-tb", cores, "--log-disable"]
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    llama = subprocess.Popen(
-        [*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    serve.wait_healthy(llama, url)
-    return {"structllm": ours, "llama.cpp": (llama, url)}
+    flags = ["-np", "16", "-kvu", "-c", str(a.kv_tokens), "--log-disable"]
+    llama = LlamaServer(a.llama_server, path, flags, threads=os.cpu_count() or 1)
+    try:
+        llama.start().wait_healthy()
+    except BaseException:
+        ours[0].send_signal(signal.SIGTERM)
+        ours[0].wait(timeout=60)
+        raise
+    assert llama.proc is not None
+    return {"structllm": ours, "llama.cpp": (llama.proc, llama.url)}, llama
 
 
 def run(url: str, items: list[Any], out_len: int, concurrency: int) -> list[serve.Result]:
@@ -168,17 +166,16 @@ def main() -> int:
     rows = []
     for path in files:
         load0 = Path("/proc/loadavg").read_text().split()[0]
-        servers = start_both(path, a)
+        servers, llama = start_both(path, a)
         try:
             figs = measure(servers, a.reps, a.seed, [int(n) for n in a.long.split(",") if n])
             engine = serve.engine_pid(servers["structllm"][0].pid)
             figs["structllm"]["rss_mb"] = round(serve.rss_mb(engine), 1) if engine else None
             figs["llama.cpp"]["rss_mb"] = round(serve.rss_mb(servers["llama.cpp"][0].pid), 1)
         finally:
-            for proc, _ in servers.values():
-                proc.send_signal(signal.SIGTERM)
-            for proc, _ in servers.values():
-                proc.wait(timeout=60)
+            servers["structllm"][0].send_signal(signal.SIGTERM)
+            llama.stop()
+            servers["structllm"][0].wait(timeout=60)
         load1 = Path("/proc/loadavg").read_text().split()[0]
         ours, theirs = figs["structllm"], figs["llama.cpp"]
         ratio = {k: round(ours[k] / theirs[k], 2) for k in ours if ours[k] and theirs.get(k)}

@@ -104,34 +104,12 @@ def write_gguf_adapter(out: Path, peft_dir: Path, arch: str) -> Path:
 def llama_server(binary: str, model: Path, lora: Path) -> Iterator[str]:
     """``llama-server -m model --lora lora`` (one slot, all cores) running; its URL."""
     import os
-    import socket
-    import subprocess
-    import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    threads = str(os.cpu_count() or 1)
-    cmd = [binary, "-m", str(model), "--lora", str(lora), "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "-np", "1", "-c", "4096", "-t", threads, "-tb", threads]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise SystemExit(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            raise SystemExit("llama-server did not start")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    from llama_server import LlamaServer
+
+    flags = ["--lora", str(lora), "-np", "1", "-c", "4096"]
+    with LlamaServer(binary, model, flags, threads=os.cpu_count() or 1, timeout=120) as server:
+        yield server.url
 
 
 def llama_rate(url: str, prompt: str, n: int) -> float:

@@ -30,13 +30,18 @@ ops; ``auto:plain-layers``: a hybrid model's layers by the plain torch loop inst
 the fused CPU ops, as before; ``auto:python-decode``: decode steps by the Python layer
 loop instead of the native one (``STRUCTLLM_DECODE_PLAN=0``); ``auto:dequant-iq``: the
 i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels),
-``--rounds N`` repeats every arm in turn;
+``--repeat N`` (or ``--rounds N``) runs every arm N times, interleaved: round by round
+each arm once, the order rotated each round (structllm's formats and llama-server
+alternate, and no arm always follows the same one), then a table of each figure's
+median [min-max] over the rounds, and of the per-round ratios auto / llama-server (a
+1.75x-vs-2x bar is not called on one run);
 ``--gguf FILE`` adds a GGUF file of one's own (repeatable; ``--families ''``: no family).
 ``--shapes 1b --families llama`` is issue 46's 1B-class file (Llama 3.2 1B's layers,
 SmolLM2's vocabulary): ``--quant Q4_K_M`` and the like, F32 for the float file.
 
 Single-stream bandwidth share (GGUF files, issue 46): the bytes of weights a token
-reads (the file's tensors, the embedding table left out unless the head is tied to it,
+reads (the file's tensors, the embedding table left out unless the head is tied to it;
+of a MoE file's routed experts the top-k only, shared experts whole:
 ``weight_bytes_per_token``) x single-stream tokens/s, against the machine's copy
 bandwidth measured in the same process just before (``copy_bandwidth``: a 256 MB
 float32 ``torch`` copy on the engine's torch threads, counted as STREAM counts a copy:
@@ -52,7 +57,7 @@ our kernel pool leaves a late thread's chunks to the others. Compare rows measur
 load below the core count; ``--llama-threads 0,1`` runs both (``-t 1``: no barrier to wait at).
 
     python bench/models.py [--families qwen3,gemma3] [--output-len 64] [--llama-server PATH]
-        [--shapes bench|1b] [--gguf-only] [--formats auto:auto,auto:loop] [--rounds 2]
+        [--shapes bench|1b] [--gguf-only] [--formats auto:auto,auto:loop] [--repeat 3]
         [--llama-threads 0,1] [--quant Q4_K_M] [--gguf FILE ...]
 """
 
@@ -63,11 +68,11 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -319,15 +324,56 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
     return out
 
 
+# Embedding tables a token reads one row of: not counted (unless the head is tied to
+# ``token_embd``: then the head's matmul reads all of it). ``per_layer_token_embd`` is
+# Gemma 3n / Gemma 4's per-layer input table (vocabulary x layers x width).
+ROW_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
+
+
+def token_read_bytes(
+    tensors: Iterable[tuple[str, Sequence[int], int]], experts: int, experts_used: int
+) -> int:
+    """The bytes one decoded token reads of ``tensors`` (name, GGUF shape: innermost
+    dimension first, bytes):
+
+    - routed experts' tensors (``blk.N.ffn_{gate,up,down,gate_up}_exps.*``, their
+      outermost dimension ``experts``): ``experts_used`` of the ``experts`` (the top-k);
+    - the embedding tables of ``ROW_TABLES``: none (one row), but ``token_embd`` whole
+      when the head is tied to it (no ``output.weight``);
+    - everything else whole: attention, norms, the router, shared experts (``*_shexp``),
+      dense layers' FFN, the head.
+
+    ``experts`` 0: a dense file (every tensor as above)."""
+    if experts < 0 or not 0 <= experts_used <= experts:
+        raise ValueError(f"experts used {experts_used} of {experts}: not a top-k of them")
+    listed = list(tensors)
+    tied = all(name != "output.weight" for name, _, _ in listed)
+    total = 0
+    for name, shape, n in listed:
+        if name in ROW_TABLES and not (tied and name == "token_embd.weight"):
+            continue
+        routed = experts and "_exps." in name and shape and shape[-1] == experts
+        # (a routed tensor is [E, ...] outermost, every expert the same size: k of E)
+        total += n * experts_used // experts if routed else n
+    return total
+
+
 def weight_bytes_per_token(gguf: Path) -> int:
-    """The bytes of a GGUF file's tensors one decoded token reads: every tensor but the
-    embedding table (one row of it is read), which counts when the head is tied to it
-    (no ``output.weight``: the head's matmul reads all of it)."""
+    """``token_read_bytes`` of a GGUF file's tensors, its experts from the metadata
+    (``{arch}.expert_count``, ``{arch}.expert_used_count``; none: a dense file)."""
     from gguf import GGUFReader
 
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
-    tied = "output.weight" not in sizes
-    return sum(n for name, n in sizes.items() if tied or name != "token_embd.weight")
+    reader = GGUFReader(str(gguf))
+
+    def meta(key: str) -> Any:
+        field = reader.fields.get(key)
+        return field.contents() if field is not None else None
+
+    arch = meta("general.architecture")
+    experts = int(meta(f"{arch}.expert_count") or 0)
+    used = int(meta(f"{arch}.expert_used_count") or 0) if experts else 0
+    tensors = [(t.name, [int(d) for d in t.shape], int(t.n_bytes)) for t in reader.tensors]
+    return token_read_bytes(tensors, experts, used)
 
 
 def copy_bandwidth(reps: int = 5, size: int = 256 << 20) -> dict[str, float]:
@@ -359,23 +405,11 @@ def run_llama_server(
 ) -> dict[str, float]:
     """The same workloads on llama-server (16 slots), over its native /completion;
     ``threads`` its -t/-tb (0: its default)."""
-    port = random.randrange(20000, 60000)
-    proc = subprocess.Popen(
-        [binary, "-m", str(gguf), "--port", str(port), "-np", "16"]
-        + ["-c", str(16 * max(512, args.prompt_len + 64))]
-        + (["-t", str(threads), "-tb", str(threads)] if threads else []),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
+    from llama_server import LlamaServer
+
+    flags = ["-np", "16", "-c", str(16 * max(512, args.prompt_len + 64))]
+    with LlamaServer(binary, gguf, flags, threads=threads or None) as server:
+        url = server.url
         ps = prompts(17, args.input_len)
 
         def complete(p: list[int], n: int = args.output_len) -> dict[str, Any]:
@@ -397,11 +431,11 @@ def run_llama_server(
             def worker(p: list[int], done: list[int] = done) -> None:
                 done.append(int(complete(p)["tokens_predicted"]))
 
-            threads = [threading.Thread(target=worker, args=(p,)) for p in ps[:16]]
+            workers = [threading.Thread(target=worker, args=(p,)) for p in ps[:16]]
             t = time.perf_counter()
-            for th in threads:
+            for th in workers:
                 th.start()
-            for th in threads:
+            for th in workers:
                 th.join()
             rates.append(sum(done) / (time.perf_counter() - t))
         out = {"single_tok_s": single, "batch16_tok_s": statistics.median(rates)}
@@ -409,9 +443,6 @@ def run_llama_server(
             long = [prompts(1, args.prompt_len, seed=100 + i)[0] for i in range(2)]
             out["prompt_tok_s"] = max(complete(p, 1)["timings"]["prompt_per_second"] for p in long)
         return out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def main() -> None:
@@ -443,7 +474,14 @@ def main() -> None:
         default="float32:none,auto:auto",
         help="structllm's arms, in order (auto:loop, auto:torch-router: see above)",
     )
-    ap.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
+    ap.add_argument(
+        "--repeat",
+        "--rounds",
+        type=int,
+        default=1,
+        help="every arm this many times, interleaved (the arms' order rotated each round), "
+        "then each figure's median [min-max] over the rounds",
+    )
     ap.add_argument(
         "--batch-reps",
         type=int,
@@ -502,62 +540,126 @@ def main() -> None:
     print(hdr)
     rows = []
     for label, kind, path in models:
-        for _ in range(args.rounds):
-            rows += run_arms(label, kind, path, args)
-    print(json.dumps({"cpu": cpu, "rows": rows}))
+        for rnd in range(args.repeat):
+            rows += run_arms(label, kind, path, args, rnd)
+    summary = summarize(rows) if args.repeat > 1 else []
+    print(json.dumps({"cpu": cpu, "rows": rows, "summary": summary}))
 
 
-def run_arms(label: str, kind: str, path: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One round: each of structllm's formats, then llama-server (GGUF files), with the
-    ratio of the default format (``auto:auto``) to llama-server."""
-    rows: list[dict[str, Any]] = []
-    for fmt in args.formats.split(","):
-        if kind == "hf" and fmt in (
-            "auto:loop",
-            "auto:torch-router",
-            "auto:dequant-iq",
-            "auto:plain-layers",
-            "auto:python-decode",
-        ):
-            continue
-        r = run_structllm(str(path), fmt, args)
-        if kind == "gguf" and fmt == "auto:auto":  # the bandwidth share's figures
-            r["weight_bytes_per_token"] = weight_bytes_per_token(path)
-            r.update(copy_bandwidth())
-            r["bandwidth_share"] = r["weight_bytes_per_token"] * r["single_tok_s"]
-            r["bandwidth_share"] /= r["copy_bytes_s"]
-        rows.append({"model": label, "format": fmt, **r})
-        figures = f"{r['load_s']:7.2f} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
-        figures += f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else ""
+# formats with no meaning for a Hugging Face directory (GGUF blocks, MoE, hybrid paths)
+GGUF_ONLY: tuple[str, ...] = (
+    "auto:loop",
+    "auto:torch-router",
+    "auto:dequant-iq",
+    "auto:plain-layers",
+)
+GGUF_ONLY += ("auto:python-decode",)
+FIGURES = ("load_s", "single_tok_s", "batch16_tok_s", "prompt_tok_s", "bandwidth_share")
+RATIOS = ("single", "batch16", "prompt")
+
+
+def arms(kind: str, args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """A model's arms in order: (name, None) for structllm's formats, then (name, its
+    -t/-tb) for llama-server's (GGUF files)."""
+    out: list[tuple[str, int | None]] = [
+        (fmt, None) for fmt in args.formats.split(",") if kind == "gguf" or fmt not in GGUF_ONLY
+    ]
+    if kind == "gguf" and args.llama_server:
+        for t in (int(n) for n in args.llama_threads.split(",")):
+            out.append(("llama-server" + (f" -t {t}" if t else ""), t))
+    return out
+
+
+def run_arms(
+    label: str, kind: str, path: Path, args: argparse.Namespace, rnd: int = 0
+) -> list[dict[str, Any]]:
+    """Round ``rnd``: every arm once, the order rotated by ``rnd`` (no arm always runs
+    after the same one: llama-server's threads spin on for a while after its last
+    request); then each llama-server row's ratios to this round's ``auto:auto`` (the
+    default format). Rows in the arms' order, each with its load average."""
+    todo = arms(kind, args)
+    if not todo:  # (a directory, and only GGUF_ONLY formats asked for)
+        return []
+    k = rnd % len(todo)
+    done: dict[str, dict[str, Any]] = {}
+    for name, threads in todo[k:] + todo[:k]:
+        if threads is None:
+            r = run_structllm(str(path), name, args)
+            if kind == "gguf" and name == "auto:auto":  # the bandwidth share's figures
+                r["weight_bytes_per_token"] = weight_bytes_per_token(path)
+                r.update(copy_bandwidth())
+                r["bandwidth_share"] = r["weight_bytes_per_token"] * r["single_tok_s"]
+                r["bandwidth_share"] /= r["copy_bytes_s"]
+        else:
+            r = run_llama_server(args.llama_server, path, threads, args)
         load = Path("/proc/loadavg").read_text().split()[0]
-        share = _share(r, r)
-        print(f"{label:<30} {fmt:<14} {figures}   load {load}{share}", flush=True)
-    for threads in (int(n) for n in args.llama_threads.split(",")):
-        if kind != "gguf" or not args.llama_server:
-            break
-        ll = run_llama_server(args.llama_server, path, threads, args)
-        ours = next((r for r in rows if r["format"] == "auto:auto"), rows[0])
-        name = "llama-server" + (f" -t {threads}" if threads else "")
-        rows.append({"model": label, "format": name, **ll})
-        single = ours["single_tok_s"] / ll["single_tok_s"]
-        batch = ours["batch16_tok_s"] / ll["batch16_tok_s"]
-        figures = f"{'':>7} {ll['single_tok_s']:13.1f} {ll['batch16_tok_s']:14.1f}"
-        prompt = ""
-        if "prompt_tok_s" in ll:
-            figures += f" {ll['prompt_tok_s']:9.1f}"
-            prompt = f", prompt {ours['prompt_tok_s'] / ll['prompt_tok_s']:.2f}x"
-        load = Path("/proc/loadavg").read_text().split()[0]
-        print(
-            f"{label:<30} {name:<14} {figures}   load {load}"
-            f"   ratio auto/llama.cpp: single {single:.2f}x, batch16 {batch:.2f}x{prompt}"
-            f"{_share(ll, ours)}",
-            flush=True,
-        )
-        if "copy_bytes_s" in ours:
-            rows[-1]["bandwidth_share"] = (
-                ours["weight_bytes_per_token"] * ll["single_tok_s"] / ours["copy_bytes_s"]
+        done[name] = {"model": label, "format": name, "round": rnd, **r, "load": load}
+        if threads is None:
+            print(f"{label:<30} {name:<14} {_figures(r)}   load {load}{_share(r, r)}", flush=True)
+    ours = done.get("auto:auto") or next(done[n] for n, t in todo if t is None)
+    for name, threads in todo:
+        if threads is not None:  # (after the round: its ratios need ours)
+            ll = done[name]
+            ll["vs_auto"] = {
+                k: ours[f"{k}_tok_s"] / ll[f"{k}_tok_s"]
+                for k in RATIOS
+                if f"{k}_tok_s" in ll and f"{k}_tok_s" in ours
+            }
+            if "copy_bytes_s" in ours:
+                ll["bandwidth_share"] = (
+                    ours["weight_bytes_per_token"] * ll["single_tok_s"] / ours["copy_bytes_s"]
+                )
+            ratios = ", ".join(f"{k} {v:.2f}x" for k, v in ll["vs_auto"].items())
+            print(
+                f"{label:<30} {name:<14} {_figures(ll)}   load {ll['load']}"
+                f"   ratio auto/llama.cpp: {ratios}{_share(ll, ours)}",
+                flush=True,
             )
-    return rows
+    return [done[name] for name, _ in todo]
+
+
+def _figures(r: dict[str, Any]) -> str:
+    """A row's figures as the table's columns (llama-server: no load time)."""
+    load = f"{r['load_s']:7.2f}" if "load_s" in r else f"{'':>7}"
+    out = f"{load} {r['single_tok_s']:13.1f} {r['batch16_tok_s']:14.1f}"
+    return out + (f" {r['prompt_tok_s']:9.1f}" if "prompt_tok_s" in r else "")
+
+
+def _spread(xs: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    """``median [min-max]`` of ``xs`` times ``scale``."""
+    med, lo, hi = (scale * v for v in (statistics.median(xs), min(xs), max(xs)))
+    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, arm) over its rounds: the median, min and max of each figure and of
+    each per-round ratio to ``auto:auto`` (llama-server's rows); printed as a table."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["format"]), []).append(r)
+    print("\nmedian [min-max] over rounds (bandwidth share in %; ratio: auto / llama-server)")
+    out = []
+    for (model, fmt), rs in groups.items():
+        entry: dict[str, Any] = {"model": model, "format": fmt, "rounds": len(rs)}
+        cells = []
+        for key in FIGURES:
+            xs = [float(r[key]) for r in rs if key in r]
+            if xs:
+                entry[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+                pct = key == "bandwidth_share"
+                cells.append(f"{key} {_spread(xs, 100.0 if pct else 1.0, 0 if pct else 1)}")
+        for key in RATIOS:
+            xs = [r["vs_auto"][key] for r in rs if key in r.get("vs_auto", {})]
+            if xs:
+                entry[f"vs_auto_{key}"] = {
+                    "median": statistics.median(xs),
+                    "min": min(xs),
+                    "max": max(xs),
+                }
+                cells.append(f"ratio {key} {_spread(xs, digits=2)}x")
+        out.append(entry)
+        print(f"{model:<30} {fmt:<14} n={len(rs)}  " + ", ".join(cells), flush=True)
+    return out
 
 
 def _share(r: dict[str, Any], measured: dict[str, Any]) -> str:

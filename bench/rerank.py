@@ -83,12 +83,13 @@ def structllm_cmd(gguf: Path, port: int, threads: int, shape: str) -> list[str]:
     return cmd + ["--engine-threads", str(threads), "--max-model-len", str(max_len(shape))]
 
 
-def llama_cmd(binary: str, gguf: Path, port: int, threads: int) -> list[str]:
-    cmd = [binary, "-m", str(gguf), "--reranking", "--port", str(port), "-t", str(threads)]
+def llama_flags(threads: int) -> list[str]:
+    """llama-server's flags besides the model, host and port (``LlamaServer``'s)."""
+    flags = ["--reranking", "-t", str(threads)]
     # 16 slots sharing one KV cache (--kv-unified: without it, what an explicit -np
     # gives, each request cost seconds here at 2 threads), pairs batched 4096 tokens a
     # ubatch
-    return cmd + ["-c", "16384", "-np", "16", "-b", "4096", "-ub", "4096", "--kv-unified"]
+    return flags + ["-c", "16384", "-np", "16", "-b", "4096", "-ub", "4096", "--kv-unified"]
 
 
 def cross_encoder(model: Path, threads: int, body: dict[str, Any]) -> Callable[[], dict[str, Any]]:
@@ -134,14 +135,16 @@ def main() -> None:
     gguf = Path(args.gguf) if source is None else gguf_of(source, args.gguf_type)
     lo, hi = (int(x) for x in args.words.split(","))
     body = {"query": texts(1, 8, 12, 3)[0], "documents": texts(args.documents, lo, hi, 4)}
-    p1, p2 = free_port(), free_port()
+    from llama_server import LlamaServer
+
+    p1 = free_port()
     with (
         serving(structllm_cmd(gguf, p1, args.threads, args.shape), p1) as ours,
-        serving(llama_cmd(args.llama_server, gguf, p2, args.threads), p2) as theirs,
+        LlamaServer(args.llama_server, gguf, llama_flags(args.threads)) as theirs,
     ):
         arms: dict[str, Callable[[], dict[str, Any]]] = {
             "structllm": partial(post, ours + "/rerank", body),
-            "llama-server": partial(post, theirs + "/rerank", body),
+            "llama-server": partial(post, theirs.url + "/rerank", body),
         }
         if source is not None and args.shape in ENCODER_SHAPES:
             arms["sentence-transf."] = cross_encoder(source, args.threads, body)

@@ -68,6 +68,7 @@ from typing import Any
 
 import anyio
 import httpx
+from llama_server import LlamaServer
 
 WORDS = [
     "time",
@@ -366,37 +367,15 @@ def default_gguf() -> str:
     return str(source)
 
 
-def launch_llama(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    """llama-server on the same GGUF file: one slot per concurrent request, each with
-    room for a prompt and its output, threads = all cores (as a user would start it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def launch_llama(args: argparse.Namespace) -> LlamaServer:
+    """llama-server on the same GGUF file, healthy (a ``LlamaServer``: ``stop()`` it): one
+    slot per concurrent request, each with room for a prompt and its output, threads =
+    all cores (as a user would start it)."""
     slots = max(args.max_concurrency, 1)
     ctx = args.kv_tokens or slots * (args.input_len + args.output_len + 64)
-    threads = str(os.cpu_count() or 1)
-    cmd = [
-        args.llama_server,
-        "-m",
-        args.llama_model or default_gguf(),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "-np",
-        str(slots),
-        "-c",
-        str(ctx),
-        "-t",
-        threads,
-        "-tb",
-        threads,
-        "--log-disable",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url)
-    return proc, url
+    flags = ["-np", str(slots), "-c", str(ctx), "--log-disable"]
+    model = args.llama_model or default_gguf()
+    return LlamaServer(args.llama_server, model, flags, threads=os.cpu_count() or 1).launch()
 
 
 def rss_mb(pid: int) -> float:
@@ -627,13 +606,12 @@ def main() -> None:
         summary["offline_output_tokens_per_s"] = round(off, 1)
         summary["serving_vs_offline"] = round(summary["output_tokens_per_s"] / off, 3)
     if args.llama_server and results:
-        llama, llama_url = launch_llama(args)
+        llama = launch_llama(args)
         try:
-            llama_results, llama_elapsed = load(llama_url, items, args)
+            llama_results, llama_elapsed = load(llama.url, items, args)
             llama_rss = rss_mb(llama.pid)
         finally:
-            llama.send_signal(signal.SIGTERM)
-            llama.wait(timeout=60)
+            llama.stop()
         theirs = summarize(llama_results, llama_elapsed)
         theirs["rss_mb"] = round(llama_rss, 1)
         summary["llama_cpp"] = theirs

@@ -217,6 +217,14 @@ def step_cost(llm: Any, k: int, requests: int = 1, rounds: int = 15) -> tuple[fl
     from structllm.protocol import SamplingParams
 
     engine = llm.engine
+    if engine.states is not None:
+        # the same rows are run again and again, nothing committed: a recurrent state
+        # would advance each time (and its slot is not allocated here); the engine turns
+        # drafts off for such a model anyway
+        raise SystemExit(
+            "bench/speculative.py: the step cost needs a model without recurrent state "
+            f"({engine.files.config.architecture} is hybrid: no speculative decoding)"
+        )
     runner = engine.runner
     vocab = engine.vocab_size
     reqs = []
@@ -270,33 +278,17 @@ def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int)
     (one slot, all cores), the prompts' token ids one at a time, greedy, through its
     ``/completion`` endpoint; tokens/s over the wall time as ``run_arm``'s."""
     import os
-    import socket
-    import subprocess
     import urllib.request
+
+    from llama_server import LlamaServer
 
     from structllm.model.loader import prepare_model
 
     gguf = prepare_model(None).source
     assert gguf is not None, "the default model has no GGUF file"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    threads = str(os.cpu_count() or 1)
-    cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-np", "1"]
-    cmd += ["-c", "4096", "-t", threads, "-tb", threads, "--log-disable"]
-    cmd += ["--spec-type", spec_type]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        else:
-            raise SystemExit("llama-server did not start")
+    flags = ["-np", "1", "-c", "4096", "--log-disable", "--spec-type", spec_type]
+    with LlamaServer(binary, gguf, flags, threads=os.cpu_count() or 1, timeout=120) as server:
+        url = server.url
         n = 0
         drafted = accepted = 0
         wall = 0.0
@@ -316,9 +308,6 @@ def llama_arm(binary: str, spec_type: str, prompts: list[list[int]], n_out: int)
             drafted += int(timings.get("draft_n", 0))
             accepted += int(timings.get("draft_n_accepted", 0))
         return {"tok_s": n / wall, "accept": accepted / max(1, drafted)}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -352,6 +341,11 @@ def main() -> None:
     cfg = speculative_config(a.spec)
     assert cfg is not None
     llm = LLM()
+    if llm.engine.hybrid:  # (set_speculative would refuse it, after the first arm)
+        raise SystemExit(
+            f"bench/speculative.py: {llm.engine.files.config.architecture} is a hybrid model: "
+            "its recurrent state cannot be rolled back past rejected drafts"
+        )
     if a.quick:
         a.grounded_tokens, a.chat_tokens = 96, 64
     tok = llm.tokenizer

@@ -529,6 +529,7 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = env
+    llama = None
     if a.llama_server:
         ns = argparse.Namespace(
             llama_server=a.llama_server,
@@ -538,7 +539,8 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
             input_len=PROMPT_LEN,
             output_len=a.steps,
         )
-        servers["llama.cpp"] = serve.launch_llama(ns)
+        llama = serve.launch_llama(ns)
+        servers["llama.cpp"] = (llama.proc, llama.url)
     got: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in servers}
     try:
         for _, url in servers.values():
@@ -569,6 +571,8 @@ def serve_compare(path: str | None, a: argparse.Namespace) -> dict[str, Any]:
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(timeout=60)
+        if llama is not None:
+            llama.stop()  # (its output file closed)
         for f in (trace, trace + ".base"):
             if os.path.exists(f):
                 os.unlink(f)

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # serve.py, beside thi
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 import serve
+from llama_server import LlamaServer, LlamaServerFailed
 
 QUESTION = "Describe this picture in one sentence."
 IMAGE_SIDE = 896
@@ -127,17 +128,35 @@ def start(a: argparse.Namespace, model: Path, mmproj: Path) -> dict[str, tuple[A
         + ["--port", str(port), "--log-level", "warning", "--engine-threads", threads]
         + ["--speculative-config", '{"method": "none"}']  # plain decoding on both sides
     )
-    servers = {"structllm": (ours, f"http://127.0.0.1:{port}")}
+    servers: dict[str, tuple[Any, str]] = {"structllm": (ours, f"http://127.0.0.1:{port}")}
     if a.llama_server:
-        port = free_port()
-        cmd = [a.llama_server, "-m", str(model), "--mmproj", str(mmproj), "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "-np", "1", "-c", "4096", "-t", threads, "-tb", threads]
-        cmd += ["--log-disable", "--no-warmup"]
-        llama = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        servers["llama.cpp"] = (llama, f"http://127.0.0.1:{port}")
-    for proc, url in servers.values():
-        serve.wait_healthy(proc, url)
+        flags = ["--mmproj", str(mmproj), "-np", "1", "-c", "4096", "--log-disable", "--no-warmup"]
+        llama = LlamaServer(a.llama_server, model, flags, threads=a.threads)
+        try:
+            llama.start()
+        except LlamaServerFailed:
+            stop(servers)
+            raise
+        servers["llama.cpp"] = (llama, llama.url)
+    try:  # both load at once
+        serve.wait_healthy(ours, servers["structllm"][1])
+        if a.llama_server:
+            llama.wait_healthy()
+    except BaseException:
+        stop(servers)
+        raise
     return servers
+
+
+def stop(servers: dict[str, tuple[Any, str]]) -> None:
+    """Every server in ``servers`` stopped (structllm: its process; llama.cpp: its
+    ``LlamaServer``)."""
+    for server, _ in servers.values():
+        if isinstance(server, LlamaServer):
+            server.stop()
+        else:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=60)
 
 
 def chat(url: str, text: str, image: str | None, max_tokens: int) -> dict[str, float]:
@@ -228,9 +247,7 @@ def main() -> None:
     try:
         result = measure(servers, a)
     finally:
-        for proc, _ in servers.values():
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        stop(servers)
     ours, llama = result.get("structllm", {}), result.get("llama.cpp", {})
     keys = list(ours)
     print(f"{'':24}{'structllm':>12}{'llama.cpp':>12}{'ratio':>8}")
