@@ -21,16 +21,13 @@ from contextlib import contextmanager, suppress
 from typing import Any, TypeVar, TypeVarTuple
 
 import anyio
-import msgspec
 
 from structllm import __version__
 from structllm.client import EngineClient
-from structllm.harmony.parser import HarmonyParser
-from structllm.harmony.sampling import for_harmony
 from structllm.multimodal.processor import ImageProcessor
-from structllm.output import SequenceState, fan_out
+from structllm.output import SequenceState
 from structllm.protocol import EngineStats, LoraRef, StructuredOutputs
-from structllm.server import body, embeddings, scores
+from structllm.server import body, completions_endpoint, embeddings, scores
 from structllm.server import requests as rq
 from structllm.server.body import TrackedReceive
 from structllm.server.config import ServerConfig
@@ -47,7 +44,7 @@ from structllm.server.openapi import openapi_document
 from structllm.server.pipeline import Message, Receive, Scope, Send
 from structllm.server.preprocess import Preprocessor
 from structllm.server.probes import RouterProbes
-from structllm.server.responses import ChatBuilder, ResponseBuilder, TextBuilder
+from structllm.server.responses import ResponseBuilder
 from structllm.server.responses_endpoint import ResponsesEndpoints
 from structllm.server.vision import Vision
 from structllm.server.webui import StaticFile, load_files
@@ -404,133 +401,18 @@ class App:
             raise APIError(400, f"The model does not support {api} API", param="model")
         return client
 
-    # -- generation --------------------------------------------------------------------
+    # -- generation (server/completions_endpoint.py) -----------------------------------
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response_id = ChatBuilder.new_id()
-        self.tracer.event("received", response_id, path="/v1/chat/completions")
-        req = rq.decode_body(await self.read_body(receive), rq.ChatCompletionRequest)
-        lora = self.check_model(req.model)
-        client = self.generating_engine("Chat Completions")
-        seqs = with_adapter(await self.chat_sequences(req, response_id, "chat", client), lora)
-        builder = ChatBuilder(
-            seqs,
-            self.tokenizer,
-            model=self.model_name if lora is None else lora.name,
-            stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
-            prompt_logprobs=req.prompt_logprobs is not None,
-            response_id=response_id,
-        )
-        await self.generate(receive, send, client, seqs, builder)
+        await completions_endpoint.chat_completions(self, scope, receive, send)
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await completions_endpoint.completions(self, scope, receive, send)
 
     async def chat_sequences(
         self, req: rq.ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
     ) -> list[SequenceState]:
-        """The chat path's preparation (``pipeline.ChatPipeline``): images, template,
-        tokens, constraint, context, sampling; one sequence per choice."""
-        rq.check_priority(req.priority, self.config.engine.scheduling_policy)
-        tools = self.pre.tool_request(req)
-        media = await self.vision.load(rq.image_urls(req.messages), "messages")
-        text, ids, images = await self.in_worker(
-            self.pre.chat_prompt, req, tools, response_id, media
-        )
-        constraint = await self.constraint(req, tools)
-        requested, param = rq.requested_max_tokens(req)
-        max_tokens = rq.max_tokens_for([len(ids)], requested, param, client.ready.max_model_len)
-        new_id = client.new_request_id
-        if self.pre.harmony:
-            return self.harmony_sequences(req, ids, max_tokens, constraint, tools, client, kind)
-        mode, reasoning = self.pre.reasoning(text) or (None, None)
-        sp = rq.sampling_params(
-            req, max_tokens, client.ready.vocab_size, constraint, reasoning, self.sampling_defaults
-        )
-        return fan_out(
-            [ids],
-            sp,
-            self.tokenizer,
-            lambda _p, _j: new_id(kind),
-            tools,
-            mode,
-            [images],
-            req.priority,
-            reasoning_tags=self.pre.reasoning_tags,
-        )
-
-    def harmony_sequences(
-        self,
-        req: rq.ChatCompletionRequest,
-        ids: list[int],
-        max_tokens: int,
-        constraint: StructuredOutputs | None,
-        tools: ToolRequest | None,
-        client: EngineClient,
-        kind: str,
-    ) -> list[SequenceState]:
-        """The chat path's sequences for gpt-oss's harmony format: ``reasoning_effort``
-        went into the prompt; ``<|call|>`` and ``<|return|>`` end the reply; one
-        ``HarmonyParser`` per sequence (``structllm.harmony``)."""
-        req = msgspec.structs.replace(req, reasoning_effort=None)  # rendered, not sampled
-        vocab = client.ready.vocab_size
-        sp = rq.sampling_params(req, max_tokens, vocab, constraint, None, self.sampling_defaults)
-        sp = for_harmony(sp, self.tokenizer)
-        names = frozenset(t["function"]["name"] for t in tools.tools) if tools else frozenset()
-        allowed = tools is not None and tools.calls_allowed
-
-        def parser() -> HarmonyParser:
-            return HarmonyParser(names, allowed)
-
-        new_id = client.new_request_id
-        return fan_out(
-            [ids],
-            sp,
-            self.tokenizer,
-            lambda _p, _j: new_id(kind),
-            priority=req.priority,
-            harmony=parser,
-        )
-
-    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response_id = TextBuilder.new_id()
-        self.tracer.event("received", response_id, path="/v1/completions")
-        req = rq.decode_body(await self.read_body(receive), rq.CompletionRequest)
-        lora = self.check_model(req.model)
-        rq.check_priority(req.priority, self.config.engine.scheduling_policy)
-        client = self.generating_engine("Completions")
-        prompts = await self.in_worker(self.pre.completion, req, response_id)
-        if len(prompts) * req.n > rq.MAX_SEQUENCES:
-            raise APIError(
-                400,
-                f"{len(prompts)} prompts x n={req.n} exceeds {rq.MAX_SEQUENCES} sequences per "
-                "request",
-                param="prompt",
-            )
-        constraint = await self.constraint(req)
-        requested, param = rq.requested_max_tokens(req)
-        max_tokens = rq.max_tokens_for(
-            [len(p) for p in prompts], requested, param, client.ready.max_model_len
-        )
-        sp = rq.sampling_params(
-            req, max_tokens, client.ready.vocab_size, constraint, None, self.sampling_defaults
-        )
-        new_id = client.new_request_id
-        seqs = fan_out(
-            prompts, sp, self.tokenizer, lambda _pi, _j: new_id("text"), priority=req.priority
-        )
-        with_adapter(seqs, lora)
-        builder = TextBuilder(
-            seqs,
-            self.tokenizer,
-            model=self.model_name if lora is None else lora.name,
-            stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            continuous_usage=bool(req.stream_options and req.stream_options.continuous_usage_stats),
-            echo=req.echo,
-            prompt_logprobs=req.prompt_logprobs is not None,
-            response_id=response_id,
-        )
-        await self.generate(receive, send, client, seqs, builder)
+        return await completions_endpoint.chat_sequences(self, req, response_id, kind, client)
 
     async def generate(
         self,
@@ -582,13 +464,6 @@ class App:
                 code="model_not_found",
             )
         return None
-
-
-def with_adapter(seqs: list[SequenceState], lora: LoraRef | None) -> list[SequenceState]:
-    """``seqs``, each set to run with ``lora``."""
-    for seq in seqs:
-        seq.lora = lora
-    return seqs
 
 
 async def send_text(send: Send, status: int, text: str) -> None:

@@ -1,6 +1,7 @@
 """What the endpoints beyond ``app.py`` use of the app: the ASGI types and the
-``ChatPipeline`` and ``PoolingPipeline`` interfaces (``App`` implements them), so that
-those modules need not import ``app.py`` (which imports them)."""
+``ChatPipeline``, ``GenerationPipeline`` and ``PoolingPipeline`` interfaces (``App``
+implements them), so that those modules need not import ``app.py`` (which imports
+them)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from typing import Any, Protocol, TypeVar, TypeVarTuple
 
 from structllm.client import EngineClient
 from structllm.output import SequenceState
-from structllm.protocol import LoraRef
+from structllm.protocol import LoraRef, StructuredOutputs
 from structllm.server.config import ServerConfig
 from structllm.server.generation import Admission, Builder, Transport
 from structllm.server.metrics import Metrics
-from structllm.server.requests import ChatCompletionRequest
+from structllm.server.preprocess import Preprocessor
+from structllm.server.requests import ChatCompletionRequest, CompletionRequest
 from structllm.server.responses import ResponseBuilder
+from structllm.server.vision import Vision
 from structllm.tokenizer import Tokenizer
+from structllm.tools import ToolRequest
 from structllm.trace import Tracer
 
 Scope = MutableMapping[str, Any]
@@ -65,6 +69,43 @@ class ChatPipeline(Protocol):
         """``req`` prepared as the chat endpoint does (images, template, tokens,
         constraint, sampling): its sequences, engine request ids named ``kind``."""
         ...
+
+    async def generate(
+        self,
+        receive: Receive,
+        send: Send,
+        client: EngineClient,
+        seqs: list[SequenceState],
+        builder: ResponseBuilder | Builder,
+        transport: Transport | None = None,
+        before_end: Callable[[], Awaitable[None]] | None = None,
+    ) -> None: ...
+
+
+class GenerationPipeline(Protocol):
+    """What ``server/completions_endpoint.py`` uses of the app: the request's body and
+    model, its preparation (the preprocessor, image loading, the worker pool, the
+    constraint), the engine and the generation itself."""
+
+    config: ServerConfig
+    tracer: Tracer
+    model_name: str
+    tokenizer: Tokenizer
+    pre: Preprocessor
+    vision: Vision
+    sampling_defaults: dict[str, float | int]
+
+    async def read_body(self, receive: Receive) -> bytes: ...
+
+    def check_model(self, model: str | None) -> LoraRef | None: ...
+
+    def generating_engine(self, api: str) -> EngineClient: ...
+
+    async def in_worker(self, fn: Callable[[*Ts], R], *args: *Ts) -> R: ...
+
+    async def constraint(
+        self, req: ChatCompletionRequest | CompletionRequest, tools: ToolRequest | None = None
+    ) -> StructuredOutputs | None: ...
 
     async def generate(
         self,
