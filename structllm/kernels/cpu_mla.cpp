@@ -28,6 +28,15 @@
 // the step's cache write before it: c_kv = RMSNorm(kv[:, :L]) * w and k_pe = rope(kv[:,
 // L:]) stored as the row [c_kv, k_pe] at each slot (float16: rounded to nearest), what
 // the torch path's rms_norm, apply_rope, cat and index_copy_ do in ~8 ops.
+//
+// group_route(h [T, N], router [E, N], bias [E] or None, sigmoid, groups, groups_used, k,
+// renormalise, scale) -> (weights [T, k] float32, chosen [T, k] int64) is DeepSeek's
+// router (model/moe.py's sigmoid_group_route, V3's, with the bias; softmax_group_route,
+// V2's, without) in one call instead of ~12 torch ops: the logits' sigmoid (choice:
+// plus the bias) or softmax, the best `groups_used` groups (by the sum of their two best
+// choices, or by their best score), the top k choices among their experts (largest
+// first, ties to the lower index), their scores as weights, over their sum with
+// `renormalise`, times `scale`.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -36,6 +45,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -300,6 +311,115 @@ void store_latent(const torch::Tensor& kv, const torch::Tensor& w, double eps, c
   }
 }
 
+namespace {
+
+struct RouteSpec {
+  int64_t N, E, groups, used, k;
+  bool sigmoid, renormalise;
+  float scale;
+};
+
+// the index of the largest of v[0..n) not yet taken (ties: the lower index); -1 if none
+inline int64_t best_free(const float* v, const bool* taken, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; i++)
+    if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+  return best;
+}
+
+// One token's route: logits, scores and choices in scratch (3 E floats, E + groups flags)
+void route_token(const RouteSpec& s, const float* h, const float* router, const float* bias, float* scratch, bool* flags,
+                 float* weights, int64_t* chosen) {
+  float* score = scratch;
+  float* choice = scratch + s.E;
+  float* gscore = scratch + 2 * s.E;
+  for (int64_t e = 0; e < s.E; e++) score[e] = dot(h, router + e * s.N, static_cast<int>(s.N));
+  if (s.sigmoid) {
+    for (int64_t e = 0; e < s.E; e++) {
+      score[e] = 1.f / (1.f + std::exp(-score[e]));
+      choice[e] = score[e] + (bias != nullptr ? bias[e] : 0.f);
+    }
+  } else {
+    const float mx = *std::max_element(score, score + s.E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < s.E; e++) sum += (score[e] = std::exp(score[e] - mx));
+    for (int64_t e = 0; e < s.E; e++) choice[e] = (score[e] /= sum);
+  }
+  bool* taken = flags;  // [E], then the groups' [groups]
+  if (s.groups > 1) {
+    const int64_t per = s.E / s.groups;
+    for (int64_t g = 0; g < s.groups; g++) {  // sigmoid: its two best choices' sum; softmax: its best
+      const float* c = choice + g * per;
+      float a = -std::numeric_limits<float>::infinity(), b = a;
+      for (int64_t i = 0; i < per; i++) {
+        if (c[i] > a) {
+          b = a;
+          a = c[i];
+        } else if (c[i] > b) {
+          b = c[i];
+        }
+      }
+      gscore[g] = s.sigmoid ? a + (per > 1 ? b : 0.f) : a;
+    }
+    bool* gtaken = flags + s.E;
+    std::fill(gtaken, gtaken + s.groups, false);
+    for (int64_t u = 0; u < s.used; u++) gtaken[best_free(gscore, gtaken, s.groups)] = true;
+    for (int64_t e = 0; e < s.E; e++) taken[e] = !gtaken[e / per];  // experts of dropped groups
+  } else {
+    std::fill(taken, taken + s.E, false);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < s.k; j++) {
+    const int64_t e = best_free(choice, taken, s.E);
+    taken[e] = true;
+    chosen[j] = e;
+    sum += (weights[j] = score[e]);
+  }
+  for (int64_t j = 0; j < s.k; j++)  // (as _weights: over the sum, then the scale)
+    weights[j] = (s.renormalise ? weights[j] / (sum + 1e-20f) : weights[j]) * s.scale;
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> group_route(const torch::Tensor& h, const torch::Tensor& router,
+                                                     const std::optional<torch::Tensor>& bias, bool sigmoid,
+                                                     int64_t groups, int64_t groups_used, int64_t k, bool renormalise,
+                                                     double scale) {
+  auto rows = [](const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous(),
+                "mla group_route: ", name, " must be a contiguous 2-d float32 CPU tensor");
+  };
+  rows(h, "h");
+  rows(router, "router");
+  const int64_t T = h.size(0), N = h.size(1), E = router.size(0);
+  TORCH_CHECK(router.size(1) == N, "mla group_route: router [E, N] must match h's N = ", N);
+  TORCH_CHECK(groups >= 1 && E % groups == 0 && groups_used >= 1 && groups_used <= groups,
+              "mla group_route: ", E, " experts cannot be cut into ", groups, " groups of which ", groups_used, " used");
+  TORCH_CHECK(k >= 1 && k <= E / groups * groups_used, "mla group_route: top ", k, " of ", E / groups * groups_used,
+              " experts in the groups used");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->dim() == 1 && bias->size(0) == E && bias->is_contiguous(),
+                "mla group_route: bias must be a contiguous [E] float32 tensor");
+    bp = bias->data_ptr<float>();
+  }
+  RouteSpec s{N, E, groups, groups_used, k, sigmoid, renormalise, static_cast<float>(scale)};
+  auto weights = torch::empty({T, k}, h.options());
+  auto chosen = torch::empty({T, k}, h.options().dtype(torch::kInt64));
+  const float* hp = h.data_ptr<float>();
+  const float* rp = router.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* cp = chosen.data_ptr<int64_t>();
+  // a token's route costs E * N multiply-adds: a decode step's few tokens stay on the caller
+  sl::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, E * N)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(3 * E);
+    std::vector<char> flags(E + groups);
+    for (int64_t t = t0; t < t1; t++)
+      route_token(s, hp + t * N, rp, bp, scratch.data(), reinterpret_cast<bool*>(flags.data()), wp + t * k, cp + t * k);
+  });
+  return {weights, chosen};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_handle", &sl::pool_handle, "this module's thread pool (cpu_pool.h), to share");
   m.def("use_pool", &sl::use_pool, "run on another module's pool (before the first kernel call)");
@@ -312,4 +432,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the step's latent rows into the cache: kv [T, L+R], w [L], eps, rope [T, R/2, 2], cache, slots [T] int64",
         pybind11::arg("kv"), pybind11::arg("w"), pybind11::arg("eps"), pybind11::arg("rope"), pybind11::arg("cache"),
         pybind11::arg("slots"));
+  m.def("group_route", &group_route, "DeepSeek's grouped router: (weights [T, k] float32, chosen [T, k] int64)",
+        pybind11::arg("h"), pybind11::arg("router"), pybind11::arg("bias"), pybind11::arg("sigmoid"),
+        pybind11::arg("groups"), pybind11::arg("groups_used"), pybind11::arg("k"), pybind11::arg("renormalise"),
+        pybind11::arg("scale"));
 }

@@ -34,7 +34,12 @@ weights times ``routed_scaling_factor``; the shared experts are one ungated MLP 
 The layers run the plain torch path in one process (tensor and pipeline parallelism
 are refused by name; no native decode loop, no CUDA graphs), with the fused CPU ops'
 SiLU * up in the non-exact formats, so that block experts run in one native call per
-layer (``cpu_moe.cpp``).
+layer (``cpu_moe.cpp``), and the router in another (``cpu_mla.cpp``'s ``group_route``).
+In those formats a decode-only step takes ``DeepseekModel._forward_native``: the fused
+CPU ops' norms (the residual add inside) and ``cpu_mla.cpp``'s ``store_latent`` and
+``decode``, which does the query's rotation, the absorbed query, the paged attention over
+the latent rows and the value projection in one call per layer (the torch path's ~20
+ops; within float rounding of it).
 """
 
 from __future__ import annotations
@@ -70,9 +75,35 @@ class DeepseekMoe(SparseMoe):
         self.sigmoid = cfg.router_scoring == "sigmoid"
         self.router_bias: Tensor | None = _param(dtype, cfg.num_experts) if self.sigmoid else None
         self.pick = GroupPick.of(cfg)
+        self.native_router: Any = None  # cpu_mla.cpp's module (DeepseekModel.use_cpu_ops)
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
-        """(weights, chosen), ``[T, k]`` each, of ``h: [T, hidden]`` (float32)."""
+        """(weights, chosen), ``[T, k]`` each, of ``h: [T, hidden]`` (float32); on the
+        fused CPU path (``fused``) by cpu_mla.cpp's ``group_route`` in one call."""
+        native, p = self.native_router, self.pick
+        r = self.router
+        if (
+            fused
+            and native is not None
+            and h.dtype == r.dtype == torch.float32
+            and r.is_contiguous()
+        ):
+            bias = self.router_bias
+            if bias is None or bias.dtype == torch.float32:
+                return cast(
+                    tuple[Tensor, Tensor],
+                    native.group_route(
+                        h.contiguous(),
+                        r,
+                        bias,
+                        self.sigmoid,
+                        p.groups,
+                        p.groups_used,
+                        p.top_k,
+                        p.renormalise,
+                        p.scale,
+                    ),
+                )
         if self.router_bias is not None:
             return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
         return softmax_group_route(h, self.router, self.pick)
@@ -87,8 +118,13 @@ class DeepseekMoe(SparseMoe):
         """``out`` (the routed experts' sum) plus the shared experts' MLP of ``h``."""
         if self.shared is None:
             return out
-        gate, up = linear(h, self.shared.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        return out + linear(gated_act(gate, up, act), self.shared.down_proj, int8_ok=True)
+        gate_up = linear(h, self.shared.gate_up_proj, int8_ok=True)  # [T, 2F]
+        if fused_act is not None:
+            mid = fused_act(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = gated_act(gate, up, act)
+        return out + linear(mid, self.shared.down_proj, int8_ok=True)
 
 
 class LatentAttention(nn.Module):
@@ -328,6 +364,10 @@ class DeepseekModel(MoeModel):
 
         on = super().use_cpu_ops()
         self.mla = cpu_ext.load_mla() if on else None
+        for layer in self.layers:
+            moe = cast(DeepseekLayer, layer).moe
+            if moe is not None:
+                moe.native_router = self.mla
         if self.mla is not None:
             self.decode_why = "the Python layer loop on the fused CPU ops (cpu_mla.cpp)"
         return on
@@ -350,12 +390,13 @@ class DeepseekModel(MoeModel):
         ``DeepseekLayer.forward_native``): ``x: [T, hidden]`` -> the final norm's rows;
         ``pairs: [T, R/2, 2]`` (cos, sin)."""
         delta: Tensor | None = None
+        ops: Any = self.cpu_ops  # (set: use_cpu_ops loads mla only with them)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
             dl = cast(DeepseekLayer, layer)
-            delta = dl.forward_native(x, delta, pairs, cache[0], meta, self.cpu_ops, self.mla)
-        return cast(Tensor, self.cpu_ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
+            delta = dl.forward_native(x, delta, pairs, cache[0], meta, ops, self.mla)
+        return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
 
     def kv_cache_shapes(
         self, layer: int, num_blocks: int, block_size: int

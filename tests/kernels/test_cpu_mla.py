@@ -16,6 +16,7 @@ from torch import Tensor
 from structllm.kernels import cpu_ext
 from structllm.model.deepseek import _latent_decode
 from structllm.model.layers import apply_rope
+from structllm.model.moe import GroupPick, sigmoid_group_route, softmax_group_route
 
 pytestmark = pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2 on this CPU")
 ISAS = [i for i in cpu_ext.ISAS if cpu_ext.best_isa() in (i, "avx512")]
@@ -109,6 +110,33 @@ def test_store_latent_equals_the_torch_path(isa: str, dtype: torch.dtype) -> Non
     assert torch.equal(cache.view(-1, rank + r)[others], want.view(-1, rank + r)[others])
 
 
+# (experts, groups, groups used, k, renormalise, scale): V3's grouped pick, V2's
+# group-limited one, one group (V2-Lite's greedy), without renormalising
+PICKS = [(8, 4, 2, 2, True, 2.5), (16, 4, 2, 3, True, 1.5), (8, 1, 1, 3, False, 1.0)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pick", PICKS)
+@pytest.mark.parametrize("sigmoid", [True, False])
+def test_group_route_equals_the_torch_path(isa: str, pick: tuple[int, ...], sigmoid: bool) -> None:
+    native = module(isa)
+    e, groups, used, k, renorm, scale = pick
+    g = torch.Generator().manual_seed(e + k)
+    t, n = 37, 72  # prefill-sized and off the lanes
+    h, router = torch.randn(t, n, generator=g), torch.randn(e, n, generator=g) / 4
+    bias = torch.randn(e, generator=g) / 8 if sigmoid else None
+    gp = GroupPick(k, groups, used, bool(renorm), float(scale))
+    if bias is not None:
+        want_w, want_c = sigmoid_group_route(h, router, bias, gp)
+    else:
+        want_w, want_c = softmax_group_route(h, router, gp)
+    got_w, got_c = native.group_route(
+        h, router, bias, sigmoid, groups, used, k, bool(renorm), scale
+    )  # type: ignore[attr-defined]
+    assert torch.equal(got_c, want_c)
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+
+
 def test_bad_input_is_refused_by_name() -> None:
     native = module(cpu_ext.best_isa() or "avx2")
     h, dn, r, rank, dv = SHAPES[0]
@@ -128,3 +156,8 @@ def test_bad_input_is_refused_by_name() -> None:
     kv, slots = torch.randn(1, rank + r), torch.tensor([64])
     with pytest.raises(RuntimeError, match="slot 64 is outside 0..63"):
         native.store_latent(kv, torch.ones(rank), 1e-6, pairs, cache, slots)  # type: ignore[attr-defined]
+    h, router = torch.randn(2, 8), torch.randn(6, 8)
+    with pytest.raises(RuntimeError, match="6 experts cannot be cut into 4 groups"):
+        native.group_route(h, router, None, True, 4, 2, 2, True, 1.0)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="top 4 of 3 experts"):
+        native.group_route(h, router, None, True, 2, 1, 4, True, 1.0)  # type: ignore[attr-defined]
