@@ -11,9 +11,12 @@
 //   out[b, h]  = (p @ rows[:, 0..L)) @ v_b[h]^T    (v_b: [H, Dv, L])
 // The cache's rows are both keys (all W columns) and values (the first L), read once
 // per block for a group of heads, with an online softmax over the blocks (as
-// cpu_attention.cpp). Work items are (sequence, group of heads): a single stream's
-// heads are cut into groups so that every thread of the pool (cpu_pool.h) has some; each
-// group reads the sequence's rows once (from L2 after the first group).
+// cpu_attention.cpp). Three loops on the pool (cpu_pool.h): the queries by head, then the
+// attention by (sequence, group of heads), then the value projections by head, so that
+// k_b and v_b (float32: 2 * H * D * L * 4 bytes a layer, the most a decode step reads
+// here) are read once per step, not once per sequence. A single stream's heads are cut
+// into groups so that every thread has some; each group reads the sequence's rows once
+// (from L2 after the first group).
 //
 // Layouts:
 //   q        [B, H, Dn + R] float32, rows at q.stride(0), heads adjacent
@@ -126,23 +129,20 @@ void head_query(const Shape& s, const float* q, const float* rope, const float* 
   scal(qs, s.scale, s.L + s.R);
 }
 
-// Heads [h0, h0 + G) of sequence b: out[b, h0 .. h0 + G) = [G, Dv].
+// Heads [h0, h0 + G) of one sequence: their scaled queries qs [G, W] (head_query's)
+// attend over the sequence's cached rows; olat [G, L] = each head's softmax-weighted
+// latent (the first L columns of the rows).
 template <class T>
-void decode_group(const Shape& s, const float* q, const float* rope, const float* k_b, const float* v_b,
-                  const T* cache, const int32_t* table, int len, int h0, int G, float* out) {
+void attend_group(const Shape& s, const float* qs, const T* cache, const int32_t* table, int len, int G, float* olat) {
   const int W = s.L + s.R, L = s.L;
-  // scratch: G queries [W], G accumulators [L], G block scores [BS], one block's rows
+  // scratch: G block scores [BS], one block's rows widened [BS, W] (float16)
   thread_local std::vector<float> buf;
-  buf.resize(static_cast<size_t>(G) * (W + L + s.BS) + static_cast<size_t>(s.BS) * W);
-  float* qs = buf.data();
-  float* acc = qs + static_cast<size_t>(G) * W;
-  float* sc = acc + static_cast<size_t>(G) * L;
+  buf.resize(static_cast<size_t>(G) * s.BS + static_cast<size_t>(s.BS) * W);
+  float* sc = buf.data();
   float* widened = sc + static_cast<size_t>(G) * s.BS;
+  float* acc = olat;  // accumulated in place
   float m[16], l[16];
   for (int g = 0; g < G; g++) {
-    const int h = h0 + g;
-    head_query(s, q + static_cast<int64_t>(h) * (s.Dn + s.R), rope,
-               k_b + static_cast<int64_t>(h) * s.Dn * L, qs + static_cast<size_t>(g) * W);
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.f;
   }
@@ -169,13 +169,7 @@ void decode_group(const Shape& s, const float* q, const float* rope, const float
     for (int p = 0; p < n; p++)  // each row once for the G heads: acc[g] += e[g, p] * row[0..L)
       for (int g = 0; g < G; g++) axpy(acc + static_cast<size_t>(g) * L, sc[g * s.BS + p], rows[p], L);
   }
-  for (int g = 0; g < G; g++) {  // each head's value projection of its weighted latent
-    const int h = h0 + g;
-    const float* a = acc + static_cast<size_t>(g) * L;
-    const float* vb = v_b + static_cast<int64_t>(h) * s.Dv * L;
-    const float inv = 1.f / l[g];
-    for (int d = 0; d < s.Dv; d++) out[static_cast<int64_t>(h) * s.Dv + d] = inv * dot(a, vb + static_cast<int64_t>(d) * L, L);
-  }
+  for (int g = 0; g < G; g++) scal(acc + static_cast<size_t>(g) * L, 1.f / l[g], L);
 }
 
 void check_args(const torch::Tensor& q, const torch::Tensor& rope, const torch::Tensor& k_b, const torch::Tensor& v_b,
@@ -236,31 +230,49 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& rope, const to
     }
   }
   auto out = torch::empty({B, H, s.Dv}, q.options());
-  // heads per item: enough items for every thread (a few each), at most 16 heads
-  const int threads = std::max(1, at::get_num_threads());
-  const int groups_wanted = std::max(1, (4 * threads + B - 1) / B);
-  const int G = std::min(16, std::max(1, (H + groups_wanted - 1) / groups_wanted));
-  const int groups = (H + G - 1) / G;
+  const int W = s.L + s.R;
+  // the step's scaled queries [B, H, W] and weighted latents [B, H, L]
+  std::vector<float> qs(static_cast<size_t>(B) * H * W), olat(static_cast<size_t>(B) * H * s.L);
   const float* qp = q.data_ptr<float>();
   const float* rp = rope.data_ptr<float>();
   const float* kb = k_b.data_ptr<float>();
   const float* vb = v_b.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // 1. the queries, by head: k_b[h] is read once for the step's B rows
+  sl::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; h++)
+      for (int b = 0; b < B; b++)
+        head_query(s, qp + b * s.q_stride + h * (s.Dn + s.R), rp + b * s.rope_stride, kb + h * s.Dn * s.L,
+                   qs.data() + (static_cast<size_t>(b) * H + h) * W);
+  });
+  // 2. attention by (sequence, group of heads): enough items for every thread (a few
+  // each), at most 16 heads; each group reads its sequence's rows once
+  const int threads = std::max(1, at::get_num_threads());
+  const int groups_wanted = std::max(1, (4 * threads + B - 1) / B);
+  const int G = std::min(16, std::max(1, (H + groups_wanted - 1) / groups_wanted));
+  const int groups = (H + G - 1) / G;
   const bool half = cache.scalar_type() == torch::kFloat16;
   const void* cp = cache.data_ptr();
   sl::parallel_for(0, static_cast<int64_t>(B) * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i++) {
       const int b = static_cast<int>(i / groups), h0 = static_cast<int>(i % groups) * G;
       const int g = std::min(G, H - h0);
-      const float* qb = qp + b * s.q_stride;
-      const float* rb = rp + b * s.rope_stride;
+      const size_t row = static_cast<size_t>(b) * H + h0;
       const int32_t* table = tb + static_cast<int64_t>(b) * s.MB;
-      float* ob = op + static_cast<int64_t>(b) * H * s.Dv;
       if (half)
-        decode_group(s, qb, rb, kb, vb, static_cast<const at::Half*>(cp), table, ln[b], h0, g, ob);
+        attend_group(s, qs.data() + row * W, static_cast<const at::Half*>(cp), table, ln[b], g, olat.data() + row * s.L);
       else
-        decode_group(s, qb, rb, kb, vb, static_cast<const float*>(cp), table, ln[b], h0, g, ob);
+        attend_group(s, qs.data() + row * W, static_cast<const float*>(cp), table, ln[b], g, olat.data() + row * s.L);
     }
+  });
+  // 3. each head's value projection, by head: v_b[h] read once for the B rows
+  sl::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; h++)
+      for (int d = 0; d < s.Dv; d++) {
+        const float* vrow = vb + (h * s.Dv + d) * s.L;
+        for (int b = 0; b < B; b++)
+          op[(static_cast<int64_t>(b) * H + h) * s.Dv + d] = dot(olat.data() + (static_cast<size_t>(b) * H + h) * s.L, vrow, s.L);
+      }
   });
   return out;
 }
