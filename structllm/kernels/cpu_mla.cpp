@@ -13,7 +13,7 @@
 // per block for a group of heads, with an online softmax over the blocks (as
 // cpu_attention.cpp). Three loops on the pool (cpu_pool.h): the queries by head, then the
 // attention by (sequence, group of heads), then the value projections by head, so that
-// k_b and v_b (float32: 2 * H * D * L * 4 bytes a layer, the most a decode step reads
+// k_b and v_b (float32: H * (Dn + Dv) * L * 4 bytes a layer, the most a decode step reads
 // here) are read once per step, not once per sequence. A single stream's heads are cut
 // into groups so that every thread has some; each group reads the sequence's rows once
 // (from L2 after the first group).
