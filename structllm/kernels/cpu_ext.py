@@ -1,6 +1,6 @@
 """Building and loading the C++ CPU kernels (``cpu_attention.cpp``, ``quant_linear.cpp``,
 ``cpu_layer.cpp``, ``cpu_moe.cpp``, ``cpu_decode.cpp``, ``cpu_recurrent.cpp``,
-``cpu_lora.cpp``).
+``cpu_lora.cpp``, ``cpu_mla.cpp``).
 
 Compiled with ``torch.utils.cpp_extension`` (needs a C++ compiler and ninja) for this
 machine's CPU (``-march=native``; ``STRUCTLLM_CPU_ISA=avx2`` builds for ``-march=haswell``
@@ -171,6 +171,26 @@ def load_moe(isa: str | None = None) -> Any | None:
         return None
     module.kernel_table = quant.kernel_table()
     return module
+
+
+MLA_SOURCE = Path(__file__).with_name("cpu_mla.cpp")
+
+
+@cache
+def load_mla(isa: str | None = None) -> Any | None:
+    """Latent attention's decode kernel (DeepSeek-V2/V3's, see cpu_mla.cpp) built for
+    ``isa`` (default ``best_isa()``), or None if the CPU lacks AVX2 or the build fails."""
+    isa = isa or best_isa()
+    if isa is None:
+        return None
+    return _share_pool(
+        build(
+            f"structllm_mla_{isa}",
+            MLA_SOURCE,
+            [*FLAGS, _ISA_MARCH[isa]],
+            "the latent-attention decode kernel (about 20 s)",
+        )
+    )
 
 
 RECURRENT_SOURCE = Path(__file__).with_name("cpu_recurrent.cpp")
@@ -379,6 +399,7 @@ def build_all() -> list[tuple[str, bool]]:
         out.append((f"cpu_decode_{isa}", load_decode(isa) is not None))
         out.append((f"cpu_recurrent_{isa}", load_recurrent(isa) is not None))
         out.append((f"cpu_lora_{isa}", load_lora(isa) is not None))
+        out.append((f"cpu_mla_{isa}", load_mla(isa) is not None))
     return out
 
 

@@ -34,13 +34,18 @@ weights times ``routed_scaling_factor``; the shared experts are one ungated MLP 
 The layers run the plain torch path in one process (tensor and pipeline parallelism
 are refused by name; no native decode loop, no CUDA graphs), with the fused CPU ops'
 SiLU * up in the non-exact formats, so that block experts run in one native call per
-layer (``cpu_moe.cpp``).
+layer (``cpu_moe.cpp``), and the router in another (``cpu_mla.cpp``'s ``group_route``).
+In those formats a decode-only step takes ``DeepseekModel._forward_native``: the fused
+CPU ops' norms (the residual add inside) and ``cpu_mla.cpp``'s ``store_latent`` and
+``decode``, which does the query's rotation, the absorbed query, the paged attention over
+the latent rows and the value projection in one call per layer (the torch path's ~20
+ops; within float rounding of it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,9 +75,35 @@ class DeepseekMoe(SparseMoe):
         self.sigmoid = cfg.router_scoring == "sigmoid"
         self.router_bias: Tensor | None = _param(dtype, cfg.num_experts) if self.sigmoid else None
         self.pick = GroupPick.of(cfg)
+        self.native_router: Any = None  # cpu_mla.cpp's module (DeepseekModel.use_cpu_ops)
 
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
-        """(weights, chosen), ``[T, k]`` each, of ``h: [T, hidden]`` (float32)."""
+        """(weights, chosen), ``[T, k]`` each, of ``h: [T, hidden]`` (float32); on the
+        fused CPU path (``fused``) by cpu_mla.cpp's ``group_route`` in one call."""
+        native, p = self.native_router, self.pick
+        r = self.router
+        if (
+            fused
+            and native is not None
+            and h.dtype == r.dtype == torch.float32
+            and r.is_contiguous()
+        ):
+            bias = self.router_bias
+            if bias is None or bias.dtype == torch.float32:
+                return cast(
+                    tuple[Tensor, Tensor],
+                    native.group_route(
+                        h.contiguous(),
+                        r,
+                        bias,
+                        self.sigmoid,
+                        p.groups,
+                        p.groups_used,
+                        p.top_k,
+                        p.renormalise,
+                        p.scale,
+                    ),
+                )
         if self.router_bias is not None:
             return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
         return softmax_group_route(h, self.router, self.pick)
@@ -87,8 +118,13 @@ class DeepseekMoe(SparseMoe):
         """``out`` (the routed experts' sum) plus the shared experts' MLP of ``h``."""
         if self.shared is None:
             return out
-        gate, up = linear(h, self.shared.gate_up_proj, int8_ok=True).chunk(2, dim=-1)
-        return out + linear(gated_act(gate, up, act), self.shared.down_proj, int8_ok=True)
+        gate_up = linear(h, self.shared.gate_up_proj, int8_ok=True)  # [T, 2F]
+        if fused_act is not None:
+            mid = fused_act(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            mid = gated_act(gate, up, act)
+        return out + linear(mid, self.shared.down_proj, int8_ok=True)
 
 
 class LatentAttention(nn.Module):
@@ -129,6 +165,27 @@ class LatentAttention(nn.Module):
         else:
             q = linear(h, self.q_proj)
         return q.view(h.shape[0], self.num_heads, self.nope + self.rope_dim)
+
+    def forward_native(
+        self, h: Tensor, pairs: Tensor, cache: Tensor, meta: AttentionMetadata, ops: Any, mla: Any
+    ) -> Tensor:
+        """``forward`` of a decode-only step on the CPU kernels: ``h: [T, hidden]``
+        (normed) -> ``[T, hidden]``; ``pairs: [T, R/2, 2]`` (cos, sin). cpu_mla.cpp's
+        ``store_latent`` writes the step's ``[c_kv, k_pe]`` rows and its ``decode`` runs
+        the rotary query, the absorbed query, the attention and each head's value
+        projection in one call (the torch path: ~20 ops)."""
+        t = h.shape[0]
+        if self.q_lora:
+            a = ops.rms_norm(linear(h, self.q_a_proj), None, self.q_a_norm, self.eps)
+            q = linear(a, self.q_b_proj)
+        else:
+            q = linear(h, self.q_proj)
+        kv = linear(h, self.kv_a_proj)  # [T, L + R]
+        mla.store_latent(kv, self.kv_a_norm, self.eps, pairs, cache, meta.slot_mapping)
+        q = q.view(t, self.num_heads, self.nope + self.rope_dim)
+        tables, lens = meta.block_tables[:t], meta.seq_lens[:t]
+        v = mla.decode(q, pairs, self.k_b, self.v_b, cache, tables, lens, self.scale)  # [T, H, Dv]
+        return linear(v.view(t, self.num_heads * self.v_dim), self.o_proj)
 
     def forward(self, h: Tensor, rope: Tensor, cache: Tensor, meta: AttentionMetadata) -> Tensor:
         """``h: [T, hidden]`` (normed) -> ``[T, hidden]``; ``rope: [T, 1, R/2]``; stores
@@ -250,6 +307,29 @@ class DeepseekLayer(nn.Module):
             mid = gated_act(gate, up, "silu")
         return x + linear(mid, self.down_proj, int8_ok=True)
 
+    def forward_native(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        pairs: Tensor,
+        cache: Tensor,
+        meta: AttentionMetadata,
+        ops: Any,
+        mla: Any,
+    ) -> Tensor:
+        """``forward`` of a decode-only step on the fused CPU ops, in
+        ``DecoderLayer.forward_fused``'s residual bookkeeping: the residual stream ``x:
+        [T, hidden]`` takes the last layer's ``delta`` and then the attention's output
+        in place; returns the MLP's output, which the next layer (or the final norm)
+        adds."""
+        h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)  # x += delta first
+        a = self.attn.forward_native(h, pairs, cache, meta, ops, mla)
+        h = ops.rms_norm(x, a, self.post_attention_layernorm, self.eps)  # x += a
+        if self.moe is not None:
+            return cast(Tensor, self.moe(h, "silu", ops.silu_mul))
+        mid = ops.silu_mul(linear(h, self.gate_up_proj, int8_ok=True))
+        return linear(mid, self.down_proj, int8_ok=True)
+
 
 class DeepseekModel(MoeModel):
     """The DeepSeek-V2/V3 decoder (see the module docstring)."""
@@ -270,11 +350,53 @@ class DeepseekModel(MoeModel):
         self.native_decode = False
         self.decode_why = "the Python layer loop (latent attention)"
         self.cuda_graphs = False  # (its attention reads the step's host-side lists)
+        self.mla: Any = None  # cpu_mla.cpp's module, with the fused CPU ops (use_cpu_ops)
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
     ) -> nn.Module:
         return DeepseekLayer(cfg, dtype, index)
+
+    def use_cpu_ops(self) -> bool:
+        """``LlamaModel.use_cpu_ops``, and with them cpu_mla.cpp's latent-attention
+        decode (``mla``), which runs a decode-only step's layers (``_forward_native``)."""
+        from structllm.kernels import cpu_ext
+
+        on = super().use_cpu_ops()
+        self.mla = cpu_ext.load_mla() if on else None
+        for layer in self.layers:
+            moe = cast(DeepseekLayer, layer).moe
+            if moe is not None:
+                moe.native_router = self.mla
+        if self.mla is not None:
+            self.decode_why = "the Python layer loop on the fused CPU ops (cpu_mla.cpp)"
+        return on
+
+    def _native_ok(self, x: Tensor) -> bool:
+        """Whether this step's rows and the latent weights suit cpu_mla.cpp: float32 on
+        the CPU (a model whose ``k_b``/``v_b`` were kept in another dtype: torch)."""
+        attn = cast(DeepseekLayer, self.layers[0]).attn
+        return x.dtype == torch.float32 and attn.k_b.dtype == torch.float32
+
+    def _forward_native(
+        self,
+        x: Tensor,
+        pairs: Tensor,
+        kv_caches: list[tuple[Tensor, ...]],
+        meta: AttentionMetadata,
+        between_layers: Callable[[], None] | None,
+    ) -> Tensor:
+        """A decode-only step's layers on the fused CPU ops and cpu_mla.cpp (see
+        ``DeepseekLayer.forward_native``): ``x: [T, hidden]`` -> the final norm's rows;
+        ``pairs: [T, R/2, 2]`` (cos, sin)."""
+        delta: Tensor | None = None
+        ops: Any = self.cpu_ops  # (set: use_cpu_ops loads mla only with them)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if between_layers is not None and i and i % CHECK_EVERY == 0:
+                between_layers()
+            dl = cast(DeepseekLayer, layer)
+            delta = dl.forward_native(x, delta, pairs, cache[0], meta, ops, self.mla)
+        return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
 
     def kv_cache_shapes(
         self, layer: int, num_blocks: int, block_size: int
@@ -299,6 +421,10 @@ class DeepseekModel(MoeModel):
         x = self.embed(input_ids)
         half = self.cfg.rope_dim // 2  # the table's pairs past R/2 are the latent's identity
         rope = self.rope_table(int(meta.max_seq_len))[positions, :half].unsqueeze(1)
+        if self.mla is not None and meta.num_decodes == x.shape[0] and self._native_ok(x):
+            return self._forward_native(
+                x, torch.view_as_real(rope[:, 0]), kv_caches, meta, between_layers
+            )
         fused_act = self.cpu_ops.silu_mul if self.cpu_ops is not None else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:

@@ -1271,7 +1271,7 @@ def format_report(reader: Any, keep_blocks: bool, half: str = "file") -> list[st
     if per_head:
         lines.append(
             f"{per_head} latent-attention tensors (attn_k_b, attn_v_b) as float32: "
-            "they run as per-head batched matmuls"
+            "per-head batched matmuls, or cpu_mla.cpp's decode on the fused CPU path"
         )
     if experts:
         each = ", ".join(f"{k} {n}" for k, n in sorted(experts.items(), key=lambda kv: -kv[1]))

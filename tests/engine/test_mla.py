@@ -240,3 +240,43 @@ def test_block_experts_run_in_one_native_call(default_files) -> None:  # type: i
     prefill_logits(engine, PROMPTS[1])
     moes = [layer.moe for layer in model.layers if layer.moe is not None]
     assert len(moes) == 2 and all(m.native for m in moes)
+
+
+def _generate(engine: EngineCore, n: int) -> dict[str, tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs of every prompt of ``PROMPTS``, run together (a
+    decode batch of several rows at different lengths, which cross KV blocks)."""
+    from structllm.protocol import AddRequest, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(AddRequest(f"r{i}", ids, sp))
+    out: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
+    while engine.has_work:
+        for d in engine.step().outputs:
+            out[d.request_id][0].extend(d.new_token_ids)
+            out[d.request_id][1].extend(x.logprob for x in d.logprobs or [])
+    return out
+
+
+@pytest.mark.parametrize(("family", "qtype"), [("deepseek_v2", "F32"), ("deepseek_v3", "Q8_0")])
+def test_native_decode_agrees_with_the_torch_layers(family: str, qtype: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    """Decode steps on the fused CPU ops and cpu_mla.cpp (``DeepseekModel._forward_native``,
+    the native router) give the torch layer path's greedy tokens, logprobs within float
+    rounding."""
+    from tests.engine.test_families import gguf_file
+
+    path = gguf_file(family, default_files, qtype)
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=32 << 20))
+    model = engine.runner.model  # type: ignore[union-attr]
+    if model.mla is None:
+        pytest.skip("the latent-attention kernel does not build here")
+    assert "cpu_mla.cpp" in model.decode_why
+    native = _generate(engine, 20)
+    model.mla = None  # the torch layer path, same weights and caches, torch's router
+    for layer in model.layers:
+        if layer.moe is not None:
+            layer.moe.native_router = None
+    plain = _generate(engine, 20)
+    for rid, (tokens, lps) in plain.items():
+        assert native[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(native[rid][1], lps, strict=True)) < 1e-3, rid
