@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_hybrid.h"
 #include "cpu_pool.h"
 #include "cpu_simd.h"
 
@@ -57,30 +58,13 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-}  // namespace
-
-// x: [B, C], w: [C, K], bias: [C] or None, states: [S, C, K-1]. Row b:
+// x: [B, C], w: [C, K], bias: [C] or null, states: [S, C, K-1]. Row b:
 //   y[c] = bias[c] + sum_{j < K-1} w[c, j] s[c, j] + w[c, K-1] x[c]   (s = slot b's state)
 // then s[c, :] = (s[c, 1:], x[c]): the window of the last K-1 inputs, oldest first.
-torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias,
-                          torch::Tensor states, torch::Tensor slots, torch::Tensor fresh, bool act) {
-  check_f32(x, "x");
-  check_f32(w, "weight");
-  check_f32(states, "states");
-  const int64_t B = x.size(0), C = x.size(1), K = w.size(1), S = states.size(0);
-  TORCH_CHECK(w.size(0) == C && states.size(1) == C && states.size(2) == K - 1 && K >= 2,
-              "conv_decode: shapes do not agree");
-  check_slots(slots, fresh, B, S);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    bp = bias->data_ptr<float>();
-  }
-  auto y = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *st = states.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const bool* fp = fresh.data_ptr<bool>();
+// Out of line: conv_decode and cpu_decode.cpp (RecurrentOps) run this one copy of it.
+__attribute__((noinline)) void conv_decode_rows(const float* xp, const float* wp, const float* bp, float* st,
+                                                const int64_t* sp, const bool* fp, int64_t B, int64_t C, int64_t K,
+                                                bool act, float* yp) {
   const int64_t L = K - 1;
   sl::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
@@ -105,6 +89,32 @@ torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch:
       }
     }
   });
+}
+
+const sl::RecurrentOps kRecurrentOps{conv_decode_rows};
+
+}  // namespace
+
+// conv_decode_rows on tensors: x [B, C], w [C, K], bias [C] or None, states [S, C, K-1],
+// slots int64 [B], fresh bool [B] -> y [B, C]
+torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias,
+                          torch::Tensor states, torch::Tensor slots, torch::Tensor fresh, bool act) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  check_f32(states, "states");
+  const int64_t B = x.size(0), C = x.size(1), K = w.size(1), S = states.size(0);
+  TORCH_CHECK(w.size(0) == C && states.size(1) == C && states.size(2) == K - 1 && K >= 2,
+              "conv_decode: shapes do not agree");
+  check_slots(slots, fresh, B, S);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == C, "conv_decode: bias [C]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty_like(x);
+  conv_decode_rows(x.data_ptr<float>(), w.data_ptr<float>(), bp, states.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                   fresh.data_ptr<bool>(), B, C, K, act, y.data_ptr<float>());
   return y;
 }
 
@@ -520,4 +530,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_prefill", &delta_prefill, "the gated delta rule over prefill rows (chunked)");
   m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
   m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
+  m.def(
+      "recurrent_ops",
+      [] { return pybind11::capsule(const_cast<sl::RecurrentOps*>(&kRecurrentOps), "structllm.recurrent_ops"); },
+      "the decode kernels on raw rows as a function table (cpu_hybrid.h), for cpu_decode.cpp");
 }
