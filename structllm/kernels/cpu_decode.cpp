@@ -48,6 +48,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -143,11 +144,20 @@ struct Layer {
   Matrix in_proj, out_proj;  // out_proj [hidden, hidden]
   const float *in_bias = nullptr, *conv_w = nullptr, *conv_bias = nullptr, *out_bias = nullptr;
   int64_t conv_k = 0;
+  // a Gated DeltaNet layer (Qwen3.5's: add_delta_layer, delta_layer): in_proj its qkv
+  // [C, hidden], z [H Dv, hidden], b and a [H, hidden], conv_w [C, K], out_proj
+  // [hidden, H Dv]; a_log, dt_bias [H], gnorm [Dv]
+  bool delta = false;
+  Matrix z_proj, b_proj, a_proj;
+  const float *a_log = nullptr, *dt_bias = nullptr, *gnorm = nullptr;
+  // Qwen3.5's gated attention (set_attn_gate): o *= sigmoid(h @ attn_gate^T), [H D, hidden]
+  Matrix attn_gate;
 };
 
 struct Cache {
   torch::Tensor kt, v;  // an attention layer's
-  torch::Tensor state;  // a convolution layer's [S, hidden, K - 1] float32
+  torch::Tensor state;  // a recurrent layer's convolution state [S, C, K - 1] float32
+  torch::Tensor rule;   // a Gated DeltaNet layer's delta-rule state [S, H, Dk, Dv] float32
 };
 
 // One set of adapters' parts (model/lora.py's LoraAdapter.layers), as run() adds them:
@@ -312,6 +322,58 @@ class DecodePlan {
     layers_.push_back(std::move(L));
   }
 
+  // A Gated DeltaNet layer (model/deltanet.py's GatedDeltaNet in a RecurrentLayer), in
+  // model order: its projections, conv [C, K] float32 (C = 2 Hk Dk + H Dv), a_log,
+  // dt_bias [H], norm [Dv] float32, out_proj [hidden, H Dv], then the dense MLP. Every
+  // such layer has one shape (the plan's scratch is sized by the first).
+  void add_delta_layer(const OptT& in_norm, const std::vector<PartSpec>& qkv, const std::vector<PartSpec>& z,
+                       const std::vector<PartSpec>& b, const std::vector<PartSpec>& a, const torch::Tensor& conv,
+                       const torch::Tensor& a_log, const torch::Tensor& dt_bias, const torch::Tensor& norm,
+                       const std::vector<PartSpec>& out_proj, int64_t key_heads, int64_t key_dim, int64_t value_dim,
+                       bool tiled, const OptT& post_norm, const std::vector<PartSpec>& gate_up, bool gelu,
+                       const std::vector<PartSpec>& down, double residual_scale) {
+    TORCH_CHECK(rec_ != nullptr, "cpu_decode: a Gated DeltaNet layer needs recurrent_ops");
+    const int64_t H = a_log.numel(), Hk = key_heads, Dk = key_dim, Dv = value_dim, C = 2 * Hk * Dk + H * Dv;
+    TORCH_CHECK(Hk > 0 && H > 0 && H % Hk == 0 && Dk > 0 && Dv > 0, "cpu_decode: bad Gated DeltaNet heads");
+    TORCH_CHECK(delta_.H == 0 || (delta_.H == H && delta_.Hk == Hk && delta_.Dk == Dk && delta_.Dv == Dv &&
+                                  delta_.tiled == tiled),
+                "cpu_decode: every Gated DeltaNet layer must have one shape");
+    TORCH_CHECK(conv.dtype() == torch::kFloat32 && conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == C &&
+                    conv.size(1) >= 2,
+                "cpu_decode: the convolution's filter must be float32 [C, K >= 2] contiguous");
+    Layer L{};
+    for (const OptT* t : {&in_norm, &post_norm})
+      if (t->has_value()) L.keep.push_back(**t);
+    for (const torch::Tensor* t : {&conv, &a_log, &dt_bias, &norm}) L.keep.push_back(*t);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.post_norm = vec_of(post_norm, H_, "post_norm");
+    L.a_log = vec_of(a_log, H, "a_log");
+    L.dt_bias = vec_of(dt_bias, H, "dt_bias");
+    L.gnorm = vec_of(norm, Dv, "norm");
+    L.delta = true;
+    L.conv_w = conv.data_ptr<float>();
+    L.conv_k = conv.size(1);
+    L.in_proj = matrix_of(qkv, C, H_, "in_proj_qkv");
+    L.z_proj = matrix_of(z, H * Dv, H_, "in_proj_z");
+    L.b_proj = matrix_of(b, H, H_, "in_proj_b");
+    L.a_proj = matrix_of(a, H, H_, "in_proj_a");
+    L.out_proj = matrix_of(out_proj, H_, H * Dv, "out_proj");
+    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+    L.down = matrix_of(down, H_, F_, "down");
+    L.gelu = gelu;
+    L.residual_scale = static_cast<float>(residual_scale);
+    delta_ = {H, Hk, Dk, Dv, C, tiled};
+    layers_.push_back(std::move(L));
+  }
+
+  // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
+  // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
+  void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && !layers_[i].conv && !layers_[i].delta,
+                "cpu_decode: set_attn_gate: no attention layer ", i);
+    layers_[i].attn_gate = matrix_of(gate, nh_ * D_, H_, "attn_gate");
+  }
+
   // ---- end of the hybrid models' section ----------------------------------------------
 
   void set_caches(const std::vector<std::vector<torch::Tensor>>& caches) {
@@ -319,7 +381,11 @@ class DecodePlan {
     std::vector<Cache> out;
     for (size_t i = 0; i < caches.size(); i++) {
       if (layers_[i].conv) {
-        out.push_back({{}, {}, conv_state(caches[i], layers_[i])});
+        out.push_back({{}, {}, conv_state(caches[i], layers_[i]), {}});
+        continue;
+      }
+      if (layers_[i].delta) {
+        out.push_back(delta_states(caches[i], layers_[i]));
         continue;
       }
       TORCH_CHECK(caches[i].size() == 2, "cpu_decode: layer ", i, " takes a (K, V) cache pair");
@@ -332,7 +398,7 @@ class DecodePlan {
                   "cpu_decode: cache shapes must be [NB, Hkv, D, BS] and [NB, BS, Hkv, D]");
       const int64_t bs = kt.size(3);
       TORCH_CHECK(bs == 16 || bs == 32 || bs == 64, "cpu_decode: block size must be 16, 32 or 64, got ", bs);
-      out.push_back({kt, v, {}});
+      out.push_back({kt, v, {}, {}});
     }
     caches_ = std::move(out);
   }
@@ -427,7 +493,8 @@ class DecodePlan {
       TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * D_,
                   "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous");
     for (int64_t i = begin; i < end; i++) {
-      TORCH_CHECK(layers_[i].conv || layers_[i].rope < static_cast<int64_t>(ropes.size()), "cpu_decode: layer ", i,
+      TORCH_CHECK(layers_[i].conv || layers_[i].delta || layers_[i].rope < static_cast<int64_t>(ropes.size()),
+                  "cpu_decode: layer ", i,
                   " needs rope table ", layers_[i].rope);
       TORCH_CHECK(!cut(layers_[i]) || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
     }
@@ -465,7 +532,12 @@ class DecodePlan {
       for (const Matrix* m : {&L.in_proj, &L.out_proj})
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
+    for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.z_proj, &L.b_proj, &L.a_proj, &L.attn_gate})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     const bool conv = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.conv; });
+    make_hybrid_scratch(T);
     scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest),
                 f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
                 f(conv ? H_ : 1)};
@@ -526,6 +598,7 @@ class DecodePlan {
   void layer(int64_t i, const Cache& c, const Step& s, const float* delta) const {
     const Layer& L = layers_[i];
     if (L.conv) return conv_layer(L, c, s, delta);
+    if (L.delta) return delta_layer(L, c, s, delta);
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
@@ -538,6 +611,7 @@ class DecodePlan {
     float* o = buf(kO);  // [T, H * D]: the queries' attention output, o_proj's input
     attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
                   static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap, L.sinks);
+    if (!L.attn_gate.parts.empty()) gate_attention(L, h, o, s);
     linear(L.o, o, buf(kAttn), s, L.o_bias);
     add_lora(i, 1, o, buf(kAttn), s);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
@@ -573,6 +647,7 @@ class DecodePlan {
   // a convolution layer's cache entry: its state [S, hidden, K - 1] float32
   torch::Tensor conv_state(const std::vector<torch::Tensor>& entry, const Layer& L) const {
     TORCH_CHECK(entry.size() == 1, "cpu_decode: a convolution layer's cache is its one state tensor");
+    TORCH_CHECK(L.conv, "cpu_decode: not a convolution layer");
     const torch::Tensor& st = entry[0];
     TORCH_CHECK(st.dtype() == torch::kFloat32 && st.is_contiguous() && st.dim() == 3 && st.size(1) == H_ &&
                     st.size(2) == L.conv_k - 1,
@@ -584,7 +659,7 @@ class DecodePlan {
   // hold a recurrent one: every slot inside each such layer's states
   void check_states(int64_t begin, int64_t end, const OptT& slots, const OptT& fresh, int64_t T, bool lora) const {
     for (int64_t i = begin; i < end; i++) {
-      if (!layers_[i].conv) continue;
+      if (!layers_[i].conv && !layers_[i].delta) continue;
       TORCH_CHECK(!lora, "cpu_decode: no LoRA adapters in a recurrent layer");
       TORCH_CHECK(slots.has_value() && fresh.has_value(), "cpu_decode: recurrent layers need state_slots and fresh");
       TORCH_CHECK(slots->dtype() == torch::kInt64 && slots->is_contiguous() && slots->numel() == T &&
@@ -613,14 +688,84 @@ class DecodePlan {
     for (int64_t t = 0; t < T; t++)  // C * y, into bu (read)
       for (int64_t j = 0; j < H; j++) bu[t * H + j] = bcx[t * 3 * H + H + j] * y[t * H + j];
     linear(L.out_proj, bu, buf(kAttn), s, L.out_bias);
+    recurrent_tail(L, s);
+  }
+
+  // RecurrentLayer.forward_fused after its mixer (output in buf(kAttn)): the residual
+  // multiplier, x += it with the post-norm, the dense MLP into s.out
+  void recurrent_tail(const Layer& L, const Step& s) const {
     const float* a = sublayer_out(buf(kAttn), nullptr, L.residual_scale, s);
-    h = pre_norm(L.post_norm, a, s);
+    const float* h = pre_norm(L.post_norm, a, s);
     float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F]
     linear(L.gate_up, h, gu, s, nullptr);
-    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, T, F_);
+    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, s.T, F_);
     linear(L.down, act, s.out, s, nullptr);
     sublayer_out(s.out, nullptr, L.residual_scale, s);
   }
+
+  // a Gated DeltaNet layer's cache entry: (conv [S, C, K - 1], rule [S, H, Dk, Dv]) float32
+  Cache delta_states(const std::vector<torch::Tensor>& entry, const Layer& L) const {
+    TORCH_CHECK(entry.size() == 2, "cpu_decode: a Gated DeltaNet layer's cache is its two state tensors");
+    const torch::Tensor &cs = entry[0], &rs = entry[1];
+    for (const torch::Tensor* t : {&cs, &rs})
+      TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous(), "cpu_decode: states must be float32 contiguous");
+    TORCH_CHECK(cs.dim() == 3 && cs.size(1) == delta_.C && cs.size(2) == L.conv_k - 1 && rs.dim() == 4 &&
+                    rs.size(0) == cs.size(0) && rs.size(1) == delta_.H && rs.size(2) == delta_.Dk &&
+                    rs.size(3) == delta_.Dv,
+                "cpu_decode: Gated DeltaNet states must be [S, C, K - 1] and [S, H, Dk, Dv]");
+    return {{}, {}, cs, rs};
+  }
+
+  // GatedDeltaNet.forward's decode rows through cpu_recurrent.cpp (its native path):
+  // the four projections, the convolution with SiLU, the rule's inputs, its step, the
+  // gated norm, out_proj into buf(kAttn); then the MLP (recurrent_tail)
+  void delta_layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const int64_t T = s.T, H = delta_.H, Dk = delta_.Dk, Dv = delta_.Dv;
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* qkv = dbuf(kDQKV);  // [T, C]
+    linear(L.in_proj, h, qkv, s, nullptr);
+    linear(L.z_proj, h, dbuf(kDZ), s, nullptr);  // [T, H Dv]
+    linear(L.b_proj, h, dbuf(kDB), s, nullptr);  // [T, H]
+    linear(L.a_proj, h, dbuf(kDA), s, nullptr);  // [T, H]
+    rec_->conv_decode(qkv, L.conv_w, nullptr, c.state.data_ptr<float>(), s.state_slots, s.fresh, T, delta_.C,
+                      L.conv_k, true, dbuf(kDConv));
+    rec_->delta_inputs(dbuf(kDConv), dbuf(kDB), dbuf(kDA), L.a_log, L.dt_bias, T, H, delta_.Hk, Dk, Dv, delta_.tiled,
+                       static_cast<float>(std::pow(static_cast<double>(Dk), -0.5)), dbuf(kDQ), dbuf(kDK), dbuf(kDV), dbuf(kDG),
+                       dbuf(kDBeta));
+    rec_->delta_decode(dbuf(kDQ), dbuf(kDK), dbuf(kDV), dbuf(kDG), dbuf(kDBeta), c.rule.data_ptr<float>(),
+                       s.state_slots, s.fresh, T, H, Dk, Dv, dbuf(kDO));
+    rec_->gated_norm(dbuf(kDO), dbuf(kDZ), L.gnorm, T, H, Dv, eps_, dbuf(kDY));
+    linear(L.out_proj, dbuf(kDY), buf(kAttn), s, nullptr);
+    recurrent_tail(L, s);
+  }
+
+  // o [T, H D] *= sigmoid(h @ attn_gate^T), torch's own sigmoid (the Python loop's
+  // torch.sigmoid, so the same bits) on the plan's buffer
+  void gate_attention(const Layer& L, const float* h, float* o, const Step& s) const {
+    const int64_t n = nh_ * D_;
+    float* g = dbuf(kDGate);  // [T, H D]
+    linear(L.attn_gate, h, g, s, nullptr);
+    torch::from_blob(g, {s.T, n}, torch::kFloat32).sigmoid_();
+    for (int64_t i = 0; i < s.T * n; i++) o[i] = o[i] * g[i];
+  }
+
+  // the Gated DeltaNet layers' and the attention gate's buffers for T rows, each its own
+  // torch allocation (as make_scratch's)
+  void make_hybrid_scratch(int64_t T) {
+    const bool gated = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return !L.attn_gate.parts.empty(); });
+    const int64_t H = delta_.H, Dk = delta_.Dk, Dv = delta_.Dv, C = delta_.C;
+    auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
+    dscratch_ = {f(C), f(C), f(H * Dv), f(H), f(H), f(H * Dk), f(H * Dk), f(H * Dv), f(H), f(H), f(H * Dv),
+                 f(H * Dv), f(gated ? nh_ * D_ : 1)};
+  }
+
+  float* dbuf(int i) const { return dscratch_[i].data_ptr<float>(); }
+  enum { kDQKV, kDConv, kDZ, kDB, kDA, kDQ, kDK, kDV, kDG, kDBeta, kDO, kDY, kDGate };
+
+  struct DeltaShape {
+    int64_t H = 0, Hk = 0, Dk = 0, Dv = 0, C = 0;
+    bool tiled = false;
+  };
 
   // ---- end of the hybrid models' section ----------------------------------------------
 
@@ -633,6 +778,8 @@ class DecodePlan {
   const sl::AttentionOps* attn_;
   const sl::MoeOps* moe_;  // null: no mixture-of-experts layer runs here
   const sl::RecurrentOps* rec_;  // null: no recurrent layer runs here
+  DeltaShape delta_;  // the Gated DeltaNet layers' (H 0: none)
+  std::vector<torch::Tensor> dscratch_;  // make_hybrid_scratch's, indexed by the enum beside dbuf
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
   std::vector<Layer> layers_;
@@ -674,6 +821,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("in_bias"), pybind11::arg("conv"), pybind11::arg("conv_bias"), pybind11::arg("out_proj"),
            pybind11::arg("out_bias"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
            pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("add_delta_layer", &DecodePlan::add_delta_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
+           pybind11::arg("z"), pybind11::arg("b"), pybind11::arg("a"), pybind11::arg("conv"), pybind11::arg("a_log"),
+           pybind11::arg("dt_bias"), pybind11::arg("norm"), pybind11::arg("out_proj"), pybind11::arg("key_heads"),
+           pybind11::arg("key_dim"), pybind11::arg("value_dim"), pybind11::arg("tiled"), pybind11::arg("post_norm"),
+           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
            pybind11::arg("delta"), pybind11::arg("ropes"), pybind11::arg("slots"), pybind11::arg("tables"),

@@ -109,8 +109,8 @@ def why_not(model: LlamaModel) -> str | None:
         dl: DecoderLayer = layer  # type: ignore[assignment]
         if getattr(dl, "o_bias", None) is not None and getattr(dl, "sinks", None) is None:
             return "an output bias outside gpt-oss's layer is not in it"
-        if getattr(dl, "attn_gate", None) is not None:
-            return "gated attention (Qwen3.5's) is not in it"
+        if getattr(dl, "attn_gate", None) is not None and _parts(dl.attn_gate, False) is None:
+            return "attn_gate is not in GGUF blocks"
         if getattr(dl, "chunk", 0) or getattr(dl, "scale_queries", None) is not None:
             return "chunked attention and query temperatures (Llama 4) are not in it"
         for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o
@@ -121,10 +121,11 @@ def why_not(model: LlamaModel) -> str | None:
 
 def _hybrid_why_not(model: HybridModel) -> str | None:
     """Why a hybrid model's decode steps cannot take the native loop (None: as far as
-    its recurrent layers go, they can): only LFM2's short convolutions are in it."""
-    from structllm.model.lfm2 import ShortConv
-
+    its recurrent layers go, they can): LFM2's short convolutions and Qwen3.5's Gated
+    DeltaNet (with 16-float multiples for head widths, as its native rule asks) are."""
     from structllm.kernels import cpu_ext
+    from structllm.model.deltanet import GatedDeltaNet
+    from structllm.model.lfm2 import ShortConv
 
     if cpu_ext.load_recurrent() is None:
         return "the recurrent kernels did not build"
@@ -136,13 +137,19 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         if not isinstance(layer, RecurrentLayer):
             return f"{type(layer).__name__} layers are not in it"
         mixer = layer.mixer
-        if not isinstance(mixer, ShortConv):
-            return f"the {type(mixer).__name__} mixer is not in it"
         if layer.moe is not None:
             return "experts in a hybrid model's layer are not in it"
-        if mixer.conv.dtype != torch.float32:
+        if isinstance(mixer, ShortConv):
+            conv, linears = mixer.conv, ("in_proj", "out_proj")
+        elif isinstance(mixer, GatedDeltaNet):
+            if mixer.head_k_dim % 16 or mixer.head_v_dim % 16:
+                return "Gated DeltaNet heads not 16-float multiples wide"
+            conv, linears = mixer.conv1d, GatedDeltaNet.LINEARS
+        else:
+            return f"the {type(mixer).__name__} mixer is not in it"
+        if conv.dtype != torch.float32:
             return "the convolution's filter is not float32"
-        for name in ("in_proj", "out_proj"):
+        for name in linears:
             if _parts(getattr(mixer, name), False) is None:
                 return f"{name} is not in GGUF blocks"
         for name in ("gate_up_proj", "down_proj"):
@@ -187,9 +194,12 @@ class DecodePlan:
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
         for dl, experts in zip(self.layers, self.experts, strict=True):
             if isinstance(dl, RecurrentLayer):
-                self._add_conv(dl)
+                self._add_recurrent(dl)
             else:
                 self._add(dl, identity, experts)
+                if getattr(dl, "attn_gate", None) is not None:  # Qwen3.5's gated attention
+                    last = self.native.num_layers() - 1
+                    self.native.set_attn_gate(last, _parts(dl.attn_gate, False))
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self.module = native  # (its LoraItems)
         q, kv = model.num_heads * cfg.head_dim, model.num_kv_heads * cfg.head_dim
@@ -267,9 +277,15 @@ class DecodePlan:
             softmax_chosen=bool(route and route[1]),
         )
 
-    def _add_conv(self, layer: RecurrentLayer) -> None:
-        """An LFM2 short-convolution layer (``lfm2.ShortConv`` in a ``RecurrentLayer``)."""
+    def _add_recurrent(self, layer: RecurrentLayer) -> None:
+        """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``)
+        or Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``)."""
+        from structllm.model.deltanet import GatedDeltaNet
+
         mixer: Any = layer.mixer
+        if isinstance(mixer, GatedDeltaNet):
+            self._add_delta(layer, mixer)
+            return
         self.native.add_conv_layer(
             in_norm=layer.input_layernorm,
             in_proj=_parts(mixer.in_proj, False),
@@ -278,6 +294,35 @@ class DecodePlan:
             conv_bias=_vector(mixer.conv_bias),
             out_proj=_parts(mixer.out_proj, False),
             out_bias=_vector(mixer.out_bias),
+            post_norm=layer.post_attention_layernorm,
+            gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
+            gelu=layer.act == "gelu_tanh",
+            down=_parts(layer.down_proj, True),
+            residual_scale=layer.residual_scale,
+        )
+
+    def _add_delta(self, layer: RecurrentLayer, mixer: Any) -> None:
+        """A Gated DeltaNet layer: its projections, filter, decay and gated norm's
+        parameters (float32, contiguous: what ``GatedDeltaNet._native_rule`` passes)."""
+
+        def f32(t: Tensor) -> Tensor:
+            return t.float().contiguous()
+
+        self.native.add_delta_layer(
+            in_norm=layer.input_layernorm,
+            qkv=_parts(mixer.in_proj_qkv, False),
+            z=_parts(mixer.in_proj_z, False),
+            b=_parts(mixer.in_proj_b, False),
+            a=_parts(mixer.in_proj_a, False),
+            conv=f32(mixer.conv1d),
+            a_log=f32(mixer.A_log),
+            dt_bias=f32(mixer.dt_bias),
+            norm=f32(mixer.norm),
+            out_proj=_parts(mixer.out_proj, False),
+            key_heads=mixer.num_k_heads,
+            key_dim=mixer.head_k_dim,
+            value_dim=mixer.head_v_dim,
+            tiled=mixer.tiled_values,
             post_norm=layer.post_attention_layernorm,
             gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
             gelu=layer.act == "gelu_tanh",
