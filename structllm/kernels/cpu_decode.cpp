@@ -37,11 +37,14 @@
 //       rows lora_rows[lora_starts[g] .. lora_starts[g + 1]), through cpu_lora.h's row
 //       kernels, the ones lora_add runs for the Python loop (the same sums, so the same
 //       bits); rows without an adapter cost nothing
-//   add_conv_layer(...): a hybrid model's short-convolution layer (LFM2's) in model
-//       order; its cache entry in set_caches is its state [S, hidden, K - 1], and run
-//       then takes state_slots [T] int64 and fresh [T] bool (each row's state slot, and
-//       whether it starts from zero): the convolution's step through cpu_recurrent.cpp's
-//       RecurrentOps (cpu_hybrid.h), the function its conv_decode runs
+//   add_conv_layer(...), add_delta_layer(...): a hybrid model's short-convolution
+//       (LFM2's) or Gated DeltaNet (Qwen3.5's) layer in model order; its cache entry in
+//       set_caches is its state [S, hidden, K - 1], or its two states [S, C, K - 1] and
+//       [S, H, Dk, Dv], and run then takes state_slots [T] int64 and fresh [T] bool
+//       (each row's state slot, and whether it starts from zero); the recurrent kernels
+//       through cpu_recurrent.cpp's RecurrentOps (cpu_hybrid.h), the functions its
+//       tensor entry points run. set_attn_gate(i, parts): Qwen3.5's gated attention
+//       for attention layer i (o *= sigmoid(h @ gate^T) before o_proj)
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>

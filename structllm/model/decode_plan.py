@@ -33,13 +33,15 @@ adapters in order, kept in ``LoraRows.plans``), with the step's rows by adapter,
 ``cpu_decode.cpp`` adds ``B (A x)`` for those rows after each adapted matmul through
 the row kernels ``lora_add`` runs for the Python loop (``cpu_lora.h``): the same bits.
 
-Hybrid models (``model.hybrid``): their attention layers run here as any other, and
-LFM2's short-convolution layers (``RecurrentLayer`` around ``lfm2.ShortConv``) too
-(``add_conv_layer``: in_proj, ``B * x'``, the convolution's step through
-``cpu_recurrent.cpp``'s ``RecurrentOps`` (the function its ``conv_decode`` runs), ``C *
-y``, out_proj, then the dense MLP), each row's state slot and fresh flag passed per
-step (``HybridModel._forward_fused``). Other mixers (Gated DeltaNet, Mamba-2), gated
-attention, and experts in a hybrid model keep the Python loop.
+Hybrid models (``model.hybrid``): their attention layers run here as any other
+(Qwen3.5's output gate too: ``set_attn_gate``), and their recurrent layers when every
+mixer is LFM2's short convolution (``add_conv_layer``: in_proj, ``B * x'``, the
+convolution's step, ``C * y``, out_proj, the dense MLP) or Qwen3.5's Gated DeltaNet
+(``add_delta_layer``: ``GatedDeltaNet._native_rule``'s kernels in its order), the
+recurrent kernels through ``cpu_recurrent.cpp``'s ``RecurrentOps`` (``cpu_hybrid.h``:
+the functions its Python entry points run), each row's state slot and fresh flag
+passed per step (``HybridModel._forward_fused``). Mamba-2 and experts in a hybrid
+model keep the Python loop (``_hybrid_why_not``).
 
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
@@ -139,6 +141,7 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         mixer = layer.mixer
         if layer.moe is not None:
             return "experts in a hybrid model's layer are not in it"
+        linears: tuple[str, ...]
         if isinstance(mixer, ShortConv):
             conv, linears = mixer.conv, ("in_proj", "out_proj")
         elif isinstance(mixer, GatedDeltaNet):

@@ -16,9 +16,10 @@ A family is a ``HybridModel`` subclass naming its mixer (``mixer``) and its
 layers by ``DecoderLayer.forward_fused``, recurrent layers' norms fused with their
 residual adds and their MLPs' SiLU * up (``RecurrentLayer.forward_fused``); elsewhere,
 and on the exact float32 path, the plain torch loop. Decode-only steps of a model whose
-every recurrent layer is LFM2's short convolution take the native decode loop
-(``model.decode_plan``: attention and convolution layers alike, one C++ call per
-``CHECK_EVERY`` layers); other mixers keep the fused layer loop. No CUDA graphs; one process (no tensor or pipeline parallelism: refused at start), without
+every recurrent mixer is LFM2's short convolution or Qwen3.5's Gated DeltaNet take the
+native decode loop (``model.decode_plan``: attention and recurrent layers alike, one C++
+call per ``CHECK_EVERY`` layers); Mamba-2 and experts keep the fused layer loop. No CUDA
+graphs; one process (no tensor or pipeline parallelism: refused at start), without
 speculative decoding (a recurrent state cannot be rolled back past a rejected draft:
 refused). Prefix caching resumes a cached prefix from the
 state saved at its last block (``engine.state_cache``): ``forward`` copies it into the

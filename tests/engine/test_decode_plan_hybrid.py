@@ -1,10 +1,11 @@
-"""The native decode step for hybrid models (``model/decode_plan.py``'s
-``add_conv_layer``, ``kernels/cpu_decode.cpp``'s convolution layers): a decode-only step
-of LFM2 (short convolutions around attention) in one C++ call per segment gives the
-hidden states, K/V writes and recurrent states of the Python fused loop bit for bit,
-fresh rows (a zero state) and reused slots included; greedy tokens and logprobs through
-the engine are the same; bad state slots are refused by name; other mixers keep the
-Python loop and say why. Qwen3.5 (Gated DeltaNet, gated attention) likewise. Run under ``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
+"""The native decode step for hybrid models (``model/decode_plan.py``'s recurrent
+layers, ``kernels/cpu_decode.cpp``'s hybrid section): a decode-only step of LFM2 (short
+convolutions around attention) and of Qwen3.5 (Gated DeltaNet, gated attention, partial
+rotary) in one C++ call per segment gives the hidden states, K/V writes and recurrent
+states of the Python fused loop bit for bit, fresh rows (a zero state) and reused slots
+included; greedy tokens and logprobs through the engine are the same; bad state slots
+are refused by name; Mamba-2 keeps the Python loop and says why. Run under
+``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def hybrid(request, default_files) -> LLM:  # type: ignore[no-untyped-def]
     return LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=4)
 
 
-def random_caches(model: HybridModel, caches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+def random_caches(
+    model: HybridModel, caches: list[tuple[torch.Tensor, ...]]
+) -> list[tuple[torch.Tensor, ...]]:
     """Random values in the shapes of the runner's caches: K/V pairs, states."""
     g = torch.Generator().manual_seed(7)
     return [tuple(torch.randn(t.shape, generator=g) for t in entry) for entry in caches]
