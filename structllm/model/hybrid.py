@@ -258,8 +258,10 @@ class HybridModel(LlamaModel):
         delta: Tensor | None = None
         plan = self._native_plan() if meta.num_decodes == x.shape[0] else None
         if plan is not None and self.adapters is None and rb.native is not None:
-            # the rotations [T, D/2, 2], then cos 1, sin 0 for a NoPE layer (decode_plan's
-            # identity table: 1, as no hybrid family has a local rope table)
+            # the rotations [T, D/2, 2] (contiguous, as the native call takes them; M-RoPE's
+            # may not be), then cos 1, sin 0 for a NoPE layer (decode_plan's identity
+            # table: 1, as no hybrid family has a local rope table)
+            pair = pair.contiguous()
             pairs = [pair] if self._all_rotate else [pair, self._identity_pair(pair)]
             nd = rb.num_decodes
             states = (rb.slots[:nd], rb.fresh_mask[:nd])
