@@ -37,12 +37,21 @@
 //       rows lora_rows[lora_starts[g] .. lora_starts[g + 1]), through cpu_lora.h's row
 //       kernels, the ones lora_add runs for the Python loop (the same sums, so the same
 //       bits); rows without an adapter cost nothing
+//   add_conv_layer(...), add_delta_layer(...): a hybrid model's short-convolution
+//       (LFM2's) or Gated DeltaNet (Qwen3.5's) layer in model order; its cache entry in
+//       set_caches is its state [S, hidden, K - 1], or its two states [S, C, K - 1] and
+//       [S, H, Dk, Dv], and run then takes state_slots [T] int64 and fresh [T] bool
+//       (each row's state slot, and whether it starts from zero); the recurrent kernels
+//       through cpu_recurrent.cpp's RecurrentOps (cpu_hybrid.h), the functions its
+//       tensor entry points run. set_attn_gate(i, parts): Qwen3.5's gated attention
+//       for attention layer i (o *= sigmoid(h @ gate^T) before o_proj)
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -50,6 +59,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_hybrid.h"
 #include "cpu_lora.h"
 #include "cpu_pool.h"
 #include "cpu_tables.h"
@@ -131,10 +141,26 @@ struct Layer {
   const float* router_bias = nullptr;  // [E] (gpt-oss's), or null
   int64_t num_experts = 0, top_k = 0;
   bool renormalise = false, softmax_chosen = false;
+  // a hybrid model's short-convolution layer (LFM2's: add_conv_layer, conv_layer) in
+  // place of attention: in_proj [3 hidden, hidden] (rows B, C, x'), conv_w [hidden, K]
+  bool conv = false;
+  Matrix in_proj, out_proj;  // out_proj [hidden, hidden]
+  const float *in_bias = nullptr, *conv_w = nullptr, *conv_bias = nullptr, *out_bias = nullptr;
+  int64_t conv_k = 0;
+  // a Gated DeltaNet layer (Qwen3.5's: add_delta_layer, delta_layer): in_proj its qkv
+  // [C, hidden], z [H Dv, hidden], b and a [H, hidden], conv_w [C, K], out_proj
+  // [hidden, H Dv]; a_log, dt_bias [H], gnorm [Dv]
+  bool delta = false;
+  Matrix z_proj, b_proj, a_proj;
+  const float *a_log = nullptr, *dt_bias = nullptr, *gnorm = nullptr;
+  // Qwen3.5's gated attention (set_attn_gate): o *= sigmoid(h @ attn_gate^T), [H D, hidden]
+  Matrix attn_gate;
 };
 
 struct Cache {
-  torch::Tensor kt, v;
+  torch::Tensor kt, v;  // an attention layer's
+  torch::Tensor state;  // a recurrent layer's convolution state [S, C, K - 1] float32
+  torch::Tensor rule;   // a Gated DeltaNet layer's delta-rule state [S, H, Dk, Dv] float32
 };
 
 // One set of adapters' parts (model/lora.py's LoraAdapter.layers), as run() adds them:
@@ -196,13 +222,16 @@ class DecodePlan {
  public:
   DecodePlan(const pybind11::capsule& linears, const pybind11::capsule& hint, const pybind11::capsule& layer_ops,
              const pybind11::capsule& attention_ops, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-             int64_t ffn, double eps, const pybind11::object& moe_ops)
+             int64_t ffn, double eps, const pybind11::object& moe_ops, const pybind11::object& recurrent_ops)
       : linears_(from_capsule<Table>(linears, "structllm.quant_linears")),
         hint_(reinterpret_cast<sl::HintFn>(const_cast<void*>(from_capsule<void>(hint, "structllm.quant_hint")))),
         ops_(from_capsule<sl::LayerOps>(layer_ops, "structllm.layer_ops")),
         attn_(from_capsule<sl::AttentionOps>(attention_ops, "structllm.attention_ops")),
         moe_(moe_ops.is_none() ? nullptr
                                : from_capsule<sl::MoeOps>(moe_ops.cast<pybind11::capsule>(), "structllm.moe_ops")),
+        rec_(recurrent_ops.is_none() ? nullptr
+                                     : from_capsule<sl::RecurrentOps>(recurrent_ops.cast<pybind11::capsule>(),
+                                                                      "structllm.recurrent_ops")),
         H_(hidden), nh_(heads), nkv_(kv_heads), D_(head_dim), F_(ffn), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
                     ffn > 0,
@@ -262,10 +291,108 @@ class DecodePlan {
     layers_.push_back(std::move(L));
   }
 
-  void set_caches(const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& caches) {
+  // ---- hybrid models' recurrent layers (model/hybrid.py's RecurrentLayer) ----------------
+
+  // An LFM2 short-convolution layer (model/lfm2.py's ShortConv in a RecurrentLayer), in
+  // model order among add_layer's: in_proj [3 hidden, hidden] (rows B, C, x'), conv
+  // [hidden, K] float32, out_proj [hidden, hidden], biases or None, then the dense MLP.
+  void add_conv_layer(const OptT& in_norm, const std::vector<PartSpec>& in_proj, const OptT& in_bias,
+                      const torch::Tensor& conv, const OptT& conv_bias, const std::vector<PartSpec>& out_proj,
+                      const OptT& out_bias, const OptT& post_norm, const std::vector<PartSpec>& gate_up, bool gelu,
+                      const std::vector<PartSpec>& down, double residual_scale) {
+    TORCH_CHECK(rec_ != nullptr, "cpu_decode: a convolution layer needs recurrent_ops");
+    TORCH_CHECK(conv.dtype() == torch::kFloat32 && conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == H_ &&
+                    conv.size(1) >= 2,
+                "cpu_decode: the convolution's filter must be float32 [hidden, K >= 2] contiguous");
+    Layer L{};
+    for (const OptT* t : {&in_norm, &in_bias, &conv_bias, &out_bias, &post_norm})
+      if (t->has_value()) L.keep.push_back(**t);
+    L.keep.push_back(conv);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.post_norm = vec_of(post_norm, H_, "post_norm");
+    L.in_bias = vec_of(in_bias, 3 * H_, "in_bias");
+    L.conv_bias = vec_of(conv_bias, H_, "conv_bias");
+    L.out_bias = vec_of(out_bias, H_, "out_bias");
+    L.conv = true;
+    L.conv_w = conv.data_ptr<float>();
+    L.conv_k = conv.size(1);
+    L.in_proj = matrix_of(in_proj, 3 * H_, H_, "in_proj");
+    L.out_proj = matrix_of(out_proj, H_, H_, "out_proj");
+    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+    L.down = matrix_of(down, H_, F_, "down");
+    L.gelu = gelu;
+    L.residual_scale = static_cast<float>(residual_scale);
+    layers_.push_back(std::move(L));
+  }
+
+  // A Gated DeltaNet layer (model/deltanet.py's GatedDeltaNet in a RecurrentLayer), in
+  // model order: its projections, conv [C, K] float32 (C = 2 Hk Dk + H Dv), a_log,
+  // dt_bias [H], norm [Dv] float32, out_proj [hidden, H Dv], then the dense MLP. Every
+  // such layer has one shape (the plan's scratch is sized by the first).
+  void add_delta_layer(const OptT& in_norm, const std::vector<PartSpec>& qkv, const std::vector<PartSpec>& z,
+                       const std::vector<PartSpec>& b, const std::vector<PartSpec>& a, const torch::Tensor& conv,
+                       const torch::Tensor& a_log, const torch::Tensor& dt_bias, const torch::Tensor& norm,
+                       const std::vector<PartSpec>& out_proj, int64_t key_heads, int64_t key_dim, int64_t value_dim,
+                       bool tiled, const OptT& post_norm, const std::vector<PartSpec>& gate_up, bool gelu,
+                       const std::vector<PartSpec>& down, double residual_scale) {
+    TORCH_CHECK(rec_ != nullptr, "cpu_decode: a Gated DeltaNet layer needs recurrent_ops");
+    const int64_t H = a_log.numel(), Hk = key_heads, Dk = key_dim, Dv = value_dim, C = 2 * Hk * Dk + H * Dv;
+    TORCH_CHECK(Hk > 0 && H > 0 && H % Hk == 0 && Dk > 0 && Dv > 0, "cpu_decode: bad Gated DeltaNet heads");
+    TORCH_CHECK(delta_.H == 0 || (delta_.H == H && delta_.Hk == Hk && delta_.Dk == Dk && delta_.Dv == Dv &&
+                                  delta_.tiled == tiled),
+                "cpu_decode: every Gated DeltaNet layer must have one shape");
+    TORCH_CHECK(conv.dtype() == torch::kFloat32 && conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == C &&
+                    conv.size(1) >= 2,
+                "cpu_decode: the convolution's filter must be float32 [C, K >= 2] contiguous");
+    Layer L{};
+    for (const OptT* t : {&in_norm, &post_norm})
+      if (t->has_value()) L.keep.push_back(**t);
+    for (const torch::Tensor* t : {&conv, &a_log, &dt_bias, &norm}) L.keep.push_back(*t);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.post_norm = vec_of(post_norm, H_, "post_norm");
+    L.a_log = vec_of(a_log, H, "a_log");
+    L.dt_bias = vec_of(dt_bias, H, "dt_bias");
+    L.gnorm = vec_of(norm, Dv, "norm");
+    L.delta = true;
+    L.conv_w = conv.data_ptr<float>();
+    L.conv_k = conv.size(1);
+    L.in_proj = matrix_of(qkv, C, H_, "in_proj_qkv");
+    L.z_proj = matrix_of(z, H * Dv, H_, "in_proj_z");
+    L.b_proj = matrix_of(b, H, H_, "in_proj_b");
+    L.a_proj = matrix_of(a, H, H_, "in_proj_a");
+    L.out_proj = matrix_of(out_proj, H_, H * Dv, "out_proj");
+    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+    L.down = matrix_of(down, H_, F_, "down");
+    L.gelu = gelu;
+    L.residual_scale = static_cast<float>(residual_scale);
+    delta_ = {H, Hk, Dk, Dv, C, tiled};
+    layers_.push_back(std::move(L));
+  }
+
+  // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
+  // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
+  void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && !layers_[i].conv && !layers_[i].delta,
+                "cpu_decode: set_attn_gate: no attention layer ", i);
+    layers_[i].attn_gate = matrix_of(gate, nh_ * D_, H_, "attn_gate");
+  }
+
+  // ---- end of the hybrid models' section ----------------------------------------------
+
+  void set_caches(const std::vector<std::vector<torch::Tensor>>& caches) {
     TORCH_CHECK(caches.size() == layers_.size(), "cpu_decode: one (K, V) cache pair per layer");
     std::vector<Cache> out;
-    for (const auto& [kt, v] : caches) {
+    for (size_t i = 0; i < caches.size(); i++) {
+      if (layers_[i].conv) {
+        out.push_back({{}, {}, conv_state(caches[i], layers_[i]), {}});
+        continue;
+      }
+      if (layers_[i].delta) {
+        out.push_back(delta_states(caches[i], layers_[i]));
+        continue;
+      }
+      TORCH_CHECK(caches[i].size() == 2, "cpu_decode: layer ", i, " takes a (K, V) cache pair");
+      const torch::Tensor &kt = caches[i][0], &v = caches[i][1];
       TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16) &&
                       kt.is_contiguous() && v.is_contiguous(),
                   "cpu_decode: K and V caches must be contiguous, both float32 or both float16");
@@ -274,7 +401,7 @@ class DecodePlan {
                   "cpu_decode: cache shapes must be [NB, Hkv, D, BS] and [NB, BS, Hkv, D]");
       const int64_t bs = kt.size(3);
       TORCH_CHECK(bs == 16 || bs == 32 || bs == 64, "cpu_decode: block size must be 16, 32 or 64, got ", bs);
-      out.push_back({kt, v});
+      out.push_back({kt, v, {}, {}});
     }
     caches_ = std::move(out);
   }
@@ -282,14 +409,17 @@ class DecodePlan {
   torch::Tensor run(int64_t begin, int64_t end, torch::Tensor x, const OptT& delta, const std::vector<torch::Tensor>& ropes,
                     torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t mode_int8,
                     int64_t mode_plain, const LoraItems* lora, const OptT& lora_rows,
-                    const std::vector<int64_t>& lora_starts) {
+                    const std::vector<int64_t>& lora_starts, const OptT& state_slots, const OptT& fresh) {
     const int64_t T = check_step(begin, end, x, delta, ropes, slots, tables, lens, mode_int8, mode_plain);
     if (lora != nullptr) check_lora(*lora, lora_rows, lora_starts, T);
+    check_states(begin, end, state_slots, fresh, T, lora != nullptr);
     auto out = torch::empty({T, H_}, x.options());
     if (scratch_rows_ != T) make_scratch(T);
     Step s{T, x.data_ptr<float>(), out.data_ptr<float>(), slots.data_ptr<int64_t>(), tables.data_ptr<int32_t>(),
            tables.size(1), lens.data_ptr<int32_t>(), static_cast<int>(mode_int8), static_cast<int>(mode_plain), {},
-           lora, lora != nullptr ? lora_rows->data_ptr<int64_t>() : nullptr, lora != nullptr ? &lora_starts : nullptr};
+           lora, lora != nullptr ? lora_rows->data_ptr<int64_t>() : nullptr, lora != nullptr ? &lora_starts : nullptr,
+           state_slots.has_value() ? state_slots->data_ptr<int64_t>() : nullptr,
+           fresh.has_value() ? fresh->data_ptr<bool>() : nullptr};
     for (const auto& r : ropes) s.ropes.push_back(r.data_ptr<float>());
     const float* d = delta.has_value() ? delta->data_ptr<float>() : nullptr;
     for (int64_t i = begin; i < end; i++, d = s.out) layer(i, caches_[i], s, d);
@@ -311,6 +441,8 @@ class DecodePlan {
     const LoraItems* lora;  // null: no adapter rows this step
     const int64_t* lora_rows;
     const std::vector<int64_t>* lora_starts;
+    const int64_t* state_slots;  // [T]: each row's recurrent-state slot (null: no conv layer runs)
+    const bool* fresh;           // [T]: the row's state starts at zero
   };
 
   // the step's adapters against this plan's shapes, and their rows against the step's
@@ -364,8 +496,9 @@ class DecodePlan {
       TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * D_,
                   "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous");
     for (int64_t i = begin; i < end; i++) {
-      TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(ropes.size()), "cpu_decode: layer ", i, " needs rope table ",
-                  layers_[i].rope);
+      TORCH_CHECK(layers_[i].conv || layers_[i].delta || layers_[i].rope < static_cast<int64_t>(ropes.size()),
+                  "cpu_decode: layer ", i,
+                  " needs rope table ", layers_[i].rope);
       TORCH_CHECK(!cut(layers_[i]) || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
     }
     TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
@@ -374,13 +507,15 @@ class DecodePlan {
                     lens.dtype() == torch::kInt32 && lens.is_contiguous() && lens.numel() >= T,
                 "cpu_decode: tables must be int32 [>= T, MB] contiguous, lens int32 [>= T]");
     TORCH_CHECK(mode_int8 >= 0 && mode_int8 <= 2 && mode_plain >= 0 && mode_plain <= 2, "cpu_decode: bad kernel modes");
-    if (!caches_.empty()) {  // every layer's cache has one shape (set_caches checks each)
-      const int64_t capacity = caches_[0].kt.size(0) * caches_[0].kt.size(3);
+    const auto first = std::find_if(caches_.begin(), caches_.end(), [](const Cache& c) { return c.kt.defined(); });
+    if (first != caches_.end()) {  // every attention layer's cache has one shape (set_caches checks each)
+      const int64_t capacity = first->kt.size(0) * first->kt.size(3);
       const int64_t* sp = slots.data_ptr<int64_t>();
       for (int64_t t = 0; t < T; t++)  // never write outside the cache
         TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "cpu_decode: slot ", sp[t], " outside the cache");
       for (const auto& c : caches_)
-        TORCH_CHECK(c.kt.size(0) * c.kt.size(3) == capacity, "cpu_decode: the layers' caches differ in size");
+        TORCH_CHECK(!c.kt.defined() || c.kt.size(0) * c.kt.size(3) == capacity,
+                    "cpu_decode: the layers' caches differ in size");
     }
     return T;
   }
@@ -396,13 +531,24 @@ class DecodePlan {
     auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
     int64_t top_k = 1;  // the widest router choice
     for (const Layer& L : layers_) top_k = std::max(top_k, L.top_k);
+    for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.in_proj, &L.out_proj})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
+    for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.z_proj, &L.b_proj, &L.a_proj, &L.attn_gate})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
+    const bool conv = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.conv; });
+    make_hybrid_scratch(T);
     scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest),
-                f(top_k), torch::empty({T, top_k}, torch::kInt64)};
+                f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
+                f(conv ? H_ : 1)};
     scratch_rows_ = T;
   }
 
   float* buf(int i) const { return scratch_[i].data_ptr<float>(); }
-  enum { kH, kQKV, kO, kAttn, kNormed, kGU, kAct, kY, kPart, kRouteW, kRouteC };
+  enum { kH, kQKV, kO, kAttn, kNormed, kGU, kAct, kY, kPart, kRouteW, kRouteC, kConvIn, kConvBU, kConvY };
 
   // y [T, m.rows] = x [T, m.k] @ W^T (+ bias), as packed.linear: each part in its own
   // type into its own columns (a mixed matrix through one buffer per part, as torch.cat)
@@ -454,6 +600,8 @@ class DecodePlan {
   // forward_fused's decode-only step for one layer; its output goes to s.out
   void layer(int64_t i, const Cache& c, const Step& s, const float* delta) const {
     const Layer& L = layers_[i];
+    if (L.conv) return conv_layer(L, c, s, delta);
+    if (L.delta) return delta_layer(L, c, s, delta);
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
@@ -466,6 +614,7 @@ class DecodePlan {
     float* o = buf(kO);  // [T, H * D]: the queries' attention output, o_proj's input
     attn_->decode(qp, heads * D_, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
                   static_cast<int>(nh_), static_cast<int>(nkv_), static_cast<int>(D_), L.scale, L.window, L.cap, L.sinks);
+    if (!L.attn_gate.parts.empty()) gate_attention(L, h, o, s);
     linear(L.o, o, buf(kAttn), s, L.o_bias);
     add_lora(i, 1, o, buf(kAttn), s);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
@@ -496,6 +645,133 @@ class DecodePlan {
     }
   }
 
+  // ---- hybrid models' recurrent layers (see add_conv_layer) -------------------------------
+
+  // a convolution layer's cache entry: its state [S, hidden, K - 1] float32
+  torch::Tensor conv_state(const std::vector<torch::Tensor>& entry, const Layer& L) const {
+    TORCH_CHECK(entry.size() == 1, "cpu_decode: a convolution layer's cache is its one state tensor");
+    TORCH_CHECK(L.conv, "cpu_decode: not a convolution layer");
+    const torch::Tensor& st = entry[0];
+    TORCH_CHECK(st.dtype() == torch::kFloat32 && st.is_contiguous() && st.dim() == 3 && st.size(1) == H_ &&
+                    st.size(2) == L.conv_k - 1,
+                "cpu_decode: a convolution state must be float32 [S, hidden, K - 1] contiguous");
+    return st;
+  }
+
+  // the rows' state slots int64 [T] and fresh flags bool [T], where layers begin..end
+  // hold a recurrent one: every slot inside each such layer's states
+  void check_states(int64_t begin, int64_t end, const OptT& slots, const OptT& fresh, int64_t T, bool lora) const {
+    for (int64_t i = begin; i < end; i++) {
+      if (!layers_[i].conv && !layers_[i].delta) continue;
+      TORCH_CHECK(!lora, "cpu_decode: no LoRA adapters in a recurrent layer");
+      TORCH_CHECK(slots.has_value() && fresh.has_value(), "cpu_decode: recurrent layers need state_slots and fresh");
+      TORCH_CHECK(slots->dtype() == torch::kInt64 && slots->is_contiguous() && slots->numel() == T &&
+                      fresh->dtype() == torch::kBool && fresh->is_contiguous() && fresh->numel() == T,
+                  "cpu_decode: state_slots must be int64 [T], fresh bool [T]");
+      const int64_t S = caches_[i].state.size(0);
+      const int64_t* sp = slots->data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; t++)
+        TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "cpu_decode: state slot ", sp[t], " out of range");
+    }
+  }
+
+  // RecurrentLayer.forward_fused with ShortConv's decode rows for one layer; its output
+  // to s.out. ShortConv: [B | C | x'] = in_proj(h), y = conv(B * x') (the slot's
+  // window), mixer = out_proj(C * y); the products are single float multiplies, exact
+  // as torch's.
+  void conv_layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const int64_t T = s.T, H = H_;
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float *bcx = buf(kConvIn), *bu = buf(kConvBU), *y = buf(kConvY);  // [T, 3H], [T, H], [T, H]
+    linear(L.in_proj, h, bcx, s, L.in_bias);
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t j = 0; j < H; j++) bu[t * H + j] = bcx[t * 3 * H + j] * bcx[t * 3 * H + 2 * H + j];
+    rec_->conv_decode(bu, L.conv_w, L.conv_bias, c.state.data_ptr<float>(), s.state_slots, s.fresh, T, H, L.conv_k,
+                      false, y);
+    for (int64_t t = 0; t < T; t++)  // C * y, into bu (read)
+      for (int64_t j = 0; j < H; j++) bu[t * H + j] = bcx[t * 3 * H + H + j] * y[t * H + j];
+    linear(L.out_proj, bu, buf(kAttn), s, L.out_bias);
+    recurrent_tail(L, s);
+  }
+
+  // RecurrentLayer.forward_fused after its mixer (output in buf(kAttn)): the residual
+  // multiplier, x += it with the post-norm, the dense MLP into s.out
+  void recurrent_tail(const Layer& L, const Step& s) const {
+    const float* a = sublayer_out(buf(kAttn), nullptr, L.residual_scale, s);
+    const float* h = pre_norm(L.post_norm, a, s);
+    float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F]
+    linear(L.gate_up, h, gu, s, nullptr);
+    (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, s.T, F_);
+    linear(L.down, act, s.out, s, nullptr);
+    sublayer_out(s.out, nullptr, L.residual_scale, s);
+  }
+
+  // a Gated DeltaNet layer's cache entry: (conv [S, C, K - 1], rule [S, H, Dk, Dv]) float32
+  Cache delta_states(const std::vector<torch::Tensor>& entry, const Layer& L) const {
+    TORCH_CHECK(entry.size() == 2, "cpu_decode: a Gated DeltaNet layer's cache is its two state tensors");
+    const torch::Tensor &cs = entry[0], &rs = entry[1];
+    for (const torch::Tensor* t : {&cs, &rs})
+      TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous(), "cpu_decode: states must be float32 contiguous");
+    TORCH_CHECK(cs.dim() == 3 && cs.size(1) == delta_.C && cs.size(2) == L.conv_k - 1 && rs.dim() == 4 &&
+                    rs.size(0) == cs.size(0) && rs.size(1) == delta_.H && rs.size(2) == delta_.Dk &&
+                    rs.size(3) == delta_.Dv,
+                "cpu_decode: Gated DeltaNet states must be [S, C, K - 1] and [S, H, Dk, Dv]");
+    return {{}, {}, cs, rs};
+  }
+
+  // GatedDeltaNet.forward's decode rows through cpu_recurrent.cpp (its native path):
+  // the four projections, the convolution with SiLU, the rule's inputs, its step, the
+  // gated norm, out_proj into buf(kAttn); then the MLP (recurrent_tail)
+  void delta_layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const int64_t T = s.T, H = delta_.H, Dk = delta_.Dk, Dv = delta_.Dv;
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* qkv = dbuf(kDQKV);  // [T, C]
+    linear(L.in_proj, h, qkv, s, nullptr);
+    linear(L.z_proj, h, dbuf(kDZ), s, nullptr);  // [T, H Dv]
+    linear(L.b_proj, h, dbuf(kDB), s, nullptr);  // [T, H]
+    linear(L.a_proj, h, dbuf(kDA), s, nullptr);  // [T, H]
+    rec_->conv_decode(qkv, L.conv_w, nullptr, c.state.data_ptr<float>(), s.state_slots, s.fresh, T, delta_.C,
+                      L.conv_k, true, dbuf(kDConv));
+    rec_->delta_inputs(dbuf(kDConv), dbuf(kDB), dbuf(kDA), L.a_log, L.dt_bias, T, H, delta_.Hk, Dk, Dv, delta_.tiled,
+                       static_cast<float>(std::pow(static_cast<double>(Dk), -0.5)), dbuf(kDQ), dbuf(kDK), dbuf(kDV), dbuf(kDG),
+                       dbuf(kDBeta));
+    rec_->delta_decode(dbuf(kDQ), dbuf(kDK), dbuf(kDV), dbuf(kDG), dbuf(kDBeta), c.rule.data_ptr<float>(),
+                       s.state_slots, s.fresh, T, H, Dk, Dv, dbuf(kDO));
+    rec_->gated_norm(dbuf(kDO), dbuf(kDZ), L.gnorm, T, H, Dv, eps_, dbuf(kDY));
+    linear(L.out_proj, dbuf(kDY), buf(kAttn), s, nullptr);
+    recurrent_tail(L, s);
+  }
+
+  // o [T, H D] *= sigmoid(h @ attn_gate^T), torch's own sigmoid (the Python loop's
+  // torch.sigmoid, so the same bits) on the plan's buffer
+  void gate_attention(const Layer& L, const float* h, float* o, const Step& s) const {
+    const int64_t n = nh_ * D_;
+    float* g = dbuf(kDGate);  // [T, H D]
+    linear(L.attn_gate, h, g, s, nullptr);
+    torch::from_blob(g, {s.T, n}, torch::kFloat32).sigmoid_();
+    for (int64_t i = 0; i < s.T * n; i++) o[i] = o[i] * g[i];
+  }
+
+  // the Gated DeltaNet layers' and the attention gate's buffers for T rows, each its own
+  // torch allocation (as make_scratch's)
+  void make_hybrid_scratch(int64_t T) {
+    const bool gated = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return !L.attn_gate.parts.empty(); });
+    const int64_t H = delta_.H, Dk = delta_.Dk, Dv = delta_.Dv, C = delta_.C;
+    auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
+    dscratch_ = {f(C), f(C), f(H * Dv), f(H), f(H), f(H * Dk), f(H * Dk), f(H * Dv), f(H), f(H), f(H * Dv),
+                 f(H * Dv), f(gated ? nh_ * D_ : 1)};
+  }
+
+  float* dbuf(int i) const { return dscratch_[i].data_ptr<float>(); }
+  enum { kDQKV, kDConv, kDZ, kDB, kDA, kDQ, kDK, kDV, kDG, kDBeta, kDO, kDY, kDGate };
+
+  struct DeltaShape {
+    int64_t H = 0, Hk = 0, Dk = 0, Dv = 0, C = 0;
+    bool tiled = false;
+  };
+
+  // ---- end of the hybrid models' section ----------------------------------------------
+
   // the layer's native call ends after its MLP input: experts the caller runs
   static bool cut(const Layer& L) { return L.moe && L.experts == nullptr; }
 
@@ -504,6 +780,9 @@ class DecodePlan {
   const sl::LayerOps* ops_;
   const sl::AttentionOps* attn_;
   const sl::MoeOps* moe_;  // null: no mixture-of-experts layer runs here
+  const sl::RecurrentOps* rec_;  // null: no recurrent layer runs here
+  DeltaShape delta_;  // the Gated DeltaNet layers' (H 0: none)
+  std::vector<torch::Tensor> dscratch_;  // make_hybrid_scratch's, indexed by the enum beside dbuf
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
   std::vector<Layer> layers_;
@@ -526,10 +805,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodePlan>(m, "DecodePlan")
       .def(pybind11::init<const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
                           const pybind11::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
-                          const pybind11::object&>(),
+                          const pybind11::object&, const pybind11::object&>(),
            pybind11::arg("linears"), pybind11::arg("hint"), pybind11::arg("layer_ops"), pybind11::arg("attention_ops"),
            pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
-           pybind11::arg("ffn"), pybind11::arg("eps"), pybind11::arg("moe_ops") = pybind11::none())
+           pybind11::arg("ffn"), pybind11::arg("eps"), pybind11::arg("moe_ops") = pybind11::none(),
+           pybind11::arg("recurrent_ops") = pybind11::none())
       .def("add_layer", &DecodePlan::add_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
            pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("rope"),
            pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("o"),
@@ -540,11 +820,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("renormalise") = false, pybind11::arg("sinks") = pybind11::none(),
            pybind11::arg("o_bias") = pybind11::none(), pybind11::arg("router_bias") = pybind11::none(),
            pybind11::arg("softmax_chosen") = false)
+      .def("add_conv_layer", &DecodePlan::add_conv_layer, pybind11::arg("in_norm"), pybind11::arg("in_proj"),
+           pybind11::arg("in_bias"), pybind11::arg("conv"), pybind11::arg("conv_bias"), pybind11::arg("out_proj"),
+           pybind11::arg("out_bias"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
+           pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("add_delta_layer", &DecodePlan::add_delta_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
+           pybind11::arg("z"), pybind11::arg("b"), pybind11::arg("a"), pybind11::arg("conv"), pybind11::arg("a_log"),
+           pybind11::arg("dt_bias"), pybind11::arg("norm"), pybind11::arg("out_proj"), pybind11::arg("key_heads"),
+           pybind11::arg("key_dim"), pybind11::arg("value_dim"), pybind11::arg("tiled"), pybind11::arg("post_norm"),
+           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
            pybind11::arg("delta"), pybind11::arg("ropes"), pybind11::arg("slots"), pybind11::arg("tables"),
            pybind11::arg("lens"), pybind11::arg("mode_int8"), pybind11::arg("mode_plain"),
            pybind11::arg("lora") = nullptr, pybind11::arg("lora_rows") = pybind11::none(),
-           pybind11::arg("lora_starts") = std::vector<int64_t>{})
+           pybind11::arg("lora_starts") = std::vector<int64_t>{}, pybind11::arg("state_slots") = pybind11::none(),
+           pybind11::arg("fresh") = pybind11::none())
       .def("num_layers", &DecodePlan::num_layers);
 }

@@ -194,6 +194,8 @@ def load_mla(isa: str | None = None) -> Any | None:
 
 
 RECURRENT_SOURCE = Path(__file__).with_name("cpu_recurrent.cpp")
+# the recurrent kernels' function table: cpu_recurrent.cpp's and the native decode loop's
+HYBRID_HEADERS = (Path(__file__).with_name("cpu_hybrid.h"),)
 
 
 @cache
@@ -210,6 +212,7 @@ def load_recurrent(isa: str | None = None) -> Any | None:
             RECURRENT_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
             "the recurrent-layer kernels (about 20 s)",
+            HYBRID_HEADERS,
         )
     )
 
@@ -258,7 +261,7 @@ def load_decode(isa: str | None = None) -> Any | None:
             DECODE_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
             "the native decode-step driver (about 20 s)",
-            LORA_HEADERS,
+            (*LORA_HEADERS, *HYBRID_HEADERS),
         )
     )
     if module is None:

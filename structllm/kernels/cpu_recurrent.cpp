@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_hybrid.h"
 #include "cpu_pool.h"
 #include "cpu_simd.h"
 
@@ -57,30 +58,13 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-}  // namespace
-
-// x: [B, C], w: [C, K], bias: [C] or None, states: [S, C, K-1]. Row b:
+// x: [B, C], w: [C, K], bias: [C] or null, states: [S, C, K-1]. Row b:
 //   y[c] = bias[c] + sum_{j < K-1} w[c, j] s[c, j] + w[c, K-1] x[c]   (s = slot b's state)
 // then s[c, :] = (s[c, 1:], x[c]): the window of the last K-1 inputs, oldest first.
-torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias,
-                          torch::Tensor states, torch::Tensor slots, torch::Tensor fresh, bool act) {
-  check_f32(x, "x");
-  check_f32(w, "weight");
-  check_f32(states, "states");
-  const int64_t B = x.size(0), C = x.size(1), K = w.size(1), S = states.size(0);
-  TORCH_CHECK(w.size(0) == C && states.size(1) == C && states.size(2) == K - 1 && K >= 2,
-              "conv_decode: shapes do not agree");
-  check_slots(slots, fresh, B, S);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check_f32(*bias, "bias");
-    bp = bias->data_ptr<float>();
-  }
-  auto y = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *st = states.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const bool* fp = fresh.data_ptr<bool>();
+// Out of line: conv_decode and cpu_decode.cpp (RecurrentOps) run this one copy of it.
+__attribute__((noinline)) void conv_decode_rows(const float* xp, const float* wp, const float* bp, float* st,
+                                                const int64_t* sp, const bool* fp, int64_t B, int64_t C, int64_t K,
+                                                bool act, float* yp) {
   const int64_t L = K - 1;
   sl::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
@@ -105,6 +89,30 @@ torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch:
       }
     }
   });
+}
+
+}  // namespace
+
+// conv_decode_rows on tensors: x [B, C], w [C, K], bias [C] or None, states [S, C, K-1],
+// slots int64 [B], fresh bool [B] -> y [B, C]
+torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias,
+                          torch::Tensor states, torch::Tensor slots, torch::Tensor fresh, bool act) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  check_f32(states, "states");
+  const int64_t B = x.size(0), C = x.size(1), K = w.size(1), S = states.size(0);
+  TORCH_CHECK(w.size(0) == C && states.size(1) == C && states.size(2) == K - 1 && K >= 2,
+              "conv_decode: shapes do not agree");
+  check_slots(slots, fresh, B, S);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check_f32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == C, "conv_decode: bias [C]");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty_like(x);
+  conv_decode_rows(x.data_ptr<float>(), w.data_ptr<float>(), bp, states.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                   fresh.data_ptr<bool>(), B, C, K, act, y.data_ptr<float>());
   return y;
 }
 
@@ -114,22 +122,11 @@ torch::Tensor conv_decode(torch::Tensor x, torch::Tensor w, std::optional<torch:
 // state and a = exp(g):
 //   kv = a S^T k,  u = beta (v - kv),  S' = a S + k u^T,  o = S'^T q
 // in two passes over S: one reads it for kv, one writes S' and accumulates o.
-torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
-                           torch::Tensor beta, torch::Tensor states, torch::Tensor slots,
-                           torch::Tensor fresh) {
-  for (auto* t : {&q, &k, &v, &g, &beta, &states}) check_f32(*t, "delta_decode input");
-  const int64_t B = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2), S = states.size(0);
-  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == B && v.size(1) == H, "delta_decode: q/k/v");
-  TORCH_CHECK(g.numel() == B * H && beta.numel() == B * H, "delta_decode: g/beta [B, H]");
-  TORCH_CHECK(states.size(1) == H && states.size(2) == Dk && states.size(3) == Dv,
-              "delta_decode: states [S, H, Dk, Dv]");
-  check_slots(slots, fresh, B, S);
-  auto o = torch::empty({B, H, Dv}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  float *op = o.data_ptr<float>(), *st = states.data_ptr<float>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const bool* fp = fresh.data_ptr<bool>();
+// Out of line: delta_decode and cpu_decode.cpp (RecurrentOps) run this one copy.
+namespace {
+__attribute__((noinline)) void delta_decode_rows(const float* qp, const float* kp, const float* vp, const float* gp,
+                                                 const float* bp, float* st, const int64_t* sp, const bool* fp,
+                                                 int64_t B, int64_t H, int64_t Dk, int64_t Dv, float* op) {
   sl::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     FlushDenormals ftz;
     std::vector<float> u(Dv);
@@ -173,6 +170,23 @@ torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       }
     }
   });
+}
+}  // namespace
+
+torch::Tensor delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                           torch::Tensor beta, torch::Tensor states, torch::Tensor slots,
+                           torch::Tensor fresh) {
+  for (auto* t : {&q, &k, &v, &g, &beta, &states}) check_f32(*t, "delta_decode input");
+  const int64_t B = q.size(0), H = q.size(1), Dk = q.size(2), Dv = v.size(2), S = states.size(0);
+  TORCH_CHECK(k.sizes() == q.sizes() && v.size(0) == B && v.size(1) == H, "delta_decode: q/k/v");
+  TORCH_CHECK(g.numel() == B * H && beta.numel() == B * H, "delta_decode: g/beta [B, H]");
+  TORCH_CHECK(states.size(1) == H && states.size(2) == Dk && states.size(3) == Dv,
+              "delta_decode: states [S, H, Dk, Dv]");
+  check_slots(slots, fresh, B, S);
+  auto o = torch::empty({B, H, Dv}, q.options());
+  delta_decode_rows(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+                    beta.data_ptr<float>(), states.data_ptr<float>(), slots.data_ptr<int64_t>(), fresh.data_ptr<bool>(),
+                    B, H, Dk, Dv, o.data_ptr<float>());
   return o;
 }
 
@@ -438,30 +452,18 @@ void delta_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Ten
   });
 }
 
+namespace {
 // The delta rule's inputs from a Gated DeltaNet layer's projections, in one pass over the
 // rows (what deltanet.GatedDeltaNet.forward does in ~15 torch ops). qkv: [T, 2 Hk Dk + H Dv]
 // (after the convolution and its SiLU), b, a: [T, H], A_log, dt_bias: [H] ->
 // q, k: [T, H, Dk] (l2-normalised as deltanet.l2norm, q times scale, key head h / (H / Hk)
 // or, tiled, h % Hk), v: [T, H, Dv], g = -e^{A_log} softplus(a + dt_bias), beta =
-// sigmoid(b): [T, H].
-std::vector<torch::Tensor> delta_inputs(torch::Tensor qkv, torch::Tensor b, torch::Tensor a,
-                                        torch::Tensor a_log, torch::Tensor dt_bias, int64_t Hk,
-                                        int64_t Dk, int64_t Dv, bool tiled, double scale) {
-  for (auto* t : {&qkv, &b, &a, &a_log, &dt_bias}) check_f32(*t, "delta_inputs input");
-  const int64_t T = qkv.size(0), H = a_log.numel(), Kd = Hk * Dk;
-  TORCH_CHECK(Hk > 0 && H % Hk == 0, "delta_inputs: value heads not a multiple of key heads");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == 2 * Kd + H * Dv, "delta_inputs: qkv [T, C]");
-  TORCH_CHECK(b.numel() == T * H && a.numel() == T * H && dt_bias.numel() == H,
-              "delta_inputs: b, a [T, H], dt_bias [H]");
-  auto q = torch::empty({T, H, Dk}, qkv.options()), k = torch::empty_like(q);
-  auto v = torch::empty({T, H, Dv}, qkv.options());
-  auto g = torch::empty({T, H}, qkv.options()), beta = torch::empty_like(g);
-  const float *xp = qkv.data_ptr<float>(), *bp = b.data_ptr<float>(), *ap = a.data_ptr<float>();
-  const float *alp = a_log.data_ptr<float>(), *dtp = dt_bias.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *gp = g.data_ptr<float>(), *btp = beta.data_ptr<float>();
-  const int64_t C = qkv.size(1), group = H / Hk;
-  const float sc = static_cast<float>(scale);
+// sigmoid(b): [T, H]. Out of line, as delta_decode_rows.
+__attribute__((noinline)) void delta_inputs_rows(const float* xp, const float* bp, const float* ap, const float* alp,
+                                                 const float* dtp, int64_t T, int64_t H, int64_t Hk, int64_t Dk,
+                                                 int64_t Dv, bool tiled, float sc, float* qp, float* kp, float* vp,
+                                                 float* gp, float* btp) {
+  const int64_t Kd = Hk * Dk, C = 2 * Kd + H * Dv, group = H / Hk;
   sl::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> qn(Kd), kn(Kd);
     for (int64_t t = t0; t < t1; t++) {
@@ -485,29 +487,54 @@ std::vector<torch::Tensor> delta_inputs(torch::Tensor qkv, torch::Tensor b, torc
       }
     }
   });
-  return {q, k, v, g, beta};
 }
 
 // deltanet.gated_rms_norm over heads, flattened: o: [T, H, Dv], z: [T, H * Dv], weight:
-// [Dv] -> [T, H * Dv], each head's row weight * o / rms(o) * silu(z).
-torch::Tensor gated_norm(torch::Tensor o, torch::Tensor z, torch::Tensor weight, double eps) {
-  for (auto* t : {&o, &z, &weight}) check_f32(*t, "gated_norm input");
-  const int64_t T = o.size(0), H = o.size(1), Dv = o.size(2);
-  TORCH_CHECK(z.numel() == T * H * Dv && weight.numel() == Dv, "gated_norm: shapes");
-  auto y = torch::empty({T, H * Dv}, o.options());
-  const float *op = o.data_ptr<float>(), *zp = z.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// [Dv] -> y [T, H * Dv], each head's row weight * o / rms(o) * silu(z). Out of line, as
+// delta_decode_rows.
+__attribute__((noinline)) void gated_norm_rows(const float* op, const float* zp, const float* wp, int64_t T, int64_t H,
+                                               int64_t Dv, float eps, float* yp) {
   sl::parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const float *x = op + i * Dv, *zr = zp + i * Dv;
       float ss = 0.0f;
       for (int64_t e = 0; e < Dv; e++) ss += x[e] * x[e];
-      const float r = 1.0f / std::sqrt(ss / Dv + static_cast<float>(eps));
+      const float r = 1.0f / std::sqrt(ss / Dv + eps);
       float* yr = yp + i * Dv;
 #pragma omp simd
       for (int64_t e = 0; e < Dv; e++) yr[e] = wp[e] * (x[e] * r) * silu_fast(zr[e]);
     }
   });
+}
+
+const sl::RecurrentOps kRecurrentOps{conv_decode_rows, delta_inputs_rows, delta_decode_rows, gated_norm_rows};
+}  // namespace
+
+std::vector<torch::Tensor> delta_inputs(torch::Tensor qkv, torch::Tensor b, torch::Tensor a,
+                                        torch::Tensor a_log, torch::Tensor dt_bias, int64_t Hk,
+                                        int64_t Dk, int64_t Dv, bool tiled, double scale) {
+  for (auto* t : {&qkv, &b, &a, &a_log, &dt_bias}) check_f32(*t, "delta_inputs input");
+  const int64_t T = qkv.size(0), H = a_log.numel(), Kd = Hk * Dk;
+  TORCH_CHECK(Hk > 0 && H % Hk == 0, "delta_inputs: value heads not a multiple of key heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == 2 * Kd + H * Dv, "delta_inputs: qkv [T, C]");
+  TORCH_CHECK(b.numel() == T * H && a.numel() == T * H && dt_bias.numel() == H,
+              "delta_inputs: b, a [T, H], dt_bias [H]");
+  auto q = torch::empty({T, H, Dk}, qkv.options()), k = torch::empty_like(q);
+  auto v = torch::empty({T, H, Dv}, qkv.options());
+  auto g = torch::empty({T, H}, qkv.options()), beta = torch::empty_like(g);
+  delta_inputs_rows(qkv.data_ptr<float>(), b.data_ptr<float>(), a.data_ptr<float>(), a_log.data_ptr<float>(),
+                    dt_bias.data_ptr<float>(), T, H, Hk, Dk, Dv, tiled, static_cast<float>(scale), q.data_ptr<float>(),
+                    k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(), beta.data_ptr<float>());
+  return {q, k, v, g, beta};
+}
+
+torch::Tensor gated_norm(torch::Tensor o, torch::Tensor z, torch::Tensor weight, double eps) {
+  for (auto* t : {&o, &z, &weight}) check_f32(*t, "gated_norm input");
+  const int64_t T = o.size(0), H = o.size(1), Dv = o.size(2);
+  TORCH_CHECK(z.numel() == T * H * Dv && weight.numel() == Dv, "gated_norm: shapes");
+  auto y = torch::empty({T, H * Dv}, o.options());
+  gated_norm_rows(o.data_ptr<float>(), z.data_ptr<float>(), weight.data_ptr<float>(), T, H, Dv,
+                  static_cast<float>(eps), y.data_ptr<float>());
   return y;
 }
 
@@ -520,4 +547,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_prefill", &delta_prefill, "the gated delta rule over prefill rows (chunked)");
   m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
   m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
+  m.def(
+      "recurrent_ops",
+      [] { return pybind11::capsule(const_cast<sl::RecurrentOps*>(&kRecurrentOps), "structllm.recurrent_ops"); },
+      "the decode kernels on raw rows as a function table (cpu_hybrid.h), for cpu_decode.cpp");
 }

@@ -33,6 +33,16 @@ adapters in order, kept in ``LoraRows.plans``), with the step's rows by adapter,
 ``cpu_decode.cpp`` adds ``B (A x)`` for those rows after each adapted matmul through
 the row kernels ``lora_add`` runs for the Python loop (``cpu_lora.h``): the same bits.
 
+Hybrid models (``model.hybrid``): their attention layers run here as any other
+(Qwen3.5's output gate too: ``set_attn_gate``), and their recurrent layers when every
+mixer is LFM2's short convolution (``add_conv_layer``: in_proj, ``B * x'``, the
+convolution's step, ``C * y``, out_proj, the dense MLP) or Qwen3.5's Gated DeltaNet
+(``add_delta_layer``: ``GatedDeltaNet._native_rule``'s kernels in its order), the
+recurrent kernels through ``cpu_recurrent.cpp``'s ``RecurrentOps`` (``cpu_hybrid.h``:
+the functions its Python entry points run), each row's state slot and fresh flag
+passed per step (``HybridModel._forward_fused``). Mamba-2 and experts in a hybrid
+model keep the Python loop (``_hybrid_why_not``).
+
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
 in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
@@ -52,6 +62,7 @@ from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
+from structllm.model.hybrid import HybridModel, RecurrentLayer
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 from structllm.model.lora import LoraRows
 
@@ -90,16 +101,62 @@ def why_not(model: LlamaModel) -> str | None:
         return "attention backend is not the CPU kernel"
     if model.tp is not None:
         return "tensor parallelism"
+    if isinstance(model, HybridModel):
+        why = _hybrid_why_not(model)
+        if why is not None:
+            return why
     for layer in model.layers:
+        if isinstance(layer, RecurrentLayer):
+            continue  # (_hybrid_why_not's)
         dl: DecoderLayer = layer  # type: ignore[assignment]
         if getattr(dl, "o_bias", None) is not None and getattr(dl, "sinks", None) is None:
             return "an output bias outside gpt-oss's layer is not in it"
-        if getattr(dl, "attn_gate", None) is not None:
-            return "gated attention (Qwen3.5's) is not in it"
+        if getattr(dl, "attn_gate", None) is not None and _parts(dl.attn_gate, False) is None:
+            return "attn_gate is not in GGUF blocks"
         if getattr(dl, "chunk", 0) or getattr(dl, "scale_queries", None) is not None:
             return "chunked attention and query temperatures (Llama 4) are not in it"
         for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o
             if _parts(getattr(dl, name), False) is None:
+                return f"{name} is not in GGUF blocks"
+    return None
+
+
+def _hybrid_why_not(model: HybridModel) -> str | None:
+    """Why a hybrid model's decode steps cannot take the native loop (None: as far as
+    its recurrent layers go, they can): LFM2's short convolutions and Qwen3.5's Gated
+    DeltaNet (with 16-float multiples for head widths, as its native rule asks) are."""
+    from structllm.kernels import cpu_ext
+    from structllm.model.deltanet import GatedDeltaNet
+    from structllm.model.lfm2 import ShortConv
+
+    if cpu_ext.load_recurrent() is None:
+        return "the recurrent kernels did not build"
+    for layer in model.layers:
+        if type(layer) is DecoderLayer:
+            if layer.moe is not None:
+                return "experts in a hybrid model's layer are not in it"
+            continue
+        if not isinstance(layer, RecurrentLayer):
+            return f"{type(layer).__name__} layers are not in it"
+        mixer = layer.mixer
+        if layer.moe is not None:
+            return "experts in a hybrid model's layer are not in it"
+        linears: tuple[str, ...]
+        if isinstance(mixer, ShortConv):
+            conv, linears = mixer.conv, ("in_proj", "out_proj")
+        elif isinstance(mixer, GatedDeltaNet):
+            if mixer.head_k_dim % 16 or mixer.head_v_dim % 16:
+                return "Gated DeltaNet heads not 16-float multiples wide"
+            conv, linears = mixer.conv1d, GatedDeltaNet.LINEARS
+        else:
+            return f"the {type(mixer).__name__} mixer is not in it"
+        if conv.dtype != torch.float32:
+            return "the convolution's filter is not float32"
+        for name in linears:
+            if _parts(getattr(mixer, name), False) is None:
+                return f"{name} is not in GGUF blocks"
+        for name in ("gate_up_proj", "down_proj"):
+            if _parts(getattr(layer, name), True) is None:
                 return f"{name} is not in GGUF blocks"
     return None
 
@@ -110,7 +167,8 @@ class DecodePlan:
     def __init__(self, model: LlamaModel, native: Any, check_every: int) -> None:
         cfg = model.cfg
         self.impl = model.attn_impl  # the backend whose kernel it runs
-        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        # DecoderLayers, and a hybrid model's RecurrentLayers (why_not: LFM2's only)
+        self.layers: list[Any] = list(model.layers)
         # each MoE layer's native experts (None: its experts run from Python, a cut);
         # held here too, since the native plan keeps only their address
         self.experts = [_native_experts(dl) for dl in self.layers]
@@ -119,6 +177,11 @@ class DecodePlan:
             from structllm.kernels import cpu_ext
 
             moe_ops = cpu_ext.load_moe().moe_ops()  # type: ignore[union-attr]
+        recurrent_ops = None
+        if any(isinstance(dl, RecurrentLayer) for dl in self.layers):
+            from structllm.kernels import cpu_ext
+
+            recurrent_ops = cpu_ext.load_recurrent().recurrent_ops()  # type: ignore[union-attr]
         self.native = native.DecodePlan(
             **native.tables,
             attention_ops=model.attn_impl.module.attention_ops(),  # type: ignore[attr-defined]
@@ -129,10 +192,17 @@ class DecodePlan:
             ffn=cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             moe_ops=moe_ops,
+            recurrent_ops=recurrent_ops,
         )
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
         for dl, experts in zip(self.layers, self.experts, strict=True):
-            self._add(dl, identity, experts)
+            if isinstance(dl, RecurrentLayer):
+                self._add_recurrent(dl)
+            else:
+                self._add(dl, identity, experts)
+                if getattr(dl, "attn_gate", None) is not None:  # Qwen3.5's gated attention
+                    last = self.native.num_layers() - 1
+                    self.native.set_attn_gate(last, _parts(dl.attn_gate, False))
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self.module = native  # (its LoraItems)
         q, kv = model.num_heads * cfg.head_dim, model.num_kv_heads * cfg.head_dim
@@ -210,6 +280,59 @@ class DecodePlan:
             softmax_chosen=bool(route and route[1]),
         )
 
+    def _add_recurrent(self, layer: RecurrentLayer) -> None:
+        """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``)
+        or Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``)."""
+        from structllm.model.deltanet import GatedDeltaNet
+
+        mixer: Any = layer.mixer
+        if isinstance(mixer, GatedDeltaNet):
+            self._add_delta(layer, mixer)
+            return
+        self.native.add_conv_layer(
+            in_norm=layer.input_layernorm,
+            in_proj=_parts(mixer.in_proj, False),
+            in_bias=_vector(mixer.in_bias),
+            conv=mixer.conv.contiguous(),
+            conv_bias=_vector(mixer.conv_bias),
+            out_proj=_parts(mixer.out_proj, False),
+            out_bias=_vector(mixer.out_bias),
+            post_norm=layer.post_attention_layernorm,
+            gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
+            gelu=layer.act == "gelu_tanh",
+            down=_parts(layer.down_proj, True),
+            residual_scale=layer.residual_scale,
+        )
+
+    def _add_delta(self, layer: RecurrentLayer, mixer: Any) -> None:
+        """A Gated DeltaNet layer: its projections, filter, decay and gated norm's
+        parameters (float32, contiguous: what ``GatedDeltaNet._native_rule`` passes)."""
+
+        def f32(t: Tensor) -> Tensor:
+            return t.float().contiguous()
+
+        self.native.add_delta_layer(
+            in_norm=layer.input_layernorm,
+            qkv=_parts(mixer.in_proj_qkv, False),
+            z=_parts(mixer.in_proj_z, False),
+            b=_parts(mixer.in_proj_b, False),
+            a=_parts(mixer.in_proj_a, False),
+            conv=f32(mixer.conv1d),
+            a_log=f32(mixer.A_log),
+            dt_bias=f32(mixer.dt_bias),
+            norm=f32(mixer.norm),
+            out_proj=_parts(mixer.out_proj, False),
+            key_heads=mixer.num_k_heads,
+            key_dim=mixer.head_k_dim,
+            value_dim=mixer.head_v_dim,
+            tiled=mixer.tiled_values,
+            post_norm=layer.post_attention_layernorm,
+            gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
+            gelu=layer.act == "gelu_tanh",
+            down=_parts(layer.down_proj, True),
+            residual_scale=layer.residual_scale,
+        )
+
     @staticmethod
     def takes(rows: LoraRows) -> bool:
         """Whether a decode step with adapter rows ``rows`` can run here: its adapters on
@@ -239,13 +362,15 @@ class DecodePlan:
         meta: AttentionMetadata,
         between_layers: Callable[[], None] | None,
         lora: LoraRows | None = None,
+        states: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The layers of a decode-only step: ``x [T, hidden]`` takes the residual
         additions in place; returns the last layer's output (``forward_fused``'s delta).
         ``pairs``: the rotary tables ``[T, D/2, 2]`` (global, local if any, identity if
         a layer does not rotate), as ``LlamaModel.forward`` makes them. ``between_layers`` runs
         between groups of ``check_every`` layers (``segments``), as in ``LlamaModel.forward``.
-        ``lora``: the step's adapter rows (``takes`` them), or None."""
+        ``lora``: the step's adapter rows (``takes`` them), or None. ``states``: a hybrid
+        model's rows' state slots ``[T]`` int64 and fresh flags ``[T]`` bool, or None."""
         if kv_caches is not self._caches:
             self.native.set_caches(kv_caches)
             self._caches = kv_caches
@@ -255,11 +380,12 @@ class DecodePlan:
         adapters: tuple[Any, Tensor | None, list[int]] = (None, None, [])
         if lora is not None:
             adapters = (self.lora_items(lora), lora.rows, lora.starts)
+        rows = {} if states is None else {"state_slots": states[0], "fresh": states[1]}
         delta: Tensor | None = None
         if between_layers is None:
             for begin, end, cut in self.unchecked:
                 delta = self.native.run(
-                    begin, end, x, delta, pairs, slots, tables, lens, *modes, *adapters
+                    begin, end, x, delta, pairs, slots, tables, lens, *modes, *adapters, **rows
                 )
                 if cut:  # delta is that layer's MLP input
                     delta = self._experts(self.layers[end - 1], delta)
@@ -269,7 +395,7 @@ class DecodePlan:
             if check:
                 between_layers()
             delta = self.native.run(
-                begin, end, x, delta, pairs, slots, tables, lens, *modes, *adapters
+                begin, end, x, delta, pairs, slots, tables, lens, *modes, *adapters, **rows
             )
             if self.cut(end - 1):  # delta is that layer's MLP input
                 delta = self._experts(self.layers[end - 1], delta)

@@ -15,7 +15,10 @@ A family is a ``HybridModel`` subclass naming its mixer (``mixer``) and its
 ``LlamaModel.use_cpu_ops``), the layer loop runs them (``_forward_fused``): attention
 layers by ``DecoderLayer.forward_fused``, recurrent layers' norms fused with their
 residual adds and their MLPs' SiLU * up (``RecurrentLayer.forward_fused``); elsewhere,
-and on the exact float32 path, the plain torch loop. No native decode loop, no CUDA
+and on the exact float32 path, the plain torch loop. Decode-only steps of a model whose
+every recurrent mixer is LFM2's short convolution or Qwen3.5's Gated DeltaNet take the
+native decode loop (``model.decode_plan``: attention and recurrent layers alike, one C++
+call per ``CHECK_EVERY`` layers); Mamba-2 and experts keep the fused layer loop. No CUDA
 graphs; one process (no tensor or pipeline parallelism: refused at start), without
 speculative decoding (a recurrent state cannot be rolled back past a rejected draft:
 refused). Prefix caching resumes a cached prefix from the
@@ -135,8 +138,6 @@ class HybridModel(LlamaModel):
         refuse_sharding(cfg, plan, layers, why)
         super().__init__(cfg, dtype, plan, layers)
         self._recurrent: Any = None  # cpu_recurrent.cpp's module, once loaded (False: none)
-        self.native_decode = False
-        self.decode_why = "the Python layer loop (a hybrid model)"
 
     def mixer(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> nn.Module:
         raise NotImplementedError
@@ -228,6 +229,12 @@ class HybridModel(LlamaModel):
                 x = layer(x, cache, rb)
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
 
+    @staticmethod
+    def _identity_pair(pair: Tensor) -> Tensor:
+        """cos 1, sin 0 shaped as ``pair [T, D/2, 2]``: a NoPE layer's rotation."""
+        ones = torch.ones_like(pair[..., 0])
+        return torch.stack([ones, torch.zeros_like(ones)], -1)
+
     def _forward_fused(
         self,
         x: Tensor,
@@ -249,6 +256,17 @@ class HybridModel(LlamaModel):
         pair = torch.view_as_real(rows)  # [T, D/2, 2] (cos, sin)
         identity: Tensor | None = None  # for a NoPE layer (the store still runs)
         delta: Tensor | None = None
+        plan = self._native_plan() if meta.num_decodes == x.shape[0] else None
+        if plan is not None and self.adapters is None and rb.native is not None:
+            # the rotations [T, D/2, 2] (contiguous, as the native call takes them; M-RoPE's
+            # may not be), then cos 1, sin 0 for a NoPE layer (decode_plan's identity
+            # table: 1, as no hybrid family has a local rope table)
+            pair = pair.contiguous()
+            pairs = [pair] if self._all_rotate else [pair, self._identity_pair(pair)]
+            nd = rb.num_decodes
+            states = (rb.slots[:nd], rb.fresh_mask[:nd])
+            delta = plan.run(x, pairs, kv_caches, meta, between_layers, None, states)
+            return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
@@ -257,8 +275,7 @@ class HybridModel(LlamaModel):
                 rope = pair
                 if not layer.rotates:
                     if identity is None:
-                        ones = torch.ones_like(pair[..., 0])
-                        identity = torch.stack([ones, torch.zeros_like(ones)], -1)
+                        identity = self._identity_pair(pair)
                     rope = identity
                 kc, vc = cache
                 delta = layer.forward_fused(

@@ -1,0 +1,134 @@
+"""The native decode step for hybrid models (``model/decode_plan.py``'s recurrent
+layers, ``kernels/cpu_decode.cpp``'s hybrid section): a decode-only step of LFM2 (short
+convolutions around attention) and of Qwen3.5 (Gated DeltaNet, gated attention, partial
+rotary) in one C++ call per segment gives the hidden states, K/V writes and recurrent
+states of the Python fused loop bit for bit, fresh rows (a zero state) and reused slots
+included; greedy tokens and logprobs through the engine are the same; bad state slots
+are refused by name; Mamba-2 keeps the Python loop and says why. Run under
+``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from structllm import LLM, SamplingParams
+from structllm.kernels import cpu_ext
+from structllm.model import llama
+from structllm.model.hybrid import HybridModel, RecurrentLayer
+from tests.engine.test_decode_plan import decode_meta
+from tests.support import llamacpp
+from tests.support.models import CONVERTER_ARGS, gguf_source_dir, tiny_family_dir
+
+pytestmark = pytest.mark.skipif(
+    cpu_ext.load_recurrent() is None or cpu_ext.load_decode() is None,
+    reason="the recurrent kernels or the native decode driver do not build here",
+)
+
+
+def q8_file(family: str, default_files) -> Path:  # type: ignore[no-untyped-def]
+    """The family's tiny GGUF file in Q8_0, as llama.cpp's converter writes it (no
+    llama-quantize needed)."""
+    try:
+        source = gguf_source_dir(family, default_files)
+        return llamacpp.convert_hf(source, "q8_0", *CONVERTER_ARGS.get(family, ()))
+    except llamacpp.ToolMissing as e:
+        pytest.skip(str(e))
+
+
+# LFM2: short convolutions; Qwen3.5: Gated DeltaNet, gated attention, partial rotary
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+def hybrid(request, default_files) -> LLM:  # type: ignore[no-untyped-def]
+    path = q8_file(request.param, default_files)
+    return LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=4)
+
+
+def random_caches(
+    model: HybridModel, caches: list[tuple[torch.Tensor, ...]]
+) -> list[tuple[torch.Tensor, ...]]:
+    """Random values in the shapes of the runner's caches: K/V pairs, states."""
+    g = torch.Generator().manual_seed(7)
+    return [tuple(torch.randn(t.shape, generator=g) for t in entry) for entry in caches]
+
+
+def both_paths(llm: LLM, lens: list[int], slots: list[int]) -> None:
+    """One decode-only step of ``len(lens)`` rows (a context of 1: a fresh state) in
+    state ``slots``, native and Python, from the same random caches and states: hidden
+    states, caches and states equal, bit for bit."""
+    runner = llm.engine.runner
+    model: HybridModel = runner.model  # type: ignore[assignment]
+    nb = next(e[0].shape[0] for e in runner.kv_caches if len(e) == 2)
+    caches = random_caches(model, runner.kv_caches)
+    copies = [tuple(t.clone() for t in entry) for entry in caches]
+    meta, positions = decode_meta(lens, runner.block_size, nb)
+    meta = dataclasses.replace(meta, state_slots=list(slots))
+    ids = torch.tensor([(37 * i + 11) % 200 for i in range(len(lens))])
+    cuts: list[int] = []
+    with torch.no_grad():
+        model.native_decode = False
+        want = model.forward(ids, positions, copies, meta)
+        model.native_decode = True
+        got = model.forward(ids, positions, caches, meta, lambda: cuts.append(1))
+    assert model.decode_path == "native"
+    assert torch.equal(got, want)
+    for entry, copy in zip(caches, copies, strict=True):
+        for t, c in zip(entry, copy, strict=True):
+            assert torch.equal(t, c)
+    assert len(cuts) == (len(model.layers) - 1) // llama.CHECK_EVERY
+
+
+def test_native_step_equals_python_loop(hybrid: LLM) -> None:
+    model = hybrid.engine.runner.model
+    assert any(isinstance(layer, RecurrentLayer) for layer in model.layers)
+    assert "cpu_decode.cpp" in model.decode_why
+    both_paths(hybrid, [13], [2])  # one row
+    both_paths(hybrid, [1, 40, 9], [3, 0, 1])  # three rows, the first fresh
+
+
+def test_greedy_tokens_and_logprobs_equal(hybrid: LLM) -> None:
+    model = hybrid.engine.runner.model
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9], list(range(300, 320))]
+    runs = []
+    for native in (True, False):
+        model.native_decode = native
+        outs = hybrid.generate(prompts, params)
+        runs.append([(o.token_ids, [lp.top_logprobs for lp in o.logprobs]) for o in outs])
+    model.native_decode = True
+    assert runs[0] == runs[1]
+
+
+def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
+    runner = hybrid.engine.runner
+    model = runner.model
+    plan = model._native_plan()
+    meta, _ = decode_meta([5], runner.block_size, 64)
+    x, rope = torch.zeros(1, model.cfg.hidden_size), torch.zeros(1, model.cfg.head_dim)
+    args = (x, None, [rope], meta.slot_mapping, meta.block_tables, meta.seq_lens, 1, 2)
+    fresh = torch.zeros(1, dtype=torch.bool)
+    plan.native.set_caches(runner.kv_caches)
+    with pytest.raises(RuntimeError, match="state slot 99 out of range"):
+        plan.native.run(0, 1, *args, state_slots=torch.tensor([99]), fresh=fresh)
+    with pytest.raises(RuntimeError, match="need state_slots and fresh"):
+        plan.native.run(0, 1, *args)
+    with pytest.raises(RuntimeError, match="state_slots must be int64"):
+        plan.native.run(0, 1, *args, state_slots=torch.tensor([0], dtype=torch.int32), fresh=fresh)
+    with pytest.raises(RuntimeError, match="(its one state tensor|DeltaNet states must be)"):
+        plan.native.set_caches([(t, t) for t in (runner.kv_caches[0][0],)] * len(model.layers))
+    plan.native.set_caches(runner.kv_caches)  # as it was (the plan keeps them)
+
+
+def test_other_mixers_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Granite 4: Mamba-2 mixers (and experts); the tiny directory in the default format
+    # (float16 weights, the fused CPU ops)
+    path = tiny_family_dir("granitemoehybrid", default_files)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=2)
+    model = llm.engine.runner.model
+    assert model.cpu_ops is not None
+    assert model.decode_path == "python"
+    assert "not in it" in model.decode_why
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
