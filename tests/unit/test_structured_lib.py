@@ -317,6 +317,7 @@ def test_generated_chunks_are_laid_out_as_decode_rows() -> None:
             decode_batch=None,  # (the persistent decode batch: a step with chunks is not one)
         )
         fake._decode_chunks = lambda s: ModelRunner._decode_chunks(fake, s)  # type: ignore[arg-type]
+        fake._lora_spans = lambda o: ModelRunner._lora_spans(fake, o)  # type: ignore[arg-type]
         return ModelRunner.prepare(fake, sched).step  # type: ignore[arg-type]
 
     step = layout(8)
