@@ -31,57 +31,6 @@ Ts = TypeVarTuple("Ts")
 R = TypeVar("R")
 
 
-class ChatPipeline(Protocol):
-    """A front end's chat path: the Responses endpoints prepare and generate through it."""
-
-    config: ServerConfig
-    metrics: Metrics
-    tracer: Tracer
-    model_name: str
-    client: EngineClient | None
-
-    @property
-    def harmony(self) -> bool:
-        """gpt-oss's harmony format: Responses reasoning items and effort reach the prompt."""
-        ...
-
-    def busy(self) -> AbstractContextManager[None]:
-        """Count a background run as work in flight (a graceful stop drains it)."""
-        ...
-
-    async def read_body(self, receive: Receive) -> bytes: ...
-
-    def check_model(self, model: str | None) -> LoraRef | None:
-        """The LoRA adapter ``model`` names (None: the base); 404 for an unknown name."""
-        ...
-
-    def engine(self) -> EngineClient:
-        """The engine client, or a 503 while there is none."""
-        ...
-
-    def generating_engine(self, api: str) -> EngineClient:
-        """The engine client, which must run the generate runner (400 naming ``api``)."""
-        ...
-
-    async def chat_sequences(
-        self, req: ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
-    ) -> list[SequenceState]:
-        """``req`` prepared as the chat endpoint does (images, template, tokens,
-        constraint, sampling): its sequences, engine request ids named ``kind``."""
-        ...
-
-    async def generate(
-        self,
-        receive: Receive,
-        send: Send,
-        client: EngineClient,
-        seqs: list[SequenceState],
-        builder: ResponseBuilder | Builder,
-        transport: Transport | None = None,
-        before_end: Callable[[], Awaitable[None]] | None = None,
-    ) -> None: ...
-
-
 class GenerationPipeline(Protocol):
     """What ``server/completions_endpoint.py`` uses of the app: the request's body and
     model, its preparation (the preprocessor, image loading, the worker pool, the
@@ -117,6 +66,34 @@ class GenerationPipeline(Protocol):
         transport: Transport | None = None,
         before_end: Callable[[], Awaitable[None]] | None = None,
     ) -> None: ...
+
+
+class ChatPipeline(GenerationPipeline, Protocol):
+    """A front end's chat path: the Responses endpoints prepare and generate through it
+    (the generation path's interface, and what a background run needs besides)."""
+
+    metrics: Metrics
+    client: EngineClient | None
+
+    @property
+    def harmony(self) -> bool:
+        """gpt-oss's harmony format: Responses reasoning items and effort reach the prompt."""
+        ...
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Count a background run as work in flight (a graceful stop drains it)."""
+        ...
+
+    def engine(self) -> EngineClient:
+        """The engine client, or a 503 while there is none."""
+        ...
+
+    async def chat_sequences(
+        self, req: ChatCompletionRequest, response_id: str, kind: str, client: EngineClient
+    ) -> list[SequenceState]:
+        """``req`` prepared as the chat endpoint does (images, template, tokens,
+        constraint, sampling): its sequences, engine request ids named ``kind``."""
+        ...
 
 
 class PoolingPipeline(Protocol):
