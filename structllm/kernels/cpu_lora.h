@@ -274,15 +274,33 @@ void expand_block(const Plan& p, const Block& blk, const float* sb, int64_t c0, 
     expand_row(p.out + p.rows[blk.first + q] * p.os + p.cols[i], sb + q * r, bi, p.bs[i], r, c0, c1);
 }
 
+// fn(block, lo, hi) for every block's range [0, size(block)) cut into pieces of `step`,
+// the pieces (in order of blocks) spread over the pool's threads
+template <class Size, class F>
+void over_cuts(Plan& p, int64_t step, const Size& size, const F& fn) {
+  const int64_t nb = static_cast<int64_t>(p.blocks.size());
+  p.first_unit.assign(nb + 1, 0);
+  for (int64_t b = 0; b < nb; b++) p.first_unit[b + 1] = p.first_unit[b] + (size(p.blocks[b]) + step - 1) / step;
+  sl::parallel_for(0, p.first_unit[nb], 1, [&](int64_t u0, int64_t u1) {
+    int64_t b = 0;
+    for (int64_t u = u0; u < u1; u++) {
+      while (p.first_unit[b + 1] <= u) b++;
+      const Block& blk = p.blocks[b];
+      const int64_t lo = (u - p.first_unit[b]) * step;
+      fn(blk, lo, std::min(size(blk), lo + step));
+    }
+  });
+}
+
 // With blocks enough for every thread (fuse_blocks_per_thread each: many adapters, or
 // one with many rows), one pass over (item, block) units, each shrinking and then
 // expanding its block whole: one join of the pool per call instead of two (a decode
 // step makes 4 calls a layer, each join a wait for the slowest thread on a loaded
-// machine), and its s still in L1. Otherwise the shrink over (item, block) units into
-// s, then the expand over (item, block, COLS columns) units into out, so that a lone
-// adapter's few blocks still give every thread work (see cpu_lora.cpp's top). Either
-// way each output column's sum runs over j in order, in the same 64-column tiles: the
-// same bits.
+// machine), and its s still in L1. Otherwise the shrink over (item, block, RANKS ranks)
+// units into s, then the expand over (item, block, COLS columns) units into out, so
+// that a lone adapter's few blocks still give every thread work (see cpu_lora.cpp's
+// top). Either way each s element is one dot4/dot1 sum and each output column's sum
+// runs over j in order: the same bits.
 template <typename W>
 void run(Plan& p) {
   const int64_t nb = static_cast<int64_t>(p.blocks.size());
@@ -300,32 +318,12 @@ void run(Plan& p) {
     return;
   }
   // shrink units: (block, RANKS ranks), so that a lone adapter's o or down projection
-  // (one block) still gives every thread a share of its shrink
-  p.first_unit.assign(nb + 1, 0);
-  for (int64_t b = 0; b < nb; b++)
-    p.first_unit[b + 1] = p.first_unit[b] + (p.rank[p.blocks[b].item] + RANKS - 1) / RANKS;
-  sl::parallel_for(0, p.first_unit[nb], 1, [&](int64_t u0, int64_t u1) {
-    int64_t b = 0;
-    for (int64_t u = u0; u < u1; u++) {
-      while (p.first_unit[b + 1] <= u) b++;
-      const Block& blk = p.blocks[b];
-      const int64_t j0 = (u - p.first_unit[b]) * RANKS;
-      shrink_block<W>(p, blk, s + blk.s_at, j0, std::min(p.rank[blk.item], j0 + RANKS));
-    }
-  });
-  // expand units: (block, column chunk), in order of blocks
-  p.first_unit.assign(nb + 1, 0);
-  for (int64_t b = 0; b < nb; b++)
-    p.first_unit[b + 1] = p.first_unit[b] + (p.width[p.blocks[b].item] + COLS - 1) / COLS;
-  sl::parallel_for(0, p.first_unit[nb], 1, [&](int64_t u0, int64_t u1) {
-    int64_t b = 0;
-    for (int64_t u = u0; u < u1; u++) {
-      while (p.first_unit[b + 1] <= u) b++;
-      const Block& blk = p.blocks[b];
-      const int64_t c0 = (u - p.first_unit[b]) * COLS;
-      expand_block<W>(p, blk, s + blk.s_at, c0, std::min(p.width[blk.item], c0 + COLS));
-    }
-  });
+  // (one block) still gives every thread a share of its shrink; then expand units:
+  // (block, COLS columns)
+  over_cuts(p, RANKS, [&](const Block& b) { return p.rank[b.item]; },
+            [&](const Block& blk, int64_t j0, int64_t j1) { shrink_block<W>(p, blk, s + blk.s_at, j0, j1); });
+  over_cuts(p, COLS, [&](const Block& b) { return p.width[b.item]; },
+            [&](const Block& blk, int64_t c0, int64_t c1) { expand_block<W>(p, blk, s + blk.s_at, c0, c1); });
 }
 
 // run for the items' storage type (float32, float16 or bfloat16; checked by the caller)

@@ -190,8 +190,8 @@ def resolve_lora_dtype(
         return _LORA_DTYPES[config.lora_dtype]
     if device.type != "cpu":
         return torch.float32
-    if resolve_dtype(config, device) != torch.float32:
-        return resolve_dtype(config, device)
+    if (activations := resolve_dtype(config, device)) != torch.float32:
+        return activations
     exact = (
         fmt == WeightFormat(torch.float32)
         if fmt is not None

@@ -271,7 +271,8 @@ def step_rows(
         bounds.append(len(flat))
     rows = torch.tensor(flat, dtype=torch.int64, device=device)
     groups = [
-        (a, rows[b:e]) for (a, _), b, e in zip(starts.values(), bounds, bounds[1:], strict=False)
+        (a, rows[b:e])
+        for (a, _), b, e in zip(starts.values(), bounds[:-1], bounds[1:], strict=True)
     ]
     return LoraRows(groups, rows, bounds, native)
 
