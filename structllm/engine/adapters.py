@@ -31,9 +31,16 @@ from typing import Any
 import torch
 
 from structllm.kernels import cpu_ext
-from structllm.lora import AdapterError, check_base, read_adapter
+from structllm.lora import AdapterError, AdapterSpec, check_base, read_adapter
 from structllm.model.config import ModelConfig
-from structllm.model.lora import LoraAdapter, LoraPlans, LoraRows, load_adapter, step_rows
+from structllm.model.lora import (
+    RANK_ALIGN,
+    LoraAdapter,
+    LoraPlans,
+    LoraRows,
+    load_adapter,
+    step_rows,
+)
 from structllm.model.sharding import ShardPlan
 from structllm.protocol import LoraRef
 
@@ -95,9 +102,7 @@ class AdapterRegistry:
         if adapter is None:
             spec = read_adapter(ref.path, self.cfg, self.max_lora_rank)
             uid = next(self._uids)
-            adapter = load_adapter(
-                spec, self.cfg, uid, ref.name, ref.lora_id, self.dtype, self.load_device, self.plan
-            )
+            adapter = self._load(spec, uid, ref.name, ref.lora_id)
             self.loaded[ref.lora_id] = adapter
             self.by_uid[uid] = adapter
             self.num_loads += 1
@@ -148,6 +153,14 @@ class AdapterRegistry:
         uids = dict.fromkeys(uid for uid, _ in spans if uid)
         return [(uid, self.by_uid[uid].path) for uid in uids]
 
+    def _load(self, spec: AdapterSpec, uid: int, name: str, lora_id: int) -> LoraAdapter:
+        """``spec``'s weights as this registry keeps them (``model.lora.load_adapter``;
+        ranks padded for the native kernels when they run them)."""
+        align = RANK_ALIGN if self.native is not None else 1
+        return load_adapter(
+            spec, self.cfg, uid, name, lora_id, self.dtype, self.load_device, self.plan, align
+        )
+
     def follow(self, loads: Sequence[tuple[int, str]]) -> None:
         """A tensor-parallel worker's registry: the step's adapters ``loads`` (rank 0's
         uids and paths, checked there) loaded here if they are not, as this rank's
@@ -157,9 +170,7 @@ class AdapterRegistry:
             adapter = self.by_uid.get(uid)
             if adapter is None:
                 spec = read_adapter(path, self.cfg, self.max_lora_rank)
-                adapter = load_adapter(
-                    spec, self.cfg, uid, "", uid, self.dtype, self.load_device, self.plan
-                )
+                adapter = self._load(spec, uid, "", uid)
                 self.by_uid[uid] = adapter
                 self.num_loads += 1
             self.loaded[uid] = adapter  # keyed by uid here

@@ -164,7 +164,7 @@ struct Cache {
 };
 
 // One set of adapters' parts (model/lora.py's LoraAdapter.layers), as run() adds them:
-// items[layer][projection] (0 qkv, 1 o, 2 gate_up, 3 down), each an A [r, K], a scaled
+// items[layer][projection] (0 qkv, 1 o, 2 gate_up, 3 down), each an A^T [K, r], a scaled
 // B^T [r, N_i] (K, N the projection's input and output widths), its first output column
 // and its group (the index of its adapter among a step's). Built once per set of
 // adapters in order and reused by every step with that set; run() checks that the
@@ -193,9 +193,9 @@ class LoraItems {
     for (const torch::Tensor* t : {&a, &bt})
       TORCH_CHECK(t->scalar_type() == type && t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
                   "LoraItems: A and B^T [rows, cols] on the CPU with unit column stride");
-    const int64_t r = a.size(0), w = bt.size(1);
-    TORCH_CHECK(a.size(1) == k_[proj] && bt.size(0) == r && r <= sl::lora::MAX_RANK,
-                "LoraItems: A [r, ", k_[proj], "] and B^T [r, N_i] (r <= 1024) expected");
+    const int64_t r = a.size(1), w = bt.size(1);
+    TORCH_CHECK(a.size(0) == k_[proj] && bt.size(0) == r && r <= sl::lora::MAX_RANK && r % sl::lora::RANK_ALIGN == 0,
+                "LoraItems: A^T [", k_[proj], ", r] and B^T [r, N_i] (r a multiple of 8, at most 1024) expected");
     TORCH_CHECK(col >= 0 && col + w <= n_[proj] && group >= 0, "LoraItems: slice or group out of range");
     type_ = type;
     keep_.push_back(a), keep_.push_back(bt);

@@ -6,7 +6,8 @@
 //   out[row, col_i : col_i + N_i] += B_i (A_i x[row])    for row in rows[starts[g_i] ..
 //                                                          starts[g_i + 1])
 //
-// with A_i [r_i, K] and B_i^T [r_i, N_i] (the scale folded in) stored in float32, float16
+// with A_i^T [K, r_i] and B_i^T [r_i, N_i] (the scale folded in; r_i padded with zero ranks
+// to a multiple of 8 by model/lora.py) stored in float32, float16
 // or bfloat16 (--lora-dtype; one type per call), x and out float32. Half weights are
 // widened in registers as they are loaded (F16C's cvtph, or bfloat16's 16-bit shift,
 // which is exact) and every sum is float32: a half adapter costs half the memory
@@ -15,17 +16,17 @@
 // An adapter's weights are what a step pays for (rank 16 on every projection of the
 // default model: 20 MB of float32 per adapter, against 80 MB for the whole Q4_1 base), so
 // each is read once per block of up to 16 rows, not once per row: the shrink runs over
-// (item, row block, RANKS ranks) units, each A row dotted with the block's rows while it
-// is in L1, into a scratch s [rows, r_i]; the expand over (item, row block, COLS columns)
-// units,
-// each B^T row's columns added, times s[row, j], into the block's output rows (the rank
-// and column cuts give a lone adapter's o or down projection work for every thread); with
+// (item, row block, 8 rows, 16 or 8 ranks) units, each A^T row's tile of ranks times
+// every row's x[k] broadcast, into a scratch s [rows, r_i]; the expand over (item, row
+// block, COLS columns) units, each B^T row's columns added, times s[row, j], into the
+// block's output rows (the row-group and column cuts give a lone adapter's projections
+// work for every thread); with
 // blocks enough for every thread, one pass of (item, row block) units doing both (one
 // join of the pool instead of two: cpu_lora.h's run, where these kernels live, shared
 // with cpu_decode.cpp's native decode loop).
 // Distinct items of one adapter write disjoint column slices, distinct adapters
 // disjoint rows, so units never write the same element; a row's result is r_i dot
-// products over K (dot4 / dot1: FMA lanes, then a fixed-order sum) and then, per column, a sum
+// sums over k in order (shrink_tile: one FMA chain per row and rank) and then, per column, a sum
 // over j in order (expand_row: 64 columns held in registers), whatever the rows or
 // adapters beside it.
 
@@ -55,7 +56,7 @@ void check_weight(const torch::Tensor& t, torch::ScalarType type, const char* na
 }  // namespace
 
 // x: [T, K], out: [T, N] (updated in place); rows: int64 [R], each group's rows
-// rows[starts[g] .. starts[g + 1]); item i: a[i] [r_i, K], bt[i] [r_i, N_i], its output
+// rows[starts[g] .. starts[g + 1]); item i: a[i] = A^T [K, r_i], bt[i] [r_i, N_i], its output
 // column cols[i] and its group groups[i].
 void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, std::vector<int64_t> starts,
               std::vector<torch::Tensor> a, std::vector<torch::Tensor> bt,
@@ -85,9 +86,9 @@ void lora_add(torch::Tensor x, torch::Tensor out, torch::Tensor rows, std::vecto
                 "lora_add: group bounds out of range");
     check_weight(a[i], type, "A");
     check_weight(bt[i], type, "B^T");
-    const int64_t r = a[i].size(0), w = bt[i].size(1);
-    TORCH_CHECK(a[i].size(1) == K && bt[i].size(0) == r && r <= MAX_RANK,
-                "lora_add: A [r, K] and B^T [r, N_i] (r <= 1024) expected");
+    const int64_t r = a[i].size(1), w = bt[i].size(1);
+    TORCH_CHECK(a[i].size(0) == K && bt[i].size(0) == r && r <= MAX_RANK && r % sl::lora::RANK_ALIGN == 0,
+                "lora_add: A^T [K, r] and B^T [r, N_i] (r a multiple of 8, at most 1024) expected");
     TORCH_CHECK(cols[i] >= 0 && cols[i] + w <= N, "lora_add: slice out of range");
     p.add(a[i].data_ptr(), bt[i].data_ptr(), r, w, a[i].stride(0), bt[i].stride(0), cols[i],
           starts[g], starts[g + 1]);

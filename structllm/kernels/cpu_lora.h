@@ -25,7 +25,6 @@ constexpr int64_t ROWS = 16;    // most rows per block: their x rows (16 x K flo
 // down projection (one block) splits about evenly over two threads (5 units, not 2 of
 // 512 and 64)
 constexpr int64_t COLS = 128;
-constexpr int64_t RANKS = 8;    // ranks per shrink unit (even: dot4x2 takes them in pairs)
 constexpr int64_t MAX_RANK = 1024;
 
 using sl::vf;
@@ -54,69 +53,65 @@ inline float wget(const float* p) { return *p; }
 inline float wget(const at::Half* p) { return static_cast<float>(*p); }
 inline float wget(const at::BFloat16* p) { return static_cast<float>(*p); }
 
-// the dots of a with four rows at once (each of a's vectors loaded and widened once for
-// the four): per row VW lanes of FMAs over k, then vsum's fixed order, then the tail in
-// order
+// A^T's ranks are padded with zero columns to a multiple of RANK_ALIGN at load
+// (model/lora.py), so that an AVX2 rank tile is always whole and AVX-512's is whole or
+// its lower half
+constexpr int64_t RANK_ALIGN = 8;
+constexpr int GROUP = 8;  // x rows whose accumulators one shrink pass holds in registers
+
+#ifdef SL_AVX512
+// VW weights at p, the lanes beyond `lanes` (8 or 16) zero
+inline __mmask16 lane_mask(int64_t lanes) { return lanes >= 16 ? 0xFFFF : 0x00FF; }
+inline vf wload_m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline vf wload_m(const at::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+inline vf wload_m(const at::BFloat16* p, __mmask16 m) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline void store_m(float* p, vf v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+#else
+inline int lane_mask(int64_t) { return 0; }  // AVX2's tiles are always whole (RANK_ALIGN)
 template <typename W>
-inline void dot4(const W* a, const float* x0, const float* x1, const float* x2, const float* x3,
-                 int64_t n, float* out) {
-  vf s0 = sl::vzero(), s1 = sl::vzero(), s2 = sl::vzero(), s3 = sl::vzero();
-  int64_t k = 0;
-  for (; k + VW <= n; k += VW) {
-    const vf ak = wload(a + k);
-    s0 = sl::vfma(ak, sl::vload(x0 + k), s0);
-    s1 = sl::vfma(ak, sl::vload(x1 + k), s1);
-    s2 = sl::vfma(ak, sl::vload(x2 + k), s2);
-    s3 = sl::vfma(ak, sl::vload(x3 + k), s3);
+inline vf wload_m(const W* p, int) { return wload(p); }
+inline void store_m(float* p, vf v, int) { sl::vstore(p, v); }
+#endif
+
+// The shrink of N <= GROUP rows for one tile of ranks [j0, j0 + lanes): with A^T [K, r]
+// (row stride as), s[q, j0 ..] = sum over k ascending of x_q[k] * A^T[k, j0 ..]: per k,
+// one vector of A^T's row (loaded and widened once for the N rows) and each row's x[k]
+// broadcast into an FMA. Each row is its own chain of FMAs in k order, so its sums do
+// not depend on the rows beside it (batch invariance); N chains hide the FMA latency,
+// and there is no horizontal sum at all (the dot-product form, one A row against x,
+// needed one per rank and row).
+template <typename W, int N>
+inline void shrink_tile(const W* at, int64_t as, const float* const* xr, int64_t K, int64_t j0,
+                        int64_t lanes, float* s, int64_t ss) {
+  const auto m = lane_mask(lanes);
+  vf acc[N];
+  for (int q = 0; q < N; q++) acc[q] = sl::vzero();
+  const W* a = at + j0;
+  for (int64_t k = 0; k < K; k++, a += as) {
+    const vf ak = wload_m(a, m);
+    for (int q = 0; q < N; q++) acc[q] = sl::vfma(ak, sl::vset1(xr[q][k]), acc[q]);
   }
-  float t0 = sl::vsum(s0), t1 = sl::vsum(s1), t2 = sl::vsum(s2), t3 = sl::vsum(s3);
-  for (; k < n; k++) {
-    const float ak = wget(a + k);
-    t0 += ak * x0[k], t1 += ak * x1[k], t2 += ak * x2[k], t3 += ak * x3[k];
-  }
-  out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+  for (int q = 0; q < N; q++) store_m(s + q * ss + j0, acc[q], m);
 }
 
-// dot4 for two rows of A at once (a0 and a1 against the same four x rows): eight
-// independent FMA chains where dot4 has four, enough to keep both FMA ports busy through
-// the FMA latency, and each x vector loaded once for both. Every sum is dot4's, in its
-// order (the same lanes, the same vsum, the same tail): the same bits.
 template <typename W>
-inline void dot4x2(const W* a0, const W* a1, const float* x0, const float* x1, const float* x2,
-                   const float* x3, int64_t n, float* out0, float* out1) {
-  vf s0 = sl::vzero(), s1 = sl::vzero(), s2 = sl::vzero(), s3 = sl::vzero();
-  vf t0 = sl::vzero(), t1 = sl::vzero(), t2 = sl::vzero(), t3 = sl::vzero();
-  int64_t k = 0;
-  for (; k + VW <= n; k += VW) {
-    const vf ak = wload(a0 + k), bk = wload(a1 + k);
-    const vf v0 = sl::vload(x0 + k), v1 = sl::vload(x1 + k);
-    const vf v2 = sl::vload(x2 + k), v3 = sl::vload(x3 + k);
-    s0 = sl::vfma(ak, v0, s0), t0 = sl::vfma(bk, v0, t0);
-    s1 = sl::vfma(ak, v1, s1), t1 = sl::vfma(bk, v1, t1);
-    s2 = sl::vfma(ak, v2, s2), t2 = sl::vfma(bk, v2, t2);
-    s3 = sl::vfma(ak, v3, s3), t3 = sl::vfma(bk, v3, t3);
+inline void shrink_rows(const W* at, int64_t as, const float* const* xr, int n, int64_t K, int64_t j0,
+                        int64_t lanes, float* s, int64_t ss) {
+  switch (n) {  // N a constant, so that the accumulators live in registers
+    case 1: return shrink_tile<W, 1>(at, as, xr, K, j0, lanes, s, ss);
+    case 2: return shrink_tile<W, 2>(at, as, xr, K, j0, lanes, s, ss);
+    case 3: return shrink_tile<W, 3>(at, as, xr, K, j0, lanes, s, ss);
+    case 4: return shrink_tile<W, 4>(at, as, xr, K, j0, lanes, s, ss);
+    case 5: return shrink_tile<W, 5>(at, as, xr, K, j0, lanes, s, ss);
+    case 6: return shrink_tile<W, 6>(at, as, xr, K, j0, lanes, s, ss);
+    case 7: return shrink_tile<W, 7>(at, as, xr, K, j0, lanes, s, ss);
+    default: return shrink_tile<W, GROUP>(at, as, xr, K, j0, lanes, s, ss);
   }
-  float p0 = sl::vsum(s0), p1 = sl::vsum(s1), p2 = sl::vsum(s2), p3 = sl::vsum(s3);
-  float q0 = sl::vsum(t0), q1 = sl::vsum(t1), q2 = sl::vsum(t2), q3 = sl::vsum(t3);
-  for (; k < n; k++) {
-    const float ak = wget(a0 + k), bk = wget(a1 + k);
-    p0 += ak * x0[k], p1 += ak * x1[k], p2 += ak * x2[k], p3 += ak * x3[k];
-    q0 += bk * x0[k], q1 += bk * x1[k], q2 += bk * x2[k], q3 += bk * x3[k];
-  }
-  out0[0] = p0, out0[1] = p1, out0[2] = p2, out0[3] = p3;
-  out1[0] = q0, out1[1] = q1, out1[2] = q2, out1[3] = q3;
-}
-
-// dot4's sum for one row alone: the very same operations in the same order (so a row's
-// result does not depend on whether it has three neighbours), a quarter of the FMAs
-template <typename W>
-inline float dot1(const W* a, const float* x, int64_t n) {
-  vf s = sl::vzero();
-  int64_t k = 0;
-  for (; k + VW <= n; k += VW) s = sl::vfma(wload(a + k), sl::vload(x + k), s);
-  float t = sl::vsum(s);
-  for (; k < n; k++) t += wget(a + k) * x[k];
-  return t;
 }
 
 constexpr int64_t TILE = 64;  // output columns kept in registers through the expand's j loop
@@ -150,34 +145,48 @@ inline void expand_row(float* orow, const float* s, const W* bt, int64_t bs, int
   }
 }
 
-// expand_row for two rows at once (o0 += s0 B^T, o1 += s1 B^T over columns [c0, c1)):
-// each B^T vector loaded once for both rows, and twice the independent FMA chains
-// (expand_row's four are bound by the FMA latency, not by its ports). TILE2 columns a
-// tile, so that the two rows' accumulators fit the registers on AVX2 too. Every column's
-// sum is expand_row's (the row's value, then s[j] * bt[j, c] for j ascending, each a
-// fused multiply-add, in a vector lane or in the scalar tail alike): the same bits.
-constexpr int64_t TILE2 = 4 * VW;
-template <typename W>
-inline void expand_row2(float* o0, float* o1, const float* s0, const float* s1, const W* bt,
-                        int64_t bs, int64_t r, int64_t c0, int64_t c1) {
+// expand_row for R rows at once (o_q += s_q B^T over columns [c0, c1)): each B^T vector
+// loaded and widened once for the R rows (the widening of a half weight takes the FMAs'
+// ports, so a vector used by four rows costs a quarter of one used by one), and R times
+// the independent FMA chains (expand_row's four are bound by the FMA latency, not by its
+// ports). V vectors of columns a tile, so that the R rows' accumulators fit the registers
+// (AVX2's 16 too). Every column's sum is expand_row's (the row's value, then s[j] *
+// bt[j, c] for j ascending, each a fused multiply-add, in a vector lane or in the scalar
+// tail alike): the same bits, whichever R a row is taken in.
+#ifdef SL_AVX512
+template <int R>
+constexpr int expand_vectors = 4;
+#else
+template <int R>
+constexpr int expand_vectors = R >= 3 ? 2 : 4;
+#endif
+
+template <typename W, int R>
+inline void expand_rows(float* const* o, const float* const* s, const W* bt, int64_t bs, int64_t r,
+                        int64_t c0, int64_t c1) {
+  constexpr int V = expand_vectors<R>;
+  constexpr int64_t T = V * VW;
   int64_t c = c0;
-  for (; c + TILE2 <= c1; c += TILE2) {
-    vf a0[4], a1[4];
-    for (int t = 0; t < 4; t++) a0[t] = sl::vload(o0 + c + t * VW), a1[t] = sl::vload(o1 + c + t * VW);
+  for (; c + T <= c1; c += T) {
+    vf acc[R][V];
+    for (int q = 0; q < R; q++)
+      for (int t = 0; t < V; t++) acc[q][t] = sl::vload(o[q] + c + t * VW);
     for (int64_t j = 0; j < r; j++) {
-      const vf u = sl::vset1(s0[j]), v = sl::vset1(s1[j]);
       const W* bj = bt + j * bs + c;
-      const char* next = reinterpret_cast<const char*>(bj + TILE2);  // as expand_row's
-      for (int64_t at = 0; at < TILE2 * static_cast<int64_t>(sizeof(W)); at += 64)
-        _mm_prefetch(next + at, _MM_HINT_T0);
-      for (int t = 0; t < 4; t++) {
-        const vf b = wload(bj + t * VW);
-        a0[t] = sl::vfma(u, b, a0[t]), a1[t] = sl::vfma(v, b, a1[t]);
+      const char* next = reinterpret_cast<const char*>(bj + T);  // as expand_row's
+      for (int64_t at = 0; at < T * static_cast<int64_t>(sizeof(W)); at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+      vf b[V];
+      for (int t = 0; t < V; t++) b[t] = wload(bj + t * VW);
+      for (int q = 0; q < R; q++) {
+        const vf u = sl::vset1(s[q][j]);
+        for (int t = 0; t < V; t++) acc[q][t] = sl::vfma(u, b[t], acc[q][t]);
       }
     }
-    for (int t = 0; t < 4; t++) sl::vstore(o0 + c + t * VW, a0[t]), sl::vstore(o1 + c + t * VW, a1[t]);
+    for (int q = 0; q < R; q++)
+      for (int t = 0; t < V; t++) sl::vstore(o[q] + c + t * VW, acc[q][t]);
   }
-  if (c < c1) expand_row(o0, s0, bt, bs, r, c, c1), expand_row(o1, s1, bt, bs, r, c, c1);
+  if (c < c1)
+    for (int q = 0; q < R; q++) expand_row(o[q], s[q], bt, bs, r, c, c1);
 }
 
 // rows per block (at most ROWS): an adapter's A and B^T are read once per block, so 16
@@ -195,7 +204,8 @@ struct Plan {
   float* out = nullptr;
   int64_t xs = 0, os = 0, K = 0;
   const int64_t* rows = nullptr;
-  std::vector<const void*> a, bt;  // item i's A [r_i, K] and B^T [r_i, N_i], of type W
+  // item i's A^T [K, r_i] and B^T [r_i, N_i], of type W (r_i a multiple of RANK_ALIGN)
+  std::vector<const void*> a, bt;
   std::vector<int64_t> rank, width, as, bs, cols;
   std::vector<Block> blocks;
   std::vector<int64_t> first_unit;  // run's shrink, then expand, units per block (scratch)
@@ -208,7 +218,7 @@ struct Plan {
     s_size = 0;
   }
 
-  // item: A [rank, K] (row stride as) and B^T [rank, width] (row stride bs) added into
+  // item: A^T [K, rank] (row stride as) and B^T [rank, width] (row stride bs) added into
   // output columns [col, col + width) of the rows rows[first .. end)
   void add(const void* ai, const void* bti, int64_t r, int64_t w, int64_t a_stride,
            int64_t b_stride, int64_t col, int64_t first, int64_t end) {
@@ -227,51 +237,49 @@ struct Plan {
 // blocks per pool thread from which run() takes one pass (see run)
 inline int64_t fuse_blocks_per_thread = 4;
 
-// the shrink of one block's ranks [j0, j1): s[:, j0 .. j1) of s [n, r] = its rows of x
-// times those rows of A, each element its own dot4/dot1 sum (whichever ranks a call takes)
+// the shrink's units of a block: tiles of (GROUP rows, VW ranks), the rank tiles of one
+// row group next to each other (its x rows stay in L1 across them)
+inline int64_t rank_tiles(int64_t r) { return (r + VW - 1) / VW; }
+inline int64_t shrink_units(const Plan& p, const Block& b) {
+  return (b.n + GROUP - 1) / GROUP * rank_tiles(p.rank[b.item]);
+}
+
+// the shrink's units [u0, u1) of one block: s [n, r] = its rows of x times A (A^T
+// [K, r] stored), each element its own shrink_tile chain (whichever units a call takes)
 template <typename W>
-void shrink_block(const Plan& p, const Block& blk, float* sb, int64_t j0, int64_t j1) {
-  const int64_t i = blk.item, r = p.rank[i];
+void shrink_block(const Plan& p, const Block& blk, float* sb, int64_t u0, int64_t u1) {
+  const int64_t i = blk.item, r = p.rank[i], tiles = rank_tiles(r);
   const W* ai = static_cast<const W*>(p.a[i]);
-  const float* xr[ROWS];
-  for (int64_t q = 0; q < blk.n; q++) xr[q] = p.x + p.rows[blk.first + q] * p.xs;
-  int64_t j = j0;
-  if (blk.n >= 4)  // A's rows in pairs over each four x rows (dot4x2), the odd one alone
-    for (; j + 2 <= j1; j += 2) {
-      const W *aj = ai + j * p.as[i], *ak = aj + p.as[i];
-      int64_t q = 0;
-      float f0[4], f1[4];
-      for (; q + 4 <= blk.n; q += 4) {
-        dot4x2(aj, ak, xr[q], xr[q + 1], xr[q + 2], xr[q + 3], p.K, f0, f1);
-        for (int64_t t = 0; t < 4; t++) sb[(q + t) * r + j] = f0[t], sb[(q + t) * r + j + 1] = f1[t];
-      }
-      for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K), sb[q * r + j + 1] = dot1(ak, xr[q], p.K);
-    }
-  for (; j < j1; j++) {
-    const W* aj = ai + j * p.as[i];
-    int64_t q = 0;
-    float four[4];
-    for (; q + 4 <= blk.n; q += 4) {
-      dot4(aj, xr[q], xr[q + 1], xr[q + 2], xr[q + 3], p.K, four);
-      for (int64_t t = 0; t < 4; t++) sb[(q + t) * r + j] = four[t];
-    }
-    for (; q < blk.n; q++) sb[q * r + j] = dot1(aj, xr[q], p.K);
+  const float* xr[GROUP];
+  for (int64_t u = u0; u < u1; u++) {
+    const int64_t q0 = u / tiles * GROUP, j0 = u % tiles * VW;
+    const int n = static_cast<int>(std::min<int64_t>(GROUP, blk.n - q0));
+    for (int q = 0; q < n; q++) xr[q] = p.x + p.rows[blk.first + q0 + q] * p.xs;
+    shrink_rows(ai, p.as[i], xr, n, p.K, j0, std::min<int64_t>(VW, r - j0), sb + q0 * r, r);
   }
 }
 
-// the expand of one block's output columns [c0, c1) of its item's slice
+// the expand of one block's output columns [c0, c1) of its item's slice: its rows in
+// fours (expand_rows), the rest together
 template <typename W>
 void expand_block(const Plan& p, const Block& blk, const float* sb, int64_t c0, int64_t c1) {
   const int64_t i = blk.item, r = p.rank[i];
   const W* bi = static_cast<const W*>(p.bt[i]);
-  int64_t q = 0;
-  for (; q + 2 <= blk.n; q += 2) {  // rows in pairs (expand_row2), the odd one alone
-    float* o0 = p.out + p.rows[blk.first + q] * p.os + p.cols[i];
-    float* o1 = p.out + p.rows[blk.first + q + 1] * p.os + p.cols[i];
-    expand_row2(o0, o1, sb + q * r, sb + (q + 1) * r, bi, p.bs[i], r, c0, c1);
+  float* o[4];
+  const float* sq[4];
+  for (int64_t q = 0; q < blk.n; q += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, blk.n - q));
+    for (int t = 0; t < n; t++) {
+      o[t] = p.out + p.rows[blk.first + q + t] * p.os + p.cols[i];
+      sq[t] = sb + (q + t) * r;
+    }
+    switch (n) {  // R a constant, so that the accumulators live in registers
+      case 1: expand_rows<W, 1>(o, sq, bi, p.bs[i], r, c0, c1); break;
+      case 2: expand_rows<W, 2>(o, sq, bi, p.bs[i], r, c0, c1); break;
+      case 3: expand_rows<W, 3>(o, sq, bi, p.bs[i], r, c0, c1); break;
+      default: expand_rows<W, 4>(o, sq, bi, p.bs[i], r, c0, c1);
+    }
   }
-  for (; q < blk.n; q++)
-    expand_row(p.out + p.rows[blk.first + q] * p.os + p.cols[i], sb + q * r, bi, p.bs[i], r, c0, c1);
 }
 
 // fn(block, lo, hi) for every block's range [0, size(block)) cut into pieces of `step`,
@@ -296,11 +304,11 @@ void over_cuts(Plan& p, int64_t step, const Size& size, const F& fn) {
 // one with many rows), one pass over (item, block) units, each shrinking and then
 // expanding its block whole: one join of the pool per call instead of two (a decode
 // step makes 4 calls a layer, each join a wait for the slowest thread on a loaded
-// machine), and its s still in L1. Otherwise the shrink over (item, block, RANKS ranks)
-// units into s, then the expand over (item, block, COLS columns) units into out, so
-// that a lone adapter's few blocks still give every thread work (see cpu_lora.cpp's
-// top). Either way each s element is one dot4/dot1 sum and each output column's sum
-// runs over j in order: the same bits.
+// machine), and its s still in L1. Otherwise the shrink over (item, block, row group,
+// rank tile) units into s, then the expand over (item, block, COLS columns) units into
+// out, so that a lone adapter's few blocks still give every thread work (see
+// cpu_lora.cpp's top). Either way each s element is one shrink_tile chain and each
+// output column's sum runs over j in order: the same bits.
 template <typename W>
 void run(Plan& p) {
   const int64_t nb = static_cast<int64_t>(p.blocks.size());
@@ -311,17 +319,16 @@ void run(Plan& p) {
     sl::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; b++) {
         const Block& blk = p.blocks[b];
-        shrink_block<W>(p, blk, s + blk.s_at, 0, p.rank[blk.item]);
+        shrink_block<W>(p, blk, s + blk.s_at, 0, shrink_units(p, blk));
         expand_block<W>(p, blk, s + blk.s_at, 0, p.width[blk.item]);
       }
     });
     return;
   }
-  // shrink units: (block, RANKS ranks), so that a lone adapter's o or down projection
-  // (one block) still gives every thread a share of its shrink; then expand units:
-  // (block, COLS columns)
-  over_cuts(p, RANKS, [&](const Block& b) { return p.rank[b.item]; },
-            [&](const Block& blk, int64_t j0, int64_t j1) { shrink_block<W>(p, blk, s + blk.s_at, j0, j1); });
+  // shrink units: (block, row group, rank tile), so that one adapter's 16 rows still
+  // give two threads a share of its shrink; then expand units: (block, COLS columns)
+  over_cuts(p, 1, [&](const Block& b) { return shrink_units(p, b); },
+            [&](const Block& blk, int64_t u0, int64_t u1) { shrink_block<W>(p, blk, s + blk.s_at, u0, u1); });
   over_cuts(p, COLS, [&](const Block& b) { return p.width[b.item]; },
             [&](const Block& blk, int64_t c0, int64_t c1) { expand_block<W>(p, blk, s + blk.s_at, c0, c1); });
 }

@@ -349,8 +349,8 @@ class DecodePlan:
             for g, (adapter, _) in enumerate(rows.groups):
                 for layer, parts in adapter.layers.items():
                     for p, proj in enumerate(PROJECTIONS):
-                        for a, bt, col in parts.get(proj, ()):
-                            items.add(layer, p, a, bt, col, g)
+                        for at, bt, col in parts.get(proj, ()):
+                            items.add(layer, p, at, bt, col, g)
             rows.plans.decode = items
         return items
 

@@ -47,9 +47,33 @@ SLICES = {
 }
 
 Items = tuple[list[Tensor], list[Tensor], list[int], list[int]]
-"""``lora_add``'s items: each one's A, B^T, first column and group."""
+"""``lora_add``'s items: each one's A^T, B^T, first column and group."""
 Part = tuple[Tensor, Tensor, int]
-"""``(A [r, in], (scale * B)^T [r, out_slice], first output column of the slice)``."""
+"""``(A^T [in, r], (scale * B)^T [r, out_slice], first output column of the slice)``:
+both transposed, as the native kernels read them (``cpu_lora.h``: the shrink broadcasts
+each ``x[k]`` against a row of ``A^T``, the expand adds rows of ``B^T``); made by
+``stored_part``."""
+
+# the native kernels' rank tiles: a part they read has its rank padded with zero ranks
+# to a multiple of this (cpu_lora.h's RANK_ALIGN; PEFT's usual ranks 8-64 need none)
+RANK_ALIGN = 8
+
+
+def stored_part(
+    a: Tensor, b: Tensor, col: int, dtype: torch.dtype, device: torch.device, rank_align: int = 1
+) -> Part:
+    """One part as stored: ``a [r, in]`` and the scaled ``b [out_slice, r]`` transposed,
+    in ``dtype`` on ``device``, ``r`` padded with zeros to a multiple of ``rank_align``
+    (``RANK_ALIGN`` for the native kernels; zero ranks add exactly nothing)."""
+    at, bt = a.t(), b.t()
+    if pad := -at.shape[1] % rank_align:
+        at = torch.nn.functional.pad(at, (0, pad))  # [in, r + pad]
+        bt = torch.nn.functional.pad(bt, (0, 0, 0, pad))  # [r + pad, out_slice]
+    return (
+        at.to(device=device, dtype=dtype).contiguous(),
+        bt.to(device=device, dtype=dtype).contiguous(),
+        col,
+    )
 
 
 @dataclass
@@ -132,10 +156,11 @@ def load_adapter(
     dtype: torch.dtype,
     device: torch.device,
     plan: ShardPlan | None = None,
+    rank_align: int = 1,
 ) -> LoraAdapter:
     """The weights of ``spec`` (checked by ``lora.read_adapter``) on ``device``, stored in
     ``dtype`` (computed in float32 whatever it is); with ``plan``, that rank's slices
-    (``_shard``)."""
+    (``_shard``); ``rank_align``: see ``stored_part``."""
     tensors = _gguf_tensors(spec) if spec.gguf else _peft_tensors(spec)
     # PEFT's q/k rows are in Hugging Face's order; a GGUF file's as llama.cpp left them
     permute = not spec.gguf or keeps_hf_rope_order(cfg.architecture)
@@ -150,11 +175,7 @@ def load_adapter(
         a, b, col = (
             (a, b, _column(cfg, part)) if plan is None else _shard(cfg, plan, proj, part, a, b)
         )
-        entry = (  # B transposed: the native expand's rows (cpu_lora.cpp)
-            a.to(device=device, dtype=dtype).contiguous(),
-            b.t().to(device=device, dtype=dtype).contiguous(),
-            col,
-        )
+        entry = stored_part(a, b, col, dtype, device, rank_align)
         adapter.layers.setdefault(t.layer, {}).setdefault(proj, []).append(entry)
     return adapter
 
@@ -227,8 +248,8 @@ class LoraRows:
             if not parts:
                 continue
             xs = x[rows].float()  # [n, in]
-            for a, bt, col in parts:
-                y = (xs @ a.float().t()) @ bt.float()  # [n, r] -> [n, out_slice]
+            for at, bt, col in parts:
+                y = (xs @ at.float()) @ bt.float()  # [n, r] -> [n, out_slice]
                 stop = col + y.shape[1]
                 out[rows, col:stop] += y.to(out.dtype)
 
@@ -238,8 +259,8 @@ class LoraRows:
         if items is None:
             items = self.plans.items[layer, proj] = ([], [], [], [])
             for g, (adapter, _) in enumerate(self.groups):
-                for a, bt, col in adapter.layers.get(layer, {}).get(proj, ()):
-                    items[0].append(a)
+                for at, bt, col in adapter.layers.get(layer, {}).get(proj, ()):
+                    items[0].append(at)
                     items[1].append(bt)
                     items[2].append(col)
                     items[3].append(g)

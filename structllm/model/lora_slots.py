@@ -91,8 +91,9 @@ class LoraSlots:
         for layer, projs in adapter.layers.items():
             for proj, parts in projs.items():
                 stack = self._stack(layer, proj)
-                for a, bt, col in parts:
+                for at, bt, col in parts:
                     p = stack.first.index(col)
+                    a = at.t()  # [r, in], as the slots hold A
                     r = a.shape[0]
                     if r > self.max_rank or a.shape[1] != stack.a.shape[3]:
                         raise ValueError(

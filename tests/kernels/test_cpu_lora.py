@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from structllm.kernels import cpu_ext
-from structllm.model.lora import LoraAdapter, LoraRows, step_rows
+from structllm.model import lora
+from structllm.model.lora import LoraAdapter, LoraRows, Part, step_rows
 
 pytestmark = pytest.mark.skipif(cpu_ext.best_isa() is None, reason="no AVX2 on this CPU")
 ISAS = [i for i in cpu_ext.ISAS if cpu_ext.best_isa() in (i, "avx512")]
@@ -21,17 +22,19 @@ K, N = 100, 160  # the projection's input and (fused) output widths (neither a m
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def part(a: torch.Tensor, b: torch.Tensor, col: int, dtype: torch.dtype = torch.float32) -> Part:
+    """``a [r, K]`` and ``b [n, r]`` stored as the registry stores them for the native
+    kernels (transposed, the rank padded to ``RANK_ALIGN``)."""
+    return lora.stored_part(a, b, col, dtype, torch.device("cpu"), lora.RANK_ALIGN)
+
+
 def adapter(
     uid: int, g: torch.Generator, slices: list[tuple[int, int, int]], dtype: torch.dtype
 ) -> LoraAdapter:
     """An adapter of layer 0's "qkv" with a part per ``(rank, first column, width)``,
     its weights stored in ``dtype``."""
     parts = [
-        (
-            torch.randn(r, K, generator=g).to(dtype),
-            (torch.randn(r, n, generator=g) * 0.1).to(dtype),
-            col,
-        )
+        part(torch.randn(r, K, generator=g), (torch.randn(r, n, generator=g) * 0.1).t(), col, dtype)
         for r, col, n in slices
     ]
     out = LoraAdapter(uid, f"a{uid}", uid, "/nowhere")
@@ -88,7 +91,7 @@ def test_one_pass_two_passes_and_block_sizes_give_the_same_bits(isa: str) -> Non
     adapters = [adapter(i + 1, g, [(16, 0, 64), (8, 64, 96)], torch.float32) for i in range(20)]
     for a in adapters:
         a.layers[0]["o"] = [
-            (torch.randn(16, K, generator=g), torch.randn(16, wide, generator=g), 0)
+            part(torch.randn(16, K, generator=g), torch.randn(16, wide, generator=g).t(), 0)
         ]
     # (fuse_blocks_per_thread, rows_per_block): one pass always, two always, by block size
     forms = [(0, 16), (1 << 40, 16), (0, 8), (1 << 40, 3), (0, 1)]

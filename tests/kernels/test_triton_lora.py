@@ -28,7 +28,7 @@ from structllm.engine.adapters import AdapterRegistry  # noqa: E402
 from structllm.engine.core import EngineCore  # noqa: E402
 from structllm.kernels import triton_lora  # noqa: E402
 from structllm.model.config import ModelConfig  # noqa: E402
-from structllm.model.lora import LoraAdapter, LoraRows, layout, slot_bytes, step_rows  # noqa: E402
+from structllm.model.lora import LoraAdapter, LoraRows, layout, stored_part, slot_bytes, step_rows  # noqa: E402
 from structllm.model.lora_slots import LoraSlots  # noqa: E402
 from structllm.protocol import LoraRef  # noqa: E402
 from tests.support.adapters import hf_model, peft_adapter, peft_model  # noqa: E402
@@ -66,10 +66,12 @@ def adapter(
     for proj, rs in ranks.items():
         k, parts = layout(CFG, proj)
         out.layers[0][proj] = [
-            (
-                torch.randn(r, k, generator=g).to(dtype),
-                (torch.randn(r, n, generator=g) * 0.1).to(dtype),
+            stored_part(
+                torch.randn(r, k, generator=g),
+                (torch.randn(r, n, generator=g) * 0.1).t(),
                 col,
+                dtype,
+                torch.device("cpu"),
             )
             for r, (col, n) in zip(rs, parts, strict=True)
             if r
