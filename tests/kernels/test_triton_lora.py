@@ -28,7 +28,7 @@ from structllm.engine.adapters import AdapterRegistry  # noqa: E402
 from structllm.engine.core import EngineCore  # noqa: E402
 from structllm.kernels import triton_lora  # noqa: E402
 from structllm.model.config import ModelConfig  # noqa: E402
-from structllm.model.lora import LoraAdapter, LoraRows, layout, stored_part, slot_bytes, step_rows  # noqa: E402
+from structllm.model.lora import LoraAdapter, LoraRows, layout, slot_bytes, step_rows, stored_part  # noqa: E402
 from structllm.model.lora_slots import LoraSlots  # noqa: E402
 from structllm.protocol import LoraRef  # noqa: E402
 from tests.support.adapters import hf_model, peft_adapter, peft_model  # noqa: E402
