@@ -14,10 +14,13 @@ On the default model (or FILE), ``--rows`` requests decode together through
 
 Then ``kernels``: the LoRA additions of one step alone (every layer's four projections
 through ``lora_add``, the adapters' weights as loaded, x and out of the step's shapes),
-for ``one`` and ``distinct``, with cpu_lora.h's defaults, with two passes forced
-(``fuse_blocks_per_thread`` huge) and with blocks of 8 rows (``rows_per_block``, the
-earlier size): milliseconds per step and the adapters' bytes read per second. Rounds
+for ``one`` and ``distinct``, with cpu_lora.h's defaults (blocks of 8 rows, one pass
+from one block a thread), with two passes forced (``fuse_blocks_per_thread`` huge) and
+with blocks of 16 rows (``rows_per_block``, the earlier size): milliseconds per step and the adapters' bytes read per second. Rounds
 interleave every arm; per arm the best round.
+``--base REV``: the kernels arms again with ``cpu_lora.cpp`` and its headers as of git
+revision REV (built like any kernel, cached), over the same adapters (A handed over as
+``[r, K]`` where REV's kernel takes it so): an A/B of a kernel change in one run.
 Wall time on a loaded machine is noisy: compare within one run. ``--cpu-clock``: one
 kernel thread, and every figure in the calling thread's CPU time (which the kernels then
 run on), far less inflated by other processes than wall time.
@@ -40,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 CLOCK = time.perf_counter  # --cpu-clock: time.thread_time
 # the kernels' arms: cpu_lora.h's (fuse_blocks_per_thread, rows_per_block)
 KNOBS = {
-    "default": (4, 16),
-    "two passes": (1 << 40, 16),
-    "8 rows a block": (4, 8),
+    "default": (1, 8),
+    "two passes": (1 << 40, 8),
+    "16 rows a block": (4, 16),
 }
 
 
@@ -70,9 +73,11 @@ def step_arm(core: Any, refs: list[Any], which: str, steps: int, timed: list[int
     return statistics.median(times) * 1e3
 
 
-def kernel_arm(model: Any, rows: Any, t: int, knobs: tuple[int, int], native: Any) -> float:
-    """ms of one step's LoRA additions (every layer's projections) for ``rows`` of a
-    ``t``-row batch."""
+def kernel_arm(
+    model: Any, rows: Any, t: int, knobs: tuple[int, int], native: Any, repeat: int
+) -> float:
+    """Median ms of one step's LoRA additions (every layer's projections) for ``rows`` of
+    a ``t``-row batch, over ``repeat`` passes."""
     import torch
 
     from structllm.model.lora import layout
@@ -85,13 +90,61 @@ def kernel_arm(model: Any, rows: Any, t: int, knobs: tuple[int, int], native: An
     bufs = {p: (torch.randn(t, k), torch.zeros(t, n)) for p, (k, n) in shapes.items()}
     was = native.fuse_blocks_per_thread(knobs[0]), native.rows_per_block(knobs[1])
     try:
-        start = CLOCK()
-        for layer in range(cfg.num_layers):
-            for proj, (x, out) in bufs.items():
-                rows.add(layer, proj, x, out)
-        return (CLOCK() - start) * 1e3
+        times = []
+        for _ in range(repeat):
+            start = CLOCK()
+            for layer in range(cfg.num_layers):
+                for proj, (x, out) in bufs.items():
+                    rows.add(layer, proj, x, out)
+            times.append(CLOCK() - start)
+        return statistics.median(times) * 1e3
     finally:
         native.fuse_blocks_per_thread(was[0]), native.rows_per_block(was[1])
+
+
+def base_module(rev: str) -> tuple[Any, bool]:
+    """``cpu_lora.cpp`` as of git revision ``rev`` (with its headers), built for the best
+    ISA, cached like any kernel (one directory per revision); and whether it takes A as
+    ``[r, K]`` (before the A^T layout, whose header names RANK_ALIGN)."""
+    import subprocess
+
+    from structllm.kernels import cpu_ext
+    from structllm.paths import cache_root
+
+    root = Path(__file__).resolve().parents[1]
+    d = cache_root() / "bench" / f"lora_{rev}"
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("cpu_lora.cpp", "cpu_lora.h", "cpu_pool.h", "cpu_simd.h"):
+        src = ["git", "-C", str(root), "show", f"{rev}:structllm/kernels/{name}"]
+        (d / name).write_bytes(subprocess.run(src, check=True, capture_output=True).stdout)
+    isa = cpu_ext.best_isa()
+    assert isa is not None
+    flags = [*cpu_ext.FLAGS, cpu_ext._ISA_MARCH[isa]]
+    module = cpu_ext.build(f"structllm_lora_base_{isa}", d / "cpu_lora.cpp", flags, f"{rev}'s LoRA")
+    if module is None:
+        raise RuntimeError(f"could not build cpu_lora.cpp at {rev}")
+    return cpu_ext._share_pool(module), b"RANK_ALIGN" not in (d / "cpu_lora.h").read_bytes()
+
+
+def base_rows(rows: Any, module: Any, num_layers: int, a_rows: bool) -> Any:
+    """``rows`` with ``module``'s ``lora_add`` and its items made ahead for every layer;
+    ``a_rows``: A as ``[r, K]`` (the kernels before A^T)."""
+    import dataclasses
+
+    from structllm.model.lora import LoraPlans
+
+    out = dataclasses.replace(rows, native=module, plans=LoraPlans())
+    for layer in range(num_layers):
+        for proj in ("qkv", "o", "gate_up", "down"):
+            items: Any = ([], [], [], [])
+            for g, (adapter, _) in enumerate(rows.groups):
+                for at, bt, col in adapter.layers.get(layer, {}).get(proj, ()):
+                    items[0].append(at.t().contiguous() if a_rows else at)
+                    items[1].append(bt)
+                    items[2].append(col)
+                    items[3].append(g)
+            out.plans.items[layer, proj] = items
+    return out
 
 
 def main() -> None:
@@ -103,6 +156,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--lora-dtype", default="auto")
     ap.add_argument("--cpu-clock", action="store_true", help="one thread, thread CPU time")
+    ap.add_argument("--base", default=None, help="git revision of a baseline cpu_lora.cpp")
     a = ap.parse_args()
     if a.cpu_clock:
         import torch
@@ -149,6 +203,7 @@ def main() -> None:
     lora_mod.LoraRows.add = timed_add  # type: ignore[method-assign]
     # the kernels' rows: one adapter on every row, or one each
     pinned = [registry.acquire(r) for r in refs]
+    base, a_rows = base_module(a.base) if a.base else (None, False)
     kernel_rows = {
         "one": registry.rows([(pinned[0].uid, a.rows)]),
         "distinct": registry.rows([(p.uid, 1) for p in pinned]),
@@ -166,23 +221,27 @@ def main() -> None:
         model.native_decode = True
         for which, rows in kernel_rows.items():
             for label, knobs in KNOBS.items():
-                ms = kernel_arm(model, rows, a.rows, knobs, registry.native)
+                ms = kernel_arm(model, rows, a.rows, knobs, registry.native, a.steps)
                 kernels.setdefault(f"{which} {label}", []).append(ms)
+                if base is not None:
+                    rows_b = base_rows(rows, base, model.cfg.num_layers, a_rows)
+                    ms = kernel_arm(model, rows_b, a.rows, knobs, base, a.steps)
+                    kernels.setdefault(f"{which} {label} @{a.base}", []).append(ms)
     load = os.getloadavg()[0]
     clock = "thread CPU time, one thread" if a.cpu_clock else "wall time"
     print(
         f"load average {load:.1f}; {a.rows} rows, rank {a.rank}, {a.lora_dtype} adapters; {clock}"
     )
     print(f"decode loop: {model.decode_why}")
-    base = min(ms for ms, _ in steps["base native"])
+    first = min(ms for ms, _ in steps["base native"])
     for key, runs in steps.items():
         ms, lora_ms = min(runs)
         inside = f"  (LoraRows.add: {lora_ms:6.1f} ms)" if key.endswith("python") else ""
-        print(f"{key:>16}: step {ms:7.1f} ms  {ms / base:5.2f}x base native{inside}")
+        print(f"{key:>16}: step {ms:7.1f} ms  {ms / first:5.2f}x base native{inside}")
     for key, runs in kernels.items():
         ms = min(runs)
         gbs = nbytes[key.split()[0]] / ms / 1e6
-        print(f"kernels {key:>25}: {ms:7.1f} ms/step  adapters read at {gbs:5.1f} GB/s")
+        print(f"kernels {key:>34}: {ms:7.1f} ms/step  adapters read at {gbs:5.1f} GB/s")
     for p in pinned:
         registry.release(p.uid)
     core.close()

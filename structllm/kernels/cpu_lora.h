@@ -190,8 +190,11 @@ inline void expand_rows(float* const* o, const float* const* s, const W* bt, int
 }
 
 // rows per block (at most ROWS): an adapter's A and B^T are read once per block, so 16
-// decode rows of one adapter read them once where blocks of 8 read them twice
-inline int64_t rows_per_block = ROWS;
+// decode rows of one adapter read them twice in blocks of 8; yet blocks of 8 (one shrink
+// row group) ran one adapter's 16-row step in 0.64-0.70x the time of blocks of 16, on
+// one thread and on two (bench/lora_step.py: the second read comes from L2/L3, and the
+// two blocks make a one-pass step for two threads)
+inline int64_t rows_per_block = GROUP;
 
 struct Block {  // one item's block of rows: rows[first .. first + n), s at s_at
   int64_t item, first, n, s_at;
@@ -234,8 +237,9 @@ struct Plan {
   }
 };
 
-// blocks per pool thread from which run() takes one pass (see run)
-inline int64_t fuse_blocks_per_thread = 4;
+// blocks per pool thread from which run() takes one pass (see run): one adapter's 16
+// decode rows (two blocks) take it on two threads
+inline int64_t fuse_blocks_per_thread = 1;
 
 // the shrink's units of a block: tiles of (GROUP rows, VW ranks), the rank tiles of one
 // row group next to each other (its x rows stay in L1 across them)
