@@ -16,7 +16,8 @@ Then ``kernels``: the LoRA additions of one step alone (every layer's four proje
 through ``lora_add``, the adapters' weights as loaded, x and out of the step's shapes),
 for ``one`` and ``distinct``, with cpu_lora.h's defaults (blocks of 8 rows, one pass
 from one block a thread), with two passes forced (``fuse_blocks_per_thread`` huge) and
-with blocks of 16 rows (``rows_per_block``, the earlier size): milliseconds per step and the adapters' bytes read per second. Rounds
+with blocks of 16 rows (``rows_per_block``, the earlier size): milliseconds per step
+(the median of ``--steps`` passes) and the adapters' bytes read per second. Rounds
 interleave every arm; per arm the best round.
 ``--base REV``: the kernels arms again with ``cpu_lora.cpp`` and its headers as of git
 revision REV (built like any kernel, cached), over the same adapters (A handed over as
