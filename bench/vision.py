@@ -22,7 +22,9 @@ keeps no encoder output across requests); and the resident memory the first imag
 servers rotates per rep.
 
     python bench/vision.py --size tiny
-    python bench/vision.py --size siglip400m --llama-server /root/llama-build-avx2/bin/llama-server
+    python bench/vision.py --size siglip400m     # against the tests' AVX-512 llama-server
+    STRUCTLLM_CPU_ISA=avx2 python bench/vision.py --size siglip400m \
+        --llama-server ~/.cache/structllm/llamacpp/build-avx2/bin/llama-server
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 import serve
 from llama_server import LlamaServer, LlamaServerFailed
 
+from structllm.paths import cache_root
+
+DEFAULT_LLAMA_SERVER = cache_root() / "llamacpp" / "build-avx512" / "bin" / "llama-server"
 QUESTION = "Describe this picture in one sentence."
 IMAGE_SIDE = 896
 # the released Gemma 3's vision tower (SigLIP-400M) before a small text model
@@ -237,7 +242,9 @@ def main() -> None:
     ap.add_argument("--size", choices=("tiny", "tiny-smolvlm", "siglip400m"), default="tiny")
     ap.add_argument("--model-type", default="Q8_0")
     ap.add_argument("--mmproj-type", default="f16")
-    ap.add_argument("--llama-server", default="/root/llama-build-avx512/bin/llama-server")
+    # (the tests' AVX-512 build: python -c "from tests.support.llamacpp import tool;
+    # tool('llama-server', 'avx512')"; an empty value runs structllm alone)
+    ap.add_argument("--llama-server", default=str(DEFAULT_LLAMA_SERVER))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
