@@ -18,6 +18,14 @@
 // into groups so that every thread has some; each group reads the sequence's rows once
 // (from L2 after the first group).
 //
+// The inner loops keep their sums in registers: a head's weighted latent (and the
+// absorbed query) a chunk of vectors at a time over a block's rows (acc_rows, not a
+// load and a store of the sum per row), the scores and the value projection four rows
+// against one shared vector (dot4). Each element's operations are those of the plain
+// axpy / dot loops in the same order, so the results are bit for bit theirs; at the
+// bench shape (16 sequences, 16 heads, 150 cached rows, one thread) a call took 1.05
+// ms where those loops took 1.65 (AVX-512; AVX2 1.27 against 2.28).
+//
 // Layouts:
 //   q        [B, H, Dn + R] float32, rows at q.stride(0), heads adjacent
 //   rope     [B, R / 2, 2] float32 (cos, sin), rows at rope.stride(0): view_as_real of
@@ -116,10 +124,82 @@ struct Shape {
   float scale;
 };
 
-// One head's scaled query qs[0..W): the absorbed latent part and the rotated rotary part.
+// dot(x, ys[j]) for the 4 rows ys[0..4) into out[0..4): dot's sums, lane for lane and
+// in its order (two accumulators per row, then the scalar tail), so the same bits, with
+// each load of x shared by the 4 rows (one load per multiply-add where dot has two)
+inline void dot4(const float* x, const float* const* ys, int n, float* out) {
+  int i = 0;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef SL_VECTORS
+  sl::vf a0[4], a1[4];
+  for (int j = 0; j < 4; j++) a0[j] = a1[j] = sl::vzero();
+  for (; i + 2 * sl::VW <= n; i += 2 * sl::VW) {
+    const sl::vf x0 = sl::vload(x + i), x1 = sl::vload(x + i + sl::VW);
+    for (int j = 0; j < 4; j++) {
+      a0[j] = sl::vfma(x0, sl::vload(ys[j] + i), a0[j]);
+      a1[j] = sl::vfma(x1, sl::vload(ys[j] + i + sl::VW), a1[j]);
+    }
+  }
+  for (; i + sl::VW <= n; i += sl::VW) {
+    const sl::vf x0 = sl::vload(x + i);
+    for (int j = 0; j < 4; j++) a0[j] = sl::vfma(x0, sl::vload(ys[j] + i), a0[j]);
+  }
+  for (int j = 0; j < 4; j++) s[j] = sl::vsum(sl::vadd(a0[j], a1[j]));
+#endif
+  for (int j = 0; j < 4; j++)
+    for (int k = i; k < n; k++) s[j] += x[k] * ys[j][k];
+  for (int j = 0; j < 4; j++) out[j] = s[j];
+}
+
+// dot(x, ys[j]) for n_rows rows: dot4 by fours, dot for the rest (the same bits either way)
+inline void dot_rows(const float* x, const float* const* ys, int n_rows, int n, float* out) {
+  int j = 0;
+  for (; j + 4 <= n_rows; j += 4) dot4(x, ys + j, n, out + j);
+  for (; j < n_rows; j++) out[j] = dot(x, ys[j], n);
+}
+
+constexpr int kChunk = 4;  // vectors of acc held in registers by acc_rows
+
+// acc[0..n) = acc * c (when c != 1), then acc += a[p] * rows[p][0..n) for p in 0..P: the
+// sums axpy and scal make, element by element in the same order (so the same bits), with
+// acc held in registers across the P rows, a chunk of kChunk vectors at a time, instead
+// of a load and a store of acc per row
+inline void acc_rows(float* acc, float c, const float* a, const float* const* rows, int P, int n) {
+  int i = 0;
+#ifdef SL_VECTORS
+  const sl::vf vc = sl::vset1(c);
+  for (; i + kChunk * sl::VW <= n; i += kChunk * sl::VW) {
+    sl::vf r[kChunk];
+    for (int k = 0; k < kChunk; k++) {
+      r[k] = sl::vload(acc + i + k * sl::VW);
+      if (c != 1.f) r[k] = sl::vmul(vc, r[k]);
+    }
+    for (int p = 0; p < P; p++) {
+      const sl::vf vp = sl::vset1(a[p]);
+      for (int k = 0; k < kChunk; k++) r[k] = sl::vfma(vp, sl::vload(rows[p] + i + k * sl::VW), r[k]);
+    }
+    for (int k = 0; k < kChunk; k++) sl::vstore(acc + i + k * sl::VW, r[k]);
+  }
+  for (; i + sl::VW <= n; i += sl::VW) {
+    sl::vf r = sl::vload(acc + i);
+    if (c != 1.f) r = sl::vmul(vc, r);
+    for (int p = 0; p < P; p++) r = sl::vfma(sl::vset1(a[p]), sl::vload(rows[p] + i), r);
+    sl::vstore(acc + i, r);
+  }
+#endif
+  for (; i < n; i++) {
+    if (c != 1.f) acc[i] *= c;
+    for (int p = 0; p < P; p++) acc[i] += a[p] * rows[p][i];
+  }
+}
+
+// One head's scaled query qs[0..W): the absorbed latent part (qs[0..L) = sum over d of
+// q[d] * k_b[d], acc_rows over k_b's Dn rows) and the rotated rotary part.
 void head_query(const Shape& s, const float* q, const float* rope, const float* k_b, float* qs) {
   std::fill(qs, qs + s.L, 0.f);
-  for (int d = 0; d < s.Dn; d++) axpy(qs, q[d], k_b + static_cast<int64_t>(d) * s.L, s.L);
+  const float* rows[512];  // k_b's rows (Dn <= 512, checked)
+  for (int d = 0; d < s.Dn; d++) rows[d] = k_b + static_cast<int64_t>(d) * s.L;
+  acc_rows(qs, 1.f, q, rows, s.Dn, s.L);
   const float* x = q + s.Dn;
   for (int i = 0; i < s.R / 2; i++) {  // (x0, x1) * (cos + i sin), as the complex product
     const float c = rope[2 * i], sn = rope[2 * i + 1];
@@ -152,22 +232,20 @@ void attend_group(const Shape& s, const float* qs, const T* cache, const int32_t
     const int n = std::min(s.BS, len - j * s.BS);
     const T* blk = cache + static_cast<int64_t>(table[j]) * s.BS * W;
     for (int p = 0; p < n; p++) rows[p] = as_float(blk + static_cast<int64_t>(p) * W, widened + p * W, W);
-    for (int g = 0; g < G; g++) {  // scores, then the online softmax's rescale
+    float c[16];  // each head's rescale of its sums so far (the online softmax's)
+    for (int g = 0; g < G; g++) {  // scores (dot_rows: dot's bits), then the rescale
       float* sg = sc + g * s.BS;
+      dot_rows(qs + static_cast<size_t>(g) * W, rows, n, W, sg);
       float mx = m[g];
-      for (int p = 0; p < n; p++) {
-        sg[p] = dot(qs + static_cast<size_t>(g) * W, rows[p], W);
-        mx = std::max(mx, sg[p]);
-      }
-      const float c = std::exp(m[g] - mx);  // 0 on the first block (m = -inf)
+      for (int p = 0; p < n; p++) mx = std::max(mx, sg[p]);
+      c[g] = std::exp(m[g] - mx);  // 0 on the first block (m = -inf)
       float sum = 0.f;
       for (int p = 0; p < n; p++) sum += (sg[p] = std::exp(sg[p] - mx));
-      if (c != 1.f) scal(acc + static_cast<size_t>(g) * L, c, L);
-      l[g] = l[g] * c + sum;
+      l[g] = l[g] * c[g] + sum;
       m[g] = mx;
     }
-    for (int p = 0; p < n; p++)  // each row once for the G heads: acc[g] += e[g, p] * row[0..L)
-      for (int g = 0; g < G; g++) axpy(acc + static_cast<size_t>(g) * L, sc[g * s.BS + p], rows[p], L);
+    // acc[g] = acc[g] * c[g] + sum over p of e[g, p] * row[p][0..L), in registers
+    for (int g = 0; g < G; g++) acc_rows(acc + static_cast<size_t>(g) * L, c[g], sc + g * s.BS, rows, n, L);
   }
   for (int g = 0; g < G; g++) scal(acc + static_cast<size_t>(g) * L, 1.f / l[g], L);
 }
@@ -200,6 +278,7 @@ void check_args(const torch::Tensor& q, const torch::Tensor& rope, const torch::
   TORCH_CHECK(R >= 0 && R % 2 == 0 && rope.size(1) == R / 2 && q.size(2) == k_b.size(1) + R,
               "mla decode: q [B, H, Dn + R], rope [B, R/2, 2] and the cache's L + R columns disagree");
   TORCH_CHECK(cache.size(1) >= 1 && cache.size(1) <= 256, "mla decode: block size must be 1..256");
+  TORCH_CHECK(k_b.size(1) <= 512, "mla decode: at most 512 non-rotary query columns a head (Dn)");
 }
 
 }  // namespace
@@ -265,14 +344,18 @@ torch::Tensor decode(const torch::Tensor& q, const torch::Tensor& rope, const to
         attend_group(s, qs.data() + row * W, static_cast<const float*>(cp), table, ln[b], g, olat.data() + row * s.L);
     }
   });
-  // 3. each head's value projection, by head: v_b[h] read once for the B rows
+  // 3. each head's value projection, by head: v_b[h] read once for the B rows (each
+  // row of v_b against four sequences' latents at a time, dot_rows)
   sl::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; h++)
+    std::vector<const float*> lat(B);
+    std::vector<float> dots(B);
+    for (int64_t h = h0; h < h1; h++) {
+      for (int b = 0; b < B; b++) lat[b] = olat.data() + (static_cast<size_t>(b) * H + h) * s.L;
       for (int d = 0; d < s.Dv; d++) {
-        const float* vrow = vb + (h * s.Dv + d) * s.L;
-        for (int b = 0; b < B; b++)
-          op[(static_cast<int64_t>(b) * H + h) * s.Dv + d] = dot(olat.data() + (static_cast<size_t>(b) * H + h) * s.L, vrow, s.L);
+        dot_rows(vb + (h * s.Dv + d) * s.L, lat.data(), B, s.L, dots.data());
+        for (int b = 0; b < B; b++) op[(static_cast<int64_t>(b) * H + h) * s.Dv + d] = dots[b];
       }
+    }
   });
   return out;
 }
