@@ -5,8 +5,10 @@ together (128-token prompts, then ``--output-len`` tokens each) once per arm:
 
 - ``torch``: the layers' torch path (``DeepseekModel.mla`` and every ``native_router``
   off: the absorbed attention by torch's batched matmuls, torch's router);
-- ``native``: ``DeepseekModel._forward_native`` (cpu_mla.cpp's ``store_latent``,
-  ``decode`` and ``group_route``, the fused CPU ops' norms).
+- ``python``: ``DeepseekModel._forward_native`` (cpu_mla.cpp's ``store_latent``,
+  ``decode`` and ``group_route``, the fused CPU ops' norms) in a Python layer loop;
+- ``native``: the same kernels in the native decode loop (``cpu_decode.cpp``), when the
+  file's matrices are all in blocks (else it is the ``python`` arm again).
 
 Printed per run: tokens/s (wall, over the decode steps after every prompt's prefill)
 and the median such step's CPU time of the calling thread (``time.thread_time``; with
@@ -34,10 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.models import prompts
 
+ARMS = ("torch", "python", "native")
 
-def set_arm(model: Any, native: Any, on: bool) -> None:
-    """The native latent attention and router on or off."""
+
+def set_arm(model: Any, native: Any, arm: str) -> None:
+    """The native latent attention and router on or off, and the native loop."""
+    on = arm != "torch"
     model.mla = native if on else None
+    model.native_decode = arm == "native"
     for layer in model.layers:
         if layer.moe is not None:
             layer.moe.native_router = native if on else None
@@ -103,8 +109,8 @@ def main() -> None:
     best: dict[str, tuple[float, float]] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
     for r in range(args.rounds):
-        for arm in ("torch", "native"):
-            set_arm(model, native, arm == "native")
+        for arm in ARMS:
+            set_arm(model, native, arm)
             group = [ps[(r + i) % len(ps)] for i in range(args.streams)]
             rate, cpu, toks = streams(llm, f"{arm}-{r}", group, args.output_len)
             tokens.setdefault((arm, r % 3), toks)
@@ -114,8 +120,11 @@ def main() -> None:
             print(f"{arm:<7} {rate:6.1f} tok/s  step thread-CPU {cpu * 1e3:6.2f} ms  load {load}")
     for arm, (rate, cpu) in best.items():
         print(f"{arm:<7} best {rate:6.1f} tok/s, least median step thread-CPU {cpu * 1e3:6.2f} ms")
-    same = all(tokens[("torch", k)] == tokens[("native", k)] for k in range(min(3, args.rounds)))
-    print(f"threads {args.threads}, streams {args.streams}; same tokens in both arms: {same}")
+    same = all(
+        tokens[("torch", k)] == tokens[(arm, k)] for arm in ARMS for k in range(min(3, args.rounds))
+    )
+    print(f"threads {args.threads}, streams {args.streams}; same tokens in every arm: {same}")
+    print(f"decode steps: {model.decode_why}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@
 // and step (a tensor per op was ~240 allocations a step).
 //
 // Shapes (float32, contiguous; T decode rows, one per sequence):
-//   DecodePlan(linears, hint, layer_ops, attention_ops, hidden, heads H, kv_heads Hkv,
-//              head_dim D, ffn F, eps, moe_ops or None)
+//   DecodePlan(linears, hint, layer_ops, attention_ops or None, hidden, heads H, kv_heads Hkv,
+//              head_dim D, ffn F, eps, moe_ops, recurrent_ops, mla_ops (each or None))
 //   add_layer(...): one layer's weights, in model order (see decode_plan.py)
 //   set_caches([(kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D])] per layer)
 //   run(begin, end, x [T, hidden], delta [T, hidden] or None, ropes [[T, D/2, 2]],
@@ -45,6 +45,11 @@
 //       through cpu_recurrent.cpp's RecurrentOps (cpu_hybrid.h), the functions its
 //       tensor entry points run. set_attn_gate(i, parts): Qwen3.5's gated attention
 //       for attention layer i (o *= sigmoid(h @ gate^T) before o_proj)
+//   add_mla_layer(...): DeepSeek's latent-attention layer (model/deepseek.py's
+//       DeepseekLayer.forward_native; a plan holds no other kind); its cache entry in
+//       set_caches is its one tensor of latent rows [NB, BS, 1, L + R], run's ropes the
+//       one table [T, R/2, 2]; cpu_mla.cpp's kernels through its MlaOps (cpu_mla.h), its
+//       grouped router and the experts (moe_ops) then the shared experts' MLP added
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -61,6 +66,7 @@
 
 #include "cpu_hybrid.h"
 #include "cpu_lora.h"
+#include "cpu_mla.h"
 #include "cpu_pool.h"
 #include "cpu_tables.h"
 
@@ -155,12 +161,24 @@ struct Layer {
   const float *a_log = nullptr, *dt_bias = nullptr, *gnorm = nullptr;
   // Qwen3.5's gated attention (set_attn_gate): o *= sigmoid(h @ attn_gate^T), [H D, hidden]
   Matrix attn_gate;
+  // a DeepSeek latent-attention layer (add_mla_layer, mla_layer): q_a [Q, hidden] and
+  // q_b [H (Dn + R), Q] (without q_a: q_b is q_proj [H (Dn + R), hidden]), kv_a
+  // [L + R, hidden], k_b [H, Dn, L] and v_b [H, Dv, L] float32, o [hidden, H Dv]; a
+  // mixture-of-experts MLP routed by cpu_mla.cpp's group_route (route_*), with the
+  // shared experts (shared_gate_up [2 Fs, hidden], shared_down [hidden, Fs]) or none
+  bool mla = false;
+  Matrix q_a, q_b, kv_a, shared_gate_up, shared_down;
+  const float *q_a_norm = nullptr, *kv_a_norm = nullptr, *k_b = nullptr, *v_b = nullptr;
+  bool route_sigmoid = false;
+  int64_t route_groups = 1, route_used = 1;
+  float route_scale = 1.f;
 };
 
 struct Cache {
   torch::Tensor kt, v;  // an attention layer's
   torch::Tensor state;  // a recurrent layer's convolution state [S, C, K - 1] float32
   torch::Tensor rule;   // a Gated DeltaNet layer's delta-rule state [S, H, Dk, Dv] float32
+  torch::Tensor latent;  // a latent-attention layer's rows [NB, BS, 1, L + R] float32 or float16
 };
 
 // One set of adapters' parts (model/lora.py's LoraAdapter.layers), as run() adds them:
@@ -221,17 +239,22 @@ class LoraItems {
 class DecodePlan {
  public:
   DecodePlan(const pybind11::capsule& linears, const pybind11::capsule& hint, const pybind11::capsule& layer_ops,
-             const pybind11::capsule& attention_ops, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
-             int64_t ffn, double eps, const pybind11::object& moe_ops, const pybind11::object& recurrent_ops)
+             const pybind11::object& attention_ops, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+             int64_t ffn, double eps, const pybind11::object& moe_ops, const pybind11::object& recurrent_ops,
+             const pybind11::object& mla_ops)
       : linears_(from_capsule<Table>(linears, "structllm.quant_linears")),
         hint_(reinterpret_cast<sl::HintFn>(const_cast<void*>(from_capsule<void>(hint, "structllm.quant_hint")))),
         ops_(from_capsule<sl::LayerOps>(layer_ops, "structllm.layer_ops")),
-        attn_(from_capsule<sl::AttentionOps>(attention_ops, "structllm.attention_ops")),
+        attn_(attention_ops.is_none() ? nullptr
+                                      : from_capsule<sl::AttentionOps>(attention_ops.cast<pybind11::capsule>(),
+                                                                       "structllm.attention_ops")),
         moe_(moe_ops.is_none() ? nullptr
                                : from_capsule<sl::MoeOps>(moe_ops.cast<pybind11::capsule>(), "structllm.moe_ops")),
         rec_(recurrent_ops.is_none() ? nullptr
                                      : from_capsule<sl::RecurrentOps>(recurrent_ops.cast<pybind11::capsule>(),
                                                                       "structllm.recurrent_ops")),
+        mla_(mla_ops.is_none() ? nullptr
+                               : from_capsule<sl::MlaOps>(mla_ops.cast<pybind11::capsule>(), "structllm.mla_ops")),
         H_(hidden), nh_(heads), nkv_(kv_heads), D_(head_dim), F_(ffn), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 &&
                     ffn > 0,
@@ -246,6 +269,8 @@ class DecodePlan {
                  const OptT& router, int64_t top_k, bool renormalise, const OptT& sinks, const OptT& o_bias,
                  const OptT& router_bias, bool softmax_chosen) {
     const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
+    TORCH_CHECK(mla_shape_.H == 0, "cpu_decode: a plan of latent-attention layers takes no other kind");
+    TORCH_CHECK(attn_ != nullptr, "cpu_decode: an attention layer needs attention_ops");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "cpu_decode: q and k norms come together");
     TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0 && rope >= 0, "cpu_decode: bad window, cap or rope");
     Layer L;
@@ -369,6 +394,88 @@ class DecodePlan {
     layers_.push_back(std::move(L));
   }
 
+  // ---- DeepSeek's latent-attention layers (model/deepseek.py's DeepseekLayer) -----------
+
+  // A latent-attention layer in model order (a plan holds no other kind): the norms, the
+  // query's (q_a, q_a_norm, q_b; or q_b alone, q_proj) and the latent's projections
+  // (kv_a, kv_a_norm), k_b [H, Dn, L] and v_b [H, Dv, L] float32, the rotary width R,
+  // o; then a dense MLP (gate_up, down) or experts (an Experts of cpu_moe.cpp, the router
+  // [E, hidden] float32, its choice bias [E] or None, group_route's parameters) beside
+  // the shared experts (shared_gate_up [2 Fs, hidden], shared_down [hidden, Fs]; or
+  // empty). Every such layer has one shape (the plan's scratch is sized by the first).
+  void add_mla_layer(const torch::Tensor& in_norm, const std::vector<PartSpec>& q_a, const OptT& q_a_norm,
+                     const std::vector<PartSpec>& q_b, const std::vector<PartSpec>& kv_a,
+                     const torch::Tensor& kv_a_norm, const torch::Tensor& k_b, const torch::Tensor& v_b,
+                     int64_t rope_dim, double scale, const std::vector<PartSpec>& o, const torch::Tensor& post_norm,
+                     const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down,
+                     const pybind11::object& experts, const OptT& router, const OptT& router_bias, bool sigmoid,
+                     int64_t groups, int64_t groups_used, int64_t top_k, bool renormalise, double route_scale,
+                     const std::vector<PartSpec>& shared_gate_up, const std::vector<PartSpec>& shared_down) {
+    TORCH_CHECK(mla_ != nullptr, "cpu_decode: a latent-attention layer needs mla_ops");
+    TORCH_CHECK(std::none_of(layers_.begin(), layers_.end(), [](const Layer& L) { return !L.mla; }),
+                "cpu_decode: a plan of latent-attention layers takes no other kind");
+    for (const torch::Tensor* t : {&k_b, &v_b})
+      TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous() && t->dim() == 3 && t->size(0) == nh_,
+                  "cpu_decode: k_b and v_b must be float32 [heads, *, L] contiguous");
+    const int64_t Dn = k_b.size(1), L = k_b.size(2), Dv = v_b.size(1), R = rope_dim;
+    TORCH_CHECK(v_b.size(2) == L && R >= 0 && R % 2 == 0 && Dn <= 512, "cpu_decode: bad latent-attention widths");
+    TORCH_CHECK(q_a.empty() == !q_a_norm.has_value(), "cpu_decode: q_a and q_a_norm come together");
+    const int64_t Q = q_a.empty() ? 0 : q_a_norm->numel();
+    Layer Lr{};
+    for (const torch::Tensor* t : {&in_norm, &kv_a_norm, &k_b, &v_b, &post_norm}) Lr.keep.push_back(*t);
+    if (q_a_norm.has_value()) Lr.keep.push_back(*q_a_norm);
+    Lr.mla = true;
+    Lr.in_norm = vec_of(in_norm, H_, "in_norm");
+    Lr.post_norm = vec_of(post_norm, H_, "post_norm");
+    Lr.q_a_norm = vec_of(q_a_norm, Q, "q_a_norm");
+    Lr.kv_a_norm = vec_of(kv_a_norm, L, "kv_a_norm");
+    Lr.k_b = k_b.data_ptr<float>();
+    Lr.v_b = v_b.data_ptr<float>();
+    const int64_t qw = nh_ * (Dn + R);
+    if (Q > 0) Lr.q_a = matrix_of(q_a, Q, H_, "q_a");
+    Lr.q_b = matrix_of(q_b, qw, Q > 0 ? Q : H_, "q_b");
+    Lr.kv_a = matrix_of(kv_a, L + R, H_, "kv_a");
+    Lr.o = matrix_of(o, H_, nh_ * Dv, "o");
+    Lr.scale = static_cast<float>(scale);
+    Lr.residual_scale = 1.f;
+    Lr.moe = !experts.is_none();
+    int64_t shared_ffn = 0;
+    if (Lr.moe) {
+      TORCH_CHECK(moe_ != nullptr && gate_up.empty() && down.empty(),
+                  "cpu_decode: experts need moe_ops and no dense MLP matrices");
+      Lr.experts = from_capsule<void>(experts.cast<pybind11::capsule>(), "structllm.moe_experts");
+      TORCH_CHECK(router.has_value() && router->dtype() == torch::kFloat32 && router->dim() == 2 &&
+                      router->is_contiguous() && router->size(1) == H_ && top_k >= 1 && top_k <= router->size(0),
+                  "cpu_decode: the router must be float32 [E, hidden] contiguous, top k in [1, E]");
+      Lr.keep.push_back(*router);
+      Lr.router = router->data_ptr<float>();
+      Lr.num_experts = router->size(0), Lr.top_k = top_k, Lr.renormalise = renormalise;
+      if (router_bias.has_value()) Lr.keep.push_back(*router_bias);
+      Lr.router_bias = vec_of(router_bias, Lr.num_experts, "router_bias");
+      Lr.route_sigmoid = sigmoid, Lr.route_groups = groups, Lr.route_used = groups_used;
+      Lr.route_scale = static_cast<float>(route_scale);
+      TORCH_CHECK(shared_gate_up.empty() == shared_down.empty(), "cpu_decode: shared gate_up and down come together");
+      if (!shared_down.empty()) {
+        int64_t rows = 0;
+        for (const auto& spec : shared_gate_up) rows += std::get<0>(spec).size(0);
+        TORCH_CHECK(rows % 2 == 0 && rows > 0, "cpu_decode: shared gate_up must have 2 Fs rows");
+        shared_ffn = rows / 2;
+        Lr.shared_gate_up = matrix_of(shared_gate_up, 2 * shared_ffn, H_, "shared_gate_up");
+        Lr.shared_down = matrix_of(shared_down, H_, shared_ffn, "shared_down");
+      }
+    } else {
+      Lr.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+      Lr.down = matrix_of(down, H_, F_, "down");
+    }
+    const MlaShape shape{Q, nh_, Dn, R, L, Dv, std::max(mla_shape_.Fs, shared_ffn)};
+    TORCH_CHECK(mla_shape_.H == 0 || (mla_shape_.Q == Q && mla_shape_.Dn == Dn && mla_shape_.R == R &&
+                                      mla_shape_.L == L && mla_shape_.Dv == Dv &&
+                                      (shared_ffn == 0 || mla_shape_.Fs == 0 || mla_shape_.Fs == shared_ffn)),
+                "cpu_decode: every latent-attention layer must have one shape");
+    mla_shape_ = shape;
+    layers_.push_back(std::move(Lr));
+  }
+
   // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
   // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
   void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
@@ -383,6 +490,10 @@ class DecodePlan {
     TORCH_CHECK(caches.size() == layers_.size(), "cpu_decode: one (K, V) cache pair per layer");
     std::vector<Cache> out;
     for (size_t i = 0; i < caches.size(); i++) {
+      if (layers_[i].mla) {
+        out.push_back(latent_cache(caches[i]));
+        continue;
+      }
       if (layers_[i].conv) {
         out.push_back({{}, {}, conv_state(caches[i], layers_[i]), {}});
         continue;
@@ -412,6 +523,7 @@ class DecodePlan {
                     const std::vector<int64_t>& lora_starts, const OptT& state_slots, const OptT& fresh) {
     const int64_t T = check_step(begin, end, x, delta, ropes, slots, tables, lens, mode_int8, mode_plain);
     if (lora != nullptr) check_lora(*lora, lora_rows, lora_starts, T);
+    TORCH_CHECK(lora == nullptr || mla_shape_.H == 0, "cpu_decode: no LoRA adapters in latent-attention layers");
     check_states(begin, end, state_slots, fresh, T, lora != nullptr);
     auto out = torch::empty({T, H_}, x.options());
     if (scratch_rows_ != T) make_scratch(T);
@@ -493,8 +605,8 @@ class DecodePlan {
       TORCH_CHECK(delta->dtype() == torch::kFloat32 && delta->is_contiguous() && delta->sizes() == x.sizes(),
                   "cpu_decode: delta must be float32 and shaped as x");
     for (const auto& r : ropes)
-      TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * D_,
-                  "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous");
+      TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * rope_width(),
+                  "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous (D: the rotary width)");
     for (int64_t i = begin; i < end; i++) {
       TORCH_CHECK(layers_[i].conv || layers_[i].delta || layers_[i].rope < static_cast<int64_t>(ropes.size()),
                   "cpu_decode: layer ", i,
@@ -536,11 +648,16 @@ class DecodePlan {
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.q_a, &L.q_b, &L.kv_a, &L.shared_gate_up, &L.shared_down})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
+    for (const Layer& L : layers_)
       for (const Matrix* m : {&L.z_proj, &L.b_proj, &L.a_proj, &L.attn_gate})
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     const bool conv = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.conv; });
     make_hybrid_scratch(T);
+    make_mla_scratch(T);
     scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest),
                 f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
                 f(conv ? H_ : 1)};
@@ -602,6 +719,7 @@ class DecodePlan {
     const Layer& L = layers_[i];
     if (L.conv) return conv_layer(L, c, s, delta);
     if (L.delta) return delta_layer(L, c, s, delta);
+    if (L.mla) return mla_layer(L, c, s, delta);
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
@@ -772,16 +890,101 @@ class DecodePlan {
 
   // ---- end of the hybrid models' section ----------------------------------------------
 
+  // ---- DeepSeek's latent-attention layers (see add_mla_layer) -------------------------
+
+  struct MlaShape {
+    int64_t Q = 0, H = 0, Dn = 0, R = 0, L = 0, Dv = 0, Fs = 0;  // H 0: no such layer
+  };
+
+  // the rotary tables' width: D, or a latent-attention plan's R
+  int64_t rope_width() const { return mla_shape_.H != 0 ? mla_shape_.R : D_; }
+
+  // a latent-attention layer's cache entry: its one tensor of rows [NB, BS, 1, L + R]
+  Cache latent_cache(const std::vector<torch::Tensor>& entry) const {
+    TORCH_CHECK(entry.size() == 1, "cpu_decode: a latent-attention layer's cache is its one tensor");
+    const torch::Tensor& c = entry[0];
+    TORCH_CHECK((c.dtype() == torch::kFloat32 || c.dtype() == torch::kFloat16) && c.is_contiguous() && c.dim() == 4 &&
+                    c.size(2) == 1 && c.size(3) == mla_shape_.L + mla_shape_.R && c.size(1) >= 1 && c.size(1) <= 256,
+                "cpu_decode: a latent cache must be float32 or float16 [NB, BS <= 256, 1, L + R] contiguous");
+    Cache out;
+    out.latent = c;
+    return out;
+  }
+
+  // DeepseekLayer.forward_native for one layer, its output (the MLP's) to s.out: the
+  // kernels that path calls, in its order (LatentAttention.forward_native's projections,
+  // cpu_mla.cpp's store_latent and decode; DeepseekMoe's group_route, the experts' one
+  // call, the shared experts' MLP added after them as torch's add)
+  void mla_layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const MlaShape& m = mla_shape_;
+    const int64_t T = s.T;
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* q = mbuf(kMQ);  // [T, H (Dn + R)]
+    if (m.Q > 0) {
+      linear(L.q_a, h, mbuf(kMQa), s, nullptr);  // [T, Q], then its norm
+      ops_->rms_norm(mbuf(kMQa), nullptr, L.q_a_norm, mbuf(kMQaNormed), T, m.Q, eps_);
+      linear(L.q_b, mbuf(kMQaNormed), q, s, nullptr);
+    } else {
+      linear(L.q_b, h, q, s, nullptr);
+    }
+    float* kv = mbuf(kMKV);  // [T, L + R]
+    linear(L.kv_a, h, kv, s, nullptr);
+    const bool half = c.latent.dtype() == torch::kFloat16;
+    const int64_t nb = c.latent.size(0), bs = c.latent.size(1);
+    const float* rope = s.ropes[0];  // [T, R/2, 2]
+    mla_->store_latent(kv, L.kv_a_norm, eps_, rope, m.R, c.latent.data_ptr(), half, nb * bs, T, m.L, m.R, s.slots);
+    float* v = mbuf(kMV);  // [T, H Dv]
+    mla_->decode(q, m.H * (m.Dn + m.R), rope, m.R, L.k_b, L.v_b, c.latent.data_ptr(), half, nb, bs, s.tables, s.mb,
+                 s.lens, T, m.H, m.Dn, m.R, m.L, m.Dv, L.scale, v);
+    linear(L.o, v, buf(kAttn), s, nullptr);
+    h = pre_norm(L.post_norm, buf(kAttn), s);
+    if (!L.moe) {
+      float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F], [T, F]
+      linear(L.gate_up, h, gu, s, nullptr);
+      ops_->silu_mul(gu, act, T, F_);
+      linear(L.down, act, s.out, s, nullptr);
+      return;
+    }
+    float* w = scratch_[kRouteW].data_ptr<float>();           // [T, k]
+    int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
+    mla_->group_route(h, L.router, L.router_bias, T, H_, L.num_experts, L.route_sigmoid, L.route_groups, L.route_used,
+                      L.top_k, L.renormalise, L.route_scale, w, chosen);
+    moe_->experts(L.experts, h, chosen, w, T, L.top_k, s.out);
+    if (L.shared_down.parts.empty()) return;
+    const int64_t Fs = L.shared_down.k;
+    float *gu = mbuf(kMSharedGU), *act = mbuf(kMSharedAct), *y = mbuf(kMSharedOut);  // [T, 2Fs], [T, Fs], [T, hidden]
+    linear(L.shared_gate_up, h, gu, s, nullptr);
+    ops_->silu_mul(gu, act, T, Fs);
+    linear(L.shared_down, act, y, s, nullptr);
+    for (int64_t i = 0; i < T * H_; i++) s.out[i] = s.out[i] + y[i];  // (out + shared, as torch adds)
+  }
+
+  // the latent-attention layers' buffers for T rows, each its own torch allocation
+  void make_mla_scratch(int64_t T) {
+    const MlaShape& m = mla_shape_;
+    auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
+    mscratch_ = {f(m.Q), f(m.Q), f(m.H * (m.Dn + m.R)), f(m.L + m.R), f(m.H * m.Dv), f(2 * m.Fs), f(m.Fs),
+                 f(m.Fs > 0 ? H_ : 1)};
+  }
+
+  float* mbuf(int i) const { return mscratch_[i].data_ptr<float>(); }
+  enum { kMQa, kMQaNormed, kMQ, kMKV, kMV, kMSharedGU, kMSharedAct, kMSharedOut };
+
+  // ---- end of the latent-attention section ---------------------------------------------
+
   // the layer's native call ends after its MLP input: experts the caller runs
   static bool cut(const Layer& L) { return L.moe && L.experts == nullptr; }
 
   const Table* linears_;
   sl::HintFn hint_;
   const sl::LayerOps* ops_;
-  const sl::AttentionOps* attn_;
+  const sl::AttentionOps* attn_;  // null: no attention layer runs here (a latent-attention plan)
   const sl::MoeOps* moe_;  // null: no mixture-of-experts layer runs here
   const sl::RecurrentOps* rec_;  // null: no recurrent layer runs here
+  const sl::MlaOps* mla_;        // null: no latent-attention layer runs here
   DeltaShape delta_;  // the Gated DeltaNet layers' (H 0: none)
+  MlaShape mla_shape_;  // the latent-attention layers' (H 0: none)
+  std::vector<torch::Tensor> mscratch_;  // make_mla_scratch's, indexed by the enum beside mbuf
   std::vector<torch::Tensor> dscratch_;  // make_hybrid_scratch's, indexed by the enum beside dbuf
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
@@ -804,12 +1007,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("bt"), pybind11::arg("col"), pybind11::arg("group"));
   pybind11::class_<DecodePlan>(m, "DecodePlan")
       .def(pybind11::init<const pybind11::capsule&, const pybind11::capsule&, const pybind11::capsule&,
-                          const pybind11::capsule&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
-                          const pybind11::object&, const pybind11::object&>(),
+                          const pybind11::object&, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                          const pybind11::object&, const pybind11::object&, const pybind11::object&>(),
            pybind11::arg("linears"), pybind11::arg("hint"), pybind11::arg("layer_ops"), pybind11::arg("attention_ops"),
            pybind11::arg("hidden"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("ffn"), pybind11::arg("eps"), pybind11::arg("moe_ops") = pybind11::none(),
-           pybind11::arg("recurrent_ops") = pybind11::none())
+           pybind11::arg("recurrent_ops") = pybind11::none(), pybind11::arg("mla_ops") = pybind11::none())
       .def("add_layer", &DecodePlan::add_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
            pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("rope"),
            pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"), pybind11::arg("o"),
@@ -829,6 +1032,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("dt_bias"), pybind11::arg("norm"), pybind11::arg("out_proj"), pybind11::arg("key_heads"),
            pybind11::arg("key_dim"), pybind11::arg("value_dim"), pybind11::arg("tiled"), pybind11::arg("post_norm"),
            pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("add_mla_layer", &DecodePlan::add_mla_layer, pybind11::arg("in_norm"), pybind11::arg("q_a"),
+           pybind11::arg("q_a_norm"), pybind11::arg("q_b"), pybind11::arg("kv_a"), pybind11::arg("kv_a_norm"),
+           pybind11::arg("k_b"), pybind11::arg("v_b"), pybind11::arg("rope_dim"), pybind11::arg("scale"),
+           pybind11::arg("o"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("down"),
+           pybind11::arg("experts"), pybind11::arg("router"), pybind11::arg("router_bias"), pybind11::arg("sigmoid"),
+           pybind11::arg("groups"), pybind11::arg("groups_used"), pybind11::arg("top_k"),
+           pybind11::arg("renormalise"), pybind11::arg("route_scale"), pybind11::arg("shared_gate_up"),
+           pybind11::arg("shared_down"))
       .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),

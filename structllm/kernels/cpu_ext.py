@@ -174,6 +174,8 @@ def load_moe(isa: str | None = None) -> Any | None:
 
 
 MLA_SOURCE = Path(__file__).with_name("cpu_mla.cpp")
+# latent attention's function table: cpu_mla.cpp's and the native decode loop's
+MLA_HEADERS = (Path(__file__).with_name("cpu_mla.h"),)
 
 
 @cache
@@ -189,6 +191,7 @@ def load_mla(isa: str | None = None) -> Any | None:
             MLA_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
             "the latent-attention decode kernel (about 20 s)",
+            MLA_HEADERS,
         )
     )
 
@@ -261,7 +264,7 @@ def load_decode(isa: str | None = None) -> Any | None:
             DECODE_SOURCE,
             [*FLAGS, _ISA_MARCH[isa]],
             "the native decode-step driver (about 20 s)",
-            (*LORA_HEADERS, *HYBRID_HEADERS),
+            (*LORA_HEADERS, *HYBRID_HEADERS, *MLA_HEADERS),
         )
     )
     if module is None:

@@ -43,6 +43,12 @@ the functions its Python entry points run), each row's state slot and fresh flag
 passed per step (``HybridModel._forward_fused``). Mamba-2 and experts in a hybrid
 model keep the Python loop (``_hybrid_why_not``).
 
+DeepSeek's latent-attention layers (``model.deepseek``) run here when cpu_mla.cpp is in
+use, every matrix is in GGUF blocks and the experts are native (``_latent_why_not``):
+``DeepseekLayer.forward_native``'s kernels in its order (``add_mla_layer``), cpu_mla.cpp's
+``store_latent``, ``decode`` and ``group_route`` through its ``MlaOps`` table
+(``cpu_mla.h``), the experts through ``moe_ops``, the shared experts' MLP added after them.
+
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
 in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
@@ -55,13 +61,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
 from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
+from structllm.model.deepseek import DeepseekLayer, DeepseekModel
 from structllm.model.hybrid import HybridModel, RecurrentLayer
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 from structllm.model.lora import LoraRows
@@ -86,9 +93,13 @@ def plan(model: LlamaModel) -> tuple[DecodePlan | None, str]:
     native = cpu_ext.load_decode() if reason is None else None
     if reason is None and native is None:
         reason = "the native driver did not build"
+    latent = isinstance(model, DeepseekModel) and model.mla is not None
     if reason is not None:
+        if latent:  # (DeepseekModel._forward_native's loop)
+            return None, f"the Python layer loop on the fused CPU ops (cpu_mla.cpp; {reason})"
         return None, f"the Python layer loop ({reason})"
-    return DecodePlan(model, native, CHECK_EVERY), "the native layer loop (cpu_decode.cpp)"
+    words = "the native layer loop (cpu_decode.cpp" + (", cpu_mla.cpp)" if latent else ")")
+    return DecodePlan(model, native, CHECK_EVERY), words
 
 
 def why_not(model: LlamaModel) -> str | None:
@@ -97,10 +108,12 @@ def why_not(model: LlamaModel) -> str | None:
         return "off (STRUCTLLM_DECODE_PLAN=0)"
     if model.cpu_ops is None:
         return "not on the fused CPU path"
-    if not isinstance(model.attn_impl, CpuAttention):
-        return "attention backend is not the CPU kernel"
     if model.tp is not None:
         return "tensor parallelism"
+    if isinstance(model, DeepseekModel):  # (its attention is cpu_mla.cpp's, any backend)
+        return _latent_why_not(model)
+    if not isinstance(model.attn_impl, CpuAttention):
+        return "attention backend is not the CPU kernel"
     if isinstance(model, HybridModel):
         why = _hybrid_why_not(model)
         if why is not None:
@@ -161,6 +174,44 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
     return None
 
 
+def _latent_why_not(model: DeepseekModel) -> str | None:
+    """Why a DeepSeek model's decode steps cannot take the native loop (None: they can):
+    it takes them on cpu_mla.cpp's kernels, every matrix in GGUF blocks, k_b and v_b
+    float32, the experts native (cpu_moe.cpp) with a float32 router."""
+    from structllm.kernels import cpu_ext
+
+    if model.mla is None:
+        return "cpu_mla.cpp is not in use"
+    for layer in model.layers:
+        dl: DeepseekLayer = layer  # type: ignore[assignment]
+        a = dl.attn
+        if a.k_b.dtype != torch.float32 or a.v_b.dtype != torch.float32:
+            return "k_b and v_b are not float32"
+        for name in a.PACKED:
+            if _parts(getattr(a, name), False) is None:
+                return f"{name} is not in GGUF blocks"
+        moe = dl.moe
+        if moe is None:
+            for name in dl.PACKED:
+                if _parts(getattr(dl, name), True) is None:
+                    return f"{name} is not in GGUF blocks"
+            continue
+        if cpu_ext.load_moe() is None:
+            return "the expert kernels did not build"
+        bias = moe.router_bias
+        if moe.router.dtype != torch.float32 or not moe.router.is_contiguous():
+            return "the router is not float32"
+        if bias is not None and bias.dtype != torch.float32:
+            return "the router's bias is not float32"
+        if moe.native_experts() is None:
+            return "the experts are not native (cpu_moe.cpp)"
+        if moe.shared is not None:
+            for w in (moe.shared.gate_up_proj, moe.shared.down_proj):
+                if _parts(w, True) is None:
+                    return "the shared experts are not in GGUF blocks"
+    return None
+
+
 class DecodePlan:
     """A model's layers as the native driver holds them (see the module docstring)."""
 
@@ -171,7 +222,13 @@ class DecodePlan:
         self.layers: list[Any] = list(model.layers)
         # each MoE layer's native experts (None: its experts run from Python, a cut);
         # held here too, since the native plan keeps only their address
-        self.experts = [_native_experts(dl) for dl in self.layers]
+        latent = isinstance(model, DeepseekModel)
+        self.experts = [
+            (dl.moe.native_experts() if dl.moe is not None else None)
+            if latent
+            else _native_experts(dl)
+            for dl in self.layers
+        ]
         moe_ops = None
         if any(e is not None for e in self.experts):
             from structllm.kernels import cpu_ext
@@ -184,7 +241,12 @@ class DecodePlan:
             recurrent_ops = cpu_ext.load_recurrent().recurrent_ops()  # type: ignore[union-attr]
         self.native = native.DecodePlan(
             **native.tables,
-            attention_ops=model.attn_impl.module.attention_ops(),  # type: ignore[attr-defined]
+            # (None for a latent-attention model, whose backend may be torch's)
+            attention_ops=(
+                model.attn_impl.module.attention_ops()
+                if isinstance(model.attn_impl, CpuAttention)
+                else None
+            ),
             hidden=cfg.hidden_size,
             heads=model.num_heads,
             kv_heads=model.num_kv_heads,
@@ -193,10 +255,13 @@ class DecodePlan:
             eps=cfg.rms_norm_eps,
             moe_ops=moe_ops,
             recurrent_ops=recurrent_ops,
+            mla_ops=cast(DeepseekModel, model).mla.mla_ops() if latent else None,
         )
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
         for dl, experts in zip(self.layers, self.experts, strict=True):
-            if isinstance(dl, RecurrentLayer):
+            if isinstance(dl, DeepseekLayer):
+                self._add_latent(dl, experts)
+            elif isinstance(dl, RecurrentLayer):
                 self._add_recurrent(dl)
             else:
                 self._add(dl, identity, experts)
@@ -278,6 +343,42 @@ class DecodePlan:
             o_bias=_vector(dl.o_bias),
             router_bias=route[0] if route else None,
             softmax_chosen=bool(route and route[1]),
+        )
+
+    def _add_latent(self, dl: DeepseekLayer, experts: Any) -> None:
+        """A DeepSeek layer (``DeepseekLayer.forward_native``'s weights): the latent
+        attention's projections, norms, ``k_b``/``v_b``, then its dense MLP or its experts
+        with DeepSeek's grouped router and the shared experts."""
+        a, moe = dl.attn, dl.moe
+        shared = moe.shared if moe is not None else None
+        pick = moe.pick if moe is not None else None
+        self.native.add_mla_layer(
+            in_norm=dl.input_layernorm,
+            q_a=_parts(a.q_a_proj, False) if a.q_lora else [],
+            q_a_norm=a.q_a_norm if a.q_lora else None,
+            q_b=_parts(a.q_b_proj if a.q_lora else a.q_proj, False),
+            kv_a=_parts(a.kv_a_proj, False),
+            kv_a_norm=a.kv_a_norm,
+            k_b=a.k_b,
+            v_b=a.v_b,
+            rope_dim=a.rope_dim,
+            scale=a.scale,
+            o=_parts(a.o_proj, False),
+            post_norm=dl.post_attention_layernorm,
+            # int8 allowed: as DeepseekLayer.forward_native and DeepseekMoe._add_shared
+            gate_up=[] if moe else _parts(dl.gate_up_proj, True),
+            down=[] if moe else _parts(dl.down_proj, True),
+            experts=None if experts is None else experts.handle(),
+            router=None if moe is None else moe.router,
+            router_bias=None if moe is None else moe.router_bias,
+            sigmoid=moe is not None and moe.sigmoid,
+            groups=1 if pick is None else pick.groups,
+            groups_used=1 if pick is None else pick.groups_used,
+            top_k=0 if pick is None else pick.top_k,
+            renormalise=pick is not None and pick.renormalise,
+            route_scale=1.0 if pick is None else pick.scale,
+            shared_gate_up=[] if shared is None else _parts(shared.gate_up_proj, True),
+            shared_down=[] if shared is None else _parts(shared.down_proj, True),
         )
 
     def _add_recurrent(self, layer: RecurrentLayer) -> None:

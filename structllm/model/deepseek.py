@@ -32,14 +32,17 @@ weights times ``routed_scaling_factor``; the shared experts are one ungated MLP 
 ``n_shared_experts * moe_intermediate_size`` every token runs, added after the routed.
 
 The layers run the plain torch path in one process (tensor and pipeline parallelism
-are refused by name; no native decode loop, no CUDA graphs), with the fused CPU ops'
+are refused by name; no CUDA graphs), with the fused CPU ops'
 SiLU * up in the non-exact formats, so that block experts run in one native call per
 layer (``cpu_moe.cpp``), and the router in another (``cpu_mla.cpp``'s ``group_route``).
 In those formats a decode-only step takes ``DeepseekModel._forward_native``: the fused
 CPU ops' norms (the residual add inside) and ``cpu_mla.cpp``'s ``store_latent`` and
 ``decode``, which does the query's rotation, the absorbed query, the paged attention over
 the latent rows and the value projection in one call per layer (the torch path's ~20
-ops; within float rounding of it).
+ops; within float rounding of it). With every matrix in GGUF blocks and the experts
+native, that step runs in the native decode loop instead (``model/decode_plan.py``,
+``cpu_decode.cpp``'s latent-attention layers): the same kernels in the same order, so
+the same bits, without Python between them.
 """
 
 from __future__ import annotations
@@ -347,7 +350,8 @@ class DeepseekModel(MoeModel):
         )
         refuse_sharding(cfg, plan, layers, why)
         super().__init__(cfg, dtype, plan, layers)
-        self.native_decode = False
+        # the native decode loop (model/decode_plan.py) takes a decode-only step only with
+        # cpu_mla.cpp loaded (forward); without it the torch layer loop runs
         self.decode_why = "the Python layer loop (latent attention)"
         self.cuda_graphs = False  # (its attention reads the step's host-side lists)
         self.mla: Any = None  # cpu_mla.cpp's module, with the fused CPU ops (use_cpu_ops)
@@ -422,9 +426,13 @@ class DeepseekModel(MoeModel):
         half = self.cfg.rope_dim // 2  # the table's pairs past R/2 are the latent's identity
         rope = self.rope_table(int(meta.max_seq_len))[positions, :half].unsqueeze(1)
         if self.mla is not None and meta.num_decodes == x.shape[0] and self._native_ok(x):
-            return self._forward_native(
-                x, torch.view_as_real(rope[:, 0]), kv_caches, meta, between_layers
-            )
+            pairs = torch.view_as_real(rope[:, 0])  # [T, R/2, 2] (cos, sin)
+            plan = self._native_plan()
+            if plan is not None:  # the layers in cpu_decode.cpp: the same kernels, same bits
+                delta = plan.run(x, [pairs], kv_caches, meta, between_layers)
+                ops: Any = self.cpu_ops
+                return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
+            return self._forward_native(x, pairs, kv_caches, meta, between_layers)
         fused_act = self.cpu_ops.silu_mul if self.cpu_ops is not None else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:

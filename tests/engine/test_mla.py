@@ -280,3 +280,37 @@ def test_native_decode_agrees_with_the_torch_layers(family: str, qtype: str, def
     for rid, (tokens, lps) in plain.items():
         assert native[rid][0] == tokens, rid
         assert max(abs(a - b) for a, b in zip(native[rid][1], lps, strict=True)) < 1e-3, rid
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_native_loop_gives_the_python_loops_bits(family: str, default_files) -> None:  # type: ignore[no-untyped-def]
+    """Decode steps in the native layer loop (cpu_decode.cpp's latent-attention layers,
+    cpu_mla.cpp's kernels through its function table) give ``_forward_native``'s greedy
+    tokens and logprobs bit for bit: the same kernels, in the same order. A file in Q8_0
+    blocks from llama.cpp's converter (llama-quantize not needed); V3's query rank 32,
+    not the tests' 24, so that q_b is in blocks too (the loop takes only block matrices)."""
+    from tests.support import llamacpp
+    from tests.support.models import CONVERTER_ARGS, gguf_source_dir
+
+    shape = {"q_lora_rank": 32} if family == "deepseek_v3" else {}
+    try:
+        source = gguf_source_dir(family, default_files, **shape)
+        path = llamacpp.convert_hf(source, "q8_0", *CONVERTER_ARGS.get(family, ()))
+    except llamacpp.ToolMissing as e:
+        pytest.skip(str(e))
+    from structllm.config import SpeculativeConfig
+
+    # no drafts and no cached prefixes: both runs take the very same steps
+    spec = SpeculativeConfig(method="none")
+    cfg = EngineConfig(model=str(path), kv_cache_memory=32 << 20, speculative_config=spec)
+    engine = EngineCore(cfg)
+    model = engine.runner.model  # type: ignore[union-attr]
+    if model.mla is None:
+        pytest.skip("the latent-attention kernel does not build here")
+    assert model.decode_why == "the native layer loop (cpu_decode.cpp, cpu_mla.cpp)"
+    native = _generate(engine, 20)
+    assert model.decode_path == "native"
+    model.native_decode = False  # DeepseekModel._forward_native, same weights and caches
+    engine.kv.reset_prefix_cache()
+    plain = _generate(engine, 20)
+    assert native == plain
