@@ -37,11 +37,12 @@ Hybrid models (``model.hybrid``): their attention layers run here as any other
 (Qwen3.5's output gate too: ``set_attn_gate``), and their recurrent layers when every
 mixer is LFM2's short convolution (``add_conv_layer``: in_proj, ``B * x'``, the
 convolution's step, ``C * y``, out_proj, the dense MLP) or Qwen3.5's Gated DeltaNet
-(``add_delta_layer``: ``GatedDeltaNet._native_rule``'s kernels in its order), the
+(``add_delta_layer``: ``GatedDeltaNet._native_rule``'s kernels in its order) or
+Granite 4's Mamba-2 (``add_mamba_layer``: ``Mamba2._native_scan``'s kernels), the
 recurrent kernels through ``cpu_recurrent.cpp``'s ``RecurrentOps`` (``cpu_hybrid.h``:
 the functions its Python entry points run), each row's state slot and fresh flag
-passed per step (``HybridModel._forward_fused``). Mamba-2 and experts in a hybrid
-model keep the Python loop (``_hybrid_why_not``).
+passed per step (``HybridModel._forward_fused``). Experts in a hybrid model, and
+Nemotron-H's blocks (not ``RecurrentLayer``s), keep the Python loop (``_hybrid_why_not``).
 
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
@@ -123,11 +124,13 @@ def why_not(model: LlamaModel) -> str | None:
 
 def _hybrid_why_not(model: HybridModel) -> str | None:
     """Why a hybrid model's decode steps cannot take the native loop (None: as far as
-    its recurrent layers go, they can): LFM2's short convolutions and Qwen3.5's Gated
-    DeltaNet (with 16-float multiples for head widths, as its native rule asks) are."""
+    its recurrent layers go, they can): LFM2's short convolutions, Qwen3.5's Gated
+    DeltaNet (with 16-float multiples for head widths, as its native rule asks) and
+    Granite 4's Mamba-2 layers are."""
     from structllm.kernels import cpu_ext
     from structllm.model.deltanet import GatedDeltaNet
     from structllm.model.lfm2 import ShortConv
+    from structllm.model.mamba2 import Mamba2
 
     if cpu_ext.load_recurrent() is None:
         return "the recurrent kernels did not build"
@@ -148,6 +151,8 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
             if mixer.head_k_dim % 16 or mixer.head_v_dim % 16:
                 return "Gated DeltaNet heads not 16-float multiples wide"
             conv, linears = mixer.conv1d, GatedDeltaNet.LINEARS
+        elif isinstance(mixer, Mamba2):
+            conv, linears = mixer.conv1d, Mamba2.PACKED
         else:
             return f"the {type(mixer).__name__} mixer is not in it"
         if conv.dtype != torch.float32:
@@ -167,7 +172,7 @@ class DecodePlan:
     def __init__(self, model: LlamaModel, native: Any, check_every: int) -> None:
         cfg = model.cfg
         self.impl = model.attn_impl  # the backend whose kernel it runs
-        # DecoderLayers, and a hybrid model's RecurrentLayers (why_not: LFM2's only)
+        # DecoderLayers, and a hybrid model's RecurrentLayers (see _hybrid_why_not)
         self.layers: list[Any] = list(model.layers)
         # each MoE layer's native experts (None: its experts run from Python, a cut);
         # held here too, since the native plan keeps only their address
@@ -281,13 +286,18 @@ class DecodePlan:
         )
 
     def _add_recurrent(self, layer: RecurrentLayer) -> None:
-        """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``)
-        or Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``)."""
+        """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``),
+        Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``) or Granite 4's Mamba-2
+        (``mamba2.Mamba2``)."""
         from structllm.model.deltanet import GatedDeltaNet
+        from structllm.model.mamba2 import Mamba2
 
         mixer: Any = layer.mixer
         if isinstance(mixer, GatedDeltaNet):
             self._add_delta(layer, mixer)
+            return
+        if isinstance(mixer, Mamba2):
+            self._add_mamba(layer, mixer)
             return
         self.native.add_conv_layer(
             in_norm=layer.input_layernorm,
@@ -326,6 +336,39 @@ class DecodePlan:
             key_dim=mixer.head_k_dim,
             value_dim=mixer.head_v_dim,
             tiled=mixer.tiled_values,
+            post_norm=layer.post_attention_layernorm,
+            gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
+            gelu=layer.act == "gelu_tanh",
+            down=_parts(layer.down_proj, True),
+            residual_scale=layer.residual_scale,
+        )
+
+    def _add_mamba(self, layer: RecurrentLayer, mixer: Any) -> None:
+        """A Mamba-2 layer: its projections, filter, time-step, decay, skip and gated
+        norm's parameters (float32, contiguous: what ``Mamba2._native_scan`` passes)."""
+
+        def f32(t: Tensor) -> Tensor:
+            return t.float().contiguous()
+
+        lo, hi = mixer.dt_limit
+        self.native.add_mamba_layer(
+            in_norm=layer.input_layernorm,
+            in_proj=_parts(mixer.in_proj, False),
+            in_bias=_vector(mixer.in_bias),
+            conv=f32(mixer.conv1d),
+            conv_bias=_vector(mixer.conv_bias),
+            dt_bias=f32(mixer.dt_bias),
+            a_log=f32(mixer.A_log),
+            d=f32(mixer.D),
+            norm=f32(mixer.norm),
+            out_proj=_parts(mixer.out_proj, False),
+            out_bias=_vector(mixer.out_bias),
+            heads=mixer.num_heads,
+            head_dim=mixer.head_dim,
+            groups=mixer.n_groups,
+            d_state=mixer.d_state,
+            dt_lo=lo,
+            dt_hi=hi,
             post_norm=layer.post_attention_layernorm,
             gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
             gelu=layer.act == "gelu_tanh",

@@ -1,10 +1,11 @@
 """The native decode step for hybrid models (``model/decode_plan.py``'s recurrent
 layers, ``kernels/cpu_decode.cpp``'s hybrid section): a decode-only step of LFM2 (short
-convolutions around attention) and of Qwen3.5 (Gated DeltaNet, gated attention, partial
-rotary) in one C++ call per segment gives the hidden states, K/V writes and recurrent
-states of the Python fused loop bit for bit, fresh rows (a zero state) and reused slots
-included; greedy tokens and logprobs through the engine are the same; bad state slots
-are refused by name; Mamba-2 keeps the Python loop and says why. Run under
+convolutions around attention), of Qwen3.5 (Gated DeltaNet, gated attention, partial
+rotary) and of Granite 4 (Mamba-2 around NoPE attention, residual multipliers) in one
+C++ call per segment gives the hidden states, K/V writes and recurrent states of the
+Python fused loop bit for bit, fresh rows (a zero state) and reused slots included;
+greedy tokens and logprobs through the engine are the same; bad state slots are refused
+by name; Nemotron-H's blocks keep the Python loop and say why. Run under
 ``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def q8_file(family: str, default_files) -> Path:  # type: ignore[no-untyped-def]
         pytest.skip(str(e))
 
 
-# LFM2: short convolutions; Qwen3.5: Gated DeltaNet, gated attention, partial rotary
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+# LFM2: short convolutions; Qwen3.5: Gated DeltaNet, gated attention, partial rotary;
+# Granite 4: Mamba-2 (grouped B and C, a gated group norm), NoPE attention
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "granitemoehybrid"])
 def hybrid(request, default_files) -> LLM:  # type: ignore[no-untyped-def]
     path = q8_file(request.param, default_files)
     return LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=4)
@@ -116,15 +118,15 @@ def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
         plan.native.run(0, 1, *args)
     with pytest.raises(RuntimeError, match="state_slots must be int64"):
         plan.native.run(0, 1, *args, state_slots=torch.tensor([0], dtype=torch.int32), fresh=fresh)
-    with pytest.raises(RuntimeError, match="(its one state tensor|DeltaNet states must be)"):
+    with pytest.raises(RuntimeError, match="(its one state tensor|states must be)"):
         plan.native.set_caches([(t, t) for t in (runner.kv_caches[0][0],)] * len(model.layers))
     plan.native.set_caches(runner.kv_caches)  # as it was (the plan keeps them)
 
 
-def test_other_mixers_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
-    # Granite 4: Mamba-2 mixers (and experts); the tiny directory in the default format
-    # (float16 weights, the fused CPU ops)
-    path = tiny_family_dir("granitemoehybrid", default_files)
+def test_other_layers_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Nemotron-H: its blocks (Mamba-2, MLP-only, attention-only) are not the shared
+    # layers; the tiny directory in the default format (the fused CPU ops)
+    path = tiny_family_dir("nemotron_h", default_files)
     llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=2)
     model = llm.engine.runner.model
     assert model.cpu_ops is not None
