@@ -48,6 +48,8 @@
 //   add_mamba_layer(...): a Mamba-2 layer (Granite 4's), its cache entry its
 //       convolution's and scan's states [S, C, K - 1] and [S, H, P, N]; in_proj, the
 //       convolution, cpu_recurrent.cpp's ssm_decode and group_norm, out_proj, the MLP
+//       (or none: Nemotron-H's Mamba block). Nemotron-H's other blocks: add_layer(...,
+//       mlp=False) (attention alone), add_mlp_layer (down(relu(up h)^2), no cache)
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -139,6 +141,12 @@ struct Layer {
   // a mixture-of-experts MLP (no gate_up, down): run here through MoeOps (experts: an
   // Experts of cpu_moe.cpp, router [E, hidden]) or, without experts, by the caller
   bool moe;
+  // false: no MLP after the mixer (Nemotron-H's attention and Mamba blocks): the layer's
+  // output is its mixer's, as added to the residual
+  bool mlp = true;
+  // Nemotron-H's MLP block (add_mlp_layer): pre-norm, down(relu(up h)^2), up in gate_up
+  // [F, hidden], down [hidden, F]
+  bool relu2 = false;
   const void* experts = nullptr;
   const float* router = nullptr;
   const float* router_bias = nullptr;  // [E] (gpt-oss's), or null
@@ -253,7 +261,7 @@ class DecodePlan {
                  const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
                  const OptT& mlp_out_norm, double residual_scale, bool moe, const pybind11::object& experts,
                  const OptT& router, int64_t top_k, bool renormalise, const OptT& sinks, const OptT& o_bias,
-                 const OptT& router_bias, bool softmax_chosen) {
+                 const OptT& router_bias, bool softmax_chosen, bool mlp) {
     const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "cpu_decode: q and k norms come together");
     TORCH_CHECK(window >= 0 && window < (int64_t{1} << 30) && softcap >= 0 && rope >= 0, "cpu_decode: bad window, cap or rope");
@@ -274,7 +282,10 @@ class DecodePlan {
     L.qkv = matrix_of(qkv, qkv_rows, H_, "qkv");
     L.o = matrix_of(o, H_, nh_ * D_, "o");
     L.moe = moe;
+    L.mlp = mlp;
     TORCH_CHECK(!moe || (gate_up.empty() && down.empty()), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
+    TORCH_CHECK(mlp || (!moe && gate_up.empty() && down.empty() && !post_norm.has_value() && !mlp_out_norm.has_value()),
+                "cpu_decode: a layer without an MLP has no MLP weights, norms or experts");
     if (!experts.is_none()) {
       TORCH_CHECK(moe && moe_ != nullptr, "cpu_decode: experts need a mixture-of-experts layer and moe_ops");
       const auto cap = experts.cast<pybind11::capsule>();
@@ -288,7 +299,7 @@ class DecodePlan {
       L.router_bias = vec_of(router_bias, L.num_experts, "router_bias");
       L.softmax_chosen = softmax_chosen;
     }
-    if (!moe) {
+    if (!moe && mlp) {
       L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
       L.down = matrix_of(down, H_, F_, "down");
     }
@@ -381,7 +392,9 @@ class DecodePlan {
   // A Mamba-2 layer (model/mamba2.py's Mamba2 in a RecurrentLayer), in model order:
   // in_proj [I + C + H, hidden] (I = H P, C = I + 2 G N), conv [C, K] float32, dt_bias,
   // a_log, d [H], norm [I] float32, out_proj [hidden, I], biases or None, the time
-  // step's clamp [dt_lo, dt_hi], then the dense MLP. Every such layer has one shape.
+  // step's clamp [dt_lo, dt_hi], then the dense MLP, or none (gate_up, down empty, no
+  // post_norm: Nemotron-H's Mamba block, whose output is the mixer's). Every such layer
+  // has one shape.
   void add_mamba_layer(const OptT& in_norm, const std::vector<PartSpec>& in_proj, const OptT& in_bias,
                        const torch::Tensor& conv, const OptT& conv_bias, const torch::Tensor& dt_bias,
                        const torch::Tensor& a_log, const torch::Tensor& d, const torch::Tensor& norm,
@@ -416,18 +429,37 @@ class DecodePlan {
     L.dt_lo = static_cast<float>(dt_lo), L.dt_hi = static_cast<float>(dt_hi);
     L.in_proj = matrix_of(in_proj, I + C + H, H_, "in_proj");
     L.out_proj = matrix_of(out_proj, H_, I, "out_proj");
-    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
-    L.down = matrix_of(down, H_, F_, "down");
+    L.mlp = !gate_up.empty();
+    TORCH_CHECK(L.mlp || (down.empty() && !post_norm.has_value() && residual_scale == 1.0),
+                "cpu_decode: a Mamba-2 block without an MLP has no MLP weights, norm or multiplier");
+    if (L.mlp) {
+      L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+      L.down = matrix_of(down, H_, F_, "down");
+    }
     L.gelu = gelu;
     L.residual_scale = static_cast<float>(residual_scale);
     mamba_ = {H, P, G, N, I, C};
     layers_.push_back(std::move(L));
   }
 
+  // Nemotron-H's MLP block (model/nemotron_h.py's MlpBlock), in model order: pre-norm,
+  // then down(relu(up h)^2), up [F, hidden], down [hidden, F]; no state (its cache
+  // entry is empty)
+  void add_mlp_layer(const OptT& in_norm, const std::vector<PartSpec>& up, const std::vector<PartSpec>& down) {
+    Layer L{};
+    if (in_norm.has_value()) L.keep.push_back(*in_norm);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.relu2 = true;
+    L.gate_up = matrix_of(up, F_, H_, "up");
+    L.down = matrix_of(down, H_, F_, "down");
+    L.residual_scale = 1.0f;
+    layers_.push_back(std::move(L));
+  }
+
   // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
   // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
   void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
-    TORCH_CHECK(i >= 0 && i < num_layers() && !recurrent(layers_[i]),
+    TORCH_CHECK(i >= 0 && i < num_layers() && !recurrent(layers_[i]) && !layers_[i].relu2,
                 "cpu_decode: set_attn_gate: no attention layer ", i);
     layers_[i].attn_gate = matrix_of(gate, nh_ * D_, H_, "attn_gate");
   }
@@ -448,6 +480,11 @@ class DecodePlan {
       }
       if (layers_[i].mamba) {
         out.push_back(mamba_states(caches[i], layers_[i]));
+        continue;
+      }
+      if (layers_[i].relu2) {
+        TORCH_CHECK(caches[i].empty(), "cpu_decode: an MLP block's cache entry is empty");
+        out.push_back({});
         continue;
       }
       TORCH_CHECK(caches[i].size() == 2, "cpu_decode: layer ", i, " takes a (K, V) cache pair");
@@ -555,7 +592,7 @@ class DecodePlan {
       TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * D_,
                   "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous");
     for (int64_t i = begin; i < end; i++) {
-      TORCH_CHECK(recurrent(layers_[i]) || layers_[i].rope < static_cast<int64_t>(ropes.size()),
+      TORCH_CHECK(recurrent(layers_[i]) || layers_[i].relu2 || layers_[i].rope < static_cast<int64_t>(ropes.size()),
                   "cpu_decode: layer ", i,
                   " needs rope table ", layers_[i].rope);
       TORCH_CHECK(!cut(layers_[i]) || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
@@ -663,6 +700,7 @@ class DecodePlan {
     if (L.conv) return conv_layer(L, c, s, delta);
     if (L.delta) return delta_layer(L, c, s, delta);
     if (L.mamba) return mamba_layer(L, c, s, delta);
+    if (L.relu2) return relu2_layer(L, s, delta);
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
@@ -679,6 +717,10 @@ class DecodePlan {
     linear(L.o, o, buf(kAttn), s, L.o_bias);
     add_lora(i, 1, o, buf(kAttn), s);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
+    if (!L.mlp) {  // the attention's output is the layer's (DecoderLayer.fused_attend)
+      std::memcpy(s.out, a, T * H_ * sizeof(float));
+      return;
+    }
     h = pre_norm(L.post_norm, a, s);
     if (cut(L)) {  // the caller runs the experts on h
       std::memcpy(s.out, h, T * H_ * sizeof(float));
@@ -831,8 +873,25 @@ class DecodePlan {
     rec_->ssm_decode(conv, C, proj + I + C, W, L.dt_bias, L.a_log, L.d, c.rule.data_ptr<float>(), s.state_slots,
                      s.fresh, T, mamba_.H, mamba_.P, mamba_.G, mamba_.N, L.dt_lo, L.dt_hi, mbuf(kMY));
     rec_->group_norm(mbuf(kMY), proj, W, L.gnorm, T, I, mamba_.G, eps_, mbuf(kMNorm));
+    if (!L.mlp) {  // Nemotron-H's Mamba block: the mixer's output is the layer's
+      linear(L.out_proj, mbuf(kMNorm), s.out, s, L.out_bias);
+      return;
+    }
     linear(L.out_proj, mbuf(kMNorm), buf(kAttn), s, L.out_bias);
     recurrent_tail(L, s);
+  }
+
+  // MlpBlock.forward_fused: the pre-norm, up, relu(.)^2 in place (exact: a max and a
+  // multiply, as F.relu(.).square()), down into s.out
+  void relu2_layer(const Layer& L, const Step& s, const float* delta) const {
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* mid = buf(kAct);  // [T, F]
+    linear(L.gate_up, h, mid, s, nullptr);
+    for (int64_t i = 0; i < s.T * F_; i++) {
+      const float v = mid[i] > 0.0f ? mid[i] : 0.0f;
+      mid[i] = v * v;
+    }
+    linear(L.down, mid, s.out, s, nullptr);
   }
 
   // the Mamba-2 layers' buffers for T rows, each its own torch allocation
@@ -930,7 +989,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("router") = pybind11::none(), pybind11::arg("top_k") = 0,
            pybind11::arg("renormalise") = false, pybind11::arg("sinks") = pybind11::none(),
            pybind11::arg("o_bias") = pybind11::none(), pybind11::arg("router_bias") = pybind11::none(),
-           pybind11::arg("softmax_chosen") = false)
+           pybind11::arg("softmax_chosen") = false, pybind11::arg("mlp") = true)
       .def("add_conv_layer", &DecodePlan::add_conv_layer, pybind11::arg("in_norm"), pybind11::arg("in_proj"),
            pybind11::arg("in_bias"), pybind11::arg("conv"), pybind11::arg("conv_bias"), pybind11::arg("out_proj"),
            pybind11::arg("out_bias"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
@@ -946,6 +1005,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("out_bias"), pybind11::arg("heads"), pybind11::arg("head_dim"), pybind11::arg("groups"),
            pybind11::arg("d_state"), pybind11::arg("dt_lo"), pybind11::arg("dt_hi"), pybind11::arg("post_norm"),
            pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("add_mlp_layer", &DecodePlan::add_mlp_layer, pybind11::arg("in_norm"), pybind11::arg("up"),
+           pybind11::arg("down"))
       .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
