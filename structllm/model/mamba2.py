@@ -199,6 +199,9 @@ class Mamba2(nn.Module):
     """
 
     PACKED = ("in_proj", "out_proj")  # (LlamaModel.pack_weights packs the modules with PACKED)
+    # False: torch's ops for the decode rows even where the native kernels are loaded (the
+    # Python loop as it was before them: bench/hybrid_decode.py's --torch-scan)
+    native_scan = True
 
     def __init__(
         self,
@@ -333,7 +336,7 @@ class Mamba2(nn.Module):
         proj = linear(x, self.in_proj, self.in_bias)  # [T, I + C + H]
         z, xbc, dt = proj.split([self.inner, self.conv_dim, h], dim=-1)
         xbc = causal_conv1d(xbc, self.conv1d, self.conv_bias, conv_states, rb, silu=True)  # [T, C]
-        if rb.native is not None and proj.dtype == torch.float32:
+        if rb.native is not None and proj.dtype == torch.float32 and self.native_scan:
             y = self._native_scan(xbc, dt, ssm_states, rb)  # [T, I]
             y = rb.native.group_norm(y, z, self.norm.float().contiguous(), self.n_groups, self.eps)
             return linear(y.to(x.dtype), self.out_proj, self.out_bias)  # [T, hidden]
