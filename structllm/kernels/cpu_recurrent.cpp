@@ -527,7 +527,8 @@ __attribute__((noinline)) void ssm_decode_rows(const float* xbc, int64_t xs, con
       const float* row = xbc + b * xs;
       const float *xr = row + h * P, *bv = row + inner + g * N, *cv = row + inner + G * N + g * N;
       const float raw = dtp[b * ds + h] + dt_bias[h];
-      const float dt = std::min(std::max(raw > 20.0f ? raw : std::log1p(std::exp(raw)), lo), hi);  // F.softplus's threshold
+      const float soft = raw > 20.0f ? raw : std::log1p(std::exp(raw));  // F.softplus's threshold
+      const float dt = std::min(std::max(soft, lo), hi);
       const bool zero = fp[b];
       const float decay = zero ? 0.0f : std::exp(dt * -std::exp(a_log[h]));
       float* s = st + (sp[b] * H + h) * P * N;  // [P, N]
