@@ -7,6 +7,11 @@ bench-shape files (``bench/models.py``'s ``BENCH_SHAPES``) in Q8_0 as llama.cpp'
 converter writes it.
 
     python bench/hybrid_decode.py [--families lfm2,qwen3_5] [--rows 1,16] [--rounds 3]
+        [--torch-scan]
+
+``--torch-scan``: the Python loop's Mamba-2 decode rows through torch's ops
+(``Mamba2.native_scan`` False: that loop as it was before cpu_recurrent.cpp's
+``ssm_decode``), for Granite 4's and Nemotron-H's before/after.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ def bench_file(family: str) -> Path:
     return llamacpp.convert_hf(source, "q8_0", *CONVERTER_ARGS.get(family, ()))
 
 
-def measure(path: Path, rows: int, rounds: int) -> dict[str, float]:
+def measure(path: Path, rows: int, rounds: int, torch_scan: bool = False) -> dict[str, float]:
     import step_breakdown as sb
 
     from structllm.config import EngineConfig, SpeculativeConfig
     from structllm.engine.core import EngineCore
+    from structllm.model.mamba2 import Mamba2
 
     core = EngineCore(
         EngineConfig(
@@ -56,6 +62,7 @@ def measure(path: Path, rows: int, rounds: int) -> dict[str, float]:
     for r in range(rounds):
         for native in (False, True):
             model.native_decode = native
+            Mamba2.native_scan = native or not torch_scan
             ids = [f"r{r}-{native}-{i}" for i in range(rows)]
             for i, rid in enumerate(ids):
                 sb.add_request(core, rid, STEPS + rows + 8, r * 100 + i)
@@ -78,6 +85,7 @@ def main() -> None:
     ap.add_argument("--families", default="lfm2,qwen3_5")
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--torch-scan", action="store_true", help="see the docstring")
     args = ap.parse_args()
     from structllm.kernels import cpu_ext
 
@@ -86,14 +94,16 @@ def main() -> None:
         path = bench_file(family)
         for rows in (int(r) for r in args.rows.split(",")):
             load = Path("/proc/loadavg").read_text().split()[:3]
-            res = measure(path, rows, args.rounds)
+            res = measure(path, rows, args.rounds, args.torch_scan)
             py, nat = res["python_us"], res["native_us"]
+            arm = "python (torch scan)" if args.torch_scan else "python"
             print(
-                f"{family:<8} {cpu_ext.best_isa()} rows {rows:>2}: python {py:8.0f} us,"
+                f"{family:<8} {cpu_ext.best_isa()} rows {rows:>2}: {arm} {py:8.0f} us,"
                 f" native {nat:8.0f} us, {res['ratio']:.3f}x (load {' '.join(load)})"
             )
             results.append({"family": family, "rows": rows, "load": load, **res})
-    print(json.dumps({"bench": "hybrid_decode", "isa": cpu_ext.best_isa(), "results": results}))
+    out = {"bench": "hybrid_decode", "isa": cpu_ext.best_isa(), "torch_scan": args.torch_scan}
+    print(json.dumps({**out, "results": results}))
 
 
 if __name__ == "__main__":

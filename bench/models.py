@@ -139,6 +139,22 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         linear_key_head_dim=64,
         linear_value_head_dim=64,
     ),
+    # Granite 4 dense (granite-4.0-h-micro's kind) at 8 layers: Mamba-2 (its head width,
+    # one group, state 128, chunk 256) around one NoPE attention layer, its multipliers
+    "granitemoehybrid": dict(
+        _DENSE,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        shared_intermediate_size=4096,
+        layer_types=["mamba"] * 4 + ["attention"] + ["mamba"] * 3,
+        mamba_n_heads=32,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=128,
+        mamba_d_conv=4,
+        mamba_chunk_size=256,
+        max_position_embeddings=4096,
+    ),
     # DeepSeek-V3's layers at 8: latent attention (a 256 + 32 latent row cached per
     # token and layer, against 2 x 4 x 64 for the GQA shapes above), one dense layer
     # then 8 experts (top 2 of the best 2 of 4 groups) beside a shared one

@@ -50,6 +50,11 @@
 //       set_caches is its one tensor of latent rows [NB, BS, 1, L + R], run's ropes the
 //       one table [T, R/2, 2]; cpu_mla.cpp's kernels through its MlaOps (cpu_mla.h), its
 //       grouped router and the experts (moe_ops) then the shared experts' MLP added
+//   add_mamba_layer(...): a Mamba-2 layer (Granite 4's), its cache entry its
+//       convolution's and scan's states [S, C, K - 1] and [S, H, P, N]; in_proj, the
+//       convolution, cpu_recurrent.cpp's ssm_decode and group_norm, out_proj, the MLP
+//       (or none: Nemotron-H's Mamba block). Nemotron-H's other blocks: add_layer(...,
+//       mlp=False) (attention alone), add_mlp_layer (down(relu(up h)^2), no cache)
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -142,6 +147,12 @@ struct Layer {
   // a mixture-of-experts MLP (no gate_up, down): run here through MoeOps (experts: an
   // Experts of cpu_moe.cpp, router [E, hidden]) or, without experts, by the caller
   bool moe;
+  // false: no MLP after the mixer (Nemotron-H's attention and Mamba blocks): the layer's
+  // output is its mixer's, as added to the residual
+  bool mlp = true;
+  // Nemotron-H's MLP block (add_mlp_layer): pre-norm, down(relu(up h)^2), up in gate_up
+  // [F, hidden], down [hidden, F]
+  bool relu2 = false;
   const void* experts = nullptr;
   const float* router = nullptr;
   const float* router_bias = nullptr;  // [E] (gpt-oss's), or null
@@ -172,6 +183,12 @@ struct Layer {
   bool route_sigmoid = false;
   int64_t route_groups = 1, route_used = 1;
   float route_scale = 1.f;
+  // a Mamba-2 layer (Granite 4's: add_mamba_layer, mamba_layer): in_proj [I + C + H,
+  // hidden] (rows z, x B C, dt), conv_w [C, K], conv_bias [C]; dt_bias, a_log, D [H] (as
+  // a_log, dt_bias above, and d), gnorm [I]; out_proj [hidden, I], out_bias
+  bool mamba = false;
+  const float* d = nullptr;
+  float dt_lo = 0.0f, dt_hi = 0.0f;
 };
 
 struct Cache {
@@ -267,7 +284,7 @@ class DecodePlan {
                  const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
                  const OptT& mlp_out_norm, double residual_scale, bool moe, const pybind11::object& experts,
                  const OptT& router, int64_t top_k, bool renormalise, const OptT& sinks, const OptT& o_bias,
-                 const OptT& router_bias, bool softmax_chosen) {
+                 const OptT& router_bias, bool softmax_chosen, bool mlp) {
     const int64_t qkv_rows = (nh_ + 2 * nkv_) * D_;
     TORCH_CHECK(mla_shape_.H == 0, "cpu_decode: a plan of latent-attention layers takes no other kind");
     TORCH_CHECK(attn_ != nullptr, "cpu_decode: an attention layer needs attention_ops");
@@ -290,7 +307,10 @@ class DecodePlan {
     L.qkv = matrix_of(qkv, qkv_rows, H_, "qkv");
     L.o = matrix_of(o, H_, nh_ * D_, "o");
     L.moe = moe;
+    L.mlp = mlp;
     TORCH_CHECK(!moe || (gate_up.empty() && down.empty()), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
+    TORCH_CHECK(mlp || (!moe && gate_up.empty() && down.empty() && !post_norm.has_value() && !mlp_out_norm.has_value()),
+                "cpu_decode: a layer without an MLP has no MLP weights, norms or experts");
     if (!experts.is_none()) {
       TORCH_CHECK(moe && moe_ != nullptr, "cpu_decode: experts need a mixture-of-experts layer and moe_ops");
       const auto cap = experts.cast<pybind11::capsule>();
@@ -304,7 +324,7 @@ class DecodePlan {
       L.router_bias = vec_of(router_bias, L.num_experts, "router_bias");
       L.softmax_chosen = softmax_chosen;
     }
-    if (!moe) {
+    if (!moe && mlp) {
       L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
       L.down = matrix_of(down, H_, F_, "down");
     }
@@ -474,12 +494,77 @@ class DecodePlan {
                 "cpu_decode: every latent-attention layer must have one shape");
     mla_shape_ = shape;
     layers_.push_back(std::move(Lr));
+  // A Mamba-2 layer (model/mamba2.py's Mamba2 in a RecurrentLayer), in model order:
+  // in_proj [I + C + H, hidden] (I = H P, C = I + 2 G N), conv [C, K] float32, dt_bias,
+  // a_log, d [H], norm [I] float32, out_proj [hidden, I], biases or None, the time
+  // step's clamp [dt_lo, dt_hi], then the dense MLP, or none (gate_up, down empty, no
+  // post_norm: Nemotron-H's Mamba block, whose output is the mixer's). Every such layer
+  // has one shape.
+  void add_mamba_layer(const OptT& in_norm, const std::vector<PartSpec>& in_proj, const OptT& in_bias,
+                       const torch::Tensor& conv, const OptT& conv_bias, const torch::Tensor& dt_bias,
+                       const torch::Tensor& a_log, const torch::Tensor& d, const torch::Tensor& norm,
+                       const std::vector<PartSpec>& out_proj, const OptT& out_bias, int64_t heads, int64_t head_dim,
+                       int64_t groups, int64_t d_state, double dt_lo, double dt_hi, const OptT& post_norm,
+                       const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
+                       double residual_scale) {
+    TORCH_CHECK(rec_ != nullptr, "cpu_decode: a Mamba-2 layer needs recurrent_ops");
+    const int64_t H = heads, P = head_dim, G = groups, N = d_state, I = H * P, C = I + 2 * G * N;
+    TORCH_CHECK(H > 0 && P > 0 && G > 0 && N > 0 && H % G == 0, "cpu_decode: bad Mamba-2 heads or groups");
+    TORCH_CHECK(mamba_.H == 0 || (mamba_.H == H && mamba_.P == P && mamba_.G == G && mamba_.N == N),
+                "cpu_decode: every Mamba-2 layer must have one shape");
+    TORCH_CHECK(conv.dtype() == torch::kFloat32 && conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == C &&
+                    conv.size(1) >= 2,
+                "cpu_decode: the convolution's filter must be float32 [C, K >= 2] contiguous");
+    Layer L{};
+    for (const OptT* t : {&in_norm, &in_bias, &conv_bias, &out_bias, &post_norm})
+      if (t->has_value()) L.keep.push_back(**t);
+    for (const torch::Tensor* t : {&conv, &dt_bias, &a_log, &d, &norm}) L.keep.push_back(*t);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.post_norm = vec_of(post_norm, H_, "post_norm");
+    L.in_bias = vec_of(in_bias, I + C + H, "in_bias");
+    L.conv_bias = vec_of(conv_bias, C, "conv_bias");
+    L.out_bias = vec_of(out_bias, H_, "out_bias");
+    L.dt_bias = vec_of(dt_bias, H, "dt_bias");
+    L.a_log = vec_of(a_log, H, "a_log");
+    L.d = vec_of(d, H, "d");
+    L.gnorm = vec_of(norm, I, "norm");
+    L.mamba = true;
+    L.conv_w = conv.data_ptr<float>();
+    L.conv_k = conv.size(1);
+    L.dt_lo = static_cast<float>(dt_lo), L.dt_hi = static_cast<float>(dt_hi);
+    L.in_proj = matrix_of(in_proj, I + C + H, H_, "in_proj");
+    L.out_proj = matrix_of(out_proj, H_, I, "out_proj");
+    L.mlp = !gate_up.empty();
+    TORCH_CHECK(L.mlp || (down.empty() && !post_norm.has_value() && residual_scale == 1.0),
+                "cpu_decode: a Mamba-2 block without an MLP has no MLP weights, norm or multiplier");
+    if (L.mlp) {
+      L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+      L.down = matrix_of(down, H_, F_, "down");
+    }
+    L.gelu = gelu;
+    L.residual_scale = static_cast<float>(residual_scale);
+    mamba_ = {H, P, G, N, I, C};
+    layers_.push_back(std::move(L));
+  }
+
+  // Nemotron-H's MLP block (model/nemotron_h.py's MlpBlock), in model order: pre-norm,
+  // then down(relu(up h)^2), up [F, hidden], down [hidden, F]; no state (its cache
+  // entry is empty)
+  void add_mlp_layer(const OptT& in_norm, const std::vector<PartSpec>& up, const std::vector<PartSpec>& down) {
+    Layer L{};
+    if (in_norm.has_value()) L.keep.push_back(*in_norm);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.relu2 = true;
+    L.gate_up = matrix_of(up, F_, H_, "up");
+    L.down = matrix_of(down, H_, F_, "down");
+    L.residual_scale = 1.0f;
+    layers_.push_back(std::move(L));
   }
 
   // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
   // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
   void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
-    TORCH_CHECK(i >= 0 && i < num_layers() && !layers_[i].conv && !layers_[i].delta,
+    TORCH_CHECK(i >= 0 && i < num_layers() && !recurrent(layers_[i]) && !layers_[i].relu2,
                 "cpu_decode: set_attn_gate: no attention layer ", i);
     layers_[i].attn_gate = matrix_of(gate, nh_ * D_, H_, "attn_gate");
   }
@@ -500,6 +585,15 @@ class DecodePlan {
       }
       if (layers_[i].delta) {
         out.push_back(delta_states(caches[i], layers_[i]));
+        continue;
+      }
+      if (layers_[i].mamba) {
+        out.push_back(mamba_states(caches[i], layers_[i]));
+        continue;
+      }
+      if (layers_[i].relu2) {
+        TORCH_CHECK(caches[i].empty(), "cpu_decode: an MLP block's cache entry is empty");
+        out.push_back({});
         continue;
       }
       TORCH_CHECK(caches[i].size() == 2, "cpu_decode: layer ", i, " takes a (K, V) cache pair");
@@ -608,7 +702,7 @@ class DecodePlan {
       TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * rope_width(),
                   "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous (D: the rotary width)");
     for (int64_t i = begin; i < end; i++) {
-      TORCH_CHECK(layers_[i].conv || layers_[i].delta || layers_[i].rope < static_cast<int64_t>(ropes.size()),
+      TORCH_CHECK(recurrent(layers_[i]) || layers_[i].relu2 || layers_[i].rope < static_cast<int64_t>(ropes.size()),
                   "cpu_decode: layer ", i,
                   " needs rope table ", layers_[i].rope);
       TORCH_CHECK(!cut(layers_[i]) || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
@@ -658,6 +752,7 @@ class DecodePlan {
     const bool conv = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.conv; });
     make_hybrid_scratch(T);
     make_mla_scratch(T);
+    make_mamba_scratch(T);
     scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest),
                 f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
                 f(conv ? H_ : 1)};
@@ -720,6 +815,8 @@ class DecodePlan {
     if (L.conv) return conv_layer(L, c, s, delta);
     if (L.delta) return delta_layer(L, c, s, delta);
     if (L.mla) return mla_layer(L, c, s, delta);
+    if (L.mamba) return mamba_layer(L, c, s, delta);
+    if (L.relu2) return relu2_layer(L, s, delta);
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
@@ -736,6 +833,10 @@ class DecodePlan {
     linear(L.o, o, buf(kAttn), s, L.o_bias);
     add_lora(i, 1, o, buf(kAttn), s);
     const float* a = sublayer_out(buf(kAttn), L.attn_out_norm, L.residual_scale, s);
+    if (!L.mlp) {  // the attention's output is the layer's (DecoderLayer.fused_attend)
+      std::memcpy(s.out, a, T * H_ * sizeof(float));
+      return;
+    }
     h = pre_norm(L.post_norm, a, s);
     if (cut(L)) {  // the caller runs the experts on h
       std::memcpy(s.out, h, T * H_ * sizeof(float));
@@ -780,7 +881,7 @@ class DecodePlan {
   // hold a recurrent one: every slot inside each such layer's states
   void check_states(int64_t begin, int64_t end, const OptT& slots, const OptT& fresh, int64_t T, bool lora) const {
     for (int64_t i = begin; i < end; i++) {
-      if (!layers_[i].conv && !layers_[i].delta) continue;
+      if (!recurrent(layers_[i])) continue;
       TORCH_CHECK(!lora, "cpu_decode: no LoRA adapters in a recurrent layer");
       TORCH_CHECK(slots.has_value() && fresh.has_value(), "cpu_decode: recurrent layers need state_slots and fresh");
       TORCH_CHECK(slots->dtype() == torch::kInt64 && slots->is_contiguous() && slots->numel() == T &&
@@ -859,6 +960,71 @@ class DecodePlan {
     linear(L.out_proj, dbuf(kDY), buf(kAttn), s, nullptr);
     recurrent_tail(L, s);
   }
+
+  // a Mamba-2 layer's cache entry: (conv [S, C, K - 1], ssm [S, H, P, N]) float32
+  Cache mamba_states(const std::vector<torch::Tensor>& entry, const Layer& L) const {
+    TORCH_CHECK(entry.size() == 2, "cpu_decode: a Mamba-2 layer's cache is its two state tensors");
+    const torch::Tensor &cs = entry[0], &ss = entry[1];
+    for (const torch::Tensor* t : {&cs, &ss})
+      TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous(), "cpu_decode: states must be float32 contiguous");
+    TORCH_CHECK(cs.dim() == 3 && cs.size(1) == mamba_.C && cs.size(2) == L.conv_k - 1 && ss.dim() == 4 &&
+                    ss.size(0) == cs.size(0) && ss.size(1) == mamba_.H && ss.size(2) == mamba_.P &&
+                    ss.size(3) == mamba_.N,
+                "cpu_decode: Mamba-2 states must be [S, C, K - 1] and [S, H, P, N]");
+    return {{}, {}, cs, ss};
+  }
+
+  // Mamba2.forward's decode rows through cpu_recurrent.cpp (its native path): in_proj
+  // [z | x B C | dt], the convolution with SiLU on x B C (a contiguous copy, as
+  // causal_conv1d's), the scan's step (dt read in place), the gated group norm (z read in
+  // place), out_proj into buf(kAttn); then the MLP (recurrent_tail)
+  void mamba_layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const int64_t T = s.T, I = mamba_.I, C = mamba_.C, W = I + C + mamba_.H;
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float *proj = sbuf(kSIn), *xbc = sbuf(kSXbc), *conv = sbuf(kSConv);  // [T, W], [T, C], [T, C]
+    linear(L.in_proj, h, proj, s, L.in_bias);
+    for (int64_t t = 0; t < T; t++) std::memcpy(xbc + t * C, proj + t * W + I, C * sizeof(float));
+    rec_->conv_decode(xbc, L.conv_w, L.conv_bias, c.state.data_ptr<float>(), s.state_slots, s.fresh, T, C, L.conv_k,
+                      true, conv);
+    rec_->ssm_decode(conv, C, proj + I + C, W, L.dt_bias, L.a_log, L.d, c.rule.data_ptr<float>(), s.state_slots,
+                     s.fresh, T, mamba_.H, mamba_.P, mamba_.G, mamba_.N, L.dt_lo, L.dt_hi, sbuf(kSY));
+    rec_->group_norm(sbuf(kSY), proj, W, L.gnorm, T, I, mamba_.G, eps_, sbuf(kSNorm));
+    if (!L.mlp) {  // Nemotron-H's Mamba block: the mixer's output is the layer's
+      linear(L.out_proj, sbuf(kSNorm), s.out, s, L.out_bias);
+      return;
+    }
+    linear(L.out_proj, sbuf(kSNorm), buf(kAttn), s, L.out_bias);
+    recurrent_tail(L, s);
+  }
+
+  // MlpBlock.forward_fused: the pre-norm, up, relu(.)^2 in place (exact: a max and a
+  // multiply, as F.relu(.).square()), down into s.out
+  void relu2_layer(const Layer& L, const Step& s, const float* delta) const {
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* mid = buf(kAct);  // [T, F]
+    linear(L.gate_up, h, mid, s, nullptr);
+    for (int64_t i = 0; i < s.T * F_; i++) {
+      const float v = mid[i] > 0.0f ? mid[i] : 0.0f;
+      mid[i] = v * v;
+    }
+    linear(L.down, mid, s.out, s, nullptr);
+  }
+
+  // the Mamba-2 layers' buffers for T rows, each its own torch allocation
+  void make_mamba_scratch(int64_t T) {
+    const int64_t I = mamba_.I, C = mamba_.C, W = I + C + mamba_.H;
+    auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
+    sscratch_ = {f(W), f(C), f(C), f(I), f(I)};
+  }
+
+  float* sbuf(int i) const { return sscratch_[i].data_ptr<float>(); }
+  enum { kSIn, kSXbc, kSConv, kSY, kSNorm };
+
+  struct MambaShape {
+    int64_t H = 0, P = 0, G = 0, N = 0, I = 0, C = 0;
+  };
+
+  static bool recurrent(const Layer& L) { return L.conv || L.delta || L.mamba; }
 
   // o [T, H D] *= sigmoid(h @ attn_gate^T), torch's own sigmoid (the Python loop's
   // torch.sigmoid, so the same bits) on the plan's buffer
@@ -985,6 +1151,8 @@ class DecodePlan {
   DeltaShape delta_;  // the Gated DeltaNet layers' (H 0: none)
   MlaShape mla_shape_;  // the latent-attention layers' (H 0: none)
   std::vector<torch::Tensor> mscratch_;  // make_mla_scratch's, indexed by the enum beside mbuf
+  MambaShape mamba_;  // the Mamba-2 layers' (H 0: none)
+  std::vector<torch::Tensor> sscratch_;  // make_mamba_scratch's, indexed by the enum beside sbuf
   std::vector<torch::Tensor> dscratch_;  // make_hybrid_scratch's, indexed by the enum beside dbuf
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
@@ -1022,7 +1190,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("router") = pybind11::none(), pybind11::arg("top_k") = 0,
            pybind11::arg("renormalise") = false, pybind11::arg("sinks") = pybind11::none(),
            pybind11::arg("o_bias") = pybind11::none(), pybind11::arg("router_bias") = pybind11::none(),
-           pybind11::arg("softmax_chosen") = false)
+           pybind11::arg("softmax_chosen") = false, pybind11::arg("mlp") = true)
       .def("add_conv_layer", &DecodePlan::add_conv_layer, pybind11::arg("in_norm"), pybind11::arg("in_proj"),
            pybind11::arg("in_bias"), pybind11::arg("conv"), pybind11::arg("conv_bias"), pybind11::arg("out_proj"),
            pybind11::arg("out_bias"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
@@ -1040,6 +1208,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("groups"), pybind11::arg("groups_used"), pybind11::arg("top_k"),
            pybind11::arg("renormalise"), pybind11::arg("route_scale"), pybind11::arg("shared_gate_up"),
            pybind11::arg("shared_down"))
+      .def("add_mamba_layer", &DecodePlan::add_mamba_layer, pybind11::arg("in_norm"), pybind11::arg("in_proj"),
+           pybind11::arg("in_bias"), pybind11::arg("conv"), pybind11::arg("conv_bias"), pybind11::arg("dt_bias"),
+           pybind11::arg("a_log"), pybind11::arg("d"), pybind11::arg("norm"), pybind11::arg("out_proj"),
+           pybind11::arg("out_bias"), pybind11::arg("heads"), pybind11::arg("head_dim"), pybind11::arg("groups"),
+           pybind11::arg("d_state"), pybind11::arg("dt_lo"), pybind11::arg("dt_hi"), pybind11::arg("post_norm"),
+           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+      .def("add_mlp_layer", &DecodePlan::add_mlp_layer, pybind11::arg("in_norm"), pybind11::arg("up"),
+           pybind11::arg("down"))
       .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),

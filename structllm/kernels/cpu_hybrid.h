@@ -32,6 +32,17 @@ struct RecurrentOps {
   // -> y [T, H * Dv]
   void (*gated_norm)(const float* o, const float* z, const float* w, int64_t T, int64_t H, int64_t Dv, float eps,
                      float* y);
+  // Mamba-2's scan step per row (ssm_decode): xbc rows of stride xs ([H P | G N | G N]
+  // after the convolution), dt rows of stride ds (H raw time steps), dt_bias, a_log, d
+  // [H], states [S, H, P, N] (slots and fresh as conv_decode's), the time step's clamp
+  // [lo, hi] -> y [B, H P]
+  void (*ssm_decode)(const float* xbc, int64_t xs, const float* dt, int64_t ds, const float* dt_bias,
+                     const float* a_log, const float* d, float* states, const int64_t* slots, const bool* fresh,
+                     int64_t B, int64_t H, int64_t P, int64_t G, int64_t N, float lo, float hi, float* y);
+  // Mamba-2's gated norm over G groups (group_norm): y [T, I], z rows of stride zs, w [I]
+  // -> out [T, I]
+  void (*group_norm)(const float* y, const float* z, int64_t zs, const float* w, int64_t T, int64_t I, int64_t G,
+                     float eps, float* out);
 };
 
 }  // namespace sl

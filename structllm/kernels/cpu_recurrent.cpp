@@ -507,8 +507,120 @@ __attribute__((noinline)) void gated_norm_rows(const float* op, const float* zp,
   });
 }
 
-const sl::RecurrentOps kRecurrentOps{conv_decode_rows, delta_inputs_rows, delta_decode_rows, gated_norm_rows};
+// Mamba-2's scan, one token per sequence (model/mamba2.py's ssd for its decode rows, with
+// the time step's softplus and clamp before it). xbc: rows of stride xs, each x [H P]
+// then B, C [G N] (after the convolution and its SiLU); dt: rows of stride ds, H raw
+// time steps (before dt_bias); dt_bias, a_log, d: [H]; states [S, H, P, N] (slots and
+// fresh as conv_decode's) -> y [B, H P]. For head h of row b (group g = h / (H / G)):
+//   dt = clamp(softplus(dt_raw + dt_bias), lo, hi), decay = exp(-exp(a_log) dt)
+//   S' = decay S + dt x B^T,  y = S' C + D x
+// one pass over S per (row, head). Out of line, as delta_decode_rows.
+__attribute__((noinline)) void ssm_decode_rows(const float* xbc, int64_t xs, const float* dtp, int64_t ds,
+                                               const float* dt_bias, const float* a_log, const float* dp, float* st,
+                                               const int64_t* sp, const bool* fp, int64_t B, int64_t H, int64_t P,
+                                               int64_t G, int64_t N, float lo, float hi, float* yp) {
+  const int64_t per_group = H / G, inner = H * P;
+  sl::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / H, h = i % H, g = h / per_group;
+      const float* row = xbc + b * xs;
+      const float *xr = row + h * P, *bv = row + inner + g * N, *cv = row + inner + G * N + g * N;
+      const float raw = dtp[b * ds + h] + dt_bias[h];
+      const float soft = raw > 20.0f ? raw : std::log1p(std::exp(raw));  // F.softplus's threshold
+      const float dt = std::min(std::max(soft, lo), hi);
+      const bool zero = fp[b];
+      const float decay = zero ? 0.0f : std::exp(dt * -std::exp(a_log[h]));
+      float* s = st + (sp[b] * H + h) * P * N;  // [P, N]
+      float* yr = yp + b * inner + h * P;
+      for (int64_t p = 0; p < P; p++) {
+        const float xdt = xr[p] * dt;
+        float* sr = s + p * N;
+        float acc = 0.0f;
+        if (zero) {
+          for (int64_t n = 0; n < N; n++) {
+            sr[n] = xdt * bv[n];
+            acc += sr[n] * cv[n];
+          }
+        } else {
+          for (int64_t n = 0; n < N; n++) {
+            sr[n] = decay * sr[n] + xdt * bv[n];
+            acc += sr[n] * cv[n];
+          }
+        }
+        yr[p] = dp[h] * xr[p] + acc;
+      }
+    }
+  });
+}
+
+// Mamba-2's gated norm (mamba2.gated_group_rms_norm): y [T, I], z rows of stride zs (I
+// wide), weight [I] -> out [T, I]: v = y * silu(z), each of G equal runs of a row
+// divided by its root mean square, times weight. Out of line, as delta_decode_rows.
+__attribute__((noinline)) void group_norm_rows(const float* yp, const float* zp, int64_t zs, const float* wp, int64_t T,
+                                               int64_t I, int64_t G, float eps, float* op) {
+  const int64_t W = I / G;
+  sl::parallel_for(0, T * G, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t t = i / G, off = (i % G) * W;
+      const float *y = yp + t * I + off, *z = zp + t * zs + off;
+      float* o = op + t * I + off;
+      float ss = 0.0f;
+      for (int64_t e = 0; e < W; e++) {
+        o[e] = y[e] * silu_fast(z[e]);
+        ss += o[e] * o[e];
+      }
+      const float r = 1.0f / std::sqrt(ss / W + eps);
+      const float* w = wp + off;
+#pragma omp simd
+      for (int64_t e = 0; e < W; e++) o[e] = w[e] * (o[e] * r);
+    }
+  });
+}
+
+const sl::RecurrentOps kRecurrentOps{conv_decode_rows, delta_inputs_rows, delta_decode_rows,
+                                     gated_norm_rows,  ssm_decode_rows,   group_norm_rows};
 }  // namespace
+
+// ssm_decode_rows on tensors: xbc [B, C] contiguous (C = H P + 2 G N), dt [B, >= H] with
+// unit column stride (in_proj's output, sliced), dt_bias, a_log, d [H], states
+// [S, H, P, N], slots int64 [B], fresh bool [B] -> y [B, H P]
+torch::Tensor ssm_decode(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, torch::Tensor a_log,
+                         torch::Tensor d, torch::Tensor states, torch::Tensor slots, torch::Tensor fresh,
+                         int64_t groups, double lo, double hi) {
+  for (auto* t : {&xbc, &dt_bias, &a_log, &d, &states}) check_f32(*t, "ssm_decode input");
+  const int64_t B = xbc.size(0), S = states.size(0), H = states.size(1), P = states.size(2), N = states.size(3);
+  TORCH_CHECK(states.dim() == 4 && groups > 0 && H % groups == 0 && xbc.dim() == 2 &&
+                  xbc.size(1) == H * P + 2 * groups * N,
+              "ssm_decode: xbc [B, H P + 2 G N], states [S, H, P, N]");
+  TORCH_CHECK(dt.dtype() == torch::kFloat32 && dt.dim() == 2 && dt.size(0) == B && dt.size(1) == H &&
+                  dt.stride(1) == 1 && dt.device().is_cpu(),
+              "ssm_decode: dt float32 [B, H] with unit column stride");
+  TORCH_CHECK(dt_bias.numel() == H && a_log.numel() == H && d.numel() == H, "ssm_decode: dt_bias, a_log, d [H]");
+  check_slots(slots, fresh, B, S);
+  auto y = torch::empty({B, H * P}, xbc.options());
+  ssm_decode_rows(xbc.data_ptr<float>(), xbc.size(1), dt.data_ptr<float>(), dt.stride(0), dt_bias.data_ptr<float>(),
+                  a_log.data_ptr<float>(), d.data_ptr<float>(), states.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                  fresh.data_ptr<bool>(), B, H, P, groups, N, static_cast<float>(lo), static_cast<float>(hi),
+                  y.data_ptr<float>());
+  return y;
+}
+
+// group_norm_rows on tensors: y [T, I] contiguous, z [T, I] with unit column stride
+// (in_proj's output, sliced), weight [I] -> [T, I]
+torch::Tensor group_norm(torch::Tensor y, torch::Tensor z, torch::Tensor weight, int64_t groups, double eps) {
+  check_f32(y, "y");
+  check_f32(weight, "weight");
+  const int64_t T = y.size(0), I = y.size(1);
+  TORCH_CHECK(y.dim() == 2 && groups > 0 && I % groups == 0 && weight.numel() == I, "group_norm: y [T, I], weight [I]");
+  TORCH_CHECK(z.dtype() == torch::kFloat32 && z.dim() == 2 && z.size(0) == T && z.size(1) == I && z.stride(1) == 1 &&
+                  z.device().is_cpu(),
+              "group_norm: z float32 [T, I] with unit column stride");
+  auto out = torch::empty_like(y);
+  group_norm_rows(y.data_ptr<float>(), z.data_ptr<float>(), z.stride(0), weight.data_ptr<float>(), T, I, groups,
+                  static_cast<float>(eps), out.data_ptr<float>());
+  return out;
+}
 
 std::vector<torch::Tensor> delta_inputs(torch::Tensor qkv, torch::Tensor b, torch::Tensor a,
                                         torch::Tensor a_log, torch::Tensor dt_bias, int64_t Hk,
@@ -547,6 +659,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_prefill", &delta_prefill, "the gated delta rule over prefill rows (chunked)");
   m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
   m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
+  m.def("ssm_decode", &ssm_decode, "one step of Mamba-2's scan per slot (softplus, decay, write, read, skip)");
+  m.def("group_norm", &group_norm, "Mamba-2's gated RMSNorm over groups");
   m.def(
       "recurrent_ops",
       [] { return pybind11::capsule(const_cast<sl::RecurrentOps*>(&kRecurrentOps), "structllm.recurrent_ops"); },

@@ -37,11 +37,14 @@ Hybrid models (``model.hybrid``): their attention layers run here as any other
 (Qwen3.5's output gate too: ``set_attn_gate``), and their recurrent layers when every
 mixer is LFM2's short convolution (``add_conv_layer``: in_proj, ``B * x'``, the
 convolution's step, ``C * y``, out_proj, the dense MLP) or Qwen3.5's Gated DeltaNet
-(``add_delta_layer``: ``GatedDeltaNet._native_rule``'s kernels in its order), the
+(``add_delta_layer``: ``GatedDeltaNet._native_rule``'s kernels in its order) or
+Granite 4's Mamba-2 (``add_mamba_layer``: ``Mamba2._native_scan``'s kernels), the
 recurrent kernels through ``cpu_recurrent.cpp``'s ``RecurrentOps`` (``cpu_hybrid.h``:
 the functions its Python entry points run), each row's state slot and fresh flag
-passed per step (``HybridModel._forward_fused``). Mamba-2 and experts in a hybrid
-model keep the Python loop (``_hybrid_why_not``).
+passed per step (``HybridModel._forward_fused``). Nemotron-H's blocks run here too
+(attention alone: ``add_layer(mlp=False)``; Mamba-2 alone: ``add_mamba_layer`` without
+an MLP; ``add_mlp_layer``: ``down(relu(up h)^2)``). Experts in a hybrid model keep the
+Python loop (``_hybrid_why_not``).
 
 DeepSeek's latent-attention layers (``model.deepseek``) run here when cpu_mla.cpp is in
 use, every matrix is in GGUF blocks and the experts are native (``_latent_why_not``):
@@ -119,9 +122,9 @@ def why_not(model: LlamaModel) -> str | None:
         if why is not None:
             return why
     for layer in model.layers:
-        if isinstance(layer, RecurrentLayer):
-            continue  # (_hybrid_why_not's)
-        dl: DecoderLayer = layer  # type: ignore[assignment]
+        if not isinstance(layer, DecoderLayer):
+            continue  # a hybrid model's other layers (_hybrid_why_not's)
+        dl: DecoderLayer = layer
         if getattr(dl, "o_bias", None) is not None and getattr(dl, "sinks", None) is None:
             return "an output bias outside gpt-oss's layer is not in it"
         if getattr(dl, "attn_gate", None) is not None and _parts(dl.attn_gate, False) is None:
@@ -136,23 +139,31 @@ def why_not(model: LlamaModel) -> str | None:
 
 def _hybrid_why_not(model: HybridModel) -> str | None:
     """Why a hybrid model's decode steps cannot take the native loop (None: as far as
-    its recurrent layers go, they can): LFM2's short convolutions and Qwen3.5's Gated
-    DeltaNet (with 16-float multiples for head widths, as its native rule asks) are."""
+    its recurrent layers go, they can): LFM2's short convolutions, Qwen3.5's Gated
+    DeltaNet (with 16-float multiples for head widths, as its native rule asks),
+    Granite 4's Mamba-2 layers and Nemotron-H's blocks (experts apart) are."""
     from structllm.kernels import cpu_ext
     from structllm.model.deltanet import GatedDeltaNet
     from structllm.model.lfm2 import ShortConv
+    from structllm.model.mamba2 import Mamba2
+    from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock
 
     if cpu_ext.load_recurrent() is None:
         return "the recurrent kernels did not build"
     for layer in model.layers:
-        if type(layer) is DecoderLayer:
+        if type(layer) in (DecoderLayer, AttentionBlock):
             if layer.moe is not None:
                 return "experts in a hybrid model's layer are not in it"
             continue
-        if not isinstance(layer, RecurrentLayer):
+        if isinstance(layer, MlpBlock):
+            for name in MlpBlock.PACKED:
+                if _parts(getattr(layer, name), True) is None:
+                    return f"{name} is not in GGUF blocks"
+            continue
+        if not isinstance(layer, (RecurrentLayer, MambaBlock)):
             return f"{type(layer).__name__} layers are not in it"
         mixer = layer.mixer
-        if layer.moe is not None:
+        if getattr(layer, "moe", None) is not None:
             return "experts in a hybrid model's layer are not in it"
         linears: tuple[str, ...]
         if isinstance(mixer, ShortConv):
@@ -161,6 +172,8 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
             if mixer.head_k_dim % 16 or mixer.head_v_dim % 16:
                 return "Gated DeltaNet heads not 16-float multiples wide"
             conv, linears = mixer.conv1d, GatedDeltaNet.LINEARS
+        elif isinstance(mixer, Mamba2):
+            conv, linears = mixer.conv1d, Mamba2.PACKED
         else:
             return f"the {type(mixer).__name__} mixer is not in it"
         if conv.dtype != torch.float32:
@@ -168,6 +181,8 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         for name in linears:
             if _parts(getattr(mixer, name), False) is None:
                 return f"{name} is not in GGUF blocks"
+        if isinstance(layer, MambaBlock):  # (no MLP)
+            continue
         for name in ("gate_up_proj", "down_proj"):
             if _parts(getattr(layer, name), True) is None:
                 return f"{name} is not in GGUF blocks"
@@ -218,7 +233,7 @@ class DecodePlan:
     def __init__(self, model: LlamaModel, native: Any, check_every: int) -> None:
         cfg = model.cfg
         self.impl = model.attn_impl  # the backend whose kernel it runs
-        # DecoderLayers, and a hybrid model's RecurrentLayers (why_not: LFM2's only)
+        # DecoderLayers, and a hybrid model's RecurrentLayers (see _hybrid_why_not)
         self.layers: list[Any] = list(model.layers)
         # each MoE layer's native experts (None: its experts run from Python, a cut);
         # held here too, since the native plan keeps only their address
@@ -234,8 +249,10 @@ class DecodePlan:
             from structllm.kernels import cpu_ext
 
             moe_ops = cpu_ext.load_moe().moe_ops()  # type: ignore[union-attr]
+        from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock
+
         recurrent_ops = None
-        if any(isinstance(dl, RecurrentLayer) for dl in self.layers):
+        if any(isinstance(dl, (RecurrentLayer, MambaBlock)) for dl in self.layers):
             from structllm.kernels import cpu_ext
 
             recurrent_ops = cpu_ext.load_recurrent().recurrent_ops()  # type: ignore[union-attr]
@@ -263,8 +280,13 @@ class DecodePlan:
                 self._add_latent(dl, experts)
             elif isinstance(dl, RecurrentLayer):
                 self._add_recurrent(dl)
+            elif isinstance(dl, MambaBlock):  # Nemotron-H's blocks: one sublayer each
+                self._add_mamba(dl, dl.mixer, mlp=False)
+            elif isinstance(dl, MlpBlock):
+                up, down = _parts(dl.up_proj, True), _parts(dl.down_proj, True)
+                self.native.add_mlp_layer(in_norm=dl.input_layernorm, up=up, down=down)
             else:
-                self._add(dl, identity, experts)
+                self._add(dl, identity, experts, mlp=not isinstance(dl, AttentionBlock))
                 if getattr(dl, "attn_gate", None) is not None:  # Qwen3.5's gated attention
                     last = self.native.num_layers() - 1
                     self.native.set_attn_gate(last, _parts(dl.attn_gate, False))
@@ -308,9 +330,10 @@ class DecodePlan:
 
     def cut(self, i: int) -> bool:
         """Layer ``i``'s experts run from Python (its native call ends at its MLP input)."""
-        return self.layers[i].moe is not None and self.experts[i] is None
+        return getattr(self.layers[i], "moe", None) is not None and self.experts[i] is None
 
-    def _add(self, dl: DecoderLayer, identity: int, experts: Any) -> None:
+    def _add(self, dl: DecoderLayer, identity: int, experts: Any, mlp: bool = True) -> None:
+        """An attention layer; without ``mlp``, attention alone (Nemotron-H's block)."""
         # the rope table forward hands forward_fused: 0 global, 1 local, or the identity
         rope = (1 if dl.local_rope else 0) if dl.rotates else identity
         qk = dl.qk_norm != "none"
@@ -329,9 +352,9 @@ class DecodePlan:
             attn_out_norm=dl.attn_out_norm,
             post_norm=dl.post_attention_layernorm,
             # int8 allowed: see DecoderLayer.forward
-            gate_up=[] if dl.moe else _parts(dl.gate_up_proj, True),
+            gate_up=[] if dl.moe or not mlp else _parts(dl.gate_up_proj, True),
             gelu=dl.act == "gelu_tanh",
-            down=[] if dl.moe else _parts(dl.down_proj, True),
+            down=[] if dl.moe or not mlp else _parts(dl.down_proj, True),
             mlp_out_norm=dl.mlp_out_norm,
             residual_scale=dl.residual_scale,
             moe=dl.moe is not None,
@@ -343,6 +366,7 @@ class DecodePlan:
             o_bias=_vector(dl.o_bias),
             router_bias=route[0] if route else None,
             softmax_chosen=bool(route and route[1]),
+            mlp=mlp,
         )
 
     def _add_latent(self, dl: DeepseekLayer, experts: Any) -> None:
@@ -382,13 +406,18 @@ class DecodePlan:
         )
 
     def _add_recurrent(self, layer: RecurrentLayer) -> None:
-        """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``)
-        or Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``)."""
+        """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``),
+        Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``) or Granite 4's Mamba-2
+        (``mamba2.Mamba2``)."""
         from structllm.model.deltanet import GatedDeltaNet
+        from structllm.model.mamba2 import Mamba2
 
         mixer: Any = layer.mixer
         if isinstance(mixer, GatedDeltaNet):
             self._add_delta(layer, mixer)
+            return
+        if isinstance(mixer, Mamba2):
+            self._add_mamba(layer, mixer)
             return
         self.native.add_conv_layer(
             in_norm=layer.input_layernorm,
@@ -432,6 +461,41 @@ class DecodePlan:
             gelu=layer.act == "gelu_tanh",
             down=_parts(layer.down_proj, True),
             residual_scale=layer.residual_scale,
+        )
+
+    def _add_mamba(self, layer: Any, mixer: Any, mlp: bool = True) -> None:
+        """A Mamba-2 layer: its projections, filter, time-step, decay, skip and gated
+        norm's parameters (float32, contiguous: what ``Mamba2._native_scan`` passes),
+        then its MLP (a ``RecurrentLayer``'s) or none (``mlp`` False: Nemotron-H's
+        ``MambaBlock``)."""
+
+        def f32(t: Tensor) -> Tensor:
+            return t.float().contiguous()
+
+        lo, hi = mixer.dt_limit
+        self.native.add_mamba_layer(
+            in_norm=layer.input_layernorm,
+            in_proj=_parts(mixer.in_proj, False),
+            in_bias=_vector(mixer.in_bias),
+            conv=f32(mixer.conv1d),
+            conv_bias=_vector(mixer.conv_bias),
+            dt_bias=f32(mixer.dt_bias),
+            a_log=f32(mixer.A_log),
+            d=f32(mixer.D),
+            norm=f32(mixer.norm),
+            out_proj=_parts(mixer.out_proj, False),
+            out_bias=_vector(mixer.out_bias),
+            heads=mixer.num_heads,
+            head_dim=mixer.head_dim,
+            groups=mixer.n_groups,
+            d_state=mixer.d_state,
+            dt_lo=lo,
+            dt_hi=hi,
+            post_norm=layer.post_attention_layernorm if mlp else None,
+            gate_up=_parts(layer.gate_up_proj, True) if mlp else [],  # int8 allowed
+            gelu=mlp and layer.act == "gelu_tanh",
+            down=_parts(layer.down_proj, True) if mlp else [],
+            residual_scale=layer.residual_scale if mlp else 1.0,
         )
 
     @staticmethod
@@ -523,7 +587,7 @@ def _native_experts(dl: DecoderLayer) -> Any:
     """The layer's ``cpu_moe.cpp`` ``Experts`` when the native call can run its MLP as
     ``SparseMoe.forward`` would on the fused path (SiLU or gpt-oss's activation, a float32
     router routed by ``cpu_moe.cpp``, native experts), else None."""
-    moe = dl.moe
+    moe = getattr(dl, "moe", None)  # (Nemotron-H's Mamba and MLP blocks have none)
     if moe is None or not moe.native_act(dl.act) or moe.router.dtype != torch.float32:
         return None
     if moe.native_route() is None:  # a family's own routing (GLM-4.5's)

@@ -18,7 +18,8 @@ residual adds and their MLPs' SiLU * up (``RecurrentLayer.forward_fused``); else
 and on the exact float32 path, the plain torch loop. Decode-only steps of a model whose
 every recurrent mixer is LFM2's short convolution or Qwen3.5's Gated DeltaNet take the
 native decode loop (``model.decode_plan``: attention and recurrent layers alike, one C++
-call per ``CHECK_EVERY`` layers); Mamba-2 and experts keep the fused layer loop. No CUDA
+call per ``CHECK_EVERY`` layers), and so do Granite 4's (Mamba-2) and Nemotron-H's
+(Mamba-2, MLP and attention blocks); experts keep the fused layer loop. No CUDA
 graphs; one process (no tensor or pipeline parallelism: refused at start), without
 speculative decoding (a recurrent state cannot be rolled back past a rejected draft:
 refused). Prefix caching resumes a cached prefix from the
@@ -247,11 +248,13 @@ class HybridModel(LlamaModel):
     ) -> Tensor:
         """``forward``'s layer loop through the fused CPU ops: each layer adds the
         previous one's output to ``x`` in place, fused with its first norm
-        (``DecoderLayer.forward_fused``, ``RecurrentLayer.forward_fused``). ``rows: [T,
-        D/2]`` complex64 rotations. A layer of another kind (Nemotron-H's blocks), and a
-        layer with experts, runs its own ``forward`` on the stream with the pending
-        output added: the fused router's rounding flips a near-tie of the experts' scores
-        that the recurrent states then carry to every later token (Qwen3.5-MoE at Q4_0,
+        (``DecoderLayer.forward_fused``, ``RecurrentLayer.forward_fused``, and those of
+        a layer marked ``fused_block``: Nemotron-H's attention, Mamba-2 and MLP blocks,
+        whose output is their one sublayer's). ``rows: [T, D/2]`` complex64 rotations.
+        A layer of another kind (Nemotron-H's experts), and a layer with experts, runs
+        its own ``forward`` on the stream with the pending output added: the fused
+        router's rounding flips a near-tie of the experts' scores that the recurrent
+        states then carry to every later token (Qwen3.5-MoE at Q4_0,
         ``test_quantized_gguf_runs_its_blocks``), so those layers keep the plain ops."""
         pair = torch.view_as_real(rows)  # [T, D/2, 2] (cos, sin)
         identity: Tensor | None = None  # for a NoPE layer (the store still runs)
@@ -271,7 +274,9 @@ class HybridModel(LlamaModel):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
             plain = getattr(layer, "moe", None) is not None  # (see the docstring)
-            if not plain and type(layer) is DecoderLayer and not layer.local_rope:
+            block = getattr(layer, "fused_block", False)  # Nemotron-H's (see the docstring)
+            attention = isinstance(layer, DecoderLayer) and (type(layer) is DecoderLayer or block)
+            if not plain and attention and isinstance(layer, DecoderLayer) and not layer.local_rope:
                 rope = pair
                 if not layer.rotates:
                     if identity is None:
@@ -281,8 +286,8 @@ class HybridModel(LlamaModel):
                 delta = layer.forward_fused(
                     x, delta, rope, kc, vc, meta, self.attn_impl, None, ops, None
                 )
-            elif not plain and isinstance(layer, RecurrentLayer):
-                delta = layer.forward_fused(x, delta, cache, rb, ops)
+            elif not plain and (isinstance(layer, RecurrentLayer) or block):
+                delta = cast(RecurrentLayer, layer).forward_fused(x, delta, cache, rb, ops)
             else:
                 if delta is not None:
                     x.add_(delta)

@@ -319,6 +319,44 @@ class DecoderLayer(nn.Module):
         cos 1, sin 0 (the store still runs). ``o_out``: a ``[T, H * D]`` buffer for the
         attention output of a decode-only step (each layer's is read by its ``o_proj``
         before the next layer writes it), or None."""
+        attn_out = self.fused_attend(x, delta, rope, k_cache, v_cache, meta, impl, tp, ops, o_out)
+        norms = self._norms  # (set by fused_attend)
+        assert norms is not None
+        post_norm, mlp_out_norm = norms[1], norms[3]
+        plain = tp is None and self._plain_out  # nothing between a sublayer and the residual
+        h = self._fused_norm(ops, x, attn_out, post_norm)
+        fused_act = ops.gelu_tanh_mul if self.act == "gelu_tanh" else ops.silu_mul
+        if self.moe is not None:
+            mlp_out = self.moe(h, self.act, fused_act)
+        else:
+            gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
+            if self.adapters is not None:
+                self.adapters.add(self.layer_no, "gate_up", h, gate_up)
+            mid = fused_act(gate_up)
+            mlp_out = linear(mid, self.down_proj, int8_ok=True)
+            if self.adapters is not None:
+                self.adapters.add(self.layer_no, "down", mid, mlp_out)
+        if not plain or mlp_out_norm is not None:
+            mlp_out = self._fused_out(ops, mlp_out, tp, mlp_out_norm)
+        return mlp_out
+
+    def fused_attend(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        rope: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+        tp: TensorParallelGroup | None,
+        ops: Any,
+        o_out: Tensor | None = None,
+    ) -> Tensor:
+        """``forward_fused``'s first half: ``x += delta``, the pre-norm, attention and
+        ``o_proj`` -> the attention's output ``[T, hidden]`` as added to the residual
+        (after its output norm and multiplier), not yet added (a block without an MLP,
+        Nemotron-H's, returns it as the next delta)."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qk_norm == "layer_heads":  # (classic.py's, which declines the fused ops)
@@ -331,7 +369,7 @@ class DecoderLayer(nn.Module):
                 self.attn_out_norm,
                 self.mlp_out_norm,
             )
-        in_norm, post_norm, attn_out_norm, mlp_out_norm = norms
+        in_norm, _, attn_out_norm, _ = norms
         h = self._fused_norm(ops, x, delta, in_norm)
         qkv = linear(h, self.qkv_proj, self.qkv_bias)
         if self.adapters is not None:
@@ -384,21 +422,7 @@ class DecoderLayer(nn.Module):
         plain = tp is None and self._plain_out  # nothing between a sublayer and the residual
         if not plain or attn_out_norm is not None:
             attn_out = self._fused_out(ops, attn_out, tp, attn_out_norm)
-        h = self._fused_norm(ops, x, attn_out, post_norm)
-        fused_act = ops.gelu_tanh_mul if self.act == "gelu_tanh" else ops.silu_mul
-        if self.moe is not None:
-            mlp_out = self.moe(h, self.act, fused_act)
-        else:
-            gate_up = linear(h, self.gate_up_proj, int8_ok=True)  # int8 allowed: see forward
-            if self.adapters is not None:
-                self.adapters.add(self.layer_no, "gate_up", h, gate_up)
-            mid = fused_act(gate_up)
-            mlp_out = linear(mid, self.down_proj, int8_ok=True)
-            if self.adapters is not None:
-                self.adapters.add(self.layer_no, "down", mid, mlp_out)
-        if not plain or mlp_out_norm is not None:
-            mlp_out = self._fused_out(ops, mlp_out, tp, mlp_out_norm)
-        return mlp_out
+        return attn_out
 
     def _fused_norm(self, ops: Any, x: Tensor, delta: Tensor | None, w: Tensor | None) -> Tensor:
         """``x += delta``, then the pre-norm (or ``x`` itself, without one)."""

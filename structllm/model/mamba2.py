@@ -22,7 +22,7 @@ the recurrence above as one batched update over all decoding slots.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +199,9 @@ class Mamba2(nn.Module):
     """
 
     PACKED = ("in_proj", "out_proj")  # (LlamaModel.pack_weights packs the modules with PACKED)
+    # False: torch's ops for the decode rows even where the native kernels are loaded (the
+    # Python loop as it was before them: bench/hybrid_decode.py's --torch-scan)
+    native_scan = True
 
     def __init__(
         self,
@@ -285,6 +288,44 @@ class Mamba2(nn.Module):
         """``((C, K - 1), (H, P, N))``: the convolution's and the scan's (``hybrid.Mixer``'s)."""
         return (self.conv_dim, self.kernel - 1), (self.num_heads, self.head_dim, self.d_state)
 
+    def _native_scan(self, xbc: Tensor, dt: Tensor, states: Tensor, rb: RecurrentBatch) -> Tensor:
+        """The scan with its decode rows through ``cpu_recurrent.cpp`` (``ssm_decode``:
+        the time step's softplus and clamp, the update, the read and the ``D`` skip in one
+        pass over each slot's state; the native decode loop runs the same function) and
+        its prefill rows through ``ssd``'s chunked form. ``xbc [T, C]`` (after the
+        convolution), ``dt [T, H]`` raw (``in_proj``'s columns, unsliced rows: the
+        kernel reads them in place) -> ``y [T, I]`` float32."""
+        nat, nd, t = rb.native, rb.num_decodes, xbc.shape[0]
+        h, p, gn = self.num_heads, self.head_dim, self.n_groups * self.d_state
+        dt_bias, a_log = self.dt_bias.float().contiguous(), self.A_log.float().contiguous()
+        d = self.D.float().contiguous()
+        lo, hi = self.dt_limit
+        dec = (xbc[:nd], dt[:nd], dt_bias, a_log, d, states, rb.slots[:nd], rb.fresh_mask[:nd])
+        if nd == t:  # a decode-only step: the kernel's output is the whole y
+            return cast(Tensor, nat.ssm_decode(*dec, self.n_groups, lo, hi))
+        y = torch.empty(t, self.inner, dtype=torch.float32, device=xbc.device)
+        if nd:
+            y[:nd] = nat.ssm_decode(*dec, self.n_groups, lo, hi)
+        rest = slice(nd, t)
+        xs, b, c = xbc[rest].split([self.inner, gn, gn], dim=-1)
+        step = F.softplus(dt[rest].float() + self.dt_bias.float())  # [T - nd, H]
+        if lo > 0.0 or hi != math.inf:
+            step = step.clamp(lo, hi)
+        tail = rb.prefills_only()  # rows nd.. as a step of their own
+        n = t - nd
+        y[rest] = ssd(
+            xs.reshape(n, h, p),
+            step,
+            -self.A_log.float().exp(),
+            b.reshape(n, self.n_groups, self.d_state),
+            c.reshape(n, self.n_groups, self.d_state),
+            self.D,
+            states,
+            tail,
+            self.chunk_size,
+        ).reshape(n, self.inner)
+        return y
+
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         """``x: [T, hidden]`` (the step's rows as ``rb`` lays them out), ``states``: the
         convolution's ``[S, C, K - 1]`` and the scan's ``[S, H, P, N]`` float32 (both
@@ -295,6 +336,10 @@ class Mamba2(nn.Module):
         proj = linear(x, self.in_proj, self.in_bias)  # [T, I + C + H]
         z, xbc, dt = proj.split([self.inner, self.conv_dim, h], dim=-1)
         xbc = causal_conv1d(xbc, self.conv1d, self.conv_bias, conv_states, rb, silu=True)  # [T, C]
+        if rb.native is not None and proj.dtype == torch.float32 and self.native_scan:
+            y = self._native_scan(xbc, dt, ssm_states, rb)  # [T, I]
+            y = rb.native.group_norm(y, z, self.norm.float().contiguous(), self.n_groups, self.eps)
+            return linear(y.to(x.dtype), self.out_proj, self.out_bias)  # [T, hidden]
         xs, b, c = xbc.split([self.inner, gn, gn], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
         lo, hi = self.dt_limit

@@ -20,7 +20,7 @@ Hugging Face names: ``model.embeddings``, ``model.layers.{i}.norm`` and
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,10 @@ def _param(dtype: torch.dtype, *shape: int) -> nn.Parameter:
 
 class AttentionBlock(DecoderLayer):
     """Pre-norm (``input_layernorm``), attention, residual: the shared decoder layer's
-    first half (``attend``), its MLP's parameters dropped."""
+    first half (``attend``; on the fused CPU path ``fused_attend``), its MLP's
+    parameters dropped."""
+
+    fused_block = True  # HybridModel._forward_fused runs forward_fused
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int) -> None:
         super().__init__(cfg, dtype, None, index)
@@ -65,9 +68,28 @@ class AttentionBlock(DecoderLayer):
     ) -> Tensor:
         return self.attend(x, rope, k_cache, v_cache, meta, impl, tp)
 
+    def forward_fused(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        rope: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        impl: AttentionImpl,
+        tp: TensorParallelGroup | None,
+        ops: Any,
+        o_out: Tensor | None = None,
+    ) -> Tensor:
+        """``DecoderLayer.forward_fused`` without the MLP: the attention's output is the
+        next delta."""
+        return self.fused_attend(x, delta, rope, k_cache, v_cache, meta, impl, tp, ops, o_out)
+
 
 class MambaBlock(nn.Module):
     """Pre-norm, the Mamba-2 mixer over the slot's states, residual."""
+
+    fused_block = True  # HybridModel._forward_fused runs forward_fused
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -78,6 +100,20 @@ class MambaBlock(nn.Module):
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
         return x + cast(Mixer, self.mixer)(h, states, rb)
+
+    def forward_fused(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        states: tuple[Tensor, ...],
+        rb: RecurrentBatch,
+        ops: Any,
+    ) -> Tensor:
+        """``forward`` with ``RecurrentLayer.forward_fused``'s residual contract: ``x +=
+        delta`` fused with the pre-norm (``cpu_layer.cpp``); the mixer's output is the
+        next delta."""
+        h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)
+        return cast(Mixer, self.mixer)(h, states, rb)
 
 
 def relu_squared_mlp(h: Tensor, up: Weight, down: Weight) -> Tensor:
@@ -91,6 +127,7 @@ class MlpBlock(nn.Module):
     F]``), residual. No state: ``states`` is the empty tuple."""
 
     PACKED = ("up_proj", "down_proj")
+    fused_block = True  # HybridModel._forward_fused runs forward_fused
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -103,6 +140,18 @@ class MlpBlock(nn.Module):
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
         return x + relu_squared_mlp(h, self.up_proj, self.down_proj)
+
+    def forward_fused(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        states: tuple[Tensor, ...],
+        rb: RecurrentBatch,
+        ops: Any,
+    ) -> Tensor:
+        """As ``MambaBlock.forward_fused``: the MLP's output is the next delta."""
+        h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)
+        return relu_squared_mlp(h, self.up_proj, self.down_proj)
 
 
 class ReluSquaredExpert(nn.Module):

@@ -21,6 +21,7 @@ same step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,21 @@ class RecurrentBatch:
                 states[row] = states[slot]
             if k < b - a:
                 yield a + k, b, slot, False
+
+    def prefills_only(self) -> RecurrentBatch:
+        """This step's prefill sequences alone, as a step of their own: its rows from
+        ``num_decodes`` on (for a kernel that ran the decode rows already)."""
+        nd = self.num_decodes
+        return dataclasses.replace(
+            self,
+            starts=[s - nd for s in self.starts[nd:]],
+            slot_list=self.slot_list[nd:],
+            slots=self.slots[nd:],
+            fresh=self.fresh[nd:],
+            fresh_mask=self.fresh_mask[nd:],
+            num_decodes=0,
+            saves=tuple((i - nd, k, row) for i, k, row in self.saves),
+        )
 
     def segments(self) -> Tensor:
         """The prefill sequences for the native prefill kernels (``cpu_recurrent.cpp``'s

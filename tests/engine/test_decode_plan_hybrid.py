@@ -1,10 +1,12 @@
 """The native decode step for hybrid models (``model/decode_plan.py``'s recurrent
 layers, ``kernels/cpu_decode.cpp``'s hybrid section): a decode-only step of LFM2 (short
-convolutions around attention) and of Qwen3.5 (Gated DeltaNet, gated attention, partial
-rotary) in one C++ call per segment gives the hidden states, K/V writes and recurrent
-states of the Python fused loop bit for bit, fresh rows (a zero state) and reused slots
-included; greedy tokens and logprobs through the engine are the same; bad state slots
-are refused by name; Mamba-2 keeps the Python loop and says why. Run under
+convolutions around attention), of Qwen3.5 (Gated DeltaNet, gated attention, partial
+rotary), of Granite 4 (Mamba-2 around NoPE attention, residual multipliers) and of
+Nemotron-H (single-sublayer blocks: Mamba-2, relu-squared MLP, NoPE attention) in one
+C++ call per segment gives the hidden states, K/V writes and recurrent states of the
+Python fused loop bit for bit, fresh rows (a zero state) and reused slots included;
+greedy tokens and logprobs through the engine are the same; bad state slots are refused
+by name; experts in a hybrid model keep the Python loop and say why. Run under
 ``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from structllm import LLM, SamplingParams
 from structllm.kernels import cpu_ext
 from structllm.model import llama
-from structllm.model.hybrid import HybridModel, RecurrentLayer
+from structllm.model.hybrid import HybridModel
 from tests.engine.test_decode_plan import decode_meta
 from tests.support import llamacpp
 from tests.support.models import CONVERTER_ARGS, gguf_source_dir, tiny_family_dir
@@ -39,8 +41,10 @@ def q8_file(family: str, default_files) -> Path:  # type: ignore[no-untyped-def]
         pytest.skip(str(e))
 
 
-# LFM2: short convolutions; Qwen3.5: Gated DeltaNet, gated attention, partial rotary
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+# LFM2: short convolutions; Qwen3.5: Gated DeltaNet, gated attention, partial rotary;
+# Granite 4: Mamba-2 (grouped B and C, a gated group norm), NoPE attention; Nemotron-H:
+# its Mamba-2, MLP-only and attention-only blocks
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5", "granitemoehybrid", "nemotron_h"])
 def hybrid(request, default_files) -> LLM:  # type: ignore[no-untyped-def]
     path = q8_file(request.param, default_files)
     return LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=4)
@@ -82,7 +86,7 @@ def both_paths(llm: LLM, lens: list[int], slots: list[int]) -> None:
 
 def test_native_step_equals_python_loop(hybrid: LLM) -> None:
     model = hybrid.engine.runner.model
-    assert any(isinstance(layer, RecurrentLayer) for layer in model.layers)
+    assert any(model.state_shapes(i) for i in range(len(model.layers)))  # recurrent layers
     assert "cpu_decode.cpp" in model.decode_why
     both_paths(hybrid, [13], [2])  # one row
     both_paths(hybrid, [1, 40, 9], [3, 0, 1])  # three rows, the first fresh
@@ -116,19 +120,19 @@ def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
         plan.native.run(0, 1, *args)
     with pytest.raises(RuntimeError, match="state_slots must be int64"):
         plan.native.run(0, 1, *args, state_slots=torch.tensor([0], dtype=torch.int32), fresh=fresh)
-    with pytest.raises(RuntimeError, match="(its one state tensor|DeltaNet states must be)"):
+    with pytest.raises(RuntimeError, match="(its one state tensor|states must be)"):
         plan.native.set_caches([(t, t) for t in (runner.kv_caches[0][0],)] * len(model.layers))
     plan.native.set_caches(runner.kv_caches)  # as it was (the plan keeps them)
 
 
-def test_other_mixers_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
-    # Granite 4: Mamba-2 mixers (and experts); the tiny directory in the default format
-    # (float16 weights, the fused CPU ops)
-    path = tiny_family_dir("granitemoehybrid", default_files)
+def test_experts_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Qwen3.5-MoE: experts beside Gated DeltaNet; the tiny directory in the default
+    # format (float16 weights, the fused CPU ops)
+    path = tiny_family_dir("qwen3_5_moe", default_files)
     llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=2)
     model = llm.engine.runner.model
     assert model.cpu_ops is not None
     assert model.decode_path == "python"
-    assert "not in it" in model.decode_why
+    assert "experts in a hybrid model's layer are not in it" in model.decode_why
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4

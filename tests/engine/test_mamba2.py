@@ -6,11 +6,14 @@ state. Float32, within ~1e-5 relative."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import Tensor
 
 from structllm.model.mamba2 import Mamba2, from_hf, hf_names, segment_sum, ssd
+from structllm.model.recurrent import RecurrentBatch
 from tests.support.recurrent import (
     STEP_LENGTHS,
     batch,
@@ -202,6 +205,35 @@ def test_layer_steps_mixed() -> None:
     gen = torch.Generator().manual_seed(9)
     xs = [torch.randn(n, HIDDEN, generator=gen) for n in STEP_LENGTHS]
     got = run_steps(ours, xs, empty_states(ours, 6), [4, 0, 2])
+    for x, rows in zip(xs, got, strict=True):
+        close(rows, hf(x[None])[0])
+
+
+@pytest.mark.parametrize("proj_bias", [False, True])
+@torch.no_grad()
+def test_native_decode_rows_match_transformers(proj_bias: bool) -> None:
+    """The decode rows through ``cpu_recurrent.cpp`` (``ssm_decode``, ``group_norm``:
+    the functions the native decode loop runs), decodes beside prefills of other slots
+    (``Mamba2._native_scan``'s split), each sequence fresh in a slot that held other
+    states: each sequence's rows equal transformers' whole pass. Run under
+    ``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
+    from structllm.kernels import cpu_ext
+
+    native = cpu_ext.load_recurrent()
+    if native is None:
+        pytest.skip("the recurrent kernels do not build here")
+    hf = hf_layer(seed=5, proj_bias=proj_bias)
+    ours = ours_from(hf)
+    calls: list[int] = []
+
+    def mixer(x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
+        calls.append(rb.num_decodes)
+        return ours(x, states, dataclasses.replace(rb, native=native))
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(n, HIDDEN, generator=gen) for n in STEP_LENGTHS]
+    got = run_steps(mixer, xs, empty_states(ours, 6), [4, 0, 2])
+    assert any(calls) and not all(calls)  # decode rows, alone and beside prefills
     for x, rows in zip(xs, got, strict=True):
         close(rows, hf(x[None])[0])
 

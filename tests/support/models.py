@@ -1250,6 +1250,9 @@ def gguf_source_dir(family: str, files: ModelFiles, **overrides: object) -> Path
         cfg["model_type"] = model_type
         if family == "nemotron_h":
             cfg = _as_published_nemotron_h(cfg)
+        if family == "granitemoehybrid":  # as published: "mamba" and "attention"
+            kinds = {"linear_attention": "mamba", "full_attention": "attention"}
+            cfg["layer_types"] = [kinds.get(t, t) for t in cfg["layer_types"]]
         if family == "gpt2":  # as published: n_ctx, which the converter reads
             cfg["n_ctx"] = cfg["n_positions"]
         if family == "cohere2":  # as published: rotary_pct, which the converter reads
@@ -1307,6 +1310,11 @@ _CONVERTER_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_text", "nemotron_h": "nemotron
 _CONVERTER_MODEL_TYPES["gpt_neox"] = "gpt_neox_published"
 _CONVERTER_MODEL_TYPES["cohere2"] = "cohere2_published"
 _CONVERTER_MODEL_TYPES["gpt2"] = "gpt2_published"
+# (Granite 4: transformers 5 writes layer_types as "linear_attention"/"full_attention",
+# which the converter does not know: it then writes no KV heads for any layer, and
+# llama.cpp looks for Mamba tensors in the attention layers; as published, "mamba" and
+# "attention", read as written under an unknown type)
+_CONVERTER_MODEL_TYPES["granitemoehybrid"] = "granitemoehybrid_published"
 
 
 @contextlib.contextmanager
