@@ -494,6 +494,8 @@ class DecodePlan {
                 "cpu_decode: every latent-attention layer must have one shape");
     mla_shape_ = shape;
     layers_.push_back(std::move(Lr));
+  }
+
   // A Mamba-2 layer (model/mamba2.py's Mamba2 in a RecurrentLayer), in model order:
   // in_proj [I + C + H, hidden] (I = H P, C = I + 2 G N), conv [C, K] float32, dt_bias,
   // a_log, d [H], norm [I] float32, out_proj [hidden, I], biases or None, the time
