@@ -71,7 +71,9 @@ def main() -> None:
             times: dict[str, list[float]] = {p: [] for p in paths}
             for _ in range(args.reps):
                 for p, mode in paths.items():
-                    times[p].append(cpu_ms(lambda mode=mode: module.linear(x, w, 2, mode)))
+                    times[p].append(
+                        cpu_ms(lambda x=x, w=w, mode=mode: module.linear(x, w, 2, mode))
+                    )
             med = {p: statistics.median(t) for p, t in times.items()}
             print(
                 f"{name:>6} {m:>5}"

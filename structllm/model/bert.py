@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from structllm.kernels.attention import AttentionImpl, AttentionMetadata
 from structllm.kernels import packed
+from structllm.kernels.attention import AttentionImpl, AttentionMetadata
 from structllm.kernels.packed import linear
 from structllm.model.classic import ClassicLayer, ClassicModel
 from structllm.model.collectives import TensorParallelGroup
@@ -62,7 +62,7 @@ class BertLayer(ClassicLayer):
 
     ``ops`` (``BertModel.use_cpu_ops``: the non-exact CPU formats): cpu_layer.cpp's
     fused glue runs the bias adds, GELU and each residual sum + LayerNorm on the
-    kernels' pool (``forward_fused``), and ``eight_bit`` lets Q8_0 matrices take the
+    kernels' pool (``encode_fused``), and ``eight_bit`` lets Q8_0 matrices take the
     int8 path (as llama.cpp runs every Q8_0 matmul)."""
 
     ops: Any = None
@@ -99,14 +99,13 @@ class BertLayer(ClassicLayer):
     ) -> Tensor:
         """``x: [T, hidden]`` -> ``[T, hidden]``."""
         if self.ops is not None and tp is None and x.dtype == torch.float32:
-            return self.forward_fused(x, rope, meta)
+            return self.encode_fused(x, rope, meta)
         x = x + self.self_attention(x, rope, k_cache, v_cache, meta, impl, tp)
         x = self._ln(x, self.post_attention_layernorm, self.post_attention_layernorm_bias)
         x = x + self.mlp(x, tp)
         return self._ln(x, self.input_layernorm, self.input_layernorm_bias)
 
-
-    def forward_fused(self, x: Tensor, rope: Tensor | None, meta: AttentionMetadata) -> Tensor:
+    def encode_fused(self, x: Tensor, rope: Tensor | None, meta: AttentionMetadata) -> Tensor:
         """``forward`` with cpu_layer.cpp's glue (``x [T, hidden]`` float32): every op
         between two matmuls is one loop on the kernels' pool, each in place in the
         matmul's fresh output (the biases are added there, not by ``linear``)."""
@@ -207,7 +206,7 @@ class BertModel(ClassicModel):
         return x  # (post-LN: the last layer ends normed)
 
     def use_cpu_ops(self) -> bool:
-        """The fused glue of cpu_layer.cpp for each layer (``BertLayer.forward_fused``;
+        """The fused glue of cpu_layer.cpp for each layer (``BertLayer.encode_fused``;
         the non-exact formats, float32 activations on CPU), and Q8_0 matrices on the
         int8 path where its kernels have VNNI (``packed.int8_pays_for_8_bit``). Returns
         whether the ops are in use. The model's own ``cpu_ops`` stays None: with it,

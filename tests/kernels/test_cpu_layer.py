@@ -88,7 +88,9 @@ def test_add_layer_norm_matches_torch_in_place(ops, t: int) -> None:  # type: ig
     torch.testing.assert_close(x, want, rtol=1e-5, atol=2e-5)
     y = torch.randn(t, 768)
     want = F.layer_norm(res + y, (768,), w, beta, 1e-5)
-    torch.testing.assert_close(ops.add_layer_norm_(y, None, res, w, beta, 1e-5), want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(
+        ops.add_layer_norm_(y, None, res, w, beta, 1e-5), want, rtol=1e-5, atol=2e-5
+    )
 
 
 def test_soft_cap_matches_torch_in_place(ops) -> None:  # type: ignore[no-untyped-def]
