@@ -210,7 +210,7 @@ def int8_min_m() -> int:
 
 def int8_pays_for_8_bit() -> bool:
     """Whether the int8 path is the faster one for Q8_0 weights at prompt sizes: with
-    AVX-512 VNNI its blocked GEMM took 0.64-0.73x the int16 one's time at 64-380 rows,
+    AVX-512 VNNI its blocked GEMM took 0.6-0.72x the int16 one's time at 16-380 rows,
     on AVX2 1.02-1.1x (bench/q8_0_prompt.py, one thread), where ``vpmaddubsw`` needs
     the sign trick and a widening per quad."""
     return bool(_kernels().isa() == "avx512-vnni")
