@@ -509,3 +509,24 @@ def test_cpu_activations_picks_the_kernel_path(
                 assert not torch.equal(got, module.linear(x, w.raw, w.code, other))
     with pytest.raises(ValueError, match="cpu_activations"):
         packed.set_cpu_activations("int4")
+
+
+def test_eight_bit_lets_q8_0_take_the_int8_path_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linear(..., int8_ok=True, eight_bit=True)`` (an encoder's matmuls): Q8_0 takes
+    the int8 path under ``auto`` (without ``eight_bit``: int16), never under ``int16``,
+    and ``eight_bit`` alone (no ``int8_ok``) changes nothing."""
+    module = packed._kernels()
+    w, _ = quantize(random_weight(48, 128, seed=8), "Q8_0")
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(8))
+    int8, int16 = (module.linear(x, w.raw, w.code, m) for m in (INT8, INT16))
+    assert not torch.equal(int8, int16)
+    try:
+        packed.set_cpu_activations("auto")
+        monkeypatch.setattr(packed, "INT8_MIN_M", 1)
+        assert torch.equal(packed.linear(x, w, int8_ok=True, eight_bit=True), int8)
+        assert torch.equal(packed.linear(x, w, int8_ok=True), int16)
+        assert torch.equal(packed.linear(x, w, eight_bit=True), int16)
+        packed.set_cpu_activations("int16")
+        assert torch.equal(packed.linear(x, w, int8_ok=True, eight_bit=True), int16)
+    finally:
+        packed.set_cpu_activations("auto")
