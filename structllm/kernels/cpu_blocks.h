@@ -40,7 +40,7 @@ constexpr bool is5(int t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
 constexpr bool has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
 constexpr int subs(int t) { return t == Q6_K ? 2 : 1; }
 constexpr int zero_point(int t) { return t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0; }  // subtracted from quants
-// the int8 path's blocks of 32: unsigned 4- and 5-bit quants (blocked GEMM) and Q8_0 (row kernel)
+// the int8 path's blocks of 32: unsigned 4- and 5-bit quants and Q8_0's signed ones
 constexpr bool int8_path(int t) { return !lut4(t); }
 
 // IQ4_NL's 16 levels (ggml-common.h, kvalues_iq4nl): a nibble indexes this table

@@ -326,9 +326,11 @@ constexpr int BQ8_MAX = KQ8_MAX / QK;           // blocks per chunk
 
 // Activations x [M, K] -> xq [Mp/VW][K/E][VW][E] of XT (E = 4 / sizeof(XT): int16 pairs
 // or int8 quads, one 32-bit lane each), dx, xs [Mp/VW][nb][VW] float (scale, and scale *
-// sum of the block's quants), rows past M zero. Per VW rows: each row quantised into a
-// [VW][K] tile, whose 32-bit words are then moved into place by 8x8 transposes.
-template <typename XT>
+// sum of the block's quants; RAW_SUMS: the sum alone, an integer exact in float: Q8_0's
+// int8 GEMM starts its integer sums from it), rows past M zero. Per VW rows: each row
+// quantised into a [VW][K] tile, whose 32-bit words are then moved into place by 8x8
+// transposes.
+template <bool RAW_SUMS = false, typename XT>
 void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, float* dx, float* xs) {
   const int64_t nb = K / QK, words_per_row = K * static_cast<int64_t>(sizeof(XT)) / 4;
   sl::parallel_for(0, Mp / VW, 1, [&](int64_t v0, int64_t v1) {
@@ -344,7 +346,7 @@ void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, fl
           else
             std::fill_n(tile.data() + l * K + b * QK, QK, XT{0});
           dx[(v * nb + b) * VW + l] = d;
-          xs[(v * nb + b) * VW + l] = d * static_cast<float>(sum);
+          xs[(v * nb + b) * VW + l] = RAW_SUMS ? static_cast<float>(sum) : d * static_cast<float>(sum);
         }
       }
       const float* words = reinterpret_cast<const float*>(tile.data());  // [VW][words_per_row]
@@ -356,14 +358,35 @@ void quantize_tiles(const float* x, int64_t M, int64_t K, int64_t Mp, XT* xq, fl
   });
 }
 
-// nb 4- or 5-bit blocks of one weight row -> their unsigned quants as bytes in k order
-// (wq), scales (dw) and minima (mw)
+// Q8_0 on the blocked int8 path. Its quants are signed, and u8 x s8 is what the dot
+// products take:
+//   - AVX-512 VNNI: the weights are held as q + 128 (unsigned: q ^ 0x80), vpdpbusd sums
+//     (q + 128) x into int32, and each block's sum starts from -128 sum(x) (the
+//     activations' integer block sum, kept raw by quantize_tiles), so the integer sum is
+//     exactly sum q x, as the row kernel's: no saturation (vpdpbusd has none) and no
+//     float correction;
+//   - otherwise (no vpdpbusd; vpmaddubsw saturates at 2 * 255 * 127): the weights stay
+//     signed, and each quad is |q| x (x with q's sign), as the row kernel (block_dot)
+//     and llama.cpp's AVX2 kernels do: a pair's sum is at most 2 * 128 * 127 < 2^15, and
+//     it is widened to int32 at once.
+// Either way the block's integer sum is the row kernel's, folded in its order: a row's
+// result does not depend on its batch.
+#if defined(SL_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kQ8Offset = true;
+#else
+constexpr bool kQ8Offset = false;
+#endif
+
+// nb blocks of one weight row -> their quants as bytes in k order (wq: 4- and 5-bit
+// unsigned; Q8_0 as above), scales (dw) and minima (mw)
 template <int T>
 inline void unpack_row8(const uint8_t* blk, int nb, uint8_t* wq, float* dw, float* mw) {
-  static_assert(int8_path(T) && !is8(T), "the blocked int8 path takes unsigned 4- or 5-bit weights");
+  static_assert(int8_path(T), "the blocked int8 path takes 4-, 5- or 8-bit weights");
   constexpr int BB = block_bytes(T);
+  const __m256i flip = _mm256_set1_epi8(is8(T) && kQ8Offset ? static_cast<char>(0x80) : 0);
   for (int b = 0; b < nb; b++)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * QK), block_bytes_vec<T>(blk + b * BB));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + b * QK),
+                        _mm256_xor_si256(block_bytes_vec<T>(blk + b * BB), flip));
   int b = 0;
   for (; b + 8 <= nb; b += 8) {
     d8::v8f d, m = _mm256_setzero_ps();
@@ -414,6 +437,74 @@ inline vi iset1_8(const uint8_t* p) {
 #endif
 }
 
+// c += the products of a quad of k of Q8_0 (see kQ8Offset): w the broadcast quad (q + 128
+// with VNNI; else q, with wa = |q|), x the activations' quads
+inline vi dot8_q8(vi c, [[maybe_unused]] vi w, [[maybe_unused]] vi wa, vi x) {
+#if defined(SL_AVX512) && defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(c, w, x);
+#elif defined(SL_AVX512)  // (no vpsignb at 512 bits: negate x where q < 0; q = 0 gives 0 anyway)
+  const vi xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  return _mm512_add_epi32(c, _mm512_madd_epi16(_mm512_maddubs_epi16(wa, xs), _mm512_set1_epi16(1)));
+#else
+  return _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline vi iabs8(vi w) {
+#ifdef SL_AVX512
+  return _mm512_abs_epi8(w);
+#else
+  return _mm256_abs_epi8(w);
+#endif
+}
+
+inline vi icvt_exact(vf a) {  // an integer-valued float vector -> int32
+#ifdef SL_AVX512
+  return _mm512_cvtps_epi32(a);
+#else
+  return _mm256_cvtps_epi32(a);
+#endif
+}
+
+// Q8_0's int8 micro (see kQ8Offset): xs holds the activations' raw block sums; per block
+// one integer sum per tile entry, then the row kernel's fold (fma(S, dx dw, acc))
+template <int MV, int NR>
+inline void micro_q8(const uint8_t* wq, const float* dw, int nbc, const int8_t* xq, int64_t xstride,
+                     const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc, bool first) {
+  vf cf[NR][MV];
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  for (int b = 0; b < nbc; b++) {
+    vi c[NR][MV];
+    if constexpr (kQ8Offset) {  // start from -128 sum(x): the +128 of the weights taken back
+      vi start[MV];
+      SL_UNROLL for (int j = 0; j < MV; j++) start[j] = icvt_exact(vmul(vload(xs + j * sstride + b * VW), vset1(-128.f)));
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = start[j];
+    } else {
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = izero();
+    }
+    SL_UNROLL for (int q = 0; q < QK / 4; q++) {
+      vi xv[MV];
+      SL_UNROLL for (int j = 0; j < MV; j++) xv[j] = iload8(xq + j * xstride + (b * (QK / 4) + q) * 4 * VW);
+      SL_UNROLL for (int i = 0; i < NR; i++) {
+        const vi wv = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q);
+        const vi wa = kQ8Offset ? wv : iabs8(wv);
+        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = dot8_q8(c[i][j], wv, wa, xv[j]);
+      }
+    }
+    vf d[MV];
+    SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
+    SL_UNROLL for (int i = 0; i < NR; i++) {
+      const vf dwi = vset1(dw[i * BQ8_MAX + b]);
+      SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = vfma(icvt(c[i][j]), vmul(d[j], dwi), cf[i][j]);
+    }
+  }
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, cf[i][j]);
+}
+
 // acc[i][m] (+)= sum over nbc blocks for NR weight rows i and MV * VW activation rows m
 // (as the int16 micro; wq8 row stride KQ8_MAX bytes, dw/mw row stride BQ8_MAX, xq vector
 // stride xstride bytes)
@@ -421,6 +512,7 @@ template <int T, int MV, int NR>
 inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, const int8_t* xq,
                   int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
                   bool first) {
+  if constexpr (is8(T)) return micro_q8<MV, NR>(wq, dw, nbc, xq, xstride, dx, xs, sstride, acc, ldc, first);
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
@@ -516,7 +608,7 @@ void linear_blocked_on(const float* x, const uint8_t* w, float* out, int64_t M, 
   const int64_t Mp = (M + VW - 1) / VW * VW;
   auto xq = scratch<XT>(Mp * K);
   auto dx = scratch<float>(Mp * nb), xs = scratch<float>(Mp * nb);
-  quantize_tiles(x, M, K, Mp, xq.get(), dx.get(), xs.get());
+  quantize_tiles<I8 && is8(T)>(x, M, K, Mp, xq.get(), dx.get(), xs.get());
   constexpr int G = L::kGranule, GQ = BQ / G;  // the granules a chunk holds at most
   const int ng = nb / G, nchunks = (ng + GQ - 1) / GQ;
   const int bc_step = (ng + nchunks - 1) / nchunks * G;  // blocks per chunk, chunks equal

@@ -22,6 +22,12 @@
 //              kt [NB, Hkv, D, BS], v [NB, BS, Hkv, D], slots [T] int64)
 //       rotates the interleaved pairs of q and k in place, then writes k and v into the
 //       cache slots (float32 or float16 cache; CpuAttention's layout)
+//   bias_add_(x [T, N], b [N])           x += b, in place (an encoder's q/k/v bias)
+//   bias_act_(x [T, F], b [F] or None, act)  x = act(x + b) in place; act 0: GELU
+//       (erf, BERT's "gelu"), 1: GELU with the tanh approximation
+//   add_layer_norm_(x [T, H], b [H] or None, res [T, H], w [H], beta [H], eps) -> x
+//       x = LayerNorm(x + b + res) * w + beta, in place (a post-LN encoder's residual
+//       sum and norm after each block, model/bert.py)
 //   greedy_rows(x [T, V]) -> T ints   each row's first index of its maximum (torch's
 //       argmax), or -1 where the row holds a NaN or its maximum is not finite (the
 //       sampler's checked path decides those rows). Exact: comparisons only.
@@ -131,6 +137,123 @@ void gelu_tanh_mul_rows(const float* gp, float* op, int64_t T, int64_t F) {
   constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
   // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y))
   act_mul_rows(gp, op, T, F, [](float x) { return 1.0f + sl::exp_approx(-2.0f * (k0 * (x + k1 * x * x * x))); });
+}
+
+// ---- an encoder's glue (model/bert.py's fused path). Between two matmuls on this
+// module's pool, torch's element-wise ops (bias add_, gelu, the residual add and
+// layer_norm) are each an OpenMP region whose threads have gone to sleep while our pool
+// ran: a [380, 2304] bias add took 2 ms a call there against 0.34 ms alone. Here each
+// is one loop on the pool.
+
+// a float32 vector [n] argument (a bias, a norm's weight)
+static const float* vec_or_null(const std::optional<torch::Tensor>& v, int64_t n, const char* what) {
+  if (!v.has_value()) return nullptr;
+  TORCH_CHECK(v->dtype() == torch::kFloat32 && v->is_contiguous() && v->numel() == n, what, ": float32 [", n, "] expected");
+  return v->data_ptr<float>();
+}
+
+void bias_add_(torch::Tensor x, torch::Tensor b) {
+  check_rows(x, "bias_add_");
+  const int64_t T = x.size(0), N = x.size(1);
+  const float* bp = vec_or_null(b, N, "bias_add_ bias");
+  float* xp = x.data_ptr<float>();
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float* r = xp + t * N;
+#pragma omp simd
+      for (int64_t i = 0; i < N; i++) r[i] += bp[i];
+    }
+  });
+}
+
+// GELU(x) = 0.5 x erfc(-x / sqrt 2), erfc by Numerical Recipes' erfcc (Chebyshev
+// fitting, relative error < 1.2e-7 for every argument) over exp_approx: for x < 0 the
+// product of small factors (no 1 + erf(...) cancelling: A&S 7.1.26's absolute 1.5e-7
+// on erf was 0.7% of GELU(-4.2)), for x >= 0 x (1 - erfc(z) / 2)
+inline float gelu_erf(float x) {
+  const float z = std::fabs(x) * 0.7071067811865476f, t = 1.0f / (1.0f + 0.5f * z);
+  float p = 0.17087277f;
+  p = p * t - 0.82215223f;
+  p = p * t + 1.48851587f;
+  p = p * t - 1.13520398f;
+  p = p * t + 0.27886807f;
+  p = p * t - 0.18628806f;
+  p = p * t + 0.09678418f;
+  p = p * t + 0.37409196f;
+  p = p * t + 1.00002368f;
+  p = p * t - 1.26551223f;
+  const float c = t * sl::exp_approx(-z * z + p);  // erfc(z), z >= 0
+  return x < 0.0f ? 0.5f * x * c : x * (1.0f - 0.5f * c);
+}
+
+void bias_act_(torch::Tensor x, std::optional<torch::Tensor> b, int64_t act) {
+  check_rows(x, "bias_act_");
+  TORCH_CHECK(act == 0 || act == 1, "bias_act_: act must be 0 (GELU) or 1 (GELU, tanh approximation)");
+  const int64_t T = x.size(0), F = x.size(1);
+  const float* bp = vec_or_null(b, F, "bias_act_ bias");
+  float* xp = x.data_ptr<float>();
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float* r = xp + t * F;
+      if (bp != nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < F; i++) r[i] += bp[i];
+      }
+      if (act == 0) {
+#pragma omp simd
+        for (int64_t i = 0; i < F; i++) r[i] = gelu_erf(r[i]);
+      } else {  // 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)), as gelu_tanh_mul_rows
+#pragma omp simd
+        for (int64_t i = 0; i < F; i++) {
+          const float v = r[i];
+          r[i] = v / (1.0f + sl::exp_approx(-2.0f * (k0 * (v + k1 * v * v * v))));
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor add_layer_norm_(torch::Tensor x, std::optional<torch::Tensor> b, torch::Tensor res, torch::Tensor w,
+                              torch::Tensor beta, double eps) {
+  check_rows(x, "add_layer_norm_");
+  check_rows(res, "add_layer_norm_ residual");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(res.size(0) == T && res.size(1) == N, "add_layer_norm_: residual shape differs from x");
+  const float* bp = vec_or_null(b, N, "add_layer_norm_ bias");
+  const float* wp = vec_or_null(w, N, "add_layer_norm_ weight");
+  const float* ep = vec_or_null(beta, N, "add_layer_norm_ norm bias");
+  const float* rp = res.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  sl::parallel_for(0, T, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      float* r = xp + t * N;
+      const float* q = rp + t * N;
+      float sum = 0.0f;
+      if (bp != nullptr) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < N; i++) {
+          r[i] = q[i] + (r[i] + bp[i]);  // torch's order: res + (x + b)
+          sum += r[i];
+        }
+      } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < N; i++) {
+          r[i] = q[i] + r[i];
+          sum += r[i];
+        }
+      }
+      const float mean = sum / static_cast<float>(N);
+      float ss = 0.0f;  // two passes: the variance without cancellation
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; i++) ss += (r[i] - mean) * (r[i] - mean);
+      const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(N) + e);
+#pragma omp simd
+      for (int64_t i = 0; i < N; i++) r[i] = (r[i] - mean) * rstd * wp[i] + ep[i];
+    }
+  });
+  return x;
 }
 
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
@@ -340,5 +463,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotate q and k in place, store k and v in the paged cache");
   m.def("layer_ops", [] { return pybind11::capsule(const_cast<sl::LayerOps*>(&kLayerOps), "structllm.layer_ops"); },
         "the ops on raw rows as a function table (cpu_tables.h), for cpu_decode.cpp");
+  m.def("bias_add_", &bias_add_, "x += b (rows), in place");
+  m.def("bias_act_", &bias_act_, "x = act(x + b) in place; act 0 GELU (erf), 1 GELU (tanh)");
+  m.def("add_layer_norm_", &add_layer_norm_, "x = LayerNorm(x + b + res) * w + beta, in place; returns x");
   m.def("greedy_rows", &greedy_rows, "each row's first index of its maximum; -1: NaN or no finite max");
 }

@@ -208,9 +208,18 @@ def int8_min_m() -> int:
     return 1 if _ACTIVATIONS == "int8" else 0
 
 
-def int8_types() -> frozenset[str]:
-    """The weight types whose ``int8_ok`` matmuls may take the int8 path."""
-    return INT8_KERNEL_TYPES if _ACTIVATIONS == "int8" else INT8_TYPES
+def int8_pays_for_8_bit() -> bool:
+    """Whether the int8 path is the faster one for Q8_0 weights at prompt sizes: with
+    AVX-512 VNNI its blocked GEMM took 0.6-0.72x the int16 one's time at 16-380 rows,
+    on AVX2 1.02-1.1x (bench/q8_0_prompt.py, one thread), where ``vpmaddubsw`` needs
+    the sign trick and a widening per quad."""
+    return bool(_kernels().isa() == "avx512-vnni")
+
+
+def int8_types(eight_bit: bool = False) -> frozenset[str]:
+    """The weight types whose ``int8_ok`` matmuls may take the int8 path; ``eight_bit``:
+    the caller allows it for 8-bit weights (Q8_0) under ``auto`` too."""
+    return INT8_KERNEL_TYPES if _ACTIVATIONS == "int8" or eight_bit else INT8_TYPES
 
 
 def block_mode(rows: int, int8_ok: bool = False) -> int:
@@ -621,18 +630,26 @@ def kernel_parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | N
     return [(p.raw.contiguous(), p.code, int8_ok and p.type_name in int8_types()) for p in parts]
 
 
-def linear(x: Tensor, w: Weight, b: Tensor | None = None, int8_ok: bool = False) -> Tensor:
+def linear(
+    x: Tensor,
+    w: Weight,
+    b: Tensor | None = None,
+    int8_ok: bool = False,
+    eight_bit: bool = False,
+) -> Tensor:
     """``x [..., K] @ w.T + b`` -> ``[..., N]``. ``int8_ok=True``: a 4-bit ``BlockWeight``
     may take the int8 path (see ``block_mode``); the caller vouches that 8-bit
-    activations per block of 32 are precise enough for this matmul."""
+    activations per block of 32 are precise enough for this matmul. ``eight_bit=True``
+    (with ``int8_ok``): so may a Q8_0 one under ``auto`` (an encoder's, whose embeddings
+    are as close to float32 with 8-bit activations as llama.cpp's, ``model.bert``)."""
     if isinstance(w, HalfRows):
         return linear(x, w.matmul_weight(), b)
     if isinstance(w, MixedWeight):  # each part in its own type, into its own columns
-        y = torch.cat([linear(x, p, None, int8_ok) for p in w.parts], dim=-1)
+        y = torch.cat([linear(x, p, None, int8_ok, eight_bit) for p in w.parts], dim=-1)
         return y if b is None else y.add_(b)
     if isinstance(w, BlockWeight):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        mode = block_mode(x2.shape[0], int8_ok and w.type_name in int8_types())
+        mode = block_mode(x2.shape[0], int8_ok and w.type_name in int8_types(eight_bit))
         if x2.dtype != torch.float32:
             x2 = x2.float()
         y = (_KERNELS or _kernels()).linear(x2, w.raw, w.code, mode)

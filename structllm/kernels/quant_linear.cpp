@@ -43,9 +43,10 @@
 //          the block sum dx * sum(q) (so Q4_0's -8 offset and Q4_1's min become one
 //          scalar per block); blocks are then integer dot products (maddubs + madd, or
 //          dpbusd with VNNI). Less exact (activations rounded to 8 bits): the model
-//          asks for it only in its MLP (packed.py). Up to 8 rows (and for Q8_0 at every
-//          size) the int16 path's row kernel over int8 activations; for Q4 weights from
-//          9 rows a blocked GEMM, 1.3-1.7x the int16 path's speed. Activations are
+//          asks for it only in its MLP (packed.py). Up to 8 rows the int16 path's row
+//          kernel over int8 activations; from 9 rows a blocked GEMM (4- and 5-bit
+//          weights, and Q8_0: see cpu_gemm.h's kQ8Offset), 1.3-1.7x the int16 path's
+//          speed. Activations are
 //          quantised alike in both, so a row's result depends on its batch only
 //          through the order of float sums.
 //   int16: activations quantised per block of 32 to int16 (15 bits against the block's
@@ -116,9 +117,11 @@ void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_
     // IQ4_NL, MXFP4 (signed table values): packed.py never asks (INT8_TYPES); int16 serves
     return linear_int16<T>(x, w, out, M, N, K);
   } else {
-    if constexpr (T != Q8_0) {
-      if (M > rows_max_m(T)) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
-    }
+    // Q8_0: the blocked GEMM from MT_Q + 1 rows, where its int8 row kernel (no 16-row
+    // variant) ran 1.8x the GEMM's time at 16 rows; at 12 rows the GEMM (one padded
+    // vector) takes 0.7-0.8x the int16 row kernel's time, at 8 rows 1.1-1.3x
+    // (bench/q8_0_prompt.py, one thread, AVX-512 VNNI)
+    if (M > (T == Q8_0 ? MT_Q : rows_max_m(T))) return linear_blocked<T, int8_t>(x, w, out, M, N, K);
     linear_rows<T, int8_t>(x, w, out, M, N, K);
   }
 }

@@ -32,12 +32,14 @@ pooling runner sets each step's types (``step_types``) before the forward.
 
 from __future__ import annotations
 
-import sys
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from structllm.kernels import packed
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata
 from structllm.kernels.packed import linear
 from structllm.model.classic import ClassicLayer, ClassicModel
@@ -51,8 +53,20 @@ def _param(dtype: torch.dtype, *shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+# ``bias_act_``'s codes for the activations it has
+_FUSED_ACTS = {"gelu": 0, "gelu_tanh": 1}
+
+
 class BertLayer(ClassicLayer):
-    """One post-LayerNorm encoder layer (see the module's doc for its norms' names)."""
+    """One post-LayerNorm encoder layer (see the module's doc for its norms' names).
+
+    ``ops`` (``BertModel.use_cpu_ops``: the non-exact CPU formats): cpu_layer.cpp's
+    fused glue runs the bias adds, GELU and each residual sum + LayerNorm on the
+    kernels' pool (``encode_fused``), and ``eight_bit`` lets Q8_0 matrices take the
+    int8 path (as llama.cpp runs every Q8_0 matmul)."""
+
+    ops: Any = None
+    eight_bit = False
 
     def self_attention(
         self,
@@ -84,26 +98,79 @@ class BertLayer(ClassicLayer):
         tp: TensorParallelGroup | None = None,
     ) -> Tensor:
         """``x: [T, hidden]`` -> ``[T, hidden]``."""
+        if self.ops is not None and tp is None and x.dtype == torch.float32:
+            return self.encode_fused(x, rope, meta)
         x = x + self.self_attention(x, rope, k_cache, v_cache, meta, impl, tp)
         x = self._ln(x, self.post_attention_layernorm, self.post_attention_layernorm_bias)
         x = x + self.mlp(x, tp)
         return self._ln(x, self.input_layernorm, self.input_layernorm_bias)
 
+    def encode_fused(self, x: Tensor, rope: Tensor | None, meta: AttentionMetadata) -> Tensor:
+        """``forward`` with cpu_layer.cpp's glue (``x [T, hidden]`` float32): every op
+        between two matmuls is one loop on the kernels' pool, each in place in the
+        matmul's fresh output (the biases are added there, not by ``linear``)."""
+        ops, t, nh, hd = self.ops, x.shape[0], self.num_heads, self.head_dim
+        lin = partial(linear, int8_ok=True, eight_bit=self.eight_bit)
+        qkv = lin(x, self.qkv_proj)  # [T, 3 H D]
+        if self.qkv_bias is not None:
+            ops.bias_add_(qkv, self.qkv_bias)
+        qkv = qkv.view(t, 3 * nh, hd)
+        qk = qkv[:, : 2 * nh] if rope is None else apply_rope(qkv[:, : 2 * nh], rope)
+        o = encoder_attention(qk[:, :nh], qk[:, nh:], qkv[:, 2 * nh :], meta, self.scale, True)
+        a = lin(o.reshape(t, nh * hd), self.o_proj)
+        w, b = self.post_attention_layernorm, self.post_attention_layernorm_bias
+        x = ops.add_layer_norm_(a, self.o_bias, x, w, b, self.eps)
+        if self.gated or self.act not in _FUSED_ACTS:  # (NomicBERT's SwiGLU)
+            d, d_bias = self.mlp(x, None), None
+        else:
+            u = lin(x, self.up_proj)  # [T, F]
+            ops.bias_act_(u, self.up_bias, _FUSED_ACTS[self.act])
+            d, d_bias = lin(u, self.down_proj), self.down_bias
+        w, b = self.input_layernorm, self.input_layernorm_bias
+        out: Tensor = ops.add_layer_norm_(d, d_bias, x, w, b, self.eps)
+        return out
+
 
 def encoder_attention(
-    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float, bmm: bool = False
 ) -> Tensor:
     """``q, k, v: [T, H, D]`` of a step of whole prompts (``meta.query_start_list``) ->
     ``[T, H, D]``, each prompt's rows over its own keys both ways (one SDPA a prompt:
     no mask, no padding, no paged cache; faster here than the paged prefill kernel's
-    per-row ``ahead`` bounds, and nothing to store)."""
+    per-row ``ahead`` bounds, and nothing to store). ``bmm`` (the fused path):
+    ``scores_attention`` instead of SDPA."""
     out = torch.empty_like(q)
     starts = meta.query_start_list
     for b in range(len(starts) - 1):
         s, e = starts[b], starts[b + 1]
         # [H, n, D] each
         qb, kb, vb = (x[s:e].transpose(0, 1) for x in (q, k, v))
-        out[s:e] = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(0, 1)
+        if bmm:
+            out[s:e] = scores_attention(qb, kb, vb, scale).transpose(0, 1)
+        else:
+            out[s:e] = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(0, 1)
+    return out
+
+
+SCORE_TILE = 4 << 20  # floats of one [H, rows, n] score tile (16 MB)
+
+
+def scores_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, tile: int = SCORE_TILE
+) -> Tensor:
+    """``q, k, v: [H, n, D]`` -> ``[H, n, D]``: softmax(q k^T scale) v as two batched
+    matmuls and a softmax over the whole score rows, a tile of query rows at a time
+    (``tile`` floats of scores at most; each row's softmax is whole, so tiling changes
+    nothing). torch's CPU SDPA (a flash kernel) ran BERT-base's [12, 380, 64] at 20 ms
+    a call on one thread, this at 9 ms (MKL's batched sgemm)."""
+    h, n, _ = q.shape
+    rows = max(1, tile // (h * k.shape[1]))
+    if rows >= n:
+        return torch.bmm(torch.bmm(q, k.transpose(1, 2)).mul_(scale).softmax(-1), v)
+    out = q.new_empty(q.shape[0], n, v.shape[2])
+    for r in range(0, n, rows):
+        sc = torch.bmm(q[:, r : r + rows], k.transpose(1, 2)).mul_(scale)  # [H, rows, n]
+        out[:, r : r + rows] = torch.bmm(sc.softmax(-1), v)
     return out
 
 
@@ -165,11 +232,23 @@ class BertModel(ClassicModel):
         return x  # (post-LN: the last layer ends normed)
 
     def use_cpu_ops(self) -> bool:
-        sys.stderr.write(
-            f"structllm: {self.cfg.architecture}: an encoder (post-LayerNorm layers): "
-            "the plain torch path runs it\n"
-        )
-        return False
+        """The fused glue of cpu_layer.cpp for each layer (``BertLayer.encode_fused``;
+        the non-exact formats, float32 activations on CPU), and Q8_0 matrices on the
+        int8 path where its kernels have VNNI (``packed.int8_pays_for_8_bit``). Returns
+        whether the ops are in use. The model's own ``cpu_ops`` stays None: with it,
+        ``LlamaModel.forward`` would run a decoder's fused loop."""
+        from structllm.kernels import cpu_ext
+
+        if self.norm.device.type != "cpu" or self.norm.dtype != torch.float32:
+            return False
+        ops = cpu_ext.load_layer()
+        if ops is None:
+            return False
+        eight_bit = packed.int8_pays_for_8_bit()
+        for layer in self.layers:
+            if isinstance(layer, BertLayer):  # (a stage's others are placeholders)
+                layer.ops, layer.eight_bit = ops, eight_bit
+        return True
 
 
 # a checkpoint's encoder tensors (under "bert." / "roberta." in a sequence classifier,

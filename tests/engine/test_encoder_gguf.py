@@ -128,6 +128,33 @@ def test_quantised_bert_gguf_runs_its_blocks(qtype: str) -> None:
     assert cosines(native, ref).min() > (0.999 if qtype == "Q4_0" else 0.9999)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_q8_0_encoder_runs_the_fused_layer_ops(kind: str) -> None:
+    """The converter's Q8_0 file (no llama-quantize needed) runs its layers through
+    cpu_layer.cpp's fused glue (bias adds, GELU, residual + LayerNorm on the kernels'
+    pool; Q8_0 on the int8 path where VNNI makes it pay), close to the same file
+    dequantised to float32 and run by torch's ops, and equal to the unfused layers to
+    within the fused ops' rounding."""
+    from structllm.model.bert import BertLayer
+
+    path = gguf_of(tiny_st_encoder(kind), "q8_0")
+    with LLM(str(path), max_num_batched_tokens=BUDGET, kv_cache_memory=8 << 20) as llm:
+        layers = llm.engine.runner.model.layers
+        assert all(isinstance(layer, BertLayer) and layer.ops is not None for layer in layers)
+        fused = embed(llm, TEXTS)
+        for layer in layers:  # 16-bit activations, as the unfused layers' matmuls
+            layer.eight_bit = False
+        fused16 = embed(llm, TEXTS)
+        for layer in layers:  # the same weights through torch's glue
+            layer.ops = None
+        plain = embed(llm, TEXTS)
+    with encoder_llm(path) as llm:  # EXACT: dequantised once, float32
+        dequantised = embed(llm, TEXTS)
+    assert cosines(fused16, plain).min() > COSINE
+    assert cosines(plain, dequantised).min() > COSINE
+    assert cosines(fused, dequantised).min() > 0.9999
+
+
 def test_xlm_roberta_cross_encoder_gguf_equals_predict() -> None:
     """bge-reranker's layout: the converter keeps XLM-R's classifier (``cls``, then
     ``cls.output``), which makes the file a reranker (RANK on the first row) whose

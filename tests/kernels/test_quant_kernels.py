@@ -354,6 +354,47 @@ def test_int8_sums_of_5_bit_blocks_do_not_overflow(isa: str, type_name: str) -> 
             torch.testing.assert_close(got, x @ ref.T, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_0_int8_sums_at_the_extremes_are_exact(isa: str) -> None:
+    """Q8_0's int8 GEMM (more rows than the row kernel's) at the quants' extremes: weights
+    -128, -127 and 127 against activations of +-127 (each block's largest is 1 and every
+    value +-1). With VNNI the weights are held as q + 128 (up to 255) and each block's
+    sum starts from -128 sum(x); without it, |q| times x with q's sign, whose pairs
+    (2 * 128 * 127) stay under vpmaddubsw's saturation. Either way the integer sums are
+    exact: the result is the float64 one to float32 rounding, at every row count, and
+    each row's is the same alone as in a batch."""
+    n, k = 40, 256
+    rng = np.random.default_rng(7)
+    raw = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    raw[..., 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    q = rng.choice(np.array([-128, -127, 127], dtype=np.int8), (n, k // 32, 32))
+    raw[..., 2:] = q.view(np.uint8)
+    w = BlockWeight.from_raw(raw.reshape(n, -1), "Q8_0", k)
+    ref = torch.from_numpy(q.reshape(n, k).astype(np.float64))
+    module = cpu_ext.load_quant(isa)
+    x = torch.from_numpy(rng.choice(np.array([-1.0, 1.0], dtype=np.float32), (70, k)))
+    alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, INT8) for i in range(70)])
+    for m in (1, 17, 33, 70):
+        got = module.linear(x[:m], w.raw, w.code, INT8)
+        torch.testing.assert_close(got.double(), x[:m].double() @ ref.T, rtol=1e-6, atol=1e-4)
+        assert torch.equal(got, alone[:m]), m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("blocks", [3, 24, 96])
+def test_q8_0_int8_rows_do_not_depend_on_the_batch_at_prompt_sizes(isa: str, blocks: int) -> None:
+    """Q8_0 on the int8 path: a row's output is the same alone (the row kernel) as in a
+    batch of 64 or 257 (the blocked GEMM: whole register tiles, a padded last vector, and
+    at 96 blocks two chunks of K), bit for bit."""
+    w, _ = quantize(random_weight(37, 32 * blocks, seed=blocks), "Q8_0", blocks)
+    module = cpu_ext.load_quant(isa)
+    x = torch.randn(257, w.shape[1], generator=torch.Generator().manual_seed(blocks))
+    big = module.linear(x, w.raw, w.code, INT8)
+    for i in (0, 1, 15, 16, 17, 100, 256):
+        assert torch.equal(module.linear(x[i : i + 1], w.raw, w.code, INT8), big[i : i + 1]), i
+    assert torch.equal(module.linear(x[:64], w.raw, w.code, INT8), big[:64])
+
+
 # ---------------------------------------------------------------------------------------
 # float16 rows (packed.HalfMatrix, type code F16_CODE): a float16/bfloat16 checkpoint's
 # experts
@@ -468,3 +509,24 @@ def test_cpu_activations_picks_the_kernel_path(
                 assert not torch.equal(got, module.linear(x, w.raw, w.code, other))
     with pytest.raises(ValueError, match="cpu_activations"):
         packed.set_cpu_activations("int4")
+
+
+def test_eight_bit_lets_q8_0_take_the_int8_path_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linear(..., int8_ok=True, eight_bit=True)`` (an encoder's matmuls): Q8_0 takes
+    the int8 path under ``auto`` (without ``eight_bit``: int16), never under ``int16``,
+    and ``eight_bit`` alone (no ``int8_ok``) changes nothing."""
+    module = packed._kernels()
+    w, _ = quantize(random_weight(48, 128, seed=8), "Q8_0")
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(8))
+    int8, int16 = (module.linear(x, w.raw, w.code, m) for m in (INT8, INT16))
+    assert not torch.equal(int8, int16)
+    try:
+        packed.set_cpu_activations("auto")
+        monkeypatch.setattr(packed, "INT8_MIN_M", 1)
+        assert torch.equal(packed.linear(x, w, int8_ok=True, eight_bit=True), int8)
+        assert torch.equal(packed.linear(x, w, int8_ok=True), int16)
+        assert torch.equal(packed.linear(x, w, eight_bit=True), int16)
+        packed.set_cpu_activations("int16")
+        assert torch.equal(packed.linear(x, w, int8_ok=True, eight_bit=True), int16)
+    finally:
+        packed.set_cpu_activations("auto")
