@@ -27,7 +27,7 @@
 // Distinct items of one adapter write disjoint column slices, distinct adapters
 // disjoint rows, so units never write the same element; a row's result is r_i dot
 // sums over k in order (shrink_tile: one FMA chain per row and rank) and then, per column, a sum
-// over j in order (expand_row: 64 columns held in registers), whatever the rows or
+// over j in order (expand_rows: a tile of columns held in registers), whatever the rows or
 // adapters beside it.
 
 #include <torch/extension.h>

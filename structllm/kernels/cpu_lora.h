@@ -114,45 +114,27 @@ inline void shrink_rows(const W* at, int64_t as, const float* const* xr, int n, 
   }
 }
 
-constexpr int64_t TILE = 64;  // output columns kept in registers through the expand's j loop
-constexpr int TV = TILE / VW;  // their vectors: 4 (AVX-512) or 8 (AVX2)
-
-// orow[c0 .. c1) += sum_j s[j] * bt[j, c0 .. c1), j ascending for every column
+// orow[c0 .. c1) += sum_j s[j] * bt[j, c0 .. c1), j ascending for every column, a column
+// at a time: expand_rows' tail (fewer columns than its tile), each step the fused
+// multiply-add a vector lane does, so a column's sum is the same bits whichever computes it
 template <typename W>
-inline void expand_row(float* orow, const float* s, const W* bt, int64_t bs, int64_t r,
-                       int64_t c0, int64_t c1) {
-  int64_t c = c0;
-  for (; c + TILE <= c1; c += TILE) {
-    vf acc[TV];
-    for (int t = 0; t < TV; t++) acc[t] = sl::vload(orow + c + t * VW);
-    for (int64_t j = 0; j < r; j++) {
-      const vf sj = sl::vset1(s[j]);
-      const W* bj = bt + j * bs + c;
-      // the next tile of this B^T row: r rows read 64 columns at a time are r short
-      // strided runs, which the hardware prefetcher follows poorly (a decode row, the
-      // first of its block, would wait on each)
-      const char* next = reinterpret_cast<const char*>(bj + TILE);
-      for (int64_t at = 0; at < TILE * static_cast<int64_t>(sizeof(W)); at += 64)
-        _mm_prefetch(next + at, _MM_HINT_T0);
-      for (int t = 0; t < TV; t++) acc[t] = sl::vfma(sj, wload(bj + t * VW), acc[t]);
-    }
-    for (int t = 0; t < TV; t++) sl::vstore(orow + c + t * VW, acc[t]);
-  }
-  for (; c < c1; c++) {
+inline void expand_tail(float* orow, const float* s, const W* bt, int64_t bs, int64_t r, int64_t c0,
+                        int64_t c1) {
+  for (int64_t c = c0; c < c1; c++) {
     float acc = orow[c];
     for (int64_t j = 0; j < r; j++) acc = std::fma(s[j], wget(bt + j * bs + c), acc);
     orow[c] = acc;
   }
 }
 
-// expand_row for R rows at once (o_q += s_q B^T over columns [c0, c1)): each B^T vector
-// loaded and widened once for the R rows (the widening of a half weight takes the FMAs'
-// ports, so a vector used by four rows costs a quarter of one used by one), and R times
-// the independent FMA chains (expand_row's four are bound by the FMA latency, not by its
-// ports). V vectors of columns a tile, so that the R rows' accumulators fit the registers
-// (AVX2's 16 too). Every column's sum is expand_row's (the row's value, then s[j] *
-// bt[j, c] for j ascending, each a fused multiply-add, in a vector lane or in the scalar
-// tail alike): the same bits, whichever R a row is taken in.
+// o_q[c0 .. c1) += s_q B^T for R rows at once: each B^T vector loaded and widened once
+// for the R rows (the widening of a half weight takes the FMAs' ports, so a vector used
+// by four rows costs a quarter of one used by one), R x V independent FMA chains (one
+// row's V alone would be bound by the FMA latency, not by its ports). V vectors of
+// columns a tile, so that the R rows' accumulators fit the registers (AVX2's 16 too).
+// Every column's sum is the row's value, then s[j] * bt[j, c] for j ascending, each a
+// fused multiply-add, in a vector lane or in expand_tail alike: the same bits, whichever
+// R a row is taken in.
 #ifdef SL_AVX512
 template <int R>
 constexpr int expand_vectors = 4;
@@ -173,7 +155,9 @@ inline void expand_rows(float* const* o, const float* const* s, const W* bt, int
       for (int t = 0; t < V; t++) acc[q][t] = sl::vload(o[q] + c + t * VW);
     for (int64_t j = 0; j < r; j++) {
       const W* bj = bt + j * bs + c;
-      const char* next = reinterpret_cast<const char*>(bj + T);  // as expand_row's
+      // the next tile of this B^T row: r rows read a tile at a time are r short strided
+      // runs, which the hardware prefetcher follows poorly
+      const char* next = reinterpret_cast<const char*>(bj + T);
       for (int64_t at = 0; at < T * static_cast<int64_t>(sizeof(W)); at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
       vf b[V];
       for (int t = 0; t < V; t++) b[t] = wload(bj + t * VW);
@@ -186,7 +170,7 @@ inline void expand_rows(float* const* o, const float* const* s, const W* bt, int
       for (int t = 0; t < V; t++) sl::vstore(o[q] + c + t * VW, acc[q][t]);
   }
   if (c < c1)
-    for (int q = 0; q < R; q++) expand_row(o[q], s[q], bt, bs, r, c, c1);
+    for (int q = 0; q < R; q++) expand_tail(o[q], s[q], bt, bs, r, c, c1);
 }
 
 // rows per block (at most ROWS): an adapter's A and B^T are read once per block, so 16

@@ -275,8 +275,8 @@ class HybridModel(LlamaModel):
                 between_layers()
             plain = getattr(layer, "moe", None) is not None  # (see the docstring)
             block = getattr(layer, "fused_block", False)  # Nemotron-H's (see the docstring)
-            attention = isinstance(layer, DecoderLayer) and (type(layer) is DecoderLayer or block)
-            if not plain and attention and isinstance(layer, DecoderLayer) and not layer.local_rope:
+            attention = type(layer) is DecoderLayer or block
+            if not plain and isinstance(layer, DecoderLayer) and attention and not layer.local_rope:
                 rope = pair
                 if not layer.rotates:
                     if identity is None:

@@ -296,7 +296,6 @@ class Mamba2(nn.Module):
         convolution), ``dt [T, H]`` raw (``in_proj``'s columns, unsliced rows: the
         kernel reads them in place) -> ``y [T, I]`` float32."""
         nat, nd, t = rb.native, rb.num_decodes, xbc.shape[0]
-        h, p, gn = self.num_heads, self.head_dim, self.n_groups * self.d_state
         dt_bias, a_log = self.dt_bias.float().contiguous(), self.A_log.float().contiguous()
         d = self.D.float().contiguous()
         lo, hi = self.dt_limit
@@ -306,56 +305,44 @@ class Mamba2(nn.Module):
         y = torch.empty(t, self.inner, dtype=torch.float32, device=xbc.device)
         if nd:
             y[:nd] = nat.ssm_decode(*dec, self.n_groups, lo, hi)
-        rest = slice(nd, t)
-        xs, b, c = xbc[rest].split([self.inner, gn, gn], dim=-1)
-        step = F.softplus(dt[rest].float() + self.dt_bias.float())  # [T - nd, H]
+        y[nd:] = self._torch_scan(xbc[nd:], dt[nd:], states, rb.prefills_only())
+        return y
+
+    def _torch_scan(self, xbc: Tensor, dt: Tensor, states: Tensor, rb: RecurrentBatch) -> Tensor:
+        """The scan through torch's ops (``ssd``: the recurrence for decode rows, the
+        chunked form for prefill rows), the time step's softplus and clamp first. ``xbc
+        [T, C]`` (after the convolution), ``dt [T, H]`` raw -> ``y [T, I]``."""
+        t, h, p, gn = xbc.shape[0], self.num_heads, self.head_dim, self.n_groups * self.d_state
+        xs, b, c = xbc.split([self.inner, gn, gn], dim=-1)
+        step = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
+        lo, hi = self.dt_limit
         if lo > 0.0 or hi != math.inf:
             step = step.clamp(lo, hi)
-        tail = rb.prefills_only()  # rows nd.. as a step of their own
-        n = t - nd
-        y[rest] = ssd(
-            xs.reshape(n, h, p),
+        y = ssd(
+            xs.reshape(t, h, p),
             step,
             -self.A_log.float().exp(),
-            b.reshape(n, self.n_groups, self.d_state),
-            c.reshape(n, self.n_groups, self.d_state),
+            b.reshape(t, self.n_groups, self.d_state),
+            c.reshape(t, self.n_groups, self.d_state),
             self.D,
             states,
-            tail,
+            rb,
             self.chunk_size,
-        ).reshape(n, self.inner)
-        return y
+        )  # [T, H, P]
+        return y.reshape(t, self.inner)
 
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         """``x: [T, hidden]`` (the step's rows as ``rb`` lays them out), ``states``: the
         convolution's ``[S, C, K - 1]`` and the scan's ``[S, H, P, N]`` float32 (both
         updated in place for ``rb``'s slots) -> ``[T, hidden]``."""
         conv_states, ssm_states = states
-        t = x.shape[0]
-        h, p, gn = self.num_heads, self.head_dim, self.n_groups * self.d_state
         proj = linear(x, self.in_proj, self.in_bias)  # [T, I + C + H]
-        z, xbc, dt = proj.split([self.inner, self.conv_dim, h], dim=-1)
+        z, xbc, dt = proj.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         xbc = causal_conv1d(xbc, self.conv1d, self.conv_bias, conv_states, rb, silu=True)  # [T, C]
         if rb.native is not None and proj.dtype == torch.float32 and self.native_scan:
             y = self._native_scan(xbc, dt, ssm_states, rb)  # [T, I]
             y = rb.native.group_norm(y, z, self.norm.float().contiguous(), self.n_groups, self.eps)
             return linear(y.to(x.dtype), self.out_proj, self.out_bias)  # [T, hidden]
-        xs, b, c = xbc.split([self.inner, gn, gn], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [T, H]
-        lo, hi = self.dt_limit
-        if lo > 0.0 or hi != math.inf:
-            dt = dt.clamp(lo, hi)
-        a = -self.A_log.float().exp()  # [H]
-        y = ssd(
-            xs.reshape(t, h, p),
-            dt,
-            a,
-            b.reshape(t, self.n_groups, self.d_state),
-            c.reshape(t, self.n_groups, self.d_state),
-            self.D,
-            ssm_states,
-            rb,
-            self.chunk_size,
-        )  # [T, H, P]
-        y = gated_group_rms_norm(y.reshape(t, self.inner), z, self.norm, self.n_groups, self.eps)
+        y = self._torch_scan(xbc, dt, ssm_states, rb)  # [T, I]
+        y = gated_group_rms_norm(y, z, self.norm, self.n_groups, self.eps)
         return linear(y.to(x.dtype), self.out_proj, self.out_bias)  # [T, hidden]
