@@ -721,6 +721,68 @@ inline void rows16_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int1
   }
   for (int m = 0; m < MT; m++) _mm512_storeu_ps(out + m * N, acc[m]);
 }
+
+// Q8_0 on the int8 path, 16 weight rows at once: rows16_pairs' transpose of the quant
+// bytes, each lane's quad taken unsigned (q + 128: q ^ 0x80) against the activation
+// row's broadcast quad by vpdpbusd, from a start of -128 sum(x) (xs holds the block's
+// raw integer sum on this path, as the blocked GEMM's quantize_tiles keeps it), so a
+// lane ends on exactly sum q x: the row kernel's (rows8's sign trick) and the blocked
+// GEMM's integer, folded in their order, bit for bit. Without it Q8_0's int8 rows went
+// through rows8's lane reduction, 1.3-1.5x the int16 path's time at 4-8 rows.
+template <int MT>
+inline void rows16_bytes(const uint8_t* w, int64_t row_bytes, int nb, const int8_t* xq, int64_t K, const float* dx,
+                         const float* xs, float* out, int64_t N, const uint8_t* ahead) {
+  constexpr int BB = block_bytes(Q8_0), QO = quants_offset(Q8_0);
+  constexpr int CH = MT >= 4 ? 1 : 2;
+  const v16i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  v16f acc[MT];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int b = 0; b < nb; b++) {
+    const uint8_t* g = w + static_cast<int64_t>(b) * BB;
+    const int8_t* xb = xq + static_cast<int64_t>(b) * QK;
+    for (int64_t o = 16 * BB * b; o < 16 * BB * (b + 1); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+    v16i s[MT][CH];
+    for (int m = 0; m < MT; m++) {
+      s[m][0] = _mm512_set1_epi32(-128 * static_cast<int32_t>(xs[m * nb + b]));
+      if constexpr (CH == 2) s[m][1] = _mm512_setzero_si512();
+    }
+    v16i y[8];  // 256-bit half h of y[r]: row r + 8 h's 32 quant bytes
+    for (int r = 0; r < 8; r++) {
+      auto ld = [&](int row) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + row * row_bytes + QO)); };
+      y[r] = _mm512_inserti64x4(_mm512_castsi256_si512(ld(r)), ld(r + 8), 1);
+    }
+    v16i a[8], c[8];
+    for (int r = 0; r < 8; r += 2) {
+      a[r] = _mm512_unpacklo_epi32(y[r], y[r + 1]);
+      a[r + 1] = _mm512_unpackhi_epi32(y[r], y[r + 1]);
+    }
+    for (int h = 0; h < 2; h++) {
+      c[4 * h + 0] = _mm512_unpacklo_epi64(a[4 * h + 0], a[4 * h + 2]);
+      c[4 * h + 1] = _mm512_unpackhi_epi64(a[4 * h + 0], a[4 * h + 2]);
+      c[4 * h + 2] = _mm512_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
+      c[4 * h + 3] = _mm512_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
+    }
+    const v16i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);  // as rows16_pairs
+    const v16i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    SL_UNROLL_ROWS for (int i = 0; i < 4; i++) {
+      const v16i t[2] = {_mm512_xor_si512(_mm512_permutex2var_epi64(c[i], lo_idx, c[i + 4]), flip),
+                         _mm512_xor_si512(_mm512_permutex2var_epi64(c[i], hi_idx, c[i + 4]), flip)};
+      SL_UNROLL_ROWS for (int h = 0; h < 2; h++) {  // t[h], lane j: row j's bytes 4q .. 4q + 3 (+ 128)
+        const int q = i + 4 * h;
+        SL_UNROLL_ROWS for (int m = 0; m < MT; m++) s[m][h % CH] =
+            _mm512_dpbusd_epi32(s[m][h % CH], t[h], bcast32(xb + m * K + 4 * q));
+      }
+    }
+    v16f dw, mw;
+    scales16<Q8_0>(g, row_bytes, dw, mw);
+    for (int m = 0; m < MT; m++) {
+      const v16i sum = CH == 2 ? _mm512_add_epi32(s[m][0], s[m][CH - 1]) : s[m][0];
+      acc[m] = fold16<Q8_0, int8_t>(acc[m], sum, dw, mw, dx[m * nb + b], xs[m * nb + b]);
+    }
+  }
+  for (int m = 0; m < MT; m++) _mm512_storeu_ps(out + m * N, acc[m]);
+}
 #endif
 }  // namespace d8
 
@@ -754,11 +816,13 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
   if (n0 < N8) prefetch_l2(w + n0 * group, dist);
   for (int64_t n = n0; n < n1; n++) {
 #ifdef SL_HAVE_ROWS16
-    if constexpr (MT >= (sizeof(XT) == 1 ? kRows16MinMT8 : kRows16MinMT16) &&
-                  (T == Q4_0 || T == Q4_1 || (T == Q8_0 && sizeof(XT) == 2))) {
+    if constexpr (MT >= (sizeof(XT) == 1 && T != Q8_0 ? kRows16MinMT8 : kRows16MinMT16) &&
+                  (T == Q4_0 || T == Q4_1 || T == Q8_0)) {
       if (n + 1 < std::min(n1, N8) && (g_rows16 & (sizeof(XT) == 1 ? 1 : 2))) {  // two groups of 8 at once (d8::rows16_*)
         const uint8_t* ahead = w + n * group + std::max<int64_t>(2 * group, kPrefetchAhead);
-        if constexpr (sizeof(XT) == 1)
+        if constexpr (T == Q8_0 && sizeof(XT) == 1)
+          d8::rows16_bytes<MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, ahead);
+        else if constexpr (sizeof(XT) == 1)
           d8::rows16_nibbles<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, ahead);
         else
           d8::rows16_pairs<T, MT>(w + n * group, row_bytes, nb, q, K, d, s, o + 8 * n, N, ahead);
@@ -796,7 +860,9 @@ void linear_rows(const float* x, const uint8_t* w, float* out, int64_t M, int64_
       const float* xb = x + m * K + b * QK;
       XT* qb = xq.get() + m * K + b * QK;
       dx[m * nb + b] = quant_block(xb, qb, sum);
-      xs[m * nb + b] = dx[m * nb + b] * static_cast<float>(sum);
+      // Q8_0's int8 rows (d8::rows16_bytes) take the raw integer sum, as the blocked GEMM
+      // does; its other kernels fold no sum (no minimum, no zero point)
+      xs[m * nb + b] = T == Q8_0 && sizeof(XT) == 1 ? static_cast<float>(sum) : dx[m * nb + b] * static_cast<float>(sum);
     }
   const int64_t N8 = N / 8, items = N8 + (N % 8 != 0);  // groups of 8 rows, then the rest as one item
   // more than MT_Q rows: passes of MT_Q, each span of groups (~256 KB of weights, an
