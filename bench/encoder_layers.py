@@ -6,8 +6,8 @@ each alike, and sentence-transformers (float32, torch) on the same directory:
 - ``torch glue, int16``: the layers before the fused path (bias adds, GELU, residual
   adds and LayerNorms as torch ops; Q8_0 matmuls with 16-bit activations);
 - ``fused, int16``: cpu_layer.cpp's glue on the kernels' pool (``BertLayer.ops``);
-- ``fused, int8``: and Q8_0's matmuls on the int8 path (``BertLayer.eight_bit``; what
-  the engine runs on an AVX-512 VNNI CPU).
+- ``fused, int8``: and Q8_0's matmuls on the int8 path (``--cpu-activations int8``;
+  what ``auto`` runs on an AVX-512 VNNI CPU).
 
 Workloads: bulk, one call of 32 passages of 256-510 words (passages/s), and single
 queries of 8-16 words one call each (median ms). Wall time (the machine's load in the
@@ -56,6 +56,7 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from structllm import LLM
+    from structllm.kernels import packed
     from tests.support.llamacpp import convert_hf
 
     torch.set_num_threads(args.threads)
@@ -85,15 +86,16 @@ def main() -> None:
         ops = layers[0].ops
         assert ops is not None, "the fused ops did not load"
         arms = {
-            "torch glue, int16": (None, False),
-            "fused, int16": (ops, False),
-            "fused, int8": (ops, True),
+            "torch glue, int16": (None, "int16"),
+            "fused, int16": (ops, "int16"),
+            "fused, int8": (ops, "int8"),
         }
         llm.embed(queries[:2])
         for _ in range(args.rounds):
-            for arm, (o, eight) in arms.items():
+            for arm, (o, activations) in arms.items():
+                packed.set_cpu_activations(activations)  # (the engine runs in this process)
                 for layer in layers:
-                    layer.ops, layer.eight_bit = o, eight
+                    layer.ops = o
                 run(arm, lambda: llm.embed(passages), lambda q: llm.embed([q]))
             run(
                 "sentence-transformers",

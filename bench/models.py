@@ -29,7 +29,9 @@ Python loop instead of the native call; ``auto:torch-router``: the MoE router in
 ops; ``auto:plain-layers``: a hybrid model's layers by the plain torch loop instead of
 the fused CPU ops, as before; ``auto:python-decode``: decode steps by the Python layer
 loop instead of the native one (``STRUCTLLM_DECODE_PLAN=0``); ``auto:dequant-iq``: the
-i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels),
+i-quants (IQ4_XS) dequantised to float32 at load, as before their kernels;
+``auto:int16``: ``--cpu-activations int16``, 16-bit activations in every block matmul,
+which for a Q8_0 file is ``auto`` as it was before Q8_0's MLP took 8 bits with VNNI),
 ``--repeat N`` (or ``--rounds N``) runs every arm N times, interleaved: round by round
 each arm once, the order rotated each round (structllm's formats and llama-server
 alternate, and no arm always follows the same one), then a table of each figure's
@@ -292,7 +294,8 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
     from structllm import LLM, SamplingParams
     from structllm.protocol import AddRequest
 
-    dtype, quant = fmt.split(":")
+    activations = "int16" if fmt == "auto:int16" else "auto"
+    dtype, quant = ("auto", "auto") if fmt == "auto:int16" else fmt.split(":")
     t = time.perf_counter()
     # plain decoding, as llama-server's default (random prompts make these models repeat
     # themselves, where n-gram drafts would speed structllm up)
@@ -303,6 +306,7 @@ def _run_structllm(model: str, fmt: str, args: argparse.Namespace) -> dict[str, 
         kv_cache_memory=(512 if args.prompt_len > 1024 else 256) << 20,
         max_num_seqs=32,
         speculative_config={"method": "none"},
+        cpu_activations=activations,
     )
     load = time.perf_counter() - t
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -569,7 +573,7 @@ GGUF_ONLY: tuple[str, ...] = (
     "auto:dequant-iq",
     "auto:plain-layers",
 )
-GGUF_ONLY += ("auto:python-decode",)
+GGUF_ONLY += ("auto:python-decode", "auto:int16")
 FIGURES = ("load_s", "single_tok_s", "batch16_tok_s", "prompt_tok_s", "bandwidth_share")
 RATIOS = ("single", "batch16", "prompt")
 

@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from structllm.kernels import packed
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata
 from structllm.kernels.packed import linear
 from structllm.model.classic import ClassicLayer, ClassicModel
@@ -62,11 +61,11 @@ class BertLayer(ClassicLayer):
 
     ``ops`` (``BertModel.use_cpu_ops``: the non-exact CPU formats): cpu_layer.cpp's
     fused glue runs the bias adds, GELU and each residual sum + LayerNorm on the
-    kernels' pool (``encode_fused``), and ``eight_bit`` lets Q8_0 matrices take the
-    int8 path (as llama.cpp runs every Q8_0 matmul)."""
+    kernels' pool (``encode_fused``), and all four matmuls allow the int8 path (as
+    llama.cpp runs every quantised matmul; Q8_0 ones take it where it pays,
+    ``packed.int8_types``)."""
 
     ops: Any = None
-    eight_bit = False
 
     def self_attention(
         self,
@@ -110,7 +109,7 @@ class BertLayer(ClassicLayer):
         between two matmuls is one loop on the kernels' pool, each in place in the
         matmul's fresh output (the biases are added there, not by ``linear``)."""
         ops, t, nh, hd = self.ops, x.shape[0], self.num_heads, self.head_dim
-        lin = partial(linear, int8_ok=True, eight_bit=self.eight_bit)
+        lin = partial(linear, int8_ok=True)
         qkv = lin(x, self.qkv_proj)  # [T, 3 H D]
         if self.qkv_bias is not None:
             ops.bias_add_(qkv, self.qkv_bias)
@@ -234,7 +233,7 @@ class BertModel(ClassicModel):
     def use_cpu_ops(self) -> bool:
         """The fused glue of cpu_layer.cpp for each layer (``BertLayer.encode_fused``;
         the non-exact formats, float32 activations on CPU), and Q8_0 matrices on the
-        int8 path where its kernels have VNNI (``packed.int8_pays_for_8_bit``). Returns
+        int8 path where its kernels have VNNI (``packed.int8_types``). Returns
         whether the ops are in use. The model's own ``cpu_ops`` stays None: with it,
         ``LlamaModel.forward`` would run a decoder's fused loop."""
         from structllm.kernels import cpu_ext
@@ -244,10 +243,9 @@ class BertModel(ClassicModel):
         ops = cpu_ext.load_layer()
         if ops is None:
             return False
-        eight_bit = packed.int8_pays_for_8_bit()
         for layer in self.layers:
             if isinstance(layer, BertLayer):  # (a stage's others are placeholders)
-                layer.ops, layer.eight_bit = ops, eight_bit
+                layer.ops = ops
         return True
 
 

@@ -135,6 +135,7 @@ def test_q8_0_encoder_runs_the_fused_layer_ops(kind: str) -> None:
     pool; Q8_0 on the int8 path where VNNI makes it pay), close to the same file
     dequantised to float32 and run by torch's ops, and equal to the unfused layers to
     within the fused ops' rounding."""
+    from structllm.kernels import packed
     from structllm.model.bert import BertLayer
 
     path = gguf_of(tiny_st_encoder(kind), "q8_0")
@@ -142,9 +143,11 @@ def test_q8_0_encoder_runs_the_fused_layer_ops(kind: str) -> None:
         layers = llm.engine.runner.model.layers
         assert all(isinstance(layer, BertLayer) and layer.ops is not None for layer in layers)
         fused = embed(llm, TEXTS)
-        for layer in layers:  # 16-bit activations, as the unfused layers' matmuls
-            layer.eight_bit = False
-        fused16 = embed(llm, TEXTS)
+        packed.set_cpu_activations("int16")  # 16-bit activations, as the unfused layers'
+        try:
+            fused16 = embed(llm, TEXTS)
+        finally:
+            packed.set_cpu_activations("auto")
         for layer in layers:  # the same weights through torch's glue
             layer.ops = None
         plain = embed(llm, TEXTS)

@@ -267,16 +267,19 @@ def test_default_model_k_files_hold_no_float_matrices(qtype: str) -> None:
 # Teacher-forced top-1 agreement with the float32 model of the same weights (the file's
 # matrices dequantised, in the same engine) over the fixed chat set of
 # test_quant_model.py, and perplexity of its fixed text: >= 97% / 3% for 4- and 5-bit
-# files, >= 99% / 1% for Q6_K and Q8_0 ones, on the default paths (int8 activations in
-# the MLP's 4- and 5-bit matmuls, 16 bits elsewhere). Measured (int16 path everywhere /
-# default): Q4_K_M 100% / 98.3%, Q5_K_M 99.9% / 98.2%, Q5_0 100% / 98.1%, Q6_K 100% /
-# 100%, IQ4_NL (default paths) 99.5%, perplexity within 0.9%. Four files run here:
+# files, >= 99% / 1% for Q6_K and Q8_0 ones (98% where their MLP's Q8_0 matrices run
+# int8 activations, as llama.cpp's do, judged against llama.cpp by
+# tests/engine/test_accuracy_bar.py), on the default paths (int8 activations in the
+# MLP's 4- and 5-bit matmuls, and Q8_0 with VNNI; 16 bits elsewhere). Measured (int16
+# path everywhere / default): Q4_K_M 100% / 98.3%, Q5_K_M 99.9% / 98.2%, Q5_0 100% /
+# 98.1%, Q6_K 100% / 100% (98.44% with VNNI), IQ4_NL (default paths) 99.5%, perplexity
+# within 0.9%. Four files run here:
 # Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K matrices, mixed q/k/v), Q5_K_M (Q5_1, Q5_K),
 # Q6_K (Q8_0 and Q6_K) and IQ4_NL (IQ4_NL, Q5_K).
 K_BARS = {
     "Q4_K_M": (0.97, 0.03),
     "Q5_K_M": (0.97, 0.03),
-    "Q6_K": (0.99, 0.01),
+    "Q6_K": (0.98, 0.01),  # its gate/up are Q8_0: int8 with VNNI (98.44%; issue 46's bar)
     "IQ4_NL": (0.97, 0.03),
 }
 

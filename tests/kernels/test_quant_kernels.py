@@ -219,10 +219,12 @@ def test_the_dispatcher_picks_the_path_by_rows(monkeypatch: pytest.MonkeyPatch) 
     assert torch.equal(packed.linear(small, w, int8_ok=True), path(small, INT16))
     assert torch.equal(packed.linear(big, w, int8_ok=True), path(big, INT8))
     # ... only where the caller allows it (the default: not) and the weights are 4-bit
+    # (or 8-bit where VNNI makes that pay)
     assert torch.equal(packed.linear(big, w), path(big, INT16))
     w8, _ = quantize(random_weight(64, 128, seed=4), "Q8_0")
+    eight = INT8 if packed.int8_pays_for_8_bit() else INT16
     assert torch.equal(
-        packed.linear(big, w8, int8_ok=True), module.linear(big, w8.raw, w8.code, INT16)
+        packed.linear(big, w8, int8_ok=True), module.linear(big, w8.raw, w8.code, eight)
     )
     bias = torch.randn(64)
     few = small[:4]  # float path: float32 rounding only
@@ -486,15 +488,16 @@ def test_cpu_activations_picks_the_kernel_path(
     mode_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--cpu-activations``: bit for bit the path it names, at decode and GEMM sizes.
-    auto: int8 where allowed for 4/5-bit weights, int16 for Q8_0 and elsewhere; int16:
-    int16 everywhere; int8: int8 where allowed for Q8_0 weights too."""
+    auto: int8 where allowed for 4/5-bit weights (Q8_0 too where VNNI makes it pay),
+    int16 elsewhere; int16: int16 everywhere; int8: int8 where allowed, Q8_0 too."""
     monkeypatch.setattr(packed, "INT8_MIN_M", 1)  # auto's default, whatever the environment
     monkeypatch.setattr(packed, "INT16_MIN_M", None)
     monkeypatch.setattr(packed, "_ACTIVATIONS", "auto")
     packed.set_cpu_activations(mode_name)
     module = cpu_ext.load_quant()
+    eight = INT8 if packed.int8_pays_for_8_bit() else INT16  # auto's path for Q8_0
     want = {  # (type, int8_ok) -> path
-        "auto": {("Q4_1", True): INT8, ("Q8_0", True): INT16, ("Q4_1", False): INT16},
+        "auto": {("Q4_1", True): INT8, ("Q8_0", True): eight, ("Q4_1", False): INT16},
         "int16": {("Q4_1", True): INT16, ("Q8_0", True): INT16, ("Q4_1", False): INT16},
         "int8": {("Q4_1", True): INT8, ("Q8_0", True): INT8, ("Q4_1", False): INT16},
     }[mode_name]
@@ -511,22 +514,25 @@ def test_cpu_activations_picks_the_kernel_path(
         packed.set_cpu_activations("int4")
 
 
-def test_eight_bit_lets_q8_0_take_the_int8_path_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``linear(..., int8_ok=True, eight_bit=True)`` (an encoder's matmuls): Q8_0 takes
-    the int8 path under ``auto`` (without ``eight_bit``: int16), never under ``int16``,
-    and ``eight_bit`` alone (no ``int8_ok``) changes nothing."""
+def test_auto_runs_q8_0_on_int8_only_where_vnni_makes_it_pay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``auto`` an ``int8_ok`` Q8_0 matmul takes the int8 path on an AVX-512 VNNI
+    build (``int8_pays_for_8_bit``) and the int16 one elsewhere; without ``int8_ok``, or
+    under ``int16``, it never does."""
     module = packed._kernels()
     w, _ = quantize(random_weight(48, 128, seed=8), "Q8_0")
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(8))
     int8, int16 = (module.linear(x, w.raw, w.code, m) for m in (INT8, INT16))
     assert not torch.equal(int8, int16)
+    vnni = module.isa() == "avx512-vnni"
+    assert packed.int8_pays_for_8_bit() == vnni
     try:
         packed.set_cpu_activations("auto")
         monkeypatch.setattr(packed, "INT8_MIN_M", 1)
-        assert torch.equal(packed.linear(x, w, int8_ok=True, eight_bit=True), int8)
-        assert torch.equal(packed.linear(x, w, int8_ok=True), int16)
-        assert torch.equal(packed.linear(x, w, eight_bit=True), int16)
+        assert torch.equal(packed.linear(x, w, int8_ok=True), int8 if vnni else int16)
+        assert torch.equal(packed.linear(x, w), int16)
         packed.set_cpu_activations("int16")
-        assert torch.equal(packed.linear(x, w, int8_ok=True, eight_bit=True), int16)
+        assert torch.equal(packed.linear(x, w, int8_ok=True), int16)
     finally:
         packed.set_cpu_activations("auto")
