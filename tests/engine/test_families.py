@@ -26,6 +26,7 @@ from tests.support.models import (
     hf_greedy_along,
     hf_logits,
     prefill_logits,
+    sixteen_bit_q8_0,
     tiny_family_dir,
     tiny_family_dir_in,
 )
@@ -915,17 +916,6 @@ def test_half_checkpoint_experts_run_natively(name: str, dtype: str, default_fil
 
 
 QUANTIZED = [("Q8_0", 0.98, 0.05), ("Q4_0", 0.9, 0.75)]
-
-
-def sixteen_bit_q8_0(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q8_0's matmuls on the int16 path whatever the CPU: with VNNI ``auto`` runs their
-    MLPs with 8-bit activations, whose rounding these tiny random models amplify as at
-    Q4_0 (Gemma 3: 0.04 of a deviation at every position, Gemma 4 with experts 2.6);
-    what 8 bits cost a trained model is tests/engine/test_accuracy_bar.py's to judge.
-    Here Q8_0 checks the blocks' wiring to within 16-bit rounding."""
-    from structllm.kernels import packed
-
-    monkeypatch.setattr(packed, "_EIGHT_BIT_PAYS", False)
 
 
 @pytest.mark.parametrize("name", QUANTIZED_FAMILIES)

@@ -24,7 +24,7 @@ from structllm.multimodal.processor import ImageProcessor, image_hash, image_inp
 from structllm.multimodal.registry import processor_for
 from structllm.protocol import AddRequest, ImageInput, SamplingParams
 from tests.support.mmproj import gguf_pair, published
-from tests.support.models import EXACT
+from tests.support.models import EXACT, sixteen_bit_q8_0
 from tests.support.vision import random_image
 from tests.support.vision_checks import expand_images, image_prefill_logits, run_requests
 
@@ -198,13 +198,15 @@ def check_f32_pair(pair: Pair) -> None:
 
 @pytest.mark.parametrize("mmproj_type", ["f16", "Q8_0"])
 def test_quantized_pair_runs_as_stored_and_agrees_with_its_dequantisation(
-    pair: Pair, mmproj_type: str
+    pair: Pair, mmproj_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Q8_0 model (llama-quantize) with an F16 mmproj (the published form) or a Q8_0
     one (llama-quantize quantizes mmproj files too): the default format keeps the
     tower's matrices as stored (fbgemm float16 / GGUF blocks, no float32 copy) and
     agrees with the same files dequantised on the exact path as the families' tests
-    bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions; ``BARS``)."""
+    bound Q8_0 (logits within 5% of their spread, top-1 on 98% of positions; ``BARS``),
+    with 16-bit activations as they do (``sixteen_bit_q8_0``)."""
+    sixteen_bit_q8_0(monkeypatch)
     model, mmproj = gguf_pair(pair.directory, "Q8_0", mmproj_type)
     fast, exact = engine_for(model, mmproj), engine_for(model, mmproj, **EXACT)
     kind = HalfWeight if mmproj_type == "f16" else BlockWeight

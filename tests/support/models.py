@@ -1420,3 +1420,15 @@ def tiny_gpt_oss_mxfp4_dirs(files: ModelFiles) -> tuple[Path, Path]:
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     return out, twin
+
+
+def sixteen_bit_q8_0(monkeypatch: Any) -> None:
+    """Q8_0's matmuls on the int16 path whatever the CPU: with VNNI ``auto`` runs their
+    MLPs with 8-bit activations, whose rounding these tiny random models amplify as at
+    Q4_0 (Gemma 3: 0.04 of a deviation at every position, Gemma 4 with experts 2.6);
+    what 8 bits cost a trained model is tests/engine/test_accuracy_bar.py's to judge.
+    The tests that call this check Q8_0 blocks' wiring to within 16-bit rounding
+    (``monkeypatch``: pytest's)."""
+    from structllm.kernels import packed
+
+    monkeypatch.setattr(packed, "_EIGHT_BIT_PAYS", False)
