@@ -606,6 +606,114 @@ torch::Tensor ssm_decode(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_b
   return y;
 }
 
+namespace {
+// Mamba-2's time step and decay for one (row, head): dt = clamp(softplus(raw + bias), lo,
+// hi) (F.softplus's threshold of 20), decay = e^{dt A} with A = -e^{a_log}. As
+// ssm_decode_rows computes them.
+inline void ssm_step(float raw, float bias, float a_log, float lo, float hi, float& dt, float& decay) {
+  const float x = raw + bias;
+  const float soft = x > 20.0f ? x : std::log1p(std::exp(x));
+  dt = std::min(std::max(soft, lo), hi);
+  decay = std::exp(dt * -std::exp(a_log));
+}
+
+// M state rows p0..p0+M-1 of one head for one token: s [P, N] the head's state (rows of
+// N), x [P], b, c [N] -> s[p] = decay s[p] + dt x[p] b (just dt x[p] b where zero: the
+// old values never read), y[p] = s[p] . c + dh x[p]. M sums in flight, each vector of b
+// and c loaded once for the M rows; N's tail past whole vectors scalar.
+template <int M>
+inline void ssm_rows(const float* x, const float* b, const float* c, float dt, float decay, float dh, bool zero,
+                     float* s, int64_t p0, int64_t N, float* y) {
+  const int64_t nv = N / VW * VW;
+  const vf dec = sl::vset1(decay);
+  vf acc[M], xdt[M];
+  for (int i = 0; i < M; i++) acc[i] = sl::vzero(), xdt[i] = sl::vset1(x[p0 + i] * dt);
+  for (int64_t n = 0; n < nv; n += VW) {
+    const vf bn = sl::vload(b + n), cn = sl::vload(c + n);
+    for (int i = 0; i < M; i++) {
+      float* sr = s + (p0 + i) * N + n;
+      const vf v = zero ? sl::vmul(xdt[i], bn) : sl::vfma(xdt[i], bn, sl::vmul(dec, sl::vload(sr)));
+      sl::vstore(sr, v);
+      acc[i] = sl::vfma(v, cn, acc[i]);
+    }
+  }
+  for (int i = 0; i < M; i++) {
+    const int64_t p = p0 + i;
+    float sum = sl::vsum(acc[i]);
+    float* sr = s + p * N;
+    for (int64_t n = nv; n < N; n++) {
+      sr[n] = (zero ? 0.0f : decay * sr[n]) + x[p] * dt * b[n];
+      sum += sr[n] * c[n];
+    }
+    y[p] = dh * x[p] + sum;
+  }
+}
+
+// One token of one head over its whole state [P, N] (32 KiB at P = 64, N = 128: in L1
+// from token to token), four state rows at a time.
+inline void ssm_token(const float* x, const float* b, const float* c, float dt, float decay, float dh, bool zero,
+                      float* s, int64_t P, int64_t N, float* y) {
+  int64_t p = 0;
+  for (; p + 4 <= P; p += 4) ssm_rows<4>(x, b, c, dt, decay, dh, zero, s, p, N, y);
+  for (; p < P; p++) ssm_rows<1>(x, b, c, dt, decay, dh, zero, s, p, N, y);
+}
+}  // namespace
+
+// Mamba-2's scan over the prefill rows (model/mamba2.py's ssd for them, the time step's
+// softplus and clamp before it): the recurrence token by token, as ssm_decode runs it per
+// row, llama.cpp's ssm_scan's design. xbc [T, C] contiguous (C = H P + 2 G N), dt
+// [T, >= H] raw with unit column stride, dt_bias, a_log, d [H], states [S, H, P, N],
+// segs [P, 6] (read_segs), out [T, H P] (the prefill rows written). One task per
+// (sequence, head): its state stays in cache over all its rows (the split, if any: the
+// saved row gets the state after it).
+//
+// Why not the chunked (SSD) form: per token and head both do the state's P N update
+// (the chunked form as the chunk's writes and reads of S0), but the chunked form adds a
+// [chunk, chunk] "attention" of (N + P) chunk multiply-adds per token and passes of its
+// own over [H, M, C, C] tensors; the sequential form is one fused pass with the state hot.
+void ssm_prefill(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, torch::Tensor a_log, torch::Tensor d,
+                 torch::Tensor states, torch::Tensor segs, int64_t groups, double lo, double hi, torch::Tensor out) {
+  for (auto* t : {&xbc, &dt_bias, &a_log, &d, &states, &out}) check_f32(*t, "ssm_prefill input");
+  const int64_t T = xbc.size(0), S = states.size(0), H = states.size(1), P = states.size(2), N = states.size(3);
+  TORCH_CHECK(states.dim() == 4 && groups > 0 && H % groups == 0 && xbc.dim() == 2 &&
+                  xbc.size(1) == H * P + 2 * groups * N,
+              "ssm_prefill: xbc [T, H P + 2 G N], states [S, H, P, N]");
+  TORCH_CHECK(dt.dtype() == torch::kFloat32 && dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H &&
+                  dt.stride(1) == 1 && dt.device().is_cpu(),
+              "ssm_prefill: dt float32 [T, H] with unit column stride");
+  TORCH_CHECK(dt_bias.numel() == H && a_log.numel() == H && d.numel() == H, "ssm_prefill: dt_bias, a_log, d [H]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * P, "ssm_prefill: out [T, H P]");
+  const std::vector<Seg> sg = read_segs(segs, T, S);
+  const int64_t C = xbc.size(1), ds = dt.stride(0), I = H * P, G = groups, per_group = H / G, hs = P * N;
+  const float *xp = xbc.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *bias = dt_bias.data_ptr<float>();
+  const float *al = a_log.data_ptr<float>(), *dp = d.data_ptr<float>();
+  float *st = states.data_ptr<float>(), *yp = out.data_ptr<float>();
+  const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+  const int64_t nseg = static_cast<int64_t>(sg.size());
+  sl::parallel_for(0, nseg * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
+    for (int64_t i = i0; i < i1; i++) {
+      const Seg& sq = sg[i / H];
+      const int64_t h = i % H, g = h / per_group;
+      float* s = st + (sq.slot * H + h) * hs;  // [P, N]
+      bool zero = sq.fresh != 0;
+      auto run = [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; r++) {
+          const float* row = xp + r * C;
+          float step, decay;
+          ssm_step(dtp[r * ds + h], bias[h], al[h], flo, fhi, step, decay);
+          ssm_token(row + h * P, row + I + g * N, row + I + G * N + g * N, step, decay, dp[h], zero, s, P, N,
+                    yp + r * I + h * P);
+          zero = false;
+        }
+      };
+      run(sq.first, sq.first + sq.split);
+      if (sq.row >= 0) std::copy(s, s + hs, st + (sq.row * H + h) * hs);
+      run(sq.first + sq.split, sq.end);
+    }
+  });
+}
+
 // group_norm_rows on tensors: y [T, I] contiguous, z [T, I] with unit column stride
 // (in_proj's output, sliced), weight [I] -> [T, I]
 torch::Tensor group_norm(torch::Tensor y, torch::Tensor z, torch::Tensor weight, int64_t groups, double eps) {
@@ -660,6 +768,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
   m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
   m.def("ssm_decode", &ssm_decode, "one step of Mamba-2's scan per slot (softplus, decay, write, read, skip)");
+  m.def("ssm_prefill", &ssm_prefill, "Mamba-2's scan over prefill rows (sequential, per sequence and head)");
   m.def("group_norm", &group_norm, "Mamba-2's gated RMSNorm over groups");
   m.def(
       "recurrent_ops",
