@@ -135,4 +135,6 @@ def test_prefill_checks_shapes() -> None:
     y = torch.empty(8, m.inner)
     nat = native()
     with pytest.raises(RuntimeError, match="ssm_prefill"):
-        nat.ssm_prefill(xbc, dt, m.dt_bias, m.A_log, m.D, states, segs, m.n_groups, 0.0, math.inf, y)  # type: ignore[attr-defined]
+        nat.ssm_prefill(
+            xbc, dt, m.dt_bias, m.A_log, m.D, states, segs, m.n_groups, 0.0, math.inf, y
+        )  # type: ignore[attr-defined]
