@@ -17,7 +17,6 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,13 +56,26 @@ def step(lengths: list[int], native: object) -> RecurrentBatch:
     )
 
 
-def cpu_ms(fn: Callable[[], object], reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        t = time.thread_time()
-        fn()
-        out.append((time.thread_time() - t) * 1e3)
-    return statistics.median(out)
+def measure(m: Mamba2, lengths: list[int], nat: object, reps: int) -> tuple[float, float]:
+    """(chunked ms, native ms) of thread CPU for one step of ``lengths``' fresh
+    sequences, the two interleaved, medians of ``reps``."""
+    t = sum(lengths)
+    gen = torch.Generator().manual_seed(0)
+    xbc = torch.randn(t, m.conv_dim, generator=gen)
+    dt = torch.randn(t, m.num_heads, generator=gen)
+    states = torch.zeros(len(lengths), *m.state_shapes()[1])
+    rb = step(lengths, None)
+    rbn = dataclasses.replace(rb, native=nat)
+    ref: list[float] = []
+    new: list[float] = []
+    with torch.no_grad():
+        m._native_scan(xbc, dt, states, rbn)  # warm
+        for _ in range(reps):
+            for out, run, arm in ((ref, m._torch_scan, rb), (new, m._native_scan, rbn)):
+                c = time.thread_time()
+                run(xbc, dt, states, arm)
+                out.append((time.thread_time() - c) * 1e3)
+    return statistics.median(ref), statistics.median(new)
 
 
 def main() -> None:
@@ -75,24 +87,14 @@ def main() -> None:
     nat = cpu_ext.load_recurrent()
     if nat is None:
         raise SystemExit("no native recurrent kernels here")
-    print(f"isa {cpu_ext.best_isa()}, load {open('/proc/loadavg').read().split()[0]}")
+    load = Path("/proc/loadavg").read_text().split()[0]
+    print(f"isa {cpu_ext.best_isa()}, load {load}, one kernel thread, thread CPU")
     print(f"{'shape':<11} {'rows':>8} {'chunked ms':>11} {'native ms':>10} {'speedup':>8}")
     for name, shape in SHAPES.items():
         m = layer(*shape)
         for spec in args.lengths.split(","):
             n, _, k = spec.partition("x")
-            lengths = [int(n)] * int(k or 1)
-            t = sum(lengths)
-            gen = torch.Generator().manual_seed(0)
-            xbc = torch.randn(t, m.conv_dim, generator=gen)
-            dt = torch.randn(t, m.num_heads, generator=gen)
-            states = torch.zeros(len(lengths), *m.state_shapes()[1])
-            rb = step(lengths, None)
-            rbn = dataclasses.replace(rb, native=nat)
-            with torch.no_grad():
-                m._native_scan(xbc, dt, states, rbn)  # warm
-                ref = cpu_ms(lambda: m._torch_scan(xbc, dt, states, rb), args.reps)
-                new = cpu_ms(lambda: m._native_scan(xbc, dt, states, rbn), args.reps)
+            ref, new = measure(m, [int(n)] * int(k or 1), nat, args.reps)
             print(f"{name:<11} {spec:>8} {ref:>11.2f} {new:>10.2f} {ref / new:>7.2f}x")
 
 
