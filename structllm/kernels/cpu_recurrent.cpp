@@ -618,44 +618,49 @@ inline void ssm_step(float raw, float bias, float a_log, float lo, float hi, flo
 }
 
 // M state rows p0..p0+M-1 of one head for one token: s [P, N] the head's state (rows of
-// N), x [P], b, c [N] -> s[p] = decay s[p] + dt x[p] b (just dt x[p] b where zero: the
+// N), x [P], b, c [N] -> s[p] = decay s[p] + dt x[p] b (just dt x[p] b where Zero: the
 // old values never read), y[p] = s[p] . c + dh x[p]. M sums in flight, each vector of b
 // and c loaded once for the M rows; N's tail past whole vectors scalar.
-template <int M>
-inline void ssm_rows(const float* x, const float* b, const float* c, float dt, float decay, float dh, bool zero,
-                     float* s, int64_t p0, int64_t N, float* y) {
+template <int M, bool Zero>
+inline void ssm_rows(const float* x, const float* b, const float* c, float dt, float decay, float dh, float* s,
+                     int64_t p0, int64_t N, float* y) {
   const int64_t nv = N / VW * VW;
   const vf dec = sl::vset1(decay);
   vf acc[M], xdt[M];
+#pragma GCC unroll 4
   for (int i = 0; i < M; i++) acc[i] = sl::vzero(), xdt[i] = sl::vset1(x[p0 + i] * dt);
   for (int64_t n = 0; n < nv; n += VW) {
     const vf bn = sl::vload(b + n), cn = sl::vload(c + n);
+#pragma GCC unroll 4
     for (int i = 0; i < M; i++) {
       float* sr = s + (p0 + i) * N + n;
-      const vf v = zero ? sl::vmul(xdt[i], bn) : sl::vfma(xdt[i], bn, sl::vmul(dec, sl::vload(sr)));
+      const vf v = Zero ? sl::vmul(xdt[i], bn) : sl::vfma(xdt[i], bn, sl::vmul(dec, sl::vload(sr)));
       sl::vstore(sr, v);
       acc[i] = sl::vfma(v, cn, acc[i]);
     }
   }
+  float sums[M];
+#pragma GCC unroll 4
+  for (int i = 0; i < M; i++) sums[i] = sl::vsum(acc[i]);
   for (int i = 0; i < M; i++) {
     const int64_t p = p0 + i;
-    float sum = sl::vsum(acc[i]);
     float* sr = s + p * N;
     for (int64_t n = nv; n < N; n++) {
-      sr[n] = (zero ? 0.0f : decay * sr[n]) + x[p] * dt * b[n];
-      sum += sr[n] * c[n];
+      sr[n] = (Zero ? 0.0f : decay * sr[n]) + x[p] * dt * b[n];
+      sums[i] += sr[n] * c[n];
     }
-    y[p] = dh * x[p] + sum;
+    y[p] = dh * x[p] + sums[i];
   }
 }
 
 // One token of one head over its whole state [P, N] (32 KiB at P = 64, N = 128: in L1
 // from token to token), four state rows at a time.
-inline void ssm_token(const float* x, const float* b, const float* c, float dt, float decay, float dh, bool zero,
-                      float* s, int64_t P, int64_t N, float* y) {
+template <bool Zero>
+inline void ssm_token(const float* x, const float* b, const float* c, float dt, float decay, float dh, float* s,
+                      int64_t P, int64_t N, float* y) {
   int64_t p = 0;
-  for (; p + 4 <= P; p += 4) ssm_rows<4>(x, b, c, dt, decay, dh, zero, s, p, N, y);
-  for (; p < P; p++) ssm_rows<1>(x, b, c, dt, decay, dh, zero, s, p, N, y);
+  for (; p + 4 <= P; p += 4) ssm_rows<4, Zero>(x, b, c, dt, decay, dh, s, p, N, y);
+  for (; p < P; p++) ssm_rows<1, Zero>(x, b, c, dt, decay, dh, s, p, N, y);
 }
 }  // namespace
 
@@ -702,8 +707,12 @@ void ssm_prefill(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, tor
           const float* row = xp + r * C;
           float step, decay;
           ssm_step(dtp[r * ds + h], bias[h], al[h], flo, fhi, step, decay);
-          ssm_token(row + h * P, row + I + g * N, row + I + G * N + g * N, step, decay, dp[h], zero, s, P, N,
-                    yp + r * I + h * P);
+          const float *x = row + h * P, *bv = row + I + g * N, *cv = row + I + G * N + g * N;
+          float* y = yp + r * I + h * P;
+          if (zero)
+            ssm_token<true>(x, bv, cv, step, decay, dp[h], s, P, N, y);
+          else
+            ssm_token<false>(x, bv, cv, step, decay, dp[h], s, P, N, y);
           zero = false;
         }
       };
