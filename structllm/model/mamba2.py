@@ -205,6 +205,9 @@ class Mamba2(nn.Module):
     # False: torch's ops for the decode rows even where the native kernels are loaded (the
     # Python loop as it was before them: bench/hybrid_decode.py's --torch-scan)
     native_scan = True
+    # False: the prefill rows through torch's chunked form (``_torch_scan``) even where
+    # ``ssm_prefill`` is loaded, as before it (bench/hybrid_prefill.py's --ssm-chunked)
+    native_prefill = True
 
     def __init__(
         self,
@@ -310,6 +313,9 @@ class Mamba2(nn.Module):
         y = torch.empty(t, self.inner, dtype=torch.float32, device=xbc.device)
         if nd:
             y[:nd] = nat.ssm_decode(*dec, self.n_groups, lo, hi)
+        if not self.native_prefill:
+            y[nd:] = self._torch_scan(xbc[nd:], dt[nd:], states, rb.prefills_only())
+            return y
         segs = rb.segments()  # rows nd.. of this step (row indices into xbc, dt and y)
         nat.ssm_prefill(xbc, dt, dt_bias, a_log, d, states, segs, self.n_groups, lo, hi, y)
         return y
