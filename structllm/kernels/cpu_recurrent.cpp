@@ -662,6 +662,137 @@ inline void ssm_token(const float* x, const float* b, const float* c, float dt, 
   for (; p + 4 <= P; p += 4) ssm_rows<4, Zero>(x, b, c, dt, decay, dh, s, p, N, y);
   for (; p < P; p++) ssm_rows<1, Zero>(x, b, c, dt, decay, dh, s, p, N, y);
 }
+
+// The prefill's form for heads of whole tiles (P a multiple of kTilePV VW: the bench and
+// published models' 64): the state transposed, [N, P], lanes along P, a tile of kTileNB
+// state columns by kTilePV vectors of P held in registers over a block of tokens. Per
+// token the tile reads its columns' b[n] and c[n] as broadcasts and x dt as vectors, and
+// adds its part of y = sum_n s[:, n] c[n] to the token's y row: no horizontal sums, and
+// the state is loaded and stored once a block instead of once a token (ssm_rows' form
+// moved the whole [P, N] state through L1 every token, ~6x its arithmetic's time).
+#if defined(SL_AVX512)
+constexpr int kTilePV = 4;  // 16 state registers, 4 sums, 4 x dt, decay, b, c: 27 of 32
+#else
+constexpr int kTilePV = 2;  // 8 state registers, 2 sums, 2 x dt, decay, b, c: 15 of 16
+#endif
+constexpr int kTileNB = 4;
+constexpr int64_t kTokens = 32;  // tokens a block: their x dt, b, c and y rows in L1
+
+// One head's block of tokens, laid out for the tiles: per token its decay, x dt [P], and
+// its rows' b, c [N] and y [P] in place.
+struct SsmBlock {
+  std::vector<float> st, xdt, dec;  // [N, P] (the state, transposed), [kTokens, P], [kTokens]
+  const float* b[kTokens];
+  const float* c[kTokens];
+  float* y[kTokens];
+  int64_t m = 0;  // tokens in the block
+  SsmBlock(int64_t P, int64_t N) : st(N * P), xdt(kTokens * P), dec(kTokens) {}
+};
+
+// Columns n0..n0+NB-1 by P lanes p0..p0+PV VW-1 of the state over the block's tokens:
+//   s[:, n] = decay s[:, n] + (x dt) b[n],  y += s[:, n] c[n]
+template <int PV, int NB>
+inline void ssm_tile(SsmBlock& w, int64_t P, int64_t n0, int64_t p0) {
+  vf s[NB][PV];
+  for (int j = 0; j < NB; j++)
+    for (int v = 0; v < PV; v++) s[j][v] = sl::vload(w.st.data() + (n0 + j) * P + p0 + v * VW);
+  for (int64_t t = 0; t < w.m; t++) {
+    const vf d = sl::vset1(w.dec[t]);
+    vf x[PV], acc[PV];
+    for (int v = 0; v < PV; v++) x[v] = sl::vload(w.xdt.data() + t * P + p0 + v * VW), acc[v] = sl::vzero();
+    for (int j = 0; j < NB; j++) {
+      const vf b = sl::vset1(w.b[t][n0 + j]), c = sl::vset1(w.c[t][n0 + j]);
+      for (int v = 0; v < PV; v++) {
+        s[j][v] = sl::vfma(x[v], b, sl::vmul(d, s[j][v]));
+        acc[v] = sl::vfma(s[j][v], c, acc[v]);
+      }
+    }
+    for (int v = 0; v < PV; v++) {
+      float* y = w.y[t] + p0 + v * VW;
+      sl::vstore(y, sl::vadd(sl::vload(y), acc[v]));
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int v = 0; v < PV; v++) sl::vstore(w.st.data() + (n0 + j) * P + p0 + v * VW, s[j][v]);
+}
+
+// The block's tokens through every tile (the y rows already hold D x).
+inline void ssm_block(SsmBlock& w, int64_t P, int64_t N) {
+  int64_t n = 0;
+  for (; n + kTileNB <= N; n += kTileNB)
+    for (int64_t p = 0; p < P; p += kTilePV * VW) ssm_tile<kTilePV, kTileNB>(w, P, n, p);
+  for (; n < N; n++)
+    for (int64_t p = 0; p < P; p += kTilePV * VW) ssm_tile<kTilePV, 1>(w, P, n, p);
+}
+
+// [P, N] <-> [N, P] (a head's state in and out of the block's layout)
+inline void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++) dst[c * rows + r] = src[r * cols + c];
+}
+
+// ssm_prefill's tensors as pointers, and its sizes (names as there)
+struct SsmArgs {
+  const float *xbc, *dt, *dt_bias, *a_log, *d;
+  float *states, *y;
+  int64_t C, ds, H, P, G, N;
+  float lo, hi;
+  const float* x(int64_t r, int64_t h) const { return xbc + r * C + h * P; }
+  const float* b(int64_t r, int64_t g) const { return xbc + r * C + H * P + g * N; }
+  const float* c(int64_t r, int64_t g) const { return xbc + r * C + H * P + (G + g) * N; }
+  float* out(int64_t r, int64_t h) const { return y + r * H * P + h * P; }
+  float* state(int64_t slot, int64_t h) const { return states + (slot * H + h) * P * N; }  // [P, N]
+};
+
+// Segment sq's rows for head h, token by token through ssm_token (any P and N).
+void ssm_head_rows(const SsmArgs& q, const Seg& sq, int64_t h) {
+  const int64_t g = h / (q.H / q.G);
+  float* s = q.state(sq.slot, h);
+  bool zero = sq.fresh != 0;
+  auto run = [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; r++) {
+      float step, decay;
+      ssm_step(q.dt[r * q.ds + h], q.dt_bias[h], q.a_log[h], q.lo, q.hi, step, decay);
+      if (zero)
+        ssm_token<true>(q.x(r, h), q.b(r, g), q.c(r, g), step, decay, q.d[h], s, q.P, q.N, q.out(r, h));
+      else
+        ssm_token<false>(q.x(r, h), q.b(r, g), q.c(r, g), step, decay, q.d[h], s, q.P, q.N, q.out(r, h));
+      zero = false;
+    }
+  };
+  run(sq.first, sq.first + sq.split);
+  if (sq.row >= 0) std::copy(s, s + q.P * q.N, q.state(sq.row, h));
+  run(sq.first + sq.split, sq.end);
+}
+
+// Segment sq's rows for head h in blocks of kTokens through the tiles (P a multiple of
+// kTilePV VW), the state transposed into w.st for the segment (zero where fresh).
+void ssm_head_tiled(const SsmArgs& q, const Seg& sq, int64_t h, SsmBlock& w) {
+  const int64_t g = h / (q.H / q.G), P = q.P, N = q.N;
+  if (sq.fresh)
+    std::fill(w.st.begin(), w.st.end(), 0.0f);
+  else
+    transpose(q.state(sq.slot, h), P, N, w.st.data());
+  auto run = [&](int64_t a, int64_t b) {
+    for (int64_t r0 = a; r0 < b; r0 += kTokens) {
+      w.m = std::min(kTokens, b - r0);
+      for (int64_t t = 0; t < w.m; t++) {
+        const int64_t r = r0 + t;
+        float step;
+        ssm_step(q.dt[r * q.ds + h], q.dt_bias[h], q.a_log[h], q.lo, q.hi, step, w.dec[t]);
+        const float* x = q.x(r, h);
+        float *xdt = w.xdt.data() + t * P, *y = q.out(r, h);
+        for (int64_t p = 0; p < P; p++) xdt[p] = x[p] * step, y[p] = q.d[h] * x[p];
+        w.b[t] = q.b(r, g), w.c[t] = q.c(r, g), w.y[t] = y;
+      }
+      ssm_block(w, P, N);
+    }
+  };
+  run(sq.first, sq.first + sq.split);
+  if (sq.row >= 0) transpose(w.st.data(), N, P, q.state(sq.row, h));
+  run(sq.first + sq.split, sq.end);
+  transpose(w.st.data(), N, P, q.state(sq.slot, h));
+}
 }  // namespace
 
 // Mamba-2's scan over the prefill rows (model/mamba2.py's ssd for them, the time step's
@@ -669,13 +800,15 @@ inline void ssm_token(const float* x, const float* b, const float* c, float dt, 
 // row, llama.cpp's ssm_scan's design. xbc [T, C] contiguous (C = H P + 2 G N), dt
 // [T, >= H] raw with unit column stride, dt_bias, a_log, d [H], states [S, H, P, N],
 // segs [P, 6] (read_segs), out [T, H P] (the prefill rows written). One task per
-// (sequence, head): its state stays in cache over all its rows (the split, if any: the
-// saved row gets the state after it).
+// (sequence, head): its state in cache (the tiles: in registers a block of tokens at a
+// time) over all its rows (the split, if any: the saved row gets the state after it).
 //
-// Why not the chunked (SSD) form: per token and head both do the state's P N update
-// (the chunked form as the chunk's writes and reads of S0), but the chunked form adds a
-// [chunk, chunk] "attention" of (N + P) chunk multiply-adds per token and passes of its
-// own over [H, M, C, C] tensors; the sequential form is one fused pass with the state hot.
+// Why not the chunked (SSD) form, even at 2,048 rows: per token and head both do the
+// state's P N update (the chunked form as the chunk's writes and reads of S0), but the
+// chunked form adds a [chunk, chunk] "attention" of (N + P) chunk multiply-adds per
+// token, and torch runs it as passes of its own over [H, M, C, C] tensors; here the
+// recurrence is one fused pass (bench/ssm_prefill.py: 5-7x less thread CPU at 32 to
+// 2,048 rows, docs/benchmarks.md).
 void ssm_prefill(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, torch::Tensor a_log, torch::Tensor d,
                  torch::Tensor states, torch::Tensor segs, int64_t groups, double lo, double hi, torch::Tensor out) {
   for (auto* t : {&xbc, &dt_bias, &a_log, &d, &states, &out}) check_f32(*t, "ssm_prefill input");
@@ -689,36 +822,20 @@ void ssm_prefill(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, tor
   TORCH_CHECK(dt_bias.numel() == H && a_log.numel() == H && d.numel() == H, "ssm_prefill: dt_bias, a_log, d [H]");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * P, "ssm_prefill: out [T, H P]");
   const std::vector<Seg> sg = read_segs(segs, T, S);
-  const int64_t C = xbc.size(1), ds = dt.stride(0), I = H * P, G = groups, per_group = H / G, hs = P * N;
-  const float *xp = xbc.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *bias = dt_bias.data_ptr<float>();
-  const float *al = a_log.data_ptr<float>(), *dp = d.data_ptr<float>();
-  float *st = states.data_ptr<float>(), *yp = out.data_ptr<float>();
-  const float flo = static_cast<float>(lo), fhi = static_cast<float>(hi);
+  const SsmArgs q{xbc.data_ptr<float>(), dt.data_ptr<float>(), dt_bias.data_ptr<float>(), a_log.data_ptr<float>(),
+                  d.data_ptr<float>(),   states.data_ptr<float>(), out.data_ptr<float>(), xbc.size(1), dt.stride(0),
+                  H, P, groups, N, static_cast<float>(lo), static_cast<float>(hi)};
+  const bool tiled = P % (kTilePV * VW) == 0;
   const int64_t nseg = static_cast<int64_t>(sg.size());
   sl::parallel_for(0, nseg * H, 1, [&](int64_t i0, int64_t i1) {
     FlushDenormals ftz;
+    std::optional<SsmBlock> w;
+    if (tiled) w.emplace(P, N);
     for (int64_t i = i0; i < i1; i++) {
-      const Seg& sq = sg[i / H];
-      const int64_t h = i % H, g = h / per_group;
-      float* s = st + (sq.slot * H + h) * hs;  // [P, N]
-      bool zero = sq.fresh != 0;
-      auto run = [&](int64_t a, int64_t b) {
-        for (int64_t r = a; r < b; r++) {
-          const float* row = xp + r * C;
-          float step, decay;
-          ssm_step(dtp[r * ds + h], bias[h], al[h], flo, fhi, step, decay);
-          const float *x = row + h * P, *bv = row + I + g * N, *cv = row + I + G * N + g * N;
-          float* y = yp + r * I + h * P;
-          if (zero)
-            ssm_token<true>(x, bv, cv, step, decay, dp[h], s, P, N, y);
-          else
-            ssm_token<false>(x, bv, cv, step, decay, dp[h], s, P, N, y);
-          zero = false;
-        }
-      };
-      run(sq.first, sq.first + sq.split);
-      if (sq.row >= 0) std::copy(s, s + hs, st + (sq.row * H + h) * hs);
-      run(sq.first + sq.split, sq.end);
+      if (tiled)
+        ssm_head_tiled(q, sg[i / H], i % H, *w);
+      else
+        ssm_head_rows(q, sg[i / H], i % H);
     }
   });
 }

@@ -21,9 +21,10 @@ from tests.support.recurrent import batch, close
 
 CHUNK = 16  # the torch path's chunk: the layouts below cut chunks and end inside them
 NUM_SLOTS = 8
-# (heads, groups, head_dim, d_state): the tests' small shape, one with P and N off whole
-# vectors and four-row blocks (the kernel's tails), one at the bench models' head
-SHAPES = [(4, 2, 8, 16), (3, 1, 6, 20), (2, 1, 64, 128)]
+# (heads, groups, head_dim, d_state): the tests' small shape and one with P and N off
+# whole vectors and four-row blocks (the token-by-token form and its tails), the bench
+# models' head and one with N off the tiles' four columns (the tiled form, both ISAs)
+SHAPES = [(4, 2, 8, 16), (3, 1, 6, 20), (2, 1, 64, 128), (2, 1, 64, 18)]
 LIMITS = [(0.0, math.inf), (0.05, 0.8)]
 
 
