@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def step_inputs(m: Mamba2, t: int, seed: int) -> tuple[Tensor, Tensor]:
     return xbc, proj[:, m.inner :]
 
 
-def native() -> object:
+def native() -> Any:
     from structllm.kernels import cpu_ext
 
     nat = cpu_ext.load_recurrent()
@@ -138,4 +139,4 @@ def test_prefill_checks_shapes() -> None:
     with pytest.raises(RuntimeError, match="ssm_prefill"):
         nat.ssm_prefill(
             xbc, dt, m.dt_bias, m.A_log, m.D, states, segs, m.n_groups, 0.0, math.inf, y
-        )  # type: ignore[attr-defined]
+        )
