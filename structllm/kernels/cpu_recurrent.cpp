@@ -653,8 +653,7 @@ inline void ssm_rows(const float* x, const float* b, const float* c, float dt, f
   }
 }
 
-// One token of one head over its whole state [P, N] (32 KiB at P = 64, N = 128: in L1
-// from token to token), four state rows at a time.
+// One token of one head over its whole state [P, N], four state rows at a time.
 template <bool Zero>
 inline void ssm_token(const float* x, const float* b, const float* c, float dt, float decay, float dh, float* s,
                       int64_t P, int64_t N, float* y) {
@@ -668,8 +667,9 @@ inline void ssm_token(const float* x, const float* b, const float* c, float dt, 
 // state columns by kTilePV vectors of P held in registers over a block of tokens. Per
 // token the tile reads its columns' b[n] and c[n] as broadcasts and x dt as vectors, and
 // adds its part of y = sum_n s[:, n] c[n] to the token's y row: no horizontal sums, and
-// the state is loaded and stored once a block instead of once a token (ssm_rows' form
-// moved the whole [P, N] state through L1 every token, ~6x its arithmetic's time).
+// the state is loaded and stored once a block instead of once a token (ssm_rows' form,
+// the whole [P, N] state through L1 every token and P horizontal sums, took 2.4x the
+// thread CPU at 2,048 rows).
 #if defined(SL_AVX512)
 constexpr int kTilePV = 4;  // 16 state registers, 4 sums, 4 x dt, decay, b, c: 27 of 32
 #else
@@ -807,8 +807,8 @@ void ssm_head_tiled(const SsmArgs& q, const Seg& sq, int64_t h, SsmBlock& w) {
 // state's P N update (the chunked form as the chunk's writes and reads of S0), but the
 // chunked form adds a [chunk, chunk] "attention" of (N + P) chunk multiply-adds per
 // token, and torch runs it as passes of its own over [H, M, C, C] tensors; here the
-// recurrence is one fused pass (bench/ssm_prefill.py: 5-7x less thread CPU at 32 to
-// 2,048 rows, docs/benchmarks.md).
+// recurrence is one fused pass (bench/ssm_prefill.py: 6-21x less thread CPU than the
+// chunked form from 16 x 32 to 2,048 rows on AVX-512, 5-11x on AVX2, docs/benchmarks.md).
 void ssm_prefill(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, torch::Tensor a_log, torch::Tensor d,
                  torch::Tensor states, torch::Tensor segs, int64_t groups, double lo, double hi, torch::Tensor out) {
   for (auto* t : {&xbc, &dt_bias, &a_log, &d, &states, &out}) check_f32(*t, "ssm_prefill input");
