@@ -606,6 +606,240 @@ torch::Tensor ssm_decode(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_b
   return y;
 }
 
+namespace {
+// Mamba-2's time step and decay for one (row, head): dt = clamp(softplus(raw + bias), lo,
+// hi) (F.softplus's threshold of 20), decay = e^{dt A} with A = -e^{a_log}. As
+// ssm_decode_rows computes them.
+inline void ssm_step(float raw, float bias, float a_log, float lo, float hi, float& dt, float& decay) {
+  const float x = raw + bias;
+  const float soft = x > 20.0f ? x : std::log1p(std::exp(x));
+  dt = std::min(std::max(soft, lo), hi);
+  decay = std::exp(dt * -std::exp(a_log));
+}
+
+// M state rows p0..p0+M-1 of one head for one token: s [P, N] the head's state (rows of
+// N), x [P], b, c [N] -> s[p] = decay s[p] + dt x[p] b (just dt x[p] b where Zero: the
+// old values never read), y[p] = s[p] . c + dh x[p]. M sums in flight, each vector of b
+// and c loaded once for the M rows; N's tail past whole vectors scalar.
+template <int M, bool Zero>
+inline void ssm_rows(const float* x, const float* b, const float* c, float dt, float decay, float dh, float* s,
+                     int64_t p0, int64_t N, float* y) {
+  const int64_t nv = N / VW * VW;
+  const vf dec = sl::vset1(decay);
+  vf acc[M], xdt[M];
+#pragma GCC unroll 4
+  for (int i = 0; i < M; i++) acc[i] = sl::vzero(), xdt[i] = sl::vset1(x[p0 + i] * dt);
+  for (int64_t n = 0; n < nv; n += VW) {
+    const vf bn = sl::vload(b + n), cn = sl::vload(c + n);
+#pragma GCC unroll 4
+    for (int i = 0; i < M; i++) {
+      float* sr = s + (p0 + i) * N + n;
+      const vf v = Zero ? sl::vmul(xdt[i], bn) : sl::vfma(xdt[i], bn, sl::vmul(dec, sl::vload(sr)));
+      sl::vstore(sr, v);
+      acc[i] = sl::vfma(v, cn, acc[i]);
+    }
+  }
+  float sums[M];
+#pragma GCC unroll 4
+  for (int i = 0; i < M; i++) sums[i] = sl::vsum(acc[i]);
+  for (int i = 0; i < M; i++) {
+    const int64_t p = p0 + i;
+    float* sr = s + p * N;
+    for (int64_t n = nv; n < N; n++) {
+      sr[n] = (Zero ? 0.0f : decay * sr[n]) + x[p] * dt * b[n];
+      sums[i] += sr[n] * c[n];
+    }
+    y[p] = dh * x[p] + sums[i];
+  }
+}
+
+// One token of one head over its whole state [P, N], four state rows at a time.
+template <bool Zero>
+inline void ssm_token(const float* x, const float* b, const float* c, float dt, float decay, float dh, float* s,
+                      int64_t P, int64_t N, float* y) {
+  int64_t p = 0;
+  for (; p + 4 <= P; p += 4) ssm_rows<4, Zero>(x, b, c, dt, decay, dh, s, p, N, y);
+  for (; p < P; p++) ssm_rows<1, Zero>(x, b, c, dt, decay, dh, s, p, N, y);
+}
+
+// The prefill's form for heads of whole tiles (P a multiple of kTilePV VW: the bench and
+// published models' 64): the state transposed, [N, P], lanes along P, a tile of kTileNB
+// state columns by kTilePV vectors of P held in registers over a block of tokens. Per
+// token the tile reads its columns' b[n] and c[n] as broadcasts and x dt as vectors, and
+// adds its part of y = sum_n s[:, n] c[n] to the token's y row: no horizontal sums, and
+// the state is loaded and stored once a block instead of once a token (ssm_rows' form,
+// the whole [P, N] state through L1 every token and P horizontal sums, took 2.4x the
+// thread CPU at 2,048 rows).
+#if defined(SL_AVX512)
+constexpr int kTilePV = 4;  // 16 state registers, 4 sums, 4 x dt, decay, b, c: 27 of 32
+#else
+constexpr int kTilePV = 2;  // 8 state registers, 2 sums, 2 x dt, decay, b, c: 15 of 16
+#endif
+constexpr int kTileNB = 4;
+constexpr int64_t kTokens = 32;  // tokens a block: their x dt, b, c and y rows in L1
+
+// One head's block of tokens, laid out for the tiles: per token its decay, x dt [P], and
+// its rows' b, c [N] and y [P] in place.
+struct SsmBlock {
+  std::vector<float> st, xdt, dec;  // [N, P] (the state, transposed), [kTokens, P], [kTokens]
+  const float* b[kTokens];
+  const float* c[kTokens];
+  float* y[kTokens];
+  int64_t m = 0;  // tokens in the block
+  SsmBlock(int64_t P, int64_t N) : st(N * P), xdt(kTokens * P), dec(kTokens) {}
+};
+
+// Columns n0..n0+NB-1 by P lanes p0..p0+PV VW-1 of the state over the block's tokens:
+//   s[:, n] = decay s[:, n] + (x dt) b[n],  y += s[:, n] c[n]
+template <int PV, int NB>
+inline void ssm_tile(SsmBlock& w, int64_t P, int64_t n0, int64_t p0) {
+  vf s[NB][PV];
+  for (int j = 0; j < NB; j++)
+    for (int v = 0; v < PV; v++) s[j][v] = sl::vload(w.st.data() + (n0 + j) * P + p0 + v * VW);
+  for (int64_t t = 0; t < w.m; t++) {
+    const vf d = sl::vset1(w.dec[t]);
+    vf x[PV], acc[PV];
+    for (int v = 0; v < PV; v++) x[v] = sl::vload(w.xdt.data() + t * P + p0 + v * VW), acc[v] = sl::vzero();
+    for (int j = 0; j < NB; j++) {
+      const vf b = sl::vset1(w.b[t][n0 + j]), c = sl::vset1(w.c[t][n0 + j]);
+      for (int v = 0; v < PV; v++) {
+        s[j][v] = sl::vfma(x[v], b, sl::vmul(d, s[j][v]));
+        acc[v] = sl::vfma(s[j][v], c, acc[v]);
+      }
+    }
+    for (int v = 0; v < PV; v++) {
+      float* y = w.y[t] + p0 + v * VW;
+      sl::vstore(y, sl::vadd(sl::vload(y), acc[v]));
+    }
+  }
+  for (int j = 0; j < NB; j++)
+    for (int v = 0; v < PV; v++) sl::vstore(w.st.data() + (n0 + j) * P + p0 + v * VW, s[j][v]);
+}
+
+// The block's tokens through every tile (the y rows already hold D x).
+inline void ssm_block(SsmBlock& w, int64_t P, int64_t N) {
+  int64_t n = 0;
+  for (; n + kTileNB <= N; n += kTileNB)
+    for (int64_t p = 0; p < P; p += kTilePV * VW) ssm_tile<kTilePV, kTileNB>(w, P, n, p);
+  for (; n < N; n++)
+    for (int64_t p = 0; p < P; p += kTilePV * VW) ssm_tile<kTilePV, 1>(w, P, n, p);
+}
+
+// [P, N] <-> [N, P] (a head's state in and out of the block's layout)
+inline void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++) dst[c * rows + r] = src[r * cols + c];
+}
+
+// ssm_prefill's tensors as pointers, and its sizes (names as there)
+struct SsmArgs {
+  const float *xbc, *dt, *dt_bias, *a_log, *d;
+  float *states, *y;
+  int64_t C, ds, H, P, G, N;
+  float lo, hi;
+  const float* x(int64_t r, int64_t h) const { return xbc + r * C + h * P; }
+  const float* b(int64_t r, int64_t g) const { return xbc + r * C + H * P + g * N; }
+  const float* c(int64_t r, int64_t g) const { return xbc + r * C + H * P + (G + g) * N; }
+  float* out(int64_t r, int64_t h) const { return y + r * H * P + h * P; }
+  float* state(int64_t slot, int64_t h) const { return states + (slot * H + h) * P * N; }  // [P, N]
+};
+
+// Segment sq's rows for head h, token by token through ssm_token (any P and N).
+void ssm_head_rows(const SsmArgs& q, const Seg& sq, int64_t h) {
+  const int64_t g = h / (q.H / q.G);
+  float* s = q.state(sq.slot, h);
+  bool zero = sq.fresh != 0;
+  auto run = [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; r++) {
+      float step, decay;
+      ssm_step(q.dt[r * q.ds + h], q.dt_bias[h], q.a_log[h], q.lo, q.hi, step, decay);
+      if (zero)
+        ssm_token<true>(q.x(r, h), q.b(r, g), q.c(r, g), step, decay, q.d[h], s, q.P, q.N, q.out(r, h));
+      else
+        ssm_token<false>(q.x(r, h), q.b(r, g), q.c(r, g), step, decay, q.d[h], s, q.P, q.N, q.out(r, h));
+      zero = false;
+    }
+  };
+  run(sq.first, sq.first + sq.split);
+  if (sq.row >= 0) std::copy(s, s + q.P * q.N, q.state(sq.row, h));
+  run(sq.first + sq.split, sq.end);
+}
+
+// Segment sq's rows for head h in blocks of kTokens through the tiles (P a multiple of
+// kTilePV VW), the state transposed into w.st for the segment (zero where fresh).
+void ssm_head_tiled(const SsmArgs& q, const Seg& sq, int64_t h, SsmBlock& w) {
+  const int64_t g = h / (q.H / q.G), P = q.P, N = q.N;
+  if (sq.fresh)
+    std::fill(w.st.begin(), w.st.end(), 0.0f);
+  else
+    transpose(q.state(sq.slot, h), P, N, w.st.data());
+  auto run = [&](int64_t a, int64_t b) {
+    for (int64_t r0 = a; r0 < b; r0 += kTokens) {
+      w.m = std::min(kTokens, b - r0);
+      for (int64_t t = 0; t < w.m; t++) {
+        const int64_t r = r0 + t;
+        float step;
+        ssm_step(q.dt[r * q.ds + h], q.dt_bias[h], q.a_log[h], q.lo, q.hi, step, w.dec[t]);
+        const float* x = q.x(r, h);
+        float *xdt = w.xdt.data() + t * P, *y = q.out(r, h);
+        for (int64_t p = 0; p < P; p++) xdt[p] = x[p] * step, y[p] = q.d[h] * x[p];
+        w.b[t] = q.b(r, g), w.c[t] = q.c(r, g), w.y[t] = y;
+      }
+      ssm_block(w, P, N);
+    }
+  };
+  run(sq.first, sq.first + sq.split);
+  if (sq.row >= 0) transpose(w.st.data(), N, P, q.state(sq.row, h));
+  run(sq.first + sq.split, sq.end);
+  transpose(w.st.data(), N, P, q.state(sq.slot, h));
+}
+}  // namespace
+
+// Mamba-2's scan over the prefill rows (model/mamba2.py's ssd for them, the time step's
+// softplus and clamp before it): the recurrence token by token, as ssm_decode runs it per
+// row, llama.cpp's ssm_scan's design. xbc [T, C] contiguous (C = H P + 2 G N), dt
+// [T, >= H] raw with unit column stride, dt_bias, a_log, d [H], states [S, H, P, N],
+// segs [P, 6] (read_segs), out [T, H P] (the prefill rows written). One task per
+// (sequence, head): its state in cache (the tiles: in registers a block of tokens at a
+// time) over all its rows (the split, if any: the saved row gets the state after it).
+//
+// Why not the chunked (SSD) form, even at 2,048 rows: per token and head both do the
+// state's P N update (the chunked form as the chunk's writes and reads of S0), but the
+// chunked form adds a [chunk, chunk] "attention" of (N + P) chunk multiply-adds per
+// token, and torch runs it as passes of its own over [H, M, C, C] tensors; here the
+// recurrence is one fused pass (bench/ssm_prefill.py: 6-21x less thread CPU than the
+// chunked form from 16 x 32 to 2,048 rows on AVX-512, 5-11x on AVX2, docs/benchmarks.md).
+void ssm_prefill(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_bias, torch::Tensor a_log, torch::Tensor d,
+                 torch::Tensor states, torch::Tensor segs, int64_t groups, double lo, double hi, torch::Tensor out) {
+  for (auto* t : {&xbc, &dt_bias, &a_log, &d, &states, &out}) check_f32(*t, "ssm_prefill input");
+  const int64_t T = xbc.size(0), S = states.size(0), H = states.size(1), P = states.size(2), N = states.size(3);
+  TORCH_CHECK(states.dim() == 4 && groups > 0 && H % groups == 0 && xbc.dim() == 2 &&
+                  xbc.size(1) == H * P + 2 * groups * N,
+              "ssm_prefill: xbc [T, H P + 2 G N], states [S, H, P, N]");
+  TORCH_CHECK(dt.dtype() == torch::kFloat32 && dt.dim() == 2 && dt.size(0) == T && dt.size(1) == H &&
+                  dt.stride(1) == 1 && dt.device().is_cpu(),
+              "ssm_prefill: dt float32 [T, H] with unit column stride");
+  TORCH_CHECK(dt_bias.numel() == H && a_log.numel() == H && d.numel() == H, "ssm_prefill: dt_bias, a_log, d [H]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * P, "ssm_prefill: out [T, H P]");
+  const std::vector<Seg> sg = read_segs(segs, T, S);
+  const SsmArgs q{xbc.data_ptr<float>(), dt.data_ptr<float>(), dt_bias.data_ptr<float>(), a_log.data_ptr<float>(),
+                  d.data_ptr<float>(),   states.data_ptr<float>(), out.data_ptr<float>(), xbc.size(1), dt.stride(0),
+                  H, P, groups, N, static_cast<float>(lo), static_cast<float>(hi)};
+  const bool tiled = P % (kTilePV * VW) == 0;
+  const int64_t nseg = static_cast<int64_t>(sg.size());
+  sl::parallel_for(0, nseg * H, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;
+    std::optional<SsmBlock> w;
+    if (tiled) w.emplace(P, N);
+    for (int64_t i = i0; i < i1; i++) {
+      if (tiled)
+        ssm_head_tiled(q, sg[i / H], i % H, *w);
+      else
+        ssm_head_rows(q, sg[i / H], i % H);
+    }
+  });
+}
+
 // group_norm_rows on tensors: y [T, I] contiguous, z [T, I] with unit column stride
 // (in_proj's output, sliced), weight [I] -> [T, I]
 torch::Tensor group_norm(torch::Tensor y, torch::Tensor z, torch::Tensor weight, int64_t groups, double eps) {
@@ -660,6 +894,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_inputs", &delta_inputs, "a Gated DeltaNet layer's q, k, v, g, beta in one pass");
   m.def("gated_norm", &gated_norm, "the gated RMSNorm over value heads");
   m.def("ssm_decode", &ssm_decode, "one step of Mamba-2's scan per slot (softplus, decay, write, read, skip)");
+  m.def("ssm_prefill", &ssm_prefill, "Mamba-2's scan over prefill rows (sequential, per sequence and head)");
   m.def("group_norm", &group_norm, "Mamba-2's gated RMSNorm over groups");
   m.def(
       "recurrent_ops",

@@ -14,9 +14,12 @@ a depthwise causal convolution (SiLU after) over ``[x, B, C]``; after it, the ou
 gated by ``silu(z)`` and RMS-normalised per group of ``H P / G`` channels (transformers'
 ``GraniteMoeHybridRMSNormGated``), then ``out_proj``.
 
-Prefill chunks run the chunked SSD form (``_ssd_chunked``, transformers'
-``mamba2_chunk_scan``), one sequence at a time from its slot's state; decode rows run
-the recurrence above as one batched update over all decoding slots.
+Through torch's ops (``ssd``: the exact float32 path and the reference), prefill chunks
+run the chunked SSD form (``_ssd_chunked``, transformers' ``mamba2_chunk_scan``), one
+sequence at a time from its slot's state, and decode rows the recurrence above as one
+batched update over all decoding slots. Through the native kernels
+(``Mamba2._native_scan``), both run the recurrence token by token (``cpu_recurrent.cpp``'s
+``ssm_decode`` and ``ssm_prefill``).
 """
 
 from __future__ import annotations
@@ -202,6 +205,9 @@ class Mamba2(nn.Module):
     # False: torch's ops for the decode rows even where the native kernels are loaded (the
     # Python loop as it was before them: bench/hybrid_decode.py's --torch-scan)
     native_scan = True
+    # False: the prefill rows through torch's chunked form (``_torch_scan``) even where
+    # ``ssm_prefill`` is loaded, as before it (bench/hybrid_prefill.py's --ssm-chunked)
+    native_prefill = True
 
     def __init__(
         self,
@@ -289,12 +295,14 @@ class Mamba2(nn.Module):
         return (self.conv_dim, self.kernel - 1), (self.num_heads, self.head_dim, self.d_state)
 
     def _native_scan(self, xbc: Tensor, dt: Tensor, states: Tensor, rb: RecurrentBatch) -> Tensor:
-        """The scan with its decode rows through ``cpu_recurrent.cpp`` (``ssm_decode``:
-        the time step's softplus and clamp, the update, the read and the ``D`` skip in one
-        pass over each slot's state; the native decode loop runs the same function) and
-        its prefill rows through ``ssd``'s chunked form. ``xbc [T, C]`` (after the
+        """The scan through ``cpu_recurrent.cpp``: the decode rows by ``ssm_decode`` (the
+        time step's softplus and clamp, the update, the read and the ``D`` skip in one
+        pass over each slot's state; the native decode loop runs the same function), the
+        prefill rows by ``ssm_prefill`` (the same recurrence token by token, one task per
+        sequence and head, the state in cache throughout; the prefix cache's saved
+        states as ``rb.segments()`` lays them out). ``xbc [T, C]`` (after the
         convolution), ``dt [T, H]`` raw (``in_proj``'s columns, unsliced rows: the
-        kernel reads them in place) -> ``y [T, I]`` float32."""
+        kernels read them in place) -> ``y [T, I]`` float32."""
         nat, nd, t = rb.native, rb.num_decodes, xbc.shape[0]
         dt_bias, a_log = self.dt_bias.float().contiguous(), self.A_log.float().contiguous()
         d = self.D.float().contiguous()
@@ -305,7 +313,11 @@ class Mamba2(nn.Module):
         y = torch.empty(t, self.inner, dtype=torch.float32, device=xbc.device)
         if nd:
             y[:nd] = nat.ssm_decode(*dec, self.n_groups, lo, hi)
-        y[nd:] = self._torch_scan(xbc[nd:], dt[nd:], states, rb.prefills_only())
+        if not self.native_prefill:
+            y[nd:] = self._torch_scan(xbc[nd:], dt[nd:], states, rb.prefills_only())
+            return y
+        segs = rb.segments()  # rows nd.. of this step (row indices into xbc, dt and y)
+        nat.ssm_prefill(xbc, dt, dt_bias, a_log, d, states, segs, self.n_groups, lo, hi, y)
         return y
 
     def _torch_scan(self, xbc: Tensor, dt: Tensor, states: Tensor, rb: RecurrentBatch) -> Tensor:
