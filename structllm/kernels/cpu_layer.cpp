@@ -434,10 +434,17 @@ torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // the prompts longest first: a task's work grows as n^2, and the pool's last chunks
+  // (a few tasks each) are then the cheapest, so that no thread waits long for another
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; b++) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+    return starts[a + 1] - starts[a] > starts[c + 1] - starts[c];
+  });
   const int64_t tasks = B * H;
   sl::parallel_for(0, tasks, work < 4e6 ? tasks : 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
-      const int64_t b = i / H, h = i % H, s = starts[b], n = starts[b + 1] - s;
+      const int64_t b = order[i / H], h = i % H, s = starts[b], n = starts[b + 1] - s;
       if (n == 0) continue;
       attend_head(qp + s * q.stride(0) + h * q.stride(1), q.stride(0), kp + s * k.stride(0) + h * k.stride(1),
                   k.stride(0), vp + s * v.stride(0) + h * v.stride(1), v.stride(0), op + (s * H + h) * D, H * D, n,
