@@ -45,6 +45,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_pool.h"
@@ -262,39 +263,51 @@ torch::Tensor add_layer_norm_(torch::Tensor x, std::optional<torch::Tensor> b, t
 
 // ---- an encoder's attention over whole prompts (model/bert.py's fused path). Each
 // (prompt, head) is one task on the pool. Its keys are packed as kt [np / KB][D][KB]
-// (k^T in blocks of KB = 4 vectors of keys, each block contiguous; np: n rounded up to
-// KB, zero-padded) and its values as vp [n, D] (contiguous: the rows of v lie 3 H D
+// (k^T in blocks of KB = kColsC vectors of keys, each block contiguous; np: n rounded up
+// to KB, zero-padded) and its values as vp [n, D] (contiguous: the rows of v lie 3 H D
 // floats apart, a page apart at BERT-base's sizes, so that streaming them took a TLB
 // walk a key). Then, a tile of kQTile query rows at a time: the scores s [rows, np] =
-// q k^T, key block outer so that kt's block (8 KB on AVX2) stays in L1 while every row
-// triple of the tile uses it; each row's softmax over its n columns (vexp); and o [rows,
+// q k^T, key block outer so that kt's block (D KB vectors: 4 KB at D 64 on AVX2, 16 on
+// AVX-512) stays in L1 while every row group of the tile uses it; each row's softmax over its n columns (vexp); and o [rows,
 // D] = p v, kPvKeys keys at a time (their vp rows in L1), accumulated in o, then scaled
 // by 1 / each row's sum. torch's way (two batched matmuls, mul_, softmax, and the
 // transposing copies in and out) made five passes over [H, n, n] floats in memory, on
 // OpenMP threads asleep since the last pool loop.
 namespace {
 
-constexpr int kQTile = 48;    // query rows a tile (the kernels take 3 rows at a time)
-constexpr int kKB = 4 * sl::VW;  // keys a block of kt
-constexpr int kPvKeys = 64;   // keys a block of p v
+// The register tiles: kRowsR query rows x kColsC vectors of keys (scores) or of the
+// head's D values (p v) accumulate in 12 of AVX2's 16 registers (24 of AVX-512's 32),
+// with the kColsC vectors loaded once a step and each row's value broadcast as it is
+// used. 3 rows x 4 vectors (as many accumulators on AVX2) left the compiler no register
+// for a loaded vector, so that every FMA read its operand from L1 again (15 loads per 12
+// FMAs): the whole kernel took 1.35x the time on AVX2.
+#ifdef SL_AVX512
+constexpr int kRowsR = 6, kColsC = 4;
+#else
+constexpr int kRowsR = 6, kColsC = 2;
+#endif
+constexpr int kQTile = 48;  // query rows a tile (a multiple of kRowsR)
+constexpr int kKB = kColsC * sl::VW;  // keys a block of kt
+constexpr int kPvKeys = 64;  // keys a block of p v
 
-// s[r][0, KB) = sum_d q[r][d] kt[d][0, KB) for R rows (kt: one block, [D][KB])
+// s[r][0, KB) = sum_d q[r][d] kt[d][0, KB) for R <= kRowsR rows (kt: one block, [D][KB])
 template <int R>
 inline void qk_block(const float* const* q, const float* kt, int D, float* const* s) {
-  sl::vf acc[R][4];
+  constexpr int C = kColsC;
+  sl::vf acc[R][C];
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < 4; c++) acc[r][c] = sl::vzero();
+    for (int c = 0; c < C; c++) acc[r][c] = sl::vzero();
   for (int d = 0; d < D; d++) {
     const float* kd = kt + d * kKB;
-    sl::vf qb[R];
-    for (int r = 0; r < R; r++) qb[r] = sl::vset1(q[r][d]);
-    for (int c = 0; c < 4; c++) {
-      const sl::vf kv = sl::vload(kd + c * sl::VW);
-      for (int r = 0; r < R; r++) acc[r][c] = sl::vfma(qb[r], kv, acc[r][c]);
+    sl::vf kv[C];
+    for (int c = 0; c < C; c++) kv[c] = sl::vload(kd + c * sl::VW);
+    for (int r = 0; r < R; r++) {
+      const sl::vf qb = sl::vset1(q[r][d]);
+      for (int c = 0; c < C; c++) acc[r][c] = sl::vfma(qb, kv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; r++)
-    for (int c = 0; c < 4; c++) sl::vstore(s[r] + c * sl::VW, acc[r][c]);
+    for (int c = 0; c < C; c++) sl::vstore(s[r] + c * sl::VW, acc[r][c]);
 }
 
 // o[r][c0 + c VW ..] += sum_{j < keys} p[r][j] v[j][c0 + c VW ..] for R rows, C vectors
@@ -305,11 +318,11 @@ inline void pv_block(const float* const* p, const float* v, int D, int64_t keys,
     for (int c = 0; c < C; c++) acc[r][c] = sl::vload(o[r] + c0 + c * sl::VW);
   for (int64_t j = 0; j < keys; j++) {
     const float* vj = v + j * D + c0;
-    sl::vf pb[R];
-    for (int r = 0; r < R; r++) pb[r] = sl::vset1(p[r][j]);
-    for (int c = 0; c < C; c++) {
-      const sl::vf vv = sl::vload(vj + c * sl::VW);
-      for (int r = 0; r < R; r++) acc[r][c] = sl::vfma(pb[r], vv, acc[r][c]);
+    sl::vf vv[C];
+    for (int c = 0; c < C; c++) vv[c] = sl::vload(vj + c * sl::VW);
+    for (int r = 0; r < R; r++) {
+      const sl::vf pb = sl::vset1(p[r][j]);
+      for (int c = 0; c < C; c++) acc[r][c] = sl::vfma(pb, vv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; r++)
@@ -319,7 +332,7 @@ inline void pv_block(const float* const* p, const float* v, int D, int64_t keys,
 template <int R>
 void pv_rows(const float* const* p, const float* v, int D, int64_t keys, float* const* o) {
   int c0 = 0;
-  for (; c0 + 4 * sl::VW <= D; c0 += 4 * sl::VW) pv_block<R, 4>(p, v, D, keys, o, c0);
+  for (; c0 + kColsC * sl::VW <= D; c0 += kColsC * sl::VW) pv_block<R, kColsC>(p, v, D, keys, o, c0);
   for (; c0 + 2 * sl::VW <= D; c0 += 2 * sl::VW) pv_block<R, 2>(p, v, D, keys, o, c0);
   for (; c0 + sl::VW <= D; c0 += sl::VW) pv_block<R, 1>(p, v, D, keys, o, c0);
   for (; c0 < D; c0++)  // (a head size that is no multiple of the vector width)
@@ -349,10 +362,13 @@ float softmax_row(float* s, int64_t n, float scale) {
   return 1.0f / total;
 }
 
-// a query tile's rows [0, rows) in triples: f(R, first row) with R = 3, 2 or 1
-template <class F>
-inline void by_triples(int64_t rows, const F& f) {
-  for (int64_t r = 0; r < rows; r += 3) f(static_cast<int>(std::min<int64_t>(3, rows - r)), r);
+// a query tile's rows [0, rows) in groups of kRowsR: f(std::integral_constant<int, R>, first row)
+template <int R = kRowsR, class F>
+inline void by_groups(int64_t rows, const F& f) {
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) f(std::integral_constant<int, R>{}, r);
+  if constexpr (R > 1)
+    if (r < rows) by_groups<R - 1>(rows - r, [&](auto n, int64_t rr) { f(n, r + rr); });
 }
 
 // one (prompt, head): q, k, v [n] rows of D floats, ld* floats apart; o rows ldo apart
@@ -373,13 +389,12 @@ void attend_head(const float* q, int64_t ldq, const float* k, int64_t ldk, const
     const int64_t rows = std::min<int64_t>(kQTile, n - r0);
     for (int64_t j0 = 0; j0 < np; j0 += kKB) {  // scores, a key block at a time
       const float* blk = kt + j0 * D;
-      by_triples(rows, [&](int R, int64_t r) {
-        const float* qr[3];
-        float* sr[3];
+      by_groups(rows, [&](auto n, int64_t r) {
+        constexpr int R = decltype(n)::value;
+        const float* qr[R];
+        float* sr[R];
         for (int i = 0; i < R; i++) qr[i] = q + (r0 + r + i) * ldq, sr[i] = s + (r + i) * np + j0;
-        if (R == 3) qk_block<3>(qr, blk, D, sr);
-        else if (R == 2) qk_block<2>(qr, blk, D, sr);
-        else qk_block<1>(qr, blk, D, sr);
+        qk_block<R>(qr, blk, D, sr);
       });
     }
     float inv[kQTile];
@@ -389,13 +404,12 @@ void attend_head(const float* q, int64_t ldq, const float* k, int64_t ldk, const
     }
     for (int64_t j0 = 0; j0 < n; j0 += kPvKeys) {  // o += p v, a block of keys at a time
       const int64_t keys = std::min<int64_t>(kPvKeys, n - j0);
-      by_triples(rows, [&](int R, int64_t r) {
-        const float* pr[3];
-        float* orow[3];
+      by_groups(rows, [&](auto n, int64_t r) {
+        constexpr int R = decltype(n)::value;
+        const float* pr[R];
+        float* orow[R];
         for (int i = 0; i < R; i++) pr[i] = s + (r + i) * np + j0, orow[i] = o + (r0 + r + i) * ldo;
-        if (R == 3) pv_rows<3>(pr, vp + j0 * D, D, keys, orow);
-        else if (R == 2) pv_rows<2>(pr, vp + j0 * D, D, keys, orow);
-        else pv_rows<1>(pr, vp + j0 * D, D, keys, orow);
+        pv_rows<R>(pr, vp + j0 * D, D, keys, orow);
       });
     }
     for (int64_t r = 0; r < rows; r++) {
