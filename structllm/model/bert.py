@@ -62,8 +62,9 @@ class BertLayer(ClassicLayer):
 
     ``ops`` (``BertModel.use_cpu_ops``: the non-exact CPU formats): cpu_layer.cpp's
     fused glue runs the bias adds, GELU and each residual sum + LayerNorm on the
-    kernels' pool (``encode_fused``), and ``eight_bit`` lets Q8_0 matrices take the
-    int8 path (as llama.cpp runs every Q8_0 matmul)."""
+    kernels' pool, and its ``encoder_attention`` the attention (``encode_fused``);
+    ``eight_bit`` lets Q8_0 matrices take the int8 path (as llama.cpp runs every Q8_0
+    matmul)."""
 
     ops: Any = None
     eight_bit = False
