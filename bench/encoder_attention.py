@@ -5,7 +5,8 @@ arms alternating in each round so that a loaded machine's neighbours hit both al
 - ``bmm (before)``: what ``BertLayer.encode_fused`` ran until then, kept here as the
   baseline: per prompt, two batched matmuls (MKL) and torch's softmax over tiles of
   query rows, with the transposing copies in and out;
-- ``c++ (after)``: ``ops.encoder_attention`` on the kernels' pool.
+- ``c++ (after)``: ``ops.encoder_attention`` on the kernels' pool (which also adds the
+  q/k/v bias as it packs the rows: the baseline runs ``bias_add_`` first).
 
 Two measurements: the attention of one layer alone (random q, k, v of ``--passages``
 prompts of 256-510 tokens; thread CPU ms at one thread, the work whatever the load),
@@ -79,8 +80,17 @@ class BmmOps:
         return getattr(self.ops, name)
 
     def encoder_attention(
-        self, q: Tensor, k: Tensor, v: Tensor, starts: list[int], scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        starts: list[int],
+        scale: float,
+        bias: Tensor | None = None,
     ) -> Tensor:
+        if bias is not None:  # the baseline's own pass: bias_add_ on the whole [T, 3 H D]
+            t, h, d = q.shape
+            self.ops.bias_add_(torch.as_strided(q, (t, 3 * h * d), (3 * h * d, 1)), bias)
         return bmm_attention(q, k, v, starts, scale)
 
 

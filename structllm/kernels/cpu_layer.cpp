@@ -29,8 +29,10 @@
 //       x = LayerNorm(x + b + res) * w + beta, in place (a post-LN encoder's residual
 //       sum and norm after each block, model/bert.py)
 //   encoder_attention(q, k, v [T, H, D] (heads contiguous, rows strided), starts [B + 1],
-//                     scale) -> [T, H, D]   each prompt's rows starts[b]..starts[b + 1]
-//       attend to all of its own keys (softmax(q k^T scale) v, no mask)
+//                     scale, bias [3 H D] or None) -> [T, H, D]   each prompt's rows
+//       starts[b]..starts[b + 1] attend to all of its own keys (softmax(q k^T scale) v,
+//       no mask), q, k and v plus their bias (q's, k's, v's: a q/k/v matmul's bias; added
+//       as the rows are packed, rounded as bias_add_ would)
 //   greedy_rows(x [T, V]) -> T ints   each row's first index of its maximum (torch's
 //       argmax), or -1 where the row holds a NaN or its maximum is not finite (the
 //       sampler's checked path decides those rows). Exact: comparisons only.
@@ -371,29 +373,49 @@ inline void by_groups(int64_t rows, const F& f) {
     if (r < rows) by_groups<R - 1>(rows - r, [&](auto n, int64_t rr) { f(n, r + rr); });
 }
 
-// one (prompt, head): q, k, v [n] rows of D floats, ld* floats apart; o rows ldo apart
+// one (prompt, head): q, k, v [n] rows of D floats, ld* floats apart; o rows ldo apart;
+// bq, bk, bv [D] (or null): biases added to q, k, v as they are packed (as bias_add_)
 void attend_head(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv, float* o,
-                 int64_t ldo, int64_t n, int D, float scale) {
+                 int64_t ldo, int64_t n, int D, float scale, const float* bq, const float* bk, const float* bv) {
   const int64_t np = (n + kKB - 1) / kKB * kKB;
-  thread_local std::vector<float> kt_buf, v_buf, s_buf;
+  thread_local std::vector<float> kt_buf, v_buf, s_buf, q_buf;
   kt_buf.assign(static_cast<size_t>(D) * np, 0.0f);
   v_buf.resize(static_cast<size_t>(n) * D);
   s_buf.resize(static_cast<size_t>(kQTile) * np);
+  if (bq != nullptr) q_buf.resize(static_cast<size_t>(kQTile) * D);
   float *kt = kt_buf.data(), *vp = v_buf.data(), *s = s_buf.data();
-  for (int64_t j = 0; j < n; j++) {  // kt[j / KB][d][j % KB] = k[j][d]; vp[j] = v[j]
+  for (int64_t j = 0; j < n; j++) {  // kt[j / KB][d][j % KB] = k[j][d] (+ bk); vp[j] = v[j] (+ bv)
     float* blk = kt + (j / kKB) * D * kKB + j % kKB;
-    for (int d = 0; d < D; d++) blk[d * kKB] = k[j * ldk + d];
-    std::memcpy(vp + j * D, v + j * ldv, D * sizeof(float));
+    const float *kj = k + j * ldk, *vj = v + j * ldv;
+    float* vo = vp + j * D;
+    if (bk != nullptr) {
+      for (int d = 0; d < D; d++) blk[d * kKB] = kj[d] + bk[d];
+#pragma omp simd
+      for (int d = 0; d < D; d++) vo[d] = vj[d] + bv[d];
+    } else {
+      for (int d = 0; d < D; d++) blk[d * kKB] = kj[d];
+      std::memcpy(vo, vj, D * sizeof(float));
+    }
   }
   for (int64_t r0 = 0; r0 < n; r0 += kQTile) {
     const int64_t rows = std::min<int64_t>(kQTile, n - r0);
+    if (bq != nullptr) {  // the tile's queries with their bias, [rows][D]
+      for (int64_t r = 0; r < rows; r++) {
+        const float* qr = q + (r0 + r) * ldq;
+        float* dst = q_buf.data() + r * D;
+#pragma omp simd
+        for (int d = 0; d < D; d++) dst[d] = qr[d] + bq[d];
+      }
+    }
+    const float* qt = bq != nullptr ? q_buf.data() : q + r0 * ldq;  // the tile's row 0
+    const int64_t ldt = bq != nullptr ? D : ldq;
     for (int64_t j0 = 0; j0 < np; j0 += kKB) {  // scores, a key block at a time
       const float* blk = kt + j0 * D;
-      by_groups(rows, [&](auto n, int64_t r) {
-        constexpr int R = decltype(n)::value;
+      by_groups(rows, [&](auto rn, int64_t r) {
+        constexpr int R = decltype(rn)::value;
         const float* qr[R];
         float* sr[R];
-        for (int i = 0; i < R; i++) qr[i] = q + (r0 + r + i) * ldq, sr[i] = s + (r + i) * np + j0;
+        for (int i = 0; i < R; i++) qr[i] = qt + (r + i) * ldt, sr[i] = s + (r + i) * np + j0;
         qk_block<R>(qr, blk, D, sr);
       });
     }
@@ -404,8 +426,8 @@ void attend_head(const float* q, int64_t ldq, const float* k, int64_t ldk, const
     }
     for (int64_t j0 = 0; j0 < n; j0 += kPvKeys) {  // o += p v, a block of keys at a time
       const int64_t keys = std::min<int64_t>(kPvKeys, n - j0);
-      by_groups(rows, [&](auto n, int64_t r) {
-        constexpr int R = decltype(n)::value;
+      by_groups(rows, [&](auto rn, int64_t r) {
+        constexpr int R = decltype(rn)::value;
         const float* pr[R];
         float* orow[R];
         for (int i = 0; i < R; i++) pr[i] = s + (r + i) * np + j0, orow[i] = o + (r0 + r + i) * ldo;
@@ -427,7 +449,7 @@ void check_heads(const torch::Tensor& x, const char* what) {
 }  // namespace
 
 torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<int64_t> starts,
-                                double scale) {
+                                double scale, std::optional<torch::Tensor> bias) {
   check_heads(q, "encoder_attention q");
   check_heads(k, "encoder_attention k");
   check_heads(v, "encoder_attention v");
@@ -448,6 +470,7 @@ torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  const float* bp = vec_or_null(bias, 3 * H * D, "encoder_attention bias");  // [3, H, D]: q, k, v
   // the prompts longest first: a task's work grows as n^2, and the pool's last chunks
   // (a few tasks each) are then the cheapest, so that no thread waits long for another
   std::vector<int64_t> order(B);
@@ -462,11 +485,13 @@ torch::Tensor encoder_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       if (n == 0) continue;
       attend_head(qp + s * q.stride(0) + h * q.stride(1), q.stride(0), kp + s * k.stride(0) + h * k.stride(1),
                   k.stride(0), vp + s * v.stride(0) + h * v.stride(1), v.stride(0), op + (s * H + h) * D, H * D, n,
-                  static_cast<int>(D), sc);
+                  static_cast<int>(D), sc, bp ? bp + h * D : nullptr, bp ? bp + (H + h) * D : nullptr,
+                  bp ? bp + (2 * H + h) * D : nullptr);
     }
   });
   return out;
 }
+
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
   check_rows(x, "rms_norm");
   const int64_t T = x.size(0), N = x.size(1);
@@ -677,6 +702,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_add_", &bias_add_, "x += b (rows), in place");
   m.def("bias_act_", &bias_act_, "x = act(x + b) in place; act 0 GELU (erf), 1 GELU (tanh)");
   m.def("add_layer_norm_", &add_layer_norm_, "x = LayerNorm(x + b + res) * w + beta, in place; returns x");
-  m.def("encoder_attention", &encoder_attention, "each prompt's rows of q over its own k, v both ways: [T, H, D]");
+  m.def("encoder_attention", &encoder_attention, "each prompt's rows of q over its own k, v both ways: [T, H, D]",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("starts"), pybind11::arg("scale"),
+        pybind11::arg("bias") = pybind11::none());
   m.def("greedy_rows", &greedy_rows, "each row's first index of its maximum; -1: NaN or no finite max");
 }

@@ -113,13 +113,15 @@ class BertLayer(ClassicLayer):
         ops, t, nh, hd = self.ops, x.shape[0], self.num_heads, self.head_dim
         lin = partial(linear, int8_ok=True, eight_bit=self.eight_bit)
         qkv = lin(x, self.qkv_proj)  # [T, 3 H D]
-        if self.qkv_bias is not None:
-            ops.bias_add_(qkv, self.qkv_bias)
+        bias = self.qkv_bias  # added by the attention as it packs q, k, v (no pass of its own)
+        if bias is not None and rope is not None:  # (rotary needs it first)
+            ops.bias_add_(qkv, bias)
+            bias = None
         qkv = qkv.view(t, 3 * nh, hd)
         qk = qkv[:, : 2 * nh] if rope is None else apply_rope(qkv[:, : 2 * nh], rope)
         # [T, H, D]: each prompt's rows over its own keys on the pool (cpu_layer.cpp)
         o = ops.encoder_attention(
-            qk[:, :nh], qk[:, nh:], qkv[:, 2 * nh :], meta.query_start_list, self.scale
+            qk[:, :nh], qk[:, nh:], qkv[:, 2 * nh :], meta.query_start_list, self.scale, bias
         )
         a = lin(o.view(t, nh * hd), self.o_proj)
         w, b = self.post_attention_layernorm, self.post_attention_layernorm_bias

@@ -104,18 +104,25 @@ def test_add_layer_norm_matches_torch_in_place(ops, t: int) -> None:  # type: ig
         ([3, 0, 50], 3, 20),  # an empty prompt; 16 + 4 columns on AVX2's vectors
     ],
 )
-def test_encoder_attention_matches_sdpa(ops, lens: list[int], heads: int, dim: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_encoder_attention_matches_sdpa(
+    ops, lens: list[int], heads: int, dim: int, with_bias: bool
+) -> None:  # type: ignore[no-untyped-def]
     """Each prompt's rows over its own keys, on the strided views of one [T, 3 H, D]
-    qkv that ``BertLayer.encode_fused`` hands it: against SDPA in float64 a prompt, off
-    by no more than twice torch's float32 SDPA is (peaked rows: ~1e-5 either way)."""
+    qkv that ``BertLayer.encode_fused`` hands it, with the q/k/v bias or without:
+    against SDPA in float64 a prompt, off by no more than twice torch's float32 SDPA is
+    (peaked rows: ~1e-5 either way)."""
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
     qkv = torch.randn(starts[-1], 3 * heads, dim, generator=torch.Generator().manual_seed(5)) * 2
     q, k, v = (qkv[:, i * heads : (i + 1) * heads] for i in range(3))  # [T, H, D] views
     scale = dim**-0.5
-    out = ops.encoder_attention(q, k, v, starts, scale)
+    bias = torch.randn(3 * heads * dim) if with_bias else None
+    out = ops.encoder_attention(q, k, v, starts, scale, bias)
     assert out.shape == q.shape and out.is_contiguous()
+    if bias is not None:  # what the kernel attends over: q, k, v plus their bias
+        q, k, v = (x + b for x, b in zip((q, k, v), bias.view(3, heads, dim), strict=True))
     for s, e in itertools.pairwise(starts):
         if s == e:
             continue
