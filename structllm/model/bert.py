@@ -61,9 +61,9 @@ class BertLayer(ClassicLayer):
 
     ``ops`` (``BertModel.use_cpu_ops``: the non-exact CPU formats): cpu_layer.cpp's
     fused glue runs the bias adds, GELU and each residual sum + LayerNorm on the
-    kernels' pool (``encode_fused``), and all four matmuls allow the int8 path (as
-    llama.cpp runs every quantised matmul; Q8_0 ones take it where it pays,
-    ``packed.int8_types``)."""
+    kernels' pool, and its ``encoder_attention`` the attention (``encode_fused``);
+    all four matmuls allow the int8 path (as llama.cpp runs every quantised matmul;
+    Q8_0 ones take it where it pays, ``packed.int8_types``)."""
 
     ops: Any = None
 
@@ -111,12 +111,17 @@ class BertLayer(ClassicLayer):
         ops, t, nh, hd = self.ops, x.shape[0], self.num_heads, self.head_dim
         lin = partial(linear, int8_ok=True)
         qkv = lin(x, self.qkv_proj)  # [T, 3 H D]
-        if self.qkv_bias is not None:
-            ops.bias_add_(qkv, self.qkv_bias)
+        bias = self.qkv_bias  # added by the attention as it packs q, k, v (no pass of its own)
+        if bias is not None and rope is not None:  # (rotary needs it first)
+            ops.bias_add_(qkv, bias)
+            bias = None
         qkv = qkv.view(t, 3 * nh, hd)
         qk = qkv[:, : 2 * nh] if rope is None else apply_rope(qkv[:, : 2 * nh], rope)
-        o = encoder_attention(qk[:, :nh], qk[:, nh:], qkv[:, 2 * nh :], meta, self.scale, True)
-        a = lin(o.reshape(t, nh * hd), self.o_proj)
+        # [T, H, D]: each prompt's rows over its own keys on the pool (cpu_layer.cpp)
+        o = ops.encoder_attention(
+            qk[:, :nh], qk[:, nh:], qkv[:, 2 * nh :], meta.query_start_list, self.scale, bias
+        )
+        a = lin(o.view(t, nh * hd), self.o_proj)
         w, b = self.post_attention_layernorm, self.post_attention_layernorm_bias
         x = ops.add_layer_norm_(a, self.o_bias, x, w, b, self.eps)
         if self.gated or self.act not in _FUSED_ACTS:  # (NomicBERT's SwiGLU)
@@ -131,45 +136,20 @@ class BertLayer(ClassicLayer):
 
 
 def encoder_attention(
-    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float, bmm: bool = False
+    q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float
 ) -> Tensor:
     """``q, k, v: [T, H, D]`` of a step of whole prompts (``meta.query_start_list``) ->
     ``[T, H, D]``, each prompt's rows over its own keys both ways (one SDPA a prompt:
     no mask, no padding, no paged cache; faster here than the paged prefill kernel's
-    per-row ``ahead`` bounds, and nothing to store). ``bmm`` (the fused path):
-    ``scores_attention`` instead of SDPA."""
+    per-row ``ahead`` bounds, and nothing to store). The fused path runs cpu_layer.cpp's
+    ``encoder_attention`` instead (``BertLayer.encode_fused``)."""
     out = torch.empty_like(q)
     starts = meta.query_start_list
     for b in range(len(starts) - 1):
         s, e = starts[b], starts[b + 1]
         # [H, n, D] each
         qb, kb, vb = (x[s:e].transpose(0, 1) for x in (q, k, v))
-        if bmm:
-            out[s:e] = scores_attention(qb, kb, vb, scale).transpose(0, 1)
-        else:
-            out[s:e] = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(0, 1)
-    return out
-
-
-SCORE_TILE = 4 << 20  # floats of one [H, rows, n] score tile (16 MB)
-
-
-def scores_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, tile: int = SCORE_TILE
-) -> Tensor:
-    """``q, k, v: [H, n, D]`` -> ``[H, n, D]``: softmax(q k^T scale) v as two batched
-    matmuls and a softmax over the whole score rows, a tile of query rows at a time
-    (``tile`` floats of scores at most; each row's softmax is whole, so tiling changes
-    nothing). torch's CPU SDPA (a flash kernel) ran BERT-base's [12, 380, 64] at 20 ms
-    a call on one thread, this at 9 ms (MKL's batched sgemm)."""
-    h, n, _ = q.shape
-    rows = max(1, tile // (h * k.shape[1]))
-    if rows >= n:
-        return torch.bmm(torch.bmm(q, k.transpose(1, 2)).mul_(scale).softmax(-1), v)
-    out = q.new_empty(q.shape[0], n, v.shape[2])
-    for r in range(0, n, rows):
-        sc = torch.bmm(q[:, r : r + rows], k.transpose(1, 2)).mul_(scale)  # [H, rows, n]
-        out[:, r : r + rows] = torch.bmm(sc.softmax(-1), v)
+        out[s:e] = F.scaled_dot_product_attention(qb, kb, vb, scale=scale).transpose(0, 1)
     return out
 
 

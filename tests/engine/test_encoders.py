@@ -231,19 +231,3 @@ def test_pairs_truncated_longest_first(kind: str) -> None:
     assert out[0].prompt_token_ids[1 : 1 + len(query)] == query
     assert len(out[0].prompt_token_ids) == limit
     assert np.abs(np.array([o.outputs.score for o in out]) - want).max() < 1e-5
-
-
-@pytest.mark.parametrize("tile", [1 << 30, 12 * 100 * 7, 1])
-def test_scores_attention_equals_sdpa(tile: int) -> None:
-    """The fused path's attention (two batched matmuls and a softmax, a tile of query
-    rows at a time: whole, 7 rows, one row) is SDPA's to float32 rounding, on strided
-    views as ``encoder_attention`` hands it."""
-    import torch
-    import torch.nn.functional as F
-
-    from structllm.model.bert import scores_attention
-
-    qkv = torch.randn(100, 3 * 12, 64, generator=torch.Generator().manual_seed(3))
-    q, k, v = (qkv[:, i * 12 : (i + 1) * 12].transpose(0, 1) for i in range(3))  # [12, 100, 64]
-    want = F.scaled_dot_product_attention(q, k, v, scale=0.125)
-    torch.testing.assert_close(scores_attention(q, k, v, 0.125, tile), want, rtol=1e-5, atol=2e-6)

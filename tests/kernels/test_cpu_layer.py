@@ -3,6 +3,7 @@ and a model run through them against the same model run through torch's ops."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,43 @@ def test_add_layer_norm_matches_torch_in_place(ops, t: int) -> None:  # type: ig
     torch.testing.assert_close(
         ops.add_layer_norm_(y, None, res, w, beta, 1e-5), want, rtol=1e-5, atol=2e-5
     )
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "dim"),
+    [
+        ([380, 1, 17, 200], 12, 64),  # BERT-base heads: query tiles, key blocks and tails
+        ([7, 40], 4, 8),  # the tiny encoders' head size: no whole vector of columns
+        ([3, 0, 50], 3, 20),  # an empty prompt; 16 + 4 columns on AVX2's vectors
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_encoder_attention_matches_sdpa(
+    ops, lens: list[int], heads: int, dim: int, with_bias: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt's rows over its own keys, on the strided views of one [T, 3 H, D]
+    qkv that ``BertLayer.encode_fused`` hands it, with the q/k/v bias or without:
+    against SDPA in float64 a prompt, off by no more than twice torch's float32 SDPA is
+    (peaked rows: ~1e-5 either way)."""
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    qkv = torch.randn(starts[-1], 3 * heads, dim, generator=torch.Generator().manual_seed(5)) * 2
+    q, k, v = (qkv[:, i * heads : (i + 1) * heads] for i in range(3))  # [T, H, D] views
+    scale = dim**-0.5
+    bias = torch.randn(3 * heads * dim) if with_bias else None
+    out = ops.encoder_attention(q, k, v, starts, scale, bias)
+    assert out.shape == q.shape and out.is_contiguous()
+    if bias is not None:  # what the kernel attends over: q, k, v plus their bias
+        q, k, v = (x + b for x, b in zip((q, k, v), bias.view(3, heads, dim), strict=True))
+    for s, e in itertools.pairwise(starts):
+        if s == e:
+            continue
+        qb, kb, vb = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        want = F.scaled_dot_product_attention(qb.double(), kb.double(), vb.double(), scale=scale)
+        torch32 = F.scaled_dot_product_attention(qb, kb, vb, scale=scale)
+        bound = 2 * (torch32 - want).abs().max().item() + 1e-7
+        assert (out[s:e] - want.transpose(0, 1)).abs().max().item() <= bound
 
 
 def test_soft_cap_matches_torch_in_place(ops) -> None:  # type: ignore[no-untyped-def]
