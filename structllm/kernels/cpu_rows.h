@@ -607,15 +607,19 @@ inline void quads_by_row16(const uint8_t* q, int64_t row_bytes, v16i t[4]) {
   t[3] = _mm512_unpackhi_epi64(a1, a3);
 }
 
-// Q8_0's 32 quant bytes of 16 rows (row_bytes apart) transposed as rows8_pairs does,
-// two groups of 8 in the 256-bit halves: t[q], lane j = row j's bytes 4q..4q+3 (q < 8)
-inline void quads_by_row16_q8(const uint8_t* q, int64_t row_bytes, v16i t[8]) {
+// Q8_0's 32 quant bytes of 16 rows (row_bytes apart), halfway transposed as rows8_pairs
+// does (two groups of 8 in the 256-bit halves): the 128-bit lanes of c[i] hold quad i
+// of rows 0-3, quad i + 4 of rows 0-3, quad i of rows 8-11, quad i + 4 of rows 8-11
+// (c[i + 4]: rows 4-7, 12-15). quad_pair16 finishes quads i and i + 4 where they are
+// used: all eight finished at once would hold 16 vectors live beside the sums and spill
+// (rows16_bytes ran 10-15% slower so at 4-8 rows).
+inline void quads_by_row16_q8(const uint8_t* q, int64_t row_bytes, v16i c[8]) {
   v16i y[8];  // 256-bit half h of y[r]: row r + 8 h's 32 quant bytes
   for (int r = 0; r < 8; r++) {
     auto ld = [&](int row) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + row * row_bytes)); };
     y[r] = _mm512_inserti64x4(_mm512_castsi256_si512(ld(r)), ld(r + 8), 1);
   }
-  v16i a[8], c[8];
+  v16i a[8];
   for (int r = 0; r < 8; r += 2) {
     a[r] = _mm512_unpacklo_epi32(y[r], y[r + 1]);
     a[r + 1] = _mm512_unpackhi_epi32(y[r], y[r + 1]);
@@ -626,14 +630,14 @@ inline void quads_by_row16_q8(const uint8_t* q, int64_t row_bytes, v16i t[8]) {
     c[4 * h + 2] = _mm512_unpacklo_epi64(a[4 * h + 1], a[4 * h + 3]);
     c[4 * h + 3] = _mm512_unpackhi_epi64(a[4 * h + 1], a[4 * h + 3]);
   }
-  // 128-bit lanes of c[i]: quad i of rows 0-3, quad i + 4 of rows 0-3, quad i of rows
-  // 8-11, quad i + 4 of rows 8-11 (c[i + 4]: rows 4-7, 12-15)
+}
+
+// quads i (t[0]) and i + 4 (t[1]) of quads_by_row16_q8's c: lane j = row j's bytes
+inline void quad_pair16(const v16i c[8], int i, v16i t[2]) {
   const v16i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
   const v16i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_permutex2var_epi64(c[i], lo_idx, c[i + 4]);
-    t[i + 4] = _mm512_permutex2var_epi64(c[i], hi_idx, c[i + 4]);
-  }
+  t[0] = _mm512_permutex2var_epi64(c[i], lo_idx, c[i + 4]);
+  t[1] = _mm512_permutex2var_epi64(c[i], hi_idx, c[i + 4]);
 }
 
 // rows8_nibbles for 16 rows (Q4_0 / Q4_1, int8 activations)
@@ -700,11 +704,16 @@ inline void rows16_pairs(const uint8_t* w, int64_t row_bytes, int nb, const int1
       SL_UNROLL_ROWS for (int m = 0; m < MT; m++) s[m][ch] = _mm512_dpwssd_epi32(s[m][ch], wp, bcast32(xb + m * K + k));
     };
     if constexpr (is8(T)) {
-      v16i t[8];
-      quads_by_row16_q8(g + QO, row_bytes, t);
-      SL_UNROLL_ROWS for (int q = 0; q < 8; q++) {
-        dots(_mm512_srai_epi16(_mm512_shuffle_epi8(t[q], first), 8), 4 * q, 0);
-        dots(_mm512_srai_epi16(_mm512_shuffle_epi8(t[q], second), 8), 4 * q + 2, CH - 1);
+      v16i c[8];
+      quads_by_row16_q8(g + QO, row_bytes, c);
+      SL_UNROLL_ROWS for (int i = 0; i < 4; i++) {
+        v16i t[2];
+        quad_pair16(c, i, t);
+        SL_UNROLL_ROWS for (int h = 0; h < 2; h++) {
+          const int q = i + 4 * h;
+          dots(_mm512_srai_epi16(_mm512_shuffle_epi8(t[h], first), 8), 4 * q, 0);
+          dots(_mm512_srai_epi16(_mm512_shuffle_epi8(t[h], second), 8), 4 * q + 2, CH - 1);
+        }
       }
     } else {
       v16i t[4];
@@ -753,12 +762,17 @@ inline void rows16_bytes(const uint8_t* w, int64_t row_bytes, int nb, const int8
       s[m][0] = _mm512_set1_epi32(-128 * static_cast<int32_t>(xs[m * nb + b]));
       if constexpr (CH == 2) s[m][1] = _mm512_setzero_si512();
     }
-    v16i t[8];
-    quads_by_row16_q8(g + QO, row_bytes, t);
-    SL_UNROLL_ROWS for (int q = 0; q < 8; q++) {
-      const v16i u = _mm512_xor_si512(t[q], flip);  // lane j: row j's bytes 4q .. 4q + 3, + 128
-      SL_UNROLL_ROWS for (int m = 0; m < MT; m++) s[m][q % CH] =
-          _mm512_dpbusd_epi32(s[m][q % CH], u, bcast32(xb + m * K + 4 * q));
+    v16i c[8];
+    quads_by_row16_q8(g + QO, row_bytes, c);
+    SL_UNROLL_ROWS for (int i = 0; i < 4; i++) {
+      v16i t[2];
+      quad_pair16(c, i, t);
+      SL_UNROLL_ROWS for (int h = 0; h < 2; h++) {  // quad q: lane j = row j's bytes 4q .. 4q + 3, + 128
+        const int q = i + 4 * h;
+        const v16i u = _mm512_xor_si512(t[h], flip);
+        SL_UNROLL_ROWS for (int m = 0; m < MT; m++) s[m][h % CH] =
+            _mm512_dpbusd_epi32(s[m][h % CH], u, bcast32(xb + m * K + 4 * q));
+      }
     }
     v16f dw, mw;
     scales16<Q8_0>(g, row_bytes, dw, mw);
