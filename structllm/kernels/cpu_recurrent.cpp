@@ -507,6 +507,18 @@ __attribute__((noinline)) void gated_norm_rows(const float* op, const float* zp,
   });
 }
 
+namespace {
+// Mamba-2's time step and decay for one (row, head): dt = clamp(softplus(raw + bias), lo,
+// hi) (F.softplus's threshold of 20), decay = e^{dt A} with A = -e^{a_log}; shared by
+// ssm_decode_rows and ssm_prefill.
+inline void ssm_step(float raw, float bias, float a_log, float lo, float hi, float& dt, float& decay) {
+  const float x = raw + bias;
+  const float soft = x > 20.0f ? x : std::log1p(std::exp(x));
+  dt = std::min(std::max(soft, lo), hi);
+  decay = std::exp(dt * -std::exp(a_log));
+}
+}  // namespace
+
 // Mamba-2's scan, one token per sequence (model/mamba2.py's ssd for its decode rows, with
 // the time step's softplus and clamp before it). xbc: rows of stride xs, each x [H P]
 // then B, C [G N] (after the convolution and its SiLU); dt: rows of stride ds, H raw
@@ -526,11 +538,10 @@ __attribute__((noinline)) void ssm_decode_rows(const float* xbc, int64_t xs, con
       const int64_t b = i / H, h = i % H, g = h / per_group;
       const float* row = xbc + b * xs;
       const float *xr = row + h * P, *bv = row + inner + g * N, *cv = row + inner + G * N + g * N;
-      const float raw = dtp[b * ds + h] + dt_bias[h];
-      const float soft = raw > 20.0f ? raw : std::log1p(std::exp(raw));  // F.softplus's threshold
-      const float dt = std::min(std::max(soft, lo), hi);
+      float dt, decay;
+      ssm_step(dtp[b * ds + h], dt_bias[h], a_log[h], lo, hi, dt, decay);
       const bool zero = fp[b];
-      const float decay = zero ? 0.0f : std::exp(dt * -std::exp(a_log[h]));
+      if (zero) decay = 0.0f;
       float* s = st + (sp[b] * H + h) * P * N;  // [P, N]
       float* yr = yp + b * inner + h * P;
       for (int64_t p = 0; p < P; p++) {
@@ -607,16 +618,6 @@ torch::Tensor ssm_decode(torch::Tensor xbc, torch::Tensor dt, torch::Tensor dt_b
 }
 
 namespace {
-// Mamba-2's time step and decay for one (row, head): dt = clamp(softplus(raw + bias), lo,
-// hi) (F.softplus's threshold of 20), decay = e^{dt A} with A = -e^{a_log}. As
-// ssm_decode_rows computes them.
-inline void ssm_step(float raw, float bias, float a_log, float lo, float hi, float& dt, float& decay) {
-  const float x = raw + bias;
-  const float soft = x > 20.0f ? x : std::log1p(std::exp(x));
-  dt = std::min(std::max(soft, lo), hi);
-  decay = std::exp(dt * -std::exp(a_log));
-}
-
 // M state rows p0..p0+M-1 of one head for one token: s [P, N] the head's state (rows of
 // N), x [P], b, c [N] -> s[p] = decay s[p] + dt x[p] b (just dt x[p] b where Zero: the
 // old values never read), y[p] = s[p] . c + dh x[p]. M sums in flight, each vector of b
