@@ -55,6 +55,11 @@
 //       convolution, cpu_recurrent.cpp's ssm_decode and group_norm, out_proj, the MLP
 //       (or none: Nemotron-H's Mamba block). Nemotron-H's other blocks: add_layer(...,
 //       mlp=False) (attention alone), add_mlp_layer (down(relu(up h)^2), no cache)
+//   add_gemma4_layer(...): a Gemma 4 layer (model/gemma4.py), each with its own KV heads,
+//       head size and MLP width; a KV-shared layer's cache entry is its source layer's
+//       pair (it stores nothing, attends over it); run's ropes one table per kind of
+//       layer, each [T, D_kind/2, 2], and per_layer [T, L, P] (the per-layer inputs,
+//       PerLayerInputs'); the layer scales the residual x itself and outputs zeros
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -67,6 +72,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 #include "cpu_hybrid.h"
@@ -103,11 +109,17 @@ struct Part {
   bool int8;
 };
 
-// A BlockWeight (one part) or MixedWeight (parts in row order): [rows, k]
+// A BlockWeight (one part) or MixedWeight (parts in row order): [rows, k]; or (dense
+// defined, no parts) a float32 matrix, which torch's matmul runs as packed.linear does
 struct Matrix {
   std::vector<Part> parts;
   int64_t rows = 0, k = 0;
+  torch::Tensor dense;
 };
+
+// Blocks or float32 [rows, k] (a small matrix the file keeps in float: Gemma 4's
+// per-layer input projections at widths under a block)
+using PartsOrDense = std::variant<std::vector<PartSpec>, torch::Tensor>;
 
 Matrix matrix_of(const std::vector<PartSpec>& specs, int64_t rows, int64_t k, const char* what) {
   TORCH_CHECK(!specs.empty(), "cpu_decode: ", what, ": no parts");
@@ -124,6 +136,14 @@ Matrix matrix_of(const std::vector<PartSpec>& specs, int64_t rows, int64_t k, co
   }
   TORCH_CHECK(total == rows, "cpu_decode: ", what, ": parts hold ", total, " rows, expected ", rows);
   return m;
+}
+
+Matrix matrix_or_dense(const PartsOrDense& w, int64_t rows, int64_t k, const char* what) {
+  if (const auto* specs = std::get_if<std::vector<PartSpec>>(&w)) return matrix_of(*specs, rows, k, what);
+  const torch::Tensor& t = std::get<torch::Tensor>(w);
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.size(0) == rows && t.size(1) == k,
+              "cpu_decode: ", what, ": float32 [", rows, ", ", k, "] contiguous expected");
+  return {{}, rows, k, t};
 }
 
 const float* vec_of(const OptT& t, int64_t n, const char* what) {
@@ -189,6 +209,18 @@ struct Layer {
   bool mamba = false;
   const float* d = nullptr;
   float dt_lo = 0.0f, dt_hi = 0.0f;
+  // a Gemma 4 layer (add_gemma4_layer, gemma4_layer): its own KV heads g_nkv, head size
+  // g_D and MLP width g_F; owns_kv false: a KV-shared layer (qkv holds its queries only;
+  // it attends over its source layer's cache, which set_caches is handed for it); values
+  // through a weightless RMSNorm; per-layer input gate pl_gate [P, hidden], pl_proj [hidden, P], pl_norm
+  // [hidden] for slice g_index of run's per_layer [T, L, P] (g_P 0: none); the residual
+  // times scalar at the end
+  bool gemma4 = false;
+  int64_t g_nkv = 0, g_D = 0, g_F = 0, g_P = 0, g_index = 0;
+  bool owns_kv = true;
+  Matrix pl_gate, pl_proj;
+  const float* pl_norm = nullptr;
+  float scalar = 1.0f;
 };
 
 struct Cache {
@@ -563,6 +595,61 @@ class DecodePlan {
     layers_.push_back(std::move(L));
   }
 
+  // A Gemma 4 layer (model/gemma4.py's Gemma4Layer, no experts, values of their own
+  // projection), in model order: qkv [(H + 2 Hkv) D, hidden] (H D: a KV-shared layer's), q_norm and k_norm [D] (k_norm None when shared), o [hidden, H D], the four
+  // norms [hidden], gate_up [2 F, hidden], down [hidden, F] (GeGLU), the per-layer input's
+  // gate [P, hidden], proj [hidden, P], norm [hidden] (all empty / None: no per-layer
+  // inputs), its slice index in run's per_layer, and the layer scalar.
+  void add_gemma4_layer(const torch::Tensor& in_norm, const std::vector<PartSpec>& qkv, const torch::Tensor& q_norm,
+                        const OptT& k_norm, int64_t kv_heads, int64_t head_dim, bool owns_kv, int64_t rope, int64_t window, const std::vector<PartSpec>& o,
+                        const torch::Tensor& attn_out_norm, const torch::Tensor& post_norm,
+                        const std::vector<PartSpec>& gate_up, int64_t ffn, const std::vector<PartSpec>& down,
+                        const torch::Tensor& mlp_out_norm, const std::optional<PartsOrDense>& per_layer_gate,
+                        const std::optional<PartsOrDense>& per_layer_proj, const OptT& per_layer_norm,
+                        int64_t per_layer_index, double scalar) {
+    TORCH_CHECK(mla_shape_.H == 0 && attn_ != nullptr, "cpu_decode: a Gemma 4 layer needs attention_ops");
+    TORCH_CHECK(kv_heads > 0 && nh_ % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0 && ffn > 0 &&
+                    window >= 0 && window < (int64_t{1} << 30) && rope >= 0,
+                "cpu_decode: bad Gemma 4 layer shape");
+    TORCH_CHECK(owns_kv == k_norm.has_value(), "cpu_decode: a layer with its own K/V has a key norm, a KV-shared one not");
+    const bool pl = per_layer_gate.has_value();
+    TORCH_CHECK(pl == per_layer_proj.has_value() && pl == per_layer_norm.has_value() && per_layer_index >= 0,
+                "cpu_decode: the per-layer input's gate, projection and norm come together");
+    Layer L;
+    for (const torch::Tensor* t : {&in_norm, &q_norm, &attn_out_norm, &post_norm, &mlp_out_norm}) L.keep.push_back(*t);
+    for (const OptT* t : {&k_norm, &per_layer_norm})
+      if (t->has_value()) L.keep.push_back(**t);
+    L.gemma4 = true;
+    L.g_nkv = kv_heads, L.g_D = head_dim, L.g_F = ffn, L.g_index = per_layer_index;
+    L.owns_kv = owns_kv;
+    const int64_t kv_rows = owns_kv ? 2 : 0;
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.q_norm = vec_of(q_norm, head_dim, "q_norm");
+    L.k_norm = vec_of(k_norm, head_dim, "k_norm");
+    L.per_head = true;
+    L.attn_out_norm = vec_of(attn_out_norm, H_, "attn_out_norm");
+    L.post_norm = vec_of(post_norm, H_, "post_norm");
+    L.mlp_out_norm = vec_of(mlp_out_norm, H_, "mlp_out_norm");
+    L.qkv = matrix_of(qkv, (nh_ + kv_rows * kv_heads) * head_dim, H_, "qkv");
+    L.o = matrix_of(o, H_, nh_ * head_dim, "o");
+    L.gate_up = matrix_of(gate_up, 2 * ffn, H_, "gate_up");
+    L.down = matrix_of(down, H_, ffn, "down");
+    if (pl) {
+      if (const auto* specs = std::get_if<std::vector<PartSpec>>(&*per_layer_gate))  // P: the gate's rows
+        for (const auto& part : *specs) L.g_P += std::get<0>(part).size(0);
+      else
+        L.g_P = std::get<torch::Tensor>(*per_layer_gate).size(0);
+      L.pl_gate = matrix_or_dense(*per_layer_gate, L.g_P, H_, "per_layer_gate");
+      L.pl_proj = matrix_or_dense(*per_layer_proj, H_, L.g_P, "per_layer_proj");
+      L.pl_norm = vec_of(per_layer_norm, H_, "per_layer_norm");
+    }
+    L.rope = rope, L.window = static_cast<int>(window);
+    L.scale = 1.0f, L.cap = 0.0f, L.gelu = true, L.moe = false;
+    L.residual_scale = 1.0f, L.scalar = static_cast<float>(scalar);
+    layers_.push_back(std::move(L));
+    gemma4_ = true;
+  }
+
   // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
   // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
   void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
@@ -600,11 +687,13 @@ class DecodePlan {
       }
       TORCH_CHECK(caches[i].size() == 2, "cpu_decode: layer ", i, " takes a (K, V) cache pair");
       const torch::Tensor &kt = caches[i][0], &v = caches[i][1];
+      // (a Gemma 4 layer's shape is its own; a KV-shared one is handed its source's cache)
+      const int64_t nkv = layers_[i].gemma4 ? layers_[i].g_nkv : nkv_, D = layers_[i].gemma4 ? layers_[i].g_D : D_;
       TORCH_CHECK(kt.dtype() == v.dtype() && (kt.dtype() == torch::kFloat32 || kt.dtype() == torch::kFloat16) &&
                       kt.is_contiguous() && v.is_contiguous(),
                   "cpu_decode: K and V caches must be contiguous, both float32 or both float16");
-      TORCH_CHECK(kt.dim() == 4 && kt.size(1) == nkv_ && kt.size(2) == D_ && v.dim() == 4 && v.size(0) == kt.size(0) &&
-                      v.size(1) == kt.size(3) && v.size(2) == nkv_ && v.size(3) == D_,
+      TORCH_CHECK(kt.dim() == 4 && kt.size(1) == nkv && kt.size(2) == D && v.dim() == 4 && v.size(0) == kt.size(0) &&
+                      v.size(1) == kt.size(3) && v.size(2) == nkv && v.size(3) == D,
                   "cpu_decode: cache shapes must be [NB, Hkv, D, BS] and [NB, BS, Hkv, D]");
       const int64_t bs = kt.size(3);
       TORCH_CHECK(bs == 16 || bs == 32 || bs == 64, "cpu_decode: block size must be 16, 32 or 64, got ", bs);
@@ -616,18 +705,23 @@ class DecodePlan {
   torch::Tensor run(int64_t begin, int64_t end, torch::Tensor x, const OptT& delta, const std::vector<torch::Tensor>& ropes,
                     torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t mode_int8,
                     int64_t mode_plain, const LoraItems* lora, const OptT& lora_rows,
-                    const std::vector<int64_t>& lora_starts, const OptT& state_slots, const OptT& fresh) {
+                    const std::vector<int64_t>& lora_starts, const OptT& state_slots, const OptT& fresh,
+                    const OptT& per_layer) {
     const int64_t T = check_step(begin, end, x, delta, ropes, slots, tables, lens, mode_int8, mode_plain);
     if (lora != nullptr) check_lora(*lora, lora_rows, lora_starts, T);
     TORCH_CHECK(lora == nullptr || mla_shape_.H == 0, "cpu_decode: no LoRA adapters in latent-attention layers");
+    TORCH_CHECK(lora == nullptr || !gemma4_, "cpu_decode: no LoRA adapters in Gemma 4 layers");
     check_states(begin, end, state_slots, fresh, T, lora != nullptr);
+    check_per_layer(begin, end, per_layer, T);
     auto out = torch::empty({T, H_}, x.options());
     if (scratch_rows_ != T) make_scratch(T);
     Step s{T, x.data_ptr<float>(), out.data_ptr<float>(), slots.data_ptr<int64_t>(), tables.data_ptr<int32_t>(),
            tables.size(1), lens.data_ptr<int32_t>(), static_cast<int>(mode_int8), static_cast<int>(mode_plain), {},
            lora, lora != nullptr ? lora_rows->data_ptr<int64_t>() : nullptr, lora != nullptr ? &lora_starts : nullptr,
            state_slots.has_value() ? state_slots->data_ptr<int64_t>() : nullptr,
-           fresh.has_value() ? fresh->data_ptr<bool>() : nullptr};
+           fresh.has_value() ? fresh->data_ptr<bool>() : nullptr,
+           per_layer.has_value() ? per_layer->data_ptr<float>() : nullptr,
+           per_layer.has_value() ? per_layer->size(1) * per_layer->size(2) : 0};
     for (const auto& r : ropes) s.ropes.push_back(r.data_ptr<float>());
     const float* d = delta.has_value() ? delta->data_ptr<float>() : nullptr;
     for (int64_t i = begin; i < end; i++, d = s.out) layer(i, caches_[i], s, d);
@@ -651,6 +745,8 @@ class DecodePlan {
     const std::vector<int64_t>* lora_starts;
     const int64_t* state_slots;  // [T]: each row's recurrent-state slot (null: no conv layer runs)
     const bool* fresh;           // [T]: the row's state starts at zero
+    const float* per_layer;      // [T, L, P]: Gemma 4's per-layer inputs (null: none)
+    int64_t per_layer_row;       // L P
   };
 
   // the step's adapters against this plan's shapes, and their rows against the step's
@@ -700,13 +796,16 @@ class DecodePlan {
     if (delta.has_value())
       TORCH_CHECK(delta->dtype() == torch::kFloat32 && delta->is_contiguous() && delta->sizes() == x.sizes(),
                   "cpu_decode: delta must be float32 and shaped as x");
-    for (const auto& r : ropes)
-      TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && r.numel() == T * rope_width(),
+    for (const auto& r : ropes)  // (a Gemma 4 plan's tables: each its layers' head size wide)
+      TORCH_CHECK(r.dtype() == torch::kFloat32 && r.is_contiguous() && (gemma4_ || r.numel() == T * rope_width()),
                   "cpu_decode: ropes must be float32 [T, D/2, 2] contiguous (D: the rotary width)");
     for (int64_t i = begin; i < end; i++) {
       TORCH_CHECK(recurrent(layers_[i]) || layers_[i].relu2 || layers_[i].rope < static_cast<int64_t>(ropes.size()),
                   "cpu_decode: layer ", i,
                   " needs rope table ", layers_[i].rope);
+      if (layers_[i].gemma4)
+        TORCH_CHECK(ropes[layers_[i].rope].numel() == T * layers_[i].g_D, "cpu_decode: layer ", i, "'s rope table is not [T, ",
+                    layers_[i].g_D / 2, ", 2]");
       TORCH_CHECK(!cut(layers_[i]) || i == end - 1, "cpu_decode: mixture-of-experts layer ", i, " must end the range");
     }
     TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == T,
@@ -752,10 +851,21 @@ class DecodePlan {
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     const bool conv = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.conv; });
+    for (const Layer& L : layers_)
+      for (const Matrix* m : {&L.pl_gate, &L.pl_proj})
+        if (m->parts.size() > 1)
+          for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     make_hybrid_scratch(T);
     make_mla_scratch(T);
     make_mamba_scratch(T);
-    scratch_ = {f(H_), f((nh_ + 2 * nkv_) * D_), f(nh_ * D_), f(H_), f(H_), f(2 * F_), f(F_), f(H_), f(widest),
+    int64_t qkv = (nh_ + 2 * nkv_) * D_, o = nh_ * D_, ffn = F_, pl = 0;  // (Gemma 4's layers: the widest)
+    for (const Layer& L : layers_) {
+      if (!L.gemma4) continue;
+      qkv = std::max(qkv, (nh_ + 2 * L.g_nkv) * L.g_D), o = std::max(o, nh_ * L.g_D), ffn = std::max(ffn, L.g_F);
+      pl = std::max(pl, L.g_P);
+    }
+    gscratch_ = {f(2 * pl), f(pl)};
+    scratch_ = {f(H_), f(qkv), f(o), f(H_), f(H_), f(2 * ffn), f(ffn), f(H_), f(widest),
                 f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
                 f(conv ? H_ : 1)};
     scratch_rows_ = T;
@@ -767,7 +877,10 @@ class DecodePlan {
   // y [T, m.rows] = x [T, m.k] @ W^T (+ bias), as packed.linear: each part in its own
   // type into its own columns (a mixed matrix through one buffer per part, as torch.cat)
   void linear(const Matrix& m, const float* x, float* y, const Step& s, const float* bias) const {
-    if (m.parts.size() == 1) {
+    if (m.dense.defined()) {  // y = x @ dense^T, torch's matmul (F.linear's)
+      auto out = torch::from_blob(y, {s.T, m.rows}, torch::kFloat32);
+      torch::mm_out(out, torch::from_blob(const_cast<float*>(x), {s.T, m.k}, torch::kFloat32), m.dense.t());
+    } else if (m.parts.size() == 1) {
       run_part(m.parts[0], x, y, s, m.k);
     } else {
       int64_t col = 0;
@@ -819,6 +932,7 @@ class DecodePlan {
     if (L.mla) return mla_layer(L, c, s, delta);
     if (L.mamba) return mamba_layer(L, c, s, delta);
     if (L.relu2) return relu2_layer(L, s, delta);
+    if (L.gemma4) return gemma4_layer(L, c, s, delta);
     const int64_t T = s.T, heads = nh_ + 2 * nkv_;
     const bool half = c.kt.dtype() == torch::kFloat16;
     const int64_t bs = c.kt.size(3);
@@ -1058,6 +1172,75 @@ class DecodePlan {
 
   // ---- end of the hybrid models' section ----------------------------------------------
 
+  // ---- Gemma 4's layers (see add_gemma4_layer) ------------------------------------------
+
+  // run's per_layer against the Gemma 4 layers of begin..end that take a slice of it
+  void check_per_layer(int64_t begin, int64_t end, const OptT& per_layer, int64_t T) const {
+    for (int64_t i = begin; i < end; i++) {
+      const Layer& L = layers_[i];
+      if (!L.gemma4 || L.g_P == 0) continue;
+      TORCH_CHECK(per_layer.has_value() && per_layer->dtype() == torch::kFloat32 && per_layer->is_contiguous() &&
+                      per_layer->dim() == 3 && per_layer->size(0) == T && per_layer->size(1) > L.g_index &&
+                      per_layer->size(2) == L.g_P,
+                  "cpu_decode: layer ", i, " needs per_layer float32 [T, > ", L.g_index, ", ", L.g_P, "] contiguous");
+    }
+  }
+
+  // Gemma4Layer.forward for decode rows (model/gemma4.py); its output goes to x itself
+  // (the layer scalar multiplies the whole residual), so s.out, the next delta, is zero
+  void gemma4_layer(const Layer& L, const Cache& c, const Step& s, const float* delta) const {
+    const int64_t T = s.T, nkv = L.g_nkv, D = L.g_D, kv = L.owns_kv ? nkv : 0, row = (nh_ + 2 * kv) * D;
+    const float* h = pre_norm(L.in_norm, delta, s);
+    float* qp = buf(kQKV);  // [T, H + 2 kv, D]: queries, then (its own K/V) keys and values
+    linear(L.qkv, h, qp, s, nullptr);
+    for (int64_t t = 0; t < T; t++)  // the values' weightless RMSNorm, per head
+      for (int64_t j = 0; j < kv; j++) unit_rms_norm(qp + t * row + (nh_ + kv + j) * D, D);
+    ops_->head_rms_norm(qp, T, nh_, kv, D, L.q_norm, L.k_norm, true, eps_);
+    const bool half = c.kt.dtype() == torch::kFloat16;
+    const int64_t bs = c.kt.size(3);
+    // (a KV-shared layer: kv 0, rotates its queries and stores nothing)
+    ops_->rope_store(qp, s.ropes[L.rope], T, nh_, kv, D, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.slots);
+    float* o = buf(kO);  // [T, H D]
+    attn_->decode(qp, row, c.kt.data_ptr(), c.v.data_ptr(), half, bs, s.tables, s.mb, s.lens, o, T,
+                  static_cast<int>(nh_), static_cast<int>(nkv), static_cast<int>(D), 1.0f, L.window, 0.0f, nullptr);
+    linear(L.o, o, buf(kAttn), s, nullptr);
+    h = pre_norm(L.post_norm, sublayer_out(buf(kAttn), L.attn_out_norm, 1.0f, s), s);
+    float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] gate | up, [T, F]
+    linear(L.gate_up, h, gu, s, nullptr);
+    ops_->gelu_tanh_mul(gu, act, T, L.g_F);
+    linear(L.down, act, buf(kY), s, nullptr);
+    add_to_x(sublayer_out(buf(kY), L.mlp_out_norm, 1.0f, s), s);
+    if (L.g_P > 0) {  // x += norm(proj(gelu(gate x) * the layer's input slice))
+      const int64_t P = L.g_P;
+      float *gp = gbuf(kGPair), *a = gbuf(kGAct);  // [T, 2P]: gate x | the slice; [T, P]
+      linear(L.pl_gate, s.x, a, s, nullptr);
+      for (int64_t t = 0; t < T; t++) {
+        std::memcpy(gp + t * 2 * P, a + t * P, P * sizeof(float));
+        std::memcpy(gp + t * 2 * P + P, s.per_layer + t * s.per_layer_row + L.g_index * P, P * sizeof(float));
+      }
+      ops_->gelu_tanh_mul(gp, a, T, P);
+      linear(L.pl_proj, a, buf(kAttn), s, nullptr);
+      add_to_x(sublayer_out(buf(kAttn), L.pl_norm, 1.0f, s), s);
+    }
+    for (int64_t i = 0; i < T * H_; i++) s.x[i] *= L.scalar;
+    std::memset(s.out, 0, T * H_ * sizeof(float));
+  }
+
+  void add_to_x(const float* y, const Step& s) const {
+    for (int64_t i = 0; i < s.T * H_; i++) s.x[i] += y[i];
+  }
+
+  // x [n] / rms(x), in place: Gemma 4's values' norm (no weight)
+  void unit_rms_norm(float* x, int64_t n) const {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps_);
+    for (int64_t i = 0; i < n; i++) x[i] *= r;
+  }
+
+  float* gbuf(int i) const { return gscratch_[i].data_ptr<float>(); }
+  enum { kGPair, kGAct };
+
   // ---- DeepSeek's latent-attention layers (see add_mla_layer) -------------------------
 
   struct MlaShape {
@@ -1156,6 +1339,8 @@ class DecodePlan {
   MambaShape mamba_;  // the Mamba-2 layers' (H 0: none)
   std::vector<torch::Tensor> sscratch_;  // make_mamba_scratch's, indexed by the enum beside sbuf
   std::vector<torch::Tensor> dscratch_;  // make_hybrid_scratch's, indexed by the enum beside dbuf
+  std::vector<torch::Tensor> gscratch_;  // Gemma 4's (make_scratch), indexed by the enum beside gbuf
+  bool gemma4_ = false;                  // a Gemma 4 layer added
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
   std::vector<Layer> layers_;
@@ -1218,6 +1403,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
       .def("add_mlp_layer", &DecodePlan::add_mlp_layer, pybind11::arg("in_norm"), pybind11::arg("up"),
            pybind11::arg("down"))
+      .def("add_gemma4_layer", &DecodePlan::add_gemma4_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
+           pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("owns_kv"), pybind11::arg("rope"), pybind11::arg("window"),
+           pybind11::arg("o"), pybind11::arg("attn_out_norm"), pybind11::arg("post_norm"), pybind11::arg("gate_up"),
+           pybind11::arg("ffn"), pybind11::arg("down"), pybind11::arg("mlp_out_norm"),
+           pybind11::arg("per_layer_gate") = pybind11::none(), pybind11::arg("per_layer_proj") = pybind11::none(),
+           pybind11::arg("per_layer_norm") = pybind11::none(),
+           pybind11::arg("per_layer_index"), pybind11::arg("scalar"))
       .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
@@ -1225,6 +1418,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("lens"), pybind11::arg("mode_int8"), pybind11::arg("mode_plain"),
            pybind11::arg("lora") = nullptr, pybind11::arg("lora_rows") = pybind11::none(),
            pybind11::arg("lora_starts") = std::vector<int64_t>{}, pybind11::arg("state_slots") = pybind11::none(),
-           pybind11::arg("fresh") = pybind11::none())
+           pybind11::arg("fresh") = pybind11::none(), pybind11::arg("per_layer") = pybind11::none())
       .def("num_layers", &DecodePlan::num_layers);
 }

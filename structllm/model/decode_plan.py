@@ -52,6 +52,15 @@ use, every matrix is in GGUF blocks and the experts are native (``_latent_why_no
 ``store_latent``, ``decode`` and ``group_route`` through its ``MlaOps`` table
 (``cpu_mla.h``), the experts through ``moe_ops``, the shared experts' MLP added after them.
 
+Gemma 4's layers (``model.gemma4``) run here too (``add_gemma4_layer``), each at its
+own KV heads, head size and MLP width: the values' weightless norm, KV-shared layers
+attending over their source layer's cache (the runner hands them its tensors), the
+per-layer inputs (``PerLayerInputs``, computed in Python before the call and passed as
+one ``[T, L, P]`` tensor) and the layer scalar. The kernels are the fused path's
+(``cpu_layer.cpp``'s norms, rotary store and GeGLU) where ``Gemma4Layer.forward`` runs
+torch's, so the hidden states agree within float rounding, not bit for bit
+(tests/engine/test_decode_plan_gemma4.py). Layers with experts keep the Python loop.
+
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
 in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
@@ -70,8 +79,9 @@ import torch
 from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
-from structllm.kernels.packed import HalfMatrix, block_mode, kernel_parts
+from structllm.kernels.packed import HalfMatrix, HalfWeight, block_mode, kernel_parts
 from structllm.model.deepseek import DeepseekLayer, DeepseekModel
+from structllm.model.gemma4 import Gemma4Layer, Gemma4Model
 from structllm.model.hybrid import HybridModel, RecurrentLayer
 from structllm.model.llama import CHECK_EVERY, DecoderLayer, LlamaModel
 from structllm.model.lora import LoraRows
@@ -117,6 +127,8 @@ def why_not(model: LlamaModel) -> str | None:
         return _latent_why_not(model)
     if not isinstance(model.attn_impl, CpuAttention):
         return "attention backend is not the CPU kernel"
+    if isinstance(model, Gemma4Model):
+        return _gemma4_why_not(model)
     if isinstance(model, HybridModel):
         why = _hybrid_why_not(model)
         if why is not None:
@@ -185,6 +197,23 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
             continue
         for name in ("gate_up_proj", "down_proj"):
             if _parts(getattr(layer, name), True) is None:
+                return f"{name} is not in GGUF blocks"
+    return None
+
+
+def _gemma4_why_not(model: Gemma4Model) -> str | None:
+    """Why a Gemma 4 model's decode steps cannot take the native loop (None: they can):
+    dense layers (no experts), every matrix in GGUF blocks."""
+    for layer in model.layers:
+        gl: Gemma4Layer = layer  # type: ignore[assignment]
+        if gl.moe is not None:
+            return "Gemma 4's experts are not in it"
+        if gl.k_eq_v:  # (a GGUF file's such layers load as projections of their own)
+            return "values that are the keys' projection (attention_k_eq_v) are not in it"
+        for name in gl.PACKED:
+            w = getattr(gl, name)
+            small = name.startswith("per_layer_")  # (float runs too: _parts_or_float)
+            if _parts(w, False) is None and not (small and _is_float(w)):
                 return f"{name} is not in GGUF blocks"
     return None
 
@@ -275,9 +304,11 @@ class DecodePlan:
             mla_ops=cast(DeepseekModel, model).mla.mla_ops() if latent else None,
         )
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
-        for dl, experts in zip(self.layers, self.experts, strict=True):
+        for i, (dl, experts) in enumerate(zip(self.layers, self.experts, strict=True)):
             if isinstance(dl, DeepseekLayer):
                 self._add_latent(dl, experts)
+            elif isinstance(dl, Gemma4Layer):
+                self._add_gemma4(dl, i, cfg.intermediate_size_of(i))
             elif isinstance(dl, RecurrentLayer):
                 self._add_recurrent(dl)
             elif isinstance(dl, MambaBlock):  # Nemotron-H's blocks: one sublayer each
@@ -405,6 +436,34 @@ class DecodePlan:
             shared_down=[] if shared is None else _parts(shared.down_proj, True),
         )
 
+    def _add_gemma4(self, gl: Gemma4Layer, index: int, ffn: int) -> None:
+        """A Gemma 4 layer (``Gemma4Layer.forward``'s weights), at its own shape; its
+        rope table 1 (local) or 0 (global), as ``Gemma4Model.forward`` hands them."""
+        pl = gl.per_layer > 0
+        self.native.add_gemma4_layer(
+            in_norm=gl.input_layernorm,
+            qkv=_parts(gl.qkv_proj, False),
+            q_norm=gl.q_norm,
+            k_norm=gl.k_norm if gl.owns_kv else None,
+            kv_heads=gl.num_kv_heads,
+            head_dim=gl.head_dim,
+            owns_kv=gl.owns_kv,
+            rope=1 if gl.local_rope else 0,
+            window=gl.window,
+            o=_parts(gl.o_proj, False),
+            attn_out_norm=gl.attn_out_norm,
+            post_norm=gl.post_attention_layernorm,
+            gate_up=_parts(gl.gate_up_proj, True),  # int8 allowed, as Gemma4Layer.forward
+            ffn=ffn,
+            down=_parts(gl.down_proj, True),
+            mlp_out_norm=gl.mlp_out_norm,
+            per_layer_gate=_parts_or_float(gl.per_layer_gate) if pl else None,
+            per_layer_proj=_parts_or_float(gl.per_layer_proj) if pl else None,
+            per_layer_norm=gl.per_layer_norm if pl else None,
+            per_layer_index=index,
+            scalar=float(gl.layer_scalar),
+        )
+
     def _add_recurrent(self, layer: RecurrentLayer) -> None:
         """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``),
         Qwen3.5's Gated DeltaNet (``deltanet.GatedDeltaNet``) or Granite 4's Mamba-2
@@ -528,6 +587,7 @@ class DecodePlan:
         between_layers: Callable[[], None] | None,
         lora: LoraRows | None = None,
         states: tuple[Tensor, Tensor] | None = None,
+        per_layer: Tensor | None = None,
     ) -> Tensor:
         """The layers of a decode-only step: ``x [T, hidden]`` takes the residual
         additions in place; returns the last layer's output (``forward_fused``'s delta).
@@ -535,7 +595,8 @@ class DecodePlan:
         a layer does not rotate), as ``LlamaModel.forward`` makes them. ``between_layers`` runs
         between groups of ``check_every`` layers (``segments``), as in ``LlamaModel.forward``.
         ``lora``: the step's adapter rows (``takes`` them), or None. ``states``: a hybrid
-        model's rows' state slots ``[T]`` int64 and fresh flags ``[T]`` bool, or None."""
+        model's rows' state slots ``[T]`` int64 and fresh flags ``[T]`` bool, or None.
+        ``per_layer``: Gemma 4's per-layer inputs ``[T, L, P]`` float32, or None."""
         if kv_caches is not self._caches:
             self.native.set_caches(kv_caches)
             self._caches = kv_caches
@@ -545,7 +606,11 @@ class DecodePlan:
         adapters: tuple[Any, Tensor | None, list[int]] = (None, None, [])
         if lora is not None:
             adapters = (self.lora_items(lora), lora.rows, lora.starts)
-        rows = {} if states is None else {"state_slots": states[0], "fresh": states[1]}
+        rows: dict[str, Tensor] = {}
+        if states is not None:
+            rows = {"state_slots": states[0], "fresh": states[1]}
+        if per_layer is not None:
+            rows["per_layer"] = per_layer
         delta: Tensor | None = None
         if between_layers is None:
             for begin, end, cut in self.unchecked:
@@ -576,6 +641,24 @@ class DecodePlan:
         if not dl._plain_out or dl.mlp_out_norm is not None:
             out = dl._fused_out(ops, out, None, dl.mlp_out_norm)
         return out
+
+
+def _parts_or_float(w: object) -> list[tuple[Tensor, int, bool]] | Tensor:
+    """``_parts(w, False)``, or a float matrix as float32 (``_gemma4_why_not`` lets the
+    per-layer input projections be float: under a block wide, a file keeps them so, and
+    the loader packs them for fbgemm's float16 matmul, whose weights are unpacked here)."""
+    parts = _parts(w, False)
+    if parts is not None:
+        return parts
+    if isinstance(w, HalfWeight):
+        return cast(Tensor, torch.ops.quantized.linear_unpack_fp16(w.packed)[0]).contiguous()
+    return cast(Tensor, w).float().contiguous()
+
+
+def _is_float(w: object) -> bool:
+    return isinstance(w, HalfWeight) or (
+        isinstance(w, Tensor) and w.is_floating_point() and w.dim() == 2
+    )
 
 
 def _vector(b: Tensor | None) -> Tensor | None:

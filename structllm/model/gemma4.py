@@ -25,8 +25,10 @@ sliding-window and global layers) with
   norm of the residual; the dense MLP's and the experts' outputs, each normed, are
   added before the MLP's output norm.
 
-The layers run the plain torch path (no native decode loop; of the fused CPU layer ops,
-where the format uses them, the GeGLU and the logits' soft-cap), in one
+Prompt and mixed steps run the plain torch path (of the fused CPU layer ops, where the
+format uses them, the GeGLU and the logits' soft-cap); decode-only steps of a dense model
+in GGUF blocks take the native layer loop (``model.decode_plan``: ``add_gemma4_layer``),
+the others the same torch path. One
 process (tensor and pipeline parallelism are refused by name: layers of two shapes
 and layers reading other layers' caches are not cut).
 """
@@ -232,8 +234,6 @@ class Gemma4Model(MoeModel):
         self.per_layer_inputs = PerLayerInputs(cfg, dtype) if cfg.per_layer_input_size else None
         self._rope_global: Tensor | None = None
         self._mm_ids: Tensor | None = None  # [M] multimodal_token_ids, on the model's device
-        self.native_decode = False
-        self.decode_why = "the Python layer loop (Gemma 4)"
 
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
@@ -286,6 +286,11 @@ class Gemma4Model(MoeModel):
                 ids = torch.where(torch.isin(ids, self._mm_ids), self.cfg.pad_token_id, ids)
             pli = self.per_layer_inputs(ids, x)
         glob, loc = self.rope_tables(int(meta.max_seq_len))
+        plan = self._decode_plan_for(x, meta)
+        if plan is not None:  # (decode rows: the native layer loop, model.decode_plan)
+            pairs = [torch.view_as_real(r[positions]) for r in (glob, loc)]  # [T, D/2, 2]
+            delta = plan.run(x, pairs, kv_caches, meta, between_layers, per_layer=pli)
+            return cast(Tensor, self.cpu_ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
         ropes = glob[positions].unsqueeze(1), loc[positions].unsqueeze(1)  # [T, 1, D/2]
         causal = meta
         if meta.ahead is not None:
@@ -308,6 +313,16 @@ class Gemma4Model(MoeModel):
                 self.cpu_ops,
             )
         return F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+
+    def _decode_plan_for(self, x: Tensor, meta: AttentionMetadata) -> Any:
+        """The native decode loop's plan for this step (``LlamaModel._native_plan``), or
+        None: not a decode-only step, a step with adapters or images seeing ahead, or
+        not on the fused CPU path."""
+        if self.cpu_ops is None or meta.num_decodes != x.shape[0] or meta.ahead is not None:
+            return None
+        if self.adapters is not None or x.dtype != torch.float32:
+            return None
+        return self._native_plan()
 
 
 def hf_to_native(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
