@@ -290,7 +290,8 @@ class Gemma4Model(MoeModel):
         if plan is not None:  # (decode rows: the native layer loop, model.decode_plan)
             pairs = [torch.view_as_real(r[positions]) for r in (glob, loc)]  # [T, D/2, 2]
             delta = plan.run(x, pairs, kv_caches, meta, between_layers, per_layer=pli)
-            return cast(Tensor, self.cpu_ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
+            ops: Any = self.cpu_ops  # (not None: _decode_plan_for)
+            return cast(Tensor, ops.rms_norm(x, delta, self.norm, self.cfg.rms_norm_eps))
         ropes = glob[positions].unsqueeze(1), loc[positions].unsqueeze(1)  # [T, 1, D/2]
         causal = meta
         if meta.ahead is not None:

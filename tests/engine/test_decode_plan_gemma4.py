@@ -115,7 +115,8 @@ def each_layer(llm: LLM, lens: list[int]) -> list[float]:
             source = cfg.kv_source(i)
             x = gl(x, rope, caches[i], meta, model.attn_impl, step_kv, source, pli[:, i], ops)
             errs = [rel(xn, x)]
-            errs += [rel(a, b) for e, f in zip(native_caches, caches) for a, b in zip(e, f)]
+            pairs_of = zip(native_caches, caches, strict=True)
+            errs += [rel(a, b) for e, f in pairs_of for a, b in zip(e, f, strict=True)]
             out.append(max(errs))
         plan.native.set_caches(runner.kv_caches)
         plan._caches = runner.kv_caches
