@@ -184,6 +184,7 @@ class Gemma3nModel(Gemma4Model):
         h, s = cfg.hidden_size, cfg.altup_streams
         self.altup_in = _param(dtype, s - 1, h, h)
         self.altup_out = _param(dtype, s - 1, h, h)
+        self.native_decode = False  # (Gemma 4's native layer is not its layer)
         self.decode_why = "the Python layer loop (Gemma 3n)"
 
     def make_layer(

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from structllm.kernels.attention import AttentionImpl, AttentionMetadata, attend, attention
-from structllm.kernels.packed import linear
+from structllm.kernels.packed import BlockWeight, linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, apply_rope, gated_act, interleave_rope_rows, rope_rows
 from structllm.model.llama import CHECK_EVERY, refuse_sharding, text_model_names
@@ -209,7 +209,10 @@ class PerLayerInputs(nn.Module):
     def forward(self, input_ids: Tensor, embeds: Tensor) -> Tensor:
         """``input_ids: [T]``, the scaled embeddings ``[T, hidden]`` -> ``[T, L, P]``."""
         t = input_ids.shape[0]
-        tokens = F.embedding(input_ids, self.embed) * self.size**0.5
+        if isinstance(self.embed, BlockWeight):  # (a GGUF file's table: HalfRows too)
+            tokens = self.embed.rows(input_ids) * self.size**0.5  # only these rows dequantised
+        else:
+            tokens = F.embedding(input_ids, self.embed) * self.size**0.5
         proj = linear(embeds, self.projection) * self.hidden**-0.5
         proj = F.rms_norm(proj.view(t, self.layers, self.size), (self.size,), self.norm, self.eps)
         return (proj + tokens.view(t, self.layers, self.size)) * 2.0**-0.5

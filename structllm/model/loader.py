@@ -367,7 +367,11 @@ def load_block_weights(
         if not isinstance(w, torch.Tensor):
             out[name] = w
         elif w.dtype == torch.float16 and w.dim() == 2:
-            out[name] = HalfRows(w) if name == "embed_tokens" and half != "none" else w
+            table = name in ("embed_tokens", "per_layer_inputs.embed")
+            if table and half != "none":
+                out[name] = HalfRows(w)
+            else:  # (the token table becomes dtype with the head: LlamaModel.pack_weights)
+                out[name] = w.to(dtype) if name == "per_layer_inputs.embed" else w
         else:
             out[name] = w.to(dtype)
     return out

@@ -1007,6 +1007,9 @@ def test_gemma4_quantized_gguf_agrees(
     layers = blocks.runner.model.layers
     assert all(type(layer.qkv_proj).__name__ == "BlockWeight" for layer in layers)
     assert all(type(layer.gate_up_proj).__name__ == "BlockWeight" for layer in layers)
+    per_layer = blocks.runner.model.per_layer_inputs
+    if per_layer is not None:  # its table as the file holds it: rows looked up per token
+        assert type(per_layer.embed).__name__ == "BlockWeight"
     if variant == "moe":  # each expert's matrices, sliced out of 3-D tensors
         expert = layers[0].moe.experts[1]
         assert type(expert.gate_up_proj).__name__ == type(expert.down_proj).__name__
