@@ -217,7 +217,7 @@ class CpuAttention(TorchAttention):
     @staticmethod
     def supports(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """The shapes the kernel was written for (see ``cpu_attention.cpp``)."""
-        return block_size in (16, 32, 64) and num_heads // num_kv_heads <= 16 and head_dim <= 256
+        return block_size in (16, 32, 64) and num_heads // num_kv_heads <= 16 and head_dim <= 512
 
     @staticmethod
     def k_cache_shape(

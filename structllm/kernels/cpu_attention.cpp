@@ -53,7 +53,7 @@
 namespace {
 
 constexpr int kMaxG = 16;
-constexpr int kMaxD = 256;
+constexpr int kMaxD = 512;  // (Gemma 4's global heads)
 
 inline float exp_neg(float x) { return sl::exp_approx(x); }  // x <= 0; -inf gives ~0
 

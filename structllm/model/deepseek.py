@@ -18,7 +18,7 @@ output. Prefill runs the same form (exact; a prompt's keys are never expanded).
 
 The cache's one tensor per layer is ``[blocks, block_size, 1, L + R]`` in the
 reference layout, read as both K and V by the torch reference's paged attention
-(``kernels.reference``) on every device: the C++ kernel takes heads up to 256 and a
+(``kernels.reference``) on every device: the C++ kernel takes heads up to 512 and a
 separate V cache, and a real model's latent head is 576 wide. ``kv_bytes_per_token``
 counts ``L + R`` per layer, what llama.cpp's MLA cache holds too.
 

@@ -65,7 +65,10 @@ def setup(lens: list[int], q_lens: list[int], h: int, hkv: int, d: int, bs: int,
 
 
 @pytest.mark.parametrize("bs", [16, 32, 64])
-@pytest.mark.parametrize(("h", "hkv", "d"), [(4, 4, 64), (9, 3, 64), (16, 2, 128), (8, 1, 64)])
+# (Gemma 4's heads: 256 wide in its local layers, 512 in its global ones)
+@pytest.mark.parametrize(
+    ("h", "hkv", "d"), [(4, 4, 64), (9, 3, 64), (16, 2, 128), (8, 1, 64), (8, 2, 256), (8, 1, 512)]
+)
 def test_decode_matches_dense(bs: int, h: int, hkv: int, d: int) -> None:
     lens = [1, 17, bs, 3 * bs + 5, 2 * bs - 1]
     impl, kc, vc, meta, dense, q, _ = setup(lens, [1] * len(lens), h, hkv, d, bs)
@@ -302,7 +305,8 @@ def test_engine_tokens_do_not_depend_on_the_cpu_backend_per_kv_dtype(
     assert outs["cpu"] == outs["torch"]
 
 
-@pytest.mark.parametrize("d", [64, 48])  # the fixed-size kernel and the generic loops
+# the fixed-size kernel, the generic loops, Gemma 4's global heads (the widest taken)
+@pytest.mark.parametrize("d", [64, 48, 512])
 @pytest.mark.parametrize(
     ("window", "softcap"), [(5, 0.0), (16, 0.0), (33, 0.0), (0, 2.0), (7, 3.0)]
 )
