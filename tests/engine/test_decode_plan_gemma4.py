@@ -31,10 +31,12 @@ pytestmark = pytest.mark.skipif(
 # E2B's kind of layers (tests/support/models.py's "gemma4": KV-shared layers, per-layer
 # inputs, global layers of twice the head size), and the same with the global layers'
 # values being their keys with one KV head, as 26B-A4B's, without its experts (a GGUF
-# file's such layers hold their values' projection: gguf_gemma4's docstring)
+# file's such layers hold their values' projection: gguf_gemma4's docstring); and E2B's
+# head sizes, 256 and 512 (the widest the C++ attention takes)
 VARIANTS = {
     "e2b": {},
     "k_eq_v": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
+    "e2b_heads": dict(head_dim=256, global_head_dim=512),
 }
 
 
@@ -126,6 +128,7 @@ def each_layer(llm: LLM, lens: list[int]) -> list[float]:
 @pytest.mark.parametrize("lens", [[13], [1, 40, 9], [5] * 16])
 def test_each_layer_agrees_with_the_python_layer(gemma4: LLM, lens: list[int]) -> None:
     model = gemma4.engine.runner.model
+    assert type(model.attn_impl).__name__ == "CpuAttention"
     kinds = {(gl.local_rope, gl.owns_kv) for gl in model.layers}
     assert kinds == {(True, True), (False, True), (True, False), (False, False)}
     errs = each_layer(gemma4, lens)
