@@ -199,6 +199,9 @@ struct Layer {
   // shared experts (shared_gate_up [2 Fs, hidden], shared_down [hidden, Fs]) or none
   bool mla = false;
   Matrix q_a, q_b, kv_a, shared_gate_up, shared_down;
+  // (another MoE layer's shared expert, set_shared: the same two matrices, its output
+  // scaled per row by sigmoid(h . shared_gate) where there is one, Qwen's)
+  torch::Tensor shared_gate;  // [1, hidden] float32, or undefined
   const float *q_a_norm = nullptr, *kv_a_norm = nullptr, *k_b = nullptr, *v_b = nullptr;
   bool route_sigmoid = false;
   int64_t route_groups = 1, route_used = 1;
@@ -343,19 +346,7 @@ class DecodePlan {
     TORCH_CHECK(!moe || (gate_up.empty() && down.empty()), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
     TORCH_CHECK(mlp || (!moe && gate_up.empty() && down.empty() && !post_norm.has_value() && !mlp_out_norm.has_value()),
                 "cpu_decode: a layer without an MLP has no MLP weights, norms or experts");
-    if (!experts.is_none()) {
-      TORCH_CHECK(moe && moe_ != nullptr, "cpu_decode: experts need a mixture-of-experts layer and moe_ops");
-      const auto cap = experts.cast<pybind11::capsule>();
-      L.experts = from_capsule<void>(cap, "structllm.moe_experts");
-      TORCH_CHECK(router.has_value() && router->dtype() == torch::kFloat32 && router->dim() == 2 &&
-                      router->is_contiguous() && router->size(1) == H_ && top_k >= 1 && top_k <= router->size(0),
-                  "cpu_decode: the router must be float32 [E, hidden] contiguous, top k in [1, E]");
-      L.keep.push_back(*router);
-      L.router = router->data_ptr<float>();
-      L.num_experts = router->size(0), L.top_k = top_k, L.renormalise = renormalise;
-      L.router_bias = vec_of(router_bias, L.num_experts, "router_bias");
-      L.softmax_chosen = softmax_chosen;
-    }
+    if (!experts.is_none()) attach_experts(L, experts, router, top_k, renormalise, router_bias, softmax_chosen);
     if (!moe && mlp) {
       L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
       L.down = matrix_of(down, H_, F_, "down");
@@ -368,7 +359,66 @@ class DecodePlan {
     layers_.push_back(std::move(L));
   }
 
+  // a mixture-of-experts layer's native experts (cpu_moe.cpp's Experts) and router
+  void attach_experts(Layer& L, const pybind11::object& experts, const OptT& router, int64_t top_k, bool renormalise,
+                      const OptT& router_bias, bool softmax_chosen) const {
+    TORCH_CHECK(L.moe && moe_ != nullptr, "cpu_decode: experts need a mixture-of-experts layer and moe_ops");
+    const auto cap = experts.cast<pybind11::capsule>();
+    L.experts = from_capsule<void>(cap, "structllm.moe_experts");
+    TORCH_CHECK(router.has_value() && router->dtype() == torch::kFloat32 && router->dim() == 2 &&
+                    router->is_contiguous() && router->size(1) == H_ && top_k >= 1 && top_k <= router->size(0),
+                "cpu_decode: the router must be float32 [E, hidden] contiguous, top k in [1, E]");
+    L.keep.push_back(*router);
+    if (router_bias.has_value()) L.keep.push_back(*router_bias);
+    L.router = router->data_ptr<float>();
+    L.num_experts = router->size(0), L.top_k = top_k, L.renormalise = renormalise;
+    L.router_bias = vec_of(router_bias, L.num_experts, "router_bias");
+    L.softmax_chosen = softmax_chosen;
+  }
+
   // ---- hybrid models' recurrent layers (model/hybrid.py's RecurrentLayer) ----------------
+
+  // a recurrent layer's MLP: gate_up [2 F, hidden] and down [hidden, F], or (moe) none:
+  // its experts, run here once set_experts gives them, else by the caller (a cut)
+  void mlp_matrices(Layer& L, const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down, bool moe) const {
+    L.moe = moe;
+    if (moe) {
+      TORCH_CHECK(gate_up.empty() && down.empty(), "cpu_decode: a mixture-of-experts layer has no MLP matrices");
+      return;
+    }
+    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
+    L.down = matrix_of(down, H_, F_, "down");
+  }
+
+  // recurrent layer i's experts (added with moe): run natively in its MLP's place
+  void set_experts(int64_t i, const pybind11::object& experts, const torch::Tensor& router, int64_t top_k,
+                   bool renormalise, const OptT& router_bias, bool softmax_chosen) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && recurrent(layers_[i]) && layers_[i].moe,
+                "cpu_decode: set_experts: layer ", i, " is no recurrent layer with experts");
+    attach_experts(layers_[i], experts, router, top_k, renormalise, router_bias, softmax_chosen);
+  }
+
+  // a mixture-of-experts layer's shared expert (SparseMoe.shared): gate_up [2 Fs, hidden],
+  // down [hidden, Fs], and gate [1, hidden] float32 or None (added after its experts,
+  // which must run here: set by add_layer's experts or set_experts)
+  void set_shared(int64_t i, const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down,
+                  const OptT& gate) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && layers_[i].moe && layers_[i].experts != nullptr && !layers_[i].mla,
+                "cpu_decode: set_shared: layer ", i, " runs no experts here");
+    Layer& L = layers_[i];
+    int64_t rows = 0;
+    for (const auto& spec : gate_up) rows += std::get<0>(spec).size(0);
+    TORCH_CHECK(rows % 2 == 0, "cpu_decode: shared gate_up rows must be even");
+    L.shared_gate_up = matrix_of(gate_up, rows, H_, "shared_gate_up");
+    L.shared_down = matrix_of(down, H_, rows / 2, "shared_down");
+    if (gate.has_value()) {
+      TORCH_CHECK(gate->dtype() == torch::kFloat32 && gate->is_contiguous() && gate->dim() == 2 && gate->size(0) == 1 &&
+                      gate->size(1) == H_,
+                  "cpu_decode: the shared expert's gate must be float32 [1, hidden] contiguous");
+      L.shared_gate = *gate;
+    }
+    scratch_rows_ = -1;  // (its buffers: make_scratch's)
+  }
 
   // An LFM2 short-convolution layer (model/lfm2.py's ShortConv in a RecurrentLayer), in
   // model order among add_layer's: in_proj [3 hidden, hidden] (rows B, C, x'), conv
@@ -376,7 +426,7 @@ class DecodePlan {
   void add_conv_layer(const OptT& in_norm, const std::vector<PartSpec>& in_proj, const OptT& in_bias,
                       const torch::Tensor& conv, const OptT& conv_bias, const std::vector<PartSpec>& out_proj,
                       const OptT& out_bias, const OptT& post_norm, const std::vector<PartSpec>& gate_up, bool gelu,
-                      const std::vector<PartSpec>& down, double residual_scale) {
+                      const std::vector<PartSpec>& down, double residual_scale, bool moe) {
     TORCH_CHECK(rec_ != nullptr, "cpu_decode: a convolution layer needs recurrent_ops");
     TORCH_CHECK(conv.dtype() == torch::kFloat32 && conv.is_contiguous() && conv.dim() == 2 && conv.size(0) == H_ &&
                     conv.size(1) >= 2,
@@ -395,8 +445,7 @@ class DecodePlan {
     L.conv_k = conv.size(1);
     L.in_proj = matrix_of(in_proj, 3 * H_, H_, "in_proj");
     L.out_proj = matrix_of(out_proj, H_, H_, "out_proj");
-    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
-    L.down = matrix_of(down, H_, F_, "down");
+    mlp_matrices(L, gate_up, down, moe);
     L.gelu = gelu;
     L.residual_scale = static_cast<float>(residual_scale);
     layers_.push_back(std::move(L));
@@ -411,7 +460,7 @@ class DecodePlan {
                        const torch::Tensor& a_log, const torch::Tensor& dt_bias, const torch::Tensor& norm,
                        const std::vector<PartSpec>& out_proj, int64_t key_heads, int64_t key_dim, int64_t value_dim,
                        bool tiled, const OptT& post_norm, const std::vector<PartSpec>& gate_up, bool gelu,
-                       const std::vector<PartSpec>& down, double residual_scale) {
+                       const std::vector<PartSpec>& down, double residual_scale, bool moe) {
     TORCH_CHECK(rec_ != nullptr, "cpu_decode: a Gated DeltaNet layer needs recurrent_ops");
     const int64_t H = a_log.numel(), Hk = key_heads, Dk = key_dim, Dv = value_dim, C = 2 * Hk * Dk + H * Dv;
     TORCH_CHECK(Hk > 0 && H > 0 && H % Hk == 0 && Dk > 0 && Dv > 0, "cpu_decode: bad Gated DeltaNet heads");
@@ -438,8 +487,7 @@ class DecodePlan {
     L.b_proj = matrix_of(b, H, H_, "in_proj_b");
     L.a_proj = matrix_of(a, H, H_, "in_proj_a");
     L.out_proj = matrix_of(out_proj, H_, H * Dv, "out_proj");
-    L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
-    L.down = matrix_of(down, H_, F_, "down");
+    mlp_matrices(L, gate_up, down, moe);
     L.gelu = gelu;
     L.residual_scale = static_cast<float>(residual_scale);
     delta_ = {H, Hk, Dk, Dv, C, tiled};
@@ -540,7 +588,7 @@ class DecodePlan {
                        const std::vector<PartSpec>& out_proj, const OptT& out_bias, int64_t heads, int64_t head_dim,
                        int64_t groups, int64_t d_state, double dt_lo, double dt_hi, const OptT& post_norm,
                        const std::vector<PartSpec>& gate_up, bool gelu, const std::vector<PartSpec>& down,
-                       double residual_scale) {
+                       double residual_scale, bool moe) {
     TORCH_CHECK(rec_ != nullptr, "cpu_decode: a Mamba-2 layer needs recurrent_ops");
     const int64_t H = heads, P = head_dim, G = groups, N = d_state, I = H * P, C = I + 2 * G * N;
     TORCH_CHECK(H > 0 && P > 0 && G > 0 && N > 0 && H % G == 0, "cpu_decode: bad Mamba-2 heads or groups");
@@ -568,13 +616,10 @@ class DecodePlan {
     L.dt_lo = static_cast<float>(dt_lo), L.dt_hi = static_cast<float>(dt_hi);
     L.in_proj = matrix_of(in_proj, I + C + H, H_, "in_proj");
     L.out_proj = matrix_of(out_proj, H_, I, "out_proj");
-    L.mlp = !gate_up.empty();
+    L.mlp = moe || !gate_up.empty();
     TORCH_CHECK(L.mlp || (down.empty() && !post_norm.has_value() && residual_scale == 1.0),
                 "cpu_decode: a Mamba-2 block without an MLP has no MLP weights, norm or multiplier");
-    if (L.mlp) {
-      L.gate_up = matrix_of(gate_up, 2 * F_, H_, "gate_up");
-      L.down = matrix_of(down, H_, F_, "down");
-    }
+    if (L.mlp) mlp_matrices(L, gate_up, down, moe);
     L.gelu = gelu;
     L.residual_scale = static_cast<float>(residual_scale);
     mamba_ = {H, P, G, N, I, C};
@@ -865,6 +910,9 @@ class DecodePlan {
       pl = std::max(pl, L.g_P);
     }
     gscratch_ = {f(2 * pl), f(pl)};
+    int64_t fs = 0;  // the widest shared expert
+    for (const Layer& L : layers_) fs = std::max(fs, L.shared_down.k);
+    xscratch_ = {f(2 * fs), f(fs), f(fs > 0 ? H_ : 1), f(1)};
     scratch_ = {f(H_), f(qkv), f(o), f(H_), f(H_), f(2 * ffn), f(ffn), f(H_), f(widest),
                 f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
                 f(conv ? H_ : 1)};
@@ -959,11 +1007,8 @@ class DecodePlan {
       return;
     }
     float* y = L.mlp_out_norm == nullptr ? s.out : buf(kY);  // [T, hidden]
-    if (L.moe) {  // SparseMoe.forward's native path: route, then the experts' one call
-      float* w = scratch_[kRouteW].data_ptr<float>();        // [T, k]
-      int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
-      moe_->route(h, L.router, L.router_bias, T, H_, L.num_experts, L.top_k, L.renormalise, L.softmax_chosen, w, chosen);
-      moe_->experts(L.experts, h, chosen, w, T, L.top_k, y);
+    if (L.moe) {
+      run_experts(L, h, y, s);
     } else {
       float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F] act(gate) * up
       linear(L.gate_up, h, gu, s, nullptr);
@@ -979,6 +1024,41 @@ class DecodePlan {
       std::memcpy(s.out, m, T * H_ * sizeof(float));
     }
   }
+
+  // SparseMoe.forward's native path: route h [T, hidden], then the experts' one call into
+  // y, then the shared expert (if any) added
+  void run_experts(const Layer& L, const float* h, float* y, const Step& s) const {
+    float* w = scratch_[kRouteW].data_ptr<float>();           // [T, k]
+    int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
+    moe_->route(h, L.router, L.router_bias, s.T, H_, L.num_experts, L.top_k, L.renormalise, L.softmax_chosen, w, chosen);
+    moe_->experts(L.experts, h, chosen, w, s.T, L.top_k, y);
+    add_shared(L, h, y, s);
+  }
+
+  // out [T, hidden] += the shared expert's MLP of h (SiLU), times sigmoid(h . gate) per
+  // row where the layer has a gate: SparseMoe._add_shared's order, and torch's own matmul
+  // and sigmoid for the gate (F.linear's, torch.sigmoid's: the same bits)
+  void add_shared(const Layer& L, const float* h, float* out, const Step& s) const {
+    if (L.shared_down.parts.empty()) return;
+    const int64_t T = s.T, Fs = L.shared_down.k;
+    float *gu = xbuf(kXSharedGU), *act = xbuf(kXSharedAct), *y = xbuf(kXSharedOut);  // [T, 2Fs], [T, Fs], [T, hidden]
+    linear(L.shared_gate_up, h, gu, s, nullptr);
+    ops_->silu_mul(gu, act, T, Fs);
+    linear(L.shared_down, act, y, s, nullptr);
+    if (L.shared_gate.defined()) {
+      auto z = torch::from_blob(xbuf(kXSharedZ), {T, 1}, torch::kFloat32);
+      torch::mm_out(z, torch::from_blob(const_cast<float*>(h), {T, H_}, torch::kFloat32), L.shared_gate.t());
+      z.sigmoid_();
+      const float* g = xbuf(kXSharedZ);
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < H_; i++) y[t * H_ + i] = g[t] * y[t * H_ + i];
+    }
+    for (int64_t i = 0; i < T * H_; i++) out[i] = out[i] + y[i];  // (out + shared, as torch adds)
+  }
+
+  float* xbuf(int i) const { return xscratch_[i].data_ptr<float>(); }
+  enum { kXSharedGU, kXSharedAct, kXSharedOut, kXSharedZ };
+
 
   // ---- hybrid models' recurrent layers (see add_conv_layer) -------------------------------
 
@@ -1034,6 +1114,15 @@ class DecodePlan {
   void recurrent_tail(const Layer& L, const Step& s) const {
     const float* a = sublayer_out(buf(kAttn), nullptr, L.residual_scale, s);
     const float* h = pre_norm(L.post_norm, a, s);
+    if (L.moe) {
+      if (cut(L)) {  // the caller runs the experts on h
+        std::memcpy(s.out, h, s.T * H_ * sizeof(float));
+        return;
+      }
+      run_experts(L, h, s.out, s);
+      sublayer_out(s.out, nullptr, L.residual_scale, s);
+      return;
+    }
     float *gu = buf(kGU), *act = buf(kAct);  // [T, 2F] = [gate | up], [T, F]
     linear(L.gate_up, h, gu, s, nullptr);
     (L.gelu ? ops_->gelu_tanh_mul : ops_->silu_mul)(gu, act, s.T, F_);
@@ -1301,25 +1390,18 @@ class DecodePlan {
     mla_->group_route(h, L.router, L.router_bias, T, H_, L.num_experts, L.route_sigmoid, L.route_groups, L.route_used,
                       L.top_k, L.renormalise, L.route_scale, w, chosen);
     moe_->experts(L.experts, h, chosen, w, T, L.top_k, s.out);
-    if (L.shared_down.parts.empty()) return;
-    const int64_t Fs = L.shared_down.k;
-    float *gu = mbuf(kMSharedGU), *act = mbuf(kMSharedAct), *y = mbuf(kMSharedOut);  // [T, 2Fs], [T, Fs], [T, hidden]
-    linear(L.shared_gate_up, h, gu, s, nullptr);
-    ops_->silu_mul(gu, act, T, Fs);
-    linear(L.shared_down, act, y, s, nullptr);
-    for (int64_t i = 0; i < T * H_; i++) s.out[i] = s.out[i] + y[i];  // (out + shared, as torch adds)
+    add_shared(L, h, s.out, s);
   }
 
   // the latent-attention layers' buffers for T rows, each its own torch allocation
   void make_mla_scratch(int64_t T) {
     const MlaShape& m = mla_shape_;
     auto f = [T](int64_t cols) { return torch::empty({T, std::max<int64_t>(cols, 1)}, torch::kFloat32); };
-    mscratch_ = {f(m.Q), f(m.Q), f(m.H * (m.Dn + m.R)), f(m.L + m.R), f(m.H * m.Dv), f(2 * m.Fs), f(m.Fs),
-                 f(m.Fs > 0 ? H_ : 1)};
+    mscratch_ = {f(m.Q), f(m.Q), f(m.H * (m.Dn + m.R)), f(m.L + m.R), f(m.H * m.Dv)};
   }
 
   float* mbuf(int i) const { return mscratch_[i].data_ptr<float>(); }
-  enum { kMQa, kMQaNormed, kMQ, kMKV, kMV, kMSharedGU, kMSharedAct, kMSharedOut };
+  enum { kMQa, kMQaNormed, kMQ, kMKV, kMV };
 
   // ---- end of the latent-attention section ---------------------------------------------
 
@@ -1340,6 +1422,7 @@ class DecodePlan {
   std::vector<torch::Tensor> sscratch_;  // make_mamba_scratch's, indexed by the enum beside sbuf
   std::vector<torch::Tensor> dscratch_;  // make_hybrid_scratch's, indexed by the enum beside dbuf
   std::vector<torch::Tensor> gscratch_;  // Gemma 4's (make_scratch), indexed by the enum beside gbuf
+  std::vector<torch::Tensor> xscratch_;  // the shared experts' (make_scratch), by the enum beside xbuf
   bool gemma4_ = false;                  // a Gemma 4 layer added
   int64_t H_, nh_, nkv_, D_, F_;
   float eps_;
@@ -1381,12 +1464,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_conv_layer", &DecodePlan::add_conv_layer, pybind11::arg("in_norm"), pybind11::arg("in_proj"),
            pybind11::arg("in_bias"), pybind11::arg("conv"), pybind11::arg("conv_bias"), pybind11::arg("out_proj"),
            pybind11::arg("out_bias"), pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("gelu"),
-           pybind11::arg("down"), pybind11::arg("residual_scale"))
+           pybind11::arg("down"), pybind11::arg("residual_scale"), pybind11::arg("moe") = false)
       .def("add_delta_layer", &DecodePlan::add_delta_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
            pybind11::arg("z"), pybind11::arg("b"), pybind11::arg("a"), pybind11::arg("conv"), pybind11::arg("a_log"),
            pybind11::arg("dt_bias"), pybind11::arg("norm"), pybind11::arg("out_proj"), pybind11::arg("key_heads"),
            pybind11::arg("key_dim"), pybind11::arg("value_dim"), pybind11::arg("tiled"), pybind11::arg("post_norm"),
-           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"),
+           pybind11::arg("moe") = false)
       .def("add_mla_layer", &DecodePlan::add_mla_layer, pybind11::arg("in_norm"), pybind11::arg("q_a"),
            pybind11::arg("q_a_norm"), pybind11::arg("q_b"), pybind11::arg("kv_a"), pybind11::arg("kv_a_norm"),
            pybind11::arg("k_b"), pybind11::arg("v_b"), pybind11::arg("rope_dim"), pybind11::arg("scale"),
@@ -1400,7 +1484,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("a_log"), pybind11::arg("d"), pybind11::arg("norm"), pybind11::arg("out_proj"),
            pybind11::arg("out_bias"), pybind11::arg("heads"), pybind11::arg("head_dim"), pybind11::arg("groups"),
            pybind11::arg("d_state"), pybind11::arg("dt_lo"), pybind11::arg("dt_hi"), pybind11::arg("post_norm"),
-           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"))
+           pybind11::arg("gate_up"), pybind11::arg("gelu"), pybind11::arg("down"), pybind11::arg("residual_scale"),
+           pybind11::arg("moe") = false)
       .def("add_mlp_layer", &DecodePlan::add_mlp_layer, pybind11::arg("in_norm"), pybind11::arg("up"),
            pybind11::arg("down"))
       .def("add_gemma4_layer", &DecodePlan::add_gemma4_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
@@ -1412,6 +1497,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("per_layer_norm") = pybind11::none(),
            pybind11::arg("per_layer_index"), pybind11::arg("scalar"))
       .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
+      .def("set_shared", &DecodePlan::set_shared, pybind11::arg("layer"), pybind11::arg("gate_up"),
+           pybind11::arg("down"), pybind11::arg("gate") = pybind11::none())
+      .def("set_experts", &DecodePlan::set_experts, pybind11::arg("layer"), pybind11::arg("experts"),
+           pybind11::arg("router"), pybind11::arg("top_k"), pybind11::arg("renormalise"),
+           pybind11::arg("router_bias") = pybind11::none(), pybind11::arg("softmax_chosen") = false)
       .def("set_caches", &DecodePlan::set_caches)
       .def("run", &DecodePlan::run, pybind11::arg("begin"), pybind11::arg("end"), pybind11::arg("x"),
            pybind11::arg("delta"), pybind11::arg("ropes"), pybind11::arg("slots"), pybind11::arg("tables"),

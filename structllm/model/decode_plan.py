@@ -43,8 +43,12 @@ recurrent kernels through ``cpu_recurrent.cpp``'s ``RecurrentOps`` (``cpu_hybrid
 the functions its Python entry points run), each row's state slot and fresh flag
 passed per step (``HybridModel._forward_fused``). Nemotron-H's blocks run here too
 (attention alone: ``add_layer(mlp=False)``; Mamba-2 alone: ``add_mamba_layer`` without
-an MLP; ``add_mlp_layer``: ``down(relu(up h)^2)``). Experts in a hybrid model keep the
-Python loop (``_hybrid_why_not``).
+an MLP; ``add_mlp_layer``: ``down(relu(up h)^2)``). Experts in a hybrid model's layers
+(Qwen3.5-MoE's, Qwen3-Next's, Granite 4's) run as in the other models: natively where
+``_native_experts`` allows (a recurrent layer's through ``set_experts``), else from
+Python between two native calls (a cut); the Python loop runs such layers on torch's
+plain ops (``HybridModel._forward_fused``), so the two loops agree there within
+rounding, not bit for bit.
 
 DeepSeek's latent-attention layers (``model.deepseek``) run here when cpu_mla.cpp is in
 use, every matrix is in GGUF blocks and the experts are native (``_latent_why_not``):
@@ -164,8 +168,6 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         return "the recurrent kernels did not build"
     for layer in model.layers:
         if type(layer) in (DecoderLayer, AttentionBlock):
-            if layer.moe is not None:
-                return "experts in a hybrid model's layer are not in it"
             continue
         if isinstance(layer, MlpBlock):
             for name in MlpBlock.PACKED:
@@ -175,8 +177,6 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         if not isinstance(layer, (RecurrentLayer, MambaBlock)):
             return f"{type(layer).__name__} layers are not in it"
         mixer = layer.mixer
-        if getattr(layer, "moe", None) is not None:
-            return "experts in a hybrid model's layer are not in it"
         linears: tuple[str, ...]
         if isinstance(mixer, ShortConv):
             conv, linears = mixer.conv, ("in_proj", "out_proj")
@@ -193,7 +193,7 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         for name in linears:
             if _parts(getattr(mixer, name), False) is None:
                 return f"{name} is not in GGUF blocks"
-        if isinstance(layer, MambaBlock):  # (no MLP)
+        if isinstance(layer, MambaBlock) or layer.moe is not None:  # (no MLP; experts)
             continue
         for name in ("gate_up_proj", "down_proj"):
             if _parts(getattr(layer, name), True) is None:
@@ -311,6 +311,18 @@ class DecodePlan:
                 self._add_gemma4(dl, i, cfg.intermediate_size_of(i))
             elif isinstance(dl, RecurrentLayer):
                 self._add_recurrent(dl)
+                if experts is not None:  # (else its experts run from Python: a cut)
+                    last = self.native.num_layers() - 1
+                    route = dl.moe.native_route()  # type: ignore[union-attr]
+                    self.native.set_experts(
+                        last,
+                        experts.handle(),
+                        dl.moe.router,  # type: ignore[union-attr]
+                        dl.moe.top_k,  # type: ignore[union-attr]
+                        dl.moe.renormalise,  # type: ignore[union-attr]
+                        route[0] if route else None,
+                        bool(route and route[1]),
+                    )
             elif isinstance(dl, MambaBlock):  # Nemotron-H's blocks: one sublayer each
                 self._add_mamba(dl, dl.mixer, mlp=False)
             elif isinstance(dl, MlpBlock):
@@ -321,6 +333,10 @@ class DecodePlan:
                 if getattr(dl, "attn_gate", None) is not None:  # Qwen3.5's gated attention
                     last = self.native.num_layers() - 1
                     self.native.set_attn_gate(last, _parts(dl.attn_gate, False))
+        for i, (dl, experts) in enumerate(zip(self.layers, self.experts, strict=True)):
+            moe = getattr(dl, "moe", None)
+            if experts is not None and not latent and moe.shared is not None:  # type: ignore[union-attr]
+                self.native.set_shared(i, *_shared_parts(moe))  # type: ignore[misc]
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self.module = native  # (its LoraItems)
         q, kv = model.num_heads * cfg.head_dim, model.num_kv_heads * cfg.head_dim
@@ -487,10 +503,7 @@ class DecodePlan:
             out_proj=_parts(mixer.out_proj, False),
             out_bias=_vector(mixer.out_bias),
             post_norm=layer.post_attention_layernorm,
-            gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
-            gelu=layer.act == "gelu_tanh",
-            down=_parts(layer.down_proj, True),
-            residual_scale=layer.residual_scale,
+            **_mlp(layer),
         )
 
     def _add_delta(self, layer: RecurrentLayer, mixer: Any) -> None:
@@ -516,10 +529,7 @@ class DecodePlan:
             value_dim=mixer.head_v_dim,
             tiled=mixer.tiled_values,
             post_norm=layer.post_attention_layernorm,
-            gate_up=_parts(layer.gate_up_proj, True),  # int8 allowed, as forward_fused
-            gelu=layer.act == "gelu_tanh",
-            down=_parts(layer.down_proj, True),
-            residual_scale=layer.residual_scale,
+            **_mlp(layer),
         )
 
     def _add_mamba(self, layer: Any, mixer: Any, mlp: bool = True) -> None:
@@ -551,10 +561,7 @@ class DecodePlan:
             dt_lo=lo,
             dt_hi=hi,
             post_norm=layer.post_attention_layernorm if mlp else None,
-            gate_up=_parts(layer.gate_up_proj, True) if mlp else [],  # int8 allowed
-            gelu=mlp and layer.act == "gelu_tanh",
-            down=_parts(layer.down_proj, True) if mlp else [],
-            residual_scale=layer.residual_scale if mlp else 1.0,
+            **(_mlp(layer) if mlp else _NO_MLP),
         )
 
     @staticmethod
@@ -632,12 +639,14 @@ class DecodePlan:
         assert delta is not None
         return delta
 
-    def _experts(self, dl: DecoderLayer, h: Tensor) -> Tensor:
+    def _experts(self, dl: DecoderLayer | RecurrentLayer, h: Tensor) -> Tensor:
         """A mixture-of-experts layer's MLP on its input ``h [T, hidden]``, as
         ``forward_fused`` runs it: the experts, then the output norm and multiplier."""
         assert dl.moe is not None
         ops = self.ops
         out = dl.moe(h, dl.act, ops.gelu_tanh_mul if dl.act == "gelu_tanh" else ops.silu_mul)
+        if isinstance(dl, RecurrentLayer):
+            return out if dl.residual_scale == 1.0 else out * dl.residual_scale
         if not dl._plain_out or dl.mlp_out_norm is not None:
             out = dl._fused_out(ops, out, None, dl.mlp_out_norm)
         return out
@@ -661,6 +670,36 @@ def _is_float(w: object) -> bool:
     )
 
 
+def _mlp(layer: RecurrentLayer) -> dict[str, Any]:
+    """A recurrent layer's MLP as the native plan's add_*_layer take it: its matrices
+    (int8 allowed, as ``RecurrentLayer.forward_fused``), or none where its MLP is experts
+    (``moe``: ``set_experts`` gives them, or they run from Python)."""
+    moe = layer.moe is not None
+    return {
+        "gate_up": [] if moe else _parts(layer.gate_up_proj, True),
+        "gelu": layer.act == "gelu_tanh",
+        "down": [] if moe else _parts(layer.down_proj, True),
+        "residual_scale": layer.residual_scale,
+        "moe": moe,
+    }
+
+
+_NO_MLP: dict[str, Any] = {"gate_up": [], "gelu": False, "down": [], "residual_scale": 1.0}
+
+
+def _shared_parts(moe: Any) -> tuple[Any, Any, Tensor | None] | None:
+    """A MoE layer's shared expert as ``set_shared`` takes it (gate_up's and down's
+    parts, int8 allowed as ``SparseMoe._add_shared``; its gate float32 ``[1, hidden]`` or
+    None), or None: not in GGUF blocks, or a gate in another dtype."""
+    shared, gate = moe.shared, moe.shared_gate
+    parts = _parts(shared.gate_up_proj, True), _parts(shared.down_proj, True)
+    if parts[0] is None or parts[1] is None:
+        return None
+    if gate is not None and (gate.dtype != torch.float32 or gate.dim() != 2):
+        return None
+    return parts[0], parts[1], None if gate is None else gate.contiguous()
+
+
 def _vector(b: Tensor | None) -> Tensor | None:
     """A bias as the native plan takes it: float32, contiguous (None stays None)."""
     return None if b is None else b.float().contiguous()
@@ -675,7 +714,7 @@ def _native_experts(dl: DecoderLayer) -> Any:
         return None
     if moe.native_route() is None:  # a family's own routing (GLM-4.5's)
         return None
-    if moe.shared is not None:  # a shared expert: SparseMoe.forward adds it (a cut)
+    if moe.shared is not None and _shared_parts(moe) is None:  # (SparseMoe.forward adds it: a cut)
         return None
     if not moe.router.is_contiguous():
         return None

@@ -30,7 +30,7 @@ CASES = [
     ("granite", "Q4_0"),  # residual and embedding multipliers
     ("smollm3", "Q4_0"),  # layers without rotary embedding
     ("phi3", "Q8_0"),  # partial rotary
-    ("qwen2_moe", "Q8_0"),  # a shared expert: its MoE layers run from Python (a cut)
+    ("qwen2_moe", "Q8_0"),  # a shared expert and its gate, in the native call (set_shared)
 ]
 
 
@@ -161,7 +161,8 @@ def test_mixed_type_matrices_and_greedy_tokens(tmp_path: Path, default_files) ->
 
 
 @pytest.mark.parametrize(
-    ("family", "qtype"), [("qwen3_moe", "Q8_0"), ("mixtral", "Q8_0"), ("gpt_oss", "MXFP4_MOE")]
+    ("family", "qtype"),
+    [("qwen3_moe", "Q8_0"), ("mixtral", "Q8_0"), ("gpt_oss", "MXFP4_MOE"), ("qwen2_moe", "Q8_0")],
 )
 def test_experts_run_inside_native_calls(
     family: str,
@@ -173,7 +174,8 @@ def test_experts_run_inside_native_calls(
     # Qwen3-MoE: a dense layer between two MoE ones; Mixtral: every layer MoE, a window;
     # gpt-oss: sinks, o_proj's bias, windows on every other layer (8 tokens: contexts of
     # 13 and 40 reach past them, over several blocks), MXFP4 experts with biases and the
-    # clamped SwiGLU, the router's bias and softmax over the top k.
+    # clamped SwiGLU, the router's bias and softmax over the top k; Qwen2-MoE: a shared
+    # expert beside the routed ones, scaled by its sigmoid gate (set_shared).
     # The router and experts (cpu_moe.cpp) run inside the native calls: no cut after a
     # MoE layer, the segments a dense model's.
     core = engine(family_file(family, default_files, qtype))

@@ -6,7 +6,8 @@ Nemotron-H (single-sublayer blocks: Mamba-2, relu-squared MLP, NoPE attention) i
 C++ call per segment gives the hidden states, K/V writes and recurrent states of the
 Python fused loop bit for bit, fresh rows (a zero state) and reused slots included;
 greedy tokens and logprobs through the engine are the same; bad state slots are refused
-by name; experts in a hybrid model keep the Python loop and say why. Run under
+by name; experts in a hybrid model's layers (Qwen3.5-MoE's, Qwen3-Next's) run inside
+the native call, or from Python between two calls where they cannot. Run under
 ``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import torch
 
 from structllm import LLM, SamplingParams
 from structllm.kernels import cpu_ext
-from structllm.model import llama
-from structllm.model.hybrid import HybridModel
+from structllm.model import decode_plan, llama
+from structllm.model.hybrid import HybridModel, RecurrentLayer
 from tests.engine.test_decode_plan import decode_meta
 from tests.support import llamacpp
-from tests.support.models import CONVERTER_ARGS, gguf_source_dir, tiny_family_dir
+from tests.support.models import CONVERTER_ARGS, gguf_source_dir
 
 pytestmark = pytest.mark.skipif(
     cpu_ext.load_recurrent() is None or cpu_ext.load_decode() is None,
@@ -125,14 +126,62 @@ def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
     plan.native.set_caches(runner.kv_caches)  # as it was (the plan keeps them)
 
 
-def test_experts_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
-    # Qwen3.5-MoE: experts beside Gated DeltaNet; the tiny directory in the default
-    # format (float16 weights, the fused CPU ops)
-    path = tiny_family_dir("qwen3_5_moe", default_files)
-    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=2)
+def close_paths(llm: LLM, lens: list[int], slots: list[int]) -> None:
+    """``both_paths`` within rounding: the Python loop runs a hybrid model's layers with
+    experts on torch's plain ops (``HybridModel._forward_fused``), the native one on the
+    fused kernels, so hidden states and caches agree to float rounding, not bit for bit
+    (the activations' 16- and 8-bit rounding can move a value by a quantum: 1e-7 to 5e-5
+    of the largest measured)."""
+    runner = llm.engine.runner
+    model: HybridModel = runner.model  # type: ignore[assignment]
+    nb = next(e[0].shape[0] for e in runner.kv_caches if len(e) == 2)
+    caches = random_caches(model, runner.kv_caches)
+    copies = [tuple(t.clone() for t in entry) for entry in caches]
+    meta, positions = decode_meta(lens, runner.block_size, nb)
+    meta = dataclasses.replace(meta, state_slots=list(slots))
+    ids = torch.tensor([(37 * i + 11) % 200 for i in range(len(lens))])
+    with torch.no_grad():
+        model.native_decode = False
+        want = model.forward(ids, positions, copies, meta)
+        model.native_decode = True
+        got = model.forward(ids, positions, caches, meta)
+    assert model.decode_path == "native"
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    for entry, copy in zip(caches, copies, strict=True):
+        for t, c in zip(entry, copy, strict=True):
+            assert float((t - c).abs().max()) <= 1e-4 * float(c.abs().max())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_experts_in_hybrid_layers_run_in_the_native_call(
+    family: str, default_files, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    # experts with a gated shared expert beside Gated DeltaNet and gated attention: the
+    # router, the experts (cpu_moe.cpp) and the shared expert (set_shared) inside the
+    # native call, a recurrent layer's through set_experts; one call a step
+    llm = LLM(str(q8_file(family, default_files)), kv_cache_memory=32 << 20, max_num_seqs=4)
     model = llm.engine.runner.model
-    assert model.cpu_ops is not None
-    assert model.decode_path == "python"
-    assert "experts in a hybrid model's layer are not in it" in model.decode_why
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
+    plan = model._native_plan()
+    assert model.decode_path == "native"
+    moe = [i for i, layer in enumerate(model.layers) if layer.moe is not None]
+    assert moe and all(plan.experts[i] is not None for i in moe)
+    assert any(isinstance(model.layers[i], RecurrentLayer) for i in moe)
+    assert len(plan.segments) == -(-len(model.layers) // llama.CHECK_EVERY)
+    close_paths(llm, [13], [2])
+    close_paths(llm, [1, 40, 9], [3, 0, 1])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9]]
+    native = [o.token_ids for o in llm.generate(prompts, params)]
+    model.native_decode = False
+    python = [o.token_ids for o in llm.generate(prompts, params)]
+    model.native_decode = True
+    assert native == python
+    # experts the native call cannot run (made so here) run from Python between two
+    # native calls, cut after their layer (a recurrent layer's after its post-norm)
+    monkeypatch.setattr(decode_plan, "_native_experts", lambda dl: None)
+    model._decode_plan = None
+    plan = model._native_plan()
+    assert [end for _, end, _ in plan.segments if plan.cut(end - 1)] == [i + 1 for i in moe]
+    close_paths(llm, [13], [2])
+    close_paths(llm, [1, 40, 9], [3, 0, 1])
+    model._decode_plan = None
