@@ -21,7 +21,7 @@ taken out of the directory: Mixtral without its window, Qwen3-MoE without dense 
 Mistral has none (the converter drops its window).
 
 ``--shapes bench`` runs the MoE (gpt-oss included), Gemma 2, Gemma 3, Qwen3, OLMo 2, Granite, LFM2,
-Qwen3.5 and DeepSeek-V3 families at
+Qwen3.5 (dense and MoE), Qwen3-Next and DeepSeek-V3 families at
 ``BENCH_SHAPES`` instead (hidden 1024, 8 layers: the tests' models are 64 wide, and their
 steps time the interpreter);
 ``--formats`` picks structllm's arms (``auto:loop``: MoE experts by the per-expert
@@ -140,6 +140,40 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         linear_num_value_heads=16,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
+    ),
+    # Qwen3.5-MoE (35B-A3B's kind) and Qwen3-Next at the same layers: 8 experts of 768
+    # (top 2) beside a gated shared expert of 1024 in every layer; Qwen3-Next's
+    # projections fused per key head, its experts' top k renormalised
+    "qwen3_5_moe": dict(
+        _DENSE,
+        max_position_embeddings=4096,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        shared_expert_intermediate_size=1024,
+    ),
+    "qwen3_next": dict(
+        _DENSE,
+        max_position_embeddings=4096,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        shared_expert_intermediate_size=1024,
+        norm_topk_prob=True,
     ),
     # Granite 4 dense (granite-4.0-h-micro's kind) at 8 layers: Mamba-2 (its head width,
     # one group, state 128, chunk 256) around one NoPE attention layer, its multipliers
