@@ -26,7 +26,8 @@
 //
 // Shapes:
 //   Experts(gate_up, down, hidden, ffn, int8_min_m, int16_min_m, table[, gate_up_bias
-//       [E, 2F] float32, down_bias [E, hidden] float32, act (0 SiLU, 1 clamped SwiGLU),
+//       [E, 2F] float32, down_bias [E, hidden] float32, act (0 SiLU, 1 clamped SwiGLU,
+//       2 GeGLU: Gemma 4's),
 //       alpha, limit]): per expert a
 //       list of (raw [rows, bytes] uint8, type code, int8 allowed) parts, in row order
 //       (type code 9: float16 rows, [rows, 2 * K] bytes: a float16/bfloat16 checkpoint's);
@@ -155,7 +156,7 @@ class Experts {
         alpha_(static_cast<float>(alpha)),
         limit_(static_cast<float>(limit)),
         keep_bias_{gate_up_bias.value_or(torch::Tensor()), down_bias.value_or(torch::Tensor())} {
-    TORCH_CHECK(act == 0 || act == 1, "cpu_moe: act must be 0 (SiLU) or 1 (clamped SwiGLU), got ", act);
+    TORCH_CHECK(act >= 0 && act <= 2, "cpu_moe: act must be 0 (SiLU), 1 (clamped SwiGLU) or 2 (GeGLU), got ", act);
     TORCH_CHECK(std::string(table.name()) == "structllm.quant_linears", "cpu_moe: not the quant kernels' table");
     table_ = static_cast<const Table*>(table.get_pointer());
     TORCH_CHECK(gate_up.size() == down.size() && !gate_up.empty(), "cpu_moe: one gate_up and one down per expert");
@@ -213,6 +214,8 @@ class Experts {
       for (int64_t r = r0; r < r1; r++) {
         if (act_ == 1)
           swiglu_clamp_row(gu + r * 2 * F, act + r * F, F, alpha_, limit_);
+        else if (act_ == 2)
+          gelu_tanh_mul_row(gu + r * 2 * F, act + r * F, F);
         else
           silu_mul_row(gu + r * 2 * F, act + r * F, F);
       }
@@ -286,6 +289,17 @@ class Experts {
     const float* u = g + F;
 #pragma omp simd
     for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + sl::exp_approx(-g[i])) * u[i];
+  }
+
+  // cpu_layer.cpp's gelu_tanh_mul of one row (Gemma 4's experts; the same expression)
+  static void gelu_tanh_mul_row(const float* g, float* o, int64_t F) {
+    constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;  // sqrt(2 / pi)
+    const float* u = g + F;
+#pragma omp simd
+    for (int64_t i = 0; i < F; i++) {
+      const float x = g[i];
+      o[i] = x / (1.0f + sl::exp_approx(-2.0f * (k0 * (x + k1 * x * x * x)))) * u[i];
+    }
   }
 
   // o += row * w, the product rounded first: no FMA here (a function of its own, since

@@ -66,6 +66,12 @@ class Gemma4Moe(SparseMoe):
         self.router_scale = _param(dtype, cfg.hidden_size)
         self.per_expert_scale = _param(dtype, cfg.num_experts)
 
+    def native_act(self, act: str) -> bool:
+        return act == "gelu_tanh"  # (cpu_moe.cpp's act 2)
+
+    def native_extras(self) -> dict[str, Any]:
+        return {"act": 2}  # GeGLU
+
     def route_residual(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each, from the residual ``x: [T, hidden]``, in
         transformers' order of operations."""
@@ -175,7 +181,8 @@ class Gemma4Layer(nn.Module):
         if self.moe is not None:
             weights, chosen = self.moe.route_residual(x)
             h = self._norm(x, self.experts_in_norm)
-            experts = self.moe.run_experts(h, weights, chosen, "gelu_tanh")
+            fused = ops.gelu_tanh_mul if ops is not None else None  # (native experts: cpu_moe.cpp)
+            experts = self.moe.run_experts(h, weights, chosen, "gelu_tanh", fused)
             mlp_out = self._norm(mlp_out, self.dense_out_norm) + self._norm(
                 experts, self.experts_out_norm
             )

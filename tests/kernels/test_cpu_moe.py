@@ -81,6 +81,25 @@ def test_native_experts_equal_the_python_path(types: list[str]) -> None:
         torch.testing.assert_close(got, python_path(moe, h), atol=0, rtol=0)
 
 
+def test_native_geglu_experts_equal_the_python_path() -> None:
+    # Gemma 4's experts: GeGLU (cpu_moe.cpp's act 2, cpu_layer.cpp's gelu_tanh_mul's
+    # expression), against the per-expert loop with that fused op
+    moe = moe_of(["Q8_0", "Q4_K"])
+    moe.native_act = lambda act: act == "gelu_tanh"  # type: ignore[method-assign]
+    moe.native_extras = lambda: {"act": 2}  # type: ignore[method-assign]
+    layer_ops = cpu_ext.load_layer()
+    assert layer_ops is not None
+    for rows in (1, 3, 16, 70):
+        h = torch.from_numpy(random_weight(rows, HIDDEN, seed=rows)) * 4
+        got = moe(h, "gelu_tanh", layer_ops.gelu_tanh_mul)
+        assert moe.native not in (None, False)
+        native, moe.native = moe.native, False
+        want = moe(h, "gelu_tanh", layer_ops.gelu_tanh_mul)
+        moe.native = native
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert not torch.equal(got, python_path(moe, h))  # (SiLU's differ)
+
+
 def half_moe(ffn: int, experts: int = 6, dtype: torch.dtype = torch.float16) -> SparseMoe:
     """A SparseMoe of ``ffn``-wide experts whose weights are random ``dtype`` values, made
     float16 rows as ``MoeModel.pack_weights`` makes them (``half_experts``)."""
