@@ -224,6 +224,11 @@ struct Layer {
   Matrix pl_gate, pl_proj;
   const float* pl_norm = nullptr;
   float scalar = 1.0f;
+  // its experts beside the dense MLP (set_gemma4_experts; moe, experts, router, top_k as
+  // above): the router's input scale [hidden] and per-expert scale [E], and the norms of
+  // the dense output, the experts' input and the experts' output [hidden]
+  const float *g_router_scale = nullptr, *g_expert_scale = nullptr, *g_dense_out_norm = nullptr;
+  const float *g_experts_in_norm = nullptr, *g_experts_out_norm = nullptr;
 };
 
 struct Cache {
@@ -695,6 +700,28 @@ class DecodePlan {
     gemma4_ = true;
   }
 
+  // Gemma 4 layer i's experts beside its dense MLP (Gemma4Moe: 26B-A4B's): cpu_moe.cpp's
+  // Experts (GeGLU), router [E, hidden], top k, router_scale [hidden], per_expert_scale
+  // [E], and the dense output's, the experts' input's and output's norms [hidden]
+  void set_gemma4_experts(int64_t i, const pybind11::object& experts, const torch::Tensor& router, int64_t top_k,
+                          const torch::Tensor& router_scale, const torch::Tensor& per_expert_scale,
+                          const torch::Tensor& dense_out_norm, const torch::Tensor& experts_in_norm,
+                          const torch::Tensor& experts_out_norm) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && layers_[i].gemma4 && !layers_[i].moe,
+                "cpu_decode: set_gemma4_experts: layer ", i, " is no Gemma 4 layer without experts");
+    Layer& L = layers_[i];
+    L.moe = true;
+    attach_experts(L, experts, router, top_k, true, std::nullopt, false);
+    for (const torch::Tensor* t : {&router_scale, &per_expert_scale, &dense_out_norm, &experts_in_norm, &experts_out_norm})
+      L.keep.push_back(*t);
+    L.g_router_scale = vec_of(router_scale, H_, "router_scale");
+    L.g_expert_scale = vec_of(per_expert_scale, L.num_experts, "per_expert_scale");
+    L.g_dense_out_norm = vec_of(dense_out_norm, H_, "dense_out_norm");
+    L.g_experts_in_norm = vec_of(experts_in_norm, H_, "experts_in_norm");
+    L.g_experts_out_norm = vec_of(experts_out_norm, H_, "experts_out_norm");
+    scratch_rows_ = -1;  // (its buffers: make_scratch's)
+  }
+
   // Qwen3.5's gated attention for attention layer i (added by add_layer): its output
   // times sigmoid(h @ gate^T) before o_proj, gate [heads * head_dim, hidden]
   void set_attn_gate(int64_t i, const std::vector<PartSpec>& gate) {
@@ -909,7 +936,8 @@ class DecodePlan {
       qkv = std::max(qkv, (nh_ + 2 * L.g_nkv) * L.g_D), o = std::max(o, nh_ * L.g_D), ffn = std::max(ffn, L.g_F);
       pl = std::max(pl, L.g_P);
     }
-    gscratch_ = {f(2 * pl), f(pl)};
+    const bool gmoe = std::any_of(layers_.begin(), layers_.end(), [](const Layer& L) { return L.gemma4 && L.moe; });
+    gscratch_ = {f(2 * pl), f(pl), f(gmoe ? H_ : 1), f(gmoe ? H_ : 1), f(gmoe ? H_ : 1)};
     int64_t fs = 0;  // the widest shared expert
     for (const Layer& L : layers_) fs = std::max(fs, L.shared_down.k);
     xscratch_ = {f(2 * fs), f(fs), f(fs > 0 ? H_ : 1), f(1)};
@@ -1298,6 +1326,7 @@ class DecodePlan {
     linear(L.gate_up, h, gu, s, nullptr);
     ops_->gelu_tanh_mul(gu, act, T, L.g_F);
     linear(L.down, act, buf(kY), s, nullptr);
+    if (L.moe) gemma4_experts(L, s);  // kY: the dense and the experts' outputs, each normed, summed
     add_to_x(sublayer_out(buf(kY), L.mlp_out_norm, 1.0f, s), s);
     if (L.g_P > 0) {  // x += norm(proj(gelu(gate x) * the layer's input slice))
       const int64_t P = L.g_P;
@@ -1315,6 +1344,31 @@ class DecodePlan {
     std::memset(s.out, 0, T * H_ * sizeof(float));
   }
 
+  // Gemma4Moe beside the dense MLP, whose output is in kY: route the residual x (its
+  // weightless norm times router_scale and hidden^-1/2; softmax, top k, renormalised,
+  // times the chosen experts' scales), the experts on x's own norm, then kY = norm(dense)
+  // + norm(experts)
+  void gemma4_experts(const Layer& L, const Step& s) const {
+    const int64_t T = s.T, k = L.top_k;
+    float *r = gbuf(kGR), *ye = gbuf(kGYe), *n1 = gbuf(kGN1), *y = buf(kY);  // [T, hidden] each
+    const float inv = static_cast<float>(std::pow(static_cast<double>(H_), -0.5));  // (Python's hidden ** -0.5)
+    std::memcpy(r, s.x, T * H_ * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+      float* rt = r + t * H_;
+      unit_rms_norm(rt, H_);
+      for (int64_t i = 0; i < H_; i++) rt[i] = rt[i] * L.g_router_scale[i] * inv;
+    }
+    float* w = scratch_[kRouteW].data_ptr<float>();           // [T, k]
+    int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
+    moe_->route(r, L.router, nullptr, T, H_, L.num_experts, k, true, false, w, chosen);
+    for (int64_t j = 0; j < T * k; j++) w[j] *= L.g_expert_scale[chosen[j]];
+    ops_->rms_norm(s.x, nullptr, L.g_experts_in_norm, r, T, H_, eps_);  // the experts' input
+    moe_->experts(L.experts, r, chosen, w, T, k, ye);
+    ops_->rms_norm(y, nullptr, L.g_dense_out_norm, n1, T, H_, eps_);
+    ops_->rms_norm(ye, nullptr, L.g_experts_out_norm, r, T, H_, eps_);
+    for (int64_t i = 0; i < T * H_; i++) y[i] = n1[i] + r[i];
+  }
+
   void add_to_x(const float* y, const Step& s) const {
     for (int64_t i = 0; i < s.T * H_; i++) s.x[i] += y[i];
   }
@@ -1328,7 +1382,7 @@ class DecodePlan {
   }
 
   float* gbuf(int i) const { return gscratch_[i].data_ptr<float>(); }
-  enum { kGPair, kGAct };
+  enum { kGPair, kGAct, kGR, kGYe, kGN1 };
 
   // ---- DeepSeek's latent-attention layers (see add_mla_layer) -------------------------
 
@@ -1497,6 +1551,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("per_layer_norm") = pybind11::none(),
            pybind11::arg("per_layer_index"), pybind11::arg("scalar"))
       .def("set_attn_gate", &DecodePlan::set_attn_gate, pybind11::arg("layer"), pybind11::arg("gate"))
+      .def("set_gemma4_experts", &DecodePlan::set_gemma4_experts, pybind11::arg("layer"), pybind11::arg("experts"),
+           pybind11::arg("router"), pybind11::arg("top_k"), pybind11::arg("router_scale"),
+           pybind11::arg("per_expert_scale"), pybind11::arg("dense_out_norm"), pybind11::arg("experts_in_norm"),
+           pybind11::arg("experts_out_norm"))
       .def("set_shared", &DecodePlan::set_shared, pybind11::arg("layer"), pybind11::arg("gate_up"),
            pybind11::arg("down"), pybind11::arg("gate") = pybind11::none())
       .def("set_experts", &DecodePlan::set_experts, pybind11::arg("layer"), pybind11::arg("experts"),

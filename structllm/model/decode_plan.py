@@ -63,7 +63,9 @@ per-layer inputs (``PerLayerInputs``, computed in Python before the call and pas
 one ``[T, L, P]`` tensor) and the layer scalar. The kernels are the fused path's
 (``cpu_layer.cpp``'s norms, rotary store and GeGLU) where ``Gemma4Layer.forward`` runs
 torch's, so the hidden states agree within float rounding, not bit for bit
-(tests/engine/test_decode_plan_gemma4.py). Layers with experts keep the Python loop.
+(tests/engine/test_decode_plan_gemma4.py). 26B-A4B's experts beside the dense MLP run
+in the call too (``set_gemma4_experts``: its own router's scales, cpu_moe.cpp's GeGLU
+experts, the three extra norms).
 
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
@@ -206,8 +208,8 @@ def _gemma4_why_not(model: Gemma4Model) -> str | None:
     dense layers (no experts), every matrix in GGUF blocks."""
     for layer in model.layers:
         gl: Gemma4Layer = layer  # type: ignore[assignment]
-        if gl.moe is not None:
-            return "Gemma 4's experts are not in it"
+        if gl.moe is not None and gl.moe.native_experts() is None:
+            return "Gemma 4's experts are not native (cpu_moe.cpp)"
         if gl.k_eq_v:  # (a GGUF file's such layers load as projections of their own)
             return "values that are the keys' projection (attention_k_eq_v) are not in it"
         for name in gl.PACKED:
@@ -269,7 +271,7 @@ class DecodePlan:
         latent = isinstance(model, DeepseekModel)
         self.experts = [
             (dl.moe.native_experts() if dl.moe is not None else None)
-            if latent
+            if latent or isinstance(dl, Gemma4Layer)
             else _native_experts(dl)
             for dl in self.layers
         ]
@@ -308,7 +310,7 @@ class DecodePlan:
             if isinstance(dl, DeepseekLayer):
                 self._add_latent(dl, experts)
             elif isinstance(dl, Gemma4Layer):
-                self._add_gemma4(dl, i, cfg.intermediate_size_of(i))
+                self._add_gemma4(dl, i, cfg.intermediate_size_of(i), experts)
             elif isinstance(dl, RecurrentLayer):
                 self._add_recurrent(dl)
                 if experts is not None:  # (else its experts run from Python: a cut)
@@ -452,9 +454,10 @@ class DecodePlan:
             shared_down=[] if shared is None else _parts(shared.down_proj, True),
         )
 
-    def _add_gemma4(self, gl: Gemma4Layer, index: int, ffn: int) -> None:
+    def _add_gemma4(self, gl: Gemma4Layer, index: int, ffn: int, experts: Any) -> None:
         """A Gemma 4 layer (``Gemma4Layer.forward``'s weights), at its own shape; its
-        rope table 1 (local) or 0 (global), as ``Gemma4Model.forward`` hands them."""
+        rope table 1 (local) or 0 (global), as ``Gemma4Model.forward`` hands them; its
+        experts beside the MLP (``Gemma4Moe``, native: ``_gemma4_why_not``), if any."""
         pl = gl.per_layer > 0
         self.native.add_gemma4_layer(
             in_norm=gl.input_layernorm,
@@ -479,6 +482,23 @@ class DecodePlan:
             per_layer_index=index,
             scalar=float(gl.layer_scalar),
         )
+        moe = gl.moe
+        if moe is not None:
+
+            def f32(t: Tensor) -> Tensor:
+                return t.float().contiguous()
+
+            self.native.set_gemma4_experts(
+                index,
+                experts.handle(),
+                f32(moe.router),
+                moe.top_k,
+                f32(moe.router_scale),
+                f32(moe.per_expert_scale),
+                f32(gl.dense_out_norm),
+                f32(gl.experts_in_norm),
+                f32(gl.experts_out_norm),
+            )
 
     def _add_recurrent(self, layer: RecurrentLayer) -> None:
         """A hybrid model's recurrent layer: LFM2's short convolution (``lfm2.ShortConv``),

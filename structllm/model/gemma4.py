@@ -26,8 +26,8 @@ sliding-window and global layers) with
   added before the MLP's output norm.
 
 Prompt and mixed steps run the plain torch path (of the fused CPU layer ops, where the
-format uses them, the GeGLU and the logits' soft-cap); decode-only steps of a dense model
-in GGUF blocks take the native layer loop (``model.decode_plan``: ``add_gemma4_layer``),
+format uses them, the GeGLU and the logits' soft-cap); decode-only steps of a model in
+GGUF blocks take the native layer loop (``model.decode_plan``: ``add_gemma4_layer``),
 the others the same torch path. One
 process (tensor and pipeline parallelism are refused by name: layers of two shapes
 and layers reading other layers' caches are not cut).

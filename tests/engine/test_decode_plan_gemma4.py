@@ -4,9 +4,9 @@ C++ loop gives the hidden states and K/V writes of ``Gemma4Layer.forward`` (torc
 ops) from the same inputs, within float rounding: local and global layers (each at its
 head size), KV-shared layers over their source's cache, global layers of one KV head
 (a file of ``attention_k_eq_v`` layers), the per-layer inputs, windows shorter than a
-context;
+context, experts beside the MLP (26B-A4B's kind, their router and norms);
 greedy tokens through the engine are the Python loop's; a bad ``per_layer`` is refused
-by name; a model with experts keeps the Python loop and says why. Run under
+by name. Run under
 ``STRUCTLLM_CPU_ISA=avx2`` too for the AVX2 build."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ VARIANTS = {
     "e2b": {},
     "k_eq_v": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
     "e2b_heads": dict(head_dim=256, global_head_dim=512),
+    "moe": GEMMA4_MOE,  # 26B-A4B's: experts beside the MLP, no KV sharing or per-layer inputs
 }
 
 
@@ -95,8 +96,7 @@ def each_layer(llm: LLM, lens: list[int]) -> list[float]:
     out = []
     with torch.no_grad():
         x = model.embed(ids)
-        assert model.per_layer_inputs is not None
-        pli = model.per_layer_inputs(ids, x)
+        pli = None if model.per_layer_inputs is None else model.per_layer_inputs(ids, x)
         glob, loc = model.rope_tables(int(meta.max_seq_len))
         ropes = glob[positions].unsqueeze(1), loc[positions].unsqueeze(1)
         pairs = [torch.view_as_real(r[positions]) for r in (glob, loc)]
@@ -115,7 +115,8 @@ def each_layer(llm: LLM, lens: list[int]) -> list[float]:
             assert not delta.any()  # (the layer scales x itself)
             rope = ropes[1] if gl.local_rope else ropes[0]
             source = cfg.kv_source(i)
-            x = gl(x, rope, caches[i], meta, model.attn_impl, step_kv, source, pli[:, i], ops)
+            layer_input = None if pli is None else pli[:, i]
+            x = gl(x, rope, caches[i], meta, model.attn_impl, step_kv, source, layer_input, ops)
             errs = [rel(xn, x)]
             pairs_of = zip(native_caches, caches, strict=True)
             errs += [rel(a, b) for e, f in pairs_of for a, b in zip(e, f, strict=True)]
@@ -130,7 +131,12 @@ def test_each_layer_agrees_with_the_python_layer(gemma4: LLM, lens: list[int]) -
     model = gemma4.engine.runner.model
     assert type(model.attn_impl).__name__ == "CpuAttention"
     kinds = {(gl.local_rope, gl.owns_kv) for gl in model.layers}
-    assert kinds == {(True, True), (False, True), (True, False), (False, False)}
+    moe = [i for i, gl in enumerate(model.layers) if gl.moe is not None]
+    # (E2B's kind: KV-shared layers of both kinds; 26B-A4B's: experts, run natively)
+    assert kinds == {(True, True), (False, True)} | (
+        {(True, False), (False, False)} if not moe else set()
+    )
+    assert all(model._native_plan().experts[i] is not None for i in moe)
     errs = each_layer(gemma4, lens)
     # (the matmuls round their activations to 16 bits per block of 32: an input that
     # differs in its last float bit can move one by a quantum, 1/32767 of its block's
@@ -139,16 +145,31 @@ def test_each_layer_agrees_with_the_python_layer(gemma4: LLM, lens: list[int]) -
 
 
 def test_greedy_tokens_equal_the_python_loop(gemma4: LLM) -> None:
+    """The same greedy tokens, but where the Python loop's two best tokens were a near
+    tie (within 0.01 in logprob) at the first token that differs: with experts, the
+    router's rounding may pick another expert there (test_families' Gemma 4 bars)."""
     model = gemma4.engine.runner.model
     assert "cpu_decode.cpp" in model.decode_why
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9], list(range(300, 320))]
     runs = []
     for native in (True, False):
         model.native_decode = native
-        runs.append([o.token_ids for o in gemma4.generate(prompts, params)])
+        runs.append(gemma4.generate(prompts, params))
     model.native_decode = True
-    assert runs[0] == runs[1]
+    ties = 0
+    for ours, theirs in zip(*runs, strict=True):
+        if ours.token_ids == theirs.token_ids:
+            continue
+        j = next(
+            i
+            for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids, strict=True))
+            if a != b
+        )
+        top = sorted(theirs.logprobs[j].top_logprobs, reverse=True)  # type: ignore[index]
+        assert top[0] - top[1] <= 0.01, (j, top)
+        ties += 1
+    assert ties <= (1 if any(gl.moe is not None for gl in model.layers) else 0)
 
 
 def test_a_bad_per_layer_input_is_refused(gemma4: LLM) -> None:
@@ -159,18 +180,13 @@ def test_a_bad_per_layer_input_is_refused(gemma4: LLM) -> None:
     x = torch.zeros(1, model.cfg.hidden_size)
     ropes = [torch.zeros(1, d) for d in (model.cfg.head_dim_of(3), model.cfg.head_dim_of(0))]
     args = (x, None, ropes, meta.slot_mapping, meta.block_tables, meta.seq_lens, 1, 2)
+    rows = {} if model.per_layer_inputs is None else {"per_layer": torch.zeros(1, 8, 16)}
+    with pytest.raises(RuntimeError, match="rope table is not"):
+        plan.native.run(0, 1, *args[:2], ropes[::-1], *args[3:], **rows)
+    if not rows:  # (26B-A4B's kind: no per-layer inputs to give)
+        assert plan.native.run(0, 1, *args).shape == x.shape
+        return
     with pytest.raises(RuntimeError, match="needs per_layer float32"):
         plan.native.run(0, 1, *args)
     with pytest.raises(RuntimeError, match="needs per_layer float32"):
         plan.native.run(0, 1, *args, per_layer=torch.zeros(1, 8, 3))
-    with pytest.raises(RuntimeError, match="rope table is not"):
-        plan.native.run(0, 1, *args[:2], ropes[::-1], *args[3:], per_layer=torch.zeros(1, 8, 16))
-
-
-def test_experts_keep_the_python_loop(default_files) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(str(q8_file(default_files, **GEMMA4_MOE)), kv_cache_memory=32 << 20)
-    model = llm.engine.runner.model
-    assert model.decode_path == "python"
-    assert "Gemma 4's experts are not in it" in model.decode_why
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
