@@ -120,6 +120,28 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         use_double_wide_mlp=True,
         hidden_size_per_layer_input=128,  # (E2B's 1/6 of hidden; its table 49152 x 1024)
     ),
+    # Gemma 4 26B-A4B's kind at 8 layers: experts beside the dense MLP in every layer (8 of
+    # 768, top 2; 26B-A4B: 128 of 704, top 8), global layers whose values are their keys
+    # (one KV head), no KV sharing, no per-layer inputs
+    "gemma4_moe": dict(
+        _DENSE,
+        family="gemma4",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        global_head_dim=256,
+        sliding_window=512,
+        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=768,
+        intermediate_size=2048,
+    ),
     # hybrid models: LFM2's pattern (attention in 2 layers of 8; its MLP width derived
     # from block_ff_dim as LFM2's, 2816) and Qwen3.5's (3 Gated DeltaNet layers in 4)
     # (a 4096-token context: --prompt-len 2048, the issue's prompt length, fits)
@@ -568,15 +590,16 @@ def main() -> None:
         models.append(("default (SmolLM2-135M Q4_1)", "gguf", default_model_path()))
     for fam in filter(None, args.families.split(",")):
         table = SHAPES.get(args.shapes, {})
-        shape = table.get(fam, {})
+        shape = dict(table.get(fam, {}))
         if args.shapes != "tiny" and not shape:
             sys.exit(f"no {args.shapes} shape for {fam}; have {sorted(table)}")
+        family = str(shape.pop("family", fam))  # (a second shape of a family: gemma4_moe)
         if not args.gguf_only:
-            models.append((fam, "hf", tiny_family_dir(fam, files, **shape)))
-        if fam != "mistral":
+            models.append((fam, "hf", tiny_family_dir(family, files, **shape)))
+        if family != "mistral":
             try:
-                source = gguf_source_dir(fam, files, **shape)
-                f32 = llamacpp.convert_hf(source, "f32", *CONVERTER_ARGS.get(fam, ()))
+                source = gguf_source_dir(family, files, **shape)
+                f32 = llamacpp.convert_hf(source, "f32", *CONVERTER_ARGS.get(family, ()))
                 gguf = llamacpp.quantize(f32, args.quant)
                 models.append((f"{fam} {args.quant}", "gguf", gguf))
             except (llamacpp.ToolMissing, llamacpp.ToolFailed) as e:
