@@ -86,6 +86,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 # weights, built and cached like the tests' models; widths multiples of 256 (k-quants).
 _DENSE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8)
 _HEADS = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+# Qwen3.5's layers (3 Gated DeltaNet layers in 4; a 4096-token context: --prompt-len 2048,
+# the issue's prompt length, fits), and the experts of its MoE shapes
+_QWEN3_5 = dict(
+    _DENSE,
+    max_position_embeddings=4096,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+)
+_EXPERTS_8 = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=768,
+    shared_expert_intermediate_size=1024,
+)
 BENCH_SHAPES: dict[str, dict[str, object]] = {
     "mixtral": dict(_DENSE, **_HEADS, intermediate_size=1024, num_local_experts=8),
     "qwen3_moe": dict(_DENSE, **_HEADS, num_experts=8, moe_intermediate_size=768),
@@ -152,51 +171,12 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         block_multiple_of=256,
         max_position_embeddings=4096,
     ),
-    "qwen3_5": dict(
-        _DENSE,
-        max_position_embeddings=4096,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-    ),
+    "qwen3_5": _QWEN3_5,
     # Qwen3.5-MoE (35B-A3B's kind) and Qwen3-Next at the same layers: 8 experts of 768
     # (top 2) beside a gated shared expert of 1024 in every layer; Qwen3-Next's
     # projections fused per key head, its experts' top k renormalised
-    "qwen3_5_moe": dict(
-        _DENSE,
-        max_position_embeddings=4096,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=768,
-        shared_expert_intermediate_size=1024,
-    ),
-    "qwen3_next": dict(
-        _DENSE,
-        max_position_embeddings=4096,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        linear_num_key_heads=8,
-        linear_num_value_heads=16,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=768,
-        shared_expert_intermediate_size=1024,
-        norm_topk_prob=True,
-    ),
+    "qwen3_5_moe": dict(_QWEN3_5, **_EXPERTS_8),
+    "qwen3_next": dict(_QWEN3_5, **_EXPERTS_8, norm_topk_prob=True),
     # Granite 4 dense (granite-4.0-h-micro's kind) at 8 layers: Mamba-2 (its head width,
     # one group, state 128, chunk 256) around one NoPE attention layer, its multipliers
     "granitemoehybrid": dict(

@@ -59,10 +59,14 @@ def random_caches(
     return [tuple(torch.randn(t.shape, generator=g) for t in entry) for entry in caches]
 
 
-def both_paths(llm: LLM, lens: list[int], slots: list[int]) -> None:
+def both_paths(llm: LLM, lens: list[int], slots: list[int], within: float = 0.0) -> None:
     """One decode-only step of ``len(lens)`` rows (a context of 1: a fresh state) in
     state ``slots``, native and Python, from the same random caches and states: hidden
-    states, caches and states equal, bit for bit."""
+    states, caches and states equal, bit for bit; or (``within``) to that share of each
+    tensor's largest value: the Python loop runs a hybrid model's layers with experts on
+    torch's plain ops (``HybridModel._forward_fused``), the native one on the fused
+    kernels, so they agree to rounding (the activations' 16- and 8-bit rounding can move
+    a value by a quantum: 1e-7 to 5e-5 of the largest measured)."""
     runner = llm.engine.runner
     model: HybridModel = runner.model  # type: ignore[assignment]
     nb = next(e[0].shape[0] for e in runner.kv_caches if len(e) == 2)
@@ -78,10 +82,9 @@ def both_paths(llm: LLM, lens: list[int], slots: list[int]) -> None:
         model.native_decode = True
         got = model.forward(ids, positions, caches, meta, lambda: cuts.append(1))
     assert model.decode_path == "native"
-    assert torch.equal(got, want)
-    for entry, copy in zip(caches, copies, strict=True):
+    for entry, copy in [((got,), (want,)), *zip(caches, copies, strict=True)]:
         for t, c in zip(entry, copy, strict=True):
-            assert torch.equal(t, c)
+            assert float((t - c).abs().max()) <= within * float(c.abs().max())
     assert len(cuts) == (len(model.layers) - 1) // llama.CHECK_EVERY
 
 
@@ -126,32 +129,6 @@ def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
     plan.native.set_caches(runner.kv_caches)  # as it was (the plan keeps them)
 
 
-def close_paths(llm: LLM, lens: list[int], slots: list[int]) -> None:
-    """``both_paths`` within rounding: the Python loop runs a hybrid model's layers with
-    experts on torch's plain ops (``HybridModel._forward_fused``), the native one on the
-    fused kernels, so hidden states and caches agree to float rounding, not bit for bit
-    (the activations' 16- and 8-bit rounding can move a value by a quantum: 1e-7 to 5e-5
-    of the largest measured)."""
-    runner = llm.engine.runner
-    model: HybridModel = runner.model  # type: ignore[assignment]
-    nb = next(e[0].shape[0] for e in runner.kv_caches if len(e) == 2)
-    caches = random_caches(model, runner.kv_caches)
-    copies = [tuple(t.clone() for t in entry) for entry in caches]
-    meta, positions = decode_meta(lens, runner.block_size, nb)
-    meta = dataclasses.replace(meta, state_slots=list(slots))
-    ids = torch.tensor([(37 * i + 11) % 200 for i in range(len(lens))])
-    with torch.no_grad():
-        model.native_decode = False
-        want = model.forward(ids, positions, copies, meta)
-        model.native_decode = True
-        got = model.forward(ids, positions, caches, meta)
-    assert model.decode_path == "native"
-    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
-    for entry, copy in zip(caches, copies, strict=True):
-        for t, c in zip(entry, copy, strict=True):
-            assert float((t - c).abs().max()) <= 1e-4 * float(c.abs().max())
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
 def test_experts_in_hybrid_layers_run_in_the_native_call(
     family: str, default_files, monkeypatch: pytest.MonkeyPatch
@@ -167,8 +144,8 @@ def test_experts_in_hybrid_layers_run_in_the_native_call(
     assert moe and all(plan.experts[i] is not None for i in moe)
     assert any(isinstance(model.layers[i], RecurrentLayer) for i in moe)
     assert len(plan.segments) == -(-len(model.layers) // llama.CHECK_EVERY)
-    close_paths(llm, [13], [2])
-    close_paths(llm, [1, 40, 9], [3, 0, 1])
+    both_paths(llm, [13], [2], 1e-4)
+    both_paths(llm, [1, 40, 9], [3, 0, 1], 1e-4)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9]]
     native = [o.token_ids for o in llm.generate(prompts, params)]
@@ -182,6 +159,6 @@ def test_experts_in_hybrid_layers_run_in_the_native_call(
     model._decode_plan = None
     plan = model._native_plan()
     assert [end for _, end, _ in plan.segments if plan.cut(end - 1)] == [i + 1 for i in moe]
-    close_paths(llm, [13], [2])
-    close_paths(llm, [1, 40, 9], [3, 0, 1])
+    both_paths(llm, [13], [2], 1e-4)
+    both_paths(llm, [1, 40, 9], [3, 0, 1], 1e-4)
     model._decode_plan = None
