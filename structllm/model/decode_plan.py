@@ -46,9 +46,7 @@ passed per step (``HybridModel._forward_fused``). Nemotron-H's blocks run here t
 an MLP; ``add_mlp_layer``: ``down(relu(up h)^2)``). Experts in a hybrid model's layers
 (Qwen3.5-MoE's, Qwen3-Next's, Granite 4's) run as in the other models: natively where
 ``_native_experts`` allows (a recurrent layer's through ``set_experts``), else from
-Python between two native calls (a cut); the Python loop runs such layers on torch's
-plain ops (``HybridModel._forward_fused``), so the two loops agree there within
-rounding, not bit for bit.
+Python between two native calls (a cut), bit for bit as the Python loop runs them.
 
 DeepSeek's latent-attention layers (``model.deepseek``) run here when cpu_mla.cpp is in
 use, every matrix is in GGUF blocks and the experts are native (``_latent_why_not``):

@@ -251,11 +251,10 @@ class HybridModel(LlamaModel):
         (``DecoderLayer.forward_fused``, ``RecurrentLayer.forward_fused``, and those of
         a layer marked ``fused_block``: Nemotron-H's attention, Mamba-2 and MLP blocks,
         whose output is their one sublayer's). ``rows: [T, D/2]`` complex64 rotations.
-        A layer of another kind (Nemotron-H's experts), and a layer with experts, runs
-        its own ``forward`` on the stream with the pending output added: the fused
-        router's rounding flips a near-tie of the experts' scores that the recurrent
-        states then carry to every later token (Qwen3.5-MoE at Q4_0,
-        ``test_quantized_gguf_runs_its_blocks``), so those layers keep the plain ops."""
+        A layer with experts runs them through the fused router and the native expert
+        call (``SparseMoe.forward`` with the fused activation), as the decode loop does;
+        a layer of another kind (Nemotron-H's experts) runs its own ``forward`` on the
+        stream with the pending output added."""
         pair = torch.view_as_real(rows)  # [T, D/2, 2] (cos, sin)
         identity: Tensor | None = None  # for a NoPE layer (the store still runs)
         delta: Tensor | None = None
@@ -273,10 +272,9 @@ class HybridModel(LlamaModel):
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if between_layers is not None and i and i % CHECK_EVERY == 0:
                 between_layers()
-            plain = getattr(layer, "moe", None) is not None  # (see the docstring)
             block = getattr(layer, "fused_block", False)  # Nemotron-H's (see the docstring)
             attention = type(layer) is DecoderLayer or block
-            if not plain and isinstance(layer, DecoderLayer) and attention and not layer.local_rope:
+            if isinstance(layer, DecoderLayer) and attention and not layer.local_rope:
                 rope = pair
                 if not layer.rotates:
                     if identity is None:
@@ -286,7 +284,7 @@ class HybridModel(LlamaModel):
                 delta = layer.forward_fused(
                     x, delta, rope, kc, vc, meta, self.attn_impl, None, ops, None
                 )
-            elif not plain and (isinstance(layer, RecurrentLayer) or block):
+            elif isinstance(layer, RecurrentLayer) or block:
                 delta = cast(RecurrentLayer, layer).forward_fused(x, delta, cache, rb, ops)
             else:
                 if delta is not None:
