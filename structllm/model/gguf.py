@@ -525,9 +525,9 @@ def _granite_hybrid(layers: int, head_dim: int, get: Callable[..., Any]) -> dict
     says ``rope.scaling.finetuned`` (llama.cpp's rule; Granite 4's hybrids are NoPE).
     Which layers attend is read off the tensors (``layer_types_from_tensors``): the
     converter's ``attention.head_count_kv`` list is not reliable for them. The chunk of
-    the scan is not in the file (it changes only the rounding): the configs' 256."""
-    if int(get("expert_count") or 0):
-        raise ValueError("granitehybrid GGUF files with experts are not supported yet")
+    the scan is not in the file (it changes only the rounding): the configs' 256. The
+    MoE variants' experts (granite-4.0-h-tiny, -small): ``_experts``; the shared MLP
+    is then written as ``ffn_*_shexp``."""
     heads = int(get("ssm.time_step_rank"))
     return dict(
         embed_scale=float(get("embedding_scale", 1.0)),
@@ -892,6 +892,14 @@ def _experts(family: str, experts: int, get: Callable[..., Any]) -> dict[str, An
             num_experts_per_tok=int(get("expert_used_count") or 0),
             moe_intermediate_size=int(get("expert_feed_forward_length") or 0),
             norm_topk_prob=True,
+        )
+    if family == "granitemoehybrid":  # beside the shared MLP; a softmax over the top k
+        return dict(  # (the routed experts' width: feed_forward_length, as the converter writes)
+            num_experts=experts,
+            num_experts_per_tok=int(get("expert_used_count") or 0),
+            moe_intermediate_size=int(
+                get("expert_feed_forward_length") or get("feed_forward_length")
+            ),
         )
     if family not in ("mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next"):
         raise ValueError(f"{family} GGUF file with experts ({experts}) is not supported")

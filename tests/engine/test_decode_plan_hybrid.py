@@ -24,7 +24,7 @@ from structllm.model import decode_plan, llama
 from structllm.model.hybrid import HybridModel, RecurrentLayer
 from tests.engine.test_decode_plan import decode_meta
 from tests.support import llamacpp
-from tests.support.models import CONVERTER_ARGS, gguf_source_dir
+from tests.support.models import CONVERTER_ARGS, GRANITE_MOE, gguf_source_dir
 
 pytestmark = pytest.mark.skipif(
     cpu_ext.load_recurrent() is None or cpu_ext.load_decode() is None,
@@ -32,11 +32,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def q8_file(family: str, default_files) -> Path:  # type: ignore[no-untyped-def]
-    """The family's tiny GGUF file in Q8_0, as llama.cpp's converter writes it (no
-    llama-quantize needed)."""
+def q8_file(family: str, default_files, **overrides: object) -> Path:  # type: ignore[no-untyped-def]
+    """The family's tiny GGUF file (with ``overrides`` of its config) in Q8_0, as
+    llama.cpp's converter writes it (no llama-quantize needed)."""
     try:
-        source = gguf_source_dir(family, default_files)
+        source = gguf_source_dir(family, default_files, **overrides)
         return llamacpp.convert_hf(source, "q8_0", *CONVERTER_ARGS.get(family, ()))
     except llamacpp.ToolMissing as e:
         pytest.skip(str(e))
@@ -126,15 +126,19 @@ def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
     plan.native.set_caches(runner.kv_caches)  # as it was (the plan keeps them)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "granitemoehybrid"])
 def test_experts_in_hybrid_layers_run_in_the_native_call(
     family: str, default_files, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    # experts with a gated shared expert beside Gated DeltaNet and gated attention: the
-    # router, the experts (cpu_moe.cpp) and the shared expert (set_shared) inside the
-    # native call, a recurrent layer's through set_experts; one call a step; bit for bit
-    # the Python loop's (its layers with experts on the same fused router and experts)
-    llm = LLM(str(q8_file(family, default_files)), kv_cache_memory=32 << 20, max_num_seqs=4)
+    # experts with a gated shared expert beside Gated DeltaNet and gated attention
+    # (Qwen3.5-MoE, Qwen3-Next), or an ungated shared MLP beside Mamba-2 and residual
+    # multipliers (Granite 4's MoE kind): the router, the experts (cpu_moe.cpp) and the
+    # shared expert (set_shared) inside the native call, a recurrent layer's through
+    # set_experts; one call a step; bit for bit the Python loop's (its layers with
+    # experts on the same fused router and experts)
+    overrides = GRANITE_MOE if family == "granitemoehybrid" else {}
+    path = q8_file(family, default_files, **overrides)
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=4)
     model = llm.engine.runner.model
     plan = model._native_plan()
     assert model.decode_path == "native"

@@ -525,7 +525,7 @@ QUANTIZED_FAMILIES = ["gemma3", "granite", "mixtral", "olmo2", "phi3", "qwen3", 
 QUANTIZED_FAMILIES += ["smollm3"]
 QUANTIZED_FAMILIES += ["gemma", "glm4", "ernie4_5", "exaone4", "qwen2_moe"]
 QUANTIZED_FAMILIES += ["lfm2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
-QUANTIZED_FAMILIES += ["nemotron_h"]
+QUANTIZED_FAMILIES += ["nemotron_h", "granitemoehybrid_moe"]
 QUANTIZED_FAMILIES += sorted(CLASSIC)
 QUANTIZED_FAMILIES += ["gpt_oss", "glm4_moe", "llama4", "deepseek_v3", "gemma3n"]
 # (llama.cpp loads a deepseek2 file without q_lora_rank only at V2-Lite's 26 or 27
@@ -537,11 +537,15 @@ GGUF_FAMILIES += ["gemma4", "gemma4_moe"]
 
 def gguf_source(name: str, default_files) -> Path:  # type: ignore[no-untyped-def]
     """The directory a GGUF test file is made from: a family's, or a variant's
-    (``gemma4_moe``: Gemma 4 with experts beside the MLP, 26B-A4B's layers)."""
-    from tests.support.models import GEMMA4_MOE
+    (``gemma4_moe``: Gemma 4 with experts beside the MLP, 26B-A4B's layers;
+    ``granitemoehybrid_moe``: Granite 4 with routed experts beside its shared MLP,
+    granite-4.0-h-tiny's kind)."""
+    from tests.support.models import GEMMA4_MOE, GRANITE_MOE
 
     if name == "gemma4_moe":
         return gguf_source_dir("gemma4", default_files, **GEMMA4_MOE)
+    if name == "granitemoehybrid_moe":
+        return gguf_source_dir("granitemoehybrid", default_files, **GRANITE_MOE)
     return gguf_source_dir(name, default_files)
 
 

@@ -374,6 +374,9 @@ _QWEN3_5_EXPERTS: dict[str, object] = dict(
     shared_expert_intermediate_size=64,
 )
 GEMMA4_LAYERS = (["sliding_attention"] * 3 + ["full_attention"]) * 2
+# granite-4.0-h-tiny's kind in small: routed experts (intermediate_size wide, a softmax
+# over the top k) beside the shared MLP in every layer
+GRANITE_MOE: dict[str, object] = dict(num_local_experts=4, num_experts_per_tok=2)
 # Gemma 4 26B-A4B's layers in small: experts beside the MLP, global layers whose values
 # are their keys (one KV head), no KV sharing and no per-layer inputs
 GEMMA4_MOE: dict[str, object] = dict(
