@@ -86,6 +86,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 # weights, built and cached like the tests' models; widths multiples of 256 (k-quants).
 _DENSE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8)
 _HEADS = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+# Gemma 4's attention layers at the bench shape: three local layers to one global of
+# twice the head size
+_GEMMA4 = dict(
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    global_head_dim=256,
+    sliding_window=512,
+    layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+)
 # Qwen3.5's layers (3 Gated DeltaNet layers in 4; a 4096-token context: --prompt-len 2048,
 # the issue's prompt length, fits), and the experts of its MoE shapes
 _QWEN3_5 = dict(
@@ -129,12 +139,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
     # (llama-kv-cache.cpp's map_layer_ids assertion) when that layer's type differs
     "gemma4": dict(
         _DENSE,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        global_head_dim=256,
-        sliding_window=512,
-        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        **_GEMMA4,
         num_kv_shared_layers=4,
         use_double_wide_mlp=True,
         hidden_size_per_layer_input=128,  # (E2B's 1/6 of hidden; its table 49152 x 1024)
@@ -145,12 +150,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
     "gemma4_moe": dict(
         _DENSE,
         family="gemma4",
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        global_head_dim=256,
-        sliding_window=512,
-        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        **_GEMMA4,
         num_kv_shared_layers=0,
         hidden_size_per_layer_input=0,
         attention_k_eq_v=True,
