@@ -59,7 +59,11 @@
 //       head size and MLP width; a KV-shared layer's cache entry is its source layer's
 //       pair (it stores nothing, attends over it); run's ropes one table per kind of
 //       layer, each [T, D_kind/2, 2], and per_layer [T, L, P] (the per-layer inputs,
-//       PerLayerInputs'); the layer scales the residual x itself and outputs zeros
+//       PerLayerInputs'); the layer scales the residual x itself and outputs zeros;
+//       set_gemma4_experts(i, ...): its experts beside the MLP (26B-A4B's)
+//   set_experts(i, ...): a recurrent layer added with moe=True runs its experts here (else
+//       it ends its range at its MLP's input: the caller runs them); set_shared(i, ...):
+//       a layer's shared expert (and its sigmoid gate) after its native experts
 
 #include <pybind11/stl.h>
 #include <torch/extension.h>
