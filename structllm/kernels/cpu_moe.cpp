@@ -27,7 +27,7 @@
 // Shapes:
 //   Experts(gate_up, down, hidden, ffn, int8_min_m, int16_min_m, table[, gate_up_bias
 //       [E, 2F] float32, down_bias [E, hidden] float32, act (0 SiLU, 1 clamped SwiGLU,
-//       2 GeGLU: Gemma 4's),
+//       2 GeGLU: Gemma 4's, 3 relu² not gated: Nemotron 3's, gate_up then [F, hidden]),
 //       alpha, limit]): per expert a
 //       list of (raw [rows, bytes] uint8, type code, int8 allowed) parts, in row order
 //       (type code 9: float16 rows, [rows, 2 * K] bytes: a float16/bfloat16 checkpoint's);
@@ -156,16 +156,17 @@ class Experts {
         alpha_(static_cast<float>(alpha)),
         limit_(static_cast<float>(limit)),
         keep_bias_{gate_up_bias.value_or(torch::Tensor()), down_bias.value_or(torch::Tensor())} {
-    TORCH_CHECK(act >= 0 && act <= 2, "cpu_moe: act must be 0 (SiLU), 1 (clamped SwiGLU) or 2 (GeGLU), got ", act);
+    TORCH_CHECK(act >= 0 && act <= 3,
+                "cpu_moe: act must be 0 (SiLU), 1 (clamped SwiGLU), 2 (GeGLU) or 3 (relu², not gated), got ", act);
     TORCH_CHECK(std::string(table.name()) == "structllm.quant_linears", "cpu_moe: not the quant kernels' table");
     table_ = static_cast<const Table*>(table.get_pointer());
     TORCH_CHECK(gate_up.size() == down.size() && !gate_up.empty(), "cpu_moe: one gate_up and one down per expert");
     for (size_t e = 0; e < gate_up.size(); e++) {
-      gate_up_.push_back(parts_of(gate_up[e], 2 * ffn, hidden, "gate_up"));
+      gate_up_.push_back(parts_of(gate_up[e], gu_width(), hidden, "gate_up"));
       down_.push_back(parts_of(down[e], hidden, ffn, "down"));
     }
     const auto E = static_cast<int64_t>(gate_up.size());
-    gu_bias_ = bias_rows(gate_up_bias, E, 2 * ffn, "gate_up_bias");
+    gu_bias_ = bias_rows(gate_up_bias, E, gu_width(), "gate_up_bias");
     down_bias_ = bias_rows(down_bias, E, hidden, "down_bias");
   }
 
@@ -206,13 +207,16 @@ class Experts {
     // kept between calls (every element is written before it is read: no zero fill of
     // ~5 MB a batch-16 step at the bench shape)
     if (static_cast<int64_t>(buf_.size()) < S * (3 * H + 3 * F)) buf_.resize(S * (3 * H + 3 * F));
-    float *xg = buf_.data(), *gu = xg + S * H, *act = gu + S * 2 * F, *y = act + S * F;
+    const int64_t GU = gu_width();  // gate | up, or (relu²) up alone
+    float *xg = buf_.data(), *gu = xg + S * H, *act = gu + S * GU, *y = act + S * F;
     for (int64_t s = 0; s < S; s++) std::memcpy(xg + pos[s] * H, hp + (s / k) * H, H * sizeof(float));
 
-    run_parts(gate_up_, offset, xg, H, gu, 2 * F, gu_bias_);
+    run_parts(gate_up_, offset, xg, H, gu, GU, gu_bias_);
     sl::parallel_for(0, S, 4, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; r++) {
-        if (act_ == 1)
+        if (act_ == 3)
+          relu_squared_row(gu + r * F, act + r * F, F);
+        else if (act_ == 1)
           swiglu_clamp_row(gu + r * 2 * F, act + r * F, F, alpha_, limit_);
         else if (act_ == 2)
           gelu_tanh_mul_row(gu + r * 2 * F, act + r * F, F);
@@ -290,6 +294,18 @@ class Experts {
 #pragma omp simd
     for (int64_t i = 0; i < F; i++) o[i] = g[i] / (1.0f + sl::exp_approx(-g[i])) * u[i];
   }
+
+  // relu(u)^2 of one row (Nemotron 3's experts, not gated: torch's relu then square)
+  static void relu_squared_row(const float* u, float* o, int64_t F) {
+#pragma omp simd
+    for (int64_t i = 0; i < F; i++) {
+      const float r = u[i] > 0.0f ? u[i] : 0.0f;
+      o[i] = r * r;
+    }
+  }
+
+  // the gate_up matrices' rows: 2F (gate | up), or F (relu²: up alone)
+  int64_t gu_width() const { return act_ == 3 ? ffn_ : 2 * ffn_; }
 
   // cpu_layer.cpp's gelu_tanh_mul of one row (Gemma 4's experts; the same expression)
   static void gelu_tanh_mul_row(const float* g, float* o, int64_t F) {

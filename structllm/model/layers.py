@@ -426,16 +426,19 @@ class SparseMoe(nn.Module):
         first use, after loading has packed them), or None: some expert is neither
         (float32 stays on torch's exact ops) or the kernel is missing."""
         if self.native is None:
-            self.native = _native_experts(
+            self.native = native_experts_of(
                 [cast(Expert, e) for e in self.experts], self.hidden, self.ffn, self.native_extras()
             )
         return self.native or None
 
 
-def _native_experts(experts: list[Expert], hidden: int, ffn: int, extras: dict[str, Any]) -> Any:
+def native_experts_of(
+    experts: list[Any], hidden: int, ffn: int, extras: dict[str, Any], first: str = "gate_up_proj"
+) -> Any:
     """``Experts`` for these experts, or False (see ``SparseMoe.native_experts``);
-    ``extras``: ``SparseMoe.native_extras``."""
-    gate_up = [packed.kernel_parts(e.gate_up_proj, True) for e in experts]
+    ``extras``: ``SparseMoe.native_extras``; ``first``: the name of each expert's first
+    matrix (Nemotron 3's relu² experts: ``up_proj``, with ``act`` 3)."""
+    gate_up = [packed.kernel_parts(getattr(e, first), True) for e in experts]
     down = [packed.kernel_parts(e.down_proj, True) for e in experts]
     if any(p is None for p in gate_up + down):
         return False

@@ -32,6 +32,7 @@ from structllm.model import mamba2
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.hybrid import HybridModel, Mixer
+from structllm.model.layers import native_experts_of
 from structllm.model.llama import DecoderLayer
 from structllm.model.moe import GroupPick, sigmoid_group_route
 from structllm.model.recurrent import RecurrentBatch
@@ -185,6 +186,7 @@ class MoeBlock(nn.Module):
         self.router = _param(dtype, e, h)
         self.router_bias = _param(dtype, e)
         width = latent or h
+        self.width, self.ffn = width, cfg.moe_intermediate_size  # the experts' in/out, inner
         self.experts = nn.ModuleList(
             ReluSquaredExpert(width, cfg.moe_intermediate_size, dtype) for _ in range(e)
         )
@@ -192,6 +194,17 @@ class MoeBlock(nn.Module):
         self.latent_down: Weight | None = _param(dtype, latent, h) if latent else None
         self.latent_up: Weight | None = _param(dtype, h, latent) if latent else None
         self.PACKED = ("latent_down", "latent_up") if latent else ()
+        self.native: Any = None  # cpu_moe.cpp's Experts, once built (False: not for these weights)
+
+    def native_experts(self) -> Any:
+        """cpu_moe.cpp's ``Experts`` over the experts' block or float16 weights (relu², its
+        act 3; built on first use, after loading has packed them), or None (float32
+        weights stay on torch's exact ops, or the kernel is missing)."""
+        if self.native is None:
+            experts = list(self.experts)
+            extras = {"act": 3}
+            self.native = native_experts_of(experts, self.width, self.ffn, extras, first="up_proj")
+        return self.native or None
 
     def route(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """``h [T, hidden]`` -> (weights, chosen), ``[T, k]`` each, as transformers'
@@ -205,6 +218,17 @@ class MoeBlock(nn.Module):
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
         weights, chosen = self.route(h)
         u = h if self.latent_down is None else linear(h, self.latent_down)  # [T, L]
+        native = self.native_experts() if u.dtype == torch.float32 and u.is_cpu else None
+        if native is not None:  # one native call for every expert (cpu_moe.cpp): the same bits
+            routed = cast(Tensor, native.forward(u, chosen, weights.float()))
+        else:
+            routed = self._routed(u, weights, chosen)
+        if self.latent_up is not None:
+            routed = linear(routed, self.latent_up)  # [T, hidden]
+        return x + (routed + relu_squared_mlp(h, self.shared.up_proj, self.shared.down_proj))
+
+    def _routed(self, u: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
+        """The routed experts' weighted sum of ``u [T, L]``, expert by expert."""
         flat = chosen.flatten()  # (token, choice) slots, sorted by expert below
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -220,9 +244,7 @@ class MoeBlock(nn.Module):
             expert = cast(ReluSquaredExpert, self.experts[i])
             y = relu_squared_mlp(u[rows], expert.up_proj, expert.down_proj)  # [n, L]
             routed.index_put_((rows,), y * w[slots, None].to(y.dtype), accumulate=True)
-        if self.latent_up is not None:
-            routed = linear(routed, self.latent_up)  # [T, hidden]
-        return x + (routed + relu_squared_mlp(h, self.shared.up_proj, self.shared.down_proj))
+        return routed
 
 
 class NemotronHModel(HybridModel):

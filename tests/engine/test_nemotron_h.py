@@ -150,6 +150,7 @@ MOE_GGUF = dict(MOE, layers_block_type=[*MOE["layers_block_type"][:5], "linear_a
 def test_experts_gguf_equals_the_directory_and_quantizes(default_files) -> None:  # type: ignore[no-untyped-def]
     # llama.cpp's nemotron_h_moe: the converter's F32 file runs as the directory; its
     # Q8_0 file's blocks (experts included) agree with its own dequantisation
+    from structllm.model.nemotron_h import MoeBlock
     from tests.support import llamacpp
 
     source = gguf_source_dir("nemotron_h", default_files, **MOE_GGUF)
@@ -181,6 +182,14 @@ def test_experts_gguf_equals_the_directory_and_quantizes(default_files) -> None:
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
     assert agree / total >= 0.98, (agree, total)
+    # the relu² experts run on cpu_moe.cpp's native call (act 3), the same bits as one
+    # by one in Python
+    moe_blocks = [m for m in blocks.runner.model.layers if isinstance(m, MoeBlock)]  # type: ignore[union-attr]
+    assert moe_blocks and all(m.native_experts() is not None for m in moe_blocks)
+    native = prefill_logits(blocks, PROMPTS[1])
+    for m in moe_blocks:
+        m.native = False
+    assert torch.equal(prefill_logits(blocks, PROMPTS[1]), native)
 
 
 def hf_config(**overrides: object) -> dict[str, object]:
