@@ -248,6 +248,28 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         ssm_state_size=128,
         chunk_size=128,
     ),
+    # Nemotron 3 Nano's kind: its expert layers in place of the MLP ones (8 relu² experts
+    # of 768, top 2, scaled, beside a shared one of 1024; llama.cpp's converter writes a
+    # Nemotron 3 file's MLP layers as experts, so none here)
+    "nemotron_h_moe": dict(
+        _DENSE,
+        **_HEADS,
+        family="nemotron_h",
+        layers_block_type=["linear_attention", "moe"] * 2
+        + ["linear_attention", "full_attention", "moe", "linear_attention"],
+        mamba_num_heads=32,
+        mamba_head_dim=64,
+        n_groups=8,
+        ssm_state_size=128,
+        chunk_size=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=768,
+        moe_shared_expert_intermediate_size=1024,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 
