@@ -96,6 +96,10 @@ _GEMMA4 = dict(
     sliding_window=512,
     layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2,
 )
+# Nemotron-H's Mamba-2 at Nemotron-H 8B's head width, groups, state and chunk
+_NEMOTRON_MAMBA = dict(
+    mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128
+)
 # Qwen3.5's layers (3 Gated DeltaNet layers in 4; a 4096-token context: --prompt-len 2048,
 # the issue's prompt length, fits), and the experts of its MoE shapes
 _QWEN3_5 = dict(
@@ -242,11 +246,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         **_HEADS,
         layers_block_type=["linear_attention", "mlp"] * 2
         + ["linear_attention", "full_attention", "mlp", "linear_attention"],
-        mamba_num_heads=32,
-        mamba_head_dim=64,
-        n_groups=8,
-        ssm_state_size=128,
-        chunk_size=128,
+        **_NEMOTRON_MAMBA,
     ),
     # Nemotron 3 Nano's kind: its expert layers in place of the MLP ones (8 relu² experts
     # of 768, top 2, scaled, beside a shared one of 1024; llama.cpp's converter writes a
@@ -257,11 +257,7 @@ BENCH_SHAPES: dict[str, dict[str, object]] = {
         family="nemotron_h",
         layers_block_type=["linear_attention", "moe"] * 2
         + ["linear_attention", "full_attention", "moe", "linear_attention"],
-        mamba_num_heads=32,
-        mamba_head_dim=64,
-        n_groups=8,
-        ssm_state_size=128,
-        chunk_size=128,
+        **_NEMOTRON_MAMBA,
         n_routed_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=768,
