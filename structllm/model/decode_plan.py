@@ -203,7 +203,8 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
 
 def _gemma4_why_not(model: Gemma4Model) -> str | None:
     """Why a Gemma 4 model's decode steps cannot take the native loop (None: they can):
-    dense layers (no experts), every matrix in GGUF blocks."""
+    experts (if any) on cpu_moe.cpp, no ``attention_k_eq_v`` layers, every matrix in GGUF
+    blocks (the per-layer input projections may be float)."""
     for layer in model.layers:
         gl: Gemma4Layer = layer  # type: ignore[assignment]
         if gl.moe is not None and gl.moe.native_experts() is None:
