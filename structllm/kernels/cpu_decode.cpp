@@ -54,7 +54,9 @@
 //       convolution's and scan's states [S, C, K - 1] and [S, H, P, N]; in_proj, the
 //       convolution, cpu_recurrent.cpp's ssm_decode and group_norm, out_proj, the MLP
 //       (or none: Nemotron-H's Mamba block). Nemotron-H's other blocks: add_layer(...,
-//       mlp=False) (attention alone), add_mlp_layer (down(relu(up h)^2), no cache)
+//       mlp=False) (attention alone), add_mlp_layer (down(relu(up h)^2), no cache),
+//       add_moe_block (Nemotron 3's experts: cpu_mla.cpp's grouped router, the relu²
+//       experts between its latent projections, the shared MLP; no cache)
 //   add_gemma4_layer(...): a Gemma 4 layer (model/gemma4.py), each with its own KV heads,
 //       head size and MLP width; a KV-shared layer's cache entry is its source layer's
 //       pair (it stores nothing, attends over it); run's ropes one table per kind of
@@ -175,8 +177,11 @@ struct Layer {
   // output is its mixer's, as added to the residual
   bool mlp = true;
   // Nemotron-H's MLP block (add_mlp_layer): pre-norm, down(relu(up h)^2), up in gate_up
-  // [F, hidden], down [hidden, F]
+  // [F, hidden], down [hidden, F]; with moe, Nemotron 3's MoE block (add_moe_block): its
+  // relu² experts (experts, router, route_* below) between latent_down [Lw, hidden] and
+  // latent_up [hidden, Lw] (or neither), the shared relu² MLP's up in shared_gate_up
   bool relu2 = false;
+  Matrix latent_down, latent_up;
   const void* experts = nullptr;
   const float* router = nullptr;
   const float* router_bias = nullptr;  // [E] (gpt-oss's), or null
@@ -412,7 +417,8 @@ class DecodePlan {
   // which must run here: set by add_layer's experts or set_experts)
   void set_shared(int64_t i, const std::vector<PartSpec>& gate_up, const std::vector<PartSpec>& down,
                   const OptT& gate) {
-    TORCH_CHECK(i >= 0 && i < num_layers() && layers_[i].moe && layers_[i].experts != nullptr && !layers_[i].mla,
+    TORCH_CHECK(i >= 0 && i < num_layers() && layers_[i].moe && layers_[i].experts != nullptr && !layers_[i].mla &&
+                    !layers_[i].relu2,
                 "cpu_decode: set_shared: layer ", i, " runs no experts here");
     Layer& L = layers_[i];
     int64_t rows = 0;
@@ -645,6 +651,45 @@ class DecodePlan {
     L.relu2 = true;
     L.gate_up = matrix_of(up, F_, H_, "up");
     L.down = matrix_of(down, H_, F_, "down");
+    L.residual_scale = 1.0f;
+    layers_.push_back(std::move(L));
+  }
+
+  // Nemotron 3's MoE block (model/nemotron_h.py's MoeBlock.forward_fused), in model order:
+  // pre-norm into h; cpu_mla.cpp's group_route of h (router [E, hidden] float32, sigmoid
+  // scores plus router_bias [E], groups_used of groups, top_k, renormalised, times
+  // route_scale); the relu² experts (an Experts of cpu_moe.cpp) on latent_down h [T, Lw]
+  // (latent_down [Lw, hidden]; empty: on h itself), latent_up [hidden, Lw] after them;
+  // plus the shared relu² MLP of h (shared_up [Fs, hidden], shared_down [hidden, Fs]).
+  // No state, no cache (its entry is empty).
+  void add_moe_block(const torch::Tensor& in_norm, const pybind11::object& experts, const torch::Tensor& router,
+                     const torch::Tensor& router_bias, int64_t groups, int64_t groups_used, int64_t top_k,
+                     bool renormalise, double route_scale, const std::vector<PartSpec>& latent_down,
+                     const std::vector<PartSpec>& latent_up, const std::vector<PartSpec>& shared_up,
+                     const std::vector<PartSpec>& shared_down) {
+    TORCH_CHECK(mla_ != nullptr, "cpu_decode: a MoE block needs mla_ops (its grouped router)");
+    TORCH_CHECK(latent_down.empty() == latent_up.empty(), "cpu_decode: latent_down and latent_up come together");
+    TORCH_CHECK(groups >= 1 && groups_used >= 1 && groups_used <= groups && router.size(0) % groups == 0,
+                "cpu_decode: bad expert groups");
+    Layer L{};
+    L.keep.push_back(in_norm);
+    L.in_norm = vec_of(in_norm, H_, "in_norm");
+    L.relu2 = true;
+    L.moe = true;
+    attach_experts(L, experts, router, top_k, renormalise, router_bias, false);
+    TORCH_CHECK(L.router_bias != nullptr, "cpu_decode: a MoE block's router has a choice bias");
+    L.route_sigmoid = true, L.route_groups = groups, L.route_used = groups_used;
+    L.route_scale = static_cast<float>(route_scale);
+    if (!latent_down.empty()) {
+      int64_t width = 0;
+      for (const auto& spec : latent_down) width += std::get<0>(spec).size(0);
+      L.latent_down = matrix_of(latent_down, width, H_, "latent_down");
+      L.latent_up = matrix_of(latent_up, H_, width, "latent_up");
+    }
+    int64_t fs = 0;
+    for (const auto& spec : shared_up) fs += std::get<0>(spec).size(0);
+    L.shared_gate_up = matrix_of(shared_up, fs, H_, "shared_up");
+    L.shared_down = matrix_of(shared_down, H_, fs, "shared_down");
     L.residual_scale = 1.0f;
     layers_.push_back(std::move(L));
   }
@@ -919,7 +964,7 @@ class DecodePlan {
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     for (const Layer& L : layers_)
-      for (const Matrix* m : {&L.q_a, &L.q_b, &L.kv_a, &L.shared_gate_up, &L.shared_down})
+      for (const Matrix* m : {&L.q_a, &L.q_b, &L.kv_a, &L.shared_gate_up, &L.shared_down, &L.latent_down, &L.latent_up})
         if (m->parts.size() > 1)
           for (const Part& p : m->parts) widest = std::max(widest, p.rows);
     for (const Layer& L : layers_)
@@ -944,7 +989,9 @@ class DecodePlan {
     gscratch_ = {f(2 * pl), f(pl), f(gmoe ? H_ : 1), f(gmoe ? H_ : 1), f(gmoe ? H_ : 1)};
     int64_t fs = 0;  // the widest shared expert
     for (const Layer& L : layers_) fs = std::max(fs, L.shared_down.k);
-    xscratch_ = {f(2 * fs), f(fs), f(fs > 0 ? H_ : 1), f(1)};
+    int64_t lw = 0;  // the widest latent (Nemotron 3's MoE blocks)
+    for (const Layer& L : layers_) lw = std::max(lw, L.latent_down.rows);
+    xscratch_ = {f(2 * fs), f(fs), f(fs > 0 ? H_ : 1), f(1), f(lw), f(lw)};
     scratch_ = {f(H_), f(qkv), f(o), f(H_), f(H_), f(2 * ffn), f(ffn), f(H_), f(widest),
                 f(top_k), torch::empty({T, top_k}, torch::kInt64), f(conv ? 3 * H_ : 1), f(conv ? H_ : 1),
                 f(conv ? H_ : 1)};
@@ -1089,7 +1136,7 @@ class DecodePlan {
   }
 
   float* xbuf(int i) const { return xscratch_[i].data_ptr<float>(); }
-  enum { kXSharedGU, kXSharedAct, kXSharedOut, kXSharedZ };
+  enum { kXSharedGU, kXSharedAct, kXSharedOut, kXSharedZ, kXLatent, kXLatentOut };
 
 
   // ---- hybrid models' recurrent layers (see add_conv_layer) -------------------------------
@@ -1238,13 +1285,39 @@ class DecodePlan {
   // multiply, as F.relu(.).square()), down into s.out
   void relu2_layer(const Layer& L, const Step& s, const float* delta) const {
     const float* h = pre_norm(L.in_norm, delta, s);
-    float* mid = buf(kAct);  // [T, F]
-    linear(L.gate_up, h, mid, s, nullptr);
-    for (int64_t i = 0; i < s.T * F_; i++) {
+    if (L.moe) return moe_block(L, h, s);
+    relu2_mlp(L.gate_up, L.down, h, buf(kAct), s.out, s);
+  }
+
+  // y [T, hidden] = down(relu(up h)^2), mid [T, F] its scratch (up [F, hidden])
+  void relu2_mlp(const Matrix& up, const Matrix& down, const float* h, float* mid, float* y, const Step& s) const {
+    linear(up, h, mid, s, nullptr);
+    for (int64_t i = 0; i < s.T * up.rows; i++) {
       const float v = mid[i] > 0.0f ? mid[i] : 0.0f;
       mid[i] = v * v;
     }
-    linear(L.down, mid, s.out, s, nullptr);
+    linear(down, mid, y, s, nullptr);
+  }
+
+  // MoeBlock.forward_fused after its pre-norm (h [T, hidden]): the grouped router, the
+  // experts between the latent projections, the shared MLP; routed + shared into s.out
+  void moe_block(const Layer& L, const float* h, const Step& s) const {
+    const int64_t T = s.T;
+    float* w = scratch_[kRouteW].data_ptr<float>();           // [T, k]
+    int64_t* chosen = scratch_[kRouteC].data_ptr<int64_t>();  // [T, k]
+    mla_->group_route(h, L.router, L.router_bias, T, H_, L.num_experts, true, L.route_groups, L.route_used, L.top_k,
+                      L.renormalise, L.route_scale, w, chosen);
+    if (L.latent_down.parts.empty()) {
+      moe_->experts(L.experts, h, chosen, w, T, L.top_k, s.out);
+    } else {
+      float *u = xbuf(kXLatent), *r = xbuf(kXLatentOut);  // [T, Lw] each
+      linear(L.latent_down, h, u, s, nullptr);
+      moe_->experts(L.experts, u, chosen, w, T, L.top_k, r);
+      linear(L.latent_up, r, s.out, s, nullptr);
+    }
+    float* y = xbuf(kXSharedOut);  // [T, hidden]
+    relu2_mlp(L.shared_gate_up, L.shared_down, h, xbuf(kXSharedGU), y, s);
+    for (int64_t i = 0; i < T * H_; i++) s.out[i] = s.out[i] + y[i];  // (routed + shared, as torch adds)
   }
 
   // the Mamba-2 layers' buffers for T rows, each its own torch allocation
@@ -1546,6 +1619,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("moe") = false)
       .def("add_mlp_layer", &DecodePlan::add_mlp_layer, pybind11::arg("in_norm"), pybind11::arg("up"),
            pybind11::arg("down"))
+      .def("add_moe_block", &DecodePlan::add_moe_block, pybind11::arg("in_norm"), pybind11::arg("experts"),
+           pybind11::arg("router"), pybind11::arg("router_bias"), pybind11::arg("groups"), pybind11::arg("groups_used"),
+           pybind11::arg("top_k"), pybind11::arg("renormalise"), pybind11::arg("route_scale"),
+           pybind11::arg("latent_down"), pybind11::arg("latent_up"), pybind11::arg("shared_up"),
+           pybind11::arg("shared_down"))
       .def("add_gemma4_layer", &DecodePlan::add_gemma4_layer, pybind11::arg("in_norm"), pybind11::arg("qkv"),
            pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
            pybind11::arg("owns_kv"), pybind11::arg("rope"), pybind11::arg("window"),

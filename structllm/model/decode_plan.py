@@ -43,7 +43,9 @@ recurrent kernels through ``cpu_recurrent.cpp``'s ``RecurrentOps`` (``cpu_hybrid
 the functions its Python entry points run), each row's state slot and fresh flag
 passed per step (``HybridModel._forward_fused``). Nemotron-H's blocks run here too
 (attention alone: ``add_layer(mlp=False)``; Mamba-2 alone: ``add_mamba_layer`` without
-an MLP; ``add_mlp_layer``: ``down(relu(up h)^2)``). Experts in a hybrid model's layers
+an MLP; ``add_mlp_layer``: ``down(relu(up h)^2)``; Nemotron 3's ``MoeBlock``:
+``add_moe_block``, cpu_mla.cpp's ``group_route`` through its ``MlaOps`` table, the relu²
+experts between the latent projections, the shared MLP). Experts in a hybrid model's layers
 (Qwen3.5-MoE's, Qwen3-Next's, Granite 4's) run as in the other models: natively where
 ``_native_experts`` allows (a recurrent layer's through ``set_experts``), else from
 Python between two native calls (a cut), bit for bit as the Python loop runs them.
@@ -162,12 +164,17 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
     from structllm.model.deltanet import GatedDeltaNet
     from structllm.model.lfm2 import ShortConv
     from structllm.model.mamba2 import Mamba2
-    from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock
+    from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock, MoeBlock
 
     if cpu_ext.load_recurrent() is None:
         return "the recurrent kernels did not build"
     for layer in model.layers:
         if type(layer) in (DecoderLayer, AttentionBlock):
+            continue
+        if isinstance(layer, MoeBlock):
+            why = _moe_block_why_not(layer)
+            if why is not None:
+                return why
             continue
         if isinstance(layer, MlpBlock):
             for name in MlpBlock.PACKED:
@@ -198,6 +205,28 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         for name in ("gate_up_proj", "down_proj"):
             if _parts(getattr(layer, name), True) is None:
                 return f"{name} is not in GGUF blocks"
+    return None
+
+
+def _moe_block_why_not(block: Any) -> str | None:
+    """Why Nemotron 3's MoE block (``nemotron_h.MoeBlock``) cannot run in the native
+    call (None: it can): cpu_mla.cpp's router and cpu_moe.cpp's experts built, a float32
+    router and bias, the latent projections and the shared MLP in GGUF blocks."""
+    if block.native_router is None:
+        return "the grouped router (cpu_mla.cpp) is not in use"
+    if block.router.dtype != torch.float32 or not block.router.is_contiguous():
+        return "the router is not float32"
+    if block.router_bias.dtype != torch.float32:
+        return "the router's bias is not float32"
+    if block.native_experts() is None:
+        return "the experts are not native (cpu_moe.cpp)"
+    for name in ("latent_down", "latent_up"):
+        w = getattr(block, name)
+        if w is not None and _parts(w, False) is None:
+            return f"{name} is not in GGUF blocks"
+    for w in (block.shared.up_proj, block.shared.down_proj):
+        if _parts(w, True) is None:
+            return "the shared expert is not in GGUF blocks"
     return None
 
 
@@ -267,10 +296,14 @@ class DecodePlan:
         self.layers: list[Any] = list(model.layers)
         # each MoE layer's native experts (None: its experts run from Python, a cut);
         # held here too, since the native plan keeps only their address
+        from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock, MoeBlock
+
         latent = isinstance(model, DeepseekModel)
         self.experts = [
             (dl.moe.native_experts() if dl.moe is not None else None)
             if latent or isinstance(dl, Gemma4Layer)
+            else dl.native_experts()
+            if isinstance(dl, MoeBlock)
             else _native_experts(dl)
             for dl in self.layers
         ]
@@ -279,7 +312,16 @@ class DecodePlan:
             from structllm.kernels import cpu_ext
 
             moe_ops = cpu_ext.load_moe().moe_ops()  # type: ignore[union-attr]
-        from structllm.model.nemotron_h import AttentionBlock, MambaBlock, MlpBlock
+        # cpu_mla.cpp's table: a latent-attention model's kernels, or (Nemotron 3's MoE
+        # blocks) its grouped router alone
+        blocks = [dl for dl in self.layers if isinstance(dl, MoeBlock)]
+        mla_ops = (
+            cast(DeepseekModel, model).mla.mla_ops()
+            if latent
+            else blocks[0].native_router.mla_ops()
+            if blocks
+            else None
+        )
 
         recurrent_ops = None
         if any(isinstance(dl, (RecurrentLayer, MambaBlock)) for dl in self.layers):
@@ -302,7 +344,7 @@ class DecodePlan:
             eps=cfg.rms_norm_eps,
             moe_ops=moe_ops,
             recurrent_ops=recurrent_ops,
-            mla_ops=cast(DeepseekModel, model).mla.mla_ops() if latent else None,
+            mla_ops=mla_ops,
         )
         identity = 2 if cfg.rope_local_theta is not None else 1  # forward's last table
         for i, (dl, experts) in enumerate(zip(self.layers, self.experts, strict=True)):
@@ -329,14 +371,16 @@ class DecodePlan:
             elif isinstance(dl, MlpBlock):
                 up, down = _parts(dl.up_proj, True), _parts(dl.down_proj, True)
                 self.native.add_mlp_layer(in_norm=dl.input_layernorm, up=up, down=down)
+            elif isinstance(dl, MoeBlock):
+                self._add_moe_block(dl, experts)
             else:
                 self._add(dl, identity, experts, mlp=not isinstance(dl, AttentionBlock))
                 if getattr(dl, "attn_gate", None) is not None:  # Qwen3.5's gated attention
                     last = self.native.num_layers() - 1
                     self.native.set_attn_gate(last, _parts(dl.attn_gate, False))
         for i, (dl, experts) in enumerate(zip(self.layers, self.experts, strict=True)):
-            moe = getattr(dl, "moe", None)
-            if experts is not None and not latent and moe.shared is not None:  # type: ignore[union-attr]
+            moe = getattr(dl, "moe", None)  # (a MoeBlock's shared MLP: _add_moe_block's)
+            if experts is not None and moe is not None and not latent and moe.shared is not None:
                 self.native.set_shared(i, *_shared_parts(moe))  # type: ignore[misc]
         self.ops: Any = model.cpu_ops  # the fused layer ops (cpu_layer.cpp), for the experts
         self.module = native  # (its LoraItems)
@@ -451,6 +495,28 @@ class DecodePlan:
             route_scale=1.0 if pick is None else pick.scale,
             shared_gate_up=[] if shared is None else _parts(shared.gate_up_proj, True),
             shared_down=[] if shared is None else _parts(shared.down_proj, True),
+        )
+
+    def _add_moe_block(self, block: Any, experts: Any) -> None:
+        """Nemotron 3's MoE block (``MoeBlock.forward_fused``'s weights; int8 allowed
+        where ``relu_squared_mlp`` allows it, the latent projections on 16 bits as
+        ``linear``'s default)."""
+        pick = block.pick
+        latent = block.latent_down is not None
+        self.native.add_moe_block(
+            in_norm=block.input_layernorm,
+            experts=experts.handle(),
+            router=block.router,
+            router_bias=block.router_bias,
+            groups=pick.groups,
+            groups_used=pick.groups_used,
+            top_k=pick.top_k,
+            renormalise=pick.renormalise,
+            route_scale=pick.scale,
+            latent_down=_parts(block.latent_down, False) if latent else [],
+            latent_up=_parts(block.latent_up, False) if latent else [],
+            shared_up=_parts(block.shared.up_proj, True),
+            shared_down=_parts(block.shared.down_proj, True),
         )
 
     def _add_gemma4(self, gl: Gemma4Layer, index: int, ffn: int, experts: Any) -> None:

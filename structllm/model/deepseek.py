@@ -60,7 +60,13 @@ from structllm.kernels.packed import linear
 from structllm.model.config import ModelConfig
 from structllm.model.layers import SparseMoe, apply_rope, gated_act
 from structllm.model.llama import CHECK_EVERY, refuse_sharding
-from structllm.model.moe import GroupPick, MoeModel, sigmoid_group_route, softmax_group_route
+from structllm.model.moe import (
+    GroupPick,
+    MoeModel,
+    native_group_route,
+    sigmoid_group_route,
+    softmax_group_route,
+)
 from structllm.model.sharding import ShardPlan
 
 
@@ -83,30 +89,12 @@ class DeepseekMoe(SparseMoe):
     def route(self, h: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """(weights, chosen), ``[T, k]`` each, of ``h: [T, hidden]`` (float32); on the
         fused CPU path (``fused``) by cpu_mla.cpp's ``group_route`` in one call."""
-        native, p = self.native_router, self.pick
-        r = self.router
-        if (
-            fused
-            and native is not None
-            and h.dtype == r.dtype == torch.float32
-            and r.is_contiguous()
-        ):
-            bias = self.router_bias
-            if bias is None or bias.dtype == torch.float32:
-                return cast(
-                    tuple[Tensor, Tensor],
-                    native.group_route(
-                        h.contiguous(),
-                        r,
-                        bias,
-                        self.sigmoid,
-                        p.groups,
-                        p.groups_used,
-                        p.top_k,
-                        p.renormalise,
-                        p.scale,
-                    ),
-                )
+        if fused:
+            routed = native_group_route(
+                self.native_router, h, self.router, self.router_bias, self.sigmoid, self.pick
+            )
+            if routed is not None:
+                return routed
         if self.router_bias is not None:
             return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
         return softmax_group_route(h, self.router, self.pick)

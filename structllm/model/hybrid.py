@@ -249,12 +249,12 @@ class HybridModel(LlamaModel):
         """``forward``'s layer loop through the fused CPU ops: each layer adds the
         previous one's output to ``x`` in place, fused with its first norm
         (``DecoderLayer.forward_fused``, ``RecurrentLayer.forward_fused``, and those of
-        a layer marked ``fused_block``: Nemotron-H's attention, Mamba-2 and MLP blocks,
-        whose output is their one sublayer's). ``rows: [T, D/2]`` complex64 rotations.
-        A layer with experts runs them through the fused router and the native expert
-        call (``SparseMoe.forward`` with the fused activation), as the decode loop does;
-        a layer of another kind (Nemotron-H's experts) runs its own ``forward`` on the
-        stream with the pending output added."""
+        a layer marked ``fused_block``: Nemotron-H's attention, Mamba-2, MLP and MoE
+        blocks, whose output is their one sublayer's). ``rows: [T, D/2]`` complex64
+        rotations. A layer with experts runs them through the fused router and the native
+        expert call (``SparseMoe.forward`` with the fused activation), as the decode loop
+        does; a layer of another kind runs its own ``forward`` on the stream with the
+        pending output added."""
         pair = torch.view_as_real(rows)  # [T, D/2, 2] (cos, sin)
         identity: Tensor | None = None  # for a NoPE layer (the store still runs)
         delta: Tensor | None = None

@@ -15,6 +15,7 @@ tokens. Each expert's matrices are ordinary weights (``linear``: oneDNN, float16
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,34 @@ def _weights(weights: Tensor, pick: GroupPick) -> Tensor:
     if pick.renormalise:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * pick.scale
+
+
+def native_group_route(
+    native: Any, h: Tensor, router: Tensor, bias: Tensor | None, sigmoid: bool, pick: GroupPick
+) -> tuple[Tensor, Tensor] | None:
+    """``sigmoid_group_route`` (``sigmoid``) or ``softmax_group_route`` in one call of
+    cpu_mla.cpp's ``group_route`` (``native``: its module, as the native decode loop
+    calls it), or None where it does not take these tensors (not float32 on the CPU, a
+    router that is not contiguous): the caller routes with torch."""
+    if native is None or h.dtype != torch.float32 or router.dtype != torch.float32:
+        return None
+    if not router.is_contiguous() or (bias is not None and bias.dtype != torch.float32):
+        return None
+    p = pick
+    return cast(
+        tuple[Tensor, Tensor],
+        native.group_route(
+            h.contiguous(),
+            router,
+            bias,
+            sigmoid,
+            p.groups,
+            p.groups_used,
+            p.top_k,
+            p.renormalise,
+            p.scale,
+        ),
+    )
 
 
 def _keep_groups(by_group: Tensor, group_scores: Tensor, used: int, fill: float) -> Tensor:

@@ -34,7 +34,7 @@ from structllm.model.config import ModelConfig
 from structllm.model.hybrid import HybridModel, Mixer
 from structllm.model.layers import native_experts_of
 from structllm.model.llama import DecoderLayer
-from structllm.model.moe import GroupPick, sigmoid_group_route
+from structllm.model.moe import GroupPick, native_group_route, sigmoid_group_route
 from structllm.model.recurrent import RecurrentBatch
 from structllm.model.sharding import ShardPlan
 
@@ -176,6 +176,8 @@ class MoeBlock(nn.Module):
     ``hidden``) run grouped by expert, their outputs weighted and summed, plus the
     shared expert's on every token (on the norm's output, not the latent)."""
 
+    fused_block = True  # HybridModel._forward_fused runs forward_fused
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         h, e, latent = cfg.hidden_size, cfg.num_experts, cfg.moe_latent_size
@@ -195,6 +197,7 @@ class MoeBlock(nn.Module):
         self.latent_up: Weight | None = _param(dtype, h, latent) if latent else None
         self.PACKED = ("latent_down", "latent_up") if latent else ()
         self.native: Any = None  # cpu_moe.cpp's Experts, once built (False: not for these weights)
+        self.native_router: Any = None  # cpu_mla.cpp's module (NemotronHModel.use_cpu_ops)
 
     def native_experts(self) -> Any:
         """cpu_moe.cpp's ``Experts`` over the experts' block or float16 weights (relu², its
@@ -206,17 +209,43 @@ class MoeBlock(nn.Module):
             self.native = native_experts_of(experts, self.width, self.ffn, extras, first="up_proj")
         return self.native or None
 
-    def route(self, h: Tensor) -> tuple[Tensor, Tensor]:
+    def route(self, h: Tensor, fused: bool = False) -> tuple[Tensor, Tensor]:
         """``h [T, hidden]`` -> (weights, chosen), ``[T, k]`` each, as transformers'
         ``NemotronHTopkRouter`` (in float32): sigmoid scores; the choice by score plus
         ``router_bias``, among the experts of the ``groups_used`` groups whose two best
         biased scores sum highest; the chosen ones' unbiased scores as weights (over
-        their sum with ``renormalise``), times ``scale``."""
+        their sum with ``renormalise``), times ``scale``. On the fused CPU path
+        (``fused``) by cpu_mla.cpp's ``group_route``, as the native decode loop routes."""
+        if fused:
+            routed = native_group_route(
+                self.native_router, h, self.router, self.router_bias, True, self.pick
+            )
+            if routed is not None:
+                return routed
         return sigmoid_group_route(h, self.router, self.router_bias, self.pick)
 
     def forward(self, x: Tensor, states: tuple[Tensor, ...], rb: RecurrentBatch) -> Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
-        weights, chosen = self.route(h)
+        return x + self.mlp(h, fused=False)
+
+    def forward_fused(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        states: tuple[Tensor, ...],
+        rb: RecurrentBatch,
+        ops: Any,
+    ) -> Tensor:
+        """As ``MambaBlock.forward_fused``: ``x += delta`` with the pre-norm; the block's
+        output (routed plus shared) is the next delta. The kernels of the native decode
+        loop's ``add_moe_block``, in its order."""
+        h = ops.rms_norm(x, delta, self.input_layernorm, self.eps)
+        return self.mlp(h, fused=True)
+
+    def mlp(self, h: Tensor, fused: bool) -> Tensor:
+        """The routed experts' weighted sum plus the shared expert's MLP, of the normed
+        ``h [T, hidden]``."""
+        weights, chosen = self.route(h, fused)
         u = h if self.latent_down is None else linear(h, self.latent_down)  # [T, L]
         native = self.native_experts() if u.dtype == torch.float32 and u.is_cpu else None
         if native is not None:  # one native call for every expert (cpu_moe.cpp): the same bits
@@ -225,7 +254,7 @@ class MoeBlock(nn.Module):
             routed = self._routed(u, weights, chosen)
         if self.latent_up is not None:
             routed = linear(routed, self.latent_up)  # [T, hidden]
-        return x + (routed + relu_squared_mlp(h, self.shared.up_proj, self.shared.down_proj))
+        return routed + relu_squared_mlp(h, self.shared.up_proj, self.shared.down_proj)
 
     def _routed(self, u: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
         """The routed experts' weighted sum of ``u [T, L]``, expert by expert."""
@@ -248,6 +277,19 @@ class MoeBlock(nn.Module):
 
 
 class NemotronHModel(HybridModel):
+    def use_cpu_ops(self) -> bool:
+        """``LlamaModel.use_cpu_ops``, and with them cpu_mla.cpp's grouped router for
+        Nemotron 3's MoE blocks (``MoeBlock.native_router``), as DeepSeek's."""
+        on = super().use_cpu_ops()
+        blocks = [m for m in self.layers if isinstance(m, MoeBlock)]
+        if blocks:
+            from structllm.kernels import cpu_ext
+
+            router = cpu_ext.load_mla() if on else None
+            for m in blocks:
+                m.native_router = router
+        return on
+
     def make_layer(
         self, cfg: ModelConfig, dtype: torch.dtype, plan: ShardPlan | None, index: int
     ) -> nn.Module:

@@ -164,3 +164,39 @@ def test_experts_in_hybrid_layers_run_in_the_native_call(
     both_paths(llm, [13], [2])
     both_paths(llm, [1, 40, 9], [3, 0, 1])
     model._decode_plan = None
+
+
+def test_nemotron_3_moe_blocks_run_in_the_native_call(default_files) -> None:  # type: ignore[no-untyped-def]
+    # Nemotron 3's MoE blocks (a grouped sigmoid router with its choice bias, relu²
+    # experts between the latent projections, the shared relu² MLP) inside the native
+    # call (add_moe_block): one call a step, bit for bit the Python loop's (its blocks on
+    # the same router, cpu_mla.cpp's group_route), greedy tokens equal
+    from structllm.model.nemotron_h import MoeBlock
+    from tests.engine.test_nemotron_h import MOE_GGUF
+
+    # (a shared MLP 64 wide: the converter keeps MOE_GGUF's 48 as float16, not blocks)
+    path = q8_file(
+        "nemotron_h", default_files, **{**MOE_GGUF, "moe_shared_expert_intermediate_size": 64}
+    )
+    llm = LLM(str(path), kv_cache_memory=32 << 20, max_num_seqs=4)
+    model = llm.engine.runner.model
+    blocks = [m for m in model.layers if isinstance(m, MoeBlock)]
+    assert blocks and all(b.latent_down is not None for b in blocks)
+    g = torch.Generator().manual_seed(3)
+    for b in blocks:  # (the converter's biases are transformers' zeros: make the choice show)
+        b.router_bias.copy_(0.05 * torch.randn(b.router_bias.shape, generator=g))
+    plan = model._native_plan()
+    assert model.decode_path == "native", model.decode_why
+    assert all(plan.experts[i] is not None for i, m in enumerate(model.layers) if m in blocks)
+    assert len(plan.unchecked) == 1  # no cut
+    both_paths(llm, [13], [2])
+    both_paths(llm, [1, 40, 9], [3, 0, 1])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9]]
+    runs = []
+    for native in (True, False):
+        model.native_decode = native
+        outs = llm.generate(prompts, params)
+        runs.append([(o.token_ids, [lp.top_logprobs for lp in o.logprobs]) for o in outs])
+    model.native_decode = True
+    assert runs[0] == runs[1]
