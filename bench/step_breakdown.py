@@ -134,11 +134,11 @@ class ByMatrix:
     PATHS = ("float", "int8", "int16")
 
     def __init__(self, kernels: Any, clock: Callable[[], int]) -> None:
-        from structllm.kernels.packed import BLOCK_TYPES
+        from structllm.kernels.packed import BLOCK_TYPES, F16_CODE
 
         self._kernels, self.clock = kernels, clock
         self.active = False  # counting (the timed decode steps only)
-        self.names = {v: k for k, v in BLOCK_TYPES.items()}
+        self.names = {v: k for k, v in BLOCK_TYPES.items()} | {F16_CODE: "F16"}
         self.ns: dict[tuple[str, str, int, int, int], int] = defaultdict(int)
         self.calls: dict[tuple[str, str, int, int, int], int] = defaultdict(int)
 

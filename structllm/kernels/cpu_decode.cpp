@@ -91,9 +91,10 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int NTYPES = 12;
-// bytes per 256 weights (packed.BLOCK_BYTES times 8; 0: float16 rows, 9, and MXFP4, 10,
-// are not taken here): the k-quants' and IQ4_XS's super-blocks as in the file
-constexpr int kBytes256[NTYPES] = {144, 160, 272, 176, 192, 144, 176, 210, 144, 0, 0, 136};
+// bytes per 256 weights (packed.BLOCK_BYTES times 8; 0: MXFP4, 10, is not taken here): the
+// k-quants' and IQ4_XS's super-blocks as in the file; float16 rows (kF16, any K) 512
+constexpr int kBytes256[NTYPES] = {144, 160, 272, 176, 192, 144, 176, 210, 144, 512, 0, 136};
+constexpr int64_t kF16 = 9;  // packed.F16_CODE
 // the types held as super-blocks of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS): K a multiple of 256
 constexpr bool held_as_super(int64_t t) { return (t >= 5 && t <= 7) || t == 11; }
 
@@ -135,7 +136,7 @@ Matrix matrix_of(const std::vector<PartSpec>& specs, int64_t rows, int64_t k, co
     TORCH_CHECK(type >= 0 && type < NTYPES && kBytes256[type] > 0, "cpu_decode: ", what, ": bad block type ", type);
     TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous(), "cpu_decode: ", what,
                 ": parts must be [rows, bytes] uint8, contiguous");
-    TORCH_CHECK(k % (held_as_super(type) ? 8 * QK : QK) == 0 && raw.size(1) * 256 == k * kBytes256[type], "cpu_decode: ", what,
+    TORCH_CHECK(k % (held_as_super(type) ? 8 * QK : type == kF16 ? 1 : QK) == 0 && raw.size(1) * 256 == k * kBytes256[type], "cpu_decode: ", what,
                 ": a part's row bytes do not hold ", k, " weights of its type");
     m.parts.push_back({raw, raw.data_ptr<uint8_t>(), raw.size(0), raw.numel(), static_cast<int>(type), int8});
     total += raw.size(0);

@@ -157,6 +157,11 @@ class BertModel(ClassicModel):
     """The encoder: embeddings (word, position, token type, LayerNorm), then
     ``BertLayer``s; its output is the last layer's (no final norm, no LM head)."""
 
+    # an F16 file's matrices on fbgemm's float16 GEMM: an encoder's steps are long
+    # prompts, where fbgemm's large-M kernel is ahead of the float16 rows' (0.72-0.85x
+    # its speed at 256 rows, bench/half_linear.py --rows 256)
+    FILE_HALF_ROWS = False
+
     def __init__(
         self,
         cfg: ModelConfig,

@@ -85,7 +85,7 @@ import torch
 from torch import Tensor
 
 from structllm.kernels.attention import AttentionMetadata, CpuAttention
-from structllm.kernels.packed import HalfMatrix, HalfWeight, block_mode, kernel_parts
+from structllm.kernels.packed import HalfWeight, block_mode, kernel_parts
 from structllm.model.deepseek import DeepseekLayer, DeepseekModel
 from structllm.model.gemma4 import Gemma4Layer, Gemma4Model
 from structllm.model.hybrid import HybridModel, RecurrentLayer
@@ -98,9 +98,9 @@ ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
 
 
 def _parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | None:
-    """``packed.kernel_parts``, but None for float16 rows (``HalfMatrix``), which are
-    not among cpu_decode.cpp's GGUF types."""
-    return None if isinstance(w, HalfMatrix) else kernel_parts(w, int8_ok)
+    """``packed.kernel_parts``: GGUF blocks, or float16 rows (``HalfMatrix``: an F16
+    file's matrices), each part's raw bytes, type code and int8 flag."""
+    return kernel_parts(w, int8_ok)
 
 
 def plan(model: LlamaModel) -> tuple[DecodePlan | None, str]:

@@ -39,7 +39,7 @@ from structllm.kernels.attention import (
     attend,
     attention,
 )
-from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, linear
+from structllm.kernels.packed import BlockWeight, HalfWeight, Weight, half_matrix, linear
 from structllm.model.collectives import TensorParallelGroup
 from structllm.model.config import ModelConfig
 from structllm.model.deepstack import Deepstack
@@ -489,6 +489,11 @@ class LlamaModel(nn.Module):
     """Weights and forward pass. Parameters are created empty; the loader fills them.
     With ``plan``, the model is that rank's shard, and ``tp`` must be set before use."""
 
+    # an F16/BF16 GGUF file's float16 matrices as ``HalfMatrix`` (the block kernels'
+    # float16 rows, which the native decode loop runs: a decode step's matmuls read from
+    # memory) rather than fbgemm's ``HalfWeight`` (see pack_weights)
+    FILE_HALF_ROWS = True
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -882,6 +887,10 @@ class LlamaModel(nn.Module):
         def pack(w: Weight) -> Weight | None:  # None: leave as is
             if isinstance(w, BlockWeight | HalfWeight):
                 return None
+            if half == "file" and w.dtype == torch.float16 and self.FILE_HALF_ROWS:
+                rows = half_matrix(w)  # (None: no kernels here, fbgemm's below)
+                if rows is not None:
+                    return rows
             if half == "all" or (half == "file" and w.dtype == torch.float16):
                 return HalfWeight(w)
             if w.dtype == torch.float16 and self.norm.dtype == torch.float32:

@@ -31,6 +31,7 @@ CASES = [
     ("smollm3", "Q4_0"),  # layers without rotary embedding
     ("phi3", "Q8_0"),  # partial rotary
     ("qwen2_moe", "Q8_0"),  # a shared expert and its gate, in the native call (set_shared)
+    ("qwen3", "F16"),  # an F16 file's matrices: float16 rows (HalfMatrix), any width
 ]
 
 
@@ -109,6 +110,11 @@ def family_engine(request, default_files) -> EngineCore:  # type: ignore[no-unty
 
 
 def test_native_step_equals_python_loop(family_engine: EngineCore) -> None:
+    from structllm.kernels.packed import HalfMatrix
+
+    model: LlamaModel = family_engine.runner.model  # type: ignore[assignment]
+    if str(family_engine.files.source).endswith("F16.gguf"):  # (not fbgemm's HalfWeight)
+        assert all(isinstance(dl.o_proj, HalfMatrix) for dl in model.layers)
     both_paths(family_engine, [13])  # one row (a window of 8 is passed)
     both_paths(family_engine, [1, 40, 9], torch.float16)  # three rows, a float16 cache
 

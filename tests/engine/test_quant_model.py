@@ -70,11 +70,12 @@ def test_gguf_blocks_are_kept_and_match_the_dequantised_model(
     exact, blocks = engine(tiny_gguf, **EXACT), engine(tiny_gguf, quantization="gguf")
     model = blocks.runner.model
     assert isinstance(model, LlamaModel)
-    # q/k/v, gate/up and down in blocks; attn_output (F16 in the file) as float16
+    # q/k/v, gate/up and down in blocks; attn_output (F16 in the file) as float16 rows
+    # (HalfMatrix: the block kernels' float16 kernel, which the native decode loop runs)
     kinds = [
         {type(getattr(layer, n)).__name__ for layer in model.layers} for n in LlamaModel.LINEARS
     ]
-    assert kinds == [{"BlockWeight"}, {"HalfWeight"}, {"BlockWeight"}, {"BlockWeight"}]
+    assert kinds == [{"BlockWeight"}, {"HalfMatrix"}, {"BlockWeight"}, {"BlockWeight"}]
     assert isinstance(model.embed_tokens, BlockWeight) and isinstance(model.lm_head, BlockWeight)
     # float path everywhere: the same weights as the dequantised model, float32 math
     monkeypatch.setattr(packed, "INT8_MIN_M", 0)
