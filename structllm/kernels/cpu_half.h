@@ -118,55 +118,10 @@ void linear_f16_panels(const float* x, const uint16_t* w, float* out, int64_t M,
   });
 }
 
-// One activation row (a decode step's) against NT weight rows side by side: tile_f16<1,
-// NT>'s arithmetic (so the same bits), but each k step also asks for the bytes at `ahead`
-// (a fixed distance past the panel's start) in L2, as many as it reads, at the pace it
-// reads them. A panel's rows are NT short streams, which the hardware prefetcher does not
-// follow, and the bulk prefetch of the next panel (linear_f16_panels') stalls on the fill
-// buffers: 9.6 GB/s at 576 x 576 from memory, against ~25 GB/s that the copy reaches.
-template <int NT>
-inline void row1_f16(const float* x, const uint16_t* w, int64_t K, float* out, const uint8_t* ahead) {
-  constexpr int64_t kStepBytes = int64_t{NT} * VW * 2;  // the halves one k step reads
-  vf acc[NT];
-  SL_UNROLL for (int n = 0; n < NT; n++) acc[n] = vzero();
-  const int64_t K0 = K / VW * VW;
-  for (int64_t k = 0; k < K0; k += VW) {
-    const uint8_t* a = ahead + k / VW * kStepBytes;
-    for (int64_t o = 0; o < kStepBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(a + o), _MM_HINT_T1);
-    const vf xv = vload(x + k);
-    SL_UNROLL for (int n = 0; n < NT; n++) acc[n] = vfma(load_half(w + n * K + k), xv, acc[n]);
-  }
-  if (K0 < K) {  // the same step once more, on zero-padded vectors
-    const int r = static_cast<int>(K - K0);
-    const vf xv = load_tail(x + K0, r);
-    SL_UNROLL for (int n = 0; n < NT; n++) acc[n] = vfma(load_half_tail(w + n * K + K0, r), xv, acc[n]);
-  }
-  SL_UNROLL for (int n = 0; n < NT; n++) out[n] = vsum(acc[n]);
-}
-
-constexpr int64_t kHalfAhead = 8192;  // row1_f16's prefetch distance (at least a panel)
-
-void linear_f16_row(const float* x, const uint16_t* w, float* out, int64_t N, int64_t K) {
-  constexpr int NT = NT_ONE;  // one row: more weight rows at once
-  const int64_t npanels = (N + NT - 1) / NT, panel = NT * K * 2;
-  const int64_t dist = std::max<int64_t>(panel, kHalfAhead);
-  sl::parallel_for(0, npanels, 2, [&](int64_t p0, int64_t p1) {
-    const uint8_t* wb = reinterpret_cast<const uint8_t*>(w);
-    prefetch_l2(wb + p0 * panel, std::min<int64_t>(dist, (N - p0 * NT) * K * 2));  // the chunk's first bytes
-    for (int64_t p = p0; p < p1; p++) {
-      const int64_t n0 = p * NT, nr = std::min<int64_t>(NT, N - n0);
-      if (nr == NT)
-        row1_f16<NT>(x, w + n0 * K, K, out + n0, wb + p * panel + dist);
-      else
-        for (int64_t i = 0; i < nr; i++) rows_f16<1>(x, 1, w + (n0 + i) * K, K, out + n0 + i, N);
-    }
-  });
-}
-
 // x [M, K] float32, w [N, K] float16 (as bytes) -> out [M, N]; every mode alike
 void linear_f16(const float* x, const uint8_t* wb, float* out, int64_t M, int64_t N, int64_t K) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(wb);
-  if (M == 1) return linear_f16_row(x, w, out, N, K);
+  if (M == 1) return linear_f16_panels<NT_ONE>(x, w, out, M, N, K);  // one row: more weight rows
   linear_f16_panels<NT_H>(x, w, out, M, N, K);
 }
 
