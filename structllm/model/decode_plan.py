@@ -69,8 +69,9 @@ experts, the three extra norms).
 
 What it takes: the fused CPU path (``LlamaModel.use_cpu_ops``) with ``CpuAttention``, no
 tensor parallelism, every layer matrix (q/k/v, o, and a dense layer's gate/up and down)
-in GGUF blocks (``BlockWeight``/``MixedWeight``; not float16 ``HalfWeight``s or
-float32). Anything else, and every prefill or mixed step, keeps the Python path.
+in GGUF blocks (``BlockWeight``/``MixedWeight``) or float16 rows (``HalfMatrix``: an
+F16 file's); not fbgemm's float16 ``HalfWeight``s (a float checkpoint's default format)
+or float32. Anything else, and every prefill or mixed step, keeps the Python path.
 ``STRUCTLLM_DECODE_PLAN=0`` turns it off (for A/B measurements);
 ``LlamaModel.native_decode = False`` does the same in-process.
 """

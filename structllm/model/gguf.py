@@ -1220,7 +1220,7 @@ def read_tensor(t: Any, shape: tuple[int, ...], keep_blocks: bool) -> Tensor | B
         return BlockWeight.from_raw(t.data, kind, shape[1])  # copied out of the map
     w = dequantize(t.data, kind, shape)
     if how == "float16":
-        return w.half()  # runs as float16 (fbgemm) unless --dtype float32
+        return w.half()  # float16 rows (LlamaModel.pack_weights) unless --dtype float32
     return w
 
 
