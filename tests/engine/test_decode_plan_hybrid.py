@@ -93,17 +93,23 @@ def test_native_step_equals_python_loop(hybrid: LLM) -> None:
     both_paths(hybrid, [1, 40, 9], [3, 0, 1])  # three rows, the first fresh
 
 
-def test_greedy_tokens_and_logprobs_equal(hybrid: LLM) -> None:
-    model = hybrid.engine.runner.model
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
-    prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9], list(range(300, 320))]
+def same_tokens_both_loops(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Greedy tokens and logprobs through the engine: the native loop's equal the
+    Python loop's."""
+    model = llm.engine.runner.model
     runs = []
     for native in (True, False):
         model.native_decode = native
-        outs = hybrid.generate(prompts, params)
+        outs = llm.generate(prompts, params)
         runs.append([(o.token_ids, [lp.top_logprobs for lp in o.logprobs]) for o in outs])
     model.native_decode = True
     assert runs[0] == runs[1]
+
+
+def test_greedy_tokens_and_logprobs_equal(hybrid: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9], list(range(300, 320))]
+    same_tokens_both_loops(hybrid, prompts, params)
 
 
 def test_bad_state_slots_are_refused(hybrid: LLM) -> None:
@@ -192,11 +198,4 @@ def test_nemotron_3_moe_blocks_run_in_the_native_call(default_files) -> None:  #
     both_paths(llm, [13], [2])
     both_paths(llm, [1, 40, 9], [3, 0, 1])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    prompts = [[1, 2, 3, 4, 5], list(range(100, 137)), [9]]
-    runs = []
-    for native in (True, False):
-        model.native_decode = native
-        outs = llm.generate(prompts, params)
-        runs.append([(o.token_ids, [lp.top_logprobs for lp in o.logprobs]) for o in outs])
-    model.native_decode = True
-    assert runs[0] == runs[1]
+    same_tokens_both_loops(llm, [[1, 2, 3, 4, 5], list(range(100, 137)), [9]], params)
