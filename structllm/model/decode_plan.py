@@ -98,12 +98,6 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # cpu_decode.cpp's projection num
 ENABLED = os.environ.get("STRUCTLLM_DECODE_PLAN", "1") != "0"
 
 
-def _parts(w: object, int8_ok: bool) -> list[tuple[Tensor, int, bool]] | None:
-    """``packed.kernel_parts``: GGUF blocks, or float16 rows (``HalfMatrix``: an F16
-    file's matrices), each part's raw bytes, type code and int8 flag."""
-    return kernel_parts(w, int8_ok)
-
-
 def plan(model: LlamaModel) -> tuple[DecodePlan | None, str]:
     """``LlamaModel.decode_planner``: the native loop's plan for ``model`` and the
     start-up line's words for it, or None and why the Python loop runs instead."""
@@ -146,12 +140,12 @@ def why_not(model: LlamaModel) -> str | None:
         dl: DecoderLayer = layer
         if getattr(dl, "o_bias", None) is not None and getattr(dl, "sinks", None) is None:
             return "an output bias outside gpt-oss's layer is not in it"
-        if getattr(dl, "attn_gate", None) is not None and _parts(dl.attn_gate, False) is None:
+        if getattr(dl, "attn_gate", None) is not None and kernel_parts(dl.attn_gate, False) is None:
             return "attn_gate is not in GGUF blocks"
         if getattr(dl, "chunk", 0) or getattr(dl, "scale_queries", None) is not None:
             return "chunked attention and query temperatures (Llama 4) are not in it"
         for name in dl.PACKED:  # a mixture-of-experts layer's: q/k/v and o
-            if _parts(getattr(dl, name), False) is None:
+            if kernel_parts(getattr(dl, name), False) is None:
                 return f"{name} is not in GGUF blocks"
     return None
 
@@ -179,7 +173,7 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
             continue
         if isinstance(layer, MlpBlock):
             for name in MlpBlock.PACKED:
-                if _parts(getattr(layer, name), True) is None:
+                if kernel_parts(getattr(layer, name), True) is None:
                     return f"{name} is not in GGUF blocks"
             continue
         if not isinstance(layer, (RecurrentLayer, MambaBlock)):
@@ -199,12 +193,12 @@ def _hybrid_why_not(model: HybridModel) -> str | None:
         if conv.dtype != torch.float32:
             return "the convolution's filter is not float32"
         for name in linears:
-            if _parts(getattr(mixer, name), False) is None:
+            if kernel_parts(getattr(mixer, name), False) is None:
                 return f"{name} is not in GGUF blocks"
         if isinstance(layer, MambaBlock) or layer.moe is not None:  # (no MLP; experts)
             continue
         for name in ("gate_up_proj", "down_proj"):
-            if _parts(getattr(layer, name), True) is None:
+            if kernel_parts(getattr(layer, name), True) is None:
                 return f"{name} is not in GGUF blocks"
     return None
 
@@ -223,10 +217,10 @@ def _moe_block_why_not(block: Any) -> str | None:
         return "the experts are not native (cpu_moe.cpp)"
     for name in ("latent_down", "latent_up"):
         w = getattr(block, name)
-        if w is not None and _parts(w, False) is None:
+        if w is not None and kernel_parts(w, False) is None:
             return f"{name} is not in GGUF blocks"
     for w in (block.shared.up_proj, block.shared.down_proj):
-        if _parts(w, True) is None:
+        if kernel_parts(w, True) is None:
             return "the shared expert is not in GGUF blocks"
     return None
 
@@ -244,7 +238,7 @@ def _gemma4_why_not(model: Gemma4Model) -> str | None:
         for name in gl.PACKED:
             w = getattr(gl, name)
             small = name.startswith("per_layer_")  # (float runs too: _parts_or_float)
-            if _parts(w, False) is None and not (small and _is_float(w)):
+            if kernel_parts(w, False) is None and not (small and _is_float(w)):
                 return f"{name} is not in GGUF blocks"
     return None
 
@@ -263,12 +257,12 @@ def _latent_why_not(model: DeepseekModel) -> str | None:
         if a.k_b.dtype != torch.float32 or a.v_b.dtype != torch.float32:
             return "k_b and v_b are not float32"
         for name in a.PACKED:
-            if _parts(getattr(a, name), False) is None:
+            if kernel_parts(getattr(a, name), False) is None:
                 return f"{name} is not in GGUF blocks"
         moe = dl.moe
         if moe is None:
             for name in dl.PACKED:
-                if _parts(getattr(dl, name), True) is None:
+                if kernel_parts(getattr(dl, name), True) is None:
                     return f"{name} is not in GGUF blocks"
             continue
         if cpu_ext.load_moe() is None:
@@ -282,7 +276,7 @@ def _latent_why_not(model: DeepseekModel) -> str | None:
             return "the experts are not native (cpu_moe.cpp)"
         if moe.shared is not None:
             for w in (moe.shared.gate_up_proj, moe.shared.down_proj):
-                if _parts(w, True) is None:
+                if kernel_parts(w, True) is None:
                     return "the shared experts are not in GGUF blocks"
     return None
 
@@ -370,7 +364,7 @@ class DecodePlan:
             elif isinstance(dl, MambaBlock):  # Nemotron-H's blocks: one sublayer each
                 self._add_mamba(dl, dl.mixer, mlp=False)
             elif isinstance(dl, MlpBlock):
-                up, down = _parts(dl.up_proj, True), _parts(dl.down_proj, True)
+                up, down = kernel_parts(dl.up_proj, True), kernel_parts(dl.down_proj, True)
                 self.native.add_mlp_layer(in_norm=dl.input_layernorm, up=up, down=down)
             elif isinstance(dl, MoeBlock):
                 self._add_moe_block(dl, experts)
@@ -378,7 +372,7 @@ class DecodePlan:
                 self._add(dl, identity, experts, mlp=not isinstance(dl, AttentionBlock))
                 if getattr(dl, "attn_gate", None) is not None:  # Qwen3.5's gated attention
                     last = self.native.num_layers() - 1
-                    self.native.set_attn_gate(last, _parts(dl.attn_gate, False))
+                    self.native.set_attn_gate(last, kernel_parts(dl.attn_gate, False))
         for i, (dl, experts) in enumerate(zip(self.layers, self.experts, strict=True)):
             moe = getattr(dl, "moe", None)  # (a MoeBlock's shared MLP: _add_moe_block's)
             if experts is not None and moe is not None and not latent and moe.shared is not None:
@@ -433,7 +427,7 @@ class DecodePlan:
         route = dl.moe.native_route() if experts is not None else None  # type: ignore[union-attr]
         self.native.add_layer(
             in_norm=dl.input_layernorm,
-            qkv=_parts(dl.qkv_proj, False),
+            qkv=kernel_parts(dl.qkv_proj, False),
             qkv_bias=dl.qkv_bias,
             q_norm=dl.q_norm if qk else None,
             k_norm=dl.k_norm if qk else None,
@@ -441,13 +435,13 @@ class DecodePlan:
             scale=dl.scale,
             window=dl.window,
             softcap=dl.softcap,
-            o=_parts(dl.o_proj, False),
+            o=kernel_parts(dl.o_proj, False),
             attn_out_norm=dl.attn_out_norm,
             post_norm=dl.post_attention_layernorm,
             # int8 allowed: see DecoderLayer.forward
-            gate_up=[] if dl.moe or not mlp else _parts(dl.gate_up_proj, True),
+            gate_up=[] if dl.moe or not mlp else kernel_parts(dl.gate_up_proj, True),
             gelu=dl.act == "gelu_tanh",
-            down=[] if dl.moe or not mlp else _parts(dl.down_proj, True),
+            down=[] if dl.moe or not mlp else kernel_parts(dl.down_proj, True),
             mlp_out_norm=dl.mlp_out_norm,
             residual_scale=dl.residual_scale,
             moe=dl.moe is not None,
@@ -471,20 +465,20 @@ class DecodePlan:
         pick = moe.pick if moe is not None else None
         self.native.add_mla_layer(
             in_norm=dl.input_layernorm,
-            q_a=_parts(a.q_a_proj, False) if a.q_lora else [],
+            q_a=kernel_parts(a.q_a_proj, False) if a.q_lora else [],
             q_a_norm=a.q_a_norm if a.q_lora else None,
-            q_b=_parts(a.q_b_proj if a.q_lora else a.q_proj, False),
-            kv_a=_parts(a.kv_a_proj, False),
+            q_b=kernel_parts(a.q_b_proj if a.q_lora else a.q_proj, False),
+            kv_a=kernel_parts(a.kv_a_proj, False),
             kv_a_norm=a.kv_a_norm,
             k_b=a.k_b,
             v_b=a.v_b,
             rope_dim=a.rope_dim,
             scale=a.scale,
-            o=_parts(a.o_proj, False),
+            o=kernel_parts(a.o_proj, False),
             post_norm=dl.post_attention_layernorm,
             # int8 allowed: as DeepseekLayer.forward_native and DeepseekMoe._add_shared
-            gate_up=[] if moe else _parts(dl.gate_up_proj, True),
-            down=[] if moe else _parts(dl.down_proj, True),
+            gate_up=[] if moe else kernel_parts(dl.gate_up_proj, True),
+            down=[] if moe else kernel_parts(dl.down_proj, True),
             experts=None if experts is None else experts.handle(),
             router=None if moe is None else moe.router,
             router_bias=None if moe is None else moe.router_bias,
@@ -494,8 +488,8 @@ class DecodePlan:
             top_k=0 if pick is None else pick.top_k,
             renormalise=pick is not None and pick.renormalise,
             route_scale=1.0 if pick is None else pick.scale,
-            shared_gate_up=[] if shared is None else _parts(shared.gate_up_proj, True),
-            shared_down=[] if shared is None else _parts(shared.down_proj, True),
+            shared_gate_up=[] if shared is None else kernel_parts(shared.gate_up_proj, True),
+            shared_down=[] if shared is None else kernel_parts(shared.down_proj, True),
         )
 
     def _add_moe_block(self, block: Any, experts: Any) -> None:
@@ -514,10 +508,10 @@ class DecodePlan:
             top_k=pick.top_k,
             renormalise=pick.renormalise,
             route_scale=pick.scale,
-            latent_down=_parts(block.latent_down, False) if latent else [],
-            latent_up=_parts(block.latent_up, False) if latent else [],
-            shared_up=_parts(block.shared.up_proj, True),
-            shared_down=_parts(block.shared.down_proj, True),
+            latent_down=kernel_parts(block.latent_down, False) if latent else [],
+            latent_up=kernel_parts(block.latent_up, False) if latent else [],
+            shared_up=kernel_parts(block.shared.up_proj, True),
+            shared_down=kernel_parts(block.shared.down_proj, True),
         )
 
     def _add_gemma4(self, gl: Gemma4Layer, index: int, ffn: int, experts: Any) -> None:
@@ -527,7 +521,7 @@ class DecodePlan:
         pl = gl.per_layer > 0
         self.native.add_gemma4_layer(
             in_norm=gl.input_layernorm,
-            qkv=_parts(gl.qkv_proj, False),
+            qkv=kernel_parts(gl.qkv_proj, False),
             q_norm=gl.q_norm,
             k_norm=gl.k_norm if gl.owns_kv else None,
             kv_heads=gl.num_kv_heads,
@@ -535,12 +529,12 @@ class DecodePlan:
             owns_kv=gl.owns_kv,
             rope=1 if gl.local_rope else 0,
             window=gl.window,
-            o=_parts(gl.o_proj, False),
+            o=kernel_parts(gl.o_proj, False),
             attn_out_norm=gl.attn_out_norm,
             post_norm=gl.post_attention_layernorm,
-            gate_up=_parts(gl.gate_up_proj, True),  # int8 allowed, as Gemma4Layer.forward
+            gate_up=kernel_parts(gl.gate_up_proj, True),  # int8 allowed, as Gemma4Layer.forward
             ffn=ffn,
-            down=_parts(gl.down_proj, True),
+            down=kernel_parts(gl.down_proj, True),
             mlp_out_norm=gl.mlp_out_norm,
             per_layer_gate=_parts_or_float(gl.per_layer_gate) if pl else None,
             per_layer_proj=_parts_or_float(gl.per_layer_proj) if pl else None,
@@ -582,11 +576,11 @@ class DecodePlan:
             return
         self.native.add_conv_layer(
             in_norm=layer.input_layernorm,
-            in_proj=_parts(mixer.in_proj, False),
+            in_proj=kernel_parts(mixer.in_proj, False),
             in_bias=_vector(mixer.in_bias),
             conv=mixer.conv.contiguous(),
             conv_bias=_vector(mixer.conv_bias),
-            out_proj=_parts(mixer.out_proj, False),
+            out_proj=kernel_parts(mixer.out_proj, False),
             out_bias=_vector(mixer.out_bias),
             post_norm=layer.post_attention_layernorm,
             **_mlp(layer),
@@ -601,15 +595,15 @@ class DecodePlan:
 
         self.native.add_delta_layer(
             in_norm=layer.input_layernorm,
-            qkv=_parts(mixer.in_proj_qkv, False),
-            z=_parts(mixer.in_proj_z, False),
-            b=_parts(mixer.in_proj_b, False),
-            a=_parts(mixer.in_proj_a, False),
+            qkv=kernel_parts(mixer.in_proj_qkv, False),
+            z=kernel_parts(mixer.in_proj_z, False),
+            b=kernel_parts(mixer.in_proj_b, False),
+            a=kernel_parts(mixer.in_proj_a, False),
             conv=f32(mixer.conv1d),
             a_log=f32(mixer.A_log),
             dt_bias=f32(mixer.dt_bias),
             norm=f32(mixer.norm),
-            out_proj=_parts(mixer.out_proj, False),
+            out_proj=kernel_parts(mixer.out_proj, False),
             key_heads=mixer.num_k_heads,
             key_dim=mixer.head_k_dim,
             value_dim=mixer.head_v_dim,
@@ -630,7 +624,7 @@ class DecodePlan:
         lo, hi = mixer.dt_limit
         self.native.add_mamba_layer(
             in_norm=layer.input_layernorm,
-            in_proj=_parts(mixer.in_proj, False),
+            in_proj=kernel_parts(mixer.in_proj, False),
             in_bias=_vector(mixer.in_bias),
             conv=f32(mixer.conv1d),
             conv_bias=_vector(mixer.conv_bias),
@@ -638,7 +632,7 @@ class DecodePlan:
             a_log=f32(mixer.A_log),
             d=f32(mixer.D),
             norm=f32(mixer.norm),
-            out_proj=_parts(mixer.out_proj, False),
+            out_proj=kernel_parts(mixer.out_proj, False),
             out_bias=_vector(mixer.out_bias),
             heads=mixer.num_heads,
             head_dim=mixer.head_dim,
@@ -739,10 +733,11 @@ class DecodePlan:
 
 
 def _parts_or_float(w: object) -> list[tuple[Tensor, int, bool]] | Tensor:
-    """``_parts(w, False)``, or a float matrix as float32 (``_gemma4_why_not`` lets the
-    per-layer input projections be float: under a block wide, a file keeps them so, and
-    the loader packs them for fbgemm's float16 matmul, whose weights are unpacked here)."""
-    parts = _parts(w, False)
+    """``kernel_parts(w, False)`` (blocks, or an F16 file's float16 rows), or a float
+    matrix as float32 (``_gemma4_why_not`` lets the per-layer input projections be float:
+    under a block wide, a file keeps them in F32 or F16; float32 ones stay so, and with
+    ``--dtype float16`` they are fbgemm's ``HalfWeight``, whose weights are unpacked here)."""
+    parts = kernel_parts(w, False)
     if parts is not None:
         return parts
     if isinstance(w, HalfWeight):
@@ -762,9 +757,9 @@ def _mlp(layer: RecurrentLayer) -> dict[str, Any]:
     (``moe``: ``set_experts`` gives them, or they run from Python)."""
     moe = layer.moe is not None
     return {
-        "gate_up": [] if moe else _parts(layer.gate_up_proj, True),
+        "gate_up": [] if moe else kernel_parts(layer.gate_up_proj, True),
         "gelu": layer.act == "gelu_tanh",
-        "down": [] if moe else _parts(layer.down_proj, True),
+        "down": [] if moe else kernel_parts(layer.down_proj, True),
         "residual_scale": layer.residual_scale,
         "moe": moe,
     }
@@ -778,7 +773,7 @@ def _shared_parts(moe: Any) -> tuple[Any, Any, Tensor | None] | None:
     parts, int8 allowed as ``SparseMoe._add_shared``; its gate float32 ``[1, hidden]`` or
     None), or None: not in GGUF blocks, or a gate in another dtype."""
     shared, gate = moe.shared, moe.shared_gate
-    parts = _parts(shared.gate_up_proj, True), _parts(shared.down_proj, True)
+    parts = kernel_parts(shared.gate_up_proj, True), kernel_parts(shared.down_proj, True)
     if parts[0] is None or parts[1] is None:
         return None
     if gate is not None and (gate.dtype != torch.float32 or gate.dim() != 2):
