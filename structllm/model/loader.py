@@ -265,12 +265,41 @@ def _convert_gguf(path: Path, cache: Path) -> None:
         )
         info = {"config": msgspec.to_builtins(cfg), "tokenizer": msgspec.to_builtins(tok_meta)}
         (tmp / "model.json").write_text(json.dumps(info, indent=1))
+        (tmp / "source").write_text(str(path.resolve()))
         (tmp / "complete").write_text("")
         shutil.rmtree(cache, ignore_errors=True)
         os.replace(tmp, cache)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for stale in prune_stale_caches(path, cache):
+        sys.stderr.write(f"  removed {stale.name} (an older conversion of it, or of a file gone)\n")
     sys.stderr.write(f"  done in {time.monotonic() - t0:.1f}s\n")
+
+
+def prune_stale_caches(path: Path, keep: Path) -> list[Path]:
+    """Remove the converted copies that no start can use again: those of GGUF file
+    ``path`` other than ``keep`` (made by other converter code, or before the file
+    changed) and those whose file is gone. A converted copy names its file in
+    ``source``; one without (older than that file) is left alone. Returns what went.
+
+    (A copy holds the float32 weights once a float path asked for them, and each
+    converter change made a new copy beside the old: without this the cache grew by
+    the model's float32 size per upgrade.)
+    """
+    src = str(path.resolve())
+    gone: list[Path] = []
+    for d in keep.parent.iterdir():
+        marker = d / "source"
+        if d == keep or ".tmp" in d.name or not marker.is_file():
+            continue  # (``.tmp``: another process's conversion under way)
+        try:
+            named = marker.read_text()
+        except OSError:  # (being removed by another process's prune)
+            continue
+        if named == src or not Path(named).exists():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 def _dequantised_copy(files: ModelFiles) -> Path:

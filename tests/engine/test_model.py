@@ -99,6 +99,36 @@ def test_gguf_file_with_mixed_quantisations_matches_transformers(
         )
 
 
+def test_a_new_conversion_removes_the_ones_no_start_can_use(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converting a file again (other converter code, a changed file) removes its older
+    copy and the copies of files that are gone, and leaves copies it cannot place."""
+    from transformers import AutoModelForCausalLM
+
+    from structllm.model import files
+    from structllm.model.files import default_model_path
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("STRUCTLLM_CACHE_DIR", str(cache))
+    gguf_path = tmp_path / "tiny.gguf"
+    src = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    write_tiny_gguf(gguf_path, src, default_model_path(), {}, vocab=300)
+    first = prepare_model(str(gguf_path)).weights[0].parent
+    assert (first / "source").read_text() == str(gguf_path.resolve())
+    gone, legacy = cache / "gone-0123456789abcdef", cache / "legacy-0123456789abcdef"
+    for d in (gone, legacy):
+        d.mkdir()
+        (d / "complete").write_text("")
+    (gone / "source").write_text(str(tmp_path / "deleted.gguf"))
+
+    monkeypatch.setattr(files, "converter_hash", lambda: "f" * 16)  # (a new version)
+    second = prepare_model(str(gguf_path)).weights[0].parent
+    assert second != first and (second / "complete").is_file()
+    assert not first.exists() and not gone.exists()
+    assert legacy.is_dir()  # (no ``source``: made before copies named their file)
+
+
 @pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "Q5_0"])
 def test_dequantize_matches_the_gguf_package(qname: str) -> None:
     import gguf
