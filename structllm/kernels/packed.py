@@ -169,7 +169,8 @@ def int16_min_m() -> int:
 # [3.8e-3 / 96.9%]. With VNNI the int8 kernels run Q8_0 1.3-1.6x faster than the int16
 # ones from 2 rows (bench/q8_0_prompt.py); without it (vpmaddubsw needs the sign trick)
 # at best even, so AVX2 keeps 16 bits for them. The LM head stays on int16 (see
-# ``LlamaModel.compute_logits``), and so do the attention projections (int8_ok unset).
+# ``LlamaModel.compute_logits``), and so do the q/k/v projections (int8_ok unset); the
+# output projection takes int8 (``DecoderLayer.O_INT8``).
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
 # So do Q4_K (unsigned nibbles with a minimum, as Q4_1) and the 5-bit types (Q5_0 is
 # most matrices of a small model's Q4_K_M file); not Q6_K (8-bit quants, as Q8_0).

@@ -435,7 +435,7 @@ class DecodePlan:
             scale=dl.scale,
             window=dl.window,
             softcap=dl.softcap,
-            o=kernel_parts(dl.o_proj, False),
+            o=kernel_parts(dl.o_proj, dl.O_INT8),
             attn_out_norm=dl.attn_out_norm,
             post_norm=dl.post_attention_layernorm,
             # int8 allowed: see DecoderLayer.forward
