@@ -417,8 +417,12 @@ inline vi widen8(vi c) { return _mm256_madd_epi16(c, _mm256_set1_epi16(1)); }
 #endif
 #ifdef SL_AVX512
 inline vi iadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi isub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi islli32_5(vi a) { return _mm512_slli_epi32(a, 5); }
 #else
 inline vi iadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi isub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+inline vi islli32_5(vi a) { return _mm256_slli_epi32(a, 5); }
 #endif
 inline vi iload8(const int8_t* p) {
 #ifdef SL_AVX512
@@ -505,6 +509,61 @@ inline void micro_q8(const uint8_t* wq, const float* dw, int nbc, const int8_t* 
     SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, cf[i][j]);
 }
 
+// c + the products of two quads of k (w0 x0 + w1 x1, u8 x s8): with VNNI two vpdpbusd;
+// else vpmaddubsw's int16 pairs of both added (at most 2 * 2 * 63 * 127 < 2^15 for 6-bit
+// weights) and widened once
+inline vi dot8_two(vi c, vi w0, vi x0, vi w1, vi x1) {
+  if constexpr (kDot8Int32) return dot8(dot8(c, w0, x0), w1, x1);
+  return iadd32(c, widen8(dot8(dot8(izero(), w0, x0), w1, x1)));
+}
+
+// Q6_K's int8 micro: the tile holds each quant before its -32 (0 .. 63, unsigned as
+// vpdpbusd / vpmaddubsw take it) and a block's two 16-weight halves (scales dw, then mw)
+// get one integer sum each: sum q x - 32 sum x, the activations' half sums taken with
+// the same dot products against ones (one per quad and vector, shared by the NR rows).
+// Those are exactly the row kernel's integers (q6_sub8), folded in its order: fma(S,
+// dx d0), then fma(S', dx d1).
+template <int MV, int NR>
+inline void micro_q6(const uint8_t* wq, const float* dw, const float* mw, int nbc, const int8_t* xq, int64_t xstride,
+                     const float* dx, float* acc, int64_t ldc, bool first, int64_t sstride) {
+  vf cf[NR][MV];
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
+  uint8_t one_bytes[4] = {1, 1, 1, 1};
+  const vi ones = iset1_8(one_bytes);
+  for (int b = 0; b < nbc; b++) {
+    vf d[MV];
+    SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
+    SL_UNROLL for (int h = 0; h < 2; h++) {
+      vi c[NR][MV], sx[MV];
+      SL_UNROLL for (int j = 0; j < MV; j++) sx[j] = izero();
+      SL_UNROLL for (int i = 0; i < NR; i++)
+        SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = izero();
+      SL_UNROLL for (int q = 4 * h; q < 4 * h + 4; q += 2) {
+        vi x0[MV], x1[MV];
+        SL_UNROLL for (int j = 0; j < MV; j++) {
+          x0[j] = iload8(xq + j * xstride + (b * (QK / 4) + q) * 4 * VW);
+          x1[j] = iload8(xq + j * xstride + (b * (QK / 4) + q + 1) * 4 * VW);
+          sx[j] = dot8_two(sx[j], ones, x0[j], ones, x1[j]);
+        }
+        SL_UNROLL for (int i = 0; i < NR; i++) {
+          const vi w0 = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q), w1 = iset1_8(wq + i * KQ8_MAX + b * QK + 4 * q + 4);
+          SL_UNROLL for (int j = 0; j < MV; j++) c[i][j] = dot8_two(c[i][j], w0, x0[j], w1, x1[j]);
+        }
+      }
+      SL_UNROLL for (int i = 0; i < NR; i++) {
+        const vf dwi = vset1((h ? mw : dw)[i * BQ8_MAX + b]);
+        SL_UNROLL for (int j = 0; j < MV; j++) {
+          const vi sum = isub32(c[i][j], islli32_5(sx[j]));  // - 32 sum x
+          cf[i][j] = vfma(icvt(sum), vmul(d[j], dwi), cf[i][j]);
+        }
+      }
+    }
+  }
+  SL_UNROLL for (int i = 0; i < NR; i++)
+    SL_UNROLL for (int j = 0; j < MV; j++) vstore(acc + i * ldc + j * VW, cf[i][j]);
+}
+
 // acc[i][m] (+)= sum over nbc blocks for NR weight rows i and MV * VW activation rows m
 // (as the int16 micro; wq8 row stride KQ8_MAX bytes, dw/mw row stride BQ8_MAX, xq vector
 // stride xstride bytes)
@@ -513,6 +572,7 @@ inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, 
                   int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
                   bool first) {
   if constexpr (is8(T)) return micro_q8<MV, NR>(wq, dw, nbc, xq, xstride, dx, xs, sstride, acc, ldc, first);
+  if constexpr (subs(T) == 2) return micro_q6<MV, NR>(wq, dw, mw, nbc, xq, xstride, dx, acc, ldc, first, sstride);
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);

@@ -28,9 +28,11 @@
 // the activation quants: the minima never touch a weight). D sc and DMIN mn are exact
 // in float32 (a float16 times a 6-bit integer), so a row's result is bit for bit the
 // blocked GEMM's at any row count, and the same as the 22- and 26-byte blocks of 32
-// that Q4_K and Q5_K used to be repacked into gave. Q6_K (int16 only: 6-bit signed
-// quants, as Q8_0 stays off the int8 path): rows8_q6 below, the 8 rows transposed, the
-// activations interleaved by row.
+// that Q4_K and Q5_K used to be repacked into gave. Q6_K: rows8_q6 below, the 8 rows
+// transposed, the activations interleaved by row; on the int8 path its signed quants
+// take the activations' quads with their sign (|q| x sign(q) x, q6_sub8), on the int16
+// one pairs widened to int16 (q6_sub): the same two integer sums per sub-block either
+// way, one per 16-weight scale.
 // More rows (prefill, large batches) run cpu_gemm.h's blocked integer GEMM on the
 // super-blocks themselves (FileK45, FileQ6K: its layout parameter): per panel of weight
 // rows and chunk of whole super-blocks, each super-block's scales decoded once and its
@@ -217,12 +219,14 @@ struct Q6 {
   // quarter c = j % 4; low 4 bits from ql[64 h + 32 (c % 2) ..] (high nibbles for c >= 2),
   // high 2 from bits 2c, 2c + 1 of qh[32 h ..] (16-bit shifts; the mask drops what
   // crossed bytes)
-  static __m256i quants(const uint8_t* sb, int j) {
+  static __m256i quants(const uint8_t* sb, int j) { return _mm256_sub_epi8(quants_u(sb, j), _mm256_set1_epi8(32)); }
+  // the same quants before the -32 (0 .. 63: the int8 GEMM's unsigned operand)
+  static __m256i quants_u(const uint8_t* sb, int j) {
     const int h = j / 4, c = j % 4;
     const __m256i ql = load32(sb + 64 * h + 32 * (c & 1)), qh = load32(sb + kQh + 32 * h);
     const __m256i lo = _mm256_and_si256(c >= 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
     const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c), 4), _mm256_set1_epi8(0x30));
-    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+    return _mm256_or_si256(lo, hi);
   }
 };
 
@@ -286,6 +290,41 @@ inline void q6_sub(const d8::v8i t[8], const int16_t* xb, d8::v8f d0, d8::v8f d1
   }
 }
 
+// acc + the products of 4 adjacent bytes of u (unsigned) and v (signed), per int32 lane
+inline d8::v8i dot_acc_u8s8(d8::v8i acc, d8::v8i u, d8::v8i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, v);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+#endif
+}
+
+// q6_sub on the int8 path: the tile t (signed quants, lane r: row r) and its absolute
+// values a; activations as int8 quads interleaved by row (quad q of row m at xb + 4 (q MS
+// + m)). u8 x s8 products take |q| times x with q's sign (vpsignb), exact: a quad's 4
+// products into an int32 lane (vpdpbusd; else vpmaddubsw's pairs, at most 2 * 32 * 127,
+// and vpmaddwd). Quads 0-3 are scale 2j's weights, 4-7 scale 2j + 1's; the two integer
+// sums are those of the int16 path's layout, folded as it folds them.
+template <int MT, int MS>
+inline void q6_sub8(const d8::v8i t[8], const d8::v8i a[8], const int8_t* xb, d8::v8f d0, d8::v8f d1, const float* dx,
+                    const float* xs, d8::v8f* acc) {
+  d8::v8i sum[2][MT];
+  for (auto& sc : sum)
+    for (auto& v : sc) v = _mm256_setzero_si256();
+  SL_UNROLL_ROWS for (int q = 0; q < 8; q++) {
+    SL_UNROLL_ROWS for (int m = 0; m < MT; m++) {
+      int32_t quad;
+      std::memcpy(&quad, xb + 4 * (q * MS + m), 4);
+      const d8::v8i x = _mm256_sign_epi8(_mm256_set1_epi32(quad), t[q]);
+      sum[q / 4][m] = dot_acc_u8s8(sum[q / 4][m], a[q], x);
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    acc[m] = d8::fold<Q6_K, int8_t>(acc[m], sum[0][m], d0, d1, dx[m], xs[m]);
+    acc[m] = d8::fold<Q6_K, int8_t>(acc[m], sum[1][m], d1, d1, dx[m], xs[m]);
+  }
+}
+
 // Q6_K's int16 row kernel on the file's layout (what d8::rows8_q6k did on the 28-byte
 // blocks Q6_K was once repacked into): per super-block and half of it, the 8 rows' ql
 // and qh bytes are transposed (lane r: row r) and the four sub-blocks' 6-bit quants put
@@ -294,8 +333,8 @@ inline void q6_sub(const d8::v8i t[8], const int16_t* xb, d8::v8f d0, d8::v8f d1
 // the MT activation rows interleaved (interleave_rows_q6). The fold is rows8_q6k's
 // (scale 2j's sum, then 2j + 1's, d = D sc exact), so the outputs are bit for bit those
 // of the 28-byte blocks and of the blocked GEMM.
-template <int MT>
-inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t* xq, const float* dx, const float* xs,
+template <int MT, typename XT>
+inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const XT* xq, const float* dx, const float* xs,
                      float* out, int64_t N, const uint8_t* ahead) {
   const d8::v8i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
   d8::v8f acc[MT];
@@ -339,11 +378,19 @@ inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t*
       for (int i = j * kLines / SUBS; i < (j + 1) * kLines / SUBS; i++)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + 8 * Q6K_BYTES * s + 64 * i), _MM_HINT_T1);
       const int64_t b = static_cast<int64_t>(s) * SUBS + j;
-      const int16_t* xb = xq + b * QK * MT;  // the block's pairs, interleaved by row
+      const XT* xb = xq + b * QK * MT;  // the block's pairs (int8: quads), interleaved by row
       const d8::v8f d0 = times_signed(D, sct + 8 * (2 * j)), d1 = times_signed(D, sct + 8 * (2 * j + 1));
       // activation rows 0-3, then 4-7 (the accumulators' registers), on the same tile
-      q6_sub<std::min(MT, 4), MT>(six[j], xb, d0, d1, dx + b * MT, xs + b * MT, acc);
-      if constexpr (MT > 4) q6_sub<MT - 4, MT>(six[j], xb + 2 * 4, d0, d1, dx + b * MT + 4, xs + b * MT + 4, acc + 4);
+      if constexpr (std::is_same_v<XT, int8_t>) {
+        alignas(32) d8::v8i mag[8];  // |q - 32|, vpmaddubsw's / vpdpbusd's unsigned operand
+        for (int q = 0; q < 8; q++) mag[q] = _mm256_abs_epi8(six[j][q]);
+        q6_sub8<std::min(MT, 4), MT>(six[j], mag, xb, d0, d1, dx + b * MT, xs + b * MT, acc);
+        if constexpr (MT > 4)
+          q6_sub8<MT - 4, MT>(six[j], mag, xb + 4 * 4, d0, d1, dx + b * MT + 4, xs + b * MT + 4, acc + 4);
+      } else {
+        q6_sub<std::min(MT, 4), MT>(six[j], xb, d0, d1, dx + b * MT, xs + b * MT, acc);
+        if constexpr (MT > 4) q6_sub<MT - 4, MT>(six[j], xb + 2 * 4, d0, d1, dx + b * MT + 4, xs + b * MT + 4, acc + 4);
+      }
     }
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out + m * N, acc[m]);
@@ -351,9 +398,10 @@ inline void rows8_q6(const uint8_t* w, int64_t row_bytes, int ns, const int16_t*
 
 // one Q6_K weight row (past the last group of 8): the same integer sums (exact, so in any
 // order: here scalar, over the interleaved activations) and folds, one lane wide
-template <int MT>
-inline void row1_q6(const uint8_t* wrow, int ns, const int16_t* xq, const float* dx, const float* xs, float* out,
+template <int MT, typename XT>
+inline void row1_q6(const uint8_t* wrow, int ns, const XT* xq, const float* dx, const float* xs, float* out,
                     int64_t N) {
+  constexpr int E = 4 / sizeof(XT);  // k per 32-bit word of the interleaved layout
   float acc[MT] = {};
   for (int s = 0; s < ns; s++) {
     const uint8_t* g = wrow + static_cast<int64_t>(s) * Q6K_BYTES;
@@ -364,12 +412,12 @@ inline void row1_q6(const uint8_t* wrow, int ns, const int16_t* xq, const float*
       const float d0 = D * static_cast<float>(static_cast<int8_t>(g[Q6::kScales + 2 * j]));
       const float d1 = D * static_cast<float>(static_cast<int8_t>(g[Q6::kScales + 2 * j + 1]));
       const int64_t b = static_cast<int64_t>(s) * SUBS + j;
-      const int16_t* xb = xq + b * QK * MT;
+      const XT* xb = xq + b * QK * MT;
       for (int m = 0; m < MT; m++) {
         int32_t sum[2] = {0, 0};
-        for (int k = 0; k < QK; k++) sum[k / 16] += q[k] * xb[2 * (k / 2 * MT + m) + k % 2];
-        acc[m] = d8::fold1<Q6_K, int16_t>(acc[m], sum[0], d0, d1, dx[b * MT + m], xs[b * MT + m]);
-        acc[m] = d8::fold1<Q6_K, int16_t>(acc[m], sum[1], d1, d1, dx[b * MT + m], xs[b * MT + m]);
+        for (int k = 0; k < QK; k++) sum[k / 16] += q[k] * xb[E * (k / E * MT + m) + k % E];
+        acc[m] = d8::fold1<Q6_K, XT>(acc[m], sum[0], d0, d1, dx[b * MT + m], xs[b * MT + m]);
+        acc[m] = d8::fold1<Q6_K, XT>(acc[m], sum[1], d1, d1, dx[b * MT + m], xs[b * MT + m]);
       }
     }
   }
@@ -380,7 +428,7 @@ template <typename F, int MT, typename XT>
 inline void group_of(const uint8_t* g, int64_t row_bytes, int ns, const XT* q, int64_t K, const float* d,
                      const float* s, float* o, int64_t N, const uint8_t* ahead) {
   if constexpr (F::kType == Q6_K)
-    rows8_q6<MT>(g, row_bytes, ns, q, d, s, o, N, ahead);
+    rows8_q6<MT, XT>(g, row_bytes, ns, q, d, s, o, N, ahead);
   else
     rows8<F, MT>(g, row_bytes, ns, q, K, d, s, o, N, ahead);
 }
@@ -403,7 +451,7 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
     } else {
       for (int64_t r = N8 * 8; r < N; r++) {
         if constexpr (F::kType == Q6_K)
-          row1_q6<MT>(w + r * row_bytes, ns, q, d, s, o + r, N);
+          row1_q6<MT, XT>(w + r * row_bytes, ns, q, d, s, o + r, N);
         else
           row1<F, MT>(w + r * row_bytes, ns, q, K, d, s, o + r, N);
       }
@@ -416,15 +464,16 @@ inline void rows_of(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
 // row's address in a register and reloaded them from the stack): xq [M][K] int16 ->
 // [K/2][M][2] (the pairs of k, 2p and 2p + 1, of rows 0 .. M - 1 side by side), dx, xs
 // [M][nb] -> [nb][M], in place.
-inline void interleave_rows_q6(int16_t* xq, float* dx, float* xs, int64_t M, int64_t K) {
-  const int64_t nb = K / QK;
-  std::vector<int32_t> pairs(M * K / 2);
+template <typename XT>
+inline void interleave_rows_q6(XT* xq, float* dx, float* xs, int64_t M, int64_t K) {
+  const int64_t nb = K / QK, E = 4 / sizeof(XT);  // (int8: quads of k, 4 bytes as the pairs)
+  std::vector<int32_t> words(M * K / E);
   std::vector<float> d(M * nb), s(M * nb);
   for (int64_t m = 0; m < M; m++) {
-    for (int64_t p = 0; p < K / 2; p++) std::memcpy(&pairs[p * M + m], xq + m * K + 2 * p, 4);
+    for (int64_t p = 0; p < K / E; p++) std::memcpy(&words[p * M + m], xq + m * K + E * p, 4);
     for (int64_t b = 0; b < nb; b++) d[b * M + m] = dx[m * nb + b], s[b * M + m] = xs[m * nb + b];
   }
-  std::memcpy(xq, pairs.data(), M * K * sizeof(int16_t));
+  std::memcpy(xq, words.data(), M * K * sizeof(XT));
   std::copy(d.begin(), d.end(), dx);
   std::copy(s.begin(), s.end(), xs);
 }
@@ -597,6 +646,20 @@ struct FileQ6K {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
       }
+    }
+  }
+  // the int8 GEMM's tile: the quants before the -32, as bytes (cpu_gemm.h's micro_q6
+  // takes the 32 back through the activations' sums), the same scales
+  static void unpack(const uint8_t* blk, int nbc, uint8_t* wq, float* dw, float* mw) {
+    for (int s = 0; s < nbc / SUBS; s++) {
+      const uint8_t* sb = blk + s * Q6K_BYTES;
+      const d8::v8f D = _mm256_set1_ps(half(sb + Q6::kD));
+      alignas(16) uint8_t even[8], odd[8];
+      for (int j = 0; j < SUBS; j++) even[j] = sb[Q6::kScales + 2 * j], odd[j] = sb[Q6::kScales + 2 * j + 1];
+      _mm256_storeu_ps(dw + s * SUBS, times_signed(D, even));
+      _mm256_storeu_ps(mw + s * SUBS, times_signed(D, odd));
+      for (int j = 0; j < SUBS; j++)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + (s * SUBS + j) * QK), Q6::quants_u(sb, j));
     }
   }
 };

@@ -172,9 +172,11 @@ def int16_min_m() -> int:
 # ``LlamaModel.compute_logits``), and so do the q/k/v projections (int8_ok unset); the
 # output projection takes int8 (``DecoderLayer.O_INT8``).
 INT8_MIN_M = int(os.environ.get("STRUCTLLM_QUANT_INT8_MIN_M", "1"))
-# So do Q4_K (unsigned nibbles with a minimum, as Q4_1) and the 5-bit types (Q5_0 is
-# most matrices of a small model's Q4_K_M file); not Q6_K (8-bit quants, as Q8_0).
-INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"})
+# So do Q4_K (unsigned nibbles with a minimum, as Q4_1), the 5-bit types (Q5_0 is most
+# matrices of a small model's Q4_K_M file) and Q6_K (the ffn_down of half a Q4_K_M file's
+# layers; its signed 6-bit quants as |q| x (x with q's sign) in the row kernels, as q + 32
+# against sum q x - 32 sum x in the blocked GEMM: cpu_kquants.h, cpu_gemm.h's micro_q6).
+INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
 
 
 ROW_KERNEL_ROWS = (

@@ -162,13 +162,12 @@ using sl::LinearFn;  // cpu_tables.h
 #define SL_PATHS(T) {linear_float<T>, linear_int8<T>, linear_int16<T>}
 constexpr LinearFn kLinears[NCODES][3] = {SL_PATHS(Q4_0), SL_PATHS(Q4_1), SL_PATHS(Q8_0),
                                           SL_PATHS(Q5_0), SL_PATHS(Q5_1),
-                                          // the k-quants: the file's super-blocks (cpu_kquants.h);
-                                          // Q6_K's int8 mode runs its int16 path
+                                          // the k-quants: the file's super-blocks (cpu_kquants.h)
                                           {kq::linear_float<kq::FileQ4K>, kq::linear_int8<kq::Q4, kq::FileQ4K>,
                                            kq::linear_int16<kq::Q4, kq::FileQ4K>},
                                           {kq::linear_float<kq::FileQ5K>, kq::linear_int8<kq::Q5, kq::FileQ5K>,
                                            kq::linear_int16<kq::Q5, kq::FileQ5K>},
-                                          {kq::linear_float<kq::FileQ6K>, kq::linear_int16<kq::Q6, kq::FileQ6K>,
+                                          {kq::linear_float<kq::FileQ6K>, kq::linear_int8<kq::Q6, kq::FileQ6K>,
                                            kq::linear_int16<kq::Q6, kq::FileQ6K>},
                                           SL_PATHS(IQ4_NL),
                                           {linear_f16, linear_f16, linear_f16},  // F16: one kernel
