@@ -92,7 +92,8 @@ def test_first_use_writes_no_float32_copy(tiny_k_file: Path, tmp_path: Path) -> 
     shutil.copyfile(tiny_k_file, path)
     files = prepare_model(str(path))
     cache = gguf_cache_dir(path)
-    assert sorted(p.name for p in cache.iterdir()) == ["complete", "model.json", "tokenizer.json"]
+    names = sorted(p.name for p in cache.iterdir())
+    assert names == ["complete", "model.json", "source", "tokenizer.json"]
     engine(path).close()  # blocks: reads the file itself
     assert not files.weights[0].exists()
     engine(path, quantization="none").close()
