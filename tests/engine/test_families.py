@@ -933,7 +933,7 @@ def test_quantized_gguf_runs_its_blocks(
     MLP with 4-bit weights) and the float16 KV cache. (Against the F32 file, the
     quantisation error of these random tiny models is no bar: Gemma 3's post-norms
     amplify it to a third of the logits' spread at Q8_0.) Gemma 3 at Q4_0 is the
-    noisiest: 93% top-1, its largest difference half a standard deviation.
+    noisiest: 93% top-1, its largest difference a standard deviation (see flips).
 
     Qwen3.5-MoE and Qwen3-Next at Q4_0 run their MLPs with 16-bit activations here: with 8 bits a
     router near-tie picks another expert at one position of the 37-token prompt (2
@@ -974,7 +974,10 @@ def test_quantized_gguf_runs_its_blocks(
     # last layers: Qwen3.5-MoE at Q4_0 under the native recurrent kernels' rounding, 0.87
     # of a deviation at one of 58 positions, every other position within 0.003; a flip
     # the recurrent state carried would show at the later positions too)
-    flips = 1 if name in ("qwen3_5_moe", "qwen3_next") and qtype == "Q4_0" else 0
+    # Gemma 3 at Q4_0 (its post-norms amplify the kernels' rounding): one position of a
+    # prompt at 1.03 deviations since the attention's output projection rounds its
+    # activations to 8 bits (0.5 before), the others within the bound
+    flips = 1 if name in ("qwen3_5_moe", "qwen3_next", "gemma3") and qtype == "Q4_0" else 0
     agree = total = 0
     for ids in PROMPTS:
         got, want = prefill_logits(blocks, ids), prefill_logits(exact, ids)
