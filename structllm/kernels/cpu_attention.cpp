@@ -241,87 +241,119 @@ inline vf vload_row(const at::Half* p) {
 #endif
 }
 
-// GG query heads (from g0) through one block: their scores, the block's online-softmax
-// step, and their accumulators. kp [D][BS], V row p at vp + p * vstride, in the cache's
-// own type T (each K vector and V vector is loaded once for all GG heads).
-template <int GG, int BS, int D, typename T>
-inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int skip, float cap, int g0,
-                        float (*qs)[D], float (*acc)[D], float* m, float* l) {
+// One query row's online-softmax state as heads_block reads it: [G][D] scaled queries
+// and sums, [G] running max and sum.
+template <int D>
+struct RowState {
+  float (*qs)[D];
+  float (*acc)[D];
+  float* m;
+  float* l;
+};
+
+// GG query heads (from g0) of RR query rows through one block: their scores, the block's
+// online-softmax step, and their accumulators. kp [D][BS], V row p at vp + p * vstride, in
+// the cache's own type T (each K vector and V vector is loaded once for all GG heads of
+// all RR rows). Every row's arithmetic is the one-row kernel's, in its order (the same
+// partial sums DU, the same chains over p), so a row gives the same bits alone (decode)
+// or beside another (prefill tiles, RR = 2: half the loads and widenings per row).
+template <int RR, int GG, int BS, int D, typename T>
+inline void rows_heads_block(const T* kp, const T* vp, int64_t vstride, int n, int skip, float cap, int g0,
+                             const RowState<D> (&st)[RR]) {
   constexpr int PV = BS / VW;  // vectors per block of scores
   constexpr int NV = D / VW;   // vectors per head row
-  // independent partial sums over d per score vector: about 8 chains in all
+  // independent partial sums over d per score vector: about 8 chains in all (per row:
+  // the count fixes each row's summation order, so it never depends on RR)
   constexpr int DU = GG * PV >= 8 ? 1 : GG * PV >= 4 ? 2 : 4;
   static_assert(D % DU == 0, "shapes");
-  alignas(64) float s[GG][BS];
+  alignas(64) float s[RR][GG][BS];
   {
-    vf sc[GG][DU][PV];
-    for (auto& h : sc)
-      for (auto& u : h)
-        for (auto& x : u) x = vzero();
+    vf sc[RR][GG][DU][PV];
+    for (auto& rr : sc)
+      for (auto& h : rr)
+        for (auto& u : h)
+          for (auto& x : u) x = vzero();
     for (int d = 0; d < D; d += DU)
       for (int u = 0; u < DU; u++) {
         vf kv[PV];
         for (int j = 0; j < PV; j++) kv[j] = vload_row(kp + (d + u) * BS + j * VW);
-        for (int g = 0; g < GG; g++) {
-          const vf qv = vset1(qs[g0 + g][d + u]);
-          for (int j = 0; j < PV; j++) sc[g][u][j] = vfma(qv, kv[j], sc[g][u][j]);
-        }
+        for (int r = 0; r < RR; r++)
+          for (int g = 0; g < GG; g++) {
+            const vf qv = vset1(st[r].qs[g0 + g][d + u]);
+            for (int j = 0; j < PV; j++) sc[r][g][u][j] = vfma(qv, kv[j], sc[r][g][u][j]);
+          }
       }
     // the block's softmax in vectors (a scalar exp per score cost about as much as both
     // FMA loops together): slots past the end are -inf for the max, 0 after exp
-    for (int g = 0; g < GG; g++) {
-      vf sv[PV];
-      vf mv = vset1(-std::numeric_limits<float>::infinity());
-      for (int j = 0; j < PV; j++) {
-        sv[j] = sc[g][0][j];
-        for (int u = 1; u < DU; u++) sv[j] = vadd(sv[j], sc[g][u][j]);
+    for (int r = 0; r < RR; r++)
+      for (int g = 0; g < GG; g++) {
+        float* m = st[r].m;
+        float* l = st[r].l;
+        vf sv[PV];
+        vf mv = vset1(-std::numeric_limits<float>::infinity());
+        for (int j = 0; j < PV; j++) {
+          sv[j] = sc[r][g][0][j];
+          for (int u = 1; u < DU; u++) sv[j] = vadd(sv[j], sc[r][g][u][j]);
+        }
+        if (skip > 0 || cap > 0.f) {  // the window's first block, or soft-capping: scalar
+          for (int j = 0; j < PV; j++) vstore(s[r][g] + j * VW, sv[j]);
+          adjust_scores(s[r][g], n, skip, cap);
+          for (int j = 0; j < PV; j++) sv[j] = vload(s[r][g] + j * VW);
+        }
+        for (int j = 0; j < PV; j++) {
+          if (n < BS) sv[j] = vkeep_below(sv[j], n - j * VW, -std::numeric_limits<float>::infinity());
+          mv = vmax(mv, sv[j]);
+        }
+        const int h = g0 + g;
+        const float mx = std::max(m[h], vhmax(mv));
+        const float corr = exp_neg(m[h] - mx);  // m = -inf on the first block: 0
+        const vf mxv = vset1(mx);
+        vf sumv = vzero();
+        for (int j = 0; j < PV; j++) {
+          vf w = vexp(vsub(sv[j], mxv));
+          if (n < BS) w = vkeep_below(w, n - j * VW, 0.f);
+          vstore(s[r][g] + j * VW, w);
+        }
+        for (int p = 0; p < std::min(skip, BS); p++) s[r][g][p] = 0.f;  // before the window: nothing
+        for (int j = 0; j < PV; j++) sumv = vadd(sumv, vload(s[r][g] + j * VW));
+        l[h] = l[h] * corr + vsum(sumv);
+        m[h] = mx;
+        const vf c = vset1(corr);
+        float* a = st[r].acc[h];
+        for (int j = 0; j < NV; j++) vstore(a + j * VW, vmul(vload(a + j * VW), c));
       }
-      if (skip > 0 || cap > 0.f) {  // the window's first block, or soft-capping: scalar
-        for (int j = 0; j < PV; j++) vstore(s[g] + j * VW, sv[j]);
-        adjust_scores(s[g], n, skip, cap);
-        for (int j = 0; j < PV; j++) sv[j] = vload(s[g] + j * VW);
-      }
-      for (int j = 0; j < PV; j++) {
-        if (n < BS) sv[j] = vkeep_below(sv[j], n - j * VW, -std::numeric_limits<float>::infinity());
-        mv = vmax(mv, sv[j]);
-      }
-      const int h = g0 + g;
-      const float mx = std::max(m[h], vhmax(mv));
-      const float corr = exp_neg(m[h] - mx);  // m = -inf on the first block: 0
-      const vf mxv = vset1(mx);
-      vf sumv = vzero();
-      for (int j = 0; j < PV; j++) {
-        vf w = vexp(vsub(sv[j], mxv));
-        if (n < BS) w = vkeep_below(w, n - j * VW, 0.f);
-        vstore(s[g] + j * VW, w);
-      }
-      for (int p = 0; p < std::min(skip, BS); p++) s[g][p] = 0.f;  // before the window: nothing
-      for (int j = 0; j < PV; j++) sumv = vadd(sumv, vload(s[g] + j * VW));
-      l[h] = l[h] * corr + vsum(sumv);
-      m[h] = mx;
-      const vf c = vset1(corr);
-      for (int j = 0; j < NV; j++) vstore(acc[h] + j * VW, vmul(vload(acc[h] + j * VW), c));
-    }
   }
-  // acc[h] += sum_p s[g][p] V[p]: GG heads x JC vectors of D in registers (at most ~12)
-  constexpr int JC = std::max(1, std::min(NV, 12 / GG));
+  // acc[h] += sum_p s[g][p] V[p]: RR rows x GG heads x JC vectors of D in registers (one
+  // row: at most ~12; two: ~16, more registers than V loads to share)
+  constexpr int JC = std::max(1, std::min(NV, (RR == 1 ? 12 : 16) / (GG * RR)));
   for (int j0 = 0; j0 < NV; j0 += JC) {
     const int jn = std::min(JC, NV - j0);
-    vf a[GG][JC];
-    for (int g = 0; g < GG; g++)
-      for (int j = 0; j < JC; j++) a[g][j] = j < jn ? vload(acc[g0 + g] + (j0 + j) * VW) : vzero();
+    vf a[RR][GG][JC];
+    for (int r = 0; r < RR; r++)
+      for (int g = 0; g < GG; g++)
+        for (int j = 0; j < JC; j++) a[r][g][j] = j < jn ? vload(st[r].acc[g0 + g] + (j0 + j) * VW) : vzero();
     for (int p = 0; p < n; p++) {
       const T* vr = vp + p * vstride + j0 * VW;
       vf vv[JC];
       for (int j = 0; j < JC; j++) vv[j] = j < jn ? vload_row(vr + j * VW) : vzero();
-      for (int g = 0; g < GG; g++) {
-        const vf w = vset1(s[g][p]);
-        for (int j = 0; j < JC; j++) a[g][j] = vfma(w, vv[j], a[g][j]);
-      }
+      for (int r = 0; r < RR; r++)
+        for (int g = 0; g < GG; g++) {
+          const vf w = vset1(s[r][g][p]);
+          for (int j = 0; j < JC; j++) a[r][g][j] = vfma(w, vv[j], a[r][g][j]);
+        }
     }
-    for (int g = 0; g < GG; g++)
-      for (int j = 0; j < jn; j++) vstore(acc[g0 + g] + (j0 + j) * VW, a[g][j]);
+    for (int r = 0; r < RR; r++)
+      for (int g = 0; g < GG; g++)
+        for (int j = 0; j < jn; j++) vstore(st[r].acc[g0 + g] + (j0 + j) * VW, a[r][g][j]);
   }
+}
+
+// GG query heads (from g0) of one row through one block (decode, and prefill rows alone)
+template <int GG, int BS, int D, typename T>
+inline void heads_block(const T* kp, const T* vp, int64_t vstride, int n, int skip, float cap, int g0,
+                        float (*qs)[D], float (*acc)[D], float* m, float* l) {
+  const RowState<D> st[1] = {{qs, acc, m, l}};
+  rows_heads_block<1, GG, BS, D>(kp, vp, vstride, n, skip, cap, g0, st);
 }
 
 template <typename T, int BS, int D>
@@ -462,6 +494,45 @@ inline void row_block(const T* kb, const T* vb, int64_t vrow, int n, int skip, f
   generic_block<T, BS>(kb, vb, vrow, n, skip, cap, G, rt_d, qs, acc, m, l);
 }
 
+// Whether two rows' GG heads fit the registers together (AVX-512's 32: their score
+// partial sums at most 16 vectors), for the pair kernel below
+template <int GG, int BS, int D>
+constexpr bool pair_fits() {
+#if defined(SL_VECTORS) && defined(SL_AVX512)
+  constexpr int PV = BS / VW, DU = GG * PV >= 8 ? 1 : GG * PV >= 4 ? 2 : 4;
+  return D != 0 && 2 * GG * DU * PV <= 16;
+#else
+  return false;
+#endif
+}
+
+// Two rows' G heads through one block that both see whole (n = BS, no window slots):
+// each K and V vector loaded and widened once for both rows, each row's arithmetic its
+// own one-row kernel's. Returns false (nothing done) where the pair does not fit.
+template <typename T, int BS, int D>
+inline bool pair_block(const T* kb, const T* vb, int64_t vrow, float cap, int G, float* qs, float* acc, float* m,
+                       float* l, int GD) {
+#ifdef SL_VECTORS
+  if constexpr (D != 0 && pair_fits<4, BS, D>()) {
+    auto state = [&](int r) {
+      return RowState<D>{reinterpret_cast<float (*)[D]>(qs + r * GD), reinterpret_cast<float (*)[D]>(acc + r * GD),
+                         m + r * G, l + r * G};
+    };
+    const RowState<D> st[2] = {state(0), state(1)};
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      switch (std::min(4, G - g0)) {
+        case 1: rows_heads_block<2, 1, BS, D>(kb, vb, vrow, BS, 0, cap, g0, st); break;
+        case 2: rows_heads_block<2, 2, BS, D>(kb, vb, vrow, BS, 0, cap, g0, st); break;
+        case 3: rows_heads_block<2, 3, BS, D>(kb, vb, vrow, BS, 0, cap, g0, st); break;
+        default: rows_heads_block<2, 4, BS, D>(kb, vb, vrow, BS, 0, cap, g0, st); break;
+      }
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
 // one tile: rows [r0, r1) of a chunk of q_len rows after ctx - q_len cached keys, the G
 // heads of KV head kvh. q, out: the chunk's row 0 (row stride q_stride, out_stride).
 // ahead (the chunk's row 0, or null): keys past its own position each row also sees (an
@@ -495,16 +566,29 @@ void prefill_tile(const float* q, int64_t q_stride, const T* kt, const T* v, con
       for (int s = g1; s < std::min(end, g1 + kg * BS); s += BS)
         prefetch_block(kt, v, table[s / BS], Hkv, kvh, rt_d, BS, vrow);
     }
-    for (int r = 0; r < R; r++) {
-      const int pos = base + r0 + r;  // the causal context: the window counts from it
-      const int len = ahead != nullptr ? pos + ahead[r0 + r] : pos;
-      const int lo = first_key(pos, window);
-      for (int start = std::max(g0, lo / BS * BS); start < std::min(g1, len); start += BS) {
+    // rows in pairs (a block both see whole runs once for both: pair_block), each row's
+    // blocks in its own order, so every row's result is the one it has alone
+    for (int r = 0; r < R; r += 2) {
+      const int rows = std::min(2, R - r);
+      int len[2], lo[2];
+      for (int i = 0; i < rows; i++) {
+        const int pos = base + r0 + r + i;  // the causal context: the window counts from it
+        len[i] = ahead != nullptr ? pos + ahead[r0 + r + i] : pos;
+        lo[i] = first_key(pos, window);
+      }
+      const int from = std::max(g0, std::min(lo[0], lo[rows - 1]) / BS * BS);
+      const int to = std::min(g1, std::max(len[0], len[rows - 1]));
+      for (int start = from; start < to; start += BS) {
         const int64_t block = table[start / BS];
         const T* kb = kt + (block * Hkv + kvh) * rt_d * BS;
         const T* vb = v + block * BS * vrow + static_cast<int64_t>(kvh) * rt_d;
-        row_block<T, BS, D>(kb, vb, vrow, std::min(BS, len - start), lo - start, cap, G, rt_d, qs + r * GD,
-                            acc + r * GD, mm + r * G, ll + r * G);
+        if (rows == 2 && start >= std::max(lo[0], lo[1]) && start + BS <= std::min(len[0], len[1]) &&
+            pair_block<T, BS, D>(kb, vb, vrow, cap, G, qs + r * GD, acc + r * GD, mm + r * G, ll + r * G, GD))
+          continue;
+        for (int i = 0; i < rows; i++)
+          if (start >= lo[i] / BS * BS && start < len[i])
+            row_block<T, BS, D>(kb, vb, vrow, std::min(BS, len[i] - start), lo[i] - start, cap, G, rt_d,
+                                qs + (r + i) * GD, acc + (r + i) * GD, mm + (r + i) * G, ll + (r + i) * G);
       }
     }
   }
