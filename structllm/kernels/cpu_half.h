@@ -56,14 +56,21 @@ inline vf load_half_tail(const uint16_t* p, int r) {
 #endif
 }
 
-// out[m * N + n] = x[m] . w[n] for m < MT, n < NT (x rows of K floats, w rows of K halves)
+// out[m * N + n] = x[m] . w[n] for m < MT, n < NT (x rows of K floats, w rows of K halves).
+// next (or null): the next panel's first of `ahead` rows, asked for into L2 a line of each
+// row per 64 bytes of k, spread over the tile's loop (at the panel's start in one burst,
+// a 6-row panel of 2,048 halves was 384 lines, and the thread waited on full fill
+// buffers before computing)
 template <int MT, int NT>
-inline void tile_f16(const float* x, const uint16_t* w, int64_t K, float* out, int64_t N) {
+inline void tile_f16(const float* x, const uint16_t* w, int64_t K, float* out, int64_t N,
+                     const uint16_t* next = nullptr, int ahead = 0) {
   vf acc[MT][NT];
   SL_UNROLL for (int m = 0; m < MT; m++)
     SL_UNROLL for (int n = 0; n < NT; n++) acc[m][n] = vzero();
   const int64_t K0 = K / VW * VW;
   for (int64_t k = 0; k < K0; k += VW) {
+    if (next != nullptr && k % 32 == 0)
+      for (int n = 0; n < ahead; n++) _mm_prefetch(reinterpret_cast<const char*>(next + n * K + k), _MM_HINT_T1);
     vf xv[MT];
     SL_UNROLL for (int m = 0; m < MT; m++) xv[m] = vload(x + m * K + k);
     SL_UNROLL for (int n = 0; n < NT; n++) {
@@ -84,16 +91,19 @@ inline void tile_f16(const float* x, const uint16_t* w, int64_t K, float* out, i
     SL_UNROLL for (int n = 0; n < NT; n++) out[m * N + n] = vsum(acc[m][n]);
 }
 
-// rows [0, M) of x against NT weight rows
+// rows [0, M) of x against NT weight rows; the first tile asks for the next panel's
+// `ahead` rows at next (see tile_f16)
 template <int NT>
-inline void rows_f16(const float* x, int64_t M, const uint16_t* w, int64_t K, float* out, int64_t N) {
+inline void rows_f16(const float* x, int64_t M, const uint16_t* w, int64_t K, float* out, int64_t N,
+                     const uint16_t* next = nullptr, int ahead = 0) {
   int64_t m = 0;
-  for (; m + MT_H <= M; m += MT_H) tile_f16<MT_H, NT>(x + m * K, w, K, out + m * N, N);
+  auto pf = [&]() { return m == 0 ? next : nullptr; };
+  for (; m + MT_H <= M; m += MT_H) tile_f16<MT_H, NT>(x + m * K, w, K, out + m * N, N, pf(), ahead);
   if constexpr (MT_H > 3)
-    for (; m + 3 <= M; m += 3) tile_f16<3, NT>(x + m * K, w, K, out + m * N, N);
+    for (; m + 3 <= M; m += 3) tile_f16<3, NT>(x + m * K, w, K, out + m * N, N, pf(), ahead);
   if constexpr (MT_H > 2)
-    for (; m + 2 <= M; m += 2) tile_f16<2, NT>(x + m * K, w, K, out + m * N, N);
-  for (; m < M; m++) tile_f16<1, NT>(x + m * K, w, K, out + m * N, N);
+    for (; m + 2 <= M; m += 2) tile_f16<2, NT>(x + m * K, w, K, out + m * N, N, pf(), ahead);
+  for (; m < M; m++) tile_f16<1, NT>(x + m * K, w, K, out + m * N, N, pf(), ahead);
 }
 
 template <int NT>
@@ -105,12 +115,13 @@ void linear_f16_panels(const float* x, const uint16_t* w, float* out, int64_t M,
       const int64_t mc = std::min(MC, M - m0);
       for (int64_t p = p0; p < p1; p++) {
         const int64_t n0 = p * NT, nr = std::min<int64_t>(NT, N - n0);
-        if (p + 1 < p1)  // the next panel into L2 (each row's stream is short)
-          prefetch_l2(reinterpret_cast<const uint8_t*>(w + (n0 + NT) * K), std::min<int64_t>(NT, N - n0 - NT) * K * 2);
+        // the next panel into L2 during this one's first tile (each row's stream is short)
+        const uint16_t* next = p + 1 < p1 ? w + (n0 + NT) * K : nullptr;
+        const int ahead = static_cast<int>(std::min<int64_t>(NT, N - n0 - NT));
         const float* xb = x + m0 * K;
         float* ob = out + m0 * N + n0;
         if (nr == NT)
-          rows_f16<NT>(xb, mc, w + n0 * K, K, ob, N);
+          rows_f16<NT>(xb, mc, w + n0 * K, K, ob, N, next, ahead);
         else
           for (int64_t i = 0; i < nr; i++) rows_f16<1>(xb, mc, w + (n0 + i) * K, K, ob + i, N);
       }
