@@ -230,8 +230,16 @@ inline void iq4xs_tile_int8(const int8_t* xq, const float* dx, int64_t K, const 
 }
 
 constexpr int MT_8 = 4;  // x rows per tile: MT_8 * 4 hadd vectors live
+#ifndef IQ_GEMM_MIN
+#define IQ_GEMM_MIN 7
+#endif
+
+inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 
 inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (M > IQ_GEMM_MIN) return iq4xs_linear_gemm(x, w, out, M, N, K);
+#endif
   const int64_t nb = K / SUB, row_bytes = K / QK_K * IQ4XS_BYTES;
   // once per call, shared by every output row and thread
   std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);
@@ -251,5 +259,93 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
         iq4xs_tile_int8<1>(q + m * K, d + m * nb, K, w + n * row_bytes, out + m * N + n, N);
   });
 }
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// ---- int8 path on many rows (VNNI builds): the row kernel's arithmetic, blocked. The
+// row kernel (k in lanes, 4 activation rows a tile) decodes every weight row once per
+// tile of 4 rows and costs one sign op per dot product: at 64 rows a 2048x8192 matrix
+// took 5.4x Q4_K's GEMM. Here 16 activation rows sit in the lanes of a vector
+// (interleaved once per call: xt [M/16][K/4][16][4] bytes), a weight row's levels are
+// decoded once per call into bytes held + 128 (unsigned, as vpdpbusd takes them; each
+// sub-block's integer sum starts from -128 times the activations' sum, so it is exactly
+// the row kernel's sum of level x quant), and the 8 sub-blocks of a super-block run as 8
+// independent chains. The fold is the row kernel's, lane by lane: per super-block
+// position j an accumulator acc_j + cvt(S_j) * (dl_j * dx_j) (a multiply, then an add:
+// the module is built with -ffp-contract=off), and at the end its fixed horizontal order
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). So a row's result is the same bits
+// whichever kernel ran it and in whatever batch.
+constexpr int kGemmRows = 16;  // activation rows per vector
+
+inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t nb = K / SUB, nsb = K / QK_K, row_bytes = nsb * IQ4XS_BYTES, quads = K / 4;
+  const int64_t nv = (M + kGemmRows - 1) / kGemmRows, Mp = nv * kGemmRows;
+  std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);
+  std::unique_ptr<float[]> dx(new float[M * nb]);
+  quantize_x8(x, M, K, xq.get(), dx.get());
+  // xt [nv][K/4][16] quads, dxt [nv][nb][16] scales, st [nv][nb][16] = -128 * sum of quants
+  std::unique_ptr<int32_t[]> xt(new int32_t[Mp * quads]());
+  std::unique_ptr<float[]> dxt(new float[Mp * nb]());
+  std::unique_ptr<int32_t[]> st(new int32_t[Mp * nb]());
+  sl::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      const int64_t v = m / kGemmRows, l = m % kGemmRows;
+      const int8_t* q = xq.get() + m * K;
+      for (int64_t p = 0; p < quads; p++) std::memcpy(&xt[(v * quads + p) * kGemmRows + l], q + 4 * p, 4);
+      for (int64_t b = 0; b < nb; b++) {
+        int32_t sum = 0;
+        for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
+        dxt[(v * nb + b) * kGemmRows + l] = dx[m * nb + b];
+        st[(v * nb + b) * kGemmRows + l] = -128 * sum;
+      }
+    }
+  });
+  // activation rows in blocks whose quads stay in L2 (~512 KB) while a thread's weight
+  // rows go by (at 256 rows of 8192 the whole 2 MB went through L3 once per weight row)
+  const int64_t vb = std::max<int64_t>(1, (512 << 10) / (K * kGemmRows));
+  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+    std::unique_ptr<uint8_t[]> wq(new uint8_t[K]);  // a row's levels + 128, weight order
+    alignas(32) float dl[8];
+    std::unique_ptr<float[]> dls(new float[nb]);
+    for (int64_t v0 = 0; v0 < nv; v0 += vb)
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* wrow = w + n * row_bytes;
+      for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t* sb = wrow + s * IQ4XS_BYTES;
+        for (int j = 0; j < 8; j++)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + s * QK_K + j * SUB),
+                              _mm256_xor_si256(iq4xs_levels(sb + 8 + 16 * j), _mm256_set1_epi8(static_cast<char>(0x80))));
+        _mm256_store_ps(dl, iq4xs_scales(sb));
+        std::memcpy(dls.get() + s * 8, dl, sizeof dl);
+      }
+      for (int64_t v = v0; v < std::min(nv, v0 + vb); v++) {
+        __m512 acc[8];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        const int32_t* xv = xt.get() + v * quads * kGemmRows;
+        for (int64_t s = 0; s < nsb; s++) {
+          __m512i c[8];
+          for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512(st.get() + (v * nb + s * 8 + j) * kGemmRows);
+          for (int q = 0; q < SUB / 4; q++)
+            for (int j = 0; j < 8; j++) {
+              int32_t wv;
+              std::memcpy(&wv, wq.get() + s * QK_K + j * SUB + 4 * q, 4);
+              const __m512i xs = _mm512_loadu_si512(xv + (s * 64 + j * 8 + q) * kGemmRows);
+              c[j] = _mm512_dpbusd_epi32(c[j], _mm512_set1_epi32(wv), xs);
+            }
+          for (int j = 0; j < 8; j++) {
+            const __m512 scale =
+                _mm512_mul_ps(_mm512_set1_ps(dls[s * 8 + j]), _mm512_loadu_ps(dxt.get() + (v * nb + s * 8 + j) * kGemmRows));
+            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_cvtepi32_ps(c[j]), scale));
+          }
+        }
+        const __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
+                                       _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
+        alignas(64) float o[kGemmRows];
+        _mm512_store_ps(o, r);
+        for (int64_t l = 0; l < kGemmRows && v * kGemmRows + l < M; l++) out[(v * kGemmRows + l) * N + n] = o[l];
+      }
+    }
+  });
+}
+#endif
 
 }  // namespace sl::iq

@@ -96,14 +96,14 @@ def test_paths_match_a_float64_product_within_their_bounds(isa: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("mode", [FLOAT, INT8, INT16])
 def test_a_rows_result_does_not_depend_on_the_batch(isa: str, mode: int) -> None:
-    """Bit for bit: a row's output is the same alone or among 1-16 others (every tile
-    size and remainder of the kernels' row tiles), so a request's tokens do not depend
-    on what else runs in its step."""
+    """Bit for bit: a row's output is the same alone or among 1-34 others (every tile
+    size and remainder of the kernels' row tiles, and the blocked kernel's vectors of 16
+    rows), so a request's tokens do not depend on what else runs in its step."""
     w, _ = random_iq4xs(43, 512, seed=3)
     module = cpu_ext.load_quant(isa)
-    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(4))
-    alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(17)])
-    for m in (2, 3, 4, 5, 7, 8, 9, 17):
+    x = torch.randn(35, 512, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(35)])
+    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (from 5 rows: the blocked kernel, 16 a vector)
         assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
     assert torch.equal(module.linear(x[5:9], w.raw, w.code, mode), alone[5:9])
 
