@@ -230,15 +230,17 @@ inline void iq4xs_tile_int8(const int8_t* xq, const float* dx, int64_t K, const 
 }
 
 constexpr int MT_8 = 4;  // x rows per tile: MT_8 * 4 hadd vectors live
-#ifndef IQ_GEMM_MIN
-#define IQ_GEMM_MIN 7
-#endif
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// from this many rows the blocked kernel below (2048x8192: 1.76 ms at 8 rows against the
+// row kernel's 1.83, 1.80 at 7)
+constexpr int64_t kGemmMinRows = 8;
 inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
+#endif
 
 inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (M > IQ_GEMM_MIN) return iq4xs_linear_gemm(x, w, out, M, N, K);
+  if (M >= kGemmMinRows) return iq4xs_linear_gemm(x, w, out, M, N, K);
 #endif
   const int64_t nb = K / SUB, row_bytes = K / QK_K * IQ4XS_BYTES;
   // once per call, shared by every output row and thread
@@ -266,7 +268,8 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
 // tile of 4 rows and costs one sign op per dot product: at 64 rows a 2048x8192 matrix
 // took 5.4x Q4_K's GEMM. Here 16 activation rows sit in the lanes of a vector
 // (interleaved once per call: xt [M/16][K/4][16][4] bytes), a weight row's levels are
-// decoded once per call into bytes held + 128 (unsigned, as vpdpbusd takes them; each
+// decoded once per block of activation rows (one block up to ~512 KB of quads) into
+// bytes held + 128 (unsigned, as vpdpbusd takes them; each
 // sub-block's integer sum starts from -128 times the activations' sum, so it is exactly
 // the row kernel's sum of level x quant), and the 8 sub-blocks of a super-block run as 8
 // independent chains. The fold is the row kernel's, lane by lane: per super-block
@@ -304,8 +307,7 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
   const int64_t vb = std::max<int64_t>(1, (512 << 10) / (K * kGemmRows));
   sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
     std::unique_ptr<uint8_t[]> wq(new uint8_t[K]);  // a row's levels + 128, weight order
-    alignas(32) float dl[8];
-    std::unique_ptr<float[]> dls(new float[nb]);
+    std::unique_ptr<float[]> dls(new float[nb]);    // its sub-blocks' d * (ls - 32)
     for (int64_t v0 = 0; v0 < nv; v0 += vb)
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* wrow = w + n * row_bytes;
@@ -314,8 +316,7 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
         for (int j = 0; j < 8; j++)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + s * QK_K + j * SUB),
                               _mm256_xor_si256(iq4xs_levels(sb + 8 + 16 * j), _mm256_set1_epi8(static_cast<char>(0x80))));
-        _mm256_store_ps(dl, iq4xs_scales(sb));
-        std::memcpy(dls.get() + s * 8, dl, sizeof dl);
+        _mm256_storeu_ps(dls.get() + s * 8, iq4xs_scales(sb));
       }
       for (int64_t v = v0; v < std::min(nv, v0 + vb); v++) {
         __m512 acc[8];

@@ -103,7 +103,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa: str, mode: int) -> None
     module = cpu_ext.load_quant(isa)
     x = torch.randn(35, 512, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(35)])
-    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (from 5 rows: the blocked kernel, 16 a vector)
+    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (VNNI: from 8 rows the blocked kernel)
         assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
     assert torch.equal(module.linear(x[5:9], w.raw, w.code, mode), alone[5:9])
 
