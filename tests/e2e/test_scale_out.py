@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.adapters import peft_adapter
 from tests.support.models import EXACT, tiny_family_dir
-from tests.support.procs import alive, children, engine_of, shm_entries, wait_for
+from tests.support.procs import alive, children, engine_of, open_files, shm_entries, wait_for
 from tests.support.server import Server
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ def test_runtime_lora_loads_reach_every_front_end(default_files) -> None:  # typ
     env = {"STRUCTLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     with Server(str(base), *args, env=env) as s:
         (extra,) = workers_of(s.proc.pid)  # type: ignore[union-attr]
-        fds = [os.readlink(f"/proc/{extra}/fd/{n}") for n in os.listdir(f"/proc/{extra}/fd")]
+        fds = open_files(extra)
         assert any(f.startswith("/memfd:structllm-lora-journal") for f in fds), fds
         body = {"lora_name": "sql", "lora_path": str(peft_adapter(base, 1))}
         assert s.request("POST", "/v1/load_lora_adapter", body)[0] == 200

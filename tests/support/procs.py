@@ -3,6 +3,7 @@ without timing assertions."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -68,6 +69,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def open_files(pid: int) -> list[str]:
+    """What the descriptors of a live process point at. A descriptor closed between the
+    listing and its ``readlink`` (the process is running) is skipped."""
+    out = []
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(os.readlink(f"/proc/{pid}/fd/{n}"))
+    return out
 
 
 def shm_entries() -> set[str]:
