@@ -173,7 +173,20 @@ inline void quantize_x8(const float* x, int64_t M, int64_t K, int8_t* q, float* 
       vf amax = vzero();
       for (int j = 0; j < VNS; j++) amax = vmax(amax, vmax(vload(p + j * VW), vsub(vzero(), vload(p + j * VW))));
       const float d = vhmax(amax) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-      for (int j = 0; j < SUB; j++) q[b * SUB + j] = static_cast<int8_t>(std::nearbyint(p[j] * id));
+      // x * id rounded to nearest, ties even (the conversions' default mode, as nearbyint)
+      const vf idv = vset1(id);
+#ifdef SL_AVX512
+      for (int j = 0; j < VNS; j++)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * SUB + j * VW),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(vmul(vload(p + j * VW), idv))));
+#else
+      const __m256i i0 = _mm256_cvtps_epi32(vmul(vload(p), idv)), i1 = _mm256_cvtps_epi32(vmul(vload(p + 8), idv));
+      const __m256i i2 = _mm256_cvtps_epi32(vmul(vload(p + 16), idv)), i3 = _mm256_cvtps_epi32(vmul(vload(p + 24), idv));
+      // (|values| <= 127: the saturating packs are exact; they interleave 128-bit lanes)
+      const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * SUB),
+                          _mm256_permutevar8x32_epi32(b8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
       dx[b] = d;
     }
   });
@@ -232,9 +245,9 @@ inline void iq4xs_tile_int8(const int8_t* xq, const float* dx, int64_t K, const 
 constexpr int MT_8 = 4;  // x rows per tile: MT_8 * 4 hadd vectors live
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// from this many rows the blocked kernel below (2048x8192: 1.76 ms at 8 rows against the
-// row kernel's 1.83, 1.80 at 7)
-constexpr int64_t kGemmMinRows = 8;
+// from this many rows the blocked kernel below (2048x8192: 1.65 ms at 5 rows against the
+// row kernel's 1.87, 1.77 at 4 against 1.34)
+constexpr int64_t kGemmMinRows = 5;
 inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 #endif
 
@@ -263,21 +276,77 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// ---- int8 path on many rows (VNNI builds): the row kernel's arithmetic, blocked. The
-// row kernel (k in lanes, 4 activation rows a tile) decodes every weight row once per
-// tile of 4 rows and costs one sign op per dot product: at 64 rows a 2048x8192 matrix
-// took 5.4x Q4_K's GEMM. Here 16 activation rows sit in the lanes of a vector
-// (interleaved once per call: xt [M/16][K/4][16][4] bytes), a weight row's levels are
-// decoded once per block of activation rows (one block up to ~512 KB of quads) into
-// bytes held + 128 (unsigned, as vpdpbusd takes them; each
-// sub-block's integer sum starts from -128 times the activations' sum, so it is exactly
-// the row kernel's sum of level x quant), and the 8 sub-blocks of a super-block run as 8
-// independent chains. The fold is the row kernel's, lane by lane: per super-block
-// position j an accumulator acc_j + cvt(S_j) * (dl_j * dx_j) (a multiply, then an add:
-// the module is built with -ffp-contract=off), and at the end its fixed horizontal order
+// ---- int8 path on many rows (VNNI builds): the row kernel's arithmetic, tiled as the
+// blocked integer GEMM of the other types (cpu_gemm.h). The row kernel (k in lanes, 4
+// activation rows a tile) decodes every weight row once per tile of 4 rows and costs one
+// sign op per dot product. Here 16 activation rows sit in the lanes of a vector
+// (interleaved once per call: xt [M/16][K/4][16][4] bytes); a panel of kPanel weight rows
+// is decoded once per block of activation vectors into bytes held + 128 (unsigned, as
+// vpdpbusd takes them; each sub-block's integer sum starts from -128 times the
+// activations' sum, so it is exactly the row kernel's sum of level x quant); and a
+// register tile of kPanel weight rows by 2 vectors (12 int32 chains, 8 quads a sub-block:
+// 8 activation loads and broadcasts for 12 vpdpbusd, where one row by one vector took 2
+// loads for each) computes a sub-block's sums. The fold is the row kernel's, lane by
+// lane: per super-block position j an accumulator acc_j + cvt(S_j) * (dl_j * dx_j) (a
+// multiply, then an add: the module is built with -ffp-contract=off), the accumulators
+// in L1 ([vector][row][j][16 lanes]), and at the end the row kernel's horizontal order
 // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). So a row's result is the same bits
-// whichever kernel ran it and in whatever batch.
+// whichever kernel ran it and in whatever batch. (One row by one vector with the 8
+// accumulators in registers, the previous form, ran 2048x8192 at 64 rows in ~6.8 ms.)
+#define SL_IQ_UNROLL _Pragma("GCC unroll 16")  // (cpu_blocks.h's SL_UNROLL comes after this header)
 constexpr int kGemmRows = 16;  // activation rows per vector
+constexpr int kPanel = 6;      // weight rows per tile: 6 x 2 chains, 2 activation vectors, a broadcast
+constexpr int kChunkSb = 8;    // super-blocks per chunk: the panel's levels (6 x 2 KB) stay in L1
+constexpr int kMaxVb = 8;      // vectors per block of activation rows: the accumulators 24 KB
+constexpr int64_t kAccRow = 8 * kGemmRows;         // floats per (vector, weight row): 8 positions
+constexpr int64_t kAccVec = kPanel * kAccRow;      // floats per vector
+
+// Sub-blocks [0, 8 nsc) of a chunk for NR weight rows (levels + 128 at wq, row stride
+// wstride bytes; scales dls, row stride dstride) against MV vectors of activation rows
+// (quads at xv, scales dxv and sum starts stv, vector strides xstride / sstride, all at
+// the chunk's start) into acc (at the tile's first vector and row).
+template <int NR, int MV>
+inline void iq4xs_tile(const uint8_t* wq, int64_t wstride, const float* dls, int64_t dstride, int nsc,
+                       const int32_t* xv, int64_t xstride, const int32_t* stv, const float* dxv, int64_t sstride,
+                       float* acc) {
+  for (int b = 0; b < 8 * nsc; b++) {
+    const int j = b % 8;  // the sub-block's position in its super-block
+    __m512i c[NR][MV];
+    SL_IQ_UNROLL for (int v = 0; v < MV; v++) {
+      const __m512i start = _mm512_loadu_si512(stv + v * sstride + b * kGemmRows);
+      SL_IQ_UNROLL for (int i = 0; i < NR; i++) c[i][v] = start;
+    }
+    SL_IQ_UNROLL for (int q = 0; q < SUB / 4; q++) {
+      __m512i xs[MV];
+      SL_IQ_UNROLL for (int v = 0; v < MV; v++) xs[v] = _mm512_loadu_si512(xv + v * xstride + (b * 8 + q) * kGemmRows);
+      SL_IQ_UNROLL for (int i = 0; i < NR; i++) {
+        int32_t wv;
+        std::memcpy(&wv, wq + i * wstride + b * SUB + 4 * q, 4);
+        const __m512i wb = _mm512_set1_epi32(wv);
+        SL_IQ_UNROLL for (int v = 0; v < MV; v++) c[i][v] = _mm512_dpbusd_epi32(c[i][v], wb, xs[v]);
+      }
+    }
+    SL_IQ_UNROLL for (int v = 0; v < MV; v++) {
+      const __m512 d = _mm512_loadu_ps(dxv + v * sstride + b * kGemmRows);
+      SL_IQ_UNROLL for (int i = 0; i < NR; i++) {
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dls[i * dstride + b]), d);
+        float* a = acc + v * kAccVec + i * kAccRow + j * kGemmRows;
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_mul_ps(_mm512_cvtepi32_ps(c[i][v]), scale)));
+      }
+    }
+  }
+}
+
+// the nr rows of a panel against MV vectors: whole panels as one tile, the rest row by row
+template <int MV>
+inline void iq4xs_panel(int nr, const uint8_t* wq, int64_t wstride, const float* dls, int64_t dstride, int nsc,
+                        const int32_t* xv, int64_t xstride, const int32_t* stv, const float* dxv, int64_t sstride,
+                        float* acc) {
+  if (nr == kPanel) return iq4xs_tile<kPanel, MV>(wq, wstride, dls, dstride, nsc, xv, xstride, stv, dxv, sstride, acc);
+  for (int i = 0; i < nr; i++)
+    iq4xs_tile<1, MV>(wq + i * wstride, wstride, dls + i * dstride, dstride, nsc, xv, xstride, stv, dxv, sstride,
+                      acc + i * kAccRow);
+}
 
 inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   const int64_t nb = K / SUB, nsb = K / QK_K, row_bytes = nsb * IQ4XS_BYTES, quads = K / 4;
@@ -286,12 +355,18 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
   std::unique_ptr<float[]> dx(new float[M * nb]);
   quantize_x8(x, M, K, xq.get(), dx.get());
   // xt [nv][K/4][16] quads, dxt [nv][nb][16] scales, st [nv][nb][16] = -128 * sum of quants
-  std::unique_ptr<int32_t[]> xt(new int32_t[Mp * quads]());
-  std::unique_ptr<float[]> dxt(new float[Mp * nb]());
-  std::unique_ptr<int32_t[]> st(new int32_t[Mp * nb]());
-  sl::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+  // (rows M .. Mp, the last vector's padding, are zeros: written below)
+  std::unique_ptr<int32_t[]> xt(new int32_t[Mp * quads]);
+  std::unique_ptr<float[]> dxt(new float[Mp * nb]);
+  std::unique_ptr<int32_t[]> st(new int32_t[Mp * nb]);
+  sl::parallel_for(0, Mp, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
       const int64_t v = m / kGemmRows, l = m % kGemmRows;
+      if (m >= M) {
+        for (int64_t p = 0; p < quads; p++) xt[(v * quads + p) * kGemmRows + l] = 0;
+        for (int64_t b = 0; b < nb; b++) dxt[(v * nb + b) * kGemmRows + l] = 0.f, st[(v * nb + b) * kGemmRows + l] = 0;
+        continue;
+      }
       const int8_t* q = xq.get() + m * K;
       for (int64_t p = 0; p < quads; p++) std::memcpy(&xt[(v * quads + p) * kGemmRows + l], q + 4 * p, 4);
       for (int64_t b = 0; b < nb; b++) {
@@ -302,47 +377,57 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
       }
     }
   });
-  // activation rows in blocks whose quads stay in L2 (~512 KB) while a thread's weight
-  // rows go by (at 256 rows of 8192 the whole 2 MB went through L3 once per weight row)
-  const int64_t vb = std::max<int64_t>(1, (512 << 10) / (K * kGemmRows));
-  sl::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-    std::unique_ptr<uint8_t[]> wq(new uint8_t[K]);  // a row's levels + 128, weight order
-    std::unique_ptr<float[]> dls(new float[nb]);    // its sub-blocks' d * (ls - 32)
-    for (int64_t v0 = 0; v0 < nv; v0 += vb)
-    for (int64_t n = n0; n < n1; n++) {
-      const uint8_t* wrow = w + n * row_bytes;
-      for (int64_t s = 0; s < nsb; s++) {
-        const uint8_t* sb = wrow + s * IQ4XS_BYTES;
-        for (int j = 0; j < 8; j++)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + s * QK_K + j * SUB),
-                              _mm256_xor_si256(iq4xs_levels(sb + 8 + 16 * j), _mm256_set1_epi8(static_cast<char>(0x80))));
-        _mm256_storeu_ps(dls.get() + s * 8, iq4xs_scales(sb));
-      }
-      for (int64_t v = v0; v < std::min(nv, v0 + vb); v++) {
-        __m512 acc[8];
-        for (auto& a : acc) a = _mm512_setzero_ps();
-        const int32_t* xv = xt.get() + v * quads * kGemmRows;
-        for (int64_t s = 0; s < nsb; s++) {
-          __m512i c[8];
-          for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512(st.get() + (v * nb + s * 8 + j) * kGemmRows);
-          for (int q = 0; q < SUB / 4; q++)
-            for (int j = 0; j < 8; j++) {
-              int32_t wv;
-              std::memcpy(&wv, wq.get() + s * QK_K + j * SUB + 4 * q, 4);
-              const __m512i xs = _mm512_loadu_si512(xv + (s * 64 + j * 8 + q) * kGemmRows);
-              c[j] = _mm512_dpbusd_epi32(c[j], _mm512_set1_epi32(wv), xs);
-            }
-          for (int j = 0; j < 8; j++) {
-            const __m512 scale =
-                _mm512_mul_ps(_mm512_set1_ps(dls[s * 8 + j]), _mm512_loadu_ps(dxt.get() + (v * nb + s * 8 + j) * kGemmRows));
-            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_cvtepi32_ps(c[j]), scale));
+  // activation rows in blocks whose quads stay in L2 (~512 KB) and whose accumulators
+  // stay in L1 while a thread's panels go by
+  const int64_t vb = std::clamp<int64_t>((512 << 10) / (K * kGemmRows), 1, kMaxVb);
+  const int64_t xstride = quads * kGemmRows, sstride = nb * kGemmRows;
+  const int64_t npanels = (N + kPanel - 1) / kPanel;
+  sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    std::unique_ptr<uint8_t[]> wq(new uint8_t[kPanel * K]);  // the panel's levels + 128, weight order
+    std::unique_ptr<float[]> dls(new float[kPanel * nb]);    // their sub-blocks' d * (ls - 32)
+    std::unique_ptr<float[]> acc(new float[kMaxVb * kAccVec]);
+    for (int64_t v0 = 0; v0 < nv; v0 += vb) {
+      const int64_t vn = std::min(vb, nv - v0);
+      for (int64_t p = p0; p < p1; p++) {
+        const int64_t n0 = p * kPanel;
+        const int nr = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
+        for (int i = 0; i < nr; i++) {
+          const uint8_t* wrow = w + (n0 + i) * row_bytes;
+          for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t* sb = wrow + s * IQ4XS_BYTES;
+            for (int j = 0; j < 8; j++)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + i * K + s * QK_K + j * SUB),
+                                  _mm256_xor_si256(iq4xs_levels(sb + 8 + 16 * j), _mm256_set1_epi8(static_cast<char>(0x80))));
+            _mm256_storeu_ps(dls.get() + i * nb + s * 8, iq4xs_scales(sb));
           }
         }
-        const __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
-                                       _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
-        alignas(64) float o[kGemmRows];
-        _mm512_store_ps(o, r);
-        for (int64_t l = 0; l < kGemmRows && v * kGemmRows + l < M; l++) out[(v * kGemmRows + l) * N + n] = o[l];
+        std::fill_n(acc.get(), vn * kAccVec, 0.f);
+        for (int64_t s0 = 0; s0 < nsb; s0 += kChunkSb) {
+          const int nsc = static_cast<int>(std::min<int64_t>(kChunkSb, nsb - s0));
+          const uint8_t* wc = wq.get() + s0 * QK_K;
+          const float* dc = dls.get() + s0 * 8;
+          const int64_t xo = s0 * (QK_K / 4) * kGemmRows, so = s0 * 8 * kGemmRows;  // the chunk's start
+          int64_t v = 0;
+          for (; v + 2 <= vn; v += 2)
+            iq4xs_panel<2>(nr, wc, K, dc, nb, nsc, xt.get() + (v0 + v) * xstride + xo, xstride,
+                           st.get() + (v0 + v) * sstride + so, dxt.get() + (v0 + v) * sstride + so, sstride,
+                           acc.get() + v * kAccVec);
+          if (v < vn)
+            iq4xs_panel<1>(nr, wc, K, dc, nb, nsc, xt.get() + (v0 + v) * xstride + xo, xstride,
+                           st.get() + (v0 + v) * sstride + so, dxt.get() + (v0 + v) * sstride + so, sstride,
+                           acc.get() + v * kAccVec);
+        }
+        for (int64_t v = 0; v < vn; v++)
+          for (int i = 0; i < nr; i++) {
+            const float* a = acc.get() + v * kAccVec + i * kAccRow;
+            const auto at = [&](int j) { return _mm512_loadu_ps(a + j * kGemmRows); };
+            const __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
+                                           _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7))));
+            alignas(64) float o[kGemmRows];
+            _mm512_store_ps(o, r);
+            const int64_t m0 = (v0 + v) * kGemmRows;
+            for (int64_t l = 0; l < kGemmRows && m0 + l < M; l++) out[(m0 + l) * N + n0 + i] = o[l];
+          }
       }
     }
   });
