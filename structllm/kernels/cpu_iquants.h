@@ -437,17 +437,24 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
                            st.get() + (v0 + v) * sstride + so, dxt.get() + (v0 + v) * sstride + so, sstride,
                            acc.get() + v * kAccVec);
         }
-        for (int64_t v = 0; v < vn; v++)
+        for (int64_t v = 0; v < vn; v++) {
+          alignas(64) float o[kPanel][kGemmRows];  // [weight row][activation row]
           for (int i = 0; i < nr; i++) {
             const float* a = acc.get() + v * kAccVec + i * kAccRow;
             const auto at = [&](int j) { return _mm512_loadu_ps(a + j * kGemmRows); };
-            const __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
-                                           _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7))));
-            alignas(64) float o[kGemmRows];
-            _mm512_store_ps(o, r);
-            const int64_t m0 = (v0 + v) * kGemmRows;
-            for (int64_t l = 0; l < kGemmRows && m0 + l < M; l++) out[(m0 + l) * N + n0 + i] = o[l];
+            _mm512_store_ps(o[i], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
+                                                _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7)))));
           }
+          // each activation row's nr outputs side by side (a whole panel: constant bounds)
+          const int64_t m0 = (v0 + v) * kGemmRows, ml = std::min<int64_t>(kGemmRows, M - m0);
+          for (int64_t l = 0; l < ml; l++) {
+            float* dst = out + (m0 + l) * N + n0;
+            if (nr == kPanel)
+              for (int i = 0; i < kPanel; i++) dst[i] = o[i][l];
+            else
+              for (int i = 0; i < nr; i++) dst[i] = o[i][l];
+          }
+        }
       }
     }
   });
