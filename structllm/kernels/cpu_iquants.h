@@ -248,15 +248,25 @@ inline void iq4xs_tile_int8(const int8_t* xq, const float* dx, int64_t K, const 
 
 constexpr int MT_8 = 4;  // x rows per tile: MT_8 * 4 hadd vectors live
 
+// The tiled many-row kernel below: on VNNI builds and on AVX2 builds (an AVX-512 build
+// without VNNI keeps the row kernel)
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// from this many rows the blocked kernel below (2048x8192: 1.65 ms at 5 rows against the
-// row kernel's 1.87, 1.77 at 4 against 1.34)
+#define SL_IQ_TILED 1
+// from this many rows (2048x8192: 1.65 ms at 5 rows against the row kernel's 1.87, 1.77
+// at 4 against 1.34)
 constexpr int64_t kGemmMinRows = 5;
+#elif !defined(SL_AVX512)
+#define SL_IQ_TILED 1
+// (AVX2's tile costs 4 ops per 32 products, the row kernel's dot 3: the tile pays from
+// more rows)
+constexpr int64_t kGemmMinRows = 16;
+#endif
+#ifdef SL_IQ_TILED
 inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
 #endif
 
 inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef SL_IQ_TILED
   if (M >= kGemmMinRows) return iq4xs_linear_gemm(x, w, out, M, N, K);
 #endif
   const int64_t nb = K / SUB, row_bytes = K / QK_K * IQ4XS_BYTES;
@@ -279,89 +289,141 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// ---- int8 path on many rows (VNNI builds): the row kernel's arithmetic, tiled as the
-// blocked integer GEMM of the other types (cpu_gemm.h). The row kernel (k in lanes, 4
-// activation rows a tile) decodes every weight row once per tile of 4 rows and costs one
-// sign op per dot product. Here 16 activation rows sit in the lanes of a vector
-// (interleaved once per call: xt [M/16][K/4][16][4] bytes); a panel of kPanel weight rows
-// is decoded once per block of activation vectors into bytes held + 128 (unsigned, as
-// vpdpbusd takes them; each sub-block's integer sum starts from -128 times the
-// activations' sum, so it is exactly the row kernel's sum of level x quant); and a
-// register tile of kPanel weight rows by 2 vectors (12 int32 chains, 8 quads a sub-block:
-// 8 activation loads and broadcasts for 12 vpdpbusd, where one row by one vector took 2
-// loads for each) computes a sub-block's sums. The fold is the row kernel's, lane by
-// lane: per super-block position j an accumulator acc_j + cvt(S_j) * (dl_j * dx_j) (a
-// multiply, then an add: the module is built with -ffp-contract=off), the tile's acc_j in
-// registers while it runs over a chunk's super-blocks (position j outer), in L1 between
-// chunks ([vector][row][j][16 lanes]), and at the end the row kernel's horizontal order
-// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)). So a row's result is the same bits
-// whichever kernel ran it and in whatever batch. The weight rows of the next panel are
-// prefetched toward L2 as this panel's are decoded (into the levels + 128 straight from
-// a shuffle table). 2048x8192, us at 16 / 64 / 256 rows: one weight row by one vector
-// with its 8 accumulators in registers (the previous form) ~2,300 / 6,800-7,800 /
-// 27,000-28,600; this ~1,550 / 3,900-4,300 / 13,900-14,500 (AVX-512 VNNI, 2 threads).
+#ifdef SL_IQ_TILED
+// ---- int8 path on many rows: the row kernel's arithmetic, tiled as the blocked integer
+// GEMM of the other types (cpu_gemm.h). The row kernel (k in lanes, 4 activation rows a
+// tile) decodes every weight row once per tile of 4 rows and reduces every dot product
+// across its lanes. Here Tile::kRows activation rows sit in the lanes of a vector
+// (interleaved once per call: xt [M/kRows][K/4][kRows][4] bytes); a panel of Tile::kNR
+// weight rows is decoded once per block of activation vectors; and a register tile of
+// kNR weight rows by kMV vectors computes a sub-block's integer sums, each exactly the
+// row kernel's sum of level x quant:
+//   - VNNI: levels held + 128 (unsigned, as vpdpbusd takes them; a table of them, one
+//     vpshufb) and each sum started from -128 times the activations' sum; 6 rows x 2
+//     vectors of 16: 12 vpdpbusd per quad for 2 activation loads and 6 broadcasts;
+//   - AVX2: levels signed and their absolute values (two tables), each quad as
+//     |w| . sign(x, w) (vpsignb, vpmaddubsw: pairs at most 2 * 127 * 127, vpmaddwd,
+//     vpaddd), as the row kernel's dot; 4 rows x 1 vector of 8.
+// The fold is the row kernel's, lane by lane: per super-block position j an accumulator
+// acc_j + cvt(S_j) * (dl_j * dx_j) (a multiply, then an add: the module is built with
+// -ffp-contract=off), the tile's acc_j in registers while it runs over a chunk's
+// super-blocks (position j outer), in L1 between chunks ([vector][row][j][kRows lanes]),
+// and at the end the row kernel's horizontal order ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
+// (a3 + a7)). So a row's result is the same bits whichever kernel ran it and in whatever
+// batch. The next panel's rows are prefetched toward L2 as this one's are decoded, and
+// each activation row's outputs of a panel are written side by side. 2048x8192, VNNI, us
+// at 16 / 64 / 256 rows: one weight row by one vector with its 8 accumulators in
+// registers (the previous form) ~2,300 / 6,800-7,800 / 27,000-28,600; this ~1,550 /
+// 3,900-4,300 / 13,900-14,500 (2 threads).
 #define SL_IQ_UNROLL _Pragma("GCC unroll 16")  // (cpu_blocks.h's SL_UNROLL comes after this header)
-constexpr int kGemmRows = 16;  // activation rows per vector
-constexpr int kPanel = 6;      // weight rows per tile: 6 x 2 chains, 2 activation vectors, a broadcast
+#if defined(__AVX512F__)
+struct Tile {
+  using vi = __m512i;  // (the float side: cpu_simd.h's vf, VW = kRows lanes)
+  static constexpr int kRows = 16, kNR = 6, kMV = 2;
+  static constexpr bool kOffset = true;  // levels + 128, sums from -128 sum x
+  static vi load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static vi bcast(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+  static vi zero() { return _mm512_setzero_si512(); }
+  static vi dot(vi c, vi w, vi, vi x) { return _mm512_dpbusd_epi32(c, w, x); }
+  static vf cvt(vi a) { return _mm512_cvtepi32_ps(a); }
+};
+#else
+struct Tile {
+  using vi = __m256i;
+  static constexpr int kRows = 8, kNR = 4, kMV = 1;
+  static constexpr bool kOffset = false;  // signed levels and their absolute values
+  static vi load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static vi bcast(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+  static vi zero() { return _mm256_setzero_si256(); }
+  static vi dot(vi c, vi w, vi wa, vi x) {
+    return _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1)));
+  }
+  static vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
+};
+alignas(16) constexpr uint8_t kLevelsAbs[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
+#endif
+constexpr int kGemmRows = Tile::kRows;  // activation rows per vector
+constexpr int kPanel = Tile::kNR;       // weight rows per tile
 constexpr int kChunkSb = 8;    // super-blocks per chunk: the panel's levels (6 x 2 KB) stay in L1
-constexpr int kMaxVb = 8;      // vectors per block of activation rows: the accumulators 24 KB
-constexpr int64_t kAccRow = 8 * kGemmRows;         // floats per (vector, weight row): 8 positions
-constexpr int64_t kAccVec = kPanel * kAccRow;      // floats per vector
+constexpr int kMaxVb = 16 * 8 / kGemmRows;     // vectors per block of activation rows (128 rows)
+constexpr int64_t kAccRow = 8 * kGemmRows;     // floats per (vector, weight row): 8 positions
+constexpr int64_t kAccVec = kPanel * kAccRow;  // floats per vector
 
-// Sub-blocks [0, 8 nsc) of a chunk for NR weight rows (levels + 128 at wq, row stride
-// wstride bytes; scales dls, row stride dstride) against MV vectors of activation rows
-// (quads at xv, scales dxv and sum starts stv, vector strides xstride / sstride, all at
-// the chunk's start) into acc (at the tile's first vector and row).
+// Sub-blocks [0, 8 nsc) of a chunk for NR weight rows (their levels at wq, and with AVX2
+// their absolute values at wa, row stride wstride bytes; scales dls, row stride dstride)
+// against MV vectors of activation rows (quads at xv, scales dxv and, with VNNI, sum
+// starts stv, vector strides xstride / sstride, all at the chunk's start) into acc (at
+// the tile's first vector and row).
 template <int NR, int MV>
-inline void iq4xs_tile(const uint8_t* wq, int64_t wstride, const float* dls, int64_t dstride, int nsc,
-                       const int32_t* xv, int64_t xstride, const int32_t* stv, const float* dxv, int64_t sstride,
-                       float* acc) {
+inline void iq4xs_tile(const uint8_t* wq, const uint8_t* wa, int64_t wstride, const float* dls, int64_t dstride,
+                       int nsc, const int32_t* xv, int64_t xstride, const int32_t* stv, const float* dxv,
+                       int64_t sstride, float* acc) {
+  using vi = Tile::vi;
+  static_assert(VW == kGemmRows, "a float vector holds a vector's activation rows");
   // position j outer, the chunk's super-blocks inner: acc_j's NR x MV vectors stay in
   // registers across the chunk (each acc_j still takes its sub-blocks in order)
   for (int j = 0; j < 8; j++) {
-    __m512 cf[NR][MV];
+    vf cf[NR][MV];
     SL_IQ_UNROLL for (int v = 0; v < MV; v++)
-      SL_IQ_UNROLL for (int i = 0; i < NR; i++) cf[i][v] = _mm512_loadu_ps(acc + v * kAccVec + i * kAccRow + j * kGemmRows);
+      SL_IQ_UNROLL for (int i = 0; i < NR; i++) cf[i][v] = vload(acc + v * kAccVec + i * kAccRow + j * kGemmRows);
     for (int s = 0; s < nsc; s++) {
       const int b = s * 8 + j;
-      __m512i c[NR][MV];
+      vi c[NR][MV];
       SL_IQ_UNROLL for (int v = 0; v < MV; v++) {
-        const __m512i start = _mm512_loadu_si512(stv + v * sstride + b * kGemmRows);
+        const vi start = Tile::kOffset ? Tile::load(stv + v * sstride + b * kGemmRows) : Tile::zero();
         SL_IQ_UNROLL for (int i = 0; i < NR; i++) c[i][v] = start;
       }
       SL_IQ_UNROLL for (int q = 0; q < SUB / 4; q++) {
-        __m512i xs[MV];
-        SL_IQ_UNROLL for (int v = 0; v < MV; v++) xs[v] = _mm512_loadu_si512(xv + v * xstride + (b * 8 + q) * kGemmRows);
+        vi xs[MV];
+        SL_IQ_UNROLL for (int v = 0; v < MV; v++) xs[v] = Tile::load(xv + v * xstride + (b * 8 + q) * kGemmRows);
         SL_IQ_UNROLL for (int i = 0; i < NR; i++) {
-          int32_t wv;
-          std::memcpy(&wv, wq + i * wstride + b * SUB + 4 * q, 4);
-          const __m512i wb = _mm512_set1_epi32(wv);
-          SL_IQ_UNROLL for (int v = 0; v < MV; v++) c[i][v] = _mm512_dpbusd_epi32(c[i][v], wb, xs[v]);
+          const int64_t o = i * wstride + b * SUB + 4 * q;
+          const vi w = Tile::bcast(wq + o), wabs = Tile::kOffset ? w : Tile::bcast(wa + o);
+          SL_IQ_UNROLL for (int v = 0; v < MV; v++) c[i][v] = Tile::dot(c[i][v], w, wabs, xs[v]);
         }
       }
       SL_IQ_UNROLL for (int v = 0; v < MV; v++) {
-        const __m512 d = _mm512_loadu_ps(dxv + v * sstride + b * kGemmRows);
+        const vf d = vload(dxv + v * sstride + b * kGemmRows);
         SL_IQ_UNROLL for (int i = 0; i < NR; i++) {
-          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dls[i * dstride + b]), d);
-          cf[i][v] = _mm512_add_ps(cf[i][v], _mm512_mul_ps(_mm512_cvtepi32_ps(c[i][v]), scale));
+          const vf scale = vmul(vset1(dls[i * dstride + b]), d);
+          cf[i][v] = vadd(cf[i][v], vmul(Tile::cvt(c[i][v]), scale));
         }
       }
     }
     SL_IQ_UNROLL for (int v = 0; v < MV; v++)
-      SL_IQ_UNROLL for (int i = 0; i < NR; i++) _mm512_storeu_ps(acc + v * kAccVec + i * kAccRow + j * kGemmRows, cf[i][v]);
+      SL_IQ_UNROLL for (int i = 0; i < NR; i++) vstore(acc + v * kAccVec + i * kAccRow + j * kGemmRows, cf[i][v]);
   }
 }
 
 // the nr rows of a panel against MV vectors: whole panels as one tile, the rest row by row
 template <int MV>
-inline void iq4xs_panel(int nr, const uint8_t* wq, int64_t wstride, const float* dls, int64_t dstride, int nsc,
-                        const int32_t* xv, int64_t xstride, const int32_t* stv, const float* dxv, int64_t sstride,
-                        float* acc) {
-  if (nr == kPanel) return iq4xs_tile<kPanel, MV>(wq, wstride, dls, dstride, nsc, xv, xstride, stv, dxv, sstride, acc);
+inline void iq4xs_panel(int nr, const uint8_t* wq, const uint8_t* wa, int64_t wstride, const float* dls,
+                        int64_t dstride, int nsc, const int32_t* xv, int64_t xstride, const int32_t* stv,
+                        const float* dxv, int64_t sstride, float* acc) {
+  if (nr == kPanel)
+    return iq4xs_tile<kPanel, MV>(wq, wa, wstride, dls, dstride, nsc, xv, xstride, stv, dxv, sstride, acc);
   for (int i = 0; i < nr; i++)
-    iq4xs_tile<1, MV>(wq + i * wstride, wstride, dls + i * dstride, dstride, nsc, xv, xstride, stv, dxv, sstride,
-                      acc + i * kAccRow);
+    iq4xs_tile<1, MV>(wq + i * wstride, wa + i * wstride, wstride, dls + i * dstride, dstride, nsc, xv, xstride, stv,
+                      dxv, sstride, acc + i * kAccRow);
+}
+
+// one activation vector's nr outputs of a panel (acc at its first row) -> out rows m0 ..
+// m0 + ml (each row's nr outputs side by side), in the row kernel's horizontal order
+inline void iq4xs_store(const float* acc, int nr, int64_t m0, int64_t ml, float* out, int64_t N) {
+  alignas(64) float o[kPanel][kGemmRows];  // [weight row][activation row]
+  for (int i = 0; i < nr; i++) {
+    const float* a = acc + i * kAccRow;
+    const auto at = [&](int j) { return vload(a + j * kGemmRows); };
+    vstore(o[i], vadd(vadd(vadd(at(0), at(4)), vadd(at(2), at(6))),
+                                 vadd(vadd(at(1), at(5)), vadd(at(3), at(7)))));
+  }
+  for (int64_t l = 0; l < ml; l++) {
+    float* dst = out + (m0 + l) * N;
+    if (nr == kPanel)  // (constant bounds)
+      for (int i = 0; i < kPanel; i++) dst[i] = o[i][l];
+    else
+      for (int i = 0; i < nr; i++) dst[i] = o[i][l];
+  }
 }
 
 inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
@@ -370,8 +432,8 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
   std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);
   std::unique_ptr<float[]> dx(new float[M * nb]);
   quantize_x8(x, M, K, xq.get(), dx.get());
-  // xt [nv][K/4][16] quads, dxt [nv][nb][16] scales, st [nv][nb][16] = -128 * sum of quants
-  // (rows M .. Mp, the last vector's padding, are zeros: written below)
+  // xt [nv][K/4][kRows] quads, dxt [nv][nb][kRows] scales, st [nv][nb][kRows] = -128 *
+  // sum of quants (VNNI's starts); rows M .. Mp (the last vector's padding) zeros
   std::unique_ptr<int32_t[]> xt(new int32_t[Mp * quads]);
   std::unique_ptr<float[]> dxt(new float[Mp * nb]);
   std::unique_ptr<int32_t[]> st(new int32_t[Mp * nb]);
@@ -387,7 +449,8 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
       for (int64_t p = 0; p < quads; p++) std::memcpy(&xt[(v * quads + p) * kGemmRows + l], q + 4 * p, 4);
       for (int64_t b = 0; b < nb; b++) {
         int32_t sum = 0;
-        for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
+        if constexpr (Tile::kOffset)
+          for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
         dxt[(v * nb + b) * kGemmRows + l] = dx[m * nb + b];
         st[(v * nb + b) * kGemmRows + l] = -128 * sum;
       }
@@ -398,8 +461,15 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
   const int64_t vb = std::clamp<int64_t>((512 << 10) / (K * kGemmRows), 1, kMaxVb);
   const int64_t xstride = quads * kGemmRows, sstride = nb * kGemmRows;
   const int64_t npanels = (N + kPanel - 1) / kPanel;
+#ifdef __AVX512F__
+  const void* levels = kLevelsU;  // (levels + 128)
+#else
+  const void* levels = kLevels;
+#endif
   sl::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-    std::unique_ptr<uint8_t[]> wq(new uint8_t[kPanel * K]);  // the panel's levels + 128, weight order
+    std::unique_ptr<uint8_t[]> wq(new uint8_t[kPanel * K]);  // the panel's levels, weight order
+    std::unique_ptr<uint8_t[]> wa(new uint8_t[Tile::kOffset ? 1 : kPanel * K]);  // |levels| (AVX2)
+    const uint8_t* wabs = Tile::kOffset ? wq.get() : wa.get();  // (VNNI: not read)
     std::unique_ptr<float[]> dls(new float[kPanel * nb]);    // their sub-blocks' d * (ls - 32)
     std::unique_ptr<float[]> acc(new float[kMaxVb * kAccVec]);
     for (int64_t v0 = 0; v0 < nv; v0 += vb) {
@@ -415,45 +485,34 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
             if (next)
               for (int o = 0; o < IQ4XS_BYTES; o += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(sb + kPanel * row_bytes + o), _MM_HINT_T1);
-            for (int j = 0; j < 8; j++)
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + i * K + s * QK_K + j * SUB),
-                                  iq4xs_levels(sb + 8 + 16 * j, kLevelsU));
+            for (int j = 0; j < 8; j++) {
+              const int64_t o = i * K + s * QK_K + j * SUB;
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + o), iq4xs_levels(sb + 8 + 16 * j, levels));
+#ifndef __AVX512F__
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wa.get() + o), iq4xs_levels(sb + 8 + 16 * j, kLevelsAbs));
+#endif
+            }
             _mm256_storeu_ps(dls.get() + i * nb + s * 8, iq4xs_scales(sb));
           }
         }
         std::fill_n(acc.get(), vn * kAccVec, 0.f);
         for (int64_t s0 = 0; s0 < nsb; s0 += kChunkSb) {
           const int nsc = static_cast<int>(std::min<int64_t>(kChunkSb, nsb - s0));
-          const uint8_t* wc = wq.get() + s0 * QK_K;
+          const int64_t wo = s0 * QK_K, so = s0 * 8 * kGemmRows, xo = s0 * (QK_K / 4) * kGemmRows;  // the chunk's start
           const float* dc = dls.get() + s0 * 8;
-          const int64_t xo = s0 * (QK_K / 4) * kGemmRows, so = s0 * 8 * kGemmRows;  // the chunk's start
           int64_t v = 0;
-          for (; v + 2 <= vn; v += 2)
-            iq4xs_panel<2>(nr, wc, K, dc, nb, nsc, xt.get() + (v0 + v) * xstride + xo, xstride,
-                           st.get() + (v0 + v) * sstride + so, dxt.get() + (v0 + v) * sstride + so, sstride,
-                           acc.get() + v * kAccVec);
+          for (; v + Tile::kMV <= vn; v += Tile::kMV)
+            iq4xs_panel<Tile::kMV>(nr, wq.get() + wo, wabs + wo, K, dc, nb, nsc, xt.get() + (v0 + v) * xstride + xo,
+                                   xstride, st.get() + (v0 + v) * sstride + so, dxt.get() + (v0 + v) * sstride + so,
+                                   sstride, acc.get() + v * kAccVec);
           if (v < vn)
-            iq4xs_panel<1>(nr, wc, K, dc, nb, nsc, xt.get() + (v0 + v) * xstride + xo, xstride,
+            iq4xs_panel<1>(nr, wq.get() + wo, wabs + wo, K, dc, nb, nsc, xt.get() + (v0 + v) * xstride + xo, xstride,
                            st.get() + (v0 + v) * sstride + so, dxt.get() + (v0 + v) * sstride + so, sstride,
                            acc.get() + v * kAccVec);
         }
         for (int64_t v = 0; v < vn; v++) {
-          alignas(64) float o[kPanel][kGemmRows];  // [weight row][activation row]
-          for (int i = 0; i < nr; i++) {
-            const float* a = acc.get() + v * kAccVec + i * kAccRow;
-            const auto at = [&](int j) { return _mm512_loadu_ps(a + j * kGemmRows); };
-            _mm512_store_ps(o[i], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
-                                                _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7)))));
-          }
-          // each activation row's nr outputs side by side (a whole panel: constant bounds)
-          const int64_t m0 = (v0 + v) * kGemmRows, ml = std::min<int64_t>(kGemmRows, M - m0);
-          for (int64_t l = 0; l < ml; l++) {
-            float* dst = out + (m0 + l) * N + n0;
-            if (nr == kPanel)
-              for (int i = 0; i < kPanel; i++) dst[i] = o[i][l];
-            else
-              for (int i = 0; i < nr; i++) dst[i] = o[i][l];
-          }
+          const int64_t m0 = (v0 + v) * kGemmRows;
+          iq4xs_store(acc.get() + v * kAccVec, nr, m0, std::min<int64_t>(kGemmRows, M - m0), out + n0, N);
         }
       }
     }

@@ -103,17 +103,17 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa: str, mode: int) -> None
     module = cpu_ext.load_quant(isa)
     x = torch.randn(35, 512, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(35)])
-    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (VNNI: from 5 rows the blocked kernel)
+    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (the tiled kernel from 5 rows, AVX2 16)
         assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
     assert torch.equal(module.linear(x[5:9], w.raw, w.code, mode), alone[5:9])
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_long_rows_in_many_blocks_do_not_depend_on_the_batch(isa: str) -> None:
-    """The blocked kernel's cuts, bit for bit against each row alone: 33 super-blocks a
-    row (chunks of 8 and a last one of 1), 101 rows (vectors of 16 in blocks of 3, whose
-    last block holds one vector, the last vector 5 rows), 13 weight rows (panels of 6 and
-    a last one of 1)."""
+    """The tiled kernel's cuts, bit for bit against each row alone: 33 super-blocks a
+    row (chunks of 8 and a last one of 1), 101 rows (VNNI: vectors of 16 in blocks of 3,
+    the last block one vector of 5 rows; AVX2: vectors of 8 in blocks of 7 and 6, the
+    last 5 rows), 13 weight rows (panels of 6, or 4, and a last one of 1)."""
     w, _ = random_iq4xs(13, 33 * 256, seed=5)
     module = cpu_ext.load_quant(isa)
     x = torch.randn(101, 33 * 256, generator=torch.Generator().manual_seed(6))
