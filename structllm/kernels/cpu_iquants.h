@@ -301,7 +301,7 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
 //   - VNNI: levels held + 128 (unsigned, as vpdpbusd takes them; a table of them, one
 //     vpshufb) and each sum started from -128 times the activations' sum; 6 rows x 2
 //     vectors of 16: 12 vpdpbusd per quad for 2 activation loads and 6 broadcasts;
-//   - AVX2: levels signed and their absolute values (two tables), each quad as
+//   - AVX2: levels signed and their absolute values (vpabsb), each quad as
 //     |w| . sign(x, w) (vpsignb, vpmaddubsw: pairs at most 2 * 127 * 127, vpmaddwd,
 //     vpaddd), as the row kernel's dot; 4 rows x 1 vector of 8.
 // The fold is the row kernel's, lane by lane: per super-block position j an accumulator
@@ -331,7 +331,7 @@ struct Tile {
 struct Tile {
   using vi = __m256i;
   static constexpr int kRows = 8, kNR = 4, kMV = 1;
-  static constexpr bool kOffset = false;  // signed levels and their absolute values
+  static constexpr bool kOffset = false;  // signed levels, and their absolute values beside them
   static vi load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static vi bcast(const uint8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
   static vi zero() { return _mm256_setzero_si256(); }
@@ -340,7 +340,6 @@ struct Tile {
   }
   static vf cvt(vi a) { return _mm256_cvtepi32_ps(a); }
 };
-alignas(16) constexpr uint8_t kLevelsAbs[16] = {127, 104, 83, 65, 49, 35, 22, 10, 1, 13, 25, 38, 53, 69, 89, 113};
 #endif
 constexpr int kGemmRows = Tile::kRows;  // activation rows per vector
 constexpr int kPanel = Tile::kNR;       // weight rows per tile
@@ -414,8 +413,7 @@ inline void iq4xs_store(const float* acc, int nr, int64_t m0, int64_t ml, float*
   for (int i = 0; i < nr; i++) {
     const float* a = acc + i * kAccRow;
     const auto at = [&](int j) { return vload(a + j * kGemmRows); };
-    vstore(o[i], vadd(vadd(vadd(at(0), at(4)), vadd(at(2), at(6))),
-                                 vadd(vadd(at(1), at(5)), vadd(at(3), at(7)))));
+    vstore(o[i], vadd(vadd(vadd(at(0), at(4)), vadd(at(2), at(6))), vadd(vadd(at(1), at(5)), vadd(at(3), at(7)))));
   }
   for (int64_t l = 0; l < ml; l++) {
     float* dst = out + (m0 + l) * N;
@@ -448,11 +446,12 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
       const int8_t* q = xq.get() + m * K;
       for (int64_t p = 0; p < quads; p++) std::memcpy(&xt[(v * quads + p) * kGemmRows + l], q + 4 * p, 4);
       for (int64_t b = 0; b < nb; b++) {
-        int32_t sum = 0;
-        if constexpr (Tile::kOffset)
-          for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
         dxt[(v * nb + b) * kGemmRows + l] = dx[m * nb + b];
-        st[(v * nb + b) * kGemmRows + l] = -128 * sum;
+        if constexpr (Tile::kOffset) {  // (AVX2's sums start from zero: st is not read)
+          int32_t sum = 0;
+          for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
+          st[(v * nb + b) * kGemmRows + l] = -128 * sum;
+        }
       }
     }
   });
@@ -487,10 +486,9 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
                 _mm_prefetch(reinterpret_cast<const char*>(sb + kPanel * row_bytes + o), _MM_HINT_T1);
             for (int j = 0; j < 8; j++) {
               const int64_t o = i * K + s * QK_K + j * SUB;
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + o), iq4xs_levels(sb + 8 + 16 * j, levels));
-#ifndef __AVX512F__
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wa.get() + o), iq4xs_levels(sb + 8 + 16 * j, kLevelsAbs));
-#endif
+              const __m256i lv = iq4xs_levels(sb + 8 + 16 * j, levels);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq.get() + o), lv);
+              if constexpr (!Tile::kOffset) _mm256_storeu_si256(reinterpret_cast<__m256i*>(wa.get() + o), _mm256_abs_epi8(lv));
             }
             _mm256_storeu_ps(dls.get() + i * nb + s * 8, iq4xs_scales(sb));
           }
