@@ -259,17 +259,47 @@ constexpr int MQ_MAX = 1;  // NR = 6 (two vectors of x would spill: 16 registers
 constexpr int KQ_MAX = 16384 / NQ / QK * QK;  // wq = NQ * KQ int16 <= 32 KB
 constexpr int BQ_MAX = KQ_MAX / QK;           // blocks per chunk
 
+// The next panel's weights (rows n0 + NQ .. of the same chunk) asked for toward L2 a few
+// lines at a time while the current panel's first register tile runs: step(b) once per
+// block of its loop, so that its nbc blocks spread the panel's lines evenly. Asked for a
+// row at a time between the unpacks (18 lines for 2048 Q4_K weights), the requests filled
+// the core's line fill buffers and the thread waited about a memory latency per row: a
+// third of the driver's samples sat on the instruction after one prefetcht1 (16-row Q4_K
+// 16384x2048 GEMM, cold weights).
+struct PanelPrefetch {
+  const uint8_t* first = nullptr;  // the next panel's first row's chunk, its line's start
+  int64_t stride = 0, lines_per_row = 0, total = 0, done = 0;
+  int steps = 1;
+  PanelPrefetch() = default;
+  PanelPrefetch(const uint8_t* chunk, int64_t row_stride, int64_t chunk_bytes, int64_t rows, int nsteps) {
+    const auto at = reinterpret_cast<uintptr_t>(chunk);
+    first = chunk - (at & 63);
+    stride = row_stride;
+    lines_per_row = ((at & 63) + chunk_bytes + 63) / 64;
+    total = rows * lines_per_row;
+    steps = std::max(1, nsteps);
+  }
+  void step(int b) {
+    const int64_t target = total * (b + 1) / steps;
+    for (; done < target; done++) {
+      const int64_t r = done / lines_per_row, l = done % lines_per_row;
+      _mm_prefetch(reinterpret_cast<const char*>(first + r * stride + l * 64), _MM_HINT_T1);
+    }
+  }
+};
+
 // acc[i][m] (+)= sum over nbc blocks for NR weight rows i and MV * VW activation rows m.
 // wq row stride KQ_MAX, dw/mw row stride BQ_MAX; xq vector stride xstride (int16),
 // dx/xs vector stride sstride (floats).
 template <int T, int MV, int NR>
 inline void micro(const int16_t* wq, const float* dw, const float* mw, int nbc, const int16_t* xq,
                   int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
-                  bool first) {
+                  bool first, PanelPrefetch* pf) {
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
   for (int b = 0; b < nbc; b++) {
+    if (pf) pf->step(b);
     vf d[MV];
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
     // one integer sum per scale (Q6_K: two, over 16 weights each, its second scale in mw)
@@ -487,11 +517,13 @@ inline vi icvt_exact(vf a) {  // an integer-valued float vector -> int32
 // one integer sum per tile entry, then the row kernel's fold (fma(S, dx dw, acc))
 template <int MV, int NR>
 inline void micro_q8(const uint8_t* wq, const float* dw, int nbc, const int8_t* xq, int64_t xstride,
-                     const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc, bool first) {
+                     const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc, bool first,
+                     PanelPrefetch* pf) {
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
   for (int b = 0; b < nbc; b++) {
+    if (pf) pf->step(b);
     vi c[NR][MV];
     if constexpr (kQ8Offset) {  // start from -128 sum(x): the +128 of the weights taken back
       vi start[MV];
@@ -538,13 +570,14 @@ inline vi dot8_two(vi c, vi w0, vi x0, vi w1, vi x1) {
 // dx d0), then fma(S', dx d1).
 template <int MV, int NR>
 inline void micro_q6(const uint8_t* wq, const float* dw, const float* mw, int nbc, const int8_t* xq, int64_t xstride,
-                     const float* dx, float* acc, int64_t ldc, bool first, int64_t sstride) {
+                     const float* dx, float* acc, int64_t ldc, bool first, int64_t sstride, PanelPrefetch* pf) {
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
   uint8_t one_bytes[4] = {1, 1, 1, 1};
   const vi ones = iset1_8(one_bytes);
   for (int b = 0; b < nbc; b++) {
+    if (pf) pf->step(b);
     vf d[MV];
     SL_UNROLL for (int j = 0; j < MV; j++) d[j] = vload(dx + j * sstride + b * VW);
     SL_UNROLL for (int h = 0; h < 2; h++) {
@@ -583,9 +616,9 @@ inline void micro_q6(const uint8_t* wq, const float* dw, const float* mw, int nb
 template <int T, int MV, int NR>
 inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, const int8_t* xq,
                   int64_t xstride, const float* dx, const float* xs, int64_t sstride, float* acc, int64_t ldc,
-                  bool first) {
-  if constexpr (is8(T)) return micro_q8<MV, NR>(wq, dw, nbc, xq, xstride, dx, xs, sstride, acc, ldc, first);
-  if constexpr (subs(T) == 2) return micro_q6<MV, NR>(wq, dw, mw, nbc, xq, xstride, dx, acc, ldc, first, sstride);
+                  bool first, PanelPrefetch* pf) {
+  if constexpr (is8(T)) return micro_q8<MV, NR>(wq, dw, nbc, xq, xstride, dx, xs, sstride, acc, ldc, first, pf);
+  if constexpr (subs(T) == 2) return micro_q6<MV, NR>(wq, dw, mw, nbc, xq, xstride, dx, acc, ldc, first, sstride, pf);
   vf cf[NR][MV];
   SL_UNROLL for (int i = 0; i < NR; i++)
     SL_UNROLL for (int j = 0; j < MV; j++) cf[i][j] = first ? vzero() : vload(acc + i * ldc + j * VW);
@@ -594,6 +627,7 @@ inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, 
   // is the same integer, so the fold stays the row kernel's
   constexpr int HALVES = is5(T) && !kDot8Int32 ? 2 : 1;
   for (int b = 0; b < nbc; b++) {
+    if (pf) pf->step(b);
     vi s[NR][MV];
     SL_UNROLL for (int h = 0; h < HALVES; h++) {
       vi c[NR][MV];
@@ -633,7 +667,7 @@ inline void micro(const uint8_t* wq, const float* dw, const float* mw, int nbc, 
 template <int T, int MV, typename WQ, typename XT>
 inline void panel_tiles(const WQ* wq, const float* dw, const float* mw, int nr, int nbc, const XT* xq,
                         int64_t xstride, const float* dx, const float* xs, int64_t sstride, int nv, float* acc,
-                        int64_t ldc, bool first) {
+                        int64_t ldc, bool first, PanelPrefetch* pf) {
   constexpr int NR = NQ / MV;
   constexpr int KQ = sizeof(XT) == 1 ? KQ8_MAX : KQ_MAX, BQ = sizeof(XT) == 1 ? BQ8_MAX : BQ_MAX;
   for (int v = 0; v + MV <= nv; v += MV) {
@@ -641,12 +675,12 @@ inline void panel_tiles(const WQ* wq, const float* dw, const float* mw, int nr, 
     const float *dv = dx + v * sstride, *sv = xs + v * sstride;
     float* a = acc + v * VW;
     int i = 0;
-    for (; i + NR <= nr; i += NR)
+    for (; i + NR <= nr; i += NR, pf = nullptr)  // (pf: the first tile's, see PanelPrefetch)
       micro<T, MV, NR>(wq + i * KQ, dw + i * BQ, mw + i * BQ, nbc, xv, xstride, dv, sv, sstride, a + i * ldc, ldc,
-                       first);
-    for (; i < nr; i++)
+                       first, pf);
+    for (; i < nr; i++, pf = nullptr)
       micro<T, MV, 1>(wq + i * KQ, dw + i * BQ, mw + i * BQ, nbc, xv, xstride, dv, sv, sstride, a + i * ldc, ldc,
-                      first);
+                      first, pf);
   }
 }
 
@@ -703,12 +737,12 @@ void linear_blocked_on(const float* x, const uint8_t* w, float* out, int64_t M, 
           for (int i = 0; i < nr; i++) {
             const uint8_t* blk = w + (n0 + i) * row_bytes + L::offset(b0);
             L::unpack(blk, nbc, wq.data() + i * KQ, dw.data() + i * BQ, mw.data() + i * BQ);
-            // the next panel's same row and chunk toward L2, a row at a time between the
-            // unpacks: the whole panel asked for at once (216 lines for 12 Q4_K rows of
-            // 2048) stalled the thread on full fill buffers before it computed anything
-            // (1B-class 16-row decode step: matmuls 103 -> 93 ms)
-            if (n0 + NQ + i < N) prefetch_l2(blk + NQ * row_bytes, L::offset(nbc));
           }
+          // the next panel's same chunk, spread over the first tile's blocks
+          PanelPrefetch pf;
+          if (n0 + NQ < N)
+            pf = PanelPrefetch(w + (n0 + NQ) * row_bytes + L::offset(b0), row_bytes, L::offset(nbc),
+                               std::min<int64_t>(NQ, N - n0 - NQ), nbc);
           const XT* xb = xq.get() + m0 / VW * xstride + static_cast<int64_t>(b0) * QK * VW;
           const float* db = dx.get() + m0 / VW * sstride + b0 * VW;
           const float* sb = xs.get() + m0 / VW * sstride + b0 * VW;
@@ -716,10 +750,11 @@ void linear_blocked_on(const float* x, const uint8_t* w, float* out, int64_t M, 
           int v = 0;
           for (; v + MQ_MAX <= nv; v += MQ_MAX)
             panel_tiles<T, MQ_MAX>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride,
-                                   db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first);
+                                   db + v * sstride, sb + v * sstride, sstride, MQ_MAX, acc.data() + v * VW, mc, first,
+                                   v == 0 ? &pf : nullptr);
           if (v < nv)
             panel_tiles<T, 1>(wq.data(), dw.data(), mw.data(), nr, nbc, xb + v * xstride, xstride, db + v * sstride,
-                              sb + v * sstride, sstride, 1, acc.data() + v * VW, mc, first);
+                              sb + v * sstride, sstride, 1, acc.data() + v * VW, mc, first, v == 0 ? &pf : nullptr);
         }
         store_panel(acc.data(), mc, nr, std::min(mc, M - m0), out + m0 * N + n0, N);
       }
