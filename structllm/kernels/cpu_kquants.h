@@ -673,7 +673,7 @@ void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_
 
 template <typename F, typename L>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if (M <= rows_max_m(F::kType)) return linear_rows<F, int16_t>(x, w, out, M, N, K);
+  if (M <= rows_max_m_int16(F::kType)) return linear_rows<F, int16_t>(x, w, out, M, N, K);
   linear_blocked_on<F::kType, int16_t, L>(x, w, out, M, N, K);
 }
 

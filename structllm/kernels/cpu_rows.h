@@ -48,6 +48,14 @@ constexpr int rows_max_m([[maybe_unused]] int t) {
   return MT_Q;
 }
 
+// The int16 path's row kernels stop at 12 rows: from 13 the blocked GEMM (one padded
+// vector of 16 rows, each weight panel unpacked once) beat the two passes (8 + 5..8
+// rows), at 16 rows taking 0.78-0.91x their time on Q8_0 (49152x576, 49152x1024,
+// 4384x1024, 2048x2048) and 0.92-0.95x on Q4_0/Q4_1; at 12 rows they were even, at 9 the
+// passes 6-15% faster (weights from memory, AVX-512 VNNI). On the int8 path the passes
+// stay to 16: there the 576-wide Q4_1 matmuls ran 4-19% slower on the GEMM.
+constexpr int rows_max_m_int16(int t) { return std::min(rows_max_m(t), 12); }
+
 // One block of 32 activations -> 32 int16 q = round(x / d), d = max|x| / 32767; returns
 // d and sets sum = sum of q.
 inline float quant_block(const float* x, int16_t* q, int& sum) {

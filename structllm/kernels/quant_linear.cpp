@@ -94,7 +94,7 @@ using namespace sl;
 // clang-format on
 
 // ---- the entry points of the blocks of 32, per type and path (kLinears below): the row
-// kernels up to rows_max_m rows, the blocked GEMMs from there
+// kernels up to rows_max_m rows (int16: rows_max_m_int16), the blocked GEMMs from there
 template <int T>
 void linear_float(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
   linear_float_on<Blocks<T>>(x, w, out, M, N, K);
@@ -107,7 +107,7 @@ void linear_blocked(const float* x, const uint8_t* w, float* out, int64_t M, int
 
 template <int T>
 void linear_int16(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if (M <= rows_max_m(T)) return linear_rows<T, int16_t>(x, w, out, M, N, K);
+  if (M <= rows_max_m_int16(T)) return linear_rows<T, int16_t>(x, w, out, M, N, K);
   linear_blocked<T, int16_t>(x, w, out, M, N, K);
 }
 
