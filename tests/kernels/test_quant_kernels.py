@@ -177,16 +177,17 @@ def test_a_rows_result_does_not_depend_on_the_batch(
     isa: str, type_name: str, mode: int, blocks: int
 ) -> None:
     """Bit for bit: a row's output is the same alone (the row kernel), with up to 7
-    others (the row kernel at 2-8 rows: speculative verification), or in a batch of 9 or
-    17 (the blocked GEMM), on both integer paths and for
-    the rows past the last group of 8 (43 = 5 x 8 + 3). The activations are rounded by
+    others (the row kernel at 2-8 rows: speculative verification), or in a batch of 9 to
+    17 (the 16-row kernels' passes up to 12 rows on the int16 path, 16 on the int8 one,
+    or the blocked GEMM), on both integer paths and for the rows past the last group of 8
+    (43 = 5 x 8 + 3). The activations are rounded by
     one quantiser and every output folds its blocks in one order, so a request's tokens
     do not depend on what else runs in its step."""
     w, _ = quantize(random_weight(43, width(type_name, blocks), seed=blocks), type_name, blocks)
     module = cpu_ext.load_quant(isa)
     x = torch.randn(17, w.shape[1], generator=torch.Generator().manual_seed(blocks))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(17)])
-    for m in (2, 3, 4, 5, 6, 7, 8, 9, 17):
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17):
         assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
 
 
