@@ -21,7 +21,9 @@
 //          two signed vectors runs as |w| . sign(x, w) (vpdpbusd on VNNI, vpmaddubsw +
 //          vpmaddwd on AVX2: |w| <= 127, so no pair of products saturates int16).
 //          A super-block's 8 integer sums (exact) are gathered into one vector and
-//          folded as sum * (d * (ls - 32) * dx) into 8 float lanes.
+//          folded as sum * (d * (ls - 32) * dx) into 8 float lanes. (On VNNI builds
+//          up to 24 rows run 16 weight rows in a vector's lanes instead, and more the
+//          tiled kernel; on AVX2 builds the tile from 16 rows: the same bits.)
 // Both are batch-invariant: each (row of x, row of W) output is the same sequence of
 // operations whatever M and the tile it falls in, so a row's result is bit for bit the
 // same alone or among others.
@@ -252,9 +254,10 @@ constexpr int MT_8 = 4;  // x rows per tile: MT_8 * 4 hadd vectors live
 // without VNNI keeps the row kernel)
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define SL_IQ_TILED 1
-// from this many rows (2048x8192: 1.65 ms at 5 rows against the row kernel's 1.87, 1.77
-// at 4 against 1.34)
-constexpr int64_t kGemmMinRows = 5;
+// from this many rows; below, iq4xs_rows16 (16 weight rows in a vector's lanes), which
+// took 0.48-0.58x the tile's time at 5-9 rows, 0.81x at 16, 0.66-0.78x at 24 and
+// 1.03-1.06x at 32 (two padded vectors for the tile; weights from memory)
+constexpr int64_t kGemmMinRows = 25;
 #elif !defined(SL_AVX512)
 #define SL_IQ_TILED 1
 // (AVX2's tile costs 4 ops per 32 products, the row kernel's dot 3: the tile pays from
@@ -263,6 +266,124 @@ constexpr int64_t kGemmMinRows = 16;
 #endif
 #ifdef SL_IQ_TILED
 inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K);
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SL_IQ_ROWS16 1
+// ---- int8 path at decode sizes on VNNI (fewer rows than the tile takes): 16 weight rows
+// in the lanes of a vector. The row kernel above holds k in the lanes: per row and
+// super-block it decodes 8 sub-blocks, runs 8 dot products of 32 bytes and reduces them
+// across lanes (~100 instructions for 136 bytes: ~8 GB/s on two cores, where Q4_K's
+// rows8 streams at ~18), and it decodes each weight row again for every 4 activation
+// rows. Here lane r of a vector is weight row r of a group of 16, decoded once for all
+// (up to kRows16Max) activation rows: a
+// sub-block's 16 nibble bytes of each row are moved into place by a 4 x 4 transpose of
+// 32-bit words per 128-bit lane (rows r, r + 4, r + 8, r + 12 in the lanes of one load
+// each), each word giving two quads of indices (low nibbles: quad p, high: quad p + 4),
+// looked up as levels + 128 in one vpshufb; a quad of activations is broadcast, one
+// vpdpbusd serves 16 rows, and the sum starts from -128 times the activations' sum, as
+// the tile's (exact). The fold is the row kernel's per lane: per sub-block position j
+// acc_j + cvt(S_j) * (dl_j * dx_j), and at the end ((a0 + a4) + (a2 + a6)) + ((a1 + a5)
+// + (a3 + a7)): a row's result is the same bits as the row kernel's and the tile's.
+constexpr int kRows16 = 16;
+constexpr int kRows16Max = 24;  // activation rows it takes (from 25 the tiled kernel)
+
+// sub-block q of 16 rows (its 16 nibble bytes at q, rows rs bytes apart) -> lv[p] lane r
+// = row r's levels + 128 of weights 4p .. 4p + 3 (quads 0-7)
+inline void iq4xs_quads16(const uint8_t* q, int64_t rs, __m512i lv[8]) {
+  const auto row = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * rs)); };
+  const auto four = [&](int r) {  // 128-bit lane L: row r + 4 L
+    const __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(row(r)), row(r + 4), 1);
+    return _mm512_inserti32x4(_mm512_inserti32x4(v, row(r + 8), 2), row(r + 12), 3);
+  };
+  const __m512i a = four(0), b = four(1), c = four(2), d = four(3);
+  const __m512i t0 = _mm512_unpacklo_epi32(a, b), t1 = _mm512_unpackhi_epi32(a, b);
+  const __m512i t2 = _mm512_unpacklo_epi32(c, d), t3 = _mm512_unpackhi_epi32(c, d);
+  // word p of every row, lane 4 L + p' = row 4 L + p'
+  const __m512i words[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                            _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kLevelsU)));
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int p = 0; p < 4; p++) {
+    lv[p] = _mm512_shuffle_epi8(table, _mm512_and_si512(words[p], m4));
+    lv[p + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(words[p], 4), m4));
+  }
+}
+
+// the 8 sub-block scales d * (ls - 32) of 16 rows' super-blocks (row 0's at sb, rows idx
+// bytes apart: gathered headers) -> dl[j] lane r (exact, as iq4xs_scales)
+inline void iq4xs_scales16(const uint8_t* sb, __m512i idx, __m512 dl[8]) {
+  const __m512i g0 = _mm512_i32gather_epi32(idx, sb, 1);      // d | scales_h << 16
+  const __m512i g1 = _mm512_i32gather_epi32(idx, sb + 4, 1);  // scales_l
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0));
+  const __m512i h = _mm512_srli_epi32(g0, 16);
+  for (int j = 0; j < 8; j++) {
+    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(g1, 4 * j), _mm512_set1_epi32(0x0F));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(h, 2 * j), _mm512_set1_epi32(3));
+    const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    dl[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(ls));
+  }
+}
+
+// out[m * N + r] = x[m] . row r of the group at w, r < 16, m < MT <= kRows16Max (xq rows
+// K bytes apart, dx and st rows K / 32 apart: scales, -128 sums); the next group's bytes
+// (ahead, ahead_bytes: the group's 16 rows lie side by side) asked for toward L2 a few
+// lines per sub-block, as cpu_gemm.h's PanelPrefetch
+inline void iq4xs_group16(const int8_t* xq, const float* dx, const int32_t* st, int64_t MT, int64_t K,
+                          const uint8_t* w, int64_t row_bytes, float* out, int64_t N, const uint8_t* ahead,
+                          int64_t ahead_bytes) {
+  const int64_t nsb = K / QK_K, nb = K / SUB;
+  const __m512i idx =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  alignas(64) float acc[kRows16Max][8][kRows16];  // [activation row][position j][weight row]
+  for (int m = 0; m < MT; m++)
+    for (int j = 0; j < 8; j++) _mm512_store_ps(acc[m][j], _mm512_setzero_ps());
+  const int64_t lines = (ahead_bytes + 63) / 64, steps = nsb * 8;
+  int64_t asked = 0;
+  for (int64_t s = 0; s < nsb; s++) {
+    const uint8_t* sb = w + s * IQ4XS_BYTES;
+    __m512 dl[8];
+    iq4xs_scales16(sb, idx, dl);
+    for (int j = 0; j < 8; j++) {
+      const int64_t b = s * 8 + j;
+      for (const int64_t want = lines * (b + 1) / steps; asked < want; asked++)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * asked), _MM_HINT_T1);
+      __m512i lv[8];
+      iq4xs_quads16(sb + 8 + 16 * j, row_bytes, lv);
+      for (int m = 0; m < MT; m++) {
+        const int8_t* xb = xq + m * K + b * SUB;
+        __m512i sum = _mm512_set1_epi32(st[m * nb + b]);
+        for (int q = 0; q < 8; q++) {
+          int32_t v;
+          std::memcpy(&v, xb + 4 * q, 4);
+          sum = _mm512_dpbusd_epi32(sum, lv[q], _mm512_set1_epi32(v));
+        }
+        const __m512 scale = _mm512_mul_ps(dl[j], _mm512_set1_ps(dx[m * nb + b]));
+        const __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale);
+        _mm512_store_ps(acc[m][j], _mm512_add_ps(_mm512_load_ps(acc[m][j]), term));
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) {
+    const auto at = [&](int j) { return _mm512_load_ps(acc[m][j]); };
+    const __m512 r = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(at(0), at(4)), _mm512_add_ps(at(2), at(6))),
+                                   _mm512_add_ps(_mm512_add_ps(at(1), at(5)), _mm512_add_ps(at(3), at(7))));
+    _mm512_storeu_ps(out + m * N, r);
+  }
+}
+
+inline void iq4xs_rows16(const int8_t* xq, const float* dx, const int32_t* st, const uint8_t* w, float* out,
+                         int64_t M, int64_t N, int64_t K) {
+  const int64_t row_bytes = K / QK_K * IQ4XS_BYTES, group = kRows16 * row_bytes, ng = N / kRows16;
+  sl::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++) {
+      const bool next = g + 1 < g1;
+      iq4xs_group16(xq, dx, st, M, K, w + g * group, row_bytes, out + g * kRows16, N, w + (g + 1) * group,
+                    next ? group : 0);
+    }
+  });
+}
 #endif
 
 inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
@@ -276,7 +397,21 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
   quantize_x8(x, M, K, xq.get(), dx.get());
   const int8_t* q = xq.get();
   const float* d = dx.get();
-  sl::parallel_for(0, N, kRowsGrain, [&](int64_t n0, int64_t n1) {
+  int64_t n_first = 0;  // the rows the row kernel takes from
+#ifdef SL_IQ_ROWS16
+  if (M <= kRows16Max && N >= kRows16) {  // groups of 16 rows (the rest, N % 16, below)
+    std::unique_ptr<int32_t[]> st(new int32_t[M * nb]);  // -128 times each block's quants' sum
+    for (int64_t b = 0; b < M * nb; b++) {
+      int32_t sum = 0;
+      for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
+      st[b] = -128 * sum;
+    }
+    iq4xs_rows16(q, d, st.get(), w, out, M, N, K);
+    n_first = N / kRows16 * kRows16;
+  }
+#endif
+  if (n_first == N) return;
+  sl::parallel_for(n_first, N, kRowsGrain, [&](int64_t n0, int64_t n1) {
     // x tiles outer: a tile's quants stay in L1 across the chunk's weight rows, which
     // stay in L2 across tiles
     int64_t m = 0;

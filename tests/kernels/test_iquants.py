@@ -103,7 +103,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(isa: str, mode: int) -> None
     module = cpu_ext.load_quant(isa)
     x = torch.randn(35, 512, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, mode) for i in range(35)])
-    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (the tiled kernel from 5 rows, AVX2 16)
+    for m in (2, 3, 4, 5, 7, 8, 9, 17, 35):  # (the tiled kernel from 25 rows, AVX2 16)
         assert torch.equal(module.linear(x[:m], w.raw, w.code, mode), alone[:m]), m
     assert torch.equal(module.linear(x[5:9], w.raw, w.code, mode), alone[5:9])
 
@@ -119,6 +119,21 @@ def test_long_rows_in_many_blocks_do_not_depend_on_the_batch(isa: str) -> None:
     x = torch.randn(101, 33 * 256, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([module.linear(x[i : i + 1], w.raw, w.code, INT8) for i in range(101)])
     assert torch.equal(module.linear(x, w.raw, w.code, INT8), alone)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_rows_are_the_tiled_kernels_bits(isa: str) -> None:
+    """1-24 activation rows (decode, speculative verification, batches) bit for bit as
+    the same rows among 40 (the tiled kernel): on VNNI builds they run 16 weight rows in
+    a vector's lanes (here 4 groups of 16 and a last 6 rows on the row kernel, 33
+    super-blocks a row, so each thread prefetches its next group), on AVX2 the row
+    kernel and from 16 rows the tile."""
+    w, _ = random_iq4xs(70, 33 * 256, seed=7)
+    module = cpu_ext.load_quant(isa)
+    x = torch.randn(40, 33 * 256, generator=torch.Generator().manual_seed(8))
+    many = module.linear(x, w.raw, w.code, INT8)
+    for m in (1, 2, 3, 4, 8, 16, 24):
+        assert torch.equal(module.linear(x[:m], w.raw, w.code, INT8), many[:m]), m
 
 
 def test_weights_are_whole_super_blocks() -> None:
