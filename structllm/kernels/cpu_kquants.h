@@ -664,10 +664,21 @@ struct FileQ6K {
   }
 };
 
+// Rows the int8 path's row kernels take: with VNNI, Q4_K's and Q5_K's stop at 6, where
+// at 7 and 8 rows the blocked GEMM (one padded vector of 16) took 0.76-0.95x and
+// 0.69-0.78x their time (16384x2048, 2048x8192, 2048x2048, weights from memory; at 5-6
+// rows 0.92-1.12x); Q6_K's keep 8 (the GEMM 1.09-1.35x their time at 5-8 rows)
+constexpr int kq_rows_max_int8(int t) {
+#if defined(SL_AVX512) && defined(__AVX512VNNI__)
+  if (t != Q6_K) return std::min(rows_max_m(t), 6);
+#endif
+  return rows_max_m(t);
+}
+
 // the kernels quant_linear.cpp's tables hand out, per type
 template <typename F, typename L>
 void linear_int8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N, int64_t K) {
-  if (M <= rows_max_m(F::kType)) return linear_rows<F, int8_t>(x, w, out, M, N, K);
+  if (M <= kq_rows_max_int8(F::kType)) return linear_rows<F, int8_t>(x, w, out, M, N, K);
   linear_blocked_on<F::kType, int8_t, L>(x, w, out, M, N, K);
 }
 
