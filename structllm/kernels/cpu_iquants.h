@@ -198,6 +198,15 @@ inline void quantize_x8(const float* x, int64_t M, int64_t K, int8_t* q, float* 
   });
 }
 
+// -128 times the sum of a block's 32 quants: where the levels are held + 128 (VNNI's
+// vpdpbusd takes them unsigned), the block's integer sum starts here, so that it is
+// exactly sum level x quant
+inline int32_t offset_start(const int8_t* q) {
+  int32_t sum = 0;
+  for (int j = 0; j < SUB; j++) sum += q[j];
+  return -128 * sum;
+}
+
 // 8 lanes of int32 pair sums of |w| . sign(x, w), i.e. of w . x (signed x signed bytes)
 inline __m256i dot_s8(__m256i aw, __m256i w, const int8_t* x) {
   const __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), w);
@@ -400,12 +409,8 @@ inline void iq4xs_linear_int8(const float* x, const uint8_t* w, float* out, int6
   int64_t n_first = 0;  // the rows the row kernel takes from
 #ifdef SL_IQ_ROWS16
   if (M <= kRows16Max && N >= kRows16) {  // groups of 16 rows (the rest, N % 16, below)
-    std::unique_ptr<int32_t[]> st(new int32_t[M * nb]);  // -128 times each block's quants' sum
-    for (int64_t b = 0; b < M * nb; b++) {
-      int32_t sum = 0;
-      for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
-      st[b] = -128 * sum;
-    }
+    std::unique_ptr<int32_t[]> st(new int32_t[M * nb]);  // each block's sum start
+    for (int64_t b = 0; b < M * nb; b++) st[b] = offset_start(q + b * SUB);
     iq4xs_rows16(q, d, st.get(), w, out, M, N, K);
     n_first = N / kRows16 * kRows16;
   }
@@ -582,11 +587,8 @@ inline void iq4xs_linear_gemm(const float* x, const uint8_t* w, float* out, int6
       for (int64_t p = 0; p < quads; p++) std::memcpy(&xt[(v * quads + p) * kGemmRows + l], q + 4 * p, 4);
       for (int64_t b = 0; b < nb; b++) {
         dxt[(v * nb + b) * kGemmRows + l] = dx[m * nb + b];
-        if constexpr (Tile::kOffset) {  // (AVX2's sums start from zero: st is not read)
-          int32_t sum = 0;
-          for (int j = 0; j < SUB; j++) sum += q[b * SUB + j];
-          st[(v * nb + b) * kGemmRows + l] = -128 * sum;
-        }
+        if constexpr (Tile::kOffset)  // (AVX2's sums start from zero: st is not read)
+          st[(v * nb + b) * kGemmRows + l] = offset_start(q + b * SUB);
       }
     }
   });

@@ -182,7 +182,8 @@ INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"})
 ROW_KERNEL_ROWS = (
     8  # quant_linear.cpp's MT_Q (AVX-512 build; 5 on AVX2): rows that read each block once
     # (AVX-512 VNNI: Q4_0/Q4_1/Q8_0 up to 16 rows in passes of 8, on the int16 path up
-    # to 12: see rows_max_m, rows_max_m_int16)
+    # to 12; Q4_K/Q5_K on the int8 path up to 6: see rows_max_m, rows_max_m_int16,
+    # kq_rows_max_int8)
 )
 
 

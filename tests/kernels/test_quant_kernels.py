@@ -177,7 +177,8 @@ def test_a_rows_result_does_not_depend_on_the_batch(
     isa: str, type_name: str, mode: int, blocks: int
 ) -> None:
     """Bit for bit: a row's output is the same alone (the row kernel), with up to 7
-    others (the row kernel at 2-8 rows: speculative verification), or in a batch of 9 to
+    others (the row kernel at 2-8 rows, speculative verification; with VNNI Q4_K's and
+    Q5_K's int8 path from 7 rows the blocked GEMM), or in a batch of 9 to
     17 (the 16-row kernels' passes up to 12 rows on the int16 path, 16 on the int8 one,
     or the blocked GEMM), on both integer paths and for the rows past the last group of 8
     (43 = 5 x 8 + 3). The activations are rounded by
